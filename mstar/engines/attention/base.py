@@ -1,0 +1,40 @@
+"""The interface every attention backend implements (SDPA now; Triton, FlashInfer later).
+
+Model code never sees pages. Each attention layer calls
+
+    out = backend.forward(layer_idx, q, k, v)     # q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D]
+
+where T is the total number of new tokens of the batch, requests packed one after another in
+the order given by the `AttentionMetadata` the engine set with `backend.prepare(meta)` before
+the model's forward. The backend writes k/v into the paged cache at `slot_mapping` and attends
+each request's new tokens over its cached prefix plus its own new tokens (causal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one packed batch for the attention backend. All tensors on the model's device."""
+
+    query_lens: list[int]  # new tokens per sequence in this step (prefill chunk length, or 1 for decode)
+    seq_lens: list[int]  # total tokens per sequence after this step (cached prefix + new)
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot (page * page_size + offset) for each new token
+    block_tables: torch.Tensor  # [B, max_pages] int32: pages of each sequence, padded with 0
+    causal: bool = True  # False for bidirectional blocks (e.g. image tokens attended all at once)
+    sliding_window: int | None = None  # attend only to the last N positions, when the model needs it
+
+
+class AttentionBackend(Protocol):
+    """Paged attention over a KV cache the backend owns."""
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Set the batch description used by the following `forward` calls."""
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store k/v for the new tokens of layer `layer` and return attention output [T, Hq, D]."""
