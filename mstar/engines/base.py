@@ -23,6 +23,7 @@ class StepItem:
     inputs: dict[str, torch.Tensor]  # component input port -> tensor, already on the engine's device
     options: dict[str, Any] = field(default_factory=dict)  # per-request model options (sampling, ...)
     iteration: int = 0  # loop iteration the item belongs to (0 outside loops)
+    kv_slot: str = "main"  # which KV sequence of the request (guidance branches use several)
 
 
 @dataclass
@@ -36,6 +37,7 @@ class StepResult:
     stop: bool = False  # ask the enclosing Loop to end after this iteration
     error: str | None = None  # set when this item failed; the request fails alone
     iteration: int = 0
+    finish_reason: str | None = None  # why the request's generation ended ("stop", "length"), if it did
 
 
 class Engine(Protocol):
@@ -54,3 +56,28 @@ class Engine(Protocol):
     def has_work(self) -> bool: ...
 
     def release(self, request_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of the KV cache an autoregressive model needs."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+class CausalLM(Protocol):
+    """What the autoregressive engine needs from a decoder model (`mstar/models/llama` implements it).
+
+    `forward` takes the new tokens of a packed batch (requests one after another, as described by
+    the metadata the engine gave `attn.prepare`) and returns their final hidden states;
+    `compute_logits` maps the hidden states of the positions to sample from to float32 logits.
+    """
+
+    kv_layout: KVLayout
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
