@@ -1,0 +1,26 @@
+"""Declarative graph specs (runtime-free): nodes, edges, primitives, walks, lanes, validation."""
+
+from mstar.graph.chunking import ChunkPolicy, Fixed, LeftContext, SlidingWindow
+from mstar.graph.spec import (
+    CARRY,
+    TO_CLIENT,
+    ComponentSpec,
+    Emit,
+    Lane,
+    Loop,
+    ModelGraph,
+    Node,
+    Parallel,
+    Section,
+    Sequential,
+    StreamEdge,
+    Walk,
+    iter_nodes,
+)
+from mstar.graph.validate import GraphError, validate_graph
+
+__all__ = [
+    "CARRY", "TO_CLIENT", "ChunkPolicy", "ComponentSpec", "Emit", "Fixed", "GraphError", "Lane",
+    "LeftContext", "Loop", "ModelGraph", "Node", "Parallel", "Section", "Sequential", "SlidingWindow",
+    "StreamEdge", "Walk", "iter_nodes", "validate_graph",
+]

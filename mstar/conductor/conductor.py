@@ -1,0 +1,211 @@
+"""The conductor: admission, replica choice and next-walk decisions, at walk boundaries only.
+
+It never runs a model and never touches torch.cuda. Messages to workers go through `send`;
+worker messages come in through `handle`. Every public method takes the lock, so API threads and
+the receiving thread may call it concurrently.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import Any
+
+from mstar.conductor.request_state import FinishEvent, OutputEvent, RequestState, Sink
+from mstar.graph import ModelGraph, Walk, iter_nodes
+from mstar.graph.placement import PlacementPlan
+from mstar.transport import wire
+
+logger = logging.getLogger(__name__)
+
+
+class AdmissionError(RuntimeError):
+    """The request was not admitted (queue full, no live replica); `status` is an HTTP status."""
+
+    def __init__(self, message: str, status: int = 503) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Conductor:
+    """Owns every request's walk state."""
+
+    def __init__(self, graph: ModelGraph, plan: PlacementPlan, send, codec, max_concurrent: int, max_queued: int):
+        self.graph, self.plan, self._send, self.codec = graph, plan, send, codec
+        self.max_concurrent, self.max_queued = max_concurrent, max_queued
+        self._lock = threading.RLock()
+        self._active: dict[str, RequestState] = {}
+        self._queue: deque[RequestState] = deque()
+        self._load = [0] * plan.num_workers  # active requests touching each rank
+        self._dead: dict[int, str] = {}
+        self._lanes = {lane.name: lane for lane in graph.lanes}
+        self._walks = {w.name: w for w in graph.walks}
+
+    # -- API side --------------------------------------------------------------------------
+
+    def submit(self, rid: str, inputs: dict[str, Any], options: dict[str, Any], sink: Sink) -> None:
+        """Admit the request, queue it, or raise AdmissionError when the queue is full."""
+        with self._lock:
+            if rid in self._active or any(r.rid == rid for r in self._queue):
+                raise AdmissionError(f"request id {rid!r} is already in flight", status=409)
+            req = RequestState(rid, inputs, options, sink)
+            if len(self._active) < self.max_concurrent:
+                self._admit(req)
+            elif len(self._queue) < self.max_queued:
+                self._queue.append(req)
+            else:
+                raise AdmissionError(
+                    f"server busy: {len(self._active)} requests in flight and {len(self._queue)} queued "
+                    f"(max_queued_requests={self.max_queued}); retry later", status=503)
+
+    def cancel(self, rid: str) -> bool:
+        """Remove the request everywhere; True if it was known."""
+        with self._lock:
+            for req in self._queue:
+                if req.rid == rid:
+                    self._queue.remove(req)
+                    req.sink(FinishEvent(rid, "cancelled", outputs=dict(req.out_seq)))
+                    return True
+            req = self._active.get(rid)
+            if req is None:
+                return False
+            self._end(req, FinishEvent(rid, "cancelled", outputs=dict(req.out_seq)))
+            return True
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"in_flight": len(self._active), "queued": len(self._queue)}
+
+    # -- worker side -------------------------------------------------------------------------
+
+    def handle(self, msg: Any) -> None:
+        with self._lock:
+            if isinstance(msg, wire.ClientOutput):
+                req = self._active.get(msg.rid)
+                if req is None:
+                    self.codec.discard(msg.value)
+                    return
+                req.sink(OutputEvent(msg.rid, msg.name, req.next_seq(msg.name), self.codec.unpack(msg.value)))
+            elif isinstance(msg, wire.WalkDone):
+                self._walk_done(msg)
+
+    def worker_died(self, rank: int, reason: str) -> None:
+        """Fail every request that touched the rank and never place work there again."""
+        with self._lock:
+            self._dead[rank] = reason
+            for req in [r for r in self._active.values() if rank in r.workers]:
+                self._end(req, FinishEvent(req.rid, "error", f"worker {rank} died: {reason}", 500,
+                                           dict(req.out_seq)))
+
+    # -- walks ---------------------------------------------------------------------------------
+
+    def _admit(self, req: RequestState) -> None:
+        self._active[req.rid] = req
+        try:
+            for stream in self.graph.streams:
+                routes = self._reserve(req, self._walks[stream.target_walk])
+                req.stream_dest[stream.target_input] = routes[_first_node(self._walks[stream.target_walk])]
+            for lane in self.graph.lanes:
+                first = lane.first_walk(req.options)
+                if first is not None:
+                    req.active_lanes.add(lane.name)
+                    self._start_walk(req, first)
+            if not req.active_lanes:
+                self._end(req, FinishEvent(req.rid, "stop"))
+        except AdmissionError as exc:
+            self._end(req, FinishEvent(req.rid, "error", str(exc), exc.status))
+
+    def _start_walk(self, req: RequestState, name: str) -> None:
+        walk = self._walks[name]
+        routes = req.reserved_routes.pop(name, None) or self._choose_routes(req, walk)
+        streamed = {s.target_input for s in self.graph.streams if s.target_walk == name}
+        inputs = {}
+        for edge in walk.inputs + walk.optional_inputs:
+            value = req.carries.get(edge, req.inputs.get(edge))
+            if value is not None:
+                inputs[edge] = self.codec.pack(value)
+            elif edge not in streamed and edge not in walk.optional_inputs:
+                raise AdmissionError(f"walk {name!r} needs input {edge!r}, which the request does not provide", 400)
+        produced = {e for n in iter_nodes(walk.body) for e in n.output_edges}
+        targets = {
+            s.edge: [req.stream_dest[s.target_input], s.target_input, req.stream_counts.get(s.target_input, 0)]
+            for s in self.graph.streams if s.source_lane == walk.lane and s.edge in produced
+        }
+        req.current_walk[walk.lane] = name
+        self._send(routes[_first_node(walk)], wire.StartWalk(req.rid, name, req.options, inputs, routes, targets))
+
+    def _walk_done(self, msg: wire.WalkDone) -> None:
+        req = self._active.get(msg.rid)
+        if req is None:
+            for value in msg.carries.values():
+                self.codec.discard(value)
+            return
+        if msg.error is not None:
+            self._end(req, FinishEvent(req.rid, "error", msg.error, 500, dict(req.out_seq)))
+            return
+        req.carries.update({k: self.codec.unpack(v) for k, v in msg.carries.items()})
+        for stream, count in msg.stream_counts.items():
+            req.stream_counts[stream] = req.stream_counts.get(stream, 0) + count
+        req.finish_reason = msg.finish_reason or req.finish_reason
+        lane = self._lanes[self._walks[msg.walk].lane]
+        nxt = None if msg.stopped else lane.next_walk(msg.walk, req.options)
+        try:
+            if nxt is not None:
+                self._start_walk(req, nxt)
+                return
+            self._lane_done(req, lane.name)
+        except AdmissionError as exc:
+            self._end(req, FinishEvent(req.rid, "error", str(exc), exc.status, dict(req.out_seq)))
+
+    def _lane_done(self, req: RequestState, lane: str) -> None:
+        req.active_lanes.discard(lane)
+        for s in self.graph.streams:
+            if s.source_lane == lane:
+                total = req.stream_counts.get(s.target_input, 0)
+                self._send(req.stream_dest[s.target_input], wire.StreamEnd(req.rid, s.target_input, total))
+        if not req.active_lanes:
+            self._end(req, FinishEvent(req.rid, req.finish_reason or "stop", outputs=dict(req.out_seq)))
+
+    def _end(self, req: RequestState, event: FinishEvent) -> None:
+        """Finish, fail or cancel: release the request on every worker, tell the caller, admit more."""
+        if self._active.pop(req.rid, None) is None:
+            return
+        for rank in req.workers:
+            self._load[rank] -= 1
+            if rank not in self._dead:
+                self._send(rank, wire.Release(req.rid))
+        req.sink(event)
+        while self._queue and len(self._active) < self.max_concurrent:
+            self._admit(self._queue.popleft())
+
+    # -- placement -------------------------------------------------------------------------------
+
+    def _reserve(self, req: RequestState, walk: Walk) -> dict[str, int]:
+        if walk.name not in req.reserved_routes:
+            req.reserved_routes[walk.name] = self._choose_routes(req, walk)
+        return req.reserved_routes[walk.name]
+
+    def _choose_routes(self, req: RequestState, walk: Walk) -> dict[str, int]:
+        """Node -> rank: the request's earlier replica for the component if it serves this walk,
+        else the least-loaded live replica."""
+        routes = {}
+        for node in iter_nodes(walk.body):
+            candidates = [r for r in self.plan.replicas(node.component, walk.name) if not self._dead.keys() & set(r)]
+            if not candidates:
+                raise AdmissionError(
+                    f"no live worker runs component {node.component!r} for walk {walk.name!r} "
+                    f"(dead: {self._dead})", status=503)
+            replica = req.sticky.get(node.component)
+            if replica not in candidates:
+                replica = min(candidates, key=lambda r: self._load[r[0]])
+                req.sticky[node.component] = replica
+            routes[node.name] = replica[0]
+            if replica[0] not in req.workers:
+                req.workers.add(replica[0])
+                self._load[replica[0]] += 1
+        return routes
+
+
+def _first_node(walk: Walk) -> str:
+    return next(iter_nodes(walk.body)).name

@@ -1,0 +1,167 @@
+"""One typed config tree, built once from YAML (keys compatible with the original M* configs).
+
+Unknown keys and impossible values are errors that name the key and the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config file or value is wrong; the message names the key and the file."""
+
+
+@dataclass
+class KVCacheSection:
+    """`kv_cache:` — the paged KV cache of autoregressive components."""
+
+    max_num_pages: int | None = None  # fixed pool size; default: sized from memory left after weights
+    memory_fraction: float = 0.9  # share of free device memory (after weights) given to the pool
+    page_size: int = 16  # tokens per page
+    cpu_offload_pages: int = 0  # reserved: pages kept in host memory
+    attention_backend: str = "auto"  # "auto" | "sdpa" | "triton" | "flashinfer"
+
+    def validate(self, where: str) -> None:
+        if self.max_num_pages is not None and self.max_num_pages < 1:
+            raise ConfigError(f"{where}: kv_cache.max_num_pages must be >= 1, got {self.max_num_pages}")
+        if not 0.0 < self.memory_fraction <= 1.0:
+            raise ConfigError(f"{where}: kv_cache.memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.page_size < 1:
+            raise ConfigError(f"{where}: kv_cache.page_size must be >= 1, got {self.page_size}")
+        if self.attention_backend not in ("auto", "sdpa", "triton", "flashinfer"):
+            raise ConfigError(
+                f"{where}: kv_cache.attention_backend {self.attention_backend!r} is not one of auto, sdpa, triton, flashinfer"
+            )
+
+
+@dataclass
+class NodeGroup:
+    """`node_groups[]` — one placement: components, for which walks, on which worker ranks."""
+
+    node_names: list[str]  # components placed here
+    ranks: list[int]  # worker ranks; with tp_size * sp_size == 1 each rank is one replica
+    graph_walks: list[str] | None = None  # only these walks run here (None: all walks)
+    tp_size: int = 1  # tensor-parallel degree of one replica
+    sp_size: int = 1  # sequence-parallel (Ulysses) degree of one replica
+
+    def validate(self, where: str) -> None:
+        if not self.node_names:
+            raise ConfigError(f"{where}: node_names is empty")
+        if not self.ranks or any(r < 0 for r in self.ranks):
+            raise ConfigError(f"{where}: ranks must be a non-empty list of ranks >= 0, got {self.ranks}")
+        if len(set(self.ranks)) != len(self.ranks):
+            raise ConfigError(f"{where}: ranks {self.ranks} repeat a rank")
+        size = self.tp_size * self.sp_size
+        if self.tp_size < 1 or self.sp_size < 1 or len(self.ranks) % size:
+            raise ConfigError(
+                f"{where}: {len(self.ranks)} ranks cannot be split into replicas of tp_size*sp_size={size}"
+            )
+
+    def replicas(self) -> list[tuple[int, ...]]:
+        """The ranks of each replica, in order."""
+        size = self.tp_size * self.sp_size
+        return [tuple(self.ranks[i : i + size]) for i in range(0, len(self.ranks), size)]
+
+
+@dataclass
+class MStarConfig:
+    """The whole deployment: which model, its placement, and runtime limits."""
+
+    model: str  # registry name, e.g. "toy", "smollm2"
+    node_groups: list[NodeGroup] = field(default_factory=list)  # empty: every component on rank 0
+    max_concurrent_requests: int = 64  # requests in flight at once; more wait in the queue
+    max_queued_requests: int = 1024  # a full queue rejects new requests instead of growing
+    kv_cache: KVCacheSection = field(default_factory=KVCacheSection)
+    model_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the model's config
+    device: str = "auto"  # "auto" (cuda:<rank> when CUDA is there, else cpu) | "cpu" | "cuda"
+    max_seq_len: int | None = None  # accepted for compatibility with M* configs; models bound it themselves
+    source: str = "<dict>"  # where this config came from, for error messages
+
+    def validate(self) -> None:
+        where = self.source
+        if self.max_concurrent_requests < 1:
+            raise ConfigError(f"{where}: max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}")
+        if self.max_queued_requests < 0:
+            raise ConfigError(f"{where}: max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"{where}: device {self.device!r} must be auto, cpu or cuda")
+        self.kv_cache.validate(where)
+        for i, group in enumerate(self.node_groups):
+            group.validate(f"{where}: node_groups[{i}]")
+
+    @property
+    def num_workers(self) -> int:
+        return 1 + max((r for g in self.node_groups for r in g.ranks), default=0)
+
+
+def load_config(path: str | Path, **overrides: Any) -> MStarConfig:
+    """Read a YAML file into a validated MStarConfig; `overrides` replace top-level keys."""
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    return config_from_dict(data, source=str(path))
+
+
+def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> MStarConfig:
+    """Build and validate a config from plain data (as parsed from YAML)."""
+    data = dict(data)
+    data.pop("source", None)
+    cfg = _build(MStarConfig, data, source, "")
+    cfg.source = source
+    cfg.validate()
+    return cfg
+
+
+def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: {prefix or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown key '{prefix}{unknown[0]}'; valid keys here are {sorted(fields - {'source'})}"
+        )
+    kwargs = {name: _coerce(hints[name], value, source, f"{prefix}{name}") for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"{source}: {prefix or 'config'}: {exc}") from None
+
+
+def _coerce(hint: Any, value: Any, source: str, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        hint = next(a for a in args if a is not type(None))
+        return _coerce(hint, value, source, key)
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, source, f"{key}.")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{source}: {key} must be a list, got {value!r}")
+        return [_coerce(args[0], v, source, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or hint is Any:
+        return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(hint, type) and (not isinstance(value, hint) or (hint is int and isinstance(value, bool))):
+        raise ConfigError(f"{source}: {key} must be {hint.__name__}, got {value!r}")
+    return value

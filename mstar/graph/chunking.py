@@ -1,0 +1,80 @@
+"""Chunk policies for StreamEdges: how a consumer cuts an ordered stream of items into chunks.
+
+A policy is pure: given where the last chunk ended (`start`), how many items have arrived and
+whether the stream has ended, it returns the next chunk as (lo, hi, next_start) or None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ChunkPolicy:
+    """Base class; subclasses are frozen dataclasses."""
+
+    def next_chunk(self, start: int, available: int, ended: bool) -> tuple[int, int, int] | None:
+        """Items [lo, hi) form the next chunk; the following call starts at next_start."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Fixed(ChunkPolicy):
+    """Non-overlapping chunks of `size` items; the remainder is flushed at the end."""
+
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"Fixed chunk size must be >= 1, got {self.size}")
+
+    def next_chunk(self, start: int, available: int, ended: bool) -> tuple[int, int, int] | None:
+        if available - start >= self.size:
+            return start, start + self.size, start + self.size
+        if ended and available > start:
+            return start, available, available
+        return None
+
+
+@dataclass(frozen=True)
+class SlidingWindow(ChunkPolicy):
+    """Windows of `window` items advancing by `stride` (Orpheus' SNAC: 28 / 7).
+
+    The first window is cut as soon as `window` items exist. At the end, items not yet covered by
+    a window are flushed in one last window that ends at the stream's end.
+    """
+
+    window: int
+    stride: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.stride <= self.window:
+            raise ValueError(f"SlidingWindow needs 1 <= stride <= window, got stride={self.stride}, window={self.window}")
+
+    def next_chunk(self, start: int, available: int, ended: bool) -> tuple[int, int, int] | None:
+        if available - start >= self.window:
+            return start, start + self.window, start + self.stride
+        covered = start + self.window - self.stride if start > 0 else 0
+        if ended and available > covered:
+            return max(0, available - self.window), available, available + self.window
+        return None
+
+
+@dataclass(frozen=True)
+class LeftContext(ChunkPolicy):
+    """Chunks of `chunk` new items, each preceded by up to `context` earlier items.
+
+    The first chunk has no context; the consumer trims the context part of its output.
+    """
+
+    chunk: int
+    context: int
+
+    def __post_init__(self) -> None:
+        if self.chunk < 1 or self.context < 0:
+            raise ValueError(f"LeftContext needs chunk >= 1 and context >= 0, got {self.chunk}, {self.context}")
+
+    def next_chunk(self, start: int, available: int, ended: bool) -> tuple[int, int, int] | None:
+        if available - start >= self.chunk or (ended and available > start):
+            hi = min(start + self.chunk, available)
+            return max(0, start - self.context), hi, hi
+        return None

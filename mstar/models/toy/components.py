@@ -1,0 +1,97 @@
+"""The toy model's components. Integer-valued float64 weights keep every result exact, so batched
+and unbatched runs (and any placement) give identical outputs."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from torch import nn
+
+PRINTABLE = (32, 127)  # the guide picks tokens in this byte range
+
+
+def _weights(cfg, *shape: int, salt: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(cfg.seed * 1000 + salt)
+    return torch.randint(-8, 9, shape, generator=gen).double()
+
+
+class Encoder(nn.Module):
+    """prompt bytes -> context (sum of byte embeddings) and a first token (the last prompt byte)."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.register_buffer("embed", _weights(cfg, cfg.vocab, cfg.hidden, salt=1))
+
+    def run_batch(self, walk, node, inputs, options):
+        return [{"context": self.embed[x["prompt_ids"]].sum(0), "token": x["prompt_ids"][-1:]} for x in inputs]
+
+
+class Decoder(nn.Module):
+    """(token, context) -> scores; a missing context (the unconditional branch) counts as zeros."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.delay = cfg.step_delay_s
+        self.register_buffer("embed", _weights(cfg, cfg.vocab, cfg.hidden, salt=2))
+        self.register_buffer("mix", _weights(cfg, cfg.hidden, cfg.vocab, salt=3))
+
+    def run_batch(self, walk, node, inputs, options):
+        if self.delay:
+            time.sleep(self.delay)
+        tokens = torch.cat([x["token"] for x in inputs])
+        zeros = torch.zeros(self.embed.shape[1], dtype=self.embed.dtype, device=self.embed.device)
+        context = torch.stack([x.get("context", zeros) for x in inputs])
+        scores = (self.embed[tokens] + context) @ self.mix  # one batched matmul over requests
+        return [{"scores": row} for row in scores]
+
+
+class Guide(nn.Module):
+    """Guidance combine: uncond + g * (cond - uncond); argmax over printable bytes; stop on '.'-like
+    tokens (token % 11 == 0) unless the request turns `stop_early` off."""
+
+    def run_batch(self, walk, node, inputs, options):
+        out = []
+        for x, opts in zip(inputs, options):
+            g = float(opts.get("guidance", 2.0))
+            guided = x["uncond_scores"] + g * (x["cond_scores"] - x["uncond_scores"])
+            lo, hi = PRINTABLE
+            token = guided[lo:hi].argmax().view(1) + lo
+            stop = bool(opts.get("stop_early", True)) and int(token) % 11 == 0
+            out.append({"token": token, "generated": token.clone(), "stop": stop})
+        return out
+
+
+class Painter(nn.Module):
+    """generated tokens -> an image [H, N, 3] and a two-frame video [2, H, N, 3], uint8."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.height = cfg.image_height
+
+    def run_batch(self, walk, node, inputs, options):
+        out = []
+        for x in inputs:
+            row = x["generated"].to(torch.uint8)
+            image = torch.stack([row, 255 - row, row // 2], dim=-1).expand(self.height, -1, -1).contiguous()
+            out.append({"image": image, "video": torch.stack([image, 255 - image])})
+        return out
+
+
+class Vocoder(nn.Module):
+    """A window of tokens -> float32 samples for the window's new tokens (a tone per token)."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        self.spt = cfg.samples_per_token
+
+    def run_batch(self, walk, node, inputs, options):
+        out = []
+        for x in inputs:
+            new = int(x["codes_new"])
+            tokens = x["codes"][len(x["codes"]) - new:].double() if new else x["codes"][:0].double()
+            k = torch.arange(self.spt, dtype=torch.float64, device=tokens.device)
+            wave = torch.sin(2 * math.pi * (tokens[:, None] / 256.0) * (k[None, :] + 1))
+            out.append({"audio": wave.reshape(-1).float()})
+        return out

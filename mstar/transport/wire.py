@@ -1,0 +1,115 @@
+"""The runtime's message catalogue: typed msgspec structs, never pickle.
+
+Tensor fields hold whatever the process's tensor codec produces: torch tensors themselves in
+in-process mode (nothing is encoded), `TensorPayload`s across processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+Tensors = dict[str, Any]  # edge or port name -> tensor (in-process) or TensorPayload (across processes)
+
+
+class StartWalk(msgspec.Struct, tag=True):
+    """Conductor -> driver worker: run one walk of one request."""
+
+    rid: str
+    walk: str
+    options: dict[str, Any]  # per-request model options
+    inputs: Tensors  # walk inputs by edge name (request inputs and carries)
+    routes: dict[str, int]  # node name -> rank that runs it
+    stream_targets: dict[str, list[Any]]  # produced edge -> [consumer rank, stream name, first seq]
+
+
+class RunNode(msgspec.Struct, tag=True):
+    """Driver -> worker: run one node of a walk whose driver lives elsewhere."""
+
+    rid: str
+    walk: str
+    node: str
+    iteration: int
+    inputs: Tensors  # port -> tensor
+    options: dict[str, Any]
+    reply_to: int
+
+
+class NodeDone(msgspec.Struct, tag=True):
+    """Worker -> driver: what a remote node produced."""
+
+    rid: str
+    walk: str
+    node: str
+    iteration: int
+    outputs: Tensors
+    stop: bool = False
+    error: str | None = None
+    finish_reason: str | None = None
+
+
+class StreamItem(msgspec.Struct, tag=True):
+    """Producer driver -> consumer worker: one item of a stream, in order by seq."""
+
+    rid: str
+    stream: str
+    seq: int
+    value: Any
+
+
+class StreamEnd(msgspec.Struct, tag=True):
+    """Conductor -> consumer worker: the stream holds exactly `total` items."""
+
+    rid: str
+    stream: str
+    total: int
+
+
+class Release(msgspec.Struct, tag=True):
+    """Conductor -> worker: forget the request (finished, failed or cancelled)."""
+
+    rid: str
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    """Conductor -> worker: stop the loop and exit."""
+
+
+class ClientOutput(msgspec.Struct, tag=True):
+    """Driver -> API process: one emitted value for the caller."""
+
+    rid: str
+    name: str
+    value: Any
+
+
+class WalkDone(msgspec.Struct, tag=True):
+    """Driver -> conductor: a walk finished (or failed)."""
+
+    rid: str
+    walk: str
+    carries: Tensors
+    stream_counts: dict[str, int]  # stream name -> items this walk produced
+    stopped: bool = False  # a node outside any loop asked to stop: the lane ends
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class WorkerReady(msgspec.Struct, tag=True):
+    """Worker -> conductor: components built and warmed up."""
+
+    rank: int
+
+
+class WorkerFailed(msgspec.Struct, tag=True):
+    """Worker -> conductor: the worker cannot go on (e.g. a component failed to build)."""
+
+    rank: int
+    error: str
+
+
+Message = Union[
+    StartWalk, RunNode, NodeDone, StreamItem, StreamEnd, Release, Shutdown, ClientOutput, WalkDone,
+    WorkerReady, WorkerFailed,
+]

@@ -1,0 +1,57 @@
+"""Consumer-side buffers of StreamEdges: items in seq order, cut into chunks by a policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mstar.graph import ChunkPolicy
+
+END = object()  # the stream is exhausted: no chunk will ever come
+
+
+class StreamBuffer:
+    """Items of one stream of one request, in order; ends once `total` items have arrived."""
+
+    def __init__(self, policy: ChunkPolicy) -> None:
+        self.policy = policy
+        self._items: list[Any] = []
+        self._early: dict[int, Any] = {}  # items that arrived ahead of a gap
+        self._start = 0
+        self._covered = 0  # items already delivered in an earlier chunk
+        self._total: int | None = None
+
+    def put(self, seq: int, value: Any) -> None:
+        self._early[seq] = value
+        while len(self._items) in self._early:
+            self._items.append(self._early.pop(len(self._items)))
+
+    def end(self, total: int) -> None:
+        self._total = total
+
+    @property
+    def ended(self) -> bool:
+        return self._total is not None and len(self._items) >= self._total
+
+    def pop(self) -> Chunk | object | None:
+        """The next chunk, END, or None while waiting for items."""
+        available, ended = len(self._items), self.ended
+        cut = self.policy.next_chunk(self._start, available, ended)
+        if cut is None:
+            return END if ended else None
+        lo, hi, self._start = cut
+        new = hi - max(lo, self._covered)
+        self._covered = max(self._covered, hi)
+        final = ended and self.policy.next_chunk(self._start, available, True) is None
+        return Chunk(torch.cat(self._items[lo:hi]), new, final)
+
+
+@dataclass
+class Chunk:
+    """Items [lo, hi) of a stream; the last `new` of them were in no earlier chunk."""
+
+    value: torch.Tensor
+    new: int
+    final: bool

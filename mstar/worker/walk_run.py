@@ -1,0 +1,179 @@
+"""Interpreting one walk of one request on its driver worker.
+
+The walk's section tree is run by a Python generator: it yields the node calls that can run now
+and is resumed with their outcomes. Loops therefore live in the generator's frame on the worker,
+never on the conductor; edge values live in `env` (a loop-back edge is simply the value the
+previous iteration left there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mstar.graph import Loop, Node, Parallel, Section, Sequential
+
+
+@dataclass
+class NodeCall:
+    """A node of this walk that can run now."""
+
+    node: Node
+    iteration: int  # innermost loop iteration (0 outside loops)
+    inputs: dict[str, Any]  # port -> tensor
+    stream: tuple[str, str] | None = None  # (port, stream name): filled with one chunk at a time
+
+
+@dataclass
+class Outcome:
+    """What a node call produced."""
+
+    outputs: dict[str, Any] = field(default_factory=dict)  # port -> tensor
+    stop: bool = False
+    finish_reason: str | None = None
+    final_chunk: bool = False  # stream calls: the stream is exhausted after this call
+
+
+@dataclass
+class _LoopContext:
+    iteration: int
+    accumulate: frozenset[str]
+    stop: bool = False
+
+
+Program = Generator[list[NodeCall], dict[str, Outcome], None]
+
+
+class WalkRun:
+    """One walk of one request. `start()` and `complete()` return the calls to run next."""
+
+    def __init__(
+        self,
+        body: Section,
+        options: Mapping[str, Any],
+        inputs: Mapping[str, Any],
+        stream_inputs: frozenset[str],
+        on_value: Callable[[str, Any], None],
+    ) -> None:
+        self.env: dict[str, Any] = dict(inputs)
+        self.options = options
+        self.stopped = False  # a node outside any loop asked to stop
+        self.finish_reason: str | None = None
+        self.done = False
+        self._streams = stream_inputs
+        self._on_value = on_value
+        self._program = self._run(body, None)
+        self._waiting: dict[str, NodeCall] = {}
+        self._outcomes: dict[str, Outcome] = {}
+
+    def start(self) -> list[NodeCall]:
+        return self._advance(None)
+
+    def complete(self, node: str, outcome: Outcome) -> list[NodeCall]:
+        """Record a call's outcome; once every call of the round is in, resume the program."""
+        self._waiting.pop(node)
+        self._outcomes[node] = outcome
+        if self._waiting:
+            return []
+        outcomes, self._outcomes = self._outcomes, {}
+        return self._advance(outcomes)
+
+    def waiting(self, node: str) -> NodeCall | None:
+        return self._waiting.get(node)
+
+    def _advance(self, outcomes: dict[str, Outcome] | None) -> list[NodeCall]:
+        try:
+            calls = self._program.send(outcomes)
+        except StopIteration:
+            self.done = True
+            return []
+        self._waiting = {c.node.name: c for c in calls}
+        return calls
+
+    def _run(self, sec: Section, ctx: _LoopContext | None) -> Program:
+        if isinstance(sec, Node):
+            yield from self._node(sec, ctx)
+        elif isinstance(sec, Sequential):
+            for member in sec.members:
+                yield from self._run(member, ctx)
+        elif isinstance(sec, Parallel):
+            yield from self._parallel(sec.members, ctx)
+        elif isinstance(sec, Loop):
+            yield from self._loop(sec, ctx)
+
+    def _node(self, node: Node, ctx: _LoopContext | None) -> Program:
+        inputs = {p: self.env[e] for p, e in node.inputs if e in self.env and e not in self._streams}
+        stream = next(((p, e) for p, e in node.inputs if e in self._streams), None)
+        while True:
+            outcomes = yield [NodeCall(node, ctx.iteration if ctx else 0, inputs, stream)]
+            outcome = outcomes[node.name]
+            for port, edge in node.outputs:
+                if port in outcome.outputs:
+                    self.env[edge] = outcome.outputs[port]
+                    if not (ctx and edge in ctx.accumulate):
+                        self._on_value(edge, outcome.outputs[port])
+            if outcome.stop:
+                if ctx:
+                    ctx.stop = True
+                else:
+                    self.stopped = True
+                self.finish_reason = outcome.finish_reason or self.finish_reason
+            if stream is None or outcome.final_chunk:
+                return
+
+    def _parallel(self, members: tuple[Section, ...], ctx: _LoopContext | None) -> Program:
+        """Members advance in rounds: each round runs every member's next calls together."""
+        programs = [self._run(m, ctx) for m in members]
+        pending = {i: c for i, p in enumerate(programs) if (c := _send(p, None)) is not None}
+        while pending:
+            outcomes = yield [call for calls in pending.values() for call in calls]
+            after = {}
+            for i, calls in pending.items():
+                mine = {c.node.name: outcomes[c.node.name] for c in calls}
+                if (nxt := _send(programs[i], mine)) is not None:
+                    after[i] = nxt
+            pending = after
+
+    def _loop(self, loop: Loop, outer: _LoopContext | None) -> Program:
+        limit = resolve_max_iterations(loop, self.options)
+        accumulate = frozenset(loop.accumulate) | (outer.accumulate if outer else frozenset())
+        gathered: dict[str, list] = {edge: [] for edge in loop.accumulate}
+        for i in range(limit):
+            ctx = _LoopContext(i, accumulate)
+            yield from self._run(loop.body, ctx)
+            for edge, values in gathered.items():
+                if edge in self.env:
+                    values.append(self.env[edge])
+            if ctx.stop:
+                break
+        for edge, values in gathered.items():
+            if values:
+                self.env[edge] = torch.cat(values)
+                if not (outer and edge in outer.accumulate):
+                    self._on_value(edge, self.env[edge])
+
+
+def _send(program: Program, value: dict[str, Outcome] | None) -> list[NodeCall] | None:
+    try:
+        return program.send(value)
+    except StopIteration:
+        return None
+
+
+def resolve_max_iterations(loop: Loop, options: Mapping[str, Any]) -> int:
+    """A loop's bound for one request: a number, an option's value, or a function of the options."""
+    bound = loop.max_iterations
+    if callable(bound):
+        value = bound(options)
+    elif isinstance(bound, str):
+        if bound not in options:
+            raise ValueError(f"loop {loop.name!r} is bounded by option {bound!r}, which the request does not set")
+        value = options[bound]
+    else:
+        value = bound
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"loop {loop.name!r}: max iterations must be an integer >= 0, got {value!r}")
+    return value

@@ -1,0 +1,266 @@
+"""A worker: owns one device and the components placed on it.
+
+Its loop is four named steps: receive messages, hand ready node calls to engines (schedule),
+let each busy engine run one batched step (execute), and route the results (to the next node,
+another worker, the client, or the conductor).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mstar.engines.base import Engine, StepItem, StepResult
+from mstar.graph import CARRY, TO_CLIENT, ModelGraph, Walk, iter_nodes
+from mstar.transport import wire
+from mstar.worker.streams import END, StreamBuffer
+from mstar.worker.walk_run import NodeCall, Outcome, WalkRun
+
+logger = logging.getLogger(__name__)
+CONDUCTOR = "conductor"
+
+
+def worker_peer(rank: int) -> str:
+    return f"worker-{rank}"
+
+
+@dataclass
+class _Run:
+    """A walk this worker drives."""
+
+    start: wire.StartWalk
+    walk: Walk
+    run: WalkRun | None = None
+    stream_counts: dict[str, int] = field(default_factory=dict)
+
+
+class Worker:
+    """Drives walks and runs node steps for the components on one device."""
+
+    def __init__(self, rank: int, graph: ModelGraph, engines: dict[str, Engine], inbox, outbox, codec,
+                 device: torch.device) -> None:
+        self.rank = rank
+        self.graph = graph
+        self.engines = engines
+        self.inbox, self.outbox, self.codec = inbox, outbox, codec
+        self.device = device
+        self._walks = {w.name: w for w in graph.walks}
+        self._policies = {s.target_input: s.policy for s in graph.streams}
+        self._runs: dict[tuple[str, str], _Run] = {}
+        self._remote: dict[tuple[str, str, str, int], int] = {}  # (rid, walk, node, iteration) -> reply rank
+        self._buffers: dict[tuple[str, str], StreamBuffer] = {}
+        self._blocked: dict[tuple[str, str], tuple[str, NodeCall]] = {}  # stream -> (walk, call)
+        self._released: set[str] = set()
+        self._final_chunks: set[tuple[str, str, str]] = set()  # calls fed the last chunk of their stream
+        self._node_specs = {(w.name, n.name): n for w in graph.walks for n in iter_nodes(w.body)}
+        self._running = True
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until a Shutdown message arrives."""
+        while self._running:
+            busy = any(e.has_work() for e in self.engines.values())
+            self.receive(timeout_s=0.0 if busy else 0.05)
+            self.execute()
+
+    def receive(self, timeout_s: float) -> None:
+        msg = self.inbox.recv(timeout_s)
+        while msg is not None:
+            try:
+                self.handle(msg)
+            except Exception as exc:  # a bad message fails its request, never the worker
+                logger.exception("worker %d failed handling %s", self.rank, type(msg).__name__)
+                rid = getattr(msg, "rid", None)
+                if rid is not None:
+                    self._fail(rid, getattr(msg, "walk", "?"), f"{type(exc).__name__}: {exc}")
+            msg = self.inbox.recv(0.0)
+
+    def execute(self) -> None:
+        for component, engine in self.engines.items():
+            if not engine.has_work():
+                continue
+            try:
+                results = engine.step()
+            except Exception as exc:
+                logger.exception("engine of %s failed a step", component)
+                results = self._fail_engine(component, engine, exc)
+            for result in results:
+                self._route(result)
+
+    # -- receive -------------------------------------------------------------------------------
+
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, wire.StartWalk):
+            self._start(msg)
+        elif isinstance(msg, wire.RunNode):
+            self._remote[(msg.rid, msg.walk, msg.node, msg.iteration)] = msg.reply_to
+            inputs = {k: self.codec.unpack(v) for k, v in msg.inputs.items()}
+            self._submit(msg.rid, msg.walk, msg.node, msg.iteration, inputs, msg.options)
+        elif isinstance(msg, wire.NodeDone):
+            outcome = Outcome({k: self.codec.unpack(v) for k, v in msg.outputs.items()}, msg.stop, msg.finish_reason)
+            self._complete(msg.rid, msg.walk, msg.node, outcome, msg.error)
+        elif isinstance(msg, wire.StreamItem):
+            if msg.rid in self._released:
+                self.codec.discard(msg.value)
+                return
+            self._buffer(msg.rid, msg.stream).put(msg.seq, self.codec.unpack(msg.value))
+            self._feed_stream(msg.rid, msg.stream)
+        elif isinstance(msg, wire.StreamEnd):
+            if msg.rid not in self._released:
+                self._buffer(msg.rid, msg.stream).end(msg.total)
+                self._feed_stream(msg.rid, msg.stream)
+        elif isinstance(msg, wire.Release):
+            self._release(msg.rid)
+        elif isinstance(msg, wire.Shutdown):
+            self._running = False
+
+    def _start(self, msg: wire.StartWalk) -> None:
+        walk = self._walks[msg.walk]
+        state = _Run(msg, walk)
+        self._runs[(msg.rid, msg.walk)] = state
+        streams = frozenset(s.target_input for s in self.graph.streams if s.target_walk == msg.walk)
+        inputs = {k: self.codec.unpack(v) for k, v in msg.inputs.items()}
+        state.run = WalkRun(walk.body, msg.options, inputs, streams, lambda e, v: self._on_value(state, e, v))
+        self._dispatch(state, state.run.start())
+        self._finish_if_done(state)
+
+    # -- schedule ------------------------------------------------------------------------------
+
+    def _dispatch(self, state: _Run, calls: list[NodeCall]) -> None:
+        rid, walk = state.start.rid, state.start.walk
+        for call in calls:
+            if call.stream is not None:
+                self._blocked[(rid, call.stream[1])] = (walk, call)
+                self._feed_stream(rid, call.stream[1])
+                continue
+            rank = state.start.routes[call.node.name]
+            if rank == self.rank:
+                self._submit(rid, walk, call.node.name, call.iteration, call.inputs, state.start.options)
+            else:
+                inputs = {k: self.codec.pack(v) for k, v in call.inputs.items()}
+                msg = wire.RunNode(rid, walk, call.node.name, call.iteration, inputs, state.start.options, self.rank)
+                self.outbox.send(worker_peer(rank), msg)
+
+    def _submit(self, rid: str, walk: str, node: str, iteration: int, inputs: dict, options: dict) -> None:
+        node_spec = self._node_specs[(walk, node)]
+        inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        item = StepItem(rid, walk, node, inputs, options, iteration, node_spec.kv_slot)
+        self.engines[node_spec.component].submit(item)
+
+    def _feed_stream(self, rid: str, stream: str) -> None:
+        blocked = self._blocked.get((rid, stream))
+        if blocked is None:
+            return
+        chunk = self._buffer(rid, stream).pop()
+        if chunk is None:
+            return
+        walk, call = self._blocked.pop((rid, stream))
+        state = self._runs[(rid, walk)]
+        if chunk is END:
+            self._complete(rid, walk, call.node.name, Outcome(final_chunk=True), None)
+            return
+        port = call.stream[0]
+        inputs = {**call.inputs, port: chunk.value, f"{port}_new": torch.tensor(chunk.new)}
+        if chunk.final:
+            self._final_chunks.add((rid, walk, call.node.name))
+        self._dispatch(state, [NodeCall(call.node, call.iteration, inputs)])
+
+    def _buffer(self, rid: str, stream: str) -> StreamBuffer:
+        key = (rid, stream)
+        if key not in self._buffers:
+            self._buffers[key] = StreamBuffer(self._policies[stream])
+        return self._buffers[key]
+
+    # -- route ---------------------------------------------------------------------------------
+
+    def _route(self, result: StepResult) -> None:
+        key = (result.request_id, result.walk, result.node, result.iteration)
+        if key in self._remote:
+            reply = self._remote.pop(key)
+            outputs = {k: self.codec.pack(v) for k, v in result.outputs.items()}
+            msg = wire.NodeDone(*key, outputs, result.stop, result.error, result.finish_reason)
+            self.outbox.send(worker_peer(reply), msg)
+            return
+        outcome = Outcome(result.outputs, result.stop, result.finish_reason)
+        self._complete(result.request_id, result.walk, result.node, outcome, result.error)
+
+    def _complete(self, rid: str, walk: str, node: str, outcome: Outcome, error: str | None) -> None:
+        state = self._runs.get((rid, walk))
+        if state is None or state.run is None or state.run.waiting(node) is None:
+            return  # released meanwhile
+        if error is not None:
+            self._fail(rid, walk, error)
+            return
+        if (rid, walk, node) in self._final_chunks:
+            self._final_chunks.discard((rid, walk, node))
+            outcome.final_chunk = True
+        try:
+            calls = state.run.complete(node, outcome)
+        except Exception as exc:
+            logger.exception("walk %s of request %s failed", walk, rid)
+            self._fail(rid, walk, f"{type(exc).__name__}: {exc}")
+            return
+        self._dispatch(state, calls)
+        self._finish_if_done(state)
+
+    def _on_value(self, state: _Run, edge: str, value: Any) -> None:
+        rid = state.start.rid
+        for emit in state.walk.emits:
+            if emit.edge == edge and emit.to == TO_CLIENT:
+                self.outbox.send(CONDUCTOR, wire.ClientOutput(rid, emit.name, self.codec.pack(value)))
+        target = state.start.stream_targets.get(edge)
+        if target is not None:
+            rank, stream, first = target
+            seq = first + state.stream_counts.get(stream, 0)
+            state.stream_counts[stream] = state.stream_counts.get(stream, 0) + 1
+            self.outbox.send(worker_peer(rank), wire.StreamItem(rid, stream, seq, self.codec.pack(value)))
+
+    def _finish_if_done(self, state: _Run) -> None:
+        run = state.run
+        if run is None or not run.done:
+            return
+        del self._runs[(state.start.rid, state.start.walk)]
+        carries = {
+            e.name: self.codec.pack(run.env[e.edge]) for e in state.walk.emits if e.to == CARRY and e.edge in run.env
+        }
+        msg = wire.WalkDone(state.start.rid, state.start.walk, carries, state.stream_counts, run.stopped,
+                            run.finish_reason)
+        self.outbox.send(CONDUCTOR, msg)
+
+    # -- failure and release -----------------------------------------------------------------------
+
+    def _fail(self, rid: str, walk: str, error: str) -> None:
+        self._runs.pop((rid, walk), None)
+        self.outbox.send(CONDUCTOR, wire.WalkDone(rid, walk, {}, {}, error=error))
+
+    def _fail_engine(self, component: str, engine: Engine, exc: Exception) -> list[StepResult]:
+        """An engine raised outside its own isolation: fail the requests this worker drives on it."""
+        rids = {rid for (rid, _w) in self._runs}
+        for rid in rids:
+            engine.release(rid)
+        for rid, walk in list(self._runs):
+            self._fail(rid, walk, f"{component} failed: {type(exc).__name__}: {exc}")
+        return []
+
+    def _release(self, rid: str) -> None:
+        for key in [k for k in self._runs if k[0] == rid]:
+            del self._runs[key]
+        for table in (self._buffers, self._blocked):
+            for key in [k for k in table if k[0] == rid]:
+                del table[key]
+        for key in [k for k in self._remote if k[0] == rid]:
+            del self._remote[key]
+        self._final_chunks = {k for k in self._final_chunks if k[0] != rid}
+        for engine in self.engines.values():
+            engine.release(rid)
+        self._released.add(rid)
+        if len(self._released) > 100_000:
+            self._released.clear()
+
+    def state_size(self) -> int:
+        """Per-request entries held (for leak tests)."""
+        return len(self._runs) + len(self._remote) + len(self._buffers) + len(self._blocked) + len(self._final_chunks)
