@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 logger = logging.getLogger(__name__)
@@ -90,8 +91,7 @@ def pack_tensor(
     if nbytes == 0:
         return TensorPayload(dtype, shape, 0)
     if nbytes <= inline_max_bytes:
-        flat = t.contiguous().reshape(-1).view(_uint8())
-        return TensorPayload(dtype, shape, nbytes, data=bytearray(flat.numpy().data))
+        return TensorPayload(dtype, shape, nbytes, data=bytearray(_as_bytes(t)))
     name = f"mstar-{session_id(session)}-{os.getpid()}-{next(_counter)}"
     _write_segment(name, t, nbytes)
     return TensorPayload(dtype, shape, nbytes, shm_name=name)
@@ -142,16 +142,14 @@ def cleanup_segments(session: str | None = None) -> int:
 
 
 def _write_segment(name: str, t: torch.Tensor, nbytes: int) -> None:
-    import torch
-
-    fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    # pwrite rather than copying into a fresh mmap: the kernel fills the tmpfs pages without a user
+    # page fault per 4 KiB and without torch's intra-op threads (measured ~10x faster at 1 MB).
+    view = memoryview(_as_bytes(t))
+    fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     try:
-        os.ftruncate(fd, nbytes)
-        with mmap.mmap(fd, nbytes) as mm:
-            # Copy straight into the mapping: one copy, even for non-contiguous tensors.
-            dst = torch.frombuffer(mm, dtype=t.dtype).view(t.shape)
-            dst.copy_(t)
-            del dst  # the mapping cannot close while a tensor still exports it
+        written = 0
+        while written < nbytes:
+            written += os.pwrite(fd, view[written:], written)
     except BaseException:
         os.unlink(SHM_DIR / name)
         raise
@@ -175,10 +173,11 @@ def _map_and_unlink(name: str, nbytes: int) -> mmap.mmap:
         os.close(fd)
 
 
-def _uint8() -> torch.dtype:
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    """The C-contiguous bytes of `t` as a uint8 array (no copy when `t` is already contiguous)."""
     import torch
 
-    return torch.uint8
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def _dtype_name(t: torch.Tensor) -> str:
