@@ -98,9 +98,9 @@ def pack_tensor(
 
 
 def unpack_tensor(p: TensorPayload) -> torch.Tensor:
-    """The tensor `p` describes. For shm payloads this consumes the segment: it is unlinked at once
-    and the returned tensor maps it without a copy (the mapping lives as long as the tensor).
-    A shm payload can be unpacked once."""
+    """The tensor `p` describes, without a copy. Inline: the tensor shares `p.data`. Shm: this
+    consumes the segment, which is unlinked at once while the tensor keeps it mapped (the pages are
+    freed with the tensor); a shm payload can be unpacked once."""
     import torch
 
     dtype = _dtype(p.dtype)
