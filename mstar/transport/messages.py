@@ -1,0 +1,67 @@
+"""Machinery for cross-process messages: a base struct, a codec, and payload walking.
+
+The runtime defines its own message structs (subclasses of `Message`) and a tagged union of them;
+`Codec(Union[...])` turns those into msgpack bytes and back. `TensorPayload` nests anywhere inside
+(fields, `dict[str, TensorPayload]`, lists). No pickle: a message decodes only into the declared
+types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from mstar.transport.tensors import TensorPayload, discard_payload
+
+M = TypeVar("M")
+
+
+class Message(msgspec.Struct, tag=True, array_like=True, kw_only=True):
+    """Base for control messages: tagged by class name so a union of them decodes to the right
+    class; encoded as arrays (smaller and faster than maps; every process runs the same code)."""
+
+
+class Codec(Generic[M]):
+    """Encodes messages of `msg_type` (a struct or a tagged union of structs) to msgpack bytes and
+    decodes them back, validating against the declared types."""
+
+    def __init__(self, msg_type: Any) -> None:
+        self.msg_type = msg_type
+        self._encoder = msgspec.msgpack.Encoder()
+        # msgspec rejects a union of untagged structs here, with a message naming the types.
+        self._decoder = msgspec.msgpack.Decoder(msg_type)
+
+    def encode(self, msg: M) -> bytes:
+        """msgpack bytes for `msg`."""
+        return self._encoder.encode(msg)
+
+    def decode(self, buf: bytes | memoryview) -> M:
+        """The message in `buf`; raises msgspec.ValidationError if it is not a `msg_type`."""
+        return self._decoder.decode(buf)
+
+
+def iter_payloads(obj: Any) -> Iterator[TensorPayload]:
+    """Every TensorPayload reachable from `obj` through struct fields, dicts, lists and tuples."""
+    if isinstance(obj, TensorPayload):
+        yield obj
+    elif isinstance(obj, msgspec.Struct):
+        for name in obj.__struct_fields__:
+            yield from iter_payloads(getattr(obj, name))
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from iter_payloads(value)
+    elif isinstance(obj, list | tuple):
+        for value in obj:
+            yield from iter_payloads(value)
+
+
+def discard_message(msg: Any) -> int:
+    """Release the shared memory of every payload in a message that will never be consumed (a
+    cancelled request, an undeliverable send). Returns how many payloads were in it."""
+    count = 0
+    for payload in iter_payloads(msg):
+        discard_payload(payload)
+        count += 1
+    return count
