@@ -103,13 +103,14 @@ class Conductor:
     def _admit(self, req: RequestState) -> None:
         self._active[req.rid] = req
         try:
+            firsts = {lane.name: lane.first_walk(req.options) for lane in self.graph.lanes}
+            req.active_lanes = {lane for lane, first in firsts.items() if first is not None}
             for stream in self.graph.streams:
-                routes = self._reserve(req, self._walks[stream.target_walk])
-                req.stream_dest[stream.target_input] = routes[_first_node(self._walks[stream.target_walk])]
-            for lane in self.graph.lanes:
-                first = lane.first_walk(req.options)
+                target = self._walks[stream.target_walk]
+                if target.lane in req.active_lanes:  # consumers are placed up front: items may come early
+                    req.stream_dest[stream.target_input] = self._reserve(req, target)[_first_node(target)]
+            for lane, first in firsts.items():
                 if first is not None:
-                    req.active_lanes.add(lane.name)
                     self._start_walk(req, first)
             if not req.active_lanes:
                 self._end(req, FinishEvent(req.rid, "stop"))
@@ -130,7 +131,8 @@ class Conductor:
         produced = {e for n in iter_nodes(walk.body) for e in n.output_edges}
         targets = {
             s.edge: [req.stream_dest[s.target_input], s.target_input, req.stream_counts.get(s.target_input, 0)]
-            for s in self.graph.streams if s.source_lane == walk.lane and s.edge in produced
+            for s in self.graph.streams
+            if s.source_lane == walk.lane and s.edge in produced and s.target_input in req.stream_dest
         }
         req.current_walk[walk.lane] = name
         self._send(routes[_first_node(walk)], wire.StartWalk(req.rid, name, req.options, inputs, routes, targets))
@@ -161,7 +163,7 @@ class Conductor:
     def _lane_done(self, req: RequestState, lane: str) -> None:
         req.active_lanes.discard(lane)
         for s in self.graph.streams:
-            if s.source_lane == lane:
+            if s.source_lane == lane and s.target_input in req.stream_dest:
                 total = req.stream_counts.get(s.target_input, 0)
                 self._send(req.stream_dest[s.target_input], wire.StreamEnd(req.rid, s.target_input, total))
         if not req.active_lanes:

@@ -1,7 +1,8 @@
 """The runtime's message catalogue: typed msgspec structs, never pickle.
 
 Tensor fields hold whatever the process's tensor codec produces: torch tensors themselves in
-in-process mode (nothing is encoded), `TensorPayload`s across processes.
+in-process mode (nothing is encoded), `TensorPayload`s across processes (the annotation is what
+the decoder validates against).
 """
 
 from __future__ import annotations
@@ -10,10 +11,12 @@ from typing import Any, Union
 
 import msgspec
 
-Tensors = dict[str, Any]  # edge or port name -> tensor (in-process) or TensorPayload (across processes)
+from mstar.transport.tensors import TensorPayload
+
+Tensors = dict[str, TensorPayload]  # edge or port name -> tensor payload
 
 
-class StartWalk(msgspec.Struct, tag=True):
+class StartWalk(msgspec.Struct, tag=True, array_like=True):
     """Conductor -> driver worker: run one walk of one request."""
 
     rid: str
@@ -24,7 +27,7 @@ class StartWalk(msgspec.Struct, tag=True):
     stream_targets: dict[str, list[Any]]  # produced edge -> [consumer rank, stream name, first seq]
 
 
-class RunNode(msgspec.Struct, tag=True):
+class RunNode(msgspec.Struct, tag=True, array_like=True):
     """Driver -> worker: run one node of a walk whose driver lives elsewhere."""
 
     rid: str
@@ -36,7 +39,7 @@ class RunNode(msgspec.Struct, tag=True):
     reply_to: int
 
 
-class NodeDone(msgspec.Struct, tag=True):
+class NodeDone(msgspec.Struct, tag=True, array_like=True):
     """Worker -> driver: what a remote node produced."""
 
     rid: str
@@ -49,16 +52,16 @@ class NodeDone(msgspec.Struct, tag=True):
     finish_reason: str | None = None
 
 
-class StreamItem(msgspec.Struct, tag=True):
+class StreamItem(msgspec.Struct, tag=True, array_like=True):
     """Producer driver -> consumer worker: one item of a stream, in order by seq."""
 
     rid: str
     stream: str
     seq: int
-    value: Any
+    value: TensorPayload
 
 
-class StreamEnd(msgspec.Struct, tag=True):
+class StreamEnd(msgspec.Struct, tag=True, array_like=True):
     """Conductor -> consumer worker: the stream holds exactly `total` items."""
 
     rid: str
@@ -66,25 +69,25 @@ class StreamEnd(msgspec.Struct, tag=True):
     total: int
 
 
-class Release(msgspec.Struct, tag=True):
+class Release(msgspec.Struct, tag=True, array_like=True):
     """Conductor -> worker: forget the request (finished, failed or cancelled)."""
 
     rid: str
 
 
-class Shutdown(msgspec.Struct, tag=True):
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Conductor -> worker: stop the loop and exit."""
 
 
-class ClientOutput(msgspec.Struct, tag=True):
+class ClientOutput(msgspec.Struct, tag=True, array_like=True):
     """Driver -> API process: one emitted value for the caller."""
 
     rid: str
     name: str
-    value: Any
+    value: TensorPayload
 
 
-class WalkDone(msgspec.Struct, tag=True):
+class WalkDone(msgspec.Struct, tag=True, array_like=True):
     """Driver -> conductor: a walk finished (or failed)."""
 
     rid: str
@@ -96,13 +99,13 @@ class WalkDone(msgspec.Struct, tag=True):
     error: str | None = None
 
 
-class WorkerReady(msgspec.Struct, tag=True):
+class WorkerReady(msgspec.Struct, tag=True, array_like=True):
     """Worker -> conductor: components built and warmed up."""
 
     rank: int
 
 
-class WorkerFailed(msgspec.Struct, tag=True):
+class WorkerFailed(msgspec.Struct, tag=True, array_like=True):
     """Worker -> conductor: the worker cannot go on (e.g. a component failed to build)."""
 
     rank: int

@@ -149,6 +149,9 @@ class WalkRun:
                     values.append(self.env[edge])
             if ctx.stop:
                 break
+        else:
+            if limit and not self.finish_reason:
+                self.finish_reason = "length"  # the loop ran out of iterations, nobody asked it to stop
         for edge, values in gathered.items():
             if values:
                 self.env[edge] = torch.cat(values)

@@ -16,6 +16,7 @@ import torch
 from mstar.engines.base import Engine, StepItem, StepResult
 from mstar.graph import CARRY, TO_CLIENT, ModelGraph, Walk, iter_nodes
 from mstar.transport import wire
+from mstar.transport.messages import discard_message
 from mstar.worker.streams import END, StreamBuffer
 from mstar.worker.walk_run import NodeCall, Outcome, WalkRun
 
@@ -94,6 +95,9 @@ class Worker:
     # -- receive -------------------------------------------------------------------------------
 
     def handle(self, msg: Any) -> None:
+        if getattr(msg, "rid", None) in self._released:
+            discard_message(msg)  # late traffic of a finished or cancelled request: free its payloads
+            return
         if isinstance(msg, wire.StartWalk):
             self._start(msg)
         elif isinstance(msg, wire.RunNode):
@@ -104,15 +108,11 @@ class Worker:
             outcome = Outcome({k: self.codec.unpack(v) for k, v in msg.outputs.items()}, msg.stop, msg.finish_reason)
             self._complete(msg.rid, msg.walk, msg.node, outcome, msg.error)
         elif isinstance(msg, wire.StreamItem):
-            if msg.rid in self._released:
-                self.codec.discard(msg.value)
-                return
             self._buffer(msg.rid, msg.stream).put(msg.seq, self.codec.unpack(msg.value))
             self._feed_stream(msg.rid, msg.stream)
         elif isinstance(msg, wire.StreamEnd):
-            if msg.rid not in self._released:
-                self._buffer(msg.rid, msg.stream).end(msg.total)
-                self._feed_stream(msg.rid, msg.stream)
+            self._buffer(msg.rid, msg.stream).end(msg.total)
+            self._feed_stream(msg.rid, msg.stream)
         elif isinstance(msg, wire.Release):
             self._release(msg.rid)
         elif isinstance(msg, wire.Shutdown):

@@ -25,31 +25,40 @@ class Encoder(nn.Module):
         self.register_buffer("embed", _weights(cfg, cfg.vocab, cfg.hidden, salt=1))
 
     def run_batch(self, walk, node, inputs, options):
-        return [{"context": self.embed[x["prompt_ids"]].sum(0), "token": x["prompt_ids"][-1:]} for x in inputs]
+        return [
+            {"context": self.embed[x["prompt_ids"]].sum(0), "token": x["prompt_ids"][-1:],
+             "position": torch.zeros(1, dtype=torch.long, device=self.embed.device)}
+            for x in inputs
+        ]
 
 
 class Decoder(nn.Module):
-    """(token, context) -> scores; a missing context (the unconditional branch) counts as zeros."""
+    """(token, position, context) -> scores; a missing context (the unconditional branch) counts as zeros."""
 
     def __init__(self, cfg) -> None:
         super().__init__()
         self.delay = cfg.step_delay_s
         self.register_buffer("embed", _weights(cfg, cfg.vocab, cfg.hidden, salt=2))
         self.register_buffer("mix", _weights(cfg, cfg.hidden, cfg.vocab, salt=3))
+        self.register_buffer("pos", _weights(cfg, 64, cfg.hidden, salt=4))
 
     def run_batch(self, walk, node, inputs, options):
         if self.delay:
             time.sleep(self.delay)
         tokens = torch.cat([x["token"] for x in inputs])
+        positions = torch.cat([x["position"] for x in inputs]) % self.pos.shape[0]
         zeros = torch.zeros(self.embed.shape[1], dtype=self.embed.dtype, device=self.embed.device)
         context = torch.stack([x.get("context", zeros) for x in inputs])
-        scores = (self.embed[tokens] + context) @ self.mix  # one batched matmul over requests
+        scores = (self.embed[tokens] + self.pos[positions] + context) @ self.mix  # one matmul for the batch
         return [{"scores": row} for row in scores]
 
 
 class Guide(nn.Module):
     """Guidance combine: uncond + g * (cond - uncond); argmax over printable bytes; stop on '.'-like
     tokens (token % 11 == 0) unless the request turns `stop_early` off."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
 
     def run_batch(self, walk, node, inputs, options):
         out = []
@@ -59,7 +68,7 @@ class Guide(nn.Module):
             lo, hi = PRINTABLE
             token = guided[lo:hi].argmax().view(1) + lo
             stop = bool(opts.get("stop_early", True)) and int(token) % 11 == 0
-            out.append({"token": token, "generated": token.clone(), "stop": stop})
+            out.append({"token": token, "generated": token.clone(), "position": x["position"] + 1, "stop": stop})
         return out
 
 

@@ -51,9 +51,10 @@ class ToyConfig:
 
 
 def _graph(cfg: ToyConfig) -> ModelGraph:
-    cond = Node("decoder", inputs=("token", "context"), outputs={"scores": "cond_scores"}, name="cond")
-    uncond = Node("decoder", inputs=("token",), outputs={"scores": "uncond_scores"}, name="uncond")
-    guide = Node("guide", inputs=("cond_scores", "uncond_scores"), outputs={"token": "token", "generated": "generated"})
+    cond = Node("decoder", inputs=("token", "position", "context"), outputs={"scores": "cond_scores"}, name="cond")
+    uncond = Node("decoder", inputs=("token", "position"), outputs={"scores": "uncond_scores"}, name="uncond")
+    guide = Node("guide", inputs=("cond_scores", "uncond_scores", "position"),
+                 outputs=("token", "generated", "position"))
     return ModelGraph(
         components={
             "encoder": ComponentSpec("stateless", "prompt bytes -> context vector"),
@@ -63,12 +64,13 @@ def _graph(cfg: ToyConfig) -> ModelGraph:
             "vocoder": ComponentSpec("stateless", "a window of tokens -> audio samples"),
         },
         walks=(
-            Walk("encode", "text", Node("encoder", inputs=("prompt_ids",), outputs=("context", "token")),
-                 inputs=("prompt_ids",), emits=(Emit("context", CARRY), Emit("token", CARRY))),
+            Walk("encode", "text", Node("encoder", inputs=("prompt_ids",), outputs=("context", "token", "position")),
+                 inputs=("prompt_ids",),
+                 emits=(Emit("context", CARRY), Emit("token", CARRY), Emit("position", CARRY))),
             Walk("generate", "text",
                  Loop(Sequential(Parallel(cond, uncond), guide), max_iterations="max_tokens", name="decode",
                       accumulate=("generated",)),
-                 inputs=("token", "context"), emits=(Emit("token", name="text"), Emit("generated", CARRY))),
+                 inputs=("token", "position", "context"), emits=(Emit("token", name="text"), Emit("generated", CARRY))),
             Walk("render", "text", Node("painter", inputs=("generated",), outputs=("image", "video")),
                  inputs=("generated",), emits=(Emit("image"), Emit("video"))),
             Walk("vocode", "audio", Node("vocoder", inputs=("codes",), outputs={"audio": "audio"}),

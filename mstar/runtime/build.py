@@ -1,0 +1,52 @@
+"""Building a model and the engines of one worker; shared by thread and process workers."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from mstar.config import MStarConfig
+from mstar.engines.base import Engine
+from mstar.models.base import Model
+from mstar.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+
+def build_model(config: MStarConfig, tiny: bool = False, load_format: str = "auto",
+                model_path: str | None = None) -> Model:
+    """The registered model of `config.model`, configured from model_kwargs."""
+    cls = get_model_class(config.model)
+    model_cfg = cls.make_config(tiny=tiny, **config.model_kwargs)
+    return cls(model_cfg, load_format=load_format, model_path=model_path)
+
+
+def worker_device(config: MStarConfig, rank: int) -> torch.device:
+    """cuda:<rank> when CUDA is available (or asked for), else cpu."""
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
+
+
+def build_engines(model: Model, config: MStarConfig, components: list[str], device: torch.device) -> dict[str, Engine]:
+    """One engine per component placed on this worker."""
+    graph = model.graph()
+    engines: dict[str, Engine] = {}
+    for name in components:
+        built = model.build_component(name, device)
+        kind = graph.components[name].engine
+        logger.info("built component %s (%s engine) on %s", name, kind, device)
+        engines[name] = _engine(kind, built, config, device)
+    return engines
+
+
+def _engine(kind: str, built: Any, config: MStarConfig, device: torch.device) -> Engine:
+    if kind == "stateless":
+        from mstar.engines.stateless import StatelessEngine
+
+        return StatelessEngine(built.module, **built.engine_options)
+    from mstar.engines.autoregressive import build_autoregressive_engine
+
+    return build_autoregressive_engine(built, config.kv_cache, device)

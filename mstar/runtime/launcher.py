@@ -1,0 +1,175 @@
+"""Start a conductor and its workers, in one process (threads) or across processes.
+
+Both modes run the same Worker and Conductor code; only the channels and the tensor codec differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import threading
+import time
+from typing import Any
+
+import msgspec
+
+from mstar.conductor.conductor import Conductor
+from mstar.conductor.request_state import Sink
+from mstar.config import MStarConfig
+from mstar.graph import validate_graph
+from mstar.graph.placement import plan_placement
+from mstar.runtime.build import build_engines, build_model, worker_device
+from mstar.runtime.codecs import LocalCodec, PayloadCodec
+from mstar.transport import wire
+from mstar.transport.channels import make_network
+from mstar.transport.messages import Codec
+from mstar.transport.tensors import cleanup_segments, new_session_id
+from mstar.worker.worker import CONDUCTOR, Worker, worker_peer
+
+logger = logging.getLogger(__name__)
+MODES = ("inproc", "multiproc")
+
+
+class Runtime:
+    """A running model: `submit` requests, `cancel` them, `shutdown` at the end."""
+
+    def __init__(self, config: MStarConfig, mode: str = "inproc", tiny: bool = False, load_format: str = "auto",
+                 model_path: str | None = None, ready_timeout_s: float = 600.0) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown run mode {mode!r}; use one of {MODES}")
+        self.config, self.mode = config, mode
+        self._build_args = {"tiny": tiny, "load_format": load_format, "model_path": model_path}
+        self.model = build_model(config, **self._build_args)
+        self.graph = self.model.graph()
+        validate_graph(self.graph)
+        self.plan = plan_placement(self.graph, config.node_groups, config.source)
+        self.processor = self.model.processor()
+        self.session = new_session_id()
+        self.codec = LocalCodec() if mode == "inproc" else PayloadCodec(self.session)
+        self.network = make_network("inproc" if mode == "inproc" else "ipc", Codec(wire.Message))
+        self._inbox = self.network.inbox(CONDUCTOR)
+        self._outbox = self.network.outbox()
+        self._send_lock = threading.Lock()
+        self.conductor = Conductor(self.graph, self.plan, self._send, self.codec,
+                                   config.max_concurrent_requests, config.max_queued_requests)
+        self.workers: dict[int, Any] = {}  # rank -> Worker (inproc) or Process
+        self._threads: list[threading.Thread] = []
+        self._ready: set[int] = set()
+        self._stopping = False
+        self._start_workers()
+        self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="mstar-conductor")
+        self._receiver.start()
+        self._wait_ready(ready_timeout_s)
+
+    # -- public ------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return len(self._ready) == self.plan.num_workers and not self._stopping
+
+    def submit(self, rid: str, inputs: dict[str, Any], options: dict[str, Any], sink: Sink) -> None:
+        self.conductor.submit(rid, inputs, options, sink)
+
+    def cancel(self, rid: str) -> bool:
+        return self.conductor.cancel(rid)
+
+    def shutdown(self) -> None:
+        """Stop workers and threads; remove every shared-memory segment of this session."""
+        if self._stopping:
+            return
+        self._stopping = True
+        for rank in self.workers:
+            self._send(rank, wire.Shutdown())
+        for worker in self.workers.values():
+            if isinstance(worker, mp.process.BaseProcess):
+                worker.join(timeout=5)
+                if worker.is_alive():
+                    worker.kill()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        self._receiver.join(timeout=2)
+        self.network.close()
+        cleanup_segments(self.session)
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _send(self, rank: int, msg: Any) -> None:
+        with self._send_lock:
+            try:
+                self._outbox.send(worker_peer(rank), msg)
+            except Exception:
+                logger.exception("could not send %s to worker %d", type(msg).__name__, rank)
+
+    def _start_workers(self) -> None:
+        if self.mode == "inproc":
+            for rank in range(self.plan.num_workers):
+                device = worker_device(self.config, rank)
+                engines = build_engines(self.model, self.config, self.plan.components_on(rank), device)
+                worker = Worker(rank, self.graph, engines, self.network.inbox(worker_peer(rank)),
+                                self.network.outbox(), self.codec, device)
+                self.workers[rank] = worker
+                thread = threading.Thread(target=worker.run, daemon=True, name=f"mstar-worker-{rank}")
+                thread.start()
+                self._threads.append(thread)
+                self._ready.add(rank)
+            return
+        from mstar.runtime.process import worker_process_main
+
+        ctx = mp.get_context("spawn")
+        config_json = msgspec.json.encode(dataclasses.asdict(self.config))
+        directory_json = msgspec.json.encode(self.network.directory)
+        args = {**self._build_args, "log_level": logging.getLogger().level or "WARNING"}
+        for rank in range(self.plan.num_workers):
+            proc = ctx.Process(target=worker_process_main, name=f"mstar-worker-{rank}", daemon=True,
+                               args=(rank, config_json, directory_json, self.session, dict(args)))
+            proc.start()
+            self.workers[rank] = proc
+        threading.Thread(target=self._watch_processes, daemon=True, name="mstar-watchdog").start()
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.ready:
+            if self._failure is not None:
+                self.shutdown()
+                raise RuntimeError(f"a worker failed to start:\n{self._failure}")
+            if time.monotonic() > deadline:
+                self.shutdown()
+                raise TimeoutError(f"workers not ready after {timeout_s:.0f} s: ready ranks {sorted(self._ready)}")
+            time.sleep(0.01)
+
+    _failure: str | None = None
+
+    def _receive_loop(self) -> None:
+        while not self._stopping:
+            msg = self._inbox.recv(0.1)
+            if msg is None:
+                continue
+            try:
+                if isinstance(msg, wire.WorkerReady):
+                    self._ready.add(msg.rank)
+                elif isinstance(msg, wire.WorkerFailed):
+                    self._failure = f"worker {msg.rank}: {msg.error}"
+                else:
+                    self.conductor.handle(msg)
+            except Exception:  # the conductor thread must survive any one message
+                logger.exception("conductor failed handling %s", type(msg).__name__)
+
+    def _watch_processes(self) -> None:
+        from multiprocessing.connection import wait
+
+        alive = {proc.sentinel: rank for rank, proc in self.workers.items()}
+        while alive and not self._stopping:
+            for sentinel in wait(list(alive), timeout=0.5):
+                rank = alive.pop(sentinel)
+                if not self._stopping:
+                    code = self.workers[rank].exitcode
+                    logger.error("worker %d exited with code %s", rank, code)
+                    self._ready.discard(rank)
+                    self.conductor.worker_died(rank, f"process exited with code {code}")

@@ -1,0 +1,106 @@
+"""The offline Python API: run a model in this process (or across processes) without a server.
+
+    with MStar("toy") as m:
+        result = m.generate({"text": "hi"}, max_tokens=8)
+        print(result.outputs["text"])
+"""
+
+from __future__ import annotations
+
+import queue
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mstar.conductor.request_state import FinishEvent, OutputEvent
+from mstar.config import MStarConfig, config_from_dict, load_config
+from mstar.runtime.launcher import Runtime
+
+
+class RequestFailed(RuntimeError):
+    """A request ended with an error; `status` is an HTTP-style status code."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Result:
+    """Everything one request produced: values per output name, in order."""
+
+    outputs: dict[str, list[Any]] = field(default_factory=dict)
+    finish_reason: str | None = None
+
+
+class RequestHandle:
+    """Iterate the events of one request; `cancel()` stops it everywhere."""
+
+    def __init__(self, runtime: Runtime, rid: str) -> None:
+        self.runtime, self.rid = runtime, rid
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self.finish: FinishEvent | None = None
+
+    def __iter__(self) -> Iterator[OutputEvent]:
+        """Output events in arrival order; raises RequestFailed if the request fails."""
+        while self.finish is None:
+            event = self._events.get()
+            if isinstance(event, FinishEvent):
+                self.finish = event
+                if event.error is not None:
+                    raise RequestFailed(event.error, event.status)
+                return
+            yield event
+
+    def cancel(self) -> bool:
+        return self.runtime.cancel(self.rid)
+
+    def result(self) -> Result:
+        result = Result()
+        for event in self:
+            result.outputs.setdefault(event.name, []).append(event.value)
+        result.finish_reason = self.finish.finish_reason if self.finish else None
+        return result
+
+
+class MStar:
+    """A model running in this process (mode "inproc") or across worker processes ("multiproc")."""
+
+    def __init__(self, model: str = "toy", config: str | Path | dict | MStarConfig | None = None, *,
+                 mode: str = "inproc", tiny: bool = False, load_format: str = "auto", model_path: str | None = None):
+        if config is None:
+            config = config_from_dict({"model": model})
+        elif isinstance(config, (str, Path)):
+            config = load_config(config)
+        elif isinstance(config, dict):
+            config = config_from_dict(config)
+        self.runtime = Runtime(config, mode=mode, tiny=tiny, load_format=load_format, model_path=model_path)
+        self.processor = self.runtime.processor
+
+    def submit(self, request: dict[str, Any], request_id: str | None = None, **options: Any) -> RequestHandle:
+        """Start a request; `options` override the model's per-request defaults."""
+        rid = request_id or uuid.uuid4().hex
+        opts = self.runtime.model.request_options(options)
+        inputs = self.processor.inputs(request, opts)
+        handle = RequestHandle(self.runtime, rid)
+        self.runtime.submit(rid, inputs, opts, handle._events.put)
+        return handle
+
+    def generate(self, request: dict[str, Any], **options: Any) -> Result:
+        """Run one request to the end; output values decoded by the model's processor."""
+        handle = self.submit(request, **options)
+        raw = handle.result()
+        opts = self.runtime.model.request_options(options)
+        raw.outputs = {k: [self.processor.decode_output(k, v, opts) for v in vs] for k, vs in raw.outputs.items()}
+        return raw
+
+    def close(self) -> None:
+        self.runtime.shutdown()
+
+    def __enter__(self) -> MStar:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

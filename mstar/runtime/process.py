@@ -1,0 +1,65 @@
+"""Entry point of a worker process: build, report ready, serve, and die with the parent."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import threading
+import time
+import traceback
+
+import msgspec
+
+logger = logging.getLogger(__name__)
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to kill us when the parent dies; a watchdog thread backs it up."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watchdog").start()
+
+
+def worker_process_main(rank: int, config_json: bytes, directory_json: bytes, session: str, build_args: dict) -> None:
+    """Run one worker until Shutdown (spawned by runtime.launcher)."""
+    die_with_parent()
+    os.environ["MSTAR_SESSION"] = session
+    logging.basicConfig(level=build_args.pop("log_level", "WARNING"))
+    from mstar.config import config_from_dict
+    from mstar.graph.placement import plan_placement
+    from mstar.runtime.build import build_engines, build_model, worker_device
+    from mstar.runtime.codecs import PayloadCodec
+    from mstar.transport import wire
+    from mstar.transport.messages import Codec
+    from mstar.transport.zmq_channels import Directory, ZmqNetwork
+    from mstar.worker.worker import CONDUCTOR, Worker, worker_peer
+
+    network = ZmqNetwork(msgspec.json.decode(directory_json, type=Directory), Codec(wire.Message))
+    inbox, outbox = network.inbox(worker_peer(rank)), network.outbox()
+    try:
+        config = config_from_dict(msgspec.json.decode(config_json))
+        model = build_model(config, **build_args)
+        graph = model.graph()
+        plan = plan_placement(graph, config.node_groups, config.source)
+        device = worker_device(config, rank)
+        engines = build_engines(model, config, plan.components_on(rank), device)
+        worker = Worker(rank, graph, engines, inbox, outbox, PayloadCodec(session), device)
+    except Exception:
+        outbox.send(CONDUCTOR, wire.WorkerFailed(rank, traceback.format_exc()))
+        time.sleep(0.2)
+        network.close()
+        return
+    outbox.send(CONDUCTOR, wire.WorkerReady(rank))
+    worker.run()
+    network.close()
