@@ -109,7 +109,7 @@ class Conductor:
                 target = self._walks[stream.target_walk]
                 if target.lane in req.active_lanes:  # consumers are placed up front: items may come early
                     req.stream_dest[stream.target_input] = self._reserve(req, target)[_first_node(target)]
-            for lane, first in firsts.items():
+            for first in firsts.values():
                 if first is not None:
                     self._start_walk(req, first)
             if not req.active_lanes:

@@ -1,0 +1,81 @@
+"""Config parsing and placement: errors name the key and the file."""
+
+import pytest
+
+from mstar.config import ConfigError, config_from_dict, load_config
+from mstar.graph.placement import PlacementError, plan_placement
+from mstar.models.toy.model import ToyModel
+
+GRAPH = ToyModel(ToyModel.make_config()).graph()
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_original_mstar_keys_load(tmp_path):
+    cfg = load_config(write(tmp_path, """
+model: toy
+max_seq_len: 4096
+max_concurrent_requests: 8
+kv_cache: {max_num_pages: 128, page_size: 16, cpu_offload_pages: 0, attention_backend: sdpa}
+node_groups:
+  - {node_names: [encoder, decoder, guide, painter], ranks: [0], graph_walks: [encode, generate, render]}
+  - {node_names: [vocoder], ranks: [1], tp_size: 1, sp_size: 1}
+model_kwargs: {hidden: 8}
+"""))
+    assert cfg.kv_cache.max_num_pages == 128 and cfg.num_workers == 2 and cfg.model_kwargs == {"hidden": 8}
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    path = write(tmp_path, "model: toy\nnode_groups:\n  - {node_names: [a], ranks: [0], tp: 2}\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml: unknown key 'node_groups\[0\]\.tp'"):
+        load_config(path)
+
+
+def test_bad_values(tmp_path):
+    with pytest.raises(ConfigError, match=r"max_concurrent_requests must be int, got 'many'"):
+        load_config(write(tmp_path, "model: toy\nmax_concurrent_requests: many\n"))
+    with pytest.raises(ConfigError, match=r"not valid YAML"):
+        load_config(write(tmp_path, "model: [toy\n"))
+    with pytest.raises(ConfigError, match=r"does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match=r"kv_cache.page_size must be >= 1"):
+        config_from_dict({"model": "toy", "kv_cache": {"page_size": 0}})
+
+
+def test_component_placed_nowhere():
+    cfg = config_from_dict({"model": "toy", "node_groups": [{"node_names": ["encoder"], "ranks": [0]}]}, "x.yaml")
+    with pytest.raises(PlacementError, match=r"x\.yaml: component 'decoder' \(used by walk 'generate'\) is placed in no node group"):
+        plan_placement(GRAPH, cfg.node_groups, cfg.source)
+
+
+def test_rank_out_of_range_and_unknown_names():
+    groups = config_from_dict({"model": "toy", "node_groups": [
+        {"node_names": ["encoder", "decoder", "guide", "painter", "vocoder"], "ranks": [0, 3]}]}).node_groups
+    with pytest.raises(PlacementError, match=r"node_groups\[0\]: rank 3 is out of range: 2 device"):
+        plan_placement(GRAPH, groups, max_ranks=2)
+    bad = config_from_dict({"model": "toy", "node_groups": [{"node_names": ["nope"], "ranks": [0]}]}).node_groups
+    with pytest.raises(PlacementError, match=r"unknown component 'nope'"):
+        plan_placement(GRAPH, bad)
+
+
+def test_prefill_and_decode_walks_on_different_ranks():
+    groups = config_from_dict({"model": "toy", "node_groups": [
+        {"node_names": ["encoder", "decoder", "guide", "painter", "vocoder"], "ranks": [0],
+         "graph_walks": ["encode", "render", "vocode"]},
+        {"node_names": ["decoder", "guide"], "ranks": [1], "graph_walks": ["generate"]},
+    ]}).node_groups
+    plan = plan_placement(GRAPH, groups)
+    assert plan.replicas("decoder", "generate") == ((1,),)
+    assert plan.replicas("encoder", "encode") == ((0,),)
+    assert plan.components_on(1) == ["decoder", "guide"]
+
+
+def test_unknown_model_lists_valid_names():
+    from mstar.models.registry import get_model_class
+
+    with pytest.raises(KeyError, match=r"unknown model 'toyy'; registered models are: .*toy"):
+        get_model_class("toyy")
