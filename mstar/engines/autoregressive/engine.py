@@ -75,6 +75,7 @@ class AutoregressiveEngine:
             self.scheduler.update(chunks)
             done = [c for c in chunks if c.completes]  # a prefill chunk that ends mid-prompt samples nothing
             if done:
+                assert logits is not None
                 results += self._postprocess(done, logits)
         return results
 

@@ -31,8 +31,9 @@ class ModelRunner:
         self.device = device
 
     @torch.inference_mode()
-    def run(self, chunks: list[Chunk]) -> torch.Tensor:
-        """One packed forward over all chunks; float32 logits [N, V] for the chunks that complete."""
+    def run(self, chunks: list[Chunk]) -> torch.Tensor | None:
+        """One packed forward over all chunks; float32 logits [N, V] for the chunks that complete
+        (None when none does)."""
         input_ids, positions, slots = [], [], []
         for c in chunks:
             pos = range(c.start, c.start + c.num_tokens)
@@ -43,7 +44,7 @@ class ModelRunner:
         hidden = self.model.forward(self._tensor(input_ids), self._tensor(positions), self.attn)
         ends = torch.cumsum(torch.tensor([c.num_tokens for c in chunks]), 0) - 1
         last = [int(e) for c, e in zip(chunks, ends) if c.completes]
-        return self.model.compute_logits(hidden[self._tensor(last)])
+        return self.model.compute_logits(hidden[self._tensor(last)]) if last else None
 
     def _metadata(self, chunks: list[Chunk], slots: list[int]) -> AttentionMetadata:
         max_pages = max(len(c.seq.pages) for c in chunks)
