@@ -99,7 +99,7 @@ def drive(engine, items, max_steps=2000):
             return results
         for r in engine.step():
             slot = r.node.removeprefix("llm_")
-            results[(r.request_id, slot)].append(r)
+            results.setdefault((r.request_id, slot), []).append(r)
             if r.error is None and not r.stop:
                 engine.submit(item(r.request_id, r.outputs["token"], slot))
     raise AssertionError("engine did not finish")
@@ -225,3 +225,17 @@ def test_logprobs_outputs(model):
     assert r.outputs["logprob"].shape == (1,) and r.outputs["top_ids"].shape == (3,)
     assert int(r.outputs["top_ids"][0]) == int(r.outputs["token"])  # greedy picks the top alternative
     assert torch.allclose(r.outputs["logprob"], r.outputs["top_logprobs"][:1])
+
+
+def test_idle_sequences_give_way_to_waiting_ones(model):
+    # "a" holds 8 of 10 pages while its caller holds back its next token (e.g. waiting for another
+    # guidance branch); "b" needs 5 pages: the idle "a" must be preempted, then recompute correctly.
+    ps = prompts(8, seed=5)
+    engine = make_engine(model, pages=10, max_model_len=40)
+    engine.submit(item("a", ps[7], max_tokens=3))  # 30 tokens -> 8 pages
+    (first,) = engine.step()
+    out = drive(engine, [item("b", ps[5], max_tokens=2)])  # 17 tokens -> 5 pages
+    assert tokens_of(out[("b", "main")]) == reference(model, ps[5], 2)
+    assert engine.scheduler.num_preemptions == 1
+    out = drive(engine, [item("a", first.outputs["token"])])
+    assert tokens_of([first, *out[("a", "main")]]) == reference(model, ps[7], 3)

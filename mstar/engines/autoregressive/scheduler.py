@@ -73,18 +73,33 @@ class Scheduler:
                 chunks.append(Chunk(seq, seq.num_computed, n))
                 budget -= n
         # Admitting new work right after a preemption would only thrash.
-        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
-               and self.num_preemptions == preempted_before):
+        if self.num_preemptions == preempted_before:
+            self._admit_waiting(chunks, budget)
+        return chunks
+
+    def _admit_waiting(self, chunks: list[Chunk], budget: int) -> None:
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
-            n = self._admit(seq, budget)
+            n = self._admit(seq, budget) if len(self.running) < self.max_num_seqs else 0
             if n == 0:
-                break
+                # Progress guarantee: when nothing else can run, idle sequences (waiting for their
+                # caller's next item, which may depend on this one, e.g. another guidance branch)
+                # give up their pages and seats.
+                if chunks or not self._preempt_idle():
+                    return
+                continue
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             chunks.append(Chunk(seq, seq.num_computed, n))
             budget -= n
-        return chunks
+
+    def _preempt_idle(self) -> bool:
+        """Preempt the newest running sequence that has no pending tokens; False if there is none."""
+        victim = next((s for s in reversed(self.running) if s.num_pending == 0), None)
+        if victim is not None:
+            self._preempt(victim)
+        return victim is not None
 
     def update(self, chunks: list[Chunk]) -> None:
         """After the step ran: advance each sequence and offer its new full pages to the prefix cache."""
