@@ -1,0 +1,161 @@
+"""The autoregressive engine: paged KV cache, continuous batching, chunked prefill, prefix reuse.
+
+Items are keyed by (request_id, kv_slot): each key is one sequence. An item's
+`inputs["input_ids"]` (1-D int64) are appended to its sequence: the prompt on the first item, the
+previously sampled token (or any tokens the caller chooses) on later ones; the engine never
+appends what it sampled by itself. Each item yields one StepResult with `outputs["token"]`
+(LongTensor[1]) once its tokens are computed. A result with `stop=True` ends the sequence: its
+pages are freed (full pages stay in the prefix cache) and a later item with the same key starts a
+new sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from mstar.engines.autoregressive.runner import ModelRunner, make_attention_backend
+from mstar.engines.autoregressive.scheduler import Chunk, Scheduler
+from mstar.engines.autoregressive.sequence import Sequence
+from mstar.engines.base import CausalLM, StepItem, StepResult
+from mstar.engines.kv_cache.block_pool import BlockPool
+from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
+from mstar.engines.sampling import SampleOutput, SamplingParams, SamplingRow, sample
+
+logger = logging.getLogger(__name__)
+
+
+class AutoregressiveEngine:
+    """Engine protocol implementation for a `CausalLM` (see the module docstring for the item rules).
+
+    `max_model_len` (prompt + generated tokens of one sequence) defaults to the pool's capacity
+    and may not exceed it, so that any single sequence always fits once others are preempted.
+    """
+
+    def __init__(self, model: CausalLM, kv_config: KVCacheConfig, device: torch.device | str,
+                 eos_token_ids: tuple[int, ...] = (), default_sampling: SamplingParams | None = None,
+                 max_num_seqs: int = 256, max_batch_tokens: int = 2048, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True) -> None:
+        if max_num_seqs < 1 or max_batch_tokens < 1:
+            raise ValueError(f"max_num_seqs={max_num_seqs}, max_batch_tokens={max_batch_tokens}: both must be >= 1")
+        self.device = torch.device(device)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.default_sampling = default_sampling or SamplingParams()
+        num_pages = compute_num_pages(kv_config, model.kv_layout, self.device)
+        capacity = num_pages * kv_config.page_size
+        self.max_model_len = capacity if max_model_len is None else max_model_len
+        if not 1 < self.max_model_len <= capacity:
+            raise ValueError(f"max_model_len={max_model_len} must be in [2, {capacity}] (the KV pool holds "
+                             f"{num_pages} pages of {kv_config.page_size}); lower it or raise kv_cache.max_num_pages")
+        if kv_config.cpu_offload_pages:
+            logger.warning("kv_cache.cpu_offload_pages=%d is not implemented yet; ignored", kv_config.cpu_offload_pages)
+        self.pool = BlockPool(num_pages, kv_config.page_size, enable_prefix_caching)
+        attn = make_attention_backend(kv_config.attention_backend, model.kv_layout, num_pages,
+                                      kv_config.page_size, self.device)
+        self.scheduler = Scheduler(self.pool, max_num_seqs, max_batch_tokens)
+        self.runner = ModelRunner(model, attn, kv_config.page_size, self.device)
+        self._seqs: dict[tuple[str, str], Sequence] = {}
+        self._errors: list[StepResult] = []  # items refused at submit, reported by the next step
+
+    def submit(self, item: StepItem) -> None:
+        """Queue an item; a malformed one (bad options, too long, ...) fails alone at the next step."""
+        try:
+            self._accept(item)
+        except ValueError as e:
+            self._errors.append(StepResult(item.request_id, item.walk, item.node, error=str(e),
+                                           iteration=item.iteration))
+
+    def step(self) -> list[StepResult]:
+        """Schedule, run one packed forward, sample; results for the items finished in this step."""
+        results, self._errors = self._errors, []
+        chunks = self.scheduler.schedule()
+        if chunks:
+            logits = self.runner.run(chunks)
+            self.scheduler.update(chunks)
+            done = [c for c in chunks if c.completes]  # a prefill chunk that ends mid-prompt samples nothing
+            if done:
+                assert logits is not None
+                results += self._postprocess(done, logits)
+        return results
+
+    def has_work(self) -> bool:
+        """Whether some submitted item has no result yet."""
+        return bool(self._errors) or any(s.item is not None for s in self._seqs.values())
+
+    def release(self, request_id: str) -> None:
+        """Drop every sequence (all KV slots) and pending item of `request_id`; unknown ids are fine."""
+        for key in [k for k in self._seqs if k[0] == request_id]:
+            self.scheduler.remove(self._seqs.pop(key))
+        self._errors = [r for r in self._errors if r.request_id != request_id]
+
+    def _accept(self, item: StepItem) -> None:
+        ids = item.inputs.get("input_ids")
+        if ids is None or ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point():
+            raise ValueError(f"item {item.node!r} needs inputs['input_ids'] as a non-empty 1-D integer tensor")
+        tokens = ids.tolist()
+        key = (item.request_id, item.kv_slot)
+        seq = self._seqs.get(key)
+        if seq is None:
+            seq = self._new_sequence(key, item, tokens)
+        elif seq.item is not None:
+            raise ValueError(f"request {key[0]!r} slot {key[1]!r} already has an item waiting for its result")
+        elif len(seq.token_ids) + len(tokens) > self.max_model_len:
+            raise ValueError(f"request {key[0]!r} would exceed max_model_len={self.max_model_len}")
+        else:
+            seq.token_ids.extend(tokens)
+        seq.item = item
+        self.scheduler.add(seq)
+
+    def _new_sequence(self, key: tuple[str, str], item: StepItem, tokens: list[int]) -> Sequence:
+        params = SamplingParams.from_options(item.options, self.default_sampling)
+        if len(tokens) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(tokens)} tokens leaves no room to generate under "
+                             f"max_model_len={self.max_model_len}; shorten the prompt")
+        if params.max_tokens is not None and len(tokens) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens={params.max_tokens} plus the {len(tokens)}-token prompt exceeds "
+                             f"max_model_len={self.max_model_len}; lower max_tokens")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        seq = Sequence(key, params, tokens, len(tokens), generator)
+        self._seqs[key] = seq
+        return seq
+
+    def _postprocess(self, chunks: list[Chunk], logits: torch.Tensor) -> list[StepResult]:
+        seqs = [c.seq for c in chunks]
+        rows = [SamplingRow(s.params, s.token_ids, s.num_prompt, s.generator, self.eos_token_ids) for s in seqs]
+        out = sample(logits, rows)
+        results = []
+        for i, (seq, token) in enumerate(zip(seqs, out.token_ids.tolist())):  # the step's one host sync
+            item = seq.item
+            assert item is not None, f"{seq.key} computed without a pending item"
+            seq.item = None
+            seq.num_generated += 1
+            reason = self._finish_reason(seq, token)
+            results.append(StepResult(item.request_id, item.walk, item.node, _outputs(out, i, seq.params),
+                                      stop=reason is not None, iteration=item.iteration, finish_reason=reason))
+            if reason is not None:
+                self.scheduler.remove(self._seqs.pop(seq.key))
+        return results
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if p.max_tokens is not None and seq.num_generated >= p.max_tokens:
+            return "length"
+        if len(seq.token_ids) + 1 >= self.max_model_len:  # no room to feed this token back
+            return "length"
+        return None
+
+
+def _outputs(out: SampleOutput, i: int, params: SamplingParams) -> dict[str, torch.Tensor]:
+    outputs = {"token": out.token_ids[i : i + 1]}
+    if params.logprobs is not None and out.logprobs is not None:
+        outputs["logprob"] = out.logprobs[i : i + 1]
+        if params.logprobs > 0 and out.top_ids is not None and out.top_logprobs is not None:
+            outputs["top_ids"] = out.top_ids[i, : params.logprobs]
+            outputs["top_logprobs"] = out.top_logprobs[i, : params.logprobs]
+    return outputs

@@ -1,0 +1,46 @@
+"""Per-sequence state of the autoregressive engine (one per request and KV slot)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from mstar.engines.base import StepItem
+from mstar.engines.sampling import SamplingParams
+
+
+class SeqStatus(Enum):
+    """Where a sequence sits in the scheduler."""
+
+    WAITING = "waiting"  # has work, holds no pages yet (new, or preempted with work pending)
+    RUNNING = "running"  # holds pages; may be idle until its next item arrives
+    PARKED = "parked"  # preempted while idle: holds no pages, rejoins WAITING with its next item
+
+
+@dataclass(eq=False)  # identity semantics: queues find and remove sequences by object
+class Sequence:
+    """One KV sequence: every token the caller appended, and how much of it is in the cache.
+
+    Token rule: the sequence is the concatenation of its items' `input_ids`; the engine never
+    appends the tokens it samples itself, the caller feeds them back in the next item.
+    """
+
+    key: tuple[str, str]  # (request_id, kv_slot)
+    params: SamplingParams
+    token_ids: list[int]
+    num_prompt: int  # tokens of the first item: penalties and min_tokens count the rest as output
+    generator: torch.Generator | None = None  # seeded requests only
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0  # tokens whose K/V are in `pages`
+    pages: list[int] = field(default_factory=list)
+    page_hashes: list[int] = field(default_factory=list)  # chained hashes of full pages seen so far
+    num_registered: int = 0  # leading pages already offered to the prefix cache
+    num_generated: int = 0  # tokens sampled for this sequence
+    item: StepItem | None = None  # the item waiting for a result
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens appended by the caller but not yet in the cache."""
+        return len(self.token_ids) - self.num_computed

@@ -1,0 +1,194 @@
+"""Token sampling shared by every engine: per-request parameters and one batched `sample` call.
+
+Semantics (as in vLLM and the OpenAI API):
+- temperature 0 is greedy (argmax after penalties); top_k 0 (or -1) and top_p 1 are off;
+- repetition_penalty applies to tokens seen in the prompt or the output; presence and frequency
+  penalties apply to output tokens only, from their counts;
+- eos and stop_token_ids are banned while fewer than `min_tokens` tokens have been generated;
+- logprobs are those of the model's raw distribution (before penalties, temperature, filtering);
+- a seeded request draws its random numbers from its own generator, a fixed amount per token, so
+  its tokens do not depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+MAX_LOGPROBS = 20  # most top alternatives a request may ask for (the OpenAI limit)
+
+_INT_FIELDS = {"top_k", "seed", "max_tokens", "min_tokens", "logprobs"}
+_FLOAT_FIELDS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request; validated on construction (ValueError names the field)."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # keep the smallest set with this much probability; 1 = off
+    min_p: float = 0.0  # drop tokens below min_p * the top token's probability
+    repetition_penalty: float = 1.0  # >1 discourages tokens of the prompt and output
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence of a token already generated
+    seed: int | None = None  # per-request generator seed; None = the engine's shared randomness
+    max_tokens: int | None = None  # tokens to generate at most; None = until eos / the context limit
+    min_tokens: int = 0  # eos and stop tokens are banned before this many tokens
+    stop_token_ids: tuple[int, ...] = ()  # extra token ids that end generation
+    ignore_eos: bool = False  # keep generating past eos
+    logprobs: int | None = None  # None = none; 0 = the chosen token's; k = also the top k alternatives
+
+    def __post_init__(self) -> None:
+        _check(self.temperature >= 0 and math.isfinite(self.temperature), "temperature", self.temperature,
+               "use a finite number >= 0 (0 = greedy)")
+        _check(self.top_k >= 0, "top_k", self.top_k, "use 0 or -1 (off) or a positive integer")
+        _check(0 < self.top_p <= 1, "top_p", self.top_p, "use a number in (0, 1]")
+        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "use a number in [0, 1]")
+        _check(0 < self.repetition_penalty and math.isfinite(self.repetition_penalty), "repetition_penalty",
+               self.repetition_penalty, "use a finite number > 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2 <= value <= 2, name, value, "use a number in [-2, 2]")
+        _check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens,
+               "use a positive integer or leave it unset")
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "use an integer >= 0")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+               f"it must not exceed max_tokens={self.max_tokens}")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
+               "use non-negative token ids")
+        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
+               f"use an integer in [0, {MAX_LOGPROBS}] or leave it unset")
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any], defaults: SamplingParams) -> SamplingParams:
+        """`defaults` overridden by the sampling keys of a request's options.
+
+        Keys that are not sampling fields are left alone (options also carry other model
+        options); a sampling key with a wrong type or value raises ValueError.
+        """
+        names = {f.name for f in fields(cls)}
+        overrides = {k: _coerce(k, v) for k, v in options.items() if k in names}
+        return replace(defaults, **overrides)
+
+
+def _check(ok: bool, name: str, value: Any, fix: str) -> None:
+    if not ok:
+        raise ValueError(f"invalid sampling option {name}={value!r}: {fix}")
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Type-check one option and normalise it (lists -> tuples, top_k -1 -> 0)."""
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if name in _INT_FIELDS:
+        _check(is_int or (value is None and name in ("seed", "max_tokens", "logprobs")), name, value,
+               "use an integer")
+        return 0 if name == "top_k" and value == -1 else value
+    if name in _FLOAT_FIELDS:
+        _check(is_int or isinstance(value, float), name, value, "use a number")
+        return float(value)
+    if name == "ignore_eos":
+        _check(isinstance(value, bool), name, value, "use true or false")
+        return value
+    # stop_token_ids
+    ok = isinstance(value, list | tuple) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    _check(ok, name, value, "use a list of integer token ids")
+    return tuple(value)
+
+
+@dataclass
+class SamplingRow:
+    """Everything `sample` needs about one row of the logits."""
+
+    params: SamplingParams
+    token_ids: Sequence[int]  # prompt + output so far
+    num_prompt: int  # how many of token_ids are the prompt
+    generator: torch.Generator | None = None  # the request's own generator (seeded requests)
+    eos_token_ids: tuple[int, ...] = ()  # banned, with stop_token_ids, while under min_tokens
+
+
+@dataclass
+class SampleOutput:
+    """Sampled tokens and, when any row asked, logprobs (rows with fewer alternatives slice)."""
+
+    token_ids: torch.Tensor  # [N] int64
+    logprobs: torch.Tensor | None = None  # [N] float32: log-probability of the chosen token
+    top_ids: torch.Tensor | None = None  # [N, K] int64, K = the largest `logprobs` asked in the batch
+    top_logprobs: torch.Tensor | None = None  # [N, K] float32
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
+    """Pick one token per row of float32 `logits` [N, V], on the logits' device."""
+    assert logits.shape[0] == len(rows), f"{logits.shape[0]} logits rows for {len(rows)} sampling rows"
+    device = logits.device
+    x = logits.float().clone()
+    _apply_bans_and_penalties(x, rows)
+    temps = torch.tensor([r.params.temperature for r in rows], device=device)
+    greedy_ids = x.argmax(dim=-1)
+    x = x / torch.where(temps > 0, temps, 1.0)[:, None]
+    x = _top_k_top_p(x, rows)
+    probs = x.softmax(dim=-1)
+    min_p = torch.tensor([r.params.min_p for r in rows], device=device)
+    probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+    # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) draws exactly from p.
+    sampled_ids = (probs / _exponential_noise(probs, rows)).argmax(dim=-1)
+    token_ids = torch.where(temps == 0, greedy_ids, sampled_ids)
+    return _with_logprobs(SampleOutput(token_ids), logits, rows)
+
+
+def _apply_bans_and_penalties(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    vocab = x.shape[1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if len(row.token_ids) - row.num_prompt < p.min_tokens:
+            banned = [t for t in (*row.eos_token_ids, *p.stop_token_ids) if t < vocab]
+            x[i, banned] = -math.inf
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool, device=x.device)
+            seen[torch.tensor(list(row.token_ids), dtype=torch.long, device=x.device)] = True
+            penalised = torch.where(x[i] > 0, x[i] / p.repetition_penalty, x[i] * p.repetition_penalty)
+            x[i] = torch.where(seen, penalised, x[i])
+        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            out = torch.tensor(list(row.token_ids[row.num_prompt:]), dtype=torch.long, device=x.device)
+            counts = torch.bincount(out, minlength=vocab)[:vocab].to(x.dtype)
+            x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+
+
+def _top_k_top_p(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Mask tokens outside each row's top-k and top-p sets to -inf."""
+    if all(r.params.top_k == 0 and r.params.top_p >= 1.0 for r in rows):
+        return x
+    vocab = x.shape[1]
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=x.device)[None, :]
+    top_k = torch.tensor([r.params.top_k or vocab for r in rows], device=x.device)
+    sorted_x = sorted_x.masked_fill(ranks >= top_k[:, None], -math.inf)
+    probs = sorted_x.softmax(dim=-1)
+    top_p = torch.tensor([r.params.top_p if r.params.top_p < 1.0 else math.inf for r in rows], device=x.device)
+    # Keep a token while the mass strictly before it is below top_p: the first token always stays.
+    sorted_x = sorted_x.masked_fill(probs.cumsum(dim=-1) - probs >= top_p[:, None], -math.inf)
+    return torch.full_like(x, -math.inf).scatter(-1, order, sorted_x)
+
+
+def _exponential_noise(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Exp(1) noise; seeded rows draw from their own generator, a whole row each time."""
+    noise = torch.empty_like(probs).exponential_()
+    for i, row in enumerate(rows):
+        if row.generator is not None:
+            noise[i] = torch.empty_like(probs[i]).exponential_(generator=row.generator)
+    return noise
+
+
+def _with_logprobs(out: SampleOutput, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
+    wanted = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+    if not wanted:
+        return out
+    logp = logits.float().log_softmax(dim=-1)
+    out.logprobs = logp.gather(1, out.token_ids[:, None])[:, 0]
+    k = max(wanted)
+    out.top_logprobs, out.top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], out.token_ids[:, None][:, :0])
+    return out

@@ -1,0 +1,137 @@
+"""Batched sampling: masks, penalties, seeds, bans, logprobs and option validation."""
+
+import math
+
+import pytest
+import torch
+
+from mstar.engines.sampling import SamplingParams, SamplingRow, sample
+
+
+def _row(temperature=1.0, tokens=(), num_prompt=0, seed=None, eos=(), **kw):
+    gen = None
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)
+    return SamplingRow(SamplingParams(temperature=temperature, **kw), list(tokens), num_prompt, gen, eos)
+
+
+def _draws(logits, row_kwargs, n=400):
+    """The set of tokens drawn in n samples of one row (one seeded stream)."""
+    row = _row(seed=0, **row_kwargs)
+    return {int(sample(logits[None], [row]).token_ids[0]) for _ in range(n)}
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(1))
+    out = sample(logits, [_row(temperature=0.0) for _ in range(5)])
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+
+
+def test_top_k_keeps_only_the_k_best():
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    assert _draws(logits, {"top_k": 2}) == {0, 1}
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    assert _draws(probs.log(), {"top_p": 0.7}) == {0, 1}  # 0.5 < 0.7, then 0.8 >= 0.7
+    assert _draws(probs.log(), {"top_p": 0.5}) == {0}
+
+
+def test_min_p_drops_unlikely_tokens():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    assert _draws(probs.log(), {"min_p": 0.25}) == {0, 1, 2}  # threshold 0.125
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.7, 0.2, 0.1])
+    row = _row(seed=3)
+    counts = torch.bincount(torch.stack([sample(probs.log()[None], [row]).token_ids[0] for _ in range(3000)]),
+                            minlength=3).float() / 3000
+    assert torch.allclose(counts, probs, atol=0.03)
+
+
+def test_repetition_penalty_uses_prompt_and_output():
+    logits = torch.tensor([[2.0, 1.9, -1.0, -1.1]])
+    # token 0 (seen in the prompt) is divided, token 2 (seen in the output) multiplied
+    out = sample(logits, [_row(0.0, tokens=[0, 2], num_prompt=1, repetition_penalty=2.0)])
+    assert int(out.token_ids[0]) == 1
+    logits = torch.tensor([[-1.0, -1.1, -5.0]])
+    out = sample(logits, [_row(0.0, tokens=[0], num_prompt=1, repetition_penalty=2.0)])
+    assert int(out.token_ids[0]) == 1  # -1 * 2 = -2 < -1.1
+
+
+def test_presence_and_frequency_penalties_count_output_only():
+    logits = torch.tensor([[3.0, 2.5, 0.0]])
+    prompt_only = _row(0.0, tokens=[0, 0, 0], num_prompt=3, frequency_penalty=1.0)
+    assert int(sample(logits, [prompt_only]).token_ids[0]) == 0
+    twice = _row(0.0, tokens=[0, 0], num_prompt=0, frequency_penalty=0.4)  # 3 - 0.8 < 2.5
+    assert int(sample(logits, [twice]).token_ids[0]) == 1
+    once = _row(0.0, tokens=[0], num_prompt=0, presence_penalty=0.6)  # 3 - 0.6 < 2.5
+    assert int(sample(logits, [once]).token_ids[0]) == 1
+
+
+def test_min_tokens_bans_eos_and_stop_tokens():
+    logits = torch.tensor([[5.0, 4.0, 1.0, 0.0]])
+    early = _row(0.0, tokens=[3], num_prompt=1, eos=(0,), min_tokens=2, stop_token_ids=(1,))
+    assert int(sample(logits, [early]).token_ids[0]) == 2
+    later = _row(0.0, tokens=[3, 2, 2], num_prompt=1, eos=(0,), min_tokens=2, stop_token_ids=(1,))
+    assert int(sample(logits, [later]).token_ids[0]) == 0
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 100, generator=gen)
+    params = {"top_k": 20, "top_p": 0.9}
+    seq_alone, seq_batch = [], []
+    row_alone = _row(seed=42, **params)
+    row_batch = _row(seed=42, **params)
+    others = [_row(seed=None), _row(temperature=0.0), _row(seed=5, min_p=0.1), _row(), _row(seed=9)]
+    for _ in range(20):
+        seq_alone.append(int(sample(logits[:1], [row_alone]).token_ids[0]))
+        seq_batch.append(int(sample(logits[[1, 2, 0, 3, 4, 5]], [others[0], others[1], row_batch, *others[2:]])
+                             .token_ids[2]))
+    assert seq_alone == seq_batch
+    assert len(set(seq_alone)) > 1  # really sampling, not greedy
+
+
+def test_logprobs_and_top_alternatives():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [0.0, 0.0, 5.0, 0.0]])
+    out = sample(logits, [_row(0.0, logprobs=2), _row(0.0, logprobs=0)])
+    expected = logits.log_softmax(-1)
+    assert out.token_ids.tolist() == [1, 2]
+    assert torch.allclose(out.logprobs, expected[[0, 1], [1, 2]])
+    assert out.top_ids[0].tolist() == [1, 2]
+    assert torch.allclose(out.top_logprobs[0], expected[0, [1, 2]])
+    assert sample(logits, [_row(0.0), _row(0.0)]).logprobs is None
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"max_tokens": -1}, "max_tokens=-1"),
+    ({"max_tokens": 0}, "max_tokens=0"),
+    ({"temperature": -0.5}, "temperature=-0.5"),
+    ({"top_p": 0.0}, "top_p=0.0"),
+    ({"top_p": 1.5}, "top_p=1.5"),
+    ({"top_k": -2}, "top_k=-2"),
+    ({"min_p": 2}, "min_p=2"),
+    ({"repetition_penalty": 0}, "repetition_penalty=0"),
+    ({"presence_penalty": 3}, "presence_penalty=3"),
+    ({"temperature": "hot"}, "temperature='hot'"),
+    ({"max_tokens": 2.5}, "max_tokens=2.5"),
+    ({"seed": True}, "seed=True"),
+    ({"stop_token_ids": [1, "x"]}, "stop_token_ids"),
+    ({"ignore_eos": 1}, "ignore_eos=1"),
+    ({"logprobs": 50}, "logprobs=50"),
+    ({"min_tokens": 5, "max_tokens": 3}, "min_tokens=5"),
+])
+def test_from_options_validation(options, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams.from_options(options, SamplingParams())
+
+
+def test_from_options_overrides_defaults_and_ignores_other_keys():
+    defaults = SamplingParams(temperature=0.7, max_tokens=100)
+    p = SamplingParams.from_options({"top_k": -1, "stop_token_ids": [3, 4], "temperature": 0, "voice": "x"},
+                                    defaults)
+    assert p.top_k == 0 and p.stop_token_ids == (3, 4) and p.temperature == 0.0 and p.max_tokens == 100
+    assert math.isclose(SamplingParams.from_options({}, defaults).temperature, 0.7)
