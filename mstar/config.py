@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -17,27 +17,44 @@ class ConfigError(ValueError):
     """A config file or value is wrong; the message names the key and the file."""
 
 
-@dataclass
-class KVCacheSection:
-    """`kv_cache:` — the paged KV cache of autoregressive components."""
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """How large the paged KV pool is and which attention backend reads it.
 
-    max_num_pages: int | None = None  # fixed pool size; default: sized from memory left after weights
-    memory_fraction: float = 0.9  # share of free device memory (after weights) given to the pool
+    Pool size: `max_num_pages` when given; otherwise, on CUDA, `memory_fraction` of the device
+    memory still free once the weights are loaded; on CPU, `CPU_DEFAULT_POOL_BYTES` (256 MiB).
+    """
+
+    max_num_pages: int | None = None  # explicit page count; wins over memory_fraction
     page_size: int = 16  # tokens per page
-    cpu_offload_pages: int = 0  # reserved: pages kept in host memory
-    attention_backend: str = "auto"  # "auto" | "sdpa" | "triton" | "flashinfer"
+    memory_fraction: float = 0.9  # share of free device memory (after weights) given to the pool (GPU)
+    cpu_offload_pages: int = 0  # reserved: host pages for offloading (not implemented yet)
+    attention_backend: str = "auto"  # "auto" or "sdpa" for now
 
-    def validate(self, where: str) -> None:
-        if self.max_num_pages is not None and self.max_num_pages < 1:
-            raise ConfigError(f"{where}: kv_cache.max_num_pages must be >= 1, got {self.max_num_pages}")
-        if not 0.0 < self.memory_fraction <= 1.0:
-            raise ConfigError(f"{where}: kv_cache.memory_fraction must be in (0, 1], got {self.memory_fraction}")
-        if self.page_size < 1:
-            raise ConfigError(f"{where}: kv_cache.page_size must be >= 1, got {self.page_size}")
-        if self.attention_backend not in ("auto", "sdpa", "triton", "flashinfer"):
-            raise ConfigError(
-                f"{where}: kv_cache.attention_backend {self.attention_backend!r} is not one of auto, sdpa, triton, flashinfer"
-            )
+    def __post_init__(self) -> None:
+        if self.max_num_pages is not None and (not _is_int(self.max_num_pages) or self.max_num_pages < 1):
+            raise ValueError(f"kv_cache.max_num_pages={self.max_num_pages!r}: use a positive integer or omit it")
+        if not _is_int(self.page_size) or self.page_size < 1:
+            raise ValueError(f"kv_cache.page_size={self.page_size!r}: use a positive integer such as 16")
+        if not isinstance(self.memory_fraction, int | float) or not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"kv_cache.memory_fraction={self.memory_fraction!r}: use a number in (0, 1]")
+        if not _is_int(self.cpu_offload_pages) or self.cpu_offload_pages < 0:
+            raise ValueError(f"kv_cache.cpu_offload_pages={self.cpu_offload_pages!r}: use an integer >= 0")
+        if not isinstance(self.attention_backend, str) or not self.attention_backend:
+            raise ValueError(f"kv_cache.attention_backend={self.attention_backend!r}: use a name such as 'auto'")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVCacheConfig:
+        """Build from a parsed YAML mapping; an unknown key is an error naming the valid ones."""
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - valid)
+        if unknown:
+            raise ValueError(f"unknown kv_cache key(s) {unknown}; valid keys: {sorted(valid)}")
+        return cls(**data)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -77,7 +94,7 @@ class MStarConfig:
     node_groups: list[NodeGroup] = field(default_factory=list)  # empty: every component on rank 0
     max_concurrent_requests: int = 64  # requests in flight at once; more wait in the queue
     max_queued_requests: int = 1024  # a full queue rejects new requests instead of growing
-    kv_cache: KVCacheSection = field(default_factory=KVCacheSection)
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     model_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the model's config
     device: str = "auto"  # "auto" (cuda:<rank> when CUDA is there, else cpu) | "cpu" | "cuda"
     max_seq_len: int | None = None  # accepted for compatibility with M* configs; models bound it themselves
@@ -91,13 +108,16 @@ class MStarConfig:
             raise ConfigError(f"{where}: max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError(f"{where}: device {self.device!r} must be auto, cpu or cuda")
-        self.kv_cache.validate(where)
         for i, group in enumerate(self.node_groups):
             group.validate(f"{where}: node_groups[{i}]")
 
     @property
     def num_workers(self) -> int:
         return 1 + max((r for g in self.node_groups for r in g.ranks), default=0)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def load_config(path: str | Path, **overrides: Any) -> MStarConfig:
@@ -140,7 +160,7 @@ def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
     kwargs = {name: _coerce(hints[name], value, source, f"{prefix}{name}") for name, value in data.items()}
     try:
         return cls(**kwargs)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:
         raise ConfigError(f"{source}: {prefix or 'config'}: {exc}") from None
 
 

@@ -42,7 +42,7 @@ def test_bad_values(tmp_path):
         load_config(write(tmp_path, "model: [toy\n"))
     with pytest.raises(ConfigError, match=r"does not exist"):
         load_config(tmp_path / "missing.yaml")
-    with pytest.raises(ConfigError, match=r"kv_cache.page_size must be >= 1"):
+    with pytest.raises(ConfigError, match=r"kv_cache.page_size=0: use a positive integer"):
         config_from_dict({"model": "toy", "kv_cache": {"page_size": 0}})
 
 
