@@ -82,7 +82,14 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
     items = []
     for err in exc.errors(include_url=False):
         # Drop union-branch labels ("str", "list[...]", "tagged-union[...]") from the location.
-        loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in ("str", "int")))]
+        loc: list[str] = []
+        for part in err["loc"]:
+            # Drop union-branch labels ("str", "list[...]") and a discriminator tag that repeats the
+            # field after it ("image_url.image_url.url" -> "image_url.url").
+            if isinstance(part, str) and ("[" in part or part in ("str", "int")):
+                continue
+            if not (loc and loc[-1] == str(part)):
+                loc.append(str(part))
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] not in ("missing", "model_type") and "input" in err and not isinstance(
             err["input"], dict | list
