@@ -10,9 +10,9 @@ from typing import Any
 
 from mstar.client.errors import MStarError
 from mstar.server.protocol import ErrorChunk, FinalChunk, OutputChunk, parse_chunk
+from mstar.server.protocol_openai_media import SAMPLE_RATE_HEADER  # noqa: F401 (re-exported for the clients)
 
 DONE = object()  # the SSE "[DONE]" sentinel
-SAMPLE_RATE_HEADER = "x-sample-rate"  # raw pcm answers of /v1/audio/speech carry their rate here
 
 _EXT_MODALITY = {
     ".png": "image", ".jpg": "image", ".jpeg": "image", ".webp": "image", ".gif": "image",

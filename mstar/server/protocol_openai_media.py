@@ -16,6 +16,7 @@ from mstar.server.protocol import MAX_SEED
 from mstar.server.protocol_openai import new_id
 
 MAX_SPEECH_CHARS = 16384
+SAMPLE_RATE_HEADER = "x-sample-rate"  # response header of raw `pcm` speech: its sample rate in Hz
 MAX_SIDE = 8192
 _SIZE = re.compile(r"^\s*(\d+)\s*[xX×]\s*(\d+)\s*$")
 
