@@ -1,0 +1,176 @@
+"""`MStarClient`: the blocking Python SDK over httpx."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+
+from mstar.client import wire
+from mstar.client.errors import MStarError, error_from_body
+from mstar.client.results import AudioBuffer, GenerateResult
+from mstar.server.protocol import FinalChunk, GenerateResponse, OutputChunk
+from mstar.server.protocol_openai import ChatCompletion, ChatCompletionChunk, ModelList
+
+
+class MStarClient:
+    """Talks to one mstar server. Every failure, HTTP or in-band in a stream, raises `MStarError`.
+
+    Streaming methods return iterators; leaving the loop early closes the connection.
+    """
+
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        api_key: str | None = None,
+        timeout: float = 600.0,
+        model: str | None = None,
+        http_client: httpx.Client | None = None,
+    ):
+        self.model = model
+        self._http = http_client or httpx.Client(
+            base_url=base_url.rstrip("/"), headers=wire.headers(api_key), timeout=httpx.Timeout(timeout, connect=10.0)
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> MStarClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            resp = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise MStarError(0, f"cannot reach {self._http.base_url}{path}: {exc}") from None
+        if resp.status_code >= 400:
+            raise error_from_body(resp.status_code, resp.content)
+        return resp
+
+    def _stream_lines(self, path: str, body: dict[str, Any]) -> Iterator[str]:
+        try:
+            with self._http.stream("POST", path, json=body) as resp:
+                if resp.status_code >= 400:
+                    raise error_from_body(resp.status_code, resp.read())
+                yield from resp.iter_lines()
+        except httpx.TransportError as exc:
+            raise MStarError(0, f"stream from {self._http.base_url}{path} broke: {exc}") from None
+
+    def _sse(self, path: str, body: dict[str, Any]) -> Iterator[Any]:
+        for line in self._stream_lines(path, body):
+            event = wire.sse_event(line)
+            if event is wire.DONE:
+                return
+            if event is not None:
+                yield event
+
+    # -- endpoints --------------------------------------------------------------------------------
+
+    def health(self) -> bool:
+        """True when the server answers /health."""
+        try:
+            return self._http.get("/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def ready(self) -> bool:
+        """True when every worker has loaded and warmed up."""
+        try:
+            return self._http.get("/ready").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def models(self) -> ModelList:
+        return ModelList.model_validate_json(self._request("GET", "/v1/models").content)
+
+    def chat(
+        self, messages: Any, stream: bool = False, model: str | None = None, **options: Any
+    ) -> ChatCompletion | Iterator[ChatCompletionChunk]:
+        """Chat completion. `messages` is a prompt string or OpenAI-style messages; `options` are
+        request fields (max_tokens, temperature, modalities, model-specific knobs...)."""
+        body = {"model": model or self.model, "messages": wire.chat_messages(messages), "stream": stream, **options}
+        body = {k: v for k, v in body.items() if v is not None}
+        if stream:
+            return (ChatCompletionChunk.model_validate(e) for e in self._sse("/v1/chat/completions", body))
+        return ChatCompletion.model_validate_json(self._request("POST", "/v1/chat/completions", json=body).content)
+
+    def generate(
+        self,
+        text: str | None = None,
+        files: Any = (),
+        outputs: Any = ("text",),
+        stream: bool = False,
+        seed: int | None = None,
+        request_id: str | None = None,
+        **options: Any,
+    ) -> GenerateResult | Iterator[OutputChunk | FinalChunk]:
+        """Native /generate. `files` are local paths, bytes, (name, bytes) or media dicts; `options`
+        are per-request model options. Streaming yields typed chunks, ending with a `FinalChunk`."""
+        body = wire.generate_body(text, files, outputs, stream, options, seed, request_id)
+        if stream:
+            return self._generate_stream(body)
+        resp = GenerateResponse.model_validate_json(self._request("POST", "/generate", json=body).content)
+        return GenerateResult(resp.request_id, resp.outputs, resp.finish_reason, resp.usage)
+
+    def _generate_stream(self, body: dict[str, Any]) -> Iterator[OutputChunk | FinalChunk]:
+        for line in self._stream_lines("/generate", body):
+            chunk = wire.ndjson_chunk(line)
+            if chunk is not None:
+                yield chunk
+
+    def generate_image(
+        self, prompt: str, size: str | None = None, n: int = 1, seed: int | None = None,
+        as_bytes: bool = False, **options: Any,
+    ):
+        """Text to image: a PIL image (or PNG bytes with `as_bytes`); a list when n > 1."""
+        body = {"prompt": prompt, "n": n, "response_format": "b64_json", "model": self.model, "size": size,
+                "seed": seed, **options}
+        data = self._request("POST", "/v1/images/generations", json={k: v for k, v in body.items() if v is not None})
+        images = [wire.image_from_b64(d["b64_json"], as_bytes) for d in data.json()["data"]]
+        return images[0] if n == 1 else images
+
+    def tts(
+        self, text: str, voice: str | None = None, stream: bool = False, response_format: str = "wav",
+        **options: Any,
+    ) -> AudioBuffer | Iterator[AudioBuffer]:
+        """Text to speech: an `AudioBuffer`, or with `stream` an iterator of `AudioBuffer` pieces."""
+        body = {"input": text, "voice": voice, "model": self.model, "response_format": response_format, **options}
+        body = {k: v for k, v in body.items() if v is not None}
+        if stream:
+            return self._tts_stream({**body, "response_format": "pcm", "stream_format": "sse"})
+        resp = self._request("POST", "/v1/audio/speech", json=body)
+        if response_format == "pcm":
+            return AudioBuffer.from_pcm16(resp.content, int(resp.headers.get(wire.SAMPLE_RATE_HEADER, 24000)))
+        return AudioBuffer.from_file_bytes(resp.content)
+
+    def _tts_stream(self, body: dict[str, Any]) -> Iterator[AudioBuffer]:
+        import base64
+
+        for event in self._sse("/v1/audio/speech", body):
+            if event.get("type") == "speech.audio.done":
+                return
+            if event.get("type") == "speech.audio.delta":
+                yield AudioBuffer.from_pcm16(base64.b64decode(event["audio"]), int(event.get("sample_rate") or 24000))
+
+    def generate_video(
+        self, prompt: str, seconds: float | None = None, size: str | None = None, input_reference: Any = None,
+        poll_interval_s: float = 1.0, timeout_s: float | None = None, **options: Any,
+    ) -> bytes:
+        """Text (or image) to video through the /v1/videos jobs API; returns MP4 bytes."""
+        body = {"prompt": prompt, "model": self.model, "seconds": seconds, "size": size,
+                "input_reference": wire.reference_url(input_reference), **options}
+        job = self._request("POST", "/v1/videos", json={k: v for k, v in body.items() if v is not None}).json()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not wire.check_job(job):
+            if deadline is not None and time.monotonic() > deadline:
+                raise MStarError(408, f"video job {job['id']} not done after {timeout_s} s (status {job.get('status')})")
+            time.sleep(poll_interval_s)
+            job = self._request("GET", f"/v1/videos/{job['id']}").json()
+        return self._request("GET", f"/v1/videos/{job['id']}/content").content

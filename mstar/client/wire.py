@@ -1,0 +1,179 @@
+"""Request bodies and response parsing shared by the sync and async clients (no I/O here)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import mimetypes
+from pathlib import Path
+from typing import Any
+
+from mstar.client.errors import MStarError
+from mstar.server.protocol import ErrorChunk, FinalChunk, OutputChunk, parse_chunk
+from mstar.server.protocol_openai_media import SAMPLE_RATE_HEADER  # noqa: F401 (re-exported for the clients)
+
+DONE = object()  # the SSE "[DONE]" sentinel
+
+_EXT_MODALITY = {
+    ".png": "image", ".jpg": "image", ".jpeg": "image", ".webp": "image", ".gif": "image",
+    ".wav": "audio", ".mp3": "audio", ".flac": "audio", ".ogg": "audio", ".opus": "audio",
+    ".m4a": "audio", ".aac": "audio",
+    ".mp4": "video", ".webm": "video", ".mov": "video", ".mkv": "video", ".avi": "video",
+}
+_MAGIC = (
+    (b"\x89PNG", "image", "image/png"), (b"\xff\xd8\xff", "image", "image/jpeg"), (b"GIF8", "image", "image/gif"),
+    (b"RIFF", None, None), (b"fLaC", "audio", "audio/flac"), (b"OggS", "audio", "audio/ogg"),
+    (b"ID3", "audio", "audio/mpeg"), (b"\x1aE\xdf\xa3", "video", "video/webm"),
+)
+
+
+def headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def sniff(data: bytes) -> tuple[str, str]:
+    """(modality, mime type) of media bytes, from their magic numbers."""
+    if data[:4] == b"RIFF":
+        kind = data[8:12]
+        return ("image", "image/webp") if kind == b"WEBP" else ("audio", "audio/wav")
+    if data[4:8] == b"ftyp":
+        return ("audio", "audio/mp4") if data[8:11] == b"M4A" else ("video", "video/mp4")
+    for magic, modality, mime in _MAGIC:
+        if data.startswith(magic) and modality:
+            return modality, mime
+    if data[:2] in (b"\xff\xfb", b"\xff\xf3", b"\xff\xf2"):
+        return "audio", "audio/mpeg"
+    raise MStarError(0, "cannot tell the media type of these bytes; pass (filename, bytes) or a dict")
+
+
+def media_part(item: Any) -> dict[str, Any]:
+    """One /generate media part from a local path, bytes, (filename, bytes) or a ready dict.
+
+    Local files are read here, on the client, and sent inline as data URLs.
+    """
+    if isinstance(item, dict):
+        return item
+    if isinstance(item, tuple) and len(item) == 2:
+        name, data = item
+        modality, mime = _by_name(str(name)) or sniff(data)
+    elif isinstance(item, str | Path) and not str(item).startswith(("http://", "https://", "data:")):
+        path = Path(item)
+        if not path.is_file():
+            raise MStarError(0, f"file not found: {path}")
+        data = path.read_bytes()
+        modality, mime = _by_name(path.name) or sniff(data)
+    elif isinstance(item, str):  # a URL or data URL: the server decides whether it may fetch it
+        return {"type": _url_modality(item), "data": item}
+    elif isinstance(item, bytes | bytearray):
+        data = bytes(item)
+        modality, mime = sniff(data)
+    else:
+        raise TypeError(f"files entries must be paths, bytes, (name, bytes) or dicts, got {type(item).__name__}")
+    return {"type": modality, "data": data_url(data, mime)}
+
+
+def _by_name(name: str) -> tuple[str, str] | None:
+    ext = Path(name).suffix.lower()
+    if ext not in _EXT_MODALITY:
+        return None
+    return _EXT_MODALITY[ext], mimetypes.guess_type(name)[0] or "application/octet-stream"
+
+
+def _url_modality(url: str) -> str:
+    if url.startswith("data:"):
+        kind = url[5:].split("/", 1)[0]
+        if kind in ("image", "audio", "video"):
+            return kind
+    else:
+        guess = _by_name(url.split("?")[0])
+        if guess:
+            return guess[0]
+    raise MStarError(0, f"cannot tell the media type of {url[:60]!r}; pass {{'type': ..., 'data': ...}}")
+
+
+def data_url(data: bytes, mime: str) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """A prompt string becomes one user message; a message list passes through."""
+    if isinstance(messages, str):
+        return [{"role": "user", "content": messages}]
+    return [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in messages]
+
+
+def ndjson_chunk(line: str | bytes) -> OutputChunk | FinalChunk | None:
+    """Parse one NDJSON line; blank lines give None; an in-band error RAISES `MStarError`."""
+    if not line.strip():
+        return None
+    try:
+        chunk = parse_chunk(line)
+    except ValueError as exc:
+        raise MStarError(502, f"malformed stream line from the server: {exc}") from None
+    if isinstance(chunk, ErrorChunk):
+        raise MStarError(chunk.status, chunk.message)
+    return chunk
+
+
+def sse_event(line: str) -> Any:
+    """The JSON payload of an SSE `data:` line, `DONE` for `[DONE]`, None for other lines.
+
+    An event carrying an `error` object (or of type "error") RAISES `MStarError`.
+    """
+    if not line.startswith("data:"):
+        return None
+    payload = line[5:].strip()
+    if payload == "[DONE]":
+        return DONE
+    try:
+        event = json.loads(payload)
+    except ValueError:
+        raise MStarError(502, f"malformed SSE event from the server: {payload[:200]!r}") from None
+    if isinstance(event, dict) and (event.get("type") == "error" or isinstance(event.get("error"), dict)):
+        err = event.get("error") or {}
+        status = err.get("code") if isinstance(err.get("code"), int) else 500
+        raise MStarError(status, str(err.get("message") or event.get("message") or "error in stream"))
+    return event
+
+
+def generate_body(text, files, outputs, stream, options, seed, request_id) -> dict[str, Any]:
+    """The /generate JSON body (see `mstar.server.protocol.GenerateRequest`)."""
+    body: dict[str, Any] = {"outputs": list(outputs), "stream": stream, "options": dict(options)}
+    if text is not None:
+        body["text"] = text
+    if files:
+        body["media"] = [media_part(f) for f in ([files] if isinstance(files, str | bytes | Path) else files)]
+    if seed is not None:
+        body["seed"] = seed
+    if request_id is not None:
+        body["request_id"] = request_id
+    return body
+
+
+def image_from_b64(b64: str, as_bytes: bool):
+    """Decoded image bytes, or a PIL image when `as_bytes` is false."""
+    data = base64.b64decode(b64)
+    if as_bytes:
+        return data
+    import io
+
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(data))
+    img.load()
+    return img
+
+
+def reference_url(item: Any) -> str | None:
+    """`input_reference` for /v1/videos: a path or bytes become a data URL; strings pass through."""
+    if item is None or (isinstance(item, str) and item.startswith(("http://", "https://", "data:"))):
+        return item
+    return media_part(item)["data"]
+
+
+def check_job(job: dict[str, Any]) -> bool:
+    """True when a video job completed; raises `MStarError` when it failed."""
+    if job.get("status") == "failed":
+        err = job.get("error") or {}
+        raise MStarError(500, f"video job {job.get('id')} failed: {err.get('message', 'no reason given')}")
+    return job.get("status") == "completed"

@@ -1,0 +1,361 @@
+"""OpenAI-compatible chat and completion models: requests, responses and stream chunks.
+
+Requests accept unknown fields (OpenAI clients send many, and `extra_body` carries model knobs);
+`extra_options()` returns them so the server can pass them to the model as per-request options.
+Sampling fields left unset mean "the model's default". Features mstar does not implement (tools,
+structured output, logit bias) are refused with a clear message instead of being ignored silently.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from mstar.server.protocol import MAX_SEED, MAX_TOKENS_LIMIT, Usage
+
+_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "seed", "ignore_eos", "min_tokens")
+_UNSUPPORTED = ("tools", "functions", "logit_bias")
+
+
+def new_id(prefix: str) -> str:
+    """An OpenAI-style object id such as `chatcmpl-3f2a...`."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class SamplingParams(BaseModel):
+    """Sampling fields shared by chat and completions; None means the model's default."""
+
+    model_config = ConfigDict(extra="allow")
+
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=-MAX_SEED - 1, le=MAX_SEED)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=16)
+    ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
+    user: str | None = None  # accepted and ignored
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        items = [v] if isinstance(v, str) else (v or [])
+        if len(items) > 16:
+            raise ValueError(f"at most 16 stop sequences, got {len(items)}")
+        if any(s == "" for s in items):
+            raise ValueError("stop sequences must not be empty strings")
+        return v
+
+    @model_validator(mode="after")
+    def _check_common(self) -> SamplingParams:
+        for name in _UNSUPPORTED:
+            if (self.model_extra or {}).get(name):
+                raise ValueError(f"`{name}` is not supported by this server; remove it from the request")
+        limit = self.token_limit()
+        if self.min_tokens is not None and limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed the token limit ({limit})")
+        return self
+
+    def token_limit(self) -> int | None:
+        """The effective maximum number of generated tokens, or None for the model default."""
+        return self.max_tokens
+
+    def stop_list(self) -> list[str]:
+        """`stop` as a list (empty when unset)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def sampling_options(self) -> dict[str, Any]:
+        """The sampling fields the client set, as model options (`max_tokens`, `stop` list, ...)."""
+        opts = {k: getattr(self, k) for k in _SAMPLING if getattr(self, k) is not None}
+        if self.token_limit() is not None:
+            opts["max_tokens"] = self.token_limit()
+        if self.stop is not None:
+            opts["stop"] = self.stop_list()
+        return opts
+
+    def extra_options(self) -> dict[str, Any]:
+        """Fields OpenAI does not define, passed through as per-request model options."""
+        return dict(self.model_extra or {})
+
+
+class StreamOptions(BaseModel):
+    """`stream_options`: `include_usage` adds a last chunk with the usage and no choices."""
+
+    include_usage: bool = False
+
+
+class MediaURL(BaseModel):
+    """`{"url": ...}`: a data URL, base64, or an http(s) URL when the server allows remote media."""
+
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+def _url_object(v: Any) -> Any:
+    return {"url": v} if isinstance(v, str) else v  # some clients send the bare URL string
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURLPart(BaseModel):
+    type: Literal["image_url"]
+    image_url: MediaURL
+
+    _wrap = field_validator("image_url", mode="before")(_url_object)
+
+
+class InputAudio(BaseModel):
+    """Inline audio: base64 `data` in `format`."""
+
+    data: str = Field(min_length=1)
+    format: Literal["wav", "mp3", "flac", "ogg", "opus", "aac", "m4a", "webm", "pcm16"]
+
+
+class InputAudioPart(BaseModel):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class AudioURLPart(BaseModel):
+    type: Literal["audio_url"]
+    audio_url: MediaURL
+
+    _wrap = field_validator("audio_url", mode="before")(_url_object)
+
+
+class VideoURLPart(BaseModel):
+    type: Literal["video_url"]
+    video_url: MediaURL
+
+    _wrap = field_validator("video_url", mode="before")(_url_object)
+
+
+ContentPart = Annotated[
+    TextPart | ImageURLPart | InputAudioPart | AudioURLPart | VideoURLPart, Field(discriminator="type")
+]
+
+
+class ChatMessage(BaseModel):
+    """One message; `content` is a string or a list of typed parts."""
+
+    model_config = ConfigDict(extra="allow")  # tool_calls, audio references of earlier turns, ...
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _check_content(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs `content`")
+        return self
+
+    def text(self) -> str:
+        """The message's text parts joined by newlines."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content or [] if isinstance(p, TextPart))
+
+    def media_parts(self) -> list[ImageURLPart | InputAudioPart | AudioURLPart | VideoURLPart]:
+        """The non-text parts, in order."""
+        if isinstance(self.content, str) or self.content is None:
+            return []
+        return [p for p in self.content if not isinstance(p, TextPart)]
+
+
+class AudioOutputParams(BaseModel):
+    """`audio`: how chat should speak when `modalities` includes "audio"."""
+
+    voice: str | None = None
+    format: Literal["wav", "mp3", "flac", "opus", "aac", "pcm16"] = "wav"
+
+
+class ChatCompletionRequest(SamplingParams):
+    """`POST /v1/chat/completions`."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: AudioOutputParams | None = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported; use text")
+        return self
+
+    def token_limit(self) -> int | None:
+        # OpenAI deprecated max_tokens in favour of max_completion_tokens: the latter wins.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def output_modalities(self) -> list[str]:
+        return list(self.modalities or ["text"])
+
+
+class CompletionRequest(SamplingParams):
+    """`POST /v1/completions`."""
+
+    model: str | None = None
+    prompt: str | list[str] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if self.suffix:
+            raise ValueError("`suffix` (fill-in-the-middle) is not supported; remove it")
+        return self
+
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatCompletionAudio(BaseModel):
+    """Spoken reply: base64 audio in the requested format plus its transcript."""
+
+    id: str = Field(default_factory=lambda: new_id("audio"))
+    data: str
+    expires_at: int = 0
+    transcript: str = ""
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    audio: ChatCompletionAudio | None = None
+    refusal: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    finish_reason: str | None = "stop"
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletion(BaseModel):
+    """A non-streaming chat answer."""
+
+    id: str = Field(default_factory=lambda: new_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage = Field(default_factory=Usage)
+    system_fingerprint: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The first choice's text ("" when it has none)."""
+        return (self.choices[0].message.content or "") if self.choices else ""
+
+
+class DeltaAudio(BaseModel):
+    id: str | None = None
+    data: str | None = None  # base64 s16le PCM
+    transcript: str | None = None
+    expires_at: int | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    audio: DeltaAudio | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One SSE event of a streaming chat answer; the usage chunk has no choices."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice] = Field(default_factory=list)
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(BaseModel):
+    """A completion answer, or one streamed piece of it (then `usage` is None until the end)."""
+
+    id: str = Field(default_factory=lambda: new_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice] = Field(default_factory=list)
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "mstar"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,144 @@
+"""OpenAI-compatible request and response models: good requests, clear rejections."""
+
+import pytest
+from pydantic import ValidationError
+
+from mstar.server.protocol import MAX_TOKENS_LIMIT, validation_message
+from mstar.server.protocol_openai import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatResponseMessage,
+    CompletionRequest,
+    ImageURLPart,
+    InputAudioPart,
+    VideoURLPart,
+)
+from mstar.server.protocol_openai_media import (
+    ImageGenerationRequest,
+    SpeechRequest,
+    TranscriptionRequest,
+    VideoCreateRequest,
+    parse_size,
+)
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _message(model, data):
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(data)
+    return validation_message(info.value)
+
+
+def test_chat_request_with_every_part_and_options():
+    req = ChatCompletionRequest.model_validate({
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [
+                {"type": "text", "text": "what is this"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+                {"type": "video_url", "video_url": "https://x/v.mp4"},
+            ]},
+        ],
+        "stream": True, "stream_options": {"include_usage": True},
+        "max_tokens": 10, "max_completion_tokens": 20, "temperature": 0.7, "top_p": 0.9, "seed": 7,
+        "stop": "END", "n": 2, "logprobs": True, "top_logprobs": 3, "modalities": ["text", "audio"],
+        "audio": {"voice": "tara", "format": "wav"}, "top_k": 40, "min_p": 0.05,
+        "repetition_penalty": 1.1, "ignore_eos": False, "min_tokens": 2, "my_model_knob": 3,
+    })
+    parts = req.messages[1].media_parts()
+    assert [type(p) for p in parts] == [ImageURLPart, InputAudioPart, VideoURLPart]
+    assert req.messages[1].text() == "what is this"
+    assert req.token_limit() == 20  # max_completion_tokens wins over the deprecated max_tokens
+    opts = req.sampling_options()
+    assert opts["max_tokens"] == 20 and opts["stop"] == ["END"] and opts["top_k"] == 40 and opts["seed"] == 7
+    assert "n" not in opts and req.extra_options() == {"my_model_knob": 3}
+    assert req.output_modalities() == ["text", "audio"]
+
+
+def test_unset_sampling_fields_mean_model_defaults():
+    req = ChatCompletionRequest.model_validate({"messages": USER})
+    assert req.sampling_options() == {} and req.n == 1 and not req.stream
+
+
+@pytest.mark.parametrize(
+    ("patch", "needle"),
+    [
+        ({"max_tokens": 0}, "max_tokens: Input should be greater than or equal to 1 (got 0)"),
+        ({"max_tokens": MAX_TOKENS_LIMIT + 1}, "max_tokens"),
+        ({"temperature": 2.5}, "temperature: Input should be less than or equal to 2"),
+        ({"n": 17}, "n: Input should be less than or equal to 16"),
+        ({"n": 0}, "n:"),
+        ({"top_p": 0}, "top_p"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user"}]}, "needs `content`"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+         "messages.0.content.0.image_url.url"),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x",
+                                                     "format": "midi"}}]}]}, "format"),
+        ({"stop": ["a", ""]}, "must not be empty"),
+        ({"stream_options": {"include_usage": True}}, "only allowed when stream"),
+        ({"top_logprobs": 2}, "needs logprobs"),
+        ({"min_tokens": 5, "max_tokens": 3}, "min_tokens (5) must not exceed"),
+        ({"tools": [{"type": "function"}]}, "`tools` is not supported"),
+        ({"response_format": {"type": "json_schema"}}, "not supported"),
+        ({"modalities": ["smell"]}, "modalities"),
+    ],
+)
+def test_chat_rejections_are_clear(patch, needle):
+    message, param = _message(ChatCompletionRequest, {"messages": USER, **patch})
+    assert needle in message, message
+    assert param is None or param.split(".")[0] in (*patch, "messages")
+
+
+def test_completion_request():
+    req = CompletionRequest.model_validate({"prompt": ["a", "b"], "max_tokens": 5, "logprobs": 2})
+    assert req.prompts() == ["a", "b"] and req.sampling_options() == {"max_tokens": 5}
+    assert "suffix" in _message(CompletionRequest, {"prompt": "a", "suffix": "z"})[0]
+    assert "prompt" in _message(CompletionRequest, {"prompt": ""})[0]
+
+
+def test_chat_responses_serialise_like_openai():
+    done = ChatCompletion(model="m", choices=[{"message": ChatResponseMessage(content="hey"), "finish_reason": "stop"}],
+                          usage={"prompt_tokens": 3, "completion_tokens": 2})
+    body = done.model_dump()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert done.text == "hey"
+    chunk = ChatCompletionChunk(id="c1", model="m", choices=[{"delta": {"content": "h"}}])
+    again = ChatCompletionChunk.model_validate_json(chunk.model_dump_json())
+    assert again.choices[0].delta.content == "h" and again.usage is None
+
+
+def test_speech_request():
+    req = SpeechRequest.model_validate({"input": "hello", "voice": {"id": "tara"}, "response_format": "pcm",
+                                        "stream_format": "sse", "speed": 1.5, "repetition_penalty": 1.1})
+    assert req.voice == "tara" and req.extra_options() == {"repetition_penalty": 1.1}
+    assert SpeechRequest(input="x").response_format == "mp3"
+    assert "response_format" in _message(SpeechRequest, {"input": "x", "response_format": "ogg"})[0]
+    assert "speed" in _message(SpeechRequest, {"input": "x", "speed": 5})[0]
+    assert "input" in _message(SpeechRequest, {"input": ""})[0]
+
+
+def test_image_request_sizes():
+    req = ImageGenerationRequest.model_validate({"prompt": "cat", "size": "512x768", "n": 2})
+    assert req.dimensions() == (512, 768)
+    assert ImageGenerationRequest(prompt="cat", size="auto").dimensions() is None
+    assert "WIDTHxHEIGHT" in _message(ImageGenerationRequest, {"prompt": "cat", "size": "big"})[0]
+    assert "between 1 and" in _message(ImageGenerationRequest, {"prompt": "cat", "size": "0x10"})[0]
+    assert "use b64_json" in _message(ImageGenerationRequest, {"prompt": "cat", "response_format": "url"})[0]
+    # Form fields arrive as strings; lax parsing converts them.
+    assert ImageGenerationRequest.model_validate({"prompt": "c", "n": "3"}).n == 3
+
+
+def test_video_and_transcription_requests():
+    req = VideoCreateRequest.model_validate({"prompt": "waves", "seconds": "4", "size": "1280x720"})
+    assert req.seconds == 4.0 and req.dimensions() == (1280, 720)
+    assert "seconds" in _message(VideoCreateRequest, {"prompt": "w", "seconds": 0})[0]
+    assert parse_size(" 64 X 32 ") == (64, 32)
+    assert TranscriptionRequest.model_validate({"language": "en", "temperature": "0.2"}).temperature == 0.2
+    assert "language" in _message(TranscriptionRequest, {"language": "english!"})[0]
