@@ -222,3 +222,32 @@ def write_tokenizer_folder(out_dir: str | Path, tok, config: dict,
         (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
     logger.info("wrote tokenizer folder %s (vocab %d)", out, tok.get_vocab_size())
     return out
+
+
+_BUILDERS = {"qwen2": build_qwen2_folder, "llama3": build_llama3_folder}
+
+
+def cached_tokenizer_folder(name: str, cache_dir: str | Path | None = None) -> Path:
+    """The folder for `name` ('qwen2' or 'llama3'), built once per machine under the temp dir and reused.
+
+    Built in a scratch folder and renamed into place, so concurrent test processes never see half a folder.
+    """
+    import os
+    import tempfile
+
+    if name not in _BUILDERS:
+        raise ValueError(f"unknown tokenizer {name!r}; choose one of {sorted(_BUILDERS)}")
+    root = Path(cache_dir or Path(tempfile.gettempdir()) / "mstar_tokenizers")
+    final = root / name
+    if (final / "tokenizer_config.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=root))
+    _BUILDERS[name](scratch)
+    try:
+        os.rename(scratch, final)
+    except OSError:  # another process won the race; use its folder
+        import shutil
+
+        shutil.rmtree(scratch, ignore_errors=True)
+    return final
