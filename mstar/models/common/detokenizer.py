@@ -76,14 +76,26 @@ class IncrementalDetokenizer:
         if self._read >= len(self._ids):
             return ""
         before = self._decode(self._ids[self._prefix:self._read])
-        after = self._decode(self._ids[self._prefix:])
-        incomplete = after.endswith(_REPLACEMENT) and len(self._ids) - self._read < _MAX_HELD_TOKENS
-        if (incomplete and not final) or len(after) < len(before):
+        end, after = self._complete_end(final)
+        if end is None or len(after) < len(before):
             return ""
         if not after.startswith(before):  # decoders are prefix-stable in practice; log if one is not
             logger.debug("detokenizer window not prefix-stable: %r -> %r", before, after)
-        self._prefix, self._read = self._read, len(self._ids)
+        self._prefix, self._read = self._read, end
         return after[len(before):]
+
+    def _complete_end(self, final: bool) -> tuple[int | None, str]:
+        """The last token boundary (within a character's worth of tokens) where the text is complete."""
+        total = len(self._ids)
+        after = self._decode(self._ids[self._prefix:])
+        if final or total - self._read > _MAX_HELD_TOKENS:
+            return total, after
+        for end in range(total, max(self._read, total - 4), -1):
+            if end < total:
+                after = self._decode(self._ids[self._prefix:end])
+            if not after.endswith(_REPLACEMENT):
+                return end, after
+        return None, after
 
     def _cut_at_stop(self, text: str, final: bool) -> str:
         self._held = ""
