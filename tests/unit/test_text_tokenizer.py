@@ -146,6 +146,22 @@ def test_template_raise_exception_and_sandbox(tmp_path):
     assert out == "<|im_end|>"
 
 
+def test_added_tokens_declared_only_in_config(tmp_path):
+    tok = train_byte_level_bpe(["hello world"] * 4, vocab_size=300)
+    new_id = tok.get_vocab_size()
+    folder = write_tokenizer_folder(tmp_path, tok, {"eos_token": "<|im_end|>"})
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"][str(new_id)] = {"content": "<|audio|>", "special": True}
+    config["added_tokens_decoder"][str(new_id + 1)] = {"content": "[[plain]]", "special": False}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, ref = Tokenizer.from_pretrained(folder), transformers.AutoTokenizer.from_pretrained(folder)
+    text = "hello<|audio|>world [[plain]]"
+    ids = ours.encode(text)
+    assert new_id in ids and new_id + 1 in ids and ids == ref.encode(text)
+    assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+    assert new_id in ours.special_ids and new_id + 1 not in ours.special_ids
+
+
 def test_missing_tokenizer_json_names_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         Tokenizer.from_pretrained(tmp_path)

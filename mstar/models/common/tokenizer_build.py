@@ -225,6 +225,7 @@ def write_tokenizer_folder(out_dir: str | Path, tok, config: dict,
 
 
 _BUILDERS = {"qwen2": build_qwen2_folder, "llama3": build_llama3_folder}
+_BUILD_VERSION = 1  # bump when a builder's output changes, so stale cached folders are not reused
 
 
 def cached_tokenizer_folder(name: str, cache_dir: str | Path | None = None) -> Path:
@@ -238,7 +239,7 @@ def cached_tokenizer_folder(name: str, cache_dir: str | Path | None = None) -> P
     if name not in _BUILDERS:
         raise ValueError(f"unknown tokenizer {name!r}; choose one of {sorted(_BUILDERS)}")
     root = Path(cache_dir or Path(tempfile.gettempdir()) / "mstar_tokenizers")
-    final = root / name
+    final = root / f"{name}-v{_BUILD_VERSION}"
     if (final / "tokenizer_config.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
