@@ -1,0 +1,1 @@
+"""Model-independent pieces models share: text tokenization, chat templates, streaming detokenization."""
