@@ -77,3 +77,14 @@ def test_kv_layout_matches_config(pair):
     cfg = hf.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     assert ours.kv_layout == KVLayout(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, torch.float32)
+
+
+@torch.no_grad()
+def test_sharded_checkpoint_loads(tmp_path):
+    hf = save_hf_model("qwen3", tmp_path, seed=1, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2
+    ours = load_model(str(tmp_path), dtype=torch.float32, progress=False)
+    ref = hf(torch.tensor([PROMPT])).logits[0]
+    logits = ours.compute_logits(ours(torch.tensor(PROMPT), torch.arange(len(PROMPT)), DenseAttention()))
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
