@@ -44,7 +44,7 @@ class DenseAttention:
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         # query i sits at position n_all - n_new + i and sees keys up to it
-        mask = torch.ones(n_new, n_all, dtype=torch.bool).tril(diagonal=n_all - n_new)
+        mask = torch.ones(n_new, n_all, dtype=torch.bool, device=q.device).tril(diagonal=n_all - n_new)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(), attn_mask=mask
         )
