@@ -1,0 +1,65 @@
+"""The attention front-end of Llama-family decoders: projections, qk-norm, RoPE, backend call, output.
+
+The KV cache and the attention kernel live in the backend (`mstar.engines.attention`); this module
+only turns hidden states [T, hidden] into q/k/v [T, heads, head_dim] and back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mstar.layers.norm import RMSNorm
+from mstar.layers.rope import apply_rotary
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Shape and options of one self-attention layer."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qkv_bias: bool = False  # Qwen2: bias on q/k/v only
+    o_bias: bool = False  # Llama/Qwen3 `attention_bias`: bias on o_proj too
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of q and k before RoPE
+    norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+
+class SelfAttention(nn.Module):
+    """Causal self-attention whose cache and kernel belong to the backend passed to `forward`."""
+
+    def __init__(self, spec: AttentionSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.layer_idx = layer_idx
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; `attn` is an AttentionBackend already prepared for the batch."""
+        t, d = x.shape[0], self.spec.head_dim
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.spec.num_heads, d)
+        k = k.view(t, self.spec.num_kv_heads, d)
+        v = v.view(t, self.spec.num_kv_heads, d)
+        if self.spec.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attn.forward(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(t, self.q_size))

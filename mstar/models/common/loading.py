@@ -1,0 +1,165 @@
+"""Checkpoint loading shared by every model: find the files, stream tensors, copy them into a model.
+
+Sources: a local folder (HF layout: config.json + *.safetensors, sharded with
+model.safetensors.index.json), a Hub repo id (downloaded with huggingface_hub when online), a GGUF
+file (dequantized, llama architecture), or `load_format="dummy"` (seeded random weights, no files).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "dummy")  # auto: safetensors or GGUF, whichever the checkpoint holds
+# What a download fetches: configs, tokenizers and safetensors weights (never duplicate .bin copies).
+HUB_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja")
+
+# Maps a checkpoint tensor name to (model parameter name, row offset along dim 0), or None to skip it.
+NameMapper = Callable[[str], "tuple[str, int] | None"]
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """No checkpoint where the user pointed; the message says where we looked and what to pass."""
+
+
+def resolve_checkpoint(path_or_repo_id: str | Path, allow_patterns: Iterable[str] = HUB_PATTERNS) -> Path:
+    """A local folder or file as is; otherwise a Hub repo id downloaded (or found in the HF cache).
+
+    Raises CheckpointNotFoundError at once when the path does not exist, or when the Hub cannot be
+    reached (offline, HF_HUB_OFFLINE=1) and the repo is not cached.
+    """
+    path = Path(path_or_repo_id).expanduser()
+    if path.exists():
+        return path
+    text = str(path_or_repo_id)
+    if not _looks_like_repo_id(text):
+        raise CheckpointNotFoundError(
+            f"checkpoint {text!r} not found: no such local path ({path.resolve()}). "
+            "Pass --model-path with a local folder holding config.json and *.safetensors."
+        )
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        return Path(snapshot_download(text, allow_patterns=list(allow_patterns)))
+    except (OSError, ValueError, HfHubHTTPError) as exc:
+        raise CheckpointNotFoundError(
+            f"checkpoint {text!r} not found: it is not a local path ({path.resolve()}) and the Hugging Face "
+            f"Hub could not provide it ({type(exc).__name__}; offline or HF_HUB_OFFLINE=1 and not in the "
+            "HF cache). Pass --model-path with a local folder holding config.json and *.safetensors."
+        ) from exc
+
+
+def _looks_like_repo_id(text: str) -> bool:
+    parts = text.split("/")
+    return 1 <= len(parts) <= 2 and all(parts) and not text.startswith((".", "~")) and "\\" not in text
+
+
+def weight_files(path: Path) -> tuple[str, list[Path]]:
+    """("safetensors" | "gguf", files) holding the weights of the checkpoint at `path`."""
+    if path.is_file():
+        if path.suffix in (".gguf", ".safetensors"):
+            return path.suffix[1:], [path]
+        raise CheckpointNotFoundError(f"{path} is neither a .safetensors nor a .gguf file")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return "safetensors", [path / name for name in sorted(set(weight_map.values()))]
+    if files := sorted(path.glob("*.safetensors")):
+        return "safetensors", files
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return "gguf", ggufs
+    if ggufs:
+        raise CheckpointNotFoundError(
+            f"several GGUF files in {path}: {[g.name for g in ggufs]}; pass one file"
+        )
+    raise CheckpointNotFoundError(
+        f"no weights in {path} (looked for model.safetensors.index.json, *.safetensors, *.gguf). "
+        "Pass --model-path with a Hugging Face safetensors checkpoint folder, or --load-format dummy."
+    )
+
+
+def iter_checkpoint_tensors(path: Path, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF tensor name, CPU tensor) for every weight of the checkpoint at `path`."""
+    kind, files = weight_files(path)
+    if kind == "gguf":
+        from mstar.models.common.gguf_checkpoint import iter_gguf_tensors
+
+        yield from iter_gguf_tensors(files[0], progress=progress)
+    else:
+        yield from iter_safetensors(files, progress=progress)
+
+
+def iter_safetensors(files: list[Path], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream tensors from safetensors files with one progress bar (per tensor) on stderr."""
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    total = sum(len(list(h.keys())) for h in handles)
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress) as bar:
+        for handle in handles:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+                bar.update(1)
+
+
+def load_named_tensors(
+    model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], mapper: NameMapper
+) -> None:
+    """Copy checkpoint tensors into `model`'s parameters (casting dtype, moving device).
+
+    `mapper` places each tensor at a row offset of a parameter, so fused parameters (qkv, gate_up)
+    fill from several tensors. Raises ValueError listing unexpected names, shape mismatches and
+    parameters left (partly) unfilled.
+    """
+    params = dict(model.named_parameters())
+    filled: dict[str, int] = dict.fromkeys(params, 0)
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            target = mapper(name)
+            if target is None:
+                continue
+            param_name, offset = target
+            if param_name not in params:
+                unexpected.append(name)
+                continue
+            rows = params[param_name].data[offset : offset + tensor.shape[0]]
+            if rows.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {name} has shape {tuple(tensor.shape)} but {param_name}"
+                    f"[{offset}:] expects {tuple(rows.shape)}: config.json does not match the weights"
+                )
+            rows.copy_(tensor)
+            filled[param_name] += tensor.shape[0]
+    missing = [n for n, p in params.items() if filled[n] != p.shape[0]]
+    if unexpected or missing:
+        raise ValueError(
+            f"checkpoint does not match the model: unexpected tensors {unexpected[:10]}"
+            f"{' ...' if len(unexpected) > 10 else ''}; parameters not loaded {missing[:10]}"
+            f"{' ...' if len(missing) > 10 else ''}. Check that the checkpoint is of this architecture."
+        )
+
+
+def fill_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Seeded random weights without files: normal(0, std) matrices, unit norm scales, zero biases."""
+    generators: dict[torch.device, torch.Generator] = {}  # random numbers drawn on each parameter's device
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim >= 2:
+                if param.device not in generators:
+                    generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+                param.normal_(0.0, std, generator=generators[param.device])
+            elif "norm" in name.rsplit(".", 2)[-2]:
+                param.fill_(1.0)
+            else:
+                param.zero_()

@@ -1,0 +1,104 @@
+"""The dense decoder family (Llama, Qwen2, Qwen3) as plain single-device PyTorch.
+
+Implements the `CausalLM` contract of `mstar.engines.base`: tokens of several requests are packed
+along T; positions say where each token sits in its own sequence; the attention backend knows the
+batch structure and owns the KV cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mstar.engines.base import KVLayout
+from mstar.layers.attention import AttentionSpec, SelfAttention
+from mstar.layers.mlp import GatedMLP
+from mstar.layers.norm import RMSNorm
+from mstar.layers.rope import RotaryEmbedding
+from mstar.models.llama.config import LlamaConfig
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention then gated MLP."""
+
+    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        spec = AttentionSpec(
+            hidden_size=config.hidden_size,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            qkv_bias=config.qkv_bias,
+            o_bias=config.o_bias,
+            qk_norm=config.qk_norm,
+            norm_eps=config.rms_norm_eps,
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = SelfAttention(spec, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    """Embedding, decoder layers and final norm (the `model.` prefix of HF checkpoints)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama/Qwen2/Qwen3 decoder: `forward` -> hidden [T, H], `compute_logits` -> float32 [N, V]."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.kv_layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, config.dtype)
+        self.model = DecoderBody(config)
+        self.rotary = RotaryEmbedding(config.rope)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head when the config says so (idempotent)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, H] (after the last norm)."""
+        cos, sin = self.rotary(positions)  # shared by every layer
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> float32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()
+
+
+def build_model(
+    config: LlamaConfig, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> LlamaForCausalLM:
+    """A model in `dtype` (the config's by default) on `device` with UNINITIALISED weights; load next."""
+    dtype = dtype or config.dtype
+    # Build on the meta device in the target dtype so no full-size float32 copy is ever allocated.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty replaces parameters, which unties them
+    model.kv_layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+    return model.eval()
