@@ -24,18 +24,55 @@ class BuiltComponent:
     engine_options: dict[str, Any] = field(default_factory=dict)  # e.g. eos ids, default sampling
 
 
+class OutputDecoder:
+    """Per request: turns emitted tensors into client values, in order.
+
+    `push` returns (output name, value) pairs ready for the client: `str` deltas for text, float32
+    numpy samples for audio (rate in `Processor.sample_rate`), uint8 HxWx3 arrays for images,
+    TxHxWx3 for video, numpy arrays otherwise. When decoding itself ends the request (a stop
+    string), `finish_reason` is set and the caller cancels the rest of the request.
+    """
+
+    def __init__(self, processor: Processor, options: Mapping[str, Any]) -> None:
+        self.processor, self.options = processor, options
+        self.finish_reason: str | None = None
+        self.prompt_tokens = 0  # for usage
+        self.completion_tokens = 0  # text tokens emitted so far
+
+    def push(self, name: str, value: torch.Tensor) -> list[tuple[str, Any]]:
+        if name == "text":
+            self.completion_tokens += int(value.numel())
+        return [(name, self.processor.decode_output(name, value, self.options))]
+
+    def flush(self) -> list[tuple[str, Any]]:
+        """Values held back until the end (e.g. incomplete UTF-8)."""
+        return []
+
+
 class Processor:
     """Turns a request into walk inputs and output tensors into client media.
 
-    `inputs` returns the request's input tensors by edge name (CPU tensors) and may add derived
-    options; `decode_output` turns one emitted tensor into a plain Python value for the client.
+    A request is a dict with any of: "text" (a prompt string), "messages" (chat messages, roles
+    kept, content a string or a list of parts) and "media" (decoded inputs: dicts with "type" in
+    image/audio/video and "data" as numpy arrays, plus "sample_rate"/"fps"). `inputs` returns the
+    walk inputs by edge name (CPU tensors) and raises ValueError (a 400 for API callers) on
+    requests the model cannot take.
     """
+
+    sample_rate: int = 24000  # of audio outputs
 
     def inputs(self, request: Mapping[str, Any], options: dict[str, Any]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def validate_options(self, options: Mapping[str, Any]) -> None:
+        """Raise ValueError naming the bad option; called before a request is admitted."""
+
     def decode_output(self, name: str, tensor: torch.Tensor, options: Mapping[str, Any]) -> Any:
-        return tensor
+        return tensor.detach().cpu().numpy()
+
+    def output_decoder(self, options: Mapping[str, Any], inputs: Mapping[str, torch.Tensor]) -> OutputDecoder:
+        """A fresh decoder for one request (stateful: detokenizers, stop strings, usage counts)."""
+        return OutputDecoder(self, options)
 
 
 class Model:

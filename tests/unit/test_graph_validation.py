@@ -3,8 +3,20 @@
 import pytest
 
 from mstar.graph import (
-    CARRY, ComponentSpec, Emit, GraphError, Lane, Loop, ModelGraph, Node, Parallel, Sequential, SlidingWindow,
-    StreamEdge, Walk, validate_graph,
+    CARRY,
+    ComponentSpec,
+    Emit,
+    GraphError,
+    Lane,
+    Loop,
+    ModelGraph,
+    Node,
+    Parallel,
+    Sequential,
+    SlidingWindow,
+    StreamEdge,
+    Walk,
+    validate_graph,
 )
 
 COMPONENTS = {"a": ComponentSpec("stateless"), "b": ComponentSpec("stateless")}
