@@ -35,7 +35,9 @@ class Conductor:
         self.graph, self.plan, self._send, self.codec = graph, plan, send, codec
         self.max_concurrent, self.max_queued = max_concurrent, max_queued
         self._lock = threading.RLock()
-        self._active: dict[str, RequestState] = {}
+        self._active: dict[str, RequestState] = {}  # by wire id
+        self._wire_ids: dict[str, str] = {}  # caller's request id -> wire id of its admission
+        self._admissions = 0
         self._queue: deque[RequestState] = deque()
         self._load = [0] * plan.num_workers  # active requests touching each rank
         self._dead: dict[int, str] = {}
@@ -47,9 +49,13 @@ class Conductor:
     def submit(self, rid: str, inputs: dict[str, Any], options: dict[str, Any], sink: Sink) -> None:
         """Admit the request, queue it, or raise AdmissionError when the queue is full."""
         with self._lock:
-            if rid in self._active or any(r.rid == rid for r in self._queue):
+            if rid in self._wire_ids:
                 raise AdmissionError(f"request id {rid!r} is already in flight", status=409)
-            req = RequestState(rid, inputs, options, sink)
+            # Workers remember released requests to drop their late traffic, so every admission
+            # travels under a fresh wire id even when a caller reuses a request id.
+            self._admissions += 1
+            req = RequestState(f"{rid}#{self._admissions}", inputs, options, _Relabel(sink, rid))
+            self._wire_ids[rid] = req.rid
             if len(self._active) < self.max_concurrent:
                 self._admit(req)
             elif len(self._queue) < self.max_queued:
@@ -62,15 +68,17 @@ class Conductor:
     def cancel(self, rid: str) -> bool:
         """Remove the request everywhere; True if it was known."""
         with self._lock:
+            wire_id = self._wire_ids.get(rid)
             for req in self._queue:
-                if req.rid == rid:
+                if req.rid == wire_id:
                     self._queue.remove(req)
-                    req.sink(FinishEvent(rid, "cancelled", outputs=dict(req.out_seq)))
+                    del self._wire_ids[rid]
+                    req.sink(FinishEvent(req.rid, "cancelled", outputs=dict(req.out_seq)))
                     return True
-            req = self._active.get(rid)
+            req = self._active.get(wire_id)
             if req is None:
                 return False
-            self._end(req, FinishEvent(rid, "cancelled", outputs=dict(req.out_seq)))
+            self._end(req, FinishEvent(req.rid, "cancelled", outputs=dict(req.out_seq)))
             return True
 
     def stats(self) -> dict[str, int]:
@@ -173,6 +181,7 @@ class Conductor:
         """Finish, fail or cancel: release the request on every worker, tell the caller, admit more."""
         if self._active.pop(req.rid, None) is None:
             return
+        self._wire_ids.pop(req.sink.rid, None)
         for rank in req.workers:
             self._load[rank] -= 1
             if rank not in self._dead:
@@ -211,3 +220,14 @@ class Conductor:
 
 def _first_node(walk: Walk) -> str:
     return next(iter_nodes(walk.body)).name
+
+
+class _Relabel:
+    """Delivers events to the caller's sink under the caller's request id."""
+
+    def __init__(self, sink: Sink, rid: str) -> None:
+        self.sink, self.rid = sink, rid
+
+    def __call__(self, event: OutputEvent | FinishEvent) -> None:
+        event.rid = self.rid
+        self.sink(event)

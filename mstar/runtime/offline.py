@@ -89,12 +89,24 @@ class MStar:
         return handle
 
     def generate(self, request: dict[str, Any], **options: Any) -> Result:
-        """Run one request to the end; output values decoded by the model's processor."""
-        handle = self.submit(request, **options)
-        raw = handle.result()
+        """Run one request to the end; values decoded by the model's processor (text as str pieces)."""
         opts = self.runtime.model.request_options(options)
-        raw.outputs = {k: [self.processor.decode_output(k, v, opts) for v in vs] for k, vs in raw.outputs.items()}
-        return raw
+        self.processor.validate_options(opts)
+        handle = self.submit(request, **options)
+        decoder = self.processor.output_decoder(opts, {})
+        result = Result()
+        for event in handle:
+            for name, value in decoder.push(event.name, event.value):
+                result.outputs.setdefault(name, []).append(value)
+            if decoder.finish_reason is not None:
+                handle.cancel()
+                result.finish_reason = decoder.finish_reason
+                break
+        for name, value in decoder.flush():
+            result.outputs.setdefault(name, []).append(value)
+        if result.finish_reason is None:
+            result.finish_reason = handle.finish.finish_reason if handle.finish else None
+        return result
 
     def close(self) -> None:
         self.runtime.shutdown()

@@ -1,0 +1,156 @@
+"""The toy model through the whole runtime: same outputs in every placement and run mode,
+ordered streams, dynamic loop stops, cancellation without leaks, and worker failures."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from mstar.config import config_from_dict, load_config
+from mstar.runtime.offline import MStar, RequestFailed
+from mstar.transport.tensors import list_segments
+
+PROMPTS = ["The quick brown fox", "hello", "abc", "mstar serves composite models"]
+CONFIGS = ["configs/toy.yaml", "configs/toy_2workers.yaml", "configs/toy_3workers.yaml"]
+
+
+def run_all(m, **options):
+    handles = [m.submit({"text": p}, request_id=f"r{i}", **options) for i, p in enumerate(PROMPTS)]
+    return [h.result() for h in handles]
+
+
+def as_arrays(results):
+    return [{k: [np.asarray(v.cpu() if isinstance(v, torch.Tensor) else v) for v in vs]
+             for k, vs in r.outputs.items()} for r in results]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with MStar(config="configs/toy.yaml", mode="inproc") as m:
+        return as_arrays(run_all(m, max_tokens=24)), [r.finish_reason for r in run_all(m, max_tokens=24)]
+
+
+@pytest.mark.parametrize("mode", ["inproc", "multiproc"])
+@pytest.mark.parametrize("config", CONFIGS)
+def test_same_outputs_in_every_placement_and_mode(reference, config, mode):
+    expected, reasons = reference
+    with MStar(config=config, mode=mode) as m:
+        results = run_all(m, max_tokens=24)
+    assert [r.finish_reason for r in results] == reasons
+    for got, want in zip(as_arrays(results), expected):
+        assert got.keys() == want.keys() == {"text", "audio", "image", "video"}
+        for name in want:
+            assert len(got[name]) == len(want[name])
+            for a, b in zip(got[name], want[name]):
+                np.testing.assert_array_equal(a, b)
+
+
+def test_streamed_chunks_arrive_complete_and_in_order():
+    with MStar(config="configs/toy_2workers.yaml", mode="multiproc") as m:
+        handle = m.submit({"text": "The quick brown fox"}, max_tokens=30, stop_early=False)
+        events = list(handle)
+    seqs = {}
+    for event in events:
+        seqs.setdefault(event.name, []).append(event.seq)
+    for name, got in seqs.items():
+        assert got == list(range(len(got))), name
+    tokens = [int(e.value) for e in events if e.name == "text"]
+    assert len(tokens) == 30 and handle.finish.finish_reason == "length"
+    audio = torch.cat([e.value for e in events if e.name == "audio"])
+    # The stream carries the encoder's first token (last prompt byte) and every generated token;
+    # every token is voiced exactly once, in order, whatever the window cuts.
+    voiced = torch.tensor([ord("x")] + tokens, dtype=torch.float64)
+    k = torch.arange(8, dtype=torch.float64)
+    want = torch.sin(2 * torch.pi * (voiced[:, None] / 256.0) * (k[None, :] + 1)).reshape(-1).float()
+    torch.testing.assert_close(audio, want, rtol=0, atol=0)
+
+
+def test_loop_stops_early_on_its_dynamic_condition():
+    with MStar("toy") as m:
+        stopped = m.generate({"text": "abc"}, max_tokens=20)
+        full = m.generate({"text": "abc"}, max_tokens=20, stop_early=False)
+    assert len(stopped.outputs["text"]) == 2 and stopped.finish_reason == "stop"
+    assert ord(stopped.outputs["text"][-1]) % 11 == 0
+    assert len(full.outputs["text"]) == 20 and full.finish_reason == "length"
+    assert full.outputs["text"][:2] == stopped.outputs["text"]
+
+
+def test_audio_lane_is_skipped_when_not_asked_for():
+    with MStar("toy") as m:
+        result = m.generate({"text": "hello"}, max_tokens=5, modalities=["text"])
+    assert "audio" not in result.outputs and len(result.outputs["text"]) == 5
+
+
+def test_bad_requests_fail_alone():
+    with MStar("toy") as m:
+        with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+            m.generate({"text": "hi"}, max_tokens=-3)
+        with pytest.raises(ValueError, match="non-empty text prompt"):
+            m.submit({"text": ""})
+        bad = m.submit({"text": "hi"}, guidance="strong")  # fails inside the guide component
+        good = m.submit({"text": "hello"}, max_tokens=5)
+        with pytest.raises(RequestFailed, match="guide failed"):
+            bad.result()
+        assert len(good.result().outputs["text"]) == 5
+
+
+def test_200_cancelled_requests_leave_no_state_inproc():
+    with MStar(config={"model": "toy", "model_kwargs": {"step_delay_s": 0.005}}) as m:
+        handles = [m.submit({"text": f"req {i}"}, max_tokens=100_000, stop_early=False) for i in range(200)]
+        time.sleep(0.3)
+        assert all(h.cancel() for h in handles)
+        for h in handles:
+            list(h)
+            assert h.finish.finish_reason == "cancelled"
+        _wait(lambda: all(w.state_size() == 0 for w in m.runtime.workers.values()))
+        assert m.runtime.conductor.stats() == {"in_flight": 0, "queued": 0}
+        assert not any(e.has_work() for w in m.runtime.workers.values() for e in w.engines.values())
+        assert len(m.generate({"text": "hello"}, max_tokens=3).outputs["text"]) == 3
+
+
+def test_200_cancelled_requests_leave_no_shared_memory_across_processes():
+    # hidden=9000 makes the context vector 72 KB: it crosses processes through shared memory.
+    cfg = load_config("configs/toy_3workers.yaml")
+    cfg.model_kwargs = {"hidden": 9000, "step_delay_s": 0.002}
+    with MStar(config=cfg, mode="multiproc") as m:
+        handles = [m.submit({"text": f"req {i}"}, max_tokens=100_000, stop_early=False) for i in range(200)]
+        time.sleep(1.0)
+        for h in handles:
+            h.cancel()
+            list(h)
+        _wait(lambda: not list_segments(m.runtime.session), timeout=10)
+        assert m.runtime.conductor.stats() == {"in_flight": 0, "queued": 0}
+        assert len(m.generate({"text": "hello"}, max_tokens=3).outputs["text"]) == 3
+        assert not list_segments(m.runtime.session)
+
+
+def test_killed_worker_fails_only_its_requests():
+    cfg = config_from_dict({"model": "toy", "model_kwargs": {"step_delay_s": 0.02}, "node_groups": [
+        {"node_names": ["encoder", "guide", "painter", "vocoder"], "ranks": [0]},
+        {"node_names": ["decoder"], "ranks": [1, 2]},
+    ]})
+    with MStar(config=cfg, mode="multiproc") as m:
+        handles = [m.submit({"text": f"req {i}"}, max_tokens=150, stop_early=False, modalities=["text"])
+                   for i in range(8)]
+        time.sleep(0.5)
+        os.kill(m.runtime.workers[2].pid, signal.SIGKILL)
+        failed, done = 0, 0
+        for h in handles:
+            try:
+                assert len(h.result().outputs["text"]) == 150
+                done += 1
+            except RequestFailed as exc:
+                assert "worker 2 died" in str(exc) and exc.status == 500
+                failed += 1
+        assert failed == 4 and done == 4  # least-loaded placement split them evenly
+        assert len(m.generate({"text": "after"}, max_tokens=4, modalities=["text"]).outputs["text"]) == 4
+
+
+def _wait(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
