@@ -95,3 +95,11 @@ def test_route_needing_an_output_the_model_lacks_is_404():
     with pytest.raises(RequestError) as info:
         state.check_model("llm", "audio", "/v1/audio/speech")
     assert info.value.status == 404 and "/v1/audio/speech" in info.value.message
+
+
+def test_sdk_tts_streams_sse_pcm_and_whole_wav(sdk):
+    pieces = list(sdk.tts("speak", stream=True))
+    assert pieces and all(p.sample_rate == 8000 for p in pieces)
+    whole = sdk.tts("speak", response_format="wav")
+    assert whole.sample_rate == 8000
+    assert sum(len(p.samples) for p in pieces) == len(whole.samples)
