@@ -1,0 +1,132 @@
+"""The `mstar` command: `mstar serve <model>`, `mstar models`, `mstar bench`; and `mstar-serve --config x.yaml`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+DEFAULT_MODEL = "smollm2"
+CONFIG_DIR = Path("configs")
+
+
+def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--gpus", default=None, help="GPU ids to use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)")
+    p.add_argument("--config", default=None, help="YAML config (default: configs/<model>.yaml when it exists)")
+    p.add_argument("--model-path", default=None, help="local checkpoint folder or file instead of the default")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto", help="dummy: random weights")
+    p.add_argument("--tiny", action="store_true", help="the model's tiny debug flavour")
+    p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    p.add_argument("--api-key", default=os.environ.get("MSTAR_API_KEY"),
+                   help="require 'Authorization: Bearer <key>' on every route but /health (env MSTAR_API_KEY)")
+    p.add_argument("--mode", choices=("inproc", "multiproc"), default="inproc",
+                   help="workers as threads of this process, or one process per worker")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `mstar` argument parser with its subcommands."""
+    from mstar.cli import bench
+
+    parser = argparse.ArgumentParser(prog="mstar", description="Serve and benchmark composite multimodal models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run an HTTP server for one model")
+    serve.add_argument("model", nargs="?", default=None, help=f"registered model name (default {DEFAULT_MODEL})")
+    _add_serve_arguments(serve)
+    serve.set_defaults(func=run_serve)
+    models = sub.add_parser("models", help="list registered models and their modalities")
+    models.set_defaults(func=list_models)
+    bench.add_parser(sub)
+    return parser
+
+
+def list_models(args: argparse.Namespace) -> int:
+    """Print each registered model with its input and output modalities."""
+    from mstar.models.registry import get_model_class, model_names
+
+    for name in model_names():
+        cls = get_model_class(name)
+        sys.stdout.write(f"{name:<16} in: {', '.join(cls.input_modalities):<28} "
+                         f"out: {', '.join(cls.output_modalities)}\n")
+    return 0
+
+
+def resolve_config(model: str | None, config_path: str | None):
+    """The config to serve: the given file, else configs/<model>.yaml, else the model on rank 0."""
+    from mstar.config import config_from_dict, load_config
+
+    if config_path is not None:
+        return load_config(config_path, model=model)
+    model = model or DEFAULT_MODEL
+    default = CONFIG_DIR / f"{model}.yaml"
+    if default.is_file():
+        logger.info("using %s", default)
+        return load_config(default, model=model)
+    return config_from_dict({"model": model}, source=f"<defaults for {model}>")
+
+
+def snippets(base_url: str, model: str, api_key: str | None) -> str:
+    """Copy-paste examples for curl, the mstar SDK and the OpenAI client."""
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    key = repr(api_key or "none")
+    return f"""
+mstar is serving {model!r} at {base_url}   (docs: {base_url}/docs, metrics: {base_url}/metrics)
+
+  curl {base_url}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\
+       -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+
+  from mstar.client import MStarClient
+  print(MStarClient("{base_url}", api_key={key}).chat("Hello!").text)
+
+  from openai import OpenAI
+  client = OpenAI(base_url="{base_url}/v1", api_key={key})
+  print(client.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hello!"}}]))
+"""
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Start the runtime, serve it with uvicorn until interrupted, then shut the runtime down."""
+    import uvicorn
+
+    from mstar.runtime.launcher import Runtime
+    from mstar.server.app import create_app
+
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus
+    config = resolve_config(getattr(args, "model", None), args.config)
+    runtime = Runtime(config, mode=args.mode, tiny=args.tiny, load_format=args.load_format,
+                      model_path=args.model_path)
+    try:
+        app = create_app(runtime, api_key=args.api_key)
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        sys.stderr.write(snippets(f"http://{host}:{args.port}", config.model, args.api_key))
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    finally:
+        runtime.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `mstar`."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """Entry point of `mstar-serve --config x.yaml` (the model comes from the config)."""
+    parser = argparse.ArgumentParser(prog="mstar-serve", description="Serve the model a config file names.")
+    parser.add_argument("--model", default=None, help="override the config's model")
+    _add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.config is None and args.model is None:
+        parser.error("give --config configs/<model>.yaml (or --model NAME)")
+    return run_serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

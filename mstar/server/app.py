@@ -1,0 +1,113 @@
+"""The HTTP server: `create_app(runtime)` builds the FastAPI app over a running `Runtime`.
+
+Routes live in `routes_native` (/generate, /health, /ready, /metrics), `routes_openai` (models, chat,
+completions) and `routes_media` (speech, images). Every error body is `{"error": {...}}`; bad input
+answers 4xx, never 5xx.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from mstar.server.adapters import RequestError
+from mstar.server.media import MediaError, MediaPolicy
+from mstar.server.metrics import ServerMetrics
+from mstar.server.middleware import GuardMiddleware
+from mstar.server.protocol import error_response, validation_message
+
+logger = logging.getLogger(__name__)
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # room for inline media (MediaPolicy caps each input at 50 MiB)
+
+
+@dataclass
+class ServerState:
+    """What every route needs: the runtime, its metrics and the media policy."""
+
+    runtime: Any
+    metrics: ServerMetrics
+    media_policy: MediaPolicy
+    model_name: str
+
+    def check_model(self, requested: str | None, needs: str | None = None, route: str = "") -> None:
+        """Raise RequestError(404) for another model's name or a route this model cannot serve."""
+        if requested not in (None, "", "default", self.model_name):
+            raise RequestError(404, f"model {requested!r} is not served here; this server serves "
+                                    f"{self.model_name!r} (see GET /v1/models)", param="model")
+        outputs = self.runtime.model.output_modalities
+        if needs is not None and needs not in outputs:
+            raise RequestError(404, f"{route} is not available for model {self.model_name!r}: it needs {needs} "
+                                    f"output, and the model produces {', '.join(outputs)}")
+
+
+def error_json(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    """A JSONResponse with the standard error body."""
+    return JSONResponse(error_response(status, message, param).model_dump(), status_code=status, headers=headers)
+
+
+class _ValidationShim:
+    """Lets `validation_message` read FastAPI's RequestValidationError (a list of pydantic errors)."""
+
+    def __init__(self, errors: list[dict]) -> None:
+        self._errors = errors
+
+    def errors(self, include_url: bool = False) -> list[dict]:
+        return [{**e, "loc": tuple(e.get("loc", ()))[1:] if e.get("loc", ("",))[0] == "body" else e.get("loc", ())}
+                for e in self._errors]
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(_ValidationShim(list(exc.errors())))  # type: ignore[arg-type]
+        return error_json(400, message or "invalid request body", param)
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return error_json(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(MediaError)
+    async def _media_error(request: Request, exc: MediaError) -> JSONResponse:
+        return error_json(exc.status_code, exc.message)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"no route {request.method} {request.url.path}; see /docs for the API"
+        return error_json(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_json(500, f"internal error: {type(exc).__name__}")
+
+
+def create_app(runtime: Any, api_key: str | None = None, media_policy: MediaPolicy | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, model_name: str | None = None) -> FastAPI:
+    """The app serving `runtime`. With `api_key`, every route but /health needs `Authorization: Bearer`."""
+    from mstar.server import routes_media, routes_native, routes_openai
+
+    metrics = ServerMetrics(runtime)
+    state = ServerState(runtime, metrics, media_policy or MediaPolicy(),
+                        model_name or getattr(runtime.model, "name", None) or runtime.config.model)
+    app = FastAPI(title="mstar", version="0.1.0",
+                  description=f"Serving {state.model_name}: native /generate and OpenAI-compatible routes.")
+    app.state.mstar = state
+    _install_error_handlers(app)
+    app.include_router(routes_native.router)
+    app.include_router(routes_openai.router)
+    app.include_router(routes_media.router)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
+    return app
+
+
+def get_state(request: Request) -> ServerState:
+    """The ServerState of the app handling `request`."""
+    return request.app.state.mstar

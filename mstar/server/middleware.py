@@ -1,0 +1,95 @@
+"""Pure ASGI middleware (no BaseHTTPMiddleware: it would hide client disconnects from handlers).
+
+`GuardMiddleware` enforces the bearer token, caps request bodies and counts responses per route.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from starlette.exceptions import HTTPException
+
+from mstar.server.protocol import error_response
+
+OPEN_PATHS = ("/health",)  # reachable without the API key (load balancer probes)
+
+
+async def send_error(send, status: int, message: str, headers: list | None = None) -> None:
+    """Answer with the standard `{"error": {...}}` body."""
+    body = json.dumps(error_response(status, message).model_dump()).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(HTTPException):
+    """Raised from `receive`; an HTTPException so FastAPI's body parsing passes it through as a 413."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body is over the limit of {limit} bytes")
+
+
+class GuardMiddleware:
+    """API key check (every path but /health), body size limit, response counting."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics: Any) -> None:
+        self.app, self.api_key, self.max_body_bytes, self.metrics = app, api_key, max_body_bytes, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        if self.api_key and path not in OPEN_PATHS and not self._authorized(scope):
+            self.metrics.http_response(_route(path), 401)
+            await send_error(send, 401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                             [(b"www-authenticate", b"Bearer")])
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            self.metrics.http_response(_route(path), 413)
+            await send_error(send, 413, f"request body is {int(length)} bytes, over the limit of "
+                                        f"{self.max_body_bytes} bytes")
+            return
+        await self._call_capped(scope, receive, send, path)
+
+    async def _call_capped(self, scope, receive, send, path: str) -> None:
+        received = 0
+        started = False
+
+        async def capped_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise _TooLarge(self.max_body_bytes)
+            return message
+
+        async def counting_send(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self.metrics.http_response(_route(path), message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, capped_receive, counting_send)
+        except _TooLarge:  # a chunked body with no content-length ran past the cap
+            if not started:
+                await send_error(counting_send, 413, f"request body is over the limit of {self.max_body_bytes} bytes")
+
+    def _authorized(self, scope) -> bool:
+        value = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = value.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+
+def _route(path: str) -> str:
+    """A bounded label: known API paths as they are, anything else as 'other'."""
+    known = ("/health", "/ready", "/metrics", "/generate", "/v1/models", "/v1/chat/completions", "/v1/completions",
+             "/v1/audio/speech", "/v1/images/generations")
+    return path if path in known else "other"

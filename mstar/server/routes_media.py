@@ -1,0 +1,135 @@
+"""OpenAI-compatible media routes: /v1/audio/speech and /v1/images/generations."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+
+from mstar.server.adapters import RequestError, RequestStream, start_request
+from mstar.server.app import ServerState, get_state
+from mstar.server.media import AUDIO_MIME, encode_audio, encode_image, pcm_s16le
+from mstar.server.protocol_openai_media import (
+    SAMPLE_RATE_HEADER,
+    ImageData,
+    ImageGenerationRequest,
+    ImagesResponse,
+    SpeechAudioDelta,
+    SpeechAudioDone,
+    SpeechRequest,
+    SpeechUsage,
+)
+from mstar.server.streaming import ClosingStreamingResponse, guarded, sse, sse_error, unless_disconnected
+
+router = APIRouter()
+
+
+def _media_options(state: ServerState, extra: dict[str, Any], modality: str, seed: int | None) -> dict[str, Any]:
+    opts = dict(extra)
+    if seed is not None:
+        opts["seed"] = seed
+    if "modalities" in state.runtime.model.default_options:
+        opts["modalities"] = [modality]
+    return opts
+
+
+async def _samples(stream: RequestStream) -> np.ndarray:
+    pieces = [np.asarray(item.value, dtype=np.float32).reshape(-1) async for item in stream if item.name == "audio"]
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
+
+
+@router.post("/v1/audio/speech", response_model=None)
+async def speech(body: SpeechRequest, request: Request) -> Response:
+    """Text to speech in any of wav, pcm, flac, mp3, opus, aac; streamed as raw audio or SSE."""
+    state = get_state(request)
+    state.check_model(body.model, "audio", "/v1/audio/speech")
+    opts = _media_options(state, body.extra_options(), "audio", body.seed)
+    for name in ("voice", "instructions", "temperature", "top_p"):
+        if getattr(body, name) is not None:
+            opts[name] = getattr(body, name)
+    if body.speed != 1.0:
+        opts["speed"] = body.speed
+    stream = await start_request(state, {"text": body.input}, opts)
+    rate = state.runtime.processor.sample_rate
+    fmt = body.response_format
+    headers = {SAMPLE_RATE_HEADER: str(rate)}
+    if body.stream_format == "sse":
+        return ClosingStreamingResponse(guarded(lambda: _speech_sse(stream, fmt, rate), sse_error), [stream],
+                                        media_type="text/event-stream", headers=headers)
+    if fmt == "pcm":  # raw s16le streams as it is made; containers are encoded whole (valid headers)
+        return ClosingStreamingResponse(_raw_pcm(stream), [stream], media_type=AUDIO_MIME[fmt], headers=headers)
+    samples = await unless_disconnected(request, _samples(stream), [stream])
+    if samples.size == 0:
+        raise RequestError(500, "the model produced no audio for this input")
+    data = await run_in_threadpool(encode_audio, samples, rate, fmt)
+    return Response(data, media_type=AUDIO_MIME[fmt], headers=headers)
+
+
+async def _raw_pcm(stream: RequestStream):
+    """s16le chunks as they come. A late failure ends the body early (raw audio has no place for an
+    error; use stream_format=sse to see it)."""
+    try:
+        async for item in stream:
+            if item.name == "audio":
+                yield pcm_s16le(np.asarray(item.value, dtype=np.float32).reshape(-1))
+    except RequestError:
+        return
+
+
+async def _speech_sse(stream: RequestStream, fmt: str, rate: int):
+    if fmt == "pcm":
+        async for item in stream:
+            if item.name == "audio":
+                pcm = pcm_s16le(np.asarray(item.value, dtype=np.float32).reshape(-1))
+                yield sse(SpeechAudioDelta(audio=base64.b64encode(pcm).decode(), sample_rate=rate))
+    else:  # container formats are encoded whole, then sent as one delta
+        samples = await _samples(stream)
+        data = await run_in_threadpool(encode_audio, samples, rate, fmt)
+        yield sse(SpeechAudioDelta(audio=base64.b64encode(data).decode(), sample_rate=rate))
+    usage = stream.usage
+    yield sse(SpeechAudioDone(usage=SpeechUsage(input_tokens=usage.prompt_tokens,
+                                                output_tokens=usage.completion_tokens,
+                                                total_tokens=usage.total_tokens)))
+
+
+async def _first_image(stream: RequestStream) -> np.ndarray:
+    image = None
+    async for item in stream:
+        if item.name == "image" and image is None:
+            image = np.asarray(item.value)
+    if image is None:
+        raise RequestError(500, "the model produced no image for this prompt")
+    return image
+
+
+@router.post("/v1/images/generations")
+async def image_generations(body: ImageGenerationRequest, request: Request) -> ImagesResponse:
+    """Text to image; b64_json PNG/JPEG/WEBP, n images from n requests (seed + i)."""
+    state = get_state(request)
+    state.check_model(body.model, "image", "/v1/images/generations")
+    extra = body.extra_options()
+    dims = body.dimensions()
+    if dims is not None:
+        extra["width"], extra["height"] = dims
+    for name in ("negative_prompt", "num_inference_steps", "guidance_scale"):
+        if getattr(body, name) is not None:
+            extra[name] = getattr(body, name)
+    streams: list[RequestStream] = []
+    try:
+        for i in range(body.n):
+            seed = None if body.seed is None else body.seed + i
+            streams.append(await start_request(state, {"text": body.prompt},
+                                               _media_options(state, extra, "image", seed)))
+        data = []
+        for stream in streams:
+            image = await unless_disconnected(request, _first_image(stream), streams)
+            encoded = await run_in_threadpool(encode_image, image.astype(np.uint8), body.output_format)
+            data.append(ImageData(b64_json=base64.b64encode(encoded).decode()))
+    finally:
+        for stream in streams:
+            stream.close()
+    return ImagesResponse(data=data)

@@ -1,0 +1,173 @@
+"""OpenAI-compatible text routes: /v1/models, /v1/chat/completions, /v1/completions.
+
+`n` runs n separate requests (seed + i when a seed is given); streams interleave their choices.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from mstar.server.adapters import RequestStream, merge, start_request
+from mstar.server.app import ServerState, get_state
+from mstar.server.protocol import Usage
+from mstar.server.protocol_openai import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    ChatResponseMessage,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    SamplingParams,
+    new_id,
+)
+from mstar.server.streaming import (
+    SSE_DONE,
+    ClosingStreamingResponse,
+    guarded,
+    sse,
+    sse_error,
+    unless_disconnected,
+)
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> ModelList:
+    """The one model this server runs."""
+    return ModelList(data=[ModelCard(id=get_state(request).model_name)])
+
+
+def _options(state: ServerState, params: SamplingParams, index: int) -> dict[str, Any]:
+    opts = {**params.extra_options(), **params.sampling_options()}
+    opts.pop("stream_options", None)
+    if params.seed is not None:
+        opts["seed"] = params.seed + index
+    if "modalities" in state.runtime.model.default_options:
+        opts["modalities"] = ["text"]
+    return opts
+
+
+async def _start_n(state: ServerState, requests: list[dict[str, Any]], params: SamplingParams) -> list[RequestStream]:
+    streams: list[RequestStream] = []
+    try:
+        for i, req in enumerate(requests):
+            streams.append(await start_request(state, req, _options(state, params, i)))
+    except BaseException:
+        for stream in streams:
+            stream.close()
+        raise
+    return streams
+
+
+def _usage(streams: list[RequestStream]) -> Usage:
+    return Usage(prompt_tokens=streams[0].prompt_tokens if streams else 0,
+                 completion_tokens=sum(s.decoder.completion_tokens for s in streams))
+
+
+async def _texts(streams: list[RequestStream]) -> list[str]:
+    texts = ["" for _ in streams]
+    async for index, item in merge(streams):
+        if item.name == "text":
+            texts[index] += item.value
+    return texts
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    """Chat: text out (streamed as SSE with `stream: true`)."""
+    state = get_state(request)
+    state.check_model(body.model, "text", "/v1/chat/completions")
+    if "audio" in body.output_modalities():
+        from mstar.server.adapters import RequestError
+
+        raise RequestError(400, "audio output from chat is not supported yet; use /v1/audio/speech", "modalities")
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    streams = await _start_n(state, [{"messages": messages}] * body.n, body)
+    model = body.model or state.model_name
+    if not body.stream:
+        texts = await unless_disconnected(request, _texts(streams), streams)
+        choices = [ChatChoice(index=i, message=ChatResponseMessage(content=t), finish_reason=s.finish_reason)
+                   for i, (t, s) in enumerate(zip(texts, streams))]
+        resp = ChatCompletion(model=model, choices=choices, usage=_usage(streams))
+        return Response(resp.model_dump_json(), media_type="application/json")
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return ClosingStreamingResponse(guarded(lambda: _chat_sse(streams, model, include_usage), sse_error), streams,
+                                    media_type="text/event-stream")
+
+
+async def _chat_sse(streams: list[RequestStream], model: str, include_usage: bool):
+    cid = new_id("chatcmpl")
+
+    def chunk(index: int, delta: ChatDelta, finish: str | None = None) -> bytes:
+        return sse(ChatCompletionChunk(id=cid, model=model,
+                                       choices=[ChatChunkChoice(index=index, delta=delta, finish_reason=finish)]))
+
+    for i in range(len(streams)):
+        yield chunk(i, ChatDelta(role="assistant", content=""))
+    finished = set()
+    async for index, item in merge(streams):
+        if item.name == "text" and item.value:
+            yield chunk(index, ChatDelta(content=item.value))
+        for i, stream in enumerate(streams):  # a stream's finish is known once its last item went out
+            if stream.done and i not in finished and stream.finish_reason is not None:
+                finished.add(i)
+                yield chunk(i, ChatDelta(), stream.finish_reason)
+    for i, stream in enumerate(streams):
+        if i not in finished:
+            yield chunk(i, ChatDelta(), stream.finish_reason or "stop")
+    if include_usage:
+        yield sse(ChatCompletionChunk(id=cid, model=model, choices=[], usage=_usage(streams)))
+    yield SSE_DONE
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    """Plain-text completion of one or more prompts (n choices each)."""
+    state = get_state(request)
+    state.check_model(body.model, "text", "/v1/completions")
+    prompts = body.prompts()
+    reqs = [{"text": p} for p in prompts for _ in range(body.n)]
+    streams = await _start_n(state, reqs, body)
+    model = body.model or state.model_name
+    prefixes = [p if body.echo else "" for p in prompts for _ in range(body.n)]
+    if not body.stream:
+        texts = await unless_disconnected(request, _texts(streams), streams)
+        choices = [CompletionChoice(index=i, text=prefixes[i] + t, finish_reason=s.finish_reason)
+                   for i, (t, s) in enumerate(zip(texts, streams))]
+        usage = Usage(prompt_tokens=sum(s.prompt_tokens for s in streams[:: body.n]),
+                      completion_tokens=sum(s.decoder.completion_tokens for s in streams))
+        resp = Completion(model=model, choices=choices, usage=usage)
+        return Response(resp.model_dump_json(), media_type="application/json")
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    return ClosingStreamingResponse(
+        guarded(lambda: _completion_sse(streams, model, prefixes, include_usage, body.n), sse_error), streams,
+        media_type="text/event-stream")
+
+
+async def _completion_sse(streams: list[RequestStream], model: str, prefixes: list[str], include_usage: bool,
+                          n: int):
+    cid = new_id("cmpl")
+    for i, prefix in enumerate(prefixes):
+        if prefix:
+            yield sse(Completion(id=cid, model=model, choices=[CompletionChoice(index=i, text=prefix)]))
+    async for index, item in merge(streams):
+        if item.name == "text" and item.value:
+            yield sse(Completion(id=cid, model=model, choices=[CompletionChoice(index=index, text=item.value)]))
+    for i, stream in enumerate(streams):
+        yield sse(Completion(id=cid, model=model,
+                             choices=[CompletionChoice(index=i, text="", finish_reason=stream.finish_reason or "stop")]))
+    if include_usage:
+        usage = Usage(prompt_tokens=sum(s.prompt_tokens for s in streams[::n]),
+                      completion_tokens=sum(s.decoder.completion_tokens for s in streams))
+        yield sse(Completion(id=cid, model=model, usage=usage))
+    yield SSE_DONE

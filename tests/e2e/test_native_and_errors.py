@@ -1,0 +1,105 @@
+"""/generate through the mstar SDK, and bad input answered 4xx with a message (never 5xx)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from mstar.client import MStarClient
+from mstar.client.errors import MStarError
+from mstar.server.protocol import AudioChunk, FinalChunk, ImageChunk, TextChunk
+from tests.e2e.server_thread import running_server
+
+
+@pytest.fixture(scope="module")
+def base():
+    with running_server({"model": "toy"}, max_body_bytes=200_000) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def sdk(base):
+    with MStarClient(base) as c:
+        yield c
+
+
+def test_generate_stream_has_typed_chunks_seq_and_final(sdk):
+    chunks = list(sdk.generate("hello", outputs=["text", "audio", "image"], stream=True, max_tokens=6,
+                               stop_early=False))
+    final = chunks[-1]
+    assert isinstance(final, FinalChunk) and final.finish_reason == "length" and final.usage.completion_tokens == 6
+    for kind, name in ((TextChunk, "text"), (AudioChunk, "audio"), (ImageChunk, "image")):
+        seqs = [c.seq for c in chunks if isinstance(c, kind)]
+        assert seqs == list(range(len(seqs))) and seqs, name
+    assert not any(c.output == "video" for c in chunks[:-1])  # not asked for
+    audio = [c for c in chunks if isinstance(c, AudioChunk)]
+    assert audio[0].sample_rate == 8000 and audio[0].to_numpy().shape[1] == 1
+
+
+def test_generate_non_stream_matches_stream(sdk):
+    streamed = "".join(c.delta for c in sdk.generate("same", stream=True, max_tokens=5) if isinstance(c, TextChunk))
+    result = sdk.generate("same", max_tokens=5)
+    assert result.text == streamed and result.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("body", [
+    b"{not json",
+    b'{"messages": "hi"}',
+    b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": -3}',
+    b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 99999999999}',
+    b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}',
+    b'{"messages": [{"role": "user", "content": "x"}], "model": "gpt-17"}',
+    b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "/etc/passwd"}}]}]}',
+    b'{"messages": [{"role": "user", "content": ""}]}',
+])
+def test_bad_chat_input_is_4xx_with_message(base, body):
+    resp = httpx.post(f"{base}/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert 400 <= resp.status_code < 500, resp.text
+    assert resp.json()["error"]["message"]
+    assert httpx.get(f"{base}/health").status_code == 200
+
+
+def test_local_path_as_generate_media_is_refused(base):
+    resp = httpx.post(f"{base}/generate", json={"text": "x", "media": [{"type": "image", "data": "file:///etc/passwd"}]})
+    assert resp.status_code == 400 and "file" in resp.json()["error"]["message"].lower()
+
+
+def test_unknown_route_and_body_limit(base):
+    resp = httpx.post(f"{base}/v1/audio/transcriptions", json={})
+    assert resp.status_code == 404 and resp.json()["error"]["message"]
+    resp = httpx.post(f"{base}/generate", json={"text": "x" * 300_000})
+    assert resp.status_code == 413 and "limit" in resp.json()["error"]["message"]
+
+
+def test_sdk_raises_on_bad_option(sdk):
+    with pytest.raises(MStarError) as info:
+        sdk.generate("x", max_tokens=0)
+    assert info.value.status == 400 and "max_tokens" in str(info.value)
+
+
+def test_ready_and_metrics_count_requests(base):
+    assert httpx.get(f"{base}/ready").json() == {"status": "ready"}
+    text = httpx.get(f"{base}/metrics").text
+    assert "mstar_time_to_first_output_seconds_count" in text and 'mstar_http_responses_total{route="/generate"' in text
+
+
+def test_route_needing_an_output_the_model_lacks_is_404():
+    from types import SimpleNamespace
+
+    from mstar.server.adapters import RequestError
+    from mstar.server.app import ServerState
+    from mstar.server.media import MediaPolicy
+
+    text_only = SimpleNamespace(model=SimpleNamespace(output_modalities=("text",)))
+    state = ServerState(text_only, metrics=None, media_policy=MediaPolicy(), model_name="llm")
+    with pytest.raises(RequestError) as info:
+        state.check_model("llm", "audio", "/v1/audio/speech")
+    assert info.value.status == 404 and "/v1/audio/speech" in info.value.message
+
+
+def test_sdk_tts_streams_sse_pcm_and_whole_wav(sdk):
+    pieces = list(sdk.tts("speak", stream=True))
+    assert pieces and all(p.sample_rate == 8000 for p in pieces)
+    whole = sdk.tts("speak", response_format="wav")
+    assert whole.sample_rate == 8000
+    assert sum(len(p.samples) for p in pieces) == len(whole.samples)

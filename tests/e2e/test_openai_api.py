@@ -1,0 +1,96 @@
+"""The OpenAI-compatible routes driven by the real `openai` client against a live toy server."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import soundfile as sf
+from PIL import Image
+
+from tests.e2e.server_thread import running_server
+
+openai = pytest.importorskip("openai")
+KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def base():
+    with running_server({"model": "toy"}, api_key=KEY) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base):
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == ["toy"]
+
+
+def test_chat_non_streaming_has_text_and_real_usage(client):
+    resp = client.chat.completions.create(model="toy", messages=[{"role": "user", "content": "hello"}],
+                                          max_tokens=6, extra_body={"stop_early": False})
+    choice = resp.choices[0]
+    assert len(choice.message.content) == 6 and choice.finish_reason == "length"
+    assert resp.usage.completion_tokens == 6 and resp.usage.prompt_tokens == len(b"hello")
+    assert resp.usage.total_tokens == 6 + 5
+
+
+def test_chat_stream_matches_non_stream_and_includes_usage(client):
+    kwargs = dict(model="toy", messages=[{"role": "user", "content": "stream me"}], max_tokens=7, seed=3,
+                  extra_body={"stop_early": False})
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
+
+
+def test_chat_n_gives_n_choices(client):
+    resp = client.chat.completions.create(model="toy", messages=[{"role": "user", "content": "hi"}], n=3,
+                                          max_tokens=4, extra_body={"stop_early": False})
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2]
+    assert resp.usage.completion_tokens == 12
+
+
+def test_completions_stream_and_not(client):
+    resp = client.completions.create(model="toy", prompt="abc", max_tokens=5, extra_body={"stop_early": False})
+    assert len(resp.choices[0].text) == 5 and resp.usage.completion_tokens == 5
+    parts = list(client.completions.create(model="toy", prompt="abc", max_tokens=5, stream=True,
+                                           extra_body={"stop_early": False}))
+    assert "".join(p.choices[0].text for p in parts if p.choices) == resp.choices[0].text
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac", "mp3"])
+def test_speech_container_formats_decode(client, fmt):
+    data = client.audio.speech.create(model="toy", voice="alloy", input="speak", response_format=fmt).content
+    samples, rate = sf.read(io.BytesIO(data))
+    assert len(samples) > 0 and rate > 0
+    if fmt != "mp3":  # lossless: the toy's 8 samples per token and its 8 kHz rate survive exactly
+        assert rate == 8000 and len(samples) % 8 == 0
+
+
+def test_speech_pcm_carries_sample_rate(client):
+    resp = client.audio.speech.with_raw_response.create(model="toy", voice="alloy", input="speak",
+                                                        response_format="pcm")
+    assert resp.headers["x-sample-rate"] == "8000"
+    pcm = np.frombuffer(resp.content, "<i2")
+    assert pcm.size > 0 and np.abs(pcm).max() > 1000
+
+
+def test_images_generation_returns_the_toy_image(client):
+    import base64
+
+    resp = client.images.generate(model="toy", prompt="paint", response_format="b64_json")
+    img = Image.open(io.BytesIO(base64.b64decode(resp.data[0].b64_json)))
+    assert img.format == "PNG" and img.size[1] == 8 and img.size[0] >= 1
+
+
+def test_wrong_key_is_refused(base):
+    bad = openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
