@@ -8,6 +8,10 @@ from mstar.models.base import Model
 
 # name -> "module:Class". Keep sorted by name.
 _MODELS: dict[str, str] = {
+    "llama": "mstar.models.llama.serving:DenseLM",
+    "qwen2": "mstar.models.llama.serving:Qwen2LM",
+    "qwen3": "mstar.models.llama.serving:Qwen3LM",
+    "smollm2": "mstar.models.llama.serving:SmolLM2",
     "toy": "mstar.models.toy.model:ToyModel",
 }
 

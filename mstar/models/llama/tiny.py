@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from mstar.models.llama.config import LlamaConfig
@@ -60,3 +61,42 @@ def tiny_hf_config(name: str) -> dict[str, Any]:
 def tiny_config(name: str) -> LlamaConfig:
     """The tiny `LlamaConfig` `name`, for tests and `--tiny` runs."""
     return LlamaConfig.from_hf(tiny_hf_config(name))
+
+
+_TINY_CORPUS = (
+    "The capital of France is Paris. The capital of Italy is Rome. Hello, how are you today?",
+    "def add(a, b):\n    return a + b  # numbers 0 1 2 3 4 5 6 7 8 9",
+    "A quick brown fox jumps over the lazy dog; the user asks and the assistant answers.",
+)
+TINY_TOKENIZER_VOCAB = 320  # byte-level BPE: 256 bytes, 3 specials, the rest merges
+_TINY_TOKENIZER_VERSION = 1  # bump when the tiny tokenizer changes, so cached folders are rebuilt
+
+
+def tiny_tokenizer_folder(cache_dir: str | Path | None = None) -> Path:
+    """A ChatML byte-level BPE tokenizer folder (eos `<|im_end|>`), trained offline in well under a second.
+
+    Built once per machine under the temp dir (or `cache_dir`) and renamed into place, so concurrent
+    processes never see a half-written folder. Ids are below `TINY_TOKENIZER_VOCAB`.
+    """
+    import os
+    import shutil
+    import tempfile
+
+    from mstar.models.common.chat_templates import CHATML_TEMPLATE
+    from mstar.models.common.tokenizer_build import train_byte_level_bpe, write_tokenizer_folder
+
+    root = Path(cache_dir or Path(tempfile.gettempdir()) / "mstar_tokenizers")
+    final = root / f"tiny-chatml-v{_TINY_TOKENIZER_VERSION}"
+    if (final / "tokenizer_config.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="tiny-chatml.", dir=root))
+    tok = train_byte_level_bpe(_TINY_CORPUS, vocab_size=TINY_TOKENIZER_VOCAB)
+    config = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+              "chat_template": CHATML_TEMPLATE, "clean_up_tokenization_spaces": False}
+    write_tokenizer_folder(scratch, tok, config)
+    try:
+        os.rename(scratch, final)
+    except OSError:  # another process won the race; use its folder
+        shutil.rmtree(scratch, ignore_errors=True)
+    return final

