@@ -83,6 +83,7 @@ class MStar:
         """Start a request; `options` override the model's per-request defaults."""
         rid = request_id or uuid.uuid4().hex
         opts = self.runtime.model.request_options(options)
+        self.processor.validate_options(opts)
         inputs = self.processor.inputs(request, opts)
         handle = RequestHandle(self.runtime, rid)
         self.runtime.submit(rid, inputs, opts, handle._events.put)
@@ -91,7 +92,6 @@ class MStar:
     def generate(self, request: dict[str, Any], **options: Any) -> Result:
         """Run one request to the end; values decoded by the model's processor (text as str pieces)."""
         opts = self.runtime.model.request_options(options)
-        self.processor.validate_options(opts)
         handle = self.submit(request, **options)
         decoder = self.processor.output_decoder(opts, {})
         result = Result()

@@ -123,7 +123,7 @@ class Worker:
         state = _Run(msg, walk)
         self._runs[(msg.rid, msg.walk)] = state
         streams = frozenset(s.target_input for s in self.graph.streams if s.target_walk == msg.walk)
-        inputs = {k: self.codec.unpack(v) for k, v in msg.inputs.items()}
+        inputs = {k: self._to_device(self.codec.unpack(v)) for k, v in msg.inputs.items()}
         state.run = WalkRun(walk.body, msg.options, inputs, streams, lambda e, v: self._on_value(state, e, v))
         self._dispatch(state, state.run.start())
         self._finish_if_done(state)
@@ -147,9 +147,12 @@ class Worker:
 
     def _submit(self, rid: str, walk: str, node: str, iteration: int, inputs: dict, options: dict) -> None:
         node_spec = self._node_specs[(walk, node)]
-        inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        inputs = {k: self._to_device(v) for k, v in inputs.items()}
         item = StepItem(rid, walk, node, inputs, options, iteration, node_spec.kv_slot)
         self.engines[node_spec.component].submit(item)
+
+    def _to_device(self, value: Any) -> Any:
+        return value.to(self.device) if isinstance(value, torch.Tensor) and value.device != self.device else value
 
     def _feed_stream(self, rid: str, stream: str) -> None:
         blocked = self._blocked.get((rid, stream))

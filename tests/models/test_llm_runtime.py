@@ -6,7 +6,7 @@ import pytest
 import torch
 from llm_runtime_testing import PROMPTS, hf_greedy, make_checkpoint, token_ids
 
-from mstar.runtime.offline import MStar, RequestFailed
+from mstar.runtime.offline import MStar
 
 NEW = 48
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_tokens": NEW}
@@ -115,7 +115,7 @@ def test_errors_name_the_option(checkpoints):
             m.processor.validate_options({"stop": "x"})
         with pytest.raises(ValueError, match="messages"):
             m.submit({}, max_tokens=2)
-        with pytest.raises(RequestFailed, match="temperature"):  # not validated up front: the engine refuses
+        with pytest.raises(ValueError, match="temperature"):  # validated before admission
             m.generate({"text": "hello"}, temperature=-1.0, max_tokens=2)
 
 
