@@ -4,3 +4,12 @@ A model is a graph of components; a request is a walk over that graph. See docs/
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """`from mstar import MStarClient` without importing the SDK (or torch) up front."""
+    if name in ("MStarClient", "AsyncMStarClient", "MStarError"):
+        import mstar.client
+
+        return getattr(mstar.client, name)
+    raise AttributeError(f"module 'mstar' has no attribute {name!r}")

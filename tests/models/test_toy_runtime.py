@@ -154,3 +154,19 @@ def _wait(condition, timeout=5.0):
     while not condition():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.02)
+
+
+def test_full_queue_rejects_instead_of_growing():
+    from mstar.conductor.conductor import AdmissionError
+
+    cfg = config_from_dict({"model": "toy", "max_concurrent_requests": 1, "max_queued_requests": 1,
+                            "model_kwargs": {"step_delay_s": 0.01}})
+    with MStar(config=cfg) as m:
+        running = m.submit({"text": "one"}, max_tokens=50, stop_early=False)
+        queued = m.submit({"text": "two"}, max_tokens=3, stop_early=False)
+        assert m.runtime.conductor.stats() == {"in_flight": 1, "queued": 1}
+        with pytest.raises(AdmissionError, match="server busy") as exc:
+            m.submit({"text": "three"}, max_tokens=3)
+        assert exc.value.status == 503
+        assert len(running.result().outputs["text"]) == 50
+        assert len(queued.result().outputs["text"]) == 3  # admitted once the first finished
