@@ -57,6 +57,34 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+@dataclass(frozen=True)
+class CudaGraphConfig:
+    """CUDA graphs for decode steps and captured components (the `cuda_graphs` YAML section).
+
+    Only used on CUDA devices. Graphs are captured during warm-up (before the server reports ready)
+    at each size of `batch_sizes` (default: 1, 2, 4, 8, then steps of 8 up to `max_batch_size`); a
+    batch runs in the smallest captured size that holds it, padded, and larger batches run eagerly.
+    """
+
+    enabled: bool = True
+    max_batch_size: int = 64
+    batch_sizes: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_batch_size) or self.max_batch_size < 1:
+            raise ValueError(f"cuda_graphs.max_batch_size={self.max_batch_size!r}: use a positive integer")
+        if self.batch_sizes is not None and (not self.batch_sizes or any(
+                not _is_int(b) or b < 1 for b in self.batch_sizes)):
+            raise ValueError(f"cuda_graphs.batch_sizes={self.batch_sizes!r}: use a list of positive integers")
+
+    def sizes(self) -> list[int]:
+        """The batch sizes to capture, ascending."""
+        if self.batch_sizes is not None:
+            return sorted(set(self.batch_sizes))
+        small = [b for b in (1, 2, 4) if b < self.max_batch_size]
+        return small + list(range(8, self.max_batch_size, 8)) + [self.max_batch_size]
+
+
 @dataclass
 class NodeGroup:
     """`node_groups[]` — one placement: components, for which walks, on which worker ranks."""
@@ -95,6 +123,7 @@ class MStarConfig:
     max_concurrent_requests: int = 64  # requests in flight at once; more wait in the queue
     max_queued_requests: int = 1024  # a full queue rejects new requests instead of growing
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+    cuda_graphs: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     model_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the model's config
     device: str = "auto"  # "auto" (cuda:<rank> when CUDA is there, else cpu) | "cpu" | "cuda"
     max_seq_len: int | None = None  # accepted for compatibility with M* configs; models bound it themselves

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mstar.layers.fused import FUSED
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -82,7 +84,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] by cos/sin [T, D] (rotate-half convention of HF checkpoints)."""
+    """Rotate x [T, H, D] by cos/sin [T, D] (rotate-half convention of HF checkpoints); one fused
+    kernel on CUDA."""
+    ops = FUSED.ops_for(x)
+    if ops is not None and x.dim() == 3 and x.stride(2) == 1 and cos.dim() == 2 and cos.stride(1) == 1:
+        return ops.rotary(x, cos, sin)
     cos = cos[:, None, :].to(x.dtype)
     sin = sin[:, None, :].to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)

@@ -1,0 +1,96 @@
+"""CUDA graphs over a batch dimension: capture a function at a few batch sizes, replay it padded.
+
+On a slow host, launching a decoder's few hundred kernels one by one costs more than the GPU
+work itself; replaying a captured graph costs one launch. `BatchGraphs` is the one facility for
+this: the autoregressive engine captures its decode step with it, and stateless components
+(vocoders, codecs, denoising steps) can wrap their forward with it too.
+
+Contract for a function `fn(*inputs) -> Tensor | tuple[Tensor, ...]` to be captured:
+- every input and output has the batch as dimension 0, and the other dimensions are fixed;
+- it launches GPU work only: no host syncs (`.item()`, `.tolist()`, data-dependent shapes) and no
+  CPU tensors created from data; state it reads besides its inputs (a KV cache, an attention
+  backend's metadata buffers) lives in persistent tensors that are updated in place between calls;
+- padded rows (batch rows beyond the real ones) must be harmless: their outputs are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+GraphFn = Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
+
+
+class _Captured:
+    """One graph with its static inputs and outputs, for one batch size."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list[torch.Tensor], outputs: tuple[torch.Tensor, ...]):
+        self.graph, self.inputs, self.outputs = graph, inputs, outputs
+
+
+class BatchGraphs:
+    """Graphs of `fn` captured at `sizes` (batch sizes) that replay any batch up to the largest one.
+
+    `example` gives one row of each input (shape without the batch dimension, dtype). `before_capture`
+    (optional) is called with the batch size just before each warm-up and capture, so state outside
+    the inputs (an attention backend's buffers) can describe a valid batch of that size.
+    Outputs of `__call__` are views into static buffers: valid until the next call.
+    """
+
+    def __init__(self, fn: GraphFn, sizes: Sequence[int], example: Sequence[tuple[tuple[int, ...], torch.dtype]],
+                 device: torch.device, before_capture: Callable[[int], None] | None = None,
+                 warmup: int = 2) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
+        self.fn, self.device, self.example = fn, device, list(example)
+        self.sizes = sorted(set(sizes))
+        self._before = before_capture or (lambda size: None)
+        self._graphs: dict[int, _Captured] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+        # Largest first: smaller graphs reuse the memory the largest one reserved in the shared pool.
+        for size in reversed(self.sizes):
+            self._graphs[size] = self._capture(size, warmup)
+        logger.info("captured %d CUDA graphs for batch sizes %s", len(self.sizes), self.sizes)
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def bucket(self, batch: int) -> int | None:
+        """The captured size a batch of `batch` rows runs in (None: too large, run eagerly)."""
+        return next((s for s in self.sizes if s >= batch), None)
+
+    def _capture(self, size: int, warmup: int) -> _Captured:
+        inputs = [torch.zeros((size, *shape), dtype=dtype, device=self.device) for shape, dtype in self.example]
+        self._before(size)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up (lazy init, autotuning) outside the capture
+            for _ in range(warmup):
+                self.fn(*inputs)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.fn(*inputs)
+        outputs = out if isinstance(out, tuple) else (out,)
+        return _Captured(graph, inputs, outputs)
+
+    def __call__(self, *inputs: torch.Tensor, bucket: int | None = None) -> tuple[torch.Tensor, ...]:
+        """Replay with `inputs` (batch B <= max_batch); returns each output's first B rows.
+
+        `bucket` picks the captured size (it must hold B); the caller passes it when state outside the
+        inputs was already padded for that size. Padded input rows are left as they were.
+        """
+        batch = inputs[0].shape[0]
+        size = bucket or self.bucket(batch)
+        if size is None or size < batch:
+            raise ValueError(f"batch {batch} does not fit the captured sizes {self.sizes}")
+        captured = self._graphs[size]
+        for static, value in zip(captured.inputs, inputs):
+            static[:batch].copy_(value, non_blocking=True)
+        captured.graph.replay()
+        return tuple(o[:batch] for o in captured.outputs)

@@ -1,0 +1,108 @@
+"""Fused elementwise Triton kernels for the decoder layers: (residual add +) RMSNorm, rotary, SiLU-and-mul.
+
+Each replaces a handful of small PyTorch kernels with one, which is what decides decode speed once
+the weights are read at full bandwidth. They round intermediate values to the input dtype at the
+same points as the PyTorch code in `mstar/layers/` does, so results match it to the last bit or
+within one rounding step (reduction order in the norm may differ).
+
+Use through `mstar/layers` (which falls back to PyTorch on CPU or when `fused_enabled` is False);
+tests run these kernels on CPU with TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, x_stride, res_stride, out_stride,
+                     eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the sum is rounded like `x + r` in torch
+        tl.store(res_out_ptr + row * out_stride + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    normed = (xf * inv).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm of the rows of 2-D `x` (or of `x + residual`): returns (normed, x + residual or None)."""
+    rows, cols = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else None
+    block = triton.next_power_of_2(cols)
+    _rms_norm_kernel[(rows,)](
+        x, residual if residual is not None else x, weight, out, res_out if res_out is not None else out,
+        cols, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
+    )
+    return out, res_out
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, x_stride_t, x_stride_h, cs_stride, out_stride_t,
+                   out_stride_h, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads[:, None] < num_heads
+    d = tl.arange(0, HALF)[None, :]
+    base = x_ptr + t * x_stride_t + heads[:, None] * x_stride_h
+    x1 = tl.load(base + d, mask=hmask, other=0.0)
+    x2 = tl.load(base + HALF + d, mask=hmask, other=0.0)
+    dtype = x1.dtype
+    # cos/sin are duplicated halves ([freqs, freqs]); torch casts them to x's dtype before multiplying.
+    c = tl.load(cos_ptr + t * cs_stride + d).to(dtype).to(tl.float32)
+    s = tl.load(sin_ptr + t * cs_stride + d).to(dtype).to(tl.float32)
+    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+    # out = x * cos + rotate_half(x) * sin, each product rounded as in torch.
+    o1 = ((a1 * c).to(dtype).to(tl.float32) + (-a2 * s).to(dtype).to(tl.float32)).to(dtype)
+    o2 = ((a2 * c).to(dtype).to(tl.float32) + (a1 * s).to(dtype).to(tl.float32)).to(dtype)
+    obase = out_ptr + t * out_stride_t + heads[:, None] * out_stride_h
+    tl.store(obase + d, o1, mask=hmask)
+    tl.store(obase + HALF + d, o2, mask=hmask)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] (any strides with a unit last stride) by cos/sin [T, D]; returns a new
+    contiguous tensor."""
+    tokens, heads, dim = x.shape
+    assert x.stride(2) == 1 and cos.stride(1) == 1 and dim % 2 == 0, "rotary needs unit-stride head dims"
+    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
+    block_h = min(triton.next_power_of_2(heads), 16)
+    _rotary_kernel[(tokens, triton.cdiv(heads, block_h))](
+        x, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1),
+        HALF=dim // 2, BLOCK_H=block_h,
+    )
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, n, x_stride, out_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * x_stride + n + cols, mask=mask, other=0.0).to(tl.float32)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # F.silu rounds to the input dtype
+    tl.store(out_ptr + row * out_stride + cols, (act * up).to(gate.dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+    rows, width = x.shape
+    half = width // 2
+    out = torch.empty((rows, half), dtype=x.dtype, device=x.device)
+    block = 1024
+    _silu_mul_kernel[(rows, triton.cdiv(half, block))](x, out, half, x.stride(0), out.stride(0), BLOCK=block)
+    return out

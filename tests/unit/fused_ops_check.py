@@ -1,0 +1,64 @@
+"""Checks of the fused Triton kernels against the PyTorch layers; run with TRITON_INTERPRET=1 (by
+test_fused_ops.py, in a fresh process so the interpreter setting holds for every kernel)."""
+
+from __future__ import annotations
+
+import torch
+
+from mstar.kernels import fused_ops
+from mstar.layers.fused import FUSED
+from mstar.layers.mlp import GatedMLP
+from mstar.layers.norm import RMSNorm
+from mstar.layers.rope import RopeSpec, RotaryEmbedding, apply_rotary
+
+
+def reference(fn):
+    FUSED.enabled = False
+    try:
+        return fn()
+    finally:
+        FUSED.enabled = True
+
+
+def check_rms_norm(dtype: torch.dtype) -> None:
+    norm = RMSNorm(48, 1e-5).to(dtype)
+    torch.nn.init.normal_(norm.weight)
+    x, r = torch.randn(5, 48).to(dtype), torch.randn(5, 48).to(dtype)
+    torch.testing.assert_close(norm(x), reference(lambda: norm(x)), atol=2e-3, rtol=2e-3)
+    got, summed = norm.add_forward(x, r)
+    want, want_sum = reference(lambda: norm.add_forward(x, r))
+    torch.testing.assert_close(summed, want_sum, atol=0, rtol=0)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    # A strided row view (rows of a wider tensor) reads the right elements.
+    wide = torch.randn(5, 96).to(dtype)
+    torch.testing.assert_close(norm(wide[:, :48]), reference(lambda: norm(wide[:, :48].contiguous())),
+                               atol=2e-3, rtol=2e-3)
+
+
+def check_rotary(dtype: torch.dtype) -> None:
+    rope = RotaryEmbedding(RopeSpec(head_dim=16, theta=10000.0))
+    cos, sin = rope(torch.tensor([0, 3, 7, 100]))
+    qkv = torch.randn(4, (6 + 2 + 2) * 16).to(dtype)
+    q = qkv[:, : 6 * 16].view(4, 6, 16)  # a strided view, as the attention layer makes it
+    got = apply_rotary(q, cos, sin)
+    want = reference(lambda: apply_rotary(q, cos, sin))
+    torch.testing.assert_close(got, want, atol=1e-6 if dtype == torch.float32 else 1e-3, rtol=1e-3)
+
+
+def check_silu_mul(dtype: torch.dtype) -> None:
+    mlp = GatedMLP(16, 40).to(dtype)
+    x = torch.randn(3, 16).to(dtype)
+    torch.testing.assert_close(mlp(x), reference(lambda: mlp(x)), atol=2e-3, rtol=2e-3)
+    wide = torch.randn(2, 2 * 1500).to(dtype)  # more than one column block
+    want = torch.nn.functional.silu(wide[:, :1500]) * wide[:, 1500:]
+    torch.testing.assert_close(fused_ops.silu_and_mul(wide), want, atol=2e-3, rtol=2e-3)
+
+
+if __name__ == "__main__":
+    assert FUSED.ops_for(torch.zeros(1)) is fused_ops, "run with TRITON_INTERPRET=1"
+    torch.manual_seed(0)
+    for dt in (torch.float32, torch.float16):
+        check_rms_norm(dt)
+        check_rotary(dt)
+        check_silu_mul(dt)
+    print("fused ops ok")
