@@ -20,7 +20,9 @@ class StepItem:
     request_id: str  # the request this work belongs to
     walk: str  # the walk the node sits in (a component may behave per walk)
     node: str  # the node's name inside the walk
-    inputs: dict[str, torch.Tensor]  # component input port -> tensor, already on the engine's device
+    # component input port -> tensor: on the engine's device, or as produced when the engine sets
+    # `host_inputs = True` (it reads them on the host, e.g. token ids)
+    inputs: dict[str, torch.Tensor]
     options: dict[str, Any] = field(default_factory=dict)  # per-request model options (sampling, ...)
     iteration: int = 0  # loop iteration the item belongs to (0 outside loops)
     kv_slot: str = "main"  # which KV sequence of the request (guidance branches use several)

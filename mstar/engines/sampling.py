@@ -124,6 +124,8 @@ class SampleOutput:
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
     """Pick one token per row of float32 `logits` [N, V], on the logits' device."""
     assert logits.shape[0] == len(rows), f"{logits.shape[0]} logits rows for {len(rows)} sampling rows"
+    if all(_plain_greedy(r) for r in rows):  # the common serving case: one argmax kernel
+        return SampleOutput(logits.argmax(dim=-1))
     device = logits.device
     x = logits.float().clone()
     _apply_bans_and_penalties(x, rows)
@@ -138,6 +140,14 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
     sampled_ids = (probs / _exponential_noise(probs, rows)).argmax(dim=-1)
     token_ids = torch.where(temps == 0, greedy_ids, sampled_ids)
     return _with_logprobs(SampleOutput(token_ids), logits, rows)
+
+
+def _plain_greedy(row: SamplingRow) -> bool:
+    """Whether the row's token is the argmax of its raw logits (no penalties, bans or logprobs)."""
+    p = row.params
+    banning = len(row.token_ids) - row.num_prompt < p.min_tokens and (row.eos_token_ids or p.stop_token_ids)
+    return (p.temperature == 0 and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0 and p.logprobs is None and not banning)
 
 
 def _apply_bans_and_penalties(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

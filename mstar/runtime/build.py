@@ -49,4 +49,4 @@ def _engine(kind: str, built: Any, config: MStarConfig, device: torch.device) ->
         return StatelessEngine(built.module, **built.engine_options)
     from mstar.engines.autoregressive import build_autoregressive_engine
 
-    return build_autoregressive_engine(built, config.kv_cache, device)
+    return build_autoregressive_engine(built, config.kv_cache, device, config.cuda_graphs)

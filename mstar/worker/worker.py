@@ -147,9 +147,11 @@ class Worker:
 
     def _submit(self, rid: str, walk: str, node: str, iteration: int, inputs: dict, options: dict) -> None:
         node_spec = self._node_specs[(walk, node)]
-        inputs = {k: self._to_device(v) for k, v in inputs.items()}
+        engine = self.engines[node_spec.component]
+        if not getattr(engine, "host_inputs", False):  # engines that read inputs on the host skip the copy
+            inputs = {k: self._to_device(v) for k, v in inputs.items()}
         item = StepItem(rid, walk, node, inputs, options, iteration, node_spec.kv_slot)
-        self.engines[node_spec.component].submit(item)
+        engine.submit(item)
 
     def _to_device(self, value: Any) -> Any:
         return value.to(self.device) if isinstance(value, torch.Tensor) and value.device != self.device else value

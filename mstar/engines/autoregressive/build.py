@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mstar.config import CudaGraphConfig
 from mstar.engines.autoregressive.engine import AutoregressiveEngine
 from mstar.engines.autoregressive.sequence import Sequence
 from mstar.engines.base import StepItem
@@ -66,7 +67,8 @@ class ResumingEngine(AutoregressiveEngine):
             torch.empty(self.vocab_size, dtype=torch.float32, device=self.device).exponential_(generator=generator)
 
 
-def build_autoregressive_engine(built: Any, kv_config: KVCacheConfig, device: torch.device) -> ResumingEngine:
+def build_autoregressive_engine(built: Any, kv_config: KVCacheConfig, device: torch.device,
+                                cuda_graphs: CudaGraphConfig | None = None) -> ResumingEngine:
     """The engine of an autoregressive component from its `BuiltComponent`.
 
     `built.engine_options` may hold: eos_token_ids, default_sampling (a SamplingParams or a dict of
@@ -87,4 +89,4 @@ def build_autoregressive_engine(built: Any, kv_config: KVCacheConfig, device: to
             logger.warning("max_model_len %d lowered to %d, the KV pool's capacity (raise kv_cache.max_num_pages "
                            "or memory_fraction for longer sequences)", options["max_model_len"], capacity)
             options["max_model_len"] = capacity
-    return ResumingEngine(built.module, kv_config, device, **options)
+    return ResumingEngine(built.module, kv_config, device, cuda_graphs=cuda_graphs, **options)

@@ -15,6 +15,7 @@ import logging
 
 import torch
 
+from mstar.config import CudaGraphConfig
 from mstar.engines.autoregressive.runner import ModelRunner, make_attention_backend
 from mstar.engines.autoregressive.scheduler import Chunk, Scheduler
 from mstar.engines.autoregressive.sequence import Sequence
@@ -31,12 +32,16 @@ class AutoregressiveEngine:
 
     `max_model_len` (prompt + generated tokens of one sequence) defaults to the pool's capacity
     and may not exceed it, so that any single sequence always fits once others are preempted.
+    Token inputs are read on the host and token outputs are host tensors (`host_inputs`), so a
+    decode loop costs one device-to-host copy per step, not one per request.
     """
+
+    host_inputs = True  # the worker hands item inputs over as they are, without a device copy
 
     def __init__(self, model: CausalLM, kv_config: KVCacheConfig, device: torch.device | str,
                  eos_token_ids: tuple[int, ...] = (), default_sampling: SamplingParams | None = None,
                  max_num_seqs: int = 256, max_batch_tokens: int = 2048, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, cuda_graphs: CudaGraphConfig | None = None) -> None:
         if max_num_seqs < 1 or max_batch_tokens < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs}, max_batch_tokens={max_batch_tokens}: both must be >= 1")
         self.device = torch.device(device)
@@ -54,7 +59,7 @@ class AutoregressiveEngine:
         attn = make_attention_backend(kv_config.attention_backend, model.kv_layout, num_pages,
                                       kv_config.page_size, self.device)
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_batch_tokens)
-        self.runner = ModelRunner(model, attn, kv_config.page_size, self.device)
+        self.runner = ModelRunner(model, attn, kv_config.page_size, self.device, cuda_graphs, max_num_seqs)
         self._seqs: dict[tuple[str, str], Sequence] = {}
         self._errors: list[StepResult] = []  # items refused at submit, reported by the next step
 
@@ -126,9 +131,9 @@ class AutoregressiveEngine:
     def _postprocess(self, chunks: list[Chunk], logits: torch.Tensor) -> list[StepResult]:
         seqs = [c.seq for c in chunks]
         rows = [SamplingRow(s.params, s.token_ids, s.num_prompt, s.generator, self.eos_token_ids) for s in seqs]
-        out = sample(logits, rows)
+        out = _to_host(sample(logits, rows))  # the step's one host sync
         results = []
-        for i, (seq, token) in enumerate(zip(seqs, out.token_ids.tolist())):  # the step's one host sync
+        for i, (seq, token) in enumerate(zip(seqs, out.token_ids.tolist())):
             item = seq.item
             assert item is not None, f"{seq.key} computed without a pending item"
             seq.item = None
@@ -149,6 +154,13 @@ class AutoregressiveEngine:
         if len(seq.token_ids) + 1 >= self.max_model_len:  # no room to feed this token back
             return "length"
         return None
+
+
+def _to_host(out: SampleOutput) -> SampleOutput:
+    def host(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.cpu()
+
+    return SampleOutput(host(out.token_ids), host(out.logprobs), host(out.top_ids), host(out.top_logprobs))
 
 
 def _outputs(out: SampleOutput, i: int, params: SamplingParams) -> dict[str, torch.Tensor]:

@@ -1,12 +1,23 @@
-"""Executes one scheduled step: packs the chunks, runs the model once, returns logits to sample."""
+"""Executes one scheduled step: packs the chunks, runs the model once, returns logits to sample.
+
+Decode-only steps replay a CUDA graph when the attention backend supports capture
+(`supports_cuda_graphs`) and the device is CUDA: the step's host work is then building a few
+small index tensors and one graph launch, instead of launching every kernel of the model.
+"""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from mstar.config import CudaGraphConfig
 from mstar.engines.attention.base import AttentionBackend, AttentionMetadata
 from mstar.engines.autoregressive.scheduler import Chunk
 from mstar.engines.base import CausalLM, KVLayout
+from mstar.engines.cuda_graphs import BatchGraphs
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("auto", "sdpa")
 
@@ -24,16 +35,39 @@ def make_attention_backend(name: str, layout: KVLayout, num_pages: int, page_siz
 class ModelRunner:
     """Turns chunks into model inputs and attention metadata; owns no scheduling state."""
 
-    def __init__(self, model: CausalLM, attn: AttentionBackend, page_size: int, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, attn: AttentionBackend, page_size: int, device: torch.device,
+                 graphs: CudaGraphConfig | None = None, max_num_seqs: int = 256) -> None:
         self.model = model
         self.attn = attn
         self.page_size = page_size
         self.device = device
+        self.graphs: BatchGraphs | None = None
+        if graphs is not None and graphs.enabled and self.device.type == "cuda":
+            if getattr(attn, "supports_cuda_graphs", False):
+                self.graphs = self._capture([s for s in graphs.sizes() if s <= max_num_seqs] or [1])
+            else:
+                logger.info("%s cannot be captured in CUDA graphs; decode runs eagerly", type(attn).__name__)
+
+    @torch.inference_mode()
+    def _capture(self, sizes: list[int]) -> BatchGraphs:
+        def decode_step(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return self.model.compute_logits(self.model.forward(input_ids, positions, self.attn))
+
+        def describe_dummy_batch(size: int) -> None:  # every row: one token over itself, written nowhere
+            meta = AttentionMetadata([1] * size, [1] * size, torch.full((size,), -1, dtype=torch.long),
+                                     torch.zeros(size, 1, dtype=torch.int32))
+            self.attn.prepare(meta, pad_to=size)  # type: ignore[call-arg]
+
+        return BatchGraphs(decode_step, sizes, [((), torch.long), ((), torch.long)], self.device,
+                           before_capture=describe_dummy_batch)
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> torch.Tensor | None:
         """One packed forward over all chunks; float32 logits [N, V] for the chunks that complete
         (None when none does)."""
+        if self.graphs is not None and len(chunks) <= self.graphs.max_batch and \
+                all(c.num_tokens == 1 and c.completes for c in chunks):
+            return self._replay(chunks)
         input_ids, positions, slots = [], [], []
         for c in chunks:
             pos = range(c.start, c.start + c.num_tokens)
@@ -46,16 +80,28 @@ class ModelRunner:
         last = [int(e) for c, e in zip(chunks, ends) if c.completes]
         return self.model.compute_logits(hidden[self._tensor(last)]) if last else None
 
-    def _metadata(self, chunks: list[Chunk], slots: list[int]) -> AttentionMetadata:
+    def _replay(self, chunks: list[Chunk]) -> torch.Tensor:
+        """A decode step through the captured graph of the smallest size that holds the batch."""
+        assert self.graphs is not None
+        bucket = self.graphs.bucket(len(chunks))
+        ids = [c.seq.token_ids[c.start] for c in chunks]
+        positions = [c.start for c in chunks]
+        page = self.page_size
+        slots = [c.seq.pages[c.start // page] * page + c.start % page for c in chunks]
+        self.attn.prepare(self._metadata(chunks, slots, on_device=False), pad_to=bucket)  # type: ignore[call-arg]
+        (logits,) = self.graphs(torch.tensor(ids), torch.tensor(positions), bucket=bucket)
+        return logits
+
+    def _metadata(self, chunks: list[Chunk], slots: list[int], on_device: bool = True) -> AttentionMetadata:
+        """The batch description; host tensors when `on_device` is False (the backend copies them)."""
         max_pages = max(len(c.seq.pages) for c in chunks)
-        tables = torch.zeros(len(chunks), max_pages, dtype=torch.int32)
-        for i, c in enumerate(chunks):
-            tables[i, : len(c.seq.pages)] = torch.tensor(c.seq.pages, dtype=torch.int32)
+        tables = torch.tensor([c.seq.pages + [0] * (max_pages - len(c.seq.pages)) for c in chunks],
+                              dtype=torch.int32)
         return AttentionMetadata(
             query_lens=[c.num_tokens for c in chunks],
             seq_lens=[c.start + c.num_tokens for c in chunks],
-            slot_mapping=self._tensor(slots),
-            block_tables=tables.to(self.device),
+            slot_mapping=self._tensor(slots) if on_device else torch.tensor(slots, dtype=torch.long),
+            block_tables=tables.to(self.device) if on_device else tables,
         )
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
