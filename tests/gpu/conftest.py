@@ -1,0 +1,22 @@
+"""GPU tests: every test here is marked `gpu` and skipped without CUDA.
+
+Run them on a GPU machine with `python3 -m pytest -q -m gpu tests/gpu`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "models"))  # shared helpers such as llama_testing
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(pytest.mark.gpu)
+            if not torch.cuda.is_available():
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
