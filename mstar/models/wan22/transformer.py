@@ -241,10 +241,9 @@ def build_transformer(
     The time embedder and modulation tables stay float32 (sinusoids of t up to 1000 need it).
     """
     dtype = dtype or config.dtype
-    with torch.device("meta"):
+    with torch.device("meta"):  # no full-size float32 copy is ever allocated
         model = WanTransformer(config)
-    model.to_empty(device=device)
     for name, param in model.named_parameters():
         keep32 = any(part in name for part in FP32_PARAMETERS)
         param.data = param.data.to(torch.float32 if keep32 else dtype)
-    return model.eval()
+    return model.to_empty(device=device).eval()
