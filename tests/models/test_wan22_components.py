@@ -1,0 +1,163 @@
+"""Wan2.2 components at tiny size against transformers/diffusers with the same random weights (float32).
+
+Reference modules get random weights, are saved in the Diffusers pipeline layout and loaded through our
+loaders, so every test also proves the checkpoint name mapping.
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from mstar.models.wan22 import denoise, scheduler
+from mstar.models.wan22.tiny import SCHEDULER, TINY_TEXT_ENCODER, TINY_TEXT_LENGTH, TINY_TRANSFORMER
+from mstar.models.wan22.weights import load_scheduler_config, load_text_encoder, load_transformer
+
+TOL = 1e-4
+
+
+def _randomize(module: torch.nn.Module, seed: int) -> None:
+    """Non-trivial values everywhere (norm scales around 1), so a mis-mapped tensor cannot hide."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            param.copy_(1 + 0.2 * noise if "norm" in name and param.ndim == 1 else 0.3 * noise)
+
+
+@pytest.fixture(scope="module")
+def pipeline_dir(tmp_path_factory) -> Path:
+    """A tiny Diffusers-layout Wan2.2 folder written by the reference classes."""
+    import json
+
+    from diffusers import WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from mstar.models.wan22.tiny import write_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("wan22_tiny")
+    torch.manual_seed(0)
+    text_encoder = UMT5EncoderModel(UMT5Config(**TINY_TEXT_ENCODER))
+    _randomize(text_encoder, 1)
+    text_encoder.save_pretrained(root / "text_encoder")
+    cfg = {k: v for k, v in TINY_TRANSFORMER.items() if not k.startswith("_")}
+    transformer = WanTransformer3DModel(**cfg)
+    _randomize(transformer, 2)
+    transformer.save_pretrained(root / "transformer")
+    (root / "scheduler").mkdir()
+    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER))
+    write_tiny_tokenizer(root / "tokenizer")
+    return root
+
+
+def _reference_transformer(root: Path):
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel.from_pretrained(root / "transformer").eval()
+
+
+def test_text_encoder_matches_umt5_and_zeroes_padding(pipeline_dir: Path) -> None:
+    from transformers import UMT5EncoderModel
+
+    reference = UMT5EncoderModel.from_pretrained(pipeline_dir / "text_encoder").eval()
+    ours = load_text_encoder(pipeline_dir, dtype=torch.float32, progress=False)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 470, (3, TINY_TEXT_LENGTH), generator=gen)
+    lengths = [TINY_TEXT_LENGTH, 5, 1]
+    mask = (torch.arange(TINY_TEXT_LENGTH)[None] < torch.tensor(lengths)[:, None]).long()
+    with torch.no_grad():
+        expected = reference(ids, mask).last_hidden_state
+        got = ours(ids, mask)
+    for row, n in enumerate(lengths):
+        torch.testing.assert_close(got[row, :n], expected[row, :n], atol=TOL, rtol=0)
+        assert torch.count_nonzero(got[row, n:]) == 0
+    assert expected.abs().mean() > 0.1  # the comparison is not between near-zero tensors
+
+
+def _latents(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_transformer_text_to_video_matches_diffusers(pipeline_dir: Path) -> None:
+    reference = _reference_transformer(pipeline_dir)
+    ours = load_transformer(pipeline_dir, dtype=torch.float32, progress=False)
+    latents = _latents((2, 16, 3, 4, 6), 4)
+    text = _latents((2, TINY_TEXT_LENGTH, 32), 5)
+    timestep = torch.tensor([999, 412])  # rows at different steps share the batch
+    with torch.no_grad():
+        expected = reference(latents, timestep, text, return_dict=False)[0]
+        got = ours(latents, timestep, text)
+        alone = ours(latents[1:], timestep[1:], text[1:])
+    assert got.shape == latents.shape
+    torch.testing.assert_close(got, expected, atol=TOL, rtol=0)
+    torch.testing.assert_close(alone, got[1:], atol=TOL, rtol=0)
+
+
+def test_transformer_first_frame_condition_matches_diffusers(pipeline_dir: Path) -> None:
+    reference = _reference_transformer(pipeline_dir)
+    ours = load_transformer(pipeline_dir, dtype=torch.float32, progress=False)
+    latents = denoise.blend_first_frame(_latents((2, 16, 3, 4, 4), 6), _latents((2, 16, 1, 4, 4), 7))
+    text = _latents((2, TINY_TEXT_LENGTH, 32), 8)
+    frame_ts = torch.stack([denoise.frame_timesteps(t, 3, first_frame_conditioned=True) for t in (950, 300)])
+    token_ts = denoise.token_timesteps(frame_ts, tokens_per_frame=4)  # (4/2) * (4/2) tokens per frame
+    assert token_ts[0, :4].eq(0).all() and token_ts[0, 4:].eq(950).all()
+    with torch.no_grad():
+        expected = reference(latents, token_ts, text, return_dict=False)[0]
+        per_token = ours(latents, token_ts, text)
+        per_frame = ours(latents, frame_ts, text)
+        unconditioned = ours(latents, torch.tensor([950.0, 300.0]), text)
+    torch.testing.assert_close(per_token, expected, atol=TOL, rtol=0)
+    torch.testing.assert_close(per_frame, expected, atol=TOL, rtol=0)
+    assert (unconditioned - expected).abs().max() > 1e-2  # the frame-0 timestep really matters
+
+
+def test_scheduler_matches_diffusers_unipc_for_20_steps(pipeline_dir: Path) -> None:
+    from diffusers import UniPCMultistepScheduler
+
+    config = load_scheduler_config(pipeline_dir)
+    reference = UniPCMultistepScheduler.from_pretrained(pipeline_dir / "scheduler")
+    reference.set_timesteps(20)
+    state = scheduler.new_state(config, 20)
+    assert torch.equal(state.schedule.timesteps, reference.timesteps)
+    gen = torch.Generator().manual_seed(9)
+    expected = got = torch.randn(1, 16, 3, 4, 4, generator=gen)
+    for t in reference.timesteps:
+        assert int(state.timestep) == int(t)
+        velocity = torch.randn(got.shape, generator=gen)
+        expected = reference.step(velocity, t, expected, return_dict=False)[0]
+        got = scheduler.step(state, velocity, got)
+        torch.testing.assert_close(got, expected, atol=TOL, rtol=0)
+    assert state.done
+    with pytest.raises(ValueError, match="already took all 20 steps"):
+        scheduler.step(state, velocity, got)
+
+
+def test_scheduler_states_are_independent(pipeline_dir: Path) -> None:
+    """Two requests with different step counts, stepped interleaved, equal each run alone."""
+    config = load_scheduler_config(pipeline_dir)
+    gen = torch.Generator().manual_seed(10)
+    start = [torch.randn(1, 4, 2, 2, 2, generator=gen) for _ in range(2)]
+    outputs = [[torch.randn(1, 4, 2, 2, 2, generator=gen) for _ in range(n)] for n in (6, 4)]
+
+    def run_alone(i: int) -> torch.Tensor:
+        state, x = scheduler.new_state(config, len(outputs[i])), start[i]
+        for v in outputs[i]:
+            x = scheduler.step(state, v, x)
+        return x
+
+    states = [scheduler.new_state(config, len(o)) for o in outputs]
+    xs = list(start)
+    for k in range(6):
+        for i in (1, 0) if k % 2 else (0, 1):
+            if k < len(outputs[i]):
+                xs[i] = scheduler.step(states[i], outputs[i][k], xs[i])
+    for i in range(2):
+        torch.testing.assert_close(xs[i], run_alone(i), atol=0, rtol=0)
+
+
+def test_combine_guidance() -> None:
+    cond, uncond = torch.tensor([3.0, 1.0]), torch.tensor([1.0, 1.0])
+    assert torch.equal(denoise.combine_guidance(cond, uncond, 5.0), torch.tensor([11.0, 1.0]))
