@@ -161,3 +161,76 @@ def test_scheduler_states_are_independent(pipeline_dir: Path) -> None:
 def test_combine_guidance() -> None:
     cond, uncond = torch.tensor([3.0, 1.0]), torch.tensor([1.0, 1.0])
     assert torch.equal(denoise.combine_guidance(cond, uncond, 5.0), torch.tensor([11.0, 1.0]))
+
+
+def _tiny_vae():
+    from diffusers import AutoencoderKLWan
+
+    # 16x spatial like the Wan2.2 VAE; the text-to-video test uses only its scale factors.
+    return AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                            scale_factor_spatial=16, scale_factor_temporal=4).eval()
+
+
+def _reference_pipeline(root: Path, monkeypatch, image_to_video: bool):
+    from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline
+    from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    for module in (pipeline_wan, pipeline_wan_i2v):  # ftfy is optional for us; make the reference skip it too
+        monkeypatch.setattr(module, "ftfy", types.SimpleNamespace(fix_text=lambda s: s), raising=False)
+    parts = dict(
+        tokenizer=AutoTokenizer.from_pretrained(root / "tokenizer"),
+        text_encoder=UMT5EncoderModel.from_pretrained(root / "text_encoder").eval(),
+        vae=_tiny_vae(), scheduler=UniPCMultistepScheduler.from_pretrained(root / "scheduler"),
+        transformer=_reference_transformer(root), expand_timesteps=True,
+    )
+    if image_to_video:
+        return WanImageToVideoPipeline(image_encoder=None, image_processor=None, **parts)
+    return WanPipeline(**parts)
+
+
+def _our_denoise(root: Path, prompts: list[str], steps: int, guidance: float, seed: int,
+                 condition: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Our components in the order the denoise walk will run them; latents after every step."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(root / "tokenizer" / "tokenizer.json"))
+    ids, mask = tokenize_prompts(tokenizer, prompts, pad_id=tokenizer.token_to_id("<pad>"),
+                                 max_length=TINY_TEXT_LENGTH)
+    encoder = load_text_encoder(root, dtype=torch.float32, progress=False)
+    transformer = load_transformer(root, dtype=torch.float32, progress=False)
+    state = scheduler.new_state(load_scheduler_config(root), steps)
+    latents = denoise.initial_noise((1, 16, 3, 4, 4), [torch.Generator().manual_seed(seed)])
+    history = []
+    with torch.no_grad():
+        text = encoder(ids, mask)  # rows: [cond, uncond]
+        for _ in range(steps):
+            x = denoise.blend_first_frame(latents, condition)
+            ts = denoise.frame_timesteps(state.timestep, 3, condition is not None)[None].expand(2, -1)
+            cond, uncond = transformer(torch.cat([x, x]), ts, text).chunk(2)
+            latents = scheduler.step(state, denoise.combine_guidance(cond, uncond, guidance), latents)
+            history.append(latents)
+    return history
+
+
+PROMPT, NEGATIVE = "A cat  and a dog bake a cake &amp; the camera pans left", "blurred details, worst quality"
+
+
+def _capture(store: list[torch.Tensor]):
+    def callback(_pipe, _i, _t, kwargs):
+        store.append(kwargs["latents"].clone())
+        return {}
+
+    return callback
+
+
+def test_denoise_loop_matches_wan_pipeline(pipeline_dir: Path, monkeypatch) -> None:
+    pipe = _reference_pipeline(pipeline_dir, monkeypatch, image_to_video=False)
+    captured: list[torch.Tensor] = []
+    pipe(prompt=PROMPT, negative_prompt=NEGATIVE, height=64, width=64, num_frames=9, num_inference_steps=3,
+         guidance_scale=5.0, generator=torch.Generator().manual_seed(11), output_type="latent",
+         max_sequence_length=TINY_TEXT_LENGTH, callback_on_step_end=_capture(captured))
+    ours = _our_denoise(pipeline_dir, [PROMPT, NEGATIVE], steps=3, guidance=5.0, seed=11)
+    assert len(captured) == len(ours) == 3
+    for step_index, (got, expected) in enumerate(zip(ours, captured, strict=True)):
+        torch.testing.assert_close(got, expected, atol=TOL, rtol=0, msg=f"step {step_index}")
