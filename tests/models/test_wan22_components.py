@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mstar.models.wan22 import denoise, scheduler
+from mstar.models.wan22.text_encoder import tokenize_prompts
 from mstar.models.wan22.tiny import SCHEDULER, TINY_TEXT_ENCODER, TINY_TEXT_LENGTH, TINY_TRANSFORMER
 from mstar.models.wan22.weights import load_scheduler_config, load_text_encoder, load_transformer
 
