@@ -167,9 +167,11 @@ def test_combine_guidance() -> None:
 def _tiny_vae():
     from diffusers import AutoencoderKLWan
 
-    # 16x spatial like the Wan2.2 VAE; the text-to-video test uses only its scale factors.
-    return AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                            scale_factor_spatial=16, scale_factor_temporal=4).eval()
+    # Laid out like the Wan2.2 VAE (patch 2, residual, 16x spatial, 4x temporal), tiny widths.
+    torch.manual_seed(12)
+    return AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, is_residual=True,
+                            patch_size=2, in_channels=12, out_channels=12, scale_factor_spatial=16,
+                            scale_factor_temporal=4).eval()
 
 
 def _reference_pipeline(root: Path, monkeypatch, image_to_video: bool):
@@ -235,3 +237,27 @@ def test_denoise_loop_matches_wan_pipeline(pipeline_dir: Path, monkeypatch) -> N
     assert len(captured) == len(ours) == 3
     for step_index, (got, expected) in enumerate(zip(ours, captured, strict=True)):
         torch.testing.assert_close(got, expected, atol=TOL, rtol=0, msg=f"step {step_index}")
+
+
+def test_image_to_video_loop_matches_wan_i2v_pipeline(pipeline_dir: Path, monkeypatch) -> None:
+    """TI2V: the encoded image rides as latent frame 0 at timestep 0; latents match after every step."""
+    from PIL import Image
+
+    pipe = _reference_pipeline(pipeline_dir, monkeypatch, image_to_video=True)
+    pixels = (torch.rand(64, 64, 3, generator=torch.Generator().manual_seed(13)) * 255).to(torch.uint8)
+    image = Image.fromarray(pixels.numpy())
+    captured: list[torch.Tensor] = []
+    pipe(image=image, prompt=PROMPT, negative_prompt=NEGATIVE, height=64, width=64, num_frames=9,
+         num_inference_steps=3, guidance_scale=5.0, generator=torch.Generator().manual_seed(14),
+         output_type="latent", max_sequence_length=TINY_TEXT_LENGTH, callback_on_step_end=_capture(captured))
+    # The condition as the VAE helper will produce it: mode of the posterior, normalised per channel.
+    with torch.no_grad():
+        video = pipe.video_processor.preprocess(image, height=64, width=64).unsqueeze(2)
+        mean = torch.tensor(pipe.vae.config.latents_mean).view(1, -1, 1, 1, 1)
+        std = torch.tensor(pipe.vae.config.latents_std).view(1, -1, 1, 1, 1)
+        condition = (pipe.vae.encode(video).latent_dist.mode() - mean) / std
+    ours = _our_denoise(pipeline_dir, [PROMPT, NEGATIVE], steps=3, guidance=5.0, seed=14, condition=condition)
+    for step_index, (got, expected) in enumerate(zip(ours, captured, strict=True)):
+        torch.testing.assert_close(got, expected, atol=TOL, rtol=0, msg=f"step {step_index}")
+    t2v = _our_denoise(pipeline_dir, [PROMPT, NEGATIVE], steps=3, guidance=5.0, seed=14)
+    assert (t2v[-1] - captured[-1]).abs().max() > 1e-2  # the condition changes the result
