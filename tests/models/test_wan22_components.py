@@ -261,3 +261,21 @@ def test_image_to_video_loop_matches_wan_i2v_pipeline(pipeline_dir: Path, monkey
         torch.testing.assert_close(got, expected, atol=TOL, rtol=0, msg=f"step {step_index}")
     t2v = _our_denoise(pipeline_dir, [PROMPT, NEGATIVE], steps=3, guidance=5.0, seed=14)
     assert (t2v[-1] - captured[-1]).abs().max() > 1e-2  # the condition changes the result
+
+
+def test_config_errors_name_the_offending_value(tmp_path: Path) -> None:
+    from mstar.models.common.loading import CheckpointNotFoundError
+    from mstar.models.wan22.config import UniPCConfig, WanTransformerConfig
+
+    with pytest.raises(ValueError, match="prediction_type='epsilon'"):
+        UniPCConfig.from_hf({**SCHEDULER, "prediction_type": "epsilon"})
+    with pytest.raises(ValueError, match="image_dim=1280"):
+        WanTransformerConfig.from_hf({**TINY_TRANSFORMER, "image_dim": 1280})
+    with pytest.raises(CheckpointNotFoundError, match="no transformer/ folder"):
+        load_transformer(tmp_path)
+    with pytest.raises(ValueError, match="fits none of"):
+        from mstar.models.wan22.tiny import tiny_config
+        from mstar.models.wan22.transformer import WanTransformer
+
+        WanTransformer(tiny_config().transformer)(torch.zeros(1, 16, 3, 4, 4), torch.zeros(1, 5),
+                                                  torch.zeros(1, 4, 32))
