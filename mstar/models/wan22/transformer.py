@@ -1,0 +1,249 @@
+"""The Wan video DiT (WanTransformer3DModel as TI2V-5B uses it), plain single-device PyTorch.
+
+Latents [B, C, F, H, W] are cut into (1, 2, 2) patches; each block runs self-attention with a 3D rope,
+cross-attention to the projected text, and a GELU FFN, all modulated (AdaLN: shift, scale, gate) by
+the timestep embedding. The timestep is per request [B], per latent frame [B, F'] or per token
+[B, L]: an image-to-video request keeps timestep 0 on its conditioning first frame. Modulation is
+applied per timestep group (one per request, frame or token), so per-frame timesteps cost no more than
+one per request. Norms, modulation and residual sums run in float32 like the reference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.models.wan22.config import WanTransformerConfig
+
+
+def rope_angles(grid: tuple[int, int, int], head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    """[L, head_dim/2] rotation angles for tokens laid out (frame, row, column) over `grid`.
+
+    The head splits into frame, height and width parts (height = width = 2 * (head_dim // 6)), each a
+    standard 1D rope over its own coordinate; angles are computed in float64.
+    """
+    hw_dim = 2 * (head_dim // 6)
+    parts = []
+    for axis, (size, dim) in enumerate(zip(grid, (head_dim - 2 * hw_dim, hw_dim, hw_dim), strict=True)):
+        freqs = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
+        angles = torch.outer(torch.arange(size, dtype=torch.float64, device=device), freqs)
+        shape = [1, 1, 1, dim // 2]
+        shape[axis] = size
+        parts.append(angles.view(shape).expand(*grid, dim // 2))
+    return torch.cat(parts, dim=-1).reshape(math.prod(grid), head_dim // 2)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent channel pairs of x [B, L, H, d] by angles whose cos/sin are [L, d/2] float32."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[:, None], sin[:, None]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).to(x.dtype)
+
+
+def timestep_features(timestep: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sinusoidal features [N, dim] of timesteps [N] (cos half first, max period 10000), float32."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half)
+    angles = timestep.float()[:, None] * freqs[None]
+    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
+
+
+def layer_norm32(x: torch.Tensor, norm: nn.LayerNorm | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """LayerNorm computed in float32 (weights too), returned in float32."""
+    weight = bias = None
+    if norm is not None:
+        weight, bias, eps = norm.weight.float(), norm.bias.float(), norm.eps
+    return F.layer_norm(x.float(), (x.shape[-1],), weight, bias, eps)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [B, T, N, D] float32 normed * (1 + scale) + shift, with shift/scale [B, T, 1, D]."""
+    return x * (1 + scale) + shift
+
+
+class MLP(nn.Module):
+    """Linear -> activation ("silu" or "gelu_tanh") -> Linear; the time and text embedders."""
+
+    def __init__(self, in_dim: int, dim: int, act: str) -> None:
+        super().__init__()
+        self.act = act
+        self.linear_1 = nn.Linear(in_dim, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear_1(x)
+        h = F.silu(h) if self.act == "silu" else F.gelu(h, approximate="tanh")
+        return self.linear_2(h)
+
+
+class SelfAttention(nn.Module):
+    """Fused QKV, RMS norm of q and k across all heads, 3D rope, SDPA."""
+
+    def __init__(self, dim: int, heads: int, eps: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.to_qkv = nn.Linear(dim, 3 * dim)
+        self.norm_q = nn.RMSNorm(dim, eps=eps)
+        self.norm_k = nn.RMSNorm(dim, eps=eps)
+        self.to_out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.to_qkv(x).chunk(3, dim=-1)
+        q = apply_rope(self.norm_q(q).unflatten(-1, (self.heads, -1)), cos, sin)
+        k = apply_rope(self.norm_k(k).unflatten(-1, (self.heads, -1)), cos, sin)
+        v = v.unflatten(-1, (self.heads, -1))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.to_out(out.transpose(1, 2).flatten(2))
+
+
+class CrossAttention(nn.Module):
+    """Queries from the video tokens, fused K/V from the text tokens (all 512 attended, unmasked)."""
+
+    def __init__(self, dim: int, heads: int, eps: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.to_q = nn.Linear(dim, dim)
+        self.to_kv = nn.Linear(dim, 2 * dim)
+        self.norm_q = nn.RMSNorm(dim, eps=eps)
+        self.norm_k = nn.RMSNorm(dim, eps=eps)
+        self.to_out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        k, v = self.to_kv(text).chunk(2, dim=-1)
+        q = self.norm_q(self.to_q(x)).unflatten(-1, (self.heads, -1)).transpose(1, 2)
+        k = self.norm_k(k).unflatten(-1, (self.heads, -1)).transpose(1, 2)
+        v = v.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.to_out(out.transpose(1, 2).flatten(2))
+
+
+class WanBlock(nn.Module):
+    """Modulated self-attention, plain cross-attention, modulated FFN; gates scale the residual adds."""
+
+    def __init__(self, config: WanTransformerConfig) -> None:
+        super().__init__()
+        dim = config.dim
+        self.eps = config.eps
+        self.attn1 = SelfAttention(dim, config.num_heads, config.eps)
+        self.norm2 = nn.LayerNorm(dim, eps=config.eps) if config.cross_attn_norm else None
+        self.attn2 = CrossAttention(dim, config.num_heads, config.eps)
+        self.ffn_in = nn.Linear(dim, config.ffn_dim)
+        self.ffn_out = nn.Linear(config.ffn_dim, dim)
+        self.scale_shift_table = nn.Parameter(torch.zeros(1, 6, dim))  # the checkpoint's shape
+
+    def forward(self, x: torch.Tensor, text: torch.Tensor, t_mod: torch.Tensor, rope: tuple) -> torch.Tensor:
+        """x [B, L, D]; text [B, Lt, D]; t_mod [B, T, 6, D] float32 with T dividing L; rope (cos, sin)."""
+        batch, length, dim = x.shape
+        groups = t_mod.shape[1]
+        mods = (self.scale_shift_table.float()[:, None] + t_mod).unsqueeze(3).unbind(2)  # 6 x [B, T, 1, D]
+        shift, scale, gate, c_shift, c_scale, c_gate = mods
+
+        def grouped(h: torch.Tensor) -> torch.Tensor:
+            return h.view(batch, groups, length // groups, dim)
+
+        h = modulate(grouped(layer_norm32(x, eps=self.eps)), shift, scale).view_as(x).to(x.dtype)
+        x = (grouped(x.float()) + grouped(self.attn1(h, *rope)) * gate).view_as(x).to(x.dtype)
+        h = layer_norm32(x, self.norm2).to(x.dtype) if self.norm2 is not None else x
+        x = x + self.attn2(h, text)
+        h = modulate(grouped(layer_norm32(x, eps=self.eps)), c_shift, c_scale).view_as(x).to(x.dtype)
+        ff = self.ffn_out(F.gelu(self.ffn_in(h), approximate="tanh"))
+        return (grouped(x.float()) + grouped(ff.float()) * c_gate).view_as(x).to(x.dtype)
+
+
+class WanTransformer(nn.Module):
+    """`forward(latents [B,C,F,H,W], timestep, text [B,Lt,text_dim]) -> prediction [B,C,F,H,W]`.
+
+    `timestep` is [B] (one per request), [B, F'] (one per latent frame) or [B, L] (one per token, L =
+    F' * H' * W' after patching, as diffusers passes it). Rows of one batch may be at different steps
+    and hold different prompts, so requests (and guidance branches) batch freely when shapes match.
+    """
+
+    def __init__(self, config: WanTransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        dim = config.dim
+        self.patch_embedding = nn.Conv3d(config.in_channels, dim, config.patch_size, stride=config.patch_size)
+        self.time_embedder = MLP(config.freq_dim, dim, "silu")
+        self.time_proj = nn.Linear(dim, 6 * dim)
+        self.text_embedder = MLP(config.text_dim, dim, "gelu_tanh")
+        self.blocks = nn.ModuleList(WanBlock(config) for _ in range(config.num_layers))
+        self.proj_out = nn.Linear(dim, config.out_channels * math.prod(config.patch_size))
+        self.scale_shift_table = nn.Parameter(torch.zeros(1, 2, dim))
+        self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        grid = self._grid(latents.shape)
+        x = self._patchify(latents)
+        temb = self._time_embedding(timestep, grid, x.dtype)  # [B, T, D]
+        t_mod = self.time_proj(F.silu(temb)).unflatten(-1, (6, -1)).float()  # [B, T, 6, D]
+        text = self.text_embedder(text.to(x.dtype))
+        rope = self._rope(grid, latents.device)
+        for block in self.blocks:
+            x = block(x, text, t_mod, rope)
+        shift, scale = (self.scale_shift_table.float()[:, None] + temb.float().unsqueeze(2)).unsqueeze(3).unbind(2)
+        batch, length, dim = x.shape
+        h = modulate(layer_norm32(x, eps=self.config.eps).view(batch, temb.shape[1], -1, dim), shift, scale)
+        return self._unpatchify(self.proj_out(h.view_as(x).to(x.dtype)), grid)
+
+    def _grid(self, shape: torch.Size) -> tuple[int, int, int]:
+        _, channels, *sizes = shape
+        if channels != self.config.in_channels or any(s % p for s, p in zip(sizes, self.config.patch_size)):
+            raise ValueError(f"latents of shape {tuple(shape)} do not fit the transformer: need "
+                             f"{self.config.in_channels} channels and (F, H, W) multiples of the patch "
+                             f"{self.config.patch_size}")
+        return tuple(s // p for s, p in zip(sizes, self.config.patch_size, strict=True))
+
+    def _patchify(self, latents: torch.Tensor) -> torch.Tensor:
+        """[B, C, F, H, W] -> tokens [B, L, D]: the patch Conv3d as one matmul over (C, pt, ph, pw)."""
+        b, c, f, h, w = latents.shape
+        pt, ph, pw = self.config.patch_size
+        x = latents.view(b, c, f // pt, pt, h // ph, ph, w // pw, pw).permute(0, 2, 4, 6, 1, 3, 5, 7)
+        x = x.reshape(b, (f // pt) * (h // ph) * (w // pw), c * pt * ph * pw).to(self.patch_embedding.weight.dtype)
+        return F.linear(x, self.patch_embedding.weight.flatten(1), self.patch_embedding.bias)
+
+    def _unpatchify(self, x: torch.Tensor, grid: tuple[int, int, int]) -> torch.Tensor:
+        """Tokens [B, L, pt*ph*pw*C] -> [B, C, F, H, W]."""
+        pt, ph, pw = self.config.patch_size
+        x = x.view(x.shape[0], *grid, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return x.reshape(x.shape[0], x.shape[1], grid[0] * pt, grid[1] * ph, grid[2] * pw)
+
+    def _time_embedding(self, timestep: torch.Tensor, grid: tuple[int, int, int], dtype: torch.dtype):
+        """[B, T, D] in `dtype`, T = 1, F' or L: the time MLP runs in its own (float32) weights."""
+        if timestep.ndim == 1:
+            timestep = timestep[:, None]
+        if timestep.ndim != 2 or timestep.shape[1] not in (1, grid[0], math.prod(grid)):
+            raise ValueError(f"timestep of shape {tuple(timestep.shape)} fits none of [B], [B, {grid[0]}] "
+                             f"(per latent frame) or [B, {math.prod(grid)}] (per token)")
+        features = timestep_features(timestep.flatten(), self.config.freq_dim)
+        temb = self.time_embedder(features.to(self.time_embedder.linear_1.weight.dtype))
+        return temb.to(dtype).view(*timestep.shape, -1)
+
+    def _rope(self, grid: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (grid, device)
+        if key not in self._rope_cache:
+            angles = rope_angles(grid, self.config.head_dim, self.config.rope_theta, device)
+            self._rope_cache[key] = (angles.cos().float(), angles.sin().float())
+        return self._rope_cache[key]
+
+
+# Kept in float32 whatever the serving dtype (diffusers' _keep_in_fp32_modules): timestep precision.
+FP32_PARAMETERS = ("time_embedder.", "scale_shift_table")
+
+
+def build_transformer(
+    config: WanTransformerConfig, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> WanTransformer:
+    """A DiT in `dtype` (the config's by default) on `device` with UNINITIALISED weights; load next.
+
+    The time embedder and modulation tables stay float32 (sinusoids of t up to 1000 need it).
+    """
+    dtype = dtype or config.dtype
+    with torch.device("meta"):  # no full-size float32 copy is ever allocated
+        model = WanTransformer(config)
+    for name, param in model.named_parameters():
+        keep32 = any(part in name for part in FP32_PARAMETERS)
+        param.data = param.data.to(torch.float32 if keep32 else dtype)
+    return model.to_empty(device=device).eval()
