@@ -97,6 +97,9 @@ def test_decoding_frame_by_frame_equals_decoding_at_once(vae):
     assert at_once.shape[2] == 13
     for chunk in (1, 3):
         torch.testing.assert_close(vae.decode(latents, chunk_frames=chunk), at_once, atol=1e-5, rtol=0)
+    pieces = list(vae.decode_chunks(latents))
+    assert [p.shape[2] for p in pieces] == [1, 4, 4, 4]
+    torch.testing.assert_close(torch.cat(pieces, dim=2), at_once, atol=1e-5, rtol=0)
 
 
 def test_encoding_in_chunks_equals_encoding_at_once(vae):

@@ -9,6 +9,7 @@ video in [-1, 1]. Both stream over time through causal layers, so decoding holds
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -161,18 +162,33 @@ class WanVAE(nn.Module):
         Decodes `chunk_frames` latent frames at a time (None: all at once; same result, more memory);
         `tiling` also decodes overlapping spatial tiles and blends them (memory bounded by tile size).
         """
+        if tiling is None:
+            return torch.cat(list(self.decode_chunks(latents, chunk_frames)), dim=2)
+        z = self._post_quant(latents, chunk_frames)
+        out = decode_tiled(lambda tile: self._decode_frames(tile, chunk_frames), z, tiling, self.config)
+        return unpatchify(out, self.config.patch_size).float().clamp_(-1.0, 1.0)
+
+    @torch.no_grad()
+    def decode_chunks(self, latents: torch.Tensor, chunk_frames: int | None = 1) -> Iterator[torch.Tensor]:
+        """Like `decode`, but yields the video chunk by chunk as it is decoded (1 frame, then 4 per latent).
+
+        Lets a caller encode or send frames while later ones decode, holding only one chunk of pixels.
+        """
+        z = self._post_quant(latents, chunk_frames)
+        step = chunk_frames or z.shape[2]
+        stream = CausalStream()
+        for i in range(0, z.shape[2], step):
+            frames = self.decoder(z[:, :, i : i + step], stream)
+            yield unpatchify(frames, self.config.patch_size).float().clamp_(-1.0, 1.0)
+
+    def _post_quant(self, latents: torch.Tensor, chunk_frames: int | None) -> torch.Tensor:
         if latents.ndim != 5 or latents.shape[1] != self.config.z_dim:
             raise ValueError(
                 f"latents of shape {tuple(latents.shape)}: expected [B, {self.config.z_dim}, F', H', W']"
             )
         if chunk_frames is not None and chunk_frames <= 0:
             raise ValueError(f"chunk_frames={chunk_frames} must be positive, or None")
-        z = self.post_quant_conv(self.denormalize(latents).to(self._dtype()))
-        if tiling is not None:
-            out = decode_tiled(lambda tile: self._decode_frames(tile, chunk_frames), z, tiling, self.config)
-        else:
-            out = self._decode_frames(z, chunk_frames)
-        return unpatchify(out, self.config.patch_size).float().clamp_(-1.0, 1.0)
+        return self.post_quant_conv(self.denormalize(latents).to(self._dtype()))
 
     def _decode_frames(self, z: torch.Tensor, chunk_frames: int | None) -> torch.Tensor:
         """Patchified frames of post-quant latents z, streaming `chunk_frames` latent frames at a time."""
