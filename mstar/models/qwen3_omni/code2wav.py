@@ -4,7 +4,7 @@ The frame's 16 code embeddings are averaged, a pre-transformer with sliding-wind
 frames, two upsampling stages (transposed conv + ConvNeXt) and four decoder blocks (SnakeBeta,
 transposed conv, dilated causal residual units) make the waveform, clamped to [-1, 1]. Each
 decoder transposed conv drops the samples that would need the next frame, so T frames give
-`lookahead_samples` (555) fewer samples than T * 1920, and sample n covers global sample n.
+`lookahead_samples` (555) fewer samples than T * 1920.
 
 Chunked mode cuts frames as the reference's `chunked_decode` does: each chunk of new frames is
 decoded with up to `left_context` earlier frames (positions restart at 0 per chunk). The reference

@@ -48,6 +48,7 @@ class Code2WavConfig:
 
     @property
     def head_dim(self) -> int:
+        """Per attention head (64 for the real model)."""
         return self.hidden_size // self.num_heads
 
     @property
@@ -57,6 +58,7 @@ class Code2WavConfig:
 
     @classmethod
     def full(cls) -> Code2WavConfig:
+        """Qwen3-Omni-30B-A3B's Code2Wav."""
         return cls()
 
     @classmethod

@@ -43,6 +43,7 @@ class CodePredictorConfig:
 
     @classmethod
     def full(cls) -> CodePredictorConfig:
+        """Qwen3-Omni-30B-A3B's code predictor."""
         return cls()
 
     @classmethod
