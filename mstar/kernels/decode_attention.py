@@ -1,0 +1,147 @@
+"""Triton paged DECODE attention: one query token per sequence, split-KV (flash-decoding).
+
+One program handles (sequence, KV head, split): it loads the whole group of query heads that share
+the KV head, so every K/V page is read once per group, and walks its share of the sequence's keys
+in blocks of BLOCK_N, gathering rows through the block table. Each split writes a normalised
+partial output and its log-sum-exp; a small reduce kernel merges the splits. Loop bounds come from
+the device `seq_lens`, so one launch (and one captured CUDA graph) is valid for any lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 16
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+                   stride_qb, stride_qh, stride_bt, stride_ob, stride_oh, stride_os,
+                   qk_scale, window,
+                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    kv_start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    # Splits own whole blocks, so every non-empty loop iteration sees at least one valid key.
+    per_split = tl.cdiv(tl.cdiv(seq_len - kv_start, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    lo = kv_start + split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + g
+    gmask = g < GROUP
+    dmask = d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        nmask = n < hi
+        page = tl.load(block_tables_ptr + b * stride_bt + n // PAGE_SIZE, mask=nmask, other=0)
+        row = (page.to(tl.int64) * PAGE_SIZE + n % PAGE_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
+        kv_mask = nmask[:, None] & dmask[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+        qk = tl.where(nmask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # empty split / seq_len 0: zeros
+    out_mask = gmask[:, None] & dmask[None, :]
+    out_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    if NUM_SPLITS > 1:
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + (b * NUM_KV_HEADS * GROUP + heads) * NUM_SPLITS + split, lse, mask=gmask)
+
+
+@triton.jit
+def _reduce_kernel(mid_ptr, lse_ptr, out_ptr, stride_ob, stride_oh,
+                   NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    smask = s < NUM_SPLITS
+    base = (b * NUM_HEADS + h) * NUM_SPLITS
+    lse = tl.load(lse_ptr + base + s, mask=smask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, output 0
+    w = tl.exp2(lse - m)
+    total = tl.sum(w, 0)
+    mid = tl.load(mid_ptr + (base + s[:, None]) * HEAD_DIM + d[None, :],
+                  mask=smask[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(mid * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_seq_len: int,
+                      block_n: int = 64) -> int:
+    """Splits per (sequence, KV head) so that a decode launch has about two programs per SM.
+
+    Depends only on shapes, never on data, so that it is fixed for a captured batch size.
+    """
+    programs = num_seqs * num_kv_heads
+    if programs >= num_sms:
+        return 1
+    wanted = triton.cdiv(2 * num_sms, programs)
+    return max(1, min(MAX_SPLITS, wanted, triton.cdiv(max_seq_len, block_n)))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     window: int = 0, num_splits: int = 1) -> torch.Tensor:
+    """Attention of q [B, Hq, D] (one token per sequence, the last of its `seq_lens[b]` keys) over the
+    paged caches [num_pages, page_size, Hkv, D] of one layer; returns [B, Hq, D] in q's dtype.
+
+    `block_tables` [B, W] int32, `seq_lens` [B] int32 (device; rows with 0 give zeros), `window` > 0
+    keeps only the last `window` keys. Launch only: no host sync; grids depend on shapes and
+    `num_splits` alone.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, cache_dim = k_cache.shape
+    assert cache_dim == head_dim and num_heads % num_kv_heads == 0, (q.shape, k_cache.shape)
+    assert block_tables.stride(1) == 1 and seq_lens.shape == (num_seqs,)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    block_d = triton.next_power_of_2(head_dim)
+    common = dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+                  NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+                  BLOCK_N=64 if block_d <= 128 else 32,
+                  PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+    grid = (num_seqs, num_kv_heads, num_splits)
+    qk_scale = scale * LOG2E
+    if num_splits == 1:
+        _decode_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, out, out,
+                             q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1), 0,
+                             qk_scale, window, **common)
+        return out
+    mid = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_kernel[grid](q, k_cache, v_cache, block_tables, seq_lens, mid, lse,
+                         q.stride(0), q.stride(1), block_tables.stride(0), mid.stride(0), mid.stride(1),
+                         mid.stride(2), qk_scale, window, **common)
+    _reduce_kernel[(num_seqs, num_heads)](mid, lse, out, out.stride(0), out.stride(1),
+                                          NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+                                          BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+                                          num_warps=1)
+    return out
