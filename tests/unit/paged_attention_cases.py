@@ -34,19 +34,19 @@ class Shape:
     num_layers: int = 2
 
 
-def make_pair(shape: Shape, device: str, seed: int = 0, num_sms: int | None = None):
+def make_pair(shape: Shape, device: str, seed: int = 0, num_sms: int | None = None, max_num_seqs: int = 16):
     """(sdpa, triton) backends whose caches hold the same random values in every page."""
     from mstar.engines.attention.triton_backend import TritonBackend
 
     layout = KVLayout(shape.num_layers, shape.hkv, shape.head_dim, shape.dtype)
     sdpa = SDPABackend(layout, shape.num_pages, shape.page_size, device)
-    tri = TritonBackend(layout, shape.num_pages, shape.page_size, device, max_num_seqs=16,
+    tri = TritonBackend(layout, shape.num_pages, shape.page_size, device, max_num_seqs=max_num_seqs,
                         max_pages_per_seq=shape.max_pages_per_seq)
     if num_sms is not None:
         tri.num_sms = num_sms
-    g = torch.Generator(device="cpu").manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)  # on the device: GPU pools are large
     for cache in ("k_cache", "v_cache"):
-        values = torch.randn(getattr(sdpa, cache).shape, generator=g).to(device=device, dtype=shape.dtype)
+        values = torch.randn(getattr(sdpa, cache).shape, generator=g, device=device).to(shape.dtype)
         getattr(sdpa, cache).copy_(values)
         getattr(tri, cache).copy_(values)
     return sdpa, tri
@@ -97,9 +97,9 @@ def _prepared(sdpa, meta, q, k, v):
 
 def run_case(shape: Shape, seq_lens, query_lens, device: str = "cpu", causal: bool = True,
              window: int | None = None, pad_to: int | None = None, num_sms: int | None = None,
-             warmup: tuple | None = None) -> dict:
+             warmup: tuple | None = None, max_num_seqs: int = 16) -> dict:
     """One comparison; `warmup` = (seq_lens, query_lens) of a batch run first on the same backends."""
-    sdpa, tri = make_pair(shape, device, num_sms=num_sms)
+    sdpa, tri = make_pair(shape, device, num_sms=num_sms, max_num_seqs=max_num_seqs)
     if warmup is not None:
         compare(sdpa, tri, *random_batch(shape, *warmup, device, seed=7))
     return compare(sdpa, tri, *random_batch(shape, seq_lens, query_lens, device, causal=causal, window=window),
