@@ -129,12 +129,12 @@ class TritonBackend:
         if self._kernels is None:
             self._kernels = _load_kernels()
         store_kv, decode_attention, decode_num_splits, prefill_attention = self._kernels
-        store_kv(k, v, k_cache, v_cache, self._slots)
-        if self.is_decode:
+        if self.is_decode:  # the decode kernel stores k/v itself
             rows = self.num_rows
             splits = decode_num_splits(rows, k.shape[1], self.num_sms, self.max_pages_per_seq * self.page_size)
-            return decode_attention(q, k_cache, v_cache, self.block_tables[:rows], self.seq_lens[:rows],
-                                    self.scale, self._window, splits)
+            return decode_attention(q, k, v, k_cache, v_cache, self._slots, self.block_tables[:rows],
+                                    self.seq_lens[:rows], self.scale, self._window, splits)
+        store_kv(k, v, k_cache, v_cache, self._slots)
         b = self._num_seqs
         return prefill_attention(q, k_cache, v_cache, self.block_tables[:b], self.q_starts[: b + 1],
                                  self.seq_lens[:b], self._max_query_len, self.scale, self._causal, self._window)
