@@ -14,8 +14,10 @@ CUDA-graph contract (decode batches):
   of a decode batch of `pad_to` rows replays correctly after any later `prepare(meta, pad_to)` with
   B <= pad_to and any lengths up to max_pages_per_seq pages. Run one eager forward per batch size
   before capturing (Triton compiles on first launch).
-Prefill / mixed batches use the varlen kernel; its grid uses the host-side max query length from
-`prepare` (no sync either), and they are not meant to be captured.
+
+Decode batches take one split-KV attention launch (which also stores the new K/V) plus a small
+reduce when split. Prefill / mixed batches store K/V, then run the varlen kernel, whose grid uses
+the host-side max query length from `prepare` (no sync either); they are not meant to be captured.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class TritonBackend:
         # Splits target ~2 decode programs per SM; tests may lower `num_sms` to exercise the paths.
         on_cuda = self.device.type == "cuda"
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if on_cuda else 8
-        self.is_decode = False
+        self.is_decode = False  # the last prepared batch had only query lengths of 1
         self.num_rows = 0  # rows of the last prepared batch (pad_to for padded decode)
         self._num_seqs = 0
         self._max_query_len = 0
@@ -67,7 +69,7 @@ class TritonBackend:
         self.block_tables = torch.zeros(n, self.max_pages_per_seq, dtype=torch.int32, device=dev)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
         pin = dev.type == "cuda"
-        # Host staging: [seq_lens (n) | q_starts (n + 1)], copied in one transfer.
+        # Host staging: [seq_lens (n) | q_starts (n + 1)]; one pinned buffer, two small copies per step.
         self._staging = torch.zeros(2 * n + 1, dtype=torch.int32, pin_memory=pin)
         self._staging_np = self._staging.numpy()
         self._staged = torch.cuda.Event() if pin else None
