@@ -119,7 +119,8 @@ CPU_CASES = {
     "decode_splits": dict(shape=GQA, seq_lens=[1, 5, 37, 230], query_lens=[1] * 4, num_sms=64),
     "decode_window_splits": dict(shape=MHA, seq_lens=[3, 200], query_lens=[1, 1], window=70, num_sms=64),
     "decode_padded": dict(shape=GQA, seq_lens=[17, 3, 66], query_lens=[1, 1, 1], pad_to=6, num_sms=64,
-                          warmup=([40, 50, 60, 70, 80], [1] * 5)),
+                          warmup=([40, 50, 60, 70], [1] * 4)),
+    "decode_padded_one_split": dict(shape=GQA3, seq_lens=[9, 1], query_lens=[1, 1], pad_to=4, num_sms=1),
     "mixed_fp16": dict(shape=Shape(hq=4, hkv=1, dtype=torch.float16), seq_lens=[20, 33, 5],
                        query_lens=[20, 1, 2]),
 }

@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 
 HERE = Path(__file__).parent
 CASES = ["mixed_gqa4_causal", "mixed_mha_causal", "non_causal", "sliding_window", "decode_one_split",
-         "decode_splits", "decode_window_splits", "decode_padded", "mixed_fp16"]
+         "decode_splits", "decode_window_splits", "decode_padded", "decode_padded_one_split", "mixed_fp16"]
 
 
 @pytest.fixture(scope="module")
