@@ -57,7 +57,8 @@ class AutoregressiveEngine:
             logger.warning("kv_cache.cpu_offload_pages=%d is not implemented yet; ignored", kv_config.cpu_offload_pages)
         self.pool = BlockPool(num_pages, kv_config.page_size, enable_prefix_caching)
         attn = make_attention_backend(kv_config.attention_backend, model.kv_layout, num_pages,
-                                      kv_config.page_size, self.device)
+                                      kv_config.page_size, self.device, max_num_seqs=max_num_seqs,
+                                      max_pages_per_seq=-(-self.max_model_len // kv_config.page_size))
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_batch_tokens)
         self.runner = ModelRunner(model, attn, kv_config.page_size, self.device, cuda_graphs, max_num_seqs)
         self._seqs: dict[tuple[str, str], Sequence] = {}

@@ -19,17 +19,37 @@ from mstar.engines.cuda_graphs import BatchGraphs
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "sdpa")
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
 
 
 def make_attention_backend(name: str, layout: KVLayout, num_pages: int, page_size: int,
-                           device: torch.device) -> AttentionBackend:
-    """The attention backend called `name` (`kv_cache.attention_backend`), owning a fresh KV pool."""
+                           device: torch.device, max_num_seqs: int = 256,
+                           max_pages_per_seq: int | None = None) -> AttentionBackend:
+    """The attention backend called `name` (`kv_cache.attention_backend`), owning a fresh KV pool.
+
+    "auto" is "triton" on CUDA when triton imports, else "sdpa". `max_num_seqs` and
+    `max_pages_per_seq` (default: the whole pool) size the Triton backend's persistent buffers.
+    """
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown kv_cache.attention_backend {name!r}; available: {list(ATTENTION_BACKENDS)}")
+    if name == "auto":
+        name = "triton" if torch.device(device).type == "cuda" and _triton_importable() else "sdpa"
+    if name == "triton":
+        from mstar.engines.attention.triton_backend import TritonBackend
+
+        return TritonBackend(layout, num_pages, page_size, device, max_num_seqs=max_num_seqs,
+                             max_pages_per_seq=max_pages_per_seq)
     from mstar.engines.attention.sdpa import SDPABackend
 
     return SDPABackend(layout, num_pages, page_size, device)
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class ModelRunner:
