@@ -22,7 +22,9 @@ from mstar.server.app import error_json, get_state
 from mstar.server.forms import (
     files_of,
     inline_schema,
+    is_form,
     json_or_form,
+    read_form,
     text_fields,
     upload_bytes,
     upload_modality,
@@ -114,9 +116,10 @@ _GENERATE_SCHEMA = {"requestBody": {"required": True, "content": {
 
 async def read_generate(request: Request, state) -> tuple[GenerateRequest, list[tuple[str, bytes]]]:
     """The /generate body from JSON or multipart, and the uploaded files as (modality, bytes)."""
-    body, form = await json_or_form(request, GenerateRequest)
-    if form is None:
+    if not is_form(request):
+        body, _ = await json_or_form(request, GenerateRequest)
         return body, []
+    form = await read_form(request)
     fields = {k: v for k, v in form_fields_of(form).items() if k not in _FORM_FILES}
     body = validate(GenerateForm, fields)
     uploads = []
