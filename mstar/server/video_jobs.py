@@ -148,5 +148,6 @@ def _encode(record: VideoRecord, video: np.ndarray) -> None:
     record.mp4 = encode_video(video, record.fps, audio)
     record.thumbnail_png = encode_image(video[0], "png")
     record._audio = []
-    record.job.size = f"{video.shape[2]}x{video.shape[1]}"
+    height, width = video.shape[1] + video.shape[1] % 2, video.shape[2] + video.shape[2] % 2  # H.264 pads to even
+    record.job.size = f"{width}x{height}"
     record.job.seconds = f"{video.shape[0] / record.fps:g}"
