@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from mstar.server.adapters import RequestError, RequestStream, start_request
 from mstar.server.app import ServerState, get_state
-from mstar.server.forms import files_of, media_bytes, read_form, text_fields, validate
+from mstar.server.forms import files_of, form_options, media_bytes, read_form, text_fields, validate
 from mstar.server.media import AUDIO_MIME, decode_image, encode_audio, encode_image, pcm_s16le
 from mstar.server.protocol_openai_media import (
     SAMPLE_RATE_HEADER,
@@ -113,7 +113,7 @@ async def image_generations(body: ImageGenerationRequest, request: Request) -> I
     """Text to image; b64_json PNG/JPEG/WEBP, n images from n requests (seed + i)."""
     state = get_state(request)
     state.check_model(body.model, "image", "/v1/images/generations")
-    return await _images(state, request, body, {"text": body.prompt})
+    return await _images(state, request, body, {"text": body.prompt}, body.extra_options())
 
 
 _EDIT_FORM_SCHEMA = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
@@ -144,7 +144,8 @@ async def image_edits(request: Request) -> ImagesResponse:
     masks = files_of(form, "mask") or [v for v in form.getlist("mask") if isinstance(v, str) and v]
     if masks:
         media.append({"type": "image", "name": "mask", "data": await _image(state, masks[0], "mask")})
-    return await _images(state, request, body, {"text": body.prompt, "media": media})
+    return await _images(state, request, body, {"text": body.prompt, "media": media},
+                         form_options(body.extra_options()))
 
 
 async def _image(state: ServerState, value, field: str) -> np.ndarray:
@@ -153,9 +154,9 @@ async def _image(state: ServerState, value, field: str) -> np.ndarray:
 
 
 async def _images(state: ServerState, request: Request, body: ImageGenerationRequest,
-                  model_request: dict[str, Any]) -> ImagesResponse:
-    """Run `body.n` requests (seed + i) for `model_request` and encode the first image of each."""
-    extra = body.extra_options()
+                  model_request: dict[str, Any], extra: dict[str, Any]) -> ImagesResponse:
+    """Run `body.n` requests (seed + i) for `model_request` and encode the first image of each;
+    `extra` are the model options beyond OpenAI's fields."""
     dims = body.dimensions()
     if dims is not None:
         extra["width"], extra["height"] = dims
