@@ -88,3 +88,30 @@ async def spoken_sse(streams: list[RequestStream], model: str, include_usage: bo
     if include_usage:
         yield sse(ChatCompletionChunk(id=cid, model=model, choices=[], usage=usage(streams)))
     yield SSE_DONE
+
+
+def chat_media(state, body: ChatCompletionRequest) -> list[dict]:
+    """The media parts of every message, decoded under the server's media policy, in order (the
+    processor request's "media"). Blocking: call from a thread."""
+    from mstar.server.media import DecodedAudio, decode_audio, decode_image, decode_video, load_media_bytes
+    from mstar.server.protocol_openai import AudioURLPart, ImageURLPart, InputAudioPart
+
+    policy, media = state.media_policy, []
+    for message in body.messages:
+        for part in message.media_parts():
+            if isinstance(part, ImageURLPart):
+                media.append({"type": "image", "data": decode_image(part.image_url.url, policy)})
+                continue
+            if isinstance(part, InputAudioPart | AudioURLPart):
+                if isinstance(part, InputAudioPart) and part.input_audio.format == "pcm16":  # raw s16le, 24 kHz
+                    raw = load_media_bytes(part.input_audio.data, policy)
+                    pcm = np.frombuffer(raw[: len(raw) // 2 * 2], "<i2").astype(np.float32) / 32768.0
+                    audio = DecodedAudio(pcm[:, None], 24000)
+                else:
+                    audio = decode_audio(part.input_audio.data if isinstance(part, InputAudioPart)
+                                         else part.audio_url.url, policy)
+                media.append({"type": "audio", "data": audio.mono(), "sample_rate": audio.sample_rate})
+                continue
+            video = decode_video(part.video_url.url, policy)
+            media.append({"type": "video", "data": video.frames, "fps": video.fps})
+    return media

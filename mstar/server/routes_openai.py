@@ -9,10 +9,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 
 from mstar.server.adapters import RequestStream, merge, start_request
 from mstar.server.app import ServerState, get_state
-from mstar.server.chat_audio import check_spoken, spoken_answers, spoken_sse
+from mstar.server.chat_audio import chat_media, check_spoken, spoken_answers, spoken_sse
 from mstar.server.protocol import Usage
 from mstar.server.protocol_openai import (
     ChatChoice,
@@ -93,7 +94,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     state.check_model(body.model, "text", "/v1/chat/completions")
     spoken = check_spoken(state, body)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    streams = await _start_n(state, [{"messages": messages}] * body.n, body)
+    chat_request: dict[str, Any] = {"messages": messages}
+    media = await run_in_threadpool(chat_media, state, body)
+    if media:
+        chat_request["media"] = media
+    streams = await _start_n(state, [chat_request] * body.n, body)
     model = body.model or state.model_name
     if spoken:
         return await _spoken(request, body, streams, model, state.runtime.processor.sample_rate)

@@ -153,3 +153,17 @@ def test_deprecation_warnings_do_not_hide_errors(client):
         warnings.simplefilter("ignore")
         with pytest.raises(openai.BadRequestError):
             client.videos.create(prompt="x", model="toy", size="big")
+
+
+def test_chat_media_parts_reach_the_model(client):
+    def ask(content) -> str:
+        return client.chat.completions.create(model="toy", messages=[{"role": "user", "content": content}],
+                                              max_tokens=6, extra_body=NO_STOP).choices[0].message.content
+
+    url = "data:image/png;base64," + base64.b64encode(png(200)).decode()
+    with_image = ask([{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": url}}])
+    audio = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav(0.05)).decode(), "format": "wav"}}
+    with_audio = ask([{"type": "text", "text": "look"}, audio])
+    assert len({ask("look"), with_image, with_audio}) == 3
+    with pytest.raises(openai.BadRequestError):
+        ask([{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"junk").decode()}}])
