@@ -85,6 +85,8 @@ class ModelRunner:
     def run(self, chunks: list[Chunk]) -> torch.Tensor | None:
         """One packed forward over all chunks; float32 logits [N, V] for the chunks that complete
         (None when none does)."""
+        if any(c.seq.inputs is not None for c in chunks):
+            return self._run_with_extras(chunks)
         if self.graphs is not None and len(chunks) <= self.graphs.max_batch and \
                 all(c.num_tokens == 1 and c.completes for c in chunks):
             return self._replay(chunks)
@@ -96,6 +98,23 @@ class ModelRunner:
             slots.extend(c.seq.pages[p // self.page_size] * self.page_size + p % self.page_size for p in pos)
         self.attn.prepare(self._metadata(chunks, slots))
         hidden = self.model.forward(self._tensor(input_ids), self._tensor(positions), self.attn)
+        ends = torch.cumsum(torch.tensor([c.num_tokens for c in chunks]), 0) - 1
+        last = [int(e) for c, e in zip(chunks, ends) if c.completes]
+        return self.model.compute_logits(hidden[self._tensor(last)]) if last else None
+
+    def _run_with_extras(self, chunks: list[Chunk]) -> torch.Tensor | None:
+        """`run` for batches where a sequence has input embeddings, explicit positions or hidden capture."""
+        from mstar.engines.autoregressive.token_inputs import collect_hidden, pack_extras
+
+        input_ids, slots = [], []
+        for c in chunks:
+            input_ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
+            slots.extend(c.seq.pages[p // self.page_size] * self.page_size + p % self.page_size
+                         for p in range(c.start, c.start + c.num_tokens))
+        positions, extras = pack_extras(chunks, self.device)
+        self.attn.prepare(self._metadata(chunks, slots))
+        hidden = self.model.forward(self._tensor(input_ids), positions, self.attn, extras)  # type: ignore[call-arg]
+        collect_hidden(chunks, extras)
         ends = torch.cumsum(torch.tensor([c.num_tokens for c in chunks]), 0) - 1
         last = [int(e) for c, e in zip(chunks, ends) if c.completes]
         return self.model.compute_logits(hidden[self._tensor(last)]) if last else None
