@@ -88,7 +88,7 @@ def test_decode_graph_replay_matches_eager() -> None:
             ref = sdpa.forward(layer, q, k, v)
             err = (r[:n].float() - ref.float()).abs().max().item()
             assert err <= _tolerance(torch.bfloat16, ref.abs().max().item()), err
-            assert r[n:].abs().max().item() == 0
+            assert r[n:].numel() == 0 or r[n:].abs().max().item() == 0  # padded rows give zeros
         torch.testing.assert_close(tri.k_cache, sdpa.k_cache, rtol=0, atol=0)
 
 
