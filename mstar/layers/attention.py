@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar.layers.fused import FUSED
 from mstar.layers.norm import RMSNorm
 from mstar.layers.rope import apply_rotary
 
@@ -54,7 +55,16 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; `attn` is an AttentionBackend already prepared for the batch."""
         t, d = x.shape[0], self.spec.head_dim
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        ops = None if self.spec.qk_norm else FUSED.ops_for(qkv)
+        if ops is not None and qkv.is_contiguous():
+            # q and k heads sit side by side in each qkv row: one rotary launch rotates both.
+            heads = qkv.view(t, -1, d)
+            qk = ops.rotary(heads[:, : self.spec.num_heads + self.spec.num_kv_heads], cos, sin)
+            q, k = qk.split([self.spec.num_heads, self.spec.num_kv_heads], dim=1)
+            out = attn.forward(self.layer_idx, q, k, heads[:, self.spec.num_heads + self.spec.num_kv_heads :])
+            return self.o_proj(out.reshape(t, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.spec.num_heads, d)
         k = k.view(t, self.spec.num_kv_heads, d)
         v = v.view(t, self.spec.num_kv_heads, d)

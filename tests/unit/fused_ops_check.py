@@ -54,6 +54,29 @@ def check_silu_mul(dtype: torch.dtype) -> None:
     torch.testing.assert_close(fused_ops.silu_and_mul(wide), want, atol=2e-3, rtol=2e-3)
 
 
+class _Recorder:
+    """An attention stub that records what the layer hands it and returns q."""
+
+    def forward(self, layer, q, k, v):
+        self.seen = (q.clone(), k.clone(), v.clone())
+        return q
+
+
+def check_attention_rotary(dtype: torch.dtype) -> None:
+    from mstar.layers.attention import AttentionSpec, SelfAttention
+
+    spec = AttentionSpec(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=16)
+    layer = SelfAttention(spec, 0).to(dtype)
+    cos, sin = RotaryEmbedding(RopeSpec(head_dim=16))(torch.tensor([0, 5, 9]))
+    x = torch.randn(3, 32).to(dtype)
+    fused, ref = _Recorder(), _Recorder()
+    out = layer(x, cos, sin, fused)
+    want = reference(lambda: layer(x, cos, sin, ref))
+    for got, exp in zip(fused.seen, ref.seen):
+        torch.testing.assert_close(got, exp, atol=1e-6 if dtype == torch.float32 else 1e-3, rtol=1e-3)
+    torch.testing.assert_close(out, want, atol=1e-5 if dtype == torch.float32 else 2e-3, rtol=2e-3)
+
+
 if __name__ == "__main__":
     assert FUSED.ops_for(torch.zeros(1)) is fused_ops, "run with TRITON_INTERPRET=1"
     torch.manual_seed(0)
@@ -61,4 +84,5 @@ if __name__ == "__main__":
         check_rms_norm(dt)
         check_rotary(dt)
         check_silu_mul(dt)
+        check_attention_rotary(dt)
     print("fused ops ok")

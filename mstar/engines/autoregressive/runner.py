@@ -62,6 +62,7 @@ class ModelRunner:
         self.page_size = page_size
         self.device = device
         self.graphs: BatchGraphs | None = None
+        self._staging: _DecodeStaging | None = None
         if graphs is not None and graphs.enabled and self.device.type == "cuda":
             if getattr(attn, "supports_cuda_graphs", False):
                 self.graphs = self._capture([s for s in graphs.sizes() if s <= max_num_seqs] or [1])
@@ -120,28 +121,56 @@ class ModelRunner:
         return self.model.compute_logits(hidden[self._tensor(last)]) if last else None
 
     def _replay(self, chunks: list[Chunk]) -> torch.Tensor:
-        """A decode step through the captured graph of the smallest size that holds the batch."""
+        """A decode step through the captured graph of the smallest size that holds the batch.
+
+        The step's inputs are written into pinned host buffers, so every copy to the GPU is
+        asynchronous (pageable copies would each stall the host).
+        """
         assert self.graphs is not None
-        bucket = self.graphs.bucket(len(chunks))
-        ids = [c.seq.token_ids[c.start] for c in chunks]
-        positions = [c.start for c in chunks]
-        page = self.page_size
-        slots = [c.seq.pages[c.start // page] * page + c.start % page for c in chunks]
-        self.attn.prepare(self._metadata(chunks, slots, on_device=False), pad_to=bucket)  # type: ignore[call-arg]
-        (logits,) = self.graphs(torch.tensor(ids), torch.tensor(positions), bucket=bucket)
+        if self._staging is None:
+            self._staging = _DecodeStaging(self.graphs.max_batch, self.attn.max_pages_per_seq)  # type: ignore[attr-defined]
+        st, n, page = self._staging, len(chunks), self.page_size
+        seq_lens = []
+        for i, c in enumerate(chunks):
+            pages = c.seq.pages
+            st.ids_np[i] = c.seq.token_ids[c.start]
+            st.positions_np[i] = c.start
+            st.slots_np[i] = pages[c.start // page] * page + c.start % page
+            st.tables_np[i, : len(pages)] = pages
+            seq_lens.append(c.start + 1)
+        bucket = self.graphs.bucket(n)
+        meta = AttentionMetadata([1] * n, seq_lens, st.slots[:n], st.tables[:n])
+        self.attn.prepare(meta, pad_to=bucket)  # type: ignore[call-arg]
+        (logits,) = self.graphs(st.ids[:n], st.positions[:n], bucket=bucket)
         return logits
 
-    def _metadata(self, chunks: list[Chunk], slots: list[int], on_device: bool = True) -> AttentionMetadata:
-        """The batch description; host tensors when `on_device` is False (the backend copies them)."""
+    def _metadata(self, chunks: list[Chunk], slots: list[int]) -> AttentionMetadata:
         max_pages = max(len(c.seq.pages) for c in chunks)
         tables = torch.tensor([c.seq.pages + [0] * (max_pages - len(c.seq.pages)) for c in chunks],
                               dtype=torch.int32)
         return AttentionMetadata(
             query_lens=[c.num_tokens for c in chunks],
             seq_lens=[c.start + c.num_tokens for c in chunks],
-            slot_mapping=self._tensor(slots) if on_device else torch.tensor(slots, dtype=torch.long),
-            block_tables=tables.to(self.device) if on_device else tables,
+            slot_mapping=self._tensor(slots),
+            block_tables=tables.to(self.device),
         )
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+class _DecodeStaging:
+    """Pinned host buffers for the inputs of one decode step (ids, positions, slots, block tables).
+
+    Rows are rewritten each step; a block-table row keeps stale page ids past the sequence's own
+    pages, which the kernels never read (they stop at the sequence length).
+    """
+
+    def __init__(self, max_batch: int, max_pages: int) -> None:
+        def pinned(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, pin_memory=True)
+
+        self.ids, self.positions, self.slots = pinned(max_batch), pinned(max_batch), pinned(max_batch)
+        self.tables = pinned(max_batch, max_pages, dtype=torch.int32)
+        self.ids_np, self.positions_np = self.ids.numpy(), self.positions.numpy()
+        self.slots_np, self.tables_np = self.slots.numpy(), self.tables.numpy()
