@@ -124,7 +124,7 @@ class SampleOutput:
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
     """Pick one token per row of float32 `logits` [N, V], on the logits' device."""
     assert logits.shape[0] == len(rows), f"{logits.shape[0]} logits rows for {len(rows)} sampling rows"
-    if all(_plain_greedy(r) for r in rows):  # the common serving case: one argmax kernel
+    if all(plain_greedy(r) for r in rows):  # the common serving case: one argmax kernel
         return SampleOutput(logits.argmax(dim=-1))
     device = logits.device
     x = logits.float().clone()
@@ -142,7 +142,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
     return _with_logprobs(SampleOutput(token_ids), logits, rows)
 
 
-def _plain_greedy(row: SamplingRow) -> bool:
+def plain_greedy(row: SamplingRow) -> bool:
     """Whether the row's token is the argmax of its raw logits (no penalties, bans or logprobs)."""
     p = row.params
     banning = len(row.token_ids) - row.num_prompt < p.min_tokens and (row.eos_token_ids or p.stop_token_ids)

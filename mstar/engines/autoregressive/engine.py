@@ -23,7 +23,7 @@ from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs, p
 from mstar.engines.base import CausalLM, StepItem, StepResult
 from mstar.engines.kv_cache.block_pool import BlockPool
 from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
-from mstar.engines.sampling import SampleOutput, SamplingParams, SamplingRow, sample
+from mstar.engines.sampling import SampleOutput, SamplingParams, SamplingRow, plain_greedy, sample
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,11 @@ class AutoregressiveEngine:
     def _postprocess(self, chunks: list[Chunk], logits: torch.Tensor) -> list[StepResult]:
         seqs = [c.seq for c in chunks]
         rows = [SamplingRow(s.params, s.token_ids, s.num_prompt, s.generator, self.eos_token_ids) for s in seqs]
-        out = _to_host(sample(logits, rows))  # the step's one host sync
+        greedy = self.runner.last_greedy_ids  # argmax taken inside the decode graph, if it ran
+        if greedy is not None and all(plain_greedy(r) for r in rows):
+            out = _to_host(SampleOutput(greedy))  # the step's one host sync
+        else:
+            out = _to_host(sample(logits, rows))
         results = []
         for i, (seq, token) in enumerate(zip(seqs, out.token_ids.tolist())):
             item = seq.item

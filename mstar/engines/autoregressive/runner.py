@@ -63,6 +63,7 @@ class ModelRunner:
         self.device = device
         self.graphs: BatchGraphs | None = None
         self._staging: _DecodeStaging | None = None
+        self.last_greedy_ids: torch.Tensor | None = None  # argmax of the last step's logits, when a graph ran
         if graphs is not None and graphs.enabled and self.device.type == "cuda":
             if getattr(attn, "supports_cuda_graphs", False):
                 self.graphs = self._capture([s for s in graphs.sizes() if s <= max_num_seqs] or [1])
@@ -71,8 +72,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture(self, sizes: list[int]) -> BatchGraphs:
-        def decode_step(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            return self.model.compute_logits(self.model.forward(input_ids, positions, self.attn))
+        def decode_step(input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            logits = self.model.compute_logits(self.model.forward(input_ids, positions, self.attn))
+            return logits, logits.argmax(dim=-1)  # greedy ids come with the graph: no extra launch
 
         def describe_dummy_batch(size: int) -> None:  # every row: one token over itself, written nowhere
             meta = AttentionMetadata([1] * size, [1] * size, torch.full((size,), -1, dtype=torch.long),
@@ -86,6 +88,7 @@ class ModelRunner:
     def run(self, chunks: list[Chunk]) -> torch.Tensor | None:
         """One packed forward over all chunks; float32 logits [N, V] for the chunks that complete
         (None when none does)."""
+        self.last_greedy_ids = None
         if any(c.seq.inputs is not None for c in chunks):
             return self._run_with_extras(chunks)
         if self.graphs is not None and len(chunks) <= self.graphs.max_batch and \
@@ -141,7 +144,7 @@ class ModelRunner:
         bucket = self.graphs.bucket(n)
         meta = AttentionMetadata([1] * n, seq_lens, st.slots[:n], st.tables[:n])
         self.attn.prepare(meta, pad_to=bucket)  # type: ignore[call-arg]
-        (logits,) = self.graphs(st.ids[:n], st.positions[:n], bucket=bucket)
+        logits, self.last_greedy_ids = self.graphs(st.ids[:n], st.positions[:n], bucket=bucket)
         return logits
 
     def _metadata(self, chunks: list[Chunk], slots: list[int]) -> AttentionMetadata:
