@@ -1,0 +1,208 @@
+"""The Wan2.2 VAE: video <-> 48-channel latents, 16x smaller in space and 4x in time (after frame 0).
+
+`WanVAE.encode` gives the posterior mean, normalised with the checkpoint's latents_mean/std (what the
+DiT sees and what image-to-video conditions on); `WanVAE.decode` takes normalised latents back to a
+video in [-1, 1]. Both stream over time through causal layers, so decoding holds one latent frame
+(a few output frames) of activations at a time; `decode(tiling=...)` also splits space into tiles.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from mstar.models.wan22.vae_blocks import ResidualDownBlock, ResidualUpBlock
+from mstar.models.wan22.vae_config import WanVAEConfig
+from mstar.models.wan22.vae_layers import (
+    CausalConv3d,
+    CausalStream,
+    ChannelRMSNorm,
+    MidBlock,
+    patchify,
+    unpatchify,
+)
+from mstar.models.wan22.vae_tiling import TileSpec, decode_tiled
+
+logger = logging.getLogger(__name__)
+
+
+class Encoder(nn.Module):
+    """Patchified video [B, in_channels, T, H, W] -> posterior mean and log-variance [B, 2 z, T', H', W']."""
+
+    def __init__(self, config: WanVAEConfig) -> None:
+        super().__init__()
+        dims = [config.base_dim * m for m in (1, *config.dim_mult)]
+        levels = len(config.dim_mult)
+        self.conv_in = CausalConv3d(config.in_channels, dims[0], 3)
+        self.down_blocks = nn.ModuleList(
+            ResidualDownBlock(
+                dims[i],
+                dims[i + 1],
+                config.num_res_blocks,
+                temporal=i < levels - 1 and config.temperal_downsample[i],
+                down=i < levels - 1,
+            )
+            for i in range(levels)
+        )
+        self.mid_block = MidBlock(dims[-1])
+        self.norm_out = ChannelRMSNorm(dims[-1], spatial_dims=3)
+        self.conv_out = CausalConv3d(dims[-1], 2 * config.z_dim, 3)
+
+    def forward(self, x: torch.Tensor, stream: CausalStream) -> torch.Tensor:
+        """One chunk of frames; `stream` carries the causal context of the earlier chunks."""
+        x = self.conv_in(x, stream)
+        for block in self.down_blocks:
+            x = block(x, stream)
+        x = self.mid_block(x, stream)
+        return self.conv_out(nn.functional.silu(self.norm_out(x)), stream)
+
+
+class Decoder(nn.Module):
+    """Latents [B, z, T', H', W'] -> patchified video [B, out_channels, T, H, W]."""
+
+    def __init__(self, config: WanVAEConfig) -> None:
+        super().__init__()
+        dims = [config.decoder_base_dim * m for m in (config.dim_mult[-1], *reversed(config.dim_mult))]
+        levels = len(config.dim_mult)
+        self.conv_in = CausalConv3d(config.z_dim, dims[0], 3)
+        self.mid_block = MidBlock(dims[0])
+        self.up_blocks = nn.ModuleList(
+            ResidualUpBlock(
+                dims[i],
+                dims[i + 1],
+                config.num_res_blocks,
+                temporal=i < levels - 1 and config.temperal_upsample[i],
+                up=i < levels - 1,
+            )
+            for i in range(levels)
+        )
+        self.norm_out = ChannelRMSNorm(dims[-1], spatial_dims=3)
+        self.conv_out = CausalConv3d(dims[-1], config.out_channels, 3)
+
+    def forward(self, z: torch.Tensor, stream: CausalStream) -> torch.Tensor:
+        """One chunk of latent frames; `stream` carries the causal context of the earlier chunks."""
+        x = self.mid_block(self.conv_in(z, stream), stream)
+        for block in self.up_blocks:
+            x = block(x, stream)
+        return self.conv_out(nn.functional.silu(self.norm_out(x)), stream)
+
+
+class WanVAE(nn.Module):
+    """The Wan2.2 VAE with Diffusers parameter names (`AutoencoderKLWan` state dicts load as they are)."""
+
+    def __init__(self, config: WanVAEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.encoder = Encoder(config)
+        self.quant_conv = CausalConv3d(2 * config.z_dim, 2 * config.z_dim, 1)
+        self.post_quant_conv = CausalConv3d(config.z_dim, config.z_dim, 1)
+        self.decoder = Decoder(config)
+
+    def latent_shape(self, frames: int, height: int, width: int) -> tuple[int, int, int, int]:
+        """(channels, frames, height, width) of the latents of a video; ValueError when it cannot be encoded."""
+        c = self.config
+        if (frames - 1) % c.scale_factor_temporal or height % c.scale_factor_spatial or width % c.scale_factor_spatial:
+            raise ValueError(
+                f"a {frames}-frame {height}x{width} video cannot be encoded: frames must be 1 + "
+                f"{c.scale_factor_temporal}k and height and width multiples of {c.scale_factor_spatial}"
+            )
+        return (
+            c.z_dim,
+            1 + (frames - 1) // c.scale_factor_temporal,
+            height // c.scale_factor_spatial,
+            width // c.scale_factor_spatial,
+        )
+
+    def normalize(self, latents: torch.Tensor) -> torch.Tensor:
+        """Raw posterior latents -> the normalised latents the DiT works in (float32)."""
+        mean, std = self._stats(latents.device)
+        return (latents.float() - mean) / std
+
+    def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
+        """The inverse of `normalize` (float32)."""
+        mean, std = self._stats(latents.device)
+        return latents.float() * std + mean
+
+    def _stats(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        # Built per call (48 numbers) rather than buffers, so meta-device construction needs no refill.
+        shape = (1, self.config.z_dim, 1, 1, 1)
+        mean = torch.tensor(self.config.latents_mean, dtype=torch.float32, device=device).view(shape)
+        std = torch.tensor(self.config.latents_std, dtype=torch.float32, device=device).view(shape)
+        return mean, std
+
+    @torch.no_grad()
+    def encode(self, video: torch.Tensor, chunk_frames: int | None = 4) -> torch.Tensor:
+        """video [B, 3, F, H, W] in [-1, 1] (F = 1 + 4k) -> normalised posterior mean [B, z, F', H', W'].
+
+        Frame 0 is encoded alone, then `chunk_frames` frames (a multiple of 4) at a time; None encodes
+        the whole video in one pass (same result, more memory).
+        """
+        self.latent_shape(video.shape[2], video.shape[3], video.shape[4])
+        step = self.config.scale_factor_temporal
+        if chunk_frames is not None and (chunk_frames <= 0 or chunk_frames % step):
+            raise ValueError(f"chunk_frames={chunk_frames} must be a positive multiple of {step}, or None")
+        x = patchify(video.to(self._dtype()), self.config.patch_size)
+        stream = CausalStream()
+        frames = x.shape[2]
+        starts = [0] if chunk_frames is None else [0, *range(1, frames, chunk_frames)]
+        ends = [*starts[1:], frames]
+        chunks = [self.encoder(x[:, :, a:b], stream) for a, b in zip(starts, ends, strict=True)]
+        moments = self.quant_conv(torch.cat(chunks, dim=2))
+        return self.normalize(moments[:, : self.config.z_dim])
+
+    @torch.no_grad()
+    def decode(
+        self, latents: torch.Tensor, chunk_frames: int | None = 1, tiling: TileSpec | None = None
+    ) -> torch.Tensor:
+        """Normalised latents [B, z, F', H', W'] -> video [B, 3, 1 + 4 (F' - 1), 16 H', 16 W'] in [-1, 1].
+
+        Decodes `chunk_frames` latent frames at a time (None: all at once; same result, more memory);
+        `tiling` also decodes overlapping spatial tiles and blends them (memory bounded by tile size).
+        """
+        if tiling is None:
+            return torch.cat(list(self.decode_chunks(latents, chunk_frames)), dim=2)
+        z = self._post_quant(latents, chunk_frames)
+        out = decode_tiled(lambda tile: self._decode_frames(tile, chunk_frames), z, tiling, self.config)
+        return unpatchify(out, self.config.patch_size).float().clamp_(-1.0, 1.0)
+
+    @torch.no_grad()
+    def decode_chunks(self, latents: torch.Tensor, chunk_frames: int | None = 1) -> Iterator[torch.Tensor]:
+        """Like `decode`, but yields the video chunk by chunk as it is decoded (1 frame, then 4 per latent).
+
+        Lets a caller encode or send frames while later ones decode, holding only one chunk of pixels.
+        """
+        z = self._post_quant(latents, chunk_frames)
+        step = chunk_frames or z.shape[2]
+        stream = CausalStream()
+        for i in range(0, z.shape[2], step):
+            frames = self.decoder(z[:, :, i : i + step], stream)
+            yield unpatchify(frames, self.config.patch_size).float().clamp_(-1.0, 1.0)
+
+    def _post_quant(self, latents: torch.Tensor, chunk_frames: int | None) -> torch.Tensor:
+        if latents.ndim != 5 or latents.shape[1] != self.config.z_dim:
+            raise ValueError(
+                f"latents of shape {tuple(latents.shape)}: expected [B, {self.config.z_dim}, F', H', W']"
+            )
+        if chunk_frames is not None and chunk_frames <= 0:
+            raise ValueError(f"chunk_frames={chunk_frames} must be positive, or None")
+        return self.post_quant_conv(self.denormalize(latents).to(self._dtype()))
+
+    def _decode_frames(self, z: torch.Tensor, chunk_frames: int | None) -> torch.Tensor:
+        """Patchified frames of post-quant latents z, streaming `chunk_frames` latent frames at a time."""
+        step = chunk_frames or z.shape[2]
+        stream = CausalStream()
+        return torch.cat([self.decoder(z[:, :, i : i + step], stream) for i in range(0, z.shape[2], step)], 2)
+
+    def _dtype(self) -> torch.dtype:
+        return self.post_quant_conv.weight.dtype
+
+
+def frames_to_uint8(video: torch.Tensor) -> torch.Tensor:
+    """video [B, 3, F, H, W] in [-1, 1] -> uint8 frames [B, F, H, W, 3] on the CPU (rounded, clamped)."""
+    if video.ndim != 5 or video.shape[1] != 3:
+        raise ValueError(f"video of shape {tuple(video.shape)}: expected [B, 3, F, H, W]")
+    pixels = ((video.float() + 1.0) * 127.5).round_().clamp_(0, 255).to(torch.uint8)
+    return pixels.permute(0, 2, 3, 4, 1).contiguous().cpu()

@@ -1,0 +1,89 @@
+"""Building the Wan2.2 VAE and filling its weights: a Diffusers checkpoint, or seeded dummy weights.
+
+Accepted sources: a Diffusers pipeline folder (its `vae/` subfolder is used), a `vae` folder itself
+(config.json + diffusion_pytorch_model*.safetensors), or a Hub repo id such as
+Wan-AI/Wan2.2-TI2V-5B-Diffusers (only `vae/` is downloaded). Tensor names need no mapping.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from mstar.models.common import loading
+from mstar.models.wan22.vae import WanVAE
+from mstar.models.wan22.vae_config import WAN22_TI2V_5B_VAE, WanVAEConfig
+
+logger = logging.getLogger(__name__)
+
+VAE_SUBFOLDER = "vae"
+_HUB_PATTERNS = (f"{VAE_SUBFOLDER}/*.json", f"{VAE_SUBFOLDER}/*.safetensors")
+
+
+def build_vae(
+    config: WanVAEConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> WanVAE:
+    """A `WanVAE` in `dtype` on `device` with UNINITIALISED weights (no float32 copy is ever made)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = WanVAE(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.to_empty(device=device).eval()
+
+
+def vae_folder(source: str | Path) -> Path:
+    """The folder holding the VAE's config.json: `source/vae` for a pipeline, else `source` itself."""
+    root = loading.resolve_checkpoint(source, allow_patterns=_HUB_PATTERNS)
+    for folder in (root / VAE_SUBFOLDER, root):
+        if (folder / "config.json").is_file():
+            return folder
+    raise loading.CheckpointNotFoundError(
+        f"no Wan VAE config.json in {root} or {root / VAE_SUBFOLDER}. Pass a Diffusers Wan2.2 pipeline "
+        "folder (e.g. a download of Wan-AI/Wan2.2-TI2V-5B-Diffusers) or its vae/ subfolder."
+    )
+
+
+def load_vae(
+    source: str | Path | None = None,
+    *,
+    load_format: str = "auto",
+    config: WanVAEConfig | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> WanVAE:
+    """A ready `WanVAE` (eval mode) from a checkpoint (`auto`) or with seeded random weights (`dummy`).
+
+    `config` defaults to the checkpoint's config.json, or for `dummy` without a source to the
+    Wan2.2-TI2V-5B VAE. A `config` that disagrees with the checkpoint's fails while loading.
+    """
+    if load_format not in loading.LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r}; choose one of {loading.LOAD_FORMATS}")
+    if load_format == "dummy":
+        if config is None:
+            config = WanVAEConfig.from_file(vae_folder(source)) if source is not None else WAN22_TI2V_5B_VAE
+        model = build_vae(config, dtype, device)
+        fill_dummy_vae_weights(model, seed)
+        return model
+    if source is None:
+        raise ValueError("load_format='auto' needs a checkpoint: pass source=<folder or repo id>")
+    folder = vae_folder(source)
+    model = build_vae(config or WanVAEConfig.from_file(folder), dtype, device)
+    _, files = loading.weight_files(folder)
+    logger.info("loading the Wan VAE from %s", folder)
+    loading.load_named_tensors(model, loading.iter_safetensors(files), lambda name: (name, 0))
+    return model
+
+
+def fill_dummy_vae_weights(model: WanVAE, seed: int = 0) -> None:
+    """Seeded random weights for benchmarks and offline trials; norm gains are one, as when trained."""
+    loading.fill_dummy_weights(model, seed=seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".gamma"):  # 4D gains would otherwise be drawn near zero
+                param.fill_(1.0)

@@ -1,0 +1,172 @@
+"""Wan2.2 VAE parity with Diffusers' AutoencoderKLWan (tiny random config, float32, CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+
+from mstar.models.common.loading import CheckpointNotFoundError  # noqa: E402
+from mstar.models.wan22.vae import WanVAE, frames_to_uint8  # noqa: E402
+from mstar.models.wan22.vae_config import (  # noqa: E402
+    WAN22_TI2V_5B_VAE,
+    WanVAEConfig,
+    tiny_vae_config,
+)
+from mstar.models.wan22.vae_tiling import TileSpec  # noqa: E402
+from mstar.models.wan22.vae_weights import build_vae, load_vae  # noqa: E402
+
+TOL = 1e-4
+CONFIG = tiny_vae_config()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Tiny convolutions run far slower with several threads on a shared 2-core machine.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _reference_kwargs(config: WanVAEConfig) -> dict:
+    return {k: v for k, v in config.to_hf().items() if not k.startswith("_")}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A Diffusers pipeline folder whose vae/ holds a random tiny AutoencoderKLWan; returns (folder, ref)."""
+    torch.manual_seed(0)
+    ref = diffusers.AutoencoderKLWan(**_reference_kwargs(CONFIG)).eval()
+    with torch.no_grad():  # norm gains away from one, so a gain that fails to load shows
+        for name, param in ref.named_parameters():
+            if name.endswith(".gamma"):
+                param.copy_(1 + 0.2 * torch.randn_like(param))
+    root = tmp_path_factory.mktemp("wan22")
+    ref.save_pretrained(root / "vae")
+    return root, ref
+
+
+@pytest.fixture(scope="module")
+def vae(checkpoint) -> WanVAE:
+    return load_vae(checkpoint[0])
+
+
+def _stats() -> tuple[torch.Tensor, torch.Tensor]:
+    shape = (1, CONFIG.z_dim, 1, 1, 1)
+    return torch.tensor(CONFIG.latents_mean).view(shape), torch.tensor(CONFIG.latents_std).view(shape)
+
+
+def _video(frames: int, height: int = 32, width: int = 48, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(2, 3, frames, height, width, generator=g) * 2 - 1
+
+
+@pytest.mark.parametrize("frames", [1, 5])
+def test_encode_matches_diffusers(checkpoint, vae, frames):
+    ref = checkpoint[1]
+    video = _video(frames)
+    mean, std = _stats()
+    with torch.no_grad():
+        expected = (ref.encode(video).latent_dist.mode() - mean) / std
+    latents = vae.encode(video)
+    assert latents.shape == (2, CONFIG.z_dim, 1 + (frames - 1) // 4, 2, 3)
+    assert latents.abs().max() > 0.1
+    torch.testing.assert_close(latents, expected, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("latent_frames", [1, 2])
+def test_decode_matches_diffusers(checkpoint, vae, latent_frames):
+    ref = checkpoint[1]
+    latents = torch.randn(2, CONFIG.z_dim, latent_frames, 2, 3, generator=torch.Generator().manual_seed(2))
+    mean, std = _stats()
+    with torch.no_grad():
+        expected = ref.decode(latents * std + mean).sample
+    video = vae.decode(latents)
+    assert video.shape == (2, 3, 1 + 4 * (latent_frames - 1), 32, 48)
+    assert video.std() > 0.01
+    torch.testing.assert_close(video, expected, atol=TOL, rtol=0)
+
+
+def test_decoding_frame_by_frame_equals_decoding_at_once(vae):
+    latents = torch.randn(1, CONFIG.z_dim, 4, 2, 3, generator=torch.Generator().manual_seed(3))
+    at_once = vae.decode(latents, chunk_frames=None)
+    assert at_once.shape[2] == 13
+    for chunk in (1, 3):
+        torch.testing.assert_close(vae.decode(latents, chunk_frames=chunk), at_once, atol=1e-5, rtol=0)
+    pieces = list(vae.decode_chunks(latents))
+    assert [p.shape[2] for p in pieces] == [1, 4, 4, 4]
+    torch.testing.assert_close(torch.cat(pieces, dim=2), at_once, atol=1e-5, rtol=0)
+
+
+def test_encoding_in_chunks_equals_encoding_at_once(vae):
+    video = _video(9, seed=4)
+    at_once = vae.encode(video, chunk_frames=None)
+    torch.testing.assert_close(vae.encode(video, chunk_frames=4), at_once, atol=1e-5, rtol=0)
+    torch.testing.assert_close(vae.encode(video, chunk_frames=8), at_once, atol=1e-5, rtol=0)
+
+
+def test_tiled_decode_matches_diffusers(checkpoint, vae):
+    ref = checkpoint[1]
+    latents = torch.randn(1, CONFIG.z_dim, 2, 4, 5, generator=torch.Generator().manual_seed(5))
+    mean, std = _stats()
+    spec = TileSpec(tile_height=32, tile_width=32, stride_height=16, stride_width=16)
+    ref.enable_tiling(32, 32, 16, 16)
+    try:
+        with torch.no_grad():
+            expected = ref.decode(latents * std + mean).sample
+    finally:
+        ref.disable_tiling()
+    tiled = vae.decode(latents, tiling=spec)
+    assert tiled.shape == (1, 3, 5, 64, 80)
+    torch.testing.assert_close(tiled, expected, atol=TOL, rtol=0)
+    # Tiles see less context than the whole frame, so tiling changes pixels (a real, not a no-op, path).
+    assert (tiled - vae.decode(latents)).abs().max() > 1e-3
+
+
+def test_full_size_config_mirrors_diffusers():
+    with torch.device("meta"):
+        ref = diffusers.AutoencoderKLWan(**_reference_kwargs(WAN22_TI2V_5B_VAE))
+    ours = build_vae(WAN22_TI2V_5B_VAE, device="meta")
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in ref.state_dict().items()}
+    assert ours.latent_shape(33, 480, 832) == (48, 9, 30, 52)
+
+
+def test_config_round_trip_and_errors(tmp_path):
+    assert WanVAEConfig.from_hf(json.loads(json.dumps(CONFIG.to_hf()))) == CONFIG
+    with pytest.raises(ValueError, match="Wan2.1"):
+        WanVAEConfig.from_hf({**CONFIG.to_hf(), "is_residual": False})
+    with pytest.raises(ValueError, match="latents_mean"):
+        WanVAEConfig(z_dim=16)
+    with pytest.raises(CheckpointNotFoundError, match="vae"):
+        load_vae(tmp_path)
+
+
+def test_bad_inputs_raise(vae):
+    with pytest.raises(ValueError, match="1 \\+ 4k"):
+        vae.encode(_video(4))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        vae.encode(_video(1, height=40))
+    with pytest.raises(ValueError, match="chunk_frames"):
+        vae.encode(_video(5), chunk_frames=3)
+    with pytest.raises(ValueError, match="expected"):
+        vae.decode(torch.zeros(1, CONFIG.z_dim + 1, 1, 2, 2))
+
+
+def test_dummy_weights_are_seeded_and_decode():
+    a = load_vae(load_format="dummy", config=CONFIG, seed=7)
+    b = load_vae(load_format="dummy", config=CONFIG, seed=7)
+    latents = torch.randn(1, CONFIG.z_dim, 2, 2, 2)
+    video = a.decode(latents)
+    assert torch.isfinite(video).all() and video.abs().max() > 0
+    torch.testing.assert_close(b.decode(latents), video, atol=0, rtol=0)
+
+
+def test_frames_to_uint8():
+    video = torch.tensor([-1.0, -0.5, 0.0, 1.0, 2.0]).view(1, 1, 5, 1, 1).expand(1, 3, 5, 1, 1)
+    frames = frames_to_uint8(video)
+    assert frames.shape == (1, 5, 1, 1, 3) and frames.dtype == torch.uint8
+    assert frames[0, :, 0, 0, 0].tolist() == [0, 64, 128, 255, 255]
