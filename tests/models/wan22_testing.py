@@ -65,8 +65,13 @@ def write_pipeline_dir(root: Path) -> Path:
 
 def reference_pipeline(root: Path, monkeypatch, image_to_video: bool):
     """diffusers' WanPipeline (or WanImageToVideoPipeline) over the folder, expand_timesteps as TI2V-5B."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline
-    from diffusers import WanTransformer3DModel
+    from diffusers import (
+        AutoencoderKLWan,
+        UniPCMultistepScheduler,
+        WanImageToVideoPipeline,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
     from diffusers.pipelines.wan import pipeline_wan, pipeline_wan_i2v
     from transformers import AutoTokenizer, UMT5EncoderModel
 
