@@ -153,6 +153,8 @@ def test_bad_inputs_raise(vae):
     with pytest.raises(ValueError, match="chunk_frames"):
         vae.encode(_video(5), chunk_frames=3)
     with pytest.raises(ValueError, match="expected"):
+        vae.encode(torch.zeros(1, 3, 32, 32))
+    with pytest.raises(ValueError, match="expected"):
         vae.decode(torch.zeros(1, CONFIG.z_dim + 1, 1, 2, 2))
 
 

@@ -140,7 +140,9 @@ class WanVAE(nn.Module):
         Frame 0 is encoded alone, then `chunk_frames` frames (a multiple of 4) at a time; None encodes
         the whole video in one pass (same result, more memory).
         """
-        self.latent_shape(video.shape[2], video.shape[3], video.shape[4])
+        if video.ndim != 5 or video.shape[1] != 3:
+            raise ValueError(f"video of shape {tuple(video.shape)}: expected [B, 3, F, H, W] in [-1, 1]")
+        self.latent_shape(*video.shape[2:])
         step = self.config.scale_factor_temporal
         if chunk_frames is not None and (chunk_frames <= 0 or chunk_frames % step):
             raise ValueError(f"chunk_frames={chunk_frames} must be a positive multiple of {step}, or None")
