@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -55,9 +55,10 @@ class AsyncMStarClient:
             raise error_from_body(resp.status_code, resp.content)
         return resp
 
-    async def _stream_lines(self, path: str, body: dict[str, Any]) -> AsyncIterator[str]:
+    async def _stream_lines(self, path: str, body: dict[str, Any] | None = None, **kwargs: Any
+                            ) -> AsyncIterator[str]:
         try:
-            async with self._http.stream("POST", path, json=body) as resp:
+            async with self._http.stream("POST", path, **({"json": body} if body is not None else kwargs)) as resp:
                 if resp.status_code >= 400:
                     raise error_from_body(resp.status_code, await resp.aread())
                 async for line in resp.aiter_lines():
@@ -111,17 +112,22 @@ class AsyncMStarClient:
         stream: bool = False,
         seed: int | None = None,
         request_id: str | None = None,
+        multipart: bool = False,
         **options: Any,
     ) -> GenerateResult | AsyncIterator[OutputChunk | FinalChunk]:
         """See `MStarClient.generate`."""
-        body = wire.generate_body(text, files, outputs, stream, options, seed, request_id)
+        if multipart:
+            data, parts = wire.generate_form(text, files, outputs, stream, options, seed, request_id)
+            kwargs: dict[str, Any] = {"data": data, "files": parts}
+        else:
+            kwargs = {"json": wire.generate_body(text, files, outputs, stream, options, seed, request_id)}
         if stream:
-            return self._generate_stream(body)
-        resp = GenerateResponse.model_validate_json((await self._request("POST", "/generate", json=body)).content)
+            return self._generate_stream(kwargs)
+        resp = GenerateResponse.model_validate_json((await self._request("POST", "/generate", **kwargs)).content)
         return GenerateResult(resp.request_id, resp.outputs, resp.finish_reason, resp.usage)
 
-    async def _generate_stream(self, body: dict[str, Any]) -> AsyncIterator[OutputChunk | FinalChunk]:
-        async for line in self._stream_lines("/generate", body):
+    async def _generate_stream(self, kwargs: dict[str, Any]) -> AsyncIterator[OutputChunk | FinalChunk]:
+        async for line in self._stream_lines("/generate", **kwargs):
             chunk = wire.ndjson_chunk(line)
             if chunk is not None:
                 yield chunk
@@ -160,18 +166,43 @@ class AsyncMStarClient:
             if event.get("type") == "speech.audio.delta":
                 yield AudioBuffer.from_pcm16(base64.b64decode(event["audio"]), int(event.get("sample_rate") or 24000))
 
+    async def edit_image(
+        self, prompt: str, images: Any, mask: Any = None, size: str | None = None, n: int = 1,
+        seed: int | None = None, as_bytes: bool = False, **options: Any,
+    ):
+        """See `MStarClient.edit_image`."""
+        data, files = wire.edit_form(prompt, images, mask, {"model": self.model, "size": size, "n": n, "seed": seed,
+                                                            **options})
+        resp = await self._request("POST", "/v1/images/edits", data=data, files=files)
+        out = [wire.image_from_b64(d["b64_json"], as_bytes) for d in resp.json()["data"]]
+        return out[0] if n == 1 else out
+
+    async def transcribe(
+        self, audio: Any, prompt: str | None = None, language: str | None = None, response_format: str = "json",
+        **options: Any,
+    ) -> Any:
+        """See `MStarClient.transcribe`."""
+        fields = wire.form_values({"model": self.model, "prompt": prompt, "language": language,
+                                   "response_format": response_format, **options})
+        resp = await self._request("POST", "/v1/audio/transcriptions", data=fields,
+                                   files=[("file", wire.media_file(audio, "audio"))])
+        return wire.transcription_result(resp.content, response_format)
+
     async def generate_video(
         self, prompt: str, seconds: float | None = None, size: str | None = None, input_reference: Any = None,
-        poll_interval_s: float = 1.0, timeout_s: float | None = None, **options: Any,
+        poll_interval_s: float = 0.5, timeout_s: float | None = None,
+        on_progress: Callable[[int, str], None] | None = None, **options: Any,
     ) -> bytes:
         """See `MStarClient.generate_video`."""
         body = {"prompt": prompt, "model": self.model, "seconds": seconds, "size": size,
                 "input_reference": wire.reference_url(input_reference), **options}
         job = (await self._request("POST", "/v1/videos", json={k: v for k, v in body.items() if v is not None})).json()
+        wire.report_progress(job, on_progress)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not wire.check_job(job):
             if deadline is not None and time.monotonic() > deadline:
                 raise MStarError(408, f"video job {job['id']} not done after {timeout_s} s (status {job.get('status')})")
             await asyncio.sleep(poll_interval_s)
             job = (await self._request("GET", f"/v1/videos/{job['id']}")).json()
+            wire.report_progress(job, on_progress)
         return (await self._request("GET", f"/v1/videos/{job['id']}/content")).content

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -54,9 +54,9 @@ class MStarClient:
             raise error_from_body(resp.status_code, resp.content)
         return resp
 
-    def _stream_lines(self, path: str, body: dict[str, Any]) -> Iterator[str]:
+    def _stream_lines(self, path: str, body: dict[str, Any] | None = None, **kwargs: Any) -> Iterator[str]:
         try:
-            with self._http.stream("POST", path, json=body) as resp:
+            with self._http.stream("POST", path, **({"json": body} if body is not None else kwargs)) as resp:
                 if resp.status_code >= 400:
                     raise error_from_body(resp.status_code, resp.read())
                 yield from resp.iter_lines()
@@ -109,18 +109,24 @@ class MStarClient:
         stream: bool = False,
         seed: int | None = None,
         request_id: str | None = None,
+        multipart: bool = False,
         **options: Any,
     ) -> GenerateResult | Iterator[OutputChunk | FinalChunk]:
         """Native /generate. `files` are local paths, bytes, (name, bytes) or media dicts; `options`
-        are per-request model options. Streaming yields typed chunks, ending with a `FinalChunk`."""
-        body = wire.generate_body(text, files, outputs, stream, options, seed, request_id)
+        are per-request model options. Streaming yields typed chunks, ending with a `FinalChunk`.
+        With `multipart`, files travel as multipart file parts instead of base64 inside JSON."""
+        if multipart:
+            data, parts = wire.generate_form(text, files, outputs, stream, options, seed, request_id)
+            kwargs: dict[str, Any] = {"data": data, "files": parts}
+        else:
+            kwargs = {"json": wire.generate_body(text, files, outputs, stream, options, seed, request_id)}
         if stream:
-            return self._generate_stream(body)
-        resp = GenerateResponse.model_validate_json(self._request("POST", "/generate", json=body).content)
+            return self._generate_stream(kwargs)
+        resp = GenerateResponse.model_validate_json(self._request("POST", "/generate", **kwargs).content)
         return GenerateResult(resp.request_id, resp.outputs, resp.finish_reason, resp.usage)
 
-    def _generate_stream(self, body: dict[str, Any]) -> Iterator[OutputChunk | FinalChunk]:
-        for line in self._stream_lines("/generate", body):
+    def _generate_stream(self, kwargs: dict[str, Any]) -> Iterator[OutputChunk | FinalChunk]:
+        for line in self._stream_lines("/generate", **kwargs):
             chunk = wire.ndjson_chunk(line)
             if chunk is not None:
                 yield chunk
@@ -159,18 +165,48 @@ class MStarClient:
             if event.get("type") == "speech.audio.delta":
                 yield AudioBuffer.from_pcm16(base64.b64decode(event["audio"]), int(event.get("sample_rate") or 24000))
 
+    def edit_image(
+        self, prompt: str, images: Any, mask: Any = None, size: str | None = None, n: int = 1,
+        seed: int | None = None, as_bytes: bool = False, **options: Any,
+    ):
+        """Image(s) + prompt (+ mask) to image through /v1/images/edits: a PIL image (PNG bytes with
+        `as_bytes`), a list when n > 1. `images` is a path, bytes, (name, bytes) or a list of them."""
+        data, files = wire.edit_form(prompt, images, mask, {"model": self.model, "size": size, "n": n, "seed": seed,
+                                                            **options})
+        resp = self._request("POST", "/v1/images/edits", data=data, files=files)
+        out = [wire.image_from_b64(d["b64_json"], as_bytes) for d in resp.json()["data"]]
+        return out[0] if n == 1 else out
+
+    def transcribe(
+        self, audio: Any, prompt: str | None = None, language: str | None = None, response_format: str = "json",
+        **options: Any,
+    ) -> Any:
+        """Audio file (path, bytes or (name, bytes)) to text through /v1/audio/transcriptions: the text
+        for json, the parsed object for verbose_json, the body for text, srt and vtt."""
+        fields = wire.form_values({"model": self.model, "prompt": prompt, "language": language,
+                                   "response_format": response_format, **options})
+        resp = self._request("POST", "/v1/audio/transcriptions", data=fields,
+                             files=[("file", wire.media_file(audio, "audio"))])
+        return wire.transcription_result(resp.content, response_format)
+
     def generate_video(
         self, prompt: str, seconds: float | None = None, size: str | None = None, input_reference: Any = None,
-        poll_interval_s: float = 1.0, timeout_s: float | None = None, **options: Any,
+        poll_interval_s: float = 0.5, timeout_s: float | None = None,
+        on_progress: Callable[[int, str], None] | None = None, **options: Any,
     ) -> bytes:
-        """Text (or image) to video through the /v1/videos jobs API; returns MP4 bytes."""
+        """Text (or image) to video through the /v1/videos jobs API; returns MP4 bytes.
+
+        Polls every `poll_interval_s`, calling `on_progress(percent, status)` after each poll; a failed
+        job or one not done after `timeout_s` raises `MStarError`."""
         body = {"prompt": prompt, "model": self.model, "seconds": seconds, "size": size,
                 "input_reference": wire.reference_url(input_reference), **options}
         job = self._request("POST", "/v1/videos", json={k: v for k, v in body.items() if v is not None}).json()
+        wire.report_progress(job, on_progress)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not wire.check_job(job):
             if deadline is not None and time.monotonic() > deadline:
                 raise MStarError(408, f"video job {job['id']} not done after {timeout_s} s (status {job.get('status')})")
             time.sleep(poll_interval_s)
             job = self._request("GET", f"/v1/videos/{job['id']}").json()
+            wire.report_progress(job, on_progress)
         return self._request("GET", f"/v1/videos/{job['id']}/content").content

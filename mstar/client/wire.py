@@ -177,3 +177,67 @@ def check_job(job: dict[str, Any]) -> bool:
         err = job.get("error") or {}
         raise MStarError(500, f"video job {job.get('id')} failed: {err.get('message', 'no reason given')}")
     return job.get("status") == "completed"
+
+
+def media_file(item: Any, default_name: str = "file") -> tuple[str, bytes, str]:
+    """(file name, bytes, mime type) of a local path, bytes or (filename, bytes), for multipart uploads."""
+    if isinstance(item, tuple) and len(item) == 2:
+        name, data = str(item[0]), bytes(item[1])
+        mime = (_by_name(name) or sniff(data))[1]
+        return name, data, mime
+    if isinstance(item, str | Path):
+        path = Path(item)
+        if not path.is_file():
+            raise MStarError(0, f"file not found: {path}")
+        data = path.read_bytes()
+        return path.name, data, (_by_name(path.name) or sniff(data))[1]
+    if isinstance(item, bytes | bytearray):
+        data = bytes(item)
+        mime = sniff(data)[1]
+        return f"{default_name}{mimetypes.guess_extension(mime) or ''}", data, mime
+    raise TypeError(f"uploads must be paths, bytes or (name, bytes), got {type(item).__name__}")
+
+
+def generate_form(text, files, outputs, stream, options, seed, request_id) -> tuple[dict[str, Any], list]:
+    """The multipart /generate body: (text fields, file parts) for httpx's `data=` and `files=`."""
+    data: dict[str, Any] = {"outputs": json.dumps(list(outputs)), "stream": json.dumps(stream),
+                            "options": json.dumps(dict(options))}
+    if text is not None:
+        data["text"] = text
+    if seed is not None:
+        data["seed"] = str(seed)
+    if request_id is not None:
+        data["request_id"] = request_id
+    items = [files] if isinstance(files, str | bytes | Path) else list(files or ())
+    return data, [("files", media_file(f)) for f in items]
+
+
+def form_values(fields: dict[str, Any]) -> dict[str, str]:
+    """Form text fields: None dropped, strings kept, everything else as JSON."""
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in fields.items() if v is not None}
+
+
+def edit_form(prompt: str, images: Any, mask: Any, fields: dict[str, Any]) -> tuple[dict[str, str], list]:
+    """The multipart /v1/images/edits body."""
+    single = isinstance(images, str | bytes | Path) or (
+        isinstance(images, tuple) and len(images) == 2 and isinstance(images[1], bytes | bytearray))
+    items = [images] if single else list(images)
+    files = [("image[]", media_file(img, "image")) for img in items]
+    if mask is not None:
+        files.append(("mask", media_file(mask, "mask")))
+    return form_values({"prompt": prompt, "response_format": "b64_json", **fields}), files
+
+
+def transcription_result(resp_body: bytes, response_format: str) -> Any:
+    """`text` for json, the parsed object for verbose_json, the body text otherwise (text, srt, vtt)."""
+    if response_format == "json":
+        return json.loads(resp_body)["text"]
+    if response_format == "verbose_json":
+        return json.loads(resp_body)
+    return resp_body.decode("utf-8")
+
+
+def report_progress(job: dict[str, Any], on_progress: Any) -> None:
+    """Call `on_progress(progress, status)` for a polled job, when a callback was given."""
+    if on_progress is not None:
+        on_progress(int(job.get("progress") or 0), str(job.get("status")))

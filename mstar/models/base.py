@@ -3,6 +3,15 @@
 A model class names its config, declares its graph (components, walks, lanes, streams), builds
 each component on a device, and gives a processor that turns requests into tensors and output
 tensors into media.
+
+Output conventions the server understands (optional; a model follows them or not):
+- `modalities`: a model whose `default_options` holds "modalities" gets the output modalities a
+  route wants (e.g. ["audio"] for /v1/audio/speech) in that option, and may skip the others.
+- `progress`: a model may emit a client output named "progress", a scalar float in [0, 1] (a
+  one-element tensor), any number of times, non-decreasing. A model that does so lists
+  "report_progress" (default False) in `default_options`; routes that show progress (the
+  /v1/videos jobs) set it to True and read the latest value; nothing else sets it, so plain
+  requests pay nothing. The toy emits it once per generated token: tokens so far / max_tokens.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The HTTP server: `create_app(runtime)` builds the FastAPI app over a running `Runtime`.
 
 Routes live in `routes_native` (/generate, /health, /ready, /metrics), `routes_openai` (models, chat,
-completions) and `routes_media` (speech, images). Every error body is `{"error": {...}}`; bad input
+completions), `routes_media` (speech, images), `routes_transcriptions` and `routes_videos`. Every error body is `{"error": {...}}`; bad input
 answers 4xx, never 5xx.
 """
 
@@ -92,7 +92,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 def create_app(runtime: Any, api_key: str | None = None, media_policy: MediaPolicy | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, model_name: str | None = None) -> FastAPI:
     """The app serving `runtime`. With `api_key`, every route but /health needs `Authorization: Bearer`."""
-    from mstar.server import routes_media, routes_native, routes_openai
+    from mstar.server import routes_media, routes_native, routes_openai, routes_transcriptions, routes_videos
 
     metrics = ServerMetrics(runtime)
     state = ServerState(runtime, metrics, media_policy or MediaPolicy(),
@@ -104,6 +104,8 @@ def create_app(runtime: Any, api_key: str | None = None, media_policy: MediaPoli
     app.include_router(routes_native.router)
     app.include_router(routes_openai.router)
     app.include_router(routes_media.router)
+    app.include_router(routes_transcriptions.router)
+    app.include_router(routes_videos.router)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
     return app
 

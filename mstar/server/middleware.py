@@ -91,5 +91,6 @@ class GuardMiddleware:
 def _route(path: str) -> str:
     """A bounded label: known API paths as they are, anything else as 'other'."""
     known = ("/health", "/ready", "/metrics", "/generate", "/v1/models", "/v1/chat/completions", "/v1/completions",
-             "/v1/audio/speech", "/v1/images/generations")
+             "/v1/audio/speech", "/v1/images/generations", "/v1/images/edits", "/v1/audio/transcriptions",
+             "/v1/videos")
     return path if path in known else "other"

@@ -134,12 +134,24 @@ class GenerateRequest(BaseModel):
     def _check(self) -> GenerateRequest:
         if self.text is None and not self.media:
             raise ValueError("a request needs `text` or at least one `media` part")
+        return self._check_outputs()
+
+    def _check_outputs(self) -> GenerateRequest:
         if len(set(self.outputs)) != len(self.outputs):
             raise ValueError(f"outputs must be distinct, got {self.outputs}")
         for name in self.outputs:
             if not name or len(name) > 64:
                 raise ValueError(f"output names must be 1-64 characters, got {name!r}")
         return self
+
+
+class GenerateForm(GenerateRequest):
+    """The text fields of a multipart `POST /generate`: like GenerateRequest, but the media arrive as
+    file parts, so "text or media" is checked by the route once it has seen the files."""
+
+    @model_validator(mode="after")
+    def _check(self) -> GenerateForm:
+        return self._check_outputs()
 
 
 class _Chunk(BaseModel):

@@ -294,9 +294,10 @@ class ChatCompletion(BaseModel):
 
 class DeltaAudio(BaseModel):
     id: str | None = None
-    data: str | None = None  # base64 s16le PCM
+    data: str | None = None  # base64 s16le PCM, mono
     transcript: str | None = None
     expires_at: int | None = None
+    sample_rate: int | None = None  # mstar extension: the rate of `data` (OpenAI assumes 24000)
 
 
 class ChatDelta(BaseModel):

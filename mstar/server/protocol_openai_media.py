@@ -154,8 +154,22 @@ class VideoCreateRequest(_Extras):
             parse_size(v)
         return v
 
+    @field_validator("input_reference", mode="before")
+    @classmethod
+    def _reference_url(cls, v: Any) -> Any:
+        if isinstance(v, dict):  # OpenAI's reference object: {"image_url": ...} or {"file_id": ...}
+            if "image_url" not in v:
+                raise ValueError("input_reference must carry image_url (a data URL or base64); "
+                                 "file ids are not supported here")
+            return v["image_url"]
+        return v
+
     def dimensions(self) -> tuple[int, int] | None:
         return None if self.size is None else parse_size(self.size)
+
+    def seconds_text(self) -> str | None:
+        """`seconds` the way OpenAI reports it: "4", or "2.5"."""
+        return None if self.seconds is None else f"{self.seconds:g}"
 
 
 class VideoJobError(BaseModel):
@@ -173,9 +187,29 @@ class VideoJob(BaseModel):
     progress: int = Field(0, ge=0, le=100)
     created_at: int = Field(default_factory=lambda: int(time.time()))
     completed_at: int | None = None
-    seconds: str | None = None
-    size: str | None = None
+    expires_at: int | None = None
+    prompt: str | None = None
+    seconds: str | None = None  # requested; the encoded clip's duration once completed
+    size: str | None = None  # requested "WxH"; the encoded clip's size once completed
     error: VideoJobError | None = None
+
+
+class VideoList(BaseModel):
+    """`GET /v1/videos`: a page of jobs."""
+
+    object: Literal["list"] = "list"
+    data: list[VideoJob]
+    has_more: bool = False
+    first_id: str | None = None
+    last_id: str | None = None
+
+
+class VideoDeleted(BaseModel):
+    """`DELETE /v1/videos/{id}`."""
+
+    id: str
+    object: Literal["video.deleted"] = "video.deleted"
+    deleted: bool = True
 
 
 class TranscriptionRequest(_Extras):

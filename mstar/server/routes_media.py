@@ -1,4 +1,4 @@
-"""OpenAI-compatible media routes: /v1/audio/speech and /v1/images/generations."""
+"""OpenAI-compatible media routes: /v1/audio/speech, /v1/images/generations and /v1/images/edits."""
 
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from starlette.concurrency import run_in_threadpool
 
 from mstar.server.adapters import RequestError, RequestStream, start_request
 from mstar.server.app import ServerState, get_state
-from mstar.server.media import AUDIO_MIME, encode_audio, encode_image, pcm_s16le
+from mstar.server.forms import files_of, form_options, media_bytes, read_form, text_fields, validate
+from mstar.server.media import AUDIO_MIME, decode_image, encode_audio, encode_image, pcm_s16le
 from mstar.server.protocol_openai_media import (
     SAMPLE_RATE_HEADER,
     ImageData,
+    ImageEditRequest,
     ImageGenerationRequest,
     ImagesResponse,
     SpeechAudioDelta,
@@ -111,7 +113,50 @@ async def image_generations(body: ImageGenerationRequest, request: Request) -> I
     """Text to image; b64_json PNG/JPEG/WEBP, n images from n requests (seed + i)."""
     state = get_state(request)
     state.check_model(body.model, "image", "/v1/images/generations")
-    extra = body.extra_options()
+    return await _images(state, request, body, {"text": body.prompt}, body.extra_options())
+
+
+_EDIT_FORM_SCHEMA = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["image", "prompt"],
+    "properties": {"image": {"type": "array", "items": {"type": "string", "format": "binary"}},
+                   "mask": {"type": "string", "format": "binary"}, "prompt": {"type": "string"},
+                   "model": {"type": "string"}, "n": {"type": "integer"}, "size": {"type": "string"},
+                   "response_format": {"type": "string"}, "output_format": {"type": "string"},
+                   "seed": {"type": "integer"}}}}}}}
+
+
+@router.post("/v1/images/edits", openapi_extra=_EDIT_FORM_SCHEMA)
+async def image_edits(request: Request) -> ImagesResponse:
+    """Image(s) + prompt (+ optional mask) -> edited images (multipart, like OpenAI's images.edit)."""
+    state = get_state(request)
+    form = await read_form(request)
+    body = validate(ImageEditRequest, {k: v for k, v in text_fields(form).items() if k not in ("image", "mask")})
+    state.check_model(body.model, "image", "/v1/images/edits")
+    if "image" not in state.runtime.model.input_modalities:
+        raise RequestError(404, f"/v1/images/edits is not available for model {state.model_name!r}: "
+                                "it takes no image input")
+    images = files_of(form, "image") or [v for v in form.getlist("image") + form.getlist("image[]") if v]
+    if not images:
+        raise RequestError(400, "/v1/images/edits needs at least one `image` (a file part, or a data URL)", "image")
+    if len(images) > 16:
+        raise RequestError(400, f"at most 16 images per edit, got {len(images)}", "image")
+    media = [{"type": "image", "data": await _image(state, img, "image")} for img in images]
+    masks = files_of(form, "mask") or [v for v in form.getlist("mask") if isinstance(v, str) and v]
+    if masks:
+        media.append({"type": "image", "name": "mask", "data": await _image(state, masks[0], "mask")})
+    return await _images(state, request, body, {"text": body.prompt, "media": media},
+                         form_options(body.extra_options()))
+
+
+async def _image(state: ServerState, value, field: str) -> np.ndarray:
+    data = await media_bytes(value, field, state.media_policy)
+    return await run_in_threadpool(decode_image, data, state.media_policy)
+
+
+async def _images(state: ServerState, request: Request, body: ImageGenerationRequest,
+                  model_request: dict[str, Any], extra: dict[str, Any]) -> ImagesResponse:
+    """Run `body.n` requests (seed + i) for `model_request` and encode the first image of each;
+    `extra` are the model options beyond OpenAI's fields."""
     dims = body.dimensions()
     if dims is not None:
         extra["width"], extra["height"] = dims
@@ -122,8 +167,7 @@ async def image_generations(body: ImageGenerationRequest, request: Request) -> I
     try:
         for i in range(body.n):
             seed = None if body.seed is None else body.seed + i
-            streams.append(await start_request(state, {"text": body.prompt},
-                                               _media_options(state, extra, "image", seed)))
+            streams.append(await start_request(state, model_request, _media_options(state, extra, "image", seed)))
         data = []
         for stream in streams:
             image = await unless_disconnected(request, _first_image(stream), streams)

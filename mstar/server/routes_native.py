@@ -1,8 +1,15 @@
-"""Native routes: `POST /generate` (NDJSON stream or one JSON answer), /health, /ready, /metrics."""
+"""Native routes: `POST /generate` (JSON or multipart in; NDJSON stream or one JSON answer out), /health,
+/ready, /metrics.
+
+Multipart /generate: text fields `text`, `outputs` (repeated, comma-separated or a JSON list),
+`options` (a JSON object), `request_id`, `seed`, `stream`; media as file parts named `files` (or
+`file`, `media`), typed by their Content-Type (image/*, audio/*, video/*; else 415).
+"""
 
 from __future__ import annotations
 
 import base64
+import json
 from typing import Any
 
 import numpy as np
@@ -12,11 +19,23 @@ from starlette.concurrency import run_in_threadpool
 
 from mstar.server.adapters import Item, RequestError, RequestStream, start_request
 from mstar.server.app import error_json, get_state
+from mstar.server.forms import (
+    files_of,
+    inline_schema,
+    is_form,
+    json_or_form,
+    read_form,
+    text_fields,
+    upload_bytes,
+    upload_modality,
+    validate,
+)
 from mstar.server.media import decode_audio, decode_image, decode_video, encode_image, encode_video
 from mstar.server.protocol import (
     AudioChunk,
     ErrorChunk,
     FinalChunk,
+    GenerateForm,
     GenerateRequest,
     GenerateResponse,
     ImageChunk,
@@ -51,24 +70,15 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type=content_type)
 
 
-def build_request(state, body: GenerateRequest) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The processor request and the options of a /generate body (media decoded under the policy)."""
+def build_request(state, body: GenerateRequest, uploads: list[tuple[str, bytes]] = ()
+                  ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The processor request and the options of a /generate body (media decoded under the policy);
+    `uploads` are (modality, bytes) of multipart file parts, appended after the JSON media."""
     request: dict[str, Any] = {}
     if body.text is not None:
         request["text"] = body.text
-    media = []
-    for part in body.media:
-        if part.type == "image":
-            item = {"type": "image", "data": decode_image(part.data, state.media_policy)}
-        elif part.type == "audio":
-            audio = decode_audio(part.data, state.media_policy)
-            item = {"type": "audio", "data": audio.mono(), "sample_rate": audio.sample_rate}
-        else:
-            video = decode_video(part.data, state.media_policy)
-            item = {"type": "video", "data": video.frames, "fps": video.fps}
-        if part.name:
-            item["name"] = part.name
-        media.append(item)
+    media = [_decode(state, part.type, part.data, part.name) for part in body.media]
+    media += [_decode(state, kind, data, None) for kind, data in uploads]
     if media:
         request["media"] = media
     options = dict(body.options)
@@ -76,7 +86,69 @@ def build_request(state, body: GenerateRequest) -> tuple[dict[str, Any], dict[st
         options["seed"] = body.seed
     if "modalities" in state.runtime.model.default_options and "modalities" not in options:
         options["modalities"] = list(body.outputs)
+    if "report_progress" in state.runtime.model.default_options and "progress" in body.outputs:
+        options.setdefault("report_progress", True)
     return request, options
+
+
+def _decode(state, kind: str, data, name: str | None) -> dict[str, Any]:
+    if kind == "image":
+        item = {"type": "image", "data": decode_image(data, state.media_policy)}
+    elif kind == "audio":
+        audio = decode_audio(data, state.media_policy)
+        item = {"type": "audio", "data": audio.mono(), "sample_rate": audio.sample_rate}
+    else:
+        video = decode_video(data, state.media_policy)
+        item = {"type": "video", "data": video.frames, "fps": video.fps}
+    if name:
+        item["name"] = name
+    return item
+
+
+_FORM_FILES = ("files", "file", "media")
+_GENERATE_SCHEMA = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": inline_schema(GenerateRequest)},
+    "multipart/form-data": {"schema": {"type": "object", "properties": {
+        "text": {"type": "string"}, "files": {"type": "array", "items": {"type": "string", "format": "binary"}},
+        "outputs": {"type": "string"}, "options": {"type": "string"}, "request_id": {"type": "string"},
+        "seed": {"type": "integer"}, "stream": {"type": "boolean"}}}}}}}
+
+
+async def read_generate(request: Request, state) -> tuple[GenerateRequest, list[tuple[str, bytes]]]:
+    """The /generate body from JSON or multipart, and the uploaded files as (modality, bytes)."""
+    if not is_form(request):
+        body, _ = await json_or_form(request, GenerateRequest)
+        return body, []
+    form = await read_form(request)
+    fields = {k: v for k, v in form_fields_of(form).items() if k not in _FORM_FILES}
+    body = validate(GenerateForm, fields)
+    uploads = []
+    for upload in files_of(form, *_FORM_FILES):
+        kind = upload_modality(upload, "files")
+        uploads.append((kind, await upload_bytes(upload, "files", state.media_policy)))
+    if body.text is None and not uploads:
+        raise RequestError(400, "a request needs `text` or at least one file part (`files`)")
+    return body, uploads
+
+
+def form_fields_of(form) -> dict[str, Any]:
+    """Multipart text fields with `outputs` as a list and `options` as a dict (see the module doc)."""
+    fields = text_fields(form)
+    outputs = fields.get("outputs")
+    if isinstance(outputs, str):
+        outputs = outputs.strip()
+        fields["outputs"] = _json(outputs, "outputs") if outputs.startswith("[") else \
+            [o.strip() for o in outputs.split(",") if o.strip()]
+    if isinstance(fields.get("options"), str):
+        fields["options"] = _json(fields["options"], "options")
+    return fields
+
+
+def _json(text: str, field: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise RequestError(400, f"form field {field!r} is not valid JSON: {exc}", field) from None
 
 
 def to_chunk(item: Item, sample_rate: int, fps: float = VIDEO_FPS):
@@ -102,11 +174,12 @@ def _even(frames: np.ndarray) -> np.ndarray:
     return np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge") if pad_h or pad_w else frames
 
 
-@router.post("/generate", response_model=None)
-async def generate(body: GenerateRequest, request: Request) -> Response:
+@router.post("/generate", response_model=None, openapi_extra=_GENERATE_SCHEMA)
+async def generate(request: Request) -> Response:
     """Run the model on text and media; stream typed NDJSON chunks, or answer once with `stream: false`."""
     state = get_state(request)
-    req, options = await run_in_threadpool(build_request, state, body)
+    body, uploads = await read_generate(request, state)
+    req, options = await run_in_threadpool(build_request, state, body, uploads)
     stream = await start_request(state, req, options, rid=body.request_id)
     wanted = set(body.outputs)
     rate = state.runtime.processor.sample_rate

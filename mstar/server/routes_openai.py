@@ -9,9 +9,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 
 from mstar.server.adapters import RequestStream, merge, start_request
 from mstar.server.app import ServerState, get_state
+from mstar.server.chat_audio import chat_media, check_spoken, spoken_answers, spoken_sse
 from mstar.server.protocol import Usage
 from mstar.server.protocol_openai import (
     ChatChoice,
@@ -53,7 +55,9 @@ def _options(state: ServerState, params: SamplingParams, index: int) -> dict[str
     if params.seed is not None:
         opts["seed"] = params.seed + index
     if "modalities" in state.runtime.model.default_options:
-        opts["modalities"] = ["text"]
+        opts["modalities"] = params.output_modalities() if isinstance(params, ChatCompletionRequest) else ["text"]
+    if isinstance(params, ChatCompletionRequest) and params.audio is not None and params.audio.voice:
+        opts["voice"] = params.audio.voice
     return opts
 
 
@@ -84,16 +88,20 @@ async def _texts(streams: list[RequestStream]) -> list[str]:
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    """Chat: text out (streamed as SSE with `stream: true`)."""
+    """Chat: text out, or text and audio with `modalities: ["text", "audio"]` (see `chat_audio`);
+    streamed as SSE with `stream: true`."""
     state = get_state(request)
     state.check_model(body.model, "text", "/v1/chat/completions")
-    if "audio" in body.output_modalities():
-        from mstar.server.adapters import RequestError
-
-        raise RequestError(400, "audio output from chat is not supported yet; use /v1/audio/speech", "modalities")
+    spoken = check_spoken(state, body)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
-    streams = await _start_n(state, [{"messages": messages}] * body.n, body)
+    chat_request: dict[str, Any] = {"messages": messages}
+    media = await run_in_threadpool(chat_media, state, body)
+    if media:
+        chat_request["media"] = media
+    streams = await _start_n(state, [chat_request] * body.n, body)
     model = body.model or state.model_name
+    if spoken:
+        return await _spoken(request, body, streams, model, state.runtime.processor.sample_rate)
     if not body.stream:
         texts = await unless_disconnected(request, _texts(streams), streams)
         choices = [ChatChoice(index=i, message=ChatResponseMessage(content=t), finish_reason=s.finish_reason)
@@ -103,6 +111,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return ClosingStreamingResponse(guarded(lambda: _chat_sse(streams, model, include_usage), sse_error), streams,
                                     media_type="text/event-stream")
+
+
+async def _spoken(request: Request, body: ChatCompletionRequest, streams: list[RequestStream], model: str,
+                  rate: int) -> Response:
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return ClosingStreamingResponse(guarded(lambda: spoken_sse(streams, model, include_usage, rate, _usage),
+                                                sse_error), streams, media_type="text/event-stream")
+    fmt = body.audio.format if body.audio is not None else "wav"
+    answers = await unless_disconnected(request, spoken_answers(streams, fmt, rate), streams)
+    choices = [ChatChoice(index=i, message=ChatResponseMessage(audio=audio), finish_reason=s.finish_reason)
+               for i, ((_, audio), s) in enumerate(zip(answers, streams))]
+    resp = ChatCompletion(model=model, choices=choices, usage=_usage(streams))
+    return Response(resp.model_dump_json(), media_type="application/json")
 
 
 async def _chat_sse(streams: list[RequestStream], model: str, include_usage: bool):

@@ -23,8 +23,8 @@ def free_port() -> int:
 
 @contextmanager
 def running_server(config: dict, api_key: str | None = None, runtime_kwargs: dict | None = None, **app_kwargs):
-    """Yield the base URL of a live server; stop uvicorn and the runtime afterwards. `runtime_kwargs`
-    go to Runtime (e.g. tiny=True, as `mstar serve <model> --tiny`)."""
+    """Yield the base URL of a live server; stop uvicorn and the runtime afterwards.
+    `runtime_kwargs` go to `Runtime` (e.g. tiny=True)."""
     runtime = Runtime(config_from_dict(config), **(runtime_kwargs or {}))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(runtime, api_key=api_key, **app_kwargs), host="127.0.0.1",

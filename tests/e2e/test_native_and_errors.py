@@ -65,7 +65,7 @@ def test_local_path_as_generate_media_is_refused(base):
 
 
 def test_unknown_route_and_body_limit(base):
-    resp = httpx.post(f"{base}/v1/audio/transcriptions", json={})
+    resp = httpx.post(f"{base}/v1/no/such/route", json={})
     assert resp.status_code == 404 and resp.json()["error"]["message"]
     resp = httpx.post(f"{base}/generate", json={"text": "x" * 300_000})
     assert resp.status_code == 413 and "limit" in resp.json()["error"]["message"]

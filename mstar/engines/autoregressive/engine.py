@@ -19,6 +19,7 @@ from mstar.config import CudaGraphConfig
 from mstar.engines.autoregressive.runner import ModelRunner, make_attention_backend
 from mstar.engines.autoregressive.scheduler import Chunk, Scheduler
 from mstar.engines.autoregressive.sequence import Sequence
+from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs, parse_item
 from mstar.engines.base import CausalLM, StepItem, StepResult
 from mstar.engines.kv_cache.block_pool import BlockPool
 from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
@@ -57,7 +58,8 @@ class AutoregressiveEngine:
             logger.warning("kv_cache.cpu_offload_pages=%d is not implemented yet; ignored", kv_config.cpu_offload_pages)
         self.pool = BlockPool(num_pages, kv_config.page_size, enable_prefix_caching)
         attn = make_attention_backend(kv_config.attention_backend, model.kv_layout, num_pages,
-                                      kv_config.page_size, self.device)
+                                      kv_config.page_size, self.device, max_num_seqs=max_num_seqs,
+                                      max_pages_per_seq=-(-self.max_model_len // kv_config.page_size))
         self.scheduler = Scheduler(self.pool, max_num_seqs, max_batch_tokens)
         self.runner = ModelRunner(model, attn, kv_config.page_size, self.device, cuda_graphs, max_num_seqs)
         self._seqs: dict[tuple[str, str], Sequence] = {}
@@ -99,6 +101,7 @@ class AutoregressiveEngine:
         if ids is None or ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point():
             raise ValueError(f"item {item.node!r} needs inputs['input_ids'] as a non-empty 1-D integer tensor")
         tokens = ids.tolist()
+        extras = parse_item(item, len(tokens), self.runner.model)  # validated before the sequence changes
         key = (item.request_id, item.kv_slot)
         seq = self._seqs.get(key)
         if seq is None:
@@ -109,8 +112,16 @@ class AutoregressiveEngine:
             raise ValueError(f"request {key[0]!r} would exceed max_model_len={self.max_model_len}")
         else:
             seq.token_ids.extend(tokens)
+        if extras is not None:
+            self._add_extras(seq, len(tokens), extras)
         seq.item = item
         self.scheduler.add(seq)
+
+    def _add_extras(self, seq: Sequence, n: int, extras: ItemExtras) -> None:
+        """Keep the item's embeddings/positions/capture request with its n tokens (just appended)."""
+        if seq.inputs is None:
+            seq.inputs = TokenInputs()
+        seq.inputs.add(len(seq.token_ids) - n, n, extras)
 
     def _new_sequence(self, key: tuple[str, str], item: StepItem, tokens: list[int]) -> Sequence:
         params = SamplingParams.from_options(item.options, self.default_sampling)
@@ -139,7 +150,10 @@ class AutoregressiveEngine:
             seq.item = None
             seq.num_generated += 1
             reason = self._finish_reason(seq, token)
-            results.append(StepResult(item.request_id, item.walk, item.node, _outputs(out, i, seq.params),
+            outputs = _outputs(out, i, seq.params)
+            if seq.inputs is not None and (hidden := seq.inputs.take_hidden()) is not None:
+                outputs["hidden"] = hidden
+            results.append(StepResult(item.request_id, item.walk, item.node, outputs,
                                       stop=reason is not None, iteration=item.iteration, finish_reason=reason))
             if reason is not None:
                 self.scheduler.remove(self._seqs.pop(seq.key))

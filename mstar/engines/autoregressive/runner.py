@@ -19,17 +19,37 @@ from mstar.engines.cuda_graphs import BatchGraphs
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "sdpa")
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
 
 
 def make_attention_backend(name: str, layout: KVLayout, num_pages: int, page_size: int,
-                           device: torch.device) -> AttentionBackend:
-    """The attention backend called `name` (`kv_cache.attention_backend`), owning a fresh KV pool."""
+                           device: torch.device, max_num_seqs: int = 256,
+                           max_pages_per_seq: int | None = None) -> AttentionBackend:
+    """The attention backend called `name` (`kv_cache.attention_backend`), owning a fresh KV pool.
+
+    "auto" is "triton" on CUDA when triton imports, else "sdpa". `max_num_seqs` and
+    `max_pages_per_seq` (default: the whole pool) size the Triton backend's persistent buffers.
+    """
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown kv_cache.attention_backend {name!r}; available: {list(ATTENTION_BACKENDS)}")
+    if name == "auto":
+        name = "triton" if torch.device(device).type == "cuda" and _triton_importable() else "sdpa"
+    if name == "triton":
+        from mstar.engines.attention.triton_backend import TritonBackend
+
+        return TritonBackend(layout, num_pages, page_size, device, max_num_seqs=max_num_seqs,
+                             max_pages_per_seq=max_pages_per_seq)
     from mstar.engines.attention.sdpa import SDPABackend
 
     return SDPABackend(layout, num_pages, page_size, device)
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class ModelRunner:
@@ -65,6 +85,8 @@ class ModelRunner:
     def run(self, chunks: list[Chunk]) -> torch.Tensor | None:
         """One packed forward over all chunks; float32 logits [N, V] for the chunks that complete
         (None when none does)."""
+        if any(c.seq.inputs is not None for c in chunks):
+            return self._run_with_extras(chunks)
         if self.graphs is not None and len(chunks) <= self.graphs.max_batch and \
                 all(c.num_tokens == 1 and c.completes for c in chunks):
             return self._replay(chunks)
@@ -76,6 +98,23 @@ class ModelRunner:
             slots.extend(c.seq.pages[p // self.page_size] * self.page_size + p % self.page_size for p in pos)
         self.attn.prepare(self._metadata(chunks, slots))
         hidden = self.model.forward(self._tensor(input_ids), self._tensor(positions), self.attn)
+        ends = torch.cumsum(torch.tensor([c.num_tokens for c in chunks]), 0) - 1
+        last = [int(e) for c, e in zip(chunks, ends) if c.completes]
+        return self.model.compute_logits(hidden[self._tensor(last)]) if last else None
+
+    def _run_with_extras(self, chunks: list[Chunk]) -> torch.Tensor | None:
+        """`run` for batches where a sequence has input embeddings, explicit positions or hidden capture."""
+        from mstar.engines.autoregressive.token_inputs import collect_hidden, pack_extras
+
+        input_ids, slots = [], []
+        for c in chunks:
+            input_ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
+            slots.extend(c.seq.pages[p // self.page_size] * self.page_size + p % self.page_size
+                         for p in range(c.start, c.start + c.num_tokens))
+        positions, extras = pack_extras(chunks, self.device)
+        self.attn.prepare(self._metadata(chunks, slots))
+        hidden = self.model.forward(self._tensor(input_ids), positions, self.attn, extras)  # type: ignore[call-arg]
+        collect_hidden(chunks, extras)
         ends = torch.cumsum(torch.tensor([c.num_tokens for c in chunks]), 0) - 1
         last = [int(e) for c, e in zip(chunks, ends) if c.completes]
         return self.model.compute_logits(hidden[self._tensor(last)]) if last else None

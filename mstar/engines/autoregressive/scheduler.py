@@ -106,7 +106,7 @@ class Scheduler:
         for chunk in chunks:
             seq = chunk.seq
             seq.num_computed = chunk.start + chunk.num_tokens
-            full = seq.num_computed // self.pool.page_size
+            full = min(seq.num_computed, seq.num_shareable) // self.pool.page_size
             if full > seq.num_registered:
                 hashes = self._page_hashes(seq, full)
                 for i in range(seq.num_registered, full):
@@ -131,7 +131,8 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Give a waiting `seq` its cached prefix and pages for its first chunk; 0 if it does not fit."""
         # At least one token is computed, so that there are logits to sample from.
-        cached = self.pool.match_prefix(self._page_hashes(seq, (len(seq.token_ids) - 1) // self.pool.page_size))
+        limit = min(len(seq.token_ids) - 1, seq.num_matchable)
+        cached = self.pool.match_prefix(self._page_hashes(seq, limit // self.pool.page_size))
         seq.pages, seq.num_registered = cached, len(cached)
         seq.num_computed = len(cached) * self.pool.page_size
         n = min(seq.num_pending, budget)

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from mstar.engines.base import StepItem
 from mstar.engines.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from mstar.engines.autoregressive.token_inputs import TokenInputs
 
 
 class SeqStatus(Enum):
@@ -39,8 +43,19 @@ class Sequence:
     num_registered: int = 0  # leading pages already offered to the prefix cache
     num_generated: int = 0  # tokens sampled for this sequence
     item: StepItem | None = None  # the item waiting for a result
+    inputs: TokenInputs | None = None  # embeddings, explicit positions, hidden capture (token_inputs.py)
 
     @property
     def num_pending(self) -> int:
         """Tokens appended by the caller but not yet in the cache."""
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def num_shareable(self) -> int:
+        """Leading tokens whose K/V depend on their ids alone: only those go to the prefix cache."""
+        return len(self.token_ids) if self.inputs is None else min(len(self.token_ids), self.inputs.num_shareable)
+
+    @property
+    def num_matchable(self) -> int:
+        """Leading tokens that may be taken from the prefix cache instead of computed."""
+        return len(self.token_ids) if self.inputs is None else min(len(self.token_ids), self.inputs.num_matchable)

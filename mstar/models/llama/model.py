@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from mstar.engines.base import KVLayout
+from mstar.engines.extras import FINAL, ForwardExtras
 from mstar.layers.attention import AttentionSpec, SelfAttention
 from mstar.layers.mlp import GatedMLP
 from mstar.layers.norm import RMSNorm
@@ -65,6 +66,8 @@ class DecoderBody(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """A Llama/Qwen2/Qwen3 decoder: `forward` -> hidden [T, H], `compute_logits` -> float32 [N, V]."""
 
+    accepts_extras = True  # forward takes ForwardExtras (input embeddings, hidden capture)
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
@@ -79,13 +82,24 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
+                extras: ForwardExtras | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, H] (after the last norm)."""
         cos, sin = self.rotary(positions)  # shared by every layer
-        x, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, cos, sin, attn)
-        return self.model.norm.add_forward(x, residual)[0]
+        if extras is None:
+            x, residual = self.model.embed_tokens(input_ids), None
+            for layer in self.model.layers:
+                x, residual = layer(x, residual, cos, sin, attn)
+            return self.model.norm.add_forward(x, residual)[0]
+        x = extras.embed(self.model.embed_tokens, input_ids)
+        extras.keep(0, x)
+        for i, layer in enumerate(self.model.layers):
+            h, residual = layer(x, None, cos, sin, attn)
+            x = h + residual  # each layer's full output is kept, so the residual add is not fused
+            extras.keep(i + 1, x)
+        x = self.model.norm(x)
+        extras.keep(FINAL, x)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, vocab]."""

@@ -55,7 +55,8 @@ class Decoder(nn.Module):
 
 class Guide(nn.Module):
     """Guidance combine: uncond + g * (cond - uncond); argmax over printable bytes; stop on '.'-like
-    tokens (token % 11 == 0) unless the request turns `stop_early` off."""
+    tokens (token % 11 == 0) unless the request turns `stop_early` off. With the request option
+    `report_progress`, it also returns `progress`: tokens generated so far / max_tokens, in (0, 1]."""
 
     def __init__(self, cfg) -> None:
         super().__init__()
@@ -68,7 +69,11 @@ class Guide(nn.Module):
             lo, hi = PRINTABLE
             token = guided[lo:hi].argmax().view(1) + lo
             stop = bool(opts.get("stop_early", True)) and int(token) % 11 == 0
-            out.append({"token": token, "generated": token.clone(), "position": x["position"] + 1, "stop": stop})
+            result = {"token": token, "generated": token.clone(), "position": x["position"] + 1, "stop": stop}
+            if opts.get("report_progress"):
+                done = float(x["position"][0]) + 1  # position counts the tokens generated before this one
+                result["progress"] = torch.tensor([min(1.0, done / int(opts["max_tokens"]))], dtype=torch.float32)
+            out.append(result)
         return out
 
 

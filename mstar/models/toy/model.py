@@ -4,10 +4,14 @@ Lane `text`:  encode -> generate -> render
   encode    Sequential: the encoder turns prompt bytes into a context vector (carried on).
   generate  Loop (dynamic stop, bounded by the request's max_tokens) over
             Sequential(Parallel(cond decoder, uncond decoder), guide): guidance-style combine of
-            two branches; the token goes to the client and streams into lane `audio`.
+            two branches; the token goes to the client and streams into lane `audio`. With the
+            option `report_progress` the guide also emits `progress` (the progress convention of
+            `mstar/models/base.py`).
   render    the painter turns the carried tokens into an image and a video (frame stack).
 Lane `audio`: vocode — the vocoder reads the token stream through a sliding window and emits
 audio samples for the new tokens of each window.
+Inputs: text, and image / audio / video media, which the processor folds into the prompt as a few
+statistic bytes (see `processor.py`).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ def _graph(cfg: ToyConfig) -> ModelGraph:
     cond = Node("decoder", inputs=("token", "position", "context"), outputs={"scores": "cond_scores"}, name="cond")
     uncond = Node("decoder", inputs=("token", "position"), outputs={"scores": "uncond_scores"}, name="uncond")
     guide = Node("guide", inputs=("cond_scores", "uncond_scores", "position"),
-                 outputs=("token", "generated", "position"))
+                 outputs=("token", "generated", "position", "progress"))
     return ModelGraph(
         components={
             "encoder": ComponentSpec("stateless", "prompt bytes -> context vector"),
@@ -70,7 +74,8 @@ def _graph(cfg: ToyConfig) -> ModelGraph:
             Walk("generate", "text",
                  Loop(Sequential(Parallel(cond, uncond), guide), max_iterations="max_tokens", name="decode",
                       accumulate=("generated",)),
-                 inputs=("token", "position", "context"), emits=(Emit("token", name="text"), Emit("generated", CARRY))),
+                 inputs=("token", "position", "context"),
+                 emits=(Emit("token", name="text"), Emit("progress"), Emit("generated", CARRY))),
             Walk("render", "text", Node("painter", inputs=("generated",), outputs=("image", "video")),
                  inputs=("generated",), emits=(Emit("image"), Emit("video"))),
             Walk("vocode", "audio", Node("vocoder", inputs=("codes",), outputs={"audio": "audio"}),
@@ -85,12 +90,12 @@ def _graph(cfg: ToyConfig) -> ModelGraph:
 
 
 class ToyModel(Model):
-    """Text in; text, image, audio and video out."""
+    """Text, image, audio and video in; text, image, audio and video out."""
 
     name = "toy"
-    input_modalities = ("text",)
+    input_modalities = ("text", "image", "audio", "video")
     output_modalities = ("text", "image", "audio", "video")
-    default_options = {"max_tokens": 16, "guidance": 2.0, "stop_early": True,
+    default_options = {"max_tokens": 16, "guidance": 2.0, "stop_early": True, "report_progress": False,
                        "modalities": ["text", "image", "audio", "video"]}
 
     @classmethod

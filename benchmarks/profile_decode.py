@@ -1,0 +1,157 @@
+"""Where a decode step's time goes: host phases, graph replay on the GPU, and the GPU kernels by name.
+
+Same model as benchmarks/decode_step.py (Orpheus-3B shape, bf16, dummy weights). For each batch size:
+- host phases of `engine.step()` (schedule, prepare + graph launch, sample + the host sync, results),
+  averaged over --steps decode steps;
+- GPU time of one graph replay alone (CUDA events over 50 back-to-back replays);
+and, at batch 1, the top GPU kernels of one decode step under torch.profiler (eager forward, same kernels).
+
+    python3 benchmarks/profile_decode.py [--batch-sizes 1 16 64] [--out benchmarks/results/profile_decode_h200.json]
+
+Measures, asserts nothing. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.decode_step import ORPHEUS_3B, make_engine  # noqa: E402
+from mstar.engines.autoregressive import engine as engine_module  # noqa: E402
+from mstar.engines.base import StepItem  # noqa: E402
+from mstar.models.common.loading import fill_dummy_weights  # noqa: E402
+from mstar.models.llama.config import LlamaConfig  # noqa: E402
+from mstar.models.llama.model import build_model  # noqa: E402
+
+
+class PhaseTimer:
+    """Wraps callables to add their wall time to named totals."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = defaultdict(float)
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.totals[name] += time.perf_counter() - t0
+        return timed
+
+
+def host_phases(engine, bs: int, steps: int, vocab: int) -> dict:
+    options = {"temperature": 0.0, "ignore_eos": True, "max_tokens": steps + 8}
+    g = torch.Generator().manual_seed(bs)
+    for i in range(bs):
+        engine.submit(StepItem(f"p{bs}-{i}", "gen", "llm", {"input_ids": torch.randint(0, vocab, (64,), generator=g)},
+                               options))
+    results = []
+    while len(results) < bs:
+        results += engine.step()
+    timer = PhaseTimer()
+    sched, runner = engine.scheduler, engine.runner
+    saved = (sched.schedule, runner.run, engine_module.sample, engine._postprocess)
+    sched.schedule = timer.wrap("schedule", sched.schedule)
+    runner.run = timer.wrap("prepare_and_launch", runner.run)
+    engine_module.sample = timer.wrap("sample_launch", engine_module.sample)
+    engine._postprocess = timer.wrap("sample_sync_and_results", engine._postprocess)
+    total = 0.0
+    try:
+        for _ in range(steps):
+            for r in results:
+                engine.submit(StepItem(r.request_id, "gen", "llm", {"input_ids": r.outputs["token"]}, options))
+            t0 = time.perf_counter()
+            results = engine.step()
+            total += time.perf_counter() - t0
+    finally:
+        sched.schedule, runner.run, engine_module.sample, engine._postprocess = saved
+    for r in results:
+        engine.release(r.request_id)
+    phases = {k: round(1e3 * v / steps, 4) for k, v in timer.totals.items()}
+    phases["step_total"] = round(1e3 * total / steps, 4)
+    return phases
+
+
+def replay_ms(engine, bs: int) -> float:
+    graphs = engine.runner.graphs
+    bucket = graphs.bucket(bs)
+    captured = graphs._graphs[bucket]
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(5):
+        captured.graph.replay()
+    start.record()
+    for _ in range(50):
+        captured.graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 50
+
+
+def kernel_table(engine, model, top: int = 25) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = torch.zeros(1, dtype=torch.long, device="cuda")
+    pos = torch.full((1,), 100, dtype=torch.long, device="cuda")
+    with torch.inference_mode():
+        for _ in range(3):
+            model.compute_logits(model.forward(ids, pos, engine.runner.attn))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model.compute_logits(model.forward(ids, pos, engine.runner.attn))
+            torch.cuda.synchronize()
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name][0] += event.device_time
+            totals[event.name][1] += 1
+    rows = sorted(({"kernel": k[:90], "us": round(v[0], 1), "count": v[1]} for k, v in totals.items()),
+                  key=lambda r: -r["us"])
+    return [{"kernel": "ALL", "us": round(sum(r["us"] for r in rows), 1), "count": sum(r["count"] for r in rows)}] + \
+        rows[:top]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--out", default="benchmarks/results/profile_decode_h200.json")
+    args = parser.parse_args()
+    config = LlamaConfig.from_hf(ORPHEUS_3B)
+    model = build_model(config, torch.bfloat16, torch.device("cuda"))
+    fill_dummy_weights(model, seed=0)
+    engine = make_engine(model, torch.device("cuda"), max(args.batch_sizes), 64 + args.steps + 16, "auto", True)
+    rows = []
+    for bs in args.batch_sizes:
+        row = {"batch": bs, "host_ms": host_phases(engine, bs, args.steps, config.vocab_size),
+               "graph_replay_gpu_ms": round(replay_ms(engine, bs), 4)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    engine.runner.attn.prepare(_decode_meta(1))
+    kernels = kernel_table(engine, model)
+    for k in kernels:
+        print(json.dumps(k))
+    result = {"benchmark": "profile_decode", "command": "python3 " + " ".join(sys.argv),
+              "device": torch.cuda.get_device_name(), "rows": rows, "kernels_batch1_eager": kernels}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+def _decode_meta(bs: int):
+    from mstar.engines.attention.base import AttentionMetadata
+
+    return AttentionMetadata([1] * bs, [101] * bs, torch.full((bs,), -1, dtype=torch.long),
+                             torch.arange(7, dtype=torch.int32).repeat(bs, 1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Qwen3-Omni's code predictor: fills codebooks 1..G-1 of a speech frame from the talker's state.
+
+Per frame the talker gives its last hidden state and the frame's first code. The predictor runs a
+small dense transformer over [talker state, embedding of the first code] and then one token per
+residual codebook, each with its own embedding and head: a fixed loop of G-1 steps over a KV held
+in local tensors of static shape, so a whole batch of frames (of different requests) runs at once
+and `predict` can be captured in a CUDA graph per batch size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.layers.mlp import GatedMLP
+from mstar.layers.norm import RMSNorm
+from mstar.layers.rope import RopeSpec, RotaryEmbedding, apply_rotary
+from mstar.models.qwen3_omni.code_predictor_config import CodePredictorConfig
+from mstar.models.qwen3_omni.code_predictor_sampling import (
+    CodePredictorSampling,
+    SamplingTensors,
+    build_sampling_tensors,
+    sample_step,
+)
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [B, kv_heads, G, head_dim]
+
+
+class _Attention(nn.Module):
+    """GQA self-attention with qk-norm; writes its keys/values into the caller's static cache."""
+
+    def __init__(self, cfg: CodePredictorConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: tuple[torch.Tensor, torch.Tensor], start: int) -> torch.Tensor:
+        """x [B, T, hidden] at positions start..start+T-1 -> [B, T, hidden]."""
+        b, t, d = x.shape[0], x.shape[1], self.cfg.head_dim
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(self.q_norm(q.view(b, t, -1, d)), cos, sin)
+        k = apply_rotary(self.k_norm(k.view(b, t, -1, d)), cos, sin)
+        keys, values = cache
+        keys[:, :, start:start + t] = k.transpose(1, 2)
+        values[:, :, start:start + t] = v.view(b, t, -1, d).transpose(1, 2)
+        assert t == 1 or start == 0, "a multi-token step must start at position 0 (causal mask alignment)"
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys[:, :, :start + t], values[:, :, :start + t], is_causal=t > 1,
+            enable_gqa=self.cfg.num_heads != self.cfg.num_kv_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.q_size))
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: CodePredictorConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = _Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: tuple[torch.Tensor, torch.Tensor], start: int) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CodePredictor(nn.Module):
+    """The stateless `code_predictor` component.
+
+    Inputs per request: `talker_hidden` [hidden] (the talker's final, normed hidden state at the
+    position that produced the frame's first code), `first_code` [1] (that code, a talker codec id)
+    and optionally `frame_index` [] (needed only by seeded sampling). Outputs: `codes` [1, G] int64
+    (the frame's G codes, first code included: one item of the stream Code2Wav consumes) and
+    `codec_embed_sum` [hidden] (the sum of the frame's G code embeddings: the talker's next input
+    before it adds the thinker's text state).
+    """
+
+    def __init__(self, cfg: CodePredictorConfig, default_sampling: CodePredictorSampling | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.default_sampling = default_sampling or CodePredictorSampling()
+        self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.codec_embedding = nn.ModuleList(
+            nn.Embedding(cfg.vocab_size, cfg.hidden_size) for _ in range(cfg.num_residual)
+        )
+        self.lm_head = nn.ModuleList(
+            nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) for _ in range(cfg.num_residual)
+        )
+        # A copy of the talker's codec embedding: the predictor's second input is the first code's.
+        self.talker_codec_embedding = nn.Embedding(cfg.talker_vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(RopeSpec(head_dim=cfg.head_dim, theta=cfg.rope_theta))
+
+    def predict(self, talker_hidden: torch.Tensor, first_code: torch.Tensor, sampling: SamplingTensors
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """talker_hidden [B, hidden], first_code [B] -> (codes [B, G] int64, codec_embed_sum [B, hidden]).
+
+        Static shapes for a given B and no host syncs: safe to capture in a CUDA graph.
+        """
+        cfg, b = self.cfg, talker_hidden.shape[0]
+        dtype, device = self.norm.weight.dtype, self.norm.weight.device
+        cos, sin = self.rotary(torch.arange(cfg.num_code_groups, device=device))
+        cache: KVCache = [
+            (torch.zeros(b, cfg.num_kv_heads, cfg.num_code_groups, cfg.head_dim, dtype=dtype, device=device),
+             torch.zeros(b, cfg.num_kv_heads, cfg.num_code_groups, cfg.head_dim, dtype=dtype, device=device))
+            for _ in self.layers
+        ]
+        embed = self.talker_codec_embedding(first_code)
+        x = torch.stack([talker_hidden.to(dtype), embed], dim=1)
+        embed_sum, codes, start = embed, [first_code], 0
+        for step in range(cfg.num_residual):
+            t = x.shape[1]
+            for layer, layer_cache in zip(self.layers, cache):
+                x = layer(x, cos[start:start + t], sin[start:start + t], layer_cache, start)
+            logits = self.lm_head[step](self.norm(x[:, -1])).float()
+            code = sample_step(logits, sampling, step)
+            codes.append(code)
+            start += t
+            x = self.codec_embedding[step](code)[:, None]
+            embed_sum = embed_sum + x[:, 0]
+        return torch.stack(codes, dim=1), embed_sum
+
+    @torch.no_grad()
+    def run_batch(self, walk: str, node: str, inputs: Sequence[Mapping[str, torch.Tensor]],
+                  options: Sequence[Mapping[str, Any]]) -> list[dict[str, torch.Tensor]]:
+        """One frame per request, all in one `predict` call (the stateless engine's interface)."""
+        hidden, first = self._gather(inputs)
+        params = [CodePredictorSampling.from_options(o, self.default_sampling) for o in options]
+        frames = [int(x["frame_index"]) if "frame_index" in x else None for x in inputs]
+        sampling = build_sampling_tensors(params, frames, self.cfg.num_residual, self.cfg.vocab_size,
+                                          hidden.device)
+        codes, embed_sum = self.predict(hidden, first, sampling)
+        return [{"codes": codes[i:i + 1], "codec_embed_sum": embed_sum[i]} for i in range(len(inputs))]
+
+    def _gather(self, inputs: Sequence[Mapping[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        for x in inputs:
+            if x["talker_hidden"].numel() != self.cfg.hidden_size or x["first_code"].numel() != 1:
+                raise ValueError(
+                    f"code_predictor expects talker_hidden with {self.cfg.hidden_size} values and one first_code, "
+                    f"got shapes {tuple(x['talker_hidden'].shape)} and {tuple(x['first_code'].shape)}"
+                )
+        hidden = torch.stack([x["talker_hidden"].reshape(-1) for x in inputs])
+        first = torch.cat([x["first_code"].reshape(1) for x in inputs]).long()
+        return hidden, first

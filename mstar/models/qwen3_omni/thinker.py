@@ -1,0 +1,92 @@
+"""Qwen3-Omni's thinker text model as a `CausalLM` for the autoregressive engine.
+
+A Qwen3-MoE decoder with interleaved M-RoPE. Besides token ids it takes, through the engine's
+`ForwardExtras`: audio/image/video embeddings replacing the embedding rows of placeholder tokens,
+3-row positions from `positions.mrope_positions`, and the deepstack visual features
+(item input "deepstack_embeds" [m, num_deepstack, H], rows aligned with the input_embeds rows, zero
+for non-visual rows) added to the hidden states after each of the first `num_deepstack` layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mstar.engines.base import KVLayout
+from mstar.engines.extras import FINAL, ForwardExtras
+from mstar.layers.norm import RMSNorm
+from mstar.models.qwen3_omni.config import ThinkerConfig
+from mstar.models.qwen3_omni.decoder import MoEDecoderLayer, build_on_meta
+from mstar.models.qwen3_omni.mrope import MRotaryEmbedding
+
+DEEPSTACK = "deepstack_embeds"  # item input: deepstack visual features, [m, num_deepstack, H]
+
+
+class ThinkerBody(nn.Module):
+    """Embedding, decoder layers and final norm (the `thinker.model.` prefix of the checkpoint)."""
+
+    def __init__(self, config: ThinkerConfig) -> None:
+        super().__init__()
+        text = config.text
+        self.embed_tokens = nn.Embedding(text.vocab_size, text.hidden_size)
+        self.layers = nn.ModuleList(MoEDecoderLayer(text, i, text.is_sparse(i)) for i in range(text.num_layers))
+        self.norm = RMSNorm(text.hidden_size, text.rms_norm_eps)
+
+
+class Qwen3OmniThinker(nn.Module):
+    """`forward` -> final hidden [T, H]; `compute_logits` -> float32 [N, vocab]."""
+
+    accepts_extras = True
+    multirow_positions = True  # positions may be [3, T] (M-RoPE)
+    token_features = (DEEPSTACK,)
+
+    def __init__(self, config: ThinkerConfig) -> None:
+        super().__init__()
+        self.config = config
+        text = config.text
+        self.kv_layout = KVLayout(text.num_layers, text.num_kv_heads, text.head_dim, text.dtype)
+        self.model = ThinkerBody(config)
+        self.rotary = MRotaryEmbedding(text.rope)
+        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the output head when the config says so (idempotent)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
+                extras: ForwardExtras | None = None) -> torch.Tensor:
+        """input_ids [T], positions [T] or [3, T] -> final hidden states [T, H]."""
+        cos, sin = self.rotary(positions)
+        extras = extras or ForwardExtras()
+        x = extras.embed(self.model.embed_tokens, input_ids)
+        extras.keep(0, x)
+        deepstack = extras.features.get(DEEPSTACK)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, attn)
+            extras.keep(i + 1, x)  # before the deepstack addition, as the reference's hidden_states
+            if deepstack is not None and i < deepstack.shape[1]:
+                assert extras.embeds_rows is not None
+                x = x.index_add(0, extras.embeds_rows, deepstack[:, i].to(x.dtype))
+        x = self.model.norm(x)
+        extras.keep(FINAL, x)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> float32 logits [N, vocab]."""
+        return self.lm_head(hidden).float()
+
+
+def build_thinker(config: ThinkerConfig, dtype: torch.dtype | None = None,
+                  device: str | torch.device = "cpu") -> Qwen3OmniThinker:
+    """A thinker in `dtype` (the config's by default) on `device` with UNINITIALISED weights; load next."""
+    dtype = dtype or config.text.dtype
+    model = build_on_meta(lambda: Qwen3OmniThinker(config), dtype, device)
+    assert isinstance(model, Qwen3OmniThinker)
+    model.tie_weights()
+    t = config.text
+    model.kv_layout = KVLayout(t.num_layers, t.num_kv_heads, t.head_dim, dtype)
+    return model

@@ -1,0 +1,146 @@
+"""Checkpoint names of Qwen3-Omni's thinker text model and talker backbone -> our modules.
+
+The Hub checkpoint stores one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, ...) under
+`thinker.` / `talker.` prefixes; transformers 5 may also hold them stacked (`mlp.experts.gate_up_proj`).
+Both load into our stacked experts; q/k/v and gate/up land in the fused projections. Encoders, the
+code predictor and Code2Wav have their own loaders and are skipped here.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mstar.models.common import loading
+from mstar.models.qwen3_omni.config import MoETextConfig, OmniConfig
+from mstar.models.qwen3_omni.talker import Qwen3OmniTalker, build_talker
+from mstar.models.qwen3_omni.thinker import Qwen3OmniThinker, build_thinker
+
+logger = logging.getLogger(__name__)
+
+Index = tuple[int | slice, ...]
+Mapper = Callable[[str], "tuple[str, Index] | None"]  # checkpoint name -> (parameter, index into it), None: skip
+
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_THINKER_SKIP = ("audio_tower.", "visual.")
+_TALKER_SKIP = ("code_predictor.",)
+
+
+def _decoder_mapper(text: MoETextConfig) -> Callable[[str], tuple[str, Index]]:
+    """Names inside one decoder (thinker or talker), prefix already stripped."""
+    q, kv, i_moe = text.num_heads * text.head_dim, text.num_kv_heads * text.head_dim, text.moe_intermediate_size
+    dense = {"gate": (0, text.intermediate_size), "up": (text.intermediate_size, 2 * text.intermediate_size)}
+    shared = {"gate": (0, text.shared_expert_intermediate_size),
+              "up": (text.shared_expert_intermediate_size, 2 * text.shared_expert_intermediate_size)}
+    attn = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+
+    def mapper(name: str) -> tuple[str, Index]:
+        if m := _EXPERT.search(name):
+            e, which = int(m.group(1)), m.group(2)
+            base = name[: m.start()] + ".mlp.experts."
+            if which == "down":
+                return base + "down_proj", (e,)
+            lo = 0 if which == "gate" else i_moe
+            return base + "gate_up_proj", (e, slice(lo, lo + i_moe))
+        for part, (lo, hi) in attn.items():
+            if f".self_attn.{part}." in name:
+                return name.replace(part, "qkv_proj"), (slice(lo, hi),)
+        for owner, table in ((".mlp.shared_expert.", shared), (".mlp.", dense)):
+            for which, (lo, hi) in table.items():
+                if f"{owner}{which}_proj." in name:
+                    return name.replace(f"{owner}{which}_proj.", f"{owner}gate_up_proj."), (slice(lo, hi),)
+        return name, ()
+
+    return mapper
+
+
+def thinker_mapper(model: Qwen3OmniThinker) -> Mapper:
+    """Maps `thinker.model.*` / `thinker.lm_head.*` (or the same without `thinker.`) to the thinker."""
+    inner = _decoder_mapper(model.config.text)
+
+    def mapper(name: str) -> tuple[str, Index] | None:
+        if name.startswith(("talker.", "code2wav.")):
+            return None
+        name = name.removeprefix("thinker.")
+        if name.startswith(_THINKER_SKIP) or name.endswith("rotary_emb.inv_freq"):
+            return None
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            return None
+        return inner(name)
+
+    return mapper
+
+
+def talker_mapper(model: Qwen3OmniTalker) -> Mapper:
+    """Maps `talker.*` (code predictor excluded) to the talker backbone."""
+    inner = _decoder_mapper(model.config.text)
+
+    def mapper(name: str) -> tuple[str, Index] | None:
+        if not name.startswith("talker.") or name.startswith("talker.code_predictor."):
+            return None
+        return inner(name.removeprefix("talker."))
+
+    return mapper
+
+
+def load_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], mapper: Mapper) -> None:
+    """Copy checkpoint tensors into `model` (cast, moved); ValueError on unexpected names, shape
+    mismatches or parameters left (partly) unfilled."""
+    params = dict(model.named_parameters())
+    filled = dict.fromkeys(params, 0)
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            target = mapper(name)
+            if target is None:
+                continue
+            pname, index = target
+            if pname not in params:
+                unexpected.append(name)
+                continue
+            dst = params[pname].data[index] if index else params[pname].data
+            if dst.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)} but {pname}{list(index)} "
+                                 f"expects {tuple(dst.shape)}: config.json does not match the weights")
+            dst.copy_(tensor)
+            filled[pname] += tensor.numel()
+    missing = [n for n, p in params.items() if filled[n] != p.numel()]
+    if unexpected or missing:
+        raise ValueError(f"checkpoint does not match the model: unexpected tensors {unexpected[:10]}; parameters "
+                         f"not (fully) loaded {missing[:10]}. Check that the checkpoint is Qwen3-Omni.")
+
+
+def load_thinker(path: str | Path, load_format: str = "auto", dtype: torch.dtype | None = None,
+                 device: str | torch.device = "cpu", progress: bool = True) -> Qwen3OmniThinker:
+    """The thinker text model of a checkpoint folder or Hub id (`load_format="dummy"`: random weights)."""
+    root = loading.resolve_checkpoint(path)
+    model = build_thinker(OmniConfig.from_path(root).thinker, dtype, device)
+    _fill(model, root, load_format, thinker_mapper(model), progress)
+    return model
+
+
+def load_talker(path: str | Path, load_format: str = "auto", dtype: torch.dtype | None = None,
+                device: str | torch.device = "cpu", progress: bool = True) -> Qwen3OmniTalker:
+    """The talker backbone (with its projections and codec head) of a checkpoint folder or Hub id."""
+    root = loading.resolve_checkpoint(path)
+    config = OmniConfig.from_path(root)
+    if config.talker is None:
+        raise ValueError(f"{root} has no talker (enable_audio_output is false); it cannot produce speech")
+    model = build_talker(config.talker, dtype, device)
+    _fill(model, root, load_format, talker_mapper(model), progress)
+    return model
+
+
+def _fill(model: nn.Module, root: Path, load_format: str, mapper: Mapper, progress: bool) -> None:
+    if load_format not in loading.LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; choose one of {loading.LOAD_FORMATS}")
+    if load_format == "dummy":
+        loading.fill_dummy_weights(model)
+    else:
+        load_tensors(model, loading.iter_checkpoint_tensors(root, progress=progress), mapper)
+    logger.info("loaded %s (%s) from %s", type(model).__name__, load_format, root)

@@ -1,0 +1,117 @@
+"""Spoken chat answers: `modalities: ["text", "audio"]` with `audio: {voice, format}`.
+
+Following OpenAI, the text of a spoken answer is its transcript: a non-streaming answer has
+`message.audio = {id, data, transcript, expires_at}` (data: base64 audio in the requested format)
+and no `content`; a stream sends `delta.audio.transcript` text pieces and `delta.audio.data` pieces
+(base64 s16le PCM, mono, whatever `format` says, as OpenAI streams pcm16), plus `sample_rate`, an
+mstar extension: the model's rate, not resampled to OpenAI's 24 kHz.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+
+import numpy as np
+from starlette.concurrency import run_in_threadpool
+
+from mstar.server.adapters import RequestError, RequestStream, merge
+from mstar.server.media import encode_audio, pcm_s16le
+from mstar.server.protocol_openai import (
+    ChatChunkChoice,
+    ChatCompletionAudio,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    DeltaAudio,
+    new_id,
+)
+from mstar.server.streaming import SSE_DONE, sse
+
+AUDIO_TTL_S = 3600  # `expires_at`: the server keeps nothing, so this is only what clients may assume
+
+
+def check_spoken(state, body: ChatCompletionRequest) -> bool:
+    """True when the request asks for audio; 400 when the model cannot speak."""
+    if "audio" not in body.output_modalities():
+        return False
+    outputs = state.runtime.model.output_modalities
+    if "audio" not in outputs:
+        raise RequestError(400, f"model {state.model_name!r} produces {', '.join(outputs)}, not audio; "
+                                "remove 'audio' from modalities", "modalities")
+    return True
+
+
+async def spoken_answers(streams: list[RequestStream], fmt: str, rate: int) -> list[tuple[str, ChatCompletionAudio]]:
+    """Each stream's transcript and its audio encoded as `fmt` (wav, mp3, flac, opus, aac, pcm16)."""
+    texts: list[str] = ["" for _ in streams]
+    pieces: list[list[np.ndarray]] = [[] for _ in streams]
+    async for index, item in merge(streams):
+        if item.name == "text":
+            texts[index] += item.value
+        elif item.name == "audio":
+            pieces[index].append(np.asarray(item.value, dtype=np.float32).reshape(-1))
+    out = []
+    for text, parts in zip(texts, pieces):
+        samples = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        if samples.size == 0:
+            raise RequestError(500, "the model produced no audio for this chat answer")
+        data = await run_in_threadpool(encode_audio, samples, rate, "pcm" if fmt == "pcm16" else fmt)
+        audio = ChatCompletionAudio(data=base64.b64encode(data).decode(), transcript=text,
+                                    expires_at=int(time.time()) + AUDIO_TTL_S)
+        out.append((text, audio))
+    return out
+
+
+async def spoken_sse(streams: list[RequestStream], model: str, include_usage: bool, rate: int, usage):
+    """The SSE events of a streamed spoken answer (see the module doc); `usage` is a callable."""
+    cid = new_id("chatcmpl")
+    audio_ids = [new_id("audio") for _ in streams]
+
+    def chunk(index: int, delta: ChatDelta, finish: str | None = None) -> bytes:
+        return sse(ChatCompletionChunk(id=cid, model=model,
+                                       choices=[ChatChunkChoice(index=index, delta=delta, finish_reason=finish)]))
+
+    for i in range(len(streams)):
+        yield chunk(i, ChatDelta(role="assistant"))
+    async for index, item in merge(streams):
+        if item.name == "text" and item.value:
+            yield chunk(index, ChatDelta(audio=DeltaAudio(id=audio_ids[index], transcript=item.value)))
+        elif item.name == "audio":
+            pcm = pcm_s16le(np.asarray(item.value, dtype=np.float32).reshape(-1))
+            yield chunk(index, ChatDelta(audio=DeltaAudio(id=audio_ids[index], data=base64.b64encode(pcm).decode(),
+                                                          sample_rate=rate)))
+    expires = int(time.time()) + AUDIO_TTL_S
+    for i, stream in enumerate(streams):
+        yield chunk(i, ChatDelta(audio=DeltaAudio(id=audio_ids[i], expires_at=expires)),
+                    stream.finish_reason or "stop")
+    if include_usage:
+        yield sse(ChatCompletionChunk(id=cid, model=model, choices=[], usage=usage(streams)))
+    yield SSE_DONE
+
+
+def chat_media(state, body: ChatCompletionRequest) -> list[dict]:
+    """The media parts of every message, decoded under the server's media policy, in order (the
+    processor request's "media"). Blocking: call from a thread."""
+    from mstar.server.media import DecodedAudio, decode_audio, decode_image, decode_video, load_media_bytes
+    from mstar.server.protocol_openai import AudioURLPart, ImageURLPart, InputAudioPart
+
+    policy, media = state.media_policy, []
+    for message in body.messages:
+        for part in message.media_parts():
+            if isinstance(part, ImageURLPart):
+                media.append({"type": "image", "data": decode_image(part.image_url.url, policy)})
+                continue
+            if isinstance(part, InputAudioPart | AudioURLPart):
+                if isinstance(part, InputAudioPart) and part.input_audio.format == "pcm16":  # raw s16le, 24 kHz
+                    raw = load_media_bytes(part.input_audio.data, policy)
+                    pcm = np.frombuffer(raw[: len(raw) // 2 * 2], "<i2").astype(np.float32) / 32768.0
+                    audio = DecodedAudio(pcm[:, None], 24000)
+                else:
+                    audio = decode_audio(part.input_audio.data if isinstance(part, InputAudioPart)
+                                         else part.audio_url.url, policy)
+                media.append({"type": "audio", "data": audio.mono(), "sample_rate": audio.sample_rate})
+                continue
+            video = decode_video(part.video_url.url, policy)
+            media.append({"type": "video", "data": video.frames, "fps": video.fps})
+    return media

@@ -1,0 +1,127 @@
+"""The OpenAI videos resource: `POST /v1/videos` creates a job, `GET /v1/videos/{id}` reports its
+status and progress, `GET /v1/videos/{id}/content` returns the MP4, `GET /v1/videos` lists jobs and
+`DELETE /v1/videos/{id}` removes one (cancelling it when it still runs). Jobs live in a bounded
+in-memory store (`video_jobs.py`), one per app."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from mstar.server.adapters import RequestError, start_request
+from mstar.server.app import ServerState, get_state
+from mstar.server.forms import files_of, form_options, json_or_form, media_bytes
+from mstar.server.media import decode_image
+from mstar.server.protocol_openai_media import VideoCreateRequest, VideoDeleted, VideoJob, VideoList
+from mstar.server.video_jobs import VideoJobStore, VideoRecord, run_job
+
+router = APIRouter()
+DEFAULT_FPS = 8.0  # for models that do not say (the option `fps` overrides it)
+POLL_AFTER_MS = "250"  # the openai client's poll helper waits this long between retrieves
+
+_CREATE_SCHEMA = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": VideoCreateRequest.model_json_schema()},
+    "multipart/form-data": {"schema": {"type": "object", "required": ["prompt"], "properties": {
+        "prompt": {"type": "string"}, "model": {"type": "string"}, "seconds": {"type": "string"},
+        "size": {"type": "string"}, "input_reference": {"type": "string", "format": "binary"}}}}}}}
+
+
+def job_store(request: Request) -> VideoJobStore:
+    """The app's job store, made on first use."""
+    store = getattr(request.app.state, "mstar_video_jobs", None)
+    if store is None:
+        store = request.app.state.mstar_video_jobs = VideoJobStore()
+    return store
+
+
+def _job_response(job: VideoJob) -> JSONResponse:
+    return JSONResponse(job.model_dump(), headers={"openai-poll-after-ms": POLL_AFTER_MS})
+
+
+@router.post("/v1/videos", openapi_extra=_CREATE_SCHEMA, response_model=VideoJob)
+async def create_video(request: Request) -> JSONResponse:
+    """Start a video job (JSON or multipart; `input_reference` as a file part, data URL or base64)."""
+    state = get_state(request)
+    body, form = await json_or_form(request, VideoCreateRequest, file_fields=("input_reference",))
+    state.check_model(body.model, "video", "/v1/videos")
+    reference = (files_of(form, "input_reference") if form is not None else []) or [body.input_reference]
+    model_request: dict[str, Any] = {"text": body.prompt}
+    if reference[0] is not None:
+        model_request["media"] = [{"type": "image", "name": "input_reference",
+                                   "data": await _reference_image(state, reference[0])}]
+    store = job_store(request)
+    store.make_room()  # refuse before starting work that could not be kept
+    opts = _options(state, body)
+    stream = await start_request(state, model_request, opts)
+    job = VideoJob(model=state.model_name, prompt=body.prompt, seconds=body.seconds_text(), size=body.size)
+    record = VideoRecord(job, fps=float(opts.get("fps") or DEFAULT_FPS),
+                         sample_rate=state.runtime.processor.sample_rate)
+    store.add(record)
+    record.task = asyncio.create_task(run_job(record, stream), name=f"video-job-{job.id}")
+    return _job_response(job)
+
+
+async def _reference_image(state: ServerState, value) -> Any:
+    if "image" not in state.runtime.model.input_modalities:
+        raise RequestError(400, f"model {state.model_name!r} takes no image input; leave input_reference out",
+                           "input_reference")
+    data = await media_bytes(value, "input_reference", state.media_policy)
+    return await run_in_threadpool(decode_image, data, state.media_policy)
+
+
+def _options(state: ServerState, body: VideoCreateRequest) -> dict[str, Any]:
+    opts = form_options(body.extra_options())
+    dims = body.dimensions()
+    if dims is not None:
+        opts["width"], opts["height"] = dims
+    for name in ("seconds", "seed", "fps", "num_frames", "negative_prompt", "num_inference_steps", "guidance_scale"):
+        if getattr(body, name) is not None:
+            opts[name] = getattr(body, name)
+    defaults = state.runtime.model.default_options
+    if "modalities" in defaults:  # sound is muxed into the MP4 when the model can make it
+        opts["modalities"] = ["video"] + (["audio"] if "audio" in state.runtime.model.output_modalities else [])
+    if "report_progress" in defaults:
+        opts["report_progress"] = True
+    return opts
+
+
+@router.get("/v1/videos/{video_id}", response_model=VideoJob)
+async def retrieve_video(video_id: str, request: Request) -> JSONResponse:
+    """The job's status, progress (0-100) and, when it failed, its error."""
+    return _job_response(job_store(request).get(video_id).job)
+
+
+@router.get("/v1/videos/{video_id}/content", response_model=None)
+async def video_content(video_id: str, request: Request,
+                        variant: Literal["video", "thumbnail"] = Query("video")) -> Response:
+    """The MP4 (H.264, AAC when the model made sound), or a PNG of the first frame (`thumbnail`)."""
+    record = job_store(request).get(video_id)
+    if record.job.status == "failed":
+        raise RequestError(409, f"video job {video_id!r} failed: {record.job.error.message if record.job.error else ''}")
+    if record.mp4 is None:
+        raise RequestError(409, f"video job {video_id!r} is {record.job.status} ({record.job.progress}%); "
+                                f"poll GET /v1/videos/{video_id} until its status is completed")
+    if variant == "thumbnail":
+        return Response(record.thumbnail_png, media_type="image/png")
+    return Response(record.mp4, media_type="video/mp4")
+
+
+@router.get("/v1/videos", response_model=VideoList)
+async def list_videos(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100),
+                      order: Literal["asc", "desc"] = "desc") -> VideoList:
+    """Jobs this server still keeps, newest first by default."""
+    records, has_more = job_store(request).page(after, limit, order)
+    jobs = [r.job for r in records]
+    return VideoList(data=jobs, has_more=has_more, first_id=jobs[0].id if jobs else None,
+                     last_id=jobs[-1].id if jobs else None)
+
+
+@router.delete("/v1/videos/{video_id}", response_model=VideoDeleted)
+async def delete_video(video_id: str, request: Request) -> VideoDeleted:
+    """Forget a job and its files; a running job is cancelled, its model request too."""
+    job_store(request).delete(video_id)
+    return VideoDeleted(id=video_id)

@@ -1,0 +1,87 @@
+"""Triton paged-attention kernels (interpreted on CPU) against SDPABackend on random paged batches.
+
+Triton reads TRITON_INTERPRET when kernels are decorated, so the kernels run in one subprocess
+(tests/unit/paged_attention_cases.py) that reports the errors of every case; this process never
+imports them.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mstar.engines.attention.base import AttentionMetadata
+from mstar.engines.attention.sdpa import SDPABackend
+from mstar.engines.autoregressive.runner import make_attention_backend
+from mstar.engines.base import KVLayout
+
+pytest.importorskip("triton")
+
+HERE = Path(__file__).parent
+CASES = ["mixed_gqa4_causal", "mixed_mha_causal", "non_causal", "sliding_window", "decode_one_split",
+         "decode_splits", "decode_window_splits", "decode_padded", "decode_padded_one_split", "mixed_fp16"]
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(HERE.parents[1])}
+    proc = subprocess.run([sys.executable, str(HERE / "paged_attention_cases.py"), *CASES],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_matches_sdpa(results: dict, name: str) -> None:
+    r = results[name]
+    assert "error" not in r, r.get("error")
+    tol = 5e-3 if "fp16" in name else 2e-5
+    assert r["out"] <= tol * max(1.0, r["ref_scale"]), r
+    assert r["k_cache"] == 0 and r["v_cache"] == 0, r  # same slots written, padding rows skipped
+    assert r["pad_rows"] == 0, r
+
+
+def _backend(monkeypatch, **kw):
+    from mstar.engines.attention.triton_backend import TritonBackend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets the backend be built on CPU; kernels stay unloaded
+    return TritonBackend(KVLayout(1, 2, 8, torch.float32), num_pages=16, page_size=4, device="cpu", **kw)
+
+
+def _meta(query_lens, seq_lens, width=4):
+    tables = torch.arange(len(seq_lens) * width, dtype=torch.int32).view(-1, width) % 16
+    return AttentionMetadata(query_lens, seq_lens, torch.arange(sum(query_lens)), tables)
+
+
+def test_prepare_pads_decode_rows(monkeypatch) -> None:
+    b = _backend(monkeypatch, max_num_seqs=8, max_pages_per_seq=4)
+    b.prepare(_meta([1, 1, 1], [5, 9, 13]), pad_to=6)
+    assert b.is_decode and b.num_rows == 6
+    assert b.seq_lens[:6].tolist() == [5, 9, 13, 0, 0, 0]
+    assert b.slot_mapping[:6].tolist() == [0, 1, 2, -1, -1, -1]
+    b.prepare(_meta([3, 1], [7, 2]))
+    assert not b.is_decode and b.q_starts[:3].tolist() == [0, 3, 4] and b.seq_lens[:2].tolist() == [7, 2]
+
+
+def test_prepare_rejects_bad_batches(monkeypatch) -> None:
+    b = _backend(monkeypatch, max_num_seqs=4, max_pages_per_seq=4)
+    with pytest.raises(ValueError, match="decode-only"):
+        b.prepare(_meta([2, 1], [5, 9]), pad_to=4)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        b.prepare(_meta([1, 1], [5, 9]), pad_to=8)
+    with pytest.raises(ValueError, match="max_pages_per_seq"):
+        b.prepare(_meta([1], [17], width=5))
+
+
+def test_backend_names_on_cpu(monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    layout = KVLayout(1, 2, 8, torch.float32)
+    assert isinstance(make_attention_backend("auto", layout, 8, 4, torch.device("cpu")), SDPABackend)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        make_attention_backend("triton", layout, 8, 4, torch.device("cpu"))
+    with pytest.raises(ValueError, match="available"):
+        make_attention_backend("flash", layout, 8, 4, torch.device("cpu"))
