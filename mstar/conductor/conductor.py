@@ -202,7 +202,8 @@ class Conductor:
         else the least-loaded live replica."""
         routes = {}
         for node in iter_nodes(walk.body):
-            candidates = [r for r in self.plan.replicas(node.component, walk.name) if not self._dead.keys() & set(r)]
+            replicas = self.plan.node_replicas(node.component, node.name, walk.name)
+            candidates = [r for r in replicas if not self._dead.keys() & set(r)]
             if not candidates:
                 raise AdmissionError(
                     f"no live worker runs component {node.component!r} for walk {walk.name!r} "

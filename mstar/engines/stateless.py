@@ -5,6 +5,15 @@ Used by encoders, codecs, denoising steps and the toy model. A component impleme
     run_batch(walk, node, inputs: list[dict[port, Tensor]], options: list[dict]) -> list[dict[port, Tensor]]
 
 and may return a "stop" entry (bool) in an item's outputs to end its enclosing loop.
+
+Optional abilities a component may add (duck-typed, each separate):
+- `batch_key(item: StepItem) -> Hashable`: which pending items may share one call (default:
+  same walk and node). A DiT uses it to batch the guidance branches and requests whose latent
+  shapes match, whatever node or loop iteration each item belongs to.
+- `run_items(items: list[StepItem]) -> list[dict]`: called instead of `run_batch`, for components
+  that need the request ids or node names of a mixed batch (per-request state).
+- `release(request_id)`: drop any per-request state the component keeps; called when the engine
+  releases the request (finished, failed or cancelled).
 """
 
 from __future__ import annotations
@@ -36,6 +45,9 @@ class StatelessEngine:
 
     def release(self, request_id: str) -> None:
         self._pending = deque(i for i in self._pending if i.request_id != request_id)
+        release = getattr(self.module, "release", None)
+        if release is not None:
+            release(request_id)
 
     def step(self) -> list[StepResult]:
         batch = self._take_batch()
@@ -53,19 +65,27 @@ class StatelessEngine:
     def _take_batch(self) -> list[StepItem]:
         if not self._pending:
             return []
-        key = (self._pending[0].walk, self._pending[0].node)
+        key = self._key(self._pending[0])
         batch, rest = [], deque()
         for item in self._pending:
-            if (item.walk, item.node) == key and len(batch) < self.max_batch_size:
+            if len(batch) < self.max_batch_size and self._key(item) == key:
                 batch.append(item)
             else:
                 rest.append(item)
         self._pending = rest
         return batch
 
+    def _key(self, item: StepItem) -> Any:
+        batch_key = getattr(self.module, "batch_key", None)
+        return batch_key(item) if batch_key is not None else (item.walk, item.node)
+
     def _run(self, batch: list[StepItem]) -> list[StepResult]:
         head = batch[0]
-        outputs = self.module.run_batch(head.walk, head.node, [i.inputs for i in batch], [i.options for i in batch])
+        if hasattr(self.module, "run_items"):
+            outputs = self.module.run_items(batch)
+        else:
+            outputs = self.module.run_batch(head.walk, head.node, [i.inputs for i in batch],
+                                            [i.options for i in batch])
         if len(outputs) != len(batch):
             raise RuntimeError(f"{head.node}.run_batch returned {len(outputs)} results for {len(batch)} items")
         results = []

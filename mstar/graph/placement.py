@@ -2,12 +2,17 @@
 
 Input groups are duck-typed (`node_names`, `graph_walks`, `replicas()`) so this module stays free
 of the config package; errors name the group and the source file.
+
+`node_names` entries are component names (every node of the component, in the group's walks) or,
+when no component has that name, node names: a node entry places that one node and wins over its
+component's entries. Guidance branches use this: the DiT's `cond` node on one rank, `uncond` on
+another, with the graph unchanged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mstar.graph.spec import ModelGraph, iter_nodes
@@ -22,17 +27,24 @@ class PlacementError(GraphError):
 
 @dataclass(frozen=True)
 class PlacementPlan:
-    """(component, walk) -> replicas, plus which ranks build which components."""
+    """(component, walk) -> replicas, node-level overrides, and which ranks build which components."""
 
     table: dict[tuple[str, str], tuple[Replica, ...]]
     num_workers: int
+    nodes: dict[tuple[str, str], tuple[Replica, ...]] = field(default_factory=dict)  # (node, walk) overrides
+    node_components: dict[tuple[str, str], str] = field(default_factory=dict)  # (node, walk) -> its component
 
     def replicas(self, component: str, walk: str) -> tuple[Replica, ...]:
         return self.table[(component, walk)]
 
+    def node_replicas(self, component: str, node: str, walk: str) -> tuple[Replica, ...]:
+        """Replicas that may run `node` (of `component`) in `walk`: its own placement, else its component's."""
+        return self.nodes.get((node, walk)) or self.table[(component, walk)]
+
     def components_on(self, rank: int) -> list[str]:
         """Components a worker of this rank must build."""
         names = {c for (c, _), reps in self.table.items() for rep in reps if rank in rep}
+        names |= {self.node_components[key] for key, reps in self.nodes.items() for rep in reps if rank in rep}
         return sorted(names)
 
 
@@ -41,30 +53,41 @@ def plan_placement(
 ) -> PlacementPlan:
     """Check the groups against the graph and build the plan; no groups puts everything on rank 0."""
     walks = {w.name: w for w in graph.walks}
+    node_components = {(n.name, w.name): n.component for w in graph.walks for n in iter_nodes(w.body)}
+    node_names = {node for node, _ in node_components}
     table: dict[tuple[str, str], list[Replica]] = {}
+    nodes: dict[tuple[str, str], list[Replica]] = {}
     for i, group in enumerate(groups):
         where = f"{source}: node_groups[{i}]"
-        _check_group(group, graph, walks, where, max_ranks)
+        _check_group(group, graph, walks, node_names, where, max_ranks)
         for walk in group.graph_walks or walks:
-            for component in group.node_names:
-                table.setdefault((component, walk), []).extend(group.replicas())
-    needed = {(n.component, w.name) for w in graph.walks for n in iter_nodes(w.body)}
+            for name in group.node_names:
+                target = table if name in graph.components else nodes
+                target.setdefault((name, walk), []).extend(group.replicas())
+    used = {(n.name, n.component, w.name) for w in graph.walks for n in iter_nodes(w.body)}
+    needed = {(component, walk) for _, component, walk in used}
     if not groups:
         table = {key: [(0,)] for key in needed}
-    for component, walk in sorted(needed):
-        if (component, walk) not in table:
+    for node, component, walk in sorted(used):
+        if (component, walk) not in table and (node, walk) not in nodes:
             raise PlacementError(
                 f"{source}: component {component!r} (used by walk {walk!r}) is placed in no node group; "
                 "add it to a group's node_names (and its graph_walks, if the group restricts walks)"
             )
-    num_workers = 1 + max(r for reps in table.values() for rep in reps for r in rep)
-    return PlacementPlan({k: tuple(v) for k, v in table.items() if k in needed}, num_workers)
+    nodes = {k: v for k, v in nodes.items() if k in node_components}  # drop walks without that node
+    all_reps = [rep for reps in (*table.values(), *nodes.values()) for rep in reps]
+    num_workers = 1 + max(r for rep in all_reps for r in rep)
+    return PlacementPlan({k: tuple(v) for k, v in table.items() if k in needed}, num_workers,
+                         {k: tuple(v) for k, v in nodes.items()},
+                         {k: node_components[k] for k in nodes})
 
 
-def _check_group(group: Any, graph: ModelGraph, walks: dict, where: str, max_ranks: int | None) -> None:
+def _check_group(group: Any, graph: ModelGraph, walks: dict, node_names: set[str], where: str,
+                 max_ranks: int | None) -> None:
     for name in group.node_names:
-        if name not in graph.components:
-            raise PlacementError(f"{where}: node_names has unknown component {name!r}; components are {sorted(graph.components)}")
+        if name not in graph.components and name not in node_names:
+            raise PlacementError(f"{where}: node_names has unknown component {name!r}; components are "
+                                 f"{sorted(graph.components)} (or name a node: {sorted(node_names)})")
     for walk in group.graph_walks or ():
         if walk not in walks:
             raise PlacementError(f"{where}: graph_walks has unknown walk {walk!r}; walks are {sorted(walks)}")

@@ -13,6 +13,7 @@ _MODELS: dict[str, str] = {
     "qwen3": "mstar.models.llama.serving:Qwen3LM",
     "smollm2": "mstar.models.llama.serving:SmolLM2",
     "toy": "mstar.models.toy.model:ToyModel",
+    "wan22": "mstar.models.wan22.model:Wan22Model",
 }
 
 

@@ -151,8 +151,8 @@ def _json(text: str, field: str) -> Any:
         raise RequestError(400, f"form field {field!r} is not valid JSON: {exc}", field) from None
 
 
-def to_chunk(item: Item, sample_rate: int):
-    """The typed NDJSON chunk of one decoded output value."""
+def to_chunk(item: Item, sample_rate: int, fps: float = VIDEO_FPS):
+    """The typed NDJSON chunk of one decoded output value; videos are encoded at `fps`."""
     value = item.value
     if isinstance(value, str):
         return TextChunk(output=item.name, seq=item.seq, delta=value)
@@ -163,8 +163,8 @@ def to_chunk(item: Item, sample_rate: int):
         data = base64.b64encode(encode_image(arr, "png")).decode()
         return ImageChunk(output=item.name, seq=item.seq, data=data, width=arr.shape[1], height=arr.shape[0])
     if arr.dtype == np.uint8 and arr.ndim == 4 and arr.shape[-1] == 3:
-        data = base64.b64encode(encode_video(_even(arr), VIDEO_FPS)).decode()
-        return VideoChunk(output=item.name, seq=item.seq, data=data, fps=VIDEO_FPS, frames=arr.shape[0])
+        data = base64.b64encode(encode_video(_even(arr), fps)).decode()
+        return VideoChunk(output=item.name, seq=item.seq, data=data, fps=fps, frames=arr.shape[0])
     return TensorChunk.from_array(item.name, item.seq, arr)
 
 
@@ -183,21 +183,28 @@ async def generate(request: Request) -> Response:
     stream = await start_request(state, req, options, rid=body.request_id)
     wanted = set(body.outputs)
     rate = state.runtime.processor.sample_rate
+    fps = _fps(stream.decoder.options)
     if not body.stream:
         outputs = await unless_disconnected(request, stream.collect(), [stream])
-        chunks = {name: [await run_in_threadpool(to_chunk, i, rate) for i in items]
+        chunks = {name: [await run_in_threadpool(to_chunk, i, rate, fps) for i in items]
                   for name, items in outputs.items() if name in wanted}
         resp = GenerateResponse(request_id=stream.rid, outputs=chunks, finish_reason=stream.finish_reason or "stop",
                                 usage=stream.usage)
         return Response(resp.model_dump_json(exclude_none=True), media_type="application/json")
-    return ClosingStreamingResponse(guarded(lambda: _ndjson(stream, wanted, rate), _error_line), [stream],
+    return ClosingStreamingResponse(guarded(lambda: _ndjson(stream, wanted, rate, fps), _error_line), [stream],
                                     media_type="application/x-ndjson")
 
 
-async def _ndjson(stream: RequestStream, wanted: set[str], rate: int):
+def _fps(options) -> float:
+    """The request's `fps` option (models with a frame rate resolve it), else VIDEO_FPS."""
+    fps = options.get("fps")
+    return float(fps) if isinstance(fps, (int, float)) and not isinstance(fps, bool) and fps > 0 else VIDEO_FPS
+
+
+async def _ndjson(stream: RequestStream, wanted: set[str], rate: int, fps: float):
     async for item in stream:
         if item.name in wanted:
-            yield chunk_line(await run_in_threadpool(to_chunk, item, rate))
+            yield chunk_line(await run_in_threadpool(to_chunk, item, rate, fps))
     yield chunk_line(FinalChunk(request_id=stream.rid, finish_reason=stream.finish_reason or "stop",
                                 usage=stream.usage))
 

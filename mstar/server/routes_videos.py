@@ -58,7 +58,9 @@ async def create_video(request: Request) -> JSONResponse:
     opts = _options(state, body)
     stream = await start_request(state, model_request, opts)
     job = VideoJob(model=state.model_name, prompt=body.prompt, seconds=body.seconds_text(), size=body.size)
-    record = VideoRecord(job, fps=float(opts.get("fps") or DEFAULT_FPS),
+    # the model's resolved options hold its frame rate when the request gave none (wan22: 24)
+    fps = stream.decoder.options.get("fps") or opts.get("fps") or DEFAULT_FPS
+    record = VideoRecord(job, fps=float(fps),
                          sample_rate=state.runtime.processor.sample_rate)
     store.add(record)
     record.task = asyncio.create_task(run_job(record, stream), name=f"video-job-{job.id}")

@@ -1,0 +1,54 @@
+"""Building the loaded Wan2.2 modules of one deployment: from its Diffusers folder, or random weights.
+
+Random weights (tiny, or `--load-format dummy`) are seeded, so every worker of a deployment (and
+every process) builds the same model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mstar.models.common.loading import fill_dummy_weights
+from mstar.models.wan22.text_encoder import UMT5Encoder
+from mstar.models.wan22.transformer import WanTransformer
+from mstar.models.wan22.vae import WanVAE
+
+_TINY_STD = 0.3  # tiny random weights large enough that prompts and steps visibly change the output
+
+
+def text_encoder(model: Any, dtype: torch.dtype, device: torch.device) -> UMT5Encoder:
+    """The UMT5 encoder of `model` (a Wan22Model) in `dtype` on `device`."""
+    from mstar.models.wan22.weights import build_text_encoder, load_text_encoder
+
+    if model.checkpoint is not None:
+        return load_text_encoder(model.checkpoint, model.load_format, dtype, device)
+    encoder = build_text_encoder(model.components.text_encoder, dtype, device)
+    _fill(encoder, model.config)
+    return encoder
+
+
+def transformer(model: Any, dtype: torch.dtype, device: torch.device) -> WanTransformer:
+    """The video DiT of `model` in `dtype` (timestep parts stay float32) on `device`."""
+    from mstar.models.wan22.weights import build_transformer, load_transformer
+
+    if model.checkpoint is not None:
+        return load_transformer(model.checkpoint, model.load_format, dtype, device)
+    dit = build_transformer(model.components.transformer, dtype, device)
+    _fill(dit, model.config)
+    return dit
+
+
+def vae(model: Any, dtype: torch.dtype, device: torch.device) -> WanVAE:
+    """The Wan2.2 VAE of `model` in `dtype` on `device`."""
+    from mstar.models.wan22.vae_weights import load_vae
+
+    if model.checkpoint is not None:
+        return load_vae(model.checkpoint, load_format=model.load_format, dtype=dtype, device=device,
+                        seed=model.config.seed)
+    return load_vae(load_format="dummy", config=model.vae_config, dtype=dtype, device=device, seed=model.config.seed)
+
+
+def _fill(module: torch.nn.Module, config: Any) -> None:
+    fill_dummy_weights(module, seed=config.seed, std=_TINY_STD if config.tiny else 0.02)

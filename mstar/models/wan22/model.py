@@ -1,0 +1,197 @@
+"""Wan2.2-TI2V-5B: text (and optionally an image) to video, as a served model.
+
+Lane `video`:  encode_text -> [encode_image] -> denoise -> decode
+  encode_text   the UMT5 encoder embeds the prompt and (under guidance) the negative prompt; carried on.
+  encode_image  image-to-video only: the VAE encodes the reference image as the first latent frame.
+  denoise       `prepare` draws the request's noise (its own generator) and opens its scheduler state;
+                then a Loop over the request's steps of Sequential(Parallel(cond DiT, uncond DiT),
+                combine): guidance plus one UniPC step, stopping when the schedule is done. Requests
+                at different steps share DiT forwards; the branches batch on one device or sit on two
+                ranks (placement by node name), with the same graph.
+  decode        the VAE turns the final latents into uint8 frames, a few frames at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mstar.graph import CARRY, ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Parallel, Sequential, Walk
+from mstar.models.base import BuiltComponent, Model
+from mstar.models.wan22.config import Wan22Config
+from mstar.models.wan22.vae_config import WanVAEConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Wan22ServeConfig:
+    """How one deployment runs Wan2.2 (YAML `model_kwargs`); request defaults live in the processor."""
+
+    tiny: bool = False  # tiny random components (or a tiny checkpoint via --model-path) for tests
+    dtype: str | None = None  # text encoder and DiT: None = float32 on CPU or tiny, else bfloat16
+    vae_dtype: str = "float32"
+    text_length: int | None = None  # prompt tokens; None = 512 (tiny: 16)
+    width: int | None = None  # default video size; None = 1280x704 (tiny: 64x64)
+    height: int | None = None
+    num_frames: int | None = None  # default frame count (4k+1); None = 121 (tiny: 5)
+    fps: float = 24.0  # default frame rate of the video output
+    max_batch_size: int = 16  # DiT rows (requests x guidance branches) per forward
+    vae_chunk_frames: int = 1  # latent frames the VAE decodes at once (memory vs speed)
+    seed: int = 0  # of dummy / tiny random weights
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"wan22 dtype={self.dtype!r}; choose one of {sorted(_DTYPES)}")
+        if self.vae_dtype not in _DTYPES:
+            raise ValueError(f"wan22 vae_dtype={self.vae_dtype!r}; choose one of {sorted(_DTYPES)}")
+        if self.max_batch_size < 1 or self.vae_chunk_frames < 1:
+            raise ValueError(f"wan22 max_batch_size={self.max_batch_size} and vae_chunk_frames="
+                             f"{self.vae_chunk_frames} must be >= 1")
+
+
+def _graph() -> ModelGraph:
+    text = Node("text_encoder", inputs=("prompt_ids", "prompt_mask", "negative_ids", "negative_mask"),
+                outputs=("prompt_embeds", "negative_embeds"))
+    image = Node("vae", name="encode_image", inputs=("image",), outputs=("condition",))
+    prepare = Node("scheduler", name="prepare", inputs=("condition",), outputs=("latents", "dit_latents", "timestep"))
+    branch = {"latents": "dit_latents", "timestep": "timestep"}
+    cond = Node("dit", name="cond", inputs={**branch, "context": "prompt_embeds"}, outputs={"velocity": "cond_velocity"})
+    uncond = Node("dit", name="uncond", inputs={**branch, "context": "negative_embeds"},
+                  outputs={"velocity": "uncond_velocity"})
+    combine = Node("scheduler", name="combine", inputs=("cond_velocity", "uncond_velocity", "latents", "condition"),
+                   outputs=("latents", "dit_latents", "timestep", "progress", "step_latents"))
+    steps = Loop(Sequential(Parallel(cond, uncond), combine), max_iterations="num_inference_steps", name="steps")
+    decode = Node("vae", name="decode", inputs=("latents",), outputs=("video", "image", "frames", "progress"))
+    return ModelGraph(
+        components={
+            "text_encoder": ComponentSpec("stateless", "UMT5: prompt and negative prompt ids -> text embeddings"),
+            "dit": ComponentSpec("stateless", "video DiT: (latents, per-frame timesteps, text) -> flow velocity"),
+            "scheduler": ComponentSpec("stateless", "per-request noise and UniPC state; guidance + one step"),
+            "vae": ComponentSpec("stateless", "Wan2.2 VAE: reference image -> latent frame; latents -> frames"),
+        },
+        walks=(
+            Walk("encode_text", "video", text, inputs=("prompt_ids", "prompt_mask"),
+                 optional_inputs=("negative_ids", "negative_mask"),
+                 emits=(Emit("prompt_embeds", CARRY), Emit("negative_embeds", CARRY))),
+            Walk("encode_image", "video", image, inputs=("image",), emits=(Emit("condition", CARRY),)),
+            Walk("denoise", "video", Sequential(prepare, steps), inputs=("prompt_embeds",),
+                 optional_inputs=("negative_embeds", "condition"),
+                 emits=(Emit("progress"), Emit("step_latents"), Emit("latents", CARRY))),
+            Walk("decode", "video", decode, inputs=("latents",),
+                 emits=(Emit("video"), Emit("image"), Emit("frames"), Emit("progress"))),
+        ),
+        lanes=(Lane("video", "encode_text", _next_walk),),
+    )
+
+
+def _next_walk(finished: str, options: Mapping[str, Any]) -> str | None:
+    if finished == "encode_text":
+        return "encode_image" if options.get("image_to_video") else "denoise"
+    return {"encode_image": "denoise", "denoise": "decode"}.get(finished)
+
+
+class Wan22Model(Model):
+    """Wan2.2-TI2V-5B from a Diffusers folder (--model-path), dummy weights, or --tiny."""
+
+    name = "wan22"
+    input_modalities = ("text", "image")
+    output_modalities = ("video", "image")
+    default_options = {"negative_prompt": "", "guidance_scale": 5.0, "num_inference_steps": 50,
+                       "modalities": ["video"], "report_progress": False, "debug_outputs": False}
+
+    @classmethod
+    def make_config(cls, tiny: bool = False, **overrides: Any) -> Wan22ServeConfig:
+        return replace(Wan22ServeConfig(tiny=tiny), **overrides)
+
+    def graph(self) -> ModelGraph:
+        return _graph()
+
+    def build_component(self, name: str, device: torch.device) -> BuiltComponent:
+        from mstar.models.wan22 import components, loaders
+
+        if name == "text_encoder":
+            encoder = loaders.text_encoder(self, self._dtype(device), device)
+            return BuiltComponent(components.TextEncoderComponent(encoder, self._dtype(device)))
+        if name == "dit":
+            dit = components.DiTComponent(loaders.transformer(self, self._dtype(device), device))
+            return BuiltComponent(dit, {"max_batch_size": self.config.max_batch_size})
+        if name == "scheduler":
+            from mstar.models.wan22.combine import GuidanceScheduler
+
+            return BuiltComponent(GuidanceScheduler(self.components.scheduler, self.vae_config, device))
+        if name == "vae":
+            vae = loaders.vae(self, _DTYPES[self.config.vae_dtype], device)
+            return BuiltComponent(components.VAEComponent(vae, self.config.vae_chunk_frames))
+        raise KeyError(f"wan22 has no component {name!r}; components are {sorted(self.graph().components)}")
+
+    def processor(self):
+        from mstar.models.wan22.processor import Wan22Processor, defaults_for
+
+        return Wan22Processor(self.tokenizer_folder, self.text_length, defaults_for(self.config))
+
+    # -- what the loaders and the processor read -------------------------------------------------
+
+    @cached_property
+    def checkpoint(self) -> Path | None:
+        """The Diffusers folder, or None for random weights (tiny, or --load-format dummy)."""
+        from mstar.models.common.loading import resolve_checkpoint
+
+        if self.model_path is not None:
+            return resolve_checkpoint(self.model_path)
+        if not self.config.tiny and self.load_format != "dummy":
+            raise ValueError("wan22 needs --model-path (a Diffusers Wan2.2-TI2V-5B folder or the repo id "
+                             "Wan-AI/Wan2.2-TI2V-5B-Diffusers), or --load-format dummy, or --tiny")
+        return None
+
+    @cached_property
+    def components(self) -> Wan22Config:
+        """Configs of the text encoder, DiT and scheduler."""
+        if self.checkpoint is not None:
+            return Wan22Config.from_folder(self.checkpoint)
+        if self.config.tiny:
+            from mstar.models.wan22.tiny import tiny_config
+
+            return tiny_config()
+        return Wan22Config()
+
+    @cached_property
+    def vae_config(self) -> WanVAEConfig:
+        """The VAE's config; its latent channels must be the DiT's."""
+        from mstar.models.wan22.vae_config import WAN22_TI2V_5B_VAE, tiny_vae_config
+        from mstar.models.wan22.vae_weights import vae_folder
+
+        if self.checkpoint is not None:
+            config = WanVAEConfig.from_file(vae_folder(self.checkpoint))
+        else:
+            config = tiny_vae_config(self.components.transformer.in_channels) if self.config.tiny else WAN22_TI2V_5B_VAE
+        if config.z_dim != self.components.transformer.in_channels:
+            raise ValueError(f"the VAE has {config.z_dim} latent channels but the transformer takes "
+                             f"{self.components.transformer.in_channels}; pass a matching Wan2.2 folder")
+        return config
+
+    @property
+    def text_length(self) -> int:
+        """Tokens every prompt is padded or truncated to."""
+        if self.config.text_length is not None:
+            return self.config.text_length
+        return 16 if self.config.tiny else self.components.text_length
+
+    @cached_property
+    def tokenizer_folder(self) -> Path:
+        """The checkpoint's tokenizer/ folder, else the tiny tokenizer (fine for random weights only)."""
+        from mstar.models.wan22.tiny import tiny_tokenizer_folder
+
+        if self.checkpoint is not None and (self.checkpoint / "tokenizer" / "tokenizer.json").is_file():
+            return self.checkpoint / "tokenizer"
+        return tiny_tokenizer_folder()
+
+    def _dtype(self, device: torch.device) -> torch.dtype:
+        if self.config.dtype is not None:
+            return _DTYPES[self.config.dtype]
+        return torch.bfloat16 if device.type == "cuda" and not self.config.tiny else torch.float32

@@ -1,0 +1,177 @@
+"""Wan2.2 requests <-> tensors: prompts to token ids, a reference image to pixels, options resolved.
+
+Options (each request may set any): `size` "WxH" or `width`/`height` (multiples of 32), `num_frames`
+(4k+1; or `seconds` at `fps`; 1 when only an image is asked for), `fps`, `guidance_scale`,
+`num_inference_steps`, `seed` (drawn at random when missing), `negative_prompt`. A request with an
+image in its media is image-to-video: the image (resized to the video size) becomes frame 0.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mstar.models.base import Processor
+
+MULTIPLE = 32  # VAE 16x spatial compression x DiT 2x2 patches
+MAX_SIDE = 4096
+MAX_FRAMES = 1025
+MAX_STEPS = 1000
+
+
+@dataclass(frozen=True)
+class Wan22Defaults:
+    """Request defaults that depend on the deployment (full size or tiny)."""
+
+    width: int
+    height: int
+    num_frames: int
+    fps: float
+
+
+def defaults_for(config: Any) -> Wan22Defaults:
+    """The defaults of a Wan22ServeConfig: 1280x704x121 at full size, 64x64x5 when tiny."""
+    width, height, frames = (64, 64, 5) if config.tiny else (1280, 704, 121)
+    return Wan22Defaults(config.width or width, config.height or height, config.num_frames or frames, config.fps)
+
+
+def resolve_options(options: Mapping[str, Any], defaults: Wan22Defaults) -> dict[str, Any]:
+    """The resolved size, frames, fps, steps, guidance and seed of a request; ValueError names a bad one."""
+    width, height = _size(options, defaults)
+    fps = _number(options.get("fps", defaults.fps), "fps", 0.0, 240.0, exclusive_low=True)
+    modalities = list(options.get("modalities") or ["video"])
+    num_frames = options.get("num_frames")
+    if num_frames is None and options.get("seconds") is not None:
+        seconds = _number(options["seconds"], "seconds", 0.0, 600.0, exclusive_low=True)
+        num_frames = 4 * max(round(seconds * fps / 4), 0) + 1
+    if num_frames is None:
+        num_frames = 1 if "image" in modalities and "video" not in modalities else defaults.num_frames
+    num_frames = _integer(num_frames, "num_frames", 1, MAX_FRAMES)
+    if num_frames % 4 != 1:
+        raise ValueError(f"num_frames={num_frames} must be 4k+1 (1, 5, 9, ..., 121); try {4 * (num_frames // 4) + 1}")
+    if "image" in modalities and "video" not in modalities and num_frames != 1:
+        raise ValueError(f"an image output needs num_frames=1, got num_frames={num_frames}")
+    seed = options.get("seed")
+    return {
+        "width": width, "height": height, "fps": fps, "num_frames": num_frames,
+        "num_inference_steps": _integer(options.get("num_inference_steps", 50), "num_inference_steps", 1, MAX_STEPS),
+        "guidance_scale": _number(options.get("guidance_scale", 5.0), "guidance_scale", 0.0, 100.0),
+        "seed": secrets.randbelow(2**31) if seed is None else _integer(seed, "seed", 0, 2**63 - 1),
+    }
+
+
+class Wan22Processor(Processor):
+    """`{"text": prompt, "media": [optional reference image]}` -> token ids (and pixels); frames out."""
+
+    def __init__(self, tokenizer_folder: str | Path, text_length: int, defaults: Wan22Defaults) -> None:
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(Path(tokenizer_folder) / "tokenizer.json"))
+        pad = self.tokenizer.token_to_id("<pad>")
+        self.pad_id = 0 if pad is None else pad
+        self.text_length, self.defaults = text_length, defaults
+
+    def validate_options(self, options: Mapping[str, Any]) -> None:
+        resolve_options(options, self.defaults)
+
+    def inputs(self, request: Mapping[str, Any], options: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Token ids and masks of the prompt (and, under guidance, the negative prompt); the reference
+        image as [3, 1, H, W] in [-1, 1]. Writes the resolved options (and `image_to_video`) into `options`."""
+        from mstar.models.wan22.text_encoder import tokenize_prompts
+
+        options.update(resolve_options(options, self.defaults))
+        prompt = _prompt(request)
+        negative = options.get("negative_prompt") or ""
+        if not isinstance(negative, str):
+            raise ValueError(f"negative_prompt must be a string, got {type(negative).__name__}")
+        guided = options["guidance_scale"] > 1.0  # as the reference: no unconditional branch at or below 1
+        ids, mask = tokenize_prompts(self.tokenizer, [prompt, negative] if guided else [prompt], self.pad_id,
+                                     self.text_length)
+        out = {"prompt_ids": ids[0], "prompt_mask": mask[0]}
+        if guided:
+            out.update(negative_ids=ids[1], negative_mask=mask[1])
+        image = _reference_image(request)
+        options["image_to_video"] = image is not None
+        if image is not None:
+            out["image"] = image_tensor(image, options["width"], options["height"])
+        return out
+
+    def decode_output(self, name: str, tensor: torch.Tensor, options: Mapping[str, Any]) -> Any:
+        if name == "progress":
+            return float(tensor.reshape(-1)[0])
+        return tensor.detach().cpu().numpy()
+
+
+def image_tensor(image: np.ndarray, width: int, height: int) -> torch.Tensor:
+    """uint8 [H, W, 3|4] -> float32 [3, 1, height, width] in [-1, 1], resized (Lanczos) as the reference does."""
+    from PIL import Image
+
+    array = np.asarray(image)
+    if array.dtype != np.uint8 or array.ndim != 3 or array.shape[-1] not in (3, 4):
+        raise ValueError(f"the reference image must be uint8 [H, W, 3], got {array.dtype} {array.shape}")
+    pil = Image.fromarray(array).convert("RGB")
+    if pil.size != (width, height):
+        pil = pil.resize((width, height), resample=Image.Resampling.LANCZOS)
+    pixels = torch.from_numpy(np.asarray(pil, dtype=np.float32) / 255.0)
+    return (pixels * 2 - 1).permute(2, 0, 1).unsqueeze(1).contiguous()
+
+
+def _prompt(request: Mapping[str, Any]) -> str:
+    text = request.get("text")
+    if text is None and request.get("messages"):
+        parts = []
+        for message in request["messages"]:
+            content = message.get("content") or ""
+            parts += [content] if isinstance(content, str) else [p.get("text", "") for p in content
+                                                                  if p.get("type") == "text"]
+        text = " ".join(parts)
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError("wan22 needs a non-empty text prompt")
+    return text
+
+
+def _reference_image(request: Mapping[str, Any]) -> np.ndarray | None:
+    media = request.get("media") or []
+    if any(m.get("type") not in ("image",) for m in media):
+        kinds = sorted({str(m.get("type")) for m in media})
+        raise ValueError(f"wan22 takes at most one reference image; got media of types {kinds}")
+    images = [m for m in media if m.get("name") != "mask"]
+    if len(images) > 1:
+        raise ValueError(f"wan22 takes one reference image, got {len(images)}")
+    return images[0]["data"] if images else None
+
+
+def _size(options: Mapping[str, Any], defaults: Wan22Defaults) -> tuple[int, int]:
+    size = options.get("size")
+    if size not in (None, "auto"):
+        try:
+            width, height = (int(v) for v in str(size).lower().split("x"))
+        except ValueError:
+            raise ValueError(f"size={size!r} must look like 'WxH', e.g. '1280x704'") from None
+    else:
+        width, height = options.get("width", defaults.width), options.get("height", defaults.height)
+    for name, value in (("width", width), ("height", height)):
+        value = _integer(value, name, MULTIPLE, MAX_SIDE)
+        if value % MULTIPLE:
+            raise ValueError(f"{name}={value} must be a multiple of {MULTIPLE}; try {MULTIPLE * round(value / MULTIPLE)}")
+    return int(width), int(height)
+
+
+def _integer(value: Any, name: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+    return int(value)
+
+
+def _number(value: Any, name: str, low: float, high: float, exclusive_low: bool = False) -> float:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not (low < value if exclusive_low else low <= value) or value > high:
+        bound = f"({low}, {high}]" if exclusive_low else f"[{low}, {high}]"
+        raise ValueError(f"{name} must be a number in {bound}, got {value!r}")
+    return float(value)
