@@ -36,6 +36,15 @@ def audio_output_lengths(lengths: list[int], config: AudioEncoderConfig) -> list
     return [sum(conv_output_length(n) for n in chunk_lengths(f, config.chunk_frames)) for f in lengths]
 
 
+def _zero_beyond(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Zero the time steps of each chunk [n, C, F, T] past its padded length: there the reference,
+    which padded that chunk less, has the convs' own zero padding."""
+    if all(n >= x.shape[-1] for n in sizes):
+        return x
+    valid = torch.arange(x.shape[-1], device=x.device)[None, :] < torch.tensor(sizes, device=x.device)[:, None]
+    return x * valid[:, None, None, :].to(x.dtype)
+
+
 def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
     """[length, channels] float32 Whisper positions: sin over the first half of channels, cos over the rest."""
     log_increment = math.log(max_timescale) / (channels // 2 - 1)
@@ -82,32 +91,55 @@ class AudioEncoder(nn.Module):
         self.proj2 = nn.Linear(config.d_model, config.output_dim)
         self._positions: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
-    def forward(self, features: torch.Tensor, lengths: torch.Tensor | list[int]) -> torch.Tensor:
+    def forward(self, features: torch.Tensor, lengths: torch.Tensor | list[int],
+                group_sizes: list[int] | None = None) -> torch.Tensor:
         """features [num_mel_bins, sum(lengths)] (audios one after another), lengths [num_audios] mel
-        frames -> [sum(audio_output_lengths(lengths)), output_dim] embeddings, audio after audio."""
+        frames -> [sum(audio_output_lengths(lengths)), output_dim] embeddings, audio after audio.
+
+        The reference pads every chunk to the longest chunk of the audios it encodes together (one
+        request's), which changes the last conv outputs of a short chunk. `group_sizes` (audios per
+        request, in order; default: all one request) keeps that per request, so batching requests
+        together gives each the result it would get alone.
+        """
         lengths = [int(n) for n in lengths]
         if features.shape != (self.config.num_mel_bins, sum(lengths)):
             raise ValueError(
                 f"audio features shaped {tuple(features.shape)} do not match {self.config.num_mel_bins} mel bins "
                 f"x {sum(lengths)} frames (the sum of lengths {lengths})"
             )
-        chunks = [c for n in lengths for c in chunk_lengths(n, self.config.chunk_frames)]
-        x = self._embed_chunks(features, chunks)
+        chunks, pad_to = self._chunks(lengths, group_sizes or [len(lengths)])
+        x = self._embed_chunks(features, chunks, pad_to)
         plan = SegmentPlan(self._window_lengths(lengths), x.device)
         for layer in self.layers:
             x = layer(x, plan)
         return self.proj2(F.gelu(self.proj1(self.ln_post(x))))
 
-    def _embed_chunks(self, features: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+    def _chunks(self, lengths: list[int], group_sizes: list[int]) -> tuple[list[int], list[int]]:
+        """Frames of every conv chunk, and the length each is padded to (the longest of its group)."""
+        if sum(group_sizes) != len(lengths) or min(group_sizes) <= 0:
+            raise ValueError(f"group_sizes {group_sizes} must be positive and sum to the {len(lengths)} audios")
+        chunks, pad_to, start = [], [], 0
+        for size in group_sizes:
+            group = [c for n in lengths[start:start + size] for c in chunk_lengths(n, self.config.chunk_frames)]
+            chunks += group
+            pad_to += [max(group)] * len(group)
+            start += size
+        return chunks, pad_to
+
+    def _embed_chunks(self, features: torch.Tensor, chunks: list[int], pad_to: list[int]) -> torch.Tensor:
         """Conv-downsample every chunk, add positions, keep the tokens of real (unpadded) frames."""
         dtype = self.conv2d1.weight.dtype
         pieces = features.to(dtype).T.split(chunks, dim=0)
         padded = nn.utils.rnn.pad_sequence(pieces, batch_first=True).transpose(1, 2).unsqueeze(1)
         convolved = []
-        for batch in padded.split(self.config.conv_chunksize, dim=0):  # bounds conv activation memory
-            y = F.gelu(self.conv2d1(batch))
-            y = F.gelu(self.conv2d2(y))
-            convolved.append(F.gelu(self.conv2d3(y)))
+        for start in range(0, len(chunks), self.config.conv_chunksize):  # bounds conv activation memory
+            batch = padded[start:start + self.config.conv_chunksize]
+            sizes = pad_to[start:start + self.config.conv_chunksize]
+            for conv in (self.conv2d1, self.conv2d2, self.conv2d3):
+                batch = F.gelu(conv(batch))
+                sizes = [(n - 1) // 2 + 1 for n in sizes]
+                batch = _zero_beyond(batch, sizes)
+            convolved.append(batch)
         y = torch.cat(convolved)
         n, c, f, t = y.shape
         y = self.conv_out(y.permute(0, 3, 1, 2).reshape(n, t, c * f)) + self._position_table(t, y.device, y.dtype)
