@@ -166,6 +166,8 @@ def test_dummy_weights_and_full_configs():
     with torch.no_grad():
         out = audio(feats.features, feats.lengths)
     assert out.shape == (8, TINY_AUDIO["output_dim"]) and torch.isfinite(out).all() and out.std() > 0
+    bf16 = load_encoder(build_audio_encoder(audio.config, torch.bfloat16), None, load_format="dummy")
+    assert torch.equal(bf16.conv_out.weight, audio.conv_out.weight.to(torch.bfloat16))  # same draw, rounded
     full_a, full_v = full_audio_config(), full_vision_config()
     assert (full_a.d_model, full_a.num_layers, full_a.output_dim, full_a.conv_out_features) == (1280, 32, 2048, 7680)
     assert (full_v.hidden_size, full_v.depth, full_v.out_hidden_size, full_v.head_dim) == (1152, 27, 2048, 72)

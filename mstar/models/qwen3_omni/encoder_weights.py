@@ -79,14 +79,24 @@ def build_vision_encoder(config: VisionEncoderConfig, dtype: torch.dtype = torch
     return model.to_empty(device=device).eval()
 
 
-def fill_encoder_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Seeded random weights: normal(0, 0.02) matrices and convs, LayerNorms at identity, zero biases."""
-    loading.fill_dummy_weights(model, seed=seed)
+def fill_encoder_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Seeded random weights: normal(0, std) matrices and convs, LayerNorms at identity, zero biases.
+
+    Values are drawn in float32 and cast, so a bf16 model gets the rounded weights of the float32 one.
+    """
+    generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim >= 2:
+                if param.device not in generators:
+                    generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+                noise = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+                param.copy_(noise.normal_(0.0, std, generator=generators[param.device]))
+            else:
+                param.zero_()
         for module in model.modules():
             if isinstance(module, nn.LayerNorm):
                 module.weight.fill_(1.0)
-                module.bias.zero_()
 
 
 def load_encoder(model: nn.Module, checkpoint: str | Path | None, load_format: str = "auto",
