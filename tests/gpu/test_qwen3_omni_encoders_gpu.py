@@ -27,7 +27,9 @@ CUDA = torch.device("cuda")
 
 def _audio_features():
     rng = np.random.default_rng(0)
-    return log_mel_features([(0.1 * rng.standard_normal(n)).astype(np.float32) for n in (16000 * 30, 16000 * 7 + 555)])
+    return log_mel_features(
+        [(0.1 * rng.standard_normal(n)).astype(np.float32) for n in (16000 * 30, 16000 * 7 + 555)]
+    )
 
 
 def _vision_inputs():
@@ -94,9 +96,14 @@ def test_full_encoders_bf16_dummy_weights_track_float32():
     outputs = {}
     for dtype in (torch.float32, torch.bfloat16):
         audio = load_encoder(build_audio_encoder(full_audio_config(), dtype, CUDA), None, load_format="dummy")
-        vision = load_encoder(build_vision_encoder(full_vision_config(), dtype, CUDA), None, load_format="dummy")
+        vision = load_encoder(
+            build_vision_encoder(full_vision_config(), dtype, CUDA), None, load_format="dummy"
+        )
         with torch.no_grad():
-            outputs[dtype] = (audio(feats.features.to(CUDA), feats.lengths), vision(pixels.to(CUDA), grid_thw))
+            outputs[dtype] = (
+                audio(feats.features.to(CUDA), feats.lengths),
+                vision(pixels.to(CUDA), grid_thw),
+            )
         del audio, vision
     (a32, v32), (a16, v16) = outputs[torch.float32], outputs[torch.bfloat16]
     assert a16.dtype == v16.embeds.dtype == torch.bfloat16

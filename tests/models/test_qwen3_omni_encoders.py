@@ -145,7 +145,7 @@ def test_vision_encoder_rejects_mismatched_inputs(vision_pair):
     with pytest.raises(ValueError, match="needs"):
         ours(pixels[:-1], grid_thw)
     with pytest.raises(ValueError, match="multiples of 2"):
-        ours(pixels[:15 * 4], torch.tensor([[1, 3, 5 * 4]]))
+        ours(pixels[: 15 * 4], torch.tensor([[1, 3, 5 * 4]]))
 
 
 def test_loader_reports_foreign_and_missing_tensors(audio_pair):
@@ -169,7 +169,12 @@ def test_dummy_weights_and_full_configs():
     bf16 = load_encoder(build_audio_encoder(audio.config, torch.bfloat16), None, load_format="dummy")
     assert torch.equal(bf16.conv_out.weight, audio.conv_out.weight.to(torch.bfloat16))  # same draw, rounded
     full_a, full_v = full_audio_config(), full_vision_config()
-    assert (full_a.d_model, full_a.num_layers, full_a.output_dim, full_a.conv_out_features) == (1280, 32, 2048, 7680)
+    assert (full_a.d_model, full_a.num_layers, full_a.output_dim, full_a.conv_out_features) == (
+        1280,
+        32,
+        2048,
+        7680,
+    )
     assert (full_v.hidden_size, full_v.depth, full_v.out_hidden_size, full_v.head_dim) == (1152, 27, 2048, 72)
     assert full_v.deepstack_visual_indexes == (8, 16, 24) and full_v.patch_dim == 1536
     with pytest.raises(ValueError, match="deepstack_visual_indexes"):

@@ -20,8 +20,13 @@ from mstar.models.qwen3_omni.features import (
 )
 
 CHECKPOINT_VISION = dict(  # preprocessor_config.json of the checkpoint
-    min_pixels=3136, max_pixels=12845056, patch_size=16, temporal_patch_size=2, merge_size=2,
-    image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    min_pixels=3136,
+    max_pixels=12845056,
+    patch_size=16,
+    temporal_patch_size=2,
+    merge_size=2,
+    image_mean=[0.5, 0.5, 0.5],
+    image_std=[0.5, 0.5, 0.5],
 )
 # Small video bounds keep the test fast; the geometry code is the same as with the processor's defaults.
 VIDEO_SPEC = VisionPreprocessSpec(video_min_pixels=64 * 64, video_max_pixels=96 * 128)
@@ -31,14 +36,27 @@ VIDEO_SIZE = {"shortest_edge": 64 * 64, "longest_edge": 96 * 128}
 def _whisper():
     from transformers import WhisperFeatureExtractor
 
-    return WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160, n_fft=400,
-                                   chunk_length=300, padding_value=0.0, return_attention_mask=True)
+    return WhisperFeatureExtractor(
+        feature_size=128,
+        sampling_rate=16000,
+        hop_length=160,
+        n_fft=400,
+        chunk_length=300,
+        padding_value=0.0,
+        return_attention_mask=True,
+    )
 
 
 def _reference_mel(waveforms: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
     """What Qwen3OmniMoeProcessor hands the thinker: valid frames concatenated, and their counts."""
-    out = _whisper()(waveforms, sampling_rate=16000, padding=True, truncation=False,
-                     return_attention_mask=True, return_tensors="pt")
+    out = _whisper()(
+        waveforms,
+        sampling_rate=16000,
+        padding=True,
+        truncation=False,
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
     mask = out["attention_mask"].bool()
     return out["input_features"].permute(0, 2, 1)[mask].permute(1, 0), mask.sum(-1)
 
@@ -52,8 +70,15 @@ def _tone(seconds: float, rate: int, seed: int) -> np.ndarray:
 def test_mel_filter_bank_matches_transformers():
     from transformers.audio_utils import mel_filter_bank as reference
 
-    expected = reference(num_frequency_bins=201, num_mel_filters=128, min_frequency=0.0, max_frequency=8000.0,
-                         sampling_rate=16000, norm="slaney", mel_scale="slaney")
+    expected = reference(
+        num_frequency_bins=201,
+        num_mel_filters=128,
+        min_frequency=0.0,
+        max_frequency=8000.0,
+        sampling_rate=16000,
+        norm="slaney",
+        mel_scale="slaney",
+    )
     np.testing.assert_allclose(mel_filter_bank(MelSpec()), expected, rtol=1e-12, atol=1e-15)
 
 
@@ -95,7 +120,10 @@ def _image_processor():
 
 def test_images_equal_qwen2vl_image_processor():
     rng = np.random.default_rng(0)
-    images = [rng.integers(0, 256, (45, 70, 3), dtype=np.uint8), rng.integers(0, 256, (100, 64, 3), dtype=np.uint8)]
+    images = [
+        rng.integers(0, 256, (45, 70, 3), dtype=np.uint8),
+        rng.integers(0, 256, (100, 64, 3), dtype=np.uint8),
+    ]
     expected = _image_processor()(images=images, return_tensors="pt")
     ours = preprocess_images(images)
     assert ours.grid_thw.tolist() == expected["image_grid_thw"].tolist() == [[1, 4, 6], [1, 6, 4]]

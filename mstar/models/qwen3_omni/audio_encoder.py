@@ -41,12 +41,14 @@ def _zero_beyond(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     which padded that chunk less, has the convs' own zero padding."""
     if all(n >= x.shape[-1] for n in sizes):
         return x
-    valid = torch.arange(x.shape[-1], device=x.device)[None, :] < torch.tensor(sizes, device=x.device)[:, None]
+    valid = (
+        torch.arange(x.shape[-1], device=x.device)[None, :] < torch.tensor(sizes, device=x.device)[:, None]
+    )
     return x * valid[:, None, None, :].to(x.dtype)
 
 
 def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
-    """[length, channels] float32 Whisper positions: sin over the first half of channels, cos over the rest."""
+    """[length, channels] float32 Whisper positions: sin on the first half of channels, cos on the rest."""
     log_increment = math.log(max_timescale) / (channels // 2 - 1)
     inv_timescales = torch.exp(-log_increment * torch.arange(channels // 2).float())
     scaled = torch.arange(length)[:, None] * inv_timescales[None, :]
@@ -91,8 +93,9 @@ class AudioEncoder(nn.Module):
         self.proj2 = nn.Linear(config.d_model, config.output_dim)
         self._positions: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
 
-    def forward(self, features: torch.Tensor, lengths: torch.Tensor | list[int],
-                group_sizes: list[int] | None = None) -> torch.Tensor:
+    def forward(
+        self, features: torch.Tensor, lengths: torch.Tensor | list[int], group_sizes: list[int] | None = None
+    ) -> torch.Tensor:
         """features [num_mel_bins, sum(lengths)] (audios one after another), lengths [num_audios] mel
         frames -> [sum(audio_output_lengths(lengths)), output_dim] embeddings, audio after audio.
 
@@ -104,7 +107,8 @@ class AudioEncoder(nn.Module):
         lengths = [int(n) for n in lengths]
         if features.shape != (self.config.num_mel_bins, sum(lengths)):
             raise ValueError(
-                f"audio features shaped {tuple(features.shape)} do not match {self.config.num_mel_bins} mel bins "
+                f"audio features shaped {tuple(features.shape)} do not match "
+                f"{self.config.num_mel_bins} mel bins "
                 f"x {sum(lengths)} frames (the sum of lengths {lengths})"
             )
         chunks, pad_to = self._chunks(lengths, group_sizes or [len(lengths)])
@@ -117,10 +121,14 @@ class AudioEncoder(nn.Module):
     def _chunks(self, lengths: list[int], group_sizes: list[int]) -> tuple[list[int], list[int]]:
         """Frames of every conv chunk, and the length each is padded to (the longest of its group)."""
         if sum(group_sizes) != len(lengths) or min(group_sizes) <= 0:
-            raise ValueError(f"group_sizes {group_sizes} must be positive and sum to the {len(lengths)} audios")
+            raise ValueError(
+                f"group_sizes {group_sizes} must be positive and sum to the {len(lengths)} audios"
+            )
         chunks, pad_to, start = [], [], 0
         for size in group_sizes:
-            group = [c for n in lengths[start:start + size] for c in chunk_lengths(n, self.config.chunk_frames)]
+            group = [
+                c for n in lengths[start : start + size] for c in chunk_lengths(n, self.config.chunk_frames)
+            ]
             chunks += group
             pad_to += [max(group)] * len(group)
             start += size
@@ -133,8 +141,8 @@ class AudioEncoder(nn.Module):
         padded = nn.utils.rnn.pad_sequence(pieces, batch_first=True).transpose(1, 2).unsqueeze(1)
         convolved = []
         for start in range(0, len(chunks), self.config.conv_chunksize):  # bounds conv activation memory
-            batch = padded[start:start + self.config.conv_chunksize]
-            sizes = pad_to[start:start + self.config.conv_chunksize]
+            batch = padded[start : start + self.config.conv_chunksize]
+            sizes = pad_to[start : start + self.config.conv_chunksize]
             for conv in (self.conv2d1, self.conv2d2, self.conv2d3):
                 batch = F.gelu(conv(batch))
                 sizes = [(n - 1) // 2 + 1 for n in sizes]
@@ -142,13 +150,17 @@ class AudioEncoder(nn.Module):
             convolved.append(batch)
         y = torch.cat(convolved)
         n, c, f, t = y.shape
-        y = self.conv_out(y.permute(0, 3, 1, 2).reshape(n, t, c * f)) + self._position_table(t, y.device, y.dtype)
+        y = self.conv_out(y.permute(0, 3, 1, 2).reshape(n, t, c * f)) + self._position_table(
+            t, y.device, y.dtype
+        )
         keep = torch.cat([i * t + torch.arange(conv_output_length(m)) for i, m in enumerate(chunks)])
         return y.reshape(n * t, -1)[keep.to(y.device)]
 
     def _window_lengths(self, lengths: list[int]) -> list[int]:
         """Token counts of the attention windows: n_window_infer frames each, never across audios."""
-        window = conv_output_length(self.config.chunk_frames) * (self.config.n_window_infer // self.config.chunk_frames)
+        window = conv_output_length(self.config.chunk_frames) * (
+            self.config.n_window_infer // self.config.chunk_frames
+        )
         out = []
         for tokens in audio_output_lengths(lengths, self.config):
             full, rest = divmod(tokens, window)
@@ -157,10 +169,12 @@ class AudioEncoder(nn.Module):
 
     def _position_table(self, length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         if length > self.config.max_source_positions:
-            raise ValueError(f"{length} positions per chunk exceed max_source_positions {self.config.max_source_positions}")
+            raise ValueError(
+                f"{length} positions per chunk exceed max_source_positions {self.config.max_source_positions}"
+            )
         key = (length, device, dtype)
         if key not in self._positions:  # computed in float32 on CPU like the checkpoint's buffer
-            self._positions[key] = sinusoids(self.config.max_source_positions, self.config.d_model)[:length].to(
-                device=device, dtype=dtype
-            )
+            self._positions[key] = sinusoids(self.config.max_source_positions, self.config.d_model)[
+                :length
+            ].to(device=device, dtype=dtype)
         return self._positions[key]

@@ -36,7 +36,7 @@ class SegmentPlan:
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
-    """q, k, v [T, heads, head_dim] -> [T, heads, head_dim], softmax(q k^T / sqrt(d)) v within each segment."""
+    """q, k, v [T, heads, head_dim] -> [T, heads, head_dim]: softmax(q k^T / sqrt(d)) v per segment."""
     if q.shape[0] != plan.total:
         raise ValueError(f"packed sequence has {q.shape[0]} tokens but the segments cover {plan.total}")
     heads, dim = q.shape[1], q.shape[2]
@@ -45,7 +45,9 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: S
     out = torch.empty_like(q)
     for length, index in plan.groups:
         shape = (-1, length, heads, dim)
-        out[index] = _sdpa(q[index].view(shape), k[index].view(shape), v[index].view(shape)).reshape(-1, heads, dim)
+        out[index] = _sdpa(q[index].view(shape), k[index].view(shape), v[index].view(shape)).reshape(
+            -1, heads, dim
+        )
     return out
 
 

@@ -13,26 +13,62 @@ from dataclasses import dataclass
 from typing import Any
 
 FULL_AUDIO: dict[str, Any] = {
-    "num_mel_bins": 128, "encoder_layers": 32, "encoder_attention_heads": 20, "encoder_ffn_dim": 5120,
-    "d_model": 1280, "activation_function": "gelu", "max_source_positions": 1500, "n_window": 50,
-    "output_dim": 2048, "n_window_infer": 800, "conv_chunksize": 500, "downsample_hidden_size": 480,
+    "num_mel_bins": 128,
+    "encoder_layers": 32,
+    "encoder_attention_heads": 20,
+    "encoder_ffn_dim": 5120,
+    "d_model": 1280,
+    "activation_function": "gelu",
+    "max_source_positions": 1500,
+    "n_window": 50,
+    "output_dim": 2048,
+    "n_window_infer": 800,
+    "conv_chunksize": 500,
+    "downsample_hidden_size": 480,
 }
 FULL_VISION: dict[str, Any] = {
-    "depth": 27, "hidden_size": 1152, "hidden_act": "gelu_pytorch_tanh", "intermediate_size": 4304,
-    "num_heads": 16, "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-    "out_hidden_size": 2048, "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24],
+    "depth": 27,
+    "hidden_size": 1152,
+    "hidden_act": "gelu_pytorch_tanh",
+    "intermediate_size": 4304,
+    "num_heads": 16,
+    "in_channels": 3,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "out_hidden_size": 2048,
+    "num_position_embeddings": 2304,
+    "deepstack_visual_indexes": [8, 16, 24],
 }
 # n_window stays 50: the reference's output-length formula assumes it (13 tokens per full chunk).
 # n_window_infer 200 (2 s windows) makes a 3 s test clip cross a window boundary.
 TINY_AUDIO: dict[str, Any] = {
-    "num_mel_bins": 128, "encoder_layers": 2, "encoder_attention_heads": 4, "encoder_ffn_dim": 64,
-    "d_model": 32, "activation_function": "gelu", "max_source_positions": 64, "n_window": 50,
-    "output_dim": 48, "n_window_infer": 200, "conv_chunksize": 3, "downsample_hidden_size": 8,
+    "num_mel_bins": 128,
+    "encoder_layers": 2,
+    "encoder_attention_heads": 4,
+    "encoder_ffn_dim": 64,
+    "d_model": 32,
+    "activation_function": "gelu",
+    "max_source_positions": 64,
+    "n_window": 50,
+    "output_dim": 48,
+    "n_window_infer": 200,
+    "conv_chunksize": 3,
+    "downsample_hidden_size": 8,
 }
 TINY_VISION: dict[str, Any] = {
-    "depth": 3, "hidden_size": 32, "hidden_act": "gelu_pytorch_tanh", "intermediate_size": 64,
-    "num_heads": 4, "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-    "out_hidden_size": 48, "num_position_embeddings": 64, "deepstack_visual_indexes": [0, 2],
+    "depth": 3,
+    "hidden_size": 32,
+    "hidden_act": "gelu_pytorch_tanh",
+    "intermediate_size": 64,
+    "num_heads": 4,
+    "in_channels": 3,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "out_hidden_size": 48,
+    "num_position_embeddings": 64,
+    "deepstack_visual_indexes": [0, 2],
 }
 
 _ACTIVATIONS = ("gelu", "gelu_pytorch_tanh")
@@ -60,7 +96,8 @@ class AudioEncoderConfig:
             raise ValueError(f"audio d_model {self.d_model} is not a multiple of num_heads {self.num_heads}")
         if self.n_window_infer % (2 * self.n_window):
             raise ValueError(
-                f"audio n_window_infer {self.n_window_infer} must be a multiple of 2 * n_window ({2 * self.n_window})"
+                f"audio n_window_infer {self.n_window_infer} must be a multiple of "
+                f"2 * n_window ({2 * self.n_window})"
             )
         if self.activation not in _ACTIVATIONS:
             raise ValueError(f"unsupported audio activation {self.activation!r}; supported: {_ACTIVATIONS}")
@@ -83,11 +120,17 @@ class AudioEncoderConfig:
         """From `thinker_config.audio_config` of an HF config.json (missing keys take HF defaults)."""
         full = {**FULL_AUDIO, "output_dim": 3584, **d}  # HF's own default output_dim is 3584
         return cls(
-            num_mel_bins=full["num_mel_bins"], num_layers=full["encoder_layers"],
-            num_heads=full["encoder_attention_heads"], ffn_dim=full["encoder_ffn_dim"], d_model=full["d_model"],
-            output_dim=full["output_dim"], max_source_positions=full["max_source_positions"],
-            n_window=full["n_window"], n_window_infer=full["n_window_infer"],
-            conv_chunksize=full["conv_chunksize"], downsample_hidden_size=full["downsample_hidden_size"],
+            num_mel_bins=full["num_mel_bins"],
+            num_layers=full["encoder_layers"],
+            num_heads=full["encoder_attention_heads"],
+            ffn_dim=full["encoder_ffn_dim"],
+            d_model=full["d_model"],
+            output_dim=full["output_dim"],
+            max_source_positions=full["max_source_positions"],
+            n_window=full["n_window"],
+            n_window_infer=full["n_window_infer"],
+            conv_chunksize=full["conv_chunksize"],
+            downsample_hidden_size=full["downsample_hidden_size"],
             activation=full["activation_function"],
         )
 
@@ -106,7 +149,11 @@ class VisionEncoderConfig:
     spatial_merge_size: int = 2
     out_hidden_size: int = 2048  # the thinker's hidden size
     num_position_embeddings: int = 2304  # a square table (48 x 48) resampled to each grid
-    deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)  # blocks whose outputs feed the thinker's first layers
+    deepstack_visual_indexes: tuple[int, ...] = (
+        8,
+        16,
+        24,
+    )  # blocks whose outputs feed the thinker's first layers
     activation: str = "gelu_pytorch_tanh"
     rope_theta: float = 10000.0
 
@@ -140,11 +187,18 @@ class VisionEncoderConfig:
         full = {**FULL_VISION, "out_hidden_size": 3584, **d}  # HF's own default out_hidden_size is 3584
         rope = full.get("rope_parameters") or {}
         return cls(
-            depth=full["depth"], hidden_size=full["hidden_size"], intermediate_size=full["intermediate_size"],
-            num_heads=full["num_heads"], in_channels=full["in_channels"], patch_size=full["patch_size"],
-            temporal_patch_size=full["temporal_patch_size"], spatial_merge_size=full["spatial_merge_size"],
-            out_hidden_size=full["out_hidden_size"], num_position_embeddings=full["num_position_embeddings"],
-            deepstack_visual_indexes=tuple(full["deepstack_visual_indexes"]), activation=full["hidden_act"],
+            depth=full["depth"],
+            hidden_size=full["hidden_size"],
+            intermediate_size=full["intermediate_size"],
+            num_heads=full["num_heads"],
+            in_channels=full["in_channels"],
+            patch_size=full["patch_size"],
+            temporal_patch_size=full["temporal_patch_size"],
+            spatial_merge_size=full["spatial_merge_size"],
+            out_hidden_size=full["out_hidden_size"],
+            num_position_embeddings=full["num_position_embeddings"],
+            deepstack_visual_indexes=tuple(full["deepstack_visual_indexes"]),
+            activation=full["hidden_act"],
             rope_theta=float(rope.get("rope_theta", full.get("rope_theta", 10000.0))),
         )
 

@@ -30,13 +30,17 @@ VISION_PREFIX = "thinker.visual."
 def audio_mapper(config: AudioEncoderConfig, prefix: str = AUDIO_PREFIX) -> loading.NameMapper:
     """Checkpoint name -> (parameter of `AudioEncoder`, row offset), or None for other components."""
     d = config.d_model
-    attn = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", d), "v_proj": ("qkv_proj", 2 * d),
-            "out_proj": ("out_proj", 0)}
+    attn = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", d),
+        "v_proj": ("qkv_proj", 2 * d),
+        "out_proj": ("out_proj", 0),
+    }
 
     def mapper(name: str) -> tuple[str, int] | None:
         if not name.startswith(prefix):
             return None
-        name = name[len(prefix):]
+        name = name[len(prefix) :]
         match = re.fullmatch(r"layers\.(\d+)\.self_attn\.(\w+)\.(weight|bias)", name)
         if match and match.group(2) in attn:
             target, offset = attn[match.group(2)]
@@ -48,13 +52,17 @@ def audio_mapper(config: AudioEncoderConfig, prefix: str = AUDIO_PREFIX) -> load
 
 def vision_mapper(prefix: str = VISION_PREFIX) -> loading.NameMapper:
     """Checkpoint name -> (parameter of `VisionEncoder`, 0), or None for other components."""
-    renames = {".attn.qkv.": ".qkv.", ".attn.proj.": ".proj.", ".mlp.linear_fc1.": ".linear_fc1.",
-               ".mlp.linear_fc2.": ".linear_fc2."}
+    renames = {
+        ".attn.qkv.": ".qkv.",
+        ".attn.proj.": ".proj.",
+        ".mlp.linear_fc1.": ".linear_fc1.",
+        ".mlp.linear_fc2.": ".linear_fc2.",
+    }
 
     def mapper(name: str) -> tuple[str, int] | None:
         if not name.startswith(prefix):
             return None
-        name = name[len(prefix):]
+        name = name[len(prefix) :]
         if name.startswith("blocks."):
             for old, new in renames.items():
                 name = name.replace(old, new)
@@ -63,16 +71,18 @@ def vision_mapper(prefix: str = VISION_PREFIX) -> loading.NameMapper:
     return mapper
 
 
-def build_audio_encoder(config: AudioEncoderConfig, dtype: torch.dtype = torch.bfloat16,
-                        device: str | torch.device = "cpu") -> AudioEncoder:
+def build_audio_encoder(
+    config: AudioEncoderConfig, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+) -> AudioEncoder:
     """An AudioEncoder in `dtype` on `device`, weights UNINITIALISED (fill them next)."""
     with torch.device("meta"):  # no full-size float32 copy is ever allocated
         model = AudioEncoder(config).to(dtype)
     return model.to_empty(device=device).eval()
 
 
-def build_vision_encoder(config: VisionEncoderConfig, dtype: torch.dtype = torch.bfloat16,
-                         device: str | torch.device = "cpu") -> VisionEncoder:
+def build_vision_encoder(
+    config: VisionEncoderConfig, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
+) -> VisionEncoder:
     """A VisionEncoder in `dtype` on `device`, weights UNINITIALISED (fill them next)."""
     with torch.device("meta"):
         model = VisionEncoder(config).to(dtype)
@@ -99,8 +109,13 @@ def fill_encoder_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.0
                 module.weight.fill_(1.0)
 
 
-def load_encoder(model: nn.Module, checkpoint: str | Path | None, load_format: str = "auto",
-                 tensors: Iterable[tuple[str, torch.Tensor]] | None = None, progress: bool = True) -> nn.Module:
+def load_encoder(
+    model: nn.Module,
+    checkpoint: str | Path | None,
+    load_format: str = "auto",
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+    progress: bool = True,
+) -> nn.Module:
     """Fill `model` (an AudioEncoder or VisionEncoder) from the Qwen3-Omni checkpoint folder or Hub id
     `checkpoint`, from `tensors` (HF names) when given, or with dummy weights; returns `model`."""
     if load_format not in loading.LOAD_FORMATS:

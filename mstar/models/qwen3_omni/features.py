@@ -98,13 +98,16 @@ def log_mel_features(
     padded_len = max(len(m) for m in mono)
     if padded_len <= spec.n_fft // 2:
         raise ValueError(
-            f"audio too short: {padded_len} samples at {spec.sampling_rate} Hz; need more than {spec.n_fft // 2}"
+            f"audio too short: {padded_len} samples at {spec.sampling_rate} Hz; "
+            f"need more than {spec.n_fft // 2}"
         )
     batch = torch.zeros(len(mono), padded_len, dtype=torch.float32)
     for i, m in enumerate(mono):
         batch[i, : len(m)] = torch.from_numpy(m)
     log_spec = _log_mel(batch, spec)
-    lengths = torch.tensor([_valid_frames(len(m), padded_len, spec.hop_length) for m in mono], dtype=torch.int64)
+    lengths = torch.tensor(
+        [_valid_frames(len(m), padded_len, spec.hop_length) for m in mono], dtype=torch.int64
+    )
     features = torch.cat([log_spec[i, :, :n] for i, n in enumerate(lengths.tolist())], dim=1)
     return AudioFeatures(features=features, lengths=lengths)
 
@@ -189,7 +192,9 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-def preprocess_images(images: Sequence[np.ndarray], spec: VisionPreprocessSpec = VisionPreprocessSpec()) -> VisionInputs:
+def preprocess_images(
+    images: Sequence[np.ndarray], spec: VisionPreprocessSpec = VisionPreprocessSpec()
+) -> VisionInputs:
     """Patches of uint8 (H, W, 3) RGB images: PIL bicubic resize, rescale, normalise, each frame
     repeated over the temporal patch (as the image processor does)."""
     from PIL import Image
@@ -197,7 +202,9 @@ def preprocess_images(images: Sequence[np.ndarray], spec: VisionPreprocessSpec =
     patches, grids = [], []
     for image in images:
         _check_rgb(image, "image")
-        h, w = smart_resize(image.shape[0], image.shape[1], spec.factor, spec.image_min_pixels, spec.image_max_pixels)
+        h, w = smart_resize(
+            image.shape[0], image.shape[1], spec.factor, spec.image_min_pixels, spec.image_max_pixels
+        )
         resized = np.asarray(Image.fromarray(image).resize((w, h), resample=Image.BICUBIC))
         scaled = (resized.astype(np.float64) * (1 / 255)).astype(np.float32)
         normed = (scaled - np.array(spec.mean, np.float32)) / np.array(spec.std, np.float32)
@@ -226,7 +233,9 @@ def sample_frame_indices(
 
 
 def preprocess_videos(
-    videos: Sequence[np.ndarray], video_fps: Sequence[float] | None = None, fps: float | None = None,
+    videos: Sequence[np.ndarray],
+    video_fps: Sequence[float] | None = None,
+    fps: float | None = None,
     spec: VisionPreprocessSpec = VisionPreprocessSpec(),
 ) -> VisionInputs:
     """Patches of uint8 (T, H, W, 3) videos. With `fps`, frames are first sampled at that rate (each
@@ -238,7 +247,9 @@ def preprocess_videos(
         _check_rgb(video, "video", ndim=4)
         if fps is not None:
             video = video[sample_frame_indices(video.shape[0], float(video_fps[i]), fps, spec)]
-        h, w = smart_resize(video.shape[1], video.shape[2], spec.factor, spec.video_min_pixels, spec.video_max_pixels)
+        h, w = smart_resize(
+            video.shape[1], video.shape[2], spec.factor, spec.video_min_pixels, spec.video_max_pixels
+        )
         frames = _resize_frames(torch.from_numpy(np.ascontiguousarray(video)).permute(0, 3, 1, 2), h, w)
         mean = torch.tensor(spec.mean).view(1, 3, 1, 1) * 255.0
         std = torch.tensor(spec.std).view(1, 3, 1, 1) * 255.0
@@ -270,14 +281,21 @@ def _patchify(frames: torch.Tensor, spec: VisionPreprocessSpec) -> tuple[torch.T
     return x.reshape(t * gh * gw, c * tp * p * p), [t, gh, gw]
 
 
-def _stack(patches: list[torch.Tensor], grids: list[list[int]], seconds: tuple[float, ...] = ()) -> VisionInputs:
+def _stack(
+    patches: list[torch.Tensor], grids: list[list[int]], seconds: tuple[float, ...] = ()
+) -> VisionInputs:
     if not patches:
         raise ValueError("no images or videos to preprocess")
     return VisionInputs(torch.cat(patches).contiguous(), torch.tensor(grids, dtype=torch.int64), seconds)
 
 
 def _check_rgb(array: np.ndarray, what: str, ndim: int = 3) -> None:
-    if not isinstance(array, np.ndarray) or array.ndim != ndim or array.shape[-1] != 3 or array.dtype != np.uint8:
+    if (
+        not isinstance(array, np.ndarray)
+        or array.ndim != ndim
+        or array.shape[-1] != 3
+        or array.dtype != np.uint8
+    ):
         shape = "(T, H, W, 3)" if ndim == 4 else "(H, W, 3)"
         got = f"{type(array).__name__} {getattr(array, 'shape', '')} {getattr(array, 'dtype', '')}"
         raise ValueError(f"{what} must be a uint8 RGB array shaped {shape}, got {got}")

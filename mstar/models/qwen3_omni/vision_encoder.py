@@ -52,7 +52,9 @@ class VisionBlock(nn.Module):
         self.linear_fc1 = nn.Linear(d, config.intermediate_size)
         self.linear_fc2 = nn.Linear(config.intermediate_size, d)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: SegmentPlan
+    ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv(self.norm1(x)).view(t, 3, self.num_heads, -1).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -73,7 +75,9 @@ class PatchMerger(nn.Module):
         self.postshuffle_norm = postshuffle_norm
         self.ln_q = nn.LayerNorm(self.block_dim if postshuffle_norm else config.hidden_size, eps=1e-6)
         self.mlp = nn.Sequential(
-            nn.Linear(self.block_dim, self.block_dim), nn.GELU(), nn.Linear(self.block_dim, config.out_hidden_size)
+            nn.Linear(self.block_dim, self.block_dim),
+            nn.GELU(),
+            nn.Linear(self.block_dim, config.out_hidden_size),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +114,7 @@ class VisionEncoder(nn.Module):
         )
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisionOutput:
-        """pixel_values [sum(t*h*w), patch_dim], grid_thw [num_inputs, 3] (from `features`) -> VisionOutput."""
+        """pixel_values [sum(t*h*w), patch_dim], grid_thw [num_inputs, 3] (see `features`) -> VisionOutput."""
         grids = [tuple(int(v) for v in g) for g in grid_thw.tolist()]
         self._check(pixel_values, grids)
         x = self.patch_embed(pixel_values)
@@ -131,7 +135,9 @@ class VisionEncoder(nn.Module):
             raise ValueError(f"vision grids {bad} must be positive with h and w multiples of {m}")
         expected = (sum(t * h * w for t, h, w in grids), self.config.patch_dim)
         if tuple(pixel_values.shape) != expected:
-            raise ValueError(f"pixel_values shaped {tuple(pixel_values.shape)}; grid_thw {grids} needs {expected}")
+            raise ValueError(
+                f"pixel_values shaped {tuple(pixel_values.shape)}; grid_thw {grids} needs {expected}"
+            )
 
     def _block_order(self, grid: torch.Tensor, h: int, w: int) -> torch.Tensor:
         """[h, w, ...] in raster order -> [h * w, ...] in 2x2 merge-block order (the patch order)."""
@@ -153,11 +159,15 @@ class VisionEncoder(nn.Module):
             out.append(self._block_order(grid, h, w).repeat(t, 1))
         return torch.cat(out)
 
-    def _rotary(self, grids: list[tuple[int, int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rotary(
+        self, grids: list[tuple[int, int, int]], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [sum(t*h*w), head_dim] float32: a quarter of the head turns with the row, a quarter
         with the column, and the halves repeat (rotate-half convention)."""
         quarter = self.config.head_dim // 2
-        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter))
+        inv_freq = 1.0 / (
+            self.config.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter)
+        )
         positions = []
         for t, h, w in grids:
             hw = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), dim=-1)
