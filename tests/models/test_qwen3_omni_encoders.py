@@ -124,6 +124,9 @@ def test_vision_encoder_equals_reference_for_image_and_video(vision_pair):
     assert len(got.deepstack) == len(expected.deepstack_features) == 2
     for ours_tap, ref_tap in zip(got.deepstack, expected.deepstack_features):
         torch.testing.assert_close(ours_tap, ref_tap, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # inputs of a batch never see each other: the image alone gives the same rows
+        alone = ours(pixels[:24], grid_thw[:1])
+    torch.testing.assert_close(alone.embeds, got.embeds[:6], atol=1e-5, rtol=1e-5)
 
 
 def test_vision_encoder_multi_frame_video_equals_reference(vision_pair):
