@@ -32,22 +32,22 @@ TOKEN_CAP = 16
 EXAMPLES = int(os.environ.get("MSTAR_SCHEMATHESIS_EXAMPLES", "25"))
 
 
+# name -> (config, Runtime kwargs, run schemathesis' coverage phase). The coverage phase (about a
+# thousand boundary cases) runs on the toy; the tiny Llama gets the fuzzing phase only, for time.
 SERVERS = {
-    "toy": ({"model": "toy"}, {}),
-    "tiny-llama": ({"model": "llama", "device": "cpu", "kv_cache": {"max_num_pages": 128}}, {"tiny": True}),
+    "toy": ({"model": "toy"}, {}, True),
+    "tiny-llama": ({"model": "llama", "device": "cpu", "kv_cache": {"max_num_pages": 128}}, {"tiny": True}, False),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(SERVERS))
-def base(request):
-    config, runtime_kwargs = SERVERS[request.param]
+def api_schema(request):
+    from schemathesis.config import SchemathesisConfig
+
+    config, runtime_kwargs, coverage = SERVERS[request.param]
     with running_server(config, runtime_kwargs=runtime_kwargs) as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def api_schema(base):
-    return schemathesis.openapi.from_url(f"{base}/openapi.json")
+        phases = SchemathesisConfig.from_dict({"phases": {"coverage": {"enabled": coverage}}})
+        yield schemathesis.openapi.from_url(f"{url}/openapi.json", config=phases)
 
 
 schema = schemathesis.pytest.from_fixture("api_schema")
