@@ -43,6 +43,7 @@ class Conductor:
         self._dead: dict[int, str] = {}
         self._lanes = {lane.name: lane for lane in graph.lanes}
         self._walks = {w.name: w for w in graph.walks}
+        self._worker_stats: dict[int, wire.WorkerStats] = {}  # rank -> latest engine load it reported
 
     # -- API side --------------------------------------------------------------------------
 
@@ -82,8 +83,14 @@ class Conductor:
             return True
 
     def stats(self) -> dict[str, int]:
+        """Requests admitted and running (`in_flight`) and waiting for admission (`queued`)."""
         with self._lock:
             return {"in_flight": len(self._active), "queued": len(self._queue)}
+
+    def worker_stats(self) -> dict[int, wire.WorkerStats]:
+        """The latest engine load each live worker reported (ranks that never reported are absent)."""
+        with self._lock:
+            return dict(self._worker_stats)
 
     # -- worker side -------------------------------------------------------------------------
 
@@ -97,11 +104,14 @@ class Conductor:
                 req.sink(OutputEvent(msg.rid, msg.name, req.next_seq(msg.name), self.codec.unpack(msg.value)))
             elif isinstance(msg, wire.WalkDone):
                 self._walk_done(msg)
+            elif isinstance(msg, wire.WorkerStats) and msg.rank not in self._dead:
+                self._worker_stats[msg.rank] = msg
 
     def worker_died(self, rank: int, reason: str) -> None:
         """Fail every request that touched the rank and never place work there again."""
         with self._lock:
             self._dead[rank] = reason
+            self._worker_stats.pop(rank, None)  # a dead worker's last load would read as live
             for req in [r for r in self._active.values() if rank in r.workers]:
                 self._end(req, FinishEvent(req.rid, "error", f"worker {rank} died: {reason}", 500,
                                            dict(req.out_seq)))

@@ -36,6 +36,7 @@ class StatelessEngine:
         self.module = module
         self.max_batch_size = max_batch_size
         self._pending: deque[StepItem] = deque()
+        self.last_step_items = 0  # items the latest step ran (mstar.engines.stats.ReportsStats)
 
     def submit(self, item: StepItem) -> None:
         self._pending.append(item)
@@ -49,8 +50,13 @@ class StatelessEngine:
         if release is not None:
             release(request_id)
 
+    def stats(self) -> dict[str, float]:
+        """Load counters (mstar.engines.stats): items waiting for a step."""
+        return {"queue_depth": len(self._pending)}
+
     def step(self) -> list[StepResult]:
         batch = self._take_batch()
+        self.last_step_items = len(batch)
         if not batch:
             return []
         try:

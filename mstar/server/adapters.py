@@ -56,6 +56,7 @@ class RequestStream:
         self._seq: dict[str, int] = {}
         self._t0 = time.monotonic()
         self._last: float | None = None
+        self._last_of: dict[str, float] = {}  # output name -> arrival of its latest value
 
     def sink(self, event: OutputEvent | FinishEvent) -> None:
         """Called from the conductor thread: hand the event to the event loop."""
@@ -87,7 +88,7 @@ class RequestStream:
             return self._items(self.decoder.flush())
         if self.finish_reason is not None:  # stopped by the decoder (stop string): drop the rest
             return []
-        self._observe_timing()
+        self._observe_timing(event.name)
         items = self._items(self.decoder.push(event.name, event.value))
         if self.decoder.finish_reason is not None:
             self.finish_reason = self.decoder.finish_reason
@@ -102,13 +103,18 @@ class RequestStream:
             out.append(Item(name, seq, value))
         return out
 
-    def _observe_timing(self) -> None:
-        now = time.monotonic()
+    def _observe_timing(self, output: str) -> None:
+        now, metrics = time.monotonic(), self.state.metrics
         if self._last is None:
-            self.state.metrics.first_output(now - self._t0)
+            metrics.first_output(now - self._t0)
         else:
-            self.state.metrics.inter_output(now - self._last)
-        self._last = now
+            metrics.inter_output(now - self._last)
+        previous = self._last_of.get(output)
+        if previous is None:
+            metrics.first_of(output, now - self._t0)  # time to first token / audio / image / video
+        else:
+            metrics.inter_output(now - previous, output)
+        self._last, self._last_of[output] = now, now
 
     def close(self) -> None:
         """Cancel the request if it has not finished (the client went away)."""

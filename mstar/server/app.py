@@ -20,6 +20,7 @@ from mstar.server.adapters import RequestError
 from mstar.server.media import MediaError, MediaPolicy
 from mstar.server.metrics import ServerMetrics
 from mstar.server.middleware import GuardMiddleware
+from mstar.server.openapi import install_openapi
 from mstar.server.protocol import error_response, validation_message
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ def create_app(runtime: Any, api_key: str | None = None, media_policy: MediaPoli
     app = FastAPI(title="mstar", version="0.1.0",
                   description=f"Serving {state.model_name}: native /generate and OpenAI-compatible routes.")
     app.state.mstar = state
+    install_openapi(app, api_key=api_key is not None)
     _install_error_handlers(app)
     app.include_router(routes_native.router)
     app.include_router(routes_openai.router)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from mstar.server.adapters import Item, RequestError, RequestStream, start_request
@@ -34,6 +34,7 @@ from mstar.server.media import decode_audio, decode_image, decode_video, encode_
 from mstar.server.protocol import (
     AudioChunk,
     ErrorChunk,
+    ErrorResponse,
     FinalChunk,
     GenerateForm,
     GenerateRequest,
@@ -56,7 +57,11 @@ async def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/ready")
+_ERROR = {"model": ErrorResponse}
+_NDJSON = {"application/x-ndjson": {"schema": {"type": "string", "description": "one JSON chunk per line"}}}
+
+
+@router.get("/ready", responses={503: {**_ERROR, "description": "still loading, or stopping"}})
 async def ready(request: Request) -> Response:
     """200 once every worker is loaded; 503 before (and while shutting down)."""
     if get_state(request).runtime.ready:
@@ -64,8 +69,10 @@ async def ready(request: Request) -> Response:
     return error_json(503, "the model is still loading (or the server is stopping)")
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse,
+            responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> Response:
+    """Prometheus exposition text (docs/metrics.md lists the series)."""
     body, content_type = get_state(request).metrics.render()
     return Response(body, media_type=content_type)
 
@@ -174,7 +181,10 @@ def _even(frames: np.ndarray) -> np.ndarray:
     return np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge") if pad_h or pad_w else frames
 
 
-@router.post("/generate", response_model=None, openapi_extra=_GENERATE_SCHEMA)
+@router.post("/generate", response_model=None, openapi_extra=_GENERATE_SCHEMA, responses={
+    200: {"model": GenerateResponse, "content": _NDJSON,
+          "description": "one JSON answer; with `stream: true` an NDJSON stream of typed chunks"},
+    409: {**_ERROR, "description": "`request_id` is already in flight"}})
 async def generate(request: Request) -> Response:
     """Run the model on text and media; stream typed NDJSON chunks, or answer once with `stream: false`."""
     state = get_state(request)

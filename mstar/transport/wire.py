@@ -112,7 +112,31 @@ class WorkerFailed(msgspec.Struct, tag=True, array_like=True):
     error: str
 
 
+# Histogram bounds of WorkerStats (upper bounds; one more bucket, +Inf, comes last).
+STEP_SECONDS_BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_SIZE_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class ComponentStats(msgspec.Struct, array_like=True):
+    """Load of one component's engine on one worker, cumulative since the worker started."""
+
+    component: str
+    gauges: dict[str, float]  # the engine's stats() (queue depth, KV pages, ...; mstar/engines/stats.py)
+    steps: int  # steps that ran at least one item
+    step_seconds_sum: float
+    step_seconds_buckets: list[int]  # steps per bucket of STEP_SECONDS_BOUNDS, +Inf last (not cumulative)
+    batch_items_sum: int
+    batch_size_buckets: list[int]  # steps per bucket of BATCH_SIZE_BOUNDS, +Inf last (not cumulative)
+
+
+class WorkerStats(msgspec.Struct, tag=True, array_like=True):
+    """Worker -> conductor, about twice a second and only when something changed: engine load."""
+
+    rank: int
+    components: list[ComponentStats]
+
+
 Message = Union[
     StartWalk, RunNode, NodeDone, StreamItem, StreamEnd, Release, Shutdown, ClientOutput, WalkDone,
-    WorkerReady, WorkerFailed,
+    WorkerReady, WorkerFailed, WorkerStats,
 ]

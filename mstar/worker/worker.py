@@ -8,6 +8,7 @@ another worker, the client, or the conductor).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from mstar.engines.base import Engine, StepItem, StepResult
 from mstar.graph import CARRY, TO_CLIENT, ModelGraph, Walk, iter_nodes
 from mstar.transport import wire
 from mstar.transport.messages import discard_message
+from mstar.worker.stats import StatsReporter
 from mstar.worker.streams import END, StreamBuffer
 from mstar.worker.walk_run import NodeCall, Outcome, WalkRun
 
@@ -58,15 +60,17 @@ class Worker:
         self._final_chunks: set[tuple[str, str, str]] = set()  # calls fed the last chunk of their stream
         self._node_specs = {(w.name, n.name): n for w in graph.walks for n in iter_nodes(w.body)}
         self._running = True
+        self.stats = StatsReporter(rank, engines, lambda msg: self.outbox.send(CONDUCTOR, msg))
 
     # -- the loop ---------------------------------------------------------------------------
 
     def run(self) -> None:
-        """Serve until a Shutdown message arrives."""
+        """Serve until a Shutdown message arrives; engine stats go to the conductor about twice a second."""
         while self._running:
             busy = any(e.has_work() for e in self.engines.values())
             self.receive(timeout_s=0.0 if busy else 0.05)
             self.execute()
+            self.stats.maybe_send()
 
     def receive(self, timeout_s: float) -> None:
         msg = self.inbox.recv(timeout_s)
@@ -85,7 +89,10 @@ class Worker:
             if not engine.has_work():
                 continue
             try:
+                started = time.perf_counter()
                 results = engine.step()
+                self.stats.record(component, time.perf_counter() - started,
+                                  getattr(engine, "last_step_items", len(results)))
             except Exception as exc:
                 logger.exception("engine of %s failed a step", component)
                 results = self._fail_engine(component, engine, exc)

@@ -24,7 +24,9 @@ def free_port() -> int:
 @contextmanager
 def running_server(config: dict, api_key: str | None = None, runtime_kwargs: dict | None = None, **app_kwargs):
     """Yield the base URL of a live server; stop uvicorn and the runtime afterwards.
-    `runtime_kwargs` go to `Runtime` (e.g. tiny=True)."""
+
+    `runtime_kwargs` go to `Runtime` (e.g. `mode="multiproc"`, `tiny=True`), `app_kwargs` to `create_app`.
+    """
     runtime = Runtime(config_from_dict(config), **(runtime_kwargs or {}))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(runtime, api_key=api_key, **app_kwargs), host="127.0.0.1",
@@ -51,3 +53,20 @@ def in_flight(base: str, headers: dict | None = None) -> float:
         if line.startswith("mstar_requests_in_flight "):
             return float(line.split()[1])
     raise AssertionError("no mstar_requests_in_flight in /metrics")
+
+
+def scrape(base: str, headers: dict | None = None) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Every sample of /metrics: sample name -> [(labels, value)]."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{base}/metrics", headers=headers or {}).text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return samples
+
+
+def metric_sum(samples: dict, name: str, **labels: str) -> float | None:
+    """The sum of `name`'s samples whose labels include `labels`; None when there is none."""
+    values = [v for lab, v in samples.get(name, []) if labels.items() <= lab.items()]
+    return sum(values) if values else None

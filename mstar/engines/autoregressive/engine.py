@@ -64,6 +64,7 @@ class AutoregressiveEngine:
         self.runner = ModelRunner(model, attn, kv_config.page_size, self.device, cuda_graphs, max_num_seqs)
         self._seqs: dict[tuple[str, str], Sequence] = {}
         self._errors: list[StepResult] = []  # items refused at submit, reported by the next step
+        self.last_step_items = 0  # sequences the latest step computed (mstar.engines.stats.ReportsStats)
 
     def submit(self, item: StepItem) -> None:
         """Queue an item; a malformed one (bad options, too long, ...) fails alone at the next step."""
@@ -77,6 +78,7 @@ class AutoregressiveEngine:
         """Schedule, run one packed forward, sample; results for the items finished in this step."""
         results, self._errors = self._errors, []
         chunks = self.scheduler.schedule()
+        self.last_step_items = len(chunks)
         if chunks:
             logits = self.runner.run(chunks)
             self.scheduler.update(chunks)
@@ -89,6 +91,19 @@ class AutoregressiveEngine:
     def has_work(self) -> bool:
         """Whether some submitted item has no result yet."""
         return bool(self._errors) or any(s.item is not None for s in self._seqs.values())
+
+    def stats(self) -> dict[str, float]:
+        """Load and KV cache counters (keys documented in mstar.engines.stats); O(live sequences)."""
+        sched, pool = self.scheduler, self.pool
+        return {
+            "queue_depth": len(self._errors) + sum(s.item is not None for s in self._seqs.values()),
+            "kv_pages_used": pool.num_used,
+            "kv_pages_cached": pool.num_cached_idle,
+            "kv_pages_total": pool.num_pages,
+            "seqs_running": len(sched.running),
+            "seqs_waiting": len(sched.waiting),
+            "preemptions": sched.num_preemptions,
+        }
 
     def release(self, request_id: str) -> None:
         """Drop every sequence (all KV slots) and pending item of `request_id`; unknown ids are fine."""

@@ -31,6 +31,16 @@ class BlockPool:
         """Pages `allocate` can hand out now (free plus evictable)."""
         return len(self._free) + self._cache.num_idle
 
+    @property
+    def num_used(self) -> int:
+        """Pages held by at least one sequence (refcount > 0)."""
+        return self.num_pages - self.num_free
+
+    @property
+    def num_cached_idle(self) -> int:
+        """Pages nobody holds that the prefix cache keeps for reuse (evicted on demand)."""
+        return self._cache.num_idle
+
     def pages_for(self, num_tokens: int) -> int:
         """Pages needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.page_size)
