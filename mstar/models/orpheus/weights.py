@@ -41,10 +41,11 @@ def fold_weight_norm(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tor
     """A state dict with every (g, v) pair replaced by its plain `weight`."""
     plain, gs, vs = {}, {}, {}
     for name, tensor in named:
-        if name.endswith(_G):
-            gs[_owner(name)] = tensor
-        elif name.endswith(_V):
-            vs[_owner(name)] = tensor
+        dotted = "." + name  # so a top-level "weight_g" has an (empty) owner like any other
+        if dotted.endswith(_G):
+            gs[_owner(dotted)] = tensor
+        elif dotted.endswith(_V):
+            vs[_owner(dotted)] = tensor
         else:
             plain[name] = tensor
     if set(gs) != set(vs):
@@ -52,14 +53,14 @@ def fold_weight_norm(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tor
     for prefix, g in gs.items():
         v = vs[prefix].float()
         norm = v.pow(2).sum(dim=tuple(range(1, v.dim())), keepdim=True).sqrt()
-        plain[f"{prefix}.weight"] = (v * (g.float() / norm)).to(vs[prefix].dtype)
+        plain[f"{prefix}.weight".lstrip(".")] = (v * (g.float() / norm)).to(vs[prefix].dtype)
     return plain
 
 
 def _owner(name: str) -> str:
-    """The module path of a weight-norm tensor name."""
+    """The module path of a dotted weight-norm tensor name ("" at the top level)."""
     cut = ".parametrizations." if ".parametrizations." in name else ".weight_"
-    return name[: name.index(cut)]
+    return name[1: name.rindex(cut)]
 
 
 def snac_folder(path_or_repo: str | Path | None) -> Path:
