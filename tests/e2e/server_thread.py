@@ -22,9 +22,9 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(config: dict, api_key: str | None = None, **app_kwargs):
-    """Yield the base URL of a live server; stop uvicorn and the runtime afterwards."""
-    runtime = Runtime(config_from_dict(config))
+def running_server(config: dict, api_key: str | None = None, tiny: bool = False, **app_kwargs):
+    """Yield the base URL of a live server; stop uvicorn and the runtime afterwards (`tiny`: as --tiny)."""
+    runtime = Runtime(config_from_dict(config), tiny=tiny)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(runtime, api_key=api_key, **app_kwargs), host="127.0.0.1",
                                            port=port, log_level="warning"))
