@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -38,7 +37,7 @@ def make_checkpoint(path: Path, seed: int = 0):
     torch.manual_seed(seed)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny_lm_hf_config(tokens))).float().eval()
     with torch.no_grad():
-        for name, param in hf.named_parameters():
+        for param in hf.parameters():
             if param.ndim == 1:
                 param.copy_(1.0 + 0.1 * torch.randn_like(param))
             else:

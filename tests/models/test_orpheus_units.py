@@ -59,27 +59,29 @@ def test_frame_layout_splits_levels_like_the_original():
     assert not window_is_valid([REAL.audio_offset + 4096, *frame_tokens[0, 1:].tolist()], REAL)  # code 4096
 
 
+def _drain(buf: StreamBuffer, emitted: list[int]) -> None:
+    """Pop every ready chunk, plan it as the vocoder does, and record the frames it emits."""
+    while (chunk := buf.pop()) not in (None, END):
+        plan = plan_window(len(chunk.value), chunk.new, chunk.start, chunk.final)
+        assert plan.frames <= 4 and plan.first_token + 7 * plan.frames <= len(chunk.value)
+        emitted.extend(range(plan.first_frame + plan.emit_from, plan.first_frame + plan.emit_to))
+        if not chunk.final:  # ordinary windows keep their middle frame (0:4096 for the first)
+            assert (plan.emit_from, plan.emit_to) == ((0, 2) if chunk.start == 0 else (1, 2))
+
+
 @pytest.mark.parametrize("arrival", ["items_first", "end_first"])
 def test_every_frame_is_emitted_exactly_once(arrival):
     """Windows of the real stream policy and the vocoder's plans cover frames 0..N//7-1 once each."""
     for n in range(0, 90):
         buf = StreamBuffer(SlidingWindow(28, 7, recut_at_end=True))
-        emitted = []
-
-        def drain():
-            while (chunk := buf.pop()) not in (None, END):
-                plan = plan_window(len(chunk.value), chunk.new, chunk.start, chunk.final)
-                assert plan.frames <= 4 and plan.first_token + 7 * plan.frames <= len(chunk.value)
-                emitted.extend(range(plan.first_frame + plan.emit_from, plan.first_frame + plan.emit_to))
-                if not chunk.final:  # ordinary windows keep their middle frame (0:4096 for the first)
-                    assert (plan.emit_from, plan.emit_to) == ((0, 2) if chunk.start == 0 else (1, 2))
+        emitted: list[int] = []
         if arrival == "end_first":
             buf.end(n)
         for i in range(n):
             buf.put(i, torch.tensor([i]))
-            drain()
+            _drain(buf, emitted)
         buf.end(n)
-        drain()
+        _drain(buf, emitted)
         assert emitted == list(range(n // 7)), n
 
 
