@@ -40,11 +40,14 @@ class SlidingWindow(ChunkPolicy):
     """Windows of `window` items advancing by `stride` (Orpheus' SNAC: 28 / 7).
 
     The first window is cut as soon as `window` items exist. At the end, items not yet covered by
-    a window are flushed in one last window that ends at the stream's end.
+    a window are flushed in one last window that ends at the stream's end. With `recut_at_end`,
+    that last window is cut even when it brings no new item, so a consumer that keeps only the
+    middle of each window can emit the tail of the stream from it.
     """
 
     window: int
     stride: int
+    recut_at_end: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.stride <= self.window:
@@ -53,8 +56,10 @@ class SlidingWindow(ChunkPolicy):
     def next_chunk(self, start: int, available: int, ended: bool) -> tuple[int, int, int] | None:
         if available - start >= self.window:
             return start, start + self.window, start + self.stride
+        if not ended or available == 0:
+            return None
         covered = start + self.window - self.stride if start > 0 else 0
-        if ended and available > covered:
+        if available > covered or (self.recut_at_end and start <= available):
             return max(0, available - self.window), available, available + self.window
         return None
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any, Union
 
 from mstar.graph.chunking import ChunkPolicy
 
@@ -127,7 +127,13 @@ class StreamEdge:
 
     Every value of `edge` produced by any walk of `source_lane` is appended (dim 0) to the stream;
     the `target_walk` sees the chunks as its input `target_input`, and its nodes reading that input
-    run once per chunk until the stream ends.
+    run once per chunk until the stream ends. Next to the chunk, such a node gets the ports
+    `<input>_new` (how many of the chunk's items no earlier chunk held), `<input>_start` (the index
+    of the chunk's first item in the stream) and `<input>_final` (no chunk follows).
+
+    `keep(item, kept)` (optional) filters items in stream order before chunking: `kept` is how many
+    items were kept so far, so a filter may depend on an item's position (Orpheus drops tokens
+    that are no audio code at their place in a frame).
     """
 
     edge: str
@@ -135,6 +141,7 @@ class StreamEdge:
     target_walk: str
     target_input: str
     policy: ChunkPolicy
+    keep: Callable[[Any, int], bool] | None = None
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from mstar.models.base import Model
 # name -> "module:Class". Keep sorted by name.
 _MODELS: dict[str, str] = {
     "llama": "mstar.models.llama.serving:DenseLM",
+    "orpheus": "mstar.models.orpheus.model:OrpheusModel",
     "qwen2": "mstar.models.llama.serving:Qwen2LM",
     "qwen3": "mstar.models.llama.serving:Qwen3LM",
     "smollm2": "mstar.models.llama.serving:SmolLM2",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,10 +14,15 @@ END = object()  # the stream is exhausted: no chunk will ever come
 
 
 class StreamBuffer:
-    """Items of one stream of one request, in order; ends once `total` items have arrived."""
+    """Items of one stream of one request, in order; ends once `total` items have arrived.
 
-    def __init__(self, policy: ChunkPolicy) -> None:
+    `keep(item, kept)` drops items (in stream order) before they reach the chunk policy.
+    """
+
+    def __init__(self, policy: ChunkPolicy, keep: Callable[[Any, int], bool] | None = None) -> None:
         self.policy = policy
+        self.keep = keep
+        self._received = 0  # items taken in order, kept or not
         self._items: list[Any] = []
         self._early: dict[int, Any] = {}  # items that arrived ahead of a gap
         self._start = 0
@@ -25,15 +31,18 @@ class StreamBuffer:
 
     def put(self, seq: int, value: Any) -> None:
         self._early[seq] = value
-        while len(self._items) in self._early:
-            self._items.append(self._early.pop(len(self._items)))
+        while self._received in self._early:
+            item = self._early.pop(self._received)
+            self._received += 1
+            if self.keep is None or self.keep(item, len(self._items)):
+                self._items.append(item)
 
     def end(self, total: int) -> None:
         self._total = total
 
     @property
     def ended(self) -> bool:
-        return self._total is not None and len(self._items) >= self._total
+        return self._total is not None and self._received >= self._total
 
     def pop(self) -> Chunk | object | None:
         """The next chunk, END, or None while waiting for items."""
@@ -45,7 +54,7 @@ class StreamBuffer:
         new = hi - max(lo, self._covered)
         self._covered = max(self._covered, hi)
         final = ended and self.policy.next_chunk(self._start, available, True) is None
-        return Chunk(torch.cat(self._items[lo:hi]), new, final)
+        return Chunk(torch.cat(self._items[lo:hi]), new, final, lo)
 
 
 @dataclass
@@ -55,3 +64,4 @@ class Chunk:
     value: torch.Tensor
     new: int
     final: bool
+    start: int = 0  # index of the chunk's first item in the (kept) stream

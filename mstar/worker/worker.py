@@ -51,7 +51,7 @@ class Worker:
         self.inbox, self.outbox, self.codec = inbox, outbox, codec
         self.device = device
         self._walks = {w.name: w for w in graph.walks}
-        self._policies = {s.target_input: s.policy for s in graph.streams}
+        self._streams = {s.target_input: s for s in graph.streams}
         self._runs: dict[tuple[str, str], _Run] = {}
         self._remote: dict[tuple[str, str, str, int], int] = {}  # (rid, walk, node, iteration) -> reply rank
         self._buffers: dict[tuple[str, str], StreamBuffer] = {}
@@ -176,7 +176,8 @@ class Worker:
             self._complete(rid, walk, call.node.name, Outcome(final_chunk=True), None)
             return
         port = call.stream[0]
-        inputs = {**call.inputs, port: chunk.value, f"{port}_new": torch.tensor(chunk.new)}
+        inputs = {**call.inputs, port: chunk.value, f"{port}_new": torch.tensor(chunk.new),
+                  f"{port}_start": torch.tensor(chunk.start), f"{port}_final": torch.tensor(chunk.final)}
         if chunk.final:
             self._final_chunks.add((rid, walk, call.node.name))
         self._dispatch(state, [NodeCall(call.node, call.iteration, inputs)])
@@ -184,7 +185,8 @@ class Worker:
     def _buffer(self, rid: str, stream: str) -> StreamBuffer:
         key = (rid, stream)
         if key not in self._buffers:
-            self._buffers[key] = StreamBuffer(self._policies[stream])
+            spec = self._streams[stream]
+            self._buffers[key] = StreamBuffer(spec.policy, spec.keep)
         return self._buffers[key]
 
     # -- route ---------------------------------------------------------------------------------

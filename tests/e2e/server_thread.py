@@ -22,12 +22,15 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(config: dict, api_key: str | None = None, runtime_kwargs: dict | None = None, **app_kwargs):
+def running_server(config: dict, api_key: str | None = None, runtime_kwargs: dict | None = None,
+                   tiny: bool = False, **app_kwargs):
     """Yield the base URL of a live server; stop uvicorn and the runtime afterwards.
 
-    `runtime_kwargs` go to `Runtime` (e.g. `mode="multiproc"`, `tiny=True`), `app_kwargs` to `create_app`.
+    `runtime_kwargs` go to `Runtime` (e.g. `mode="multiproc"`), `tiny=True` is --tiny, `app_kwargs`
+    go to `create_app`.
     """
-    runtime = Runtime(config_from_dict(config), **(runtime_kwargs or {}))
+    kwargs = {**(runtime_kwargs or {}), **({"tiny": True} if tiny else {})}
+    runtime = Runtime(config_from_dict(config), **kwargs)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(runtime, api_key=api_key, **app_kwargs), host="127.0.0.1",
                                            port=port, log_level="warning"))

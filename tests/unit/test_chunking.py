@@ -54,3 +54,26 @@ def test_empty_stream_ends_immediately():
     buf = StreamBuffer(SlidingWindow(4, 2))
     buf.end(0)
     assert buf.pop() is END
+
+
+def test_sliding_window_recut_at_end_repeats_the_last_window_once():
+    plain = drain(SlidingWindow(4, 2), 8)
+    assert plain[-1][:2] == ([4, 5, 6, 7], 2)  # covers 6, 7: nothing left, no more chunks
+    recut = drain(SlidingWindow(4, 2, recut_at_end=True), 8)
+    assert recut[:-1] == [(v, n, False) for v, n, _ in plain]
+    assert recut[-1] == ([4, 5, 6, 7], 0, True)
+    # a tail not yet covered is flushed as usual (once, not twice)
+    assert drain(SlidingWindow(4, 2, recut_at_end=True), 9)[-1] == ([5, 6, 7, 8], 1, True)
+    assert drain(SlidingWindow(28, 7, recut_at_end=True), 5) == [([0, 1, 2, 3, 4], 5, True)]
+
+
+def test_keep_filters_in_order_and_the_stream_still_ends():
+    buf = StreamBuffer(Fixed(2), keep=lambda item, kept: int(item) % 3 != 0 or kept == 0)
+    for i in (2, 1, 0, 3, 4):  # out of order: filtering happens in stream order
+        buf.put(i, torch.tensor([i]))
+    buf.end(5)
+    chunks = []
+    while (c := buf.pop()) is not END:
+        chunks.append((c.value.tolist(), c.start, c.final))
+    # 0 kept (first), 1, 2 kept, 3 dropped, 4 kept
+    assert chunks == [([0, 1], 0, False), ([2, 4], 2, True)]

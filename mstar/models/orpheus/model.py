@@ -1,0 +1,238 @@
+"""Orpheus TTS: a Llama LM speaks SNAC audio tokens; the SNAC decoder turns them into 24 kHz audio.
+
+Lane `lm`:       prefill -> decode
+  prefill   the prompt (voice and text, see tokens.py) goes through `llm` once; its token starts
+            the audio-token stream and is carried to decode.
+  decode    Loop over `llm` fed its own last token, up to max_tokens - 1 times, stopped by the
+            end-of-speech token (the engine's only eos).
+Lane `vocoder`:  vocode
+  vocode    `snac` reads the lm lane's tokens through a StreamEdge: tokens that are no audio code
+            at their frame place are dropped (tokens.keep_audio_token), the rest is cut in windows
+            of 28 tokens (4 frames) advancing by 7 (one frame), recut once at the end; each window
+            emits the audio of the frames it owns (vocoder.py), so the client hears speech while
+            the LM still talks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from functools import cached_property, partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mstar.graph import (
+    CARRY,
+    ComponentSpec,
+    Emit,
+    Lane,
+    Loop,
+    ModelGraph,
+    Node,
+    SlidingWindow,
+    StreamEdge,
+    Walk,
+)
+from mstar.models.base import BuiltComponent, Model
+from mstar.models.orpheus.processor import OrpheusProcessor
+from mstar.models.orpheus.tokens import DEFAULT_VOICE, FRAME, LLAMA3_VOCAB, OrpheusTokens, keep_audio_token
+
+logger = logging.getLogger(__name__)
+
+WINDOW_TOKENS, STRIDE_TOKENS = 4 * FRAME, FRAME
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class OrpheusConfig:
+    """Serving options of Orpheus (YAML `model_kwargs`); the LM architecture comes from config.json."""
+
+    tiny: bool = False  # tiny LM + tiny SNAC + tiny tokenizer (offline, seconds)
+    dtype: str | None = None  # of the LM; None: bfloat16 on CUDA, float32 on CPU (SNAC runs in float32)
+    tokenizer_path: str | None = None  # default: the checkpoint folder
+    snac_path: str | None = None  # SNAC folder or Hub id; default hubertsiuzdak/snac_24khz
+    audio_token_base: int | None = None  # id of <custom_token_0>; default 128256 (Llama-3 vocabulary)
+    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings (and the KV pool)
+    max_num_seqs: int = 256
+    max_batch_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    vocoder_batch_size: int = 64  # windows decoded together at most
+    seed: int = 0  # of dummy / tiny random weights
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"model_kwargs.dtype={self.dtype!r}: use one of {sorted(_DTYPES)} or leave it unset")
+
+
+def orpheus_graph(context_len: int, tokens: OrpheusTokens) -> ModelGraph:
+    """The two-lane graph; `context_len` bounds decode for a request without max_tokens."""
+    def decode_steps(options: dict[str, Any]) -> int:
+        max_tokens = options.get("max_tokens")
+        return context_len if max_tokens is None else max(int(max_tokens) - 1, 0)
+
+    prefill = Node("llm", inputs={"input_ids": "prompt_ids"}, outputs={"token": "token"})
+    decode = Node("llm", inputs={"input_ids": "token", "prompt_ids": "prompt_ids"}, outputs={"token": "token"})
+    vocode = Node("snac", inputs=("codes",), outputs=("audio",))
+    window = SlidingWindow(WINDOW_TOKENS, STRIDE_TOKENS, recut_at_end=True)
+    return ModelGraph(
+        components={
+            "llm": ComponentSpec("autoregressive", "text and voice -> audio tokens (paged KV cache)"),
+            "snac": ComponentSpec("stateless", "windows of audio tokens -> 24 kHz samples (SNAC decoder)"),
+        },
+        walks=(
+            Walk("prefill", "lm", prefill, inputs=("prompt_ids",), emits=(Emit("token", CARRY),)),
+            Walk("decode", "lm", Loop(decode, max_iterations=decode_steps, name="decode"),
+                 inputs=("token", "prompt_ids")),
+            Walk("vocode", "vocoder", vocode, inputs=("codes",), emits=(Emit("audio"),)),
+        ),
+        lanes=(Lane("lm", "prefill", {"prefill": "decode", "decode": None}),
+               Lane("vocoder", "vocode", {"vocode": None})),
+        streams=(StreamEdge("token", "lm", "vocode", "codes", window, keep=partial(keep_audio_token, tokens)),),
+    )
+
+
+class OrpheusModel(Model):
+    """canopylabs/orpheus-3b-0.1-ft (or --model-path) with hubertsiuzdak/snac_24khz."""
+
+    name = "orpheus"
+    input_modalities = ("text",)
+    output_modalities = ("audio",)
+    default_options = {"voice": DEFAULT_VOICE, "temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.3,
+                       "max_tokens": 1200}
+
+    @classmethod
+    def make_config(cls, tiny: bool = False, **overrides: Any) -> OrpheusConfig:
+        return replace(OrpheusConfig(tiny=tiny), **overrides)
+
+    # -- what the checkpoints say ------------------------------------------------------------------
+
+    @property
+    def _builtin_lm(self) -> bool:
+        """Dummy weights without a checkpoint folder: the built-in Orpheus-3B config and a Llama-3 tokenizer."""
+        return self.load_format == "dummy" and not self.model_path and not self.config.tiny
+
+    def checkpoint_path(self) -> Path:
+        from mstar.models.common.loading import resolve_checkpoint
+        from mstar.models.orpheus.weights import ORPHEUS_REPO
+
+        return resolve_checkpoint(self.model_path or ORPHEUS_REPO)
+
+    @cached_property
+    def tokenizer(self):
+        from mstar.models.common.text import Tokenizer
+
+        if self.config.tokenizer_path:
+            return Tokenizer.from_pretrained(self.config.tokenizer_path)
+        if self.config.tiny:
+            from mstar.models.llama.tiny import tiny_tokenizer_folder
+
+            return Tokenizer.from_pretrained(tiny_tokenizer_folder())
+        if self._builtin_lm:
+            from mstar.models.common.tokenizer_build import cached_tokenizer_folder
+
+            return Tokenizer.from_pretrained(cached_tokenizer_folder("llama3"))
+        path = self.checkpoint_path()
+        return Tokenizer.from_pretrained(path if path.is_dir() else path.parent)
+
+    @cached_property
+    def snac_folder(self) -> Path | None:
+        """The SNAC checkpoint folder; None for tiny, or dummy weights without a snac_path."""
+        if self.config.tiny or (self.load_format == "dummy" and not self.config.snac_path):
+            return None
+        from mstar.models.orpheus.weights import snac_folder
+
+        return snac_folder(self.config.snac_path)
+
+    @cached_property
+    def snac_config(self):
+        from mstar.models.orpheus.snac import SnacConfig
+
+        if self.snac_folder is not None:
+            from mstar.models.orpheus.weights import read_snac_config
+
+            return read_snac_config(self.snac_folder)
+        if self.config.tiny:
+            from mstar.models.orpheus.tiny import TINY_SNAC
+
+            return TINY_SNAC
+        return SnacConfig()
+
+    @cached_property
+    def tokens(self) -> OrpheusTokens:
+        tok = self.tokenizer
+        default_base = tok.vocab_size if self.config.tiny else LLAMA3_VOCAB
+        end_of_text = tok.token_to_id("<|eot_id|>")
+        return OrpheusTokens(base=self.config.audio_token_base or default_base,
+                             codebook_size=self.snac_config.codebook_size,
+                             end_of_text=end_of_text if end_of_text is not None else tok.eos_token_id,
+                             bos=tok.bos_token_id)
+
+    @cached_property
+    def llama_config(self):
+        from mstar.models.llama.config import LlamaConfig
+
+        if self.config.tiny:
+            from mstar.models.orpheus.tiny import tiny_lm_hf_config
+
+            cfg = LlamaConfig.from_hf(tiny_lm_hf_config(self.tokens))
+        elif self._builtin_lm:
+            from mstar.models.orpheus.weights import ORPHEUS_3B_CONFIG
+
+            cfg = LlamaConfig.from_hf(ORPHEUS_3B_CONFIG)
+        else:
+            from mstar.models.llama.weights import load_config
+
+            cfg = load_config(self.checkpoint_path())
+        if cfg.vocab_size < self.tokens.vocab_size - 2:
+            raise ValueError(f"the LM vocabulary ({cfg.vocab_size}) ends before the last audio token "
+                             f"({self.tokens.vocab_size - 3}); check model_kwargs.audio_token_base and the SNAC "
+                             "codebook_size")
+        return cfg
+
+    @property
+    def max_model_len(self) -> int:
+        limit = self.llama_config.max_position_embeddings
+        return min(limit, self.config.max_model_len) if self.config.max_model_len else limit
+
+    # -- the model contract ------------------------------------------------------------------------
+
+    def graph(self) -> ModelGraph:
+        return orpheus_graph(self.max_model_len, self.tokens)
+
+    def build_component(self, name: str, device: torch.device) -> BuiltComponent:
+        if name == "llm":
+            return BuiltComponent(self._load_lm(device), {
+                "eos_token_ids": (self.tokens.end_of_speech,), "max_model_len": self.max_model_len,
+                "vocab_size": self.llama_config.vocab_size, "max_num_seqs": self.config.max_num_seqs,
+                "max_batch_tokens": self.config.max_batch_tokens,
+                "enable_prefix_caching": self.config.enable_prefix_caching})
+        if name == "snac":
+            from mstar.models.orpheus.vocoder import OrpheusVocoder
+            from mstar.models.orpheus.weights import load_snac
+
+            snac = load_snac(self.snac_config, self.snac_folder, device, seed=self.config.seed)
+            return BuiltComponent(OrpheusVocoder(snac, self.tokens).to(device),
+                                  {"max_batch_size": self.config.vocoder_batch_size})
+        raise KeyError(f"orpheus has no component {name!r}; its components are 'llm' and 'snac'")
+
+    def _load_lm(self, device: torch.device) -> torch.nn.Module:
+        from mstar.models.common.loading import fill_dummy_weights
+        from mstar.models.llama.model import build_model
+        from mstar.models.orpheus.tiny import shape_audio_lm
+
+        dtype = _DTYPES[self.config.dtype] if self.config.dtype else (
+            torch.bfloat16 if device.type == "cuda" else torch.float32)
+        if self.config.tiny or self.load_format == "dummy":
+            # Untied head: a bigram-shaped head cannot be the embedding (tiny.py says why).
+            module = build_model(replace(self.llama_config, tie_word_embeddings=False), dtype=dtype, device=device)
+            fill_dummy_weights(module, seed=self.config.seed, std=0.1 if self.config.tiny else 0.02)
+            shape_audio_lm(module, self.tokens, seed=self.config.seed, strength=3.0 if self.config.tiny else 50.0)
+            return module
+        from mstar.models.llama.weights import load_model
+
+        return load_model(self.checkpoint_path(), dtype=dtype, device=device)
+
+    def processor(self) -> OrpheusProcessor:
+        return OrpheusProcessor(self.tokenizer, self.tokens, self.max_model_len, self.snac_config.sampling_rate)

@@ -1,0 +1,204 @@
+"""The SNAC decoder (hubertsiuzdak/snac_24khz) as plain PyTorch, weight norm folded at load.
+
+Codes of three levels (strides 4, 2, 1 latent steps) are looked up in small codebooks, projected,
+repeated to the latent rate and summed; a convolutional decoder (depthwise convs, Snake
+activations, transposed-conv upsampling, noise blocks) turns latents into samples. Module paths
+follow the `snac` package so its checkpoints load by name; the encoder is not built.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class SnacConfig:
+    """The `config.json` of a SNAC checkpoint (only 24 kHz style models: no local attention)."""
+
+    sampling_rate: int = 24000
+    encoder_dim: int = 48
+    encoder_rates: tuple[int, ...] = (2, 4, 8, 8)
+    latent_dim: int | None = None  # default: encoder_dim * 2 ** len(encoder_rates)
+    decoder_dim: int = 1024
+    decoder_rates: tuple[int, ...] = (8, 8, 4, 2)
+    attn_window_size: int | None = None
+    codebook_size: int = 4096
+    codebook_dim: int = 8
+    vq_strides: tuple[int, ...] = (4, 2, 1)
+    noise: bool = True
+    depthwise: bool = True
+
+    def __post_init__(self) -> None:
+        if self.attn_window_size is not None:
+            raise ValueError(f"SNAC attn_window_size={self.attn_window_size}: local attention (the 32/44 kHz "
+                             "models) is not supported; Orpheus uses hubertsiuzdak/snac_24khz")
+        if tuple(self.vq_strides) != (4, 2, 1):
+            raise ValueError(f"SNAC vq_strides={self.vq_strides}: Orpheus frames need (4, 2, 1) (1 + 2 + 4 codes)")
+        if math.prod(self.encoder_rates) != math.prod(self.decoder_rates):
+            raise ValueError(f"SNAC encoder_rates {self.encoder_rates} and decoder_rates {self.decoder_rates} "
+                             "must have the same product (the hop length)")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SnacConfig:
+        """Parse a config.json dict; unknown keys raise ValueError naming them."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown SNAC config key(s) {unknown}; known: {sorted(names)}")
+        data = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+        return cls(**data)
+
+    @property
+    def latent(self) -> int:
+        return self.latent_dim or self.encoder_dim * 2 ** len(self.encoder_rates)
+
+    @property
+    def hop_length(self) -> int:
+        return math.prod(self.decoder_rates)
+
+    @property
+    def samples_per_frame(self) -> int:
+        """Samples one Orpheus frame (one level-0 code) decodes to: 2048 at 24 kHz."""
+        return self.hop_length * self.vq_strides[0]
+
+    def noise_lengths_per_frame(self) -> list[int]:
+        """Time steps per frame at the output of each decoder block (where its noise is added)."""
+        steps, out = self.vq_strides[0], []
+        for rate in self.decoder_rates:
+            steps *= rate
+            out.append(steps)
+        return out
+
+
+class Snake(nn.Module):
+    """x + sin(alpha x)^2 / alpha, per channel."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1, channels, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
+
+
+class ResidualUnit(nn.Module):
+    """Snake, dilated conv (kernel 7), Snake, 1x1 conv, plus the input."""
+
+    def __init__(self, dim: int, dilation: int, groups: int) -> None:
+        super().__init__()
+        self.block = nn.Sequential(
+            Snake(dim), nn.Conv1d(dim, dim, 7, dilation=dilation, padding=3 * dilation, groups=groups),
+            Snake(dim), nn.Conv1d(dim, dim, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.block(x)
+        trim = (x.shape[-1] - y.shape[-1]) // 2
+        return (x[..., trim:-trim] if trim > 0 else x) + y
+
+
+class NoiseBlock(nn.Module):
+    """Adds noise scaled per step by a 1x1 conv of the input; fresh randn when no noise is given."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Conv1d(dim, dim, 1, bias=False)
+
+    def forward(self, x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+        if noise is None:  # the reference draws (B, 1, T) from the global generator here
+            noise = torch.randn((x.shape[0], 1, x.shape[2]), device=x.device, dtype=x.dtype)
+        return x + noise * self.linear(x)
+
+
+class DecoderBlock(nn.Module):
+    """Snake, transposed conv upsampling by `stride`, optional noise, three residual units."""
+
+    def __init__(self, dim_in: int, dim_out: int, stride: int, noise: bool, groups: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [
+            Snake(dim_in),
+            nn.ConvTranspose1d(dim_in, dim_out, 2 * stride, stride=stride, padding=math.ceil(stride / 2),
+                               output_padding=stride % 2)]
+        if noise:
+            layers.append(NoiseBlock(dim_out))
+        layers += [ResidualUnit(dim_out, d, groups) for d in (1, 3, 9)]
+        self.block = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+        for layer in self.block:
+            x = layer(x, noise) if isinstance(layer, NoiseBlock) else layer(x)
+        return x
+
+
+class Decoder(nn.Module):
+    """Latents [B, latent, T] -> samples [B, 1, T * hop]."""
+
+    def __init__(self, cfg: SnacConfig) -> None:
+        super().__init__()
+        dim, channels = cfg.latent, cfg.decoder_dim
+        if cfg.depthwise:
+            layers: list[nn.Module] = [nn.Conv1d(dim, dim, 7, padding=3, groups=dim), nn.Conv1d(dim, channels, 1)]
+        else:
+            layers = [nn.Conv1d(dim, channels, 7, padding=3)]
+        for i, stride in enumerate(cfg.decoder_rates):
+            out = channels // 2 ** (i + 1)
+            layers.append(DecoderBlock(channels // 2**i, out, stride, cfg.noise, out if cfg.depthwise else 1))
+        layers += [Snake(out), nn.Conv1d(out, 1, 7, padding=3), nn.Tanh()]
+        self.model = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor, noises: list[torch.Tensor] | None = None) -> torch.Tensor:
+        blocks = 0
+        for layer in self.model:
+            if isinstance(layer, DecoderBlock):
+                x = layer(x, noises[blocks] if noises else None)
+                blocks += 1
+            else:
+                x = layer(x)
+        return x
+
+
+class CodeProjection(nn.Module):
+    """One quantizer level: codebook lookup and projection to the latent width."""
+
+    def __init__(self, cfg: SnacConfig) -> None:
+        super().__init__()
+        self.codebook = nn.Embedding(cfg.codebook_size, cfg.codebook_dim)
+        self.out_proj = nn.Conv1d(cfg.codebook_dim, cfg.latent, 1)
+
+
+class Quantizer(nn.Module):
+    """Codes of every level -> the summed latents [B, latent, T]."""
+
+    def __init__(self, cfg: SnacConfig) -> None:
+        super().__init__()
+        self.strides = tuple(cfg.vq_strides)
+        self.quantizers = nn.ModuleList(CodeProjection(cfg) for _ in self.strides)
+
+    def forward(self, codes: list[torch.Tensor]) -> torch.Tensor:
+        z = None
+        for level, stride, c in zip(self.quantizers, self.strides, codes):
+            part = level.out_proj(level.codebook(c).transpose(1, 2)).repeat_interleave(stride, dim=-1)
+            z = part if z is None else z + part
+        return z
+
+
+class SnacDecoder(nn.Module):
+    """codes (list of [B, T_level] long) -> samples [B, 1, T_0 * stride_0 * hop] in [-1, 1].
+
+    `noises` (one [B, 1, T] tensor per decoder block) replaces the random draws of the noise
+    blocks; without it they draw from the global generator in the reference's order, so seeding
+    torch gives the reference's samples.
+    """
+
+    def __init__(self, cfg: SnacConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.quantizer = Quantizer(cfg)
+        self.decoder = Decoder(cfg)
+
+    def forward(self, codes: list[torch.Tensor], noises: list[torch.Tensor] | None = None) -> torch.Tensor:
+        return self.decoder(self.quantizer(codes), noises)

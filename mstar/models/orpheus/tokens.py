@@ -1,0 +1,107 @@
+"""Orpheus token layout: the prompt format, the voices, and audio tokens -> SNAC codes.
+
+Orpheus extends the Llama-3 vocabulary (128,256 ids) with `<custom_token_N>` = id 128256 + N.
+Tokens 1..5 are markers (start/end of speech, start/end of human, start of AI); audio tokens start
+at custom token 10. Seven audio tokens make one SNAC frame; the token at place p (0..6) of a frame
+encodes code `id - audio_offset - p * codebook_size`. Layout of a frame (as the original decoder
+reads it): [c0, c1a, c2a, c2b, c1b, c2c, c2d], i.e. level 0 takes place 0, level 1 places 1 and 4,
+level 2 places 2, 3, 5 and 6.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
+DEFAULT_VOICE = "tara"
+FRAME = 7  # audio tokens per SNAC frame
+LLAMA3_VOCAB = 128256  # the first custom token of the full-size model
+
+
+@dataclass(frozen=True)
+class OrpheusTokens:
+    """Ids of the markers and audio tokens; `base` is the id of `<custom_token_0>`."""
+
+    base: int = LLAMA3_VOCAB
+    codebook_size: int = 4096  # SNAC codebook entries per level
+    end_of_text: int = 128009  # Llama-3 <|eot_id|>
+    bos: int | None = 128000  # <|begin_of_text|>, None when the tokenizer has none (tiny)
+
+    @property
+    def start_of_speech(self) -> int:
+        return self.base + 1
+
+    @property
+    def end_of_speech(self) -> int:
+        return self.base + 2
+
+    @property
+    def start_of_human(self) -> int:
+        return self.base + 3
+
+    @property
+    def end_of_human(self) -> int:
+        return self.base + 4
+
+    @property
+    def start_of_ai(self) -> int:
+        return self.base + 5
+
+    @property
+    def audio_offset(self) -> int:
+        return self.base + 10
+
+    @property
+    def vocab_size(self) -> int:
+        """The LM vocabulary this layout needs (audio tokens plus Orpheus' two trailing ids)."""
+        return self.audio_offset + FRAME * self.codebook_size + 2
+
+    def prompt_ids(self, text_ids: list[int]) -> list[int]:
+        """[start of human] bos text [eot, end of human, start of AI, start of speech].
+
+        `text_ids` is the tokenized `"{voice}: {text}"`; a bos is added when the tokenizer has one
+        and did not put it there itself.
+        """
+        if self.bos is not None and (not text_ids or text_ids[0] != self.bos):
+            text_ids = [self.bos, *text_ids]
+        return [self.start_of_human, *text_ids, self.end_of_text, self.end_of_human, self.start_of_ai,
+                self.start_of_speech]
+
+    def code(self, token: int, place: int) -> int:
+        """The SNAC code a token stands for at `place` (0..6) of a frame; may be out of range."""
+        return token - self.audio_offset - (place % FRAME) * self.codebook_size
+
+
+def keep_audio_token(tokens: OrpheusTokens, item: torch.Tensor, kept: int) -> bool:
+    """Stream filter of the LM -> vocoder edge: whether a generated token joins the audio frames.
+
+    Mirrors the original decoder (orpheus_tts `tokens_decoder`): a token whose code at the next
+    frame place (`kept % 7`) is not positive is dropped and the place does not advance. That drops
+    every text or marker token (end of speech included) and, as in the original, code 0 too.
+    Codes >= codebook_size are kept here; `window_is_valid` rejects the windows holding them.
+    """
+    return tokens.code(int(item.reshape(-1)[0]), kept) > 0
+
+
+def split_levels(frame_tokens: torch.Tensor, tokens: OrpheusTokens) -> list[torch.Tensor]:
+    """Tokens [B, 7F] -> SNAC codes per level [B, F], [B, 2F], [B, 4F], clamped into the codebook.
+
+    Pure tensor ops (no host sync): safe inside a captured graph. Clamping only keeps rows that
+    `window_is_valid` rejected from indexing out of range; their audio is discarded.
+    """
+    b = frame_tokens.shape[0]
+    places = torch.arange(FRAME, device=frame_tokens.device)
+    codes = frame_tokens.view(b, -1, FRAME) - tokens.audio_offset - places * tokens.codebook_size
+    codes = codes.clamp(0, tokens.codebook_size - 1)
+    return [codes[:, :, 0], codes[:, :, [1, 4]].reshape(b, -1), codes[:, :, [2, 3, 5, 6]].reshape(b, -1)]
+
+
+def window_is_valid(frame_tokens: list[int], tokens: OrpheusTokens) -> bool:
+    """Whether every code of whole frames is inside the codebook; the original skips other windows.
+
+    (The original tests `code > 4096`, letting 4096 through, one past a 4096-entry codebook; we
+    reject it.)
+    """
+    return all(0 <= tokens.code(t, i) < tokens.codebook_size for i, t in enumerate(frame_tokens))

@@ -1,0 +1,113 @@
+"""The `snac` component: windows of the audio-token stream -> samples, batched across requests.
+
+The stream (SlidingWindow of 28 tokens, stride 7, recut at the end) cuts windows of 4 frames.
+Each frame g of a request is emitted by exactly one window, so streamed audio has no gap and no
+repeat:
+  - an ordinary window [7k, 7k + 28) emits its second frame (samples 2048:4096 of its 4 * 2048),
+    where both neighbours give the decoder context, as the original does; the request's first
+    window (k = 0) also emits frame 0 (samples 0:4096);
+  - the final window (the stream's last 28 items, or all of them when fewer) emits every frame
+    no earlier window emitted: the last two frames after ordinary windows, everything for a short
+    request. A trailing partial frame (generation stopped mid-frame) has no audio, as in the original.
+Noise of SNAC's noise blocks comes from a fixed table indexed by the sample's position in the
+request, so a request's audio does not depend on batching or on streaming.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mstar.models.orpheus.snac import SnacDecoder
+from mstar.models.orpheus.tokens import FRAME, OrpheusTokens, split_levels, window_is_valid
+
+WINDOW_FRAMES = 4
+NOISE_TABLE = 1 << 18  # entries per table: positions wrap after 2^18 steps of a decoder block
+_NOISE_SEED = 20240317
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """What to decode from one window and which of its frames to emit."""
+
+    first_token: int  # window index of the first token of its first whole frame
+    frames: int  # whole frames decoded
+    first_frame: int  # the request's index of that first frame (noise positions)
+    emit_from: int  # decoded frames [emit_from, emit_to) are emitted
+    emit_to: int
+
+
+def plan_window(length: int, new: int, start: int, final: bool) -> WindowPlan:
+    """The plan of a window of `length` tokens starting at stream index `start` (module doc rules)."""
+    g0, g1 = -(-start // FRAME), (start + length) // FRAME
+    frames = max(g1 - g0, 0)
+    if not final:
+        lo, hi = (0 if start == 0 else 1), 2
+    elif new == length:  # no earlier window saw any of these tokens
+        lo, hi = 0, frames
+    else:  # ordinary windows emitted up to frame start // 7 + 1
+        lo, hi = start // FRAME + 2 - g0, frames
+    lo, hi = max(lo, 0), min(hi, frames)
+    return WindowPlan(FRAME * g0 - start, frames, g0, lo, max(hi, lo))
+
+
+class OrpheusVocoder(nn.Module):
+    """run_batch over stream windows ("codes", "codes_new", "codes_start", "codes_final") -> "audio".
+
+    `decode_windows` is the fixed-shape part (tokens [B, 7F] and first frames [B] -> samples
+    [B, F * samples_per_frame]) with no host sync: the piece to capture in a CUDA graph (F = 4 is
+    the steady state).
+    """
+
+    def __init__(self, snac: SnacDecoder, tokens: OrpheusTokens) -> None:
+        super().__init__()
+        self.snac = snac
+        self.tokens = tokens
+        self.samples_per_frame = snac.cfg.samples_per_frame
+        self.noise_steps = snac.cfg.noise_lengths_per_frame() if snac.cfg.noise else []
+        gen = torch.Generator().manual_seed(_NOISE_SEED)
+        self.register_buffer("noise_table", torch.randn(len(self.noise_steps), NOISE_TABLE, generator=gen),
+                             persistent=False)
+
+    def noises(self, first_frame: torch.Tensor, frames: int) -> list[torch.Tensor]:
+        """Noise of each decoder block for windows starting at `first_frame` [B] ([B, 1, T] each)."""
+        out = []
+        for level, steps in enumerate(self.noise_steps):
+            pos = first_frame[:, None] * steps + torch.arange(frames * steps, device=first_frame.device)
+            out.append(self.noise_table[level][pos % NOISE_TABLE][:, None, :])
+        return out
+
+    @torch.inference_mode()
+    def decode_windows(self, frame_tokens: torch.Tensor, first_frame: torch.Tensor) -> torch.Tensor:
+        """Audio tokens of whole frames [B, 7F] -> float32 samples [B, F * samples_per_frame]."""
+        frames = frame_tokens.shape[1] // FRAME
+        codes = split_levels(frame_tokens, self.tokens)
+        dtype = self.noise_table.dtype
+        return self.snac(codes, self.noises(first_frame, frames) or None)[:, 0].to(dtype)
+
+    def run_batch(self, walk, node, inputs, options):
+        # One host copy of every window and its stream metadata (the forward itself never syncs).
+        meta = torch.stack([torch.stack([x["codes_new"], x["codes_start"], x["codes_final"].long()])
+                            for x in inputs]).tolist()
+        windows = [x["codes"].reshape(-1) for x in inputs]
+        flat = torch.cat(windows).tolist()
+        plans, groups, at = [], {}, 0
+        for i, ((new, start, final), window) in enumerate(zip(meta, windows)):
+            plan = plan_window(len(window), new, start, bool(final))
+            plans.append(plan)
+            span = flat[at + plan.first_token: at + plan.first_token + FRAME * plan.frames]
+            at += len(window)
+            if plan.emit_to > plan.emit_from and window_is_valid(span, self.tokens):
+                groups.setdefault(plan.frames, []).append(i)
+        outputs: list[dict[str, torch.Tensor]] = [{} for _ in inputs]
+        spf = self.samples_per_frame
+        for frames, rows in groups.items():  # one batched decode per window size (4 frames but at the ends)
+            spans = torch.stack([windows[i][plans[i].first_token: plans[i].first_token + FRAME * frames]
+                                 for i in rows])
+            first = torch.tensor([plans[i].first_frame for i in rows], device=spans.device)
+            audio = self.decode_windows(spans, first)
+            for row, i in enumerate(rows):
+                outputs[i]["audio"] = audio[row, plans[i].emit_from * spf: plans[i].emit_to * spf].contiguous()
+        return outputs  # a window with nothing to emit sends no audio chunk

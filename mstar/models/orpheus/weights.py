@@ -1,0 +1,107 @@
+"""Checkpoints of Orpheus: the LM (a Llama checkpoint folder, loaded by mstar.models.llama) and SNAC.
+
+SNAC checkpoints (hubertsiuzdak/snac_24khz: config.json + pytorch_model.bin, or *.safetensors)
+store weight-normed convolutions as (g, v) pairs, named `weight_g`/`weight_v` (old torch) or
+`parametrizations.weight.original0/1` (new torch); `fold_weight_norm` turns each pair into the
+plain `weight` = g * v / |v| (norm over every dim but 0) once at load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from mstar.models.orpheus.snac import SnacConfig, SnacDecoder
+
+logger = logging.getLogger(__name__)
+
+ORPHEUS_REPO = "canopylabs/orpheus-3b-0.1-ft"
+SNAC_REPO = "hubertsiuzdak/snac_24khz"
+SNAC_PATTERNS = ("*.json", "*.bin", "*.safetensors")
+# Orpheus-3B's config.json (Llama-3.2-3B shape, vocabulary extended with audio tokens): used for
+# --load-format dummy when no checkpoint folder is given.
+ORPHEUS_3B_CONFIG = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 156940, "hidden_size": 3072,
+    "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8,
+    "head_dim": 128, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+    "rope_theta": 500000.0, "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128009,
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+}
+_G = (".weight_g", ".parametrizations.weight.original0")
+_V = (".weight_v", ".parametrizations.weight.original1")
+_SKIPPED = ("encoder.", "quantizer.quantizers.")  # + in_proj: the decoder never encodes
+
+
+def fold_weight_norm(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A state dict with every (g, v) pair replaced by its plain `weight`."""
+    plain, gs, vs = {}, {}, {}
+    for name, tensor in named:
+        dotted = "." + name  # so a top-level "weight_g" has an (empty) owner like any other
+        if dotted.endswith(_G):
+            gs[_owner(dotted)] = tensor
+        elif dotted.endswith(_V):
+            vs[_owner(dotted)] = tensor
+        else:
+            plain[name] = tensor
+    if set(gs) != set(vs):
+        raise ValueError(f"weight-norm pairs are incomplete for {sorted(set(gs) ^ set(vs))[:5]}")
+    for prefix, g in gs.items():
+        v = vs[prefix].float()
+        norm = v.pow(2).sum(dim=tuple(range(1, v.dim())), keepdim=True).sqrt()
+        plain[f"{prefix}.weight".lstrip(".")] = (v * (g.float() / norm)).to(vs[prefix].dtype)
+    return plain
+
+
+def _owner(name: str) -> str:
+    """The module path of a dotted weight-norm tensor name ("" at the top level)."""
+    cut = ".parametrizations." if ".parametrizations." in name else ".weight_"
+    return name[1: name.rindex(cut)]
+
+
+def snac_folder(path_or_repo: str | Path | None) -> Path:
+    """The SNAC checkpoint folder: a local folder, or a Hub repo id (default hubertsiuzdak/snac_24khz)."""
+    from mstar.models.common.loading import resolve_checkpoint
+
+    return resolve_checkpoint(path_or_repo or SNAC_REPO, allow_patterns=SNAC_PATTERNS)
+
+
+def read_snac_config(folder: Path) -> SnacConfig:
+    """The SnacConfig of a checkpoint folder's config.json."""
+    file = folder / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"no config.json in the SNAC folder {folder}; pass model_kwargs.snac_path "
+                                f"with a folder holding config.json and pytorch_model.bin (like {SNAC_REPO})")
+    return SnacConfig.from_dict(json.loads(file.read_text()))
+
+
+def _snac_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    if files := sorted(folder.glob("*.safetensors")):
+        from safetensors.torch import load_file
+
+        return {k: v for f in files for k, v in load_file(str(f)).items()}
+    file = folder / "pytorch_model.bin"
+    if not file.is_file():
+        raise FileNotFoundError(f"no SNAC weights in {folder} (looked for *.safetensors and pytorch_model.bin)")
+    return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def load_snac(cfg: SnacConfig, folder: Path | None, device: torch.device, seed: int = 0) -> SnacDecoder:
+    """A SnacDecoder in float32 on `device`: weights from `folder`, or seeded random ones when None."""
+    with torch.random.fork_rng(devices=[]):  # random init must not move the caller's generator
+        torch.manual_seed(seed)
+        module = SnacDecoder(cfg)
+    if folder is not None:
+        state = fold_weight_norm(_snac_tensors(folder).items())
+        state = {k: v for k, v in state.items()
+                 if not k.startswith(_SKIPPED[0]) and ".in_proj." not in k}
+        missing, unexpected = module.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"SNAC checkpoint {folder} does not match its config: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+        logger.info("loaded SNAC decoder from %s", folder)
+    return module.to(device).eval()

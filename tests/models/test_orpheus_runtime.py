@@ -1,0 +1,86 @@
+"""Orpheus through the offline runtime (in-process, CPU): LM parity with transformers, stream order,
+streamed audio == one request alone, audio arriving while the LM still speaks."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+from orpheus_testing import make_checkpoint, yaml_config
+
+from mstar.models.orpheus.tokens import keep_audio_token
+from mstar.runtime.offline import MStar
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("orpheus")
+    hf, tokens, kwargs = make_checkpoint(path)
+    return path, hf, tokens, kwargs
+
+
+def _record_lm(m: MStar) -> dict[str, list]:
+    """Wrap the in-process LM engine: request id -> [(token, finish time or None)] as the engine made them."""
+    engine = m.runtime.workers[0].engines["llm"]
+    seen: dict[str, list] = {}
+    step = engine.step
+
+    def recording_step():
+        results = step()
+        for r in results:
+            if "token" in r.outputs:
+                done = time.monotonic() if r.finish_reason else None
+                seen.setdefault(r.request_id, []).append((int(r.outputs["token"]), done))
+        return results
+    engine.step = recording_step
+    return seen
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_lm_lane_greedy_tokens_match_transformers(checkpoint, penalty):
+    path, hf, tokens, kwargs = checkpoint
+    with MStar("orpheus", config=yaml_config("orpheus", model_kwargs=kwargs), model_path=str(path)) as m:
+        seen = _record_lm(m)
+        opts = {"temperature": 0.0, "repetition_penalty": penalty, "max_tokens": 40, "voice": "zoe"}
+        prompt = m.processor.inputs({"text": "Hello, how are you today?"}, m.runtime.model.request_options(opts))
+        result = m.generate({"text": "Hello, how are you today?"}, **opts)
+    ids = prompt["prompt_ids"][None]
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False,
+                      repetition_penalty=penalty, eos_token_id=tokens.end_of_speech, pad_token_id=0)
+    (made,) = seen.values()
+    ours = [t for t, _ in made]
+    assert ours == out[0, ids.shape[1]:].tolist()
+    kept = []
+    for t in ours:
+        if keep_audio_token(tokens, torch.tensor([t]), len(kept)):
+            kept.append(t)
+    assert len(kept) >= 35, "the tiny LM should speak audio frames"
+    samples = sum(a.size for a in result.outputs["audio"])
+    assert samples == len(kept) // 7 * 2048  # every whole frame once: no gap, no repeat
+
+
+def test_streamed_audio_equals_one_request_alone_and_comes_before_the_lm_ends():
+    opts = {"max_tokens": 200, "seed": 7}  # default sampling: temperature 0.6, top_p 0.8, penalty 1.3
+    with MStar("orpheus", config=yaml_config("orpheus"), tiny=True) as m:
+        alone = np.concatenate(m.generate({"text": "Speak to me."}, **opts).outputs["audio"])
+        seen = _record_lm(m)
+        others = [m.submit({"text": f"other {i}"}, max_tokens=120, seed=i, voice="leah") for i in range(3)]
+        handle = m.submit({"text": "Speak to me."}, **opts)
+        pieces, first_audio = [], None
+        for event in handle:
+            assert event.name == "audio"
+            first_audio = first_audio or time.monotonic()
+            pieces.append(event.value.numpy())
+        for other in others:
+            other.result()
+    streamed = np.concatenate(pieces)
+    assert len(pieces) > 10 and streamed.dtype == np.float32
+    # Same tokens, same windows; only the vocoder's batch differs, which reorders float sums.
+    assert streamed.shape == alone.shape
+    np.testing.assert_allclose(streamed, alone, rtol=0, atol=1e-5)
+    main = max(seen.values(), key=len)  # the only request with 200 tokens
+    assert len(main) == 200
+    lm_done = [done for _, done in main if done is not None]
+    assert len(lm_done) == 1 and first_audio < lm_done[0], "first audio should arrive while the LM still runs"

@@ -1,0 +1,116 @@
+"""Orpheus pieces without a runtime: prompt, token filter, frame layout, window plans, options."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mstar.graph import SlidingWindow
+from mstar.models.orpheus.tokens import FRAME, OrpheusTokens, keep_audio_token, split_levels, window_is_valid
+from mstar.models.orpheus.vocoder import plan_window
+from mstar.models.orpheus.weights import fold_weight_norm
+from mstar.worker.streams import END, StreamBuffer
+
+REAL = OrpheusTokens()
+
+
+def test_real_layout_ids_and_prompt():
+    assert (REAL.start_of_speech, REAL.end_of_speech, REAL.start_of_human, REAL.end_of_human,
+            REAL.start_of_ai, REAL.audio_offset) == (128257, 128258, 128259, 128260, 128261, 128266)
+    assert REAL.vocab_size == 156940
+    assert REAL.prompt_ids([5, 6]) == [128259, 128000, 5, 6, 128009, 128260, 128261, 128257]
+    assert REAL.prompt_ids([128000, 5]) == [128259, 128000, 5, 128009, 128260, 128261, 128257]
+
+
+def _original_filter(ids: list[int]) -> list[int]:
+    """What orpheus_tts' tokens_decoder appends, written from its rule: id = N - 10 - (count % 7) * 4096
+    for `<custom_token_N>` (N = token - 128256), kept when > 0; other tokens are skipped."""
+    kept = []
+    for t in ids:
+        if t < 128256:
+            continue
+        code = (t - 128256) - 10 - (len(kept) % 7) * 4096
+        if code > 0:
+            kept.append(t)
+    return kept
+
+
+def test_keep_filter_matches_the_original_decoder():
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(128000, REAL.vocab_size, (3000,), generator=gen).tolist()
+    ids[:3] = [REAL.end_of_speech, 128266, 128266 + 5]  # marker dropped; code 0 dropped (as the original)
+    ours = []
+    for t in ids:
+        if keep_audio_token(REAL, torch.tensor([t]), len(ours)):
+            ours.append(t)
+    assert ours == _original_filter(ids) and len(ours) > 50
+    assert ours[0] == 128266 + 5
+
+
+def test_frame_layout_splits_levels_like_the_original():
+    places = torch.arange(FRAME)
+    codes = torch.tensor([[10, 11, 12, 13, 14, 15, 16], [20, 21, 22, 23, 24, 25, 26]])
+    frame_tokens = (codes + REAL.audio_offset + places * 4096).reshape(1, -1)
+    c0, c1, c2 = split_levels(frame_tokens, REAL)
+    assert c0.tolist() == [[10, 20]]
+    assert c1.tolist() == [[11, 14, 21, 24]]
+    assert c2.tolist() == [[12, 13, 15, 16, 22, 23, 25, 26]]
+    assert window_is_valid(frame_tokens[0].tolist(), REAL)
+    assert not window_is_valid([REAL.audio_offset + 4096, *frame_tokens[0, 1:].tolist()], REAL)  # code 4096
+
+
+def _drain(buf: StreamBuffer, emitted: list[int]) -> None:
+    """Pop every ready chunk, plan it as the vocoder does, and record the frames it emits."""
+    while (chunk := buf.pop()) not in (None, END):
+        plan = plan_window(len(chunk.value), chunk.new, chunk.start, chunk.final)
+        assert plan.frames <= 4 and plan.first_token + 7 * plan.frames <= len(chunk.value)
+        emitted.extend(range(plan.first_frame + plan.emit_from, plan.first_frame + plan.emit_to))
+        if not chunk.final:  # ordinary windows keep their middle frame (0:4096 for the first)
+            assert (plan.emit_from, plan.emit_to) == ((0, 2) if chunk.start == 0 else (1, 2))
+
+
+@pytest.mark.parametrize("arrival", ["items_first", "end_first"])
+def test_every_frame_is_emitted_exactly_once(arrival):
+    """Windows of the real stream policy and the vocoder's plans cover frames 0..N//7-1 once each."""
+    for n in range(0, 90):
+        buf = StreamBuffer(SlidingWindow(28, 7, recut_at_end=True))
+        emitted: list[int] = []
+        if arrival == "end_first":
+            buf.end(n)
+        for i in range(n):
+            buf.put(i, torch.tensor([i]))
+            _drain(buf, emitted)
+        buf.end(n)
+        _drain(buf, emitted)
+        assert emitted == list(range(n // 7)), n
+
+
+def test_fold_weight_norm_both_namings():
+    conv = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(3, 4, 5))
+    state = conv.state_dict()
+    folded = fold_weight_norm(state.items())
+    assert torch.allclose(folded["weight"], conv.weight, atol=1e-6)
+    old = {"weight_g": state["parametrizations.weight.original0"],
+           "weight_v": state["parametrizations.weight.original1"], "bias": state["bias"]}
+    assert torch.allclose(fold_weight_norm(old.items())["weight"], conv.weight, atol=1e-6)
+
+
+def test_options_are_validated():
+    from mstar.models.orpheus.model import OrpheusModel
+
+    model = OrpheusModel(OrpheusModel.make_config(tiny=True))
+    proc = model.processor()
+    proc.validate_options(model.request_options({}))
+    with pytest.raises(ValueError, match="tara, leah, jess, leo, dan, mia, zac, zoe"):
+        proc.validate_options(model.request_options({"voice": "bob"}))
+    with pytest.raises(ValueError, match="speed"):
+        proc.validate_options(model.request_options({"speed": 1.5}))
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        proc.validate_options(model.request_options({"repetition_penalty": -1}))
+    opts = model.request_options({"voice": "leo", "temperature": 0.2})
+    assert opts["temperature"] == 0.2 and opts["top_p"] == 0.8 and opts["repetition_penalty"] == 1.3
+    ids = proc.inputs({"text": "hi"}, opts)["prompt_ids"].tolist()
+    t = model.tokens
+    assert ids[0] == t.start_of_human and ids[-4:] == [t.end_of_text, t.end_of_human, t.start_of_ai,
+                                                        t.start_of_speech]
+    assert model.tokenizer.decode(ids[1:-4]) == "leo: hi"
