@@ -49,9 +49,9 @@ TUNED: dict[tuple[int, int, int], SkinnyConfig] = {}
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_wn, k_per_split,
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_wn,
                    HAS_BIAS: tl.constexpr, TO_WORKSPACE: tl.constexpr, USE_DOT: tl.constexpr,
-                   EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, K_ITERS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -63,15 +63,17 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, str
     rm_safe = tl.minimum(rm, M - 1)
     w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
     x_ptrs = x_ptr + rm_safe[:, None] * stride_xm + rk[None, :]
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
+    k_start = pid_k * (K_ITERS * BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
+    # Every split runs the same (compile-time) count of K blocks; only the last may run past K (masked
+    # unless EVEN_K). A constexpr trip count also lets the compiler unroll and pipeline the loads.
+    for i in range(K_ITERS):
+        k = k_start + i * BLOCK_K
         if EVEN_K:
             w = tl.load(w_ptrs + k)
             x = tl.load(x_ptrs + k)
         else:
-            k_mask = (k + rk) < k_end
+            k_mask = (k + rk) < K
             w = tl.load(w_ptrs + k, mask=k_mask[None, :], other=0.0)
             x = tl.load(x_ptrs + k, mask=k_mask[None, :], other=0.0)
         if USE_DOT:
@@ -176,9 +178,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     ws = _workspace(x.device, split * m * n) if split > 1 else out
     has_bias = bias is not None
     _skinny_kernel[(triton.cdiv(n, cfg.block_n), split)](
-        x, weight, bias if has_bias else weight, out, ws, m, n, k, x.stride(0), weight.stride(0), k_per_split,
-        HAS_BIAS=has_bias, TO_WORKSPACE=split > 1, USE_DOT=cfg.use_dot, EVEN_K=k % cfg.block_k == 0,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        x, weight, bias if has_bias else weight, out, ws, m, n, k, x.stride(0), weight.stride(0),
+        HAS_BIAS=has_bias, TO_WORKSPACE=split > 1, USE_DOT=cfg.use_dot, EVEN_K=split * k_per_split == k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", K_ITERS=k_per_split // cfg.block_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
