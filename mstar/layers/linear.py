@@ -6,7 +6,7 @@ on a device the fused kernels serve (`FUSED.ops_for`), the choice between `skinn
 F.linear is made once per (M bucket, N, K, dtype, bias, device) by timing both with CUDA events the
 first time that shape is seen outside a CUDA-graph capture (the engine's warm-up); the choice is then
 fixed for the process, so results are deterministic per shape. A shape first seen during a capture
-uses F.linear (timing needs host syncs). On CPU (Triton interpreter) the kernel runs only when
+uses F.linear for good (timing needs host syncs). On CPU (Triton interpreter) the kernel runs only when
 `SKINNY.force` is True (tests). MSTAR_SKINNY_GEMM=0 turns it off, =1 forces it on wherever allowed.
 """
 
@@ -49,7 +49,9 @@ class _SkinnySwitch:
         decision = self.decisions.get(key)
         if decision is None:
             if torch.cuda.is_current_stream_capturing():
+                # Timing needs host syncs; F.linear from now on keeps this shape's choice fixed.
                 logger.warning("skinny GEMM: shape %s first seen inside a CUDA-graph capture; using F.linear", key)
+                self.decisions[key] = False
                 return False
             decision = self.decisions[key] = self._measure(x, weight, bias)
         return decision
