@@ -69,6 +69,33 @@ def check_selection(dtype: torch.dtype) -> None:
     torch.testing.assert_close(got, want, **tol(dtype))
 
 
+class _Echo:
+    """An attention stub that returns q, so the layer's output goes through qkv_proj and o_proj only."""
+
+    def forward(self, layer, q, k, v):
+        return q
+
+
+def check_attention_projections(dtype: torch.dtype) -> None:
+    from mstar.layers.attention import AttentionSpec, SelfAttention
+    from mstar.layers.rope import RopeSpec, RotaryEmbedding
+
+    layer = SelfAttention(AttentionSpec(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=16, o_bias=True), 0)
+    layer = layer.to(dtype)
+    cos, sin = RotaryEmbedding(RopeSpec(head_dim=16))(torch.tensor([0, 5]))
+    x = torch.randn(2, 32).to(dtype)
+    SKINNY.force = True
+    try:
+        got = layer(x, cos, sin, _Echo())
+    finally:
+        SKINNY.force = False
+    try:
+        want = layer(x, cos, sin, _Echo())
+    finally:
+        SKINNY.force = None
+    torch.testing.assert_close(got, want, **tol(dtype))
+
+
 if __name__ == "__main__":
     assert FUSED.ops_for(torch.zeros(1)) is not None, "run with TRITON_INTERPRET=1"
     torch.manual_seed(0)
@@ -77,4 +104,5 @@ if __name__ == "__main__":
         check_split_k(dt)
         check_strided_rows(dt)
         check_selection(dt)
+        check_attention_projections(dt)
     print("skinny gemm ok")
