@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from mstar.layers.fused import FUSED
+from mstar.layers.linear import linear
 from mstar.layers.norm import RMSNorm
 from mstar.layers.rope import apply_rotary
 
@@ -55,7 +56,7 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; `attn` is an AttentionBackend already prepared for the batch."""
         t, d = x.shape[0], self.spec.head_dim
-        qkv = self.qkv_proj(x)
+        qkv = linear(x, self.qkv_proj)
         ops = None if self.spec.qk_norm else FUSED.ops_for(qkv)
         if ops is not None and qkv.is_contiguous():
             # q and k heads sit side by side in each qkv row: one rotary launch rotates both.
@@ -63,7 +64,7 @@ class SelfAttention(nn.Module):
             qk = ops.rotary(heads[:, : self.spec.num_heads + self.spec.num_kv_heads], cos, sin)
             q, k = qk.split([self.spec.num_heads, self.spec.num_kv_heads], dim=1)
             out = attn.forward(self.layer_idx, q, k, heads[:, self.spec.num_heads + self.spec.num_kv_heads :])
-            return self.o_proj(out.reshape(t, self.q_size))
+            return linear(out.reshape(t, self.q_size), self.o_proj)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.spec.num_heads, d)
         k = k.view(t, self.spec.num_kv_heads, d)
@@ -72,4 +73,4 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attn.forward(self.layer_idx, q, k, v)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return linear(out.reshape(t, self.q_size), self.o_proj)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.layers.fused import FUSED
+from mstar.layers.linear import linear
 
 
 class GatedMLP(nn.Module):
@@ -19,9 +20,9 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+        gate_up = linear(x, self.gate_up_proj)
         ops = FUSED.ops_for(gate_up)
         if ops is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
-            return self.down_proj(ops.silu_and_mul(gate_up))
+            return linear(ops.silu_and_mul(gate_up), self.down_proj)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return linear(F.silu(gate) * up, self.down_proj)

@@ -15,6 +15,7 @@ from torch import nn
 from mstar.engines.base import KVLayout
 from mstar.engines.extras import FINAL, ForwardExtras
 from mstar.layers.attention import AttentionSpec, SelfAttention
+from mstar.layers.linear import linear
 from mstar.layers.mlp import GatedMLP
 from mstar.layers.norm import RMSNorm
 from mstar.layers.rope import RotaryEmbedding
@@ -103,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+        return linear(hidden, self.lm_head).float()
 
 
 def build_model(
