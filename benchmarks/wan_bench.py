@@ -1,0 +1,293 @@
+"""Wan2.2-TI2V-5B text-to-video speed on one GPU: mstar against diffusers' WanPipeline, and the DiT floor.
+
+Both sides use seeded random (dummy) weights at full size: DiT 5B and UMT5-xxl in bf16, the VAE in
+--vae-dtype (float32 by default, as Wan's own examples load it), the tiny offline tokenizer (prompts are
+padded to 512 tokens either way, so ids do not change the speed). Each run: 832x480, 33 frames,
+guidance 5 (both branches every step), for every --steps and --concurrency; c requests start together.
+
+- mstar: `MStar(config=<one worker: text_encoder, dit, scheduler, vae on rank 0>, load_format="dummy")`;
+  c requests submitted at once (their DiT rows batch). Per request: end-to-end seconds (submit -> last
+  event); steps are timed from the host timestamps of the per-step progress events: s/step =
+  (t[last step] - t[first step]) / (steps - 1); text encode ~ t[first step] - start - s/step (includes
+  noise preparation); decode = end - t[last step]. The GPU may run ahead of those host timestamps by
+  a bounded queue of kernels; the average over many steps is unaffected.
+- diffusers: one `WanPipeline.__call__` with the c prompts as a batch (each branch its own DiT forward,
+  as diffusers runs them), output_type "pt"; the same split from a step-end callback that synchronizes.
+- floor: the issue's ~4.4 s of DiT compute for 50 steps (one request) on one H200, and our own estimate:
+  DiT FLOPs per forward (matmuls and attention, from the config) x 2 branches x c / the bf16 matmul
+  TFLOP/s of an 8192^3 torch.matmul probe in the same run.
+
+    python3 benchmarks/wan_bench.py [--steps 20 50] [--concurrency 1 2] [--skip-diffusers] \
+        [--out benchmarks/results/wan_bench_h200.json]
+    python3 benchmarks/wan_bench.py --quick     # tiny shapes on CPU (< 60 s): checks the script end to end
+
+diffusers is not on the GPU machine; carry its pure-python wheel (6 MB; /.whl/ is git-ignored). Here:
+
+    python3 -m pip download --no-deps --only-binary=:all: -d .whl diffusers==0.42.1
+
+then run with carry [".whl"] and the command
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site && PYTHONUNBUFFERED=1 python3 benchmarks/wan_bench.py
+
+(its other needs, transformers, huggingface_hub, regex, requests, filelock, safetensors, are there).
+Measures, asserts nothing. Our models are freed before the baseline is built (one copy at a time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import platform
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
+from benchmarks import wan_baseline  # noqa: E402
+from mstar.models.wan22.config import UMT5Config, Wan22Config, WanTransformerConfig  # noqa: E402
+from mstar.runtime.offline import MStar  # noqa: E402
+
+ISSUE_FLOOR_S_50_STEPS = 4.4  # issue #8: DiT compute of 50 steps at 832x480x33, one request, one H200
+PROMPTS = ("a red fox runs through fresh snow at dawn, cinematic", "waves crash on a rocky shore at sunset")
+COMPONENTS = ["text_encoder", "dit", "scheduler", "vae"]
+
+
+def matmul_tflops(device: torch.device, n: int, dtype: torch.dtype, iters: int = 10) -> float:
+    """TFLOP/s of an n x n x n torch.matmul on random data (mean of `iters` after 3 warm-ups)."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    _sync(device)
+    return 2 * n**3 * iters / (time.perf_counter() - start) / 1e12
+
+
+def _tokens(config: WanTransformerConfig, latent_shape: tuple[int, int, int]) -> int:
+    pf, ph, pw = config.patch_size
+    return (latent_shape[0] // pf) * (latent_shape[1] // ph) * (latent_shape[2] // pw)
+
+
+def dit_attention_flops(config: WanTransformerConfig, latent_shape: tuple[int, int, int], text_length: int) -> float:
+    """FLOPs of attention's two products (q k^T, p v) in one DiT forward of one row: self and cross."""
+    n, d = _tokens(config, latent_shape), config.dim
+    return config.num_layers * (4 * n * n * d + 4 * n * text_length * d)
+
+
+def dit_flops(config: WanTransformerConfig, latent_shape: tuple[int, int, int], text_length: int) -> float:
+    """FLOPs of one DiT forward of one row: every projection (2 per multiply-add) plus attention's products.
+
+    The per-frame timestep MLPs are left out (under 0.1% at full size)."""
+    n, d, f, t = _tokens(config, latent_shape), config.dim, config.ffn_dim, text_length
+    per_layer = (2 * n * 4 * d * d          # self-attention q, k, v, o
+                 + 2 * n * 2 * d * d        # cross-attention q, o
+                 + 2 * t * 2 * d * d        # cross-attention k, v of the text
+                 + 2 * n * 2 * d * f)       # feed-forward
+    patch = config.in_channels * math.prod(config.patch_size)
+    edges = 2 * n * patch * d + 2 * n * d * config.out_channels * math.prod(config.patch_size) \
+        + 2 * t * (config.text_dim + d) * d  # patch embedding, output head, text embedder
+    return config.num_layers * per_layer + edges + dit_attention_flops(config, latent_shape, text_length)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timeline(handle, start: float, out: dict, errors: list) -> None:
+    """Consume one request's events as they arrive, stamping progress events (one per denoising step)."""
+    steps: list[float] = []
+    try:
+        for event in handle:
+            if event.name == "progress" and float(event.value) < 1.0:  # 1.0 is the decode walk's report
+                steps.append(time.perf_counter())
+        out.update(start=start, steps=steps, end=time.perf_counter())
+    except Exception as exc:  # noqa: BLE001 - re-raised by the caller
+        errors.append(exc)
+
+
+def run_ours(m: MStar, prompts: list[str], shape: dict, steps: int, guidance: float, device: torch.device) -> list:
+    """Submit one request per prompt at once; their timelines (start, step ends, end) in seconds."""
+    timelines: list[dict] = [{} for _ in prompts]
+    errors: list[Exception] = []
+    _sync(device)
+    start = time.perf_counter()
+    readers = []
+    for i, prompt in enumerate(prompts):
+        handle = m.submit({"text": prompt}, seed=i, num_inference_steps=steps, guidance_scale=guidance,
+                          report_progress=True, **shape)
+        readers.append(threading.Thread(target=_timeline, args=(handle, start, timelines[i], errors)))
+        readers[-1].start()
+    for reader in readers:
+        reader.join()
+    if errors:
+        raise errors[0]
+    _sync(device)
+    wall_end = time.perf_counter()
+    for t in timelines:
+        t["wall_end"] = wall_end
+    return timelines
+
+
+def summarize(timelines: list[dict], steps: int) -> dict:
+    """Per-request means of end-to-end, s/step, text encode, denoise and decode seconds; batch wall time."""
+    rows = []
+    for t in timelines:
+        marks = t["steps"]
+        per_step = (marks[-1] - marks[0]) / (len(marks) - 1) if len(marks) > 1 else float("nan")
+        if len(marks) != steps:
+            raise RuntimeError(f"expected {steps} step timestamps, got {len(marks)}")
+        first = marks[0] - t["start"]
+        rows.append({"e2e_s": t["end"] - t["start"], "s_per_step": per_step,
+                     "text_encode_s": first - per_step if len(marks) > 1 else float("nan"),
+                     "denoise_s": marks[-1] - marks[0] + per_step, "decode_s": t["end"] - marks[-1]})
+    out = {k: round(statistics.mean(r[k] for r in rows), 4) for k in rows[0]}
+    out["wall_s"] = round(max(t.get("wall_end", t["end"]) for t in timelines) - timelines[0]["start"], 4)
+    return out
+
+
+def _ours_config(quick: bool, vae_dtype: str) -> dict:
+    kwargs = {"vae_dtype": vae_dtype} if quick else {"dtype": "bfloat16", "vae_dtype": vae_dtype}
+    return {"model": "wan22", "max_concurrent_requests": 8, "model_kwargs": kwargs, "device": "cpu" if quick else "auto",
+            "node_groups": [{"node_names": COMPONENTS, "ranks": [0]}]}
+
+
+def bench_ours(args, shape: dict, device: torch.device) -> tuple[list[dict], dict]:
+    """Build our deployment, warm it at every concurrency, then time every (steps, concurrency)."""
+    rows = []
+    t0 = time.perf_counter()
+    with MStar(config=_ours_config(args.quick, args.vae_dtype), tiny=args.quick,
+               load_format="auto" if args.quick else "dummy") as m:
+        info = {"build_s": round(time.perf_counter() - t0, 1)}
+        for c in args.concurrency:
+            prompts = [PROMPTS[i % len(PROMPTS)] for i in range(c)]
+            run_ours(m, prompts, shape, 2, args.guidance, device)  # warm-up at this concurrency
+            for steps in args.steps:
+                row = {"impl": "mstar", "steps": steps, "concurrency": c,
+                       **summarize(run_ours(m, prompts, shape, steps, args.guidance, device), steps)}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows, info
+
+
+def bench_diffusers(args, shape: dict, device: torch.device, text_length: int) -> tuple[list[dict], dict]:
+    """Build the diffusers pipeline (after ours is freed) and time the same grid, c prompts per call."""
+    from mstar.models.wan22 import tiny
+    from mstar.models.wan22.vae_config import WAN22_TI2V_5B_VAE, tiny_vae_config
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    dit, encoder = (tiny.TINY_TRANSFORMER, tiny.TINY_TEXT_ENCODER) if args.quick else (
+        wan_baseline.WAN22_TRANSFORMER, wan_baseline.UMT5_XXL)
+    vae = (tiny_vae_config(dit["in_channels"]) if args.quick else WAN22_TI2V_5B_VAE).to_hf()
+    t0 = time.perf_counter()
+    pipe = wan_baseline.build_pipeline(dit, encoder, vae, tiny.SCHEDULER, str(tiny.tiny_tokenizer_folder()),
+                                       torch.float32 if args.quick else torch.bfloat16, dtypes[args.vae_dtype],
+                                       device)
+    info = {"build_s": round(time.perf_counter() - t0, 1)}
+    rows = []
+    for c in args.concurrency:
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(c)]
+        wan_baseline.run_pipeline(pipe, prompts, shape, 2, args.guidance, text_length, device)  # warm-up
+        for steps in args.steps:
+            timeline = wan_baseline.run_pipeline(pipe, prompts, shape, steps, args.guidance, text_length, device)
+            row = {"impl": "diffusers", "steps": steps, "concurrency": c, **summarize([timeline], steps)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows, info
+
+
+def _peak_gb(device: torch.device) -> float | None:
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, nargs="+", default=None, help="default 20 50 (quick: 3)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--guidance", type=float, default=5.0)
+    parser.add_argument("--vae-dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--skip-diffusers", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="tiny random models and shapes, on CPU")
+    parser.add_argument("--out", default=None, help="default benchmarks/results/wan_bench_h200.json (quick: none)")
+    args = parser.parse_args()
+    args.steps = args.steps or ([3] if args.quick else [20, 50])
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+    if args.quick:
+        torch.set_num_threads(1)  # tiny convolutions are slower with threads on shared cores
+    shape = {"width": 64, "height": 64, "num_frames": 5} if args.quick else {"width": 832, "height": 480,
+                                                                            "num_frames": 33}
+    floor = floor_info(args, shape, device)
+    print(json.dumps(floor), flush=True)
+    _free(device)
+    rows, info = bench_ours(args, shape, device)
+    info["peak_gb"] = _peak_gb(device)
+    result = {"benchmark": "wan_bench", "command": "python3 " + " ".join(sys.argv), **_versions(device),
+              "model": "Wan2.2-TI2V-5B shapes, dummy weights" if not args.quick else "wan22 tiny (quick)",
+              **shape, "guidance_scale": args.guidance, "vae_dtype": args.vae_dtype, "floor": floor,
+              "mstar": info, "rows": rows}
+    if not args.skip_diffusers:
+        _free(device)
+        if device.type == "cuda":  # what our deployment left behind (should be ~0)
+            result["mstar"]["left_allocated_gb"] = round(torch.cuda.memory_allocated(device) / 2**30, 2)
+        drows, dinfo = bench_diffusers(args, shape, device, floor["text_length"])
+        dinfo["peak_gb"] = _peak_gb(device)
+        result.update(diffusers=dinfo, rows=rows + drows)
+    for row in result["rows"]:  # the DiT-compute floor of the row's denoising, all its requests
+        row["floor_denoise_s"] = round(row["steps"] * row["concurrency"] * floor["estimate_s_per_step_c1"], 4)
+    out = args.out or (None if args.quick else "benchmarks/results/wan_bench_h200.json")
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out}")
+
+
+def floor_info(args, shape: dict, device: torch.device) -> dict:
+    """The DiT-compute floor: measured matmul TFLOP/s, FLOPs per forward, seconds per step and per run."""
+    from mstar.models.wan22.tiny import TINY_TEXT_LENGTH, tiny_config
+
+    components = tiny_config() if args.quick else Wan22Config()
+    if not args.quick and (WanTransformerConfig.from_hf(wan_baseline.WAN22_TRANSFORMER) != components.transformer
+                           or UMT5Config.from_hf(wan_baseline.UMT5_XXL) != components.text_encoder):
+        raise RuntimeError("the baseline's configs differ from our default Wan2.2 configs; fix wan_baseline's dicts")
+    text_length = TINY_TEXT_LENGTH if args.quick else components.text_length
+    latent = (1 + (shape["num_frames"] - 1) // 4, shape["height"] // 16, shape["width"] // 16)
+    flops = dit_flops(components.transformer, latent, text_length)
+    tflops = matmul_tflops(device, 512 if device.type == "cpu" else 8192,
+                           torch.float32 if device.type == "cpu" else torch.bfloat16)
+    step_s = 2 * flops / (tflops * 1e12)  # both guidance branches, one request
+    return {"text_length": text_length, "latent_frames_h_w": latent, "dit_tflop_per_forward": round(flops / 1e12, 6),
+            "matmul_tflops": round(tflops, 3), "estimate_s_per_step_c1": round(step_s, 6),
+            "estimate_s": {f"{s}_steps": round(s * step_s, 3) for s in args.steps},
+            "issue_s": None if args.quick else {f"{s}_steps": round(ISSUE_FLOOR_S_50_STEPS * s / 50, 3)
+                                                for s in args.steps}}
+
+
+def _versions(device: torch.device) -> dict:
+    try:
+        import diffusers
+        version = diffusers.__version__
+    except ImportError:
+        version = None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    return {"device": name, "torch": torch.__version__, "diffusers_version": version, "python": platform.python_version()}
+
+
+if __name__ == "__main__":
+    main()
