@@ -52,7 +52,7 @@ def shape_audio_lm(model: torch.nn.Module, tokens: OrpheusTokens, seed: int = 0,
     embed, head = params["model.embed_tokens.weight"], params.get("lm_head.weight", params["model.embed_tokens.weight"])
     hidden = embed.shape[1]
     gen = torch.Generator().manual_seed(seed + 7)
-    dirs = torch.nn.functional.normalize(torch.randn(FRAME, hidden, generator=gen), dim=-1)
+    dirs = torch.nn.functional.normalize(torch.randn(FRAME, hidden, generator=gen), dim=-1).to(embed.device)
     params["model.norm.weight"].fill_(1.0)  # keep the final hidden state along the place direction
     for place in range(FRAME):
         lo = tokens.audio_offset + place * tokens.codebook_size

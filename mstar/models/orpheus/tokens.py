@@ -95,7 +95,9 @@ def split_levels(frame_tokens: torch.Tensor, tokens: OrpheusTokens) -> list[torc
     places = torch.arange(FRAME, device=frame_tokens.device)
     codes = frame_tokens.view(b, -1, FRAME) - tokens.audio_offset - places * tokens.codebook_size
     codes = codes.clamp(0, tokens.codebook_size - 1)
-    return [codes[:, :, 0], codes[:, :, [1, 4]].reshape(b, -1), codes[:, :, [2, 3, 5, 6]].reshape(b, -1)]
+    # Slices and stacks only: an index list would be a host tensor copied inside a CUDA-graph capture.
+    level2 = torch.stack([codes[:, :, 2], codes[:, :, 3], codes[:, :, 5], codes[:, :, 6]], dim=-1)
+    return [codes[:, :, 0], codes[:, :, 1::3].reshape(b, -1), level2.reshape(b, -1)]
 
 
 def window_is_valid(frame_tokens: list[int], tokens: OrpheusTokens) -> bool:
