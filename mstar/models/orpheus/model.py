@@ -213,8 +213,11 @@ class OrpheusModel(Model):
             from mstar.models.orpheus.weights import load_snac
 
             snac = load_snac(self.snac_config, self.snac_folder, device, seed=self.config.seed)
-            return BuiltComponent(OrpheusVocoder(snac, self.tokens).to(device),
-                                  {"max_batch_size": self.config.vocoder_batch_size})
+            vocoder = OrpheusVocoder(snac, self.tokens).to(device)
+            if device.type == "cuda":  # captured during the build, before the worker reports ready
+                sizes = (1, 2, 4, 8, 16, 32, 64)
+                vocoder.capture_graphs(tuple(s for s in sizes if s <= self.config.vocoder_batch_size) or (1,))
+            return BuiltComponent(vocoder, {"max_batch_size": self.config.vocoder_batch_size})
         raise KeyError(f"orpheus has no component {name!r}; its components are 'llm' and 'snac'")
 
     def _load_lm(self, device: torch.device) -> torch.nn.Module:

@@ -70,6 +70,19 @@ class OrpheusVocoder(nn.Module):
         gen = torch.Generator().manual_seed(_NOISE_SEED)
         self.register_buffer("noise_table", torch.randn(len(self.noise_steps), NOISE_TABLE, generator=gen),
                              persistent=False)
+        self.graphs = None  # BatchGraphs of decode_windows for 4-frame windows, once captured on CUDA
+
+    def capture_graphs(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)) -> None:
+        """Capture `decode_windows` for steady-state (4-frame) windows at these batch sizes (CUDA only).
+
+        The decoder is hundreds of small convolution kernels: replaying them as one graph keeps the
+        vocoder from stalling the worker that also runs the LM.
+        """
+        from mstar.engines.cuda_graphs import BatchGraphs
+
+        device = self.noise_table.device
+        example = [((FRAME * WINDOW_FRAMES,), torch.long), ((), torch.long)]
+        self.graphs = BatchGraphs(self.decode_windows, sizes, example, device)
 
     def noises(self, first_frame: torch.Tensor, frames: int) -> list[torch.Tensor]:
         """Noise of each decoder block for windows starting at `first_frame` [B] ([B, 1, T] each)."""
@@ -107,7 +120,10 @@ class OrpheusVocoder(nn.Module):
             spans = torch.stack([windows[i][plans[i].first_token: plans[i].first_token + FRAME * frames]
                                  for i in rows])
             first = torch.tensor([plans[i].first_frame for i in rows], device=spans.device)
-            audio = self.decode_windows(spans, first)
+            if self.graphs is not None and frames == WINDOW_FRAMES and len(rows) <= self.graphs.max_batch:
+                (audio,) = self.graphs(spans, first)  # views of the graph's output: sliced and copied below
+            else:
+                audio = self.decode_windows(spans, first)
             for row, i in enumerate(rows):
                 outputs[i]["audio"] = audio[row, plans[i].emit_from * spf: plans[i].emit_to * spf].contiguous()
         return outputs  # a window with nothing to emit sends no audio chunk
