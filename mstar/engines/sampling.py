@@ -109,6 +109,7 @@ class SamplingRow:
     num_prompt: int  # how many of token_ids are the prompt
     generator: torch.Generator | None = None  # the request's own generator (seeded requests)
     eos_token_ids: tuple[int, ...] = ()  # banned, with stop_token_ids, while under min_tokens
+    cache: dict | None = None  # the sequence's scratch across steps (its seen-token mask), if it keeps one
 
 
 @dataclass
@@ -158,14 +159,27 @@ def _apply_bans_and_penalties(x: torch.Tensor, rows: Sequence[SamplingRow]) -> N
             banned = [t for t in (*row.eos_token_ids, *p.stop_token_ids) if t < vocab]
             x[i, banned] = -math.inf
         if p.repetition_penalty != 1.0:
-            seen = torch.zeros(vocab, dtype=torch.bool, device=x.device)
-            seen[torch.tensor(list(row.token_ids), dtype=torch.long, device=x.device)] = True
+            seen = _seen_mask(row, vocab, x.device)
             penalised = torch.where(x[i] > 0, x[i] / p.repetition_penalty, x[i] * p.repetition_penalty)
             x[i] = torch.where(seen, penalised, x[i])
         if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
             out = torch.tensor(list(row.token_ids[row.num_prompt:]), dtype=torch.long, device=x.device)
             counts = torch.bincount(out, minlength=vocab)[:vocab].to(x.dtype)
             x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+
+
+def _seen_mask(row: SamplingRow, vocab: int, device: torch.device) -> torch.Tensor:
+    """Bool [vocab]: tokens of the prompt or output. Kept in `row.cache` and extended by the tokens
+    added since the last step, so a step copies a few new ids instead of the whole sequence."""
+    cache = row.cache if row.cache is not None else {}
+    seen, upto = cache.get("seen"), cache.get("seen_upto", 0)
+    if seen is None or seen.shape[0] != vocab or seen.device != device or upto > len(row.token_ids):
+        seen, upto = torch.zeros(vocab, dtype=torch.bool, device=device), 0
+    new = [t for t in row.token_ids[upto:] if t < vocab]
+    if new:
+        seen[torch.tensor(new, dtype=torch.long).to(device, non_blocking=True)] = True
+    cache["seen"], cache["seen_upto"] = seen, len(row.token_ids)
+    return seen
 
 
 def _top_k_top_p(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -135,3 +135,18 @@ def test_from_options_overrides_defaults_and_ignores_other_keys():
                                     defaults)
     assert p.top_k == 0 and p.stop_token_ids == (3, 4) and p.temperature == 0.0 and p.max_tokens == 100
     assert math.isclose(SamplingParams.from_options({}, defaults).temperature, 0.7)
+
+
+def test_repetition_penalty_cache_follows_a_growing_sequence():
+    """A row keeping its seen-token mask across steps penalises exactly what a fresh row would."""
+    torch.manual_seed(3)
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.5)
+    tokens, cache = [5, 9, 9, 17], {}
+    for step in range(30):
+        logits = torch.randn(1, 40)
+        cached = sample(logits, [SamplingRow(params, list(tokens), 2, cache=cache)]).token_ids
+        fresh = sample(logits, [SamplingRow(params, list(tokens), 2)]).token_ids
+        assert torch.equal(cached, fresh), step
+        tokens.append(int(cached) if step % 3 else (step * 7) % 40)  # sometimes a token never seen before
+    assert cache["seen_upto"] == len(tokens) - 1
+    assert cache["seen"].sum().item() == len(set(tokens[:-1]))

@@ -156,7 +156,8 @@ class AutoregressiveEngine:
 
     def _postprocess(self, chunks: list[Chunk], logits: torch.Tensor) -> list[StepResult]:
         seqs = [c.seq for c in chunks]
-        rows = [SamplingRow(s.params, s.token_ids, s.num_prompt, s.generator, self.eos_token_ids) for s in seqs]
+        rows = [SamplingRow(s.params, s.token_ids, s.num_prompt, s.generator, self.eos_token_ids, s.sampling_cache)
+                for s in seqs]
         greedy = self.runner.last_greedy_ids  # argmax taken inside the decode graph, if it ran
         if greedy is not None and all(plain_greedy(r) for r in rows):
             out = _to_host(SampleOutput(greedy))  # the step's one host sync

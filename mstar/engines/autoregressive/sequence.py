@@ -43,6 +43,7 @@ class Sequence:
     num_registered: int = 0  # leading pages already offered to the prefix cache
     num_generated: int = 0  # tokens sampled for this sequence
     item: StepItem | None = None  # the item waiting for a result
+    sampling_cache: dict = field(default_factory=dict)  # sampling's per-sequence scratch (seen-token mask)
     inputs: TokenInputs | None = None  # embeddings, explicit positions, hidden capture (token_inputs.py)
 
     @property
