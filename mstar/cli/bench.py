@@ -75,7 +75,7 @@ class BenchConfig:
                              self.extra_body)
             return run_chat, body
         return run_speech, speech_body(self.model, self.prompt or DEFAULT_SPEECH_TEXT, self.voice,
-                                       self.extra_body)
+                                       self.extra_body, self.max_tokens, self.ignore_eos)
 
 
 async def _one(send, client, body: dict) -> RequestRecord:

@@ -34,11 +34,17 @@ def chat_body(model: str, prompt: str, max_tokens: int, ignore_eos: bool, extra:
     return {**body, **extra}
 
 
-def speech_body(model: str, text: str, voice: str | None, extra: dict[str, Any]) -> dict:
-    """The /v1/audio/speech body asking for raw 16-bit PCM streamed as it is made."""
-    body = {"model": model, "input": text, "response_format": "pcm", "stream_format": "audio"}
+def speech_body(model: str, text: str, voice: str | None, extra: dict[str, Any], max_tokens: int | None = None,
+                ignore_eos: bool = False) -> dict:
+    """The /v1/audio/speech body asking for raw 16-bit PCM streamed as it is made; `max_tokens` and
+    `ignore_eos` go as model options (a TTS model counts its audio tokens)."""
+    body: dict[str, Any] = {"model": model, "input": text, "response_format": "pcm", "stream_format": "audio"}
     if voice:
         body["voice"] = voice
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    if ignore_eos:
+        body["ignore_eos"] = True
     return {**body, **extra}
 
 

@@ -239,3 +239,20 @@ def test_idle_sequences_give_way_to_waiting_ones(model):
     assert engine.scheduler.num_preemptions == 1
     out = drive(engine, [item("a", first.outputs["token"])])
     assert tokens_of([first, *out[("a", "main")]]) == reference(model, ps[7], 3)
+
+
+def test_warm_up_leaves_no_sequences_behind():
+    """The warm-up (on by default on CUDA) runs prompts through prefill and decode and forgets them."""
+    from mstar.config import KVCacheConfig
+    from mstar.engines.autoregressive.engine import AutoregressiveEngine
+    from mstar.models.common.loading import fill_dummy_weights
+    from mstar.models.llama.config import LlamaConfig
+    from mstar.models.llama.model import build_model
+    from mstar.models.llama.tiny import tiny_hf_config
+
+    model = build_model(LlamaConfig.from_hf(tiny_hf_config("llama")), torch.float32)
+    fill_dummy_weights(model)
+    engine = AutoregressiveEngine(model, KVCacheConfig(max_num_pages=32, page_size=4), "cpu", warm_up=True)
+    assert not engine.has_work() and not engine._seqs
+    assert engine.pool.num_used == 0
+    assert engine.pool.num_cached_idle > 0  # it did run: the prompts' full pages stay in the prefix cache

@@ -150,3 +150,13 @@ def test_bad_config_and_percentile():
     assert percentile([], 50) is None
     assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5
     assert percentile(list(range(101)), 95) == 95
+
+
+def test_speech_body_carries_the_token_budget():
+    """--max-tokens and --ignore-eos reach a speech request as model options (a TTS model counts audio tokens)."""
+    body = BenchConfig(base_url="http://x", workload="speech", model="orpheus", max_tokens=600,
+                       ignore_eos=True).request()[1]
+    assert body["max_tokens"] == 600 and body["ignore_eos"] is True
+    assert body["response_format"] == "pcm" and body["stream_format"] == "audio"
+    plain = BenchConfig(base_url="http://x", workload="speech", model="orpheus").request()[1]
+    assert "ignore_eos" not in plain

@@ -42,7 +42,8 @@ class AutoregressiveEngine:
     def __init__(self, model: CausalLM, kv_config: KVCacheConfig, device: torch.device | str,
                  eos_token_ids: tuple[int, ...] = (), default_sampling: SamplingParams | None = None,
                  max_num_seqs: int = 256, max_batch_tokens: int = 2048, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, cuda_graphs: CudaGraphConfig | None = None) -> None:
+                 enable_prefix_caching: bool = True, cuda_graphs: CudaGraphConfig | None = None,
+                 warm_up: bool | None = None) -> None:
         if max_num_seqs < 1 or max_batch_tokens < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs}, max_batch_tokens={max_batch_tokens}: both must be >= 1")
         self.device = torch.device(device)
@@ -64,7 +65,25 @@ class AutoregressiveEngine:
         self.runner = ModelRunner(model, attn, kv_config.page_size, self.device, cuda_graphs, max_num_seqs)
         self._seqs: dict[tuple[str, str], Sequence] = {}
         self._errors: list[StepResult] = []  # items refused at submit, reported by the next step
+        if warm_up if warm_up is not None else self.device.type == "cuda":
+            self._warm_up()
         self.last_step_items = 0  # sequences the latest step computed (mstar.engines.stats.ReportsStats)
+
+    def _warm_up(self, lengths: tuple[int, ...] = (5, 16, 33)) -> None:
+        """Run throwaway prompts (prefill and two decode steps) through the real path, so the first
+        request does not pay for kernel compilation; called on CUDA before the worker reports ready."""
+        options = {"temperature": 0.0, "max_tokens": 3, "ignore_eos": True}
+        rids = [f"__warmup_{n}" for n in lengths if n + 3 < self.max_model_len]
+        for rid, n in zip(rids, lengths):
+            self.submit(StepItem(rid, "warmup", "warmup", {"input_ids": torch.zeros(n, dtype=torch.long)}, options))
+        while self.has_work():
+            for r in self.step():
+                if r.error is not None:
+                    raise RuntimeError(f"engine warm-up failed: {r.error}")
+                if not r.stop:
+                    self.submit(StepItem(r.request_id, "warmup", "warmup", {"input_ids": r.outputs["token"]}, options))
+        for rid in rids:
+            self.release(rid)
 
     def submit(self, item: StepItem) -> None:
         """Queue an item; a malformed one (bad options, too long, ...) fails alone at the next step."""
