@@ -11,6 +11,7 @@ _MODELS: dict[str, str] = {
     "llama": "mstar.models.llama.serving:DenseLM",
     "qwen2": "mstar.models.llama.serving:Qwen2LM",
     "qwen3": "mstar.models.llama.serving:Qwen3LM",
+    "qwen3_omni": "mstar.models.qwen3_omni.model:Qwen3Omni",
     "smollm2": "mstar.models.llama.serving:SmolLM2",
     "toy": "mstar.models.toy.model:ToyModel",
 }

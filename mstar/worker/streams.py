@@ -15,8 +15,9 @@ END = object()  # the stream is exhausted: no chunk will ever come
 class StreamBuffer:
     """Items of one stream of one request, in order; ends once `total` items have arrived."""
 
-    def __init__(self, policy: ChunkPolicy) -> None:
+    def __init__(self, policy: ChunkPolicy, dim: int = 0) -> None:
         self.policy = policy
+        self.dim = dim  # items are concatenated along it
         self._items: list[Any] = []
         self._early: dict[int, Any] = {}  # items that arrived ahead of a gap
         self._start = 0
@@ -45,12 +46,12 @@ class StreamBuffer:
         new = hi - max(lo, self._covered)
         self._covered = max(self._covered, hi)
         final = ended and self.policy.next_chunk(self._start, available, True) is None
-        return Chunk(torch.cat(self._items[lo:hi]), new, final)
+        return Chunk(torch.cat(self._items[lo:hi], dim=self.dim), new, final)
 
 
 @dataclass
 class Chunk:
-    """Items [lo, hi) of a stream; the last `new` of them were in no earlier chunk."""
+    """Items [lo, hi) of a stream (joined along the stream's dim); the last `new` were in no earlier chunk."""
 
     value: torch.Tensor
     new: int
