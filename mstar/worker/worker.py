@@ -246,9 +246,11 @@ class Worker:
 
     def _finish_if_done(self, state: _Run) -> None:
         run = state.run
-        if run is None or not run.done:
+        key = (state.start.rid, state.start.walk)
+        # `_complete` may finish a walk re-entrantly (a stream call answered at once by END): report it once
+        if run is None or not run.done or self._runs.get(key) is not state:
             return
-        del self._runs[(state.start.rid, state.start.walk)]
+        del self._runs[key]
         carries = {
             e.name: self.codec.pack(run.env[e.edge]) for e in state.walk.emits if e.to == CARRY and e.edge in run.env
         }
