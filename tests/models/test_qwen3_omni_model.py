@@ -7,8 +7,14 @@ import torch
 from mstar.conductor.conductor import Conductor
 from mstar.models.qwen3_omni.code2wav import Code2Wav
 from mstar.runtime.offline import MStar
-from tests.models.qwen3_omni_model_testing import PROMPT, make_reference, outputs, reference_generate, \
-    runtime_config, submit_ids
+from tests.models.qwen3_omni_model_testing import (
+    PROMPT,
+    make_reference,
+    outputs,
+    reference_generate,
+    runtime_config,
+    submit_ids,
+)
 
 pytest.importorskip("transformers")
 
