@@ -19,17 +19,20 @@ class ChunkPolicy:
 
 @dataclass(frozen=True)
 class Fixed(ChunkPolicy):
-    """Non-overlapping chunks of `size` items; the remainder is flushed at the end."""
+    """Non-overlapping chunks of `size` items (the first of `first` items when set: e.g. a prompt
+    item joined with the first step's); the remainder is flushed at the end."""
 
     size: int
+    first: int = 0  # items of the first chunk; 0 = size
 
     def __post_init__(self) -> None:
-        if self.size < 1:
-            raise ValueError(f"Fixed chunk size must be >= 1, got {self.size}")
+        if self.size < 1 or self.first < 0:
+            raise ValueError(f"Fixed chunk size must be >= 1 and first >= 0, got {self.size}, {self.first}")
 
     def next_chunk(self, start: int, available: int, ended: bool) -> tuple[int, int, int] | None:
-        if available - start >= self.size:
-            return start, start + self.size, start + self.size
+        size = self.first if start == 0 and self.first else self.size
+        if available - start >= size:
+            return start, start + size, start + size
         if ended and available > start:
             return start, available, available
         return None

@@ -125,11 +125,14 @@ class Walk:
 class StreamEdge:
     """An edge of one lane consumed in chunks by a walk of another lane.
 
-    Every value of `edge` produced by any walk of `source_lane` is appended (dim 0) to the stream;
-    the `target_walk` sees the chunks as its input `target_input`, and its nodes reading that input
-    run once per chunk until the stream ends. Next to the chunk, such a node gets the ports
-    `<input>_new` (how many of the chunk's items no earlier chunk held), `<input>_start` (the index
-    of the chunk's first item in the stream) and `<input>_final` (no chunk follows).
+    Every value of `edge` produced by any walk of `source_lane` is one item of the stream; a chunk
+    is its items concatenated along `dim`. The `target_walk` sees the chunks as its input
+    `target_input`. A node reading that input outside any Loop runs once per chunk until the stream
+    ends; inside a Loop it takes one chunk per iteration (waiting for it), and once the stream has
+    ended it runs without that input, so the loop can go on past the stream (a talker speaking
+    after the text ended). Next to the chunk, such a node gets the ports `<input>_new` (how many of
+    the chunk's items no earlier chunk held), `<input>_start` (the index of the chunk's first item
+    in the stream) and `<input>_final` (no chunk follows).
 
     `keep(item, kept)` (optional) filters items in stream order before chunking: `kept` is how many
     items were kept so far, so a filter may depend on an item's position (Orpheus drops tokens
@@ -142,6 +145,7 @@ class StreamEdge:
     target_input: str
     policy: ChunkPolicy
     keep: Callable[[Any, int], bool] | None = None
+    dim: int = 0  # items are joined along this dim (e.g. 1 for [layers, tokens, hidden] states)
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,9 @@ class ComponentSpec:
 
     engine: str  # "stateless" | "autoregressive"
     description: str = ""
+    # When set, the component's steps see the request options with "<namespace>.<key>" as "<key>",
+    # overriding a plain "<key>", and without other namespaced keys: per-component sampling options.
+    option_namespace: str = ""
 
     def __post_init__(self) -> None:
         if self.engine not in ("stateless", "autoregressive"):

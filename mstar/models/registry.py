@@ -12,6 +12,7 @@ _MODELS: dict[str, str] = {
     "orpheus": "mstar.models.orpheus.model:OrpheusModel",
     "qwen2": "mstar.models.llama.serving:Qwen2LM",
     "qwen3": "mstar.models.llama.serving:Qwen3LM",
+    "qwen3_omni": "mstar.models.qwen3_omni.model:Qwen3Omni",
     "smollm2": "mstar.models.llama.serving:SmolLM2",
     "toy": "mstar.models.toy.model:ToyModel",
     "wan22": "mstar.models.wan22.model:Wan22Model",

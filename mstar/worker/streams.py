@@ -16,12 +16,14 @@ END = object()  # the stream is exhausted: no chunk will ever come
 class StreamBuffer:
     """Items of one stream of one request, in order; ends once `total` items have arrived.
 
-    `keep(item, kept)` drops items (in stream order) before they reach the chunk policy.
+    `keep(item, kept)` drops items (in stream order) before they reach the chunk policy; chunks
+    join items along `dim`.
     """
 
-    def __init__(self, policy: ChunkPolicy, keep: Callable[[Any, int], bool] | None = None) -> None:
+    def __init__(self, policy: ChunkPolicy, keep: Callable[[Any, int], bool] | None = None, dim: int = 0) -> None:
         self.policy = policy
         self.keep = keep
+        self.dim = dim  # items are concatenated along it
         self._received = 0  # items taken in order, kept or not
         self._items: list[Any] = []
         self._early: dict[int, Any] = {}  # items that arrived ahead of a gap
@@ -54,12 +56,12 @@ class StreamBuffer:
         new = hi - max(lo, self._covered)
         self._covered = max(self._covered, hi)
         final = ended and self.policy.next_chunk(self._start, available, True) is None
-        return Chunk(torch.cat(self._items[lo:hi]), new, final, lo)
+        return Chunk(torch.cat(self._items[lo:hi], dim=self.dim), new, final, lo)
 
 
 @dataclass
 class Chunk:
-    """Items [lo, hi) of a stream; the last `new` of them were in no earlier chunk."""
+    """Items [lo, hi) of a stream (joined along the stream's dim); the last `new` were in no earlier chunk."""
 
     value: torch.Tensor
     new: int

@@ -25,6 +25,7 @@ class NodeCall:
     iteration: int  # innermost loop iteration (0 outside loops)
     inputs: dict[str, Any]  # port -> tensor
     stream: tuple[str, str] | None = None  # (port, stream name): filled with one chunk at a time
+    per_iteration: bool = False  # a stream call inside a Loop: one chunk, or no port once the stream ended
 
 
 @dataclass
@@ -108,7 +109,7 @@ class WalkRun:
         inputs = {p: self.env[e] for p, e in node.inputs if e in self.env and e not in self._streams}
         stream = next(((p, e) for p, e in node.inputs if e in self._streams), None)
         while True:
-            outcomes = yield [NodeCall(node, ctx.iteration if ctx else 0, inputs, stream)]
+            outcomes = yield [NodeCall(node, ctx.iteration if ctx else 0, inputs, stream, per_iteration=ctx is not None)]
             outcome = outcomes[node.name]
             for port, edge in node.outputs:
                 if port in outcome.outputs:
@@ -121,8 +122,8 @@ class WalkRun:
                 else:
                     self.stopped = True
                 self.finish_reason = outcome.finish_reason or self.finish_reason
-            if stream is None or outcome.final_chunk:
-                return
+            if stream is None or ctx is not None or outcome.final_chunk:
+                return  # inside a Loop a stream node takes one chunk per iteration
 
     def _parallel(self, members: tuple[Section, ...], ctx: _LoopContext | None) -> Program:
         """Members advance in rounds: each round runs every member's next calls together."""

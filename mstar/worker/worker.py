@@ -30,6 +30,14 @@ def worker_peer(rank: int) -> str:
     return f"worker-{rank}"
 
 
+def scoped_options(options: dict[str, Any], namespace: str) -> dict[str, Any]:
+    """The options a component of `namespace` sees: plain keys, with "<namespace>.<key>" overriding "<key>";
+    keys of other namespaces are left out."""
+    prefix = namespace + "."
+    plain = {k: v for k, v in options.items() if "." not in k}
+    return {**plain, **{k[len(prefix):]: v for k, v in options.items() if k.startswith(prefix)}}
+
+
 @dataclass
 class _Run:
     """A walk this worker drives."""
@@ -52,6 +60,8 @@ class Worker:
         self.device = device
         self._walks = {w.name: w for w in graph.walks}
         self._streams = {s.target_input: s for s in graph.streams}
+        self._namespaces = {n: c.option_namespace for n, c in graph.components.items() if c.option_namespace}
+        self._scoped: dict[tuple[str, str], dict] = {}  # (rid, namespace) -> the options its steps see
         self._runs: dict[tuple[str, str], _Run] = {}
         self._remote: dict[tuple[str, str, str, int], int] = {}  # (rid, walk, node, iteration) -> reply rank
         self._buffers: dict[tuple[str, str], StreamBuffer] = {}
@@ -157,6 +167,12 @@ class Worker:
         engine = self.engines[node_spec.component]
         if not getattr(engine, "host_inputs", False):  # engines that read inputs on the host skip the copy
             inputs = {k: self._to_device(v) for k, v in inputs.items()}
+        namespace = self._namespaces.get(node_spec.component)
+        if namespace:
+            key = (rid, namespace)
+            if key not in self._scoped:
+                self._scoped[key] = scoped_options(options, namespace)
+            options = self._scoped[key]
         item = StepItem(rid, walk, node, inputs, options, iteration, node_spec.kv_slot)
         engine.submit(item)
 
@@ -173,7 +189,10 @@ class Worker:
         walk, call = self._blocked.pop((rid, stream))
         state = self._runs[(rid, walk)]
         if chunk is END:
-            self._complete(rid, walk, call.node.name, Outcome(final_chunk=True), None)
+            if call.per_iteration:  # a loop goes on past its stream: the node runs without the port
+                self._dispatch(state, [NodeCall(call.node, call.iteration, dict(call.inputs))])
+            else:
+                self._complete(rid, walk, call.node.name, Outcome(final_chunk=True), None)
             return
         port = call.stream[0]
         inputs = {**call.inputs, port: chunk.value, f"{port}_new": torch.tensor(chunk.new),
@@ -186,7 +205,7 @@ class Worker:
         key = (rid, stream)
         if key not in self._buffers:
             spec = self._streams[stream]
-            self._buffers[key] = StreamBuffer(spec.policy, spec.keep)
+            self._buffers[key] = StreamBuffer(spec.policy, spec.keep, spec.dim)
         return self._buffers[key]
 
     # -- route ---------------------------------------------------------------------------------
@@ -235,9 +254,11 @@ class Worker:
 
     def _finish_if_done(self, state: _Run) -> None:
         run = state.run
-        if run is None or not run.done:
+        key = (state.start.rid, state.start.walk)
+        # `_complete` may finish a walk re-entrantly (a stream call answered at once by END): report it once
+        if run is None or not run.done or self._runs.get(key) is not state:
             return
-        del self._runs[(state.start.rid, state.start.walk)]
+        del self._runs[key]
         carries = {
             e.name: self.codec.pack(run.env[e.edge]) for e in state.walk.emits if e.to == CARRY and e.edge in run.env
         }
@@ -263,7 +284,7 @@ class Worker:
     def _release(self, rid: str) -> None:
         for key in [k for k in self._runs if k[0] == rid]:
             del self._runs[key]
-        for table in (self._buffers, self._blocked):
+        for table in (self._buffers, self._blocked, self._scoped):
             for key in [k for k in table if k[0] == rid]:
                 del table[key]
         for key in [k for k in self._remote if k[0] == rid]:
@@ -277,4 +298,5 @@ class Worker:
 
     def state_size(self) -> int:
         """Per-request entries held (for leak tests)."""
-        return len(self._runs) + len(self._remote) + len(self._buffers) + len(self._blocked) + len(self._final_chunks)
+        return (len(self._runs) + len(self._remote) + len(self._buffers) + len(self._blocked)
+                + len(self._final_chunks) + len(self._scoped))

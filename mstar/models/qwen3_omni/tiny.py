@@ -71,3 +71,44 @@ def tiny_hf_config() -> dict[str, Any]:
 def special_token_ids() -> dict[str, int]:
     """Role -> id of the tiny vocabulary's special tokens (im_start, user, image, audio, tts_pad, ...)."""
     return dict(_SPECIAL)
+
+
+# The whole model (thinker, talker with code predictor, Code2Wav) at tiny size. The talker's codec
+# vocabulary is the codebook plus 1024 special ids, as in the checkpoint: the talker never samples
+# the top 1024 ids except codec EOS (the reference's suppress_tokens).
+TINY_CODEBOOK = 64
+_TINY_CODEC_IDS = {"codec_pad_id": 1050, "codec_bos_id": 1051, "codec_eos_token_id": 1052, "codec_nothink_id": 1053,
+                   "codec_think_bos_id": 1054, "codec_think_eos_id": 1055}
+_TINY_SPEAKERS = {"chelsie": 1056, "ethan": 1057, "aiden": 1058}
+_TINY_CODE2WAV = {
+    "codebook_size": TINY_CODEBOOK, "num_quantizers": 4, "hidden_size": 32, "intermediate_size": 48,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "sliding_window": 4,
+    "rms_norm_eps": 1e-5, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "upsampling_ratios": [2], "upsample_rates": [2, 3], "decoder_dim": 16,
+}
+
+
+def tiny_omni_hf_config(token_ids: dict[str, int] | None = None, thinker_vocab: int | None = None) -> dict[str, Any]:
+    """The tiny config.json dict of the whole model (thinker, talker, code predictor, Code2Wav).
+
+    `token_ids` (role -> id, the keys of `special_token_ids()`) and `thinker_vocab` replace the
+    thinker's special ids and vocabulary, e.g. with those of the real Qwen tokenizer.
+    """
+    cfg = tiny_hf_config()
+    ids = {**_SPECIAL, **(token_ids or {})}
+    media = {"audio_token_id": ids["audio"], "image_token_id": ids["image"], "video_token_id": ids["video"],
+             "vision_start_token_id": ids["vision_start"], "audio_start_token_id": ids["audio_start"],
+             "audio_end_token_id": ids["audio_end"], "vision_end_token_id": ids["vision_end"]}
+    for k in ("im_start", "im_end", "user", "assistant", "system", "tts_pad", "tts_bos", "tts_eos"):
+        cfg[f"{k}_token_id"] = ids[k]
+    cfg["thinker_config"].update(media)
+    if thinker_vocab is not None:
+        cfg["thinker_config"]["text_config"]["vocab_size"] = thinker_vocab
+    talker = cfg["talker_config"]
+    talker.update(media)
+    talker.update(_TINY_CODEC_IDS)
+    talker["speaker_id"] = dict(_TINY_SPEAKERS)
+    talker["text_config"]["vocab_size"] = TINY_CODEBOOK + 1024
+    talker["code_predictor_config"]["vocab_size"] = TINY_CODEBOOK
+    cfg["code2wav_config"] = copy.deepcopy(_TINY_CODE2WAV)
+    return cfg

@@ -1,0 +1,125 @@
+"""Building each served component of Qwen3-Omni on a device, with its weights and engine options."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+
+from mstar.models.base import BuiltComponent
+from mstar.models.common import loading
+from mstar.models.qwen3_omni.checkpoint import OmniCheckpoint
+from mstar.models.qwen3_omni.components import CodecTalker, FrameCodePredictor, TalkerInput
+
+logger = logging.getLogger(__name__)
+
+COMPONENTS = ("thinker", "talker_input", "talker", "code_predictor", "code2wav")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TINY_STD = 0.3  # tiny random weights large enough for varied greedy tokens
+
+
+def build_component(ckpt: OmniCheckpoint, cfg, name: str, device: torch.device) -> BuiltComponent:
+    """The component `name` on `device`; KeyError lists the components."""
+    dtype = _DTYPES[cfg.dtype] if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    builders = {"thinker": _thinker, "talker_input": _talker_input, "talker": _talker,
+                "code_predictor": _code_predictor, "code2wav": _code2wav}
+    if name not in builders:
+        raise KeyError(f"qwen3_omni has no component {name!r}; components are {list(COMPONENTS)}")
+    if name != "thinker" and ckpt.omni.talker is None:
+        raise ValueError(f"{ckpt.root} has no talker (enable_audio_output is false): it cannot speak; "
+                         "place only the thinker")
+    return builders[name](ckpt, cfg, device, dtype)
+
+
+def _fill_dummy(module: torch.nn.Module, cfg, salt: int) -> None:
+    loading.fill_dummy_weights(module, seed=cfg.seed * 100 + salt, std=_TINY_STD if cfg.tiny else 0.02)
+
+
+def _thinker(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype) -> BuiltComponent:
+    from mstar.models.qwen3_omni.thinker import build_thinker
+    from mstar.models.qwen3_omni.weights import load_thinker
+
+    if ckpt.root is None:
+        module = build_thinker(ckpt.omni.thinker, dtype, device)
+        _fill_dummy(module, cfg, 1)
+    else:
+        module = load_thinker(ckpt.root, ckpt.load_format, dtype, device)
+    eos = (ckpt.omni.token_ids["im_end"],)  # the reference's thinker_eos_token_id
+    return BuiltComponent(module, {
+        "eos_token_ids": eos, "max_model_len": cfg.max_model_len, "vocab_size": ckpt.omni.thinker.text.vocab_size,
+        "max_num_seqs": cfg.max_num_seqs, "max_batch_tokens": cfg.max_batch_tokens,
+        "enable_prefix_caching": cfg.enable_prefix_caching})
+
+
+def _talker(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype) -> BuiltComponent:
+    from mstar.models.qwen3_omni.talker import build_talker
+    from mstar.models.qwen3_omni.weights import load_talker
+
+    talker_cfg = ckpt.omni.talker
+    assert talker_cfg is not None
+    if ckpt.root is None:
+        talker = build_talker(talker_cfg, dtype, device)
+        _fill_dummy(talker, cfg, 2)
+    else:
+        talker = load_talker(ckpt.root, ckpt.load_format, dtype, device)
+    return BuiltComponent(CodecTalker(talker), {
+        "eos_token_ids": (talker_cfg.codec_ids["eos"],), "max_model_len": cfg.talker_max_model_len,
+        "vocab_size": talker_cfg.text.vocab_size, "max_num_seqs": cfg.max_num_seqs,
+        "max_batch_tokens": cfg.max_batch_tokens, "enable_prefix_caching": False})
+
+
+def _talker_input(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype) -> BuiltComponent:
+    talker_cfg = ckpt.omni.talker
+    assert talker_cfg is not None
+    module = TalkerInput(talker_cfg, ckpt.omni.token_ids).to(device=device, dtype=dtype).eval()
+    if ckpt.root is None or ckpt.load_format == "dummy":
+        _fill_dummy(module, cfg, 3)
+    else:
+        load_talker_input(module, loading.iter_checkpoint_tensors(ckpt.root))
+    return BuiltComponent(module)
+
+
+def load_talker_input(module: TalkerInput, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy the talker's projections and codec embedding and the thinker's tts_bos/eos/pad embedding
+    rows out of a Qwen3-Omni checkpoint; ValueError when one is missing."""
+    ids = [module.token_ids[k] for k in ("tts_bos", "tts_eos", "tts_pad")]
+    params = dict(module.named_parameters())
+    filled: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            if name == "thinker.model.embed_tokens.weight":
+                module.tts_rows.copy_(tensor[ids])
+                filled.add("tts_rows")
+            elif name.startswith(("talker.text_projection.", "talker.hidden_projection.")):
+                local = name.removeprefix("talker.")
+                params[local].copy_(tensor)
+                filled.add(local)
+            elif name == "talker.model.codec_embedding.weight":
+                module.codec_embedding.weight.copy_(tensor)
+                filled.add("codec_embedding.weight")
+    missing = sorted(set(params) - filled)
+    if missing:
+        raise ValueError(f"checkpoint lacks the talker input tensors {missing}; is it Qwen3-Omni with a talker?")
+
+
+def _code_predictor(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype) -> BuiltComponent:
+    from mstar.models.qwen3_omni.codec_weights import load_code_predictor
+
+    module = FrameCodePredictor(ckpt.code_predictor_config).to(device=device, dtype=dtype).eval()
+    module.codec_eos = ckpt.omni.talker.codec_ids["eos"]
+    if ckpt.root is None or ckpt.load_format == "dummy":
+        _fill_dummy(module, cfg, 4)
+    else:
+        load_code_predictor(module, loading.iter_checkpoint_tensors(ckpt.root))
+    return BuiltComponent(module)
+
+
+def _code2wav(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype) -> BuiltComponent:
+    from mstar.models.qwen3_omni.codec_weights import build_code2wav
+
+    fmt = "dummy" if ckpt.root is None else ckpt.load_format
+    module = build_code2wav(ckpt.code2wav_config, ckpt.root, fmt, dtype, device)
+    if fmt == "dummy":
+        _fill_dummy(module, cfg, 5)
+    return BuiltComponent(module)

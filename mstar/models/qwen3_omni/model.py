@@ -1,0 +1,177 @@
+"""Qwen3-Omni as a served model: three lanes joined by two streams.
+
+Lane `thinker`:  prefill -> decode
+  prefill   the prompt (text ids; media rows as input embeddings with M-RoPE positions) through the
+            thinker MoE once; the first token goes to the client ("text") and is carried on.
+  decode    Loop over the thinker fed its last token, stopped by eos or thinker.max_tokens.
+  When the request asks for audio, every thinker step also returns `thinker_states`
+  [2, tokens, Ht]: the input embeddings and the `accept_hidden_layer` states of the tokens it
+  took (the prompt, then each fed token). They stream to the talker.
+Lane `talker` (only when "audio" is in the request's modalities):
+  talk      Loop of talker_input -> talker -> code_predictor. Its first iteration takes the
+            prompt's states joined with the first fed token's (Fixed(1, first=2)) and prefills the
+            talker with the reference's prompt; each later one takes the next text token (tts_eos,
+            then tts_pad once the thinker is done: the talker keeps speaking after it) plus the
+            previous frame's `codec_embed_sum`. Stopped by codec EOS or talker.max_tokens. Every
+            frame's `codes` [1, G] streams to Code2Wav.
+Lane `code2wav` (audio only):
+  vocode    Code2Wav over the codes stream in LeftContext(chunk, context) chunks, seamless trim;
+            emits "audio" (24 kHz float32).
+Per-request options: plain sampling keys and thinker.* go to the thinker, talker.* to the talker,
+code_predictor.* to the code predictor (defaults are the checkpoint's), `voice` (Ethan, Chelsie,
+Aiden), `modalities`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from mstar.graph import (
+    CARRY,
+    ComponentSpec,
+    Emit,
+    Fixed,
+    Lane,
+    LeftContext,
+    Loop,
+    ModelGraph,
+    Node,
+    Sequential,
+    StreamEdge,
+    Walk,
+)
+from mstar.models.base import BuiltComponent, Model
+from mstar.models.qwen3_omni import options as omni_options
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class OmniServeConfig:
+    """Serving options of Qwen3-Omni (YAML `model_kwargs`); the architecture comes from config.json."""
+
+    tiny: bool = False  # tiny random model + the Qwen tokenizer (offline, seconds)
+    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
+    tokenizer_path: str | None = None  # default: the checkpoint folder
+    max_model_len: int = 32768  # thinker context (prompt + text)
+    talker_max_model_len: int = 8192  # talker context (prompt + frames)
+    max_num_seqs: int = 256
+    max_batch_tokens: int = 4096
+    enable_prefix_caching: bool = True
+    code2wav_chunk: int = 25  # frames of new audio per Code2Wav step (25 = 2 s)
+    code2wav_left_context: int = 25  # earlier frames each chunk sees (see code2wav.py on exactness)
+    seed: int = 0  # of dummy / tiny random weights
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"model_kwargs.dtype={self.dtype!r}: use one of {sorted(_DTYPES)} or leave it unset")
+        if self.code2wav_chunk < 1 or self.code2wav_left_context < 0:
+            raise ValueError(f"code2wav_chunk={self.code2wav_chunk} must be >= 1 and code2wav_left_context="
+                             f"{self.code2wav_left_context} >= 0")
+
+
+def speaks(options: Any) -> bool:
+    """Whether a request wants audio out (wakes the talker and Code2Wav lanes)."""
+    return "audio" in (options.get("modalities") or ())
+
+
+def omni_graph(cfg: OmniServeConfig) -> ModelGraph:
+    """The graph of the module doc; never depends on placement."""
+    def thinker_steps(options: Any) -> int:
+        return max(int(options["thinker.max_tokens"]) - 1, 0)
+
+    def talker_steps(options: Any) -> int:
+        return int(options["talker.max_tokens"])
+
+    thinker_in = {"input_ids": "prompt_ids", "input_embeds": "mm_embeds", "embeds_mask": "mm_mask",
+                  "positions": "positions", "deepstack_embeds": "deepstack_embeds"}
+    thinker_out = {"token": "token", "hidden": "thinker_states"}
+    prefill = Node("thinker", inputs=thinker_in, outputs=thinker_out)
+    decode = Node("thinker", inputs={"input_ids": "token", "prompt_ids": "prompt_ids"}, outputs=thinker_out)
+    talker_input = Node("talker_input", inputs=("thinker_states", "prompt_ids", "talker_positions", "frame_index",
+                                                "first_code", "codec_embed_sum", "text_ended"),
+                        outputs=("talker_ids", "talker_embeds", "talker_pos", "frame_index", "text_ended"))
+    talker = Node("talker", inputs={"input_ids": "talker_ids", "input_embeds": "talker_embeds",
+                                    "positions": "talker_pos"},
+                  outputs={"token": "first_code", "hidden": "talker_hidden"})
+    predictor = Node("code_predictor", inputs=("talker_hidden", "first_code", "frame_index"),
+                     outputs=("codes", "codec_embed_sum"))
+    media = ("mm_embeds", "mm_mask", "positions", "deepstack_embeds")
+    return ModelGraph(
+        components={
+            "thinker": ComponentSpec("autoregressive", "text + media rows -> next text token (MoE, M-RoPE)",
+                                     option_namespace="thinker"),
+            "talker_input": ComponentSpec("stateless", "thinker states + last frame -> the talker's input rows"),
+            "talker": ComponentSpec("autoregressive", "input rows -> first codec code of the next frame",
+                                    option_namespace="talker"),
+            "code_predictor": ComponentSpec("stateless", "talker state + first code -> the frame's codes"),
+            "code2wav": ComponentSpec("stateless", "codec frames -> 24 kHz audio"),
+        },
+        walks=(
+            Walk("prefill", "thinker", prefill, inputs=("prompt_ids",), optional_inputs=media,
+                 emits=(Emit("token", name="text"), Emit("token", CARRY))),
+            Walk("decode", "thinker", Loop(decode, max_iterations=thinker_steps, name="decode"),
+                 inputs=("token", "prompt_ids"), emits=(Emit("token", name="text"),)),
+            Walk("talk", "talker", Loop(Sequential(talker_input, talker, predictor), max_iterations=talker_steps,
+                                        name="speak"),
+                 inputs=("prompt_ids", "talker_positions", "thinker_states"),
+                 optional_inputs=("frame_index", "first_code", "codec_embed_sum", "text_ended")),  # loop-backs
+            Walk("vocode", "code2wav", Node("code2wav", inputs=("codes",), outputs=("audio",)),
+                 inputs=("codes",), emits=(Emit("audio"),)),
+        ),
+        lanes=(
+            Lane("thinker", "prefill", {"prefill": "decode", "decode": None}),
+            Lane("talker", lambda o: "talk" if speaks(o) else None),
+            Lane("code2wav", lambda o: "vocode" if speaks(o) else None),
+        ),
+        streams=(
+            StreamEdge("thinker_states", "thinker", "talk", "thinker_states", Fixed(1, first=2), dim=1),
+            StreamEdge("codes", "talker", "vocode", "codes", LeftContext(cfg.code2wav_chunk, cfg.code2wav_left_context)),
+        ),
+    )
+
+
+class Qwen3Omni(Model):
+    """Qwen/Qwen3-Omni-30B-A3B-Instruct (Hugging Face layout): text in; text and speech out."""
+
+    name = "qwen3_omni"
+    input_modalities = ("text",)
+    output_modalities = ("text", "audio")
+    default_options = {"modalities": ["text"], "voice": "Ethan"}
+
+    @classmethod
+    def make_config(cls, tiny: bool = False, **overrides: Any) -> OmniServeConfig:
+        return replace(OmniServeConfig(tiny=tiny), **overrides)
+
+    def graph(self) -> ModelGraph:
+        return omni_graph(self.config)
+
+    @cached_property
+    def checkpoint(self):
+        """Where configs, weights and the tokenizer come from (see `checkpoint.py`)."""
+        from mstar.models.qwen3_omni.checkpoint import OmniCheckpoint
+
+        return OmniCheckpoint.open(self.config, self.model_path, self.load_format)
+
+    def build_component(self, name: str, device: torch.device) -> BuiltComponent:
+        from mstar.models.qwen3_omni.builders import build_component
+
+        return build_component(self.checkpoint, self.config, name, device)
+
+    def processor(self):
+        from mstar.models.qwen3_omni.processor import OmniProcessor
+
+        return OmniProcessor(self.checkpoint.tokenizer, self.checkpoint.omni, self.config.max_model_len)
+
+    def request_options(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Checkpoint defaults, then the request's options (plain sampling keys belong to the thinker)."""
+        ckpt = self.checkpoint
+        accept = ckpt.omni.talker.accept_hidden_layer if ckpt.omni.talker else None
+        return omni_options.resolve({**ckpt.option_defaults, **self.default_options}, options, accept)

@@ -1,0 +1,96 @@
+"""The served Qwen3-Omni (three lanes joined by streams) vs transformers' Qwen3OmniMoeForConditionalGeneration
+with the same random weights (tiny, float32, greedy): text tokens, talker codes and audio."""
+
+import pytest
+import torch
+
+from mstar.conductor.conductor import Conductor
+from mstar.models.qwen3_omni.code2wav import Code2Wav
+from mstar.runtime.offline import MStar
+from tests.models.qwen3_omni_model_testing import (
+    PROMPT,
+    make_reference,
+    outputs,
+    reference_generate,
+    runtime_config,
+    submit_ids,
+)
+
+pytest.importorskip("transformers")
+
+THINKER_TOKENS, TALKER_TOKENS = 8, 14
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls on a shared CPU: threads only add contention
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("omni")
+    reference = make_reference(folder)
+    with MStar("qwen3_omni", config=runtime_config(), model_path=str(folder)) as mstar:
+        yield reference, mstar
+
+
+@pytest.fixture
+def spies(monkeypatch):
+    """Walks the conductor starts, and the (codes, new frames) chunks Code2Wav decodes."""
+    walks, chunks = [], []
+    start, run_batch = Conductor._start_walk, Code2Wav.run_batch
+
+    def start_walk(self, req, name):
+        walks.append(name)
+        return start(self, req, name)
+
+    def code2wav_batch(self, walk, node, inputs, options):
+        chunks.extend((x["codes"].clone(), int(x["codes_new"])) for x in inputs)
+        return run_batch(self, walk, node, inputs, options)
+
+    monkeypatch.setattr(Conductor, "_start_walk", start_walk)
+    monkeypatch.setattr(Code2Wav, "run_batch", code2wav_batch)
+    return walks, chunks
+
+
+def test_text_request_matches_reference_and_never_wakes_the_talker(setup, spies):
+    reference, mstar = setup
+    walks, chunks = spies
+    with torch.no_grad():
+        out = reference.thinker.generate(torch.tensor([PROMPT]), max_new_tokens=THINKER_TOKENS, do_sample=False,
+                                         eos_token_id=PROMPT[4])
+    want = out[0, len(PROMPT):].tolist()
+    text, audio = outputs(submit_ids(mstar, PROMPT, temperature=0, max_tokens=THINKER_TOKENS))
+    assert text == want
+    assert audio.numel() == 0 and chunks == []
+    assert set(walks) == {"prefill", "decode"} or walks == ["prefill"]
+
+
+def test_spoken_request_matches_reference_text_codes_and_audio(setup, spies):
+    reference, mstar = setup
+    walks, chunks = spies
+    want_text, want_codes, want_audio = reference_generate(reference, PROMPT, THINKER_TOKENS, TALKER_TOKENS)
+    # the reference decodes no frame for its last talker step; ours stops one step earlier instead
+    handle = submit_ids(mstar, PROMPT, temperature=0, max_tokens=THINKER_TOKENS, modalities=["text", "audio"],
+                        voice="Ethan", **{"talker.temperature": 0, "talker.max_tokens": TALKER_TOKENS - 1})
+    text, audio = outputs(handle)
+    assert text == want_text
+    assert {"talk", "vocode"} <= set(walks)
+    codes = torch.cat([c[len(c) - new:] for c, new in chunks]).T  # the new frames of each chunk, in order
+    assert len(chunks) > 1, "the codes should reach Code2Wav in several chunks"
+    assert codes.tolist() == want_codes.tolist()
+    torch.testing.assert_close(audio, want_audio, atol=1e-4, rtol=0)
+
+
+def test_voice_is_checked_and_changes_the_speech(setup, spies):
+    _reference, mstar = setup
+    with pytest.raises(ValueError, match="Aiden.*Chelsie.*Ethan"):
+        submit_ids(mstar, PROMPT, voice="Nobody")
+    opts = dict(temperature=0, max_tokens=4, modalities=["text", "audio"], **{"talker.temperature": 0,
+                                                                              "talker.max_tokens": 6})
+    _, ethan = outputs(submit_ids(mstar, PROMPT, voice="Ethan", **opts))
+    _, chelsie = outputs(submit_ids(mstar, PROMPT, voice="chelsie", **opts))
+    assert ethan.shape == chelsie.shape and not torch.equal(ethan, chelsie)
