@@ -127,3 +127,15 @@ def test_bad_rope_type_and_heads_are_rejected():
         LlamaConfig.from_hf({**tiny_hf_config("llama"), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     with pytest.raises(ValueError, match="num_key_value_heads"):
         LlamaConfig.from_hf({**tiny_hf_config("llama"), "num_key_value_heads": 3})
+
+
+def test_dummy_weights_give_norm_scales_one_and_every_bias_zero():
+    from mstar.models.common.loading import fill_dummy_weights
+
+    block = torch.nn.ModuleDict({"proj": torch.nn.Linear(4, 4), "layer_norm": torch.nn.LayerNorm(4),
+                                 "final_norm": torch.nn.LayerNorm(4, elementwise_affine=True)})
+    fill_dummy_weights(block, seed=3)
+    assert torch.equal(block["layer_norm"].weight, torch.ones(4))
+    assert torch.equal(block["layer_norm"].bias, torch.zeros(4))  # a norm's bias is a bias, not a scale
+    assert torch.equal(block["final_norm"].bias, torch.zeros(4))
+    assert torch.equal(block["proj"].bias, torch.zeros(4)) and block["proj"].weight.std() > 0

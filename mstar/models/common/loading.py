@@ -151,7 +151,8 @@ def load_named_tensors(
 
 
 def fill_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Seeded random weights without files: normal(0, std) matrices, unit norm scales, zero biases."""
+    """Seeded random weights without files: normal(0, std) matrices, unit norm scales, zero biases
+    (norm biases too) and zero for every other vector."""
     generators: dict[torch.device, torch.Generator] = {}  # random numbers drawn on each parameter's device
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -159,7 +160,7 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
                 if param.device not in generators:
                     generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
                 param.normal_(0.0, std, generator=generators[param.device])
-            elif "norm" in name.rsplit(".", 2)[-2]:
-                param.fill_(1.0)
+            elif name.endswith(".weight") and "norm" in name.rsplit(".", 2)[-2]:
+                param.fill_(1.0)  # norm scales; norm biases (LayerNorm) fall through to zero
             else:
                 param.zero_()
