@@ -88,9 +88,20 @@ class GuardMiddleware:
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
 
+_KNOWN_ROUTES = frozenset((
+    "/health", "/ready", "/metrics", "/generate", "/v1/models", "/v1/chat/completions", "/v1/completions",
+    "/v1/audio/speech", "/v1/audio/transcriptions", "/v1/images/generations", "/v1/images/edits", "/v1/videos"))
+
+
 def _route(path: str) -> str:
-    """A bounded label: known API paths as they are, anything else as 'other'."""
-    known = ("/health", "/ready", "/metrics", "/generate", "/v1/models", "/v1/chat/completions", "/v1/completions",
-             "/v1/audio/speech", "/v1/images/generations", "/v1/images/edits", "/v1/audio/transcriptions",
-             "/v1/videos")
-    return path if path in known else "other"
+    """A bounded label: known API paths as they are, a video job's paths with its id as `{video_id}`,
+    anything else as 'other'."""
+    if path in _KNOWN_ROUTES:
+        return path
+    parts = path.split("/")  # "", "v1", "videos", id[, "content"]
+    if parts[1:3] == ["v1", "videos"] and parts[3:4] and parts[3] and len(parts) <= 5:
+        if len(parts) == 4:
+            return "/v1/videos/{video_id}"
+        if parts[4] == "content":
+            return "/v1/videos/{video_id}/content"
+    return "other"

@@ -14,6 +14,7 @@ from mstar.server.adapters import RequestError, RequestStream, start_request
 from mstar.server.app import ServerState, get_state
 from mstar.server.forms import files_of, form_options, media_bytes, read_form, text_fields, validate
 from mstar.server.media import AUDIO_MIME, decode_image, encode_audio, encode_image, pcm_s16le
+from mstar.server.openapi import BINARY, SSE
 from mstar.server.protocol_openai_media import (
     SAMPLE_RATE_HEADER,
     ImageData,
@@ -44,7 +45,13 @@ async def _samples(stream: RequestStream) -> np.ndarray:
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
 
 
-@router.post("/v1/audio/speech", response_model=None)
+_SPEECH_OK = {200: {"content": {**{mime: BINARY for mime in AUDIO_MIME.values()}, "text/event-stream": SSE},
+                    "description": "the audio file in `response_format`; with `stream_format: sse` SSE events "
+                                   "(speech.audio.delta, then speech.audio.done)"}}
+
+
+# response_class=Response: the success body is never JSON, so no application/json entry is documented.
+@router.post("/v1/audio/speech", response_model=None, response_class=Response, responses=_SPEECH_OK)
 async def speech(body: SpeechRequest, request: Request) -> Response:
     """Text to speech in any of wav, pcm, flac, mp3, opus, aac; streamed as raw audio or SSE."""
     state = get_state(request)

@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from mstar.server.adapters import RequestStream, merge, start_request
 from mstar.server.app import ServerState, get_state
 from mstar.server.chat_audio import chat_media, check_spoken, spoken_answers, spoken_sse
+from mstar.server.openapi import SSE
 from mstar.server.protocol import Usage
 from mstar.server.protocol_openai import (
     ChatChoice,
@@ -86,7 +87,9 @@ async def _texts(streams: list[RequestStream]) -> list[str]:
     return texts
 
 
-@router.post("/v1/chat/completions", response_model=None)
+@router.post("/v1/chat/completions", response_model=None, responses={200: {
+    "model": ChatCompletion, "content": {"text/event-stream": SSE},
+    "description": "one chat completion; with `stream: true` an SSE stream of chat.completion.chunk objects"}})
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     """Chat: text out, or text and audio with `modalities: ["text", "audio"]` (see `chat_audio`);
     streamed as SSE with `stream: true`."""
@@ -152,7 +155,9 @@ async def _chat_sse(streams: list[RequestStream], model: str, include_usage: boo
     yield SSE_DONE
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post("/v1/completions", response_model=None, responses={200: {
+    "model": Completion, "content": {"text/event-stream": SSE},
+    "description": "one completion; with `stream: true` an SSE stream of completion chunks"}})
 async def completions(body: CompletionRequest, request: Request) -> Response:
     """Plain-text completion of one or more prompts (n choices each)."""
     state = get_state(request)

@@ -13,6 +13,7 @@ from mstar.server.adapters import RequestError, RequestStream, start_request
 from mstar.server.app import ServerState, get_state
 from mstar.server.forms import files_of, form_options, media_bytes, read_form, text_fields, validate
 from mstar.server.media import decode_audio
+from mstar.server.openapi import SSE
 from mstar.server.protocol_openai_media import TranscriptionRequest
 from mstar.server.streaming import ClosingStreamingResponse, guarded, sse, sse_error, unless_disconnected
 
@@ -26,7 +27,12 @@ _FORM_SCHEMA = {"requestBody": {"required": True, "content": {"multipart/form-da
                    "temperature": {"type": "number"}, "stream": {"type": "boolean"}}}}}}}
 
 
-@router.post("/v1/audio/transcriptions", openapi_extra=_FORM_SCHEMA, response_model=None)
+_OK = {200: {"content": {"text/plain": {"schema": {"type": "string"}}, "text/vtt": {"schema": {"type": "string"}},
+                         "text/event-stream": SSE},
+             "description": "JSON (json, verbose_json), text (text, srt), WebVTT (vtt), or SSE with `stream=true`"}}
+
+
+@router.post("/v1/audio/transcriptions", openapi_extra=_FORM_SCHEMA, response_model=None, responses=_OK)
 async def transcriptions(request: Request) -> Response:
     """Transcribe (or, for a generative model, answer) one audio file."""
     state = get_state(request)

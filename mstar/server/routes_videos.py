@@ -16,6 +16,7 @@ from mstar.server.adapters import RequestError, start_request
 from mstar.server.app import ServerState, get_state
 from mstar.server.forms import files_of, form_options, json_or_form, media_bytes
 from mstar.server.media import decode_image
+from mstar.server.openapi import errors
 from mstar.server.protocol_openai_media import VideoCreateRequest, VideoDeleted, VideoJob, VideoList
 from mstar.server.video_jobs import VideoJobStore, VideoRecord, run_job
 
@@ -42,7 +43,12 @@ def _job_response(job: VideoJob) -> JSONResponse:
     return JSONResponse(job.model_dump(), headers={"openai-poll-after-ms": POLL_AFTER_MS})
 
 
-@router.post("/v1/videos", openapi_extra=_CREATE_SCHEMA, response_model=VideoJob)
+_CONTENT = {200: {"description": "the MP4 (`variant=video`) or a PNG of the first frame (`variant=thumbnail`)",
+                  "content": {"video/mp4": {"schema": {"type": "string", "format": "binary"}},
+                              "image/png": {"schema": {"type": "string", "format": "binary"}}}}}
+
+
+@router.post("/v1/videos", openapi_extra=_CREATE_SCHEMA, response_model=VideoJob, responses=errors(429))
 async def create_video(request: Request) -> JSONResponse:
     """Start a video job (JSON or multipart; `input_reference` as a file part, data URL or base64)."""
     state = get_state(request)
@@ -91,13 +97,13 @@ def _options(state: ServerState, body: VideoCreateRequest) -> dict[str, Any]:
     return opts
 
 
-@router.get("/v1/videos/{video_id}", response_model=VideoJob)
+@router.get("/v1/videos/{video_id}", response_model=VideoJob, responses=errors(404))
 async def retrieve_video(video_id: str, request: Request) -> JSONResponse:
     """The job's status, progress (0-100) and, when it failed, its error."""
     return _job_response(job_store(request).get(video_id).job)
 
 
-@router.get("/v1/videos/{video_id}/content", response_model=None)
+@router.get("/v1/videos/{video_id}/content", response_model=None, responses={**_CONTENT, **errors(404, 409)})
 async def video_content(video_id: str, request: Request,
                         variant: Literal["video", "thumbnail"] = Query("video")) -> Response:
     """The MP4 (H.264, AAC when the model made sound), or a PNG of the first frame (`thumbnail`)."""
@@ -112,7 +118,7 @@ async def video_content(video_id: str, request: Request,
     return Response(record.mp4, media_type="video/mp4")
 
 
-@router.get("/v1/videos", response_model=VideoList)
+@router.get("/v1/videos", response_model=VideoList, responses=errors(404))
 async def list_videos(request: Request, after: str | None = None, limit: int = Query(20, ge=1, le=100),
                       order: Literal["asc", "desc"] = "desc") -> VideoList:
     """Jobs this server still keeps, newest first by default."""
@@ -122,7 +128,7 @@ async def list_videos(request: Request, after: str | None = None, limit: int = Q
                      last_id=jobs[-1].id if jobs else None)
 
 
-@router.delete("/v1/videos/{video_id}", response_model=VideoDeleted)
+@router.delete("/v1/videos/{video_id}", response_model=VideoDeleted, responses=errors(404))
 async def delete_video(video_id: str, request: Request) -> VideoDeleted:
     """Forget a job and its files; a running job is cancelled, its model request too."""
     job_store(request).delete(video_id)

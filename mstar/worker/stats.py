@@ -2,7 +2,9 @@
 
 The loop records each engine step (two `perf_counter` reads and two bisects); about twice a second
 the worker builds one `WorkerStats` message and sends it to the conductor only if it differs from
-the last one sent, so an idle worker sends nothing and no message is ever sent per step.
+the last one sent, so an idle worker sends nothing. A worker that turns busy or idle also sends at
+once (at most every `MIN_GAP_S`): otherwise a burst shorter than the interval would never show, and
+/metrics would read idle, with no steps counted, while the burst ran and just after it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from mstar.transport import wire
 
 logger = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.5
+MIN_GAP_S = 0.05  # between two sends, so a worker that flips busy/idle every step is not chatty
 
 
 class StepHistograms:
@@ -56,27 +59,33 @@ class StatsReporter:
         self._hist = {name: StepHistograms() for name in engines}
         self._last_sent: wire.WorkerStats | None = None
         self._next_check = 0.0  # perf_counter time of the next snapshot; 0: the first call sends
+        self._sent_at = float("-inf")  # perf_counter time of the last send
+        self._sent_busy = False  # whether the worker was busy when the last snapshot was sent
 
     def record(self, component: str, seconds: float, items: int) -> None:
         """Count one engine step; steps that ran nothing are not counted."""
         if items > 0:
             self._hist[component].record(seconds, items)
 
-    def maybe_send(self) -> bool:
-        """Send a snapshot if `interval_s` has passed and it differs from the last one; True if sent."""
+    def maybe_send(self, busy: bool = False) -> bool:
+        """Send a snapshot if it differs from the last one and either `interval_s` has passed or the
+        worker turned busy or idle (`busy`: some engine has work) at least `MIN_GAP_S` after the last
+        send; True if sent."""
         now = time.perf_counter()
-        if now < self._next_check:
+        turned = busy != self._sent_busy and now >= self._sent_at + MIN_GAP_S
+        if now < self._next_check and not turned:
             return False
         self._next_check = now + self.interval_s
         snapshot = self.snapshot()
         if snapshot == self._last_sent:
+            self._sent_busy = busy  # nothing to tell: the state it would report is already known
             return False
         try:
             self._send(snapshot)
         except Exception:  # metrics must never stop the worker; the next change retries
             logger.warning("worker %d could not send its stats", self.rank, exc_info=True)
             return False
-        self._last_sent = snapshot
+        self._last_sent, self._sent_at, self._sent_busy = snapshot, now, busy
         return True
 
     def snapshot(self) -> wire.WorkerStats:

@@ -75,12 +75,13 @@ class Worker:
     # -- the loop ---------------------------------------------------------------------------
 
     def run(self) -> None:
-        """Serve until a Shutdown message arrives; engine stats go to the conductor about twice a second."""
+        """Serve until a Shutdown message arrives; engine stats go to the conductor about twice a second,
+        and at once when the worker turns busy or idle."""
         while self._running:
             busy = any(e.has_work() for e in self.engines.values())
             self.receive(timeout_s=0.0 if busy else 0.05)
             self.execute()
-            self.stats.maybe_send()
+            self.stats.maybe_send(busy=any(e.has_work() for e in self.engines.values()))
 
     def receive(self, timeout_s: float) -> None:
         msg = self.inbox.recv(timeout_s)

@@ -22,9 +22,6 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 from tests.e2e.server_thread import running_server  # noqa: E402
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
-# Routes whose streamed or binary answers (SSE, audio files) their OpenAPI entry does not document
-# yet: everything but the content-type check still runs for them.
-UNDOCUMENTED_CONTENT = {"POST /v1/chat/completions", "POST /v1/completions", "POST /v1/audio/speech"}
 # Generation length is not what this test probes (tests/e2e/test_native_and_errors.py sends huge
 # max_tokens): valid lengths are capped so a million-token toy request does not eat the time budget.
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens")
@@ -56,10 +53,8 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 @schema.parametrize()
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_api_conforms_to_its_schema(case):
-    label = f"{case.method.upper()} {case.path}"
-    checks = [c for c in CHECKS if not (c is content_type_conformance and label in UNDOCUMENTED_CONTENT)]
     _cap_lengths(case.body)
-    case.call_and_validate(checks=checks, timeout=30)
+    case.call_and_validate(checks=CHECKS, timeout=30)
 
 
 def _cap_lengths(body) -> None:

@@ -96,6 +96,29 @@ def test_reporter_waits_for_the_interval():
     assert not reporter.maybe_send() and len(sent) == 1  # changed, but the interval has not passed
 
 
+def test_reporter_sends_at_once_when_the_worker_turns_busy_or_idle(monkeypatch):
+    """A burst shorter than the interval still shows: turning busy and turning idle each send."""
+    clock = [100.0]
+    monkeypatch.setattr("mstar.worker.stats.time.perf_counter", lambda: clock[0])
+    engine = SimpleNamespace(stats=lambda: {"queue_depth": engine.depth}, depth=0)
+    sent = []
+    reporter = StatsReporter(0, {"enc": engine}, sent.append, interval_s=60.0)
+    assert reporter.maybe_send(busy=False)  # the first snapshot
+    clock[0] += 1.0
+    engine.depth = 4
+    reporter.record("enc", 0.01, 4)
+    assert reporter.maybe_send(busy=True) and sent[-1].components[0].steps == 1  # turned busy
+    reporter.record("enc", 0.01, 4)
+    assert not reporter.maybe_send(busy=True)  # still busy: waits for the interval
+    clock[0] += 0.01
+    engine.depth = 0
+    assert not reporter.maybe_send(busy=False)  # turned idle, but within MIN_GAP_S of the last send
+    clock[0] += 0.1
+    assert reporter.maybe_send(busy=False)  # the pending turn goes out once the gap has passed
+    assert sent[-1].components[0].steps == 2 and sent[-1].components[0].gauges == {"queue_depth": 0.0}
+    assert not reporter.maybe_send(busy=False) and len(sent) == 3
+
+
 def test_worker_stats_roundtrip_msgpack():
     from mstar.transport.messages import Codec
 

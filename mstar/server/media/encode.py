@@ -177,7 +177,10 @@ def encode_video(frames: np.ndarray, fps: float, audio: DecodedAudio | None = No
             stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
             stream.width, stream.height = frames.shape[2], frames.shape[1]
             stream.pix_fmt = "yuv420p"
-            stream.options = {"crf": str(crf)}
+            # Macroblock-tree rate control made run-to-run different bitstreams from the same tiny frames
+            # (64x32: three distinct MP4s in 24 encodes inside a busy server; none without it), so a
+            # same-seed job would not give the same file. Off, at a small cost in size for the same CRF.
+            stream.options = {"crf": str(crf), "x264-params": "mbtree=0"}
             audio_stream = None
             if audio is not None:
                 audio_stream = container.add_stream("aac", rate=audio.sample_rate)
