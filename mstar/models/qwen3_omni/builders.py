@@ -14,7 +14,9 @@ from mstar.models.qwen3_omni.components import CodecTalker, FrameCodePredictor, 
 
 logger = logging.getLogger(__name__)
 
-COMPONENTS = ("thinker", "talker_input", "talker", "code_predictor", "code2wav")
+COMPONENTS = ("thinker", "audio_encoder", "vision_encoder", "talker_input", "talker", "code_predictor", "code2wav")
+THINKER_SIDE = ("thinker", "audio_encoder", "vision_encoder")  # built without a talker too
+ENCODER_BATCH = 16  # requests per encoder call (bounds activation memory)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TINY_STD = 0.3  # tiny random weights large enough for varied greedy tokens
 
@@ -22,11 +24,12 @@ _TINY_STD = 0.3  # tiny random weights large enough for varied greedy tokens
 def build_component(ckpt: OmniCheckpoint, cfg, name: str, device: torch.device) -> BuiltComponent:
     """The component `name` on `device`; KeyError lists the components."""
     dtype = _DTYPES[cfg.dtype] if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    builders = {"thinker": _thinker, "talker_input": _talker_input, "talker": _talker,
+    builders = {"thinker": _thinker, "audio_encoder": _audio_encoder, "vision_encoder": _vision_encoder,
+                "talker_input": _talker_input, "talker": _talker,
                 "code_predictor": _code_predictor, "code2wav": _code2wav}
     if name not in builders:
         raise KeyError(f"qwen3_omni has no component {name!r}; components are {list(COMPONENTS)}")
-    if name != "thinker" and ckpt.omni.talker is None:
+    if name not in THINKER_SIDE and ckpt.omni.talker is None:
         raise ValueError(f"{ckpt.root} has no talker (enable_audio_output is false): it cannot speak; "
                          "place only the thinker")
     return builders[name](ckpt, cfg, device, dtype)
@@ -50,6 +53,34 @@ def _thinker(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype
         "eos_token_ids": eos, "max_model_len": cfg.max_model_len, "vocab_size": ckpt.omni.thinker.text.vocab_size,
         "max_num_seqs": cfg.max_num_seqs, "max_batch_tokens": cfg.max_batch_tokens,
         "enable_prefix_caching": cfg.enable_prefix_caching})
+
+
+def _encoder(ckpt: OmniCheckpoint, cfg, module: torch.nn.Module, salt: int) -> None:
+    from mstar.models.qwen3_omni.encoder_weights import fill_encoder_dummy_weights, load_encoder
+
+    if ckpt.root is None or ckpt.load_format == "dummy":  # LayerNorms at identity (their names vary)
+        fill_encoder_dummy_weights(module, seed=cfg.seed * 100 + salt, std=_TINY_STD if cfg.tiny else 0.02)
+    else:
+        load_encoder(module, ckpt.root, ckpt.load_format, tensors=loading.iter_checkpoint_tensors(ckpt.root))
+
+
+def _audio_encoder(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype) -> BuiltComponent:
+    from mstar.models.qwen3_omni.encoder_components import BatchedAudioEncoder
+    from mstar.models.qwen3_omni.encoder_weights import build_audio_encoder
+
+    module = build_audio_encoder(ckpt.media_spec().audio, dtype, device)
+    _encoder(ckpt, cfg, module, 6)
+    return BuiltComponent(BatchedAudioEncoder(module, ckpt.omni.thinker.num_deepstack),
+                          {"max_batch_size": ENCODER_BATCH})
+
+
+def _vision_encoder(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype) -> BuiltComponent:
+    from mstar.models.qwen3_omni.encoder_components import BatchedVisionEncoder
+    from mstar.models.qwen3_omni.encoder_weights import build_vision_encoder
+
+    module = build_vision_encoder(ckpt.media_spec().vision, dtype, device)
+    _encoder(ckpt, cfg, module, 7)
+    return BuiltComponent(BatchedVisionEncoder(module), {"max_batch_size": ENCODER_BATCH})
 
 
 def _talker(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype) -> BuiltComponent:

@@ -66,6 +66,12 @@ class OmniCheckpoint:
 
         return Tokenizer.from_pretrained(self.tokenizer_path)
 
+    def media_spec(self, video_fps: float = 2.0):
+        """How the processor turns media into encoder inputs (`media_inputs.MediaSpec`)."""
+        from mstar.models.qwen3_omni.media_inputs import MediaSpec
+
+        return MediaSpec.from_hf(self.hf["thinker_config"], video_fps)
+
     @cached_property
     def code_predictor_config(self) -> CodePredictorConfig:
         return CodePredictorConfig.from_hf(self.hf["talker_config"])

@@ -1,8 +1,13 @@
 """Qwen3-Omni as a served model: three lanes joined by two streams.
 
-Lane `thinker`:  prefill -> decode
-  prefill   the prompt (text ids; media rows as input embeddings with M-RoPE positions) through the
-            thinker MoE once; the first token goes to the client ("text") and is carried on.
+Lane `thinker`:  prefill | prefill_media -> decode
+  prefill   a text prompt through the thinker MoE once; the first token goes to the client
+            ("text") and is carried on. A text-only request never touches the encoders.
+  prefill_media  (a prompt with audio, images or video; the processor sets option "media")
+            audio_encoder -> vision_encoder -> thinker: each encoder places its rows into the
+            prompt's multimodal rows (`mm_embeds`, `deepstack_embeds`; a request without media of
+            its kind passes through), then the thinker prefill takes them at the placeholder
+            tokens (`mm_mask`) with 3-row M-RoPE `positions`; it emits like `prefill`.
   decode    Loop over the thinker fed its last token, stopped by eos or thinker.max_tokens.
   When the request asks for audio, every thinker step also returns `thinker_states`
   [2, tokens, Ht]: the input embeddings and the `accept_hidden_layer` states of the tokens it
@@ -67,6 +72,7 @@ class OmniServeConfig:
     enable_prefix_caching: bool = True
     code2wav_chunk: int = 25  # frames of new audio per Code2Wav step (25 = 2 s)
     code2wav_left_context: int = 25  # earlier frames each chunk sees (see code2wav.py on exactness)
+    video_fps: float = 2.0  # frames a second sampled from input videos
     seed: int = 0  # of dummy / tiny random weights
 
     def __post_init__(self) -> None:
@@ -90,6 +96,9 @@ def omni_graph(cfg: OmniServeConfig) -> ModelGraph:
     def talker_steps(options: Any) -> int:
         return int(options["talker.max_tokens"])
 
+    def thinker_first(options: Any) -> str:
+        return "prefill_media" if options.get(omni_options.MEDIA_OPTION) else "prefill"
+
     thinker_in = {"input_ids": "prompt_ids", "input_embeds": "mm_embeds", "embeds_mask": "mm_mask",
                   "positions": "positions", "deepstack_embeds": "deepstack_embeds"}
     thinker_out = {"token": "token", "hidden": "thinker_states"}
@@ -104,10 +113,16 @@ def omni_graph(cfg: OmniServeConfig) -> ModelGraph:
     predictor = Node("code_predictor", inputs=("talker_hidden", "first_code", "frame_index"),
                      outputs=("codes", "codec_embed_sum"))
     media = ("mm_embeds", "mm_mask", "positions", "deepstack_embeds")
+    placed = ("mm_embeds", "deepstack_embeds")
+    audio = Node("audio_encoder", inputs=("audio_features", "audio_lengths", "mm_kinds"), outputs=placed)
+    vision = Node("vision_encoder", inputs=("pixel_values", "vision_grid_thw", "mm_kinds") + placed, outputs=placed)
+    first_emits = (Emit("token", name="text"), Emit("token", CARRY))
     return ModelGraph(
         components={
             "thinker": ComponentSpec("autoregressive", "text + media rows -> next text token (MoE, M-RoPE)",
                                      option_namespace="thinker"),
+            "audio_encoder": ComponentSpec("stateless", "log-mel frames -> thinker-width audio rows"),
+            "vision_encoder": ComponentSpec("stateless", "image / video patches -> visual rows + deepstack"),
             "talker_input": ComponentSpec("stateless", "thinker states + last frame -> the talker's input rows"),
             "talker": ComponentSpec("autoregressive", "input rows -> first codec code of the next frame",
                                     option_namespace="talker"),
@@ -115,8 +130,11 @@ def omni_graph(cfg: OmniServeConfig) -> ModelGraph:
             "code2wav": ComponentSpec("stateless", "codec frames -> 24 kHz audio"),
         },
         walks=(
-            Walk("prefill", "thinker", prefill, inputs=("prompt_ids",), optional_inputs=media,
-                 emits=(Emit("token", name="text"), Emit("token", CARRY))),
+            Walk("prefill", "thinker", prefill, inputs=("prompt_ids",), optional_inputs=media, emits=first_emits),
+            Walk("prefill_media", "thinker", Sequential(audio, vision, prefill),
+                 inputs=("prompt_ids", "mm_mask", "mm_kinds", "positions"),
+                 optional_inputs=("audio_features", "audio_lengths", "pixel_values", "vision_grid_thw"),
+                 emits=first_emits),
             Walk("decode", "thinker", Loop(decode, max_iterations=thinker_steps, name="decode"),
                  inputs=("token", "prompt_ids"), emits=(Emit("token", name="text"),)),
             Walk("talk", "talker", Loop(Sequential(talker_input, talker, predictor), max_iterations=talker_steps,
@@ -127,7 +145,7 @@ def omni_graph(cfg: OmniServeConfig) -> ModelGraph:
                  inputs=("codes",), emits=(Emit("audio"),)),
         ),
         lanes=(
-            Lane("thinker", "prefill", {"prefill": "decode", "decode": None}),
+            Lane("thinker", thinker_first, {"prefill": "decode", "prefill_media": "decode", "decode": None}),
             Lane("talker", lambda o: "talk" if speaks(o) else None),
             Lane("code2wav", lambda o: "vocode" if speaks(o) else None),
         ),
@@ -139,10 +157,11 @@ def omni_graph(cfg: OmniServeConfig) -> ModelGraph:
 
 
 class Qwen3Omni(Model):
-    """Qwen/Qwen3-Omni-30B-A3B-Instruct (Hugging Face layout): text in; text and speech out."""
+    """Qwen/Qwen3-Omni-30B-A3B-Instruct (Hugging Face layout): text, images, audio and video in; text and
+    speech out."""
 
     name = "qwen3_omni"
-    input_modalities = ("text",)
+    input_modalities = ("text", "image", "audio", "video")
     output_modalities = ("text", "audio")
     default_options = {"modalities": ["text"], "voice": "Ethan"}
 
@@ -168,7 +187,8 @@ class Qwen3Omni(Model):
     def processor(self):
         from mstar.models.qwen3_omni.processor import OmniProcessor
 
-        return OmniProcessor(self.checkpoint.tokenizer, self.checkpoint.omni, self.config.max_model_len)
+        ckpt = self.checkpoint
+        return OmniProcessor(ckpt.tokenizer, ckpt.omni, self.config.max_model_len, ckpt.media_spec(self.config.video_fps))
 
     def request_options(self, options: dict[str, Any]) -> dict[str, Any]:
         """Checkpoint defaults, then the request's options (plain sampling keys belong to the thinker)."""

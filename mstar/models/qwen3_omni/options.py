@@ -19,6 +19,9 @@ from mstar.engines.sampling import SamplingParams
 SAMPLING_KEYS = frozenset(f.name for f in fields(SamplingParams))
 NAMESPACES = ("thinker", "talker", "code_predictor")
 MODALITIES = ("text", "audio")
+# Set by the processor, never by the caller: the media kinds in the prompt (the thinker lane then starts
+# with walk `prefill_media`).
+MEDIA_OPTION = "media"
 
 TALKER_DEFAULTS: dict[str, Any] = {
     "talker.temperature": 0.9, "talker.top_k": 50, "talker.top_p": 1.0, "talker.repetition_penalty": 1.05,

@@ -1,11 +1,14 @@
 """Qwen3-Omni requests <-> tensors.
 
 Requests: chat `messages` are rendered with the checkpoint's chat template (generation prompt
-added); a bare `text` (e.g. /v1/audio/speech input) is taken as one user message. Walk inputs:
-`prompt_ids` [n]; for a speaking request also `talker_positions` [3, m], the M-RoPE positions of
-the talker's prompt (the user turns' tokens then the 9 assistant rows, as the reference's
-`get_rope_index` lays them out). Unset `thinker.max_tokens` means "until eos or the end of the
-context": it is set to what the context leaves.
+added); a bare `text` (e.g. /v1/audio/speech input) is taken as one user message, after the
+request's `media` when there are any (/v1/audio/transcriptions, native /generate). Walk inputs:
+`prompt_ids` [n]; with media, the placeholders expanded and the encoders' inputs, `mm_mask`,
+`mm_kinds` and M-RoPE `positions` (`media_inputs`), and option "media" set so the thinker lane
+starts with `prefill_media`; for a speaking request also `talker_positions` [3, m], the M-RoPE
+positions of the talker's prompt (the user turns' tokens then the 9 assistant rows, as the
+reference's `get_rope_index` lays them out). Unset `thinker.max_tokens` means "until eos or the end
+of the context": it is set to what the context leaves.
 
 Outputs: "text" token ids -> UTF-8-safe text deltas (stop strings, usage); "audio" -> float32
 samples at 24 kHz.
@@ -23,6 +26,7 @@ from mstar.models.llama.processor import TextDecoder
 from mstar.models.qwen3_omni import options as omni_options
 from mstar.models.qwen3_omni.code2wav_config import SAMPLE_RATE
 from mstar.models.qwen3_omni.config import OmniConfig
+from mstar.models.qwen3_omni.options import MEDIA_OPTION
 from mstar.models.qwen3_omni.positions import mrope_positions
 from mstar.models.qwen3_omni.talker import _user_mask
 
@@ -34,41 +38,65 @@ class OmniProcessor(Processor):
 
     sample_rate = SAMPLE_RATE
 
-    def __init__(self, tokenizer, omni: OmniConfig, max_model_len: int) -> None:
+    def __init__(self, tokenizer, omni: OmniConfig, max_model_len: int, media=None) -> None:
         self.tokenizer = tokenizer
         self.omni = omni
         self.max_model_len = max_model_len
+        self.media = media  # media_inputs.MediaSpec; None: text only
 
     def inputs(self, request: Mapping[str, Any], options: dict[str, Any]) -> dict[str, torch.Tensor]:
-        if request.get("media"):
-            raise ValueError("image, audio and video inputs are not wired into qwen3_omni yet; send text")
+        media = list(request.get("media") or ())
         messages = request.get("messages")
         if not messages:
             text = request.get("text")
-            if not isinstance(text, str) or not text:
+            if (not isinstance(text, str) or not text) and not media:
                 raise ValueError("a qwen3_omni request needs non-empty 'messages' (chat) or 'text'")
-            messages = [{"role": "user", "content": text}]
+            parts = [{"type": m.get("type")} for m in media] + ([{"type": "text", "text": text}] if text else [])
+            messages = [{"role": "user", "content": parts if media else text}]
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = torch.tensor(self.tokenizer.encode(prompt, add_special_tokens=False), dtype=torch.long)
-        room = self.max_model_len - ids.numel()
-        max_tokens = options.get("thinker.max_tokens")
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            raise ValueError(f"the {ids.numel()}-token prompt with max_tokens={max_tokens} does not fit the "
-                             f"thinker's context of {self.max_model_len} tokens; shorten it or lower max_tokens")
-        if max_tokens is None:
-            options["thinker.max_tokens"] = room
-        out = {"prompt_ids": ids}
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.prompt_inputs(ids, media, options)
+
+    def prompt_inputs(self, ids: list[int] | torch.Tensor, media: list[Mapping[str, Any]],
+                      options: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Walk inputs of tokenized prompt `ids` with one placeholder per item of `media` (see the module
+        doc); sets the request's "media" and default thinker.max_tokens options."""
+        options.pop(MEDIA_OPTION, None)  # only this method decides which prefill walk runs
+        ids = [int(t) for t in ids]
+        rope: dict[str, Any] = {}
+        if media:
+            if self.media is None:
+                raise ValueError("this qwen3_omni processor takes no media (built without encoder configs)")
+            from mstar.models.qwen3_omni.media_inputs import media_prompt
+
+            prepared = media_prompt(ids, media, self.media, self.omni.thinker.tokens)
+            out, rope = prepared.inputs, prepared.rope
+            options[MEDIA_OPTION] = list(prepared.kinds)
+        else:
+            out = {"prompt_ids": torch.tensor(ids, dtype=torch.long)}
+        self._check_room(out["prompt_ids"].numel(), options)
         if "audio" in (options.get("modalities") or ()):
-            out["talker_positions"] = self.talker_positions(ids)
+            out["talker_positions"] = self.talker_positions(out["prompt_ids"], **rope)
         return out
 
-    def talker_positions(self, ids: torch.Tensor) -> torch.Tensor:
-        """[3, m] M-RoPE positions of the talker prompt built from prompt `ids` [n]."""
+    def _check_room(self, n: int, options: dict[str, Any]) -> None:
+        room = self.max_model_len - n
+        max_tokens = options.get("thinker.max_tokens")
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            raise ValueError(f"the {n}-token prompt with max_tokens={max_tokens} does not fit the "
+                             f"thinker's context of {self.max_model_len} tokens; shorten it (or its media) "
+                             "or lower max_tokens")
+        if max_tokens is None:
+            options["thinker.max_tokens"] = room
+
+    def talker_positions(self, ids: torch.Tensor, **rope: Any) -> torch.Tensor:
+        """[3, m] M-RoPE positions of the talker prompt built from prompt `ids` [n] (`rope`: the media
+        grids and lengths `positions.mrope_positions` takes, as the thinker's positions used)."""
         token_ids = self.omni.token_ids
         rope_ids = torch.cat([ids[_user_mask(ids, token_ids)],
                               torch.full((ASSISTANT_ROWS,), token_ids["tts_pad"], dtype=torch.long)])
         assert self.omni.talker is not None
-        positions, _delta = mrope_positions(rope_ids, self.omni.talker.tokens)
+        positions, _delta = mrope_positions(rope_ids, self.omni.talker.tokens, **rope)
         return positions
 
     def validate_options(self, options: Mapping[str, Any]) -> None:

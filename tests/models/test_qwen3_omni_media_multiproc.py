@@ -1,0 +1,45 @@
+"""A spoken chat about an image and an audio clip (--tiny, CPU) gives the same text and audio on one worker
+and on two worker processes placed as configs/qwen3_omni_2gpu.yaml (encoders + thinker on rank 0)."""
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mstar.config import load_config
+from mstar.runtime.offline import MStar
+
+ROOT = Path(__file__).parents[2]
+KWARGS = {"code2wav_chunk": 4}
+OPTIONS = dict(temperature=0.0, max_tokens=6, modalities=["text", "audio"],
+               **{"talker.temperature": 0.0, "talker.max_tokens": 8})
+
+
+def _request():
+    y, x = np.mgrid[0:48, 0:64]
+    image = np.stack([x * 4, y * 5, (x + y) * 2], -1).astype(np.uint8)
+    t = np.arange(20000) / 16000
+    content = [{"type": "image_url"}, {"type": "input_audio"}, {"type": "text", "text": "What is this?"}]
+    return {"messages": [{"role": "user", "content": content}],
+            "media": [{"type": "image", "data": image},
+                      {"type": "audio", "data": (0.3 * np.sin(2e3 * t)).astype(np.float32), "sample_rate": 16000}]}
+
+
+def test_one_worker_and_two_processes_agree_on_a_media_chat():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        config = {"model": "qwen3_omni", "device": "cpu", "model_kwargs": KWARGS}
+        with MStar("qwen3_omni", config=config, tiny=True) as one:
+            want = one.generate(_request(), **OPTIONS)
+        cfg = dataclasses.replace(load_config(ROOT / "configs" / "qwen3_omni_2gpu.yaml"), device="cpu",
+                                  model_kwargs=KWARGS)
+        with MStar("qwen3_omni", config=cfg, mode="multiproc", tiny=True) as two:
+            got = two.generate(_request(), **OPTIONS)
+    finally:
+        torch.set_num_threads(previous)
+    assert "".join(want.outputs["text"]) and got.outputs["text"] == want.outputs["text"]
+    want_audio, got_audio = np.concatenate(want.outputs["audio"]), np.concatenate(got.outputs["audio"])
+    assert want_audio.size > 0
+    np.testing.assert_allclose(got_audio, want_audio, atol=1e-6)
