@@ -63,3 +63,27 @@ def test_two_gpu_sequence_parallel_dit_matches_one_gpu(tmp_path) -> None:
         assert r["scale"] > 0.01
         assert r["diff"] < 0.02 * r["scale"], r
         assert r["cosine"] > 0.9999, r
+
+
+def test_sp2_runtime_on_two_gpus_matches_one_gpu() -> None:
+    """configs/wan22_sp2.yaml through the runtime (2 worker processes, NCCL), tiny float32, vs one GPU."""
+    from wan22_testing import NEGATIVE, PROMPTS, outputs_of
+
+    from mstar.config import load_config
+    from mstar.runtime.offline import MStar
+
+    options = {"negative_prompt": NEGATIVE, "width": 128, "height": 128, "num_frames": 9,
+               "num_inference_steps": 3, "guidance_scale": 5.0, "debug_outputs": True}
+
+    def run(m) -> list[dict]:
+        handles = [m.submit({"text": p}, seed=i, **options) for i, p in enumerate(PROMPTS[:2])]
+        return [outputs_of(h.result()) for h in handles]
+
+    with MStar("wan22", tiny=True) as m:
+        expected = run(m)
+    with MStar(config=load_config("configs/wan22_sp2.yaml"), mode="multiproc", tiny=True) as m:
+        got = run(m)
+    for ours, want in zip(got, expected, strict=True):
+        for a, b in zip(ours["steps"], want["steps"], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-3, rtol=0)
+        torch.testing.assert_close(ours["frames"], want["frames"], atol=1e-3, rtol=0)
