@@ -60,6 +60,7 @@ def plan_placement(
     for i, group in enumerate(groups):
         where = f"{source}: node_groups[{i}]"
         _check_group(group, graph, walks, node_names, where, max_ranks)
+        _check_parallel(group, graph, node_components, where)
         for walk in group.graph_walks or walks:
             for name in group.node_names:
                 target = table if name in graph.components else nodes
@@ -95,8 +96,22 @@ def _check_group(group: Any, graph: ModelGraph, walks: dict, node_names: set[str
         for rank in group.ranks:
             if rank >= max_ranks:
                 raise PlacementError(f"{where}: rank {rank} is out of range: {max_ranks} device(s) available")
-    if group.tp_size * group.sp_size > 1:
-        raise PlacementError(
-            f"{where}: tp_size={group.tp_size}, sp_size={group.sp_size}: tensor and sequence parallel replicas "
-            "are not supported yet; use tp_size: 1 and sp_size: 1"
-        )
+
+
+def _check_parallel(group: Any, graph: ModelGraph, node_components: dict[tuple[str, str], str], where: str) -> None:
+    """tp_size > 1 is not supported yet; sp_size > 1 only for components declaring sequence_parallel."""
+    if group.tp_size > 1:
+        raise PlacementError(f"{where}: tp_size={group.tp_size}: tensor-parallel replicas are not supported "
+                             "yet; use tp_size: 1")
+    if group.sp_size == 1:
+        return
+    for name in group.node_names:
+        components = {name} if name in graph.components else {c for (n, _), c in node_components.items() if n == name}
+        for component in sorted(components):
+            if not graph.components[component].sequence_parallel:
+                supported = sorted(c for c, spec in graph.components.items() if spec.sequence_parallel)
+                raise PlacementError(
+                    f"{where}: sp_size={group.sp_size}, but component {component!r} does not support sequence "
+                    f"parallelism (components that do: {supported or 'none'}); move {name!r} to a group "
+                    "with sp_size: 1"
+                )

@@ -175,10 +175,15 @@ class ComponentSpec:
     # When set, the component's steps see the request options with "<namespace>.<key>" as "<key>",
     # overriding a plain "<key>", and without other namespaced keys: per-component sampling options.
     option_namespace: str = ""
+    # The module runs sequence-parallel (Ulysses) when given a replica's group, so a placement may use
+    # sp_size > 1 for it; only stateless components can set it.
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ("stateless", "autoregressive"):
             raise ValueError(f"component engine {self.engine!r} must be 'stateless' or 'autoregressive'")
+        if self.sequence_parallel and self.engine != "stateless":
+            raise ValueError(f"sequence_parallel=True needs a stateless component, not {self.engine!r}")
 
 
 @dataclass(frozen=True)

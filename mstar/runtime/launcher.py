@@ -21,6 +21,7 @@ from mstar.graph import validate_graph
 from mstar.graph.placement import plan_placement
 from mstar.runtime.build import build_engines, build_model, worker_device
 from mstar.runtime.codecs import LocalCodec, PayloadCodec
+from mstar.runtime.replicas import check_run_mode, multi_rank_replicas
 from mstar.transport import wire
 from mstar.transport.channels import make_network
 from mstar.transport.messages import Codec
@@ -44,6 +45,7 @@ class Runtime:
         self.graph = self.model.graph()
         validate_graph(self.graph)
         self.plan = plan_placement(self.graph, config.node_groups, config.source)
+        check_run_mode(self.plan, mode)
         self.processor = self.model.processor()
         self.session = new_session_id()
         self.codec = LocalCodec() if mode == "inproc" else PayloadCodec(self.session)
@@ -126,12 +128,23 @@ class Runtime:
         config_json = msgspec.json.encode(dataclasses.asdict(self.config))
         directory_json = msgspec.json.encode(self.network.directory)
         args = {**self._build_args, "log_level": logging.getLogger().level or "WARNING"}
+        rendezvous = self._rendezvous()
         for rank in range(self.plan.num_workers):
             proc = ctx.Process(target=worker_process_main, name=f"mstar-worker-{rank}", daemon=True,
-                               args=(rank, config_json, directory_json, self.session, dict(args)))
+                               args=(rank, config_json, directory_json, self.session, dict(args), rendezvous))
             proc.start()
             self.workers[rank] = proc
         threading.Thread(target=self._watch_processes, daemon=True, name="mstar-watchdog").start()
+
+    def _rendezvous(self) -> list[Any] | None:
+        """[host, port, world size] where the workers join torch.distributed; None without multi-rank replicas."""
+        if not multi_rank_replicas(self.plan):
+            return None
+        import socket
+
+        with socket.socket() as sock:  # a free port now; the rank-0 worker binds it moments later
+            sock.bind(("127.0.0.1", 0))
+            return ["127.0.0.1", sock.getsockname()[1], self.plan.num_workers]
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

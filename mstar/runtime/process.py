@@ -31,8 +31,10 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="parent-watchdog").start()
 
 
-def worker_process_main(rank: int, config_json: bytes, directory_json: bytes, session: str, build_args: dict) -> None:
-    """Run one worker until Shutdown (spawned by runtime.launcher)."""
+def worker_process_main(rank: int, config_json: bytes, directory_json: bytes, session: str, build_args: dict,
+                        rendezvous: list | None = None) -> None:
+    """Run one worker until Shutdown (spawned by runtime.launcher); with `rendezvous` ([host, port,
+    world size]) it first joins the torch.distributed groups of its multi-rank replicas."""
     die_with_parent()
     os.environ["MSTAR_SESSION"] = session
     logging.basicConfig(level=build_args.pop("log_level", "WARNING"))
@@ -47,6 +49,7 @@ def worker_process_main(rank: int, config_json: bytes, directory_json: bytes, se
 
     network = ZmqNetwork(msgspec.json.decode(directory_json, type=Directory), Codec(wire.Message))
     inbox, outbox = network.inbox(worker_peer(rank)), network.outbox()
+    groups = None
     try:
         config = config_from_dict(msgspec.json.decode(config_json))
         model = build_model(config, **build_args)
@@ -54,7 +57,14 @@ def worker_process_main(rank: int, config_json: bytes, directory_json: bytes, se
         plan = plan_placement(graph, config.node_groups, config.source)
         device = worker_device(config, rank)
         engines = build_engines(model, config, plan.components_on(rank), device)
-        worker = Worker(rank, graph, engines, inbox, outbox, PayloadCodec(session), device)
+        codec = PayloadCodec(session)
+        if rendezvous is not None:
+            from mstar.parallel.groups import Rendezvous
+            from mstar.runtime.replicas import join_replicas
+
+            groups = join_replicas(plan, rank, device, engines, Rendezvous(*rendezvous),
+                                   lambda r, msg: outbox.send(worker_peer(r), msg), codec.pack)
+        worker = Worker(rank, graph, engines, inbox, outbox, codec, device)
     except Exception:
         outbox.send(CONDUCTOR, wire.WorkerFailed(rank, traceback.format_exc()))
         time.sleep(0.2)
@@ -62,4 +72,6 @@ def worker_process_main(rank: int, config_json: bytes, directory_json: bytes, se
         return
     outbox.send(CONDUCTOR, wire.WorkerReady(rank))
     worker.run()
+    if groups is not None:
+        groups.close()
     network.close()

@@ -99,6 +99,28 @@ class WalkDone(msgspec.Struct, tag=True, array_like=True):
     error: str | None = None
 
 
+class ReplicaItem(msgspec.Struct, array_like=True):
+    """One item of a replica step: a ready node of one request, as the lead rank's engine saw it."""
+
+    rid: str
+    walk: str
+    node: str
+    iteration: int
+    inputs: Tensors  # port -> tensor
+    options: dict[str, Any]
+
+
+class ReplicaStep(msgspec.Struct, tag=True, array_like=True):
+    """Lead rank -> the other ranks of a multi-rank replica: run this batch with me, now, in this order.
+
+    The followers run the same component call on the same items (its collectives pair with the
+    lead's) and drop the outputs; only the lead routes results.
+    """
+
+    component: str
+    items: list[ReplicaItem]
+
+
 class WorkerReady(msgspec.Struct, tag=True, array_like=True):
     """Worker -> conductor: components built and warmed up."""
 
@@ -138,5 +160,5 @@ class WorkerStats(msgspec.Struct, tag=True, array_like=True):
 
 Message = Union[
     StartWalk, RunNode, NodeDone, StreamItem, StreamEnd, Release, Shutdown, ClientOutput, WalkDone,
-    WorkerReady, WorkerFailed, WorkerStats,
+    ReplicaStep, WorkerReady, WorkerFailed, WorkerStats,
 ]

@@ -18,6 +18,7 @@ from mstar.engines.base import Engine, StepItem, StepResult
 from mstar.graph import CARRY, TO_CLIENT, ModelGraph, Walk, iter_nodes
 from mstar.transport import wire
 from mstar.transport.messages import discard_message
+from mstar.worker.replica import follower_items, run_component_step
 from mstar.worker.stats import StatsReporter
 from mstar.worker.streams import END, StreamBuffer
 from mstar.worker.walk_run import NodeCall, Outcome, WalkRun
@@ -131,6 +132,11 @@ class Worker:
         elif isinstance(msg, wire.StreamEnd):
             self._buffer(msg.rid, msg.stream).end(msg.total)
             self._feed_stream(msg.rid, msg.stream)
+        elif isinstance(msg, wire.ReplicaStep):
+            # follower rank of a multi-rank replica: run the lead's batch now (its collectives pair
+            # with the lead's); the lead routes the results, ours are dropped
+            run_component_step(self.engines[msg.component].module,
+                               follower_items(msg, self.codec.unpack, self._to_device))
         elif isinstance(msg, wire.Release):
             self._release(msg.rid)
         elif isinstance(msg, wire.Shutdown):

@@ -57,6 +57,11 @@ class DiTComponent(nn.Module):
     def __init__(self, transformer: WanTransformer) -> None:
         super().__init__()
         self.transformer = transformer
+        self.sp_group: Any = None  # a sequence-parallel replica's torch.distributed group
+
+    def set_sp_group(self, group: Any) -> None:
+        """Run every forward sequence-parallel over `group` (all its ranks make the same calls)."""
+        self.sp_group = group
 
     def batch_key(self, item: Any) -> Hashable:
         """Items that may share a forward: same walk and latent shape; skipped branches together."""
@@ -74,7 +79,7 @@ class DiTComponent(nn.Module):
         latents = torch.stack([items[i].inputs["latents"] for i in rows]).to(dtype)
         timesteps = torch.stack([items[i].inputs["timestep"] for i in rows])
         context = torch.stack([items[i].inputs["context"] for i in rows]).to(dtype)
-        velocity = self.transformer(latents, timesteps, context).float()
+        velocity = self.transformer(latents, timesteps, context, sp_group=self.sp_group).float()
         for row, i in enumerate(rows):
             out[i] = {"velocity": velocity[row]}
         return out

@@ -71,7 +71,8 @@ def _graph() -> ModelGraph:
     return ModelGraph(
         components={
             "text_encoder": ComponentSpec("stateless", "UMT5: prompt and negative prompt ids -> text embeddings"),
-            "dit": ComponentSpec("stateless", "video DiT: (latents, per-frame timesteps, text) -> flow velocity"),
+            "dit": ComponentSpec("stateless", "video DiT: (latents, per-frame timesteps, text) -> flow velocity",
+                                 sequence_parallel=True),
             "scheduler": ComponentSpec("stateless", "per-request noise and UniPC state; guidance + one step"),
             "vae": ComponentSpec("stateless", "Wan2.2 VAE: reference image -> latent frame; latents -> frames"),
         },

@@ -11,6 +11,8 @@ one per request. Norms, modulation and residual sums run in float32 like the ref
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +66,15 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
     return x * (1 + scale) + shift
 
 
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Full attention on one device: q, k, v and the result are [B, L, H, D]."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2)
+
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # [B, L, H, D] x3 -> [B, L, H, D]
+
+
 class MLP(nn.Module):
     """Linear -> activation ("silu" or "gelu_tanh") -> Linear; the time and text embedders."""
 
@@ -80,7 +91,8 @@ class MLP(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """Fused QKV, RMS norm of q and k across all heads, 3D rope, SDPA."""
+    """Fused QKV, RMS norm of q and k across all heads, 3D rope, then `attend` (SDPA, or Ulysses over
+    a sequence-parallel group: the projections and norms are per token, so they run on any shard)."""
 
     def __init__(self, dim: int, heads: int, eps: float) -> None:
         super().__init__()
@@ -90,13 +102,13 @@ class SelfAttention(nn.Module):
         self.norm_k = nn.RMSNorm(dim, eps=eps)
         self.to_out = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attend: Attend = sdpa_attention) -> torch.Tensor:
         q, k, v = self.to_qkv(x).chunk(3, dim=-1)
         q = apply_rope(self.norm_q(q).unflatten(-1, (self.heads, -1)), cos, sin)
         k = apply_rope(self.norm_k(k).unflatten(-1, (self.heads, -1)), cos, sin)
         v = v.unflatten(-1, (self.heads, -1))
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.to_out(out.transpose(1, 2).flatten(2))
+        return self.to_out(attend(q, k, v).flatten(2))
 
 
 class CrossAttention(nn.Module):
@@ -134,8 +146,10 @@ class WanBlock(nn.Module):
         self.ffn_out = nn.Linear(config.ffn_dim, dim)
         self.scale_shift_table = nn.Parameter(torch.zeros(1, 6, dim))  # the checkpoint's shape
 
-    def forward(self, x: torch.Tensor, text: torch.Tensor, t_mod: torch.Tensor, rope: tuple) -> torch.Tensor:
-        """x [B, L, D]; text [B, Lt, D]; t_mod [B, T, 6, D] float32 with T dividing L; rope (cos, sin)."""
+    def forward(self, x: torch.Tensor, text: torch.Tensor, t_mod: torch.Tensor, rope: tuple,
+                attend: Attend = sdpa_attention) -> torch.Tensor:
+        """x [B, L, D]; text [B, Lt, D]; t_mod [B, T, 6, D] float32 with T dividing L; rope (cos, sin);
+        `attend` runs the self-attention core (see SelfAttention)."""
         batch, length, dim = x.shape
         groups = t_mod.shape[1]
         mods = (self.scale_shift_table.float()[:, None] + t_mod).unsqueeze(3).unbind(2)  # 6 x [B, T, 1, D]
@@ -145,7 +159,7 @@ class WanBlock(nn.Module):
             return h.view(batch, groups, length // groups, dim)
 
         h = modulate(grouped(layer_norm32(x, eps=self.eps)), shift, scale).view_as(x).to(x.dtype)
-        x = (grouped(x.float()) + grouped(self.attn1(h, *rope)) * gate).view_as(x).to(x.dtype)
+        x = (grouped(x.float()) + grouped(self.attn1(h, *rope, attend)) * gate).view_as(x).to(x.dtype)
         h = layer_norm32(x, self.norm2).to(x.dtype) if self.norm2 is not None else x
         x = x + self.attn2(h, text)
         h = modulate(grouped(layer_norm32(x, eps=self.eps)), c_shift, c_scale).view_as(x).to(x.dtype)
@@ -159,6 +173,11 @@ class WanTransformer(nn.Module):
     `timestep` is [B] (one per request), [B, F'] (one per latent frame) or [B, L] (one per token, L =
     F' * H' * W' after patching, as diffusers passes it). Rows of one batch may be at different steps
     and hold different prompts, so requests (and guidance branches) batch freely when shapes match.
+
+    With `sp_group` (a torch.distributed group of P ranks, all calling forward with the same inputs)
+    the forward is sequence-parallel: each rank keeps 1/P of the patch tokens with their rope angles
+    and modulation, self-attention runs as Ulysses attention over the group, cross-attention and the
+    FFN stay local (the text is replicated), and every rank returns the whole prediction.
     """
 
     def __init__(self, config: WanTransformerConfig) -> None:
@@ -174,19 +193,35 @@ class WanTransformer(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.zeros(1, 2, dim))
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    def forward(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor,
+                sp_group: Any = None) -> torch.Tensor:
         grid = self._grid(latents.shape)
         x = self._patchify(latents)
         temb = self._time_embedding(timestep, grid, x.dtype)  # [B, T, D]
         t_mod = self.time_proj(F.silu(temb)).unflatten(-1, (6, -1)).float()  # [B, T, 6, D]
         text = self.text_embedder(text.to(x.dtype))
-        rope = self._rope(grid, latents.device)
+        cos, sin = self._rope(grid, latents.device)
+        attend: Attend = sdpa_attention
+        if sp_group is not None:
+            from mstar.parallel.sequence import SequenceShard
+
+            shard = SequenceShard(sp_group, x.shape[1])
+            x, cos, sin = shard.split(x), shard.split(cos, dim=0), shard.split(sin, dim=0)
+            temb, t_mod = shard.split_groups(temb), shard.split_groups(t_mod)
+            attend = shard.attention
         for block in self.blocks:
-            x = block(x, text, t_mod, rope)
+            x = block(x, text, t_mod, (cos, sin), attend)
+        out = self._head(x, temb)
+        if sp_group is not None:
+            out = shard.gather(out)
+        return self._unpatchify(out, grid)
+
+    def _head(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        """Final modulated norm and projection: tokens [B, L, D] -> patches [B, L, pt*ph*pw*C]."""
         shift, scale = (self.scale_shift_table.float()[:, None] + temb.float().unsqueeze(2)).unsqueeze(3).unbind(2)
         batch, length, dim = x.shape
         h = modulate(layer_norm32(x, eps=self.config.eps).view(batch, temb.shape[1], -1, dim), shift, scale)
-        return self._unpatchify(self.proj_out(h.view_as(x).to(x.dtype)), grid)
+        return self.proj_out(h.view_as(x).to(x.dtype))
 
     def _grid(self, shape: torch.Size) -> tuple[int, int, int]:
         _, channels, *sizes = shape
