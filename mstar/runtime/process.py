@@ -59,7 +59,7 @@ def worker_process_main(rank: int, config_json: bytes, directory_json: bytes, se
         engines = build_engines(model, config, plan.components_on(rank), device)
         codec = PayloadCodec(session)
         if rendezvous is not None:
-            from mstar.parallel.groups import Rendezvous
+            from mstar.distributed.groups import Rendezvous
             from mstar.runtime.replicas import join_replicas
 
             groups = join_replicas(plan, rank, device, engines, Rendezvous(*rendezvous),

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from mstar.distributed.groups import ProcessGroups, Rendezvous
 from mstar.engines.base import Engine
 from mstar.graph.placement import PlacementPlan
-from mstar.parallel.groups import ProcessGroups, Rendezvous
 from mstar.worker.replica import LeadModule
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Run a function on P spawned ranks joined by `mstar.parallel.ProcessGroups`; collect each rank's result.
+"""Run a function on P spawned ranks joined by `mstar.distributed.ProcessGroups`; collect each rank's result.
 
 `run_ranks(fn, size, device_type)` spawns `size` processes; rank r calls `fn(replica_group, device)`
 and its (picklable, CPU) return value comes back in rank order. A failing rank fails the call with
@@ -22,7 +22,7 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, fn, size: int, port: int, device_type: str, out_dir: str) -> None:
-    from mstar.parallel.groups import ProcessGroups, Rendezvous
+    from mstar.distributed.groups import ProcessGroups, Rendezvous
 
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     if device_type == "cuda":

@@ -18,8 +18,8 @@ def _full_attention(q, k, v):
 
 
 def _attention_checks(group) -> dict:
-    from mstar.parallel.sequence import SequenceShard
-    from mstar.parallel.ulysses import ulysses_attention
+    from mstar.distributed.sequence import SequenceShard
+    from mstar.distributed.ulysses import ulysses_attention
 
     out = {}
     gen = torch.Generator().manual_seed(0)

@@ -203,7 +203,7 @@ class WanTransformer(nn.Module):
         cos, sin = self._rope(grid, latents.device)
         attend: Attend = sdpa_attention
         if sp_group is not None:
-            from mstar.parallel.sequence import SequenceShard
+            from mstar.distributed.sequence import SequenceShard
 
             shard = SequenceShard(sp_group, x.shape[1])
             x, cos, sin = shard.split(x), shard.split(cos, dim=0), shard.split(sin, dim=0)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mstar.parallel.ulysses import group_size, ulysses_attention
+from mstar.distributed.ulysses import group_size, ulysses_attention
 
 
 class SequenceShard:
