@@ -6,7 +6,9 @@ sliding-window StreamEdge of the LM's tokens) runs with instant components:
   pending item at once (no model, no KV cache);
 - `snac` is the real stateless engine around a module that returns 4 zero samples per window.
 So almost all of the time per token is the runtime around the engines: worker loop, walk
-interpreter, stream buffers, conductor, offline API. `--tiny` runs the real tiny Orpheus instead.
+interpreter, stream buffers, conductor, offline API. `--model tiny` runs the real tiny Orpheus,
+`--model dummy --device cuda` Orpheus-3B with dummy weights; each case also reports the engines'
+own step time per token (from the workers' step timings) and the rest, the runtime's share.
 
 Cases: in-process and multi-process, with the vocoder lane (a stream to a second lane) and without
 (the `lm` lane alone). One request at a time; each case is run `--runs` times and the median kept.
@@ -27,7 +29,6 @@ import json
 import os
 import platform
 import pstats
-import statistics
 import sys
 import tempfile
 import threading
@@ -38,16 +39,19 @@ from typing import Any
 
 import torch
 
-import mstar.runtime.build as build
-from mstar.engines.base import StepItem, StepResult
-from mstar.graph import ModelGraph
-from mstar.models.base import BuiltComponent
-from mstar.models.orpheus.model import OrpheusModel
-from mstar.models.orpheus.tokens import FRAME
-from mstar.models.registry import register
-from mstar.worker.worker import Worker
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's mstar, not whichever one is installed
+
+import mstar.runtime.build as build  # noqa: E402
+from mstar.engines.base import StepItem, StepResult  # noqa: E402
+from mstar.graph import ModelGraph  # noqa: E402
+from mstar.models.base import BuiltComponent  # noqa: E402
+from mstar.models.orpheus.model import OrpheusModel  # noqa: E402
+from mstar.models.orpheus.tokens import FRAME  # noqa: E402
+from mstar.models.registry import register  # noqa: E402
+from mstar.worker.stats import STATS_INTERVAL_S  # noqa: E402
+from mstar.worker.worker import Worker  # noqa: E402
+
 TOKENS = 700  # generated tokens per request (100 SNAC frames)
 
 
@@ -149,48 +153,69 @@ register("fake_orpheus", f"{__name__}:FakeOrpheus")
 register("fake_orpheus_nostream", f"{__name__}:FakeOrpheusNoStream")
 
 
-def _config(model: str, workers: int) -> dict:
+def _config(model: str, workers: int, device: str) -> dict:
     groups = [{"node_names": ["llm", "snac"] if model != "fake_orpheus_nostream" else ["llm"], "ranks": [0]}]
     if workers == 2:
         groups = [{"node_names": ["llm"], "ranks": [0]}, {"node_names": ["snac"], "ranks": [1]}]
-    return {"model": model, "device": "cpu", "max_concurrent_requests": 4, "node_groups": groups}
+    return {"model": model, "device": device, "max_concurrent_requests": 4, "node_groups": groups}
 
 
-def _case_model(stream: bool, tiny: bool) -> str:
-    if tiny:
-        return "orpheus"
-    return "fake_orpheus" if stream else "fake_orpheus_nostream"
+def _engine_seconds(m: Any) -> dict[str, float]:
+    """Cumulative engine step seconds per component (all workers) as the conductor last heard them."""
+    totals: dict[str, float] = {}
+    for stats in m.runtime.conductor.worker_stats().values():
+        for c in stats.components:
+            totals[c.component] = totals.get(c.component, 0.0) + c.step_seconds_sum
+    return totals
 
 
-def time_case(mode: str, stream: bool, tiny: bool, runs: int, workers: int = 1) -> dict:
-    """Median seconds per generated token over `runs` requests (after a warm-up request)."""
+def _settled_engine_seconds(m: Any) -> dict[str, float]:
+    time.sleep(STATS_INTERVAL_S * 2.5)  # workers report engine timings every STATS_INTERVAL_S
+    return _engine_seconds(m)
+
+
+def time_case(mode: str, stream: bool, args: argparse.Namespace, runs: int, workers: int = 1) -> dict:
+    """Median wall time per generated token over `runs` requests (after a warm-up request), and the
+    part of it the engines' steps took (from the workers' step timings)."""
     from mstar.runtime.offline import MStar
 
-    cfg = _config(_case_model(stream, tiny), workers)
-    if tiny and not stream:
-        raise SystemExit("--tiny runs Orpheus with its vocoder lane only")
-    opts = {"max_tokens": TOKENS + 1, "temperature": 0.0, "ignore_eos": True} if tiny else {"max_tokens": TOKENS + 1}
-    times, samples = [], 0
-    with MStar(config=cfg, mode=mode, tiny=tiny) as m:
+    real = args.model != "fake"
+    if real and not stream:
+        raise SystemExit(f"--model {args.model} runs Orpheus with its vocoder lane only")
+    cfg = _config("orpheus" if real else "fake_orpheus" if stream else "fake_orpheus_nostream", workers, args.device)
+    opts = {"max_tokens": TOKENS + 1}
+    if real:  # sampled tokens; a stop token would end the request early
+        opts.update(temperature=0.0, ignore_eos=True)
+    walls, engines, samples = [], [], 0
+    with MStar(config=cfg, mode=mode, tiny=args.model == "tiny",
+               load_format="dummy" if args.model == "dummy" else "auto") as m:
         m.generate({"text": "warm up"}, **{**opts, "max_tokens": 30})
+        before = _settled_engine_seconds(m)
         for _ in range(runs):
             t0 = time.perf_counter()
             result = m.generate({"text": "The quick brown fox"}, **opts)
-            times.append(time.perf_counter() - t0)
+            walls.append(time.perf_counter() - t0)
+            after = _settled_engine_seconds(m)
+            engines.append({k: v - before.get(k, 0.0) for k, v in after.items()})
+            before = after
             samples = sum(a.size for a in result.outputs.get("audio", []))
-    med = statistics.median(times)
-    return {"us_per_token": round(med / TOKENS * 1e6, 1), "runs_us_per_token": [round(t / TOKENS * 1e6, 1)
-            for t in times], "audio_samples": int(samples)}
+    order = sorted(range(runs), key=lambda i: walls[i])
+    mid = order[len(order) // 2]  # the median run, engine split included
+    per_token = {k: round(v / TOKENS * 1e6, 1) for k, v in engines[mid].items()}
+    wall_us = walls[mid] / TOKENS * 1e6
+    return {"us_per_token": round(wall_us, 1), "engine_us_per_token": per_token,
+            "runtime_us_per_token": round(wall_us - sum(per_token.values()), 1),
+            "runs_us_per_token": [round(t / TOKENS * 1e6, 1) for t in walls], "audio_samples": int(samples)}
 
 
-def profile_case(mode: str, stream: bool, tiny: bool, top: int = 35) -> str:
+def profile_case(mode: str, stream: bool, args: argparse.Namespace, top: int = 35) -> str:
     """cProfile of every Python thread over a warm-up and 3 requests: worker threads and the conductor
     in-process; for multiproc, the worker processes' loops (each printed apart) then this process."""
     if mode == "multiproc":
         with tempfile.TemporaryDirectory() as tmp:
             os.environ[PROFILE_ENV] = tmp
             try:
-                time_case(mode, stream, tiny, runs=3)
+                time_case(mode, stream, args, runs=3)
             finally:
                 del os.environ[PROFILE_ENV]
             out = io.StringIO()
@@ -210,7 +235,7 @@ def profile_case(mode: str, stream: bool, tiny: bool, top: int = 35) -> str:
     main = cProfile.Profile()
     try:
         main.enable()
-        time_case(mode, stream, tiny, runs=3)
+        time_case(mode, stream, args, runs=3)
         main.disable()
     finally:
         threading.Thread.run = original
@@ -230,7 +255,9 @@ CASES = {"inproc:nostream": ("inproc", False, 1), "inproc:stream": ("inproc", Tr
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--tiny", action="store_true", help="the real tiny Orpheus instead of instant fakes")
+    parser.add_argument("--model", choices=("fake", "tiny", "dummy"), default="fake",
+                        help="instant fakes; the real tiny Orpheus; Orpheus-3B with dummy weights (GPU)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {list(CASES)}")
     parser.add_argument("--profile", metavar="CASE", help="print a cProfile of CASE (all threads) and exit")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/runtime_per_token.json"))
@@ -238,19 +265,19 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.profile:
         mode, stream, _ = CASES[args.profile]
-        sys.stdout.write(profile_case(mode, stream, args.tiny))
+        sys.stdout.write(profile_case(mode, stream, args))
         return
     cases = {}
     for name in args.cases.split(","):
         mode, stream, workers = CASES[name]
-        if args.tiny and not stream:
+        if args.model != "fake" and not stream:
             continue
-        cases[name] = time_case(mode, stream, args.tiny, args.runs, workers)
+        cases[name] = time_case(mode, stream, args, args.runs, workers)
         sys.stdout.write(f"{name}: {cases[name]}\n")
     result = {"command": "python3 " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
                           "torch": torch.__version__},
-              "tokens_per_request": TOKENS, "components": "tiny orpheus" if args.tiny else "instant fakes",
+              "tokens_per_request": TOKENS, "model": args.model, "device": args.device,
               "cases": cases}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
