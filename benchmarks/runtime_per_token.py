@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import pstats
+import statistics
 import sys
 import tempfile
 import threading
@@ -169,14 +170,28 @@ def _engine_seconds(m: Any) -> dict[str, float]:
     return totals
 
 
+def _cpu_seconds(m: Any) -> float:
+    """CPU seconds used so far by this process (every thread) and the worker processes: unlike wall
+    time, barely moved by other programs sharing the machine."""
+    t = os.times()
+    total = t.user + t.system
+    for proc in m.runtime.workers.values():
+        pid = getattr(proc, "pid", None)
+        if pid is not None:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return total
+
+
 def _settled_engine_seconds(m: Any) -> dict[str, float]:
     time.sleep(STATS_INTERVAL_S * 2.5)  # workers report engine timings every STATS_INTERVAL_S
     return _engine_seconds(m)
 
 
 def time_case(mode: str, stream: bool, args: argparse.Namespace, runs: int, workers: int = 1) -> dict:
-    """Median wall time per generated token over `runs` requests (after a warm-up request), and the
-    part of it the engines' steps took (from the workers' step timings)."""
+    """Median wall time per generated token over `runs` requests (after a warm-up request), the part
+    of it the engines' steps took (from the workers' step timings), and the median CPU time per token
+    of all processes (the number least moved by other load on the machine)."""
     from mstar.runtime.offline import MStar
 
     real = args.model != "fake"
@@ -186,15 +201,16 @@ def time_case(mode: str, stream: bool, args: argparse.Namespace, runs: int, work
     opts = {"max_tokens": TOKENS + 1}
     if real:  # sampled tokens; a stop token would end the request early
         opts.update(temperature=0.0, ignore_eos=True)
-    walls, engines, samples = [], [], 0
+    walls, cpus, engines, samples = [], [], [], 0
     with MStar(config=cfg, mode=mode, tiny=args.model == "tiny",
                load_format="dummy" if args.model == "dummy" else "auto") as m:
         m.generate({"text": "warm up"}, **{**opts, "max_tokens": 30})
         before = _settled_engine_seconds(m)
         for _ in range(runs):
-            t0 = time.perf_counter()
+            c0, t0 = _cpu_seconds(m), time.perf_counter()
             result = m.generate({"text": "The quick brown fox"}, **opts)
             walls.append(time.perf_counter() - t0)
+            cpus.append(_cpu_seconds(m) - c0)
             after = _settled_engine_seconds(m)
             engines.append({k: v - before.get(k, 0.0) for k, v in after.items()})
             before = after
@@ -205,7 +221,8 @@ def time_case(mode: str, stream: bool, args: argparse.Namespace, runs: int, work
     wall_us = walls[mid] / TOKENS * 1e6
     return {"us_per_token": round(wall_us, 1), "engine_us_per_token": per_token,
             "runtime_us_per_token": round(wall_us - sum(per_token.values()), 1),
-            "runs_us_per_token": [round(t / TOKENS * 1e6, 1) for t in walls], "audio_samples": int(samples)}
+            "runs_us_per_token": [round(t / TOKENS * 1e6, 1) for t in walls],
+            "cpu_us_per_token": round(statistics.median(cpus) / TOKENS * 1e6, 1), "audio_samples": int(samples)}
 
 
 def profile_case(mode: str, stream: bool, args: argparse.Namespace, top: int = 35) -> str:
