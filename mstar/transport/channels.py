@@ -105,7 +105,9 @@ class InprocNetwork:
         if peer in self._closed:
             discard_message(msg)
             raise PeerUnavailable(f"inbox {peer!r} is closed")
-        self._queue(peer).put(msg)
+        # Lock-free read first: one dict get is atomic, and the lock is only needed to create a queue.
+        q = self._queues.get(peer)
+        (q if q is not None else self._queue(peer)).put(msg)
 
     def _close_inbox(self, name: str) -> None:
         with self._lock:

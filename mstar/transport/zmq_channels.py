@@ -128,10 +128,14 @@ class ZmqInbox:
 
     def __init__(self, name: str, sock: zmq.Socket, codec: Codec) -> None:
         self.name, self._sock, self._codec = name, sock, codec
+        # one Poller kept for the socket: `Socket.poll` builds a new one per call (a busy worker
+        # polls with timeout 0 once per loop turn)
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
 
     def recv(self, timeout_s: float | None = None) -> Any | None:
         """The next message, or None after `timeout_s` (None: wait forever)."""
-        if timeout_s is not None and not self._sock.poll(int(timeout_s * 1000)):
+        if timeout_s is not None and not self._poller.poll(int(timeout_s * 1000)):
             return None
         return self._codec.decode(self._sock.recv())
 

@@ -39,6 +39,22 @@ def scoped_options(options: dict[str, Any], namespace: str) -> dict[str, Any]:
     return {**plain, **{k[len(prefix):]: v for k, v in options.items() if k.startswith(prefix)}}
 
 
+_SCALARS: dict[tuple[int, type], torch.Tensor] = {}  # (value, int or bool) -> 0-d CPU tensor, read-only
+_MAX_CACHED_SCALAR = 1 << 16
+
+
+def _scalar(value: int | bool) -> torch.Tensor:
+    """torch.tensor(value), cached for small values: stream ports get three per chunk, and torch.tensor
+    costs ~3 µs. Components read these inputs and never write them (inputs are shared, as in-process)."""
+    key = (value, type(value))
+    cached = _SCALARS.get(key)
+    if cached is None:
+        cached = torch.tensor(value)
+        if -_MAX_CACHED_SCALAR < value < _MAX_CACHED_SCALAR and len(_SCALARS) < _MAX_CACHED_SCALAR:
+            _SCALARS[key] = cached
+    return cached
+
+
 @dataclass
 class _Run:
     """A walk this worker drives."""
@@ -69,6 +85,9 @@ class Worker:
         self._blocked: dict[tuple[str, str], tuple[str, NodeCall]] = {}  # stream -> (walk, call)
         self._released: set[str] = set()
         self._final_chunks: set[tuple[str, str, str]] = set()  # calls fed the last chunk of their stream
+        # stream items this worker produced for itself: (rid, stream, seq, value), taken by the next
+        # receive; they skip the transport (no encoding, no socket) and stay on their device
+        self._local_items: list[tuple[str, str, int, Any]] = []
         self._node_specs = {(w.name, n.name): n for w in graph.walks for n in iter_nodes(w.body)}
         self._running = True
         self.stats = StatsReporter(rank, engines, lambda msg: self.outbox.send(CONDUCTOR, msg))
@@ -78,13 +97,16 @@ class Worker:
     def run(self) -> None:
         """Serve until a Shutdown message arrives; engine stats go to the conductor about twice a second,
         and at once when the worker turns busy or idle."""
+        engines = list(self.engines.values())
         while self._running:
-            busy = any(e.has_work() for e in self.engines.values())
+            busy = bool(self._local_items) or any(e.has_work() for e in engines)
             self.receive(timeout_s=0.0 if busy else 0.05)
             self.execute()
-            self.stats.maybe_send(busy=any(e.has_work() for e in self.engines.values()))
+            self.stats.maybe_send(busy=any(e.has_work() for e in engines))
 
     def receive(self, timeout_s: float) -> None:
+        if self._local_items:
+            self._take_local_items()
         msg = self.inbox.recv(timeout_s)
         while msg is not None:
             try:
@@ -141,6 +163,19 @@ class Worker:
             self._release(msg.rid)
         elif isinstance(msg, wire.Shutdown):
             self._running = False
+
+    def _take_local_items(self) -> None:
+        """Stream items sent to this worker itself, as if they had come through the inbox."""
+        items, self._local_items = self._local_items, []
+        for rid, stream, seq, value in items:
+            if rid in self._released:
+                continue
+            try:
+                self._buffer(rid, stream).put(seq, value)
+                self._feed_stream(rid, stream)
+            except Exception as exc:  # as in receive: the request fails, never the worker
+                logger.exception("worker %d failed taking a stream item of %s", self.rank, rid)
+                self._fail(rid, "?", f"{type(exc).__name__}: {exc}")
 
     def _start(self, msg: wire.StartWalk) -> None:
         walk = self._walks[msg.walk]
@@ -202,8 +237,8 @@ class Worker:
                 self._complete(rid, walk, call.node.name, Outcome(final_chunk=True), None)
             return
         port = call.stream[0]
-        inputs = {**call.inputs, port: chunk.value, f"{port}_new": torch.tensor(chunk.new),
-                  f"{port}_start": torch.tensor(chunk.start), f"{port}_final": torch.tensor(chunk.final)}
+        inputs = {**call.inputs, port: chunk.value, f"{port}_new": _scalar(chunk.new),
+                  f"{port}_start": _scalar(chunk.start), f"{port}_final": _scalar(chunk.final)}
         if chunk.final:
             self._final_chunks.add((rid, walk, call.node.name))
         self._dispatch(state, [NodeCall(call.node, call.iteration, inputs)])
@@ -257,7 +292,10 @@ class Worker:
             rank, stream, first = target
             seq = first + state.stream_counts.get(stream, 0)
             state.stream_counts[stream] = state.stream_counts.get(stream, 0) + 1
-            self.outbox.send(worker_peer(rank), wire.StreamItem(rid, stream, seq, self.codec.pack(value)))
+            if rank == self.rank:
+                self._local_items.append((rid, stream, seq, value))
+            else:
+                self.outbox.send(worker_peer(rank), wire.StreamItem(rid, stream, seq, self.codec.pack(value)))
 
     def _finish_if_done(self, state: _Run) -> None:
         run = state.run
@@ -297,6 +335,7 @@ class Worker:
         for key in [k for k in self._remote if k[0] == rid]:
             del self._remote[key]
         self._final_chunks = {k for k in self._final_chunks if k[0] != rid}
+        self._local_items = [i for i in self._local_items if i[0] != rid]
         for engine in self.engines.values():
             engine.release(rid)
         self._released.add(rid)
@@ -306,4 +345,4 @@ class Worker:
     def state_size(self) -> int:
         """Per-request entries held (for leak tests)."""
         return (len(self._runs) + len(self._remote) + len(self._buffers) + len(self._blocked)
-                + len(self._final_chunks) + len(self._scoped))
+                + len(self._final_chunks) + len(self._scoped) + len(self._local_items))

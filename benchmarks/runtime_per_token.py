@@ -1,0 +1,301 @@
+"""Measure (not assert) the runtime's own cost per generated token, Orpheus-shaped, on CPU.
+
+The Orpheus graph (lane `lm`: prefill -> decode Loop over `llm`; lane `vocoder`: `snac` fed by a
+sliding-window StreamEdge of the LM's tokens) runs with instant components:
+- `llm` is a fake autoregressive-like engine: each step returns the next audio token of every
+  pending item at once (no model, no KV cache);
+- `snac` is the real stateless engine around a module that returns 4 zero samples per window.
+So almost all of the time per token is the runtime around the engines: worker loop, walk
+interpreter, stream buffers, conductor, offline API. `--model tiny` runs the real tiny Orpheus,
+`--model dummy --device cuda` Orpheus-3B with dummy weights; each case also reports the engines'
+own step time per token (from the workers' step timings) and the rest, the runtime's share.
+
+Cases: in-process and multi-process, with the vocoder lane (a stream to a second lane) and without
+(the `lm` lane alone). One request at a time; each case is run `--runs` times and the median kept.
+
+    python3 benchmarks/runtime_per_token.py                 # -> benchmarks/results/runtime_per_token.json
+    python3 benchmarks/runtime_per_token.py --profile inproc:stream   # cProfile of every thread
+
+The fakes are installed when this file is imported, so worker processes (spawned: they import the
+main script as `__mp_main__`) get them too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's mstar, not whichever one is installed
+
+import mstar.runtime.build as build  # noqa: E402
+from mstar.engines.base import StepItem, StepResult  # noqa: E402
+from mstar.graph import ModelGraph  # noqa: E402
+from mstar.models.base import BuiltComponent  # noqa: E402
+from mstar.models.orpheus.model import OrpheusModel  # noqa: E402
+from mstar.models.orpheus.tokens import FRAME  # noqa: E402
+from mstar.models.registry import register  # noqa: E402
+from mstar.worker.stats import STATS_INTERVAL_S  # noqa: E402
+from mstar.worker.worker import Worker  # noqa: E402
+
+TOKENS = 700  # generated tokens per request (100 SNAC frames)
+
+
+class FakeLMEngine:
+    """An autoregressive-like engine that answers every pending item in one instant step."""
+
+    host_inputs = True
+
+    def __init__(self, first_code: int, codebook_size: int) -> None:
+        self.first_code, self.codebook_size = first_code, codebook_size
+        self._pending: list[StepItem] = []
+        self._made: dict[str, int] = {}
+        self.last_step_items = 0
+
+    def submit(self, item: StepItem) -> None:
+        self._pending.append(item)
+
+    def has_work(self) -> bool:
+        return bool(self._pending)
+
+    def release(self, request_id: str) -> None:
+        self._pending = [i for i in self._pending if i.request_id != request_id]
+        self._made.pop(request_id, None)
+
+    def step(self) -> list[StepResult]:
+        items, self._pending = self._pending, []
+        self.last_step_items = len(items)
+        results = []
+        for item in items:
+            n = self._made.get(item.request_id, 0)
+            self._made[item.request_id] = n + 1
+            # code 1 at frame place n % 7: every token is kept by the stream filter
+            token = self.first_code + (n % FRAME) * self.codebook_size + 1
+            results.append(StepResult(item.request_id, item.walk, item.node, {"token": torch.tensor([token])},
+                                      iteration=item.iteration))
+        return results
+
+
+class FakeVocoder(torch.nn.Module):
+    """A stateless `snac` stand-in: a few zero samples per window."""
+
+    def run_batch(self, walk: str, node: str, inputs: list[dict], options: list[dict]) -> list[dict]:
+        return [{"audio": torch.zeros(4)} for _ in inputs]
+
+
+class FakeOrpheus(OrpheusModel):
+    """The tiny Orpheus graph and processor with instant components."""
+
+    name = "fake_orpheus"
+    stream = True
+
+    @classmethod
+    def make_config(cls, tiny: bool = False, **overrides: Any):
+        return super().make_config(tiny=True, **overrides)
+
+    def graph(self) -> ModelGraph:
+        g = super().graph()
+        if self.stream:
+            return g
+        return replace(g, components={"llm": g.components["llm"]}, walks=g.walks[:2], lanes=g.lanes[:1],
+                       streams=())
+
+    def build_component(self, name: str, device: torch.device) -> BuiltComponent:
+        if name == "llm":
+            return BuiltComponent(torch.nn.Identity(), {"fake": "llm"})
+        return BuiltComponent(FakeVocoder(), {"max_batch_size": 64})
+
+
+class FakeOrpheusNoStream(FakeOrpheus):
+    """Only the `lm` lane: no stream, no vocoder."""
+
+    name = "fake_orpheus_nostream"
+    stream = False
+
+
+def _engine(kind: str, built: Any, config: Any, device: torch.device):
+    if built.engine_options.get("fake") == "llm":
+        model = FakeOrpheus(FakeOrpheus.make_config())
+        return FakeLMEngine(model.tokens.audio_offset, model.tokens.codebook_size)
+    return _real_engine(kind, built, config, device)
+
+
+def _profiled_worker_run(self) -> None:
+    """Worker.run under cProfile, stats dumped to $MSTAR_BENCH_PROFILE_DIR/worker-<rank>-<pid>.prof."""
+    prof = cProfile.Profile()
+    try:
+        prof.runcall(_real_worker_run, self)
+    finally:
+        prof.dump_stats(f"{os.environ[PROFILE_ENV]}/worker-{self.rank}-{os.getpid()}.prof")
+
+
+PROFILE_ENV = "MSTAR_BENCH_PROFILE_DIR"  # set by --profile for multiproc cases: worker processes profile themselves
+_real_engine = build._engine
+build._engine = _engine
+_real_worker_run = Worker.run
+if os.environ.get(PROFILE_ENV):
+    Worker.run = _profiled_worker_run
+register("fake_orpheus", f"{__name__}:FakeOrpheus")
+register("fake_orpheus_nostream", f"{__name__}:FakeOrpheusNoStream")
+
+
+def _config(model: str, workers: int, device: str) -> dict:
+    groups = [{"node_names": ["llm", "snac"] if model != "fake_orpheus_nostream" else ["llm"], "ranks": [0]}]
+    if workers == 2:
+        groups = [{"node_names": ["llm"], "ranks": [0]}, {"node_names": ["snac"], "ranks": [1]}]
+    return {"model": model, "device": device, "max_concurrent_requests": 4, "node_groups": groups}
+
+
+def _engine_seconds(m: Any) -> dict[str, float]:
+    """Cumulative engine step seconds per component (all workers) as the conductor last heard them."""
+    totals: dict[str, float] = {}
+    for stats in m.runtime.conductor.worker_stats().values():
+        for c in stats.components:
+            totals[c.component] = totals.get(c.component, 0.0) + c.step_seconds_sum
+    return totals
+
+
+def _cpu_seconds(m: Any) -> float:
+    """CPU seconds used so far by this process and the worker processes, every thread (ns clocks):
+    unlike wall time, barely moved by other programs sharing the machine."""
+    total = time.process_time()
+    for proc in m.runtime.workers.values():
+        pid = getattr(proc, "pid", None)
+        if pid is not None:  # first field of schedstat: nanoseconds on a CPU, per thread
+            total += sum(int(p.read_text().split()[0]) for p in Path(f"/proc/{pid}/task").glob("*/schedstat")) / 1e9
+    return total
+
+
+def _settled_engine_seconds(m: Any) -> dict[str, float]:
+    time.sleep(STATS_INTERVAL_S * 2.5)  # workers report engine timings every STATS_INTERVAL_S
+    return _engine_seconds(m)
+
+
+def time_case(mode: str, stream: bool, args: argparse.Namespace, runs: int, workers: int = 1) -> dict:
+    """Median wall time per generated token over `runs` requests (after a warm-up request), the part
+    of it the engines' steps took (from the workers' step timings), and the median CPU time per token
+    of all processes (the number least moved by other load on the machine)."""
+    from mstar.runtime.offline import MStar
+
+    real = args.model != "fake"
+    if real and not stream:
+        raise SystemExit(f"--model {args.model} runs Orpheus with its vocoder lane only")
+    cfg = _config("orpheus" if real else "fake_orpheus" if stream else "fake_orpheus_nostream", workers, args.device)
+    opts = {"max_tokens": TOKENS + 1}
+    if real:  # sampled tokens; a stop token would end the request early
+        opts.update(temperature=0.0, ignore_eos=True)
+    walls, cpus, engines, samples = [], [], [], 0
+    with MStar(config=cfg, mode=mode, tiny=args.model == "tiny",
+               load_format="dummy" if args.model == "dummy" else "auto") as m:
+        m.generate({"text": "warm up"}, **{**opts, "max_tokens": 30})
+        before = _settled_engine_seconds(m)
+        for _ in range(runs):
+            c0, t0 = _cpu_seconds(m), time.perf_counter()
+            result = m.generate({"text": "The quick brown fox"}, **opts)
+            walls.append(time.perf_counter() - t0)
+            cpus.append(_cpu_seconds(m) - c0)
+            after = _settled_engine_seconds(m)
+            engines.append({k: v - before.get(k, 0.0) for k, v in after.items()})
+            before = after
+            samples = sum(a.size for a in result.outputs.get("audio", []))
+    order = sorted(range(runs), key=lambda i: walls[i])
+    mid = order[len(order) // 2]  # the median run, engine split included
+    per_token = {k: round(v / TOKENS * 1e6, 1) for k, v in engines[mid].items()}
+    wall_us = walls[mid] / TOKENS * 1e6
+    return {"us_per_token": round(wall_us, 1), "engine_us_per_token": per_token,
+            "runtime_us_per_token": round(wall_us - sum(per_token.values()), 1),
+            "runs_us_per_token": [round(t / TOKENS * 1e6, 1) for t in walls],
+            "cpu_us_per_token": round(statistics.median(cpus) / TOKENS * 1e6, 1), "audio_samples": int(samples)}
+
+
+def profile_case(mode: str, stream: bool, args: argparse.Namespace, top: int = 35) -> str:
+    """cProfile of every Python thread over a warm-up and 3 requests: worker threads and the conductor
+    in-process; for multiproc, the worker processes' loops (each printed apart) then this process."""
+    if mode == "multiproc":
+        with tempfile.TemporaryDirectory() as tmp:
+            os.environ[PROFILE_ENV] = tmp
+            try:
+                time_case(mode, stream, args, runs=3)
+            finally:
+                del os.environ[PROFILE_ENV]
+            out = io.StringIO()
+            for path in sorted(Path(tmp).glob("*.prof")):
+                out.write(f"==== {path.name}\n")
+                pstats.Stats(str(path), stream=out).sort_stats("tottime").print_stats(top)
+            return out.getvalue()
+    profiles: list[cProfile.Profile] = []
+    original = threading.Thread.run
+
+    def profiled_run(self):
+        prof = cProfile.Profile()
+        profiles.append(prof)
+        prof.runcall(original, self)
+
+    threading.Thread.run = profiled_run
+    main = cProfile.Profile()
+    try:
+        main.enable()
+        time_case(mode, stream, args, runs=3)
+        main.disable()
+    finally:
+        threading.Thread.run = original
+    out = io.StringIO()
+    stats = pstats.Stats(main, stream=out)
+    for prof in profiles:
+        stats.add(prof)
+    stats.sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+CASES = {"inproc:nostream": ("inproc", False, 1), "inproc:stream": ("inproc", True, 1),
+         "multiproc:nostream": ("multiproc", False, 1), "multiproc:stream": ("multiproc", True, 1),
+         "multiproc:stream:2workers": ("multiproc", True, 2)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--model", choices=("fake", "tiny", "dummy"), default="fake",
+                        help="instant fakes; the real tiny Orpheus; Orpheus-3B with dummy weights (GPU)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {list(CASES)}")
+    parser.add_argument("--profile", metavar="CASE", help="print a cProfile of CASE (all threads) and exit")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/runtime_per_token.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.profile:
+        mode, stream, _ = CASES[args.profile]
+        sys.stdout.write(profile_case(mode, stream, args))
+        return
+    cases = {}
+    for name in args.cases.split(","):
+        mode, stream, workers = CASES[name]
+        if args.model != "fake" and not stream:
+            continue
+        cases[name] = time_case(mode, stream, args, args.runs, workers)
+        sys.stdout.write(f"{name}: {cases[name]}\n")
+    result = {"command": "python3 " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+              "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
+                          "torch": torch.__version__},
+              "tokens_per_request": TOKENS, "model": args.model, "device": args.device,
+              "cases": cases}
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
