@@ -173,3 +173,18 @@ def test_malformed_extras_fail_alone(model):
         assert out[rid][0].error is not None
     assert "[3, 3]" in out["x0"][0].error and "[3, hidden]" in out["x1"][0].error
     assert tokens(out["ok"]) == reference(model, [1, 2, 3], 2)[0]
+
+
+def test_features_of_a_mixed_batch_stay_aligned_with_their_rows():
+    """A batch mixing sequences with a per-row feature (deepstack) and without gets zeros for the latter."""
+    from mstar.engines.autoregressive.token_inputs import _join_features
+
+    embeds = [torch.ones(2, 4), torch.ones(3, 4), torch.ones(1, 4)]
+    feats = [{"deep": torch.full((2, 3, 4), 7.0)}, {}, {"deep": torch.full((1, 3, 4), 9.0)}]
+    joined = _join_features(embeds, feats, torch.device("cpu"))
+    deep = joined["deep"]
+    assert deep.shape == (6, 3, 4)
+    assert torch.equal(deep[:2], torch.full((2, 3, 4), 7.0))
+    assert torch.equal(deep[2:5], torch.zeros(3, 3, 4))  # the middle sequence carried none
+    assert torch.equal(deep[5:], torch.full((1, 3, 4), 9.0))
+    assert _join_features(embeds, [{}, {}, {}], torch.device("cpu")) == {}

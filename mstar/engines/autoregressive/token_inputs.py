@@ -203,7 +203,7 @@ def pack_extras(chunks: list[Any], device: torch.device) -> tuple[torch.Tensor, 
     """Positions ([T] or [3, T]) and the ForwardExtras of a packed batch of chunks."""
     multi = any(c.seq.inputs is not None and c.seq.inputs.multi_row for c in chunks)
     positions, rows, embeds, capture = [], [], [], set()
-    features: dict[str, list[torch.Tensor]] = {}
+    group_features: list[dict[str, torch.Tensor]] = []  # per embedding group, aligned with `embeds`
     base = 0
     for c in chunks:
         inputs: TokenInputs | None = c.seq.inputs
@@ -213,8 +213,7 @@ def pack_extras(chunks: list[Any], device: torch.device) -> tuple[torch.Tensor, 
             for offsets, values, feats in inputs.rows_in(c.start, c.num_tokens):
                 rows.append(offsets + base)
                 embeds.append(values)
-                for name, value in feats.items():
-                    features.setdefault(name, []).append(value)
+                group_features.append(feats)
             if inputs.hidden is not None:
                 capture.update(inputs.hidden.layers)
         base += c.num_tokens
@@ -222,9 +221,19 @@ def pack_extras(chunks: list[Any], device: torch.device) -> tuple[torch.Tensor, 
     if embeds:
         extras.embeds = torch.cat(embeds).to(device)
         extras.embeds_rows = torch.cat(rows).to(device)
-        extras.features = {k: torch.cat(v).to(device) for k, v in features.items()}
+        extras.features = _join_features(embeds, group_features, device)
     pos_all = torch.cat(positions, dim=1)
     return (pos_all if multi else pos_all[0]).to(device), extras
+
+
+def _join_features(embeds: list[torch.Tensor], group_features: list[dict[str, torch.Tensor]],
+                   device: torch.device) -> dict[str, torch.Tensor]:
+    """Each per-row feature over all embedding rows of the batch; groups without it get zeros, so
+    rows stay aligned when a batch mixes sequences that carry a feature with ones that do not."""
+    templates = {name: value for feats in group_features for name, value in feats.items()}
+    return {name: torch.cat([feats.get(name, template.new_zeros((len(values), *template.shape[1:])))
+                             for values, feats in zip(embeds, group_features)]).to(device)
+            for name, template in templates.items()}
 
 
 def collect_hidden(chunks: list[Any], extras: ForwardExtras) -> None:
