@@ -81,6 +81,8 @@ class Worker:
         self._scoped: dict[tuple[str, str], dict] = {}  # (rid, namespace) -> the options its steps see
         self._runs: dict[tuple[str, str], _Run] = {}
         self._remote: dict[tuple[str, str, str, int], int] = {}  # (rid, walk, node, iteration) -> reply rank
+        # component -> rid -> items submitted to its engine and not answered yet: whom a crash concerns
+        self._pending: dict[str, dict[str, int]] = {name: {} for name in engines}
         self._buffers: dict[tuple[str, str], StreamBuffer] = {}
         self._blocked: dict[tuple[str, str], tuple[str, NodeCall]] = {}  # stream -> (walk, call)
         self._released: set[str] = set()
@@ -130,7 +132,13 @@ class Worker:
             except Exception as exc:
                 logger.exception("engine of %s failed a step", component)
                 results = self._fail_engine(component, engine, exc)
+            pending = self._pending[component]
             for result in results:
+                left = pending.get(result.request_id, 0) - 1
+                if left > 0:
+                    pending[result.request_id] = left
+                else:
+                    pending.pop(result.request_id, None)
                 self._route(result)
 
     # -- receive -------------------------------------------------------------------------------
@@ -216,6 +224,8 @@ class Worker:
                 self._scoped[key] = scoped_options(options, namespace)
             options = self._scoped[key]
         item = StepItem(rid, walk, node, inputs, options, iteration, node_spec.kv_slot)
+        pending = self._pending[node_spec.component]
+        pending[rid] = pending.get(rid, 0) + 1
         engine.submit(item)
 
     def _to_device(self, value: Any) -> Any:
@@ -318,17 +328,28 @@ class Worker:
         self.outbox.send(CONDUCTOR, wire.WalkDone(rid, walk, {}, {}, error=error))
 
     def _fail_engine(self, component: str, engine: Engine, exc: Exception) -> list[StepResult]:
-        """An engine raised outside its own isolation: fail the requests this worker drives on it."""
-        rids = {rid for (rid, _w) in self._runs}
+        """An engine raised outside its own isolation: fail exactly the requests with items in it.
+
+        A request driven here fails its walk; a node run for another worker gets a NodeDone with the
+        error, so the driving worker fails that request instead of waiting for it forever.
+        """
+        error = f"{component} failed: {type(exc).__name__}: {exc}"
+        rids = set(self._pending[component])
+        self._pending[component] = {}
         for rid in rids:
             engine.release(rid)
-        for rid, walk in list(self._runs):
-            self._fail(rid, walk, f"{component} failed: {type(exc).__name__}: {exc}")
+            for key in [k for k in self._remote if k[0] == rid]:
+                reply = self._remote.pop(key)
+                self.outbox.send(worker_peer(reply), wire.NodeDone(*key, {}, False, error, None))
+            for run_rid, walk in [k for k in self._runs if k[0] == rid]:
+                self._fail(run_rid, walk, error)
         return []
 
     def _release(self, rid: str) -> None:
         for key in [k for k in self._runs if k[0] == rid]:
             del self._runs[key]
+        for pending in self._pending.values():
+            pending.pop(rid, None)
         for table in (self._buffers, self._blocked, self._scoped):
             for key in [k for k in table if k[0] == rid]:
                 del table[key]
