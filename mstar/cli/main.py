@@ -24,8 +24,19 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     p.add_argument("--api-key", default=os.environ.get("MSTAR_API_KEY"),
                    help="require 'Authorization: Bearer <key>' on every route but /health (env MSTAR_API_KEY)")
-    p.add_argument("--mode", choices=("inproc", "multiproc"), default="inproc",
-                   help="workers as threads of this process, or one process per worker")
+    p.add_argument("--mode", choices=("auto", "inproc", "multiproc"), default="auto",
+                   help="workers as threads of this process, or one process per worker; auto: one process per "
+                        "worker when CUDA is available (the HTTP server and the workers then never share a GIL), "
+                        "threads otherwise")
+
+
+def resolve_mode(mode: str) -> str:
+    """`--mode auto`: multiproc on a CUDA machine, inproc otherwise; explicit modes pass through."""
+    if mode != "auto":
+        return mode
+    import torch
+
+    return "multiproc" if torch.cuda.is_available() else "inproc"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,7 +110,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus
     config = resolve_config(getattr(args, "model", None), args.config)
-    runtime = Runtime(config, mode=args.mode, tiny=args.tiny, load_format=args.load_format,
+    runtime = Runtime(config, mode=resolve_mode(args.mode), tiny=args.tiny, load_format=args.load_format,
                       model_path=args.model_path)
     try:
         app = create_app(runtime, api_key=args.api_key)

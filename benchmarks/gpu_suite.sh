@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
+#
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|decode|orpheus|wan|all]
+#
+# Writes logs and JSON results under $OUT (default ./gpu_out). Each step has its own time limit, and a
+# failing step does not stop the others. Needs the repo importable (pip install -e . or PYTHONPATH) and,
+# for the Orpheus server step, fastapi/uvicorn/pyzmq/msgspec; the Wan step needs diffusers for its
+# baseline (benchmarks/wan_bench.py says how to carry it). Results to commit go to benchmarks/results/.
+set -u
+OUT=${OUT:-gpu_out}
+WHAT=${1:-all}
+PORT=${PORT:-8123}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+run() {  # run <seconds> <log name> <command...>
+  local limit=$1 name=$2; shift 2
+  echo "== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?"; tail -n 12 "$OUT/$name.log"
+}
+wait_ready() {
+  python3 - "$PORT" <<'PY'
+import sys, time, urllib.request
+for _ in range(180):
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/ready", timeout=2); sys.exit(0)
+    except Exception:
+        time.sleep(1)
+sys.exit(1)
+PY
+}
+
+if [[ $WHAT == tests || $WHAT == all ]]; then
+  run 420 gpu_tests python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider --timeout 200
+fi
+if [[ $WHAT == decode || $WHAT == all ]]; then
+  run 300 decode_step python3 benchmarks/decode_step.py --out "$OUT/decode_step_h200.json"
+  run 200 profile_decode python3 benchmarks/profile_decode.py --out "$OUT/profile_decode_h200.json"
+  run 120 gemv_micro python3 benchmarks/gemv_micro.py --out "$OUT/gemv_micro_h200.json"
+fi
+if [[ $WHAT == orpheus || $WHAT == all ]]; then
+  run 200 runtime_per_token python3 benchmarks/runtime_per_token.py --model dummy --device cuda \
+      --cases inproc:stream,multiproc:stream
+  python3 -m mstar.cli.main serve orpheus --load-format dummy --port "$PORT" > "$OUT/orpheus_server.log" 2>&1 &
+  server=$!
+  if wait_ready; then
+    run 300 orpheus_bench python3 -m mstar.cli.main bench --base-url "http://127.0.0.1:$PORT" --workload speech \
+        --model orpheus --concurrency 1,4,8,16,32 --duration 10 --max-tokens 600 --ignore-eos \
+        --output "$OUT/orpheus_bench_h200.json"
+  else
+    echo "orpheus server not ready"; tail -n 20 "$OUT/orpheus_server.log"
+  fi
+  kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
+fi
+if [[ $WHAT == wan || $WHAT == all ]]; then
+  run 420 wan_bench python3 benchmarks/wan_bench.py --out "$OUT/wan_bench_h200.json"
+fi
