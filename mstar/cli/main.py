@@ -30,15 +30,6 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "threads otherwise")
 
 
-def resolve_mode(mode: str) -> str:
-    """`--mode auto`: multiproc on a CUDA machine, inproc otherwise; explicit modes pass through."""
-    if mode != "auto":
-        return mode
-    import torch
-
-    return "multiproc" if torch.cuda.is_available() else "inproc"
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The `mstar` argument parser with its subcommands."""
     from mstar.cli import bench
@@ -110,7 +101,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus
     config = resolve_config(getattr(args, "model", None), args.config)
-    runtime = Runtime(config, mode=resolve_mode(args.mode), tiny=args.tiny, load_format=args.load_format,
+    runtime = Runtime(config, mode=args.mode, tiny=args.tiny, load_format=args.load_format,
                       model_path=args.model_path)
     try:
         app = create_app(runtime, api_key=args.api_key)

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import msgspec
+import torch
 
 from mstar.conductor.conductor import Conductor
 from mstar.conductor.request_state import Sink
@@ -37,8 +38,10 @@ class Runtime:
 
     def __init__(self, config: MStarConfig, mode: str = "inproc", tiny: bool = False, load_format: str = "auto",
                  model_path: str | None = None, ready_timeout_s: float = 600.0) -> None:
-        if mode not in MODES:
-            raise ValueError(f"unknown run mode {mode!r}; use one of {MODES}")
+        if mode not in (*MODES, "auto"):
+            raise ValueError(f"unknown run mode {mode!r}; use one of {(*MODES, 'auto')}")
+        if mode == "auto":  # one process per worker on CUDA machines: HTTP and workers never share a GIL
+            mode = "multiproc" if torch.cuda.is_available() else "inproc"
         self.config, self.mode = config, mode
         self._build_args = {"tiny": tiny, "load_format": load_format, "model_path": model_path}
         self.model = build_model(config, **self._build_args)

@@ -1,17 +1,20 @@
-"""`mstar serve --mode`: auto picks one process per worker on CUDA machines, threads otherwise."""
+"""`mstar serve --mode`: auto (the default) is resolved by the runtime: one process per worker on CUDA
+machines, threads otherwise."""
 
 from __future__ import annotations
 
 import torch
 
-from mstar.cli.main import build_parser, resolve_mode
+from mstar.cli.main import build_parser
+from mstar.config import config_from_dict
+from mstar.runtime.launcher import Runtime
 
 
-def test_mode_defaults_to_auto_and_resolves_by_device(monkeypatch):
-    args = build_parser().parse_args(["serve", "toy"])
-    assert args.mode == "auto"
+def test_mode_defaults_to_auto_which_is_threads_without_cuda(monkeypatch):
+    assert build_parser().parse_args(["serve", "toy"]).mode == "auto"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert resolve_mode("auto") == "inproc"
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert resolve_mode("auto") == "multiproc"
-    assert resolve_mode("inproc") == "inproc" and resolve_mode("multiproc") == "multiproc"
+    runtime = Runtime(config_from_dict({"model": "toy", "device": "cpu"}), mode="auto")
+    try:
+        assert runtime.mode == "inproc"
+    finally:
+        runtime.shutdown()

@@ -1,4 +1,4 @@
-"""The interface every attention backend implements (SDPA now; Triton, FlashInfer later).
+"""The interface every attention backend implements (SDPA, the reference; Triton, the CUDA fast path).
 
 Model code never sees pages. Each attention layer calls
 
