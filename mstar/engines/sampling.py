@@ -158,14 +158,28 @@ def _apply_bans_and_penalties(x: torch.Tensor, rows: Sequence[SamplingRow]) -> N
         if len(row.token_ids) - row.num_prompt < p.min_tokens:
             banned = [t for t in (*row.eos_token_ids, *p.stop_token_ids) if t < vocab]
             x[i, banned] = -math.inf
-        if p.repetition_penalty != 1.0:
-            seen = _seen_mask(row, vocab, x.device)
-            penalised = torch.where(x[i] > 0, x[i] / p.repetition_penalty, x[i] * p.repetition_penalty)
-            x[i] = torch.where(seen, penalised, x[i])
+    _apply_repetition_penalty(x, rows)
+    for i, row in enumerate(rows):
+        p = row.params
         if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
             out = torch.tensor(list(row.token_ids[row.num_prompt:]), dtype=torch.long, device=x.device)
             counts = torch.bincount(out, minlength=vocab)[:vocab].to(x.dtype)
             x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+
+
+def _apply_repetition_penalty(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Divide positive (multiply negative) logits of seen tokens by each row's penalty: a few batched
+    kernels for all penalised rows, not several per row (a slow host pays per launch)."""
+    picked = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if not picked:
+        return
+    seen = torch.stack([_seen_mask(rows[i], x.shape[1], x.device) for i in picked])
+    penalty = torch.tensor([rows[i].params.repetition_penalty for i in picked], dtype=x.dtype)
+    penalty = penalty.to(x.device, non_blocking=True)[:, None]
+    index = torch.tensor(picked, dtype=torch.long).to(x.device, non_blocking=True)
+    sub = x.index_select(0, index)
+    penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
+    x.index_copy_(0, index, torch.where(seen, penalised, sub))
 
 
 def _seen_mask(row: SamplingRow, vocab: int, device: torch.device) -> torch.Tensor:

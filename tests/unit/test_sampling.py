@@ -150,3 +150,19 @@ def test_repetition_penalty_cache_follows_a_growing_sequence():
         tokens.append(int(cached) if step % 3 else (step * 7) % 40)  # sometimes a token never seen before
     assert cache["seen_upto"] == len(tokens) - 1
     assert cache["seen"].sum().item() == len(set(tokens[:-1]))
+
+
+def test_batched_repetition_penalty_equals_each_row_alone():
+    """Rows with and without a penalty in one batch get what each gets alone."""
+    torch.manual_seed(5)
+    logits = torch.randn(3, 30)
+    rows = [SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=pen, logprobs=0), toks, 1)
+            for pen, toks in ((1.0, [1, 2, 3]), (2.0, [4, 5, 5, 29]), (1.5, [0, 7]))]
+    together = sample(logits, rows)
+    for i, row in enumerate(rows):
+        alone = sample(logits[i : i + 1], [row])
+        assert int(together.token_ids[i]) == int(alone.token_ids[0])
+    # the penalised rows really changed: their best raw token was seen and is pushed down
+    raw_best = logits.argmax(-1)
+    penalised = SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=50.0), [int(raw_best[1])], 1)
+    assert int(sample(logits[1:2], [penalised]).token_ids[0]) != int(raw_best[1])
