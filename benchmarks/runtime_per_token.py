@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's mstar, not whichever one is installed
 
 import mstar.runtime.build as build  # noqa: E402
+from mstar import envs  # noqa: E402
 from mstar.engines.base import StepItem, StepResult  # noqa: E402
 from mstar.graph import ModelGraph  # noqa: E402
 from mstar.models.base import BuiltComponent  # noqa: E402
@@ -141,14 +142,14 @@ def _profiled_worker_run(self) -> None:
     try:
         prof.runcall(_real_worker_run, self)
     finally:
-        prof.dump_stats(f"{os.environ[PROFILE_ENV]}/worker-{self.rank}-{os.getpid()}.prof")
+        prof.dump_stats(f"{envs.bench_profile_dir()}/worker-{self.rank}-{os.getpid()}.prof")
 
 
-PROFILE_ENV = "MSTAR_BENCH_PROFILE_DIR"  # set by --profile for multiproc cases: worker processes profile themselves
+PROFILE_ENV = envs.BENCH_PROFILE_DIR.name  # set by --profile for multiproc cases: worker processes profile themselves
 _real_engine = build._engine
 build._engine = _engine
 _real_worker_run = Worker.run
-if os.environ.get(PROFILE_ENV):
+if envs.bench_profile_dir():
     Worker.run = _profiled_worker_run
 register("fake_orpheus", f"{__name__}:FakeOrpheus")
 register("fake_orpheus_nostream", f"{__name__}:FakeOrpheusNoStream")

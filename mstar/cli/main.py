@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from mstar import envs
+
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2"
 CONFIG_DIR = Path("configs")
@@ -22,7 +24,7 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto", help="dummy: random weights")
     p.add_argument("--tiny", action="store_true", help="the model's tiny debug flavour")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-    p.add_argument("--api-key", default=os.environ.get("MSTAR_API_KEY"),
+    p.add_argument("--api-key", default=envs.api_key(),
                    help="require 'Authorization: Bearer <key>' on every route but /health (env MSTAR_API_KEY)")
     p.add_argument("--mode", choices=("auto", "inproc", "multiproc"), default="auto",
                    help="workers as threads of this process, or one process per worker; auto: one process per "

@@ -12,10 +12,12 @@ from types import ModuleType
 
 import torch
 
+from mstar import envs
+
 
 class _Switch:
     def __init__(self) -> None:
-        self.enabled = os.environ.get("MSTAR_FUSED_KERNELS", "1") != "0"
+        self.enabled = envs.fused_kernels()
         self.interpret = os.environ.get("TRITON_INTERPRET") == "1"
         self._ops: ModuleType | None | bool = False  # False: not imported yet; None: unavailable
 

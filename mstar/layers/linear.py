@@ -13,12 +13,12 @@ uses F.linear for good (timing needs host syncs). On CPU (Triton interpreter) th
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar import envs
 from mstar.layers.fused import FUSED
 
 logger = logging.getLogger(__name__)
@@ -30,8 +30,7 @@ class _SkinnySwitch:
     """Process-wide state of the skinny-GEMM choice; tests set `force` (True/False/None)."""
 
     def __init__(self) -> None:
-        env = os.environ.get("MSTAR_SKINNY_GEMM", "")
-        self.force: bool | None = {"0": False, "1": True}.get(env)
+        self.force: bool | None = envs.skinny_gemm()
         self.max_m = 64  # never above skinny_gemm.MAX_M
         self.iters = 10  # timed calls per candidate
         self.decisions: dict[_Key, bool] = {}

@@ -12,6 +12,8 @@ import traceback
 
 import msgspec
 
+from mstar import envs
+
 logger = logging.getLogger(__name__)
 
 
@@ -36,7 +38,7 @@ def worker_process_main(rank: int, config_json: bytes, directory_json: bytes, se
     """Run one worker until Shutdown (spawned by runtime.launcher); with `rendezvous` ([host, port,
     world size]) it first joins the torch.distributed groups of its multi-rank replicas."""
     die_with_parent()
-    os.environ["MSTAR_SESSION"] = session
+    os.environ[envs.SESSION.name] = session
     logging.basicConfig(level=build_args.pop("log_level", "WARNING"))
     from mstar.config import config_from_dict
     from mstar.graph.placement import plan_placement

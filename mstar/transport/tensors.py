@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from mstar import envs
+
 if TYPE_CHECKING:
     import numpy as np
     import torch
@@ -31,9 +33,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
-# The session id groups the segments of one mstar run, so shutdown can remove them all.
-# TODO(envs): move to mstar/envs.py once it exists.
-SESSION_ENV = "MSTAR_SESSION"
 DEFAULT_INLINE_MAX_BYTES = 64 * 1024
 
 _SESSION_RE = re.compile(r"[A-Za-z0-9_]{1,32}")
@@ -67,11 +66,11 @@ def new_session_id() -> str:
 
 def session_id(session: str | None = None) -> str:
     """The session of this process: `session` if given, else $MSTAR_SESSION, else one per pid."""
-    value = session or os.environ.get(SESSION_ENV) or f"pid{os.getpid()}"
+    value = session or envs.session() or f"pid{os.getpid()}"
     if not _SESSION_RE.fullmatch(value):
         raise ValueError(
             f"invalid transport session id {value!r}: use 1-32 characters from [A-Za-z0-9_] "
-            f"(set {SESSION_ENV} or pass session=...)"
+            f"(set {envs.SESSION.name} or pass session=...)"
         )
     return value
 

@@ -6,8 +6,6 @@ codes, content types and bodies must be the ones the schema documents.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -19,6 +17,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
+from mstar import envs  # noqa: E402
 from tests.e2e.server_thread import running_server  # noqa: E402
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
@@ -26,7 +25,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 # max_tokens): valid lengths are capped so a million-token toy request does not eat the time budget.
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens")
 TOKEN_CAP = 16
-EXAMPLES = int(os.environ.get("MSTAR_SCHEMATHESIS_EXAMPLES", "25"))
+EXAMPLES = envs.schemathesis_examples()
 
 
 # name -> (config, Runtime kwargs, run schemathesis' coverage phase). The coverage phase (about a

