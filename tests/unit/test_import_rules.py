@@ -37,6 +37,7 @@ MODELS_MAY_IMPORT = (
     # sequence-parallel numerics a sharded network applies to its own tensors (wan22 transformer,
     # lazily); the process groups themselves (distributed.groups) are handed in, not imported
     "mstar.distributed.sequence", "mstar.distributed.ulysses",
+    "mstar.envs",  # MSTAR_* accessors: a stdlib-only leaf (MSTAR_CACHE_DIR in models/common/smollm2.py)
 )
 
 
