@@ -44,12 +44,15 @@ class Wan22ServeConfig:
     max_batch_size: int = 16  # DiT rows (requests x guidance branches) per forward
     vae_chunk_frames: int = 1  # latent frames the VAE decodes at once (memory vs speed)
     seed: int = 0  # of dummy / tiny random weights
+    compile: bool = False  # torch.compile the DiT blocks' tensor math (compile.py); first forward compiles
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"wan22 dtype={self.dtype!r}; choose one of {sorted(_DTYPES)}")
         if self.vae_dtype not in _DTYPES:
             raise ValueError(f"wan22 vae_dtype={self.vae_dtype!r}; choose one of {sorted(_DTYPES)}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"wan22 compile={self.compile!r} must be true or false (YAML booleans, unquoted)")
         if self.max_batch_size < 1 or self.vae_chunk_frames < 1:
             raise ValueError(f"wan22 max_batch_size={self.max_batch_size} and vae_chunk_frames="
                              f"{self.vae_chunk_frames} must be >= 1")
@@ -120,7 +123,12 @@ class Wan22Model(Model):
             encoder = loaders.text_encoder(self, self._dtype(device), device)
             return BuiltComponent(components.TextEncoderComponent(encoder, self._dtype(device)))
         if name == "dit":
-            dit = components.DiTComponent(loaders.transformer(self, self._dtype(device), device))
+            transformer = loaders.transformer(self, self._dtype(device), device)
+            if self.config.compile:
+                from mstar.models.wan22.compile import compile_blocks
+
+                compile_blocks(transformer)
+            dit = components.DiTComponent(transformer)
             return BuiltComponent(dit, {"max_batch_size": self.config.max_batch_size})
         if name == "scheduler":
             from mstar.models.wan22.combine import GuidanceScheduler

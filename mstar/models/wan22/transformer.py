@@ -104,11 +104,14 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attend: Attend = sdpa_attention) -> torch.Tensor:
+        return self.to_out(attend(*self.project(x, cos, sin)).flatten(2))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B, L, D] -> q, k, v [B, L, H, d]: normed and roped q and k, as `attend` takes them."""
         q, k, v = self.to_qkv(x).chunk(3, dim=-1)
         q = apply_rope(self.norm_q(q).unflatten(-1, (self.heads, -1)), cos, sin)
         k = apply_rope(self.norm_k(k).unflatten(-1, (self.heads, -1)), cos, sin)
-        v = v.unflatten(-1, (self.heads, -1))
-        return self.to_out(attend(q, k, v).flatten(2))
+        return q, k, v.unflatten(-1, (self.heads, -1))
 
 
 class CrossAttention(nn.Module):
@@ -149,22 +152,39 @@ class WanBlock(nn.Module):
     def forward(self, x: torch.Tensor, text: torch.Tensor, t_mod: torch.Tensor, rope: tuple,
                 attend: Attend = sdpa_attention) -> torch.Tensor:
         """x [B, L, D]; text [B, Lt, D]; t_mod [B, T, 6, D] float32 with T dividing L; rope (cos, sin);
-        `attend` runs the self-attention core (see SelfAttention)."""
-        batch, length, dim = x.shape
-        groups = t_mod.shape[1]
-        mods = (self.scale_shift_table.float()[:, None] + t_mod).unsqueeze(3).unbind(2)  # 6 x [B, T, 1, D]
-        shift, scale, gate, c_shift, c_scale, c_gate = mods
+        `attend` runs the self-attention core (see SelfAttention). The two halves around `attend` are
+        pure tensor math: `compile_blocks` (compile.py) may compile them and leave `attend` eager."""
+        q, k, v = self.pre_attention(x, t_mod, *rope)
+        return self.post_attention(x, attend(q, k, v), text, t_mod)
 
-        def grouped(h: torch.Tensor) -> torch.Tensor:
-            return h.view(batch, groups, length // groups, dim)
+    def pre_attention(self, x: torch.Tensor, t_mod: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The modulated norm of x, projected to the self-attention's q, k, v [B, L, H, d]."""
+        shift, scale = self._mods(t_mod)[:2]
+        h = modulate(_grouped(layer_norm32(x, eps=self.eps), t_mod), shift, scale).view_as(x).to(x.dtype)
+        return self.attn1.project(h, cos, sin)
 
-        h = modulate(grouped(layer_norm32(x, eps=self.eps)), shift, scale).view_as(x).to(x.dtype)
-        x = (grouped(x.float()) + grouped(self.attn1(h, *rope, attend)) * gate).view_as(x).to(x.dtype)
+    def post_attention(self, x: torch.Tensor, attended: torch.Tensor, text: torch.Tensor,
+                       t_mod: torch.Tensor) -> torch.Tensor:
+        """Gated residual of the self-attention output [B, L, H, d], cross-attention, gated FFN."""
+        _, _, gate, c_shift, c_scale, c_gate = self._mods(t_mod)
+        out = self.attn1.to_out(attended.flatten(2))
+        x = (_grouped(x.float(), t_mod) + _grouped(out, t_mod) * gate).view_as(x).to(x.dtype)
         h = layer_norm32(x, self.norm2).to(x.dtype) if self.norm2 is not None else x
         x = x + self.attn2(h, text)
-        h = modulate(grouped(layer_norm32(x, eps=self.eps)), c_shift, c_scale).view_as(x).to(x.dtype)
+        h = modulate(_grouped(layer_norm32(x, eps=self.eps), t_mod), c_shift, c_scale).view_as(x).to(x.dtype)
         ff = self.ffn_out(F.gelu(self.ffn_in(h), approximate="tanh"))
-        return (grouped(x.float()) + grouped(ff.float()) * c_gate).view_as(x).to(x.dtype)
+        return (_grouped(x.float(), t_mod) + _grouped(ff.float(), t_mod) * c_gate).view_as(x).to(x.dtype)
+
+    def _mods(self, t_mod: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """shift, scale, gate, c_shift, c_scale, c_gate: each [B, T, 1, D] float32."""
+        return (self.scale_shift_table.float()[:, None] + t_mod).unsqueeze(3).unbind(2)
+
+
+def _grouped(h: torch.Tensor, t_mod: torch.Tensor) -> torch.Tensor:
+    """[B, L, D] -> [B, T, L/T, D], T = t_mod.shape[1] timestep groups (request, frame or token)."""
+    batch, length, dim = h.shape
+    return h.view(batch, t_mod.shape[1], length // t_mod.shape[1], dim)
 
 
 class WanTransformer(nn.Module):
