@@ -17,9 +17,13 @@ guidance 5 (both branches every step), for every --steps and --concurrency; c re
   DiT FLOPs per forward (matmuls and attention, from the config) x 2 branches x c / the bf16 matmul
   TFLOP/s of an 8192^3 torch.matmul probe in the same run.
 
-    python3 benchmarks/wan_bench.py [--steps 20 50] [--concurrency 1 2] [--skip-diffusers] \
+    python3 benchmarks/wan_bench.py [--steps 20 50] [--concurrency 1 2] [--skip-diffusers] [--compile] \
         [--out benchmarks/results/wan_bench_h200.json]
     python3 benchmarks/wan_bench.py --quick     # tiny shapes on CPU (< 60 s): checks the script end to end
+
+--compile serves with wan22 `model_kwargs: {compile: true}` (torch.compile of the DiT blocks); the
+warm-up run at each concurrency pays the compile (its seconds are recorded), the timed runs do not.
+Compiled against eager in one device command: run it twice, with --skip-diffusers on one of them.
 
 diffusers is not on the GPU machine; carry its pure-python wheel (6 MB; /.whl/ is git-ignored). Here:
 
@@ -156,8 +160,9 @@ def summarize(timelines: list[dict], steps: int) -> dict:
     return out
 
 
-def _ours_config(quick: bool, vae_dtype: str) -> dict:
+def _ours_config(quick: bool, vae_dtype: str, compile_dit: bool = False) -> dict:
     kwargs = {"vae_dtype": vae_dtype} if quick else {"dtype": "bfloat16", "vae_dtype": vae_dtype}
+    kwargs["compile"] = compile_dit
     return {"model": "wan22", "max_concurrent_requests": 8, "model_kwargs": kwargs, "device": "cpu" if quick else "auto",
             "node_groups": [{"node_names": COMPONENTS, "ranks": [0]}]}
 
@@ -166,14 +171,16 @@ def bench_ours(args, shape: dict, device: torch.device) -> tuple[list[dict], dic
     """Build our deployment, warm it at every concurrency, then time every (steps, concurrency)."""
     rows = []
     t0 = time.perf_counter()
-    with MStar(config=_ours_config(args.quick, args.vae_dtype), tiny=args.quick,
+    with MStar(config=_ours_config(args.quick, args.vae_dtype, args.compile), tiny=args.quick,
                load_format="auto" if args.quick else "dummy") as m:
         info = {"build_s": round(time.perf_counter() - t0, 1)}
         for c in args.concurrency:
             prompts = [PROMPTS[i % len(PROMPTS)] for i in range(c)]
-            run_ours(m, prompts, shape, 2, args.guidance, device)  # warm-up at this concurrency
+            w0 = time.perf_counter()
+            run_ours(m, prompts, shape, 2, args.guidance, device)  # warm-up at this concurrency (compiles)
+            info[f"warmup_s_c{c}"] = round(time.perf_counter() - w0, 1)
             for steps in args.steps:
-                row = {"impl": "mstar", "steps": steps, "concurrency": c,
+                row = {"impl": "mstar", "steps": steps, "concurrency": c, "compile": args.compile,
                        **summarize(run_ours(m, prompts, shape, steps, args.guidance, device), steps)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
@@ -224,8 +231,11 @@ def main() -> None:
     parser.add_argument("--guidance", type=float, default=5.0)
     parser.add_argument("--vae-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--skip-diffusers", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="wan22 model_kwargs compile: torch.compile the "
+                        "DiT blocks (the warm-up pays the compile; recorded as mstar.warmup_s_c<c>)")
     parser.add_argument("--quick", action="store_true", help="tiny random models and shapes, on CPU")
-    parser.add_argument("--out", default=None, help="default benchmarks/results/wan_bench_h200.json (quick: none)")
+    parser.add_argument("--out", default=None, help="default benchmarks/results/wan_bench_h200.json, with "
+                        "--compile wan_bench_h200_compile.json (quick: none)")
     args = parser.parse_args()
     args.steps = args.steps or ([3] if args.quick else [20, 50])
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
@@ -240,7 +250,8 @@ def main() -> None:
     info["peak_gb"] = _peak_gb(device)
     result = {"benchmark": "wan_bench", "command": "python3 " + " ".join(sys.argv), **_versions(device),
               "model": "Wan2.2-TI2V-5B shapes, dummy weights" if not args.quick else "wan22 tiny (quick)",
-              **shape, "guidance_scale": args.guidance, "vae_dtype": args.vae_dtype, "floor": floor,
+              **shape, "guidance_scale": args.guidance, "vae_dtype": args.vae_dtype, "compile": args.compile,
+              "floor": floor,
               "mstar": info, "rows": rows}
     if not args.skip_diffusers:
         _free(device)
@@ -251,7 +262,8 @@ def main() -> None:
         result.update(diffusers=dinfo, rows=rows + drows)
     for row in result["rows"]:  # the DiT-compute floor of the row's denoising, all its requests
         row["floor_denoise_s"] = round(row["steps"] * row["concurrency"] * floor["estimate_s_per_step_c1"], 4)
-    out = args.out or (None if args.quick else "benchmarks/results/wan_bench_h200.json")
+    default_out = f"benchmarks/results/wan_bench_h200{'_compile' if args.compile else ''}.json"
+    out = args.out or (None if args.quick else default_out)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=1) + "\n")
