@@ -53,4 +53,6 @@ if [[ $WHAT == orpheus || $WHAT == all ]]; then
 fi
 if [[ $WHAT == wan || $WHAT == all ]]; then
   run 420 wan_bench python3 benchmarks/wan_bench.py --out "$OUT/wan_bench_h200.json"
+  run 420 wan_bench_compile python3 benchmarks/wan_bench.py --skip-diffusers --compile \
+      --out "$OUT/wan_bench_h200_compile.json"
 fi
