@@ -7,10 +7,11 @@ from mstar.engines.autoregressive import AutoregressiveEngine
 from mstar.engines.base import StepItem
 from mstar.engines.kv_cache.config import KVCacheConfig
 from mstar.engines.sampling import SamplingParams
+from mstar.models.common.loading import load_named_tensors
 from mstar.models.qwen3_omni.config import OmniConfig
 from mstar.models.qwen3_omni.positions import mrope_positions
 from mstar.models.qwen3_omni.tiny import special_token_ids, tiny_hf_config
-from mstar.models.qwen3_omni.weights import load_tensors, load_thinker, thinker_mapper
+from mstar.models.qwen3_omni.weights import load_thinker, thinker_mapper
 from tests.models.qwen3_omni_testing import FullAttention, randomize, save_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -59,7 +60,7 @@ def test_stacked_expert_layout_loads_too(pair):
     state = {f"thinker.{k}": v for k, v in hf.state_dict().items()}  # transformers-5 in-memory names
     assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
     before = {k: v.clone() for k, v in ours.state_dict().items()}
-    load_tensors(ours, state.items(), thinker_mapper(ours))
+    load_named_tensors(ours, state.items(), thinker_mapper(ours))
     for k, v in ours.state_dict().items():
         assert torch.equal(v, before[k]), k
 

@@ -22,7 +22,8 @@ LOAD_FORMATS = ("auto", "dummy")  # auto: safetensors or GGUF, whichever the che
 HUB_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja")
 
 # Maps a checkpoint tensor name to (model parameter name, row offset along dim 0), or None to skip it.
-NameMapper = Callable[[str], "tuple[str, int] | None"]
+# checkpoint name -> (parameter, where in it: a row offset, or an index tuple such as (expert, rows)); None: skip
+NameMapper = Callable[[str], "tuple[str, int | tuple[int | slice, ...]] | None"]
 
 
 class CheckpointNotFoundError(FileNotFoundError):
@@ -117,9 +118,9 @@ def load_named_tensors(
 ) -> None:
     """Copy checkpoint tensors into `model`'s parameters (casting dtype, moving device).
 
-    `mapper` places each tensor at a row offset of a parameter, so fused parameters (qkv, gate_up)
-    fill from several tensors. Raises ValueError listing unexpected names, shape mismatches and
-    parameters left (partly) unfilled.
+    `mapper` places each tensor at a row offset of a parameter (fused qkv, gate_up fill from several
+    tensors) or at an index tuple (one expert of stacked MoE weights). Raises ValueError listing
+    unexpected names, shape mismatches and parameters left (partly) unfilled.
     """
     params = dict(model.named_parameters())
     filled: dict[str, int] = dict.fromkeys(params, 0)
@@ -129,19 +130,20 @@ def load_named_tensors(
             target = mapper(name)
             if target is None:
                 continue
-            param_name, offset = target
+            param_name, where = target
             if param_name not in params:
                 unexpected.append(name)
                 continue
-            rows = params[param_name].data[offset : offset + tensor.shape[0]]
-            if rows.shape != tensor.shape:
+            data = params[param_name].data
+            dst = data[where : where + tensor.shape[0]] if isinstance(where, int) else data[where]
+            if dst.shape != tensor.shape:
                 raise ValueError(
                     f"checkpoint tensor {name} has shape {tuple(tensor.shape)} but {param_name}"
-                    f"[{offset}:] expects {tuple(rows.shape)}: config.json does not match the weights"
+                    f"[{where}] expects {tuple(dst.shape)}: config.json does not match the weights"
                 )
-            rows.copy_(tensor)
-            filled[param_name] += tensor.shape[0]
-    missing = [n for n, p in params.items() if filled[n] != p.shape[0]]
+            dst.copy_(tensor)
+            filled[param_name] += tensor.numel()
+    missing = [n for n, p in params.items() if filled[n] != p.numel()]
     if unexpected or missing:
         raise ValueError(
             f"checkpoint does not match the model: unexpected tensors {unexpected[:10]}"

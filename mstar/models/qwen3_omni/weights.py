@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -88,33 +88,6 @@ def talker_mapper(model: Qwen3OmniTalker) -> Mapper:
     return mapper
 
 
-def load_tensors(model: nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]], mapper: Mapper) -> None:
-    """Copy checkpoint tensors into `model` (cast, moved); ValueError on unexpected names, shape
-    mismatches or parameters left (partly) unfilled."""
-    params = dict(model.named_parameters())
-    filled = dict.fromkeys(params, 0)
-    unexpected: list[str] = []
-    with torch.no_grad():
-        for name, tensor in named_tensors:
-            target = mapper(name)
-            if target is None:
-                continue
-            pname, index = target
-            if pname not in params:
-                unexpected.append(name)
-                continue
-            dst = params[pname].data[index] if index else params[pname].data
-            if dst.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)} but {pname}{list(index)} "
-                                 f"expects {tuple(dst.shape)}: config.json does not match the weights")
-            dst.copy_(tensor)
-            filled[pname] += tensor.numel()
-    missing = [n for n, p in params.items() if filled[n] != p.numel()]
-    if unexpected or missing:
-        raise ValueError(f"checkpoint does not match the model: unexpected tensors {unexpected[:10]}; parameters "
-                         f"not (fully) loaded {missing[:10]}. Check that the checkpoint is Qwen3-Omni.")
-
-
 def load_thinker(path: str | Path, load_format: str = "auto", dtype: torch.dtype | None = None,
                  device: str | torch.device = "cpu", progress: bool = True) -> Qwen3OmniThinker:
     """The thinker text model of a checkpoint folder or Hub id (`load_format="dummy"`: random weights)."""
@@ -142,5 +115,5 @@ def _fill(model: nn.Module, root: Path, load_format: str, mapper: Mapper, progre
     if load_format == "dummy":
         loading.fill_dummy_weights(model)
     else:
-        load_tensors(model, loading.iter_checkpoint_tensors(root, progress=progress), mapper)
+        loading.load_named_tensors(model, loading.iter_checkpoint_tensors(root, progress=progress), mapper)
     logger.info("loaded %s (%s) from %s", type(model).__name__, load_format, root)
