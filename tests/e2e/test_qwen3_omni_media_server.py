@@ -9,7 +9,6 @@ import io
 import numpy as np
 import pytest
 import soundfile as sf
-import torch
 from PIL import Image
 
 from mstar.models.qwen3_omni.encoder_components import BatchedAudioEncoder, BatchedVisionEncoder
@@ -34,13 +33,10 @@ def _wav_base64(seconds: float = 1.2, rate: int = 22050) -> str:
 
 
 @pytest.fixture(scope="module")
-def client():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+def client(one_thread):
     config = {"model": "qwen3_omni", "device": "cpu"}
     with running_server(config, runtime_kwargs={"tiny": True}) as base:
         yield openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=60)
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import io
 import numpy as np
 import pytest
 import soundfile as sf
-import torch
 
 from tests.e2e.server_thread import running_server
 
@@ -19,13 +18,10 @@ MESSAGES = [{"role": "user", "content": "Hello, how are you today?"}]
 
 
 @pytest.fixture(scope="module")
-def client():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+def client(one_thread):
     config = {"model": "qwen3_omni", "device": "cpu", "model_kwargs": {"code2wav_chunk": 4}}
     with running_server(config, runtime_kwargs={"tiny": True}) as base:
         yield openai.OpenAI(base_url=f"{base}/v1", api_key="none", timeout=60)
-    torch.set_num_threads(previous)
 
 
 def test_text_chat(client):

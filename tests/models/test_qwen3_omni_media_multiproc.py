@@ -5,7 +5,7 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
-import torch
+import pytest
 
 from mstar.config import load_config
 from mstar.runtime.offline import MStar
@@ -26,19 +26,15 @@ def _request():
                       {"type": "audio", "data": (0.3 * np.sin(2e3 * t)).astype(np.float32), "sample_rate": 16000}]}
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_one_worker_and_two_processes_agree_on_a_media_chat():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        config = {"model": "qwen3_omni", "device": "cpu", "model_kwargs": KWARGS}
-        with MStar("qwen3_omni", config=config, tiny=True) as one:
-            want = one.generate(_request(), **OPTIONS)
-        cfg = dataclasses.replace(load_config(ROOT / "configs" / "qwen3_omni_2gpu.yaml"), device="cpu",
-                                  model_kwargs=KWARGS)
-        with MStar("qwen3_omni", config=cfg, mode="multiproc", tiny=True) as two:
-            got = two.generate(_request(), **OPTIONS)
-    finally:
-        torch.set_num_threads(previous)
+    config = {"model": "qwen3_omni", "device": "cpu", "model_kwargs": KWARGS}
+    with MStar("qwen3_omni", config=config, tiny=True) as one:
+        want = one.generate(_request(), **OPTIONS)
+    cfg = dataclasses.replace(load_config(ROOT / "configs" / "qwen3_omni_2gpu.yaml"), device="cpu",
+                              model_kwargs=KWARGS)
+    with MStar("qwen3_omni", config=cfg, mode="multiproc", tiny=True) as two:
+        got = two.generate(_request(), **OPTIONS)
     assert "".join(want.outputs["text"]) and got.outputs["text"] == want.outputs["text"]
     want_audio, got_audio = np.concatenate(want.outputs["audio"]), np.concatenate(got.outputs["audio"])
     assert want_audio.size > 0

@@ -21,12 +21,7 @@ pytest.importorskip("transformers")
 THINKER_TOKENS, TALKER_TOKENS = 8, 14
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls on a shared CPU: threads only add contention
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from mstar.config import load_config
 from mstar.runtime.offline import MStar
@@ -20,12 +19,7 @@ SPOKEN = {"temperature": 0.0, "max_tokens": 6, "modalities": ["text", "audio"], 
           "talker.temperature": 0.0, "talker.max_tokens": 12}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def _run(mstar: MStar) -> tuple[str, np.ndarray, str, list[int]]:

@@ -31,12 +31,7 @@ def _run(m) -> list[dict]:
     return [outputs_of(h.result()) for h in handles]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()  # tiny convolutions are slower with threads on shared cores
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

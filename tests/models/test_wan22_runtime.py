@@ -20,12 +20,7 @@ DEBUG = {"negative_prompt": NEGATIVE, "width": 64, "height": 64, "num_frames": 9
          "debug_outputs": True}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()  # tiny convolutions are slower with threads on shared cores
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -23,13 +23,7 @@ TOL = 1e-4
 CONFIG = tiny_vae_config()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny convolutions run far slower with several threads on a shared 2-core machine.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def _reference_kwargs(config: WanVAEConfig) -> dict:

@@ -25,13 +25,7 @@ class FullAttention:
         return out.transpose(0, 1)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny matmuls on a shared 2-core machine run far faster without intra-op threads
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 @pytest.fixture(scope="module")
