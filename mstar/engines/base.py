@@ -76,6 +76,8 @@ class CausalLM(Protocol):
     `forward` takes the new tokens of a packed batch (requests one after another, as described by
     the metadata the engine gave `attn.prepare`) and returns their final hidden states;
     `compute_logits` maps the hidden states of the positions to sample from to float32 logits.
+    A model may also define `supports_cuda_graphs() -> bool`; when it returns False the engine runs
+    decode eagerly (e.g. a MoE whose expert path syncs the host for this dtype).
     """
 
     kv_layout: KVLayout

@@ -66,6 +66,7 @@ class _SkinnySwitch:
                     "skinny" if faster else "F.linear")
         return faster
 
+    @torch.inference_mode()  # the flush buffer may be an inference tensor (first made under inference mode)
     def _time(self, fn, device: torch.device) -> float:
         """Median microseconds of `fn` with L2 flushed before each call (decode reads cold weights)."""
         flush = self._flush.get(device)

@@ -105,6 +105,17 @@ def grouped_mm_usable(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
 
+def moe_graph_capturable(model: nn.Module) -> bool:
+    """Whether every SparseMoE inside `model` takes the grouped (capturable) path for its own weights'
+    dtype and device; the per-expert loop syncs the host, so a CUDA-graph capture of it would fail."""
+    for moe in (m for m in model.modules() if isinstance(m, SparseMoE)):
+        w = moe.experts.gate_up_proj
+        forced = moe.force_path
+        if forced == "loop" or (forced is None and not grouped_mm_usable(w)):
+            return False
+    return True
+
+
 class SparseMoE(nn.Module):
     """x [T, H] -> [T, H]; `gate` is the router (HF name), `experts` the stacked expert weights.
 

@@ -26,7 +26,7 @@ pytest.importorskip("transformers")
 
 
 def _cuda_config(**model_kwargs) -> dict:
-    config = runtime_config(max_model_len=512, **model_kwargs)
+    config = runtime_config(**{"max_model_len": 512, **model_kwargs})
     config["device"] = "cuda"
     return config
 

@@ -109,3 +109,16 @@ def test_text_only_positions_are_plain():
     tokens = OmniConfig.from_hf(tiny_hf_config()).thinker.tokens
     pos, delta = mrope_positions([1, 2, 3], tokens)
     assert pos.tolist() == [[0, 1, 2]] * 3 and delta == 0
+
+
+def test_moe_graph_capturable_only_on_the_grouped_path():
+    from mstar.layers.moe import MoESpec, SparseMoE, moe_graph_capturable
+
+    moe = SparseMoE(MoESpec(hidden_size=8, num_experts=4, top_k=2, intermediate_size=16))
+    holder = torch.nn.Sequential(torch.nn.Linear(8, 8), moe)
+    assert moe_graph_capturable(torch.nn.Linear(8, 8))  # no MoE: nothing stops a capture
+    assert not moe_graph_capturable(holder)  # CPU float32: the per-expert loop syncs the host
+    moe.force_path = "grouped"
+    assert moe_graph_capturable(holder)
+    moe.force_path = "loop"
+    assert not moe_graph_capturable(holder)

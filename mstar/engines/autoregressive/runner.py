@@ -65,7 +65,10 @@ class ModelRunner:
         self._staging: _DecodeStaging | None = None
         self.last_greedy_ids: torch.Tensor | None = None  # argmax of the last step's logits, when a graph ran
         if graphs is not None and graphs.enabled and self.device.type == "cuda":
-            if getattr(attn, "supports_cuda_graphs", False):
+            capturable = getattr(model, "supports_cuda_graphs", None)
+            if capturable is not None and not capturable():
+                logger.info("%s cannot be captured in CUDA graphs here; decode runs eagerly", type(model).__name__)
+            elif getattr(attn, "supports_cuda_graphs", False):
                 self.graphs = self._capture([s for s in graphs.sizes() if s <= max_num_seqs] or [1])
             else:
                 logger.info("%s cannot be captured in CUDA graphs; decode runs eagerly", type(attn).__name__)

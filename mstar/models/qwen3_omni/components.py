@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar.layers.moe import moe_graph_capturable
 from mstar.models.qwen3_omni.code_predictor import CodePredictor
 from mstar.models.qwen3_omni.config import TalkerConfig
 from mstar.models.qwen3_omni.talker import Qwen3OmniTalker, ResizeMLP, build_prompt
@@ -116,6 +117,10 @@ class CodecTalker(nn.Module):
         mask[max(0, vocab - SUPPRESSED_SPECIALS):] = True
         mask[talker.config.codec_ids["eos"]] = False
         self.register_buffer("suppressed", mask, persistent=False)
+
+    def supports_cuda_graphs(self) -> bool:
+        """Decode is capturable only where every MoE layer takes the grouped path (CUDA bf16)."""
+        return moe_graph_capturable(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any, extras: Any = None) -> torch.Tensor:
         return self.talker(input_ids, positions, attn, extras)

@@ -20,6 +20,7 @@ from torch import nn
 
 from mstar.engines.base import KVLayout
 from mstar.engines.extras import FINAL, ForwardExtras
+from mstar.layers.moe import moe_graph_capturable
 from mstar.layers.norm import RMSNorm
 from mstar.models.qwen3_omni.config import TalkerConfig
 from mstar.models.qwen3_omni.decoder import MoEDecoderLayer, build_on_meta
@@ -66,6 +67,10 @@ class Qwen3OmniTalker(nn.Module):
         self.codec_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.text_projection = ResizeMLP(config.thinker_hidden_size, text.intermediate_size, text.hidden_size)
         self.hidden_projection = ResizeMLP(config.thinker_hidden_size, text.intermediate_size, text.hidden_size)
+
+    def supports_cuda_graphs(self) -> bool:
+        """Decode is capturable only where every MoE layer takes the grouped path (CUDA bf16)."""
+        return moe_graph_capturable(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
                 extras: ForwardExtras | None = None) -> torch.Tensor:
