@@ -69,6 +69,7 @@ class CudaGraphConfig:
     enabled: bool = True
     max_batch_size: int = 64
     batch_sizes: list[int] | None = None
+    lookahead: bool = True  # launch decode step N+1 before reading step N's tokens (engines/autoregressive/lookahead.py)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_batch_size) or self.max_batch_size < 1:

@@ -16,6 +16,7 @@ import logging
 import torch
 
 from mstar.config import CudaGraphConfig
+from mstar.engines.autoregressive.lookahead import Ahead, continuing
 from mstar.engines.autoregressive.runner import ModelRunner, make_attention_backend
 from mstar.engines.autoregressive.scheduler import Chunk, Scheduler
 from mstar.engines.autoregressive.sequence import Sequence
@@ -43,7 +44,7 @@ class AutoregressiveEngine:
                  eos_token_ids: tuple[int, ...] = (), default_sampling: SamplingParams | None = None,
                  max_num_seqs: int = 256, max_batch_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, cuda_graphs: CudaGraphConfig | None = None,
-                 warm_up: bool | None = None) -> None:
+                 warm_up: bool | None = None, lookahead: bool | None = None) -> None:
         if max_num_seqs < 1 or max_batch_tokens < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs}, max_batch_tokens={max_batch_tokens}: both must be >= 1")
         self.device = torch.device(device)
@@ -65,6 +66,12 @@ class AutoregressiveEngine:
         self.runner = ModelRunner(model, attn, kv_config.page_size, self.device, cuda_graphs, max_num_seqs)
         self._seqs: dict[tuple[str, str], Sequence] = {}
         self._errors: list[StepResult] = []  # items refused at submit, reported by the next step
+        # decode lookahead (lookahead.py): on by default where decode replays CUDA graphs
+        if lookahead is None:
+            lookahead = self.runner.graphs is not None and (cuda_graphs is None or cuda_graphs.lookahead)
+        self.lookahead = lookahead
+        self._ahead: Ahead | None = None
+        self.lookahead_hits = self.lookahead_misses = 0
         if warm_up if warm_up is not None else self.device.type == "cuda":
             self._warm_up()
         self.last_step_items = 0  # sequences the latest step computed (mstar.engines.stats.ReportsStats)
@@ -98,8 +105,14 @@ class AutoregressiveEngine:
         results, self._errors = self._errors, []
         chunks = self.scheduler.schedule()
         self.last_step_items = len(chunks)
+        ahead, self._ahead = self._ahead, None
         if chunks:
-            logits = self.runner.run(chunks)
+            if ahead is not None and ahead.matches(chunks):
+                logits, self.runner.last_greedy_ids = ahead.logits, ahead.greedy_ids
+                self.lookahead_hits += 1
+            else:
+                self.lookahead_misses += ahead is not None
+                logits = self.runner.run(chunks)
             self.scheduler.update(chunks)
             done = [c for c in chunks if c.completes]  # a prefill chunk that ends mid-prompt samples nothing
             if done:
@@ -126,6 +139,8 @@ class AutoregressiveEngine:
 
     def release(self, request_id: str) -> None:
         """Drop every sequence (all KV slots) and pending item of `request_id`; unknown ids are fine."""
+        if self._ahead is not None and any(s.key[0] == request_id for s in self._ahead.seqs):
+            self._ahead = None
         for key in [k for k in self._seqs if k[0] == request_id]:
             self.scheduler.remove(self._seqs.pop(key))
         self._errors = [r for r in self._errors if r.request_id != request_id]
@@ -178,10 +193,13 @@ class AutoregressiveEngine:
         rows = [SamplingRow(s.params, s.token_ids, s.num_prompt, s.generator, self.eos_token_ids, s.sampling_cache)
                 for s in seqs]
         greedy = self.runner.last_greedy_ids  # argmax taken inside the decode graph, if it ran
-        if greedy is not None and all(plain_greedy(r) for r in rows):
-            out = _to_host(SampleOutput(greedy))  # the step's one host sync
+        out = SampleOutput(greedy) if greedy is not None and all(plain_greedy(r) for r in rows) \
+            else sample(logits, rows)
+        keep = continuing(seqs, self.scheduler, self.runner.page_size, self.max_model_len) if self.lookahead else None
+        if keep is None:
+            out = _to_host(out)  # the step's one host sync
         else:
-            out = _to_host(sample(logits, rows))
+            out = self._launch_ahead(seqs, keep, out)
         results = []
         for i, (seq, token) in enumerate(zip(seqs, out.token_ids.tolist())):
             item = seq.item
@@ -197,6 +215,21 @@ class AutoregressiveEngine:
             if reason is not None:
                 self.scheduler.remove(self._seqs.pop(seq.key))
         return results
+
+    def _launch_ahead(self, seqs: list[Sequence], keep: list[int], out: SampleOutput) -> SampleOutput:
+        """Queue the copy of this step's samples to the host, launch the next forward of `seqs[keep]`
+        fed with them, then wait for the copy only (see lookahead.py); the samples on the host."""
+        host, copied = _to_host_async(out)
+        ids = out.token_ids
+        if len(keep) < len(seqs):
+            ids = ids.index_select(0, _index(keep, ids.device))
+        ahead = self.runner.launch_ahead([seqs[i] for i in keep], ids)
+        if copied is not None:
+            copied.synchronize()
+        tokens = host.token_ids.tolist()
+        ahead.tokens = [tokens[i] for i in keep]
+        self._ahead = ahead
+        return host
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
@@ -214,6 +247,29 @@ def _to_host(out: SampleOutput) -> SampleOutput:
         return None if t is None else t.cpu()
 
     return SampleOutput(host(out.token_ids), host(out.logprobs), host(out.top_ids), host(out.top_logprobs))
+
+
+def _to_host_async(out: SampleOutput) -> tuple[SampleOutput, torch.cuda.Event | None]:
+    """Queue copies of `out` into pinned host memory; with the event that marks them done (None: CPU)."""
+    if out.token_ids.device.type != "cuda":
+        return _to_host(out), None
+
+    def host(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return pinned.copy_(t, non_blocking=True)
+
+    copied = torch.cuda.Event()
+    result = SampleOutput(host(out.token_ids), host(out.logprobs), host(out.top_ids), host(out.top_logprobs))
+    copied.record()
+    return result, copied
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """`rows` as an index tensor on `device`, copied without a host sync."""
+    index = torch.tensor(rows, dtype=torch.long)
+    return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
 
 
 def _outputs(out: SampleOutput, i: int, params: SamplingParams) -> dict[str, torch.Tensor]:

@@ -13,7 +13,9 @@ import torch
 
 from mstar.config import CudaGraphConfig
 from mstar.engines.attention.base import AttentionBackend, AttentionMetadata
+from mstar.engines.autoregressive.lookahead import Ahead
 from mstar.engines.autoregressive.scheduler import Chunk
+from mstar.engines.autoregressive.sequence import Sequence
 from mstar.engines.base import CausalLM, KVLayout
 from mstar.engines.cuda_graphs import BatchGraphs
 
@@ -62,7 +64,7 @@ class ModelRunner:
         self.page_size = page_size
         self.device = device
         self.graphs: BatchGraphs | None = None
-        self._staging: _DecodeStaging | None = None
+        self._staging: list[_DecodeStaging] = []  # two sets, used in turn
         self.last_greedy_ids: torch.Tensor | None = None  # argmax of the last step's logits, when a graph ran
         if graphs is not None and graphs.enabled and self.device.type == "cuda":
             capturable = getattr(model, "supports_cuda_graphs", None)
@@ -127,28 +129,56 @@ class ModelRunner:
         return self.model.compute_logits(hidden[self._tensor(last)]) if last else None
 
     def _replay(self, chunks: list[Chunk]) -> torch.Tensor:
-        """A decode step through the captured graph of the smallest size that holds the batch.
+        """A decode step through the captured graph of the smallest size that holds the batch."""
+        seqs = [c.seq for c in chunks]
+        logits, self.last_greedy_ids = self._replay_rows(seqs, [c.start for c in chunks], None)
+        return logits
+
+    def _replay_rows(self, seqs: list[Sequence], positions: list[int],
+                     ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay one decode row per sequence at `positions`, fed `ids` (a device tensor) or, when None,
+        each sequence's own token there; (logits, greedy ids), views valid until the next replay.
 
         The step's inputs are written into pinned host buffers, so every copy to the GPU is
-        asynchronous (pageable copies would each stall the host).
+        asynchronous (pageable copies would each stall the host); two sets alternate, so a step
+        prepared while the previous one may still be copying its inputs never overwrites them.
         """
         assert self.graphs is not None
-        if self._staging is None:
-            self._staging = _DecodeStaging(self.graphs.max_batch, self.attn.max_pages_per_seq)  # type: ignore[attr-defined]
-        st, n, page = self._staging, len(chunks), self.page_size
+        if not self._staging:
+            self._staging = [_DecodeStaging(self.graphs.max_batch, self.attn.max_pages_per_seq)  # type: ignore[attr-defined]
+                             for _ in range(2)]
+        self._staging.reverse()
+        st, n, page = self._staging[0], len(seqs), self.page_size
         seq_lens = []
-        for i, c in enumerate(chunks):
-            pages = c.seq.pages
-            st.ids_np[i] = c.seq.token_ids[c.start]
-            st.positions_np[i] = c.start
-            st.slots_np[i] = pages[c.start // page] * page + c.start % page
+        for i, (seq, pos) in enumerate(zip(seqs, positions)):
+            pages = seq.pages
+            if ids is None:
+                st.ids_np[i] = seq.token_ids[pos]
+            st.positions_np[i] = pos
+            st.slots_np[i] = pages[pos // page] * page + pos % page
             st.tables_np[i, : len(pages)] = pages
-            seq_lens.append(c.start + 1)
+            seq_lens.append(pos + 1)
         bucket = self.graphs.bucket(n)
         meta = AttentionMetadata([1] * n, seq_lens, st.slots[:n], st.tables[:n])
         self.attn.prepare(meta, pad_to=bucket)  # type: ignore[call-arg]
-        logits, self.last_greedy_ids = self.graphs(st.ids[:n], st.positions[:n], bucket=bucket)
-        return logits
+        return self.graphs(st.ids[:n] if ids is None else ids, st.positions[:n], bucket=bucket)
+
+    @torch.inference_mode()
+    def launch_ahead(self, seqs: list[Sequence], ids: torch.Tensor) -> Ahead:
+        """Queue the decode forward of `seqs` fed `ids` (device, one per sequence) at the position after
+        each one's last token, without waiting for anything (see `lookahead.py`)."""
+        positions = [len(s.token_ids) for s in seqs]
+        if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
+            logits, greedy = self._replay_rows(seqs, positions, ids)
+            return Ahead(seqs, positions, logits, greedy)
+        page = self.page_size
+        slots = [s.pages[p // page] * page + p % page for s, p in zip(seqs, positions)]
+        width = max(len(s.pages) for s in seqs)
+        tables = torch.tensor([s.pages + [0] * (width - len(s.pages)) for s in seqs], dtype=torch.int32)
+        self.attn.prepare(AttentionMetadata([1] * len(seqs), [p + 1 for p in positions], self._tensor(slots),
+                                            tables.to(self.device)))
+        hidden = self.model.forward(ids.to(self.device), self._tensor(positions), self.attn)
+        return Ahead(seqs, positions, self.model.compute_logits(hidden), None)
 
     def _metadata(self, chunks: list[Chunk], slots: list[int]) -> AttentionMetadata:
         max_pages = max(len(c.seq.pages) for c in chunks)

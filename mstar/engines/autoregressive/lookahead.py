@@ -1,0 +1,70 @@
+"""Decode lookahead: step N+1's forward is launched before the host reads step N's tokens.
+
+A decode step ends with one host sync (reading the sampled ids). Without lookahead the GPU then
+idles while the host turns the tokens into results, the walk feeds them back as the next items and
+the next step is scheduled and launched. With lookahead, once step N's sampling is queued on the
+GPU, the engine queues the forward of N+1 for the sequences expected to continue, fed with N's
+sampled ids straight from device memory; only then does it wait for N's ids, so all of that host
+work overlaps the GPU running N+1.
+
+The forward of N+1 is a guess about the next items: it is used only if the next step schedules
+exactly those sequences, each with one new token at the guessed position, and that token is the
+one sampled (the walk fed it back). Otherwise it is dropped and the step runs as usual; the
+slots it wrote lie past every sequence's computed length in pages the sequence already held, so
+the real step overwrites them (stream order keeps the writes in order even if a page changes
+hands). It never changes what is computed, only when.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mstar.engines.autoregressive.scheduler import Chunk, Scheduler
+from mstar.engines.autoregressive.sequence import Sequence
+
+
+@dataclass
+class Ahead:
+    """A forward launched ahead: its sequences, the position fed for each, and its outputs (device
+    tensors, valid until the next forward). `tokens` (host ints) are filled in once N's ids are read."""
+
+    seqs: list[Sequence]
+    positions: list[int]
+    logits: torch.Tensor
+    greedy_ids: torch.Tensor | None
+    tokens: list[int] | None = None
+
+    def matches(self, chunks: list[Chunk]) -> bool:
+        """Whether the scheduled `chunks` are exactly the step this forward computed."""
+        if self.tokens is None or len(chunks) != len(self.seqs):
+            return False
+        for c, seq, pos, token in zip(chunks, self.seqs, self.positions, self.tokens):
+            if c.seq is not seq or c.start != pos or c.num_tokens != 1 or not c.completes \
+                    or seq.inputs is not None or seq.token_ids[pos] != token:
+                return False
+        return True
+
+
+def continuing(seqs: list[Sequence], scheduler: Scheduler, page_size: int, max_model_len: int) -> list[int] | None:
+    """Indexes (into `seqs`, the step's sampled sequences) of those a lookahead forward should run,
+    or None when lookahead should be skipped this step.
+
+    Skipped when the next step is unlikely to be exactly these sequences (new sequences could be
+    admitted), or when one that will continue needs a page it does not hold yet (the scheduler
+    allocates pages). Sequences sure to stop on length are left out; stops on a sampled EOS
+    cannot be known yet and simply drop the lookahead at the next step.
+    """
+    if scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs:
+        return None
+    keep = []
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        pos = len(seq.token_ids)  # where the token sampled now will sit
+        if (p.max_tokens is not None and seq.num_generated + 1 >= p.max_tokens) or pos + 1 >= max_model_len:
+            continue
+        if seq.inputs is not None or pos // page_size >= len(seq.pages) or seq.num_computed != pos:
+            return None
+        keep.append(i)
+    return keep or None
