@@ -167,13 +167,22 @@ class CrossAttention(nn.Module):
         self.norm_k = nn.RMSNorm(dim, eps=eps)
         self.to_out = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-        k, v = self.to_kv(text).chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor, text: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [B, L, D] attends to `text` [B, Lt, D], or to its precomputed `text_kv(text)`."""
+        k, v = text if isinstance(text, tuple) else self.text_kv(text)
         q = self.norm_q(self.to_q(x)).unflatten(-1, (self.heads, -1)).transpose(1, 2)
-        k = self.norm_k(k).unflatten(-1, (self.heads, -1)).transpose(1, 2)
-        v = v.unflatten(-1, (self.heads, -1)).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v)
         return self.to_out(out.transpose(1, 2).flatten(2))
+
+    def text_kv(self, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (RMS-normed) and values [B, H, Lt, d] of the projected text: they depend on the text only,
+        so a request can compute them once and reuse them at every denoising step."""
+        k, v = self.to_kv(text).chunk(2, dim=-1)
+        k = self.norm_k(k).unflatten(-1, (self.heads, -1)).transpose(1, 2)
+        return k, v.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+
+
+TextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per block: cross-attention (k, v) [B, H, Lt, d]
 
 
 class WanBlock(nn.Module):
@@ -190,9 +199,9 @@ class WanBlock(nn.Module):
         self.ffn_out = nn.Linear(config.ffn_dim, dim)
         self.scale_shift_table = nn.Parameter(torch.zeros(1, 6, dim))  # the checkpoint's shape
 
-    def forward(self, x: torch.Tensor, text: torch.Tensor, t_mod: torch.Tensor, rope: tuple,
+    def forward(self, x: torch.Tensor, text: torch.Tensor | tuple, t_mod: torch.Tensor, rope: tuple,
                 attend: Attend = sdpa_attention) -> torch.Tensor:
-        """x [B, L, D]; text [B, Lt, D]; t_mod [B, T, 6, D] float32 with T dividing L; rope (cos, sin);
+        """x [B, L, D]; text [B, Lt, D] or this block's precomputed cross-attention (k, v); t_mod [B, T, 6, D] float32 with T dividing L; rope (cos, sin);
         `attend` runs the self-attention core (see SelfAttention). The two halves around `attend` are
         pure tensor math: `compile_blocks` (compile.py) may compile them and leave `attend` eager."""
         q, k, v = self.pre_attention(x, t_mod, *rope)
@@ -205,7 +214,7 @@ class WanBlock(nn.Module):
         h = modulate(_grouped(layer_norm32(x, eps=self.eps), t_mod), shift, scale, x.dtype).view_as(x)
         return self.attn1.project(h, cos, sin)
 
-    def post_attention(self, x: torch.Tensor, attended: torch.Tensor, text: torch.Tensor,
+    def post_attention(self, x: torch.Tensor, attended: torch.Tensor, text: torch.Tensor | tuple,
                        t_mod: torch.Tensor) -> torch.Tensor:
         """Gated residual of the self-attention output [B, L, H, d], cross-attention, gated FFN."""
         _, _, gate, c_shift, c_scale, c_gate = self._mods(t_mod)
@@ -231,6 +240,9 @@ def _grouped(h: torch.Tensor, t_mod: torch.Tensor) -> torch.Tensor:
 class WanTransformer(nn.Module):
     """`forward(latents [B,C,F,H,W], timestep, text [B,Lt,text_dim]) -> prediction [B,C,F,H,W]`.
 
+    `text_kv=text_states(text)` may replace `text` (pass None): the cross-attention keys and values
+    depend on the text alone, so a caller can compute them once per request instead of every step.
+
     `timestep` is [B] (one per request), [B, F'] (one per latent frame) or [B, L] (one per token, L =
     F' * H' * W' after patching, as diffusers passes it). Rows of one batch may be at different steps
     and hold different prompts, so requests (and guidance branches) batch freely when shapes match.
@@ -254,13 +266,14 @@ class WanTransformer(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.zeros(1, 2, dim))
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor,
-                sp_group: Any = None) -> torch.Tensor:
+    def forward(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor | None,
+                sp_group: Any = None, text_kv: TextKV | None = None) -> torch.Tensor:
         grid = self._grid(latents.shape)
         x = self._patchify(latents)
         temb = self._time_embedding(timestep, grid, x.dtype)  # [B, T, D]
         t_mod = self.time_proj(F.silu(temb)).unflatten(-1, (6, -1)).float()  # [B, T, 6, D]
-        text = self.text_embedder(text.to(x.dtype))
+        if text_kv is None:
+            text_kv = self.text_states(text)
         cos, sin = self._rope(grid, latents.device)
         attend: Attend = sdpa_attention
         if sp_group is not None:
@@ -270,12 +283,18 @@ class WanTransformer(nn.Module):
             x, cos, sin = shard.split(x), shard.split(cos, dim=0), shard.split(sin, dim=0)
             temb, t_mod = shard.split_groups(temb), shard.split_groups(t_mod)
             attend = shard.attention
-        for block in self.blocks:
-            x = block(x, text, t_mod, (cos, sin), attend)
+        for block, kv in zip(self.blocks, text_kv, strict=True):
+            x = block(x, kv, t_mod, (cos, sin), attend)
         out = self._head(x, temb)
         if sp_group is not None:
             out = shard.gather(out)
         return self._unpatchify(out, grid)
+
+    def text_states(self, text: torch.Tensor) -> TextKV:
+        """Every block's cross-attention (k, v) for raw text embeddings [B, Lt, text_dim]: what `forward`
+        computes from `text` when no `text_kv` is passed (same for every denoising step of a request)."""
+        embedded = self.text_embedder(text.to(self.proj_out.weight.dtype))
+        return [block.attn2.text_kv(embedded) for block in self.blocks]
 
     def _head(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         """Final modulated norm and projection: tokens [B, L, D] -> patches [B, L, pt*ph*pw*C]."""
