@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar.models.wan22.text_cache import TextKVCache
 from mstar.models.wan22.text_encoder import UMT5Encoder
 from mstar.models.wan22.transformer import WanTransformer
 from mstar.models.wan22.vae import WanVAE, frames_to_uint8
@@ -54,10 +55,16 @@ class DiTComponent(nn.Module):
     produces nothing.
     """
 
-    def __init__(self, transformer: WanTransformer) -> None:
+    def __init__(self, transformer: WanTransformer, text_cache_rows: int = 16) -> None:
         super().__init__()
         self.transformer = transformer
         self.sp_group: Any = None  # a sequence-parallel replica's torch.distributed group
+        # cross-attention K/V of each request's text, reused across its steps (text_cache.py)
+        self.text_cache = TextKVCache(text_cache_rows)
+
+    def release(self, request_id: str) -> None:
+        """Forget the request's cached text keys and values (safe for unknown ids)."""
+        self.text_cache.release(request_id)
 
     def set_sp_group(self, group: Any) -> None:
         """Run every forward sequence-parallel over `group` (all its ranks make the same calls)."""
@@ -78,11 +85,21 @@ class DiTComponent(nn.Module):
         dtype = self.transformer.proj_out.weight.dtype
         latents = torch.stack([items[i].inputs["latents"] for i in rows]).to(dtype)
         timesteps = torch.stack([items[i].inputs["timestep"] for i in rows])
-        context = torch.stack([items[i].inputs["context"] for i in rows]).to(dtype)
-        velocity = self.transformer(latents, timesteps, context, sp_group=self.sp_group).float()
+        velocity = self.transformer(latents, timesteps, None, sp_group=self.sp_group,
+                                    text_kv=self._text_kv([items[i] for i in rows], dtype)).float()
         for row, i in enumerate(rows):
             out[i] = {"velocity": velocity[row]}
         return out
+
+    def _text_kv(self, items: list[Any], dtype: torch.dtype) -> list:
+        """The batch's cross-attention (k, v) per block: cached from an earlier step of the same rows."""
+        keys = [(item.request_id, item.node) for item in items]
+        texts = [item.inputs["context"] for item in items]
+        text_kv = self.text_cache.get(keys, texts)
+        if text_kv is None:
+            text_kv = self.transformer.text_states(torch.stack(texts).to(dtype))
+            self.text_cache.put(keys, texts, text_kv)
+        return text_kv
 
 
 class VAEComponent(nn.Module):

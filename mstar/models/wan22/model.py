@@ -45,6 +45,7 @@ class Wan22ServeConfig:
     vae_chunk_frames: int = 1  # latent frames the VAE decodes at once (memory vs speed)
     seed: int = 0  # of dummy / tiny random weights
     compile: bool = False  # torch.compile the DiT blocks' tensor math (compile.py); first forward compiles
+    text_cache_rows: int = 16  # DiT rows whose text K/V are kept across steps (~189 MB each at 5B); 0: off
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:
@@ -53,6 +54,8 @@ class Wan22ServeConfig:
             raise ValueError(f"wan22 vae_dtype={self.vae_dtype!r}; choose one of {sorted(_DTYPES)}")
         if not isinstance(self.compile, bool):
             raise ValueError(f"wan22 compile={self.compile!r} must be true or false (YAML booleans, unquoted)")
+        if self.text_cache_rows < 0:
+            raise ValueError(f"wan22 text_cache_rows={self.text_cache_rows} must be >= 0 (0 turns the cache off)")
         if self.max_batch_size < 1 or self.vae_chunk_frames < 1:
             raise ValueError(f"wan22 max_batch_size={self.max_batch_size} and vae_chunk_frames="
                              f"{self.vae_chunk_frames} must be >= 1")
@@ -128,7 +131,7 @@ class Wan22Model(Model):
                 from mstar.models.wan22.compile import compile_blocks
 
                 compile_blocks(transformer)
-            dit = components.DiTComponent(transformer)
+            dit = components.DiTComponent(transformer, self.config.text_cache_rows)
             return BuiltComponent(dit, {"max_batch_size": self.config.max_batch_size})
         if name == "scheduler":
             from mstar.models.wan22.combine import GuidanceScheduler

@@ -6,6 +6,12 @@ the timestep embedding. The timestep is per request [B], per latent frame [B, F'
 [B, L]: an image-to-video request keeps timestep 0 on its conditioning first frame. Modulation is
 applied per timestep group (one per request, frame or token), so per-frame timesteps cost no more than
 one per request. Norms, modulation and residual sums run in float32 like the reference.
+
+At full size (B=2, L=3510, D=3072) every float32 pass over the activations costs ~30-60 us on an
+H200, and a layer used to make ~40 of them; the eager forward therefore fuses "float32 math, one
+rounding to the model dtype" into single kernels (`addcmul_as`: inputs of mixed dtypes are read and
+computed in float32 inside one TensorIterator kernel, the result is written once in bf16), which
+keeps the reference's numerics (float32 math, one rounding) while skipping the float32 temporaries.
 """
 
 from __future__ import annotations
@@ -38,11 +44,35 @@ def rope_angles(grid: tuple[int, int, int], head_dim: int, theta: float, device:
     return torch.cat(parts, dim=-1).reshape(math.prod(grid), head_dim // 2)
 
 
+def rope_tables(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [L, d] float32 from angles [L, d/2], laid out for `apply_rope`: each pair's cos twice,
+    and its sin as (-sin, +sin), so a rotation is one multiply and one multiply-add per channel."""
+    cos, sin = angles.cos(), angles.sin()
+    return (torch.stack((cos, cos), dim=-1).flatten(-2).float(),
+            torch.stack((-sin, sin), dim=-1).flatten(-2).float())
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent channel pairs of x [B, L, H, d] by angles whose cos/sin are [L, d/2] float32."""
-    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = cos[:, None], sin[:, None]
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).to(x.dtype)
+    """Rotate adjacent channel pairs of x [B, L, H, d] by the tables of `rope_tables` ([L, d] float32).
+
+    Computed in float32 and rounded once to x's dtype, like the reference's (x1 cos - x2 sin,
+    x1 sin + x2 cos), in three kernels instead of ten: x * cos, the pair swap, and a fused multiply-add.
+    """
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x2, x1) in each pair
+    return addcmul_as(x.dtype, x * cos[:, None], swapped, sin[:, None])
+
+
+def addcmul_as(dtype: torch.dtype, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """base + a * b (broadcast), computed in the inputs' promoted dtype and rounded once to `dtype`.
+
+    Eager: one kernel that reads bf16 and float32 inputs as they are and writes `dtype` directly (no
+    float32 copy of the inputs, no float32 result); under torch.compile the plain form, which inductor
+    fuses itself.
+    """
+    if torch.compiler.is_compiling():
+        return torch.addcmul(base, a, b).to(dtype)
+    out = torch.empty(torch.broadcast_shapes(base.shape, a.shape, b.shape), dtype=dtype, device=base.device)
+    return torch.addcmul(base, a, b, out=out)
 
 
 def timestep_features(timestep: torch.Tensor, dim: int) -> torch.Tensor:
@@ -61,9 +91,20 @@ def layer_norm32(x: torch.Tensor, norm: nn.LayerNorm | None = None, eps: float =
     return F.layer_norm(x.float(), (x.shape[-1],), weight, bias, eps)
 
 
-def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [B, T, N, D] float32 normed * (1 + scale) + shift, with shift/scale [B, T, 1, D]."""
-    return x * (1 + scale) + shift
+def layer_norm_as_input(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
+    """norm(x) with float32 statistics, in x's dtype: the reference's float32 norm then cast.
+
+    When the weights are already in x's dtype the fused kernel does exactly that (float32 accumulation,
+    weights read as they are, one rounding) without a float32 copy of x or of the result.
+    """
+    if norm.weight.dtype == x.dtype:
+        return norm(x)
+    return layer_norm32(x, norm).to(x.dtype)
+
+
+def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [B, T, N, D] float32 normed * (1 + scale) + shift, with shift/scale [B, T, 1, D], as `dtype`."""
+    return addcmul_as(dtype, shift, x, 1 + scale)
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -126,13 +167,22 @@ class CrossAttention(nn.Module):
         self.norm_k = nn.RMSNorm(dim, eps=eps)
         self.to_out = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-        k, v = self.to_kv(text).chunk(2, dim=-1)
+    def forward(self, x: torch.Tensor, text: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [B, L, D] attends to `text` [B, Lt, D], or to its precomputed `text_kv(text)`."""
+        k, v = text if isinstance(text, tuple) else self.text_kv(text)
         q = self.norm_q(self.to_q(x)).unflatten(-1, (self.heads, -1)).transpose(1, 2)
-        k = self.norm_k(k).unflatten(-1, (self.heads, -1)).transpose(1, 2)
-        v = v.unflatten(-1, (self.heads, -1)).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v)
         return self.to_out(out.transpose(1, 2).flatten(2))
+
+    def text_kv(self, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (RMS-normed) and values [B, H, Lt, d] of the projected text: they depend on the text only,
+        so a request can compute them once and reuse them at every denoising step."""
+        k, v = self.to_kv(text).chunk(2, dim=-1)
+        k = self.norm_k(k).unflatten(-1, (self.heads, -1)).transpose(1, 2)
+        return k, v.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+
+
+TextKV = list[tuple[torch.Tensor, torch.Tensor]]  # per block: cross-attention (k, v) [B, H, Lt, d]
 
 
 class WanBlock(nn.Module):
@@ -149,9 +199,9 @@ class WanBlock(nn.Module):
         self.ffn_out = nn.Linear(config.ffn_dim, dim)
         self.scale_shift_table = nn.Parameter(torch.zeros(1, 6, dim))  # the checkpoint's shape
 
-    def forward(self, x: torch.Tensor, text: torch.Tensor, t_mod: torch.Tensor, rope: tuple,
+    def forward(self, x: torch.Tensor, text: torch.Tensor | tuple, t_mod: torch.Tensor, rope: tuple,
                 attend: Attend = sdpa_attention) -> torch.Tensor:
-        """x [B, L, D]; text [B, Lt, D]; t_mod [B, T, 6, D] float32 with T dividing L; rope (cos, sin);
+        """x [B, L, D]; text [B, Lt, D] or this block's precomputed cross-attention (k, v); t_mod [B, T, 6, D] float32 with T dividing L; rope (cos, sin);
         `attend` runs the self-attention core (see SelfAttention). The two halves around `attend` are
         pure tensor math: `compile_blocks` (compile.py) may compile them and leave `attend` eager."""
         q, k, v = self.pre_attention(x, t_mod, *rope)
@@ -161,20 +211,20 @@ class WanBlock(nn.Module):
                       sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The modulated norm of x, projected to the self-attention's q, k, v [B, L, H, d]."""
         shift, scale = self._mods(t_mod)[:2]
-        h = modulate(_grouped(layer_norm32(x, eps=self.eps), t_mod), shift, scale).view_as(x).to(x.dtype)
+        h = modulate(_grouped(layer_norm32(x, eps=self.eps), t_mod), shift, scale, x.dtype).view_as(x)
         return self.attn1.project(h, cos, sin)
 
-    def post_attention(self, x: torch.Tensor, attended: torch.Tensor, text: torch.Tensor,
+    def post_attention(self, x: torch.Tensor, attended: torch.Tensor, text: torch.Tensor | tuple,
                        t_mod: torch.Tensor) -> torch.Tensor:
         """Gated residual of the self-attention output [B, L, H, d], cross-attention, gated FFN."""
         _, _, gate, c_shift, c_scale, c_gate = self._mods(t_mod)
         out = self.attn1.to_out(attended.flatten(2))
-        x = (_grouped(x.float(), t_mod) + _grouped(out, t_mod) * gate).view_as(x).to(x.dtype)
-        h = layer_norm32(x, self.norm2).to(x.dtype) if self.norm2 is not None else x
+        x = addcmul_as(x.dtype, _grouped(x, t_mod), _grouped(out, t_mod), gate).view_as(x)
+        h = layer_norm_as_input(x, self.norm2) if self.norm2 is not None else x
         x = x + self.attn2(h, text)
-        h = modulate(_grouped(layer_norm32(x, eps=self.eps), t_mod), c_shift, c_scale).view_as(x).to(x.dtype)
+        h = modulate(_grouped(layer_norm32(x, eps=self.eps), t_mod), c_shift, c_scale, x.dtype).view_as(x)
         ff = self.ffn_out(F.gelu(self.ffn_in(h), approximate="tanh"))
-        return (_grouped(x.float(), t_mod) + _grouped(ff.float(), t_mod) * c_gate).view_as(x).to(x.dtype)
+        return addcmul_as(x.dtype, _grouped(x, t_mod), _grouped(ff, t_mod), c_gate).view_as(x)
 
     def _mods(self, t_mod: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """shift, scale, gate, c_shift, c_scale, c_gate: each [B, T, 1, D] float32."""
@@ -189,6 +239,9 @@ def _grouped(h: torch.Tensor, t_mod: torch.Tensor) -> torch.Tensor:
 
 class WanTransformer(nn.Module):
     """`forward(latents [B,C,F,H,W], timestep, text [B,Lt,text_dim]) -> prediction [B,C,F,H,W]`.
+
+    `text_kv=text_states(text)` may replace `text` (pass None): the cross-attention keys and values
+    depend on the text alone, so a caller can compute them once per request instead of every step.
 
     `timestep` is [B] (one per request), [B, F'] (one per latent frame) or [B, L] (one per token, L =
     F' * H' * W' after patching, as diffusers passes it). Rows of one batch may be at different steps
@@ -213,13 +266,14 @@ class WanTransformer(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.zeros(1, 2, dim))
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor,
-                sp_group: Any = None) -> torch.Tensor:
+    def forward(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor | None,
+                sp_group: Any = None, text_kv: TextKV | None = None) -> torch.Tensor:
         grid = self._grid(latents.shape)
         x = self._patchify(latents)
         temb = self._time_embedding(timestep, grid, x.dtype)  # [B, T, D]
         t_mod = self.time_proj(F.silu(temb)).unflatten(-1, (6, -1)).float()  # [B, T, 6, D]
-        text = self.text_embedder(text.to(x.dtype))
+        if text_kv is None:
+            text_kv = self.text_states(text)
         cos, sin = self._rope(grid, latents.device)
         attend: Attend = sdpa_attention
         if sp_group is not None:
@@ -229,19 +283,25 @@ class WanTransformer(nn.Module):
             x, cos, sin = shard.split(x), shard.split(cos, dim=0), shard.split(sin, dim=0)
             temb, t_mod = shard.split_groups(temb), shard.split_groups(t_mod)
             attend = shard.attention
-        for block in self.blocks:
-            x = block(x, text, t_mod, (cos, sin), attend)
+        for block, kv in zip(self.blocks, text_kv, strict=True):
+            x = block(x, kv, t_mod, (cos, sin), attend)
         out = self._head(x, temb)
         if sp_group is not None:
             out = shard.gather(out)
         return self._unpatchify(out, grid)
 
+    def text_states(self, text: torch.Tensor) -> TextKV:
+        """Every block's cross-attention (k, v) for raw text embeddings [B, Lt, text_dim]: what `forward`
+        computes from `text` when no `text_kv` is passed (same for every denoising step of a request)."""
+        embedded = self.text_embedder(text.to(self.proj_out.weight.dtype))
+        return [block.attn2.text_kv(embedded) for block in self.blocks]
+
     def _head(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         """Final modulated norm and projection: tokens [B, L, D] -> patches [B, L, pt*ph*pw*C]."""
         shift, scale = (self.scale_shift_table.float()[:, None] + temb.float().unsqueeze(2)).unsqueeze(3).unbind(2)
         batch, length, dim = x.shape
-        h = modulate(layer_norm32(x, eps=self.config.eps).view(batch, temb.shape[1], -1, dim), shift, scale)
-        return self.proj_out(h.view_as(x).to(x.dtype))
+        h = modulate(layer_norm32(x, eps=self.config.eps).view(batch, temb.shape[1], -1, dim), shift, scale, x.dtype)
+        return self.proj_out(h.view_as(x))
 
     def _grid(self, shape: torch.Size) -> tuple[int, int, int]:
         _, channels, *sizes = shape
@@ -280,7 +340,7 @@ class WanTransformer(nn.Module):
         key = (grid, device)
         if key not in self._rope_cache:
             angles = rope_angles(grid, self.config.head_dim, self.config.rope_theta, device)
-            self._rope_cache[key] = (angles.cos().float(), angles.sin().float())
+            self._rope_cache[key] = rope_tables(angles)
         return self._rope_cache[key]
 
 

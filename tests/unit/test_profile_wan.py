@@ -1,0 +1,62 @@
+"""benchmarks/profile_wan.py: the kernel-name categories and SDPA backend detection, and a --quick run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.kernel_categories import CATEGORIES, categorize, sdpa_backends
+from benchmarks.profile_wan import summarize_kernels
+
+# Kernel names as they appear in H100/H200 torch.profiler traces (shortened).
+FLASH = "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false>, true>(Flash_fwd_params)"
+CUDNN = "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x128x128_4x1x1_kernel0_0"
+EFFICIENT = "fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel<...>::Params)"
+GEMM = "nvjet_tst_256x128_64x4_2x1_v_bz_coopA_bias_TNT"
+NORM = "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float>(...)"
+ADD = "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>, ...>"
+
+
+@pytest.mark.parametrize(("name", "category"), [
+    (FLASH, "attention"), (CUDNN, "attention"), (EFFICIENT, "attention"), (GEMM, "GEMM"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "GEMM"), (NORM, "norm"),
+    (ADD, "elementwise/copy"), ("Memcpy DtoD (Device -> Device)", "elementwise/copy"),
+    ("void at::native::reduce_kernel<512, 1, ...>", "other"), ("aten::addmm", "GEMM"),
+])
+def test_kernel_names_fall_in_the_expected_category(name: str, category: str) -> None:
+    assert categorize(name) == category
+
+
+def test_sdpa_backend_is_told_from_kernel_names() -> None:
+    assert sdpa_backends([GEMM, FLASH, ADD]) == ["flash"]
+    assert sdpa_backends([CUDNN]) == ["cudnn"]  # its name holds "flash" too: cuDNN wins
+    assert sdpa_backends([EFFICIENT, "void (anonymous namespace)::softmax_warp_forward<...>"]) == ["efficient", "math"]
+    assert sdpa_backends([GEMM, NORM]) == []
+
+
+def test_summary_sums_categories_per_step() -> None:
+    totals = {GEMM: [6000.0, 4], FLASH: [3000.0, 2], ADD: [1000.0, 8]}  # microseconds, calls over 2 steps
+    out = summarize_kernels(totals, steps=2, top=2)
+    assert out["kernel_ms_per_step"] == 5.0 and out["kernels_per_step"] == 7.0
+    assert out["categories_ms"] == {"GEMM": 3.0, "attention": 1.5, "norm": 0.0, "elementwise/copy": 0.5, "other": 0.0}
+    assert [k["name"] for k in out["top_kernels"]] == [GEMM, FLASH] and out["top_kernels"][0]["pct"] == 60.0
+    assert out["sdpa_backends"] == ["flash"]
+
+
+def test_quick_run_writes_the_report(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "benchmarks/profile_wan.py", "--quick", "--batch", "2", "--steps", "2",
+                    "--profile-steps", "1", "--out", str(out)], cwd=root, check=True, capture_output=True,
+                   timeout=120)
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert row["variant"] == "eager" and row["batch"] == 2 and row["wall_ms_per_step"] > 0
+    assert set(row["categories_ms"]) == set(CATEGORIES)
+    assert abs(sum(row["categories_ms"].values()) - row["kernel_ms_per_step"]) < 0.01
+    assert row["categories_ms"]["GEMM"] > 0 and row["categories_ms"]["attention"] > 0
+    assert 0 < len(row["top_kernels"]) <= 25
