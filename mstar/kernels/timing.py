@@ -59,12 +59,11 @@ def graph_time_us(fn: Callable[[torch.Tensor], object], weight: torch.Tensor, mi
 
 def _time_graph(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor], calls: int,
                 replays: int) -> float:
-    stream = torch.cuda.Stream(weights[0].device)
-    stream.wait_stream(torch.cuda.current_stream(weights[0].device))
-    with torch.cuda.stream(stream):  # eager warm-up: compile, lazy init, workspaces, for every copy
-        for w in weights:
-            fn(w)
-    stream.synchronize()
+    # Eager warm-up on the current stream (compiles, lazy init, workspaces), once per copy. No new side
+    # stream per call: cuBLAS keeps a workspace per stream, which would pile up over many timings.
+    for w in weights:
+        fn(w)
+    torch.cuda.synchronize(weights[0].device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(calls):
