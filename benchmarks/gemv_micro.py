@@ -55,11 +55,7 @@ def sweep(run, w: torch.Tensor, m: int, args, deadline: float, gated: bool = Fal
     n, k = w.shape
     bucket = m_bucket(m)
     starts = [pick_silu_down_config(m, n, k, args.sms) if gated else pick_config(m, n, k, args.sms)]
-    grid = gemv_grid(bucket, n, k, args.sms) if bucket <= 8 else set()
-    if not gated and bucket >= 8:
-        grid |= dot_grid(bucket, n, k, args.sms)
-        if bucket == 8:
-            starts.append(pick_silu_down_config(m, n, k, args.sms))  # the GEMV kernel's own pick at M = 8
+    grid = gemv_grid(bucket, n, k, args.sms) if bucket <= 4 else dot_grid(bucket, n, k, args.sms)
     search = Sweep(run, w, grid, deadline, args.replays, args.compile_threads)
     return search.best(starts), search.tried
 
@@ -122,7 +118,7 @@ def tuned_literal(name: str, rows: list[dict], shapes: set[str]) -> str:
 def cells(args) -> list[tuple[str, int]]:
     out = [(name, m) for name in args.shapes for m in args.ms]
     if "down" in args.shapes:
-        out += [("silu_down", m) for m in args.ms if m <= 8]
+        out += [("silu_down", m) for m in args.ms if m <= 4]
     return out
 
 

@@ -1,7 +1,7 @@
 """Config search for the skinny-GEMM kernels, used by gemv_micro.py --sweep.
 
-Triton compiles dominate a sweep's time, so the search is greedy: from the heuristic's pick (and, for
-M = 8, from the GEMV kernel's pick too) it changes one field at a time and keeps the fastest, until
+Triton compiles dominate a sweep's time, so the search is greedy: from the heuristic's pick it
+changes one field at a time and keeps the fastest, until
 no single change helps; what is left of the cell's time goes to the untried configs nearest the best.
 Each batch of candidates is compiled in parallel threads first (one warm-up call each), then timed one
 by one with `graph_time_us` (a CUDA graph of back-to-back calls, weights from HBM).
@@ -21,14 +21,14 @@ import torch
 from mstar.kernels.skinny_gemm import SkinnyConfig
 from mstar.kernels.timing import graph_time_us
 
-FIELDS = ("block_n", "split_k", "num_warps", "block_k", "num_stages", "block_m")
+FIELDS = ("block_n", "split_k", "num_warps", "block_k", "num_stages")
 Run = Callable[[torch.Tensor, SkinnyConfig], object]
 
 
 def gemv_grid(bucket: int, n: int, k: int, sms: int) -> set[SkinnyConfig]:
-    """GEMV-kernel configs (block_m <= 8) whose accumulator fits in registers and that fill the GPU."""
+    """GEMV-kernel configs (block_m <= 4) whose accumulator fits in registers and that fill the GPU."""
     grid = set()
-    for bn, bk, split, warps, stages in itertools.product((1, 2, 4, 8, 16, 32), (128, 256, 512, 1024), (1, 2, 4, 8),
+    for bn, bk, split, warps, stages in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (1, 2, 4, 8),
                                                           (2, 4, 8), (1, 2, 3)):
         tiles, acc_regs = -(-n // bn), bucket * bn * bk // (32 * warps)
         if not 8 <= acc_regs <= 128 or bk > k or tiles * split < sms or k // split < bk:

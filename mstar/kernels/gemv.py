@@ -1,10 +1,11 @@
 """Bandwidth-bound GEMV for a few rows (decode): y = x @ W.T (+ bias), and silu(gate) * up fused into x.
 
-With M <= 8 rows a linear layer's whole cost is streaming W [N, K] (row-major) from HBM once. Each
-program owns BLOCK_N rows of W and walks its slice of K in BLOCK_K-wide chunks: wide contiguous loads
-along K (the compiler vectorises them to 16-byte accesses), elementwise fp32 multiply-adds into a
-[BLOCK_M, BLOCK_N, BLOCK_K] accumulator, and a single reduction over K after the loop, so the loop
-holds no shuffles or barriers, only loads and FMAs. No tl.dot: at M <= 8 tensor cores buy nothing.
+With M <= 4 rows a linear layer's whole cost is streaming W [N, K] (row-major) from HBM once. Each
+program owns BLOCK_N rows of W and walks its slice of K in BLOCK_K-wide chunks: 16-byte loads along
+K, elementwise fp32 multiply-adds into one [BLOCK_N, BLOCK_K] accumulator per row of x, and a single
+reduction over K after the loop, so the loop holds only loads and FMAs (no shuffles, no barriers,
+no layout conversions: checked in the compiled TTGIR for sm_90). No tl.dot: at M <= 4 tensor cores
+buy nothing. BLOCK_K >= 8 * 32 * num_warps (bf16) lets every thread load its x slice once.
 
 Programs must fill the GPU (132 SMs on an H100/H200): BLOCK_N sets how many there are; where N is
 too small, K is split. Split programs write fp32 partials to a workspace cached per shape; the last
@@ -24,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_M = 8  # rows above this take the tl.dot kernel in skinny_gemm
+MAX_M = 4  # rows above this take the tl.dot kernel in skinny_gemm
 
 
 @triton.jit
@@ -48,7 +49,8 @@ def _load_x(x_ptrs, k, gate_offset, mask, GATED: tl.constexpr, EVEN_K: tl.conste
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, gate_offset,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 K_ITERS: tl.constexpr, BROADCAST_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -57,19 +59,40 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, stride
     # Clamped indices keep the weight loads unmasked (vectorised); the extra rows are never stored.
     rn_safe = tl.minimum(rn, N - 1)
     w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
-    x_ptrs = x_ptr + tl.minimum(rm, M - 1)[:, None] * stride_xm + rk[None, :]
+    # x, w and the accumulators must share one register layout, or the compiler shuffles a tile through
+    # shared memory every iteration. When BLOCK_K spans all warps (BROADCAST_X), a [1, BLOCK_K] x row
+    # already has the weight tile's layout and is loaded once per thread; otherwise the warps split N
+    # and x is read through pointers of the weight tile's shape (each row the same addresses, L1 hits).
+    if BROADCAST_X:
+        x_ptrs = x_ptr + rk[None, :]
+    else:
+        x_ptrs = x_ptr + (rn * 0)[:, None] + rk[None, :]
+    # One [BLOCK_N, BLOCK_K] accumulator per row of x (rows past M repeat row M - 1, never stored).
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     k_start = pid_k * (K_ITERS * BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for i in range(K_ITERS):
         k = k_start + i * BLOCK_K
-        k_mask = (k + rk) < K
+        k_mask = ((k + rk) < K)[None, :]
         if EVEN_K:
-            w = tl.load(w_ptrs + k)
+            w = tl.load(w_ptrs + k).to(tl.float32)
         else:
-            w = tl.load(w_ptrs + k, mask=k_mask[None, :], other=0.0)
-        x = _load_x(x_ptrs, k, gate_offset, k_mask[None, :], GATED, EVEN_K)
-        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
-    part = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N], the only cross-thread reduction
+            w = tl.load(w_ptrs + k, mask=k_mask, other=0.0).to(tl.float32)
+        acc0 += _load_x(x_ptrs, k, gate_offset, k_mask, GATED, EVEN_K) * w
+        if BLOCK_M > 1:
+            acc1 += _load_x(x_ptrs + tl.minimum(1, M - 1) * stride_xm, k, gate_offset, k_mask, GATED, EVEN_K) * w
+        if BLOCK_M > 2:
+            acc2 += _load_x(x_ptrs + tl.minimum(2, M - 1) * stride_xm, k, gate_offset, k_mask, GATED, EVEN_K) * w
+            acc3 += _load_x(x_ptrs + tl.minimum(3, M - 1) * stride_xm, k, gate_offset, k_mask, GATED, EVEN_K) * w
+    # The only cross-thread reductions, once per row after the loop; rows gathered into [BLOCK_M, BLOCK_N].
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) + tl.sum(acc0, axis=1)[None, :]
+    if BLOCK_M > 1:
+        part = tl.where(rm[:, None] == 1, tl.sum(acc1, axis=1)[None, :], part)
+    if BLOCK_M > 2:
+        part = tl.where(rm[:, None] == 2, tl.sum(acc2, axis=1)[None, :], part)
+        part = tl.where(rm[:, None] == 3, tl.sum(acc3, axis=1)[None, :], part)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     out_ptrs = out_ptr + rm[:, None] * N + rn[None, :]
     if SPLIT_K == 1:
@@ -126,7 +149,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block
     _gemv_kernel[(tiles, split)](
         x, weight, bias if bias is not None else weight, out, ws, lock, m, n, k, x.stride(0),
         weight.stride(0), k, HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=split,
-        EVEN_K=split * k_per_split == k, K_ITERS=k_per_split // block_k, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        EVEN_K=split * k_per_split == k, K_ITERS=k_per_split // block_k,
+        BROADCAST_X=block_k >= 16 // x.element_size() * 32 * num_warps,  # 16-byte loads by every thread
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -5,7 +5,7 @@ separate reduce for some shapes and leaves bandwidth unused. Two kernels serve h
 accumulation, both deterministic and CUDA-graph capturable (no host syncs, no data-dependent
 allocation; workspaces cached per shape):
 
-- block_m <= 8 (`mstar.kernels.gemv`): a pure-bandwidth GEMV, no tl.dot, wide loads along K, one
+- block_m <= 4 (`mstar.kernels.gemv`): a pure-bandwidth GEMV, no tl.dot, wide loads along K, one
   reduction after the K loop, split-K finished inside the same launch. It also serves
   `skinny_silu_and_mul_linear`, the down projection with SiLU-and-mul fused into its x-load.
 - block_m >= 16: each program owns BLOCK_N weight rows and keeps every row of x (M <= 64, padded to
@@ -45,8 +45,12 @@ class SkinnyConfig:
 
     @property
     def use_dot(self) -> bool:
-        """tl.dot needs at least 16 rows; block_m <= 8 runs the GEMV kernel (`mstar.kernels.gemv`)."""
+        """tl.dot needs at least 16 rows; block_m <= 4 runs the GEMV kernel (`mstar.kernels.gemv`)."""
         return self.block_m >= 16
+
+    def __post_init__(self) -> None:
+        if self.block_m not in (1, 2, 4, 16, 32, 64):
+            raise ValueError(f"block_m={self.block_m}: use 1, 2 or 4 (GEMV kernel) or 16, 32, 64 (tl.dot kernel)")
 
 
 # (M bucket, N, K) -> config measured best on the target GPU; consulted before the heuristic.
@@ -137,12 +141,10 @@ def pick_config(m: int, n: int, k: int, sm_count: int = 132) -> SkinnyConfig:
 
 
 def _gemv_config(bucket: int, n: int, k: int, sm_count: int) -> SkinnyConfig:
-    # The [M, BLOCK_N, BLOCK_K] fp32 accumulator lives in registers: keep it <= 64 per thread (4 warps).
-    block_k = min(512, triton.next_power_of_2(k))
-    block_n = max(min(16, 8192 // (bucket * block_k)), 1)
-    # Prefer more programs (smaller BLOCK_N) to a split: >= 2 per SM keeps enough loads in flight.
-    while block_n > 2 and triton.cdiv(n, block_n) < 2 * sm_count:
-        block_n //= 2
+    # BLOCK_K = 1024 spans all 4 warps with 16-byte loads (bf16; 2 loads per row for fp32), so x is read
+    # once per thread; BLOCK_N keeps the fp32 accumulators at 32 registers per thread.
+    block_k = min(1024, triton.next_power_of_2(k))
+    block_n = max(4 // bucket, 1)
     return SkinnyConfig(bucket, block_n, block_k, _pick_split(n, k, block_n, block_k, 2 * sm_count), 4, 2)
 
 
@@ -205,7 +207,7 @@ def skinny_silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias
 
     Equals `skinny_linear(fused_ops.silu_and_mul(gate_up), weight, bias)` up to summation order (the
     activation is rounded to the input dtype the same way) in one kernel, without the SiLU launch and
-    its round trip through memory. `config` (block_m <= 8) overrides `pick_silu_down_config`.
+    its round trip through memory. `config` (block_m <= 4) overrides `pick_silu_down_config`.
     """
     m, width = gate_up.shape
     k, n = width // 2, weight.shape[0]
@@ -214,7 +216,7 @@ def skinny_silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias
     _check(gate_up, weight, k, GEMV_MAX_M, "skinny_silu_and_mul_linear")
     cfg = config or pick_silu_down_config(m, n, k, _sm_count(gate_up.device))
     if cfg.use_dot or cfg.block_m < m:
-        raise ValueError(f"skinny_silu_and_mul_linear needs a GEMV config with {m} <= block_m <= 8, got {cfg}")
+        raise ValueError(f"skinny_silu_and_mul_linear needs a GEMV config with {m} <= block_m <= {GEMV_MAX_M}, got {cfg}")
     return gemv(gate_up, weight, bias, cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
                 cfg.num_stages, gated=True)
 

@@ -8,7 +8,7 @@ F.linear is made once per (M bucket, N, K, dtype, bias, device) the first time t
 outside a CUDA-graph capture (the engine's warm-up), by timing both inside a CUDA graph of
 back-to-back calls that read the weight from HBM (`mstar.kernels.timing.graph_time_us`: what a call
 costs in a decode graph, not the host's launch latency). The choice is then fixed for the process,
-so results are deterministic per shape. Likewise, for up to 8 rows, `skinny_silu_and_mul_linear` is
+so results are deterministic per shape. Likewise, for up to 4 rows, `skinny_silu_and_mul_linear` is
 timed against the SiLU kernel followed by the best linear. A shape first seen during a capture uses
 the unfused F.linear path for good (timing needs host syncs). On CPU (Triton interpreter) the
 kernels run only when `SKINNY.force` is True (tests). MSTAR_SKINNY_GEMM=0 turns them off, =1 forces
@@ -30,7 +30,7 @@ from mstar.layers.fused import FUSED
 logger = logging.getLogger(__name__)
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_FUSED_SILU_MAX_M = 8  # mstar.kernels.gemv.MAX_M, kept here so this module imports no Triton
+_FUSED_SILU_MAX_M = 4  # mstar.kernels.gemv.MAX_M, kept here so this module imports no Triton
 
 
 class _SkinnySwitch:
