@@ -37,7 +37,7 @@ def test_gemv_matches_f_linear(m, n, k):
 
 
 @pytest.mark.parametrize("n,k", [(3072, 3072), (3072, 8192)])
-@pytest.mark.parametrize("m,block_m", [(1, 1), (4, 4), (7, 8)])
+@pytest.mark.parametrize("m,block_m", [(1, 1), (3, 4), (4, 4)])
 def test_gemv_split_k_in_graph_is_reproducible(m, block_m, n, k):
     x, w, b = _inputs(m, n, k, bias=True)
     cfg = SkinnyConfig(block_m, block_n=4, block_k=256, split_k=4)
@@ -52,7 +52,7 @@ def test_gemv_split_k_in_graph_is_reproducible(m, block_m, n, k):
         assert torch.equal(static_out, eager)
 
 
-@pytest.mark.parametrize("m", [1, 2, 4, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
 def test_fused_silu_down_matches_separate(m):
     n, k = 3072, 8192
     g = torch.Generator(device="cuda").manual_seed(m)
