@@ -142,9 +142,10 @@ def pick_config(m: int, n: int, k: int, sm_count: int = 132) -> SkinnyConfig:
 
 def _gemv_config(bucket: int, n: int, k: int, sm_count: int) -> SkinnyConfig:
     # BLOCK_K = 1024 spans all 4 warps with 16-byte loads (bf16; 2 loads per row for fp32), so x is read
-    # once per thread; BLOCK_N keeps the fp32 accumulators at 32 registers per thread.
+    # once per thread. Each program re-reads its x slice (L1 hits) per BLOCK_N weight rows: BLOCK_N >= 2
+    # keeps that traffic <= 2x the weight's, while the fp32 accumulators stay at <= 64 registers.
     block_k = min(1024, triton.next_power_of_2(k))
-    block_n = max(4 // bucket, 1)
+    block_n = 4 if bucket == 1 else 2
     return SkinnyConfig(bucket, block_n, block_k, _pick_split(n, k, block_n, block_k, 2 * sm_count), 4, 2)
 
 
