@@ -1,21 +1,28 @@
-"""Decode-shape linears: F.linear (cuBLAS) vs skinny_linear (Triton), microseconds per call and GB/s.
+"""Decode-shape linears: F.linear (cuBLAS) vs skinny_linear (Triton), GPU microseconds per call and GB/s.
 
 The five projections of a 3.3B Llama (hidden 3072, FFN 8192, 24 q / 8 kv heads x 128, vocab 156,940),
-bf16, at M rows in {1, 8, 16, 32, 64}. Each call is timed alone with CUDA events after the L2 cache is
-flushed (decode streams every weight from HBM once per step); the median of --iters calls is kept.
-GB/s counts the bytes a call must move: weight + x + output.
+bf16, at M rows in {1, 2, 4, 8, 16}, plus the down projection with SiLU-and-mul fused into it
+(`skinny_silu_and_mul_linear`) against the SiLU kernel followed by F.linear / skinny_linear.
 
-    python3 benchmarks/gemv_micro.py [--ms 1 8 16 32 64] [--out benchmarks/results/gemv_micro_h200.json]
-    python3 benchmarks/gemv_micro.py --sweep --ms 1 8 16 [--budget-s 500]   # try configs, print TUNED
+Every figure comes from `mstar.kernels.timing.graph_time_us`: back-to-back calls captured in a CUDA
+graph, each reading a different copy of the weight (>= 2 x L2 in all, so weights come from HBM), the
+replay time divided by the calls. That is what a call costs inside a decode graph; timing one launch
+between two events measures the host's launch latency instead. GB/s counts the bytes a call must
+move (weight + x + output); `pct_copy` compares it with a device-to-device copy timed the same way.
 
---sweep also times a grid of SkinnyConfigs per (M, shape) and prints the best as `TUNED` entries to
-paste into mstar/kernels/skinny_gemm.py. Measures, asserts nothing. Needs a CUDA GPU.
+    python3 benchmarks/gemv_micro.py [--ms 1 2 4 8 16] [--out benchmarks/results/gemv_micro_h200.json]
+    python3 benchmarks/gemv_micro.py --sweep [--budget-s 150]   # also try configs, print TUNED
+
+--sweep searches a grid of SkinnyConfigs per (M, shape) greedily from the heuristic's pick
+(benchmarks/gemv_sweep.py) until the share of --budget-s left to that cell runs out (Triton compiles
+dominate the time; they run in --compile-threads threads), then prints the best as
+`TUNED = {...}` and `TUNED_SILU_DOWN = {...}` ready to paste into mstar/kernels/skinny_gemm.py, and
+writes them to the JSON. Measures, asserts nothing. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 import time
@@ -26,93 +33,130 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mstar.kernels.skinny_gemm import SkinnyConfig, m_bucket, pick_config, skinny_linear  # noqa: E402
+from mstar.kernels.fused_ops import silu_and_mul  # noqa: E402
+from mstar.kernels.skinny_gemm import (  # noqa: E402
+    m_bucket,
+    pick_config,
+    pick_silu_down_config,
+    skinny_linear,
+    skinny_silu_and_mul_linear,
+)
+from mstar.kernels.timing import copy_bandwidth_gbps, graph_time_us  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemv_sweep import Sweep, dot_grid, gemv_grid  # noqa: E402
 
 SHAPES = {"qkv": (5120, 3072), "o_proj": (3072, 3072), "gate_up": (16384, 3072), "down": (3072, 8192),
           "lm_head": (156940, 3072)}
 
 
-def time_us(fn, flush: torch.Tensor, iters: int) -> float:
-    fn()
-    fn()
-    times = []
-    for _ in range(iters):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0)
-    return sorted(times)[len(times) // 2]
-
-
-def candidates(m: int):
+def sweep(run, w: torch.Tensor, m: int, args, deadline: float, gated: bool = False):
+    """The swept best (config, us) for one cell (None if nothing ran) and how many configs were timed."""
+    n, k = w.shape
     bucket = m_bucket(m)
-    block_ms = [bucket] if bucket <= 4 else [max(bucket, 16)]
-    if bucket <= 4:
-        block_ms.append(16)  # the tl.dot path with padding, for comparison
-    for bm, bn, bk, split, warps in itertools.product(block_ms, (16, 32, 64), (128, 256, 512), (1, 2, 4, 8),
-                                                      (4, 8)):
-        if bm < 16 and bm * bn * bk > 16384 * (warps // 4):
-            continue  # the broadcast product would spill registers
-        if bm >= 16 and (bm + bn) * bk * 2 * 3 > 200_000:
-            continue  # three pipeline stages must fit in shared memory
-        yield SkinnyConfig(bm, bn, bk, split, warps, 3 if bm < 16 else 4)
+    starts = [pick_silu_down_config(m, n, k, args.sms) if gated else pick_config(m, n, k, args.sms)]
+    grid = gemv_grid(bucket, n, k, args.sms) if bucket <= 4 else dot_grid(bucket, n, k, args.sms)
+    search = Sweep(run, w, grid, deadline, args.replays, args.compile_threads)
+    return search.best(starts), search.tried
 
 
-def sweep(x: torch.Tensor, w: torch.Tensor, flush, iters: int, deadline: float) -> tuple[SkinnyConfig, float] | None:
-    """The fastest candidate config for x @ w.T and its time, or None if the deadline passed first."""
-    k, best = x.shape[1], None
-    for cfg in candidates(x.shape[0]):
-        if time.monotonic() > deadline:
-            break
-        if cfg.split_k > 1 and k // cfg.split_k < cfg.block_k:
-            continue
-        t = time_us(lambda cfg=cfg: skinny_linear(x, w, config=cfg), flush, iters)
-        if best is None or t < best[1]:
-            best = (cfg, t)
-    return best
+def rate(nbytes: int, us: float, copy_gbps: float) -> tuple[float, float]:
+    gbps = nbytes / us / 1e3
+    return round(gbps, 1), round(100 * gbps / copy_gbps, 1)
+
+
+def linear_row(name: str, m: int, w: torch.Tensor, args, copy_gbps: float, deadline: float | None) -> dict:
+    """One (shape, M) cell: F.linear and skinny_linear (heuristic config, and swept when `deadline`)."""
+    n, k = w.shape
+    x = torch.randn(m, k, device="cuda", dtype=w.dtype)
+    moved = (n * k + m * k + m * n) * w.element_size()
+    row = {"shape": name, "m": m, "n": n, "k": k}
+    timings = {"f_linear": graph_time_us(lambda w_: F.linear(x, w_), w, replays=args.replays),
+               "skinny": graph_time_us(lambda w_: skinny_linear(x, w_), w, replays=args.replays)}
+    row["config"] = repr(pick_config(m, n, k))
+    if deadline is not None:
+        best, tried = sweep(lambda w_, cfg: skinny_linear(x, w_, config=cfg), w, m, args, deadline)
+        row["sweep_tried"] = tried
+        if best is not None and best[1] < timings["skinny"]:
+            timings["sweep_best"], row["sweep_best"] = best[1], repr(best[0])
+    for key, us in timings.items():
+        row[f"{key}_us"] = round(us, 2)
+        row[f"{key}_gbps"], row[f"{key}_pct_copy"] = rate(moved, us, copy_gbps)
+    return row
+
+
+def silu_down_row(m: int, w: torch.Tensor, args, copy_gbps: float, deadline: float | None) -> dict:
+    """The down projection fed by gate_up [M, 2I]: fused GEMV vs silu_and_mul + F.linear / skinny_linear."""
+    n, k = w.shape
+    gate_up = torch.randn(m, 2 * k, device="cuda", dtype=w.dtype)
+    moved = (n * k + 2 * m * k + m * n) * w.element_size()
+    row = {"shape": "silu_down", "m": m, "n": n, "k": k, "config": repr(pick_silu_down_config(m, n, k))}
+    timings = {
+        "silu_f_linear": graph_time_us(lambda w_: F.linear(silu_and_mul(gate_up), w_), w, replays=args.replays),
+        "silu_skinny": graph_time_us(lambda w_: skinny_linear(silu_and_mul(gate_up), w_), w, replays=args.replays),
+        "fused": graph_time_us(lambda w_: skinny_silu_and_mul_linear(gate_up, w_), w, replays=args.replays),
+    }
+    if deadline is not None:
+        best, tried = sweep(lambda w_, cfg: skinny_silu_and_mul_linear(gate_up, w_, config=cfg), w, m, args,
+                            deadline, gated=True)
+        row["sweep_tried"] = tried
+        if best is not None and best[1] < timings["fused"]:
+            timings["sweep_best"], row["sweep_best"] = best[1], repr(best[0])
+    for key, us in timings.items():
+        row[f"{key}_us"] = round(us, 2)
+        row[f"{key}_gbps"], row[f"{key}_pct_copy"] = rate(moved, us, copy_gbps)
+    return row
+
+
+def tuned_literal(name: str, rows: list[dict], shapes: set[str]) -> str:
+    """A `NAME = {...}` dict literal of the swept winners among `rows` of the given shapes."""
+    lines = [f"    ({m_bucket(r['m'])}, {r['n']}, {r['k']}): {r['sweep_best']},"
+             for r in rows if r["shape"] in shapes and "sweep_best" in r]
+    return f"{name} = {{\n" + "\n".join(lines) + "\n}"
+
+
+def cells(args) -> list[tuple[str, int]]:
+    out = [(name, m) for name in args.shapes for m in args.ms]
+    if "down" in args.shapes:
+        out += [("silu_down", m) for m in args.ms if m <= 4]
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--ms", type=int, nargs="+", default=[1, 8, 16, 32, 64])
+    parser.add_argument("--ms", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--replays", type=int, default=5, help="timed replays per graph (median kept)")
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--budget-s", type=float, default=480.0, help="stop sweeping after this long")
+    parser.add_argument("--budget-s", type=float, default=150.0, help="total time the sweep may take")
+    parser.add_argument("--compile-threads", type=int, default=8, help="parallel Triton compiles in --sweep")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
-    flush = torch.empty(2 * getattr(props, "L2_cache_size", 64 << 20) // 4, dtype=torch.float32, device="cuda")
-    deadline = time.monotonic() + args.budget_s
-    rows, tuned = [], []
-    for name in args.shapes:
-        n, k = SHAPES[name]
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-        for m in args.ms:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            moved = (n * k + m * k + m * n) * 2
-            t_torch = time_us(lambda x=x, w=w: F.linear(x, w), flush, args.iters)
-            t_skinny = time_us(lambda x=x, w=w: skinny_linear(x, w), flush, args.iters)
-            row = {"shape": name, "m": m, "n": n, "k": k, "f_linear_us": round(t_torch, 2),
-                   "skinny_us": round(t_skinny, 2), "f_linear_gbps": round(moved / t_torch / 1e3, 1),
-                   "skinny_gbps": round(moved / t_skinny / 1e3, 1), "config": repr(pick_config(m, n, k))}
-            if args.sweep:
-                best = sweep(x, w, flush, max(args.iters // 3, 5), deadline)
-                if best is not None:
-                    row["sweep_best_us"], row["sweep_best"] = round(best[1], 2), repr(best[0])
-                    row["sweep_best_gbps"] = round(moved / best[1] / 1e3, 1)
-                    tuned.append(f"    ({m_bucket(m)}, {n}, {k}): {best[0]!r},")
-            rows.append(row)
-            print(" ".join(f"{key}={val}" for key, val in row.items() if key != "config"), flush=True)
-    if tuned:
-        print("TUNED = {\n" + "\n".join(tuned) + "\n}")
+    args.sms = props.multi_processor_count
+    copy_gbps = copy_bandwidth_gbps(torch.device("cuda"))
+    print(f"{props.name}: device-to-device copy {copy_gbps:.0f} GB/s", flush=True)
+    weights = {name: torch.randn(*SHAPES[name], device="cuda", dtype=torch.bfloat16) / SHAPES[name][1] ** 0.5
+               for name in args.shapes}
+    todo, rows, end = cells(args), [], time.monotonic() + args.budget_s
+    for i, (name, m) in enumerate(todo):
+        # Each cell may use an equal share of what is left of the budget.
+        deadline = time.monotonic() + max(end - time.monotonic(), 0) / (len(todo) - i) if args.sweep else None
+        if name == "silu_down":
+            row = silu_down_row(m, weights["down"], args, copy_gbps, deadline)
+        else:
+            row = linear_row(name, m, weights[name], args, copy_gbps, deadline)
+        rows.append(row)
+        print(" ".join(f"{key}={val}" for key, val in row.items() if "config" not in key), flush=True)
+    tuned = {"TUNED": tuned_literal("TUNED", rows, set(SHAPES)),
+             "TUNED_SILU_DOWN": tuned_literal("TUNED_SILU_DOWN", rows, {"silu_down"})}
+    if args.sweep:
+        print("\n".join(tuned.values()))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"command": " ".join(sys.argv), "device": props.name, "torch": torch.__version__}
-        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+        meta = {"command": " ".join(sys.argv), "device": props.name, "torch": torch.__version__,
+                "copy_gbps": round(copy_gbps, 1), "timing": "graph_time_us (CUDA graph, weights from HBM)"}
+        args.out.write_text(json.dumps({"meta": meta, "rows": rows, "tuned": tuned}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

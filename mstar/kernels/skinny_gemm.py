@@ -1,19 +1,21 @@
 """Skinny GEMM (decode GEMV): y = x @ W.T (+ bias) for few rows of x, reading the weight once.
 
 At decode, a linear layer's cost is reading its weight [N, K]; cuBLAS picks split-K kernels plus a
-separate reduce for some shapes and leaves bandwidth unused. Here each program owns BLOCK_N weight
-rows, streams its slice of K in wide chunks and keeps every row of x (M <= 64) in-program, with
-fp32 accumulation. For M <= 4 the product is a broadcast-multiply and sum (no padding); above, a
-`tl.dot` with M padded to 16/32/64.
+separate reduce for some shapes and leaves bandwidth unused. Two kernels serve here, both with fp32
+accumulation, both deterministic and CUDA-graph capturable (no host syncs, no data-dependent
+allocation; workspaces cached per shape):
 
-When N / BLOCK_N gives too few programs to fill the GPU, K is split: each split writes an fp32
-partial into a workspace cached per shape, and a second kernel sums the partials in a fixed order
-(no atomics: results are reproducible and the pair is CUDA-graph capturable; no host syncs, no
-data-dependent allocation).
+- block_m <= 4 (`mstar.kernels.gemv`): a pure-bandwidth GEMV, no tl.dot, wide loads along K, one
+  reduction after the K loop, split-K finished inside the same launch. It also serves
+  `skinny_silu_and_mul_linear`, the down projection with SiLU-and-mul fused into its x-load.
+- block_m >= 16: each program owns BLOCK_N weight rows and keeps every row of x (M <= 64, padded to
+  16/32/64) in a `tl.dot`; when N / BLOCK_N gives too few programs, K is split, fp32 partials go to a
+  workspace and a second kernel sums them in a fixed order (no atomics).
 
 Block sizes come from `pick_config` (a static heuristic; `TUNED` overrides per (M bucket, N, K),
-filled from `benchmarks/gemv_micro.py --sweep`). Use through `mstar.layers.linear.linear`, which
-decides per shape whether this beats F.linear; tests run it on CPU with TRITON_INTERPRET=1.
+filled from `benchmarks/gemv_micro.py --sweep`, which times candidates inside CUDA graphs). Use
+through `mstar.layers.linear`, which decides per shape whether this beats F.linear; tests run it on
+CPU with TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from mstar.kernels.gemv import MAX_M as GEMV_MAX_M
+from mstar.kernels.gemv import gemv
 
 MAX_M = 64  # the largest row count the kernel handles (block_m <= 64)
 
@@ -40,18 +45,23 @@ class SkinnyConfig:
 
     @property
     def use_dot(self) -> bool:
-        """tl.dot needs at least 16 rows; fewer rows use the broadcast-multiply path."""
+        """tl.dot needs at least 16 rows; block_m <= 4 runs the GEMV kernel (`mstar.kernels.gemv`)."""
         return self.block_m >= 16
+
+    def __post_init__(self) -> None:
+        if self.block_m not in (1, 2, 4, 16, 32, 64):
+            raise ValueError(f"block_m={self.block_m}: use 1, 2 or 4 (GEMV kernel) or 16, 32, 64 (tl.dot kernel)")
 
 
 # (M bucket, N, K) -> config measured best on the target GPU; consulted before the heuristic.
 TUNED: dict[tuple[int, int, int], SkinnyConfig] = {}
+# The same for skinny_silu_and_mul_linear, keyed by (M bucket, N, I) of the down projection.
+TUNED_SILU_DOWN: dict[tuple[int, int, int], SkinnyConfig] = {}
 
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_wn,
-                   HAS_BIAS: tl.constexpr, TO_WORKSPACE: tl.constexpr, USE_DOT: tl.constexpr,
-                   EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, K_ITERS: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, TO_WORKSPACE: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, K_ITERS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -76,10 +86,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, str
             k_mask = (k + rk) < K
             w = tl.load(w_ptrs + k, mask=k_mask[None, :], other=0.0)
             x = tl.load(x_ptrs + k, mask=k_mask[None, :], other=0.0)
-        if USE_DOT:
-            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
-        else:
-            acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if TO_WORKSPACE:
         tl.store(ws_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
@@ -127,19 +134,25 @@ def pick_config(m: int, n: int, k: int, sm_count: int = 132) -> SkinnyConfig:
     if tuned is not None:
         return tuned
     if bucket <= 4:
-        # Broadcast path: the [M, BLOCK_N, BLOCK_K] product lives in registers; keep it ~8K elements.
-        block_m, block_n, block_k, warps, stages = bucket, 16, max(512 // bucket, 128), 4, 3
-    else:
-        block_m = max(bucket, 16)
-        block_n, block_k = 32, 256 if block_m <= 16 else 128
-        warps, stages = 4, 4
-    return SkinnyConfig(block_m, block_n, block_k, _pick_split(n, k, block_n, block_k, sm_count), warps, stages)
+        return _gemv_config(bucket, n, k, sm_count)
+    block_m = max(bucket, 16)
+    block_n, block_k = 32, 256 if block_m <= 16 else 128
+    return SkinnyConfig(block_m, block_n, block_k, _pick_split(n, k, block_n, block_k, 4 * sm_count), 4, 4)
 
 
-def _pick_split(n: int, k: int, block_n: int, block_k: int, sm_count: int) -> int:
-    # Aim for >= 4 programs per SM so the last wave is short; every split keeps >= one full K block.
+def _gemv_config(bucket: int, n: int, k: int, sm_count: int) -> SkinnyConfig:
+    # BLOCK_K = 1024 spans all 4 warps with 16-byte loads (bf16; 2 loads per row for fp32), so x is read
+    # once per thread. Each program re-reads its x slice (L1 hits) per BLOCK_N weight rows: BLOCK_N >= 2
+    # keeps that traffic <= 2x the weight's, while the fp32 accumulators stay at <= 64 registers.
+    block_k = min(1024, triton.next_power_of_2(k))
+    block_n = 4 if bucket == 1 else 2
+    return SkinnyConfig(bucket, block_n, block_k, _pick_split(n, k, block_n, block_k, 2 * sm_count), 4, 2)
+
+
+def _pick_split(n: int, k: int, block_n: int, block_k: int, min_programs: int) -> int:
+    # Split K until there are min_programs programs; every split keeps >= one full K block.
     programs, split = triton.cdiv(n, block_n), 1
-    while programs * split < 4 * sm_count and split < 16 and k // (split * 2) >= block_k:
+    while programs * split < min_programs and split < 16 and k // (split * 2) >= block_k:
         split *= 2
     return split
 
@@ -154,6 +167,15 @@ def _workspace(device: torch.device, numel: int) -> torch.Tensor:
     return ws
 
 
+def _check(x: torch.Tensor, weight: torch.Tensor, k: int, max_m: int, what: str) -> None:
+    if x.dim() != 2 or not 1 <= x.shape[0] <= max_m:
+        raise ValueError(f"{what} handles 2-D x with 1..{max_m} rows, got x of shape {tuple(x.shape)}; use F.linear")
+    if weight.shape[1] != k or x.dtype != weight.dtype or x.stride(1) != 1 or weight.stride(1) != 1:
+        raise ValueError(f"{what} needs weight [N, {k}] of x's dtype and unit K strides, got "
+                         f"x {tuple(x.shape)} {x.dtype} stride {x.stride()}, weight {tuple(weight.shape)} "
+                         f"{weight.dtype} stride {weight.stride()}")
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   config: SkinnyConfig | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T + bias -> [M, N] in x's dtype, accumulated in fp32; M <= MAX_M.
@@ -163,15 +185,47 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """
     m, k = x.shape
     n = weight.shape[0]
-    if m < 1 or m > MAX_M:
-        raise ValueError(f"skinny_linear handles 1..{MAX_M} rows, got x of shape {tuple(x.shape)}; use F.linear")
-    if weight.shape[1] != k or x.dtype != weight.dtype or x.stride(1) != 1 or weight.stride(1) != 1:
-        raise ValueError(f"skinny_linear needs x [M, K] and weight [N, K] of one dtype with unit K stride, got "
-                         f"x {tuple(x.shape)} {x.dtype} stride {x.stride()}, weight {tuple(weight.shape)} "
-                         f"{weight.dtype} stride {weight.stride()}")
+    _check(x, weight, k, MAX_M, "skinny_linear")
     cfg = config or pick_config(m, n, k, _sm_count(x.device))
     if cfg.block_m < m:
         raise ValueError(f"config block_m={cfg.block_m} is smaller than M={m}")
+    if not cfg.use_dot:
+        return gemv(x, weight, bias, cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
+                    cfg.num_stages)
+    return _dot_linear(x, weight, bias, cfg)
+
+
+def pick_silu_down_config(m: int, n: int, k: int, sm_count: int = 132) -> SkinnyConfig:
+    """The GEMV config of `skinny_silu_and_mul_linear` for [m, 2k] -> [m, n]: `TUNED_SILU_DOWN` or the
+    heuristic."""
+    bucket = m_bucket(m)
+    return TUNED_SILU_DOWN.get((bucket, n, k)) or _gemv_config(bucket, n, k, sm_count)
+
+
+def skinny_silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                               config: SkinnyConfig | None = None) -> torch.Tensor:
+    """(silu(gate) * up) @ weight[N, I].T + bias for gate_up [M, 2I] = [gate | up], M <= GEMV_MAX_M.
+
+    Equals `skinny_linear(fused_ops.silu_and_mul(gate_up), weight, bias)` up to summation order (the
+    activation is rounded to the input dtype the same way) in one kernel, without the SiLU launch and
+    its round trip through memory. `config` (block_m <= 4) overrides `pick_silu_down_config`.
+    """
+    m, width = gate_up.shape
+    k, n = width // 2, weight.shape[0]
+    if width % 2:
+        raise ValueError(f"gate_up must be [M, 2I] = [gate | up], got width {width}")
+    _check(gate_up, weight, k, GEMV_MAX_M, "skinny_silu_and_mul_linear")
+    cfg = config or pick_silu_down_config(m, n, k, _sm_count(gate_up.device))
+    if cfg.use_dot or cfg.block_m < m:
+        raise ValueError(f"skinny_silu_and_mul_linear needs a GEMV config with {m} <= block_m <= {GEMV_MAX_M}, got {cfg}")
+    return gemv(gate_up, weight, bias, cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
+                cfg.num_stages, gated=True)
+
+
+def _dot_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                cfg: SkinnyConfig) -> torch.Tensor:
+    m, k = x.shape
+    n = weight.shape[0]
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     split = triton.cdiv(k, k_per_split)  # rounding k_per_split up can leave fewer splits
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -179,7 +233,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     has_bias = bias is not None
     _skinny_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, weight, bias if has_bias else weight, out, ws, m, n, k, x.stride(0), weight.stride(0),
-        HAS_BIAS=has_bias, TO_WORKSPACE=split > 1, USE_DOT=cfg.use_dot, EVEN_K=split * k_per_split == k,
+        HAS_BIAS=has_bias, TO_WORKSPACE=split > 1, EVEN_K=split * k_per_split == k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", K_ITERS=k_per_split // cfg.block_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

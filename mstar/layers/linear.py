@@ -1,18 +1,24 @@
-"""`linear(x, module)`: F.linear, or the skinny-GEMM Triton kernel where it is measured to be faster.
+"""`linear(x, module)`: F.linear, or the skinny-GEMM Triton kernel where it is measured to be faster;
+`silu_and_mul_linear(gate_up, module)`: the same for a down projection, with the SiLU-and-mul fused in.
 
 Decode runs the projections with a handful of rows, where reading the weight is the whole cost and
 cuBLAS does not always reach full bandwidth. For 2-D contiguous x with at most `SKINNY.max_m` rows
 on a device the fused kernels serve (`FUSED.ops_for`), the choice between `skinny_linear` and
-F.linear is made once per (M bucket, N, K, dtype, bias, device) by timing both with CUDA events the
-first time that shape is seen outside a CUDA-graph capture (the engine's warm-up); the choice is then
-fixed for the process, so results are deterministic per shape. A shape first seen during a capture
-uses F.linear for good (timing needs host syncs). On CPU (Triton interpreter) the kernel runs only when
-`SKINNY.force` is True (tests). MSTAR_SKINNY_GEMM=0 turns it off, =1 forces it on wherever allowed.
+F.linear is made once per (M bucket, N, K, dtype, bias, device) the first time that shape is seen
+outside a CUDA-graph capture (the engine's warm-up), by timing both inside a CUDA graph of
+back-to-back calls that read the weight from HBM (`mstar.kernels.timing.graph_time_us`: what a call
+costs in a decode graph, not the host's launch latency). The choice is then fixed for the process,
+so results are deterministic per shape. Likewise, for up to 4 rows, `skinny_silu_and_mul_linear` is
+timed against the SiLU kernel followed by the best linear. A shape first seen during a capture uses
+the unfused F.linear path for good (timing needs host syncs). On CPU (Triton interpreter) the
+kernels run only when `SKINNY.force` is True (tests). MSTAR_SKINNY_GEMM=0 turns them off, =1 forces
+them on wherever allowed.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,67 +29,89 @@ from mstar.layers.fused import FUSED
 
 logger = logging.getLogger(__name__)
 
-_Key = tuple[int, int, int, torch.dtype, bool, torch.device]
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FUSED_SILU_MAX_M = 4  # mstar.kernels.gemv.MAX_M, kept here so this module imports no Triton
 
 
 class _SkinnySwitch:
-    """Process-wide state of the skinny-GEMM choice; tests set `force` (True/False/None)."""
+    """Process-wide state of the skinny-GEMM choices; tests set `force` (True/False/None)."""
 
     def __init__(self) -> None:
         self.force: bool | None = envs.skinny_gemm()
         self.max_m = 64  # never above skinny_gemm.MAX_M
-        self.iters = 10  # timed calls per candidate
-        self.decisions: dict[_Key, bool] = {}
-        self._flush: dict[torch.device, torch.Tensor] = {}
+        self.replays = 5  # timed replays of each candidate's graph (the median is kept)
+        self.decisions: dict[tuple, bool] = {}
 
     def use_skinny(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether skinny_linear should run x @ weight.T (+ bias); measures once per shape on CUDA."""
-        if self.force is not None:
-            return self.force
-        if not x.is_cuda:
-            return False
+        return self._decide(self._key(x, weight, bias), x.is_cuda, lambda: self._measure_linear(x, weight, bias))
+
+    def use_fused_silu(self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether skinny_silu_and_mul_linear should run the down projection of `gate_up`; measured
+        once per shape on CUDA against silu_and_mul followed by the best linear."""
+        key = ("silu_and_mul",) + self._key(gate_up, weight, bias)
+        return self._decide(key, gate_up.is_cuda, lambda: self._measure_fused_silu(gate_up, weight, bias))
+
+    @staticmethod
+    def _key(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
         from mstar.kernels.skinny_gemm import m_bucket
 
-        key = (m_bucket(x.shape[0]), weight.shape[0], weight.shape[1], x.dtype, bias is not None, x.device)
+        return (m_bucket(x.shape[0]), weight.shape[0], weight.shape[1], x.dtype, bias is not None, x.device)
+
+    def _decide(self, key: tuple, is_cuda: bool, measure: Callable[[], bool]) -> bool:
+        if self.force is not None:
+            return self.force
+        if not is_cuda:  # the interpreter runs the kernels only when forced (tests)
+            return False
         decision = self.decisions.get(key)
         if decision is None:
             if torch.cuda.is_current_stream_capturing():
-                # Timing needs host syncs; F.linear from now on keeps this shape's choice fixed.
+                # Timing needs host syncs; the unfused F.linear path from now on keeps this choice fixed.
                 logger.warning("skinny GEMM: shape %s first seen inside a CUDA-graph capture; using F.linear", key)
                 self.decisions[key] = False
                 return False
-            decision = self.decisions[key] = self._measure(x, weight, bias)
+            decision = self.decisions[key] = measure()
         return decision
 
-    def _measure(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    def _measure_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         from mstar.kernels.skinny_gemm import skinny_linear
 
-        t_skinny = self._time(lambda: skinny_linear(x, weight, bias), x.device)
-        t_torch = self._time(lambda: F.linear(x, weight, bias), x.device)
-        faster = t_skinny < t_torch
-        logger.info("skinny GEMM M=%d N=%d K=%d %s: skinny %.1f us, F.linear %.1f us -> %s", x.shape[0],
-                    weight.shape[0], weight.shape[1], x.dtype, t_skinny, t_torch,
-                    "skinny" if faster else "F.linear")
-        return faster
+        times = self._time({"skinny": lambda w: skinny_linear(x, w, bias), "F.linear": lambda w: F.linear(x, w, bias)},
+                           weight)
+        if times is None:
+            return False
+        logger.info("skinny GEMM M=%d N=%d K=%d %s: skinny %.1f us, F.linear %.1f us", x.shape[0], weight.shape[0],
+                    weight.shape[1], x.dtype, times["skinny"], times["F.linear"])
+        return times["skinny"] < times["F.linear"]
 
-    @torch.inference_mode()  # the flush buffer may be an inference tensor (first made under inference mode)
-    def _time(self, fn, device: torch.device) -> float:
-        """Median microseconds of `fn` with L2 flushed before each call (decode reads cold weights)."""
-        flush = self._flush.get(device)
-        if flush is None:
-            l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 64 << 20)
-            flush = self._flush[device] = torch.empty(2 * l2 // 4, dtype=torch.float32, device=device)
-        fn()  # compile / lazy init outside the timing
-        times = []
-        for _ in range(self.iters):
-            flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1000.0)
-        return sorted(times)[len(times) // 2]
+    def _measure_fused_silu(self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        from mstar.kernels.fused_ops import silu_and_mul
+        from mstar.kernels.skinny_gemm import skinny_linear, skinny_silu_and_mul_linear
+
+        act = silu_and_mul(gate_up)
+        best = skinny_linear if self.use_skinny(act, weight, bias) else F.linear
+        times = self._time({"fused": lambda w: skinny_silu_and_mul_linear(gate_up, w, bias),
+                            "separate": lambda w: best(silu_and_mul(gate_up), w, bias)}, weight)
+        if times is None:
+            return False
+        logger.info("silu_and_mul + down M=%d N=%d K=%d %s: fused %.1f us, silu_and_mul + %s %.1f us",
+                    gate_up.shape[0], weight.shape[0], weight.shape[1], gate_up.dtype, times["fused"],
+                    best.__name__, times["separate"])
+        return times["fused"] < times["separate"]
+
+    @torch.inference_mode()  # weights and buffers may be inference tensors (made under inference mode)
+    def _time(self, candidates: dict[str, Callable[[torch.Tensor], object]],
+              weight: torch.Tensor) -> dict[str, float] | None:
+        """GPU microseconds per call of each candidate in a decode-like CUDA graph; None if the timing
+        copies do not fit in memory (the caller then keeps F.linear)."""
+        from mstar.kernels.timing import graph_time_us
+
+        try:
+            return {name: graph_time_us(fn, weight, replays=self.replays) for name, fn in candidates.items()}
+        except torch.cuda.OutOfMemoryError:
+            logger.warning("skinny GEMM: no memory for the timing copies of a %s weight; using F.linear",
+                           tuple(weight.shape))
+            return None
 
 
 SKINNY = _SkinnySwitch()
@@ -97,7 +125,7 @@ def linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
         and 0 < x.shape[0] <= SKINNY.max_m
         and SKINNY.force is not False
         and x.dtype == weight.dtype
-        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and x.dtype in _DTYPES
         and x.is_contiguous()
         and weight.is_contiguous()
         and FUSED.ops_for(x) is not None
@@ -107,3 +135,26 @@ def linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
 
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def silu_and_mul_linear(gate_up: torch.Tensor, module: nn.Linear) -> torch.Tensor:
+    """module(silu(gate) * up) for 2-D contiguous gate_up = [gate | up] on a device the fused kernels
+    serve: one fused GEMV where it is measured to win, else fused_ops.silu_and_mul then `linear`."""
+    ops = FUSED.ops_for(gate_up)
+    if ops is None or gate_up.dim() != 2 or not gate_up.is_contiguous():
+        raise ValueError(f"silu_and_mul_linear needs a 2-D contiguous gate_up the fused kernels serve, got "
+                         f"{tuple(gate_up.shape)} on {gate_up.device}; use F.silu(gate) * up and linear()")
+    weight, bias = module.weight, module.bias
+    if (
+        0 < gate_up.shape[0] <= _FUSED_SILU_MAX_M
+        and SKINNY.force is not False
+        and gate_up.dtype == weight.dtype
+        and gate_up.dtype in _DTYPES
+        and gate_up.shape[1] == 2 * weight.shape[1]
+        and weight.is_contiguous()
+        and SKINNY.use_fused_silu(gate_up, weight, bias)
+    ):
+        from mstar.kernels.skinny_gemm import skinny_silu_and_mul_linear
+
+        return skinny_silu_and_mul_linear(gate_up, weight, bias)
+    return linear(ops.silu_and_mul(gate_up), module)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mstar.kernels import skinny_gemm
+from mstar.kernels import gemv, skinny_gemm
 from mstar.kernels.skinny_gemm import SkinnyConfig, pick_config, skinny_linear
 from mstar.layers.fused import FUSED
 from mstar.layers.linear import SKINNY, linear
@@ -34,7 +34,8 @@ def check_split_k(dtype: torch.dtype) -> None:
         x, w, b = torch.randn(m, 300).to(dtype), (torch.randn(24, 300) / 17).to(dtype), torch.randn(24).to(dtype)
         split = SkinnyConfig(block_m=block_m, block_n=16, block_k=32, split_k=4)
         got = skinny_linear(x, w, b, config=split)
-        assert skinny_gemm._WORKSPACES, "split-K path did not use the workspace"
+        buffers = skinny_gemm._WORKSPACES if split.use_dot else gemv._BUFFERS
+        assert buffers, "split-K path did not use the workspace"
         torch.testing.assert_close(got, F.linear(x.float(), w.float(), b.float()).to(dtype), **tol(dtype))
         assert torch.equal(got, skinny_linear(x, w, b, config=split)), "split-K is not deterministic"
     # The heuristic splits K for a shape with few N blocks and a long K.
@@ -48,8 +49,9 @@ def check_strided_rows(dtype: torch.dtype) -> None:
 
 
 def check_selection(dtype: torch.dtype) -> None:
+    # 12 rows: both projections through skinny_linear (up to 8 rows, gemv_check covers the fused down).
     mlp = GatedMLP(32, 48).to(dtype)
-    x = torch.randn(3, 32).to(dtype)
+    x = torch.randn(12, 32).to(dtype)
     SKINNY.force = True
     got = mlp(x)
     calls = []

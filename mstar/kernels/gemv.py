@@ -1,0 +1,156 @@
+"""Bandwidth-bound GEMV for a few rows (decode): y = x @ W.T (+ bias), and silu(gate) * up fused into x.
+
+With M <= 4 rows a linear layer's whole cost is streaming W [N, K] (row-major) from HBM once. Each
+program owns BLOCK_N rows of W and walks its slice of K in BLOCK_K-wide chunks: 16-byte loads along
+K, elementwise fp32 multiply-adds into one [BLOCK_N, BLOCK_K] accumulator per row of x, and a single
+reduction over K after the loop, so the loop holds only loads and FMAs (no shuffles, no barriers,
+no layout conversions: checked in the compiled TTGIR for sm_90). No tl.dot: at M <= 4 tensor cores
+buy nothing. BLOCK_K >= 8 * 32 * num_warps (bf16) lets every thread load its x slice once.
+
+Programs must fill the GPU (132 SMs on an H100/H200): BLOCK_N sets how many there are; where N is
+too small, K is split. Split programs write fp32 partials to a workspace cached per shape; the last
+of a tile's splits to finish (an atomic counter per tile says which) sums the partials in the fixed
+order 0..SPLIT_K-1, adds the bias, stores the output and resets the counter. So one launch does it
+all (no second reduce kernel), the result does not depend on which split finishes last (bit
+reproducible), and it is CUDA-graph capturable (no host sync, no data-dependent allocation).
+
+`gated=True` reads x as the [M, 2K] output of a gate_up projection and computes
+silu(gate) * up in the x-load, rounded like `fused_ops.silu_and_mul`, which it replaces.
+Use through `mstar.kernels.skinny_gemm.skinny_linear` / `skinny_silu_and_mul_linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_M = 4  # rows above this take the tl.dot kernel in skinny_gemm
+
+
+@triton.jit
+def _load_x(x_ptrs, k, gate_offset, mask, GATED: tl.constexpr, EVEN_K: tl.constexpr):
+    # x rows are tiny and shared by every program: they come from L2/L1, not HBM.
+    if EVEN_K:
+        x = tl.load(x_ptrs + k)
+    else:
+        x = tl.load(x_ptrs + k, mask=mask, other=0.0)
+    if GATED:
+        if EVEN_K:
+            up = tl.load(x_ptrs + gate_offset + k)
+        else:
+            up = tl.load(x_ptrs + gate_offset + k, mask=mask, other=0.0)
+        g = x.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)  # F.silu rounds to the input dtype
+        x = (act * up.to(tl.float32)).to(x.dtype)  # and so does `silu(gate) * up`
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, gate_offset,
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 K_ITERS: tl.constexpr, BROADCAST_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    # Clamped indices keep the weight loads unmasked (vectorised); the extra rows are never stored.
+    rn_safe = tl.minimum(rn, N - 1)
+    w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
+    # x, w and the accumulators must share one register layout, or the compiler shuffles a tile through
+    # shared memory every iteration. When BLOCK_K spans all warps (BROADCAST_X), a [1, BLOCK_K] x row
+    # already has the weight tile's layout and is loaded once per thread; otherwise the warps split N
+    # and x is read through pointers of the weight tile's shape (each row the same addresses, L1 hits).
+    if BROADCAST_X:
+        x_ptrs = x_ptr + rk[None, :]
+    else:
+        x_ptrs = x_ptr + (rn * 0)[:, None] + rk[None, :]
+    # One [BLOCK_N, BLOCK_K] accumulator per row of x (rows past M repeat row M - 1, never stored).
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    k_start = pid_k * (K_ITERS * BLOCK_K)
+    for i in range(K_ITERS):
+        k = k_start + i * BLOCK_K
+        k_mask = ((k + rk) < K)[None, :]
+        if EVEN_K:
+            w = tl.load(w_ptrs + k).to(tl.float32)
+        else:
+            w = tl.load(w_ptrs + k, mask=k_mask, other=0.0).to(tl.float32)
+        acc0 += _load_x(x_ptrs, k, gate_offset, k_mask, GATED, EVEN_K) * w
+        if BLOCK_M > 1:
+            acc1 += _load_x(x_ptrs + tl.minimum(1, M - 1) * stride_xm, k, gate_offset, k_mask, GATED, EVEN_K) * w
+        if BLOCK_M > 2:
+            acc2 += _load_x(x_ptrs + tl.minimum(2, M - 1) * stride_xm, k, gate_offset, k_mask, GATED, EVEN_K) * w
+            acc3 += _load_x(x_ptrs + tl.minimum(3, M - 1) * stride_xm, k, gate_offset, k_mask, GATED, EVEN_K) * w
+    # The only cross-thread reductions, once per row after the loop; rows gathered into [BLOCK_M, BLOCK_N].
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) + tl.sum(acc0, axis=1)[None, :]
+    if BLOCK_M > 1:
+        part = tl.where(rm[:, None] == 1, tl.sum(acc1, axis=1)[None, :], part)
+    if BLOCK_M > 2:
+        part = tl.where(rm[:, None] == 2, tl.sum(acc2, axis=1)[None, :], part)
+        part = tl.where(rm[:, None] == 3, tl.sum(acc3, axis=1)[None, :], part)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    out_ptrs = out_ptr + rm[:, None] * N + rn[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            part += tl.load(b_ptr + rn_safe).to(tl.float32)[None, :]
+        tl.store(out_ptrs, part.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tile = rm[:, None] * N + rn[None, :]
+        tl.store(ws_ptr + pid_k * M * N + tile, part, mask=mask)
+        tl.debug_barrier()  # every thread's partial is written before the counter says so
+        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the last split of this tile: sum all partials in a fixed order
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                total += tl.load(ws_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + rn_safe).to(tl.float32)[None, :]
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+_BUFFERS: dict[tuple[str, torch.device, int], torch.Tensor] = {}
+
+
+def _buffer(kind: str, device: torch.device, numel: int) -> torch.Tensor:
+    # Allocated the first time a shape is seen (warm-up), then reused, so graph replays keep pointing at
+    # it; launches on one stream use it one after another. Counters start at zero and every launch
+    # leaves them at zero.
+    key = (kind, device, numel)
+    buf = _BUFFERS.get(key)
+    if buf is None:
+        dtype = torch.float32 if kind == "ws" else torch.int32
+        buf = _BUFFERS[key] = torch.zeros(numel, dtype=dtype, device=device)
+    return buf
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_m: int, block_n: int,
+         block_k: int, split_k: int = 1, num_warps: int = 4, num_stages: int = 2,
+         gated: bool = False) -> torch.Tensor:
+    """x [M, K] (or [M, 2K] = [gate | up] when `gated`) times weight [N, K].T (+ bias) -> [M, N].
+
+    M <= block_m <= MAX_M. Output in x's dtype, accumulated in fp32, bit-reproducible; inputs are
+    checked by the caller (`skinny_gemm`). `split_k` is an upper bound: each split keeps whole
+    BLOCK_K chunks.
+    """
+    m = x.shape[0]
+    n, k = weight.shape
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    split = triton.cdiv(k, k_per_split)  # rounding k_per_split up can leave fewer splits
+    tiles = triton.cdiv(n, block_n)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    ws = _buffer("ws", x.device, split * m * n) if split > 1 else out
+    lock = _buffer("lock", x.device, tiles) if split > 1 else out
+    _gemv_kernel[(tiles, split)](
+        x, weight, bias if bias is not None else weight, out, ws, lock, m, n, k, x.stride(0),
+        weight.stride(0), k, HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=split,
+        EVEN_K=split * k_per_split == k, K_ITERS=k_per_split // block_k,
+        BROADCAST_X=block_k >= 16 // x.element_size() * 32 * num_warps,  # 16-byte loads by every thread
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
