@@ -108,3 +108,14 @@ def test_every_component_builds_at_full_size_with_the_reference_parameter_count(
     assert unique == sum(p.numel() for p in ref.parameters())
     assert 35.2e9 < unique < 35.3e9  # 35,259,818,545: the 70.5 GB of the bf16 checkpoint
     assert 30.5e9 < ours["thinker"] < 30.6e9
+
+
+def test_the_api_side_of_the_dummy_model_prepares_a_spoken_request():
+    """What the API process does with `mstar serve qwen3_omni --load-format dummy` (no weights there)."""
+    model = Qwen3Omni(Qwen3Omni.make_config(), load_format="dummy")
+    options = model.request_options({"modalities": ["text", "audio"], "max_tokens": 4})
+    inputs = model.processor().inputs({"text": "Hello"}, options)
+    ids = inputs["prompt_ids"].tolist()
+    assert ids[:2] == [FULL_TOKEN_IDS["im_start"], FULL_TOKEN_IDS["user"]]
+    assert ids[-2:] == [FULL_TOKEN_IDS["assistant"], model.checkpoint.tokenizer.encode("\n")[0]]
+    assert inputs["talker_positions"].shape[0] == 3 and options["voice"] == "Ethan"
