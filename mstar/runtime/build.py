@@ -31,14 +31,22 @@ def worker_device(config: MStarConfig, rank: int) -> torch.device:
 
 
 def build_engines(model: Model, config: MStarConfig, components: list[str], device: torch.device) -> dict[str, Engine]:
-    """One engine per component placed on this worker."""
+    """One engine per component placed on this worker.
+
+    Every component's weights go on the device before any engine is made: an autoregressive engine
+    sizes its KV pool from the memory free when it is made, so weights built after a pool might not
+    fit (Qwen3-Omni on one GPU: the talker's pool took 60% of the GPU before the 57 GiB thinker).
+    """
     graph = model.graph()
+    built = {}
+    for name in components:
+        built[name] = model.build_component(name, device)
+        logger.info("built component %s on %s", name, device)
     engines: dict[str, Engine] = {}
     for name in components:
-        built = model.build_component(name, device)
         kind = graph.components[name].engine
-        logger.info("built component %s (%s engine) on %s", name, kind, device)
-        engines[name] = _engine(kind, built, config, device)
+        engines[name] = _engine(kind, built.pop(name), config, device)
+        logger.info("made the %s engine of %s", kind, name)
     return engines
 
 

@@ -158,6 +158,8 @@ def fill_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
     generators: dict[torch.device, torch.Generator] = {}  # random numbers drawn on each parameter's device
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if param.is_meta:
+                continue  # no storage to fill (a model built on the meta device to size or inspect it)
             if param.ndim >= 2:
                 if param.device not in generators:
                     generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)

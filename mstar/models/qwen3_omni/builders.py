@@ -39,6 +39,13 @@ def _fill_dummy(module: torch.nn.Module, cfg, salt: int) -> None:
     loading.fill_dummy_weights(module, seed=cfg.seed * 100 + salt, std=_TINY_STD if cfg.tiny else 0.02)
 
 
+def _construct(factory, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """`factory()` built straight on `device` (no float32 copy on the CPU first), then cast to `dtype`."""
+    with torch.device(device):
+        module = factory()
+    return module.to(dtype=dtype).eval()
+
+
 def _thinker(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype) -> BuiltComponent:
     from mstar.models.qwen3_omni.thinker import build_thinker
     from mstar.models.qwen3_omni.weights import load_thinker
@@ -103,7 +110,7 @@ def _talker(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype)
 def _talker_input(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype) -> BuiltComponent:
     talker_cfg = ckpt.omni.talker
     assert talker_cfg is not None
-    module = TalkerInput(talker_cfg, ckpt.omni.token_ids).to(device=device, dtype=dtype).eval()
+    module = _construct(lambda: TalkerInput(talker_cfg, ckpt.omni.token_ids), device, dtype)
     if ckpt.root is None or ckpt.load_format == "dummy":
         _fill_dummy(module, cfg, 3)
     else:
@@ -137,7 +144,7 @@ def load_talker_input(module: TalkerInput, named_tensors: Iterable[tuple[str, to
 def _code_predictor(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype) -> BuiltComponent:
     from mstar.models.qwen3_omni.codec_weights import load_code_predictor
 
-    module = FrameCodePredictor(ckpt.code_predictor_config).to(device=device, dtype=dtype).eval()
+    module = _construct(lambda: FrameCodePredictor(ckpt.code_predictor_config), device, dtype)
     module.codec_eos = ckpt.omni.talker.codec_ids["eos"]
     if ckpt.root is None or ckpt.load_format == "dummy":
         _fill_dummy(module, cfg, 4)
@@ -147,10 +154,12 @@ def _code_predictor(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torc
 
 
 def _code2wav(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype) -> BuiltComponent:
+    from mstar.models.qwen3_omni.code2wav import Code2Wav
     from mstar.models.qwen3_omni.codec_weights import build_code2wav
 
-    fmt = "dummy" if ckpt.root is None else ckpt.load_format
-    module = build_code2wav(ckpt.code2wav_config, ckpt.root, fmt, dtype, device)
-    if fmt == "dummy":
+    if ckpt.root is None or ckpt.load_format == "dummy":
+        module = _construct(lambda: Code2Wav(ckpt.code2wav_config), device, dtype)
         _fill_dummy(module, cfg, 5)
+    else:
+        module = build_code2wav(ckpt.code2wav_config, ckpt.root, ckpt.load_format, dtype, device)
     return BuiltComponent(module)

