@@ -54,9 +54,28 @@ class SkinnyConfig:
 
 
 # (M bucket, N, K) -> config measured best on the target GPU; consulted before the heuristic.
-TUNED: dict[tuple[int, int, int], SkinnyConfig] = {}
+# Filled from `benchmarks/gemv_micro.py --sweep --budget-s 55 --ms 1 8 16` on one H200 (bf16, the
+# Orpheus-3B / Llama-3.2-3B decode shapes); other shapes use the heuristic.
+TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
+    (1, 5120, 3072): SkinnyConfig(block_m=1, block_n=2, block_k=1024, split_k=1, num_warps=4, num_stages=3),
+    (8, 5120, 3072): SkinnyConfig(block_m=16, block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=3),
+    (16, 5120, 3072): SkinnyConfig(block_m=16, block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=3),
+    (1, 3072, 3072): SkinnyConfig(block_m=1, block_n=1, block_k=1024, split_k=1, num_warps=2, num_stages=3),
+    (8, 3072, 3072): SkinnyConfig(block_m=16, block_n=32, block_k=128, split_k=4, num_warps=4, num_stages=4),
+    (16, 3072, 3072): SkinnyConfig(block_m=16, block_n=32, block_k=128, split_k=4, num_warps=4, num_stages=4),
+    (1, 16384, 3072): SkinnyConfig(block_m=1, block_n=2, block_k=2048, split_k=1, num_warps=8, num_stages=3),
+    (8, 16384, 3072): SkinnyConfig(block_m=16, block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
+    (16, 16384, 3072): SkinnyConfig(block_m=16, block_n=32, block_k=64, split_k=1, num_warps=4, num_stages=4),
+    (8, 3072, 8192): SkinnyConfig(block_m=16, block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=4),
+    (16, 3072, 8192): SkinnyConfig(block_m=16, block_n=32, block_k=256, split_k=4, num_warps=4, num_stages=3),
+    (1, 156940, 3072): SkinnyConfig(block_m=1, block_n=2, block_k=1024, split_k=1, num_warps=4, num_stages=1),
+    (8, 156940, 3072): SkinnyConfig(block_m=16, block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4),
+    (16, 156940, 3072): SkinnyConfig(block_m=16, block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4),
+}
 # The same for skinny_silu_and_mul_linear, keyed by (M bucket, N, I) of the down projection.
-TUNED_SILU_DOWN: dict[tuple[int, int, int], SkinnyConfig] = {}
+TUNED_SILU_DOWN: dict[tuple[int, int, int], SkinnyConfig] = {
+    (1, 3072, 8192): SkinnyConfig(block_m=1, block_n=8, block_k=1024, split_k=1, num_warps=4, num_stages=2),
+}
 
 
 @triton.jit
