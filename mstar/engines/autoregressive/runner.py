@@ -13,6 +13,7 @@ import torch
 
 from mstar.config import CudaGraphConfig
 from mstar.engines.attention.base import AttentionBackend, AttentionMetadata
+from mstar.engines.autoregressive.extras_graph import ExtrasGraphs
 from mstar.engines.autoregressive.lookahead import Ahead
 from mstar.engines.autoregressive.scheduler import Chunk
 from mstar.engines.autoregressive.sequence import Sequence
@@ -64,6 +65,7 @@ class ModelRunner:
         self.page_size = page_size
         self.device = device
         self.graphs: BatchGraphs | None = None
+        self.extras_graphs: ExtrasGraphs | None = None  # decode with embeddings/positions/hidden capture
         self._staging: list[_DecodeStaging] = []  # two sets, used in turn
         self.last_greedy_ids: torch.Tensor | None = None  # argmax of the last step's logits, when a graph ran
         if graphs is not None and graphs.enabled and self.device.type == "cuda":
@@ -71,7 +73,11 @@ class ModelRunner:
             if capturable is not None and not capturable():
                 logger.info("%s cannot be captured in CUDA graphs here; decode runs eagerly", type(model).__name__)
             elif getattr(attn, "supports_cuda_graphs", False):
-                self.graphs = self._capture([s for s in graphs.sizes() if s <= max_num_seqs] or [1])
+                sizes = [s for s in graphs.sizes() if s <= max_num_seqs] or [1]
+                self.graphs = self._capture(sizes)
+                if getattr(model, "graph_hidden_layers", None):
+                    self.extras_graphs = ExtrasGraphs(model, attn, self.device)
+                    self.extras_graphs.capture(sizes, self._describe_dummy_batch)
             else:
                 logger.info("%s cannot be captured in CUDA graphs; decode runs eagerly", type(attn).__name__)
 
@@ -81,13 +87,14 @@ class ModelRunner:
             logits = self.model.compute_logits(self.model.forward(input_ids, positions, self.attn))
             return logits, logits.argmax(dim=-1)  # greedy ids come with the graph: no extra launch
 
-        def describe_dummy_batch(size: int) -> None:  # every row: one token over itself, written nowhere
-            meta = AttentionMetadata([1] * size, [1] * size, torch.full((size,), -1, dtype=torch.long),
-                                     torch.zeros(size, 1, dtype=torch.int32))
-            self.attn.prepare(meta, pad_to=size)  # type: ignore[call-arg]
-
         return BatchGraphs(decode_step, sizes, [((), torch.long), ((), torch.long)], self.device,
-                           before_capture=describe_dummy_batch)
+                           before_capture=self._describe_dummy_batch)
+
+    def _describe_dummy_batch(self, size: int) -> None:
+        """Prepare the backend for a capture: every row one token over itself, written nowhere."""
+        meta = AttentionMetadata([1] * size, [1] * size, torch.full((size,), -1, dtype=torch.long),
+                                 torch.zeros(size, 1, dtype=torch.int32))
+        self.attn.prepare(meta, pad_to=size)  # type: ignore[call-arg]
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> torch.Tensor | None:
@@ -95,6 +102,8 @@ class ModelRunner:
         (None when none does)."""
         self.last_greedy_ids = None
         if any(c.seq.inputs is not None for c in chunks):
+            if self.extras_graphs is not None and self.extras_graphs.accepts(chunks):
+                return self._replay_extras(chunks)
             return self._run_with_extras(chunks)
         if self.graphs is not None and len(chunks) <= self.graphs.max_batch and \
                 all(c.num_tokens == 1 and c.completes for c in chunks):
@@ -137,11 +146,28 @@ class ModelRunner:
     def _replay_rows(self, seqs: list[Sequence], positions: list[int],
                      ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay one decode row per sequence at `positions`, fed `ids` (a device tensor) or, when None,
-        each sequence's own token there; (logits, greedy ids), views valid until the next replay.
+        each sequence's own token there; (logits, greedy ids), views valid until the next replay."""
+        assert self.graphs is not None
+        st, n, bucket = self._stage(seqs, positions, ids is None)
+        return self.graphs(st.ids[:n] if ids is None else ids, st.positions[:n], bucket=bucket)
 
-        The step's inputs are written into pinned host buffers, so every copy to the GPU is
-        asynchronous (pageable copies would each stall the host); two sets alternate, so a step
-        prepared while the previous one may still be copying its inputs never overwrites them.
+    def _replay_extras(self, chunks: list[Chunk]) -> torch.Tensor:
+        """A decode step with extras through `extras_graphs` (see extras_graph.py)."""
+        assert self.extras_graphs is not None and self.extras_graphs.graphs is not None
+        st, n, bucket = self._stage([c.seq for c in chunks], [c.start for c in chunks], True)
+        positions, embeds, use_embeds = self.extras_graphs.inputs(chunks)
+        logits, greedy, *hidden = self.extras_graphs.graphs(st.ids[:n], positions, embeds, use_embeds, bucket=bucket)
+        self.extras_graphs.store_hidden(chunks, tuple(hidden))
+        self.last_greedy_ids = greedy
+        return logits
+
+    def _stage(self, seqs: list[Sequence], positions: list[int], with_ids: bool) -> tuple[_DecodeStaging, int, int]:
+        """Write a decode batch (token ids if `with_ids`, positions, slots, block tables) into pinned
+        staging and prepare the attention backend for its graph bucket; (staging, rows, bucket).
+
+        Pinned buffers make every copy to the GPU asynchronous (pageable copies would each stall the
+        host); two sets alternate, so a step prepared while the previous one may still be copying its
+        inputs never overwrites them.
         """
         assert self.graphs is not None
         if not self._staging:
@@ -152,16 +178,17 @@ class ModelRunner:
         seq_lens = []
         for i, (seq, pos) in enumerate(zip(seqs, positions)):
             pages = seq.pages
-            if ids is None:
+            if with_ids:
                 st.ids_np[i] = seq.token_ids[pos]
             st.positions_np[i] = pos
             st.slots_np[i] = pages[pos // page] * page + pos % page
             st.tables_np[i, : len(pages)] = pages
             seq_lens.append(pos + 1)
         bucket = self.graphs.bucket(n)
+        assert bucket is not None
         meta = AttentionMetadata([1] * n, seq_lens, st.slots[:n], st.tables[:n])
         self.attn.prepare(meta, pad_to=bucket)  # type: ignore[call-arg]
-        return self.graphs(st.ids[:n] if ids is None else ids, st.positions[:n], bucket=bucket)
+        return st, n, bucket
 
     @torch.inference_mode()
     def launch_ahead(self, seqs: list[Sequence], ids: torch.Tensor) -> Ahead:
@@ -204,7 +231,7 @@ class _DecodeStaging:
 
     def __init__(self, max_batch: int, max_pages: int) -> None:
         def pinned(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, pin_memory=True)
+            return torch.zeros(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
 
         self.ids, self.positions, self.slots = pinned(max_batch), pinned(max_batch), pinned(max_batch)
         self.tables = pinned(max_batch, max_pages, dtype=torch.int32)

@@ -55,6 +55,8 @@ def _thinker(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype
         _fill_dummy(module, cfg, 1)
     else:
         module = load_thinker(ckpt.root, ckpt.load_format, dtype, device)
+    if ckpt.omni.talker is not None:  # a spoken answer's decode steps return these (engine decode graphs)
+        module.graph_hidden_layers = (0, ckpt.omni.talker.accept_hidden_layer)
     eos = (ckpt.omni.token_ids["im_end"],)  # the reference's thinker_eos_token_id
     return BuiltComponent(module, {
         "eos_token_ids": eos, "max_model_len": cfg.max_model_len, "vocab_size": ckpt.omni.thinker.text.vocab_size,

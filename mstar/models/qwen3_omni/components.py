@@ -112,6 +112,8 @@ class CodecTalker(nn.Module):
         super().__init__()
         self.talker = talker
         self.kv_layout = talker.kv_layout
+        self.hidden_size = talker.hidden_size
+        self.graph_hidden_layers = talker.graph_hidden_layers
         vocab = talker.config.text.vocab_size
         mask = torch.zeros(vocab, dtype=torch.bool, device=talker.codec_head.weight.device)
         mask[max(0, vocab - SUPPRESSED_SPECIALS):] = True

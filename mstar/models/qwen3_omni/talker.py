@@ -67,6 +67,8 @@ class Qwen3OmniTalker(nn.Module):
         self.codec_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.text_projection = ResizeMLP(config.thinker_hidden_size, text.intermediate_size, text.hidden_size)
         self.hidden_projection = ResizeMLP(config.thinker_hidden_size, text.intermediate_size, text.hidden_size)
+        self.hidden_size = text.hidden_size
+        self.graph_hidden_layers = (FINAL,)  # the code predictor reads each step's final state
 
     def supports_cuda_graphs(self) -> bool:
         """Decode is capturable only where every MoE layer takes the grouped path (CUDA bf16)."""

@@ -51,6 +51,10 @@ class Qwen3OmniThinker(nn.Module):
         self.model = ThinkerBody(config)
         self.rotary = MRotaryEmbedding(text.rope)
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        self.hidden_size = text.hidden_size
+        # hidden-state layers decode items may ask for, captured in the engine's decode graphs
+        # (engines/autoregressive/extras_graph.py); the builder sets (0, talker accept layer)
+        self.graph_hidden_layers: tuple[int, ...] = ()
         self.tie_weights()
 
     def tie_weights(self) -> None:

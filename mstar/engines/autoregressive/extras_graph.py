@@ -1,0 +1,118 @@
+"""Decode steps with per-token extras (input embeddings, explicit positions, hidden capture) replayed
+from CUDA graphs.
+
+Plain decode graphs take token ids and positions only, so a step where some sequence brings input
+embeddings, explicit rotary positions or asks for hidden states used to run eagerly: for Qwen3-Omni
+that is every talker step (its input is an embedding) and every thinker step of a spoken answer
+(the talker reads the thinker's hidden states), each paying all its layers' kernel launches.
+
+A model that declares `graph_hidden_layers` (the layers its decode items ask for; 0 = embeddings,
+-1 = final) and `hidden_size` gets a second set of decode graphs. Their static inputs also hold one
+embedding row per sequence with a mask saying which rows use it (the others look their token up),
+and positions as float32 rows ([B, 3] for models with `multirow_positions`; rotary modules compute
+in float32, so integral positions give the same angles); their outputs add the declared layers'
+states. A decode batch replays them when every sequence computes one token without per-token
+features (e.g. deepstack rows, which only prompts carry) and asks for declared layers only; any
+other batch runs eagerly as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mstar.engines.autoregressive.scheduler import Chunk
+from mstar.engines.cuda_graphs import BatchGraphs
+from mstar.engines.extras import ForwardExtras
+
+
+@dataclass
+class _StaticExtras(ForwardExtras):
+    """ForwardExtras over fixed-shape buffers: every row has an embedding slot, `use_embeds` picks."""
+
+    use_embeds: torch.Tensor | None = None  # [B] bool
+
+    def embed(self, table: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
+        x = table(input_ids)
+        assert self.embeds is not None and self.use_embeds is not None
+        return torch.where(self.use_embeds[:, None], self.embeds.to(x.dtype), x)
+
+
+class ExtrasGraphs:
+    """Decode graphs of a model's forward with static embedding, position and hidden-capture buffers."""
+
+    def __init__(self, model: Any, attn: Any, device: torch.device) -> None:
+        self.model, self.attn, self.device = model, attn, device
+        self.layers = tuple(model.graph_hidden_layers)
+        self.rows = 3 if getattr(model, "multirow_positions", False) else 1
+        self._zero_row = torch.zeros(model.hidden_size, dtype=model.kv_layout.dtype, device=device)
+        self.graphs: BatchGraphs | None = None
+
+    @torch.inference_mode()
+    def capture(self, sizes: list[int], describe_dummy_batch: Callable[[int], None]) -> None:
+        """Capture `step` at `sizes` (CUDA only); `describe_dummy_batch` prepares the attention backend."""
+        example = [((), torch.long), ((self.rows,), torch.float32), ((self.model.hidden_size,), self._zero_row.dtype),
+                   ((), torch.bool)]
+        self.graphs = BatchGraphs(self.step, sizes, example, self.device, before_capture=describe_dummy_batch)
+
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, embeds: torch.Tensor,
+             use_embeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The captured function: (logits, greedy ids, *states of the declared layers) of one decode row
+        per sequence; the attention backend must have been prepared for the batch."""
+        extras = _StaticExtras(embeds=embeds, capture=frozenset(self.layers), use_embeds=use_embeds)
+        pos = positions.t() if self.rows == 3 else positions[:, 0]
+        logits = self.model.compute_logits(self.model.forward(ids, pos, self.attn, extras))
+        return (logits, logits.argmax(dim=-1), *(extras.captured[k] for k in self.layers))
+
+    def accepts(self, chunks: list[Chunk]) -> bool:
+        """Whether this decode batch can replay: one token per sequence, no features, declared layers."""
+        if self.graphs is None or len(chunks) > self.graphs.max_batch:
+            return False
+        for c in chunks:
+            if c.num_tokens != 1 or not c.completes:
+                return False
+            inputs = c.seq.inputs
+            if inputs is None:
+                continue
+            if inputs.multi_row and self.rows == 1:
+                return False
+            if inputs.hidden is not None and not set(inputs.hidden.layers) <= set(self.layers):
+                return False
+            for offsets, _values, features in inputs.rows_in(c.start, 1):
+                if len(offsets) and any(v.numel() for v in features.values()):
+                    return False
+        return True
+
+    def inputs(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions [n, rows] float32, embeddings [n, H], use-embedding mask [n]) on the device."""
+        positions, rows, mask = [], [], []
+        for c in chunks:
+            inputs, embedding = c.seq.inputs, None
+            if inputs is None:
+                positions.append([float(c.start)] * self.rows)
+            else:
+                pos = inputs.positions(c.start, 1)[:, 0].float()
+                positions.append(pos.expand(self.rows).tolist() if pos.numel() == 1 else pos.tolist())
+                found = [values for offsets, values, _ in inputs.rows_in(c.start, 1) if len(offsets)]
+                embedding = found[0][0] if found else None
+            mask.append(embedding is not None)
+            rows.append(self._zero_row if embedding is None else embedding.to(self.device, self._zero_row.dtype))
+        return (_to_device(torch.tensor(positions, dtype=torch.float32), self.device), torch.stack(rows),
+                _to_device(torch.tensor(mask, dtype=torch.bool), self.device))
+
+    def store_hidden(self, chunks: list[Chunk], hidden: tuple[torch.Tensor, ...]) -> None:
+        """Hand each sequence's captured rows (static graph outputs) to its pending capture (a copy)."""
+        captured = dict(zip(self.layers, hidden))
+        for i, c in enumerate(chunks):
+            inputs = c.seq.inputs
+            if inputs is not None and inputs.hidden is not None:
+                inputs.store_hidden(c.start, 1, captured, i)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor to `device` without stalling the host (through pinned memory)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
