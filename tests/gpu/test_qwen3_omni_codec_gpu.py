@@ -81,3 +81,23 @@ def test_tiny_code2wav_gpu_matches_cpu():
         torch.testing.assert_close(gpu(codes.cuda()).cpu(), cpu(codes), atol=1e-4, rtol=0)
     finally:
         torch.backends.cudnn.allow_tf32 = tf32
+
+
+def test_served_code_predictor_replays_its_graphs():
+    """run_batch with captured graphs (the server captures them on CUDA in bf16) equals eager."""
+    model = build_code_predictor(CodePredictorConfig.full(), None, load_format="dummy", dtype=torch.bfloat16,
+                                 device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(BATCH, model.cfg.hidden_size, device="cuda", generator=gen, dtype=torch.bfloat16)
+    first = torch.randint(0, 2048, (BATCH,), device="cuda", generator=gen)
+    opts = [{"code_predictor.temperature": 0.9, "code_predictor.seed": 5}] * BATCH
+    inputs = [{"talker_hidden": hidden[i], "first_code": first[i:i + 1], "frame_index": torch.tensor(i)}
+              for i in range(BATCH)]
+    want = model.run_batch("talker", "code_predictor", inputs, opts)
+    model.capture_graphs([1, 2, 4, BATCH])
+    assert set(model.graphs) == {False, True}
+    got = model.run_batch("talker", "code_predictor", inputs, opts)
+    again = model.run_batch("talker", "code_predictor", inputs, opts)  # a later replay leaves `got` intact
+    for g, a, w in zip(got, again, want):
+        assert torch.equal(g["codes"], w["codes"]) and torch.equal(a["codes"], w["codes"])
+        torch.testing.assert_close(g["codec_embed_sum"], w["codec_embed_sum"])

@@ -115,3 +115,53 @@ def test_seed_needs_frame_index(pair):
     with pytest.raises(ValueError, match="frame_index"):
         ours.run_batch("talker", "code_predictor", [{"talker_hidden": hidden[0], "first_code": first[:1]}],
                        [{"code_predictor.seed": 1}])
+
+
+class _EagerGraphs:
+    """BatchGraphs' interface on CPU: static output buffers reused across calls, so a caller that keeps
+    views instead of copies sees them overwritten, as with a real graph."""
+
+    def __init__(self, fn, sizes, example, device, before_capture=None, warmup=2):
+        self.fn, self.sizes, self.calls, self.out = fn, sorted(sizes), 0, None
+
+    @property
+    def max_batch(self):
+        return self.sizes[-1]
+
+    def __call__(self, *inputs, bucket=None):
+        self.calls += 1
+        with torch.inference_mode():
+            result = self.fn(*inputs)
+        if self.out is None:
+            self.out = tuple(torch.empty_like(r) for r in result)
+        for o, r in zip(self.out, result):
+            o.copy_(r)
+        return self.out
+
+
+def test_captured_predict_serves_the_same_frames(pair, monkeypatch):
+    """run_batch through the graphs (greedy and sampled batches) equals the eager predict."""
+    from mstar.engines import cuda_graphs
+
+    _, _, ours = pair
+    frames = _frames(3, seed=4)
+    sampled = {"code_predictor.temperature": 0.9, "code_predictor.seed": 3}
+    rows = [[GREEDY, GREEDY], [sampled, GREEDY]]
+
+    def serve():
+        return [[(o["codes"], o["codec_embed_sum"]) for o in ours.run_batch("talker", "code_predictor",
+                                                             [{"talker_hidden": h[i], "first_code": f[i:i + 1],
+                                                               "frame_index": torch.tensor(k)} for i in range(2)],
+                                                             opts)]
+                for opts in rows for k, (h, f) in enumerate(frames)]
+
+    want = serve()
+    monkeypatch.setattr(cuda_graphs, "BatchGraphs", _EagerGraphs)
+    ours.capture_graphs([1, 2, 4])
+    try:
+        got = serve()
+        assert ours.graphs[False].calls == 3 and ours.graphs[True].calls == 3
+    finally:
+        ours.graphs = {}
+    # compared after all calls: outputs must not be views a later replay overwrites
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for g, w in zip(got, want) for a, b in zip(g, w))

@@ -152,6 +152,8 @@ def _code_predictor(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torc
         _fill_dummy(module, cfg, 4)
     else:
         load_code_predictor(module, loading.iter_checkpoint_tensors(ckpt.root))
+    if device.type == "cuda" and module.norm.weight.dtype == torch.bfloat16:  # captured before ready
+        module.capture_graphs([s for s in (1, 2, 4, 8, 16, 32, 64) if s <= cfg.max_num_seqs] or [1])
     return BuiltComponent(module)
 
 

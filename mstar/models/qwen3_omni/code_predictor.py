@@ -100,6 +100,45 @@ class CodePredictor(nn.Module):
         # A copy of the talker's codec embedding: the predictor's second input is the first code's.
         self.talker_codec_embedding = nn.Embedding(cfg.talker_vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(RopeSpec(head_dim=cfg.head_dim, theta=cfg.rope_theta))
+        self.graphs: dict[bool, Any] = {}  # sampled? -> BatchGraphs of `predict`, once captured on CUDA
+
+    def capture_graphs(self, sizes: Sequence[int]) -> None:
+        """Capture `predict` at these batch sizes, for all-greedy batches and for sampled ones (CUDA only).
+
+        The inner loop is 15 steps of every layer plus sampling: hundreds of small kernels per frame,
+        which a slow host would otherwise launch one by one at every talker step.
+        """
+        from mstar.engines.cuda_graphs import BatchGraphs
+
+        device, cfg = self.norm.weight.device, self.cfg
+        example = [((cfg.hidden_size,), self.norm.weight.dtype), ((), torch.long),
+                   ((), torch.float32), ((), torch.long), ((), torch.float32)]
+
+        def greedy(hidden, first, temperature, top_k, top_p):
+            return self.predict(hidden, first, SamplingTensors(temperature, top_k, top_p, None))
+
+        def sampled(hidden, first, temperature, top_k, top_p, noise):
+            return self.predict(hidden, first, SamplingTensors(temperature, top_k, top_p, noise))
+
+        with torch.inference_mode():
+            self.graphs = {
+                False: BatchGraphs(greedy, sizes, example, device),
+                True: BatchGraphs(sampled, sizes, example + [((cfg.num_residual, cfg.vocab_size), torch.float32)],
+                                  device),
+            }
+
+    def _predict(self, hidden: torch.Tensor, first: torch.Tensor, sampling: SamplingTensors
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`predict`, replayed from a captured graph when one holds the batch (outputs copied out of
+        the graph's buffers, which the next replay overwrites)."""
+        graphs = self.graphs.get(sampling.noise is not None)
+        if graphs is None or hidden.shape[0] > graphs.max_batch:
+            return self.predict(hidden, first, sampling)
+        args = [hidden, first, sampling.temperature, sampling.top_k, sampling.top_p]
+        if sampling.noise is not None:
+            args.append(sampling.noise)
+        codes, embed_sum = graphs(*args)
+        return codes.clone(), embed_sum.clone()
 
     def predict(self, talker_hidden: torch.Tensor, first_code: torch.Tensor, sampling: SamplingTensors
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +178,7 @@ class CodePredictor(nn.Module):
         frames = [int(x["frame_index"]) if "frame_index" in x else None for x in inputs]
         sampling = build_sampling_tensors(params, frames, self.cfg.num_residual, self.cfg.vocab_size,
                                           hidden.device)
-        codes, embed_sum = self.predict(hidden, first, sampling)
+        codes, embed_sum = self._predict(hidden, first, sampling)
         return [{"codes": codes[i:i + 1], "codec_embed_sum": embed_sum[i]} for i in range(len(inputs))]
 
     def _gather(self, inputs: Sequence[Mapping[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
