@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|decode|orpheus|wan|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|decode|orpheus|wan|omni|omni2|all]
 #
 # Writes logs and JSON results under $OUT (default ./gpu_out). Each step has its own time limit, and a
 # failing step does not stop the others. Needs the repo importable (pip install -e . or PYTHONPATH) and,
 # for the Orpheus server step, fastapi/uvicorn/pyzmq/msgspec; the Wan step needs diffusers for its
-# baseline (benchmarks/wan_bench.py says how to carry it). Results to commit go to benchmarks/results/.
+# baseline (benchmarks/wan_bench.py says how to carry it); the omni steps need the Qwen3-Omni tokenizer folder
+# (mstar_tokenizers/qwen3-omni-v1, built by any qwen3_omni test here) under the temp dir. omni2 needs two GPUs.
+# With TAR=1 everything under $OUT is packed into $OUT/gpu_suite.tgz at the end (one file to fetch).
+# Results to commit go to benchmarks/results/.
 set -u
 OUT=${OUT:-gpu_out}
 WHAT=${1:-all}
@@ -55,4 +58,28 @@ if [[ $WHAT == wan || $WHAT == all ]]; then
   run 420 wan_bench python3 benchmarks/wan_bench.py --out "$OUT/wan_bench_h200.json"
   run 420 wan_bench_compile python3 benchmarks/wan_bench.py --skip-diffusers --compile \
       --out "$OUT/wan_bench_h200_compile.json"
+fi
+omni_bench() {  # omni_bench <config> <json name>
+  python3 -m mstar.cli.main serve qwen3_omni --load-format dummy --config "$1" --port "$PORT" > "$OUT/$2_server.log" 2>&1 &
+  local server=$!
+  if wait_ready; then
+    # thinker greedy, 256 tokens (random weights never stop); the talker speaks at most 256 frames (20.5 s)
+    run 400 "$2" python3 -m mstar.cli.main bench --base-url "http://127.0.0.1:$PORT" --workload speech \
+        --model qwen3_omni --concurrency 1,4,8,16,32 --duration 20 --max-tokens 256 --ignore-eos \
+        --extra-body '{"talker.max_tokens": 256}' --output "$OUT/$2.json"
+    curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^mstar_component_(step_seconds|batch_size)_(sum|count)" \
+        > "$OUT/$2_metrics.txt"
+  else
+    echo "qwen3_omni server not ready"; tail -n 20 "$OUT/$2_server.log"
+  fi
+  kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
+}
+if [[ $WHAT == omni || $WHAT == all ]]; then
+  omni_bench configs/qwen3_omni.yaml omni_bench_1gpu
+fi
+if [[ $WHAT == omni2 ]]; then
+  omni_bench configs/qwen3_omni_2gpu.yaml omni_bench_2gpu
+fi
+if [[ ${TAR:-0} == 1 ]]; then
+  tar czf /tmp/gpu_suite.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu_suite.tgz "$OUT/"
 fi
