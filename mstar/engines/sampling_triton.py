@@ -32,13 +32,8 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def _key(x):
-        bits = x.to(tl.int32, bitcast=True)
-        return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-
-    @triton.jit
     def nucleus_race(x_ptr, noise_ptr, ids_ptr, need_ptr, lse_ptr, top_p_ptr, pmin_ptr, vocab, stride_x,
-                     stride_n, BLOCK: tl.constexpr, NS: tl.constexpr, PASSES: tl.constexpr):
+                     stride_n, NB: tl.constexpr, BLOCK: tl.constexpr, NS: tl.constexpr, PASSES: tl.constexpr):
         row = tl.program_id(0)
         if tl.load(need_ptr + row) == 0:
             return
@@ -50,11 +45,14 @@ def _kernel():
         for _ in range(PASSES):
             splits = lo + ((hi - lo) * js) // (NS + 1)
             mass = tl.zeros((NS,), tl.float32)
-            for start in range(0, vocab, BLOCK):
+            for b in range(NB):  # a constexpr bound: the interpreter cannot nest loops over runtime ints
+                start = b * BLOCK
                 offs = start + tl.arange(0, BLOCK)
                 x = tl.load(x_ptr + row * stride_x + offs, mask=offs < vocab, other=-float("inf"))
                 p = tl.exp(x - lse)
-                above = _key(x)[None, :] > splits[:, None]
+                bits = x.to(tl.int32, bitcast=True)  # order-preserving integer key of x
+                key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+                above = key[None, :] > splits[:, None]
                 mass += tl.sum(tl.where(above, p[None, :], 0.0), axis=1)
             small = mass < top_p  # true from some split on (f does not increase with the key)
             lo = tl.maximum(lo, tl.max(tl.where(small, lo, splits), axis=0))
@@ -62,13 +60,16 @@ def _kernel():
         pmin = tl.load(pmin_ptr + row)
         best = tl.full((), -2.0, tl.float32)
         best_id = tl.full((), 0, tl.int64)
-        for start in range(0, vocab, BLOCK):
+        for b in range(NB):
+            start = b * BLOCK
             offs = start + tl.arange(0, BLOCK)
             inside = offs < vocab
             x = tl.load(x_ptr + row * stride_x + offs, mask=inside, other=-float("inf"))
             e = tl.load(noise_ptr + row * stride_n + offs, mask=inside, other=1.0)
             p = tl.exp(x - lse)
-            keep = inside & (_key(x) >= hi) & (p >= pmin)
+            bits = x.to(tl.int32, bitcast=True)
+            key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+            keep = inside & (key >= hi) & (p >= pmin)
             score = tl.where(keep, p / e, -1.0)
             block_best = tl.max(score, axis=0)
             block_id = tl.argmax(score, axis=0).to(tl.int64) + start
@@ -88,5 +89,5 @@ def nucleus_race_(x: torch.Tensor, noise: torch.Tensor, ids: torch.Tensor, need:
     assert x.dtype == torch.float32 and x.stride(1) == 1 and noise.stride(1) == 1 and ids.dtype == torch.long
     _kernel()[(x.shape[0],)](x, noise, ids, need.to(torch.int32), lse.float().contiguous(),
                              top_p.float().contiguous(), pmin.float().contiguous(), x.shape[1], x.stride(0),
-                             noise.stride(0), BLOCK=block, NS=splits, PASSES=passes)
+                             noise.stride(0), NB=-(-x.shape[1] // block), BLOCK=block, NS=splits, PASSES=passes)
     return ids
