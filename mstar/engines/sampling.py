@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from mstar.engines.sampling_filters import RowTable, pick, seen_masks
+
 MAX_LOGPROBS = 20  # most top alternatives a request may ask for (the OpenAI limit)
 
 _INT_FIELDS = {"top_k", "seed", "max_tokens", "min_tokens", "logprobs"}
@@ -123,23 +125,20 @@ class SampleOutput:
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
-    """Pick one token per row of float32 `logits` [N, V], on the logits' device."""
+    """Pick one token per row of float32 `logits` [N, V], on the logits' device.
+
+    No host sync: per-row parameters travel in one pinned, non-blocking copy (a plain
+    `torch.tensor(..., device=cuda)` would wait for the whole stream, i.e. for the decode step).
+    """
     assert logits.shape[0] == len(rows), f"{logits.shape[0]} logits rows for {len(rows)} sampling rows"
     if all(plain_greedy(r) for r in rows):  # the common serving case: one argmax kernel
         return SampleOutput(logits.argmax(dim=-1))
-    device = logits.device
-    x = logits.float().clone()
-    _apply_bans_and_penalties(x, rows)
-    temps = torch.tensor([r.params.temperature for r in rows], device=device)
-    greedy_ids = x.argmax(dim=-1)
-    x = x / torch.where(temps > 0, temps, 1.0)[:, None]
-    x = _top_k_top_p(x, rows)
-    probs = x.softmax(dim=-1)
-    min_p = torch.tensor([r.params.min_p for r in rows], device=device)
-    probs = probs.masked_fill(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
-    # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) draws exactly from p.
-    sampled_ids = (probs / _exponential_noise(probs, rows)).argmax(dim=-1)
-    token_ids = torch.where(temps == 0, greedy_ids, sampled_ids)
+    table = RowTable(rows, logits.shape[1], logits.device)
+    x = _processed_logits(logits, rows, table)
+    if table.all_greedy:
+        return _with_logprobs(SampleOutput(x.argmax(dim=-1)), logits, rows)
+    sampled_ids = pick(x, rows, table, _exponential_noise(x, rows))
+    token_ids = torch.where(table.greedy, x.argmax(dim=-1), sampled_ids) if table.any_greedy else sampled_ids
     return _with_logprobs(SampleOutput(token_ids), logits, rows)
 
 
@@ -151,65 +150,36 @@ def plain_greedy(row: SamplingRow) -> bool:
             and p.frequency_penalty == 0.0 and p.logprobs is None and not banning)
 
 
-def _apply_bans_and_penalties(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    vocab = x.shape[1]
+def _processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow], table: RowTable) -> torch.Tensor:
+    """Logits after bans, penalties and temperature (a new tensor). The common case (repetition penalty
+    and temperature only) is four kernels: one factor per element, one multiply."""
+    counted = [i for i, r in enumerate(rows) if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0]
+    if table.any_repetition:
+        seen = seen_masks(rows, logits.shape[1], logits.device)
+        # seen tokens: divide positive logits by the penalty, multiply negative ones (then the temperature)
+        scale = table.inv_temp if not counted else torch.ones_like(table.inv_temp)
+        factor = torch.where(seen, torch.where(logits > 0, table.inv_penalty * scale, table.penalty * scale), scale)
+        x = logits.float() * factor
+    else:
+        x = logits.float() * (table.inv_temp if not counted else 1.0)
+    if counted:  # rare: presence/frequency penalties come before the temperature
+        _apply_counts(x, rows, counted)
+        x = x * table.inv_temp
     for i, row in enumerate(rows):
         p = row.params
         if len(row.token_ids) - row.num_prompt < p.min_tokens:
-            banned = [t for t in (*row.eos_token_ids, *p.stop_token_ids) if t < vocab]
+            banned = [t for t in (*row.eos_token_ids, *p.stop_token_ids) if t < x.shape[1]]
             x[i, banned] = -math.inf
-    _apply_repetition_penalty(x, rows)
-    for i, row in enumerate(rows):
-        p = row.params
-        if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-            out = torch.tensor(list(row.token_ids[row.num_prompt:]), dtype=torch.long, device=x.device)
-            counts = torch.bincount(out, minlength=vocab)[:vocab].to(x.dtype)
-            x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+    return x
 
 
-def _apply_repetition_penalty(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Divide positive (multiply negative) logits of seen tokens by each row's penalty: a few batched
-    kernels for all penalised rows, not several per row (a slow host pays per launch)."""
-    picked = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
-    if not picked:
-        return
-    seen = torch.stack([_seen_mask(rows[i], x.shape[1], x.device) for i in picked])
-    penalty = torch.tensor([rows[i].params.repetition_penalty for i in picked], dtype=x.dtype)
-    penalty = penalty.to(x.device, non_blocking=True)[:, None]
-    index = torch.tensor(picked, dtype=torch.long).to(x.device, non_blocking=True)
-    sub = x.index_select(0, index)
-    penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
-    x.index_copy_(0, index, torch.where(seen, penalised, sub))
-
-
-def _seen_mask(row: SamplingRow, vocab: int, device: torch.device) -> torch.Tensor:
-    """Bool [vocab]: tokens of the prompt or output. Kept in `row.cache` and extended by the tokens
-    added since the last step, so a step copies a few new ids instead of the whole sequence."""
-    cache = row.cache if row.cache is not None else {}
-    seen, upto = cache.get("seen"), cache.get("seen_upto", 0)
-    if seen is None or seen.shape[0] != vocab or seen.device != device or upto > len(row.token_ids):
-        seen, upto = torch.zeros(vocab, dtype=torch.bool, device=device), 0
-    new = [t for t in row.token_ids[upto:] if t < vocab]
-    if new:
-        seen[torch.tensor(new, dtype=torch.long).to(device, non_blocking=True)] = True
-    cache["seen"], cache["seen_upto"] = seen, len(row.token_ids)
-    return seen
-
-
-def _top_k_top_p(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Mask tokens outside each row's top-k and top-p sets to -inf."""
-    if all(r.params.top_k == 0 and r.params.top_p >= 1.0 for r in rows):
-        return x
+def _apply_counts(x: torch.Tensor, rows: Sequence[SamplingRow], picked: list[int]) -> None:
     vocab = x.shape[1]
-    sorted_x, order = x.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=x.device)[None, :]
-    top_k = torch.tensor([r.params.top_k or vocab for r in rows], device=x.device)
-    sorted_x = sorted_x.masked_fill(ranks >= top_k[:, None], -math.inf)
-    probs = sorted_x.softmax(dim=-1)
-    top_p = torch.tensor([r.params.top_p if r.params.top_p < 1.0 else math.inf for r in rows], device=x.device)
-    # Keep a token while the mass strictly before it is below top_p: the first token always stays.
-    sorted_x = sorted_x.masked_fill(probs.cumsum(dim=-1) - probs >= top_p[:, None], -math.inf)
-    return torch.full_like(x, -math.inf).scatter(-1, order, sorted_x)
+    for i in picked:
+        p, row = rows[i].params, rows[i]
+        out = torch.tensor(list(row.token_ids[row.num_prompt:]), dtype=torch.long).to(x.device, non_blocking=True)
+        counts = torch.bincount(out, minlength=vocab)[:vocab].to(x.dtype)
+        x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
 
 
 def _exponential_noise(probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -14,13 +14,22 @@ Optional abilities a component may add (duck-typed, each separate):
   that need the request ids or node names of a mixed batch (per-request state).
 - `release(request_id)`: drop any per-request state the component keeps; called when the engine
   releases the request (finished, failed or cancelled).
+- `host_inputs = True`: the worker hands its inputs over as they came (host tensors stay on the
+  host); the component moves what it needs to its device itself.
+- `host_outputs = True`: its outputs are wanted on the host (audio for the client). On CUDA the
+  engine then queues their copies into pinned memory and hands the results out at a later `step`,
+  once an event says the copies are done, oldest first: the worker never waits on a blocking
+  `.cpu()` for everything queued before (on a shared worker, the LM's next decode step too).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from mstar.engines.base import StepItem, StepResult
 
@@ -36,16 +45,22 @@ class StatelessEngine:
         self.module = module
         self.max_batch_size = max_batch_size
         self._pending: deque[StepItem] = deque()
+        self._in_flight: deque[_InFlight] = deque()  # results whose host copies are still running
+        self.host_outputs = bool(getattr(module, "host_outputs", False))
+        # the worker hands inputs over without a device copy when the component reads them on the host
+        self.host_inputs = bool(getattr(module, "host_inputs", False))
         self.last_step_items = 0  # items the latest step ran (mstar.engines.stats.ReportsStats)
 
     def submit(self, item: StepItem) -> None:
         self._pending.append(item)
 
     def has_work(self) -> bool:
-        return bool(self._pending)
+        return bool(self._pending) or bool(self._in_flight)
 
     def release(self, request_id: str) -> None:
         self._pending = deque(i for i in self._pending if i.request_id != request_id)
+        for flight in self._in_flight:
+            flight.results = [r for r in flight.results if r.request_id != request_id]
         release = getattr(self.module, "release", None)
         if release is not None:
             release(request_id)
@@ -55,10 +70,16 @@ class StatelessEngine:
         return {"queue_depth": len(self._pending)}
 
     def step(self) -> list[StepResult]:
+        """Run the oldest pending group; results of this step, or of earlier ones whose host copies
+        finished (in submission order)."""
         batch = self._take_batch()
         self.last_step_items = len(batch)
-        if not batch:
-            return []
+        results = self._run_batch(batch) if batch else []
+        if self.host_outputs and (results or self._in_flight):
+            results = self._hand_out(results)
+        return results
+
+    def _run_batch(self, batch: list[StepItem]) -> list[StepResult]:
         try:
             return self._run(batch)
         except Exception:
@@ -67,6 +88,18 @@ class StatelessEngine:
                 return [_failed(batch[0])]
             # Re-run one by one so a bad request fails alone.
             return [r for item in batch for r in self._run_alone(item)]
+
+    def _hand_out(self, results: list[StepResult]) -> list[StepResult]:
+        """Queue host copies of `results`' device outputs; the results whose copies are done, in order."""
+        if results:
+            event = start_host_copies(results)
+            if event is None and not self._in_flight:
+                return results  # nothing on a device: ready now
+            self._in_flight.append(_InFlight(results, event))
+        ready: list[StepResult] = []
+        while self._in_flight and (self._in_flight[0].event is None or self._in_flight[0].event.query()):
+            ready.extend(self._in_flight.popleft().results)
+        return ready
 
     def _take_batch(self) -> list[StepItem]:
         if not self._pending:
@@ -107,6 +140,31 @@ class StatelessEngine:
         except Exception:
             logger.exception("component step failed for request %s", item.request_id)
             return [_failed(item)]
+
+
+@dataclass
+class _InFlight:
+    """Results of one step whose outputs are being copied to the host; ready when `event` completes."""
+
+    results: list[StepResult]
+    event: Any  # torch.cuda.Event, or None when nothing was copied
+
+
+def start_host_copies(results: list[StepResult]) -> Any:
+    """Replace every CUDA output tensor of `results` by a pinned host tensor its copy is queued into;
+    the CUDA event recorded after the copies, or None when no output was on a CUDA device."""
+    copied = False
+    for result in results:
+        for port, value in result.outputs.items():
+            if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+                host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+                result.outputs[port] = host.copy_(value, non_blocking=True)
+                copied = True
+    if not copied:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _failed(item: StepItem) -> StepResult:

@@ -61,6 +61,9 @@ class OrpheusVocoder(nn.Module):
     the steady state).
     """
 
+    host_outputs = True  # audio goes to the client: copied to the host asynchronously (stateless.py)
+    host_inputs = True  # windows stay on the host (read there); run_batch moves the spans in one copy
+
     def __init__(self, snac: SnacDecoder, tokens: OrpheusTokens) -> None:
         super().__init__()
         self.snac = snac
@@ -101,7 +104,7 @@ class OrpheusVocoder(nn.Module):
         return self.snac(codes, self.noises(first_frame, frames) or None)[:, 0].to(dtype)
 
     def run_batch(self, walk, node, inputs, options):
-        # One host copy of every window and its stream metadata (the forward itself never syncs).
+        # Windows and their stream metadata are read on the host (host_inputs), without a device sync.
         meta = torch.stack([torch.stack([x["codes_new"], x["codes_start"], x["codes_final"].long()])
                             for x in inputs]).tolist()
         windows = [x["codes"].reshape(-1) for x in inputs]
@@ -117,9 +120,8 @@ class OrpheusVocoder(nn.Module):
         outputs: list[dict[str, torch.Tensor]] = [{} for _ in inputs]
         spf = self.samples_per_frame
         for frames, rows in groups.items():  # one batched decode per window size (4 frames but at the ends)
-            spans = torch.stack([windows[i][plans[i].first_token: plans[i].first_token + FRAME * frames]
-                                 for i in rows])
-            first = torch.tensor([plans[i].first_frame for i in rows], device=spans.device)
+            spans, first = _to_device([windows[i][plans[i].first_token: plans[i].first_token + FRAME * frames]
+                                       for i in rows], [plans[i].first_frame for i in rows], self.noise_table.device)
             if self.graphs is not None and frames == WINDOW_FRAMES and len(rows) <= self.graphs.max_batch:
                 (audio,) = self.graphs(spans, first)  # views of the graph's output: sliced and copied below
             else:
@@ -127,3 +129,13 @@ class OrpheusVocoder(nn.Module):
             for row, i in enumerate(rows):
                 outputs[i]["audio"] = audio[row, plans[i].emit_from * spf: plans[i].emit_to * spf].contiguous()
         return outputs  # a window with nothing to emit sends no audio chunk
+
+
+def _to_device(spans: list[torch.Tensor], first: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token spans [B, 7F] and first frames [B] on `device`: one pinned, non-blocking copy on CUDA (a
+    pageable `.to` would wait for all the work queued before, the LM's next step included)."""
+    host = torch.cat([torch.stack([s.reshape(-1).long().cpu() for s in spans]), torch.tensor(first)[:, None]], dim=1)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    moved = host.to(device, non_blocking=True)
+    return moved[:, :-1], moved[:, -1]

@@ -1,0 +1,180 @@
+"""Profile (not assert) where an Orpheus token's host time goes, beyond the LM's decode step.
+
+Runs Orpheus through the in-process offline API (workers are threads of this process, so their
+classes can be timed by wrapping methods): one request, then eight concurrent ones, each
+`--tokens` tokens with `ignore_eos`. Per LM step it splits the host time into: schedule, sample
+launch (`sample` call), graph launch (runner.run / launch_ahead), wait (the host sync on the
+sampled ids), results (the rest of the engine step), and the worker's routing and walk (the rest
+of `Worker.execute`). Per SNAC step: host time, and GPU time from CUDA events around the step.
+GPU idle per LM step = LM step wall interval minus the GPU time of one decode forward measured
+the same way (CUDA events around graph launches), a lower bound of the time the GPU waits on the host.
+
+    python3 benchmarks/profile_orpheus.py                # H200, Orpheus-3B dummy weights (<= 90 s)
+    python3 benchmarks/profile_orpheus.py --quick        # CPU, tiny Orpheus (smoke)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import mstar.engines.autoregressive.engine as ar  # noqa: E402
+from mstar.engines.autoregressive.runner import ModelRunner  # noqa: E402
+from mstar.engines.autoregressive.scheduler import Scheduler  # noqa: E402
+from mstar.engines.stateless import StatelessEngine  # noqa: E402
+from mstar.worker.worker import Worker  # noqa: E402
+
+
+class Recorder:
+    """Host seconds per named part, per engine step; CUDA event pairs resolved at the end."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.parts: dict[str, list[float]] = defaultdict(list)
+        self.events: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
+        self.step_starts: list[float] = []
+        self.active = False
+
+    def timed(self, name: str, fn, gpu: bool = False):
+        rec = self
+
+        def wrapper(*args, **kwargs):
+            if not rec.active:
+                return fn(*args, **kwargs)
+            start_ev = None
+            if gpu and rec.cuda:
+                start_ev = torch.cuda.Event(enable_timing=True)
+                start_ev.record()
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                rec.parts[name].append(time.perf_counter() - t0)
+                if start_ev is not None:
+                    end_ev = torch.cuda.Event(enable_timing=True)
+                    end_ev.record()
+                    rec.events[name].append((start_ev, end_ev))
+        return wrapper
+
+    def gpu_ms(self, name: str) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return [a.elapsed_time(b) for a, b in self.events.get(name, [])]
+
+
+def install(rec: Recorder) -> None:
+    """Wrap the hot-path methods (threads of this process share the patched classes)."""
+    ar.AutoregressiveEngine.step = rec.timed("llm_step", ar.AutoregressiveEngine.step)
+    StatelessEngine.step = rec.timed("snac_step", StatelessEngine.step, gpu=True)
+    Scheduler.schedule = rec.timed("llm_schedule", Scheduler.schedule)
+    ar.sample = rec.timed("llm_sample_launch", ar.sample)
+    ModelRunner.run = rec.timed("llm_graph_launch", ModelRunner.run, gpu=True)
+    ModelRunner.launch_ahead = rec.timed("llm_graph_launch", ModelRunner.launch_ahead, gpu=True)
+    Worker.execute = rec.timed("worker_execute", Worker.execute)
+    real_async = ar._to_host_async
+
+    def to_host_async(out):
+        host, event = real_async(out)
+        if event is not None:
+            event.synchronize = rec.timed("llm_wait", event.synchronize)
+        return host, event
+    ar._to_host_async = to_host_async
+    ar._to_host = rec.timed("llm_wait", ar._to_host)
+
+
+def _ms(values: list[float], scale: float = 1e3) -> float:
+    return round(statistics.mean(values) * scale, 3) if values else 0.0
+
+
+def summarize(rec: Recorder, wall_s: float, tokens: int) -> dict:
+    p = rec.parts
+    steps = len(p["llm_step"])
+    llm = sum(p["llm_step"])
+    snac = sum(p["snac_step"])
+    split = {name: round(sum(p[name]) / max(steps, 1) * 1e3, 3) for name in
+             ("llm_schedule", "llm_sample_launch", "llm_graph_launch", "llm_wait")}
+    split["llm_results"] = round(llm / max(steps, 1) * 1e3 - sum(split.values()), 3)
+    split["worker_routing_and_walk"] = round((sum(p["worker_execute"]) - llm - snac) / max(steps, 1) * 1e3, 3)
+    forward_gpu = rec.gpu_ms("llm_graph_launch")
+    snac_gpu = rec.gpu_ms("snac_step")
+    step_interval = wall_s / max(steps, 1) * 1e3
+    return {
+        "wall_s": round(wall_s, 3), "tokens": tokens, "ms_per_token": round(wall_s / max(tokens, 1) * 1e3, 3),
+        "llm_steps": steps, "llm_step_interval_ms": round(step_interval, 3),
+        "llm_host_ms_per_step": split,
+        "llm_forward_gpu_ms": round(statistics.median(forward_gpu), 3) if forward_gpu else None,
+        "gpu_idle_ms_per_step_lower_bound": (round(step_interval - statistics.median(forward_gpu), 3)
+                                             if forward_gpu else None),
+        "snac_steps": len(p["snac_step"]), "snac_host_ms": _ms(p["snac_step"]),
+        "snac_gpu_ms": round(statistics.mean(snac_gpu), 3) if snac_gpu else None,
+    }
+
+
+def run_case(m, rec: Recorder, concurrency: int, tokens: int) -> dict:
+    opts = {"max_tokens": tokens, "ignore_eos": True}
+    rec.parts.clear()
+    rec.events.clear()
+    rec.active = True
+    t0 = time.perf_counter()
+    handles = [m.submit({"text": f"Hello number {i}, this is a profile run."}, **opts) for i in range(concurrency)]
+    results = [h.result() for h in handles]
+    wall = time.perf_counter() - t0
+    rec.active = False
+    made = sum(r.usage.get("completion_tokens", tokens) if isinstance(getattr(r, "usage", None), dict) else tokens
+               for r in results)
+    return summarize(rec, wall, made)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="CPU, tiny Orpheus, short requests (smoke test)")
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per request (600; 40 with --quick)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/profile_orpheus*.json)")
+    args = parser.parse_args()
+    from mstar.runtime.offline import MStar
+
+    device = "cpu" if args.quick else "cuda"
+    tokens = args.tokens or (40 if args.quick else 600)
+    rec = Recorder(cuda=device == "cuda")
+    install(rec)
+    cfg = {"model": "orpheus", "device": device, "max_concurrent_requests": max(args.concurrency),
+           "node_groups": [{"node_names": ["llm", "snac"], "ranks": [0]}]}
+    cases = {}
+    with MStar(config=cfg, mode="inproc", tiny=args.quick, load_format="auto" if args.quick else "dummy") as m:
+        m.generate({"text": "warm up"}, max_tokens=30, ignore_eos=True)
+        for c in args.concurrency:
+            cases[f"c{c}"] = run_case(m, rec, c, tokens)
+            sys.stdout.write(f"concurrency {c}: {json.dumps(cases[f'c{c}'])}\n")
+    _print_table(cases)
+    out = Path(args.out or ROOT / f"benchmarks/results/profile_orpheus{'_quick' if args.quick else ''}.json")
+    out.write_text(json.dumps({"command": "python3 " + " ".join(sys.argv), "device": device,
+                               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cases": cases}, indent=2) + "\n")
+
+
+def _print_table(cases: dict) -> None:
+    keys = ["ms_per_token", "llm_step_interval_ms", "llm_forward_gpu_ms", "gpu_idle_ms_per_step_lower_bound",
+            "snac_host_ms", "snac_gpu_ms"]
+    split = ["llm_schedule", "llm_sample_launch", "llm_graph_launch", "llm_wait", "llm_results",
+             "worker_routing_and_walk"]
+    sys.stdout.write(f"{'':34}" + "".join(f"{c:>12}" for c in cases) + "\n")
+    for k in keys:
+        sys.stdout.write(f"{k:34}" + "".join(f"{str(v[k]):>12}" for v in cases.values()) + "\n")
+    for k in split:
+        sys.stdout.write(f"{'host ms/step ' + k:34}" + "".join(f"{v['llm_host_ms_per_step'][k]:>12}"
+                                                             for v in cases.values()) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""StatelessEngine with `host_outputs`: results whose host copies are still running come out later,
+in submission order, and released requests never come out."""
+
+from __future__ import annotations
+
+import torch
+
+import mstar.engines.stateless as stateless
+from mstar.engines.base import StepItem
+from mstar.engines.stateless import StatelessEngine
+
+
+class _Event:
+    """A CUDA event stand-in the test completes by hand."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+class _Doubler(torch.nn.Module):
+    host_outputs = True
+
+    def run_batch(self, walk, node, inputs, options):
+        return [{"y": x["x"] * 2} for x in inputs]
+
+
+def _item(rid: str, value: float) -> StepItem:
+    return StepItem(rid, "w", "n", {"x": torch.tensor([value])})
+
+
+def test_results_wait_for_their_copies_and_keep_order(monkeypatch):
+    events: list[_Event] = []
+
+    def fake_copies(results):
+        events.append(_Event())
+        return events[-1]
+
+    monkeypatch.setattr(stateless, "start_host_copies", fake_copies)
+    engine = StatelessEngine(_Doubler(), max_batch_size=1)
+    for rid, v in (("a", 1.0), ("b", 2.0), ("c", 3.0)):
+        engine.submit(_item(rid, v))
+    assert engine.step() == []  # a's copy still running
+    assert engine.step() == []
+    events[1].done = True  # b finished before a: still held back behind a
+    assert engine.step() == []
+    assert engine.has_work()
+    events[0].done = events[2].done = True
+    out = engine.step()
+    assert [(r.request_id, float(r.outputs["y"])) for r in out] == [("a", 2.0), ("b", 4.0), ("c", 6.0)]
+    assert not engine.has_work()
+
+
+def test_release_drops_results_in_flight(monkeypatch):
+    event = _Event()
+    monkeypatch.setattr(stateless, "start_host_copies", lambda results: event)
+    engine = StatelessEngine(_Doubler(), max_batch_size=2)
+    engine.submit(_item("a", 1.0))
+    engine.submit(_item("b", 2.0))
+    assert engine.step() == []
+    engine.release("a")
+    event.done = True
+    assert [r.request_id for r in engine.step()] == ["b"]
+
+
+def test_host_outputs_are_handed_out_at_once_on_cpu():
+    engine = StatelessEngine(_Doubler())
+    engine.submit(_item("a", 1.5))
+    assert [float(r.outputs["y"]) for r in engine.step()] == [3.0]
+    assert not engine.has_work()
