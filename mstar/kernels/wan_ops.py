@@ -83,7 +83,7 @@ def _gated_residual_kernel(x_ptr, y_ptr, gate_ptr, w_ptr, bias_ptr, out_ptr, h_p
 
 @triton.jit
 def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_cols, seq_len, head_dim, x_sb, x_sl,
-                          cs_stride, eps, HAS_ROPE: tl.constexpr, BLOCK: tl.constexpr):
+                          cs_stride, eps, HAS_ROPE: tl.constexpr, SHUFFLE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # offsets of long videos pass 2**31
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -95,17 +95,26 @@ def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_cols, seq_l
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     normed = (xf * rstd * w).to(x.dtype)  # the norm's output is a tensor of x's dtype in the reference
     if HAS_ROPE:
-        # out = x * cos + (x2, x1) * sin per channel pair; the partner channel (c ^ 1) is re-read from
-        # the same cache lines rather than shuffled in registers.
-        partner = cols ^ 1
-        xp = tl.load(x_row + partner, mask=mask, other=0.0).to(tl.float32)
-        wp = tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32)
-        normed_p = (xp * rstd * wp).to(x.dtype)
+        # out = x * cos + (x2, x1) * sin per channel pair
+        pairs = normed.to(tl.float32)
+        if SHUFFLE:  # the pair swap as a register shuffle
+            even, odd = tl.split(tl.reshape(pairs, (BLOCK // 2, 2)))
+            swapped = tl.reshape(tl.join(odd, even), (BLOCK,))
+        else:  # or the partner channels re-read (same cache lines) and normed again
+            partner = cols ^ 1
+            xp = tl.load(x_row + partner, mask=mask, other=0.0).to(tl.float32)
+            wp = tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+            swapped = (xp * rstd * wp).to(x.dtype).to(tl.float32)
         channel = cols % head_dim
         c = tl.load(cos_ptr + tok * cs_stride + channel, mask=mask, other=0.0)
         s = tl.load(sin_ptr + tok * cs_stride + channel, mask=mask, other=0.0)
-        normed = (normed.to(tl.float32) * c + normed_p.to(tl.float32) * s).to(x.dtype)
+        normed = (pairs * c + swapped * s).to(x.dtype)
     tl.store(out_ptr + row * n_cols + cols, normed, mask=mask)
+
+
+# How the rope swaps channel pairs: True shuffles registers (no extra loads); False re-reads the partner
+# channel, for a Triton version whose reshape/split/join cannot compile the shuffle.
+SHUFFLE_PAIRS = True
 
 
 def _launch_meta(n_cols: int) -> dict[str, int]:
@@ -179,5 +188,5 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, heads: int,
     out = torch.empty((batch, length, heads, head_dim), dtype=x.dtype, device=x.device)
     _rms_norm_rope_kernel[(batch * length,)](
         x, weight, cos, sin, out, dim, length, head_dim, *_rows(x, "x"), cos.stride(0), eps,
-        HAS_ROPE=rope is not None, **_launch_meta(dim))
+        HAS_ROPE=rope is not None, SHUFFLE=SHUFFLE_PAIRS, **_launch_meta(dim))
     return out

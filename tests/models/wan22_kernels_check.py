@@ -196,6 +196,9 @@ def main() -> None:
         check_modulated_norm(dtype)
         check_gated_residual(dtype)
         check_norm_heads(dtype)
+    wan_ops.SHUFFLE_PAIRS = False  # the re-reading variant of the rope's pair swap
+    check_norm_heads(torch.float32)
+    wan_ops.SHUFFLE_PAIRS = True
     check_bad_shapes()
     check_tiny_dit()
     print("wan ops ok")
