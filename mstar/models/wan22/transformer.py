@@ -174,8 +174,9 @@ class WanBlock(nn.Module):
                        t_mod: torch.Tensor) -> torch.Tensor:
         """Gated residual of the self-attention output [B, L, H, d], cross-attention, gated FFN."""
         _, _, gate, c_shift, c_scale, c_gate = self._mods(t_mod)
-        x, h = gated_residual(x, self.attn1.to_out(attended.flatten(2)), gate, self.norm2)
-        h, x = modulated_norm(x, c_shift, c_scale, self.eps, residual=self.attn2(x if h is None else h, text))
+        x, h = gated_residual(x, self.attn1.to_out(attended.flatten(2)), gate, self.norm2)  # h = norm2(x)
+        cross = self.attn2(x if h is None else h, text)
+        h, x = modulated_norm(x, c_shift, c_scale, self.eps, residual=cross)  # x += cross; the FFN's norm
         ff = self.ffn_out(F.gelu(self.ffn_in(h), approximate="tanh"))
         return gated_residual(x, ff, c_gate)[0]
 
