@@ -7,11 +7,9 @@ the timestep embedding. The timestep is per request [B], per latent frame [B, F'
 applied per timestep group (one per request, frame or token), so per-frame timesteps cost no more than
 one per request. Norms, modulation and residual sums run in float32 like the reference.
 
-At full size (B=2, L=3510, D=3072) every float32 pass over the activations costs ~30-60 us on an
-H200, and a layer used to make ~40 of them; the eager forward therefore fuses "float32 math, one
-rounding to the model dtype" into single kernels (`addcmul_as`: inputs of mixed dtypes are read and
-computed in float32 inside one TensorIterator kernel, the result is written once in bf16), which
-keeps the reference's numerics (float32 math, one rounding) while skipping the float32 temporaries.
+The elementwise and norm steps (modulated norms, gated residuals, q/k norms with rope) live in
+`block_math.py`: float32 math with one rounding to the model dtype, as PyTorch on CPU and under
+torch.compile, as fused Triton kernels on CUDA.
 """
 
 from __future__ import annotations
@@ -24,7 +22,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.models.wan22.block_math import (
+    addcmul_as,
+    apply_rope,
+    gated_residual,
+    layer_norm32,
+    layer_norm_as_input,
+    modulated_norm,
+    norm_heads,
+    rope_tables,
+)
 from mstar.models.wan22.config import WanTransformerConfig
+
+# Re-exported for callers that import the math from here (the tests did before block_math.py existed).
+__all__ = ["WanBlock", "WanTransformer", "addcmul_as", "apply_rope", "build_transformer", "layer_norm32",
+           "layer_norm_as_input", "rope_angles", "rope_tables", "sdpa_attention"]
 
 
 def rope_angles(grid: tuple[int, int, int], head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
@@ -44,67 +56,12 @@ def rope_angles(grid: tuple[int, int, int], head_dim: int, theta: float, device:
     return torch.cat(parts, dim=-1).reshape(math.prod(grid), head_dim // 2)
 
 
-def rope_tables(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) [L, d] float32 from angles [L, d/2], laid out for `apply_rope`: each pair's cos twice,
-    and its sin as (-sin, +sin), so a rotation is one multiply and one multiply-add per channel."""
-    cos, sin = angles.cos(), angles.sin()
-    return (torch.stack((cos, cos), dim=-1).flatten(-2).float(),
-            torch.stack((-sin, sin), dim=-1).flatten(-2).float())
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent channel pairs of x [B, L, H, d] by the tables of `rope_tables` ([L, d] float32).
-
-    Computed in float32 and rounded once to x's dtype, like the reference's (x1 cos - x2 sin,
-    x1 sin + x2 cos), in three kernels instead of ten: x * cos, the pair swap, and a fused multiply-add.
-    """
-    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x2, x1) in each pair
-    return addcmul_as(x.dtype, x * cos[:, None], swapped, sin[:, None])
-
-
-def addcmul_as(dtype: torch.dtype, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """base + a * b (broadcast), computed in the inputs' promoted dtype and rounded once to `dtype`.
-
-    Eager: one kernel that reads bf16 and float32 inputs as they are and writes `dtype` directly (no
-    float32 copy of the inputs, no float32 result); under torch.compile the plain form, which inductor
-    fuses itself.
-    """
-    if torch.compiler.is_compiling():
-        return torch.addcmul(base, a, b).to(dtype)
-    out = torch.empty(torch.broadcast_shapes(base.shape, a.shape, b.shape), dtype=dtype, device=base.device)
-    return torch.addcmul(base, a, b, out=out)
-
-
 def timestep_features(timestep: torch.Tensor, dim: int) -> torch.Tensor:
     """Sinusoidal features [N, dim] of timesteps [N] (cos half first, max period 10000), float32."""
     half = dim // 2
     freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half)
     angles = timestep.float()[:, None] * freqs[None]
     return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
-
-
-def layer_norm32(x: torch.Tensor, norm: nn.LayerNorm | None = None, eps: float = 1e-6) -> torch.Tensor:
-    """LayerNorm computed in float32 (weights too), returned in float32."""
-    weight = bias = None
-    if norm is not None:
-        weight, bias, eps = norm.weight.float(), norm.bias.float(), norm.eps
-    return F.layer_norm(x.float(), (x.shape[-1],), weight, bias, eps)
-
-
-def layer_norm_as_input(x: torch.Tensor, norm: nn.LayerNorm) -> torch.Tensor:
-    """norm(x) with float32 statistics, in x's dtype: the reference's float32 norm then cast.
-
-    When the weights are already in x's dtype the fused kernel does exactly that (float32 accumulation,
-    weights read as they are, one rounding) without a float32 copy of x or of the result.
-    """
-    if norm.weight.dtype == x.dtype:
-        return norm(x)
-    return layer_norm32(x, norm).to(x.dtype)
-
-
-def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x [B, T, N, D] float32 normed * (1 + scale) + shift, with shift/scale [B, T, 1, D], as `dtype`."""
-    return addcmul_as(dtype, shift, x, 1 + scale)
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -150,8 +107,8 @@ class SelfAttention(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [B, L, D] -> q, k, v [B, L, H, d]: normed and roped q and k, as `attend` takes them."""
         q, k, v = self.to_qkv(x).chunk(3, dim=-1)
-        q = apply_rope(self.norm_q(q).unflatten(-1, (self.heads, -1)), cos, sin)
-        k = apply_rope(self.norm_k(k).unflatten(-1, (self.heads, -1)), cos, sin)
+        q = norm_heads(q, self.norm_q, self.heads, (cos, sin))
+        k = norm_heads(k, self.norm_k, self.heads, (cos, sin))
         return q, k, v.unflatten(-1, (self.heads, -1))
 
 
@@ -170,7 +127,7 @@ class CrossAttention(nn.Module):
     def forward(self, x: torch.Tensor, text: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x [B, L, D] attends to `text` [B, Lt, D], or to its precomputed `text_kv(text)`."""
         k, v = text if isinstance(text, tuple) else self.text_kv(text)
-        q = self.norm_q(self.to_q(x)).unflatten(-1, (self.heads, -1)).transpose(1, 2)
+        q = norm_heads(self.to_q(x), self.norm_q, self.heads).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v)
         return self.to_out(out.transpose(1, 2).flatten(2))
 
@@ -211,30 +168,21 @@ class WanBlock(nn.Module):
                       sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The modulated norm of x, projected to the self-attention's q, k, v [B, L, H, d]."""
         shift, scale = self._mods(t_mod)[:2]
-        h = modulate(_grouped(layer_norm32(x, eps=self.eps), t_mod), shift, scale, x.dtype).view_as(x)
-        return self.attn1.project(h, cos, sin)
+        return self.attn1.project(modulated_norm(x, shift, scale, self.eps)[0], cos, sin)
 
     def post_attention(self, x: torch.Tensor, attended: torch.Tensor, text: torch.Tensor | tuple,
                        t_mod: torch.Tensor) -> torch.Tensor:
         """Gated residual of the self-attention output [B, L, H, d], cross-attention, gated FFN."""
         _, _, gate, c_shift, c_scale, c_gate = self._mods(t_mod)
-        out = self.attn1.to_out(attended.flatten(2))
-        x = addcmul_as(x.dtype, _grouped(x, t_mod), _grouped(out, t_mod), gate).view_as(x)
-        h = layer_norm_as_input(x, self.norm2) if self.norm2 is not None else x
-        x = x + self.attn2(h, text)
-        h = modulate(_grouped(layer_norm32(x, eps=self.eps), t_mod), c_shift, c_scale, x.dtype).view_as(x)
+        x, h = gated_residual(x, self.attn1.to_out(attended.flatten(2)), gate, self.norm2)  # h = norm2(x)
+        cross = self.attn2(x if h is None else h, text)
+        h, x = modulated_norm(x, c_shift, c_scale, self.eps, residual=cross)  # x += cross; the FFN's norm
         ff = self.ffn_out(F.gelu(self.ffn_in(h), approximate="tanh"))
-        return addcmul_as(x.dtype, _grouped(x, t_mod), _grouped(ff, t_mod), c_gate).view_as(x)
+        return gated_residual(x, ff, c_gate)[0]
 
     def _mods(self, t_mod: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """shift, scale, gate, c_shift, c_scale, c_gate: each [B, T, 1, D] float32."""
         return (self.scale_shift_table.float()[:, None] + t_mod).unsqueeze(3).unbind(2)
-
-
-def _grouped(h: torch.Tensor, t_mod: torch.Tensor) -> torch.Tensor:
-    """[B, L, D] -> [B, T, L/T, D], T = t_mod.shape[1] timestep groups (request, frame or token)."""
-    batch, length, dim = h.shape
-    return h.view(batch, t_mod.shape[1], length // t_mod.shape[1], dim)
 
 
 class WanTransformer(nn.Module):
@@ -299,9 +247,7 @@ class WanTransformer(nn.Module):
     def _head(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         """Final modulated norm and projection: tokens [B, L, D] -> patches [B, L, pt*ph*pw*C]."""
         shift, scale = (self.scale_shift_table.float()[:, None] + temb.float().unsqueeze(2)).unsqueeze(3).unbind(2)
-        batch, length, dim = x.shape
-        h = modulate(layer_norm32(x, eps=self.config.eps).view(batch, temb.shape[1], -1, dim), shift, scale, x.dtype)
-        return self.proj_out(h.view_as(x))
+        return self.proj_out(modulated_norm(x, shift, scale, self.config.eps)[0])
 
     def _grid(self, shape: torch.Size) -> tuple[int, int, int]:
         _, channels, *sizes = shape
