@@ -5,7 +5,7 @@ are taken with `topk`, and the top-p nucleus is computed on them against the ful
 normaliser. A row is *covered* when every token outside the prefilter is provably dropped (it has
 a top_k, or the prefilter's mass already reaches top_p, or min_p cuts inside it); only uncovered
 rows need the whole vocabulary. They get it without a host sync: on CUDA a Triton kernel
-(sampling_triton.py) that exits at once for covered rows and otherwise finds the exact nucleus
+(mstar/kernels/nucleus.py) that exits at once for covered rows and otherwise finds the exact nucleus
 threshold by bisection; on CPU (where reading a flag is free) the sort-based reference.
 
 The draw is the exponential race over the kept tokens: argmax(p / E) with E ~ Exp(1) per token id,
@@ -154,7 +154,7 @@ def _fallback(x: torch.Tensor, ids: torch.Tensor, need: torch.Tensor, lse: torch
               pmin: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """`ids` with the rows in `need` redrawn over the whole vocabulary (exact nucleus), sync-free on CUDA."""
     if x.device.type == "cuda":
-        from mstar.engines.sampling_triton import nucleus_race_, nucleus_race_available
+        from mstar.kernels.nucleus import nucleus_race_, nucleus_race_available
 
         if nucleus_race_available():
             return nucleus_race_(x, noise, ids, need, lse, top_p, pmin)

@@ -7,7 +7,7 @@ import torch
 
 import mstar.engines.sampling_filters as filters
 from mstar.engines.sampling import SamplingParams, SamplingRow, sample
-from mstar.engines.sampling_triton import nucleus_race_
+from mstar.kernels.nucleus import nucleus_race_
 
 VOCAB = 156_940
 

@@ -4,7 +4,7 @@ reference on CPU tensors (prints "nucleus ok")."""
 import torch
 
 from mstar.engines.sampling_filters import race_sorted
-from mstar.engines.sampling_triton import nucleus_race_
+from mstar.kernels.nucleus import nucleus_race_
 
 gen = torch.Generator().manual_seed(0)
 x = torch.randn(5, 700, generator=gen) * torch.tensor([0.5, 2.0, 4.0, 1.0, 3.0])[:, None]
