@@ -37,12 +37,11 @@ if [[ $WHAT == tests || $WHAT == all ]]; then
 fi
 if [[ $WHAT == decode || $WHAT == all ]]; then
   run 300 decode_step python3 benchmarks/decode_step.py --out "$OUT/decode_step_h200.json"
-  run 200 profile_decode python3 benchmarks/profile_decode.py --out "$OUT/profile_decode_h200.json"
-  run 120 gemv_micro python3 benchmarks/gemv_micro.py --out "$OUT/gemv_micro_h200.json"
+  run 100 profile_decode python3 benchmarks/profile_decode.py --out "$OUT/profile_decode_h200.json"
 fi
 if [[ $WHAT == orpheus || $WHAT == all ]]; then
-  run 200 runtime_per_token python3 benchmarks/runtime_per_token.py --model dummy --device cuda \
-      --cases inproc:stream,multiproc:stream
+  run 60 sampling_ops python3 benchmarks/sampling_ops.py --device cuda --batch 1 16 --out "$OUT/sampling_ops_h200.json"
+  run 120 profile_orpheus python3 benchmarks/profile_orpheus.py --out "$OUT/profile_orpheus_h200.json"
   python3 -m mstar.cli.main serve orpheus --load-format dummy --port "$PORT" > "$OUT/orpheus_server.log" 2>&1 &
   server=$!
   if wait_ready; then
@@ -55,6 +54,8 @@ if [[ $WHAT == orpheus || $WHAT == all ]]; then
   kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
 fi
 if [[ $WHAT == wan || $WHAT == all ]]; then
+  run 60 wan_block_ops python3 benchmarks/wan_block_ops.py --out "$OUT/wan_block_ops_h200.json"
+  run 90 profile_wan python3 benchmarks/profile_wan.py --out "$OUT/profile_wan_h200.json"
   run 420 wan_bench python3 benchmarks/wan_bench.py --out "$OUT/wan_bench_h200.json"
   run 420 wan_bench_compile python3 benchmarks/wan_bench.py --skip-diffusers --compile \
       --out "$OUT/wan_bench_h200_compile.json"
