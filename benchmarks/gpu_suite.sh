@@ -33,7 +33,7 @@ PY
 }
 
 if [[ $WHAT == tests || $WHAT == all ]]; then
-  run 420 gpu_tests python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider --timeout 200
+  run 480 gpu_tests python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider --durations=15
 fi
 if [[ $WHAT == decode || $WHAT == all ]]; then
   run 300 decode_step python3 benchmarks/decode_step.py --out "$OUT/decode_step_h200.json"
