@@ -23,18 +23,19 @@ from mstar.kernels import fused_ops  # noqa: E402
 from mstar.layers.rope import RopeSpec, RotaryEmbedding  # noqa: E402
 
 
-def _decode_inputs(shape: Shape, seq_lens: list[int], pad_to: int | None, seed: int):
-    meta, q, k, v = random_batch(shape, seq_lens, [1] * len(seq_lens), "cpu", seed=seed)
+def decode_inputs(shape: Shape, seq_lens: list[int], pad_to: int | None, seed: int, device: str = "cpu"):
+    """(meta, q, k, v, cos, sin) of a decode batch padded to `pad_to` rows; q/k not yet rotated."""
+    meta, q, k, v = random_batch(shape, seq_lens, [1] * len(seq_lens), device, seed=seed)
     rows = pad_to or len(seq_lens)
     g = torch.Generator().manual_seed(seed + 1)
     pad = [torch.randn(rows - q.shape[0], *x.shape[1:], generator=g).to(x) for x in (q, k, v)]
     q, k, v = (torch.cat([x, p]) for x, p in zip((q, k, v), pad))
-    positions = torch.tensor([s - 1 for s in seq_lens] + [0] * (rows - len(seq_lens)))
-    cos, sin = RotaryEmbedding(RopeSpec(head_dim=shape.head_dim))(positions)
+    positions = torch.tensor([s - 1 for s in seq_lens] + [0] * (rows - len(seq_lens)), device=device)
+    cos, sin = RotaryEmbedding(RopeSpec(head_dim=shape.head_dim)).to(device)(positions)
     return meta, q, k, v, cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The rotary kernel the fusion replaces; for halves that are not a power of two (which it cannot
     take) the PyTorch rotation of mstar.layers.rope.apply_rotary, used in float32 only."""
     half = x.shape[-1] // 2
@@ -46,17 +47,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def check_attention(shape: Shape, seq_lens: list[int], pad_to: int | None = None, num_sms: int = 64,
-                    steps: int = 1) -> None:
+def check_attention(shape: Shape, seq_lens: list[int], pad_to: int | None = None, num_sms: int | None = 64,
+                    steps: int = 1, device: str = "cpu") -> None:
     """Fused variants against rotary kernel + unfused decode attention, on `steps` consecutive batches."""
     backends = {}
     for name, (rope, reduce) in {"ref": (False, False), "rope": (True, False), "both": (True, True)}.items():
-        _, tri = make_pair(shape, "cpu", num_sms=num_sms)
+        _, tri = make_pair(shape, device, num_sms=num_sms)
         tri.fuse_rotary, tri.fuse_reduce = rope, reduce
         backends[name] = tri
     splits = None
     for step, lens in enumerate((seq_lens, [s + 7 for s in seq_lens])[:steps]):  # counters must be reusable
-        meta, q, k, v, cos, sin = _decode_inputs(shape, lens, pad_to, seed=3 + step)
+        meta, q, k, v, cos, sin = decode_inputs(shape, lens, pad_to, 3 + step, device)
         outs = {}
         for name, tri in backends.items():
             tri.prepare(meta, pad_to=pad_to)
@@ -64,10 +65,10 @@ def check_attention(shape: Shape, seq_lens: list[int], pad_to: int | None = None
                 assert tri.fuses_rotary
                 outs[name] = tri.forward_rotary(1, q, k, v, cos, sin)
             else:
-                outs[name] = tri.forward(1, _rotate(q, cos, sin), _rotate(k, cos, sin), v)
+                outs[name] = tri.forward(1, rotate(q, cos, sin), rotate(k, cos, sin), v)
         from mstar.kernels.decode_attention import decode_num_splits
 
-        splits = decode_num_splits(tri.num_rows, shape.hkv, num_sms, shape.max_pages_per_seq * shape.page_size)
+        splits = decode_num_splits(tri.num_rows, shape.hkv, tri.num_sms, shape.max_pages_per_seq * shape.page_size)
         ref = outs["ref"].float()
         assert torch.equal(outs["rope"], outs["ref"]), (shape, (outs["rope"].float() - ref).abs().max())
         tol = 1e-5 if shape.dtype == torch.float32 else 1.6e-2  # bf16: one rounding of the output
