@@ -5,8 +5,12 @@ Same model as benchmarks/decode_step.py (Orpheus-3B shape, bf16, dummy weights).
   averaged over --steps decode steps;
 - GPU time of one graph replay alone (CUDA events over 50 back-to-back replays);
 and, at batch 1, the top GPU kernels of one decode step under torch.profiler (eager forward, same kernels).
+With --variants, each named set of decode fusions (none, rope, reduce, norm, all: RoPE in attention,
+split merge in attention, RMSNorm folded into the GEMV) gets its own engine and graphs from the same
+model, so one run shows each fusion's effect; the skinny-GEMM choices made are listed too.
 
-    python3 benchmarks/profile_decode.py [--batch-sizes 1 16 64] [--out benchmarks/results/profile_decode_h200.json]
+    python3 benchmarks/profile_decode.py [--batch-sizes 1 16 64] [--variants none rope reduce norm all]
+        [--out benchmarks/results/profile_decode_h200.json]
 
 Measures, asserts nothing. Needs a CUDA GPU.
 """
@@ -14,7 +18,9 @@ Measures, asserts nothing. Needs a CUDA GPU.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import sys
 import time
 from collections import defaultdict
@@ -27,9 +33,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode_step import ORPHEUS_3B, make_engine  # noqa: E402
 from mstar.engines.autoregressive import engine as engine_module  # noqa: E402
 from mstar.engines.base import StepItem  # noqa: E402
+from mstar.layers.fused import FUSED  # noqa: E402
+from mstar.layers.linear import SKINNY  # noqa: E402
 from mstar.models.common.loading import fill_dummy_weights  # noqa: E402
 from mstar.models.llama.config import LlamaConfig  # noqa: E402
 from mstar.models.llama.model import build_model  # noqa: E402
+
+# variant -> (RoPE in attention, split merge in attention, RMSNorm folded into the GEMV)
+VARIANTS = {"none": (False, False, False), "rope": (True, False, False), "reduce": (False, True, False),
+            "norm": (False, False, True), "all": (True, True, True)}
 
 
 class PhaseTimer:
@@ -120,16 +132,17 @@ def kernel_table(engine, model, top: int = 25) -> list[dict]:
         rows[:top]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--out", default="benchmarks/results/profile_decode_h200.json")
-    args = parser.parse_args()
-    config = LlamaConfig.from_hf(ORPHEUS_3B)
-    model = build_model(config, torch.bfloat16, torch.device("cuda"))
-    fill_dummy_weights(model, seed=0)
-    engine = make_engine(model, torch.device("cuda"), max(args.batch_sizes), 64 + args.steps + 16, "auto", True)
+def set_fusions(rope: bool, reduce: bool, norm: bool) -> None:
+    """Switch the decode fusions for the next engine built (the backend reads its two at construction)."""
+    os.environ["MSTAR_FUSE_ROPE_ATTENTION"] = "1" if rope else "0"
+    os.environ["MSTAR_FUSE_ATTENTION_REDUCE"] = "1" if reduce else "0"
+    FUSED.norm_linear = norm
+
+
+def profile_engine(model, config, args) -> dict:
+    """Host phases and graph replay per batch size, then the batch-1 kernel table, of a fresh engine."""
+    max_len = args.max_model_len or 64 + args.steps + 16  # sets max_pages_per_seq, hence the KV splits
+    engine = make_engine(model, torch.device("cuda"), max(args.batch_sizes), max_len, "auto", True)
     rows = []
     for bs in args.batch_sizes:
         row = {"batch": bs, "host_ms": host_phases(engine, bs, args.steps, config.vocab_size),
@@ -140,8 +153,44 @@ def main() -> None:
     kernels = kernel_table(engine, model)
     for k in kernels:
         print(json.dumps(k))
+    attn = engine.runner.attn
+    fusions = {"rope": getattr(attn, "fuse_rotary", False), "reduce": getattr(attn, "fuse_reduce", False),
+               "norm": FUSED.norm_linear}
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"fusions": fusions, "rows": rows, "kernels_batch1_eager": kernels}
+
+
+def skinny_choices() -> list[dict]:
+    """Every skinny-GEMM decision taken so far: (kind, M bucket, N, K) -> the Triton kernel or not."""
+    return [{"shape": [str(part) for part in key[:-1]], "triton": chosen} for key, chosen in SKINNY.decisions.items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=None,
+                        help="decode fusions to compare, one engine each (default: as the environment sets them)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="engine context limit (default: just what the run needs); decode splits KV by it")
+    parser.add_argument("--out", default="benchmarks/results/profile_decode_h200.json")
+    args = parser.parse_args()
+    config = LlamaConfig.from_hf(ORPHEUS_3B)
+    model = build_model(config, torch.bfloat16, torch.device("cuda"))
+    fill_dummy_weights(model, seed=0)
     result = {"benchmark": "profile_decode", "command": "python3 " + " ".join(sys.argv),
-              "device": torch.cuda.get_device_name(), "rows": rows, "kernels_batch1_eager": kernels}
+              "device": torch.cuda.get_device_name()}
+    if args.variants is None:
+        result.update(profile_engine(model, config, args))
+    else:
+        result["variants"] = {}
+        for name in args.variants:
+            print(json.dumps({"variant": name}), flush=True)
+            set_fusions(*VARIANTS[name])
+            result["variants"][name] = profile_engine(model, config, args)
+    result["skinny_choices"] = skinny_choices()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -56,6 +56,21 @@ SKINNY_GEMM = EnvVar(
     "skinny-GEMM kernel for few-row linears: 0 never, 1 wherever allowed, auto timed per shape "
     "(read once per process)",
     ("0", "1", "auto"))
+FUSE_ROPE_ATTENTION = EnvVar(
+    "MSTAR_FUSE_ROPE_ATTENTION", "bool (0/1/true/false)", "0",
+    "1 rotates q/k inside the Triton decode-attention kernel (no rotary kernel in decode steps; "
+    "read when the attention backend is built)",
+    _TRUE + _FALSE)
+FUSE_ATTENTION_REDUCE = EnvVar(
+    "MSTAR_FUSE_ATTENTION_REDUCE", "bool (0/1/true/false)", "0",
+    "1 merges split-KV decode-attention partials in the attention kernel itself (no reduce kernel; "
+    "read when the attention backend is built)",
+    _TRUE + _FALSE)
+FUSE_NORM_LINEAR = EnvVar(
+    "MSTAR_FUSE_NORM_LINEAR", "bool (0/1/true/false)", "0",
+    "1 lets the skinny GEMV of a decoder layer's qkv and gate_up projections fold in the preceding "
+    "(residual add +) RMSNorm where timing says it wins (read once per process)",
+    _TRUE + _FALSE)
 CACHE_DIR = EnvVar(
     "MSTAR_CACHE_DIR", "path", "~/.cache/mstar", "where mstar keeps converted checkpoints")
 API_KEY = EnvVar(
@@ -72,7 +87,8 @@ SCHEMATHESIS_EXAMPLES = EnvVar(
     "MSTAR_SCHEMATHESIS_EXAMPLES", "int", "25",
     "tests only: generated examples per operation in tests/e2e/test_schemathesis.py")
 
-ALL: tuple[EnvVar, ...] = (FUSED_KERNELS, SKINNY_GEMM, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
+ALL: tuple[EnvVar, ...] = (FUSED_KERNELS, SKINNY_GEMM, FUSE_ROPE_ATTENTION, FUSE_ATTENTION_REDUCE,
+                           FUSE_NORM_LINEAR, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
                            SCHEMATHESIS_EXAMPLES)
 
 
@@ -104,6 +120,21 @@ def skinny_gemm() -> bool | None:
     """MSTAR_SKINNY_GEMM: False (never), True (forced wherever allowed) or None (auto, the default)."""
     value = SKINNY_GEMM.choice()
     return None if value in (None, "auto") else value == "1"
+
+
+def fuse_rope_attention() -> bool:
+    """MSTAR_FUSE_ROPE_ATTENTION: whether decode attention applies RoPE itself (default False)."""
+    return _flag(FUSE_ROPE_ATTENTION, default=False)
+
+
+def fuse_attention_reduce() -> bool:
+    """MSTAR_FUSE_ATTENTION_REDUCE: whether split-KV decode attention merges in-kernel (default False)."""
+    return _flag(FUSE_ATTENTION_REDUCE, default=False)
+
+
+def fuse_norm_linear() -> bool:
+    """MSTAR_FUSE_NORM_LINEAR: whether RMSNorm may be folded into the next skinny GEMV (default False)."""
+    return _flag(FUSE_NORM_LINEAR, default=False)
 
 
 def cache_dir() -> Path:

@@ -1,7 +1,9 @@
 """The attention front-end of Llama-family decoders: projections, qk-norm, RoPE, backend call, output.
 
 The KV cache and the attention kernel live in the backend (`mstar.engines.attention`); this module
-only turns hidden states [T, hidden] into q/k/v [T, heads, head_dim] and back.
+only turns hidden states [T, hidden] into q/k/v [T, heads, head_dim] and back. A backend whose
+`fuses_rotary` is true for the prepared batch takes q/k un-rotated through `forward_rotary(layer, q,
+k, v, cos, sin)` and applies RoPE itself (the Triton decode kernel); others get rotated q/k.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from torch import nn
 
 from mstar.layers.fused import FUSED
 from mstar.layers.linear import linear
-from mstar.layers.norm import RMSNorm
+from mstar.layers.norm import PendingNorm, RMSNorm
 from mstar.layers.rope import apply_rotary
 
 
@@ -53,17 +55,24 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; `attn` is an AttentionBackend already prepared for the batch."""
+    def forward(self, x: torch.Tensor | PendingNorm, cos: torch.Tensor, sin: torch.Tensor, attn: Any) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; `attn` is an AttentionBackend already prepared for the batch.
+        x may be a PendingNorm, which the qkv projection consumes."""
         t, d = x.shape[0], self.spec.head_dim
         qkv = linear(x, self.qkv_proj)
         ops = None if self.spec.qk_norm else FUSED.ops_for(qkv)
         if ops is not None and qkv.is_contiguous():
-            # q and k heads sit side by side in each qkv row: one rotary launch rotates both.
             heads = qkv.view(t, -1, d)
-            qk = ops.rotary(heads[:, : self.spec.num_heads + self.spec.num_kv_heads], cos, sin)
+            qk_heads = self.spec.num_heads + self.spec.num_kv_heads
+            if getattr(attn, "fuses_rotary", False) and cos.stride(1) == 1:
+                # The backend rotates q and k as its kernel loads them: no rotary launch, no round trip.
+                q, k, v = heads.split([self.spec.num_heads, self.spec.num_kv_heads, self.spec.num_kv_heads], dim=1)
+                out = attn.forward_rotary(self.layer_idx, q, k, v, cos, sin)
+                return linear(out.reshape(t, self.q_size), self.o_proj)
+            # q and k heads sit side by side in each qkv row: one rotary launch rotates both.
+            qk = ops.rotary(heads[:, :qk_heads], cos, sin)
             q, k = qk.split([self.spec.num_heads, self.spec.num_kv_heads], dim=1)
-            out = attn.forward(self.layer_idx, q, k, heads[:, self.spec.num_heads + self.spec.num_kv_heads :])
+            out = attn.forward(self.layer_idx, q, k, heads[:, qk_heads:])
             return linear(out.reshape(t, self.q_size), self.o_proj)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.spec.num_heads, d)

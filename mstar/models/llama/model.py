@@ -15,9 +15,10 @@ from torch import nn
 from mstar.engines.base import KVLayout
 from mstar.engines.extras import FINAL, ForwardExtras
 from mstar.layers.attention import AttentionSpec, SelfAttention
+from mstar.layers.fused import FUSED
 from mstar.layers.linear import linear
 from mstar.layers.mlp import GatedMLP
-from mstar.layers.norm import RMSNorm
+from mstar.layers.norm import PendingNorm, RMSNorm
 from mstar.layers.rope import RotaryEmbedding
 from mstar.models.llama.config import LlamaConfig
 
@@ -45,6 +46,12 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 attn: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(block output, residual stream before it): the caller adds them, fused into the next norm."""
+        if FUSED.norm_linear and FUSED.ops_for(x) is not None and x.dim() == 2 and x.shape[0] <= 4:  # GEMV rows
+            # Each norm goes to the next projection un-applied; its skinny GEMV may fold it in.
+            pending = PendingNorm(self.input_layernorm, x, residual)
+            h = self.self_attn(pending, cos, sin, attn)
+            pending = PendingNorm(self.post_attention_layernorm, h, pending.summed())
+            return self.mlp(pending), pending.summed()
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
