@@ -163,3 +163,15 @@ def test_auto_order_and_fallback(fake, monkeypatch, caplog) -> None:
         backend = runner.make_attention_backend("auto", layout, 8, 4, torch.device("cpu"))
     assert isinstance(backend, SDPABackend)
     assert "'flashinfer' failed to initialise" in caplog.text and "needs a CUDA device" in caplog.text
+
+
+def test_buffers_made_in_inference_mode_update_outside_it() -> None:
+    """The engine prepares under inference mode; tests and tools may prepare outside it afterwards."""
+    _, fib = make_pair(GQA4, "cpu", **CPU, num_qo_heads=4)
+    meta, q, k, v = random_batch(GQA4, [5, 40], [1, 1], "cpu")
+    with torch.inference_mode():
+        fib.prepare(meta, pad_to=4)
+    fib.prepare(meta, pad_to=4)  # rewrites the graph buffers and plans the same wrapper again
+    pad = torch.zeros(2, *q.shape[1:], dtype=q.dtype)
+    kpad = torch.zeros(2, *k.shape[1:], dtype=k.dtype)
+    assert fib.forward(0, torch.cat([q, pad]), torch.cat([k, kpad]), torch.cat([v, kpad])).shape == (4, 4, 64)

@@ -192,6 +192,9 @@ class FlashInferBackend:
         buf[num_seqs:].fill_(scratch)
         return buf.masked_fill_(buf < 0, scratch)
 
+    # Buffers and wrappers (FlashInfer allocates workspaces in them) are made lazily, often inside the
+    # engine's inference mode; made as normal tensors, later in-place updates work in either mode.
+    @torch.inference_mode(False)
     def _buffers(self) -> _GraphBuffers:
         if self._graph_buffers is None:
             n, dev = self.max_num_seqs, self.device
@@ -202,6 +205,7 @@ class FlashInferBackend:
                 torch.zeros(n, dtype=torch.long, device=dev))
         return self._graph_buffers
 
+    @torch.inference_mode(False)
     def _decode_wrapper(self, pad_to: int | None) -> Any:
         cls = self._fi.BatchDecodeWithPagedKVCacheWrapper
         if pad_to is None:
@@ -216,6 +220,7 @@ class FlashInferBackend:
                 paged_kv_last_page_len_buffer=b.last_page_len[:pad_to])
         return self._decode_graph[pad_to]
 
+    @torch.inference_mode(False)
     def _prefill_wrapper(self) -> Any:
         if self._prefill is None:
             self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
