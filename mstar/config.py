@@ -29,7 +29,9 @@ class KVCacheConfig:
     page_size: int = 16  # tokens per page
     memory_fraction: float = 0.9  # share of free device memory (after weights) given to the pool (GPU)
     cpu_offload_pages: int = 0  # reserved: host pages for offloading (not implemented yet)
-    attention_backend: str = "auto"  # "auto" (triton on CUDA, else sdpa), "sdpa" or "triton"
+    # "auto": on CUDA flashinfer when it imports and initialises, else triton when it imports, else sdpa;
+    # or "sdpa" (reference, CPU and GPU), "triton" or "flashinfer" (CUDA, float16/bfloat16)
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_num_pages is not None and (not _is_int(self.max_num_pages) or self.max_num_pages < 1):

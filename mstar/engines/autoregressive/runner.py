@@ -22,7 +22,7 @@ from mstar.engines.cuda_graphs import BatchGraphs
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "triton")
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flashinfer")
 
 
 def make_attention_backend(name: str, layout: KVLayout, num_pages: int, page_size: int,
@@ -30,13 +30,42 @@ def make_attention_backend(name: str, layout: KVLayout, num_pages: int, page_siz
                            max_pages_per_seq: int | None = None) -> AttentionBackend:
     """The attention backend called `name` (`kv_cache.attention_backend`), owning a fresh KV pool.
 
-    "auto" is "triton" on CUDA when triton imports, else "sdpa". `max_num_seqs` and
-    `max_pages_per_seq` (default: the whole pool) size the Triton backend's persistent buffers.
+    "auto" tries, in order, "flashinfer" (CUDA, when flashinfer imports), "triton" (CUDA, when triton
+    imports) and "sdpa"; a backend that fails to initialise (unsupported dtype or head size, kernels
+    that do not load) is logged and the next one is tried. `max_num_seqs` and `max_pages_per_seq`
+    (default: the whole pool) size the persistent buffers of the CUDA-graph-capable backends.
     """
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown kv_cache.attention_backend {name!r}; available: {list(ATTENTION_BACKENDS)}")
-    if name == "auto":
-        name = "triton" if torch.device(device).type == "cuda" and _triton_importable() else "sdpa"
+    args = (layout, num_pages, page_size, device, max_num_seqs, max_pages_per_seq)
+    if name != "auto":
+        return _build_backend(name, *args)
+    candidates = _auto_candidates(torch.device(device).type == "cuda")
+    for candidate in candidates[:-1]:
+        try:
+            return _build_backend(candidate, *args)
+        except Exception as exc:  # any init failure: the next candidate serves instead
+            logger.warning("attention backend %r failed to initialise (%s: %s); trying %r",
+                           candidate, type(exc).__name__, exc, candidates[candidates.index(candidate) + 1])
+            logger.debug("attention backend %r init failure", candidate, exc_info=True)
+    return _build_backend(candidates[-1], *args)
+
+
+def _auto_candidates(on_cuda: bool) -> list[str]:
+    """Backends "auto" tries, best first; "sdpa" always ends the list."""
+    if not on_cuda:
+        return ["sdpa"]
+    names = [n for n, module in (("flashinfer", "flashinfer"), ("triton", "triton")) if _importable(module)]
+    return [*names, "sdpa"]
+
+
+def _build_backend(name: str, layout: KVLayout, num_pages: int, page_size: int, device: torch.device,
+                   max_num_seqs: int, max_pages_per_seq: int | None) -> AttentionBackend:
+    if name == "flashinfer":
+        from mstar.engines.attention.flashinfer_backend import FlashInferBackend
+
+        return FlashInferBackend(layout, num_pages, page_size, device, max_num_seqs=max_num_seqs,
+                                 max_pages_per_seq=max_pages_per_seq)
     if name == "triton":
         from mstar.engines.attention.triton_backend import TritonBackend
 
@@ -47,10 +76,13 @@ def make_attention_backend(name: str, layout: KVLayout, num_pages: int, page_siz
     return SDPABackend(layout, num_pages, page_size, device)
 
 
-def _triton_importable() -> bool:
+def _importable(module: str) -> bool:
     try:
-        import triton  # noqa: F401
+        __import__(module)
     except ImportError:
+        return False
+    except Exception as exc:  # a package that breaks on import (missing CUDA libraries) is not usable
+        logger.info("%s is installed but does not import (%s: %s); not using it", module, type(exc).__name__, exc)
         return False
     return True
 
