@@ -29,7 +29,8 @@ class KVCacheConfig:
     page_size: int = 16  # tokens per page
     memory_fraction: float = 0.9  # share of free device memory (after weights) given to the pool (GPU)
     cpu_offload_pages: int = 0  # reserved: host pages for offloading (not implemented yet)
-    # "auto": on CUDA flashinfer when it imports and initialises, else triton when it imports, else sdpa;
+    # "auto": on CUDA triton when it imports and initialises, else flashinfer, else sdpa (flashinfer is
+    # not yet validated on a GPU, so it is chosen first only when named);
     # or "sdpa" (reference, CPU and GPU), "triton" or "flashinfer" (CUDA, float16/bfloat16)
     attention_backend: str = "auto"
 

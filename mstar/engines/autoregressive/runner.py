@@ -30,9 +30,11 @@ def make_attention_backend(name: str, layout: KVLayout, num_pages: int, page_siz
                            max_pages_per_seq: int | None = None) -> AttentionBackend:
     """The attention backend called `name` (`kv_cache.attention_backend`), owning a fresh KV pool.
 
-    "auto" tries, in order, "flashinfer" (CUDA, when flashinfer imports), "triton" (CUDA, when triton
+    "auto" tries, in order, "triton" (CUDA, when triton imports), "flashinfer" (CUDA, when flashinfer
     imports) and "sdpa"; a backend that fails to initialise (unsupported dtype or head size, kernels
-    that do not load) is logged and the next one is tried. `max_num_seqs` and `max_pages_per_seq`
+    that do not load) is logged and the next one is tried. FlashInfer comes after Triton until it has
+    been validated on a GPU (tests/gpu/test_flashinfer_attention_gpu.py); choose it explicitly with
+    `kv_cache.attention_backend: flashinfer`. `max_num_seqs` and `max_pages_per_seq`
     (default: the whole pool) size the persistent buffers of the CUDA-graph-capable backends.
     """
     if name not in ATTENTION_BACKENDS:
@@ -55,7 +57,7 @@ def _auto_candidates(on_cuda: bool) -> list[str]:
     """Backends "auto" tries, best first; "sdpa" always ends the list."""
     if not on_cuda:
         return ["sdpa"]
-    names = [n for n, module in (("flashinfer", "flashinfer"), ("triton", "triton")) if _importable(module)]
+    names = [n for n, module in (("triton", "triton"), ("flashinfer", "flashinfer")) if _importable(module)]
     return [*names, "sdpa"]
 
 
