@@ -46,16 +46,26 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_calls(fn: Callable[[], Any], device: torch.device, calls: int, warmup: int = 2) -> dict[str, float]:
-    """first_ms, host_ms (mean and median), gpu_ms, wall_ms of `fn()` over `calls` calls after `warmup`."""
+def time_calls(fn: Callable[[], Any], device: torch.device, calls: int, warmup: int = 2,
+               budget_s: float = 3.0) -> dict[str, float]:
+    """first_ms, host_ms (mean and median), gpu_ms, wall_ms of `fn()` over `calls` calls after `warmup`.
+
+    A slow `fn` gets fewer warm-up and timed calls (at least one of each) so the case stays near
+    `budget_s`; `calls` in the result says how many were timed."""
     sync(device)
     start = time.perf_counter()
     fn()
     sync(device)
     first_ms = (time.perf_counter() - start) * 1e3
+    per_call_ms = first_ms
     for _ in range(max(warmup - 1, 0)):
+        t0 = time.perf_counter()
         fn()
-    sync(device)
+        sync(device)
+        per_call_ms = (time.perf_counter() - t0) * 1e3  # a warm call: the estimate for the budget
+        if per_call_ms * calls > budget_s * 1e3:
+            break
+    calls = max(1, min(calls, int(budget_s * 1e3 / max(per_call_ms, 1e-3))))
     host: list[float] = []
     begin = end = None
     if device.type == "cuda":
@@ -72,7 +82,8 @@ def time_calls(fn: Callable[[], Any], device: torch.device, calls: int, warmup: 
     wall_ms = (time.perf_counter() - wall_start) * 1e3 / calls
     gpu_ms = begin.elapsed_time(end) / calls if begin is not None and end is not None else wall_ms
     return {"first_ms": _r(first_ms), "host_ms": _r(statistics.mean(host)),
-            "host_ms_median": _r(statistics.median(host)), "gpu_ms": _r(gpu_ms), "wall_ms": _r(wall_ms)}
+            "host_ms_median": _r(statistics.median(host)), "gpu_ms": _r(gpu_ms), "wall_ms": _r(wall_ms),
+            "calls": calls}
 
 
 def profile_calls(fn: Callable[[], Any], device: torch.device, calls: int, top: int = 15) -> dict[str, Any]:

@@ -24,7 +24,7 @@ def measure(fn, device: torch.device, calls: int, kernels: bool = False) -> dict
         out: dict[str, Any] = time_calls(fn, device, calls)
     out["peak_gib"] = mem.peak_gib
     if kernels:
-        out["kernels"] = profile_calls(fn, device, max(calls // 2, 1))
+        out["kernels"] = profile_calls(fn, device, min(max(out["calls"] // 2, 1), 5))
     return out
 
 
@@ -83,26 +83,48 @@ def code2wav_stages(module, codes: torch.Tensor, device: torch.device, repeats: 
     return {name: round(ms / repeats, 3) for name, ms in totals.items()}
 
 
+@contextlib.contextmanager
+def cudnn_enabled(on: bool) -> Iterator[None]:
+    """torch.backends.cudnn.enabled set to `on` inside the block (off: PyTorch's own conv kernels)."""
+    before = torch.backends.cudnn.enabled
+    torch.backends.cudnn.enabled = on
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.enabled = before
+
+
+# (name, float32?, cudnn.benchmark, cudnn enabled, all batches?); the first is the served setting
+CODE2WAV_VARIANTS = (("bf16", False, False, True, True), ("bf16_cudnn_benchmark", False, True, True, False),
+                     ("bf16_no_cudnn", False, False, False, False), ("float32", True, False, True, True),
+                     ("float32_cudnn_benchmark", True, True, True, False))
+
+
 def profile_code2wav(module, device: torch.device, batches: list[int], calls: int, chunk: int,
-                     context: int) -> dict[str, Any]:
-    """Code2Wav as served (first chunk; chunk + left context), then variants: float32, cudnn.benchmark,
-    fresh lengths (one-off cost per new shape) and a per-stage split."""
-    fresh = iter(range(context + 1, context + chunk))  # last-chunk lengths: each used once
+                     context: int, budget_s: float = 90.0) -> dict[str, Any]:
+    """Code2Wav as served (first chunk; chunk + left context) and the variants of CODE2WAV_VARIANTS
+    (dtype, cuDNN autotuning, no cuDNN), each with first/second calls at lengths never run before (a
+    request's last chunk) and a per-stage split; variants past `budget_s` are skipped."""
+    import time
+
+    deadline = time.perf_counter() + budget_s
+    fresh = iter(range(context + 1, context + chunk))  # last-chunk lengths, each used once
+    variants = CODE2WAV_VARIANTS if device.type == "cuda" else (("float32", True, False, True, True),)
     out: dict[str, Any] = {}
-    variants = [("bf16", False), ("bf16", True), ("float32", False), ("float32", True)]
-    if device.type != "cuda":
-        variants = [("float32", False)]  # CPU: the served dtype is float32 and cuDNN does not apply
     fp32 = None
-    for dtype, bench in variants:
+    for name, as_fp32, bench, enabled, all_batches in variants:
+        if time.perf_counter() > deadline:
+            out[name] = {"skipped": f"over the {budget_s} s Code2Wav budget"}
+            continue
         mod = module
-        if dtype == "float32" and module.code_embedding.weight.dtype != torch.float32:
+        if as_fp32 and module.code_embedding.weight.dtype != torch.float32:
             if fp32 is None:
                 fp32 = copy.deepcopy(module).float()
             mod = fp32
-        name = f"{dtype}{'_cudnn_benchmark' if bench else ''}"
-        with cudnn_benchmark(bench):
-            out[name] = _code2wav_variant(mod, device, batches, calls, chunk, context, fresh, kernels=not bench)
-    out["stages_chunk_b1_ms"] = code2wav_stages(module, _codes(module, chunk + context, device), device, 3)
+        with cudnn_benchmark(bench), cudnn_enabled(enabled):
+            out[name] = _code2wav_variant(mod, device, batches if all_batches else batches[:1], calls, chunk,
+                                          context, fresh, kernels=not bench)
+            out[name]["stages_chunk_b1_ms"] = code2wav_stages(mod, _codes(mod, chunk + context, device), device, 3)
     return out
 
 

@@ -48,9 +48,12 @@ def print_table(doc: dict[str, Any], out: TextIO) -> None:
                   f"  sdpa={kernels['sdpa_backends']}\n")
         for k in kernels["top"][:5]:
             out.write(f"  {k['ms']:>9.3f} ms x{k['count']:<6} {k['category']:17} {k['name'][:80]}\n")
-    for name, value in doc.get("cases", {}).get("code2wav", {}).items():
-        if name == "stages_chunk_b1_ms":
-            out.write("\ncode2wav stages (chunk, batch 1), ms: " + " ".join(f"{k}={v}" for k, v in value.items()) + "\n")
+    for name, variant in doc.get("cases", {}).get("code2wav", {}).items():
+        if isinstance(variant, dict) and "stages_chunk_b1_ms" in variant:
+            stages = variant["stages_chunk_b1_ms"]
+            out.write(f"\ncode2wav {name} stages (chunk, b1) ms: " + " ".join(f"{k}={v}" for k, v in stages.items()))
+            lengths = " ".join(f"{r['frames']}f:{r['first_ms']}/{r['again_ms']}" for r in variant["new_length_b1_ms"])
+            out.write(f"\n  new lengths (frames: first/again ms): {lengths}\n")
 
 
 def _kernel_profiles(node: Any, prefix: str) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -58,7 +58,7 @@ def test_quick_run_codec_cases(quick_doc: dict) -> None:
     kernels = variant["chunk_b1"]["kernels"]
     assert kernels["kernels"] > 0 and kernels["categories_ms"]["conv"] > 0
     assert abs(sum(kernels["categories_ms"].values()) - kernels["kernel_ms"]) < 0.01
-    assert len(c2w["stages_chunk_b1_ms"]) == 1 + 1 + 5  # transformer, one upsample stage, 5 decoder layers (tiny)
+    assert len(variant["stages_chunk_b1_ms"]) == 1 + 1 + 5  # transformer, one upsample stage, 5 decoder layers (tiny)
     assert predictor["graph_sizes"] == [] and "eager_sampled_b2" in predictor
     rows = dict(timed_rows(quick_doc))
     assert "code2wav.float32.chunk_b1" in rows and "frame_loop.b1" in rows
