@@ -51,7 +51,10 @@ def test_quick_run_decoder_cases_ran_the_real_engine_paths(quick_doc: dict) -> N
 
 def test_quick_run_codec_cases(quick_doc: dict) -> None:
     c2w, predictor = quick_doc["cases"]["code2wav"], quick_doc["cases"]["code_predictor"]
-    assert c2w["cold_first_call_ms"] > 0
+    assert c2w["first_call_after_build_ms"] > 0
+    assert "warm_up_s" not in quick_doc["components"]["code2wav"]  # the builder warms up on CUDA only
+    padded = c2w["float32_padded"]["new_length_b1_ms"]
+    assert [row["frames"] for row in padded] == [28, 29]
     variant = c2w["float32"]  # CPU serves float32; the cuDNN variants only run on CUDA
     assert {"first_chunk_b1", "chunk_b1", "chunk_b2"} <= set(variant)
     assert [row["frames"] for row in variant["new_length_b1_ms"]] == [26, 27]  # lengths not run before
