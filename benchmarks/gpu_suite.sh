@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|decode|orpheus|wan|omni|omni2|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|decode|orpheus|wan|omni|omni2|profile_omni|all]
 #
 # Writes logs and JSON results under $OUT (default ./gpu_out). Each step has its own time limit, and a
 # failing step does not stop the others. Needs the repo importable (pip install -e . or PYTHONPATH) and,
@@ -77,7 +77,11 @@ omni_bench() {  # omni_bench <config> <json name>
   kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
 }
 if [[ $WHAT == omni || $WHAT == all ]]; then
+  run 300 profile_omni python3 benchmarks/profile_omni.py --out "$OUT/profile_omni_h200.json"
   omni_bench configs/qwen3_omni.yaml omni_bench_1gpu
+fi
+if [[ $WHAT == profile_omni ]]; then  # only the per-component profile (<= 240 s)
+  run 300 profile_omni python3 benchmarks/profile_omni.py --out "$OUT/profile_omni_h200.json"
 fi
 if [[ $WHAT == omni2 ]]; then
   omni_bench configs/qwen3_omni_2gpu.yaml omni_bench_2gpu

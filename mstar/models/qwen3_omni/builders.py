@@ -166,4 +166,14 @@ def _code2wav(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtyp
         _fill_dummy(module, cfg, 5)
     else:
         module = build_code2wav(ckpt.code2wav_config, ckpt.root, ckpt.load_format, dtype, device)
+    module.pad_frames, widths = code2wav_widths(cfg)
+    if device.type == "cuda":  # the first request would pay kernel loading and cuDNN plans otherwise
+        module.warm_up(widths)
     return BuiltComponent(module)
+
+
+def code2wav_widths(cfg) -> tuple[int, list[int]]:
+    """(Code2Wav's pad_frames, the chunk widths it decodes in steady state) under the serve config: the
+    first chunk (no context) and a full chunk with its left context, or the one padded width."""
+    full = cfg.code2wav_chunk + cfg.code2wav_left_context
+    return (full, [full]) if cfg.code2wav_pad else (0, [cfg.code2wav_chunk, full])

@@ -108,7 +108,14 @@ class Code2Wav(nn.Module):
     them) and, in chunked mode, `codes_new` [] (how many of the last frames are new; the others are
     left context). Output: `audio` float32 at 24 kHz, seamless trim: new * samples_per_frame
     samples, less `lookahead_samples` for a chunk without context (the first one).
+
+    With `pad_frames` set, a shorter chunk (the first one, a request's last one) is padded with code
+    0 frames on the right to that many frames and its audio cut back: every stage is causal, so the
+    kept samples do not depend on the padding, and calls keep one shape (chunks of several lengths
+    batch together; no cuDNN plan or kernel choice per new length).
     """
+
+    pad_frames: int = 0  # chunks shorter than this are padded to it (one shape: no per-length costs)
 
     def __init__(self, cfg: Code2WavConfig) -> None:
         super().__init__()
@@ -176,11 +183,14 @@ class Code2Wav(nn.Module):
         if trim not in TRIMS:
             raise ValueError(f"unknown trim {trim!r}; choose one of {TRIMS}")
         audio = self.forward(codes)
-        context = codes.shape[-1] - num_new
+        return audio[:, self._new_start(codes.shape[-1] - num_new, trim):]
+
+    def _new_start(self, context: int, trim: str = "seamless") -> int:
+        """Index of a chunk's first new sample in its one-shot audio, after `context` frames."""
         start = context * self.cfg.samples_per_frame
         if trim == "seamless" and context:
             start = max(0, start - self.lookahead_samples)
-        return audio[:, start:]
+        return start
 
     def chunked_decode(self, codes: torch.Tensor, chunk: int = 300, left_context: int = 25,
                        trim: str = "seamless") -> torch.Tensor:
@@ -196,21 +206,32 @@ class Code2Wav(nn.Module):
     @torch.no_grad()
     def run_batch(self, walk: str, node: str, inputs: Sequence[Mapping[str, torch.Tensor]],
                   options: Sequence[Mapping[str, Any]]) -> list[dict[str, torch.Tensor]]:
-        """Requests whose chunks have equal (frames, new) shapes run as one batch."""
-        groups: dict[tuple[int, int], list[int]] = {}
+        """Chunks of equal length (after padding to `pad_frames`, when set) run as one batch."""
+        groups: dict[int, list[tuple[int, int, int]]] = {}  # width -> (input index, frames, new)
         for i, x in enumerate(inputs):
             frames = self._check_codes(x["codes"])
             new = int(x["codes_new"]) if "codes_new" in x else frames
             if not 0 < new <= frames:
                 raise ValueError(f"codes_new={new} must be in [1, {frames}] (the chunk has {frames} frames)")
-            groups.setdefault((frames, new), []).append(i)
+            groups.setdefault(max(frames, self.pad_frames), []).append((i, frames, new))
         outputs: list[dict[str, torch.Tensor]] = [{} for _ in inputs]
-        for (_, new), rows in groups.items():
-            codes = torch.stack([inputs[i]["codes"].long().transpose(0, 1) for i in rows])
-            audio = self.decode_chunk(codes, new).float()
-            for row, i in enumerate(rows):
-                outputs[i] = {"audio": audio[row]}
+        for width, rows in groups.items():
+            codes = torch.stack([F.pad(inputs[i]["codes"].long().transpose(0, 1), (0, width - frames))
+                                 for i, frames, _ in rows])
+            audio = self.forward(codes).float()
+            for row, (i, frames, new) in enumerate(rows):
+                # causal: the first (frames * samples_per_frame - lookahead) samples ignore the padding
+                end = frames * self.cfg.samples_per_frame - self.lookahead_samples
+                outputs[i] = {"audio": audio[row, self._new_start(frames - new):end]}
         return outputs
+
+    @torch.no_grad()
+    def warm_up(self, widths: Sequence[int]) -> None:
+        """Decode one chunk of each width (frames) once, so the first request does not pay one-off
+        costs (kernel loading, cuDNN plans for these shapes); called before the server is ready."""
+        for width in sorted(set(widths)):
+            codes = torch.zeros(1, self.cfg.num_quantizers, width, dtype=torch.long, device=self.code_offset.device)
+            self.forward(codes)
 
     def _check_codes(self, codes: torch.Tensor) -> int:
         if codes.ndim != 2 or codes.shape[1] != self.cfg.num_quantizers:

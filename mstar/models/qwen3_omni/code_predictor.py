@@ -175,7 +175,9 @@ class CodePredictor(nn.Module):
         """One frame per request, all in one `predict` call (the stateless engine's interface)."""
         hidden, first = self._gather(inputs)
         params = [CodePredictorSampling.from_options(o, self.default_sampling) for o in options]
-        frames = [int(x["frame_index"]) if "frame_index" in x else None for x in inputs]
+        # only seeded rows need their frame index on the host: reading a device scalar is a host sync
+        frames = [int(x["frame_index"]) if "frame_index" in x and p.seed is not None and p.temperature > 0
+                  else None for x, p in zip(inputs, params)]
         sampling = build_sampling_tensors(params, frames, self.cfg.num_residual, self.cfg.vocab_size,
                                           hidden.device)
         codes, embed_sum = self._predict(hidden, first, sampling)

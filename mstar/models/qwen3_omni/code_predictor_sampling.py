@@ -84,9 +84,14 @@ class SamplingTensors:
 def build_sampling_tensors(params: Sequence[CodePredictorSampling], frame_index: Sequence[int | None],
                            steps: int, vocab: int, device: torch.device) -> SamplingTensors:
     """Batch tensors for `params` (one per row); `frame_index` seeds the rows that have a seed."""
-    temperature = _to(torch.tensor([p.temperature for p in params], dtype=torch.float32), device)
-    top_k = _to(torch.tensor([p.top_k or vocab for p in params], dtype=torch.long), device)
-    top_p = _to(torch.tensor([p.top_p if p.top_p < 1 else 2.0 for p in params], dtype=torch.float32), device)
+    # one host tensor, one copy: a tensor made from a list straight on the GPU is a blocking copy each
+    rows = torch.tensor([[p.temperature, p.top_k or vocab, p.top_p if p.top_p < 1 else 2.0] for p in params],
+                        dtype=torch.float64)
+    if device.type == "cuda":
+        rows = rows.pin_memory().to(device, non_blocking=True)
+    else:
+        rows = rows.to(device)
+    temperature, top_k, top_p = rows[:, 0].float(), rows[:, 1].long(), rows[:, 2].float()
     if all(p.temperature == 0 for p in params):
         return SamplingTensors(temperature, top_k, top_p, None)
     noise = torch.empty(len(params), steps, vocab, device=device).exponential_()
@@ -99,13 +104,6 @@ def build_sampling_tensors(params: Sequence[CodePredictorSampling], frame_index:
         gen = torch.Generator(device=device).manual_seed(_mix(p.seed, frame))
         noise[row] = torch.empty(steps, vocab, device=device).exponential_(generator=gen)
     return SamplingTensors(temperature, top_k, top_p, noise)
-
-
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on `device`; through pinned memory on CUDA, so the copy does not wait for the
-    work already queued (a pageable copy would)."""
-    device = torch.device(device)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def _mix(seed: int, frame: int) -> int:

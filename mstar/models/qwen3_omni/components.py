@@ -143,6 +143,8 @@ class FrameCodePredictor(CodePredictor):
                   options: Sequence[Mapping[str, Any]]) -> list[dict[str, torch.Tensor]]:
         # the talker returns its final states of every token of the step: the last one made the code
         inputs = [{**x, "talker_hidden": x["talker_hidden"].reshape(-1, self.cfg.hidden_size)[-1]} for x in inputs]
+        # one host read per batch, before the launch: it waits for the first codes' copy only, not for
+        # the prediction, so the next component's host work overlaps the predictor's GPU work
+        firsts = torch.cat([x["first_code"].reshape(1) for x in inputs]).tolist()
         outputs = super().run_batch(walk, node, inputs, options)
-        firsts = torch.cat([x["first_code"].reshape(1) for x in inputs]).tolist()  # one host sync per batch
         return [{} if first == self.codec_eos else out for first, out in zip(firsts, outputs)]

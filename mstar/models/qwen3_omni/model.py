@@ -72,6 +72,7 @@ class OmniServeConfig:
     enable_prefix_caching: bool = True
     code2wav_chunk: int = 25  # frames of new audio per Code2Wav step (25 = 2 s)
     code2wav_left_context: int = 25  # earlier frames each chunk sees (see code2wav.py on exactness)
+    code2wav_pad: bool = False  # pad shorter chunks to chunk + left_context frames: one shape (code2wav.py)
     video_fps: float = 2.0  # frames a second sampled from input videos
     seed: int = 0  # of dummy / tiny random weights
 
