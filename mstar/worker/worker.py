@@ -229,7 +229,13 @@ class Worker:
         engine.submit(item)
 
     def _to_device(self, value: Any) -> Any:
-        return value.to(self.device) if isinstance(value, torch.Tensor) and value.device != self.device else value
+        if not isinstance(value, torch.Tensor) or value.device == self.device:
+            return value
+        if self.device.type == "cuda" and value.device.type == "cpu":
+            # through pinned memory: a pageable copy would wait for all work queued on the device
+            # (e.g. the decode step just launched) before it starts
+            return value.pin_memory().to(self.device, non_blocking=True)
+        return value.to(self.device)
 
     def _feed_stream(self, rid: str, stream: str) -> None:
         blocked = self._blocked.get((rid, stream))
