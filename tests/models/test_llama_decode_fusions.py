@@ -4,21 +4,17 @@ decode fusion on as with none, and the fused paths really run (see llama_fusion_
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.interpreted import run_interpreted
 
 pytest.importorskip("triton")
 
 
 def test_greedy_tokens_same_with_fusions_on_and_off():
-    script = Path(__file__).with_name("llama_fusion_parity.py")
-    root = Path(__file__).parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    proc = run_interpreted(Path(__file__).with_name("llama_fusion_parity.py"), timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     for dtype, r in results.items():

@@ -3,12 +3,11 @@ the tiny DiT with them on matches diffusers (run on CPU through the Triton inter
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.interpreted import run_interpreted
 
 pytest.importorskip("triton")
 pytest.importorskip("diffusers")
@@ -16,11 +15,6 @@ pytest.importorskip("diffusers")
 
 def test_wan_kernels_match_the_torch_forms_and_diffusers():
     # A fresh process: triton reads TRITON_INTERPRET when the kernels are decorated.
-    script = Path(__file__).with_name("wan22_kernels_check.py")
-    root = Path(__file__).parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240,
-                          cwd=root)
+    proc = run_interpreted(Path(__file__).with_name("wan22_kernels_check.py"), OMP_NUM_THREADS="1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "wan ops ok" in proc.stdout

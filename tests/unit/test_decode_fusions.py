@@ -3,24 +3,17 @@ GEMV) equal the kernels they replace (CPU, Triton interpreter; see decode_fusion
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.interpreted import run_interpreted
 
 pytest.importorskip("triton")
 
 
 def _run(which: str) -> str:
-    script = Path(__file__).with_name("decode_fusion_cases.py")
-    root = Path(__file__).parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    for name in ("MSTAR_SKINNY_GEMM", "MSTAR_FUSE_NORM_LINEAR", "MSTAR_FUSE_ROPE_ATTENTION", "MSTAR_FUSE_ATTENTION_REDUCE"):
-        env.pop(name, None)
-    proc = subprocess.run([sys.executable, str(script), which], env=env, capture_output=True, text=True, timeout=240,
-                          cwd=root)
+    proc = run_interpreted(Path(__file__).with_name("decode_fusion_cases.py"), which)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert "decode fusions ok" in proc.stdout
     return proc.stdout

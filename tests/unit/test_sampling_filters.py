@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +10,7 @@ import torch
 
 import mstar.engines.sampling_filters as filters
 from mstar.engines.sampling import SamplingParams, SamplingRow
+from tests.interpreted import run_interpreted
 
 
 def _reference(x: torch.Tensor, params: list[SamplingParams], noise: torch.Tensor) -> list[int]:
@@ -76,9 +74,6 @@ def test_seen_masks_follow_the_batch_and_its_changes():
 
 def test_triton_nucleus_race_equals_the_reference_interpreted():
     pytest.importorskip("triton")
-    root = Path(__file__).parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("nucleus_check.py"))], env=env,
-                          capture_output=True, text=True, timeout=240, cwd=root)
+    proc = run_interpreted(Path(__file__).with_name("nucleus_check.py"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "nucleus ok" in proc.stdout

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.interpreted import run_interpreted
 
 pytest.importorskip("triton")
 
 
 def test_skinny_gemm_matches_f_linear():
-    script = Path(__file__).with_name("skinny_gemm_check.py")
-    root = Path(__file__).parents[2]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.pop("MSTAR_SKINNY_GEMM", None)
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=240,
-                          cwd=root)
+    proc = run_interpreted(Path(__file__).with_name("skinny_gemm_check.py"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "skinny gemm ok" in proc.stdout
