@@ -89,8 +89,8 @@ def item(rid, tokens, slot="main", **options):
                     options=options, kv_slot=slot)
 
 
-def drive(engine, items, max_steps=2000):
-    """Act as the worker: feed each sampled token back until the item says stop; collect results."""
+def drive(engine, items, max_steps=2000, feed=lambda token: token):
+    """Act as the worker: feed `feed(sampled token)` back until the item says stop; collect results."""
     results = {(it.request_id, it.kv_slot): [] for it in items}
     for it in items:
         engine.submit(it)
@@ -101,7 +101,7 @@ def drive(engine, items, max_steps=2000):
             slot = r.node.removeprefix("llm_")
             results.setdefault((r.request_id, slot), []).append(r)
             if r.error is None and not r.stop:
-                engine.submit(item(r.request_id, r.outputs["token"], slot))
+                engine.submit(item(r.request_id, feed(r.outputs["token"]), slot))
     raise AssertionError("engine did not finish")
 
 

@@ -4,28 +4,12 @@ changes when work runs, never what comes out. On CPU the lookahead forward runs 
 import pytest
 import torch
 
-from tests.unit.test_ar_engine import TinyLM, item, make_engine, prompts, reference, tokens_of
+from tests.unit.test_ar_engine import TinyLM, drive, item, make_engine, prompts, reference, tokens_of
 
 
 @pytest.fixture(scope="module")
 def model():
     return TinyLM()
-
-
-def drive(engine, items, feed=lambda token: token, max_steps=2000):
-    """The worker's part: feed `feed(sampled token)` back until stop; results per (rid, slot)."""
-    results = {(it.request_id, it.kv_slot): [] for it in items}
-    for it in items:
-        engine.submit(it)
-    for _ in range(max_steps):
-        if not engine.has_work():
-            return results
-        for r in engine.step():
-            slot = r.node.removeprefix("llm_")
-            results[(r.request_id, slot)].append(r)
-            if r.error is None and not r.stop:
-                engine.submit(item(r.request_id, feed(r.outputs["token"]), slot))
-    raise AssertionError("engine did not finish")
 
 
 def test_single_request_uses_lookahead_and_matches_reference(model):
