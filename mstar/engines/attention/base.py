@@ -38,3 +38,13 @@ class AttentionBackend(Protocol):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store k/v for the new tokens of layer `layer` and return attention output [T, Hq, D]."""
+
+
+def padded_rows(meta: AttentionMetadata, pad_to: int | None, is_decode: bool) -> int:
+    """Rows a prepared batch occupies: its sequences, or `pad_to` for a decode batch replayed in a CUDA
+    graph of that size; ValueError when padding is asked for anything else."""
+    num_seqs = len(meta.query_lens)
+    if pad_to is not None and (not is_decode or pad_to < num_seqs):
+        raise ValueError(f"pad_to={pad_to} needs a decode-only batch of at most pad_to sequences "
+                         f"(got query_lens={meta.query_lens}); pass pad_to=None for prefill")
+    return num_seqs if pad_to is None else pad_to

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from mstar import envs
-from mstar.engines.attention.base import AttentionMetadata
+from mstar.engines.attention.base import AttentionMetadata, padded_rows
 from mstar.engines.base import KVLayout
 
 
@@ -105,11 +105,7 @@ class TritonBackend:
         self._window = (meta.sliding_window or 0) if meta.causal else 0
 
     def _check(self, meta: AttentionMetadata, pad_to: int | None) -> int:
-        num_seqs = len(meta.query_lens)
-        if pad_to is not None and (not self.is_decode or pad_to < num_seqs):
-            raise ValueError(f"pad_to={pad_to} needs a decode-only batch of at most pad_to sequences "
-                             f"(got query_lens={meta.query_lens}); pass pad_to=None for prefill")
-        rows = num_seqs if pad_to is None else pad_to
+        rows = padded_rows(meta, pad_to, self.is_decode)
         if rows > self.max_num_seqs:
             raise ValueError(f"batch of {rows} sequences exceeds TritonBackend max_num_seqs="
                              f"{self.max_num_seqs}; raise max_num_seqs")
