@@ -73,6 +73,8 @@ class CudaGraphConfig:
     max_batch_size: int = 64
     batch_sizes: list[int] | None = None
     lookahead: bool = True  # launch decode step N+1 before reading step N's tokens (engines/autoregressive/lookahead.py)
+    compile_eager: bool = False  # torch.compile the model forward of steps that replay no graph (prefill, big batches)
+    compile_backend: str = "inductor"  # torch.compile backend for compile_eager ("eager"/"aot_eager" to debug)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_batch_size) or self.max_batch_size < 1:

@@ -102,6 +102,14 @@ class ModelRunner:
         self.extras_graphs: ExtrasGraphs | None = None  # decode with embeddings/positions/hidden capture
         self._staging: list[_DecodeStaging] = []  # two sets, used in turn
         self.last_greedy_ids: torch.Tensor | None = None  # argmax of the last step's logits, when a graph ran
+        self._eager_forward = model.forward  # plain steps that replay no graph; compiled on request
+        if graphs is not None and graphs.compile_eager:
+            try:
+                self._eager_forward = torch.compile(model.forward, dynamic=True, backend=graphs.compile_backend)
+            except Exception as exc:  # an unknown backend name is the usual cause
+                raise ValueError(f"cuda_graphs.compile_backend={graphs.compile_backend!r}: {exc}") from exc
+            logger.info("eager forward of %s compiled with torch.compile (backend %s)", type(model).__name__,
+                        graphs.compile_backend)
         if graphs is not None and graphs.enabled and self.device.type == "cuda":
             capturable = getattr(model, "supports_cuda_graphs", None)
             if capturable is not None and not capturable():
@@ -149,7 +157,7 @@ class ModelRunner:
             positions.extend(pos)
             slots.extend(c.seq.pages[p // self.page_size] * self.page_size + p % self.page_size for p in pos)
         self.attn.prepare(self._metadata(chunks, slots))
-        hidden = self.model.forward(self._tensor(input_ids), self._tensor(positions), self.attn)
+        hidden = self._eager_forward(self._tensor(input_ids), self._tensor(positions), self.attn)
         ends = torch.cumsum(torch.tensor([c.num_tokens for c in chunks]), 0) - 1
         last = [int(e) for c, e in zip(chunks, ends) if c.completes]
         return self.model.compute_logits(hidden[self._tensor(last)]) if last else None
@@ -238,7 +246,7 @@ class ModelRunner:
         tables = torch.tensor([s.pages + [0] * (width - len(s.pages)) for s in seqs], dtype=torch.int32)
         self.attn.prepare(AttentionMetadata([1] * len(seqs), [p + 1 for p in positions], self._tensor(slots),
                                             tables.to(self.device)))
-        hidden = self.model.forward(ids.to(self.device), self._tensor(positions), self.attn)
+        hidden = self._eager_forward(ids.to(self.device), self._tensor(positions), self.attn)
         return Ahead(seqs, positions, self.model.compute_logits(hidden), None)
 
     def _metadata(self, chunks: list[Chunk], slots: list[int]) -> AttentionMetadata:
