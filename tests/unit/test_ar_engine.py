@@ -252,7 +252,13 @@ def test_warm_up_leaves_no_sequences_behind():
 
     model = build_model(LlamaConfig.from_hf(tiny_hf_config("llama")), torch.float32)
     fill_dummy_weights(model)
+    rows = []
+    forward = model.forward
+    model.forward = lambda ids, *args, **kw: rows.append(len(ids)) or forward(ids, *args, **kw)
     engine = AutoregressiveEngine(model, KVCacheConfig(max_num_pages=32, page_size=4), "cpu", warm_up=True)
+    # one prefill per GEMM row bucket (8/16/32/64: no request pays a per-shape timing), then a batch
+    prefills = [n for n in rows if n > 3]
+    assert prefills == [5, 12, 24, 48, 54], rows
     assert not engine.has_work() and not engine._seqs
     assert engine.pool.num_used == 0
     assert engine.pool.num_cached_idle > 0  # it did run: the prompts' full pages stay in the prefix cache

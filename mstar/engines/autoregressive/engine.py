@@ -76,20 +76,34 @@ class AutoregressiveEngine:
             self._warm_up()
         self.last_step_items = 0  # sequences the latest step computed (mstar.engines.stats.ReportsStats)
 
-    def _warm_up(self, lengths: tuple[int, ...] = (5, 16, 33)) -> None:
-        """Run throwaway prompts (prefill and two decode steps) through the real path, so the first
-        request does not pay for kernel compilation; called on CUDA before the worker reports ready."""
+    def _warm_up(self, alone: tuple[int, ...] = (5, 12, 24, 48), together: tuple[int, ...] = (5, 16, 33)) -> None:
+        """Run throwaway prompts (prefill and two decode steps) through the real path, so that the first
+        requests pay for no kernel compilation and no per-shape GEMM timing; called on CUDA before the
+        worker reports ready. Each of `alone` is prefilled by itself (5 / 12 / 24 / 48 rows hit the row
+        buckets 8 / 16 / 32 / 64 that `layers/linear.py` decides per shape), then `together` as one batch
+        (batched prefill and decode). Every prompt repeats its own token, so none reuses another's
+        cached prefix (which would shrink its prefill)."""
+        runs = [[n] for n in alone] + [list(together)]
+        token = 0
+        for lengths in runs:
+            items = []
+            for n in lengths:
+                token += 1
+                if n + 3 < self.max_model_len:
+                    items.append((f"__warmup_{token}", torch.full((n,), token, dtype=torch.long)))
+            self._warm_run(items)
+
+    def _warm_run(self, prompts: list[tuple[str, torch.Tensor]]) -> None:
         options = {"temperature": 0.0, "max_tokens": 3, "ignore_eos": True}
-        rids = [f"__warmup_{n}" for n in lengths if n + 3 < self.max_model_len]
-        for rid, n in zip(rids, lengths):
-            self.submit(StepItem(rid, "warmup", "warmup", {"input_ids": torch.zeros(n, dtype=torch.long)}, options))
+        for rid, ids in prompts:
+            self.submit(StepItem(rid, "warmup", "warmup", {"input_ids": ids}, options))
         while self.has_work():
             for r in self.step():
                 if r.error is not None:
                     raise RuntimeError(f"engine warm-up failed: {r.error}")
                 if not r.stop:
                     self.submit(StepItem(r.request_id, "warmup", "warmup", {"input_ids": r.outputs["token"]}, options))
-        for rid in rids:
+        for rid, _ in prompts:
             self.release(rid)
 
     def submit(self, item: StepItem) -> None:
