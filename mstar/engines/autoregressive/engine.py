@@ -81,20 +81,22 @@ class AutoregressiveEngine:
         requests pay for no kernel compilation and no per-shape GEMM timing; called on CUDA before the
         worker reports ready. Each of `alone` is prefilled by itself (5 / 12 / 24 / 48 rows hit the row
         buckets 8 / 16 / 32 / 64 that `layers/linear.py` decides per shape), then `together` as one batch
-        (batched prefill and decode). Every prompt repeats its own token, so none reuses another's
-        cached prefix (which would shrink its prefill)."""
-        runs = [[n] for n in alone] + [list(together)]
+        (batched prefill and decode), greedy and once more sampled (temperature, top-p, repetition
+        penalty: the sampling kernels compile here, not in the first sampled request). Every prompt
+        repeats its own token, so none reuses another's cached prefix (which would shrink its prefill)."""
+        greedy = {"temperature": 0.0, "max_tokens": 3, "ignore_eos": True}
+        sampled = {**greedy, "temperature": 1.0, "top_p": 0.9, "repetition_penalty": 1.1, "seed": 0}
+        runs = [([n], greedy) for n in alone] + [(list(together), greedy), (list(together), sampled)]
         token = 0
-        for lengths in runs:
+        for lengths, options in runs:
             items = []
             for n in lengths:
                 token += 1
                 if n + 3 < self.max_model_len:
                     items.append((f"__warmup_{token}", torch.full((n,), token, dtype=torch.long)))
-            self._warm_run(items)
+            self._warm_run(items, options)
 
-    def _warm_run(self, prompts: list[tuple[str, torch.Tensor]]) -> None:
-        options = {"temperature": 0.0, "max_tokens": 3, "ignore_eos": True}
+    def _warm_run(self, prompts: list[tuple[str, torch.Tensor]], options: dict) -> None:
         for rid, ids in prompts:
             self.submit(StepItem(rid, "warmup", "warmup", {"input_ids": ids}, options))
         while self.has_work():
