@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|decode|orpheus|wan|omni|omni2|profile_omni|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|wan|omni|omni2|profile_omni|all]
+#
+# On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
 # Writes logs and JSON results under $OUT (default ./gpu_out). Each step has its own time limit, and a
 # failing step does not stop the others. Needs the repo importable (pip install -e . or PYTHONPATH) and,
@@ -32,8 +34,13 @@ sys.exit(1)
 PY
 }
 
+FULL_OMNI="tests/gpu/test_qwen3_omni_full_dummy_gpu.py tests/gpu/test_profile_omni_gpu.py"  # 35B builds
 if [[ $WHAT == tests || $WHAT == all ]]; then
-  run 480 gpu_tests python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider --durations=15
+  deselect=""; for f in $FULL_OMNI; do deselect="$deselect --ignore=$f"; done
+  run 480 gpu_tests python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider --durations=15 $deselect
+fi
+if [[ $WHAT == tests_omni || $WHAT == all ]]; then
+  run 480 gpu_tests_omni python3 -m pytest -q -m gpu $FULL_OMNI -p no:cacheprovider --durations=15
 fi
 if [[ $WHAT == decode || $WHAT == all ]]; then
   run 300 decode_step python3 benchmarks/decode_step.py --out "$OUT/decode_step_h200.json"

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Prepare a bare GPU machine (no internet; torch, triton and transformers preinstalled) for the GPU suite.
+#
+# On the machine with internet, once (both folders are git-ignored; carry them with the run):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 -d .whl fastapi==0.115.12 starlette==0.46.2 pydantic pydantic_core \
+#       annotated_types typing_inspection msgspec pyzmq uvicorn python_multipart soundfile cffi pycparser \
+#       diffusers==0.42.1
+#   (fastapi 0.115 with its starlette: newer fastapi imports opentelemetry, absent there)
+#   python3 -c "from mstar.models.common.tokenizer_build import cached_tokenizer_folder as f; f('llama3')"
+#   python3 -c "from mstar.models.qwen3_omni.tokenizer import omni_tokenizer_folder as f; f()"
+#   mkdir -p .devscratch && cp -r /tmp/mstar_tokenizers .devscratch/
+# On the GPU machine, from the repo root:
+#   source benchmarks/device_setup.sh && OUT=$OUT TAR=1 bash benchmarks/gpu_suite.sh decode
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+mkdir -p /tmp/mstar_tokenizers && cp -r .devscratch/mstar_tokenizers/* /tmp/mstar_tokenizers/
