@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|wan|omni|omni2|profile_omni|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|wan|wan_extra|omni|omni2|profile_omni|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -65,6 +65,10 @@ if [[ $WHAT == wan || $WHAT == all ]]; then
   run 60 wan_block_ops python3 benchmarks/wan_block_ops.py --out "$OUT/wan_block_ops_h200.json"
   run 90 profile_wan python3 benchmarks/profile_wan.py --out "$OUT/profile_wan_h200.json"
   run 420 wan_bench python3 benchmarks/wan_bench.py --out "$OUT/wan_bench_h200.json"
+fi
+if [[ $WHAT == wan_extra || $WHAT == all ]]; then  # VAE decoding 3 latent frames at once; compiled DiT blocks
+  run 150 wan_bench_vae3 python3 benchmarks/wan_bench.py --skip-diffusers --steps 50 --concurrency 1 \
+      --vae-chunk-frames 3 --out "$OUT/wan_bench_h200_vae3.json"
   run 420 wan_bench_compile python3 benchmarks/wan_bench.py --skip-diffusers --compile \
       --out "$OUT/wan_bench_h200_compile.json"
 fi
