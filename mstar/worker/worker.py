@@ -24,6 +24,10 @@ from mstar.worker.streams import END, StreamBuffer
 from mstar.worker.walk_run import NodeCall, Outcome, WalkRun
 
 logger = logging.getLogger(__name__)
+
+# host inputs up to this size go to a CUDA engine through pinned memory (non-blocking); larger ones
+# (whole videos) copy directly, so the pinned-memory cache does not grow with them
+_PINNED_COPY_BYTES = 16 << 20
 CONDUCTOR = "conductor"
 
 
@@ -231,7 +235,7 @@ class Worker:
     def _to_device(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor) or value.device == self.device:
             return value
-        if self.device.type == "cuda" and value.device.type == "cpu":
+        if self.device.type == "cuda" and value.device.type == "cpu" and value.nbytes <= _PINNED_COPY_BYTES:
             # through pinned memory: a pageable copy would wait for all work queued on the device
             # (e.g. the decode step just launched) before it starts
             return value.pin_memory().to(self.device, non_blocking=True)
