@@ -76,6 +76,19 @@ omni_bench() {  # omni_bench <config> <json name>
   python3 -m mstar.cli.main serve qwen3_omni --load-format dummy --config "$1" --port "$PORT" > "$OUT/$2_server.log" 2>&1 &
   local server=$!
   if wait_ready; then
+    # one request first: if it takes over a minute the sweep would eat the call's time, so it is skipped
+    local body='{"model":"qwen3_omni","input":"Hello there, how are you today?","max_tokens":256,"ignore_eos":true,'
+    body+='"talker.max_tokens":256,"response_format":"pcm"}'
+    local single
+    if ! single=$(curl -sf -o /dev/null --max-time 60 -w "$2 single request: %{http_code} in %{time_total}s" \
+        -H 'Content-Type: application/json' -d "$body" "http://127.0.0.1:$PORT/v1/audio/speech"); then
+      echo "$2: one request failed or took over 60 s ($single); sweep skipped" | tee "$OUT/$2_single.txt"
+      curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^mstar_component_(step_seconds|batch_size)_(sum|count)" \
+          > "$OUT/$2_metrics.txt"
+      kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
+      return
+    fi
+    echo "$single" | tee "$OUT/$2_single.txt"
     # thinker greedy, 256 tokens (random weights never stop); the talker speaks at most 256 frames (20.5 s)
     run 400 "$2" python3 -m mstar.cli.main bench --base-url "http://127.0.0.1:$PORT" --workload speech \
         --model qwen3_omni --concurrency 1,4,8,16,32 --duration 20 --max-tokens 256 --ignore-eos \
@@ -88,10 +101,9 @@ omni_bench() {  # omni_bench <config> <json name>
   kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
 }
 if [[ $WHAT == omni || $WHAT == all ]]; then
-  run 300 profile_omni python3 benchmarks/profile_omni.py --out "$OUT/profile_omni_h200.json"
   omni_bench configs/qwen3_omni.yaml omni_bench_1gpu
 fi
-if [[ $WHAT == profile_omni ]]; then  # only the per-component profile (<= 240 s)
+if [[ $WHAT == profile_omni || $WHAT == all ]]; then  # the per-component profile (<= 240 s)
   run 300 profile_omni python3 benchmarks/profile_omni.py --out "$OUT/profile_omni_h200.json"
 fi
 if [[ $WHAT == omni2 ]]; then
