@@ -11,6 +11,9 @@ Contract for a function `fn(*inputs) -> Tensor | tuple[Tensor, ...]` to be captu
   CPU tensors created from data; state it reads besides its inputs (a KV cache, an attention
   backend's metadata buffers) lives in persistent tensors that are updated in place between calls;
 - padded rows (batch rows beyond the real ones) must be harmless: their outputs are dropped.
+
+`to_device_async` is how host data reaches such steps: a pageable host-to-device copy first waits for
+all the work queued on the stream (the step just launched included); a pinned one does not.
 """
 
 from __future__ import annotations
@@ -23,6 +26,15 @@ import torch
 logger = logging.getLogger(__name__)
 
 GraphFn = Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
+
+
+def to_device_async(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`t` on `device`; a host tensor goes to a CUDA device through pinned memory, without waiting for
+    the work already queued there (the pinned block is reused only once the copy is done)."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 class _Captured:

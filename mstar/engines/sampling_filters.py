@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mstar.engines.cuda_graphs import to_device_async
+
 if TYPE_CHECKING:
     from mstar.engines.sampling import SamplingRow
 
@@ -40,10 +42,7 @@ class RowTable:
             top_p = p.top_p if p.top_p < 1.0 else 2.0  # 2: no prefix mass ever reaches it
             cols.append((1.0 / temp, p.repetition_penalty, 1.0 / p.repetition_penalty, float(top_k), top_p,
                          p.min_p, float(p.temperature == 0), float(0 < p.top_k or p.top_p < 1.0)))
-        host = torch.tensor(cols, dtype=torch.float32)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        table = host.to(device, non_blocking=True)
+        table = to_device_async(torch.tensor(cols, dtype=torch.float32), device)
         self.inv_temp, self.penalty, self.inv_penalty, self.top_k, self.top_p, self.min_p = (
             table[:, i : i + 1] for i in range(6))
         self.greedy = table[:, 6] > 0
@@ -81,10 +80,7 @@ def seen_masks(rows: Sequence[SamplingRow], vocab: int, device: torch.device) ->
         token_ids.extend(new)
         cache["seen_upto"] = len(row.token_ids)
     if token_ids:
-        index = torch.tensor([row_ids, token_ids], dtype=torch.long)
-        if device.type == "cuda":
-            index = index.pin_memory()
-        index = index.to(device, non_blocking=True)
+        index = to_device_async(torch.tensor([row_ids, token_ids], dtype=torch.long), device)
         batch[index[0], index[1]] = True
     return batch
 

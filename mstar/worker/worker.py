@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from mstar.engines.base import Engine, StepItem, StepResult
+from mstar.engines.cuda_graphs import to_device_async
 from mstar.graph import CARRY, TO_CLIENT, ModelGraph, Walk, iter_nodes
 from mstar.transport import wire
 from mstar.transport.messages import discard_message
@@ -238,7 +239,7 @@ class Worker:
         if self.device.type == "cuda" and value.device.type == "cpu" and value.nbytes <= _PINNED_COPY_BYTES:
             # through pinned memory: a pageable copy would wait for all work queued on the device
             # (e.g. the decode step just launched) before it starts
-            return value.pin_memory().to(self.device, non_blocking=True)
+            return to_device_async(value, self.device)
         return value.to(self.device)
 
     def _feed_stream(self, rid: str, stream: str) -> None:

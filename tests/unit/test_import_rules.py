@@ -27,7 +27,7 @@ ENGINE_CONTRACTS = (
     "mstar.engines.base",  # KVLayout and the Engine/StepItem seam a network declares itself against
     "mstar.engines.extras",  # ForwardExtras: per-step extras an AR engine hands the network
     "mstar.engines.sampling",  # SamplingParams: processors validate request options with it
-    "mstar.engines.cuda_graphs",  # BatchGraphs: the capture facility (the orpheus vocoder, lazily)
+    "mstar.engines.cuda_graphs",  # BatchGraphs (capture facility) and to_device_async (pinned host copies)
     "mstar.engines.stats",  # the engine stats contract
 )
 

@@ -22,6 +22,7 @@ from mstar.engines.autoregressive.scheduler import Chunk, Scheduler
 from mstar.engines.autoregressive.sequence import Sequence
 from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs, parse_item
 from mstar.engines.base import CausalLM, StepItem, StepResult
+from mstar.engines.cuda_graphs import to_device_async
 from mstar.engines.kv_cache.block_pool import BlockPool
 from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
 from mstar.engines.sampling import SampleOutput, SamplingParams, SamplingRow, plain_greedy, sample
@@ -238,7 +239,7 @@ class AutoregressiveEngine:
         host, copied = _to_host_async(out)
         ids = out.token_ids
         if len(keep) < len(seqs):
-            ids = ids.index_select(0, _index(keep, ids.device))
+            ids = ids.index_select(0, to_device_async(torch.tensor(keep), ids.device))
         ahead = self.runner.launch_ahead([seqs[i] for i in keep], ids)
         if copied is not None:
             copied.synchronize()
@@ -280,12 +281,6 @@ def _to_host_async(out: SampleOutput) -> tuple[SampleOutput, torch.cuda.Event | 
     result = SampleOutput(host(out.token_ids), host(out.logprobs), host(out.top_ids), host(out.top_logprobs))
     copied.record()
     return result, copied
-
-
-def _index(rows: list[int], device: torch.device) -> torch.Tensor:
-    """`rows` as an index tensor on `device`, copied without a host sync."""
-    index = torch.tensor(rows, dtype=torch.long)
-    return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
 
 
 def _outputs(out: SampleOutput, i: int, params: SamplingParams) -> dict[str, torch.Tensor]:

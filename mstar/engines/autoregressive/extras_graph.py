@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from mstar.engines.autoregressive.scheduler import Chunk
-from mstar.engines.cuda_graphs import BatchGraphs
+from mstar.engines.cuda_graphs import BatchGraphs, to_device_async
 from mstar.engines.extras import ForwardExtras
 
 
@@ -101,8 +101,8 @@ class ExtrasGraphs:
                 embedding = found[0][0] if found else None
             mask.append(embedding is not None)
             rows.append(self._zero_row if embedding is None else embedding.to(self.device, self._zero_row.dtype))
-        return (_to_device(torch.tensor(positions, dtype=torch.float32), self.device), torch.stack(rows),
-                _to_device(torch.tensor(mask, dtype=torch.bool), self.device))
+        return (to_device_async(torch.tensor(positions, dtype=torch.float32), self.device), torch.stack(rows),
+                to_device_async(torch.tensor(mask, dtype=torch.bool), self.device))
 
     def store_hidden(self, chunks: list[Chunk], hidden: tuple[torch.Tensor, ...]) -> None:
         """Hand each sequence's captured rows (static graph outputs) to its pending capture (a copy)."""
@@ -112,7 +112,3 @@ class ExtrasGraphs:
             if inputs is not None and inputs.hidden is not None:
                 inputs.store_hidden(c.start, 1, captured, i)
 
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor to `device` without stalling the host (through pinned memory)."""
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mstar.engines.cuda_graphs import to_device_async
 from mstar.models.orpheus.snac import SnacDecoder
 from mstar.models.orpheus.tokens import FRAME, OrpheusTokens, split_levels, window_is_valid
 
@@ -135,7 +136,5 @@ def _to_device(spans: list[torch.Tensor], first: list[int], device: torch.device
     """Token spans [B, 7F] and first frames [B] on `device`: one pinned, non-blocking copy on CUDA (a
     pageable `.to` would wait for all the work queued before, the LM's next step included)."""
     host = torch.cat([torch.stack([s.reshape(-1).long().cpu() for s in spans]), torch.tensor(first)[:, None]], dim=1)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    moved = host.to(device, non_blocking=True)
+    moved = to_device_async(host, device)
     return moved[:, :-1], moved[:, -1]

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from mstar.engines.cuda_graphs import to_device_async
+
 PREFIX = "code_predictor."
 
 
@@ -87,10 +89,7 @@ def build_sampling_tensors(params: Sequence[CodePredictorSampling], frame_index:
     # one host tensor, one copy: a tensor made from a list straight on the GPU is a blocking copy each
     rows = torch.tensor([[p.temperature, p.top_k or vocab, p.top_p if p.top_p < 1 else 2.0] for p in params],
                         dtype=torch.float64)
-    if device.type == "cuda":
-        rows = rows.pin_memory().to(device, non_blocking=True)
-    else:
-        rows = rows.to(device)
+    rows = to_device_async(rows, device)
     temperature, top_k, top_p = rows[:, 0].float(), rows[:, 1].long(), rows[:, 2].float()
     if all(p.temperature == 0 for p in params):
         return SamplingTensors(temperature, top_k, top_p, None)
