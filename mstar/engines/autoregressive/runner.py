@@ -242,10 +242,7 @@ class ModelRunner:
             return Ahead(seqs, positions, logits, greedy)
         page = self.page_size
         slots = [s.pages[p // page] * page + p % page for s, p in zip(seqs, positions)]
-        width = max(len(s.pages) for s in seqs)
-        tables = torch.tensor([s.pages + [0] * (width - len(s.pages)) for s in seqs], dtype=torch.int32)
-        self.attn.prepare(AttentionMetadata([1] * len(seqs), [p + 1 for p in positions], self._tensor(slots),
-                                            tables.to(self.device)))
+        self.attn.prepare(self._metadata([Chunk(s, p, 1) for s, p in zip(seqs, positions)], slots))
         hidden = self._eager_forward(ids.to(self.device), self._tensor(positions), self.attn)
         return Ahead(seqs, positions, self.model.compute_logits(hidden), None)
 
