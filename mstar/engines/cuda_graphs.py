@@ -37,6 +37,12 @@ def to_device_async(t: torch.Tensor, device: torch.device | str) -> torch.Tensor
     return t.to(device)
 
 
+def to_host_async(t: torch.Tensor) -> torch.Tensor:
+    """A pinned host tensor that a copy of CUDA tensor `t` is queued into; valid once an event recorded
+    after this call completes (the caller records and waits on it)."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+
 class _Captured:
     """One graph with its static inputs and outputs, for one batch size."""
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from mstar.engines.base import StepItem, StepResult
+from mstar.engines.cuda_graphs import to_host_async
 
 logger = logging.getLogger(__name__)
 
@@ -157,8 +158,7 @@ def start_host_copies(results: list[StepResult]) -> Any:
     for result in results:
         for port, value in result.outputs.items():
             if isinstance(value, torch.Tensor) and value.device.type == "cuda":
-                host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
-                result.outputs[port] = host.copy_(value, non_blocking=True)
+                result.outputs[port] = to_host_async(value)
                 copied = True
     if not copied:
         return None

@@ -116,6 +116,16 @@ def moe_graph_capturable(model: nn.Module) -> bool:
     return True
 
 
+class MoEGraphCapture:
+    """Mixin for a decoder with SparseMoE layers: `supports_cuda_graphs` (the engine's question) is
+    `moe_graph_capturable` of the model itself."""
+
+    def supports_cuda_graphs(self) -> bool:
+        """Decode is capturable only where every MoE layer takes the grouped path (CUDA bf16)."""
+        assert isinstance(self, nn.Module)
+        return moe_graph_capturable(self)
+
+
 class SparseMoE(nn.Module):
     """x [T, H] -> [T, H]; `gate` is the router (HF name), `experts` the stacked expert weights.
 

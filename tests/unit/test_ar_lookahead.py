@@ -2,7 +2,6 @@
 changes when work runs, never what comes out. On CPU the lookahead forward runs eagerly."""
 
 import pytest
-import torch
 
 from tests.unit.test_ar_engine import TinyLM, drive, item, make_engine, prompts, reference, tokens_of
 
@@ -88,5 +87,4 @@ def test_release_drops_the_lookahead(model):
 
 
 def test_off_by_default_without_cuda_graphs(model):
-    assert make_engine(model).lookahead is False
-    assert torch.device(make_engine(model).device).type == "cpu"
+    assert make_engine(model).lookahead is False  # on CPU: no decode graphs

@@ -22,7 +22,7 @@ from mstar.engines.autoregressive.scheduler import Chunk, Scheduler
 from mstar.engines.autoregressive.sequence import Sequence
 from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs, parse_item
 from mstar.engines.base import CausalLM, StepItem, StepResult
-from mstar.engines.cuda_graphs import to_device_async
+from mstar.engines.cuda_graphs import to_device_async, to_host_async
 from mstar.engines.kv_cache.block_pool import BlockPool
 from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
 from mstar.engines.sampling import SampleOutput, SamplingParams, SamplingRow, plain_greedy, sample
@@ -272,10 +272,7 @@ def _to_host_async(out: SampleOutput) -> tuple[SampleOutput, torch.cuda.Event | 
         return _to_host(out), None
 
     def host(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        pinned = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return pinned.copy_(t, non_blocking=True)
+        return None if t is None else to_host_async(t)
 
     copied = torch.cuda.Event()
     result = SampleOutput(host(out.token_ids), host(out.logprobs), host(out.top_ids), host(out.top_logprobs))

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mstar.layers.moe import moe_graph_capturable
+from mstar.layers.moe import MoEGraphCapture
 from mstar.models.qwen3_omni.code_predictor import CodePredictor
 from mstar.models.qwen3_omni.config import TalkerConfig
 from mstar.models.qwen3_omni.talker import Qwen3OmniTalker, ResizeMLP, build_prompt
@@ -101,7 +101,7 @@ class TalkerInput(nn.Module):
                 "talker_pos": position.reshape(1, 1).expand(3, 1), "frame_index": frame, "text_ended": ended}
 
 
-class CodecTalker(nn.Module):
+class CodecTalker(MoEGraphCapture, nn.Module):
     """A `Qwen3OmniTalker` for the autoregressive engine whose logits exclude the codec control ids
     (the top `SUPPRESSED_SPECIALS` of the vocabulary) except EOS."""
 
@@ -119,10 +119,6 @@ class CodecTalker(nn.Module):
         mask[max(0, vocab - SUPPRESSED_SPECIALS):] = True
         mask[talker.config.codec_ids["eos"]] = False
         self.register_buffer("suppressed", mask, persistent=False)
-
-    def supports_cuda_graphs(self) -> bool:
-        """Decode is capturable only where every MoE layer takes the grouped path (CUDA bf16)."""
-        return moe_graph_capturable(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any, extras: Any = None) -> torch.Tensor:
         return self.talker(input_ids, positions, attn, extras)

@@ -20,7 +20,7 @@ from torch import nn
 
 from mstar.engines.base import KVLayout
 from mstar.engines.extras import FINAL, ForwardExtras
-from mstar.layers.moe import moe_graph_capturable
+from mstar.layers.moe import MoEGraphCapture
 from mstar.layers.norm import RMSNorm
 from mstar.models.qwen3_omni.config import TalkerConfig
 from mstar.models.qwen3_omni.decoder import MoEDecoderLayer, build_on_meta
@@ -51,7 +51,7 @@ class TalkerBody(nn.Module):
         self.codec_embedding = nn.Embedding(text.vocab_size, text.hidden_size)
 
 
-class Qwen3OmniTalker(nn.Module):
+class Qwen3OmniTalker(MoEGraphCapture, nn.Module):
     """`forward` -> final hidden [T, H] (items bring `input_embeds`); `compute_logits` -> codec logits."""
 
     accepts_extras = True
@@ -69,10 +69,6 @@ class Qwen3OmniTalker(nn.Module):
         self.hidden_projection = ResizeMLP(config.thinker_hidden_size, text.intermediate_size, text.hidden_size)
         self.hidden_size = text.hidden_size
         self.graph_hidden_layers = (FINAL,)  # the code predictor reads each step's final state
-
-    def supports_cuda_graphs(self) -> bool:
-        """Decode is capturable only where every MoE layer takes the grouped path (CUDA bf16)."""
-        return moe_graph_capturable(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
                 extras: ForwardExtras | None = None) -> torch.Tensor:

@@ -16,7 +16,7 @@ from torch import nn
 
 from mstar.engines.base import KVLayout
 from mstar.engines.extras import FINAL, ForwardExtras
-from mstar.layers.moe import moe_graph_capturable
+from mstar.layers.moe import MoEGraphCapture
 from mstar.layers.norm import RMSNorm
 from mstar.models.qwen3_omni.config import ThinkerConfig
 from mstar.models.qwen3_omni.decoder import MoEDecoderLayer, build_on_meta
@@ -36,7 +36,7 @@ class ThinkerBody(nn.Module):
         self.norm = RMSNorm(text.hidden_size, text.rms_norm_eps)
 
 
-class Qwen3OmniThinker(nn.Module):
+class Qwen3OmniThinker(MoEGraphCapture, nn.Module):
     """`forward` -> final hidden [T, H]; `compute_logits` -> float32 [N, vocab]."""
 
     accepts_extras = True
@@ -61,10 +61,6 @@ class Qwen3OmniThinker(nn.Module):
         """Share the embedding with the output head when the config says so (idempotent)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    def supports_cuda_graphs(self) -> bool:
-        """Decode is capturable only where every MoE layer takes the grouped path (CUDA bf16)."""
-        return moe_graph_capturable(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
                 extras: ForwardExtras | None = None) -> torch.Tensor:
