@@ -3,7 +3,7 @@
 #
 # On the machine with internet, once (both folders are git-ignored; carry them with the run):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux_2_28_x86_64 -d .whl fastapi==0.115.12 starlette==0.46.2 pydantic pydantic_core \
+#       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl fastapi==0.115.12 starlette==0.46.2 pydantic pydantic_core \
 #       annotated_types typing_inspection msgspec pyzmq uvicorn python_multipart soundfile cffi pycparser \
 #       diffusers==0.42.1
 #   (fastapi 0.115 with its starlette: newer fastapi imports opentelemetry, absent there)

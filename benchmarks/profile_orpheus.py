@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 import mstar.engines.autoregressive.engine as ar  # noqa: E402
 from mstar.engines.autoregressive.runner import ModelRunner  # noqa: E402
 from mstar.engines.autoregressive.scheduler import Scheduler  # noqa: E402
+from mstar.engines.sampling_graph import SamplerGraphs  # noqa: E402
 from mstar.engines.stateless import StatelessEngine  # noqa: E402
 from mstar.worker.worker import Worker  # noqa: E402
 
@@ -79,6 +80,7 @@ def install(rec: Recorder) -> None:
     StatelessEngine.step = rec.timed("snac_step", StatelessEngine.step, gpu=True)
     Scheduler.schedule = rec.timed("llm_schedule", Scheduler.schedule)
     ar.sample = rec.timed("llm_sample_launch", ar.sample)
+    SamplerGraphs.__call__ = rec.timed("llm_sample_launch", SamplerGraphs.__call__)  # sampling graphs
     ModelRunner.run = rec.timed("llm_graph_launch", ModelRunner.run, gpu=True)
     ModelRunner.launch_ahead = rec.timed("llm_graph_launch", ModelRunner.launch_ahead, gpu=True)
     Worker.execute = rec.timed("worker_execute", Worker.execute)

@@ -73,6 +73,7 @@ class CudaGraphConfig:
     max_batch_size: int = 64
     batch_sizes: list[int] | None = None
     lookahead: bool = True  # launch decode step N+1 before reading step N's tokens (engines/autoregressive/lookahead.py)
+    sampling: bool = True  # replay sampling from CUDA graphs too (engines/sampling_graph.py)
     compile_eager: bool = False  # torch.compile the model forward of steps that replay no graph (prefill, big batches)
     compile_backend: str = "inductor"  # torch.compile backend for compile_eager ("eager"/"aot_eager" to debug)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from mstar.engines import sampling_filters
 from mstar.engines.sampling_filters import RowTable, pick, seen_masks
 
 MAX_LOGPROBS = 20  # most top alternatives a request may ask for (the OpenAI limit)
@@ -145,9 +146,35 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
 def plain_greedy(row: SamplingRow) -> bool:
     """Whether the row's token is the argmax of its raw logits (no penalties, bans or logprobs)."""
     p = row.params
-    banning = len(row.token_ids) - row.num_prompt < p.min_tokens and (row.eos_token_ids or p.stop_token_ids)
     return (p.temperature == 0 and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 and p.logprobs is None and not banning)
+            and p.frequency_penalty == 0.0 and p.logprobs is None and not _banning(row))
+
+
+def graphable(row: SamplingRow) -> bool:
+    """Whether `sample_static` serves the row: no own generator, logprobs, presence or frequency
+    penalty, token bans (min_tokens) or top_k wider than the prefilter."""
+    p = row.params
+    return (row.generator is None and p.logprobs is None and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0 and p.top_k <= sampling_filters.PREFILTER_K and not _banning(row))
+
+
+def _banning(row: SamplingRow) -> bool:
+    p = row.params
+    return len(row.token_ids) - row.num_prompt < p.min_tokens and bool(row.eos_token_ids or p.stop_token_ids)
+
+
+def sample_static(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """`sample` for `graphable` rows with no branch on their values, so that it can be captured in a
+    CUDA graph: [N] ids from float32 `logits` [N, V], the rows' `RowTable.columns` (on the device)
+    and their seen-token masks `seen` [N, V] (read only where the repetition penalty is not 1).
+    Every stage runs for every row; for the same noise each row gets the token `sample` gives it."""
+    t = RowTable.general(table, logits.shape[1])
+    # as _processed_logits computes it: unpenalised rows get 1 * inv_temp, i.e. inv_temp exactly
+    factor = torch.where(seen, torch.where(logits > 0, t.inv_penalty * t.inv_temp, t.penalty * t.inv_temp),
+                         t.inv_temp)
+    x = logits.float() * factor
+    sampled = pick(x, None, t, torch.empty_like(x).exponential_())
+    return torch.where(t.greedy, x.argmax(dim=-1), sampled)
 
 
 def _processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow], table: RowTable) -> torch.Tensor:

@@ -25,15 +25,31 @@ if TYPE_CHECKING:
     from mstar.engines.sampling import SamplingRow
 
 PREFILTER_K = 1024  # logits per row the top-p nucleus is first looked for in
+COLUMNS = 8  # per-row parameters in a RowTable
 
 
 class RowTable:
     """Per-row sampling parameters as [N, 1] device tensors, copied in one non-blocking transfer.
 
-    Host-side flags (`any_greedy`, `any_repetition`, ...) let `sample` skip whole stages.
+    Host-side flags (`any_greedy`, `any_repetition`, ...) let `sample` skip whole stages; the table
+    of `RowTable.general` turns every stage on, for a computation that must not branch on the rows
+    (a captured CUDA graph, `sampling.sample_static`).
     """
 
     def __init__(self, rows: Sequence[SamplingRow], vocab: int, device: torch.device) -> None:
+        self._split(to_device_async(self.columns(rows, vocab), device), vocab)
+        self.any_greedy = any(r.params.temperature == 0 for r in rows)
+        self.all_greedy = all(r.params.temperature == 0 for r in rows)
+        self.any_repetition = any(r.params.repetition_penalty != 1.0 for r in rows)
+        self.any_min_p = any(r.params.min_p > 0 for r in rows)
+        self.any_top_k = any(0 < r.params.top_k < vocab for r in rows)
+        self.max_top_k = max((min(r.params.top_k, vocab) for r in rows), default=0)
+        self.filtered = [0 < r.params.top_k or r.params.top_p < 1.0 for r in rows]
+
+    @staticmethod
+    def columns(rows: Sequence[SamplingRow], vocab: int) -> torch.Tensor:
+        """The host float32 table [N, COLUMNS]: 1/temperature, penalty, 1/penalty, top_k (vocab: off),
+        top_p (2: off), min_p, greedy (0/1), filtered by top-k or top-p (0/1)."""
         cols = []
         for r in rows:
             p = r.params
@@ -42,19 +58,26 @@ class RowTable:
             top_p = p.top_p if p.top_p < 1.0 else 2.0  # 2: no prefix mass ever reaches it
             cols.append((1.0 / temp, p.repetition_penalty, 1.0 / p.repetition_penalty, float(top_k), top_p,
                          p.min_p, float(p.temperature == 0), float(0 < p.top_k or p.top_p < 1.0)))
-        table = to_device_async(torch.tensor(cols, dtype=torch.float32), device)
+        return torch.tensor(cols, dtype=torch.float32).reshape(len(cols), COLUMNS)
+
+    @classmethod
+    def general(cls, table: torch.Tensor, vocab: int) -> RowTable:
+        """A table over device columns `table` [N, COLUMNS] with every stage on and no host flag read
+        from the rows: top-k no wider than PREFILTER_K, any row may be greedy, filtered or penalised."""
+        self = cls.__new__(cls)
+        self._split(table, vocab)
+        self.any_greedy = self.any_repetition = self.any_min_p = self.any_top_k = True
+        self.all_greedy = False
+        self.max_top_k = PREFILTER_K
+        self.filtered = None  # per row on the device only (`filtered_rows`)
+        return self
+
+    def _split(self, table: torch.Tensor, vocab: int) -> None:
         self.inv_temp, self.penalty, self.inv_penalty, self.top_k, self.top_p, self.min_p = (
             table[:, i : i + 1] for i in range(6))
         self.greedy = table[:, 6] > 0
         self.filtered_rows = table[:, 7] > 0
         self.vocab = vocab
-        self.any_greedy = any(r.params.temperature == 0 for r in rows)
-        self.all_greedy = all(r.params.temperature == 0 for r in rows)
-        self.any_repetition = any(r.params.repetition_penalty != 1.0 for r in rows)
-        self.any_min_p = any(r.params.min_p > 0 for r in rows)
-        self.any_top_k = any(0 < r.params.top_k < vocab for r in rows)
-        self.max_top_k = max((min(r.params.top_k, vocab) for r in rows), default=0)
-        self.filtered = [0 < r.params.top_k or r.params.top_p < 1.0 for r in rows]
 
 
 def seen_masks(rows: Sequence[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
@@ -99,12 +122,13 @@ def _restack(rows: Sequence[SamplingRow], caches: list[dict], vocab: int, device
     return batch
 
 
-def pick(x: torch.Tensor, rows: Sequence[SamplingRow], table: RowTable, noise: torch.Tensor) -> torch.Tensor:
-    """Sampled ids [N] of processed logits `x` [N, V] under each row's top-k / top-p / min-p."""
-    if not any(table.filtered):
+def pick(x: torch.Tensor, rows: Sequence[SamplingRow] | None, table: RowTable, noise: torch.Tensor) -> torch.Tensor:
+    """Sampled ids [N] of processed logits `x` [N, V] under each row's top-k / top-p / min-p
+    (`rows` None: a `RowTable.general` table, every path computed and chosen per row on the device)."""
+    if table.filtered is not None and not any(table.filtered):
         return race_full(x, table, noise)
     ids, covered, lse, vals = _race_prefiltered(x, table, noise)
-    if not all(table.filtered):  # rows with neither top-k nor top-p draw from the whole vocabulary
+    if table.filtered is None or not all(table.filtered):  # rows with neither top-k nor top-p: whole vocabulary
         mask = table.filtered_rows
         ids = torch.where(mask, ids, race_full(x, table, noise))
         covered = covered | ~mask

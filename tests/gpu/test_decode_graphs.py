@@ -21,20 +21,23 @@ def engine_for(model, graphs: bool, backend: str = "triton", max_batch: int = 8)
                                 cuda_graphs=CudaGraphConfig(enabled=graphs, max_batch_size=max_batch))
 
 
-def generate(engine: AutoregressiveEngine, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    """Greedy tokens per prompt, driving the engine as a worker does (feeding tokens back)."""
+def generate(engine: AutoregressiveEngine, prompts: list[list[int]], max_tokens: list[int],
+             options: list[dict] | None = None) -> list[list[int]]:
+    """Tokens per prompt (greedy unless `options` say otherwise), driving the engine as a worker does
+    (feeding tokens back)."""
     out: dict[str, list[int]] = {}
-    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
-        opts = {"temperature": 0.0, "ignore_eos": True, "max_tokens": n}
-        engine.submit(StepItem(f"r{i}", "w", "llm", {"input_ids": torch.tensor(p)}, opts))
+    opts = [{"temperature": 0.0, **(options[i] if options else {}), "ignore_eos": True, "max_tokens": n}
+            for i, n in enumerate(max_tokens)]
+    for i, p in enumerate(prompts):
+        engine.submit(StepItem(f"r{i}", "w", "llm", {"input_ids": torch.tensor(p)}, opts[i]))
         out[f"r{i}"] = []
     while engine.has_work():
         for r in engine.step():
             assert r.error is None, r.error
             out[r.request_id].append(int(r.outputs["token"]))
             if not r.stop:
-                opts = {"temperature": 0.0, "ignore_eos": True, "max_tokens": max_tokens[int(r.request_id[1:])]}
-                engine.submit(StepItem(r.request_id, "w", "llm", {"input_ids": r.outputs["token"]}, opts))
+                i = int(r.request_id[1:])
+                engine.submit(StepItem(r.request_id, "w", "llm", {"input_ids": r.outputs["token"]}, opts[i]))
     return [out[f"r{i}"] for i in range(len(prompts))]
 
 
@@ -60,6 +63,23 @@ def test_graph_replay_equals_eager(checkpoint):
     eager = engine_for(model, graphs=False)
     assert eager.runner.graphs is None
     assert generate(graphed, prompts, budgets) == generate(eager, prompts, budgets)
+
+
+def test_sampling_graphs_equal_eager_sampling(checkpoint):
+    """Rows whose draw does not depend on the noise (a repetition-penalised argmax, top_k 1 at a
+    temperature) get the same tokens from the sampling graphs as from eager `sample`."""
+    model = load_model(checkpoint[0], dtype=torch.bfloat16, device=DEVICE)
+    prompts, budgets = prompts_of([5, 30, 12]), [30, 25, 18]
+    options = [{"repetition_penalty": 1.3}, {"temperature": 0.8, "top_k": 1, "repetition_penalty": 1.1},
+               {"temperature": 1.2, "top_k": 1, "top_p": 0.5}]
+    graphed = engine_for(model, graphs=True)
+    assert graphed.sampler is not None
+    before = graphed.sampler.replays  # the warm-up's sampled batch already replays them
+    got = generate(graphed, prompts, budgets, options)
+    assert graphed.sampler.replays - before >= max(budgets) - 1
+    eager = engine_for(model, graphs=False)
+    assert eager.sampler is None
+    assert got == generate(eager, prompts, budgets, options)
 
 
 def test_greedy_parity_with_transformers_on_gpu(checkpoint):

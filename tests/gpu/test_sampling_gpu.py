@@ -7,6 +7,7 @@ import torch
 
 import mstar.engines.sampling_filters as filters
 from mstar.engines.sampling import SamplingParams, SamplingRow, sample
+from mstar.engines.sampling_graph import SamplerGraphs
 from mstar.kernels.nucleus import nucleus_race_
 
 VOCAB = 156_940
@@ -39,3 +40,33 @@ def test_triton_nucleus_race_equals_sorted_reference_full_vocab():
     ids = torch.zeros(6, dtype=torch.long, device="cuda")
     nucleus_race_(x, noise, ids, torch.ones(6, dtype=torch.bool, device="cuda"), lse, top_p, pmin)
     assert ids.tolist() == filters.race_sorted(x, top_p, pmin, lse, noise).tolist()
+
+
+def test_sampler_graphs_draw_inside_the_nucleus_without_syncs():
+    """Replays launch nothing that syncs, and every sampled token lies in its row's top-p nucleus of
+    the penalised, tempered distribution (computed here by a full sort)."""
+    params = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3)
+    sampler = SamplerGraphs([1, 2, 4, 8], torch.device("cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(5, VOCAB, device="cuda", generator=gen) * 4
+    caches = [{} for _ in range(5)]
+    rows = [SamplingRow(params, list(range(i, i + 70)), 64, cache=caches[i]) for i in range(5)]
+    sampler(logits, rows)  # captures
+    seen = filters.seen_masks(rows, VOCAB, logits.device)
+    factor = torch.where(seen, torch.where(logits > 0, 1 / 1.3 / 0.6, 1.3 / 0.6), 1 / 0.6)
+    probs = (logits * factor).softmax(-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    inside = torch.zeros_like(probs, dtype=torch.bool)
+    inside.scatter_(1, order, sorted_p.cumsum(-1) - sorted_p < 0.8)
+    draws = []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(40):
+            draws.append(sampler(logits, rows).clone())
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    draws = torch.stack(draws)  # [40, 5]
+    assert bool(inside.gather(1, draws.T).all())
+    assert all(len(set(draws[:, i].tolist())) > 1 for i in range(5)), "40 draws from a wide nucleus never varied"
+    assert sampler.replays == 41

@@ -26,6 +26,7 @@ from mstar.engines.cuda_graphs import to_device_async, to_host_async
 from mstar.engines.kv_cache.block_pool import BlockPool
 from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
 from mstar.engines.sampling import SampleOutput, SamplingParams, SamplingRow, plain_greedy, sample
+from mstar.engines.sampling_graph import SamplerGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,10 @@ class AutoregressiveEngine:
         self.lookahead = lookahead
         self._ahead: Ahead | None = None
         self.lookahead_hits = self.lookahead_misses = 0
+        # sampling replayed from CUDA graphs (sampling_graph.py), captured at the first sampled step
+        self.sampler: SamplerGraphs | None = None
+        if self.runner.graphs is not None and (cuda_graphs is None or cuda_graphs.sampling):
+            self.sampler = SamplerGraphs(self.runner.graphs.sizes, self.device)
         if warm_up if warm_up is not None else self.device.type == "cuda":
             self._warm_up()
         self.last_step_items = 0  # sequences the latest step computed (mstar.engines.stats.ReportsStats)
@@ -83,10 +88,11 @@ class AutoregressiveEngine:
         worker reports ready. Each of `alone` is prefilled by itself (5 / 12 / 24 / 48 rows hit the row
         buckets 8 / 16 / 32 / 64 that `layers/linear.py` decides per shape), then `together` as one batch
         (batched prefill and decode), greedy and once more sampled (temperature, top-p, repetition
-        penalty: the sampling kernels compile here, not in the first sampled request). Every prompt
+        penalty: the sampling kernels compile and the sampling graphs are captured here, not in the first
+        sampled request; unseeded, since seeded rows never take the graphs). Every prompt
         repeats its own token, so none reuses another's cached prefix (which would shrink its prefill)."""
         greedy = {"temperature": 0.0, "max_tokens": 3, "ignore_eos": True}
-        sampled = {**greedy, "temperature": 1.0, "top_p": 0.9, "repetition_penalty": 1.1, "seed": 0}
+        sampled = {**greedy, "temperature": 1.0, "top_p": 0.9, "repetition_penalty": 1.1}
         runs = [([n], greedy) for n in alone] + [(list(together), greedy), (list(together), sampled)]
         token = 0
         for lengths, options in runs:
@@ -210,8 +216,12 @@ class AutoregressiveEngine:
         rows = [SamplingRow(s.params, s.token_ids, s.num_prompt, s.generator, self.eos_token_ids, s.sampling_cache)
                 for s in seqs]
         greedy = self.runner.last_greedy_ids  # argmax taken inside the decode graph, if it ran
-        out = SampleOutput(greedy) if greedy is not None and all(plain_greedy(r) for r in rows) \
-            else sample(logits, rows)
+        if greedy is not None and all(plain_greedy(r) for r in rows):
+            out = SampleOutput(greedy)
+        elif self.sampler is not None and (ids := self.sampler(logits, rows)) is not None:
+            out = SampleOutput(ids)
+        else:
+            out = sample(logits, rows)
         keep = continuing(seqs, self.scheduler, self.runner.page_size, self.max_model_len) if self.lookahead else None
         if keep is None:
             out = _to_host(out)  # the step's one host sync
