@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from mstar.engines import sampling_filters
+from mstar.engines.cuda_graphs import to_device_async
 from mstar.engines.sampling_filters import RowTable, pick, seen_masks
 
 MAX_LOGPROBS = 20  # most top alternatives a request may ask for (the OpenAI limit)
@@ -196,7 +197,8 @@ def _processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow], table: 
         p = row.params
         if len(row.token_ids) - row.num_prompt < p.min_tokens:
             banned = [t for t in (*row.eos_token_ids, *p.stop_token_ids) if t < x.shape[1]]
-            x[i, banned] = -math.inf
+            if banned:  # index_fill_: no host scalar copied to the device (that copy would sync)
+                x[i].index_fill_(0, to_device_async(torch.tensor(banned, dtype=torch.long), x.device), -math.inf)
     return x
 
 

@@ -92,19 +92,18 @@ def seen_masks(rows: Sequence[SamplingRow], vocab: int, device: torch.device) ->
     if not (batch is not None and batch.shape == (len(rows), vocab) and batch.device == device
             and all(c.get("seen_batch") is batch and c.get("seen_row") == i for i, c in enumerate(caches))):
         batch = _restack(rows, caches, vocab, device)
-    row_ids, token_ids = [], []
+    flat = []  # row * vocab + token of every token added since the last step
     for i, (row, cache) in enumerate(zip(rows, caches)):
         upto = cache.get("seen_upto", 0)
         if upto > len(row.token_ids):  # the sequence restarted: rebuild its mask from scratch
             batch[i] = False
             upto = 0
-        new = [t for t in row.token_ids[upto:] if t < vocab]
-        row_ids.extend([i] * len(new))
-        token_ids.extend(new)
+        flat.extend(i * vocab + t for t in row.token_ids[upto:] if t < vocab)
         cache["seen_upto"] = len(row.token_ids)
-    if token_ids:
-        index = to_device_async(torch.tensor([row_ids, token_ids], dtype=torch.long), device)
-        batch[index[0], index[1]] = True
+    if flat:
+        # index_fill_ takes the value as a kernel argument; `batch[rows, cols] = True` would copy a
+        # host scalar to the device, a synchronous copy that waits for the whole stream
+        batch.view(-1).index_fill_(0, to_device_async(torch.tensor(flat, dtype=torch.long), device), True)
     return batch
 
 
