@@ -20,6 +20,11 @@ Optional abilities a component may add (duck-typed, each separate):
   engine then queues their copies into pinned memory and hands the results out at a later `step`,
   once an event says the copies are done, oldest first: the worker never waits on a blocking
   `.cpu()` for everything queued before (on a shared worker, the LM's next decode step too).
+- `side_stream = True` (with both of the above, for a CUDA module): its steps run on a CUDA stream
+  of their own, so its kernels overlap those of the other components on the GPU (the LM's decode
+  step on a shared worker) instead of queueing behind them. Safe because such a step reads no
+  device memory another component wrote (inputs come from the host) and hands everything it
+  computed out through host copies whose event is recorded on that same stream.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class StatelessEngine:
         self.host_outputs = bool(getattr(module, "host_outputs", False))
         # the worker hands inputs over without a device copy when the component reads them on the host
         self.host_inputs = bool(getattr(module, "host_inputs", False))
+        self.stream = _side_stream(module) if self.host_inputs and self.host_outputs else None
         self.last_step_items = 0  # items the latest step ran (mstar.engines.stats.ReportsStats)
 
     def submit(self, item: StepItem) -> None:
@@ -75,6 +81,9 @@ class StatelessEngine:
         finished (in submission order)."""
         batch = self._take_batch()
         self.last_step_items = len(batch)
+        if self.stream is not None and batch:
+            with torch.cuda.stream(self.stream):  # the host copies' event is recorded on it too
+                return self._hand_out(self._run_batch(batch))
         results = self._run_batch(batch) if batch else []
         if self.host_outputs and (results or self._in_flight):
             results = self._hand_out(results)
@@ -165,6 +174,17 @@ def start_host_copies(results: list[StepResult]) -> Any:
     event = torch.cuda.Event()
     event.record()
     return event
+
+
+def _side_stream(module: Any) -> torch.cuda.Stream | None:
+    """A stream of its own for a module that declares `side_stream` and lives on a CUDA device."""
+    if not getattr(module, "side_stream", False) or not isinstance(module, torch.nn.Module):
+        return None
+    tensor = next(iter(module.buffers()), None)
+    tensor = tensor if tensor is not None else next(iter(module.parameters()), None)
+    if tensor is None or tensor.device.type != "cuda":
+        return None
+    return torch.cuda.Stream(tensor.device)
 
 
 def _failed(item: StepItem) -> StepResult:

@@ -55,3 +55,45 @@ def test_full_size_dummy_speaks_frames(cuda):
         result = m.generate({"text": "Hello from the GPU."}, max_tokens=140, seed=0)
     audio = np.concatenate(result.outputs["audio"])
     assert audio.dtype == np.float32 and audio.size == 140 // 7 * 2048
+
+
+def test_vocoder_steps_run_on_their_own_stream(cuda):
+    """The vocoder (side_stream) gets a CUDA stream of its own in the stateless engine, and what it
+    hands out from there equals what it computes on the default stream."""
+    from mstar.engines.base import StepItem
+    from mstar.engines.stateless import StatelessEngine
+    from mstar.models.orpheus.snac import SnacConfig
+    from mstar.models.orpheus.tokens import FRAME, OrpheusTokens
+    from mstar.models.orpheus.vocoder import OrpheusVocoder
+    from mstar.models.orpheus.weights import load_snac
+
+    vocoder = OrpheusVocoder(load_snac(SnacConfig(), None, cuda), OrpheusTokens()).to(cuda)
+    tokens = vocoder.tokens
+    gen = torch.Generator().manual_seed(1)
+
+    def window(start: int) -> dict:
+        codes = torch.randint(1, 4096, (4, FRAME), generator=gen)
+        flat = (codes + tokens.audio_offset + torch.arange(FRAME) * 4096).reshape(-1)
+        return {"codes": flat, "codes_new": torch.tensor(FRAME), "codes_start": torch.tensor(start),
+                "codes_final": torch.tensor(False)}
+
+    windows = [window(7 * i) for i in range(6)]
+
+    def run(engine: StatelessEngine) -> list[torch.Tensor]:
+        for i, w in enumerate(windows):
+            engine.submit(StepItem(f"r{i}", "speak", "vocode", w))
+        out = {}
+        while engine.has_work():
+            for r in engine.step():
+                assert r.error is None, r.error
+                out[r.request_id] = r.outputs["audio"]
+        return [out[f"r{i}"] for i in range(len(windows))]
+
+    side = StatelessEngine(vocoder)
+    assert side.stream is not None and side.stream != torch.cuda.current_stream()
+    got = run(side)
+    default = StatelessEngine(vocoder)
+    default.stream = None
+    expected = run(default)
+    assert all(g.device.type == "cpu" for g in got)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected))

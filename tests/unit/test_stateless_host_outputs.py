@@ -70,3 +70,16 @@ def test_host_outputs_are_handed_out_at_once_on_cpu():
     engine.submit(_item("a", 1.5))
     assert [float(r.outputs["y"]) for r in engine.step()] == [3.0]
     assert not engine.has_work()
+
+
+def test_side_stream_only_for_cuda_modules_that_declare_it():
+    class Declares(_Doubler):
+        host_inputs = True
+        side_stream = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("w", torch.zeros(1))
+
+    assert StatelessEngine(Declares()).stream is None  # on the CPU: nothing to overlap
+    assert StatelessEngine(_Doubler()).stream is None

@@ -64,6 +64,7 @@ class OrpheusVocoder(nn.Module):
 
     host_outputs = True  # audio goes to the client: copied to the host asynchronously (stateless.py)
     host_inputs = True  # windows stay on the host (read there); run_batch moves the spans in one copy
+    side_stream = True  # on CUDA its steps run on their own stream, overlapping the LM's decode (stateless.py)
 
     def __init__(self, snac: SnacDecoder, tokens: OrpheusTokens) -> None:
         super().__init__()
