@@ -117,6 +117,29 @@ def test_norm_heads_rope_full_width() -> None:
     assert _kernels(lambda: bm.norm_heads(q, norm, H)) == 1
 
 
+def test_ffn_up_projection_gelu_in_the_gemm_epilogue() -> None:
+    """linear_gelu at full width (7020 x 3072 -> 14336): the GELU (tanh) rides the GEMM, and its result is
+    the float32 truth rounded about once, no further from it than the reference's two roundings."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 truth must be a float32 GEMM
+    try:
+        h = _x(9)
+        ffn_in = torch.nn.Linear(D, 14336, device="cuda", dtype=torch.bfloat16)
+        ffn_in.weight.normal_(0.0, 0.02)
+        ffn_in.bias.normal_(0.0, 0.5)
+        got = bm.linear_gelu(h, ffn_in)
+        plain = _torch_form(bm.linear_gelu, h, ffn_in)
+        assert torch.equal(plain, F.gelu(ffn_in(h), approximate="tanh"))
+        truth = F.gelu(F.linear(h.float(), ffn_in.weight.float(), ffn_in.bias.float()), approximate="tanh")
+        err, plain_err = (got.float() - truth).abs(), (plain.float() - truth).abs()
+        # one rounding: half a bf16 step, plus float32 summation order and the epilogue's tanh (~1e-3 abs)
+        assert (err <= 2.0 ** -8 * truth.abs() + 2e-3).float().mean() > 0.999, err.max()
+        assert err.mean() <= plain_err.mean(), (err.mean(), plain_err.mean())
+        assert _kernels(lambda: bm.linear_gelu(h, ffn_in)) < _torch_form(_kernels, lambda: bm.linear_gelu(h, ffn_in))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 def _model(layers: int, dtype: torch.dtype):
     from mstar.models.wan22.config import WanTransformerConfig
     from mstar.models.wan22.transformer import build_transformer
