@@ -7,7 +7,9 @@ bandwidth that makes. Per DiT forward each block runs: 1 modulated norm, 2 q/k n
 residual + norm2, 1 cross-attention q norm, 1 residual add + modulated norm, 1 FFN up-projection +
 GELU (`ffn_in_gelu`: the GELU in the GEMM's cuBLASLt epilogue against GEMM then a GELU kernel; reported
 as TFLOP/s, the GEMM being compute-bound), 1 gated residual. MSTAR_WAN_GEMM_GELU=0 times the GELU
-kernel on both sides.
+kernel on both sides. Also the VAE's channel RMS norm + SiLU (`vae_norm_silu`, wan_vae_ops.py) at the
+decoder's widest map of one chunk, [1, 256, 4, 240, 416] bf16 (30 norms per 4-frame chunk, ~1.3G
+elements in all).
 
     python3 benchmarks/wan_block_ops.py [--iters 50] [--out FILE]
 
@@ -47,6 +49,7 @@ def gpu_us(fn, iters: int) -> float:
 def cases() -> dict[str, tuple]:
     """name -> (fn, bytes the fused kernel reads and writes[, FLOPs of a GEMM])."""
     from mstar.models.wan22.transformer import rope_angles
+    from mstar.models.wan22.vae_layers import ChannelRMSNorm
 
     dev, act = "cuda", B * T * N * D * 2  # one bf16 activation tensor
     x, y = (torch.randn(2, B, T * N, D, device=dev) * 2).bfloat16().unbind(0)
@@ -57,6 +60,8 @@ def cases() -> dict[str, tuple]:
     rope = bm.rope_tables(rope_angles((T, 30, 13), D // H, 10000.0, torch.device(dev)))
     q = qkv[..., :D]
     ffn_in = torch.nn.Linear(D, FFN, device=dev, dtype=torch.bfloat16)
+    vae_norm = ChannelRMSNorm(256, spatial_dims=3).to(dev, torch.bfloat16)
+    vae_x = torch.randn(1, 256, 4, 240, 416, device=dev, dtype=torch.bfloat16)
     return {
         "modulated_norm": (lambda: bm.modulated_norm(x, shift, scale, 1e-6), 2 * act),
         "add_modulated_norm": (lambda: bm.modulated_norm(x, shift, scale, 1e-6, residual=y), 4 * act),
@@ -66,6 +71,7 @@ def cases() -> dict[str, tuple]:
         "q_norm": (lambda: bm.norm_heads(q, rms, H), 2 * act),
         "ffn_in_gelu": (lambda: bm.linear_gelu(x, ffn_in), B * T * N * (D + FFN) * 2 + D * FFN * 2,
                         2 * B * T * N * D * FFN),
+        "vae_norm_silu": (lambda: vae_norm(vae_x, silu=True), 2 * vae_x.numel() * 2),
     }
 
 

@@ -1,7 +1,8 @@
-"""The Wan DiT block kernels (mstar/kernels/wan_ops.py) on a GPU at full width (B=2, 9 frames x 390
-tokens, D=3072, 24 heads): one kernel each, the float32 formulas rounded once to bf16 (round to nearest
-even, which the CPU interpreter does not do), fewer kernels per block than the PyTorch form, and a
-2-layer full-width DiT as close to its float32 forward as the PyTorch form is.
+"""The Wan DiT block kernels (mstar/kernels/wan_ops.py, the FFN's GELU epilogue, and the VAE's norm + SiLU
+of wan_vae_ops.py) on a GPU at full width (B=2, 9 frames x 390 tokens, D=3072, 24 heads): one kernel
+each, the float32 formulas rounded once to bf16 (round to nearest even, which the CPU interpreter does
+not do), fewer kernels per block than the PyTorch form, and a 2-layer full-width DiT as close to its
+float32 forward as the PyTorch form is.
 
 Run on the lent machine: `python3 -m pytest -q -m gpu tests/gpu/test_wan22_kernels_gpu.py`.
 """
@@ -138,6 +139,27 @@ def test_ffn_up_projection_gelu_in_the_gemm_epilogue() -> None:
         assert _kernels(lambda: bm.linear_gelu(h, ffn_in)) < _torch_form(_kernels, lambda: bm.linear_gelu(h, ffn_in))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def test_vae_channel_norm_silu_full_width() -> None:
+    """The VAE's norm + SiLU at the decoder's widest map of an 832x480 chunk ([1, 256, 4, 240, 416]): one
+    kernel, the float32 formula rounded once in bf16, equal to the PyTorch form to float32 precision."""
+    from mstar.models.wan22.vae_layers import ChannelRMSNorm
+
+    gen = torch.Generator("cuda").manual_seed(11)
+    x32 = 2 * torch.randn(1, 256, 4, 240, 416, device="cuda", generator=gen) + 0.3
+    norm = ChannelRMSNorm(256, spatial_dims=3).cuda()
+    norm.gamma.normal_(1.0, 0.2, generator=gen)
+    torch.testing.assert_close(norm(x32, silu=True), _torch_form(norm, x32, silu=True), atol=1e-6, rtol=1e-5)
+    x = x32.bfloat16()
+    norm16 = ChannelRMSNorm(256, spatial_dims=3).cuda().bfloat16()
+    norm16.gamma.copy_(norm.gamma)
+    got = norm16(x, silu=True)
+    xf = x.float()
+    truth = F.silu(xf / xf.norm(dim=1, keepdim=True) * norm16.scale * norm16.gamma.float())
+    _rounded_once(got, truth)
+    assert _kernels(lambda: norm16(x, silu=True)) == 1
+    assert _torch_form(_kernels, lambda: norm16(x, silu=True)) > 3
 
 
 def _model(layers: int, dtype: torch.dtype):
