@@ -71,6 +71,11 @@ FUSE_NORM_LINEAR = EnvVar(
     "1 lets the skinny GEMV of a decoder layer's qkv and gate_up projections fold in the preceding "
     "(residual add +) RMSNorm where timing says it wins (read once per process)",
     _TRUE + _FALSE)
+WAN_GEMM_GELU = EnvVar(
+    "MSTAR_WAN_GEMM_GELU", "bool (0/1/true/false)", "1",
+    "0 runs the Wan DiT's FFN GELU as its own kernel instead of in the up-projection's cuBLASLt GEMM "
+    "epilogue (CUDA, fused kernels on; read once per process)",
+    _TRUE + _FALSE)
 CACHE_DIR = EnvVar(
     "MSTAR_CACHE_DIR", "path", "~/.cache/mstar", "where mstar keeps converted checkpoints")
 API_KEY = EnvVar(
@@ -88,7 +93,7 @@ SCHEMATHESIS_EXAMPLES = EnvVar(
     "tests only: generated examples per operation in tests/e2e/test_schemathesis.py")
 
 ALL: tuple[EnvVar, ...] = (FUSED_KERNELS, SKINNY_GEMM, FUSE_ROPE_ATTENTION, FUSE_ATTENTION_REDUCE,
-                           FUSE_NORM_LINEAR, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
+                           FUSE_NORM_LINEAR, WAN_GEMM_GELU, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
                            SCHEMATHESIS_EXAMPLES)
 
 
@@ -135,6 +140,11 @@ def fuse_attention_reduce() -> bool:
 def fuse_norm_linear() -> bool:
     """MSTAR_FUSE_NORM_LINEAR: whether RMSNorm may be folded into the next skinny GEMV (default False)."""
     return _flag(FUSE_NORM_LINEAR, default=False)
+
+
+def wan_gemm_gelu() -> bool:
+    """MSTAR_WAN_GEMM_GELU: whether the Wan FFN GELU runs in the GEMM epilogue (default True)."""
+    return _flag(WAN_GEMM_GELU, default=True)
 
 
 def cache_dir() -> Path:

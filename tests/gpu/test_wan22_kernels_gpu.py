@@ -1,7 +1,8 @@
-"""The Wan DiT block kernels (mstar/kernels/wan_ops.py) on a GPU at full width (B=2, 9 frames x 390
-tokens, D=3072, 24 heads): one kernel each, the float32 formulas rounded once to bf16 (round to nearest
-even, which the CPU interpreter does not do), fewer kernels per block than the PyTorch form, and a
-2-layer full-width DiT as close to its float32 forward as the PyTorch form is.
+"""The Wan DiT block kernels (mstar/kernels/wan_ops.py, the FFN's GELU epilogue, and the VAE's norm + SiLU
+of wan_vae_ops.py) on a GPU at full width (B=2, 9 frames x 390 tokens, D=3072, 24 heads): one kernel
+each, the float32 formulas rounded once to bf16 (round to nearest even, which the CPU interpreter does
+not do), fewer kernels per block than the PyTorch form, and a 2-layer full-width DiT as close to its
+float32 forward as the PyTorch form is.
 
 Run on the lent machine: `python3 -m pytest -q -m gpu tests/gpu/test_wan22_kernels_gpu.py`.
 """
@@ -115,6 +116,50 @@ def test_norm_heads_rope_full_width() -> None:
     assert (got != want).float().mean() < 0.05
     assert _kernels(lambda: bm.norm_heads(q, norm, H, (cos, sin))) == 1
     assert _kernels(lambda: bm.norm_heads(q, norm, H)) == 1
+
+
+def test_ffn_up_projection_gelu_in_the_gemm_epilogue() -> None:
+    """linear_gelu at full width (7020 x 3072 -> 14336): the GELU (tanh) rides the GEMM, and its result is
+    the float32 truth rounded about once, no further from it than the reference's two roundings."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 truth must be a float32 GEMM
+    try:
+        h = _x(9)
+        ffn_in = torch.nn.Linear(D, 14336, device="cuda", dtype=torch.bfloat16)
+        ffn_in.weight.normal_(0.0, 0.02)
+        ffn_in.bias.normal_(0.0, 0.5)
+        got = bm.linear_gelu(h, ffn_in)
+        plain = _torch_form(bm.linear_gelu, h, ffn_in)
+        assert torch.equal(plain, F.gelu(ffn_in(h), approximate="tanh"))
+        truth = F.gelu(F.linear(h.float(), ffn_in.weight.float(), ffn_in.bias.float()), approximate="tanh")
+        err, plain_err = (got.float() - truth).abs(), (plain.float() - truth).abs()
+        # one rounding: half a bf16 step, plus float32 summation order and the epilogue's tanh (~1e-3 abs)
+        assert (err <= 2.0 ** -8 * truth.abs() + 2e-3).float().mean() > 0.999, err.max()
+        assert err.mean() <= plain_err.mean(), (err.mean(), plain_err.mean())
+        assert _kernels(lambda: bm.linear_gelu(h, ffn_in)) < _torch_form(_kernels, lambda: bm.linear_gelu(h, ffn_in))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def test_vae_channel_norm_silu_full_width() -> None:
+    """The VAE's norm + SiLU at the decoder's widest map of an 832x480 chunk ([1, 256, 4, 240, 416]): one
+    kernel, the float32 formula rounded once in bf16, equal to the PyTorch form to float32 precision."""
+    from mstar.models.wan22.vae_layers import ChannelRMSNorm
+
+    gen = torch.Generator("cuda").manual_seed(11)
+    x32 = 2 * torch.randn(1, 256, 4, 240, 416, device="cuda", generator=gen) + 0.3
+    norm = ChannelRMSNorm(256, spatial_dims=3).cuda()
+    norm.gamma.normal_(1.0, 0.2, generator=gen)
+    torch.testing.assert_close(norm(x32, silu=True), _torch_form(norm, x32, silu=True), atol=1e-6, rtol=1e-5)
+    x = x32.bfloat16()
+    norm16 = ChannelRMSNorm(256, spatial_dims=3).cuda().bfloat16()
+    norm16.gamma.copy_(norm.gamma)
+    got = norm16(x, silu=True)
+    xf = x.float()
+    truth = F.silu(xf / xf.norm(dim=1, keepdim=True) * norm16.scale * norm16.gamma.float())
+    _rounded_once(got, truth)
+    assert _kernels(lambda: norm16(x, silu=True)) == 1
+    assert _torch_form(_kernels, lambda: norm16(x, silu=True)) > 3
 
 
 def _model(layers: int, dtype: torch.dtype):

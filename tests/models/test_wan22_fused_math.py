@@ -102,3 +102,30 @@ def test_tiny_dit_in_bf16_is_as_accurate_as_diffusers_in_bf16() -> None:
     ours_err = (got - truth).abs().mean().item()
     ref_err = (ref_bf16 - truth).abs().mean().item()
     assert 0 < ours_err <= 1.25 * ref_err, (ours_err, ref_err)
+
+
+@pytest.mark.parametrize("shape", [(2, 7, 24), (9, 24)])
+def test_gemm_gelu_is_bias_add_and_gelu_of_the_projection(shape: tuple[int, ...]) -> None:
+    from mstar.models.wan22.block_math import gemm_gelu
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(*shape, generator=gen)
+    weight, bias = torch.randn(40, 24, generator=gen) * 0.3, torch.randn(40, generator=gen)
+    got = gemm_gelu(x, weight, bias)
+    assert got.shape == (*shape[:-1], 40)
+    # on CPU the op applies the exact (erf) GELU; on CUDA the tanh form (tests/gpu/test_wan22_kernels_gpu.py):
+    # here the layout is checked (bias per output column, weight transposed, leading dims restored)
+    torch.testing.assert_close(got, F.gelu(F.linear(x, weight, bias)), atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(got, F.gelu(F.linear(x, weight, torch.zeros(40))), atol=1e-3)
+
+
+def test_linear_gelu_keeps_the_tanh_reference_off_cuda() -> None:
+    from mstar.models.wan22.block_math import linear_gelu
+
+    gen = torch.Generator().manual_seed(6)
+    linear = torch.nn.Linear(24, 40).bfloat16()
+    x = torch.randn(2, 7, 24, generator=gen).bfloat16()
+    with torch.no_grad():
+        got = linear_gelu(x, linear)
+        # CPU tensors never take the epilogue (its CPU form is the erf GELU): bit for bit the reference
+        assert torch.equal(got, F.gelu(linear(x), approximate="tanh"))

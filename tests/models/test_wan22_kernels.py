@@ -1,5 +1,6 @@
 """The Wan DiT block kernels (mstar/kernels/wan_ops.py) equal the PyTorch forms of block_math.py, and
-the tiny DiT with them on matches diffusers (run on CPU through the Triton interpreter)."""
+the tiny DiT with them on matches diffusers; the VAE's channel norm kernel (mstar/kernels/wan_vae_ops.py)
+equals ChannelRMSNorm's PyTorch form (run on CPU through the Triton interpreter)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,9 @@ def test_wan_kernels_match_the_torch_forms_and_diffusers():
     proc = run_interpreted(Path(__file__).with_name("wan22_kernels_check.py"), OMP_NUM_THREADS="1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "wan ops ok" in proc.stdout
+
+
+def test_wan_vae_norm_kernel_matches_the_torch_form():
+    proc = run_interpreted(Path(__file__).with_name("wan22_vae_kernels_check.py"), OMP_NUM_THREADS="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "wan vae ops ok" in proc.stdout

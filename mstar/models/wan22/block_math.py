@@ -8,7 +8,9 @@ keeps PyTorch; TRITON_INTERPRET=1 runs them on CPU for tests).
 At full size (B=2, L=3510, D=3072) every float32 pass over the activations costs ~30-60 us on an
 H200. The PyTorch form already avoids float32 temporaries where one TensorIterator kernel can
 (`addcmul_as`: mixed-dtype inputs read and computed in float32, the result written once in bf16);
-the kernels also fuse the norms into the modulation, the residual sums and the rope.
+the kernels also fuse the norms into the modulation, the residual sums and the rope. The FFN's
+GELU runs in the up-projection's cuBLASLt epilogue (`linear_gelu`), so the [B, L, ffn] activation is
+written once and never re-read by a separate GELU kernel.
 """
 
 from __future__ import annotations
@@ -19,7 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar import envs
 from mstar.layers.fused import FUSED
+
+# MSTAR_WAN_GEMM_GELU, read once per process (tests and benchmarks flip it): `linear_gelu` may put the
+# GELU in the GEMM's epilogue.
+GEMM_GELU = envs.wan_gemm_gelu()
 
 
 def wan_kernels(x: torch.Tensor) -> ModuleType | None:
@@ -129,3 +136,29 @@ def norm_heads(x: torch.Tensor, norm: nn.RMSNorm, heads: int,
         return ops.rms_norm_rope(x, norm.weight, eps, heads, rope)
     h = norm(x).unflatten(-1, (heads, -1))
     return apply_rope(h, *rope) if rope is not None else h
+
+
+def linear_gelu(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """gelu_tanh(linear(x)) in x's dtype; x [..., in], `linear` with a bias.
+
+    On CUDA where the fused kernels serve x (and GEMM_GELU): `gemm_gelu`, one GEMM whose epilogue adds
+    the bias and applies the GELU to the float32 accumulator, rounding once, where the reference rounds
+    the projection to x's dtype first: within about one step of x's dtype of it. Else (CPU,
+    torch.compile, kernels off) the reference form.
+    """
+    if GEMM_GELU and x.is_cuda and linear.bias is not None and x.dtype == linear.weight.dtype \
+            and wan_kernels(x) is not None:
+        return gemm_gelu(x, linear.weight, linear.bias)
+    return F.gelu(linear(x), approximate="tanh")
+
+
+def gemm_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """GELU(x @ weight.T + bias) [..., out] as one `torch._addmm_activation`.
+
+    CUDA: cuBLASLt's GELU_BIAS epilogue, the tanh approximation (PyTorch falls back to GEMM + in-place
+    tanh GELU where Lt does not apply). CPU: addmm + exact (erf) GELU, PyTorch's CPU semantics of the op,
+    which is why `linear_gelu` sends only CUDA tensors here.
+    """
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch._addmm_activation(bias, flat, weight.t(), use_gelu=True)
+    return out.view(*x.shape[:-1], out.shape[-1])

@@ -7,9 +7,9 @@ the timestep embedding. The timestep is per request [B], per latent frame [B, F'
 applied per timestep group (one per request, frame or token), so per-frame timesteps cost no more than
 one per request. Norms, modulation and residual sums run in float32 like the reference.
 
-The elementwise and norm steps (modulated norms, gated residuals, q/k norms with rope) live in
-`block_math.py`: float32 math with one rounding to the model dtype, as PyTorch on CPU and under
-torch.compile, as fused Triton kernels on CUDA.
+The elementwise and norm steps (modulated norms, gated residuals, q/k norms with rope, the FFN's
+bias + GELU) live in `block_math.py`: float32 math with one rounding to the model dtype, as PyTorch on
+CPU and under torch.compile, as fused Triton kernels (and a GEMM epilogue) on CUDA.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from mstar.models.wan22.block_math import (
     gated_residual,
     layer_norm32,
     layer_norm_as_input,
+    linear_gelu,
     modulated_norm,
     norm_heads,
     rope_tables,
@@ -177,7 +178,7 @@ class WanBlock(nn.Module):
         x, h = gated_residual(x, self.attn1.to_out(attended.flatten(2)), gate, self.norm2)  # h = norm2(x)
         cross = self.attn2(x if h is None else h, text)
         h, x = modulated_norm(x, c_shift, c_scale, self.eps, residual=cross)  # x += cross; the FFN's norm
-        ff = self.ffn_out(F.gelu(self.ffn_in(h), approximate="tanh"))
+        ff = self.ffn_out(linear_gelu(h, self.ffn_in))
         return gated_residual(x, ff, c_gate)[0]
 
     def _mods(self, t_mod: torch.Tensor) -> tuple[torch.Tensor, ...]:

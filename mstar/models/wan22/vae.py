@@ -57,7 +57,7 @@ class Encoder(nn.Module):
         for block in self.down_blocks:
             x = block(x, stream)
         x = self.mid_block(x, stream)
-        return self.conv_out(nn.functional.silu(self.norm_out(x)), stream)
+        return self.conv_out(self.norm_out(x, silu=True), stream)
 
 
 class Decoder(nn.Module):
@@ -87,7 +87,7 @@ class Decoder(nn.Module):
         x = self.mid_block(self.conv_in(z, stream), stream)
         for block in self.up_blocks:
             x = block(x, stream)
-        return self.conv_out(nn.functional.silu(self.norm_out(x)), stream)
+        return self.conv_out(self.norm_out(x, silu=True), stream)
 
 
 class WanVAE(nn.Module):

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from mstar.layers.fused import FUSED
+
 
 class CausalStream:
     """What each causal layer remembers between chunks of one video; use a fresh one per video.
@@ -63,17 +65,27 @@ class CausalConv3d(nn.Conv3d):
 
 
 class ChannelRMSNorm(nn.Module):
-    """RMS norm across channels (dim 1) with a learned per-channel gain; float32 math for half inputs."""
+    """RMS norm across channels (dim 1) with a learned per-channel gain; float32 math for half inputs.
+
+    `forward(x, silu=True)` also applies the SiLU that follows every norm but the attention block's. On
+    CUDA (fused kernels on, x contiguous) both run as one kernel (`kernels/wan_vae_ops.py`) that
+    rounds once; the PyTorch form (CPU, kernels off) rounds after the norm, each product and the SiLU.
+    """
 
     def __init__(self, dim: int, spatial_dims: int) -> None:
         super().__init__()
         self.scale = dim**0.5
         self.gamma = nn.Parameter(torch.ones(dim, *(1,) * spatial_dims))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
         """Same shape as x."""
+        if x.is_contiguous() and not torch.compiler.is_compiling() and FUSED.ops_for(x) is not None:
+            from mstar.kernels.wan_vae_ops import channel_rms_norm
+
+            return channel_rms_norm(x, self.gamma, self.scale, silu)
         normed = F.normalize(x.float() if x.dtype in (torch.float16, torch.bfloat16) else x, dim=1)
-        return normed.to(x.dtype) * self.scale * self.gamma
+        normed = normed.to(x.dtype) * self.scale * self.gamma
+        return F.silu(normed) if silu else normed
 
 
 class ResidualBlock(nn.Module):
@@ -90,8 +102,8 @@ class ResidualBlock(nn.Module):
     def forward(self, x: torch.Tensor, stream: CausalStream | None = None) -> torch.Tensor:
         """[B, in_dim, T, H, W] -> [B, out_dim, T, H, W]."""
         shortcut = self.conv_shortcut(x) if self.conv_shortcut is not None else x
-        x = self.conv1(F.silu(self.norm1(x)), stream)
-        x = self.conv2(F.silu(self.norm2(x)), stream)
+        x = self.conv1(self.norm1(x, silu=True), stream)
+        x = self.conv2(self.norm2(x, silu=True), stream)
         return x + shortcut
 
 
