@@ -71,6 +71,12 @@ FUSE_NORM_LINEAR = EnvVar(
     "1 lets the skinny GEMV of a decoder layer's qkv and gate_up projections fold in the preceding "
     "(residual add +) RMSNorm where timing says it wins (read once per process)",
     _TRUE + _FALSE)
+PDL = EnvVar(
+    "MSTAR_PDL", "0/1/auto", "auto",
+    "Programmatic Dependent Launch of the decode-step Triton kernels (each launch overlaps the previous "
+    "kernel's tail): 0 never, 1 on every CUDA device (an error below sm_90 or without Triton support), "
+    "auto on sm_90+ when Triton supports it (read once per process)",
+    ("0", "1", "auto"))
 CACHE_DIR = EnvVar(
     "MSTAR_CACHE_DIR", "path", "~/.cache/mstar", "where mstar keeps converted checkpoints")
 API_KEY = EnvVar(
@@ -88,7 +94,7 @@ SCHEMATHESIS_EXAMPLES = EnvVar(
     "tests only: generated examples per operation in tests/e2e/test_schemathesis.py")
 
 ALL: tuple[EnvVar, ...] = (FUSED_KERNELS, SKINNY_GEMM, FUSE_ROPE_ATTENTION, FUSE_ATTENTION_REDUCE,
-                           FUSE_NORM_LINEAR, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
+                           FUSE_NORM_LINEAR, PDL, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
                            SCHEMATHESIS_EXAMPLES)
 
 
@@ -135,6 +141,12 @@ def fuse_attention_reduce() -> bool:
 def fuse_norm_linear() -> bool:
     """MSTAR_FUSE_NORM_LINEAR: whether RMSNorm may be folded into the next skinny GEMV (default False)."""
     return _flag(FUSE_NORM_LINEAR, default=False)
+
+
+def pdl() -> bool | None:
+    """MSTAR_PDL: False (never), True (on every CUDA device) or None (auto: sm_90+, the default)."""
+    value = PDL.choice()
+    return None if value in (None, "auto") else value == "1"
 
 
 def cache_dir() -> Path:
