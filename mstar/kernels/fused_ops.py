@@ -9,7 +9,7 @@ Use through `mstar/layers` (which falls back to PyTorch on CPU or when `fused_en
 tests run these kernels on CPU with TRITON_INTERPRET=1.
 
 PDL (sm_90+, `mstar.kernels.pdl`): each kernel lets the next one launch at its start and waits for
-the previous one before its first store and before reading anything but the RMSNorm weight.
+the previous one before its first load or store.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, x_stri
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)  # the norm weight is constant: before the wait
     pdl_wait(PDL)
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
@@ -38,7 +37,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, x_stri
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     normed = (xf * inv).to(x.dtype).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, (normed * w.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

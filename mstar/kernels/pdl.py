@@ -10,8 +10,8 @@ previous kernel has completed and its memory is visible.
 The contract every kernel launched here keeps (the kernel modules point to it):
 
 1. Each program calls `pdl_wait` before it reads anything an earlier kernel may write and before it
-   writes anything at all. Only reads of data that no kernel writes during a step (weights, norm
-   weights) may come before it.
+   writes anything at all. Only reads of data that no kernel writes during a step may come before
+   it: today just the GEMV's first weight tile (`gemv.py`), which hides one DRAM latency per launch.
 2. Each program calls `pdl_launch_dependents` at its start: the next kernel's early work is only the
    constant reads rule 1 allows, so it may start at once.
 
@@ -23,6 +23,12 @@ workspaces and counters). Kernels launched without PDL (torch ops, cuBLAS) keep 
 and end the chain safely: a PDL kernel after one waits for it, and it waits for everything before.
 Split-K counters and workspaces are touched only after the wait, so consecutive launches sharing
 them still use them one after another.
+
+What rule 1 asks of weights: they are complete before the step starts. A read before the wait is
+ordered only after kernels that completed before the last kernel launched without PDL started, so a
+weight written by a kernel and read at once by a GEMV (no synchronisation, no ordinary torch kernel
+in between) could be read stale. Loading ends long before serving; tests that build a weight and
+call a GEMV right away synchronise first.
 
 `PDL` decides per device whether kernels launch this way (MSTAR_PDL: 0 never, 1 on every CUDA
 device, auto on sm_90+ when Triton supports it), read once per process; tests and benchmarks set

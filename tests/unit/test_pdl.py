@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mstar import envs
+from tests.interpreted import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -213,3 +214,9 @@ def k_kernel(x_ptr, w_ptr, out_ptr, PDL: tl.constexpr):
     launcher = "def f(x):\n    k_kernel[(1,)](x, PDL=False)\n"
     assert _launches_without_pdl_args(launcher) == ["f launches k_kernel"]
     assert _launches_without_pdl_args(launcher.replace("PDL=False", "**pdl_args(x.device)")) == []
+
+
+def test_kernels_forced_on_still_run_interpreted_with_the_same_bits():
+    proc = run_interpreted(Path(__file__).with_name("pdl_check.py"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "pdl interpreted ok" in proc.stdout
