@@ -21,10 +21,12 @@ program first computes its rows' 1/rms over all of K (x is a few KB, read from L
 it loads it; the first program writes x + residual (the residual stream) once. It replaces
 `fused_ops.rms_norm` and its launch.
 
-PDL (sm_90+, `mstar.kernels.pdl`): every program lets the next kernel launch at its start, loads its
-first weight tile (constant during a step) before `pdl_wait`, and reads x, the residual and the
-norm's inputs, stores, and touches the split-K workspace and counters only after it. So a GEMV's
-blocks are resident, their first DRAM reads in flight, while the previous kernel finishes.
+PDL (sm_90+, `mstar.kernels.pdl`): every program lets the next kernel launch at its start and loads
+its first weight tile (weights are complete before a step starts) before `pdl_wait`; only after the
+wait does it read x, the residual, the norm weight and the bias, store, or touch the split-K
+workspace and counters. So a GEMV's blocks are resident, their first DRAM reads in flight, while the
+previous kernel finishes.
+
 Use through `mstar.kernels.skinny_gemm.skinny_linear` / `skinny_silu_and_mul_linear`.
 """
 
