@@ -8,9 +8,12 @@ and, at batch 1, the top GPU kernels of one decode step under torch.profiler (ea
 With --variants, each named set of decode fusions (none, rope, reduce, norm, all: RoPE in attention,
 split merge in attention, RMSNorm folded into the GEMV) gets its own engine and graphs from the same
 model, so one run shows each fusion's effect; the skinny-GEMM choices made are listed too.
+With --pdl both, everything is profiled with Programmatic Dependent Launch of the Triton kernels off,
+then on (mstar/kernels/pdl.py; the skinny-GEMM choices are re-timed for each, as a fresh process with
+that MSTAR_PDL would); --pdl off / on forces one; the default follows MSTAR_PDL (auto: on for sm_90+).
 
     python3 benchmarks/profile_decode.py [--batch-sizes 1 16 64] [--variants none rope reduce norm all]
-        [--out benchmarks/results/profile_decode_h200.json]
+        [--pdl {env,off,on,both}] [--out benchmarks/results/profile_decode_h200.json]
 
 Measures, asserts nothing. Needs a CUDA GPU.
 """
@@ -33,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode_step import ORPHEUS_3B, make_engine  # noqa: E402
 from mstar.engines.autoregressive import engine as engine_module  # noqa: E402
 from mstar.engines.base import StepItem  # noqa: E402
+from mstar.kernels.pdl import PDL  # noqa: E402
 from mstar.layers.fused import FUSED  # noqa: E402
 from mstar.layers.linear import SKINNY  # noqa: E402
 from mstar.models.common.loading import fill_dummy_weights  # noqa: E402
@@ -42,6 +46,8 @@ from mstar.models.llama.model import build_model  # noqa: E402
 # variant -> (RoPE in attention, split merge in attention, RMSNorm folded into the GEMV)
 VARIANTS = {"none": (False, False, False), "rope": (True, False, False), "reduce": (False, True, False),
             "norm": (False, False, True), "all": (True, True, True)}
+# --pdl -> the PDL.mode values profiled one after another (None: as MSTAR_PDL sets it)
+PDL_MODES = {"env": (None,), "off": (False,), "on": (True,), "both": (False, True)}
 
 
 class PhaseTimer:
@@ -139,6 +145,14 @@ def set_fusions(rope: bool, reduce: bool, norm: bool) -> None:
     FUSED.norm_linear = norm
 
 
+def set_pdl(mode: bool | None) -> None:
+    """PDL on (True) or off (False) for the next engine built; None keeps MSTAR_PDL's choice. A change
+    drops the skinny-GEMM choices so that they are timed again under the new launch mode."""
+    if mode is not None and mode != PDL.mode:
+        PDL.mode = mode
+        SKINNY.decisions.clear()
+
+
 def profile_engine(model, config, args) -> dict:
     """Host phases and graph replay per batch size, then the batch-1 kernel table, of a fresh engine."""
     max_len = args.max_model_len or 64 + args.steps + 16  # sets max_pages_per_seq, hence the KV splits
@@ -159,7 +173,8 @@ def profile_engine(model, config, args) -> dict:
     del engine
     gc.collect()
     torch.cuda.empty_cache()
-    return {"fusions": fusions, "rows": rows, "kernels_batch1_eager": kernels}
+    return {"fusions": fusions, "pdl": PDL.enabled(torch.device("cuda")), "rows": rows,
+            "kernels_batch1_eager": kernels}
 
 
 def skinny_choices() -> list[dict]:
@@ -173,6 +188,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=None,
                         help="decode fusions to compare, one engine each (default: as the environment sets them)")
+    parser.add_argument("--pdl", choices=sorted(PDL_MODES), default="env",
+                        help="Programmatic Dependent Launch: as MSTAR_PDL sets it (env), off, on, or both in turn")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="engine context limit (default: just what the run needs); decode splits KV by it")
     parser.add_argument("--out", default="benchmarks/results/profile_decode_h200.json")
@@ -182,15 +199,22 @@ def main() -> None:
     fill_dummy_weights(model, seed=0)
     result = {"benchmark": "profile_decode", "command": "python3 " + " ".join(sys.argv),
               "device": torch.cuda.get_device_name()}
-    if args.variants is None:
+    modes = PDL_MODES[args.pdl]
+    if args.variants is None and len(modes) == 1:
+        set_pdl(modes[0])
         result.update(profile_engine(model, config, args))
+        result["skinny_choices"] = skinny_choices()
     else:
         result["variants"] = {}
-        for name in args.variants:
-            print(json.dumps({"variant": name}), flush=True)
-            set_fusions(*VARIANTS[name])
-            result["variants"][name] = profile_engine(model, config, args)
-    result["skinny_choices"] = skinny_choices()
+        for pdl in modes:
+            set_pdl(pdl)
+            for name in args.variants or ["default"]:
+                label = name if pdl is None else f"{name}/pdl={'on' if pdl else 'off'}"
+                print(json.dumps({"variant": label}), flush=True)
+                if name != "default":
+                    set_fusions(*VARIANTS[name])
+                result["variants"][label] = profile_engine(model, config, args)
+                result["variants"][label]["skinny_choices"] = skinny_choices()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

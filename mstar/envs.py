@@ -76,6 +76,12 @@ WAN_GEMM_GELU = EnvVar(
     "0 runs the Wan DiT's FFN GELU as its own kernel instead of in the up-projection's cuBLASLt GEMM "
     "epilogue (CUDA, fused kernels on; read once per process)",
     _TRUE + _FALSE)
+PDL = EnvVar(
+    "MSTAR_PDL", "0/1/auto", "auto",
+    "Programmatic Dependent Launch of the decode-step Triton kernels (each launch overlaps the previous "
+    "kernel's tail): 0 never, 1 on every CUDA device (an error below sm_90 or without Triton support), "
+    "auto on sm_90+ when Triton supports it (read once per process)",
+    ("0", "1", "auto"))
 CACHE_DIR = EnvVar(
     "MSTAR_CACHE_DIR", "path", "~/.cache/mstar", "where mstar keeps converted checkpoints")
 API_KEY = EnvVar(
@@ -93,7 +99,7 @@ SCHEMATHESIS_EXAMPLES = EnvVar(
     "tests only: generated examples per operation in tests/e2e/test_schemathesis.py")
 
 ALL: tuple[EnvVar, ...] = (FUSED_KERNELS, SKINNY_GEMM, FUSE_ROPE_ATTENTION, FUSE_ATTENTION_REDUCE,
-                           FUSE_NORM_LINEAR, WAN_GEMM_GELU, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
+                           FUSE_NORM_LINEAR, WAN_GEMM_GELU, PDL, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
                            SCHEMATHESIS_EXAMPLES)
 
 
@@ -145,6 +151,12 @@ def fuse_norm_linear() -> bool:
 def wan_gemm_gelu() -> bool:
     """MSTAR_WAN_GEMM_GELU: whether the Wan FFN GELU runs in the GEMM epilogue (default True)."""
     return _flag(WAN_GEMM_GELU, default=True)
+
+
+def pdl() -> bool | None:
+    """MSTAR_PDL: False (never), True (on every CUDA device) or None (auto: sm_90+, the default)."""
+    value = PDL.choice()
+    return None if value in (None, "auto") else value == "1"
 
 
 def cache_dir() -> Path:

@@ -14,6 +14,10 @@ Two optional fusions (both exact re-arrangements, both CUDA-graph safe):
 - `lock`: an int32 counter per (sequence, KV head), zero at rest. Each split bumps it after writing
   its partial; the last to arrive merges all partials in the fixed order 0..NUM_SPLITS-1 and resets
   it, so no reduce kernel runs and the result does not depend on which split finishes last.
+
+PDL (sm_90+, `mstar.kernels.pdl`): both kernels let the next kernel launch at their start and wait
+for the previous one before their first load or store (everything they read is written during the
+step: q/k/v, lengths, block tables, slots, cos/sin, the cache, the partials and counters).
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
@@ -100,7 +106,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, bloc
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                   ROPE: tl.constexpr, FUSE_REDUCE: tl.constexpr):
+                   ROPE: tl.constexpr, FUSE_REDUCE: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)  # lengths, tables, q/k/v, the cache and the split counters are all written in the step
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -160,7 +168,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, bloc
 @triton.jit
 def _reduce_kernel(mid_ptr, lse_ptr, out_ptr, stride_ob, stride_oh,
                    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                   BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)  # the partials come from the decode kernel just before
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -228,7 +238,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                   NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
                   BLOCK_N=64 if block_d <= 128 else 32,
                   PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rotary is not None,
-                  FUSE_REDUCE=fuse_reduce, num_warps=4)
+                  FUSE_REDUCE=fuse_reduce, num_warps=4, **pdl_args(q.device))
     grid = (num_seqs, num_kv_heads, num_splits)
     inputs = (q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, cos, sin)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_tables.stride(0),
@@ -246,5 +256,5 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         _reduce_kernel[(num_seqs, num_heads)](mid, lse, out, out.stride(0), out.stride(1),
                                               NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
                                               BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-                                              num_warps=1)
+                                              num_warps=1, **pdl_args(q.device))
     return out

@@ -7,6 +7,9 @@ within one rounding step (reduction order in the norm may differ).
 
 Use through `mstar/layers` (which falls back to PyTorch on CPU or when `fused_enabled` is False);
 tests run these kernels on CPU with TRITON_INTERPRET=1.
+
+PDL (sm_90+, `mstar.kernels.pdl`): each kernel lets the next one launch at its start and waits for
+the previous one before its first load or store.
 """
 
 from __future__ import annotations
@@ -15,13 +18,17 @@ import torch
 import triton
 import triton.language as tl
 
+from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, x_stride, res_stride, out_stride,
-                     eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    pdl_wait(PDL)
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)
@@ -45,13 +52,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x, residual if residual is not None else x, weight, out, res_out if res_out is not None else out,
         cols, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
+        **pdl_args(x.device),
     )
     return out, res_out
 
 
 @triton.jit
 def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, x_stride_t, x_stride_h, cs_stride, out_stride_t,
-                   out_stride_h, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                   out_stride_h, HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)  # x and the step's cos/sin come from earlier kernels
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads[:, None] < num_heads
@@ -81,13 +91,15 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     block_h = min(triton.next_power_of_2(heads), 16)
     _rotary_kernel[(tokens, triton.cdiv(heads, block_h))](
         x, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1),
-        HALF=dim // 2, BLOCK_H=block_h,
+        HALF=dim // 2, BLOCK_H=block_h, **pdl_args(x.device),
     )
     return out
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, n, x_stride, out_stride, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, n, x_stride, out_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -104,5 +116,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     half = width // 2
     out = torch.empty((rows, half), dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(half, block))](x, out, half, x.stride(0), out.stride(0), BLOCK=block)
+    _silu_mul_kernel[(rows, triton.cdiv(half, block))](x, out, half, x.stride(0), out.stride(0), BLOCK=block,
+                                                       **pdl_args(x.device))
     return out

@@ -20,6 +20,13 @@ silu(gate) * up in the x-load, rounded like `fused_ops.silu_and_mul`, which it r
 program first computes its rows' 1/rms over all of K (x is a few KB, read from L2), then scales x as
 it loads it; the first program writes x + residual (the residual stream) once. It replaces
 `fused_ops.rms_norm` and its launch.
+
+PDL (sm_90+, `mstar.kernels.pdl`): every program lets the next kernel launch at its start and loads
+its first weight tile (weights are complete before a step starts) before `pdl_wait`; only after the
+wait does it read x, the residual, the norm weight and the bias, store, or touch the split-K
+workspace and counters. So a GEMV's blocks are resident, their first DRAM reads in flight, while the
+previous kernel finishes.
+
 Use through `mstar.kernels.skinny_gemm.skinny_linear` / `skinny_silu_and_mul_linear`.
 """
 
@@ -28,6 +35,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 MAX_M = 4  # rows above this take the tl.dot kernel in skinny_gemm
 
@@ -102,11 +111,43 @@ def _rows_inv_rms(x_ptr, r_ptr, res_out_ptr, M, K, stride_xm, stride_rm, eps, fi
 
 
 @triton.jit
+def _load_w(w_ptrs, k, k_mask, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        w = tl.load(w_ptrs + k)
+    else:
+        w = tl.load(w_ptrs + k, mask=k_mask, other=0.0)
+    return w
+
+
+@triton.jit
+def _fma_rows(acc0, acc1, acc2, acc3, w, k, k_mask, x_ptrs, r_ptrs, nw_ptrs, M, stride_xm, stride_rm, gate_offset,
+              inv0, inv1, inv2, inv3, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+              EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """acc_m += x[m, k:k + BLOCK_K] * w for the rows m of x (rows past M repeat row M - 1): one K chunk."""
+    w = w.to(tl.float32)
+    acc0 += _load_x(x_ptrs, k, gate_offset, k_mask, r_ptrs, nw_ptrs, inv0, GATED, NORM, HAS_RES, EVEN_K) * w
+    if BLOCK_M > 1:
+        m = tl.minimum(1, M - 1)
+        acc1 += _load_x(x_ptrs + m * stride_xm, k, gate_offset, k_mask, r_ptrs + m * stride_rm, nw_ptrs, inv1,
+                        GATED, NORM, HAS_RES, EVEN_K) * w
+    if BLOCK_M > 2:
+        m = tl.minimum(2, M - 1)
+        acc2 += _load_x(x_ptrs + m * stride_xm, k, gate_offset, k_mask, r_ptrs + m * stride_rm, nw_ptrs, inv2,
+                        GATED, NORM, HAS_RES, EVEN_K) * w
+        m = tl.minimum(3, M - 1)
+        acc3 += _load_x(x_ptrs + m * stride_xm, k, gate_offset, k_mask, r_ptrs + m * stride_rm, nw_ptrs, inv3,
+                        GATED, NORM, HAS_RES, EVEN_K) * w
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, res_out_ptr, M, N, K, stride_xm,
                  stride_wn, stride_rm, gate_offset, eps,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                  SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, K_ITERS: tl.constexpr, K_CHUNKS: tl.constexpr,
-                 BROADCAST_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BROADCAST_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -115,6 +156,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, 
     # Clamped indices keep the weight loads unmasked (vectorised); the extra rows are never stored.
     rn_safe = tl.minimum(rn, N - 1)
     w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
+    # The weight is constant during a step, so the first tile is loaded before the PDL wait: its DRAM
+    # latency overlaps the previous kernel's tail. Everything else (x, the residual stream, every store,
+    # the split-K workspace and counters) comes after the wait: the contract in mstar/kernels/pdl.py.
+    k_start = pid_k * (K_ITERS * BLOCK_K)
+    first_mask = ((k_start + rk) < K)[None, :]
+    w_first = _load_w(w_ptrs, k_start, first_mask, EVEN_K)
+    pdl_wait(PDL)
     # x, w and the accumulators must share one register layout, or the compiler shuffles a tile through
     # shared memory every iteration. When BLOCK_K spans all warps (BROADCAST_X), a [1, BLOCK_K] x row
     # already has the weight tile's layout and is loaded once per thread; otherwise the warps split N
@@ -135,26 +183,16 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, 
     acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    k_start = pid_k * (K_ITERS * BLOCK_K)
-    for i in range(K_ITERS):
+    acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w_first, k_start, first_mask, x_ptrs, r_ptrs, nw_ptrs,
+                                       M, stride_xm, stride_rm, gate_offset, inv0, inv1, inv2, inv3, GATED, NORM,
+                                       HAS_RES, EVEN_K, BLOCK_M)
+    for i in range(1, K_ITERS):
         k = k_start + i * BLOCK_K
         k_mask = ((k + rk) < K)[None, :]
-        if EVEN_K:
-            w = tl.load(w_ptrs + k).to(tl.float32)
-        else:
-            w = tl.load(w_ptrs + k, mask=k_mask, other=0.0).to(tl.float32)
-        acc0 += _load_x(x_ptrs, k, gate_offset, k_mask, r_ptrs, nw_ptrs, inv0, GATED, NORM, HAS_RES, EVEN_K) * w
-        if BLOCK_M > 1:
-            i = tl.minimum(1, M - 1)
-            acc1 += _load_x(x_ptrs + i * stride_xm, k, gate_offset, k_mask, r_ptrs + i * stride_rm, nw_ptrs, inv1,
-                            GATED, NORM, HAS_RES, EVEN_K) * w
-        if BLOCK_M > 2:
-            i = tl.minimum(2, M - 1)
-            acc2 += _load_x(x_ptrs + i * stride_xm, k, gate_offset, k_mask, r_ptrs + i * stride_rm, nw_ptrs, inv2,
-                            GATED, NORM, HAS_RES, EVEN_K) * w
-            i = tl.minimum(3, M - 1)
-            acc3 += _load_x(x_ptrs + i * stride_xm, k, gate_offset, k_mask, r_ptrs + i * stride_rm, nw_ptrs, inv3,
-                            GATED, NORM, HAS_RES, EVEN_K) * w
+        w = _load_w(w_ptrs, k, k_mask, EVEN_K)
+        acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w, k, k_mask, x_ptrs, r_ptrs, nw_ptrs, M,
+                                           stride_xm, stride_rm, gate_offset, inv0, inv1, inv2, inv3, GATED, NORM,
+                                           HAS_RES, EVEN_K, BLOCK_M)
     # The only cross-thread reductions, once per row after the loop; rows gathered into [BLOCK_M, BLOCK_N].
     part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) + tl.sum(acc0, axis=1)[None, :]
     if BLOCK_M > 1:
@@ -230,5 +268,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block
         K_CHUNKS=triton.cdiv(k, block_k),
         BROADCAST_X=block_k >= 16 // x.element_size() * 32 * num_warps,  # 16-byte loads by every thread
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        **pdl_args(x.device),
     )
     return out

@@ -1,4 +1,8 @@
-"""Triton kernel writing the new tokens' K/V rows into a paged cache by flat slot."""
+"""Triton kernel writing the new tokens' K/V rows into a paged cache by flat slot.
+
+PDL (sm_90+, `mstar.kernels.pdl`): it lets the next kernel launch at its start and waits for the
+previous one before its first load or store.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +10,16 @@ import torch
 import triton
 import triton.language as tl
 
+from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
+
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
                      NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)  # k/v and the slots come from earlier kernels
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -46,5 +54,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=4,
+        num_warps=4, **pdl_args(k.device),
     )

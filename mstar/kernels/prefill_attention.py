@@ -5,6 +5,9 @@ cached prefix plus themselves; the new tokens' K/V must already be in the cache.
 handles (block of BLOCK_M query tokens, query head, sequence) and streams keys from the pages in
 blocks of BLOCK_N with an online softmax in fp32. Causal or not; a sliding window applies to
 causal attention only.
+
+PDL (sm_90+, `mstar.kernels.pdl`): it lets the next kernel launch at its start and waits for the
+previous one before its first load or store.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import triton
 import triton.language as tl
 
 from mstar.kernels.decode_attention import LOG2E
+from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 
 @triton.jit
@@ -21,7 +25,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, q_starts_
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, qk_scale, window,
                     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                     PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)  # q, the cache and the index tensors are all written in the step
     mb = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -106,5 +112,6 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         CAUSAL=causal, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=2,
+        **pdl_args(q.device),
     )
     return out

@@ -17,6 +17,9 @@ filled from `benchmarks/gemv_micro.py --sweep`, which times candidates inside CU
 `skinny_norm_linear` runs the GEMV with the preceding (residual add +) RMSNorm folded in. Use
 through `mstar.layers.linear`, which decides per shape whether this beats F.linear; tests run it on
 CPU with TRITON_INTERPRET=1.
+
+PDL (sm_90+, `mstar.kernels.pdl`): both tl.dot-path kernels let the next kernel launch at their
+start and wait for the previous one before any load or store; the GEMV path keeps the same contract.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import triton.language as tl
 
 from mstar.kernels.gemv import MAX_M as GEMV_MAX_M
 from mstar.kernels.gemv import gemv
+from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 MAX_M = 64  # the largest row count the kernel handles (block_m <= 64)
 
@@ -85,7 +89,9 @@ TUNED_NORM: dict[tuple[int, int, int], SkinnyConfig] = {}
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_wn,
                    HAS_BIAS: tl.constexpr, TO_WORKSPACE: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, K_ITERS: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)  # everything below reads x or writes: after the previous kernel (mstar/kernels/pdl.py)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -121,7 +127,9 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, str
 
 @triton.jit
 def _splitk_reduce_kernel(ws_ptr, b_ptr, out_ptr, total, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)  # the partials come from the kernel just before
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -295,11 +303,12 @@ def _dot_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         HAS_BIAS=has_bias, TO_WORKSPACE=split > 1, EVEN_K=split * k_per_split == k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", K_ITERS=k_per_split // cfg.block_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
             ws, bias if has_bias else ws, out, m * n, n, SPLIT=split, HAS_BIAS=has_bias, BLOCK=block,
+            **pdl_args(x.device),
         )
     return out

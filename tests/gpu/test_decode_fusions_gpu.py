@@ -70,6 +70,7 @@ def _norm_inputs(m: int, n: int, k: int = 3072, residual: bool = True):
     x, r = (torch.randn(m, k, device="cuda", generator=g).bfloat16() for _ in range(2))
     nw = (1 + torch.randn(k, device="cuda", generator=g) / 4).bfloat16()
     w = (torch.randn(n, k, device="cuda", generator=g) / 40).bfloat16()
+    torch.cuda.synchronize()  # weights complete before a GEMV reads them ahead of its PDL wait (kernels/pdl.py)
     return x, (r if residual else None), nw, w
 
 

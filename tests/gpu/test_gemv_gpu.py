@@ -24,6 +24,7 @@ def _inputs(m: int, n: int, k: int, bias: bool = False):
     x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
     w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).bfloat16()
     b = torch.randn(n, device="cuda", generator=g).bfloat16() if bias else None
+    torch.cuda.synchronize()  # weights complete before a GEMV reads them ahead of its PDL wait (kernels/pdl.py)
     return x, w, b
 
 

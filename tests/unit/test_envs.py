@@ -26,6 +26,7 @@ def test_defaults_when_unset(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
     assert envs.fused_kernels() is True
     assert envs.skinny_gemm() is None
+    assert envs.pdl() is None
     assert envs.cache_dir() == tmp_path / ".cache" / "mstar"
     assert envs.api_key() is None
     assert envs.session() is None
@@ -38,6 +39,7 @@ def test_empty_value_counts_as_unset(monkeypatch):
         monkeypatch.setenv(var.name, "")
     assert envs.fused_kernels() is True
     assert envs.skinny_gemm() is None
+    assert envs.pdl() is None
     assert envs.api_key() is None
     assert envs.session() is None
     assert envs.schemathesis_examples() == 25
@@ -53,6 +55,12 @@ def test_fused_kernels_flag(monkeypatch, value, expected):
 def test_skinny_gemm_tristate(monkeypatch, value, expected):
     monkeypatch.setenv("MSTAR_SKINNY_GEMM", value)
     assert envs.skinny_gemm() is expected
+
+
+@pytest.mark.parametrize("value, expected", [("0", False), ("1", True), ("auto", None), (" AUTO ", None)])
+def test_pdl_tristate(monkeypatch, value, expected):
+    monkeypatch.setenv("MSTAR_PDL", value)
+    assert envs.pdl() is expected
 
 
 def test_typed_values_read_at_call_time(monkeypatch, tmp_path):
@@ -74,6 +82,7 @@ def test_typed_values_read_at_call_time(monkeypatch, tmp_path):
 @pytest.mark.parametrize("name, value, accessor, accepted", [
     ("MSTAR_FUSED_KERNELS", "yes", envs.fused_kernels, "1, true, 0, false"),
     ("MSTAR_SKINNY_GEMM", "2", envs.skinny_gemm, "0, 1, auto"),
+    ("MSTAR_PDL", "true", envs.pdl, "0, 1, auto"),
     ("MSTAR_SCHEMATHESIS_EXAMPLES", "many", envs.schemathesis_examples, "a whole number >= 1"),
     ("MSTAR_SCHEMATHESIS_EXAMPLES", "0", envs.schemathesis_examples, "a whole number >= 1"),
 ])
