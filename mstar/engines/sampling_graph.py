@@ -32,7 +32,10 @@ class SamplerGraphs:
     """`sample_static` captured at `sizes` on a CUDA `device`, for logits of one vocabulary size."""
 
     def __init__(self, sizes: Sequence[int], device: torch.device) -> None:
-        self.sizes, self.device = sorted(set(sizes)), torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" must compare equal
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.sizes, self.device = sorted(set(sizes)), device
         self._graphs: BatchGraphs | None = None
         self._vocab = 0
         self._unseen: torch.Tensor | None = None  # all-False masks for batches without repetition penalty
