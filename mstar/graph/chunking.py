@@ -45,23 +45,33 @@ class SlidingWindow(ChunkPolicy):
     The first window is cut as soon as `window` items exist. At the end, items not yet covered by
     a window are flushed in one last window that ends at the stream's end. With `recut_at_end`,
     that last window is cut even when it brings no new item, so a consumer that keeps only the
-    middle of each window can emit the tail of the stream from it.
+    middle of each window can emit the tail of the stream from it. With `first` (< window), an
+    early window of the first `first` items is cut as soon as they exist, before the first full
+    window (which then starts at 0 again), so a consumer can answer sooner; it is skipped when the
+    stream has already ended. The cursor after it is -1: "early window cut, full window at 0 next".
     """
 
     window: int
     stride: int
     recut_at_end: bool = False
+    first: int = 0  # items of the early window; 0 = none
 
     def __post_init__(self) -> None:
         if not 1 <= self.stride <= self.window:
             raise ValueError(f"SlidingWindow needs 1 <= stride <= window, got stride={self.stride}, window={self.window}")
+        if not 0 <= self.first < self.window:
+            raise ValueError(f"SlidingWindow needs 0 <= first < window, got first={self.first}, window={self.window}")
 
     def next_chunk(self, start: int, available: int, ended: bool) -> tuple[int, int, int] | None:
+        if self.first and start == 0 and available >= self.first and not ended:
+            return 0, self.first, -1
+        early_cut = start < 0
+        start = max(start, 0)
         if available - start >= self.window:
             return start, start + self.window, start + self.stride
         if not ended or available == 0:
             return None
-        covered = start + self.window - self.stride if start > 0 else 0
+        covered = start + self.window - self.stride if start > 0 else (self.first if early_cut else 0)
         if available > covered or (self.recut_at_end and start <= available):
             return max(0, available - self.window), available, available + self.window
         return None

@@ -61,28 +61,50 @@ def test_frame_layout_splits_levels_like_the_original():
 
 def _drain(buf: StreamBuffer, emitted: list[int]) -> None:
     """Pop every ready chunk, plan it as the vocoder does, and record the frames it emits."""
+    early = buf.policy.first
     while (chunk := buf.pop()) not in (None, END):
         plan = plan_window(len(chunk.value), chunk.new, chunk.start, chunk.final)
         assert plan.frames <= 4 and plan.first_token + 7 * plan.frames <= len(chunk.value)
         emitted.extend(range(plan.first_frame + plan.emit_from, plan.first_frame + plan.emit_to))
-        if not chunk.final:  # ordinary windows keep their middle frame (0:4096 for the first)
-            assert (plan.emit_from, plan.emit_to) == ((0, 2) if chunk.start == 0 else (1, 2))
+        if not chunk.final and chunk.start > 0:  # ordinary windows keep their middle frame
+            assert (plan.emit_from, plan.emit_to) == (1, 2)
+        elif not chunk.final and len(chunk.value) == early:  # the early window: frame 0
+            assert (plan.emit_from, plan.emit_to) == (0, 1)
+        elif not chunk.final:  # the first full window: 0:4096, or 2048:4096 after the early window
+            assert (plan.emit_from, plan.emit_to) == ((1, 2) if chunk.new < len(chunk.value) else (0, 2))
 
 
-@pytest.mark.parametrize("arrival", ["items_first", "end_first"])
-def test_every_frame_is_emitted_exactly_once(arrival):
-    """Windows of the real stream policy and the vocoder's plans cover frames 0..N//7-1 once each."""
+@pytest.mark.parametrize("early", [0, 14])
+@pytest.mark.parametrize("arrival", ["items_first", "end_first", "burst"])
+def test_every_frame_is_emitted_exactly_once(arrival, early):
+    """Windows of the real stream policy and the vocoder's plans cover frames 0..N//7-1 once each,
+    with and without the early window, whether items come one by one (end known first or last) or
+    all at once before the first pop."""
     for n in range(0, 90):
-        buf = StreamBuffer(SlidingWindow(28, 7, recut_at_end=True))
+        buf = StreamBuffer(SlidingWindow(28, 7, recut_at_end=True, first=early))
         emitted: list[int] = []
         if arrival == "end_first":
             buf.end(n)
         for i in range(n):
             buf.put(i, torch.tensor([i]))
-            _drain(buf, emitted)
+            if arrival != "burst":
+                _drain(buf, emitted)
         buf.end(n)
         _drain(buf, emitted)
         assert emitted == list(range(n // 7)), n
+
+
+def test_early_window_brings_the_first_audio_forward():
+    """With the early window the first chunk that emits audio comes at token 14, not 28."""
+    for early, expected in ((0, 28), (14, 14)):
+        buf = StreamBuffer(SlidingWindow(28, 7, recut_at_end=True, first=early))
+        emitted: list[int] = []
+        for i in range(40):
+            buf.put(i, torch.tensor([i]))
+            _drain(buf, emitted)
+            if emitted:
+                assert i + 1 == expected, early
+                break
 
 
 def test_fold_weight_norm_both_namings():

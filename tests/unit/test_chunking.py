@@ -77,3 +77,31 @@ def test_keep_filters_in_order_and_the_stream_still_ends():
         chunks.append((c.value.tolist(), c.start, c.final))
     # 0 kept (first), 1, 2 kept, 3 dropped, 4 kept
     assert chunks == [([0, 1], 0, False), ([2, 4], 2, True)]
+
+
+def test_sliding_window_early_window_then_full_windows():
+    buf = StreamBuffer(SlidingWindow(4, 2, recut_at_end=True, first=2))
+    chunks = []
+    for i in range(7):
+        buf.put(i, torch.tensor([i]))
+        while (c := buf.pop()) not in (None, END):
+            chunks.append((c.value.tolist(), c.new, c.final))
+    buf.end(7)
+    while (c := buf.pop()) not in (None, END):
+        chunks.append((c.value.tolist(), c.new, c.final))
+    assert chunks == [([0, 1], 2, False), ([0, 1, 2, 3], 2, False), ([2, 3, 4, 5], 2, False),
+                      ([3, 4, 5, 6], 1, True)]
+    # an ended stream gets no early window; a short one after its early window is flushed whole
+    assert drain(SlidingWindow(4, 2, first=2), 3, end_after=True)[0] == ([0, 1], 2, False)
+    ended = StreamBuffer(SlidingWindow(4, 2, first=2))
+    for i in range(3):
+        ended.put(i, torch.tensor([i]))
+    ended.end(3)
+    assert ended.pop().value.tolist() == [0, 1, 2]
+
+
+def test_sliding_window_first_must_be_shorter_than_the_window():
+    import pytest
+
+    with pytest.raises(ValueError, match="first"):
+        SlidingWindow(4, 2, first=4)

@@ -42,6 +42,7 @@ from mstar.models.orpheus.tokens import DEFAULT_VOICE, FRAME, LLAMA3_VOCAB, Orph
 logger = logging.getLogger(__name__)
 
 WINDOW_TOKENS, STRIDE_TOKENS = 4 * FRAME, FRAME
+EARLY_WINDOW_TOKENS = 2 * FRAME  # vocoder.EARLY_FRAMES; the first audio after 2 frames, not 4 (vocoder.py: it emits frame 0)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -59,6 +60,7 @@ class OrpheusConfig:
     max_batch_tokens: int = 2048
     enable_prefix_caching: bool = True
     vocoder_batch_size: int = 64  # windows decoded together at most
+    early_window: bool = True  # first audio from a 2-frame window at 14 tokens; False: after 28, as the original
     seed: int = 0  # of dummy / tiny random weights
 
     def __post_init__(self) -> None:
@@ -66,7 +68,7 @@ class OrpheusConfig:
             raise ValueError(f"model_kwargs.dtype={self.dtype!r}: use one of {sorted(_DTYPES)} or leave it unset")
 
 
-def orpheus_graph(context_len: int, tokens: OrpheusTokens) -> ModelGraph:
+def orpheus_graph(context_len: int, tokens: OrpheusTokens, early_window: bool = True) -> ModelGraph:
     """The two-lane graph; `context_len` bounds decode for a request without max_tokens."""
     def decode_steps(options: dict[str, Any]) -> int:
         max_tokens = options.get("max_tokens")
@@ -75,7 +77,8 @@ def orpheus_graph(context_len: int, tokens: OrpheusTokens) -> ModelGraph:
     prefill = Node("llm", inputs={"input_ids": "prompt_ids"}, outputs={"token": "token"})
     decode = Node("llm", inputs={"input_ids": "token", "prompt_ids": "prompt_ids"}, outputs={"token": "token"})
     vocode = Node("snac", inputs=("codes",), outputs=("audio",))
-    window = SlidingWindow(WINDOW_TOKENS, STRIDE_TOKENS, recut_at_end=True)
+    window = SlidingWindow(WINDOW_TOKENS, STRIDE_TOKENS, recut_at_end=True,
+                           first=EARLY_WINDOW_TOKENS if early_window else 0)
     return ModelGraph(
         components={
             "llm": ComponentSpec("autoregressive", "text and voice -> audio tokens (paged KV cache)"),
@@ -199,7 +202,7 @@ class OrpheusModel(Model):
     # -- the model contract ------------------------------------------------------------------------
 
     def graph(self) -> ModelGraph:
-        return orpheus_graph(self.max_model_len, self.tokens)
+        return orpheus_graph(self.max_model_len, self.tokens, self.config.early_window)
 
     def build_component(self, name: str, device: torch.device) -> BuiltComponent:
         if name == "llm":

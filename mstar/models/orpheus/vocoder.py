@@ -6,6 +6,9 @@ repeat:
   - an ordinary window [7k, 7k + 28) emits its second frame (samples 2048:4096 of its 4 * 2048),
     where both neighbours give the decoder context, as the original does; the request's first
     window (k = 0) also emits frame 0 (samples 0:4096);
+  - with the early window (SlidingWindow `first`: the first 14 tokens, cut before the first full
+    window so that audio starts after 2 frames instead of 4), the early window emits frame 0 and
+    the first full window then emits frame 1 only;
   - the final window (the stream's last 28 items, or all of them when fewer) emits every frame
     no earlier window emitted: the last two frames after ordinary windows, everything for a short
     request. A trailing partial frame (generation stopped mid-frame) has no audio, as in the original.
@@ -16,6 +19,7 @@ request, so a request's audio does not depend on batching or on streaming.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,6 +29,7 @@ from mstar.models.orpheus.snac import SnacDecoder
 from mstar.models.orpheus.tokens import FRAME, OrpheusTokens, split_levels, window_is_valid
 
 WINDOW_FRAMES = 4
+EARLY_FRAMES = 2  # the early window (model.EARLY_WINDOW_TOKENS = 14 tokens)
 NOISE_TABLE = 1 << 18  # entries per table: positions wrap after 2^18 steps of a decoder block
 _NOISE_SEED = 20240317
 
@@ -44,10 +49,17 @@ def plan_window(length: int, new: int, start: int, final: bool) -> WindowPlan:
     """The plan of a window of `length` tokens starting at stream index `start` (module doc rules)."""
     g0, g1 = -(-start // FRAME), (start + length) // FRAME
     frames = max(g1 - g0, 0)
-    if not final:
-        lo, hi = (0 if start == 0 else 1), 2
+    seen = length - new  # tokens of this window that an earlier window had
+    if not final and start == 0 and length < FRAME * WINDOW_FRAMES:  # the early window
+        lo, hi = 0, frames - 1
+    elif not final and start == 0:  # after an early window of `seen` tokens, from the frame it kept back
+        lo, hi = max(seen // FRAME - 1, 0), 2
+    elif not final:
+        lo, hi = 1, 2
     elif new == length:  # no earlier window saw any of these tokens
         lo, hi = 0, frames
+    elif start == 0 and length < FRAME * WINDOW_FRAMES:  # a short stream after its early window
+        lo, hi = seen // FRAME - 1, frames
     else:  # ordinary windows emitted up to frame start // 7 + 1
         lo, hi = start // FRAME + 2 - g0, frames
     lo, hi = max(lo, 0), min(hi, frames)
@@ -75,10 +87,12 @@ class OrpheusVocoder(nn.Module):
         gen = torch.Generator().manual_seed(_NOISE_SEED)
         self.register_buffer("noise_table", torch.randn(len(self.noise_steps), NOISE_TABLE, generator=gen),
                              persistent=False)
-        self.graphs = None  # BatchGraphs of decode_windows for 4-frame windows, once captured on CUDA
+        self.graphs: dict[int, Any] = {}  # frames -> BatchGraphs of decode_windows, once captured on CUDA
 
-    def capture_graphs(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)) -> None:
-        """Capture `decode_windows` for steady-state (4-frame) windows at these batch sizes (CUDA only).
+    def capture_graphs(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+                       frames: tuple[int, ...] = (WINDOW_FRAMES, EARLY_FRAMES)) -> None:
+        """Capture `decode_windows` for windows of each of `frames` whole frames (steady-state 4-frame
+        windows and the 2-frame early window) at these batch sizes (CUDA only).
 
         The decoder is hundreds of small convolution kernels: replaying them as one graph keeps the
         vocoder from stalling the worker that also runs the LM.
@@ -86,8 +100,9 @@ class OrpheusVocoder(nn.Module):
         from mstar.engines.cuda_graphs import BatchGraphs
 
         device = self.noise_table.device
-        example = [((FRAME * WINDOW_FRAMES,), torch.long), ((), torch.long)]
-        self.graphs = BatchGraphs(self.decode_windows, sizes, example, device)
+        for n in frames:
+            example = [((FRAME * n,), torch.long), ((), torch.long)]
+            self.graphs[n] = BatchGraphs(self.decode_windows, sizes, example, device)
 
     def noises(self, first_frame: torch.Tensor, frames: int) -> list[torch.Tensor]:
         """Noise of each decoder block for windows starting at `first_frame` [B] ([B, 1, T] each)."""
@@ -124,8 +139,9 @@ class OrpheusVocoder(nn.Module):
         for frames, rows in groups.items():  # one batched decode per window size (4 frames but at the ends)
             spans, first = _to_device([windows[i][plans[i].first_token: plans[i].first_token + FRAME * frames]
                                        for i in rows], [plans[i].first_frame for i in rows], self.noise_table.device)
-            if self.graphs is not None and frames == WINDOW_FRAMES and len(rows) <= self.graphs.max_batch:
-                (audio,) = self.graphs(spans, first)  # views of the graph's output: sliced and copied below
+            graphs = self.graphs.get(frames)
+            if graphs is not None and len(rows) <= graphs.max_batch:
+                (audio,) = graphs(spans, first)  # views of the graph's output: sliced and copied below
             else:
                 audio = self.decode_windows(spans, first)
             for row, i in enumerate(rows):
