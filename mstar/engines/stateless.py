@@ -22,9 +22,12 @@ Optional abilities a component may add (duck-typed, each separate):
   `.cpu()` for everything queued before (on a shared worker, the LM's next decode step too).
 - `side_stream = True` (with both of the above, for a CUDA module): its steps run on a CUDA stream
   of their own, so its kernels overlap those of the other components on the GPU (the LM's decode
-  step on a shared worker) instead of queueing behind them. Safe because such a step reads no
-  device memory another component wrote (inputs come from the host) and hands everything it
-  computed out through host copies whose event is recorded on that same stream.
+  step on a shared worker) instead of queueing behind them. Safe because everything such a step
+  computed leaves through host copies whose event is recorded on that same stream, and a step
+  with device inputs (another component wrote them on the device's current stream: Qwen3-Omni's
+  codec frames) first makes its stream wait, on the GPU, for the work queued there so far (the
+  host never waits) and marks those inputs as used on its stream, so their memory is not reused
+  before its kernels have read them.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ class StatelessEngine:
         batch = self._take_batch()
         self.last_step_items = len(batch)
         if self.stream is not None and batch:
+            follow_device_inputs(self.stream, batch)
             with torch.cuda.stream(self.stream):  # the host copies' event is recorded on it too
                 return self._hand_out(self._run_batch(batch))
         results = self._run_batch(batch) if batch else []
@@ -174,6 +178,20 @@ def start_host_copies(results: list[StepResult]) -> Any:
     event = torch.cuda.Event()
     event.record()
     return event
+
+
+def follow_device_inputs(stream: torch.cuda.Stream, batch: list[StepItem]) -> None:
+    """Order a side-stream step after the writes of its CUDA inputs: `stream` waits (on the GPU) for
+    the work queued so far on each input device's current stream, and each CUDA input is recorded as
+    used on `stream` (the caching allocator then keeps its block until `stream` has passed this point)."""
+    waited: set[torch.device] = set()
+    for item in batch:
+        for value in item.inputs.values():
+            if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+                if value.device not in waited:
+                    stream.wait_stream(torch.cuda.current_stream(value.device))
+                    waited.add(value.device)
+                value.record_stream(stream)
 
 
 def _side_stream(module: Any) -> torch.cuda.Stream | None:

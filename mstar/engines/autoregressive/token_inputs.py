@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from mstar.engines.base import StepItem
+from mstar.engines.cuda_graphs import to_device_async
 from mstar.engines.extras import FINAL, ForwardExtras
 
 
@@ -33,7 +34,7 @@ class ItemExtras:
     """The validated extras of one item (rows relative to the item's first token)."""
 
     embeds: torch.Tensor | None = None  # [m, H]
-    rows: torch.Tensor | None = None  # [m] int64 token offsets inside the item
+    rows: torch.Tensor | None = None  # [m] int64 token offsets inside the item (host)
     features: dict[str, torch.Tensor] = field(default_factory=dict)
     positions: torch.Tensor | None = None  # [R, n], R in (1, 3)
     hidden_layers: tuple[int, ...] = ()
@@ -65,12 +66,14 @@ def parse_item(item: StepItem, n: int, model: Any) -> ItemExtras | None:
 
 
 def _embed_rows(item: StepItem, n: int, embeds: torch.Tensor) -> torch.Tensor:
+    """The token offsets [m] the embedding rows replace, on the host: reading them there later (which
+    rows a step takes) must not wait for the device. A mask on the device costs one read per item."""
     mask = item.inputs.get("embeds_mask")
-    rows = torch.arange(n, device=embeds.device) if mask is None else torch.nonzero(mask.bool()).squeeze(1)
+    rows = torch.arange(n) if mask is None else torch.nonzero(mask.bool()).squeeze(1).cpu()
     if embeds.dim() != 2 or embeds.shape[0] != rows.numel():
         raise ValueError(f"input_embeds of shape {tuple(embeds.shape)} must be [{rows.numel()}, hidden] "
                          f"(one row per {'masked ' if mask is not None else ''}token)")
-    return rows.to(embeds.device)
+    return rows
 
 
 def _positions(pos: torch.Tensor, n: int, model: Any) -> torch.Tensor:
@@ -94,7 +97,7 @@ def _hidden_layers(layers: Any, model: Any) -> tuple[int, ...]:
 @dataclass
 class _Rows:
     start: int  # absolute index of the first token the rows belong to
-    index: torch.Tensor  # [m] absolute token indices
+    index: torch.Tensor  # [m] absolute token indices, on the host
     embeds: torch.Tensor
     features: dict[str, torch.Tensor]
 
@@ -169,14 +172,20 @@ class TokenInputs:
         return pos
 
     def rows_in(self, start: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
-        """(token offsets within [start, start + n), embeds rows, feature rows) of the stored rows there."""
+        """(token offsets within [start, start + n) on the host, embeds rows, feature rows) of the stored
+        rows there. Rows are picked on the host: no device read (a decode step takes its one row)."""
         found = []
         for i in range(bisect.bisect_right(self._row_ends, start), len(self._rows)):
             r = self._rows[i]
             if r.start >= start + n:
                 break
             keep = (r.index >= start) & (r.index < start + n)
-            found.append((r.index[keep] - start, r.embeds[keep], {k: v[keep] for k, v in r.features.items()}))
+            if bool(keep.all()):
+                found.append((r.index - start, r.embeds, dict(r.features)))
+                continue
+            picked = keep.nonzero().squeeze(1)
+            found.append((r.index[picked] - start, take_rows(r.embeds, picked),
+                          {k: take_rows(v, picked) for k, v in r.features.items()}))
         return found
 
     def store_hidden(self, start: int, n: int, captured: dict[int, torch.Tensor], base: int) -> None:
@@ -197,6 +206,17 @@ class TokenInputs:
         """The finished capture [L, n, H] of the item that just completed (None if it asked for none)."""
         h, self.hidden = self.hidden, None
         return None if h is None else h.buffer
+
+
+def take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` (host int64, increasing) of `t`: a slice when they are consecutive, else one gather
+    whose index reaches the device without a blocking copy."""
+    if rows.numel() == 0:
+        return t[:0]
+    first, last = int(rows[0]), int(rows[-1])
+    if last - first + 1 == rows.numel():
+        return t[first:last + 1]
+    return t.index_select(0, to_device_async(rows, t.device))
 
 
 def pack_extras(chunks: list[Any], device: torch.device) -> tuple[torch.Tensor, ForwardExtras]:
@@ -220,10 +240,10 @@ def pack_extras(chunks: list[Any], device: torch.device) -> tuple[torch.Tensor, 
     extras = ForwardExtras(capture=frozenset(capture))
     if embeds:
         extras.embeds = torch.cat(embeds).to(device)
-        extras.embeds_rows = torch.cat(rows).to(device)
+        extras.embeds_rows = to_device_async(torch.cat(rows), device)
         extras.features = _join_features(embeds, group_features, device)
     pos_all = torch.cat(positions, dim=1)
-    return (pos_all if multi else pos_all[0]).to(device), extras
+    return to_device_async(pos_all if multi else pos_all[0], device), extras
 
 
 def _join_features(embeds: list[torch.Tensor], group_features: list[dict[str, torch.Tensor]],

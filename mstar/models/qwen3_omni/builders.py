@@ -166,14 +166,27 @@ def _code2wav(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtyp
         _fill_dummy(module, cfg, 5)
     else:
         module = build_code2wav(ckpt.code2wav_config, ckpt.root, ckpt.load_format, dtype, device)
-    module.pad_frames, widths = code2wav_widths(cfg)
-    if device.type == "cuda":  # the first request would pay kernel loading and cuDNN plans otherwise
+    module.pad_frames, widths = code2wav_widths(cfg, device)
+    if device.type == "cuda" and module.pad_frames:  # one width: its graphs (and cuDNN plans) before ready
+        module.capture_graphs(code2wav_graph_sizes(cfg))
+    elif device.type == "cuda":  # the first request would pay kernel loading and cuDNN plans otherwise
         module.warm_up(widths)
-    return BuiltComponent(module)
+    return BuiltComponent(module, {"max_batch_size": cfg.code2wav_max_batch})
 
 
-def code2wav_widths(cfg) -> tuple[int, list[int]]:
+def code2wav_widths(cfg, device: torch.device | str = "cpu") -> tuple[int, list[int]]:
     """(Code2Wav's pad_frames, the chunk widths it decodes in steady state) under the serve config: the
-    first chunk (no context) and a full chunk with its left context, or the one padded width."""
+    one padded width, or (unpadded) the first chunk (no context) and a full chunk with its left context.
+    `code2wav_pad` None pads on CUDA."""
     full = cfg.code2wav_chunk + cfg.code2wav_left_context
-    return (full, [full]) if cfg.code2wav_pad else (0, [cfg.code2wav_chunk, full])
+    pad = cfg.code2wav_pad if cfg.code2wav_pad is not None else torch.device(device).type == "cuda"
+    return (full, [full]) if pad else (0, [cfg.code2wav_chunk, full])
+
+
+def code2wav_graph_sizes(cfg) -> list[int]:
+    """Batch sizes of Code2Wav's graphs: powers of two below `code2wav_max_batch`, and it."""
+    sizes, size = [], 1
+    while size < cfg.code2wav_max_batch:
+        sizes.append(size)
+        size *= 2
+    return sizes + [cfg.code2wav_max_batch]

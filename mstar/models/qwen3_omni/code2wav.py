@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.engines.cuda_graphs import to_device_async
 from mstar.layers.mlp import GatedMLP
 from mstar.layers.norm import RMSNorm
 from mstar.layers.rope import RopeSpec, RotaryEmbedding, apply_rotary
@@ -105,16 +106,26 @@ class Code2Wav(nn.Module):
     """The stateless `code2wav` component.
 
     Input per request: `codes` [T, Q] int64 (T frames of Q codes, as the talker's stream delivers
-    them) and, in chunked mode, `codes_new` [] (how many of the last frames are new; the others are
-    left context). Output: `audio` float32 at 24 kHz, seamless trim: new * samples_per_frame
-    samples, less `lookahead_samples` for a chunk without context (the first one).
+    them; on the device, or on the host when they came from another process) and, in chunked mode,
+    `codes_new` [] (how many of the last frames are new; the others are left context), read on the
+    host. Output: `audio` float32 at 24 kHz, seamless trim: new * samples_per_frame samples, less
+    `lookahead_samples` for a chunk without context (the first one).
 
     With `pad_frames` set, a shorter chunk (the first one, a request's last one) is padded with code
     0 frames on the right to that many frames and its audio cut back: every stage is causal, so the
     kept samples do not depend on the padding, and calls keep one shape (chunks of several lengths
-    batch together; no cuDNN plan or kernel choice per new length).
+    batch together; no cuDNN plan or kernel choice per new length). `capture_graphs` then records
+    the decode of that one width at a few batch sizes: a call replays one graph instead of launching
+    a few hundred kernels, and no batch size meets cuDNN for the first time while serving.
+
+    On CUDA it runs beside the LMs on a stream of its own (`side_stream`), reads its chunk sizes on
+    the host (`host_inputs`: no host sync per chunk) and hands its audio out through asynchronous
+    pinned copies (`host_outputs`: no blocking `.cpu()` when the audio goes to the client).
     """
 
+    host_inputs = True
+    host_outputs = True
+    side_stream = True
     pad_frames: int = 0  # chunks shorter than this are padded to it (one shape: no per-length costs)
 
     def __init__(self, cfg: Code2WavConfig) -> None:
@@ -130,6 +141,7 @@ class Code2Wav(nn.Module):
         out_dim = cfg.decoder_dim // 2 ** len(cfg.upsample_rates)
         decoder += [SnakeBeta(out_dim), CausalConv1d(out_dim, 1, 7)]
         self.decoder = nn.ModuleList(decoder)
+        self.graphs: Any = None  # BatchGraphs of `decode` at `pad_frames` frames, once captured on CUDA
 
     @property
     def lookahead_samples(self) -> int:
@@ -203,6 +215,25 @@ class Code2Wav(nn.Module):
             start = end
         return torch.cat(pieces, dim=-1)
 
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [B, Q, T] -> float32 audio [B, T * samples_per_frame - lookahead_samples]: what a call
+        computes, and what `capture_graphs` records."""
+        return self.forward(codes).float()
+
+    def capture_graphs(self, sizes: Sequence[int]) -> None:
+        """Capture `decode` of `pad_frames`-frame chunks at these batch sizes (CUDA; `pad_frames` set).
+
+        Warm-up and capture build every cuDNN plan of these shapes before the server is ready; a call
+        of more chunks than the largest size runs eagerly.
+        """
+        from mstar.engines.cuda_graphs import BatchGraphs
+
+        if self.pad_frames < 1:
+            raise ValueError("Code2Wav graphs need pad_frames (one chunk width); set it before capturing")
+        example = [((self.cfg.num_quantizers, self.pad_frames), torch.long)]
+        with torch.inference_mode():
+            self.graphs = BatchGraphs(self.decode, sizes, example, self.code_offset.device)
+
     @torch.no_grad()
     def run_batch(self, walk: str, node: str, inputs: Sequence[Mapping[str, torch.Tensor]],
                   options: Sequence[Mapping[str, Any]]) -> list[dict[str, torch.Tensor]]:
@@ -210,20 +241,35 @@ class Code2Wav(nn.Module):
         groups: dict[int, list[tuple[int, int, int]]] = {}  # width -> (input index, frames, new)
         for i, x in enumerate(inputs):
             frames = self._check_codes(x["codes"])
-            new = int(x["codes_new"]) if "codes_new" in x else frames
+            new = int(x["codes_new"]) if "codes_new" in x else frames  # a host scalar from the worker
             if not 0 < new <= frames:
                 raise ValueError(f"codes_new={new} must be in [1, {frames}] (the chunk has {frames} frames)")
             groups.setdefault(max(frames, self.pad_frames), []).append((i, frames, new))
         outputs: list[dict[str, torch.Tensor]] = [{} for _ in inputs]
         for width, rows in groups.items():
-            codes = torch.stack([F.pad(inputs[i]["codes"].long().transpose(0, 1), (0, width - frames))
-                                 for i, frames, _ in rows])
-            audio = self.forward(codes).float()
+            audio = self._decode_rows(self._stack([inputs[i]["codes"] for i, _, _ in rows], width))
             for row, (i, frames, new) in enumerate(rows):
                 # causal: the first (frames * samples_per_frame - lookahead) samples ignore the padding
                 end = frames * self.cfg.samples_per_frame - self.lookahead_samples
-                outputs[i] = {"audio": audio[row, self._new_start(frames - new):end]}
+                # a copy: a graph's output buffer is overwritten by its next replay
+                outputs[i] = {"audio": audio[row, self._new_start(frames - new):end].clone()}
         return outputs
+
+    def _decode_rows(self, codes: torch.Tensor) -> torch.Tensor:
+        graphs = self.graphs
+        if graphs is not None and codes.shape[-1] == self.pad_frames and codes.shape[0] <= graphs.max_batch:
+            return graphs(codes)[0]
+        return self.decode(codes)
+
+    def _stack(self, chunks: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+        """Chunks [T_i, Q] -> codes [B, Q, width] (right-padded with code 0) on the module's device; host
+        chunks reach a CUDA device in one pinned, non-blocking copy (a pageable one waits for the GPU)."""
+        device = self.code_offset.device
+        on_host = device.type == "cuda" and all(c.device.type == "cpu" for c in chunks)
+        if not on_host:
+            chunks = [c if c.device == device else to_device_async(c, device) for c in chunks]
+        codes = torch.stack([F.pad(c.long().transpose(0, 1), (0, width - c.shape[0])) for c in chunks])
+        return to_device_async(codes, device) if on_host else codes
 
     @torch.no_grad()
     def warm_up(self, widths: Sequence[int]) -> None:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.engines.cuda_graphs import to_device_async
 from mstar.layers.mlp import GatedMLP
 from mstar.layers.norm import RMSNorm
 from mstar.layers.rope import RopeSpec, RotaryEmbedding, apply_rotary
@@ -190,6 +191,12 @@ class CodePredictor(nn.Module):
                     f"code_predictor expects talker_hidden with {self.cfg.hidden_size} values and one first_code, "
                     f"got shapes {tuple(x['talker_hidden'].shape)} and {tuple(x['first_code'].shape)}"
                 )
-        hidden = torch.stack([x["talker_hidden"].reshape(-1) for x in inputs])
-        first = torch.cat([x["first_code"].reshape(1) for x in inputs]).long()
-        return hidden, first
+        device = self.norm.weight.device
+        hidden = torch.stack([_on(x["talker_hidden"].reshape(-1), device) for x in inputs])
+        first = torch.cat([x["first_code"].reshape(1) for x in inputs]).long()  # host (the talker's ids) or device
+        return hidden, _on(first, device)
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`; a host tensor travels in a pinned, non-blocking copy (a pageable one waits for the GPU)."""
+    return t if t.device == device else to_device_async(t, device)

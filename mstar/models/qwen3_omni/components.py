@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar.engines.cuda_graphs import to_device_async
 from mstar.layers.moe import MoEGraphCapture
 from mstar.models.qwen3_omni.code_predictor import CodePredictor
 from mstar.models.qwen3_omni.config import TalkerConfig
@@ -34,10 +35,18 @@ class TalkerInput(nn.Module):
     Inputs per request: `thinker_states` [2, r, Ht] (rows: the thinker's input embeddings and its
     `accept_hidden_layer` states; absent once the thinker's stream has ended), `prompt_ids` [n],
     `talker_positions` [3, m] (the talker prompt's M-RoPE positions), and the loop-back edges
-    `frame_index`, `first_code`, `codec_embed_sum`, `text_ended` (absent on iteration 0).
+    `frame_index`, `first_code`, `codec_embed_sum`, `text_ended`, `talker_pos` (absent on iteration 0).
     Outputs: `talker_ids`, `talker_embeds`, `talker_pos` (what the talker step submits),
     `frame_index` (this step's), `text_ended`.
+
+    Per frame nothing is read back from the device (`host_inputs`): the talker's first code arrives on
+    the host and its ids go out as it came, and the step's position, frame index and text-ended flag
+    are host tensors carried from the previous iteration; only the embedding row is device work. So
+    the talker's submit reads its ids and positions without waiting for the GPU. Iteration 0 reads
+    the prompt on the host once (building the prompt reads it anyway).
     """
+
+    host_inputs = True
 
     def __init__(self, config: TalkerConfig, token_ids: Mapping[str, int]) -> None:
         super().__init__()
@@ -63,17 +72,29 @@ class TalkerInput(nn.Module):
     def run_batch(self, walk: str, node: str, inputs: Sequence[Mapping[str, torch.Tensor]],
                   options: Sequence[Mapping[str, Any]]) -> list[dict[str, torch.Tensor]]:
         tts = self.tts()
-        return [self._prompt(x, o, tts) if "frame_index" not in x else self._step(x, tts)
-                for x, o in zip(inputs, options)]
+        steps = [i for i, x in enumerate(inputs) if "frame_index" in x]
+        texts = self._step_texts([inputs[i] for i in steps], tts)
+        outputs: list[dict[str, torch.Tensor]] = [{} for _ in inputs]
+        for i, text in zip(steps, texts):
+            outputs[i] = self._step(inputs[i], text)
+        for i, (x, o) in enumerate(zip(inputs, options)):
+            if "frame_index" not in x:
+                outputs[i] = self._prompt(x, o, tts)
+        return outputs
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        device = self.tts_rows.device
+        return t if t.device == device else to_device_async(t, device)
 
     def _prompt(self, x: Mapping[str, torch.Tensor], opts: Mapping[str, Any],
                 tts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        ids = x["prompt_ids"].reshape(-1)
+        ids = self._on_device(x["prompt_ids"].reshape(-1))
         states = x.get("thinker_states")
         n = ids.shape[0]
         if states is None or states.shape[1] < n:
             raise ValueError(f"talker_input needs the thinker states of all {n} prompt tokens, got "
                              f"{None if states is None else tuple(states.shape)}")
+        states = self._on_device(states)
         embeds, hidden = states[0].to(tts["tts_pad"].dtype), states[1].to(tts["tts_pad"].dtype)
         first = embeds[n:n + 1]
         ended = first.shape[0] == 0  # the thinker stopped at its first token: nothing more to say
@@ -82,23 +103,40 @@ class TalkerInput(nn.Module):
         voice = str(opts.get("voice") or "Ethan")
         prompt = build_prompt(self, ids, embeds[:n], hidden[:n], first, tts, voice, self.token_ids)
         m = prompt.embeds.shape[0]
-        return {"talker_ids": torch.full((m,), self.config.codec_ids["pad"], dtype=torch.long, device=ids.device),
-                "talker_embeds": prompt.embeds, "talker_pos": x["talker_positions"],
-                "frame_index": torch.zeros((), dtype=torch.long, device=ids.device),
-                "text_ended": torch.tensor(ended, device=ids.device)}
+        return {"talker_ids": torch.full((m,), self.config.codec_ids["pad"], dtype=torch.long),
+                "talker_embeds": prompt.embeds, "talker_pos": x["talker_positions"].cpu(),  # once per request
+                "frame_index": torch.zeros((), dtype=torch.long), "text_ended": torch.tensor(ended)}
 
-    def _step(self, x: Mapping[str, torch.Tensor], tts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _step_texts(self, inputs: Sequence[Mapping[str, torch.Tensor]], tts: dict[str, torch.Tensor]
+                    ) -> list[torch.Tensor]:
+        """Each step's text row [H]: the projection of the next thinker token's embedding (all of the
+        batch's in one projection), else tts_eos once the thinker's text is over, then tts_pad."""
+        texts: list[torch.Tensor | None] = [None] * len(inputs)
+        rows, fed = [], []
+        for i, x in enumerate(inputs):
+            states = x.get("thinker_states")
+            if states is not None and states.shape[1] > 0:
+                rows.append(self._on_device(states[0, -1]))
+                fed.append(i)
+            else:
+                texts[i] = tts["tts_pad"] if bool(x["text_ended"]) else tts["tts_eos"]
+        if rows:
+            projected = self.text_projection(torch.stack(rows).to(tts["tts_pad"].dtype))
+            for row, i in enumerate(fed):
+                texts[i] = projected[row]
+        return texts  # type: ignore[return-value]
+
+    def _step(self, x: Mapping[str, torch.Tensor], text: torch.Tensor) -> dict[str, torch.Tensor]:
         states = x.get("thinker_states")
-        ended = x["text_ended"]
-        if states is not None and states.shape[1] > 0:
-            text = self.text_projection(states[0, -1].to(tts["tts_pad"].dtype))
-        else:  # the thinker's text is over: tts_eos once, then tts_pad
-            text = torch.where(ended, tts["tts_pad"], tts["tts_eos"])
-            ended = torch.ones_like(ended)
-        frame = x["frame_index"] + 1
-        position = x["talker_positions"].max() + frame  # where the engine continues anyway (no host sync)
-        return {"talker_ids": x["first_code"].reshape(1), "talker_embeds": (x["codec_embed_sum"] + text)[None],
-                "talker_pos": position.reshape(1, 1).expand(3, 1), "frame_index": frame, "text_ended": ended}
+        ended = x["text_ended"] if states is not None and states.shape[1] > 0 else torch.tensor(True)
+        # the previous step's position (the prompt's, at the first step) plus one: where the engine
+        # continues anyway (kept on the host, so the talker reads it without a sync)
+        last = x["talker_pos"] if "talker_pos" in x else x["talker_positions"] + int(x["frame_index"])
+        position = int(last.max()) + 1
+        embeds = (self._on_device(x["codec_embed_sum"]) + text)[None]
+        return {"talker_ids": x["first_code"].reshape(1), "talker_embeds": embeds,
+                "talker_pos": torch.full((3, 1), position, dtype=torch.long),
+                "frame_index": x["frame_index"] + 1, "text_ended": ended}
 
 
 class CodecTalker(MoEGraphCapture, nn.Module):
@@ -130,8 +168,14 @@ class CodecTalker(MoEGraphCapture, nn.Module):
 
 class FrameCodePredictor(CodePredictor):
     """The `code_predictor` component of the served model: a frame per talker code, none for EOS
-    (the reference never decodes the EOS step; its codes are outside the codebooks)."""
+    (the reference never decodes the EOS step; its codes are outside the codebooks).
 
+    Inputs stay as they came (`host_inputs`): the first codes (the talker's sampled ids) and frame
+    indexes are host tensors, read there for free; the batch's first codes reach the device in one
+    pinned copy, and the talker's states are on the device already.
+    """
+
+    host_inputs = True
     codec_eos: int = -1
 
     @torch.no_grad()
@@ -139,8 +183,7 @@ class FrameCodePredictor(CodePredictor):
                   options: Sequence[Mapping[str, Any]]) -> list[dict[str, torch.Tensor]]:
         # the talker returns its final states of every token of the step: the last one made the code
         inputs = [{**x, "talker_hidden": x["talker_hidden"].reshape(-1, self.cfg.hidden_size)[-1]} for x in inputs]
-        # one host read per batch, before the launch: it waits for the first codes' copy only, not for
-        # the prediction, so the next component's host work overlaps the predictor's GPU work
+        # a host read of host tensors: no sync (device ones, when a caller passes them, cost one per batch)
         firsts = torch.cat([x["first_code"].reshape(1) for x in inputs]).tolist()
         outputs = super().run_batch(walk, node, inputs, options)
         return [{} if first == self.codec_eos else out for first, out in zip(firsts, outputs)]

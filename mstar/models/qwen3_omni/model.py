@@ -72,13 +72,18 @@ class OmniServeConfig:
     enable_prefix_caching: bool = True
     code2wav_chunk: int = 25  # frames of new audio per Code2Wav step (25 = 2 s)
     code2wav_left_context: int = 25  # earlier frames each chunk sees (see code2wav.py on exactness)
-    code2wav_pad: bool = False  # pad shorter chunks to chunk + left_context frames: one shape (code2wav.py)
+    # pad shorter chunks to chunk + left_context frames: one shape, replayed from CUDA graphs (code2wav.py);
+    # None: on where Code2Wav runs on CUDA
+    code2wav_pad: bool | None = None
+    code2wav_max_batch: int = 32  # chunks per Code2Wav call (its graphs: batch sizes 1, 2, 4, ... up to it)
     video_fps: float = 2.0  # frames a second sampled from input videos
     seed: int = 0  # of dummy / tiny random weights
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"model_kwargs.dtype={self.dtype!r}: use one of {sorted(_DTYPES)} or leave it unset")
+        if self.code2wav_max_batch < 1:
+            raise ValueError(f"code2wav_max_batch={self.code2wav_max_batch} must be >= 1")
         if self.code2wav_chunk < 1 or self.code2wav_left_context < 0:
             raise ValueError(f"code2wav_chunk={self.code2wav_chunk} must be >= 1 and code2wav_left_context="
                              f"{self.code2wav_left_context} >= 0")
@@ -106,7 +111,7 @@ def omni_graph(cfg: OmniServeConfig) -> ModelGraph:
     prefill = Node("thinker", inputs=thinker_in, outputs=thinker_out)
     decode = Node("thinker", inputs={"input_ids": "token", "prompt_ids": "prompt_ids"}, outputs=thinker_out)
     talker_input = Node("talker_input", inputs=("thinker_states", "prompt_ids", "talker_positions", "frame_index",
-                                                "first_code", "codec_embed_sum", "text_ended"),
+                                                "first_code", "codec_embed_sum", "text_ended", "talker_pos"),
                         outputs=("talker_ids", "talker_embeds", "talker_pos", "frame_index", "text_ended"))
     talker = Node("talker", inputs={"input_ids": "talker_ids", "input_embeds": "talker_embeds",
                                     "positions": "talker_pos"},
@@ -141,7 +146,8 @@ def omni_graph(cfg: OmniServeConfig) -> ModelGraph:
             Walk("talk", "talker", Loop(Sequential(talker_input, talker, predictor), max_iterations=talker_steps,
                                         name="speak"),
                  inputs=("prompt_ids", "talker_positions", "thinker_states"),
-                 optional_inputs=("frame_index", "first_code", "codec_embed_sum", "text_ended")),  # loop-backs
+                 optional_inputs=("frame_index", "first_code", "codec_embed_sum", "text_ended",  # loop-backs
+                                  "talker_pos")),
             Walk("vocode", "code2wav", Node("code2wav", inputs=("codes",), outputs=("audio",)),
                  inputs=("codes",), emits=(Emit("audio"),)),
         ),
