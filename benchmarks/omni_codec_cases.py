@@ -1,8 +1,8 @@
 """Profile cases of Qwen3-Omni's stateless speech components: Code2Wav, the code predictor, talker_input.
 
 Each component is called through `run_batch` with the inputs the worker hands it in a spoken answer
-(device tensors: the worker copies host inputs to the device first), so host syncs inside the call
-count. See profile_omni.py for the numbers each case reports.
+(host inputs stay on the host for the components that read them there: Code2Wav, talker_input, the code
+predictor), so host syncs inside the call count. See profile_omni.py for the numbers each case reports.
 """
 
 from __future__ import annotations
@@ -42,11 +42,12 @@ def cudnn_benchmark(on: bool) -> Iterator[None]:
 # -- Code2Wav --------------------------------------------------------------------------------------
 
 def code2wav_items(module, batch: int, frames: int, new: int, device: torch.device) -> list[dict[str, torch.Tensor]]:
-    """`batch` chunk inputs of `frames` frames, the last `new` of them new (as the codes stream delivers)."""
+    """`batch` chunk inputs of `frames` frames, the last `new` of them new, as the worker hands them over:
+    codes on the device (the code predictor's), `codes_new` a host scalar (Code2Wav reads host inputs)."""
     cfg = module.cfg
     gen = torch.Generator(device).manual_seed(frames * 1000 + batch)
     return [{"codes": torch.randint(0, cfg.codebook_size, (frames, cfg.num_quantizers), device=device, generator=gen),
-             "codes_new": torch.tensor(new, device=device)} for _ in range(batch)]
+             "codes_new": torch.tensor(new)} for _ in range(batch)]
 
 
 def code2wav_stages(module, codes: torch.Tensor, device: torch.device, repeats: int) -> dict[str, float]:
@@ -112,6 +113,26 @@ def profile_code2wav(module, device: torch.device, batches: list[int], calls: in
     fresh = iter(range(context + 1, context + chunk))  # last-chunk lengths, each used once
     variants = CODE2WAV_VARIANTS if device.type == "cuda" else (("float32", True, False, True, True, False),
                                                                 ("float32_padded", True, False, True, False, True))
+    out: dict[str, Any] = {}
+    graphs, served_pad = module.graphs, module.pad_frames
+    if graphs is not None:  # as served: padded, replayed from the graphs the builder captured
+        with torch.no_grad():
+            out["served_graphs"] = {f"chunk_b{b}": measure(
+                lambda b=b, items=code2wav_items(module, b, chunk + context, chunk, device):
+                module.run_batch("vocode", "code2wav", items, [{}] * b), device, calls) for b in batches}
+    module.graphs = None  # the variants below run eagerly
+    try:
+        out.update(_code2wav_variants(module, device, batches, calls, chunk, context, variants, fresh, deadline,
+                                      budget_s))
+    finally:
+        module.graphs, module.pad_frames = graphs, served_pad
+    return out
+
+
+def _code2wav_variants(module, device, batches, calls, chunk, context, variants, fresh, deadline,
+                       budget_s) -> dict[str, Any]:
+    import time
+
     out: dict[str, Any] = {}
     fp32 = None
     for name, as_fp32, bench, enabled, all_batches, padded in variants:
@@ -180,8 +201,8 @@ def predictor_items(module, batch: int, device: torch.device, dtype: torch.dtype
     """One frame per request: the talker's final state, the frame's first code, its index."""
     cfg = module.cfg
     return [{"talker_hidden": torch.randn(cfg.hidden_size, device=device, dtype=dtype),
-             "first_code": torch.tensor([i % cfg.vocab_size], device=device),
-             "frame_index": torch.tensor(i, device=device)} for i in range(batch)]
+             "first_code": torch.tensor([i % cfg.vocab_size]),  # the talker's sampled id: on the host
+             "frame_index": torch.tensor(i)} for i in range(batch)]  # talker_input's, on the host
 
 
 def profile_code_predictor(module, device: torch.device, batches: list[int], calls: int) -> dict[str, Any]:
@@ -234,10 +255,10 @@ def talker_input_items(module, batch: int, device: torch.device, prompt: bool) -
     for i in range(batch):
         x = {"prompt_ids": ids, "talker_positions": positions,
              "thinker_states": torch.randn(2, ids.numel() + 1 if prompt else 1, ht, device=device, dtype=dtype)}
-        if not prompt:
-            x |= {"frame_index": torch.tensor(i, device=device), "first_code": torch.tensor([i], device=device),
+        if not prompt:  # loop-backs as the walk carries them: host values but the predictor's embedding sum
+            x |= {"frame_index": torch.tensor(i), "first_code": torch.tensor([i]),
                   "codec_embed_sum": torch.randn(h, device=device, dtype=dtype),
-                  "text_ended": torch.tensor(False, device=device)}
+                  "text_ended": torch.tensor(False), "talker_pos": torch.full((3, 1), rows - 1 + i)}
         items.append(x)
     return items
 

@@ -1,11 +1,11 @@
 """Profile cases of Qwen3-Omni's autoregressive components (thinker, talker) through the real engine.
 
 Each case starts `batch` sequences with a prompt, then feeds every result back as the next item, as the
-worker does (host token ids; a talker item also brings its input embedding and 3-row positions on the
-device, as talker_input makes them), and times the decode steps:
+worker does (host token ids; a talker item also brings its input embedding on the device and 3-row
+positions on the host, as talker_input makes them), and times the decode steps:
 
-- `submit_ms`: host time of submitting one step's items (the talker's includes the host read of its
-  device positions in TokenInputs._add_positions);
+- `submit_ms`: host time of submitting one step's items (the talker's `device_positions` case includes
+  the host read of its device positions in TokenInputs._add_positions);
 - `step_ms`: host time of `engine.step()` (schedule, launch, the sync on sampled ids, results);
 - `wall_ms`: both, per decode step; `forward_gpu_ms`: the captured decode graph of that batch replayed
   back to back (CUDA events), so `wall_ms - forward_gpu_ms` is host time the GPU waits;
@@ -70,20 +70,22 @@ def talker_options() -> dict[str, Any]:
     return {**opts, "max_tokens": None, "ignore_eos": True}
 
 
-def talker_items(engine, batch: int, prompt_len: int, device: torch.device, cpu_positions: bool = False):
-    """(first items, next-item function) of a talker decode fed embeddings and 3-row positions."""
+def talker_items(engine, batch: int, prompt_len: int, device: torch.device, device_positions: bool = False):
+    """(first items, next-item function) of a talker decode fed embeddings and 3-row positions: on the host
+    as talker_input hands them over, or (`device_positions`) on the device, as it used to (the engine then
+    reads them back: a host sync per item)."""
     model = engine.runner.model
     h, dtype, pad = model.hidden_size, model.kv_layout.dtype, 0
     options = talker_options()
+    where = device if device_positions else "cpu"
     embeds = [torch.randn(prompt_len, h, device=device, dtype=dtype) for _ in range(batch)]
-    pos = torch.arange(prompt_len, device=device).expand(3, -1).contiguous()
+    pos = torch.arange(prompt_len, device=where).expand(3, -1).contiguous()
     first = [StepItem(f"k{i}", "talk", "talker", {"input_ids": torch.full((prompt_len,), pad), "input_embeds": e,
                                                    "positions": pos}, options) for i, e in enumerate(embeds)]
     step_embed = torch.randn(1, h, device=device, dtype=dtype)
-    where = "cpu" if cpu_positions else device
 
     def after(r: StepResult, step: int) -> StepItem:
-        # talker_input's position: the prompt's max + frame index (on the device, as it computes it)
+        # talker_input's position: the previous one + 1 (the prompt's max + frame index)
         p = torch.full((3, 1), prompt_len - 1 + step, dtype=torch.long, device=where)
         return StepItem(r.request_id, "talk", "talker", {"input_ids": r.outputs["token"], "input_embeds": step_embed,
                                                          "positions": p}, options, iteration=step)
@@ -150,8 +152,9 @@ def frame_loop(talker_engine, predictor, talker_input, batch: int, steps: int, d
                warmup: int = 3) -> dict[str, Any]:
     """The talk loop per frame, for real: code predictor -> talker_input -> talker submit -> talker step.
 
-    Inputs travel as the worker moves them: the talker's host token ids go to the device for the
-    stateless components; talker_input's device outputs go to the talker as they are."""
+    Inputs travel as the worker hands them over: the talker's host token ids and talker_input's host
+    loop-backs (frame index, text-ended flag, position) stay on the host (both components read host
+    inputs), the embeddings on the device."""
     first, _ = talker_items(talker_engine, batch, 16, device)
     for item in first:
         talker_engine.submit(item)
@@ -164,19 +167,22 @@ def frame_loop(talker_engine, predictor, talker_input, batch: int, steps: int, d
     no_frame = {"codec_embed_sum": torch.zeros(talker_engine.runner.model.hidden_size, device=device,
                                                dtype=talker_input.tts_rows.dtype)}  # a sampled codec EOS
     parts: dict[str, list[float]] = {"code_predictor": [], "talker_input": [], "talker_submit": [], "talker_step": []}
+    loops = [{"frame_index": torch.tensor(0), "text_ended": torch.tensor(False), "talker_pos": positions.cpu()}
+             for _ in results]
     for k in range(warmup + steps):
         marks = [time.perf_counter()]
-        firsts = [r.outputs["token"].to(device) for r in results]
-        frame = [torch.tensor(k, device=device) for _ in results]
+        firsts = [r.outputs["token"] for r in results]
         pred = predictor.run_batch("talk", "code_predictor", [
-            {"talker_hidden": r.outputs["hidden"], "first_code": f, "frame_index": i}
-            for r, f, i in zip(results, firsts, frame)], [opts] * batch)
+            {"talker_hidden": r.outputs["hidden"], "first_code": f, "frame_index": loop["frame_index"]}
+            for r, f, loop in zip(results, firsts, loops)], [opts] * batch)
         marks.append(time.perf_counter())
         ins = talker_input.run_batch("talk", "talker_input", [
-            {"thinker_states": text, "prompt_ids": positions[0], "talker_positions": positions, "frame_index": i,
-             "first_code": f, "codec_embed_sum": p["codec_embed_sum"], "text_ended": torch.tensor(False, device=device)}
-            for f, i, p in zip(firsts, frame, [p or no_frame for p in pred])], [opts] * batch)
+            {"thinker_states": text, "prompt_ids": positions[0], "talker_positions": positions, "first_code": f,
+             "codec_embed_sum": p["codec_embed_sum"], **loop}
+            for f, loop, p in zip(firsts, loops, [p or no_frame for p in pred])], [opts] * batch)
         marks.append(time.perf_counter())
+        for loop, x in zip(loops, ins):
+            loop.update({key: x[key] for key in ("frame_index", "text_ended", "talker_pos")})
         for r, x in zip(results, ins):
             talker_engine.submit(StepItem(r.request_id, "talk", "talker", {
                 "input_ids": x["talker_ids"], "input_embeds": x["talker_embeds"], "positions": x["talker_pos"]},

@@ -4,16 +4,18 @@ Every component is built as the server builds it (`builders.build_component`, th
 full.py with dummy bf16 weights; the thinker and talker inside the server's autoregressive engine with a
 small KV pool and decode graphs at the measured batch sizes), then timed alone at each batch:
 
-- code2wav: run_batch of the first chunk (25 frames, no context) and of a steady chunk (25 new + 25 left
-  context frames); variants: chunks padded to one width, bf16 / float32, cudnn.benchmark on, cuDNN off;
+- code2wav: run_batch as served (padded, CUDA graphs: `served_graphs`), then eagerly: the first chunk (25
+  frames, no context) and a steady chunk (25 new + 25 left context frames); variants: chunks padded to one
+  width, bf16 / float32, cudnn.benchmark on, cuDNN off (benchmarks/code2wav_bench.py is the short one);
   first and second call at lengths never run before (a request's last chunk); the builder's warm-up time
   (`components.code2wav.warm_up_s`: the one-off cost a first request paid before); GPU ms per stage;
   top kernels and categories;
 - code_predictor: run_batch through its captured graphs (as served) vs eager, sampled and greedy; top kernels;
   the host cost of its sampling tensors;
 - talker_input: run_batch of a decode iteration (and of the prompt iteration);
-- talker: decode steps with extras (input embedding, 3-row positions on the device, final hidden state), and
-  with the positions on the host (the cost of TokenInputs._add_positions reading them back);
+- talker: decode steps with extras (input embedding, 3-row positions on the host as talker_input hands them,
+  final hidden state), and with the positions on the device (the cost of TokenInputs._add_positions reading
+  them back, as the talker did before);
   `frame_loop`: code predictor -> talker_input -> talker step per frame, as the talk walk runs them;
 - thinker: plain decode steps and spoken-answer ones (return_hidden: extras graph).
 Per case: host ms per call, GPU ms (CUDA events, back to back), wall ms, first call, peak memory above the
@@ -102,28 +104,33 @@ def build(ckpt, cfg, name: str, device: torch.device, info: dict[str, Any]):
         built = build_component(ckpt, cfg, name, device)
     info[name] = {"build_s": round(time.perf_counter() - t0, 2), "weights_gib": module_gib(built.module),
                   "build_peak_gib": mem.peak_gib}
-    if warm:  # Code2Wav's warm-up: the one-off cost its first request paid before the builder did it
+    if warm:  # Code2Wav's warm-up or graph capture: one-off costs its first requests paid before the builder did it
         info[name]["warm_up_s"] = round(sum(warm), 3)
     return built
 
 
 @contextlib.contextmanager
 def _timed_warm_up() -> Iterator[list[float]]:
-    """Seconds of each `Code2Wav.warm_up` call (synced) inside the block."""
+    """Seconds of each `Code2Wav.warm_up` or `capture_graphs` call (synced) inside the block."""
     from mstar.models.qwen3_omni.code2wav import Code2Wav
 
-    real, spent = Code2Wav.warm_up, []
+    spent: list[float] = []
+    reals = {name: getattr(Code2Wav, name) for name in ("warm_up", "capture_graphs")}
 
-    def timed(self, widths):
-        t0 = time.perf_counter()
-        real(self, widths)
-        codec.sync(self.code_offset.device)
-        spent.append(time.perf_counter() - t0)
-    Code2Wav.warm_up = timed
+    def timer(real):
+        def timed(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            real(self, *args, **kwargs)
+            codec.sync(self.code_offset.device)
+            spent.append(time.perf_counter() - t0)
+        return timed
+    for name, real in reals.items():
+        setattr(Code2Wav, name, timer(real))
     try:
         yield spent
     finally:
-        Code2Wav.warm_up = real
+        for name, real in reals.items():
+            setattr(Code2Wav, name, real)
 
 
 def make_engine(built, name: str, device: torch.device, args, info: dict[str, Any]):
@@ -209,8 +216,8 @@ def _talker_cases(engine, device, args) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for b in args.batches:
         out[f"extras_b{b}"] = dec.run_decode(engine, *dec.talker_items(engine, b, 16, device), args.steps)
-        out[f"extras_cpu_positions_b{b}"] = dec.run_decode(
-            engine, *dec.talker_items(engine, b, 16, device, cpu_positions=True), args.steps)
+        out[f"extras_device_positions_b{b}"] = dec.run_decode(
+            engine, *dec.talker_items(engine, b, 16, device, device_positions=True), args.steps)
     out["graph_kernels_b1"] = dec.graph_gpu(engine, 1, extras=True, kernels=True).get("kernels")
     return out
 

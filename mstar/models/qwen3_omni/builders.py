@@ -168,7 +168,7 @@ def _code2wav(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtyp
         module = build_code2wav(ckpt.code2wav_config, ckpt.root, ckpt.load_format, dtype, device)
     module.pad_frames, widths = code2wav_widths(cfg, device)
     if device.type == "cuda" and module.pad_frames:  # one width: its graphs (and cuDNN plans) before ready
-        module.capture_graphs(code2wav_graph_sizes(cfg))
+        module.capture_graphs(code2wav_graph_sizes(cfg), autotune=cfg.code2wav_autotune)
     elif device.type == "cuda":  # the first request would pay kernel loading and cuDNN plans otherwise
         module.warm_up(widths)
     return BuiltComponent(module, {"max_batch_size": cfg.code2wav_max_batch})

@@ -220,19 +220,29 @@ class Code2Wav(nn.Module):
         computes, and what `capture_graphs` records."""
         return self.forward(codes).float()
 
-    def capture_graphs(self, sizes: Sequence[int]) -> None:
+    def capture_graphs(self, sizes: Sequence[int], autotune: bool = False) -> None:
         """Capture `decode` of `pad_frames`-frame chunks at these batch sizes (CUDA; `pad_frames` set).
 
         Warm-up and capture build every cuDNN plan of these shapes before the server is ready; a call
-        of more chunks than the largest size runs eagerly.
+        of more chunks than the largest size runs eagerly. `autotune`: each shape is first decoded with
+        cudnn.benchmark on, so cuDNN times its algorithms and the capture (benchmark off again: no
+        search inside a capture) takes the fastest from its plan cache.
         """
         from mstar.engines.cuda_graphs import BatchGraphs
 
         if self.pad_frames < 1:
             raise ValueError("Code2Wav graphs need pad_frames (one chunk width); set it before capturing")
-        example = [((self.cfg.num_quantizers, self.pad_frames), torch.long)]
+        device, shape = self.code_offset.device, (self.cfg.num_quantizers, self.pad_frames)
         with torch.inference_mode():
-            self.graphs = BatchGraphs(self.decode, sizes, example, self.code_offset.device)
+            if autotune:
+                before = torch.backends.cudnn.benchmark
+                torch.backends.cudnn.benchmark = True
+                try:
+                    for size in sorted(set(sizes)):
+                        self.decode(torch.zeros((size, *shape), dtype=torch.long, device=device))
+                finally:
+                    torch.backends.cudnn.benchmark = before
+            self.graphs = BatchGraphs(self.decode, sizes, [(shape, torch.long)], device)
 
     @torch.no_grad()
     def run_batch(self, walk: str, node: str, inputs: Sequence[Mapping[str, torch.Tensor]],

@@ -76,6 +76,7 @@ class OmniServeConfig:
     # None: on where Code2Wav runs on CUDA
     code2wav_pad: bool | None = None
     code2wav_max_batch: int = 32  # chunks per Code2Wav call (its graphs: batch sizes 1, 2, 4, ... up to it)
+    code2wav_autotune: bool = False  # cuDNN times its algorithms for Code2Wav's graph shapes at start
     video_fps: float = 2.0  # frames a second sampled from input videos
     seed: int = 0  # of dummy / tiny random weights
 
