@@ -97,7 +97,7 @@ def _hidden_layers(layers: Any, model: Any) -> tuple[int, ...]:
 @dataclass
 class _Rows:
     start: int  # absolute index of the first token the rows belong to
-    index: torch.Tensor  # [m] absolute token indices, on the host
+    index: torch.Tensor  # [m] absolute token indices, increasing, on the host
     embeds: torch.Tensor
     features: dict[str, torch.Tensor]
 
@@ -173,19 +173,14 @@ class TokenInputs:
 
     def rows_in(self, start: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
         """(token offsets within [start, start + n) on the host, embeds rows, feature rows) of the stored
-        rows there. Rows are picked on the host: no device read (a decode step takes its one row)."""
+        rows there. Indexes increase, so the rows are one slice, found on the host: no device read."""
         found = []
         for i in range(bisect.bisect_right(self._row_ends, start), len(self._rows)):
             r = self._rows[i]
             if r.start >= start + n:
                 break
-            keep = (r.index >= start) & (r.index < start + n)
-            if bool(keep.all()):
-                found.append((r.index - start, r.embeds, dict(r.features)))
-                continue
-            picked = keep.nonzero().squeeze(1)
-            found.append((r.index[picked] - start, take_rows(r.embeds, picked),
-                          {k: take_rows(v, picked) for k, v in r.features.items()}))
+            lo, hi = (int(k) for k in torch.searchsorted(r.index, torch.tensor([start, start + n])))
+            found.append((r.index[lo:hi] - start, r.embeds[lo:hi], {k: v[lo:hi] for k, v in r.features.items()}))
         return found
 
     def store_hidden(self, start: int, n: int, captured: dict[int, torch.Tensor], base: int) -> None:
@@ -206,17 +201,6 @@ class TokenInputs:
         """The finished capture [L, n, H] of the item that just completed (None if it asked for none)."""
         h, self.hidden = self.hidden, None
         return None if h is None else h.buffer
-
-
-def take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Rows `rows` (host int64, increasing) of `t`: a slice when they are consecutive, else one gather
-    whose index reaches the device without a blocking copy."""
-    if rows.numel() == 0:
-        return t[:0]
-    first, last = int(rows[0]), int(rows[-1])
-    if last - first + 1 == rows.numel():
-        return t[first:last + 1]
-    return t.index_select(0, to_device_async(rows, t.device))
 
 
 def pack_extras(chunks: list[Any], device: torch.device) -> tuple[torch.Tensor, ForwardExtras]:

@@ -1,0 +1,41 @@
+"""A side-stream component (engines/stateless.py) given a device input still being written on the default
+stream reads the written values: its stream waits for that work on the GPU, and the host does not."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mstar.engines.base import StepItem
+from mstar.engines.stateless import StatelessEngine
+
+N = 1 << 20
+
+
+class _Summer(nn.Module):
+    host_inputs = host_outputs = side_stream = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("one", torch.ones((), device="cuda"))
+
+    def run_batch(self, walk, node, inputs, options):
+        return [{"sum": (x["x"] * self.one).sum()[None]} for x in inputs]
+
+
+def test_side_stream_step_waits_for_its_device_inputs_on_the_gpu():
+    engine = StatelessEngine(_Summer())
+    assert engine.stream is not None
+    x = torch.zeros(N, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # keeps the default stream busy for a while (~0.5 s on an H200)
+    x.fill_(1.0)  # queued behind the sleep
+    engine.submit(StepItem("r", "w", "n", {"x": x}))
+    results = engine.step()
+    assert not torch.cuda.current_stream().query(), "the step waited on the host for the default stream"
+    del x  # the engine recorded it on its stream: its block is not handed out again before the sum read it
+    y = torch.full((N,), 5.0, device="cuda")  # likely reuses that block, written on the default stream
+    while engine.has_work():
+        results += engine.step()
+    assert [float(r.outputs["sum"]) for r in results] == [float(N)]
+    assert float(y[0]) == 5.0
