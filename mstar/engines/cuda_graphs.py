@@ -108,7 +108,10 @@ class BatchGraphs:
         if size is None or size < batch:
             raise ValueError(f"batch {batch} does not fit the captured sizes {self.sizes}")
         captured = self._graphs[size]
-        for static, value in zip(captured.inputs, inputs):
-            static[:batch].copy_(value, non_blocking=True)
-        captured.graph.replay()
+        # graphs captured under inference mode have inference-tensor inputs, which only take in-place
+        # updates inside it (a caller under no_grad, as stateless components run, would raise)
+        with torch.inference_mode():
+            for static, value in zip(captured.inputs, inputs):
+                static[:batch].copy_(value, non_blocking=True)
+            captured.graph.replay()
         return tuple(o[:batch] for o in captured.outputs)

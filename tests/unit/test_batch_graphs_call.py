@@ -1,0 +1,30 @@
+"""BatchGraphs.__call__ (CPU stand-in for the captured graph): inputs captured under inference mode take a
+batch from a caller under no_grad, as stateless components call it (the code predictor, Code2Wav)."""
+
+from __future__ import annotations
+
+import torch
+
+from mstar.engines.cuda_graphs import BatchGraphs, _Captured
+
+
+class _Graph:
+    """Stands in for a captured CUDA graph: replay doubles the static input into the static output."""
+
+    def __init__(self, static_in: torch.Tensor, static_out: torch.Tensor) -> None:
+        self.static_in, self.static_out, self.replays = static_in, static_out, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.static_out.copy_(self.static_in * 2)
+
+
+def test_inference_mode_inputs_take_a_no_grad_batch() -> None:
+    graphs = object.__new__(BatchGraphs)
+    with torch.inference_mode():  # as capture_graphs builds them
+        static_in, static_out = torch.zeros(4, 3), torch.zeros(4, 3)
+    graph = _Graph(static_in, static_out)
+    graphs.sizes, graphs._graphs = [4], {4: _Captured(graph, [static_in], (static_out,))}  # noqa: SLF001
+    with torch.no_grad():
+        (out,) = graphs(torch.ones(2, 3))
+    assert graph.replays == 1 and out.shape == (2, 3) and torch.equal(out, torch.full((2, 3), 2.0))
