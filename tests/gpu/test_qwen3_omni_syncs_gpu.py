@@ -85,7 +85,7 @@ class _Lane:
         self.loop = [{"frame_index": torch.tensor(0), "text_ended": torch.tensor(False), "talker_pos": positions,
                       "talker_positions": positions.to(CUDA), "prompt_ids": torch.arange(4, device=CUDA)}
                      for _ in range(BATCH)]
-        self.codes: list[list[torch.Tensor]] = [[] for _ in range(BATCH)]
+        self.no_frame = torch.zeros(h, device=CUDA, dtype=dtype)
         self.iteration = 0
 
     def frame(self, text_left: bool) -> None:
@@ -96,9 +96,9 @@ class _Lane:
             for r, x in zip(self.results, self.loop)], [OPTIONS] * BATCH)
         inputs = []
         for r, x, p in zip(self.results, self.loop, preds):
-            assert p, "a codec EOS frame: the test's talker should never stop"
-            self.codes[len(inputs)].append(p["codes"])
-            item = {**x, "first_code": r.outputs["token"], "codec_embed_sum": p["codec_embed_sum"]}
+            # a sampled codec EOS makes no frame (the walk would stop there; the test goes on)
+            item = {**x, "first_code": r.outputs["token"],
+                    "codec_embed_sum": p["codec_embed_sum"] if p else self.no_frame}
             if text_left:
                 item["thinker_states"] = self.text
             inputs.append(item)
