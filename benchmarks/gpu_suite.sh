@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|wan|wan_extra|omni|omni2|profile_omni|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|wan|wan_extra|omni|omni2|profile_omni|code2wav|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -107,6 +107,9 @@ if [[ $WHAT == omni || $WHAT == all ]]; then
 fi
 if [[ $WHAT == profile_omni || $WHAT == all ]]; then  # the per-component profile (<= 240 s)
   run 300 profile_omni python3 benchmarks/profile_omni.py --out "$OUT/profile_omni_h200.json"
+fi
+if [[ $WHAT == code2wav || $WHAT == all ]]; then  # Code2Wav alone, as served and eagerly (< 2 min)
+  run 180 code2wav_bench python3 benchmarks/code2wav_bench.py --out "$OUT/code2wav_bench_h200.json"
 fi
 if [[ $WHAT == omni2 ]]; then
   omni_bench configs/qwen3_omni_2gpu.yaml omni_bench_2gpu
