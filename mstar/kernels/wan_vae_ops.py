@@ -23,21 +23,21 @@ EPS = 1e-12  # F.normalize's default, which the reference uses
 
 @triton.jit
 def _channel_rms_norm_kernel(x_ptr, gamma_ptr, out_ptr, n_channels, n_positions, scale, eps,
-                             SILU: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+                             SILU: tl.constexpr, C_TILES: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
     pos = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     pos_mask = pos < n_positions
     base = tl.program_id(1).to(tl.int64) * n_channels * n_positions  # past 2**31 for long videos
     chans = tl.arange(0, BLOCK_C)
     sumsq = tl.zeros((BLOCK_S,), dtype=tl.float32)
-    for c0 in range(0, n_channels, BLOCK_C):
-        c = c0 + chans
+    for t in range(C_TILES):  # a constexpr bound: Triton 3.6's interpreter cannot loop over runtime ints
+        c = t * BLOCK_C + chans
         mask = (c < n_channels)[:, None] & pos_mask[None, :]
         offsets = base + c.to(tl.int64)[:, None] * n_positions + pos[None, :]
         xf = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         sumsq += tl.sum(xf * xf, axis=0)
     factor = scale / tl.maximum(tl.sqrt(sumsq), eps)
-    for c0 in range(0, n_channels, BLOCK_C):
-        c = c0 + chans
+    for t in range(C_TILES):
+        c = t * BLOCK_C + chans
         channel_mask = c < n_channels
         mask = channel_mask[:, None] & pos_mask[None, :]
         offsets = base + c.to(tl.int64)[:, None] * n_positions + pos[None, :]
@@ -61,5 +61,6 @@ def channel_rms_norm(x: torch.Tensor, gamma: torch.Tensor, scale: float, silu: b
     block_s = 128 if batch * positions >= 128 * 1024 else 32  # small maps: more programs over the GPU
     grid = (triton.cdiv(positions, block_s), batch)
     _channel_rms_norm_kernel[grid](x, gamma.reshape(-1), out, channels, positions, float(scale), EPS,
-                                   SILU=silu, BLOCK_C=32, BLOCK_S=block_s, num_warps=4)
+                                   SILU=silu, C_TILES=triton.cdiv(channels, 32), BLOCK_C=32, BLOCK_S=block_s,
+                                   num_warps=4)
     return out
