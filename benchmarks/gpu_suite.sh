@@ -44,8 +44,8 @@ if [[ $WHAT == tests_omni || $WHAT == all ]]; then
 fi
 if [[ $WHAT == decode || $WHAT == all ]]; then
   run 300 decode_step python3 benchmarks/decode_step.py --out "$OUT/decode_step_h200.json"
-  run 200 profile_decode python3 benchmarks/profile_decode.py --batch-sizes 1 --variants none rope reduce norm all \
-      --out "$OUT/profile_decode_h200.json"
+  run 200 profile_decode python3 benchmarks/profile_decode.py --batch-sizes 1 --pdl both \
+      --out "$OUT/profile_decode_pdl_h200.json"
 fi
 if [[ $WHAT == orpheus || $WHAT == all ]]; then
   run 60 sampling_ops python3 benchmarks/sampling_ops.py --device cuda --batch 1 16 --out "$OUT/sampling_ops_h200.json"
