@@ -11,7 +11,8 @@ interpreter, stream buffers, conductor, offline API. `--model tiny` runs the rea
 own step time per token (from the workers' step timings) and the rest, the runtime's share.
 
 Cases: in-process and multi-process, with the vocoder lane (a stream to a second lane) and without
-(the `lm` lane alone). `--concurrency 1,8,32` runs each case with that many requests in flight at
+(the `lm` lane alone); `onethread:*` drives the in-process worker and conductor from one thread
+(`OneThread`: CPU time of the runtime alone, reproducible under callgrind). `--concurrency 1,8,32` runs each case with that many requests in flight at
 once (submitted together, so the `llm` steps batch them all, as a serving engine's decode does);
 every figure is per generated token, i.e. per sequence-step. Each case is run `--runs` times and
 the median kept. `worker_cpu_us_per_token` is the CPU time of the worker loops alone (threads
@@ -267,9 +268,88 @@ def time_case(mode: str, stream: bool, args: argparse.Namespace, runs: int, work
             "audio_samples_per_request": int(samples)}
 
 
+class OneThread:
+    """The in-process runtime with its worker and conductor driven by the calling thread alone: no
+    thread handoffs and no timer in the way, so CPU time per token is the runtime's own work (and,
+    under `valgrind --tool=callgrind`, its instruction count is reproducible). The client side
+    (events to sinks, no output decoding) is left out."""
+
+    def __init__(self, cfg: dict, tiny: bool) -> None:
+        from mstar.conductor.conductor import Conductor
+        from mstar.config import config_from_dict
+        from mstar.graph.placement import plan_placement
+        from mstar.runtime.build import build_engines, build_model, worker_device
+        from mstar.runtime.codecs import LocalCodec
+        from mstar.transport import wire
+        from mstar.transport.channels import make_network
+        from mstar.transport.messages import Codec
+        from mstar.worker.worker import CONDUCTOR, worker_peer
+
+        config = config_from_dict(cfg)
+        self.model = build_model(config, tiny=tiny)
+        graph = self.model.graph()
+        plan = plan_placement(graph, config.node_groups, config.source)
+        assert plan.num_workers == 1, "one thread drives one worker"
+        self.processor = self.model.processor()
+        network = make_network("inproc", Codec(wire.Message))
+        self.inbox, outbox, codec = network.inbox(CONDUCTOR), network.outbox(), LocalCodec()
+        self.conductor = Conductor(graph, plan, lambda rank, msg: outbox.send(worker_peer(rank), msg), codec,
+                                   config.max_concurrent_requests, config.max_queued_requests)
+        device = worker_device(config, 0)
+        engines = build_engines(self.model, config, plan.components_on(0), device)
+        self.worker = Worker(0, graph, engines, network.inbox(worker_peer(0)), network.outbox(), codec, device)
+        self.made = 0
+
+    def generate_many(self, n: int, opts: dict) -> int:
+        """`n` requests at once, pumped to the end; audio samples of the last."""
+        from mstar.conductor.request_state import FinishEvent
+
+        resolved = self.model.request_options(opts)
+        events: dict[str, list] = {}
+        for _ in range(n):
+            self.made += 1
+            rid = f"r{self.made}"
+            events[rid] = []
+            inputs = self.processor.inputs({"text": "The quick brown fox"}, resolved)
+            self.conductor.submit(rid, inputs, resolved, events[rid].append)
+        while not all(e and isinstance(e[-1], FinishEvent) for e in events.values()):
+            self.worker.receive(0.0)
+            self.worker.execute()
+            while (msg := self.inbox.recv(0.0)) is not None:
+                self.conductor.handle(msg)
+        last = events[f"r{self.made}"]
+        assert last[-1].error is None, last[-1].error
+        return sum(int(e.value.numel()) for e in last[:-1] if e.name == "audio")
+
+
+def time_onethread(stream: bool, args: argparse.Namespace, runs: int, concurrency: int) -> dict:
+    """CPU time per generated token of the runtime driven by one thread (see OneThread), median of `runs`
+    rounds of `concurrency` requests after a warm-up round."""
+    model = "fake_orpheus" if stream else "fake_orpheus_nostream"
+    one = OneThread(_config(model, 1, args.device, concurrency), tiny=False)
+    opts = {"max_tokens": TOKENS + 1}
+    one.generate_many(concurrency, opts)
+    cpus, samples = [], 0
+    for _ in range(runs):
+        c0 = time.thread_time()
+        samples = one.generate_many(concurrency, opts)
+        cpus.append(time.thread_time() - c0)
+    tokens = TOKENS * concurrency
+    return {"concurrency": concurrency, "cpu_us_per_token": round(statistics.median(cpus) / tokens * 1e6, 1),
+            "runs_cpu_us_per_token": [round(c / tokens * 1e6, 1) for c in cpus],
+            "audio_samples_per_request": samples}
+
+
 def profile_case(mode: str, stream: bool, args: argparse.Namespace, concurrency: int, top: int = 35) -> str:
     """cProfile of every Python thread over a warm-up and 3 requests: worker threads and the conductor
-    in-process; for multiproc, the worker processes' loops (each printed apart) then this process."""
+    in-process; for multiproc, the worker processes' loops (each printed apart) then this process; for
+    onethread, the one thread."""
+    if mode == "onethread":
+        prof = cProfile.Profile()
+        prof.runcall(time_onethread, stream, args, 3, concurrency)
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+        return out.getvalue()
     if mode == "multiproc":
         with tempfile.TemporaryDirectory() as tmp:
             os.environ[PROFILE_ENV] = tmp
@@ -306,7 +386,8 @@ def profile_case(mode: str, stream: bool, args: argparse.Namespace, concurrency:
     return out.getvalue()
 
 
-CASES = {"inproc:nostream": ("inproc", False, 1), "inproc:stream": ("inproc", True, 1),
+CASES = {"onethread:nostream": ("onethread", False, 1), "onethread:stream": ("onethread", True, 1),
+         "inproc:nostream": ("inproc", False, 1), "inproc:stream": ("inproc", True, 1),
          "multiproc:nostream": ("multiproc", False, 1), "multiproc:stream": ("multiproc", True, 1),
          "multiproc:stream:2workers": ("multiproc", True, 2)}
 
@@ -317,7 +398,8 @@ def main() -> None:
     parser.add_argument("--model", choices=("fake", "tiny", "dummy"), default="fake",
                         help="instant fakes; the real tiny Orpheus; Orpheus-3B with dummy weights (GPU)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {list(CASES)}")
+    parser.add_argument("--cases", default=",".join(c for c in CASES if not c.startswith("onethread")),
+                        help=f"comma-separated, from {list(CASES)} (onethread: fakes only, not by default)")
     parser.add_argument("--concurrency", default="1",
                         help="comma-separated requests in flight at once, e.g. 1,8,32 (each case runs at each)")
     parser.add_argument("--profile", metavar="CASE",
@@ -334,10 +416,13 @@ def main() -> None:
     for concurrency in levels:
         for name in args.cases.split(","):
             mode, stream, workers = CASES[name]
-            if args.model != "fake" and not stream:
+            if args.model != "fake" and (not stream or mode == "onethread"):
                 continue
             key = name if concurrency == 1 else f"{name}@{concurrency}"
-            cases[key] = time_case(mode, stream, args, args.runs, workers, concurrency)
+            if mode == "onethread":
+                cases[key] = time_onethread(stream, args, args.runs, concurrency)
+            else:
+                cases[key] = time_case(mode, stream, args, args.runs, workers, concurrency)
             sys.stdout.write(f"{key}: {cases[key]}\n")
     result = {"command": "python3 " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
