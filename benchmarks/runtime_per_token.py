@@ -11,10 +11,17 @@ interpreter, stream buffers, conductor, offline API. `--model tiny` runs the rea
 own step time per token (from the workers' step timings) and the rest, the runtime's share.
 
 Cases: in-process and multi-process, with the vocoder lane (a stream to a second lane) and without
-(the `lm` lane alone). One request at a time; each case is run `--runs` times and the median kept.
+(the `lm` lane alone); `onethread:*` drives the in-process worker and conductor from one thread
+(`OneThread`: CPU time of the runtime alone, reproducible under callgrind). `--concurrency 1,8,32` runs each case with that many requests in flight at
+once (submitted together, so the `llm` steps batch them all, as a serving engine's decode does);
+every figure is per generated token, i.e. per sequence-step. Each case is run `--runs` times and
+the median kept. `worker_cpu_us_per_token` is the CPU time of the worker loops alone (threads
+in-process, processes otherwise): on a GPU host with lookahead this is the host work that must fit
+in the decode step's GPU time.
 
     python3 benchmarks/runtime_per_token.py                 # -> benchmarks/results/runtime_per_token.json
-    python3 benchmarks/runtime_per_token.py --profile inproc:stream   # cProfile of every thread
+    python3 benchmarks/runtime_per_token.py --concurrency 1,8,32 --cases multiproc:stream
+    python3 benchmarks/runtime_per_token.py --profile inproc:stream --concurrency 32   # cProfile of every thread
 
 The fakes are installed when this file is imported, so worker processes (spawned: they import the
 main script as `__mp_main__`) get them too.
@@ -79,17 +86,18 @@ class FakeLMEngine:
         self._made.pop(request_id, None)
 
     def step(self) -> list[StepResult]:
+        """One token per pending item; as the real engine, one host tensor per step, a view per item."""
         items, self._pending = self._pending, []
         self.last_step_items = len(items)
-        results = []
+        tokens = []
         for item in items:
             n = self._made.get(item.request_id, 0)
             self._made[item.request_id] = n + 1
             # code 1 at frame place n % 7: every token is kept by the stream filter
-            token = self.first_code + (n % FRAME) * self.codebook_size + 1
-            results.append(StepResult(item.request_id, item.walk, item.node, {"token": torch.tensor([token])},
-                                      iteration=item.iteration))
-        return results
+            tokens.append(self.first_code + (n % FRAME) * self.codebook_size + 1)
+        ids = torch.tensor(tokens)
+        return [StepResult(item.request_id, item.walk, item.node, {"token": ids[i : i + 1]}, iteration=item.iteration)
+                for i, item in enumerate(items)]
 
 
 class FakeVocoder(torch.nn.Module):
@@ -155,11 +163,11 @@ register("fake_orpheus", f"{__name__}:FakeOrpheus")
 register("fake_orpheus_nostream", f"{__name__}:FakeOrpheusNoStream")
 
 
-def _config(model: str, workers: int, device: str) -> dict:
+def _config(model: str, workers: int, device: str, concurrency: int) -> dict:
     groups = [{"node_names": ["llm", "snac"] if model != "fake_orpheus_nostream" else ["llm"], "ranks": [0]}]
     if workers == 2:
         groups = [{"node_names": ["llm"], "ranks": [0]}, {"node_names": ["snac"], "ranks": [1]}]
-    return {"model": model, "device": device, "max_concurrent_requests": 4, "node_groups": groups}
+    return {"model": model, "device": device, "max_concurrent_requests": max(4, concurrency), "node_groups": groups}
 
 
 def _engine_seconds(m: Any) -> dict[str, float]:
@@ -182,56 +190,171 @@ def _cpu_seconds(m: Any) -> float:
     return total
 
 
+def _worker_cpu_seconds(m: Any) -> float:
+    """CPU seconds of the worker loops only: their threads in-process, their processes otherwise."""
+    if m.runtime.mode == "inproc":
+        tids = [t.native_id for t in m.runtime._threads]
+        return sum(_schedstat(Path(f"/proc/self/task/{tid}")) for tid in tids)
+    return sum(_schedstat(p) for proc in m.runtime.workers.values()
+               for p in Path(f"/proc/{proc.pid}/task").glob("*"))
+
+
+def _schedstat(task: Path) -> float:
+    return int((task / "schedstat").read_text().split()[0]) / 1e9  # first field: ns on a CPU
+
+
+def _generate_many(m: Any, n: int, opts: dict) -> int:
+    """`n` requests in flight at once, each consumed as `MStar.generate` does; audio samples of the last."""
+    handles = [m.submit({"text": "The quick brown fox"}, **opts) for _ in range(n)]
+    resolved = m.runtime.model.request_options(opts)
+    samples = 0
+    for handle in handles:
+        decoder, samples = m.processor.output_decoder(resolved, {}), 0
+        for event in handle:
+            for name, value in decoder.push(event.name, event.value):
+                samples += value.size if name == "audio" else 0
+            if decoder.finish_reason is not None:
+                handle.cancel()
+                break
+        samples += sum(value.size for name, value in decoder.flush() if name == "audio")
+    return samples
+
+
 def _settled_engine_seconds(m: Any) -> dict[str, float]:
     time.sleep(STATS_INTERVAL_S * 2.5)  # workers report engine timings every STATS_INTERVAL_S
     return _engine_seconds(m)
 
 
-def time_case(mode: str, stream: bool, args: argparse.Namespace, runs: int, workers: int = 1) -> dict:
-    """Median wall time per generated token over `runs` requests (after a warm-up request), the part
-    of it the engines' steps took (from the workers' step timings), and the median CPU time per token
-    of all processes (the number least moved by other load on the machine)."""
+def time_case(mode: str, stream: bool, args: argparse.Namespace, runs: int, workers: int = 1,
+              concurrency: int = 1) -> dict:
+    """Median wall time per generated token over `runs` rounds of `concurrency` requests in flight at
+    once (after a warm-up round of the same size), the part of it the engines' steps took (from the workers' step
+    timings), and the median CPU time per token of all processes and of the worker loops alone (the
+    numbers least moved by other load on the machine)."""
     from mstar.runtime.offline import MStar
 
     real = args.model != "fake"
     if real and not stream:
         raise SystemExit(f"--model {args.model} runs Orpheus with its vocoder lane only")
-    cfg = _config("orpheus" if real else "fake_orpheus" if stream else "fake_orpheus_nostream", workers, args.device)
+    model = "orpheus" if real else "fake_orpheus" if stream else "fake_orpheus_nostream"
+    cfg = _config(model, workers, args.device, concurrency)
     opts = {"max_tokens": TOKENS + 1}
     if real:  # sampled tokens; a stop token would end the request early
         opts.update(temperature=0.0, ignore_eos=True)
-    walls, cpus, engines, samples = [], [], [], 0
+    tokens = TOKENS * concurrency  # generated per round: every figure is per sequence-step
+    walls, cpus, worker_cpus, engines, samples = [], [], [], [], 0
     with MStar(config=cfg, mode=mode, tiny=args.model == "tiny",
                load_format="dummy" if args.model == "dummy" else "auto") as m:
-        m.generate({"text": "warm up"}, **{**opts, "max_tokens": 30})
+        _generate_many(m, concurrency, opts)  # a whole round: the first one runs markedly slower
         before = _settled_engine_seconds(m)
         for _ in range(runs):
-            c0, t0 = _cpu_seconds(m), time.perf_counter()
-            result = m.generate({"text": "The quick brown fox"}, **opts)
+            c0, w0, t0 = _cpu_seconds(m), _worker_cpu_seconds(m), time.perf_counter()
+            samples = _generate_many(m, concurrency, opts)
             walls.append(time.perf_counter() - t0)
             cpus.append(_cpu_seconds(m) - c0)
+            worker_cpus.append(_worker_cpu_seconds(m) - w0)
             after = _settled_engine_seconds(m)
             engines.append({k: v - before.get(k, 0.0) for k, v in after.items()})
             before = after
-            samples = sum(a.size for a in result.outputs.get("audio", []))
     order = sorted(range(runs), key=lambda i: walls[i])
     mid = order[len(order) // 2]  # the median run, engine split included
-    per_token = {k: round(v / TOKENS * 1e6, 1) for k, v in engines[mid].items()}
-    wall_us = walls[mid] / TOKENS * 1e6
-    return {"us_per_token": round(wall_us, 1), "engine_us_per_token": per_token,
+    per_token = {k: round(v / tokens * 1e6, 1) for k, v in engines[mid].items()}
+    wall_us = walls[mid] / tokens * 1e6
+    return {"concurrency": concurrency, "us_per_token": round(wall_us, 1), "engine_us_per_token": per_token,
             "runtime_us_per_token": round(wall_us - sum(per_token.values()), 1),
-            "runs_us_per_token": [round(t / TOKENS * 1e6, 1) for t in walls],
-            "cpu_us_per_token": round(statistics.median(cpus) / TOKENS * 1e6, 1), "audio_samples": int(samples)}
+            "runs_us_per_token": [round(t / tokens * 1e6, 1) for t in walls],
+            "cpu_us_per_token": round(statistics.median(cpus) / tokens * 1e6, 1),
+            "worker_cpu_us_per_token": round(statistics.median(worker_cpus) / tokens * 1e6, 1),
+            "audio_samples_per_request": int(samples)}
 
 
-def profile_case(mode: str, stream: bool, args: argparse.Namespace, top: int = 35) -> str:
+class OneThread:
+    """The in-process runtime with its worker and conductor driven by the calling thread alone: no
+    thread handoffs and no timer in the way, so CPU time per token is the runtime's own work (and,
+    under `valgrind --tool=callgrind`, its instruction count is reproducible). The client side
+    (events to sinks, no output decoding) is left out."""
+
+    def __init__(self, cfg: dict, tiny: bool) -> None:
+        from mstar.conductor.conductor import Conductor
+        from mstar.config import config_from_dict
+        from mstar.graph.placement import plan_placement
+        from mstar.runtime.build import build_engines, build_model, worker_device
+        from mstar.runtime.codecs import LocalCodec
+        from mstar.transport import wire
+        from mstar.transport.channels import make_network
+        from mstar.transport.messages import Codec
+        from mstar.worker.worker import CONDUCTOR, worker_peer
+
+        config = config_from_dict(cfg)
+        self.model = build_model(config, tiny=tiny)
+        graph = self.model.graph()
+        plan = plan_placement(graph, config.node_groups, config.source)
+        assert plan.num_workers == 1, "one thread drives one worker"
+        self.processor = self.model.processor()
+        network = make_network("inproc", Codec(wire.Message))
+        self.inbox, outbox, codec = network.inbox(CONDUCTOR), network.outbox(), LocalCodec()
+        self.conductor = Conductor(graph, plan, lambda rank, msg: outbox.send(worker_peer(rank), msg), codec,
+                                   config.max_concurrent_requests, config.max_queued_requests)
+        device = worker_device(config, 0)
+        engines = build_engines(self.model, config, plan.components_on(0), device)
+        self.worker = Worker(0, graph, engines, network.inbox(worker_peer(0)), network.outbox(), codec, device)
+        self.made = 0
+
+    def generate_many(self, n: int, opts: dict) -> int:
+        """`n` requests at once, pumped to the end; audio samples of the last."""
+        from mstar.conductor.request_state import FinishEvent
+
+        resolved = self.model.request_options(opts)
+        events: dict[str, list] = {}
+        for _ in range(n):
+            self.made += 1
+            rid = f"r{self.made}"
+            events[rid] = []
+            inputs = self.processor.inputs({"text": "The quick brown fox"}, resolved)
+            self.conductor.submit(rid, inputs, resolved, events[rid].append)
+        while not all(e and isinstance(e[-1], FinishEvent) for e in events.values()):
+            self.worker.receive(0.0)
+            self.worker.execute()
+            while (msg := self.inbox.recv(0.0)) is not None:
+                self.conductor.handle(msg)
+        last = events[f"r{self.made}"]
+        assert last[-1].error is None, last[-1].error
+        return sum(int(e.value.numel()) for e in last[:-1] if e.name == "audio")
+
+
+def time_onethread(stream: bool, args: argparse.Namespace, runs: int, concurrency: int) -> dict:
+    """CPU time per generated token of the runtime driven by one thread (see OneThread), median of `runs`
+    rounds of `concurrency` requests after a warm-up round."""
+    model = "fake_orpheus" if stream else "fake_orpheus_nostream"
+    one = OneThread(_config(model, 1, args.device, concurrency), tiny=False)
+    opts = {"max_tokens": TOKENS + 1}
+    one.generate_many(concurrency, opts)
+    cpus, samples = [], 0
+    for _ in range(runs):
+        c0 = time.thread_time()
+        samples = one.generate_many(concurrency, opts)
+        cpus.append(time.thread_time() - c0)
+    tokens = TOKENS * concurrency
+    return {"concurrency": concurrency, "cpu_us_per_token": round(statistics.median(cpus) / tokens * 1e6, 1),
+            "runs_cpu_us_per_token": [round(c / tokens * 1e6, 1) for c in cpus],
+            "audio_samples_per_request": samples}
+
+
+def profile_case(mode: str, stream: bool, args: argparse.Namespace, concurrency: int, top: int = 35) -> str:
     """cProfile of every Python thread over a warm-up and 3 requests: worker threads and the conductor
-    in-process; for multiproc, the worker processes' loops (each printed apart) then this process."""
+    in-process; for multiproc, the worker processes' loops (each printed apart) then this process; for
+    onethread, the one thread."""
+    if mode == "onethread":
+        prof = cProfile.Profile()
+        prof.runcall(time_onethread, stream, args, 3, concurrency)
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+        return out.getvalue()
     if mode == "multiproc":
         with tempfile.TemporaryDirectory() as tmp:
             os.environ[PROFILE_ENV] = tmp
             try:
-                time_case(mode, stream, args, runs=3)
+                time_case(mode, stream, args, runs=3, concurrency=concurrency)
             finally:
                 del os.environ[PROFILE_ENV]
             out = io.StringIO()
@@ -251,7 +374,7 @@ def profile_case(mode: str, stream: bool, args: argparse.Namespace, top: int = 3
     main = cProfile.Profile()
     try:
         main.enable()
-        time_case(mode, stream, args, runs=3)
+        time_case(mode, stream, args, runs=3, concurrency=concurrency)
         main.disable()
     finally:
         threading.Thread.run = original
@@ -263,7 +386,8 @@ def profile_case(mode: str, stream: bool, args: argparse.Namespace, top: int = 3
     return out.getvalue()
 
 
-CASES = {"inproc:nostream": ("inproc", False, 1), "inproc:stream": ("inproc", True, 1),
+CASES = {"onethread:nostream": ("onethread", False, 1), "onethread:stream": ("onethread", True, 1),
+         "inproc:nostream": ("inproc", False, 1), "inproc:stream": ("inproc", True, 1),
          "multiproc:nostream": ("multiproc", False, 1), "multiproc:stream": ("multiproc", True, 1),
          "multiproc:stream:2workers": ("multiproc", True, 2)}
 
@@ -274,22 +398,32 @@ def main() -> None:
     parser.add_argument("--model", choices=("fake", "tiny", "dummy"), default="fake",
                         help="instant fakes; the real tiny Orpheus; Orpheus-3B with dummy weights (GPU)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, from {list(CASES)}")
-    parser.add_argument("--profile", metavar="CASE", help="print a cProfile of CASE (all threads) and exit")
+    parser.add_argument("--cases", default=",".join(c for c in CASES if not c.startswith("onethread")),
+                        help=f"comma-separated, from {list(CASES)} (onethread: fakes only, not by default)")
+    parser.add_argument("--concurrency", default="1",
+                        help="comma-separated requests in flight at once, e.g. 1,8,32 (each case runs at each)")
+    parser.add_argument("--profile", metavar="CASE",
+                        help="print a cProfile of CASE (all threads) at the first --concurrency and exit")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/runtime_per_token.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
+    levels = [int(c) for c in args.concurrency.split(",")]
     if args.profile:
         mode, stream, _ = CASES[args.profile]
-        sys.stdout.write(profile_case(mode, stream, args))
+        sys.stdout.write(profile_case(mode, stream, args, levels[0]))
         return
     cases = {}
-    for name in args.cases.split(","):
-        mode, stream, workers = CASES[name]
-        if args.model != "fake" and not stream:
-            continue
-        cases[name] = time_case(mode, stream, args, args.runs, workers)
-        sys.stdout.write(f"{name}: {cases[name]}\n")
+    for concurrency in levels:
+        for name in args.cases.split(","):
+            mode, stream, workers = CASES[name]
+            if args.model != "fake" and (not stream or mode == "onethread"):
+                continue
+            key = name if concurrency == 1 else f"{name}@{concurrency}"
+            if mode == "onethread":
+                cases[key] = time_onethread(stream, args, args.runs, concurrency)
+            else:
+                cases[key] = time_case(mode, stream, args, args.runs, workers, concurrency)
+            sys.stdout.write(f"{key}: {cases[key]}\n")
     result = {"command": "python3 " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
                           "torch": torch.__version__},

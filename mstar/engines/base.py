@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 
 
-@dataclass
+@dataclass(slots=True)  # one per item and step: slots make them cheaper to build and read
 class StepItem:
     """One node of one request, ready to run."""
 
@@ -28,7 +28,7 @@ class StepItem:
     kv_slot: str = "main"  # which KV sequence of the request (guidance branches use several)
 
 
-@dataclass
+@dataclass(slots=True)
 class StepResult:
     """What one item produced."""
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -67,6 +68,19 @@ class SamplingParams:
                "use non-negative token ids")
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
                f"use an integer in [0, {MAX_LOGPROBS}] or leave it unset")
+
+    @cached_property
+    def argmax_only(self) -> bool:
+        """Whether the token is the argmax of the raw logits whenever no token is banned (`plain_greedy`)."""
+        return (self.temperature == 0 and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0
+                and self.frequency_penalty == 0.0 and self.logprobs is None)
+
+    @cached_property
+    def static_ok(self) -> bool:
+        """Whether `sample_static` serves these parameters whenever no token is banned (`graphable`,
+        which also needs the row to have no generator of its own)."""
+        return (self.logprobs is None and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
+                and self.top_k <= sampling_filters.PREFILTER_K)
 
     @classmethod
     def from_options(cls, options: dict[str, Any], defaults: SamplingParams) -> SamplingParams:
@@ -146,22 +160,19 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
 
 def plain_greedy(row: SamplingRow) -> bool:
     """Whether the row's token is the argmax of its raw logits (no penalties, bans or logprobs)."""
-    p = row.params
-    return (p.temperature == 0 and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 and p.logprobs is None and not _banning(row))
+    return row.params.argmax_only and not _banning(row)
 
 
 def graphable(row: SamplingRow) -> bool:
     """Whether `sample_static` serves the row: no own generator, logprobs, presence or frequency
     penalty, token bans (min_tokens) or top_k wider than the prefilter."""
-    p = row.params
-    return (row.generator is None and p.logprobs is None and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 and p.top_k <= sampling_filters.PREFILTER_K and not _banning(row))
+    return row.generator is None and row.params.static_ok and not _banning(row)
 
 
 def _banning(row: SamplingRow) -> bool:
     p = row.params
-    return len(row.token_ids) - row.num_prompt < p.min_tokens and bool(row.eos_token_ids or p.stop_token_ids)
+    return (p.min_tokens > 0 and len(row.token_ids) - row.num_prompt < p.min_tokens
+            and bool(row.eos_token_ids or p.stop_token_ids))
 
 
 def sample_static(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:

@@ -90,21 +90,34 @@ def seen_masks(rows: Sequence[SamplingRow], vocab: int, device: torch.device) ->
     caches = [r.cache if r.cache is not None else {} for r in rows]
     batch = caches[0].get("seen_batch")
     if not (batch is not None and batch.shape == (len(rows), vocab) and batch.device == device
-            and all(c.get("seen_batch") is batch and c.get("seen_row") == i for i, c in enumerate(caches))):
+            and _same_batch(caches, batch)):
         batch = _restack(rows, caches, vocab, device)
     flat = []  # row * vocab + token of every token added since the last step
     for i, (row, cache) in enumerate(zip(rows, caches)):
-        upto = cache.get("seen_upto", 0)
-        if upto > len(row.token_ids):  # the sequence restarted: rebuild its mask from scratch
+        tokens = row.token_ids
+        n, upto = len(tokens), cache.get("seen_upto", 0)
+        if upto > n:  # the sequence restarted: rebuild its mask from scratch
             batch[i] = False
             upto = 0
-        flat.extend(i * vocab + t for t in row.token_ids[upto:] if t < vocab)
-        cache["seen_upto"] = len(row.token_ids)
+        if n - upto == 1:  # steady decoding: one new token (no slice, no generator)
+            if (t := tokens[upto]) < vocab:
+                flat.append(i * vocab + t)
+        elif n > upto:
+            flat.extend(i * vocab + t for t in tokens[upto:] if t < vocab)
+        cache["seen_upto"] = n
     if flat:
         # index_fill_ takes the value as a kernel argument; `batch[rows, cols] = True` would copy a
         # host scalar to the device, a synchronous copy that waits for the whole stream
         batch.view(-1).index_fill_(0, to_device_async(torch.tensor(flat, dtype=torch.long), device), True)
     return batch
+
+
+def _same_batch(caches: list[dict], batch: torch.Tensor) -> bool:
+    """Whether row i of `batch` is the mask of caches[i], for every i (a plain loop: runs every step)."""
+    for i, cache in enumerate(caches):
+        if cache.get("seen_batch") is not batch or cache.get("seen_row") != i:
+            return False
+    return True
 
 
 def _restack(rows: Sequence[SamplingRow], caches: list[dict], vocab: int, device: torch.device) -> torch.Tensor:

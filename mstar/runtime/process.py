@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -72,6 +73,11 @@ def worker_process_main(rank: int, config_json: bytes, directory_json: bytes, se
         time.sleep(0.2)
         network.close()
         return
+    # Everything built so far (modules, weights' wrappers, captured graphs, imported code) lives as
+    # long as the process: frozen, it is left out of the collector's full passes, which would
+    # otherwise walk it again and again while requests run.
+    gc.collect()
+    gc.freeze()
     outbox.send(CONDUCTOR, wire.WorkerReady(rank))
     worker.run()
     if groups is not None:

@@ -32,6 +32,11 @@ class StreamBuffer:
         self._total: int | None = None
 
     def put(self, seq: int, value: Any) -> None:
+        if seq == self._received and not self._early:  # in order, nothing held back: the usual case
+            self._received += 1
+            if self.keep is None or self.keep(value, len(self._items)):
+                self._items.append(value)
+            return
         self._early[seq] = value
         while self._received in self._early:
             item = self._early.pop(self._received)
@@ -59,7 +64,7 @@ class StreamBuffer:
         return Chunk(torch.cat(self._items[lo:hi], dim=self.dim), new, final, lo)
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
     """Items [lo, hi) of a stream (joined along the stream's dim); the last `new` were in no earlier chunk."""
 

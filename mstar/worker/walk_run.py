@@ -17,7 +17,7 @@ import torch
 from mstar.graph import Loop, Node, Parallel, Section, Sequential
 
 
-@dataclass
+@dataclass(slots=True)  # one per node call (per token in a decode loop): slots are cheaper
 class NodeCall:
     """A node of this walk that can run now."""
 
@@ -28,7 +28,7 @@ class NodeCall:
     per_iteration: bool = False  # a stream call inside a Loop: one chunk, or no port once the stream ended
 
 
-@dataclass
+@dataclass(slots=True)
 class Outcome:
     """What a node call produced."""
 
@@ -38,7 +38,7 @@ class Outcome:
     final_chunk: bool = False  # stream calls: the stream is exhausted after this call
 
 
-@dataclass
+@dataclass(slots=True)
 class _LoopContext:
     iteration: int
     accumulate: frozenset[str]
@@ -69,6 +69,8 @@ class WalkRun:
         self._program = self._run(body, None)
         self._waiting: dict[str, NodeCall] = {}
         self._outcomes: dict[str, Outcome] = {}
+        # id(node) -> its (port, edge) inputs read from env, and its stream input (port, edge) if any
+        self._plans: dict[int, tuple[tuple[tuple[str, str], ...], tuple[str, str] | None]] = {}
 
     def start(self) -> list[NodeCall]:
         return self._advance(None)
@@ -91,7 +93,7 @@ class WalkRun:
         except StopIteration:
             self.done = True
             return []
-        self._waiting = {c.node.name: c for c in calls}
+        self._waiting = {calls[0].node.name: calls[0]} if len(calls) == 1 else {c.node.name: c for c in calls}
         return calls
 
     def _run(self, sec: Section, ctx: _LoopContext | None) -> Program:
@@ -106,24 +108,39 @@ class WalkRun:
             yield from self._loop(sec, ctx)
 
     def _node(self, node: Node, ctx: _LoopContext | None) -> Program:
-        inputs = {p: self.env[e] for p, e in node.inputs if e in self.env and e not in self._streams}
-        stream = next(((p, e) for p, e in node.inputs if e in self._streams), None)
+        inputs, stream = self._inputs(node)
         while True:
-            outcomes = yield [NodeCall(node, ctx.iteration if ctx else 0, inputs, stream, per_iteration=ctx is not None)]
+            outcomes = yield [NodeCall(node, ctx.iteration if ctx else 0, inputs, stream, ctx is not None)]
             outcome = outcomes[node.name]
-            for port, edge in node.outputs:
-                if port in outcome.outputs:
-                    self.env[edge] = outcome.outputs[port]
-                    if not (ctx and edge in ctx.accumulate):
-                        self._on_value(edge, outcome.outputs[port])
-            if outcome.stop:
-                if ctx:
-                    ctx.stop = True
-                else:
-                    self.stopped = True
-                self.finish_reason = outcome.finish_reason or self.finish_reason
+            self._take(node, outcome, ctx)
             if stream is None or ctx is not None or outcome.final_chunk:
                 return  # inside a Loop a stream node takes one chunk per iteration
+
+    def _inputs(self, node: Node) -> tuple[dict[str, Any], tuple[str, str] | None]:
+        """The node's inputs from env now (port -> value), and its stream input (port, edge) if any."""
+        plan = self._plans.get(id(node))  # nodes live in the graph, as long as this run
+        if plan is None:
+            plan = self._plans[id(node)] = (tuple((p, e) for p, e in node.inputs if e not in self._streams),
+                                            next(((p, e) for p, e in node.inputs if e in self._streams), None))
+        pairs, stream = plan
+        env = self.env
+        return {p: env[e] for p, e in pairs if e in env}, stream
+
+    def _take(self, node: Node, outcome: Outcome, ctx: _LoopContext | None) -> None:
+        """Record one call's outcome: outputs into env (and out through on_value unless a loop
+        accumulates them), a stop request and its finish reason."""
+        outputs = outcome.outputs
+        for port, edge in node.outputs:
+            if port in outputs:
+                self.env[edge] = outputs[port]
+                if not (ctx and edge in ctx.accumulate):
+                    self._on_value(edge, outputs[port])
+        if outcome.stop:
+            if ctx:
+                ctx.stop = True
+            else:
+                self.stopped = True
+            self.finish_reason = outcome.finish_reason or self.finish_reason
 
     def _parallel(self, members: tuple[Section, ...], ctx: _LoopContext | None) -> Program:
         """Members advance in rounds: each round runs every member's next calls together."""
@@ -142,9 +159,15 @@ class WalkRun:
         limit = resolve_max_iterations(loop, self.options)
         accumulate = frozenset(loop.accumulate) | (outer.accumulate if outer else frozenset())
         gathered: dict[str, list] = {edge: [] for edge in loop.accumulate}
+        single = loop.body if isinstance(loop.body, Node) else None
         for i in range(limit):
             ctx = _LoopContext(i, accumulate)
-            yield from self._run(loop.body, ctx)
+            if single is None:
+                yield from self._run(loop.body, ctx)
+            else:  # a decode loop: `_node`'s one call of an iteration, without a generator per token
+                inputs, stream = self._inputs(single)
+                outcomes = yield [NodeCall(single, i, inputs, stream, True)]
+                self._take(single, outcomes[single.name], ctx)
             for edge, values in gathered.items():
                 if edge in self.env:
                     values.append(self.env[edge])

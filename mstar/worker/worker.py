@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -60,6 +61,17 @@ def _scalar(value: int | bool) -> torch.Tensor:
     return cached
 
 
+@dataclass(slots=True)
+class _Target:
+    """Where the items of one (walk, node) go on this worker."""
+
+    engine: Engine
+    host_inputs: bool  # the engine reads inputs as produced: no device copy
+    namespace: str | None  # option namespace of the component
+    kv_slot: str
+    pending: dict[str, int]  # the component's unanswered items per request (Worker._pending)
+
+
 @dataclass
 class _Run:
     """A walk this worker drives."""
@@ -96,6 +108,11 @@ class Worker:
         # receive; they skip the transport (no encoding, no socket) and stay on their device
         self._local_items: list[tuple[str, str, int, Any]] = []
         self._node_specs = {(w.name, n.name): n for w in graph.walks for n in iter_nodes(w.body)}
+        # (walk, node) -> how its items reach an engine: looked up once per node, not once per token
+        self._targets: dict[tuple[str, str], _Target] = {}
+        # (walk, edge) -> names under which the edge's values go to the client
+        self._client_emits = {(w.name, e.edge): tuple(x.name for x in w.emits if x.edge == e.edge and x.to == TO_CLIENT)
+                              for w in graph.walks for e in w.emits}
         self._running = True
         self.stats = StatsReporter(rank, engines, lambda msg: self.outbox.send(CONDUCTOR, msg))
 
@@ -196,7 +213,7 @@ class Worker:
         self._runs[(msg.rid, msg.walk)] = state
         streams = frozenset(s.target_input for s in self.graph.streams if s.target_walk == msg.walk)
         inputs = {k: self._to_device(self.codec.unpack(v)) for k, v in msg.inputs.items()}
-        state.run = WalkRun(walk.body, msg.options, inputs, streams, lambda e, v: self._on_value(state, e, v))
+        state.run = WalkRun(walk.body, msg.options, inputs, streams, partial(self._on_value, state))
         self._dispatch(state, state.run.start())
         self._finish_if_done(state)
 
@@ -218,20 +235,27 @@ class Worker:
                 self.outbox.send(worker_peer(rank), msg)
 
     def _submit(self, rid: str, walk: str, node: str, iteration: int, inputs: dict, options: dict) -> None:
-        node_spec = self._node_specs[(walk, node)]
-        engine = self.engines[node_spec.component]
-        if not getattr(engine, "host_inputs", False):  # engines that read inputs on the host skip the copy
+        target = self._targets.get((walk, node))
+        if target is None:
+            target = self._targets[(walk, node)] = self._target(walk, node)
+        if not target.host_inputs:  # engines that read inputs on the host skip the copy
             inputs = {k: self._to_device(v) for k, v in inputs.items()}
-        namespace = self._namespaces.get(node_spec.component)
-        if namespace:
-            key = (rid, namespace)
-            if key not in self._scoped:
-                self._scoped[key] = scoped_options(options, namespace)
-            options = self._scoped[key]
-        item = StepItem(rid, walk, node, inputs, options, iteration, node_spec.kv_slot)
-        pending = self._pending[node_spec.component]
+        if target.namespace:
+            key = (rid, target.namespace)
+            scoped = self._scoped.get(key)
+            if scoped is None:
+                scoped = self._scoped[key] = scoped_options(options, target.namespace)
+            options = scoped
+        item = StepItem(rid, walk, node, inputs, options, iteration, target.kv_slot)
+        pending = target.pending
         pending[rid] = pending.get(rid, 0) + 1
-        engine.submit(item)
+        target.engine.submit(item)
+
+    def _target(self, walk: str, node: str) -> _Target:
+        spec = self._node_specs[(walk, node)]
+        engine = self.engines[spec.component]
+        return _Target(engine, bool(getattr(engine, "host_inputs", False)), self._namespaces.get(spec.component),
+                       spec.kv_slot, self._pending[spec.component])
 
     def _to_device(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor) or value.device == self.device:
@@ -265,17 +289,17 @@ class Worker:
         self._dispatch(state, [NodeCall(call.node, call.iteration, inputs)])
 
     def _buffer(self, rid: str, stream: str) -> StreamBuffer:
-        key = (rid, stream)
-        if key not in self._buffers:
+        buffer = self._buffers.get((rid, stream))
+        if buffer is None:
             spec = self._streams[stream]
-            self._buffers[key] = StreamBuffer(spec.policy, spec.keep, spec.dim)
-        return self._buffers[key]
+            buffer = self._buffers[(rid, stream)] = StreamBuffer(spec.policy, spec.keep, spec.dim)
+        return buffer
 
     # -- route ---------------------------------------------------------------------------------
 
     def _route(self, result: StepResult) -> None:
         key = (result.request_id, result.walk, result.node, result.iteration)
-        if key in self._remote:
+        if self._remote and key in self._remote:
             reply = self._remote.pop(key)
             outputs = {k: self.codec.pack(v) for k, v in result.outputs.items()}
             msg = wire.NodeDone(*key, outputs, result.stop, result.error, result.finish_reason)
@@ -291,7 +315,7 @@ class Worker:
         if error is not None:
             self._fail(rid, walk, error)
             return
-        if (rid, walk, node) in self._final_chunks:
+        if self._final_chunks and (rid, walk, node) in self._final_chunks:
             self._final_chunks.discard((rid, walk, node))
             outcome.final_chunk = True
         try:
@@ -301,18 +325,19 @@ class Worker:
             self._fail(rid, walk, f"{type(exc).__name__}: {exc}")
             return
         self._dispatch(state, calls)
-        self._finish_if_done(state)
+        if state.run.done:
+            self._finish_if_done(state)
 
     def _on_value(self, state: _Run, edge: str, value: Any) -> None:
         rid = state.start.rid
-        for emit in state.walk.emits:
-            if emit.edge == edge and emit.to == TO_CLIENT:
-                self.outbox.send(CONDUCTOR, wire.ClientOutput(rid, emit.name, self.codec.pack(value)))
+        for name in self._client_emits.get((state.walk.name, edge), ()):
+            self.outbox.send(CONDUCTOR, wire.ClientOutput(rid, name, self.codec.pack(value)))
         target = state.start.stream_targets.get(edge)
         if target is not None:
             rank, stream, first = target
-            seq = first + state.stream_counts.get(stream, 0)
-            state.stream_counts[stream] = state.stream_counts.get(stream, 0) + 1
+            sent = state.stream_counts.get(stream, 0)
+            seq = first + sent
+            state.stream_counts[stream] = sent + 1
             if rank == self.rank:
                 self._local_items.append((rid, stream, seq, value))
             else:
@@ -345,8 +370,9 @@ class Worker:
         error, so the driving worker fails that request instead of waiting for it forever.
         """
         error = f"{component} failed: {type(exc).__name__}: {exc}"
-        rids = set(self._pending[component])
-        self._pending[component] = {}
+        pending = self._pending[component]
+        rids = set(pending)
+        pending.clear()  # in place: each _Target of the component holds this dict
         for rid in rids:
             engine.release(rid)
             for key in [k for k in self._remote if k[0] == rid]:

@@ -15,9 +15,10 @@ from mstar.models.llama.weights import load_model
 DEVICE = torch.device("cuda")
 
 
-def engine_for(model, graphs: bool, backend: str = "triton", max_batch: int = 8) -> AutoregressiveEngine:
-    kv = KVCacheConfig(max_num_pages=256, page_size=16, attention_backend=backend)
-    return AutoregressiveEngine(model, kv, DEVICE, max_num_seqs=max_batch, max_model_len=512,
+def engine_for(model, graphs: bool, backend: str = "triton", max_batch: int = 8, pages: int = 256,
+               max_model_len: int = 512) -> AutoregressiveEngine:
+    kv = KVCacheConfig(max_num_pages=pages, page_size=16, attention_backend=backend)
+    return AutoregressiveEngine(model, kv, DEVICE, max_num_seqs=max_batch, max_model_len=max_model_len,
                                 cuda_graphs=CudaGraphConfig(enabled=graphs, max_batch_size=max_batch))
 
 
@@ -63,6 +64,18 @@ def test_graph_replay_equals_eager(checkpoint):
     eager = engine_for(model, graphs=False)
     assert eager.runner.graphs is None
     assert generate(graphed, prompts, budgets) == generate(eager, prompts, budgets)
+
+
+def test_graph_replay_equals_eager_under_preemption(checkpoint):
+    """A pool too small for all sequences: preempted ones come back with new page lists, in other
+    rows of the batch; the staged block tables (rewritten only where pages changed) must follow."""
+    model = load_model(checkpoint[0], dtype=torch.bfloat16, device=DEVICE)
+    prompts, budgets = prompts_of([3, 17, 40, 9, 64, 20]), [120, 100, 90, 110, 80, 100]
+    graphed = engine_for(model, graphs=True, pages=20, max_model_len=256)
+    got = generate(graphed, prompts, budgets)
+    assert graphed.scheduler.num_preemptions > 0
+    eager = engine_for(model, graphs=False, pages=20, max_model_len=256)  # the same preemptions, eagerly
+    assert got == generate(eager, prompts, budgets)
 
 
 def test_sampling_graphs_equal_eager_sampling(checkpoint):

@@ -105,3 +105,24 @@ def test_sliding_window_first_must_be_shorter_than_the_window():
 
     with pytest.raises(ValueError, match="first"):
         SlidingWindow(4, 2, first=4)
+
+
+def test_keep_filter_sees_items_in_stream_order_whatever_the_arrival_order():
+    """In-order items take a direct path, held-back ones wait for the gap: the filter sees the same
+    items with the same kept counts either way (multiples of 3 stay only at an even kept count)."""
+    def kept(order):
+        calls = []
+
+        def keep(item, n):
+            calls.append((int(item), n))
+            return int(item) % 3 != 0 or n % 2 == 0
+
+        buf = StreamBuffer(Fixed(100), keep=keep)
+        for seq in order:
+            buf.put(seq, torch.tensor([seq]))
+        buf.end(len(order))
+        return calls, buf.pop().value.tolist()
+
+    in_order = kept(list(range(12)))
+    assert in_order == kept([1, 0, 2, 5, 3, 4, 6, 7, 11, 10, 9, 8]) == kept(list(reversed(range(12))))
+    assert in_order[1] == [0, 1, 2, 4, 5, 7, 8, 10, 11]

@@ -71,3 +71,36 @@ def test_graphable(params, generator, ok):
 def test_min_tokens_reached_is_graphable():
     row = SamplingRow(SamplingParams(min_tokens=2), [1, 2, 3, 4, 5], 3, eos_token_ids=(7,))
     assert graphable(row)
+
+
+def test_sampler_graphs_table_follows_the_rows(monkeypatch):
+    """SamplerGraphs keeps the parameter table while the batch's params stay the same; any change of
+    rows (other params, another order, fewer rows) gets the table of the new rows. Run on the CPU
+    with the captured graph replaced by `sample_static` itself (no CUDA graph, no pinned memory)."""
+    from mstar.engines.sampling_graph import SamplerGraphs
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
+    vocab, tables = 300, []
+    sampler = SamplerGraphs([8], torch.device("cpu"))
+    sampler._vocab, sampler._unseen = vocab, torch.zeros(8, vocab, dtype=torch.bool)
+
+    def replay(logits, table, seen):
+        tables.append(table)
+        return (sample_static(logits, table, seen),)
+
+    sampler._graphs = replay
+    a, b, c = (SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3),
+               SamplingParams(temperature=0.0), SamplingParams(top_k=5, temperature=1.2))
+    gen = torch.Generator().manual_seed(0)
+
+    def rows(*params):
+        return [SamplingRow(p, torch.randint(0, vocab, (6,), generator=gen).tolist(), 3) for p in params]
+
+    batches = [[a, b, c], [a, b, c], [b, a, c], [a, c], [a, c], [SamplingParams(top_k=5, temperature=1.2), a]]
+    for params in batches:
+        batch = rows(*params)
+        ids = sampler(torch.randn(len(batch), vocab, generator=gen), batch)
+        assert ids is not None and ids.shape == (len(batch),)
+        assert torch.equal(tables[-1], filters.RowTable.columns(batch, vocab))
+    assert tables[0] is tables[1] and tables[3] is tables[4]  # same params, same order: kept
+    assert tables[2] is not tables[1] and tables[3] is not tables[2] and tables[5] is not tables[4]

@@ -88,7 +88,7 @@ class TritonBackend:
     def prepare(self, meta: AttentionMetadata, pad_to: int | None = None) -> None:
         """Copy the batch description into the persistent buffers (see the module docstring)."""
         num_seqs = len(meta.query_lens)
-        self.is_decode = all(q == 1 for q in meta.query_lens)
+        self.is_decode = meta.query_lens.count(1) == num_seqs
         rows = self._check(meta, pad_to)
         self._stage(meta, num_seqs, rows)
         width = meta.block_tables.shape[1]
@@ -109,7 +109,7 @@ class TritonBackend:
         if rows > self.max_num_seqs:
             raise ValueError(f"batch of {rows} sequences exceeds TritonBackend max_num_seqs="
                              f"{self.max_num_seqs}; raise max_num_seqs")
-        pages = max(-(-s // self.page_size) for s in meta.seq_lens)
+        pages = -(-max(meta.seq_lens) // self.page_size)  # of the longest sequence
         if max(pages, meta.block_tables.shape[1]) > self.max_pages_per_seq:
             raise ValueError(f"a sequence of {max(meta.seq_lens)} tokens needs {pages} pages (block table "
                              f"width {meta.block_tables.shape[1]}) > max_pages_per_seq="

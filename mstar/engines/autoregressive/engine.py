@@ -208,13 +208,15 @@ class AutoregressiveEngine:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
         seq = Sequence(key, params, tokens, len(tokens), generator)
+        # one row for the sequence's life: it reads token_ids and the sampling cache, which grow in place
+        seq.sampling_row = SamplingRow(params, seq.token_ids, seq.num_prompt, generator, self.eos_token_ids,
+                                       seq.sampling_cache)
         self._seqs[key] = seq
         return seq
 
     def _postprocess(self, chunks: list[Chunk], logits: torch.Tensor) -> list[StepResult]:
         seqs = [c.seq for c in chunks]
-        rows = [SamplingRow(s.params, s.token_ids, s.num_prompt, s.generator, self.eos_token_ids, s.sampling_cache)
-                for s in seqs]
+        rows = [s.sampling_row for s in seqs]
         greedy = self.runner.last_greedy_ids  # argmax taken inside the decode graph, if it ran
         if greedy is not None and all(plain_greedy(r) for r in rows):
             out = SampleOutput(greedy)
@@ -225,16 +227,18 @@ class AutoregressiveEngine:
         keep = continuing(seqs, self.scheduler, self.runner.page_size, self.max_model_len) if self.lookahead else None
         if keep is None:
             out = _to_host(out)  # the step's one host sync
+            tokens = out.token_ids.tolist()
         else:
-            out = self._launch_ahead(seqs, keep, out)
+            out, tokens = self._launch_ahead(seqs, keep, out)
+        views = out.token_ids.unsqueeze(1).unbind(0)  # each row's [1] view, in one call, not a slice per row
         results = []
-        for i, (seq, token) in enumerate(zip(seqs, out.token_ids.tolist())):
+        for i, seq in enumerate(seqs):
             item = seq.item
             assert item is not None, f"{seq.key} computed without a pending item"
             seq.item = None
             seq.num_generated += 1
-            reason = self._finish_reason(seq, token)
-            outputs = _outputs(out, i, seq.params)
+            reason = self._finish_reason(seq, tokens[i])
+            outputs = {"token": views[i]} if seq.params.logprobs is None else _outputs(out, i, seq.params)
             if seq.inputs is not None and (hidden := seq.inputs.take_hidden()) is not None:
                 outputs["hidden"] = hidden
             results.append(StepResult(item.request_id, item.walk, item.node, outputs,
@@ -243,9 +247,11 @@ class AutoregressiveEngine:
                 self.scheduler.remove(self._seqs.pop(seq.key))
         return results
 
-    def _launch_ahead(self, seqs: list[Sequence], keep: list[int], out: SampleOutput) -> SampleOutput:
+    def _launch_ahead(self, seqs: list[Sequence], keep: list[int],
+                      out: SampleOutput) -> tuple[SampleOutput, list[int]]:
         """Queue the copy of this step's samples to the host, launch the next forward of `seqs[keep]`
-        fed with them, then wait for the copy only (see lookahead.py); the samples on the host."""
+        fed with them, then wait for the copy only (see lookahead.py); the samples on the host, and
+        their token ids as ints."""
         host, copied = _to_host_async(out)
         ids = out.token_ids
         if len(keep) < len(seqs):
@@ -254,9 +260,9 @@ class AutoregressiveEngine:
         if copied is not None:
             copied.synchronize()
         tokens = host.token_ids.tolist()
-        ahead.tokens = [tokens[i] for i in keep]
+        ahead.tokens = tokens if len(keep) == len(tokens) else [tokens[i] for i in keep]
         self._ahead = ahead
-        return host
+        return host, tokens
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

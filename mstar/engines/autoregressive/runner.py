@@ -217,18 +217,15 @@ class ModelRunner:
                              for _ in range(2)]
         self._staging.reverse()
         st, n, page = self._staging[0], len(seqs), self.page_size
-        seq_lens = []
-        for i, (seq, pos) in enumerate(zip(seqs, positions)):
-            pages = seq.pages
-            if with_ids:
-                st.ids_np[i] = seq.token_ids[pos]
-            st.positions_np[i] = pos
-            st.slots_np[i] = pages[pos // page] * page + pos % page
-            st.tables_np[i, : len(pages)] = pages
-            seq_lens.append(pos + 1)
+        if with_ids:
+            st.ids_np[:n] = [seq.token_ids[pos] for seq, pos in zip(seqs, positions)]
+        st.positions_np[:n] = positions
+        st.slots_np[:n] = [seq.pages[pos // page] * page + pos % page for seq, pos in zip(seqs, positions)]
+        for i, seq in enumerate(seqs):
+            st.write_table_row(i, seq.pages)
         bucket = self.graphs.bucket(n)
         assert bucket is not None
-        meta = AttentionMetadata([1] * n, seq_lens, st.slots[:n], st.tables[:n])
+        meta = AttentionMetadata([1] * n, [pos + 1 for pos in positions], st.slots[:n], st.tables[:n])
         self.attn.prepare(meta, pad_to=bucket)  # type: ignore[call-arg]
         return st, n, bucket
 
@@ -276,3 +273,17 @@ class _DecodeStaging:
         self.tables = pinned(max_batch, max_pages, dtype=torch.int32)
         self.ids_np, self.positions_np = self.ids.numpy(), self.positions.numpy()
         self.slots_np, self.tables_np = self.slots.numpy(), self.tables.numpy()
+        # per block-table row: the page list it was last written from, and how many of its pages
+        self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * max_batch
+
+    def write_table_row(self, i: int, pages: list[int]) -> None:
+        """Block-table row i := `pages`. A sequence's page list only grows in place (the scheduler
+        appends, and gives a new list when it frees them), so while row i holds the same list only
+        the pages appended since are written: rewriting a whole row costs microseconds per sequence.
+        The list is kept referenced, so its identity cannot pass to another list."""
+        held, done = self._rows[i]
+        if held is not pages or done > len(pages):
+            done = 0
+        if done < len(pages):
+            self.tables_np[i, done : len(pages)] = pages[done:]
+            self._rows[i] = (pages, len(pages))

@@ -18,7 +18,7 @@ from mstar.engines.kv_cache.prefix_cache import hash_pages
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)  # one per sequence and step
 class Chunk:
     """Tokens [start, start + num_tokens) of `seq` computed in this step."""
 
@@ -62,7 +62,10 @@ class Scheduler:
         budget = self.max_batch_tokens
         chunks: list[Chunk] = []
         preempted_before = self.num_preemptions
-        ready = sorted((s for s in self.running if s.num_pending > 0), key=lambda s: s.num_pending > 1)
+        # decode steps (one pending token) first, then the rest, each in running order
+        ready = [s for s in self.running if len(s.token_ids) - s.num_computed == 1]
+        if len(ready) < len(self.running):
+            ready += [s for s in self.running if len(s.token_ids) - s.num_computed > 1]
         for seq in ready:
             if budget == 0:
                 break
@@ -119,6 +122,8 @@ class Scheduler:
         False when `seq` itself had to be preempted.
         """
         need = self.pool.pages_for(seq.num_computed + n) - len(seq.pages)
+        if need <= 0:  # the usual decode step: its token fits in the last page
+            return True
         while need > self.pool.num_free:
             scheduled = {id(c.seq) for c in chunks}
             victim = next(s for s in reversed(self.running) if id(s) not in scheduled)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mstar.engines.base import StepItem
-from mstar.engines.sampling import SamplingParams
+from mstar.engines.sampling import SamplingParams, SamplingRow
 
 if TYPE_CHECKING:
     from mstar.engines.autoregressive.token_inputs import TokenInputs
@@ -44,6 +44,7 @@ class Sequence:
     num_generated: int = 0  # tokens sampled for this sequence
     item: StepItem | None = None  # the item waiting for a result
     sampling_cache: dict = field(default_factory=dict)  # sampling's per-sequence scratch (seen-token mask)
+    sampling_row: SamplingRow | None = None  # what sampling reads of this sequence (set by the engine, kept)
     inputs: TokenInputs | None = None  # embeddings, explicit positions, hidden capture (token_inputs.py)
 
     @property

@@ -43,6 +43,10 @@ class ItemExtras:
 def parse_item(item: StepItem, n: int, model: Any) -> ItemExtras | None:
     """The extras of `item` (n tokens), None when it has none; ValueError names a malformed one."""
     names = tuple(getattr(model, "token_features", ()))
+    inputs = item.inputs
+    if ("input_embeds" not in inputs and "positions" not in inputs and "return_hidden" not in item.options
+            and not (names and any(name in inputs for name in names))):
+        return None  # the usual decode item: its token alone
     extras = ItemExtras()
     embeds = item.inputs.get("input_embeds")
     if embeds is not None:
