@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import os
@@ -270,9 +271,10 @@ def time_case(mode: str, stream: bool, args: argparse.Namespace, runs: int, work
 
 class OneThread:
     """The in-process runtime with its worker and conductor driven by the calling thread alone: no
-    thread handoffs and no timer in the way, so CPU time per token is the runtime's own work (and,
-    under `valgrind --tool=callgrind`, its instruction count is reproducible). The client side
-    (events to sinks, no output decoding) is left out."""
+    thread handoffs in the way, so CPU time per token is the runtime's own work (and, under
+    `valgrind --tool=callgrind`, its instruction count is reproducible). The client side (events to
+    sinks, no output decoding) is left out; objects built before serving are frozen out of the
+    garbage collector, as in a worker process."""
 
     def __init__(self, cfg: dict, tiny: bool) -> None:
         from mstar.conductor.conductor import Conductor
@@ -299,6 +301,10 @@ class OneThread:
         engines = build_engines(self.model, config, plan.components_on(0), device)
         self.worker = Worker(0, graph, engines, network.inbox(worker_peer(0)), network.outbox(), codec, device)
         self.made = 0
+        # as a worker process does before serving (runtime/process.py): otherwise a full collection
+        # over everything imported lands in some round and swamps its per-token figure
+        gc.collect()
+        gc.freeze()
 
     def generate_many(self, n: int, opts: dict) -> int:
         """`n` requests at once, pumped to the end; audio samples of the last."""
