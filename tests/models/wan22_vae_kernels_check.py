@@ -9,18 +9,11 @@ float32 formula once (the interpreter rounds float32 -> bf16 toward zero, which 
 from __future__ import annotations
 
 import torch
+from wan22_kernels_check import torch_form  # this script's folder is on sys.path (run as a script)
 
 from mstar.kernels import wan_vae_ops
 from mstar.layers.fused import FUSED
 from mstar.models.wan22.vae_layers import ChannelRMSNorm
-
-
-def torch_form(fn, *args, **kwargs):
-    FUSED.enabled = False
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        FUSED.enabled = True
 
 
 def _norm(channels: int, spatial_dims: int) -> ChannelRMSNorm:
