@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|wan|wan_extra|omni|omni2|profile_omni|code2wav|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|wan|wan_extra|omni|omni2|profile_omni|code2wav|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -50,6 +50,8 @@ fi
 if [[ $WHAT == orpheus || $WHAT == all ]]; then
   run 60 sampling_ops python3 benchmarks/sampling_ops.py --device cuda --batch 1 16 --out "$OUT/sampling_ops_h200.json"
   run 120 profile_orpheus python3 benchmarks/profile_orpheus.py --out "$OUT/profile_orpheus_h200.json"
+fi
+if [[ $WHAT == orpheus || $WHAT == orpheus_http || $WHAT == all ]]; then  # orpheus_http: the served sweep alone
   python3 -m mstar.cli.main serve orpheus --load-format dummy --port "$PORT" > "$OUT/orpheus_server.log" 2>&1 &
   server=$!
   if wait_ready; then
