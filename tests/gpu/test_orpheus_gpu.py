@@ -74,7 +74,8 @@ def test_vocoder_steps_run_on_their_own_stream(cuda):
     def window(start: int) -> dict:
         codes = torch.randint(1, 4096, (4, FRAME), generator=gen)
         flat = (codes + tokens.audio_offset + torch.arange(FRAME) * 4096).reshape(-1)
-        return {"codes": flat, "codes_new": torch.tensor(FRAME), "codes_start": torch.tensor(start),
+        new = FRAME if start else FRAME * 4  # the first window: all new (no early window before it)
+        return {"codes": flat, "codes_new": torch.tensor(new), "codes_start": torch.tensor(start),
                 "codes_final": torch.tensor(False)}
 
     windows = [window(7 * i) for i in range(6)]
