@@ -70,7 +70,13 @@ def check_attention(shape: Shape, seq_lens: list[int], pad_to: int | None = None
 
         splits = decode_num_splits(tri.num_rows, shape.hkv, tri.num_sms, shape.max_pages_per_seq * shape.page_size)
         ref = outs["ref"].float()
-        assert torch.equal(outs["rope"], outs["ref"]), (shape, (outs["rope"].float() - ref).abs().max())
+        rope_err = (outs["rope"].float() - ref).abs().max().item()
+        if shape.dtype == torch.float32 and device != "cpu":
+            # the GPU compiler may contract the rotation's multiply-adds into FMAs in one kernel and not
+            # the other: a last-bit difference in float32 (seen: 6e-8), which bf16's rounding hides
+            assert rope_err <= 1e-6 * max(1.0, ref.abs().max().item()), (shape, rope_err)
+        else:
+            assert torch.equal(outs["rope"], outs["ref"]), (shape, rope_err)
         tol = 1e-5 if shape.dtype == torch.float32 else 1.6e-2  # bf16: one rounding of the output
         err = (outs["both"].float() - ref).abs().max().item()
         assert err <= tol * max(1.0, ref.abs().max().item()), (shape, splits, err)
