@@ -19,6 +19,7 @@ all the work queued on the stream (the step just launched included); a pinned on
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -69,10 +70,13 @@ class BatchGraphs:
         self._before = before_capture or (lambda size: None)
         self._graphs: dict[int, _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        started = time.perf_counter()
         # Largest first: smaller graphs reuse the memory the largest one reserved in the shared pool.
         for size in reversed(self.sizes):
             self._graphs[size] = self._capture(size, warmup)
-        logger.info("captured %d CUDA graphs for batch sizes %s", len(self.sizes), self.sizes)
+            logger.debug("captured %s at batch %d (%.1f s so far)", _name(fn), size, time.perf_counter() - started)
+        logger.info("captured %d CUDA graphs of %s for batch sizes %s in %.1f s", len(self.sizes), _name(fn),
+                    self.sizes, time.perf_counter() - started)
 
     @property
     def max_batch(self) -> int:
@@ -115,3 +119,10 @@ class BatchGraphs:
                 static[:batch].copy_(value, non_blocking=True)
             captured.graph.replay()
         return tuple(o[:batch] for o in captured.outputs)
+
+
+def _name(fn: GraphFn) -> str:
+    """What a log line calls a captured function: its owner's class and its name."""
+    owner = getattr(fn, "__self__", None)
+    name = getattr(fn, "__qualname__", None) or repr(fn)
+    return f"{type(owner).__name__}.{fn.__name__}" if owner is not None else name
