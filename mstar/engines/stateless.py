@@ -166,15 +166,34 @@ class _InFlight:
 
 def start_host_copies(results: list[StepResult]) -> Any:
     """Replace every CUDA output tensor of `results` by a pinned host tensor its copy is queued into;
-    the CUDA event recorded after the copies, or None when no output was on a CUDA device."""
-    copied = False
+    the CUDA event recorded after the copies, or None when no output was on a CUDA device.
+
+    Outputs that are views of one contiguous tensor which they cover whole (a component that packs
+    its rows' outputs into one buffer) cost one copy of that tensor: each becomes the same view of
+    its host copy. Any other output is copied alone (a view of a larger buffer copies only itself).
+    """
+    found: list[tuple[StepResult, str, torch.Tensor]] = []
+    views: dict[int, list[tuple[StepResult, str, torch.Tensor]]] = {}  # id(base) -> its views
     for result in results:
         for port, value in result.outputs.items():
             if isinstance(value, torch.Tensor) and value.device.type == "cuda":
-                result.outputs[port] = to_host_async(value)
-                copied = True
-    if not copied:
+                base = value._base
+                if base is not None and base.is_contiguous():
+                    views.setdefault(id(base), []).append((result, port, value))
+                else:
+                    found.append((result, port, value))
+    if not found and not views:
         return None
+    for group in views.values():
+        base = group[0][2]._base
+        if len(group) > 1 and sum(v.numel() for _, _, v in group) >= base.numel():
+            host, offset = to_host_async(base), base.storage_offset()
+            for result, port, value in group:
+                result.outputs[port] = host.as_strided(value.shape, value.stride(), value.storage_offset() - offset)
+        else:
+            found.extend(group)
+    for result, port, value in found:
+        result.outputs[port] = to_host_async(value)
     event = torch.cuda.Event()
     event.record()
     return event

@@ -39,3 +39,30 @@ def test_side_stream_step_waits_for_its_device_inputs_on_the_gpu():
         results += engine.step()
     assert [float(r.outputs["sum"]) for r in results] == [float(N)]
     assert float(y[0]) == 5.0
+
+
+def test_host_copies_of_views_of_one_buffer_copy_it_once():
+    """Outputs packed into one buffer reach the host as views of one copy; a view of a larger buffer
+    and a plain tensor are copied alone; every value equals its device original."""
+    from mstar.engines import stateless
+    from mstar.engines.base import StepResult
+
+    packed = torch.arange(10, dtype=torch.float32, device="cuda") * 1.5
+    big = torch.randn(64, 8, device="cuda")
+    plain = torch.randn(3, device="cuda")
+    results = [StepResult(f"r{i}", "w", "n", {"audio": packed[lo:hi]}) for i, (lo, hi) in enumerate([(0, 3), (3, 10)])]
+    results.append(StepResult("r2", "w", "n", {"audio": big[5, 2:6], "extra": plain}))
+    want = [{k: v.cpu() for k, v in r.outputs.items()} for r in results]
+    copies = []
+    real = stateless.to_host_async
+    stateless.to_host_async = lambda t: copies.append(t.numel()) or real(t)
+    try:
+        event = stateless.start_host_copies(results)
+    finally:
+        stateless.to_host_async = real
+    event.synchronize()
+    assert sorted(copies) == [3, 4, 10]  # packed once (10), the row of `big` alone (4), `plain` (3)
+    for r, w in zip(results, want):
+        for port, value in r.outputs.items():
+            assert value.device.type == "cpu" and torch.equal(value, w[port]), (r.request_id, port)
+    assert results[0].outputs["audio"].untyped_storage().data_ptr() == results[1].outputs["audio"].untyped_storage().data_ptr()

@@ -10,6 +10,7 @@ level 2 places 2, 3, 5 and 6.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -108,4 +109,19 @@ def window_is_valid(frame_tokens: list[int], tokens: OrpheusTokens) -> bool:
     (The original tests `code > 4096`, letting 4096 through, one past a 4096-entry codebook; we
     reject it.)
     """
-    return all(0 <= tokens.code(t, i) < tokens.codebook_size for i, t in enumerate(frame_tokens))
+    return valid_windows(torch.tensor([frame_tokens], dtype=torch.long), tokens)[0]
+
+
+def valid_windows(frame_tokens: torch.Tensor, tokens: OrpheusTokens) -> list[bool]:
+    """`window_is_valid` of each row of host tokens [B, 7F] (whole frames), in three tensor ops."""
+    b = frame_tokens.shape[0]
+    codes = frame_tokens.view(b, -1, FRAME) - _place_bases(tokens.audio_offset, tokens.codebook_size)
+    low, high = torch.aminmax(codes.view(b, -1), dim=1)
+    size = tokens.codebook_size
+    return [lo >= 0 and hi < size for lo, hi in zip(low.tolist(), high.tolist())]
+
+
+@functools.lru_cache(maxsize=8)
+def _place_bases(audio_offset: int, codebook_size: int) -> torch.Tensor:
+    """The token id of code 0 at each place of a frame (a host tensor, made once)."""
+    return audio_offset + torch.arange(FRAME) * codebook_size

@@ -26,7 +26,7 @@ from torch import nn
 
 from mstar.engines.cuda_graphs import to_device_async
 from mstar.models.orpheus.snac import SnacDecoder
-from mstar.models.orpheus.tokens import FRAME, OrpheusTokens, split_levels, window_is_valid
+from mstar.models.orpheus.tokens import FRAME, OrpheusTokens, split_levels, valid_windows
 
 WINDOW_FRAMES = 4
 EARLY_FRAMES = 2  # the early window (model.EARLY_WINDOW_TOKENS = 14 tokens)
@@ -122,36 +122,44 @@ class OrpheusVocoder(nn.Module):
 
     def run_batch(self, walk, node, inputs, options):
         # Windows and their stream metadata are read on the host (host_inputs), without a device sync.
-        meta = torch.stack([torch.stack([x["codes_new"], x["codes_start"], x["codes_final"].long()])
-                            for x in inputs]).tolist()
         windows = [x["codes"].reshape(-1) for x in inputs]
-        flat = torch.cat(windows).tolist()
-        plans, groups, at = [], {}, 0
-        for i, ((new, start, final), window) in enumerate(zip(meta, windows)):
-            plan = plan_window(len(window), new, start, bool(final))
-            plans.append(plan)
-            span = flat[at + plan.first_token: at + plan.first_token + FRAME * plan.frames]
-            at += len(window)
-            if plan.emit_to > plan.emit_from and window_is_valid(span, self.tokens):
+        plans = [plan_window(len(w), x["codes_new"].item(), x["codes_start"].item(), bool(x["codes_final"].item()))
+                 for x, w in zip(inputs, windows)]
+        groups: dict[int, list[int]] = {}
+        for i, plan in enumerate(plans):
+            if plan.emit_to > plan.emit_from:
                 groups.setdefault(plan.frames, []).append(i)
         outputs: list[dict[str, torch.Tensor]] = [{} for _ in inputs]
         spf = self.samples_per_frame
         for frames, rows in groups.items():  # one batched decode per window size (4 frames but at the ends)
-            spans, first = _to_device([windows[i][plans[i].first_token: plans[i].first_token + FRAME * frames]
-                                       for i in rows], [plans[i].first_frame for i in rows], self.noise_table.device)
+            spans = torch.stack([windows[i][plans[i].first_token: plans[i].first_token + FRAME * frames]
+                                 for i in rows]).long()
+            valid = valid_windows(spans, self.tokens)
+            if not all(valid):  # a window holding an out-of-codebook code makes no audio (as the original)
+                spans = spans[torch.tensor(valid)]
+                rows = [i for i, ok in zip(rows, valid) if ok]
+                if not rows:
+                    continue
+            spans, first = _to_device(spans, [plans[i].first_frame for i in rows], self.noise_table.device)
             graphs = self.graphs.get(frames)
             if graphs is not None and len(rows) <= graphs.max_batch:
-                (audio,) = graphs(spans, first)  # views of the graph's output: sliced and copied below
+                (audio,) = graphs(spans, first)  # views of the graph's output: copied out below
             else:
                 audio = self.decode_windows(spans, first)
-            for row, i in enumerate(rows):
-                outputs[i]["audio"] = audio[row, plans[i].emit_from * spf: plans[i].emit_to * spf].contiguous()
+            # every emitted span in one copy out of the decode's buffer; the rows' audio are views of it
+            # (one host copy for them all: stateless.start_host_copies copies a shared base once)
+            bounds = [(plans[i].emit_from * spf, plans[i].emit_to * spf) for i in rows]
+            emitted = torch.cat([audio[row, lo:hi] for row, (lo, hi) in enumerate(bounds)])
+            at = 0
+            for i, (lo, hi) in zip(rows, bounds):
+                outputs[i]["audio"] = emitted[at: at + hi - lo]
+                at += hi - lo
         return outputs  # a window with nothing to emit sends no audio chunk
 
 
-def _to_device(spans: list[torch.Tensor], first: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token spans [B, 7F] and first frames [B] on `device`: one pinned, non-blocking copy on CUDA (a
-    pageable `.to` would wait for all the work queued before, the LM's next step included)."""
-    host = torch.cat([torch.stack([s.reshape(-1).long().cpu() for s in spans]), torch.tensor(first)[:, None]], dim=1)
+def _to_device(spans: torch.Tensor, first: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host token spans [B, 7F] and first frames [B] on `device`: one pinned, non-blocking copy on CUDA
+    (a pageable `.to` would wait for all the work queued before, the LM's next step included)."""
+    host = torch.cat([spans, torch.tensor(first)[:, None]], dim=1)
     moved = to_device_async(host, device)
     return moved[:, :-1], moved[:, -1]
