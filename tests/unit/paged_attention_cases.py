@@ -72,13 +72,17 @@ def random_batch(shape: Shape, seq_lens, query_lens, device: str, seed: int = 1,
     return meta, q, k, v
 
 
-def compare(sdpa, tri, meta, q, k, v, pad_to: int | None = None, layer: int = 1) -> dict:
-    """Run both backends on one batch; max abs errors of outputs and caches, and of padded rows."""
+def compare(sdpa, tri, meta, q, k, v, pad_to: int | None = None, layer: int = 1, staged: bool = False) -> dict:
+    """Run both backends on one batch; max abs errors of outputs and caches, and of padded rows.
+    `staged`: the decode batch reaches Triton as the engine stages it (packed inputs, shared buffers)."""
     ref = sdpa.forward(layer, *_prepared(sdpa, meta, q, k, v))
     extra = (pad_to or q.shape[0]) - q.shape[0]
     g = torch.Generator(device="cpu").manual_seed(99)
     pad = [torch.randn(extra, *x.shape[1:], generator=g).to(x) for x in (q, k, v)]
-    tri.prepare(meta, pad_to=pad_to)
+    if staged:
+        stage_decode(tri, meta, pad_to or q.shape[0])
+    else:
+        tri.prepare(meta, pad_to=pad_to)
     out = tri.forward(layer, *(torch.cat([x, p]) for x, p in zip((q, k, v), pad)))
     n = q.shape[0]
     return {
@@ -90,6 +94,29 @@ def compare(sdpa, tri, meta, q, k, v, pad_to: int | None = None, layer: int = 1)
     }
 
 
+def stage_decode(tri, meta, rows: int) -> None:
+    """Describe decode batch `meta` to `tri` through the engine's packed decode inputs: sequences with
+    its block-table rows as pages, staged padded to `rows` in a buffer `tri` shares (made at the first
+    call), then `prepare_staged_decode`."""
+    from mstar.engines.autoregressive.decode_inputs import DecodeInputs
+    from mstar.engines.autoregressive.sequence import Sequence
+    from mstar.engines.sampling import SamplingParams
+
+    dec = getattr(tri, "_test_decode_inputs", None)
+    if dec is None:
+        dec = tri._test_decode_inputs = DecodeInputs(tri.max_num_seqs, tri.max_pages_per_seq, tri.page_size,
+                                                     tri.device)
+        tri.share_decode_buffers(dec.seq_lens, dec.slots, dec.tables)
+    seqs = []
+    for i, length in enumerate(meta.seq_lens):
+        seq = Sequence((f"s{i}", "main"), SamplingParams(), [0] * length, length)
+        seq.pages = meta.block_tables[i, : -(-length // tri.page_size)].tolist()
+        seqs.append(seq)
+    host = dec.stage(seqs, [n - 1 for n in meta.seq_lens], True, rows, whole=True)
+    dec.sent(host)
+    tri.prepare_staged_decode(len(seqs), rows)
+
+
 def _prepared(sdpa, meta, q, k, v):
     sdpa.prepare(meta)
     return q, k, v
@@ -97,13 +124,15 @@ def _prepared(sdpa, meta, q, k, v):
 
 def run_case(shape: Shape, seq_lens, query_lens, device: str = "cpu", causal: bool = True,
              window: int | None = None, pad_to: int | None = None, num_sms: int | None = None,
-             warmup: tuple | None = None, max_num_seqs: int = 16) -> dict:
-    """One comparison; `warmup` = (seq_lens, query_lens) of a batch run first on the same backends."""
+             warmup: tuple | None = None, max_num_seqs: int = 16, staged: bool = False) -> dict:
+    """One comparison; `warmup` = (seq_lens, query_lens) of a batch run first on the same backends;
+    `staged`: the decode batch is staged as the engine does (see `compare`); its warm-up batch then runs
+    twice, so that both pinned host sets hold rows past the batch's own."""
     sdpa, tri = make_pair(shape, device, num_sms=num_sms, max_num_seqs=max_num_seqs)
-    if warmup is not None:
-        compare(sdpa, tri, *random_batch(shape, *warmup, device, seed=7))
+    for _ in range(0 if warmup is None else 2 if staged else 1):
+        compare(sdpa, tri, *random_batch(shape, *warmup, device, seed=7), staged=staged)
     return compare(sdpa, tri, *random_batch(shape, seq_lens, query_lens, device, causal=causal, window=window),
-                   pad_to=pad_to)
+                   pad_to=pad_to, staged=staged)
 
 
 GQA = Shape(hq=4, hkv=1)
@@ -121,6 +150,9 @@ CPU_CASES = {
     "decode_padded": dict(shape=GQA, seq_lens=[17, 3, 66], query_lens=[1, 1, 1], pad_to=6, num_sms=64,
                           warmup=([40, 50, 60, 70], [1] * 4)),
     "decode_padded_one_split": dict(shape=GQA3, seq_lens=[9, 1], query_lens=[1, 1], pad_to=4, num_sms=1),
+    # staged by the engine's packed inputs: a wider batch first, so that stale rows lie past the new ones
+    "decode_staged": dict(shape=GQA, seq_lens=[17, 3, 66], query_lens=[1, 1, 1], pad_to=6, num_sms=64,
+                          warmup=([40, 50, 60, 70, 9], [1] * 5), staged=True),
     "mixed_fp16": dict(shape=Shape(hq=4, hkv=1, dtype=torch.float16), seq_lens=[20, 33, 5],
                        query_lens=[20, 1, 2]),
 }
