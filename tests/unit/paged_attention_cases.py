@@ -175,6 +175,33 @@ def engine_case() -> dict:
     return {"got": got, "want": [ar.reference(model, p, 3) for p in ps]}
 
 
+def engine_graphed_case() -> dict:
+    """`engine_case` with decode graphs (CPU stand-ins that replay the whole padded bucket, captured by
+    the runner, so the Triton backend reads the packed decode inputs) and lookahead on: greedy tokens,
+    the reference's, and how many decode steps the graphs ran."""
+    import test_ar_engine as ar
+    from graph_standins import EagerBatchGraphs
+
+    from mstar.engines.autoregressive import AutoregressiveEngine
+    from mstar.engines.autoregressive import runner as runner_module
+    from mstar.engines.kv_cache.config import KVCacheConfig
+
+    model, ps = ar.TinyLM(), ar.prompts(8)[2:5]  # 4, 7 and 12 tokens
+    config = KVCacheConfig(max_num_pages=64, page_size=4, attention_backend="triton")
+    engine = AutoregressiveEngine(model, config, "cpu", max_batch_tokens=8, max_num_seqs=4, lookahead=True,
+                                  default_sampling=ar.SamplingParams(temperature=0.0))
+    runner_module.BatchGraphs = EagerBatchGraphs
+    with torch.inference_mode():
+        engine.runner.graphs = engine.runner._capture([1, 2, 4])
+    out = ar.drive(engine, [ar.item(f"r{i}", p, max_tokens=6) for i, p in enumerate(ps)])
+    got = [ar.tokens_of(out[(f"r{i}", "main")]) for i in range(len(ps))]
+    return {"got": got, "want": [ar.reference(model, p, 6) for p in ps], "replays": engine.runner.graphs.calls,
+            "shared": engine.runner._shares_decode, "lookahead_hits": engine.lookahead_hits}
+
+
+ENGINE_CASES = {"engine_greedy": engine_case, "engine_graphed": engine_graphed_case}
+
+
 def _fix_interpreter_scalars() -> None:
     """Triton 3.6's interpreter holds scalars as 1-element arrays and calls int() on them for loop
     bounds, which numpy >= 2.4 refuses; read the element instead (test harness only)."""
@@ -198,7 +225,7 @@ def main() -> None:
     results = {}
     for name in names:
         try:
-            results[name] = engine_case() if name == "engine_greedy" else run_case(**CPU_CASES[name])
+            results[name] = ENGINE_CASES[name]() if name in ENGINE_CASES else run_case(**CPU_CASES[name])
         except Exception:  # report every case, not just the first failure
             results[name] = {"error": traceback.format_exc()}
     print(json.dumps(results))
