@@ -133,6 +133,8 @@ def _check_shared(shared: Sequence[torch.Tensor | None] | None, example: list[tu
         return [None] * len(example)
     if len(shared) != len(example):
         raise ValueError(f"{len(shared)} static inputs for {len(example)} inputs")
+    if device.type == "cuda" and device.index is None:  # "cuda" names the current device, as tensors say
+        device = torch.device("cuda", torch.cuda.current_device())
     for t, (shape, dtype) in zip(shared, example):
         if t is not None and (t.shape[0] < rows or tuple(t.shape[1:]) != tuple(shape) or t.dtype != dtype
                               or t.device != device or not t.is_contiguous()):
