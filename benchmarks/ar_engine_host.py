@@ -5,7 +5,8 @@ would do is an instant fake:
 - decode replays the runner's "CUDA graphs" (`runner._stage`: ids, positions, slots, block tables;
   `TritonBackend.prepare`; copies into static inputs) and the graph returns fixed logits;
 - sampling is `SamplerGraphs` (`RowTable.columns`, the seen-token masks of the repetition penalty,
-  copies into static inputs) whose graph returns new audio token ids each step;
+  copies into static inputs) whose graph returns new audio token ids each step (rows of a table made
+  once, so that the fake costs the host one indexing);
 - lookahead is on (`continuing`, `launch_ahead`, `Ahead.matches`), as on CUDA;
 - prefill's eager forward returns zeros; the KV pool is tiny (the model never reads it).
 The caller does what the worker does with each result: it feeds the token back as the next item
@@ -40,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's mstar, not whichever one is installed
 os.environ.setdefault("TRITON_INTERPRET", "1")  # lets TritonBackend (its host half only) live on the CPU
 
+from mstar.engines import sampling_graph  # noqa: E402
 from mstar.engines.autoregressive import AutoregressiveEngine  # noqa: E402
 from mstar.engines.base import KVLayout, StepItem  # noqa: E402
 from mstar.engines.kv_cache.config import KVCacheConfig  # noqa: E402
@@ -53,6 +55,7 @@ ORPHEUS_OPTIONS = {"voice": "tara", "temperature": 0.6, "top_p": 0.8, "repetitio
 PROMPT_LEN = 40
 MAX_MODEL_LEN = 1280  # prompt + max_tokens fit
 SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)  # CudaGraphConfig's default batch sizes
+CODE_STEPS = 977  # distinct rows of fake sampled codes, used in turn
 
 
 class FakeLM:
@@ -68,9 +71,9 @@ class FakeLM:
 
 
 class FakeGraphs:
-    """`BatchGraphs` without a GPU: `replay()` fills the static outputs; returns their first B rows.
-    The copies into static inputs are left out: on a GPU they are a few asynchronous launches per
-    step, here they would be real copies of the logits (megabytes)."""
+    """`BatchGraphs` without a GPU: `replay()` (when given) returns new static outputs; a call returns their
+    first B rows. The copies into static inputs are left out: on a GPU they are a few asynchronous
+    launches per step, here they would be real copies of the logits (megabytes)."""
 
     def __init__(self, sizes, outputs: tuple[torch.Tensor, ...], replay=None) -> None:
         self.sizes, self.outputs, self.replay = sorted(sizes), outputs, replay
@@ -86,9 +89,8 @@ class FakeGraphs:
         batch = inputs[0].shape[0]
         size = bucket or self.bucket(batch)
         assert size is not None and size >= batch and all(t.shape[0] == batch for t in inputs)
-        if self.replay is not None:
-            self.replay(batch)
-        return tuple(o[:batch] for o in self.outputs)
+        outputs = self.outputs if self.replay is None else self.replay()
+        return tuple(o[:batch] for o in outputs)
 
 
 def make_engine(batch: int) -> AutoregressiveEngine:
@@ -98,17 +100,16 @@ def make_engine(batch: int) -> AutoregressiveEngine:
                                   max_model_len=MAX_MODEL_LEN, warm_up=False, lookahead=True)
     logits = torch.zeros(max(SIZES), VOCAB)
     engine.runner.graphs = FakeGraphs(SIZES, (logits, torch.zeros(max(SIZES), dtype=torch.long)))
-    ids = torch.zeros(max(SIZES), dtype=torch.long)
-    count = [0]
+    # new audio codes every step, so the seen masks keep changing: rows of a table made once, in turn
+    codes = (torch.arange(CODE_STEPS)[:, None] * 13 + torch.arange(max(SIZES))[None, :] * 7) % AUDIO_CODES + AUDIO_BASE
+    step = iter(range(1 << 62))
 
-    def sample(n: int) -> None:  # new audio codes every step, so the seen masks keep changing
-        count[0] += 1
-        torch.remainder(torch.arange(max(SIZES)) * 7 + count[0] * 13, AUDIO_CODES, out=ids).add_(AUDIO_BASE)
+    def sample() -> tuple[torch.Tensor]:
+        return (codes[next(step) % CODE_STEPS],)
 
-    sampler = SamplerGraphs(SIZES, torch.device("cpu"))
-    sampler._vocab, sampler._unseen = VOCAB, torch.zeros(max(SIZES), VOCAB, dtype=torch.bool)
-    sampler._graphs = FakeGraphs(SIZES, (ids,), replay=sample)  # type: ignore[assignment]
-    engine.sampler = sampler
+    # SamplerGraphs captures at its first call; what it captures here is the fake
+    sampling_graph.BatchGraphs = lambda fn, sizes, *args, **kwargs: FakeGraphs(sizes, (), replay=sample)
+    engine.sampler = SamplerGraphs(SIZES, torch.device("cpu"))
     return engine
 
 

@@ -58,15 +58,21 @@ class BatchGraphs:
     (optional) is called with the batch size just before each warm-up and capture, so state outside
     the inputs (an attention backend's buffers) can describe a valid batch of that size.
     Outputs of `__call__` are views into static buffers: valid until the next call.
+
+    `static_inputs` (optional, one entry per input, None for "allocate one per size") gives tensors of
+    at least `max(sizes)` rows that every size reads its first rows of: a caller that writes a step's
+    inputs there itself (one packed copy for several inputs) passes those rows to `__call__`, which
+    then copies nothing. Sizes never replay concurrently (one stream), so sharing is safe.
     """
 
     def __init__(self, fn: GraphFn, sizes: Sequence[int], example: Sequence[tuple[tuple[int, ...], torch.dtype]],
                  device: torch.device, before_capture: Callable[[int], None] | None = None,
-                 warmup: int = 2) -> None:
+                 warmup: int = 2, static_inputs: Sequence[torch.Tensor | None] | None = None) -> None:
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.fn, self.device, self.example = fn, device, list(example)
         self.sizes = sorted(set(sizes))
+        self._shared = _check_shared(static_inputs, self.example, self.sizes[-1], device)
         self._before = before_capture or (lambda size: None)
         self._graphs: dict[int, _Captured] = {}
         self._pool = torch.cuda.graph_pool_handle()
@@ -87,7 +93,8 @@ class BatchGraphs:
         return next((s for s in self.sizes if s >= batch), None)
 
     def _capture(self, size: int, warmup: int) -> _Captured:
-        inputs = [torch.zeros((size, *shape), dtype=dtype, device=self.device) for shape, dtype in self.example]
+        inputs = [torch.zeros((size, *shape), dtype=dtype, device=self.device) if shared is None else shared[:size]
+                  for (shape, dtype), shared in zip(self.example, self._shared)]
         self._before(size)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -105,7 +112,8 @@ class BatchGraphs:
         """Replay with `inputs` (batch B <= max_batch); returns each output's first B rows.
 
         `bucket` picks the captured size (it must hold B); the caller passes it when state outside the
-        inputs was already padded for that size. Padded input rows are left as they were.
+        inputs was already padded for that size. Padded input rows are left as they were. An input that
+        is the first rows of its static input (see `static_inputs`) is already in place: not copied.
         """
         batch = inputs[0].shape[0]
         size = bucket or self.bucket(batch)
@@ -116,7 +124,8 @@ class BatchGraphs:
         # updates inside it (a caller under no_grad, as stateless components run, would raise)
         with torch.inference_mode():
             for static, value in zip(captured.inputs, inputs):
-                static[:batch].copy_(value, non_blocking=True)
+                if value.data_ptr() != static.data_ptr():
+                    static[:batch].copy_(value, non_blocking=True)
             captured.graph.replay()
         return tuple(o[:batch] for o in captured.outputs)
 
@@ -126,3 +135,20 @@ def _name(fn: GraphFn) -> str:
     owner = getattr(fn, "__self__", None)
     name = getattr(fn, "__qualname__", None) or repr(fn)
     return f"{type(owner).__name__}.{fn.__name__}" if owner is not None else name
+
+
+def _check_shared(shared: Sequence[torch.Tensor | None] | None, example: list[tuple[tuple[int, ...], torch.dtype]],
+                  rows: int, device: torch.device) -> list[torch.Tensor | None]:
+    """`static_inputs` as a list (Nones when not given), each checked against its input's example."""
+    if shared is None:
+        return [None] * len(example)
+    if len(shared) != len(example):
+        raise ValueError(f"{len(shared)} static inputs for {len(example)} inputs")
+    if device.type == "cuda" and device.index is None:  # "cuda" names the current device, as tensors say
+        device = torch.device("cuda", torch.cuda.current_device())
+    for t, (shape, dtype) in zip(shared, example):
+        if t is not None and (t.shape[0] < rows or tuple(t.shape[1:]) != tuple(shape) or t.dtype != dtype
+                              or t.device != device or not t.is_contiguous()):
+            raise ValueError(f"static input {tuple(t.shape)} {t.dtype} on {t.device} does not hold {rows} "
+                             f"contiguous rows of {tuple(shape)} {dtype} on {device}")
+    return list(shared)

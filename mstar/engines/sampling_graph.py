@@ -4,10 +4,14 @@ Eager `sampling.sample` launches a few dozen small kernels per step, and on a sl
 time (about 1 ms) exceeds a decode step's GPU time at small batches. `SamplerGraphs` captures
 `sampling.sample_static` (the same draw with every stage on, no branch on the rows) at the decode
 graphs' batch sizes, the first time a step has rows it serves (the engine's warm-up does that, before
-the worker reports ready). A step then costs the host building the rows' parameter table, updating
-the seen-token masks, three copies into the graph's static inputs and one replay. Rows it does not
-serve (`sampling.graphable`: seeded, logprobs, presence/frequency penalties, min_tokens bans, top_k
-over the prefilter) and batches over the largest size fall back to `sample`.
+the worker reports ready). Rows it does not serve (`sampling.graphable`: seeded, logprobs,
+presence/frequency penalties, min_tokens bans, top_k over the prefilter) and batches over the
+largest size fall back to `sample`.
+
+A steady step costs the host one copy of the logits into the graph's input, one packed copy of
+pinned host memory (the rows' parameter table, rebuilt only when the rows' params change, and each
+row's newly seen token) and one replay. The seen-token masks of the repetition penalty live in one
+device buffer across steps (`SeenRows`); the replay itself marks each row's new token.
 
 The noise comes from the default CUDA generator, which graphs advance on every replay, so draws
 differ from eager ones for the same global seed but follow the same distribution; seeded requests
@@ -17,19 +21,24 @@ never take this path.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
-from mstar.engines.cuda_graphs import BatchGraphs
-from mstar.engines.sampling import SamplingRow, graphable, sample_static
-from mstar.engines.sampling_filters import COLUMNS, RowTable, seen_masks
+from mstar.engines.cuda_graphs import BatchGraphs, to_device_async
+from mstar.engines.sampling import SamplingParams, SamplingRow, graphable, sample_static
+from mstar.engines.sampling_filters import COLUMNS, RowTable
 
 logger = logging.getLogger(__name__)
 
 
 class SamplerGraphs:
-    """`sample_static` captured at `sizes` on a CUDA `device`, for logits of one vocabulary size."""
+    """`sample_static` captured at `sizes` on a CUDA `device`, for logits of one vocabulary size.
+
+    Each call's inputs are staged in one of two pinned host sets, used in turn; a set is rewritten
+    only once the copy out of it is done (an event; the engine reads every call's ids before the next
+    call anyway)."""
 
     def __init__(self, sizes: Sequence[int], device: torch.device) -> None:
         device = torch.device(device)
@@ -38,12 +47,8 @@ class SamplerGraphs:
         self.sizes, self.device = sorted(set(sizes)), device
         self._graphs: BatchGraphs | None = None
         self._vocab = 0
-        self._unseen: torch.Tensor | None = None  # all-False masks for batches without repetition penalty
-        # the last parameter table (pinned) and the rows' params it was built from: steady decoding
-        # repeats the same rows step after step, and building the table costs the host per row
-        self._table: torch.Tensor | None = None
-        self._table_params: list = []
-        self._table_repetition = False
+        self._seen: SeenRows | None = None
+        self._inputs: _PackedInputs | None = None
         self.replays = 0
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor | None:
@@ -54,27 +59,177 @@ class SamplerGraphs:
             return None
         if self._graphs is None or vocab != self._vocab:
             self._capture(vocab)
-        assert self._graphs is not None and self._unseen is not None
+        assert self._graphs is not None and self._inputs is not None and self._seen is not None
+        bucket = self._graphs.bucket(n)
+        assert bucket is not None
+        inputs = self._inputs
+        host = inputs.next_host()
         params = [r.params for r in rows]
-        if self._table is None or params != self._table_params:
-            # pinned: copied into the graph's input without a sync. The table depends on params (frozen)
-            # and the vocabulary alone, and is only read, so a later step may reuse it while in flight.
-            self._table = RowTable.columns(rows, vocab).pin_memory()
-            self._table_repetition = any(p.repetition_penalty != 1.0 for p in params)
-        self._table_params = params  # equal but other objects: the next step compares by identity alone
-        table = self._table
-        if self._table_repetition:
-            seen = seen_masks(rows, vocab, self.device)
-        else:
-            seen = self._unseen[:n]
+        if params != host.params:  # the table depends on params (frozen) and the vocabulary alone
+            host.table_np[:n] = RowTable.columns(rows, vocab).numpy()
+            host.repetition = any(p.repetition_penalty != 1.0 for p in params)
+        host.params = params  # equal but maybe other objects: the next comparison is by identity alone
+        if host.repetition:
+            self._seen.mark(rows, host.new_np, bucket)
+        else:  # no row reads its mask (penalty 1): masks and caches are left as they are
+            host.new_np[:bucket] = self._seen.trash
+        inputs.send(host, bucket)
         self.replays += 1
-        return self._graphs(logits.float(), table, seen)[0]
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        return self._graphs(logits, inputs.table_rows[n], inputs.new_rows[n], bucket=bucket)[0]
 
     def _capture(self, vocab: int) -> None:
         self._vocab = vocab
-        self._table = None  # built for another vocabulary
-        self._unseen = torch.zeros(self.sizes[-1], vocab, dtype=torch.bool, device=self.device)
-        example = [((vocab,), torch.float32), ((COLUMNS,), torch.float32), ((vocab,), torch.bool)]
-        self._graphs = BatchGraphs(sample_static, self.sizes, example, self.device)
+        rows = self.sizes[-1]
+        self._seen = seen = SeenRows(rows, vocab, self.device)
+        self._inputs = inputs = _PackedInputs(rows, self.device, seen.trash)
+        example = [((vocab,), torch.float32), ((COLUMNS,), torch.float32), ((), torch.long)]
+        self._graphs = BatchGraphs(_marking(seen), self.sizes, example, self.device,
+                                   static_inputs=[None, inputs.table, inputs.new])
         logger.info("sampling captured in CUDA graphs for batch sizes %s (vocabulary %d)", self.sizes, vocab)
 
+
+def _marking(seen: SeenRows) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The captured step: mark each row's new token (`new` [N]: flat mask indexes), then draw."""
+    flat, masks = seen.flat, seen.masks
+
+    def step(logits: torch.Tensor, table: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        flat.index_fill_(0, new, True)
+        return sample_static(logits, table, masks[: logits.shape[0]])
+
+    return step
+
+
+class SeenRows:
+    """Seen-token masks (prompt and output tokens, for the repetition penalty) of the rows a sampler
+    graph replays, kept in one device buffer `masks` [R, V] across steps.
+
+    A row's mask is found through its sequence's sampling cache, with the keys `seen_masks` uses
+    (`seen_batch` is `masks`, `seen_row` its row, `seen` the row's view, `seen_upto` the tokens
+    marked), so eager sampling and the graphs can take turns on a sequence. While the rows are the
+    same sequences in the same order (steady decoding) each step adds one token per row, and the
+    replay marks it: `mark` writes its flat index (row * V + token) for the graph input, or `trash`
+    (the element just past the masks) for none. A new batch composition first gathers the rows'
+    masks into place (one stack, one copy); more than one new token in a row, which only follows a
+    restart or a join, is marked by one eager index_fill_.
+    """
+
+    def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
+        with torch.inference_mode(False):
+            self.flat = torch.zeros(rows * vocab + 1, dtype=torch.bool, device=device)
+        self.masks = self.flat[: rows * vocab].view(rows, vocab)
+        self.trash = rows * vocab
+        self.vocab, self.device = vocab, device
+        self._zero = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self._holders: list[dict | None] = [None] * rows  # the cache whose mask each row was given
+
+    def mark(self, rows: Sequence[SamplingRow], new: np.ndarray, bucket: int) -> None:
+        """Bring the masks of `rows` (batch rows 0..n-1) up to their tokens but one new token per row,
+        whose flat index goes to new[i] (trash for none); new[n:bucket] := trash."""
+        vocab, trash = self.vocab, self.trash
+        caches = [r.cache if r.cache is not None else {} for r in rows]
+        if not self._in_place(caches):
+            self._restack(rows, caches)
+        flat, extra = [], []
+        for i, (row, cache) in enumerate(zip(rows, caches)):
+            tokens = row.token_ids
+            n, upto = len(tokens), cache.get("seen_upto", 0)
+            if upto > n:  # the sequence restarted: its mask is rebuilt from scratch
+                self.masks[i].zero_()
+                upto = 0
+            if n - upto == 1 and (t := tokens[upto]) < vocab:  # steady decoding: no slice, no generator
+                flat.append(i * vocab + t)
+            else:
+                flat.append(trash)
+                if n - upto > 1:
+                    extra.extend(i * vocab + t for t in tokens[upto:] if t < vocab)
+            cache["seen_upto"] = n
+        new[: len(flat)] = flat
+        if bucket > len(flat):
+            new[len(flat) : bucket] = trash
+        if extra:  # index_fill_: no host scalar copied (a pageable copy would wait for the stream)
+            self.flat.index_fill_(0, to_device_async(torch.tensor(extra, dtype=torch.long), self.device), True)
+
+    def _in_place(self, caches: list[dict]) -> bool:
+        """Whether row i of `masks` is the mask of caches[i], for every i (a plain loop: runs every step)."""
+        masks = self.masks
+        for i, cache in enumerate(caches):
+            if cache.get("seen_batch") is not masks or cache.get("seen_row") != i:
+                return False
+        return True
+
+    def _restack(self, rows: Sequence[SamplingRow], caches: list[dict]) -> None:
+        """Gather the masks of `caches` into rows 0..n-1 (new or restarted sequences: empty). A sequence
+        whose row is overwritten and is not in the batch loses its mask: it is rebuilt from its tokens
+        if it comes back."""
+        sources = []
+        for row, cache in zip(rows, caches):
+            seen = cache.get("seen")
+            if seen is None or seen.shape != (self.vocab,) or seen.device != self.device \
+                    or cache.get("seen_upto", 0) > len(row.token_ids):
+                seen, cache["seen_upto"] = self._zero, 0
+            sources.append(seen)
+        n = len(caches)
+        self.masks[:n].copy_(torch.stack(sources))  # every source read before any row is overwritten
+        incoming = {id(c) for c in caches}
+        for j, held in enumerate(self._holders):
+            if held is None or id(held) in incoming:
+                self._holders[j] = None  # moved (or left as it was): set again below
+            elif j < n and held.get("seen_batch") is self.masks and held.get("seen_row") == j:
+                for key in ("seen", "seen_batch", "seen_row"):
+                    held.pop(key, None)
+                held["seen_upto"] = 0
+                self._holders[j] = None
+        for i, cache in enumerate(caches):
+            cache["seen_batch"], cache["seen_row"], cache["seen"] = self.masks, i, self.masks[i]
+            self._holders[i] = cache
+
+
+class _HostInputs:
+    """One pinned staging set of `_PackedInputs`, with the params its table rows were built from."""
+
+    def __init__(self, size: int, rows: int, new_at: int, pinned: bool, trash: int) -> None:
+        with torch.inference_mode(False):
+            self.buffer = torch.zeros(size, dtype=torch.uint8, pin_memory=pinned)
+        self.spans = [self.buffer[: new_at + 8 * k] for k in range(rows + 1)]  # what a call of k rows sends
+        self.table_np = self.buffer[: rows * COLUMNS * 4].view(torch.float32).view(rows, COLUMNS).numpy()
+        self.new_np = self.buffer[new_at : new_at + rows * 8].view(torch.int64).numpy()
+        self.new_np[:] = trash
+        self.params: list[SamplingParams] | None = None
+        self.repetition = False
+        self.event = torch.cuda.Event() if pinned else None
+
+
+class _PackedInputs:
+    """The graph's static table [R, COLUMNS] float32 and new-token indexes [R] int64, as views of one
+    device buffer filled by one copy per call from one of two pinned host sets."""
+
+    def __init__(self, rows: int, device: torch.device, trash: int) -> None:
+        new_at = -(-rows * COLUMNS * 4 // 256) * 256
+        size = new_at + rows * 8
+        with torch.inference_mode(False):
+            self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+            self.table = self.buffer[: rows * COLUMNS * 4].view(torch.float32).view(rows, COLUMNS)
+            self.new = self.buffer[new_at:].view(torch.int64)
+            self.new.fill_(trash)  # the warm-up before capture replays these: they must mark nothing
+            self.table_rows = [self.table[:k] for k in range(rows + 1)]
+            self.new_rows = [self.new[:k] for k in range(rows + 1)]
+            self._spans = [self.buffer[: new_at + 8 * k] for k in range(rows + 1)]
+        pinned = device.type == "cuda"
+        self._sets = [_HostInputs(size, rows, new_at, pinned, trash) for _ in range(2)]
+        self._turn = 0
+
+    def next_host(self) -> _HostInputs:
+        """The host set to stage the next call in (its previous copy done)."""
+        host = self._sets[self._turn]
+        self._turn ^= 1
+        if host.event is not None:
+            host.event.synchronize()  # queued two calls ago, before ids the caller has read since
+        return host
+
+    def send(self, host: _HostInputs, bucket: int) -> None:
+        """Queue the copy of the table and of new[:bucket] to the device."""
+        self._spans[bucket].copy_(host.spans[bucket], non_blocking=True)
+        if host.event is not None:
+            host.event.record()

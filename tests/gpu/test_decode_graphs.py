@@ -95,6 +95,47 @@ def test_sampling_graphs_equal_eager_sampling(checkpoint):
     assert got == generate(eager, prompts, budgets, options)
 
 
+def generate_staggered(engine: AutoregressiveEngine, prompts: list[list[int]], options: list[dict],
+                       join_at: list[int]) -> list[list[int]]:
+    """`generate` with request i submitted at step join_at[i] (sequences join a running batch)."""
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    opts = [{"ignore_eos": True, **o} for o in options]
+    step = 0
+    while step <= max(join_at) or engine.has_work():
+        for i, at in enumerate(join_at):
+            if at == step:
+                engine.submit(StepItem(f"r{i}", "w", "llm", {"input_ids": torch.tensor(prompts[i])}, opts[i]))
+        for r in engine.step():
+            assert r.error is None, r.error
+            out[r.request_id].append(int(r.outputs["token"]))
+            if not r.stop:
+                i = int(r.request_id[1:])
+                engine.submit(StepItem(r.request_id, "w", "llm", {"input_ids": r.outputs["token"]}, opts[i]))
+        step += 1
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_packed_decode_inputs_with_joins_penalties_and_preemption_equal_eager(checkpoint):
+    """Every decode input goes in one packed copy shared with the backend, the sampler graphs mark seen
+    tokens inside the replay: with sequences joining mid-run, leaving, growing pages, preempted, and
+    repetition-penalised greedy draws (noise-free), the tokens equal the eager engine's."""
+    model = load_model(checkpoint[0], dtype=torch.bfloat16, device=DEVICE)
+    prompts = prompts_of([5, 30, 12, 3, 44, 17, 8])
+    options = [{"temperature": 0.0, "repetition_penalty": 1.2 + 0.05 * i, "max_tokens": 40 + 9 * i}
+               for i in range(len(prompts))]
+    join_at = [0, 0, 3, 10, 11, 25, 40]
+    graphed = engine_for(model, graphs=True, pages=18, max_model_len=256)
+    runner = graphed.runner
+    assert runner._shares_decode and runner._decode is not None
+    assert runner.graphs._shared[0] is runner._decode.ids and runner.graphs._shared[1] is runner._decode.positions
+    replays = graphed.sampler.replays
+    got = generate_staggered(graphed, prompts, options, join_at)
+    assert graphed.scheduler.num_preemptions > 0 and graphed.lookahead_hits > 0
+    assert graphed.sampler.replays - replays > 100
+    eager = engine_for(model, graphs=False, pages=18, max_model_len=256)
+    assert got == generate_staggered(eager, prompts, options, join_at)
+
+
 def test_greedy_parity_with_transformers_on_gpu(checkpoint):
     path, hf = checkpoint
     hf = hf.to(DEVICE)

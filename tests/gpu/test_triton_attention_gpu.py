@@ -35,6 +35,9 @@ CASES = {
     "decode_window": dict(shape=BF16, seq_lens=DECODE_LENS, query_lens=[1] * 8, window=200),
     "decode_padded": dict(shape=BF16, seq_lens=[900, 3, 2000], query_lens=[1] * 3, pad_to=16,
                           warmup=(DECODE_LENS, [1] * 8)),
+    # staged as the engine does (packed pinned inputs, one copy, buffers shared with the backend)
+    "decode_staged": dict(shape=BF16, seq_lens=[900, 3, 2000], query_lens=[1] * 3, pad_to=16,
+                          warmup=(DECODE_LENS, [1] * 8), staged=True),
     "mha_mixed": dict(shape=MHA, seq_lens=[1000, 50, 1], query_lens=[200, 1, 1]),
     "fp16_mixed": dict(shape=FP16, seq_lens=[1000, 50, 1], query_lens=[200, 1, 1]),
     "fp32_mixed": dict(shape=FP32, seq_lens=[1000, 50, 1], query_lens=[200, 1, 1]),

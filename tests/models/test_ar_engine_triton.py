@@ -1,5 +1,7 @@
 """AutoregressiveEngine with attention backend 'triton' (kernels interpreted on CPU) gives the greedy
-tokens of the dense reference: chunked prefill, mixed prefill + decode batches, then decode."""
+tokens of the dense reference: chunked prefill, mixed prefill + decode batches, then decode; and so
+does it with decode graphs (CPU stand-ins), whose steps reach the kernels through the packed decode
+inputs the backend shares."""
 
 import json
 import os
@@ -14,13 +16,24 @@ pytest.importorskip("triton")
 CASES = Path(__file__).parents[1] / "unit" / "paged_attention_cases.py"
 
 
-def test_engine_with_triton_backend_matches_reference() -> None:
+def _run(case: str) -> dict:
     # TRITON_INTERPRET must be set before kernels are decorated: run in a fresh interpreter.
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(CASES.parents[2])}
-    proc = subprocess.run([sys.executable, str(CASES), "engine_greedy"], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, str(CASES), case], env=env, capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])["engine_greedy"]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])[case]
     assert "error" not in result, result.get("error")
+    return result
+
+
+def test_engine_with_triton_backend_matches_reference() -> None:
+    result = _run("engine_greedy")
     assert result["got"] == result["want"]
     assert all(len(t) == 3 for t in result["got"])
+
+
+def test_graphed_decode_through_packed_inputs_matches_reference() -> None:
+    result = _run("engine_graphed")
+    assert result["got"] == result["want"] and all(len(t) == 6 for t in result["got"])
+    assert result["shared"] and result["replays"] >= 5 and result["lookahead_hits"] > 0

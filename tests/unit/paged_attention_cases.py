@@ -72,13 +72,17 @@ def random_batch(shape: Shape, seq_lens, query_lens, device: str, seed: int = 1,
     return meta, q, k, v
 
 
-def compare(sdpa, tri, meta, q, k, v, pad_to: int | None = None, layer: int = 1) -> dict:
-    """Run both backends on one batch; max abs errors of outputs and caches, and of padded rows."""
+def compare(sdpa, tri, meta, q, k, v, pad_to: int | None = None, layer: int = 1, staged: bool = False) -> dict:
+    """Run both backends on one batch; max abs errors of outputs and caches, and of padded rows.
+    `staged`: the decode batch reaches Triton as the engine stages it (packed inputs, shared buffers)."""
     ref = sdpa.forward(layer, *_prepared(sdpa, meta, q, k, v))
     extra = (pad_to or q.shape[0]) - q.shape[0]
     g = torch.Generator(device="cpu").manual_seed(99)
     pad = [torch.randn(extra, *x.shape[1:], generator=g).to(x) for x in (q, k, v)]
-    tri.prepare(meta, pad_to=pad_to)
+    if staged:
+        stage_decode(tri, meta, pad_to or q.shape[0])
+    else:
+        tri.prepare(meta, pad_to=pad_to)
     out = tri.forward(layer, *(torch.cat([x, p]) for x, p in zip((q, k, v), pad)))
     n = q.shape[0]
     return {
@@ -90,6 +94,29 @@ def compare(sdpa, tri, meta, q, k, v, pad_to: int | None = None, layer: int = 1)
     }
 
 
+def stage_decode(tri, meta, rows: int) -> None:
+    """Describe decode batch `meta` to `tri` through the engine's packed decode inputs: sequences with
+    its block-table rows as pages, staged padded to `rows` in a buffer `tri` shares (made at the first
+    call), then `prepare_staged_decode`."""
+    from mstar.engines.autoregressive.decode_inputs import DecodeInputs
+    from mstar.engines.autoregressive.sequence import Sequence
+    from mstar.engines.sampling import SamplingParams
+
+    dec = getattr(tri, "_test_decode_inputs", None)
+    if dec is None:
+        dec = tri._test_decode_inputs = DecodeInputs(tri.max_num_seqs, tri.max_pages_per_seq, tri.page_size,
+                                                     tri.device)
+        tri.share_decode_buffers(dec.seq_lens, dec.slots, dec.tables)
+    seqs = []
+    for i, length in enumerate(meta.seq_lens):
+        seq = Sequence((f"s{i}", "main"), SamplingParams(), [0] * length, length)
+        seq.pages = meta.block_tables[i, : -(-length // tri.page_size)].tolist()
+        seqs.append(seq)
+    host = dec.stage(seqs, [n - 1 for n in meta.seq_lens], True, rows, whole=True)
+    dec.sent(host)
+    tri.prepare_staged_decode(len(seqs), rows)
+
+
 def _prepared(sdpa, meta, q, k, v):
     sdpa.prepare(meta)
     return q, k, v
@@ -97,13 +124,15 @@ def _prepared(sdpa, meta, q, k, v):
 
 def run_case(shape: Shape, seq_lens, query_lens, device: str = "cpu", causal: bool = True,
              window: int | None = None, pad_to: int | None = None, num_sms: int | None = None,
-             warmup: tuple | None = None, max_num_seqs: int = 16) -> dict:
-    """One comparison; `warmup` = (seq_lens, query_lens) of a batch run first on the same backends."""
+             warmup: tuple | None = None, max_num_seqs: int = 16, staged: bool = False) -> dict:
+    """One comparison; `warmup` = (seq_lens, query_lens) of a batch run first on the same backends;
+    `staged`: the decode batch is staged as the engine does (see `compare`); its warm-up batch then runs
+    twice, so that both pinned host sets hold rows past the batch's own."""
     sdpa, tri = make_pair(shape, device, num_sms=num_sms, max_num_seqs=max_num_seqs)
-    if warmup is not None:
-        compare(sdpa, tri, *random_batch(shape, *warmup, device, seed=7))
+    for _ in range(0 if warmup is None else 2 if staged else 1):
+        compare(sdpa, tri, *random_batch(shape, *warmup, device, seed=7), staged=staged)
     return compare(sdpa, tri, *random_batch(shape, seq_lens, query_lens, device, causal=causal, window=window),
-                   pad_to=pad_to)
+                   pad_to=pad_to, staged=staged)
 
 
 GQA = Shape(hq=4, hkv=1)
@@ -121,6 +150,9 @@ CPU_CASES = {
     "decode_padded": dict(shape=GQA, seq_lens=[17, 3, 66], query_lens=[1, 1, 1], pad_to=6, num_sms=64,
                           warmup=([40, 50, 60, 70], [1] * 4)),
     "decode_padded_one_split": dict(shape=GQA3, seq_lens=[9, 1], query_lens=[1, 1], pad_to=4, num_sms=1),
+    # staged by the engine's packed inputs: a wider batch first, so that stale rows lie past the new ones
+    "decode_staged": dict(shape=GQA, seq_lens=[17, 3, 66], query_lens=[1, 1, 1], pad_to=6, num_sms=64,
+                          warmup=([40, 50, 60, 70, 9], [1] * 5), staged=True),
     "mixed_fp16": dict(shape=Shape(hq=4, hkv=1, dtype=torch.float16), seq_lens=[20, 33, 5],
                        query_lens=[20, 1, 2]),
 }
@@ -141,6 +173,33 @@ def engine_case() -> dict:
     out = ar.drive(engine, [ar.item(f"r{i}", p, max_tokens=3) for i, p in enumerate(ps)])
     got = [ar.tokens_of(out[(f"r{i}", "main")]) for i in range(len(ps))]
     return {"got": got, "want": [ar.reference(model, p, 3) for p in ps]}
+
+
+def engine_graphed_case() -> dict:
+    """`engine_case` with decode graphs (CPU stand-ins that replay the whole padded bucket, captured by
+    the runner, so the Triton backend reads the packed decode inputs) and lookahead on: greedy tokens,
+    the reference's, and how many decode steps the graphs ran."""
+    import test_ar_engine as ar
+    from graph_standins import EagerBatchGraphs
+
+    from mstar.engines.autoregressive import AutoregressiveEngine
+    from mstar.engines.autoregressive import runner as runner_module
+    from mstar.engines.kv_cache.config import KVCacheConfig
+
+    model, ps = ar.TinyLM(), ar.prompts(8)[2:5]  # 4, 7 and 12 tokens
+    config = KVCacheConfig(max_num_pages=64, page_size=4, attention_backend="triton")
+    engine = AutoregressiveEngine(model, config, "cpu", max_batch_tokens=8, max_num_seqs=4, lookahead=True,
+                                  default_sampling=ar.SamplingParams(temperature=0.0))
+    runner_module.BatchGraphs = EagerBatchGraphs
+    with torch.inference_mode():
+        engine.runner.graphs = engine.runner._capture([1, 2, 4])
+    out = ar.drive(engine, [ar.item(f"r{i}", p, max_tokens=6) for i, p in enumerate(ps)])
+    got = [ar.tokens_of(out[(f"r{i}", "main")]) for i in range(len(ps))]
+    return {"got": got, "want": [ar.reference(model, p, 6) for p in ps], "replays": engine.runner.graphs.calls,
+            "shared": engine.runner._shares_decode, "lookahead_hits": engine.lookahead_hits}
+
+
+ENGINE_CASES = {"engine_greedy": engine_case, "engine_graphed": engine_graphed_case}
 
 
 def _fix_interpreter_scalars() -> None:
@@ -166,7 +225,7 @@ def main() -> None:
     results = {}
     for name in names:
         try:
-            results[name] = engine_case() if name == "engine_greedy" else run_case(**CPU_CASES[name])
+            results[name] = ENGINE_CASES[name]() if name in ENGINE_CASES else run_case(**CPU_CASES[name])
         except Exception:  # report every case, not just the first failure
             results[name] = {"error": traceback.format_exc()}
     print(json.dumps(results))

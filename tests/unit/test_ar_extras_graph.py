@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 class EagerGraphs:
     """Stands in for BatchGraphs on CPU: same interface, runs the function eagerly, counts calls."""
 
-    def __init__(self, fn, sizes, example, device, before_capture=None, warmup=2):
+    def __init__(self, fn, sizes, example, device, before_capture=None, warmup=2, static_inputs=None):
         self.fn, self.sizes, self.calls = fn, sorted(sizes), 0
 
     @property

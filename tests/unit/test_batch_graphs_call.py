@@ -28,3 +28,27 @@ def test_inference_mode_inputs_take_a_no_grad_batch() -> None:
     with torch.no_grad():
         (out,) = graphs(torch.ones(2, 3))
     assert graph.replays == 1 and out.shape == (2, 3) and torch.equal(out, torch.full((2, 3), 2.0))
+
+
+def test_shared_static_inputs_are_not_copied() -> None:
+    """An input that is the first rows of its shared static input is already in place: the replay reads
+    what the caller wrote there; another tensor is copied in as before."""
+    import pytest
+
+    from mstar.engines.cuda_graphs import _check_shared
+
+    shared = torch.zeros(8, 3)
+    graphs = object.__new__(BatchGraphs)
+    graph = _Graph(shared[:4], torch.zeros(4, 3))
+    graphs.sizes, graphs._graphs = [4], {4: _Captured(graph, [shared[:4]], (graph.static_out,))}  # noqa: SLF001
+    shared[:2] = 5.0  # the caller's own packed copy
+    (out,) = graphs(shared[:2])
+    assert torch.equal(out, torch.full((2, 3), 10.0))
+    (out,) = graphs(torch.ones(3, 3))
+    assert torch.equal(out, torch.full((3, 3), 2.0)) and torch.equal(shared[:3], torch.ones(3, 3))
+    example = [((3,), torch.float32)]
+    assert _check_shared(None, example, 4, torch.device("cpu")) == [None]
+    assert _check_shared([shared], example, 8, torch.device("cpu"))[0] is shared
+    for bad, rows in ((shared, 9), (shared[:, :2], 4), (shared.long(), 4), (shared.t(), 3)):
+        with pytest.raises(ValueError, match="static input"):
+            _check_shared([bad], example, rows, torch.device("cpu"))

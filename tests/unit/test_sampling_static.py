@@ -74,21 +74,29 @@ def test_min_tokens_reached_is_graphable():
 
 
 def test_sampler_graphs_table_follows_the_rows(monkeypatch):
-    """SamplerGraphs keeps the parameter table while the batch's params stay the same; any change of
-    rows (other params, another order, fewer rows) gets the table of the new rows. Run on the CPU
-    with the captured graph replaced by `sample_static` itself (no CUDA graph, no pinned memory)."""
+    """SamplerGraphs stages each call's parameter table in the packed inputs: it equals the rows' table
+    whatever the batch (other params, another order, fewer rows), and a host set rebuilds it only when
+    the params changed. Run on the CPU with the graph run eagerly (tests/unit/graph_standins.py)."""
+    from mstar.engines import sampling_graph
     from mstar.engines.sampling_graph import SamplerGraphs
+    from tests.unit.graph_standins import EagerBatchGraphs
 
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *a, **k: self)
-    vocab, tables = 300, []
-    sampler = SamplerGraphs([8], torch.device("cpu"))
-    sampler._vocab, sampler._unseen = vocab, torch.zeros(8, vocab, dtype=torch.bool)
+    tables, builds = [], []
+    build = filters.RowTable.columns
 
-    def replay(logits, table, seen):
-        tables.append(table)
-        return (sample_static(logits, table, seen),)
+    class Recording(EagerBatchGraphs):
+        def __call__(self, logits, table, new, bucket=None):
+            tables.append(table.clone())
+            return super().__call__(logits, table, new, bucket=bucket)
 
-    sampler._graphs = replay
+    def counted(rows, vocab):
+        builds.append(len(rows))
+        return build(rows, vocab)
+
+    monkeypatch.setattr(sampling_graph, "BatchGraphs", Recording)
+    monkeypatch.setattr(sampling_graph.RowTable, "columns", staticmethod(counted))
+    vocab = 300
+    sampler = SamplerGraphs([2, 4, 8], torch.device("cpu"))
     a, b, c = (SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3),
                SamplingParams(temperature=0.0), SamplingParams(top_k=5, temperature=1.2))
     gen = torch.Generator().manual_seed(0)
@@ -96,11 +104,63 @@ def test_sampler_graphs_table_follows_the_rows(monkeypatch):
     def rows(*params):
         return [SamplingRow(p, torch.randint(0, vocab, (6,), generator=gen).tolist(), 3) for p in params]
 
-    batches = [[a, b, c], [a, b, c], [b, a, c], [a, c], [a, c], [SamplingParams(top_k=5, temperature=1.2), a]]
+    batches = [[a, b, c]] * 3 + [[b, a, c], [a, c], [a, c], [a, c], [SamplingParams(top_k=5, temperature=1.2), a]]
+    steady = []
     for params in batches:
         batch = rows(*params)
+        before = len(builds)
         ids = sampler(torch.randn(len(batch), vocab, generator=gen), batch)
         assert ids is not None and ids.shape == (len(batch),)
-        assert torch.equal(tables[-1], filters.RowTable.columns(batch, vocab))
-    assert tables[0] is tables[1] and tables[3] is tables[4]  # same params, same order: kept
-    assert tables[2] is not tables[1] and tables[3] is not tables[2] and tables[5] is not tables[4]
+        assert torch.equal(tables[-1], build(batch, vocab))
+        steady.append(len(builds) - before)
+    # each of the two host sets builds a batch's table once; the third call of the same params builds none
+    assert steady == [1, 1, 0, 1, 1, 1, 0, 1]
+
+
+def test_seen_rows_follow_any_history():
+    """SeenRows (the sampler graphs' seen-token masks) over random histories: steady steps, several new
+    tokens, restarts, tokens past the vocabulary, joins, leaves and reorders, sequences coming back
+    after their row was taken, and eager `seen_masks` calls in between. After `mark` and the replay's
+    marking (index_fill_ of the indexes it wrote), every row is exactly its sequence's tokens."""
+    import random
+
+    import numpy as np
+
+    from mstar.engines.sampling_graph import SeenRows
+
+    rng = random.Random(0)
+    vocab, rows_max, cpu = 40, 5, torch.device("cpu")
+    seen = SeenRows(rows_max, vocab, cpu)
+    seqs = [SamplingRow(SamplingParams(repetition_penalty=1.3), [rng.randrange(vocab) for _ in range(3)], 3,
+                        cache={}) for _ in range(9)]
+    batch = seqs[:3]
+
+    def want(row):
+        mask = torch.zeros(vocab, dtype=torch.bool)
+        mask[[t for t in row.token_ids if t < vocab]] = True
+        return mask
+
+    for step in range(600):
+        r = rng.random()
+        if r < 0.15:
+            batch = rng.sample(seqs, rng.randrange(1, rows_max + 1))  # joins, leaves, reorders
+        for row in batch:
+            u = rng.random()
+            if u < 0.8:
+                row.token_ids.append(rng.randrange(vocab + 3))  # now and then past the vocabulary
+            elif u < 0.9:
+                row.token_ids.extend(rng.randrange(vocab) for _ in range(rng.randrange(2, 5)))
+            elif u < 0.93:
+                del row.token_ids[rng.randrange(1, len(row.token_ids)):]  # restarted shorter
+        if rng.random() < 0.1:  # an eager step between graph steps
+            masks = filters.seen_masks(batch, vocab, cpu)
+            for i, row in enumerate(batch):
+                assert torch.equal(masks[i], want(row)), step
+            continue
+        bucket = rng.choice([b for b in (1, 2, 4, 5) if b >= len(batch)])
+        new = np.full(rows_max, -7, dtype=np.int64)
+        seen.mark(batch, new, bucket)
+        assert (new[len(batch):bucket] == seen.trash).all() and (new[bucket:] == -7).all()
+        seen.flat.index_fill_(0, torch.from_numpy(new[:bucket].copy()), True)  # what the replay does
+        for i, row in enumerate(batch):
+            assert torch.equal(seen.masks[i], want(row)), (step, i)

@@ -23,7 +23,8 @@ pytest.importorskip("triton")
 
 HERE = Path(__file__).parent
 CASES = ["mixed_gqa4_causal", "mixed_mha_causal", "non_causal", "sliding_window", "decode_one_split",
-         "decode_splits", "decode_window_splits", "decode_padded", "decode_padded_one_split", "mixed_fp16"]
+         "decode_splits", "decode_window_splits", "decode_padded", "decode_padded_one_split", "decode_staged",
+         "mixed_fp16"]
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +86,47 @@ def test_backend_names_on_cpu(monkeypatch) -> None:
         make_attention_backend("triton", layout, 8, 4, torch.device("cpu"))
     with pytest.raises(ValueError, match="available"):
         make_attention_backend("flash", layout, 8, 4, torch.device("cpu"))
+
+
+def test_staged_decode_equals_prepare(monkeypatch) -> None:
+    """A decode batch staged in the runner's packed buffer (shared with the backend) leaves the backend
+    reading what `prepare(meta, pad_to)` gives it, also after a prefill prepared the usual way."""
+    from mstar.engines.autoregressive.decode_inputs import DecodeInputs
+    from mstar.engines.autoregressive.sequence import Sequence
+    from mstar.engines.sampling import SamplingParams
+
+    own = _backend(monkeypatch, max_num_seqs=8, max_pages_per_seq=4)
+    shared = _backend(monkeypatch, max_num_seqs=8, max_pages_per_seq=4)
+    dec = DecodeInputs(8, 4, 4, torch.device("cpu"))
+    shared.share_decode_buffers(dec.seq_lens, dec.slots, dec.tables)
+    for b in (own, shared):  # a prefill first: the shared buffers take eager prepares too
+        b.prepare(_meta([3, 1], [7, 2]))
+    assert shared.seq_lens[:2].tolist() == [7, 2] and dec.seq_lens[:2].tolist() == [7, 2]
+    seqs = []
+    for i, length in enumerate((5, 9, 13)):
+        seq = Sequence((f"r{i}", "main"), SamplingParams(), list(range(length)), length)
+        seq.pages = [(3 * i + j) % 16 for j in range(-(-length // 4))]
+        seqs.append(seq)
+    positions = [len(s.token_ids) - 1 for s in seqs]
+    host = dec.stage(seqs, positions, True, 4, whole=True)
+    dec.sent(host)
+    shared.prepare_staged_decode(3, 4)
+    tables = torch.tensor([s.pages + [0] * (4 - len(s.pages)) for s in seqs], dtype=torch.int32)
+    slots = torch.tensor([s.pages[p // 4] * 4 + p % 4 for s, p in zip(seqs, positions)])
+    own.prepare(AttentionMetadata([1] * 3, [p + 1 for p in positions], slots, tables), pad_to=4)
+    for name in ("is_decode", "num_rows", "_num_seqs", "_max_query_len", "_causal", "_window"):
+        assert getattr(shared, name) == getattr(own, name), name
+    assert shared.seq_lens[:4].tolist() == own.seq_lens[:4].tolist() == [5, 9, 13, 0]
+    assert shared._slots.tolist() == own._slots.tolist() == slots.tolist() + [-1]
+    for i, s in enumerate(seqs):
+        assert shared.block_tables[i, : len(s.pages)].tolist() == own.block_tables[i, : len(s.pages)].tolist()
+    assert shared.fuses_rotary == own.fuses_rotary
+
+
+def test_share_decode_buffers_checks_shapes(monkeypatch) -> None:
+    from mstar.engines.autoregressive.decode_inputs import DecodeInputs
+
+    b = _backend(monkeypatch, max_num_seqs=8, max_pages_per_seq=4)
+    dec = DecodeInputs(8, 5, 4, torch.device("cpu"))  # one page too wide
+    with pytest.raises(ValueError, match="block_tables"):
+        b.share_decode_buffers(dec.seq_lens, dec.slots, dec.tables)

@@ -9,6 +9,10 @@ CUDA-graph contract (decode batches):
   those buffers (pinned host staging, non-blocking copies on the current stream). For a decode
   batch (every query length 1) `pad_to` >= B pads it to `pad_to` rows with seq_len 0 and slot -1:
   padded rows write nothing to the cache and return zeros.
+- `share_decode_buffers` (optional, before any capture) makes seq_lens, slot_mapping and
+  block_tables views of the caller's packed input buffer (autoregressive/decode_inputs.py); the
+  caller then stages a decode batch there itself, in one copy with its other inputs, and
+  `prepare_staged_decode(num_seqs, rows)` describes it without copying anything.
 - `forward` only launches kernels: no host sync, no allocation whose size depends on data; grids
   depend on `pad_to` (or B) and the tensor shapes alone. So a graph that captured the `forward`s
   of a decode batch of `pad_to` rows replays correctly after any later `prepare(meta, pad_to)` with
@@ -104,6 +108,31 @@ class TritonBackend:
         self._causal = meta.causal
         self._window = (meta.sliding_window or 0) if meta.causal else 0
 
+    def share_decode_buffers(self, seq_lens: torch.Tensor, slot_mapping: torch.Tensor,
+                             block_tables: torch.Tensor) -> None:
+        """Read sequence lengths, slot ids and block tables from these device tensors from now on (views
+        of the caller's packed buffer, same shapes and dtypes as the backend's own), so that a decode
+        batch the caller staged there needs no copy (`prepare_staged_decode`); `prepare` keeps filling
+        them for every other batch. Call it before capturing graphs: a graph reads the buffers it was
+        captured with."""
+        for name, new in (("seq_lens", seq_lens), ("slot_mapping", slot_mapping), ("block_tables", block_tables)):
+            own = getattr(self, name)
+            if new.shape != own.shape or new.dtype != own.dtype or new.device != own.device:
+                raise ValueError(f"shared {name} {tuple(new.shape)} {new.dtype} on {new.device} does not match "
+                                 f"{tuple(own.shape)} {own.dtype} on {own.device}")
+        self.seq_lens, self.slot_mapping, self.block_tables = seq_lens, slot_mapping, block_tables
+        self._slots = None
+        self._slot_rows = [slot_mapping[:k] for k in range(self.max_num_seqs + 1)]
+
+    def prepare_staged_decode(self, num_seqs: int, rows: int) -> None:
+        """`prepare` for a decode batch of `num_seqs` sequences padded to `rows`, whose lengths (0 past
+        `num_seqs`), slots (-1 past it) and block tables the caller has already queued into the shared
+        buffers (`share_decode_buffers`). Checks nothing: the caller built the rows to fit."""
+        self.is_decode = True
+        self._slots = self._slot_rows[rows]
+        self.num_rows, self._num_seqs = rows, num_seqs
+        self._max_query_len, self._causal, self._window = 1, True, 0
+
     def _check(self, meta: AttentionMetadata, pad_to: int | None) -> int:
         rows = padded_rows(meta, pad_to, self.is_decode)
         if rows > self.max_num_seqs:
@@ -117,17 +146,19 @@ class TritonBackend:
         return rows
 
     def _stage(self, meta: AttentionMetadata, num_seqs: int, rows: int) -> None:
-        """seq_lens (zero-padded to `rows`) and query starts -> device, via pinned memory."""
+        """seq_lens (zero-padded to `rows`) and, unless decoding (the decode kernel reads none), query
+        starts -> device, via pinned memory."""
         if self._staged is not None:
             self._staged.synchronize()  # the previous step's copy must have left the staging buffer
         n = self.max_num_seqs
         host = self._staging_np
         host[:num_seqs] = meta.seq_lens
         host[num_seqs:rows] = 0
-        host[n] = 0
-        np.cumsum(meta.query_lens, out=host[n + 1 : n + 1 + num_seqs])
         self.seq_lens[:rows].copy_(self._staging[:rows], non_blocking=True)
-        self.q_starts[: num_seqs + 1].copy_(self._staging[n : n + 1 + num_seqs], non_blocking=True)
+        if not self.is_decode:
+            host[n] = 0
+            np.cumsum(meta.query_lens, out=host[n + 1 : n + 1 + num_seqs])
+            self.q_starts[: num_seqs + 1].copy_(self._staging[n : n + 1 + num_seqs], non_blocking=True)
         if self._staged is not None:
             self._staged.record()
 

@@ -73,6 +73,8 @@ class AutoregressiveEngine:
             lookahead = self.runner.graphs is not None and (cuda_graphs is None or cuda_graphs.lookahead)
         self.lookahead = lookahead
         self._ahead: Ahead | None = None
+        # marks a step's samples copied to the host; one event reused (created per step it costs the host)
+        self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
         self.lookahead_hits = self.lookahead_misses = 0
         # sampling replayed from CUDA graphs (sampling_graph.py), captured at the first sampled step
         self.sampler: SamplerGraphs | None = None
@@ -252,7 +254,7 @@ class AutoregressiveEngine:
         """Queue the copy of this step's samples to the host, launch the next forward of `seqs[keep]`
         fed with them, then wait for the copy only (see lookahead.py); the samples on the host, and
         their token ids as ints."""
-        host, copied = _to_host_async(out)
+        host, copied = _to_host_async(out, self._copied)
         ids = out.token_ids
         if len(keep) < len(seqs):
             ids = ids.index_select(0, to_device_async(torch.tensor(keep), ids.device))
@@ -282,15 +284,15 @@ def _to_host(out: SampleOutput) -> SampleOutput:
     return SampleOutput(host(out.token_ids), host(out.logprobs), host(out.top_ids), host(out.top_logprobs))
 
 
-def _to_host_async(out: SampleOutput) -> tuple[SampleOutput, torch.cuda.Event | None]:
-    """Queue copies of `out` into pinned host memory; with the event that marks them done (None: CPU)."""
-    if out.token_ids.device.type != "cuda":
+def _to_host_async(out: SampleOutput, copied: torch.cuda.Event | None) -> tuple[SampleOutput, torch.cuda.Event | None]:
+    """Queue copies of `out` into pinned host memory and record `copied` after them; the host copies,
+    and the event that marks them done (None off CUDA: copied already)."""
+    if out.token_ids.device.type != "cuda" or copied is None:
         return _to_host(out), None
 
     def host(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else to_host_async(t)
 
-    copied = torch.cuda.Event()
     result = SampleOutput(host(out.token_ids), host(out.logprobs), host(out.top_ids), host(out.top_logprobs))
     copied.record()
     return result, copied

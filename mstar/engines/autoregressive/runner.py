@@ -13,6 +13,7 @@ import torch
 
 from mstar.config import CudaGraphConfig
 from mstar.engines.attention.base import AttentionBackend, AttentionMetadata
+from mstar.engines.autoregressive.decode_inputs import DecodeInputs
 from mstar.engines.autoregressive.extras_graph import ExtrasGraphs
 from mstar.engines.autoregressive.lookahead import Ahead
 from mstar.engines.autoregressive.scheduler import Chunk
@@ -100,7 +101,8 @@ class ModelRunner:
         self.device = device
         self.graphs: BatchGraphs | None = None
         self.extras_graphs: ExtrasGraphs | None = None  # decode with embeddings/positions/hidden capture
-        self._staging: list[_DecodeStaging] = []  # two sets, used in turn
+        self._decode: DecodeInputs | None = None  # packed inputs of graphed decode steps (decode_inputs.py)
+        self._shares_decode = False  # whether the attention backend reads its decode buffers from it
         self.last_greedy_ids: torch.Tensor | None = None  # argmax of the last step's logits, when a graph ran
         self._eager_forward = model.forward  # plain steps that replay no graph; compiled on request
         if graphs is not None and graphs.compile_eager:
@@ -129,8 +131,9 @@ class ModelRunner:
             logits = self.model.compute_logits(self.model.forward(input_ids, positions, self.attn))
             return logits, logits.argmax(dim=-1)  # greedy ids come with the graph: no extra launch
 
+        dec = self._decode or self._decode_inputs(max(sizes))
         return BatchGraphs(decode_step, sizes, [((), torch.long), ((), torch.long)], self.device,
-                           before_capture=self._describe_dummy_batch)
+                           before_capture=self._describe_dummy_batch, static_inputs=[dec.ids, dec.positions])
 
     def _describe_dummy_batch(self, size: int) -> None:
         """Prepare the backend for a capture: every row one token over itself, written nowhere."""
@@ -190,58 +193,70 @@ class ModelRunner:
         """Replay one decode row per sequence at `positions`, fed `ids` (a device tensor) or, when None,
         each sequence's own token there; (logits, greedy ids), views valid until the next replay."""
         assert self.graphs is not None
-        st, n, bucket = self._stage(seqs, positions, ids is None)
-        return self.graphs(st.ids[:n] if ids is None else ids, st.positions[:n], bucket=bucket)
+        dec, n, bucket = self._stage(seqs, positions, ids)
+        return self.graphs(dec.ids_rows[n], dec.positions_rows[n], bucket=bucket)
 
     def _replay_extras(self, chunks: list[Chunk]) -> torch.Tensor:
         """A decode step with extras through `extras_graphs` (see extras_graph.py)."""
         assert self.extras_graphs is not None and self.extras_graphs.graphs is not None
-        st, n, bucket = self._stage([c.seq for c in chunks], [c.start for c in chunks], True)
+        dec, n, bucket = self._stage([c.seq for c in chunks], [c.start for c in chunks], None)
         positions, embeds, use_embeds = self.extras_graphs.inputs(chunks)
-        logits, greedy, *hidden = self.extras_graphs.graphs(st.ids[:n], positions, embeds, use_embeds, bucket=bucket)
+        logits, greedy, *hidden = self.extras_graphs.graphs(dec.ids_rows[n], positions, embeds, use_embeds,
+                                                            bucket=bucket)
         self.extras_graphs.store_hidden(chunks, tuple(hidden))
         self.last_greedy_ids = greedy
         return logits
 
-    def _stage(self, seqs: list[Sequence], positions: list[int], with_ids: bool) -> tuple[_DecodeStaging, int, int]:
-        """Write a decode batch (token ids if `with_ids`, positions, slots, block tables) into pinned
-        staging and prepare the attention backend for its graph bucket; (staging, rows, bucket).
-
-        Pinned buffers make every copy to the GPU asynchronous (pageable copies would each stall the
-        host); two sets alternate, so a step prepared while the previous one may still be copying its
-        inputs never overwrites them.
-        """
+    def _stage(self, seqs: list[Sequence], positions: list[int],
+               ids: torch.Tensor | None) -> tuple[DecodeInputs, int, int]:
+        """Send a decode batch (token ids: `ids` on the device or, when None, each sequence's own token
+        at its position; positions, slots, block tables) to the packed decode inputs and prepare the
+        attention backend for its graph bucket; (inputs, rows, bucket). One copy per step when the
+        backend shares the buffers, else the backend's `prepare` copies slots and tables itself."""
         assert self.graphs is not None
-        if not self._staging:
-            self._staging = [_DecodeStaging(self.graphs.max_batch, self.attn.max_pages_per_seq)  # type: ignore[attr-defined]
-                             for _ in range(2)]
-        self._staging.reverse()
-        st, n, page = self._staging[0], len(seqs), self.page_size
-        if with_ids:
-            st.ids_np[:n] = [seq.token_ids[pos] for seq, pos in zip(seqs, positions)]
-        st.positions_np[:n] = positions
-        st.slots_np[:n] = [seq.pages[pos // page] * page + pos % page for seq, pos in zip(seqs, positions)]
-        for i, seq in enumerate(seqs):
-            st.write_table_row(i, seq.pages)
+        dec = self._decode or self._decode_inputs(self.graphs.max_batch)
+        n = len(seqs)
         bucket = self.graphs.bucket(n)
         assert bucket is not None
-        meta = AttentionMetadata([1] * n, [pos + 1 for pos in positions], st.slots[:n], st.tables[:n])
-        self.attn.prepare(meta, pad_to=bucket)  # type: ignore[call-arg]
-        return st, n, bucket
+        host = dec.stage(seqs, positions, ids is None, bucket, self._shares_decode)
+        if ids is not None:
+            dec.ids_rows[n].copy_(ids, non_blocking=True)
+        if self._shares_decode:
+            self.attn.prepare_staged_decode(n, bucket)  # type: ignore[attr-defined]
+        else:
+            meta = AttentionMetadata([1] * n, [p + 1 for p in positions], host.slots[:n], host.tables[:n])
+            self.attn.prepare(meta, pad_to=bucket)  # type: ignore[call-arg]
+        dec.sent(host)
+        return dec, n, bucket
 
-    @torch.inference_mode()
+    def _decode_inputs(self, max_batch: int) -> DecodeInputs:
+        """The packed decode inputs for graphs of up to `max_batch` rows, made before the decode graphs
+        are captured (or at the first replay of graphs installed from outside, as tests do): a backend
+        that can share its decode buffers reads them from there from then on."""
+        share = getattr(self.attn, "share_decode_buffers", None)
+        if share is not None and max_batch > self.attn.max_num_seqs:  # type: ignore[attr-defined]
+            share = None  # such batches do not fit the backend anyway (it raises at prepare)
+        rows = self.attn.max_num_seqs if share is not None else max_batch  # type: ignore[attr-defined]
+        dec = DecodeInputs(rows, self.attn.max_pages_per_seq, self.page_size, self.device)  # type: ignore[attr-defined]
+        if share is not None:
+            share(dec.seq_lens, dec.slots, dec.tables)
+        self._decode, self._shares_decode = dec, share is not None
+        return dec
+
     def launch_ahead(self, seqs: list[Sequence], ids: torch.Tensor) -> Ahead:
         """Queue the decode forward of `seqs` fed `ids` (device, one per sequence) at the position after
         each one's last token, without waiting for anything (see `lookahead.py`)."""
         positions = [len(s.token_ids) for s in seqs]
         if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
+            # the replay enters inference mode itself; the packed inputs are normal tensors
             logits, greedy = self._replay_rows(seqs, positions, ids)
             return Ahead(seqs, positions, logits, greedy)
-        page = self.page_size
-        slots = [s.pages[p // page] * page + p % page for s, p in zip(seqs, positions)]
-        self.attn.prepare(self._metadata([Chunk(s, p, 1) for s, p in zip(seqs, positions)], slots))
-        hidden = self._eager_forward(ids.to(self.device), self._tensor(positions), self.attn)
-        return Ahead(seqs, positions, self.model.compute_logits(hidden), None)
+        with torch.inference_mode():
+            page = self.page_size
+            slots = [s.pages[p // page] * page + p % page for s, p in zip(seqs, positions)]
+            self.attn.prepare(self._metadata([Chunk(s, p, 1) for s, p in zip(seqs, positions)], slots))
+            hidden = self._eager_forward(ids.to(self.device), self._tensor(positions), self.attn)
+            return Ahead(seqs, positions, self.model.compute_logits(hidden), None)
 
     def _metadata(self, chunks: list[Chunk], slots: list[int]) -> AttentionMetadata:
         max_pages = max(len(c.seq.pages) for c in chunks)
@@ -256,34 +271,3 @@ class ModelRunner:
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
-
-
-class _DecodeStaging:
-    """Pinned host buffers for the inputs of one decode step (ids, positions, slots, block tables).
-
-    Rows are rewritten each step; a block-table row keeps stale page ids past the sequence's own
-    pages, which the kernels never read (they stop at the sequence length).
-    """
-
-    def __init__(self, max_batch: int, max_pages: int) -> None:
-        def pinned(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
-
-        self.ids, self.positions, self.slots = pinned(max_batch), pinned(max_batch), pinned(max_batch)
-        self.tables = pinned(max_batch, max_pages, dtype=torch.int32)
-        self.ids_np, self.positions_np = self.ids.numpy(), self.positions.numpy()
-        self.slots_np, self.tables_np = self.slots.numpy(), self.tables.numpy()
-        # per block-table row: the page list it was last written from, and how many of its pages
-        self._rows: list[tuple[list[int] | None, int]] = [(None, 0)] * max_batch
-
-    def write_table_row(self, i: int, pages: list[int]) -> None:
-        """Block-table row i := `pages`. A sequence's page list only grows in place (the scheduler
-        appends, and gives a new list when it frees them), so while row i holds the same list only
-        the pages appended since are written: rewriting a whole row costs microseconds per sequence.
-        The list is kept referenced, so its identity cannot pass to another list."""
-        held, done = self._rows[i]
-        if held is not pages or done > len(pages):
-            done = 0
-        if done < len(pages):
-            self.tables_np[i, done : len(pages)] = pages[done:]
-            self._rows[i] = (pages, len(pages))

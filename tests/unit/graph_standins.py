@@ -1,0 +1,85 @@
+"""CPU stand-ins for the CUDA-graph pieces of the decode path, faithful to what a replay reads.
+
+`EagerBatchGraphs` has BatchGraphs' constructor and call; a call copies inputs into the static inputs
+(none for an input that already is its shared static, as BatchGraphs does) and runs the function
+eagerly on the static inputs of the whole bucket, padded rows included, as a replay would.
+`SharedSDPA` is the SDPA backend with the Triton backend's decode-buffer sharing: a staged decode
+batch is read back from the shared buffers (lengths, slots, block tables), as the kernels read it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mstar.engines.attention.base import AttentionMetadata
+from mstar.engines.attention.sdpa import SDPABackend
+
+
+class EagerBatchGraphs:
+    """BatchGraphs without CUDA (see the module docstring); counts calls and input copies."""
+
+    def __init__(self, fn, sizes, example, device, before_capture=None, warmup=2, static_inputs=None):
+        self.fn, self.sizes, self.device = fn, sorted(set(sizes)), torch.device(device)
+        shared = list(static_inputs) if static_inputs is not None else [None] * len(example)
+        self.statics = [s if s is not None else torch.zeros((self.sizes[-1], *shape), dtype=dtype, device=device)
+                        for s, (shape, dtype) in zip(shared, example)]
+        self.calls = self.copies = 0
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def bucket(self, batch: int) -> int | None:
+        return next((s for s in self.sizes if s >= batch), None)
+
+    def __call__(self, *inputs, bucket=None):
+        batch = inputs[0].shape[0]
+        size = bucket or self.bucket(batch)
+        assert size is not None and size >= batch
+        self.calls += 1
+        with torch.inference_mode():
+            for static, value in zip(self.statics, inputs):
+                if value.data_ptr() != static.data_ptr():
+                    static[:batch].copy_(value)
+                    self.copies += 1
+            out = self.fn(*(s[:size] for s in self.statics))
+        outs = out if isinstance(out, tuple) else (out,)
+        return tuple(o[:batch] for o in outs)
+
+
+class SharedSDPA(SDPABackend):
+    """SDPABackend that can share its decode buffers like TritonBackend (see the module docstring)."""
+
+    def __init__(self, layout, num_pages, page_size, device, max_num_seqs, max_pages_per_seq):
+        super().__init__(layout, num_pages, page_size, device)
+        self.max_num_seqs, self.max_pages_per_seq = max_num_seqs, max_pages_per_seq
+        self.seq_lens = torch.zeros(max_num_seqs, dtype=torch.int32)
+        self.slot_mapping = torch.full((max_num_seqs,), -1, dtype=torch.int64)
+        self.block_tables = torch.zeros(max_num_seqs, max_pages_per_seq, dtype=torch.int32)
+        self.staged = 0  # decode batches read back from the shared buffers
+        self._rows = None
+
+    def share_decode_buffers(self, seq_lens, slot_mapping, block_tables):
+        assert seq_lens.shape == self.seq_lens.shape and block_tables.shape == self.block_tables.shape
+        self.seq_lens, self.slot_mapping, self.block_tables = seq_lens, slot_mapping, block_tables
+
+    def prepare(self, meta, pad_to=None):
+        self._rows = None
+        super().prepare(meta)
+
+    def prepare_staged_decode(self, num_seqs, rows):
+        lens, slots = self.seq_lens[:rows].tolist(), self.slot_mapping[:rows].tolist()
+        assert lens[num_seqs:] == [0] * (rows - num_seqs) and slots[num_seqs:] == [-1] * (rows - num_seqs)
+        width = max(-(-n // self.page_size) for n in lens[:num_seqs])
+        super().prepare(AttentionMetadata([1] * num_seqs, lens[:num_seqs], self.slot_mapping[:num_seqs].clone(),
+                                          self.block_tables[:num_seqs, :width].clone()))
+        self._rows = (num_seqs, rows)
+        self.staged += 1
+
+    def forward(self, layer, q, k, v):
+        if self._rows is None:
+            return super().forward(layer, q, k, v)
+        n, rows = self._rows
+        assert q.shape[0] == rows, (q.shape, rows)  # a replay runs the whole bucket
+        out = super().forward(layer, q[:n], k[:n], v[:n])
+        return torch.cat([out, out.new_zeros(rows - n, *out.shape[1:])])
