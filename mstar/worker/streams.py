@@ -30,6 +30,7 @@ class StreamBuffer:
         self._start = 0
         self._covered = 0  # items already delivered in an earlier chunk
         self._total: int | None = None
+        self._need = policy.waits_for(0)  # while open, no chunk before this many kept items
 
     def put(self, seq: int, value: Any) -> None:
         if seq == self._received and not self._early:  # in order, nothing held back: the usual case
@@ -47,6 +48,10 @@ class StreamBuffer:
     def end(self, total: int) -> None:
         self._total = total
 
+    def ready(self) -> bool:
+        """Whether `pop` may return something other than None (a cheap test, asked per item)."""
+        return self._total is not None or len(self._items) >= self._need
+
     @property
     def ended(self) -> bool:
         return self._total is not None and self._received >= self._total
@@ -58,6 +63,7 @@ class StreamBuffer:
         if cut is None:
             return END if ended else None
         lo, hi, self._start = cut
+        self._need = self.policy.waits_for(self._start)
         new = hi - max(lo, self._covered)
         self._covered = max(self._covered, hi)
         final = ended and self.policy.next_chunk(self._start, available, True) is None
