@@ -55,6 +55,7 @@ class NodeLoop:
     """A running Loop whose body is one node without a stream input (a decode loop)."""
 
     node: Node
+    inputs: tuple[tuple[str, str], ...]  # the node's (port, edge) inputs, read from env each iteration
     limit: int  # iterations at most
     ctx: _LoopContext  # the current iteration (one context for the loop's life)
     gathered: dict[str, list]  # accumulated edge -> values of the iterations so far
@@ -122,12 +123,20 @@ class WalkRun:
         if (len(waiting) != 1 or waiting.get(node) is not call or self._outcomes
                 or ctx.iteration + 1 >= loop.limit):
             return None
-        self._record(loop.node, outputs, ctx)
+        env, on_value, accumulate = self.env, self._on_value, ctx.accumulate
+        for port, edge in loop.node.outputs:  # `_record`, inlined: this runs once per token
+            if port in outputs:
+                value = env[edge] = outputs[port]
+                if edge not in accumulate:
+                    on_value(edge, value)
         if loop.gathered:
             self._gather(loop.gathered)
         ctx.iteration += 1
         call.iteration = ctx.iteration
-        call.inputs = self._inputs(loop.node)[0]
+        inputs = call.inputs = {}
+        for port, edge in loop.inputs:
+            if edge in env:
+                inputs[port] = env[edge]
         return call
 
     def _advance(self, outcomes: dict[str, Outcome] | None) -> list[NodeCall]:
@@ -209,7 +218,8 @@ class WalkRun:
         gathered: dict[str, list] = {edge: [] for edge in loop.accumulate}
         body = loop.body
         if self._node_loops and isinstance(body, Node) and self._inputs(body)[1] is None:
-            stopped = yield from self._node_loop(NodeLoop(body, limit, _LoopContext(0, accumulate), gathered))
+            node_loop = NodeLoop(body, self._plans[id(body)][0], limit, _LoopContext(0, accumulate), gathered)
+            stopped = yield from self._node_loop(node_loop)
         else:
             stopped = False
             for i in range(limit):
