@@ -32,18 +32,20 @@ class StreamBuffer:
         self._total: int | None = None
         self._need = policy.waits_for(0)  # while open, no chunk before this many kept items
 
-    def put(self, seq: int, value: Any) -> None:
+    def put(self, seq: int, value: Any) -> bool:
+        """Take item `seq`; returns `ready()` (the caller need not ask again)."""
         if seq == self._received and not self._early:  # in order, nothing held back: the usual case
             self._received += 1
             if self.keep is None or self.keep(value, len(self._items)):
                 self._items.append(value)
-            return
+            return self._total is not None or len(self._items) >= self._need
         self._early[seq] = value
         while self._received in self._early:
             item = self._early.pop(self._received)
             self._received += 1
             if self.keep is None or self.keep(item, len(self._items)):
                 self._items.append(item)
+        return self.ready()
 
     def end(self, total: int) -> None:
         self._total = total

@@ -26,6 +26,7 @@ from mstar.engines.cuda_graphs import to_device_async
 from mstar.graph import CARRY, TO_CLIENT, ModelGraph, Walk, iter_nodes
 from mstar.transport import wire
 from mstar.transport.messages import discard_message
+from mstar.worker.outputs import BatchingOutbox
 from mstar.worker.replica import follower_items, run_component_step
 from mstar.worker.stats import StatsReporter
 from mstar.worker.streams import END, StreamBuffer
@@ -121,7 +122,8 @@ class Worker:
         self.rank = rank
         self.graph = graph
         self.engines = engines
-        self.inbox, self.outbox, self.codec = inbox, outbox, codec
+        self.inbox, self.codec = inbox, codec
+        self.outbox = BatchingOutbox(outbox, CONDUCTOR)  # client outputs leave once per step, not per value
         self.device = device
         self._walks = {w.name: w for w in graph.walks}
         self._streams = {s.target_input: s for s in graph.streams}
@@ -169,6 +171,7 @@ class Worker:
                 if rid is not None:
                     self._fail(rid, getattr(msg, "walk", "?"), f"{type(exc).__name__}: {exc}")
             msg = self.inbox.recv(0.0)
+        self.outbox.flush()
 
     def execute(self) -> None:
         for component, engine in self.engines.items():
@@ -193,6 +196,7 @@ class Worker:
                 else:
                     pending.pop(result.request_id, None)
                 self._route(result)
+            self.outbox.flush()
 
     # -- receive -------------------------------------------------------------------------------
 
@@ -210,9 +214,7 @@ class Worker:
             outcome = Outcome({k: self.codec.unpack(v) for k, v in msg.outputs.items()}, msg.stop, msg.finish_reason)
             self._complete(msg.rid, msg.walk, msg.node, outcome, msg.error)
         elif isinstance(msg, wire.StreamItem):
-            buffer = self._buffer(msg.rid, msg.stream)
-            buffer.put(msg.seq, self.codec.unpack(msg.value))
-            if buffer.ready():
+            if self._buffer(msg.rid, msg.stream).put(msg.seq, self.codec.unpack(msg.value)):
                 self._feed_stream(msg.rid, msg.stream)
         elif isinstance(msg, wire.StreamEnd):
             self._buffer(msg.rid, msg.stream).end(msg.total)
@@ -234,7 +236,7 @@ class Worker:
         streams = frozenset(s.target_input for s in self.graph.streams if s.target_walk == msg.walk)
         inputs = {k: self._to_device(self.codec.unpack(v)) for k, v in msg.inputs.items()}
         state.outs = self._outs(msg, walk)
-        state.run = WalkRun(walk.body, msg.options, inputs, streams, partial(self._on_value, state),
+        state.run = WalkRun(walk.body, msg.options, inputs, streams, partial(Worker._on_value, self, state),
                             node_loops=self.loop_fast_path)
         self._dispatch(state, state.run.start())
         self._finish_if_done(state)
@@ -420,8 +422,7 @@ class Worker:
             self.outbox.send(worker_peer(out.rank), wire.StreamItem(rid, out.stream, seq, self.codec.pack(value)))
             return
         # a consumer on this worker: into its buffer now, no message, no encoding, same device
-        buffer.put(seq, value)
-        if buffer.ready():
+        if buffer.put(seq, value):
             self._feed_stream(rid, out.stream)
 
     def _finish_if_done(self, state: _Run) -> None:

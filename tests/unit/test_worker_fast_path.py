@@ -156,6 +156,7 @@ class Harness:
         self.events: list[tuple] = []  # every request's events, in the order the sinks saw them
         self.finished: set[str] = set()
         self.pending_log: list[list[dict]] = []
+        self.messages: dict[str, int] = {}  # message type -> how many the conductor received
 
     def submit(self, rid: str, prompt: list[int], **options) -> None:
         self.conductor.submit(rid, {"prompt_ids": torch.tensor(prompt)}, {"max_tokens": 12, **options},
@@ -174,6 +175,7 @@ class Harness:
                 worker.receive(0.0)
                 worker.execute()
             while (msg := self.inbox.recv(0.0)) is not None:
+                self.messages[type(msg).__name__] = self.messages.get(type(msg).__name__, 0) + 1
                 self.conductor.handle(msg)
             self.pending_log.append([{c: dict(p) for c, p in w._pending.items()} for w in self.workers])
 
@@ -192,7 +194,7 @@ class Harness:
         self.pump(3)  # the workers take their Release messages
 
     def record(self) -> dict:
-        return {"events": self.events, "pending": self.pending_log,
+        return {"events": self.events, "pending": self.pending_log, "messages": self.messages,
                 "submitted": [e.submitted for w in self.workers for e in w.engines.values() if isinstance(e, FakeLM)],
                 "state": [w.state_size() for w in self.workers],
                 "left": [{c: dict(p) for c, p in w._pending.items()} for w in self.workers]}
@@ -231,6 +233,9 @@ def test_fast_path_matches_the_generic_route(placement, accumulate):
     assert fast["events"] == generic["events"]
     assert fast["submitted"] == generic["submitted"]
     assert fast["pending"] == generic["pending"]
+    assert fast["messages"] == generic["messages"]
+    batches = fast["messages"].get("ClientOutputs", 0) + fast["messages"].get("ClientOutput", 0)
+    assert fast["messages"]["ClientOutputs"] > 0 and batches < sum(e[1] != "finish" for e in fast["events"])
     assert fast["state"] == generic["state"] == [0] * len(fast["state"])
     assert all(not p for w in fast["left"] for p in w.values())
     finish = {e[0]: e[2:4] for e in fast["events"] if e[1] == "finish"}
