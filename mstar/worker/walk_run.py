@@ -91,7 +91,9 @@ class WalkRun:
         self._plans: dict[int, tuple[tuple[tuple[str, str], ...], tuple[str, str] | None]] = {}
         # False: every loop runs through the generic sections (the reference the fast path is tested against)
         self._node_loops = node_loops
-        self._live_loop: NodeLoop | None = None  # the node loop whose call was yielded last
+        self._yielded_loop: NodeLoop | None = None  # the node loop whose call was yielded last
+        # the node loop whose call is the only one waiting (no outcome of its round held): next_iteration's
+        self._fast_loop: NodeLoop | None = None
 
     def start(self) -> list[NodeCall]:
         return self._advance(None)
@@ -114,15 +116,10 @@ class WalkRun:
         outcome as `complete` would and return the next iteration's call: the waiting NodeCall itself,
         updated (a worker keeps no call it dispatched, but for stream calls). None, with nothing
         recorded, in every other case."""
-        loop = self._live_loop
-        if loop is None or stop:
+        loop = self._fast_loop
+        if loop is None or stop or loop.node.name != node or loop.ctx.iteration + 1 >= loop.limit:
             return None
-        call = loop.call
-        waiting = self._waiting
-        ctx = loop.ctx
-        if (len(waiting) != 1 or waiting.get(node) is not call or self._outcomes
-                or ctx.iteration + 1 >= loop.limit):
-            return None
+        call, ctx = loop.call, loop.ctx
         env, on_value, accumulate = self.env, self._on_value, ctx.accumulate
         for port, edge in loop.node.outputs:  # `_record`, inlined: this runs once per token
             if port in outputs:
@@ -144,8 +141,15 @@ class WalkRun:
             calls = self._program.send(outcomes)
         except StopIteration:
             self.done = True
+            self._fast_loop = None
             return []
-        self._waiting = {calls[0].node.name: calls[0]} if len(calls) == 1 else {c.node.name: c for c in calls}
+        if len(calls) == 1:
+            self._waiting = {calls[0].node.name: calls[0]}
+            loop = self._yielded_loop
+            self._fast_loop = loop if loop is not None and calls[0] is loop.call else None
+        else:
+            self._waiting = {c.node.name: c for c in calls}
+            self._fast_loop = None
         return calls
 
     def _run(self, sec: Section, ctx: _LoopContext | None) -> Program:
@@ -243,10 +247,10 @@ class WalkRun:
         node, ctx = loop.node, loop.ctx
         while ctx.iteration < loop.limit:
             call = loop.call = NodeCall(node, ctx.iteration, self._inputs(node)[0], None, True)
-            self._live_loop = loop
+            self._yielded_loop = loop
             outcomes = yield [call]
-            if self._live_loop is loop:
-                self._live_loop = None
+            if self._yielded_loop is loop:
+                self._yielded_loop = None
             self._take(node, outcomes[node.name], ctx)
             self._gather(loop.gathered)
             if ctx.stop:
