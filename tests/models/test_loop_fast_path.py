@@ -32,8 +32,10 @@ CASES = {
 }
 
 
-def _run(model_name: str, fast: bool) -> list[tuple]:
-    config = config_from_dict({"model": model_name, "device": "cpu", "kv_cache": KV, "max_concurrent_requests": 8})
+def run_tiny(model_name: str, fast: bool, device: str = "cpu", model_kwargs: dict | None = None) -> list[tuple]:
+    """Every client event of the CASES of `model_name` (tiny), in the order the sinks saw them."""
+    config = config_from_dict({"model": model_name, "device": device, "kv_cache": KV, "max_concurrent_requests": 8,
+                               "model_kwargs": model_kwargs or {}})
     model = build_model(config, tiny=True)
     graph = model.graph()
     plan = plan_placement(graph, config.node_groups, config.source)
@@ -41,8 +43,8 @@ def _run(model_name: str, fast: bool) -> list[tuple]:
     inbox, outbox, codec = network.inbox(CONDUCTOR), network.outbox(), LocalCodec()
     conductor = Conductor(graph, plan, lambda rank, msg: outbox.send(worker_peer(rank), msg), codec, 8, 8)
     torch.manual_seed(0)
-    engines = build_engines(model, config, plan.components_on(0), torch.device("cpu"))
-    worker = Worker(0, graph, engines, network.inbox(worker_peer(0)), network.outbox(), codec, torch.device("cpu"),
+    engines = build_engines(model, config, plan.components_on(0), torch.device(device))
+    worker = Worker(0, graph, engines, network.inbox(worker_peer(0)), network.outbox(), codec, torch.device(device),
                     loop_fast_path=fast)
     processor, events, finished = model.processor(), [], set()
 
@@ -65,6 +67,8 @@ def _run(model_name: str, fast: bool) -> list[tuple]:
         worker.execute()
         while (msg := inbox.recv(0.0)) is not None:
             conductor.handle(msg)
+    else:
+        raise AssertionError(f"{model_name}: requests did not finish")
     worker.receive(0.0)  # the Release messages
     assert worker.state_size() == 0 and not any(worker._pending.values())
     return events
@@ -72,7 +76,7 @@ def _run(model_name: str, fast: bool) -> list[tuple]:
 
 @pytest.mark.parametrize("model_name", sorted(CASES))
 def test_fast_path_gives_the_same_events_as_the_generic_route(model_name):
-    fast, generic = _run(model_name, True), _run(model_name, False)
+    fast, generic = run_tiny(model_name, True), run_tiny(model_name, False)
     assert fast == generic
     finish = {e[0]: e[2] for e in fast if e[1] == "finish"}
     assert finish["cancelled"] == "cancelled" and finish["a"] in ("length", "stop")
