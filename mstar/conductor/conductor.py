@@ -96,16 +96,22 @@ class Conductor:
 
     def handle(self, msg: Any) -> None:
         with self._lock:
-            if isinstance(msg, wire.ClientOutput):
-                req = self._active.get(msg.rid)
-                if req is None:
-                    self.codec.discard(msg.value)
-                    return
-                req.sink(OutputEvent(msg.rid, msg.name, req.next_seq(msg.name), self.codec.unpack(msg.value)))
+            if isinstance(msg, wire.ClientOutputs):
+                for output in msg.outputs:
+                    self._client_output(output)
+            elif isinstance(msg, wire.ClientOutput):
+                self._client_output(msg)
             elif isinstance(msg, wire.WalkDone):
                 self._walk_done(msg)
             elif isinstance(msg, wire.WorkerStats) and msg.rank not in self._dead:
                 self._worker_stats[msg.rank] = msg
+
+    def _client_output(self, msg: wire.ClientOutput) -> None:
+        req = self._active.get(msg.rid)
+        if req is None:
+            self.codec.discard(msg.value)
+            return
+        req.sink(OutputEvent(msg.rid, msg.name, req.next_seq(msg.name), self.codec.unpack(msg.value)))
 
     def worker_died(self, rank: int, reason: str) -> None:
         """Fail every request that touched the rank and never place work there again."""

@@ -16,6 +16,11 @@ class ChunkPolicy:
         """Items [lo, hi) form the next chunk; the following call starts at next_start."""
         raise NotImplementedError
 
+    def waits_for(self, start: int) -> int:
+        """While the stream has not ended, no chunk is cut from `start` with fewer items available
+        than this (a consumer need not ask before); 0 promises nothing."""
+        return 0
+
 
 @dataclass(frozen=True)
 class Fixed(ChunkPolicy):
@@ -36,6 +41,9 @@ class Fixed(ChunkPolicy):
         if ended and available > start:
             return start, available, available
         return None
+
+    def waits_for(self, start: int) -> int:
+        return start + (self.first if start == 0 and self.first else self.size)
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,9 @@ class SlidingWindow(ChunkPolicy):
             return max(0, available - self.window), available, available + self.window
         return None
 
+    def waits_for(self, start: int) -> int:
+        return self.first if self.first and start == 0 else max(start, 0) + self.window
+
 
 @dataclass(frozen=True)
 class LeftContext(ChunkPolicy):
@@ -96,3 +107,6 @@ class LeftContext(ChunkPolicy):
             hi = min(start + self.chunk, available)
             return max(0, start - self.context), hi, hi
         return None
+
+    def waits_for(self, start: int) -> int:
+        return start + self.chunk

@@ -87,6 +87,13 @@ class ClientOutput(msgspec.Struct, tag=True, array_like=True):
     value: TensorPayload
 
 
+class ClientOutputs(msgspec.Struct, tag=True, array_like=True):
+    """Driver -> API process: the values one engine step of a worker emitted, in emission order (one
+    message, not one per value; sent before any later message of that worker to the conductor)."""
+
+    outputs: list[ClientOutput]
+
+
 class WalkDone(msgspec.Struct, tag=True, array_like=True):
     """Driver -> conductor: a walk finished (or failed)."""
 
@@ -159,6 +166,6 @@ class WorkerStats(msgspec.Struct, tag=True, array_like=True):
 
 
 Message = Union[
-    StartWalk, RunNode, NodeDone, StreamItem, StreamEnd, Release, Shutdown, ClientOutput, WalkDone,
+    StartWalk, RunNode, NodeDone, StreamItem, StreamEnd, Release, Shutdown, ClientOutput, ClientOutputs, WalkDone,
     ReplicaStep, WorkerReady, WorkerFailed, WorkerStats,
 ]

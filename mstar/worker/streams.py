@@ -30,22 +30,29 @@ class StreamBuffer:
         self._start = 0
         self._covered = 0  # items already delivered in an earlier chunk
         self._total: int | None = None
+        self._need = policy.waits_for(0)  # while open, no chunk before this many kept items
 
-    def put(self, seq: int, value: Any) -> None:
+    def put(self, seq: int, value: Any) -> bool:
+        """Take item `seq`; returns `ready()` (the caller need not ask again)."""
         if seq == self._received and not self._early:  # in order, nothing held back: the usual case
             self._received += 1
             if self.keep is None or self.keep(value, len(self._items)):
                 self._items.append(value)
-            return
+            return self._total is not None or len(self._items) >= self._need
         self._early[seq] = value
         while self._received in self._early:
             item = self._early.pop(self._received)
             self._received += 1
             if self.keep is None or self.keep(item, len(self._items)):
                 self._items.append(item)
+        return self.ready()
 
     def end(self, total: int) -> None:
         self._total = total
+
+    def ready(self) -> bool:
+        """Whether `pop` may return something other than None (a cheap test, asked per item)."""
+        return self._total is not None or len(self._items) >= self._need
 
     @property
     def ended(self) -> bool:
@@ -58,6 +65,7 @@ class StreamBuffer:
         if cut is None:
             return END if ended else None
         lo, hi, self._start = cut
+        self._need = self.policy.waits_for(self._start)
         new = hi - max(lo, self._covered)
         self._covered = max(self._covered, hi)
         final = ended and self.policy.next_chunk(self._start, available, True) is None

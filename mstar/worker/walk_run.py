@@ -4,6 +4,11 @@ The walk's section tree is run by a Python generator: it yields the node calls t
 and is resumed with their outcomes. Loops therefore live in the generator's frame on the worker,
 never on the conductor; edge values live in `env` (a loop-back edge is simply the value the
 previous iteration left there).
+
+A Loop whose body is one node without a stream input (a decode loop) keeps its state in a
+`NodeLoop`; while its call is the only one waiting, `next_iteration` runs an iteration that does not
+end the loop without resuming the generator (the worker's decode-loop fast path). The iteration
+that ends it (a stop, the last one) goes through `complete`, as every call of other sections does.
 """
 
 from __future__ import annotations
@@ -45,6 +50,18 @@ class _LoopContext:
     stop: bool = False
 
 
+@dataclass(slots=True)
+class NodeLoop:
+    """A running Loop whose body is one node without a stream input (a decode loop)."""
+
+    node: Node
+    inputs: tuple[tuple[str, str], ...]  # the node's (port, edge) inputs, read from env each iteration
+    limit: int  # iterations at most
+    ctx: _LoopContext  # the current iteration (one context for the loop's life)
+    gathered: dict[str, list]  # accumulated edge -> values of the iterations so far
+    call: NodeCall | None = None  # the current iteration's call
+
+
 Program = Generator[list[NodeCall], dict[str, Outcome], None]
 
 
@@ -58,6 +75,7 @@ class WalkRun:
         inputs: Mapping[str, Any],
         stream_inputs: frozenset[str],
         on_value: Callable[[str, Any], None],
+        node_loops: bool = True,
     ) -> None:
         self.env: dict[str, Any] = dict(inputs)
         self.options = options
@@ -71,6 +89,11 @@ class WalkRun:
         self._outcomes: dict[str, Outcome] = {}
         # id(node) -> its (port, edge) inputs read from env, and its stream input (port, edge) if any
         self._plans: dict[int, tuple[tuple[tuple[str, str], ...], tuple[str, str] | None]] = {}
+        # False: every loop runs through the generic sections (the reference the fast path is tested against)
+        self._node_loops = node_loops
+        self._yielded_loop: NodeLoop | None = None  # the node loop whose call was yielded last
+        # the node loop whose call is the only one waiting (no outcome of its round held): next_iteration's
+        self._fast_loop: NodeLoop | None = None
 
     def start(self) -> list[NodeCall]:
         return self._advance(None)
@@ -87,13 +110,46 @@ class WalkRun:
     def waiting(self, node: str) -> NodeCall | None:
         return self._waiting.get(node)
 
+    def next_iteration(self, node: str, outputs: dict[str, Any], stop: bool) -> NodeCall | None:
+        """The decode-loop fast path: when `node`'s call is the only one waiting, is the current
+        iteration of a node loop, and its outcome (`outputs`, `stop`) does not end the loop, record the
+        outcome as `complete` would and return the next iteration's call: the waiting NodeCall itself,
+        updated (a worker keeps no call it dispatched, but for stream calls). None, with nothing
+        recorded, in every other case."""
+        loop = self._fast_loop
+        if loop is None or stop or loop.node.name != node or loop.ctx.iteration + 1 >= loop.limit:
+            return None
+        call, ctx = loop.call, loop.ctx
+        env, on_value, accumulate = self.env, self._on_value, ctx.accumulate
+        for port, edge in loop.node.outputs:  # `_record`, inlined: this runs once per token
+            if port in outputs:
+                value = env[edge] = outputs[port]
+                if edge not in accumulate:
+                    on_value(edge, value)
+        if loop.gathered:
+            self._gather(loop.gathered)
+        ctx.iteration += 1
+        call.iteration = ctx.iteration
+        inputs = call.inputs = {}
+        for port, edge in loop.inputs:
+            if edge in env:
+                inputs[port] = env[edge]
+        return call
+
     def _advance(self, outcomes: dict[str, Outcome] | None) -> list[NodeCall]:
         try:
             calls = self._program.send(outcomes)
         except StopIteration:
             self.done = True
+            self._fast_loop = None
             return []
-        self._waiting = {calls[0].node.name: calls[0]} if len(calls) == 1 else {c.node.name: c for c in calls}
+        if len(calls) == 1:
+            self._waiting = {calls[0].node.name: calls[0]}
+            loop = self._yielded_loop
+            self._fast_loop = loop if loop is not None and calls[0] is loop.call else None
+        else:
+            self._waiting = {c.node.name: c for c in calls}
+            self._fast_loop = None
         return calls
 
     def _run(self, sec: Section, ctx: _LoopContext | None) -> Program:
@@ -129,18 +185,23 @@ class WalkRun:
     def _take(self, node: Node, outcome: Outcome, ctx: _LoopContext | None) -> None:
         """Record one call's outcome: outputs into env (and out through on_value unless a loop
         accumulates them), a stop request and its finish reason."""
-        outputs = outcome.outputs
-        for port, edge in node.outputs:
-            if port in outputs:
-                self.env[edge] = outputs[port]
-                if not (ctx and edge in ctx.accumulate):
-                    self._on_value(edge, outputs[port])
+        self._record(node, outcome.outputs, ctx)
         if outcome.stop:
             if ctx:
                 ctx.stop = True
             else:
                 self.stopped = True
             self.finish_reason = outcome.finish_reason or self.finish_reason
+
+    def _record(self, node: Node, outputs: dict[str, Any], ctx: _LoopContext | None) -> None:
+        """Outputs into env, and out through on_value unless a loop accumulates them."""
+        env, on_value = self.env, self._on_value
+        accumulate = ctx.accumulate if ctx else ()
+        for port, edge in node.outputs:
+            if port in outputs:
+                value = env[edge] = outputs[port]
+                if edge not in accumulate:
+                    on_value(edge, value)
 
     def _parallel(self, members: tuple[Section, ...], ctx: _LoopContext | None) -> Program:
         """Members advance in rounds: each round runs every member's next calls together."""
@@ -159,28 +220,48 @@ class WalkRun:
         limit = resolve_max_iterations(loop, self.options)
         accumulate = frozenset(loop.accumulate) | (outer.accumulate if outer else frozenset())
         gathered: dict[str, list] = {edge: [] for edge in loop.accumulate}
-        single = loop.body if isinstance(loop.body, Node) else None
-        for i in range(limit):
-            ctx = _LoopContext(i, accumulate)
-            if single is None:
-                yield from self._run(loop.body, ctx)
-            else:  # a decode loop: `_node`'s one call of an iteration, without a generator per token
-                inputs, stream = self._inputs(single)
-                outcomes = yield [NodeCall(single, i, inputs, stream, True)]
-                self._take(single, outcomes[single.name], ctx)
-            for edge, values in gathered.items():
-                if edge in self.env:
-                    values.append(self.env[edge])
-            if ctx.stop:
-                break
+        body = loop.body
+        if self._node_loops and isinstance(body, Node) and self._inputs(body)[1] is None:
+            node_loop = NodeLoop(body, self._plans[id(body)][0], limit, _LoopContext(0, accumulate), gathered)
+            stopped = yield from self._node_loop(node_loop)
         else:
-            if limit and not self.finish_reason:
-                self.finish_reason = "length"  # the loop ran out of iterations, nobody asked it to stop
+            stopped = False
+            for i in range(limit):
+                ctx = _LoopContext(i, accumulate)
+                yield from self._run(body, ctx)
+                self._gather(gathered)
+                if ctx.stop:
+                    stopped = True
+                    break
+        if not stopped and limit and not self.finish_reason:
+            self.finish_reason = "length"  # the loop ran out of iterations, nobody asked it to stop
         for edge, values in gathered.items():
             if values:
                 self.env[edge] = torch.cat(values)
                 if not (outer and edge in outer.accumulate):
                     self._on_value(edge, self.env[edge])
+
+    def _node_loop(self, loop: NodeLoop) -> Generator[list[NodeCall], dict[str, Outcome], bool]:
+        """A node loop's iterations; whether a call asked it to stop. `next_iteration` may run
+        iterations between two resumptions: the state it advances is `loop`'s."""
+        node, ctx = loop.node, loop.ctx
+        while ctx.iteration < loop.limit:
+            call = loop.call = NodeCall(node, ctx.iteration, self._inputs(node)[0], None, True)
+            self._yielded_loop = loop
+            outcomes = yield [call]
+            if self._yielded_loop is loop:
+                self._yielded_loop = None
+            self._take(node, outcomes[node.name], ctx)
+            self._gather(loop.gathered)
+            if ctx.stop:
+                return True
+            ctx.iteration += 1
+        return False
+
+    def _gather(self, gathered: dict[str, list]) -> None:
+        for edge, values in gathered.items():
+            if edge in self.env:
+                values.append(self.env[edge])
 
 
 def _send(program: Program, value: dict[str, Outcome] | None) -> list[NodeCall] | None:

@@ -3,6 +3,11 @@
 Its loop is four named steps: receive messages, hand ready node calls to engines (schedule),
 let each busy engine run one batched step (execute), and route the results (to the next node,
 another worker, the client, or the conductor).
+
+Decode-loop fast path: a result whose walk goes on with the next iteration of the same one-node
+loop (`WalkRun.next_iteration`) is fed straight back to its engine as the next item, its values
+emitted as the generic route would; everything else (stops, the last iteration, errors, other
+sections, nodes run for another worker) takes the generic route.
 """
 
 from __future__ import annotations
@@ -15,11 +20,13 @@ from typing import Any
 
 import torch
 
+from mstar import envs
 from mstar.engines.base import Engine, StepItem, StepResult
 from mstar.engines.cuda_graphs import to_device_async
 from mstar.graph import CARRY, TO_CLIENT, ModelGraph, Walk, iter_nodes
 from mstar.transport import wire
 from mstar.transport.messages import discard_message
+from mstar.worker.outputs import BatchingOutbox
 from mstar.worker.replica import follower_items, run_component_step
 from mstar.worker.stats import StatsReporter
 from mstar.worker.streams import END, StreamBuffer
@@ -72,6 +79,26 @@ class _Target:
     pending: dict[str, int]  # the component's unanswered items per request (Worker._pending)
 
 
+@dataclass(slots=True)
+class _Out:
+    """Where the values of one produced edge of one walk run go: the client, a stream, or both."""
+
+    names: tuple[str, ...]  # client output names
+    rank: int = -1  # the stream's consumer rank (-1: no stream)
+    stream: str = ""
+    first: int = 0  # seq of the walk's first item in the stream
+    sent: int = 0  # items this walk put in the stream
+    buffer: StreamBuffer | None = None  # the consumer's buffer when it is on this worker
+
+
+@dataclass(slots=True)
+class _Feed:
+    """How the decode-loop fast path submits the next item of one walk run's loop node."""
+
+    target: _Target
+    options: dict[str, Any]  # as the component sees them
+
+
 @dataclass
 class _Run:
     """A walk this worker drives."""
@@ -79,18 +106,24 @@ class _Run:
     start: wire.StartWalk
     walk: Walk
     run: WalkRun | None = None
-    stream_counts: dict[str, int] = field(default_factory=dict)
+    outs: dict[str, _Out] = field(default_factory=dict)  # produced edge -> where its values go
+    feed: _Feed | None = None  # set at the run's first fast-path step
+
+    def stream_counts(self) -> dict[str, int]:
+        """Stream -> items this walk produced (streams it fed at all)."""
+        return {o.stream: o.sent for o in self.outs.values() if o.sent}
 
 
 class Worker:
     """Drives walks and runs node steps for the components on one device."""
 
     def __init__(self, rank: int, graph: ModelGraph, engines: dict[str, Engine], inbox, outbox, codec,
-                 device: torch.device) -> None:
+                 device: torch.device, loop_fast_path: bool | None = None) -> None:
         self.rank = rank
         self.graph = graph
         self.engines = engines
-        self.inbox, self.outbox, self.codec = inbox, outbox, codec
+        self.inbox, self.codec = inbox, codec
+        self.outbox = BatchingOutbox(outbox, CONDUCTOR)  # client outputs leave once per step, not per value
         self.device = device
         self._walks = {w.name: w for w in graph.walks}
         self._streams = {s.target_input: s for s in graph.streams}
@@ -104,9 +137,8 @@ class Worker:
         self._blocked: dict[tuple[str, str], tuple[str, NodeCall]] = {}  # stream -> (walk, call)
         self._released: set[str] = set()
         self._final_chunks: set[tuple[str, str, str]] = set()  # calls fed the last chunk of their stream
-        # stream items this worker produced for itself: (rid, stream, seq, value), taken by the next
-        # receive; they skip the transport (no encoding, no socket) and stay on their device
-        self._local_items: list[tuple[str, str, int, Any]] = []
+        # the decode-loop fast path (module docstring); None: as MSTAR_LOOP_FAST_PATH says
+        self.loop_fast_path = envs.loop_fast_path() if loop_fast_path is None else loop_fast_path
         self._node_specs = {(w.name, n.name): n for w in graph.walks for n in iter_nodes(w.body)}
         # (walk, node) -> how its items reach an engine: looked up once per node, not once per token
         self._targets: dict[tuple[str, str], _Target] = {}
@@ -123,14 +155,12 @@ class Worker:
         and at once when the worker turns busy or idle."""
         engines = list(self.engines.values())
         while self._running:
-            busy = bool(self._local_items) or any(e.has_work() for e in engines)
+            busy = any(e.has_work() for e in engines)
             self.receive(timeout_s=0.0 if busy else 0.05)
             self.execute()
             self.stats.maybe_send(busy=any(e.has_work() for e in engines))
 
     def receive(self, timeout_s: float) -> None:
-        if self._local_items:
-            self._take_local_items()
         msg = self.inbox.recv(timeout_s)
         while msg is not None:
             try:
@@ -141,6 +171,7 @@ class Worker:
                 if rid is not None:
                     self._fail(rid, getattr(msg, "walk", "?"), f"{type(exc).__name__}: {exc}")
             msg = self.inbox.recv(0.0)
+        self.outbox.flush()
 
     def execute(self) -> None:
         for component, engine in self.engines.items():
@@ -155,13 +186,17 @@ class Worker:
                 logger.exception("engine of %s failed a step", component)
                 results = self._fail_engine(component, engine, exc)
             pending = self._pending[component]
+            fast = self.loop_fast_path
             for result in results:
+                if fast and self._feed_back(result):
+                    continue  # answered and submitted again: its pending count stands
                 left = pending.get(result.request_id, 0) - 1
                 if left > 0:
                     pending[result.request_id] = left
                 else:
                     pending.pop(result.request_id, None)
                 self._route(result)
+            self.outbox.flush()
 
     # -- receive -------------------------------------------------------------------------------
 
@@ -179,8 +214,8 @@ class Worker:
             outcome = Outcome({k: self.codec.unpack(v) for k, v in msg.outputs.items()}, msg.stop, msg.finish_reason)
             self._complete(msg.rid, msg.walk, msg.node, outcome, msg.error)
         elif isinstance(msg, wire.StreamItem):
-            self._buffer(msg.rid, msg.stream).put(msg.seq, self.codec.unpack(msg.value))
-            self._feed_stream(msg.rid, msg.stream)
+            if self._buffer(msg.rid, msg.stream).put(msg.seq, self.codec.unpack(msg.value)):
+                self._feed_stream(msg.rid, msg.stream)
         elif isinstance(msg, wire.StreamEnd):
             self._buffer(msg.rid, msg.stream).end(msg.total)
             self._feed_stream(msg.rid, msg.stream)
@@ -194,26 +229,15 @@ class Worker:
         elif isinstance(msg, wire.Shutdown):
             self._running = False
 
-    def _take_local_items(self) -> None:
-        """Stream items sent to this worker itself, as if they had come through the inbox."""
-        items, self._local_items = self._local_items, []
-        for rid, stream, seq, value in items:
-            if rid in self._released:
-                continue
-            try:
-                self._buffer(rid, stream).put(seq, value)
-                self._feed_stream(rid, stream)
-            except Exception as exc:  # as in receive: the request fails, never the worker
-                logger.exception("worker %d failed taking a stream item of %s", self.rank, rid)
-                self._fail(rid, "?", f"{type(exc).__name__}: {exc}")
-
     def _start(self, msg: wire.StartWalk) -> None:
         walk = self._walks[msg.walk]
         state = _Run(msg, walk)
         self._runs[(msg.rid, msg.walk)] = state
         streams = frozenset(s.target_input for s in self.graph.streams if s.target_walk == msg.walk)
         inputs = {k: self._to_device(self.codec.unpack(v)) for k, v in msg.inputs.items()}
-        state.run = WalkRun(walk.body, msg.options, inputs, streams, partial(self._on_value, state))
+        state.outs = self._outs(msg, walk)
+        state.run = WalkRun(walk.body, msg.options, inputs, streams, partial(Worker._on_value, self, state),
+                            node_loops=self.loop_fast_path)
         self._dispatch(state, state.run.start())
         self._finish_if_done(state)
 
@@ -235,27 +259,33 @@ class Worker:
                 self.outbox.send(worker_peer(rank), msg)
 
     def _submit(self, rid: str, walk: str, node: str, iteration: int, inputs: dict, options: dict) -> None:
-        target = self._targets.get((walk, node))
-        if target is None:
-            target = self._targets[(walk, node)] = self._target(walk, node)
+        target = self._target(walk, node)
         if not target.host_inputs:  # engines that read inputs on the host skip the copy
             inputs = {k: self._to_device(v) for k, v in inputs.items()}
-        if target.namespace:
-            key = (rid, target.namespace)
-            scoped = self._scoped.get(key)
-            if scoped is None:
-                scoped = self._scoped[key] = scoped_options(options, target.namespace)
-            options = scoped
-        item = StepItem(rid, walk, node, inputs, options, iteration, target.kv_slot)
+        item = StepItem(rid, walk, node, inputs, self._options(rid, target, options), iteration, target.kv_slot)
         pending = target.pending
         pending[rid] = pending.get(rid, 0) + 1
         target.engine.submit(item)
 
     def _target(self, walk: str, node: str) -> _Target:
-        spec = self._node_specs[(walk, node)]
-        engine = self.engines[spec.component]
-        return _Target(engine, bool(getattr(engine, "host_inputs", False)), self._namespaces.get(spec.component),
-                       spec.kv_slot, self._pending[spec.component])
+        target = self._targets.get((walk, node))
+        if target is None:
+            spec = self._node_specs[(walk, node)]
+            engine = self.engines[spec.component]
+            target = self._targets[(walk, node)] = _Target(
+                engine, bool(getattr(engine, "host_inputs", False)), self._namespaces.get(spec.component),
+                spec.kv_slot, self._pending[spec.component])
+        return target
+
+    def _options(self, rid: str, target: _Target, options: dict) -> dict:
+        """The request's options as the target's component sees them (scoped once per request)."""
+        if not target.namespace:
+            return options
+        key = (rid, target.namespace)
+        scoped = self._scoped.get(key)
+        if scoped is None:
+            scoped = self._scoped[key] = scoped_options(options, target.namespace)
+        return scoped
 
     def _to_device(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor) or value.device == self.device:
@@ -297,6 +327,40 @@ class Worker:
 
     # -- route ---------------------------------------------------------------------------------
 
+    def _feed_back(self, result: StepResult) -> bool:
+        """The decode-loop fast path: True when `result` continued its walk's one-node loop, its values
+        emitted and the loop's next item submitted to the same engine. False, with nothing done, when
+        the generic route must take it (also after a failure here: the route finds the walk gone)."""
+        if result.error is not None:
+            return False
+        rid, walk, node = result.request_id, result.walk, result.node
+        state = self._runs.get((rid, walk))
+        if state is None or state.run is None or (self._remote and (rid, walk, node, result.iteration) in self._remote):
+            return False
+        try:
+            call = state.run.next_iteration(node, result.outputs, result.stop)
+        except Exception as exc:  # as in _complete: the walk fails, not the worker
+            logger.exception("walk %s of request %s failed", walk, rid)
+            self._fail(rid, walk, f"{type(exc).__name__}: {exc}")
+            return False
+        if call is None:
+            return False
+        feed = state.feed
+        if feed is None:
+            feed = state.feed = self._feed(state, node)
+        target = feed.target
+        inputs = call.inputs
+        if not target.host_inputs:
+            inputs = {k: self._to_device(v) for k, v in inputs.items()}
+        target.engine.submit(StepItem(rid, walk, node, inputs, feed.options, call.iteration, target.kv_slot))
+        return True
+
+    def _feed(self, state: _Run, node: str) -> _Feed:
+        # a loop's result comes from this worker's engine only if the walk routes its node here
+        assert state.start.routes[node] == self.rank, (state.start.walk, node)
+        target = self._target(state.start.walk, node)
+        return _Feed(target, self._options(state.start.rid, target, state.start.options))
+
     def _route(self, result: StepResult) -> None:
         key = (result.request_id, result.walk, result.node, result.iteration)
         if self._remote and key in self._remote:
@@ -328,20 +392,38 @@ class Worker:
         if state.run.done:
             self._finish_if_done(state)
 
+    def _outs(self, msg: wire.StartWalk, walk: Walk) -> dict[str, _Out]:
+        """Produced edge -> where its values go, for one walk run (looked up once, not per token)."""
+        outs = {}
+        for edge in {e.edge for e in walk.emits} | set(msg.stream_targets):
+            out = _Out(self._client_emits.get((walk.name, edge), ()))
+            target = msg.stream_targets.get(edge)
+            if target is not None:
+                out.rank, out.stream, out.first = target
+                if out.rank == self.rank:  # a local stream: items skip the transport
+                    out.buffer = self._buffer(msg.rid, out.stream)
+            if out.names or out.stream:
+                outs[edge] = out
+        return outs
+
     def _on_value(self, state: _Run, edge: str, value: Any) -> None:
+        out = state.outs.get(edge)
+        if out is None:
+            return
         rid = state.start.rid
-        for name in self._client_emits.get((state.walk.name, edge), ()):
+        for name in out.names:
             self.outbox.send(CONDUCTOR, wire.ClientOutput(rid, name, self.codec.pack(value)))
-        target = state.start.stream_targets.get(edge)
-        if target is not None:
-            rank, stream, first = target
-            sent = state.stream_counts.get(stream, 0)
-            seq = first + sent
-            state.stream_counts[stream] = sent + 1
-            if rank == self.rank:
-                self._local_items.append((rid, stream, seq, value))
-            else:
-                self.outbox.send(worker_peer(rank), wire.StreamItem(rid, stream, seq, self.codec.pack(value)))
+        if not out.stream:
+            return
+        seq = out.first + out.sent
+        out.sent += 1
+        buffer = out.buffer
+        if buffer is None:
+            self.outbox.send(worker_peer(out.rank), wire.StreamItem(rid, out.stream, seq, self.codec.pack(value)))
+            return
+        # a consumer on this worker: into its buffer now, no message, no encoding, same device
+        if buffer.put(seq, value):
+            self._feed_stream(rid, out.stream)
 
     def _finish_if_done(self, state: _Run) -> None:
         run = state.run
@@ -353,7 +435,7 @@ class Worker:
         carries = {
             e.name: self.codec.pack(run.env[e.edge]) for e in state.walk.emits if e.to == CARRY and e.edge in run.env
         }
-        msg = wire.WalkDone(state.start.rid, state.start.walk, carries, state.stream_counts, run.stopped,
+        msg = wire.WalkDone(state.start.rid, state.start.walk, carries, state.stream_counts(), run.stopped,
                             run.finish_reason)
         self.outbox.send(CONDUCTOR, msg)
 
@@ -393,7 +475,6 @@ class Worker:
         for key in [k for k in self._remote if k[0] == rid]:
             del self._remote[key]
         self._final_chunks = {k for k in self._final_chunks if k[0] != rid}
-        self._local_items = [i for i in self._local_items if i[0] != rid]
         for engine in self.engines.values():
             engine.release(rid)
         self._released.add(rid)
@@ -403,4 +484,4 @@ class Worker:
     def state_size(self) -> int:
         """Per-request entries held (for leak tests)."""
         return (len(self._runs) + len(self._remote) + len(self._buffers) + len(self._blocked)
-                + len(self._final_chunks) + len(self._scoped) + len(self._local_items))
+                + len(self._final_chunks) + len(self._scoped))

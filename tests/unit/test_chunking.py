@@ -1,5 +1,6 @@
 """Chunk policies and the consumer-side stream buffer."""
 
+import pytest
 import torch
 
 from mstar.graph import Fixed, LeftContext, SlidingWindow
@@ -126,3 +127,32 @@ def test_keep_filter_sees_items_in_stream_order_whatever_the_arrival_order():
     in_order = kept(list(range(12)))
     assert in_order == kept([1, 0, 2, 5, 3, 4, 6, 7, 11, 10, 9, 8]) == kept(list(reversed(range(12))))
     assert in_order[1] == [0, 1, 2, 4, 5, 7, 8, 10, 11]
+
+
+@pytest.mark.parametrize("policy", [Fixed(3), Fixed(1, first=2), SlidingWindow(28, 7), SlidingWindow(4, 2, first=3),
+                                    SlidingWindow(28, 7, recut_at_end=True, first=14), LeftContext(3, 2)])
+def test_waits_for_is_the_least_count_that_cuts_an_open_stream(policy):
+    """Every cursor a policy reaches: below `waits_for(start)` items no chunk, at it one (the worker feeds
+    a stream's consumer only from there on)."""
+    start, cursors = 0, []
+    for _ in range(12):  # walk the cursors chunk after chunk
+        cursors.append(start)
+        need = policy.waits_for(start)
+        assert all(policy.next_chunk(start, n, False) is None for n in range(max(start, 0), need))
+        cut = policy.next_chunk(start, need, False)
+        assert cut is not None
+        start = cut[2]
+    assert len(set(cursors)) > 5
+
+
+def test_buffer_ready_follows_the_policy_and_the_end():
+    buf = StreamBuffer(SlidingWindow(4, 2, first=3), keep=lambda item, kept: int(item) != 0)
+    readiness = []
+    for i in range(8):
+        buf.put(i, torch.tensor([i]))  # item 0 is dropped by keep
+        readiness.append(buf.ready())
+        if buf.ready():
+            assert buf.pop() is not None
+    assert readiness == [False, False, False, True, True, False, True, False]
+    buf.end(8)
+    assert buf.ready()  # an ended stream may always have a last chunk or END

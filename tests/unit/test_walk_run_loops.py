@@ -4,7 +4,7 @@ on the same loops with a Sequential body (the general path): same calls, values,
 import pytest
 import torch
 
-from mstar.graph import Loop, Node, Sequential
+from mstar.graph import Loop, Node, Parallel, Sequential
 from mstar.worker.walk_run import Outcome, WalkRun
 
 STEP = Node("llm", inputs={"input_ids": "token", "prompt_ids": "prompt"}, outputs={"token": "token"})
@@ -74,3 +74,80 @@ def test_stream_input_of_a_one_node_loop_is_left_to_the_worker(single):
     (call,) = run.complete("llm", Outcome({"token": torch.tensor([5])}))
     assert call.iteration == 1 and int(call.inputs["input_ids"]) == 5
     assert run.complete("llm", Outcome({"token": torch.tensor([6])})) == [] and run.done
+
+
+# -- the fast path (`next_iteration`) against the generic sections ------------------------------------
+
+A = Node("a", inputs={"x": "x", "y": "y"}, outputs={"x": "x", "s": "sa"})
+B = Node("b", inputs={"y": "y"}, outputs={"y": "y", "s": "sb"})
+C = Node("c", inputs={"x": "x", "y": "y"}, outputs={"z": "z"})
+SECTIONS = {
+    "loop beside a branch": Parallel(Loop(A, max_iterations=6, name="la"), Sequential(B, C)),
+    "two loops side by side": Parallel(Loop(A, max_iterations=5, name="la"), Loop(B, max_iterations=3, name="lb")),
+    "nested, accumulated": Loop(Sequential(Loop(A, max_iterations=4, name="la", accumulate=("sa",)), C),
+                                max_iterations=3, name="outer", accumulate=("z",)),
+    "loops one after another": Sequential(Loop(A, max_iterations=3, name="la"), Loop(B, max_iterations="n", name="lb"),
+                                          C),
+    "stopped early": Sequential(Loop(A, max_iterations=50, name="la"), C),
+}
+
+
+def _answer(call) -> Outcome:
+    """Deterministic outputs from the inputs; `a` asks to stop once x passes 40."""
+    total = sum(int(v.sum()) for v in call.inputs.values())
+    value = torch.tensor([total % 23 + call.iteration])
+    outputs = {port: value + i for i, (port, _) in enumerate(call.node.outputs)}
+    stop = call.node.name == "a" and total > 40
+    return Outcome(outputs, stop, "stop" if stop else None)
+
+
+def _drive_all(section, fast: bool, seed: int) -> tuple[list, list, tuple]:
+    """Answer the waiting calls one at a time, in an order a seeded generator picks by node name; with
+    `fast`, as the worker does: `next_iteration` first, `complete` when it declines."""
+    import random
+
+    pick = random.Random(seed)
+    seen: list = []
+    run = WalkRun(section, {"n": 4}, {"x": torch.tensor([1]), "y": torch.tensor([2])}, frozenset(),
+                  lambda edge, value: seen.append((edge, value.tolist())), node_loops=fast)
+    waiting = {c.node.name: c for c in run.start()}
+    made = [(c.node.name, c.iteration, {k: v.tolist() for k, v in c.inputs.items()}) for c in waiting.values()]
+    while waiting:
+        name = pick.choice(sorted(waiting))
+        call = waiting.pop(name)
+        outcome = _answer(call)
+        nxt = run.next_iteration(name, outcome.outputs, outcome.stop) if fast else None
+        calls = [nxt] if nxt is not None else run.complete(name, outcome)
+        for c in calls:
+            waiting[c.node.name] = c
+            made.append((c.node.name, c.iteration, {k: v.tolist() for k, v in c.inputs.items()}))
+    env = {k: v.tolist() for k, v in run.env.items()}
+    return made, seen, (run.done, run.stopped, run.finish_reason, env)
+
+
+@pytest.mark.parametrize("name", sorted(SECTIONS))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_next_iteration_matches_the_generic_sections(name, seed):
+    fast, generic = _drive_all(SECTIONS[name], True, seed), _drive_all(SECTIONS[name], False, seed)
+    assert fast == generic
+    assert fast[2][0]  # the walk ran to its end
+
+
+def test_next_iteration_declines_what_it_must_leave_to_complete():
+    """It runs only an iteration that goes on, of the one call waiting, with no outcome of its round
+    held back; the declined outcome is then recorded by `complete` as usual."""
+    run = WalkRun(Parallel(Loop(A, max_iterations=3, name="la"), B), {}, {"x": torch.tensor([1]),
+                  "y": torch.tensor([2])}, frozenset(), lambda e, v: None)
+    a0, b0 = run.start()
+    out = {"x": torch.tensor([5]), "s": torch.tensor([0])}
+    assert run.next_iteration("a", out, False) is None  # two calls wait
+    assert run.complete("b", Outcome({"y": torch.tensor([3])})) == []
+    assert run.next_iteration("a", out, False) is None  # b's outcome waits for a's: the round is not over
+    (a1,) = run.complete("a", Outcome(out))
+    assert a1.iteration == 1 and int(a1.inputs["x"]) == 5
+    assert run.next_iteration("a", out, True) is None  # a stop ends the loop: complete's job
+    a2 = run.next_iteration("a", {"x": torch.tensor([6])}, False)
+    assert a2 is a1 and a2.iteration == 2 and int(a2.inputs["x"]) == 6 and int(a2.inputs["y"]) == 3
+    assert run.next_iteration("a", out, False) is None  # the last iteration
+    assert run.complete("a", Outcome(out)) == [] and run.done and run.finish_reason == "length"
+    assert run.next_iteration("a", out, False) is None  # nothing waits any more
