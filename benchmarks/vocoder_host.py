@@ -6,7 +6,7 @@ copies); its SNAC decode is replaced by an instant fake. Each figure is the diff
 callgrind runs that differ only in the number of steps (start-up and imports cancel out), so it is
 reproducible where CPU timings on a shared machine are not.
 
-    python3 benchmarks/vocoder_host.py --batch 1 8            # about 10 minutes; needs valgrind
+    python3 benchmarks/vocoder_host.py --batch 1 8            # ~25 minutes on the shared 2-core machine; needs valgrind
     python3 benchmarks/vocoder_host.py --child 8 50           # the measured program alone
 """
 
