@@ -26,6 +26,12 @@ class _Summer(nn.Module):
 def test_side_stream_step_waits_for_its_device_inputs_on_the_gpu():
     engine = StatelessEngine(_Summer())
     assert engine.stream is not None
+    # One step first: with CUDA's lazy module loading, the first launch of a kernel (the multiply, the
+    # sum, the copy out) loads its module, which may wait for the device to go idle. That wait is
+    # CUDA's, once per kernel, not the engine's; the check below is about every later step.
+    engine.submit(StepItem("warm", "w", "n", {"x": torch.ones(N, device="cuda")}))
+    while engine.has_work():
+        engine.step()
     x = torch.zeros(N, device="cuda")
     torch.cuda.synchronize()
     torch.cuda._sleep(1_000_000_000)  # keeps the default stream busy for a while (~0.5 s on an H200)
