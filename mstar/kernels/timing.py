@@ -7,6 +7,10 @@ device's own. So `graph_time_us` captures `calls` back-to-back calls of `fn` int
 replays it, and divides. Each call reads a different copy of the weight, so that the weights read by
 the graph add up to at least twice the L2 cache and every call streams its weight from HBM, as a
 decode step does (one call re-reading a weight the previous call left in L2 would look too fast).
+The copies are capped (`MAX_COPIES`): a weight of a few kilobytes (a tiny test model) would otherwise
+need thousands of copies and as many launches per candidate, each a Triton launch on a slow host,
+which made a tiny model's warm-up take minutes. Such weights then share L2, which is what they do in
+a decode step too.
 
 Memory borrowed while it runs: the extra weight copies, at most 2 x L2 bytes in all (about 100 MB on
 an H100/H200; none when the weight alone is that large), plus the graph's pool for the `calls`
@@ -22,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 DEFAULT_L2_BYTES = 50 << 20  # H100/H200; used when the device does not report its L2 size
+MAX_COPIES = 64  # weights of >= 1.6 MB reach 2 x L2 of an H200 with this many; smaller ones share L2
 
 
 def l2_bytes(device: torch.device) -> int:
@@ -30,8 +35,9 @@ def l2_bytes(device: torch.device) -> int:
 
 
 def weight_copies(weight_bytes: int, l2: int) -> int:
-    """How many copies of a weight (the original included) make the bytes read add up to >= 2 x L2."""
-    return max(1, math.ceil(2 * l2 / max(weight_bytes, 1)))
+    """How many copies of a weight (the original included) make the bytes read add up to >= 2 x L2,
+    at most MAX_COPIES."""
+    return min(MAX_COPIES, max(1, math.ceil(2 * l2 / max(weight_bytes, 1))))
 
 
 def graph_time_us(fn: Callable[[torch.Tensor], object], weight: torch.Tensor, min_calls: int = 8,
@@ -59,9 +65,9 @@ def graph_time_us(fn: Callable[[torch.Tensor], object], weight: torch.Tensor, mi
 
 def _time_graph(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor], calls: int,
                 replays: int) -> float:
-    # Eager warm-up on the current stream (compiles, lazy init, workspaces), once per copy. No new side
+    # Eager warm-up on the current stream (compiles, lazy init, workspaces). No new side
     # stream per call: cuBLAS keeps a workspace per stream, which would pile up over many timings.
-    for w in weights:
+    for w in weights[:2]:  # a second call too: some paths set up on their first call, then run
         fn(w)
     torch.cuda.synchronize(weights[0].device)
     graph = torch.cuda.CUDAGraph()

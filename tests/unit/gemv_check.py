@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from mstar.kernels import fused_ops, gemv, skinny_gemm
 from mstar.kernels.skinny_gemm import SkinnyConfig, pick_config, skinny_linear, skinny_silu_and_mul_linear
-from mstar.kernels.timing import graph_time_us, weight_copies
+from mstar.kernels.timing import MAX_COPIES, graph_time_us, weight_copies
 from mstar.layers.fused import FUSED
 from mstar.layers.linear import SKINNY
 from mstar.layers.mlp import GatedMLP
@@ -110,6 +110,8 @@ def check_mlp_selection(dtype: torch.dtype) -> None:
 def check_timing_helper() -> None:
     # Enough copies to read >= 2 x L2 per round; one when the weight alone is that large.
     assert weight_copies(31 << 20, 50 << 20) == 4 and weight_copies(200 << 20, 50 << 20) == 1
+    # A tiny weight (16 KB) would need 6400 copies and as many launches: capped.
+    assert weight_copies(16 << 10, 50 << 20) == MAX_COPIES == 64
     try:
         graph_time_us(lambda w: w, torch.zeros(4))
     except ValueError as err:
