@@ -8,11 +8,9 @@ import pytest
 import torch
 
 from mstar.runtime.offline import MStar
-from tests.models.qwen3_omni_model_testing import make_reference, outputs, runtime_config, submit_ids
+from tests.models.qwen3_omni_model_testing import PROMPT, make_reference, outputs, runtime_config, submit_ids
 
 pytest.importorskip("transformers")
-
-PROMPT = [5, 17, 99, 3, 42, 7, 11]
 
 
 def _speak(tmp_path, graphs: bool):
