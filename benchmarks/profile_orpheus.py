@@ -11,6 +11,11 @@ the same way (CUDA events around graph launches), a lower bound of the time the 
 
     python3 benchmarks/profile_orpheus.py                # H200, Orpheus-3B dummy weights (<= 90 s)
     python3 benchmarks/profile_orpheus.py --quick        # CPU, tiny Orpheus (smoke)
+    python3 benchmarks/profile_orpheus.py --kernels 25   # also: the 25 costliest GPU kernels per LM step
+
+With `--kernels N`, each case then runs once more (150 tokens per request) under torch.profiler and
+lists the N kernels (inside CUDA graphs too) with the most GPU time per LM step, so the GPU time of a
+step that is not the decode forward (sampling, SNAC, copies) is named.
 """
 
 from __future__ import annotations
@@ -123,6 +128,37 @@ def summarize(rec: Recorder, wall_s: float, tokens: int) -> dict:
     }
 
 
+def kernel_table(m, rec: Recorder, concurrency: int, top: int, tokens: int = 150) -> list[dict]:
+    """The `top` kernels by GPU time per LM step over one profiled run of `concurrency` requests."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rec.parts.clear()
+    rec.events.clear()
+    rec.active = True  # counts the LM steps of the profiled run
+    opts = {"max_tokens": tokens, "ignore_eos": True}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        handles = [m.submit({"text": f"Hello number {i}, this is a profile run."}, **opts) for i in range(concurrency)]
+        for h in handles:
+            h.result()
+        torch.cuda.synchronize()
+    rec.active = False
+    steps = max(len(rec.parts["llm_step"]), 1)
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals[event.name[:90]]
+            entry[0] += event.time_range.elapsed_us()
+            entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    all_us = sum(v[0] for v in totals.values())
+    rows = [{"kernel": name, "us_per_step": round(us / steps, 2), "calls_per_step": round(n / steps, 2)}
+            for name, (us, n) in ranked[:top]]
+    sys.stdout.write(f"concurrency {concurrency}: {steps} LM steps, GPU kernel time {all_us / steps:.1f} us per step\n")
+    for r in rows:
+        sys.stdout.write(f"  {r['us_per_step']:9.2f} us {r['calls_per_step']:6.2f}x  {r['kernel']}\n")
+    return [{"all_kernels_us_per_step": round(all_us / steps, 2), "llm_steps": steps}] + rows
+
+
 def run_case(m, rec: Recorder, concurrency: int, tokens: int) -> dict:
     opts = {"max_tokens": tokens, "ignore_eos": True}
     rec.parts.clear()
@@ -143,6 +179,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="CPU, tiny Orpheus, short requests (smoke test)")
     parser.add_argument("--tokens", type=int, default=None, help="tokens per request (600; 40 with --quick)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="also list the N costliest GPU kernels per LM step (torch.profiler, CUDA only)")
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/profile_orpheus*.json)")
     args = parser.parse_args()
     from mstar.runtime.offline import MStar
@@ -156,9 +194,15 @@ def main() -> None:
     cases = {}
     with MStar(config=cfg, mode="inproc", tiny=args.quick, load_format="auto" if args.quick else "dummy") as m:
         m.generate({"text": "warm up"}, max_tokens=30, ignore_eos=True)
+        llm = m.runtime.workers[0].engines["llm"]
         for c in args.concurrency:
+            hits, misses = llm.lookahead_hits, llm.lookahead_misses
             cases[f"c{c}"] = run_case(m, rec, c, tokens)
+            cases[f"c{c}"]["lookahead_hits_misses"] = [llm.lookahead_hits - hits, llm.lookahead_misses - misses]
             sys.stdout.write(f"concurrency {c}: {json.dumps(cases[f'c{c}'])}\n")
+        if args.kernels and device == "cuda":
+            for c in args.concurrency:
+                cases[f"c{c}"]["kernels"] = kernel_table(m, rec, c, args.kernels)
     _print_table(cases)
     out = Path(args.out or ROOT / f"benchmarks/results/profile_orpheus{'_quick' if args.quick else ''}.json")
     out.write_text(json.dumps({"command": "python3 " + " ".join(sys.argv), "device": device,
