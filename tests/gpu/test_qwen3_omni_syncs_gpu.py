@@ -46,11 +46,12 @@ def allow_sampled_ids_read(monkeypatch):
     real = ar_engine._to_host
 
     def read(out):
+        mode = torch.cuda.get_sync_debug_mode()  # "error" inside no_syncs(), off outside it
         torch.cuda.set_sync_debug_mode(0)
         try:
             return real(out)
         finally:
-            torch.cuda.set_sync_debug_mode("error")
+            torch.cuda.set_sync_debug_mode(mode)
     monkeypatch.setattr(ar_engine, "_to_host", read)
 
 
