@@ -16,8 +16,9 @@ def test_single_request_uses_lookahead_and_matches_reference(model):
     engine = make_engine(model, lookahead=True)
     out = drive(engine, [item("a", prompt, max_tokens=12)])[("a", "main")]
     assert tokens_of(out) == reference(model, prompt, 12)
-    # page size 4: the steps whose next token opens a new page run without lookahead
-    assert engine.lookahead_hits >= 6 and engine.lookahead_misses == 0
+    # every token after the first comes from a forward launched ahead, also those that open a new page
+    # (page size 4: the lookahead takes the page from the pool first)
+    assert engine.lookahead_hits == 11 and engine.lookahead_misses == 0
     assert out[-1].finish_reason == "length" and engine.pool.num_used == 0
 
 
@@ -44,6 +45,23 @@ def test_preemption_and_eos_with_lookahead(model):
         assert tokens_of(out[key]) == tokens_of(plain[key])
         assert out[key][-1].finish_reason == plain[key][-1].finish_reason
     assert any(r[-1].finish_reason == "stop" for r in out.values())
+    assert engine.pool.num_used == 0
+
+
+def test_no_free_page_skips_the_lookahead_without_preempting(model):
+    """A lookahead that needs a new page takes only a free one: with the pool full, the step runs as
+    usual (the scheduler preempts if it must), with the same tokens as without lookahead."""
+    ps = prompts(8)[2:6]
+    plain_engine = make_engine(model, pages=12, max_model_len=32)
+    plain = drive(plain_engine, [item(f"r{i}", p, max_tokens=12) for i, p in enumerate(ps)])
+    engine = make_engine(model, pages=12, max_model_len=32, lookahead=True)
+    grown = []
+    real = engine.scheduler.grow_ahead
+    engine.scheduler.grow_ahead = lambda seqs: grown.append(real(seqs)) or grown[-1]
+    out = drive(engine, [item(f"r{i}", p, max_tokens=12) for i, p in enumerate(ps)])
+    assert {k: tokens_of(v) for k, v in out.items()} == {k: tokens_of(v) for k, v in plain.items()}
+    assert True in grown and False in grown  # pages taken ahead, and refused once the pool ran dry
+    assert engine.scheduler.num_preemptions == plain_engine.scheduler.num_preemptions > 0
     assert engine.pool.num_used == 0
 
 

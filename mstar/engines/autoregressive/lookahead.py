@@ -52,19 +52,25 @@ def continuing(seqs: list[Sequence], scheduler: Scheduler, page_size: int, max_m
     or None when lookahead should be skipped this step.
 
     Skipped when the next step is unlikely to be exactly these sequences (new sequences could be
-    admitted), or when one that will continue needs a page it does not hold yet (the scheduler
-    allocates pages). Sequences sure to stop on length are left out; stops on a sampled EOS
-    cannot be known yet and simply drop the lookahead at the next step.
+    admitted). A sequence whose next token opens a page it does not hold yet gets that page now
+    (`Scheduler.grow_ahead`, from free pages only: it needs the page for its next token anyway);
+    when there are not enough free pages the lookahead is skipped and the scheduler decides as usual.
+    Sequences sure to stop on length are left out; stops on a sampled EOS cannot be known yet and
+    simply drop the lookahead at the next step.
     """
     if scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs:
         return None
-    keep = []
+    keep, grow = [], []
     for i, seq in enumerate(seqs):
         p = seq.params
         pos = len(seq.token_ids)  # where the token sampled now will sit
         if (p.max_tokens is not None and seq.num_generated + 1 >= p.max_tokens) or pos + 1 >= max_model_len:
             continue
-        if seq.inputs is not None or pos // page_size >= len(seq.pages) or seq.num_computed != pos:
+        if seq.inputs is not None or seq.num_computed != pos:
             return None
+        if pos // page_size >= len(seq.pages):
+            grow.append(seq)
         keep.append(i)
-    return keep or None
+    if not keep or (grow and not scheduler.grow_ahead(grow)):
+        return None
+    return keep

@@ -133,6 +133,15 @@ class Scheduler:
         seq.pages += self.pool.allocate(need)
         return True
 
+    def grow_ahead(self, seqs: list[Sequence]) -> bool:
+        """Give each of `seqs` (running, every token computed) the page its next token opens, from free
+        pages only, never by preempting; False, giving none, when there are not enough."""
+        if len(seqs) > self.pool.num_free:
+            return False
+        for seq in seqs:
+            seq.pages += self.pool.allocate(1)
+        return True
+
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Give a waiting `seq` its cached prefix and pages for its first chunk; 0 if it does not fit."""
         # At least one token is computed, so that there are logits to sample from.
