@@ -175,18 +175,20 @@ def _banning(row: SamplingRow) -> bool:
             and bool(row.eos_token_ids or p.stop_token_ids))
 
 
-def sample_static(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+def sample_static(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, filtered: bool = False) -> torch.Tensor:
     """`sample` for `graphable` rows with no branch on their values, so that it can be captured in a
     CUDA graph: [N] ids from float32 `logits` [N, V], the rows' `RowTable.columns` (on the device)
     and their seen-token masks `seen` [N, V] (read only where the repetition penalty is not 1).
-    Every stage runs for every row; for the same noise each row gets the token `sample` gives it."""
-    t = RowTable.general(table, logits.shape[1])
+    Every stage runs for every row; for the same noise each row gets the token `sample` gives it.
+    `filtered`: the caller promises that every row samples (temperature > 0) under top-k or top-p,
+    so the stages for greedy and unfiltered rows are left out."""
+    t = RowTable.general(table, logits.shape[1], filtered)
     # as _processed_logits computes it: unpenalised rows get 1 * inv_temp, i.e. inv_temp exactly
     factor = torch.where(seen, torch.where(logits > 0, t.inv_penalty * t.inv_temp, t.penalty * t.inv_temp),
                          t.inv_temp)
     x = logits.float() * factor
     sampled = pick(x, None, t, torch.empty_like(x).exponential_())
-    return torch.where(t.greedy, x.argmax(dim=-1), sampled)
+    return sampled if filtered else torch.where(t.greedy, x.argmax(dim=-1), sampled)
 
 
 def _processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow], table: RowTable) -> torch.Tensor:

@@ -61,15 +61,17 @@ class RowTable:
         return torch.tensor(cols, dtype=torch.float32).reshape(len(cols), COLUMNS)
 
     @classmethod
-    def general(cls, table: torch.Tensor, vocab: int) -> RowTable:
+    def general(cls, table: torch.Tensor, vocab: int, filtered: bool = False) -> RowTable:
         """A table over device columns `table` [N, COLUMNS] with every stage on and no host flag read
-        from the rows: top-k no wider than PREFILTER_K, any row may be greedy, filtered or penalised."""
+        from the rows: top-k no wider than PREFILTER_K, any row may be greedy, filtered or penalised.
+        `filtered`: every row is known to sample under top-k or top-p (none greedy)."""
         self = cls.__new__(cls)
         self._split(table, vocab)
-        self.any_greedy = self.any_repetition = self.any_min_p = self.any_top_k = True
+        self.any_repetition = self.any_min_p = self.any_top_k = True
+        self.any_greedy = not filtered
         self.all_greedy = False
         self.max_top_k = PREFILTER_K
-        self.filtered = None  # per row on the device only (`filtered_rows`)
+        self.filtered = [True] * table.shape[0] if filtered else None  # else per row on the device only
         return self
 
     def _split(self, table: torch.Tensor, vocab: int) -> None:

@@ -71,3 +71,24 @@ def test_sampler_graphs_draw_inside_the_nucleus_without_syncs():
     assert bool(inside.gather(1, draws.T).all())
     assert all(len(set(draws[:, i].tolist())) > 1 for i in range(5)), "40 draws from a wide nucleus never varied"
     assert sampler.replays == 41
+
+
+def test_filtered_static_draw_equals_general_on_cuda():
+    """The sampler graphs' `filtered` variant (no greedy, no whole-vocabulary race) draws the same ids as
+    the general one for the same noise, at the Orpheus vocabulary, on rows covered by the prefilter
+    and on rows that need the Triton nucleus fallback (flat logits)."""
+    from mstar.engines.sampling import sample_static
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    params = [SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3), SamplingParams(top_k=40),
+              SamplingParams(temperature=1.1, top_p=0.95), SamplingParams(top_p=0.5, min_p=0.02)]
+    rows = [SamplingRow(p, list(range(i, i + 50)), 40) for i, p in enumerate(params)]
+    logits = torch.randn(len(rows), VOCAB, device="cuda", generator=gen) * torch.tensor(
+        [3.0, 1.0, 0.05, 6.0], device="cuda")[:, None]  # row 2: nearly flat, outside any 1024-wide prefilter
+    table = filters.RowTable.columns(rows, VOCAB).cuda()
+    seen = filters.seen_masks(rows, VOCAB, logits.device)
+    for trial in range(5):
+        torch.manual_seed(trial)
+        general = sample_static(logits, table, seen)
+        torch.manual_seed(trial)
+        assert sample_static(logits, table, seen, filtered=True).tolist() == general.tolist(), trial

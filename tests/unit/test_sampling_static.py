@@ -16,6 +16,9 @@ MIXES = {
               SamplingParams(min_p=0.1, temperature=1.3), SamplingParams(temperature=0.0, repetition_penalty=1.5),
               SamplingParams(top_p=0.3, min_p=0.05, repetition_penalty=0.8)],
     "unfiltered": [SamplingParams(temperature=0.9), SamplingParams(temperature=0.0)],
+    "filtered": [SamplingParams(top_p=0.8), SamplingParams(top_k=7, temperature=0.7),
+                 SamplingParams(top_k=12, top_p=0.9, repetition_penalty=1.2),
+                 SamplingParams(top_p=0.3, min_p=0.05, repetition_penalty=0.8)],
 }
 
 
@@ -39,6 +42,9 @@ def test_static_draw_equals_sample(monkeypatch, mix, prefilter):
         torch.manual_seed(trial)
         got = sample_static(logits, table, seen)
         assert got.tolist() == expected.tolist(), (mix, trial)
+        if all(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) for p in params):
+            torch.manual_seed(trial)  # the variant without the greedy and unfiltered stages
+            assert sample_static(logits, table, seen, filtered=True).tolist() == expected.tolist(), (mix, trial)
 
 
 def test_static_draw_reads_seen_masks_only_for_penalised_rows():
@@ -81,12 +87,13 @@ def test_sampler_graphs_table_follows_the_rows(monkeypatch):
     from mstar.engines.sampling_graph import SamplerGraphs
     from tests.unit.graph_standins import EagerBatchGraphs
 
-    tables, builds = [], []
+    tables, builds, used = [], [], []
     build = filters.RowTable.columns
 
     class Recording(EagerBatchGraphs):
         def __call__(self, logits, table, new, bucket=None):
             tables.append(table.clone())
+            used.append(self)
             return super().__call__(logits, table, new, bucket=bucket)
 
     def counted(rows, vocab):
@@ -113,6 +120,8 @@ def test_sampler_graphs_table_follows_the_rows(monkeypatch):
         assert ids is not None and ids.shape == (len(batch),)
         assert torch.equal(tables[-1], build(batch, vocab))
         steady.append(len(builds) - before)
+        # a greedy row (b) needs the general graphs; rows all under top-p or top-k take the filtered ones
+        assert used[-1] is sampler._graphs[b not in params]
     # each of the two host sets builds a batch's table once; the third call of the same params builds none
     assert steady == [1, 1, 0, 1, 1, 1, 0, 1]
 
