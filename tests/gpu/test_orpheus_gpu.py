@@ -98,3 +98,21 @@ def test_vocoder_steps_run_on_their_own_stream(cuda):
     expected = run(default)
     assert all(g.device.type == "cpu" for g in got)
     assert all(torch.equal(g, e) for g, e in zip(got, expected))
+
+
+def test_snac_snake_kernel_equals_the_torch_form(cuda):
+    """SNAC's Snake through the fused Triton kernel (kernels/snake.py) at a decoder width, in float32."""
+    from mstar.layers.fused import FUSED
+    from mstar.models.orpheus.snac import Snake
+
+    module = Snake(96).to(cuda)
+    with torch.no_grad():
+        module.alpha.uniform_(0.2, 3.0)
+    x = torch.randn(8, 96, 4096, device=cuda) * 3
+    fused = module(x)
+    FUSED.enabled = False
+    try:
+        reference = module(x)
+    finally:
+        FUSED.enabled = True
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)

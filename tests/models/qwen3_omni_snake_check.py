@@ -1,5 +1,5 @@
 """Checks of Code2Wav's fused SnakeBeta (`mstar/kernels/snake.py`) against the PyTorch form of
-`code2wav_layers.SnakeBeta`; run with TRITON_INTERPRET=1 (by test_qwen3_omni_code2wav_kernels.py, in a
+`code2wav_layers.SnakeBeta`, and of SNAC's Snake (Orpheus) against its own PyTorch form; run with TRITON_INTERPRET=1 (by test_qwen3_omni_code2wav_kernels.py, in a
 fresh process).
 
 float32 checks the math (rows of one and of several time blocks, a single step); bfloat16 checks that the
@@ -83,7 +83,28 @@ def check_code2wav() -> None:
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
+def check_snac_snake() -> None:
+    """Orpheus's SNAC Snake (one linear-scale alpha per channel) through the same kernel."""
+    from mstar.models.orpheus.snac import Snake
+
+    for shape in ((2, 24, 37), (1, 7, 1), (3, 5, 2100)):
+        module = Snake(shape[1])
+        with torch.no_grad():
+            module.alpha.uniform_(0.2, 3.0)
+        x = torch.randn(*shape) * 3
+        got, want = module(x), torch_form(module, x)
+        assert got.shape == x.shape and got.dtype == x.dtype
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    try:
+        snake.snake(torch.randn(2, 4, 9).transpose(1, 2), torch.ones(9))
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a strided x should be refused")
+
+
 if __name__ == "__main__":
+    check_snac_snake()
     check_float32()
     check_bfloat16()
     check_code2wav()

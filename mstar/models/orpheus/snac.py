@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar.layers.fused import FUSED
+
 
 @dataclass(frozen=True)
 class SnacConfig:
@@ -76,13 +78,18 @@ class SnacConfig:
 
 
 class Snake(nn.Module):
-    """x + sin(alpha x)^2 / alpha, per channel."""
+    """x + sin(alpha x)^2 / alpha, per channel. On CUDA (fused kernels on, x contiguous) one Triton kernel
+    (`kernels/snake.py`) in float32 instead of five elementwise passes."""
 
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 3 and x.is_contiguous() and FUSED.ops_for(x) is not None:
+            from mstar.kernels.snake import snake
+
+            return snake(x, self.alpha)
         return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
 
 
