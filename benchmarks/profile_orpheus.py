@@ -146,7 +146,7 @@ def kernel_table(m, rec: Recorder, concurrency: int, top: int, tokens: int = 150
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = totals[event.name[:90]]
+            entry = totals[event.name[:400]]  # templated names: long enough to tell kernels apart
             entry[0] += event.time_range.elapsed_us()
             entry[1] += 1
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
@@ -155,7 +155,7 @@ def kernel_table(m, rec: Recorder, concurrency: int, top: int, tokens: int = 150
             for name, (us, n) in ranked[:top]]
     sys.stdout.write(f"concurrency {concurrency}: {steps} LM steps, GPU kernel time {all_us / steps:.1f} us per step\n")
     for r in rows:
-        sys.stdout.write(f"  {r['us_per_step']:9.2f} us {r['calls_per_step']:6.2f}x  {r['kernel']}\n")
+        sys.stdout.write(f"  {r['us_per_step']:9.2f} us {r['calls_per_step']:6.2f}x  {r['kernel'][:150]}\n")
     return [{"all_kernels_us_per_step": round(all_us / steps, 2), "llm_steps": steps}] + rows
 
 
