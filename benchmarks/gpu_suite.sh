@@ -10,6 +10,7 @@
 # for the Orpheus server step, fastapi/uvicorn/pyzmq/msgspec; the Wan step needs diffusers for its
 # baseline (benchmarks/wan_bench.py says how to carry it); the omni steps need the Qwen3-Omni tokenizer folder
 # (mstar_tokenizers/qwen3-omni-v1, built by any qwen3_omni test here) under the temp dir. omni2 needs two GPUs.
+# ORPHEUS_CONFIG picks the Orpheus server's config (default configs/orpheus.yaml).
 # With TAR=1 everything under $OUT is packed into $OUT/gpu_suite.tgz at the end (one file to fetch).
 # Results to commit go to benchmarks/results/.
 set -u
@@ -61,7 +62,8 @@ if [[ $WHAT == orpheus || $WHAT == all ]]; then
   run 120 profile_orpheus python3 benchmarks/profile_orpheus.py --out "$OUT/profile_orpheus_h200.json"
 fi
 if [[ $WHAT == orpheus || $WHAT == orpheus_http || $WHAT == all ]]; then  # orpheus_http: the served sweep alone
-  python3 -m mstar.cli.main serve orpheus --load-format dummy --port "$PORT" > "$OUT/orpheus_server.log" 2>&1 &
+  python3 -m mstar.cli.main serve orpheus --load-format dummy --config "${ORPHEUS_CONFIG:-configs/orpheus.yaml}" \
+      --port "$PORT" > "$OUT/orpheus_server.log" 2>&1 &
   server=$!
   if wait_ready; then
     run 300 orpheus_bench python3 -m mstar.cli.main bench --base-url "http://127.0.0.1:$PORT" --workload speech \

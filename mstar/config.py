@@ -76,10 +76,16 @@ class CudaGraphConfig:
     sampling: bool = True  # replay sampling from CUDA graphs too (engines/sampling_graph.py)
     compile_eager: bool = False  # torch.compile the model forward of steps that replay no graph (prefill, big batches)
     compile_backend: str = "inductor"  # torch.compile backend for compile_eager ("eager"/"aot_eager" to debug)
+    # token buckets at which steps with prompt tokens replay graphs (engines/autoregressive/prefill_graph.py);
+    # empty: such steps run eagerly. Off by default until measured on a GPU.
+    prefill_tokens: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_batch_size) or self.max_batch_size < 1:
             raise ValueError(f"cuda_graphs.max_batch_size={self.max_batch_size!r}: use a positive integer")
+        if not isinstance(self.prefill_tokens, list) or any(not _is_int(t) or t < 1 for t in self.prefill_tokens):
+            raise ValueError(f"cuda_graphs.prefill_tokens={self.prefill_tokens!r}: use a list of positive "
+                             "integers such as [16, 32, 64, 128, 256], or [] for none")
         if self.batch_sizes is not None and (not self.batch_sizes or any(
                 not _is_int(b) or b < 1 for b in self.batch_sizes)):
             raise ValueError(f"cuda_graphs.batch_sizes={self.batch_sizes!r}: use a list of positive integers")

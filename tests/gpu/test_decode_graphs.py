@@ -16,10 +16,13 @@ DEVICE = torch.device("cuda")
 
 
 def engine_for(model, graphs: bool, backend: str = "triton", max_batch: int = 8, pages: int = 256,
-               max_model_len: int = 512) -> AutoregressiveEngine:
+               max_model_len: int = 512, prefill_tokens: list[int] | None = None,
+               max_batch_tokens: int | None = None) -> AutoregressiveEngine:
     kv = KVCacheConfig(max_num_pages=pages, page_size=16, attention_backend=backend)
+    extra = {} if max_batch_tokens is None else {"max_batch_tokens": max_batch_tokens}
     return AutoregressiveEngine(model, kv, DEVICE, max_num_seqs=max_batch, max_model_len=max_model_len,
-                                cuda_graphs=CudaGraphConfig(enabled=graphs, max_batch_size=max_batch))
+                                cuda_graphs=CudaGraphConfig(enabled=graphs, max_batch_size=max_batch,
+                                                            prefill_tokens=prefill_tokens or []), **extra)
 
 
 def generate(engine: AutoregressiveEngine, prompts: list[list[int]], max_tokens: list[int],
@@ -133,6 +136,26 @@ def test_packed_decode_inputs_with_joins_penalties_and_preemption_equal_eager(ch
     assert graphed.scheduler.num_preemptions > 0 and graphed.lookahead_hits > 0
     assert graphed.sampler.replays - replays > 100
     eager = engine_for(model, graphs=False, pages=18, max_model_len=256)
+    assert got == generate_staggered(eager, prompts, options, join_at)
+
+
+def test_prefill_graphs_equal_eager(checkpoint):
+    """Steps with prompt tokens replayed from prefill graphs (chunked prompts, mixed with decode rows,
+    sequences joining a running batch, padded token buckets): the eager engine's greedy tokens, and
+    every such step replayed a graph."""
+    model = load_model(checkpoint[0], dtype=torch.bfloat16, device=DEVICE)
+    prompts = prompts_of([5, 30, 12, 3, 44, 17, 8])
+    options = [{"temperature": 0.0, "repetition_penalty": 1.1, "max_tokens": 20 + 3 * i} for i in range(len(prompts))]
+    join_at = [0, 0, 3, 10, 11, 25, 40]
+    graphed = engine_for(model, graphs=True, prefill_tokens=[16, 32, 64], max_batch_tokens=64)
+    prefill = graphed.runner.prefill_graphs
+    assert prefill is not None and prefill.tokens == [16, 32, 64]
+    eager_steps = []
+    forward = graphed.runner._eager_forward
+    graphed.runner._eager_forward = lambda *a: eager_steps.append(a[0].shape[0]) or forward(*a)
+    got = generate_staggered(graphed, prompts, options, join_at)
+    assert prefill.replays >= 5 and eager_steps == [], (prefill.replays, eager_steps)
+    eager = engine_for(model, graphs=False, max_batch_tokens=64)
     assert got == generate_staggered(eager, prompts, options, join_at)
 
 

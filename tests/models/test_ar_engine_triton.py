@@ -37,3 +37,14 @@ def test_graphed_decode_through_packed_inputs_matches_reference() -> None:
     result = _run("engine_graphed")
     assert result["got"] == result["want"] and all(len(t) == 6 for t in result["got"])
     assert result["shared"] and result["replays"] >= 5 and result["lookahead_hits"] > 0
+
+
+def test_graphed_prefill_steps_match_reference() -> None:
+    """Chunked prefills and mixed prefill + decode steps through the prefill graphs (padded token
+    buckets, the backend's graphed-prefill description): the reference's greedy tokens, and no step
+    ran eagerly."""
+    result = _run("engine_prefill_graphed")
+    assert result["got"] == result["want"] and all(len(t) == 6 for t in result["got"])
+    assert result["prefill_replays"] >= 3 and result["eager_steps"] == [], result
+    assert result["decode_replays"] >= 5
+    assert "graphed prefill step of 6 tokens in a bucket of 5" in result["refused"]

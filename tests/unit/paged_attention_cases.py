@@ -199,7 +199,46 @@ def engine_graphed_case() -> dict:
             "shared": engine.runner._shares_decode, "lookahead_hits": engine.lookahead_hits}
 
 
-ENGINE_CASES = {"engine_greedy": engine_case, "engine_graphed": engine_graphed_case}
+def engine_prefill_graphed_case() -> dict:
+    """`engine_graphed_case` with prefill graphs too (token buckets 5 and 8; CPU stand-ins that run the
+    whole padded bucket, so the backend's graphed-prefill description is what the kernels read): the
+    chunked prefills and mixed steps replay them, decode steps the decode graphs."""
+    import test_ar_engine as ar
+    from graph_standins import EagerBatchGraphs
+
+    from mstar.engines.autoregressive import AutoregressiveEngine
+    from mstar.engines.autoregressive import prefill_graph as prefill_module
+    from mstar.engines.autoregressive import runner as runner_module
+    from mstar.engines.kv_cache.config import KVCacheConfig
+
+    model, ps = ar.TinyLM(), ar.prompts(8)[2:5]  # 4, 7 and 12 tokens
+    config = KVCacheConfig(max_num_pages=64, page_size=4, attention_backend="triton")
+    engine = AutoregressiveEngine(model, config, "cpu", max_batch_tokens=8, max_num_seqs=4, lookahead=True,
+                                  default_sampling=ar.SamplingParams(temperature=0.0))
+    runner_module.BatchGraphs = prefill_module.BatchGraphs = EagerBatchGraphs
+    with torch.inference_mode():
+        engine.runner.graphs = engine.runner._capture([1, 2, 4])
+        engine.runner.prefill_graphs = engine.runner._capture_prefill([5, 8])
+    eager_steps = []
+    forward = engine.runner._eager_forward
+    engine.runner._eager_forward = lambda *a: eager_steps.append(a[0].shape[0]) or forward(*a)
+    out = ar.drive(engine, [ar.item(f"r{i}", p, max_tokens=6) for i, p in enumerate(ps)])
+    got = [ar.tokens_of(out[(f"r{i}", "main")]) for i in range(len(ps))]
+    from mstar.engines.attention.base import AttentionMetadata
+
+    too_many = AttentionMetadata([6], [6], torch.full((6,), -1, dtype=torch.long), torch.zeros(1, 2, dtype=torch.int32))
+    try:  # 6 tokens do not fit a bucket of 5
+        engine.runner.attn.prepare_graphed_prefill(too_many, 5)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    return {"got": got, "want": [ar.reference(model, p, 6) for p in ps],
+            "prefill_replays": engine.runner.prefill_graphs.replays, "eager_steps": eager_steps,
+            "decode_replays": engine.runner.graphs.calls, "refused": refused}
+
+
+ENGINE_CASES = {"engine_greedy": engine_case, "engine_graphed": engine_graphed_case,
+                "engine_prefill_graphed": engine_prefill_graphed_case}
 
 
 def _fix_interpreter_scalars() -> None:

@@ -44,6 +44,11 @@ def test_bad_values(tmp_path):
         load_config(tmp_path / "missing.yaml")
     with pytest.raises(ConfigError, match=r"kv_cache.page_size=0: use a positive integer"):
         config_from_dict({"model": "toy", "kv_cache": {"page_size": 0}})
+    with pytest.raises(ConfigError, match=r"cuda_graphs.prefill_tokens=\[16, 0\]: use a list of positive"):
+        config_from_dict({"model": "toy", "cuda_graphs": {"prefill_tokens": [16, 0]}})
+    assert config_from_dict({"model": "toy", "cuda_graphs": {"prefill_tokens": [64, 16]}}).cuda_graphs.prefill_tokens \
+        == [64, 16]
+    assert config_from_dict({"model": "toy"}).cuda_graphs.prefill_tokens == []  # off by default
 
 
 def test_component_placed_nowhere():
@@ -79,3 +84,12 @@ def test_unknown_model_lists_valid_names():
 
     with pytest.raises(KeyError, match=r"unknown model 'toyy'; registered models are: .*toy"):
         get_model_class("toyy")
+
+
+def test_every_shipped_config_loads():
+    from pathlib import Path
+
+    configs = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+    assert len(configs) >= 5
+    for path in configs:
+        assert load_config(path).model, path

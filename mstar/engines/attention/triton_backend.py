@@ -24,7 +24,14 @@ reduce when split. Two switches, read from `mstar.envs` when the backend is buil
 attributes): `fuse_reduce` merges the splits inside the attention launch (a per-backend counter
 buffer, zero at rest), and `fuse_rotary` offers `forward_rotary`, which takes q/k un-rotated and
 applies RoPE in the kernel; layers ask `fuses_rotary` (true only for a prepared decode batch). Prefill / mixed batches store K/V, then run the varlen kernel, whose grid uses
-the host-side max query length from `prepare` (no sync either); they are not meant to be captured.
+the host-side max query length from `prepare` (no sync either).
+
+CUDA-graph contract (steps with prompt tokens, `autoregressive/prefill_graph.py`):
+`reserve_graphed_prefill(T)` (once, before any capture) allocates a persistent slot buffer of T
+tokens; `prepare_graphed_prefill(meta, tokens)` describes a batch of at most `tokens` new tokens with
+the grids of `tokens` query tokens over all `max_num_seqs` rows: rows past the batch get no queries
+(their query start is the batch's token count) and length 0, tokens past the batch slot -1. A graph
+captured after `prepare_graphed_prefill(..., T)` replays any later batch prepared with the same T.
 """
 
 from __future__ import annotations
@@ -76,6 +83,7 @@ class TritonBackend:
         self._causal = True
         self._window = 0
         self._slots: torch.Tensor | None = None
+        self._prefill_slots: torch.Tensor | None = None  # persistent slots of graphed prefill steps
 
     def _alloc_buffers(self) -> None:
         n, dev = self.max_num_seqs, self.device
@@ -105,6 +113,32 @@ class TritonBackend:
             self._slots = meta.slot_mapping.to(self.device, non_blocking=True)
         self.num_rows, self._num_seqs = rows, num_seqs
         self._max_query_len = max(meta.query_lens)
+        self._causal = meta.causal
+        self._window = (meta.sliding_window or 0) if meta.causal else 0
+
+    def reserve_graphed_prefill(self, max_tokens: int) -> None:
+        """Allocate the slot buffer of graphed prefill steps of up to `max_tokens` tokens (before any
+        capture: graphs read the buffer they were captured with)."""
+        if self._prefill_slots is None or self._prefill_slots.numel() < max_tokens:
+            self._prefill_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=self.device)
+
+    def prepare_graphed_prefill(self, meta: AttentionMetadata, tokens: int) -> None:
+        """`prepare` for a step replayed from a graph captured at `tokens` tokens (module docstring)."""
+        slots = self._prefill_slots
+        num_seqs, n = len(meta.query_lens), sum(meta.query_lens)
+        if slots is None or not n <= tokens <= slots.numel():
+            raise ValueError(f"a graphed prefill step of {n} tokens in a bucket of {tokens} needs "
+                             f"reserve_graphed_prefill(>= {tokens}) first and n <= tokens")
+        self.is_decode = False
+        self._check(meta, None)
+        rows = self.max_num_seqs
+        self._stage(meta, num_seqs, rows, q_rows=rows)
+        self.block_tables[:num_seqs, : meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
+        slots[:n].copy_(meta.slot_mapping, non_blocking=True)
+        slots[n:tokens].fill_(-1)
+        self._slots = slots[:tokens]
+        self.num_rows, self._num_seqs = rows, rows
+        self._max_query_len = tokens
         self._causal = meta.causal
         self._window = (meta.sliding_window or 0) if meta.causal else 0
 
@@ -145,9 +179,10 @@ class TritonBackend:
                              f"{self.max_pages_per_seq}; raise max_pages_per_seq")
         return rows
 
-    def _stage(self, meta: AttentionMetadata, num_seqs: int, rows: int) -> None:
+    def _stage(self, meta: AttentionMetadata, num_seqs: int, rows: int, q_rows: int | None = None) -> None:
         """seq_lens (zero-padded to `rows`) and, unless decoding (the decode kernel reads none), query
-        starts -> device, via pinned memory."""
+        starts -> device, via pinned memory; with `q_rows`, query starts for that many rows (those past
+        the batch start at its token count: no queries)."""
         if self._staged is not None:
             self._staged.synchronize()  # the previous step's copy must have left the staging buffer
         n = self.max_num_seqs
@@ -158,7 +193,9 @@ class TritonBackend:
         if not self.is_decode:
             host[n] = 0
             np.cumsum(meta.query_lens, out=host[n + 1 : n + 1 + num_seqs])
-            self.q_starts[: num_seqs + 1].copy_(self._staging[n : n + 1 + num_seqs], non_blocking=True)
+            q_rows = q_rows or num_seqs
+            host[n + 1 + num_seqs : n + 1 + q_rows] = host[n + num_seqs]
+            self.q_starts[: q_rows + 1].copy_(self._staging[n : n + 1 + q_rows], non_blocking=True)
         if self._staged is not None:
             self._staged.record()
 

@@ -2,7 +2,8 @@
 
 Decode-only steps replay a CUDA graph when the attention backend supports capture
 (`supports_cuda_graphs`) and the device is CUDA: the step's host work is then building a few
-small index tensors and one graph launch, instead of launching every kernel of the model.
+small index tensors and one graph launch, instead of launching every kernel of the model. With
+`cuda_graphs.prefill_tokens`, steps with prompt tokens replay graphs too (prefill_graph.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from mstar.engines.attention.base import AttentionBackend, AttentionMetadata
 from mstar.engines.autoregressive.decode_inputs import DecodeInputs
 from mstar.engines.autoregressive.extras_graph import ExtrasGraphs
 from mstar.engines.autoregressive.lookahead import Ahead
+from mstar.engines.autoregressive.prefill_graph import PrefillGraphs
 from mstar.engines.autoregressive.scheduler import Chunk
 from mstar.engines.autoregressive.sequence import Sequence
 from mstar.engines.base import CausalLM, KVLayout
@@ -101,6 +103,7 @@ class ModelRunner:
         self.device = device
         self.graphs: BatchGraphs | None = None
         self.extras_graphs: ExtrasGraphs | None = None  # decode with embeddings/positions/hidden capture
+        self.prefill_graphs: PrefillGraphs | None = None  # steps with prompt tokens (cuda_graphs.prefill_tokens)
         self._decode: DecodeInputs | None = None  # packed inputs of graphed decode steps (decode_inputs.py)
         self._shares_decode = False  # whether the attention backend reads its decode buffers from it
         self.last_greedy_ids: torch.Tensor | None = None  # argmax of the last step's logits, when a graph ran
@@ -122,6 +125,8 @@ class ModelRunner:
                 if getattr(model, "graph_hidden_layers", None):
                     self.extras_graphs = ExtrasGraphs(model, attn, self.device)
                     self.extras_graphs.capture(sizes, self._describe_dummy_batch)
+                if graphs.prefill_tokens and hasattr(attn, "prepare_graphed_prefill"):
+                    self.prefill_graphs = self._capture_prefill(graphs.prefill_tokens)
             else:
                 logger.info("%s cannot be captured in CUDA graphs; decode runs eagerly", type(attn).__name__)
 
@@ -134,6 +139,10 @@ class ModelRunner:
         dec = self._decode or self._decode_inputs(max(sizes))
         return BatchGraphs(decode_step, sizes, [((), torch.long), ((), torch.long)], self.device,
                            before_capture=self._describe_dummy_batch, static_inputs=[dec.ids, dec.positions])
+
+    @torch.inference_mode()
+    def _capture_prefill(self, tokens: list[int]) -> PrefillGraphs:
+        return PrefillGraphs(self.model, self.attn, self.device, tokens, self.page_size)
 
     def _describe_dummy_batch(self, size: int) -> None:
         """Prepare the backend for a capture: every row one token over itself, written nowhere."""
@@ -159,8 +168,12 @@ class ModelRunner:
             input_ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
             positions.extend(pos)
             slots.extend(c.seq.pages[p // self.page_size] * self.page_size + p % self.page_size for p in pos)
-        self.attn.prepare(self._metadata(chunks, slots))
-        hidden = self._eager_forward(self._tensor(input_ids), self._tensor(positions), self.attn)
+        meta = self._metadata(chunks, slots)
+        if self.prefill_graphs is not None and self.prefill_graphs.accepts(chunks):
+            hidden = self.prefill_graphs.run(chunks, meta, input_ids, positions)
+        else:
+            self.attn.prepare(meta)
+            hidden = self._eager_forward(self._tensor(input_ids), self._tensor(positions), self.attn)
         ends = torch.cumsum(torch.tensor([c.num_tokens for c in chunks]), 0) - 1
         last = [int(e) for c, e in zip(chunks, ends) if c.completes]
         return self.model.compute_logits(hidden[self._tensor(last)]) if last else None
