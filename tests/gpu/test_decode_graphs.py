@@ -27,22 +27,9 @@ def engine_for(model, graphs: bool, backend: str = "triton", max_batch: int = 8,
 
 def generate(engine: AutoregressiveEngine, prompts: list[list[int]], max_tokens: list[int],
              options: list[dict] | None = None) -> list[list[int]]:
-    """Tokens per prompt (greedy unless `options` say otherwise), driving the engine as a worker does
-    (feeding tokens back)."""
-    out: dict[str, list[int]] = {}
-    opts = [{"temperature": 0.0, **(options[i] if options else {}), "ignore_eos": True, "max_tokens": n}
-            for i, n in enumerate(max_tokens)]
-    for i, p in enumerate(prompts):
-        engine.submit(StepItem(f"r{i}", "w", "llm", {"input_ids": torch.tensor(p)}, opts[i]))
-        out[f"r{i}"] = []
-    while engine.has_work():
-        for r in engine.step():
-            assert r.error is None, r.error
-            out[r.request_id].append(int(r.outputs["token"]))
-            if not r.stop:
-                i = int(r.request_id[1:])
-                engine.submit(StepItem(r.request_id, "w", "llm", {"input_ids": r.outputs["token"]}, opts[i]))
-    return [out[f"r{i}"] for i in range(len(prompts))]
+    """Tokens per prompt (greedy unless `options` say otherwise), all submitted at once."""
+    opts = [{"temperature": 0.0, **(options[i] if options else {}), "max_tokens": n} for i, n in enumerate(max_tokens)]
+    return generate_staggered(engine, prompts, opts, [0] * len(prompts))
 
 
 @pytest.fixture(scope="module")
