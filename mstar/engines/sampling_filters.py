@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 PREFILTER_K = 1024  # logits per row the top-p nucleus is first looked for in
 COLUMNS = 8  # per-row parameters in a RowTable
+TOP_K_COLUMN, TOP_P_COLUMN, MIN_P_COLUMN = 3, 4, 5  # where `RowTable.columns` puts them
 
 
 class RowTable:
@@ -75,6 +76,7 @@ class RowTable:
         return self
 
     def _split(self, table: torch.Tensor, vocab: int) -> None:
+        self.table = table  # [N, COLUMNS] on the device, as the fused race kernel reads it
         self.inv_temp, self.penalty, self.inv_penalty, self.top_k, self.top_p, self.min_p = (
             table[:, i : i + 1] for i in range(6))
         self.greedy = table[:, 6] > 0
@@ -166,6 +168,13 @@ def _race_prefiltered(x: torch.Tensor, table: RowTable,
     top = vals[:, :1]
     # as softmax computes it (exp(x - max) / sum): nucleus edges fall where the sort-based path puts them
     total = (x - top).exp().sum(dim=-1, keepdim=True)
+    if x.is_cuda and table.table.is_cuda and k <= 4096:  # the rest in one kernel (kernels/nucleus.py)
+        from mstar.kernels.nucleus import nucleus_race_available, prefilter_race_
+
+        if nucleus_race_available():
+            ids, covered, lse = prefilter_race_(vals, idx, total[:, 0], table.table, noise, table.vocab,
+                                                (TOP_K_COLUMN, TOP_P_COLUMN, MIN_P_COLUMN))
+            return ids, covered, lse[:, None], vals
     lse = top + total.log()
     e = (vals - top).exp()
     if table.any_top_k:  # top-p then applies to the distribution renormalised over the top k

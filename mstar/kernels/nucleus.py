@@ -1,6 +1,15 @@
-"""Triton kernel of sampling's exact fallback: the top-p nucleus over the whole vocabulary, no sort.
+"""Triton kernels of sampling's filters: the race over the prefiltered top-K logits, and the exact
+fallback (the top-p nucleus over the whole vocabulary, no sort).
 
-One program per row. A row whose `need` flag is 0 returns at once, so the kernel costs one launch
+`prefilter_race_`: one program per row does all of `sampling_filters._race_prefiltered` after the
+`topk` (softmax of the K best logits against the whole row's normaliser, top-k cut, cumulative mass,
+top-p and min-p keep masks, coverage, the exponential race over the kept ones and the id it picks),
+which in PyTorch is some thirty small kernels; in a CUDA graph each costs a few microseconds at the
+small batches of decode.
+
+`nucleus_race_`:
+
+one program per row. A row whose `need` flag is 0 returns at once, so the kernel costs one launch
 when the top-k prefilter already covered every row (sampling_filters.py). Otherwise the program
 bisects the nucleus threshold in the order-preserving integer image of the float32 logits: with
 f(c) = the probability mass of tokens whose key is > c, a token of key c is kept iff f(c) < top_p
@@ -91,3 +100,67 @@ def nucleus_race_(x: torch.Tensor, noise: torch.Tensor, ids: torch.Tensor, need:
                              top_p.float().contiguous(), pmin.float().contiguous(), x.shape[1], x.stride(0),
                              noise.stride(0), NB=-(-x.shape[1] // block), BLOCK=block, NS=splits, PASSES=passes)
     return ids
+
+
+@functools.cache
+def _prefilter_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def prefilter_race(vals_ptr, idx_ptr, total_ptr, table_ptr, noise_ptr, ids_ptr, covered_ptr, lse_ptr, k,
+                       vocab, stride_v, stride_t, stride_n, COL_TOP_K: tl.constexpr, COL_TOP_P: tl.constexpr,
+                       COL_MIN_P: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        ranks = tl.arange(0, BLOCK)
+        inside = ranks < k
+        v = tl.load(vals_ptr + row * stride_v + ranks, mask=inside, other=-float("inf"))
+        top = tl.load(vals_ptr + row * stride_v)  # the K best come sorted: the first is the row's max
+        total = tl.load(total_ptr + row)  # sum of exp(x - top) over the whole row
+        top_k = tl.load(table_ptr + row * stride_t + COL_TOP_K)
+        top_p = tl.load(table_ptr + row * stride_t + COL_TOP_P)
+        min_p = tl.load(table_ptr + row * stride_t + COL_MIN_P)
+        e = tl.exp(v - top)
+        e = tl.where(inside, e, 0.0)
+        has_top_k = top_k < vocab  # top_k holds vocab when off, and ranks < k <= vocab
+        e = tl.where(ranks.to(tl.float32) >= top_k, 0.0, e)  # top-p then renormalises over the top k
+        denom = tl.where(has_top_k, tl.sum(e, axis=0), total)
+        p = e / denom
+        cum = tl.cumsum(p, axis=0)
+        keep = inside & (cum - p < top_p)  # the mass strictly before a token is below top_p
+        last = ranks == k - 1
+        cum_last = tl.sum(tl.where(last, cum, 0.0), axis=0)
+        p_last = tl.sum(tl.where(last, p, 0.0), axis=0)
+        p_first = tl.sum(tl.where(ranks == 0, p, 0.0), axis=0)
+        keep = keep & (p >= min_p * p_first)
+        covered = (has_top_k.to(tl.int32) + (cum_last >= top_p).to(tl.int32)
+                   + (p_last < min_p * p_first).to(tl.int32)) > 0
+        ids = tl.load(idx_ptr + row * stride_v + ranks, mask=inside, other=0)
+        noise = tl.load(noise_ptr + row * stride_n + ids, mask=inside, other=1.0)
+        score = tl.where(keep, p / noise, -1.0)
+        best = tl.argmax(score, axis=0)
+        tl.store(ids_ptr + row, tl.sum(tl.where(ranks == best, ids, 0), axis=0))
+        tl.store(covered_ptr + row, covered.to(tl.int8))
+        tl.store(lse_ptr + row, top + tl.log(total))
+
+    return prefilter_race
+
+
+def prefilter_race_(vals: torch.Tensor, idx: torch.Tensor, total: torch.Tensor, table: torch.Tensor,
+                    noise: torch.Tensor, vocab: int, columns: tuple[int, int, int]) -> tuple[torch.Tensor, ...]:
+    """(ids [N] int64, covered [N] bool, lse [N] float32) of the race over the K best logits of each row:
+    `vals` [N, K] float32 sorted descending with their token ids `idx` [N, K], `total` [N] = the sum of
+    exp(x - vals[:, 0]) over the row's whole vocabulary, `table` [N, C] float32 rows holding top_k
+    (vocab: off), top_p (>= 1: off) and min_p at `columns`, Exp(1) `noise` [N, vocab]. As
+    `sampling_filters._race_prefiltered` computes them, with no host sync."""
+    rows, k = vals.shape
+    assert vals.dtype == torch.float32 and vals.stride(1) == 1 and idx.stride(1) == 1 and idx.shape == vals.shape
+    assert vals.stride(0) == idx.stride(0) and noise.stride(1) == 1 and table.stride(1) == 1
+    ids = torch.empty(rows, dtype=torch.long, device=vals.device)
+    covered = torch.empty(rows, dtype=torch.int8, device=vals.device)
+    lse = torch.empty(rows, dtype=torch.float32, device=vals.device)
+    block = 1 << max(k - 1, 1).bit_length()
+    _prefilter_kernel()[(rows,)](vals, idx, total.float().contiguous(), table, noise, ids, covered, lse, k, vocab,
+                                 vals.stride(0), table.stride(0), noise.stride(0), COL_TOP_K=columns[0],
+                                 COL_TOP_P=columns[1], COL_MIN_P=columns[2], BLOCK=block, num_warps=4)
+    return ids, covered.bool(), lse

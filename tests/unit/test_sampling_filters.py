@@ -77,3 +77,10 @@ def test_triton_nucleus_race_equals_the_reference_interpreted():
     proc = run_interpreted(Path(__file__).with_name("nucleus_check.py"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "nucleus ok" in proc.stdout
+
+
+def test_fused_prefilter_race_equals_the_torch_form_interpreted():
+    pytest.importorskip("triton")
+    proc = run_interpreted(Path(__file__).with_name("prefilter_race_check.py"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "prefilter ok" in proc.stdout
