@@ -14,12 +14,15 @@ so which path computed a row never changes the token it gets for the same noise.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from mstar.engines.cuda_graphs import to_device_async
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from mstar.engines.sampling import SamplingRow
@@ -168,12 +171,10 @@ def _race_prefiltered(x: torch.Tensor, table: RowTable,
     top = vals[:, :1]
     # as softmax computes it (exp(x - max) / sum): nucleus edges fall where the sort-based path puts them
     total = (x - top).exp().sum(dim=-1, keepdim=True)
-    if x.is_cuda and table.table.is_cuda and k <= 4096:  # the rest in one kernel (kernels/nucleus.py)
-        from mstar.kernels.nucleus import nucleus_race_available, prefilter_race_
-
-        if nucleus_race_available():
-            ids, covered, lse = prefilter_race_(vals, idx, total[:, 0], table.table, noise, table.vocab,
-                                                (TOP_K_COLUMN, TOP_P_COLUMN, MIN_P_COLUMN))
+    if x.is_cuda and table.table.is_cuda and k <= 4096 and _FUSED_RACE.usable:  # the rest in one kernel
+        fused = _FUSED_RACE.run(vals, idx, total[:, 0], table, noise)
+        if fused is not None:
+            ids, covered, lse = fused
             return ids, covered, lse[:, None], vals
     lse = top + total.log()
     e = (vals - top).exp()
@@ -191,6 +192,34 @@ def _race_prefiltered(x: torch.Tensor, table: RowTable,
     score = torch.where(keep, p / noise.gather(1, idx), -1.0)
     ids = idx.gather(1, score.argmax(dim=-1, keepdim=True))[:, 0]
     return ids, covered[:, 0], lse, vals
+
+
+class _FusedRace:
+    """`kernels/nucleus.prefilter_race_` where triton imports; if it ever fails to compile or launch, the
+    PyTorch form serves from then on (logged once) rather than a step failing."""
+
+    def __init__(self) -> None:
+        self.usable = True
+
+    def run(self, vals: torch.Tensor, idx: torch.Tensor, total: torch.Tensor, table: RowTable,
+            noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        from mstar.kernels.nucleus import nucleus_race_available, prefilter_race_
+
+        if not nucleus_race_available():
+            self.usable = False
+            return None
+        try:
+            return prefilter_race_(vals, idx, total, table.table, noise, table.vocab,
+                                   (TOP_K_COLUMN, TOP_P_COLUMN, MIN_P_COLUMN))
+        except Exception:  # a Triton version that cannot build it: the PyTorch form is exact too
+            if vals.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise  # a capture cannot fall back mid-graph; its warm-up ran the kernel first
+            logger.exception("fused prefilter race kernel failed; sampling uses the PyTorch form from now on")
+            self.usable = False
+            return None
+
+
+_FUSED_RACE = _FusedRace()
 
 
 def _fallback(x: torch.Tensor, ids: torch.Tensor, need: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor,

@@ -84,3 +84,22 @@ def test_fused_prefilter_race_equals_the_torch_form_interpreted():
     proc = run_interpreted(Path(__file__).with_name("prefilter_race_check.py"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "prefilter ok" in proc.stdout
+
+
+def test_fused_race_that_fails_hands_over_to_the_torch_form(monkeypatch, caplog):
+    """A Triton that cannot build the fused race kernel costs one logged failure, not a failed step:
+    the PyTorch form serves from then on."""
+    pytest.importorskip("triton")
+    import mstar.kernels.nucleus as nucleus
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such intrinsic")
+
+    monkeypatch.setattr(nucleus, "prefilter_race_", broken)
+    monkeypatch.setattr(nucleus, "nucleus_race_available", lambda: True)
+    race = filters._FusedRace()
+    rows = [SamplingRow(SamplingParams(top_p=0.8), [1], 1)]
+    table = filters.RowTable(rows, 50, torch.device("cpu"))
+    vals, idx = torch.randn(1, 50).topk(8)
+    assert race.run(vals, idx, torch.ones(1), table, torch.ones(1, 50)) is None
+    assert race.usable is False and "fused prefilter race kernel failed" in caplog.text
