@@ -48,3 +48,4 @@ def test_graphed_prefill_steps_match_reference() -> None:
     assert result["prefill_replays"] >= 3 and result["eager_steps"] == [], result
     assert result["decode_replays"] >= 5
     assert "graphed prefill step of 6 tokens in a bucket of 5" in result["refused"]
+    assert result["dummy_ok"]  # a capture's dummy batch (8 tokens over the backend's 4 rows) runs

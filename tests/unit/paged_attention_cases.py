@@ -226,6 +226,11 @@ def engine_prefill_graphed_case() -> dict:
     got = [ar.tokens_of(out[(f"r{i}", "main")]) for i in range(len(ps))]
     from mstar.engines.attention.base import AttentionMetadata
 
+    prefill = engine.runner.prefill_graphs  # what a capture runs: the dummy batch of a bucket, then the forward
+    prefill._describe_dummy_batch(8)
+    with torch.inference_mode():
+        dummy = prefill._forward(torch.zeros(8, dtype=torch.long), torch.zeros(8, dtype=torch.long))
+    dummy_ok = bool(torch.isfinite(dummy).all()) and engine.runner.attn.num_rows == 4
     too_many = AttentionMetadata([6], [6], torch.full((6,), -1, dtype=torch.long), torch.zeros(1, 2, dtype=torch.int32))
     try:  # 6 tokens do not fit a bucket of 5
         engine.runner.attn.prepare_graphed_prefill(too_many, 5)
@@ -234,7 +239,7 @@ def engine_prefill_graphed_case() -> dict:
         refused = str(e)
     return {"got": got, "want": [ar.reference(model, p, 6) for p in ps],
             "prefill_replays": engine.runner.prefill_graphs.replays, "eager_steps": eager_steps,
-            "decode_replays": engine.runner.graphs.calls, "refused": refused}
+            "decode_replays": engine.runner.graphs.calls, "refused": refused, "dummy_ok": dummy_ok}
 
 
 ENGINE_CASES = {"engine_greedy": engine_case, "engine_graphed": engine_graphed_case,

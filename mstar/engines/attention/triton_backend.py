@@ -120,7 +120,8 @@ class TritonBackend:
         """Allocate the slot buffer of graphed prefill steps of up to `max_tokens` tokens (before any
         capture: graphs read the buffer they were captured with)."""
         if self._prefill_slots is None or self._prefill_slots.numel() < max_tokens:
-            self._prefill_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=self.device)
+            with torch.inference_mode(False):  # a normal tensor: updated in place in and out of inference mode
+                self._prefill_slots = torch.full((max_tokens,), -1, dtype=torch.int64, device=self.device)
 
     def prepare_graphed_prefill(self, meta: AttentionMetadata, tokens: int) -> None:
         """`prepare` for a step replayed from a graph captured at `tokens` tokens (module docstring)."""

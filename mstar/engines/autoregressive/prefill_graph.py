@@ -54,9 +54,13 @@ class PrefillGraphs:
         return self.model.forward(input_ids, positions, self.attn)
 
     def _describe_dummy_batch(self, tokens: int) -> None:
-        """One sequence of `tokens` tokens over itself, written nowhere (slots -1)."""
-        meta = AttentionMetadata([tokens], [tokens], torch.full((tokens,), -1, dtype=torch.long),
-                                 torch.zeros(1, 1, dtype=torch.int32))
+        """`tokens` tokens spread over as many sequences as the backend holds (each attending over
+        itself, so none is longer than a sequence may be), written nowhere (slots -1). A graph depends
+        on the bucket alone, not on how its tokens are split."""
+        seqs = min(self.max_seqs, tokens)
+        lens = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
+        meta = AttentionMetadata(lens, lens, torch.full((tokens,), -1, dtype=torch.long),
+                                 torch.zeros(seqs, 1, dtype=torch.int32))
         self.attn.prepare_graphed_prefill(meta, tokens)
 
     def accepts(self, chunks: list[Chunk]) -> bool:
