@@ -5,7 +5,10 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl fastapi==0.115.12 starlette==0.46.2 pydantic pydantic_core \
 #       annotated_types typing_inspection msgspec pyzmq uvicorn python_multipart soundfile cffi pycparser \
-#       diffusers==0.42.1
+#       diffusers==0.42.1 flashinfer-python==0.6.0 "apache-tvm-ffi>=0.1.6,<0.2"
+#   (flashinfer 0.6.0: 7.5 MB, JIT-compiles its kernels with the machine's nvcc and ninja; newer
+#   releases are over the 64 MiB carry limit or need cutlass-dsl/cuda-tile wheels; its other imports,
+#   pynvml, einops, tabulate, requests, jinja2, are in the machine's image)
 #   (fastapi 0.115 with its starlette: newer fastapi imports opentelemetry, absent there)
 #   python3 -c "from mstar.models.common.tokenizer_build import cached_tokenizer_folder as f; f('llama3')"
 #   python3 -c "from mstar.models.qwen3_omni.tokenizer import omni_tokenizer_folder as f; f()"
