@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|wan|wan_extra|omni|omni2|profile_omni|code2wav|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_extra|omni|omni2|profile_omni|code2wav|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -61,18 +61,24 @@ if [[ $WHAT == orpheus || $WHAT == all ]]; then
   run 60 sampling_ops python3 benchmarks/sampling_ops.py --device cuda --batch 1 16 --out "$OUT/sampling_ops_h200.json"
   run 120 profile_orpheus python3 benchmarks/profile_orpheus.py --out "$OUT/profile_orpheus_h200.json"
 fi
-if [[ $WHAT == orpheus || $WHAT == orpheus_http || $WHAT == all ]]; then  # orpheus_http: the served sweep alone
-  python3 -m mstar.cli.main serve orpheus --load-format dummy --config "${ORPHEUS_CONFIG:-configs/orpheus.yaml}" \
-      --port "$PORT" > "$OUT/orpheus_server.log" 2>&1 &
-  server=$!
+orpheus_sweep() {  # orpheus_sweep <config> <json name>
+  python3 -m mstar.cli.main serve orpheus --load-format dummy --config "$1" --port "$PORT" > "$OUT/$2_server.log" 2>&1 &
+  local server=$!
   if wait_ready; then
-    run 300 orpheus_bench python3 -m mstar.cli.main bench --base-url "http://127.0.0.1:$PORT" --workload speech \
+    run 300 "$2" python3 -m mstar.cli.main bench --base-url "http://127.0.0.1:$PORT" --workload speech \
         --model orpheus --concurrency 1,4,8,16,32 --duration 10 --max-tokens 600 --ignore-eos \
-        --output "$OUT/orpheus_bench_h200.json"
+        --output "$OUT/$2.json"
   else
-    echo "orpheus server not ready"; tail -n 20 "$OUT/orpheus_server.log"
+    echo "orpheus server not ready"; tail -n 20 "$OUT/$2_server.log"
   fi
   kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
+}
+if [[ $WHAT == orpheus || $WHAT == orpheus_http || $WHAT == all ]]; then  # orpheus_http: the served sweep alone
+  orpheus_sweep "${ORPHEUS_CONFIG:-configs/orpheus.yaml}" orpheus_bench_h200
+fi
+if [[ $WHAT == orpheus_ab ]]; then  # the sweep without, then with prefill graphs (cuda_graphs.prefill_tokens)
+  orpheus_sweep configs/orpheus.yaml orpheus_bench_h200
+  orpheus_sweep configs/orpheus_prefill_graphs.yaml orpheus_bench_h200_prefill_graphs
 fi
 if [[ $WHAT == wan || $WHAT == all ]]; then
   run 60 wan_block_ops python3 benchmarks/wan_block_ops.py --out "$OUT/wan_block_ops_h200.json"
