@@ -12,7 +12,8 @@ Two sets of graphs share their inputs: `general` (any row may be greedy or unfil
 `filtered`, for batches whose every row samples under top-k or top-p (the usual serving case,
 Orpheus's defaults among them). `filtered` leaves out the whole-vocabulary race of unfiltered rows
 (a softmax, a divide and an argmax over the vocabulary) and the greedy rows' argmax, which at batch 1
-are single-block reductions over 157K logits: about 70 us of a 2.4 ms Orpheus step on an H200.
+are single-block reductions over 157K logits (the softmax alone took 40 us of a 2.38 ms Orpheus step
+in `benchmarks/profile_orpheus.py --kernels` on an H200).
 
 A steady step costs the host one copy of the logits into the graphs' input, one packed copy of
 pinned host memory (the rows' parameter table, rebuilt only when the rows' params change, and each

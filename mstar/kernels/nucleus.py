@@ -7,9 +7,7 @@ top-p and min-p keep masks, coverage, the exponential race over the kept ones an
 which in PyTorch is some thirty small kernels; in a CUDA graph each costs a few microseconds at the
 small batches of decode.
 
-`nucleus_race_`:
-
-one program per row. A row whose `need` flag is 0 returns at once, so the kernel costs one launch
+`nucleus_race_`: one program per row. A row whose `need` flag is 0 returns at once, so the kernel costs one launch
 when the top-k prefilter already covered every row (sampling_filters.py). Otherwise the program
 bisects the nucleus threshold in the order-preserving integer image of the float32 logits: with
 f(c) = the probability mass of tokens whose key is > c, a token of key c is kept iff f(c) < top_p

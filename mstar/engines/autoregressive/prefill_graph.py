@@ -1,9 +1,9 @@
 """Steps with prompt tokens replayed from CUDA graphs captured at token buckets.
 
 A step that is not decode-only (a prefill chunk, alone or beside decode rows) runs the model eagerly:
-every kernel of every layer is launched from Python. On a slow host that is 15-25 ms for a 28-layer
-3B model whatever the number of tokens, while the GPU needs a few milliseconds for a short prompt, and
-every running sequence waits that long (served Orpheus: one such step per admitted request, the chunk
+every kernel of every layer is launched from Python. On the H200 machine's slow host that took
+23.5 ms for a 64-token prompt of the 28-layer Orpheus-3B shape (`benchmarks/decode_step.py`, prefill
+at batch 1), and every running sequence waits that long (served Orpheus: one such step per admitted request, the chunk
 gap's p99 about twice its median).
 
 `PrefillGraphs` captures `model.forward` over T tokens for each T of `cuda_graphs.prefill_tokens`. A
@@ -21,8 +21,6 @@ Steps with input embeddings, explicit positions or hidden capture (`seq.inputs`)
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from mstar.engines.attention.base import AttentionMetadata
@@ -30,14 +28,12 @@ from mstar.engines.autoregressive.scheduler import Chunk
 from mstar.engines.base import CausalLM
 from mstar.engines.cuda_graphs import BatchGraphs
 
-logger = logging.getLogger(__name__)
-
 
 class PrefillGraphs:
     """`model.forward` captured at token buckets `tokens` (see the module docstring)."""
 
-    def __init__(self, model: CausalLM, attn, device: torch.device, tokens: list[int], page_size: int) -> None:
-        self.model, self.attn, self.device, self.page_size = model, attn, device, page_size
+    def __init__(self, model: CausalLM, attn, device: torch.device, tokens: list[int]) -> None:
+        self.model, self.attn = model, attn
         self.tokens = sorted(set(tokens))
         self.max_tokens = self.tokens[-1]
         self.max_seqs: int = attn.max_num_seqs

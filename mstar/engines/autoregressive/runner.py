@@ -142,7 +142,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture_prefill(self, tokens: list[int]) -> PrefillGraphs:
-        return PrefillGraphs(self.model, self.attn, self.device, tokens, self.page_size)
+        return PrefillGraphs(self.model, self.attn, self.device, tokens)
 
     def _describe_dummy_batch(self, size: int) -> None:
         """Prepare the backend for a capture: every row one token over itself, written nowhere."""
