@@ -36,18 +36,24 @@ PY
 }
 
 FULL_OMNI="tests/gpu/test_qwen3_omni_full_dummy_gpu.py tests/gpu/test_profile_omni_gpu.py"  # 35B builds
+test_file() {  # test_file <file>: one pytest with its own limit (FILE_LIMIT s), one summary line
+  local f=$1 name; name=gpu_tests_$(basename "$f" .py)
+  timeout "${FILE_LIMIT:-240}" python3 -m pytest -q -m gpu "$f" -p no:cacheprovider -rfE --tb=short \
+      --durations=5 -o faulthandler_timeout="${FAULT_S:-150}" --log-level=INFO > "$OUT/$name.log" 2>&1
+  echo "$f rc=$? $(grep -E '^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|errors?)' "$OUT/$name.log" | tr '\n' ' ')"
+}
 if [[ $WHAT == tests || $WHAT == all ]]; then
-  # one pytest per file, each with its own limit (FILE_LIMIT s), so one slow or stuck file costs only
-  # itself; GPU_TESTS picks files (a device call of 10 minutes does not hold them all). A file running
-  # past FAULT_S seconds dumps every thread's stack into its log (where it is stuck or slow).
+  # one pytest per file, so one slow or stuck file costs only itself; GPU_TESTS picks files (a device call
+  # of 10 minutes does not hold them all). A file running past FAULT_S seconds dumps every thread's stack
+  # into its log (where it is stuck or slow). JOBS=n runs n files at once on the one GPU (for pass/fail
+  # only: files share the GPU and the host, so their timings mean nothing).
   files=${GPU_TESTS:-$(ls tests/gpu/test_*.py)}
   for f in $files; do
     case " $FULL_OMNI " in *" $f "*) continue ;; esac
-    name=gpu_tests_$(basename "$f" .py)
-    timeout "${FILE_LIMIT:-240}" python3 -m pytest -q -m gpu "$f" -p no:cacheprovider -rfE --tb=short \
-        --durations=5 -o faulthandler_timeout="${FAULT_S:-150}" --log-level=INFO > "$OUT/$name.log" 2>&1
-    echo "$f rc=$? $(grep -E '^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|errors?)' "$OUT/$name.log" | tr '\n' ' ')"
-  done | tee "$OUT/gpu_tests_summary.txt"
+    while (( $(jobs -rp | wc -l) >= ${JOBS:-1} )); do wait -n; done
+    test_file "$f" &
+  done > >(tee "$OUT/gpu_tests_summary.txt")
+  wait
 fi
 if [[ $WHAT == tests_omni || $WHAT == all ]]; then
   run 480 gpu_tests_omni python3 -m pytest -q -m gpu $FULL_OMNI -p no:cacheprovider --durations=15
