@@ -1,4 +1,5 @@
-"""`linear(x, module)`: F.linear, or the skinny-GEMM Triton kernel where it is measured to be faster;
+"""`linear(x, module)`: F.linear, or the skinny-GEMM Triton kernel where it is measured to be faster
+(`linear_weight(x, weight, bias)`: the same for a bare weight tensor);
 `silu_and_mul_linear(gate_up, module)`: the same for a down projection, with the SiLU-and-mul fused in.
 
 Decode runs the projections with a handful of rows, where reading the weight is the whole cost and
@@ -149,7 +150,12 @@ def linear(x: torch.Tensor | PendingNorm, module: nn.Linear) -> torch.Tensor:
     For a PendingNorm, module(norm(...)), with the norm folded into the GEMV where that wins."""
     if isinstance(x, PendingNorm):
         return _norm_linear(x, module)
-    weight, bias = module.weight, module.bias
+    return linear_weight(x, module.weight, module.bias)
+
+
+def linear_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) with `linear`'s choice of the skinny GEMV: for a weight that is no
+    module's own, e.g. a contiguous row slice of an output head."""
     if (
         x.dim() == 2
         and 0 < x.shape[0] <= SKINNY.max_m

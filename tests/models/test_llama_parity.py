@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from llama_testing import DenseAttention, greedy, save_hf_model
@@ -88,3 +90,40 @@ def test_sharded_checkpoint_loads(tmp_path):
     ref = hf(torch.tensor([PROMPT])).logits[0]
     logits = ours.compute_logits(ours(torch.tensor(PROMPT), torch.arange(len(PROMPT)), DenseAttention()))
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_restricted_logits_are_the_full_heads_on_the_span(pair):
+    """`restrict_logits`: the span's columns are the full head's, every other column (and the blocked
+    ones) -inf; same shape and dtype; None restores the full head."""
+    hf, ours = pair
+    hidden = ours(torch.tensor(PROMPT), torch.arange(len(PROMPT)), DenseAttention())
+    full = ours.compute_logits(hidden)
+    vocab = full.shape[1]
+    lo, hi, blocked = 40, vocab - 30, (41, 48)
+    try:
+        ours.restrict_logits((lo, hi), blocked=blocked)
+        got = ours.compute_logits(hidden)
+        assert got.dtype == torch.float32 and got.shape == full.shape
+        kept = torch.zeros(vocab, dtype=torch.bool)
+        kept[lo:hi] = True
+        kept[blocked[0]:blocked[1]] = False
+        torch.testing.assert_close(got[:, kept], full[:, kept], atol=1e-5, rtol=1e-5)
+        assert bool((got[:, ~kept] == -math.inf).all())
+        ours.restrict_logits((0, vocab))  # the whole vocabulary as a span: the full head's logits
+        torch.testing.assert_close(ours.compute_logits(hidden), full, atol=1e-5, rtol=1e-5)
+    finally:
+        ours.restrict_logits(None)
+    assert ours.logit_span is None and torch.equal(ours.compute_logits(hidden), full)
+
+
+@pytest.mark.parametrize("span, blocked, message", [
+    ((-1, 10), None, "span=\\(-1, 10\\)"), ((10, 10), None, "non-empty"), ((0, 10**6), None, "vocabulary"),
+    ((10, 20), (5, 12), "inside span"), ((10, 20), (15, 15), "non-empty"), ((10, 20), (15, 21), "inside span"),
+    (None, (1, 2), "needs a span"),
+])
+def test_restrict_logits_rejects_bad_ranges(pair, span, blocked, message):
+    _, ours = pair
+    with pytest.raises(ValueError, match=message):
+        ours.restrict_logits(span, blocked=blocked)
+    assert ours.logit_span is None and ours.blocked_ids is None

@@ -84,3 +84,58 @@ def test_streamed_audio_equals_one_request_alone_and_comes_before_the_lm_ends():
     assert len(main) == 200
     lm_done = [done for _, done in main if done is not None]
     assert len(lm_done) == 1 and first_audio < lm_done[0], "first audio should arrive while the LM still runs"
+
+
+def _speakable(tokens) -> set[int]:
+    return {tokens.end_of_speech, *range(tokens.audio_offset, tokens.speakable_span[1])}
+
+
+def test_tiny_speaks_only_speakable_ids_with_audio_logits_only():
+    """`audio_logits_only` (on by default) restricts the LM head; sampled (Orpheus' defaults) and greedy
+    requests then make only end-of-speech and audio ids. Off: the full head."""
+    from mstar.models.orpheus.model import OrpheusModel
+
+    with MStar("orpheus", config=yaml_config("orpheus"), tiny=True) as m:
+        tokens = m.runtime.model.tokens
+        lm = m.runtime.workers[0].engines["llm"].runner.model
+        assert (lm.logit_span, lm.blocked_ids) == (tokens.speakable_span, tokens.span_markers)
+        seen = _record_lm(m)
+        m.generate({"text": "Speak to me."}, max_tokens=120, seed=3)
+        m.generate({"text": "Speak to me."}, max_tokens=60, temperature=0.0)
+    made = [t for run in seen.values() for t, _ in run]
+    assert len(made) > 100 and set(made) <= _speakable(tokens)
+    full = OrpheusModel(OrpheusModel.make_config(tiny=True, audio_logits_only=False))._load_lm(torch.device("cpu"))
+    assert full.logit_span is None
+
+
+@pytest.fixture(scope="module")
+def chatty_checkpoint(tmp_path_factory):
+    """The tiny checkpoint with the head rows of every id that is not speakable scaled up 50x: with the
+    full head, greedy decoding says text and marker ids."""
+    path = tmp_path_factory.mktemp("orpheus_chatty")
+    hf, tokens, kwargs = make_checkpoint(path)
+    unspeakable = torch.ones(hf.config.vocab_size, dtype=torch.bool)
+    unspeakable[sorted(_speakable(tokens))] = False
+    with torch.no_grad():
+        hf.lm_head.weight[unspeakable] *= 50.0
+    hf.save_pretrained(path)
+    return path, hf, tokens, kwargs, unspeakable.nonzero()[:, 0].tolist()
+
+
+def test_greedy_tokens_are_the_full_heads_masked_to_speakable_ids(chatty_checkpoint):
+    path, hf, tokens, kwargs, unspeakable = chatty_checkpoint
+    opts = {"temperature": 0.0, "repetition_penalty": 1.3, "max_tokens": 40, "voice": "zoe"}
+    with MStar("orpheus", config=yaml_config("orpheus", model_kwargs=kwargs), model_path=str(path)) as m:
+        seen = _record_lm(m)
+        prompt = m.processor.inputs({"text": "Hello there."}, m.runtime.model.request_options(opts))
+        m.generate({"text": "Hello there."}, **opts)
+        m.generate({"text": "Hello there."}, max_tokens=80, seed=5)  # Orpheus' default sampling
+    greedy, sampled = ([t for t, _ in run] for run in seen.values())
+    ids = prompt["prompt_ids"][None]
+    common = {"attention_mask": torch.ones_like(ids), "max_new_tokens": 40, "do_sample": False,
+              "repetition_penalty": 1.3, "eos_token_id": tokens.end_of_speech, "pad_token_id": 0}
+    full = hf.generate(ids, **common)[0, ids.shape[1]:].tolist()
+    assert not set(full) <= _speakable(tokens), "the full head should say unspeakable ids here"
+    masked = hf.generate(ids, suppress_tokens=unspeakable, **common)[0, ids.shape[1]:].tolist()
+    assert greedy == masked
+    assert len(sampled) > 10 and set(sampled) <= _speakable(tokens)

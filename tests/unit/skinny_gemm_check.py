@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from mstar.kernels import gemv, skinny_gemm
 from mstar.kernels.skinny_gemm import SkinnyConfig, pick_config, skinny_linear
 from mstar.layers.fused import FUSED
-from mstar.layers.linear import SKINNY, linear
+from mstar.layers.linear import SKINNY, linear, linear_weight
 from mstar.layers.mlp import GatedMLP
 
 
@@ -71,6 +71,24 @@ def check_selection(dtype: torch.dtype) -> None:
     torch.testing.assert_close(got, want, **tol(dtype))
 
 
+def check_row_slice(dtype: torch.dtype) -> None:
+    # A contiguous row slice of a head (a view at a storage offset, as `restrict_logits` reads it)
+    # goes through skinny_linear and equals F.linear on those rows.
+    head = (torch.randn(300, 64) / 8).to(dtype)
+    rows = head[37:229]
+    x = torch.randn(2, 64).to(dtype)
+    calls = []
+    original = skinny_gemm.skinny_linear
+    skinny_gemm.skinny_linear = lambda *a, **kw: calls.append(1) or original(*a, **kw)
+    SKINNY.force = True
+    try:
+        got = linear_weight(x, rows)
+    finally:
+        SKINNY.force, skinny_gemm.skinny_linear = None, original
+    assert calls == [1], "the row slice did not go through skinny_linear"
+    torch.testing.assert_close(got, F.linear(x.float(), rows.float()).to(dtype), **tol(dtype))
+
+
 class _Echo:
     """An attention stub that returns q, so the layer's output goes through qkv_proj and o_proj only."""
 
@@ -105,6 +123,7 @@ if __name__ == "__main__":
         check_against_torch(dt)
         check_split_k(dt)
         check_strided_rows(dt)
+        check_row_slice(dt)
         check_selection(dt)
         check_attention_projections(dt)
     print("skinny gemm ok")

@@ -166,3 +166,48 @@ def test_batched_repetition_penalty_equals_each_row_alone():
     raw_best = logits.argmax(-1)
     penalised = SamplingRow(SamplingParams(temperature=0.0, repetition_penalty=50.0), [int(raw_best[1])], 1)
     assert int(sample(logits[1:2], [penalised]).token_ids[0]) != int(raw_best[1])
+
+
+# Logits of a head restricted to a span (Orpheus' `audio_logits_only`): -inf outside [300, 420) and on
+# the blocked ids [301, 308) inside it.
+SPAN, BLOCKED, VOCAB = (300, 420), (301, 308), 600
+SPEAKABLE = set(range(*SPAN)) - set(range(*BLOCKED))
+SPAN_PARAMS = [
+    {"temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.3},  # Orpheus' defaults
+    {"temperature": 0.0, "repetition_penalty": 1.3},
+    {"temperature": 1.5, "repetition_penalty": 0.7},  # unfiltered; a penalty < 1
+    {"temperature": 0.9, "top_k": 200},  # top-k wider than the finite logits
+    {"top_p": 0.99, "min_p": 0.05, "repetition_penalty": 1.3},
+    {"temperature": 0.8, "presence_penalty": 1.0, "frequency_penalty": -2.0, "logprobs": 5},
+    {"temperature": 0.7, "top_p": 0.9, "min_tokens": 50, "eos": (SPAN[0],)},  # eos banned
+]
+
+
+def span_logits(rows: int, gen: torch.Generator, scale: float) -> torch.Tensor:
+    x = torch.full((rows, VOCAB), -math.inf)
+    x[:, SPAN[0]:SPAN[1]] = torch.randn(rows, SPAN[1] - SPAN[0], generator=gen) * scale
+    x[:, BLOCKED[0]:BLOCKED[1]] = -math.inf
+    return x
+
+
+@pytest.mark.parametrize("prefilter", [16, 1024])
+def test_minus_inf_logits_are_never_drawn_and_make_no_nan(monkeypatch, prefilter):
+    """Penalties (seen ids outside the span among them), temperature, top-k/top-p/min-p, bans and
+    logprobs over -inf logits: no NaN, and every id drawn is finite. A 16-wide prefilter sends top-p
+    rows to the whole-vocabulary fallback; a 1024-wide one holds -inf logits in the prefilter."""
+    import mstar.engines.sampling_filters as filters
+    from mstar.engines.sampling import _processed_logits
+
+    monkeypatch.setattr(filters, "PREFILTER_K", prefilter)
+    gen = torch.Generator().manual_seed(prefilter)
+    torch.manual_seed(prefilter)
+    for trial in range(20):
+        prompt = [5, 17, 599, 302, 304]  # text and marker ids: -inf logits the repetition penalty scales
+        output = torch.randint(SPAN[0], SPAN[1], (trial,), generator=gen).tolist() + [42, 42]
+        rows = [_row(tokens=prompt + output, num_prompt=len(prompt), **p) for p in SPAN_PARAMS]
+        logits = span_logits(len(rows), gen, 0.5 + trial % 5)
+        out = sample(logits, rows)
+        assert set(out.token_ids.tolist()) <= SPEAKABLE, trial
+        processed = _processed_logits(logits, rows, filters.RowTable(rows, VOCAB, logits.device))
+        assert not processed.isnan().any(), trial
+        assert out.logprobs[5].isfinite() and not out.top_logprobs.isnan().any(), trial

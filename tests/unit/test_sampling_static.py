@@ -173,3 +173,28 @@ def test_seen_rows_follow_any_history():
         seen.flat.index_fill_(0, torch.from_numpy(new[:bucket].copy()), True)  # what the replay does
         for i, row in enumerate(batch):
             assert torch.equal(seen.masks[i], want(row)), (step, i)
+
+
+@pytest.mark.parametrize("prefilter", [16, 1024])
+def test_static_draw_over_minus_inf_logits(monkeypatch, prefilter):
+    """Logits of a head restricted to a span: `sample_static`, general and filtered, draws only finite
+    ids, the ones `sample` draws for the same noise."""
+    from test_sampling import SPAN, SPAN_PARAMS, SPEAKABLE, VOCAB, span_logits
+
+    monkeypatch.setattr(filters, "PREFILTER_K", prefilter)
+    # those `sample_static` serves (top_k 200 only over the wide prefilter)
+    params = [q for p in SPAN_PARAMS[:5] if (q := SamplingParams(**p)).static_ok]
+    gen = torch.Generator().manual_seed(prefilter)
+    for trial in range(10):
+        for chosen in (params, [p for p in params if p.temperature > 0 and (p.top_k or p.top_p < 1)]):
+            tokens = [5, 302, *torch.randint(SPAN[0], SPAN[1], (trial + 1,), generator=gen).tolist()]
+            rows = [SamplingRow(p, tokens, 2) for p in chosen]
+            assert all(graphable(r) for r in rows) and len(rows) >= 2
+            logits = span_logits(len(rows), gen, 0.5 + trial % 5)
+            table = filters.RowTable.columns(rows, VOCAB)
+            seen = filters.seen_masks(rows, VOCAB, logits.device)
+            torch.manual_seed(trial)
+            expected = sample(logits, rows).token_ids
+            torch.manual_seed(trial)
+            got = sample_static(logits, table, seen, filtered=chosen is not params)
+            assert got.tolist() == expected.tolist() and set(got.tolist()) <= SPEAKABLE, (trial, len(chosen))

@@ -7,6 +7,7 @@ batch structure and owns the KV cache.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from mstar.engines.base import KVLayout
 from mstar.engines.extras import FINAL, ForwardExtras
 from mstar.layers.attention import AttentionSpec, SelfAttention
 from mstar.layers.fused import FUSED
-from mstar.layers.linear import linear
+from mstar.layers.linear import linear, linear_weight
 from mstar.layers.mlp import GatedMLP
 from mstar.layers.norm import PendingNorm, RMSNorm
 from mstar.layers.rope import RotaryEmbedding
@@ -83,6 +84,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderBody(config)
         self.rotary = RotaryEmbedding(config.rope)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.logit_span: tuple[int, int] | None = None  # `restrict_logits`; None: every row of the head
+        self.blocked_ids: tuple[int, int] | None = None  # ids inside the span that get -inf too
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -109,9 +112,38 @@ class LlamaForCausalLM(nn.Module):
         extras.keep(FINAL, x)
         return x
 
+    def restrict_logits(self, span: tuple[int, int] | None, blocked: tuple[int, int] | None = None) -> None:
+        """From now on `compute_logits` reads only rows [lo, hi) = `span` of the head: the other ids,
+        and the ids [a, b) = `blocked` inside the span, get -inf logits (never sampled). The shape and
+        dtype of the logits stay the same. `span` None: the whole head again."""
+        vocab = self.config.vocab_size
+        if span is None:
+            if blocked is not None:
+                raise ValueError(f"restrict_logits: blocked={blocked} needs a span; pass span=(lo, hi) too")
+            self.logit_span = self.blocked_ids = None
+            return
+        lo, hi = span
+        if not 0 <= lo < hi <= vocab:
+            raise ValueError(f"restrict_logits: span={span} is not a non-empty id range [lo, hi) inside the "
+                             f"vocabulary [0, {vocab})")
+        if blocked is not None and not lo <= blocked[0] < blocked[1] <= hi:
+            raise ValueError(f"restrict_logits: blocked={blocked} is not a non-empty id range [a, b) inside "
+                             f"span={span}")
+        self.logit_span = (int(lo), int(hi))
+        self.blocked_ids = None if blocked is None else (int(blocked[0]), int(blocked[1]))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, vocab]."""
-        return linear(hidden, self.lm_head).float()
+        """hidden [N, H] -> float32 logits [N, vocab] (-inf outside `restrict_logits`' span)."""
+        if self.logit_span is None:
+            return linear(hidden, self.lm_head).float()
+        lo, hi = self.logit_span
+        # A view taken now always reads the loaded weight; its rows are contiguous, so the skinny GEMV serves it.
+        logits = torch.full((hidden.shape[0], self.config.vocab_size), -math.inf, dtype=torch.float32,
+                            device=hidden.device)
+        logits[:, lo:hi] = linear_weight(hidden, self.lm_head.weight[lo:hi])
+        if self.blocked_ids is not None:
+            logits[:, self.blocked_ids[0]:self.blocked_ids[1]].fill_(-math.inf)  # a kernel argument: no copy
+        return logits
 
 
 def build_model(

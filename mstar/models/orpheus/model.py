@@ -61,6 +61,9 @@ class OrpheusConfig:
     enable_prefix_caching: bool = True
     vocoder_batch_size: int = 64  # windows decoded together at most
     early_window: bool = True  # first audio from a 2-frame window at 14 tokens; False: after 28, as the original
+    # the LM head reads only the end-of-speech and audio-token rows (28,680 of 156,940 at full size); other
+    # ids are never sampled; False: the full head, as the original
+    audio_logits_only: bool = True
     seed: int = 0  # of dummy / tiny random weights
 
     def __post_init__(self) -> None:
@@ -235,10 +238,13 @@ class OrpheusModel(Model):
             module = build_model(replace(self.llama_config, tie_word_embeddings=False), dtype=dtype, device=device)
             fill_dummy_weights(module, seed=self.config.seed, std=0.1 if self.config.tiny else 0.02)
             shape_audio_lm(module, self.tokens, seed=self.config.seed, strength=3.0 if self.config.tiny else 50.0)
-            return module
-        from mstar.models.llama.weights import load_model
+        else:
+            from mstar.models.llama.weights import load_model
 
-        return load_model(self.checkpoint_path(), dtype=dtype, device=device)
+            module = load_model(self.checkpoint_path(), dtype=dtype, device=device)
+        if self.config.audio_logits_only:
+            module.restrict_logits(self.tokens.speakable_span, blocked=self.tokens.span_markers)
+        return module
 
     def processor(self) -> OrpheusProcessor:
         return OrpheusProcessor(self.tokenizer, self.tokens, self.max_model_len, self.snac_config.sampling_rate)

@@ -55,6 +55,17 @@ class OrpheusTokens:
         return self.base + 10
 
     @property
+    def speakable_span(self) -> tuple[int, int]:
+        """The contiguous ids [lo, hi) holding all the LM speaks: end of speech, then `span_markers`
+        (never spoken), then every audio token."""
+        return self.end_of_speech, self.audio_offset + FRAME * self.codebook_size
+
+    @property
+    def span_markers(self) -> tuple[int, int]:
+        """The marker ids [lo, hi) inside `speakable_span` (custom tokens 3..9), never spoken."""
+        return self.end_of_speech + 1, self.audio_offset
+
+    @property
     def vocab_size(self) -> int:
         """The LM vocabulary this layout needs (audio tokens plus Orpheus' two trailing ids)."""
         return self.audio_offset + FRAME * self.codebook_size + 2
