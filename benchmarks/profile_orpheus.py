@@ -181,6 +181,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--kernels", type=int, default=0, metavar="N",
                         help="also list the N costliest GPU kernels per LM step (torch.profiler, CUDA only)")
+    parser.add_argument("--model-kwargs", type=json.loads, default={}, metavar="JSON",
+                        help='Orpheus model_kwargs, e.g. \'{"audio_logits_only": false}\'')
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/profile_orpheus*.json)")
     args = parser.parse_args()
     from mstar.runtime.offline import MStar
@@ -190,7 +192,7 @@ def main() -> None:
     rec = Recorder(cuda=device == "cuda")
     install(rec)
     cfg = {"model": "orpheus", "device": device, "max_concurrent_requests": max(args.concurrency),
-           "node_groups": [{"node_names": ["llm", "snac"], "ranks": [0]}]}
+           "node_groups": [{"node_names": ["llm", "snac"], "ranks": [0]}], "model_kwargs": args.model_kwargs}
     cases = {}
     with MStar(config=cfg, mode="inproc", tiny=args.quick, load_format="auto" if args.quick else "dummy") as m:
         m.generate({"text": "warm up"}, max_tokens=30, ignore_eos=True)

@@ -20,6 +20,7 @@ from mstar.models.qwen3_omni.full import FULL_TOKEN_IDS
 ROOT = Path(__file__).resolve().parents[2]
 FOLDER = Path(tempfile.gettempdir()) / "mstar_tokenizers" / "qwen3-omni-v1"
 SAMPLES_PER_FRAME = 1920
+LOOKAHEAD_SAMPLES = 555  # Code2Wav.lookahead_samples of the real model: T frames give T * 1920 - 555 samples
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -66,4 +67,6 @@ def test_full_dummy_model_serves_text_and_speech_on_one_gpu():
     assert "".join(result.outputs["text"])
     audio = np.concatenate(result.outputs["audio"])
     assert audio.dtype == np.float32 and np.isfinite(audio).all()
-    assert audio.size % SAMPLES_PER_FRAME == 0 and 0 < audio.size // SAMPLES_PER_FRAME <= frames
+    # seamless chunks join into one-shot's length (code2wav.py): every frame's samples but the last lookahead
+    assert (audio.size + LOOKAHEAD_SAMPLES) % SAMPLES_PER_FRAME == 0
+    assert 0 < (audio.size + LOOKAHEAD_SAMPLES) // SAMPLES_PER_FRAME <= frames
