@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemv_sweep import Sweep, dot_grid, gemv_grid  # noqa: E402
 
 SHAPES = {"qkv": (5120, 3072), "o_proj": (3072, 3072), "gate_up": (16384, 3072), "down": (3072, 8192),
-          "lm_head": (156940, 3072)}
+          "lm_head": (156940, 3072), "lm_head_span": (28680, 3072)}  # span: Orpheus speakable rows
 
 
 def sweep(run, w: torch.Tensor, m: int, args, deadline: float, gated: bool = False):
