@@ -83,8 +83,8 @@ if [[ $WHAT == orpheus || $WHAT == orpheus_http || $WHAT == all ]]; then  # orph
   orpheus_sweep "${ORPHEUS_CONFIG:-configs/orpheus.yaml}" orpheus_bench_h200
 fi
 if [[ $WHAT == orpheus_ab ]]; then  # the sweep without, then with prefill graphs (cuda_graphs.prefill_tokens)
+  orpheus_sweep configs/orpheus_eager_prefill.yaml orpheus_bench_h200_eager_prefill
   orpheus_sweep configs/orpheus.yaml orpheus_bench_h200
-  orpheus_sweep configs/orpheus_prefill_graphs.yaml orpheus_bench_h200_prefill_graphs
 fi
 if [[ $WHAT == wan || $WHAT == all ]]; then
   run 60 wan_block_ops python3 benchmarks/wan_block_ops.py --out "$OUT/wan_block_ops_h200.json"
