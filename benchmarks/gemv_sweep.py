@@ -21,21 +21,26 @@ import torch
 from mstar.kernels.skinny_gemm import SkinnyConfig
 from mstar.kernels.timing import graph_time_us
 
-FIELDS = ("block_n", "split_k", "num_warps", "block_k", "num_stages")
+FIELDS = ("block_n", "split_k", "num_warps", "block_k", "num_stages", "fold_k")
 Run = Callable[[torch.Tensor, SkinnyConfig], object]
 
 
 def gemv_grid(bucket: int, n: int, k: int, sms: int) -> set[SkinnyConfig]:
-    """GEMV-kernel configs (block_m <= 4) whose accumulator fits in registers and that fill the GPU."""
+    """GEMV-kernel configs (block_m <= 4) whose accumulator fits in registers and that fill the GPU.
+    Unfolded, the accumulators hold bucket x the weight tile; folded by 8 (`fold_k`), an eighth of
+    that, so larger weight tiles (more bytes in flight per thread) fit beside them."""
     grid = set()
-    for bn, bk, split, warps, stages in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (1, 2, 4, 8),
-                                                          (2, 4, 8), (1, 2, 3)):
-        tiles, acc_regs = -(-n // bn), bucket * bn * bk // (32 * warps)
-        if not 8 <= acc_regs <= 128 or bk > k or tiles * split < sms or k // split < bk:
+    for bn, bk, split, warps, stages, fold in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048),
+                                                                (1, 2, 4, 8), (2, 4, 8), (1, 2, 3), (1, 8)):
+        tiles, tile_regs = -(-n // bn), bn * bk // (32 * warps)
+        acc_regs = bucket * tile_regs // fold
+        if not 8 <= max(acc_regs, tile_regs) or acc_regs > 128 or tile_regs > 128:
+            continue
+        if bk > k or tiles * split < sms or k // split < bk:
             continue
         if split > 1 and tiles >= 4 * sms:
             continue  # enough programs already: a split only adds partial-sum traffic
-        grid.add(SkinnyConfig(bucket, bn, bk, split, warps, stages))
+        grid.add(SkinnyConfig(bucket, bn, bk, split, warps, stages, fold))
     return grid
 
 

@@ -4,7 +4,9 @@ With M <= 4 rows a linear layer's whole cost is streaming W [N, K] (row-major) f
 program owns BLOCK_N rows of W and walks its slice of K in BLOCK_K-wide chunks: 16-byte loads along
 K, elementwise fp32 multiply-adds into one [BLOCK_N, BLOCK_K] accumulator per row of x, and a single
 reduction over K after the loop, so the loop holds only loads and FMAs (no shuffles, no barriers,
-no layout conversions: checked in the compiled TTGIR for sm_90). No tl.dot: at M <= 4 tensor cores
+no layout conversions: checked in the compiled TTGIR for sm_90). At 4 rows those accumulators fill
+the registers; `fold_k` shrinks them by summing each thread's neighbouring products every chunk (a
+sweep candidate, not yet timed on a GPU). No tl.dot: at M <= 4 tensor cores
 buy nothing. BLOCK_K >= 8 * 32 * num_warps (bf16) lets every thread load its x slice once.
 
 Programs must fill the GPU (132 SMs on an H100/H200): BLOCK_N sets how many there are; where N is
@@ -120,23 +122,36 @@ def _load_w(w_ptrs, k, k_mask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _folded(prod, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K] products -> [BLOCK_N, BLOCK_K // FOLD_K]: each FOLD_K neighbours along K summed.
+    With FOLD_K at most a thread's vector of K elements (8 for 16-byte bf16 loads) they are one thread's
+    registers, so the sum can stay in the thread and the accumulator shrinks FOLD_K times."""
+    if FOLD_K > 1:
+        prod = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // FOLD_K, FOLD_K)), axis=2)
+    return prod
+
+
+@triton.jit
 def _fma_rows(acc0, acc1, acc2, acc3, w, k, k_mask, x_ptrs, r_ptrs, nw_ptrs, M, stride_xm, stride_rm, gate_offset,
               inv0, inv1, inv2, inv3, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-              EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr):
-    """acc_m += x[m, k:k + BLOCK_K] * w for the rows m of x (rows past M repeat row M - 1): one K chunk."""
+              EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              FOLD_K: tl.constexpr):
+    """acc_m += x[m, k:k + BLOCK_K] * w for the rows m of x (rows past M repeat row M - 1): one K chunk,
+    folded by FOLD_K along K (`_folded`)."""
     w = w.to(tl.float32)
-    acc0 += _load_x(x_ptrs, k, gate_offset, k_mask, r_ptrs, nw_ptrs, inv0, GATED, NORM, HAS_RES, EVEN_K) * w
+    acc0 += _folded(_load_x(x_ptrs, k, gate_offset, k_mask, r_ptrs, nw_ptrs, inv0, GATED, NORM, HAS_RES, EVEN_K) * w,
+                    BLOCK_N, BLOCK_K, FOLD_K)
     if BLOCK_M > 1:
         m = tl.minimum(1, M - 1)
-        acc1 += _load_x(x_ptrs + m * stride_xm, k, gate_offset, k_mask, r_ptrs + m * stride_rm, nw_ptrs, inv1,
-                        GATED, NORM, HAS_RES, EVEN_K) * w
+        acc1 += _folded(_load_x(x_ptrs + m * stride_xm, k, gate_offset, k_mask, r_ptrs + m * stride_rm, nw_ptrs,
+                                inv1, GATED, NORM, HAS_RES, EVEN_K) * w, BLOCK_N, BLOCK_K, FOLD_K)
     if BLOCK_M > 2:
         m = tl.minimum(2, M - 1)
-        acc2 += _load_x(x_ptrs + m * stride_xm, k, gate_offset, k_mask, r_ptrs + m * stride_rm, nw_ptrs, inv2,
-                        GATED, NORM, HAS_RES, EVEN_K) * w
+        acc2 += _folded(_load_x(x_ptrs + m * stride_xm, k, gate_offset, k_mask, r_ptrs + m * stride_rm, nw_ptrs,
+                                inv2, GATED, NORM, HAS_RES, EVEN_K) * w, BLOCK_N, BLOCK_K, FOLD_K)
         m = tl.minimum(3, M - 1)
-        acc3 += _load_x(x_ptrs + m * stride_xm, k, gate_offset, k_mask, r_ptrs + m * stride_rm, nw_ptrs, inv3,
-                        GATED, NORM, HAS_RES, EVEN_K) * w
+        acc3 += _folded(_load_x(x_ptrs + m * stride_xm, k, gate_offset, k_mask, r_ptrs + m * stride_rm, nw_ptrs,
+                                inv3, GATED, NORM, HAS_RES, EVEN_K) * w, BLOCK_N, BLOCK_K, FOLD_K)
     return acc0, acc1, acc2, acc3
 
 
@@ -146,7 +161,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, 
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                  SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, K_ITERS: tl.constexpr, K_CHUNKS: tl.constexpr,
                  BROADCAST_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr):
+                 FOLD_K: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -178,21 +193,21 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, 
     if NORM:
         inv0, inv1, inv2, inv3 = _rows_inv_rms(x_ptr, r_ptr, res_out_ptr, M, K, stride_xm, stride_rm, eps,
                                                (pid_n == 0) & (pid_k == 0), HAS_RES, K_CHUNKS, BLOCK_M, BLOCK_K)
-    # One [BLOCK_N, BLOCK_K] accumulator per row of x (rows past M repeat row M - 1, never stored).
-    acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # One [BLOCK_N, BLOCK_K // FOLD_K] accumulator per row of x (rows past M repeat row M - 1, never stored).
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K // FOLD_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K // FOLD_K), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K // FOLD_K), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_K // FOLD_K), dtype=tl.float32)
     acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w_first, k_start, first_mask, x_ptrs, r_ptrs, nw_ptrs,
                                        M, stride_xm, stride_rm, gate_offset, inv0, inv1, inv2, inv3, GATED, NORM,
-                                       HAS_RES, EVEN_K, BLOCK_M)
+                                       HAS_RES, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, FOLD_K)
     for i in range(1, K_ITERS):
         k = k_start + i * BLOCK_K
         k_mask = ((k + rk) < K)[None, :]
         w = _load_w(w_ptrs, k, k_mask, EVEN_K)
         acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w, k, k_mask, x_ptrs, r_ptrs, nw_ptrs, M,
                                            stride_xm, stride_rm, gate_offset, inv0, inv1, inv2, inv3, GATED, NORM,
-                                           HAS_RES, EVEN_K, BLOCK_M)
+                                           HAS_RES, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, FOLD_K)
     # The only cross-thread reductions, once per row after the loop; rows gathered into [BLOCK_M, BLOCK_N].
     part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) + tl.sum(acc0, axis=1)[None, :]
     if BLOCK_M > 1:
@@ -239,19 +254,23 @@ def _buffer(kind: str, device: torch.device, numel: int) -> torch.Tensor:
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_m: int, block_n: int,
          block_k: int, split_k: int = 1, num_warps: int = 4, num_stages: int = 2,
          gated: bool = False, norm: tuple[torch.Tensor, float] | None = None,
-         residual: torch.Tensor | None = None, residual_out: torch.Tensor | None = None) -> torch.Tensor:
+         residual: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+         fold_k: int = 1) -> torch.Tensor:
     """x [M, K] (or [M, 2K] = [gate | up] when `gated`) times weight [N, K].T (+ bias) -> [M, N].
 
     M <= block_m <= MAX_M. Output in x's dtype, accumulated in fp32, bit-reproducible; inputs are
     checked by the caller (`skinny_gemm`). `split_k` is an upper bound: each split keeps whole
     BLOCK_K chunks. `norm` = (norm weight [K], eps) multiplies by rms_norm(x + residual) instead of x
     (rounded like `fused_ops.rms_norm`), and x + residual is written to `residual_out` [M, K]
-    (contiguous) when a residual is given. Not with `gated`.
+    (contiguous) when a residual is given. Not with `gated`. `fold_k` (1, 2, 4 or 8, dividing block_k)
+    sums that many neighbouring products along K inside each thread every chunk, so the accumulators
+    take fold_k times fewer registers (more rows of x per program at the same register budget).
     """
     m = x.shape[0]
     n, k = weight.shape
     assert not (gated and norm is not None), "gemv: gated and norm do not combine"
     assert (residual is None) == (residual_out is None), "gemv: residual and residual_out go together"
+    assert fold_k in (1, 2, 4, 8) and block_k % fold_k == 0, f"gemv: fold_k={fold_k} must be 1, 2, 4 or 8 and divide block_k"
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split = triton.cdiv(k, k_per_split)  # rounding k_per_split up can leave fewer splits
     tiles = triton.cdiv(n, block_n)
@@ -267,7 +286,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block
         SPLIT_K=split, EVEN_K=split * k_per_split == k, K_ITERS=k_per_split // block_k,
         K_CHUNKS=triton.cdiv(k, block_k),
         BROADCAST_X=block_k >= 16 // x.element_size() * 32 * num_warps,  # 16-byte loads by every thread
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FOLD_K=fold_k, num_warps=num_warps,
+        num_stages=num_stages,
         **pdl_args(x.device),
     )
     return out

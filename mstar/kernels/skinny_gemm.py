@@ -47,6 +47,7 @@ class SkinnyConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    fold_k: int = 1  # GEMV only: neighbouring K products summed per thread each chunk (mstar.kernels.gemv)
 
     @property
     def use_dot(self) -> bool:
@@ -56,6 +57,9 @@ class SkinnyConfig:
     def __post_init__(self) -> None:
         if self.block_m not in (1, 2, 4, 16, 32, 64):
             raise ValueError(f"block_m={self.block_m}: use 1, 2 or 4 (GEMV kernel) or 16, 32, 64 (tl.dot kernel)")
+        if self.fold_k not in (1, 2, 4, 8) or self.block_k % self.fold_k or (self.use_dot and self.fold_k != 1):
+            raise ValueError(f"fold_k={self.fold_k}: use 1, 2, 4 or 8, dividing block_k={self.block_k}; the tl.dot "
+                             "kernel (block_m >= 16) takes only 1")
 
 
 # (M bucket, N, K) -> config measured best on the target GPU; consulted before the heuristic.
@@ -239,7 +243,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"config block_m={cfg.block_m} is smaller than M={m}")
     if not cfg.use_dot:
         return gemv(x, weight, bias, cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
-                    cfg.num_stages)
+                    cfg.num_stages, fold_k=cfg.fold_k)
     return _dot_linear(x, weight, bias, cfg)
 
 
@@ -267,7 +271,7 @@ def skinny_silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias
     if cfg.use_dot or cfg.block_m < m:
         raise ValueError(f"skinny_silu_and_mul_linear needs a GEMV config with {m} <= block_m <= {GEMV_MAX_M}, got {cfg}")
     return gemv(gate_up, weight, bias, cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
-                cfg.num_stages, gated=True)
+                cfg.num_stages, gated=True, fold_k=cfg.fold_k)
 
 
 def pick_norm_config(m: int, n: int, k: int, sm_count: int = 132) -> SkinnyConfig:
@@ -302,7 +306,7 @@ def skinny_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w
         raise ValueError(f"skinny_norm_linear needs a GEMV config with {m} <= block_m <= {GEMV_MAX_M}, got {cfg}")
     summed = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
     out = gemv(x, weight, bias, cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
-               cfg.num_stages, norm=(norm_weight, eps), residual=residual, residual_out=summed)
+               cfg.num_stages, norm=(norm_weight, eps), residual=residual, residual_out=summed, fold_k=cfg.fold_k)
     return out, summed
 
 

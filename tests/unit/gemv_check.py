@@ -41,6 +41,30 @@ def check_gemv(dtype: torch.dtype) -> None:
     assert locks and all(int(buf.abs().sum()) == 0 for buf in locks), "split-K counters were not reset"
 
 
+def check_fold_k(dtype: torch.dtype) -> None:
+    # fold_k sums each thread's neighbouring K products every chunk: the same values as fold_k=1 up to
+    # summation order, for the plain, SiLU-and-mul and RMSNorm-folded GEMVs, split or not, ragged K.
+    from mstar.kernels.skinny_gemm import skinny_norm_linear
+
+    x, w, b = torch.randn(4, 200).to(dtype), (torch.randn(37, 200) / 14).to(dtype), torch.randn(37).to(dtype)
+    gate_up, nw = (torch.randn(3, 400) * 2).to(dtype), (1 + torch.randn(200) / 10).to(dtype)
+    res = torch.randn(3, 200).to(dtype)
+    for m, block_k, split, fold in ((4, 64, 1, 8), (3, 32, 3, 4), (1, 1024, 1, 8), (2, 64, 2, 2)):
+        plain = SkinnyConfig(block_m=skinny_gemm.m_bucket(m), block_n=8, block_k=block_k, split_k=split)
+        folded = SkinnyConfig(block_m=plain.block_m, block_n=8, block_k=block_k, split_k=split, fold_k=fold)
+        got = skinny_linear(x[:m], w, b, config=folded)
+        torch.testing.assert_close(got, reference(x[:m], w, b), **tol(dtype))
+        torch.testing.assert_close(got, skinny_linear(x[:m], w, b, config=plain), **tol(dtype))
+        assert torch.equal(got, skinny_linear(x[:m], w, b, config=folded)), f"not reproducible: {folded}"
+        if m <= 3:
+            torch.testing.assert_close(skinny_silu_and_mul_linear(gate_up[:m], w, b, config=folded),
+                                       skinny_silu_and_mul_linear(gate_up[:m], w, b, config=plain), **tol(dtype))
+            got_n, sum_n = skinny_norm_linear(x[:m], nw, 1e-6, w, b, residual=res[:m], config=folded)
+            want_n, want_sum = skinny_norm_linear(x[:m], nw, 1e-6, w, b, residual=res[:m], config=plain)
+            torch.testing.assert_close(got_n, want_n, **tol(dtype))
+            assert torch.equal(sum_n, want_sum)
+
+
 def check_default_configs(dtype: torch.dtype) -> None:
     # The heuristic sends M <= 4 to the GEMV kernel and M = 8 to tl.dot.
     for m in (1, 4):
@@ -62,6 +86,14 @@ def check_config_validation() -> None:
             assert f"block_m={block_m}" in str(err), err
         else:
             raise AssertionError(f"block_m={block_m} fits neither kernel and must be refused")
+    for bad in (dict(block_m=4, block_k=32, fold_k=3), dict(block_m=4, block_k=4, fold_k=8),
+                dict(block_m=16, block_k=64, fold_k=2)):
+        try:
+            SkinnyConfig(block_n=4, **bad)
+        except ValueError as err:
+            assert "fold_k" in str(err), err
+        else:
+            raise AssertionError(f"{bad} must be refused")
 
 
 def check_silu_down(dtype: torch.dtype) -> None:
@@ -125,6 +157,7 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     for dt in (torch.float32, torch.bfloat16):
         check_gemv(dt)
+        check_fold_k(dt)
         check_default_configs(dt)
         check_silu_down(dt)
         check_mlp_selection(dt)
