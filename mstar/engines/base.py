@@ -75,7 +75,13 @@ class CausalLM(Protocol):
 
     `forward` takes the new tokens of a packed batch (requests one after another, as described by
     the metadata the engine gave `attn.prepare`) and returns their final hidden states;
-    `compute_logits` maps the hidden states of the positions to sample from to float32 logits.
+    `compute_logits` maps the hidden states of the positions to sample from to float32 logits
+    [N, width] over the contiguous token ids [offset, offset + width): column c is token id
+    offset + c. `logit_offset` (optional; absent means 0) is that offset, and a model whose logits
+    do not cover the whole vocabulary also defines `logit_width` (the engine needs it before any
+    logits exist: a resumed seeded sequence skips that many draws per token). The engine samples
+    over the columns and hands back token ids; ids outside the window are never sampled. Both are
+    fixed once the engine is built (its CUDA graphs capture at that width).
     A model may also define `supports_cuda_graphs() -> bool`; when it returns False the engine runs
     decode eagerly (e.g. a MoE whose expert path syncs the host for this dtype).
     """
@@ -85,3 +91,8 @@ class CausalLM(Protocol):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+def logit_offset(model: object) -> int:
+    """The first token id `model.compute_logits` covers (`CausalLM.logit_offset`; 0 when absent)."""
+    return int(getattr(model, "logit_offset", 0))

@@ -6,6 +6,10 @@ Semantics (as in vLLM and the OpenAI API):
   penalties apply to output tokens only, from their counts;
 - eos and stop_token_ids are banned while fewer than `min_tokens` tokens have been generated;
 - logprobs are those of the model's raw distribution (before penalties, temperature, filtering);
+- logits may cover a window of ids [offset, offset + V) (`CausalLM.logit_offset`): rows' token ids
+  (seen tokens, counts, bans) map to columns id - offset, ids outside the window are left out (they
+  are never sampled), and the ids handed back are token ids again. Logprobs are then normalised
+  over the window, as they were over -inf logits outside it.
 - a seeded request draws its random numbers from its own generator, a fixed amount per token, so
   its tokens do not depend on which other requests share the batch.
 """
@@ -140,22 +144,40 @@ class SampleOutput:
     top_logprobs: torch.Tensor | None = None  # [N, K] float32
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
-    """Pick one token per row of float32 `logits` [N, V], on the logits' device.
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], offset: int = 0) -> SampleOutput:
+    """Pick one token per row of float32 `logits` [N, V] over the ids [offset, offset + V), on the
+    logits' device; the output holds token ids (column + offset).
 
     No host sync: per-row parameters travel in one pinned, non-blocking copy (a plain
     `torch.tensor(..., device=cuda)` would wait for the whole stream, i.e. for the decode step).
     """
     assert logits.shape[0] == len(rows), f"{logits.shape[0]} logits rows for {len(rows)} sampling rows"
     if all(plain_greedy(r) for r in rows):  # the common serving case: one argmax kernel
-        return SampleOutput(logits.argmax(dim=-1))
+        out = SampleOutput(logits.argmax(dim=-1))
+    else:
+        out = _sample_columns(logits, rows, offset)
+    if offset:
+        out.token_ids = out.token_ids + offset
+        out.top_ids = None if out.top_ids is None else out.top_ids + offset
+    return out
+
+
+def _sample_columns(logits: torch.Tensor, rows: Sequence[SamplingRow], offset: int) -> SampleOutput:
+    """`sample` past its greedy shortcut; the output holds columns of `logits`."""
     table = RowTable(rows, logits.shape[1], logits.device)
-    x = _processed_logits(logits, rows, table)
+    x = _processed_logits(logits, rows, table, offset)
     if table.all_greedy:
         return _with_logprobs(SampleOutput(x.argmax(dim=-1)), logits, rows)
     sampled_ids = pick(x, rows, table, _exponential_noise(x, rows))
     token_ids = torch.where(table.greedy, x.argmax(dim=-1), sampled_ids) if table.any_greedy else sampled_ids
     return _with_logprobs(SampleOutput(token_ids), logits, rows)
+
+
+def greedy_ids(logits: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """Token ids [N] of the argmax of `logits` [N, V] over the ids [offset, offset + V) (one kernel
+    at offset 0: decode graphs take it with the logits)."""
+    ids = logits.argmax(dim=-1)
+    return ids + offset if offset else ids
 
 
 def plain_greedy(row: SamplingRow) -> bool:
@@ -178,7 +200,8 @@ def _banning(row: SamplingRow) -> bool:
 def sample_static(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, filtered: bool = False) -> torch.Tensor:
     """`sample` for `graphable` rows with no branch on their values, so that it can be captured in a
     CUDA graph: [N] ids from float32 `logits` [N, V], the rows' `RowTable.columns` (on the device)
-    and their seen-token masks `seen` [N, V] (read only where the repetition penalty is not 1).
+    and their seen-token masks `seen` [N, V] (read only where the repetition penalty is not 1); the
+    ids are columns of `logits` (the caller adds a window's offset).
     Every stage runs for every row; for the same noise each row gets the token `sample` gives it.
     `filtered`: the caller promises that every row samples (temperature > 0) under top-k or top-p,
     so the stages for greedy and unfiltered rows are left out."""
@@ -191,12 +214,13 @@ def sample_static(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor,
     return sampled if filtered else torch.where(t.greedy, x.argmax(dim=-1), sampled)
 
 
-def _processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow], table: RowTable) -> torch.Tensor:
-    """Logits after bans, penalties and temperature (a new tensor). The common case (repetition penalty
-    and temperature only) is four kernels: one factor per element, one multiply."""
+def _processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow], table: RowTable,
+                      offset: int = 0) -> torch.Tensor:
+    """Logits (of ids offset..) after bans, penalties and temperature (a new tensor). The common case
+    (repetition penalty and temperature only) is four kernels: one factor per element, one multiply."""
     counted = [i for i, r in enumerate(rows) if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0]
     if table.any_repetition:
-        seen = seen_masks(rows, logits.shape[1], logits.device)
+        seen = seen_masks(rows, logits.shape[1], logits.device, offset)
         # seen tokens: divide positive logits by the penalty, multiply negative ones (then the temperature)
         scale = table.inv_temp if not counted else torch.ones_like(table.inv_temp)
         factor = torch.where(seen, torch.where(logits > 0, table.inv_penalty * scale, table.penalty * scale), scale)
@@ -204,23 +228,25 @@ def _processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow], table: 
     else:
         x = logits.float() * (table.inv_temp if not counted else 1.0)
     if counted:  # rare: presence/frequency penalties come before the temperature
-        _apply_counts(x, rows, counted)
+        _apply_counts(x, rows, counted, offset)
         x = x * table.inv_temp
     for i, row in enumerate(rows):
         p = row.params
         if len(row.token_ids) - row.num_prompt < p.min_tokens:
-            banned = [t for t in (*row.eos_token_ids, *p.stop_token_ids) if t < x.shape[1]]
+            banned = [t - offset for t in (*row.eos_token_ids, *p.stop_token_ids)
+                      if 0 <= t - offset < x.shape[1]]
             if banned:  # index_fill_: no host scalar copied to the device (that copy would sync)
                 x[i].index_fill_(0, to_device_async(torch.tensor(banned, dtype=torch.long), x.device), -math.inf)
     return x
 
 
-def _apply_counts(x: torch.Tensor, rows: Sequence[SamplingRow], picked: list[int]) -> None:
+def _apply_counts(x: torch.Tensor, rows: Sequence[SamplingRow], picked: list[int], offset: int = 0) -> None:
     vocab = x.shape[1]
     for i in picked:
         p, row = rows[i].params, rows[i]
-        out = torch.tensor(list(row.token_ids[row.num_prompt:]), dtype=torch.long).to(x.device, non_blocking=True)
-        counts = torch.bincount(out, minlength=vocab)[:vocab].to(x.dtype)
+        columns = [t - offset for t in row.token_ids[row.num_prompt:] if 0 <= t - offset < vocab]
+        out = torch.tensor(columns, dtype=torch.long).to(x.device, non_blocking=True)
+        counts = torch.bincount(out, minlength=vocab).to(x.dtype)
         x[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
 
 

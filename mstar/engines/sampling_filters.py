@@ -87,8 +87,10 @@ class RowTable:
         self.vocab = vocab
 
 
-def seen_masks(rows: Sequence[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
-    """Bool [N, vocab]: the tokens of each row's prompt and output.
+def seen_masks(rows: Sequence[SamplingRow], vocab: int, device: torch.device,
+               offset: int = 0) -> torch.Tensor:
+    """Bool [N, vocab]: the tokens of each row's prompt and output, token id t at column t - offset
+    (logits of the ids [offset, offset + vocab); ids outside them are left out).
 
     Kept across steps in the rows' caches as views of one batch tensor: while the batch is the same
     rows in the same order (steady decoding), a step only marks the tokens added since the last one,
@@ -99,7 +101,8 @@ def seen_masks(rows: Sequence[SamplingRow], vocab: int, device: torch.device) ->
     if not (batch is not None and batch.shape == (len(rows), vocab) and batch.device == device
             and _same_batch(caches, batch)):
         batch = _restack(rows, caches, vocab, device)
-    flat = []  # row * vocab + token of every token added since the last step
+    flat = []  # row * vocab + column of every token added since the last step
+    end = offset + vocab
     for i, (row, cache) in enumerate(zip(rows, caches)):
         tokens = row.token_ids
         n, upto = len(tokens), cache.get("seen_upto", 0)
@@ -107,10 +110,10 @@ def seen_masks(rows: Sequence[SamplingRow], vocab: int, device: torch.device) ->
             batch[i] = False
             upto = 0
         if n - upto == 1:  # steady decoding: one new token (no slice, no generator)
-            if (t := tokens[upto]) < vocab:
-                flat.append(i * vocab + t)
+            if offset <= (t := tokens[upto]) < end:
+                flat.append(i * vocab + t - offset)
         elif n > upto:
-            flat.extend(i * vocab + t for t in tokens[upto:] if t < vocab)
+            flat.extend(i * vocab + t - offset for t in tokens[upto:] if offset <= t < end)
         cache["seen_upto"] = n
     if flat:
         # index_fill_ takes the value as a kernel argument; `batch[rows, cols] = True` would copy a

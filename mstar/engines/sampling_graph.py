@@ -20,6 +20,11 @@ pinned host memory (the rows' parameter table, rebuilt only when the rows' param
 row's newly seen token) and one replay. The seen-token masks of the repetition penalty live in one
 device buffer across steps (`SeenRows`); the replay itself marks each row's new token.
 
+Logits over a window of ids [offset, offset + V) (`CausalLM.logit_offset`) are captured at their
+width V: the masks hold columns (token id - offset; ids outside the window are left out) and the
+captured step adds the offset to the drawn columns, so the ids it returns are token ids (with no
+extra launch; offset 0 captures no add).
+
 The noise comes from the default CUDA generator, which graphs advance on every replay, so draws
 differ from eager ones for the same global seed but follow the same distribution; seeded requests
 never take this path.
@@ -41,17 +46,18 @@ logger = logging.getLogger(__name__)
 
 
 class SamplerGraphs:
-    """`sample_static` captured at `sizes` on a CUDA `device`, for logits of one vocabulary size.
+    """`sample_static` captured at `sizes` on a CUDA `device`, for logits of one vocabulary size,
+    whose column 0 is token id `offset`.
 
     Each call's inputs are staged in one of two pinned host sets, used in turn; a set is rewritten
     only once the copy out of it is done (an event; the engine reads every call's ids before the next
     call anyway)."""
 
-    def __init__(self, sizes: Sequence[int], device: torch.device) -> None:
+    def __init__(self, sizes: Sequence[int], device: torch.device, offset: int = 0) -> None:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" must compare equal
             device = torch.device("cuda", torch.cuda.current_device())
-        self.sizes, self.device = sorted(set(sizes)), device
+        self.sizes, self.device, self.offset = sorted(set(sizes)), device, offset
         self._graphs: dict[bool, BatchGraphs] = {}  # filtered (every row top-k/top-p, none greedy) -> graphs
         self._logits: list[torch.Tensor] = []  # [k] = the first k rows of the graphs' shared logits input
         self._vocab = 0
@@ -60,8 +66,8 @@ class SamplerGraphs:
         self.replays = 0
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor | None:
-        """Sampled ids [N] (a device view, valid until the next call), or None when the batch is not
-        served here (the caller then runs `sample`)."""
+        """Sampled token ids [N] (a device view, valid until the next call), or None when the batch is
+        not served here (the caller then runs `sample`)."""
         n, vocab = logits.shape
         if n > self.sizes[-1] or logits.device != self.device or not all(graphable(r) for r in rows):
             return None
@@ -93,56 +99,61 @@ class SamplerGraphs:
     def _capture(self, vocab: int) -> None:
         self._vocab = vocab
         rows = self.sizes[-1]
-        self._seen = seen = SeenRows(rows, vocab, self.device)
+        self._seen = seen = SeenRows(rows, vocab, self.device, self.offset)
         self._inputs = inputs = _PackedInputs(rows, self.device, seen.trash)
         example = [((vocab,), torch.float32), ((COLUMNS,), torch.float32), ((), torch.long)]
         with torch.inference_mode(False):
             logits = torch.zeros(rows, vocab, dtype=torch.float32, device=self.device)
         self._logits = [logits[:k] for k in range(rows + 1)]
-        self._graphs = {filtered: BatchGraphs(_marking(seen, filtered), self.sizes, example, self.device,
-                                              static_inputs=[logits, inputs.table, inputs.new])
+        self._graphs = {filtered: BatchGraphs(_marking(seen, filtered, self.offset), self.sizes, example,
+                                              self.device, static_inputs=[logits, inputs.table, inputs.new])
                         for filtered in (False, True)}
-        logger.info("sampling captured in CUDA graphs for batch sizes %s (vocabulary %d)", self.sizes, vocab)
+        logger.info("sampling captured in CUDA graphs for batch sizes %s (vocabulary %d from id %d)", self.sizes,
+                    vocab, self.offset)
 
 
-def _marking(seen: SeenRows, filtered: bool) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The captured step: mark each row's new token (`new` [N]: flat mask indexes), then draw."""
+def _marking(seen: SeenRows, filtered: bool,
+             offset: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The captured step: mark each row's new token (`new` [N]: flat mask indexes), then draw token ids."""
     flat, masks = seen.flat, seen.masks
 
     def step(logits: torch.Tensor, table: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         flat.index_fill_(0, new, True)
-        return sample_static(logits, table, masks[: logits.shape[0]], filtered)
+        columns = sample_static(logits, table, masks[: logits.shape[0]], filtered)
+        return columns + offset if offset else columns
 
     return step
 
 
 class SeenRows:
     """Seen-token masks (prompt and output tokens, for the repetition penalty) of the rows a sampler
-    graph replays, kept in one device buffer `masks` [R, V] across steps.
+    graph replays, kept in one device buffer `masks` [R, V] across steps; token id t is column
+    t - `offset`, ids outside [offset, offset + V) are left out.
 
     A row's mask is found through its sequence's sampling cache, with the keys `seen_masks` uses
     (`seen_batch` is `masks`, `seen_row` its row, `seen` the row's view, `seen_upto` the tokens
     marked), so eager sampling and the graphs can take turns on a sequence. While the rows are the
     same sequences in the same order (steady decoding) each step adds one token per row, and the
-    replay marks it: `mark` writes its flat index (row * V + token) for the graph input, or `trash`
+    replay marks it: `mark` writes its flat index (row * V + column) for the graph input, or `trash`
     (the element just past the masks) for none. A new batch composition first gathers the rows'
     masks into place (one stack, one copy); more than one new token in a row, which only follows a
     restart or a join, is marked by one eager index_fill_.
     """
 
-    def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
+    def __init__(self, rows: int, vocab: int, device: torch.device, offset: int = 0) -> None:
         with torch.inference_mode(False):
             self.flat = torch.zeros(rows * vocab + 1, dtype=torch.bool, device=device)
         self.masks = self.flat[: rows * vocab].view(rows, vocab)
         self.trash = rows * vocab
-        self.vocab, self.device = vocab, device
+        self.vocab, self.device, self.offset = vocab, device, offset
         self._zero = torch.zeros(vocab, dtype=torch.bool, device=device)
         self._holders: list[dict | None] = [None] * rows  # the cache whose mask each row was given
 
     def mark(self, rows: Sequence[SamplingRow], new: np.ndarray, bucket: int) -> None:
         """Bring the masks of `rows` (batch rows 0..n-1) up to their tokens but one new token per row,
         whose flat index goes to new[i] (trash for none); new[n:bucket] := trash."""
-        vocab, trash = self.vocab, self.trash
+        vocab, trash, lo = self.vocab, self.trash, self.offset
+        hi = lo + vocab
         caches = [r.cache if r.cache is not None else {} for r in rows]
         if not self._in_place(caches):
             self._restack(rows, caches)
@@ -153,12 +164,12 @@ class SeenRows:
             if upto > n:  # the sequence restarted: its mask is rebuilt from scratch
                 self.masks[i].zero_()
                 upto = 0
-            if n - upto == 1 and (t := tokens[upto]) < vocab:  # steady decoding: no slice, no generator
-                flat.append(i * vocab + t)
+            if n - upto == 1 and lo <= (t := tokens[upto]) < hi:  # steady decoding: no slice, no generator
+                flat.append(i * vocab + t - lo)
             else:
                 flat.append(trash)
                 if n - upto > 1:
-                    extra.extend(i * vocab + t for t in tokens[upto:] if t < vocab)
+                    extra.extend(i * vocab + t - lo for t in tokens[upto:] if lo <= t < hi)
             cache["seen_upto"] = n
         new[: len(flat)] = flat
         if bucket > len(flat):

@@ -94,27 +94,28 @@ def test_sharded_checkpoint_loads(tmp_path):
 
 @torch.no_grad()
 def test_restricted_logits_are_the_full_heads_on_the_span(pair):
-    """`restrict_logits`: the span's columns are the full head's, every other column (and the blocked
-    ones) -inf; same shape and dtype; None restores the full head."""
+    """`restrict_logits`: compact float32 logits [N, hi - lo] (`logit_offset` lo, `logit_width` hi - lo)
+    whose columns are the full head's span, the blocked ones -inf; None restores the full head."""
     hf, ours = pair
     hidden = ours(torch.tensor(PROMPT), torch.arange(len(PROMPT)), DenseAttention())
     full = ours.compute_logits(hidden)
     vocab = full.shape[1]
+    assert (ours.logit_offset, ours.logit_width) == (0, vocab)
     lo, hi, blocked = 40, vocab - 30, (41, 48)
     try:
         ours.restrict_logits((lo, hi), blocked=blocked)
         got = ours.compute_logits(hidden)
-        assert got.dtype == torch.float32 and got.shape == full.shape
-        kept = torch.zeros(vocab, dtype=torch.bool)
-        kept[lo:hi] = True
-        kept[blocked[0]:blocked[1]] = False
-        torch.testing.assert_close(got[:, kept], full[:, kept], atol=1e-5, rtol=1e-5)
+        assert got.dtype == torch.float32 and got.shape == (full.shape[0], hi - lo)
+        assert (ours.logit_offset, ours.logit_width) == (lo, hi - lo)
+        kept = torch.ones(hi - lo, dtype=torch.bool)
+        kept[blocked[0] - lo:blocked[1] - lo] = False
+        torch.testing.assert_close(got[:, kept], full[:, lo:hi][:, kept], atol=1e-5, rtol=1e-5)
         assert bool((got[:, ~kept] == -math.inf).all())
         ours.restrict_logits((0, vocab))  # the whole vocabulary as a span: the full head's logits
         torch.testing.assert_close(ours.compute_logits(hidden), full, atol=1e-5, rtol=1e-5)
     finally:
         ours.restrict_logits(None)
-    assert ours.logit_span is None and torch.equal(ours.compute_logits(hidden), full)
+    assert ours.logit_span is None and ours.logit_offset == 0 and torch.equal(ours.compute_logits(hidden), full)
 
 
 @pytest.mark.parametrize("span, blocked, message", [

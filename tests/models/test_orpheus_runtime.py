@@ -3,6 +3,7 @@ streamed audio == one request alone, audio arriving while the LM still speaks.""
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -97,8 +98,11 @@ def test_tiny_speaks_only_speakable_ids_with_audio_logits_only():
 
     with MStar("orpheus", config=yaml_config("orpheus"), tiny=True) as m:
         tokens = m.runtime.model.tokens
-        lm = m.runtime.workers[0].engines["llm"].runner.model
+        engine = m.runtime.workers[0].engines["llm"]
+        lm = engine.runner.model
         assert (lm.logit_span, lm.blocked_ids) == (tokens.speakable_span, tokens.span_markers)
+        lo, hi = tokens.speakable_span
+        assert engine.logit_offset == lm.logit_offset == lo and lm.logit_width == hi - lo  # compact logits
         seen = _record_lm(m)
         m.generate({"text": "Speak to me."}, max_tokens=120, seed=3)
         m.generate({"text": "Speak to me."}, max_tokens=60, temperature=0.0)
@@ -139,3 +143,63 @@ def test_greedy_tokens_are_the_full_heads_masked_to_speakable_ids(chatty_checkpo
     masked = hf.generate(ids, suppress_tokens=unspeakable, **common)[0, ids.shape[1]:].tolist()
     assert greedy == masked
     assert len(sampled) > 10 and set(sampled) <= _speakable(tokens)
+
+
+class _FullMinusInf:
+    """The span-restricted tiny LM as the engine saw it before the sampler worked over the span's columns:
+    logits of the whole vocabulary, -inf outside the span (and on the markers), offset 0."""
+
+    def __init__(self, lm):
+        self.lm, self.kv_layout = lm, lm.kv_layout
+
+    def forward(self, input_ids, positions, attn):
+        return self.lm.forward(input_ids, positions, attn)
+
+    def compute_logits(self, hidden):
+        lo, hi = self.lm.logit_span
+        full = torch.full((hidden.shape[0], self.lm.config.vocab_size), -math.inf)
+        full[:, lo:hi] = self.lm.compute_logits(hidden)
+        return full
+
+
+def _engine_tokens(model, prompts, eos, **options):
+    """Token ids per prompt from an AutoregressiveEngine over `model`, sampled tokens fed back."""
+    from mstar.engines.autoregressive import AutoregressiveEngine
+    from mstar.engines.base import StepItem
+    from mstar.engines.kv_cache.config import KVCacheConfig
+
+    engine = AutoregressiveEngine(model, KVCacheConfig(max_num_pages=64, page_size=16), "cpu", eos_token_ids=eos)
+    made = {str(i): [] for i in range(len(prompts))}
+    for rid, prompt in zip(made, prompts):
+        engine.submit(StepItem(rid, "decode", "llm", {"input_ids": torch.tensor(prompt)}, options))
+    while engine.has_work():
+        for r in engine.step():
+            assert r.error is None, r.error
+            made[r.request_id].append(int(r.outputs["token"]))
+            if not r.stop:
+                engine.submit(StepItem(r.request_id, "decode", "llm", {"input_ids": r.outputs["token"]}, options))
+    return list(made.values())
+
+
+def test_compact_span_logits_give_the_tokens_of_full_minus_inf_logits():
+    """The tiny Orpheus LM (span on): greedy under repetition penalty 1.3, and under min_tokens banning end
+    of speech and the first greedy token, says the same ids whether the engine samples over the span's
+    columns (compact logits, `logit_offset`) or over full -inf logits; Orpheus' default sampling stays in
+    the span and repeats itself with a seed."""
+    from mstar.models.orpheus.model import OrpheusModel
+
+    orpheus = OrpheusModel(OrpheusModel.make_config(tiny=True))
+    lm, tokens = orpheus._load_lm(torch.device("cpu")), orpheus.tokens
+    full = _FullMinusInf(lm)
+    prompts = [tokens.prompt_ids(list(range(5 + i, 12 + 2 * i))) for i in range(3)]
+    greedy = {"temperature": 0.0, "repetition_penalty": 1.3, "max_tokens": 30}
+    first = _engine_tokens(full, prompts, (tokens.end_of_speech,), **greedy)
+    assert first == _engine_tokens(lm, prompts, (tokens.end_of_speech,), **greedy)
+    eos = (tokens.end_of_speech, first[0][0])
+    banned = {**greedy, "min_tokens": 20}
+    got = _engine_tokens(lm, prompts, eos, **banned)
+    assert got == _engine_tokens(full, prompts, eos, **banned) and got[0][0] != first[0][0]
+    sampled = {"temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.3, "max_tokens": 40, "seed": 9}
+    runs = [_engine_tokens(lm, prompts, (tokens.end_of_speech,), **sampled) for _ in range(2)]
+    assert runs[0] == runs[1] and set().union(*runs[0]) <= _speakable(tokens)
+    assert set().union(*first, *got) <= _speakable(tokens)

@@ -35,7 +35,7 @@ def graphed(model, monkeypatch, pages=64, max_model_len=None, sampler=True):
     r.graphs = r._capture(SIZES)
     if sampler:
         monkeypatch.setattr(sampling_graph, "BatchGraphs", EagerBatchGraphs)
-        engine.sampler = SamplerGraphs(SIZES, torch.device("cpu"))
+        engine.sampler = SamplerGraphs(SIZES, torch.device("cpu"), engine.logit_offset)
     return engine
 
 

@@ -211,3 +211,58 @@ def test_minus_inf_logits_are_never_drawn_and_make_no_nan(monkeypatch, prefilter
         processed = _processed_logits(logits, rows, filters.RowTable(rows, VOCAB, logits.device))
         assert not processed.isnan().any(), trial
         assert out.logprobs[5].isfinite() and not out.top_logprobs.isnan().any(), trial
+
+
+def test_window_penalises_and_bans_ids_at_their_columns():
+    """Logits over the ids [1000, 1008) (`sample(..., offset)`): seen ids, bans and counts act at column
+    id - 1000; ids outside the window are left out without error; the ids handed back are token ids."""
+    from mstar.engines.sampling_filters import seen_masks
+
+    offset = 1000
+    logits = torch.tensor([[0.0, 1.0, 2.0, 5.0, 4.0, 3.0, 0.0, 0.0]])  # id 1003 best, then 1004, 1005
+    outside = [3, 999, 1008, 50_000]  # seen ids outside the window, among them id 3 (column 3 at offset 0)
+
+    def greedy(**kw):
+        return int(sample(logits, [_row(temperature=0.0, **kw)], offset).token_ids[0])
+
+    assert greedy(tokens=outside) == 1003
+    assert greedy(tokens=[*outside, 1003], repetition_penalty=50.0) == 1004
+    masks = seen_masks([_row(tokens=[*outside, 1003, 1006], repetition_penalty=50.0)], 8, logits.device, offset)
+    assert masks[0].nonzero()[:, 0].tolist() == [3, 6]
+    assert greedy(tokens=[1], num_prompt=1, min_tokens=2, eos=(1003, 5), stop_token_ids=(1004, 2000)) == 1005
+    # presence/frequency counts of the output ids, at their columns: 5 - 2 * 2 < 4
+    assert greedy(tokens=[1, 1003, 1003, 17], num_prompt=1, frequency_penalty=2.0) == 1004
+    out = sample(logits, [_row(temperature=0.0, logprobs=3, tokens=outside)], offset)
+    assert out.token_ids.tolist() == [1003] and out.top_ids.tolist() == [[1003, 1004, 1005]]
+    # normalised over the window
+    torch.testing.assert_close(out.top_logprobs[0], logits[0].log_softmax(-1).topk(3).values)
+
+
+@pytest.mark.parametrize("prefilter", [16, 1024])
+def test_window_samples_the_ids_of_full_minus_inf_logits(monkeypatch, prefilter):
+    """`sample` over the window's columns (offset SPAN[0]) draws, for the same noise (its columns), the token
+    ids it draws over the full -inf logits, with the same logprobs and top ids: SPAN_PARAMS (penalties with
+    seen ids outside the window, counts, eos bans inside it), seeded and greedy rows among them."""
+    import mstar.engines.sampling as sampling
+    import mstar.engines.sampling_filters as filters
+
+    monkeypatch.setattr(filters, "PREFILTER_K", prefilter)
+    gen = torch.Generator().manual_seed(prefilter)
+    params = [*SPAN_PARAMS, {"temperature": 0.0, "min_tokens": 50, "eos": (SPAN[0], 5), "logprobs": 3},
+              {"temperature": 0.9, "top_p": 0.95, "seed": 4}]
+    noise = {}
+    monkeypatch.setattr(sampling, "_exponential_noise",
+                        lambda x, rows: noise["full"] if x.shape[1] == VOCAB else noise["full"][:, SPAN[0]:SPAN[1]])
+    for trial in range(20):
+        prompt = [5, 17, 599, 302, 304]
+        output = torch.randint(SPAN[0], SPAN[1], (trial,), generator=gen).tolist() + [42, 42]
+        rows = [_row(tokens=prompt + output, num_prompt=len(prompt), **p) for p in params]
+        full = span_logits(len(rows), gen, 0.5 + trial % 5)
+        noise["full"] = torch.empty_like(full).exponential_(generator=gen)
+        want = sample(full, rows)
+        got = sample(full[:, SPAN[0]:SPAN[1]].contiguous(), rows, SPAN[0])
+        assert got.token_ids.tolist() == want.token_ids.tolist(), trial
+        assert set(got.token_ids.tolist()) <= SPEAKABLE
+        torch.testing.assert_close(got.logprobs, want.logprobs)
+        assert torch.equal(got.top_ids, want.top_ids)
+        torch.testing.assert_close(got.top_logprobs, want.top_logprobs)

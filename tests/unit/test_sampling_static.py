@@ -126,11 +126,13 @@ def test_sampler_graphs_table_follows_the_rows(monkeypatch):
     assert steady == [1, 1, 0, 1, 1, 1, 0, 1]
 
 
-def test_seen_rows_follow_any_history():
+@pytest.mark.parametrize("offset", [0, 7])
+def test_seen_rows_follow_any_history(offset):
     """SeenRows (the sampler graphs' seen-token masks) over random histories: steady steps, several new
     tokens, restarts, tokens past the vocabulary, joins, leaves and reorders, sequences coming back
     after their row was taken, and eager `seen_masks` calls in between. After `mark` and the replay's
-    marking (index_fill_ of the indexes it wrote), every row is exactly its sequence's tokens."""
+    marking (index_fill_ of the indexes it wrote), every row is exactly its sequence's tokens: token t
+    at column t - offset (logits of the ids [offset, offset + vocab); ids before the window too)."""
     import random
 
     import numpy as np
@@ -139,14 +141,14 @@ def test_seen_rows_follow_any_history():
 
     rng = random.Random(0)
     vocab, rows_max, cpu = 40, 5, torch.device("cpu")
-    seen = SeenRows(rows_max, vocab, cpu)
-    seqs = [SamplingRow(SamplingParams(repetition_penalty=1.3), [rng.randrange(vocab) for _ in range(3)], 3,
-                        cache={}) for _ in range(9)]
+    seen = SeenRows(rows_max, vocab, cpu, offset)
+    seqs = [SamplingRow(SamplingParams(repetition_penalty=1.3), [rng.randrange(offset + vocab) for _ in range(3)],
+                        3, cache={}) for _ in range(9)]
     batch = seqs[:3]
 
     def want(row):
         mask = torch.zeros(vocab, dtype=torch.bool)
-        mask[[t for t in row.token_ids if t < vocab]] = True
+        mask[[t - offset for t in row.token_ids if offset <= t < offset + vocab]] = True
         return mask
 
     for step in range(600):
@@ -156,13 +158,13 @@ def test_seen_rows_follow_any_history():
         for row in batch:
             u = rng.random()
             if u < 0.8:
-                row.token_ids.append(rng.randrange(vocab + 3))  # now and then past the vocabulary
+                row.token_ids.append(rng.randrange(offset + vocab + 3))  # now and then past the vocabulary
             elif u < 0.9:
-                row.token_ids.extend(rng.randrange(vocab) for _ in range(rng.randrange(2, 5)))
-            elif u < 0.93:
+                row.token_ids.extend(rng.randrange(offset + vocab) for _ in range(rng.randrange(2, 5)))
+            elif u < 0.93 and len(row.token_ids) > 1:
                 del row.token_ids[rng.randrange(1, len(row.token_ids)):]  # restarted shorter
         if rng.random() < 0.1:  # an eager step between graph steps
-            masks = filters.seen_masks(batch, vocab, cpu)
+            masks = filters.seen_masks(batch, vocab, cpu, offset)
             for i, row in enumerate(batch):
                 assert torch.equal(masks[i], want(row)), step
             continue
@@ -198,3 +200,32 @@ def test_static_draw_over_minus_inf_logits(monkeypatch, prefilter):
             torch.manual_seed(trial)
             got = sample_static(logits, table, seen, filtered=chosen is not params)
             assert got.tolist() == expected.tolist() and set(got.tolist()) <= SPEAKABLE, (trial, len(chosen))
+
+
+def test_sampler_graphs_over_a_window_hand_back_token_ids(monkeypatch):
+    """SamplerGraphs(offset=...) over logits of the ids [500, 560), steps after steps: the ids `sample`
+    gives the same rows for the same global seed (the replay marks each row's new token at its column;
+    ids outside the window are left out), as token ids."""
+    from mstar.engines import sampling_graph
+    from mstar.engines.sampling_graph import SamplerGraphs
+    from tests.unit.graph_standins import EagerBatchGraphs
+
+    monkeypatch.setattr(sampling_graph, "BatchGraphs", EagerBatchGraphs)
+    offset, width = 500, 60
+    sampler = SamplerGraphs([2, 4], torch.device("cpu"), offset)
+    params = [SamplingParams(temperature=0.0, repetition_penalty=3.0), *MIXES["orpheus"][:3]]
+    gen = torch.Generator().manual_seed(3)
+    history = [[7, 499, 560, 900, *torch.randint(offset, offset + width, (3,), generator=gen).tolist()]
+               for _ in params]
+    graph_rows = [SamplingRow(p, h, 4, cache={}) for p, h in zip(params, history)]
+    for step in range(12):
+        logits = torch.randn(len(params), width, generator=gen) * 3
+        torch.manual_seed(step)
+        got = sampler(logits, graph_rows)
+        torch.manual_seed(step)
+        want = sample(logits, [SamplingRow(p, list(h), 4) for p, h in zip(params, history)], offset)
+        assert got is not None and got.tolist() == want.token_ids.tolist(), step
+        assert all(offset <= t < offset + width for t in got.tolist())
+        for h, t in zip(history, got.tolist()):
+            h.append(t if step % 3 else t + width)  # now and then an id past the window is fed back
+    assert sampler.replays == 12

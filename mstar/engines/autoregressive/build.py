@@ -33,8 +33,9 @@ _ENGINE_KEYS = ("eos_token_ids", "default_sampling", "max_num_seqs", "max_batch_
 class ResumingEngine(AutoregressiveEngine):
     """AutoregressiveEngine that resumes a sequence from `inputs["prompt_ids"]` (see the module doc).
 
-    `vocab_size` (the width of the logits) lets a seeded sequence skip the random draws its
-    already generated tokens consumed on the worker that sampled them.
+    `vocab_size` lets a seeded sequence skip the random draws its already generated tokens consumed
+    on the worker that sampled them: one row per token as wide as the logits, i.e. the model's
+    `logit_width` when it has one (a window of ids, `CausalLM`), else `vocab_size`.
     """
 
     def __init__(self, *args: Any, vocab_size: int | None = None, **kwargs: Any) -> None:
@@ -60,11 +61,12 @@ class ResumingEngine(AutoregressiveEngine):
         return seq
 
     def _skip_draws(self, generator: torch.Generator, count: int) -> None:
-        # sampling draws one Exp(1) row of the vocabulary per token (engines/sampling.py)
-        if self.vocab_size is None:
+        # sampling draws one Exp(1) row as wide as the logits per token (engines/sampling.py)
+        width = getattr(self.runner.model, "logit_width", None) or self.vocab_size
+        if width is None:
             raise ValueError("a seeded sequence resumed on another worker needs the engine's vocab_size")
         for _ in range(count):
-            torch.empty(self.vocab_size, dtype=torch.float32, device=self.device).exponential_(generator=generator)
+            torch.empty(width, dtype=torch.float32, device=self.device).exponential_(generator=generator)
 
 
 def build_autoregressive_engine(built: Any, kv_config: KVCacheConfig, device: torch.device,

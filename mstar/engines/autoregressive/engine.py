@@ -7,6 +7,10 @@ appends what it sampled by itself. Each item yields one StepResult with `outputs
 (LongTensor[1]) once its tokens are computed. A result with `stop=True` ends the sequence: its
 pages are freed (full pages stay in the prefix cache) and a later item with the same key starts a
 new sequence.
+
+A model whose logits cover a window of ids (`CausalLM.logit_offset`) is sampled over the window's
+columns; every id handed back (tokens, `top_ids`, the ids a lookahead forward is fed) is a token id,
+the offset added on the device.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from mstar.engines.autoregressive.runner import ModelRunner, make_attention_back
 from mstar.engines.autoregressive.scheduler import Chunk, Scheduler
 from mstar.engines.autoregressive.sequence import Sequence
 from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs, parse_item
-from mstar.engines.base import CausalLM, StepItem, StepResult
+from mstar.engines.base import CausalLM, StepItem, StepResult, logit_offset
 from mstar.engines.cuda_graphs import to_device_async, to_host_async
 from mstar.engines.kv_cache.block_pool import BlockPool
 from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
@@ -51,6 +55,7 @@ class AutoregressiveEngine:
             raise ValueError(f"max_num_seqs={max_num_seqs}, max_batch_tokens={max_batch_tokens}: both must be >= 1")
         self.device = torch.device(device)
         self.eos_token_ids = tuple(eos_token_ids)
+        self.logit_offset = logit_offset(model)  # the token id of the logits' column 0
         self.default_sampling = default_sampling or SamplingParams()
         num_pages = compute_num_pages(kv_config, model.kv_layout, self.device)
         capacity = num_pages * kv_config.page_size
@@ -79,7 +84,7 @@ class AutoregressiveEngine:
         # sampling replayed from CUDA graphs (sampling_graph.py), captured at the first sampled step
         self.sampler: SamplerGraphs | None = None
         if self.runner.graphs is not None and (cuda_graphs is None or cuda_graphs.sampling):
-            self.sampler = SamplerGraphs(self.runner.graphs.sizes, self.device)
+            self.sampler = SamplerGraphs(self.runner.graphs.sizes, self.device, self.logit_offset)
         if warm_up if warm_up is not None else self.device.type == "cuda":
             self._warm_up()
         self.last_step_items = 0  # sequences the latest step computed (mstar.engines.stats.ReportsStats)
@@ -219,13 +224,13 @@ class AutoregressiveEngine:
     def _postprocess(self, chunks: list[Chunk], logits: torch.Tensor) -> list[StepResult]:
         seqs = [c.seq for c in chunks]
         rows = [s.sampling_row for s in seqs]
-        greedy = self.runner.last_greedy_ids  # argmax taken inside the decode graph, if it ran
+        greedy = self.runner.last_greedy_ids  # token ids of the decode graph's argmax, if it ran
         if greedy is not None and all(plain_greedy(r) for r in rows):
             out = SampleOutput(greedy)
         elif self.sampler is not None and (ids := self.sampler(logits, rows)) is not None:
             out = SampleOutput(ids)
         else:
-            out = sample(logits, rows)
+            out = sample(logits, rows, self.logit_offset)
         keep = continuing(seqs, self.scheduler, self.runner.page_size, self.max_model_len) if self.lookahead else None
         if keep is None:
             out = _to_host(out)  # the step's one host sync

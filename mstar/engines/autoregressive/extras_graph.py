@@ -26,8 +26,10 @@ import torch
 from torch import nn
 
 from mstar.engines.autoregressive.scheduler import Chunk
+from mstar.engines.base import logit_offset
 from mstar.engines.cuda_graphs import BatchGraphs, to_device_async
 from mstar.engines.extras import ForwardExtras
+from mstar.engines.sampling import greedy_ids
 
 
 @dataclass
@@ -48,6 +50,7 @@ class ExtrasGraphs:
     def __init__(self, model: Any, attn: Any, device: torch.device) -> None:
         self.model, self.attn, self.device = model, attn, device
         self.layers = tuple(model.graph_hidden_layers)
+        self.offset = logit_offset(model)  # greedy ids are token ids
         self.rows = 3 if getattr(model, "multirow_positions", False) else 1
         self._zero_row = torch.zeros(model.hidden_size, dtype=model.kv_layout.dtype, device=device)
         self.graphs: BatchGraphs | None = None
@@ -61,12 +64,12 @@ class ExtrasGraphs:
 
     def step(self, ids: torch.Tensor, positions: torch.Tensor, embeds: torch.Tensor,
              use_embeds: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The captured function: (logits, greedy ids, *states of the declared layers) of one decode row
-        per sequence; the attention backend must have been prepared for the batch."""
+        """The captured function: (logits, greedy token ids, *states of the declared layers) of one
+        decode row per sequence; the attention backend must have been prepared for the batch."""
         extras = _StaticExtras(embeds=embeds, capture=frozenset(self.layers), use_embeds=use_embeds)
         pos = positions.t() if self.rows == 3 else positions[:, 0]
         logits = self.model.compute_logits(self.model.forward(ids, pos, self.attn, extras))
-        return (logits, logits.argmax(dim=-1), *(extras.captured[k] for k in self.layers))
+        return (logits, greedy_ids(logits, self.offset), *(extras.captured[k] for k in self.layers))
 
     def accepts(self, chunks: list[Chunk]) -> bool:
         """Whether this decode batch can replay: one token per sequence, no features, declared layers."""

@@ -4,7 +4,8 @@ A decode step ends with one host sync (reading the sampled ids). Without lookahe
 idles while the host turns the tokens into results, the walk feeds them back as the next items and
 the next step is scheduled and launched. With lookahead, once step N's sampling is queued on the
 GPU, the engine queues the forward of N+1 for the sequences expected to continue, fed with N's
-sampled ids straight from device memory; only then does it wait for N's ids, so all of that host
+sampled ids straight from device memory (token ids: the offset of logits over a window of ids is
+added on the device, with the draw); only then does it wait for N's ids, so all of that host
 work overlaps the GPU running N+1.
 
 The forward of N+1 is a guess about the next items: it is used only if the next step schedules

@@ -20,8 +20,9 @@ from mstar.engines.autoregressive.lookahead import Ahead
 from mstar.engines.autoregressive.prefill_graph import PrefillGraphs
 from mstar.engines.autoregressive.scheduler import Chunk
 from mstar.engines.autoregressive.sequence import Sequence
-from mstar.engines.base import CausalLM, KVLayout
+from mstar.engines.base import CausalLM, KVLayout, logit_offset
 from mstar.engines.cuda_graphs import BatchGraphs
+from mstar.engines.sampling import greedy_ids
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None  # steps with prompt tokens (cuda_graphs.prefill_tokens)
         self._decode: DecodeInputs | None = None  # packed inputs of graphed decode steps (decode_inputs.py)
         self._shares_decode = False  # whether the attention backend reads its decode buffers from it
-        self.last_greedy_ids: torch.Tensor | None = None  # argmax of the last step's logits, when a graph ran
+        self.last_greedy_ids: torch.Tensor | None = None  # token ids of the step's argmax, when a graph ran
         self._eager_forward = model.forward  # plain steps that replay no graph; compiled on request
         if graphs is not None and graphs.compile_eager:
             try:
@@ -132,9 +133,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture(self, sizes: list[int]) -> BatchGraphs:
+        offset = logit_offset(self.model)
+
         def decode_step(input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             logits = self.model.compute_logits(self.model.forward(input_ids, positions, self.attn))
-            return logits, logits.argmax(dim=-1)  # greedy ids come with the graph: no extra launch
+            return logits, greedy_ids(logits, offset)  # they come with the graph: no extra launch
 
         dec = self._decode or self._decode_inputs(max(sizes))
         return BatchGraphs(decode_step, sizes, [((), torch.long), ((), torch.long)], self.device,
@@ -153,7 +156,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> torch.Tensor | None:
         """One packed forward over all chunks; float32 logits [N, V] for the chunks that complete
-        (None when none does)."""
+        (columns from the model's `logit_offset`; None when none does)."""
         self.last_greedy_ids = None
         if any(c.seq.inputs is not None for c in chunks):
             if self.extras_graphs is not None and self.extras_graphs.accepts(chunks):
@@ -257,8 +260,8 @@ class ModelRunner:
         return dec
 
     def launch_ahead(self, seqs: list[Sequence], ids: torch.Tensor) -> Ahead:
-        """Queue the decode forward of `seqs` fed `ids` (device, one per sequence) at the position after
-        each one's last token, without waiting for anything (see `lookahead.py`)."""
+        """Queue the decode forward of `seqs` fed token ids `ids` (device, one per sequence) at the
+        position after each one's last token, without waiting for anything (see `lookahead.py`)."""
         positions = [len(s.token_ids) for s in seqs]
         if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             # the replay enters inference mode itself; the packed inputs are normal tensors

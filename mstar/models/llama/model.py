@@ -73,7 +73,8 @@ class DecoderBody(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """A Llama/Qwen2/Qwen3 decoder: `forward` -> hidden [T, H], `compute_logits` -> float32 [N, V]."""
+    """A Llama/Qwen2/Qwen3 decoder: `forward` -> hidden [T, H], `compute_logits` -> float32 [N, V]
+    (or [N, hi - lo] over a span, see `restrict_logits`)."""
 
     accepts_extras = True  # forward takes ForwardExtras (input embeddings, hidden capture)
 
@@ -113,9 +114,10 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def restrict_logits(self, span: tuple[int, int] | None, blocked: tuple[int, int] | None = None) -> None:
-        """From now on `compute_logits` reads only rows [lo, hi) = `span` of the head: the other ids,
-        and the ids [a, b) = `blocked` inside the span, get -inf logits (never sampled). The shape and
-        dtype of the logits stay the same. `span` None: the whole head again."""
+        """From now on `compute_logits` reads only rows [lo, hi) = `span` of the head and returns their
+        logits alone, [N, hi - lo] (`logit_offset` = lo): the other ids are never sampled; the ids
+        [a, b) = `blocked` inside the span get -inf. `span` None: the whole head again. Call it before
+        the engine is built (its graphs capture at the logits' width)."""
         vocab = self.config.vocab_size
         if span is None:
             if blocked is not None:
@@ -132,17 +134,27 @@ class LlamaForCausalLM(nn.Module):
         self.logit_span = (int(lo), int(hi))
         self.blocked_ids = None if blocked is None else (int(blocked[0]), int(blocked[1]))
 
+    @property
+    def logit_offset(self) -> int:
+        """The token id of the logits' column 0 (`CausalLM`): the span's lo, 0 without a span."""
+        return 0 if self.logit_span is None else self.logit_span[0]
+
+    @property
+    def logit_width(self) -> int:
+        """Columns of the logits (`CausalLM`): the span's width, the vocabulary without a span."""
+        return self.config.vocab_size if self.logit_span is None else self.logit_span[1] - self.logit_span[0]
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, vocab] (-inf outside `restrict_logits`' span)."""
+        """hidden [N, H] -> float32 logits [N, logit_width] of ids logit_offset.. (the whole vocabulary,
+        or `restrict_logits`' span with its blocked ids -inf)."""
         if self.logit_span is None:
             return linear(hidden, self.lm_head).float()
         lo, hi = self.logit_span
         # A view taken now always reads the loaded weight; its rows are contiguous, so the skinny GEMV serves it.
-        logits = torch.full((hidden.shape[0], self.config.vocab_size), -math.inf, dtype=torch.float32,
-                            device=hidden.device)
-        logits[:, lo:hi] = linear_weight(hidden, self.lm_head.weight[lo:hi])
+        logits = linear_weight(hidden, self.lm_head.weight[lo:hi]).float()
         if self.blocked_ids is not None:
-            logits[:, self.blocked_ids[0]:self.blocked_ids[1]].fill_(-math.inf)  # a kernel argument: no copy
+            a, b = self.blocked_ids
+            logits[:, a - lo:b - lo].fill_(-math.inf)  # a kernel argument: no host scalar copied
         return logits
 
 
