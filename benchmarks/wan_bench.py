@@ -160,10 +160,12 @@ def summarize(timelines: list[dict], steps: int) -> dict:
     return out
 
 
-def _ours_config(quick: bool, vae_dtype: str, compile_dit: bool = False, vae_chunk_frames: int = 1) -> dict:
+def _ours_config(quick: bool, vae_dtype: str, compile_dit: bool = False, vae_chunk_frames: int = 1,
+                 vae_autotune: bool = False) -> dict:
     kwargs = {"vae_dtype": vae_dtype} if quick else {"dtype": "bfloat16", "vae_dtype": vae_dtype}
     kwargs["compile"] = compile_dit
     kwargs["vae_chunk_frames"] = vae_chunk_frames
+    kwargs["vae_autotune"] = vae_autotune
     return {"model": "wan22", "max_concurrent_requests": 8, "model_kwargs": kwargs, "device": "cpu" if quick else "auto",
             "node_groups": [{"node_names": COMPONENTS, "ranks": [0]}]}
 
@@ -172,7 +174,8 @@ def bench_ours(args, shape: dict, device: torch.device) -> tuple[list[dict], dic
     """Build our deployment, warm it at every concurrency, then time every (steps, concurrency)."""
     rows = []
     t0 = time.perf_counter()
-    with MStar(config=_ours_config(args.quick, args.vae_dtype, args.compile, args.vae_chunk_frames), tiny=args.quick,
+    config = _ours_config(args.quick, args.vae_dtype, args.compile, args.vae_chunk_frames, args.vae_autotune)
+    with MStar(config=config, tiny=args.quick,
                load_format="auto" if args.quick else "dummy") as m:
         info = {"build_s": round(time.perf_counter() - t0, 1)}
         for c in args.concurrency:
@@ -234,6 +237,8 @@ def main() -> None:
     parser.add_argument("--skip-diffusers", action="store_true")
     parser.add_argument("--vae-chunk-frames", type=int, default=1, help="wan22 vae_chunk_frames: latent frames "
                         "the VAE decodes at once (more: faster, more memory)")
+    parser.add_argument("--vae-autotune", action="store_true", help="wan22 vae_autotune: cuDNN times its "
+                        "algorithms per VAE convolution shape (the warm-up pays the search)")
     parser.add_argument("--compile", action="store_true", help="wan22 model_kwargs compile: torch.compile the "
                         "DiT blocks (the warm-up pays the compile; recorded as mstar.warmup_s_c<c>)")
     parser.add_argument("--quick", action="store_true", help="tiny random models and shapes, on CPU")
@@ -254,7 +259,7 @@ def main() -> None:
     result = {"benchmark": "wan_bench", "command": "python3 " + " ".join(sys.argv), **_versions(device),
               "model": "Wan2.2-TI2V-5B shapes, dummy weights" if not args.quick else "wan22 tiny (quick)",
               **shape, "guidance_scale": args.guidance, "vae_dtype": args.vae_dtype, "compile": args.compile,
-              "vae_chunk_frames": args.vae_chunk_frames,
+              "vae_chunk_frames": args.vae_chunk_frames, "vae_autotune": args.vae_autotune,
               "floor": floor,
               "mstar": info, "rows": rows}
     if not args.skip_diffusers:

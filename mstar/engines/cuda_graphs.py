@@ -14,13 +14,16 @@ Contract for a function `fn(*inputs) -> Tensor | tuple[Tensor, ...]` to be captu
 
 `to_device_async` is how host data reaches such steps: a pageable host-to-device copy first waits for
 all the work queued on the stream (the step just launched included); a pinned one does not.
+`cudnn_autotune` lets cuDNN time its convolution algorithms for a block of calls (before a capture, or
+around an eager convolutional component).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 
@@ -42,6 +45,22 @@ def to_host_async(t: torch.Tensor) -> torch.Tensor:
     """A pinned host tensor that a copy of CUDA tensor `t` is queued into; valid once an event recorded
     after this call completes (the caller records and waits on it)."""
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+
+@contextmanager
+def cudnn_autotune(enabled: bool = True) -> Iterator[None]:
+    """cudnn.benchmark on inside the block, as it was after: each new convolution shape is first run
+    with every algorithm cuDNN has and the fastest is kept for that shape (the first call pays the
+    search; no search may happen inside a graph capture). `enabled` False: a no-op."""
+    if not enabled:
+        yield
+        return
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
 
 
 class _Captured:

@@ -193,3 +193,31 @@ def test_serve_option_vae_dtype_builds_the_vae_in_it_and_rejects_others():
     assert {p.dtype for p in built.parameters()} == {torch.bfloat16}
     with pytest.raises(ValueError, match=r"vae_dtype='fp8'; choose one of \['bfloat16', 'float16', 'float32'\]"):
         Wan22Model.make_config(tiny=True, vae_dtype="fp8")
+
+
+def test_serve_option_vae_autotune_times_cudnn_only_around_the_vae():
+    """`vae_autotune`: the VAE's calls run with cudnn.benchmark on (cuDNN times its algorithms per
+    convolution shape), and the process-wide flag is as it was afterwards; off by default."""
+    from mstar.models.wan22.model import Wan22Model
+
+    assert Wan22Model.make_config(tiny=True).vae_autotune is False
+    with pytest.raises(ValueError, match="vae_autotune='yes' must be true or false"):
+        Wan22Model.make_config(tiny=True, vae_autotune="yes")
+    component = Wan22Model(Wan22Model.make_config(tiny=True, vae_autotune=True)).build_component(
+        "vae", torch.device("cpu")).module
+    seen = []
+    decode_chunks = component.vae.decode_chunks
+
+    def recording(*args, **kwargs):
+        seen.append(torch.backends.cudnn.benchmark)
+        yield from decode_chunks(*args, **kwargs)
+
+    component.vae.decode_chunks = recording
+    before = torch.backends.cudnn.benchmark
+    latents = torch.randn(component.vae.config.z_dim, 2, 4, 4)
+    out = component.run_batch("t2v", "decode", [{"latents": latents}], [{}])
+    assert seen == [True] and torch.backends.cudnn.benchmark == before
+    assert out[0]["video"].dtype == torch.uint8
+    component.autotune = False
+    component.run_batch("t2v", "decode", [{"latents": latents}], [{}])
+    assert seen == [True, before]

@@ -228,20 +228,16 @@ class Code2Wav(nn.Module):
         cudnn.benchmark on, so cuDNN times its algorithms and the capture (benchmark off again: no
         search inside a capture) takes the fastest from its plan cache.
         """
-        from mstar.engines.cuda_graphs import BatchGraphs
+        from mstar.engines.cuda_graphs import BatchGraphs, cudnn_autotune
 
         if self.pad_frames < 1:
             raise ValueError("Code2Wav graphs need pad_frames (one chunk width); set it before capturing")
         device, shape = self.code_offset.device, (self.cfg.num_quantizers, self.pad_frames)
         with torch.inference_mode():
             if autotune:
-                before = torch.backends.cudnn.benchmark
-                torch.backends.cudnn.benchmark = True
-                try:
+                with cudnn_autotune():
                     for size in sorted(set(sizes)):
                         self.decode(torch.zeros((size, *shape), dtype=torch.long, device=device))
-                finally:
-                    torch.backends.cudnn.benchmark = before
             self.graphs = BatchGraphs(self.decode, sizes, [(shape, torch.long)], device)
 
     @torch.no_grad()

@@ -43,6 +43,9 @@ class Wan22ServeConfig:
     fps: float = 24.0  # default frame rate of the video output
     max_batch_size: int = 16  # DiT rows (requests x guidance branches) per forward
     vae_chunk_frames: int = 1  # latent frames the VAE decodes at once (memory vs speed)
+    # cuDNN times its algorithms for each VAE convolution shape on first use (the first decode at a size
+    # pays the search; engines.cuda_graphs.cudnn_autotune); off: PyTorch's heuristic picks
+    vae_autotune: bool = False
     seed: int = 0  # of dummy / tiny random weights
     compile: bool = False  # torch.compile the DiT blocks' tensor math (compile.py); first forward compiles
     text_cache_rows: int = 16  # DiT rows whose text K/V are kept across steps (~189 MB each at 5B); 0: off
@@ -52,8 +55,9 @@ class Wan22ServeConfig:
             raise ValueError(f"wan22 dtype={self.dtype!r}; choose one of {sorted(_DTYPES)}")
         if self.vae_dtype not in _DTYPES:
             raise ValueError(f"wan22 vae_dtype={self.vae_dtype!r}; choose one of {sorted(_DTYPES)}")
-        if not isinstance(self.compile, bool):
-            raise ValueError(f"wan22 compile={self.compile!r} must be true or false (YAML booleans, unquoted)")
+        for name in ("compile", "vae_autotune"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"wan22 {name}={getattr(self, name)!r} must be true or false (YAML booleans, unquoted)")
         if self.text_cache_rows < 0:
             raise ValueError(f"wan22 text_cache_rows={self.text_cache_rows} must be >= 0 (0 turns the cache off)")
         if self.max_batch_size < 1 or self.vae_chunk_frames < 1:
@@ -139,7 +143,8 @@ class Wan22Model(Model):
             return BuiltComponent(GuidanceScheduler(self.components.scheduler, self.vae_config, device))
         if name == "vae":
             vae = loaders.vae(self, _DTYPES[self.config.vae_dtype], device)
-            return BuiltComponent(components.VAEComponent(vae, self.config.vae_chunk_frames))
+            return BuiltComponent(components.VAEComponent(vae, self.config.vae_chunk_frames,
+                                                          autotune=self.config.vae_autotune))
         raise KeyError(f"wan22 has no component {name!r}; components are {sorted(self.graph().components)}")
 
     def processor(self):
