@@ -103,18 +103,13 @@ class TritonBackend:
         self.is_decode = meta.query_lens.count(1) == num_seqs
         rows = self._check(meta, pad_to)
         self._stage(meta, num_seqs, rows)
-        width = meta.block_tables.shape[1]
-        self.block_tables[:num_seqs, :width].copy_(meta.block_tables, non_blocking=True)
         if self.is_decode:
             self.slot_mapping[:num_seqs].copy_(meta.slot_mapping, non_blocking=True)
             self.slot_mapping[num_seqs:rows].fill_(-1)
             self._slots = self.slot_mapping[:rows]
         else:
             self._slots = meta.slot_mapping.to(self.device, non_blocking=True)
-        self.num_rows, self._num_seqs = rows, num_seqs
-        self._max_query_len = max(meta.query_lens)
-        self._causal = meta.causal
-        self._window = (meta.sliding_window or 0) if meta.causal else 0
+        self._describe(meta, rows, num_seqs, max(meta.query_lens))
 
     def reserve_graphed_prefill(self, max_tokens: int) -> None:
         """Allocate the slot buffer of graphed prefill steps of up to `max_tokens` tokens (before any
@@ -134,12 +129,17 @@ class TritonBackend:
         self._check(meta, None)
         rows = self.max_num_seqs
         self._stage(meta, num_seqs, rows, q_rows=rows)
-        self.block_tables[:num_seqs, : meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
         slots[:n].copy_(meta.slot_mapping, non_blocking=True)
         slots[n:tokens].fill_(-1)
         self._slots = slots[:tokens]
-        self.num_rows, self._num_seqs = rows, rows
-        self._max_query_len = tokens
+        self._describe(meta, rows, rows, tokens)  # every row: the graph's grids cover the whole bucket
+
+    def _describe(self, meta: AttentionMetadata, rows: int, seqs: int, max_query_len: int) -> None:
+        """The block tables and the batch's shape for the kernels (the end of both `prepare`s)."""
+        self.block_tables[: len(meta.query_lens), : meta.block_tables.shape[1]].copy_(meta.block_tables,
+                                                                                      non_blocking=True)
+        self.num_rows, self._num_seqs = rows, seqs
+        self._max_query_len = max_query_len
         self._causal = meta.causal
         self._window = (meta.sliding_window or 0) if meta.causal else 0
 
