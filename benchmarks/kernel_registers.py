@@ -1,0 +1,94 @@
+"""Registers, spills and load widths of the decode GEMV (mstar/kernels/gemv.py) per launch config, from
+an offline compile for an H100/H200 (sm_90a): no GPU needed, only triton's bundled ptxas.
+
+A GEMV at a few rows is bandwidth-bound; what limits its bandwidth is the bytes each SM keeps in flight,
+i.e. how many threads fit (registers per thread) times the bytes each loads per chunk. This shows the
+register cost of a config before any device time is spent on it. Pointers and the shape arguments are
+compiled as 16-byte aligned, as Triton specialises them at launch for these shapes.
+
+    python3 benchmarks/kernel_registers.py                      # the M = 1 and M = 4 configs below
+    python3 benchmarks/kernel_registers.py --configs 4,8,1024,4,8   # block_m,block_n,block_k,warps,fold_k
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mstar.kernels import gemv  # noqa: E402
+
+# (block_m, block_n, block_k, num_warps, fold_k): the tuned M = 1 qkv config, the M = 4 sweep's best
+# and its folded variants
+DEFAULT = ["1,2,1024,4,1", "4,4,1024,4,1", "4,4,1024,4,8", "4,8,1024,4,8", "4,2,1024,4,1", "4,2,1024,4,8"]
+_ALIGNED = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "ws_ptr", "lock_ptr", "r_ptr", "nw_ptr", "res_out_ptr",
+            "N", "K", "stride_xm", "stride_wn", "stride_rm", "gate_offset")
+
+
+def compile_report(block_m: int, block_n: int, block_k: int, warps: int, fold_k: int, k: int = 3072,
+                   stages: int = 2) -> dict:
+    """Compile the plain GEMV (no bias, norm or gate; one split) for sm_90a and read ptxas' report."""
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
+           "lock_ptr": "*i32", "r_ptr": "*bf16", "nw_ptr": "*bf16", "res_out_ptr": "*bf16", "M": "i32", "N": "i32",
+           "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32", "gate_offset": "i32", "eps": "fp32"}
+    names = list(sig)
+    const = dict(HAS_BIAS=False, GATED=False, NORM=False, HAS_RES=False, SPLIT_K=1, EVEN_K=True,
+                 K_ITERS=k // block_k, K_CHUNKS=k // block_k, BROADCAST_X=block_k >= 8 * 32 * warps,
+                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FOLD_K=fold_k, PDL=True)
+    sig.update({name: "constexpr" for name in const})
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _ALIGNED}
+    src = ASTSource(fn=gemv._gemv_kernel, signature=sig, constexprs=const, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    ptx = kernel.asm["ptx"]
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        Path(path).write_text(ptx)
+        out = subprocess.run([str(ptxas), "--gpu-name", "sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True, check=True)
+    report = out.stdout + out.stderr
+    regs = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    threads = 32 * warps
+    blocks = min(65536 // (regs * threads), 2048 // threads, 32)  # per SM: registers, threads, blocks
+    return {"config": dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps, fold_k=fold_k,
+                           num_stages=stages, k=k),
+            "registers": regs, "spill_bytes": spills, "loads": sorted(set(re.findall(r"ld\.global[.a-z0-9]*", ptx))),
+            "shuffles": ptx.count("shfl.sync"),  # the whole kernel: the final reduction has its own
+            "blocks_per_sm_by_registers": blocks,
+            "weight_bytes_per_sm_per_chunk": blocks * block_n * block_k * 2}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--configs", nargs="+", default=DEFAULT, help="block_m,block_n,block_k,num_warps,fold_k")
+    parser.add_argument("--out", default=None, help="JSON path (default: print only)")
+    args = parser.parse_args()
+    rows = []
+    for spec in args.configs:
+        row = compile_report(*(int(v) for v in spec.split(",")))
+        rows.append(row)
+        c = row["config"]
+        print(f"M<={c['block_m']} N-block {c['block_n']} K-block {c['block_k']} warps {c['num_warps']} "
+              f"fold {c['fold_k']}: {row['registers']} registers, {row['spill_bytes']} B spilled, "
+              f"{row['blocks_per_sm_by_registers']} blocks/SM, {row['weight_bytes_per_sm_per_chunk']} weight B/SM "
+              f"per chunk, loads {row['loads']}", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"command": "python3 " + " ".join(sys.argv), "triton": triton.__version__,
+                                              "target": "sm_90a (offline compile, no GPU)", "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
