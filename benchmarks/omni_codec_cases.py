@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from benchmarks.call_timing import PeakMemory, profile_calls, sync, time_calls
+from mstar.engines.cuda_graphs import cudnn_autotune
 from mstar.models.qwen3_omni.options import CODE_PREDICTOR_DEFAULTS
 
 
@@ -26,17 +27,6 @@ def measure(fn, device: torch.device, calls: int, kernels: bool = False) -> dict
     if kernels:
         out["kernels"] = profile_calls(fn, device, min(max(out["calls"] // 2, 1), 5))
     return out
-
-
-@contextlib.contextmanager
-def cudnn_benchmark(on: bool) -> Iterator[None]:
-    """torch.backends.cudnn.benchmark set to `on` inside the block, restored after."""
-    before = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = on
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.benchmark = before
 
 
 # -- Code2Wav --------------------------------------------------------------------------------------
@@ -146,7 +136,7 @@ def _code2wav_variants(module, device, batches, calls, chunk, context, variants,
             mod = fp32
         mod.pad_frames = chunk + context if padded else 0
         try:
-            with cudnn_benchmark(bench), cudnn_enabled(enabled):
+            with cudnn_autotune(bench), cudnn_enabled(enabled):
                 out[name] = _code2wav_variant(mod, device, batches if all_batches else batches[:1], calls, chunk,
                                               context, fresh, kernels=not bench and not padded)
                 if not padded:
