@@ -153,9 +153,8 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], offset: int = 0) -
     """
     assert logits.shape[0] == len(rows), f"{logits.shape[0]} logits rows for {len(rows)} sampling rows"
     if all(plain_greedy(r) for r in rows):  # the common serving case: one argmax kernel
-        out = SampleOutput(logits.argmax(dim=-1))
-    else:
-        out = _sample_columns(logits, rows, offset)
+        return SampleOutput(greedy_ids(logits, offset))
+    out = _sample_columns(logits, rows, offset)
     if offset:
         out.token_ids = out.token_ids + offset
         out.top_ids = None if out.top_ids is None else out.top_ids + offset

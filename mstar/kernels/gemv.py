@@ -5,9 +5,8 @@ program owns BLOCK_N rows of W and walks its slice of K in BLOCK_K-wide chunks: 
 K, elementwise fp32 multiply-adds into one [BLOCK_N, BLOCK_K] accumulator per row of x, and a single
 reduction over K after the loop, so the loop holds only loads and FMAs (no shuffles, no barriers,
 no layout conversions: checked in the compiled TTGIR for sm_90). At 4 rows those accumulators fill
-the registers; `fold_k` shrinks them by summing each thread's neighbouring products every chunk (a
-sweep candidate, not yet timed on a GPU). No tl.dot: at M <= 4 tensor cores
-buy nothing. BLOCK_K >= 8 * 32 * num_warps (bf16) lets every thread load its x slice once.
+the registers; `fold_k` shrinks them by summing groups of a thread's products every chunk (a sweep
+candidate, not yet timed on a GPU). No tl.dot: at M <= 4 tensor cores buy nothing. BLOCK_K >= 8 * 32 * num_warps (bf16) lets every thread load its x slice once.
 
 Programs must fill the GPU (132 SMs on an H100/H200): BLOCK_N sets how many there are; where N is
 too small, K is split. Split programs write fp32 partials to a workspace cached per shape; the last
@@ -264,15 +263,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block
     checked by the caller (`skinny_gemm`). `split_k` is an upper bound: each split keeps whole
     BLOCK_K chunks. `norm` = (norm weight [K], eps) multiplies by rms_norm(x + residual) instead of x
     (rounded like `fused_ops.rms_norm`), and x + residual is written to `residual_out` [M, K]
-    (contiguous) when a residual is given. Not with `gated`. `fold_k` (1, 2, 4 or 8, dividing block_k)
-    sums that many neighbouring products along K inside each thread every chunk, so the accumulators
-    take fold_k times fewer registers (more rows of x per program at the same register budget).
+    (contiguous) when a residual is given. Not with `gated`. `fold_k` (`SkinnyConfig` checks it) sums
+    groups of that many products along K inside each thread every chunk, so the accumulators take
+    fold_k times fewer registers (more rows of x per program at the same register budget).
     """
     m = x.shape[0]
     n, k = weight.shape
     assert not (gated and norm is not None), "gemv: gated and norm do not combine"
     assert (residual is None) == (residual_out is None), "gemv: residual and residual_out go together"
-    assert fold_k in (1, 2, 4, 8) and block_k % fold_k == 0, f"gemv: fold_k={fold_k} must be 1, 2, 4 or 8 and divide block_k"
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split = triton.cdiv(k, k_per_split)  # rounding k_per_split up can leave fewer splits
     tiles = triton.cdiv(n, block_n)

@@ -47,7 +47,7 @@ class SkinnyConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    fold_k: int = 1  # GEMV only: neighbouring K products summed per thread each chunk (mstar.kernels.gemv)
+    fold_k: int = 1  # GEMV only: groups of K products summed inside each thread every chunk (kernels.gemv)
 
     @property
     def use_dot(self) -> bool:

@@ -38,8 +38,9 @@ def make_attention_backend(name: str, layout: KVLayout, num_pages: int, page_siz
     imports) and "sdpa"; a backend that fails to initialise (unsupported dtype or head size, kernels
     that do not load) is logged and the next one is tried. Triton comes first: it is the backend the
     decode benchmarks measured and the one prefill graphs use; FlashInfer passes its GPU tests
-    (tests/gpu/test_flashinfer_attention_gpu.py) and is chosen with `kv_cache.attention_backend: flashinfer`. `max_num_seqs` and `max_pages_per_seq`
-    (default: the whole pool) size the persistent buffers of the CUDA-graph-capable backends.
+    (tests/gpu/test_flashinfer_attention_gpu.py) and is chosen with `kv_cache.attention_backend:
+    flashinfer`. `max_num_seqs` and `max_pages_per_seq` (default: the whole pool) size the persistent
+    buffers of the CUDA-graph-capable backends.
     """
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown kv_cache.attention_backend {name!r}; available: {list(ATTENTION_BACKENDS)}")
