@@ -119,8 +119,9 @@ omni_bench() {  # omni_bench <config> <json name>
     fi
     echo "$single" | tee "$OUT/$2_single.txt"
     # thinker greedy, 256 tokens (random weights never stop); the talker speaks at most 256 frames (20.5 s)
-    run 400 "$2" python3 -m mstar.cli.main bench --base-url "http://127.0.0.1:$PORT" --workload speech \
-        --model qwen3_omni --concurrency 1,4,8,16,32 --duration 20 --max-tokens 256 --ignore-eos \
+    # (OMNI_LIMIT s in all, OMNI_DURATION s a level; the JSON keeps every level finished if the limit cuts it)
+    run "${OMNI_LIMIT:-400}" "$2" python3 -m mstar.cli.main bench --base-url "http://127.0.0.1:$PORT" --workload speech \
+        --model qwen3_omni --concurrency 1,4,8,16,32 --duration "${OMNI_DURATION:-20}" --max-tokens 256 --ignore-eos \
         --extra-body '{"talker.max_tokens": 256}' --output "$OUT/$2.json"
     curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^mstar_component_(step_seconds|batch_size)_(sum|count)" \
         > "$OUT/$2_metrics.txt"

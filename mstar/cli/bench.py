@@ -18,6 +18,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from collections.abc import Callable
 from typing import Any
 
 from mstar.cli.bench_report import format_table, summarize
@@ -114,15 +115,19 @@ async def _level(config: BenchConfig, concurrency: int) -> dict:
     return summarize(records, wall, concurrency, config.workload, config.sample_rate)
 
 
-def run_bench(config: BenchConfig, command: str | None = None) -> dict:
+def run_bench(config: BenchConfig, command: str | None = None,
+              on_level: Callable[[dict], None] | None = None) -> dict:
     """Run the sweep against a live server and return a JSON-ready report: the command line, the config,
-    and one summary per concurrency level (see `bench_report.summarize` for the fields)."""
-    results = []
+    and one summary per concurrency level (see `bench_report.summarize` for the fields). `on_level` gets
+    the report as it stands after each level (a long sweep cut short keeps the levels it finished)."""
+    report = {"command": command, "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
+              "config": dataclasses.asdict(config) | {"api_key": None}, "results": []}
     for concurrency in config.concurrencies:
         logger.info("bench %s: concurrency %d", config.workload, concurrency)
-        results.append(asyncio.run(_level(config, concurrency)))
-    return {"command": command, "started_at": datetime.now(UTC).isoformat(timespec="seconds"),
-            "config": dataclasses.asdict(config) | {"api_key": None}, "results": results}
+        report["results"].append(asyncio.run(_level(config, concurrency)))
+        if on_level is not None:
+            on_level(report)
+    return report
 
 
 def _concurrencies(text: str) -> tuple[int, ...]:
@@ -177,13 +182,24 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         _add_arguments(parser)
         args = parser.parse_args(args)
     config = config_from_args(args)
-    report = run_bench(config, command=command)
+
+    def level_done(report: dict) -> None:  # progress, and a file that holds every level finished so far
+        row = format_table(report["results"][-1:], config.workload).splitlines()[1]
+        sys.stderr.write(f"level done: {row.strip()}\n")
+        if args.output:
+            _write(args.output, report)
+
+    report = run_bench(config, command=command, on_level=level_done)
     sys.stdout.write(format_table(report["results"], config.workload))
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2)
+        _write(args.output, report)
         logger.info("wrote %s", args.output)
     return 0 if all(r["completed"] for r in report["results"]) else 1
+
+
+def _write(path: str, report: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
 
 
 if __name__ == "__main__":
