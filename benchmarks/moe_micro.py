@@ -1,0 +1,157 @@
+"""GPU time of one sparse MoE block at decode batch sizes, against the bytes it must read (profiles, asserts nothing).
+
+A decode step of an MoE model reads the weights of every expert some token of the batch routed to: at
+batch 1 the thinker of Qwen3-Omni reads 8 of 128 experts a layer, at batch 16 most of them. So the
+floor of a step is (distinct experts x expert bytes) / HBM bandwidth, and this measures how close the
+served path (`SparseMoE.forward`, on CUDA bf16 `experts_grouped`: two `torch._grouped_mm`) comes:
+
+- `us`: GPU microseconds per block inside a CUDA graph of back-to-back calls, each on its own input
+  (so routings differ) and, in turn, its own copy of the block's weights (the copies add up to more
+  than L2, so every call streams from HBM as in a decode step);
+- `experts`: distinct experts the batch routed to (mean over the inputs), `gb_per_s`: those experts'
+  bytes plus the router's over `us`, `pct_copy`: that rate against a plain device copy's;
+- `top`: the block's kernels at batch 1 and 16 under torch.profiler (eager).
+
+    python3 benchmarks/moe_micro.py [--batches 1 4 8 16 32 64] [--out benchmarks/results/moe_micro_h200.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without install
+
+from benchmarks.call_timing import profile_calls  # noqa: E402
+from mstar.layers.moe import MoESpec, SparseMoE  # noqa: E402
+from mstar.models.qwen3_omni.config import FULL_SIZES  # noqa: E402
+
+INPUTS = 8  # different inputs (routings) per graph
+
+
+def specs() -> dict[str, MoESpec]:
+    """The thinker's and the talker's MoE block at full size."""
+    out = {}
+    for name in ("thinker", "talker"):
+        s = FULL_SIZES[name]
+        out[name] = MoESpec(s["hidden_size"], s["num_experts"], s["top_k"], s["moe_intermediate_size"],
+                            shared_intermediate_size=s.get("shared_expert_intermediate_size", 0))
+    return out
+
+
+def build(spec: MoESpec, device: torch.device, seed: int) -> SparseMoE:
+    torch.manual_seed(seed)
+    block = SparseMoE(spec).to(device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.02)
+    return block
+
+
+def expert_bytes(spec: MoESpec) -> int:
+    return 2 * (2 * spec.intermediate_size * spec.hidden_size + spec.hidden_size * spec.intermediate_size)
+
+
+def copy_gbps(device: torch.device) -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize(device)
+    return src.numel() * 5 / (start.elapsed_time(end) / 1e3) / 1e9  # bytes read (as gemv_micro counts)
+
+
+def time_block(blocks: list[SparseMoE], xs: list[torch.Tensor], replays: int = 5) -> float:
+    """Median GPU us per call of a graph calling blocks[i % len] on xs[i % len]."""
+    calls = max(len(blocks), len(xs)) * 2
+    with torch.inference_mode():
+        for b, x in zip(blocks, xs):
+            b(x)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(calls):
+                blocks[i % len(blocks)](xs[i % len(xs)])
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def distinct_experts(block: SparseMoE, xs: list[torch.Tensor]) -> float:
+    with torch.inference_mode():
+        counts = []
+        for x in xs:
+            ids = torch.topk(torch.softmax(block.gate(x).float(), -1), block.spec.top_k, dim=-1).indices
+            counts.append(ids.unique().numel())
+    return sum(counts) / len(counts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
+    parser.add_argument("--copies", type=int, default=3, help="weight copies per block (L2 misses)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("moe_micro needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    peak = copy_gbps(device)
+    rows, tops = [], {}
+    t0 = time.monotonic()
+    for name, spec in specs().items():
+        blocks = [build(spec, device, seed) for seed in range(args.copies)]
+        for batch in args.batches:
+            gen = torch.Generator(device=device).manual_seed(batch)
+            xs = [torch.randn(batch, spec.hidden_size, device=device, dtype=torch.bfloat16, generator=gen)
+                  for _ in range(INPUTS)]
+            us = time_block(blocks, xs)
+            experts = distinct_experts(blocks[0], xs)
+            moved = experts * expert_bytes(spec) + 2 * spec.hidden_size * spec.num_experts
+            if spec.shared_intermediate_size:
+                moved += 2 * 3 * spec.hidden_size * spec.shared_intermediate_size
+            gbps = moved / (us / 1e6) / 1e9
+            row = {"block": name, "batch": batch, "us": round(us, 2), "experts": round(experts, 1),
+                   "mb_read": round(moved / 1e6, 1), "gb_per_s": round(gbps, 1),
+                   "pct_copy": round(100 * gbps / peak, 1)}
+            rows.append(row)
+            print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+            if batch in (1, 16):
+                with torch.inference_mode():
+                    tops[f"{name}_b{batch}"] = profile_calls(lambda b=blocks[0], x=xs[0]: b(x), device, calls=10, top=10)
+        del blocks
+        torch.cuda.empty_cache()
+    report = {"command": "python3 benchmarks/moe_micro.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+              "host": platform.node(), "copy_gbps": round(peak, 1), "rows": rows, "kernels": tops,
+              "seconds": round(time.monotonic() - t0, 1)}
+    for key, prof in tops.items():
+        print(key, prof["kernel_ms"], "ms", [(t["name"][:60], t["ms"], t["count"]) for t in prof["top"][:6]])
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
