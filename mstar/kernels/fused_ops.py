@@ -1,4 +1,5 @@
-"""Fused elementwise Triton kernels for the decoder layers: (residual add +) RMSNorm, rotary, SiLU-and-mul.
+"""Fused elementwise Triton kernels for the decoder layers: (residual add +) RMSNorm, rotary, Qwen3's qk-norm
+with rotary, SiLU-and-mul.
 
 Each replaces a handful of small PyTorch kernels with one, which is what decides decode speed once
 the weights are read at full bandwidth. They round intermediate values to the input dtype at the
@@ -92,6 +93,56 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     _rotary_kernel[(tokens, triton.cdiv(heads, block_h))](
         x, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1),
         HALF=dim // 2, BLOCK_H=block_h, **pdl_args(x.device),
+    )
+    return out
+
+
+@triton.jit
+def _qk_norm_rotary_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, num_q, x_stride_t,
+                           x_stride_h, cs_stride, out_stride_t, out_stride_h, eps, HALF: tl.constexpr,
+                           BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
+    t = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads[:, None] < num_heads
+    d = tl.arange(0, HALF)[None, :]
+    base = x_ptr + t * x_stride_t + heads[:, None] * x_stride_h
+    x1 = tl.load(base + d, mask=hmask, other=0.0)
+    x2 = tl.load(base + HALF + d, mask=hmask, other=0.0)
+    dtype = x1.dtype
+    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+    # RMSNorm over each head's 2 * HALF values (q heads first, with q's weight, then k heads, k's)
+    inv = 1.0 / tl.sqrt((tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)) / (2 * HALF) + eps)
+    is_q = heads[:, None] < num_q
+    w1 = tl.where(is_q, tl.load(qw_ptr + d), tl.load(kw_ptr + d)).to(tl.float32)
+    w2 = tl.where(is_q, tl.load(qw_ptr + HALF + d), tl.load(kw_ptr + HALF + d)).to(tl.float32)
+    # as RMSNorm rounds: the normed value to x's dtype, then times the weight, rounded again
+    n1 = ((a1 * inv[:, None]).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+    n2 = ((a2 * inv[:, None]).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    c = tl.load(cos_ptr + t * cs_stride + d).to(dtype).to(tl.float32)
+    s = tl.load(sin_ptr + t * cs_stride + d).to(dtype).to(tl.float32)
+    o1 = ((n1 * c).to(dtype).to(tl.float32) + (-n2 * s).to(dtype).to(tl.float32)).to(dtype)
+    o2 = ((n2 * c).to(dtype).to(tl.float32) + (n1 * s).to(dtype).to(tl.float32)).to(dtype)
+    obase = out_ptr + t * out_stride_t + heads[:, None] * out_stride_h
+    tl.store(obase + d, o1, mask=hmask)
+    tl.store(obase + HALF + d, o2, mask=hmask)
+
+
+def qk_norm_rotary(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q: int,
+                   cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3's qk-norm and RoPE in one launch: x [T, Hq + Hk, D] holds each token's q heads then its k
+    heads (any strides with a unit last stride, e.g. a view of the qkv rows); each head is RMS-normed
+    over D with `q_weight` (the first `num_q` heads) or `k_weight`, then rotated by cos/sin [T, D]
+    (a row stride of 0 gives every token the same position). Returns a new contiguous [T, Hq + Hk, D]."""
+    tokens, heads, dim = x.shape
+    assert x.stride(2) == 1 and cos.stride(1) == 1 and dim % 2 == 0, "qk_norm_rotary needs unit-stride head dims"
+    assert q_weight.is_contiguous() and k_weight.is_contiguous() and q_weight.numel() == k_weight.numel() == dim
+    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
+    block_h = min(triton.next_power_of_2(heads), 16)
+    _qk_norm_rotary_kernel[(tokens, triton.cdiv(heads, block_h))](
+        x, q_weight, k_weight, cos, sin, out, heads, num_q, x.stride(0), x.stride(1), cos.stride(0), out.stride(0),
+        out.stride(1), eps, HALF=dim // 2, BLOCK_H=block_h, **pdl_args(x.device),
     )
     return out
 

@@ -60,19 +60,23 @@ class SelfAttention(nn.Module):
         x may be a PendingNorm, which the qkv projection consumes."""
         t, d = x.shape[0], self.spec.head_dim
         qkv = linear(x, self.qkv_proj)
-        ops = None if self.spec.qk_norm else FUSED.ops_for(qkv)
-        if ops is not None and qkv.is_contiguous():
+        ops = FUSED.ops_for(qkv)
+        if ops is not None and qkv.is_contiguous() and cos.stride(1) == 1:
             heads = qkv.view(t, -1, d)
-            qk_heads = self.spec.num_heads + self.spec.num_kv_heads
-            if getattr(attn, "fuses_rotary", False) and cos.stride(1) == 1:
+            num_q, num_kv = self.spec.num_heads, self.spec.num_kv_heads
+            # q and k heads sit side by side in each qkv row: one launch norms (Qwen3) and rotates both.
+            if self.spec.qk_norm:
+                qk = ops.qk_norm_rotary(heads[:, :num_q + num_kv], self.q_norm.weight, self.k_norm.weight, num_q,
+                                        cos, sin, self.spec.norm_eps)
+            elif getattr(attn, "fuses_rotary", False):
                 # The backend rotates q and k as its kernel loads them: no rotary launch, no round trip.
-                q, k, v = heads.split([self.spec.num_heads, self.spec.num_kv_heads, self.spec.num_kv_heads], dim=1)
+                q, k, v = heads.split([num_q, num_kv, num_kv], dim=1)
                 out = attn.forward_rotary(self.layer_idx, q, k, v, cos, sin)
                 return linear(out.reshape(t, self.q_size), self.o_proj)
-            # q and k heads sit side by side in each qkv row: one rotary launch rotates both.
-            qk = ops.rotary(heads[:, :qk_heads], cos, sin)
-            q, k = qk.split([self.spec.num_heads, self.spec.num_kv_heads], dim=1)
-            out = attn.forward(self.layer_idx, q, k, heads[:, qk_heads:])
+            else:
+                qk = ops.rotary(heads[:, :num_q + num_kv], cos, sin)
+            q, k = qk.split([num_q, num_kv], dim=1)
+            out = attn.forward(self.layer_idx, q, k, heads[:, num_q + num_kv:])
             return linear(out.reshape(t, self.q_size), self.o_proj)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.spec.num_heads, d)

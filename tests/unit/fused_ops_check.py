@@ -62,11 +62,14 @@ class _Recorder:
         return q
 
 
-def check_attention_rotary(dtype: torch.dtype) -> None:
+def check_attention_rotary(dtype: torch.dtype, qk_norm: bool = False) -> None:
     from mstar.layers.attention import AttentionSpec, SelfAttention
 
-    spec = AttentionSpec(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=16)
+    spec = AttentionSpec(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=qk_norm)
     layer = SelfAttention(spec, 0).to(dtype)
+    if qk_norm:  # norm weights that differ between q and k, so a swapped weight shows
+        torch.nn.init.normal_(layer.q_norm.weight, 1.0, 0.5)
+        torch.nn.init.normal_(layer.k_norm.weight, -1.0, 0.5)
     cos, sin = RotaryEmbedding(RopeSpec(head_dim=16))(torch.tensor([0, 5, 9]))
     x = torch.randn(3, 32).to(dtype)
     fused, ref = _Recorder(), _Recorder()
@@ -77,6 +80,45 @@ def check_attention_rotary(dtype: torch.dtype) -> None:
     torch.testing.assert_close(out, want, atol=1e-5 if dtype == torch.float32 else 2e-3, rtol=2e-3)
 
 
+def check_qk_norm_rotary(dtype: torch.dtype) -> None:
+    """The kernel alone: a strided view of qkv rows, and cos/sin with row stride 0 (one position for all)."""
+    qn, kn = RMSNorm(16, 1e-6).to(dtype), RMSNorm(16, 1e-6).to(dtype)
+    torch.nn.init.normal_(qn.weight, 1.0, 0.5)
+    torch.nn.init.normal_(kn.weight, 0.0, 0.5)
+    cos, sin = RotaryEmbedding(RopeSpec(head_dim=16, theta=10000.0))(torch.tensor([11]))
+    qkv = (3 * torch.randn(5, (3 + 1 + 1) * 16)).to(dtype)
+    heads = qkv.view(5, 5, 16)[:, :4]
+    got = fused_ops.qk_norm_rotary(heads, qn.weight, kn.weight, 3, cos.expand(5, -1), sin.expand(5, -1), 1e-6)
+
+    def ref():
+        q, k = qn(heads[:, :3]), kn(heads[:, 3:])
+        c, s = cos.expand(5, -1), sin.expand(5, -1)
+        return torch.cat([apply_rotary(q, c, s), apply_rotary(k, c, s)], dim=1)
+
+    torch.testing.assert_close(got, reference(ref), atol=1e-5 if dtype == torch.float32 else 2e-3, rtol=2e-3)
+
+
+def check_code_predictor() -> None:
+    """Qwen3-Omni's code predictor through the fused kernels (qk-norm rotary, fused add-norm, GEMV) gives the
+    reference's codes (greedy) and, within rounding, its embedding sums, for a batch of 3 frames."""
+    from mstar.models.qwen3_omni.code_predictor import CodePredictor
+    from mstar.models.qwen3_omni.code_predictor_config import CodePredictorConfig
+    from mstar.models.qwen3_omni.code_predictor_sampling import CodePredictorSampling, build_sampling_tensors
+
+    cfg = CodePredictorConfig.tiny()
+    model = CodePredictor(cfg)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.5)
+    hidden, first = torch.randn(3, cfg.hidden_size), torch.tensor([1, 5, 90])
+    greedy = build_sampling_tensors([CodePredictorSampling(temperature=0.0)] * 3, [None] * 3, cfg.num_residual,
+                                    cfg.vocab_size, torch.device("cpu"))
+    with torch.no_grad():
+        codes, embed_sum = model.predict(hidden, first, greedy)
+        want_codes, want_sum = reference(lambda: model.predict(hidden, first, greedy))
+    assert torch.equal(codes, want_codes), (codes, want_codes)
+    torch.testing.assert_close(embed_sum, want_sum, atol=1e-5, rtol=1e-5)
+
+
 if __name__ == "__main__":
     assert FUSED.ops_for(torch.zeros(1)) is fused_ops, "run with TRITON_INTERPRET=1"
     torch.manual_seed(0)
@@ -85,4 +127,7 @@ if __name__ == "__main__":
         check_rotary(dt)
         check_silu_mul(dt)
         check_attention_rotary(dt)
+        check_attention_rotary(dt, qk_norm=True)
+        check_qk_norm_rotary(dt)
+    check_code_predictor()
     print("fused ops ok")

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.engines.cuda_graphs import to_device_async
+from mstar.layers.fused import FUSED
+from mstar.layers.linear import linear
 from mstar.layers.mlp import GatedMLP
 from mstar.layers.norm import RMSNorm
 from mstar.layers.rope import RopeSpec, RotaryEmbedding, apply_rotary
@@ -44,21 +46,37 @@ class _Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: tuple[torch.Tensor, torch.Tensor], start: int) -> torch.Tensor:
-        """x [B, T, hidden] at positions start..start+T-1 -> [B, T, hidden]."""
-        b, t, d = x.shape[0], x.shape[1], self.cfg.head_dim
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(self.q_norm(q.view(b, t, -1, d)), cos, sin)
-        k = apply_rotary(self.k_norm(k.view(b, t, -1, d)), cos, sin)
-        keys, values = cache
-        keys[:, :, start:start + t] = k.transpose(1, 2)
-        values[:, :, start:start + t] = v.view(b, t, -1, d).transpose(1, 2)
+                cache: tuple[torch.Tensor, torch.Tensor], start: int, b: int) -> torch.Tensor:
+        """x [b * t, hidden], the rows of b sequences at positions start..start+t-1 (sequence-major), with
+        cos/sin [b * t, head_dim] per row -> [b * t, hidden]."""
+        cfg, d = self.cfg, self.cfg.head_dim
+        t, nq, nkv = x.shape[0] // b, cfg.num_heads, cfg.num_kv_heads
         assert t == 1 or start == 0, "a multi-token step must start at position 0 (causal mask alignment)"
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys[:, :, :start + t], values[:, :, :start + t], is_causal=t > 1,
-            enable_gqa=self.cfg.num_heads != self.cfg.num_kv_heads,
-        )
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.q_size))
+        heads = linear(x, self.qkv_proj).view(b * t, nq + 2 * nkv, d)
+        ops = FUSED.ops_for(heads)
+        if ops is not None and cos.stride(1) == 1:  # one launch norms and rotates the q and k heads
+            qk = ops.qk_norm_rotary(heads[:, :nq + nkv], self.q_norm.weight, self.k_norm.weight, nq, cos, sin,
+                                    cfg.rms_norm_eps)
+            q, k = qk.split([nq, nkv], dim=1)
+        else:
+            q = apply_rotary(self.q_norm(heads[:, :nq]), cos, sin)
+            k = apply_rotary(self.k_norm(heads[:, nq:nq + nkv]), cos, sin)
+        v = heads[:, nq + nkv:]
+        keys, values = cache
+        keys[:, :, start:start + t] = k.view(b, t, nkv, d).transpose(1, 2)
+        values[:, :, start:start + t] = v.view(b, t, nkv, d).transpose(1, 2)
+        if t == 1:
+            # One query per sequence sees every cached position: no mask, and the query heads of a kv
+            # head (consecutive, as GQA repeats kv heads) become that head's queries, so SDPA needs no
+            # GQA expansion and takes a fused kernel.
+            out = F.scaled_dot_product_attention(q.reshape(b, nkv, nq // nkv, d), keys[:, :, :start + 1],
+                                                 values[:, :, :start + 1])
+        else:
+            out = F.scaled_dot_product_attention(
+                q.reshape(b, t, nq, d).transpose(1, 2), keys[:, :, :t], values[:, :, :t], is_causal=True,
+                enable_gqa=nq != nkv,
+            ).transpose(1, 2)
+        return linear(out.reshape(b * t, self.q_size), self.o_proj)
 
 
 class _Layer(nn.Module):
@@ -70,9 +88,11 @@ class _Layer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: tuple[torch.Tensor, torch.Tensor], start: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
-        return x + self.mlp(self.post_attention_layernorm(x))
+                cache: tuple[torch.Tensor, torch.Tensor], start: int, b: int) -> torch.Tensor:
+        """x [b * t, hidden] -> [b * t, hidden] (see `_Attention.forward`)."""
+        h = self.self_attn(self.input_layernorm(x), cos, sin, cache, start, b)
+        normed, x = self.post_attention_layernorm.add_forward(h, x)  # x + h and its norm in one launch
+        return x + self.mlp(normed)
 
 
 class CodePredictor(nn.Module):
@@ -156,18 +176,22 @@ class CodePredictor(nn.Module):
             for _ in self.layers
         ]
         embed = self.talker_codec_embedding(first_code)
-        x = torch.stack([talker_hidden.to(dtype), embed], dim=1)
+        x = torch.stack([talker_hidden.to(dtype), embed], dim=1).view(2 * b, -1)  # rows: (sequence, position)
         embed_sum, codes, start = embed, [first_code], 0
         for step in range(cfg.num_residual):
-            t = x.shape[1]
+            t = x.shape[0] // b
+            # per row: its position's cos/sin (a stride-0 view when every row sits at one position)
+            rows_cos = cos[start:start + t].repeat(b, 1) if t > 1 else cos[start:start + 1].expand(b, -1)
+            rows_sin = sin[start:start + t].repeat(b, 1) if t > 1 else sin[start:start + 1].expand(b, -1)
             for layer, layer_cache in zip(self.layers, cache):
-                x = layer(x, cos[start:start + t], sin[start:start + t], layer_cache, start)
-            logits = self.lm_head[step](self.norm(x[:, -1])).float()
+                x = layer(x, rows_cos, rows_sin, layer_cache, start, b)
+            last = x if t == 1 else x.view(b, t, -1)[:, -1]
+            logits = linear(self.norm(last), self.lm_head[step]).float()
             code = sample_step(logits, sampling, step)
             codes.append(code)
             start += t
-            x = self.codec_embedding[step](code)[:, None]
-            embed_sum = embed_sum + x[:, 0]
+            x = self.codec_embedding[step](code)
+            embed_sum = embed_sum + x
         return torch.stack(codes, dim=1), embed_sum
 
     @torch.no_grad()
