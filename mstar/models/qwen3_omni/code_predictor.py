@@ -87,12 +87,18 @@ class _Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: tuple[torch.Tensor, torch.Tensor], start: int, b: int) -> torch.Tensor:
-        """x [b * t, hidden] -> [b * t, hidden] (see `_Attention.forward`)."""
-        h = self.self_attn(self.input_layernorm(x), cos, sin, cache, start, b)
-        normed, x = self.post_attention_layernorm.add_forward(h, x)  # x + h and its norm in one launch
-        return x + self.mlp(normed)
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                cache: tuple[torch.Tensor, torch.Tensor], start: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is residual + h ([b * t, hidden]; residual None: h alone); returns the
+        layer's (mlp output, residual stream before it), so each residual add runs fused with the norm
+        that follows it (see `_Attention.forward` for the rows)."""
+        if residual is None:
+            normed, residual = self.input_layernorm(h), h
+        else:
+            normed, residual = self.input_layernorm.add_forward(h, residual)
+        attn = self.self_attn(normed, cos, sin, cache, start, b)
+        normed, residual = self.post_attention_layernorm.add_forward(attn, residual)
+        return self.mlp(normed), residual
 
 
 class CodePredictor(nn.Module):
@@ -183,10 +189,12 @@ class CodePredictor(nn.Module):
             # per row: its position's cos/sin (a stride-0 view when every row sits at one position)
             rows_cos = cos[start:start + t].repeat(b, 1) if t > 1 else cos[start:start + 1].expand(b, -1)
             rows_sin = sin[start:start + t].repeat(b, 1) if t > 1 else sin[start:start + 1].expand(b, -1)
+            h, residual = x, None
             for layer, layer_cache in zip(self.layers, cache):
-                x = layer(x, rows_cos, rows_sin, layer_cache, start, b)
-            last = x if t == 1 else x.view(b, t, -1)[:, -1]
-            logits = linear(self.norm(last), self.lm_head[step]).float()
+                h, residual = layer(h, residual, rows_cos, rows_sin, layer_cache, start, b)
+            if t > 1:  # only each sequence's last row feeds the head
+                h, residual = h.view(b, t, -1)[:, -1].contiguous(), residual.view(b, t, -1)[:, -1].contiguous()
+            logits = linear(self.norm.add_forward(h, residual)[0], self.lm_head[step]).float()
             code = sample_step(logits, sampling, step)
             codes.append(code)
             start += t

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from mstar.engines.extras import FINAL, ForwardExtras
 from mstar.layers.attention import AttentionSpec, SelfAttention
 from mstar.layers.mlp import GatedMLP
 from mstar.layers.moe import SparseMoE
@@ -30,9 +32,37 @@ class MoEDecoderLayer(nn.Module):
         self.mlp: nn.Module = (SparseMoE(config.moe_spec()) if sparse
                                else GatedMLP(config.hidden_size, config.intermediate_size))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                attn: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is residual + h [T, H] (residual None: h alone); returns (block output,
+        residual stream before it), so the caller's add runs fused into the next norm (`run_layers`)."""
+        if residual is None:
+            normed, residual = self.input_layernorm(h), h
+        else:
+            normed, residual = self.input_layernorm.add_forward(h, residual)
+        attn_out = self.self_attn(normed, cos, sin, attn)
+        normed, residual = self.post_attention_layernorm.add_forward(attn_out, residual)
+        return self.mlp(normed), residual
+
+
+def run_layers(layers: nn.ModuleList, norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               attn: Any, extras: ForwardExtras, after_layer: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+               touched: frozenset[int] = frozenset()) -> torch.Tensor:
+    """The decoder stack on embeddings x [T, H] -> the final normed states, keeping what `extras` asks for.
+
+    A layer's full output (h + residual) is formed only where it is kept (`extras.capture`, numbered
+    from 1) or changed (`after_layer(i, x)` for the layers i in `touched`, e.g. the thinker's
+    deepstack additions); elsewhere each residual add runs inside the next norm's kernel."""
+    h, residual = x, None
+    for i, layer in enumerate(layers):
+        h, residual = layer(h, residual, cos, sin, attn)
+        if i + 1 in extras.capture or i in touched:
+            out = h + residual
+            extras.keep(i + 1, out)
+            h, residual = (after_layer(i, out) if after_layer is not None and i in touched else out), None
+    out = norm(h) if residual is None else norm.add_forward(h, residual)[0]
+    extras.keep(FINAL, out)
+    return out
 
 
 def build_on_meta(factory: Any, dtype: torch.dtype, device: str | torch.device) -> nn.Module:

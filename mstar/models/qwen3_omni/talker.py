@@ -23,7 +23,7 @@ from mstar.engines.extras import FINAL, ForwardExtras
 from mstar.layers.moe import MoEGraphCapture
 from mstar.layers.norm import RMSNorm
 from mstar.models.qwen3_omni.config import TalkerConfig
-from mstar.models.qwen3_omni.decoder import MoEDecoderLayer, build_on_meta
+from mstar.models.qwen3_omni.decoder import MoEDecoderLayer, build_on_meta, run_layers
 from mstar.models.qwen3_omni.mrope import MRotaryEmbedding
 
 
@@ -77,12 +77,8 @@ class Qwen3OmniTalker(MoEGraphCapture, nn.Module):
         extras = extras or ForwardExtras()
         x = extras.embed(self.model.codec_embedding, input_ids)
         extras.keep(0, x)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, attn)
-            extras.keep(i + 1, x)
-        x = self.model.norm(x)
-        extras.keep(FINAL, x)  # the code predictor's first input is this state of the last token
-        return x
+        # FINAL, the last token's state, is the code predictor's first input
+        return run_layers(self.model.layers, self.model.norm, x, cos, sin, attn, extras)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 codec logits [N, vocab]."""

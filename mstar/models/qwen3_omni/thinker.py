@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from mstar.engines.base import KVLayout
-from mstar.engines.extras import FINAL, ForwardExtras
+from mstar.engines.extras import ForwardExtras
 from mstar.layers.moe import MoEGraphCapture
 from mstar.layers.norm import RMSNorm
 from mstar.models.qwen3_omni.config import ThinkerConfig
-from mstar.models.qwen3_omni.decoder import MoEDecoderLayer, build_on_meta
+from mstar.models.qwen3_omni.decoder import MoEDecoderLayer, build_on_meta, run_layers
 from mstar.models.qwen3_omni.mrope import MRotaryEmbedding
 
 DEEPSTACK = "deepstack_embeds"  # item input: deepstack visual features, [m, num_deepstack, H]
@@ -70,15 +70,16 @@ class Qwen3OmniThinker(MoEGraphCapture, nn.Module):
         x = extras.embed(self.model.embed_tokens, input_ids)
         extras.keep(0, x)
         deepstack = extras.features.get(DEEPSTACK)
-        for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, attn)
-            extras.keep(i + 1, x)  # before the deepstack addition, as the reference's hidden_states
-            if deepstack is not None and i < deepstack.shape[1]:
-                assert extras.embeds_rows is not None
-                x = x.index_add(0, extras.embeds_rows, deepstack[:, i].to(x.dtype))
-        x = self.model.norm(x)
-        extras.keep(FINAL, x)
-        return x
+        if deepstack is None:
+            return run_layers(self.model.layers, self.model.norm, x, cos, sin, attn, extras)
+
+        def add_deepstack(i: int, out: torch.Tensor) -> torch.Tensor:
+            # after the layer's kept output, as the reference's hidden_states
+            assert extras.embeds_rows is not None
+            return out.index_add(0, extras.embeds_rows, deepstack[:, i].to(out.dtype))
+
+        return run_layers(self.model.layers, self.model.norm, x, cos, sin, attn, extras, add_deepstack,
+                          frozenset(range(deepstack.shape[1])))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, vocab]."""
