@@ -16,6 +16,9 @@ from typing import Any
 import torch
 
 from mstar.engines.cuda_graphs import to_device_async
+from mstar.layers.fused import FUSED
+
+MAX_VOCAB = 4096  # the fused sampler's limit (kernels/small_vocab_sampling.MAX_VOCAB; that module needs triton)
 
 PREFIX = "code_predictor."
 
@@ -113,10 +116,14 @@ def _mix(seed: int, frame: int) -> int:
 def sample_step(logits: torch.Tensor, st: SamplingTensors, step: int) -> torch.Tensor:
     """One code per row of float32 `logits` [B, V]: greedy rows argmax, the others temperature, top-k,
     top-p, then the exponential race with the pre-drawn noise. Static shapes, no host syncs."""
-    greedy = logits.argmax(dim=-1)
     if st.noise is None:
-        return greedy
+        return logits.argmax(dim=-1)
     vocab = logits.shape[-1]
+    if FUSED.ops_for(logits) is not None and vocab <= MAX_VOCAB:  # one launch instead of ~15 (CUDA)
+        from mstar.kernels.small_vocab_sampling import sample_rows
+
+        return sample_rows(logits.float(), st.temperature, st.top_k, st.top_p, st.noise[:, step])
+    greedy = logits.argmax(dim=-1)
     x = logits.float() / torch.where(st.temperature > 0, st.temperature, 1.0)[:, None]
     sorted_x, order = x.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=x.device)[None, :]

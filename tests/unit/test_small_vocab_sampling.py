@@ -1,0 +1,17 @@
+"""The fused small-vocabulary sampler equals the code predictor's PyTorch sampler (Triton interpreter on CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.interpreted import run_interpreted
+
+pytest.importorskip("triton")
+
+
+def test_small_vocab_sampler_matches_pytorch():
+    proc = run_interpreted(Path(__file__).with_name("small_vocab_sampling_check.py"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "small vocab sampling ok" in proc.stdout
