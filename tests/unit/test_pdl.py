@@ -110,7 +110,7 @@ PDL_KERNELS = {
     "gemv.py": ("_gemv_kernel",),
     "skinny_gemm.py": ("_skinny_kernel", "_splitk_reduce_kernel"),
     "decode_attention.py": ("_decode_kernel", "_reduce_kernel"),
-    "fused_ops.py": ("_rms_norm_kernel", "_rotary_kernel", "_silu_mul_kernel"),
+    "fused_ops.py": ("_rms_norm_kernel", "_rotary_kernel", "_qk_norm_rotary_kernel", "_silu_mul_kernel"),
     "kv_store.py": ("_store_kv_kernel",),
     "prefill_attention.py": ("_prefill_kernel",),
 }
