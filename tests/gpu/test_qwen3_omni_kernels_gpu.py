@@ -1,0 +1,85 @@
+"""The Triton kernels the Qwen3-Omni decoders use on a GPU at full-size shapes: the MoE route, qk-norm with
+RoPE, the code predictor's sampler; and the code predictor, fused, replaying its CUDA graph."""
+
+from __future__ import annotations
+
+import torch
+
+from mstar.kernels.fused_ops import qk_norm_rotary
+from mstar.kernels.moe_route import route_topk
+from mstar.kernels.small_vocab_sampling import sample_rows
+from mstar.layers.fused import FUSED
+from mstar.layers.moe import route
+from mstar.layers.norm import RMSNorm
+from mstar.layers.rope import RopeSpec, RotaryEmbedding, apply_rotary
+from mstar.models.qwen3_omni.code_predictor_sampling import SamplingTensors, sample_step
+
+
+def test_route_kernel_equals_route_at_thinker_and_talker_shapes():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for tokens, experts, k in ((1, 128, 8), (16, 128, 8), (64, 128, 6)):
+        # float32: bf16 router logits tie often, and topk's order among ties is its own
+        logits = torch.randn(tokens, experts, device="cuda", generator=gen) * 2
+        weights, ids = route_topk(logits, k, True)
+        want_w, want_ids = route(logits, k, True)
+        assert torch.equal(ids, want_ids)
+        torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
+
+
+def test_qk_norm_rotary_equals_the_layers_in_bf16():
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    qn, kn = RMSNorm(128).cuda().bfloat16(), RMSNorm(128).cuda().bfloat16()
+    torch.nn.init.normal_(qn.weight, 1.0, 0.3)
+    torch.nn.init.normal_(kn.weight, 1.0, 0.3)
+    cos, sin = RotaryEmbedding(RopeSpec(head_dim=128, theta=1e6)).cuda()(torch.arange(5, 13, device="cuda"))
+    qkv = torch.randn(8, (32 + 4 + 4) * 128, device="cuda", generator=gen).bfloat16()
+    heads = qkv.view(8, 40, 128)[:, :36]
+    got = qk_norm_rotary(heads, qn.weight, kn.weight, 32, cos, sin, 1e-6)
+    FUSED.enabled = False
+    try:
+        want = torch.cat([apply_rotary(qn(heads[:, :32]), cos, sin), apply_rotary(kn(heads[:, 32:]), cos, sin)], 1)
+    finally:
+        FUSED.enabled = True
+    exact = (got == want).float().mean().item()
+    assert exact > 0.98, exact  # the norm's sum may round differently in its last bit
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_small_vocab_sampler_equals_the_pytorch_sampler():
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    b, vocab = 8, 2048
+    table = torch.tensor([[0.0, vocab, 2.0], [1.0, 1, 2.0], [1.0, 50, 0.8], [0.9, vocab, 0.8]] * 2, device="cuda")
+    st = SamplingTensors(table[:, 0], table[:, 1].long(), table[:, 2],
+                         torch.empty(b, 2, vocab, device="cuda").exponential_(generator=gen))
+    for step in range(2):
+        logits = torch.randn(b, vocab, device="cuda", generator=gen) * 3
+        got = sample_rows(logits, st.temperature, st.top_k, st.top_p, st.noise[:, step])
+        FUSED.enabled = False
+        try:
+            want = sample_step(logits, st, step)
+        finally:
+            FUSED.enabled = True
+        assert torch.equal(got, want)
+
+
+def test_code_predictor_graphs_replay_the_fused_predict():
+    from mstar.models.qwen3_omni.code_predictor import CodePredictor
+    from mstar.models.qwen3_omni.code_predictor_config import CodePredictorConfig
+    from mstar.models.qwen3_omni.code_predictor_sampling import CodePredictorSampling, build_sampling_tensors
+
+    torch.manual_seed(3)
+    cfg = CodePredictorConfig.full()
+    model = CodePredictor(cfg).cuda().bfloat16().eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.02)
+    model.capture_graphs([1, 4])
+    hidden = torch.randn(3, cfg.hidden_size, device="cuda").bfloat16()
+    first = torch.tensor([5, 70, 900], device="cuda")
+    params = [CodePredictorSampling(seed=7)] * 3
+    with torch.inference_mode():
+        st = build_sampling_tensors(params, [0, 1, 2], cfg.num_residual, cfg.vocab_size, hidden.device)
+        eager = model.predict(hidden, first, st)
+        replayed = model._predict(hidden, first, st)
+    assert torch.equal(eager[0], replayed[0])
+    torch.testing.assert_close(eager[1], replayed[1])
+    assert eager[0].shape == (3, cfg.num_code_groups) and bool((eager[0][:, 1:] < cfg.vocab_size).all())
