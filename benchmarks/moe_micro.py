@@ -2,8 +2,10 @@
 
 A decode step of an MoE model reads the weights of every expert some token of the batch routed to: at
 batch 1 the thinker of Qwen3-Omni reads 8 of 128 experts a layer, at batch 16 most of them. So the
-floor of a step is (distinct experts x expert bytes) / HBM bandwidth, and this measures how close the
-served path (`SparseMoE.forward`, on CUDA bf16 `experts_grouped`: two `torch._grouped_mm`) comes:
+floor of a step is (distinct experts x expert bytes) / HBM bandwidth, and this measures how close each
+path of `SparseMoE.forward` (`--paths`, set through `force_path`: "small", the two Triton GEMV launches
+of `mstar/kernels/moe_small.py` that serve up to `SMALL_MAX_SLOTS` slots; "grouped", `experts_grouped`'s
+two `torch._grouped_mm`) comes, one row per block, path and batch:
 
 - `us`: GPU microseconds per block inside a CUDA graph of back-to-back calls, each on its own input
   (so routings differ) and, in turn, its own copy of the block's weights (the copies add up to more
@@ -12,7 +14,8 @@ served path (`SparseMoE.forward`, on CUDA bf16 `experts_grouped`: two `torch._gr
   bytes plus the router's over `us`, `pct_copy`: that rate against a plain device copy's;
 - `top`: the block's kernels at batch 1 and 16 under torch.profiler (eager).
 
-    python3 benchmarks/moe_micro.py [--batches 1 4 8 16 32 64] [--out benchmarks/results/moe_micro_h200.json]
+    python3 benchmarks/moe_micro.py [--batches 1 4 8 16 32 64] [--paths small grouped]
+        [--out benchmarks/results/moe_micro_h200.json]
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from mstar.layers.moe import MoESpec, SparseMoE  # noqa: E402
 from mstar.models.qwen3_omni.config import FULL_SIZES  # noqa: E402
 
 INPUTS = 8  # different inputs (routings) per graph
+CAPTURABLE = ["small", "grouped"]  # the paths a CUDA graph can hold (the loop syncs the host)
 
 
 def specs() -> dict[str, MoESpec]:
@@ -110,6 +114,8 @@ def distinct_experts(block: SparseMoE, xs: list[torch.Tensor]) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
+    parser.add_argument("--paths", nargs="+", default=["small", "grouped"], choices=CAPTURABLE,
+                        help="SparseMoE.force_path values to time, each its own row")
     parser.add_argument("--copies", type=int, default=3, help="weight copies per block (L2 misses)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -126,20 +132,24 @@ def main(argv: list[str] | None = None) -> int:
             gen = torch.Generator(device=device).manual_seed(batch)
             xs = [torch.randn(batch, spec.hidden_size, device=device, dtype=torch.bfloat16, generator=gen)
                   for _ in range(INPUTS)]
-            us = time_block(blocks, xs)
             experts = distinct_experts(blocks[0], xs)
             moved = experts * expert_bytes(spec) + 2 * spec.hidden_size * spec.num_experts
             if spec.shared_intermediate_size:
                 moved += 2 * 3 * spec.hidden_size * spec.shared_intermediate_size
-            gbps = moved / (us / 1e6) / 1e9
-            row = {"block": name, "batch": batch, "us": round(us, 2), "experts": round(experts, 1),
-                   "mb_read": round(moved / 1e6, 1), "gb_per_s": round(gbps, 1),
-                   "pct_copy": round(100 * gbps / peak, 1)}
-            rows.append(row)
-            print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-            if batch in (1, 16):
-                with torch.inference_mode():
-                    tops[f"{name}_b{batch}"] = profile_calls(lambda b=blocks[0], x=xs[0]: b(x), device, calls=10, top=10)
+            for path in args.paths:
+                for b in blocks:
+                    b.force_path = path
+                us = time_block(blocks, xs)
+                gbps = moved / (us / 1e6) / 1e9
+                row = {"block": name, "path": path, "batch": batch, "us": round(us, 2), "experts": round(experts, 1),
+                       "mb_read": round(moved / 1e6, 1), "gb_per_s": round(gbps, 1),
+                       "pct_copy": round(100 * gbps / peak, 1)}
+                rows.append(row)
+                print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+                if batch in (1, 16):
+                    with torch.inference_mode():
+                        tops[f"{name}_{path}_b{batch}"] = profile_calls(lambda b=blocks[0], x=xs[0]: b(x), device,
+                                                                        calls=10, top=10)
         del blocks
         torch.cuda.empty_cache()
     report = {"command": "python3 benchmarks/moe_micro.py " + " ".join(argv if argv is not None else sys.argv[1:]),

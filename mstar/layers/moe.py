@@ -5,6 +5,11 @@ is the routing-weighted sum of those experts' gated SiLU MLPs, plus (talker) a s
 by a sigmoid gate. Expert weights are stored stacked (`experts.gate_up_proj` [E, 2I, H],
 `experts.down_proj` [E, H, I]) so a checkpoint loads with one copy per tensor and the GPU path can
 run all experts as two grouped matmuls.
+
+Three paths compute the experts: "small" (`kernels/moe_small.py`, two GEMV-like Triton launches that
+read each slot's expert through the ids; decode batches), "grouped" (tokens sorted by expert, two
+`torch._grouped_mm`; CUDA bf16) and "loop" (one gated MLP per routed expert; the reference, syncs
+the host). `pick_path` chooses; `SparseMoE.force_path` overrides.
 """
 
 from __future__ import annotations
@@ -16,9 +21,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.layers.fused import FUSED
 from mstar.layers.mlp import GatedMLP
 
 logger = logging.getLogger(__name__)
+
+PATHS = ("small", "grouped", "loop")
+# The small path serves at most this many (token, expert) slots. It reads an expert once per slot routed
+# to it, the grouped path once per batch: with many slots, many share experts and the grouped path's
+# fixed cost (sort, ~20 kernels) is paid back. Slots that share an expert run at the same time and
+# mostly hit L2, so the crossover comes late: on an H200 (benchmarks/moe_micro.py, random routing) the
+# thinker block (top-8 of 128) took 377 us small vs 494 grouped at 32 tokens (256 slots) and 698 vs
+# 522 at 64; the talker (top-6) 141 vs 220 at 32 tokens and 221 vs 246 at 64.
+SMALL_MAX_SLOTS = 256
+SMALL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what kernels/moe_small.py computes in
 
 
 @dataclass(frozen=True)
@@ -105,9 +121,48 @@ def grouped_mm_usable(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
 
+class _SmallPath:
+    """`kernels/moe_small.experts_small` where the fused kernels serve x (`FUSED.ops_for`: CUDA, or CPU
+    under TRITON_INTERPRET=1; not with MSTAR_FUSED_KERNELS=0). If it ever fails to build or launch, the
+    other paths serve from then on (logged once) rather than a step failing."""
+
+    def __init__(self) -> None:
+        self.usable = True
+
+    def serves(self, x: torch.Tensor) -> bool:
+        """Whether the small path may serve `x` (any number of slots)."""
+        return self.usable and x.dtype in SMALL_DTYPES and FUSED.ops_for(x) is not None
+
+    def run(self, x: torch.Tensor, experts: StackedExperts, ids: torch.Tensor,
+            weights: torch.Tensor) -> torch.Tensor | None:
+        """The experts' output [T, H], or None once the kernel has failed (the caller takes another path)."""
+        try:
+            from mstar.kernels.moe_small import experts_small
+
+            return experts_small(x, experts.gate_up_proj, experts.down_proj, ids, weights)
+        except Exception:  # a Triton that cannot build it: the other paths compute the same
+            if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise  # a capture cannot fall back mid-graph; its warm-up ran the kernel first
+            logger.exception("small-batch MoE kernel failed; MoE layers use the grouped or loop path from now on")
+            self.usable = False
+            return None
+
+
+_SMALL = _SmallPath()
+
+
+def pick_path(x: torch.Tensor, top_k: int) -> str:
+    """The path `SparseMoE.forward` takes for x [T, H] unless forced: "small" for at most SMALL_MAX_SLOTS
+    slots where its kernel serves x, else "grouped" on CUDA bfloat16, else "loop"."""
+    if x.shape[0] * top_k <= SMALL_MAX_SLOTS and _SMALL.serves(x):
+        return "small"
+    return "grouped" if grouped_mm_usable(x) else "loop"
+
+
 def moe_graph_capturable(model: nn.Module) -> bool:
-    """Whether every SparseMoE inside `model` takes the grouped (capturable) path for its own weights'
-    dtype and device; the per-expert loop syncs the host, so a CUDA-graph capture of it would fail."""
+    """Whether every SparseMoE inside `model` takes capturable paths at every batch size for its own
+    weights' dtype and device: "small" and "grouped" are, the per-expert loop syncs the host. Unforced,
+    the grouped path must serve (the small path serves only small batches, or may have failed)."""
     for moe in (m for m in model.modules() if isinstance(m, SparseMoE)):
         w = moe.experts.gate_up_proj
         forced = moe.force_path
@@ -121,7 +176,7 @@ class MoEGraphCapture:
     `moe_graph_capturable` of the model itself."""
 
     def supports_cuda_graphs(self) -> bool:
-        """Decode is capturable only where every MoE layer takes the grouped path (CUDA bf16)."""
+        """Decode is capturable only where every MoE layer takes capturable paths (CUDA bf16)."""
         assert isinstance(self, nn.Module)
         return moe_graph_capturable(self)
 
@@ -129,8 +184,9 @@ class MoEGraphCapture:
 class SparseMoE(nn.Module):
     """x [T, H] -> [T, H]; `gate` is the router (HF name), `experts` the stacked expert weights.
 
-    On CUDA bfloat16 it uses the grouped path (graph-capturable), otherwise the per-expert loop;
-    `force_path` ("loop" | "grouped") overrides the choice, for tests and benchmarks.
+    `pick_path` chooses how the experts run (small batches: the small kernels; CUDA bfloat16: the
+    grouped path; otherwise the per-expert loop); `force_path` ("small" | "grouped" | "loop")
+    overrides the choice, for tests and benchmarks (a forced "small" never falls back).
     """
 
     def __init__(self, spec: MoESpec) -> None:
@@ -145,13 +201,25 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.spec.top_k, self.spec.norm_topk_prob)
-        path = self.force_path or ("grouped" if grouped_mm_usable(x) else "loop")
-        if path == "grouped":
-            out = experts_grouped(x, self.experts, ids, weights)
-        elif path == "loop":
-            out = experts_loop(x, self.experts, ids, weights)
-        else:
-            raise ValueError(f"unknown MoE path {path!r}; use 'loop' or 'grouped'")
+        out = self.run_experts(x, ids, weights)
         if self.spec.shared_intermediate_size:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+    def run_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum [T, H] on the forced or picked path."""
+        path = self.force_path or pick_path(x, self.spec.top_k)
+        if path not in PATHS:
+            raise ValueError(f"unknown MoE path {path!r}; use one of {PATHS} (or None: picked per batch)")
+        if path == "small":
+            if self.force_path == "small":
+                from mstar.kernels.moe_small import experts_small
+
+                return experts_small(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights)
+            out = _SMALL.run(x, self.experts, ids, weights)
+            if out is not None:
+                return out
+            path = "grouped" if grouped_mm_usable(x) else "loop"
+        if path == "grouped":
+            return experts_grouped(x, self.experts, ids, weights)
+        return experts_loop(x, self.experts, ids, weights)

@@ -1,10 +1,11 @@
-"""The grouped (sorted, torch._grouped_mm) MoE path on CUDA bfloat16 vs the per-expert loop, and its
-CUDA-graph capture. Run on the GPU machine: pytest -m gpu tests/gpu/test_moe_grouped.py"""
+"""The grouped (sorted, torch._grouped_mm) and small (kernels/moe_small.py) MoE paths on CUDA bfloat16 vs
+the per-expert loop, and their CUDA-graph capture. Run on the GPU machine:
+pytest -m gpu tests/gpu/test_moe_grouped.py"""
 
 import pytest
 import torch
 
-from mstar.layers.moe import MoESpec, SparseMoE, grouped_mm_usable
+from mstar.layers.moe import MoESpec, SparseMoE, grouped_mm_usable, pick_path
 
 pytestmark = pytest.mark.gpu
 
@@ -31,7 +32,7 @@ def test_grouped_path_matches_loop_on_cuda(shared, tokens):
     with torch.no_grad():
         moe.force_path = "loop"
         want = moe(x).float()
-        moe.force_path = None  # the default on CUDA bf16 is the grouped path
+        moe.force_path = "grouped"  # unforced, few tokens take the small path
         got = moe(x).float()
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
@@ -40,6 +41,7 @@ def test_grouped_path_is_cuda_graph_capturable():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     moe = _moe(0)
+    moe.force_path = "grouped"  # unforced, 16 tokens take the small path
     x = torch.randn(16, 2048, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         moe(x)  # warm up outside the graph
@@ -51,3 +53,55 @@ def test_grouped_path_is_cuda_graph_capturable():
         torch.cuda.synchronize()
         moe.force_path = "loop"
         torch.testing.assert_close(out.float(), moe(x).float(), atol=2e-2, rtol=2e-2)
+
+
+# Qwen3-Omni's MoE blocks at full size: thinker (top-8 of 128, expert intermediate 768), talker (top-6
+# of 128, 384, shared expert 768)
+FULL = {"thinker": MoESpec(2048, 128, 8, 768), "talker": MoESpec(1024, 128, 6, 384, True, 768)}
+
+
+def _full(name: str) -> SparseMoE:
+    torch.manual_seed(0)
+    moe = SparseMoE(FULL[name]).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.02)
+    return moe
+
+
+@pytest.mark.parametrize("name", ["thinker", "talker"])
+@pytest.mark.parametrize("tokens", [1, 2, 4, 8, 32])  # 32: 256 thinker slots, SMALL_MAX_SLOTS
+def test_small_path_matches_loop_at_full_size(name, tokens):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    moe = _full(name)
+    x = torch.randn(tokens, moe.spec.hidden_size, device="cuda", dtype=torch.bfloat16)
+    assert pick_path(x, moe.spec.top_k) == "small"
+    with torch.no_grad():
+        got = moe(x)
+        moe.force_path = "small"
+        assert torch.equal(got, moe(x))  # the unforced pick ran the small kernels
+        moe.force_path = "loop"
+        want = moe(x)
+    # outputs are ~0.1: a few bf16 steps of the loop's per-expert rounding
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("name", ["thinker", "talker"])
+def test_small_path_is_cuda_graph_capturable(name):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    moe = _full(name)
+    moe.force_path = "small"
+    x = torch.randn(4, moe.spec.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        moe(x)  # warm up (Triton compiles) outside the graph
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe(x)
+        x.copy_(torch.randn_like(x))  # a new routing, replayed
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, moe(x))
+        moe.force_path = "loop"
+        torch.testing.assert_close(out.float(), moe(x).float(), atol=1e-2, rtol=1e-2)

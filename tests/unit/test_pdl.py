@@ -112,6 +112,7 @@ PDL_KERNELS = {
     "decode_attention.py": ("_decode_kernel", "_reduce_kernel"),
     "fused_ops.py": ("_rms_norm_kernel", "_rotary_kernel", "_qk_norm_rotary_kernel", "_silu_mul_kernel"),
     "kv_store.py": ("_store_kv_kernel",),
+    "moe_small.py": ("_gate_up_kernel", "_down_kernel"),
     "prefill_attention.py": ("_prefill_kernel",),
 }
 WEIGHT_POINTERS = {"w_ptr", "w_ptrs"}  # constant during a step: the only memory read before the wait
