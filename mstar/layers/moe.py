@@ -37,6 +37,8 @@ SMALL_MAX_SLOTS = 256
 SMALL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what kernels/moe_small.py computes in
 
 
+ROUTE_MAX_EXPERTS = 1024  # kernels/moe_route.MAX_EXPERTS (that module imports triton)
+
 @dataclass(frozen=True)
 class MoESpec:
     """Shape and routing options of one sparse MoE block."""
@@ -70,8 +72,14 @@ class StackedExperts(nn.Module):
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, k] in the logits' dtype, expert ids [T, k]).
 
-    Softmax and top-k run in float32 as in the reference, so ties and rounding match it.
+    Softmax and top-k run in float32 as in the reference, so ties and rounding match it. Where the fused
+    kernels serve (CUDA) it is one launch, `kernels/moe_route.route_topk` (among tied probabilities it
+    takes the lower expert id first; torch.topk's order among ties is its own).
     """
+    if FUSED.ops_for(logits) is not None and logits.shape[1] <= ROUTE_MAX_EXPERTS and logits.stride(1) == 1:
+        from mstar.kernels.moe_route import route_topk
+
+        return route_topk(logits, top_k, renormalize)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

@@ -6,13 +6,22 @@ from __future__ import annotations
 import torch
 
 from mstar.kernels.moe_route import route_topk
+from mstar.layers.fused import FUSED
 from mstar.layers.moe import route
+
+
+def reference_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    FUSED.enabled = False  # route's PyTorch form (with the fused kernels on it calls route_topk)
+    try:
+        return route(logits, top_k, renormalize)
+    finally:
+        FUSED.enabled = True
 
 
 def check(tokens: int, experts: int, top_k: int, renormalize: bool, dtype: torch.dtype) -> None:
     logits = (2 * torch.randn(tokens, experts)).to(dtype)
     weights, ids = route_topk(logits, top_k, renormalize)
-    want_w, want_ids = route(logits, top_k, renormalize)
+    want_w, want_ids = reference_route(logits, top_k, renormalize)
     assert weights.dtype == want_w.dtype and ids.dtype == torch.long
     assert torch.equal(ids, want_ids), (tokens, experts, top_k, ids, want_ids)
     torch.testing.assert_close(weights, want_w, atol=1e-6 if dtype == torch.float32 else 1e-3, rtol=1e-3)
@@ -43,6 +52,8 @@ if __name__ == "__main__":
             for renorm in (True, False):
                 check(tokens, experts, k, renorm, dt)
     check_ties()
+    logits = torch.randn(3, 128)  # route itself takes the kernel where the fused kernels serve
+    assert all(torch.equal(a, b) for a, b in zip(route(logits, 8, True), route_topk(logits, 8, True)))
     check_rejects()
     weights, ids = route_topk(torch.zeros(0, 16), 2, True)
     assert weights.shape == (0, 2) and ids.shape == (0, 2)

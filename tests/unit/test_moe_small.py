@@ -61,6 +61,7 @@ def test_failing_kernel_falls_back_once(monkeypatch, caplog):
     monkeypatch.setattr(FUSED, "interpret", True)  # the small path would serve CPU tensors
     monkeypatch.setattr(FUSED, "enabled", True)
     monkeypatch.setattr(moe_mod._SMALL, "usable", True)
+    monkeypatch.setattr(moe_mod, "ROUTE_MAX_EXPERTS", 0)  # route in PyTorch: this process has no interpreter
     moe, x = _moe(), torch.randn(3, 8)
     assert moe_mod.pick_path(x, 2) == "small"
     with torch.no_grad(), caplog.at_level(logging.ERROR, logger="mstar.layers.moe"):
