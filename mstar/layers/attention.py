@@ -14,10 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from mstar.layers.fused import FUSED
+from mstar.layers.fused import FUSED, KernelGuard
 from mstar.layers.linear import linear
 from mstar.layers.norm import PendingNorm, RMSNorm
 from mstar.layers.rope import apply_rotary
+
+QK_NORM_ROTARY = KernelGuard("qk_norm_rotary")  # shared by every qk-normed attention (code predictor too)
 
 
 @dataclass(frozen=True)
@@ -66,8 +68,11 @@ class SelfAttention(nn.Module):
             num_q, num_kv = self.spec.num_heads, self.spec.num_kv_heads
             # q and k heads sit side by side in each qkv row: one launch norms (Qwen3) and rotates both.
             if self.spec.qk_norm:
-                qk = ops.qk_norm_rotary(heads[:, :num_q + num_kv], self.q_norm.weight, self.k_norm.weight, num_q,
-                                        cos, sin, self.spec.norm_eps)
+                qk = QK_NORM_ROTARY.run(
+                    lambda: ops.qk_norm_rotary(heads[:, :num_q + num_kv], self.q_norm.weight, self.k_norm.weight,
+                                               num_q, cos, sin, self.spec.norm_eps),
+                    lambda: torch.cat([apply_rotary(self.q_norm(heads[:, :num_q]), cos, sin),
+                                       apply_rotary(self.k_norm(heads[:, num_q:num_q + num_kv]), cos, sin)], 1))
             elif getattr(attn, "fuses_rotary", False):
                 # The backend rotates q and k as its kernel loads them: no rotary launch, no round trip.
                 q, k, v = heads.split([num_q, num_kv, num_kv], dim=1)

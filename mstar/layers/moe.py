@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.layers.fused import FUSED
+from mstar.layers.fused import FUSED, KernelGuard
 from mstar.layers.mlp import GatedMLP
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ SMALL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what kernels/mo
 
 
 ROUTE_MAX_EXPERTS = 1024  # kernels/moe_route.MAX_EXPERTS (that module imports triton)
+_ROUTE = KernelGuard("moe_route")
 
 @dataclass(frozen=True)
 class MoESpec:
@@ -79,7 +80,12 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     if FUSED.ops_for(logits) is not None and logits.shape[1] <= ROUTE_MAX_EXPERTS and logits.stride(1) == 1:
         from mstar.kernels.moe_route import route_topk
 
-        return route_topk(logits, top_k, renormalize)
+        return _ROUTE.run(lambda: route_topk(logits, top_k, renormalize),
+                          lambda: _route_reference(logits, top_k, renormalize))
+    return _route_reference(logits, top_k, renormalize)
+
+
+def _route_reference(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:

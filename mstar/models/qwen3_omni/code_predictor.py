@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.engines.cuda_graphs import to_device_async
+from mstar.layers.attention import QK_NORM_ROTARY
 from mstar.layers.fused import FUSED
 from mstar.layers.linear import linear
 from mstar.layers.mlp import GatedMLP
@@ -54,13 +55,17 @@ class _Attention(nn.Module):
         assert t == 1 or start == 0, "a multi-token step must start at position 0 (causal mask alignment)"
         heads = linear(x, self.qkv_proj).view(b * t, nq + 2 * nkv, d)
         ops = FUSED.ops_for(heads)
+        def unfused() -> torch.Tensor:
+            return torch.cat([apply_rotary(self.q_norm(heads[:, :nq]), cos, sin),
+                              apply_rotary(self.k_norm(heads[:, nq:nq + nkv]), cos, sin)], 1)
+
         if ops is not None and cos.stride(1) == 1:  # one launch norms and rotates the q and k heads
-            qk = ops.qk_norm_rotary(heads[:, :nq + nkv], self.q_norm.weight, self.k_norm.weight, nq, cos, sin,
-                                    cfg.rms_norm_eps)
-            q, k = qk.split([nq, nkv], dim=1)
+            qk = QK_NORM_ROTARY.run(lambda: ops.qk_norm_rotary(heads[:, :nq + nkv], self.q_norm.weight,
+                                                               self.k_norm.weight, nq, cos, sin, cfg.rms_norm_eps),
+                                    unfused)
         else:
-            q = apply_rotary(self.q_norm(heads[:, :nq]), cos, sin)
-            k = apply_rotary(self.k_norm(heads[:, nq:nq + nkv]), cos, sin)
+            qk = unfused()
+        q, k = qk.split([nq, nkv], dim=1)
         v = heads[:, nq + nkv:]
         keys, values = cache
         keys[:, :, start:start + t] = k.view(b, t, nkv, d).transpose(1, 2)

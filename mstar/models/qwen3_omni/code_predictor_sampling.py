@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from mstar.engines.cuda_graphs import to_device_async
-from mstar.layers.fused import FUSED
+from mstar.layers.fused import FUSED, KernelGuard
 
 MAX_VOCAB = 4096  # the fused sampler's limit (kernels/small_vocab_sampling.MAX_VOCAB; that module needs triton)
+_SAMPLER = KernelGuard("small_vocab_sampling")
 
 PREFIX = "code_predictor."
 
@@ -122,7 +123,15 @@ def sample_step(logits: torch.Tensor, st: SamplingTensors, step: int) -> torch.T
     if FUSED.ops_for(logits) is not None and vocab <= MAX_VOCAB:  # one launch instead of ~15 (CUDA)
         from mstar.kernels.small_vocab_sampling import sample_rows
 
-        return sample_rows(logits.float(), st.temperature, st.top_k, st.top_p, st.noise[:, step])
+        noise = st.noise
+        return _SAMPLER.run(lambda: sample_rows(logits.float(), st.temperature, st.top_k, st.top_p, noise[:, step]),
+                            lambda: _sample_reference(logits, st, step))
+    return _sample_reference(logits, st, step)
+
+
+def _sample_reference(logits: torch.Tensor, st: SamplingTensors, step: int) -> torch.Tensor:
+    assert st.noise is not None
+    vocab = logits.shape[-1]
     greedy = logits.argmax(dim=-1)
     x = logits.float() / torch.where(st.temperature > 0, st.temperature, 1.0)[:, None]
     sorted_x, order = x.sort(dim=-1, descending=True)
