@@ -16,9 +16,9 @@ import logging
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from collections.abc import Callable
 from typing import Any
 
 from mstar.cli.bench_report import format_table, summarize

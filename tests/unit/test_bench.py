@@ -133,13 +133,25 @@ def test_cli_writes_json_and_table(server, tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["command"].startswith("mstar bench --base-url") and "--concurrency 1,2" in report["command"]
     assert [r["concurrency"] for r in report["results"]] == [1, 2]
-    table = capsys.readouterr().out
+    captured = capsys.readouterr()
+    table = captured.out
     assert "ttft p50" in table and len(table.strip().splitlines()) == 4
+    # progress: one line per level as it ends, on stderr
+    assert [line.split()[2] for line in captured.err.splitlines() if line.startswith("level done:")] == ["1", "2"]
     # The subcommand registration used by the `mstar` entry point.
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
     args = parser.parse_args(["bench", "--workload", "speech", "--concurrency", "2,8"])
     assert args.func is main and args.concurrency == (2, 8) and args.workload == "speech"
+
+
+def test_report_after_each_level_keeps_finished_levels(server):
+    """A sweep cut short after its first level still has that level: on_level sees the report grow."""
+    url, _ = server
+    seen = []
+    run_bench(BenchConfig(base_url=url, concurrencies=(1, 2), num_requests=2, max_tokens=3),
+              on_level=lambda report: seen.append([r["concurrency"] for r in report["results"]]))
+    assert seen == [[1], [1, 2]]
 
 
 def test_bad_config_and_percentile():
