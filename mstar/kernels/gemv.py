@@ -122,13 +122,13 @@ def _load_w(w_ptrs, k, k_mask, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _folded(prod, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD_K: tl.constexpr):
-    """[BLOCK_N, BLOCK_K] products -> [BLOCK_N, BLOCK_K // FOLD_K]: groups of FOLD_K products along K
-    summed. With FOLD_K at most a thread's vector of K elements (8 for 16-byte bf16 loads) a group is one
-    thread's registers, so the sum stays in the thread (no shuffle; `benchmarks/kernel_registers.py`
-    shows the registers it frees). Which products share a group is the compiler's choice
-    (`can_reorder`): every product of a row is summed in the end either way."""
+    """[BLOCK_N, BLOCK_K] products -> [BLOCK_N, BLOCK_K // FOLD_K]: groups of FOLD_K neighbouring products
+    along K summed. With FOLD_K at most a thread's vector of K elements (8 for 16-byte bf16 loads) a group
+    is one thread's registers, so the sum stays in the thread (`benchmarks/kernel_registers.py` shows the
+    registers it frees). The reshape keeps the element order: with `can_reorder` the compiler may regroup
+    elements across rows of N too, and on an H200 the norm-folded GEMV then summed other rows' products."""
     if FOLD_K > 1:
-        prod = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // FOLD_K, FOLD_K), can_reorder=True), axis=2)
+        prod = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // FOLD_K, FOLD_K)), axis=2)
     return prod
 
 

@@ -8,8 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mstar.kernels.fused_ops import silu_and_mul
-from mstar.kernels.skinny_gemm import SkinnyConfig, pick_config, skinny_linear, skinny_silu_and_mul_linear
+from mstar.kernels.fused_ops import rms_norm, silu_and_mul
+from mstar.kernels.skinny_gemm import (
+    TUNED,
+    SkinnyConfig,
+    pick_config,
+    skinny_linear,
+    skinny_norm_linear,
+    skinny_silu_and_mul_linear,
+)
 from mstar.kernels.timing import copy_bandwidth_gbps, graph_time_us
 from mstar.layers.linear import SKINNY
 from mstar.layers.mlp import GatedMLP
@@ -92,3 +99,17 @@ def test_graph_timing_is_sane_and_frees_its_copies(n, k):
         # Positive, not above what HBM can do (L2 hits would read far faster: the copies must defeat the
         # cache), and not launch-bound (the old one-launch timing showed ~130 us for 31 MB: 240 GB/s).
         assert 0 < t < 1000 and 300 < gbps < 1.25 * copy_gbps, (t, gbps, copy_gbps)
+
+
+@pytest.mark.parametrize("key", sorted(k for k, cfg in TUNED.items() if cfg.block_m <= 4))
+def test_tuned_gemv_configs_equal_f_linear(key):
+    """Every tuned GEMV config (folded ones included) computes x @ W.T at its own shape, with and without
+    the norm folded into the x-load."""
+    m, n, k = key
+    cfg = TUNED[key]
+    x, w, _ = _inputs(m, n, k)
+    torch.testing.assert_close(skinny_linear(x, w, config=cfg), F.linear(x, w), **TOL)
+    nw = (1 + 0.3 * torch.randn(k, device="cuda")).bfloat16()
+    got, _ = skinny_norm_linear(x, nw, 1e-5, w, None, None, config=cfg)
+    normed, _ = rms_norm(x, nw, 1e-5)
+    torch.testing.assert_close(got, F.linear(normed, w), **TOL)

@@ -38,15 +38,24 @@ def test_qk_norm_rotary_equals_the_layers_in_bf16():
     cos, sin = RotaryEmbedding(RopeSpec(head_dim=128, theta=1e6)).cuda()(torch.arange(5, 13, device="cuda"))
     qkv = torch.randn(8, (32 + 4 + 4) * 128, device="cuda", generator=gen).bfloat16()
     heads = qkv.view(8, 40, 128)[:, :36]
-    got = qk_norm_rotary(heads, qn.weight, kn.weight, 32, cos, sin, 1e-6)
-    FUSED.enabled = False
-    try:
-        want = torch.cat([apply_rotary(qn(heads[:, :32]), cos, sin), apply_rotary(kn(heads[:, 32:]), cos, sin)], 1)
-    finally:
-        FUSED.enabled = True
-    exact = (got == want).float().mean().item()
-    assert exact > 0.98, exact  # the norm's sum may round differently in its last bit
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+    def reference(c, s):
+        FUSED.enabled = False
+        try:
+            return torch.cat([apply_rotary(qn(heads[:, :32]), c, s), apply_rotary(kn(heads[:, 32:]), c, s)], 1)
+        finally:
+            FUSED.enabled = True
+
+    # the norm alone (cos 1, sin 0: the rotation is the identity): as RMSNorm rounds, but for the rare
+    # value whose 1/rms differs in its last bit
+    ones, zeros = torch.ones_like(cos), torch.zeros_like(sin)
+    normed, want_normed = qk_norm_rotary(heads, qn.weight, kn.weight, 32, ones, zeros, 1e-6), reference(ones, zeros)
+    exact = (normed == want_normed).float().mean().item()
+    assert exact > 0.99, f"normed: {exact:.4f} exact, max diff {(normed.float() - want_normed.float()).abs().max()}"
+    got, want = qk_norm_rotary(heads, qn.weight, kn.weight, 32, cos, sin, 1e-6), reference(cos, sin)
+    by_part = {part: (got[:, sl] == want[:, sl]).float().mean().item()
+               for part, sl in (("q", slice(0, 32)), ("k", slice(32, 36)))}
+    torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7, msg=lambda m: f"{m} exact by part {by_part}")
 
 
 def test_small_vocab_sampler_equals_the_pytorch_sampler():
