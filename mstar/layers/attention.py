@@ -19,7 +19,24 @@ from mstar.layers.linear import linear
 from mstar.layers.norm import PendingNorm, RMSNorm
 from mstar.layers.rope import apply_rotary
 
-QK_NORM_ROTARY = KernelGuard("qk_norm_rotary")  # shared by every qk-normed attention (code predictor too)
+_QK_NORM_ROTARY = KernelGuard("qk_norm_rotary")
+
+
+def normed_rotated_qk(qk: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, num_q: int, cos: torch.Tensor,
+                      sin: torch.Tensor) -> torch.Tensor:
+    """Qwen3's q and k: each row's q heads then k heads [T, Hq + Hk, D], each head RMS-normed (`q_norm`
+    for the first `num_q`, `k_norm` for the rest) then rotated by cos/sin [T, D]. One launch where the
+    fused kernels serve (`fused_ops.qk_norm_rotary`), else the layers; a new [T, Hq + Hk, D] tensor."""
+
+    def unfused() -> torch.Tensor:
+        return torch.cat([apply_rotary(q_norm(qk[:, :num_q]), cos, sin), apply_rotary(k_norm(qk[:, num_q:]), cos, sin)],
+                         dim=1)
+
+    ops = FUSED.ops_for(qk)
+    if ops is None or cos.stride(1) != 1 or q_norm.eps != k_norm.eps:
+        return unfused()
+    return _QK_NORM_ROTARY.run(lambda: ops.qk_norm_rotary(qk, q_norm.weight, k_norm.weight, num_q, cos, sin, q_norm.eps),
+                               unfused)
 
 
 @dataclass(frozen=True)
@@ -68,11 +85,7 @@ class SelfAttention(nn.Module):
             num_q, num_kv = self.spec.num_heads, self.spec.num_kv_heads
             # q and k heads sit side by side in each qkv row: one launch norms (Qwen3) and rotates both.
             if self.spec.qk_norm:
-                qk = QK_NORM_ROTARY.run(
-                    lambda: ops.qk_norm_rotary(heads[:, :num_q + num_kv], self.q_norm.weight, self.k_norm.weight,
-                                               num_q, cos, sin, self.spec.norm_eps),
-                    lambda: torch.cat([apply_rotary(self.q_norm(heads[:, :num_q]), cos, sin),
-                                       apply_rotary(self.k_norm(heads[:, num_q:num_q + num_kv]), cos, sin)], 1))
+                qk = normed_rotated_qk(heads[:, :num_q + num_kv], self.q_norm, self.k_norm, num_q, cos, sin)
             elif getattr(attn, "fuses_rotary", False):
                 # The backend rotates q and k as its kernel loads them: no rotary launch, no round trip.
                 q, k, v = heads.split([num_q, num_kv, num_kv], dim=1)

@@ -17,12 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.engines.cuda_graphs import to_device_async
-from mstar.layers.attention import QK_NORM_ROTARY
-from mstar.layers.fused import FUSED
+from mstar.layers.attention import normed_rotated_qk
 from mstar.layers.linear import linear
 from mstar.layers.mlp import GatedMLP
 from mstar.layers.norm import RMSNorm
-from mstar.layers.rope import RopeSpec, RotaryEmbedding, apply_rotary
+from mstar.layers.rope import RopeSpec, RotaryEmbedding
 from mstar.models.qwen3_omni.code_predictor_config import CodePredictorConfig
 from mstar.models.qwen3_omni.code_predictor_sampling import (
     CodePredictorSampling,
@@ -54,17 +53,7 @@ class _Attention(nn.Module):
         t, nq, nkv = x.shape[0] // b, cfg.num_heads, cfg.num_kv_heads
         assert t == 1 or start == 0, "a multi-token step must start at position 0 (causal mask alignment)"
         heads = linear(x, self.qkv_proj).view(b * t, nq + 2 * nkv, d)
-        ops = FUSED.ops_for(heads)
-        def unfused() -> torch.Tensor:
-            return torch.cat([apply_rotary(self.q_norm(heads[:, :nq]), cos, sin),
-                              apply_rotary(self.k_norm(heads[:, nq:nq + nkv]), cos, sin)], 1)
-
-        if ops is not None and cos.stride(1) == 1:  # one launch norms and rotates the q and k heads
-            qk = QK_NORM_ROTARY.run(lambda: ops.qk_norm_rotary(heads[:, :nq + nkv], self.q_norm.weight,
-                                                               self.k_norm.weight, nq, cos, sin, cfg.rms_norm_eps),
-                                    unfused)
-        else:
-            qk = unfused()
+        qk = normed_rotated_qk(heads[:, :nq + nkv], self.q_norm, self.k_norm, nq, cos, sin)
         q, k = qk.split([nq, nkv], dim=1)
         v = heads[:, nq + nkv:]
         keys, values = cache
