@@ -70,17 +70,22 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, x_stride_t, x_st
     base = x_ptr + t * x_stride_t + heads[:, None] * x_stride_h
     x1 = tl.load(base + d, mask=hmask, other=0.0)
     x2 = tl.load(base + HALF + d, mask=hmask, other=0.0)
-    dtype = x1.dtype
-    # cos/sin are duplicated halves ([freqs, freqs]); torch casts them to x's dtype before multiplying.
-    c = tl.load(cos_ptr + t * cs_stride + d).to(dtype).to(tl.float32)
-    s = tl.load(sin_ptr + t * cs_stride + d).to(dtype).to(tl.float32)
-    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
-    # out = x * cos + rotate_half(x) * sin, each product rounded as in torch.
+    _store_rotated(x1.to(tl.float32), x2.to(tl.float32), x1, cos_ptr + t * cs_stride, sin_ptr + t * cs_stride,
+                   out_ptr + t * out_stride_t + heads[:, None] * out_stride_h, d, hmask, HALF)
+
+
+@triton.jit
+def _store_rotated(a1, a2, like, cos_row, sin_row, out_base, d, hmask, HALF: tl.constexpr):
+    """Store halves a1, a2 (float32 [heads, HALF]) rotated by one token's cos/sin, rounded as torch's
+    `x * cos + rotate_half(x) * sin` rounds in the dtype of `like` (the loaded x): cos/sin (duplicated
+    halves, [freqs, freqs]) cast to it first, each product rounded, then their sum."""
+    dtype = like.dtype
+    c = tl.load(cos_row + d).to(dtype).to(tl.float32)
+    s = tl.load(sin_row + d).to(dtype).to(tl.float32)
     o1 = ((a1 * c).to(dtype).to(tl.float32) + (-a2 * s).to(dtype).to(tl.float32)).to(dtype)
     o2 = ((a2 * c).to(dtype).to(tl.float32) + (a1 * s).to(dtype).to(tl.float32)).to(dtype)
-    obase = out_ptr + t * out_stride_t + heads[:, None] * out_stride_h
-    tl.store(obase + d, o1, mask=hmask)
-    tl.store(obase + HALF + d, o2, mask=hmask)
+    tl.store(out_base + d, o1, mask=hmask)
+    tl.store(out_base + HALF + d, o2, mask=hmask)
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -120,13 +125,8 @@ def _qk_norm_rotary_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, num
     # as RMSNorm rounds: the normed value to x's dtype, then times the weight, rounded again
     n1 = ((a1 * inv[:, None]).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
     n2 = ((a2 * inv[:, None]).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    c = tl.load(cos_ptr + t * cs_stride + d).to(dtype).to(tl.float32)
-    s = tl.load(sin_ptr + t * cs_stride + d).to(dtype).to(tl.float32)
-    o1 = ((n1 * c).to(dtype).to(tl.float32) + (-n2 * s).to(dtype).to(tl.float32)).to(dtype)
-    o2 = ((n2 * c).to(dtype).to(tl.float32) + (n1 * s).to(dtype).to(tl.float32)).to(dtype)
-    obase = out_ptr + t * out_stride_t + heads[:, None] * out_stride_h
-    tl.store(obase + d, o1, mask=hmask)
-    tl.store(obase + HALF + d, o2, mask=hmask)
+    _store_rotated(n1, n2, x1, cos_ptr + t * cs_stride, sin_ptr + t * cs_stride,
+                   out_ptr + t * out_stride_t + heads[:, None] * out_stride_h, d, hmask, HALF)
 
 
 def qk_norm_rotary(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q: int,

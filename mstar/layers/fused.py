@@ -65,6 +65,6 @@ class KernelGuard:
             except Exception:
                 if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                     raise
-                logger.exception("Triton kernel %s failed; its PyTorch form serves from now on", self.name)
+                logger.exception("%s kernel failed; its PyTorch form serves from now on", self.name)
                 self.usable = False
         return fallback()

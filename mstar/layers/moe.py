@@ -14,7 +14,6 @@ the host). `pick_path` chooses; `SparseMoE.force_path` overrides.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +22,6 @@ from torch import nn
 
 from mstar.layers.fused import FUSED, KernelGuard
 from mstar.layers.mlp import GatedMLP
-
-logger = logging.getLogger(__name__)
 
 PATHS = ("small", "grouped", "loop")
 # The small path serves at most this many (token, expert) slots. It reads an expert once per slot routed
@@ -135,40 +132,17 @@ def grouped_mm_usable(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
 
-class _SmallPath:
-    """`kernels/moe_small.experts_small` where the fused kernels serve x (`FUSED.ops_for`: CUDA, or CPU
-    under TRITON_INTERPRET=1; not with MSTAR_FUSED_KERNELS=0). If it ever fails to build or launch, the
-    other paths serve from then on (logged once) rather than a step failing."""
-
-    def __init__(self) -> None:
-        self.usable = True
-
-    def serves(self, x: torch.Tensor) -> bool:
-        """Whether the small path may serve `x` (any number of slots)."""
-        return self.usable and x.dtype in SMALL_DTYPES and FUSED.ops_for(x) is not None
-
-    def run(self, x: torch.Tensor, experts: StackedExperts, ids: torch.Tensor,
-            weights: torch.Tensor) -> torch.Tensor | None:
-        """The experts' output [T, H], or None once the kernel has failed (the caller takes another path)."""
-        try:
-            from mstar.kernels.moe_small import experts_small
-
-            return experts_small(x, experts.gate_up_proj, experts.down_proj, ids, weights)
-        except Exception:  # a Triton that cannot build it: the other paths compute the same
-            if x.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise  # a capture cannot fall back mid-graph; its warm-up ran the kernel first
-            logger.exception("small-batch MoE kernel failed; MoE layers use the grouped or loop path from now on")
-            self.usable = False
-            return None
-
-
-_SMALL = _SmallPath()
+# `kernels/moe_small.experts_small` where the fused kernels serve x (`FUSED.ops_for`: CUDA, or CPU under
+# TRITON_INTERPRET=1; not with MSTAR_FUSED_KERNELS=0); if it ever fails to build or launch, the grouped or
+# loop path serves from then on (logged once) rather than a step failing.
+_SMALL = KernelGuard("small-batch MoE")
 
 
 def pick_path(x: torch.Tensor, top_k: int) -> str:
     """The path `SparseMoE.forward` takes for x [T, H] unless forced: "small" for at most SMALL_MAX_SLOTS
     slots where its kernel serves x, else "grouped" on CUDA bfloat16, else "loop"."""
-    if x.shape[0] * top_k <= SMALL_MAX_SLOTS and _SMALL.serves(x):
+    if x.shape[0] * top_k <= SMALL_MAX_SLOTS and _SMALL.usable and x.dtype in SMALL_DTYPES \
+            and FUSED.ops_for(x) is not None:
         return "small"
     return "grouped" if grouped_mm_usable(x) else "loop"
 
@@ -226,14 +200,18 @@ class SparseMoE(nn.Module):
         if path not in PATHS:
             raise ValueError(f"unknown MoE path {path!r}; use one of {PATHS} (or None: picked per batch)")
         if path == "small":
-            if self.force_path == "small":
+            def small() -> torch.Tensor:
                 from mstar.kernels.moe_small import experts_small
 
                 return experts_small(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights)
-            out = _SMALL.run(x, self.experts, ids, weights)
-            if out is not None:
-                return out
-            path = "grouped" if grouped_mm_usable(x) else "loop"
+
+            if self.force_path == "small":
+                return small()
+            path = "grouped" if grouped_mm_usable(x) else "loop"  # where the kernel has failed
+            return _SMALL.run(small, lambda: self._on_path(path, x, ids, weights))
+        return self._on_path(path, x, ids, weights)
+
+    def _on_path(self, path: str, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if path == "grouped":
             return experts_grouped(x, self.experts, ids, weights)
         return experts_loop(x, self.experts, ids, weights)
