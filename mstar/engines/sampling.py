@@ -204,6 +204,11 @@ def sample_static(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor,
     Every stage runs for every row; for the same noise each row gets the token `sample` gives it.
     `filtered`: the caller promises that every row samples (temperature > 0) under top-k or top-p,
     so the stages for greedy and unfiltered rows are left out."""
+    if logits.is_cuda and _FUSED_SAMPLER.usable:  # one launch (kernels/fused_sampling.py)
+        noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
+        ids = _FUSED_SAMPLER.run(lambda: _fused_sample(logits, table, seen, noise, filtered))
+        if ids is not None:
+            return ids
     t = RowTable.general(table, logits.shape[1], filtered)
     # as _processed_logits computes it: unpenalised rows get 1 * inv_temp, i.e. inv_temp exactly
     factor = torch.where(seen, torch.where(logits > 0, t.inv_penalty * t.inv_temp, t.penalty * t.inv_temp),
@@ -211,6 +216,16 @@ def sample_static(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor,
     x = logits.float() * factor
     sampled = pick(x, None, t, torch.empty_like(x).exponential_())
     return sampled if filtered else torch.where(t.greedy, x.argmax(dim=-1), sampled)
+
+
+_FUSED_SAMPLER = sampling_filters.TritonGuard("fused sampling")
+
+
+def _fused_sample(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, noise: torch.Tensor,
+                  filtered: bool) -> torch.Tensor:
+    from mstar.kernels.fused_sampling import sample_rows
+
+    return sample_rows(logits.float().contiguous(), table.contiguous(), seen.contiguous(), noise, filtered)
 
 
 def _processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow], table: RowTable,

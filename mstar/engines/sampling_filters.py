@@ -14,9 +14,11 @@ so which path computed a row never changes the token it gets for the same noise.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -27,6 +29,7 @@ logger = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from mstar.engines.sampling import SamplingRow
 
+T = TypeVar("T")
 PREFILTER_K = 1024  # logits per row the top-p nucleus is first looked for in
 COLUMNS = 8  # per-row parameters in a RowTable
 TOP_K_COLUMN, TOP_P_COLUMN, MIN_P_COLUMN = 3, 4, 5  # where `RowTable.columns` puts them
@@ -175,7 +178,7 @@ def _race_prefiltered(x: torch.Tensor, table: RowTable,
     # as softmax computes it (exp(x - max) / sum): nucleus edges fall where the sort-based path puts them
     total = (x - top).exp().sum(dim=-1, keepdim=True)
     if x.is_cuda and table.table.is_cuda and k <= 4096 and _FUSED_RACE.usable:  # the rest in one kernel
-        fused = _FUSED_RACE.run(vals, idx, total[:, 0], table, noise)
+        fused = _FUSED_RACE.run(lambda: _prefilter_race(vals, idx, total[:, 0], table, noise))
         if fused is not None:
             ids, covered, lse = fused
             return ids, covered, lse[:, None], vals
@@ -197,41 +200,51 @@ def _race_prefiltered(x: torch.Tensor, table: RowTable,
     return ids, covered[:, 0], lse, vals
 
 
-class _FusedRace:
-    """`kernels/nucleus.prefilter_race_` where triton imports; if it ever fails to compile or launch, the
+@functools.cache
+def triton_available() -> bool:
+    """Whether triton is installed (the CUDA paths use its sampling kernels only then)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+class TritonGuard:
+    """A Triton sampling kernel where triton is installed; if it ever fails to compile or launch, the
     PyTorch form serves from then on (logged once) rather than a step failing."""
 
-    def __init__(self) -> None:
-        self.usable = True
+    def __init__(self, name: str) -> None:
+        self.name, self.usable = name, True
 
-    def run(self, vals: torch.Tensor, idx: torch.Tensor, total: torch.Tensor, table: RowTable,
-            noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        from mstar.kernels.nucleus import nucleus_race_available, prefilter_race_
-
-        if not nucleus_race_available():
+    def run(self, launch: Callable[[], T]) -> T | None:
+        """`launch()`, or None where the kernel cannot serve (the caller then takes the PyTorch form)."""
+        if not (self.usable and triton_available()):
             self.usable = False
             return None
         try:
-            return prefilter_race_(vals, idx, total, table.table, noise, table.vocab,
-                                   (TOP_K_COLUMN, TOP_P_COLUMN, MIN_P_COLUMN))
+            return launch()
         except Exception:  # a Triton version that cannot build it: the PyTorch form is exact too
-            if vals.is_cuda and torch.cuda.is_current_stream_capturing():
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise  # a capture cannot fall back mid-graph; its warm-up ran the kernel first
-            logger.exception("fused prefilter race kernel failed; sampling uses the PyTorch form from now on")
+            logger.exception("%s kernel failed; sampling uses the PyTorch form from now on", self.name)
             self.usable = False
             return None
 
 
-_FUSED_RACE = _FusedRace()
+_FUSED_RACE = TritonGuard("fused prefilter race")
+
+
+def _prefilter_race(vals: torch.Tensor, idx: torch.Tensor, total: torch.Tensor, table: RowTable,
+                    noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from mstar.kernels.nucleus import prefilter_race_
+
+    return prefilter_race_(vals, idx, total, table.table, noise, table.vocab, (TOP_K_COLUMN, TOP_P_COLUMN, MIN_P_COLUMN))
 
 
 def _fallback(x: torch.Tensor, ids: torch.Tensor, need: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor,
               pmin: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """`ids` with the rows in `need` redrawn over the whole vocabulary (exact nucleus), sync-free on CUDA."""
     if x.device.type == "cuda":
-        from mstar.kernels.nucleus import nucleus_race_, nucleus_race_available
+        if triton_available():
+            from mstar.kernels.nucleus import nucleus_race_
 
-        if nucleus_race_available():
             return nucleus_race_(x, noise, ids, need, lse, top_p, pmin)
         return torch.where(need, race_sorted(x, top_p, pmin, lse, noise), ids)
     if not bool(need.any()):  # on the host a flag costs nothing to read

@@ -18,130 +18,141 @@ one more pass runs the exponential race over the kept tokens (p >= pmin for min-
 
 from __future__ import annotations
 
-import functools
-
 import torch
+import triton
+import triton.language as tl
 
 
-@functools.cache
-def nucleus_race_available() -> bool:
-    """Whether triton imports (the CUDA path uses the kernel only then)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+@triton.jit
+def order_key(x):
+    """The order-preserving integer image of float32 x, as int64."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
 
 
-@functools.cache
-def _kernel():
-    import triton
-    import triton.language as tl
+@triton.jit
+def _bisect(x_ptr, lse, floor, bound, vocab, COUNT: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+            NS: tl.constexpr, PASSES: tl.constexpr):
+    """The least key c with f(c) < bound, f(c) = the mass (COUNT: the number) of the row's tokens
+    whose key is > c and >= floor; f never increases with c, f(floor - 1) >= bound is assumed. Each
+    pass evaluates f at NS split points at once."""
+    lo = floor - 1
+    hi = tl.full((), 2147483647, tl.int64)  # f(hi) = 0 < bound
+    js = tl.arange(0, NS).to(tl.int64) + 1
+    for _ in range(PASSES):
+        splits = lo + ((hi - lo) * js) // (NS + 1)
+        mass = tl.zeros((NS,), tl.float32)
+        for b in range(NB):  # a constexpr bound: the interpreter cannot nest loops over runtime ints
+            offs = b * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + offs, mask=offs < vocab, other=-float("inf"))
+            key = order_key(x)
+            if COUNT:
+                w = tl.where((offs < vocab) & (key >= floor), 1.0, 0.0)
+            else:
+                w = tl.where((offs < vocab) & (key >= floor), tl.exp(x - lse), 0.0)
+            mass += tl.sum(tl.where(key[None, :] > splits[:, None], w[None, :], 0.0), axis=1)
+        small = mass < bound  # true from some split on
+        lo = tl.maximum(lo, tl.max(tl.where(small, lo, splits), axis=0))
+        hi = tl.minimum(hi, tl.min(tl.where(small, splits, hi), axis=0))
+    return hi
 
-    @triton.jit
-    def nucleus_race(x_ptr, noise_ptr, ids_ptr, need_ptr, lse_ptr, top_p_ptr, pmin_ptr, vocab, stride_x,
-                     stride_n, NB: tl.constexpr, BLOCK: tl.constexpr, NS: tl.constexpr, PASSES: tl.constexpr):
-        row = tl.program_id(0)
-        if tl.load(need_ptr + row) == 0:
-            return
-        lse = tl.load(lse_ptr + row)
-        top_p = tl.load(top_p_ptr + row)
-        lo = tl.full((), -2147483649, tl.int64)  # f(lo) = all the mass (>= top_p)
-        hi = tl.full((), 2147483647, tl.int64)  # f(hi) = 0 < top_p
-        js = tl.arange(0, NS).to(tl.int64) + 1
-        for _ in range(PASSES):
-            splits = lo + ((hi - lo) * js) // (NS + 1)
-            mass = tl.zeros((NS,), tl.float32)
-            for b in range(NB):  # a constexpr bound: the interpreter cannot nest loops over runtime ints
-                start = b * BLOCK
-                offs = start + tl.arange(0, BLOCK)
+@triton.jit
+def nucleus_race(x_ptr, noise_ptr, ids_ptr, need_ptr, lse_ptr, top_p_ptr, pmin_ptr, top_k_ptr, vocab, stride_x,
+                 stride_n, HAS_TOP_K: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr, NS: tl.constexpr,
+                 PASSES: tl.constexpr):
+    row = tl.program_id(0)
+    if tl.load(need_ptr + row) == 0:
+        return
+    lse = tl.load(lse_ptr + row)
+    top_p = tl.load(top_p_ptr + row)
+    kept_from = tl.full((), -2147483649, tl.int64)  # the top-k cut as a key: all of the row
+    kept_mass = tl.full((), 1.0, tl.float32)  # the mass top-p is a fraction of
+    if HAS_TOP_K:
+        top_k = tl.load(top_k_ptr + row)
+        if top_k < vocab:  # g(c) = how many keys are > c; a token is kept iff g(its key) < top_k
+            kept_from = _bisect(x_ptr + row * stride_x, lse, kept_from, top_k, vocab, True, NB, BLOCK, NS,
+                                PASSES)
+            kept_mass = tl.zeros((), tl.float32)
+            for b in range(NB):
+                offs = b * BLOCK + tl.arange(0, BLOCK)
                 x = tl.load(x_ptr + row * stride_x + offs, mask=offs < vocab, other=-float("inf"))
-                p = tl.exp(x - lse)
-                bits = x.to(tl.int32, bitcast=True)  # order-preserving integer key of x
-                key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-                above = key[None, :] > splits[:, None]
-                mass += tl.sum(tl.where(above, p[None, :], 0.0), axis=1)
-            small = mass < top_p  # true from some split on (f does not increase with the key)
-            lo = tl.maximum(lo, tl.max(tl.where(small, lo, splits), axis=0))
-            hi = tl.minimum(hi, tl.min(tl.where(small, splits, hi), axis=0))
-        pmin = tl.load(pmin_ptr + row)
-        best = tl.full((), -2.0, tl.float32)
-        best_id = tl.full((), 0, tl.int64)
-        for b in range(NB):
-            start = b * BLOCK
-            offs = start + tl.arange(0, BLOCK)
-            inside = offs < vocab
-            x = tl.load(x_ptr + row * stride_x + offs, mask=inside, other=-float("inf"))
-            e = tl.load(noise_ptr + row * stride_n + offs, mask=inside, other=1.0)
-            p = tl.exp(x - lse)
-            bits = x.to(tl.int32, bitcast=True)
-            key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-            keep = inside & (key >= hi) & (p >= pmin)
-            score = tl.where(keep, p / e, -1.0)
-            block_best = tl.max(score, axis=0)
-            block_id = tl.argmax(score, axis=0).to(tl.int64) + start
-            best_id = tl.where(block_best > best, block_id, best_id)
-            best = tl.maximum(best, block_best)
-        tl.store(ids_ptr + row, best_id)
+                kept_mass += tl.sum(tl.where(order_key(x) >= kept_from, tl.exp(x - lse), 0.0), axis=0)
+    hi = _bisect(x_ptr + row * stride_x, lse, kept_from, top_p * kept_mass, vocab, False, NB, BLOCK, NS,
+                 PASSES)
+    hi = tl.maximum(hi, kept_from)
+    pmin = tl.load(pmin_ptr + row)
+    best = tl.full((), -2.0, tl.float32)
+    best_id = tl.full((), 0, tl.int64)
+    for b in range(NB):
+        start = b * BLOCK
+        offs = start + tl.arange(0, BLOCK)
+        inside = offs < vocab
+        x = tl.load(x_ptr + row * stride_x + offs, mask=inside, other=-float("inf"))
+        e = tl.load(noise_ptr + row * stride_n + offs, mask=inside, other=1.0)
+        p = tl.exp(x - lse)
+        keep = inside & (order_key(x) >= hi) & (p >= pmin)
+        score = tl.where(keep, p / e, -1.0)
+        block_best = tl.max(score, axis=0)
+        block_id = tl.argmax(score, axis=0).to(tl.int64) + start
+        best_id = tl.where(block_best > best, block_id, best_id)
+        best = tl.maximum(best, block_best)
+    tl.store(ids_ptr + row, best_id)
 
-    return nucleus_race
 
 
 def nucleus_race_(x: torch.Tensor, noise: torch.Tensor, ids: torch.Tensor, need: torch.Tensor, lse: torch.Tensor,
-                  top_p: torch.Tensor, pmin: torch.Tensor, block: int = 1024, splits: int = 16,
-                  passes: int = 10) -> torch.Tensor:
+                  top_p: torch.Tensor, pmin: torch.Tensor, top_k: torch.Tensor | None = None, block: int = 1024,
+                  splits: int = 16, passes: int = 10) -> torch.Tensor:
     """Overwrite `ids[i]` (int64 [N]) for the rows with `need[i]` by the exact nucleus draw over `x`
     [N, V] float32 with Exp(1) `noise` [N, V]; `lse` [N] = logsumexp of x, `top_p` [N] (>= 1: off),
-    `pmin` [N] = min_p times the top probability. Returns `ids`, written in place, with no host sync."""
+    `pmin` [N] = min_p times the top probability, `top_k` [N] float32 (V: off; top-p then takes its
+    fraction of the top k's mass; tokens tied with the k-th are kept with it). Returns `ids`, written in
+    place, with no host sync."""
     assert x.dtype == torch.float32 and x.stride(1) == 1 and noise.stride(1) == 1 and ids.dtype == torch.long
-    _kernel()[(x.shape[0],)](x, noise, ids, need.to(torch.int32), lse.float().contiguous(),
-                             top_p.float().contiguous(), pmin.float().contiguous(), x.shape[1], x.stride(0),
-                             noise.stride(0), NB=-(-x.shape[1] // block), BLOCK=block, NS=splits, PASSES=passes)
+    top_p = top_p.float().contiguous()
+    nucleus_race[(x.shape[0],)](x, noise, ids, need.to(torch.int32), lse.float().contiguous(), top_p,
+                             pmin.float().contiguous(), top_p if top_k is None else top_k.float().contiguous(),
+                             x.shape[1], x.stride(0), noise.stride(0), HAS_TOP_K=top_k is not None,
+                             NB=-(-x.shape[1] // block), BLOCK=block, NS=splits, PASSES=passes)
     return ids
 
 
-@functools.cache
-def _prefilter_kernel():
-    import triton
-    import triton.language as tl
+@triton.jit
+def prefilter_race(vals_ptr, idx_ptr, total_ptr, table_ptr, noise_ptr, ids_ptr, covered_ptr, lse_ptr, k,
+                   vocab, stride_v, stride_t, stride_n, COL_TOP_K: tl.constexpr, COL_TOP_P: tl.constexpr,
+                   COL_MIN_P: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    ranks = tl.arange(0, BLOCK)
+    inside = ranks < k
+    v = tl.load(vals_ptr + row * stride_v + ranks, mask=inside, other=-float("inf"))
+    top = tl.load(vals_ptr + row * stride_v)  # the K best come sorted: the first is the row's max
+    total = tl.load(total_ptr + row)  # sum of exp(x - top) over the whole row
+    top_k = tl.load(table_ptr + row * stride_t + COL_TOP_K)
+    top_p = tl.load(table_ptr + row * stride_t + COL_TOP_P)
+    min_p = tl.load(table_ptr + row * stride_t + COL_MIN_P)
+    e = tl.exp(v - top)
+    e = tl.where(inside, e, 0.0)
+    has_top_k = top_k < vocab  # top_k holds vocab when off, and ranks < k <= vocab
+    e = tl.where(ranks.to(tl.float32) >= top_k, 0.0, e)  # top-p then renormalises over the top k
+    denom = tl.where(has_top_k, tl.sum(e, axis=0), total)
+    p = e / denom
+    cum = tl.cumsum(p, axis=0)
+    keep = inside & (cum - p < top_p)  # the mass strictly before a token is below top_p
+    last = ranks == k - 1
+    cum_last = tl.sum(tl.where(last, cum, 0.0), axis=0)
+    p_last = tl.sum(tl.where(last, p, 0.0), axis=0)
+    p_first = tl.sum(tl.where(ranks == 0, p, 0.0), axis=0)
+    keep = keep & (p >= min_p * p_first)
+    covered = (has_top_k.to(tl.int32) + (cum_last >= top_p).to(tl.int32)
+               + (p_last < min_p * p_first).to(tl.int32)) > 0
+    ids = tl.load(idx_ptr + row * stride_v + ranks, mask=inside, other=0)
+    noise = tl.load(noise_ptr + row * stride_n + ids, mask=inside, other=1.0)
+    score = tl.where(keep, p / noise, -1.0)
+    best = tl.argmax(score, axis=0)
+    tl.store(ids_ptr + row, tl.sum(tl.where(ranks == best, ids, 0), axis=0))
+    tl.store(covered_ptr + row, covered.to(tl.int8))
+    tl.store(lse_ptr + row, top + tl.log(total))
 
-    @triton.jit
-    def prefilter_race(vals_ptr, idx_ptr, total_ptr, table_ptr, noise_ptr, ids_ptr, covered_ptr, lse_ptr, k,
-                       vocab, stride_v, stride_t, stride_n, COL_TOP_K: tl.constexpr, COL_TOP_P: tl.constexpr,
-                       COL_MIN_P: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        ranks = tl.arange(0, BLOCK)
-        inside = ranks < k
-        v = tl.load(vals_ptr + row * stride_v + ranks, mask=inside, other=-float("inf"))
-        top = tl.load(vals_ptr + row * stride_v)  # the K best come sorted: the first is the row's max
-        total = tl.load(total_ptr + row)  # sum of exp(x - top) over the whole row
-        top_k = tl.load(table_ptr + row * stride_t + COL_TOP_K)
-        top_p = tl.load(table_ptr + row * stride_t + COL_TOP_P)
-        min_p = tl.load(table_ptr + row * stride_t + COL_MIN_P)
-        e = tl.exp(v - top)
-        e = tl.where(inside, e, 0.0)
-        has_top_k = top_k < vocab  # top_k holds vocab when off, and ranks < k <= vocab
-        e = tl.where(ranks.to(tl.float32) >= top_k, 0.0, e)  # top-p then renormalises over the top k
-        denom = tl.where(has_top_k, tl.sum(e, axis=0), total)
-        p = e / denom
-        cum = tl.cumsum(p, axis=0)
-        keep = inside & (cum - p < top_p)  # the mass strictly before a token is below top_p
-        last = ranks == k - 1
-        cum_last = tl.sum(tl.where(last, cum, 0.0), axis=0)
-        p_last = tl.sum(tl.where(last, p, 0.0), axis=0)
-        p_first = tl.sum(tl.where(ranks == 0, p, 0.0), axis=0)
-        keep = keep & (p >= min_p * p_first)
-        covered = (has_top_k.to(tl.int32) + (cum_last >= top_p).to(tl.int32)
-                   + (p_last < min_p * p_first).to(tl.int32)) > 0
-        ids = tl.load(idx_ptr + row * stride_v + ranks, mask=inside, other=0)
-        noise = tl.load(noise_ptr + row * stride_n + ids, mask=inside, other=1.0)
-        score = tl.where(keep, p / noise, -1.0)
-        best = tl.argmax(score, axis=0)
-        tl.store(ids_ptr + row, tl.sum(tl.where(ranks == best, ids, 0), axis=0))
-        tl.store(covered_ptr + row, covered.to(tl.int8))
-        tl.store(lse_ptr + row, top + tl.log(total))
-
-    return prefilter_race
 
 
 def prefilter_race_(vals: torch.Tensor, idx: torch.Tensor, total: torch.Tensor, table: torch.Tensor,
@@ -158,7 +169,7 @@ def prefilter_race_(vals: torch.Tensor, idx: torch.Tensor, total: torch.Tensor, 
     covered = torch.empty(rows, dtype=torch.int8, device=vals.device)
     lse = torch.empty(rows, dtype=torch.float32, device=vals.device)
     block = 1 << max(k - 1, 1).bit_length()
-    _prefilter_kernel()[(rows,)](vals, idx, total.float().contiguous(), table, noise, ids, covered, lse, k, vocab,
+    prefilter_race[(rows,)](vals, idx, total.float().contiguous(), table, noise, ids, covered, lse, k, vocab,
                                  vals.stride(0), table.stride(0), noise.stride(0), COL_TOP_K=columns[0],
                                  COL_TOP_P=columns[1], COL_MIN_P=columns[2], BLOCK=block, num_warps=4)
     return ids, covered.bool(), lse

@@ -3,6 +3,7 @@ sort-based reference at the full Orpheus vocabulary."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import mstar.engines.sampling_filters as filters
@@ -92,3 +93,31 @@ def test_filtered_static_draw_equals_general_on_cuda():
         general = sample_static(logits, table, seen)
         torch.manual_seed(trial)
         assert sample_static(logits, table, seen, filtered=True).tolist() == general.tolist(), trial
+
+
+@pytest.mark.parametrize("vocab", [28_680, 151_936])
+def test_fused_sampling_equals_the_torch_form_on_cuda(monkeypatch, vocab):
+    """`sample_static` on CUDA (kernels/fused_sampling.py, one launch plus the fallback's) draws what its
+    PyTorch form draws for the same noise, general and filtered, on peaked rows, flat rows left to the
+    whole-vocabulary bisection (top-k ones too), rows restricted to a span, greedy and unfiltered rows."""
+    import mstar.engines.sampling as sampling
+
+    gen = torch.Generator(device="cuda").manual_seed(vocab)
+    params = [SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3), SamplingParams(top_k=40),
+              SamplingParams(temperature=1.1, top_p=0.95), SamplingParams(top_p=0.5, min_p=0.02),
+              SamplingParams(top_k=300, top_p=0.9), SamplingParams(temperature=0.0), SamplingParams(),
+              SamplingParams(min_p=0.1, temperature=0.8)]
+    rows = [SamplingRow(p, list(range(i, i + 50)), 40) for i, p in enumerate(params)]
+    table = filters.RowTable.columns(rows, vocab).cuda()
+    seen = filters.seen_masks(rows, vocab, torch.device("cuda"))
+    for scale in (3.0, 0.3, 1e-4):  # peaked, flat (past the candidates), all tied within one bin
+        logits = torch.randn(len(rows), vocab, device="cuda", generator=gen) * scale
+        logits[0, : vocab // 2] = -float("inf")
+        for filtered in (False, True):
+            picked = slice(None) if not filtered else slice(0, 5)
+            draws = []
+            for fused in (True, False):
+                monkeypatch.setattr(sampling._FUSED_SAMPLER, "usable", fused)
+                torch.manual_seed(7)
+                draws.append(sampling.sample_static(logits[picked], table[picked], seen[picked], filtered).tolist())
+            assert draws[0] == draws[1], (vocab, scale, filtered)

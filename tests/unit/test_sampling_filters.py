@@ -86,6 +86,13 @@ def test_fused_prefilter_race_equals_the_torch_form_interpreted():
     assert "prefilter ok" in proc.stdout
 
 
+def test_fused_sampling_equals_the_torch_form_interpreted():
+    pytest.importorskip("triton")
+    proc = run_interpreted(Path(__file__).with_name("fused_sampling_check.py"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "fused sampling ok" in proc.stdout
+
+
 def test_fused_race_that_fails_hands_over_to_the_torch_form(monkeypatch, caplog):
     """A Triton that cannot build the fused race kernel costs one logged failure, not a failed step:
     the PyTorch form serves from then on."""
@@ -96,10 +103,11 @@ def test_fused_race_that_fails_hands_over_to_the_torch_form(monkeypatch, caplog)
         raise RuntimeError("no such intrinsic")
 
     monkeypatch.setattr(nucleus, "prefilter_race_", broken)
-    monkeypatch.setattr(nucleus, "nucleus_race_available", lambda: True)
-    race = filters._FusedRace()
+    monkeypatch.setattr(filters, "triton_available", lambda: True)
+    race = filters.TritonGuard("fused prefilter race")
     rows = [SamplingRow(SamplingParams(top_p=0.8), [1], 1)]
     table = filters.RowTable(rows, 50, torch.device("cpu"))
     vals, idx = torch.randn(1, 50).topk(8)
-    assert race.run(vals, idx, torch.ones(1), table, torch.ones(1, 50)) is None
+    assert race.run(lambda: filters._prefilter_race(vals, idx, torch.ones(1), table, torch.ones(1, 50))) is None
+    assert race.run(lambda: 1 / 0) is None, "a failed kernel is not tried again"
     assert race.usable is False and "fused prefilter race kernel failed" in caplog.text

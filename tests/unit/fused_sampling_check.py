@@ -1,0 +1,40 @@
+"""Run under TRITON_INTERPRET=1 by test_sampling_filters.py: `kernels/fused_sampling.sample_rows` draws
+the ids `sampling.sample_static`'s PyTorch form draws for the same noise: greedy, unfiltered, top-k,
+top-p and min-p rows, repetition penalties, -inf outside a span, peaked rows (covered by the
+candidates), flat ones (left to the whole-vocabulary bisection, top-k rows too), and the variant
+for all-filtered batches (prints "fused sampling ok")."""
+
+import torch
+
+import mstar.engines.sampling_filters as filters
+from mstar.engines.sampling import SamplingParams, SamplingRow, sample_static
+from mstar.kernels.fused_sampling import sample_rows
+
+MIXED = [SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3), SamplingParams(temperature=0.0),
+         SamplingParams(top_k=7, temperature=0.7), SamplingParams(top_k=12, top_p=0.9, repetition_penalty=1.2),
+         SamplingParams(), SamplingParams(min_p=0.1, temperature=1.3),
+         SamplingParams(temperature=0.0, repetition_penalty=1.5), SamplingParams(top_p=0.3, min_p=0.05)]
+FILTERED = [p for p in MIXED if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0)]
+
+
+def check(params: list[SamplingParams], vocab: int, scale: float, seed: int, filtered: bool) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    rows = [SamplingRow(p, torch.randint(0, vocab, (30,), generator=gen).tolist(), 10) for p in params]
+    logits = torch.randn(len(rows), vocab, generator=gen) * scale
+    logits[0, : vocab // 3] = -float("inf")  # a head restricted to a span
+    table = filters.RowTable.columns(rows, vocab)
+    seen = filters.seen_masks(rows, vocab, logits.device)
+    torch.manual_seed(seed)
+    noise = torch.empty_like(logits).exponential_()
+    torch.manual_seed(seed)
+    expected = sample_static(logits, table, seen, filtered)  # on CPU: the PyTorch form, with the same noise
+    got = sample_rows(logits, table, seen, noise, filtered, block=256, num_warps=4)
+    assert got.tolist() == expected.tolist(), (vocab, scale, seed, filtered, got, expected)
+    return got.tolist()
+
+
+check(MIXED, 600, 2.0, 0, False)  # peaked: every filtered row is covered by the candidates
+check(MIXED, 3000, 0.4, 1, False)  # flat: top-p rows reach past the 1,024 candidates
+check(FILTERED, 1500, 2.5, 2, True)
+check([SamplingParams(top_k=40), SamplingParams(top_k=5, top_p=0.5)], 1500, 1e-4, 3, True)  # a flat top-k
+print("fused sampling ok")
