@@ -204,7 +204,7 @@ def sample_static(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor,
     Every stage runs for every row; for the same noise each row gets the token `sample` gives it.
     `filtered`: the caller promises that every row samples (temperature > 0) under top-k or top-p,
     so the stages for greedy and unfiltered rows are left out."""
-    if logits.is_cuda and _FUSED_SAMPLER.usable:  # one launch (kernels/fused_sampling.py)
+    if logits.is_cuda and logits.shape[1] <= FUSED_MAX_VOCAB and _FUSED_SAMPLER.usable:  # kernels/fused_sampling.py
         noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
         ids = _FUSED_SAMPLER.run(lambda: _fused_sample(logits, table, seen, noise, filtered))
         if ids is not None:
@@ -219,6 +219,7 @@ def sample_static(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor,
 
 
 _FUSED_SAMPLER = sampling_filters.TritonGuard("fused sampling")
+FUSED_MAX_VOCAB = 65_536  # wider rows: the PyTorch form (its topk beat one program per row at 151,936 ids)
 
 
 def _fused_sample(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, noise: torch.Tensor,

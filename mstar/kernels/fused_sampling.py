@@ -47,8 +47,9 @@ def _sample_kernel(logits_ptr, seen_ptr, table_ptr, noise_ptr, x_ptr, cand_ptr, 
     seen_factor = tl.load(t + 2) * inv_temp
     seen_neg_factor = tl.load(t + 1) * inv_temp
     x_row = x_ptr + row * vocab
-    top = tl.full((), -float("inf"), tl.float32)
-    top_id = tl.full((), 0, tl.int64)
+    # per-lane running max and its first id: one cross-warp reduction after the loop, not one per block
+    lane_top = tl.full((BLOCK,), -float("inf"), tl.float32)
+    lane_id = tl.zeros((BLOCK,), tl.int32)
     for b in range(NB):
         offs = b * BLOCK + tl.arange(0, BLOCK)
         inside = offs < vocab
@@ -57,18 +58,23 @@ def _sample_kernel(logits_ptr, seen_ptr, table_ptr, noise_ptr, x_ptr, cand_ptr, 
         factor = tl.where(seen != 0, tl.where(raw > 0, seen_factor, seen_neg_factor), inv_temp)
         x = raw * factor
         tl.store(x_row + offs, x, mask=inside)
-        block_top = tl.max(x, axis=0)
-        top_id = tl.where(block_top > top, tl.argmax(x, axis=0).to(tl.int64) + b * BLOCK, top_id)
-        top = tl.maximum(top, block_top)
+        lane_id = tl.where(x > lane_top, offs, lane_id)
+        lane_top = tl.maximum(lane_top, x)
+    top = tl.max(lane_top, axis=0)
+    top_id = tl.min(tl.where(lane_top == top, lane_id, 2147483647), axis=0).to(tl.int64)
     tl.debug_barrier()  # the stored logits are read back by other threads
-    total = tl.zeros((), tl.float32)
+    lane_total = tl.zeros((BLOCK,), tl.float32)
     counts = tl.zeros((BINS,), tl.int32)
     for b in range(NB):
         offs = b * BLOCK + tl.arange(0, BLOCK)
         inside = offs < vocab
         x = tl.load(x_row + offs, mask=inside, other=-float("inf"))
-        total += tl.sum(tl.exp(x - top), axis=0)
-        counts += tl.histogram(_bins(x, top, BINS, BIN_SCALE), BINS, mask=inside)
+        lane_total += tl.exp(x - top)
+        bins = _bins(x, top, BINS, BIN_SCALE)
+        # the catch-all last bin is never a candidate: left uncounted (a shared-memory atomic per id, all
+        # on one address, where most of a large vocabulary lies far below the max)
+        counts += tl.histogram(bins, BINS, mask=inside & (bins < BINS - 1))
+    total = tl.sum(lane_total, axis=0)
     lse = top + tl.log(total)
     min_p = tl.load(t + 5)
     tl.store(lse_ptr + row, lse)
@@ -87,8 +93,8 @@ def _sample_kernel(logits_ptr, seen_ptr, table_ptr, noise_ptr, x_ptr, cand_ptr, 
                          counts, top, total, tl.load(t + 3), tl.load(t + 4), min_p, vocab, NB, BLOCK, CAND, BINS,
                          BIN_SCALE)
     else:  # neither top-k nor top-p: race over the whole vocabulary (min-p applied), as race_full does
-        best = tl.full((), -2.0, tl.float32)
-        best_id = tl.full((), 0, tl.int64)
+        lane_best = tl.full((BLOCK,), -2.0, tl.float32)
+        lane_id = tl.zeros((BLOCK,), tl.int32)
         for b in range(NB):
             offs = b * BLOCK + tl.arange(0, BLOCK)
             inside = offs < vocab
@@ -97,9 +103,10 @@ def _sample_kernel(logits_ptr, seen_ptr, table_ptr, noise_ptr, x_ptr, cand_ptr, 
             p = tl.exp(x - top) / total
             p = tl.where(p < min_p * (1.0 / total), 0.0, p)
             score = tl.where(inside, p / e, -1.0)
-            block_best = tl.max(score, axis=0)
-            best_id = tl.where(block_best > best, tl.argmax(score, axis=0).to(tl.int64) + b * BLOCK, best_id)
-            best = tl.maximum(best, block_best)
+            lane_id = tl.where(score > lane_best, offs, lane_id)
+            lane_best = tl.maximum(lane_best, score)
+        best = tl.max(lane_best, axis=0)
+        best_id = tl.min(tl.where(lane_best == best, lane_id, 2147483647), axis=0).to(tl.int64)
         tl.store(ids_ptr + row, best_id)
         tl.store(need_ptr + row, 0)
 
@@ -145,7 +152,7 @@ def _race_candidates(x_row, cand_row, noise_row, id_ptr, need_ptr, counts, top, 
 
 
 def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, noise: torch.Tensor,
-                filtered: bool = False, block: int = 2048, num_warps: int = 16) -> torch.Tensor:
+                filtered: bool = False, block: int = 8192, num_warps: int = 16) -> torch.Tensor:
     """Ids [N] (columns of `logits`) drawn from float32 `logits` [N, V] as `sampling.sample_static`
     draws them: `table` [N, C] float32 `RowTable.columns` rows, `seen` [N, V] bool seen-token masks,
     Exp(1) `noise` [N, V]; `filtered`: every row samples under top-k or top-p. Rows whose nucleus

@@ -80,30 +80,29 @@ TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
     (1, 156940, 3072): SkinnyConfig(block_m=1, block_n=2, block_k=1024, split_k=1, num_warps=4, num_stages=1),
     (8, 156940, 3072): SkinnyConfig(block_m=16, block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4),
     (16, 156940, 3072): SkinnyConfig(block_m=16, block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4),
-    # M = 2 and 4 (benchmarks/results/gemv_sweep_h200_m24.json); at M = 4 F.linear still wins but for o_proj.
-    # The fold_k sweep (gemv_sweep_h200_foldk.json) found faster folded configs (down at M = 4: 16.6 us vs
-    # 21.5); they wait here until tests/gpu/test_gemv_gpu.py::test_tuned_gemv_configs_equal_f_linear passes
-    # with them on a GPU (with the reshape that could regroup across rows, the norm-folded GEMV failed).
-    (2, 5120, 3072): SkinnyConfig(block_m=2, block_n=4, block_k=1024, split_k=1, num_warps=4, num_stages=2),
-    (4, 5120, 3072): SkinnyConfig(block_m=4, block_n=4, block_k=1024, split_k=1, num_warps=4, num_stages=2),
-    (2, 3072, 3072): SkinnyConfig(block_m=2, block_n=4, block_k=1024, split_k=1, num_warps=4, num_stages=1),
-    (4, 3072, 3072): SkinnyConfig(block_m=4, block_n=4, block_k=1024, split_k=1, num_warps=4, num_stages=1),
+    # M = 2 and 4: the fold_k sweep's winners (benchmarks/results/gemv_sweep_h200_foldk.json; down at M = 4:
+    # 16.6 us vs 21.5 unfolded), which pass tests/gpu/test_gemv_gpu.py::test_tuned_gemv_configs_equal_f_linear
+    # and the norm-folded GEMV tests on an H200 (gpu_tests_h200.txt).
+    (2, 5120, 3072): SkinnyConfig(block_m=2, block_n=4, block_k=1024, split_k=1, num_warps=4, num_stages=3, fold_k=1),
+    (4, 5120, 3072): SkinnyConfig(block_m=4, block_n=4, block_k=512, split_k=1, num_warps=4, num_stages=3, fold_k=8),
+    (2, 3072, 3072): SkinnyConfig(block_m=2, block_n=4, block_k=1024, split_k=1, num_warps=4, num_stages=1, fold_k=8),
+    (4, 3072, 3072): SkinnyConfig(block_m=4, block_n=2, block_k=1024, split_k=1, num_warps=4, num_stages=1, fold_k=8),
     (2, 16384, 3072): SkinnyConfig(block_m=2, block_n=4, block_k=1024, split_k=1, num_warps=4, num_stages=1),
-    (4, 16384, 3072): SkinnyConfig(block_m=4, block_n=4, block_k=1024, split_k=1, num_warps=4, num_stages=2),
-    (2, 3072, 8192): SkinnyConfig(block_m=2, block_n=2, block_k=2048, split_k=1, num_warps=4, num_stages=1),
-    (4, 3072, 8192): SkinnyConfig(block_m=4, block_n=2, block_k=1024, split_k=1, num_warps=4, num_stages=3),
+    (4, 16384, 3072): SkinnyConfig(block_m=4, block_n=8, block_k=1024, split_k=1, num_warps=4, num_stages=3, fold_k=8),
+    (2, 3072, 8192): SkinnyConfig(block_m=2, block_n=2, block_k=1024, split_k=1, num_warps=2, num_stages=1, fold_k=8),
+    (4, 3072, 8192): SkinnyConfig(block_m=4, block_n=8, block_k=1024, split_k=1, num_warps=4, num_stages=3, fold_k=8),
     # Orpheus' speakable head rows (benchmarks/results/gemv_sweep_h200_span.json)
     (1, 28680, 3072): SkinnyConfig(block_m=1, block_n=2, block_k=1024, split_k=1, num_warps=2, num_stages=2),
-    (2, 28680, 3072): SkinnyConfig(block_m=2, block_n=4, block_k=1024, split_k=1, num_warps=4, num_stages=2),
-    (4, 28680, 3072): SkinnyConfig(block_m=4, block_n=4, block_k=1024, split_k=1, num_warps=4, num_stages=2),
+    (2, 28680, 3072): SkinnyConfig(block_m=2, block_n=4, block_k=1024, split_k=1, num_warps=4, num_stages=1, fold_k=1),
+    (4, 28680, 3072): SkinnyConfig(block_m=4, block_n=8, block_k=1024, split_k=1, num_warps=4, num_stages=2, fold_k=8),
     (8, 28680, 3072): SkinnyConfig(block_m=16, block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=3),
     (16, 28680, 3072): SkinnyConfig(block_m=16, block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=3),
 }
 # The same for skinny_silu_and_mul_linear, keyed by (M bucket, N, I) of the down projection.
 TUNED_SILU_DOWN: dict[tuple[int, int, int], SkinnyConfig] = {
     (1, 3072, 8192): SkinnyConfig(block_m=1, block_n=8, block_k=1024, split_k=1, num_warps=4, num_stages=2),
-    (2, 3072, 8192): SkinnyConfig(block_m=2, block_n=4, block_k=2048, split_k=1, num_warps=8, num_stages=2),
-    (4, 3072, 8192): SkinnyConfig(block_m=4, block_n=4, block_k=1024, split_k=1, num_warps=4, num_stages=2),
+    (2, 3072, 8192): SkinnyConfig(block_m=2, block_n=4, block_k=2048, split_k=1, num_warps=8, num_stages=2, fold_k=8),
+    (4, 3072, 8192): SkinnyConfig(block_m=4, block_n=16, block_k=1024, split_k=1, num_warps=4, num_stages=2, fold_k=8),
 }
 # The same for skinny_norm_linear (RMSNorm folded into the x-load), keyed by (M bucket, N, K); empty
 # until swept: such shapes use the plain GEMV's config (`pick_config`).
