@@ -118,6 +118,7 @@ def test_fused_sampling_equals_the_torch_form_on_cuda(monkeypatch, vocab):
             draws = []
             for fused in (True, False):
                 monkeypatch.setattr(sampling._FUSED_SAMPLER, "usable", fused)
+                monkeypatch.setattr(sampling, "FUSED_MAX_VOCAB", 1 << 30)
                 torch.manual_seed(7)
                 draws.append(sampling.sample_static(logits[picked], table[picked], seen[picked], filtered).tolist())
             assert draws[0] == draws[1], (vocab, scale, filtered)
