@@ -13,7 +13,10 @@ bisects the nucleus threshold in the order-preserving integer image of the float
 f(c) = the probability mass of tokens whose key is > c, a token of key c is kept iff f(c) < top_p
 (the mass strictly before it in sorted order; tied logits are kept or dropped together). Each pass
 evaluates f at NS split points at once, so ~10 passes over the row pin the threshold to one key;
-one more pass runs the exponential race over the kept tokens (p >= pmin for min-p).
+one more pass runs the exponential race over the kept tokens (p >= pmin for min-p). With `top_k`, a
+first bisection on the count of greater keys finds the k-th key (ties with it kept), and top-p then
+takes its fraction of the mass at or above it (`kernels/fused_sampling.py` sends such rows here when
+the top k do not fit its candidates).
 """
 
 from __future__ import annotations
