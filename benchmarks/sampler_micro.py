@@ -42,12 +42,33 @@ def case(vocab: int, batch: int, mix: str, scale: float, fused: bool) -> float:
     return graph_time_us(lambda x: sampling.sample_static(x, table, seen, mix == "orpheus"), logits)
 
 
+def kernel_configs(vocab: int, batch: int, configs: list[str]) -> dict[str, float]:
+    """GPU us of `fused_sampling.sample_rows` alone (Orpheus rows, peaked logits) per BLOCKxWARPS config."""
+    from mstar.kernels.fused_sampling import sample_rows
+
+    rows = [SamplingRow(ORPHEUS, list(range(i, i + 300)), 100) for i in range(batch)]
+    table = RowTable.columns(rows, vocab).cuda()
+    seen = seen_masks(rows, vocab, torch.device("cuda"))
+    noise = torch.empty(batch, vocab, device="cuda").exponential_()
+    logits = torch.randn(batch, vocab, device="cuda") * 3.0
+    out = {}
+    for config in configs:
+        block, warps = (int(v) for v in config.split("x"))
+        def draw(x: torch.Tensor, block: int = block, warps: int = warps) -> torch.Tensor:
+            return sample_rows(x, table, seen, noise, True, block, warps)
+
+        out[config] = round(graph_time_us(draw, logits), 2)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vocab", type=int, nargs="+", default=[28_680, 151_936])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     ap.add_argument("--mix", nargs="+", default=["orpheus", "mixed"], choices=["orpheus", "mixed"])
     ap.add_argument("--scale", type=float, nargs="+", default=[3.0, 0.5])
+    ap.add_argument("--kernel-configs", nargs="*", default=[], metavar="BLOCKxWARPS",
+                    help="also time sample_rows alone at these block sizes and warp counts, e.g. 8192x16 4096x8")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     results = []
@@ -61,9 +82,17 @@ def main() -> None:
                     print(json.dumps(row), flush=True)
                     results.append(row)
     sampling._FUSED_SAMPLER.usable = True
+    kernel = []
+    if args.kernel_configs:
+        for vocab in args.vocab:
+            for batch in args.batch:
+                row = {"vocab": vocab, "batch": batch, **kernel_configs(vocab, batch, args.kernel_configs)}
+                print(json.dumps(row), flush=True)
+                kernel.append(row)
     out = {"command": "python3 " + " ".join(sys.argv), "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "timing": "graph_time_us: back-to-back sample_static calls in one CUDA graph", "rows": results}
+           "timing": "graph_time_us: back-to-back sample_static calls in one CUDA graph", "rows": results,
+           "sample_rows_us_by_config": kernel}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1) + "\n")
