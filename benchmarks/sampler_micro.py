@@ -42,8 +42,9 @@ def case(vocab: int, batch: int, mix: str, scale: float, fused: bool) -> float:
     return graph_time_us(lambda x: sampling.sample_static(x, table, seen, mix == "orpheus"), logits)
 
 
-def kernel_configs(vocab: int, batch: int, configs: list[str]) -> dict[str, float]:
-    """GPU us of `fused_sampling.sample_rows` alone (Orpheus rows, peaked logits) per BLOCKxWARPS config."""
+def kernel_configs(vocab: int, batch: int, configs: list[str], stops: tuple[int, ...] = (0,)) -> dict[str, float]:
+    """GPU us of `fused_sampling.sample_rows` alone (Orpheus rows, peaked logits) per BLOCKxWARPS config
+    and per phase (`stop`: 1-3 end the kernel after its first, second walk, the candidates' copy)."""
     from mstar.kernels.fused_sampling import sample_rows
 
     rows = [SamplingRow(ORPHEUS, list(range(i, i + 300)), 100) for i in range(batch)]
@@ -69,6 +70,8 @@ def main() -> None:
     ap.add_argument("--scale", type=float, nargs="+", default=[3.0, 0.5])
     ap.add_argument("--kernel-configs", nargs="*", default=[], metavar="BLOCKxWARPS",
                     help="also time sample_rows alone at these block sizes and warp counts, e.g. 8192x16 4096x8")
+    ap.add_argument("--phases", action="store_true", help="with --kernel-configs: also time the kernel cut "
+                    "after each phase (first walk; second walk with the histogram; the candidates' copy)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     results = []
@@ -86,7 +89,8 @@ def main() -> None:
     if args.kernel_configs:
         for vocab in args.vocab:
             for batch in args.batch:
-                row = {"vocab": vocab, "batch": batch, **kernel_configs(vocab, batch, args.kernel_configs)}
+                stops = (1, 2, 3, 0) if args.phases else (0,)
+                row = {"vocab": vocab, "batch": batch, **kernel_configs(vocab, batch, args.kernel_configs, stops)}
                 print(json.dumps(row), flush=True)
                 kernel.append(row)
     out = {"command": "python3 " + " ".join(sys.argv), "device": torch.cuda.get_device_name(),

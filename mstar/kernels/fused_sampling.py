@@ -40,7 +40,10 @@ def _bins(x, top, BINS: tl.constexpr, BIN_SCALE: tl.constexpr):
 @triton.jit
 def _sample_kernel(logits_ptr, seen_ptr, table_ptr, noise_ptr, x_ptr, cand_ptr, ids_ptr, need_ptr, lse_ptr, pmin_ptr,
                    vocab, stride_l, stride_s, stride_t, stride_n, FILTERED: tl.constexpr, NB: tl.constexpr,
-                   BLOCK: tl.constexpr, CAND: tl.constexpr, BINS: tl.constexpr, BIN_SCALE: tl.constexpr):
+                   BLOCK: tl.constexpr, CAND: tl.constexpr, BINS: tl.constexpr, BIN_SCALE: tl.constexpr,
+                   STOP: tl.constexpr = 0):
+    # STOP (benchmarks/sampler_micro.py --phases): 1, 2, 3 end the kernel after the first walk, the second,
+    # the candidates' copy (what it stores then is meaningless); 0 runs it all
     row = tl.program_id(0)
     t = table_ptr + row * stride_t  # RowTable.columns: 1/T, penalty, 1/penalty, top_k, top_p, min_p, greedy, filtered
     inv_temp = tl.load(t)
@@ -62,6 +65,9 @@ def _sample_kernel(logits_ptr, seen_ptr, table_ptr, noise_ptr, x_ptr, cand_ptr, 
         lane_top = tl.maximum(lane_top, x)
     top = tl.max(lane_top, axis=0)
     top_id = tl.min(tl.where(lane_top == top, lane_id, 2147483647), axis=0).to(tl.int64)
+    if STOP == 1:
+        tl.store(ids_ptr + row, top_id)
+        return
     tl.debug_barrier()  # the stored logits are read back by other threads
     lane_total = tl.zeros((BLOCK,), tl.float32)
     counts = tl.zeros((BINS,), tl.int32)
@@ -75,6 +81,9 @@ def _sample_kernel(logits_ptr, seen_ptr, table_ptr, noise_ptr, x_ptr, cand_ptr, 
         # on one address, where most of a large vocabulary lies far below the max)
         counts += tl.histogram(bins, BINS, mask=inside & (bins < BINS - 1))
     total = tl.sum(lane_total, axis=0)
+    if STOP == 2:
+        tl.store(ids_ptr + row, tl.sum(counts, axis=0).to(tl.int64) + total.to(tl.int64))
+        return
     lse = top + tl.log(total)
     min_p = tl.load(t + 5)
     tl.store(lse_ptr + row, lse)
@@ -84,14 +93,14 @@ def _sample_kernel(logits_ptr, seen_ptr, table_ptr, noise_ptr, x_ptr, cand_ptr, 
     if FILTERED:
         _race_candidates(x_row, cand_ptr + row * CAND, noise_ptr + row * stride_n, ids_ptr + row, need_ptr + row,
                          counts, top, total, tl.load(t + 3), tl.load(t + 4), min_p, vocab, NB, BLOCK, CAND, BINS,
-                         BIN_SCALE)
+                         BIN_SCALE, STOP)
     elif greedy:
         tl.store(ids_ptr + row, top_id)
         tl.store(need_ptr + row, 0)
     elif filtered:
         _race_candidates(x_row, cand_ptr + row * CAND, noise_ptr + row * stride_n, ids_ptr + row, need_ptr + row,
                          counts, top, total, tl.load(t + 3), tl.load(t + 4), min_p, vocab, NB, BLOCK, CAND, BINS,
-                         BIN_SCALE)
+                         BIN_SCALE, STOP)
     else:  # neither top-k nor top-p: race over the whole vocabulary (min-p applied), as race_full does
         lane_best = tl.full((BLOCK,), -2.0, tl.float32)
         lane_id = tl.zeros((BLOCK,), tl.int32)
@@ -114,7 +123,7 @@ def _sample_kernel(logits_ptr, seen_ptr, table_ptr, noise_ptr, x_ptr, cand_ptr, 
 @triton.jit
 def _race_candidates(x_row, cand_row, noise_row, id_ptr, need_ptr, counts, top, total, top_k, top_p, min_p, vocab,
                      NB: tl.constexpr, BLOCK: tl.constexpr, CAND: tl.constexpr, BINS: tl.constexpr,
-                     BIN_SCALE: tl.constexpr):
+                     BIN_SCALE: tl.constexpr, STOP: tl.constexpr):
     # the whole bins nearest the max that fit in CAND (never the last, catch-all bin)
     fit = tl.minimum(tl.sum((tl.cumsum(counts, axis=0) <= CAND).to(tl.int32), axis=0), BINS - 1)
     base = tl.zeros((), tl.int32)
@@ -126,6 +135,9 @@ def _race_candidates(x_row, cand_row, noise_row, id_ptr, need_ptr, counts, top, 
         packed = (order_key(x) << 32) | (2147483647 - offs).to(tl.int64)
         tl.store(cand_row + slot, packed, mask=take)
         base += tl.sum(take.to(tl.int32), axis=0)
+    if STOP == 3:
+        tl.store(id_ptr, base.to(tl.int64))
+        return
     tl.debug_barrier()  # the candidates are read back by other threads
     ranks = tl.arange(0, CAND)
     valid = ranks < base
@@ -152,12 +164,13 @@ def _race_candidates(x_row, cand_row, noise_row, id_ptr, need_ptr, counts, top, 
 
 
 def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, noise: torch.Tensor,
-                filtered: bool = False, block: int = 8192, num_warps: int = 16) -> torch.Tensor:
+                filtered: bool = False, block: int = 8192, num_warps: int = 16, stop: int = 0) -> torch.Tensor:
     """Ids [N] (columns of `logits`) drawn from float32 `logits` [N, V] as `sampling.sample_static`
     draws them: `table` [N, C] float32 `RowTable.columns` rows, `seen` [N, V] bool seen-token masks,
     Exp(1) `noise` [N, V]; `filtered`: every row samples under top-k or top-p. Rows whose nucleus
     reaches past the candidates are redrawn over the whole vocabulary by `nucleus.nucleus_race_`.
-    Two launches, no host sync (CUDA-graph capturable)."""
+    Two launches, no host sync (CUDA-graph capturable). `stop` (1-3) ends the kernel early and returns
+    garbage: for timing its phases alone (benchmarks/sampler_micro.py)."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and seen.stride(1) == 1 and noise.stride(1) == 1 and table.stride(1) == 1
     assert seen.shape == logits.shape and noise.shape == logits.shape and table.shape[0] == rows
@@ -171,6 +184,7 @@ def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, n
         _sample_kernel[(rows,)](logits, seen.view(torch.uint8), table, noise, x, cand, ids, need, lse, pmin, vocab,
                                 logits.stride(0), seen.stride(0), table.stride(0), noise.stride(0),
                                 FILTERED=filtered, NB=triton.cdiv(vocab, block), BLOCK=block, CAND=CANDIDATES,
-                                BINS=BINS, BIN_SCALE=BIN_SCALE, num_warps=num_warps)
-        nucleus_race_(x, noise, ids, need, lse, table[:, 4], pmin, top_k=table[:, 3])
+                                BINS=BINS, BIN_SCALE=BIN_SCALE, STOP=stop, num_warps=num_warps)
+        if not stop:
+            nucleus_race_(x, noise, ids, need, lse, table[:, 4], pmin, top_k=table[:, 3])
     return ids
