@@ -122,3 +122,28 @@ def test_fused_sampling_equals_the_torch_form_on_cuda(monkeypatch, vocab):
                 torch.manual_seed(7)
                 draws.append(sampling.sample_static(logits[picked], table[picked], seen[picked], filtered).tolist())
             assert draws[0] == draws[1], (vocab, scale, filtered)
+
+
+@pytest.mark.parametrize("config", [(8192, 16), (4096, 16), (4096, 8), (2048, 8), (16384, 16), (8192, 8), (8192, 32)])
+def test_fused_sampling_block_configs_draw_the_same(monkeypatch, config):
+    """Every (block, warps) config `benchmarks/sampler_micro.py --kernel-configs` times draws what the
+    PyTorch form draws, on peaked and flat Orpheus-width rows."""
+    import mstar.engines.sampling as sampling
+    from mstar.kernels.fused_sampling import sample_rows
+
+    vocab = 28_680
+    gen = torch.Generator(device="cuda").manual_seed(sum(config))
+    params = [SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3), SamplingParams(top_k=40),
+              SamplingParams(top_p=0.5, min_p=0.02)]
+    rows = [SamplingRow(p, list(range(i, i + 50)), 40) for i, p in enumerate(params)]
+    table = filters.RowTable.columns(rows, vocab).cuda()
+    seen = filters.seen_masks(rows, vocab, torch.device("cuda"))
+    monkeypatch.setattr(sampling._FUSED_SAMPLER, "usable", False)  # sample_static: the PyTorch form
+    for scale in (3.0, 0.3):
+        logits = torch.randn(len(rows), vocab, device="cuda", generator=gen) * scale
+        torch.manual_seed(3)
+        noise = torch.empty(logits.shape, device="cuda").exponential_()
+        torch.manual_seed(3)
+        expected = sampling.sample_static(logits, table, seen, True)
+        got = sample_rows(logits, table, seen, noise, True, *config)
+        assert got.tolist() == expected.tolist(), (config, scale)
