@@ -9,7 +9,9 @@ logits three times:
 2. sum exp(x - max) (the softmax normaliser) and count the ids per bin of (max - x) * BIN_SCALE;
 3. copy the ids of the bins nearest the max, as many whole bins as fit in CANDIDATES, into a buffer
    of keys packing the float's order-preserving integer image over the complement of the id.
-Then `tl.sort` orders the candidates (ties lowest id first) and the rest is the prefilter race of
+Where bins whose smallest possible mass already reaches top_p (and at least top_k ids) hold at most
+SHORT_SORT ids, only those are copied, and sorted in a short sort. Then `tl.sort` orders the candidates
+(ties lowest id first) and the rest is the prefilter race of
 `sampling_filters`: top-k by rank, top-p on the cumulative mass (over the full normaliser, or the
 top k's), min-p against the top probability, argmax(p / E) with the caller's Exp(1) noise E. A row
 whose nucleus may reach past the candidates (flat logits: the candidates' mass is under top_p, or
@@ -27,6 +29,7 @@ import triton.language as tl
 from mstar.kernels.nucleus import nucleus_race_, order_key
 
 CANDIDATES = 1024  # = sampling_filters.PREFILTER_K: the widest top-k the sampler graphs serve
+SHORT_SORT = 128  # candidates sorted in the short sort, when enough of the nucleus fits in them
 BINS = 256  # bins of the distance below the max ...
 BIN_SCALE = 8.0  # ... 1/8 of a logit wide: the last bin holds everything 32 or more below the max
 
@@ -40,8 +43,8 @@ def _bins(x, top, BINS: tl.constexpr, BIN_SCALE: tl.constexpr):
 @triton.jit
 def _sample_kernel(logits_ptr, seen_ptr, table_ptr, noise_ptr, x_ptr, cand_ptr, ids_ptr, need_ptr, lse_ptr, pmin_ptr,
                    vocab, stride_l, stride_s, stride_t, stride_n, FILTERED: tl.constexpr, NB: tl.constexpr,
-                   BLOCK: tl.constexpr, CAND: tl.constexpr, BINS: tl.constexpr, BIN_SCALE: tl.constexpr,
-                   STOP: tl.constexpr = 0):
+                   BLOCK: tl.constexpr, CAND: tl.constexpr, SMALL: tl.constexpr, BINS: tl.constexpr,
+                   BIN_SCALE: tl.constexpr, STOP: tl.constexpr = 0):
     # STOP (benchmarks/sampler_micro.py --phases): 1, 2, 3 end the kernel after the first walk, the second,
     # the candidates' copy (what it stores then is meaningless); 0 runs it all
     row = tl.program_id(0)
@@ -92,15 +95,15 @@ def _sample_kernel(logits_ptr, seen_ptr, table_ptr, noise_ptr, x_ptr, cand_ptr, 
     filtered = tl.load(t + 7) > 0
     if FILTERED:
         _race_candidates(x_row, cand_ptr + row * CAND, noise_ptr + row * stride_n, ids_ptr + row, need_ptr + row,
-                         counts, top, total, tl.load(t + 3), tl.load(t + 4), min_p, vocab, NB, BLOCK, CAND, BINS,
-                         BIN_SCALE, STOP)
+                         counts, top, total, tl.load(t + 3), tl.load(t + 4), min_p, vocab, NB, BLOCK, CAND, SMALL,
+                         BINS, BIN_SCALE, STOP)
     elif greedy:
         tl.store(ids_ptr + row, top_id)
         tl.store(need_ptr + row, 0)
     elif filtered:
         _race_candidates(x_row, cand_ptr + row * CAND, noise_ptr + row * stride_n, ids_ptr + row, need_ptr + row,
-                         counts, top, total, tl.load(t + 3), tl.load(t + 4), min_p, vocab, NB, BLOCK, CAND, BINS,
-                         BIN_SCALE, STOP)
+                         counts, top, total, tl.load(t + 3), tl.load(t + 4), min_p, vocab, NB, BLOCK, CAND, SMALL,
+                         BINS, BIN_SCALE, STOP)
     else:  # neither top-k nor top-p: race over the whole vocabulary (min-p applied), as race_full does
         lane_best = tl.full((BLOCK,), -2.0, tl.float32)
         lane_id = tl.zeros((BLOCK,), tl.int32)
@@ -122,10 +125,20 @@ def _sample_kernel(logits_ptr, seen_ptr, table_ptr, noise_ptr, x_ptr, cand_ptr, 
 
 @triton.jit
 def _race_candidates(x_row, cand_row, noise_row, id_ptr, need_ptr, counts, top, total, top_k, top_p, min_p, vocab,
-                     NB: tl.constexpr, BLOCK: tl.constexpr, CAND: tl.constexpr, BINS: tl.constexpr,
-                     BIN_SCALE: tl.constexpr, STOP: tl.constexpr):
-    # the whole bins nearest the max that fit in CAND (never the last, catch-all bin)
-    fit = tl.minimum(tl.sum((tl.cumsum(counts, axis=0) <= CAND).to(tl.int32), axis=0), BINS - 1)
+                     NB: tl.constexpr, BLOCK: tl.constexpr, CAND: tl.constexpr, SMALL: tl.constexpr,
+                     BINS: tl.constexpr, BIN_SCALE: tl.constexpr, STOP: tl.constexpr):
+    # Candidates are whole bins nearest the max (never the last, catch-all bin). Enough of them: bins whose
+    # smallest possible mass already reaches top_p, and at least top_k ids; if those fit in SMALL, only
+    # they are sorted (a short sort), else as many bins as fit in CAND.
+    cum_counts = tl.cumsum(counts, axis=0)
+    fit = tl.minimum(tl.sum((cum_counts <= CAND).to(tl.int32), axis=0), BINS - 1)
+    bin_floor = tl.exp(-(tl.arange(0, BINS) + 1).to(tl.float32) / BIN_SCALE)  # e = exp(x - max) above it
+    short_p = tl.sum((tl.cumsum(counts.to(tl.float32) * bin_floor, axis=0) < top_p * total).to(tl.int32), axis=0) + 1
+    short_k = tl.sum((cum_counts.to(tl.float32) < top_k).to(tl.int32), axis=0) + 1
+    short = tl.maximum(tl.where(top_p < 1.0, short_p, 0), tl.where(top_k < vocab, short_k, 0))
+    short_count = tl.sum(tl.where(tl.arange(0, BINS) == short - 1, cum_counts, 0), axis=0)
+    use_short = (short >= 1) & (short < BINS) & (short_count <= SMALL)
+    fit = tl.where(use_short, short, fit)
     base = tl.zeros((), tl.int32)
     for b in range(NB):
         offs = b * BLOCK + tl.arange(0, BLOCK)
@@ -139,8 +152,18 @@ def _race_candidates(x_row, cand_row, noise_row, id_ptr, need_ptr, counts, top, 
         tl.store(id_ptr, base.to(tl.int64))
         return
     tl.debug_barrier()  # the candidates are read back by other threads
-    ranks = tl.arange(0, CAND)
-    valid = ranks < base
+    if base <= SMALL:
+        _race_sorted(cand_row, noise_row, id_ptr, need_ptr, base, top, total, top_k, top_p, min_p, vocab, SMALL)
+    else:
+        _race_sorted(cand_row, noise_row, id_ptr, need_ptr, base, top, total, top_k, top_p, min_p, vocab, CAND)
+
+
+@triton.jit
+def _race_sorted(cand_row, noise_row, id_ptr, need_ptr, count, top, total, top_k, top_p, min_p, vocab,
+                 N: tl.constexpr):
+    """Sort the `count` (<= N) packed candidates and race them as `sampling_filters._race_prefiltered`."""
+    ranks = tl.arange(0, N)
+    valid = ranks < count
     packed = tl.sort(tl.load(cand_row + ranks, mask=valid, other=-9223372036854775807 - 1), descending=True)
     ids = 2147483647 - (packed & 0xFFFFFFFF)
     key = (packed >> 32).to(tl.int32)
@@ -153,10 +176,10 @@ def _race_candidates(x_row, cand_row, noise_row, id_ptr, need_ptr, counts, top, 
     cum = tl.cumsum(p, axis=0)
     p_first = tl.sum(tl.where(ranks == 0, p, 0.0), axis=0)
     keep = valid & (cum - p < top_p) & (p >= min_p * p_first)  # the mass strictly before a token is below top_p
-    last = ranks == base - 1
+    last = ranks == count - 1
     cum_last = tl.sum(tl.where(last, cum, 0.0), axis=0)
     p_last = tl.sum(tl.where(last, p, 0.0), axis=0)
-    covered = (has_top_k & (base.to(tl.float32) >= top_k)) | (cum_last >= top_p) | (p_last < min_p * p_first)
+    covered = (has_top_k & (count.to(tl.float32) >= top_k)) | (cum_last >= top_p) | (p_last < min_p * p_first)
     noise = tl.load(noise_row + ids, mask=valid, other=1.0)
     best = tl.argmax(tl.where(keep, p / noise, -1.0), axis=0)
     tl.store(id_ptr, tl.sum(tl.where(ranks == best, ids, 0), axis=0))
@@ -184,7 +207,7 @@ def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, n
         _sample_kernel[(rows,)](logits, seen.view(torch.uint8), table, noise, x, cand, ids, need, lse, pmin, vocab,
                                 logits.stride(0), seen.stride(0), table.stride(0), noise.stride(0),
                                 FILTERED=filtered, NB=triton.cdiv(vocab, block), BLOCK=block, CAND=CANDIDATES,
-                                BINS=BINS, BIN_SCALE=BIN_SCALE, STOP=stop, num_warps=num_warps)
+                                SMALL=SHORT_SORT, BINS=BINS, BIN_SCALE=BIN_SCALE, STOP=stop, num_warps=num_warps)
         if not stop:
             nucleus_race_(x, noise, ids, need, lse, table[:, 4], pmin, top_k=table[:, 3])
     return ids
