@@ -55,10 +55,11 @@ def kernel_configs(vocab: int, batch: int, configs: list[str], stops: tuple[int,
     out = {}
     for config in configs:
         block, warps = (int(v) for v in config.split("x"))
-        def draw(x: torch.Tensor, block: int = block, warps: int = warps) -> torch.Tensor:
-            return sample_rows(x, table, seen, noise, True, block, warps)
+        for stop in stops:
+            def draw(x: torch.Tensor, block: int = block, warps: int = warps, stop: int = stop) -> torch.Tensor:
+                return sample_rows(x, table, seen, noise, True, block, warps, stop)
 
-        out[config] = round(graph_time_us(draw, logits), 2)
+            out[config if stop == 0 else f"{config}_stop{stop}"] = round(graph_time_us(draw, logits), 2)
     return out
 
 

@@ -42,7 +42,7 @@ def _bins(x, top, BINS: tl.constexpr, BIN_SCALE: tl.constexpr):
 
 @triton.jit
 def _sample_kernel(logits_ptr, seen_ptr, table_ptr, noise_ptr, x_ptr, cand_ptr, ids_ptr, need_ptr, lse_ptr, pmin_ptr,
-                   vocab, stride_l, stride_s, stride_t, stride_n, FILTERED: tl.constexpr, NB: tl.constexpr,
+                   top_p_ptr, top_k_ptr, vocab, stride_l, stride_s, stride_t, stride_n, FILTERED: tl.constexpr, NB: tl.constexpr,
                    BLOCK: tl.constexpr, CAND: tl.constexpr, SMALL: tl.constexpr, BINS: tl.constexpr,
                    BIN_SCALE: tl.constexpr, STOP: tl.constexpr = 0):
     # STOP (benchmarks/sampler_micro.py --phases): 1, 2, 3 end the kernel after the first walk, the second,
@@ -91,6 +91,8 @@ def _sample_kernel(logits_ptr, seen_ptr, table_ptr, noise_ptr, x_ptr, cand_ptr, 
     min_p = tl.load(t + 5)
     tl.store(lse_ptr + row, lse)
     tl.store(pmin_ptr + row, min_p * tl.exp(top - lse))
+    tl.store(top_p_ptr + row, tl.load(t + 4))  # the fallback's parameters, contiguous
+    tl.store(top_k_ptr + row, tl.load(t + 3))
     greedy = tl.load(t + 6) > 0
     filtered = tl.load(t + 7) > 0
     if FILTERED:
@@ -187,12 +189,12 @@ def _race_sorted(cand_row, noise_row, id_ptr, need_ptr, count, top, total, top_k
 
 
 def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, noise: torch.Tensor,
-                filtered: bool = False, block: int = 8192, num_warps: int = 16, stop: int = 0) -> torch.Tensor:
+                filtered: bool = False, block: int = 16384, num_warps: int = 16, stop: int = 0) -> torch.Tensor:
     """Ids [N] (columns of `logits`) drawn from float32 `logits` [N, V] as `sampling.sample_static`
     draws them: `table` [N, C] float32 `RowTable.columns` rows, `seen` [N, V] bool seen-token masks,
     Exp(1) `noise` [N, V]; `filtered`: every row samples under top-k or top-p. Rows whose nucleus
     reaches past the candidates are redrawn over the whole vocabulary by `nucleus.nucleus_race_`.
-    Two launches, no host sync (CUDA-graph capturable). `stop` (1-3) ends the kernel early and returns
+    Two launches (nothing is copied between them), no host sync (CUDA-graph capturable). `stop` (1-3) ends the kernel early and returns
     garbage: for timing its phases alone (benchmarks/sampler_micro.py)."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and seen.stride(1) == 1 and noise.stride(1) == 1 and table.stride(1) == 1
@@ -203,11 +205,14 @@ def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, n
     need = torch.empty(rows, dtype=torch.int32, device=logits.device)
     lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
     pmin = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    top_p = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    top_k = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
-        _sample_kernel[(rows,)](logits, seen.view(torch.uint8), table, noise, x, cand, ids, need, lse, pmin, vocab,
+        _sample_kernel[(rows,)](logits, seen.view(torch.uint8), table, noise, x, cand, ids, need, lse, pmin, top_p,
+                                top_k, vocab,
                                 logits.stride(0), seen.stride(0), table.stride(0), noise.stride(0),
                                 FILTERED=filtered, NB=triton.cdiv(vocab, block), BLOCK=block, CAND=CANDIDATES,
                                 SMALL=SHORT_SORT, BINS=BINS, BIN_SCALE=BIN_SCALE, STOP=stop, num_warps=num_warps)
         if not stop:
-            nucleus_race_(x, noise, ids, need, lse, table[:, 4], pmin, top_k=table[:, 3])
+            nucleus_race_(x, noise, ids, need, lse, top_p, pmin, top_k=top_k)
     return ids
