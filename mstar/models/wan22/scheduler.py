@@ -82,7 +82,10 @@ def step(state: UniPCState, model_output: torch.Tensor, sample: torch.Tensor) ->
     if state.done:
         raise ValueError(f"the scheduler already took all {state.num_steps} steps")
     config, index = state.config, state.step_index
-    sigmas = state.schedule.sigmas.to(sample.device)
+    # The coefficients stay on the CPU, as 0-d tensors: a CUDA op takes them as scalar arguments. Moving
+    # the sigmas to the GPU cost a blocking copy (the host waited for the DiT step queued before it) and
+    # some forty one-element kernels and a linalg.solve, all while the GPU idled between DiT steps.
+    sigmas = state.schedule.sigmas
     x0 = sample - sigmas[index] * model_output
     if index > 0 and (index - 1) not in config.disable_corrector and state.last_sample is not None:
         sample = _correct(state, x0, sigmas)
@@ -129,7 +132,7 @@ def _predict(state: UniPCState, x: torch.Tensor, sigmas: torch.Tensor, order: in
     if order > 1:
         diffs = [(outputs[-(i + 1)] - m0) / rks[i - 1] for i in range(1, order)]
         if order == 2:
-            rhos = torch.full((1,), 0.5, dtype=x.dtype, device=x.device)
+            rhos = torch.full((1,), 0.5, dtype=x.dtype)
         else:
             rhos = torch.linalg.solve(rows[:-1, :-1], b[:-1]).to(x.dtype)
         x_t = x_t - alpha_t * b_h * sum(r * d for r, d in zip(rhos, diffs, strict=True))
@@ -145,7 +148,7 @@ def _correct(state: UniPCState, model_t: torch.Tensor, sigmas: torch.Tensor) -> 
     h_phi_1, b_h, rows, b, rks = _coefficients(state.config, sigma_t, sigma_s0, earlier, order)
     m0, alpha_t = outputs[-1], 1 - sigma_t
     if order == 1:
-        rhos = torch.full((1,), 0.5, dtype=x.dtype, device=x.device)
+        rhos = torch.full((1,), 0.5, dtype=x.dtype)
     else:
         rhos = torch.linalg.solve(rows, b).to(x.dtype)
     diffs = [(outputs[-(i + 1)] - m0) / rks[i - 1] for i in range(1, order)]
