@@ -64,9 +64,14 @@ class TalkerInput(nn.Module):
         return self.codec_embedding(ids)
 
     def tts(self) -> dict[str, torch.Tensor]:
-        """Projected tts_bos / tts_eos / tts_pad rows: name -> [H]."""
-        rows = self.text_projection(self.tts_rows)
-        return dict(zip(("tts_bos", "tts_eos", "tts_pad"), rows))
+        """Projected tts_bos / tts_eos / tts_pad rows: name -> [H]. Computed once per state of the
+        weights it reads (their in-place version counters), not on every talker step."""
+        params = (self.tts_rows, *self.text_projection.parameters())
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        if getattr(self, "_tts_key", None) != key:
+            rows = self.text_projection(self.tts_rows)
+            self._tts, self._tts_key = dict(zip(("tts_bos", "tts_eos", "tts_pad"), rows)), key
+        return self._tts
 
     @torch.no_grad()
     def run_batch(self, walk: str, node: str, inputs: Sequence[Mapping[str, torch.Tensor]],
@@ -75,8 +80,11 @@ class TalkerInput(nn.Module):
         steps = [i for i, x in enumerate(inputs) if "frame_index" in x]
         texts = self._step_texts([inputs[i] for i in steps], tts)
         outputs: list[dict[str, torch.Tensor]] = [{} for _ in inputs]
-        for i, text in zip(steps, texts):
-            outputs[i] = self._step(inputs[i], text)
+        if steps:  # every step's embedding row (codec sum + text) in one add, not one per request
+            sums = torch.stack([self._on_device(inputs[i]["codec_embed_sum"]) for i in steps])
+            embeds = sums + torch.stack(texts)
+            for row, i in enumerate(steps):
+                outputs[i] = self._step(inputs[i], embeds[row : row + 1])
         for i, (x, o) in enumerate(zip(inputs, options)):
             if "frame_index" not in x:
                 outputs[i] = self._prompt(x, o, tts)
@@ -126,14 +134,13 @@ class TalkerInput(nn.Module):
                 texts[i] = projected[row]
         return texts  # type: ignore[return-value]
 
-    def _step(self, x: Mapping[str, torch.Tensor], text: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _step(self, x: Mapping[str, torch.Tensor], embeds: torch.Tensor) -> dict[str, torch.Tensor]:
         states = x.get("thinker_states")
         ended = x["text_ended"] if states is not None and states.shape[1] > 0 else torch.tensor(True)
         # the previous step's position (the prompt's, at the first step) plus one: where the engine
         # continues anyway (kept on the host, so the talker reads it without a sync)
         last = x["talker_pos"] if "talker_pos" in x else x["talker_positions"] + int(x["frame_index"])
         position = int(last.max()) + 1
-        embeds = (self._on_device(x["codec_embed_sum"]) + text)[None]
         return {"talker_ids": x["first_code"].reshape(1), "talker_embeds": embeds,
                 "talker_pos": torch.full((3, 1), position, dtype=torch.long),
                 "frame_index": x["frame_index"] + 1, "text_ended": ended}
