@@ -18,6 +18,10 @@ whose nucleus may reach past the candidates (flat logits: the candidates' mass i
 fewer than top_k fit) is flagged and left to `nucleus.nucleus_race_`, the exact whole-vocabulary
 bisection, which exits at once for every other row. Rows with neither top-k nor top-p race over
 the whole vocabulary in a fourth walk.
+
+On an H200 at batch 1 over Orpheus's window: 56 µs for `sample_static` against 89 in the PyTorch form
+(`benchmarks/sampler_micro.py`); walks 2 and 3 take 20 µs each (the histogram's shared-memory atomics,
+the copy's block-wide scan), the sorts and the race 3.
 """
 
 from __future__ import annotations
