@@ -49,3 +49,25 @@ def test_unmasked_embeddings_cover_every_token() -> None:
     inputs.add(0, 4, extras)
     (offsets, values, _), = inputs.rows_in(2, 1)  # a decode step's one row: a slice of the item's rows
     assert offsets.tolist() == [0] and values.data_ptr() == embeds[2].data_ptr()
+
+
+def test_decode_positions_keep_what_was_given_and_the_fast_path_only_when_default():
+    """One-token adds (decode steps): positions equal to the default leave no explicit entry (the
+    sequence keeps its prefix-cache share), others are stored; either way `positions` returns what
+    was given, for 1- and 3-row positions and after shifted prompts."""
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 3):
+        ti = TokenInputs()
+        prompt = torch.arange(6).expand(rows, -1).contiguous() + 4  # shifted by 4
+        ti.add(0, 6, ItemExtras(positions=prompt))
+        n, shareable = 6, ti.num_shareable
+        for _ in range(40):
+            default = int(ti.positions(n, 1)[0, 0])
+            jump = int(torch.randint(0, 3, (), generator=gen))  # 0: the default position (fast path)
+            given = torch.full((rows, 1), default + jump, dtype=torch.long)
+            ti.add(n, 1, ItemExtras(positions=given))
+            assert ti.positions(n, 1).tolist() == [[default + jump]] * (3 if ti.multi_row else 1)
+            if jump == 0:
+                assert ti.num_shareable == shareable, "a default position must not be stored"
+            shareable = ti.num_shareable
+            n += 1
