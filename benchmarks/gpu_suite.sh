@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_extra|omni|omni2|profile_omni|code2wav|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_extra|omni|omni2|profile_omni|code2wav|sampler|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -85,6 +85,15 @@ fi
 if [[ $WHAT == orpheus_ab ]]; then  # the sweep without, then with prefill graphs (cuda_graphs.prefill_tokens)
   orpheus_sweep configs/orpheus_eager_prefill.yaml orpheus_bench_h200_eager_prefill
   orpheus_sweep configs/orpheus.yaml orpheus_bench_h200
+fi
+if [[ $WHAT == wan_quick ]]; then  # the UniPC step's no-sync test, then 50 steps at concurrency 1 (about a minute)
+  run 60 gpu_tests_wan22_scheduler python3 -m pytest -q -m gpu tests/gpu/test_wan22_scheduler_gpu.py -p no:cacheprovider
+  run 120 wan_bench_quick python3 benchmarks/wan_bench.py --skip-diffusers --steps 50 --concurrency 1 \
+      --out "$OUT/wan_bench_h200.json"
+fi
+if [[ $WHAT == sampler ]]; then  # the fused sampler against the PyTorch form, and its phases
+  run 120 sampler_micro python3 benchmarks/sampler_micro.py --vocab 28680 --batch 1 4 16 --scale 3.0 \
+      --kernel-configs 16384x16 --phases --out "$OUT/sampler_micro_h200.json"
 fi
 if [[ $WHAT == wan || $WHAT == all ]]; then
   run 60 wan_block_ops python3 benchmarks/wan_block_ops.py --out "$OUT/wan_block_ops_h200.json"
