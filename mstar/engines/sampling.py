@@ -27,6 +27,7 @@ import torch
 from mstar.engines import sampling_filters
 from mstar.engines.cuda_graphs import to_device_async
 from mstar.engines.sampling_filters import RowTable, pick, seen_masks
+from mstar.kernels.guard import KernelGuard
 
 MAX_LOGPROBS = 20  # most top alternatives a request may ask for (the OpenAI limit)
 
@@ -204,9 +205,10 @@ def sample_static(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor,
     Every stage runs for every row; for the same noise each row gets the token `sample` gives it.
     `filtered`: the caller promises that every row samples (temperature > 0) under top-k or top-p,
     so the stages for greedy and unfiltered rows are left out."""
-    if logits.is_cuda and logits.shape[1] <= FUSED_MAX_VOCAB and _FUSED_SAMPLER.usable:  # kernels/fused_sampling.py
+    if (logits.is_cuda and logits.shape[1] <= FUSED_MAX_VOCAB and _FUSED_SAMPLER.usable
+            and sampling_filters.triton_available()):  # one launch: kernels/fused_sampling.py
         noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
-        ids = _FUSED_SAMPLER.run(lambda: _fused_sample(logits, table, seen, noise, filtered))
+        ids = _FUSED_SAMPLER.run(lambda: _fused_sample(logits, table, seen, noise, filtered), lambda: None)
         if ids is not None:
             return ids
     t = RowTable.general(table, logits.shape[1], filtered)
@@ -218,7 +220,7 @@ def sample_static(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor,
     return sampled if filtered else torch.where(t.greedy, x.argmax(dim=-1), sampled)
 
 
-_FUSED_SAMPLER = sampling_filters.TritonGuard("fused sampling")
+_FUSED_SAMPLER = KernelGuard("fused sampling")
 FUSED_MAX_VOCAB = 65_536  # wider rows: the PyTorch form (its topk beat one program per row at 151,936 ids)
 
 

@@ -16,20 +16,17 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import logging
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from mstar.engines.cuda_graphs import to_device_async
-
-logger = logging.getLogger(__name__)
+from mstar.kernels.guard import KernelGuard
 
 if TYPE_CHECKING:
     from mstar.engines.sampling import SamplingRow
 
-T = TypeVar("T")
 PREFILTER_K = 1024  # logits per row the top-p nucleus is first looked for in
 COLUMNS = 8  # per-row parameters in a RowTable
 TOP_K_COLUMN, TOP_P_COLUMN, MIN_P_COLUMN = 3, 4, 5  # where `RowTable.columns` puts them
@@ -177,8 +174,9 @@ def _race_prefiltered(x: torch.Tensor, table: RowTable,
     top = vals[:, :1]
     # as softmax computes it (exp(x - max) / sum): nucleus edges fall where the sort-based path puts them
     total = (x - top).exp().sum(dim=-1, keepdim=True)
-    if x.is_cuda and table.table.is_cuda and k <= 4096 and _FUSED_RACE.usable:  # the rest in one kernel
-        fused = _FUSED_RACE.run(lambda: _prefilter_race(vals, idx, total[:, 0], table, noise))
+    if x.is_cuda and table.table.is_cuda and k <= 4096 and _FUSED_RACE.usable and triton_available():
+        # the rest in one kernel (None: it failed once, the PyTorch form below serves from now on)
+        fused = _FUSED_RACE.run(lambda: _prefilter_race(vals, idx, total[:, 0], table, noise), lambda: None)
         if fused is not None:
             ids, covered, lse = fused
             return ids, covered, lse[:, None], vals
@@ -206,29 +204,7 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-class TritonGuard:
-    """A Triton sampling kernel where triton is installed; if it ever fails to compile or launch, the
-    PyTorch form serves from then on (logged once) rather than a step failing."""
-
-    def __init__(self, name: str) -> None:
-        self.name, self.usable = name, True
-
-    def run(self, launch: Callable[[], T]) -> T | None:
-        """`launch()`, or None where the kernel cannot serve (the caller then takes the PyTorch form)."""
-        if not (self.usable and triton_available()):
-            self.usable = False
-            return None
-        try:
-            return launch()
-        except Exception:  # a Triton version that cannot build it: the PyTorch form is exact too
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise  # a capture cannot fall back mid-graph; its warm-up ran the kernel first
-            logger.exception("%s kernel failed; sampling uses the PyTorch form from now on", self.name)
-            self.usable = False
-            return None
-
-
-_FUSED_RACE = TritonGuard("fused prefilter race")
+_FUSED_RACE = KernelGuard("fused prefilter race")
 
 
 def _prefilter_race(vals: torch.Tensor, idx: torch.Tensor, total: torch.Tensor, table: RowTable,

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mstar.layers.fused import FUSED, KernelGuard
+from mstar.kernels.guard import KernelGuard
+from mstar.layers.fused import FUSED
 from mstar.layers.linear import linear
 from mstar.layers.norm import PendingNorm, RMSNorm
 from mstar.layers.rope import apply_rotary

@@ -9,18 +9,12 @@ The switches are read once per process; tests flip `FUSED.enabled` / `FUSED.norm
 
 from __future__ import annotations
 
-import logging
 import os
-from collections.abc import Callable
 from types import ModuleType
-from typing import TypeVar
 
 import torch
 
 from mstar import envs
-
-logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class _Switch:
@@ -45,26 +39,3 @@ class _Switch:
 
 
 FUSED = _Switch()
-
-
-class KernelGuard:
-    """One newer Triton kernel on trial: `run` calls it while it works; if it ever fails to build or
-    launch (a Triton or driver version that cannot compile it), the PyTorch form serves from then on
-    (logged once) rather than every request failing. A failure inside a CUDA-graph capture is raised:
-    a capture cannot switch paths mid-graph, and the eager warm-up before it has run the kernel."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.usable = True
-
-    def run(self, kernel: Callable[[], T], fallback: Callable[[], T]) -> T:
-        """kernel(), or fallback() once the kernel has failed."""
-        if self.usable:
-            try:
-                return kernel()
-            except Exception:
-                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                    raise
-                logger.exception("%s kernel failed; its PyTorch form serves from now on", self.name)
-                self.usable = False
-        return fallback()

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.layers.fused import FUSED, KernelGuard
+from mstar.kernels.guard import KernelGuard
+from mstar.layers.fused import FUSED
 from mstar.layers.mlp import GatedMLP
 
 PATHS = ("small", "grouped", "loop")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from mstar.layers.fused import KernelGuard
+from mstar.kernels.guard import KernelGuard
 
 
 def test_failing_kernel_falls_back_for_good(caplog):

@@ -103,11 +103,11 @@ def test_fused_race_that_fails_hands_over_to_the_torch_form(monkeypatch, caplog)
         raise RuntimeError("no such intrinsic")
 
     monkeypatch.setattr(nucleus, "prefilter_race_", broken)
-    monkeypatch.setattr(filters, "triton_available", lambda: True)
-    race = filters.TritonGuard("fused prefilter race")
+    race = filters.KernelGuard("fused prefilter race")
     rows = [SamplingRow(SamplingParams(top_p=0.8), [1], 1)]
     table = filters.RowTable(rows, 50, torch.device("cpu"))
     vals, idx = torch.randn(1, 50).topk(8)
-    assert race.run(lambda: filters._prefilter_race(vals, idx, torch.ones(1), table, torch.ones(1, 50))) is None
-    assert race.run(lambda: 1 / 0) is None, "a failed kernel is not tried again"
+    assert race.run(lambda: filters._prefilter_race(vals, idx, torch.ones(1), table, torch.ones(1, 50)),
+                    lambda: None) is None
+    assert race.run(lambda: 1 / 0, lambda: None) is None, "a failed kernel is not tried again"
     assert race.usable is False and "fused prefilter race kernel failed" in caplog.text

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from mstar.engines.cuda_graphs import to_device_async
-from mstar.layers.fused import FUSED, KernelGuard
+from mstar.kernels.guard import KernelGuard
+from mstar.layers.fused import FUSED
 
 MAX_VOCAB = 4096  # the fused sampler's limit (kernels/small_vocab_sampling.MAX_VOCAB; that module needs triton)
 _SAMPLER = KernelGuard("small_vocab_sampling")
