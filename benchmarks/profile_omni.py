@@ -68,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--calls", type=int, default=None, help="calls per stateless case (10; --quick: 2)")
     parser.add_argument("--prompt-len", type=int, default=32, help="thinker prompt tokens per sequence")
     parser.add_argument("--device", default=None, help="cuda (default) or cpu (--quick: cpu)")
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
+                        help="also run N frames of the talk loop at the largest batch under cProfile: the "
+                             "host functions by own and by cumulative time go into the JSON (frame_loop_cprofile)")
     parser.add_argument("--out", default=None, help=f"JSON path (default {DEFAULT_OUT.relative_to(ROOT)}; "
                                                     "--quick: profile_omni_quick.json)")
     args = parser.parse_args(argv)
@@ -166,6 +169,8 @@ def run(args) -> dict[str, Any]:
     if {"talker", "code_predictor", "talker_input"} <= set(built):
         t0 = time.perf_counter()
         cases["frame_loop"] = _frame_loop(built, device, args)
+        if args.cprofile:
+            cases["frame_loop_cprofile"] = _frame_loop_cprofile(built, device, args)
         phases["frame_loop"] = round(time.perf_counter() - t0, 2)
     return {"device": _device_name(device), "torch": torch.__version__, "quick": args.quick,
             "batches": args.batches, "components": info, "cases": cases, "phase_s": phases,
@@ -209,6 +214,25 @@ def _frame_loop(built: dict[str, Any], device, args) -> dict[str, Any]:
         except Exception as e:  # keep the other numbers
             logger.exception("frame loop at batch %d failed", b)
             out[f"b{b}"] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def _frame_loop_cprofile(built: dict[str, Any], device, args, top: int = 45) -> dict[str, Any]:
+    """The talk loop at the largest batch under cProfile (its host hot spots; times inflated by the profiler)."""
+    import cProfile
+    import io
+    import pstats
+
+    batch, prof = max(args.batches), cProfile.Profile()
+    prof.enable()
+    dec.frame_loop(built["talker"], built["code_predictor"], built["talker_input"], batch, args.cprofile, device,
+                   warmup=0)
+    prof.disable()
+    out: dict[str, Any] = {"batch": batch, "frames": args.cprofile}
+    for key in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(top)
+        out[f"by_{key}"] = [line for line in text.getvalue().splitlines() if line.strip()][-top - 1:]
     return out
 
 

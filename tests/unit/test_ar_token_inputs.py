@@ -182,3 +182,56 @@ def test_features_of_a_mixed_batch_stay_aligned_with_their_rows():
     assert torch.equal(deep[2:5], torch.zeros(3, 3, 4))  # the middle sequence carried none
     assert torch.equal(deep[5:], torch.full((1, 3, 4), 9.0))
     assert _join_features(embeds, [{}, {}, {}], torch.device("cpu")) == {}
+
+
+def test_decode_row_made_on_arrival_equals_the_general_one():
+    """`decode_row` of a one-token item (made from the values at hand as it arrives) says what
+    `positions` and `rows_in` say, for default, explicit, 3-row and fractional positions, embeddings,
+    masked-out embeddings and features."""
+    from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs
+
+    def general(inputs, start):
+        inputs._step = None  # drop the row made on arrival: decode_row then computes it
+        return inputs.decode_row(start)
+
+    g = torch.Generator().manual_seed(0)
+    inputs, start = TokenInputs(), 6
+    prompt = torch.stack([torch.arange(6), torch.arange(6) * 2, torch.arange(6) + 1])  # M-RoPE-like, max 10
+    inputs.add(0, 6, ItemExtras(embeds=torch.randn(6, 4, generator=g), rows=torch.arange(6), positions=prompt))
+    steps = [
+        ItemExtras(),  # token only: continues from the prompt's max + 1
+        ItemExtras(embeds=torch.randn(1, 4, generator=g), rows=torch.arange(1)),
+        ItemExtras(positions=torch.full((3, 1), 13)),  # the default position, given explicitly
+        ItemExtras(positions=torch.tensor([[20], [21], [22]])),  # explicit, not the default
+        ItemExtras(embeds=torch.randn(1, 4, generator=g), rows=torch.arange(1), positions=torch.tensor([[23]])),
+        ItemExtras(embeds=torch.zeros(0, 4), rows=torch.zeros(0, dtype=torch.long)),  # its embedding masked out
+        ItemExtras(embeds=torch.randn(1, 4, generator=g), rows=torch.arange(1),
+                   features={"deep": torch.randn(1, 2, 4, generator=g)}),
+        ItemExtras(positions=torch.tensor([[30.5], [31.0], [32.0]])),  # fractional (video timing)
+        ItemExtras(),
+    ]
+    for extras in steps:
+        inputs.add(start, 1, extras)
+        made = inputs.decode_row(start)
+        want = general(inputs, start)
+        assert made.positions == want.positions, (start, made.positions, want.positions)
+        assert len(made.positions) == 3  # 3 rows since the prompt
+        assert (made.embed is None) == (want.embed is None) and made.has_features == want.has_features
+        if made.embed is not None:
+            assert torch.equal(made.embed, want.embed)
+        start += 1
+    assert general(inputs, 6).positions == [11.0] * 3 and general(inputs, 9).positions == [20.0, 21.0, 22.0]
+
+
+def test_decode_row_of_one_row_positions_repeats_over_three_rows_once_multi_row():
+    from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs
+
+    inputs = TokenInputs()
+    inputs.add(0, 3, ItemExtras(positions=torch.tensor([[0, 5, 9]])))  # [R, n], as parse_item makes them
+    inputs.add(3, 1, ItemExtras())
+    assert inputs.decode_row(3).positions == [10.0]
+    inputs.add(4, 1, ItemExtras(positions=torch.tensor([[40], [41], [42]])))
+    inputs.add(5, 1, ItemExtras(positions=torch.tensor([[50]])))
+    made = inputs.decode_row(5)
+    inputs._step = None
+    assert made.positions == inputs.decode_row(5).positions == [50.0] * 3

@@ -85,9 +85,8 @@ class ExtrasGraphs:
                 return False
             if inputs.hidden is not None and not set(inputs.hidden.layers) <= set(self.layers):
                 return False
-            for offsets, _values, features in inputs.rows_in(c.start, 1):
-                if len(offsets) and any(v.numel() for v in features.values()):
-                    return False
+            if inputs.decode_row(c.start).has_features:
+                return False
         return True
 
     def inputs(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -98,20 +97,20 @@ class ExtrasGraphs:
             if inputs is None:
                 positions.append([float(c.start)] * self.rows)
             else:
-                pos = inputs.positions(c.start, 1)[:, 0].float()
-                positions.append(pos.expand(self.rows).tolist() if pos.numel() == 1 else pos.tolist())
-                found = [values for offsets, values, _ in inputs.rows_in(c.start, 1) if len(offsets)]
-                embedding = found[0][0] if found else None
+                row = inputs.decode_row(c.start)
+                positions.append(row.positions * self.rows if len(row.positions) == 1 else row.positions)
+                embedding = row.embed
             mask.append(embedding is not None)
             rows.append(self._zero_row if embedding is None else embedding.to(self.device, self._zero_row.dtype))
         return (to_device_async(torch.tensor(positions, dtype=torch.float32), self.device), torch.stack(rows),
                 to_device_async(torch.tensor(mask, dtype=torch.bool), self.device))
 
     def store_hidden(self, chunks: list[Chunk], hidden: tuple[torch.Tensor, ...]) -> None:
-        """Hand each sequence's captured rows (static graph outputs) to its pending capture (a copy)."""
-        captured = dict(zip(self.layers, hidden))
-        for i, c in enumerate(chunks):
-            inputs = c.seq.inputs
-            if inputs is not None and inputs.hidden is not None:
-                inputs.store_hidden(c.start, 1, captured, i)
-
+        """Hand each sequence's captured rows to its pending capture: one copy of the static graph
+        outputs (the next replay overwrites them) for the whole batch, a view of it per sequence."""
+        wanting = [(i, c) for i, c in enumerate(chunks) if c.seq.inputs is not None and c.seq.inputs.hidden is not None]
+        if not wanting:
+            return
+        states = torch.stack(hidden)  # [L, B, H]
+        for i, c in wanting:
+            c.seq.inputs.store_hidden_row(c.start, states, self.layers, i)

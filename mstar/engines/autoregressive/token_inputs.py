@@ -98,6 +98,15 @@ def _hidden_layers(layers: Any, model: Any) -> tuple[int, ...]:
     return layers
 
 
+@dataclass(frozen=True)
+class DecodeRow:
+    """What one token of a sequence brings to a decode step, read without tensor work on the host."""
+
+    positions: list[float]  # its rotary positions, one per position row (3 once positions had 3 rows)
+    embed: torch.Tensor | None  # [H] its input embedding, or None (the token's own embedding)
+    has_features: bool  # it carries model-declared per-token features (deepstack rows ...)
+
+
 @dataclass
 class _Rows:
     start: int  # absolute index of the first token the rows belong to
@@ -127,6 +136,7 @@ class TokenInputs:
         self._float = False  # some explicit positions are fractional (video timing)
         self.num_shareable = sys.maxsize  # tokens before the first one whose K/V depend on more than ids
         self.hidden: _Hidden | None = None
+        self._step: tuple[int, DecodeRow] | None = None  # the last one-token item's row, made as it arrived
 
     @property
     def num_matchable(self) -> int:
@@ -135,6 +145,7 @@ class TokenInputs:
 
     def add(self, start: int, n: int, extras: ItemExtras) -> None:
         """Record the extras of an item whose n tokens start at token index `start`."""
+        explicit = len(self._pos)
         if extras.embeds is not None and extras.rows is not None:
             index = extras.rows + start
             self._rows.append(_Rows(start, index, extras.embeds, extras.features))
@@ -143,6 +154,37 @@ class TokenInputs:
         if extras.positions is not None:
             self._add_positions(start, n, extras.positions)
         self.hidden = _Hidden(extras.hidden_layers, start, n) if extras.hidden_layers else None
+        self._step = (start, self._one_token_row(start, extras, len(self._pos) > explicit)) if n == 1 else None
+
+    def _one_token_row(self, start: int, extras: ItemExtras, explicit: bool) -> DecodeRow:
+        """The DecodeRow of a one-token item just recorded at `start` (what `positions` and `rows_in`
+        would say, from the values at hand: each decode step of each sequence asks for it)."""
+        rows = 3 if self.multi_row else 1
+        first, offset = self._offsets[-1]
+        if explicit:  # non-default positions, [R, 1] on the host
+            values = [float(v) for v in self._pos[-1][1][:, 0].tolist()]
+            positions = values * rows if len(values) == 1 else values
+        elif first <= start:  # the default: continue from the last explicit positions
+            positions = [float(start + offset)] * rows
+        else:  # an offset that starts after this token cannot happen for appended tokens; be exact anyway
+            positions = [float(v) for v in self.positions(start, 1)[:, 0].tolist()]
+        embed, has_features = None, False
+        if extras.embeds is not None and extras.rows is not None and extras.rows.numel():
+            embed = extras.embeds[0]
+            has_features = any(v.numel() for v in extras.features.values())
+        return DecodeRow(positions, embed, has_features)
+
+    def decode_row(self, start: int) -> DecodeRow:
+        """The DecodeRow of token `start` (as made when it arrived for the last one-token item, else
+        from `positions` and `rows_in`)."""
+        if self._step is not None and self._step[0] == start:
+            return self._step[1]
+        positions = [float(v) for v in self.positions(start, 1)[:, 0].tolist()]
+        embed, has_features = None, False
+        for offsets, values, features in self.rows_in(start, 1):
+            if len(offsets):
+                embed, has_features = values[0], any(v.numel() for v in features.values())
+        return DecodeRow(positions, embed, has_features)
 
     def _add_positions(self, start: int, n: int, pos: torch.Tensor) -> None:
         pos = pos.to("cpu")
@@ -206,6 +248,17 @@ class TokenInputs:
             h.buffer = sample.new_zeros(len(h.layers), h.num_tokens, sample.shape[-1])
         for i, layer in enumerate(h.layers):
             h.buffer[i, lo - h.start : hi - h.start] = captured[layer][base + lo - start : base + hi - start]
+
+    def store_hidden_row(self, start: int, states: torch.Tensor, layers: tuple[int, ...], row: int) -> None:
+        """Like `store_hidden` for one decode token: `states` [len(layers), B, H] (the step's own copy)
+        holds it at batch row `row`; a capture of exactly that token and those layers keeps a view."""
+        h = self.hidden
+        if h is None:
+            return
+        if h.start == start and h.num_tokens == 1 and h.layers == layers:
+            h.buffer = states[:, row : row + 1]
+        else:
+            self.store_hidden(start, 1, dict(zip(layers, states.unbind(0))), row)
 
     def take_hidden(self) -> torch.Tensor | None:
         """The finished capture [L, n, H] of the item that just completed (None if it asked for none)."""

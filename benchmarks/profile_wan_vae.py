@@ -1,0 +1,146 @@
+"""Where the Wan2.2 VAE decode of one benchmark video spends its time, per variant.
+
+Full-size Wan2.2-TI2V-5B VAE with seeded dummy weights, latents [1, 48, 9, 30, 52] (832x480, 33 frames,
+the wan_bench shape). Variants (each: one warm-up decode, `--repeats` timed ones, one under torch.profiler):
+
+- `float32`: as served by default (`vae_dtype: float32`, one latent frame per decoder call);
+- `float32_chunk3`: three latent frames per decoder call;
+- `float32_no_tf32`: cuDNN's TF32 off, to show whether the convolutions use TF32 tensor cores at all;
+- `bfloat16`: the VAE in bf16.
+
+For each: wall seconds per decode (host clock around synchronised decodes), kernel milliseconds by category, the top kernels, the
+convolution kernels' total (by name), and the cuDNN TF32 flag. Measures, asserts nothing.
+
+    python3 benchmarks/profile_wan_vae.py [--variants float32 bfloat16] [--out FILE]
+    python3 benchmarks/profile_wan_vae.py --quick    # tiny VAE on CPU (< 30 s): checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
+
+from benchmarks.profile_wan import summarize_kernels  # noqa: E402
+from mstar.models.wan22.vae_weights import load_vae  # noqa: E402
+
+LATENT = (9, 30, 52)
+TINY_LATENT = (3, 4, 6)
+VARIANTS = {  # name -> (dtype, chunk_frames, cuDNN TF32 allowed)
+    "float32": (torch.float32, 1, True),
+    "float32_chunk3": (torch.float32, 3, True),
+    "float32_no_tf32": (torch.float32, 1, False),
+    "bfloat16": (torch.bfloat16, 1, True),
+}
+
+
+@contextlib.contextmanager
+def cudnn_tf32(allowed: bool):
+    previous = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = allowed
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = previous
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def decode_seconds(vae, latents: torch.Tensor, chunk: int, repeats: int, device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(repeats):
+            vae.decode(latents, chunk_frames=chunk)
+    _sync(device)
+    return (time.perf_counter() - start) / repeats
+
+
+def profile_decode(vae, latents: torch.Tensor, chunk: int, device: torch.device) -> dict:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    want = DeviceType.CUDA if device.type == "cuda" else DeviceType.CPU
+    _sync(device)
+    with profile(activities=activities) as prof, torch.no_grad():
+        vae.decode(latents, chunk_frames=chunk)
+        _sync(device)
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type != want or (want == DeviceType.CPU and event.cpu_parent is not None):
+            continue
+        us = event.time_range.elapsed_us() if want == DeviceType.CUDA else event.cpu_time_total
+        totals[event.name][0] += us
+        totals[event.name][1] += 1
+    summary = summarize_kernels(totals, 1, top=15)
+    # kernel_categories files cuDNN's `..._fprop_...` names under attention; here they are convolutions
+    summary["convolution_ms"] = round(sum(us for name, (us, _) in totals.items() if _is_conv(name)) / 1e3, 3)
+    return summary
+
+
+def _is_conv(name: str) -> bool:
+    lowered = name.lower()
+    return any(key in lowered for key in ("conv", "implicit_gemm", "fprop", "dgrad", "wgrad", "winograd"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="tiny VAE on CPU")
+    parser.add_argument("--out", default=None, help="default benchmarks/results/profile_wan_vae_h200.json "
+                        "(--quick: print only)")
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
+    config = None
+    if args.quick:
+        from mstar.models.wan22.vae_config import tiny_vae_config
+
+        config = tiny_vae_config()
+    latent = TINY_LATENT if args.quick else LATENT
+    rows = []
+    for name in args.variants:
+        dtype, chunk, tf32 = VARIANTS[name]
+        vae = load_vae(load_format="dummy", config=config, dtype=dtype, device=device)
+        z_dim = vae.config.z_dim
+        latents = torch.randn(1, z_dim, *latent, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+        with cudnn_tf32(tf32):
+            decode_seconds(vae, latents, chunk, 1, device)  # warm-up: cuDNN plans, allocator
+            seconds = decode_seconds(vae, latents, chunk, args.repeats, device)
+            kernels = profile_decode(vae, latents, chunk, device)
+        row = {"variant": name, "dtype": str(dtype).removeprefix("torch."), "chunk_frames": chunk,
+               "cudnn_allow_tf32": tf32, "decode_s": round(seconds, 4), **kernels}
+        if device.type == "cuda":
+            row["peak_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+            torch.cuda.reset_peak_memory_stats(device)
+        rows.append(row)
+        print(json.dumps({k: row[k] for k in ("variant", "decode_s", "kernel_ms_per_step", "convolution_ms", "categories_ms")}),
+              flush=True)
+        del vae
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result = {"benchmark": "profile_wan_vae", "command": "python3 " + " ".join(sys.argv),
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+              "torch": torch.__version__, "latent": list(latent), "rows": rows}
+    out = args.out or (None if args.quick else "benchmarks/results/profile_wan_vae_h200.json")
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
