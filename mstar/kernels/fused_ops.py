@@ -75,17 +75,34 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, x_stride_t, x_st
 
 
 @triton.jit
-def _store_rotated(a1, a2, like, cos_row, sin_row, out_base, d, hmask, HALF: tl.constexpr):
-    """Store halves a1, a2 (float32 [heads, HALF]) rotated by one token's cos/sin, rounded as torch's
-    `x * cos + rotate_half(x) * sin` rounds in the dtype of `like` (the loaded x): cos/sin (duplicated
-    halves, [freqs, freqs]) cast to it first, each product rounded, then their sum."""
-    dtype = like.dtype
+def rotated(a1, a2, dtype, cos_row, sin_row, d):
+    """Halves a1, a2 (float32 [heads, HALF]) rotated by one token's cos/sin, rounded as torch's
+    `x * cos + rotate_half(x) * sin` rounds in `dtype` (the loaded x's): cos/sin (duplicated halves,
+    [freqs, freqs]; `d` indexes the first) cast to it first, each product rounded, then their sum."""
     c = tl.load(cos_row + d).to(dtype).to(tl.float32)
     s = tl.load(sin_row + d).to(dtype).to(tl.float32)
     o1 = ((a1 * c).to(dtype).to(tl.float32) + (-a2 * s).to(dtype).to(tl.float32)).to(dtype)
     o2 = ((a2 * c).to(dtype).to(tl.float32) + (a1 * s).to(dtype).to(tl.float32)).to(dtype)
+    return o1, o2
+
+
+@triton.jit
+def _store_rotated(a1, a2, like, cos_row, sin_row, out_base, d, hmask, HALF: tl.constexpr):
+    """Store halves a1, a2 rotated as `rotated` makes them (in the dtype of `like`, the loaded x)."""
+    o1, o2 = rotated(a1, a2, like.dtype, cos_row, sin_row, d)
     tl.store(out_base + d, o1, mask=hmask)
     tl.store(out_base + HALF + d, o2, mask=hmask)
+
+
+@triton.jit
+def head_norm(a1, a2, w1, w2, eps, dtype, HALF: tl.constexpr):
+    """RMSNorm of each head (row) over its two halves a1, a2 (float32 [heads, HALF]) with the weight's
+    halves w1, w2, rounded as RMSNorm rounds in `dtype`: the normed value, then times the weight;
+    float32 halves back."""
+    inv = 1.0 / tl.sqrt((tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)) / (2 * HALF) + eps)
+    n1 = ((a1 * inv[:, None]).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+    n2 = ((a2 * inv[:, None]).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    return n1, n2
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -115,16 +132,11 @@ def _qk_norm_rotary_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, num
     base = x_ptr + t * x_stride_t + heads[:, None] * x_stride_h
     x1 = tl.load(base + d, mask=hmask, other=0.0)
     x2 = tl.load(base + HALF + d, mask=hmask, other=0.0)
-    dtype = x1.dtype
-    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
     # RMSNorm over each head's 2 * HALF values (q heads first, with q's weight, then k heads, k's)
-    inv = 1.0 / tl.sqrt((tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)) / (2 * HALF) + eps)
     is_q = heads[:, None] < num_q
     w1 = tl.where(is_q, tl.load(qw_ptr + d), tl.load(kw_ptr + d)).to(tl.float32)
     w2 = tl.where(is_q, tl.load(qw_ptr + HALF + d), tl.load(kw_ptr + HALF + d)).to(tl.float32)
-    # as RMSNorm rounds: the normed value to x's dtype, then times the weight, rounded again
-    n1 = ((a1 * inv[:, None]).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-    n2 = ((a2 * inv[:, None]).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    n1, n2 = head_norm(x1.to(tl.float32), x2.to(tl.float32), w1, w2, eps, x1.dtype, HALF)
     _store_rotated(n1, n2, x1, cos_ptr + t * cs_stride, sin_ptr + t * cs_stride,
                    out_ptr + t * out_stride_t + heads[:, None] * out_stride_h, d, hmask, HALF)
 

@@ -96,3 +96,37 @@ def test_code_predictor_graphs_replay_the_fused_predict():
     assert torch.equal(eager[0], replayed[0])
     torch.testing.assert_close(eager[1], replayed[1])
     assert eager[0].shape == (3, cfg.num_code_groups) and bool((eager[0][:, 1:] < cfg.vocab_size).all())
+
+
+def test_step_attention_equals_the_pytorch_step_in_bf16():
+    """The code predictor's one-token attention step (kernels/step_attention.py) against its PyTorch form
+    (qk-norm rotary, cache copies, cuDNN/flash SDPA) at full size: cache writes as qk_norm_rotary
+    rounds, outputs within bf16 rounding (SDPA's kernels round P and the sum differently)."""
+    from mstar.kernels.step_attention import step_attention
+    from mstar.models.qwen3_omni.code_predictor import _Attention
+    from mstar.models.qwen3_omni.code_predictor_config import CodePredictorConfig
+
+    cfg = CodePredictorConfig.full()
+    layer = _Attention(cfg).cuda().bfloat16()
+    torch.nn.init.normal_(layer.q_norm.weight, 1.0, 0.3)
+    torch.nn.init.normal_(layer.k_norm.weight, 1.0, 0.3)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    cos, sin = RotaryEmbedding(RopeSpec(head_dim=cfg.head_dim, theta=cfg.rope_theta)).cuda()(
+        torch.arange(cfg.num_code_groups, device="cuda"))
+    b, nq, nkv, d, g = 16, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_code_groups
+    keys = torch.randn(b, nkv, g, d, device="cuda", generator=gen).bfloat16()
+    values = torch.randn(b, nkv, g, d, device="cuda", generator=gen).bfloat16()
+    want_keys, want_values = keys.clone(), values.clone()
+    for start in (1, 5, g - 1):
+        heads = (torch.randn(b, nq + 2 * nkv, d, device="cuda", generator=gen) * 2).bfloat16()
+        rc, rs = cos[start:start + 1].expand(b, -1), sin[start:start + 1].expand(b, -1)
+        got = step_attention(heads, layer.q_norm.weight, layer.k_norm.weight, rc[0], rs[0], keys, values, start, nq,
+                             layer.q_norm.eps)
+        FUSED.enabled = False
+        try:
+            want = layer._one_token(heads, rc, rs, (want_keys, want_values), start)
+        finally:
+            FUSED.enabled = True
+        assert torch.equal(values, want_values)
+        torch.testing.assert_close(keys, want_keys, rtol=2 ** -7, atol=2 ** -7)
+        torch.testing.assert_close(got, want, rtol=2 ** -6, atol=2 ** -6)

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.engines.cuda_graphs import to_device_async
+from mstar.kernels.guard import KernelGuard
 from mstar.layers.attention import normed_rotated_qk
+from mstar.layers.fused import FUSED
 from mstar.layers.linear import linear
 from mstar.layers.mlp import GatedMLP
 from mstar.layers.norm import RMSNorm
@@ -31,6 +33,7 @@ from mstar.models.qwen3_omni.code_predictor_sampling import (
 )
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [B, kv_heads, G, head_dim]
+_STEP_ATTENTION = KernelGuard("step_attention")
 
 
 class _Attention(nn.Module):
@@ -53,24 +56,47 @@ class _Attention(nn.Module):
         t, nq, nkv = x.shape[0] // b, cfg.num_heads, cfg.num_kv_heads
         assert t == 1 or start == 0, "a multi-token step must start at position 0 (causal mask alignment)"
         heads = linear(x, self.qkv_proj).view(b * t, nq + 2 * nkv, d)
+        if t == 1:
+            return linear(self._one_token(heads, cos, sin, cache, start).reshape(b, self.q_size), self.o_proj)
         qk = normed_rotated_qk(heads[:, :nq + nkv], self.q_norm, self.k_norm, nq, cos, sin)
         q, k = qk.split([nq, nkv], dim=1)
-        v = heads[:, nq + nkv:]
         keys, values = cache
-        keys[:, :, start:start + t] = k.view(b, t, nkv, d).transpose(1, 2)
-        values[:, :, start:start + t] = v.view(b, t, nkv, d).transpose(1, 2)
-        if t == 1:
+        keys[:, :, :t] = k.view(b, t, nkv, d).transpose(1, 2)
+        values[:, :, :t] = heads[:, nq + nkv:].view(b, t, nkv, d).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q.reshape(b, t, nq, d).transpose(1, 2), keys[:, :, :t], values[:, :, :t], is_causal=True,
+            enable_gqa=nq != nkv,
+        ).transpose(1, 2)
+        return linear(out.reshape(b * t, self.q_size), self.o_proj)
+
+    def _one_token(self, heads: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   cache: tuple[torch.Tensor, torch.Tensor], start: int) -> torch.Tensor:
+        """Attention of one token per sequence at position `start` (heads [b, Hq + 2 Hkv, D], every
+        row's cos/sin the same): its k/v written into the cache, the output [b, Hq, D]. One launch where
+        the fused kernels serve (`kernels/step_attention.py`), else qk-norm rotary, two cache copies and SDPA."""
+        cfg, d = self.cfg, self.cfg.head_dim
+        nq, nkv, b = cfg.num_heads, cfg.num_kv_heads, heads.shape[0]
+        keys, values = cache
+
+        def unfused() -> torch.Tensor:
+            qk = normed_rotated_qk(heads[:, :nq + nkv], self.q_norm, self.k_norm, nq, cos, sin)
+            keys[:, :, start] = qk[:, nq:]
+            values[:, :, start] = heads[:, nq + nkv:]
             # One query per sequence sees every cached position: no mask, and the query heads of a kv
             # head (consecutive, as GQA repeats kv heads) become that head's queries, so SDPA needs no
             # GQA expansion and takes a fused kernel.
-            out = F.scaled_dot_product_attention(q.reshape(b, nkv, nq // nkv, d), keys[:, :, :start + 1],
+            out = F.scaled_dot_product_attention(qk[:, :nq].reshape(b, nkv, nq // nkv, d), keys[:, :, :start + 1],
                                                  values[:, :, :start + 1])
-        else:
-            out = F.scaled_dot_product_attention(
-                q.reshape(b, t, nq, d).transpose(1, 2), keys[:, :, :t], values[:, :, :t], is_causal=True,
-                enable_gqa=nq != nkv,
-            ).transpose(1, 2)
-        return linear(out.reshape(b * t, self.q_size), self.o_proj)
+            return out.reshape(b, nq, d)
+
+        if FUSED.ops_for(heads) is None or self.q_norm.eps != self.k_norm.eps or cos[0].stride(0) != 1:
+            return unfused()
+        from mstar.kernels.step_attention import step_attention, supports
+
+        if not supports(nq, nkv, d, keys.shape[2]) or keys.stride(3) != 1 or keys.stride() != values.stride():
+            return unfused()
+        return _STEP_ATTENTION.run(lambda: step_attention(heads, self.q_norm.weight, self.k_norm.weight, cos[0], sin[0],
+                                                          keys, values, start, nq, self.q_norm.eps), unfused)
 
 
 class _Layer(nn.Module):
