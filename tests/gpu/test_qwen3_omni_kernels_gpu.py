@@ -130,3 +130,31 @@ def test_step_attention_equals_the_pytorch_step_in_bf16():
         assert torch.equal(values, want_values)
         torch.testing.assert_close(keys, want_keys, rtol=2 ** -7, atol=2 ** -7)
         torch.testing.assert_close(got, want, rtol=2 ** -6, atol=2 ** -6)
+
+
+def test_sample_and_embed_equals_its_pytorch_form_in_bf16():
+    """The code predictor's per-step draw with the codebook lookup and running sum in the sampler's launch
+    (small_vocab_sampling.sample_embed_rows) against sample_step + embedding + add, sampled and greedy."""
+    from mstar.models.qwen3_omni.code_predictor_sampling import sample_and_embed
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    b, vocab, hidden = 16, 2048, 1024
+    table = torch.tensor([[0.0, vocab, 2.0], [1.0, 50, 0.8], [0.9, vocab, 0.8], [1.0, vocab, 2.0]] * 4, device="cuda")
+    sampled = SamplingTensors(table[:, 0], table[:, 1].long(), table[:, 2],
+                              torch.empty(b, 2, vocab, device="cuda").exponential_(generator=gen))
+    greedy = SamplingTensors(torch.zeros(b, device="cuda"), torch.full((b,), vocab, device="cuda"),
+                             torch.full((b,), 2.0, device="cuda"), None)
+    codebook = torch.randn(vocab, hidden, device="cuda", generator=gen).bfloat16()
+    for st in (sampled, greedy):
+        embed_sum = torch.randn(b, hidden, device="cuda", generator=gen).bfloat16()
+        for step in range(2):
+            logits = (torch.randn(b, vocab, device="cuda", generator=gen) * 3).bfloat16()
+            got = sample_and_embed(logits, st, step, codebook, embed_sum)
+            FUSED.enabled = False
+            try:
+                want = sample_and_embed(logits, st, step, codebook, embed_sum)
+            finally:
+                FUSED.enabled = True
+            for g, w in zip(got, want):
+                assert torch.equal(g, w)
+            embed_sum = got[2]

@@ -7,7 +7,7 @@ import torch
 
 from mstar.kernels import small_vocab_sampling
 from mstar.layers.fused import FUSED
-from mstar.models.qwen3_omni.code_predictor_sampling import MAX_VOCAB, SamplingTensors, sample_step
+from mstar.models.qwen3_omni.code_predictor_sampling import MAX_VOCAB, SamplingTensors, sample_and_embed, sample_step
 
 
 def check(vocab: int) -> None:
@@ -28,11 +28,38 @@ def check(vocab: int) -> None:
         assert got[0] == logits[0].argmax() and got[1] == logits[1].argmax()  # greedy and top_k 1
 
 
+def check_embed(vocab: int, hidden: int, dtype: torch.dtype) -> None:
+    """sample_and_embed through the kernel (codes, embedding rows, running sums) equals its PyTorch form, for
+    a sampled batch and an all-greedy one (noise None), with logits in the head's dtype."""
+    rows = [(0.0, vocab, 2.0), (1.0, vocab, 0.8), (0.7, 5, 0.9), (1.2, vocab, 2.0)]
+    b, steps = len(rows), 2
+    table = torch.tensor(rows, dtype=torch.float64)
+    sampled = SamplingTensors(table[:, 0].float(), table[:, 1].long(), table[:, 2].float(),
+                              torch.empty(b, steps, vocab).exponential_())
+    greedy = SamplingTensors(torch.zeros(b), torch.full((b,), vocab), torch.full((b,), 2.0), None)
+    codebook = torch.randn(vocab, hidden).to(dtype)
+    for st in (sampled, greedy):
+        embed_sum = torch.randn(b, hidden).to(dtype)
+        for step in range(steps):
+            logits = (3 * torch.randn(b, vocab)).to(dtype)
+            got = sample_and_embed(logits, st, step, codebook, embed_sum)
+            FUSED.enabled = False
+            try:
+                want = sample_and_embed(logits, st, step, codebook, embed_sum)
+            finally:
+                FUSED.enabled = True
+            for g, w in zip(got, want):
+                assert g.dtype == w.dtype and torch.equal(g, w), (vocab, step, g, w)
+            embed_sum = got[2]
+
+
 if __name__ == "__main__":
     assert FUSED.ops_for(torch.zeros(1)) is not None and MAX_VOCAB == small_vocab_sampling.MAX_VOCAB
     torch.manual_seed(0)
     for v in (64, 100, 256):  # (the interpreter sorts slowly: 2048, the code predictor's, takes minutes)
         check(v)
+    check_embed(64, 40, torch.float32)
+    check_embed(100, 16, torch.float16)  # (the interpreter rounds float32 -> bfloat16 toward zero; a GPU to nearest)
     try:
         small_vocab_sampling.sample_rows(torch.zeros(2, 5000), torch.ones(2), torch.ones(2).long(), torch.ones(2),
                                          torch.ones(2, 5000))

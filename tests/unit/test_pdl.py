@@ -115,6 +115,7 @@ PDL_KERNELS = {
     "moe_small.py": ("_gate_up_kernel", "_down_kernel"),
     "prefill_attention.py": ("_prefill_kernel",),
     "step_attention.py": ("_step_attention_kernel",),
+    "small_vocab_sampling.py": ("_sample_kernel",),
 }
 WEIGHT_POINTERS = {"w_ptr", "w_ptrs"}  # constant during a step: the only memory read before the wait
 PRE_WAIT_HELPERS = {"pdl_launch_dependents", "_load_w"}  # _load_w(w_ptrs, ...) loads weight tiles

@@ -29,7 +29,7 @@ from mstar.models.qwen3_omni.code_predictor_sampling import (
     CodePredictorSampling,
     SamplingTensors,
     build_sampling_tensors,
-    sample_step,
+    sample_and_embed,
 )
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [B, kv_heads, G, head_dim]
@@ -221,12 +221,11 @@ class CodePredictor(nn.Module):
                 h, residual = layer(h, residual, rows_cos, rows_sin, layer_cache, start, b)
             if t > 1:  # only each sequence's last row feeds the head
                 h, residual = h.view(b, t, -1)[:, -1].contiguous(), residual.view(b, t, -1)[:, -1].contiguous()
-            logits = linear(self.norm.add_forward(h, residual)[0], self.lm_head[step]).float()
-            code = sample_step(logits, sampling, step)
+            logits = linear(self.norm.add_forward(h, residual)[0], self.lm_head[step])
+            # the code, its embedding (the next step's input) and the frame's running sum of them
+            code, x, embed_sum = sample_and_embed(logits, sampling, step, self.codec_embedding[step].weight, embed_sum)
             codes.append(code)
             start += t
-            x = self.codec_embedding[step](code)
-            embed_sum = embed_sum + x
         return torch.stack(codes, dim=1), embed_sum
 
     @torch.no_grad()

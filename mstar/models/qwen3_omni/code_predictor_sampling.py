@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from mstar.engines.cuda_graphs import to_device_async
 from mstar.kernels.guard import KernelGuard
@@ -128,6 +129,28 @@ def sample_step(logits: torch.Tensor, st: SamplingTensors, step: int) -> torch.T
         return _SAMPLER.run(lambda: sample_rows(logits.float(), st.temperature, st.top_k, st.top_p, noise[:, step]),
                             lambda: _sample_reference(logits, st, step))
     return _sample_reference(logits, st, step)
+
+
+def sample_and_embed(logits: torch.Tensor, st: SamplingTensors, step: int, table: torch.Tensor,
+                     embed_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`sample_step` on a step's head output `logits` [B, V] (any float dtype), then each code's row of
+    the codebook's embedding `table` [V, H] and `embed_sum` [B, H] plus it: (codes [B], rows [B, H], new
+    sums [B, H]). One launch where the fused kernels serve (`small_vocab_sampling.sample_embed_rows`),
+    else the PyTorch sampler, an embedding lookup and an add."""
+
+    def unfused() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        code = sample_step(logits.float(), st, step)
+        x = F.embedding(code, table)
+        return code, x, embed_sum + x
+
+    if FUSED.ops_for(logits) is None or logits.shape[-1] > MAX_VOCAB or not embed_sum.is_contiguous() \
+            or table.stride(1) != 1 or embed_sum.dtype != table.dtype:
+        return unfused()
+    from mstar.kernels.small_vocab_sampling import sample_embed_rows
+
+    noise = None if st.noise is None else st.noise[:, step]
+    return _SAMPLER.run(lambda: sample_embed_rows(logits, st.temperature, st.top_k, st.top_p, noise, table, embed_sum),
+                        unfused)
 
 
 def _sample_reference(logits: torch.Tensor, st: SamplingTensors, step: int) -> torch.Tensor:
