@@ -38,12 +38,14 @@ def _sample_kernel(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, noise_ptr, out_pt
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     x = tl.load(logits_ptr + row * stride_l + offs, mask=offs < vocab, other=-float("inf")).to(tl.float32)
-    bits = x.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)  # same order as the floats
-    packed = tl.sort((key << 32) | (BLOCK - 1 - offs).to(tl.int64), descending=True)
-    ids = BLOCK - 1 - (packed & 0xFFFFFFFF)  # ids in descending order of logit
-    picked = tl.sum(tl.where(offs == 0, ids, 0), axis=0)  # the argmax
-    if not GREEDY:
+    if GREEDY:  # every row greedy: the argmax (lowest id among equal logits, as torch's), no sort
+        picked = tl.argmax(x, axis=0, tie_break_left=True).to(tl.int64)
+    else:
+        bits = x.to(tl.int32, bitcast=True)
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)  # same order as the floats
+        packed = tl.sort((key << 32) | (BLOCK - 1 - offs).to(tl.int64), descending=True)
+        ids = BLOCK - 1 - (packed & 0xFFFFFFFF)  # ids in descending order of logit
+        picked = tl.sum(tl.where(offs == 0, ids, 0), axis=0)  # the argmax
         temperature = tl.load(temp_ptr + row)
         if temperature != 0:
             valid = ids < vocab
