@@ -89,3 +89,16 @@ def test_bad_component_names_are_refused(capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--quick", "--components", "vocoder"])
     assert "vocoder" in capsys.readouterr().err
+
+
+def test_cprofile_option_reports_the_talk_loop_host_functions(tmp_path: Path) -> None:
+    out = tmp_path / "omni.json"
+    doc = main(["--quick", "--components", "talker", "talker_input", "code_predictor", "--batches", "2",
+                "--cprofile", "2", "--out", str(out)])
+    prof = doc["cases"]["frame_loop_cprofile"]
+    assert prof["batch"] == 2 and prof["frames"] == 2
+    for key in ("by_tottime", "by_cumulative"):
+        assert prof[key][0].split() == ["ncalls", "tottime", "percall", "cumtime", "percall", "filename:lineno(function)"]
+        assert len(prof[key]) > 10
+    assert any("frame_loop" in line for line in prof["by_cumulative"])
+    assert any("engine.py" in line and "(step)" in line for line in prof["by_cumulative"])

@@ -60,3 +60,18 @@ def test_quick_run_writes_the_report(tmp_path: Path) -> None:
     assert abs(sum(row["categories_ms"].values()) - row["kernel_ms_per_step"]) < 0.01
     assert row["categories_ms"]["GEMM"] > 0 and row["categories_ms"]["attention"] > 0
     assert 0 < len(row["top_kernels"]) <= 25
+
+
+def test_profile_wan_vae_quick_run(tmp_path: Path) -> None:
+    """benchmarks/profile_wan_vae.py --quick: every variant decodes the tiny VAE on CPU and is profiled."""
+    out = tmp_path / "vae.json"
+    proc = subprocess.run([sys.executable, "benchmarks/profile_wan_vae.py", "--quick", "--repeats", "1", "--out",
+                           str(out)], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    rows = {row["variant"]: row for row in doc["rows"]}
+    assert set(rows) == {"float32", "float32_chunk3", "float32_no_tf32", "bfloat16"}
+    for row in rows.values():
+        assert row["decode_s"] > 0 and 0 < row["convolution_ms"] <= row["kernel_ms_per_step"]
+    assert rows["float32_chunk3"]["chunk_frames"] == 3 and rows["bfloat16"]["dtype"] == "bfloat16"
