@@ -18,7 +18,6 @@ convolution kernels' total (by name), and the cuDNN TF32 flag. Measures, asserts
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import platform
 import sys
@@ -43,14 +42,11 @@ VARIANTS = {  # name -> (dtype, chunk_frames, cuDNN TF32 allowed)
 }
 
 
-@contextlib.contextmanager
 def cudnn_tf32(allowed: bool):
-    previous = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = allowed
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.allow_tf32 = previous
+    """cuDNN's TF32 switch set to `allowed` inside the block, its other flags as they are."""
+    cudnn = torch.backends.cudnn
+    return cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                       allow_tf32=allowed)
 
 
 def _sync(device: torch.device) -> None:
