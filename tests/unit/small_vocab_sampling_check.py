@@ -7,7 +7,12 @@ import torch
 
 from mstar.kernels import small_vocab_sampling
 from mstar.layers.fused import FUSED
-from mstar.models.qwen3_omni.code_predictor_sampling import MAX_VOCAB, SamplingTensors, sample_and_embed, sample_step
+from mstar.models.qwen3_omni.code_predictor_sampling import (
+    MAX_VOCAB,
+    SamplingTensors,
+    sample_and_embed,
+    sample_step,
+)
 
 
 def check(vocab: int) -> None:

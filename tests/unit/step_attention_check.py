@@ -8,9 +8,9 @@ import torch
 
 from mstar.kernels.step_attention import step_attention, supports
 from mstar.layers.fused import FUSED
+from mstar.layers.rope import RopeSpec, RotaryEmbedding
 from mstar.models.qwen3_omni.code_predictor import _Attention
 from mstar.models.qwen3_omni.code_predictor_config import CodePredictorConfig
-from mstar.layers.rope import RopeSpec, RotaryEmbedding
 
 
 def check(dtype: torch.dtype, num_heads: int, num_kv: int, head_dim: int, batch: int = 3, groups: int = 16) -> None:
