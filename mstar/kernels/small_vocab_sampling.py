@@ -31,7 +31,7 @@ MAX_VOCAB = 4096  # a row lives in one program's registers
 
 @triton.jit
 def _sample_kernel(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, noise_ptr, out_ptr, table_ptr, sum_ptr, x_out_ptr,
-                   sum_out_ptr, vocab, hidden, stride_l, stride_n, stride_t, BLOCK: tl.constexpr,
+                   sum_out_ptr, vocab, hidden, table_rows, stride_l, stride_n, stride_t, BLOCK: tl.constexpr,
                    GREEDY: tl.constexpr, EMBED: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     pdl_wait(PDL)
@@ -63,7 +63,8 @@ def _sample_kernel(logits_ptr, temp_ptr, top_k_ptr, top_p_ptr, noise_ptr, out_pt
     if EMBED:  # the code's embedding row, and the running sum plus it (rounded as `sum + row` in torch)
         h = tl.arange(0, BLOCK_H)
         hmask = h < hidden
-        emb = tl.load(table_ptr + picked * stride_t + h, mask=hmask, other=0.0)
+        row_id = tl.minimum(tl.maximum(picked, 0), table_rows - 1)  # in the table whatever the logits held (NaN)
+        emb = tl.load(table_ptr + row_id * stride_t + h, mask=hmask, other=0.0)
         acc = tl.load(sum_ptr + row * hidden + h, mask=hmask, other=0.0)
         tl.store(x_out_ptr + row * hidden + h, emb, mask=hmask)
         tl.store(sum_out_ptr + row * hidden + h, (acc.to(tl.float32) + emb.to(tl.float32)).to(acc.dtype), mask=hmask)
@@ -86,7 +87,8 @@ def _launch(logits, temperature, top_k, top_p, noise, out, table=None, embed_sum
     _sample_kernel[(rows,)](
         logits, temperature, top_k, top_p, noise if noise is not None else logits, out,
         table if embed else logits, embed_sum if embed else logits, x_out if embed else logits,
-        sum_out if embed else logits, vocab, hidden, logits.stride(0), noise.stride(0) if noise is not None else 0,
+        sum_out if embed else logits, vocab, hidden, table.shape[0] if embed else 1, logits.stride(0),
+        noise.stride(0) if noise is not None else 0,
         table.stride(0) if embed else 0, BLOCK=block, GREEDY=noise is None, EMBED=embed,
         BLOCK_H=triton.next_power_of_2(hidden), num_warps=min(max(block // 256, 1), 8), **pdl_args(logits.device))
 
