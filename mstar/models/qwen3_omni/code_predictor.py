@@ -155,6 +155,7 @@ class CodePredictor(nn.Module):
         self.talker_codec_embedding = nn.Embedding(cfg.talker_vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(RopeSpec(head_dim=cfg.head_dim, theta=cfg.rope_theta))
         self.graphs: dict[bool, Any] = {}  # sampled? -> BatchGraphs of `predict`, once captured on CUDA
+        self._rope: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None  # (key, (cos, sin) of 0..G-1)
 
     def capture_graphs(self, sizes: Sequence[int]) -> None:
         """Capture `predict` at these batch sizes, for all-greedy batches and for sampled ones (CUDA only).
@@ -202,10 +203,11 @@ class CodePredictor(nn.Module):
         """
         cfg, b = self.cfg, talker_hidden.shape[0]
         dtype, device = self.norm.weight.dtype, self.norm.weight.device
-        cos, sin = self.rotary(torch.arange(cfg.num_code_groups, device=device))
+        cos, sin = self._rope_rows(device)
+        # every position a step reads was written by an earlier step (or by itself): no zero fill
         cache: KVCache = [
-            (torch.zeros(b, cfg.num_kv_heads, cfg.num_code_groups, cfg.head_dim, dtype=dtype, device=device),
-             torch.zeros(b, cfg.num_kv_heads, cfg.num_code_groups, cfg.head_dim, dtype=dtype, device=device))
+            (torch.empty(b, cfg.num_kv_heads, cfg.num_code_groups, cfg.head_dim, dtype=dtype, device=device),
+             torch.empty(b, cfg.num_kv_heads, cfg.num_code_groups, cfg.head_dim, dtype=dtype, device=device))
             for _ in self.layers
         ]
         embed = self.talker_codec_embedding(first_code)
@@ -227,6 +229,18 @@ class CodePredictor(nn.Module):
             codes.append(code)
             start += t
         return torch.stack(codes, dim=1), embed_sum
+
+    def _rope_rows(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [G, head_dim] of positions 0..G-1, made once per device (not a handful of kernels in
+        every frame); inside a CUDA-graph capture they are made but not kept (the capture's pool owns them)."""
+        inv = self.rotary.inv_freq
+        key = (device, inv.dtype, inv.data_ptr(), inv._version)  # made anew if the module was moved or cast
+        if self._rope is None or self._rope[0] != key:
+            rows = self.rotary(torch.arange(self.cfg.num_code_groups, device=device))
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return rows
+            self._rope = (key, rows)
+        return self._rope[1]
 
     @torch.no_grad()
     def run_batch(self, walk: str, node: str, inputs: Sequence[Mapping[str, torch.Tensor]],
