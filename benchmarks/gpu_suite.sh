@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_extra|omni|omni2|profile_omni|code2wav|sampler|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_extra|omni|omni2|omni_quick|profile_omni|code2wav|sampler|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -144,6 +144,11 @@ if [[ $WHAT == omni || $WHAT == all ]]; then
 fi
 if [[ $WHAT == profile_omni || $WHAT == all ]]; then  # the per-component profile (<= 240 s)
   run 300 profile_omni python3 benchmarks/profile_omni.py --out "$OUT/profile_omni_h200.json"
+fi
+if [[ $WHAT == omni_quick ]]; then  # the Omni kernels' GPU tests, then the talk loop's components at 1 and 16 rows (< 3 min)
+  run 120 gpu_tests_omni_kernels python3 -m pytest -q -m gpu tests/gpu/test_qwen3_omni_kernels_gpu.py -p no:cacheprovider
+  run 200 profile_omni_talk python3 benchmarks/profile_omni.py --components talker talker_input code_predictor \
+      --batches 1 16 --out "$OUT/profile_omni_talk_h200.json"
 fi
 if [[ $WHAT == code2wav || $WHAT == all ]]; then  # Code2Wav alone, as served and eagerly (< 2 min)
   run 180 code2wav_bench python3 benchmarks/code2wav_bench.py --out "$OUT/code2wav_bench_h200.json"
