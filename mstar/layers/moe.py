@@ -22,6 +22,7 @@ from torch import nn
 
 from mstar.kernels.guard import KernelGuard
 from mstar.layers.fused import FUSED
+from mstar.layers.linear import linear
 from mstar.layers.mlp import GatedMLP
 
 PATHS = ("small", "grouped", "loop")
@@ -189,10 +190,11 @@ class SparseMoE(nn.Module):
         self.force_path: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.spec.top_k, self.spec.norm_topk_prob)
+        # the router and the shared expert's gate through `linear`: the skinny GEMV where timing picks it
+        weights, ids = route(linear(x, self.gate), self.spec.top_k, self.spec.norm_topk_prob)
         out = self.run_experts(x, ids, weights)
         if self.spec.shared_intermediate_size:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + torch.sigmoid(linear(x, self.shared_expert_gate)) * self.shared_expert(x)
         return out
 
     def run_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
