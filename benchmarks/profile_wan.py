@@ -4,7 +4,8 @@ Full-size DiT (30 layers, hidden 3072), dummy bf16 weights, the benchmark shape 
 9x30x52 latents -> 3,510 tokens, 512 text tokens, per-frame timesteps with frame 0 at 0). "Step" = one
 DiT forward of `batch` rows: batch 2 is one guidance step of one request (cond + uncond batched), batch
 1 one branch. Guidance/UniPC math around the DiT is left out (a few tiny kernels). For every variant
-(eager; eager with cuDNN attention first; --compile: compile_blocks) and batch it reports:
+(eager; eager with cuDNN attention first; eager with the text K/V computed once, as served; CUDA graphs
+replayed as served, `DiTGraphs`; --compile: compile_blocks) and batch it reports:
 
 - wall_ms_per_step: CUDA-event time of back-to-back forwards (what a serving loop sees);
 - kernel_ms_per_step: sum of kernel durations in the profiler trace (GPU busy time); wall - kernel = idle;
@@ -135,12 +136,34 @@ def summarize_kernels(totals: dict[str, list[float]], steps: int, top: int = 25)
     }
 
 
+class CachedText:
+    """The forward as served: the text's cross-attention K/V computed once (as `TextKVCache` keeps them),
+    each forward eager, or replayed from CUDA graphs (`DiTGraphs`, captured at the first forward of a
+    shape) with `graphs`."""
+
+    def __init__(self, model, graphs: bool) -> None:
+        from mstar.models.wan22.dit_graphs import DiTGraphs
+
+        self.model = model
+        self.graphs = DiTGraphs(model, 4, model.proj_out.weight.device) if graphs else None
+        self._kv: dict[int, tuple] = {}
+
+    def __call__(self, latents: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        key = id(text)
+        if key not in self._kv:
+            self._kv[key] = (text, self.model.text_states(text))  # holds text: ids stay unique
+        kv = self._kv[key][1]
+        if self.graphs is not None:
+            return self.graphs(latents, timesteps, kv)
+        return self.model(latents, timesteps, None, text_kv=kv)
+
+
 def measure(model, batch: int, opts: argparse.Namespace, device: torch.device, label: str,
             host_proxy: bool = True) -> dict:
     """Warm-up, wall time, profile and (unless `host_proxy` is False: it would compile another shape)
-    the host-cost proxy of one (variant, batch)."""
+    the host-cost proxy of one (variant, batch). `model` is any callable (latents, timesteps, text)."""
     text_length = 16 if opts.quick else TEXT_LENGTH
-    args = inputs(model, batch, TINY_LATENT if opts.quick else LATENT, text_length)
+    args = inputs(_transformer(model), batch, TINY_LATENT if opts.quick else LATENT, text_length)
     t0 = time.perf_counter()
     time_forwards(model, args, 2, device)  # warm-up (and compile, for the compiled variant)
     warmup_s = time.perf_counter() - t0
@@ -149,7 +172,7 @@ def measure(model, batch: int, opts: argparse.Namespace, device: torch.device, l
     kernels = profile_forwards(model, args, opts.profile_steps, device, trace)
     host = None
     if host_proxy:
-        small = inputs(model, batch, (1, 2, 2), text_length)  # one token: the same kernels, almost no work
+        small = inputs(_transformer(model), batch, (1, 2, 2), text_length)  # one token: same kernels, ~no work
         time_forwards(model, small, 2, device)
         host = round(time_forwards(model, small, opts.steps, device), 3)
     row = {"variant": label, "batch": batch, "warmup_s": round(warmup_s, 2), "wall_ms_per_step": round(wall, 3),
@@ -158,11 +181,20 @@ def measure(model, batch: int, opts: argparse.Namespace, device: torch.device, l
     return row
 
 
-def variants(opts: argparse.Namespace, device: torch.device) -> list[tuple[str, contextlib.AbstractContextManager]]:
-    """(label, context) pairs to run; the cuDNN-first one only where the backend exists (CUDA)."""
-    out: list[tuple[str, contextlib.AbstractContextManager]] = [("eager", contextlib.nullcontext())]
+def _transformer(model):
+    return model.model if isinstance(model, CachedText) else model
+
+
+def variants(opts: argparse.Namespace, device: torch.device) -> list[tuple[str, contextlib.AbstractContextManager, str]]:
+    """(label, context, forward) triples to run: forward "plain" computes the text K/V every forward,
+    "cached" computes them once (as served), "graphs" also replays CUDA graphs (as served on CUDA);
+    the cuDNN-first and graph ones only on CUDA."""
+    out: list[tuple[str, contextlib.AbstractContextManager, str]] = [("eager", contextlib.nullcontext(), "plain")]
     if device.type == "cuda":
-        out.append(("eager_cudnn_first", _backend_first("CUDNN_ATTENTION")))
+        out.append(("eager_cudnn_first", _backend_first("CUDNN_ATTENTION"), "plain"))
+    out.append(("eager_text_cached", contextlib.nullcontext(), "cached"))
+    if device.type == "cuda":
+        out.append(("graphs", contextlib.nullcontext(), "graphs"))
     return out
 
 
@@ -252,9 +284,11 @@ def main() -> None:
     result = {"benchmark": "profile_wan", "command": "python3 " + " ".join(sys.argv), **_versions(device),
               "latent": TINY_LATENT if opts.quick else LATENT, "build_s": round(time.perf_counter() - t0, 1)}
     rows = []
-    for label, ctx in variants(opts, device):
+    for label, ctx, forward in variants(opts, device):
+        fn = model if forward == "plain" else CachedText(model, graphs=forward == "graphs")
         with ctx:
-            rows += [measure(model, b, opts, device, label) for b in opts.batch]
+            rows += [measure(fn, b, opts, device, label) for b in opts.batch]
+        del fn
     if device.type == "cuda":
         result["sdpa_microbench"] = sdpa_microbench(max(opts.batch), device)
         result["gemm_probe"] = gemm_probe(max(opts.batch), device)

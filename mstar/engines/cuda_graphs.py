@@ -82,11 +82,18 @@ class BatchGraphs:
     at least `max(sizes)` rows that every size reads its first rows of: a caller that writes a step's
     inputs there itself (one packed copy for several inputs) passes those rows to `__call__`, which
     then copies nothing. Sizes never replay concurrently (one stream), so sharing is safe.
+
+    `lazy`: nothing is captured up front; a size is captured (warm-up and capture, a few calls of `fn`)
+    the first time a batch runs in it: for functions that are costly to capture at sizes that may never
+    come, such as a DiT forward per exact batch size. `pool` (a `torch.cuda.graph_pool_handle()`) lets
+    several BatchGraphs share one memory pool; like the sizes of one BatchGraphs they must then never
+    replay concurrently, and each call's outputs must be consumed before any of them replays again.
     """
 
     def __init__(self, fn: GraphFn, sizes: Sequence[int], example: Sequence[tuple[tuple[int, ...], torch.dtype]],
                  device: torch.device, before_capture: Callable[[int], None] | None = None,
-                 warmup: int = 2, static_inputs: Sequence[torch.Tensor | None] | None = None) -> None:
+                 warmup: int = 2, static_inputs: Sequence[torch.Tensor | None] | None = None,
+                 lazy: bool = False, pool: tuple[int, int] | None = None) -> None:
         if device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.fn, self.device, self.example = fn, device, list(example)
@@ -94,7 +101,10 @@ class BatchGraphs:
         self._shared = _check_shared(static_inputs, self.example, self.sizes[-1], device)
         self._before = before_capture or (lambda size: None)
         self._graphs: dict[int, _Captured] = {}
-        self._pool = torch.cuda.graph_pool_handle()
+        self._pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self._warmup = warmup
+        if lazy:
+            return
         started = time.perf_counter()
         # Largest first: smaller graphs reuse the memory the largest one reserved in the shared pool.
         for size in reversed(self.sizes):
@@ -106,6 +116,11 @@ class BatchGraphs:
     @property
     def max_batch(self) -> int:
         return self.sizes[-1]
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        """The sizes captured so far (all of `sizes` unless lazy), ascending."""
+        return sorted(self._graphs)
 
     def bucket(self, batch: int) -> int | None:
         """The captured size a batch of `batch` rows runs in (None: too large, run eagerly)."""
@@ -138,10 +153,15 @@ class BatchGraphs:
         size = bucket or self.bucket(batch)
         if size is None or size < batch:
             raise ValueError(f"batch {batch} does not fit the captured sizes {self.sizes}")
-        captured = self._graphs[size]
         # graphs captured under inference mode have inference-tensor inputs, which only take in-place
         # updates inside it (a caller under no_grad, as stateless components run, would raise)
         with torch.inference_mode():
+            captured = self._graphs.get(size)
+            if captured is None:  # lazy: this size's first batch
+                started = time.perf_counter()
+                captured = self._graphs[size] = self._capture(size, self._warmup)
+                logger.info("captured a CUDA graph of %s at batch %d in %.2f s", _name(self.fn), size,
+                            time.perf_counter() - started)
             for static, value in zip(captured.inputs, inputs):
                 if value.data_ptr() != static.data_ptr():
                     static[:batch].copy_(value, non_blocking=True)

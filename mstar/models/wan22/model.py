@@ -49,13 +49,16 @@ class Wan22ServeConfig:
     seed: int = 0  # of dummy / tiny random weights
     compile: bool = False  # torch.compile the DiT blocks' tensor math (compile.py); first forward compiles
     text_cache_rows: int = 16  # DiT rows whose text K/V are kept across steps (~189 MB each at 5B); 0: off
+    # on CUDA, DiT forwards replay CUDA graphs, one per latent shape and row count, each captured on its first
+    # forward (dit_graphs.py; ~0.4 s at 832x480, 2 rows); off with `compile` and under sequence parallelism
+    dit_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"wan22 dtype={self.dtype!r}; choose one of {sorted(_DTYPES)}")
         if self.vae_dtype not in _DTYPES:
             raise ValueError(f"wan22 vae_dtype={self.vae_dtype!r}; choose one of {sorted(_DTYPES)}")
-        for name in ("compile", "vae_autotune"):
+        for name in ("compile", "vae_autotune", "dit_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"wan22 {name}={getattr(self, name)!r} must be true or false (YAML booleans, unquoted)")
         if self.text_cache_rows < 0:
@@ -135,7 +138,8 @@ class Wan22Model(Model):
                 from mstar.models.wan22.compile import compile_blocks
 
                 compile_blocks(transformer)
-            dit = components.DiTComponent(transformer, self.config.text_cache_rows)
+            graph_rows = self.config.max_batch_size if self.config.dit_graphs and not self.config.compile else 0
+            dit = components.DiTComponent(transformer, self.config.text_cache_rows, graph_rows)
             return BuiltComponent(dit, {"max_batch_size": self.config.max_batch_size})
         if name == "scheduler":
             from mstar.models.wan22.combine import GuidanceScheduler
