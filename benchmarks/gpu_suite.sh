@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_extra|omni|omni2|omni_quick|profile_omni|code2wav|sampler|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|omni|omni2|omni_quick|profile_omni|code2wav|sampler|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -86,10 +86,15 @@ if [[ $WHAT == orpheus_ab ]]; then  # the sweep without, then with prefill graph
   orpheus_sweep configs/orpheus_eager_prefill.yaml orpheus_bench_h200_eager_prefill
   orpheus_sweep configs/orpheus.yaml orpheus_bench_h200
 fi
-if [[ $WHAT == wan_quick ]]; then  # the UniPC step's no-sync test, then 50 steps at concurrency 1 (about a minute)
-  run 60 gpu_tests_wan22_scheduler python3 -m pytest -q -m gpu tests/gpu/test_wan22_scheduler_gpu.py -p no:cacheprovider
+if [[ $WHAT == wan_quick ]]; then  # the Wan GPU tests of the served fast paths, then 50 steps at concurrency 1 (~2 min)
+  run 180 gpu_tests_wan22_quick python3 -m pytest -q -m gpu tests/gpu/test_wan22_scheduler_gpu.py \
+      tests/gpu/test_wan22_dit_graphs_gpu.py tests/gpu/test_wan22_vae_gpu.py -p no:cacheprovider
   run 120 wan_bench_quick python3 benchmarks/wan_bench.py --skip-diffusers --steps 50 --concurrency 1 \
       --out "$OUT/wan_bench_h200.json"
+fi
+if [[ $WHAT == wan_profile ]]; then  # one DiT forward (batch 2) per variant, then the VAE decode's variants (~3 min)
+  run 200 profile_wan python3 benchmarks/profile_wan.py --batch 2 --out "$OUT/profile_wan_h200.json"
+  run 200 profile_wan_vae python3 benchmarks/profile_wan_vae.py --out "$OUT/profile_wan_vae_h200.json"
 fi
 if [[ $WHAT == sampler ]]; then  # the fused sampler against the PyTorch form, and its phases
   run 120 sampler_micro python3 benchmarks/sampler_micro.py --vocab 28680 --batch 1 4 16 --scale 3.0 \
