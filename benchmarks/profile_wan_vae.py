@@ -3,13 +3,17 @@
 Full-size Wan2.2-TI2V-5B VAE with seeded dummy weights, latents [1, 48, 9, 30, 52] (832x480, 33 frames,
 the wan_bench shape). Variants (each: one warm-up decode, `--repeats` timed ones, one under torch.profiler):
 
-- `float32`: as served by default (`vae_dtype: float32`, one latent frame per decoder call);
-- `float32_chunk3`: three latent frames per decoder call;
-- `float32_no_tf32`: cuDNN's TF32 off, to show whether the convolutions use TF32 tensor cores at all;
-- `bfloat16`: the VAE in bf16.
+- `float32`: the NCDHW decoder (`vae_dtype: float32`, one latent frame per decoder call), as served until
+  the channels-last one;
+- `float32_cl`: the channels-last decoder with folded conv biases (`models/wan22/vae_channels_last.py`), as
+  served by default on CUDA now;
+- `float32_chunk3`: three latent frames per decoder call (NCDHW);
+- `float32_no_tf32`: cuDNN's TF32 off, to show whether the convolutions use TF32 tensor cores at all (NCDHW);
+- `bfloat16`, `bfloat16_cl`: the VAE in bf16, NCDHW and channels-last.
 
 For each: wall seconds per decode (host clock around synchronised decodes), kernel milliseconds by category, the top kernels, the
-convolution kernels' total (by name), and the cuDNN TF32 flag. Measures, asserts nothing.
+convolution kernels' total (by name), cuDNN's layout conversions (time and launches), and the cuDNN TF32 flag.
+Measures, asserts nothing.
 
     python3 benchmarks/profile_wan_vae.py [--variants float32 bfloat16] [--out FILE]
     python3 benchmarks/profile_wan_vae.py --quick    # tiny VAE on CPU (< 30 s): checks the script
@@ -34,11 +38,13 @@ from mstar.models.wan22.vae_weights import load_vae  # noqa: E402
 
 LATENT = (9, 30, 52)
 TINY_LATENT = (3, 4, 6)
-VARIANTS = {  # name -> (dtype, chunk_frames, cuDNN TF32 allowed)
-    "float32": (torch.float32, 1, True),
-    "float32_chunk3": (torch.float32, 3, True),
-    "float32_no_tf32": (torch.float32, 1, False),
-    "bfloat16": (torch.bfloat16, 1, True),
+VARIANTS = {  # name -> (dtype, chunk_frames, cuDNN TF32 allowed, channels-last decoder)
+    "float32": (torch.float32, 1, True, False),
+    "float32_cl": (torch.float32, 1, True, True),
+    "float32_chunk3": (torch.float32, 3, True, False),
+    "float32_no_tf32": (torch.float32, 1, False, False),
+    "bfloat16": (torch.bfloat16, 1, True, False),
+    "bfloat16_cl": (torch.bfloat16, 1, True, True),
 }
 
 
@@ -84,6 +90,10 @@ def profile_decode(vae, latents: torch.Tensor, chunk: int, device: torch.device)
     summary = summarize_kernels(totals, 1, top=15)
     # kernel_categories files cuDNN's `..._fprop_...` names under attention; here they are convolutions
     summary["convolution_ms"] = round(sum(us for name, (us, _) in totals.items() if _is_conv(name)) / 1e3, 3)
+    # cuDNN's NCDHW <-> NDHWC conversions around convolutions: what the channels-last decoder removes
+    layout = [(us, n) for name, (us, n) in totals.items() if "nchwToNhwc" in name or "nhwcToNchw" in name]
+    summary["layout_conversion_ms"] = round(sum(us for us, _ in layout) / 1e3, 3)
+    summary["layout_conversions"] = sum(n for _, n in layout)
     return summary
 
 
@@ -109,8 +119,9 @@ def main() -> None:
     latent = TINY_LATENT if args.quick else LATENT
     rows = []
     for name in args.variants:
-        dtype, chunk, tf32 = VARIANTS[name]
+        dtype, chunk, tf32, channels_last = VARIANTS[name]
         vae = load_vae(load_format="dummy", config=config, dtype=dtype, device=device)
+        vae.channels_last = channels_last
         z_dim = vae.config.z_dim
         latents = torch.randn(1, z_dim, *latent, generator=torch.Generator().manual_seed(0)).to(device, dtype)
         with cudnn_tf32(tf32):
@@ -118,12 +129,13 @@ def main() -> None:
             seconds = decode_seconds(vae, latents, chunk, args.repeats, device)
             kernels = profile_decode(vae, latents, chunk, device)
         row = {"variant": name, "dtype": str(dtype).removeprefix("torch."), "chunk_frames": chunk,
-               "cudnn_allow_tf32": tf32, "decode_s": round(seconds, 4), **kernels}
+               "cudnn_allow_tf32": tf32, "channels_last": channels_last, "decode_s": round(seconds, 4), **kernels}
         if device.type == "cuda":
             row["peak_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
             torch.cuda.reset_peak_memory_stats(device)
         rows.append(row)
-        print(json.dumps({k: row[k] for k in ("variant", "decode_s", "kernel_ms_per_step", "convolution_ms", "categories_ms")}),
+        print(json.dumps({k: row[k] for k in ("variant", "decode_s", "kernel_ms_per_step", "kernels_per_step",
+                                              "convolution_ms", "layout_conversion_ms", "categories_ms")}),
               flush=True)
         del vae
         if device.type == "cuda":

@@ -98,3 +98,94 @@ def test_bf16_decode_close_to_float32_at_full_width(exact_float32):
                    diff.mean(), diff.max(), want.abs().mean(), levels.float().mean(), levels.max())
     assert torch.isfinite(got).all()
     assert 0 < diff.mean() < 0.05 and levels.float().mean() < 6
+
+
+def _launches(fn) -> dict[str, int]:
+    """CUDA kernel launches of fn() by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    counts: dict[str, int] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return counts
+
+
+def _conversions(counts: dict[str, int]) -> int:
+    return sum(n for name, n in counts.items() if "nchwToNhwc" in name or "nhwcToNchw" in name)
+
+
+@pytest.mark.parametrize("size", ["tiny", "mid"])
+def test_channels_last_decode_matches_ncdhw(exact_float32, size):
+    """The channels-last decoder with folded biases (the CUDA default) against the NCDHW one in float32, TF32
+    off: the tiny config (batch 2), and the full-size VAE (default init: non-zero biases) on 3 latent frames
+    of 128x192; equal up to float32 rounding. At mid size with cuDNN's TF32 on (as served), it launches
+    fewer kernels and cuDNN converts (almost) no layouts."""
+    from mstar.models.wan22.vae_config import tiny_vae_config
+
+    torch.manual_seed(0)
+    config = tiny_vae_config() if size == "tiny" else WAN22_TI2V_5B_VAE
+    vae = WanVAE(config).to(DEVICE).eval()
+    shape = (2, config.z_dim, 3, 4, 6) if size == "tiny" else (1, config.z_dim, 3, 8, 12)
+    latents = torch.randn(*shape, device=DEVICE)
+    want = vae.decode(latents, channels_last=False)
+    got = vae.decode(latents)  # the default on CUDA
+    diff = (got - want).abs()
+    logger.warning("%s channels-last vs NCDHW decode, float32: max %.2e mean %.2e (|x| mean %.3f)",
+                   size, diff.max(), diff.mean(), want.abs().mean())
+    assert vae.decoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last_3d)
+    torch.testing.assert_close(got, want, atol=1e-5 if size == "tiny" else 1e-4, rtol=1e-5)
+    if size == "tiny":
+        return
+    torch.backends.cudnn.allow_tf32 = True  # the fixture restores it
+    vae_ncdhw = WanVAE(config).to(DEVICE).eval()  # weights never made channels-last
+    vae_ncdhw.load_state_dict(vae.state_dict())
+    vae_ncdhw.decode(latents, channels_last=False)  # warm-up (cuDNN plans)
+    ncdhw = _launches(lambda: vae_ncdhw.decode(latents, channels_last=False))
+    cl = _launches(lambda: vae.decode(latents))
+    logger.warning("mid decode, TF32 on: launches %d -> %d, layout conversions %d -> %d; top channels-last: %s",
+                   sum(ncdhw.values()), sum(cl.values()), _conversions(ncdhw), _conversions(cl),
+                   sorted(cl.items(), key=lambda kv: -kv[1])[:8])
+    assert _conversions(cl) <= _conversions(ncdhw) // 10, (_conversions(cl), _conversions(ncdhw))
+    assert sum(cl.values()) < sum(ncdhw.values())
+
+
+@torch.no_grad()
+def test_channels_last_kernels_full_width():
+    """The channels-last norm (with a folded bias, into a causal buffer) and the residual add at the widest map
+    of an 832x480 chunk, in float32 against their PyTorch forms; bf16 within one rounding of float32."""
+    from mstar.layers.fused import FUSED
+    from mstar.models.wan22 import vae_channels_last as vcl
+    from mstar.models.wan22.vae_layers import ChannelRMSNorm
+
+    gen = torch.Generator("cuda").manual_seed(3)
+    cl3d = torch.channels_last_3d
+    x = (2 * torch.randn(1, 256, 4, 240, 416, device="cuda", generator=gen) + 0.3).contiguous(memory_format=cl3d)
+    bias = 0.5 * torch.randn(256, device="cuda", generator=gen)
+    norm = ChannelRMSNorm(256, spatial_dims=3).cuda()
+    norm.gamma.normal_(1.0, 0.2, generator=gen)
+
+    def both(fn):
+        FUSED.enabled = False
+        try:
+            want = fn()
+        finally:
+            FUSED.enabled = True
+        return fn(), want
+
+    buf = torch.empty(1, 6, 240, 416, 256, device="cuda").permute(0, 4, 1, 2, 3)
+    got, want = both(lambda: vcl.norm_ndhwc(norm, x, bias, True, out=buf[:, :, 2:]).clone())
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    y = torch.randn(x.shape, device="cuda", generator=gen).contiguous(memory_format=cl3d)
+    got, want = both(lambda: vcl.add_biased(x, bias, y, bias.flip(0), out=torch.empty_like(x)))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    x16, norm16 = x.bfloat16(), ChannelRMSNorm(256, spatial_dims=3).cuda().bfloat16()
+    norm16.gamma.copy_(norm.gamma)
+    got16 = vcl.norm_ndhwc(norm16, x16, bias.bfloat16(), True)
+    norm.gamma.copy_(norm16.gamma.float())
+    truth = vcl.norm_ndhwc(norm, x16.float(), bias.bfloat16().float(), True)  # float32 kernel, same inputs
+    assert ((got16.float() - truth).abs() <= 2.0 ** -8 * truth.abs() + 1e-6).float().mean() > 0.999

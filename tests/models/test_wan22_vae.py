@@ -121,6 +121,58 @@ def test_tiled_decode_matches_diffusers(checkpoint, vae):
     assert (tiled - vae.decode(latents)).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_channels_last_decode_equals_the_ncdhw_decode(checkpoint, batch):
+    """The channels-last decoder with folded biases (`vae_channels_last.py`, the default on CUDA) against the
+    NCDHW one: every chunk size, and tiled; float32 rounding apart (sums in another order)."""
+    vae = load_vae(checkpoint[0])  # its own copy: the channels-last decode converts the weights in place
+    latents = torch.randn(batch, CONFIG.z_dim, 4, 2, 3, generator=torch.Generator().manual_seed(6))
+    for chunk in (1, 2, 3, None):
+        want = vae.decode(latents, chunk_frames=chunk, channels_last=False)
+        got = vae.decode(latents, chunk_frames=chunk, channels_last=True)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert got.is_contiguous()  # the caller's NCDHW video
+    pieces = list(vae.decode_chunks(latents, channels_last=True))
+    assert [p.shape[2] for p in pieces] == [1, 4, 4, 4]
+    tiles = torch.randn(batch, CONFIG.z_dim, 2, 4, 5, generator=torch.Generator().manual_seed(7))
+    spec = TileSpec(tile_height=32, tile_width=32, stride_height=16, stride_width=16)
+    want = vae.decode(tiles, tiling=spec, channels_last=False)
+    torch.testing.assert_close(vae.decode(tiles, tiling=spec, channels_last=True), want, atol=1e-5, rtol=1e-5)
+
+
+def test_channels_last_decode_feeds_every_conv_channels_last(checkpoint, monkeypatch):
+    """Under the channels-last decode every convolution reads a channels-last input with channels-last weights
+    (so cuDNN converts nothing), the weights were converted once, in place, under their Diffusers names;
+    on CPU the default stays NCDHW."""
+    import torch.nn.functional as F
+
+    vae = load_vae(checkpoint[0])
+    seen: list[tuple[int, bool, bool]] = []
+
+    def recording(original):
+        def conv(x, weight, *args, **kwargs):
+            fmt = torch.channels_last_3d if x.dim() == 5 else torch.channels_last
+            if weight is not vae.post_quant_conv.weight:  # before the decoder, on the small latents
+                seen.append((x.dim(), x.is_contiguous(memory_format=fmt), weight.is_contiguous(memory_format=fmt)))
+            return original(x, weight, *args, **kwargs)
+
+        return conv
+
+    monkeypatch.setattr(F, "conv3d", recording(F.conv3d))
+    monkeypatch.setattr(F, "conv2d", recording(F.conv2d))
+    latents = torch.randn(1, CONFIG.z_dim, 3, 2, 3, generator=torch.Generator().manual_seed(8))
+    assert vae._post_quant(latents, 1, None)[1] is vae.decoder  # CPU default: the NCDHW decoder
+    vae.channels_last = True
+    vae.decode(latents)
+    params = {name: (p, p.data_ptr()) for name, p in vae.named_parameters()}
+    vae.decode(latents)
+    assert {d for d, _, _ in seen} == {4, 5} and all(x_cl and w_cl for _, x_cl, w_cl in seen), [(i, s) for i, s in enumerate(seen) if not all(s)]
+    assert all(p.data_ptr() == ptr for p, ptr in params.values())  # converted once, not per call
+    assert vae.decoder.conv_in.weight.is_contiguous(memory_format=torch.channels_last_3d)
+    assert set(params) == set(checkpoint[1].state_dict())
+    vae.load_state_dict(checkpoint[1].state_dict())  # loads into the channels-last weights as they are
+
+
 def test_full_size_config_mirrors_diffusers():
     with torch.device("meta"):
         ref = diffusers.AutoencoderKLWan(**_reference_kwargs(WAN22_TI2V_5B_VAE))

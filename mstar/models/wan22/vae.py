@@ -4,17 +4,20 @@
 DiT sees and what image-to-video conditions on); `WanVAE.decode` takes normalised latents back to a
 video in [-1, 1]. Both stream over time through causal layers, so decoding holds one latent frame
 (a few output frames) of activations at a time; `decode(tiling=...)` also splits space into tiles.
+On CUDA the decoder runs channels-last with its convolutions' biases folded (`vae_channels_last.py`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 from torch import nn
 
 from mstar.models.wan22.vae_blocks import ResidualDownBlock, ResidualUpBlock
+from mstar.models.wan22.vae_channels_last import decode_chunk, to_channels_last
 from mstar.models.wan22.vae_config import WanVAEConfig
 from mstar.models.wan22.vae_layers import (
     CausalConv3d,
@@ -100,6 +103,8 @@ class WanVAE(nn.Module):
         self.quant_conv = CausalConv3d(2 * config.z_dim, 2 * config.z_dim, 1)
         self.post_quant_conv = CausalConv3d(config.z_dim, config.z_dim, 1)
         self.decoder = Decoder(config)
+        # Decode channels-last (`vae_channels_last.py`)? None: on CUDA. `decode(channels_last=...)` overrides.
+        self.channels_last: bool | None = None
 
     def latent_shape(self, frames: int, height: int, width: int) -> tuple[int, int, int, int]:
         """(channels, frames, height, width) of the latents of a video; ValueError when it cannot be encoded."""
@@ -157,46 +162,67 @@ class WanVAE(nn.Module):
 
     @torch.no_grad()
     def decode(
-        self, latents: torch.Tensor, chunk_frames: int | None = 1, tiling: TileSpec | None = None
+        self,
+        latents: torch.Tensor,
+        chunk_frames: int | None = 1,
+        tiling: TileSpec | None = None,
+        channels_last: bool | None = None,
     ) -> torch.Tensor:
         """Normalised latents [B, z, F', H', W'] -> video [B, 3, 1 + 4 (F' - 1), 16 H', 16 W'] in [-1, 1].
 
         Decodes `chunk_frames` latent frames at a time (None: all at once; same result, more memory);
         `tiling` also decodes overlapping spatial tiles and blends them (memory bounded by tile size).
+        `channels_last` (None: `self.channels_last`, else on for CUDA) runs the decoder in NDHWC memory
+        with its conv weights made channels-last in place on first use; same result up to float32 rounding.
         """
         if tiling is None:
-            return torch.cat(list(self.decode_chunks(latents, chunk_frames)), dim=2)
-        z = self._post_quant(latents, chunk_frames)
-        out = decode_tiled(lambda tile: self._decode_frames(tile, chunk_frames), z, tiling, self.config)
+            return torch.cat(list(self.decode_chunks(latents, chunk_frames, channels_last)), dim=2)
+        z, decoder = self._post_quant(latents, chunk_frames, channels_last)
+        out = decode_tiled(lambda tile: self._decode_frames(decoder, tile, chunk_frames), z, tiling, self.config)
         return unpatchify(out, self.config.patch_size).float().clamp_(-1.0, 1.0)
 
     @torch.no_grad()
-    def decode_chunks(self, latents: torch.Tensor, chunk_frames: int | None = 1) -> Iterator[torch.Tensor]:
+    def decode_chunks(
+        self, latents: torch.Tensor, chunk_frames: int | None = 1, channels_last: bool | None = None
+    ) -> Iterator[torch.Tensor]:
         """Like `decode`, but yields the video chunk by chunk as it is decoded (1 frame, then 4 per latent).
 
         Lets a caller encode or send frames while later ones decode, holding only one chunk of pixels.
         """
-        z = self._post_quant(latents, chunk_frames)
+        z, decoder = self._post_quant(latents, chunk_frames, channels_last)
         step = chunk_frames or z.shape[2]
         stream = CausalStream()
         for i in range(0, z.shape[2], step):
-            frames = self.decoder(z[:, :, i : i + step], stream)
+            frames = decoder(z[:, :, i : i + step], stream)
             yield unpatchify(frames, self.config.patch_size).float().clamp_(-1.0, 1.0)
 
-    def _post_quant(self, latents: torch.Tensor, chunk_frames: int | None) -> torch.Tensor:
+    def _post_quant(
+        self, latents: torch.Tensor, chunk_frames: int | None, channels_last: bool | None
+    ) -> tuple[torch.Tensor, Callable[[torch.Tensor, CausalStream], torch.Tensor]]:
+        """The decoder's input z and the decoder: `self.decoder`, or (asked, or by default on CUDA) its
+        channels-last walk, z made channels-last here once and the weights on first use."""
         if latents.ndim != 5 or latents.shape[1] != self.config.z_dim:
             raise ValueError(
                 f"latents of shape {tuple(latents.shape)}: expected [B, {self.config.z_dim}, F', H', W']"
             )
         if chunk_frames is not None and chunk_frames <= 0:
             raise ValueError(f"chunk_frames={chunk_frames} must be positive, or None")
-        return self.post_quant_conv(self.denormalize(latents).to(self._dtype()))
+        z = self.post_quant_conv(self.denormalize(latents).to(self._dtype()))
+        if channels_last is None:
+            channels_last = z.is_cuda if self.channels_last is None else self.channels_last
+        if not channels_last:
+            return z, self.decoder
+        to_channels_last(self.decoder)  # a no-op when the weights already are
+        return z.contiguous(memory_format=torch.channels_last_3d), partial(decode_chunk, self.decoder)
 
-    def _decode_frames(self, z: torch.Tensor, chunk_frames: int | None) -> torch.Tensor:
+    @staticmethod
+    def _decode_frames(
+        decoder: Callable[[torch.Tensor, CausalStream], torch.Tensor], z: torch.Tensor, chunk_frames: int | None
+    ) -> torch.Tensor:
         """Patchified frames of post-quant latents z, streaming `chunk_frames` latent frames at a time."""
         step = chunk_frames or z.shape[2]
         stream = CausalStream()
-        return torch.cat([self.decoder(z[:, :, i : i + step], stream) for i in range(0, z.shape[2], step)], 2)
+        return torch.cat([decoder(z[:, :, i : i + step], stream) for i in range(0, z.shape[2], step)], 2)
 
     def _dtype(self) -> torch.dtype:
         return self.post_quant_conv.weight.dtype

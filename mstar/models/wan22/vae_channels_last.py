@@ -1,0 +1,231 @@
+"""The Wan2.2 VAE decoder in channels-last (NDHWC) memory, with the convolutions' biases folded away.
+
+cuDNN runs the VAE's convolutions as NDHWC implicit GEMMs: fed NCDHW tensors it converts the layout
+around every one, and PyTorch adds each convolution's bias as a pass of its own. `decode_chunk` walks the
+same modules as `Decoder.forward` (their parameters as they are, so Diffusers state dicts still load) with
+every activation in torch.channels_last_3d: per-frame 2D layers then see a chunk's frames as a
+channels-last view, never a copy. Every convolution but `to_qkv` and `conv_out` runs without its bias,
+which the next kernel reading the output adds anyway (`kernels/wan_vae_cl_ops.py` on CUDA):
+
+- conv_in's and each conv1's by the channel norm after it, which also writes its output after the causal
+  conv's past frames (no concatenation copies the chunk);
+- conv2's and the 1x1 shortcut's (or conv_in's, carried through the identity) by the residual add;
+- the upsampler's time conv's by the copy interleaving its two frame halves, which also places frame 0;
+- the upsampler's spatial conv's by the level's channels-to-pixels shortcut add, read in place.
+
+Elsewhere (CPU, kernels off) PyTorch forms stand in for the kernels, and conv outputs are made
+channels-last (CPU conv3d returns NCDHW). Results equal `Decoder.forward`'s up to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.layers.fused import FUSED
+from mstar.models.wan22.vae_blocks import ResidualUpBlock, Upsample, channels_to_space_time
+from mstar.models.wan22.vae_layers import (
+    AttentionBlock,
+    CausalConv3d,
+    CausalStream,
+    ChannelRMSNorm,
+    MidBlock,
+    ResidualBlock,
+)
+
+CL3D = torch.channels_last_3d
+
+
+def to_channels_last(module: nn.Module) -> None:
+    """Make every conv weight under `module` channels-last in place (once: a no-op when they already are).
+
+    The parameters stay the same objects; an NCDHW decode with such weights is still correct (cuDNN then
+    converts its inputs instead)."""
+    for conv in module.modules():
+        if isinstance(conv, (nn.Conv2d, nn.Conv3d)):
+            fmt = CL3D if conv.weight.dim() == 5 else torch.channels_last
+            if not conv.weight.is_contiguous(memory_format=fmt):
+                conv.weight.data = conv.weight.data.contiguous(memory_format=fmt)
+
+
+def decode_chunk(decoder: nn.Module, z: torch.Tensor, stream: CausalStream) -> torch.Tensor:
+    """`Decoder.forward(z, stream)` in channels-last: patchified frames [B, out_channels, T, H, W]."""
+    z = z.contiguous(memory_format=CL3D)
+    x = _causal_conv(decoder.conv_in, z, stream)
+    x = _mid_block(decoder.mid_block, x, decoder.conv_in.bias, stream)
+    for block in decoder.up_blocks:
+        x = _up_block(block, x, stream)
+    out = _norm_conv(decoder.norm_out, decoder.conv_out, x, stream)
+    return out.add_(decoder.conv_out.bias.view(1, -1, 1, 1, 1))
+
+
+def _mid_block(block: MidBlock, x: torch.Tensor, x_bias: torch.Tensor, stream: CausalStream) -> torch.Tensor:
+    x = _residual(block.resnets[0], x, stream, x_bias)
+    return _residual(block.resnets[1], _attention(block.attentions[0], x), stream)
+
+
+def _residual(block: ResidualBlock, x: torch.Tensor, stream: CausalStream,
+              x_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`ResidualBlock.forward` of x + x_bias (the bias of x's conv, not yet added)."""
+    h = _norm_conv(block.norm1, block.conv1, x, stream, bias=x_bias)
+    h = _norm_conv(block.norm2, block.conv2, h, stream, bias=block.conv1.bias)
+    if block.conv_shortcut is None:
+        return add_biased(h, block.conv2.bias, x, x_bias, out=h)
+    assert x_bias is None, "a pending input bias does not pass through a 1x1 shortcut here"
+    shortcut = _conv(block.conv_shortcut, x)
+    return add_biased(h, block.conv2.bias, shortcut, block.conv_shortcut.bias, out=h)
+
+
+def _attention(block: AttentionBlock, x: torch.Tensor) -> torch.Tensor:
+    b, c, t, h, w = x.shape
+    qkv = _conv(block.to_qkv, _frames(norm_ndhwc(block.norm, x)), bias=True)  # [B T, 3C, H, W]
+    q, k, v = qkv.permute(0, 2, 3, 1).reshape(b * t, 1, h * w, 3 * c).chunk(3, dim=-1)
+    out = F.scaled_dot_product_attention(q, k, v).reshape(b * t, h, w, c).permute(0, 3, 1, 2)
+    y = _video(_conv(block.proj, out), b)
+    return add_biased(y, block.proj.bias, x, None, out=y)
+
+
+def _up_block(block: ResidualUpBlock, x: torch.Tensor, stream: CausalStream) -> torch.Tensor:
+    starts_video = stream.starts(block)
+    x_in = x
+    for resnet in block.resnets:
+        x = _residual(resnet, x, stream)
+    up = block.upsampler
+    if up is None:
+        return x
+    if up.time_conv is not None:
+        x = _upsample_time(up, x, stream)
+    conv = up.resample[1]
+    y = _video(_conv(conv, up.resample[0](_frames(x))), x.shape[0])
+    drop = block.factor_t - 1 if starts_video else 0
+    return add_space_time(y, conv.bias, x_in, block.factor_t, drop, out=y)
+
+
+def _upsample_time(up: Upsample, x: torch.Tensor, stream: CausalStream) -> torch.Tensor:
+    """`Upsample._upsample_time`: frame t's time conv yields frames 2t, 2t + 1 (frame 0 of the video one)."""
+    b, c, t, h, w = x.shape
+    head = 1 if stream.starts(up) else 0
+    out = _empty(b, c, head + 2 * (t - head), h, w, x)
+    out_rows = out.permute(0, 2, 3, 4, 1)  # [B, T', H, W, C], contiguous
+    if head:
+        out_rows[:, :1].copy_(x[:, :, :1].permute(0, 2, 3, 4, 1))
+    if t > head:
+        y = _causal_conv(up.time_conv, x[:, :, head:], stream)  # [B, (2 C), T, H, W]
+        halves = y.permute(0, 2, 3, 4, 1).view(b, t - head, h, w, 2, c).permute(0, 1, 4, 2, 3, 5)
+        bias = up.time_conv.bias.view(2, 1, 1, c)
+        torch.add(halves, bias, out=out_rows[:, head:].view(b, t - head, 2, h, w, c))
+    return out
+
+
+def _norm_conv(norm: ChannelRMSNorm, conv: CausalConv3d, x: torch.Tensor, stream: CausalStream,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """conv(SiLU(norm(x + bias)), stream) without conv's bias: the norm writes into the conv's input
+    buffer after the past frames (the stream's, or zeros before frame 0)."""
+    b, c, t, h, w = x.shape
+    past = conv.context
+    buf = _empty(b, c, past + t, h, w, x)
+    if past:
+        tail = stream.tail(conv)
+        buf[:, :, :past].zero_() if tail is None else buf[:, :, :past].copy_(tail)
+    norm_ndhwc(norm, x, bias, silu=True, out=buf[:, :, past:])
+    if past:
+        stream.keep(conv, buf[:, :, -past:])
+    return _conv(conv, buf)
+
+
+def _causal_conv(conv: CausalConv3d, x: torch.Tensor, stream: CausalStream) -> torch.Tensor:
+    """`conv(x, stream)` without its bias, the past frames concatenated (its input is no norm's output)."""
+    tail = stream.tail(conv)
+    if tail is None:
+        tail = _empty(x.shape[0], x.shape[1], conv.context, *x.shape[3:], like=x).zero_()
+    x = torch.cat([tail, x], dim=2)  # stays channels-last: both parts are
+    stream.keep(conv, x[:, :, -conv.context :])
+    return _conv(conv, x)
+
+
+def _conv(conv: nn.Conv2d | nn.Conv3d, x: torch.Tensor, bias: bool = False) -> torch.Tensor:
+    """conv's convolution of a channels-last x (its bias only when `bias`), channels-last out."""
+    fn = F.conv3d if x.dim() == 5 else F.conv2d
+    y = fn(x, conv.weight, conv.bias if bias else None, conv.stride, conv.padding, conv.dilation, conv.groups)
+    return _cl(y)  # a no-op on CUDA (cuDNN answers in the input's layout); CPU conv3d returns NCDHW
+
+
+def _cl(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous(memory_format=CL3D if x.dim() == 5 else torch.channels_last)
+
+
+def _empty(b: int, c: int, t: int, h: int, w: int, like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(b, t, h, w, c).permute(0, 4, 1, 2, 3)
+
+
+def _frames(x: torch.Tensor) -> torch.Tensor:
+    """[B, C, T, H, W] channels-last -> [B T, C, H, W] channels-last, a view."""
+    b, c, t, h, w = x.shape
+    if x.is_contiguous(memory_format=CL3D):  # the canonical strides: a view's size-1 dims may get odd
+        return x.as_strided((b * t, c, h, w), (h * w * c, 1, w * c, c))  # ones, which make cuDNN copy
+    return x.transpose(1, 2).reshape(b * t, c, h, w)
+
+
+def _video(frames: torch.Tensor, b: int) -> torch.Tensor:
+    """The inverse of `_frames`, a view."""
+    n, c, h, w = frames.shape
+    return frames.view(b, n // b, c, h, w).transpose(1, 2)
+
+
+# The kernels, or their PyTorch forms. ----------------------------------------------------------------
+
+
+def _use_kernels(*tensors: torch.Tensor) -> bool:
+    return not torch.compiler.is_compiling() and FUSED.ops_for(tensors[0]) is not None
+
+
+def _dense_rows(x: torch.Tensor) -> bool:
+    """Every batch row of x [B, C, T, H, W] is one dense [T H W, C] block (the batch stride is free)."""
+    _, c, t, h, w = x.shape
+    want = (1, h * w * c, w * c, c)
+    return all(size == 1 or stride == need for size, stride, need in zip(x.shape[1:], x.stride()[1:], want))
+
+
+def norm_ndhwc(norm: ChannelRMSNorm, x: torch.Tensor, bias: torch.Tensor | None = None, silu: bool = False,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """`norm(x + bias, silu)` of a channels-last x [B, C, T, H, W], written to `out` (a channels-last view,
+    e.g. into a larger buffer; new when None)."""
+    if _use_kernels(x) and _dense_rows(x) and (out is None or _dense_rows(out)):
+        from mstar.kernels.wan_vae_cl_ops import channel_rms_norm_ndhwc
+
+        return channel_rms_norm_ndhwc(x, norm.gamma, norm.scale, bias, silu, out)
+    view = (1, -1, 1, 1, 1)
+    x = x if bias is None else x + bias.view(view)
+    normed = F.normalize(x.float() if x.dtype in (torch.float16, torch.bfloat16) else x, dim=1)
+    normed = normed.to(x.dtype) * norm.scale * norm.gamma.view(view)  # ChannelRMSNorm's PyTorch form
+    normed = F.silu(normed) if silu else normed
+    return _cl(normed) if out is None else out.copy_(normed)
+
+
+def add_biased(a: torch.Tensor, a_bias: torch.Tensor | None, b: torch.Tensor, b_bias: torch.Tensor | None,
+               out: torch.Tensor) -> torch.Tensor:
+    """out = (a + a_bias) + (b + b_bias) over channels-last [B, C, T, H, W] (biases per channel, None: none)."""
+    if _use_kernels(a) and all(t.is_contiguous(memory_format=CL3D) for t in (a, b, out)):
+        from mstar.kernels import wan_vae_cl_ops
+
+        return wan_vae_cl_ops.add_biased(a, a_bias, b, b_bias, out)
+    view = (1, -1, 1, 1, 1)
+    b = b if b_bias is None else b + b_bias.view(view)
+    if a_bias is not None:
+        a = torch.add(a, a_bias.view(view), out=out)
+    return torch.add(a, b, out=out)
+
+
+def add_space_time(y: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, factor_t: int, drop: int,
+                   out: torch.Tensor) -> torch.Tensor:
+    """out = y + bias + `channels_to_space_time(x, ...)` without its first `drop` frames (2x2 in space)."""
+    channels, frames = y.shape[1:3]
+    if frames != factor_t * x.shape[2] - drop or y.shape[3:] != tuple(2 * s for s in x.shape[3:]):
+        raise ValueError(f"y {tuple(y.shape)} is not x {tuple(x.shape)} unfolded by ({factor_t}, 2, 2) less {drop}")
+    if _use_kernels(y) and all(t.is_contiguous(memory_format=CL3D) for t in (y, x, out)):
+        from mstar.kernels import wan_vae_cl_ops
+
+        return wan_vae_cl_ops.add_space_time(y, bias, x, factor_t, drop, out)
+    shortcut = channels_to_space_time(x, channels, factor_t, 2, starts_video=False)[:, :, drop:]
+    return torch.add(torch.add(y, bias.view(1, -1, 1, 1, 1), out=out), shortcut, out=out)
