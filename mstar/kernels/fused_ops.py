@@ -1,5 +1,5 @@
 """Fused elementwise Triton kernels for the decoder layers: (residual add +) RMSNorm, rotary, Qwen3's qk-norm
-with rotary, SiLU-and-mul.
+with rotary, SiLU-and-mul, and a MoE block's sigmoid-gated shared-expert add.
 
 Each replaces a handful of small PyTorch kernels with one, which is what decides decode speed once
 the weights are read at full bandwidth. They round intermediate values to the input dtype at the
@@ -181,4 +181,36 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(half, block))](x, out, half, x.stride(0), out.stride(0), BLOCK=block,
                                                        **pdl_args(x.device))
+    return out
+
+
+@triton.jit
+def _sigmoid_gate_add_kernel(out_ptr, base_ptr, gate_ptr, shared_ptr, n, base_stride, gate_stride, shared_stride,
+                             out_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    base = tl.load(base_ptr + row * base_stride + cols, mask=mask, other=0.0)
+    shared = tl.load(shared_ptr + row * shared_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + row * gate_stride).to(tl.float32)
+    dtype = base.dtype
+    gate = (1.0 / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # torch.sigmoid rounds to the input dtype
+    scaled = (gate * shared).to(dtype).to(tl.float32)  # and so does the product
+    tl.store(out_ptr + row * out_stride + cols, (base.to(tl.float32) + scaled).to(dtype), mask=mask)
+
+
+def sigmoid_gate_add(base: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """base + sigmoid(gate) * shared in one pass, rounded as that PyTorch expression rounds: base and
+    shared [T, H], gate [T, 1] (one logit a row; a MoE block's shared-expert gate)."""
+    rows, width = base.shape
+    if shared.shape != base.shape or gate.shape != (rows, 1) or base.stride(1) != 1 or shared.stride(1) != 1:
+        raise ValueError(f"sigmoid_gate_add needs base and shared [T, H] with unit column stride and gate "
+                         f"[T, 1]; got {tuple(base.shape)}, {tuple(shared.shape)}, {tuple(gate.shape)}")
+    out = torch.empty((rows, width), dtype=base.dtype, device=base.device)
+    block = 1024
+    _sigmoid_gate_add_kernel[(rows, triton.cdiv(width, block))](
+        out, base, gate, shared, width, base.stride(0), gate.stride(0), shared.stride(0), out.stride(0),
+        BLOCK=block, **pdl_args(base.device))
     return out

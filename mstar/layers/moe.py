@@ -194,7 +194,12 @@ class SparseMoE(nn.Module):
         weights, ids = route(linear(x, self.gate), self.spec.top_k, self.spec.norm_topk_prob)
         out = self.run_experts(x, ids, weights)
         if self.spec.shared_intermediate_size:
-            out = out + torch.sigmoid(linear(x, self.shared_expert_gate)) * self.shared_expert(x)
+            gate, shared = linear(x, self.shared_expert_gate), self.shared_expert(x)
+            ops = FUSED.ops_for(out)
+            if (ops is not None and out.dim() == 2 and out.dtype == shared.dtype == gate.dtype
+                    and out.stride(1) == 1 and shared.stride(1) == 1):
+                return ops.sigmoid_gate_add(out, gate, shared)  # one PDL-chained launch for three PyTorch ones
+            out = out + torch.sigmoid(gate) * shared
         return out
 
     def run_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

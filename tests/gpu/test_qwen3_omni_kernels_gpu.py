@@ -158,3 +158,16 @@ def test_sample_and_embed_equals_its_pytorch_form_in_bf16():
             for g, w in zip(got, want):
                 assert torch.equal(g, w)
             embed_sum = got[2]
+
+
+def test_sigmoid_gate_add_equals_the_shared_expert_expression_in_bf16():
+    """The talker's shared-expert add at its width (1024) and the thinker's (2048), 1 and 16 rows."""
+    from mstar.kernels.fused_ops import sigmoid_gate_add
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    for rows, width in ((1, 1024), (16, 1024), (16, 2048)):
+        base, shared = (torch.randn(rows, width, device="cuda", generator=gen).bfloat16() for _ in range(2))
+        gate = (torch.randn(rows, 1, device="cuda", generator=gen) * 3).bfloat16()
+        want = base + torch.sigmoid(gate) * shared
+        torch.testing.assert_close(sigmoid_gate_add(base, gate, shared), want, atol=1e-2, rtol=1e-2)
+        assert (sigmoid_gate_add(base, gate, shared) != want).float().mean().item() < 0.01  # rounds as PyTorch

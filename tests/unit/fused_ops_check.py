@@ -145,6 +145,23 @@ def check_code_predictor() -> None:
     torch.testing.assert_close(folded_sum, want_sum, atol=1e-4, rtol=1e-4)
 
 
+def check_sigmoid_gate_add(dtype: torch.dtype) -> None:
+    from mstar.layers.moe import MoESpec, SparseMoE
+
+    base, shared = torch.randn(3, 1500).to(dtype), torch.randn(3, 1500).to(dtype)  # two column blocks
+    gate = (torch.randn(3, 1) * 3).to(dtype)
+    want = base + torch.sigmoid(gate) * shared
+    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 1e-3}  # an ulp
+    torch.testing.assert_close(fused_ops.sigmoid_gate_add(base, gate, shared), want, **tol)
+    moe = SparseMoE(MoESpec(hidden_size=16, num_experts=4, top_k=2, intermediate_size=8,
+                            shared_intermediate_size=12)).to(dtype)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(3, 16).to(dtype)
+    torch.testing.assert_close(moe(x), reference(lambda: moe(x)), atol=1e-5 if dtype == torch.float32 else 2e-3,
+                               rtol=1e-3)
+
+
 if __name__ == "__main__":
     assert FUSED.ops_for(torch.zeros(1)) is fused_ops, "run with TRITON_INTERPRET=1"
     torch.manual_seed(0)
@@ -155,5 +172,6 @@ if __name__ == "__main__":
         check_attention_rotary(dt)
         check_attention_rotary(dt, qk_norm=True)
         check_qk_norm_rotary(dt)
+        check_sigmoid_gate_add(dt)
     check_code_predictor()
     print("fused ops ok")
