@@ -51,7 +51,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 def check_norm() -> None:
     for dtype in (torch.float32, torch.float16):
-        for shape in ((1, 24, 3, 4, 5), (2, 40, 2, 3, 7), (1, 7, 1, 1, 1), (2, 64, 1, 5, 3)):
+        for shape in ((1, 24, 3, 4, 5), (2, 40, 2, 3, 7), (1, 7, 1, 1, 1), (2, 64, 1, 5, 3), (1, 200, 2, 2, 3)):
             x = _cl(*shape, dtype=dtype)
             norm = ChannelRMSNorm(shape[1], spatial_dims=3)
             norm.gamma.copy_(1 + 0.3 * torch.randn_like(norm.gamma))
@@ -73,7 +73,7 @@ def check_norm() -> None:
 
 def check_add_biased() -> None:
     for dtype in (torch.float32, torch.float16):
-        for shape in ((1, 24, 3, 4, 5), (2, 7, 2, 3, 3)):
+        for shape in ((1, 24, 3, 4, 5), (2, 7, 2, 3, 3), (1, 200, 2, 3, 3)):
             a, b = _cl(*shape, dtype=dtype), _cl(*shape, dtype=dtype)
             a_bias, b_bias = torch.randn(shape[1]).to(dtype), torch.randn(shape[1]).to(dtype)
             for biases in ((a_bias, b_bias), (a_bias, None), (None, b_bias), (None, None)):
@@ -85,8 +85,8 @@ def check_add_biased() -> None:
 
 
 def check_add_space_time() -> None:
-    # (C_in, C_out, factor_t): repeats 8 = cells, 4 and 2 < cells (the Wan levels), 16 > cells
-    for c_in, c_out, factor_t in ((16, 16, 2), (16, 8, 2), (16, 8, 1), (8, 16, 2), (6, 6, 1)):
+    # (C_in, C_out, factor_t): repeats 8 = cells, 4 and 2 < cells (the Wan levels), 16 > cells; 200: two tiles
+    for c_in, c_out, factor_t in ((16, 16, 2), (16, 8, 2), (16, 8, 1), (8, 16, 2), (6, 6, 1), (200, 200, 2)):
         for dtype in (torch.float32, torch.float16):
             x = _cl(2, c_in, 3, 2, 3, dtype=dtype)
             bias = torch.randn(c_out).to(dtype)

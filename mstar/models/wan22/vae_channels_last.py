@@ -4,14 +4,16 @@ cuDNN runs the VAE's convolutions as NDHWC implicit GEMMs: fed NCDHW tensors it 
 around every one, and PyTorch adds each convolution's bias as a pass of its own. `decode_chunk` walks the
 same modules as `Decoder.forward` (their parameters as they are, so Diffusers state dicts still load) with
 every activation in torch.channels_last_3d: per-frame 2D layers then see a chunk's frames as a
-channels-last view, never a copy. Every convolution but `to_qkv` and `conv_out` runs without its bias,
-which the next kernel reading the output adds anyway (`kernels/wan_vae_cl_ops.py` on CUDA):
+channels-last view, never a copy. The convolutions run without their biases, which the next kernel
+reading the output adds anyway (`kernels/wan_vae_cl_ops.py` on CUDA):
 
 - conv_in's and each conv1's by the channel norm after it, which also writes its output after the causal
   conv's past frames (no concatenation copies the chunk);
 - conv2's and the 1x1 shortcut's (or conv_in's, carried through the identity) by the residual add;
 - the upsampler's time conv's by the copy interleaving its two frame halves, which also places frame 0;
 - the upsampler's spatial conv's by the level's channels-to-pixels shortcut add, read in place.
+
+Only `to_qkv` (one small map a chunk) keeps its bias, and `conv_out`'s (12 channels) is added after it.
 
 Elsewhere (CPU, kernels off) PyTorch forms stand in for the kernels, and conv outputs are made
 channels-last (CPU conv3d returns NCDHW). Results equal `Decoder.forward`'s up to float32 rounding.
@@ -61,6 +63,7 @@ def decode_chunk(decoder: nn.Module, z: torch.Tensor, stream: CausalStream) -> t
 
 
 def _mid_block(block: MidBlock, x: torch.Tensor, x_bias: torch.Tensor, stream: CausalStream) -> torch.Tensor:
+    """`MidBlock.forward` of x + x_bias (conv_in's bias, carried into the first block)."""
     x = _residual(block.resnets[0], x, stream, x_bias)
     return _residual(block.resnets[1], _attention(block.attentions[0], x), stream)
 
@@ -78,6 +81,7 @@ def _residual(block: ResidualBlock, x: torch.Tensor, stream: CausalStream,
 
 
 def _attention(block: AttentionBlock, x: torch.Tensor) -> torch.Tensor:
+    """`AttentionBlock.forward`: each frame's pixels are rows of C channels already, so q, k, v are views."""
     b, c, t, h, w = x.shape
     qkv = _conv(block.to_qkv, _frames(norm_ndhwc(block.norm, x)), bias=True)  # [B T, 3C, H, W]
     q, k, v = qkv.permute(0, 2, 3, 1).reshape(b * t, 1, h * w, 3 * c).chunk(3, dim=-1)
@@ -87,6 +91,7 @@ def _attention(block: AttentionBlock, x: torch.Tensor) -> torch.Tensor:
 
 
 def _up_block(block: ResidualUpBlock, x: torch.Tensor, stream: CausalStream) -> torch.Tensor:
+    """`ResidualUpBlock.forward`, with `Upsample.forward` inlined so its conv's bias joins the shortcut add."""
     starts_video = stream.starts(block)
     x_in = x
     for resnet in block.resnets:
@@ -127,7 +132,10 @@ def _norm_conv(norm: ChannelRMSNorm, conv: CausalConv3d, x: torch.Tensor, stream
     buf = _empty(b, c, past + t, h, w, x)
     if past:
         tail = stream.tail(conv)
-        buf[:, :, :past].zero_() if tail is None else buf[:, :, :past].copy_(tail)
+        if tail is None:
+            buf[:, :, :past].zero_()
+        else:
+            buf[:, :, :past].copy_(tail)
     norm_ndhwc(norm, x, bias, silu=True, out=buf[:, :, past:])
     if past:
         stream.keep(conv, buf[:, :, -past:])
