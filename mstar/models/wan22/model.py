@@ -50,8 +50,9 @@ class Wan22ServeConfig:
     compile: bool = False  # torch.compile the DiT blocks' tensor math (compile.py); first forward compiles
     text_cache_rows: int = 16  # DiT rows whose text K/V are kept across steps (~189 MB each at 5B); 0: off
     # on CUDA, DiT forwards replay CUDA graphs, one per latent shape and row count, each captured on its first
-    # forward (dit_graphs.py; ~0.4 s at 832x480, 2 rows); off with `compile` and under sequence parallelism
-    dit_graphs: bool = True
+    # forward (dit_graphs.py); off with `compile` and under sequence parallelism. Off by default: at 832x480
+    # the GPU time of a forward did not change (113.5 vs 114.8 ms at 2 rows), only the host's launch time
+    dit_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:
