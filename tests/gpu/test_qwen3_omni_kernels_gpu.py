@@ -169,7 +169,9 @@ def test_sigmoid_gate_add_equals_the_shared_expert_expression_in_bf16():
         base, shared = (torch.randn(rows, width, device="cuda", generator=gen).bfloat16() for _ in range(2))
         gate = (torch.randn(rows, 1, device="cuda", generator=gen) * 3).bfloat16()
         want = base + torch.sigmoid(gate) * shared
-        # within one bf16 step of PyTorch's result (H200, Triton 3.6: about a fifth of the sums one step off, as
-        # if the product's rounding to bf16 were dropped; the interpreter rounds it)
-        ulp = want.float().abs().clamp_min(1e-2) * 2.0**-7
-        assert ((sigmoid_gate_add(base, gate, shared).float() - want.float()).abs() <= ulp).all()
+        # H200, Triton 3.6: about a fifth of the sums differ from PyTorch's, as they do when the product's
+        # rounding to bf16 is dropped (the interpreter rounds it); bound: one output step plus that rounding
+        # (a kernel that also dropped the sigmoid's rounding, or worse, breaks it: checked on CPU)
+        got = sigmoid_gate_add(base, gate, shared).float()
+        bound = 2.0**-7 * torch.maximum(want.float().abs(), got.abs()) + 2.0**-8 * shared.float().abs() + 1e-6
+        assert ((got - want.float()).abs() <= bound).all()
