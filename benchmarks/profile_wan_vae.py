@@ -6,7 +6,9 @@ the wan_bench shape). Variants (each: one warm-up decode, `--repeats` timed ones
 - `float32`: the NCDHW decoder (`vae_dtype: float32`, one latent frame per decoder call), as served until
   the channels-last one;
 - `float32_cl`: the channels-last decoder with folded conv biases (`models/wan22/vae_channels_last.py`), as
-  served by default on CUDA now;
+  served by default on CUDA now; `float32_cl_autotune`: the same with cuDNN timing its algorithms per
+  convolution shape (`model_kwargs.vae_autotune`); `float32_cl_chunk3`: channels-last, three latent
+  frames per decoder call;
 - `float32_chunk3`: three latent frames per decoder call (NCDHW);
 - `float32_no_tf32`: cuDNN's TF32 off, to show whether the convolutions use TF32 tensor cores at all (NCDHW);
 - `bfloat16`, `bfloat16_cl`: the VAE in bf16, NCDHW and channels-last.
@@ -38,21 +40,25 @@ from mstar.models.wan22.vae_weights import load_vae  # noqa: E402
 
 LATENT = (9, 30, 52)
 TINY_LATENT = (3, 4, 6)
-VARIANTS = {  # name -> (dtype, chunk_frames, cuDNN TF32 allowed, channels-last decoder)
-    "float32": (torch.float32, 1, True, False),
-    "float32_cl": (torch.float32, 1, True, True),
-    "float32_chunk3": (torch.float32, 3, True, False),
-    "float32_no_tf32": (torch.float32, 1, False, False),
-    "bfloat16": (torch.bfloat16, 1, True, False),
-    "bfloat16_cl": (torch.bfloat16, 1, True, True),
+# name -> (dtype, chunk_frames, cuDNN TF32 allowed, channels-last decoder, cuDNN algorithm search)
+VARIANTS = {
+    "float32": (torch.float32, 1, True, False, False),
+    "float32_cl": (torch.float32, 1, True, True, False),
+    "float32_cl_autotune": (torch.float32, 1, True, True, True),
+    "float32_cl_chunk3": (torch.float32, 3, True, True, False),
+    "float32_chunk3": (torch.float32, 3, True, False, False),
+    "float32_no_tf32": (torch.float32, 1, False, False, False),
+    "bfloat16": (torch.bfloat16, 1, True, False, False),
+    "bfloat16_cl": (torch.bfloat16, 1, True, True, False),
 }
 
 
-def cudnn_tf32(allowed: bool):
-    """cuDNN's TF32 switch set to `allowed` inside the block, its other flags as they are."""
+def cudnn_flags(allow_tf32: bool, benchmark: bool = False):
+    """cuDNN's TF32 switch and algorithm search (`benchmark`, what `model_kwargs.vae_autotune` turns on) set
+    inside the block, its other flags as they are."""
     cudnn = torch.backends.cudnn
-    return cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
-                       allow_tf32=allowed)
+    return cudnn.flags(enabled=cudnn.enabled, benchmark=benchmark, deterministic=cudnn.deterministic,
+                       allow_tf32=allow_tf32)
 
 
 def _sync(device: torch.device) -> None:
@@ -119,17 +125,18 @@ def main() -> None:
     latent = TINY_LATENT if args.quick else LATENT
     rows = []
     for name in args.variants:
-        dtype, chunk, tf32, channels_last = VARIANTS[name]
+        dtype, chunk, tf32, channels_last, autotune = VARIANTS[name]
         vae = load_vae(load_format="dummy", config=config, dtype=dtype, device=device)
         vae.channels_last = channels_last
         z_dim = vae.config.z_dim
         latents = torch.randn(1, z_dim, *latent, generator=torch.Generator().manual_seed(0)).to(device, dtype)
-        with cudnn_tf32(tf32):
-            decode_seconds(vae, latents, chunk, 1, device)  # warm-up: cuDNN plans, allocator
+        with cudnn_flags(tf32, autotune):
+            decode_seconds(vae, latents, chunk, 1, device)  # warm-up: cuDNN plans (and search), allocator
             seconds = decode_seconds(vae, latents, chunk, args.repeats, device)
             kernels = profile_decode(vae, latents, chunk, device)
         row = {"variant": name, "dtype": str(dtype).removeprefix("torch."), "chunk_frames": chunk,
-               "cudnn_allow_tf32": tf32, "channels_last": channels_last, "decode_s": round(seconds, 4), **kernels}
+               "cudnn_allow_tf32": tf32, "channels_last": channels_last, "cudnn_autotune": autotune,
+               "decode_s": round(seconds, 4), **kernels}
         if device.type == "cuda":
             row["peak_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
             torch.cuda.reset_peak_memory_stats(device)

@@ -73,8 +73,10 @@ def test_profile_wan_vae_quick_run(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(out.read_text())
     rows = {row["variant"]: row for row in doc["rows"]}
-    assert set(rows) == {"float32", "float32_cl", "float32_chunk3", "float32_no_tf32", "bfloat16", "bfloat16_cl"}
+    assert set(rows) == {"float32", "float32_cl", "float32_cl_autotune", "float32_cl_chunk3", "float32_chunk3",
+                         "float32_no_tf32", "bfloat16", "bfloat16_cl"}
     for row in rows.values():
         assert row["decode_s"] > 0 and 0 < row["convolution_ms"] <= row["kernel_ms_per_step"]
     assert rows["float32_chunk3"]["chunk_frames"] == 3 and rows["bfloat16"]["dtype"] == "bfloat16"
     assert rows["float32_cl"]["channels_last"] and not rows["float32"]["channels_last"]
+    assert rows["float32_cl_autotune"]["cudnn_autotune"] and not rows["float32_cl"]["cudnn_autotune"]
