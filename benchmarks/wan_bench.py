@@ -17,7 +17,7 @@ guidance 5 (both branches every step), for every --steps and --concurrency; c re
   DiT FLOPs per forward (matmuls and attention, from the config) x 2 branches x c / the bf16 matmul
   TFLOP/s of an 8192^3 torch.matmul probe in the same run.
 
-    python3 benchmarks/wan_bench.py [--steps 20 50] [--concurrency 1 2] [--skip-diffusers] [--compile] \
+    python3 benchmarks/wan_bench.py [--steps 20 50] [--concurrency 1 2] [--skip-diffusers] [--compile] [--dit-graphs] \
         [--out benchmarks/results/wan_bench_h200.json]
     python3 benchmarks/wan_bench.py --quick     # tiny shapes on CPU (< 60 s): checks the script end to end
 
@@ -161,11 +161,12 @@ def summarize(timelines: list[dict], steps: int) -> dict:
 
 
 def _ours_config(quick: bool, vae_dtype: str, compile_dit: bool = False, vae_chunk_frames: int = 1,
-                 vae_autotune: bool = False) -> dict:
+                 vae_autotune: bool = False, dit_graphs: bool = False) -> dict:
     kwargs = {"vae_dtype": vae_dtype} if quick else {"dtype": "bfloat16", "vae_dtype": vae_dtype}
     kwargs["compile"] = compile_dit
     kwargs["vae_chunk_frames"] = vae_chunk_frames
     kwargs["vae_autotune"] = vae_autotune
+    kwargs["dit_graphs"] = dit_graphs
     return {"model": "wan22", "max_concurrent_requests": 8, "model_kwargs": kwargs, "device": "cpu" if quick else "auto",
             "node_groups": [{"node_names": COMPONENTS, "ranks": [0]}]}
 
@@ -174,7 +175,8 @@ def bench_ours(args, shape: dict, device: torch.device) -> tuple[list[dict], dic
     """Build our deployment, warm it at every concurrency, then time every (steps, concurrency)."""
     rows = []
     t0 = time.perf_counter()
-    config = _ours_config(args.quick, args.vae_dtype, args.compile, args.vae_chunk_frames, args.vae_autotune)
+    config = _ours_config(args.quick, args.vae_dtype, args.compile, args.vae_chunk_frames, args.vae_autotune,
+                          args.dit_graphs)
     with MStar(config=config, tiny=args.quick,
                load_format="auto" if args.quick else "dummy") as m:
         info = {"build_s": round(time.perf_counter() - t0, 1)}
@@ -239,6 +241,8 @@ def main() -> None:
                         "the VAE decodes at once (more: faster, more memory)")
     parser.add_argument("--vae-autotune", action="store_true", help="wan22 vae_autotune: cuDNN times its "
                         "algorithms per VAE convolution shape (the warm-up pays the search)")
+    parser.add_argument("--dit-graphs", action="store_true", help="wan22 dit_graphs: DiT forwards replay CUDA "
+                        "graphs (each shape and row count captured in the warm-up)")
     parser.add_argument("--compile", action="store_true", help="wan22 model_kwargs compile: torch.compile the "
                         "DiT blocks (the warm-up pays the compile; recorded as mstar.warmup_s_c<c>)")
     parser.add_argument("--quick", action="store_true", help="tiny random models and shapes, on CPU")
@@ -260,6 +264,7 @@ def main() -> None:
               "model": "Wan2.2-TI2V-5B shapes, dummy weights" if not args.quick else "wan22 tiny (quick)",
               **shape, "guidance_scale": args.guidance, "vae_dtype": args.vae_dtype, "compile": args.compile,
               "vae_chunk_frames": args.vae_chunk_frames, "vae_autotune": args.vae_autotune,
+              "dit_graphs": args.dit_graphs,
               "floor": floor,
               "mstar": info, "rows": rows}
     if not args.skip_diffusers:
