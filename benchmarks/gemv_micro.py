@@ -14,7 +14,8 @@ move (weight + x + output); `pct_copy` compares it with a device-to-device copy 
     python3 benchmarks/gemv_micro.py --sweep [--budget-s 150]   # also try configs, print TUNED
 
 --sweep searches a grid of SkinnyConfigs per (M, shape) greedily from the heuristic's pick
-(benchmarks/gemv_sweep.py) until the share of --budget-s left to that cell runs out (Triton compiles
+(benchmarks/gemv_sweep.py; at M <= 4 the GEMV kernel's configs and, unless --no-dot-small, the tl.dot
+kernel's, whose 16-row tiles are mostly padding there but may stream the weight better) until the share of --budget-s left to that cell runs out (Triton compiles
 dominate the time; they run in --compile-threads threads), then prints the best as
 `TUNED = {...}` and `TUNED_SILU_DOWN = {...}` ready to paste into mstar/kernels/skinny_gemm.py, and
 writes them to the JSON. Measures, asserts nothing. Needs a CUDA GPU.
@@ -56,6 +57,8 @@ def sweep(run, w: torch.Tensor, m: int, args, deadline: float, gated: bool = Fal
     bucket = m_bucket(m)
     starts = [pick_silu_down_config(m, n, k, args.sms) if gated else pick_config(m, n, k, args.sms)]
     grid = gemv_grid(bucket, n, k, args.sms) if bucket <= 4 else dot_grid(bucket, n, k, args.sms)
+    if bucket <= 4 and args.dot_small and not gated:  # the tl.dot kernel, its 16-row tiles mostly padding
+        grid |= dot_grid(bucket, n, k, args.sms)
     search = Sweep(run, w, grid, deadline, args.replays, args.compile_threads)
     return search.best(starts), search.tried
 
@@ -128,6 +131,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--replays", type=int, default=5, help="timed replays per graph (median kept)")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--no-dot-small", dest="dot_small", action="store_false",
+                        help="--sweep at M <= 4: GEMV-kernel configs only")
     parser.add_argument("--budget-s", type=float, default=150.0, help="total time the sweep may take")
     parser.add_argument("--compile-threads", type=int, default=8, help="parallel Triton compiles in --sweep")
     parser.add_argument("--out", type=Path, default=None)
