@@ -18,7 +18,7 @@ _RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("GEMM", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "matmul", "aten::mm", "aten::addmm", "aten::bmm",
               "aten::linear", "aten::baddbmm", "wgmma", "splitkreduce", "convolution")),
     ("norm", ("layer_norm", "layernorm", "rms_norm", "rmsnorm", "rowwisemoments", "welford", "norm_kernel",
-              "aten::native_layer_norm")),
+              "norm_ndhwc", "aten::native_layer_norm")),
     ("elementwise/copy", ("elementwise", "vectorized", "unrolled", "copy", "memcpy", "memset", "fill",
                           "cat", "flip", "aten::add", "aten::mul", "aten::sub", "aten::to", "aten::gelu",
                           "aten::silu", "gelu", "silu", "aten::stack", "aten::addcmul", "aten::empty",
