@@ -21,6 +21,9 @@ guidance 5 (both branches every step), for every --steps and --concurrency; c re
         [--out benchmarks/results/wan_bench_h200.json]
     python3 benchmarks/wan_bench.py --quick     # tiny shapes on CPU (< 60 s): checks the script end to end
 
+--trace-steps N adds one profiled request (concurrency 1, N steps) after the grid: where its wall time
+goes on the GPU (busy, idle gaps by size and the largest with their neighbouring kernels, host syncs).
+
 --compile serves with wan22 `model_kwargs: {compile: true}` (torch.compile of the DiT blocks); the
 warm-up run at each concurrency pays the compile (its seconds are recorded), the timed runs do not.
 Compiled against eager in one device command: run it twice, with --skip-diffusers on one of them.
@@ -190,6 +193,15 @@ def bench_ours(args, shape: dict, device: torch.device) -> tuple[list[dict], dic
                        **summarize(run_ours(m, prompts, shape, steps, args.guidance, device), steps)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+        if args.trace_steps:
+            from benchmarks.request_trace import trace
+
+            def one_request() -> None:
+                run_ours(m, [PROMPTS[0]], shape, args.trace_steps, args.guidance, device)
+
+            info["trace"] = {"steps": args.trace_steps, "concurrency": 1,
+                             **trace(one_request, Path(args.trace_chrome) if args.trace_chrome else None)}
+            print(json.dumps(info["trace"]), flush=True)
     return rows, info
 
 
@@ -245,6 +257,10 @@ def main() -> None:
                         "graphs (each shape and row count captured in the warm-up)")
     parser.add_argument("--compile", action="store_true", help="wan22 model_kwargs compile: torch.compile the "
                         "DiT blocks (the warm-up pays the compile; recorded as mstar.warmup_s_c<c>)")
+    parser.add_argument("--trace-steps", type=int, default=0, help="after the grid, one request of this many "
+                        "steps (concurrency 1) under torch.profiler: GPU busy/idle, gaps, host syncs "
+                        "(benchmarks/request_trace.py), written as mstar.trace")
+    parser.add_argument("--trace-chrome", default=None, help="with --trace-steps: also write its Chrome trace here")
     parser.add_argument("--quick", action="store_true", help="tiny random models and shapes, on CPU")
     parser.add_argument("--out", default=None, help="default benchmarks/results/wan_bench_h200.json, with "
                         "--compile wan_bench_h200_compile.json (quick: none)")
