@@ -3,7 +3,8 @@
 `trace(run)` calls `run()` under torch.profiler (CPU and CUDA activities) and returns a summary of the
 device timeline: the union of kernel/copy intervals (busy), the idle time between them split by gap
 size, the largest gaps with the kernels on either side (to place them in the code), kernel time per
-category (kernel_categories.py), and the host's synchronizing CUDA runtime calls (stream/device/event
+category (call_timing.py: kernel_categories' with convolutions apart) and the kernels
+with the most time, and the host's synchronizing CUDA runtime calls (stream/device/event
 synchronize, copies: a device-to-host copy of a result is also a wait), which are where a host can make the
 GPU wait. Measures, asserts nothing.
 """
@@ -14,7 +15,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.kernel_categories import CATEGORIES, categorize
+from benchmarks.call_timing import CATEGORIES, categorize
 
 GAP_BUCKETS_US = (10.0, 100.0, 1000.0)  # idle gaps counted as < 10 us, 10-100 us, 0.1-1 ms, >= 1 ms
 _REQUEST = "request_trace.request"
@@ -22,7 +23,7 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
               "cuStreamSynchronize", "cuCtxSynchronize")
 
 
-def trace(run: Callable[[], object], chrome_trace: Path | None = None, top_gaps: int = 12) -> dict:
+def trace(run: Callable[[], object], chrome_trace: Path | None = None, top_gaps: int = 12, top_kernels: int = 30) -> dict:
     """Profile `run()` and summarize its device timeline (see the module doc)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -43,7 +44,7 @@ def trace(run: Callable[[], object], chrome_trace: Path | None = None, top_gaps:
         elif event.name in SYNC_CALLS:
             syncs[event.name][0] += event.cpu_time_total
             syncs[event.name][1] += 1
-    summary = timeline_summary(kernels, top_gaps)
+    summary = timeline_summary(kernels, top_gaps, top_kernels)
     if request is not None and kernels:  # host time before the first and after the last device interval
         summary["wall_ms"] = round((request.end - request.start) / 1e3, 3)
         summary["head_ms"] = round((min(k[0] for k in kernels) - request.start) / 1e3, 3)
@@ -52,8 +53,9 @@ def trace(run: Callable[[], object], chrome_trace: Path | None = None, top_gaps:
     return summary
 
 
-def timeline_summary(kernels: list[tuple[float, float, str]], top_gaps: int = 12) -> dict:
-    """Busy / idle of (start_us, end_us, name) device intervals, gaps by size, top gaps, categories."""
+def timeline_summary(kernels: list[tuple[float, float, str]], top_gaps: int = 12, top_kernels: int = 30) -> dict:
+    """Busy / idle of (start_us, end_us, name) device intervals, gaps by size, top gaps, categories, and the
+    `top_kernels` names with the most time (their total ms and count)."""
     if not kernels:
         return {"kernels": 0}
     kernels = sorted(kernels)
@@ -77,8 +79,12 @@ def timeline_summary(kernels: list[tuple[float, float, str]], top_gaps: int = 12
         counts[i] += 1
     labels = ("lt_10us", "10_100us", "100us_1ms", "ge_1ms")
     categories = dict.fromkeys(CATEGORIES, 0.0)
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for start, end, name in kernels:
         categories[categorize(name)] += end - start
+        by_name[name][0] += end - start
+        by_name[name][1] += 1
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top_kernels]
     return {
         "kernels": len(kernels),
         "span_ms": round((last - first) / 1e3, 3),
@@ -88,4 +94,6 @@ def timeline_summary(kernels: list[tuple[float, float, str]], top_gaps: int = 12
         "kernel_ms_by_category": {k: round(v / 1e3, 3) for k, v in categories.items()},
         "largest_gaps": [{"idle_ms": round(idle / 1e3, 3), "after": before[:100], "before": after[:100]}
                          for idle, before, after in sorted(gaps, reverse=True)[:top_gaps]],
+        "top_kernels": [{"name": name[:160], "category": categorize(name), "ms": round(us / 1e3, 3), "count": n}
+                        for name, (us, n) in ranked],
     }

@@ -88,12 +88,13 @@ TUNED: dict[tuple[int, int, int], SkinnyConfig] = {
     (2, 3072, 3072): SkinnyConfig(block_m=2, block_n=4, block_k=1024, split_k=1, num_warps=4, num_stages=1, fold_k=8),
     (4, 3072, 3072): SkinnyConfig(block_m=4, block_n=2, block_k=1024, split_k=1, num_warps=4, num_stages=1, fold_k=8),
     (2, 16384, 3072): SkinnyConfig(block_m=2, block_n=4, block_k=1024, split_k=1, num_warps=4, num_stages=1),
-    (4, 16384, 3072): SkinnyConfig(block_m=16, block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4),
+    (4, 16384, 3072): SkinnyConfig(block_m=4, block_n=8, block_k=1024, split_k=1, num_warps=4, num_stages=3, fold_k=8),
     (2, 3072, 8192): SkinnyConfig(block_m=2, block_n=2, block_k=1024, split_k=1, num_warps=2, num_stages=1, fold_k=8),
     (4, 3072, 8192): SkinnyConfig(block_m=4, block_n=8, block_k=1024, split_k=1, num_warps=4, num_stages=3, fold_k=8),
-    # Stop 20: qkv and gate_up at M = 4 from `gemv_micro.py --ms 4 --shapes qkv gate_up --sweep --budget-s 120`
-    # (benchmarks/results/gemv_micro_m4_h200.json, the sweep with the tl.dot kernel at M <= 4): qkv 12.9 -> 10.4 us
-    # (cuBLAS 11.7), gate_up 35.6 -> 28.3 us with the tl.dot kernel (cuBLAS 26.2, still picked by the timing).
+    # Stop 20: qkv at M = 4 from `gemv_micro.py --ms 4 --shapes qkv gate_up --sweep --budget-s 120`
+    # (benchmarks/results/gemv_micro_m4_h200.json, the sweep with the tl.dot kernel at M <= 4): 12.9 -> 10.4 us
+    # (cuBLAS 11.7). gate_up's best there is the tl.dot kernel (28.3 us; cuBLAS 26.2), which the GEMV path
+    # at M <= 4 does not take; it stays. (The batch-4 decode replay did not move: 2.403 -> 2.406 ms.)
     # Orpheus' speakable head rows (benchmarks/results/gemv_sweep_h200_span.json)
     (1, 28680, 3072): SkinnyConfig(block_m=1, block_n=2, block_k=1024, split_k=1, num_warps=2, num_stages=2),
     (2, 28680, 3072): SkinnyConfig(block_m=2, block_n=4, block_k=1024, split_k=1, num_warps=4, num_stages=1, fold_k=1),

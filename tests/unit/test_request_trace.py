@@ -24,6 +24,15 @@ def test_overlapping_intervals_count_once_and_gaps_are_placed():
     assert s["idle_by_gap"]["ge_1ms"] == {"ms": 2.0, "gaps": 1}
     assert s["largest_gaps"][0] == {"idle_ms": 2.0, "after": "add_c", "before": "gemm_d"}
     assert s["kernel_ms_by_category"]["GEMM"] == pytest.approx(0.17)
+    assert s["top_kernels"][0] == {"name": "gemm_a", "category": "GEMM", "ms": 0.1, "count": 1}
+    assert [k["name"] for k in s["top_kernels"]] == ["gemm_a", "norm_b", "gemm_d", "copy_e", "add_c"]  # ties: first seen first
+
+
+def test_convolutions_are_not_attention():
+    s = timeline_summary([(0.0, 10.0, "sm90_xmma_fprop_implicit_gemm_tf32f32_nhwc"),
+                          (10.0, 30.0, "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16")])
+    assert s["kernel_ms_by_category"]["conv"] == pytest.approx(0.01)
+    assert s["kernel_ms_by_category"]["attention"] == pytest.approx(0.02)
 
 
 def test_a_gap_follows_the_interval_that_ended_last():

@@ -145,9 +145,11 @@ class VAEComponent(nn.Module):
         debug = bool(options.get("debug_outputs"))
         pixels, floats = [], []
         for chunk in self.vae.decode_chunks(latents[None], self.chunk_frames):  # [1, 3, t, H, W] in [-1, 1]
-            pixels.append(frames_to_uint8(chunk)[0])
+            pixels.append(frames_to_uint8(chunk, non_blocking=True)[0])  # no host wait per chunk on CUDA
             if debug:
                 floats.append(((chunk[0] + 1) / 2).permute(1, 2, 3, 0).cpu())
+        if latents.is_cuda:  # the chunks' pinned copies are queued, not done
+            torch.cuda.current_stream(latents.device).synchronize()
         video = torch.cat(pixels)
         modalities = options.get("modalities") or ["video"]
         out: dict[str, torch.Tensor] = {}

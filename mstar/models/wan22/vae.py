@@ -228,9 +228,17 @@ class WanVAE(nn.Module):
         return self.post_quant_conv.weight.dtype
 
 
-def frames_to_uint8(video: torch.Tensor) -> torch.Tensor:
-    """video [B, 3, F, H, W] in [-1, 1] -> uint8 frames [B, F, H, W, 3] on the CPU (rounded, clamped)."""
+def frames_to_uint8(video: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """video [B, 3, F, H, W] in [-1, 1] -> uint8 frames [B, F, H, W, 3] on the CPU (rounded, clamped).
+
+    `non_blocking` with a CUDA video: the frames are copied into pinned host memory behind the work
+    queued on the current stream and the host does not wait; the caller synchronizes that stream before
+    reading them (a decode loop then queues its next chunk while this one's frames travel)."""
     if video.ndim != 5 or video.shape[1] != 3:
         raise ValueError(f"video of shape {tuple(video.shape)}: expected [B, 3, F, H, W]")
     pixels = ((video.float() + 1.0) * 127.5).round_().clamp_(0, 255).to(torch.uint8)
-    return pixels.permute(0, 2, 3, 4, 1).contiguous().cpu()
+    pixels = pixels.permute(0, 2, 3, 4, 1).contiguous()
+    if not (non_blocking and pixels.is_cuda):
+        return pixels.cpu()
+    host = torch.empty(pixels.shape, dtype=torch.uint8, pin_memory=True)
+    return host.copy_(pixels, non_blocking=True)
