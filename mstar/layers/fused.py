@@ -4,12 +4,15 @@ They run for CUDA tensors when triton imports (and for CPU tensors under TRITON_
 tests); MSTAR_FUSED_KERNELS=0 turns them off (the PyTorch code in the layers is the reference).
 `norm_linear` (MSTAR_FUSE_NORM_LINEAR=1) lets decoder layers hand an RMSNorm to the next projection
 un-applied (`mstar.layers.norm.PendingNorm`), for the skinny GEMV to fold in where timing says so.
-The switches are read once per process; tests flip `FUSED.enabled` / `FUSED.norm_linear`.
+The switches are read once per process; tests flip `FUSED.norm_linear`, and take their PyTorch reference
+under `fused_kernels(False)`.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 import torch
@@ -39,3 +42,14 @@ class _Switch:
 
 
 FUSED = _Switch()
+
+
+@contextmanager
+def fused_kernels(enabled: bool) -> Iterator[None]:
+    """Inside the block `FUSED.enabled` is `enabled` (False: the layers run their PyTorch reference); on
+    exit, also through an exception, it is what it was before."""
+    previous, FUSED.enabled = FUSED.enabled, enabled
+    try:
+        yield
+    finally:
+        FUSED.enabled = previous

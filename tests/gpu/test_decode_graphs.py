@@ -9,7 +9,7 @@ from llama_testing import DenseAttention, save_hf_model
 from mstar.config import CudaGraphConfig, KVCacheConfig
 from mstar.engines.autoregressive.engine import AutoregressiveEngine
 from mstar.engines.base import StepItem
-from mstar.layers.fused import FUSED
+from mstar.layers.fused import fused_kernels
 from mstar.models.llama.weights import load_model
 
 DEVICE = torch.device("cuda")
@@ -166,24 +166,17 @@ def test_fused_layers_match_pytorch_on_gpu(checkpoint):
     model = load_model(checkpoint[0], dtype=torch.float32, device=DEVICE)
     prompts = prompts_of([11, 30])
     fused = generate(engine_for(model, graphs=False, backend="sdpa"), prompts, [16, 16])
-    FUSED.enabled = False
-    try:
+    with fused_kernels(False):
         reference = generate(engine_for(model, graphs=False, backend="sdpa"), prompts, [16, 16])
-    finally:
-        FUSED.enabled = True
     assert fused == reference
 
     model = load_model(checkpoint[0], dtype=torch.bfloat16, device=DEVICE)
     ids = torch.tensor(prompts[1], device=DEVICE)
     logits = {}
     for enabled in (True, False):
-        FUSED.enabled = enabled
-        try:
-            with torch.inference_mode():
-                hidden = model.forward(ids, torch.arange(len(ids), device=DEVICE), DenseAttention())
-                logits[enabled] = model.compute_logits(hidden)
-        finally:
-            FUSED.enabled = True
+        with fused_kernels(enabled), torch.inference_mode():
+            hidden = model.forward(ids, torch.arange(len(ids), device=DEVICE), DenseAttention())
+            logits[enabled] = model.compute_logits(hidden)
     scale = logits[False].abs().max().item()
     assert (logits[True] - logits[False]).abs().max().item() < 0.03 * scale
     agree = (logits[True].argmax(-1) == logits[False].argmax(-1)).float().mean().item()

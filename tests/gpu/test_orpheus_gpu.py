@@ -102,7 +102,7 @@ def test_vocoder_steps_run_on_their_own_stream(cuda):
 
 def test_snac_snake_kernel_equals_the_torch_form(cuda):
     """SNAC's Snake through the fused Triton kernel (kernels/snake.py) at a decoder width, in float32."""
-    from mstar.layers.fused import FUSED
+    from mstar.layers.fused import fused_kernels
     from mstar.models.orpheus.snac import Snake
 
     module = Snake(96).to(cuda)
@@ -110,9 +110,6 @@ def test_snac_snake_kernel_equals_the_torch_form(cuda):
         module.alpha.uniform_(0.2, 3.0)
     x = torch.randn(8, 96, 4096, device=cuda) * 3
     fused = module(x)
-    FUSED.enabled = False
-    try:
+    with fused_kernels(False):
         reference = module(x)
-    finally:
-        FUSED.enabled = True
     torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)

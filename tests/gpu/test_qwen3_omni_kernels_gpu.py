@@ -8,7 +8,7 @@ import torch
 from mstar.kernels.fused_ops import qk_norm_rotary
 from mstar.kernels.moe_route import route_topk
 from mstar.kernels.small_vocab_sampling import sample_rows
-from mstar.layers.fused import FUSED
+from mstar.layers.fused import fused_kernels
 from mstar.layers.moe import route
 from mstar.layers.norm import RMSNorm
 from mstar.layers.rope import RopeSpec, RotaryEmbedding, apply_rotary
@@ -21,11 +21,8 @@ def test_route_kernel_equals_route_at_thinker_and_talker_shapes():
         # float32: bf16 router logits tie often, and topk's order among ties is its own
         logits = torch.randn(tokens, experts, device="cuda", generator=gen) * 2
         weights, ids = route_topk(logits, k, True)
-        FUSED.enabled = False
-        try:
+        with fused_kernels(False):
             want_w, want_ids = route(logits, k, True)
-        finally:
-            FUSED.enabled = True
         assert torch.equal(ids, want_ids)
         torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
 
@@ -40,11 +37,8 @@ def test_qk_norm_rotary_equals_the_layers_in_bf16():
     heads = qkv.view(8, 40, 128)[:, :36]
 
     def reference(c, s):
-        FUSED.enabled = False
-        try:
+        with fused_kernels(False):
             return torch.cat([apply_rotary(qn(heads[:, :32]), c, s), apply_rotary(kn(heads[:, 32:]), c, s)], 1)
-        finally:
-            FUSED.enabled = True
 
     # the norm alone (cos 1, sin 0: the rotation is the identity): as RMSNorm rounds, but for the rare
     # value whose 1/rms differs in its last bit
@@ -67,11 +61,8 @@ def test_small_vocab_sampler_equals_the_pytorch_sampler():
     for step in range(2):
         logits = torch.randn(b, vocab, device="cuda", generator=gen) * 3
         got = sample_rows(logits, st.temperature, st.top_k, st.top_p, st.noise[:, step])
-        FUSED.enabled = False
-        try:
+        with fused_kernels(False):
             want = sample_step(logits, st, step)
-        finally:
-            FUSED.enabled = True
         assert torch.equal(got, want)
 
 
@@ -122,11 +113,8 @@ def test_step_attention_equals_the_pytorch_step_in_bf16():
         rc, rs = cos[start:start + 1].expand(b, -1), sin[start:start + 1].expand(b, -1)
         got = step_attention(heads, layer.q_norm.weight, layer.k_norm.weight, rc[0], rs[0], keys, values, start, nq,
                              layer.q_norm.eps)
-        FUSED.enabled = False
-        try:
+        with fused_kernels(False):
             want = layer._one_token(heads, rc, rs, (want_keys, want_values), start)
-        finally:
-            FUSED.enabled = True
         assert torch.equal(values, want_values)
         torch.testing.assert_close(keys, want_keys, rtol=2 ** -7, atol=2 ** -7)
         torch.testing.assert_close(got, want, rtol=2 ** -6, atol=2 ** -6)
@@ -150,11 +138,8 @@ def test_sample_and_embed_equals_its_pytorch_form_in_bf16():
         for step in range(2):
             logits = (torch.randn(b, vocab, device="cuda", generator=gen) * 3).bfloat16()
             got = sample_and_embed(logits, st, step, codebook, embed_sum)
-            FUSED.enabled = False
-            try:
+            with fused_kernels(False):
                 want = sample_and_embed(logits, st, step, codebook, embed_sum)
-            finally:
-                FUSED.enabled = True
             for g, w in zip(got, want):
                 assert torch.equal(g, w)
             embed_sum = got[2]

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mstar.layers.fused import FUSED
+from mstar.layers.fused import fused_kernels
 from mstar.models.wan22 import block_math as bm
 
 pytestmark = [
@@ -41,11 +41,8 @@ def _kernels(fn) -> int:
 
 
 def _torch_form(fn, *args, **kwargs):
-    FUSED.enabled = False
-    try:
+    with fused_kernels(False):
         return fn(*args, **kwargs)
-    finally:
-        FUSED.enabled = True
 
 
 def _rounded_once(got: torch.Tensor, want32: torch.Tensor) -> None:

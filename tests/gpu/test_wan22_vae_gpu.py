@@ -159,7 +159,7 @@ def test_channels_last_decode_matches_ncdhw(exact_float32, size):
 def test_channels_last_kernels_full_width():
     """The channels-last norm (with a folded bias, into a causal buffer) and the residual add at the widest map
     of an 832x480 chunk, in float32 against their PyTorch forms; bf16 within one rounding of float32."""
-    from mstar.layers.fused import FUSED
+    from mstar.layers.fused import fused_kernels
     from mstar.models.wan22 import vae_channels_last as vcl
     from mstar.models.wan22.vae_layers import ChannelRMSNorm
 
@@ -171,11 +171,8 @@ def test_channels_last_kernels_full_width():
     norm.gamma.normal_(1.0, 0.2, generator=gen)
 
     def both(fn):
-        FUSED.enabled = False
-        try:
+        with fused_kernels(False):
             want = fn()
-        finally:
-            FUSED.enabled = True
         return fn(), want
 
     buf = torch.empty(1, 6, 240, 416, 256, device="cuda").permute(0, 4, 1, 2, 3)

@@ -12,18 +12,15 @@ from __future__ import annotations
 import torch
 
 from mstar.kernels import snake
-from mstar.layers.fused import FUSED
+from mstar.layers.fused import fused_kernels
 from mstar.models.qwen3_omni.code2wav import Code2Wav
 from mstar.models.qwen3_omni.code2wav_config import Code2WavConfig
 from mstar.models.qwen3_omni.code2wav_layers import SnakeBeta
 
 
 def torch_form(fn, *args):
-    FUSED.enabled = False
-    try:
+    with fused_kernels(False):
         return fn(*args)
-    finally:
-        FUSED.enabled = True
 
 
 def _snake(channels: int) -> SnakeBeta:

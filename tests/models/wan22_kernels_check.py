@@ -12,17 +12,14 @@ from __future__ import annotations
 import torch
 
 from mstar.kernels import wan_ops
-from mstar.layers.fused import FUSED
+from mstar.layers.fused import fused_kernels
 from mstar.models.wan22 import block_math as bm
 
 
 def torch_form(fn, *args, **kwargs):
     """fn(*args, **kwargs) with the kernels off: the PyTorch reference."""
-    FUSED.enabled = False
-    try:
+    with fused_kernels(False):
         return fn(*args, **kwargs)
-    finally:
-        FUSED.enabled = True
 
 
 def close(got: torch.Tensor, want: torch.Tensor, steps: float = 1.0) -> None:

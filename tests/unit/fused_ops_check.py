@@ -6,18 +6,15 @@ from __future__ import annotations
 import torch
 
 from mstar.kernels import fused_ops
-from mstar.layers.fused import FUSED
+from mstar.layers.fused import FUSED, fused_kernels
 from mstar.layers.mlp import GatedMLP
 from mstar.layers.norm import RMSNorm
 from mstar.layers.rope import RopeSpec, RotaryEmbedding, apply_rotary
 
 
 def reference(fn):
-    FUSED.enabled = False
-    try:
+    with fused_kernels(False):
         return fn()
-    finally:
-        FUSED.enabled = True
 
 
 def check_rms_norm(dtype: torch.dtype) -> None:

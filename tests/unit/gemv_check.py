@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from mstar.kernels import fused_ops, gemv, skinny_gemm
 from mstar.kernels.skinny_gemm import SkinnyConfig, pick_config, skinny_linear, skinny_silu_and_mul_linear
 from mstar.kernels.timing import MAX_COPIES, graph_time_us, weight_copies
-from mstar.layers.fused import FUSED
+from mstar.layers.fused import FUSED, fused_kernels
 from mstar.layers.linear import SKINNY
 from mstar.layers.mlp import GatedMLP
 
@@ -130,12 +130,10 @@ def check_mlp_selection(dtype: torch.dtype) -> None:
         mlp(torch.randn(12, 32).to(dtype))  # 12 rows: gate_up and down through the tl.dot kernel, no fusion
     finally:
         skinny_gemm.skinny_silu_and_mul_linear, skinny_gemm.skinny_linear = fused, linear_
-        SKINNY.force, FUSED.enabled = None, False
+        SKINNY.force = None
     assert calls == ["linear", "fused", "linear", "linear"], calls
-    try:
+    with fused_kernels(False):
         want = mlp(x)  # the PyTorch reference path
-    finally:
-        FUSED.enabled = True
     torch.testing.assert_close(got, want, **tol(dtype))
 
 

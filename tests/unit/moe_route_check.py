@@ -6,16 +6,13 @@ from __future__ import annotations
 import torch
 
 from mstar.kernels.moe_route import route_topk
-from mstar.layers.fused import FUSED
+from mstar.layers.fused import fused_kernels
 from mstar.layers.moe import route
 
 
 def reference_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    FUSED.enabled = False  # route's PyTorch form (with the fused kernels on it calls route_topk)
-    try:
+    with fused_kernels(False):  # route's PyTorch form (with the fused kernels on it calls route_topk)
         return route(logits, top_k, renormalize)
-    finally:
-        FUSED.enabled = True
 
 
 def check(tokens: int, experts: int, top_k: int, renormalize: bool, dtype: torch.dtype) -> None:

@@ -9,7 +9,7 @@ import torch
 from mstar.kernels import moe_small
 from mstar.kernels.moe_small import SmallMoEConfig, experts_small
 from mstar.layers import moe as moe_mod
-from mstar.layers.fused import FUSED
+from mstar.layers.fused import FUSED, fused_kernels
 from mstar.layers.moe import MoESpec, SparseMoE, experts_grouped, experts_loop, moe_graph_capturable, route
 
 TIGHT = {"atol": 2e-5, "rtol": 2e-5}  # float32: only the summation order differs
@@ -108,11 +108,8 @@ def check_path_choice() -> None:
         torch.testing.assert_close(moe(many), experts_loop_block(moe, many), **TIGHT)
         assert calls == [16, 17], calls
         assert moe_graph_capturable(torch.nn.Sequential(moe))
-        FUSED.enabled = False  # MSTAR_FUSED_KERNELS=0: no small path
-        try:
+        with fused_kernels(False):  # MSTAR_FUSED_KERNELS=0: no small path
             assert moe_mod.pick_path(few, 4) == "loop"
-        finally:
-            FUSED.enabled = True
         moe.force_path = "fast"
         try:
             moe(few)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from mstar.kernels import gemv, skinny_gemm
 from mstar.kernels.skinny_gemm import SkinnyConfig, pick_config, skinny_linear
-from mstar.layers.fused import FUSED
+from mstar.layers.fused import FUSED, fused_kernels
 from mstar.layers.linear import SKINNY, linear, linear_weight
 from mstar.layers.mlp import GatedMLP
 
@@ -63,11 +63,9 @@ def check_selection(dtype: torch.dtype) -> None:
     finally:
         skinny_gemm.skinny_linear = original
     assert len(calls) == 2, f"expected gate_up and down through skinny_linear, saw {len(calls)} calls"
-    SKINNY.force, FUSED.enabled = None, False
-    try:
+    SKINNY.force = None
+    with fused_kernels(False):
         want = mlp(x)
-    finally:
-        FUSED.enabled = True
     torch.testing.assert_close(got, want, **tol(dtype))
 
 

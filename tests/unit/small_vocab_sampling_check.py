@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from mstar.kernels import small_vocab_sampling
-from mstar.layers.fused import FUSED
+from mstar.layers.fused import FUSED, fused_kernels
 from mstar.models.qwen3_omni.code_predictor_sampling import (
     MAX_VOCAB,
     SamplingTensors,
@@ -24,11 +24,8 @@ def check(vocab: int) -> None:
     for step in range(steps):
         logits = 3 * torch.randn(b, vocab)
         got = sample_step(logits, st, step)  # the kernel (the interpreter serves CPU tensors)
-        FUSED.enabled = False
-        try:
+        with fused_kernels(False):
             want = sample_step(logits, st, step)
-        finally:
-            FUSED.enabled = True
         assert torch.equal(got, want), (vocab, step, got, want)  # same noise, same draw
         assert got[0] == logits[0].argmax() and got[1] == logits[1].argmax()  # greedy and top_k 1
 
@@ -48,11 +45,8 @@ def check_embed(vocab: int, hidden: int, dtype: torch.dtype) -> None:
         for step in range(steps):
             logits = (3 * torch.randn(b, vocab)).to(dtype)
             got = sample_and_embed(logits, st, step, codebook, embed_sum)
-            FUSED.enabled = False
-            try:
+            with fused_kernels(False):
                 want = sample_and_embed(logits, st, step, codebook, embed_sum)
-            finally:
-                FUSED.enabled = True
             for g, w in zip(got, want):
                 assert g.dtype == w.dtype and torch.equal(g, w), (vocab, step, g, w)
             embed_sum = got[2]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from mstar.kernels.step_attention import step_attention, supports
-from mstar.layers.fused import FUSED
+from mstar.layers.fused import FUSED, fused_kernels
 from mstar.layers.rope import RopeSpec, RotaryEmbedding
 from mstar.models.qwen3_omni.code_predictor import _Attention
 from mstar.models.qwen3_omni.code_predictor_config import CodePredictorConfig
@@ -30,11 +30,8 @@ def check(dtype: torch.dtype, num_heads: int, num_kv: int, head_dim: int, batch:
         rows_cos, rows_sin = cos[start:start + 1].expand(batch, -1), sin[start:start + 1].expand(batch, -1)
         got = step_attention(heads, layer.q_norm.weight, layer.k_norm.weight, rows_cos[0], rows_sin[0], keys, values,
                              start, num_heads, layer.q_norm.eps)
-        FUSED.enabled = False
-        try:
+        with fused_kernels(False):
             want = layer._one_token(heads, rows_cos, rows_sin, (want_keys, want_values), start)
-        finally:
-            FUSED.enabled = True
         # the cache write is exact: the same roundings as qk_norm_rotary (k) and a copy (v)
         torch.testing.assert_close(keys, want_keys, atol=tol if dtype != torch.float32 else 1e-6, rtol=0)
         assert torch.equal(values, want_values)
