@@ -2,7 +2,7 @@
 
 Full-width shapes of one TI2V-5B step at 832x480x33 (B=2 guidance rows, 9 frames x 390 tokens, hidden
 3072, 24 heads, per-frame modulation). For every step: microseconds per call for the Triton kernel and
-for the PyTorch form (MSTAR's `FUSED.enabled = False`), the bytes the kernel must move, and the
+for the PyTorch form (under MSTAR's `fused_kernels(False)`), the bytes the kernel must move, and the
 bandwidth that makes. Per DiT forward each block runs: 1 modulated norm, 2 q/k norm+rope, 1 gated
 residual + norm2, 1 cross-attention q norm, 1 residual add + modulated norm, 1 FFN up-projection +
 GELU (`ffn_in_gelu`: the GELU in the GEMM's cuBLASLt epilogue against GEMM then a GELU kernel; reported
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-from mstar.layers.fused import FUSED  # noqa: E402
+from mstar.layers.fused import fused_kernels  # noqa: E402
 from mstar.models.wan22 import block_math as bm  # noqa: E402
 
 B, T, N, D, H, FFN = 2, 9, 390, 3072, 24, 14336
@@ -84,11 +84,8 @@ def main() -> None:
     with torch.no_grad():
         for name, (fn, nbytes, *flops) in cases().items():
             fused = gpu_us(fn, args.iters)
-            FUSED.enabled = False
-            try:
+            with fused_kernels(False):
                 plain = gpu_us(fn, args.iters)
-            finally:
-                FUSED.enabled = True
             results[name] = {"fused_us": round(fused, 1), "torch_us": round(plain, 1),
                              "fused_GBps": round(nbytes / fused / 1e3, 1)}
             if flops:

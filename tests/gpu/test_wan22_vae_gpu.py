@@ -187,3 +187,15 @@ def test_channels_last_kernels_full_width():
     norm.gamma.copy_(norm16.gamma.float())
     truth = vcl.norm_ndhwc(norm, x16.float(), bias.bfloat16().float(), True)  # float32 kernel, same inputs
     assert ((got16.float() - truth).abs() <= 2.0 ** -8 * truth.abs() + 1e-6).float().mean() > 0.999
+
+
+def test_frames_to_uint8_non_blocking_lands_in_pinned_memory():
+    """The served decode's per-chunk copy: pinned, queued behind the stream, equal once it is synchronized."""
+    from mstar.models.wan22.vae import frames_to_uint8
+
+    video = torch.rand(1, 3, 4, 480, 832, device=DEVICE) * 2 - 1
+    want = frames_to_uint8(video)
+    got = frames_to_uint8(video, non_blocking=True)
+    torch.cuda.current_stream().synchronize()
+    assert got.is_pinned() and not want.is_pinned()
+    assert torch.equal(got, want)

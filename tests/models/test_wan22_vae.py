@@ -275,3 +275,24 @@ def test_serve_option_vae_autotune_times_cudnn_only_around_the_vae():
     component.autotune = False
     component.run_batch("t2v", "decode", [{"latents": latents}], [{}])
     assert seen == [True, before]
+
+
+def test_conv_out_wide_weight_pads_with_zero_filters_and_follows_the_weight():
+    """conv_out's filters zero-padded to 32 outputs (what the CUDA channels-last decode convolves with): the
+    first 12 outputs are conv_out's, the padded weight is made once per weight version."""
+    import torch.nn.functional as F
+
+    from mstar.models.wan22.vae_channels_last import NARROW_CONV_CHANNELS, _wide_weight
+
+    conv = WanVAE(CONFIG).decoder.conv_out
+    torch.nn.init.normal_(conv.weight)
+    wide = _wide_weight(conv)
+    assert wide.shape == (NARROW_CONV_CHANNELS, *conv.weight.shape[1:])
+    assert torch.equal(wide[: conv.out_channels], conv.weight) and not wide[conv.out_channels :].any()
+    assert _wide_weight(conv) is wide
+    x = torch.randn(1, conv.in_channels, 4, 5, 6)
+    narrow = F.conv3d(x, conv.weight, None, 1, (0, 1, 1))
+    torch.testing.assert_close(F.conv3d(x, wide, None, 1, (0, 1, 1))[:, : conv.out_channels], narrow)
+    with torch.no_grad():
+        conv.weight.mul_(2.0)  # new weights (a load): the padded copy follows
+    assert torch.equal(_wide_weight(conv)[: conv.out_channels], conv.weight)

@@ -13,7 +13,9 @@ reading the output adds anyway (`kernels/wan_vae_cl_ops.py` on CUDA):
 - the upsampler's time conv's by the copy interleaving its two frame halves, which also places frame 0;
 - the upsampler's spatial conv's by the level's channels-to-pixels shortcut add, read in place.
 
-Only `to_qkv` (one small map a chunk) keeps its bias, and `conv_out`'s (12 channels) is added after it.
+Only `to_qkv` (one small map a chunk) keeps its bias, and `conv_out`'s (12 channels) is added after it;
+on CUDA conv_out runs with its filters zero-padded to 32 (`_wide_weight`: cuDNN's kernel for 12 outputs
+was 3x slower).
 
 Elsewhere (CPU, kernels off) PyTorch forms stand in for the kernels, and conv outputs are made
 channels-last (CPU conv3d returns NCDHW). Results equal `Decoder.forward`'s up to float32 rounding.
@@ -58,8 +60,30 @@ def decode_chunk(decoder: nn.Module, z: torch.Tensor, stream: CausalStream) -> t
     x = _mid_block(decoder.mid_block, x, decoder.conv_in.bias, stream)
     for block in decoder.up_blocks:
         x = _up_block(block, x, stream)
-    out = _norm_conv(decoder.norm_out, decoder.conv_out, x, stream)
-    return out.add_(decoder.conv_out.bias.view(1, -1, 1, 1, 1))
+    conv_out = decoder.conv_out
+    out = _norm_conv(decoder.norm_out, conv_out, x, stream, weight=_wide_weight(conv_out) if x.is_cuda else None)
+    return out[:, : conv_out.out_channels].add_(conv_out.bias.view(1, -1, 1, 1, 1))
+
+
+NARROW_CONV_CHANNELS = 32  # conv_out's 12 output channels are zero-padded to this many on CUDA
+
+
+def _wide_weight(conv: CausalConv3d) -> torch.Tensor:
+    """conv's weight with zero filters appended up to NARROW_CONV_CHANNELS outputs (cached per weight version).
+
+    For conv_out (256 -> 12 channels) cuDNN picks a kernel with a 16-wide tile that ran a 4-frame 832x480
+    chunk in 4.2 ms; with 32 outputs (the 20 extra are zeros, sliced off) it picks one that takes 1.3 ms
+    (`benchmarks/wan_vae_conv_out_micro.py`). The 12 channels differ only by TF32 rounding."""
+    weight = conv.weight
+    if weight.shape[0] >= NARROW_CONV_CHANNELS:
+        return weight
+    key = (weight.data_ptr(), weight._version)
+    cached = getattr(conv, "_wide_weight", None)
+    if cached is None or cached[0] != key:
+        wide = weight.new_zeros(NARROW_CONV_CHANNELS, *weight.shape[1:]).contiguous(memory_format=CL3D)
+        wide[: weight.shape[0]] = weight
+        cached = conv._wide_weight = (key, wide)
+    return cached[1]
 
 
 def _mid_block(block: MidBlock, x: torch.Tensor, x_bias: torch.Tensor, stream: CausalStream) -> torch.Tensor:
@@ -124,9 +148,10 @@ def _upsample_time(up: Upsample, x: torch.Tensor, stream: CausalStream) -> torch
 
 
 def _norm_conv(norm: ChannelRMSNorm, conv: CausalConv3d, x: torch.Tensor, stream: CausalStream,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """conv(SiLU(norm(x + bias)), stream) without conv's bias: the norm writes into the conv's input
-    buffer after the past frames (the stream's, or zeros before frame 0)."""
+               bias: torch.Tensor | None = None, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """conv(SiLU(norm(x + bias)), stream) without conv's bias (with `weight` in place of conv's when given):
+    the norm writes into the conv's input buffer after the past frames (the stream's, or zeros before
+    frame 0)."""
     b, c, t, h, w = x.shape
     past = conv.context
     buf = _empty(b, c, past + t, h, w, x)
@@ -139,7 +164,7 @@ def _norm_conv(norm: ChannelRMSNorm, conv: CausalConv3d, x: torch.Tensor, stream
     norm_ndhwc(norm, x, bias, silu=True, out=buf[:, :, past:])
     if past:
         stream.keep(conv, buf[:, :, -past:])
-    return _conv(conv, buf)
+    return _conv(conv, buf, weight=weight)
 
 
 def _causal_conv(conv: CausalConv3d, x: torch.Tensor, stream: CausalStream) -> torch.Tensor:
@@ -152,10 +177,12 @@ def _causal_conv(conv: CausalConv3d, x: torch.Tensor, stream: CausalStream) -> t
     return _conv(conv, x)
 
 
-def _conv(conv: nn.Conv2d | nn.Conv3d, x: torch.Tensor, bias: bool = False) -> torch.Tensor:
-    """conv's convolution of a channels-last x (its bias only when `bias`), channels-last out."""
+def _conv(conv: nn.Conv2d | nn.Conv3d, x: torch.Tensor, bias: bool = False,
+          weight: torch.Tensor | None = None) -> torch.Tensor:
+    """conv's convolution of a channels-last x (its bias only when `bias`; `weight` for conv's), channels-last out."""
     fn = F.conv3d if x.dim() == 5 else F.conv2d
-    y = fn(x, conv.weight, conv.bias if bias else None, conv.stride, conv.padding, conv.dilation, conv.groups)
+    weight = conv.weight if weight is None else weight
+    y = fn(x, weight, conv.bias if bias else None, conv.stride, conv.padding, conv.dilation, conv.groups)
     return _cl(y)  # a no-op on CUDA (cuDNN answers in the input's layout); CPU conv3d returns NCDHW
 
 
