@@ -201,6 +201,20 @@ class ModelGraph:
                 return walk
         raise KeyError(f"no walk {name!r}; walks are {[w.name for w in self.walks]}")
 
+    def step_order(self) -> list[str]:
+        """Every component, in the order a worker steps their engines: as they first appear in the walks
+        (in declaration order, each walk's nodes in program order), then any in no walk, by name.
+
+        Program order is data-flow order, so a loop whose body spans several components on one worker
+        (Qwen3-Omni's talker_input -> talker -> code_predictor) makes one iteration per pass over the
+        engines; stepped against its flow (by name: code_predictor, talker, talker_input) it would make
+        one every two passes, each pass also paying every other busy engine's step."""
+        order: dict[str, None] = {}
+        for walk in self.walks:
+            for node in iter_nodes(walk.body):
+                order.setdefault(node.component, None)
+        return [*order, *sorted(set(self.components) - set(order))]
+
 
 def iter_nodes(section: Section):
     """Yield every Node of a section in program order."""

@@ -121,7 +121,9 @@ class Worker:
                  device: torch.device, loop_fast_path: bool | None = None) -> None:
         self.rank = rank
         self.graph = graph
-        self.engines = engines
+        # stepped in the graph's data-flow order, so a multi-component loop advances once per pass
+        self.engines = {name: engines[name] for name in graph.step_order() if name in engines}
+        self.engines.update((name, engine) for name, engine in engines.items() if name not in self.engines)
         self.inbox, self.codec = inbox, codec
         self.outbox = BatchingOutbox(outbox, CONDUCTOR)  # client outputs leave once per step, not per value
         self.device = device

@@ -75,18 +75,21 @@ def test_batched_and_joining_requests_get_what_they_get_alone(runtime, monkeypat
     alone = [_ours(runtime, p, 4, 20 + i) for i, p in enumerate(PROMPTS)]
     rows: list[int] = []
     original = DiTComponent.run_items
-    monkeypatch.setattr(DiTComponent, "run_items", lambda self, items: rows.append(len(items)) or original(self, items))
-    first = runtime.submit({"text": PROMPTS[0]}, num_inference_steps=4, seed=20, report_progress=True, **DEBUG)
-    events, joined = [], threading.Event()
+    in_second_forward, joined = threading.Event(), threading.Event()
 
-    def consume():
-        for event in first:
-            events.append(event)
-            joined.wait(10)  # hold the first request's events until the others are in
-    reader = threading.Thread(target=consume)
+    def run_items(self, items):
+        rows.append(len(items))
+        if len(rows) == 2:  # the first request's second step waits here until the others are submitted,
+            in_second_forward.set()  # so they join its later steps however slow this machine is
+            joined.wait(10)
+        return original(self, items)
+
+    monkeypatch.setattr(DiTComponent, "run_items", run_items)
+    first = runtime.submit({"text": PROMPTS[0]}, num_inference_steps=4, seed=20, report_progress=True, **DEBUG)
+    events = []
+    reader = threading.Thread(target=lambda: events.extend(first))
     reader.start()
-    while not events:
-        time.sleep(0.005)
+    assert in_second_forward.wait(30)
     late = [runtime.submit({"text": p}, num_inference_steps=4, seed=20 + i, **DEBUG) for i, p in enumerate(PROMPTS)
             if i > 0]
     joined.set()
