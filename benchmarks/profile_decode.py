@@ -11,14 +11,9 @@ model, so one run shows each fusion's effect; the skinny-GEMM choices made are l
 With --pdl both, everything is profiled with Programmatic Dependent Launch of the Triton kernels off,
 then on (mstar/kernels/pdl.py; the skinny-GEMM choices are re-timed for each, as a fresh process with
 that MSTAR_PDL would); --pdl off / on forces one; the default follows MSTAR_PDL (auto: on for sm_90+).
-With --l2-prefetch, each setting (MiB of the next projection's weight each GEMV hints into L2, 0 = off;
-a trailing "e" hints before the PDL wait instead of after the program's own weight reads,
-`mstar/kernels/gemv.py` L2_PREFETCH) gets its own engine and graphs. --speakable-span restricts the head
-to Orpheus' speakable span, as the served model does.
 
     python3 benchmarks/profile_decode.py [--batch-sizes 1 16 64] [--variants none rope reduce norm all]
-        [--pdl {env,off,on,both}] [--l2-prefetch 0 16 64 16e] [--speakable-span]
-        [--out benchmarks/results/profile_decode_h200.json]
+        [--pdl {env,off,on,both}] [--out benchmarks/results/profile_decode_h200.json]
 
 Measures, asserts nothing. Needs a CUDA GPU.
 """
@@ -41,14 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode_step import ORPHEUS_3B, make_engine  # noqa: E402
 from mstar.engines.autoregressive import engine as engine_module  # noqa: E402
 from mstar.engines.base import StepItem  # noqa: E402
-from mstar.kernels.gemv import L2_PREFETCH  # noqa: E402
 from mstar.kernels.pdl import PDL  # noqa: E402
 from mstar.layers.fused import FUSED  # noqa: E402
 from mstar.layers.linear import SKINNY  # noqa: E402
 from mstar.models.common.loading import fill_dummy_weights  # noqa: E402
 from mstar.models.llama.config import LlamaConfig  # noqa: E402
 from mstar.models.llama.model import build_model  # noqa: E402
-from mstar.models.orpheus.tokens import OrpheusTokens  # noqa: E402
 
 # variant -> (RoPE in attention, split merge in attention, RMSNorm folded into the GEMV)
 VARIANTS = {"none": (False, False, False), "rope": (True, False, False), "reduce": (False, True, False),
@@ -184,12 +177,6 @@ def profile_engine(model, config, args) -> dict:
             "kernels_batch1_eager": kernels}
 
 
-def set_l2_prefetch(setting: str) -> None:
-    """"<MiB>" or "<MiB>e" (hinted before the PDL wait) for the next engine built."""
-    early = setting.endswith("e")
-    L2_PREFETCH.max_bytes, L2_PREFETCH.early = int(setting.rstrip("e")) << 20, early
-
-
 def skinny_choices() -> list[dict]:
     """Every skinny-GEMM decision taken so far: (kind, M bucket, N, K) -> the Triton kernel or not."""
     return [{"shape": [str(part) for part in key[:-1]], "triton": chosen} for key, chosen in SKINNY.decisions.items()]
@@ -205,29 +192,15 @@ def main() -> None:
                         help="Programmatic Dependent Launch: as MSTAR_PDL sets it (env), off, on, or both in turn")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="engine context limit (default: just what the run needs); decode splits KV by it")
-    parser.add_argument("--l2-prefetch", nargs="+", default=None,
-                        help="L2 prefetch settings to compare, one engine each: MiB (0 = off), 'e' suffix = early")
-    parser.add_argument("--speakable-span", action="store_true",
-                        help="the head reads Orpheus' speakable span only (model_kwargs.audio_logits_only)")
     parser.add_argument("--out", default="benchmarks/results/profile_decode_h200.json")
     args = parser.parse_args()
     config = LlamaConfig.from_hf(ORPHEUS_3B)
     model = build_model(config, torch.bfloat16, torch.device("cuda"))
     fill_dummy_weights(model, seed=0)
-    if args.speakable_span:
-        tokens = OrpheusTokens()
-        model.restrict_logits(tokens.speakable_span, blocked=tokens.span_markers)
     result = {"benchmark": "profile_decode", "command": "python3 " + " ".join(sys.argv),
               "device": torch.cuda.get_device_name()}
     modes = PDL_MODES[args.pdl]
-    if args.l2_prefetch:
-        set_pdl(modes[0])
-        result["variants"] = {}
-        for setting in args.l2_prefetch:
-            print(json.dumps({"l2_prefetch": setting}), flush=True)
-            set_l2_prefetch(setting)
-            result["variants"][f"l2_prefetch={setting}"] = profile_engine(model, config, args)
-    elif args.variants is None and len(modes) == 1:
+    if args.variants is None and len(modes) == 1:
         set_pdl(modes[0])
         result.update(profile_engine(model, config, args))
         result["skinny_choices"] = skinny_choices()

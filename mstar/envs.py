@@ -76,9 +76,6 @@ WAN_GEMM_GELU = EnvVar(
     "0 runs the Wan DiT's FFN GELU as its own kernel instead of in the up-projection's cuBLASLt GEMM "
     "epilogue (CUDA, fused kernels on; read once per process)",
     _TRUE + _FALSE)
-L2_PREFETCH = EnvVar(
-    "MSTAR_L2_PREFETCH", "int", "0",
-    "MiB of the next projection's weight each decode GEMV hints into L2 (0: off; read once per process)")
 PDL = EnvVar(
     "MSTAR_PDL", "0/1/auto", "auto",
     "Programmatic Dependent Launch of the decode-step Triton kernels (each launch overlaps the previous "
@@ -107,7 +104,7 @@ SCHEMATHESIS_EXAMPLES = EnvVar(
     "tests only: generated examples per operation in tests/e2e/test_schemathesis.py")
 
 ALL: tuple[EnvVar, ...] = (FUSED_KERNELS, SKINNY_GEMM, FUSE_ROPE_ATTENTION, FUSE_ATTENTION_REDUCE,
-                           FUSE_NORM_LINEAR, WAN_GEMM_GELU, L2_PREFETCH, PDL, LOOP_FAST_PATH, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
+                           FUSE_NORM_LINEAR, WAN_GEMM_GELU, PDL, LOOP_FAST_PATH, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
                            SCHEMATHESIS_EXAMPLES)
 
 
@@ -159,21 +156,6 @@ def fuse_norm_linear() -> bool:
 def wan_gemm_gelu() -> bool:
     """MSTAR_WAN_GEMM_GELU: whether the Wan FFN GELU runs in the GEMM epilogue (default True)."""
     return _flag(WAN_GEMM_GELU, default=True)
-
-
-def l2_prefetch_mb() -> int:
-    """MSTAR_L2_PREFETCH: MiB of the next weight a decode GEMV hints into L2, 0 (off) or more (default 0)."""
-    value = L2_PREFETCH.raw()
-    if value is None:
-        return 0
-    try:
-        number = int(value)
-    except ValueError:
-        number = -1
-    if number < 0:
-        raise EnvError(f"{L2_PREFETCH.name}={value!r} is not accepted: set it to a whole number of MiB >= 0 "
-                       f"(or unset it for the default, {L2_PREFETCH.default})")
-    return number
 
 
 def pdl() -> bool | None:

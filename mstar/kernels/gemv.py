@@ -37,7 +37,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mstar import envs
 from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 MAX_M = 4  # rows above this take the tl.dot kernel in skinny_gemm
@@ -158,24 +157,12 @@ def _fma_rows(acc0, acc1, acc2, acc3, w, k, k_mask, x_ptrs, r_ptrs, nw_ptrs, M, 
 
 
 @triton.jit
-def _prefetch_l2(pf_ptr, pf_numel, pid, PF_LINES: tl.constexpr, PF_LINE_ELEMS: tl.constexpr):
-    """Hint lines [pid * PF_LINES, (pid + 1) * PF_LINES) of 128 bytes of `pf_ptr` (the next kernel's weight)
-    into L2 with evict-last priority; addresses past `pf_numel` are clamped to its last element (a
-    repeated hint costs nothing). A prefetch is no load: nothing waits for it, no register holds it."""
-    line = pid * PF_LINES + tl.arange(0, PF_LINES)
-    offs = tl.minimum(line.to(tl.int64) * PF_LINE_ELEMS, pf_numel - 1)
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                              [pf_ptr + offs], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, res_out_ptr, M, N, K, stride_xm,
-                 stride_wn, stride_rm, gate_offset, eps, pf_ptr, pf_numel,
+                 stride_wn, stride_rm, gate_offset, eps,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                  SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, K_ITERS: tl.constexpr, K_CHUNKS: tl.constexpr,
                  BROADCAST_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 FOLD_K: tl.constexpr, PF_LINES: tl.constexpr, PF_LINE_ELEMS: tl.constexpr,
-                 PF_EARLY: tl.constexpr, PDL: tl.constexpr):
+                 FOLD_K: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -191,8 +178,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, 
     k_start = pid_k * (K_ITERS * BLOCK_K)
     first_mask = ((k_start + rk) < K)[None, :]
     w_first = _load_w(w_ptrs, k_start, first_mask, EVEN_K)
-    if PF_LINES > 0 and PF_EARLY:  # the next weight is constant too: hinted before the wait
-        _prefetch_l2(pf_ptr, pf_numel, pid_n * tl.num_programs(1) + pid_k, PF_LINES, PF_LINE_ELEMS)
     pdl_wait(PDL)
     # x, w and the accumulators must share one register layout, or the compiler shuffles a tile through
     # shared memory every iteration. When BLOCK_K spans all warps (BROADCAST_X), a [1, BLOCK_K] x row
@@ -224,8 +209,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, 
         acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w, k, k_mask, x_ptrs, r_ptrs, nw_ptrs, M,
                                            stride_xm, stride_rm, gate_offset, inv0, inv1, inv2, inv3, GATED, NORM,
                                            HAS_RES, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, FOLD_K)
-    if PF_LINES > 0 and not PF_EARLY:  # this program's weight reads are all issued: hint the next weight's
-        _prefetch_l2(pf_ptr, pf_numel, pid_n * tl.num_programs(1) + pid_k, PF_LINES, PF_LINE_ELEMS)
     # The only cross-thread reductions, once per row after the loop; rows gathered into [BLOCK_M, BLOCK_N].
     part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) + tl.sum(acc0, axis=1)[None, :]
     if BLOCK_M > 1:
@@ -254,31 +237,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, 
             tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
-L2_LINE = 128  # bytes an L2 prefetch hint brings in
-
-
-class _L2Prefetch:
-    """Process-wide choice of the GEMV's L2 prefetch of the next weight (MSTAR_L2_PREFETCH, read once):
-    `max_bytes` of it at most (0: off), hinted before the PDL wait (`early`) or once the program's own
-    weight reads are issued. Tests and benchmarks set the fields."""
-
-    def __init__(self) -> None:
-        self.max_bytes = envs.l2_prefetch_mb() << 20
-        self.early = False
-
-    def lines(self, target: torch.Tensor | None, programs: int) -> tuple[int, int]:
-        """(128-byte lines each of `programs` programs hints, elements of `target` covered): (0, 0) when off."""
-        if target is None or self.max_bytes <= 0:
-            return 0, 0
-        if not target.is_contiguous():
-            raise ValueError(f"gemv: the prefetch target must be contiguous, got stride {target.stride()}")
-        numel = min(target.numel(), self.max_bytes // target.element_size())
-        per_program = triton.cdiv(triton.cdiv(numel * target.element_size(), L2_LINE), programs)
-        return triton.next_power_of_2(per_program), numel
-
-
-L2_PREFETCH = _L2Prefetch()
-
 _BUFFERS: dict[tuple[str, torch.device, int], torch.Tensor] = {}
 
 
@@ -298,7 +256,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block
          block_k: int, split_k: int = 1, num_warps: int = 4, num_stages: int = 2,
          gated: bool = False, norm: tuple[torch.Tensor, float] | None = None,
          residual: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
-         fold_k: int = 1, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+         fold_k: int = 1) -> torch.Tensor:
     """x [M, K] (or [M, 2K] = [gate | up] when `gated`) times weight [N, K].T (+ bias) -> [M, N].
 
     M <= block_m <= MAX_M. Output in x's dtype, accumulated in fp32, bit-reproducible; inputs are
@@ -308,8 +266,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block
     (contiguous) when a residual is given. Not with `gated`. `fold_k` (`SkinnyConfig` checks it) sums
     groups of that many products along K inside each thread every chunk, so the accumulators take
     fold_k times fewer registers (more rows of x per program at the same register budget).
-    `prefetch`: the weight the next kernel reads (contiguous, constant during the step); on CUDA, with
-    `L2_PREFETCH` on, the programs hint its first `L2_PREFETCH.max_bytes` into L2 (`_prefetch_l2`).
     """
     m = x.shape[0]
     n, k = weight.shape
@@ -323,16 +279,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block
     lock = _buffer("lock", x.device, tiles) if split > 1 else out
     norm_weight, eps = norm if norm is not None else (x, 0.0)
     res = residual if residual is not None else x
-    pf_lines, pf_numel = L2_PREFETCH.lines(prefetch, tiles * split) if x.is_cuda else (0, 0)
     _gemv_kernel[(tiles, split)](
         x, weight, bias if bias is not None else weight, out, ws, lock, res, norm_weight,
         residual_out if residual_out is not None else x, m, n, k, x.stride(0), weight.stride(0), res.stride(0), k,
-        eps, prefetch if pf_lines else weight, max(pf_numel, 1), HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, HAS_RES=residual is not None,
+        eps, HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, HAS_RES=residual is not None,
         SPLIT_K=split, EVEN_K=split * k_per_split == k, K_ITERS=k_per_split // block_k,
         K_CHUNKS=triton.cdiv(k, block_k),
         BROADCAST_X=block_k >= 16 // x.element_size() * 32 * num_warps,  # 16-byte loads by every thread
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FOLD_K=fold_k, PF_LINES=pf_lines,
-        PF_LINE_ELEMS=L2_LINE // weight.element_size(), PF_EARLY=L2_PREFETCH.early, num_warps=num_warps,
-        num_stages=num_stages, **pdl_args(x.device),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FOLD_K=fold_k, num_warps=num_warps,
+        num_stages=num_stages,
+        **pdl_args(x.device),
     )
     return out

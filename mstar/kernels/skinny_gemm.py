@@ -235,12 +235,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, k: int, max_m: int, what: str)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: SkinnyConfig | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                  config: SkinnyConfig | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T + bias -> [M, N] in x's dtype, accumulated in fp32; M <= MAX_M.
 
     x and weight need the same dtype (bf16, fp16 or fp32) and unit stride along K. Deterministic:
     the same inputs give the same bits on every call. `config` overrides `pick_config` (benchmarks).
-    `prefetch`: the next kernel's weight, hinted into L2 by the GEMV (`gemv.L2_PREFETCH`; not by tl.dot).
     """
     m, k = x.shape
     n = weight.shape[0]
@@ -250,7 +249,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError(f"config block_m={cfg.block_m} is smaller than M={m}")
     if not cfg.use_dot:
         return gemv(x, weight, bias, cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
-                    cfg.num_stages, fold_k=cfg.fold_k, prefetch=prefetch)
+                    cfg.num_stages, fold_k=cfg.fold_k)
     return _dot_linear(x, weight, bias, cfg)
 
 
@@ -262,14 +261,12 @@ def pick_silu_down_config(m: int, n: int, k: int, sm_count: int = 132) -> Skinny
 
 
 def skinny_silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                               config: SkinnyConfig | None = None,
-                               prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                               config: SkinnyConfig | None = None) -> torch.Tensor:
     """(silu(gate) * up) @ weight[N, I].T + bias for gate_up [M, 2I] = [gate | up], M <= GEMV_MAX_M.
 
     Equals `skinny_linear(fused_ops.silu_and_mul(gate_up), weight, bias)` up to summation order (the
     activation is rounded to the input dtype the same way) in one kernel, without the SiLU launch and
-    its round trip through memory. `config` (block_m <= 4) overrides `pick_silu_down_config`;
-    `prefetch` as in `skinny_linear`.
+    its round trip through memory. `config` (block_m <= 4) overrides `pick_silu_down_config`.
     """
     m, width = gate_up.shape
     k, n = width // 2, weight.shape[0]
@@ -280,7 +277,7 @@ def skinny_silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias
     if cfg.use_dot or cfg.block_m < m:
         raise ValueError(f"skinny_silu_and_mul_linear needs a GEMV config with {m} <= block_m <= {GEMV_MAX_M}, got {cfg}")
     return gemv(gate_up, weight, bias, cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
-                cfg.num_stages, gated=True, fold_k=cfg.fold_k, prefetch=prefetch)
+                cfg.num_stages, gated=True, fold_k=cfg.fold_k)
 
 
 def pick_norm_config(m: int, n: int, k: int, sm_count: int = 132) -> SkinnyConfig:
@@ -293,14 +290,13 @@ def pick_norm_config(m: int, n: int, k: int, sm_count: int = 132) -> SkinnyConfi
 
 def skinny_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                        bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                       config: SkinnyConfig | None = None,
-                       prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       config: SkinnyConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(rms_norm(x + residual) @ weight[N, K].T + bias, x + residual) for x [M, K], M <= GEMV_MAX_M.
 
     Equals `skinny_linear(*fused_ops.rms_norm(x, norm_weight, eps, residual), ...)` up to the summation
     order of the sum of squares (the normed row is rounded to x's dtype at the same points) in one
     launch. Without `residual` the second result is None. `config` (block_m <= 4) overrides
-    `pick_norm_config`; `prefetch` as in `skinny_linear`.
+    `pick_norm_config`.
     """
     m, k = x.shape
     n = weight.shape[0]
@@ -316,8 +312,7 @@ def skinny_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w
         raise ValueError(f"skinny_norm_linear needs a GEMV config with {m} <= block_m <= {GEMV_MAX_M}, got {cfg}")
     summed = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
     out = gemv(x, weight, bias, cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
-               cfg.num_stages, norm=(norm_weight, eps), residual=residual, residual_out=summed, fold_k=cfg.fold_k,
-               prefetch=prefetch)
+               cfg.num_stages, norm=(norm_weight, eps), residual=residual, residual_out=summed, fold_k=cfg.fold_k)
     return out, summed
 
 

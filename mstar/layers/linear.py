@@ -18,17 +18,12 @@ them on wherever allowed.
 `linear` also takes a `PendingNorm` (`mstar.layers.norm`): for up to 4 rows `skinny_norm_linear`
 (the (residual add +) RMSNorm folded into the GEMV) is timed once per shape against the norm kernel
 followed by the best linear, and the faster serves; otherwise the norm is computed first.
-
-`chain_l2_prefetch(modules)` links projections in the order a decode step runs them: each one's GEMV
-then hints the first MiB of the next one's weight into L2 (`gemv.L2_PREFETCH`, MSTAR_L2_PREFETCH), so
-that HBM keeps streaming weights while the small kernels between two projections run.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -150,47 +145,17 @@ class _SkinnySwitch:
 SKINNY = _SkinnySwitch()
 
 
-@dataclass(frozen=True)
-class L2Next:
-    """What a projection's GEMV hints into L2 (`chain_l2_prefetch`): the weight of `module`, the next
-    projection a decode step runs, or only its rows [lo, hi) (a restricted output head). The module,
-    not its tensor, is kept, so weights loaded or replaced later are the ones hinted."""
-
-    module: nn.Linear
-    rows: tuple[int, int] | None = None
-
-    def weight(self) -> torch.Tensor:
-        weight = self.module.weight
-        return weight if self.rows is None else weight[self.rows[0]:self.rows[1]]
-
-
-def chain_l2_prefetch(steps: Sequence[nn.Linear | L2Next]) -> None:
-    """Link projections in the order a decode step runs them: each module's GEMV hints the next one's
-    weight into L2 (the last hints nothing). An L2Next step names a row slice; it ends the chain or
-    its module is linked to what follows."""
-    nodes = [s if isinstance(s, L2Next) else L2Next(s) for s in steps]
-    for node, following in zip(nodes, [*nodes[1:], None]):
-        node.module.l2_next = following
-
-
-def _l2_target(module: nn.Linear) -> torch.Tensor | None:
-    following = getattr(module, "l2_next", None)
-    return None if following is None else following.weight()
-
-
 def linear(x: torch.Tensor | PendingNorm, module: nn.Linear) -> torch.Tensor:
     """module(x) for an nn.Linear: through skinny_linear for few-row inputs where it wins, else F.linear.
     For a PendingNorm, module(norm(...)), with the norm folded into the GEMV where that wins."""
     if isinstance(x, PendingNorm):
         return _norm_linear(x, module)
-    return linear_weight(x, module.weight, module.bias, module)
+    return linear_weight(x, module.weight, module.bias)
 
 
-def linear_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  owner: nn.Linear | None = None) -> torch.Tensor:
+def linear_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) with `linear`'s choice of the skinny GEMV: for a weight that is no
-    module's own, e.g. a contiguous row slice of an output head. `owner`: the module whose `l2_next`
-    the GEMV hints (`chain_l2_prefetch`)."""
+    module's own, e.g. a contiguous row slice of an output head."""
     if (
         x.dim() == 2
         and 0 < x.shape[0] <= SKINNY.max_m
@@ -204,7 +169,7 @@ def linear_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     ):
         from mstar.kernels.skinny_gemm import skinny_linear
 
-        return skinny_linear(x, weight, bias, prefetch=None if owner is None else _l2_target(owner))
+        return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -227,7 +192,7 @@ def silu_and_mul_linear(gate_up: torch.Tensor, module: nn.Linear) -> torch.Tenso
     ):
         from mstar.kernels.skinny_gemm import skinny_silu_and_mul_linear
 
-        return skinny_silu_and_mul_linear(gate_up, weight, bias, prefetch=_l2_target(module))
+        return skinny_silu_and_mul_linear(gate_up, weight, bias)
     return linear(ops.silu_and_mul(gate_up), module)
 
 
@@ -249,7 +214,7 @@ def _norm_linear(pending: PendingNorm, module: nn.Linear) -> torch.Tensor:
     ):
         from mstar.kernels.skinny_gemm import skinny_norm_linear
 
-        out, summed = skinny_norm_linear(x, nw, pending.norm.eps, weight, bias, r, prefetch=_l2_target(module))
+        out, summed = skinny_norm_linear(x, nw, pending.norm.eps, weight, bias, r)
         pending.set_summed(summed)
         return out
     return linear(pending.materialize(), module)

@@ -113,39 +113,3 @@ def test_tuned_gemv_configs_equal_f_linear(key):
     got, _ = skinny_norm_linear(x, nw, 1e-5, w, None, None, config=cfg)
     normed, _ = rms_norm(x, nw, 1e-5)
     torch.testing.assert_close(got, F.linear(normed, w), **TOL)
-
-
-@pytest.mark.parametrize("early", [False, True])
-@pytest.mark.parametrize("m", [1, 4])
-def test_l2_prefetch_changes_no_bits(m, early):
-    """With the next weight hinted into L2 (before or after the PDL wait), every GEMV form gives the bits
-    it gives without, eagerly and replayed from a CUDA graph; the hint may cover more than the target."""
-    from mstar.kernels.gemv import L2_PREFETCH
-
-    x, w, _ = _inputs(m, 5120, 3072)
-    down = _inputs(m, 3072, 8192)[1]
-    gate_up = torch.randn(m, 2 * 8192, device="cuda").bfloat16()
-    nw = torch.rand(3072, device="cuda").bfloat16()
-    nxt = _inputs(1, 16384, 3072)[1][:1000]  # a row slice, as the restricted head is
-    torch.cuda.synchronize()
-
-    def run():
-        return (skinny_linear(x, w, prefetch=nxt), skinny_silu_and_mul_linear(gate_up, down, prefetch=nxt),
-                skinny_norm_linear(x, nw, 1e-5, w, prefetch=nxt)[0])
-
-    saved = (L2_PREFETCH.max_bytes, L2_PREFETCH.early)
-    try:
-        L2_PREFETCH.max_bytes = 0
-        reference = run()
-        L2_PREFETCH.max_bytes, L2_PREFETCH.early = 64 << 20, early
-        assert L2_PREFETCH.lines(nxt, 2560)[0] > 0
-        eager = run()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = run()
-        graph.replay()
-        torch.cuda.synchronize()
-    finally:
-        L2_PREFETCH.max_bytes, L2_PREFETCH.early = saved
-    for ref, got, replayed in zip(reference, eager, captured):
-        assert torch.equal(ref, got) and torch.equal(ref, replayed)

@@ -115,16 +115,6 @@ def test_call_sites_use_the_accessors(monkeypatch):
         session_id()
 
 
-def test_l2_prefetch_takes_whole_mib(monkeypatch):
-    assert envs.l2_prefetch_mb() == 0
-    monkeypatch.setenv("MSTAR_L2_PREFETCH", "16")
-    assert envs.l2_prefetch_mb() == 16
-    for bad in ("-1", "lots", "1.5"):
-        monkeypatch.setenv("MSTAR_L2_PREFETCH", bad)
-        with pytest.raises(envs.EnvError, match="MSTAR_L2_PREFETCH=.*whole number of MiB"):
-            envs.l2_prefetch_mb()
-
-
 def test_specs_are_unique_and_prefixed():
     names = [var.name for var in envs.ALL]
     assert len(set(names)) == len(names)

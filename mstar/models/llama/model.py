@@ -17,7 +17,7 @@ from mstar.engines.base import KVLayout
 from mstar.engines.extras import FINAL, ForwardExtras
 from mstar.layers.attention import AttentionSpec, SelfAttention
 from mstar.layers.fused import FUSED
-from mstar.layers.linear import L2Next, chain_l2_prefetch, linear, linear_weight
+from mstar.layers.linear import linear, linear_weight
 from mstar.layers.mlp import GatedMLP
 from mstar.layers.norm import PendingNorm, RMSNorm
 from mstar.layers.rope import RotaryEmbedding
@@ -88,20 +88,11 @@ class LlamaForCausalLM(nn.Module):
         self.logit_span: tuple[int, int] | None = None  # `restrict_logits`; None: every row of the head
         self.blocked_ids: tuple[int, int] | None = None  # ids inside the span that get -inf too
         self.tie_weights()
-        self.chain_l2_prefetch()
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head when the config says so (idempotent)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    def chain_l2_prefetch(self) -> None:
-        """Each projection's decode GEMV hints the next one's weight into L2 (`chain_l2_prefetch`):
-        qkv, o, gate_up, down of every layer in turn, then the head's rows `compute_logits` reads."""
-        steps: list[nn.Linear | L2Next] = []
-        for layer in self.model.layers:
-            steps += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
-        chain_l2_prefetch([*steps, L2Next(self.lm_head, self.logit_span)])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
                 extras: ForwardExtras | None = None) -> torch.Tensor:
@@ -132,7 +123,6 @@ class LlamaForCausalLM(nn.Module):
             if blocked is not None:
                 raise ValueError(f"restrict_logits: blocked={blocked} needs a span; pass span=(lo, hi) too")
             self.logit_span = self.blocked_ids = None
-            self.chain_l2_prefetch()
             return
         lo, hi = span
         if not 0 <= lo < hi <= vocab:
@@ -143,7 +133,6 @@ class LlamaForCausalLM(nn.Module):
                              f"span={span}")
         self.logit_span = (int(lo), int(hi))
         self.blocked_ids = None if blocked is None else (int(blocked[0]), int(blocked[1]))
-        self.chain_l2_prefetch()
 
     @property
     def logit_offset(self) -> int:
@@ -162,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
             return linear(hidden, self.lm_head).float()
         lo, hi = self.logit_span
         # A view taken now always reads the loaded weight; its rows are contiguous, so the skinny GEMV serves it.
-        logits = linear_weight(hidden, self.lm_head.weight[lo:hi], owner=self.lm_head).float()
+        logits = linear_weight(hidden, self.lm_head.weight[lo:hi]).float()
         if self.blocked_ids is not None:
             a, b = self.blocked_ids
             logits[:, a - lo:b - lo].fill_(-math.inf)  # a kernel argument: no host scalar copied
