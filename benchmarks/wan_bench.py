@@ -18,7 +18,6 @@ guidance 5 (both branches every step), for every --steps and --concurrency; c re
   TFLOP/s of an 8192^3 torch.matmul probe in the same run.
 
     python3 benchmarks/wan_bench.py [--steps 20 50] [--concurrency 1 2] [--skip-diffusers] [--compile] [--dit-graphs] \
-        [--attention {sdpa,flashinfer}] \
         [--out benchmarks/results/wan_bench_h200.json]
     python3 benchmarks/wan_bench.py --quick     # tiny shapes on CPU (< 60 s): checks the script end to end
 
@@ -165,13 +164,12 @@ def summarize(timelines: list[dict], steps: int) -> dict:
 
 
 def _ours_config(quick: bool, vae_dtype: str, compile_dit: bool = False, vae_chunk_frames: int = 1,
-                 vae_autotune: bool = False, dit_graphs: bool = False, attention: str = "sdpa") -> dict:
+                 vae_autotune: bool = False, dit_graphs: bool = False) -> dict:
     kwargs = {"vae_dtype": vae_dtype} if quick else {"dtype": "bfloat16", "vae_dtype": vae_dtype}
     kwargs["compile"] = compile_dit
     kwargs["vae_chunk_frames"] = vae_chunk_frames
     kwargs["vae_autotune"] = vae_autotune
     kwargs["dit_graphs"] = dit_graphs
-    kwargs["attention"] = attention
     return {"model": "wan22", "max_concurrent_requests": 8, "model_kwargs": kwargs, "device": "cpu" if quick else "auto",
             "node_groups": [{"node_names": COMPONENTS, "ranks": [0]}]}
 
@@ -181,7 +179,7 @@ def bench_ours(args, shape: dict, device: torch.device) -> tuple[list[dict], dic
     rows = []
     t0 = time.perf_counter()
     config = _ours_config(args.quick, args.vae_dtype, args.compile, args.vae_chunk_frames, args.vae_autotune,
-                          args.dit_graphs, args.attention)
+                          args.dit_graphs)
     with MStar(config=config, tiny=args.quick,
                load_format="auto" if args.quick else "dummy") as m:
         info = {"build_s": round(time.perf_counter() - t0, 1)}
@@ -257,8 +255,6 @@ def main() -> None:
                         "algorithms per VAE convolution shape (the warm-up pays the search)")
     parser.add_argument("--dit-graphs", action="store_true", help="wan22 dit_graphs: DiT forwards replay CUDA "
                         "graphs (each shape and row count captured in the warm-up)")
-    parser.add_argument("--attention", choices=["sdpa", "flashinfer"], default="sdpa", help="wan22 attention: the "
-                        "DiT self-attention kernel (flashinfer: FA3, needs the flashinfer wheel carried)")
     parser.add_argument("--compile", action="store_true", help="wan22 model_kwargs compile: torch.compile the "
                         "DiT blocks (the warm-up pays the compile; recorded as mstar.warmup_s_c<c>)")
     parser.add_argument("--trace-steps", type=int, default=0, help="after the grid, one request of this many "
@@ -284,7 +280,7 @@ def main() -> None:
               "model": "Wan2.2-TI2V-5B shapes, dummy weights" if not args.quick else "wan22 tiny (quick)",
               **shape, "guidance_scale": args.guidance, "vae_dtype": args.vae_dtype, "compile": args.compile,
               "vae_chunk_frames": args.vae_chunk_frames, "vae_autotune": args.vae_autotune,
-              "dit_graphs": args.dit_graphs, "attention": args.attention,
+              "dit_graphs": args.dit_graphs,
               "floor": floor,
               "mstar": info, "rows": rows}
     if not args.skip_diffusers:

@@ -107,17 +107,3 @@ def test_dit_graphs_option_is_validated_and_reaches_the_component() -> None:
     assert model.build_component("dit", torch.device("cpu")).module.graph_rows == 6
     off = Wan22Model(config=Wan22Model.make_config(tiny=True))
     assert off.build_component("dit", torch.device("cpu")).module.graph_rows == 0
-
-
-def test_attention_option_is_validated_and_flashinfer_needs_a_hopper_gpu() -> None:
-    from mstar.models.wan22.model import Wan22Model, Wan22ServeConfig
-
-    with pytest.raises(ValueError, match="attention='flash'"):
-        Wan22ServeConfig(attention="flash")
-    assert Wan22ServeConfig().attention == "sdpa"
-    model = Wan22Model(config=Wan22Model.make_config(tiny=True, attention="flashinfer"))
-    with pytest.raises(ValueError, match="sm_90\\+ GPU"):
-        model.build_component("dit", torch.device("cpu"))
-    dit = Wan22Model(config=Wan22Model.make_config(tiny=True)).build_component("dit", torch.device("cpu")).module
-    with pytest.raises(ValueError, match="choose 'sdpa' or 'flashinfer'"):
-        dit.transformer.use_attention("cudnn")

@@ -27,7 +27,6 @@ from mstar.models.wan22.config import Wan22Config
 from mstar.models.wan22.vae_config import WanVAEConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_ATTENTION = ("sdpa", "flashinfer")  # WanTransformer.use_attention
 
 
 @dataclass(frozen=True)
@@ -54,8 +53,6 @@ class Wan22ServeConfig:
     # forward (dit_graphs.py); off with `compile` and under sequence parallelism. Off by default: at 832x480
     # the GPU time of a forward did not change (113.5 vs 114.8 ms at 2 rows), only the host's launch time
     dit_graphs: bool = False
-    # the DiT self-attention kernel: "sdpa" (PyTorch) or "flashinfer" (FA3, sm_90+, the flashinfer package)
-    attention: str = "sdpa"
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:
@@ -65,8 +62,6 @@ class Wan22ServeConfig:
         for name in ("compile", "vae_autotune", "dit_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"wan22 {name}={getattr(self, name)!r} must be true or false (YAML booleans, unquoted)")
-        if self.attention not in _ATTENTION:
-            raise ValueError(f"wan22 attention={self.attention!r}; choose one of {list(_ATTENTION)}")
         if self.text_cache_rows < 0:
             raise ValueError(f"wan22 text_cache_rows={self.text_cache_rows} must be >= 0 (0 turns the cache off)")
         if self.max_batch_size < 1 or self.vae_chunk_frames < 1:
@@ -140,7 +135,6 @@ class Wan22Model(Model):
             return BuiltComponent(components.TextEncoderComponent(encoder, self._dtype(device)))
         if name == "dit":
             transformer = loaders.transformer(self, self._dtype(device), device)
-            transformer.use_attention(self.config.attention)
             if self.config.compile:
                 from mstar.models.wan22.compile import compile_blocks
 

@@ -71,17 +71,6 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     return out.transpose(1, 2)
 
 
-def flashinfer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """`sdpa_attention` with FlashInfer's prefill kernel (FA3 on Hopper), one call per row of the batch:
-    q, k, v [B, L, H, D] on CUDA in bf16/fp16 with unit stride along D (token strides are free)."""
-    import flashinfer
-
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    for b in range(q.shape[0]):
-        out[b] = flashinfer.single_prefill_with_kv_cache(q[b], k[b], v[b], backend="fa3")
-    return out
-
-
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # [B, L, H, D] x3 -> [B, L, H, D]
 
 
@@ -225,28 +214,6 @@ class WanTransformer(nn.Module):
         self.proj_out = nn.Linear(dim, config.out_channels * math.prod(config.patch_size))
         self.scale_shift_table = nn.Parameter(torch.zeros(1, 2, dim))
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.attend: Attend = sdpa_attention  # the self-attention core on one device (`use_attention`)
-
-    def use_attention(self, kernel: str) -> None:
-        """Run the self-attention core (on one device; Ulysses keeps its own) with `kernel`: "sdpa"
-        (PyTorch's, cuDNN's flash kernel on an H200) or "flashinfer" (FlashInfer's FA3 prefill kernel,
-        CUDA sm_90+, bf16/fp16, the flashinfer package)."""
-        if kernel == "sdpa":
-            self.attend = sdpa_attention
-            return
-        if kernel != "flashinfer":
-            raise ValueError(f"wan22 attention={kernel!r}; choose 'sdpa' or 'flashinfer'")
-        weight = self.proj_out.weight
-        if weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device) < (9, 0) or \
-                weight.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError(f"wan22 attention='flashinfer' needs a bf16/fp16 DiT on an sm_90+ GPU (FA3), got "
-                             f"{weight.dtype} on {weight.device}; use attention 'sdpa'")
-        try:
-            import flashinfer  # noqa: F401
-        except ImportError as exc:
-            raise ImportError("wan22 attention='flashinfer' needs the flashinfer package (pip install "
-                              "flashinfer-python); or use attention 'sdpa'") from exc
-        self.attend = flashinfer_attention
 
     def forward(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor | None,
                 sp_group: Any = None, text_kv: TextKV | None = None) -> torch.Tensor:
@@ -257,7 +224,7 @@ class WanTransformer(nn.Module):
         if text_kv is None:
             text_kv = self.text_states(text)
         cos, sin = self._rope(grid, latents.device)
-        attend = self.attend
+        attend: Attend = sdpa_attention
         if sp_group is not None:
             from mstar.distributed.sequence import SequenceShard
 
