@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|omni|omni2|omni_split|omni_quick|profile_omni|code2wav|sampler|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|omni|omni2|omni_quick|profile_omni|code2wav|sampler|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -160,10 +160,6 @@ if [[ $WHAT == code2wav || $WHAT == all ]]; then  # Code2Wav alone, as served an
 fi
 if [[ $WHAT == omni2 ]]; then
   omni_bench configs/qwen3_omni_2gpu.yaml omni_bench_2gpu
-fi
-if [[ $WHAT == omni_split ]]; then  # one GPU, thinker and talk loop in two worker processes (then the one-worker baseline)
-  omni_bench configs/qwen3_omni_1gpu_split.yaml omni_bench_1gpu_split
-  [[ ${OMNI_BASELINE:-1} == 1 ]] && omni_bench configs/qwen3_omni.yaml omni_bench_1gpu
 fi
 if [[ ${TAR:-0} == 1 ]]; then
   tar czf /tmp/gpu_suite.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu_suite.tgz "$OUT/"
