@@ -76,12 +76,6 @@ WAN_GEMM_GELU = EnvVar(
     "0 runs the Wan DiT's FFN GELU as its own kernel instead of in the up-projection's cuBLASLt GEMM "
     "epilogue (CUDA, fused kernels on; read once per process)",
     _TRUE + _FALSE)
-PRIORITY_STREAM = EnvVar(
-    "MSTAR_PRIORITY_STREAM", "bool (0/1/true/false)", "1",
-    "a CUDA worker runs its steps on a stream of the highest priority, so its side-stream engines (a "
-    "vocoder, Code2Wav) take the SMs its main chain leaves idle; 0 keeps the default stream (read when a "
-    "worker starts)",
-    _TRUE + _FALSE)
 PDL = EnvVar(
     "MSTAR_PDL", "0/1/auto", "auto",
     "Programmatic Dependent Launch of the decode-step Triton kernels (each launch overlaps the previous "
@@ -110,7 +104,7 @@ SCHEMATHESIS_EXAMPLES = EnvVar(
     "tests only: generated examples per operation in tests/e2e/test_schemathesis.py")
 
 ALL: tuple[EnvVar, ...] = (FUSED_KERNELS, SKINNY_GEMM, FUSE_ROPE_ATTENTION, FUSE_ATTENTION_REDUCE,
-                           FUSE_NORM_LINEAR, WAN_GEMM_GELU, PRIORITY_STREAM, PDL, LOOP_FAST_PATH, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
+                           FUSE_NORM_LINEAR, WAN_GEMM_GELU, PDL, LOOP_FAST_PATH, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
                            SCHEMATHESIS_EXAMPLES)
 
 
@@ -162,11 +156,6 @@ def fuse_norm_linear() -> bool:
 def wan_gemm_gelu() -> bool:
     """MSTAR_WAN_GEMM_GELU: whether the Wan FFN GELU runs in the GEMM epilogue (default True)."""
     return _flag(WAN_GEMM_GELU, default=True)
-
-
-def priority_stream() -> bool:
-    """MSTAR_PRIORITY_STREAM: whether a CUDA worker steps on a highest-priority stream (default True)."""
-    return _flag(PRIORITY_STREAM, default=True)
 
 
 def pdl() -> bool | None:

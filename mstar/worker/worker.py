@@ -114,14 +114,6 @@ class _Run:
         return {o.stream: o.sent for o in self.outs.values() if o.sent}
 
 
-def main_stream(device: torch.device) -> torch.cuda.Stream | None:
-    """The stream a worker on `device` steps its engines on: on CUDA one of the highest priority
-    (MSTAR_PRIORITY_STREAM, on by default); None: the current stream (CPU, or the switch off)."""
-    if device.type != "cuda" or not envs.priority_stream():
-        return None
-    return torch.cuda.Stream(device, priority=-100)  # out of range: mapped to the highest there is
-
-
 class Worker:
     """Drives walks and runs node steps for the components on one device."""
 
@@ -162,17 +154,7 @@ class Worker:
 
     def run(self) -> None:
         """Serve until a Shutdown message arrives; engine stats go to the conductor about twice a second,
-        and at once when the worker turns busy or idle. On CUDA the steps run on a stream of the highest
-        priority (`main_stream`): engines with side streams of their own (default priority) then fill
-        the SMs the main chain leaves idle rather than slow it down."""
-        stream = main_stream(self.device)
-        if stream is None:
-            self._serve()
-            return
-        with torch.cuda.stream(stream):
-            self._serve()
-
-    def _serve(self) -> None:
+        and at once when the worker turns busy or idle."""
         engines = list(self.engines.values())
         while self._running:
             busy = any(e.has_work() for e in engines)

@@ -184,14 +184,3 @@ def test_every_mentioned_variable_is_documented():
             if path != Path(__file__):  # this file names made-up variables to test the checker
                 mentioned |= set(NAME_RE.findall(path.read_text()))
     assert mentioned <= known, f"add to mstar/envs.py: {sorted(mentioned - known)}"
-
-
-def test_priority_stream_switch_and_cpu_worker(monkeypatch):
-    import torch
-
-    from mstar.worker.worker import main_stream
-
-    assert envs.priority_stream() is True
-    assert main_stream(torch.device("cpu")) is None  # a CPU worker keeps the current stream
-    monkeypatch.setenv("MSTAR_PRIORITY_STREAM", "0")
-    assert envs.priority_stream() is False
