@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|omni|omni_ab|omni2|omni_quick|profile_omni|code2wav|sampler|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|omni|omni2|omni_quick|profile_omni|code2wav|sampler|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -157,11 +157,6 @@ if [[ $WHAT == omni_quick ]]; then  # the Omni kernels' GPU tests, then the talk
 fi
 if [[ $WHAT == code2wav || $WHAT == all ]]; then  # Code2Wav alone, as served and eagerly (< 2 min)
   run 180 code2wav_bench python3 benchmarks/code2wav_bench.py --out "$OUT/code2wav_bench_h200.json"
-fi
-if [[ $WHAT == omni_ab ]]; then  # one GPU: every engine on the worker's stream (thinker_stream false), then the default
-  { cat configs/qwen3_omni.yaml; printf 'model_kwargs:\n  thinker_stream: false\n'; } > "$OUT/qwen3_omni_one_stream.yaml"
-  omni_bench "$OUT/qwen3_omni_one_stream.yaml" omni_bench_1gpu_one_stream
-  omni_bench configs/qwen3_omni.yaml omni_bench_1gpu
 fi
 if [[ $WHAT == omni2 ]]; then
   omni_bench configs/qwen3_omni_2gpu.yaml omni_bench_2gpu
