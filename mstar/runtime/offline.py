@@ -16,6 +16,7 @@ from typing import Any
 
 from mstar.conductor.request_state import FinishEvent, OutputEvent
 from mstar.config import MStarConfig, config_from_dict, load_config
+from mstar.models.base import OutputDecoder
 from mstar.runtime.launcher import Runtime
 
 
@@ -36,11 +37,14 @@ class Result:
 
 
 class RequestHandle:
-    """Iterate the events of one request; `cancel()` stops it everywhere."""
+    """Iterate the events of one request; `cancel()` stops it everywhere. Events carry the values the
+    workers emit (token ids as tensors, audio and frames as arrays); `decoded()` gathers them as the
+    client sees them (text as str pieces), `result()` as emitted."""
 
-    def __init__(self, runtime: Runtime, rid: str) -> None:
+    def __init__(self, runtime: Runtime, rid: str, decoder: OutputDecoder | None = None) -> None:
         self.runtime, self.rid = runtime, rid
         self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._decoder = decoder
         self.finish: FinishEvent | None = None
 
     def __iter__(self) -> Iterator[OutputEvent]:
@@ -58,10 +62,30 @@ class RequestHandle:
         return self.runtime.cancel(self.rid)
 
     def result(self) -> Result:
+        """Every emitted value, as the workers emitted it (see `decoded` for client values)."""
         result = Result()
         for event in self:
             result.outputs.setdefault(event.name, []).append(event.value)
         result.finish_reason = self.finish.finish_reason if self.finish else None
+        return result
+
+    def decoded(self) -> Result:
+        """Run to the end; values decoded by the model's processor (text as str pieces), as `generate`
+        returns them. A stop the decoder finds (a stop string) cancels the rest of the request."""
+        if self._decoder is None:
+            raise RuntimeError("this handle has no output decoder; get handles from MStar.submit")
+        decoder, result = self._decoder, Result()
+        for event in self:
+            for name, value in decoder.push(event.name, event.value):
+                result.outputs.setdefault(name, []).append(value)
+            if decoder.finish_reason is not None:
+                self.cancel()
+                result.finish_reason = decoder.finish_reason
+                break
+        for name, value in decoder.flush():
+            result.outputs.setdefault(name, []).append(value)
+        if result.finish_reason is None:
+            result.finish_reason = self.finish.finish_reason if self.finish else None
         return result
 
 
@@ -85,28 +109,14 @@ class MStar:
         opts = self.runtime.model.request_options(options)
         self.processor.validate_options(opts)
         inputs = self.processor.inputs(request, opts)
-        handle = RequestHandle(self.runtime, rid)
+        handle = RequestHandle(self.runtime, rid, self.processor.output_decoder(opts, {}))
         self.runtime.submit(rid, inputs, opts, handle._events.put)
         return handle
 
     def generate(self, request: dict[str, Any], **options: Any) -> Result:
-        """Run one request to the end; values decoded by the model's processor (text as str pieces)."""
-        opts = self.runtime.model.request_options(options)
-        handle = self.submit(request, **options)
-        decoder = self.processor.output_decoder(opts, {})
-        result = Result()
-        for event in handle:
-            for name, value in decoder.push(event.name, event.value):
-                result.outputs.setdefault(name, []).append(value)
-            if decoder.finish_reason is not None:
-                handle.cancel()
-                result.finish_reason = decoder.finish_reason
-                break
-        for name, value in decoder.flush():
-            result.outputs.setdefault(name, []).append(value)
-        if result.finish_reason is None:
-            result.finish_reason = handle.finish.finish_reason if handle.finish else None
-        return result
+        """Run one request to the end; values decoded by the model's processor (text as str pieces).
+        For several at once, `submit` each and take `decoded()` of every handle."""
+        return self.submit(request, **options).decoded()
 
     def close(self) -> None:
         self.runtime.shutdown()

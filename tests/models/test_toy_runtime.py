@@ -170,3 +170,20 @@ def test_full_queue_rejects_instead_of_growing():
         assert exc.value.status == 503
         assert len(running.result().outputs["text"]) == 50
         assert len(queued.result().outputs["text"]) == 3  # admitted once the first finished
+
+
+def test_decoded_handles_give_what_generate_gives():
+    """Several requests in flight at once, each read through `decoded()`: the client values `generate`
+    returns one at a time (text as str pieces, not the emitted token tensors of `result()`)."""
+    with MStar("toy") as m:
+        prompts = [{"text": f"prompt {i}"} for i in range(3)]
+        alone = [m.generate(p, max_tokens=5) for p in prompts]
+        handles = [m.submit(p, max_tokens=5) for p in prompts]
+        together = [h.decoded() for h in handles]
+        raw = m.submit(prompts[0], max_tokens=5).result()
+    for want, got in zip(alone, together, strict=True):
+        assert got.finish_reason == want.finish_reason and got.outputs.keys() == want.outputs.keys()
+        assert got.outputs["text"] == want.outputs["text"] and all(isinstance(t, str) for t in got.outputs["text"])
+        for name in ("audio", "image", "video"):
+            assert all(np.array_equal(g, w) for g, w in zip(got.outputs[name], want.outputs[name], strict=True))
+    assert not isinstance(raw.outputs["text"][0], str)  # result(): as emitted
