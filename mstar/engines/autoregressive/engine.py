@@ -139,7 +139,6 @@ class AutoregressiveEngine:
         if chunks:
             if ahead is not None and ahead.matches(chunks):
                 logits, self.runner.last_greedy_ids = ahead.logits, ahead.greedy_ids
-                ahead.hand_over(chunks)  # captured hidden states to the items asking for them
                 self.lookahead_hits += 1
             else:
                 self.lookahead_misses += ahead is not None
@@ -232,10 +231,7 @@ class AutoregressiveEngine:
             out = SampleOutput(ids)
         else:
             out = sample(logits, rows, self.logit_offset)
-        keep = None
-        if self.lookahead:
-            extras = any(s.inputs is not None for s in seqs) and self.runner.extras_ahead(seqs)
-            keep = continuing(seqs, self.scheduler, self.runner.page_size, self.max_model_len, extras)
+        keep = continuing(seqs, self.scheduler, self.runner.page_size, self.max_model_len) if self.lookahead else None
         if keep is None:
             out = _to_host(out)  # the step's one host sync
             tokens = out.token_ids.tolist()
