@@ -4,8 +4,8 @@ FA2 and FA3 prefill kernels, one H200.
 Shapes: self-attention over 3,510 video tokens, cross-attention of those to 512 text tokens; 24
 heads of 128, bf16, batch 2 (both guidance branches), q/k/v [B, L, H, D] as the DiT hands them to
 its `attend` (v a strided view of the fused QKV output). Per kernel: the first call's wall time
-(FlashInfer JIT-compiles its module then), ms per call from CUDA events over --iters calls, TFLOP/s,
-and the largest difference from SDPA's output.
+(FlashInfer JIT-compiles its module then), ms per call from CUDA events around --iters back-to-back
+calls (`call_timing.time_calls`), TFLOP/s, and the largest difference from SDPA's output.
 
     python3 benchmarks/wan_attention_micro.py [--iters 20] [--out benchmarks/results/wan_attention_micro_h200.json]
 
@@ -17,11 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.call_timing import time_calls  # noqa: E402
 
 HEADS, HEAD_DIM, VIDEO_TOKENS, TEXT_TOKENS, BATCH = 24, 128, 3510, 512, 2
 
@@ -37,19 +40,6 @@ def flashinfer_attention(backend: str):
         return torch.stack([flashinfer.single_prefill_with_kv_cache(q[b], k[b], v[b], backend=backend)
                             for b in range(q.shape[0])])
     return attend
-
-
-def time_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def inputs(kv_len: int, strided_v: bool):
@@ -75,13 +65,9 @@ def main() -> None:
         kernels = {"sdpa": sdpa, **{f"flashinfer_{b}": flashinfer_attention(b) for b in args.backends}}
         for name, fn in kernels.items():
             try:
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                out = fn(q, k, v)
-                torch.cuda.synchronize()
-                first_s = time.perf_counter() - t0
-                ms = time_ms(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v), args.iters)
-                rows[name] = {"first_call_s": round(first_s, 2), "ms": round(ms, 4),
+                timing = time_calls(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v), torch.device("cuda"), args.iters)
+                out, ms = fn(q, k, v), timing["gpu_ms"]
+                rows[name] = {"first_call_s": round(timing["first_ms"] / 1e3, 2), "ms": round(ms, 4),
                               "tflops": round(flops / ms / 1e9, 1),
                               "max_abs_diff_vs_sdpa": float((out.float() - reference.float()).abs().max())}
             except Exception as exc:  # a backend this machine cannot build is reported, not fatal
