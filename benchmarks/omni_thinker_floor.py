@@ -32,19 +32,24 @@ BANDWIDTHS_TBPS = {"h200_spec": 4.8, "h200_measured_copy": 4.26}  # docs/benchma
 ORIGINAL_2GPU = {1: 12.4, 4: 36.2, 8: 55.0, 16: 88.1, 32: 114.4}  # the issue's figures for the original M*
 
 
-def step_bytes(rows: int, context: int) -> dict[str, float]:
+def distinct_experts(rows: int) -> float:
+    """Expected distinct experts per layer that `rows` tokens route to, each to top-k of E at random."""
     t = FULL_SIZES["thinker"]
-    h, layers, experts, top_k, inter = (t["hidden_size"], t["num_layers"], t["num_experts"], t["top_k"],
-                                        t["moe_intermediate_size"])
+    return t["num_experts"] * (1 - (1 - t["top_k"] / t["num_experts"]) ** rows)
+
+
+def step_bytes(rows: int, context: int) -> dict[str, float]:
+    """Bytes a thinker decode step of `rows` rows reads, by part."""
+    t = FULL_SIZES["thinker"]
+    h, layers, experts, inter = t["hidden_size"], t["num_layers"], t["num_experts"], t["moe_intermediate_size"]
     heads, kv_heads = t["heads"]
     hd = t["head_dim"]
-    distinct = experts * (1 - (1 - top_k / experts) ** rows)
     expert = 3 * h * inter * BYTES
     attention = (h * heads * hd + 2 * h * kv_heads * hd + heads * hd * h) * BYTES
     router = h * experts * BYTES
     kv = rows * context * 2 * kv_heads * hd * BYTES  # per layer
-    return {"experts": layers * distinct * expert, "attention_and_router": layers * (attention + router),
-            "head": t["vocab_size"] * h * BYTES, "kv_cache": layers * kv, "distinct_experts_per_layer": distinct}
+    return {"experts": layers * distinct_experts(rows) * expert, "attention_and_router": layers * (attention + router),
+            "head": t["vocab_size"] * h * BYTES, "kv_cache": layers * kv}
 
 
 def main() -> None:
@@ -56,10 +61,9 @@ def main() -> None:
     rows = []
     for c in (1, 4, 8, 16, 32):
         parts = step_bytes(c, args.context)
-        total = sum(v for k, v in parts.items() if k != "distinct_experts_per_layer")
-        row = {"concurrency": c, "distinct_experts_per_layer": round(parts["distinct_experts_per_layer"], 1),
-               "gb_per_step": round(total / 1e9, 2),
-               **{f"gb_{k}": round(v / 1e9, 2) for k, v in parts.items() if k != "distinct_experts_per_layer"}}
+        total = sum(parts.values())
+        row = {"concurrency": c, "distinct_experts_per_layer": round(distinct_experts(c), 1),
+               "gb_per_step": round(total / 1e9, 2), **{f"gb_{k}": round(v / 1e9, 2) for k, v in parts.items()}}
         for name, tbps in BANDWIDTHS_TBPS.items():
             step_ms = total / (tbps * 1e12) * 1e3
             row[f"step_ms_floor_{name}"] = round(step_ms, 2)
