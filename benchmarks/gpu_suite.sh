@@ -21,7 +21,24 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 run() {  # run <seconds> <log name> <command...>
   local limit=$1 name=$2; shift 2
-  echo "== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?"; tail -n 12 "$OUT/$name.log"
+  echo "== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; echo "rc=$rc"
+  tail -n 12 "$OUT/$name.log"; return $rc
+}
+descendants() {  # from /proc, so no pgrep is needed
+  local p
+  for p in /proc/[0-9]*; do
+    [[ $(awk '/^PPid:/ {print $2}' "$p/status" 2>/dev/null) == "$1" ]] && echo "${p#/proc/}" && descendants "${p#/proc/}"
+  done
+}
+stacks() {  # stacks <server pid>: the server (it may be a launcher's child) writes every thread's stack to
+  # its log and passes the signal on to its worker processes (mstar.runtime.process.stacks_on_sigusr1)
+  local p
+  for p in "$1" $(descendants "$1"); do
+    # the server's Python process only: USR1 ends a shell (a launcher shim)
+    [[ $(readlink "/proc/$p/exe") == *python* ]] && grep -qa 'mstar.cli.main' "/proc/$p/cmdline" 2>/dev/null \
+        && kill -USR1 "$p" 2>/dev/null
+  done
+  sleep 2
 }
 wait_ready() {
   python3 - "$PORT" <<'PY'
@@ -73,7 +90,7 @@ orpheus_sweep() {  # orpheus_sweep <config> <json name>
   if wait_ready; then
     run 300 "$2" python3 -m mstar.cli.main bench --base-url "http://127.0.0.1:$PORT" --workload speech \
         --model orpheus --concurrency 1,4,8,16,32 --duration 10 --max-tokens 600 --ignore-eos \
-        --output "$OUT/$2.json"
+        --output "$OUT/$2.json" || stacks "$server"
   else
     echo "orpheus server not ready"; tail -n 20 "$OUT/$2_server.log"
   fi
@@ -116,7 +133,9 @@ if [[ $WHAT == wan_extra || $WHAT == all ]]; then  # VAE 3 latent frames at once
       --vae-autotune --out "$OUT/wan_bench_h200_vae_autotune.json"
 fi
 omni_bench() {  # omni_bench <config> <json name>
-  python3 -m mstar.cli.main serve qwen3_omni --load-format dummy --config "$1" --port "$PORT" > "$OUT/$2_server.log" 2>&1 &
+  # a worker step running past 30 s writes every thread's stack to the server log (MSTAR_STALL_DUMP_S)
+  MSTAR_STALL_DUMP_S=30 python3 -m mstar.cli.main serve qwen3_omni --load-format dummy --config "$1" --port "$PORT" \
+      > "$OUT/$2_server.log" 2>&1 &
   local server=$!
   if wait_ready; then
     # one request first: if it takes over a minute the sweep would eat the call's time, so it is skipped
@@ -133,10 +152,11 @@ omni_bench() {  # omni_bench <config> <json name>
     fi
     echo "$single" | tee "$OUT/$2_single.txt"
     # thinker greedy, 256 tokens (random weights never stop); the talker speaks at most 256 frames (20.5 s)
-    # (OMNI_LIMIT s in all, OMNI_DURATION s a level; the JSON keeps every level finished if the limit cuts it)
+    # (OMNI_LIMIT s in all, OMNI_DURATION s a level, OMNI_LEVELS the concurrencies; the JSON keeps every level
+    # finished if the limit cuts it)
     run "${OMNI_LIMIT:-400}" "$2" python3 -m mstar.cli.main bench --base-url "http://127.0.0.1:$PORT" --workload speech \
-        --model qwen3_omni --concurrency 1,4,8,16,32 --duration "${OMNI_DURATION:-20}" --max-tokens 256 --ignore-eos \
-        --extra-body '{"talker.max_tokens": 256}' --output "$OUT/$2.json"
+        --model qwen3_omni --concurrency "${OMNI_LEVELS:-1,4,8,16,32}" --duration "${OMNI_DURATION:-20}" --max-tokens 256 --ignore-eos \
+        --extra-body '{"talker.max_tokens": 256}' --output "$OUT/$2.json" || stacks "$server"
     curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^mstar_component_(step_seconds|batch_size)_(sum|count)" \
         > "$OUT/$2_metrics.txt"
   else

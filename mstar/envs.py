@@ -87,6 +87,10 @@ LOOP_FAST_PATH = EnvVar(
     "0 routes every decode-loop step through the generic walk interpreter and worker routing instead of "
     "feeding the result straight back to its engine (the fast path's reference; read when a worker is built)",
     _TRUE + _FALSE)
+STALL_DUMP_S = EnvVar(
+    "MSTAR_STALL_DUMP_S", "int", "unset",
+    "seconds: a worker whose engine step runs longer writes every thread's stack to stderr (to find "
+    "where a stuck server is stuck; read when a worker is built)")
 CACHE_DIR = EnvVar(
     "MSTAR_CACHE_DIR", "path", "~/.cache/mstar", "where mstar keeps converted checkpoints")
 API_KEY = EnvVar(
@@ -104,7 +108,7 @@ SCHEMATHESIS_EXAMPLES = EnvVar(
     "tests only: generated examples per operation in tests/e2e/test_schemathesis.py")
 
 ALL: tuple[EnvVar, ...] = (FUSED_KERNELS, SKINNY_GEMM, FUSE_ROPE_ATTENTION, FUSE_ATTENTION_REDUCE,
-                           FUSE_NORM_LINEAR, WAN_GEMM_GELU, PDL, LOOP_FAST_PATH, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
+                           FUSE_NORM_LINEAR, WAN_GEMM_GELU, PDL, LOOP_FAST_PATH, STALL_DUMP_S, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
                            SCHEMATHESIS_EXAMPLES)
 
 
@@ -167,6 +171,11 @@ def pdl() -> bool | None:
 def loop_fast_path() -> bool:
     """MSTAR_LOOP_FAST_PATH: whether workers run the decode-loop fast path (default True)."""
     return _flag(LOOP_FAST_PATH, default=True)
+
+
+def stall_dump_s() -> int | None:
+    """MSTAR_STALL_DUMP_S: a whole number of seconds >= 1, or None when unset (no stall dumps)."""
+    return None if STALL_DUMP_S.raw() is None else _positive_int(STALL_DUMP_S, default=0)
 
 
 def cache_dir() -> Path:

@@ -97,14 +97,17 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from mstar.runtime.launcher import Runtime
+    from mstar.runtime.process import stacks_on_sigusr1
     from mstar.server.app import create_app
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stacks_on_sigusr1()
     if args.gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus
     config = resolve_config(getattr(args, "model", None), args.config)
     runtime = Runtime(config, mode=args.mode, tiny=args.tiny, load_format=args.load_format,
                       model_path=args.model_path)
+    stacks_on_sigusr1(runtime.worker_pids)  # from now on the workers dump theirs too
     try:
         app = create_app(runtime, api_key=args.api_key)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host

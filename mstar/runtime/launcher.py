@@ -73,6 +73,10 @@ class Runtime:
     def ready(self) -> bool:
         return len(self._ready) == self.plan.num_workers and not self._stopping
 
+    def worker_pids(self) -> list[int]:
+        """Process ids of the worker processes (none in-process)."""
+        return [w.pid for w in self.workers.values() if isinstance(getattr(w, "pid", None), int)]
+
     def submit(self, rid: str, inputs: dict[str, Any], options: dict[str, Any], sink: Sink) -> None:
         self.conductor.submit(rid, inputs, options, sink)
 

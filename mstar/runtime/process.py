@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import faulthandler
 import gc
 import logging
 import os
@@ -10,12 +12,33 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
 from mstar import envs
 
 logger = logging.getLogger(__name__)
+
+
+def stacks_on_sigusr1(children: Callable[[], list[int]] | None = None) -> None:
+    """`kill -USR1 <pid>` writes every thread's Python stack to stderr (where a stuck server is stuck);
+    the process goes on. With `children` (a server's worker processes) it passes the signal on to them."""
+    if not hasattr(signal, "SIGUSR1"):
+        return
+    if children is None:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        return
+
+    def dump(_signum: int, _frame: Any) -> None:
+        faulthandler.dump_traceback(all_threads=True)
+        for pid in children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+
+    faulthandler.unregister(signal.SIGUSR1)
+    signal.signal(signal.SIGUSR1, dump)
 
 
 def die_with_parent() -> None:
@@ -39,6 +62,7 @@ def worker_process_main(rank: int, config_json: bytes, directory_json: bytes, se
     """Run one worker until Shutdown (spawned by runtime.launcher); with `rendezvous` ([host, port,
     world size]) it first joins the torch.distributed groups of its multi-rank replicas."""
     die_with_parent()
+    stacks_on_sigusr1()
     os.environ[envs.SESSION.name] = session
     logging.basicConfig(level=build_args.pop("log_level", "WARNING"))
     from mstar.config import config_from_dict

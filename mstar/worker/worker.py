@@ -12,8 +12,11 @@ sections, nodes run for another worker) takes the generic route.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -141,6 +144,7 @@ class Worker:
         self._final_chunks: set[tuple[str, str, str]] = set()  # calls fed the last chunk of their stream
         # the decode-loop fast path (module docstring); None: as MSTAR_LOOP_FAST_PATH says
         self.loop_fast_path = envs.loop_fast_path() if loop_fast_path is None else loop_fast_path
+        self.stall_dump_s = envs.stall_dump_s()  # MSTAR_STALL_DUMP_S: stacks of a step that runs longer
         self._node_specs = {(w.name, n.name): n for w in graph.walks for n in iter_nodes(w.body)}
         # (walk, node) -> how its items reach an engine: looked up once per node, not once per token
         self._targets: dict[tuple[str, str], _Target] = {}
@@ -181,7 +185,8 @@ class Worker:
                 continue
             try:
                 started = time.perf_counter()
-                results = engine.step()
+                with stall_dump(self.stall_dump_s) if self.stall_dump_s else nullcontext():
+                    results = engine.step()
                 self.stats.record(component, time.perf_counter() - started,
                                   getattr(engine, "last_step_items", len(results)))
             except Exception as exc:
@@ -487,3 +492,14 @@ class Worker:
         """Per-request entries held (for leak tests)."""
         return (len(self._runs) + len(self._remote) + len(self._buffers) + len(self._blocked)
                 + len(self._final_chunks) + len(self._scoped))
+
+
+@contextmanager
+def stall_dump(seconds: float) -> Iterator[None]:
+    """If the block runs longer than `seconds`, every thread's stack goes to stderr (once), from
+    faulthandler's own thread: it works while this one is blocked in C (a GPU wait)."""
+    faulthandler.dump_traceback_later(seconds, repeat=False, exit=False)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()

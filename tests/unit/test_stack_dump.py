@@ -1,0 +1,41 @@
+"""`kill -USR1` on a server or worker process writes its threads' stacks to stderr and it goes on."""
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1 here")
+
+
+def test_sigusr1_dumps_stacks_and_the_process_goes_on():
+    code = ("import os, signal\n"
+            "from mstar.runtime.process import stacks_on_sigusr1\n"
+            "def waiting_here():\n"
+            "    os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "stacks_on_sigusr1()\n"
+            "waiting_here()\n"
+            "print('still running')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "still running" in done.stdout
+    assert "waiting_here" in done.stderr  # the frame that was running when the signal came
+
+
+def test_a_server_passes_sigusr1_on_to_its_workers():
+    code = ("import os, signal, subprocess, sys, time\n"
+            "from mstar.runtime.process import stacks_on_sigusr1\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'from mstar.runtime.process import stacks_on_sigusr1\\n"
+            "import time\\nstacks_on_sigusr1()\\nprint(\"ready\", flush=True)\\n"
+            "def worker_waiting():\\n    time.sleep(3)\\nworker_waiting()\\n'], stdout=subprocess.PIPE, text=True)\n"
+            "child.stdout.readline()\n"
+            "stacks_on_sigusr1(lambda: [child.pid])\n"
+            "def server_serving():\n"
+            "    os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "    time.sleep(0.5)\n"
+            "server_serving()\n"
+            "child.wait(timeout=30)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "server_serving" in done.stderr and "worker_waiting" in done.stderr  # both wrote their stacks
