@@ -117,18 +117,21 @@ def profile_forwards(model, args: tuple, steps: int, device: torch.device, trace
 
 
 def summarize_kernels(totals: dict[str, list[float]], steps: int, top: int = 25) -> dict:
-    """Per-step kernel count and milliseconds, top `top` names, sums per category, SDPA backends."""
+    """Per-step kernel count and milliseconds, top `top` names, sums (time and launches) per category, SDPA
+    backends."""
     per_step = {name: (us / 1e3 / steps, count / steps) for name, (us, count) in totals.items()}
     total_ms = sum(ms for ms, _ in per_step.values())
-    categories = dict.fromkeys(CATEGORIES, 0.0)
-    for name, (ms, _) in per_step.items():
+    categories, calls = dict.fromkeys(CATEGORIES, 0.0), dict.fromkeys(CATEGORIES, 0.0)
+    for name, (ms, n) in per_step.items():
         categories[categorize(name)] += ms
+        calls[categorize(name)] += n
     ranked = sorted(per_step.items(), key=lambda kv: -kv[1][0])[:top]
     return {
         "kernel_ms_per_step": round(total_ms, 3),
         "kernels_per_step": round(sum(n for _, n in per_step.values()), 1),
         "categories_ms": {k: round(v, 3) for k, v in categories.items()},
         "categories_pct": {k: round(100 * v / total_ms, 1) if total_ms else 0.0 for k, v in categories.items()},
+        "categories_calls": {k: round(v, 2) for k, v in calls.items()},  # kernel launches per step
         "sdpa_backends": sdpa_backends(per_step),
         "top_kernels": [{"name": name[:160], "category": categorize(name), "ms_per_step": round(ms, 4),
                          "calls_per_step": round(n, 2), "pct": round(100 * ms / total_ms, 2) if total_ms else 0.0}
