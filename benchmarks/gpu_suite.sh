@@ -24,19 +24,29 @@ run() {  # run <seconds> <log name> <command...>
   echo "== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?; echo "rc=$rc"
   tail -n 12 "$OUT/$name.log"; return $rc
 }
-descendants() {  # from /proc, so no pgrep is needed
-  local p
+descendants() {  # from /proc in plain bash: no pgrep or awk needed
+  local p key value
   for p in /proc/[0-9]*; do
-    [[ $(awk '/^PPid:/ {print $2}' "$p/status" 2>/dev/null) == "$1" ]] && echo "${p#/proc/}" && descendants "${p#/proc/}"
+    [[ -r $p/status ]] || continue
+    while read -r key value; do
+      [[ $key == PPid: ]] || continue
+      [[ $value == "$1" ]] && echo "${p#/proc/}" && descendants "${p#/proc/}"
+      break
+    done < "$p/status"
   done
 }
 stacks() {  # stacks <server pid>: the server (it may be a launcher's child) writes every thread's stack to
-  # its log and passes the signal on to its worker processes (mstar.runtime.process.stacks_on_sigusr1)
+  # its log and passes the signal on to its worker processes (mstar.runtime.process.stacks_on_sigusr1);
+  # where cuda-gdb is installed, it also lists each worker's GPU kernels still running (a GPU that hangs)
   local p
   for p in "$1" $(descendants "$1"); do
-    # the server's Python process only: USR1 ends a shell (a launcher shim)
-    [[ $(readlink "/proc/$p/exe") == *python* ]] && grep -qa 'mstar.cli.main' "/proc/$p/cmdline" 2>/dev/null \
-        && kill -USR1 "$p" 2>/dev/null
+    [[ $(readlink "/proc/$p/exe") == *python* ]] || continue  # USR1 ends a shell (a launcher shim)
+    if grep -qa 'mstar.cli.main' "/proc/$p/cmdline" 2>/dev/null; then
+      kill -USR1 "$p" 2>/dev/null
+    elif grep -qa 'spawn_main' "/proc/$p/cmdline" 2>/dev/null && command -v cuda-gdb > /dev/null; then
+      timeout 90 cuda-gdb -q -batch -p "$p" -ex 'info cuda kernels' -ex 'thread apply all bt 12' \
+          > "$OUT/cuda_gdb_$p.txt" 2>&1
+    fi
   done
   sleep 2
 }
