@@ -497,7 +497,8 @@ class Worker:
 @contextmanager
 def stall_dump(seconds: float) -> Iterator[None]:
     """If the block runs longer than `seconds`, every thread's stack goes to stderr (once), from
-    faulthandler's own thread: it works while this one is blocked in C (a GPU wait)."""
+    faulthandler's own thread: it works while this one is blocked in C (a GPU wait). faulthandler keeps
+    one such timer per process: with several in-process workers one's step may cancel another's."""
     faulthandler.dump_traceback_later(seconds, repeat=False, exit=False)
     try:
         yield
