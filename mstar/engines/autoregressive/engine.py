@@ -16,6 +16,7 @@ the offset added on the device.
 from __future__ import annotations
 
 import logging
+import zlib
 
 import torch
 
@@ -88,6 +89,9 @@ class AutoregressiveEngine:
         if warm_up if warm_up is not None else self.device.type == "cuda":
             self._warm_up()
         self.last_step_items = 0  # sequences the latest step computed (mstar.engines.stats.ReportsStats)
+        # a request without a seed samples from a generator seeded by its id, not the device's shared one:
+        # the ranks of a tensor-parallel replica then draw the same tokens (worker/replica.py)
+        self.seed_per_request = False
 
     def _warm_up(self, alone: tuple[int, ...] = (5, 12, 24, 48), together: tuple[int, ...] = (5, 16, 33)) -> None:
         """Run throwaway prompts (prefill and two decode steps) through the real path, so that the first
@@ -211,9 +215,10 @@ class AutoregressiveEngine:
             raise ValueError(f"max_tokens={params.max_tokens} plus the {len(tokens)}-token prompt exceeds "
                              f"max_model_len={self.max_model_len}; lower max_tokens")
         generator = None
-        if params.seed is not None:
+        seed = params.seed if params.seed is not None or not self.seed_per_request else request_seed(key)
+        if seed is not None:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed)
+            generator.manual_seed(seed)
         seq = Sequence(key, params, tokens, len(tokens), generator)
         # one row for the sequence's life: it reads token_ids and the sampling cache, which grow in place
         seq.sampling_row = SamplingRow(params, seq.token_ids, seq.num_prompt, generator, self.eos_token_ids,
@@ -280,6 +285,11 @@ class AutoregressiveEngine:
         if len(seq.token_ids) + 1 >= self.max_model_len:  # no room to feed this token back
             return "length"
         return None
+
+
+def request_seed(key: tuple[str, str]) -> int:
+    """A seed from a sequence's (request id, KV slot), the same in every process."""
+    return zlib.crc32("\x00".join(key).encode())
 
 
 def _to_host(out: SampleOutput) -> SampleOutput:
