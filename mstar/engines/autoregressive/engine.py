@@ -74,6 +74,9 @@ class AutoregressiveEngine:
         self.runner = ModelRunner(model, attn, kv_config.page_size, self.device, cuda_graphs, max_num_seqs)
         self._seqs: dict[tuple[str, str], Sequence] = {}
         self._errors: list[StepResult] = []  # items refused at submit, reported by the next step
+        # a request without a seed samples from a generator seeded by its id, not the device's shared one:
+        # the ranks of a tensor-parallel replica then draw the same tokens (worker/replica.py)
+        self.seed_per_request = False
         # decode lookahead (lookahead.py): on by default where decode replays CUDA graphs
         if lookahead is None:
             lookahead = self.runner.graphs is not None and (cuda_graphs is None or cuda_graphs.lookahead)
@@ -89,9 +92,6 @@ class AutoregressiveEngine:
         if warm_up if warm_up is not None else self.device.type == "cuda":
             self._warm_up()
         self.last_step_items = 0  # sequences the latest step computed (mstar.engines.stats.ReportsStats)
-        # a request without a seed samples from a generator seeded by its id, not the device's shared one:
-        # the ranks of a tensor-parallel replica then draw the same tokens (worker/replica.py)
-        self.seed_per_request = False
 
     def _warm_up(self, alone: tuple[int, ...] = (5, 12, 24, 48), together: tuple[int, ...] = (5, 16, 33)) -> None:
         """Run throwaway prompts (prefill and two decode steps) through the real path, so that the first
