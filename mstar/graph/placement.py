@@ -99,19 +99,22 @@ def _check_group(group: Any, graph: ModelGraph, walks: dict, node_names: set[str
 
 
 def _check_parallel(group: Any, graph: ModelGraph, node_components: dict[tuple[str, str], str], where: str) -> None:
-    """tp_size > 1 is not supported yet; sp_size > 1 only for components declaring sequence_parallel."""
-    if group.tp_size > 1:
-        raise PlacementError(f"{where}: tp_size={group.tp_size}: tensor-parallel replicas are not supported "
-                             "yet; use tp_size: 1")
-    if group.sp_size == 1:
-        return
-    for name in group.node_names:
-        components = {name} if name in graph.components else {c for (n, _), c in node_components.items() if n == name}
-        for component in sorted(components):
-            if not graph.components[component].sequence_parallel:
-                supported = sorted(c for c, spec in graph.components.items() if spec.sequence_parallel)
-                raise PlacementError(
-                    f"{where}: sp_size={group.sp_size}, but component {component!r} does not support sequence "
-                    f"parallelism (components that do: {supported or 'none'}); move {name!r} to a group "
-                    "with sp_size: 1"
-                )
+    """tp_size > 1 only for components declaring tensor_parallel, sp_size > 1 only for those declaring
+    sequence_parallel, and not both in one group."""
+    if group.tp_size > 1 and group.sp_size > 1:
+        raise PlacementError(f"{where}: tp_size={group.tp_size} with sp_size={group.sp_size}: a replica is "
+                             "tensor- or sequence-parallel, not both, today")
+    for size, flag, kind in ((group.tp_size, "tensor_parallel", "tensor"), (group.sp_size, "sequence_parallel", "sequence")):
+        if size == 1:
+            continue
+        for name in group.node_names:
+            components = {name} if name in graph.components else {c for (n, _), c in node_components.items() if n == name}
+            for component in sorted(components):
+                if not getattr(graph.components[component], flag):
+                    supported = sorted(c for c, spec in graph.components.items() if getattr(spec, flag))
+                    key = "tp_size" if kind == "tensor" else "sp_size"
+                    raise PlacementError(
+                        f"{where}: {key}={size}, but component {component!r} does not support {kind} "
+                        f"parallelism (components that do: {supported or 'none'}); move {name!r} to a group "
+                        f"with {key}: 1"
+                    )

@@ -178,12 +178,18 @@ class ComponentSpec:
     # The module runs sequence-parallel (Ulysses) when given a replica's group, so a placement may use
     # sp_size > 1 for it; only stateless components can set it.
     sequence_parallel: bool = False
+    # The model builds it as one rank's share (heads and experts; `layers.parallel.tensor_parallel` says
+    # which) and its engine runs in lockstep with the replica's other ranks, so a placement may use
+    # tp_size > 1 for it; only autoregressive components can set it.
+    tensor_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.engine not in ("stateless", "autoregressive"):
             raise ValueError(f"component engine {self.engine!r} must be 'stateless' or 'autoregressive'")
         if self.sequence_parallel and self.engine != "stateless":
             raise ValueError(f"sequence_parallel=True needs a stateless component, not {self.engine!r}")
+        if self.tensor_parallel and self.engine != "autoregressive":
+            raise ValueError(f"tensor_parallel=True needs an autoregressive component, not {self.engine!r}")
 
 
 @dataclass(frozen=True)

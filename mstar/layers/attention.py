@@ -4,11 +4,15 @@ The KV cache and the attention kernel live in the backend (`mstar.engines.attent
 only turns hidden states [T, hidden] into q/k/v [T, heads, head_dim] and back. A backend whose
 `fuses_rotary` is true for the prepared batch takes q/k un-rotated through `forward_rotary(layer, q,
 k, v, cos, sin)` and applies RoPE itself (the Triton decode kernel); others get rotated q/k.
+
+Tensor parallelism over heads (`HeadShard`): each rank of a group holds an equal share of the q heads and
+of the KV heads (its rows of the qkv projection, its columns of the output projection, its KV heads in
+the cache), attends with them alone, and one all-reduce sums the output projections' shares.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -60,11 +64,51 @@ class AttentionSpec:
             )
 
 
-class SelfAttention(nn.Module):
-    """Causal self-attention whose cache and kernel belong to the backend passed to `forward`."""
+@dataclass(frozen=True)
+class HeadShard:
+    """Rank `index` of `size` in a tensor-parallel group over attention heads (`group`, a
+    torch.distributed process group)."""
 
-    def __init__(self, spec: AttentionSpec, layer_idx: int) -> None:
+    index: int
+    size: int
+    group: Any
+
+    def local_spec(self, spec: AttentionSpec) -> AttentionSpec:
+        """The spec of this rank's share: num_heads and num_kv_heads divided by the group size."""
+        if spec.num_heads % self.size or spec.num_kv_heads % self.size:
+            raise ValueError(f"tensor parallelism over {self.size} ranks needs num_heads={spec.num_heads} and "
+                             f"num_kv_heads={spec.num_kv_heads} divisible by it")
+        return replace(spec, num_heads=spec.num_heads // self.size, num_kv_heads=spec.num_kv_heads // self.size)
+
+    def take_qkv(self, spec: AttentionSpec, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the whole layer's fused qkv weight [(Hq + 2 Hkv) D, ...] or bias: its q,
+        then its k, then its v heads."""
+        d, q, kv = spec.head_dim, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        part_q, part_kv = q // self.size, kv // self.size
+        if whole.shape[0] != q + 2 * kv:
+            raise ValueError(f"expected a fused qkv of {q + 2 * kv} rows (head_dim {d}), got {tuple(whole.shape)}")
+        starts = (self.index * part_q, q + self.index * part_kv, q + kv + self.index * part_kv)
+        return torch.cat([whole[starts[0] : starts[0] + part_q], whole[starts[1] : starts[1] + part_kv],
+                          whole[starts[2] : starts[2] + part_kv]])
+
+    def take_o(self, spec: AttentionSpec, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of the whole layer's output projection weight [hidden, Hq D]."""
+        part = spec.num_heads * spec.head_dim // self.size
+        return whole[:, self.index * part : (self.index + 1) * part]
+
+
+class SelfAttention(nn.Module):
+    """Causal self-attention whose cache and kernel belong to the backend passed to `forward`; with
+    `shard`, this rank's share of the heads (module docstring; `spec` stays the whole layer's)."""
+
+    def __init__(self, spec: AttentionSpec, layer_idx: int, shard: HeadShard | None = None) -> None:
         super().__init__()
+        self.whole_spec = spec
+        self.shard = shard
+        if shard is not None:
+            if spec.o_bias:
+                raise ValueError("tensor-parallel attention with an o_proj bias is not supported")
+            spec = shard.local_spec(spec)
         self.spec = spec
         self.layer_idx = layer_idx
         self.q_size = spec.num_heads * spec.head_dim
@@ -78,6 +122,12 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor | PendingNorm, cos: torch.Tensor, sin: torch.Tensor, attn: Any) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; `attn` is an AttentionBackend already prepared for the batch.
         x may be a PendingNorm, which the qkv projection consumes."""
+        out = self._local(x, cos, sin, attn)
+        if self.shard is not None and self.shard.size > 1:
+            torch.distributed.all_reduce(out, group=self.shard.group)  # the ranks' o_proj shares summed
+        return out
+
+    def _local(self, x: torch.Tensor | PendingNorm, cos: torch.Tensor, sin: torch.Tensor, attn: Any) -> torch.Tensor:
         t, d = x.shape[0], self.spec.head_dim
         qkv = linear(x, self.qkv_proj)
         ops = FUSED.ops_for(qkv)

@@ -10,11 +10,17 @@ Three paths compute the experts: "small" (`kernels/moe_small.py`, two GEMV-like 
 read each slot's expert through the ids; decode batches), "grouped" (tokens sorted by expert, two
 `torch._grouped_mm`; CUDA bf16) and "loop" (one gated MLP per routed expert; the reference, syncs
 the host). `pick_path` chooses; `SparseMoE.force_path` overrides.
+
+Expert parallelism (`ExpertShard`): each rank of a group holds an equal, contiguous share of the experts;
+the router runs whole on every rank, each rank computes its own experts' share of every token (slots
+routed elsewhere get weight 0), the shared expert runs on the group's first rank only, and one
+all-reduce sums the shares.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,12 +64,51 @@ class MoESpec:
                              f"moe_intermediate={self.intermediate_size}")
 
 
-class StackedExperts(nn.Module):
-    """The weights of all experts, stacked on dim 0 (HF transformers 5 names: gate_up_proj, down_proj)."""
+@dataclass(frozen=True)
+class ExpertShard:
+    """Rank `index` of `size` in an expert-parallel group (`group`, a torch.distributed process group):
+    it holds experts [first, first + count) of `num_experts`."""
 
-    def __init__(self, spec: MoESpec) -> None:
+    index: int
+    size: int
+    num_experts: int
+    group: Any
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.size or self.num_experts % self.size:
+            raise ValueError(f"expert parallelism over {self.size} ranks needs num_experts={self.num_experts} "
+                             f"divisible by it and 0 <= index={self.index} < {self.size}")
+
+    @property
+    def count(self) -> int:
+        return self.num_experts // self.size
+
+    @property
+    def first(self) -> int:
+        return self.index * self.count
+
+    def take(self, stacked: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a tensor stacked over all experts on dim 0 (a checkpoint's)."""
+        if stacked.shape[0] != self.num_experts:
+            raise ValueError(f"expected {self.num_experts} experts stacked on dim 0, got shape {tuple(stacked.shape)}")
+        return stacked[self.first : self.first + self.count]
+
+    def localize(self, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global expert ids [T, k] -> ids into this rank's experts; slots routed to another rank go to
+        local expert 0 with weight 0 (a finite product, zero: no branch, no shape change)."""
+        local = ids - self.first
+        mine = (local >= 0) & (local < self.count)
+        zero = torch.zeros((), dtype=weights.dtype, device=weights.device)
+        return torch.where(mine, local, 0), torch.where(mine, weights, zero)
+
+
+class StackedExperts(nn.Module):
+    """The weights of all experts, stacked on dim 0 (HF transformers 5 names: gate_up_proj, down_proj);
+    with `num_experts`, only that many (an expert-parallel rank's share)."""
+
+    def __init__(self, spec: MoESpec, num_experts: int | None = None) -> None:
         super().__init__()
-        e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
+        e, h, i = num_experts or spec.num_experts, spec.hidden_size, spec.intermediate_size
         self.intermediate_size = i
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))  # rows [0, I): gate, [I, 2I): up
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
@@ -179,21 +224,33 @@ class SparseMoE(nn.Module):
     overrides the choice, for tests and benchmarks (a forced "small" never falls back).
     """
 
-    def __init__(self, spec: MoESpec) -> None:
+    def __init__(self, spec: MoESpec, shard: ExpertShard | None = None) -> None:
         super().__init__()
+        if shard is not None and shard.num_experts != spec.num_experts:
+            raise ValueError(f"expert shard of {shard.num_experts} experts for a block of {spec.num_experts}")
         self.spec = spec
+        self.shard = shard  # expert parallelism (module docstring); None: every expert here
         self.gate = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
-        self.experts = StackedExperts(spec)
+        self.experts = StackedExperts(spec, shard.count if shard is not None else None)
         if spec.shared_intermediate_size:
             self.shared_expert = GatedMLP(spec.hidden_size, spec.shared_intermediate_size)
             self.shared_expert_gate = nn.Linear(spec.hidden_size, 1, bias=False)
         self.force_path: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._local(x)
+        if self.shard is not None and self.shard.size > 1:
+            torch.distributed.all_reduce(out, group=self.shard.group)  # the ranks' shares summed
+        return out
+
+    def _local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the block's output (all of it without expert parallelism)."""
         # the router and the shared expert's gate through `linear`: the skinny GEMV where timing picks it
         weights, ids = route(linear(x, self.gate), self.spec.top_k, self.spec.norm_topk_prob)
+        if self.shard is not None:
+            ids, weights = self.shard.localize(ids, weights)
         out = self.run_experts(x, ids, weights)
-        if self.spec.shared_intermediate_size:
+        if self.spec.shared_intermediate_size and (self.shard is None or self.shard.index == 0):
             gate, shared = linear(x, self.shared_expert_gate), self.shared_expert(x)
             ops = FUSED.ops_for(out)
             if (ops is not None and out.dim() == 2 and out.dtype == shared.dtype == gate.dtype

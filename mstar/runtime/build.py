@@ -30,8 +30,10 @@ def worker_device(config: MStarConfig, rank: int) -> torch.device:
     return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
 
 
-def build_engines(model: Model, config: MStarConfig, components: list[str], device: torch.device) -> dict[str, Engine]:
-    """One engine per component placed on this worker.
+def build_engines(model: Model, config: MStarConfig, components: list[str], device: torch.device,
+                  shards: dict[str, Any] | None = None) -> dict[str, Engine]:
+    """One engine per component placed on this worker; a component in `shards` (a tensor-parallel one)
+    is built as this rank's share of it (`layers.parallel.tensor_parallel`).
 
     Every component's weights go on the device before any engine is made: an autoregressive engine
     sizes its KV pool from the memory free when it is made, so weights built after a pool might not
@@ -39,9 +41,14 @@ def build_engines(model: Model, config: MStarConfig, components: list[str], devi
     """
     graph = model.graph()
     built = {}
+    from mstar.layers.parallel import tensor_parallel
+
+    shards = shards or {}
     for name in components:
-        built[name] = model.build_component(name, device)
-        logger.info("built component %s on %s", name, device)
+        with tensor_parallel(shards.get(name)):
+            built[name] = model.build_component(name, device)
+        logger.info("built component %s on %s%s", name, device,
+                    f" (share {shards[name].index + 1} of {shards[name].size})" if name in shards else "")
     engines: dict[str, Engine] = {}
     for name in components:
         kind = graph.components[name].engine

@@ -83,14 +83,18 @@ def worker_process_main(rank: int, config_json: bytes, directory_json: bytes, se
         graph = model.graph()
         plan = plan_placement(graph, config.node_groups, config.source)
         device = worker_device(config, rank)
-        engines = build_engines(model, config, plan.components_on(rank), device)
         codec = PayloadCodec(session)
-        if rendezvous is not None:
+        shards = {}
+        if rendezvous is not None:  # groups first: a tensor-parallel component warms up with its collectives
             from mstar.distributed.groups import Rendezvous
-            from mstar.runtime.replicas import join_replicas
+            from mstar.runtime.replicas import start_replica_groups, tensor_parallel_shards, wrap_replicas
 
-            groups = join_replicas(plan, rank, device, engines, Rendezvous(*rendezvous),
-                                   lambda r, msg: outbox.send(worker_peer(r), msg), codec.pack)
+            groups = start_replica_groups(plan, rank, device, Rendezvous(*rendezvous))
+            shards = tensor_parallel_shards(plan, graph, rank, groups)
+        engines = build_engines(model, config, plan.components_on(rank), device, shards)
+        if groups is not None:
+            wrap_replicas(plan, graph, rank, engines, groups, lambda r, msg: outbox.send(worker_peer(r), msg),
+                          codec.pack)
         worker = Worker(rank, graph, engines, inbox, outbox, codec, device)
     except Exception:
         outbox.send(CONDUCTOR, wire.WorkerFailed(rank, traceback.format_exc()))

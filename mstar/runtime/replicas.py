@@ -1,5 +1,7 @@
-"""Wire multi-rank replicas (sp_size > 1) into one worker process: join the groups, hand them to
-components, and make the lead rank forward each batch to its followers (worker/replica.py)."""
+"""Wire multi-rank replicas into one worker process: join the groups (before any component is built,
+so a tensor-parallel one warms up and captures its graphs with its collectives), say which share of a
+tensor-parallel component this rank builds, then hand groups to sequence-parallel modules and put each
+replica's lead and followers in lockstep (worker/replica.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ import torch
 
 from mstar.distributed.groups import ProcessGroups, Rendezvous
 from mstar.engines.base import Engine
+from mstar.graph import ModelGraph
 from mstar.graph.placement import PlacementPlan
-from mstar.worker.replica import LeadModule
+from mstar.layers.attention import HeadShard
+from mstar.worker.replica import FollowerEngine, LeadEngine, LeadModule
 
 logger = logging.getLogger(__name__)
 
@@ -31,30 +35,55 @@ def check_run_mode(plan: PlacementPlan, mode: str) -> None:
     """Multi-rank replicas need one process per rank: reject in-process mode with the fix."""
     replicas = multi_rank_replicas(plan)
     if replicas and mode != "multiproc":
-        raise ValueError(f"components {sorted(replicas)} run on multi-rank replicas (sp_size > 1), which need one "
-                         f"process per rank: use mode='multiproc' (got {mode!r}) or sp_size: 1")
+        raise ValueError(f"components {sorted(replicas)} run on multi-rank replicas (tp_size or sp_size > 1), which "
+                         f"need one process per rank: use mode='multiproc' (got {mode!r}) or replicas of one rank")
 
 
-def join_replicas(plan: PlacementPlan, rank: int, device: torch.device, engines: dict[str, Engine],
-                  rendezvous: Rendezvous, send: Callable[[int, Any], None], pack: Callable[[Any], Any]
-                  ) -> ProcessGroups:
-    """Join the world and this rank's replica groups (every worker must call this), give each
-    sequence-parallel component its group, and wrap the lead rank's modules to forward batches."""
-    replicas = multi_rank_replicas(plan)
+def start_replica_groups(plan: PlacementPlan, rank: int, device: torch.device, rendezvous: Rendezvous) -> ProcessGroups:
+    """Join the world and this rank's replica groups (every worker must call this, before building)."""
     groups = ProcessGroups(rendezvous, rank, device)
-    groups.start(r for reps in replicas.values() for r in reps)
-    for component, engine in engines.items():
-        mine = sorted(r for r in replicas.get(component, ()) if rank in r)
-        if not mine:
+    groups.start(r for reps in multi_rank_replicas(plan).values() for r in reps)
+    return groups
+
+
+def _replica_of(plan: PlacementPlan, rank: int, component: str, groups: ProcessGroups):
+    mine = sorted(r for r in multi_rank_replicas(plan).get(component, ()) if rank in r)
+    if not mine:
+        return None
+    if len(mine) > 1:
+        raise ValueError(f"worker {rank} holds component {component!r} in two multi-rank replicas {mine}; "
+                         "place each rank in one replica of a component")
+    return groups.group(mine[0])
+
+
+def tensor_parallel_shards(plan: PlacementPlan, graph: ModelGraph, rank: int, groups: ProcessGroups
+                           ) -> dict[str, HeadShard]:
+    """component -> the share of it this rank builds, for its tensor-parallel components."""
+    shards = {}
+    for component in plan.components_on(rank):
+        replica = _replica_of(plan, rank, component, groups)
+        if replica is not None and graph.components[component].tensor_parallel:
+            shards[component] = HeadShard(replica.index, replica.size, replica.group)
+    return shards
+
+
+def wrap_replicas(plan: PlacementPlan, graph: ModelGraph, rank: int, engines: dict[str, Engine],
+                  groups: ProcessGroups, send: Callable[[int, Any], None], pack: Callable[[Any], Any]) -> None:
+    """Give each sequence-parallel module its group and wrap the lead's module to forward batches; put
+    each tensor-parallel engine in lockstep (`LeadEngine` on the lead, `FollowerEngine` elsewhere, both
+    sampling with per-request seeds). Replaces entries of `engines`."""
+    for component, engine in list(engines.items()):
+        replica = _replica_of(plan, rank, component, groups)
+        if replica is None:
             continue
-        if len(mine) > 1:
-            raise ValueError(f"worker {rank} holds component {component!r} in two multi-rank replicas {mine}; "
-                             "place each rank in one replica of a component")
-        replica = groups.group(mine[0])
-        module = engine.module  # stateless engines only (placement checks ComponentSpec.sequence_parallel)
-        module.set_sp_group(replica.group)
-        if replica.is_lead:
-            engine.module = LeadModule(module, component, replica.ranks[1:], send, pack)
+        if graph.components[component].tensor_parallel:
+            engine.seed_per_request = True  # type: ignore[attr-defined]
+            engines[component] = (LeadEngine(engine, component, replica.ranks[1:], send, pack) if replica.is_lead
+                                  else FollowerEngine(engine))  # type: ignore[assignment]
+        else:
+            module = engine.module  # stateless engines only (placement checks ComponentSpec.sequence_parallel)
+            module.set_sp_group(replica.group)
+            if replica.is_lead:
+                engine.module = LeadModule(module, component, replica.ranks[1:], send, pack)
         logger.info("worker %d: %s runs on replica %s (%s)", rank, component, replica.ranks,
                     "lead" if replica.is_lead else "follower")
-    return groups

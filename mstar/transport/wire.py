@@ -128,6 +128,20 @@ class ReplicaStep(msgspec.Struct, tag=True, array_like=True):
     items: list[ReplicaItem]
 
 
+class ReplicaEngineStep(msgspec.Struct, tag=True, array_like=True):
+    """Lead rank -> the other ranks of a tensor-parallel replica of an autoregressive component: take
+    these releases and items, in this order, then step the engine once, now.
+
+    The followers' engines see exactly what the lead's saw since its last step, so their schedulers
+    pick the same chunks and their forwards' collectives pair with the lead's; only the lead routes
+    results.
+    """
+
+    component: str
+    releases: list[str]  # request ids released since the last step
+    items: list[ReplicaItem]  # items submitted since the last step
+
+
 class WorkerReady(msgspec.Struct, tag=True, array_like=True):
     """Worker -> conductor: components built and warmed up."""
 
@@ -167,5 +181,5 @@ class WorkerStats(msgspec.Struct, tag=True, array_like=True):
 
 Message = Union[
     StartWalk, RunNode, NodeDone, StreamItem, StreamEnd, Release, Shutdown, ClientOutput, ClientOutputs, WalkDone,
-    ReplicaStep, WorkerReady, WorkerFailed, WorkerStats,
+    ReplicaStep, ReplicaEngineStep, WorkerReady, WorkerFailed, WorkerStats,
 ]

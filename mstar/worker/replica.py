@@ -6,6 +6,14 @@ followers, then runs the call; collectives inside the call (Ulysses all-to-alls)
 followers' identical call. Followers run `run_component_step` on the items from the message, in the
 order received, and drop the outputs. A failure on one rank only leaves the other waiting in a
 collective until the group's timeout, which then fails the step.
+
+An autoregressive engine keeps state (sequences, KV pages, its scheduler), so a tensor-parallel replica
+of one is kept in lockstep at the engine's seam instead: on the lead, `LeadEngine` notes every release
+and submitted item and, before each step, sends them (`wire.ReplicaEngineStep`); a follower's engine
+takes the same releases and items in the same order and steps once (`follow_engine_step`), so its
+scheduler picks the same chunks and its sampling (seeded per request: `AutoregressiveEngine.
+seed_per_request`) the same tokens and stops. A follower's engine (`FollowerEngine`) is stepped only
+so, never by its worker's own loop.
 """
 
 from __future__ import annotations
@@ -61,7 +69,79 @@ class LeadModule:
         return getattr(self.__dict__["module"], name)
 
 
-def follower_items(msg: wire.ReplicaStep, unpack: Callable[[Any], Any], to_device: Callable[[Any], Any]
+class LeadEngine:
+    """An autoregressive engine on a tensor-parallel replica's lead rank: the same engine, but each step
+    first sends the followers what the engine was given since the last one (module docstring)."""
+
+    def __init__(self, engine: Any, component: str, followers: Sequence[int], send: Callable[[int, Any], None],
+                 pack: Callable[[Any], Any]) -> None:
+        self.engine, self.component = engine, component
+        self.followers = tuple(followers)
+        self._send, self._pack = send, pack
+        self._items: list[StepItem] = []
+        self._releases: list[str] = []
+
+    def submit(self, item: StepItem) -> None:
+        self._items.append(item)
+        self.engine.submit(item)
+
+    def release(self, request_id: str) -> None:
+        # the engine drops the request's pending items with it: so do the followers' (releases go first
+        # in the message, then the items submitted since, which are all from after this release)
+        self._items = [i for i in self._items if i.request_id != request_id]
+        self._releases.append(request_id)
+        self.engine.release(request_id)
+
+    def step(self) -> list:
+        items, releases, self._items, self._releases = self._items, self._releases, [], []
+        for rank in self.followers:  # packed per follower: a payload is consumed by one reader
+            msg_items = [wire.ReplicaItem(i.request_id, i.walk, i.node, i.iteration,
+                                          {k: self._pack(v) for k, v in i.inputs.items()}, i.options)
+                         for i in items]
+            self._send(rank, wire.ReplicaEngineStep(self.component, releases, msg_items))
+        return self.engine.step()
+
+    def has_work(self) -> bool:
+        return self.engine.has_work()
+
+    def __getattr__(self, name: str) -> Any:  # stats, last_step_items, runner, ...
+        return getattr(self.__dict__["engine"], name)
+
+
+class FollowerEngine:
+    """An autoregressive engine on a tensor-parallel replica's follower rank: stepped only by the lead's
+    messages (`follow`), never by its worker's loop (no work of its own) and never released but as the
+    lead says (a worker-level release could land between two of the lead's steps)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def follow(self, msg: wire.ReplicaEngineStep, items: list[StepItem]) -> None:
+        """The lead's releases, its items (`items`, unpacked) and one step; the results are the lead's to
+        route and are dropped here."""
+        for rid in msg.releases:
+            self.engine.release(rid)
+        for item in items:
+            self.engine.submit(item)
+        self.engine.step()
+
+    def submit(self, item: StepItem) -> None:
+        raise RuntimeError("a follower rank's engine takes items from its lead only")
+
+    def step(self) -> list:
+        return []
+
+    def has_work(self) -> bool:
+        return False
+
+    def release(self, request_id: str) -> None:
+        pass  # the lead's ReplicaEngineStep carries it, in order
+
+    def __getattr__(self, name: str) -> Any:  # stats, runner, ...
+        return getattr(self.__dict__["engine"], name)
+
+
+def follower_items(msg: wire.ReplicaStep | wire.ReplicaEngineStep, unpack: Callable[[Any], Any], to_device: Callable[[Any], Any]
                    ) -> list[StepItem]:
     """The StepItems of a ReplicaStep, inputs on this worker's device."""
     return [StepItem(i.rid, i.walk, i.node, {k: to_device(unpack(v)) for k, v in i.inputs.items()}, i.options,

@@ -231,6 +231,9 @@ class Worker:
             # with the lead's); the lead routes the results, ours are dropped
             run_component_step(self.engines[msg.component].module,
                                follower_items(msg, self.codec.unpack, self._to_device))
+        elif isinstance(msg, wire.ReplicaEngineStep):
+            # follower rank of a tensor-parallel autoregressive replica: the lead's step (replica.py)
+            self.engines[msg.component].follow(msg, follower_items(msg, self.codec.unpack, self._to_device))
         elif isinstance(msg, wire.Release):
             self._release(msg.rid)
         elif isinstance(msg, wire.Shutdown):

@@ -1,4 +1,5 @@
-"""Placement of multi-rank replicas: sp_size > 1 only for components that declare sequence_parallel."""
+"""Placement of multi-rank replicas: sp_size > 1 only for components that declare sequence_parallel,
+tp_size > 1 only for those that declare tensor_parallel, never both in one group."""
 
 from __future__ import annotations
 
@@ -45,13 +46,33 @@ def test_sp_by_node_name_checks_the_node_component():
     assert plan_placement(_wan_graph(), ok).node_replicas("dit", "uncond", "denoise") == ((1, 2),)
 
 
-def test_tensor_parallel_is_rejected_for_now():
+def test_tensor_parallel_only_where_declared():
     groups = _groups({"node_names": ["text_encoder", "scheduler", "vae", "dit"], "ranks": [0, 1], "tp_size": 2})
-    with pytest.raises(PlacementError, match=r"tp_size=2: tensor-parallel replicas are not supported yet"):
+    with pytest.raises(PlacementError, match=r"tp_size=2, but component 'text_encoder' does not support tensor "
+                                             r"parallelism \(components that do: none\)"):
         plan_placement(_wan_graph(), groups)
+    both = _groups({"node_names": ["text_encoder", "scheduler", "vae"], "ranks": [0]},
+                   {"node_names": ["dit"], "ranks": [0, 1, 2, 3], "tp_size": 2, "sp_size": 2})
+    with pytest.raises(PlacementError, match=r"tp_size=2 with sp_size=2: a replica is tensor- or sequence-parallel"):
+        plan_placement(_wan_graph(), both)
+
+
+def test_the_omni_thinker_may_be_tensor_parallel():
+    cls = get_model_class("qwen3_omni")
+    graph = cls(cls.make_config(tiny=True)).graph()
+    groups = config_from_dict({"model": "qwen3_omni", "node_groups": [
+        {"node_names": ["thinker"], "ranks": [0, 1], "tp_size": 2},
+        {"node_names": ["audio_encoder", "vision_encoder", "talker_input", "talker", "code_predictor", "code2wav"],
+         "ranks": [0]}]}, "tp.yaml").node_groups
+    plan = plan_placement(graph, groups, "tp.yaml")
+    assert plan.replicas("thinker", "decode") == ((0, 1),) and plan.replicas("talker", "talk") == ((0,),)
+    assert plan.components_on(1) == ["thinker"]
 
 
 def test_only_stateless_components_may_declare_sequence_parallel():
     assert ComponentSpec("stateless", sequence_parallel=True).sequence_parallel
     with pytest.raises(ValueError, match=r"sequence_parallel=True needs a stateless component"):
         ComponentSpec("autoregressive", sequence_parallel=True)
+    assert ComponentSpec("autoregressive", tensor_parallel=True).tensor_parallel
+    with pytest.raises(ValueError, match=r"tensor_parallel=True needs an autoregressive component"):
+        ComponentSpec("stateless", tensor_parallel=True)

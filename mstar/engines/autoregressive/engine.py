@@ -16,6 +16,7 @@ the offset added on the device.
 from __future__ import annotations
 
 import logging
+import zlib
 
 import torch
 
@@ -73,6 +74,9 @@ class AutoregressiveEngine:
         self.runner = ModelRunner(model, attn, kv_config.page_size, self.device, cuda_graphs, max_num_seqs)
         self._seqs: dict[tuple[str, str], Sequence] = {}
         self._errors: list[StepResult] = []  # items refused at submit, reported by the next step
+        # a request without a seed samples from a generator seeded by its id, not the device's shared one:
+        # the ranks of a tensor-parallel replica then draw the same tokens (worker/replica.py)
+        self.seed_per_request = False
         # decode lookahead (lookahead.py): on by default where decode replays CUDA graphs
         if lookahead is None:
             lookahead = self.runner.graphs is not None and (cuda_graphs is None or cuda_graphs.lookahead)
@@ -211,9 +215,10 @@ class AutoregressiveEngine:
             raise ValueError(f"max_tokens={params.max_tokens} plus the {len(tokens)}-token prompt exceeds "
                              f"max_model_len={self.max_model_len}; lower max_tokens")
         generator = None
-        if params.seed is not None:
+        seed = params.seed if params.seed is not None or not self.seed_per_request else request_seed(key)
+        if seed is not None:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed)
+            generator.manual_seed(seed)
         seq = Sequence(key, params, tokens, len(tokens), generator)
         # one row for the sequence's life: it reads token_ids and the sampling cache, which grow in place
         seq.sampling_row = SamplingRow(params, seq.token_ids, seq.num_prompt, generator, self.eos_token_ids,
@@ -280,6 +285,11 @@ class AutoregressiveEngine:
         if len(seq.token_ids) + 1 >= self.max_model_len:  # no room to feed this token back
             return "length"
         return None
+
+
+def request_seed(key: tuple[str, str]) -> int:
+    """A seed from a sequence's (request id, KV slot), the same in every process."""
+    return zlib.crc32("\x00".join(key).encode())
 
 
 def _to_host(out: SampleOutput) -> SampleOutput:

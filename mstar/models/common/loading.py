@@ -11,6 +11,7 @@ import json
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,9 +22,9 @@ LOAD_FORMATS = ("auto", "dummy")  # auto: safetensors or GGUF, whichever the che
 # What a download fetches: configs, tokenizers and safetensors weights (never duplicate .bin copies).
 HUB_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja")
 
-# Maps a checkpoint tensor name to (model parameter name, row offset along dim 0), or None to skip it.
-# checkpoint name -> (parameter, where in it: a row offset, or an index tuple such as (expert, rows)); None: skip
-NameMapper = Callable[[str], "tuple[str, int | tuple[int | slice, ...]] | None"]
+# checkpoint name -> (parameter, where in it: a row offset, or an index tuple such as (expert, rows)), or that
+# and which part of the checkpoint tensor to take (a tensor-parallel rank's rows); None: skip it
+NameMapper = Callable[[str], "tuple[str, Any] | tuple[str, Any, tuple[int | slice, ...]] | None"]
 
 
 class CheckpointNotFoundError(FileNotFoundError):
@@ -119,7 +120,8 @@ def load_named_tensors(
     """Copy checkpoint tensors into `model`'s parameters (casting dtype, moving device).
 
     `mapper` places each tensor at a row offset of a parameter (fused qkv, gate_up fill from several
-    tensors) or at an index tuple (one expert of stacked MoE weights). Raises ValueError listing
+    tensors) or at an index tuple (one expert of stacked MoE weights); a third element takes only that
+    part of the checkpoint tensor (a tensor-parallel rank's rows or columns). Raises ValueError listing
     unexpected names, shape mismatches and parameters left (partly) unfilled.
     """
     params = dict(model.named_parameters())
@@ -130,7 +132,9 @@ def load_named_tensors(
             target = mapper(name)
             if target is None:
                 continue
-            param_name, where = target
+            param_name, where = target[0], target[1]
+            if len(target) == 3:
+                tensor = tensor[target[2]]
             if param_name not in params:
                 unexpected.append(name)
                 continue

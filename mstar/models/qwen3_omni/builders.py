@@ -47,14 +47,16 @@ def _construct(factory, device: torch.device, dtype: torch.dtype) -> torch.nn.Mo
 
 
 def _thinker(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype) -> BuiltComponent:
+    from mstar.layers.parallel import current_tensor_parallel
     from mstar.models.qwen3_omni.thinker import build_thinker
     from mstar.models.qwen3_omni.weights import load_thinker
 
+    tp = current_tensor_parallel()  # one rank's share of a tensor-parallel replica, or None
     if ckpt.root is None:
-        module = build_thinker(ckpt.omni.thinker, dtype, device)
+        module = build_thinker(ckpt.omni.thinker, dtype, device, tp)
         _fill_dummy(module, cfg, 1)
     else:
-        module = load_thinker(ckpt.root, ckpt.load_format, dtype, device)
+        module = load_thinker(ckpt.root, ckpt.load_format, dtype, device, tp=tp)
     if ckpt.omni.talker is not None:  # a spoken answer's decode steps return these (engine decode graphs)
         module.graph_hidden_layers = (0, ckpt.omni.talker.accept_hidden_layer)
     eos = (ckpt.omni.token_ids["im_end"],)  # the reference's thinker_eos_token_id

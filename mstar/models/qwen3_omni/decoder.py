@@ -9,17 +9,21 @@ import torch
 from torch import nn
 
 from mstar.engines.extras import FINAL, ForwardExtras
-from mstar.layers.attention import AttentionSpec, SelfAttention
+from mstar.layers.attention import AttentionSpec, HeadShard, SelfAttention
 from mstar.layers.mlp import GatedMLP
-from mstar.layers.moe import SparseMoE
+from mstar.layers.moe import ExpertShard, SparseMoE
 from mstar.layers.norm import RMSNorm
 from mstar.models.qwen3_omni.config import MoETextConfig
 
 
 class MoEDecoderLayer(nn.Module):
-    """Pre-norm residual block: qk-normed GQA attention, then a sparse MoE (or dense MLP) block."""
+    """Pre-norm residual block: qk-normed GQA attention, then a sparse MoE (or dense MLP) block.
 
-    def __init__(self, config: MoETextConfig, layer_idx: int, sparse: bool) -> None:
+    With `tp` (rank `tp.index` of `tp.size`), the attention holds this rank's share of the heads and the
+    MoE block its share of the experts, each summed over the group by one all-reduce; a dense MLP runs
+    whole on every rank. The residual stream is the same on every rank."""
+
+    def __init__(self, config: MoETextConfig, layer_idx: int, sparse: bool, tp: HeadShard | None = None) -> None:
         super().__init__()
         spec = AttentionSpec(
             hidden_size=config.hidden_size, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
@@ -27,10 +31,14 @@ class MoEDecoderLayer(nn.Module):
             qk_norm=True, norm_eps=config.rms_norm_eps,
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(spec, layer_idx)
+        self.self_attn = SelfAttention(spec, layer_idx, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp: nn.Module = (SparseMoE(config.moe_spec()) if sparse
-                               else GatedMLP(config.hidden_size, config.intermediate_size))
+        if sparse:
+            moe = config.moe_spec()
+            experts = None if tp is None else ExpertShard(tp.index, tp.size, moe.num_experts, tp.group)
+            self.mlp: nn.Module = SparseMoE(moe, experts)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 attn: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -127,7 +127,7 @@ def omni_graph(cfg: OmniServeConfig) -> ModelGraph:
     return ModelGraph(
         components={
             "thinker": ComponentSpec("autoregressive", "text + media rows -> next text token (MoE, M-RoPE)",
-                                     option_namespace="thinker"),
+                                     option_namespace="thinker", tensor_parallel=True),
             "audio_encoder": ComponentSpec("stateless", "log-mel frames -> thinker-width audio rows"),
             "vision_encoder": ComponentSpec("stateless", "image / video patches -> visual rows + deepstack"),
             "talker_input": ComponentSpec("stateless", "thinker states + last frame -> the talker's input rows"),

@@ -16,6 +16,7 @@ from torch import nn
 
 from mstar.engines.base import KVLayout
 from mstar.engines.extras import ForwardExtras
+from mstar.layers.attention import HeadShard
 from mstar.layers.moe import MoEGraphCapture
 from mstar.layers.norm import RMSNorm
 from mstar.models.qwen3_omni.config import ThinkerConfig
@@ -28,27 +29,32 @@ DEEPSTACK = "deepstack_embeds"  # item input: deepstack visual features, [m, num
 class ThinkerBody(nn.Module):
     """Embedding, decoder layers and final norm (the `thinker.model.` prefix of the checkpoint)."""
 
-    def __init__(self, config: ThinkerConfig) -> None:
+    def __init__(self, config: ThinkerConfig, tp: HeadShard | None = None) -> None:
         super().__init__()
         text = config.text
         self.embed_tokens = nn.Embedding(text.vocab_size, text.hidden_size)
-        self.layers = nn.ModuleList(MoEDecoderLayer(text, i, text.is_sparse(i)) for i in range(text.num_layers))
+        self.layers = nn.ModuleList(MoEDecoderLayer(text, i, text.is_sparse(i), tp) for i in range(text.num_layers))
         self.norm = RMSNorm(text.hidden_size, text.rms_norm_eps)
 
 
 class Qwen3OmniThinker(MoEGraphCapture, nn.Module):
-    """`forward` -> final hidden [T, H]; `compute_logits` -> float32 [N, vocab]."""
+    """`forward` -> final hidden [T, H]; `compute_logits` -> float32 [N, vocab].
+
+    With `tp` the thinker is one rank of a tensor-parallel group (`decoder.MoEDecoderLayer`): its share
+    of every layer's heads (and of the KV cache: `kv_layout` counts its KV heads) and experts; the
+    embedding, norms, routers and head are whole on every rank, and so are its outputs."""
 
     accepts_extras = True
     multirow_positions = True  # positions may be [3, T] (M-RoPE)
     token_features = (DEEPSTACK,)
 
-    def __init__(self, config: ThinkerConfig) -> None:
+    def __init__(self, config: ThinkerConfig, tp: HeadShard | None = None) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
         text = config.text
-        self.kv_layout = KVLayout(text.num_layers, text.num_kv_heads, text.head_dim, text.dtype)
-        self.model = ThinkerBody(config)
+        self.kv_layout = KVLayout(text.num_layers, self.local_kv_heads, text.head_dim, text.dtype)
+        self.model = ThinkerBody(config, tp)
         self.rotary = MRotaryEmbedding(text.rope)
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.hidden_size = text.hidden_size
@@ -56,6 +62,11 @@ class Qwen3OmniThinker(MoEGraphCapture, nn.Module):
         # (engines/autoregressive/extras_graph.py); the builder sets (0, talker accept layer)
         self.graph_hidden_layers: tuple[int, ...] = ()
         self.tie_weights()
+
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads this rank caches (all of them without tensor parallelism)."""
+        return self.config.text.num_kv_heads // (self.tp.size if self.tp is not None else 1)
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head when the config says so (idempotent)."""
@@ -87,12 +98,13 @@ class Qwen3OmniThinker(MoEGraphCapture, nn.Module):
 
 
 def build_thinker(config: ThinkerConfig, dtype: torch.dtype | None = None,
-                  device: str | torch.device = "cpu") -> Qwen3OmniThinker:
-    """A thinker in `dtype` (the config's by default) on `device` with UNINITIALISED weights; load next."""
+                  device: str | torch.device = "cpu", tp: HeadShard | None = None) -> Qwen3OmniThinker:
+    """A thinker in `dtype` (the config's by default) on `device` with UNINITIALISED weights (with `tp`,
+    one rank's share); load next."""
     dtype = dtype or config.text.dtype
-    model = build_on_meta(lambda: Qwen3OmniThinker(config), dtype, device)
+    model = build_on_meta(lambda: Qwen3OmniThinker(config, tp), dtype, device)
     assert isinstance(model, Qwen3OmniThinker)
     model.tie_weights()
     t = config.text
-    model.kv_layout = KVLayout(t.num_layers, t.num_kv_heads, t.head_dim, dtype)
+    model.kv_layout = KVLayout(t.num_layers, model.local_kv_heads, t.head_dim, dtype)
     return model

@@ -3,7 +3,8 @@
 The Hub checkpoint stores one tensor per expert (`mlp.experts.{e}.gate_proj.weight`, ...) under
 `thinker.` / `talker.` prefixes; transformers 5 may also hold them stacked (`mlp.experts.gate_up_proj`).
 Both load into our stacked experts; q/k/v and gate/up land in the fused projections. Encoders, the
-code predictor and Code2Wav have their own loaders and are skipped here.
+code predictor and Code2Wav have their own loaders and are skipped here. A tensor-parallel thinker rank
+(`Qwen3OmniThinker.tp`) takes its rows of q/k/v, its columns of o_proj and its experts only.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mstar.layers.attention import HeadShard
 from mstar.models.common import loading
 from mstar.models.qwen3_omni.config import MoETextConfig, OmniConfig
 from mstar.models.qwen3_omni.talker import Qwen3OmniTalker, build_talker
@@ -24,32 +26,47 @@ from mstar.models.qwen3_omni.thinker import Qwen3OmniThinker, build_thinker
 logger = logging.getLogger(__name__)
 
 Index = tuple[int | slice, ...]
-Mapper = Callable[[str], "tuple[str, Index] | None"]  # checkpoint name -> (parameter, index into it), None: skip
+Mapper = Callable[[str], "tuple | None"]  # checkpoint name -> (parameter, index into it[, part of the tensor]), None: skip
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 _THINKER_SKIP = ("audio_tower.", "visual.")
 _TALKER_SKIP = ("code_predictor.",)
 
 
-def _decoder_mapper(text: MoETextConfig) -> Callable[[str], tuple[str, Index]]:
-    """Names inside one decoder (thinker or talker), prefix already stripped."""
+def _decoder_mapper(text: MoETextConfig, tp: HeadShard | None = None) -> Callable[[str], tuple]:
+    """Names inside one decoder (thinker or talker), prefix already stripped; with `tp`, one rank's share."""
     q, kv, i_moe = text.num_heads * text.head_dim, text.num_kv_heads * text.head_dim, text.moe_intermediate_size
     dense = {"gate": (0, text.intermediate_size), "up": (text.intermediate_size, 2 * text.intermediate_size)}
     shared = {"gate": (0, text.shared_expert_intermediate_size),
               "up": (text.shared_expert_intermediate_size, 2 * text.shared_expert_intermediate_size)}
     attn = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+    index, size = (tp.index, tp.size) if tp is not None else (0, 1)
+    part_q, part_kv, experts = q // size, kv // size, text.num_experts // size
+    first = index * experts
+    # with tp: where each of q/k/v lands in this rank's fused qkv, and which of its rows this rank takes
+    local_attn = {"q_proj": (0, part_q, index * part_q), "k_proj": (part_q, part_q + part_kv, index * part_kv),
+                  "v_proj": (part_q + part_kv, part_q + 2 * part_kv, index * part_kv)}
 
-    def mapper(name: str) -> tuple[str, Index]:
+    def mapper(name: str) -> tuple | None:
         if m := _EXPERT.search(name):
-            e, which = int(m.group(1)), m.group(2)
+            e, which = int(m.group(1)) - first, m.group(2)
+            if not 0 <= e < experts:
+                return None  # another rank's expert
             base = name[: m.start()] + ".mlp.experts."
             if which == "down":
                 return base + "down_proj", (e,)
             lo = 0 if which == "gate" else i_moe
             return base + "gate_up_proj", (e, slice(lo, lo + i_moe))
+        if tp is not None and name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+            return name, (), (slice(first, first + experts),)  # stacked (transformers 5 layout)
         for part, (lo, hi) in attn.items():
             if f".self_attn.{part}." in name:
-                return name.replace(part, "qkv_proj"), (slice(lo, hi),)
+                if tp is None:
+                    return name.replace(part, "qkv_proj"), (slice(lo, hi),)
+                dst_lo, dst_hi, src = local_attn[part]
+                return name.replace(part, "qkv_proj"), (slice(dst_lo, dst_hi),), (slice(src, src + dst_hi - dst_lo),)
+        if tp is not None and name.endswith(".self_attn.o_proj.weight"):
+            return name, (), (slice(None), slice(index * part_q, (index + 1) * part_q))
         for owner, table in ((".mlp.shared_expert.", shared), (".mlp.", dense)):
             for which, (lo, hi) in table.items():
                 if f"{owner}{which}_proj." in name:
@@ -60,10 +77,11 @@ def _decoder_mapper(text: MoETextConfig) -> Callable[[str], tuple[str, Index]]:
 
 
 def thinker_mapper(model: Qwen3OmniThinker) -> Mapper:
-    """Maps `thinker.model.*` / `thinker.lm_head.*` (or the same without `thinker.`) to the thinker."""
-    inner = _decoder_mapper(model.config.text)
+    """Maps `thinker.model.*` / `thinker.lm_head.*` (or the same without `thinker.`) to the thinker (one
+    rank's share of it when it is tensor-parallel)."""
+    inner = _decoder_mapper(model.config.text, model.tp)
 
-    def mapper(name: str) -> tuple[str, Index] | None:
+    def mapper(name: str) -> tuple | None:
         if name.startswith(("talker.", "code2wav.")):
             return None
         name = name.removeprefix("thinker.")
@@ -89,10 +107,11 @@ def talker_mapper(model: Qwen3OmniTalker) -> Mapper:
 
 
 def load_thinker(path: str | Path, load_format: str = "auto", dtype: torch.dtype | None = None,
-                 device: str | torch.device = "cpu", progress: bool = True) -> Qwen3OmniThinker:
-    """The thinker text model of a checkpoint folder or Hub id (`load_format="dummy"`: random weights)."""
+                 device: str | torch.device = "cpu", progress: bool = True, tp: HeadShard | None = None) -> Qwen3OmniThinker:
+    """The thinker text model of a checkpoint folder or Hub id (`load_format="dummy"`: random weights);
+    with `tp`, that rank's share of it."""
     root = loading.resolve_checkpoint(path)
-    model = build_thinker(OmniConfig.from_path(root).thinker, dtype, device)
+    model = build_thinker(OmniConfig.from_path(root).thinker, dtype, device, tp)
     _fill(model, root, load_format, thinker_mapper(model), progress)
     return model
 
