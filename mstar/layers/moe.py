@@ -245,8 +245,12 @@ class SparseMoE(nn.Module):
 
     def _local(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of the block's output (all of it without expert parallelism)."""
-        # the router and the shared expert's gate through `linear`: the skinny GEMV where timing picks it
-        weights, ids = route(linear(x, self.gate), self.spec.top_k, self.spec.norm_topk_prob)
+        # the router and the shared expert's gate through `linear`: the skinny GEMV where timing picks it;
+        # split over ranks, the router must pick the same experts on every rank, so it runs the one
+        # kernel every rank runs (timing may pick differently per rank)
+        split = self.shard is not None and self.shard.size > 1
+        logits = F.linear(x, self.gate.weight) if split else linear(x, self.gate)
+        weights, ids = route(logits, self.spec.top_k, self.spec.norm_topk_prob)
         if self.shard is not None:
             ids, weights = self.shard.localize(ids, weights)
         out = self.run_experts(x, ids, weights)
