@@ -188,8 +188,9 @@ fi
 if [[ $WHAT == code2wav || $WHAT == all ]]; then  # Code2Wav alone, as served and eagerly (< 2 min)
   run 180 code2wav_bench python3 benchmarks/code2wav_bench.py --out "$OUT/code2wav_bench_h200.json"
 fi
-if [[ $WHAT == omni2 ]]; then
+if [[ $WHAT == omni2 ]]; then  # the original's split, then the thinker tensor-parallel over both GPUs
   omni_bench configs/qwen3_omni_2gpu.yaml omni_bench_2gpu
+  omni_bench configs/qwen3_omni_2gpu_tp.yaml omni_bench_2gpu_tp
 fi
 if [[ ${TAR:-0} == 1 ]]; then
   tar czf /tmp/gpu_suite.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu_suite.tgz "$OUT/"
