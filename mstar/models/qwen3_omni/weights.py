@@ -50,7 +50,7 @@ def _decoder_mapper(text: MoETextConfig, tp: HeadShard | None = None) -> Callabl
     def mapper(name: str) -> tuple | None:
         if m := _EXPERT.search(name):
             e, which = int(m.group(1)) - first, m.group(2)
-            if not 0 <= e < experts:
+            if tp is not None and not 0 <= e < experts:
                 return None  # another rank's expert
             base = name[: m.start()] + ".mlp.experts."
             if which == "down":
