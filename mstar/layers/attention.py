@@ -99,7 +99,7 @@ class HeadShard:
 
 class SelfAttention(nn.Module):
     """Causal self-attention whose cache and kernel belong to the backend passed to `forward`; with
-    `shard`, this rank's share of the heads (module docstring; `spec` stays the whole layer's)."""
+    `shard`, this rank's share of the heads (module docstring): `spec` is its share, `whole_spec` the layer's."""
 
     def __init__(self, spec: AttentionSpec, layer_idx: int, shard: HeadShard | None = None) -> None:
         super().__init__()
