@@ -67,6 +67,17 @@ def tensor_parallel_shards(plan: PlacementPlan, graph: ModelGraph, rank: int, gr
     return shards
 
 
+def _check_same_kv_pool(component: str, engine: Engine, replica: Any) -> None:
+    """The ranks of a tensor-parallel engine must hold KV pools of one size: the schedulers admit and
+    preempt by free pages, and two sizes would part them. A pool sized from free memory differs per
+    rank when the ranks hold other components; the error says how to fix it."""
+    pages = [None] * replica.size
+    torch.distributed.all_gather_object(pages, engine.pool.num_pages, group=replica.group)  # type: ignore[attr-defined]
+    if len(set(pages)) > 1:
+        raise ValueError(f"tensor-parallel component {component!r}: its ranks {replica.ranks} sized their KV "
+                         f"pools at {pages} pages; set kv_cache.max_num_pages so that every rank holds the same")
+
+
 def wrap_replicas(plan: PlacementPlan, graph: ModelGraph, rank: int, engines: dict[str, Engine],
                   groups: ProcessGroups, send: Callable[[int, Any], None], pack: Callable[[Any], Any]) -> None:
     """Give each sequence-parallel module its group and wrap the lead's module to forward batches; put
@@ -77,6 +88,7 @@ def wrap_replicas(plan: PlacementPlan, graph: ModelGraph, rank: int, engines: di
         if replica is None:
             continue
         if graph.components[component].tensor_parallel:
+            _check_same_kv_pool(component, engine, replica)
             engine.seed_per_request = True  # type: ignore[attr-defined]
             engines[component] = (LeadEngine(engine, component, replica.ranks[1:], send, pack) if replica.is_lead
                                   else FollowerEngine(engine))  # type: ignore[assignment]

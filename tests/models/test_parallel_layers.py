@@ -2,7 +2,8 @@
 expert parallelism of the sparse MoE block (`layers/moe.py`, `ExpertShard`: each rank half of the
 experts; with and without a shared expert) and tensor parallelism of self-attention over heads
 (`layers/attention.py`, `HeadShard`: each rank half of the q and KV heads; Qwen3's qk-norm, qkv bias).
-The shards' own checks fail loudly."""
+The shards' own checks fail loudly, and so does a tensor-parallel engine whose ranks sized their KV pools
+differently."""
 
 from __future__ import annotations
 
@@ -64,8 +65,23 @@ def _attention_checks(replica) -> dict:
     return out
 
 
+def _kv_pool_checks(replica) -> dict:
+    """runtime/replicas.py refuses a tensor-parallel engine whose ranks sized their KV pools differently."""
+    from types import SimpleNamespace
+
+    from mstar.runtime.replicas import _check_same_kv_pool
+
+    out = {}
+    _check_same_kv_pool("thinker", SimpleNamespace(pool=SimpleNamespace(num_pages=64)), replica)  # equal: fine
+    try:
+        _check_same_kv_pool("thinker", SimpleNamespace(pool=SimpleNamespace(num_pages=64 + replica.index)), replica)
+    except ValueError as exc:
+        out["kv_pool_error"] = str(exc)
+    return out
+
+
 def _checks(replica, device) -> dict:
-    out = _attention_checks(replica)
+    out = {**_attention_checks(replica), **_kv_pool_checks(replica)}
     for name, spec in SPECS.items():
         whole = _whole(spec)
         shard = ExpertShard(replica.index, replica.size, spec.num_experts, replica.group)
@@ -98,6 +114,11 @@ def test_two_ranks_give_the_whole_block(ranks, name):
     for result in ranks:
         assert result[f"{name}_scale"] > 0.1  # a real output, not zeros
         assert result[name] < 1e-5, result
+
+
+def test_ranks_with_kv_pools_of_two_sizes_are_refused(ranks):
+    for result in ranks:
+        assert "sized their KV pools at [64, 65] pages; set kv_cache.max_num_pages" in result["kv_pool_error"]
 
 
 def test_head_shard_slices_and_checks():
