@@ -29,11 +29,13 @@ def _serve(folder, config) -> tuple[list[list[int]], torch.Tensor]:
     return [text, spoken_text], audio
 
 
-def test_tensor_parallel_thinker_serves_the_same_answers(tmp_path):
+@pytest.mark.parametrize("split_attention", [True, False])  # model_kwargs.thinker_tp_attention
+def test_tensor_parallel_thinker_serves_the_same_answers(tmp_path, split_attention):
     make_reference(tmp_path)
     one = {**runtime_config(dtype="float32"), "device": "cpu"}
     layout = load_config(ROOT / "configs" / "qwen3_omni_2gpu_tp.yaml").node_groups
-    two = {**one, "node_groups": [dataclasses.asdict(group) for group in layout]}
+    two = {**runtime_config(dtype="float32", thinker_tp_attention=split_attention), "device": "cpu",
+           "node_groups": [dataclasses.asdict(group) for group in layout]}
     assert two["node_groups"][0]["tp_size"] == 2
     want_texts, want_audio = _serve(tmp_path, one)
     got_texts, got_audio = _serve(tmp_path, two)

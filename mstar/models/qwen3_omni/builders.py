@@ -53,10 +53,11 @@ def _thinker(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype
 
     tp = current_tensor_parallel()  # one rank's share of a tensor-parallel replica, or None
     if ckpt.root is None:
-        module = build_thinker(ckpt.omni.thinker, dtype, device, tp)
+        module = build_thinker(ckpt.omni.thinker, dtype, device, tp, cfg.thinker_tp_attention)
         _fill_dummy(module, cfg, 1)
     else:
-        module = load_thinker(ckpt.root, ckpt.load_format, dtype, device, tp=tp)
+        module = load_thinker(ckpt.root, ckpt.load_format, dtype, device, tp=tp,
+                              split_attention=cfg.thinker_tp_attention)
     if ckpt.omni.talker is not None:  # a spoken answer's decode steps return these (engine decode graphs)
         module.graph_hidden_layers = (0, ckpt.omni.talker.accept_hidden_layer)
     eos = (ckpt.omni.token_ids["im_end"],)  # the reference's thinker_eos_token_id

@@ -19,11 +19,13 @@ from mstar.models.qwen3_omni.config import MoETextConfig
 class MoEDecoderLayer(nn.Module):
     """Pre-norm residual block: qk-normed GQA attention, then a sparse MoE (or dense MLP) block.
 
-    With `tp` (rank `tp.index` of `tp.size`), the attention holds this rank's share of the heads and the
-    MoE block its share of the experts, each summed over the group by one all-reduce; a dense MLP runs
-    whole on every rank. The residual stream is the same on every rank."""
+    With `tp` (rank `tp.index` of `tp.size`), the MoE block holds this rank's share of the experts and,
+    with `split_attention`, the attention its share of the heads, each summed over the group by one
+    all-reduce; otherwise attention and a dense MLP run whole on every rank. The residual stream is the
+    same on every rank."""
 
-    def __init__(self, config: MoETextConfig, layer_idx: int, sparse: bool, tp: HeadShard | None = None) -> None:
+    def __init__(self, config: MoETextConfig, layer_idx: int, sparse: bool, tp: HeadShard | None = None,
+                 split_attention: bool = True) -> None:
         super().__init__()
         spec = AttentionSpec(
             hidden_size=config.hidden_size, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
@@ -31,7 +33,7 @@ class MoEDecoderLayer(nn.Module):
             qk_norm=True, norm_eps=config.rms_norm_eps,
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(spec, layer_idx, tp)
+        self.self_attn = SelfAttention(spec, layer_idx, tp if split_attention else None)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if sparse:
             moe = config.moe_spec()

@@ -79,6 +79,10 @@ class OmniServeConfig:
     code2wav_autotune: bool = False  # cuDNN times its algorithms for Code2Wav's graph shapes at start
     video_fps: float = 2.0  # frames a second sampled from input videos
     seed: int = 0  # of dummy / tiny random weights
+    # with the thinker tensor-parallel (tp_size > 1): split its attention heads over the ranks too (one
+    # more all-reduce a layer, half the attention weights and KV read per rank); False: every rank runs
+    # whole attention with a whole KV cache and only the experts are split
+    thinker_tp_attention: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in _DTYPES:

@@ -29,11 +29,12 @@ DEEPSTACK = "deepstack_embeds"  # item input: deepstack visual features, [m, num
 class ThinkerBody(nn.Module):
     """Embedding, decoder layers and final norm (the `thinker.model.` prefix of the checkpoint)."""
 
-    def __init__(self, config: ThinkerConfig, tp: HeadShard | None = None) -> None:
+    def __init__(self, config: ThinkerConfig, tp: HeadShard | None = None, split_attention: bool = True) -> None:
         super().__init__()
         text = config.text
         self.embed_tokens = nn.Embedding(text.vocab_size, text.hidden_size)
-        self.layers = nn.ModuleList(MoEDecoderLayer(text, i, text.is_sparse(i), tp) for i in range(text.num_layers))
+        self.layers = nn.ModuleList(MoEDecoderLayer(text, i, text.is_sparse(i), tp, split_attention)
+                                    for i in range(text.num_layers))
         self.norm = RMSNorm(text.hidden_size, text.rms_norm_eps)
 
 
@@ -41,20 +42,21 @@ class Qwen3OmniThinker(MoEGraphCapture, nn.Module):
     """`forward` -> final hidden [T, H]; `compute_logits` -> float32 [N, vocab].
 
     With `tp` the thinker is one rank of a tensor-parallel group (`decoder.MoEDecoderLayer`): its share
-    of every layer's heads (and of the KV cache: `kv_layout` counts its KV heads) and experts; the
-    embedding, norms, routers and head are whole on every rank, and so are its outputs."""
+    of every layer's experts and, with `split_attention`, heads (and of the KV cache: `kv_layout` counts
+    its KV heads); the embedding, norms, routers and head are whole on every rank, and so are its outputs."""
 
     accepts_extras = True
     multirow_positions = True  # positions may be [3, T] (M-RoPE)
     token_features = (DEEPSTACK,)
 
-    def __init__(self, config: ThinkerConfig, tp: HeadShard | None = None) -> None:
+    def __init__(self, config: ThinkerConfig, tp: HeadShard | None = None, split_attention: bool = True) -> None:
         super().__init__()
         self.config = config
         self.tp = tp
+        self.split_attention = tp is not None and split_attention  # heads split over the ranks
         text = config.text
         self.kv_layout = KVLayout(text.num_layers, self.local_kv_heads, text.head_dim, text.dtype)
-        self.model = ThinkerBody(config, tp)
+        self.model = ThinkerBody(config, tp, split_attention)
         self.rotary = MRotaryEmbedding(text.rope)
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.hidden_size = text.hidden_size
@@ -66,7 +68,7 @@ class Qwen3OmniThinker(MoEGraphCapture, nn.Module):
     @property
     def local_kv_heads(self) -> int:
         """KV heads this rank caches (all of them without tensor parallelism)."""
-        return self.config.text.num_kv_heads // (self.tp.size if self.tp is not None else 1)
+        return self.config.text.num_kv_heads // (self.tp.size if self.split_attention else 1)
 
     def tie_weights(self) -> None:
         """Share the embedding with the output head when the config says so (idempotent)."""
@@ -97,12 +99,12 @@ class Qwen3OmniThinker(MoEGraphCapture, nn.Module):
         return self.lm_head(hidden).float()
 
 
-def build_thinker(config: ThinkerConfig, dtype: torch.dtype | None = None,
-                  device: str | torch.device = "cpu", tp: HeadShard | None = None) -> Qwen3OmniThinker:
+def build_thinker(config: ThinkerConfig, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+                  tp: HeadShard | None = None, split_attention: bool = True) -> Qwen3OmniThinker:
     """A thinker in `dtype` (the config's by default) on `device` with UNINITIALISED weights (with `tp`,
     one rank's share); load next."""
     dtype = dtype or config.text.dtype
-    model = build_on_meta(lambda: Qwen3OmniThinker(config, tp), dtype, device)
+    model = build_on_meta(lambda: Qwen3OmniThinker(config, tp, split_attention), dtype, device)
     assert isinstance(model, Qwen3OmniThinker)
     model.tie_weights()
     t = config.text

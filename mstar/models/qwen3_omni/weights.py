@@ -33,15 +33,19 @@ _THINKER_SKIP = ("audio_tower.", "visual.")
 _TALKER_SKIP = ("code_predictor.",)
 
 
-def _decoder_mapper(text: MoETextConfig, tp: HeadShard | None = None) -> Callable[[str], tuple]:
-    """Names inside one decoder (thinker or talker), prefix already stripped; with `tp`, one rank's share."""
+def _decoder_mapper(text: MoETextConfig, tp: HeadShard | None = None, split_attention: bool = True
+                    ) -> Callable[[str], tuple]:
+    """Names inside one decoder (thinker or talker), prefix already stripped; with `tp`, one rank's share
+    (its experts, and with `split_attention` its heads)."""
     q, kv, i_moe = text.num_heads * text.head_dim, text.num_kv_heads * text.head_dim, text.moe_intermediate_size
     dense = {"gate": (0, text.intermediate_size), "up": (text.intermediate_size, 2 * text.intermediate_size)}
     shared = {"gate": (0, text.shared_expert_intermediate_size),
               "up": (text.shared_expert_intermediate_size, 2 * text.shared_expert_intermediate_size)}
     attn = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
     index, size = (tp.index, tp.size) if tp is not None else (0, 1)
-    part_q, part_kv, experts = q // size, kv // size, text.num_experts // size
+    heads_split = tp is not None and split_attention
+    experts = text.num_experts // size
+    part_q, part_kv = (q // size, kv // size) if heads_split else (q, kv)
     first = index * experts
     # with tp: where each of q/k/v lands in this rank's fused qkv, and which of its rows this rank takes
     local_attn = {"q_proj": (0, part_q, index * part_q), "k_proj": (part_q, part_q + part_kv, index * part_kv),
@@ -61,11 +65,11 @@ def _decoder_mapper(text: MoETextConfig, tp: HeadShard | None = None) -> Callabl
             return name, (), (slice(first, first + experts),)  # stacked (transformers 5 layout)
         for part, (lo, hi) in attn.items():
             if f".self_attn.{part}." in name:
-                if tp is None:
+                if not heads_split:
                     return name.replace(part, "qkv_proj"), (slice(lo, hi),)
                 dst_lo, dst_hi, src = local_attn[part]
                 return name.replace(part, "qkv_proj"), (slice(dst_lo, dst_hi),), (slice(src, src + dst_hi - dst_lo),)
-        if tp is not None and name.endswith(".self_attn.o_proj.weight"):
+        if heads_split and name.endswith(".self_attn.o_proj.weight"):
             return name, (), (slice(None), slice(index * part_q, (index + 1) * part_q))
         for owner, table in ((".mlp.shared_expert.", shared), (".mlp.", dense)):
             for which, (lo, hi) in table.items():
@@ -79,7 +83,7 @@ def _decoder_mapper(text: MoETextConfig, tp: HeadShard | None = None) -> Callabl
 def thinker_mapper(model: Qwen3OmniThinker) -> Mapper:
     """Maps `thinker.model.*` / `thinker.lm_head.*` (or the same without `thinker.`) to the thinker (one
     rank's share of it when it is tensor-parallel)."""
-    inner = _decoder_mapper(model.config.text, model.tp)
+    inner = _decoder_mapper(model.config.text, model.tp, model.split_attention)
 
     def mapper(name: str) -> tuple | None:
         if name.startswith(("talker.", "code2wav.")):
@@ -107,11 +111,12 @@ def talker_mapper(model: Qwen3OmniTalker) -> Mapper:
 
 
 def load_thinker(path: str | Path, load_format: str = "auto", dtype: torch.dtype | None = None,
-                 device: str | torch.device = "cpu", progress: bool = True, tp: HeadShard | None = None) -> Qwen3OmniThinker:
+                 device: str | torch.device = "cpu", progress: bool = True, tp: HeadShard | None = None,
+                 split_attention: bool = True) -> Qwen3OmniThinker:
     """The thinker text model of a checkpoint folder or Hub id (`load_format="dummy"`: random weights);
-    with `tp`, that rank's share of it."""
+    with `tp`, that rank's share of it (heads too with `split_attention`)."""
     root = loading.resolve_checkpoint(path)
-    model = build_thinker(OmniConfig.from_path(root).thinker, dtype, device, tp)
+    model = build_thinker(OmniConfig.from_path(root).thinker, dtype, device, tp, split_attention)
     _fill(model, root, load_format, thinker_mapper(model), progress)
     return model
 
