@@ -104,7 +104,8 @@ def _check_parallel(group: Any, graph: ModelGraph, node_components: dict[tuple[s
     if group.tp_size > 1 and group.sp_size > 1:
         raise PlacementError(f"{where}: tp_size={group.tp_size} with sp_size={group.sp_size}: a replica is "
                              "tensor- or sequence-parallel, not both, today")
-    for size, flag, kind in ((group.tp_size, "tensor_parallel", "tensor"), (group.sp_size, "sequence_parallel", "sequence")):
+    for size, key, flag, kind in ((group.tp_size, "tp_size", "tensor_parallel", "tensor"),
+                                  (group.sp_size, "sp_size", "sequence_parallel", "sequence")):
         if size == 1:
             continue
         for name in group.node_names:
@@ -112,7 +113,6 @@ def _check_parallel(group: Any, graph: ModelGraph, node_components: dict[tuple[s
             for component in sorted(components):
                 if not getattr(graph.components[component], flag):
                     supported = sorted(c for c, spec in graph.components.items() if getattr(spec, flag))
-                    key = "tp_size" if kind == "tensor" else "sp_size"
                     raise PlacementError(
                         f"{where}: {key}={size}, but component {component!r} does not support {kind} "
                         f"parallelism (components that do: {supported or 'none'}); move {name!r} to a group "

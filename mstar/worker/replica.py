@@ -10,7 +10,7 @@ collective until the group's timeout, which then fails the step.
 An autoregressive engine keeps state (sequences, KV pages, its scheduler), so a tensor-parallel replica
 of one is kept in lockstep at the engine's seam instead: on the lead, `LeadEngine` notes every release
 and submitted item and, before each step, sends them (`wire.ReplicaEngineStep`); a follower's engine
-takes the same releases and items in the same order and steps once (`follow_engine_step`), so its
+takes the same releases and items in the same order and steps once (`FollowerEngine.follow`), so its
 scheduler picks the same chunks and its sampling (seeded per request: `AutoregressiveEngine.
 seed_per_request`) the same tokens and stops. A follower's engine (`FollowerEngine`) is stepped only
 so, never by its worker's own loop.
@@ -36,6 +36,12 @@ def run_component_step(module: Any, items: Sequence[StepItem]) -> list[dict]:
     return module.run_batch(head.walk, head.node, [i.inputs for i in items], [i.options for i in items])
 
 
+def replica_items(items: Sequence[StepItem], pack: Callable[[Any], Any]) -> list[wire.ReplicaItem]:
+    """`items` as a replica message carries them, their tensors packed (`follower_items` undoes it)."""
+    return [wire.ReplicaItem(i.request_id, i.walk, i.node, i.iteration, {k: pack(v) for k, v in i.inputs.items()},
+                             i.options) for i in items]
+
+
 class LeadModule:
     """A component module on a replica's lead rank: same calls, but every batch goes to the followers first.
 
@@ -54,10 +60,7 @@ class LeadModule:
 
     def run_items(self, items: list[StepItem]) -> list[dict]:
         for rank in self.followers:  # packed per follower: a payload is consumed by one reader
-            msg_items = [wire.ReplicaItem(i.request_id, i.walk, i.node, i.iteration,
-                                          {k: self._pack(v) for k, v in i.inputs.items()}, i.options)
-                         for i in items]
-            self._send(rank, wire.ReplicaStep(self.component, msg_items))
+            self._send(rank, wire.ReplicaStep(self.component, replica_items(items, self._pack)))
         return run_component_step(self.module, items)
 
     def release(self, request_id: str) -> None:
@@ -95,10 +98,7 @@ class LeadEngine:
     def step(self) -> list:
         items, releases, self._items, self._releases = self._items, self._releases, [], []
         for rank in self.followers:  # packed per follower: a payload is consumed by one reader
-            msg_items = [wire.ReplicaItem(i.request_id, i.walk, i.node, i.iteration,
-                                          {k: self._pack(v) for k, v in i.inputs.items()}, i.options)
-                         for i in items]
-            self._send(rank, wire.ReplicaEngineStep(self.component, releases, msg_items))
+            self._send(rank, wire.ReplicaEngineStep(self.component, releases, replica_items(items, self._pack)))
         return self.engine.step()
 
     def has_work(self) -> bool:

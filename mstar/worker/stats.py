@@ -5,14 +5,19 @@ the worker builds one `WorkerStats` message and sends it to the conductor only i
 the last one sent, so an idle worker sends nothing. A worker that turns busy or idle also sends at
 once (at most every `MIN_GAP_S`): otherwise a burst shorter than the interval would never show, and
 /metrics would read idle, with no steps counted, while the burst ran and just after it.
+
+`stall_dump` (MSTAR_STALL_DUMP_S) watches a step's time the other way: one that runs too long writes
+every thread's stack.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from mstar.transport import wire
@@ -98,3 +103,15 @@ class StatsReporter:
             components.append(wire.ComponentStats(name, gauges, h.steps, h.seconds_sum, list(h.seconds_buckets),
                                                   h.items_sum, list(h.size_buckets)))
         return wire.WorkerStats(self.rank, components)
+
+
+@contextmanager
+def stall_dump(seconds: float) -> Iterator[None]:
+    """If the block runs longer than `seconds`, every thread's stack goes to stderr (once), from
+    faulthandler's own thread: it works while this one is blocked in C (a GPU wait). faulthandler keeps
+    one such timer per process: with several in-process workers one's step may cancel another's."""
+    faulthandler.dump_traceback_later(seconds, repeat=False, exit=False)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()

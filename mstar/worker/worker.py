@@ -12,11 +12,8 @@ sections, nodes run for another worker) takes the generic route.
 
 from __future__ import annotations
 
-import faulthandler
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -31,7 +28,7 @@ from mstar.transport import wire
 from mstar.transport.messages import discard_message
 from mstar.worker.outputs import BatchingOutbox
 from mstar.worker.replica import follower_items, run_component_step
-from mstar.worker.stats import StatsReporter
+from mstar.worker.stats import StatsReporter, stall_dump
 from mstar.worker.streams import END, StreamBuffer
 from mstar.worker.walk_run import NodeCall, Outcome, WalkRun
 
@@ -185,7 +182,10 @@ class Worker:
                 continue
             try:
                 started = time.perf_counter()
-                with stall_dump(self.stall_dump_s) if self.stall_dump_s else nullcontext():
+                if self.stall_dump_s:  # off: no context manager on the per-step path
+                    with stall_dump(self.stall_dump_s):
+                        results = engine.step()
+                else:
                     results = engine.step()
                 self.stats.record(component, time.perf_counter() - started,
                                   getattr(engine, "last_step_items", len(results)))
@@ -495,15 +495,3 @@ class Worker:
         """Per-request entries held (for leak tests)."""
         return (len(self._runs) + len(self._remote) + len(self._buffers) + len(self._blocked)
                 + len(self._final_chunks) + len(self._scoped))
-
-
-@contextmanager
-def stall_dump(seconds: float) -> Iterator[None]:
-    """If the block runs longer than `seconds`, every thread's stack goes to stderr (once), from
-    faulthandler's own thread: it works while this one is blocked in C (a GPU wait). faulthandler keeps
-    one such timer per process: with several in-process workers one's step may cancel another's."""
-    faulthandler.dump_traceback_later(seconds, repeat=False, exit=False)
-    try:
-        yield
-    finally:
-        faulthandler.cancel_dump_traceback_later()

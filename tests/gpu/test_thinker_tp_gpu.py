@@ -11,20 +11,13 @@ from functools import partial
 
 import pytest
 import torch
-import torch.nn.functional as F
 from sp_testing import run_ranks
 
 from tests.models.qwen3_omni_model_testing import PROMPT, make_reference
+from tests.models.qwen3_omni_testing import FullAttention
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-
-
-class _CausalBackend:
-    def forward(self, layer_idx, q, k, v):
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             is_causal=True, enable_gqa=True)
-        return out.transpose(0, 1)
 
 
 def _compare(replica, device, folder) -> dict:
@@ -37,16 +30,16 @@ def _compare(replica, device, folder) -> dict:
     ids = torch.tensor(PROMPT, device=device)
     positions = torch.arange(len(PROMPT), device=device).expand(3, -1)
     with torch.inference_mode():
-        want = whole.compute_logits(whole(ids, positions, _CausalBackend()))
-        got = part.compute_logits(part(ids, positions, _CausalBackend()))
+        want = whole.compute_logits(whole(ids, positions, FullAttention()))
+        got = part.compute_logits(part(ids, positions, FullAttention()))
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            part(ids, positions, _CausalBackend())  # warm up on the side stream before capture
+            part(ids, positions, FullAttention())  # warm up on the side stream before capture
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = part.compute_logits(part(ids, positions, _CausalBackend()))
+            captured = part.compute_logits(part(ids, positions, FullAttention()))
         graph.replay()
         torch.cuda.synchronize(device)
     return {"logits": (got - want).abs().max().item(), "scale": want.abs().max().item(),

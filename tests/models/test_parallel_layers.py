@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from sp_testing import run_ranks
 
 from mstar.layers.attention import AttentionSpec, HeadShard, SelfAttention
 from mstar.layers.moe import ExpertShard, MoESpec, SparseMoE
+from tests.models.qwen3_omni_testing import FullAttention
 
 ATTENTION = {"qwen3": AttentionSpec(hidden_size=24, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True),
              "qkv_bias": AttentionSpec(hidden_size=24, num_heads=4, num_kv_heads=2, head_dim=6, qkv_bias=True)}
@@ -33,15 +33,6 @@ def _whole(spec: MoESpec) -> SparseMoE:
     return _randomized(SparseMoE(spec))
 
 
-class _CausalBackend:
-    """What SelfAttention needs of an attention backend: causal attention over the step's T tokens."""
-
-    def forward(self, layer_idx, q, k, v):  # [T, H, D], [T, Hkv, D] -> [T, H, D]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             is_causal=True, enable_gqa=True)
-        return out.transpose(0, 1)
-
-
 def _attention_checks(replica) -> dict:
     out = {}
     gen = torch.Generator().manual_seed(3)
@@ -59,8 +50,8 @@ def _attention_checks(replica) -> dict:
         angles = torch.randn(5, spec.head_dim // 2, generator=gen)
         cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
         with torch.no_grad():
-            want = whole(x, cos, sin, _CausalBackend())
-            out[f"attention_{name}"] = (part(x, cos, sin, _CausalBackend()) - want).abs().max().item()
+            want = whole(x, cos, sin, FullAttention())
+            out[f"attention_{name}"] = (part(x, cos, sin, FullAttention()) - want).abs().max().item()
             out[f"attention_{name}_scale"] = want.abs().max().item()
     return out
 

@@ -10,21 +10,12 @@ from functools import partial
 
 import pytest
 import torch
-import torch.nn.functional as F
 from sp_testing import run_ranks
 
 from tests.models.qwen3_omni_model_testing import PROMPT, make_reference
+from tests.models.qwen3_omni_testing import FullAttention
 
 pytest.importorskip("transformers")
-
-
-class _CausalBackend:
-    """The attention a prefill of the whole prompt needs: causal over the step's tokens, no cache."""
-
-    def forward(self, layer_idx, q, k, v):
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             is_causal=True, enable_gqa=True)
-        return out.transpose(0, 1)
 
 
 def _compare(replica, device, folder) -> dict:
@@ -35,14 +26,14 @@ def _compare(replica, device, folder) -> dict:
     ids = torch.tensor(PROMPT)
     positions = torch.arange(len(PROMPT)).expand(3, -1)
     with torch.no_grad():
-        want = whole(ids, positions, _CausalBackend())
+        want = whole(ids, positions, FullAttention())
         logits_w = whole.compute_logits(want)
     out = {}
     for mode, split in (("heads_and_experts", True), ("experts_only", False)):
         part = load_thinker(folder, dtype=torch.float32, progress=False,
                             tp=HeadShard(replica.index, replica.size, replica.group), split_attention=split)
         with torch.no_grad():
-            got = part(ids, positions, _CausalBackend())
+            got = part(ids, positions, FullAttention())
             logits_g = part.compute_logits(got)
         out[mode] = {"hidden": (got - want).abs().max().item(), "scale": want.abs().max().item(),
                      "logits": (logits_g - logits_w).abs().max().item(),

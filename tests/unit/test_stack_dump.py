@@ -9,6 +9,13 @@ import pytest
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1 here")
 
 
+def _python(code: str) -> subprocess.CompletedProcess:
+    """`code` run by a fresh interpreter, which must exit 0; its stdout and stderr."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
 def test_sigusr1_dumps_stacks_and_the_process_goes_on():
     code = ("import os, signal\n"
             "from mstar.runtime.process import stacks_on_sigusr1\n"
@@ -17,8 +24,7 @@ def test_sigusr1_dumps_stacks_and_the_process_goes_on():
             "stacks_on_sigusr1()\n"
             "waiting_here()\n"
             "print('still running')\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
+    done = _python(code)
     assert "still running" in done.stdout
     assert "waiting_here" in done.stderr  # the frame that was running when the signal came
 
@@ -36,6 +42,5 @@ def test_a_server_passes_sigusr1_on_to_its_workers():
             "    time.sleep(0.5)\n"
             "server_serving()\n"
             "child.wait(timeout=30)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
+    done = _python(code)
     assert "server_serving" in done.stderr and "worker_waiting" in done.stderr  # both wrote their stacks

@@ -1,4 +1,4 @@
-"""MSTAR_STALL_DUMP_S (mstar.worker.worker.stall_dump): a step running past the limit writes every
+"""MSTAR_STALL_DUMP_S (mstar.worker.stats.stall_dump): a step running past the limit writes every
 thread's stack to stderr; one that ends in time writes nothing."""
 
 import time
@@ -6,7 +6,7 @@ import time
 import pytest
 
 from mstar import envs
-from mstar.worker.worker import stall_dump
+from mstar.worker.stats import stall_dump
 
 
 def test_a_step_past_the_limit_dumps_the_stacks(capfd):
