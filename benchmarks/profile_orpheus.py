@@ -12,6 +12,7 @@ the same way (CUDA events around graph launches), a lower bound of the time the 
     python3 benchmarks/profile_orpheus.py                # H200, Orpheus-3B dummy weights (<= 90 s)
     python3 benchmarks/profile_orpheus.py --quick        # CPU, tiny Orpheus (smoke)
     python3 benchmarks/profile_orpheus.py --kernels 25   # also: the 25 costliest GPU kernels per LM step
+    python3 benchmarks/profile_orpheus.py --no-vocoder   # the LM alone: what the vocoder's GPU work costs it
 
 With `--kernels N`, each case then runs once more (150 tokens per request) under torch.profiler and
 lists the N kernels (inside CUDA graphs too) with the most GPU time per LM step, so the GPU time of a
@@ -183,6 +184,8 @@ def main() -> None:
                         help="also list the N costliest GPU kernels per LM step (torch.profiler, CUDA only)")
     parser.add_argument("--model-kwargs", type=json.loads, default={}, metavar="JSON",
                         help='Orpheus model_kwargs, e.g. \'{"audio_logits_only": false}\'')
+    parser.add_argument("--no-vocoder", action="store_true",
+                        help="the vocoder emits nothing and runs no SNAC decode: the LM's step without it")
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/profile_orpheus*.json)")
     args = parser.parse_args()
     from mstar.runtime.offline import MStar
@@ -191,6 +194,10 @@ def main() -> None:
     tokens = args.tokens or (40 if args.quick else 600)
     rec = Recorder(cuda=device == "cuda")
     install(rec)
+    if args.no_vocoder:
+        from mstar.models.orpheus.vocoder import OrpheusVocoder
+
+        OrpheusVocoder.run_batch = lambda self, walk, node, inputs, options: [{} for _ in inputs]
     cfg = {"model": "orpheus", "device": device, "max_concurrent_requests": max(args.concurrency),
            "node_groups": [{"node_names": ["llm", "snac"], "ranks": [0]}], "model_kwargs": args.model_kwargs}
     cases = {}

@@ -90,16 +90,24 @@ class OrpheusVocoder(nn.Module):
         self.graphs: dict[int, Any] = {}  # frames -> BatchGraphs of decode_windows, once captured on CUDA
 
     def capture_graphs(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
-                       frames: tuple[int, ...] = (WINDOW_FRAMES, EARLY_FRAMES)) -> None:
+                       frames: tuple[int, ...] = (WINDOW_FRAMES, EARLY_FRAMES), autotune: bool = False) -> None:
         """Capture `decode_windows` for windows of each of `frames` whole frames (steady-state 4-frame
         windows and the 2-frame early window) at these batch sizes (CUDA only).
 
         The decoder is hundreds of small convolution kernels: replaying them as one graph keeps the
-        vocoder from stalling the worker that also runs the LM.
+        vocoder from stalling the worker that also runs the LM. `autotune`: every shape is first decoded
+        with cudnn.benchmark on, so cuDNN times its algorithms and the capture takes the fastest from its
+        plan cache (`engines.cuda_graphs.cudnn_autotune`).
         """
-        from mstar.engines.cuda_graphs import BatchGraphs
+        from mstar.engines.cuda_graphs import BatchGraphs, cudnn_autotune
 
         device = self.noise_table.device
+        if autotune:
+            with cudnn_autotune(), torch.inference_mode():
+                for n in frames:
+                    for size in sorted(set(sizes)):
+                        self.decode_windows(torch.zeros((size, FRAME * n), dtype=torch.long, device=device),
+                                            torch.zeros(size, dtype=torch.long, device=device))
         for n in frames:
             example = [((FRAME * n,), torch.long), ((), torch.long)]
             self.graphs[n] = BatchGraphs(self.decode_windows, sizes, example, device)
