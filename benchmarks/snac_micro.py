@@ -2,11 +2,11 @@
 
 For each batch size, the graph of `OrpheusVocoder.decode_windows` (full-size SNAC 24 kHz, random
 weights, float32 as served) is replayed `--replays` times between two CUDA events; the figure is
-microseconds per replay, with and without cuDNN's algorithm search before capture
-(`model_kwargs.vocoder_autotune`). `--kernels` also counts the kernels of one replay and lists the
+microseconds per replay, with the fused SNAC kernels (`kernels/snac_ops.py`, as served) and in
+PyTorch's form (`--form torch`). `--kernels` also counts the kernels of one replay and lists the
 costliest, from torch.profiler.
 
-    python3 benchmarks/snac_micro.py                          # H200: batches 1 4 8 16, autotune off and on
+    python3 benchmarks/snac_micro.py                          # H200: batches 1 4 8 16, both forms
     python3 benchmarks/snac_micro.py --batch 1 --kernels 12   # where one window's time goes
 """
 
@@ -24,16 +24,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mstar.layers.fused import fused_kernels  # noqa: E402
 from mstar.models.orpheus.snac import SnacConfig  # noqa: E402
 from mstar.models.orpheus.tokens import FRAME, OrpheusTokens  # noqa: E402
 from mstar.models.orpheus.vocoder import WINDOW_FRAMES, OrpheusVocoder  # noqa: E402
 from mstar.models.orpheus.weights import load_snac  # noqa: E402
 
 
-def build(autotune: bool, sizes: tuple[int, ...], device: torch.device) -> OrpheusVocoder:
+def build(fused: bool, sizes: tuple[int, ...], device: torch.device) -> OrpheusVocoder:
     tokens = OrpheusTokens()
     vocoder = OrpheusVocoder(load_snac(SnacConfig(), None, device), tokens).to(device)
-    vocoder.capture_graphs(sizes, frames=(WINDOW_FRAMES,), autotune=autotune)
+    with fused_kernels(fused):
+        vocoder.capture_graphs(sizes, frames=(WINDOW_FRAMES,))
     return vocoder
 
 
@@ -84,7 +86,7 @@ def kernels(vocoder: OrpheusVocoder, batch: int, top: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16])
-    parser.add_argument("--autotune", choices=["off", "on", "both"], default="both")
+    parser.add_argument("--form", choices=["fused", "torch", "both"], default="both")
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--kernels", type=int, default=0, metavar="N", help="also list one replay's N costliest kernels")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/snac_micro_h200.json"))
@@ -92,13 +94,13 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("snac_micro.py needs a CUDA device")
     device = torch.device("cuda")
-    modes = {"off": [False], "on": [True], "both": [False, True]}[args.autotune]
+    modes = {"torch": [False], "fused": [True], "both": [False, True]}[args.form]
     sizes = tuple(sorted(set(args.batch)))
     results = {}
-    for autotune in modes:
+    for fused in modes:
         started = time.perf_counter()
-        vocoder = build(autotune, sizes, device)
-        name = "autotune" if autotune else "heuristic"
+        vocoder = build(fused, sizes, device)
+        name = "fused" if fused else "torch"
         entry = {"build_s": round(time.perf_counter() - started, 1), "us_per_replay": {}}
         for b in sizes:
             entry["us_per_replay"][b] = round(time_replays(vocoder, b, args.replays), 1)

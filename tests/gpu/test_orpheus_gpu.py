@@ -113,3 +113,34 @@ def test_snac_snake_kernel_equals_the_torch_form(cuda):
     with fused_kernels(False):
         reference = module(x)
     torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_snac_kernels_equal_the_torch_form_on_cuda(cuda):
+    """Full-size SNAC (random weights): the fused kernels' window decode equals PyTorch's form (float32,
+    TF32 off so both run the same convolution math), and under a CUDA graph too."""
+    from mstar.engines.cuda_graphs import BatchGraphs
+    from mstar.layers.fused import fused_kernels
+    from mstar.models.orpheus.snac import SnacConfig
+    from mstar.models.orpheus.tokens import FRAME, OrpheusTokens
+    from mstar.models.orpheus.vocoder import OrpheusVocoder
+    from mstar.models.orpheus.weights import load_snac
+
+    vocoder = OrpheusVocoder(load_snac(SnacConfig(), None, cuda), OrpheusTokens()).to(cuda)
+    gen = torch.Generator(device=cuda).manual_seed(2)
+    codes = torch.randint(0, 4096, (4, 4, FRAME), device=cuda, generator=gen)
+    ids = (codes + vocoder.tokens.audio_offset + torch.arange(FRAME, device=cuda) * 4096).reshape(4, -1)
+    first = torch.tensor([0, 9, 77, 250000], device=cuda)
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        fused = vocoder.decode_windows(ids, first)
+        with fused_kernels(False):
+            reference = vocoder.decode_windows(ids, first)
+        graphs = BatchGraphs(vocoder.decode_windows, (4,), [((4 * FRAME,), torch.long), ((), torch.long)], cuda)
+        (replayed,) = graphs(ids, first)
+        torch.cuda.synchronize()
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+    assert fused.shape == reference.shape == (4, 4 * 2048)
+    assert (fused - reference).abs().max().item() < 1e-4
+    assert torch.equal(replayed, fused)

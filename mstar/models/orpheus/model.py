@@ -60,7 +60,6 @@ class OrpheusConfig:
     max_batch_tokens: int = 2048
     enable_prefix_caching: bool = True
     vocoder_batch_size: int = 64  # windows decoded together at most
-    vocoder_autotune: bool = False  # cuDNN times its algorithms for the vocoder's graph shapes at start (CUDA)
     early_window: bool = True  # first audio from a 2-frame window at 14 tokens; False: after 28, as the original
     # the LM head reads only the end-of-speech and audio-token rows (28,680 of 156,940 at full size); other
     # ids are never sampled; False: the full head, as the original
@@ -223,8 +222,7 @@ class OrpheusModel(Model):
             vocoder = OrpheusVocoder(snac, self.tokens).to(device)
             if device.type == "cuda":  # captured during the build, before the worker reports ready
                 sizes = (1, 2, 4, 8, 16, 32, 64)
-                vocoder.capture_graphs(tuple(s for s in sizes if s <= self.config.vocoder_batch_size) or (1,),
-                                       autotune=self.config.vocoder_autotune)
+                vocoder.capture_graphs(tuple(s for s in sizes if s <= self.config.vocoder_batch_size) or (1,))
             return BuiltComponent(vocoder, {"max_batch_size": self.config.vocoder_batch_size})
         raise KeyError(f"orpheus has no component {name!r}; its components are 'llm' and 'snac'")
 

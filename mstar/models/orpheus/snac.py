@@ -4,6 +4,12 @@ Codes of three levels (strides 4, 2, 1 latent steps) are looked up in small code
 repeated to the latent rate and summed; a convolutional decoder (depthwise convs, Snake
 activations, transposed-conv upsampling, noise blocks) turns latents into samples. Module paths
 follow the `snac` package so its checkpoints load by name; the encoder is not built.
+
+On CUDA (fused kernels on) the layers take the fused forms of `mstar/kernels/snac_ops.py`: a residual
+unit is one depthwise kernel (both Snakes in it), its 1x1 conv and one bias + residual kernel; a
+transposed conv is a 1x1 conv to every tap and one fold kernel; noise is read from the vocoder's table
+inside the noise block's kernel; the last Snake, conv and tanh are one kernel; the quantizer is one
+lookup of codebooks projected once. The PyTorch form (CPU, or `fused_kernels(False)`) is the reference.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from mstar.layers.fused import FUSED
 
@@ -77,6 +84,53 @@ class SnacConfig:
         return out
 
 
+def _fused(x: torch.Tensor) -> bool:
+    """Whether x takes the fused kernels (a contiguous [B, C, T] tensor where fused kernels are on)."""
+    return x.dim() == 3 and x.is_contiguous() and FUSED.ops_for(x) is not None
+
+
+def _derived(module: nn.Module, sources: tuple[torch.Tensor, ...], make) -> torch.Tensor:
+    """`make()` computed once per value of `sources` (parameters) and kept on `module`: weights rearranged
+    for a fused kernel, recomputed if a parameter is loaded or changed in place."""
+    key = tuple((t.data_ptr(), t._version) for t in sources)
+    cached = module.__dict__.get("_derived_cache")
+    if cached is None or cached[0] != key:
+        with torch.no_grad():
+            cached = (key, make())
+        module.__dict__["_derived_cache"] = cached
+    return cached[1]
+
+
+@dataclass(frozen=True)
+class TableNoise:
+    """The noise of every decoder block read from fixed tables: block i's noise at time step t of a window
+    that starts at frame f is table[i][(f * steps[i] + t) % table.shape[1]] (vocoder.py draws the table)."""
+
+    table: torch.Tensor  # [blocks, N]
+    first_frame: torch.Tensor  # [B] long
+    steps: tuple[int, ...]  # time steps per frame at each block's output
+
+    def block(self, i: int) -> BlockNoise:
+        return BlockNoise(self.table[i], self.first_frame, self.steps[i])
+
+
+@dataclass(frozen=True)
+class BlockNoise:
+    """One decoder block's share of a TableNoise."""
+
+    table: torch.Tensor  # [N]
+    first_frame: torch.Tensor  # [B] long
+    steps: int
+
+    def tensor(self, length: int) -> torch.Tensor:
+        """The noise as a [B, 1, length] tensor (the PyTorch form)."""
+        pos = self.first_frame[:, None] * self.steps + torch.arange(length, device=self.first_frame.device)
+        return self.table[pos % self.table.shape[0]][:, None, :]
+
+
+Noise = torch.Tensor | BlockNoise | None
+
+
 class Snake(nn.Module):
     """x + sin(alpha x)^2 / alpha, per channel. On CUDA (fused kernels on, x contiguous) one Triton kernel
     (`kernels/snake.py`) in float32 instead of five elementwise passes."""
@@ -103,6 +157,12 @@ class ResidualUnit(nn.Module):
             Snake(dim), nn.Conv1d(dim, dim, 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        snake_in, conv, snake_out, project = self.block
+        if _fused(x) and conv.groups == conv.in_channels and conv.padding[0] == conv.dilation[0] * 3:
+            from mstar.kernels import snac_ops
+
+            z = snac_ops.depthwise(x, conv.weight, conv.bias, conv.dilation[0], snake_in.alpha, snake_out.alpha)
+            return snac_ops.bias_residual(x, F.conv1d(z, project.weight), project.bias)
         y = self.block(x)
         trim = (x.shape[-1] - y.shape[-1]) // 2
         return (x[..., trim:-trim] if trim > 0 else x) + y
@@ -115,7 +175,13 @@ class NoiseBlock(nn.Module):
         super().__init__()
         self.linear = nn.Conv1d(dim, dim, 1, bias=False)
 
-    def forward(self, x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, noise: Noise = None) -> torch.Tensor:
+        if isinstance(noise, BlockNoise):
+            if _fused(x):
+                from mstar.kernels import snac_ops
+
+                return snac_ops.table_noise(x, self.linear(x), noise.table, noise.first_frame, noise.steps)
+            noise = noise.tensor(x.shape[2])
         if noise is None:  # the reference draws (B, 1, T) from the global generator here
             noise = torch.randn((x.shape[0], 1, x.shape[2]), device=x.device, dtype=x.dtype)
         return x + noise * self.linear(x)
@@ -135,10 +201,24 @@ class DecoderBlock(nn.Module):
         layers += [ResidualUnit(dim_out, d, groups) for d in (1, 3, 9)]
         self.block = nn.Sequential(*layers)
 
-    def forward(self, x: torch.Tensor, noise: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, noise: Noise = None) -> torch.Tensor:
         for layer in self.block:
-            x = layer(x, noise) if isinstance(layer, NoiseBlock) else layer(x)
+            if isinstance(layer, NoiseBlock):
+                x = layer(x, noise)
+            elif isinstance(layer, nn.ConvTranspose1d) and _fused(x) and layer.kernel_size[0] == 2 * layer.stride[0]:
+                x = self._transposed(layer, x)
+            else:
+                x = layer(x)
         return x
+
+    @staticmethod
+    def _transposed(conv: nn.ConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
+        from mstar.kernels import snac_ops
+
+        stride, padding = conv.stride[0], conv.padding[0]
+        out_len = (x.shape[-1] - 1) * stride - 2 * padding + conv.kernel_size[0] + conv.output_padding[0]
+        weight = _derived(conv, (conv.weight,), lambda: snac_ops.transposed_gemm_weight(conv.weight))
+        return snac_ops.transposed_conv(x, weight, conv.bias, stride, padding, out_len)
 
 
 class Decoder(nn.Module):
@@ -157,12 +237,24 @@ class Decoder(nn.Module):
         layers += [Snake(out), nn.Conv1d(out, 1, 7, padding=3), nn.Tanh()]
         self.model = nn.Sequential(*layers)
 
-    def forward(self, x: torch.Tensor, noises: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, noises: list[torch.Tensor] | TableNoise | None = None) -> torch.Tensor:
         blocks = 0
-        for layer in self.model:
+        layers = list(self.model)
+        snake, conv, tanh = layers[-3:]
+        fused_tail = isinstance(snake, Snake) and conv.out_channels == 1 and conv.padding[0] == conv.kernel_size[0] // 2
+        for i, layer in enumerate(layers):
             if isinstance(layer, DecoderBlock):
-                x = layer(x, noises[blocks] if noises else None)
+                noise = noises.block(blocks) if isinstance(noises, TableNoise) else noises[blocks] if noises else None
+                x = layer(x, noise)
                 blocks += 1
+            elif i == len(layers) - 3 and fused_tail and _fused(x):
+                from mstar.kernels import snac_ops
+
+                return snac_ops.conv_out(x, snake.alpha, conv.weight, conv.bias)
+            elif i == 0 and isinstance(layer, nn.Conv1d) and layer.groups == layer.in_channels > 1 and _fused(x):
+                from mstar.kernels import snac_ops
+
+                x = snac_ops.depthwise(x, layer.weight, layer.bias)
             else:
                 x = layer(x)
         return x
@@ -186,11 +278,27 @@ class Quantizer(nn.Module):
         self.quantizers = nn.ModuleList(CodeProjection(cfg) for _ in self.strides)
 
     def forward(self, codes: list[torch.Tensor]) -> torch.Tensor:
+        if len(codes) == 3 and self.strides[2] == 1 and codes[0].dim() == 2 and FUSED.ops_for(codes[0]) is not None:
+            from mstar.kernels import snac_ops
+
+            return snac_ops.sum_codes([c.contiguous() for c in codes], self.tables(), self.strides)
         z = None
         for level, stride, c in zip(self.quantizers, self.strides, codes):
             part = level.out_proj(level.codebook(c).transpose(1, 2)).repeat_interleave(stride, dim=-1)
             z = part if z is None else z + part
         return z
+
+
+    def tables(self) -> list[torch.Tensor]:
+        """Each level's codebook through its projection, bias included: [codebook_size, latent] (derived
+        once from the weights, for `snac_ops.sum_codes`)."""
+        out = []
+        for level in self.quantizers:
+            def project(level=level) -> torch.Tensor:
+                book = level.codebook.weight.t()[None]  # [1, codebook_dim, codebook_size]
+                return level.out_proj(book)[0].t().contiguous()
+            out.append(_derived(level, (level.codebook.weight, level.out_proj.weight, level.out_proj.bias), project))
+        return out
 
 
 class SnacDecoder(nn.Module):
@@ -207,5 +315,5 @@ class SnacDecoder(nn.Module):
         self.quantizer = Quantizer(cfg)
         self.decoder = Decoder(cfg)
 
-    def forward(self, codes: list[torch.Tensor], noises: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, codes: list[torch.Tensor], noises: list[torch.Tensor] | TableNoise | None = None) -> torch.Tensor:
         return self.decoder(self.quantizer(codes), noises)

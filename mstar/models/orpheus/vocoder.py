@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from mstar.engines.cuda_graphs import to_device_async
-from mstar.models.orpheus.snac import SnacDecoder
+from mstar.models.orpheus.snac import SnacDecoder, TableNoise
 from mstar.models.orpheus.tokens import FRAME, OrpheusTokens, split_levels, valid_windows
 
 WINDOW_FRAMES = 4
@@ -90,43 +90,36 @@ class OrpheusVocoder(nn.Module):
         self.graphs: dict[int, Any] = {}  # frames -> BatchGraphs of decode_windows, once captured on CUDA
 
     def capture_graphs(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
-                       frames: tuple[int, ...] = (WINDOW_FRAMES, EARLY_FRAMES), autotune: bool = False) -> None:
+                       frames: tuple[int, ...] = (WINDOW_FRAMES, EARLY_FRAMES)) -> None:
         """Capture `decode_windows` for windows of each of `frames` whole frames (steady-state 4-frame
         windows and the 2-frame early window) at these batch sizes (CUDA only).
 
-        The decoder is hundreds of small convolution kernels: replaying them as one graph keeps the
-        vocoder from stalling the worker that also runs the LM. `autotune`: every shape is first decoded
-        with cudnn.benchmark on, so cuDNN times its algorithms and the capture takes the fastest from its
-        plan cache (`engines.cuda_graphs.cudnn_autotune`).
+        The decoder is a hundred-odd small kernels: replaying them as one graph keeps the vocoder from
+        stalling the worker that also runs the LM.
         """
-        from mstar.engines.cuda_graphs import BatchGraphs, cudnn_autotune
+        from mstar.engines.cuda_graphs import BatchGraphs
 
         device = self.noise_table.device
-        if autotune:
-            with cudnn_autotune(), torch.inference_mode():
-                for n in frames:
-                    for size in sorted(set(sizes)):
-                        self.decode_windows(torch.zeros((size, FRAME * n), dtype=torch.long, device=device),
-                                            torch.zeros(size, dtype=torch.long, device=device))
         for n in frames:
             example = [((FRAME * n,), torch.long), ((), torch.long)]
             self.graphs[n] = BatchGraphs(self.decode_windows, sizes, example, device)
 
+    def table_noise(self, first_frame: torch.Tensor) -> TableNoise:
+        """The decoder blocks' noise for windows starting at `first_frame` [B], read from the table (the
+        fused noise kernel reads it in place; the PyTorch form gathers it)."""
+        return TableNoise(self.noise_table, first_frame, tuple(self.noise_steps))
+
     def noises(self, first_frame: torch.Tensor, frames: int) -> list[torch.Tensor]:
         """Noise of each decoder block for windows starting at `first_frame` [B] ([B, 1, T] each)."""
-        out = []
-        for level, steps in enumerate(self.noise_steps):
-            pos = first_frame[:, None] * steps + torch.arange(frames * steps, device=first_frame.device)
-            out.append(self.noise_table[level][pos % NOISE_TABLE][:, None, :])
-        return out
+        noise = self.table_noise(first_frame)
+        return [noise.block(i).tensor(frames * steps) for i, steps in enumerate(self.noise_steps)]
 
     @torch.inference_mode()
     def decode_windows(self, frame_tokens: torch.Tensor, first_frame: torch.Tensor) -> torch.Tensor:
         """Audio tokens of whole frames [B, 7F] -> float32 samples [B, F * samples_per_frame]."""
-        frames = frame_tokens.shape[1] // FRAME
         codes = split_levels(frame_tokens, self.tokens)
         dtype = self.noise_table.dtype
-        return self.snac(codes, self.noises(first_frame, frames) or None)[:, 0].to(dtype)
+        return self.snac(codes, self.table_noise(first_frame) if self.noise_steps else None)[:, 0].to(dtype)
 
     def run_batch(self, walk, node, inputs, options):
         # Windows and their stream metadata are read on the host (host_inputs), without a device sync.
