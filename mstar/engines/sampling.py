@@ -175,7 +175,7 @@ def _sample_columns(logits: torch.Tensor, rows: Sequence[SamplingRow], offset: i
 
 def greedy_ids(logits: torch.Tensor, offset: int = 0) -> torch.Tensor:
     """Token ids [N] of the argmax of `logits` [N, V] over the ids [offset, offset + V) (one kernel
-    at offset 0: decode graphs take it with the logits)."""
+    at offset 0)."""
     ids = logits.argmax(dim=-1)
     return ids + offset if offset else ids
 

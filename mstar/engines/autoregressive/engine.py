@@ -142,7 +142,7 @@ class AutoregressiveEngine:
         ahead, self._ahead = self._ahead, None
         if chunks:
             if ahead is not None and ahead.matches(chunks):
-                logits, self.runner.last_greedy_ids = ahead.logits, ahead.greedy_ids
+                logits, self.runner.last_greedy_ids = ahead.logits, None
                 self.lookahead_hits += 1
             else:
                 self.lookahead_misses += ahead is not None
@@ -229,7 +229,7 @@ class AutoregressiveEngine:
     def _postprocess(self, chunks: list[Chunk], logits: torch.Tensor) -> list[StepResult]:
         seqs = [c.seq for c in chunks]
         rows = [s.sampling_row for s in seqs]
-        greedy = self.runner.last_greedy_ids  # token ids of the decode graph's argmax, if it ran
+        greedy = self.runner.last_greedy_ids  # token ids of an extras graph's argmax, if one ran
         if greedy is not None and all(plain_greedy(r) for r in rows):
             out = SampleOutput(greedy)
         elif self.sampler is not None and (ids := self.sampler(logits, rows)) is not None:

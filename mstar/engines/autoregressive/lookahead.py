@@ -34,7 +34,6 @@ class Ahead:
     seqs: list[Sequence]
     positions: list[int]
     logits: torch.Tensor
-    greedy_ids: torch.Tensor | None
     tokens: list[int] | None = None
 
     def matches(self, chunks: list[Chunk]) -> bool:

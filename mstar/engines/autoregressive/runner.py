@@ -20,9 +20,8 @@ from mstar.engines.autoregressive.lookahead import Ahead
 from mstar.engines.autoregressive.prefill_graph import PrefillGraphs
 from mstar.engines.autoregressive.scheduler import Chunk
 from mstar.engines.autoregressive.sequence import Sequence
-from mstar.engines.base import CausalLM, KVLayout, logit_offset
+from mstar.engines.base import CausalLM, KVLayout
 from mstar.engines.cuda_graphs import BatchGraphs
-from mstar.engines.sampling import greedy_ids
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +107,7 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None  # steps with prompt tokens (cuda_graphs.prefill_tokens)
         self._decode: DecodeInputs | None = None  # packed inputs of graphed decode steps (decode_inputs.py)
         self._shares_decode = False  # whether the attention backend reads its decode buffers from it
-        self.last_greedy_ids: torch.Tensor | None = None  # token ids of the step's argmax, when a graph ran
+        self.last_greedy_ids: torch.Tensor | None = None  # token ids of the step's argmax, when an extras graph ran
         self._eager_forward = model.forward  # plain steps that replay no graph; compiled on request
         if graphs is not None and graphs.compile_eager:
             try:
@@ -134,11 +133,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture(self, sizes: list[int]) -> BatchGraphs:
-        offset = logit_offset(self.model)
-
-        def decode_step(input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            logits = self.model.compute_logits(self.model.forward(input_ids, positions, self.attn))
-            return logits, greedy_ids(logits, offset)  # they come with the graph: no extra launch
+        def decode_step(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            # logits only: a greedy batch takes its argmax after the replay; inside the graph it would cost
+            # every sampled step a wasted pass over the logits (~10 us at Orpheus's 28,680 ids on an H200)
+            return self.model.compute_logits(self.model.forward(input_ids, positions, self.attn))
 
         dec = self._decode or self._decode_inputs(max(sizes))
         return BatchGraphs(decode_step, sizes, [((), torch.long), ((), torch.long)], self.device,
@@ -201,17 +199,14 @@ class ModelRunner:
 
     def _replay(self, chunks: list[Chunk]) -> torch.Tensor:
         """A decode step through the captured graph of the smallest size that holds the batch."""
-        seqs = [c.seq for c in chunks]
-        logits, self.last_greedy_ids = self._replay_rows(seqs, [c.start for c in chunks], None)
-        return logits
+        return self._replay_rows([c.seq for c in chunks], [c.start for c in chunks], None)
 
-    def _replay_rows(self, seqs: list[Sequence], positions: list[int],
-                     ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _replay_rows(self, seqs: list[Sequence], positions: list[int], ids: torch.Tensor | None) -> torch.Tensor:
         """Replay one decode row per sequence at `positions`, fed `ids` (a device tensor) or, when None,
-        each sequence's own token there; (logits, greedy ids), views valid until the next replay."""
+        each sequence's own token there; the logits, a view valid until the next replay."""
         assert self.graphs is not None
         dec, n, bucket = self._stage(seqs, positions, ids)
-        return self.graphs(dec.ids_rows[n], dec.positions_rows[n], bucket=bucket)
+        return self.graphs(dec.ids_rows[n], dec.positions_rows[n], bucket=bucket)[0]
 
     def _replay_extras(self, chunks: list[Chunk]) -> torch.Tensor:
         """A decode step with extras through `extras_graphs` (see extras_graph.py)."""
@@ -266,14 +261,13 @@ class ModelRunner:
         positions = [len(s.token_ids) for s in seqs]
         if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             # the replay enters inference mode itself; the packed inputs are normal tensors
-            logits, greedy = self._replay_rows(seqs, positions, ids)
-            return Ahead(seqs, positions, logits, greedy)
+            return Ahead(seqs, positions, self._replay_rows(seqs, positions, ids))
         with torch.inference_mode():
             page = self.page_size
             slots = [s.pages[p // page] * page + p % page for s, p in zip(seqs, positions)]
             self.attn.prepare(self._metadata([Chunk(s, p, 1) for s, p in zip(seqs, positions)], slots))
             hidden = self._eager_forward(ids.to(self.device), self._tensor(positions), self.attn)
-            return Ahead(seqs, positions, self.model.compute_logits(hidden), None)
+            return Ahead(seqs, positions, self.model.compute_logits(hidden))
 
     def _metadata(self, chunks: list[Chunk], slots: list[int]) -> AttentionMetadata:
         max_pages = max(len(c.seq.pages) for c in chunks)
