@@ -30,6 +30,7 @@ from mstar.models.orpheus.tokens import FRAME, OrpheusTokens, split_levels, vali
 
 WINDOW_FRAMES = 4
 EARLY_FRAMES = 2  # the early window (model.EARLY_WINDOW_TOKENS = 14 tokens)
+FINAL_FRAMES = 3  # whole frames of a final window when generation stops mid-frame (600 tokens: 85 frames + 5)
 NOISE_TABLE = 1 << 18  # entries per table: positions wrap after 2^18 steps of a decoder block
 _NOISE_SEED = 20240317
 
@@ -90,19 +91,23 @@ class OrpheusVocoder(nn.Module):
         self.graphs: dict[int, Any] = {}  # frames -> BatchGraphs of decode_windows, once captured on CUDA
 
     def capture_graphs(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
-                       frames: tuple[int, ...] = (WINDOW_FRAMES, EARLY_FRAMES)) -> None:
+                       frames: tuple[int, ...] = (WINDOW_FRAMES, FINAL_FRAMES, EARLY_FRAMES)) -> None:
         """Capture `decode_windows` for windows of each of `frames` whole frames (steady-state 4-frame
-        windows and the 2-frame early window) at these batch sizes (CUDA only).
+        windows, the 3 whole frames of most requests' final window, the 2-frame early window) at these
+        batch sizes (CUDA only), all in one memory pool (`run_batch` copies each replay's audio out
+        before the next replay).
 
-        The decoder is a hundred-odd small kernels: replaying them as one graph keeps the vocoder from
-        stalling the worker that also runs the LM.
+        The decoder is some seventy kernels (a hundred and sixty in PyTorch's form): replaying them as
+        one graph keeps the vocoder from stalling the worker that also runs the LM; run eagerly, their
+        launches cost the host milliseconds.
         """
         from mstar.engines.cuda_graphs import BatchGraphs
 
         device = self.noise_table.device
+        pool = torch.cuda.graph_pool_handle()
         for n in frames:
             example = [((FRAME * n,), torch.long), ((), torch.long)]
-            self.graphs[n] = BatchGraphs(self.decode_windows, sizes, example, device)
+            self.graphs[n] = BatchGraphs(self.decode_windows, sizes, example, device, pool=pool)
 
     def table_noise(self, first_frame: torch.Tensor) -> TableNoise:
         """The decoder blocks' noise for windows starting at `first_frame` [B], read from the table (the
