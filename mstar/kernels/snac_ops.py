@@ -7,16 +7,22 @@ below replaces a run of PyTorch ops of `mstar/models/orpheus/snac.py`:
 - `depthwise(x, weight, bias, dilation, alpha_in, alpha_out)`: [Snake] -> depthwise conv (odd taps,
   "same" zero padding) -> [Snake], the front of a residual unit (Snake, dilated conv 7, Snake) and the
   decoder's first depthwise conv (no Snakes). PyTorch's generic depthwise kernel was the vocoder's
-  costliest. Snake(0) = 0, so padding before or after the first Snake is the same.
-- `bias_residual(x, y, bias)`: x + y + bias[c], a residual unit's end (its 1x1 conv runs without bias).
+  costliest. Snake(0) = 0, so padding before or after the first Snake is the same. A Snake inside the
+  taps costs a sine per tap (seven per output, the kernel's main cost), so the decoder hands it inputs
+  already through their Snake where the layer before can write them (`snake_alpha` below).
+- `bias_residual(x, y, bias, snake_alpha)`: x + y + bias[c], a residual unit's end (its 1x1 conv runs
+  without bias); with `snake_alpha` it also writes the next layer's Snake of the sum (the next residual
+  unit's first Snake, the next block's or the output's), one sine per element.
 - `transposed_conv(x, gemm_weight, bias, stride, padding, out_len)`: a transposed convolution of kernel
   2 * stride as a 1x1 convolution to every (output channel, tap) pair (cuDNN, tensor cores) and this
   fold: out[n] = bias + g[tap r of step j] + g[tap r + stride of step j - 1], (j, r) = divmod(n + padding,
   stride). cuDNN's own kernel for the first upsampling (1024 -> 512 channels, 16 steps) was a slow
   generic one.
-- `table_noise(x, lin, table, first_frame, steps)`: x + table[(first_frame * steps + t) % N] * lin, a noise
-  block reading its noise from the fixed table (vocoder.py) instead of a gathered copy.
-- `conv_out(x, alpha, weight, bias)`: tanh(conv(Snake(x))) to one channel, the decoder's last three layers.
+- `table_noise(x, lin, table, first_frame, steps, snake_alpha)`: x + table[(first_frame * steps + t) % N] *
+  lin, a noise block reading its noise from the fixed table (vocoder.py) instead of a gathered copy (and,
+  with `snake_alpha`, the first residual unit's Snake of it).
+- `conv_out(x_snaked, weight, bias)`: tanh(conv(x_snaked)) to one channel, the decoder's last conv and tanh
+  (its Snake written by the last residual unit), all channels of a block of steps in one program.
 - `sum_codes(codes, tables, strides)`: the quantizer: each level's code looked up in its projected
   codebook (`tables[l]` [codebook, latent]: the codebook through out_proj, bias included), repeated to
   the latent rate and summed, written [B, latent, T].
@@ -63,15 +69,22 @@ def _depthwise_kernel(x_ptr, w_ptr, b_ptr, a_in_ptr, a_out_ptr, out_ptr, n_chann
 
 
 @triton.jit
-def _bias_residual_kernel(x_ptr, y_ptr, b_ptr, out_ptr, n_channels, n_steps, BLOCK: tl.constexpr):
+def _bias_residual_kernel(x_ptr, y_ptr, b_ptr, a_ptr, out_ptr, snaked_ptr, n_channels, n_steps, eps,
+                          SNAKE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
+    channel = row % n_channels
     steps = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = steps < n_steps
     offsets = row.to(tl.int64) * n_steps + steps
-    bias = tl.load(b_ptr + row % n_channels).to(tl.float32)
+    bias = tl.load(b_ptr + channel).to(tl.float32)
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offsets, (x + y + bias).to(out_ptr.dtype.element_ty), mask=mask)
+    out = x + y + bias
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+    if SNAKE:  # the next layer's Snake of this output, written beside it
+        alpha = tl.load(a_ptr + channel).to(tl.float32)
+        tl.store(snaked_ptr + offsets, _snake(out, alpha, 1.0 / (alpha + eps)).to(snaked_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 @triton.jit
@@ -93,8 +106,8 @@ def _fold_kernel(g_ptr, b_ptr, out_ptr, n_channels, in_steps, out_steps, stride,
 
 
 @triton.jit
-def _table_noise_kernel(x_ptr, lin_ptr, table_ptr, first_ptr, out_ptr, n_channels, n_steps, steps_per_frame,
-                        table_len, BLOCK: tl.constexpr):
+def _table_noise_kernel(x_ptr, lin_ptr, table_ptr, first_ptr, a_ptr, out_ptr, snaked_ptr, n_channels, n_steps,
+                        steps_per_frame, table_len, eps, SNAKE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     batch = row // n_channels
     steps = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -104,25 +117,34 @@ def _table_noise_kernel(x_ptr, lin_ptr, table_ptr, first_ptr, out_ptr, n_channel
     noise = tl.load(table_ptr + (start + steps) % table_len, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     lin = tl.load(lin_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offsets, (x + noise * lin).to(out_ptr.dtype.element_ty), mask=mask)
+    out = x + noise * lin
+    tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+    if SNAKE:
+        alpha = tl.load(a_ptr + row % n_channels).to(tl.float32)
+        tl.store(snaked_ptr + offsets, _snake(out, alpha, 1.0 / (alpha + eps)).to(snaked_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 @triton.jit
-def _conv_out_kernel(x_ptr, a_ptr, w_ptr, b_ptr, out_ptr, n_steps, eps, CHANNELS: tl.constexpr,
-                     TAPS: tl.constexpr, BLOCK: tl.constexpr):
+def _conv_out_kernel(x_ptr, w_ptr, b_ptr, out_ptr, n_channels, n_steps, TAPS: tl.constexpr, C_TILES: tl.constexpr,
+                     BLOCK_C: tl.constexpr, BLOCK: tl.constexpr):
+    # x is already through the Snake; a program owns BLOCK steps of one batch row, all channels as tiles
     batch = tl.program_id(0)
     steps = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = steps < n_steps
-    acc = tl.zeros((BLOCK,), dtype=tl.float32) + tl.load(b_ptr).to(tl.float32)
-    for c in range(CHANNELS):  # a constexpr bound: the interpreter cannot loop over runtime ints
-        alpha = tl.load(a_ptr + c).to(tl.float32)
-        inv = 1.0 / (alpha + eps)
-        base = (batch.to(tl.int64) * CHANNELS + c) * n_steps
+    acc = tl.zeros((BLOCK_C, BLOCK), dtype=tl.float32)
+    for tile in range(C_TILES):  # a constexpr bound: the interpreter cannot loop over runtime ints
+        c = tile * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_mask = c < n_channels
+        rows = x_ptr + (batch.to(tl.int64) * n_channels + c.to(tl.int64))[:, None] * n_steps
         for k in tl.static_range(TAPS):
             src = steps + (k - TAPS // 2)
-            v = tl.load(x_ptr + base + src, mask=mask & (src >= 0) & (src < n_steps), other=0.0).to(tl.float32)
-            acc += _snake(v, alpha, inv) * tl.load(w_ptr + c * TAPS + k).to(tl.float32)
-    out = 1.0 - 2.0 / (tl.exp(2.0 * acc) + 1.0)  # tanh
+            inside = mask & (src >= 0) & (src < n_steps)
+            v = tl.load(rows + src[None, :], mask=c_mask[:, None] & inside[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + c * TAPS + k, mask=c_mask, other=0.0).to(tl.float32)
+            acc += v * w[:, None]
+    total = tl.sum(acc, axis=0) + tl.load(b_ptr).to(tl.float32)
+    out = 1.0 - 2.0 / (tl.exp(2.0 * total) + 1.0)  # tanh
     tl.store(out_ptr + batch.to(tl.int64) * n_steps + steps, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -173,16 +195,25 @@ def depthwise(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, dilatio
     return out
 
 
-def bias_residual(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """x + y + bias[c]; x and y [B, C, T] contiguous, of one shape."""
+def _snaked_like(x: torch.Tensor, alpha: torch.Tensor | None) -> torch.Tensor:
+    if alpha is not None and alpha.numel() != x.shape[1]:
+        raise ValueError(f"snake alpha of {alpha.numel()} values for x of {x.shape[1]} channels")
+    return torch.empty_like(x) if alpha is not None else x  # x: a placeholder pointer, never written
+
+
+def bias_residual(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor,
+                  snake_alpha: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x + y + bias[c], and with `snake_alpha` also Snake(alpha) of that sum (what the next layer reads);
+    x and y [B, C, T] contiguous, of one shape. (sum, its Snake or None)."""
     batch, channels, steps = _check(x, bias)
     if y.shape != x.shape or not y.is_contiguous():
         raise ValueError(f"y {tuple(y.shape)} must be contiguous and shaped like x {tuple(x.shape)}")
-    out = torch.empty_like(x)
+    out, snaked = torch.empty_like(x), _snaked_like(x, snake_alpha)
     block = _block(steps)
-    _bias_residual_kernel[(batch * channels, triton.cdiv(steps, block))](x, y, bias, out, channels, steps,
-                                                                        BLOCK=block, num_warps=4)
-    return out
+    _bias_residual_kernel[(batch * channels, triton.cdiv(steps, block))](
+        x, y, bias, snake_alpha if snake_alpha is not None else bias, out, snaked, channels, steps, EPS,
+        SNAKE=snake_alpha is not None, BLOCK=block, num_warps=4)
+    return out, (snaked if snake_alpha is not None else None)
 
 
 def transposed_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -209,31 +240,35 @@ def transposed_conv(x: torch.Tensor, gemm_weight: torch.Tensor, bias: torch.Tens
 
 
 def table_noise(x: torch.Tensor, lin: torch.Tensor, table: torch.Tensor, first_frame: torch.Tensor,
-                steps_per_frame: int) -> torch.Tensor:
-    """x + noise * lin, noise[b, t] = table[(first_frame[b] * steps_per_frame + t) % len(table)]."""
+                steps_per_frame: int, snake_alpha: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x + noise * lin, noise[b, t] = table[(first_frame[b] * steps_per_frame + t) % len(table)]; with
+    `snake_alpha` also Snake(alpha) of the result. (result, its Snake or None)."""
     batch, channels, steps = _check(x)
     if lin.shape != x.shape or not lin.is_contiguous() or table.dim() != 1 or first_frame.numel() != batch:
         raise ValueError(f"lin {tuple(lin.shape)}, table {tuple(table.shape)}, first_frame of {first_frame.numel()} "
                          f"for x {tuple(x.shape)}: need lin like x, a 1-D table and one first frame per row")
-    out = torch.empty_like(x)
+    out, snaked = torch.empty_like(x), _snaked_like(x, snake_alpha)
     block = _block(steps)
     _table_noise_kernel[(batch * channels, triton.cdiv(steps, block))](
-        x, lin, table, first_frame, out, channels, steps, steps_per_frame, table.numel(), BLOCK=block, num_warps=4)
-    return out
+        x, lin, table, first_frame, snake_alpha if snake_alpha is not None else table, out, snaked, channels, steps,
+        steps_per_frame, table.numel(), EPS, SNAKE=snake_alpha is not None, BLOCK=block, num_warps=4)
+    return out, (snaked if snake_alpha is not None else None)
 
 
-def conv_out(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """tanh(conv(Snake(x))) to one channel: weight [1, C, odd taps], zero padding keeping the length;
-    out [B, 1, T]."""
-    batch, channels, steps = _check(x, alpha)
+def conv_out(x_snaked: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """tanh(conv(x_snaked)) to one channel (x already through the Snake before it): weight [1, C, odd taps],
+    zero padding keeping the length; out [B, 1, T]."""
+    batch, channels, steps = _check(x_snaked)
     taps = weight.shape[-1]
     if weight.numel() != channels * taps or taps % 2 == 0 or bias.numel() != 1:
         raise ValueError(f"weight {tuple(weight.shape)} and bias of {bias.numel()}: need [1, {channels}, odd taps] "
                          "and one bias")
-    out = torch.empty((batch, 1, steps), dtype=x.dtype, device=x.device)
-    block = 256
-    _conv_out_kernel[(batch, triton.cdiv(steps, block))](x, alpha, weight, bias, out, steps, EPS, CHANNELS=channels,
-                                                         TAPS=taps, BLOCK=block, num_warps=4)
+    out = torch.empty((batch, 1, steps), dtype=x_snaked.dtype, device=x_snaked.device)
+    block_c = min(64, triton.next_power_of_2(channels))
+    block = 64
+    _conv_out_kernel[(batch, triton.cdiv(steps, block))](
+        x_snaked, weight, bias, out, channels, steps, TAPS=taps, C_TILES=triton.cdiv(channels, block_c),
+        BLOCK_C=block_c, BLOCK=block, num_warps=4)
     return out
 
 

@@ -68,14 +68,44 @@ def check_table_noise() -> None:
     noise = BlockNoise(table, torch.tensor([0, 3, 7]), steps=16)  # wraps past the table's end
     x, lin = torch.randn(3, 4, 48), torch.randn(3, 4, 48)
     want = x + noise.tensor(48) * lin
-    torch.testing.assert_close(snac_ops.table_noise(x, lin, table, noise.first_frame, noise.steps), want, **TOL)
+    got, none = snac_ops.table_noise(x, lin, table, noise.first_frame, noise.steps)
+    assert none is None
+    torch.testing.assert_close(got, want, **TOL)
+    snake = _randomize(Snake(4), 8)
+    got, snaked = snac_ops.table_noise(x, lin, table, noise.first_frame, noise.steps, snake.alpha)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(snaked, torch_form(snake, want), **TOL)
+
+
+def check_bias_residual_with_snake() -> None:
+    x, y, bias = torch.randn(2, 5, 1500), torch.randn(2, 5, 1500), torch.randn(5)
+    snake = _randomize(Snake(5), 9)
+    out, snaked = snac_ops.bias_residual(x, y, bias, snake.alpha)
+    want = x + y + bias[:, None]
+    torch.testing.assert_close(out, want, **TOL)
+    torch.testing.assert_close(snaked, torch_form(snake, want), **TOL)
 
 
 def check_conv_out() -> None:
-    snake, conv = _randomize(Snake(6), 1), _randomize(nn.Conv1d(6, 1, 7, padding=3), 2)
-    x = torch.randn(2, 6, 300)
-    want = torch.tanh(conv(torch_form(snake, x)))
-    torch.testing.assert_close(snac_ops.conv_out(x, snake.alpha, conv.weight, conv.bias), want, **TOL)
+    for channels in (6, 64, 100):  # one channel tile, a full one, two with a partial one
+        snake, conv = _randomize(Snake(channels), 1), _randomize(nn.Conv1d(channels, 1, 7, padding=3), 2)
+        x = torch.randn(2, channels, 300) * 0.3
+        snaked = torch_form(snake, x)
+        want = torch.tanh(conv(snaked))
+        torch.testing.assert_close(snac_ops.conv_out(snaked, conv.weight, conv.bias), want, **TOL)
+
+
+def check_decoder_with_tensor_noise() -> None:
+    """Noise given as tensors (the reference's form): the noise blocks write no Snake, the units apply it."""
+    decoder = load_snac(TINY_SNAC, None, torch.device("cpu"), seed=4).decoder
+    x = torch.randn(2, TINY_SNAC.latent, 8)
+    gen = torch.Generator().manual_seed(3)
+    steps, noises = 8, []
+    for rate in TINY_SNAC.decoder_rates:
+        steps *= rate
+        noises.append(torch.randn(2, 1, steps, generator=gen))
+    with torch.no_grad():
+        torch.testing.assert_close(decoder(x, noises), torch_form(decoder, x, noises), **TOL)
 
 
 def check_quantizer() -> None:
@@ -105,7 +135,9 @@ if __name__ == "__main__":
     check_depthwise_without_snakes()
     check_transposed_conv()
     check_table_noise()
+    check_bias_residual_with_snake()
     check_conv_out()
+    check_decoder_with_tensor_noise()
     check_quantizer()
     check_vocoder_windows()
     print("snac kernels ok")

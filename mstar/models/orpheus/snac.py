@@ -156,16 +156,28 @@ class ResidualUnit(nn.Module):
             Snake(dim), nn.Conv1d(dim, dim, 7, dilation=dilation, padding=3 * dilation, groups=groups),
             Snake(dim), nn.Conv1d(dim, dim, 1))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        snake_in, conv, snake_out, project = self.block
-        if _fused(x) and conv.groups == conv.in_channels and conv.padding[0] == conv.dilation[0] * 3:
-            from mstar.kernels import snac_ops
+    def fusable(self) -> bool:
+        conv = self.block[1]
+        return conv.groups == conv.in_channels and conv.padding[0] == conv.dilation[0] * 3
 
-            z = snac_ops.depthwise(x, conv.weight, conv.bias, conv.dilation[0], snake_in.alpha, snake_out.alpha)
-            return snac_ops.bias_residual(x, F.conv1d(z, project.weight), project.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused(x) and self.fusable():
+            return self.fused(x)[0]
         y = self.block(x)
         trim = (x.shape[-1] - y.shape[-1]) // 2
         return (x[..., trim:-trim] if trim > 0 else x) + y
+
+    def fused(self, x: torch.Tensor, x_snaked: torch.Tensor | None = None,
+              next_alpha: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fused kernels' form: (the unit's output, its Snake by `next_alpha` when given). `x_snaked`:
+        x through this unit's first Snake, when the layer before wrote it (else the depthwise kernel
+        applies the Snake at every tap)."""
+        from mstar.kernels import snac_ops
+
+        snake_in, conv, snake_out, project = self.block
+        source, alpha_in = (x, snake_in.alpha) if x_snaked is None else (x_snaked, None)
+        z = snac_ops.depthwise(source, conv.weight, conv.bias, conv.dilation[0], alpha_in, snake_out.alpha)
+        return snac_ops.bias_residual(x, F.conv1d(z, project.weight), project.bias, next_alpha)
 
 
 class NoiseBlock(nn.Module):
@@ -178,13 +190,21 @@ class NoiseBlock(nn.Module):
     def forward(self, x: torch.Tensor, noise: Noise = None) -> torch.Tensor:
         if isinstance(noise, BlockNoise):
             if _fused(x):
-                from mstar.kernels import snac_ops
-
-                return snac_ops.table_noise(x, self.linear(x), noise.table, noise.first_frame, noise.steps)
+                return self.fused(x, noise)[0]
             noise = noise.tensor(x.shape[2])
         if noise is None:  # the reference draws (B, 1, T) from the global generator here
             noise = torch.randn((x.shape[0], 1, x.shape[2]), device=x.device, dtype=x.dtype)
         return x + noise * self.linear(x)
+
+    def fused(self, x: torch.Tensor, noise: Noise,
+              next_alpha: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the block's output, its Snake by `next_alpha` when given and the noise is a table's: the fused
+        kernel writes both; other noise takes the PyTorch form and gives None)."""
+        if not isinstance(noise, BlockNoise):
+            return self.forward(x, noise), None
+        from mstar.kernels import snac_ops
+
+        return snac_ops.table_noise(x, self.linear(x), noise.table, noise.first_frame, noise.steps, next_alpha)
 
 
 class DecoderBlock(nn.Module):
@@ -201,24 +221,41 @@ class DecoderBlock(nn.Module):
         layers += [ResidualUnit(dim_out, d, groups) for d in (1, 3, 9)]
         self.block = nn.Sequential(*layers)
 
+    def fusable(self) -> bool:
+        snake, conv, *rest = self.block
+        return (isinstance(snake, Snake) and isinstance(conv, nn.ConvTranspose1d)
+                and conv.kernel_size[0] == 2 * conv.stride[0] and bool(rest)
+                and all(isinstance(r, NoiseBlock) or isinstance(r, ResidualUnit) and r.fusable() for r in rest))
+
     def forward(self, x: torch.Tensor, noise: Noise = None) -> torch.Tensor:
+        if _fused(x) and self.fusable():
+            return self.fused(x, noise)[0]
         for layer in self.block:
-            if isinstance(layer, NoiseBlock):
-                x = layer(x, noise)
-            elif isinstance(layer, nn.ConvTranspose1d) and _fused(x) and layer.kernel_size[0] == 2 * layer.stride[0]:
-                x = self._transposed(layer, x)
-            else:
-                x = layer(x)
+            x = layer(x, noise) if isinstance(layer, NoiseBlock) else layer(x)
         return x
 
-    @staticmethod
-    def _transposed(conv: nn.ConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
+    def fused(self, x: torch.Tensor, noise: Noise, x_snaked: torch.Tensor | None = None,
+              next_alpha: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fused kernels' form: (the block's output, its Snake by `next_alpha` when given and written).
+        Each layer writes the next one's first Snake beside its output, so no Snake runs on its own:
+        `x_snaked` is x through this block's first Snake when the layer before wrote it."""
         from mstar.kernels import snac_ops
 
+        snake, conv, *rest = self.block
         stride, padding = conv.stride[0], conv.padding[0]
         out_len = (x.shape[-1] - 1) * stride - 2 * padding + conv.kernel_size[0] + conv.output_padding[0]
         weight = _derived(conv, (conv.weight,), lambda: snac_ops.transposed_gemm_weight(conv.weight))
-        return snac_ops.transposed_conv(x, weight, conv.bias, stride, padding, out_len)
+        x = snac_ops.transposed_conv(snake(x) if x_snaked is None else x_snaked, weight, conv.bias, stride,
+                                     padding, out_len)
+        snaked = None
+        for i, layer in enumerate(rest):
+            after = next_alpha if i + 1 == len(rest) else rest[i + 1].block[0].alpha \
+                if isinstance(rest[i + 1], ResidualUnit) else None
+            if isinstance(layer, NoiseBlock):
+                x, snaked = layer.fused(x, noise, after)
+            else:
+                x, snaked = layer.fused(x, snaked, after)
+        return x, snaked
 
 
 class Decoder(nn.Module):
@@ -238,26 +275,51 @@ class Decoder(nn.Module):
         self.model = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor, noises: list[torch.Tensor] | TableNoise | None = None) -> torch.Tensor:
-        blocks = 0
         layers = list(self.model)
-        snake, conv, tanh = layers[-3:]
-        fused_tail = isinstance(snake, Snake) and conv.out_channels == 1 and conv.padding[0] == conv.kernel_size[0] // 2
-        for i, layer in enumerate(layers):
+        if _fused(x) and self._fusable(layers):
+            return self._fused(x, noises, layers)
+        blocks = 0
+        for layer in layers:
             if isinstance(layer, DecoderBlock):
-                noise = noises.block(blocks) if isinstance(noises, TableNoise) else noises[blocks] if noises else None
-                x = layer(x, noise)
+                x = layer(x, _block_noise(noises, blocks))
                 blocks += 1
-            elif i == len(layers) - 3 and fused_tail and _fused(x):
-                from mstar.kernels import snac_ops
-
-                return snac_ops.conv_out(x, snake.alpha, conv.weight, conv.bias)
-            elif i == 0 and isinstance(layer, nn.Conv1d) and layer.groups == layer.in_channels > 1 and _fused(x):
-                from mstar.kernels import snac_ops
-
-                x = snac_ops.depthwise(x, layer.weight, layer.bias)
             else:
                 x = layer(x)
         return x
+
+    @staticmethod
+    def _fusable(layers: list[nn.Module]) -> bool:
+        """Head convs, then decoder blocks, then Snake, a 1-channel conv and tanh (SNAC's layout)."""
+        blocks = [i for i, layer in enumerate(layers) if isinstance(layer, DecoderBlock)]
+        snake, conv, tanh = layers[-3:]
+        return (bool(blocks) and blocks == list(range(blocks[0], len(layers) - 3))
+                and all(layers[i].fusable() for i in blocks) and isinstance(snake, Snake)
+                and isinstance(conv, nn.Conv1d) and conv.out_channels == 1 and conv.padding[0] == conv.kernel_size[0] // 2
+                and isinstance(tanh, nn.Tanh))
+
+    def _fused(self, x: torch.Tensor, noises: list[torch.Tensor] | TableNoise | None,
+               layers: list[nn.Module]) -> torch.Tensor:
+        from mstar.kernels import snac_ops
+
+        blocks = [layer for layer in layers if isinstance(layer, DecoderBlock)]
+        snake, conv = layers[-3], layers[-2]
+        for layer in layers[:layers.index(blocks[0])]:
+            if isinstance(layer, nn.Conv1d) and layer.groups == layer.in_channels > 1 \
+                    and layer.padding[0] == layer.kernel_size[0] // 2 and layer.dilation[0] == 1:
+                x = snac_ops.depthwise(x, layer.weight, layer.bias)
+            else:
+                x = layer(x)
+        snaked = None
+        for i, block in enumerate(blocks):
+            after = blocks[i + 1].block[0].alpha if i + 1 < len(blocks) else snake.alpha
+            x, snaked = block.fused(x, _block_noise(noises, i), snaked, after)
+        return snac_ops.conv_out(snake(x) if snaked is None else snaked, conv.weight, conv.bias)
+
+
+def _block_noise(noises: list[torch.Tensor] | TableNoise | None, i: int) -> Noise:
+    if isinstance(noises, TableNoise):
+        return noises.block(i)
+    return noises[i] if noises else None
 
 
 class CodeProjection(nn.Module):
