@@ -6,10 +6,12 @@ activations, transposed-conv upsampling, noise blocks) turns latents into sample
 follow the `snac` package so its checkpoints load by name; the encoder is not built.
 
 On CUDA (fused kernels on) the layers take the fused forms of `mstar/kernels/snac_ops.py`: a residual
-unit is one depthwise kernel (both Snakes in it), its 1x1 conv and one bias + residual kernel; a
-transposed conv is a 1x1 conv to every tap and one fold kernel; noise is read from the vocoder's table
-inside the noise block's kernel; the last Snake, conv and tanh are one kernel; the quantizer is one
-lookup of codebooks projected once. The PyTorch form (CPU, or `fused_kernels(False)`) is the reference.
+unit is one depthwise kernel (with the Snake after it), its 1x1 conv and one bias + residual kernel that
+also writes the next layer's first Snake of its output, so within the decoder no Snake runs alone and no
+sine is taken per conv tap; a transposed conv is a 1x1 conv to every tap and one fold kernel; noise is
+read from the vocoder's table inside the noise block's kernel; the output conv and tanh are one kernel;
+the quantizer is one lookup of codebooks projected once. The PyTorch form (CPU, or
+`fused_kernels(False)`) is the reference.
 """
 
 from __future__ import annotations
