@@ -43,7 +43,7 @@ def window_batch(batch: int, tokens: OrpheusTokens, device: torch.device) -> tup
     """Random valid audio tokens of `batch` 4-frame windows, and their first frames."""
     codes = torch.randint(0, tokens.codebook_size, (batch, FRAME * WINDOW_FRAMES))
     place = torch.arange(FRAME * WINDOW_FRAMES) % FRAME
-    ids = tokens.base + 10 + place * tokens.codebook_size + codes
+    ids = tokens.audio_offset + place * tokens.codebook_size + codes
     return ids.to(device), torch.arange(batch, device=device) * 3
 
 

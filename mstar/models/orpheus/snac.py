@@ -249,10 +249,10 @@ class DecoderBlock(nn.Module):
         weight = _derived(conv, (conv.weight,), lambda: snac_ops.transposed_gemm_weight(conv.weight))
         x = snac_ops.transposed_conv(snake(x) if x_snaked is None else x_snaked, weight, conv.bias, stride,
                                      padding, out_len)
+        # the Snake each layer writes beside its output: the next unit's first, or the caller's after the last
+        afters = [r.block[0].alpha if isinstance(r, ResidualUnit) else None for r in rest[1:]] + [next_alpha]
         snaked = None
-        for i, layer in enumerate(rest):
-            after = next_alpha if i + 1 == len(rest) else rest[i + 1].block[0].alpha \
-                if isinstance(rest[i + 1], ResidualUnit) else None
+        for layer, after in zip(rest, afters):
             if isinstance(layer, NoiseBlock):
                 x, snaked = layer.fused(x, noise, after)
             else:
@@ -351,7 +351,6 @@ class Quantizer(nn.Module):
             part = level.out_proj(level.codebook(c).transpose(1, 2)).repeat_interleave(stride, dim=-1)
             z = part if z is None else z + part
         return z
-
 
     def tables(self) -> list[torch.Tensor]:
         """Each level's codebook through its projection, bias included: [codebook_size, latent] (derived
