@@ -11,7 +11,12 @@ the wan_bench shape). Variants (each: one warm-up decode, `--repeats` timed ones
   frames per decoder call;
 - `float32_chunk3`: three latent frames per decoder call (NCDHW);
 - `float32_no_tf32`: cuDNN's TF32 off, to show whether the convolutions use TF32 tensor cores at all (NCDHW);
-- `bfloat16`, `bfloat16_cl`: the VAE in bf16, NCDHW and channels-last.
+- `bfloat16`, `bfloat16_cl`: the VAE in bf16, NCDHW and channels-last;
+- `float32_cl_fp16conv`: the float32 VAE channels-last with its convolutions alone in float16
+  (`model_kwargs.vae_conv_dtype: float16`; the residual stream and sums stay float32).
+
+`--accuracy` also decodes the latents once in float32 with TF32 off (NCDHW, the exact reference) and
+records each variant's difference from it: mean and max on the [-1, 1] scale, and in uint8 levels.
 
 For each: wall seconds per decode (host clock around synchronised decodes), kernel milliseconds by category, the top kernels, the
 convolution kernels' total (by name), cuDNN's layout conversions (time and launches), and the cuDNN TF32 flag.
@@ -40,16 +45,17 @@ from mstar.models.wan22.vae_weights import load_vae  # noqa: E402
 
 LATENT = (9, 30, 52)
 TINY_LATENT = (3, 4, 6)
-# name -> (dtype, chunk_frames, cuDNN TF32 allowed, channels-last decoder, cuDNN algorithm search)
+# name -> (dtype, chunk_frames, cuDNN TF32 allowed, channels-last decoder, cuDNN algorithm search, conv dtype)
 VARIANTS = {
-    "float32": (torch.float32, 1, True, False, False),
-    "float32_cl": (torch.float32, 1, True, True, False),
-    "float32_cl_autotune": (torch.float32, 1, True, True, True),
-    "float32_cl_chunk3": (torch.float32, 3, True, True, False),
-    "float32_chunk3": (torch.float32, 3, True, False, False),
-    "float32_no_tf32": (torch.float32, 1, False, False, False),
-    "bfloat16": (torch.bfloat16, 1, True, False, False),
-    "bfloat16_cl": (torch.bfloat16, 1, True, True, False),
+    "float32": (torch.float32, 1, True, False, False, None),
+    "float32_cl": (torch.float32, 1, True, True, False, None),
+    "float32_cl_autotune": (torch.float32, 1, True, True, True, None),
+    "float32_cl_chunk3": (torch.float32, 3, True, True, False, None),
+    "float32_chunk3": (torch.float32, 3, True, False, False, None),
+    "float32_no_tf32": (torch.float32, 1, False, False, False, None),
+    "bfloat16": (torch.bfloat16, 1, True, False, False, None),
+    "bfloat16_cl": (torch.bfloat16, 1, True, True, False, None),
+    "float32_cl_fp16conv": (torch.float32, 1, True, True, False, torch.float16),
 }
 
 
@@ -108,11 +114,42 @@ def _is_conv(name: str) -> bool:
     return any(key in lowered for key in ("conv", "implicit_gemm", "fprop", "dgrad", "wgrad", "winograd"))
 
 
+def _latents(vae, latent: tuple[int, int, int], device: torch.device) -> torch.Tensor:
+    z = torch.randn(1, vae.config.z_dim, *latent, generator=torch.Generator().manual_seed(0))
+    return z.to(device, vae.post_quant_conv.weight.dtype)
+
+
+def exact_decode(config, latent: tuple[int, int, int], device: torch.device) -> torch.Tensor:
+    """The float32 NCDHW decode with TF32 off (cuDNN's and matmuls'): the reference of `--accuracy`."""
+    vae = load_vae(load_format="dummy", config=config, dtype=torch.float32, device=device)
+    vae.channels_last = False
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with cudnn_flags(False), torch.no_grad():
+            return vae.decode(_latents(vae, latent, device))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def difference(video: torch.Tensor, exact: torch.Tensor) -> dict:
+    """video against the exact decode: |diff| mean and max in [-1, 1] units, and in uint8 levels."""
+    from mstar.models.wan22.vae import frames_to_uint8
+
+    diff = (video.float() - exact).abs()
+    levels = (frames_to_uint8(video).int() - frames_to_uint8(exact).int()).abs()
+    return {"mean_abs": float(diff.mean()), "max_abs": float(diff.max()),
+            "mean_levels": round(float(levels.float().mean()), 4), "max_levels": int(levels.max()),
+            "share_off_by_more_than_1_level": float((levels > 1).float().mean())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny VAE on CPU")
+    parser.add_argument("--accuracy", action="store_true", help="each variant's difference from an exact "
+                        "float32 decode (TF32 off) of the same latents")
     parser.add_argument("--out", default=None, help="default benchmarks/results/profile_wan_vae_h200.json "
                         "(--quick: print only)")
     args = parser.parse_args()
@@ -124,26 +161,30 @@ def main() -> None:
         config = tiny_vae_config()
     latent = TINY_LATENT if args.quick else LATENT
     rows = []
+    exact = exact_decode(config, latent, device) if args.accuracy else None
     for name in args.variants:
-        dtype, chunk, tf32, channels_last, autotune = VARIANTS[name]
+        dtype, chunk, tf32, channels_last, autotune, conv_dtype = VARIANTS[name]
         vae = load_vae(load_format="dummy", config=config, dtype=dtype, device=device)
-        vae.channels_last = channels_last
-        z_dim = vae.config.z_dim
-        latents = torch.randn(1, z_dim, *latent, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+        vae.channels_last, vae.conv_dtype = channels_last, conv_dtype
+        latents = _latents(vae, latent, device)
         with cudnn_flags(tf32, autotune):
             decode_seconds(vae, latents, chunk, 1, device)  # warm-up: cuDNN plans (and search), allocator
             seconds = decode_seconds(vae, latents, chunk, args.repeats, device)
             kernels = profile_decode(vae, latents, chunk, device)
+            if exact is not None:
+                with torch.no_grad():
+                    kernels["accuracy"] = difference(vae.decode(latents, chunk_frames=chunk), exact)
         row = {"variant": name, "dtype": str(dtype).removeprefix("torch."), "chunk_frames": chunk,
                "cudnn_allow_tf32": tf32, "channels_last": channels_last, "cudnn_autotune": autotune,
-               "decode_s": round(seconds, 4), **kernels}
+               "conv_dtype": str(conv_dtype or dtype).removeprefix("torch."), "decode_s": round(seconds, 4),
+               **kernels}
         if device.type == "cuda":
             row["peak_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
             torch.cuda.reset_peak_memory_stats(device)
         rows.append(row)
-        print(json.dumps({k: row[k] for k in ("variant", "decode_s", "kernel_ms_per_step", "kernels_per_step",
-                                              "convolution_ms", "layout_conversion_ms", "categories_ms")}),
-              flush=True)
+        shown = ("variant", "decode_s", "kernel_ms_per_step", "kernels_per_step", "convolution_ms",
+                 "layout_conversion_ms", "categories_ms", "accuracy")
+        print(json.dumps({k: row[k] for k in shown if k in row}), flush=True)
         del vae
         if device.type == "cuda":
             torch.cuda.empty_cache()

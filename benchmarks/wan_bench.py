@@ -164,8 +164,10 @@ def summarize(timelines: list[dict], steps: int) -> dict:
 
 
 def _ours_config(quick: bool, vae_dtype: str, compile_dit: bool = False, vae_chunk_frames: int = 1,
-                 vae_autotune: bool = False, dit_graphs: bool = False) -> dict:
+                 vae_autotune: bool = False, dit_graphs: bool = False, vae_conv_dtype: str | None = None) -> dict:
     kwargs = {"vae_dtype": vae_dtype} if quick else {"dtype": "bfloat16", "vae_dtype": vae_dtype}
+    if vae_conv_dtype:
+        kwargs["vae_conv_dtype"] = vae_conv_dtype
     kwargs["compile"] = compile_dit
     kwargs["vae_chunk_frames"] = vae_chunk_frames
     kwargs["vae_autotune"] = vae_autotune
@@ -179,7 +181,7 @@ def bench_ours(args, shape: dict, device: torch.device) -> tuple[list[dict], dic
     rows = []
     t0 = time.perf_counter()
     config = _ours_config(args.quick, args.vae_dtype, args.compile, args.vae_chunk_frames, args.vae_autotune,
-                          args.dit_graphs)
+                          args.dit_graphs, args.vae_conv_dtype)
     with MStar(config=config, tiny=args.quick,
                load_format="auto" if args.quick else "dummy") as m:
         info = {"build_s": round(time.perf_counter() - t0, 1)}
@@ -248,6 +250,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--guidance", type=float, default=5.0)
     parser.add_argument("--vae-dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--vae-conv-dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                        help="wan22 vae_conv_dtype: the channels-last VAE decode's convolutions in this dtype "
+                        "(default: the deployment's default)")
     parser.add_argument("--skip-diffusers", action="store_true")
     parser.add_argument("--vae-chunk-frames", type=int, default=1, help="wan22 vae_chunk_frames: latent frames "
                         "the VAE decodes at once (more: faster, more memory)")
@@ -279,6 +284,7 @@ def main() -> None:
     result = {"benchmark": "wan_bench", "command": "python3 " + " ".join(sys.argv), **_versions(device),
               "model": "Wan2.2-TI2V-5B shapes, dummy weights" if not args.quick else "wan22 tiny (quick)",
               **shape, "guidance_scale": args.guidance, "vae_dtype": args.vae_dtype, "compile": args.compile,
+              "vae_conv_dtype": args.vae_conv_dtype,
               "vae_chunk_frames": args.vae_chunk_frames, "vae_autotune": args.vae_autotune,
               "dit_graphs": args.dit_graphs,
               "floor": floor,

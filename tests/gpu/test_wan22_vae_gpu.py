@@ -100,6 +100,33 @@ def test_bf16_decode_close_to_float32_at_full_width(exact_float32):
     assert 0 < diff.mean() < 0.05 and levels.float().mean() < 6
 
 
+def test_float16_convolutions_err_like_tf32(exact_float32):
+    """`vae_conv_dtype: float16` (the channels-last decode's convolutions alone in float16, the residual stream
+    float32) against the exact float32 decode (TF32 off), beside the TF32 decode served before it: same
+    default-init full-size weights, 3 latent frames of 128x192. float16 keeps TF32's 10-bit mantissa and adds
+    one rounding of each conv output, so its error should be of TF32's size, not bf16's (7 bits)."""
+    from mstar.models.wan22.vae import frames_to_uint8
+
+    torch.manual_seed(0)
+    vae = WanVAE(WAN22_TI2V_5B_VAE).to(DEVICE).eval()
+    latents = torch.randn(1, 48, 3, 8, 12, device=DEVICE)
+    exact = vae.decode(latents)
+    torch.backends.cudnn.allow_tf32 = True  # the fixture restores it
+    tf32 = vae.decode(latents)
+    vae.conv_dtype = torch.float16
+    half = vae.decode(latents)
+    errors = {}
+    for name, video in (("tf32", tf32), ("float16 convs", half)):
+        diff = (video - exact).abs()
+        levels = (frames_to_uint8(video).int() - frames_to_uint8(exact).int()).abs()
+        errors[name] = diff.mean().item(), diff.max().item(), levels.max().item()
+        logger.warning("%s vs exact float32: mean %.2e max %.2e (|x| mean %.3f), uint8 levels max %d",
+                       name, *errors[name][:2], exact.abs().mean(), errors[name][2])
+    assert torch.isfinite(half).all() and half.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in vae.parameters())
+    assert errors["float16 convs"][0] < 3 * errors["tf32"][0] and errors["float16 convs"][2] <= 2
+
+
 def _launches(fn) -> dict[str, int]:
     """CUDA kernel launches of fn() by name."""
     from torch.profiler import ProfilerActivity, profile

@@ -105,7 +105,8 @@ def check_add_space_time() -> None:
 
 def check_tiny_decode() -> None:
     """A tiny VAE (non-zero biases) decodes channels-last through all three kernels as the NCDHW decoder does
-    with the kernels off, streaming one latent frame at a time and (batch 2) all at once."""
+    with the kernels off, streaming one latent frame at a time and (batch 2) all at once; with float16
+    convolutions, as its channels-last PyTorch form does."""
     from mstar.models.wan22.vae_config import tiny_vae_config
     from mstar.models.wan22.vae_weights import load_vae
 
@@ -128,7 +129,16 @@ def check_tiny_decode() -> None:
             latents = torch.randn(batch, config.z_dim, 2, 2, 3)
             want = torch_form(vae.decode, latents, chunk, channels_last=False)
             _close(vae.decode(latents, chunk, channels_last=True), want)
+        # convolutions alone in float16 (`WanVAE.conv_dtype`): the kernels read half conv outputs beside
+        # float32 sums and write half conv inputs; their float32 math rounds where the PyTorch forms do
+        vae.conv_dtype = torch.float16
+        latents = torch.randn(1, config.z_dim, 2, 2, 3)
+        want = torch_form(vae.decode, latents, 1, channels_last=True)
+        got = vae.decode(latents, 1, channels_last=True)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
     finally:
+        vae.conv_dtype = None
         for name in names:
             setattr(wan_vae_cl_ops, name, originals[name])
     assert set(calls) == set(names), calls

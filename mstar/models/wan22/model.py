@@ -36,6 +36,9 @@ class Wan22ServeConfig:
     tiny: bool = False  # tiny random components (or a tiny checkpoint via --model-path) for tests
     dtype: str | None = None  # text encoder and DiT: None = float32 on CPU or tiny, else bfloat16
     vae_dtype: str = "float32"
+    # the VAE decode's convolutions in this dtype where it runs channels-last (CUDA); None: vae_dtype.
+    # float16 under a float32 VAE: TF32's mantissa at twice its tensor-core rate; sums stay float32
+    vae_conv_dtype: str | None = None
     text_length: int | None = None  # prompt tokens; None = 512 (tiny: 16)
     width: int | None = None  # default video size; None = 1280x704 (tiny: 64x64)
     height: int | None = None
@@ -59,6 +62,8 @@ class Wan22ServeConfig:
             raise ValueError(f"wan22 dtype={self.dtype!r}; choose one of {sorted(_DTYPES)}")
         if self.vae_dtype not in _DTYPES:
             raise ValueError(f"wan22 vae_dtype={self.vae_dtype!r}; choose one of {sorted(_DTYPES)}")
+        if self.vae_conv_dtype is not None and self.vae_conv_dtype not in _DTYPES:
+            raise ValueError(f"wan22 vae_conv_dtype={self.vae_conv_dtype!r}; choose one of {sorted(_DTYPES)}")
         for name in ("compile", "vae_autotune", "dit_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"wan22 {name}={getattr(self, name)!r} must be true or false (YAML booleans, unquoted)")
@@ -148,6 +153,7 @@ class Wan22Model(Model):
             return BuiltComponent(GuidanceScheduler(self.components.scheduler, self.vae_config, device))
         if name == "vae":
             vae = loaders.vae(self, _DTYPES[self.config.vae_dtype], device)
+            vae.conv_dtype = _DTYPES.get(self.config.vae_conv_dtype)
             return BuiltComponent(components.VAEComponent(vae, self.config.vae_chunk_frames,
                                                           autotune=self.config.vae_autotune))
         raise KeyError(f"wan22 has no component {name!r}; components are {sorted(self.graph().components)}")

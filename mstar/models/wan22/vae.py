@@ -105,6 +105,9 @@ class WanVAE(nn.Module):
         self.decoder = Decoder(config)
         # Decode channels-last (`vae_channels_last.py`)? None: on CUDA. `decode(channels_last=...)` overrides.
         self.channels_last: bool | None = None
+        # The channels-last decode's convolutions in this dtype (e.g. float16 for a float32 VAE; None: the
+        # weights' dtype); the residual stream, biases and sums stay in the weights' dtype.
+        self.conv_dtype: torch.dtype | None = None
 
     def latent_shape(self, frames: int, height: int, width: int) -> tuple[int, int, int, int]:
         """(channels, frames, height, width) of the latents of a video; ValueError when it cannot be encoded."""
@@ -213,7 +216,8 @@ class WanVAE(nn.Module):
         if not channels_last:
             return z, self.decoder
         to_channels_last(self.decoder)  # a no-op when the weights already are
-        return z.contiguous(memory_format=torch.channels_last_3d), partial(decode_chunk, self.decoder)
+        decode = partial(decode_chunk, self.decoder, conv_dtype=self.conv_dtype)
+        return z.contiguous(memory_format=torch.channels_last_3d), decode
 
     @staticmethod
     def _decode_frames(

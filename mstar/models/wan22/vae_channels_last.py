@@ -14,8 +14,13 @@ reading the output adds anyway (`kernels/wan_vae_cl_ops.py` on CUDA):
 - the upsampler's spatial conv's by the level's channels-to-pixels shortcut add, read in place.
 
 Only `to_qkv` (one small map a chunk) keeps its bias, and `conv_out`'s (12 channels) is added after it;
-on CUDA conv_out runs with its filters zero-padded to 32 (`_wide_weight`: cuDNN's kernel for 12 outputs
+on CUDA conv_out runs with its filters zero-padded to 32 (`_conv_weight`: cuDNN's kernel for 12 outputs
 was 3x slower).
+
+`conv_dtype` (e.g. float16 for a float32 VAE) runs the convolutions alone in that dtype: their inputs are
+written in it (the norms round once, from float32), their weights are cast copies made on first use, and
+the residual stream, the biases and every sum stay in the VAE's dtype. float16 keeps TF32's 10-bit
+mantissa and runs cuDNN's tensor cores at twice TF32's rate; its range (65,504) is the cost.
 
 Elsewhere (CPU, kernels off) PyTorch forms stand in for the kernels, and conv outputs are made
 channels-last (CPU conv3d returns NCDHW). Results equal `Decoder.forward`'s up to float32 rounding.
@@ -53,85 +58,94 @@ def to_channels_last(module: nn.Module) -> None:
                 conv.weight.data = conv.weight.data.contiguous(memory_format=fmt)
 
 
-def decode_chunk(decoder: nn.Module, z: torch.Tensor, stream: CausalStream) -> torch.Tensor:
-    """`Decoder.forward(z, stream)` in channels-last: patchified frames [B, out_channels, T, H, W]."""
+def decode_chunk(decoder: nn.Module, z: torch.Tensor, stream: CausalStream,
+                 conv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`Decoder.forward(z, stream)` in channels-last: patchified frames [B, out_channels, T, H, W] in z's dtype,
+    the convolutions in `conv_dtype` (None: z's)."""
     z = z.contiguous(memory_format=CL3D)
-    x = _causal_conv(decoder.conv_in, z, stream)
-    x = _mid_block(decoder.mid_block, x, decoder.conv_in.bias, stream)
+    cd = conv_dtype or z.dtype
+    x = _causal_conv(decoder.conv_in, z, stream, cd)
+    x = _mid_block(decoder.mid_block, x.to(z.dtype), decoder.conv_in.bias, stream, cd)
     for block in decoder.up_blocks:
-        x = _up_block(block, x, stream)
+        x = _up_block(block, x, stream, cd)
     conv_out = decoder.conv_out
-    out = _norm_conv(decoder.norm_out, conv_out, x, stream, weight=_wide_weight(conv_out) if x.is_cuda else None)
-    return out[:, : conv_out.out_channels].add_(conv_out.bias.view(1, -1, 1, 1, 1))
+    out = _norm_conv(decoder.norm_out, conv_out, x, stream, cd, wide=x.is_cuda)
+    return out[:, : conv_out.out_channels].to(z.dtype).add_(conv_out.bias.view(1, -1, 1, 1, 1))
 
 
 NARROW_CONV_CHANNELS = 32  # conv_out's 12 output channels are zero-padded to this many on CUDA
 
 
-def _wide_weight(conv: CausalConv3d) -> torch.Tensor:
-    """conv's weight with zero filters appended up to NARROW_CONV_CHANNELS outputs (cached per weight version).
+def _conv_weight(conv: nn.Conv2d | nn.Conv3d, dtype: torch.dtype, wide: bool = False) -> torch.Tensor:
+    """conv's weight in `dtype`, with `wide` zero filters appended up to NARROW_CONV_CHANNELS outputs; a copy
+    made once per weight version (conv's own weight when neither applies).
 
     For conv_out (256 -> 12 channels) cuDNN picks a kernel with a 16-wide tile that ran a 4-frame 832x480
     chunk in 4.2 ms; with 32 outputs (the 20 extra are zeros, sliced off) it picks one that takes 1.3 ms
     (`benchmarks/wan_vae_conv_out_micro.py`). The 12 channels differ only by TF32 rounding."""
     weight = conv.weight
-    if weight.shape[0] >= NARROW_CONV_CHANNELS:
+    wide = wide and weight.shape[0] < NARROW_CONV_CHANNELS
+    if weight.dtype == dtype and not wide:
         return weight
-    key = (weight.data_ptr(), weight._version)
-    cached = getattr(conv, "_wide_weight", None)
+    key = (weight.data_ptr(), weight._version, dtype, wide)
+    cached = getattr(conv, "_derived_weight", None)
     if cached is None or cached[0] != key:
-        wide = weight.new_zeros(NARROW_CONV_CHANNELS, *weight.shape[1:]).contiguous(memory_format=CL3D)
-        wide[: weight.shape[0]] = weight
-        cached = conv._wide_weight = (key, wide)
+        rows = NARROW_CONV_CHANNELS if wide else weight.shape[0]
+        fmt = CL3D if weight.dim() == 5 else torch.channels_last
+        derived = weight.new_zeros(rows, *weight.shape[1:], dtype=dtype).contiguous(memory_format=fmt)
+        derived[: weight.shape[0]] = weight
+        cached = conv._derived_weight = (key, derived)
     return cached[1]
 
 
-def _mid_block(block: MidBlock, x: torch.Tensor, x_bias: torch.Tensor, stream: CausalStream) -> torch.Tensor:
-    """`MidBlock.forward` of x + x_bias (conv_in's bias, carried into the first block)."""
-    x = _residual(block.resnets[0], x, stream, x_bias)
-    return _residual(block.resnets[1], _attention(block.attentions[0], x), stream)
+def _mid_block(block: MidBlock, x: torch.Tensor, x_bias: torch.Tensor, stream: CausalStream,
+               cd: torch.dtype) -> torch.Tensor:
+    """`MidBlock.forward` of x + x_bias (conv_in's bias, carried into the first block); convolutions in cd."""
+    x = _residual(block.resnets[0], x, stream, cd, x_bias)
+    return _residual(block.resnets[1], _attention(block.attentions[0], x, cd), stream, cd)
 
 
-def _residual(block: ResidualBlock, x: torch.Tensor, stream: CausalStream,
+def _residual(block: ResidualBlock, x: torch.Tensor, stream: CausalStream, cd: torch.dtype,
               x_bias: torch.Tensor | None = None) -> torch.Tensor:
     """`ResidualBlock.forward` of x + x_bias (the bias of x's conv, not yet added)."""
-    h = _norm_conv(block.norm1, block.conv1, x, stream, bias=x_bias)
-    h = _norm_conv(block.norm2, block.conv2, h, stream, bias=block.conv1.bias)
+    h = _norm_conv(block.norm1, block.conv1, x, stream, cd, bias=x_bias)
+    h = _norm_conv(block.norm2, block.conv2, h, stream, cd, bias=block.conv1.bias)
     if block.conv_shortcut is None:
-        return add_biased(h, block.conv2.bias, x, x_bias, out=h)
+        return add_biased(h, block.conv2.bias, x, x_bias, out=_out(h, x.dtype))
     assert x_bias is None, "a pending input bias does not pass through a 1x1 shortcut here"
-    shortcut = _conv(block.conv_shortcut, x)
-    return add_biased(h, block.conv2.bias, shortcut, block.conv_shortcut.bias, out=h)
+    shortcut = _conv(block.conv_shortcut, x.to(cd))
+    return add_biased(h, block.conv2.bias, shortcut, block.conv_shortcut.bias, out=_out(h, x.dtype))
 
 
-def _attention(block: AttentionBlock, x: torch.Tensor) -> torch.Tensor:
+def _attention(block: AttentionBlock, x: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
     """`AttentionBlock.forward`: each frame's pixels are rows of C channels already, so q, k, v are views."""
     b, c, t, h, w = x.shape
-    qkv = _conv(block.to_qkv, _frames(norm_ndhwc(block.norm, x)), bias=True)  # [B T, 3C, H, W]
+    normed = norm_ndhwc(block.norm, x, out=_empty(b, c, t, h, w, x, cd))
+    qkv = _conv(block.to_qkv, _frames(normed), bias=True)  # [B T, 3C, H, W]
     q, k, v = qkv.permute(0, 2, 3, 1).reshape(b * t, 1, h * w, 3 * c).chunk(3, dim=-1)
     out = F.scaled_dot_product_attention(q, k, v).reshape(b * t, h, w, c).permute(0, 3, 1, 2)
     y = _video(_conv(block.proj, out), b)
-    return add_biased(y, block.proj.bias, x, None, out=y)
+    return add_biased(y, block.proj.bias, x, None, out=_out(y, x.dtype))
 
 
-def _up_block(block: ResidualUpBlock, x: torch.Tensor, stream: CausalStream) -> torch.Tensor:
+def _up_block(block: ResidualUpBlock, x: torch.Tensor, stream: CausalStream, cd: torch.dtype) -> torch.Tensor:
     """`ResidualUpBlock.forward`, with `Upsample.forward` inlined so its conv's bias joins the shortcut add."""
     starts_video = stream.starts(block)
     x_in = x
     for resnet in block.resnets:
-        x = _residual(resnet, x, stream)
+        x = _residual(resnet, x, stream, cd)
     up = block.upsampler
     if up is None:
         return x
     if up.time_conv is not None:
-        x = _upsample_time(up, x, stream)
+        x = _upsample_time(up, x, stream, cd)
     conv = up.resample[1]
-    y = _video(_conv(conv, up.resample[0](_frames(x))), x.shape[0])
+    y = _video(_conv(conv, up.resample[0](_frames(x.to(cd)))), x.shape[0])  # cast before the 2x2 upsampling
     drop = block.factor_t - 1 if starts_video else 0
-    return add_space_time(y, conv.bias, x_in, block.factor_t, drop, out=y)
+    return add_space_time(y, conv.bias, x_in, block.factor_t, drop, out=_out(y, x.dtype))
 
 
-def _upsample_time(up: Upsample, x: torch.Tensor, stream: CausalStream) -> torch.Tensor:
+def _upsample_time(up: Upsample, x: torch.Tensor, stream: CausalStream, cd: torch.dtype) -> torch.Tensor:
     """`Upsample._upsample_time`: frame t's time conv yields frames 2t, 2t + 1 (frame 0 of the video one)."""
     b, c, t, h, w = x.shape
     head = 1 if stream.starts(up) else 0
@@ -140,21 +154,21 @@ def _upsample_time(up: Upsample, x: torch.Tensor, stream: CausalStream) -> torch
     if head:
         out_rows[:, :1].copy_(x[:, :, :1].permute(0, 2, 3, 4, 1))
     if t > head:
-        y = _causal_conv(up.time_conv, x[:, :, head:], stream)  # [B, (2 C), T, H, W]
+        y = _causal_conv(up.time_conv, x[:, :, head:], stream, cd)  # [B, (2 C), T, H, W]
         halves = y.permute(0, 2, 3, 4, 1).view(b, t - head, h, w, 2, c).permute(0, 1, 4, 2, 3, 5)
         bias = up.time_conv.bias.view(2, 1, 1, c)
         torch.add(halves, bias, out=out_rows[:, head:].view(b, t - head, 2, h, w, c))
     return out
 
 
-def _norm_conv(norm: ChannelRMSNorm, conv: CausalConv3d, x: torch.Tensor, stream: CausalStream,
-               bias: torch.Tensor | None = None, weight: torch.Tensor | None = None) -> torch.Tensor:
-    """conv(SiLU(norm(x + bias)), stream) without conv's bias (with `weight` in place of conv's when given):
-    the norm writes into the conv's input buffer after the past frames (the stream's, or zeros before
-    frame 0)."""
+def _norm_conv(norm: ChannelRMSNorm, conv: CausalConv3d, x: torch.Tensor, stream: CausalStream, cd: torch.dtype,
+               bias: torch.Tensor | None = None, wide: bool = False) -> torch.Tensor:
+    """conv(SiLU(norm(x + bias)), stream) in cd without conv's bias (`wide`: its filters zero-padded, see
+    `_conv_weight`): the norm writes into the conv's input buffer after the past frames (the stream's, or
+    zeros before frame 0)."""
     b, c, t, h, w = x.shape
     past = conv.context
-    buf = _empty(b, c, past + t, h, w, x)
+    buf = _empty(b, c, past + t, h, w, x, cd)
     if past:
         tail = stream.tail(conv)
         if tail is None:
@@ -164,25 +178,26 @@ def _norm_conv(norm: ChannelRMSNorm, conv: CausalConv3d, x: torch.Tensor, stream
     norm_ndhwc(norm, x, bias, silu=True, out=buf[:, :, past:])
     if past:
         stream.keep(conv, buf[:, :, -past:])
-    return _conv(conv, buf, weight=weight)
+    return _conv(conv, buf, wide=wide)
 
 
-def _causal_conv(conv: CausalConv3d, x: torch.Tensor, stream: CausalStream) -> torch.Tensor:
-    """`conv(x, stream)` without its bias, the past frames concatenated (its input is no norm's output)."""
+def _causal_conv(conv: CausalConv3d, x: torch.Tensor, stream: CausalStream, cd: torch.dtype) -> torch.Tensor:
+    """`conv(x, stream)` in cd without its bias, the past frames concatenated (its input is no norm's output)."""
     tail = stream.tail(conv)
     if tail is None:
-        tail = _empty(x.shape[0], x.shape[1], conv.context, *x.shape[3:], like=x).zero_()
-    x = torch.cat([tail, x], dim=2)  # stays channels-last: both parts are
+        tail = _empty(x.shape[0], x.shape[1], conv.context, *x.shape[3:], like=x, dtype=cd).zero_()
+    x = torch.cat([tail, x.to(cd)], dim=2)  # stays channels-last: both parts are
     stream.keep(conv, x[:, :, -conv.context :])
     return _conv(conv, x)
 
 
-def _conv(conv: nn.Conv2d | nn.Conv3d, x: torch.Tensor, bias: bool = False,
-          weight: torch.Tensor | None = None) -> torch.Tensor:
-    """conv's convolution of a channels-last x (its bias only when `bias`; `weight` for conv's), channels-last out."""
+def _conv(conv: nn.Conv2d | nn.Conv3d, x: torch.Tensor, bias: bool = False, wide: bool = False) -> torch.Tensor:
+    """conv's convolution of a channels-last x in x's dtype (its bias only when `bias`; `wide`: see
+    `_conv_weight`), channels-last out."""
     fn = F.conv3d if x.dim() == 5 else F.conv2d
-    weight = conv.weight if weight is None else weight
-    y = fn(x, weight, conv.bias if bias else None, conv.stride, conv.padding, conv.dilation, conv.groups)
+    weight = _conv_weight(conv, x.dtype, wide)
+    b = conv.bias.to(x.dtype) if bias else None
+    y = fn(x, weight, b, conv.stride, conv.padding, conv.dilation, conv.groups)
     return _cl(y)  # a no-op on CUDA (cuDNN answers in the input's layout); CPU conv3d returns NCDHW
 
 
@@ -190,8 +205,13 @@ def _cl(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous(memory_format=CL3D if x.dim() == 5 else torch.channels_last)
 
 
-def _empty(b: int, c: int, t: int, h: int, w: int, like: torch.Tensor) -> torch.Tensor:
-    return like.new_empty(b, t, h, w, c).permute(0, 4, 1, 2, 3)
+def _empty(b: int, c: int, t: int, h: int, w: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return like.new_empty(b, t, h, w, c, dtype=dtype or like.dtype).permute(0, 4, 1, 2, 3)
+
+
+def _out(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where a sum that reads y is written: over y itself when y is in the stream's dtype, else a new tensor."""
+    return y if y.dtype == dtype else torch.empty_like(y, dtype=dtype, memory_format=CL3D)
 
 
 def _frames(x: torch.Tensor) -> torch.Tensor:
