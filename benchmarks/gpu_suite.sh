@@ -123,9 +123,9 @@ if [[ $WHAT == wan_profile ]]; then  # one DiT forward (batch 2) per variant, th
   run 200 profile_wan python3 benchmarks/profile_wan.py --batch 2 --out "$OUT/profile_wan_h200.json"
   run 200 profile_wan_vae python3 benchmarks/profile_wan_vae.py --out "$OUT/profile_wan_vae_h200.json"
 fi
-if [[ $WHAT == sampler ]]; then  # the fused sampler against the PyTorch form, and its phases
+if [[ $WHAT == sampler ]]; then  # the fused sampler against the PyTorch form, and its slice configs
   run 120 sampler_micro python3 benchmarks/sampler_micro.py --vocab 28680 --batch 1 4 16 --scale 3.0 \
-      --kernel-configs 16384x16 --phases --out "$OUT/sampler_micro_h200.json"
+      --kernel-configs 1024x4 2048x4 2048x8 4096x8 --out "$OUT/sampler_micro_h200.json"
 fi
 if [[ $WHAT == wan || $WHAT == all ]]; then
   run 60 wan_block_ops python3 benchmarks/wan_block_ops.py --out "$OUT/wan_block_ops_h200.json"

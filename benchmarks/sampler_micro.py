@@ -42,9 +42,9 @@ def case(vocab: int, batch: int, mix: str, scale: float, fused: bool) -> float:
     return graph_time_us(lambda x: sampling.sample_static(x, table, seen, mix == "orpheus"), logits)
 
 
-def kernel_configs(vocab: int, batch: int, configs: list[str], stops: tuple[int, ...] = (0,)) -> dict[str, float]:
-    """GPU us of `fused_sampling.sample_rows` alone (Orpheus rows, peaked logits) per BLOCKxWARPS config
-    and per phase (`stop`: 1-3 end the kernel after its first, second walk, the candidates' copy)."""
+def kernel_configs(vocab: int, batch: int, configs: list[str]) -> dict[str, float]:
+    """GPU us of `fused_sampling.sample_rows` alone (Orpheus rows, peaked logits) per SLICExWARPS config
+    (ids per program of its sliced kernels, and their warps)."""
     from mstar.kernels.fused_sampling import sample_rows
 
     rows = [SamplingRow(ORPHEUS, list(range(i, i + 300)), 100) for i in range(batch)]
@@ -54,12 +54,12 @@ def kernel_configs(vocab: int, batch: int, configs: list[str], stops: tuple[int,
     logits = torch.randn(batch, vocab, device="cuda") * 3.0
     out = {}
     for config in configs:
-        block, warps = (int(v) for v in config.split("x"))
-        for stop in stops:
-            def draw(x: torch.Tensor, block: int = block, warps: int = warps, stop: int = stop) -> torch.Tensor:
-                return sample_rows(x, table, seen, noise, True, block, warps, stop)
+        slice_, warps = (int(v) for v in config.split("x"))
 
-            out[config if stop == 0 else f"{config}_stop{stop}"] = round(graph_time_us(draw, logits), 2)
+        def draw(x: torch.Tensor, slice_: int = slice_, warps: int = warps) -> torch.Tensor:
+            return sample_rows(x, table, seen, noise, True, slice_, warps)
+
+        out[config] = round(graph_time_us(draw, logits), 2)
     return out
 
 
@@ -69,10 +69,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     ap.add_argument("--mix", nargs="+", default=["orpheus", "mixed"], choices=["orpheus", "mixed"])
     ap.add_argument("--scale", type=float, nargs="+", default=[3.0, 0.5])
-    ap.add_argument("--kernel-configs", nargs="*", default=[], metavar="BLOCKxWARPS",
-                    help="also time sample_rows alone at these block sizes and warp counts, e.g. 8192x16 4096x8")
-    ap.add_argument("--phases", action="store_true", help="with --kernel-configs: also time the kernel cut "
-                    "after each phase (first walk; second walk with the histogram; the candidates' copy)")
+    ap.add_argument("--kernel-configs", nargs="*", default=[], metavar="SLICExWARPS",
+                    help="also time sample_rows alone at these slice sizes and warp counts, e.g. 2048x4 4096x8")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     results = []
@@ -90,8 +88,7 @@ def main() -> None:
     if args.kernel_configs:
         for vocab in args.vocab:
             for batch in args.batch:
-                stops = (1, 2, 3, 0) if args.phases else (0,)
-                row = {"vocab": vocab, "batch": batch, **kernel_configs(vocab, batch, args.kernel_configs, stops)}
+                row = {"vocab": vocab, "batch": batch, **kernel_configs(vocab, batch, args.kernel_configs)}
                 print(json.dumps(row), flush=True)
                 kernel.append(row)
     out = {"command": "python3 " + " ".join(sys.argv), "device": torch.cuda.get_device_name(),

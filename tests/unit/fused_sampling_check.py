@@ -28,7 +28,7 @@ def check(params: list[SamplingParams], vocab: int, scale: float, seed: int, fil
     noise = torch.empty_like(logits).exponential_()
     torch.manual_seed(seed)
     expected = sample_static(logits, table, seen, filtered)  # on CPU: the PyTorch form, with the same noise
-    got = sample_rows(logits, table, seen, noise, filtered, block=256, num_warps=4)
+    got = sample_rows(logits, table, seen, noise, filtered, slice_=256)
     assert got.tolist() == expected.tolist(), (vocab, scale, seed, filtered, got, expected)
     return got.tolist()
 
