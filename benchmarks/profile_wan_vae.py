@@ -5,15 +5,15 @@ the wan_bench shape). Variants (each: one warm-up decode, `--repeats` timed ones
 
 - `float32`: the NCDHW decoder (`vae_dtype: float32`, one latent frame per decoder call), as served until
   the channels-last one;
-- `float32_cl`: the channels-last decoder with folded conv biases (`models/wan22/vae_channels_last.py`), as
-  served by default on CUDA now; `float32_cl_autotune`: the same with cuDNN timing its algorithms per
+- `float32_cl`: the channels-last decoder with folded conv biases (`models/wan22/vae_channels_last.py`), TF32
+  convolutions (`vae_conv_dtype: float32`), as served until float16 ones; `float32_cl_autotune`: the same with cuDNN timing its algorithms per
   convolution shape (`model_kwargs.vae_autotune`); `float32_cl_chunk3`: channels-last, three latent
   frames per decoder call;
 - `float32_chunk3`: three latent frames per decoder call (NCDHW);
 - `float32_no_tf32`: cuDNN's TF32 off, to show whether the convolutions use TF32 tensor cores at all (NCDHW);
 - `bfloat16`, `bfloat16_cl`: the VAE in bf16, NCDHW and channels-last;
 - `float32_cl_fp16conv`: the float32 VAE channels-last with its convolutions alone in float16
-  (`model_kwargs.vae_conv_dtype: float16`; the residual stream and sums stay float32).
+  (`model_kwargs.vae_conv_dtype`'s default; the residual stream and sums stay float32), as served on CUDA.
 
 `--accuracy` also decodes the latents once in float32 with TF32 off (NCDHW, the exact reference) and
 records each variant's difference from it: mean and max on the [-1, 1] scale, and in uint8 levels.

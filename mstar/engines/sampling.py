@@ -206,7 +206,7 @@ def sample_static(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor,
     `filtered`: the caller promises that every row samples (temperature > 0) under top-k or top-p,
     so the stages for greedy and unfiltered rows are left out."""
     if (logits.is_cuda and logits.shape[1] <= FUSED_MAX_VOCAB and _FUSED_SAMPLER.usable
-            and sampling_filters.triton_available()):  # one launch: kernels/fused_sampling.py
+            and sampling_filters.triton_available()):  # Triton kernels: kernels/fused_sampling.py
         noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
         ids = _FUSED_SAMPLER.run(lambda: _fused_sample(logits, table, seen, noise, filtered), lambda: None)
         if ids is not None:
@@ -221,7 +221,7 @@ def sample_static(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor,
 
 
 _FUSED_SAMPLER = KernelGuard("fused sampling")
-FUSED_MAX_VOCAB = 65_536  # wider rows: the PyTorch form (its topk beat one program per row at 151,936 ids)
+FUSED_MAX_VOCAB = 262_144  # wider rows: the PyTorch form (the fused kernels' slices stay <= 8,192 ids up to here)
 
 
 def _fused_sample(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, noise: torch.Tensor,

@@ -24,9 +24,10 @@ A row whose nucleus may reach past the candidates (flat logits: the candidates' 
 fewer than top_k fit) is flagged and left to `nucleus.nucleus_race_`, the exact whole-vocabulary
 bisection, which exits at once for every other row.
 
-One program per row took 56 µs at batch 1 on an H200 (walks 2 and 3 were 20 µs each: the histogram's
-shared-memory atomics and the copy's block-wide scan, over 28,680 ids on one SM); `benchmarks/sampler_micro.py`
-times this form.
+On an H200 (`benchmarks/sampler_micro.py`, graph-timed `sample_static`): 18.5 / 20.2 / 26.8 µs at batch 1 / 4 /
+16 over Orpheus's 28,680-id window with 2,048-id slices, where one program per row took 56 / 58 / 62 (its
+walks 2 and 3 were 20 µs each on one SM: the histogram's shared-memory atomics and the copy's block-wide
+scan); 32 µs at batch 1 over Qwen's 151,936 ids, against 120 in the PyTorch form.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ CANDIDATES = 1024  # = sampling_filters.PREFILTER_K: the widest top-k the sample
 SHORT_SORT = 128  # candidates sorted in the short sort, when enough of the nucleus fits in them
 BINS = 256  # bins of the distance below the max ...
 BIN_SCALE = 8.0  # ... 1/8 of a logit wide: the last bin holds everything 32 or more below the max
-SLICE = 2048  # ids per program of kernels 1-3 ...
+SLICE = 1024  # ids per program of kernels 1-3 ...
 MAX_PARTS = 32  # ... or more, so that a row has at most this many (each program reads every slice's counts)
 
 
@@ -255,18 +256,20 @@ def _race_sorted(cand_row, noise_row, id_ptr, need_ptr, count, top, total, top_k
 
 
 def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, noise: torch.Tensor,
-                filtered: bool = False, slice_: int = SLICE, num_warps: int = 4, race_warps: int = 8) -> torch.Tensor:
+                filtered: bool = False, slice_: int = SLICE, num_warps: int | None = None,
+                race_warps: int = 8) -> torch.Tensor:
     """Ids [N] (columns of `logits`) drawn from float32 `logits` [N, V] as `sampling.sample_static`
     draws them: `table` [N, C] float32 `RowTable.columns` rows, `seen` [N, V] bool seen-token masks,
     Exp(1) `noise` [N, V]; `filtered`: every row samples under top-k or top-p. Rows whose nucleus
     reaches past the candidates are redrawn over the whole vocabulary by `nucleus.nucleus_race_`.
     Five launches (`slice_` ids a program, more where a row would take over MAX_PARTS programs; `num_warps`
-    each, the race `race_warps`), no host sync (CUDA-graph capturable)."""
+    each, None: 4 up to 2,048 ids, else 8; the race `race_warps`), no host sync (CUDA-graph capturable)."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and seen.stride(1) == 1 and noise.stride(1) == 1 and table.stride(1) == 1
     assert seen.shape == logits.shape and noise.shape == logits.shape and table.shape[0] == rows
     slice_ = max(slice_, triton.next_power_of_2(triton.cdiv(vocab, MAX_PARTS)))  # wide rows: wider slices
     parts = triton.cdiv(vocab, slice_)
+    num_warps = num_warps or (4 if slice_ <= 2048 else 8)
     device = logits.device
     x = torch.empty(rows, vocab, dtype=torch.float32, device=device)
     pmax = torch.empty(rows, parts, dtype=torch.float32, device=device)

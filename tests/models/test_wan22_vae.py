@@ -249,6 +249,39 @@ def test_serve_option_vae_dtype_builds_the_vae_in_it_and_rejects_others():
         Wan22Model.make_config(tiny=True, vae_dtype="fp8")
 
 
+def test_serve_option_vae_conv_dtype_defaults_to_float16_for_a_float32_vae_and_falls_back_on_overflow(caplog):
+    """`vae_conv_dtype`: float16 convolutions by default under a float32 VAE (the channels-last decode: CUDA,
+    or asked for), the VAE's dtype otherwise; a decode that overflows float16 is redone in float32, which
+    then stays, and the request gets the float32 frames."""
+    from mstar.models.wan22.model import Wan22Model
+
+    assert Wan22Model.make_config(tiny=True).conv_dtype() == "float16"
+    assert Wan22Model.make_config(tiny=True, vae_dtype="bfloat16").conv_dtype() == "bfloat16"
+    assert Wan22Model.make_config(tiny=True, vae_conv_dtype="float32").conv_dtype() == "float32"
+    with pytest.raises(ValueError, match=r"vae_conv_dtype='half'; choose one of"):
+        Wan22Model.make_config(tiny=True, vae_conv_dtype="half")
+    component = Wan22Model(Wan22Model.make_config(tiny=True)).build_component("vae", torch.device("cpu")).module
+    vae = component.vae
+    assert vae.conv_dtype == torch.float16 and not vae.runs_channels_last(torch.device("cpu"))
+    vae.channels_last = True  # as on CUDA
+    latents = torch.randn(vae.config.z_dim, 2, 4, 4)
+    with torch.no_grad():
+        vae.decoder.conv_in.weight.mul_(1e7)  # activations past float16's range
+    finite = torch.ones((), dtype=torch.bool)
+    list(vae.decode_chunks(latents[None], 1, finite=finite))
+    assert not finite  # the float16 decode overflowed
+    vae.conv_dtype = None
+    finite = torch.ones((), dtype=torch.bool)
+    list(vae.decode_chunks(latents[None], 1, finite=finite))
+    assert finite  # float32 holds it
+    want = frames_to_uint8(vae.decode(latents[None], chunk_frames=1))[0]
+    vae.conv_dtype = torch.float16
+    with caplog.at_level("WARNING"):
+        out = component.run_batch("t2v", "decode", [{"latents": latents}], [{}])
+    assert vae.conv_dtype is None and "overflowed" in caplog.text
+    assert torch.equal(out[0]["video"], want)
+
+
 def test_serve_option_vae_autotune_times_cudnn_only_around_the_vae():
     """`vae_autotune`: the VAE's calls run with cudnn.benchmark on (cuDNN times its algorithms per
     convolution shape), and the process-wide flag is as it was afterwards; off by default."""

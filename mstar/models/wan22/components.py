@@ -144,12 +144,21 @@ class VAEComponent(nn.Module):
     def _decode(self, latents: torch.Tensor, options: dict) -> dict:
         debug = bool(options.get("debug_outputs"))
         pixels, floats = [], []
-        for chunk in self.vae.decode_chunks(latents[None], self.chunk_frames):  # [1, 3, t, H, W] in [-1, 1]
+        finite = torch.ones((), dtype=torch.bool, device=latents.device)
+        for chunk in self.vae.decode_chunks(latents[None], self.chunk_frames, finite=finite):  # [1, 3, t, H, W]
             pixels.append(frames_to_uint8(chunk, non_blocking=True)[0])  # no host wait per chunk on CUDA
             if debug:
                 floats.append(((chunk[0] + 1) / 2).permute(1, 2, 3, 0).cpu())
         if latents.is_cuda:  # the chunks' pinned copies are queued, not done
             torch.cuda.current_stream(latents.device).synchronize()
+        if self.vae.conv_dtype is not None and self.vae.runs_channels_last(latents.device) and not bool(finite):
+            # float16 convolutions overflowed (a checkpoint's activations beyond 65,504): this request and
+            # every later one decode with convolutions in the weights' dtype
+            logger.warning("wan22 VAE: the decode's %s convolutions overflowed; decoding in %s from now on",
+                           str(self.vae.conv_dtype).removeprefix("torch."),
+                           str(self.vae.post_quant_conv.weight.dtype).removeprefix("torch."))
+            self.vae.conv_dtype = None
+            return self._decode(latents, options)
         video = torch.cat(pixels)
         modalities = options.get("modalities") or ["video"]
         out: dict[str, torch.Tensor] = {}

@@ -36,8 +36,10 @@ class Wan22ServeConfig:
     tiny: bool = False  # tiny random components (or a tiny checkpoint via --model-path) for tests
     dtype: str | None = None  # text encoder and DiT: None = float32 on CPU or tiny, else bfloat16
     vae_dtype: str = "float32"
-    # the VAE decode's convolutions in this dtype where it runs channels-last (CUDA); None: vae_dtype.
-    # float16 under a float32 VAE: TF32's mantissa at twice its tensor-core rate; sums stay float32
+    # the VAE decode's convolutions in this dtype where it runs channels-last (CUDA); None: float16 for a
+    # float32 VAE (TF32's 10-bit mantissa at twice its tensor-core rate, sums and the residual stream stay
+    # float32; a request whose decode overflows float16 is decoded again in float32, which then stays),
+    # else vae_dtype. "float32": TF32 convolutions, as before
     vae_conv_dtype: str | None = None
     text_length: int | None = None  # prompt tokens; None = 512 (tiny: 16)
     width: int | None = None  # default video size; None = 1280x704 (tiny: 64x64)
@@ -72,6 +74,13 @@ class Wan22ServeConfig:
         if self.max_batch_size < 1 or self.vae_chunk_frames < 1:
             raise ValueError(f"wan22 max_batch_size={self.max_batch_size} and vae_chunk_frames="
                              f"{self.vae_chunk_frames} must be >= 1")
+
+
+    def conv_dtype(self) -> str:
+        """The dtype of the channels-last VAE decode's convolutions (`vae_conv_dtype` resolved)."""
+        if self.vae_conv_dtype is not None:
+            return self.vae_conv_dtype
+        return "float16" if self.vae_dtype == "float32" else self.vae_dtype
 
 
 def _graph() -> ModelGraph:
@@ -153,7 +162,7 @@ class Wan22Model(Model):
             return BuiltComponent(GuidanceScheduler(self.components.scheduler, self.vae_config, device))
         if name == "vae":
             vae = loaders.vae(self, _DTYPES[self.config.vae_dtype], device)
-            vae.conv_dtype = _DTYPES.get(self.config.vae_conv_dtype)
+            vae.conv_dtype = _DTYPES[self.config.conv_dtype()]
             return BuiltComponent(components.VAEComponent(vae, self.config.vae_chunk_frames,
                                                           autotune=self.config.vae_autotune))
         raise KeyError(f"wan22 has no component {name!r}; components are {sorted(self.graph().components)}")

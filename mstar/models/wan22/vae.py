@@ -186,17 +186,22 @@ class WanVAE(nn.Module):
 
     @torch.no_grad()
     def decode_chunks(
-        self, latents: torch.Tensor, chunk_frames: int | None = 1, channels_last: bool | None = None
+        self, latents: torch.Tensor, chunk_frames: int | None = 1, channels_last: bool | None = None,
+        finite: torch.Tensor | None = None,
     ) -> Iterator[torch.Tensor]:
         """Like `decode`, but yields the video chunk by chunk as it is decoded (1 frame, then 4 per latent).
 
         Lets a caller encode or send frames while later ones decode, holding only one chunk of pixels.
+        `finite` (a bool tensor on the latents' device) is and-ed with whether every chunk was finite before
+        clamping, on the device: a float16 overflow shows there without a host wait per chunk.
         """
         z, decoder = self._post_quant(latents, chunk_frames, channels_last)
         step = chunk_frames or z.shape[2]
         stream = CausalStream()
         for i in range(0, z.shape[2], step):
             frames = decoder(z[:, :, i : i + step], stream)
+            if finite is not None:
+                finite.logical_and_(torch.isfinite(frames).all())
             yield unpatchify(frames, self.config.patch_size).float().clamp_(-1.0, 1.0)
 
     def _post_quant(
@@ -211,13 +216,15 @@ class WanVAE(nn.Module):
         if chunk_frames is not None and chunk_frames <= 0:
             raise ValueError(f"chunk_frames={chunk_frames} must be positive, or None")
         z = self.post_quant_conv(self.denormalize(latents).to(self._dtype()))
-        if channels_last is None:
-            channels_last = z.is_cuda if self.channels_last is None else self.channels_last
-        if not channels_last:
+        if not (self.runs_channels_last(z.device) if channels_last is None else channels_last):
             return z, self.decoder
         to_channels_last(self.decoder)  # a no-op when the weights already are
         decode = partial(decode_chunk, self.decoder, conv_dtype=self.conv_dtype)
         return z.contiguous(memory_format=torch.channels_last_3d), decode
+
+    def runs_channels_last(self, device: torch.device) -> bool:
+        """Whether a decode on `device` takes the channels-last walk by default (`self.channels_last`, or CUDA)."""
+        return device.type == "cuda" if self.channels_last is None else self.channels_last
 
     @staticmethod
     def _decode_frames(
