@@ -162,6 +162,9 @@ def main() -> None:
     latent = TINY_LATENT if args.quick else LATENT
     rows = []
     exact = exact_decode(config, latent, device) if args.accuracy else None
+    if device.type == "cuda":  # the reference decode's peak is not the first variant's
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     for name in args.variants:
         dtype, chunk, tf32, channels_last, autotune, conv_dtype = VARIANTS[name]
         vae = load_vae(load_format="dummy", config=config, dtype=dtype, device=device)

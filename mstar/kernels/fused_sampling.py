@@ -3,7 +3,7 @@ min-p and the exponential race, each row split over several programs, for the sa
 
 The PyTorch form takes some sixty kernels a step (a `topk` of 1,024 alone is five), about 0.1 ms of
 GPU time at batch 1 over Orpheus's 28,680-id head on an H200. A row is cut into slices of SLICE ids,
-one program each (15 for Orpheus's head), so a step's walks over the row run on as many SMs:
+one program each (28 for Orpheus's head), so a step's walks over the row run on as many SMs:
 1. `_scale_kernel`: scale the slice's logits (repetition penalty where the token was seen, then
    1/temperature, rounded as the PyTorch form rounds them), store them, and keep the slice's max, its
    first id and the sum of exp(x - slice max);
@@ -24,10 +24,10 @@ A row whose nucleus may reach past the candidates (flat logits: the candidates' 
 fewer than top_k fit) is flagged and left to `nucleus.nucleus_race_`, the exact whole-vocabulary
 bisection, which exits at once for every other row.
 
-On an H200 (`benchmarks/sampler_micro.py`, graph-timed `sample_static`): 18.5 / 20.2 / 26.8 µs at batch 1 / 4 /
-16 over Orpheus's 28,680-id window with 2,048-id slices, where one program per row took 56 / 58 / 62 (its
-walks 2 and 3 were 20 µs each on one SM: the histogram's shared-memory atomics and the copy's block-wide
-scan); 32 µs at batch 1 over Qwen's 151,936 ids, against 120 in the PyTorch form.
+On an H200 (`benchmarks/sampler_micro.py`, graph-timed `sample_static`): 17.3 / 18.9 / 28.1 µs at batch 1 / 4 /
+16 over Orpheus's 28,680-id window, where one program per row took 56 / 58 / 62 (its walks 2 and 3 were
+20 µs each on one SM: the histogram's shared-memory atomics and the copy's block-wide scan); 29 µs at
+batch 1 over Qwen's 151,936 ids, against 120 in the PyTorch form.
 """
 
 from __future__ import annotations

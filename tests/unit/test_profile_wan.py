@@ -68,18 +68,24 @@ def test_quick_run_writes_the_report(tmp_path: Path) -> None:
 
 
 def test_profile_wan_vae_quick_run(tmp_path: Path) -> None:
-    """benchmarks/profile_wan_vae.py --quick: every variant decodes the tiny VAE on CPU and is profiled."""
+    """benchmarks/profile_wan_vae.py --quick --accuracy: every variant decodes the tiny VAE on CPU, is profiled
+    and compared with the exact float32 decode."""
     out = tmp_path / "vae.json"
-    proc = subprocess.run([sys.executable, "benchmarks/profile_wan_vae.py", "--quick", "--repeats", "1", "--out",
-                           str(out)], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "benchmarks/profile_wan_vae.py", "--quick", "--accuracy", "--repeats", "1",
+                           "--out", str(out)], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(out.read_text())
     rows = {row["variant"]: row for row in doc["rows"]}
     assert set(rows) == {"float32", "float32_cl", "float32_cl_autotune", "float32_cl_chunk3", "float32_chunk3",
-                         "float32_no_tf32", "bfloat16", "bfloat16_cl"}
+                         "float32_no_tf32", "bfloat16", "bfloat16_cl", "float32_cl_fp16conv"}
     for row in rows.values():
         assert row["decode_s"] > 0 and 0 < row["convolution_ms"] <= row["kernel_ms_per_step"]
     assert rows["float32_chunk3"]["chunk_frames"] == 3 and rows["bfloat16"]["dtype"] == "bfloat16"
     assert rows["float32_cl"]["channels_last"] and not rows["float32"]["channels_last"]
     assert rows["float32_cl_autotune"]["cudnn_autotune"] and not rows["float32_cl"]["cudnn_autotune"]
+    assert rows["float32_cl_fp16conv"]["conv_dtype"] == "float16" and rows["float32_cl"]["conv_dtype"] == "float32"
+    error = {name: row["accuracy"]["mean_abs"] for name, row in rows.items()}
+    assert error["float32"] < 1e-6 and error["float32_cl"] < 1e-5  # float32 on the CPU: rounding alone
+    assert 1e-5 < error["float32_cl_fp16conv"] < error["bfloat16_cl"] < 0.05
+    assert rows["float32_cl_fp16conv"]["accuracy"]["max_levels"] <= 2
