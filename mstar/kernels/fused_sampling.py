@@ -76,6 +76,14 @@ def _row_top(pmax_ptr, pid_ptr, psum_ptr, row, parts, PB: tl.constexpr):
 
 
 @triton.jit
+def _slice_counts(counts_ptr, row, parts, PB: tl.constexpr, BINS: tl.constexpr):
+    """The row's bin counts per slice, [PB, BINS] (rows past `parts` zero)."""
+    p = tl.arange(0, PB)
+    return tl.load(counts_ptr + (row * parts + p[:, None]) * BINS + tl.arange(0, BINS)[None, :],
+                   mask=(p < parts)[:, None], other=0)
+
+
+@triton.jit
 def _fit(counts, total, top_k, top_p, vocab, CAND: tl.constexpr, SMALL: tl.constexpr, BINS: tl.constexpr,
          BIN_SCALE: tl.constexpr):
     """How many bins nearest the max are candidates (never the last, catch-all bin). Enough of them: bins
@@ -149,8 +157,7 @@ def _gather_kernel(table_ptr, x_ptr, pmax_ptr, pid_ptr, psum_ptr, counts_ptr, ca
     top, _, total = _row_top(pmax_ptr, pid_ptr, psum_ptr, row, parts, PB)
     p = tl.arange(0, PB)
     b = tl.arange(0, BINS)
-    per_slice = tl.load(counts_ptr + (row * parts + p[:, None]) * BINS + b[None, :], mask=(p < parts)[:, None],
-                        other=0)
+    per_slice = _slice_counts(counts_ptr, row, parts, PB, BINS)
     fit = _fit(tl.sum(per_slice, axis=0), total, tl.load(t + 3), tl.load(t + 4), vocab, CAND, SMALL, BINS, BIN_SCALE)
     base = tl.sum(tl.sum(tl.where((p < part)[:, None] & (b < fit)[None, :], per_slice, 0), axis=1), axis=0)
     offs = part * SLICE + tl.arange(0, SLICE)
@@ -213,10 +220,8 @@ def _race_candidates(counts_ptr, cand_ptr, noise_row, ids_ptr, need_ptr, row, pa
                      vocab, PB: tl.constexpr, CAND: tl.constexpr, SMALL: tl.constexpr, BINS: tl.constexpr,
                      BIN_SCALE: tl.constexpr):
     """The row's draw from the candidates `_gather_kernel` copied (their count from the slices' counts)."""
-    p = tl.arange(0, PB)
     b = tl.arange(0, BINS)
-    per_slice = tl.load(counts_ptr + (row * parts + p[:, None]) * BINS + b[None, :], mask=(p < parts)[:, None], other=0)
-    counts = tl.sum(per_slice, axis=0)
+    counts = tl.sum(_slice_counts(counts_ptr, row, parts, PB, BINS), axis=0)
     count = tl.sum(tl.where(b < _fit(counts, total, top_k, top_p, vocab, CAND, SMALL, BINS, BIN_SCALE), counts, 0),
                    axis=0)
     if count <= SMALL:
