@@ -1,4 +1,4 @@
-"""`sampling.sample_static` in four small Triton launches: penalties, temperature, greedy, top-k, top-p,
+"""`sampling.sample_static` in four small Triton launches (and the fallback's): penalties, temperature, greedy, top-k, top-p,
 min-p and the exponential race, each row split over several programs, for the sampler CUDA graphs.
 
 The PyTorch form takes some sixty kernels a step (a `topk` of 1,024 alone is five), about 0.1 ms of
@@ -103,7 +103,7 @@ def _fit(counts, total, top_k, top_p, vocab, CAND: tl.constexpr, SMALL: tl.const
 @triton.jit
 def _scale_kernel(logits_ptr, seen_ptr, table_ptr, x_ptr, pmax_ptr, pid_ptr, psum_ptr, vocab, stride_l, stride_s,
                   stride_t, SLICE: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * vocab can pass 2**31 in a large batch
     part = tl.program_id(1)
     parts = tl.num_programs(1)
     t = table_ptr + row * stride_t  # RowTable.columns: 1/T, penalty, 1/penalty, top_k, top_p, min_p, greedy, filtered
@@ -128,7 +128,7 @@ def _scale_kernel(logits_ptr, seen_ptr, table_ptr, x_ptr, pmax_ptr, pid_ptr, psu
 @triton.jit
 def _count_kernel(table_ptr, x_ptr, pmax_ptr, counts_ptr, vocab, stride_t, FILTERED: tl.constexpr,
                   SLICE: tl.constexpr, PB: tl.constexpr, BINS: tl.constexpr, BIN_SCALE: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * vocab can pass 2**31 in a large batch
     part = tl.program_id(1)
     parts = tl.num_programs(1)
     if _skips(table_ptr + row * stride_t, FILTERED):
@@ -148,7 +148,7 @@ def _count_kernel(table_ptr, x_ptr, pmax_ptr, counts_ptr, vocab, stride_t, FILTE
 def _gather_kernel(table_ptr, x_ptr, pmax_ptr, pid_ptr, psum_ptr, counts_ptr, cand_ptr, vocab, stride_t,
                    FILTERED: tl.constexpr, SLICE: tl.constexpr, PB: tl.constexpr, CAND: tl.constexpr,
                    SMALL: tl.constexpr, BINS: tl.constexpr, BIN_SCALE: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * vocab can pass 2**31 in a large batch
     part = tl.program_id(1)
     parts = tl.num_programs(1)
     t = table_ptr + row * stride_t
@@ -173,7 +173,7 @@ def _race_kernel(table_ptr, x_ptr, noise_ptr, pmax_ptr, pid_ptr, psum_ptr, count
                  lse_ptr, pmin_ptr, top_p_ptr, top_k_ptr, vocab, parts, stride_t, stride_n, FILTERED: tl.constexpr,
                  NB: tl.constexpr, BLOCK: tl.constexpr, PB: tl.constexpr, CAND: tl.constexpr, SMALL: tl.constexpr,
                  BINS: tl.constexpr, BIN_SCALE: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * vocab can pass 2**31 in a large batch
     t = table_ptr + row * stride_t
     top, top_id, total = _row_top(pmax_ptr, pid_ptr, psum_ptr, row, parts, PB)
     lse = top + tl.log(total)
