@@ -25,6 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from mstar.layers.fused import FUSED
+from mstar.models.common.derived import derived
 
 
 @dataclass(frozen=True)
@@ -89,18 +90,6 @@ class SnacConfig:
 def _fused(x: torch.Tensor) -> bool:
     """Whether x takes the fused kernels (a contiguous [B, C, T] tensor where fused kernels are on)."""
     return x.dim() == 3 and x.is_contiguous() and FUSED.ops_for(x) is not None
-
-
-def _derived(module: nn.Module, sources: tuple[torch.Tensor, ...], make) -> torch.Tensor:
-    """`make()` computed once per value of `sources` (parameters) and kept on `module`: weights rearranged
-    for a fused kernel, recomputed if a parameter is loaded or changed in place."""
-    key = tuple((t.data_ptr(), t._version) for t in sources)
-    cached = module.__dict__.get("_derived_cache")
-    if cached is None or cached[0] != key:
-        with torch.no_grad():
-            cached = (key, make())
-        module.__dict__["_derived_cache"] = cached
-    return cached[1]
 
 
 @dataclass(frozen=True)
@@ -246,7 +235,7 @@ class DecoderBlock(nn.Module):
         snake, conv, *rest = self.block
         stride, padding = conv.stride[0], conv.padding[0]
         out_len = (x.shape[-1] - 1) * stride - 2 * padding + conv.kernel_size[0] + conv.output_padding[0]
-        weight = _derived(conv, (conv.weight,), lambda: snac_ops.transposed_gemm_weight(conv.weight))
+        weight = derived(conv, "gemm_weight", (conv.weight,), lambda: snac_ops.transposed_gemm_weight(conv.weight))
         x = snac_ops.transposed_conv(snake(x) if x_snaked is None else x_snaked, weight, conv.bias, stride,
                                      padding, out_len)
         # the Snake each layer writes beside its output: the next unit's first, or the caller's after the last
@@ -360,7 +349,8 @@ class Quantizer(nn.Module):
             def project(level=level) -> torch.Tensor:
                 book = level.codebook.weight.t()[None]  # [1, codebook_dim, codebook_size]
                 return level.out_proj(book)[0].t().contiguous()
-            out.append(_derived(level, (level.codebook.weight, level.out_proj.weight, level.out_proj.bias), project))
+            sources = (level.codebook.weight, level.out_proj.weight, level.out_proj.bias)
+            out.append(derived(level, "projected_codebook", sources, project))
         return out
 
 

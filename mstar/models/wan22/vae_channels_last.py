@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.layers.fused import FUSED
+from mstar.models.common.derived import derived
 from mstar.models.wan22.vae_blocks import ResidualUpBlock, Upsample, channels_to_space_time
 from mstar.models.wan22.vae_layers import (
     AttentionBlock,
@@ -78,7 +79,7 @@ NARROW_CONV_CHANNELS = 32  # conv_out's 12 output channels are zero-padded to th
 
 def _conv_weight(conv: nn.Conv2d | nn.Conv3d, dtype: torch.dtype, wide: bool = False) -> torch.Tensor:
     """conv's weight in `dtype`, with `wide` zero filters appended up to NARROW_CONV_CHANNELS outputs; a copy
-    made once per weight version (conv's own weight when neither applies).
+    made once per weight version (`models/common/derived.py`; conv's own weight when neither applies).
 
     For conv_out (256 -> 12 channels) cuDNN picks a kernel with a 16-wide tile that ran a 4-frame 832x480
     chunk in 4.2 ms; with 32 outputs (the 20 extra are zeros, sliced off) it picks one that takes 1.3 ms
@@ -87,15 +88,15 @@ def _conv_weight(conv: nn.Conv2d | nn.Conv3d, dtype: torch.dtype, wide: bool = F
     wide = wide and weight.shape[0] < NARROW_CONV_CHANNELS
     if weight.dtype == dtype and not wide:
         return weight
-    key = (weight.data_ptr(), weight._version, dtype, wide)
-    cached = getattr(conv, "_derived_weight", None)
-    if cached is None or cached[0] != key:
+
+    def make() -> torch.Tensor:
         rows = NARROW_CONV_CHANNELS if wide else weight.shape[0]
         fmt = CL3D if weight.dim() == 5 else torch.channels_last
-        derived = weight.new_zeros(rows, *weight.shape[1:], dtype=dtype).contiguous(memory_format=fmt)
-        derived[: weight.shape[0]] = weight
-        cached = conv._derived_weight = (key, derived)
-    return cached[1]
+        out = weight.new_zeros(rows, *weight.shape[1:], dtype=dtype).contiguous(memory_format=fmt)
+        out[: weight.shape[0]] = weight
+        return out
+
+    return derived(conv, f"weight_{str(dtype).removeprefix('torch.')}{'_wide' if wide else ''}", (weight,), make)
 
 
 def _mid_block(block: MidBlock, x: torch.Tensor, x_bias: torch.Tensor, stream: CausalStream,
