@@ -36,13 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-EPS = 1e-9  # SNAC's Snake adds it to alpha
-
-
-@triton.jit
-def _snake(x, alpha, inv):
-    s = tl.sin(alpha * x)
-    return x + inv * s * s
+from mstar.kernels.snake import EPS, snake_of
 
 
 @triton.jit
@@ -60,11 +54,11 @@ def _depthwise_kernel(x_ptr, w_ptr, b_ptr, a_in_ptr, a_out_ptr, out_ptr, n_chann
         src = steps + (k - TAPS // 2) * dilation
         v = tl.load(x_ptr + base + src, mask=mask & (src >= 0) & (src < n_steps), other=0.0).to(tl.float32)
         if SNAKE_IN:
-            v = _snake(v, a_in, inv_in)
+            v = snake_of(v, a_in, inv_in)
         acc += v * tl.load(w_ptr + channel * TAPS + k).to(tl.float32)
     if SNAKE_OUT:
         a_out = tl.load(a_out_ptr + channel).to(tl.float32)
-        acc = _snake(acc, a_out, 1.0 / (a_out + eps))
+        acc = snake_of(acc, a_out, 1.0 / (a_out + eps))
     tl.store(out_ptr + base + steps, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -83,7 +77,7 @@ def _bias_residual_kernel(x_ptr, y_ptr, b_ptr, a_ptr, out_ptr, snaked_ptr, n_cha
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
     if SNAKE:  # the next layer's Snake of this output, written beside it
         alpha = tl.load(a_ptr + channel).to(tl.float32)
-        tl.store(snaked_ptr + offsets, _snake(out, alpha, 1.0 / (alpha + eps)).to(snaked_ptr.dtype.element_ty),
+        tl.store(snaked_ptr + offsets, snake_of(out, alpha, 1.0 / (alpha + eps)).to(snaked_ptr.dtype.element_ty),
                  mask=mask)
 
 
@@ -121,7 +115,7 @@ def _table_noise_kernel(x_ptr, lin_ptr, table_ptr, first_ptr, a_ptr, out_ptr, sn
     tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
     if SNAKE:
         alpha = tl.load(a_ptr + row % n_channels).to(tl.float32)
-        tl.store(snaked_ptr + offsets, _snake(out, alpha, 1.0 / (alpha + eps)).to(snaked_ptr.dtype.element_ty),
+        tl.store(snaked_ptr + offsets, snake_of(out, alpha, 1.0 / (alpha + eps)).to(snaked_ptr.dtype.element_ty),
                  mask=mask)
 
 

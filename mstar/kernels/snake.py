@@ -17,7 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-EPS = 1e-9  # as the reference adds to e^beta
+EPS = 1e-9  # as the reference adds to e^beta (SNAC's Snake: to alpha)
+
+
+@triton.jit
+def snake_of(x, alpha, inv_beta):
+    """x + sin(alpha x)^2 * inv_beta, in float32 (shared with the fused SNAC kernels, `snac_ops.py`)."""
+    s = tl.sin(alpha * x)
+    return x + inv_beta * s * s
 
 
 @triton.jit
@@ -35,8 +42,7 @@ def _snake_beta_kernel(x_ptr, alpha_ptr, beta_ptr, out_ptr, n_channels, n_steps,
     mask = steps < n_steps
     offsets = row.to(tl.int64) * n_steps + steps  # past 2**31 elements at large batches
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    s = tl.sin(x * alpha)
-    tl.store(out_ptr + offsets, (x + inv_beta * s * s).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offsets, snake_of(x, alpha, inv_beta).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
