@@ -42,14 +42,13 @@ def compile_report(block_m: int, block_n: int, block_k: int, warps: int, fold_k:
                    k: int = 3072, stages: int = 2) -> dict:
     """Compile the plain GEMV (no bias, norm or gate; one split) for sm_90a and read ptxas' report."""
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
-           "lock_ptr": "*i32", "r_ptr": "*bf16", "nw_ptr": "*bf16", "res_out_ptr": "*bf16", "cos_ptr": "*fp32",
-           "sin_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
-           "stride_rm": "i32", "gate_offset": "i32", "eps": "fp32", "pair_n": "i32", "cs_stride": "i32"}
+           "lock_ptr": "*i32", "r_ptr": "*bf16", "nw_ptr": "*bf16", "res_out_ptr": "*bf16", "M": "i32", "N": "i32",
+           "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32", "gate_offset": "i32", "eps": "fp32"}
     names = list(sig)
     const = dict(HAS_BIAS=False, GATED=False, NORM=False, HAS_RES=False, SPLIT_K=1, EVEN_K=True,
                  K_ITERS=k // block_k, K_CHUNKS=k // block_k, BROADCAST_X=block_k >= 8 * 32 * warps,
                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FOLD_K=fold_k,
-                 PRE=min(preload, k // block_k), PAIR=0, HALF_D=1, PDL=True)
+                 PRE=min(preload, k // block_k), PDL=True)
     sig.update({name: "constexpr" for name in const})
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _ALIGNED}
     src = ASTSource(fn=gemv._gemv_kernel, signature=sig, constexprs=const, attrs=attrs)

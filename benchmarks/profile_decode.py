@@ -12,12 +12,11 @@ With --pdl both, everything is profiled with Programmatic Dependent Launch of th
 then on (mstar/kernels/pdl.py; the skinny-GEMM choices are re-timed for each, as a fresh process with
 that MSTAR_PDL would); --pdl off / on forces one; the default follows MSTAR_PDL (auto: on for sm_90+).
 With --gemv-preload, each setting (weight tiles a decode-GEMV program loads before its PDL wait,
-`mstar/kernels/gemv.py` PRELOAD) gets its own engine, graphs and skinny-GEMM choices; so does each
---pairs setting (the paired-epilogue GEMVs of `mstar/layers/linear.py`: both = off, then on). --speakable-span
+`mstar/kernels/gemv.py` PRELOAD) gets its own engine, graphs and skinny-GEMM choices. --speakable-span
 restricts the head to Orpheus' speakable span, as the served model does.
 
     python3 benchmarks/profile_decode.py [--batch-sizes 1 16 64] [--variants none rope reduce norm all]
-        [--pdl {env,off,on,both}] [--gemv-preload 1 2 3 4] [--pairs {on,off,both}] [--speakable-span]
+        [--pdl {env,off,on,both}] [--gemv-preload 1 2 3 4] [--speakable-span]
         [--out benchmarks/results/profile_decode_h200.json]
 
 Measures, asserts nothing. Needs a CUDA GPU.
@@ -53,8 +52,6 @@ from mstar.models.orpheus.tokens import OrpheusTokens  # noqa: E402
 # variant -> (RoPE in attention, split merge in attention, RMSNorm folded into the GEMV)
 VARIANTS = {"none": (False, False, False), "rope": (True, False, False), "reduce": (False, True, False),
             "norm": (False, False, True), "all": (True, True, True)}
-# --pairs -> the SKINNY.pairs values profiled one after another
-PAIRS = {"on": (True,), "off": (False,), "both": (False, True)}
 # --pdl -> the PDL.mode values profiled one after another (None: as MSTAR_PDL sets it)
 PDL_MODES = {"env": (None,), "off": (False,), "on": (True,), "both": (False, True)}
 
@@ -203,8 +200,6 @@ def main() -> None:
                         help="engine context limit (default: just what the run needs); decode splits KV by it")
     parser.add_argument("--gemv-preload", type=int, nargs="+", choices=(1, 2, 3, 4), default=None,
                         help="GEMV weight tiles loaded before the PDL wait to compare, one engine each")
-    parser.add_argument("--pairs", choices=sorted(PAIRS), default="on",
-                        help="paired-epilogue GEMVs (SiLU after gate_up, rotary after qkv): on, off, or both in turn")
     parser.add_argument("--speakable-span", action="store_true",
                         help="the head reads Orpheus' speakable span only, as served (model_kwargs.audio_logits_only)")
     parser.add_argument("--out", default="benchmarks/results/profile_decode_h200.json")
@@ -218,19 +213,18 @@ def main() -> None:
     result = {"benchmark": "profile_decode", "command": "python3 " + " ".join(sys.argv),
               "device": torch.cuda.get_device_name()}
     modes = PDL_MODES[args.pdl]
-    if args.gemv_preload or args.pairs != "on":
+    if args.gemv_preload:
         set_pdl(modes[0])
         result["variants"] = {}
-        for pairs in PAIRS[args.pairs]:
-            for tiles in args.gemv_preload or [PRELOAD.tiles]:
-                print(json.dumps({"gemv_preload": tiles, "pairs": pairs}), flush=True)
-                PRELOAD.tiles, SKINNY.pairs = tiles, pairs
-                SKINNY.decisions.clear()  # timed again: each setting changes what the GEMVs cost in a graph
-                label = f"gemv_preload={tiles}/pairs={'on' if pairs else 'off'}"
-                label += f" (run {sum(key.startswith(label) for key in result['variants']) + 1})" \
-                    if label in result["variants"] else ""
-                result["variants"][label] = profile_engine(model, config, args)
-                result["variants"][label]["skinny_choices"] = skinny_choices()
+        for tiles in args.gemv_preload:
+            print(json.dumps({"gemv_preload": tiles}), flush=True)
+            PRELOAD.tiles = tiles
+            SKINNY.decisions.clear()  # timed again: the preload changes what a GEMV costs in a graph
+            label = f"gemv_preload={tiles}"
+            label += f" (run {sum(key.startswith(label) for key in result['variants']) + 1})" \
+                if label in result["variants"] else ""
+            result["variants"][label] = profile_engine(model, config, args)
+            result["variants"][label]["skinny_choices"] = skinny_choices()
     elif args.variants is None and len(modes) == 1:
         set_pdl(modes[0])
         result.update(profile_engine(model, config, args))

@@ -39,7 +39,6 @@ import triton
 import triton.language as tl
 
 from mstar import envs
-from mstar.kernels.fused_ops import rotated, silu_times
 from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 MAX_M = 4  # rows above this take the tl.dot kernel in skinny_gemm
@@ -69,7 +68,9 @@ def _load_x(x_ptrs, k, gate_offset, mask, r_ptrs, nw_ptrs, inv, GATED: tl.conste
             up = tl.load(x_ptrs + gate_offset + k)
         else:
             up = tl.load(x_ptrs + gate_offset + k, mask=mask, other=0.0)
-        x = silu_times(x, up)
+        g = x.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)  # F.silu rounds to the input dtype
+        x = (act * up.to(tl.float32)).to(x.dtype)  # and so does `silu(gate) * up`
     if NORM:  # x -> rms_norm(x (+ r)) with the row's 1/rms, rounded where fused_ops.rms_norm rounds
         if HAS_RES:
             if EVEN_K:
@@ -206,67 +207,16 @@ def _fma_pre(acc0, acc1, acc2, acc3, w1, w2, w3, k_start, rk, K, x_ptrs, r_ptrs,
 
 
 @triton.jit
-def _tile_rows(pid_n, N, pair_n, PAIR: tl.constexpr, BLOCK_N: tl.constexpr, HALF_D: tl.constexpr):
-    """The weight rows of program pid_n's tile and which of them exist. PAIR 0: BLOCK_N consecutive rows.
-    PAIR 1 (SiLU pairs): gate row c and up row pair_n + c side by side, for BLOCK_N // 2 outputs c.
-    PAIR 2 (rotary pairs): rows j and j + HALF_D of a q/k head side by side, for pair_n pairs (the
-    rotated heads' halves); programs past them take the remaining (v) rows consecutively."""
-    t = tl.arange(0, BLOCK_N)
-    if PAIR == 0:
-        rows = pid_n * BLOCK_N + t
-        ok = rows < N
-    elif PAIR == 1:
-        c = pid_n * (BLOCK_N // 2) + t // 2
-        rows = c + (t % 2) * pair_n
-        ok = c < pair_n
-    else:
-        pair_progs = tl.cdiv(pair_n, BLOCK_N // 2)
-        p = pid_n * (BLOCK_N // 2) + t // 2
-        rotated_rows = (p // HALF_D) * (2 * HALF_D) + p % HALF_D + (t % 2) * HALF_D
-        plain = 2 * pair_n + (pid_n - pair_progs) * BLOCK_N + t
-        rows = tl.where(pid_n < pair_progs, rotated_rows, plain)
-        ok = tl.where(pid_n < pair_progs, p < pair_n, plain < N)
-    return rows, ok
-
-
-@triton.jit
-def _store_out(vals, out_ptr, rm, rn, M, N, mask, pid_n, pair_n, cos_ptr, sin_ptr, cs_stride, PAIR: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HALF_D: tl.constexpr):
-    """Store a finished [BLOCK_M, BLOCK_N] tile (fp32 sums, bias added), rounded to the output dtype as
-    F.linear rounds. PAIR 1: silu(gate) * up of each pair, as `fused_ops.silu_and_mul` rounds it, into
-    the [M, pair_n] output. PAIR 2: each (j, j + HALF_D) pair rotated by its row's cos/sin as
-    `fused_ops.rotary` rounds it (v rows as they are), into the [M, N] output."""
-    y = vals.to(out_ptr.dtype.element_ty)
-    if PAIR == 0:
-        tl.store(out_ptr + rm[:, None] * N + rn[None, :], y, mask=mask)
-    elif PAIR == 1:
-        gate, up = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
-        c = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(out_ptr + rm[:, None] * pair_n + c[None, :], silu_times(gate, up),
-                 mask=(rm[:, None] < M) & (c[None, :] < pair_n))
-    else:
-        a1, a2 = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
-        j = (pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)) % HALF_D
-        row_cs = tl.minimum(rm, M - 1)[:, None] * cs_stride
-        o1, o2 = rotated(a1.to(tl.float32), a2.to(tl.float32), y.dtype, cos_ptr + row_cs, sin_ptr + row_cs,
-                         j[None, :])
-        turned = tl.reshape(tl.join(o1, o2), (BLOCK_M, BLOCK_N))
-        keep = pid_n >= tl.cdiv(pair_n, BLOCK_N // 2)  # a v program: no rotation
-        tl.store(out_ptr + rm[:, None] * N + rn[None, :], tl.where(keep, y, turned), mask=mask)
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, res_out_ptr, cos_ptr, sin_ptr, M, N,
-                 K, stride_xm, stride_wn, stride_rm, gate_offset, eps, pair_n, cs_stride,
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, res_out_ptr, M, N, K, stride_xm,
+                 stride_wn, stride_rm, gate_offset, eps,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                  SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, K_ITERS: tl.constexpr, K_CHUNKS: tl.constexpr,
                  BROADCAST_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 FOLD_K: tl.constexpr, PRE: tl.constexpr, PAIR: tl.constexpr, HALF_D: tl.constexpr,
-                 PDL: tl.constexpr):
+                 FOLD_K: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rn, n_ok = _tile_rows(pid_n, N, pair_n, PAIR, BLOCK_N, HALF_D)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     # Clamped indices keep the weight loads unmasked (vectorised); the extra rows are never stored.
@@ -322,12 +272,12 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, 
     if BLOCK_M > 2:
         part = tl.where(rm[:, None] == 2, tl.sum(acc2, axis=1)[None, :], part)
         part = tl.where(rm[:, None] == 3, tl.sum(acc3, axis=1)[None, :], part)
-    mask = (rm[:, None] < M) & n_ok[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    out_ptrs = out_ptr + rm[:, None] * N + rn[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             part += tl.load(b_ptr + rn_safe).to(tl.float32)[None, :]
-        _store_out(part, out_ptr, rm, rn, M, N, mask, pid_n, pair_n, cos_ptr, sin_ptr, cs_stride, PAIR, BLOCK_M,
-                   BLOCK_N, HALF_D)
+        tl.store(out_ptrs, part.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tile = rm[:, None] * N + rn[None, :]
         tl.store(ws_ptr + pid_k * M * N + tile, part, mask=mask)
@@ -339,8 +289,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, 
                 total += tl.load(ws_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(b_ptr + rn_safe).to(tl.float32)[None, :]
-            _store_out(total, out_ptr, rm, rn, M, N, mask, pid_n, pair_n, cos_ptr, sin_ptr, cs_stride, PAIR, BLOCK_M,
-                       BLOCK_N, HALF_D)
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
@@ -363,8 +312,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block
          block_k: int, split_k: int = 1, num_warps: int = 4, num_stages: int = 2,
          gated: bool = False, norm: tuple[torch.Tensor, float] | None = None,
          residual: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
-         fold_k: int = 1, silu_pairs: bool = False,
-         rope: tuple[torch.Tensor, torch.Tensor, int, int] | None = None) -> torch.Tensor:
+         fold_k: int = 1) -> torch.Tensor:
     """x [M, K] (or [M, 2K] = [gate | up] when `gated`) times weight [N, K].T (+ bias) -> [M, N].
 
     M <= block_m <= MAX_M. Output in x's dtype, accumulated in fp32, bit-reproducible; inputs are
@@ -374,50 +322,28 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block
     (contiguous) when a residual is given. Not with `gated`. `fold_k` (`SkinnyConfig` checks it) sums
     groups of that many products along K inside each thread every chunk, so the accumulators take
     fold_k times fewer registers (more rows of x per program at the same register budget).
-
-    Paired epilogues (even block_n; each program's tile holds pairs of rows, so the step after the
-    projection happens before its store and no kernel runs for it):
-    `silu_pairs`: weight = [gate | up] rows [2I, K]; returns silu(gate) * up [M, I] as
-    `fused_ops.silu_and_mul` would. `rope` = (cos, sin [M, D] float32, rotated heads, D): the first
-    rotated heads * D output columns (q and k heads of a qkv projection) come out rotated as
-    `fused_ops.rotary` rotates them (rotate-half), the rest as they are.
     """
     m = x.shape[0]
     n, k = weight.shape
     assert not (gated and norm is not None), "gemv: gated and norm do not combine"
     assert (residual is None) == (residual_out is None), "gemv: residual and residual_out go together"
-    assert not (silu_pairs and rope is not None), "gemv: one paired epilogue at a time"
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split = triton.cdiv(k, k_per_split)  # rounding k_per_split up can leave fewer splits
-    pair, pair_n, half_d, cos, sin, out_n = 0, 0, 1, x, x, n
-    if silu_pairs or rope is not None:
-        assert block_n % 2 == 0, "gemv: paired epilogues need an even block_n"
-    if silu_pairs:
-        assert n % 2 == 0, "gemv: silu_pairs needs weight rows [gate | up]"
-        pair, pair_n, out_n = 1, n // 2, n // 2
-        tiles = triton.cdiv(pair_n, block_n // 2)
-    elif rope is not None:
-        cos, sin, heads, head_dim = rope
-        assert head_dim % 2 == 0 and heads * head_dim <= n and cos.stride(1) == 1 and sin.stride() == cos.stride()
-        pair, pair_n, half_d = 2, heads * head_dim // 2, head_dim // 2
-        tiles = triton.cdiv(pair_n, block_n // 2) + triton.cdiv(n - 2 * pair_n, block_n)
-    else:
-        tiles = triton.cdiv(n, block_n)
-    out = torch.empty((m, out_n), dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(n, block_n)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = _buffer("ws", x.device, split * m * n) if split > 1 else out
     lock = _buffer("lock", x.device, tiles) if split > 1 else out
     norm_weight, eps = norm if norm is not None else (x, 0.0)
     res = residual if residual is not None else x
     _gemv_kernel[(tiles, split)](
         x, weight, bias if bias is not None else weight, out, ws, lock, res, norm_weight,
-        residual_out if residual_out is not None else x, cos, sin, m, n, k, x.stride(0), weight.stride(0),
-        res.stride(0), k, eps, pair_n, cos.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, HAS_RES=residual is not None,
+        residual_out if residual_out is not None else x, m, n, k, x.stride(0), weight.stride(0), res.stride(0), k,
+        eps, HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, HAS_RES=residual is not None,
         SPLIT_K=split, EVEN_K=split * k_per_split == k, K_ITERS=k_per_split // block_k,
         K_CHUNKS=triton.cdiv(k, block_k),
         BROADCAST_X=block_k >= 16 // x.element_size() * 32 * num_warps,  # 16-byte loads by every thread
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FOLD_K=fold_k,
-        PRE=max(1, min(PRELOAD.tiles, k_per_split // block_k)), PAIR=pair, HALF_D=half_d, num_warps=num_warps,
+        PRE=max(1, min(PRELOAD.tiles, k_per_split // block_k)), num_warps=num_warps,
         num_stages=num_stages,
         **pdl_args(x.device),
     )

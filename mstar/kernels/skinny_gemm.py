@@ -280,61 +280,6 @@ def skinny_silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias
                 cfg.num_stages, gated=True, fold_k=cfg.fold_k)
 
 
-def _paired(cfg: SkinnyConfig) -> SkinnyConfig:
-    """`cfg` with an even block_n (2 for a config of one row a program), as the paired epilogues need."""
-    return cfg if cfg.block_n % 2 == 0 else SkinnyConfig(cfg.block_m, 2 * cfg.block_n, cfg.block_k, cfg.split_k,
-                                                         cfg.num_warps, cfg.num_stages, cfg.fold_k)
-
-
-def skinny_gate_up_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                        config: SkinnyConfig | None = None) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T) [M, I] for weight [2I, K] = [gate | up] rows (+ bias), M <= GEMV_MAX_M.
-
-    Equals `fused_ops.silu_and_mul(skinny_linear(x, weight, bias))` bit for bit (each program holds a
-    gate row and its up row, and rounds both as the projection's output would before the activation),
-    in one launch and without the [M, 2I] round trip. `config` (block_m <= 4) overrides `pick_config`'s
-    for the gate_up shape; an odd block_n is doubled.
-    """
-    m, k = x.shape
-    if weight.shape[0] % 2:
-        raise ValueError(f"skinny_gate_up_silu needs weight rows [gate | up] (an even count), got {tuple(weight.shape)}")
-    _check(x, weight, k, GEMV_MAX_M, "skinny_gate_up_silu")
-    cfg = _paired(_gemv_only(config or pick_config(m, weight.shape[0], k, _sm_count(x.device)), m,
-                             "skinny_gate_up_silu"))
-    return gemv(x, weight, bias, cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.num_stages,
-                fold_k=cfg.fold_k, silu_pairs=True)
-
-
-def skinny_qkv_rotary(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
-                      sin: torch.Tensor, rotated_heads: int, head_dim: int,
-                      config: SkinnyConfig | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) [M, N] for a qkv projection with its first `rotated_heads` heads of
-    `head_dim` (q and k) rotated by cos/sin [M, head_dim] (float32, rotate-half), M <= GEMV_MAX_M.
-
-    Equals `skinny_linear` followed by `fused_ops.rotary` on those heads bit for bit (each program holds
-    the rows j and j + head_dim / 2 of one head), in one launch. `config` (block_m <= 4) overrides
-    `pick_config`'s; an odd block_n is doubled.
-    """
-    m, k = x.shape
-    if head_dim % 2 or rotated_heads * head_dim > weight.shape[0]:
-        raise ValueError(f"skinny_qkv_rotary: {rotated_heads} heads of {head_dim} do not fit {weight.shape[0]} rows")
-    if cos.shape != (m, head_dim) or sin.shape != cos.shape or cos.dtype != torch.float32 or cos.stride(1) != 1 \
-            or sin.stride() != cos.stride():
-        raise ValueError(f"skinny_qkv_rotary needs float32 cos/sin [{m}, {head_dim}] with one layout, got "
-                         f"{tuple(cos.shape)} {cos.dtype} stride {cos.stride()}, sin stride {sin.stride()}")
-    _check(x, weight, k, GEMV_MAX_M, "skinny_qkv_rotary")
-    cfg = _paired(_gemv_only(config or pick_config(m, weight.shape[0], k, _sm_count(x.device)), m,
-                             "skinny_qkv_rotary"))
-    return gemv(x, weight, bias, cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.num_stages,
-                fold_k=cfg.fold_k, rope=(cos, sin, rotated_heads, head_dim))
-
-
-def _gemv_only(cfg: SkinnyConfig, m: int, what: str) -> SkinnyConfig:
-    if cfg.use_dot or cfg.block_m < m:
-        raise ValueError(f"{what} needs a GEMV config with {m} <= block_m <= {GEMV_MAX_M}, got {cfg}")
-    return cfg
-
-
 def pick_norm_config(m: int, n: int, k: int, sm_count: int = 132) -> SkinnyConfig:
     """The GEMV config of `skinny_norm_linear` for [m, k] -> [m, n]: `TUNED_NORM`, else the GEMV config
     `pick_config` gives the plain projection."""

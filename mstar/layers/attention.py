@@ -3,8 +3,7 @@
 The KV cache and the attention kernel live in the backend (`mstar.engines.attention`); this module
 only turns hidden states [T, hidden] into q/k/v [T, heads, head_dim] and back. A backend whose
 `fuses_rotary` is true for the prepared batch takes q/k un-rotated through `forward_rotary(layer, q,
-k, v, cos, sin)` and applies RoPE itself (the Triton decode kernel); others get rotated q/k, at decode
-from the qkv GEMV itself where that wins (`mstar.layers.linear.qkv_rotary`).
+k, v, cos, sin)` and applies RoPE itself (the Triton decode kernel); others get rotated q/k.
 
 Tensor parallelism over heads (`HeadShard`): each rank of a group holds an equal share of the q heads and
 of the KV heads (its rows of the qkv projection, its columns of the output projection, its KV heads in
@@ -21,7 +20,7 @@ from torch import nn
 
 from mstar.kernels.guard import KernelGuard
 from mstar.layers.fused import FUSED
-from mstar.layers.linear import linear, qkv_rotary
+from mstar.layers.linear import linear
 from mstar.layers.norm import PendingNorm, RMSNorm
 from mstar.layers.rope import apply_rotary
 
@@ -130,18 +129,11 @@ class SelfAttention(nn.Module):
 
     def _local(self, x: torch.Tensor | PendingNorm, cos: torch.Tensor, sin: torch.Tensor, attn: Any) -> torch.Tensor:
         t, d = x.shape[0], self.spec.head_dim
-        num_q, num_kv = self.spec.num_heads, self.spec.num_kv_heads
-        if not self.spec.qk_norm and getattr(attn, "is_decode", False) and not getattr(attn, "fuses_rotary", False):
-            # Decode rows: the rotary inside the qkv GEMV's store where that wins (`qkv_rotary`).
-            rotated = qkv_rotary(x, self.qkv_proj, cos, sin, num_q + num_kv, d)
-            if rotated is not None:
-                q, k, v = rotated.view(t, -1, d).split([num_q, num_kv, num_kv], dim=1)
-                out = attn.forward(self.layer_idx, q, k, v)
-                return linear(out.reshape(t, self.q_size), self.o_proj)
         qkv = linear(x, self.qkv_proj)
         ops = FUSED.ops_for(qkv)
         if ops is not None and qkv.is_contiguous() and cos.stride(1) == 1:
             heads = qkv.view(t, -1, d)
+            num_q, num_kv = self.spec.num_heads, self.spec.num_kv_heads
             # q and k heads sit side by side in each qkv row: one launch norms (Qwen3) and rotates both.
             if self.spec.qk_norm:
                 qk = normed_rotated_qk(heads[:, :num_q + num_kv], self.q_norm, self.k_norm, num_q, cos, sin)

@@ -15,10 +15,6 @@ the unfused F.linear path for good (timing needs host syncs). On CPU (Triton int
 kernels run only when `SKINNY.force` is True (tests). MSTAR_SKINNY_GEMM=0 turns them off, =1 forces
 them on wherever allowed.
 
-`gate_up_silu` and `qkv_rotary` do the same for the two paired-epilogue GEMVs (the SiLU-and-mul after a
-gate_up projection, the rotary after a qkv projection, each inside the GEMV's store), timed against the
-best linear followed by the SiLU or rotary kernel; they return None where they do not serve.
-
 `linear` also takes a `PendingNorm` (`mstar.layers.norm`): for up to 4 rows `skinny_norm_linear`
 (the (residual add +) RMSNorm folded into the GEMV) is timed once per shape against the norm kernel
 followed by the best linear, and the faster serves; otherwise the norm is computed first.
@@ -50,7 +46,6 @@ class _SkinnySwitch:
         self.force: bool | None = envs.skinny_gemm()
         self.max_m = 64  # never above skinny_gemm.MAX_M
         self.replays = 5  # timed replays of each candidate's graph (the median is kept)
-        self.pairs = True  # paired-epilogue GEMVs may serve (gate_up_silu, qkv_rotary); benchmarks A/B it
         self.decisions: dict[tuple, bool] = {}
 
     def use_skinny(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -68,20 +63,6 @@ class _SkinnySwitch:
         shape on CUDA against the norm kernel followed by the best linear."""
         key = ("norm", pending.residual is not None) + self._key(pending.x, weight, bias)
         return self._decide(key, pending.x.is_cuda, lambda: self._measure_fused_norm(pending, weight, bias))
-
-    def use_gate_up_silu(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether skinny_gate_up_silu should run gate_up and the SiLU-and-mul after it; measured once per
-        shape on CUDA against the best linear followed by the SiLU kernel."""
-        key = ("gate_up_silu",) + self._key(x, weight, bias)
-        return self._decide(key, x.is_cuda, lambda: self._measure_gate_up_silu(x, weight, bias))
-
-    def use_qkv_rotary(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
-                       sin: torch.Tensor, rotated_heads: int, head_dim: int) -> bool:
-        """Whether skinny_qkv_rotary should run a qkv projection and its rotary; measured once per shape
-        on CUDA against the best linear followed by the rotary kernel."""
-        key = ("qkv_rotary", rotated_heads, head_dim) + self._key(x, weight, bias)
-        return self._decide(key, x.is_cuda,
-                            lambda: self._measure_qkv_rotary(x, weight, bias, cos, sin, rotated_heads, head_dim))
 
     @staticmethod
     def _key(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
@@ -144,37 +125,6 @@ class _SkinnySwitch:
         logger.info("rms_norm + linear M=%d N=%d K=%d %s residual=%s: fused %.1f us, rms_norm + %s %.1f us",
                     x.shape[0], weight.shape[0], weight.shape[1], x.dtype, r is not None, times["fused"],
                     best.__name__, times["separate"])
-        return times["fused"] < times["separate"]
-
-    def _measure_gate_up_silu(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        from mstar.kernels.fused_ops import silu_and_mul
-        from mstar.kernels.skinny_gemm import skinny_gate_up_silu, skinny_linear
-
-        best = skinny_linear if self.use_skinny(x, weight, bias) else F.linear
-        times = self._time({"fused": lambda w: skinny_gate_up_silu(x, w, bias),
-                            "separate": lambda w: silu_and_mul(best(x, w, bias))}, weight)
-        if times is None:
-            return False
-        logger.info("gate_up + silu_and_mul M=%d N=%d K=%d %s: paired GEMV %.1f us, %s + silu_and_mul %.1f us",
-                    x.shape[0], weight.shape[0], weight.shape[1], x.dtype, times["fused"], best.__name__,
-                    times["separate"])
-        return times["fused"] < times["separate"]
-
-    def _measure_qkv_rotary(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cos: torch.Tensor,
-                            sin: torch.Tensor, rotated_heads: int, head_dim: int) -> bool:
-        from mstar.kernels.fused_ops import rotary
-        from mstar.kernels.skinny_gemm import skinny_linear, skinny_qkv_rotary
-
-        best = skinny_linear if self.use_skinny(x, weight, bias) else F.linear
-        rows = x.shape[0]
-        times = self._time({
-            "fused": lambda w: skinny_qkv_rotary(x, w, bias, cos, sin, rotated_heads, head_dim),
-            "separate": lambda w: rotary(best(x, w, bias).view(rows, -1, head_dim)[:, :rotated_heads], cos, sin)},
-            weight)
-        if times is None:
-            return False
-        logger.info("qkv + rotary M=%d N=%d K=%d %s: paired GEMV %.1f us, %s + rotary %.1f us", rows, weight.shape[0],
-                    weight.shape[1], x.dtype, times["fused"], best.__name__, times["separate"])
         return times["fused"] < times["separate"]
 
     @torch.inference_mode()  # weights and buffers may be inference tensors (made under inference mode)
@@ -244,55 +194,6 @@ def silu_and_mul_linear(gate_up: torch.Tensor, module: nn.Linear) -> torch.Tenso
 
         return skinny_silu_and_mul_linear(gate_up, weight, bias)
     return linear(ops.silu_and_mul(gate_up), module)
-
-
-def _pairs_allowed(x: object, weight: torch.Tensor) -> bool:
-    """Whether a paired-epilogue GEMV (`skinny_gate_up_silu`, `skinny_qkv_rotary`) may take x @ weight.T."""
-    return (
-        SKINNY.pairs
-        and isinstance(x, torch.Tensor)
-        and x.dim() == 2
-        and 0 < x.shape[0] <= _GEMV_MAX_M
-        and SKINNY.force is not False
-        and x.dtype == weight.dtype
-        and x.dtype in _DTYPES
-        and x.is_contiguous()
-        and weight.is_contiguous()
-        and FUSED.ops_for(x) is not None
-    )
-
-
-def gate_up_silu(x: torch.Tensor | PendingNorm, module: nn.Linear) -> torch.Tensor | None:
-    """silu(gate) * up [M, I] of a gate_up projection `module` (rows [gate | up]) in one paired GEMV
-    where that is allowed and measured to win; None otherwise (the caller runs `linear` and the SiLU)."""
-    weight, bias = module.weight, module.bias
-    if _pairs_allowed(x, weight) and weight.shape[0] % 2 == 0 and SKINNY.use_gate_up_silu(x, weight, bias):
-        from mstar.kernels.skinny_gemm import skinny_gate_up_silu
-
-        return skinny_gate_up_silu(x, weight, bias)
-    return None
-
-
-def qkv_rotary(x: torch.Tensor | PendingNorm, module: nn.Linear, cos: torch.Tensor, sin: torch.Tensor,
-               rotated_heads: int, head_dim: int) -> torch.Tensor | None:
-    """module(x) [M, N] for a qkv projection with its first `rotated_heads` heads (q and k) rotated by
-    cos/sin [M, head_dim] (float32, rotate-half), in one paired GEMV where that is allowed and measured
-    to win; None otherwise (the caller runs `linear` and the rotary kernel)."""
-    weight, bias = module.weight, module.bias
-    if (
-        _pairs_allowed(x, weight)
-        and head_dim % 2 == 0
-        and cos.dtype == torch.float32
-        and cos.shape == (x.shape[0], head_dim)
-        and sin.shape == cos.shape
-        and cos.stride(1) == 1
-        and sin.stride() == cos.stride()
-        and SKINNY.use_qkv_rotary(x, weight, bias, cos, sin, rotated_heads, head_dim)
-    ):
-        from mstar.kernels.skinny_gemm import skinny_qkv_rotary
-
-        return skinny_qkv_rotary(x, weight, bias, cos, sin, rotated_heads, head_dim)
-    return None
 
 
 def _norm_linear(pending: PendingNorm, module: nn.Linear) -> torch.Tensor:

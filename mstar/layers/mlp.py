@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.layers.fused import FUSED
-from mstar.layers.linear import gate_up_silu, linear, silu_and_mul_linear
+from mstar.layers.linear import linear, silu_and_mul_linear
 from mstar.layers.norm import PendingNorm
 
 
@@ -22,9 +22,6 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         """x [T, hidden] (or a PendingNorm, which gate_up consumes) -> [T, hidden]."""
-        act = gate_up_silu(x, self.gate_up_proj)  # the SiLU in the GEMV's store, where it wins (few rows)
-        if act is not None:
-            return linear(act, self.down_proj)
         gate_up = linear(x, self.gate_up_proj)
         ops = FUSED.ops_for(gate_up)
         if ops is not None and gate_up.dim() == 2 and gate_up.is_contiguous():

@@ -84,30 +84,22 @@ def run(dtype: torch.dtype) -> dict:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(dtype) * 0.2)
-    calls, paired = [], []
+    calls = []
     original, heuristic = skinny_gemm.skinny_norm_linear, skinny_gemm._gemv_config
-    silu_pairs, rotary_pairs = skinny_gemm.skinny_gate_up_silu, skinny_gemm.skinny_qkv_rotary
     skinny_gemm.skinny_norm_linear = lambda *a, **kw: calls.append(1) or original(*a, **kw)
-    # The paired-epilogue GEMVs serve the unfused run (plain rows in, no RoPE in attention); not the fused
-    # one, whose projections take a PendingNorm and whose attention rotates.
-    skinny_gemm.skinny_gate_up_silu = lambda *a, **kw: paired.append("silu") or silu_pairs(*a, **kw)
-    skinny_gemm.skinny_qkv_rotary = lambda *a, **kw: paired.append("rotary") or rotary_pairs(*a, **kw)
     # Wide GEMV tiles: the interpreter's cost is per program (the kernels' own checks cover small tiles).
     skinny_gemm._gemv_config = lambda bucket, n, k, sms: skinny_gemm.SkinnyConfig(bucket, 64, 64)
     SKINNY.force = True  # the skinny GEMV serves every projection in both runs (on CPU only when forced)
     try:
         prefilled, first = prefill(model)
-        paired.clear()
         off_tokens, off_logits, off_rotary = decode(model, prefilled, first, False, steps=2, pad_to=3)
-        fused_before, paired_off = len(calls), sorted(paired)
-        paired.clear()
+        fused_before = len(calls)
         on_tokens, on_logits, on_rotary = decode(model, prefilled, first, True, steps=2, pad_to=3)
     finally:
         skinny_gemm.skinny_norm_linear, skinny_gemm._gemv_config = original, heuristic
-        skinny_gemm.skinny_gate_up_silu, skinny_gemm.skinny_qkv_rotary = silu_pairs, rotary_pairs
         SKINNY.force, FUSED.norm_linear = None, False
     return {"off": off_tokens, "on": on_tokens, "fused_norm_calls": [fused_before, len(calls)],
-            "rotary_in_attention_calls": [off_rotary, on_rotary], "paired_calls": [paired_off, sorted(paired)],
+            "rotary_in_attention_calls": [off_rotary, on_rotary],
             "logit_err": (on_logits.float() - off_logits.float()).abs().max().item(),
             "logit_scale": off_logits.float().abs().max().item()}
 

@@ -91,35 +91,6 @@ def check_preload(dtype: torch.dtype) -> None:
         gemv.PRELOAD.tiles = saved
 
 
-def check_pairs(dtype: torch.dtype) -> None:
-    # The paired epilogues equal the projection followed by the kernel they replace, bit for bit: SiLU-and-mul
-    # after gate_up ([gate | up] rows, I = 40), rotary after qkv (3 q + 1 k heads of 16 rotated, 1 v head
-    # kept); M = 1..4, bias or not, split-K, ragged K, and block_n 1 (doubled to a pair).
-    from mstar.kernels.skinny_gemm import skinny_gate_up_silu, skinny_qkv_rotary
-    from mstar.layers.rope import RopeSpec, RotaryEmbedding
-
-    k, i_size, d, rotated = 200, 40, 16, 4
-    for m, block_n, block_k, split in ((1, 2, 32, 1), (2, 4, 64, 3), (3, 8, 32, 1), (4, 1, 64, 2)):
-        cfg = SkinnyConfig(block_m=skinny_gemm.m_bucket(m), block_n=block_n, block_k=block_k, split_k=split)
-        x = torch.randn(m, k).to(dtype)
-        w, wqkv = (torch.randn(2 * i_size, k) / 14).to(dtype), (torch.randn(5 * d, k) / 14).to(dtype)
-        cos, sin = RotaryEmbedding(RopeSpec(head_dim=d))(torch.arange(m) * 7 + 3)
-        bias = torch.randn(2 * i_size).to(dtype) if m % 2 else None
-        got = skinny_gate_up_silu(x, w, bias, config=cfg)
-        assert got.shape == (m, i_size) and torch.equal(got, fused_ops.silu_and_mul(skinny_linear(x, w, bias, config=cfg))), cfg
-        bias = torch.randn(5 * d).to(dtype) if m % 2 == 0 else None
-        heads = skinny_linear(x, wqkv, bias, config=cfg).view(m, -1, d)
-        got = skinny_qkv_rotary(x, wqkv, bias, cos, sin, rotated, d, config=cfg).view(m, -1, d)
-        assert torch.equal(got[:, :rotated], fused_ops.rotary(heads[:, :rotated], cos, sin)), cfg
-        assert torch.equal(got[:, rotated:], heads[:, rotated:]), cfg
-    try:
-        skinny_gate_up_silu(torch.randn(2, k).to(dtype), torch.randn(3, k).to(dtype))
-    except ValueError as err:
-        assert "even" in str(err), err
-    else:
-        raise AssertionError("an odd gate_up row count must be refused")
-
-
 def check_default_configs(dtype: torch.dtype) -> None:
     # The heuristic sends M <= 4 to the GEMV kernel and M = 8 to tl.dot.
     for m in (1, 4):
@@ -176,32 +147,17 @@ def check_mlp_selection(dtype: torch.dtype) -> None:
     mlp = GatedMLP(32, 48, bias=True).to(dtype)
     x = torch.randn(3, 32).to(dtype)
     calls: list[str] = []
-    fused, linear_, pairs = (skinny_gemm.skinny_silu_and_mul_linear, skinny_gemm.skinny_linear,
-                             skinny_gemm.skinny_gate_up_silu)
+    fused, linear_ = skinny_gemm.skinny_silu_and_mul_linear, skinny_gemm.skinny_linear
     skinny_gemm.skinny_silu_and_mul_linear = lambda *a, **kw: calls.append("fused") or fused(*a, **kw)
     skinny_gemm.skinny_linear = lambda *a, **kw: calls.append("linear") or linear_(*a, **kw)
-    skinny_gemm.skinny_gate_up_silu = lambda *a, **kw: calls.append("pairs") or pairs(*a, **kw)
     SKINNY.force = True
     try:
         got = mlp(x)
         mlp(torch.randn(12, 32).to(dtype))  # 12 rows: gate_up and down through the tl.dot kernel, no fusion
     finally:
         skinny_gemm.skinny_silu_and_mul_linear, skinny_gemm.skinny_linear = fused, linear_
-        skinny_gemm.skinny_gate_up_silu = pairs
         SKINNY.force = None
-    # 3 rows: gate_up with the SiLU in its store (paired GEMV), then down; 12 rows: the tl.dot kernel twice.
-    assert calls == ["pairs", "linear", "linear", "linear"], calls
-    SKINNY.force, SKINNY.pairs = True, False  # without the paired GEMV: gate_up, then SiLU fused into down
-    calls.clear()
-    skinny_gemm.skinny_silu_and_mul_linear = lambda *a, **kw: calls.append("fused") or fused(*a, **kw)
-    skinny_gemm.skinny_linear = lambda *a, **kw: calls.append("linear") or linear_(*a, **kw)
-    try:
-        got_unpaired = mlp(x)
-    finally:
-        skinny_gemm.skinny_silu_and_mul_linear, skinny_gemm.skinny_linear = fused, linear_
-        SKINNY.force, SKINNY.pairs = None, True
-    assert calls == ["linear", "fused"], calls
-    torch.testing.assert_close(got_unpaired, got, **tol(dtype))
+    assert calls == ["linear", "fused", "linear", "linear"], calls
     with fused_kernels(False):
         want = mlp(x)  # the PyTorch reference path
     torch.testing.assert_close(got, want, **tol(dtype))
@@ -227,7 +183,6 @@ if __name__ == "__main__":
         check_gemv(dt)
         check_fold_k(dt)
         check_preload(dt)
-        check_pairs(dt)
         check_default_configs(dt)
         check_silu_down(dt)
         check_mlp_selection(dt)
