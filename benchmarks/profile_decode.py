@@ -11,13 +11,9 @@ model, so one run shows each fusion's effect; the skinny-GEMM choices made are l
 With --pdl both, everything is profiled with Programmatic Dependent Launch of the Triton kernels off,
 then on (mstar/kernels/pdl.py; the skinny-GEMM choices are re-timed for each, as a fresh process with
 that MSTAR_PDL would); --pdl off / on forces one; the default follows MSTAR_PDL (auto: on for sm_90+).
-With --gemv-preload, each setting (weight tiles a decode-GEMV program loads before its PDL wait,
-`mstar/kernels/gemv.py` PRELOAD) gets its own engine, graphs and skinny-GEMM choices. --speakable-span
-restricts the head to Orpheus' speakable span, as the served model does.
 
     python3 benchmarks/profile_decode.py [--batch-sizes 1 16 64] [--variants none rope reduce norm all]
-        [--pdl {env,off,on,both}] [--gemv-preload 1 2 3 4] [--speakable-span]
-        [--out benchmarks/results/profile_decode_h200.json]
+        [--pdl {env,off,on,both}] [--out benchmarks/results/profile_decode_h200.json]
 
 Measures, asserts nothing. Needs a CUDA GPU.
 """
@@ -40,14 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode_step import ORPHEUS_3B, make_engine  # noqa: E402
 from mstar.engines.autoregressive import engine as engine_module  # noqa: E402
 from mstar.engines.base import StepItem  # noqa: E402
-from mstar.kernels.gemv import PRELOAD  # noqa: E402
 from mstar.kernels.pdl import PDL  # noqa: E402
 from mstar.layers.fused import FUSED  # noqa: E402
 from mstar.layers.linear import SKINNY  # noqa: E402
 from mstar.models.common.loading import fill_dummy_weights  # noqa: E402
 from mstar.models.llama.config import LlamaConfig  # noqa: E402
 from mstar.models.llama.model import build_model  # noqa: E402
-from mstar.models.orpheus.tokens import OrpheusTokens  # noqa: E402
 
 # variant -> (RoPE in attention, split merge in attention, RMSNorm folded into the GEMV)
 VARIANTS = {"none": (False, False, False), "rope": (True, False, False), "reduce": (False, True, False),
@@ -198,34 +192,15 @@ def main() -> None:
                         help="Programmatic Dependent Launch: as MSTAR_PDL sets it (env), off, on, or both in turn")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="engine context limit (default: just what the run needs); decode splits KV by it")
-    parser.add_argument("--gemv-preload", type=int, nargs="+", choices=(1, 2, 3, 4), default=None,
-                        help="GEMV weight tiles loaded before the PDL wait to compare, one engine each")
-    parser.add_argument("--speakable-span", action="store_true",
-                        help="the head reads Orpheus' speakable span only, as served (model_kwargs.audio_logits_only)")
     parser.add_argument("--out", default="benchmarks/results/profile_decode_h200.json")
     args = parser.parse_args()
     config = LlamaConfig.from_hf(ORPHEUS_3B)
     model = build_model(config, torch.bfloat16, torch.device("cuda"))
     fill_dummy_weights(model, seed=0)
-    if args.speakable_span:
-        tokens = OrpheusTokens()
-        model.restrict_logits(tokens.speakable_span, blocked=tokens.span_markers)
     result = {"benchmark": "profile_decode", "command": "python3 " + " ".join(sys.argv),
               "device": torch.cuda.get_device_name()}
     modes = PDL_MODES[args.pdl]
-    if args.gemv_preload:
-        set_pdl(modes[0])
-        result["variants"] = {}
-        for tiles in args.gemv_preload:
-            print(json.dumps({"gemv_preload": tiles}), flush=True)
-            PRELOAD.tiles = tiles
-            SKINNY.decisions.clear()  # timed again: the preload changes what a GEMV costs in a graph
-            label = f"gemv_preload={tiles}"
-            label += f" (run {sum(key.startswith(label) for key in result['variants']) + 1})" \
-                if label in result["variants"] else ""
-            result["variants"][label] = profile_engine(model, config, args)
-            result["variants"][label]["skinny_choices"] = skinny_choices()
-    elif args.variants is None and len(modes) == 1:
+    if args.variants is None and len(modes) == 1:
         set_pdl(modes[0])
         result.update(profile_engine(model, config, args))
         result["skinny_choices"] = skinny_choices()

@@ -82,11 +82,6 @@ PDL = EnvVar(
     "kernel's tail): 0 never, 1 on every CUDA device (an error below sm_90 or without Triton support), "
     "auto on sm_90+ when Triton supports it (read once per process)",
     ("0", "1", "auto"))
-GEMV_PRELOAD = EnvVar(
-    "MSTAR_GEMV_PRELOAD", "int 1-4", "1",
-    "weight tiles each decode-GEMV program loads before its PDL wait (more of the weight read while the "
-    "previous kernel runs; capped by the program's K chunks; read once per process)",
-    ("1", "2", "3", "4"))
 LOOP_FAST_PATH = EnvVar(
     "MSTAR_LOOP_FAST_PATH", "bool (0/1/true/false)", "1",
     "0 routes every decode-loop step through the generic walk interpreter and worker routing instead of "
@@ -113,7 +108,7 @@ SCHEMATHESIS_EXAMPLES = EnvVar(
     "tests only: generated examples per operation in tests/e2e/test_schemathesis.py")
 
 ALL: tuple[EnvVar, ...] = (FUSED_KERNELS, SKINNY_GEMM, FUSE_ROPE_ATTENTION, FUSE_ATTENTION_REDUCE,
-                           FUSE_NORM_LINEAR, WAN_GEMM_GELU, PDL, GEMV_PRELOAD, LOOP_FAST_PATH, STALL_DUMP_S, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
+                           FUSE_NORM_LINEAR, WAN_GEMM_GELU, PDL, LOOP_FAST_PATH, STALL_DUMP_S, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
                            SCHEMATHESIS_EXAMPLES)
 
 
@@ -171,12 +166,6 @@ def pdl() -> bool | None:
     """MSTAR_PDL: False (never), True (on every CUDA device) or None (auto: sm_90+, the default)."""
     value = PDL.choice()
     return None if value in (None, "auto") else value == "1"
-
-
-def gemv_preload() -> int:
-    """MSTAR_GEMV_PRELOAD: weight tiles a decode-GEMV program loads before its PDL wait (1-4, default 1)."""
-    value = GEMV_PRELOAD.choice()
-    return 1 if value is None else int(value)
 
 
 def loop_fast_path() -> bool:

@@ -23,8 +23,7 @@ it loads it; the first program writes x + residual (the residual stream) once. I
 `fused_ops.rms_norm` and its launch.
 
 PDL (sm_90+, `mstar.kernels.pdl`): every program lets the next kernel launch at its start and loads
-its first weight tiles (weights are complete before a step starts; `PRELOAD.tiles`, MSTAR_GEMV_PRELOAD,
-of them, 1-4) before `pdl_wait`; only after the
+its first weight tile (weights are complete before a step starts) before `pdl_wait`; only after the
 wait does it read x, the residual, the norm weight and the bias, store, or touch the split-K
 workspace and counters. So a GEMV's blocks are resident, their first DRAM reads in flight, while the
 previous kernel finishes.
@@ -38,21 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mstar import envs
 from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 MAX_M = 4  # rows above this take the tl.dot kernel in skinny_gemm
-
-
-class _Preload:
-    """Weight tiles each program loads before its PDL wait (MSTAR_GEMV_PRELOAD, 1-4); benchmarks set
-    `tiles`. Capped per launch by the program's K chunks. Results do not depend on it."""
-
-    def __init__(self) -> None:
-        self.tiles = envs.gemv_preload()
-
-
-PRELOAD = _Preload()
 
 
 @triton.jit
@@ -170,49 +157,12 @@ def _fma_rows(acc0, acc1, acc2, acc3, w, k, k_mask, x_ptrs, r_ptrs, nw_ptrs, M, 
 
 
 @triton.jit
-def _load_pre(w_ptrs, w_first, k_start, rk, K, PRE: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Weight tiles 1..PRE-1 of a program's K slice (tile 0 is `w_first`; unused ones repeat it)."""
-    w1, w2, w3 = w_first, w_first, w_first
-    if PRE > 1:
-        w1 = _load_w(w_ptrs, k_start + BLOCK_K, ((k_start + BLOCK_K + rk) < K)[None, :], EVEN_K)
-    if PRE > 2:
-        w2 = _load_w(w_ptrs, k_start + 2 * BLOCK_K, ((k_start + 2 * BLOCK_K + rk) < K)[None, :], EVEN_K)
-    if PRE > 3:
-        w3 = _load_w(w_ptrs, k_start + 3 * BLOCK_K, ((k_start + 3 * BLOCK_K + rk) < K)[None, :], EVEN_K)
-    return w1, w2, w3
-
-
-@triton.jit
-def _fma_pre(acc0, acc1, acc2, acc3, w1, w2, w3, k_start, rk, K, x_ptrs, r_ptrs, nw_ptrs, M, stride_xm, stride_rm,
-             gate_offset, inv0, inv1, inv2, inv3, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-             EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             FOLD_K: tl.constexpr, PRE: tl.constexpr):
-    """`_fma_rows` for tiles 1..PRE-1, loaded before the PDL wait (`_load_pre`), in K order."""
-    if PRE > 1:
-        k = k_start + BLOCK_K
-        acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w1, k, ((k + rk) < K)[None, :], x_ptrs, r_ptrs,
-                                           nw_ptrs, M, stride_xm, stride_rm, gate_offset, inv0, inv1, inv2, inv3,
-                                           GATED, NORM, HAS_RES, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, FOLD_K)
-    if PRE > 2:
-        k = k_start + 2 * BLOCK_K
-        acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w2, k, ((k + rk) < K)[None, :], x_ptrs, r_ptrs,
-                                           nw_ptrs, M, stride_xm, stride_rm, gate_offset, inv0, inv1, inv2, inv3,
-                                           GATED, NORM, HAS_RES, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, FOLD_K)
-    if PRE > 3:
-        k = k_start + 3 * BLOCK_K
-        acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w3, k, ((k + rk) < K)[None, :], x_ptrs, r_ptrs,
-                                           nw_ptrs, M, stride_xm, stride_rm, gate_offset, inv0, inv1, inv2, inv3,
-                                           GATED, NORM, HAS_RES, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, FOLD_K)
-    return acc0, acc1, acc2, acc3
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, res_out_ptr, M, N, K, stride_xm,
                  stride_wn, stride_rm, gate_offset, eps,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                  SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, K_ITERS: tl.constexpr, K_CHUNKS: tl.constexpr,
                  BROADCAST_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 FOLD_K: tl.constexpr, PRE: tl.constexpr, PDL: tl.constexpr):
+                 FOLD_K: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -225,12 +175,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, 
     # The weight is constant during a step, so the first tile is loaded before the PDL wait: its DRAM
     # latency overlaps the previous kernel's tail. Everything else (x, the residual stream, every store,
     # the split-K workspace and counters) comes after the wait: the contract in mstar/kernels/pdl.py.
-    # With PRE > 1 the next tiles too (at most 4, registers permitting), so more of the weight is read
-    # while the previous kernel (a norm, rotary, attention, SiLU: latency-bound, HBM idle) still runs.
     k_start = pid_k * (K_ITERS * BLOCK_K)
     first_mask = ((k_start + rk) < K)[None, :]
     w_first = _load_w(w_ptrs, k_start, first_mask, EVEN_K)
-    w_pre1, w_pre2, w_pre3 = _load_pre(w_ptrs, w_first, k_start, rk, K, PRE, EVEN_K, BLOCK_K)
     pdl_wait(PDL)
     # x, w and the accumulators must share one register layout, or the compiler shuffles a tile through
     # shared memory every iteration. When BLOCK_K spans all warps (BROADCAST_X), a [1, BLOCK_K] x row
@@ -255,10 +202,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, 
     acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w_first, k_start, first_mask, x_ptrs, r_ptrs, nw_ptrs,
                                        M, stride_xm, stride_rm, gate_offset, inv0, inv1, inv2, inv3, GATED, NORM,
                                        HAS_RES, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, FOLD_K)
-    acc0, acc1, acc2, acc3 = _fma_pre(acc0, acc1, acc2, acc3, w_pre1, w_pre2, w_pre3, k_start, rk, K, x_ptrs, r_ptrs,
-                                      nw_ptrs, M, stride_xm, stride_rm, gate_offset, inv0, inv1, inv2, inv3, GATED,
-                                      NORM, HAS_RES, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, FOLD_K, PRE)
-    for i in range(PRE, K_ITERS):
+    for i in range(1, K_ITERS):
         k = k_start + i * BLOCK_K
         k_mask = ((k + rk) < K)[None, :]
         w = _load_w(w_ptrs, k, k_mask, EVEN_K)
@@ -342,8 +286,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block
         SPLIT_K=split, EVEN_K=split * k_per_split == k, K_ITERS=k_per_split // block_k,
         K_CHUNKS=triton.cdiv(k, block_k),
         BROADCAST_X=block_k >= 16 // x.element_size() * 32 * num_warps,  # 16-byte loads by every thread
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FOLD_K=fold_k,
-        PRE=max(1, min(PRELOAD.tiles, k_per_split // block_k)), num_warps=num_warps,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FOLD_K=fold_k, num_warps=num_warps,
         num_stages=num_stages,
         **pdl_args(x.device),
     )

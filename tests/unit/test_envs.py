@@ -83,7 +83,6 @@ def test_typed_values_read_at_call_time(monkeypatch, tmp_path):
     ("MSTAR_FUSED_KERNELS", "yes", envs.fused_kernels, "1, true, 0, false"),
     ("MSTAR_SKINNY_GEMM", "2", envs.skinny_gemm, "0, 1, auto"),
     ("MSTAR_PDL", "true", envs.pdl, "0, 1, auto"),
-    ("MSTAR_GEMV_PRELOAD", "5", envs.gemv_preload, "1, 2, 3, 4"),
     ("MSTAR_SCHEMATHESIS_EXAMPLES", "many", envs.schemathesis_examples, "a whole number >= 1"),
     ("MSTAR_SCHEMATHESIS_EXAMPLES", "0", envs.schemathesis_examples, "a whole number >= 1"),
 ])
