@@ -11,9 +11,10 @@ model, so one run shows each fusion's effect; the skinny-GEMM choices made are l
 With --pdl both, everything is profiled with Programmatic Dependent Launch of the Triton kernels off,
 then on (mstar/kernels/pdl.py; the skinny-GEMM choices are re-timed for each, as a fresh process with
 that MSTAR_PDL would); --pdl off / on forces one; the default follows MSTAR_PDL (auto: on for sm_90+).
+--speakable-span restricts the head to Orpheus' speakable span, as the served model does.
 
     python3 benchmarks/profile_decode.py [--batch-sizes 1 16 64] [--variants none rope reduce norm all]
-        [--pdl {env,off,on,both}] [--out benchmarks/results/profile_decode_h200.json]
+        [--pdl {env,off,on,both}] [--speakable-span] [--out benchmarks/results/profile_decode_h200.json]
 
 Measures, asserts nothing. Needs a CUDA GPU.
 """
@@ -42,6 +43,7 @@ from mstar.layers.linear import SKINNY  # noqa: E402
 from mstar.models.common.loading import fill_dummy_weights  # noqa: E402
 from mstar.models.llama.config import LlamaConfig  # noqa: E402
 from mstar.models.llama.model import build_model  # noqa: E402
+from mstar.models.orpheus.tokens import OrpheusTokens  # noqa: E402
 
 # variant -> (RoPE in attention, split merge in attention, RMSNorm folded into the GEMV)
 VARIANTS = {"none": (False, False, False), "rope": (True, False, False), "reduce": (False, True, False),
@@ -192,11 +194,16 @@ def main() -> None:
                         help="Programmatic Dependent Launch: as MSTAR_PDL sets it (env), off, on, or both in turn")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="engine context limit (default: just what the run needs); decode splits KV by it")
+    parser.add_argument("--speakable-span", action="store_true",
+                        help="the head reads Orpheus' speakable span only, as served (model_kwargs.audio_logits_only)")
     parser.add_argument("--out", default="benchmarks/results/profile_decode_h200.json")
     args = parser.parse_args()
     config = LlamaConfig.from_hf(ORPHEUS_3B)
     model = build_model(config, torch.bfloat16, torch.device("cuda"))
     fill_dummy_weights(model, seed=0)
+    if args.speakable_span:
+        tokens = OrpheusTokens()
+        model.restrict_logits(tokens.speakable_span, blocked=tokens.span_markers)
     result = {"benchmark": "profile_decode", "command": "python3 " + " ".join(sys.argv),
               "device": torch.cuda.get_device_name()}
     modes = PDL_MODES[args.pdl]

@@ -167,10 +167,17 @@ def _silu_mul_kernel(x_ptr, out_ptr, n, x_stride, out_stride, BLOCK: tl.constexp
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-    up = tl.load(x_ptr + row * x_stride + n + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + n + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * out_stride + cols, silu_times(gate, up), mask=mask)
+
+
+@triton.jit
+def silu_times(gate, up):
+    """silu(gate) * up in gate's dtype, rounded as `F.silu(gate) * up` rounds: the activation to the
+    input dtype first, then the product (the SiLU kernel here and the GEMV's gated x-load share it)."""
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)  # F.silu rounds to the input dtype
-    tl.store(out_ptr + row * out_stride + cols, (act * up).to(gate.dtype), mask=mask)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(gate.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

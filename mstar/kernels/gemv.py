@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mstar.kernels.fused_ops import silu_times
 from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 MAX_M = 4  # rows above this take the tl.dot kernel in skinny_gemm
@@ -55,9 +56,7 @@ def _load_x(x_ptrs, k, gate_offset, mask, r_ptrs, nw_ptrs, inv, GATED: tl.conste
             up = tl.load(x_ptrs + gate_offset + k)
         else:
             up = tl.load(x_ptrs + gate_offset + k, mask=mask, other=0.0)
-        g = x.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32)  # F.silu rounds to the input dtype
-        x = (act * up.to(tl.float32)).to(x.dtype)  # and so does `silu(gate) * up`
+        x = silu_times(x, up)  # rounded as fused_ops.silu_and_mul rounds
     if NORM:  # x -> rms_norm(x (+ r)) with the row's 1/rms, rounded where fused_ops.rms_norm rounds
         if HAS_RES:
             if EVEN_K:
