@@ -8,12 +8,14 @@ answers 4xx, never 5xx.
 from __future__ import annotations
 
 import logging
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from mstar.server.adapters import RequestError
@@ -90,6 +92,14 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_json(500, f"internal error: {type(exc).__name__}")
 
 
+@asynccontextmanager
+async def _warm_lifespan(app: FastAPI):
+    """Before the first request is accepted: start the worker-thread pool that requests build their
+    inputs in (`run_in_threadpool`), whose first use imports and starts anyio's thread backend."""
+    await run_in_threadpool(lambda: None)
+    yield
+
+
 def create_app(runtime: Any, api_key: str | None = None, media_policy: MediaPolicy | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, model_name: str | None = None) -> FastAPI:
     """The app serving `runtime`. With `api_key`, every route but /health needs `Authorization: Bearer`."""
@@ -98,7 +108,7 @@ def create_app(runtime: Any, api_key: str | None = None, media_policy: MediaPoli
     metrics = ServerMetrics(runtime)
     state = ServerState(runtime, metrics, media_policy or MediaPolicy(),
                         model_name or getattr(runtime.model, "name", None) or runtime.config.model)
-    app = FastAPI(title="mstar", version="0.1.0",
+    app = FastAPI(title="mstar", version="0.1.0", lifespan=_warm_lifespan,
                   description=f"Serving {state.model_name}: native /generate and OpenAI-compatible routes.")
     app.state.mstar = state
     install_openapi(app, api_key=api_key is not None)
