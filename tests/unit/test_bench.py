@@ -19,10 +19,18 @@ PCM_CHUNK = 4800  # bytes = 0.1 s at 24 kHz, 16-bit mono
 PCM_CHUNKS = 4
 
 
+HEALTH_GETS: list[float] = []  # when the fake server answered GET /health (the client's untimed warm-up)
+
+
 def _app(bodies: list):
     from fastapi.responses import JSONResponse, StreamingResponse
 
     app = fastapi.FastAPI()
+
+    @app.get("/health")
+    async def health():
+        HEALTH_GETS.append(time.perf_counter())
+        return {"status": "ok"}
 
     @app.post("/v1/chat/completions")
     async def chat(body: dict):
@@ -172,3 +180,14 @@ def test_speech_body_carries_the_token_budget():
     assert body["response_format"] == "pcm" and body["stream_format"] == "audio"
     plain = BenchConfig(base_url="http://x", workload="speech", model="orpheus").request()[1]
     assert "ignore_eos" not in plain
+
+
+def test_each_level_warms_the_client_before_its_clock(server):
+    """One GET /health per level, before the level's requests; it is not counted as a request."""
+    base, bodies = server
+    HEALTH_GETS.clear()
+    before = len(bodies)
+    report = run_bench(BenchConfig(base_url=base, workload="speech", model="m", concurrencies=[1, 2], num_requests=2))
+    assert len(HEALTH_GETS) == 2
+    assert [r["requests"] for r in report["results"]] == [2, 2] and len(bodies) - before == 4
+
