@@ -4,13 +4,15 @@ and kept on the module until a parameter they come from is loaded anew or change
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import nn
 
+T = TypeVar("T")  # a tensor, or a few of them in a dict or tuple
 
-def derived(module: nn.Module, name: str, sources: tuple[torch.Tensor, ...],
-            make: Callable[[], torch.Tensor]) -> torch.Tensor:
+
+def derived(module: nn.Module, name: str, sources: tuple[torch.Tensor, ...], make: Callable[[], T]) -> T:
     """`make()` (run without autograd) kept on `module` under `name`, made anew when any of `sources` has new
     storage or a new in-place version."""
     key = tuple((t.data_ptr(), t._version) for t in sources)

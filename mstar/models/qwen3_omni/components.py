@@ -20,6 +20,7 @@ from torch import nn
 
 from mstar.engines.cuda_graphs import to_device_async
 from mstar.layers.moe import MoEGraphCapture
+from mstar.models.common.derived import derived
 from mstar.models.qwen3_omni.code_predictor import CodePredictor
 from mstar.models.qwen3_omni.config import TalkerConfig
 from mstar.models.qwen3_omni.talker import Qwen3OmniTalker, ResizeMLP, build_prompt
@@ -66,12 +67,8 @@ class TalkerInput(nn.Module):
     def tts(self) -> dict[str, torch.Tensor]:
         """Projected tts_bos / tts_eos / tts_pad rows: name -> [H]. Computed once per state of the
         weights it reads (their in-place version counters), not on every talker step."""
-        params = (self.tts_rows, *self.text_projection.parameters())
-        key = tuple((p.data_ptr(), p._version) for p in params)
-        if getattr(self, "_tts_key", None) != key:
-            rows = self.text_projection(self.tts_rows)
-            self._tts, self._tts_key = dict(zip(("tts_bos", "tts_eos", "tts_pad"), rows)), key
-        return self._tts
+        return derived(self, "tts", (self.tts_rows, *self.text_projection.parameters()),
+                       lambda: dict(zip(("tts_bos", "tts_eos", "tts_pad"), self.text_projection(self.tts_rows))))
 
     @torch.no_grad()
     def run_batch(self, walk: str, node: str, inputs: Sequence[Mapping[str, torch.Tensor]],
