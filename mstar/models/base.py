@@ -76,6 +76,10 @@ class Processor:
     def validate_options(self, options: Mapping[str, Any]) -> None:
         """Raise ValueError naming the bad option; called before a request is admitted."""
 
+    def warm(self) -> None:
+        """Once, before the server accepts requests: the one-time work the first request would otherwise
+        pay (imports, template compiles, a tokenizer's first call). Never touches the model."""
+
     def decode_output(self, name: str, tensor: torch.Tensor, options: Mapping[str, Any]) -> Any:
         return tensor.detach().cpu().numpy()
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mstar.models.common.chat_template import render_chat, select_template
+from mstar.models.common.chat_template import compile_template, render_chat, select_template
 from mstar.models.common.token_files import load_chat_templates, read_json, token_content
 
 logger = logging.getLogger(__name__)
@@ -160,6 +160,19 @@ class Tokenizer:
         variables = {**self.config.special_tokens, **kwargs}
         return render_chat(source, messages, add_generation_prompt=add_generation_prompt, tools=tools,
                            **variables)
+
+    def warm(self) -> None:
+        """The first use's one-time work, ahead of requests: compile every chat template and render the
+        default one (jinja2 imports and parses on first use), encode and decode a short text."""
+        for name, source in self.config.chat_templates.items():
+            try:
+                compile_template(source)
+                if name == "default":
+                    self.apply_chat_template([{"role": "user", "content": "warm up"}])
+            except Exception as exc:  # noqa: BLE001 - a template that fails, fails its requests, not startup
+                logger.warning("chat template %r fails on a one-message chat (%s); requests that use it may fail",
+                               name, exc)
+        self.decode(self.encode("warm up", add_special_tokens=False))
 
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, eos_token_ids={self.eos_token_ids}, "

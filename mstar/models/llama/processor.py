@@ -30,6 +30,9 @@ class TextProcessor(Processor):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
 
+    def warm(self) -> None:
+        self.tokenizer.warm()
+
     def inputs(self, request: Mapping[str, Any], options: dict[str, Any]) -> dict[str, torch.Tensor]:
         if request.get("messages"):
             prompt = self.tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True)

@@ -26,6 +26,9 @@ class OrpheusProcessor(Processor):
         self.max_model_len = max_model_len
         self.sample_rate = sample_rate
 
+    def warm(self) -> None:
+        self.tokenizer.warm()
+
     def inputs(self, request: Mapping[str, Any], options: dict[str, Any]) -> dict[str, torch.Tensor]:
         text = request.get("text")
         if not text and request.get("messages"):

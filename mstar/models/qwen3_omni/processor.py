@@ -44,6 +44,9 @@ class OmniProcessor(Processor):
         self.max_model_len = max_model_len
         self.media = media  # media_inputs.MediaSpec; None: text only
 
+    def warm(self) -> None:
+        self.tokenizer.warm()
+
     def inputs(self, request: Mapping[str, Any], options: dict[str, Any]) -> dict[str, torch.Tensor]:
         media = list(request.get("media") or ())
         messages = request.get("messages")
