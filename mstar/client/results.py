@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from mstar.client.errors import MStarError
+from mstar.server.media.decode import DecodedAudio
 from mstar.server.protocol import (
     ActionChunk,
     AudioChunk,
@@ -24,19 +25,9 @@ from mstar.server.protocol import (
 
 
 @dataclass(frozen=True)
-class AudioBuffer:
-    """Decoded audio: float32 `samples` shaped (frames, channels), values in [-1, 1]."""
-
-    samples: np.ndarray
-    sample_rate: int
-
-    @property
-    def channels(self) -> int:
-        return int(self.samples.shape[1])
-
-    @property
-    def duration_s(self) -> float:
-        return self.samples.shape[0] / self.sample_rate
+class AudioBuffer(DecodedAudio):
+    """Decoded audio: float32 `samples` shaped (frames, channels), values in [-1, 1] (the server's
+    `DecodedAudio`, with the SDK's conversions)."""
 
     def to_numpy(self) -> np.ndarray:
         """float32 samples: 1-D for mono, (frames, channels) otherwise."""
