@@ -97,10 +97,8 @@ async def _warm_lifespan(app: FastAPI):
     """Before the first request is accepted, in the worker-thread pool that requests build their inputs in
     (its first use imports and starts anyio's thread backend): the processor's one-time work
     (`Processor.warm`: tokenizer, chat templates). A failure there is logged; requests then pay it."""
-    state = getattr(app.state, "mstar", None) if app is not None else None
-    processor = getattr(getattr(state, "runtime", None), "processor", None)
     try:
-        await run_in_threadpool(processor.warm if processor is not None else (lambda: None))
+        await run_in_threadpool(app.state.mstar.runtime.processor.warm)
     except Exception:
         logger.warning("warming the request path failed; the first requests pay for it", exc_info=True)
     yield
