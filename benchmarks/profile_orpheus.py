@@ -13,6 +13,13 @@ the same way (CUDA events around graph launches), a lower bound of the time the 
     python3 benchmarks/profile_orpheus.py --quick        # CPU, tiny Orpheus (smoke)
     python3 benchmarks/profile_orpheus.py --kernels 25   # also: the 25 costliest GPU kernels per LM step
     python3 benchmarks/profile_orpheus.py --no-vocoder   # the LM alone: what the vocoder's GPU work costs it
+    python3 benchmarks/profile_orpheus.py --timeline     # what the GPU runs between decode forwards
+
+With `--timeline`, each case runs once more (150 tokens per request) under torch.profiler, and the LM
+stream's GPU timeline is cut into steps at the decode forward's first kernel (the embedding gather):
+per step the median time, the forward's span (its first kernel's start to its last GEMV's end), and
+what runs between one forward's end and the next one's start (each op's median gap before it and
+duration), with the side streams' busy time per step.
 
 With `--kernels N`, each case then runs once more (150 tokens per request) under torch.profiler and
 lists the N kernels (inside CUDA graphs too) with the most GPU time per LM step, so the GPU time of a
@@ -160,6 +167,75 @@ def kernel_table(m, rec: Recorder, concurrency: int, top: int, tokens: int = 150
     return [{"all_kernels_us_per_step": round(all_us / steps, 2), "llm_steps": steps}] + rows
 
 
+FORWARD_FIRST = ("indexSelect", "BFloat16")  # the embedding gather: every decode forward's first kernel
+
+
+def _median(values: list[float]) -> float:
+    return round(statistics.median(values), 2) if values else 0.0
+
+
+def step_timeline(m, rec: Recorder, concurrency: int, tokens: int = 150) -> dict:
+    """GPU timeline of the LM stream between decode forwards, from one profiled run (see the docstring)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    rec.active = False
+    opts = {"max_tokens": tokens, "ignore_eos": True}
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        handles = [m.submit({"text": f"Hello number {i}, this is a timeline run."}, **opts) for i in range(concurrency)]
+        for h in handles:
+            h.result()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    out = analyze_timeline(events)
+    sys.stdout.write(f"concurrency {concurrency} timeline: {json.dumps({k: v for k, v in out.items() if k != 'between_ops'})}\n")
+    for op in out["between_ops"]:
+        sys.stdout.write(f"  gap {op['gap_us']:7.2f} us  dur {op['dur_us']:7.2f} us  {op['name']}\n")
+    return out
+
+
+def analyze_timeline(events: list[dict]) -> dict:
+    """`step_timeline`'s numbers from a chrome trace's events (torch.profiler's export)."""
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    streams: dict[int, list[dict]] = defaultdict(list)
+    for e in gpu:
+        streams[e.get("args", {}).get("stream", e.get("tid"))].append(e)
+    lm = max(streams, key=lambda s: sum(e["name"] == "_gemv_kernel" for e in streams[s]))
+    ops = sorted(streams[lm], key=lambda e: e["ts"])
+    others = sorted((e for s, es in streams.items() if s != lm for e in es), key=lambda e: e["ts"])
+    starts = [i for i, e in enumerate(ops) if all(part in e["name"] for part in FORWARD_FIRST)]
+    steps, spans, betweens, side, sequences = [], [], [], [], defaultdict(list)
+    for a, b in zip(starts, starts[1:]):
+        window = ops[a:b]
+        t0, t1 = window[0]["ts"], ops[b]["ts"]
+        gemvs = [i for i, e in enumerate(window) if e["name"] == "_gemv_kernel"]
+        if not gemvs:
+            continue
+        last = gemvs[-1]
+        end = window[last]["ts"] + window[last]["dur"]
+        steps.append(t1 - t0)
+        spans.append(end - t0)
+        betweens.append(t1 - end)
+        side.append(sum(min(e["ts"] + e["dur"], t1) - max(e["ts"], t0) for e in others
+                        if e["ts"] < t1 and e["ts"] + e["dur"] > t0))
+        tail, prev = [], end
+        for e in window[last + 1:]:
+            tail.append((e["name"][:70], e["ts"] - prev, e["dur"]))
+            prev = max(prev, e["ts"] + e["dur"])
+        tail.append(("(next forward)", t1 - prev, 0.0))
+        sequences[tuple(name for name, _, _ in tail)].append(tail)
+    common = max(sequences.values(), key=len) if sequences else []
+    between_ops = [{"name": name, "gap_us": _median([t[i][1] for t in common]), "dur_us": _median([t[i][2] for t in common])}
+                   for i, (name, _, _) in enumerate(common[0])] if common else []
+    return {"steps": len(steps), "step_us_p50": _median(steps), "forward_span_us_p50": _median(spans),
+           "between_us_p50": _median(betweens), "side_streams_busy_us_per_step_p50": _median(side),
+           "steps_with_the_common_sequence": len(common), "between_ops": between_ops}
+
+
 def run_case(m, rec: Recorder, concurrency: int, tokens: int) -> dict:
     opts = {"max_tokens": tokens, "ignore_eos": True}
     rec.parts.clear()
@@ -182,6 +258,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--kernels", type=int, default=0, metavar="N",
                         help="also list the N costliest GPU kernels per LM step (torch.profiler, CUDA only)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also the LM stream's GPU timeline between decode forwards (torch.profiler, CUDA only)")
     parser.add_argument("--model-kwargs", type=json.loads, default={}, metavar="JSON",
                         help='Orpheus model_kwargs, e.g. \'{"audio_logits_only": false}\'')
     parser.add_argument("--no-vocoder", action="store_true",
@@ -209,6 +287,9 @@ def main() -> None:
             cases[f"c{c}"] = run_case(m, rec, c, tokens)
             cases[f"c{c}"]["lookahead_hits_misses"] = [llm.lookahead_hits - hits, llm.lookahead_misses - misses]
             sys.stdout.write(f"concurrency {c}: {json.dumps(cases[f'c{c}'])}\n")
+        if args.timeline and device == "cuda":
+            for c in args.concurrency:
+                cases[f"c{c}"]["timeline"] = step_timeline(m, rec, c)
         if args.kernels and device == "cuda":
             for c in args.concurrency:
                 cases[f"c{c}"]["kernels"] = kernel_table(m, rec, c, args.kernels)
