@@ -8,7 +8,6 @@ compiled as 16-byte aligned, as Triton specialises them at launch for these shap
 
     python3 benchmarks/kernel_registers.py                      # the M = 1 and M = 4 configs below
     python3 benchmarks/kernel_registers.py --configs 4,8,1024,4,8   # block_m,block_n,block_k,warps,fold_k
-    python3 benchmarks/kernel_registers.py --configs 1,2,1024,4,1,2 # ... and tiles prefetched into L2
 """
 
 from __future__ import annotations
@@ -38,8 +37,8 @@ _ALIGNED = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "ws_ptr", "lock_ptr", "r_ptr",
             "N", "K", "stride_xm", "stride_wn", "stride_rm", "gate_offset")
 
 
-def compile_report(block_m: int, block_n: int, block_k: int, warps: int, fold_k: int, prefetch: int = 0,
-                   k: int = 3072, stages: int = 2) -> dict:
+def compile_report(block_m: int, block_n: int, block_k: int, warps: int, fold_k: int, k: int = 3072,
+                   stages: int = 2) -> dict:
     """Compile the plain GEMV (no bias, norm or gate; one split) for sm_90a and read ptxas' report."""
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
            "lock_ptr": "*i32", "r_ptr": "*bf16", "nw_ptr": "*bf16", "res_out_ptr": "*bf16", "M": "i32", "N": "i32",
@@ -47,8 +46,7 @@ def compile_report(block_m: int, block_n: int, block_k: int, warps: int, fold_k:
     names = list(sig)
     const = dict(HAS_BIAS=False, GATED=False, NORM=False, HAS_RES=False, SPLIT_K=1, EVEN_K=True,
                  K_ITERS=k // block_k, K_CHUNKS=k // block_k, BROADCAST_X=block_k >= 8 * 32 * warps,
-                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FOLD_K=fold_k,
-                 PREFETCH=min(prefetch, k // block_k - 1), LINE_ELEMS=gemv.L2_LINE // 2, PDL=True)
+                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FOLD_K=fold_k, PDL=True)
     sig.update({name: "constexpr" for name in const})
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _ALIGNED}
     src = ASTSource(fn=gemv._gemv_kernel, signature=sig, constexprs=const, attrs=attrs)
@@ -66,10 +64,9 @@ def compile_report(block_m: int, block_n: int, block_k: int, warps: int, fold_k:
     threads = 32 * warps
     blocks = min(65536 // (regs * threads), 2048 // threads, 32)  # per SM: registers, threads, blocks
     return {"config": dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps, fold_k=fold_k,
-                           prefetch=prefetch, num_stages=stages, k=k),
+                           num_stages=stages, k=k),
             "registers": regs, "spill_bytes": spills, "loads": sorted(set(re.findall(r"ld\.global[.a-z0-9]*", ptx))),
-            "shuffles": ptx.count("shfl.sync"),
-            "l2_prefetches": ptx.count("prefetch.global.L2"),  # the whole kernel: the final reduction has its own
+            "shuffles": ptx.count("shfl.sync"),  # the whole kernel: the final reduction has its own
             "blocks_per_sm_by_registers": blocks,
             "weight_bytes_per_sm_per_chunk": blocks * block_n * block_k * 2}
 
@@ -85,7 +82,7 @@ def main() -> None:
         rows.append(row)
         c = row["config"]
         print(f"M<={c['block_m']} N-block {c['block_n']} K-block {c['block_k']} warps {c['num_warps']} "
-              f"fold {c['fold_k']} prefetch {c['prefetch']}: {row['l2_prefetches']} L2 prefetches, {row['registers']} registers, {row['spill_bytes']} B spilled, "
+              f"fold {c['fold_k']}: {row['registers']} registers, {row['spill_bytes']} B spilled, "
               f"{row['blocks_per_sm_by_registers']} blocks/SM, {row['weight_bytes_per_sm_per_chunk']} weight B/SM "
               f"per chunk, loads {row['loads']}", flush=True)
     if args.out:

@@ -12,13 +12,9 @@ With --pdl both, everything is profiled with Programmatic Dependent Launch of th
 then on (mstar/kernels/pdl.py; the skinny-GEMM choices are re-timed for each, as a fresh process with
 that MSTAR_PDL would); --pdl off / on forces one; the default follows MSTAR_PDL (auto: on for sm_90+).
 --speakable-span restricts the head to Orpheus' speakable span, as the served model does.
-With --gemv-prefetch, each setting (weight tiles after the first that a decode-GEMV program asks L2 for
-before its PDL wait, `mstar/kernels/gemv.py` PREFETCH) gets its own engine, graphs and skinny-GEMM
-choices, in the order given (repeat one to see the run-to-run spread).
 
     python3 benchmarks/profile_decode.py [--batch-sizes 1 16 64] [--variants none rope reduce norm all]
-        [--pdl {env,off,on,both}] [--speakable-span] [--gemv-prefetch 0 2 0 2]
-        [--out benchmarks/results/profile_decode_h200.json]
+        [--pdl {env,off,on,both}] [--speakable-span] [--out benchmarks/results/profile_decode_h200.json]
 
 Measures, asserts nothing. Needs a CUDA GPU.
 """
@@ -41,7 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode_step import ORPHEUS_3B, make_engine  # noqa: E402
 from mstar.engines.autoregressive import engine as engine_module  # noqa: E402
 from mstar.engines.base import StepItem  # noqa: E402
-from mstar.kernels.gemv import PREFETCH  # noqa: E402
 from mstar.kernels.pdl import PDL  # noqa: E402
 from mstar.layers.fused import FUSED  # noqa: E402
 from mstar.layers.linear import SKINNY  # noqa: E402
@@ -201,8 +196,6 @@ def main() -> None:
                         help="engine context limit (default: just what the run needs); decode splits KV by it")
     parser.add_argument("--speakable-span", action="store_true",
                         help="the head reads Orpheus' speakable span only, as served (model_kwargs.audio_logits_only)")
-    parser.add_argument("--gemv-prefetch", type=int, nargs="+", default=None, metavar="TILES",
-                        help="GEMV weight tiles prefetched into L2 before the PDL wait to compare, one engine each")
     parser.add_argument("--out", default="benchmarks/results/profile_decode_h200.json")
     args = parser.parse_args()
     config = LlamaConfig.from_hf(ORPHEUS_3B)
@@ -214,19 +207,7 @@ def main() -> None:
     result = {"benchmark": "profile_decode", "command": "python3 " + " ".join(sys.argv),
               "device": torch.cuda.get_device_name()}
     modes = PDL_MODES[args.pdl]
-    if args.gemv_prefetch:
-        set_pdl(modes[0])
-        result["variants"] = {}
-        for tiles in args.gemv_prefetch:
-            PREFETCH.tiles = tiles
-            SKINNY.decisions.clear()  # timed again: the prefetch may change what a GEMV costs in a graph
-            label = f"gemv_prefetch={tiles}"
-            runs = sum(key.startswith(label) for key in result["variants"])
-            label += f" (run {runs + 1})" if runs else ""
-            print(json.dumps({"variant": label}), flush=True)
-            result["variants"][label] = profile_engine(model, config, args)
-            result["variants"][label]["skinny_choices"] = skinny_choices()
-    elif args.variants is None and len(modes) == 1:
+    if args.variants is None and len(modes) == 1:
         set_pdl(modes[0])
         result.update(profile_engine(model, config, args))
         result["skinny_choices"] = skinny_choices()

@@ -41,18 +41,6 @@ from mstar.kernels.fused_ops import silu_times
 from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 MAX_M = 4  # rows above this take the tl.dot kernel in skinny_gemm
-L2_LINE = 128  # bytes per L2 prefetch
-
-
-class _Prefetch:
-    """Weight tiles (after the first) each program asks L2 for before its PDL wait; 0 = none. Capped per
-    launch by the program's K chunks; results do not depend on it (prefetches load no register)."""
-
-    def __init__(self) -> None:
-        self.tiles = 0
-
-
-PREFETCH = _Prefetch()
 
 
 @triton.jit
@@ -168,31 +156,12 @@ def _fma_rows(acc0, acc1, acc2, acc3, w, k, k_mask, x_ptrs, r_ptrs, nw_ptrs, M, 
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte line of each address (no register is loaded, nothing waits for it)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_tiles(w_ptr, rn_safe, stride_wn, k_start, K, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
-    """Prefetch tiles 1..PREFETCH of a program's K slice into L2, one address per 128-byte line (past K:
-    the row's last line again)."""
-    LINES: tl.constexpr = BLOCK_K // LINE_ELEMS if BLOCK_K >= LINE_ELEMS else 1
-    rl = tl.arange(0, LINES) * LINE_ELEMS
-    for t in tl.static_range(1, PREFETCH + 1):
-        k = tl.minimum(k_start + t * BLOCK_K + rl, K - 1)
-        _prefetch_l2(w_ptr + rn_safe[:, None] * stride_wn + k[None, :])
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, res_out_ptr, M, N, K, stride_xm,
                  stride_wn, stride_rm, gate_offset, eps,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                  SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, K_ITERS: tl.constexpr, K_CHUNKS: tl.constexpr,
                  BROADCAST_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 FOLD_K: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr, PDL: tl.constexpr):
+                 FOLD_K: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -208,8 +177,6 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, 
     k_start = pid_k * (K_ITERS * BLOCK_K)
     first_mask = ((k_start + rk) < K)[None, :]
     w_first = _load_w(w_ptrs, k_start, first_mask, EVEN_K)
-    if PDL and PREFETCH > 0:  # the rest of the slice (PREFETCH tiles) into L2, no registers held
-        _prefetch_tiles(w_ptr, rn_safe, stride_wn, k_start, K, PREFETCH, LINE_ELEMS, BLOCK_K)
     pdl_wait(PDL)
     # x, w and the accumulators must share one register layout, or the compiler shuffles a tile through
     # shared memory every iteration. When BLOCK_K spans all warps (BROADCAST_X), a [1, BLOCK_K] x row
@@ -318,9 +285,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block
         SPLIT_K=split, EVEN_K=split * k_per_split == k, K_ITERS=k_per_split // block_k,
         K_CHUNKS=triton.cdiv(k, block_k),
         BROADCAST_X=block_k >= 16 // x.element_size() * 32 * num_warps,  # 16-byte loads by every thread
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FOLD_K=fold_k,
-        PREFETCH=min(PREFETCH.tiles, k_per_split // block_k - 1), LINE_ELEMS=L2_LINE // weight.element_size(),
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FOLD_K=fold_k, num_warps=num_warps,
+        num_stages=num_stages,
         **pdl_args(x.device),
     )
     return out

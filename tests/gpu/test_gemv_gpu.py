@@ -113,34 +113,3 @@ def test_tuned_gemv_configs_equal_f_linear(key):
     got, _ = skinny_norm_linear(x, nw, 1e-5, w, None, None, config=cfg)
     normed, _ = rms_norm(x, nw, 1e-5)
     torch.testing.assert_close(got, F.linear(normed, w), **TOL)
-
-
-@pytest.mark.parametrize("key", sorted(k for k, cfg in TUNED.items() if cfg.block_m <= 4))
-def test_l2_prefetch_does_not_change_the_result(key):
-    """Tiles prefetched into L2 before the PDL wait (gemv.PREFETCH) load no register and change no sum:
-    every tuned GEMV config gives bit-equal results with 0, 1 and 3 tiles, eagerly and replayed from a
-    CUDA graph (with PDL on, where the prefetch is compiled in)."""
-    from mstar.kernels import gemv
-    from mstar.kernels.pdl import PDL
-
-    if not PDL.enabled(torch.device("cuda")):
-        pytest.skip("the prefetch runs only with PDL (sm_90+)")
-    m, n, k = key
-    cfg = TUNED[key]
-    x, w, _ = _inputs(m, n, k)
-    saved = gemv.PREFETCH.tiles
-    try:
-        gemv.PREFETCH.tiles = 0
-        want = skinny_linear(x, w, config=cfg)
-        for tiles in (1, 3):
-            gemv.PREFETCH.tiles = tiles
-            assert torch.equal(skinny_linear(x, w, config=cfg), want), tiles
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = skinny_linear(x, w, config=cfg)
-            out.zero_()
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(out, want), tiles
-    finally:
-        gemv.PREFETCH.tiles = saved
