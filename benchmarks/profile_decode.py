@@ -12,9 +12,13 @@ With --pdl both, everything is profiled with Programmatic Dependent Launch of th
 then on (mstar/kernels/pdl.py; the skinny-GEMM choices are re-timed for each, as a fresh process with
 that MSTAR_PDL would); --pdl off / on forces one; the default follows MSTAR_PDL (auto: on for sm_90+).
 --speakable-span restricts the head to Orpheus' speakable span, as the served model does.
+With --attention-preload, each setting (1: each decode-attention program reads its first block of cached
+keys and values before its PDL wait, `mstar/kernels/decode_attention.py` PRELOAD; 0: after) gets its own
+engine and graphs, in the order given (repeat one to see the run-to-run spread).
 
     python3 benchmarks/profile_decode.py [--batch-sizes 1 16 64] [--variants none rope reduce norm all]
-        [--pdl {env,off,on,both}] [--speakable-span] [--out benchmarks/results/profile_decode_h200.json]
+        [--pdl {env,off,on,both}] [--speakable-span] [--attention-preload 0 1 0 1]
+        [--out benchmarks/results/profile_decode_h200.json]
 
 Measures, asserts nothing. Needs a CUDA GPU.
 """
@@ -37,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.decode_step import ORPHEUS_3B, make_engine  # noqa: E402
 from mstar.engines.autoregressive import engine as engine_module  # noqa: E402
 from mstar.engines.base import StepItem  # noqa: E402
+from mstar.kernels.decode_attention import PRELOAD  # noqa: E402
 from mstar.kernels.pdl import PDL  # noqa: E402
 from mstar.layers.fused import FUSED  # noqa: E402
 from mstar.layers.linear import SKINNY  # noqa: E402
@@ -196,6 +201,8 @@ def main() -> None:
                         help="engine context limit (default: just what the run needs); decode splits KV by it")
     parser.add_argument("--speakable-span", action="store_true",
                         help="the head reads Orpheus' speakable span only, as served (model_kwargs.audio_logits_only)")
+    parser.add_argument("--attention-preload", type=int, nargs="+", choices=(0, 1), default=None,
+                        help="decode-attention preload settings to compare (0 off, 1 on), one engine each")
     parser.add_argument("--out", default="benchmarks/results/profile_decode_h200.json")
     args = parser.parse_args()
     config = LlamaConfig.from_hf(ORPHEUS_3B)
@@ -207,7 +214,17 @@ def main() -> None:
     result = {"benchmark": "profile_decode", "command": "python3 " + " ".join(sys.argv),
               "device": torch.cuda.get_device_name()}
     modes = PDL_MODES[args.pdl]
-    if args.variants is None and len(modes) == 1:
+    if args.attention_preload:
+        set_pdl(modes[0])
+        result["variants"] = {}
+        for on in args.attention_preload:
+            PRELOAD.on = bool(on)
+            label = f"attention_preload={on}"
+            runs = sum(key.startswith(label) for key in result["variants"])
+            label += f" (run {runs + 1})" if runs else ""
+            print(json.dumps({"variant": label}), flush=True)
+            result["variants"][label] = profile_engine(model, config, args)
+    elif args.variants is None and len(modes) == 1:
         set_pdl(modes[0])
         result.update(profile_engine(model, config, args))
         result["skinny_choices"] = skinny_choices()

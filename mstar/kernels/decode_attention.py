@@ -15,9 +15,12 @@ Two optional fusions (both exact re-arrangements, both CUDA-graph safe):
   its partial; the last to arrive merges all partials in the fixed order 0..NUM_SPLITS-1 and resets
   it, so no reduce kernel runs and the result does not depend on which split finishes last.
 
-PDL (sm_90+, `mstar.kernels.pdl`): both kernels let the next kernel launch at their start and wait
-for the previous one before their first load or store (everything they read is written during the
-step: q/k/v, lengths, block tables, slots, cos/sin, the cache, the partials and counters).
+PDL (sm_90+, `mstar.kernels.pdl`): both kernels let the next kernel launch at their start. The reduce
+kernel waits for the previous one before it reads anything (the partials). The decode kernel first
+reads its sequence's length, block table and the first block of its split's cached keys and values
+(`PRELOAD`): lengths and tables are written by copies that precede the step's kernels, the cached
+positions before the new token by earlier steps, so none of it by a kernel that may still run. It
+waits before everything else (q/k/v, slots, cos/sin, the new token's cache row, partials, counters).
 """
 
 from __future__ import annotations
@@ -30,6 +33,17 @@ from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
+
+
+class _Preload:
+    """Whether each decode program reads its first block of cached keys and values before its PDL
+    wait (`on`); benchmarks switch it to compare. Results do not depend on it."""
+
+    def __init__(self) -> None:
+        self.on = True
+
+
+PRELOAD = _Preload()
 
 
 @triton.jit
@@ -99,6 +113,34 @@ def _merge_splits(mid_ptr, lse_ptr, out_ptr, b, heads, gmask, mask, d, stride_mb
 
 
 @triton.jit
+def _load_block(k_cache_ptr, v_cache_ptr, block_tables_ptr, b, stride_bt, kvh, start, hi, d, dmask,
+                NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Cached keys and values [BLOCK_N, BLOCK_D] of positions start.. (masked from `hi` on), gathered
+    through the block table, and the mask of the valid positions."""
+    n = start + tl.arange(0, BLOCK_N)
+    nmask = n < hi
+    page = tl.load(block_tables_ptr + b * stride_bt + n // PAGE_SIZE, mask=nmask, other=0)
+    row = (page.to(tl.int64) * PAGE_SIZE + n % PAGE_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
+    kv_mask = nmask[:, None] & dmask[None, :]
+    k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    return k, v, nmask
+
+
+@triton.jit
+def _attend(q, k, v, nmask, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
+    """One block of keys (at least one valid) into the online softmax state (m_i, l_i, acc)."""
+    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+    qk = tl.where(nmask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_tables_ptr, seq_lens_ptr,
                    cos_ptr, sin_ptr, out_ptr, lse_ptr, final_ptr, lock_ptr, stride_qb, stride_qh, stride_kb,
                    stride_kh, stride_vb, stride_vh, stride_bt, stride_cs, stride_ob, stride_oh, stride_os,
@@ -106,9 +148,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, bloc
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                   ROPE: tl.constexpr, FUSE_REDUCE: tl.constexpr, PDL: tl.constexpr):
+                   ROPE: tl.constexpr, FUSE_REDUCE: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
-    pdl_wait(PDL)  # lengths, tables, q/k/v, the cache and the split counters are all written in the step
+    if not PRELOAD:
+        pdl_wait(PDL)  # every read after the wait (the wait below then returns at once)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -125,28 +168,25 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, bloc
     heads = kvh * GROUP + g
     gmask = g < GROUP
     dmask = d < HEAD_DIM
+    # The split's first block of cached keys and values. With PRELOAD it is read before the PDL wait:
+    # lengths and block tables are written by copies before the step's kernels, the cached positions
+    # before the new token by earlier steps (the contract in mstar/kernels/pdl.py), so its DRAM
+    # latency overlaps the previous kernels; at small batches that block is often the split's whole share.
+    k0, v0, nmask0 = _load_block(k_cache_ptr, v_cache_ptr, block_tables_ptr, b, stride_bt, kvh, lo, hi, d, dmask,
+                                 NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, BLOCK_N)
+    pdl_wait(PDL)
     cos_row, sin_row = cos_ptr + b * stride_cs, sin_ptr + b * stride_cs
     q = _load_rotated(q_ptr + b * stride_qb + heads[:, None] * stride_qh, d[None, :],
                       gmask[:, None] & dmask[None, :], cos_row, sin_row, ROPE, HEAD_DIM)
     m_i, l_i, acc = _new_token(q, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_row, sin_row, b, kvh,
                                split, seq_len, stride_kb, stride_kh, stride_vb, stride_vh, qk_scale, d, dmask,
                                NUM_KV_HEADS, HEAD_DIM, BLOCK_G, BLOCK_D, ROPE)
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        nmask = n < hi
-        page = tl.load(block_tables_ptr + b * stride_bt + n // PAGE_SIZE, mask=nmask, other=0)
-        row = (page.to(tl.int64) * PAGE_SIZE + n % PAGE_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
-        kv_mask = nmask[:, None] & dmask[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
-        qk = tl.where(nmask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    if lo < hi:  # an empty split attends to nothing (a block of no valid key would make m - m NaN)
+        m_i, l_i, acc = _attend(q, k0, v0, nmask0, m_i, l_i, acc, qk_scale, PRECISION)
+    for start in range(lo + BLOCK_N, hi, BLOCK_N):
+        k, v, nmask = _load_block(k_cache_ptr, v_cache_ptr, block_tables_ptr, b, stride_bt, kvh, start, hi, d,
+                                  dmask, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, BLOCK_N)
+        m_i, l_i, acc = _attend(q, k, v, nmask, m_i, l_i, acc, qk_scale, PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # empty split / seq_len 0: zeros
     out_mask = gmask[:, None] & dmask[None, :]
@@ -238,7 +278,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                   NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
                   BLOCK_N=64 if block_d <= 128 else 32,
                   PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rotary is not None,
-                  FUSE_REDUCE=fuse_reduce, num_warps=4, **pdl_args(q.device))
+                  FUSE_REDUCE=fuse_reduce, PRELOAD=PRELOAD.on, num_warps=4, **pdl_args(q.device))
     grid = (num_seqs, num_kv_heads, num_splits)
     inputs = (q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, cos, sin)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_tables.stride(0),

@@ -10,8 +10,11 @@ previous kernel has completed and its memory is visible.
 The contract every kernel launched here keeps (the kernel modules point to it):
 
 1. Each program calls `pdl_wait` before it reads anything an earlier kernel may write and before it
-   writes anything at all. Only reads of data that no kernel writes during a step may come before
-   it: today just the GEMV's first weight tile (`gemv.py`), which hides one DRAM latency per launch.
+   writes anything at all. Only reads of data that no PDL kernel writes during a step may come
+   before it: the GEMV's first weight tile (`gemv.py`), and the decode attention's sequence lengths,
+   block tables (written by copies queued before the step's kernels) and first block of cached keys
+   and values (positions before the new token, written by earlier steps; `decode_attention.py`).
+   Each hides one DRAM latency per launch.
 2. Each program calls `pdl_launch_dependents` at its start: the next kernel's early work is only the
    constant reads rule 1 allows, so it may start at once.
 
@@ -29,6 +32,12 @@ ordered only after kernels that completed before the last kernel launched withou
 weight written by a kernel and read at once by a GEMV (no synchronisation, no ordinary torch kernel
 in between) could be read stale. Loading ends long before serving; tests that build a weight and
 call a GEMV right away synchronise first.
+
+What it asks of the decode attention's early reads: lengths and block tables are copied in (copies
+keep full stream order) and the cached keys and values it reads early were written by an earlier
+forward, which ends before the next one's first kernel, launched without PDL (the embedding gather),
+starts. A caller that wrote them with a PDL kernel and ran the decode kernel right after, with no
+ordinary kernel or copy in between, would break this.
 
 `PDL` decides per device whether kernels launch this way (MSTAR_PDL: 0 never, 1 on every CUDA
 device, auto on sm_90+ when Triton supports it), read once per process; tests and benchmarks set

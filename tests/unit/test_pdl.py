@@ -118,8 +118,13 @@ PDL_KERNELS = {
     "step_attention.py": ("_step_attention_kernel",),
     "small_vocab_sampling.py": ("_sample_kernel",),
 }
-WEIGHT_POINTERS = {"w_ptr", "w_ptrs"}  # constant during a step: the only memory read before the wait
-PRE_WAIT_HELPERS = {"pdl_launch_dependents", "_load_w"}  # _load_w(w_ptrs, ...) loads weight tiles
+WEIGHT_POINTERS = {"w_ptr", "w_ptrs"}  # constant during a step: what a kernel may read before the wait
+# ... and what else some kernels may (mstar/kernels/pdl.py, rule 1): the decode attention's lengths and
+# block tables (copied in before the step's kernels) and cached keys/values of earlier steps
+EARLY_READS = {"_decode_kernel": WEIGHT_POINTERS | {"seq_lens_ptr", "block_tables_ptr", "k_cache_ptr", "v_cache_ptr"}}
+# helpers that may run before the wait: loads of weight tiles or cached blocks (their pointers checked),
+# and an earlier wait
+PRE_WAIT_HELPERS = {"pdl_launch_dependents", "pdl_wait", "_load_w", "_load_block"}
 
 
 def _is_call_to(node: ast.AST, name: str) -> bool:
@@ -141,6 +146,7 @@ def contract_errors(kernel: ast.FunctionDef) -> list[str]:
     errors = []
     if not (isinstance(body[0], ast.Expr) and _is_call_to(body[0].value, "pdl_launch_dependents")):
         errors.append(f"{name}: pdl_launch_dependents(PDL) is not its first statement")
+    allowed = EARLY_READS.get(name, WEIGHT_POINTERS)
     waits = [i for i, stmt in enumerate(body) if isinstance(stmt, ast.Expr) and _is_call_to(stmt.value, "pdl_wait")]
     if not waits:
         return errors + [f"{name}: no pdl_wait(PDL) at the top level of its body"]
@@ -152,12 +158,13 @@ def contract_errors(kernel: ast.FunctionDef) -> list[str]:
             if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "tl":
                 if func.attr == "store" or func.attr.startswith("atomic"):
                     errors.append(f"{name}: tl.{func.attr} before pdl_wait")
-                elif func.attr == "load" and not _pointers(node.args[0]) <= WEIGHT_POINTERS:
+                elif func.attr == "load" and not _pointers(node.args[0]) <= allowed:
                     errors.append(f"{name}: loads {sorted(_pointers(node.args[0]))} before pdl_wait")
             elif isinstance(func, ast.Name) and func.id not in PRE_WAIT_HELPERS:
                 errors.append(f"{name}: calls {func.id} before pdl_wait")
-            elif _is_call_to(node, "_load_w") and not _pointers(node.args[0]) <= WEIGHT_POINTERS:
-                errors.append(f"{name}: _load_w of {sorted(_pointers(node.args[0]))} before pdl_wait")
+            elif (_is_call_to(node, "_load_w") or _is_call_to(node, "_load_block")) and \
+                    not set().union(*map(_pointers, node.args)) <= allowed:
+                errors.append(f"{name}: {func.id} of {sorted(set().union(*map(_pointers, node.args)))} before pdl_wait")
     return errors
 
 
@@ -215,6 +222,14 @@ def k_kernel(x_ptr, w_ptr, out_ptr, PDL: tl.constexpr):
     for expected, source in cases.items():
         errors = contract_errors(_kernels(source)["k_kernel"])
         assert any(expected in e for e in errors), (expected, errors)
+    # the decode attention may read lengths, tables and cached blocks early; no other kernel may
+    early = good.replace("w = tl.load(w_ptr + 1)", "w = tl.load(seq_lens_ptr + 1)").replace(
+        "w2 = _load_w(w_ptr, 0, None, True)", "k, v, m = _load_block(k_cache_ptr, v_cache_ptr, block_tables_ptr, 0)")
+    assert contract_errors(_kernels(early.replace("k_kernel", "_decode_kernel"))["_decode_kernel"]) == []
+    errors = contract_errors(_kernels(early)["k_kernel"])
+    assert any("loads ['seq_lens_ptr']" in e for e in errors) and any("_load_block of" in e for e in errors), errors
+    wrong = early.replace("_load_block(k_cache_ptr", "_load_block(q_ptr").replace("k_kernel", "_decode_kernel")
+    assert any("_load_block of" in e and "q_ptr" in e for e in contract_errors(_kernels(wrong)["_decode_kernel"]))
     launcher = "def f(x):\n    k_kernel[(1,)](x, PDL=False)\n"
     assert _launches_without_pdl_args(launcher) == ["f launches k_kernel"]
     assert _launches_without_pdl_args(launcher.replace("PDL=False", "**pdl_args(x.device)")) == []
