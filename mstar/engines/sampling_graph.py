@@ -51,9 +51,16 @@ class SamplerGraphs:
 
     Each call's inputs are staged in one of two pinned host sets, used in turn; a set is rewritten
     only once the copy out of it is done (an event; the engine reads every call's ids before the next
-    call anyway)."""
+    call anyway).
 
-    def __init__(self, sizes: Sequence[int], device: torch.device, offset: int = 0) -> None:
+    `logits` (optional, float32 [>= max(sizes), V], contiguous): the buffer the decode graphs write
+    their logits into (`ModelRunner.logits_out`); the graphs read it as their input, so logits already
+    there are not copied. `ids` (optional, int64 [>= max(sizes)]): the decode graphs' token-id input
+    (`ModelRunner.decode_ids`); the graphs write the drawn ids there, so a lookahead forward fed with
+    them needs no copy. Both are used only when their shape fits."""
+
+    def __init__(self, sizes: Sequence[int], device: torch.device, offset: int = 0,
+                 logits: torch.Tensor | None = None, ids: torch.Tensor | None = None) -> None:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" must compare equal
             device = torch.device("cuda", torch.cuda.current_device())
@@ -64,6 +71,8 @@ class SamplerGraphs:
         self._seen: SeenRows | None = None
         self._inputs: _PackedInputs | None = None
         self.replays = 0
+        self.logit_copies = 0  # calls whose logits were not already in the graphs' input
+        self._given_logits, self._given_ids = logits, ids
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor | None:
         """Sampled token ids [N] (a device view, valid until the next call), or None when the batch is
@@ -93,7 +102,9 @@ class SamplerGraphs:
         inputs.send(host, bucket)
         self.replays += 1
         static = self._logits[n]
-        static.copy_(logits)  # into the shared input, converted to float32 in the same kernel
+        if logits.data_ptr() != static.data_ptr() or logits.dtype != static.dtype:
+            static.copy_(logits)  # into the shared input, converted to float32 in the same kernel
+            self.logit_copies += 1
         return graphs(static, inputs.table_rows[n], inputs.new_rows[n], bucket=bucket)[0]
 
     def _capture(self, vocab: int) -> None:
@@ -102,25 +113,42 @@ class SamplerGraphs:
         self._seen = seen = SeenRows(rows, vocab, self.device, self.offset)
         self._inputs = inputs = _PackedInputs(rows, self.device, seen.trash)
         example = [((vocab,), torch.float32), ((COLUMNS,), torch.float32), ((), torch.long)]
-        with torch.inference_mode(False):
-            logits = torch.zeros(rows, vocab, dtype=torch.float32, device=self.device)
+        logits = self._given_logits
+        if not _fits(logits, (rows, vocab), torch.float32, self.device):
+            with torch.inference_mode(False):
+                logits = torch.zeros(rows, vocab, dtype=torch.float32, device=self.device)
+        ids = self._given_ids if _fits(self._given_ids, (rows,), torch.long, self.device) else None
         self._logits = [logits[:k] for k in range(rows + 1)]
-        self._graphs = {filtered: BatchGraphs(_marking(seen, filtered, self.offset), self.sizes, example,
+        self._graphs = {filtered: BatchGraphs(_marking(seen, filtered, self.offset, ids), self.sizes, example,
                                               self.device, static_inputs=[logits, inputs.table, inputs.new])
                         for filtered in (False, True)}
         logger.info("sampling captured in CUDA graphs for batch sizes %s (vocabulary %d from id %d)", self.sizes,
                     vocab, self.offset)
 
 
-def _marking(seen: SeenRows, filtered: bool,
-             offset: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The captured step: mark each row's new token (`new` [N]: flat mask indexes), then draw token ids."""
+def _fits(t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `t` holds at least shape[0] contiguous rows of shape[1:] in `dtype` on `device`."""
+    return t is not None and t.dtype == dtype and t.device == device and t.is_contiguous() and \
+        t.shape[0] >= shape[0] and tuple(t.shape[1:]) == shape[1:]
+
+
+def _marking(seen: SeenRows, filtered: bool, offset: int,
+             ids: torch.Tensor | None = None) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The captured step: mark each row's new token (`new` [N]: flat mask indexes), then draw token ids
+    (into the first rows of `ids` when given)."""
     flat, masks = seen.flat, seen.masks
 
     def step(logits: torch.Tensor, table: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         flat.index_fill_(0, new, True)
         columns = sample_static(logits, table, masks[: logits.shape[0]], filtered)
-        return columns + offset if offset else columns
+        if ids is None:
+            return columns + offset if offset else columns
+        out = ids[: logits.shape[0]]
+        if offset:
+            torch.add(columns, offset, out=out)
+        else:
+            out.copy_(columns)
+        return out
 
     return step
 

@@ -1,8 +1,9 @@
 """CPU stand-ins for the CUDA-graph pieces of the decode path, faithful to what a replay reads.
 
-`EagerBatchGraphs` has BatchGraphs' constructor and call; a call copies inputs into the static inputs
-(none for an input that already is its shared static, as BatchGraphs does) and runs the function
-eagerly on the static inputs of the whole bucket, padded rows included, as a replay would.
+`EagerBatchGraphs` has BatchGraphs' constructor and call; the constructor runs the function once per size
+(largest first, after `before_capture`), as BatchGraphs' warm-up does; a call copies inputs into the
+static inputs (none for an input that already is its shared static, as BatchGraphs does) and runs the
+function eagerly on the static inputs of the whole bucket, padded rows included, as a replay would.
 `SharedSDPA` is the SDPA backend with the Triton backend's decode-buffer sharing: a staged decode
 batch is read back from the shared buffers (lengths, slots, block tables), as the kernels read it.
 """
@@ -24,6 +25,11 @@ class EagerBatchGraphs:
         self.statics = [s if s is not None else torch.zeros((self.sizes[-1], *shape), dtype=dtype, device=device)
                         for s, (shape, dtype) in zip(shared, example)]
         self.calls = self.copies = 0
+        for size in reversed(self.sizes):  # BatchGraphs' warm-up: state made at a first call exists after
+            if before_capture is not None:
+                before_capture(size)
+            with torch.inference_mode():
+                fn(*(s[:size] for s in self.statics))
 
     @property
     def max_batch(self) -> int:

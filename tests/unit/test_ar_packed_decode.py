@@ -35,7 +35,8 @@ def graphed(model, monkeypatch, pages=64, max_model_len=None, sampler=True):
     r.graphs = r._capture(SIZES)
     if sampler:
         monkeypatch.setattr(sampling_graph, "BatchGraphs", EagerBatchGraphs)
-        engine.sampler = SamplerGraphs(SIZES, torch.device("cpu"), engine.logit_offset)
+        engine.sampler = SamplerGraphs(SIZES, torch.device("cpu"), engine.logit_offset,
+                                       logits=r.logits_out, ids=r.decode_ids)  # as the engine builds it
     return engine
 
 
@@ -87,6 +88,12 @@ def test_sampler_graphs_and_preemption_match_a_plain_engine(model, monkeypatch):
         assert tokens_of(got[key]) == tokens_of(want[key]), key
     assert engine.scheduler.num_preemptions > 0 and engine.sampler.replays > 20
     assert engine.runner.attn.staged > 20 and engine.lookahead_hits > 0
+    # decode graphs leave their logits where the sampler graphs read them, and those write the ids the
+    # lookahead forward reads: only prefill steps' logits and shrinking batches' ids are copied
+    sampler, runner = engine.sampler, engine.runner
+    assert runner.logits_out is not None and sampler._logits[1].data_ptr() == runner.logits_out.data_ptr()
+    assert sampler.logit_copies < sampler.replays / 2, (sampler.logit_copies, sampler.replays)
+    assert runner.ids_copies < engine.lookahead_hits / 2, (runner.ids_copies, engine.lookahead_hits)
     # the penalty changed what greedy picks: the masks were read, not just carried along
     assert any(tokens_of(want[f"r{i}"]) != reference(model, p, o["max_tokens"])
                for i, (p, o) in enumerate(zip(ps, options)))

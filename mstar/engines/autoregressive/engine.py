@@ -88,7 +88,9 @@ class AutoregressiveEngine:
         # sampling replayed from CUDA graphs (sampling_graph.py), captured at the first sampled step
         self.sampler: SamplerGraphs | None = None
         if self.runner.graphs is not None and (cuda_graphs is None or cuda_graphs.sampling):
-            self.sampler = SamplerGraphs(self.runner.graphs.sizes, self.device, self.logit_offset)
+            # reading the decode graphs' logits and writing their next ids in place (no copies between)
+            self.sampler = SamplerGraphs(self.runner.graphs.sizes, self.device, self.logit_offset,
+                                         logits=self.runner.logits_out, ids=self.runner.decode_ids)
         if warm_up if warm_up is not None else self.device.type == "cuda":
             self._warm_up()
         self.last_step_items = 0  # sequences the latest step computed (mstar.engines.stats.ReportsStats)
@@ -294,7 +296,8 @@ def request_seed(key: tuple[str, str]) -> int:
 
 def _to_host(out: SampleOutput) -> SampleOutput:
     def host(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.cpu()
+        # a copy on CPU too: sampled ids may be a view of a buffer the next step rewrites (decode_ids)
+        return None if t is None else t.cpu() if t.device.type != "cpu" else t.clone()
 
     return SampleOutput(host(out.token_ids), host(out.logprobs), host(out.top_ids), host(out.top_logprobs))
 

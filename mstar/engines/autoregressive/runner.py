@@ -108,6 +108,10 @@ class ModelRunner:
         self._decode: DecodeInputs | None = None  # packed inputs of graphed decode steps (decode_inputs.py)
         self._shares_decode = False  # whether the attention backend reads its decode buffers from it
         self.last_greedy_ids: torch.Tensor | None = None  # token ids of the step's argmax, when an extras graph ran
+        # float32 logits of every decode graph, written in place by the graph (all sizes share it), so a
+        # sampler graph reading this buffer needs no copy of them (`SamplerGraphs(logits=...)`)
+        self.logits_out: torch.Tensor | None = None
+        self.ids_copies = 0  # lookahead forwards whose ids had to be copied in (not sampled in place)
         self._eager_forward = model.forward  # plain steps that replay no graph; compiled on request
         if graphs is not None and graphs.compile_eager:
             try:
@@ -136,11 +140,32 @@ class ModelRunner:
         def decode_step(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             # logits only: a greedy batch takes its argmax after the replay; inside the graph it would cost
             # every sampled step a wasted pass over the logits (~10 us at Orpheus's 28,680 ids on an H200)
-            return self.model.compute_logits(self.model.forward(input_ids, positions, self.attn))
+            logits = self.model.compute_logits(self.model.forward(input_ids, positions, self.attn))
+            return self._into_logits_out(logits, max(sizes))
 
         dec = self._decode or self._decode_inputs(max(sizes))
         return BatchGraphs(decode_step, sizes, [((), torch.long), ((), torch.long)], self.device,
                            before_capture=self._describe_dummy_batch, static_inputs=[dec.ids, dec.positions])
+
+    def _into_logits_out(self, logits: torch.Tensor, rows: int) -> torch.Tensor:
+        """`logits` copied into the first rows of `logits_out` (made at the first warm-up call, before any
+        capture); float32 logits only, others are returned as they are."""
+        if logits.dtype != torch.float32:
+            return logits
+        out = self.logits_out
+        if out is None or out.shape[1] != logits.shape[1] or out.device != logits.device:
+            assert not (logits.is_cuda and torch.cuda.is_current_stream_capturing()), "warm up before capturing"
+            with torch.inference_mode(False):  # a normal tensor: the sampler copies other logits into it
+                out = self.logits_out = torch.empty(rows, logits.shape[1], dtype=torch.float32, device=logits.device)
+        out = out[: logits.shape[0]]
+        out.copy_(logits)
+        return out
+
+    @property
+    def decode_ids(self) -> torch.Tensor | None:
+        """The token ids every decode graph reads (int64 [rows]); a sampler that writes its ids here feeds
+        a lookahead forward without a copy. None before the graphs exist."""
+        return self._decode.ids if self._decode is not None else None
 
     @torch.inference_mode()
     def _capture_prefill(self, tokens: list[int]) -> PrefillGraphs:
@@ -231,8 +256,9 @@ class ModelRunner:
         bucket = self.graphs.bucket(n)
         assert bucket is not None
         host = dec.stage(seqs, positions, ids is None, bucket, self._shares_decode)
-        if ids is not None:
+        if ids is not None and ids.data_ptr() != dec.ids.data_ptr():  # else sampled in place already
             dec.ids_rows[n].copy_(ids, non_blocking=True)
+            self.ids_copies += 1
         if self._shares_decode:
             self.attn.prepare_staged_decode(n, bucket)  # type: ignore[attr-defined]
         else:
