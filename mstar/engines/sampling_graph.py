@@ -56,8 +56,9 @@ class SamplerGraphs:
     `logits` (optional, float32 [>= max(sizes), V], contiguous): the buffer the decode graphs write
     their logits into (`ModelRunner.logits_out`); the graphs read it as their input, so logits already
     there are not copied. `ids` (optional, int64 [>= max(sizes)]): the decode graphs' token-id input
-    (`ModelRunner.decode_ids`); the graphs write the drawn ids there, so a lookahead forward fed with
-    them needs no copy. Both are used only when their shape fits."""
+    (`ModelRunner.decode_ids`); the graphs write the drawn ids there, every row of the bucket clamped
+    into the logits' window (padding rows too, which the next forward embeds), so a lookahead forward
+    fed with them needs no copy. Both are used only when their shape fits."""
 
     def __init__(self, sizes: Sequence[int], device: torch.device, offset: int = 0,
                  logits: torch.Tensor | None = None, ids: torch.Tensor | None = None) -> None:
@@ -144,6 +145,9 @@ def _marking(seen: SeenRows, filtered: bool, offset: int,
         if ids is None:
             return columns + offset if offset else columns
         out = ids[: logits.shape[0]]
+        # padding rows (a zero table row) may draw no valid column, and the next forward embeds every row
+        # of its bucket, padding included: keep each id inside the vocabulary (real rows draw valid ones)
+        columns = columns.clamp_(0, logits.shape[1] - 1)
         if offset:
             torch.add(columns, offset, out=out)
         else:

@@ -14,7 +14,7 @@ from mstar.engines import sampling_graph
 from mstar.engines.autoregressive import runner as runner_module
 from mstar.engines.sampling_graph import SamplerGraphs
 from tests.unit.graph_standins import EagerBatchGraphs, SharedSDPA
-from tests.unit.test_ar_engine import TinyLM, item, make_engine, prompts, reference, tokens_of
+from tests.unit.test_ar_engine import VOCAB, TinyLM, item, make_engine, prompts, reference, tokens_of
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -94,6 +94,8 @@ def test_sampler_graphs_and_preemption_match_a_plain_engine(model, monkeypatch):
     assert runner.logits_out is not None and sampler._logits[1].data_ptr() == runner.logits_out.data_ptr()
     assert sampler.logit_copies < sampler.replays / 2, (sampler.logit_copies, sampler.replays)
     assert runner.ids_copies < engine.lookahead_hits / 2, (runner.ids_copies, engine.lookahead_hits)
+    ids = runner.decode_ids  # padding rows included: the next forward embeds them all
+    assert int(ids.min()) >= 0 and int(ids.max()) < VOCAB
     # the penalty changed what greedy picks: the masks were read, not just carried along
     assert any(tokens_of(want[f"r{i}"]) != reference(model, p, o["max_tokens"])
                for i, (p, o) in enumerate(zip(ps, options)))

@@ -156,7 +156,7 @@ class ModelRunner:
         if out is None or out.shape[1] != logits.shape[1] or out.device != logits.device:
             assert not (logits.is_cuda and torch.cuda.is_current_stream_capturing()), "warm up before capturing"
             with torch.inference_mode(False):  # a normal tensor: the sampler copies other logits into it
-                out = self.logits_out = torch.empty(rows, logits.shape[1], dtype=torch.float32, device=logits.device)
+                out = self.logits_out = torch.zeros(rows, logits.shape[1], dtype=torch.float32, device=logits.device)
         out = out[: logits.shape[0]]
         out.copy_(logits)
         return out
