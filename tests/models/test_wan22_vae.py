@@ -280,6 +280,24 @@ def test_serve_option_vae_conv_dtype_defaults_to_float16_for_a_float32_vae_and_f
         out = component.run_batch("t2v", "decode", [{"latents": latents}], [{}])
     assert vae.conv_dtype is None and "overflowed" in caplog.text
     assert torch.equal(out[0]["video"], want)
+    # convolutions already in the weights' dtype (a bfloat16 VAE's, or after the fall-back): non-finite
+    # frames are reported, not redone, and no overflow is claimed
+    caplog.clear()
+    calls = []
+    decode_chunks = vae.decode_chunks
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        yield from decode_chunks(*args, **kwargs)
+
+    vae.decode_chunks = counting
+    vae.conv_dtype = torch.float32
+    nan_latents = latents.clone()
+    nan_latents[0, 0, 0, 0] = float("nan")
+    with caplog.at_level("WARNING"):
+        component.run_batch("t2v", "decode", [{"latents": nan_latents}], [{}])
+    assert len(calls) == 1 and vae.conv_dtype == torch.float32
+    assert "not finite" in caplog.text and "latents finite: False" in caplog.text and "overflowed" not in caplog.text
 
 
 def test_serve_option_vae_autotune_times_cudnn_only_around_the_vae():

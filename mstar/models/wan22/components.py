@@ -151,14 +151,19 @@ class VAEComponent(nn.Module):
                 floats.append(((chunk[0] + 1) / 2).permute(1, 2, 3, 0).cpu())
         if latents.is_cuda:  # the chunks' pinned copies are queued, not done
             torch.cuda.current_stream(latents.device).synchronize()
-        if self.vae.conv_dtype is not None and self.vae.runs_channels_last(latents.device) and not bool(finite):
-            # float16 convolutions overflowed (a checkpoint's activations beyond 65,504): this request and
-            # every later one decode with convolutions in the weights' dtype
-            logger.warning("wan22 VAE: the decode's %s convolutions overflowed; decoding in %s from now on",
-                           str(self.vae.conv_dtype).removeprefix("torch."),
-                           str(self.vae.post_quant_conv.weight.dtype).removeprefix("torch."))
-            self.vae.conv_dtype = None
-            return self._decode(latents, options)
+        if not bool(finite):
+            weights = self.vae.post_quant_conv.weight.dtype
+            conv = self.vae.conv_dtype
+            if conv is not None and conv != weights and self.vae.runs_channels_last(latents.device):
+                # the narrower convolutions overflowed (a checkpoint's activations beyond float16's 65,504):
+                # this request and every later one decode with convolutions in the weights' dtype
+                logger.warning("wan22 VAE: the decode's %s convolutions overflowed; decoding in %s from now on",
+                               str(conv).removeprefix("torch."), str(weights).removeprefix("torch."))
+                self.vae.conv_dtype = None
+                return self._decode(latents, options)
+            # convolutions already in the weights' dtype: a redo would give the same, so none is made
+            logger.warning("wan22 VAE: the decoded frames are not finite (%s convolutions; latents finite: %s)",
+                           str(conv or weights).removeprefix("torch."), bool(torch.isfinite(latents).all()))
         video = torch.cat(pixels)
         modalities = options.get("modalities") or ["video"]
         out: dict[str, torch.Tensor] = {}
