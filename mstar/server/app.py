@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from mstar.server.adapters import RequestError
-from mstar.server.media import MediaError, MediaPolicy
+from mstar.server.media import MediaError, MediaPolicy, warm_encoders
 from mstar.server.metrics import ServerMetrics
 from mstar.server.middleware import GuardMiddleware
 from mstar.server.openapi import install_openapi
@@ -95,13 +95,23 @@ def _install_error_handlers(app: FastAPI) -> None:
 @asynccontextmanager
 async def _warm_lifespan(app: FastAPI):
     """Before the first request is accepted, in the worker-thread pool that requests build their inputs in
-    (its first use imports and starts anyio's thread backend): the processor's one-time work
-    (`Processor.warm`: tokenizer, chat templates). A failure there is logged; requests then pay it."""
+    (its first use imports and starts anyio's thread backend): the request path's one-time work
+    (`_warm_request_path`)."""
+    await run_in_threadpool(_warm_request_path, app.state.mstar.runtime)
+    yield
+
+
+def _warm_request_path(runtime: Any) -> None:
+    """The processor's one-time work (`Processor.warm`: tokenizer, chat templates), then the encoders of
+    the model's output media (`warm_encoders`: codec libraries' first use). A failure is logged; the
+    first requests then pay for it."""
     try:
-        await run_in_threadpool(app.state.mstar.runtime.processor.warm)
+        runtime.processor.warm()
     except Exception:
         logger.warning("warming the request path failed; the first requests pay for it", exc_info=True)
-    yield
+    took = warm_encoders(runtime.model.output_modalities, runtime.processor.sample_rate)
+    if took:
+        logger.info("encoders warmed in %.0f ms (%s)", 1e3 * sum(took.values()), ", ".join(took))
 
 
 def create_app(runtime: Any, api_key: str | None = None, media_policy: MediaPolicy | None = None,

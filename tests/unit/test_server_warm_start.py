@@ -1,7 +1,8 @@
 """Before it accepts a request the server does the request path's one-time work, so the first request does
 not pay for it: starting the worker-thread pool that requests build their inputs in (anyio imports and
 starts its thread backend on first use: ~0.35 s of a --tiny Orpheus server's first time to audio on the dev
-machine) and the processor's `warm` (jinja2 and the chat template's compile, the tokenizer's first call)."""
+machine), the processor's `warm` (jinja2 and the chat template's compile, the tokenizer's first call) and
+the encoders of the model's output media (`warm_encoders`)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from mstar.server import app as app_module
 from tests.e2e.server_thread import running_server
 
 
-def _app_with(processor) -> SimpleNamespace:
-    return SimpleNamespace(state=SimpleNamespace(mstar=SimpleNamespace(runtime=SimpleNamespace(processor=processor))))
+def _app_with(processor, outputs: tuple[str, ...] = ("text",)) -> SimpleNamespace:
+    runtime = SimpleNamespace(processor=processor, model=SimpleNamespace(output_modalities=outputs))
+    return SimpleNamespace(state=SimpleNamespace(mstar=SimpleNamespace(runtime=runtime)))
 
 
 def _start(app) -> None:
@@ -34,7 +36,7 @@ def test_lifespan_warms_the_processor_in_the_thread_pool(monkeypatch):
         return fn(*args)
 
     monkeypatch.setattr(app_module, "run_in_threadpool", recording)
-    _start(_app_with(SimpleNamespace(warm=lambda: warmed.append(1))))
+    _start(_app_with(SimpleNamespace(warm=lambda: warmed.append(1), sample_rate=24000)))
     assert warmed == [1] and len(pooled) == 1
 
 
@@ -42,8 +44,42 @@ def test_a_failing_warm_does_not_stop_the_server(caplog):
     def broken() -> None:
         raise RuntimeError("no tokenizer today")
 
-    _start(_app_with(SimpleNamespace(warm=broken)))  # returns: startup goes on
+    _start(_app_with(SimpleNamespace(warm=broken, sample_rate=24000)))  # returns: startup goes on
     assert "warming the request path failed" in caplog.text
+
+
+def test_lifespan_warms_the_encoders_of_the_models_outputs(monkeypatch):
+    """A speech model's server encodes silence once in every audio format before it serves (a fresh
+    process's first aac encode took 52-66 ms on the dev machine, 9-13 warmed); a text model's encodes nothing."""
+    from mstar.server.media import encode
+
+    seen = []
+    real_audio, real_video = encode.encode_audio, encode.encode_video
+    monkeypatch.setattr(encode, "encode_audio", lambda x, rate, fmt: seen.append((fmt, rate)) or real_audio(x, rate, fmt))
+    monkeypatch.setattr(encode, "encode_video", lambda *a, **k: seen.append(("mp4", None)) or real_video(*a, **k))
+    processor = SimpleNamespace(warm=lambda: None, sample_rate=22050)
+    _start(_app_with(processor))
+    assert seen == []
+    _start(_app_with(processor, ("audio",)))
+    assert seen == [(fmt, 22050) for fmt in encode.AUDIO_FORMATS]
+    seen.clear()
+    _start(_app_with(processor, ("video", "image")))
+    assert seen == [("mp4", None)]
+
+
+def test_an_encoder_that_fails_to_warm_is_left_cold(monkeypatch, caplog):
+    from mstar.server.media import MediaError, encode
+
+    def no_mp3(x, rate, fmt):
+        if fmt == "mp3":
+            raise MediaError(500, "no mp3 encoder here")
+        return b""
+
+    monkeypatch.setattr(encode, "encode_audio", no_mp3)
+    with caplog.at_level("INFO"):
+        took = encode.warm_encoders(("audio",), 24000)
+    assert "mp3" not in took and set(took) == set(encode.AUDIO_FORMATS) - {"mp3"}
+    assert "warming the mp3 encoder failed" in caplog.text
 
 
 def test_served_app_warms_at_startup(monkeypatch):

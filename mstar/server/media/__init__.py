@@ -21,6 +21,7 @@ from mstar.server.media.encode import (
     encode_image,
     encode_video,
     pcm_s16le,
+    warm_encoders,
     wav_stream_header,
 )
 from mstar.server.media.sources import MediaError, MediaPolicy, load_media_bytes
@@ -41,6 +42,7 @@ __all__ = [
     "encode_video",
     "load_media_bytes",
     "pcm_s16le",
+    "warm_encoders",
     "resample_audio",
     "wav_stream_header",
 ]
