@@ -136,19 +136,25 @@ def summarize(rec: Recorder, wall_s: float, tokens: int) -> dict:
     }
 
 
-def kernel_table(m, rec: Recorder, concurrency: int, top: int, tokens: int = 150) -> list[dict]:
-    """The `top` kernels by GPU time per LM step over one profiled run of `concurrency` requests."""
+def profiled_run(m, concurrency: int, tokens: int):
+    """`concurrency` requests of `tokens` tokens each, all done, under torch.profiler (CUDA activity)."""
     from torch.profiler import ProfilerActivity, profile
 
-    rec.parts.clear()
-    rec.events.clear()
-    rec.active = True  # counts the LM steps of the profiled run
     opts = {"max_tokens": tokens, "ignore_eos": True}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         handles = [m.submit({"text": f"Hello number {i}, this is a profile run."}, **opts) for i in range(concurrency)]
         for h in handles:
             h.result()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernel_table(m, rec: Recorder, concurrency: int, top: int, tokens: int = 150) -> list[dict]:
+    """The `top` kernels by GPU time per LM step over one profiled run of `concurrency` requests."""
+    rec.parts.clear()
+    rec.events.clear()
+    rec.active = True  # counts the LM steps of the profiled run
+    prof = profiled_run(m, concurrency, tokens)
     rec.active = False
     steps = max(len(rec.parts["llm_step"]), 1)
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
@@ -178,15 +184,8 @@ def step_timeline(m, rec: Recorder, concurrency: int, tokens: int = 150) -> dict
     """GPU timeline of the LM stream between decode forwards, from one profiled run (see the docstring)."""
     import tempfile
 
-    from torch.profiler import ProfilerActivity, profile
-
     rec.active = False
-    opts = {"max_tokens": tokens, "ignore_eos": True}
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        handles = [m.submit({"text": f"Hello number {i}, this is a timeline run."}, **opts) for i in range(concurrency)]
-        for h in handles:
-            h.result()
-        torch.cuda.synchronize()
+    prof = profiled_run(m, concurrency, tokens)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
