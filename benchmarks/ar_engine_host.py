@@ -66,7 +66,7 @@ class FakeLM:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         return torch.zeros(len(input_ids), 8)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         return torch.zeros(hidden.shape[0], VOCAB)
 
 

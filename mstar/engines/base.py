@@ -75,9 +75,10 @@ class CausalLM(Protocol):
 
     `forward` takes the new tokens of a packed batch (requests one after another, as described by
     the metadata the engine gave `attn.prepare`) and returns their final hidden states;
-    `compute_logits` maps the hidden states of the positions to sample from to float32 logits
-    [N, width] over the contiguous token ids [offset, offset + width): column c is token id
-    offset + c. `logit_offset` (optional; absent means 0) is that offset, and a model whose logits
+    `compute_logits` maps the hidden states of the positions to sample from, with the token each was
+    computed at (`input_ids` [N], on the same device: a head may score only the ids that token allows
+    next, -inf elsewhere), to float32 logits [N, width] over the contiguous token ids
+    [offset, offset + width): column c is token id offset + c. `logit_offset` (optional; absent means 0) is that offset, and a model whose logits
     do not cover the whole vocabulary also defines `logit_width` (the engine needs it before any
     logits exist: a resumed seeded sequence skips that many draws per token). The engine samples
     over the columns and hands back token ids; ids outside the window are never sampled. Both are
@@ -90,7 +91,7 @@ class CausalLM(Protocol):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any) -> torch.Tensor: ...
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor: ...
 
 
 def logit_offset(model: object) -> int:

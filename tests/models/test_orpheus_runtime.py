@@ -145,6 +145,66 @@ def test_greedy_tokens_are_the_full_heads_masked_to_speakable_ids(chatty_checkpo
     assert len(sampled) > 10 and set(sampled) <= _speakable(tokens)
 
 
+@pytest.fixture(scope="module")
+def off_place_checkpoint(tmp_path_factory):
+    """The tiny checkpoint with the head rows of frame place 3 scaled up 50x: greedy over every audio id
+    then says place-3 tokens where other places belong."""
+    path = tmp_path_factory.mktemp("orpheus_off_place")
+    hf, tokens, kwargs = make_checkpoint(path)
+    first = tokens.audio_offset + 3 * tokens.codebook_size
+    with torch.no_grad():
+        hf.lm_head.weight[first:first + tokens.codebook_size] *= 50.0
+    hf.save_pretrained(path)
+    return path, hf, tokens, kwargs
+
+
+def _place_processor(tokens, vocab):
+    """A transformers logits processor holding each row to `tokens.place_windows` (and end of speech)."""
+    import transformers
+
+    windows, lo = tokens.place_windows(vocab), tokens.end_of_speech
+
+    class PlaceWindows(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            start = windows.starts[input_ids[:, -1]].long()[:, None] + lo
+            cols = torch.arange(scores.shape[1])
+            keep = ((cols >= start) & (cols < start + windows.width)) | (cols == tokens.end_of_speech)
+            return scores.masked_fill(~keep, -math.inf)
+
+    return transformers.LogitsProcessorList([PlaceWindows()])
+
+
+@pytest.mark.parametrize("frame_places", [True, False])
+def test_greedy_tokens_keep_to_frame_places_as_transformers_with_the_same_mask(off_place_checkpoint, frame_places):
+    """Frame-place logits (on by default) equal transformers' greedy under a processor that masks each
+    step to the next place's codes; off, the span's greedy says off-place tokens the vocoder loses."""
+    path, hf, tokens, kwargs = off_place_checkpoint
+    opts = {"temperature": 0.0, "repetition_penalty": 1.3, "max_tokens": 30, "voice": "zoe"}
+    config = yaml_config("orpheus", model_kwargs={**kwargs, "frame_place_logits": frame_places})
+    with MStar("orpheus", config=config, model_path=str(path)) as m:
+        seen = _record_lm(m)
+        prompt = m.processor.inputs({"text": "Hello there."}, m.runtime.model.request_options(opts))
+        result = m.generate({"text": "Hello there."}, **opts)
+    (made,) = seen.values()
+    ours = [t for t, _ in made]
+    ids = prompt["prompt_ids"][None]
+    common = {"attention_mask": torch.ones_like(ids), "max_new_tokens": 30, "do_sample": False,
+              "repetition_penalty": 1.3, "eos_token_id": tokens.end_of_speech, "pad_token_id": 0}
+    placed = hf.generate(ids, logits_processor=_place_processor(tokens, hf.config.vocab_size),
+                         **common)[0, ids.shape[1]:].tolist()
+    kept = []
+    for t in ours:
+        if keep_audio_token(tokens, torch.tensor([t]), len(kept)):
+            kept.append(t)
+    if frame_places:
+        assert ours == placed and kept == ours and len(ours) == 30
+        assert sum(a.size for a in result.outputs["audio"]) == 30 // 7 * 2048
+    else:
+        unspeakable = [i for i in range(hf.config.vocab_size) if i not in _speakable(tokens)]
+        assert ours == hf.generate(ids, suppress_tokens=unspeakable, **common)[0, ids.shape[1]:].tolist()
+        assert ours != placed and len(kept) < len(ours), "place 3's rows should pull the span's greedy off place"
+
+
 class _FullMinusInf:
     """The span-restricted tiny LM as the engine saw it before the sampler worked over the span's columns:
     logits of the whole vocabulary, -inf outside the span (and on the markers), offset 0."""
@@ -155,10 +215,10 @@ class _FullMinusInf:
     def forward(self, input_ids, positions, attn):
         return self.lm.forward(input_ids, positions, attn)
 
-    def compute_logits(self, hidden):
+    def compute_logits(self, hidden, input_ids=None):
         lo, hi = self.lm.logit_span
         full = torch.full((hidden.shape[0], self.lm.config.vocab_size), -math.inf)
-        full[:, lo:hi] = self.lm.compute_logits(hidden)
+        full[:, lo:hi] = self.lm.compute_logits(hidden, input_ids)
         return full
 
 

@@ -47,6 +47,27 @@ def test_keep_filter_matches_the_original_decoder():
     assert ours[0] == 128266 + 5
 
 
+def test_place_windows_hold_the_next_places_codes_that_the_decoder_keeps():
+    """After start of speech, and after each audio token, the window is codes 1..4095 of the place the
+    original decoder reads next: walking any path through the windows, every token is kept."""
+    t = OrpheusTokens()
+    vocab = t.vocab_size
+    windows = t.place_windows(vocab)
+    lo = t.end_of_speech
+    assert windows.width == t.codebook_size - 1 and windows.always == (0,)  # end of speech is column 0
+    windows.check(t.speakable_span[1] - lo, vocab)
+    gen = torch.Generator().manual_seed(0)
+    token, kept = t.start_of_speech, 0
+    for _ in range(3 * FRAME + 2):
+        first = int(windows.starts[token]) + lo
+        ids = range(first, first + windows.width)
+        assert [t.code(i, kept) for i in (ids[0], ids[-1])] == [1, t.codebook_size - 1]
+        token = ids[int(torch.randint(len(ids), (), generator=gen))]
+        assert keep_audio_token(t, torch.tensor([token]), kept)
+        kept += 1
+    assert int(windows.starts[t.end_of_text]) + lo == t.audio_offset + 1  # any other id: place 0
+
+
 def test_frame_layout_splits_levels_like_the_original():
     places = torch.arange(FRAME)
     codes = torch.tensor([[10, 11, 12, 13, 14, 15, 16], [20, 21, 22, 23, 24, 25, 26]])

@@ -33,14 +33,14 @@ class WindowLM(TinyLM):
     logit_offset = LO
     logit_width = HI - LO
 
-    def compute_logits(self, hidden):
+    def compute_logits(self, hidden, input_ids=None):
         return _window_logits(self, hidden)
 
 
 class MaskedLM(TinyLM):
     """The same logits over the whole vocabulary, -inf outside the window and on the blocked ids."""
 
-    def compute_logits(self, hidden):
+    def compute_logits(self, hidden, input_ids=None):
         logits = torch.full((hidden.shape[0], VOCAB), -math.inf)
         logits[:, LO:HI] = _window_logits(self, hidden)
         return logits

@@ -117,6 +117,7 @@ PDL_KERNELS = {
     "prefill_attention.py": ("_prefill_kernel",),
     "step_attention.py": ("_step_attention_kernel",),
     "small_vocab_sampling.py": ("_sample_kernel",),
+    "window_head.py": ("_window_head_kernel",),
 }
 WEIGHT_POINTERS = {"w_ptr", "w_ptrs"}  # constant during a step: what a kernel may read before the wait
 # ... and what else some kernels may (mstar/kernels/pdl.py, rule 1): the decode attention's lengths and

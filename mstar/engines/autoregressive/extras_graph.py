@@ -68,7 +68,7 @@ class ExtrasGraphs:
         decode row per sequence; the attention backend must have been prepared for the batch."""
         extras = _StaticExtras(embeds=embeds, capture=frozenset(self.layers), use_embeds=use_embeds)
         pos = positions.t() if self.rows == 3 else positions[:, 0]
-        logits = self.model.compute_logits(self.model.forward(ids, pos, self.attn, extras))
+        logits = self.model.compute_logits(self.model.forward(ids, pos, self.attn, extras), ids)
         return (logits, greedy_ids(logits, self.offset), *(extras.captured[k] for k in self.layers))
 
     def accepts(self, chunks: list[Chunk]) -> bool:

@@ -140,7 +140,7 @@ class ModelRunner:
         def decode_step(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             # logits only: a greedy batch takes its argmax after the replay; inside the graph it would cost
             # every sampled step a wasted pass over the logits (~10 us at Orpheus's 28,680 ids on an H200)
-            logits = self.model.compute_logits(self.model.forward(input_ids, positions, self.attn))
+            logits = self.model.compute_logits(self.model.forward(input_ids, positions, self.attn), input_ids)
             return self._into_logits_out(logits, max(sizes))
 
         dec = self._decode or self._decode_inputs(max(sizes))
@@ -201,9 +201,15 @@ class ModelRunner:
         else:
             self.attn.prepare(meta)
             hidden = self._eager_forward(self._tensor(input_ids), self._tensor(positions), self.attn)
+        return self._last_logits(chunks, hidden, input_ids)
+
+    def _last_logits(self, chunks: list[Chunk], hidden: torch.Tensor, input_ids: list[int]) -> torch.Tensor | None:
+        """Logits of the last token of each chunk that completes (None when none does)."""
         ends = torch.cumsum(torch.tensor([c.num_tokens for c in chunks]), 0) - 1
         last = [int(e) for c, e in zip(chunks, ends) if c.completes]
-        return self.model.compute_logits(hidden[self._tensor(last)]) if last else None
+        if not last:
+            return None
+        return self.model.compute_logits(hidden[self._tensor(last)], self._tensor([input_ids[i] for i in last]))
 
     def _run_with_extras(self, chunks: list[Chunk]) -> torch.Tensor | None:
         """`run` for batches where a sequence has input embeddings, explicit positions or hidden capture."""
@@ -218,9 +224,7 @@ class ModelRunner:
         self.attn.prepare(self._metadata(chunks, slots))
         hidden = self.model.forward(self._tensor(input_ids), positions, self.attn, extras)  # type: ignore[call-arg]
         collect_hidden(chunks, extras)
-        ends = torch.cumsum(torch.tensor([c.num_tokens for c in chunks]), 0) - 1
-        last = [int(e) for c, e in zip(chunks, ends) if c.completes]
-        return self.model.compute_logits(hidden[self._tensor(last)]) if last else None
+        return self._last_logits(chunks, hidden, input_ids)
 
     def _replay(self, chunks: list[Chunk]) -> torch.Tensor:
         """A decode step through the captured graph of the smallest size that holds the batch."""
@@ -292,8 +296,9 @@ class ModelRunner:
             page = self.page_size
             slots = [s.pages[p // page] * page + p % page for s, p in zip(seqs, positions)]
             self.attn.prepare(self._metadata([Chunk(s, p, 1) for s, p in zip(seqs, positions)], slots))
-            hidden = self._eager_forward(ids.to(self.device), self._tensor(positions), self.attn)
-            return Ahead(seqs, positions, self.model.compute_logits(hidden))
+            ids = ids.to(self.device)
+            hidden = self._eager_forward(ids, self._tensor(positions), self.attn)
+            return Ahead(seqs, positions, self.model.compute_logits(hidden, ids))
 
     def _metadata(self, chunks: list[Chunk], slots: list[int]) -> AttentionMetadata:
         max_pages = max(len(c.seq.pages) for c in chunks)

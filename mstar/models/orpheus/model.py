@@ -64,6 +64,10 @@ class OrpheusConfig:
     # the LM head reads only the end-of-speech and audio-token rows (28,680 of 156,940 at full size); other
     # ids are never sampled; False: the full head, as the original
     audio_logits_only: bool = True
+    # with audio_logits_only: each step scores only end of speech and the codes the next frame place can
+    # take (4,096 of the 28,680 rows where the kernel serves, tokens.place_windows); False: every audio id,
+    # whose out-of-place draws the vocoder drops or skips, as the original's decoder does
+    frame_place_logits: bool = True
     seed: int = 0  # of dummy / tiny random weights
 
     def __post_init__(self) -> None:
@@ -243,7 +247,8 @@ class OrpheusModel(Model):
 
             module = load_model(self.checkpoint_path(), dtype=dtype, device=device)
         if self.config.audio_logits_only:
-            module.restrict_logits(self.tokens.speakable_span, blocked=self.tokens.span_markers)
+            windows = self.tokens.place_windows(module.config.vocab_size) if self.config.frame_place_logits else None
+            module.restrict_logits(self.tokens.speakable_span, blocked=self.tokens.span_markers, windows=windows)
         return module
 
     def processor(self) -> OrpheusProcessor:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mstar.layers.logit_windows import LogitWindows
+
 VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 DEFAULT_VOICE = "tara"
 FRAME = 7  # audio tokens per SNAC frame
@@ -80,6 +82,24 @@ class OrpheusTokens:
             text_ids = [self.bos, *text_ids]
         return [self.start_of_human, *text_ids, self.end_of_text, self.end_of_human, self.start_of_ai,
                 self.start_of_speech]
+
+    def place_windows(self, vocab_size: int) -> LogitWindows:
+        """The head windows of frame-place decoding, over the columns of `speakable_span`: after an
+        audio token of place p, the codes 1..codebook_size - 1 of place p + 1 (mod 7); after any other
+        id (start of speech ends the prompt), those of place 0; end of speech is always scored.
+
+        Every token said this way is one the original decoder keeps at the place it reads it for
+        (`keep_audio_token`: its code there is positive and inside the codebook), so the places the LM
+        is held to and the ones the vocoder counts stay the same. Code 0 is left out because that
+        decoder drops it without advancing the place."""
+        lo = self.end_of_speech
+        size = self.codebook_size
+        place_start = [self.audio_offset - lo + p * size + 1 for p in range(FRAME)]
+        starts = torch.full((vocab_size,), place_start[0], dtype=torch.int32)
+        for p in range(FRAME):
+            first = self.audio_offset + p * size
+            starts[first:first + size] = place_start[(p + 1) % FRAME]
+        return LogitWindows(starts, size - 1, always=(self.end_of_speech - lo,))
 
     def code(self, token: int, place: int) -> int:
         """The SNAC code a token stands for at `place` (0..6) of a frame; may be out of range."""

@@ -165,8 +165,8 @@ class CodecTalker(MoEGraphCapture, nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any, extras: Any = None) -> torch.Tensor:
         return self.talker(input_ids, positions, attn, extras)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> float32 codec logits [N, vocab], control ids at -inf."""
+    def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, H] -> float32 codec logits [N, vocab], control ids at -inf (`input_ids` unused)."""
         return self.talker.compute_logits(hidden).masked_fill(self.suppressed, float("-inf"))
 
 

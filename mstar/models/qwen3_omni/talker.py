@@ -80,8 +80,8 @@ class Qwen3OmniTalker(MoEGraphCapture, nn.Module):
         # FINAL, the last token's state, is the code predictor's first input
         return run_layers(self.model.layers, self.model.norm, x, cos, sin, attn, extras)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> float32 codec logits [N, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, H] -> float32 codec logits [N, vocab] (the head does not depend on `input_ids`)."""
         return self.codec_head(hidden).float()
 
     def embed_codec(self, ids: torch.Tensor) -> torch.Tensor:

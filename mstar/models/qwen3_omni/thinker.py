@@ -94,8 +94,8 @@ class Qwen3OmniThinker(MoEGraphCapture, nn.Module):
         return run_layers(self.model.layers, self.model.norm, x, cos, sin, attn, extras, add_deepstack,
                           frozenset(range(deepstack.shape[1])))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, H] -> float32 logits [N, vocab] (the head does not depend on `input_ids`)."""
         return self.lm_head(hidden).float()
 
 
