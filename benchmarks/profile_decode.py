@@ -11,13 +11,16 @@ model, so one run shows each fusion's effect; the skinny-GEMM choices made are l
 With --pdl both, everything is profiled with Programmatic Dependent Launch of the Triton kernels off,
 then on (mstar/kernels/pdl.py; the skinny-GEMM choices are re-timed for each, as a fresh process with
 that MSTAR_PDL would); --pdl off / on forces one; the default follows MSTAR_PDL (auto: on for sm_90+).
---speakable-span restricts the head to Orpheus' speakable span, as the served model does.
+--speakable-span restricts the head to Orpheus' speakable span, as the served model does; with
+--frame-places, each setting (1: also the frame-place windows, `OrpheusTokens.place_windows`, as served
+by default; 0: the span alone) gets its own engine and graphs, in the order given.
 With --attention-preload, each setting (1: each decode-attention program reads its first block of cached
 keys and values before its PDL wait, `mstar/kernels/decode_attention.py` PRELOAD; 0: after) gets its own
 engine and graphs, in the order given (repeat one to see the run-to-run spread).
 
     python3 benchmarks/profile_decode.py [--batch-sizes 1 16 64] [--variants none rope reduce norm all]
         [--pdl {env,off,on,both}] [--speakable-span] [--attention-preload 0 1 0 1]
+        [--frame-places 0 1 0 1]
         [--out benchmarks/results/profile_decode_h200.json]
 
 Measures, asserts nothing. Needs a CUDA GPU.
@@ -201,6 +204,9 @@ def main() -> None:
                         help="engine context limit (default: just what the run needs); decode splits KV by it")
     parser.add_argument("--speakable-span", action="store_true",
                         help="the head reads Orpheus' speakable span only, as served (model_kwargs.audio_logits_only)")
+    parser.add_argument("--frame-places", type=int, nargs="+", choices=(0, 1), default=None,
+                        help="with --speakable-span: the head without (0) and with (1) Orpheus' frame-place windows "
+                             "(model_kwargs.frame_place_logits), one engine each")
     parser.add_argument("--attention-preload", type=int, nargs="+", choices=(0, 1), default=None,
                         help="decode-attention preload settings to compare (0 off, 1 on), one engine each")
     parser.add_argument("--out", default="benchmarks/results/profile_decode_h200.json")
@@ -208,13 +214,26 @@ def main() -> None:
     config = LlamaConfig.from_hf(ORPHEUS_3B)
     model = build_model(config, torch.bfloat16, torch.device("cuda"))
     fill_dummy_weights(model, seed=0)
+    tokens = OrpheusTokens()
     if args.speakable_span:
-        tokens = OrpheusTokens()
         model.restrict_logits(tokens.speakable_span, blocked=tokens.span_markers)
+    elif args.frame_places:
+        parser.error("--frame-places needs --speakable-span")
     result = {"benchmark": "profile_decode", "command": "python3 " + " ".join(sys.argv),
               "device": torch.cuda.get_device_name()}
     modes = PDL_MODES[args.pdl]
-    if args.attention_preload:
+    if args.frame_places:
+        set_pdl(modes[0])
+        result["variants"] = {}
+        for on in args.frame_places:
+            windows = tokens.place_windows(config.vocab_size) if on else None
+            model.restrict_logits(tokens.speakable_span, blocked=tokens.span_markers, windows=windows)
+            label = f"frame_places={on}"
+            runs = sum(key.startswith(label) for key in result["variants"])
+            label += f" (run {runs + 1})" if runs else ""
+            print(json.dumps({"variant": label}), flush=True)
+            result["variants"][label] = profile_engine(model, config, args)
+    elif args.attention_preload:
         set_pdl(modes[0])
         result["variants"] = {}
         for on in args.attention_preload:
