@@ -1,5 +1,5 @@
-"""Fused elementwise Triton kernels for the decoder layers: (residual add +) RMSNorm, rotary, Qwen3's qk-norm
-with rotary, SiLU-and-mul, and a MoE block's sigmoid-gated shared-expert add.
+"""Fused elementwise Triton kernels for the decoder layers: (residual add +) RMSNorm, rotary and its cos/sin,
+Qwen3's qk-norm with rotary, SiLU-and-mul, and a MoE block's sigmoid-gated shared-expert add.
 
 Each replaces a handful of small PyTorch kernels with one, which is what decides decode speed once
 the weights are read at full bandwidth. They round intermediate values to the input dtype at the
@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
@@ -117,6 +118,42 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         HALF=dim // 2, BLOCK_H=block_h, **pdl_args(x.device),
     )
     return out
+
+
+@triton.jit
+def _rope_cos_sin_kernel(pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, tokens, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+                         BLOCK_T: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)
+    rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    rd = tl.arange(0, BLOCK_D)
+    dmask = rd < HALF
+    pos = tl.load(pos_ptr + rt, mask=rt < tokens, other=0).to(tl.float32)
+    freqs = pos[:, None] * tl.load(inv_freq_ptr + rd, mask=dmask, other=0.0)[None, :]
+    if LIBDEVICE:  # libdevice's cosf/sinf: the precise functions torch's CUDA cos/sin call (tl.cos is approximate)
+        c, s = libdevice.cos(freqs), libdevice.sin(freqs)
+    else:  # the interpreter has no libdevice; its tl.cos is numpy's
+        c, s = tl.cos(freqs), tl.sin(freqs)
+    offs = rt[:, None] * (2 * HALF) + rd[None, :]
+    mask = (rt < tokens)[:, None] & dmask[None, :]
+    tl.store(cos_ptr + offs, c, mask=mask)
+    tl.store(cos_ptr + offs + HALF, c, mask=mask)
+    tl.store(sin_ptr + offs, s, mask=mask)
+    tl.store(sin_ptr + offs + HALF, s, mask=mask)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (cos, sin) [T, 2 * len(inv_freq)] of positions [T] (integers): what `RotaryEmbedding`
+    computes with five PyTorch kernels (cast, product, concatenation, cos, sin), in one."""
+    tokens, half = positions.shape[0], inv_freq.shape[0]
+    cos = torch.empty((tokens, 2 * half), dtype=torch.float32, device=positions.device)
+    sin = torch.empty_like(cos)
+    if tokens:
+        block_t = 4
+        _rope_cos_sin_kernel[(triton.cdiv(tokens, block_t),)](
+            positions, inv_freq, cos, sin, tokens, HALF=half, BLOCK_D=triton.next_power_of_2(half), BLOCK_T=block_t,
+            LIBDEVICE=positions.is_cuda, **pdl_args(positions.device))
+    return cos, sin
 
 
 @triton.jit

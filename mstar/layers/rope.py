@@ -1,7 +1,8 @@
 """Rotary position embedding (RoPE) with the scalings Llama-family checkpoints use.
 
 Supported `rope_type`s: "default", "linear" and "llama3" (Llama-3.1+ frequency-dependent scaling).
-Cos/sin are computed from the positions of the step, so any position works without a cache.
+Cos/sin are computed from the positions of the step, so any position works without a cache (on CUDA in
+one launch, `kernels/fused_ops.py` `rope_cos_sin`).
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ class RotaryEmbedding(nn.Module):
         return self
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ops = FUSED.ops_for(positions)
+        if ops is not None and positions.dim() == 1 and not positions.is_floating_point():
+            return ops.rope_cos_sin(positions, self.inv_freq)  # one launch instead of five
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()

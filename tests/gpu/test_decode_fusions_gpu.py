@@ -143,3 +143,19 @@ def test_engine_fused_graph_replay_equals_eager_bf16(llama3_checkpoint, monkeypa
 
     model = load_model(llama3_checkpoint, dtype=torch.bfloat16, device=torch.device("cuda"))
     assert _generate(model, True, True, monkeypatch) == _generate(model, True, False, monkeypatch)
+
+
+def test_rope_cos_sin_kernel_equals_the_five_torch_kernels():
+    """`fused_ops.rope_cos_sin` (libdevice cosf/sinf) against RotaryEmbedding's PyTorch form on the GPU at
+    Orpheus' rope (llama3 scaling, head 128), positions up to its 131,072 context."""
+    from mstar.layers.fused import fused_kernels
+    from mstar.layers.rope import RopeSpec, RotaryEmbedding
+
+    rope = RotaryEmbedding(RopeSpec(head_dim=128, theta=500000.0, rope_type="llama3", factor=32.0)).cuda()
+    positions = torch.cat([torch.arange(0, 5000), torch.randint(0, 131072, (3000,))]).cuda()
+    got = rope(positions)
+    with fused_kernels(False):
+        want = rope(positions)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-6, rtol=0)
+    print("bit-equal:", all(torch.equal(g, w) for g, w in zip(got, want)))

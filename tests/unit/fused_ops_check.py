@@ -42,6 +42,22 @@ def check_rotary(dtype: torch.dtype) -> None:
     torch.testing.assert_close(got, want, atol=1e-6 if dtype == torch.float32 else 1e-3, rtol=1e-3)
 
 
+def check_rope_cos_sin() -> None:
+    """One launch gives the five PyTorch kernels' cos/sin (llama3 scaling, a head_dim whose half is not a
+    power of two, more tokens than one program holds, int32 and int64 positions)."""
+    for spec in (RopeSpec(head_dim=128, theta=500000.0, rope_type="llama3", factor=32.0),
+                 RopeSpec(head_dim=24, theta=10000.0)):
+        rope = RotaryEmbedding(spec)
+        positions = torch.tensor([0, 1, 7, 100, 4095, 70000, 131071])
+        for pos in (positions, positions.int()):
+            got = rope(pos)
+            want = reference(lambda pos=pos, rope=rope: rope(pos))
+            for g, w in zip(got, want):
+                assert g.shape == w.shape == (7, spec.head_dim) and g.dtype == torch.float32
+                torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+    assert [t.shape for t in RotaryEmbedding(RopeSpec(head_dim=16))(torch.zeros(0, dtype=torch.long))] == [(0, 16)] * 2
+
+
 def check_silu_mul(dtype: torch.dtype) -> None:
     mlp = GatedMLP(16, 40).to(dtype)
     x = torch.randn(3, 16).to(dtype)
@@ -171,4 +187,5 @@ if __name__ == "__main__":
         check_qk_norm_rotary(dt)
         check_sigmoid_gate_add(dt)
     check_code_predictor()
+    check_rope_cos_sin()
     print("fused ops ok")
