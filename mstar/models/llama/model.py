@@ -126,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
         vocab = self.config.vocab_size
         if span is None:
             if blocked is not None or windows is not None:
-                raise ValueError("restrict_logits: blocked ids and windows need a span; pass span=(lo, hi) too")
+                raise ValueError(f"restrict_logits: blocked={blocked}, windows: each needs a span; pass span=(lo, hi) too")
             self.logit_span = self.blocked_ids = self.logit_windows = None
             return
         lo, hi = span
