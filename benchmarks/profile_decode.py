@@ -132,10 +132,10 @@ def kernel_table(engine, model, top: int = 25) -> list[dict]:
     pos = torch.full((1,), 100, dtype=torch.long, device="cuda")
     with torch.inference_mode():
         for _ in range(3):
-            model.compute_logits(model.forward(ids, pos, engine.runner.attn))
+            model.compute_logits(model.forward(ids, pos, engine.runner.attn), ids)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            model.compute_logits(model.forward(ids, pos, engine.runner.attn))
+            model.compute_logits(model.forward(ids, pos, engine.runner.attn), ids)
             torch.cuda.synchronize()
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():

@@ -31,8 +31,8 @@ from mstar.kernels.timing import graph_time_us  # noqa: E402
 from mstar.layers.linear import linear_weight  # noqa: E402
 from mstar.models.orpheus.tokens import FRAME, OrpheusTokens  # noqa: E402
 
-CONFIGS = [(16, 512, 4, 3), (8, 512, 4, 3), (32, 256, 4, 3), (16, 256, 4, 3), (16, 1024, 8, 3), (32, 512, 8, 3),
-           (8, 1024, 4, 2), (16, 512, 4, 2)]
+CONFIGS = [(8, 1024, 4, 2), (16, 512, 4, 3), (8, 512, 4, 3), (32, 256, 4, 3), (16, 256, 4, 3), (16, 1024, 8, 3), (32, 512, 8, 3),
+           (16, 512, 4, 2)]
 
 
 def main() -> None:

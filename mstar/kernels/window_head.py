@@ -80,9 +80,11 @@ def fits(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def window_logits(hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor, windows: LogitWindows,
-                  block_n: int = 16, block_k: int = 512, num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                  block_n: int = 8, block_k: int = 1024, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """float32 logits [M, weight rows] of `hidden` [M, K] (`fits`) over each row's window (module
-    docstring) in one launch; `input_ids` [M] (on hidden's device) picks the windows."""
+    docstring) in one launch; `input_ids` [M] (on hidden's device) picks the windows. The default launch
+    config was the fastest at 1 and 2 rows of Orpheus' head and within 2 us of the best at 4 and 6
+    (`benchmarks/window_head_micro.py`)."""
     m, k = hidden.shape
     columns = weight.shape[0]
     out = torch.empty((m, columns), dtype=torch.float32, device=hidden.device)
