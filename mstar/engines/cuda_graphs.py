@@ -47,22 +47,6 @@ def to_host_async(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The one side stream per CUDA device that every `SideCopy` and the engine's copy of samples to the
-    host share: each extra stream may share a hardware queue with another stream's work, and an event
-    wait queued on one then holds the other up too."""
-    device = torch.device(device)
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    stream = _SIDE_STREAMS.get(device)
-    if stream is None:
-        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return stream
-
-
 class SideCopy:
     """A small host-to-device copy of a step's inputs queued on a stream of its own, so the compute
     stream does not stop for it between two kernels.
@@ -75,7 +59,7 @@ class SideCopy:
     copy's event just before its next work, normally long after the copy landed."""
 
     def __init__(self, device: torch.device) -> None:
-        self.stream = side_stream(device)
+        self.stream = torch.cuda.Stream(device)
         self._landed = torch.cuda.Event()
 
     def copy(self, target: torch.Tensor, source: torch.Tensor, after: torch.cuda.Event) -> None:

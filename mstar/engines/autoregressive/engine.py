@@ -28,7 +28,7 @@ from mstar.engines.autoregressive.scheduler import Chunk, Scheduler
 from mstar.engines.autoregressive.sequence import Sequence
 from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs, parse_item
 from mstar.engines.base import CausalLM, StepItem, StepResult, logit_offset
-from mstar.engines.cuda_graphs import side_stream, to_device_async, to_host_async
+from mstar.engines.cuda_graphs import to_device_async, to_host_async
 from mstar.engines.kv_cache.block_pool import BlockPool
 from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
 from mstar.engines.sampling import SampleOutput, SamplingParams, SamplingRow, plain_greedy, sample
@@ -85,11 +85,11 @@ class AutoregressiveEngine:
         self._ahead: Ahead | None = None
         # marks a step's samples copied to the host; one event reused (created per step it costs the host)
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
-        # a lookahead step copies its samples to the host on the device's side stream (cuda_graphs.side_stream)
-        # once they are drawn, so the next forward, queued after them, need not wait for the copy
+        # a lookahead step copies its samples to the host on a stream of its own, once they are drawn, so
+        # the next forward, queued after them, need not wait for the copy
         self._sampled = torch.cuda.Event() if self.device.type == "cuda" else None
         side = self.device.type == "cuda" and envs.side_copies()
-        self._to_host_stream = side_stream(self.device) if side else None
+        self._to_host_stream = torch.cuda.Stream(self.device) if side else None
         self.lookahead_hits = self.lookahead_misses = 0
         # sampling replayed from CUDA graphs (sampling_graph.py), captured at the first sampled step
         self.sampler: SamplerGraphs | None = None
@@ -272,18 +272,11 @@ class AutoregressiveEngine:
         """Queue the copy of this step's samples to the host, launch the next forward of `seqs[keep]`
         fed with them, then wait for the copy only (see lookahead.py); the samples on the host, and
         their token ids as ints."""
-        side = self._to_host_stream is not None and self._sampled is not None
-        if side:
-            self._sampled.record()  # the samples are drawn; copied to the host below, off this stream
-        else:
-            host, copied = _to_host_async(out, self._copied)  # queued before the next forward
+        host, copied = _to_host_async(out, self._copied, self._sampled, self._to_host_stream)
         ids = out.token_ids
         if len(keep) < len(seqs):
             ids = ids.index_select(0, to_device_async(torch.tensor(keep), ids.device))
         ahead = self.runner.launch_ahead([seqs[i] for i in keep], ids)
-        if side:
-            # queued on the side stream after the forward's input copy, which need not wait for it
-            host, copied = _to_host_async(out, self._copied, self._sampled, self._to_host_stream)
         if copied is not None:
             copied.synchronize()
         tokens = host.token_ids.tolist()
@@ -318,9 +311,8 @@ def _to_host(out: SampleOutput) -> SampleOutput:
 def _to_host_async(out: SampleOutput, copied: torch.cuda.Event | None, sampled: torch.cuda.Event | None = None,
                    stream: torch.cuda.Stream | None = None) -> tuple[SampleOutput, torch.cuda.Event | None]:
     """Queue copies of `out` into pinned host memory and record `copied` after them; the host copies,
-    and the event that marks them done (None off CUDA: copied already). With `stream` (and `sampled`,
-    an event the caller recorded once the samples were queued), the copies go there, off the current
-    stream, once `sampled` fires."""
+    and the event that marks them done (None off CUDA: copied already). With `stream` (and the event
+    `sampled` to mark the samples drawn), the copies go there, off the current stream."""
     if out.token_ids.device.type != "cuda" or copied is None:
         return _to_host(out), None
 
@@ -331,6 +323,7 @@ def _to_host_async(out: SampleOutput, copied: torch.cuda.Event | None, sampled: 
         result = SampleOutput(host(out.token_ids), host(out.logprobs), host(out.top_ids), host(out.top_logprobs))
         copied.record()
         return result, copied
+    sampled.record()
     stream.wait_event(sampled)
     with torch.cuda.stream(stream):
         result = SampleOutput(host(out.token_ids), host(out.logprobs), host(out.top_ids), host(out.top_logprobs))
