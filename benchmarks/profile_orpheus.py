@@ -99,8 +99,8 @@ def install(rec: Recorder) -> None:
     Worker.execute = rec.timed("worker_execute", Worker.execute)
     real_async = ar._to_host_async
 
-    def to_host_async(out, copied, *args):
-        host, event = real_async(out, copied, *args)
+    def to_host_async(out, copied):
+        host, event = real_async(out, copied)
         if event is not None and "synchronize" not in vars(event):  # the engine reuses one event
             event.synchronize = rec.timed("llm_wait", event.synchronize)
         return host, event

@@ -82,11 +82,6 @@ PDL = EnvVar(
     "kernel's tail): 0 never, 1 on every CUDA device (an error below sm_90 or without Triton support), "
     "auto on sm_90+ when Triton supports it (read once per process)",
     ("0", "1", "auto"))
-SIDE_COPIES = EnvVar(
-    "MSTAR_SIDE_COPIES", "bool (0/1/true/false)", "1",
-    "0 queues a decode step's small copies (the lookahead forward's inputs, the sampler graphs' inputs, the "
-    "samples to the host) on the compute stream instead of side streams (read when an engine is built)",
-    _TRUE + _FALSE)
 LOOP_FAST_PATH = EnvVar(
     "MSTAR_LOOP_FAST_PATH", "bool (0/1/true/false)", "1",
     "0 routes every decode-loop step through the generic walk interpreter and worker routing instead of "
@@ -113,7 +108,7 @@ SCHEMATHESIS_EXAMPLES = EnvVar(
     "tests only: generated examples per operation in tests/e2e/test_schemathesis.py")
 
 ALL: tuple[EnvVar, ...] = (FUSED_KERNELS, SKINNY_GEMM, FUSE_ROPE_ATTENTION, FUSE_ATTENTION_REDUCE,
-                           FUSE_NORM_LINEAR, WAN_GEMM_GELU, PDL, SIDE_COPIES, LOOP_FAST_PATH, STALL_DUMP_S, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
+                           FUSE_NORM_LINEAR, WAN_GEMM_GELU, PDL, LOOP_FAST_PATH, STALL_DUMP_S, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
                            SCHEMATHESIS_EXAMPLES)
 
 
@@ -171,11 +166,6 @@ def pdl() -> bool | None:
     """MSTAR_PDL: False (never), True (on every CUDA device) or None (auto: sm_90+, the default)."""
     value = PDL.choice()
     return None if value in (None, "auto") else value == "1"
-
-
-def side_copies() -> bool:
-    """MSTAR_SIDE_COPIES: whether decode steps send their small copies on side streams (default True)."""
-    return _flag(SIDE_COPIES, default=True)
 
 
 def loop_fast_path() -> bool:

@@ -38,7 +38,6 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from mstar import envs
 from mstar.engines.cuda_graphs import BatchGraphs, SideCopy, to_device_async
 from mstar.engines.sampling import SamplingParams, SamplingRow, graphable, sample_static
 from mstar.engines.sampling_filters import COLUMNS, RowTable
@@ -282,7 +281,7 @@ class _PackedInputs:
         pinned = device.type == "cuda"
         self._sets = [_HostInputs(size, rows, new_at, pinned, trash) for _ in range(2)]
         self._turn = 0
-        self._side = SideCopy(device) if pinned and envs.side_copies() else None
+        self._side = SideCopy(device) if pinned else None
         self._read = torch.cuda.Event() if pinned else None  # recorded after each replay
 
     def next_host(self) -> _HostInputs:

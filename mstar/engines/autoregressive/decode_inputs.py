@@ -31,7 +31,6 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from mstar import envs
 from mstar.engines.autoregressive.sequence import Sequence
 from mstar.engines.cuda_graphs import SideCopy
 
@@ -111,7 +110,7 @@ class DecodeInputs(_Fields):
         pinned = torch.device(device).type == "cuda"
         self._sets = [HostSet(rows, max_pages, offsets, size, pinned) for _ in range(2)]
         self._turn = 0
-        self._side = SideCopy(torch.device(device)) if pinned and envs.side_copies() else None
+        self._side = SideCopy(torch.device(device)) if pinned else None
         self._positions_at, self._tables_at, self._row_bytes = offsets["positions"], offsets["tables"], 4 * max_pages
         self._spans: dict[tuple[int, int], torch.Tensor] = {}  # device byte ranges copied to, sliced once
 

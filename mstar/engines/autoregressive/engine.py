@@ -20,7 +20,6 @@ import zlib
 
 import torch
 
-from mstar import envs
 from mstar.config import CudaGraphConfig
 from mstar.engines.autoregressive.lookahead import Ahead, continuing
 from mstar.engines.autoregressive.runner import ModelRunner, make_attention_backend
@@ -88,8 +87,7 @@ class AutoregressiveEngine:
         # a lookahead step copies its samples to the host on a stream of its own, once they are drawn, so
         # the next forward, queued after them, need not wait for the copy
         self._sampled = torch.cuda.Event() if self.device.type == "cuda" else None
-        side = self.device.type == "cuda" and envs.side_copies()
-        self._to_host_stream = torch.cuda.Stream(self.device) if side else None
+        self._to_host_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.lookahead_hits = self.lookahead_misses = 0
         # sampling replayed from CUDA graphs (sampling_graph.py), captured at the first sampled step
         self.sampler: SamplerGraphs | None = None
