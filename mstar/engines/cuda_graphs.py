@@ -47,31 +47,6 @@ def to_host_async(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
-class SideCopy:
-    """A small host-to-device copy of a step's inputs queued on a stream of its own, so the compute
-    stream does not stop for it between two kernels.
-
-    On one stream, a step's input copy runs after every kernel queued before it and the next kernel
-    after it: on an H200 each such copy cost 5-10 us of idle GPU between a decode forward and its
-    sampling (copy-engine start and the hand-back). Here the copy waits only for `after` (an event the
-    caller recorded on the compute stream after the last work that reads the copy's target), so it
-    runs while the compute stream is still busy with other work, and the compute stream waits for the
-    copy's event just before its next work, normally long after the copy landed."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.Stream(device)
-        self._landed = torch.cuda.Event()
-
-    def copy(self, target: torch.Tensor, source: torch.Tensor, after: torch.cuda.Event) -> None:
-        """`target.copy_(source)` (pinned `source`) on the side stream once `after` has fired; work
-        queued on the current stream from now on starts only once it has landed."""
-        self.stream.wait_event(after)
-        with torch.cuda.stream(self.stream):
-            target.copy_(source, non_blocking=True)
-        self._landed.record(self.stream)
-        torch.cuda.current_stream(target.device).wait_event(self._landed)
-
-
 @contextmanager
 def cudnn_autotune(enabled: bool = True) -> Iterator[None]:
     """cudnn.benchmark on inside the block, as it was after: each new convolution shape is first run

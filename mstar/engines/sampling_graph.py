@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from mstar.engines.cuda_graphs import BatchGraphs, SideCopy, to_device_async
+from mstar.engines.cuda_graphs import BatchGraphs, to_device_async
 from mstar.engines.sampling import SamplingParams, SamplingRow, graphable, sample_static
 from mstar.engines.sampling_filters import COLUMNS, RowTable
 
@@ -106,9 +106,7 @@ class SamplerGraphs:
         if logits.data_ptr() != static.data_ptr():  # else the decode graph wrote them here already
             static.copy_(logits)  # into the shared input, converted to float32 in the same kernel
             self.logit_copies += 1
-        ids = graphs(static, inputs.table_rows[n], inputs.new_rows[n], bucket=bucket)[0]
-        inputs.replayed()
-        return ids
+        return graphs(static, inputs.table_rows[n], inputs.new_rows[n], bucket=bucket)[0]
 
     def _capture(self, vocab: int) -> None:
         self._vocab = vocab
@@ -263,9 +261,7 @@ class _HostInputs:
 
 class _PackedInputs:
     """The graph's static table [R, COLUMNS] float32 and new-token indexes [R] int64, as views of one
-    device buffer filled by one copy per call from one of two pinned host sets. On CUDA the copy goes
-    on a side stream (`cuda_graphs.SideCopy`) once the previous replay has read the buffer, so it
-    lands while the forward before it runs."""
+    device buffer filled by one copy per call from one of two pinned host sets."""
 
     def __init__(self, rows: int, device: torch.device, trash: int) -> None:
         new_at = -(-rows * COLUMNS * 4 // 256) * 256
@@ -281,8 +277,6 @@ class _PackedInputs:
         pinned = device.type == "cuda"
         self._sets = [_HostInputs(size, rows, new_at, pinned, trash) for _ in range(2)]
         self._turn = 0
-        self._side = SideCopy(device) if pinned else None
-        self._read = torch.cuda.Event() if pinned else None  # recorded after each replay
 
     def next_host(self) -> _HostInputs:
         """The host set to stage the next call in (its previous copy done)."""
@@ -293,16 +287,7 @@ class _PackedInputs:
         return host
 
     def send(self, host: _HostInputs, bucket: int) -> None:
-        """Queue the copy of the table and of new[:bucket] to the device (work queued after it on the
-        current stream waits for it)."""
-        if self._side is not None and self._read is not None:
-            self._side.copy(self._spans[bucket], host.spans[bucket], self._read)
-        else:
-            self._spans[bucket].copy_(host.spans[bucket], non_blocking=True)
+        """Queue the copy of the table and of new[:bucket] to the device."""
+        self._spans[bucket].copy_(host.spans[bucket], non_blocking=True)
         if host.event is not None:
-            host.event.record()  # on the current stream, which waits for the copy: fires after it
-
-    def replayed(self) -> None:
-        """Mark the buffer read by the replay just queued: the next copy into it waits for that."""
-        if self._read is not None:
-            self._read.record()
+            host.event.record()

@@ -16,10 +16,6 @@ A step of n rows padded to `bucket` copies from `ids` (from `positions` when its
 device) to the end of table row n. Rows [n, bucket) are padding: slot -1 and length 0, so the kernels
 write and read nothing for them; rows past `bucket` are never read.
 
-A lookahead step (its ids already on the device) sends that copy on a stream of its own
-(`cuda_graphs.SideCopy`) once the previous forward has read the buffer, so it lands while the
-previous step's sampling runs instead of between that sampling and the forward.
-
 Two pinned host sets are used in turn. Each records an event after its copy and waits for it before
 it is rewritten, so a step staged while an earlier one may still be copying never overwrites it; the
 wait is for a copy queued two stagings earlier, which the host has normally waited past already.
@@ -32,7 +28,6 @@ from collections.abc import Sequence as Seq
 import torch
 
 from mstar.engines.autoregressive.sequence import Sequence
-from mstar.engines.cuda_graphs import SideCopy
 
 _ALIGN = 256
 
@@ -110,19 +105,16 @@ class DecodeInputs(_Fields):
         pinned = torch.device(device).type == "cuda"
         self._sets = [HostSet(rows, max_pages, offsets, size, pinned) for _ in range(2)]
         self._turn = 0
-        self._side = SideCopy(torch.device(device)) if pinned else None
         self._positions_at, self._tables_at, self._row_bytes = offsets["positions"], offsets["tables"], 4 * max_pages
         self._spans: dict[tuple[int, int], torch.Tensor] = {}  # device byte ranges copied to, sliced once
 
     def stage(self, seqs: Seq[Sequence], positions: list[int], with_ids: bool, bucket: int,
-              whole: bool, read: torch.cuda.Event | None = None) -> HostSet:
+              whole: bool) -> HostSet:
         """Write one decode row per sequence at `positions` (ids: each sequence's own token there, when
         `with_ids`) into the next host set, padded to `bucket` rows, and queue one copy to the device:
         of every field when `whole`, else of the ids and positions only (the caller sends slots and
-        tables from the returned set its own way). `read` (CUDA, without `with_ids`): an event recorded
-        after every forward queued so far, i.e. after the last reader of the buffer's fields past the
-        ids; the copy then goes on the side stream once it fires. The caller calls `sent` once all
-        copies out of the set are queued."""
+        tables from the returned set its own way). The caller calls `sent` once all copies out of the
+        set are queued."""
         host = self._sets[self._turn]
         self._turn ^= 1
         if host.event is not None:
@@ -156,10 +148,7 @@ class DecodeInputs(_Fields):
         source = host.spans.get(span)
         if source is None:
             source = host.spans[span] = host.buffer[span[0] : span[1]]
-        if read is not None and self._side is not None and not with_ids:
-            self._side.copy(target, source, read)  # the ids field, which the sampler writes, is left out
-        else:
-            target.copy_(source, non_blocking=True)
+        target.copy_(source, non_blocking=True)
         return host
 
     def sent(self, host: HostSet) -> None:

@@ -84,10 +84,6 @@ class AutoregressiveEngine:
         self._ahead: Ahead | None = None
         # marks a step's samples copied to the host; one event reused (created per step it costs the host)
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
-        # a lookahead step copies its samples to the host on a stream of its own, once they are drawn, so
-        # the next forward, queued after them, need not wait for the copy
-        self._sampled = torch.cuda.Event() if self.device.type == "cuda" else None
-        self._to_host_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.lookahead_hits = self.lookahead_misses = 0
         # sampling replayed from CUDA graphs (sampling_graph.py), captured at the first sampled step
         self.sampler: SamplerGraphs | None = None
@@ -270,7 +266,7 @@ class AutoregressiveEngine:
         """Queue the copy of this step's samples to the host, launch the next forward of `seqs[keep]`
         fed with them, then wait for the copy only (see lookahead.py); the samples on the host, and
         their token ids as ints."""
-        host, copied = _to_host_async(out, self._copied, self._sampled, self._to_host_stream)
+        host, copied = _to_host_async(out, self._copied)
         ids = out.token_ids
         if len(keep) < len(seqs):
             ids = ids.index_select(0, to_device_async(torch.tensor(keep), ids.device))
@@ -306,26 +302,17 @@ def _to_host(out: SampleOutput) -> SampleOutput:
     return SampleOutput(host(out.token_ids), host(out.logprobs), host(out.top_ids), host(out.top_logprobs))
 
 
-def _to_host_async(out: SampleOutput, copied: torch.cuda.Event | None, sampled: torch.cuda.Event | None = None,
-                   stream: torch.cuda.Stream | None = None) -> tuple[SampleOutput, torch.cuda.Event | None]:
+def _to_host_async(out: SampleOutput, copied: torch.cuda.Event | None) -> tuple[SampleOutput, torch.cuda.Event | None]:
     """Queue copies of `out` into pinned host memory and record `copied` after them; the host copies,
-    and the event that marks them done (None off CUDA: copied already). With `stream` (and the event
-    `sampled` to mark the samples drawn), the copies go there, off the current stream."""
+    and the event that marks them done (None off CUDA: copied already)."""
     if out.token_ids.device.type != "cuda" or copied is None:
         return _to_host(out), None
 
     def host(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else to_host_async(t)
 
-    if stream is None or sampled is None:
-        result = SampleOutput(host(out.token_ids), host(out.logprobs), host(out.top_ids), host(out.top_logprobs))
-        copied.record()
-        return result, copied
-    sampled.record()
-    stream.wait_event(sampled)
-    with torch.cuda.stream(stream):
-        result = SampleOutput(host(out.token_ids), host(out.logprobs), host(out.top_ids), host(out.top_logprobs))
-        copied.record(stream)
+    result = SampleOutput(host(out.token_ids), host(out.logprobs), host(out.top_ids), host(out.top_logprobs))
+    copied.record()
     return result, copied
 
 

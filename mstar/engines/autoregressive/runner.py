@@ -112,8 +112,6 @@ class ModelRunner:
         # sampler graph reading this buffer needs no copy of them (`SamplerGraphs(logits=...)`)
         self.logits_out: torch.Tensor | None = None
         self.ids_copies = 0  # lookahead forwards whose ids had to be copied in (not sampled in place)
-        # recorded after every forward queued (CUDA): a lookahead step's inputs may land once it fires
-        self._forward_queued = torch.cuda.Event() if self.device.type == "cuda" else None
         self._eager_forward = model.forward  # plain steps that replay no graph; compiled on request
         if graphs is not None and graphs.compile_eager:
             try:
@@ -179,19 +177,10 @@ class ModelRunner:
                                  torch.zeros(size, 1, dtype=torch.int32))
         self.attn.prepare(meta, pad_to=size)  # type: ignore[call-arg]
 
+    @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> torch.Tensor | None:
         """One packed forward over all chunks; float32 logits [N, V] for the chunks that complete
         (columns from the model's `logit_offset`; None when none does)."""
-        logits = self._run(chunks)
-        self._queued()
-        return logits
-
-    def _queued(self) -> None:
-        if self._forward_queued is not None:
-            self._forward_queued.record()
-
-    @torch.inference_mode()
-    def _run(self, chunks: list[Chunk]) -> torch.Tensor | None:
         self.last_greedy_ids = None
         if any(c.seq.inputs is not None for c in chunks):
             if self.extras_graphs is not None and self.extras_graphs.accepts(chunks):
@@ -270,7 +259,7 @@ class ModelRunner:
         n = len(seqs)
         bucket = self.graphs.bucket(n)
         assert bucket is not None
-        host = dec.stage(seqs, positions, ids is None, bucket, self._shares_decode, self._forward_queued)
+        host = dec.stage(seqs, positions, ids is None, bucket, self._shares_decode)
         if ids is not None and ids.data_ptr() != dec.ids.data_ptr():  # else sampled in place already
             dec.ids_rows[n].copy_(ids, non_blocking=True)
             self.ids_copies += 1
@@ -299,11 +288,6 @@ class ModelRunner:
     def launch_ahead(self, seqs: list[Sequence], ids: torch.Tensor) -> Ahead:
         """Queue the decode forward of `seqs` fed token ids `ids` (device, one per sequence) at the
         position after each one's last token, without waiting for anything (see `lookahead.py`)."""
-        ahead = self._launch_ahead(seqs, ids)
-        self._queued()
-        return ahead
-
-    def _launch_ahead(self, seqs: list[Sequence], ids: torch.Tensor) -> Ahead:
         positions = [len(s.token_ids) for s in seqs]
         if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             # the replay enters inference mode itself; the packed inputs are normal tensors
