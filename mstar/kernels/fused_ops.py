@@ -121,14 +121,14 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 @triton.jit
-def _rope_cos_sin_kernel(pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, tokens, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-                         BLOCK_T: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
+def _rope_cos_sin_kernel(pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, tokens, pos_stride, HALF: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, LIBDEVICE: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     pdl_wait(PDL)
     rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     rd = tl.arange(0, BLOCK_D)
     dmask = rd < HALF
-    pos = tl.load(pos_ptr + rt, mask=rt < tokens, other=0).to(tl.float32)
+    pos = tl.load(pos_ptr + rt * pos_stride, mask=rt < tokens, other=0).to(tl.float32)
     freqs = pos[:, None] * tl.load(inv_freq_ptr + rd, mask=dmask, other=0.0)[None, :]
     if LIBDEVICE:  # libdevice's cosf/sinf: the precise functions torch's CUDA cos/sin call (tl.cos is approximate)
         c, s = libdevice.cos(freqs), libdevice.sin(freqs)
@@ -143,16 +143,18 @@ def _rope_cos_sin_kernel(pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, tokens, HALF: 
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 (cos, sin) [T, 2 * len(inv_freq)] of positions [T] (integers): what `RotaryEmbedding`
-    computes with five PyTorch kernels (cast, product, concatenation, cos, sin), in one."""
+    """float32 (cos, sin) [T, 2 * len(inv_freq)] of positions [T] (integers, any stride; `inv_freq`
+    contiguous): what `RotaryEmbedding` computes with five PyTorch kernels (cast, product, concatenation,
+    cos, sin), in one."""
     tokens, half = positions.shape[0], inv_freq.shape[0]
     cos = torch.empty((tokens, 2 * half), dtype=torch.float32, device=positions.device)
     sin = torch.empty_like(cos)
     if tokens:
         block_t = 4
         _rope_cos_sin_kernel[(triton.cdiv(tokens, block_t),)](
-            positions, inv_freq, cos, sin, tokens, HALF=half, BLOCK_D=triton.next_power_of_2(half), BLOCK_T=block_t,
-            LIBDEVICE=positions.is_cuda, **pdl_args(positions.device))
+            positions, inv_freq, cos, sin, tokens, positions.stride(0), HALF=half,
+            BLOCK_D=triton.next_power_of_2(half), BLOCK_T=block_t, LIBDEVICE=positions.is_cuda,
+            **pdl_args(positions.device))
     return cos, sin
 
 

@@ -44,12 +44,13 @@ def check_rotary(dtype: torch.dtype) -> None:
 
 def check_rope_cos_sin() -> None:
     """One launch gives the five PyTorch kernels' cos/sin (llama3 scaling, a head_dim whose half is not a
-    power of two, more tokens than one program holds, int32 and int64 positions)."""
+    power of two, more tokens than one program holds, int32, int64 and strided positions)."""
     for spec in (RopeSpec(head_dim=128, theta=500000.0, rope_type="llama3", factor=32.0),
                  RopeSpec(head_dim=24, theta=10000.0)):
         rope = RotaryEmbedding(spec)
         positions = torch.tensor([0, 1, 7, 100, 4095, 70000, 131071])
-        for pos in (positions, positions.int()):
+        strided = torch.stack([positions, positions + 1], dim=1)[:, 0]  # a 1-D view of stride 2
+        for pos in (positions, positions.int(), strided):
             got = rope(pos)
             want = reference(lambda pos=pos, rope=rope: rope(pos))
             for g, w in zip(got, want):
