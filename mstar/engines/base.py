@@ -78,7 +78,8 @@ class CausalLM(Protocol):
     `compute_logits` maps the hidden states of the positions to sample from, with the token each was
     computed at (`input_ids` [N], on the same device: a head may score only the ids that token allows
     next, -inf elsewhere), to float32 logits [N, width] over the contiguous token ids
-    [offset, offset + width): column c is token id offset + c. `logit_offset` (optional; absent means 0) is that offset, and a model whose logits
+    [offset, offset + width): column c is token id offset + c. `logit_offset` (optional; absent
+    means 0) is that offset, and a model whose logits
     do not cover the whole vocabulary also defines `logit_width` (the engine needs it before any
     logits exist: a resumed seeded sequence skips that many draws per token). The engine samples
     over the columns and hands back token ids; ids outside the window are never sampled. Both are
