@@ -90,22 +90,9 @@ def window_logits(hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.T
     out = torch.empty((m, columns), dtype=torch.float32, device=hidden.device)
     programs = triton.cdiv(windows.width + len(windows.always), block_n)
     _window_head_kernel[(programs, m)](
-        hidden, weight, input_ids, windows.starts, _always_tensor(windows.always, hidden.device), out, k, columns,
+        hidden, weight, input_ids, windows.starts, windows.always_tensor, out, k, columns,
         hidden.stride(0), weight.stride(0), out.stride(0), WIDTH=windows.width, N_ALWAYS=len(windows.always),
         FILL=triton.next_power_of_2(triton.cdiv(columns, programs)), BLOCK_N=block_n, BLOCK_K=block_k,
         K_ITERS=triton.cdiv(k, block_k), EVEN_K=k % block_k == 0, num_warps=num_warps, num_stages=num_stages,
         **pdl_args(hidden.device))
     return out
-
-
-_ALWAYS: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
-
-
-def _always_tensor(always: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """`always` as an int32 device tensor, made once per (columns, device), at the warm-up before any
-    capture, so graph replays keep reading it."""
-    key = (always, device)
-    t = _ALWAYS.get(key)
-    if t is None:
-        t = _ALWAYS[key] = torch.tensor(list(always) or [0], dtype=torch.int32, device=device)
-    return t

@@ -10,6 +10,7 @@ head's logits (`masked_window_logits`, the reference).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -44,6 +45,12 @@ class LogitWindows:
     def to(self, device: torch.device | str) -> LogitWindows:
         return LogitWindows(self.starts.to(device), self.width, self.always)
 
+    @cached_property
+    def always_tensor(self) -> torch.Tensor:
+        """`always` as int32 on the device of `starts` (one [0] when empty), made at the first call: the
+        warm-up before any graph capture, so replays keep reading it."""
+        return torch.tensor(list(self.always) or [0], dtype=torch.int32, device=self.starts.device)
+
 
 def head_logits(hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor,
                 windows: LogitWindows) -> torch.Tensor:
@@ -59,8 +66,8 @@ def head_logits(hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Ten
 
 
 def masked_window_logits(logits: torch.Tensor, input_ids: torch.Tensor, windows: LogitWindows) -> torch.Tensor:
-    """`logits` [M, columns] (float32, the whole head's) with every column outside row m's window and
-    `always` set to -inf, in place; returned. Graph-safe (no host sync, no host tensor)."""
+    """`logits` [M, columns] (float32, the whole head's) with -inf in every column that is neither in
+    row m's window nor in `always`, in place; returned. Graph-safe (no host sync, no host tensor)."""
     start = windows.starts[input_ids].to(torch.long)[:, None]
     cols = torch.arange(logits.shape[1], device=logits.device)
     keep = (cols >= start) & (cols < start + windows.width)
