@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 import mstar.engines.autoregressive.engine as ar  # noqa: E402
 from mstar.engines.autoregressive.runner import ModelRunner  # noqa: E402
 from mstar.engines.autoregressive.scheduler import Scheduler  # noqa: E402
+from mstar.engines.autoregressive.step_graph import StepGraphs  # noqa: E402
 from mstar.engines.sampling_graph import SamplerGraphs  # noqa: E402
 from mstar.engines.stateless import StatelessEngine  # noqa: E402
 from mstar.worker.worker import Worker  # noqa: E402
@@ -96,6 +97,8 @@ def install(rec: Recorder) -> None:
     SamplerGraphs.__call__ = rec.timed("llm_sample_launch", SamplerGraphs.__call__)  # sampling graphs
     ModelRunner.run = rec.timed("llm_graph_launch", ModelRunner.run, gpu=True)
     ModelRunner.launch_ahead = rec.timed("llm_graph_launch", ModelRunner.launch_ahead, gpu=True)
+    StepGraphs.launch = rec.timed("llm_graph_launch", StepGraphs.launch, gpu=True)  # the draw and the forward
+    StepGraphs.drawn = rec.timed("llm_wait", StepGraphs.drawn)
     Worker.execute = rec.timed("worker_execute", Worker.execute)
     real_async = ar._to_host_async
 

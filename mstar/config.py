@@ -74,6 +74,9 @@ class CudaGraphConfig:
     batch_sizes: list[int] | None = None
     lookahead: bool = True  # launch decode step N+1 before reading step N's tokens (engines/autoregressive/lookahead.py)
     sampling: bool = True  # replay sampling from CUDA graphs too (engines/sampling_graph.py)
+    # with lookahead and sampling graphs: a steady step's draw and the next forward in one graph replay
+    # (engines/autoregressive/step_graph.py)
+    step_graphs: bool = True
     compile_eager: bool = False  # torch.compile the model forward of steps that replay no graph (prefill, big batches)
     compile_backend: str = "inductor"  # torch.compile backend for compile_eager ("eager"/"aot_eager" to debug)
     # token buckets at which steps with prompt tokens replay graphs (engines/autoregressive/prefill_graph.py);

@@ -74,41 +74,94 @@ class SamplerGraphs:
         self.replays = 0
         self.logit_copies = 0  # calls whose logits were not already in the graphs' input
         self._given_logits, self._given_ids = logits, ids
+        self._ids: torch.Tensor | None = None  # the given ids, once captured with them
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor | None:
         """Sampled token ids [N] (a device view, valid until the next call), or None when the batch is
         not served here (the caller then runs `sample`)."""
-        n, vocab = logits.shape
-        if n > self.sizes[-1] or logits.device != self.device or not all(graphable(r) for r in rows):
+        if not self.serves(logits, rows):
             return None
-        if not self._graphs or vocab != self._vocab:
-            self._capture(vocab)
-        assert self._inputs is not None and self._seen is not None
+        assert self._inputs is not None
         inputs = self._inputs
         host = inputs.next_host()
+        filtered, bucket = self.stage(rows, host)
+        inputs.send(host, bucket)
+        self.replays += 1
+        n = len(rows)
+        static = self._logits[n]
+        if logits.data_ptr() != static.data_ptr():  # else the decode graph wrote them here already
+            static.copy_(logits)  # into the shared input, converted to float32 in the same kernel
+            self.logit_copies += 1
+        return self._graphs[filtered](static, inputs.table_rows[n], inputs.new_rows[n], bucket=bucket)[0]
+
+    def serves(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> bool:
+        """Whether a batch of these logits and rows is drawn here (capturing the graphs at the first one)."""
+        n, vocab = logits.shape
+        if n > self.sizes[-1] or logits.device != self.device or not all(graphable(r) for r in rows):
+            return False
+        if not self._graphs or vocab != self._vocab:
+            self.capture(vocab)
+        return True
+
+    def stage(self, rows: Sequence[SamplingRow], host: _HostInputs) -> tuple[bool, int]:
+        """Write a call's inputs (the rows' table, each row's new token to mark) into `host`, padded to
+        the bucket; (filtered: which graph set draws it, bucket). Copies nothing to the device."""
+        assert self._seen is not None
+        n = len(rows)
         params = [r.params for r in rows]
         if params != host.params:  # the table depends on params (frozen) and the vocabulary alone
-            host.table_np[:n] = RowTable.columns(rows, vocab).numpy()
+            host.table_np[:n] = RowTable.columns(rows, self._vocab).numpy()
             host.table_np[n:] = 0  # padding rows: all zero, which every stage treats as covered
             host.repetition = any(p.repetition_penalty != 1.0 for p in params)
             host.filtered = all(p.temperature > 0 and (0 < p.top_k or p.top_p < 1.0) for p in params)
         host.params = params  # equal but maybe other objects: the next comparison is by identity alone
-        graphs = self._graphs[host.filtered]
-        bucket = graphs.bucket(n)
+        bucket = self._graphs[host.filtered].bucket(n)
         assert bucket is not None
         if host.repetition:
             self._seen.mark(rows, host.new_np, bucket)
         else:  # no row reads its mask (penalty 1): masks and caches are left as they are
             host.new_np[:bucket] = self._seen.trash
-        inputs.send(host, bucket)
-        self.replays += 1
-        static = self._logits[n]
-        if logits.data_ptr() != static.data_ptr():  # else the decode graph wrote them here already
-            static.copy_(logits)  # into the shared input, converted to float32 in the same kernel
-            self.logit_copies += 1
-        return graphs(static, inputs.table_rows[n], inputs.new_rows[n], bucket=bucket)[0]
+        return host.filtered, bucket
 
-    def _capture(self, vocab: int) -> None:
+    def staging(self) -> _HostInputs:
+        """A pinned host set of the graphs' packed inputs for a caller that copies it in itself (`stage`
+        into it, then copy `span(bucket, host)` to `span(bucket)`); rewritten only by its stagings."""
+        assert self._inputs is not None, "capture first"
+        return self._inputs.staging()
+
+    def span(self, bucket: int, host: _HostInputs | None = None) -> torch.Tensor:
+        """The packed input bytes a call of `bucket` rows reads: of the device buffer, or of `host`."""
+        assert self._inputs is not None, "capture first"
+        return self._inputs.span(bucket) if host is None else host.spans[bucket]
+
+    def draw_step(self, filtered: bool) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The function the `filtered` graphs capture: (logits, table, new) -> token ids, written into the
+        decode graphs' id input when the sampler was given it (`writes_ids`)."""
+        assert self._seen is not None, "capture first"
+        return _marking(self._seen, filtered, self.offset, self._ids)
+
+    @property
+    def writes_ids(self) -> bool:
+        """Whether the graphs draw straight into the `ids` given (the decode graphs' id input)."""
+        return self._ids is not None
+
+    def static_logits(self, n: int) -> torch.Tensor:
+        """The first `n` rows of the graphs' logits input (the decode graphs' `logits_out` when given)."""
+        return self._logits[n]
+
+    @property
+    def static_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The graphs' inputs (logits, table, new), all rows."""
+        assert self._inputs is not None, "capture first"
+        return self._logits[-1], self._inputs.table, self._inputs.new
+
+    def input_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first `n` rows of each of `static_inputs` (views made once)."""
+        assert self._inputs is not None, "capture first"
+        return self._logits[n], self._inputs.table_rows[n], self._inputs.new_rows[n]
+
+    def capture(self, vocab: int) -> None:
+        """Capture both graph sets for logits of `vocab` columns (done at the first call otherwise)."""
         self._vocab = vocab
         rows = self.sizes[-1]
         self._seen = seen = SeenRows(rows, vocab, self.device, self.offset)
@@ -118,7 +171,7 @@ class SamplerGraphs:
         if not _fits(logits, (rows, vocab), torch.float32, self.device):
             with torch.inference_mode(False):
                 logits = torch.zeros(rows, vocab, dtype=torch.float32, device=self.device)
-        ids = self._given_ids if _fits(self._given_ids, (rows,), torch.long, self.device) else None
+        ids = self._ids = self._given_ids if _fits(self._given_ids, (rows,), torch.long, self.device) else None
         self._logits = [logits[:k] for k in range(rows + 1)]
         self._graphs = {filtered: BatchGraphs(_marking(seen, filtered, self.offset, ids), self.sizes, example,
                                               self.device, static_inputs=[logits, inputs.table, inputs.new])
@@ -274,9 +327,17 @@ class _PackedInputs:
             self.table_rows = [self.table[:k] for k in range(rows + 1)]
             self.new_rows = [self.new[:k] for k in range(rows + 1)]
             self._spans = [self.buffer[: new_at + 8 * k] for k in range(rows + 1)]
-        pinned = device.type == "cuda"
-        self._sets = [_HostInputs(size, rows, new_at, pinned, trash) for _ in range(2)]
+        self._rows, self._size, self._new_at, self._trash = rows, size, new_at, trash
+        self._sets = [self.staging() for _ in range(2)]
         self._turn = 0
+
+    def staging(self) -> _HostInputs:
+        """A pinned host set of this layout (plain memory off CUDA)."""
+        return _HostInputs(self._size, self._rows, self._new_at, self.buffer.is_cuda, self._trash)
+
+    def span(self, bucket: int) -> torch.Tensor:
+        """The device bytes a call of `bucket` rows reads (the table, new[:bucket])."""
+        return self._spans[bucket]
 
     def next_host(self) -> _HostInputs:
         """The host set to stage the next call in (its previous copy done)."""

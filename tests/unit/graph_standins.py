@@ -5,7 +5,8 @@
 static inputs (none for an input that already is its shared static, as BatchGraphs does) and runs the
 function eagerly on the static inputs of the whole bucket, padded rows included, as a replay would.
 `SharedSDPA` is the SDPA backend with the Triton backend's decode-buffer sharing: a staged decode
-batch is read back from the shared buffers (lengths, slots, block tables), as the kernels read it.
+batch is read back from the shared buffers (lengths, slots, block tables) when its first layer runs,
+as the kernels read them (a step graph copies them in after `prepare_staged_decode`).
 """
 
 from __future__ import annotations
@@ -63,28 +64,34 @@ class SharedSDPA(SDPABackend):
         self.slot_mapping = torch.full((max_num_seqs,), -1, dtype=torch.int64)
         self.block_tables = torch.zeros(max_num_seqs, max_pages_per_seq, dtype=torch.int32)
         self.staged = 0  # decode batches read back from the shared buffers
-        self._rows = None
+        self._rows, self._pending = None, False
 
     def share_decode_buffers(self, seq_lens, slot_mapping, block_tables):
         assert seq_lens.shape == self.seq_lens.shape and block_tables.shape == self.block_tables.shape
         self.seq_lens, self.slot_mapping, self.block_tables = seq_lens, slot_mapping, block_tables
 
     def prepare(self, meta, pad_to=None):
-        self._rows = None
+        self._rows, self._pending = None, False
         super().prepare(meta)
 
     def prepare_staged_decode(self, num_seqs, rows):
+        self._rows, self._pending = (num_seqs, rows), True  # read back at the first layer, as kernels read
+
+    def _read_back(self):
+        num_seqs, rows = self._rows
         lens, slots = self.seq_lens[:rows].tolist(), self.slot_mapping[:rows].tolist()
         assert lens[num_seqs:] == [0] * (rows - num_seqs) and slots[num_seqs:] == [-1] * (rows - num_seqs)
         width = max(-(-n // self.page_size) for n in lens[:num_seqs])
         super().prepare(AttentionMetadata([1] * num_seqs, lens[:num_seqs], self.slot_mapping[:num_seqs].clone(),
                                           self.block_tables[:num_seqs, :width].clone()))
-        self._rows = (num_seqs, rows)
+        self._pending = False
         self.staged += 1
 
     def forward(self, layer, q, k, v):
         if self._rows is None:
             return super().forward(layer, q, k, v)
+        if self._pending:
+            self._read_back()
         n, rows = self._rows
         assert q.shape[0] == rows, (q.shape, rows)  # a replay runs the whole bucket
         out = super().forward(layer, q[:n], k[:n], v[:n])

@@ -19,6 +19,8 @@ write and read nothing for them; rows past `bucket` are never read.
 Two pinned host sets are used in turn. Each records an event after its copy and waits for it before
 it is rewritten, so a step staged while an earlier one may still be copying never overwrites it; the
 wait is for a copy queued two stagings earlier, which the host has normally waited past already.
+A caller that copies a set in itself (a step graph, `step_graph.py`) makes its own (`staging`), stages
+into it with `send=False` and copies `span(bucket)` of it to the same span of the device buffer.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class HostSet(_Fields):
         self.ids_np, self.positions_np, self.slots_np = self.ids.numpy(), self.positions.numpy(), self.slots.numpy()
         self.seq_lens_np, self.tables_np = self.seq_lens.numpy(), self.tables.numpy()
         self.event = torch.cuda.Event() if pinned else None
+        self.slots_np[:] = -1  # an unstaged set describes rows that write nothing (as the device buffer starts)
         # per block-table row: the page list it was last written from, and how many of its pages
         self.table_rows: list[tuple[list[int] | None, int]] = [(None, 0)] * rows
 
@@ -108,17 +111,30 @@ class DecodeInputs(_Fields):
         self._positions_at, self._tables_at, self._row_bytes = offsets["positions"], offsets["tables"], 4 * max_pages
         self._spans: dict[tuple[int, int], torch.Tensor] = {}  # device byte ranges copied to, sliced once
 
+    def staging(self) -> HostSet:
+        """A pinned host set of this buffer's layout for a caller that copies it in itself (`stage(...,
+        host=, send=False)`, then `span`); rewritten only by that caller's stagings."""
+        return HostSet(self.rows, self.max_pages, _layout(self.rows, self.max_pages)[0], self.buffer.numel(),
+                       self.buffer.is_cuda)
+
+    def span(self, bucket: int, host: HostSet | None = None) -> torch.Tensor:
+        """The bytes a whole staging of `bucket` rows without ids fills (positions to the end of table row
+        `bucket`): of the device buffer, or of `host`."""
+        buffer = self.buffer if host is None else host.buffer
+        return buffer[self._positions_at : self._tables_at + self._row_bytes * bucket]
+
     def stage(self, seqs: Seq[Sequence], positions: list[int], with_ids: bool, bucket: int,
-              whole: bool) -> HostSet:
+              whole: bool, host: HostSet | None = None, send: bool = True) -> HostSet:
         """Write one decode row per sequence at `positions` (ids: each sequence's own token there, when
-        `with_ids`) into the next host set, padded to `bucket` rows, and queue one copy to the device:
-        of every field when `whole`, else of the ids and positions only (the caller sends slots and
-        tables from the returned set its own way). The caller calls `sent` once all copies out of the
-        set are queued."""
-        host = self._sets[self._turn]
-        self._turn ^= 1
-        if host.event is not None:
-            host.event.synchronize()  # its copy was queued two stagings ago: normally long done
+        `with_ids`) into the next host set (or `host`), padded to `bucket` rows, and queue one copy to the
+        device: of every field when `whole`, else of the ids and positions only (the caller sends slots
+        and tables from the returned set its own way). The caller calls `sent` once all copies out of the
+        set are queued. `send=False` queues no copy (the caller copies `span(bucket, host)` itself)."""
+        if host is None:
+            host = self._sets[self._turn]
+            self._turn ^= 1
+            if host.event is not None:
+                host.event.synchronize()  # its copy was queued two stagings ago: normally long done
         n, page = len(seqs), self.page_size
         padded = bucket > n
         if with_ids:
@@ -141,6 +157,8 @@ class DecodeInputs(_Fields):
             end = self._tables_at + self._row_bytes * n
         else:
             end = self._positions_at + 8 * bucket
+        if not send:
+            return host
         span = (0 if with_ids else self._positions_at, end)
         target = self._spans.get(span)
         if target is None:

@@ -25,6 +25,7 @@ from mstar.engines.autoregressive.lookahead import Ahead, continuing
 from mstar.engines.autoregressive.runner import ModelRunner, make_attention_backend
 from mstar.engines.autoregressive.scheduler import Chunk, Scheduler
 from mstar.engines.autoregressive.sequence import Sequence
+from mstar.engines.autoregressive.step_graph import StepGraphs
 from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs, parse_item
 from mstar.engines.base import CausalLM, StepItem, StepResult, logit_offset
 from mstar.engines.cuda_graphs import to_device_async, to_host_async
@@ -91,6 +92,11 @@ class AutoregressiveEngine:
             # reading the decode graphs' logits and writing their next ids in place (no copies between)
             self.sampler = SamplerGraphs(self.runner.graphs.sizes, self.device, self.logit_offset,
                                          logits=self.runner.logits_out, ids=self.runner.decode_ids)
+        # a steady lookahead step's draw and next forward as one replay (step_graph.py), captured now
+        self.step_graphs: StepGraphs | None = None
+        if self.sampler is not None and self.lookahead and (cuda_graphs is None or cuda_graphs.step_graphs) \
+                and self.runner.logits_out is not None and self.runner.decode_inputs is not None:
+            self.step_graphs = StepGraphs(self.runner, self.sampler)
         if warm_up if warm_up is not None else self.device.type == "cuda":
             self._warm_up()
         self.last_step_items = 0  # sequences the latest step computed (mstar.engines.stats.ReportsStats)
@@ -231,19 +237,8 @@ class AutoregressiveEngine:
     def _postprocess(self, chunks: list[Chunk], logits: torch.Tensor) -> list[StepResult]:
         seqs = [c.seq for c in chunks]
         rows = [s.sampling_row for s in seqs]
-        greedy = self.runner.last_greedy_ids  # token ids of an extras graph's argmax, if one ran
-        if greedy is not None and all(plain_greedy(r) for r in rows):
-            out = SampleOutput(greedy)
-        elif self.sampler is not None and (ids := self.sampler(logits, rows)) is not None:
-            out = SampleOutput(ids)
-        else:
-            out = sample(logits, rows, self.logit_offset)
         keep = continuing(seqs, self.scheduler, self.runner.page_size, self.max_model_len) if self.lookahead else None
-        if keep is None:
-            out = _to_host(out)  # the step's one host sync
-            tokens = out.token_ids.tolist()
-        else:
-            out, tokens = self._launch_ahead(seqs, keep, out)
+        out, tokens = self._step_graph(seqs, rows, logits, keep) or self._draw(seqs, rows, logits, keep)
         views = out.token_ids.unsqueeze(1).unbind(0)  # each row's [1] view, in one call, not a slice per row
         results = []
         for i, seq in enumerate(seqs):
@@ -260,6 +255,38 @@ class AutoregressiveEngine:
             if reason is not None:
                 self.scheduler.remove(self._seqs.pop(seq.key))
         return results
+
+    def _step_graph(self, seqs: list[Sequence], rows: list[SamplingRow], logits: torch.Tensor,
+                    keep: list[int] | None) -> tuple[SampleOutput, list[int]] | None:
+        """Draw this step's tokens and launch the lookahead forward of every sequence in one step-graph
+        replay (step_graph.py); the samples on the host and their ids as ints, or None when the step
+        does not take it (some sequence stops on length, an extras graph's argmax, rows the sampler
+        graphs do not serve, logits not in `logits_out`): nothing was launched then."""
+        if self.step_graphs is None or keep is None or len(keep) < len(seqs) or self.runner.last_greedy_ids is not None:
+            return None
+        ahead = self.step_graphs.launch(seqs, logits, rows)
+        if ahead is None:
+            return None
+        ids = self.step_graphs.drawn(len(seqs))
+        self._ahead, ahead.tokens = ahead, ids.tolist()
+        return SampleOutput(ids), ahead.tokens
+
+    def _draw(self, seqs: list[Sequence], rows: list[SamplingRow], logits: torch.Tensor,
+              keep: list[int] | None) -> tuple[SampleOutput, list[int]]:
+        """Draw this step's tokens (an extras graph's argmax, the sampler graphs or eager `sample`), then
+        launch the lookahead forward of `seqs[keep]` (none when `keep` is None); the samples on the host
+        and their ids as ints."""
+        greedy = self.runner.last_greedy_ids  # token ids of an extras graph's argmax, if one ran
+        if greedy is not None and all(plain_greedy(r) for r in rows):
+            out = SampleOutput(greedy)
+        elif self.sampler is not None and (ids := self.sampler(logits, rows)) is not None:
+            out = SampleOutput(ids)
+        else:
+            out = sample(logits, rows, self.logit_offset)
+        if keep is None:
+            out = _to_host(out)  # the step's one host sync
+            return out, out.token_ids.tolist()
+        return self._launch_ahead(seqs, keep, out)
 
     def _launch_ahead(self, seqs: list[Sequence], keep: list[int],
                       out: SampleOutput) -> tuple[SampleOutput, list[int]]:

@@ -14,7 +14,7 @@ import torch
 
 from mstar.config import CudaGraphConfig
 from mstar.engines.attention.base import AttentionBackend, AttentionMetadata
-from mstar.engines.autoregressive.decode_inputs import DecodeInputs
+from mstar.engines.autoregressive.decode_inputs import DecodeInputs, HostSet
 from mstar.engines.autoregressive.extras_graph import ExtrasGraphs
 from mstar.engines.autoregressive.lookahead import Ahead
 from mstar.engines.autoregressive.prefill_graph import PrefillGraphs
@@ -112,6 +112,7 @@ class ModelRunner:
         # sampler graph reading this buffer needs no copy of them (`SamplerGraphs(logits=...)`)
         self.logits_out: torch.Tensor | None = None
         self.ids_copies = 0  # lookahead forwards whose ids had to be copied in (not sampled in place)
+        self._graph_rows = 0  # the largest decode graph's rows (logits_out holds that many)
         self._eager_forward = model.forward  # plain steps that replay no graph; compiled on request
         if graphs is not None and graphs.compile_eager:
             try:
@@ -137,15 +138,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _capture(self, sizes: list[int]) -> BatchGraphs:
-        def decode_step(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            # logits only: a greedy batch takes its argmax after the replay; inside the graph it would cost
-            # every sampled step a wasted pass over the logits (~10 us at Orpheus's 28,680 ids on an H200)
-            logits = self.model.compute_logits(self.model.forward(input_ids, positions, self.attn), input_ids)
-            return self._into_logits_out(logits, max(sizes))
-
+        self._graph_rows = max(sizes)
         dec = self._decode or self._decode_inputs(max(sizes))
-        return BatchGraphs(decode_step, sizes, [((), torch.long), ((), torch.long)], self.device,
+        return BatchGraphs(self.decode_step, sizes, [((), torch.long), ((), torch.long)], self.device,
                            before_capture=self._describe_dummy_batch, static_inputs=[dec.ids, dec.positions])
+
+    def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """What a decode graph captures: the rows' logits, float32 ones in `logits_out`. Logits only: a
+        greedy batch takes its argmax after the replay; inside the graph it would cost every sampled step
+        a wasted pass over the logits (~10 us at Orpheus's 28,680 ids on an H200)."""
+        logits = self.model.compute_logits(self.model.forward(input_ids, positions, self.attn), input_ids)
+        return self._into_logits_out(logits, self._graph_rows)
 
     def _into_logits_out(self, logits: torch.Tensor, rows: int) -> torch.Tensor:
         """`logits` copied into the first rows of `logits_out` (made at the first warm-up call, before any
@@ -270,6 +273,24 @@ class ModelRunner:
             self.attn.prepare(meta, pad_to=bucket)  # type: ignore[call-arg]
         dec.sent(host)
         return dec, n, bucket
+
+    def stage_ahead(self, seqs: list[Sequence], host: HostSet) -> tuple[list[int], int]:
+        """Stage the lookahead forward of `seqs` (ids: drawn on the device) into `host` without copying
+        it, and prepare the attention backend for it; (positions, bucket). For a step graph
+        (`step_graph.py`), which copies `host` in itself; needs a backend sharing the decode buffers."""
+        assert self.graphs is not None and self._decode is not None and self._shares_decode
+        positions = [len(s.token_ids) for s in seqs]
+        bucket = self.graphs.bucket(len(seqs))
+        assert bucket is not None
+        self._decode.stage(seqs, positions, False, bucket, True, host=host, send=False)
+        self.attn.prepare_staged_decode(len(seqs), bucket)  # type: ignore[attr-defined]
+        return positions, bucket
+
+    @property
+    def decode_inputs(self) -> DecodeInputs | None:
+        """The packed decode inputs, when the attention backend reads its decode buffers from them (the
+        case a step graph needs); else None."""
+        return self._decode if self._shares_decode else None
 
     def _decode_inputs(self, max_batch: int) -> DecodeInputs:
         """The packed decode inputs for graphs of up to `max_batch` rows, made before the decode graphs
