@@ -30,7 +30,7 @@ plain copies and there is no event.
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,8 +44,6 @@ from mstar.engines.sampling_graph import SamplerGraphs
 
 if TYPE_CHECKING:
     from mstar.engines.autoregressive.runner import ModelRunner
-
-logger = logging.getLogger(__name__)
 
 
 def copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -91,7 +89,8 @@ class StepGraphs:
                             for filtered in (False, True)}
         self.replays = 0
 
-    def _step(self, filtered: bool):
+    def _step(self, filtered: bool) -> Callable[..., torch.Tensor]:
+        """The captured function for the `filtered` sampler graph set (module docstring)."""
         draw = self.sampler.draw_step(filtered)
         dec = self.runner.decode_inputs
         assert dec is not None
