@@ -17,15 +17,15 @@ in `benchmarks/profile_orpheus.py --kernels` on an H200).
 
 A steady step costs the host one copy of the logits into the graphs' input, one packed copy of
 pinned host memory (the rows' parameter table, rebuilt only when the rows' params change, the noise
-seed and each row's newly seen token) and one replay. The seen-token masks of the repetition penalty live in one
-device buffer across steps (`SeenRows`); the replay itself marks each row's new token.
+seed and each row's newly seen token) and one replay. The seen-token masks of the repetition penalty
+live in one device buffer across steps (`SeenRows`); the replay itself marks each row's new token.
 
 Logits over a window of ids [offset, offset + V) (`CausalLM.logit_offset`) are captured at their
 width V: the masks hold columns (token id - offset; ids outside the window are left out) and the
-captured step adds the offset to the drawn columns, so the ids it returns are token ids (with no
-extra launch; offset 0 captures no add). Given the decode graphs' id input, one kernel clamps the
-columns into the window, adds the offset and writes the ids there, and into pinned host memory when
-the caller asks (`draw_step(publish=...)`; `kernels/host_copy.finish_ids`).
+captured step adds the offset to the drawn columns, so the ids it returns are token ids: one add
+(none for offset 0), or, given the decode graphs' id input, one kernel that clamps the columns into
+the window, adds the offset and writes the ids there, and into pinned host memory when the caller
+asks (`draw_step(publish=...)`; `kernels/host_copy.finish_ids`).
 
 The Exp(1) noise of the race comes, on CUDA, from Triton's philox under a seed staged with each call's
 inputs (`kernels/fused_sampling.exponential_noise_`): torch.initial_seed() when the sampler was built
