@@ -26,8 +26,8 @@ bisection, which exits at once for every other row.
 
 The noise E can come from `exponential_noise_`, one launch filling it from Triton's philox with a seed
 it reads from a device int64 scalar: the sampler CUDA graphs stage a fresh seed with each call's
-inputs (`engines/sampling_graph.py`), so their replays need no PyTorch generator, whose state a graph
-replay refreshes with two fill kernels before launching it, besides its own exponential kernel.
+inputs (`engines/sampling_graph.py`), so their replays use no PyTorch generator (PyTorch refreshes the
+seed and offset of a generator a graph draws from with two fill kernels before each replay).
 
 On an H200 (`benchmarks/sampler_micro.py`, graph-timed `sample_static`): 17.3 / 18.9 / 28.1 µs at batch 1 / 4 /
 16 over Orpheus's 28,680-id window, where one program per row took 56 / 58 / 62 (its walks 2 and 3 were
