@@ -30,10 +30,11 @@ asks (`draw_step(publish=...)`; `kernels/host_copy.finish_ids`).
 The Exp(1) noise of the race comes, on CUDA, from Triton's philox under a seed staged with each call's
 inputs (`kernels/fused_sampling.exponential_noise_`): torch.initial_seed() when the sampler was built
 plus a process-wide count of the calls staged, so no two calls of a process share a seed and a process
-seeded by torch.manual_seed draws the same noise in the same calls. The replays never touch the default
-CUDA generator, so PyTorch launches no fills of its state before them. Draws differ from eager ones
-for the same global seed but follow the same distribution; seeded requests never take this path. (The
-PyTorch form, used off CUDA or if the Triton kernels ever fail, still draws from the default generator.)
+seeded by torch.manual_seed draws the same noise in the same calls. The replays never draw from the
+default CUDA generator, so PyTorch need not fill its seed and offset before each replay (PyTorch skips
+those two fills for a graph that drew nothing from it, in the versions that check). Draws differ from
+eager ones for the same global seed but follow the same distribution; seeded requests never take this
+path. (The PyTorch form, used off CUDA or if the Triton kernels fail, still uses the default generator.)
 """
 
 from __future__ import annotations
