@@ -197,21 +197,18 @@ def _banning(row: SamplingRow) -> bool:
             and bool(row.eos_token_ids or p.stop_token_ids))
 
 
-def sample_static(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, filtered: bool = False,
-                  seed: torch.Tensor | None = None) -> torch.Tensor:
+def sample_static(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, filtered: bool = False) -> torch.Tensor:
     """`sample` for `graphable` rows with no branch on their values, so that it can be captured in a
     CUDA graph: [N] ids from float32 `logits` [N, V], the rows' `RowTable.columns` (on the device)
     and their seen-token masks `seen` [N, V] (read only where the repetition penalty is not 1); the
     ids are columns of `logits` (the caller adds a window's offset).
     Every stage runs for every row; for the same noise each row gets the token `sample` gives it.
     `filtered`: the caller promises that every row samples (temperature > 0) under top-k or top-p,
-    so the stages for greedy and unfiltered rows are left out.
-    `seed` (optional, a device int64 scalar): where the Triton kernels draw, their Exp(1) noise comes from
-    this seed (`fused_sampling.exponential_noise_`, read when the kernel runs) instead of the default
-    generator; the PyTorch form always uses the default generator."""
+    so the stages for greedy and unfiltered rows are left out."""
     if (logits.is_cuda and logits.shape[1] <= FUSED_MAX_VOCAB and _FUSED_SAMPLER.usable
             and sampling_filters.triton_available()):  # Triton kernels: kernels/fused_sampling.py
-        ids = _FUSED_SAMPLER.run(lambda: _fused_sample(logits, table, seen, filtered, seed), lambda: None)
+        noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
+        ids = _FUSED_SAMPLER.run(lambda: _fused_sample(logits, table, seen, noise, filtered), lambda: None)
         if ids is not None:
             return ids
     t = RowTable.general(table, logits.shape[1], filtered)
@@ -227,15 +224,10 @@ _FUSED_SAMPLER = KernelGuard("fused sampling")
 FUSED_MAX_VOCAB = 262_144  # wider rows: the PyTorch form (the fused kernels' slices stay <= 8,192 ids up to here)
 
 
-def _fused_sample(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, filtered: bool,
-                  seed: torch.Tensor | None) -> torch.Tensor:
-    from mstar.kernels.fused_sampling import exponential_noise_, sample_rows
+def _fused_sample(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, noise: torch.Tensor,
+                  filtered: bool) -> torch.Tensor:
+    from mstar.kernels.fused_sampling import sample_rows
 
-    noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-    if seed is None:
-        noise.exponential_()
-    else:
-        exponential_noise_(noise, seed)
     return sample_rows(logits.float().contiguous(), table.contiguous(), seen.contiguous(), noise, filtered)
 
 

@@ -16,30 +16,22 @@ are single-block reductions over 157K logits (the softmax alone took 40 us of a 
 in `benchmarks/profile_orpheus.py --kernels` on an H200).
 
 A steady step costs the host one copy of the logits into the graphs' input, one packed copy of
-pinned host memory (the rows' parameter table, rebuilt only when the rows' params change, the noise
-seed and each row's newly seen token) and one replay. The seen-token masks of the repetition penalty
-live in one device buffer across steps (`SeenRows`); the replay itself marks each row's new token.
+pinned host memory (the rows' parameter table, rebuilt only when the rows' params change, and each
+row's newly seen token) and one replay. The seen-token masks of the repetition penalty live in one
+device buffer across steps (`SeenRows`); the replay itself marks each row's new token.
 
 Logits over a window of ids [offset, offset + V) (`CausalLM.logit_offset`) are captured at their
 width V: the masks hold columns (token id - offset; ids outside the window are left out) and the
-captured step adds the offset to the drawn columns, so the ids it returns are token ids: one add
-(none for offset 0), or, given the decode graphs' id input, one kernel that clamps the columns into
-the window, adds the offset and writes the ids there, and into pinned host memory when the caller
-asks (`draw_step(publish=...)`; `kernels/host_copy.finish_ids`).
+captured step adds the offset to the drawn columns, so the ids it returns are token ids (with no
+extra launch; offset 0 captures no add).
 
-The Exp(1) noise of the race comes, on CUDA, from Triton's philox under a seed staged with each call's
-inputs (`kernels/fused_sampling.exponential_noise_`): torch.initial_seed() when the sampler was built
-plus a process-wide count of the calls staged, so no two calls of a process share a seed and a process
-seeded by torch.manual_seed draws the same noise in the same calls. The replays never draw from the
-default CUDA generator, so PyTorch need not fill its seed and offset before each replay (PyTorch skips
-those two fills for a graph that drew nothing from it, in the versions that check). Draws differ from
-eager ones for the same global seed but follow the same distribution; seeded requests never take this
-path. (The PyTorch form, used off CUDA or if the Triton kernels fail, still uses the default generator.)
+The noise comes from the default CUDA generator, which graphs advance on every replay, so draws
+differ from eager ones for the same global seed but follow the same distribution; seeded requests
+never take this path.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -51,7 +43,6 @@ from mstar.engines.sampling import SamplingParams, SamplingRow, graphable, sampl
 from mstar.engines.sampling_filters import COLUMNS, RowTable
 
 logger = logging.getLogger(__name__)
-_STAGED_CALLS = itertools.count()  # calls staged by any sampler of this process: each draws its noise seed
 
 
 class SamplerGraphs:
@@ -84,7 +75,6 @@ class SamplerGraphs:
         self.logit_copies = 0  # calls whose logits were not already in the graphs' input
         self._given_logits, self._given_ids = logits, ids
         self._ids: torch.Tensor | None = None  # the given ids, once captured with them
-        self._seed_base = torch.initial_seed()  # the noise seeds' base (module docstring)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor | None:
         """Sampled token ids [N] (a device view, valid until the next call), or None when the batch is
@@ -114,12 +104,10 @@ class SamplerGraphs:
         return True
 
     def stage(self, rows: Sequence[SamplingRow], host: _HostInputs) -> tuple[bool, int]:
-        """Write a call's inputs (the rows' table, a noise seed no earlier call used, each row's new token
-        to mark) into `host`, padded to the bucket; (filtered: which graph set draws it, bucket). Copies
-        nothing to the device."""
+        """Write a call's inputs (the rows' table, each row's new token to mark) into `host`, padded to
+        the bucket; (filtered: which graph set draws it, bucket). Copies nothing to the device."""
         assert self._seen is not None
         n = len(rows)
-        host.seed_np[0] = (self._seed_base + next(_STAGED_CALLS)) % 2**64  # the kernel reads the bits as philox's key
         params = [r.params for r in rows]
         if params != host.params:  # the table depends on params (frozen) and the vocabulary alone
             host.table_np[:n] = RowTable.columns(rows, self._vocab).numpy()
@@ -146,14 +134,11 @@ class SamplerGraphs:
         assert self._inputs is not None, "capture first"
         return self._inputs.span(bucket) if host is None else host.spans[bucket]
 
-    def draw_step(self, filtered: bool, publish: torch.Tensor | None = None
-                  ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    def draw_step(self, filtered: bool) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
         """The function the `filtered` graphs capture: (logits, table, new) -> token ids, written into the
-        decode graphs' id input when the sampler was given it (`writes_ids`), and then also into the first
-        rows of `publish` (optional, int64, pinned host memory on CUDA) by the same kernel."""
-        assert self._seen is not None and self._inputs is not None, "capture first"
-        assert publish is None or self._ids is not None, "ids are published only by graphs writing the id input"
-        return _marking(self._seen, filtered, self.offset, self._inputs.seed, self._ids, publish)
+        decode graphs' id input when the sampler was given it (`writes_ids`)."""
+        assert self._seen is not None, "capture first"
+        return _marking(self._seen, filtered, self.offset, self._ids)
 
     @property
     def writes_ids(self) -> bool:
@@ -188,9 +173,8 @@ class SamplerGraphs:
                 logits = torch.zeros(rows, vocab, dtype=torch.float32, device=self.device)
         ids = self._ids = self._given_ids if _fits(self._given_ids, (rows,), torch.long, self.device) else None
         self._logits = [logits[:k] for k in range(rows + 1)]
-        self._graphs = {filtered: BatchGraphs(_marking(seen, filtered, self.offset, inputs.seed, ids), self.sizes,
-                                              example, self.device,
-                                              static_inputs=[logits, inputs.table, inputs.new])
+        self._graphs = {filtered: BatchGraphs(_marking(seen, filtered, self.offset, ids), self.sizes, example,
+                                              self.device, static_inputs=[logits, inputs.table, inputs.new])
                         for filtered in (False, True)}
         logger.info("sampling captured in CUDA graphs for batch sizes %s (vocabulary %d from id %d)", self.sizes,
                     vocab, self.offset)
@@ -202,40 +186,28 @@ def _fits(t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, de
         t.shape[0] >= shape[0] and tuple(t.shape[1:]) == shape[1:]
 
 
-def _marking(seen: SeenRows, filtered: bool, offset: int, seed: torch.Tensor, ids: torch.Tensor | None = None,
-             publish: torch.Tensor | None = None) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+def _marking(seen: SeenRows, filtered: bool, offset: int,
+             ids: torch.Tensor | None = None) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """The captured step: mark each row's new token (`new` [N]: flat mask indexes), then draw token ids
-    with the noise of `seed` (device int64 scalar) into the first rows of `ids` when given (and of
-    `publish`, given only with `ids`), else as a new tensor."""
+    (into the first rows of `ids` when given)."""
     flat, masks = seen.flat, seen.masks
 
     def step(logits: torch.Tensor, table: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        n, width = logits.shape
         flat.index_fill_(0, new, True)
-        columns = sample_static(logits, table, masks[:n], filtered, seed)
+        columns = sample_static(logits, table, masks[: logits.shape[0]], filtered)
         if ids is None:
             return columns + offset if offset else columns
+        out = ids[: logits.shape[0]]
         # padding rows (a zero table row) may draw no valid column, and the next forward embeds every row
         # of its bucket, padding included: keep each id inside the vocabulary (real rows draw valid ones)
-        out = ids[:n]
-        finish_ids(columns, out, width, offset, None if publish is None else publish[:n])
+        columns = columns.clamp_(0, logits.shape[1] - 1)
+        if offset:
+            torch.add(columns, offset, out=out)
+        else:
+            out.copy_(columns)
         return out
 
     return step
-
-
-def finish_ids(columns: torch.Tensor, out: torch.Tensor, width: int, offset: int,
-               host_out: torch.Tensor | None = None) -> None:
-    """out := clamp(columns, 0, width - 1) + offset, and host_out the same when given: one kernel on CUDA
-    (`kernels/host_copy.finish_ids`), plain torch ops elsewhere."""
-    if out.is_cuda:
-        from mstar.kernels.host_copy import finish_ids as finish_kernel
-
-        finish_kernel(columns, out, width, offset, host_out)
-        return
-    torch.add(columns.clamp(0, width - 1), offset, out=out)
-    if host_out is not None:
-        host_out.copy_(out)
 
 
 class SeenRows:
@@ -326,15 +298,13 @@ class SeenRows:
 
 
 class _HostInputs:
-    """One pinned staging set of `_PackedInputs` (its layout), with the params its table rows were built
-    from; `seed_np` holds the seed as the uint64 philox reads."""
+    """One pinned staging set of `_PackedInputs`, with the params its table rows were built from."""
 
-    def __init__(self, size: int, rows: int, seed_at: int, new_at: int, pinned: bool, trash: int) -> None:
+    def __init__(self, size: int, rows: int, new_at: int, pinned: bool, trash: int) -> None:
         with torch.inference_mode(False):
             self.buffer = torch.zeros(size, dtype=torch.uint8, pin_memory=pinned)
         self.spans = [self.buffer[: new_at + 8 * k] for k in range(rows + 1)]  # what a call of k rows sends
         self.table_np = self.buffer[: rows * COLUMNS * 4].view(torch.float32).view(rows, COLUMNS).numpy()
-        self.seed_np = self.buffer[seed_at : seed_at + 8].numpy().view(np.uint64)
         self.new_np = self.buffer[new_at : new_at + rows * 8].view(torch.int64).numpy()
         self.new_np[:] = trash
         self.params: list[SamplingParams] | None = None
@@ -343,35 +313,30 @@ class _HostInputs:
 
 
 class _PackedInputs:
-    """The graph's static table [R, COLUMNS] float32, noise seed (an int64 scalar) and new-token indexes
-    [R] int64, as views of one device buffer filled by one copy per call from one of two pinned host
-    sets. Layout in bytes: the table from 0, the seed at `seed_at` (the table's end rounded up to 8),
-    `new` from `new_at` (past the seed, rounded up to 256); a call of k rows reads bytes
-    [0, new_at + 8k), the seed included whatever k."""
+    """The graph's static table [R, COLUMNS] float32 and new-token indexes [R] int64, as views of one
+    device buffer filled by one copy per call from one of two pinned host sets."""
 
     def __init__(self, rows: int, device: torch.device, trash: int) -> None:
-        seed_at = -(-rows * COLUMNS * 4 // 8) * 8
-        new_at = -(-(seed_at + 8) // 256) * 256
+        new_at = -(-rows * COLUMNS * 4 // 256) * 256
         size = new_at + rows * 8
         with torch.inference_mode(False):
             self.buffer = torch.zeros(size, dtype=torch.uint8, device=device)
             self.table = self.buffer[: rows * COLUMNS * 4].view(torch.float32).view(rows, COLUMNS)
-            self.seed = self.buffer[seed_at : seed_at + 8].view(torch.int64)[0]
             self.new = self.buffer[new_at:].view(torch.int64)
             self.new.fill_(trash)  # the warm-up before capture replays these: they must mark nothing
             self.table_rows = [self.table[:k] for k in range(rows + 1)]
             self.new_rows = [self.new[:k] for k in range(rows + 1)]
             self._spans = [self.buffer[: new_at + 8 * k] for k in range(rows + 1)]
-        self._rows, self._size, self._seed_at, self._new_at, self._trash = rows, size, seed_at, new_at, trash
+        self._rows, self._size, self._new_at, self._trash = rows, size, new_at, trash
         self._sets = [self.staging() for _ in range(2)]
         self._turn = 0
 
     def staging(self) -> _HostInputs:
         """A pinned host set of this layout (plain memory off CUDA)."""
-        return _HostInputs(self._size, self._rows, self._seed_at, self._new_at, self.buffer.is_cuda, self._trash)
+        return _HostInputs(self._size, self._rows, self._new_at, self.buffer.is_cuda, self._trash)
 
     def span(self, bucket: int) -> torch.Tensor:
-        """The device bytes a call of `bucket` rows reads (the table, the seed, new[:bucket])."""
+        """The device bytes a call of `bucket` rows reads (the table, new[:bucket])."""
         return self._spans[bucket]
 
     def next_host(self) -> _HostInputs:
@@ -383,7 +348,7 @@ class _PackedInputs:
         return host
 
     def send(self, host: _HostInputs, bucket: int) -> None:
-        """Queue the copy of the table, the seed and new[:bucket] to the device."""
+        """Queue the copy of the table and of new[:bucket] to the device."""
         self._spans[bucket].copy_(host.spans[bucket], non_blocking=True)
         if host.event is not None:
             host.event.record()

@@ -24,11 +24,6 @@ A row whose nucleus may reach past the candidates (flat logits: the candidates' 
 fewer than top_k fit) is flagged and left to `nucleus.nucleus_race_`, the exact whole-vocabulary
 bisection, which exits at once for every other row.
 
-The noise E can come from `exponential_noise_`, one launch filling it from Triton's philox with a seed
-it reads from a device int64 scalar: the sampler CUDA graphs stage a fresh seed with each call's
-inputs (`engines/sampling_graph.py`), so their replays use no PyTorch generator (PyTorch refreshes the
-seed and offset of a generator a graph draws from with two fill kernels before each replay).
-
 On an H200 (`benchmarks/sampler_micro.py`, graph-timed `sample_static`): 17.3 / 18.9 / 28.1 µs at batch 1 / 4 /
 16 over Orpheus's 28,680-id window, where one program per row took 56 / 58 / 62 (its walks 2 and 3 were
 20 µs each on one SM: the histogram's shared-memory atomics and the copy's block-wide scan); 29 µs at
@@ -263,34 +258,6 @@ def _race_sorted(cand_row, noise_row, id_ptr, need_ptr, count, top, total, top_k
     best = tl.argmax(tl.where(keep, p / noise, -1.0), axis=0)
     tl.store(id_ptr, tl.sum(tl.where(ranks == best, ids, 0), axis=0))
     tl.store(need_ptr, (~covered).to(tl.int32))
-
-
-NOISE_BLOCK = 1024  # noise elements per program of `_exponential_kernel`
-
-
-@triton.jit
-def _exponential_kernel(seed_ptr, noise_ptr, numel, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: philox counts past 2**32 too
-    seed = tl.load(seed_ptr)
-    r = tl.randint(seed, offs)  # uint32, a function of (seed, element) alone
-    # u = (the top 23 bits + 1/2) / 2**23 lies strictly inside (0, 1) and is exact in float32 (24 significant
-    # bits), so -log(u) is finite (at most 16.7) and positive; a fast log may still round the values
-    # nearest 1 to 0 or below, so the result is kept at least 2**-24, about -log(1 - 2**-24)
-    u = ((r >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
-    e = tl.maximum(-tl.log(u), 1.0 / 16777216.0)
-    tl.store(noise_ptr + offs, e, mask=offs < numel)
-
-
-def exponential_noise_(noise: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-    """Fill contiguous float32 `noise` with Exp(1) noise, every value positive and finite, drawn from
-    Triton's philox under the int64 scalar `seed` (read by the kernel, so a CUDA graph replays it with
-    whatever seed the tensor holds then); the same seed gives the same noise. Returns `noise`."""
-    assert noise.dtype == torch.float32 and noise.is_contiguous(), (noise.dtype, noise.stride())
-    assert seed.dtype == torch.int64 and seed.numel() == 1 and seed.device == noise.device, seed
-    if noise.numel():
-        grid = (triton.cdiv(noise.numel(), NOISE_BLOCK),)
-        _exponential_kernel[grid](seed, noise, noise.numel(), BLOCK=NOISE_BLOCK, num_warps=4)
-    return noise
 
 
 def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, noise: torch.Tensor,

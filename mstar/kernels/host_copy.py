@@ -12,11 +12,6 @@ middle of a CUDA graph next to the kernels around it (`engines/autoregressive/st
 in bytes. Either side may be pinned host memory or device memory (under TRITON_INTERPRET=1, plain
 CPU tensors: the CPU tests run it that way). Launched without PDL: it keeps full stream order, so
 every kernel after it sees what it wrote (`kernels/pdl.py`).
-
-`finish_ids(columns, out, width, offset, host_out)` ends a sampler graph's draw the same way: the drawn
-columns clamped into the logits' window and shifted to token ids, written to the decode graphs' id
-input and, when given, to pinned host memory, in one kernel where a clamp, an add and a copy out took
-three. Also launched without PDL.
 """
 
 from __future__ import annotations
@@ -25,8 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 1024  # words per program of `_copy_words_kernel`
-ID_BLOCK = 256  # rows per program of `_finish_ids_kernel` (one program up to the largest decode batches)
+BLOCK = 1024  # words per program
 
 
 @triton.jit
@@ -67,29 +61,3 @@ def copy_words(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         return
     grid = (triton.cdiv(most, BLOCK), len(words))
     _copy_words_kernel[grid](s0, d0, d0.numel(), s1, d1, n1, BLOCK=BLOCK, num_warps=4)
-
-
-@triton.jit
-def _finish_ids_kernel(columns, out, host_out, n, last, offset, TO_HOST: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    inside = rows < n
-    ids = tl.minimum(tl.maximum(tl.load(columns + rows, mask=inside, other=0), 0), last) + offset
-    tl.store(out + rows, ids, mask=inside)
-    if TO_HOST:
-        tl.store(host_out + rows, ids, mask=inside)
-
-
-def finish_ids(columns: torch.Tensor, out: torch.Tensor, width: int, offset: int,
-               host_out: torch.Tensor | None = None) -> None:
-    """out[i] = clamp(columns[i], 0, width - 1) + offset for every row of `out`, and host_out[i] the same
-    when given (pinned host memory, or under TRITON_INTERPRET=1 any CPU tensor), in one launch. All three
-    are contiguous int64 [N]."""
-    n = out.numel()
-    for name, t in {"columns": columns, "out": out, "host_out": host_out}.items():
-        if t is not None and (t.dtype != torch.int64 or t.shape != (n,) or not t.is_contiguous()):
-            raise ValueError(f"finish_ids needs contiguous int64 [{n}] tensors, got {name} {t.dtype} {tuple(t.shape)}")
-    if n == 0:
-        return
-    _finish_ids_kernel[(triton.cdiv(n, ID_BLOCK),)](columns, out, out if host_out is None else host_out, n,
-                                                    width - 1, offset, TO_HOST=host_out is not None,
-                                                    BLOCK=ID_BLOCK, num_warps=1)

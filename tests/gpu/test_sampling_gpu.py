@@ -74,36 +74,6 @@ def test_sampler_graphs_draw_inside_the_nucleus_without_syncs():
     assert sampler.replays == 41
 
 
-def test_sampler_graphs_replay_without_the_default_generator():
-    """The sampler graphs race with noise drawn from the seed each call stages
-    (`fused_sampling.exponential_noise_`): replays leave the default CUDA generator as it was (a graph
-    that drew from it moves it on at every replay), every draw lies in its row's top-p nucleus, and each
-    call races new noise (a seed of its own; consecutive draws over wide nuclei differ)."""
-    vocab, top_p = 28_680, 0.95
-    params = SamplingParams(temperature=1.0, top_p=top_p)
-    sampler = SamplerGraphs([1, 2, 4], torch.device("cuda"))
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    logits = torch.randn(4, vocab, device="cuda", generator=gen) * 0.5  # nuclei of thousands of ids
-    rows = [SamplingRow(params, [1, 2, 3], 2) for _ in range(4)]
-    sampler(logits, rows)  # captures
-    torch.cuda.synchronize()
-    state = torch.cuda.get_rng_state()
-    draws, seeds = [], []
-    for _ in range(20):
-        draws.append(sampler(logits, rows).clone())
-        seeds.append(int(sampler._inputs.seed))
-    torch.cuda.synchronize()
-    assert torch.equal(torch.cuda.get_rng_state(), state), "a replay drew from the default generator"
-    assert len(set(seeds)) == 20
-    probs = logits.softmax(-1)
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    inside = torch.zeros_like(probs, dtype=torch.bool)
-    inside.scatter_(1, order, sorted_p.cumsum(-1) - sorted_p < top_p)
-    draws = torch.stack(draws)  # [20, 4]
-    assert bool(inside.gather(1, draws.T).all())
-    assert all(not torch.equal(draws[i], draws[i + 1]) for i in range(19)), draws
-
-
 def test_filtered_static_draw_equals_general_on_cuda():
     """The sampler graphs' `filtered` variant (no greedy, no whole-vocabulary race) draws the same ids as
     the general one for the same noise, at the Orpheus vocabulary, on rows covered by the prefilter

@@ -1,6 +1,6 @@
-"""Step graphs on CUDA (engines/autoregressive/step_graph.py): the pinned-memory copy kernel and the ids'
-finishing kernel inside a graph, the external event that lets the host read the drawn ids before the
-replay's forward ends, and decoding through step graphs token for token equal to separate launches."""
+"""Step graphs on CUDA (engines/autoregressive/step_graph.py): the pinned-memory copy kernel inside a graph,
+the external event that lets the host read the drawn ids before the replay's forward ends, and decoding
+through step graphs token for token equal to separate launches."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from test_decode_graphs import generate_staggered, prompts_of
 
 from mstar.config import CudaGraphConfig, KVCacheConfig
 from mstar.engines.autoregressive.engine import AutoregressiveEngine
-from mstar.kernels.host_copy import copy_words, finish_ids
+from mstar.kernels.host_copy import copy_words
 from mstar.models.llama.weights import load_model
 
 DEVICE = torch.device("cuda")
@@ -37,27 +37,6 @@ def test_copy_words_between_pinned_host_and_device_inside_a_graph():
         assert torch.equal(dev.cpu(), host_in), round_
         want = host_in[:64].view(torch.long)
         assert torch.equal(host_out[:32], want + 1), round_
-
-
-def test_finish_ids_into_pinned_host_memory_inside_a_graph():
-    """The sampler's last kernel: drawn columns clamped into the window, the offset added, written to the
-    device ids and to pinned host memory, replayed from a graph."""
-    columns = torch.zeros(40, dtype=torch.long, device=DEVICE)
-    ids = torch.zeros(40, dtype=torch.long, device=DEVICE)
-    host_out = torch.full((64,), -1, dtype=torch.long).pin_memory()
-    width, offset = 50, 128_256
-    finish_ids(columns, ids, width, offset, host_out[:40])  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        finish_ids(columns, ids, width, offset, host_out[:40])
-    for round_ in range(3):
-        columns.copy_(torch.randint(-10, width + 10, (40,), device=DEVICE))
-        graph.replay()
-        torch.cuda.synchronize()
-        want = columns.clamp(0, width - 1) + offset
-        assert torch.equal(ids, want) and torch.equal(host_out[:40], want.cpu()), round_
-        assert bool((host_out[40:] == -1).all())
 
 
 def test_external_event_fires_mid_graph():

@@ -3,14 +3,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 import mstar.engines.sampling_filters as filters
 from mstar.engines.sampling import SamplingParams, SamplingRow, graphable, sample, sample_static
-from tests.interpreted import run_interpreted
 
 MIXES = {
     "orpheus": [SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3)] * 4,
@@ -127,40 +124,6 @@ def test_sampler_graphs_table_follows_the_rows(monkeypatch):
         assert used[-1] is sampler._graphs[b not in params]
     # each of the two host sets builds a batch's table once; the third call of the same params builds none
     assert steady == [1, 1, 0, 1, 1, 1, 0, 1]
-
-
-def test_sampler_graphs_stage_a_fresh_noise_seed_inside_every_span(monkeypatch):
-    """Each call stages a seed no earlier call of the process used, in the bytes every call copies (the
-    step graphs copy `span(bucket)` themselves), and the replay reads it from the device buffer."""
-    from mstar.engines import sampling_graph
-    from mstar.engines.sampling_graph import SamplerGraphs
-    from tests.unit.graph_standins import EagerBatchGraphs
-
-    monkeypatch.setattr(sampling_graph, "BatchGraphs", EagerBatchGraphs)
-    vocab = 64
-    samplers = [SamplerGraphs([1, 2, 4], torch.device("cpu")) for _ in range(2)]
-    gen = torch.Generator().manual_seed(0)
-    seeds = []
-    for call in range(6):
-        sampler = samplers[call % 2]
-        rows = [SamplingRow(SamplingParams(top_p=0.9), [1, 2, 3], 2) for _ in range(1 + call % 4)]
-        assert sampler(torch.randn(len(rows), vocab, generator=gen), rows) is not None
-        seeds.append(int(sampler._inputs.seed))  # what the replay read
-    assert len(set(seeds)) == len(seeds), seeds  # two samplers of one process never share one either
-    inputs = samplers[0]._inputs
-    seed_at = inputs.seed.data_ptr() - inputs.buffer.data_ptr()
-    assert seed_at % 8 == 0 and seed_at + 8 <= samplers[0].span(0).numel()  # inside the span of any bucket
-    assert inputs.new.data_ptr() % 8 == 0 and inputs.new.data_ptr() >= inputs.seed.data_ptr() + 8
-    host = samplers[0].staging()
-    samplers[0].stage([SamplingRow(SamplingParams(top_p=0.9), [1], 1)], host)
-    assert int(samplers[0].span(1, host)[seed_at : seed_at + 8].view(torch.int64)) not in seeds
-
-
-def test_exponential_noise_kernel_interpreted():
-    """The graphs' noise kernel (kernels/fused_sampling.exponential_noise_) under the Triton interpreter."""
-    pytest.importorskip("triton")
-    proc = run_interpreted(Path(__file__).with_name("exponential_noise_check.py"))
-    assert proc.returncode == 0 and "exponential noise ok" in proc.stdout, proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("offset", [0, 7])

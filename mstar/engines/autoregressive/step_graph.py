@@ -10,8 +10,8 @@ copies themselves.
 A step graph holds all of it, captured at each decode batch size and for both sampler graph sets:
 
     copy in (one kernel: the staged sampler inputs and decode inputs, from pinned host memory)
-    -> the sampler's draw (its last kernel writes the ids into the decode id input and into pinned
-       host memory, `SamplerGraphs.draw_step(publish=...)`)
+    -> the sampler's draw (ids into the decode id input)
+    -> copy the ids out (one kernel, into pinned host memory)
     -> record an event (external: recorded by the replay at this point, not at its end)
     -> the decode forward of N+1 (logits into `logits_out`)
 
@@ -91,7 +91,7 @@ class StepGraphs:
 
     def _step(self, filtered: bool) -> Callable[..., torch.Tensor]:
         """The captured function for the `filtered` sampler graph set (module docstring)."""
-        draw = self.sampler.draw_step(filtered, publish=self._samples)
+        draw = self.sampler.draw_step(filtered)
         dec = self.runner.decode_inputs
         assert dec is not None
 
@@ -100,7 +100,8 @@ class StepGraphs:
             bucket = logits.shape[0]
             copy_pairs([(self.sampler.span(bucket, self._sampler_host), self.sampler.span(bucket)),
                         (dec.span(bucket, self._decode_host), dec.span(bucket))])
-            draw(logits, table, new)  # into ids[:bucket] and self._samples[:bucket]
+            drawn = draw(logits, table, new)  # into ids[:bucket]
+            copy_pairs([(drawn, self._samples[:bucket])])
             if self._drawn_event is not None:
                 self._drawn_event.record()
             return self.runner.decode_step(ids, positions)
