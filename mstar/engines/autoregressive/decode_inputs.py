@@ -105,8 +105,8 @@ class DecodeInputs(_Fields):
             self.ids_rows = [self.ids[:k] for k in range(rows + 1)]
             self.positions_rows = [self.positions[:k] for k in range(rows + 1)]
         self.rows, self.max_pages, self.page_size = rows, max_pages, page_size
-        pinned = torch.device(device).type == "cuda"
-        self._sets = [HostSet(rows, max_pages, offsets, size, pinned) for _ in range(2)]
+        self._offsets = offsets
+        self._sets = [self.staging() for _ in range(2)]
         self._turn = 0
         self._positions_at, self._tables_at, self._row_bytes = offsets["positions"], offsets["tables"], 4 * max_pages
         self._spans: dict[tuple[int, int], torch.Tensor] = {}  # device byte ranges copied to, sliced once
@@ -114,8 +114,7 @@ class DecodeInputs(_Fields):
     def staging(self) -> HostSet:
         """A pinned host set of this buffer's layout for a caller that copies it in itself (`stage(...,
         host=, send=False)`, then `span`); rewritten only by that caller's stagings."""
-        return HostSet(self.rows, self.max_pages, _layout(self.rows, self.max_pages)[0], self.buffer.numel(),
-                       self.buffer.is_cuda)
+        return HostSet(self.rows, self.max_pages, self._offsets, self.buffer.numel(), self.buffer.is_cuda)
 
     def span(self, bucket: int, host: HostSet | None = None) -> torch.Tensor:
         """The bytes a whole staging of `bucket` rows without ids fills (positions to the end of table row
