@@ -73,16 +73,26 @@ def test_greedy_batches_read_everything_from_the_packed_buffer(model, monkeypatc
     assert r.graphs.calls == r.attn.staged and r.graphs.copies == 0  # every input came with the packed copy
 
 
-def test_sampler_graphs_and_preemption_match_a_plain_engine(model, monkeypatch):
-    """Repetition-penalised greedy rows (a draw that does not depend on the noise) through the sampler
-    graphs' seen-token rows, with joins, leaves and preemption (a pool too small for all)."""
+POOL = {"pages": 14, "max_model_len": 56}  # too small for all of `penalised_case`'s sequences at once
+
+
+def penalised_case(model):
+    """Six repetition-penalised greedy requests (a draw that does not depend on the noise) joining at
+    staggered steps, for an engine with `POOL` (preemption): (prompts, options, items, join steps, a plain
+    engine's results)."""
     ps = prompts(8)[1:7]
     options = [{"temperature": 0.0, "repetition_penalty": 1.5 + 0.1 * i, "max_tokens": 12 + 3 * i}
                for i in range(len(ps))]
     items = [item(f"r{i}", p, **o) for i, (p, o) in enumerate(zip(ps, options))]
     join_at = [0, 0, 2, 5, 9, 14]
-    want = drive_staggered(make_engine(model, pages=14, max_model_len=56), items, join_at)
-    engine = graphed(model, monkeypatch, pages=14, max_model_len=56)
+    return ps, options, items, join_at, drive_staggered(make_engine(model, **POOL), items, join_at)
+
+
+def test_sampler_graphs_and_preemption_match_a_plain_engine(model, monkeypatch):
+    """Repetition-penalised greedy rows through the sampler graphs' seen-token rows, with joins, leaves and
+    preemption (a pool too small for all)."""
+    ps, options, items, join_at, want = penalised_case(model)
+    engine = graphed(model, monkeypatch, **POOL)
     got = drive_staggered(engine, items, join_at)
     for key in want:
         assert tokens_of(got[key]) == tokens_of(want[key]), key

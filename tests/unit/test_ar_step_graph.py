@@ -12,8 +12,8 @@ from mstar.engines.autoregressive import step_graph
 from mstar.engines.autoregressive.step_graph import StepGraphs
 from tests.interpreted import run_interpreted
 from tests.unit.graph_standins import EagerBatchGraphs
-from tests.unit.test_ar_engine import VOCAB, TinyLM, item, make_engine, prompts, reference, tokens_of
-from tests.unit.test_ar_packed_decode import drive_staggered, graphed
+from tests.unit.test_ar_engine import VOCAB, TinyLM, item, prompts, reference, tokens_of
+from tests.unit.test_ar_packed_decode import POOL, drive_staggered, graphed, penalised_case
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
@@ -32,13 +32,8 @@ def with_step_graphs(model, monkeypatch, **kw):
 def test_penalised_greedy_through_step_graphs_matches_a_plain_engine(model, monkeypatch):
     """Repetition-penalised greedy rows (a draw that does not depend on the noise: the general graph set)
     with joins, stops on length (those steps take the separate launches) and preemption."""
-    ps = prompts(8)[1:7]
-    options = [{"temperature": 0.0, "repetition_penalty": 1.5 + 0.1 * i, "max_tokens": 12 + 3 * i}
-               for i in range(len(ps))]
-    items = [item(f"r{i}", p, **o) for i, (p, o) in enumerate(zip(ps, options))]
-    join_at = [0, 0, 2, 5, 9, 14]
-    want = drive_staggered(make_engine(model, pages=14, max_model_len=56), items, join_at)
-    engine = with_step_graphs(model, monkeypatch, pages=14, max_model_len=56)
+    ps, options, items, join_at, want = penalised_case(model)
+    engine = with_step_graphs(model, monkeypatch, **POOL)
     got = drive_staggered(engine, items, join_at)
     for key in want:
         assert tokens_of(got[key]) == tokens_of(want[key]), key
