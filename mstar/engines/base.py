@@ -79,9 +79,9 @@ class CausalLM(Protocol):
     computed at (`input_ids` [N], on the same device: a head may score only the ids that token allows
     next, -inf elsewhere), to float32 logits [N, width] over the contiguous token ids
     [offset, offset + width): column c is token id offset + c. `logit_offset` (optional; absent
-    means 0) is that offset, and a model whose logits
-    do not cover the whole vocabulary also defines `logit_width` (the engine needs it before any
-    logits exist: a resumed seeded sequence skips that many draws per token). The engine samples
+    means 0) is that offset, and a model whose logits do not cover the whole vocabulary also defines
+    `logit_width` (the engine needs it before any logits exist: a resumed seeded sequence skips that
+    many draws per token). The engine samples
     over the columns and hands back token ids; ids outside the window are never sampled. Both are
     fixed once the engine is built (its CUDA graphs capture at that width).
     A model may also define `supports_cuda_graphs() -> bool`; when it returns False the engine runs

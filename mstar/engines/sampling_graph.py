@@ -145,18 +145,9 @@ class SamplerGraphs:
         """Whether the graphs draw straight into the `ids` given (the decode graphs' id input)."""
         return self._ids is not None
 
-    def static_logits(self, n: int) -> torch.Tensor:
-        """The first `n` rows of the graphs' logits input (the decode graphs' `logits_out` when given)."""
-        return self._logits[n]
-
-    @property
-    def static_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The graphs' inputs (logits, table, new), all rows."""
-        assert self._inputs is not None, "capture first"
-        return self._logits[-1], self._inputs.table, self._inputs.new
-
     def input_rows(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The first `n` rows of each of `static_inputs` (views made once)."""
+        """The first `n` rows (views made once) of each of the graphs' inputs: logits (the decode graphs'
+        `logits_out` when given), table, new."""
         assert self._inputs is not None, "capture first"
         return self._logits[n], self._inputs.table_rows[n], self._inputs.new_rows[n]
 

@@ -68,8 +68,9 @@ class StepGraphs:
         self.runner, self.sampler = runner, sampler
         sizes = runner.graphs.sizes
         sampler.capture(runner.logits_out.shape[1])
-        assert sampler.writes_ids and sampler.static_logits(1).data_ptr() == runner.logits_out.data_ptr(), \
+        assert sampler.writes_ids and sampler.input_rows(1)[0].data_ptr() == runner.logits_out.data_ptr(), \
             "the sampler graphs must read logits_out and write the decode id input"
+        self._dec = dec
         self._sampler_host = sampler.staging()
         self._decode_host = dec.staging()
         cuda = runner.device.type == "cuda"
@@ -78,7 +79,7 @@ class StepGraphs:
         # recorded inside each replay once the ids are out (external: a node of the graph, not a capture
         # dependency), so the host can wait for the ids without waiting for the forward
         self._drawn_event = torch.cuda.Event(external=True) if cuda else None
-        logits, table, new = sampler.static_inputs
+        logits, table, new = sampler.input_rows(max(sizes))
         example = [((logits.shape[1],), torch.float32), ((COLUMNS,), torch.float32), ((), torch.long),
                    ((), torch.long), ((), torch.long)]
         statics = [logits, table, new, dec.ids, dec.positions]
@@ -91,9 +92,7 @@ class StepGraphs:
 
     def _step(self, filtered: bool) -> Callable[..., torch.Tensor]:
         """The captured function for the `filtered` sampler graph set (module docstring)."""
-        draw = self.sampler.draw_step(filtered)
-        dec = self.runner.decode_inputs
-        assert dec is not None
+        draw, dec = self.sampler.draw_step(filtered), self._dec
 
         def step(logits: torch.Tensor, table: torch.Tensor, new: torch.Tensor, ids: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor:
@@ -113,16 +112,14 @@ class StepGraphs:
         `logits_out`) and the forward of all of them fed with it; the forward as an `Ahead`, or None when
         the step does not fit (the caller then draws and launches separately; nothing was queued).
         `drawn` then gives the ids."""
-        sampler, n = self.sampler, len(seqs)
-        if logits.data_ptr() != sampler.static_logits(n).data_ptr() or not sampler.serves(logits, rows):
+        sampler, dec, n = self.sampler, self._dec, len(seqs)
+        inputs = sampler.input_rows(n)
+        if logits.data_ptr() != inputs[0].data_ptr() or not sampler.serves(logits, rows):
             return None
         filtered, bucket = sampler.stage(rows, self._sampler_host)
         positions, decode_bucket = self.runner.stage_ahead(seqs, self._decode_host)
         assert decode_bucket == bucket, (decode_bucket, bucket)  # both graph sets have the decode graphs' sizes
-        dec = self.runner.decode_inputs
-        assert dec is not None
-        out = self._graphs[filtered](*sampler.input_rows(n), dec.ids_rows[n], dec.positions_rows[n],
-                                     bucket=bucket)[0]
+        out = self._graphs[filtered](*inputs, dec.ids_rows[n], dec.positions_rows[n], bucket=bucket)[0]
         self.replays += 1
         return Ahead(seqs, positions, out)
 
