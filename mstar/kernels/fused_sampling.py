@@ -1,5 +1,5 @@
-"""`sampling.sample_static` in four small Triton launches (and the fallback's): penalties, temperature, greedy, top-k, top-p,
-min-p and the exponential race, each row split over several programs, for the sampler CUDA graphs.
+"""`sampling.sample_static` in five small Triton launches (and the fallback's): penalties, temperature, greedy, top-k,
+top-p, min-p and the exponential race, each row split over several programs, for the sampler CUDA graphs.
 
 The PyTorch form takes some sixty kernels a step (a `topk` of 1,024 alone is five), about 0.1 ms of
 GPU time at batch 1 over Orpheus's 28,680-id head on an H200. A row is cut into slices of SLICE ids,
@@ -14,9 +14,12 @@ one program each (28 for Orpheus's head), so a step's walks over the row run on 
    already reaches top_p (and at least top_k ids) hold at most SHORT_SORT ids, only those; each slice
    copies its ids of them, as keys packing the float's order-preserving integer image over the
    complement of the id, at the offset the slices before it fill (no atomics: the buffer's order is the
-   ids' order, as one program would write it);
-4. `_race_kernel`, one program per row: the normaliser from the slices' sums, then `tl.sort` orders the
-   candidates (ties lowest id first) and the prefilter race of `sampling_filters` runs: top-k by rank,
+   ids' order, as one program would write it); the first program stores the row's candidate count;
+4. `_rank_kernel`: the candidates in descending order (ties lowest id first), RANK_BLOCK of them a
+   program: each one's rank is the number of larger keys, where it is stored (one program's `tl.sort`
+   of 1,024 keys took most of a 15 us race at one row);
+5. `_race_kernel`, one program per row: the normaliser from the slices' sums, then the prefilter race of
+   `sampling_filters` runs over the sorted candidates: top-k by rank,
    top-p on the cumulative mass (over the full normaliser, or the top k's), min-p against the top
    probability, argmax(p / E) with the caller's Exp(1) noise E. Greedy rows take the first max; rows with
    neither top-k nor top-p race over the whole row.
@@ -39,9 +42,11 @@ import triton.language as tl
 from mstar.kernels.nucleus import nucleus_race_, order_key
 
 CANDIDATES = 1024  # = sampling_filters.PREFILTER_K: the widest top-k the sampler graphs serve
-SHORT_SORT = 128  # candidates sorted in the short sort, when enough of the nucleus fits in them
+SHORT_SORT = 128  # candidates copied and raced when enough of the nucleus fits in them
 BINS = 256  # bins of the distance below the max ...
 BIN_SCALE = 8.0  # ... 1/8 of a logit wide: the last bin holds everything 32 or more below the max
+RANK_BLOCK = 64  # candidates a program of `_rank_kernel` places ...
+RANK_SWEEP = 128  # ... comparing them with this many of the row's candidates at a time
 SLICE = 1024  # ids per program of kernels 1-3 ...
 MAX_PARTS = 32  # ... or more, so that a row has at most this many (each program reads every slice's counts)
 
@@ -145,7 +150,7 @@ def _count_kernel(table_ptr, x_ptr, pmax_ptr, counts_ptr, vocab, stride_t, FILTE
 
 
 @triton.jit
-def _gather_kernel(table_ptr, x_ptr, pmax_ptr, pid_ptr, psum_ptr, counts_ptr, cand_ptr, vocab, stride_t,
+def _gather_kernel(table_ptr, x_ptr, pmax_ptr, pid_ptr, psum_ptr, counts_ptr, cand_ptr, count_ptr, vocab, stride_t,
                    FILTERED: tl.constexpr, SLICE: tl.constexpr, PB: tl.constexpr, CAND: tl.constexpr,
                    SMALL: tl.constexpr, BINS: tl.constexpr, BIN_SCALE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # row * vocab can pass 2**31 in a large batch
@@ -166,13 +171,40 @@ def _gather_kernel(table_ptr, x_ptr, pmax_ptr, pid_ptr, psum_ptr, counts_ptr, ca
     slot = base + tl.cumsum(take.to(tl.int32), axis=0) - 1
     packed = (order_key(x) << 32) | (2147483647 - offs).to(tl.int64)
     tl.store(cand_ptr + row * CAND + slot, packed, mask=take)
+    if part == 0:
+        tl.store(count_ptr + row, tl.sum(tl.sum(tl.where((b < fit)[None, :], per_slice, 0), axis=1), axis=0))
 
 
 @triton.jit
-def _race_kernel(table_ptr, x_ptr, noise_ptr, pmax_ptr, pid_ptr, psum_ptr, counts_ptr, cand_ptr, ids_ptr, need_ptr,
+def _rank_kernel(table_ptr, cand_ptr, count_ptr, sorted_ptr, stride_t, FILTERED: tl.constexpr, CAND: tl.constexpr,
+                 RB: tl.constexpr, RJ: tl.constexpr):
+    """Each program places RB of the row's candidates in descending order: a candidate's rank is the number
+    of candidates with a larger key (the keys are distinct: they hold the id), so the row's programs together
+    write the sorted list that one program's `tl.sort` would, each reading the row's candidates once."""
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    if _skips(table_ptr + row * stride_t, FILTERED):
+        return
+    count = tl.load(count_ptr + row)
+    if block * RB >= count:
+        return
+    i = block * RB + tl.arange(0, RB)
+    mine = i < count
+    cand_row = cand_ptr + row * CAND
+    key = tl.load(cand_row + i, mask=mine, other=0)
+    rank = tl.zeros((RB,), tl.int32)
+    for start in tl.static_range(0, CAND, RJ):
+        if start < count:
+            j = start + tl.arange(0, RJ)
+            other = tl.load(cand_row + j, mask=j < count, other=-9223372036854775807 - 1)
+            rank += tl.sum((other[None, :] > key[:, None]).to(tl.int32), axis=1)
+    tl.store(sorted_ptr + row * CAND + rank, key, mask=mine)
+
+
+@triton.jit
+def _race_kernel(table_ptr, x_ptr, noise_ptr, pmax_ptr, pid_ptr, psum_ptr, sorted_ptr, count_ptr, ids_ptr, need_ptr,
                  lse_ptr, pmin_ptr, top_p_ptr, top_k_ptr, vocab, parts, stride_t, stride_n, FILTERED: tl.constexpr,
-                 NB: tl.constexpr, BLOCK: tl.constexpr, PB: tl.constexpr, CAND: tl.constexpr, SMALL: tl.constexpr,
-                 BINS: tl.constexpr, BIN_SCALE: tl.constexpr):
+                 NB: tl.constexpr, BLOCK: tl.constexpr, PB: tl.constexpr, CAND: tl.constexpr, SMALL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # row * vocab can pass 2**31 in a large batch
     t = table_ptr + row * stride_t
     top, top_id, total = _row_top(pmax_ptr, pid_ptr, psum_ptr, row, parts, PB)
@@ -188,14 +220,14 @@ def _race_kernel(table_ptr, x_ptr, noise_ptr, pmax_ptr, pid_ptr, psum_ptr, count
     filtered = tl.load(t + 7) > 0
     noise_row = noise_ptr + row * stride_n
     if FILTERED:
-        _race_candidates(counts_ptr, cand_ptr, noise_row, ids_ptr, need_ptr, row, parts, top, total, top_k, top_p,
-                         min_p, vocab, PB, CAND, SMALL, BINS, BIN_SCALE)
+        _race_candidates(sorted_ptr, count_ptr, noise_row, ids_ptr, need_ptr, row, top, total, top_k, top_p, min_p,
+                         vocab, CAND, SMALL)
     elif greedy:
         tl.store(ids_ptr + row, top_id)
         tl.store(need_ptr + row, 0)
     elif filtered:
-        _race_candidates(counts_ptr, cand_ptr, noise_row, ids_ptr, need_ptr, row, parts, top, total, top_k, top_p,
-                         min_p, vocab, PB, CAND, SMALL, BINS, BIN_SCALE)
+        _race_candidates(sorted_ptr, count_ptr, noise_row, ids_ptr, need_ptr, row, top, total, top_k, top_p, min_p,
+                         vocab, CAND, SMALL)
     else:  # neither top-k nor top-p: race over the whole vocabulary (min-p applied), as race_full does
         lane_best = tl.full((BLOCK,), -2.0, tl.float32)
         lane_id = tl.zeros((BLOCK,), tl.int32)
@@ -216,29 +248,25 @@ def _race_kernel(table_ptr, x_ptr, noise_ptr, pmax_ptr, pid_ptr, psum_ptr, count
 
 
 @triton.jit
-def _race_candidates(counts_ptr, cand_ptr, noise_row, ids_ptr, need_ptr, row, parts, top, total, top_k, top_p, min_p,
-                     vocab, PB: tl.constexpr, CAND: tl.constexpr, SMALL: tl.constexpr, BINS: tl.constexpr,
-                     BIN_SCALE: tl.constexpr):
-    """The row's draw from the candidates `_gather_kernel` copied (their count from the slices' counts)."""
-    b = tl.arange(0, BINS)
-    counts = tl.sum(_slice_counts(counts_ptr, row, parts, PB, BINS), axis=0)
-    count = tl.sum(tl.where(b < _fit(counts, total, top_k, top_p, vocab, CAND, SMALL, BINS, BIN_SCALE), counts, 0),
-                   axis=0)
+def _race_candidates(sorted_ptr, count_ptr, noise_row, ids_ptr, need_ptr, row, top, total, top_k, top_p, min_p, vocab,
+                     CAND: tl.constexpr, SMALL: tl.constexpr):
+    """The row's draw from its candidates, which `_rank_kernel` sorted (their count from `_gather_kernel`)."""
+    count = tl.load(count_ptr + row)
     if count <= SMALL:
-        _race_sorted(cand_ptr + row * CAND, noise_row, ids_ptr + row, need_ptr + row, count, top, total, top_k,
+        _race_sorted(sorted_ptr + row * CAND, noise_row, ids_ptr + row, need_ptr + row, count, top, total, top_k,
                      top_p, min_p, vocab, SMALL)
     else:
-        _race_sorted(cand_ptr + row * CAND, noise_row, ids_ptr + row, need_ptr + row, count, top, total, top_k,
+        _race_sorted(sorted_ptr + row * CAND, noise_row, ids_ptr + row, need_ptr + row, count, top, total, top_k,
                      top_p, min_p, vocab, CAND)
 
 
 @triton.jit
 def _race_sorted(cand_row, noise_row, id_ptr, need_ptr, count, top, total, top_k, top_p, min_p, vocab,
                  N: tl.constexpr):
-    """Sort the `count` (<= N) packed candidates and race them as `sampling_filters._race_prefiltered`."""
+    """Race the `count` (<= N) packed candidates, sorted descending, as `sampling_filters._race_prefiltered`."""
     ranks = tl.arange(0, N)
     valid = ranks < count
-    packed = tl.sort(tl.load(cand_row + ranks, mask=valid, other=-9223372036854775807 - 1), descending=True)
+    packed = tl.load(cand_row + ranks, mask=valid, other=-9223372036854775807 - 1)
     ids = 2147483647 - (packed & 0xFFFFFFFF)
     key = (packed >> 32).to(tl.int32)
     v = tl.where(key < 0, key ^ 0x7FFFFFFF, key).to(tl.float32, bitcast=True)
@@ -267,7 +295,7 @@ def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, n
     draws them: `table` [N, C] float32 `RowTable.columns` rows, `seen` [N, V] bool seen-token masks,
     Exp(1) `noise` [N, V]; `filtered`: every row samples under top-k or top-p. Rows whose nucleus
     reaches past the candidates are redrawn over the whole vocabulary by `nucleus.nucleus_race_`.
-    Five launches (`slice_` ids a program, more where a row would take over MAX_PARTS programs; `num_warps`
+    Six launches (`slice_` ids a program, more where a row would take over MAX_PARTS programs; `num_warps`
     each, None: 4 up to 2,048 ids, else 8; the race `race_warps`), no host sync (CUDA-graph capturable)."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and seen.stride(1) == 1 and noise.stride(1) == 1 and table.stride(1) == 1
@@ -281,7 +309,8 @@ def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, n
     pid = torch.empty(rows, parts, dtype=torch.int32, device=device)
     psum = torch.empty(rows, parts, dtype=torch.float32, device=device)
     counts = torch.empty(rows, parts, BINS, dtype=torch.int32, device=device)
-    cand = torch.empty(rows, CANDIDATES, dtype=torch.int64, device=device)
+    cand, ordered = torch.empty(2, rows, CANDIDATES, dtype=torch.int64, device=device)
+    count = torch.empty(rows, dtype=torch.int32, device=device)
     ids = torch.empty(rows, dtype=torch.int64, device=device)
     need = torch.empty(rows, dtype=torch.int32, device=device)
     lse, pmin, top_p, top_k = torch.empty(4, rows, dtype=torch.float32, device=device)
@@ -292,12 +321,13 @@ def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, n
                                  seen.stride(0), table.stride(0), SLICE=slice_, num_warps=num_warps)
     consts = dict(FILTERED=filtered, SLICE=slice_, PB=pb, BINS=BINS, BIN_SCALE=BIN_SCALE, num_warps=num_warps)
     _count_kernel[(rows, parts)](table, x, pmax, counts, vocab, table.stride(0), **consts)
-    _gather_kernel[(rows, parts)](table, x, pmax, pid, psum, counts, cand, vocab, table.stride(0), CAND=CANDIDATES,
-                                  SMALL=SHORT_SORT, **consts)
+    _gather_kernel[(rows, parts)](table, x, pmax, pid, psum, counts, cand, count, vocab, table.stride(0),
+                                  CAND=CANDIDATES, SMALL=SHORT_SORT, **consts)
+    _rank_kernel[(rows, CANDIDATES // RANK_BLOCK)](table, cand, count, ordered, table.stride(0), FILTERED=filtered,
+                                                   CAND=CANDIDATES, RB=RANK_BLOCK, RJ=RANK_SWEEP, num_warps=4)
     block = min(triton.next_power_of_2(vocab), 4096)
-    _race_kernel[(rows,)](table, x, noise, pmax, pid, psum, counts, cand, ids, need, lse, pmin, top_p, top_k, vocab,
+    _race_kernel[(rows,)](table, x, noise, pmax, pid, psum, ordered, count, ids, need, lse, pmin, top_p, top_k, vocab,
                           parts, table.stride(0), noise.stride(0), FILTERED=filtered, NB=triton.cdiv(vocab, block),
-                          BLOCK=block, PB=pb, CAND=CANDIDATES, SMALL=SHORT_SORT, BINS=BINS, BIN_SCALE=BIN_SCALE,
-                          num_warps=race_warps)
+                          BLOCK=block, PB=pb, CAND=CANDIDATES, SMALL=SHORT_SORT, num_warps=race_warps)
     nucleus_race_(x, noise, ids, need, lse, top_p, pmin, top_k=top_k)
     return ids

@@ -8,7 +8,7 @@ import torch
 
 import mstar.engines.sampling_filters as filters
 from mstar.engines.sampling import SamplingParams, SamplingRow, sample_static
-from mstar.kernels.fused_sampling import sample_rows
+from mstar.kernels.fused_sampling import CANDIDATES, RANK_BLOCK, RANK_SWEEP, _rank_kernel, sample_rows
 
 MIXED = [SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3), SamplingParams(temperature=0.0),
          SamplingParams(top_k=7, temperature=0.7), SamplingParams(top_k=12, top_p=0.9, repetition_penalty=1.2),
@@ -17,11 +17,31 @@ MIXED = [SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3), Sam
 FILTERED = [p for p in MIXED if p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0)]
 
 
-def check(params: list[SamplingParams], vocab: int, scale: float, seed: int, filtered: bool) -> list[int]:
+def ranked(counts: list[int]) -> None:
+    """`_rank_kernel` writes each row's first `count` keys in descending order."""
+    gen = torch.Generator().manual_seed(5)
+    rows = len(counts)
+    # as `_gather_kernel` packs them: a value (few distinct ones, so ties are many) over the id's complement
+    values = torch.randint(-20, 20, (rows, CANDIDATES), generator=gen)
+    keys = (values << 32) | (2147483647 - torch.randperm(CANDIDATES, generator=gen).expand(rows, -1))
+    count = torch.tensor(counts, dtype=torch.int32)
+    ordered = torch.zeros_like(keys)
+    table = torch.zeros(rows, 8)  # not read: the FILTERED variant serves every row
+    _rank_kernel[(rows, CANDIDATES // RANK_BLOCK)](table, keys, count, ordered, table.stride(0), FILTERED=True,
+                                                   CAND=CANDIDATES, RB=RANK_BLOCK, RJ=RANK_SWEEP)
+    for r, n in enumerate(counts):
+        assert ordered[r, :n].tolist() == keys[r, :n].sort(descending=True).values.tolist(), (r, n)
+
+
+def check(params: list[SamplingParams], vocab: int, scale: float, seed: int, filtered: bool,
+          live: int | None = None) -> list[int]:
+    """`live`: only the first `live` ids of each row are finite (the window of a windowed head)."""
     gen = torch.Generator().manual_seed(seed)
     rows = [SamplingRow(p, torch.randint(0, vocab, (30,), generator=gen).tolist(), 10) for p in params]
     logits = torch.randn(len(rows), vocab, generator=gen) * scale
     logits[0, : vocab // 3] = -float("inf")  # a head restricted to a span
+    if live is not None:
+        logits[:, live:] = -float("inf")
     table = filters.RowTable.columns(rows, vocab)
     seen = filters.seen_masks(rows, vocab, logits.device)
     torch.manual_seed(seed)
@@ -37,4 +57,7 @@ check(MIXED, 600, 2.0, 0, False)  # peaked: every filtered row is covered by the
 check(MIXED, 3000, 0.4, 1, False)  # flat: top-p rows reach past the 1,024 candidates
 check(FILTERED, 1500, 2.5, 2, True)
 check([SamplingParams(top_k=40), SamplingParams(top_k=5, top_p=0.5)], 1500, 1e-4, 3, True)  # a flat top-k
+# Orpheus's defaults over a 4,096-id window of logits as flat as dummy weights give: hundreds of candidates
+check([FILTERED[0]] * 2, 6000, 1.1, 4, True, live=4096)
+ranked([1, 63, 64, 65, 700, 1024])
 print("fused sampling ok")
