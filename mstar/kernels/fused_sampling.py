@@ -45,8 +45,9 @@ CANDIDATES = 1024  # = sampling_filters.PREFILTER_K: the widest top-k the sample
 SHORT_SORT = 128  # candidates copied and raced when enough of the nucleus fits in them
 BINS = 256  # bins of the distance below the max ...
 BIN_SCALE = 8.0  # ... 1/8 of a logit wide: the last bin holds everything 32 or more below the max
-RANK_BLOCK = 64  # candidates a program of `_rank_kernel` places ...
-RANK_SWEEP = 128  # ... comparing them with this many of the row's candidates at a time
+RANK_BLOCK = 16  # candidates a program of `_rank_kernel` places ...
+RANK_SWEEP = 256  # ... comparing them with this many of the row's candidates at a time ...
+RANK_WARPS = 4  # ... in this many warps
 SLICE = 1024  # ids per program of kernels 1-3 ...
 MAX_PARTS = 32  # ... or more, so that a row has at most this many (each program reads every slice's counts)
 
@@ -192,13 +193,13 @@ def _rank_kernel(table_ptr, cand_ptr, count_ptr, sorted_ptr, stride_t, FILTERED:
     mine = i < count
     cand_row = cand_ptr + row * CAND
     key = tl.load(cand_row + i, mask=mine, other=0)
-    rank = tl.zeros((RB,), tl.int32)
+    larger = tl.zeros((RB, RJ), tl.int32)
     for start in tl.static_range(0, CAND, RJ):
         if start < count:
             j = start + tl.arange(0, RJ)
             other = tl.load(cand_row + j, mask=j < count, other=-9223372036854775807 - 1)
-            rank += tl.sum((other[None, :] > key[:, None]).to(tl.int32), axis=1)
-    tl.store(sorted_ptr + row * CAND + rank, key, mask=mine)
+            larger += (other[None, :] > key[:, None]).to(tl.int32)
+    tl.store(sorted_ptr + row * CAND + tl.sum(larger, axis=1), key, mask=mine)
 
 
 @triton.jit
@@ -290,13 +291,14 @@ def _race_sorted(cand_row, noise_row, id_ptr, need_ptr, count, top, total, top_k
 
 def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, noise: torch.Tensor,
                 filtered: bool = False, slice_: int = SLICE, num_warps: int | None = None,
-                race_warps: int = 8) -> torch.Tensor:
+                race_warps: int = 8, rank: tuple[int, int, int] = (RANK_BLOCK, RANK_SWEEP, RANK_WARPS)) -> torch.Tensor:
     """Ids [N] (columns of `logits`) drawn from float32 `logits` [N, V] as `sampling.sample_static`
     draws them: `table` [N, C] float32 `RowTable.columns` rows, `seen` [N, V] bool seen-token masks,
     Exp(1) `noise` [N, V]; `filtered`: every row samples under top-k or top-p. Rows whose nucleus
     reaches past the candidates are redrawn over the whole vocabulary by `nucleus.nucleus_race_`.
     Six launches (`slice_` ids a program, more where a row would take over MAX_PARTS programs; `num_warps`
-    each, None: 4 up to 2,048 ids, else 8; the race `race_warps`), no host sync (CUDA-graph capturable)."""
+    each, None: 4 up to 2,048 ids, else 8; the race `race_warps`; the rank kernel's `rank`: candidates a
+    program, candidates compared at a time, warps), no host sync (CUDA-graph capturable)."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and seen.stride(1) == 1 and noise.stride(1) == 1 and table.stride(1) == 1
     assert seen.shape == logits.shape and noise.shape == logits.shape and table.shape[0] == rows
@@ -323,8 +325,9 @@ def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, n
     _count_kernel[(rows, parts)](table, x, pmax, counts, vocab, table.stride(0), **consts)
     _gather_kernel[(rows, parts)](table, x, pmax, pid, psum, counts, cand, count, vocab, table.stride(0),
                                   CAND=CANDIDATES, SMALL=SHORT_SORT, **consts)
-    _rank_kernel[(rows, CANDIDATES // RANK_BLOCK)](table, cand, count, ordered, table.stride(0), FILTERED=filtered,
-                                                   CAND=CANDIDATES, RB=RANK_BLOCK, RJ=RANK_SWEEP, num_warps=4)
+    rank_block, rank_sweep, rank_warps = rank
+    _rank_kernel[(rows, CANDIDATES // rank_block)](table, cand, count, ordered, table.stride(0), FILTERED=filtered,
+                                                   CAND=CANDIDATES, RB=rank_block, RJ=rank_sweep, num_warps=rank_warps)
     block = min(triton.next_power_of_2(vocab), 4096)
     _race_kernel[(rows,)](table, x, noise, pmax, pid, psum, ordered, count, ids, need, lse, pmin, top_p, top_k, vocab,
                           parts, table.stride(0), noise.stride(0), FILTERED=filtered, NB=triton.cdiv(vocab, block),
