@@ -13,7 +13,6 @@ the same way (CUDA events around graph launches), a lower bound of the time the 
     python3 benchmarks/profile_orpheus.py --quick        # CPU, tiny Orpheus (smoke)
     python3 benchmarks/profile_orpheus.py --kernels 25   # also: the 25 costliest GPU kernels per LM step
     python3 benchmarks/profile_orpheus.py --no-vocoder   # the LM alone: what the vocoder's GPU work costs it
-    python3 benchmarks/profile_orpheus.py --high-priority  # the LM's engine on a high-priority stream
     python3 benchmarks/profile_orpheus.py --timeline     # what the GPU runs between decode forwards
 
 With `--timeline`, each case runs once more (150 tokens per request) under torch.profiler, and the LM
@@ -267,8 +266,6 @@ def main() -> None:
                         help='Orpheus model_kwargs, e.g. \'{"audio_logits_only": false}\'')
     parser.add_argument("--no-vocoder", action="store_true",
                         help="the vocoder emits nothing and runs no SNAC decode: the LM's step without it")
-    parser.add_argument("--high-priority", action="store_true",
-                        help="the LM's engine on a high-priority CUDA stream (cuda_graphs.high_priority)")
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/profile_orpheus*.json)")
     args = parser.parse_args()
     from mstar.runtime.offline import MStar
@@ -282,8 +279,7 @@ def main() -> None:
 
         OrpheusVocoder.run_batch = lambda self, walk, node, inputs, options: [{} for _ in inputs]
     cfg = {"model": "orpheus", "device": device, "max_concurrent_requests": max(args.concurrency),
-           "node_groups": [{"node_names": ["llm", "snac"], "ranks": [0]}], "model_kwargs": args.model_kwargs,
-           "cuda_graphs": {"high_priority": args.high_priority}}
+           "node_groups": [{"node_names": ["llm", "snac"], "ranks": [0]}], "model_kwargs": args.model_kwargs}
     cases = {}
     with MStar(config=cfg, mode="inproc", tiny=args.quick, load_format="auto" if args.quick else "dummy") as m:
         m.generate({"text": "warm up"}, max_tokens=30, ignore_eos=True)

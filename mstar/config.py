@@ -77,10 +77,6 @@ class CudaGraphConfig:
     # with lookahead and sampling graphs: a steady step's draw and the next forward in one graph replay
     # (engines/autoregressive/step_graph.py)
     step_graphs: bool = True
-    # the autoregressive engine's GPU work on a high-priority CUDA stream, so its kernels' blocks are scheduled
-    # before those of components on side streams (Orpheus' vocoder) when both wait for SMs; for engines whose
-    # items and results are host tensors (not with hidden-state outputs)
-    high_priority: bool = False
     compile_eager: bool = False  # torch.compile the model forward of steps that replay no graph (prefill, big batches)
     compile_backend: str = "inductor"  # torch.compile backend for compile_eager ("eager"/"aot_eager" to debug)
     # token buckets at which steps with prompt tokens replay graphs (engines/autoregressive/prefill_graph.py);

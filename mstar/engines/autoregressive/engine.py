@@ -97,22 +97,9 @@ class AutoregressiveEngine:
         if self.sampler is not None and self.lookahead and (cuda_graphs is None or cuda_graphs.step_graphs) \
                 and self.runner.logits_out is not None and self.runner.decode_inputs is not None:
             self.step_graphs = StepGraphs(self.runner, self.sampler)
-        self._stream = self._priority_stream(model, cuda_graphs)
         if warm_up if warm_up is not None else self.device.type == "cuda":
             self._warm_up()
         self.last_step_items = 0  # sequences the latest step computed (mstar.engines.stats.ReportsStats)
-
-    def _priority_stream(self, model: CausalLM, cuda_graphs: CudaGraphConfig | None) -> torch.cuda.Stream | None:
-        """The high-priority stream `step` runs on (`cuda_graphs.high_priority`, CUDA only), after the work
-        queued so far (weights, buffers, captures); None: the caller's current stream."""
-        if cuda_graphs is None or not cuda_graphs.high_priority or self.device.type != "cuda":
-            return None
-        if getattr(model, "graph_hidden_layers", None):
-            raise ValueError(f"cuda_graphs.high_priority: {type(model).__name__} hands hidden states on the device "
-                             "to other components, which would need to wait for this stream; leave it off")
-        stream = torch.cuda.Stream(self.device, priority=torch.cuda.Stream.priority_range()[1])
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        return stream
 
     def _warm_up(self, alone: tuple[int, ...] = (5, 12, 24, 48), together: tuple[int, ...] = (5, 16, 33)) -> None:
         """Run throwaway prompts (prefill and two decode steps) through the real path, so that the first
@@ -157,12 +144,6 @@ class AutoregressiveEngine:
 
     def step(self) -> list[StepResult]:
         """Schedule, run one packed forward, sample; results for the items finished in this step."""
-        if self._stream is None:
-            return self._step()
-        with torch.cuda.stream(self._stream):
-            return self._step()
-
-    def _step(self) -> list[StepResult]:
         results, self._errors = self._errors, []
         chunks = self.scheduler.schedule()
         self.last_step_items = len(chunks)
