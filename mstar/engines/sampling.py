@@ -197,27 +197,47 @@ def _banning(row: SamplingRow) -> bool:
             and bool(row.eos_token_ids or p.stop_token_ids))
 
 
-def sample_static(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, filtered: bool = False) -> torch.Tensor:
+def sample_static(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, filtered: bool = False,
+                  mark: tuple[torch.Tensor, torch.Tensor] | None = None, out: torch.Tensor | None = None,
+                  offset: int = 0) -> torch.Tensor:
     """`sample` for `graphable` rows with no branch on their values, so that it can be captured in a
     CUDA graph: [N] ids from float32 `logits` [N, V], the rows' `RowTable.columns` (on the device)
     and their seen-token masks `seen` [N, V] (read only where the repetition penalty is not 1); the
     ids are columns of `logits` (the caller adds a window's offset).
     Every stage runs for every row; for the same noise each row gets the token `sample` gives it.
     `filtered`: the caller promises that every row samples (temperature > 0) under top-k or top-p,
-    so the stages for greedy and unfiltered rows are left out."""
-    if (logits.is_cuda and logits.shape[1] <= FUSED_MAX_VOCAB and _FUSED_SAMPLER.usable
-            and sampling_filters.triton_available()):  # Triton kernels: kernels/fused_sampling.py
+    so the stages for greedy and unfiltered rows are left out.
+    `mark` (flat, new): first mark each row's new token, as `flat.index_fill_(0, new, True)` does, where
+    `flat` is the masks' storage from seen[0, 0] on and `new` [N] holds flat indexes (row * V + column;
+    past the masks: none); the fused kernels do it as they read the masks.
+    `out` (int64 [N]): the ids go there instead, each clamped into [0, V) (a padding row may draw no
+    valid column) plus `offset`; `out` is returned."""
+    fused = (logits.is_cuda and logits.shape[1] <= FUSED_MAX_VOCAB and _FUSED_SAMPLER.usable
+             and sampling_filters.triton_available())  # Triton kernels: kernels/fused_sampling.py
+    new = None
+    if mark is not None:
+        flat, new = mark
+        if not (fused and seen.is_contiguous() and seen.data_ptr() == flat.data_ptr()):
+            flat.index_fill_(0, new, True)
+            new = None
+    if fused:
         noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
-        ids = _FUSED_SAMPLER.run(lambda: _fused_sample(logits, table, seen, noise, filtered), lambda: None)
+        ids = _FUSED_SAMPLER.run(lambda: _fused_sample(logits, table, seen, noise, filtered, new, out, offset),
+                                 lambda: None)
         if ids is not None:
             return ids
+        if new is not None:  # the kernels failed (marking twice is harmless)
+            mark[0].index_fill_(0, new, True)
     t = RowTable.general(table, logits.shape[1], filtered)
     # as _processed_logits computes it: unpenalised rows get 1 * inv_temp, i.e. inv_temp exactly
     factor = torch.where(seen, torch.where(logits > 0, t.inv_penalty * t.inv_temp, t.penalty * t.inv_temp),
                          t.inv_temp)
     x = logits.float() * factor
     sampled = pick(x, None, t, torch.empty_like(x).exponential_())
-    return sampled if filtered else torch.where(t.greedy, x.argmax(dim=-1), sampled)
+    drawn = sampled if filtered else torch.where(t.greedy, x.argmax(dim=-1), sampled)
+    if out is None:
+        return drawn
+    return torch.add(drawn.clamp_(0, logits.shape[1] - 1), offset, out=out)
 
 
 _FUSED_SAMPLER = KernelGuard("fused sampling")
@@ -225,10 +245,12 @@ FUSED_MAX_VOCAB = 262_144  # wider rows: the PyTorch form (the fused kernels' sl
 
 
 def _fused_sample(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, noise: torch.Tensor,
-                  filtered: bool) -> torch.Tensor:
+                  filtered: bool, new: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                  offset: int = 0) -> torch.Tensor:
     from mstar.kernels.fused_sampling import sample_rows
 
-    return sample_rows(logits.float().contiguous(), table.contiguous(), seen.contiguous(), noise, filtered)
+    return sample_rows(logits.float().contiguous(), table.contiguous(), seen if new is not None else seen.contiguous(),
+                       noise, filtered, new=new, out=out, offset=offset)
 
 
 def _processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow], table: RowTable,

@@ -184,19 +184,13 @@ def _marking(seen: SeenRows, filtered: bool, offset: int,
     flat, masks = seen.flat, seen.masks
 
     def step(logits: torch.Tensor, table: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        flat.index_fill_(0, new, True)
-        columns = sample_static(logits, table, masks[: logits.shape[0]], filtered)
+        n = logits.shape[0]
         if ids is None:
+            columns = sample_static(logits, table, masks[:n], filtered, mark=(flat, new))
             return columns + offset if offset else columns
-        out = ids[: logits.shape[0]]
         # padding rows (a zero table row) may draw no valid column, and the next forward embeds every row
-        # of its bucket, padding included: keep each id inside the vocabulary (real rows draw valid ones)
-        columns = columns.clamp_(0, logits.shape[1] - 1)
-        if offset:
-            torch.add(columns, offset, out=out)
-        else:
-            out.copy_(columns)
-        return out
+        # of its bucket, padding included: sample_static clamps each id inside the vocabulary
+        return sample_static(logits, table, masks[:n], filtered, mark=(flat, new), out=ids[:n], offset=offset)
 
     return step
 

@@ -107,8 +107,8 @@ def _fit(counts, total, top_k, top_p, vocab, CAND: tl.constexpr, SMALL: tl.const
 
 
 @triton.jit
-def _scale_kernel(logits_ptr, seen_ptr, table_ptr, x_ptr, pmax_ptr, pid_ptr, psum_ptr, vocab, stride_l, stride_s,
-                  stride_t, SLICE: tl.constexpr):
+def _scale_kernel(logits_ptr, seen_ptr, new_ptr, table_ptr, x_ptr, pmax_ptr, pid_ptr, psum_ptr, vocab, stride_l,
+                  stride_s, stride_t, MARK: tl.constexpr, SLICE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # row * vocab can pass 2**31 in a large batch
     part = tl.program_id(1)
     parts = tl.num_programs(1)
@@ -120,6 +120,10 @@ def _scale_kernel(logits_ptr, seen_ptr, table_ptr, x_ptr, pmax_ptr, pid_ptr, psu
     inside = offs < vocab
     raw = tl.load(logits_ptr + row * stride_l + offs, mask=inside, other=-float("inf")).to(tl.float32)
     seen = tl.load(seen_ptr + row * stride_s + offs, mask=inside, other=0)
+    if MARK:  # the row's new token (a flat index into the masks; past them: none), marked before it is read
+        fresh = inside & (offs == tl.load(new_ptr + row) - row * stride_s)
+        tl.store(seen_ptr + row * stride_s + offs, tl.full((SLICE,), 1, tl.uint8), mask=fresh)
+        seen = tl.where(fresh, 1, seen)
     factor = tl.where(seen != 0, tl.where(raw > 0, seen_factor, seen_neg_factor), inv_temp)
     x = raw * factor
     tl.store(x_ptr + row * vocab + offs, x, mask=inside)
@@ -290,12 +294,15 @@ def _race_sorted(cand_row, noise_row, id_ptr, need_ptr, count, top, total, top_k
 
 
 def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, noise: torch.Tensor,
-                filtered: bool = False, slice_: int = SLICE, num_warps: int | None = None,
-                race_warps: int = 8, rank: tuple[int, int, int] = (RANK_BLOCK, RANK_SWEEP, RANK_WARPS)) -> torch.Tensor:
+                filtered: bool = False, new: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                offset: int = 0, slice_: int = SLICE, num_warps: int | None = None, race_warps: int = 8,
+                rank: tuple[int, int, int] = (RANK_BLOCK, RANK_SWEEP, RANK_WARPS)) -> torch.Tensor:
     """Ids [N] (columns of `logits`) drawn from float32 `logits` [N, V] as `sampling.sample_static`
-    draws them: `table` [N, C] float32 `RowTable.columns` rows, `seen` [N, V] bool seen-token masks,
-    Exp(1) `noise` [N, V]; `filtered`: every row samples under top-k or top-p. Rows whose nucleus
-    reaches past the candidates are redrawn over the whole vocabulary by `nucleus.nucleus_race_`.
+    draws them: `table` [N, C] float32 `RowTable.columns` rows, `seen` [N, V] bool seen-token masks
+    (contiguous rows), Exp(1) `noise` [N, V]; `filtered`: every row samples under top-k or top-p. Rows
+    whose nucleus reaches past the candidates are redrawn over the whole vocabulary by `nucleus.nucleus_race_`.
+    `new` (int64 [N]): flat indexes into `seen` (row * V + column; N * V or more: none) marked seen first.
+    `out` (int64 [N]): where the ids go instead, each clamped into [0, V) and plus `offset`.
     Six launches (`slice_` ids a program, more where a row would take over MAX_PARTS programs; `num_warps`
     each, None: 4 up to 2,048 ids, else 8; the race `race_warps`; the rank kernel's `rank`: candidates a
     program, candidates compared at a time, warps), no host sync (CUDA-graph capturable)."""
@@ -317,10 +324,12 @@ def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, n
     need = torch.empty(rows, dtype=torch.int32, device=device)
     lse, pmin, top_p, top_k = torch.empty(4, rows, dtype=torch.float32, device=device)
     if not rows:
-        return ids
+        return ids if out is None else out
     pb = triton.next_power_of_2(parts)
-    _scale_kernel[(rows, parts)](logits, seen.view(torch.uint8), table, x, pmax, pid, psum, vocab, logits.stride(0),
-                                 seen.stride(0), table.stride(0), SLICE=slice_, num_warps=num_warps)
+    assert seen.stride(0) == vocab or new is None, "marking needs the masks' rows back to back"
+    _scale_kernel[(rows, parts)](logits, seen.view(torch.uint8), seen if new is None else new, table, x, pmax, pid,
+                                 psum, vocab, logits.stride(0), seen.stride(0), table.stride(0), MARK=new is not None,
+                                 SLICE=slice_, num_warps=num_warps)
     consts = dict(FILTERED=filtered, SLICE=slice_, PB=pb, BINS=BINS, BIN_SCALE=BIN_SCALE, num_warps=num_warps)
     _count_kernel[(rows, parts)](table, x, pmax, counts, vocab, table.stride(0), **consts)
     _gather_kernel[(rows, parts)](table, x, pmax, pid, psum, counts, cand, count, vocab, table.stride(0),
@@ -332,5 +341,4 @@ def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, n
     _race_kernel[(rows,)](table, x, noise, pmax, pid, psum, ordered, count, ids, need, lse, pmin, top_p, top_k, vocab,
                           parts, table.stride(0), noise.stride(0), FILTERED=filtered, NB=triton.cdiv(vocab, block),
                           BLOCK=block, PB=pb, CAND=CANDIDATES, SMALL=SHORT_SORT, num_warps=race_warps)
-    nucleus_race_(x, noise, ids, need, lse, top_p, pmin, top_k=top_k)
-    return ids
+    return nucleus_race_(x, noise, ids, need, lse, top_p, pmin, top_k=top_k, out=out, offset=offset)

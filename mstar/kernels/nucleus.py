@@ -16,7 +16,8 @@ evaluates f at NS split points at once, so ~10 passes over the row pin the thres
 one more pass runs the exponential race over the kept tokens (p >= pmin for min-p). With `top_k`, a
 first bisection on the count of greater keys finds the k-th key (ties with it kept), and top-p then
 takes its fraction of the mass at or above it (`kernels/fused_sampling.py` sends such rows here when
-the top k do not fit its candidates).
+the top k do not fit its candidates). Given `out`, the kernel also finishes every row's draw there (clamped
+into the columns, plus an offset: the token id a decode graph reads next), so that costs no launch of its own.
 """
 
 from __future__ import annotations
@@ -60,11 +61,13 @@ def _bisect(x_ptr, lse, floor, bound, vocab, COUNT: tl.constexpr, NB: tl.constex
     return hi
 
 @triton.jit
-def nucleus_race(x_ptr, noise_ptr, ids_ptr, need_ptr, lse_ptr, top_p_ptr, pmin_ptr, top_k_ptr, vocab, stride_x,
-                 stride_n, HAS_TOP_K: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr, NS: tl.constexpr,
-                 PASSES: tl.constexpr):
+def nucleus_race(x_ptr, noise_ptr, ids_ptr, need_ptr, lse_ptr, top_p_ptr, pmin_ptr, top_k_ptr, out_ptr, offset, vocab,
+                 stride_x, stride_n, HAS_TOP_K: tl.constexpr, OUT: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+                 NS: tl.constexpr, PASSES: tl.constexpr):
     row = tl.program_id(0)
     if tl.load(need_ptr + row) == 0:
+        if OUT:
+            _finish(out_ptr + row, tl.load(ids_ptr + row), offset, vocab)
         return
     lse = tl.load(lse_ptr + row)
     top_p = tl.load(top_p_ptr + row)
@@ -100,24 +103,35 @@ def nucleus_race(x_ptr, noise_ptr, ids_ptr, need_ptr, lse_ptr, top_p_ptr, pmin_p
         best_id = tl.where(block_best > best, block_id, best_id)
         best = tl.maximum(best, block_best)
     tl.store(ids_ptr + row, best_id)
+    if OUT:
+        _finish(out_ptr + row, best_id, offset, vocab)
+
+
+@triton.jit
+def _finish(out_ptr, column, offset, vocab):
+    """Store a drawn column as a token id: clamped into [0, vocab) (a padding row may draw none), plus offset."""
+    tl.store(out_ptr, tl.minimum(tl.maximum(column, 0), vocab - 1) + offset)
 
 
 
 def nucleus_race_(x: torch.Tensor, noise: torch.Tensor, ids: torch.Tensor, need: torch.Tensor, lse: torch.Tensor,
                   top_p: torch.Tensor, pmin: torch.Tensor, top_k: torch.Tensor | None = None, block: int = 1024,
-                  splits: int = 16, passes: int = 10) -> torch.Tensor:
+                  splits: int = 16, passes: int = 10, out: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor:
     """Overwrite `ids[i]` (int64 [N]) for the rows with `need[i]` by the exact nucleus draw over `x`
     [N, V] float32 with Exp(1) `noise` [N, V]; `lse` [N] = logsumexp of x, `top_p` [N] (>= 1: off),
     `pmin` [N] = min_p times the top probability, `top_k` [N] float32 (V: off; top-p then takes its
     fraction of the top k's mass; tokens tied with the k-th are kept with it). Returns `ids`, written in
-    place, with no host sync."""
+    place, with no host sync; with `out` (int64 [N]), every row's id also goes there clamped into [0, V)
+    plus `offset`, and `out` is returned."""
     assert x.dtype == torch.float32 and x.stride(1) == 1 and noise.stride(1) == 1 and ids.dtype == torch.long
+    assert out is None or (out.dtype == torch.long and out.shape == ids.shape and out.is_contiguous())
     top_p = top_p.float().contiguous()
     nucleus_race[(x.shape[0],)](x, noise, ids, need.to(torch.int32), lse.float().contiguous(), top_p,
                              pmin.float().contiguous(), top_p if top_k is None else top_k.float().contiguous(),
-                             x.shape[1], x.stride(0), noise.stride(0), HAS_TOP_K=top_k is not None,
-                             NB=-(-x.shape[1] // block), BLOCK=block, NS=splits, PASSES=passes)
-    return ids
+                             ids if out is None else out, offset, x.shape[1], x.stride(0), noise.stride(0),
+                             HAS_TOP_K=top_k is not None, OUT=out is not None, NB=-(-x.shape[1] // block),
+                             BLOCK=block, NS=splits, PASSES=passes)
+    return ids if out is None else out
 
 
 @triton.jit

@@ -53,6 +53,32 @@ def check(params: list[SamplingParams], vocab: int, scale: float, seed: int, fil
     return got.tolist()
 
 
+def marked_and_finished() -> None:
+    """With `new` and `out` (as the sampler graphs call it): the rows' new tokens are marked seen before the
+    penalty reads them (the same ids as marking first, then drawing), and every row's id lands in `out`
+    plus the offset (a padding row with an all-zero table row included; its draw is in range here, so the
+    clamp is not exercised)."""
+    vocab, gen = 700, torch.Generator().manual_seed(6)
+    params = [SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3)] * 3
+    rows = [SamplingRow(p, torch.randint(0, vocab, (30,), generator=gen).tolist(), 10) for p in params]
+    logits = torch.randn(4, vocab, generator=gen) * 2.0
+    table = torch.cat([filters.RowTable.columns(rows, vocab), torch.zeros(1, filters.COLUMNS)])
+    flat = torch.zeros(4 * vocab + 1, dtype=torch.bool)
+    seen = flat[: 4 * vocab].view(4, vocab)
+    seen[:3] = filters.seen_masks(rows, vocab, logits.device)
+    top = logits.argmax(dim=1)  # the new tokens: each row's likeliest, which the penalty then pushes down
+    new = torch.tensor([0 * vocab + top[0], 1 * vocab + top[1], 4 * vocab, 3 * vocab + 5])  # row 2: none
+    noise = torch.empty_like(logits).exponential_(generator=gen)
+    expected_seen = flat.clone()
+    expected_seen.index_fill_(0, new, True)
+    expected = sample_rows(logits, table, expected_seen[: 4 * vocab].view(4, vocab).clone(), noise, True, slice_=256)
+    out = torch.full((4,), -1, dtype=torch.long)
+    got = sample_rows(logits, table, seen, noise, True, new=new, out=out, offset=1000, slice_=256)
+    masks = slice(0, 4 * vocab)  # the element past them is the sink of "none" (index_fill_ sets it, the kernel not)
+    assert got is out and torch.equal(flat[masks], expected_seen[masks]), "marked as index_fill_ marks"
+    assert out.tolist() == (expected.clamp(0, vocab - 1) + 1000).tolist(), (out, expected)
+
+
 check(MIXED, 600, 2.0, 0, False)  # peaked: every filtered row is covered by the candidates
 check(MIXED, 3000, 0.4, 1, False)  # flat: top-p rows reach past the 1,024 candidates
 check(FILTERED, 1500, 2.5, 2, True)
@@ -60,4 +86,5 @@ check([SamplingParams(top_k=40), SamplingParams(top_k=5, top_p=0.5)], 1500, 1e-4
 # Orpheus's defaults over a 4,096-id window of logits as flat as dummy weights give: hundreds of candidates
 check([FILTERED[0]] * 2, 6000, 1.1, 4, True, live=4096)
 ranked([1, 63, 64, 65, 700, 1024])
+marked_and_finished()
 print("fused sampling ok")
