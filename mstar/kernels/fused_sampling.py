@@ -45,7 +45,7 @@ CANDIDATES = 1024  # = sampling_filters.PREFILTER_K: the widest top-k the sample
 SHORT_SORT = 128  # candidates copied and raced when enough of the nucleus fits in them
 BINS = 256  # bins of the distance below the max ...
 BIN_SCALE = 8.0  # ... 1/8 of a logit wide: the last bin holds everything 32 or more below the max
-RANK_BLOCK = 16  # candidates a program of `_rank_kernel` places ...
+RANK_BLOCK = 8  # candidates a program of `_rank_kernel` places ...
 RANK_SWEEP = 256  # ... comparing them with this many of the row's candidates at a time ...
 RANK_WARPS = 4  # ... in this many warps
 SLICE = 1024  # ids per program of kernels 1-3 ...
@@ -294,9 +294,9 @@ def _race_sorted(cand_row, noise_row, id_ptr, need_ptr, count, top, total, top_k
 
 
 def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, noise: torch.Tensor,
-                filtered: bool = False, new: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                offset: int = 0, slice_: int = SLICE, num_warps: int | None = None, race_warps: int = 8,
-                rank: tuple[int, int, int] = (RANK_BLOCK, RANK_SWEEP, RANK_WARPS)) -> torch.Tensor:
+                filtered: bool = False, slice_: int = SLICE, num_warps: int | None = None, race_warps: int = 8,
+                rank: tuple[int, int, int] = (RANK_BLOCK, RANK_SWEEP, RANK_WARPS), *, new: torch.Tensor | None = None,
+                out: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor:
     """Ids [N] (columns of `logits`) drawn from float32 `logits` [N, V] as `sampling.sample_static`
     draws them: `table` [N, C] float32 `RowTable.columns` rows, `seen` [N, V] bool seen-token masks
     (contiguous rows), Exp(1) `noise` [N, V]; `filtered`: every row samples under top-k or top-p. Rows
