@@ -199,7 +199,7 @@ def _banning(row: SamplingRow) -> bool:
 
 def sample_static(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, filtered: bool = False,
                   mark: tuple[torch.Tensor, torch.Tensor] | None = None, out: torch.Tensor | None = None,
-                  offset: int = 0) -> torch.Tensor:
+                  offset: int = 0, rng: torch.Tensor | None = None) -> torch.Tensor:
     """`sample` for `graphable` rows with no branch on their values, so that it can be captured in a
     CUDA graph: [N] ids from float32 `logits` [N, V], the rows' `RowTable.columns` (on the device)
     and their seen-token masks `seen` [N, V] (read only where the repetition penalty is not 1); the
@@ -211,7 +211,11 @@ def sample_static(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor,
     `flat` is the masks' storage from seen[0, 0] on and `new` [N] holds flat indexes (row * V + column;
     past the masks: none); the fused kernels do it as they read the masks.
     `out` (int64 [N]): the ids go there instead, each clamped into [0, V) (a padding row may draw no
-    valid column) plus `offset`; `out` is returned."""
+    valid column) plus `offset`; `out` is returned.
+    `rng` (int64 [2] on the device: a seed and the draws made under it): with the fused kernels and
+    `filtered`, the noise is philox's, keyed by the seed plus the draw count, which the kernels advance,
+    instead of the default generator's (a CUDA graph that draws from that generator is preceded at
+    every replay by two fill kernels refreshing its seed and offset); otherwise unused."""
     fused = (logits.is_cuda and logits.shape[1] <= FUSED_MAX_VOCAB and _FUSED_SAMPLER.usable
              and sampling_filters.triton_available())  # Triton kernels: kernels/fused_sampling.py
     new = None
@@ -221,9 +225,10 @@ def sample_static(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor,
             flat.index_fill_(0, new, True)
             new = None
     if fused:
-        noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
-        ids = _FUSED_SAMPLER.run(lambda: _fused_sample(logits, table, seen, noise, filtered, new, out, offset),
-                                 lambda: None)
+        seeded = rng is not None and filtered
+        noise = None if seeded else torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_()
+        ids = _FUSED_SAMPLER.run(lambda: _fused_sample(logits, table, seen, noise, filtered, new, out, offset,
+                                                       rng if seeded else None), lambda: None)
         if ids is not None:
             return ids
         if new is not None:  # the kernels failed (marking twice is harmless)
@@ -244,13 +249,13 @@ _FUSED_SAMPLER = KernelGuard("fused sampling")
 FUSED_MAX_VOCAB = 262_144  # wider rows: the PyTorch form (the fused kernels' slices stay <= 8,192 ids up to here)
 
 
-def _fused_sample(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, noise: torch.Tensor,
+def _fused_sample(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, noise: torch.Tensor | None,
                   filtered: bool, new: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                  offset: int = 0) -> torch.Tensor:
+                  offset: int = 0, rng: torch.Tensor | None = None) -> torch.Tensor:
     from mstar.kernels.fused_sampling import sample_rows
 
     return sample_rows(logits.float().contiguous(), table.contiguous(), seen if new is not None else seen.contiguous(),
-                       noise, filtered, new=new, out=out, offset=offset)
+                       noise, filtered, new=new, out=out, offset=offset, rng=rng)
 
 
 def _processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow], table: RowTable,

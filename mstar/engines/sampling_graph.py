@@ -25,9 +25,12 @@ width V: the masks hold columns (token id - offset; ids outside the window are l
 captured step adds the offset to the drawn columns, so the ids it returns are token ids (with no
 extra launch; offset 0 captures no add).
 
-The noise comes from the default CUDA generator, which graphs advance on every replay, so draws
-differ from eager ones for the same global seed but follow the same distribution; seeded requests
-never take this path.
+The `general` graphs' noise comes from the default CUDA generator, which graphs advance on every
+replay; the `filtered` graphs' from philox inside the sampling kernels, keyed by a seed taken from
+PyTorch's default generator at capture plus a draw count the kernels advance on the device (no
+generator in the graph, so no seed and offset refresh before each replay). Either way draws differ
+from eager ones for the same global seed but follow the same distribution; seeded requests never
+take this path.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class SamplerGraphs:
         self.logit_copies = 0  # calls whose logits were not already in the graphs' input
         self._given_logits, self._given_ids = logits, ids
         self._ids: torch.Tensor | None = None  # the given ids, once captured with them
+        self._rng: torch.Tensor | None = None  # the filtered graphs' seed and draw count (made at capture)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor | None:
         """Sampled token ids [N] (a device view, valid until the next call), or None when the batch is
@@ -138,7 +142,12 @@ class SamplerGraphs:
         """The function the `filtered` graphs capture: (logits, table, new) -> token ids, written into the
         decode graphs' id input when the sampler was given it (`writes_ids`)."""
         assert self._seen is not None, "capture first"
-        return _marking(self._seen, filtered, self.offset, self._ids)
+        return _marking(self._seen, filtered, self.offset, self._ids, self._rng if filtered else None)
+
+    @property
+    def noise_state(self) -> torch.Tensor | None:
+        """The filtered graphs' noise key as int64 [2] on the device: seed, draws so far (None before capture)."""
+        return self._rng
 
     @property
     def writes_ids(self) -> bool:
@@ -164,8 +173,11 @@ class SamplerGraphs:
                 logits = torch.zeros(rows, vocab, dtype=torch.float32, device=self.device)
         ids = self._ids = self._given_ids if _fits(self._given_ids, (rows,), torch.long, self.device) else None
         self._logits = [logits[:k] for k in range(rows + 1)]
-        self._graphs = {filtered: BatchGraphs(_marking(seen, filtered, self.offset, ids), self.sizes, example,
-                                              self.device, static_inputs=[logits, inputs.table, inputs.new])
+        with torch.inference_mode(False):  # seed, draws so far: the filtered graphs' noise (module docstring)
+            rng = self._rng = torch.tensor([int(torch.randint(0, 2**62, ())), 0], dtype=torch.int64, device=self.device)
+        self._graphs = {filtered: BatchGraphs(_marking(seen, filtered, self.offset, ids, rng if filtered else None),
+                                              self.sizes, example, self.device,
+                                              static_inputs=[logits, inputs.table, inputs.new])
                         for filtered in (False, True)}
         logger.info("sampling captured in CUDA graphs for batch sizes %s (vocabulary %d from id %d)", self.sizes,
                     vocab, self.offset)
@@ -177,20 +189,21 @@ def _fits(t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, de
         t.shape[0] >= shape[0] and tuple(t.shape[1:]) == shape[1:]
 
 
-def _marking(seen: SeenRows, filtered: bool, offset: int,
-             ids: torch.Tensor | None = None) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+def _marking(seen: SeenRows, filtered: bool, offset: int, ids: torch.Tensor | None = None,
+             rng: torch.Tensor | None = None) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """The captured step: mark each row's new token (`new` [N]: flat mask indexes), then draw token ids
-    (into the first rows of `ids` when given)."""
+    (into the first rows of `ids` when given; with `rng`, `sample_static`'s seeded noise)."""
     flat, masks = seen.flat, seen.masks
 
     def step(logits: torch.Tensor, table: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         n = logits.shape[0]
         if ids is None:
-            columns = sample_static(logits, table, masks[:n], filtered, mark=(flat, new))
+            columns = sample_static(logits, table, masks[:n], filtered, mark=(flat, new), rng=rng)
             return columns + offset if offset else columns
         # padding rows (a zero table row) may draw no valid column, and the next forward embeds every row
         # of its bucket, padding included: sample_static clamps each id inside the vocabulary
-        return sample_static(logits, table, masks[:n], filtered, mark=(flat, new), out=ids[:n], offset=offset)
+        return sample_static(logits, table, masks[:n], filtered, mark=(flat, new), out=ids[:n], offset=offset,
+                             rng=rng)
 
     return step
 

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mstar.kernels.nucleus import nucleus_race_, order_key
+from mstar.kernels.nucleus import noise_at, nucleus_race_, order_key
 
 CANDIDATES = 1024  # = sampling_filters.PREFILTER_K: the widest top-k the sampler graphs serve
 SHORT_SORT = 128  # candidates copied and raced when enough of the nucleus fits in them
@@ -107,11 +107,14 @@ def _fit(counts, total, top_k, top_p, vocab, CAND: tl.constexpr, SMALL: tl.const
 
 
 @triton.jit
-def _scale_kernel(logits_ptr, seen_ptr, new_ptr, table_ptr, x_ptr, pmax_ptr, pid_ptr, psum_ptr, vocab, stride_l,
-                  stride_s, stride_t, MARK: tl.constexpr, SLICE: tl.constexpr):
+def _scale_kernel(logits_ptr, seen_ptr, new_ptr, rng_ptr, table_ptr, x_ptr, pmax_ptr, pid_ptr, psum_ptr, vocab,
+                  stride_l, stride_s, stride_t, MARK: tl.constexpr, SEEDED: tl.constexpr, SLICE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # row * vocab can pass 2**31 in a large batch
     part = tl.program_id(1)
     parts = tl.num_programs(1)
+    if SEEDED:  # one more draw under this seed: the later kernels key their noise by the count
+        if (row == 0) & (part == 0):
+            tl.store(rng_ptr + 1, tl.load(rng_ptr + 1) + 1)
     t = table_ptr + row * stride_t  # RowTable.columns: 1/T, penalty, 1/penalty, top_k, top_p, min_p, greedy, filtered
     inv_temp = tl.load(t)
     seen_factor = tl.load(t + 2) * inv_temp
@@ -207,9 +210,10 @@ def _rank_kernel(table_ptr, cand_ptr, count_ptr, sorted_ptr, stride_t, FILTERED:
 
 
 @triton.jit
-def _race_kernel(table_ptr, x_ptr, noise_ptr, pmax_ptr, pid_ptr, psum_ptr, sorted_ptr, count_ptr, ids_ptr, need_ptr,
-                 lse_ptr, pmin_ptr, top_p_ptr, top_k_ptr, vocab, parts, stride_t, stride_n, FILTERED: tl.constexpr,
-                 NB: tl.constexpr, BLOCK: tl.constexpr, PB: tl.constexpr, CAND: tl.constexpr, SMALL: tl.constexpr):
+def _race_kernel(table_ptr, x_ptr, noise_ptr, rng_ptr, pmax_ptr, pid_ptr, psum_ptr, sorted_ptr, count_ptr, ids_ptr,
+                 need_ptr, lse_ptr, pmin_ptr, top_p_ptr, top_k_ptr, vocab, parts, stride_t, stride_n,
+                 FILTERED: tl.constexpr, SEEDED: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr, PB: tl.constexpr,
+                 CAND: tl.constexpr, SMALL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # row * vocab can pass 2**31 in a large batch
     t = table_ptr + row * stride_t
     top, top_id, total = _row_top(pmax_ptr, pid_ptr, psum_ptr, row, parts, PB)
@@ -225,14 +229,14 @@ def _race_kernel(table_ptr, x_ptr, noise_ptr, pmax_ptr, pid_ptr, psum_ptr, sorte
     filtered = tl.load(t + 7) > 0
     noise_row = noise_ptr + row * stride_n
     if FILTERED:
-        _race_candidates(sorted_ptr, count_ptr, noise_row, ids_ptr, need_ptr, row, top, total, top_k, top_p, min_p,
-                         vocab, CAND, SMALL)
+        _race_candidates(sorted_ptr, count_ptr, noise_row, rng_ptr, ids_ptr, need_ptr, row, top, total, top_k, top_p,
+                         min_p, vocab, CAND, SMALL, SEEDED)
     elif greedy:
         tl.store(ids_ptr + row, top_id)
         tl.store(need_ptr + row, 0)
     elif filtered:
-        _race_candidates(sorted_ptr, count_ptr, noise_row, ids_ptr, need_ptr, row, top, total, top_k, top_p, min_p,
-                         vocab, CAND, SMALL)
+        _race_candidates(sorted_ptr, count_ptr, noise_row, rng_ptr, ids_ptr, need_ptr, row, top, total, top_k, top_p,
+                         min_p, vocab, CAND, SMALL, SEEDED)
     else:  # neither top-k nor top-p: race over the whole vocabulary (min-p applied), as race_full does
         lane_best = tl.full((BLOCK,), -2.0, tl.float32)
         lane_id = tl.zeros((BLOCK,), tl.int32)
@@ -240,7 +244,7 @@ def _race_kernel(table_ptr, x_ptr, noise_ptr, pmax_ptr, pid_ptr, psum_ptr, sorte
             offs = nb * BLOCK + tl.arange(0, BLOCK)
             inside = offs < vocab
             x = tl.load(x_ptr + row * vocab + offs, mask=inside, other=-float("inf"))
-            e = tl.load(noise_row + offs, mask=inside, other=1.0)
+            e = tl.load(noise_row + offs, mask=inside, other=1.0)  # never SEEDED (`sample_rows`)
             prob = tl.exp(x - top) / total
             prob = tl.where(prob < min_p * (1.0 / total), 0.0, prob)
             score = tl.where(inside, prob / e, -1.0)
@@ -253,21 +257,21 @@ def _race_kernel(table_ptr, x_ptr, noise_ptr, pmax_ptr, pid_ptr, psum_ptr, sorte
 
 
 @triton.jit
-def _race_candidates(sorted_ptr, count_ptr, noise_row, ids_ptr, need_ptr, row, top, total, top_k, top_p, min_p, vocab,
-                     CAND: tl.constexpr, SMALL: tl.constexpr):
+def _race_candidates(sorted_ptr, count_ptr, noise_row, rng_ptr, ids_ptr, need_ptr, row, top, total, top_k, top_p,
+                     min_p, vocab, CAND: tl.constexpr, SMALL: tl.constexpr, SEEDED: tl.constexpr):
     """The row's draw from its candidates, which `_rank_kernel` sorted (their count from `_gather_kernel`)."""
     count = tl.load(count_ptr + row)
     if count <= SMALL:
-        _race_sorted(sorted_ptr + row * CAND, noise_row, ids_ptr + row, need_ptr + row, count, top, total, top_k,
-                     top_p, min_p, vocab, SMALL)
+        _race_sorted(sorted_ptr + row * CAND, noise_row, rng_ptr, row, ids_ptr + row, need_ptr + row, count, top,
+                     total, top_k, top_p, min_p, vocab, SMALL, SEEDED)
     else:
-        _race_sorted(sorted_ptr + row * CAND, noise_row, ids_ptr + row, need_ptr + row, count, top, total, top_k,
-                     top_p, min_p, vocab, CAND)
+        _race_sorted(sorted_ptr + row * CAND, noise_row, rng_ptr, row, ids_ptr + row, need_ptr + row, count, top,
+                     total, top_k, top_p, min_p, vocab, CAND, SEEDED)
 
 
 @triton.jit
-def _race_sorted(cand_row, noise_row, id_ptr, need_ptr, count, top, total, top_k, top_p, min_p, vocab,
-                 N: tl.constexpr):
+def _race_sorted(cand_row, noise_row, rng_ptr, row, id_ptr, need_ptr, count, top, total, top_k, top_p, min_p, vocab,
+                 N: tl.constexpr, SEEDED: tl.constexpr):
     """Race the `count` (<= N) packed candidates, sorted descending, as `sampling_filters._race_prefiltered`."""
     ranks = tl.arange(0, N)
     valid = ranks < count
@@ -287,28 +291,37 @@ def _race_sorted(cand_row, noise_row, id_ptr, need_ptr, count, top, total, top_k
     cum_last = tl.sum(tl.where(last, cum, 0.0), axis=0)
     p_last = tl.sum(tl.where(last, p, 0.0), axis=0)
     covered = (has_top_k & (count.to(tl.float32) >= top_k)) | (cum_last >= top_p) | (p_last < min_p * p_first)
-    noise = tl.load(noise_row + ids, mask=valid, other=1.0)
+    noise = noise_at(noise_row, rng_ptr, row, ids, vocab, valid, SEEDED)
     best = tl.argmax(tl.where(keep, p / noise, -1.0), axis=0)
     tl.store(id_ptr, tl.sum(tl.where(ranks == best, ids, 0), axis=0))
     tl.store(need_ptr, (~covered).to(tl.int32))
 
 
-def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, noise: torch.Tensor,
+def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, noise: torch.Tensor | None,
                 filtered: bool = False, slice_: int = SLICE, num_warps: int | None = None, race_warps: int = 8,
                 rank: tuple[int, int, int] = (RANK_BLOCK, RANK_SWEEP, RANK_WARPS), *, new: torch.Tensor | None = None,
-                out: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor:
+                out: torch.Tensor | None = None, offset: int = 0, rng: torch.Tensor | None = None) -> torch.Tensor:
     """Ids [N] (columns of `logits`) drawn from float32 `logits` [N, V] as `sampling.sample_static`
     draws them: `table` [N, C] float32 `RowTable.columns` rows, `seen` [N, V] bool seen-token masks
     (contiguous rows), Exp(1) `noise` [N, V]; `filtered`: every row samples under top-k or top-p. Rows
     whose nucleus reaches past the candidates are redrawn over the whole vocabulary by `nucleus.nucleus_race_`.
     `new` (int64 [N]): flat indexes into `seen` (row * V + column; N * V or more: none) marked seen first.
     `out` (int64 [N]): where the ids go instead, each clamped into [0, V) and plus `offset`.
+    `rng` (int64 [2] on the device: seed, draws so far; `filtered` only) instead of `noise`: the noise is
+    philox's under the key seed + draws (`nucleus.exp_noise`), made where a kernel reads it, and the
+    call counts one more draw on the device.
     Six launches (`slice_` ids a program, more where a row would take over MAX_PARTS programs; `num_warps`
     each, None: 4 up to 2,048 ids, else 8; the race `race_warps`; the rank kernel's `rank`: candidates a
     program, candidates compared at a time, warps), no host sync (CUDA-graph capturable)."""
     rows, vocab = logits.shape
-    assert logits.stride(1) == 1 and seen.stride(1) == 1 and noise.stride(1) == 1 and table.stride(1) == 1
-    assert seen.shape == logits.shape and noise.shape == logits.shape and table.shape[0] == rows
+    assert logits.stride(1) == 1 and seen.stride(1) == 1 and table.stride(1) == 1
+    assert seen.shape == logits.shape and table.shape[0] == rows
+    if rng is None:
+        assert noise is not None and noise.shape == logits.shape and noise.stride(1) == 1
+    else:  # the noise of unfiltered rows, read over whole rows by one program, is better made by one launch
+        assert noise is None and filtered and rng.dtype == torch.int64 and rng.numel() == 2
+        assert rows * vocab < 2**31, "exp_noise counts a draw's elements in int32"
+        noise = logits  # a stand-in pointer, never read
     slice_ = max(slice_, triton.next_power_of_2(triton.cdiv(vocab, MAX_PARTS)))  # wide rows: wider slices
     parts = triton.cdiv(vocab, slice_)
     num_warps = num_warps or (4 if slice_ <= 2048 else 8)
@@ -327,8 +340,9 @@ def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, n
         return ids if out is None else out
     pb = triton.next_power_of_2(parts)
     assert seen.stride(0) == vocab or new is None, "marking needs the masks' rows back to back"
-    _scale_kernel[(rows, parts)](logits, seen.view(torch.uint8), seen if new is None else new, table, x, pmax, pid,
-                                 psum, vocab, logits.stride(0), seen.stride(0), table.stride(0), MARK=new is not None,
+    _scale_kernel[(rows, parts)](logits, seen.view(torch.uint8), seen if new is None else new,
+                                 table if rng is None else rng, table, x, pmax, pid, psum, vocab, logits.stride(0),
+                                 seen.stride(0), table.stride(0), MARK=new is not None, SEEDED=rng is not None,
                                  SLICE=slice_, num_warps=num_warps)
     consts = dict(FILTERED=filtered, SLICE=slice_, PB=pb, BINS=BINS, BIN_SCALE=BIN_SCALE, num_warps=num_warps)
     _count_kernel[(rows, parts)](table, x, pmax, counts, vocab, table.stride(0), **consts)
@@ -338,7 +352,9 @@ def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, n
     _rank_kernel[(rows, CANDIDATES // rank_block)](table, cand, count, ordered, table.stride(0), FILTERED=filtered,
                                                    CAND=CANDIDATES, RB=rank_block, RJ=rank_sweep, num_warps=rank_warps)
     block = min(triton.next_power_of_2(vocab), 4096)
-    _race_kernel[(rows,)](table, x, noise, pmax, pid, psum, ordered, count, ids, need, lse, pmin, top_p, top_k, vocab,
-                          parts, table.stride(0), noise.stride(0), FILTERED=filtered, NB=triton.cdiv(vocab, block),
-                          BLOCK=block, PB=pb, CAND=CANDIDATES, SMALL=SHORT_SORT, num_warps=race_warps)
-    return nucleus_race_(x, noise, ids, need, lse, top_p, pmin, top_k=top_k, out=out, offset=offset)
+    _race_kernel[(rows,)](table, x, noise, table if rng is None else rng, pmax, pid, psum, ordered, count, ids, need,
+                          lse, pmin, top_p, top_k, vocab, parts, table.stride(0), noise.stride(0), FILTERED=filtered,
+                          SEEDED=rng is not None, NB=triton.cdiv(vocab, block), BLOCK=block, PB=pb, CAND=CANDIDATES,
+                          SMALL=SHORT_SORT, num_warps=race_warps)
+    return nucleus_race_(x, None if rng is not None else noise, ids, need, lse, top_p, pmin, top_k=top_k, out=out,
+                         offset=offset, rng=rng)

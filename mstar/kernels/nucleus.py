@@ -35,6 +35,22 @@ def order_key(x):
 
 
 @triton.jit
+def exp_noise(key, row, cols, vocab):
+    """Exp(1) noise of row `row`, columns `cols` of a [rows, vocab] field under philox `key` (int64)."""
+    return -tl.log(tl.rand(key, (row * vocab + cols).to(tl.int32)))
+
+
+@triton.jit
+def noise_at(noise_row, rng_ptr, row, cols, vocab, mask, SEEDED: tl.constexpr):
+    """The draw's Exp(1) noise at `cols` of `row`: read from the row of a noise tensor, or (SEEDED) made by
+    `exp_noise` under the key seed + draws - 1 of `rng` (int64 [2]: seed, draws; the scale kernel of
+    `fused_sampling` advanced the count at the draw's start)."""
+    if SEEDED:
+        return exp_noise(tl.load(rng_ptr) + tl.load(rng_ptr + 1) - 1, row, cols, vocab)
+    return tl.load(noise_row + cols, mask=mask, other=1.0)
+
+
+@triton.jit
 def _bisect(x_ptr, lse, floor, bound, vocab, COUNT: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
             NS: tl.constexpr, PASSES: tl.constexpr):
     """The least key c with f(c) < bound, f(c) = the mass (COUNT: the number) of the row's tokens
@@ -61,9 +77,9 @@ def _bisect(x_ptr, lse, floor, bound, vocab, COUNT: tl.constexpr, NB: tl.constex
     return hi
 
 @triton.jit
-def nucleus_race(x_ptr, noise_ptr, ids_ptr, need_ptr, lse_ptr, top_p_ptr, pmin_ptr, top_k_ptr, out_ptr, offset, vocab,
-                 stride_x, stride_n, HAS_TOP_K: tl.constexpr, OUT: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
-                 NS: tl.constexpr, PASSES: tl.constexpr):
+def nucleus_race(x_ptr, noise_ptr, rng_ptr, ids_ptr, need_ptr, lse_ptr, top_p_ptr, pmin_ptr, top_k_ptr, out_ptr, offset,
+                 vocab, stride_x, stride_n, HAS_TOP_K: tl.constexpr, OUT: tl.constexpr, SEEDED: tl.constexpr,
+                 NB: tl.constexpr, BLOCK: tl.constexpr, NS: tl.constexpr, PASSES: tl.constexpr):
     row = tl.program_id(0)
     if tl.load(need_ptr + row) == 0:
         if OUT:
@@ -94,7 +110,7 @@ def nucleus_race(x_ptr, noise_ptr, ids_ptr, need_ptr, lse_ptr, top_p_ptr, pmin_p
         offs = start + tl.arange(0, BLOCK)
         inside = offs < vocab
         x = tl.load(x_ptr + row * stride_x + offs, mask=inside, other=-float("inf"))
-        e = tl.load(noise_ptr + row * stride_n + offs, mask=inside, other=1.0)
+        e = noise_at(noise_ptr + row * stride_n, rng_ptr, row, offs, vocab, inside, SEEDED)
         p = tl.exp(x - lse)
         keep = inside & (order_key(x) >= hi) & (p >= pmin)
         score = tl.where(keep, p / e, -1.0)
@@ -114,23 +130,27 @@ def _finish(out_ptr, column, offset, vocab):
 
 
 
-def nucleus_race_(x: torch.Tensor, noise: torch.Tensor, ids: torch.Tensor, need: torch.Tensor, lse: torch.Tensor,
-                  top_p: torch.Tensor, pmin: torch.Tensor, top_k: torch.Tensor | None = None, block: int = 1024,
-                  splits: int = 16, passes: int = 10, out: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor:
+def nucleus_race_(x: torch.Tensor, noise: torch.Tensor | None, ids: torch.Tensor, need: torch.Tensor,
+                  lse: torch.Tensor, top_p: torch.Tensor, pmin: torch.Tensor, top_k: torch.Tensor | None = None,
+                  block: int = 1024, splits: int = 16, passes: int = 10, out: torch.Tensor | None = None,
+                  offset: int = 0, rng: torch.Tensor | None = None) -> torch.Tensor:
     """Overwrite `ids[i]` (int64 [N]) for the rows with `need[i]` by the exact nucleus draw over `x`
-    [N, V] float32 with Exp(1) `noise` [N, V]; `lse` [N] = logsumexp of x, `top_p` [N] (>= 1: off),
-    `pmin` [N] = min_p times the top probability, `top_k` [N] float32 (V: off; top-p then takes its
-    fraction of the top k's mass; tokens tied with the k-th are kept with it). Returns `ids`, written in
-    place, with no host sync; with `out` (int64 [N]), every row's id also goes there clamped into [0, V)
-    plus `offset`, and `out` is returned."""
-    assert x.dtype == torch.float32 and x.stride(1) == 1 and noise.stride(1) == 1 and ids.dtype == torch.long
+    [N, V] float32 with Exp(1) `noise` [N, V] (or, with `rng`, the noise `noise_at` makes); `lse` [N] =
+    logsumexp of x, `top_p` [N] (>= 1: off), `pmin` [N] = min_p times the top probability, `top_k` [N]
+    float32 (V: off; top-p then takes its fraction of the top k's mass; tokens tied with the k-th are kept
+    with it). Returns `ids`, written in place, with no host sync; with `out` (int64 [N]), every row's id
+    also goes there clamped into [0, V) plus `offset`, and `out` is returned."""
+    assert x.dtype == torch.float32 and x.stride(1) == 1 and ids.dtype == torch.long
+    assert (noise is None) != (rng is None) and (noise is None or noise.stride(1) == 1)
     assert out is None or (out.dtype == torch.long and out.shape == ids.shape and out.is_contiguous())
     top_p = top_p.float().contiguous()
-    nucleus_race[(x.shape[0],)](x, noise, ids, need.to(torch.int32), lse.float().contiguous(), top_p,
-                             pmin.float().contiguous(), top_p if top_k is None else top_k.float().contiguous(),
-                             ids if out is None else out, offset, x.shape[1], x.stride(0), noise.stride(0),
-                             HAS_TOP_K=top_k is not None, OUT=out is not None, NB=-(-x.shape[1] // block),
-                             BLOCK=block, NS=splits, PASSES=passes)
+    noise = x if noise is None else noise  # not read with rng
+    nucleus_race[(x.shape[0],)](x, noise, x if rng is None else rng, ids, need.to(torch.int32),
+                             lse.float().contiguous(), top_p, pmin.float().contiguous(),
+                             top_p if top_k is None else top_k.float().contiguous(), ids if out is None else out,
+                             offset, x.shape[1], x.stride(0), noise.stride(0), HAS_TOP_K=top_k is not None,
+                             OUT=out is not None, SEEDED=rng is not None, NB=-(-x.shape[1] // block), BLOCK=block,
+                             NS=splits, PASSES=passes)
     return ids if out is None else out
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import mstar.engines.sampling_filters as filters
 from mstar.engines.sampling import SamplingParams, SamplingRow, sample
 from mstar.engines.sampling_graph import SamplerGraphs
-from mstar.kernels.nucleus import nucleus_race_
+from mstar.kernels.nucleus import exp_noise, nucleus_race_
 
 VOCAB = 156_940
 
@@ -72,6 +74,36 @@ def test_sampler_graphs_draw_inside_the_nucleus_without_syncs():
     assert bool(inside.gather(1, draws.T).all())
     assert all(len(set(draws[:, i].tolist())) > 1 for i in range(5)), "40 draws from a wide nucleus never varied"
     assert sampler.replays == 41
+
+
+@triton.jit
+def _noise_field(out_ptr, key, vocab, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + row * vocab + cols, exp_noise(key, row, cols, vocab), mask=cols < vocab)
+
+
+def test_filtered_sampler_graphs_draw_with_the_seeded_noise():
+    """The filtered graphs make their noise in the kernels (philox under seed + draws, no generator in the
+    graph): each replay draws what `sample_rows` draws with that noise written out, and counts one draw."""
+    from mstar.kernels.fused_sampling import sample_rows
+
+    vocab = 28_680
+    params = SamplingParams(temperature=0.6, top_p=0.8)  # no penalty: the masks are not read
+    sampler = SamplerGraphs([1, 2, 4], torch.device("cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    logits = torch.randn(3, vocab, device="cuda", generator=gen) * torch.tensor([2.0, 1.0, 0.2], device="cuda")[:, None]
+    rows = [SamplingRow(params, list(range(i, i + 20)), 10, cache={}) for i in range(3)]
+    sampler(logits, rows)  # captures
+    table = filters.RowTable.columns(rows, vocab).cuda()
+    seen = torch.zeros(3, vocab, dtype=torch.bool, device="cuda")
+    for _ in range(4):
+        seed, draws = sampler.noise_state.tolist()
+        field = torch.empty(3, vocab, device="cuda")
+        _noise_field[(3, triton.cdiv(vocab, 1024))](field, seed + draws, vocab, BLOCK=1024)
+        got = sampler(logits, rows).tolist()
+        assert sampler.noise_state.tolist() == [seed, draws + 1]
+        assert got == sample_rows(logits, table, seen, field, True).tolist()
 
 
 def test_filtered_static_draw_equals_general_on_cuda():

@@ -5,10 +5,13 @@ candidates), flat ones (left to the whole-vocabulary bisection, top-k rows too),
 for all-filtered batches (prints "fused sampling ok")."""
 
 import torch
+import triton
+import triton.language as tl
 
 import mstar.engines.sampling_filters as filters
 from mstar.engines.sampling import SamplingParams, SamplingRow, sample_static
 from mstar.kernels.fused_sampling import CANDIDATES, RANK_BLOCK, RANK_SWEEP, _rank_kernel, sample_rows
+from mstar.kernels.nucleus import exp_noise
 
 MIXED = [SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3), SamplingParams(temperature=0.0),
          SamplingParams(top_k=7, temperature=0.7), SamplingParams(top_k=12, top_p=0.9, repetition_penalty=1.2),
@@ -83,8 +86,42 @@ check(MIXED, 600, 2.0, 0, False)  # peaked: every filtered row is covered by the
 check(MIXED, 3000, 0.4, 1, False)  # flat: top-p rows reach past the 1,024 candidates
 check(FILTERED, 1500, 2.5, 2, True)
 check([SamplingParams(top_k=40), SamplingParams(top_k=5, top_p=0.5)], 1500, 1e-4, 3, True)  # a flat top-k
+@triton.jit
+def _field(out_ptr, key, vocab, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + row * vocab + cols, exp_noise(key, row, cols, vocab), mask=cols < vocab)
+
+
+def noise_field(key: int, rows: int, vocab: int) -> torch.Tensor:
+    """The Exp(1) noise a seeded draw under `key` reads, written out."""
+    out = torch.empty(rows, vocab)
+    _field[(rows, triton.cdiv(vocab, 512))](out, key, vocab, BLOCK=512)
+    return out
+
+
+def seeded(params: list[SamplingParams], vocab: int, scale: float) -> None:
+    """With `rng` (seed, draws) the draw equals one with the noise field of key seed + draws written out; each
+    call counts one draw on the device and so keys the next with the next key. Peaked rows race their
+    candidates; flat rows (scale 0.4) are left to the whole-vocabulary fallback, which makes the same noise."""
+    gen = torch.Generator().manual_seed(8)
+    rows = [SamplingRow(p, torch.randint(0, vocab, (30,), generator=gen).tolist(), 10) for p in params]
+    logits = torch.randn(len(rows), vocab, generator=gen) * scale
+    table = filters.RowTable.columns(rows, vocab)
+    seen = filters.seen_masks(rows, vocab, logits.device)
+    rng = torch.tensor([123_456_789_012, 0])
+    for draw in range(2):
+        expected = sample_rows(logits, table, seen, noise_field(123_456_789_012 + draw, len(rows), vocab), True)
+        assert sample_rows(logits, table, seen, None, True, rng=rng).tolist() == expected.tolist(), (vocab, draw)
+        assert rng.tolist() == [123_456_789_012, draw + 1]
+    field = noise_field(5, 1, 50_000)[0]  # Exp(1): mean 1, P(e > 1) = 1/e (both within ~4.5 standard errors)
+    assert abs(field.mean().item() - 1) < 0.02 and abs((field > 1).float().mean().item() - 0.3679) < 0.01
+
+
 # Orpheus's defaults over a 4,096-id window of logits as flat as dummy weights give: hundreds of candidates
 check([FILTERED[0]] * 2, 6000, 1.1, 4, True, live=4096)
 ranked([1, 63, 64, 65, 700, 1024])
 marked_and_finished()
+seeded(FILTERED, 600, 2.0)
+seeded(FILTERED[:1], 3000, 0.4)
 print("fused sampling ok")
