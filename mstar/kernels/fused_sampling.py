@@ -21,13 +21,18 @@ one program each (28 for Orpheus's head), so a step's walks over the row run on 
 5. `_race_kernel`, one program per row: the normaliser from the slices' sums, then the prefilter race of
    `sampling_filters` runs over the sorted candidates: top-k by rank,
    top-p on the cumulative mass (over the full normaliser, or the top k's), min-p against the top
-   probability, argmax(p / E) with the caller's Exp(1) noise E. Greedy rows take the first max; rows with
+   probability, argmax(p / E) with Exp(1) noise E. Greedy rows take the first max; rows with
    neither top-k nor top-p race over the whole row.
 A row whose nucleus may reach past the candidates (flat logits: the candidates' mass is under top_p, or
 fewer than top_k fit) is flagged and left to `nucleus.nucleus_race_`, the exact whole-vocabulary
-bisection, which exits at once for every other row.
+bisection, which exits at once for every other row (and, given `out`, finishes every row's id there).
 
-On an H200 (`benchmarks/sampler_micro.py`, graph-timed `sample_static`): 17.3 / 18.9 / 28.1 µs at batch 1 / 4 /
+The noise is the caller's tensor, or (`rng`, filtered batches) philox's under a seed plus a draw count
+that the scale kernel advances on the device, made only where the race and the fallback read it: no
+noise launch, and no PyTorch generator in a CUDA graph (whose replay would first refresh its state).
+
+On an H200 (`benchmarks/sampler_micro.py`, graph-timed `sample_static`, before the rank kernel; the kernels'
+times a step in Orpheus's decode are in docs/benchmarks.md, stop 29): 17.3 / 18.9 / 28.1 µs at batch 1 / 4 /
 16 over Orpheus's 28,680-id window, where one program per row took 56 / 58 / 62 (its walks 2 and 3 were
 20 µs each on one SM: the histogram's shared-memory atomics and the copy's block-wide scan); 29 µs at
 batch 1 over Qwen's 151,936 ids, against 120 in the PyTorch form.
