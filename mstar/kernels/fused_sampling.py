@@ -11,7 +11,7 @@ one program each (28 for Orpheus's head), so a step's walks over the row run on 
    (max - x) * BIN_SCALE;
 3. `_gather_kernel`: from all slices' counts (the same in every program), choose the bins nearest the
    max to copy: as many whole bins as fit in CANDIDATES, or, where bins whose smallest possible mass
-   already reaches top_p (and at least top_k ids) hold at most SHORT_SORT ids, only those; each slice
+   already reaches top_p (and at least top_k ids) hold at most FEW_CANDIDATES ids, only those; each slice
    copies its ids of them, as keys packing the float's order-preserving integer image over the
    complement of the id, at the offset the slices before it fill (no atomics: the buffer's order is the
    ids' order, as one program would write it); the first program stores the row's candidate count;
@@ -47,7 +47,7 @@ import triton.language as tl
 from mstar.kernels.nucleus import noise_at, nucleus_race_, order_key
 
 CANDIDATES = 1024  # = sampling_filters.PREFILTER_K: the widest top-k the sampler graphs serve
-SHORT_SORT = 128  # candidates copied and raced when enough of the nucleus fits in them
+FEW_CANDIDATES = 128  # candidates copied and raced when enough of the nucleus fits in them
 BINS = 256  # bins of the distance below the max ...
 BIN_SCALE = 8.0  # ... 1/8 of a logit wide: the last bin holds everything 32 or more below the max
 RANK_BLOCK = 8  # candidates a program of `_rank_kernel` places ...
@@ -99,7 +99,7 @@ def _fit(counts, total, top_k, top_p, vocab, CAND: tl.constexpr, SMALL: tl.const
          BIN_SCALE: tl.constexpr):
     """How many bins nearest the max are candidates (never the last, catch-all bin). Enough of them: bins
     whose smallest possible mass already reaches top_p, and at least top_k ids; if those fit in SMALL, only
-    they are copied (a short sort), else as many bins as fit in CAND."""
+    they are copied (a short race), else as many bins as fit in CAND."""
     cum_counts = tl.cumsum(counts, axis=0)
     fit = tl.minimum(tl.sum((cum_counts <= CAND).to(tl.int32), axis=0), BINS - 1)
     bin_floor = tl.exp(-(tl.arange(0, BINS) + 1).to(tl.float32) / BIN_SCALE)  # e = exp(x - max) above it
@@ -352,7 +352,7 @@ def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, n
     consts = dict(FILTERED=filtered, SLICE=slice_, PB=pb, BINS=BINS, BIN_SCALE=BIN_SCALE, num_warps=num_warps)
     _count_kernel[(rows, parts)](table, x, pmax, counts, vocab, table.stride(0), **consts)
     _gather_kernel[(rows, parts)](table, x, pmax, pid, psum, counts, cand, count, vocab, table.stride(0),
-                                  CAND=CANDIDATES, SMALL=SHORT_SORT, **consts)
+                                  CAND=CANDIDATES, SMALL=FEW_CANDIDATES, **consts)
     rank_block, rank_sweep, rank_warps = rank
     _rank_kernel[(rows, CANDIDATES // rank_block)](table, cand, count, ordered, table.stride(0), FILTERED=filtered,
                                                    CAND=CANDIDATES, RB=rank_block, RJ=rank_sweep, num_warps=rank_warps)
@@ -360,6 +360,6 @@ def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, n
     _race_kernel[(rows,)](table, x, noise, table if rng is None else rng, pmax, pid, psum, ordered, count, ids, need,
                           lse, pmin, top_p, top_k, vocab, parts, table.stride(0), noise.stride(0), FILTERED=filtered,
                           SEEDED=rng is not None, NB=triton.cdiv(vocab, block), BLOCK=block, PB=pb, CAND=CANDIDATES,
-                          SMALL=SHORT_SORT, num_warps=race_warps)
+                          SMALL=FEW_CANDIDATES, num_warps=race_warps)
     return nucleus_race_(x, None if rng is not None else noise, ids, need, lse, top_p, pmin, top_k=top_k, out=out,
                          offset=offset, rng=rng)
