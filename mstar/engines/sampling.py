@@ -254,8 +254,9 @@ def _fused_sample(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor,
                   offset: int = 0, rng: torch.Tensor | None = None) -> torch.Tensor:
     from mstar.kernels.fused_sampling import sample_rows
 
-    return sample_rows(logits.float().contiguous(), table.contiguous(), seen if new is not None else seen.contiguous(),
-                       noise, filtered, new=new, out=out, offset=offset, rng=rng)
+    # `new` comes only with contiguous masks, which contiguous() returns as they are (the kernels mark them)
+    return sample_rows(logits.float().contiguous(), table.contiguous(), seen.contiguous(), noise, filtered, new=new,
+                       out=out, offset=offset, rng=rng)
 
 
 def _processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow], table: RowTable,

@@ -326,7 +326,6 @@ def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, n
     else:  # the noise of unfiltered rows, read over whole rows by one program, is better made by one launch
         assert noise is None and filtered and rng.dtype == torch.int64 and rng.numel() == 2
         assert rows * vocab < 2**31, "exp_noise counts a draw's elements in int32"
-        noise = logits  # a stand-in pointer, never read
     slice_ = max(slice_, triton.next_power_of_2(triton.cdiv(vocab, MAX_PARTS)))  # wide rows: wider slices
     parts = triton.cdiv(vocab, slice_)
     num_warps = num_warps or (4 if slice_ <= 2048 else 8)
@@ -357,9 +356,9 @@ def sample_rows(logits: torch.Tensor, table: torch.Tensor, seen: torch.Tensor, n
     _rank_kernel[(rows, CANDIDATES // rank_block)](table, cand, count, ordered, table.stride(0), FILTERED=filtered,
                                                    CAND=CANDIDATES, RB=rank_block, RJ=rank_sweep, num_warps=rank_warps)
     block = min(triton.next_power_of_2(vocab), 4096)
-    _race_kernel[(rows,)](table, x, noise, table if rng is None else rng, pmax, pid, psum, ordered, count, ids, need,
-                          lse, pmin, top_p, top_k, vocab, parts, table.stride(0), noise.stride(0), FILTERED=filtered,
+    noise_in = logits if noise is None else noise  # with rng: a stand-in pointer, never read
+    _race_kernel[(rows,)](table, x, noise_in, table if rng is None else rng, pmax, pid, psum, ordered, count, ids, need,
+                          lse, pmin, top_p, top_k, vocab, parts, table.stride(0), noise_in.stride(0), FILTERED=filtered,
                           SEEDED=rng is not None, NB=triton.cdiv(vocab, block), BLOCK=block, PB=pb, CAND=CANDIDATES,
                           SMALL=FEW_CANDIDATES, num_warps=race_warps)
-    return nucleus_race_(x, None if rng is not None else noise, ids, need, lse, top_p, pmin, top_k=top_k, out=out,
-                         offset=offset, rng=rng)
+    return nucleus_race_(x, noise, ids, need, lse, top_p, pmin, top_k=top_k, out=out, offset=offset, rng=rng)
