@@ -85,7 +85,10 @@ class CausalLM(Protocol):
     over the columns and hands back token ids; ids outside the window are never sampled. Both are
     fixed once the engine is built (its CUDA graphs capture at that width).
     A model may also define `supports_cuda_graphs() -> bool`; when it returns False the engine runs
-    decode eagerly (e.g. a MoE whose expert path syncs the host for this dtype).
+    decode eagerly (e.g. a MoE whose expert path syncs the host for this dtype). A `compute_logits`
+    taking an `out` argument (float32 [N, width]) may write the logits there and return it; the engine's
+    decode graphs then pass the rows of the buffer their sampler reads, and copy only what comes back
+    elsewhere.
     """
 
     kv_layout: KVLayout

@@ -80,14 +80,20 @@ def fits(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def window_logits(hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor, windows: LogitWindows,
-                  block_n: int = 8, block_k: int = 1024, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                  block_n: int = 8, block_k: int = 1024, num_warps: int = 4, num_stages: int = 2,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """float32 logits [M, weight rows] of `hidden` [M, K] (`fits`) over each row's window (module
-    docstring) in one launch; `input_ids` [M] (on hidden's device) picks the windows. The default launch
-    config was the fastest at 1 and 2 rows of Orpheus' head and within 2 us of the best at 4 and 6
-    (`benchmarks/window_head_micro.py`)."""
+    docstring) in one launch; `input_ids` [M] (on hidden's device) picks the windows. Written into `out`
+    when given (float32 [M, weight rows], unit column stride: e.g. rows of a buffer a sampler graph
+    reads, saving the copy into it). The default launch config was the fastest at 1 and 2 rows of
+    Orpheus' head and within 2 us of the best at 4 and 6 (`benchmarks/window_head_micro.py`)."""
     m, k = hidden.shape
     columns = weight.shape[0]
-    out = torch.empty((m, columns), dtype=torch.float32, device=hidden.device)
+    if out is None:
+        out = torch.empty((m, columns), dtype=torch.float32, device=hidden.device)
+    elif out.shape != (m, columns) or out.dtype != torch.float32 or out.stride(1) != 1 or out.device != hidden.device:
+        raise ValueError(f"window_logits: out must be float32 [{m}, {columns}] of unit column stride on "
+                         f"{hidden.device}, got {out.dtype} {tuple(out.shape)} stride {out.stride()} on {out.device}")
     programs = triton.cdiv(windows.width + len(windows.always), block_n)
     _window_head_kernel[(programs, m)](
         hidden, weight, input_ids, windows.starts, windows.always_tensor, out, k, columns,

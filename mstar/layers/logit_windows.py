@@ -53,15 +53,16 @@ class LogitWindows:
 
 
 def head_logits(hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.Tensor,
-                windows: LogitWindows) -> torch.Tensor:
+                windows: LogitWindows, out: torch.Tensor | None = None) -> torch.Tensor:
     """float32 logits [M, weight rows] of hidden [M, K] over `weight` [columns, K], each row scored on the
     window of its input token (`input_ids` [M], on hidden's device) and the `always` columns, -inf
-    elsewhere."""
+    elsewhere. `out` (float32 [M, weight rows]): where the fused kernel writes them when it serves the
+    rows; a hint, the returned tensor is the logits either way."""
     if FUSED.ops_for(hidden) is not None:
         from mstar.kernels import window_head
 
         if window_head.fits(hidden, weight):
-            return window_head.window_logits(hidden, weight, input_ids, windows)
+            return window_head.window_logits(hidden, weight, input_ids, windows, out=out)
     return masked_window_logits(linear_weight(hidden, weight).float(), input_ids, windows)
 
 

@@ -27,9 +27,11 @@ def test_window_head_equals_the_masked_head_at_orpheus_shape(rows):
     torch.cuda.synchronize()
     want = masked_window_logits(torch.nn.functional.linear(hidden.float(), weight.float()), ids, windows)
     eager = window_head.window_logits(hidden, weight, ids, windows)
+    buffer = torch.full((8, hi - lo), 7.0, device=DEVICE)  # rows of a sampler's logits buffer, as the decode graphs pass
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static = window_head.window_logits(hidden, weight, ids, windows)
+        into = window_head.window_logits(hidden, weight, ids, windows, out=buffer[:rows])
     graph.replay()
     torch.cuda.synchronize()
     finite = ~torch.isinf(want)
@@ -37,4 +39,5 @@ def test_window_head_equals_the_masked_head_at_orpheus_shape(rows):
     for got in (eager, static):
         assert torch.equal(torch.isinf(got), ~finite)
         torch.testing.assert_close(got[finite], want[finite], atol=2e-3, rtol=2e-3)
-    assert torch.equal(eager, static)
+    assert torch.equal(eager, static) and torch.equal(into, static) and into.data_ptr() == buffer.data_ptr()
+    assert bool((buffer[rows:] == 7.0).all())

@@ -142,3 +142,37 @@ def test_resumed_seeded_sequence_skips_draws_of_the_window_width(models):
     resumed.inputs[CONTEXT_PORT] = torch.tensor(prompt)
     rest = _run(engine(), [resumed])["a"]
     assert whole[5:] == rest and set(whole) <= SPEAKABLE
+
+
+class WindowIntoLM(WindowLM):
+    """WindowLM writing its logits into the buffer the engine passes (`CausalLM`: `out`), as the window
+    head kernel does for the decode graphs' `logits_out`."""
+
+    def __init__(self):
+        super().__init__()
+        self.written_into = 0
+
+    def compute_logits(self, hidden, input_ids=None, out=None):
+        logits = _window_logits(self, hidden)
+        if out is None:
+            return logits
+        self.written_into += 1
+        return out.copy_(logits)
+
+
+def test_a_head_writing_into_the_sampler_graphs_logits_gives_the_same_tokens(models, monkeypatch):
+    """The decode graphs hand the head the rows of `logits_out` (the sampler graphs' input) and take what it
+    wrote there without a copy: penalised greedy as the full -inf logits give it, and Orpheus' sampled
+    defaults (one global seed) as the head that returns its own tensor gives them."""
+    window, masked = models
+    items = _items([("p", PENALISED)])
+    into = WindowIntoLM()
+    engine = graphed(into, monkeypatch)
+    assert _run(engine, items) == _run(make_engine(masked), items)
+    assert into.written_into > 5 and engine.runner.graphs.calls > 5
+    items = _items([("s", SAMPLED)])
+    runs = []
+    for model in (window, WindowIntoLM()):
+        torch.manual_seed(0)
+        runs.append(_run(graphed(model, monkeypatch), items))
+    assert runs[0] == runs[1] and len(set().union(*runs[0].values())) > 5

@@ -27,6 +27,21 @@ def check(rows: int, k: int, dtype: torch.dtype, block_n: int, block_k: int) -> 
     torch.testing.assert_close(got[finite], want[finite], atol=1e-2 if dtype != torch.float32 else 1e-4, rtol=1e-2)
     # the layer picks the kernel here (the interpreter serves CPU tensors) and gives the same logits
     assert torch.equal(head_logits(hidden, weight, ids, windows), window_head.window_logits(hidden, weight, ids, windows))
+    # into the first rows of a larger buffer (a sampler's logits rows): every column written, nothing past them
+    buffer = torch.full((rows + 2, columns), 7.0)
+    into = window_head.window_logits(hidden, weight, ids, windows, block_n=block_n, block_k=block_k,
+                                     out=buffer[:rows])
+    assert into.data_ptr() == buffer.data_ptr() and torch.equal(into, got)
+    assert torch.equal(buffer[rows:], torch.full((2, columns), 7.0))
+    buffer[:rows] = 7.0  # and the layer hands `out` on to the kernel
+    assert head_logits(hidden, weight, ids, windows, out=buffer[:rows]).data_ptr() == buffer.data_ptr()
+    assert torch.equal(buffer[:rows], head_logits(hidden, weight, ids, windows))
+    try:
+        window_head.window_logits(hidden, weight, ids, windows, out=buffer[:rows, :-1])
+    except ValueError as exc:
+        assert "out must be float32" in str(exc)
+    else:
+        raise AssertionError("a narrower out was taken")
 
 
 if __name__ == "__main__":

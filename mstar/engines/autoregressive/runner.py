@@ -8,6 +8,7 @@ small index tensors and one graph launch, instead of launching every kernel of t
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import torch
@@ -113,6 +114,8 @@ class ModelRunner:
         self.logits_out: torch.Tensor | None = None
         self.ids_copies = 0  # lookahead forwards whose ids had to be copied in (not sampled in place)
         self._graph_rows = 0  # the largest decode graph's rows (logits_out holds that many)
+        # whether compute_logits can write into logits_out itself (`CausalLM`), saving a copy a step
+        self._head_takes_out = "out" in inspect.signature(model.compute_logits).parameters
         self._eager_forward = model.forward  # plain steps that replay no graph; compiled on request
         if graphs is not None and graphs.compile_eager:
             try:
@@ -147,7 +150,12 @@ class ModelRunner:
         """What a decode graph captures: the rows' logits, float32 ones in `logits_out`. Logits only: a
         greedy batch takes its argmax after the replay; inside the graph it would cost every sampled step
         a wasted pass over the logits (~10 us at Orpheus's 28,680 ids on an H200)."""
-        logits = self.model.compute_logits(self.model.forward(input_ids, positions, self.attn), input_ids)
+        hidden = self.model.forward(input_ids, positions, self.attn)
+        out = self.logits_out  # None at the first warm-up call, which makes it
+        if self._head_takes_out and out is not None and out.device == hidden.device:
+            logits = self.model.compute_logits(hidden, input_ids, out=out[: hidden.shape[0]])
+        else:
+            logits = self.model.compute_logits(hidden, input_ids)
         return self._into_logits_out(logits, self._graph_rows)
 
     def _into_logits_out(self, logits: torch.Tensor, rows: int) -> torch.Tensor:
@@ -161,7 +169,8 @@ class ModelRunner:
             with torch.inference_mode(False):  # a normal tensor: the sampler copies other logits into it
                 out = self.logits_out = torch.zeros(rows, logits.shape[1], dtype=torch.float32, device=logits.device)
         out = out[: logits.shape[0]]
-        out.copy_(logits)
+        if logits.data_ptr() != out.data_ptr():  # not written in place by the head
+            out.copy_(logits)
         return out
 
     @property

@@ -155,10 +155,12 @@ class LlamaForCausalLM(nn.Module):
         """Columns of the logits (`CausalLM`): the span's width, the vocabulary without a span."""
         return self.config.vocab_size if self.logit_span is None else self.logit_span[1] - self.logit_span[0]
 
-    def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, logit_width] of ids logit_offset.. (the whole vocabulary,
         or `restrict_logits`' span with its blocked ids -inf, and, with windows, -inf outside the window
-        each row's input token, `input_ids` [N], picks)."""
+        each row's input token, `input_ids` [N], picks). `out` (float32 [N, logit_width]): where the
+        window head writes them when it serves the rows (`CausalLM`: a hint; check what is returned)."""
         if self.logit_span is None:
             return linear(hidden, self.lm_head).float()
         lo, hi = self.logit_span
@@ -167,7 +169,8 @@ class LlamaForCausalLM(nn.Module):
         if self.logit_windows is not None:
             if input_ids is None:
                 raise ValueError("compute_logits: this head scores per-row windows; pass the rows' input_ids")
-            return head_logits(hidden, weight, input_ids, self.logit_windows)  # blocked ids lie outside them
+            # blocked ids lie outside the windows
+            return head_logits(hidden, weight, input_ids, self.logit_windows, out=out)
         logits = linear_weight(hidden, weight).float()
         if self.blocked_ids is not None:
             a, b = self.blocked_ids
