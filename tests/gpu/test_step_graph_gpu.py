@@ -61,6 +61,35 @@ def test_external_event_fires_mid_graph():
     done.synchronize()
 
 
+def test_external_event_on_a_branch_fires_while_the_main_line_runs():
+    """As a step graph captures it: the ids copied out and the event recorded on a side stream forked after
+    the draw and joined at the end, while the main line runs on (a long sleep); the host reads the ids
+    before the graph ends, every replay."""
+    ids = torch.arange(8, dtype=torch.long, device=DEVICE)
+    host_out = torch.zeros(8, dtype=torch.long).pin_memory()
+    drawn, done = torch.cuda.Event(external=True), torch.cuda.Event()
+    side = torch.cuda.Stream()
+    copy_words([(ids, host_out)])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        main = torch.cuda.current_stream()
+        ids.add_(10)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            copy_words([(ids, host_out)])
+            drawn.record()
+        torch.cuda._sleep(200_000_000)  # ~0.1 s at H200 clocks
+        main.wait_stream(side)
+    for round_ in range(2):
+        graph.replay()
+        done.record()
+        drawn.synchronize()
+        assert not done.query(), f"the event waited for the whole graph (replay {round_})"
+        assert host_out.tolist() == list(range(10 * (round_ + 1), 10 * (round_ + 1) + 8))
+        done.synchronize()
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
