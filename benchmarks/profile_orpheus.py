@@ -19,7 +19,9 @@ With `--timeline`, each case runs once more (150 tokens per request) under torch
 stream's GPU timeline is cut into steps at the decode forward's first kernel (the embedding gather):
 per step the median time, the forward's span (its first kernel's start to its last GEMV's end), and
 what runs between one forward's end and the next one's start (each op's median gap before it and
-duration), with the side streams' busy time per step.
+duration), with the side streams' busy time per step; and the forward's kernels by name and grid (calls,
+time, and "advance": how far each moves the span's end past the kernels before it, so the advances of
+a step add up to its span even where Programmatic Dependent Launch overlaps the kernels).
 
 With `--kernels N`, each case then runs once more (150 tokens per request) under torch.profiler and
 lists the N kernels (inside CUDA graphs too) with the most GPU time per LM step, so the GPU time of a
@@ -194,9 +196,14 @@ def step_timeline(m, rec: Recorder, concurrency: int, tokens: int = 150) -> dict
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text())["traceEvents"]
     out = analyze_timeline(events)
-    sys.stdout.write(f"concurrency {concurrency} timeline: {json.dumps({k: v for k, v in out.items() if k != 'between_ops'})}\n")
+    sys.stdout.write(f"concurrency {concurrency} timeline: "
+                     f"{json.dumps({k: v for k, v in out.items() if k not in ('between_ops', 'forward_ops')})}\n")
     for op in out["between_ops"]:
         sys.stdout.write(f"  gap {op['gap_us']:7.2f} us  dur {op['dur_us']:7.2f} us  {op['name']}\n")
+    sys.stdout.write("  forward kernels per step (advance = what each adds to the span past the kernels before it):\n")
+    for op in out["forward_ops"]:
+        sys.stdout.write(f"  advance {op['advance_us']:8.2f} us  dur {op['dur_us']:8.2f} us  {op['calls']:6.2f}x  "
+                         f"{op['kernel']}\n")
     return out
 
 
@@ -211,6 +218,7 @@ def analyze_timeline(events: list[dict]) -> dict:
     others = sorted((e for s, es in streams.items() if s != lm for e in es), key=lambda e: e["ts"])
     starts = [i for i, e in enumerate(ops) if all(part in e["name"] for part in FORWARD_FIRST)]
     steps, spans, betweens, side, sequences = [], [], [], [], defaultdict(list)
+    forward: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # kernel -> calls, dur, advance
     for a, b in zip(starts, starts[1:]):
         window = ops[a:b]
         t0, t1 = window[0]["ts"], ops[b]["ts"]
@@ -224,6 +232,13 @@ def analyze_timeline(events: list[dict]) -> dict:
         betweens.append(t1 - end)
         side.append(sum(min(e["ts"] + e["dur"], t1) - max(e["ts"], t0) for e in others
                         if e["ts"] < t1 and e["ts"] + e["dur"] > t0))
+        prev = t0
+        for e in window[:last + 1]:  # what each forward kernel adds to the span past the ones before it
+            entry = forward[f"{e['name'][:60]} grid {e.get('args', {}).get('grid')}"]
+            entry[0] += 1
+            entry[1] += e["dur"]
+            entry[2] += max(0.0, e["ts"] + e["dur"] - prev)
+            prev = max(prev, e["ts"] + e["dur"])
         tail, prev = [], end
         for e in window[last + 1:]:
             tail.append((e["name"][:70], e["ts"] - prev, e["dur"]))
@@ -233,9 +248,14 @@ def analyze_timeline(events: list[dict]) -> dict:
     common = max(sequences.values(), key=len) if sequences else []
     between_ops = [{"name": name, "gap_us": _median([t[i][1] for t in common]), "dur_us": _median([t[i][2] for t in common])}
                    for i, (name, _, _) in enumerate(common[0])] if common else []
+    n = max(len(steps), 1)
+    forward_ops = [{"kernel": name, "calls": round(calls / n, 2), "dur_us": round(dur / n, 2),
+                    "advance_us": round(advance / n, 2)}
+                   for name, (calls, dur, advance) in sorted(forward.items(), key=lambda kv: -kv[1][2])]
     return {"steps": len(steps), "step_us_p50": _median(steps), "forward_span_us_p50": _median(spans),
            "between_us_p50": _median(betweens), "side_streams_busy_us_per_step_p50": _median(side),
-           "steps_with_the_common_sequence": len(common), "between_ops": between_ops}
+           "steps_with_the_common_sequence": len(common), "between_ops": between_ops,
+           "forward_ops": forward_ops}
 
 
 def run_case(m, rec: Recorder, concurrency: int, tokens: int) -> dict:
