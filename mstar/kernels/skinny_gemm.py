@@ -294,8 +294,8 @@ def skinny_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w
     """(rms_norm(x + residual) @ weight[N, K].T + bias, x + residual) for x [M, K], M <= GEMV_MAX_M.
 
     Equals `skinny_linear(*fused_ops.rms_norm(x, norm_weight, eps, residual), ...)` up to the summation
-    order of the sum of squares (the normed row is rounded to x's dtype at the same points) in one
-    launch. Without `residual` the second result is None. `config` (block_m <= 4) overrides
+    order of the sum of squares and, without split-K, the rounding of the normed row (`kernels/gemv.py`)
+    in one launch. Without `residual` the second result is None. `config` (block_m <= 4) overrides
     `pick_norm_config`.
     """
     m, k = x.shape
