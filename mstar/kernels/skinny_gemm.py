@@ -108,8 +108,10 @@ TUNED_SILU_DOWN: dict[tuple[int, int, int], SkinnyConfig] = {
     (2, 3072, 8192): SkinnyConfig(block_m=2, block_n=4, block_k=2048, split_k=1, num_warps=8, num_stages=2, fold_k=8),
     (4, 3072, 8192): SkinnyConfig(block_m=4, block_n=16, block_k=1024, split_k=1, num_warps=4, num_stages=2, fold_k=8),
 }
-# The same for skinny_norm_linear (RMSNorm folded into the x-load), keyed by (M bucket, N, K); empty
-# until swept: such shapes use the plain GEMV's config (`pick_config`).
+# The same for skinny_norm_linear (RMSNorm folded into the x-load), keyed by (M bucket, N, K); empty:
+# such shapes use the plain GEMV's config (`pick_config`). `benchmarks/norm_gemv_micro.py` found block_n=8
+# best for the fold at one row, but with it the engine's timing still kept the norm kernel + GEMV and
+# the served figures did not move (docs/benchmarks.md, stop 30), so no entry is kept.
 TUNED_NORM: dict[tuple[int, int, int], SkinnyConfig] = {}
 
 
