@@ -158,32 +158,32 @@ def _folded(prod, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD_K: tl.const
 
 
 @triton.jit
+def _late_row(acc, ss, w, x_ptrs, k, k_mask, r_ptrs, nw_ptrs, o_ptrs, store, HAS_RES: tl.constexpr,
+              EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD_K: tl.constexpr):
+    """One row's LATE_NORM step: acc += (h * norm weight) * w (folded), ss += h * h."""
+    x, sq = _load_x_late(x_ptrs, k, k_mask, r_ptrs, nw_ptrs, o_ptrs, store, HAS_RES, EVEN_K)
+    return acc + _folded(x * w, BLOCK_N, BLOCK_K, FOLD_K), ss + sq
+
+
+@triton.jit
 def _fma_rows_late(acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, w, k, k_mask, x_ptrs, r_ptrs, nw_ptrs, o_ptrs, M,
                    stride_xm, stride_rm, K, first, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD_K: tl.constexpr):
-    """`_fma_rows` for LATE_NORM: acc_m += (h_m * norm weight) * w and ss_m += h_m * h_m (rows past M repeat
-    row M - 1 and store nothing)."""
+    """`_fma_rows` for LATE_NORM (`_late_row` per row of x; rows past M repeat row M - 1 and store nothing)."""
     w = w.to(tl.float32)
-    x, sq = _load_x_late(x_ptrs, k, k_mask, r_ptrs, nw_ptrs, o_ptrs, first, HAS_RES, EVEN_K)
-    acc0 += _folded(x * w, BLOCK_N, BLOCK_K, FOLD_K)
-    ss0 += sq
+    acc0, ss0 = _late_row(acc0, ss0, w, x_ptrs, k, k_mask, r_ptrs, nw_ptrs, o_ptrs, first, HAS_RES, EVEN_K,
+                          BLOCK_N, BLOCK_K, FOLD_K)
     if BLOCK_M > 1:
         m = tl.minimum(1, M - 1)
-        x, sq = _load_x_late(x_ptrs + m * stride_xm, k, k_mask, r_ptrs + m * stride_rm, nw_ptrs, o_ptrs + m * K,
-                             first & (M > 1), HAS_RES, EVEN_K)
-        acc1 += _folded(x * w, BLOCK_N, BLOCK_K, FOLD_K)
-        ss1 += sq
+        acc1, ss1 = _late_row(acc1, ss1, w, x_ptrs + m * stride_xm, k, k_mask, r_ptrs + m * stride_rm, nw_ptrs,
+                              o_ptrs + m * K, first & (M > 1), HAS_RES, EVEN_K, BLOCK_N, BLOCK_K, FOLD_K)
     if BLOCK_M > 2:
         m = tl.minimum(2, M - 1)
-        x, sq = _load_x_late(x_ptrs + m * stride_xm, k, k_mask, r_ptrs + m * stride_rm, nw_ptrs, o_ptrs + m * K,
-                             first & (M > 2), HAS_RES, EVEN_K)
-        acc2 += _folded(x * w, BLOCK_N, BLOCK_K, FOLD_K)
-        ss2 += sq
+        acc2, ss2 = _late_row(acc2, ss2, w, x_ptrs + m * stride_xm, k, k_mask, r_ptrs + m * stride_rm, nw_ptrs,
+                              o_ptrs + m * K, first & (M > 2), HAS_RES, EVEN_K, BLOCK_N, BLOCK_K, FOLD_K)
         m = tl.minimum(3, M - 1)
-        x, sq = _load_x_late(x_ptrs + m * stride_xm, k, k_mask, r_ptrs + m * stride_rm, nw_ptrs, o_ptrs + m * K,
-                             first & (M > 3), HAS_RES, EVEN_K)
-        acc3 += _folded(x * w, BLOCK_N, BLOCK_K, FOLD_K)
-        ss3 += sq
+        acc3, ss3 = _late_row(acc3, ss3, w, x_ptrs + m * stride_xm, k, k_mask, r_ptrs + m * stride_rm, nw_ptrs,
+                              o_ptrs + m * K, first & (M > 3), HAS_RES, EVEN_K, BLOCK_N, BLOCK_K, FOLD_K)
     return acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3
 
 
