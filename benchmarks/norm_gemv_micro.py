@@ -3,8 +3,8 @@
 For the two projections a Llama decoder layer's norms feed (qkv: 5,120 x 3,072; gate_up: 16,384 x 3,072
 at Orpheus-3B's shape), bf16, at M rows: the (residual add +) RMSNorm kernel followed by the GEMV the
 engine would pick (`skinny_linear` at its tuned config, or F.linear where that is faster), and the
-folded GEMV over a grid of launch configs. Without split-K the fold sums the squares in its loop and
-scales the finished sums (`kernels/gemv.py` LATE_NORM); a split config computes 1/rms before its loop.
+folded GEMV over a grid of launch configs. (Its committed result was made with a variant of the fold,
+since taken back, that summed the squares in the GEMV's loop: docs/benchmarks.md, stop 30.)
 Every figure is `mstar.kernels.timing.graph_time_us` (calls captured back to back in a CUDA graph,
 each reading its own weight copy), as the engine times the choice when it starts. Measures, asserts
 nothing. Needs a CUDA GPU.
@@ -35,7 +35,7 @@ SHAPES = {"qkv": (5120, 3072), "gate_up": (16384, 3072)}
 
 def configs(m: int) -> list[SkinnyConfig]:
     """The grid: wider tiles (fewer programs re-reading x, the residual and the norm weight), warps,
-    stages, and a split-K config (1/rms before the loop)."""
+    stages, and a split-K config."""
     bm = m_bucket(m)
     grid = [SkinnyConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
             for bn, bk, w, s in itertools.product((2, 4, 8, 16), (1024, 512), (4, 8), (1, 2))

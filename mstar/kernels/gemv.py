@@ -17,14 +17,10 @@ reproducible), and it is CUDA-graph capturable (no host sync, no data-dependent 
 
 `gated=True` reads x as the [M, 2K] output of a gate_up projection and computes
 silu(gate) * up in the x-load, rounded like `fused_ops.silu_and_mul`, which it replaces.
-`norm=(weight, eps)` likewise folds the preceding (residual add +) RMSNorm into the x-load and
-replaces `fused_ops.rms_norm` and its launch; the first program writes x + residual (the residual
-stream) once. Without split-K (LATE_NORM) each program sums the squares of x (+ residual) as its loop
-loads them, multiplies by the norm weight only, and scales its finished dot products by the row's
-1/rms: no pass before the loop, and equal to the norm kernel's result up to where the normed row is
-rounded (it is not rounded to x's dtype here). With split-K, where a program sees part of K, each
-program first computes its rows' 1/rms over all of K (x is a few KB, read from L2) and scales x as it
-loads it, rounded where `fused_ops.rms_norm` rounds.
+`norm=(weight, eps)` likewise folds the preceding (residual add +) RMSNorm into the x-load: each
+program first computes its rows' 1/rms over all of K (x is a few KB, read from L2), then scales x as
+it loads it; the first program writes x + residual (the residual stream) once. It replaces
+`fused_ops.rms_norm` and its launch.
 
 PDL (sm_90+, `mstar.kernels.pdl`): every program lets the next kernel launch at its start and loads
 its first weight tile (weights are complete before a step starts) before `pdl_wait`; only after the
@@ -75,28 +71,6 @@ def _load_x(x_ptrs, k, gate_offset, mask, r_ptrs, nw_ptrs, inv, GATED: tl.conste
         normed = (x.to(tl.float32) * inv).to(x.dtype).to(tl.float32)
         x = (normed * nw.to(tl.float32)).to(x.dtype)
     return x.to(tl.float32)
-
-
-@triton.jit
-def _load_x_late(x_ptrs, k, mask, r_ptrs, nw_ptrs, o_ptrs, store, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr):
-    """LATE_NORM's x-load: (h * norm weight, h * h) in fp32 for h = x (+ r) rounded to x's dtype, the row's
-    1/rms applied to the finished dot products instead; h stored at `o_ptrs` (the residual stream) where
-    `store`."""
-    if EVEN_K:
-        x = tl.load(x_ptrs + k)
-        nw = tl.load(nw_ptrs + k)
-    else:
-        x = tl.load(x_ptrs + k, mask=mask, other=0.0)
-        nw = tl.load(nw_ptrs + k, mask=mask, other=0.0)
-    if HAS_RES:
-        if EVEN_K:
-            r = tl.load(r_ptrs + k)
-        else:
-            r = tl.load(r_ptrs + k, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded like `x + r` in torch
-        tl.store(o_ptrs + k, x, mask=mask & store)
-    h = x.to(tl.float32)
-    return h * nw.to(tl.float32), h * h
 
 
 @triton.jit
@@ -158,36 +132,6 @@ def _folded(prod, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD_K: tl.const
 
 
 @triton.jit
-def _late_row(acc, ss, w, x_ptrs, k, k_mask, r_ptrs, nw_ptrs, o_ptrs, store, HAS_RES: tl.constexpr,
-              EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD_K: tl.constexpr):
-    """One row's LATE_NORM step: acc += (h * norm weight) * w (folded), ss += h * h."""
-    x, sq = _load_x_late(x_ptrs, k, k_mask, r_ptrs, nw_ptrs, o_ptrs, store, HAS_RES, EVEN_K)
-    return acc + _folded(x * w, BLOCK_N, BLOCK_K, FOLD_K), ss + sq
-
-
-@triton.jit
-def _fma_rows_late(acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, w, k, k_mask, x_ptrs, r_ptrs, nw_ptrs, o_ptrs, M,
-                   stride_xm, stride_rm, K, first, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD_K: tl.constexpr):
-    """`_fma_rows` for LATE_NORM (`_late_row` per row of x; rows past M repeat row M - 1 and store nothing)."""
-    w = w.to(tl.float32)
-    acc0, ss0 = _late_row(acc0, ss0, w, x_ptrs, k, k_mask, r_ptrs, nw_ptrs, o_ptrs, first, HAS_RES, EVEN_K,
-                          BLOCK_N, BLOCK_K, FOLD_K)
-    if BLOCK_M > 1:
-        m = tl.minimum(1, M - 1)
-        acc1, ss1 = _late_row(acc1, ss1, w, x_ptrs + m * stride_xm, k, k_mask, r_ptrs + m * stride_rm, nw_ptrs,
-                              o_ptrs + m * K, first & (M > 1), HAS_RES, EVEN_K, BLOCK_N, BLOCK_K, FOLD_K)
-    if BLOCK_M > 2:
-        m = tl.minimum(2, M - 1)
-        acc2, ss2 = _late_row(acc2, ss2, w, x_ptrs + m * stride_xm, k, k_mask, r_ptrs + m * stride_rm, nw_ptrs,
-                              o_ptrs + m * K, first & (M > 2), HAS_RES, EVEN_K, BLOCK_N, BLOCK_K, FOLD_K)
-        m = tl.minimum(3, M - 1)
-        acc3, ss3 = _late_row(acc3, ss3, w, x_ptrs + m * stride_xm, k, k_mask, r_ptrs + m * stride_rm, nw_ptrs,
-                              o_ptrs + m * K, first & (M > 3), HAS_RES, EVEN_K, BLOCK_N, BLOCK_K, FOLD_K)
-    return acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3
-
-
-@triton.jit
 def _fma_rows(acc0, acc1, acc2, acc3, w, k, k_mask, x_ptrs, r_ptrs, nw_ptrs, M, stride_xm, stride_rm, gate_offset,
               inv0, inv1, inv2, inv3, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
               EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -217,7 +161,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, 
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
                  SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, K_ITERS: tl.constexpr, K_CHUNKS: tl.constexpr,
                  BROADCAST_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 FOLD_K: tl.constexpr, LATE_NORM: tl.constexpr, PDL: tl.constexpr):
+                 FOLD_K: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -244,10 +188,9 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, 
         offs = (rn * 0)[:, None] + rk[None, :]
     x_ptrs, r_ptrs, nw_ptrs = x_ptr + offs, r_ptr + offs, nw_ptr + offs
     # NORM: the rows' 1/rms over the whole of K first (rows past M repeat row M - 1); the first program
-    # also writes x + r, the residual stream, once. LATE_NORM (a program that walks the whole of K) sums
-    # the squares in the loop instead and scales the finished dot products by 1/rms.
+    # also writes x + r, the residual stream, once.
     inv0, inv1, inv2, inv3 = 1.0, 1.0, 1.0, 1.0
-    if NORM and not LATE_NORM:
+    if NORM:
         inv0, inv1, inv2, inv3 = _rows_inv_rms(x_ptr, r_ptr, res_out_ptr, M, K, stride_xm, stride_rm, eps,
                                                (pid_n == 0) & (pid_k == 0), HAS_RES, K_CHUNKS, BLOCK_M, BLOCK_K)
     # One [BLOCK_N, BLOCK_K // FOLD_K] accumulator per row of x (rows past M repeat row M - 1, never stored).
@@ -255,52 +198,23 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, 
     acc1 = tl.zeros((BLOCK_N, BLOCK_K // FOLD_K), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K // FOLD_K), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_K // FOLD_K), dtype=tl.float32)
-    if LATE_NORM:
-        # sums of squares in x's layout ([1, BLOCK_K] broadcast, else weight-shaped with equal rows)
-        o_ptrs = res_out_ptr + offs
-        first = pid_n == 0
-        ss0 = tl.zeros((1 if BROADCAST_X else BLOCK_N, BLOCK_K), dtype=tl.float32)
-        ss1 = tl.zeros((1 if BROADCAST_X else BLOCK_N, BLOCK_K), dtype=tl.float32)
-        ss2 = tl.zeros((1 if BROADCAST_X else BLOCK_N, BLOCK_K), dtype=tl.float32)
-        ss3 = tl.zeros((1 if BROADCAST_X else BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = _fma_rows_late(
-            acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, w_first, k_start, first_mask, x_ptrs, r_ptrs, nw_ptrs, o_ptrs,
-            M, stride_xm, stride_rm, K, first, HAS_RES, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, FOLD_K)
-        for i in range(1, K_ITERS):
-            k = k_start + i * BLOCK_K
-            k_mask = ((k + rk) < K)[None, :]
-            w = _load_w(w_ptrs, k, k_mask, EVEN_K)
-            acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3 = _fma_rows_late(
-                acc0, acc1, acc2, acc3, ss0, ss1, ss2, ss3, w, k, k_mask, x_ptrs, r_ptrs, nw_ptrs, o_ptrs, M,
-                stride_xm, stride_rm, K, first, HAS_RES, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, FOLD_K)
-        inv0 = 1.0 / tl.sqrt(tl.sum(ss0, axis=1) / K + eps)  # [1] or [BLOCK_N] (equal values)
-        inv1 = 1.0 / tl.sqrt(tl.sum(ss1, axis=1) / K + eps)
-        inv2 = 1.0 / tl.sqrt(tl.sum(ss2, axis=1) / K + eps)
-        inv3 = 1.0 / tl.sqrt(tl.sum(ss3, axis=1) / K + eps)
-    else:
-        acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w_first, k_start, first_mask, x_ptrs, r_ptrs,
-                                           nw_ptrs, M, stride_xm, stride_rm, gate_offset, inv0, inv1, inv2, inv3, GATED,
-                                           NORM, HAS_RES, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, FOLD_K)
-        for i in range(1, K_ITERS):
-            k = k_start + i * BLOCK_K
-            k_mask = ((k + rk) < K)[None, :]
-            w = _load_w(w_ptrs, k, k_mask, EVEN_K)
-            acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w, k, k_mask, x_ptrs, r_ptrs, nw_ptrs, M,
-                                               stride_xm, stride_rm, gate_offset, inv0, inv1, inv2, inv3, GATED, NORM,
-                                               HAS_RES, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, FOLD_K)
+    acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w_first, k_start, first_mask, x_ptrs, r_ptrs, nw_ptrs,
+                                       M, stride_xm, stride_rm, gate_offset, inv0, inv1, inv2, inv3, GATED, NORM,
+                                       HAS_RES, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, FOLD_K)
+    for i in range(1, K_ITERS):
+        k = k_start + i * BLOCK_K
+        k_mask = ((k + rk) < K)[None, :]
+        w = _load_w(w_ptrs, k, k_mask, EVEN_K)
+        acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w, k, k_mask, x_ptrs, r_ptrs, nw_ptrs, M,
+                                           stride_xm, stride_rm, gate_offset, inv0, inv1, inv2, inv3, GATED, NORM,
+                                           HAS_RES, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, FOLD_K)
     # The only cross-thread reductions, once per row after the loop; rows gathered into [BLOCK_M, BLOCK_N].
-    sum0 = tl.sum(acc0, axis=1)
-    sum1 = tl.sum(acc1, axis=1)
-    sum2 = tl.sum(acc2, axis=1)
-    sum3 = tl.sum(acc3, axis=1)
-    if LATE_NORM:
-        sum0, sum1, sum2, sum3 = sum0 * inv0, sum1 * inv1, sum2 * inv2, sum3 * inv3
-    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) + sum0[None, :]
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) + tl.sum(acc0, axis=1)[None, :]
     if BLOCK_M > 1:
-        part = tl.where(rm[:, None] == 1, sum1[None, :], part)
+        part = tl.where(rm[:, None] == 1, tl.sum(acc1, axis=1)[None, :], part)
     if BLOCK_M > 2:
-        part = tl.where(rm[:, None] == 2, sum2[None, :], part)
-        part = tl.where(rm[:, None] == 3, sum3[None, :], part)
+        part = tl.where(rm[:, None] == 2, tl.sum(acc2, axis=1)[None, :], part)
+        part = tl.where(rm[:, None] == 3, tl.sum(acc3, axis=1)[None, :], part)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     out_ptrs = out_ptr + rm[:, None] * N + rn[None, :]
     if SPLIT_K == 1:
@@ -347,7 +261,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block
     M <= block_m <= MAX_M. Output in x's dtype, accumulated in fp32, bit-reproducible; inputs are
     checked by the caller (`skinny_gemm`). `split_k` is an upper bound: each split keeps whole
     BLOCK_K chunks. `norm` = (norm weight [K], eps) multiplies by rms_norm(x + residual) instead of x
-    (module docstring: where it is rounded), and x + residual is written to `residual_out` [M, K]
+    (rounded like `fused_ops.rms_norm`), and x + residual is written to `residual_out` [M, K]
     (contiguous) when a residual is given. Not with `gated`. `fold_k` (`SkinnyConfig` checks it) sums
     groups of that many products along K inside each thread every chunk, so the accumulators take
     fold_k times fewer registers (more rows of x per program at the same register budget).
@@ -371,8 +285,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block
         SPLIT_K=split, EVEN_K=split * k_per_split == k, K_ITERS=k_per_split // block_k,
         K_CHUNKS=triton.cdiv(k, block_k),
         BROADCAST_X=block_k >= 16 // x.element_size() * 32 * num_warps,  # 16-byte loads by every thread
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FOLD_K=fold_k, LATE_NORM=norm is not None and split == 1,
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FOLD_K=fold_k, num_warps=num_warps,
+        num_stages=num_stages,
         **pdl_args(x.device),
     )
     return out

@@ -110,8 +110,8 @@ TUNED_SILU_DOWN: dict[tuple[int, int, int], SkinnyConfig] = {
 }
 # The same for skinny_norm_linear (RMSNorm folded into the x-load), keyed by (M bucket, N, K); empty:
 # such shapes use the plain GEMV's config (`pick_config`). `benchmarks/norm_gemv_micro.py` found block_n=8
-# best for the fold at one row, but with it the engine's timing still kept the norm kernel + GEMV and
-# the served figures did not move (docs/benchmarks.md, stop 30), so no entry is kept.
+# best for a variant of the fold at one row, but with it the engine's timing still kept the norm kernel +
+# GEMV and the served figures did not move (docs/benchmarks.md, stop 30), so no entry is kept.
 TUNED_NORM: dict[tuple[int, int, int], SkinnyConfig] = {}
 
 
@@ -296,8 +296,8 @@ def skinny_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w
     """(rms_norm(x + residual) @ weight[N, K].T + bias, x + residual) for x [M, K], M <= GEMV_MAX_M.
 
     Equals `skinny_linear(*fused_ops.rms_norm(x, norm_weight, eps, residual), ...)` up to the summation
-    order of the sum of squares and, without split-K, the rounding of the normed row (`kernels/gemv.py`)
-    in one launch. Without `residual` the second result is None. `config` (block_m <= 4) overrides
+    order of the sum of squares (the normed row is rounded to x's dtype at the same points) in one
+    launch. Without `residual` the second result is None. `config` (block_m <= 4) overrides
     `pick_norm_config`.
     """
     m, k = x.shape

@@ -97,7 +97,6 @@ def check_norm_gemv(dtype: torch.dtype) -> None:
     k, n = 200, 21
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
     # (M, BLOCK_K, SPLIT_K): ragged K, x through weight-shaped pointers (32, 64) or broadcast (1024), split-K
-    # (1/rms first) or not (squares summed in the loop, 1/rms applied to the sums: LATE_NORM)
     cases = [(1, 32, 1), (2, 64, 2), (3, 1024, 1), (4, 32, 3), (4, 64, 1)]
     for i, (m, block_k, split) in enumerate(cases):
         x, r = torch.randn(m, k).to(dtype), torch.randn(m, k).to(dtype)
