@@ -3,11 +3,14 @@
 For each batch size, the graph of `OrpheusVocoder.decode_windows` (full-size SNAC 24 kHz, random
 weights, float32 as served) is replayed `--replays` times between two CUDA events; the figure is
 microseconds per replay, with the fused SNAC kernels (`kernels/snac_ops.py`, as served) and in
-PyTorch's form (`--form torch`). `--kernels` also counts the kernels of one replay and lists the
+PyTorch's form (`--form torch`), for a window decoding all four frames (`whole`) and one decoding only the
+frame an ordinary window emits (`kept`: samples 2048:4096, each decoder block on the span they depend on, as
+served since stop 31); `--emit` picks. `--kernels` also counts the kernels of one replay and lists the
 costliest, from torch.profiler.
 
     python3 benchmarks/snac_micro.py                          # H200: batches 1 4 8 16, both forms
     python3 benchmarks/snac_micro.py --batch 1 --kernels 12   # where one window's time goes
+    python3 benchmarks/snac_micro.py --form fused --emit both # whole window against the kept frame
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ from mstar.models.orpheus.tokens import FRAME, OrpheusTokens  # noqa: E402
 from mstar.models.orpheus.vocoder import WINDOW_FRAMES, OrpheusVocoder  # noqa: E402
 from mstar.models.orpheus.weights import load_snac  # noqa: E402
 
+PLANS = {"whole": (WINDOW_FRAMES, 0, WINDOW_FRAMES), "kept": (WINDOW_FRAMES, 1, 2)}  # (frames, emit from, to)
 
-def build(fused: bool, sizes: tuple[int, ...], device: torch.device) -> OrpheusVocoder:
+
+def build(fused: bool, sizes: tuple[int, ...], device: torch.device, plans: list[tuple[int, int, int]]) -> OrpheusVocoder:
     tokens = OrpheusTokens()
     vocoder = OrpheusVocoder(load_snac(SnacConfig(), None, device), tokens).to(device)
     with fused_kernels(fused):
-        vocoder.capture_graphs(sizes, frames=(WINDOW_FRAMES,))
+        vocoder.capture_graphs(sizes, plans=tuple(plans))
     return vocoder
 
 
@@ -47,8 +52,8 @@ def window_batch(batch: int, tokens: OrpheusTokens, device: torch.device) -> tup
     return ids.to(device), torch.arange(batch, device=device) * 3
 
 
-def time_replays(vocoder: OrpheusVocoder, batch: int, replays: int) -> float:
-    graphs = vocoder.graphs[WINDOW_FRAMES]
+def time_replays(vocoder: OrpheusVocoder, plan: tuple[int, int, int], batch: int, replays: int) -> float:
+    graphs = vocoder.graphs[plan]
     ids, first = window_batch(batch, vocoder.tokens, vocoder.noise_table.device)
     for _ in range(3):
         graphs(ids, first)
@@ -62,10 +67,10 @@ def time_replays(vocoder: OrpheusVocoder, batch: int, replays: int) -> float:
     return start.elapsed_time(end) * 1e3 / replays
 
 
-def kernels(vocoder: OrpheusVocoder, batch: int, top: int) -> dict:
+def kernels(vocoder: OrpheusVocoder, plan: tuple[int, int, int], batch: int, top: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    graphs = vocoder.graphs[WINDOW_FRAMES]
+    graphs = vocoder.graphs[plan]
     ids, first = window_batch(batch, vocoder.tokens, vocoder.noise_table.device)
     graphs(ids, first)
     torch.cuda.synchronize()
@@ -87,6 +92,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--form", choices=["fused", "torch", "both"], default="both")
+    parser.add_argument("--emit", choices=["whole", "kept", "both"], default="both")
     parser.add_argument("--replays", type=int, default=200)
     parser.add_argument("--kernels", type=int, default=0, metavar="N", help="also list one replay's N costliest kernels")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/snac_micro_h200.json"))
@@ -97,21 +103,23 @@ def main() -> None:
     modes = {"torch": [False], "fused": [True], "both": [False, True]}[args.form]
     sizes = tuple(sorted(set(args.batch)))
     results = {}
+    emits = ["whole", "kept"] if args.emit == "both" else [args.emit]
     for fused in modes:
         started = time.perf_counter()
-        vocoder = build(fused, sizes, device)
-        name = "fused" if fused else "torch"
-        entry = {"build_s": round(time.perf_counter() - started, 1), "us_per_replay": {}}
-        for b in sizes:
-            entry["us_per_replay"][b] = round(time_replays(vocoder, b, args.replays), 1)
-            sys.stdout.write(f"{name:9} batch {b:3}: {entry['us_per_replay'][b]:9.1f} us per 4-frame window batch\n")
-        if args.kernels:
-            entry["kernels"] = {b: kernels(vocoder, b, args.kernels) for b in sizes}
-            for b, k in entry["kernels"].items():
-                sys.stdout.write(f"{name:9} batch {b:3}: {k['launches']} launches, {k['kernel_us']} us of kernels\n")
-                for row in k["top"]:
-                    sys.stdout.write(f"    {row['us']:8.1f} us {row['calls']:4}x {row['kernel'][:110]}\n")
-        results[name] = entry
+        vocoder = build(fused, sizes, device, [PLANS[e] for e in emits])
+        for emit in emits:
+            name = ("fused" if fused else "torch") + "/" + emit
+            entry = {"build_s": round(time.perf_counter() - started, 1), "us_per_replay": {}}
+            for b in sizes:
+                entry["us_per_replay"][b] = round(time_replays(vocoder, PLANS[emit], b, args.replays), 1)
+                sys.stdout.write(f"{name:12} batch {b:3}: {entry['us_per_replay'][b]:9.1f} us per 4-frame window batch\n")
+            if args.kernels:
+                entry["kernels"] = {b: kernels(vocoder, PLANS[emit], b, args.kernels) for b in sizes}
+                for b, k in entry["kernels"].items():
+                    sys.stdout.write(f"{name:12} batch {b:3}: {k['launches']} launches, {k['kernel_us']} us of kernels\n")
+                    for row in k["top"]:
+                        sys.stdout.write(f"    {row['us']:8.1f} us {row['calls']:4}x {row['kernel'][:110]}\n")
+            results[name] = entry
         del vocoder
         torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps({"command": "python3 " + " ".join(sys.argv),

@@ -20,6 +20,7 @@ around an eager convolutional component).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -170,7 +171,9 @@ class BatchGraphs:
 
 
 def _name(fn: GraphFn) -> str:
-    """What a log line calls a captured function: its owner's class and its name."""
+    """What a log line calls a captured function: its owner's class and its name (a partial's function's)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
     owner = getattr(fn, "__self__", None)
     name = getattr(fn, "__qualname__", None) or repr(fn)
     return f"{type(owner).__name__}.{fn.__name__}" if owner is not None else name

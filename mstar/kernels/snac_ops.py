@@ -18,9 +18,9 @@ below replaces a run of PyTorch ops of `mstar/models/orpheus/snac.py`:
   fold: out[n] = bias + g[tap r of step j] + g[tap r + stride of step j - 1], (j, r) = divmod(n + padding,
   stride). cuDNN's own kernel for the first upsampling (1024 -> 512 channels, 16 steps) was a slow
   generic one.
-- `table_noise(x, lin, table, first_frame, steps, snake_alpha)`: x + table[(first_frame * steps + t) % N] *
-  lin, a noise block reading its noise from the fixed table (vocoder.py) instead of a gathered copy (and,
-  with `snake_alpha`, the first residual unit's Snake of it).
+- `table_noise(x, lin, table, first_frame, steps, snake_alpha, offset)`: x + table[(first_frame * steps +
+  offset + t) % N] * lin, a noise block reading its noise from the fixed table (vocoder.py) instead of a
+  gathered copy (and, with `snake_alpha`, the first residual unit's Snake of it).
 - `conv_out(x_snaked, weight, bias)`: tanh(conv(x_snaked)) to one channel, the decoder's last conv and tanh
   (its Snake written by the last residual unit), all channels of a block of steps in one program.
 - `sum_codes(codes, tables, strides)`: the quantizer: each level's code looked up in its projected
@@ -101,13 +101,13 @@ def _fold_kernel(g_ptr, b_ptr, out_ptr, n_channels, in_steps, out_steps, stride,
 
 @triton.jit
 def _table_noise_kernel(x_ptr, lin_ptr, table_ptr, first_ptr, a_ptr, out_ptr, snaked_ptr, n_channels, n_steps,
-                        steps_per_frame, table_len, eps, SNAKE: tl.constexpr, BLOCK: tl.constexpr):
+                        steps_per_frame, offset, table_len, eps, SNAKE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     batch = row // n_channels
     steps = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = steps < n_steps
     offsets = row.to(tl.int64) * n_steps + steps
-    start = tl.load(first_ptr + batch).to(tl.int64) * steps_per_frame
+    start = tl.load(first_ptr + batch).to(tl.int64) * steps_per_frame + offset
     noise = tl.load(table_ptr + (start + steps) % table_len, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     lin = tl.load(lin_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -234,9 +234,11 @@ def transposed_conv(x: torch.Tensor, gemm_weight: torch.Tensor, bias: torch.Tens
 
 
 def table_noise(x: torch.Tensor, lin: torch.Tensor, table: torch.Tensor, first_frame: torch.Tensor,
-                steps_per_frame: int, snake_alpha: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x + noise * lin, noise[b, t] = table[(first_frame[b] * steps_per_frame + t) % len(table)]; with
-    `snake_alpha` also Snake(alpha) of the result. (result, its Snake or None)."""
+                steps_per_frame: int, snake_alpha: torch.Tensor | None = None,
+                offset: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x + noise * lin, noise[b, t] = table[(first_frame[b] * steps_per_frame + offset + t) % len(table)]; with
+    `snake_alpha` also Snake(alpha) of the result; `offset`: the window step x's first step is (x a span of a
+    longer window). (result, its Snake or None)."""
     batch, channels, steps = _check(x)
     if lin.shape != x.shape or not lin.is_contiguous() or table.dim() != 1 or first_frame.numel() != batch:
         raise ValueError(f"lin {tuple(lin.shape)}, table {tuple(table.shape)}, first_frame of {first_frame.numel()} "
@@ -245,7 +247,7 @@ def table_noise(x: torch.Tensor, lin: torch.Tensor, table: torch.Tensor, first_f
     block = _block(steps)
     _table_noise_kernel[(batch * channels, triton.cdiv(steps, block))](
         x, lin, table, first_frame, snake_alpha if snake_alpha is not None else table, out, snaked, channels, steps,
-        steps_per_frame, table.numel(), EPS, SNAKE=snake_alpha is not None, BLOCK=block, num_warps=4)
+        steps_per_frame, offset, table.numel(), EPS, SNAKE=snake_alpha is not None, BLOCK=block, num_warps=4)
     return out, (snaked if snake_alpha is not None else None)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -138,9 +140,20 @@ def test_fused_snac_kernels_equal_the_torch_form_on_cuda(cuda):
             reference = vocoder.decode_windows(ids, first)
         graphs = BatchGraphs(vocoder.decode_windows, (4,), [((4 * FRAME,), torch.long), ((), torch.long)], cuda)
         (replayed,) = graphs(ids, first)
+        # an ordinary window's kept frame alone (each block on its span), eagerly and from a graph
+        kept = vocoder.decode_windows(ids, first, (1, 2))
+        with fused_kernels(False):
+            kept_reference = vocoder.decode_windows(ids, first, (1, 2))
+        kept_graphs = BatchGraphs(functools.partial(vocoder.decode_windows, emit=(1, 2)), (4,),
+                                  [((4 * FRAME,), torch.long), ((), torch.long)], cuda)
+        (kept_replayed,) = kept_graphs(ids, first)
         torch.cuda.synchronize()
     finally:
         torch.backends.cudnn.allow_tf32 = tf32
     assert fused.shape == reference.shape == (4, 4 * 2048)
     assert (fused - reference).abs().max().item() < 1e-4
     assert torch.equal(replayed, fused)
+    assert kept.shape == (4, 2048)
+    assert (kept - fused[:, 2048:4096]).abs().max().item() < 1e-4
+    assert (kept - kept_reference).abs().max().item() < 1e-4
+    assert torch.equal(kept_replayed, kept)

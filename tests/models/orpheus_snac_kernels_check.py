@@ -75,6 +75,11 @@ def check_table_noise() -> None:
     got, snaked = snac_ops.table_noise(x, lin, table, noise.first_frame, noise.steps, snake.alpha)
     torch.testing.assert_close(got, want, **TOL)
     torch.testing.assert_close(snaked, torch_form(snake, want), **TOL)
+    # a span of a window: noise from window step 21 on
+    shifted = BlockNoise(table, noise.first_frame, noise.steps, offset=21)
+    got, _ = snac_ops.table_noise(x, lin, table, noise.first_frame, noise.steps, offset=21)
+    torch.testing.assert_close(got, x + shifted.tensor(48) * lin, **TOL)
+    torch.testing.assert_close(shifted.tensor(48)[..., :27], noise.tensor(48)[..., 21:], rtol=0, atol=0)
 
 
 def check_bias_residual_with_snake() -> None:
@@ -128,6 +133,12 @@ def check_vocoder_windows() -> None:
     want = torch_form(vocoder.decode_windows, ids, first)
     assert got.shape == (3, 4 * TINY_SNAC.samples_per_frame)
     torch.testing.assert_close(got, want, **TOL)
+    spf = TINY_SNAC.samples_per_frame
+    for emit in ((1, 2), (0, 1), (2, 4)):  # the kept frames alone, decoded on their spans
+        kept = vocoder.decode_windows(ids, first, emit)
+        assert kept.shape == (3, (emit[1] - emit[0]) * spf)
+        torch.testing.assert_close(kept, got[:, emit[0] * spf: emit[1] * spf], **TOL)
+        torch.testing.assert_close(kept, torch_form(vocoder.decode_windows, ids, first, emit), **TOL)
 
 
 if __name__ == "__main__":

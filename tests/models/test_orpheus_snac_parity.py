@@ -105,3 +105,60 @@ def test_out_of_range_codes_skip_the_window():
     meta = {"codes_new": torch.tensor(28), "codes_start": torch.tensor(0), "codes_final": torch.tensor(False)}
     out = vocoder.run_batch("vocode", "snac", [{"codes": good, **meta}, {"codes": bad, **meta}], [{}, {}])
     assert out[0]["audio"].shape == (2 * TINY_SNAC.samples_per_frame,) and out[1] == {}
+
+
+KEPT_CONFIGS = [TINY_SNAC, SnacConfig(encoder_dim=4, decoder_dim=32, codebook_size=64, codebook_dim=4,
+                                      encoder_rates=(2, 4, 4, 3), decoder_rates=(3, 4, 2, 4))]
+
+
+@pytest.mark.parametrize("cfg", KEPT_CONFIGS, ids=["snac24k_rates", "odd_stride"])
+def test_kept_samples_equal_the_whole_decodes(cfg):
+    """Decoding only samples [lo, hi) (each block on the span of its input they depend on) gives the whole
+    decode's samples there; float64, so anything beyond rounding shows."""
+    torch.manual_seed(0)
+    ours = load_snac(cfg, None, torch.device("cpu")).double()
+    tokens = OrpheusTokens(base=320, codebook_size=cfg.codebook_size, end_of_text=2, bos=None)
+    vocoder = OrpheusVocoder(ours, tokens).double()
+    codes, first = _codes(cfg, batch=2, frames=4, seed=6), torch.tensor([3, 11])
+    spf = cfg.samples_per_frame
+    with torch.no_grad():
+        whole = ours(codes, vocoder.table_noise(first))
+        assert whole.shape == (2, 1, 4 * spf)
+        for lo, hi in ((spf, 2 * spf), (0, spf), (3 * spf, 4 * spf), (5, 17), (0, 4 * spf)):
+            kept = ours(codes, vocoder.table_noise(first), keep=(lo, hi))
+            assert kept.shape == (2, 1, hi - lo)
+            assert (kept - whole[..., lo:hi]).abs().max() < 1e-12
+        spans = ours.decoder.kept_spans(codes[2].shape[1], (spf, 2 * spf))
+    block_steps = [codes[2].shape[1]]  # latent steps, then each block's output steps
+    for rate in cfg.decoder_rates:
+        block_steps.append(block_steps[-1] * rate)
+    # with SNAC 24 kHz's rates the later blocks run on under half their input (the saving), the first on most
+    if cfg is not TINY_SNAC:
+        return
+    assert len(spans) == len(block_steps) and spans[0][1] - spans[0][0] > block_steps[0] // 2
+    assert all(b - a < block_steps[i] // 2 for i, (a, b) in enumerate(spans) if i >= 1)
+
+
+def test_a_span_one_step_short_changes_the_kept_samples(monkeypatch):
+    """The spans are no wider than needed: one input step fewer for any block changes the kept samples."""
+    from mstar.models.orpheus.snac import DecoderBlock
+
+    cfg = TINY_SNAC
+    torch.manual_seed(0)
+    ours = load_snac(cfg, None, torch.device("cpu")).double()
+    tokens = OrpheusTokens(base=320, codebook_size=cfg.codebook_size, end_of_text=2, bos=None)
+    vocoder = OrpheusVocoder(ours, tokens).double()
+    codes, first, spf = _codes(cfg, batch=1, frames=4, seed=6), torch.tensor([3]), cfg.samples_per_frame
+    exact = DecoderBlock.input_span
+    blocks = [m for m in ours.decoder.model if isinstance(m, DecoderBlock)]
+    with torch.no_grad():
+        whole = ours(codes, vocoder.table_noise(first))[..., spf: 2 * spf]
+        for short in blocks[1:]:  # the first block's span reaches the window's ends: nothing to cut there
+            for side in (0, 1):
+                def narrower(self, lo, hi, in_len, short=short, side=side):
+                    a, b = exact(self, lo, hi, in_len)
+                    return (a + 1, b) if self is short and side == 0 else (a, b - 1) if self is short else (a, b)
+                monkeypatch.setattr(DecoderBlock, "input_span", narrower)
+                kept = ours(codes, vocoder.table_noise(first), keep=(spf, 2 * spf))
+                monkeypatch.setattr(DecoderBlock, "input_span", exact)
+                assert (kept - whole).abs().max() > 1e-9, (blocks.index(short), side)

@@ -101,21 +101,23 @@ class TableNoise:
     first_frame: torch.Tensor  # [B] long
     steps: tuple[int, ...]  # time steps per frame at each block's output
 
-    def block(self, i: int) -> BlockNoise:
-        return BlockNoise(self.table[i], self.first_frame, self.steps[i])
+    def block(self, i: int, offset: int = 0) -> BlockNoise:
+        """Block i's noise; `offset`: the window step its output's first step is (a decode of a span)."""
+        return BlockNoise(self.table[i], self.first_frame, self.steps[i], offset)
 
 
 @dataclass(frozen=True)
 class BlockNoise:
-    """One decoder block's share of a TableNoise."""
+    """One decoder block's share of a TableNoise, from window step `offset` on."""
 
     table: torch.Tensor  # [N]
     first_frame: torch.Tensor  # [B] long
     steps: int
+    offset: int = 0
 
     def tensor(self, length: int) -> torch.Tensor:
         """The noise as a [B, 1, length] tensor (the PyTorch form)."""
-        pos = self.first_frame[:, None] * self.steps + torch.arange(length, device=self.first_frame.device)
+        pos = self.first_frame[:, None] * self.steps + self.offset + torch.arange(length, device=self.first_frame.device)
         return self.table[pos % self.table.shape[0]][:, None, :]
 
 
@@ -195,7 +197,8 @@ class NoiseBlock(nn.Module):
             return self.forward(x, noise), None
         from mstar.kernels import snac_ops
 
-        return snac_ops.table_noise(x, self.linear(x), noise.table, noise.first_frame, noise.steps, next_alpha)
+        return snac_ops.table_noise(x, self.linear(x), noise.table, noise.first_frame, noise.steps, next_alpha,
+                                    noise.offset)
 
 
 class DecoderBlock(nn.Module):
@@ -218,6 +221,24 @@ class DecoderBlock(nn.Module):
                 and conv.kernel_size[0] == 2 * conv.stride[0] and bool(rest)
                 and all(isinstance(r, NoiseBlock) or isinstance(r, ResidualUnit) and r.fusable() for r in rest))
 
+    def out_len(self, in_len: int) -> int:
+        """Output steps of an input of `in_len` steps (the transposed conv's length rule)."""
+        conv = self.block[1]
+        return (in_len - 1) * conv.stride[0] - 2 * conv.padding[0] + conv.kernel_size[0] + conv.output_padding[0]
+
+    def input_span(self, lo: int, hi: int, in_len: int) -> tuple[int, int]:
+        """The input steps [a, b) of an input of `in_len` steps that decide output steps [lo, hi) exactly:
+        what the residual units' dilated convs reach on each side, then the transposed conv's taps. The
+        block run on just those inputs (zero padded at their ends) gives output steps [a * stride, ...)
+        of which [lo, hi) equal the whole input's."""
+        conv = self.block[1]
+        stride, padding, taps = conv.stride[0], conv.padding[0], conv.kernel_size[0]
+        reach = sum(unit.block[1].dilation[0] * (unit.block[1].kernel_size[0] // 2)
+                    for unit in self.block if isinstance(unit, ResidualUnit))
+        lo, hi = max(lo - reach, 0), min(hi + reach, self.out_len(in_len))
+        # output step o reads input steps i with o = i * stride - padding + k, 0 <= k < taps
+        return max(-((taps - 1 - lo - padding) // stride), 0), min((hi - 1 + padding) // stride + 1, in_len)
+
     def forward(self, x: torch.Tensor, noise: Noise = None) -> torch.Tensor:
         if _fused(x) and self.fusable():
             return self.fused(x, noise)[0]
@@ -234,7 +255,7 @@ class DecoderBlock(nn.Module):
 
         snake, conv, *rest = self.block
         stride, padding = conv.stride[0], conv.padding[0]
-        out_len = (x.shape[-1] - 1) * stride - 2 * padding + conv.kernel_size[0] + conv.output_padding[0]
+        out_len = self.out_len(x.shape[-1])
         weight = derived(conv, "gemm_weight", (conv.weight,), lambda: snac_ops.transposed_gemm_weight(conv.weight))
         x = snac_ops.transposed_conv(snake(x) if x_snaked is None else x_snaked, weight, conv.bias, stride,
                                      padding, out_len)
@@ -265,18 +286,52 @@ class Decoder(nn.Module):
         layers += [Snake(out), nn.Conv1d(out, 1, 7, padding=3), nn.Tanh()]
         self.model = nn.Sequential(*layers)
 
-    def forward(self, x: torch.Tensor, noises: list[torch.Tensor] | TableNoise | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, noises: list[torch.Tensor] | TableNoise | None = None,
+                keep: tuple[int, int] | None = None) -> torch.Tensor:
+        """Samples [B, 1, T * hop] of latents x [B, latent, T]; with `keep` = (lo, hi) only samples [lo, hi),
+        [B, 1, hi - lo]: each decoder block then runs on just the span of its input those samples depend
+        on (`kept_spans`), the same numbers as the whole decode's, for a fraction of its work. `keep` needs
+        table noise (or none): drawn noise would not line up with the whole decode's."""
         layers = list(self.model)
+        spans = None
+        if keep is not None:
+            if isinstance(noises, list):
+                raise ValueError("a decode of kept samples needs TableNoise (or no noise), not drawn noise tensors")
+            spans = self.kept_spans(x.shape[-1], keep)
         if _fused(x) and self._fusable(layers):
-            return self._fused(x, noises, layers)
-        blocks = 0
+            return self._fused(x, noises, layers, spans, keep)
+        blocks, start = 0, 0  # start: the window step x's first step is, at the current layer's rate
         for layer in layers:
             if isinstance(layer, DecoderBlock):
-                x = layer(x, _block_noise(noises, blocks))
+                offset = 0
+                if spans is not None:
+                    (x,), start = _span((x,), start, spans[blocks]), spans[blocks][0]
+                    offset = start * layer.block[1].stride[0]
+                x = layer(x, _block_noise(noises, blocks, offset))
                 blocks += 1
+                start = offset
             else:
+                if spans is not None and layer is layers[-3]:  # the Snake before the output conv
+                    (x,), start = _span((x,), start, spans[-1]), spans[-1][0]
                 x = layer(x)
-        return x
+        return x if keep is None else x[..., keep[0] - start: keep[1] - start]
+
+    def kept_spans(self, steps: int, keep: tuple[int, int]) -> list[tuple[int, int]]:
+        """For output samples [lo, hi) of latents of `steps` steps: the input span [a, b) of each decoder
+        block and, last, the span of the last block's output that the output conv needs."""
+        blocks = [layer for layer in self.model if isinstance(layer, DecoderBlock)]
+        lengths = [steps]
+        for block in blocks:
+            lengths.append(block.out_len(lengths[-1]))
+        lo, hi = keep
+        if not 0 <= lo < hi <= lengths[-1]:
+            raise ValueError(f"keep {keep}: need 0 <= lo < hi <= {lengths[-1]} (the decode's samples)")
+        conv = self.model[-2]
+        reach = conv.dilation[0] * (conv.kernel_size[0] // 2)
+        spans = [(max(lo - reach, 0), min(hi + reach, lengths[-1]))]
+        for block, in_len in zip(reversed(blocks), reversed(lengths[:-1])):
+            spans.append(block.input_span(*spans[-1], in_len))
+        return spans[::-1]
 
     @staticmethod
     def _fusable(layers: list[nn.Module]) -> bool:
@@ -288,8 +343,8 @@ class Decoder(nn.Module):
                 and isinstance(conv, nn.Conv1d) and conv.out_channels == 1 and conv.padding[0] == conv.kernel_size[0] // 2
                 and isinstance(tanh, nn.Tanh))
 
-    def _fused(self, x: torch.Tensor, noises: list[torch.Tensor] | TableNoise | None,
-               layers: list[nn.Module]) -> torch.Tensor:
+    def _fused(self, x: torch.Tensor, noises: list[torch.Tensor] | TableNoise | None, layers: list[nn.Module],
+               spans: list[tuple[int, int]] | None, keep: tuple[int, int] | None) -> torch.Tensor:
         from mstar.kernels import snac_ops
 
         blocks = [layer for layer in layers if isinstance(layer, DecoderBlock)]
@@ -300,16 +355,31 @@ class Decoder(nn.Module):
                 x = snac_ops.depthwise(x, layer.weight, layer.bias)
             else:
                 x = layer(x)
-        snaked = None
+        snaked, start = None, 0
         for i, block in enumerate(blocks):
+            offset = 0
+            if spans is not None:
+                (x, snaked), start = _span((x, snaked), start, spans[i]), spans[i][0]
+                offset = start * block.block[1].stride[0]
             after = blocks[i + 1].block[0].alpha if i + 1 < len(blocks) else snake.alpha
-            x, snaked = block.fused(x, _block_noise(noises, i), snaked, after)
-        return snac_ops.conv_out(snake(x) if snaked is None else snaked, conv.weight, conv.bias)
+            x, snaked = block.fused(x, _block_noise(noises, i, offset), snaked, after)
+            start = offset
+        if spans is not None:
+            (x, snaked), start = _span((x, snaked), start, spans[-1]), spans[-1][0]
+        out = snac_ops.conv_out(snake(x) if snaked is None else snaked, conv.weight, conv.bias)
+        return out if keep is None else out[..., keep[0] - start: keep[1] - start]
 
 
-def _block_noise(noises: list[torch.Tensor] | TableNoise | None, i: int) -> Noise:
+def _span(tensors: tuple[torch.Tensor | None, ...], start: int, span: tuple[int, int]) -> tuple[torch.Tensor | None, ...]:
+    """Steps [a, b) (window steps) of tensors whose first step is window step `start`, contiguous (no copy
+    when that is all of them)."""
+    a, b = span[0] - start, span[1] - start
+    return tuple(t if t is None or (a == 0 and b == t.shape[-1]) else t[..., a:b].contiguous() for t in tensors)
+
+
+def _block_noise(noises: list[torch.Tensor] | TableNoise | None, i: int, offset: int = 0) -> Noise:
     if isinstance(noises, TableNoise):
-        return noises.block(i)
+        return noises.block(i, offset)
     return noises[i] if noises else None
 
 
@@ -368,5 +438,8 @@ class SnacDecoder(nn.Module):
         self.quantizer = Quantizer(cfg)
         self.decoder = Decoder(cfg)
 
-    def forward(self, codes: list[torch.Tensor], noises: list[torch.Tensor] | TableNoise | None = None) -> torch.Tensor:
-        return self.decoder(self.quantizer(codes), noises)
+    def forward(self, codes: list[torch.Tensor], noises: list[torch.Tensor] | TableNoise | None = None,
+                keep: tuple[int, int] | None = None) -> torch.Tensor:
+        """`keep` = (lo, hi): only samples [lo, hi) of the decode, computed on the spans they depend on
+        (`Decoder.forward`)."""
+        return self.decoder(self.quantizer(codes), noises, keep)

@@ -14,10 +14,15 @@ repeat:
     request. A trailing partial frame (generation stopped mid-frame) has no audio, as in the original.
 Noise of SNAC's noise blocks comes from a fixed table indexed by the sample's position in the
 request, so a request's audio does not depend on batching or on streaming.
+
+A window decodes only the samples it emits (`SnacDecoder` `keep`): each decoder block runs on the span
+of its input those samples depend on, the same numbers as the whole window's decode. An ordinary window
+emits one frame of four, and its decoder blocks after the first then run on about a third of their steps.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +36,9 @@ from mstar.models.orpheus.tokens import FRAME, OrpheusTokens, split_levels, vali
 WINDOW_FRAMES = 4
 EARLY_FRAMES = 2  # the early window (model.EARLY_WINDOW_TOKENS = 14 tokens)
 FINAL_FRAMES = 3  # whole frames of a final window when generation stops mid-frame (600 tokens: 85 frames + 5)
+# (frames decoded, first frame emitted, end) of the windows replayed from CUDA graphs: the steady state's
+# ordinary window, the early window, and the three whole frames of most requests' final window
+GRAPH_PLANS = ((WINDOW_FRAMES, 1, 2), (EARLY_FRAMES, 0, 1), (FINAL_FRAMES, 1, 3))
 NOISE_TABLE = 1 << 18  # entries per table: positions wrap after 2^18 steps of a decoder block
 _NOISE_SEED = 20240317
 
@@ -88,14 +96,15 @@ class OrpheusVocoder(nn.Module):
         gen = torch.Generator().manual_seed(_NOISE_SEED)
         self.register_buffer("noise_table", torch.randn(len(self.noise_steps), NOISE_TABLE, generator=gen),
                              persistent=False)
-        self.graphs: dict[int, Any] = {}  # frames -> BatchGraphs of decode_windows, once captured on CUDA
+        # (frames, emit_from, emit_to) -> BatchGraphs of decode_windows, once captured on CUDA
+        self.graphs: dict[tuple[int, int, int], Any] = {}
 
     def capture_graphs(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
-                       frames: tuple[int, ...] = (WINDOW_FRAMES, FINAL_FRAMES, EARLY_FRAMES)) -> None:
-        """Capture `decode_windows` for windows of each of `frames` whole frames (steady-state 4-frame
-        windows, the 3 whole frames of most requests' final window, the 2-frame early window) at these
-        batch sizes (CUDA only), all in one memory pool (`run_batch` copies each replay's audio out
-        before the next replay).
+                       plans: tuple[tuple[int, int, int], ...] = GRAPH_PLANS) -> None:
+        """Capture `decode_windows` for each (frames, emit_from, emit_to) of `plans` (the windows of the
+        steady state, the early window and most requests' final window: `GRAPH_PLANS`) at these batch
+        sizes (CUDA only), all in one memory pool (`run_batch` copies each replay's audio out before the
+        next replay). Windows of other plans decode eagerly.
 
         The decoder is some seventy kernels (a hundred and sixty in PyTorch's form): replaying them as
         one graph keeps the vocoder from stalling the worker that also runs the LM; run eagerly, their
@@ -105,9 +114,10 @@ class OrpheusVocoder(nn.Module):
 
         device = self.noise_table.device
         pool = torch.cuda.graph_pool_handle()
-        for n in frames:
-            example = [((FRAME * n,), torch.long), ((), torch.long)]
-            self.graphs[n] = BatchGraphs(self.decode_windows, sizes, example, device, pool=pool)
+        for frames, lo, hi in plans:
+            example = [((FRAME * frames,), torch.long), ((), torch.long)]
+            fn = functools.partial(self.decode_windows, emit=(lo, hi))
+            self.graphs[(frames, lo, hi)] = BatchGraphs(fn, sizes, example, device, pool=pool)
 
     def table_noise(self, first_frame: torch.Tensor) -> TableNoise:
         """The decoder blocks' noise for windows starting at `first_frame` [B], read from the table (the
@@ -120,24 +130,28 @@ class OrpheusVocoder(nn.Module):
         return [noise.block(i).tensor(frames * steps) for i, steps in enumerate(self.noise_steps)]
 
     @torch.inference_mode()
-    def decode_windows(self, frame_tokens: torch.Tensor, first_frame: torch.Tensor) -> torch.Tensor:
-        """Audio tokens of whole frames [B, 7F] -> float32 samples [B, F * samples_per_frame]."""
+    def decode_windows(self, frame_tokens: torch.Tensor, first_frame: torch.Tensor,
+                       emit: tuple[int, int] | None = None) -> torch.Tensor:
+        """Audio tokens of whole frames [B, 7F] -> float32 samples [B, F * samples_per_frame], or with
+        `emit` = (lo, hi) the samples of frames [lo, hi) alone, [B, (hi - lo) * samples_per_frame], decoded
+        on the spans they depend on (the same samples as the whole window's)."""
         codes = split_levels(frame_tokens, self.tokens)
         dtype = self.noise_table.dtype
-        return self.snac(codes, self.table_noise(first_frame) if self.noise_steps else None)[:, 0].to(dtype)
+        spf = self.samples_per_frame
+        keep = None if emit is None else (emit[0] * spf, emit[1] * spf)
+        return self.snac(codes, self.table_noise(first_frame) if self.noise_steps else None, keep)[:, 0].to(dtype)
 
     def run_batch(self, walk, node, inputs, options):
         # Windows and their stream metadata are read on the host (host_inputs), without a device sync.
         windows = [x["codes"].reshape(-1) for x in inputs]
         plans = [plan_window(len(w), x["codes_new"].item(), x["codes_start"].item(), bool(x["codes_final"].item()))
                  for x, w in zip(inputs, windows)]
-        groups: dict[int, list[int]] = {}
+        groups: dict[tuple[int, int, int], list[int]] = {}
         for i, plan in enumerate(plans):
             if plan.emit_to > plan.emit_from:
-                groups.setdefault(plan.frames, []).append(i)
+                groups.setdefault((plan.frames, plan.emit_from, plan.emit_to), []).append(i)
         outputs: list[dict[str, torch.Tensor]] = [{} for _ in inputs]
-        spf = self.samples_per_frame
-        for frames, rows in groups.items():  # one batched decode per window size (4 frames but at the ends)
+        for (frames, lo, hi), rows in groups.items():  # one batched decode per window plan
             spans = torch.stack([windows[i][plans[i].first_token: plans[i].first_token + FRAME * frames]
                                  for i in rows]).long()
             valid = valid_windows(spans, self.tokens)
@@ -147,19 +161,16 @@ class OrpheusVocoder(nn.Module):
                 if not rows:
                     continue
             spans, first = _to_device(spans, [plans[i].first_frame for i in rows], self.noise_table.device)
-            graphs = self.graphs.get(frames)
+            graphs = self.graphs.get((frames, lo, hi))
             if graphs is not None and len(rows) <= graphs.max_batch:
                 (audio,) = graphs(spans, first)  # views of the graph's output: copied out below
             else:
-                audio = self.decode_windows(spans, first)
-            # every emitted span in one copy out of the decode's buffer; the rows' audio are views of it
-            # (one host copy for them all: stateless.start_host_copies copies a shared base once)
-            bounds = [(plans[i].emit_from * spf, plans[i].emit_to * spf) for i in rows]
-            emitted = torch.cat([audio[row, lo:hi] for row, (lo, hi) in enumerate(bounds)])
-            at = 0
-            for i, (lo, hi) in zip(rows, bounds):
-                outputs[i]["audio"] = emitted[at: at + hi - lo]
-                at += hi - lo
+                audio = self.decode_windows(spans, first, (lo, hi))
+            # the rows' audio in one copy out of the decode's buffer; each row's is a view of it (one host
+            # copy for them all: stateless.start_host_copies copies a shared base once)
+            emitted = audio.clone()
+            for row, i in enumerate(rows):
+                outputs[i]["audio"] = emitted[row]
         return outputs  # a window with nothing to emit sends no audio chunk
 
 
