@@ -47,6 +47,42 @@ def test_snac_window_decode_replays_under_a_cuda_graph(cuda):
     assert (static_out - eager).abs().max().item() < 1e-4
 
 
+def test_graph_plans_give_the_samples_of_eager_whole_window_decodes(cuda):
+    """run_batch with the captured plans (the kept frames' own graphs, and a plan without one sliced from
+    its whole window's graph) emits the samples of eager whole-window decodes, batched two windows a plan."""
+    from mstar.models.orpheus.snac import SnacConfig
+    from mstar.models.orpheus.tokens import FRAME, OrpheusTokens
+    from mstar.models.orpheus.vocoder import OrpheusVocoder, plan_window
+    from mstar.models.orpheus.weights import load_snac
+
+    vocoder = OrpheusVocoder(load_snac(SnacConfig(), None, cuda), OrpheusTokens()).to(cuda)
+    vocoder.capture_graphs((1, 2))
+    tokens = vocoder.tokens
+    gen = torch.Generator().manual_seed(4)
+    stream = (torch.randint(1, 4096, (30, FRAME), generator=gen) + tokens.audio_offset
+              + torch.arange(FRAME) * 4096).reshape(-1)  # 30 frames of one request's stream
+
+    def item(start, length, new, final):
+        return {"codes": stream[start: start + length], "codes_new": torch.tensor(new),
+                "codes_start": torch.tensor(start), "codes_final": torch.tensor(final)}
+    # ordinary windows (4, 1, 2), final windows after a mid-frame stop (3, 1, 3) and at a frame's end
+    # (4, 2, 4), and the first full window without an early one (4, 0, 2): no graph of its own, sliced
+    # from the whole window's
+    items = [item(7, 28, 7, False), item(63, 28, 7, False), item(100, 28, 5, True), item(121, 28, 5, True),
+             item(70, 28, 7, True), item(140, 28, 7, True), item(0, 28, 28, False)]
+    plans = [plan_window(28, int(x["codes_new"]), int(x["codes_start"]), bool(x["codes_final"])) for x in items]
+    assert [(p.frames, p.emit_from, p.emit_to) for p in plans] == [(4, 1, 2)] * 2 + [(3, 1, 3)] * 2 + [(4, 2, 4)] * 2 \
+        + [(4, 0, 2)]
+    got = vocoder.run_batch("vocode", "snac", items, [{}] * len(items))
+    torch.cuda.synchronize()
+    for x, plan, out in zip(items, plans, got):
+        span = x["codes"][plan.first_token: plan.first_token + FRAME * plan.frames]
+        whole = vocoder.decode_windows(span[None].to(cuda), torch.tensor([plan.first_frame], device=cuda))[0]
+        lo, hi = plan.emit_from * 2048, plan.emit_to * 2048
+        assert out["audio"].shape == (hi - lo,)
+        assert (out["audio"].cpu() - whole[lo:hi].cpu()).abs().max().item() < 1e-4, plan
+
+
 def test_full_size_dummy_speaks_frames(cuda):
     """The 3B dummy LM (bf16) emits well-formed frames, so the vocoder decodes every one of them."""
     from mstar.runtime.offline import MStar

@@ -7,7 +7,7 @@ import torch
 
 from mstar.graph import SlidingWindow
 from mstar.models.orpheus.tokens import FRAME, OrpheusTokens, keep_audio_token, split_levels, window_is_valid
-from mstar.models.orpheus.vocoder import plan_window
+from mstar.models.orpheus.vocoder import GRAPH_PLANS, plan_window
 from mstar.models.orpheus.weights import fold_weight_norm
 from mstar.worker.streams import END, StreamBuffer
 
@@ -113,6 +113,26 @@ def test_every_frame_is_emitted_exactly_once(arrival, early):
         buf.end(n)
         _drain(buf, emitted)
         assert emitted == list(range(n // 7)), n
+
+
+def test_streams_of_14_tokens_and_more_make_only_plans_with_graphs():
+    """Every window plan that emits audio in a stream of 14 to 700 tokens (early window on, as served) has
+    its own CUDA graph in GRAPH_PLANS, so no window of such a request decodes eagerly or slices a whole
+    window's decode."""
+    made: set[tuple[int, int, int]] = set()
+    for n in [*range(14, 120), *range(595, 610), 700]:
+        buf = StreamBuffer(SlidingWindow(28, 7, recut_at_end=True, first=14))
+        for i in range(n + 1):
+            if i < n:
+                buf.put(i, torch.tensor([i]))
+            else:
+                buf.end(n)
+            while (chunk := buf.pop()) not in (None, END):
+                plan = plan_window(len(chunk.value), chunk.new, chunk.start, chunk.final)
+                if plan.emit_to > plan.emit_from:
+                    made.add((plan.frames, plan.emit_from, plan.emit_to))
+    assert made <= set(GRAPH_PLANS), made - set(GRAPH_PLANS)
+    assert {(4, 1, 2), (2, 0, 1), (3, 1, 3), (4, 2, 4), (2, 1, 2)} <= made  # the ones named in vocoder.py
 
 
 def test_early_window_brings_the_first_audio_forward():

@@ -36,9 +36,12 @@ from mstar.models.orpheus.tokens import FRAME, OrpheusTokens, split_levels, vali
 WINDOW_FRAMES = 4
 EARLY_FRAMES = 2  # the early window (model.EARLY_WINDOW_TOKENS = 14 tokens)
 FINAL_FRAMES = 3  # whole frames of a final window when generation stops mid-frame (600 tokens: 85 frames + 5)
-# (frames decoded, first frame emitted, end) of the windows replayed from CUDA graphs: the steady state's
-# ordinary window, the early window, and the three whole frames of most requests' final window
-GRAPH_PLANS = ((WINDOW_FRAMES, 1, 2), (EARLY_FRAMES, 0, 1), (FINAL_FRAMES, 1, 3))
+# (frames decoded, first frame emitted, end) of the windows replayed from CUDA graphs: the ordinary window
+# and the early one; final windows after generation stops mid-frame (600 tokens), at a frame's end (an
+# end-of-speech token) and after only an early window; then whole windows of 4 to 1 frames, which any other
+# plan slices (tests/models/test_orpheus_units.py lists the plans streams of 14 to 700 tokens make)
+GRAPH_PLANS = ((WINDOW_FRAMES, 1, 2), (EARLY_FRAMES, 0, 1), (FINAL_FRAMES, 1, 3), (WINDOW_FRAMES, 2, 4),
+               (EARLY_FRAMES, 1, 2), *((n, 0, n) for n in range(WINDOW_FRAMES, 0, -1)))
 NOISE_TABLE = 1 << 18  # entries per table: positions wrap after 2^18 steps of a decoder block
 _NOISE_SEED = 20240317
 
@@ -161,17 +164,23 @@ class OrpheusVocoder(nn.Module):
                 if not rows:
                     continue
             spans, first = _to_device(spans, [plans[i].first_frame for i in rows], self.noise_table.device)
-            graphs = self.graphs.get((frames, lo, hi))
-            if graphs is not None and len(rows) <= graphs.max_batch:
-                (audio,) = graphs(spans, first)  # views of the graph's output: copied out below
-            else:
-                audio = self.decode_windows(spans, first, (lo, hi))
-            # the rows' audio in one copy out of the decode's buffer; each row's is a view of it (one host
-            # copy for them all: stateless.start_host_copies copies a shared base once)
-            emitted = audio.clone()
+            # the rows' audio in one copy out of the decode's buffer (graphs' outputs are reused by the next
+            # replay); each row's is a view of it (stateless.start_host_copies copies a shared base once)
+            emitted = self._decode(frames, lo, hi, spans, first).clone(memory_format=torch.contiguous_format)
             for row, i in enumerate(rows):
                 outputs[i]["audio"] = emitted[row]
         return outputs  # a window with nothing to emit sends no audio chunk
+
+    def _decode(self, frames: int, lo: int, hi: int, spans: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+        """Samples of frames [lo, hi) of windows of `frames` frames [B, (hi - lo) * samples_per_frame]: from
+        this plan's graph, else sliced from the whole window's graph, else decoded eagerly on their spans."""
+        for plan in ((frames, lo, hi), (frames, 0, frames)):
+            graphs = self.graphs.get(plan)
+            if graphs is not None and spans.shape[0] <= graphs.max_batch:
+                (audio,) = graphs(spans, first)  # views of the graph's output
+                spf = self.samples_per_frame
+                return audio[:, (lo - plan[1]) * spf: (hi - plan[1]) * spf]
+        return self.decode_windows(spans, first, (lo, hi))
 
 
 def _to_device(spans: torch.Tensor, first: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
