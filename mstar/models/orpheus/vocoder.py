@@ -104,10 +104,11 @@ class OrpheusVocoder(nn.Module):
 
     def capture_graphs(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
                        plans: tuple[tuple[int, int, int], ...] = GRAPH_PLANS) -> None:
-        """Capture `decode_windows` for each (frames, emit_from, emit_to) of `plans` (the windows of the
-        steady state, the early window and most requests' final window: `GRAPH_PLANS`) at these batch
-        sizes (CUDA only), all in one memory pool (`run_batch` copies each replay's audio out before the
-        next replay). Windows of other plans decode eagerly.
+        """Capture `decode_windows` for each (frames, emit_from, emit_to) of `plans` (`GRAPH_PLANS`: the
+        plans streams make and whole windows) at these batch sizes (CUDA only), all in one memory pool
+        (`run_batch` copies each replay's audio out before the next replay). A window of another plan takes
+        its whole window's graph and keeps its frames; only one with no such graph, or a batch larger than
+        the largest size, decodes eagerly.
 
         The decoder is some seventy kernels (a hundred and sixty in PyTorch's form): replaying them as
         one graph keeps the vocoder from stalling the worker that also runs the LM; run eagerly, their
