@@ -246,19 +246,19 @@ class DecoderBlock(nn.Module):
             x = layer(x, noise) if isinstance(layer, NoiseBlock) else layer(x)
         return x
 
-    def fused(self, x: torch.Tensor, noise: Noise, x_snaked: torch.Tensor | None = None,
+    def fused(self, x: torch.Tensor | None, noise: Noise, x_snaked: torch.Tensor | None = None,
               next_alpha: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fused kernels' form: (the block's output, its Snake by `next_alpha` when given and written).
         Each layer writes the next one's first Snake beside its output, so no Snake runs on its own:
-        `x_snaked` is x through this block's first Snake when the layer before wrote it."""
+        `x_snaked` is x through this block's first Snake when the layer before wrote it (x itself is then
+        not read, and may be None)."""
         from mstar.kernels import snac_ops
 
         snake, conv, *rest = self.block
         stride, padding = conv.stride[0], conv.padding[0]
-        out_len = self.out_len(x.shape[-1])
+        source = snake(x) if x_snaked is None else x_snaked
         weight = derived(conv, "gemm_weight", (conv.weight,), lambda: snac_ops.transposed_gemm_weight(conv.weight))
-        x = snac_ops.transposed_conv(snake(x) if x_snaked is None else x_snaked, weight, conv.bias, stride,
-                                     padding, out_len)
+        x = snac_ops.transposed_conv(source, weight, conv.bias, stride, padding, self.out_len(source.shape[-1]))
         # the Snake each layer writes beside its output: the next unit's first, or the caller's after the last
         afters = [r.block[0].alpha if isinstance(r, ResidualUnit) else None for r in rest[1:]] + [next_alpha]
         snaked = None
@@ -358,14 +358,16 @@ class Decoder(nn.Module):
         snaked, start = None, 0
         for i, block in enumerate(blocks):
             offset = 0
-            if spans is not None:
-                (x, snaked), start = _span((x, snaked), start, spans[i]), spans[i][0]
+            if spans is not None:  # only what the block reads: x through its first Snake when written
+                x, snaked = _span((x, None) if snaked is None else (None, snaked), start, spans[i])
+                start = spans[i][0]
                 offset = start * block.block[1].stride[0]
             after = blocks[i + 1].block[0].alpha if i + 1 < len(blocks) else snake.alpha
             x, snaked = block.fused(x, _block_noise(noises, i, offset), snaked, after)
             start = offset
         if spans is not None:
-            (x, snaked), start = _span((x, snaked), start, spans[-1]), spans[-1][0]
+            x, snaked = _span((x, None) if snaked is None else (None, snaked), start, spans[-1])
+            start = spans[-1][0]
         out = snac_ops.conv_out(snake(x) if snaked is None else snaked, conv.weight, conv.bias)
         return out if keep is None else out[..., keep[0] - start: keep[1] - start]
 
