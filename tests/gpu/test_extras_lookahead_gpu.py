@@ -1,7 +1,7 @@
 """A spoken answer's thinker steps (hidden states captured for the talker) launch ahead through the
-extras graph (`lookahead.py`, `ExtrasGraphs.ahead_inputs`): tiny Qwen3-Omni on CUDA, float32, several
-requests in flight, serves the same text and audio with lookahead as without, and the thinker's
-lookahead forwards are used.
+extras graph (`lookahead.py`, `ExtrasGraphs.ahead_inputs`), with the thinker on a stream of its own
+(`engines/own_stream.py`): tiny Qwen3-Omni on CUDA, float32, several requests in flight, serves the
+same text and audio as without lookahead on one stream, and the thinker's lookahead forwards are used.
 
 Run on the lent machine: `python3 -m pytest -q -m gpu tests/gpu/test_extras_lookahead_gpu.py`.
 """
@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from mstar.engines.own_stream import OwnStreamEngine
 from mstar.runtime.offline import MStar
 
 pytestmark = [
@@ -23,13 +24,15 @@ SPOKEN = {"temperature": 0.0, "max_tokens": 12, "modalities": ["text", "audio"],
           "talker.temperature": 0.0, "talker.max_tokens": 16}
 
 
-def _serve(lookahead: bool) -> tuple[list[tuple[str, np.ndarray]], int]:
-    config = {"model": "qwen3_omni", "device": "cuda", "cuda_graphs": {"lookahead": lookahead},
-              "model_kwargs": {"code2wav_chunk": 4, "dtype": "float32"}}
+def _serve(fast: bool) -> tuple[list[tuple[str, np.ndarray]], int]:
+    config = {"model": "qwen3_omni", "device": "cuda", "cuda_graphs": {"lookahead": fast},
+              "model_kwargs": {"code2wav_chunk": 4, "dtype": "float32", "thinker_stream": fast}}
     with MStar("qwen3_omni", config=config, tiny=True) as m:
+        thinker = m.runtime.workers[0].engines["thinker"]
+        assert isinstance(thinker, OwnStreamEngine) == fast
         handles = [m.submit(chat, **SPOKEN) for chat in CHATS]  # in flight together
         results = [h.decoded() for h in handles]
-        hits = m.runtime.workers[0].engines["thinker"].lookahead_hits
+        hits = thinker.lookahead_hits
     return [("".join(r.outputs["text"]), np.concatenate(r.outputs["audio"])) for r in results], hits
 
 
