@@ -14,6 +14,13 @@ one sampled (the walk fed it back). Otherwise it is dropped and the step runs as
 slots it wrote lie past every sequence's computed length in pages the sequence already held, so
 the real step overwrites them (stream order keeps the writes in order even if a page changes
 hands). It never changes what is computed, only when.
+
+Sequences with per-token extras (TokenInputs) launch ahead too when the next token is guessed to bring
+only its id (`TokenInputs.next_plain_row`: default positions, no embedding; a spoken answer's thinker
+steps, whose items ask for hidden states): the forward replays the extras graph with the guessed
+positions and keeps a copy of its captured states, and the item that claims it must bring exactly
+that (`Ahead.matches`), then gets its row of the states (`Ahead.hand_over`). A talker step, whose
+embedding comes from another component, never launches ahead.
 """
 
 from __future__ import annotations
