@@ -60,17 +60,19 @@ def build_engines(model: Model, config: MStarConfig, components: list[str], devi
 def _engine(kind: str, built: Any, config: MStarConfig, device: torch.device) -> Engine:
     options = dict(built.engine_options)
     own_stream = options.pop("own_stream", False)  # engines/own_stream.py
-    if kind == "stateless":
-        from mstar.engines.stateless import StatelessEngine
 
-        engine: Engine = StatelessEngine(built.module, **options)
-    else:
+    def make() -> Engine:
+        if kind == "stateless":
+            from mstar.engines.stateless import StatelessEngine
+
+            return StatelessEngine(built.module, **options)
         from mstar.engines.autoregressive import build_autoregressive_engine
 
-        engine = build_autoregressive_engine(BuiltComponent(built.module, options), config.kv_cache, device,
-                                             config.cuda_graphs)
-    if not own_stream:
-        return engine
-    from mstar.engines.own_stream import own_stream_engine
+        return build_autoregressive_engine(BuiltComponent(built.module, options), config.kv_cache, device,
+                                           config.cuda_graphs)
 
-    return own_stream_engine(engine, device)
+    if not own_stream:
+        return make()
+    from mstar.engines.own_stream import on_own_stream
+
+    return on_own_stream(make, device)
