@@ -30,9 +30,12 @@ def make_engine(built, device: torch.device, pages: int, sizes: list[int]):
     """The engine the server makes for an autoregressive component, with a small KV pool and graphs at `sizes`."""
     from mstar.config import CudaGraphConfig, KVCacheConfig
     from mstar.engines.autoregressive import build_autoregressive_engine
+    from mstar.models.base import BuiltComponent
 
     kv = KVCacheConfig(max_num_pages=pages, page_size=16)
-    return build_autoregressive_engine(built, kv, device, CudaGraphConfig(batch_sizes=sizes))
+    options = {k: v for k, v in built.engine_options.items() if k != "own_stream"}  # alone: no other engine
+    return build_autoregressive_engine(BuiltComponent(built.module, options), kv, device,
+                                       CudaGraphConfig(batch_sizes=sizes))
 
 
 def count_paths(engine) -> dict[str, int]:

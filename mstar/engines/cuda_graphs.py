@@ -28,6 +28,8 @@ from contextlib import contextmanager
 
 import torch
 
+from mstar.kernels.scratch import current_owner
+
 logger = logging.getLogger(__name__)
 
 GraphFn = Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
@@ -89,6 +91,11 @@ class BatchGraphs:
     come, such as a DiT forward per exact batch size. `pool` (a `torch.cuda.graph_pool_handle()`) lets
     several BatchGraphs share one memory pool; like the sizes of one BatchGraphs they must then never
     replay concurrently, and each call's outputs must be consumed before any of them replays again.
+
+    Graphs are captured on PyTorch's shared capture stream, or, inside `scratch_owner(stream)` (an
+    engine built to step on a stream of its own, `engines/own_stream.py`), on that stream: PyTorch keeps
+    a cuBLAS workspace per (handle, stream), so graphs captured on one stream may share one (see
+    pytorch/pytorch#193402), and graphs of two engines replayed side by side on two streams must not.
     """
 
     def __init__(self, fn: GraphFn, sizes: Sequence[int], example: Sequence[tuple[tuple[int, ...], torch.dtype]],
@@ -138,7 +145,9 @@ class BatchGraphs:
                 self.fn(*inputs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        owner = current_owner()  # a stream of its own (class doc), else PyTorch's shared capture stream
+        stream = owner if isinstance(owner, torch.cuda.Stream) else None
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
             out = self.fn(*inputs)
         outputs = out if isinstance(out, tuple) else (out,)
         return _Captured(graph, inputs, outputs)

@@ -39,6 +39,7 @@ import triton.language as tl
 
 from mstar.kernels.fused_ops import silu_times
 from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
+from mstar.kernels.scratch import current_owner
 
 MAX_M = 4  # rows above this take the tl.dot kernel in skinny_gemm
 
@@ -236,14 +237,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, 
             tl.atomic_xchg(lock_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
-_BUFFERS: dict[tuple[str, torch.device, int], torch.Tensor] = {}
+_BUFFERS: dict[tuple[str, torch.device, int, object], torch.Tensor] = {}
 
 
 def _buffer(kind: str, device: torch.device, numel: int) -> torch.Tensor:
     # Allocated the first time a shape is seen (warm-up), then reused, so graph replays keep pointing at
-    # it; launches on one stream use it one after another. Counters start at zero and every launch
-    # leaves them at zero.
-    key = (kind, device, numel)
+    # it; launches on one stream use it one after another (an engine on a stream of its own has its
+    # own: `scratch.py`). Counters start at zero and every launch leaves them at zero.
+    key = (kind, device, numel, current_owner())
     buf = _BUFFERS.get(key)
     if buf is None:
         dtype = torch.float32 if kind == "ws" else torch.int32

@@ -33,6 +33,7 @@ import triton.language as tl
 from mstar.kernels.gemv import MAX_M as GEMV_MAX_M
 from mstar.kernels.gemv import gemv
 from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
+from mstar.kernels.scratch import current_owner
 
 MAX_M = 64  # the largest row count the kernel handles (block_m <= 64)
 
@@ -170,7 +171,7 @@ def _splitk_reduce_kernel(ws_ptr, b_ptr, out_ptr, total, N, SPLIT: tl.constexpr,
 
 
 _SM_COUNT: dict[int, int] = {}
-_WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
+_WORKSPACES: dict[tuple[torch.device, int, object], torch.Tensor] = {}
 
 
 def _sm_count(device: torch.device) -> int:
@@ -218,9 +219,10 @@ def _pick_split(n: int, k: int, block_n: int, block_k: int, min_programs: int) -
 
 
 def _workspace(device: torch.device, numel: int) -> torch.Tensor:
-    # One fp32 buffer per (device, size): allocated the first time a shape is seen (warm-up), then reused,
-    # so graph replays keep pointing at it. Launches on one stream use it one after another.
-    key = (device, numel)
+    # One fp32 buffer per (device, size, owner): allocated the first time a shape is seen (warm-up), then
+    # reused, so graph replays keep pointing at it. Launches on one stream use it one after another (an
+    # engine on a stream of its own has its own: `scratch.py`).
+    key = (device, numel, current_owner())
     ws = _WORKSPACES.get(key)
     if ws is None:
         ws = _WORKSPACES[key] = torch.empty(numel, dtype=torch.float32, device=device)

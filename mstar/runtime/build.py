@@ -9,7 +9,7 @@ import torch
 
 from mstar.config import MStarConfig
 from mstar.engines.base import Engine
-from mstar.models.base import Model
+from mstar.models.base import BuiltComponent, Model
 from mstar.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -58,10 +58,21 @@ def build_engines(model: Model, config: MStarConfig, components: list[str], devi
 
 
 def _engine(kind: str, built: Any, config: MStarConfig, device: torch.device) -> Engine:
-    if kind == "stateless":
-        from mstar.engines.stateless import StatelessEngine
+    options = dict(built.engine_options)
+    own_stream = options.pop("own_stream", False)  # engines/own_stream.py
 
-        return StatelessEngine(built.module, **built.engine_options)
-    from mstar.engines.autoregressive import build_autoregressive_engine
+    def make() -> Engine:
+        if kind == "stateless":
+            from mstar.engines.stateless import StatelessEngine
 
-    return build_autoregressive_engine(built, config.kv_cache, device, config.cuda_graphs)
+            return StatelessEngine(built.module, **options)
+        from mstar.engines.autoregressive import build_autoregressive_engine
+
+        return build_autoregressive_engine(BuiltComponent(built.module, options), config.kv_cache, device,
+                                           config.cuda_graphs)
+
+    if not own_stream:
+        return make()
+    from mstar.engines.own_stream import on_own_stream
+
+    return on_own_stream(make, device)

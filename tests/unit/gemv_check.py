@@ -37,7 +37,7 @@ def check_gemv(dtype: torch.dtype) -> None:
         if i % 2 == 0:
             torch.testing.assert_close(skinny_linear(x, w, config=cfg), reference(x, w, None), **tol(dtype))
     # Every split-K launch leaves its per-tile counters at zero, ready for the next launch or graph replay.
-    locks = [buf for (kind, _, _), buf in gemv._BUFFERS.items() if kind == "lock"]
+    locks = [buf for (kind, *_), buf in gemv._BUFFERS.items() if kind == "lock"]
     assert locks and all(int(buf.abs().sum()) == 0 for buf in locks), "split-K counters were not reset"
 
 

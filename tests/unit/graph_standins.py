@@ -4,6 +4,9 @@
 (largest first, after `before_capture`), as BatchGraphs' warm-up does; a call copies inputs into the
 static inputs (none for an input that already is its shared static, as BatchGraphs does) and runs the
 function eagerly on the static inputs of the whole bucket, padded rows included, as a replay would.
+`PoolGraphs` also returns its outputs as a replay does: views of buffers that the next replay, of any size,
+rewrites (the sizes of one BatchGraphs share a memory pool), so a caller that keeps an output past the next
+call reads another step's values.
 `SharedSDPA` is the SDPA backend with the Triton backend's decode-buffer sharing: a staged decode
 batch is read back from the shared buffers (lengths, slots, block tables) when its first layer runs,
 as the kernels read them (a step graph copies them in after `prepare_staged_decode`).
@@ -52,6 +55,25 @@ class EagerBatchGraphs:
             out = self.fn(*(s[:size] for s in self.statics))
         outs = out if isinstance(out, tuple) else (out,)
         return tuple(o[:batch] for o in outs)
+
+
+class PoolGraphs(EagerBatchGraphs):
+    """EagerBatchGraphs whose outputs are views of buffers every call rewrites (see the module docstring);
+    rows past the batch are filled with a marker, as padded rows hold whatever the replay left there."""
+
+    def __init__(self, *args, **kwargs):
+        self.outputs = None
+        super().__init__(*args, **kwargs)
+
+    def __call__(self, *inputs, bucket=None):
+        outs = super().__call__(*inputs, bucket=bucket)
+        batch = inputs[0].shape[0]
+        if self.outputs is None:
+            self.outputs = [torch.empty((self.sizes[-1], *o.shape[1:]), dtype=o.dtype) for o in outs]
+        for buffer, out in zip(self.outputs, outs, strict=True):
+            buffer.fill_(-7)
+            buffer[:batch].copy_(out)
+        return tuple(buffer[:batch] for buffer in self.outputs)
 
 
 class SharedSDPA(SDPABackend):

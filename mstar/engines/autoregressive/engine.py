@@ -150,7 +150,8 @@ class AutoregressiveEngine:
         ahead, self._ahead = self._ahead, None
         if chunks:
             if ahead is not None and ahead.matches(chunks):
-                logits, self.runner.last_greedy_ids = ahead.logits, None
+                logits, self.runner.last_greedy_ids = ahead.logits, ahead.greedy_ids
+                ahead.hand_over(chunks)  # captured hidden states to the items asking for them
                 self.lookahead_hits += 1
             else:
                 self.lookahead_misses += ahead is not None
@@ -237,7 +238,10 @@ class AutoregressiveEngine:
     def _postprocess(self, chunks: list[Chunk], logits: torch.Tensor) -> list[StepResult]:
         seqs = [c.seq for c in chunks]
         rows = [s.sampling_row for s in seqs]
-        keep = continuing(seqs, self.scheduler, self.runner.page_size, self.max_model_len) if self.lookahead else None
+        keep = None
+        if self.lookahead:
+            extras = any(s.inputs is not None for s in seqs) and self.runner.extras_ahead(seqs)
+            keep = continuing(seqs, self.scheduler, self.runner.page_size, self.max_model_len, extras)
         out, tokens = self._step_graph(seqs, rows, logits, keep) or self._draw(seqs, rows, logits, keep)
         views = out.token_ids.unsqueeze(1).unbind(0)  # each row's [1] view, in one call, not a slice per row
         results = []

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from mstar.engines.autoregressive.scheduler import Chunk
+from mstar.engines.autoregressive.sequence import Sequence
 from mstar.engines.base import logit_offset
 from mstar.engines.cuda_graphs import BatchGraphs, to_device_async
 from mstar.engines.extras import ForwardExtras
@@ -104,6 +105,34 @@ class ExtrasGraphs:
             rows.append(self._zero_row if embedding is None else embedding.to(self.device, self._zero_row.dtype))
         return (to_device_async(torch.tensor(positions, dtype=torch.float32), self.device), torch.stack(rows),
                 to_device_async(torch.tensor(mask, dtype=torch.bool), self.device))
+
+    def accepts_ahead(self, seqs: list[Sequence]) -> bool:
+        """Whether a lookahead forward of `seqs` (next tokens guessed to bring ids only) can replay."""
+        if self.graphs is None or len(seqs) > self.graphs.max_batch:
+            return False
+        for seq in seqs:
+            inputs = seq.inputs
+            if inputs is None:
+                continue
+            if inputs.multi_row and self.rows == 1:
+                return False
+            if inputs.hidden is not None and not set(inputs.hidden.layers) <= set(self.layers):
+                return False
+        return True
+
+    def ahead_inputs(self, seqs: list[Sequence],
+                     positions: list[int]) -> tuple[list[list[float] | None], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For a lookahead forward: each sequence's guessed rotary positions (None without TokenInputs),
+        and the graph's (positions, embeddings, use-embedding mask) with no embedding rows."""
+        guesses, rows = [], []
+        for seq, pos in zip(seqs, positions):
+            row = seq.inputs.next_plain_row(pos) if seq.inputs is not None else None
+            guesses.append(None if row is None else row.positions)
+            values = [float(pos)] * self.rows if row is None else row.positions
+            rows.append(values * self.rows if len(values) == 1 else values)
+        n = len(seqs)
+        return (guesses, to_device_async(torch.tensor(rows, dtype=torch.float32), self.device),
+                self._zero_row.expand(n, -1), to_device_async(torch.zeros(n, dtype=torch.bool), self.device))
 
     def store_hidden(self, chunks: list[Chunk], hidden: tuple[torch.Tensor, ...]) -> None:
         """Hand each sequence's captured rows to its pending capture: one copy of the static graph

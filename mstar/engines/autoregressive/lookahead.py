@@ -14,6 +14,13 @@ one sampled (the walk fed it back). Otherwise it is dropped and the step runs as
 slots it wrote lie past every sequence's computed length in pages the sequence already held, so
 the real step overwrites them (stream order keeps the writes in order even if a page changes
 hands). It never changes what is computed, only when.
+
+Sequences with per-token extras (TokenInputs) launch ahead too when the next token is guessed to bring
+only its id (`TokenInputs.next_plain_row`: default positions, no embedding; a spoken answer's thinker
+steps, whose items ask for hidden states): the forward replays the extras graph with the guessed
+positions and keeps a copy of its captured states, and the item that claims it must bring exactly
+that (`Ahead.matches`), then gets its row of the states (`Ahead.hand_over`). A talker step, whose
+embedding comes from another component, never launches ahead.
 """
 
 from __future__ import annotations
@@ -35,19 +42,48 @@ class Ahead:
     positions: list[int]
     logits: torch.Tensor
     tokens: list[int] | None = None
+    # through the extras graph (sequences with TokenInputs): the graph's greedy ids, each row's guessed
+    # rotary positions, and a copy of the captured states [L, B, H] of `layers`
+    greedy_ids: torch.Tensor | None = None
+    rows: list[list[float] | None] | None = None
+    hidden: torch.Tensor | None = None
+    layers: tuple[int, ...] = ()
 
     def matches(self, chunks: list[Chunk]) -> bool:
         """Whether the scheduled `chunks` are exactly the step this forward computed."""
         if self.tokens is None or len(chunks) != len(self.seqs):
             return False
-        for c, seq, pos, token in zip(chunks, self.seqs, self.positions, self.tokens):
+        for i, (c, seq, pos, token) in enumerate(zip(chunks, self.seqs, self.positions, self.tokens)):
             if c.seq is not seq or c.start != pos or c.num_tokens != 1 or not c.completes \
-                    or seq.inputs is not None or seq.token_ids[pos] != token:
+                    or seq.token_ids[pos] != token:
+                return False
+            if seq.inputs is not None and not self._guessed(i, seq, pos):
                 return False
         return True
 
+    def _guessed(self, i: int, seq: Sequence, pos: int) -> bool:
+        """Whether the item of a sequence with TokenInputs brought what the forward assumed: no embedding
+        or features, the guessed positions, and hidden layers the forward captured."""
+        guess = self.rows[i] if self.rows is not None else None
+        if guess is None:
+            return False
+        row = seq.inputs.decode_row(pos)
+        if row.embed is not None or row.has_features or row.positions != guess:
+            return False
+        hidden = seq.inputs.hidden
+        return hidden is None or (self.hidden is not None and set(hidden.layers) <= set(self.layers))
 
-def continuing(seqs: list[Sequence], scheduler: Scheduler, page_size: int, max_model_len: int) -> list[int] | None:
+    def hand_over(self, chunks: list[Chunk]) -> None:
+        """Give each claiming item that asks for hidden states its row of the captured ones."""
+        if self.hidden is None:
+            return
+        for i, c in enumerate(chunks):
+            if c.seq.inputs is not None and c.seq.inputs.hidden is not None:
+                c.seq.inputs.store_hidden_row(c.start, self.hidden, self.layers, i)
+
+
+def continuing(seqs: list[Sequence], scheduler: Scheduler, page_size: int, max_model_len: int,
+               extras_ahead: bool = False) -> list[int] | None:
     """Indexes (into `seqs`, the step's sampled sequences) of those a lookahead forward should run,
     or None when lookahead should be skipped this step.
 
@@ -56,7 +92,9 @@ def continuing(seqs: list[Sequence], scheduler: Scheduler, page_size: int, max_m
     (`Scheduler.grow_ahead`, from free pages only: it needs the page for its next token anyway);
     when there are not enough free pages the lookahead is skipped and the scheduler decides as usual.
     Sequences sure to stop on length are left out; stops on a sampled EOS cannot be known yet and
-    simply drop the lookahead at the next step.
+    simply drop the lookahead at the next step. A sequence with TokenInputs continues only with
+    `extras_ahead` (the runner can replay its extras graph ahead) and when its next token is guessed to
+    bring nothing but its id (`TokenInputs.next_plain_row`; a spoken answer's thinker tokens).
     """
     if scheduler.waiting and len(scheduler.running) < scheduler.max_num_seqs:
         return None
@@ -66,7 +104,9 @@ def continuing(seqs: list[Sequence], scheduler: Scheduler, page_size: int, max_m
         pos = len(seq.token_ids)  # where the token sampled now will sit
         if (p.max_tokens is not None and seq.num_generated + 1 >= p.max_tokens) or pos + 1 >= max_model_len:
             continue
-        if seq.inputs is not None or seq.num_computed != pos:
+        if seq.num_computed != pos:
+            return None
+        if seq.inputs is not None and (not extras_ahead or seq.inputs.next_plain_row(pos) is None):
             return None
         if pos // page_size >= len(seq.pages):
             grow.append(seq)

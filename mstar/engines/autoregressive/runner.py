@@ -319,6 +319,8 @@ class ModelRunner:
         """Queue the decode forward of `seqs` fed token ids `ids` (device, one per sequence) at the
         position after each one's last token, without waiting for anything (see `lookahead.py`)."""
         positions = [len(s.token_ids) for s in seqs]
+        if any(s.inputs is not None for s in seqs):  # `continuing` let them: `extras_ahead` said yes
+            return self._extras_ahead(seqs, positions, ids)
         if self.graphs is not None and len(seqs) <= self.graphs.max_batch:
             # the replay enters inference mode itself; the packed inputs are normal tensors
             return Ahead(seqs, positions, self._replay_rows(seqs, positions, ids))
@@ -329,6 +331,22 @@ class ModelRunner:
             ids = ids.to(self.device)
             hidden = self._eager_forward(ids, self._tensor(positions), self.attn)
             return Ahead(seqs, positions, self.model.compute_logits(hidden, ids))
+
+    def extras_ahead(self, seqs: list[Sequence]) -> bool:
+        """Whether `launch_ahead` can run `seqs` when some have TokenInputs: through the extras graphs,
+        their next tokens guessed to bring ids only (a spoken answer's thinker steps)."""
+        return self.extras_graphs is not None and self.extras_graphs.accepts_ahead(seqs)
+
+    def _extras_ahead(self, seqs: list[Sequence], positions: list[int], ids: torch.Tensor) -> Ahead:
+        """The lookahead forward through the extras graph: guessed positions, no embeddings; its
+        captured states are copied out at once (the next replay overwrites the graph's)."""
+        extras = self.extras_graphs
+        assert extras is not None and extras.graphs is not None
+        dec, n, bucket = self._stage(seqs, positions, ids)
+        guesses, pos, embeds, use_embeds = extras.ahead_inputs(seqs, positions)
+        logits, greedy, *hidden = extras.graphs(dec.ids_rows[n], pos, embeds, use_embeds, bucket=bucket)
+        kept = torch.stack(hidden) if hidden else None
+        return Ahead(seqs, positions, logits, greedy_ids=greedy, rows=guesses, hidden=kept, layers=extras.layers)
 
     def _metadata(self, chunks: list[Chunk], slots: list[int]) -> AttentionMetadata:
         max_pages = max(len(c.seq.pages) for c in chunks)

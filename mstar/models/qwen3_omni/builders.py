@@ -64,7 +64,7 @@ def _thinker(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype
     return BuiltComponent(module, {
         "eos_token_ids": eos, "max_model_len": cfg.max_model_len, "vocab_size": ckpt.omni.thinker.text.vocab_size,
         "max_num_seqs": cfg.max_num_seqs, "max_batch_tokens": cfg.max_batch_tokens,
-        "enable_prefix_caching": cfg.enable_prefix_caching})
+        "enable_prefix_caching": cfg.enable_prefix_caching, "own_stream": cfg.thinker_stream})
 
 
 def _encoder(ckpt: OmniCheckpoint, cfg, module: torch.nn.Module, salt: int) -> None:

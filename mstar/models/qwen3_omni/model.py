@@ -78,6 +78,9 @@ class OmniServeConfig:
     code2wav_max_batch: int = 32  # chunks per Code2Wav call (its graphs: batch sizes 1, 2, 4, ... up to it)
     code2wav_autotune: bool = False  # cuDNN times its algorithms for Code2Wav's graph shapes at start
     video_fps: float = 2.0  # frames a second sampled from input videos
+    # on CUDA the thinker steps on a stream of its own (engines/own_stream.py): its decode forwards run
+    # beside the talk loop's steps when both share a worker; False: one stream for all
+    thinker_stream: bool = True
     seed: int = 0  # of dummy / tiny random weights
     # with the thinker tensor-parallel (tp_size > 1): split its attention heads over the ranks too (one
     # more all-reduce a layer, half the attention weights and KV read per rank); False: every rank runs
