@@ -19,6 +19,7 @@ Run on the lent machine: `python3 -m pytest -q -m gpu tests/gpu/test_extras_look
 from __future__ import annotations
 
 import contextlib
+import gc
 from unittest import mock
 
 import numpy as np
@@ -70,6 +71,9 @@ def _serve(run: str, dtype: str, together: bool):
         else:
             results = [m.submit(chat, **SPOKEN).decoded() for chat in CHATS]
         hits = thinker.lookahead_hits
+    del thinker
+    gc.collect()  # each run's KV pools go before the next run sizes its own
+    torch.cuda.empty_cache()
     answers = []
     for i, r in enumerate(results):
         assert "audio" in r.outputs, f"{run}: request {i} finished without audio (text {r.outputs.get('text')})"

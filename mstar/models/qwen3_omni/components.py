@@ -172,7 +172,8 @@ class CodecTalker(MoEGraphCapture, nn.Module):
 
 class FrameCodePredictor(CodePredictor):
     """The `code_predictor` component of the served model: a frame per talker code, none for EOS
-    (the reference never decodes the EOS step; its codes are outside the codebooks).
+    (the reference never decodes the EOS step; its codes are outside the codebooks); a talk that goes on
+    past EOS (talker.ignore_eos) is fed the EOS code's embedding next.
 
     Inputs stay as they came (`host_inputs`): the first codes (the talker's sampled ids) and frame
     indexes are host tensors, read there for free; the batch's first codes reach the device in one
@@ -190,4 +191,10 @@ class FrameCodePredictor(CodePredictor):
         # a host read of host tensors: no sync (device ones, when a caller passes them, cost one per batch)
         firsts = torch.cat([x["first_code"].reshape(1) for x in inputs]).tolist()
         outputs = super().run_batch(walk, node, inputs, options)
-        return [{} if first == self.codec_eos else out for first, out in zip(firsts, outputs)]
+        if self.codec_eos not in firsts:
+            return outputs
+        # An EOS step has no frame. Its talker sequence ends there, unless the request keeps it going
+        # (talker.ignore_eos): the next step's input is then the EOS code's embedding alone (what the
+        # frame's running sum holds before any residual code), as a text LM is fed back its EOS token.
+        eos_sum = self.talker_codec_embedding.weight[self.codec_eos]
+        return [{"codec_embed_sum": eos_sum} if first == self.codec_eos else out for first, out in zip(firsts, outputs)]
