@@ -58,8 +58,12 @@ def _small_moe(on: bool):
 
 def _serve(run: str, dtype: str, together: bool):
     lookahead, stream = RUNS[run]
+    gc.collect()  # the last run's runtime (reference cycles) and its KV pools go before this one sizes its own
+    torch.cuda.empty_cache()
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    # small KV pools: runs follow one another in this process, and a pool sized by free memory takes 90% of it
     config = {"model": "qwen3_omni", "device": "cuda", "cuda_graphs": {"lookahead": lookahead},
+              "kv_cache": {"max_num_pages": 2048},
               "model_kwargs": {"code2wav_chunk": 4, "dtype": dtype, "thinker_stream": stream}}
     with _small_moe(dtype == "float32"), MStar("qwen3_omni", config=config, tiny=True) as m:
         thinker = m.runtime.workers[0].engines["thinker"]
@@ -71,9 +75,7 @@ def _serve(run: str, dtype: str, together: bool):
         else:
             results = [m.submit(chat, **SPOKEN).decoded() for chat in CHATS]
         hits = thinker.lookahead_hits
-    del thinker
-    gc.collect()  # each run's KV pools go before the next run sizes its own
-    torch.cuda.empty_cache()
+    del thinker, m
     answers = []
     for i, r in enumerate(results):
         assert "audio" in r.outputs, f"{run}: request {i} finished without audio (text {r.outputs.get('text')})"
