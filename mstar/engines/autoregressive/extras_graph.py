@@ -77,18 +77,20 @@ class ExtrasGraphs:
         if self.graphs is None or len(chunks) > self.graphs.max_batch:
             return False
         for c in chunks:
-            if c.num_tokens != 1 or not c.completes:
+            if c.num_tokens != 1 or not c.completes or not self._fits(c.seq):
                 return False
-            inputs = c.seq.inputs
-            if inputs is None:
-                continue
-            if inputs.multi_row and self.rows == 1:
-                return False
-            if inputs.hidden is not None and not set(inputs.hidden.layers) <= set(self.layers):
-                return False
-            if inputs.decode_row(c.start).has_features:
+            if c.seq.inputs is not None and c.seq.inputs.decode_row(c.start).has_features:
                 return False
         return True
+
+    def _fits(self, seq: Sequence) -> bool:
+        """Whether the graphs serve the sequence's TokenInputs: their position rows, the layers they ask for."""
+        inputs = seq.inputs
+        if inputs is None:
+            return True
+        if inputs.multi_row and self.rows == 1:
+            return False
+        return inputs.hidden is None or set(inputs.hidden.layers) <= set(self.layers)
 
     def inputs(self, chunks: list[Chunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(positions [n, rows] float32, embeddings [n, H], use-embedding mask [n]) on the device."""
@@ -110,15 +112,7 @@ class ExtrasGraphs:
         """Whether a lookahead forward of `seqs` (next tokens guessed to bring ids only) can replay."""
         if self.graphs is None or len(seqs) > self.graphs.max_batch:
             return False
-        for seq in seqs:
-            inputs = seq.inputs
-            if inputs is None:
-                continue
-            if inputs.multi_row and self.rows == 1:
-                return False
-            if inputs.hidden is not None and not set(inputs.hidden.layers) <= set(self.layers):
-                return False
-        return True
+        return all(self._fits(seq) for seq in seqs)
 
     def ahead_inputs(self, seqs: list[Sequence],
                      positions: list[int]) -> tuple[list[list[float] | None], torch.Tensor, torch.Tensor, torch.Tensor]:
