@@ -58,9 +58,11 @@ def test_sampling_tensors_keep_each_rows_values() -> None:
     assert st.noise is not None and st.noise.shape == (2, CFG.num_residual, CFG.vocab_size)
 
 
-def test_eos_frame_gives_no_output() -> None:
+def test_eos_frame_gives_no_codes_and_the_eos_embedding_to_feed_on() -> None:
+    """An EOS step makes no frame; its sum (fed on when the talk goes past EOS) is the EOS code's embedding."""
     module = _predictor()
     items = _items(torch.tensor(0))
     items[1]["first_code"] = torch.tensor([module.codec_eos])
     out = module.run_batch("talk", "code_predictor", items, [{"code_predictor.temperature": 0.0}] * 2)
-    assert set(out[0]) == {"codes", "codec_embed_sum"} and out[1] == {}
+    assert set(out[0]) == {"codes", "codec_embed_sum"} and set(out[1]) == {"codec_embed_sum"}
+    assert torch.equal(out[1]["codec_embed_sum"], module.talker_codec_embedding.weight[module.codec_eos])
