@@ -116,9 +116,9 @@ def test_every_frame_is_emitted_exactly_once(arrival, early):
 
 
 def test_streams_of_14_tokens_and_more_make_only_plans_with_graphs():
-    """Every window plan that emits audio in a stream of 14 to 700 tokens (early window on, as served) has
-    its own CUDA graph in GRAPH_PLANS, so no window of such a request decodes eagerly or slices a whole
-    window's decode."""
+    """Every window plan that emits audio in streams of 14-119, 595-609 and 700 tokens (early window on, as
+    served; a sweep of 14-699 made the same five plans) has its own CUDA graph in GRAPH_PLANS, so no window
+    of such a request decodes eagerly or slices a whole window's decode."""
     made: set[tuple[int, int, int]] = set()
     for n in [*range(14, 120), *range(595, 610), 700]:
         buf = StreamBuffer(SlidingWindow(28, 7, recut_at_end=True, first=14))

@@ -39,7 +39,7 @@ FINAL_FRAMES = 3  # whole frames of a final window when generation stops mid-fra
 # (frames decoded, first frame emitted, end) of the windows replayed from CUDA graphs: the ordinary window
 # and the early one; final windows after generation stops mid-frame (600 tokens), at a frame's end (an
 # end-of-speech token) and after only an early window; then whole windows of 4 to 1 frames, which any other
-# plan slices (tests/models/test_orpheus_units.py lists the plans streams of 14 to 700 tokens make)
+# plan slices (tests/models/test_orpheus_units.py checks the plans streams of 14 tokens and more make)
 GRAPH_PLANS = ((WINDOW_FRAMES, 1, 2), (EARLY_FRAMES, 0, 1), (FINAL_FRAMES, 1, 3), (WINDOW_FRAMES, 2, 4),
                (EARLY_FRAMES, 1, 2), *((n, 0, n) for n in range(WINDOW_FRAMES, 0, -1)))
 NOISE_TABLE = 1 << 18  # entries per table: positions wrap after 2^18 steps of a decoder block
