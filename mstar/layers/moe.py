@@ -6,10 +6,12 @@ by a sigmoid gate. Expert weights are stored stacked (`experts.gate_up_proj` [E,
 `experts.down_proj` [E, H, I]) so a checkpoint loads with one copy per tensor and the GPU path can
 run all experts as two grouped matmuls.
 
-Three paths compute the experts: "small" (`kernels/moe_small.py`, two GEMV-like Triton launches that
-read each slot's expert through the ids; decode batches), "grouped" (tokens sorted by expert, two
-`torch._grouped_mm`; CUDA bf16) and "loop" (one gated MLP per routed expert; the reference, syncs
-the host). `pick_path` chooses; `SparseMoE.force_path` overrides.
+Four paths compute the experts: "small" (`kernels/moe_small.py`, two GEMV-like Triton launches that
+read each slot's expert through the ids; decode batches of a few tokens), "tiled" (`kernels/moe_tiled.py`,
+each routed expert's weights read once against all its tokens on the tensor cores; decode batches of
+tens of tokens), "grouped" (tokens sorted by expert, two `torch._grouped_mm`; CUDA bf16) and "loop"
+(one gated MLP per routed expert; the reference, syncs the host). `pick_path` chooses;
+`SparseMoE.force_path` overrides.
 
 Expert parallelism (`ExpertShard`): each rank of a group holds an equal, contiguous share of the experts;
 the router runs whole on every rank, each rank computes its own experts' share of every token (slots
@@ -31,15 +33,16 @@ from mstar.layers.fused import FUSED
 from mstar.layers.linear import linear
 from mstar.layers.mlp import GatedMLP
 
-PATHS = ("small", "grouped", "loop")
-# The small path serves at most this many (token, expert) slots. It reads an expert once per slot routed
-# to it, the grouped path once per batch: with many slots, many share experts and the grouped path's
-# fixed cost (sort, ~20 kernels) is paid back. Slots that share an expert run at the same time and
-# mostly hit L2, so the crossover comes late: on an H200 (benchmarks/moe_micro.py, random routing) the
-# thinker block (top-8 of 128) took 377 us small vs 494 grouped at 32 tokens (256 slots) and 698 vs
-# 522 at 64; the talker (top-6) 141 vs 220 at 32 tokens and 221 vs 246 at 64.
-SMALL_MAX_SLOTS = 256
-SMALL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what kernels/moe_small.py computes in
+PATHS = ("small", "tiled", "grouped", "loop")
+# Which of the Triton paths serves a batch of T * top_k (token, expert) slots. "small" reads an expert once
+# per slot routed to it; "tiled" once per batch, at the cost of two more launches and tensor-core tiles of
+# 16 slots; "grouped" once per batch too, after a sort of ~20 kernels, with cuBLAS tiles made for many
+# rows. On an H200 (`benchmarks/moe_micro.py`, bf16, random routing; docs/benchmarks.md) ... (set below
+# from the sweep).
+TILED_MIN_SLOTS = 128  # fewer slots: "small"
+TILED_MAX_SLOTS = 1024  # more slots: "grouped" (CUDA bf16) or "loop"
+SMALL_MAX_SLOTS = 256  # where "tiled" cannot serve, "small" still serves up to this many
+SMALL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what kernels/moe_small.py and moe_tiled.py compute in
 
 
 ROUTE_MAX_EXPERTS = 1024  # kernels/moe_route.MAX_EXPERTS (that module imports triton)
@@ -179,24 +182,31 @@ def grouped_mm_usable(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
 
-# `kernels/moe_small.experts_small` where the fused kernels serve x (`FUSED.ops_for`: CUDA, or CPU under
-# TRITON_INTERPRET=1; not with MSTAR_FUSED_KERNELS=0); if it ever fails to build or launch, the grouped or
-# loop path serves from then on (logged once) rather than a step failing.
+# The Triton paths serve where the fused kernels serve x (`FUSED.ops_for`: CUDA, or CPU under
+# TRITON_INTERPRET=1; not with MSTAR_FUSED_KERNELS=0); if a kernel ever fails to build or launch, the
+# next path serves from then on (logged once) rather than a step failing.
 _SMALL = KernelGuard("small-batch MoE")
+_TILED = KernelGuard("tiled MoE")
 
 
 def pick_path(x: torch.Tensor, top_k: int) -> str:
-    """The path `SparseMoE.forward` takes for x [T, H] unless forced: "small" for at most SMALL_MAX_SLOTS
-    slots where its kernel serves x, else "grouped" on CUDA bfloat16, else "loop"."""
-    if x.shape[0] * top_k <= SMALL_MAX_SLOTS and _SMALL.usable and x.dtype in SMALL_DTYPES \
-            and FUSED.ops_for(x) is not None:
-        return "small"
+    """The path `SparseMoE.forward` takes for x [T, H] unless forced: by the number of slots T * top_k,
+    "small" below TILED_MIN_SLOTS, "tiled" up to TILED_MAX_SLOTS (or "small" up to SMALL_MAX_SLOTS where
+    the tiled kernels have failed), where their kernels serve x; else "grouped" on CUDA bfloat16, else "loop"."""
+    slots = x.shape[0] * top_k
+    if x.dtype in SMALL_DTYPES and FUSED.ops_for(x) is not None:
+        if slots < TILED_MIN_SLOTS and slots <= SMALL_MAX_SLOTS and _SMALL.usable:
+            return "small"
+        if slots <= TILED_MAX_SLOTS and _TILED.usable:
+            return "tiled"
+        if slots <= SMALL_MAX_SLOTS and _SMALL.usable:
+            return "small"
     return "grouped" if grouped_mm_usable(x) else "loop"
 
 
 def moe_graph_capturable(model: nn.Module) -> bool:
     """Whether every SparseMoE inside `model` takes capturable paths at every batch size for its own
-    weights' dtype and device: "small" and "grouped" are, the per-expert loop syncs the host. Unforced,
+    weights' dtype and device: "small", "tiled" and "grouped" are, the per-expert loop syncs the host. Unforced,
     the grouped path must serve (the small path serves only small batches, or may have failed)."""
     for moe in (m for m in model.modules() if isinstance(m, SparseMoE)):
         w = moe.experts.gate_up_proj
@@ -219,9 +229,9 @@ class MoEGraphCapture:
 class SparseMoE(nn.Module):
     """x [T, H] -> [T, H]; `gate` is the router (HF name), `experts` the stacked expert weights.
 
-    `pick_path` chooses how the experts run (small batches: the small kernels; CUDA bfloat16: the
-    grouped path; otherwise the per-expert loop); `force_path` ("small" | "grouped" | "loop")
-    overrides the choice, for tests and benchmarks (a forced "small" never falls back).
+    `pick_path` chooses how the experts run (decode batches: the small or the tiled kernels; larger ones
+    on CUDA bfloat16: the grouped path; otherwise the per-expert loop); `force_path` ("small" | "tiled" |
+    "grouped" | "loop") overrides the choice, for tests and benchmarks (a forced Triton path never falls back).
     """
 
     def __init__(self, spec: MoESpec, shard: ExpertShard | None = None) -> None:
@@ -251,8 +261,6 @@ class SparseMoE(nn.Module):
         split = self.shard is not None and self.shard.size > 1
         logits = F.linear(x, self.gate.weight) if split else linear(x, self.gate)
         weights, ids = route(logits, self.spec.top_k, self.spec.norm_topk_prob)
-        if self.shard is not None:
-            ids, weights = self.shard.localize(ids, weights)
         out = self.run_experts(x, ids, weights)
         if self.spec.shared_intermediate_size and (self.shard is None or self.shard.index == 0):
             gate, shared = linear(x, self.shared_expert_gate), self.shared_expert(x)
@@ -264,10 +272,24 @@ class SparseMoE(nn.Module):
         return out
 
     def run_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The routed experts' weighted sum [T, H] on the forced or picked path."""
+        """The routed experts' weighted sum [T, H] on the forced or picked path, for global expert ids
+        (an expert-parallel rank's share: the tiled kernels skip other ranks' slots, the other paths
+        take them localized, as weight-0 slots on local expert 0)."""
         path = self.force_path or pick_path(x, self.spec.top_k)
         if path not in PATHS:
             raise ValueError(f"unknown MoE path {path!r}; use one of {PATHS} (or None: picked per batch)")
+        if path == "tiled":
+            def tiled() -> torch.Tensor:
+                from mstar.kernels.moe_tiled import experts_tiled
+
+                first = self.shard.first if self.shard is not None else 0
+                return experts_tiled(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights, first)
+
+            if self.force_path == "tiled":
+                return tiled()
+            return _TILED.run(tiled, lambda: self.run_experts(x, ids, weights))  # picked anew: not "tiled"
+        if self.shard is not None:
+            ids, weights = self.shard.localize(ids, weights)
         if path == "small":
             def small() -> torch.Tensor:
                 from mstar.kernels.moe_small import experts_small

@@ -90,11 +90,12 @@ def check_path_choice() -> None:
         calls.append(args[0].shape[0])
         return real(*args, **kwargs)
 
-    limit = moe_mod.SMALL_MAX_SLOTS
-    assert moe_mod.pick_path(torch.zeros(limit // 4, 16), 4) == "small"
-    assert moe_mod.pick_path(torch.zeros(limit // 4 + 1, 16), 4) == "loop"
+    limit, tiled_range = moe_mod.SMALL_MAX_SLOTS, (moe_mod.TILED_MIN_SLOTS, moe_mod.TILED_MAX_SLOTS)
+    assert moe_mod.pick_path(torch.zeros(moe_mod.TILED_MIN_SLOTS // 4 - 1, 16), 4) == "small"
     moe_small.experts_small = counting
-    moe_mod.SMALL_MAX_SLOTS = 64  # fewer tokens through the interpreter
+    # fewer tokens through the interpreter; the tiled path's range empty (tests/unit/moe_tiled_check.py
+    # checks the choice among the three)
+    moe_mod.SMALL_MAX_SLOTS, moe_mod.TILED_MIN_SLOTS, moe_mod.TILED_MAX_SLOTS = 64, 10**6, 0
     try:
         few, many = torch.randn(16, 16), torch.randn(17, 16)  # 64 slots: small; 68: past SMALL_MAX_SLOTS
         assert moe_mod.pick_path(few, 4) == "small" and moe_mod.pick_path(many, 4) == "loop"
@@ -119,6 +120,7 @@ def check_path_choice() -> None:
             raise AssertionError("an unknown force_path must raise")
     finally:
         moe_small.experts_small, moe_mod.SMALL_MAX_SLOTS = real, limit
+        moe_mod.TILED_MIN_SLOTS, moe_mod.TILED_MAX_SLOTS = tiled_range
 
 
 def experts_loop_block(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:

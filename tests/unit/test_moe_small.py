@@ -39,7 +39,7 @@ def test_cpu_without_interpreter_takes_the_loop(monkeypatch):
 def test_unknown_force_path_raises():
     moe = _moe()
     moe.force_path = "sorted"
-    with pytest.raises(ValueError, match="'small', 'grouped', 'loop'"):
+    with pytest.raises(ValueError, match="'small', 'tiled', 'grouped', 'loop'"):
         moe(torch.zeros(1, 8))
 
 
@@ -61,6 +61,7 @@ def test_failing_kernel_falls_back_once(monkeypatch, caplog):
     monkeypatch.setattr(FUSED, "interpret", True)  # the small path would serve CPU tensors
     monkeypatch.setattr(FUSED, "enabled", True)
     monkeypatch.setattr(moe_mod._SMALL, "usable", True)
+    monkeypatch.setattr(moe_mod._TILED, "usable", False)  # the tiled path would come next
     monkeypatch.setattr(moe_mod, "ROUTE_MAX_EXPERTS", 0)  # route in PyTorch: this process has no interpreter
     moe, x = _moe(), torch.randn(3, 8)
     assert moe_mod.pick_path(x, 2) == "small"
