@@ -28,7 +28,7 @@ CPU with TRITON_INTERPRET=1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -41,29 +41,35 @@ MAX_SLOTS = 4096  # one program of `_slots_kernel` holds all T * top_k expert id
 
 @dataclass(frozen=True)
 class TiledMoEConfig:
-    """Tile sizes (`tiled_config` picks them; tests and benchmarks pass their own)."""
+    """Tile sizes and launch options of the gate_up and down kernels (`tiled_config` picks them; tests and
+    benchmarks pass their own). Every block is a power of two, block_m and the dot's sides >= 16."""
 
-    block_m: int = 16  # slots per tile (the MMA's short side, >= 16)
+    block_m: int = 16  # slots per tile (the MMA's short side)
     gate_up_block_n: int = 64  # gate rows (and as many up rows) per program
     gate_up_block_k: int = 128  # hidden elements per chunk
+    gate_up_warps: int = 4
+    gate_up_stages: int = 3
     down_block_n: int = 64  # output columns per program
     down_block_k: int = 128  # intermediate elements per chunk
-    num_warps: int = 4
-    num_stages: int = 3
+    down_warps: int = 4
+    down_stages: int = 3
     combine_block: int = 256  # output columns per program of the combine
 
 
+DEFAULT = TiledMoEConfig()
+
+
 def tiled_config(hidden: int, intermediate: int) -> TiledMoEConfig:
-    """The default tiles, clamped to small (test) sizes: every block is a power of two >= 16."""
-    cfg = TiledMoEConfig()
+    """`DEFAULT`'s tiles, clamped to small (test) sizes."""
+    cfg = DEFAULT
 
     def fit(block: int, size: int) -> int:
         return max(16, min(block, triton.next_power_of_2(size)))
 
-    return TiledMoEConfig(block_m=cfg.block_m, gate_up_block_n=fit(cfg.gate_up_block_n, intermediate),
-                          gate_up_block_k=fit(cfg.gate_up_block_k, hidden), down_block_n=fit(cfg.down_block_n, hidden),
-                          down_block_k=fit(cfg.down_block_k, intermediate), num_warps=cfg.num_warps,
-                          num_stages=cfg.num_stages, combine_block=min(cfg.combine_block, triton.next_power_of_2(hidden)))
+    return replace(cfg, gate_up_block_n=fit(cfg.gate_up_block_n, intermediate),
+                   gate_up_block_k=fit(cfg.gate_up_block_k, hidden), down_block_n=fit(cfg.down_block_n, hidden),
+                   down_block_k=fit(cfg.down_block_k, intermediate),
+                   combine_block=min(cfg.combine_block, triton.next_power_of_2(hidden)))
 
 
 @triton.jit
@@ -220,13 +226,13 @@ def experts_tiled(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.
         x, gate_up_proj, slots, counts, h, inter, hidden, x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
         s_pad, TOP_K=top_k, K_CHUNKS=triton.cdiv(hidden, cfg.gate_up_block_k),
         EVEN_K=hidden % cfg.gate_up_block_k == 0, IEEE=ieee, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gate_up_block_n,
-        BLOCK_K=cfg.gate_up_block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        BLOCK_K=cfg.gate_up_block_k, num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages, **pdl,
     )
     _down_kernel[(local, triton.cdiv(hidden, cfg.down_block_n))](
         h, down_proj, slots, counts, y, hidden, inter, down_proj.stride(0), down_proj.stride(1), s_pad,
         K_CHUNKS=triton.cdiv(inter, cfg.down_block_k), EVEN_K=inter % cfg.down_block_k == 0,
         IEEE=ieee, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        num_warps=cfg.down_warps, num_stages=cfg.down_stages, **pdl,
     )
     _combine_kernel[(t, triton.cdiv(hidden, cfg.combine_block))](
         y, ids, weights, out, hidden, first, local, out.stride(0), TOP_K=top_k,

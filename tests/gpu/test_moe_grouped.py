@@ -1,5 +1,5 @@
-"""The grouped (sorted, torch._grouped_mm) and small (kernels/moe_small.py) MoE paths on CUDA bfloat16 vs
-the per-expert loop, and their CUDA-graph capture. Run on the GPU machine:
+"""The grouped (sorted, torch._grouped_mm), small (kernels/moe_small.py) and tiled (kernels/moe_tiled.py) MoE
+paths on CUDA bfloat16 vs the per-expert loop, and their CUDA-graph capture. Run on the GPU machine:
 pytest -m gpu tests/gpu/test_moe_grouped.py"""
 
 import pytest
@@ -76,11 +76,13 @@ def test_small_path_matches_loop_at_full_size(name, tokens):
         pytest.skip("needs CUDA")
     moe = _full(name)
     x = torch.randn(tokens, moe.spec.hidden_size, device="cuda", dtype=torch.bfloat16)
-    assert pick_path(x, moe.spec.top_k) == "small"
+    picked = pick_path(x, moe.spec.top_k) == "small"
     with torch.no_grad():
         got = moe(x)
         moe.force_path = "small"
-        assert torch.equal(got, moe(x))  # the unforced pick ran the small kernels
+        if picked:
+            assert torch.equal(got, moe(x))  # the unforced pick ran the small kernels
+        got = moe(x)
         moe.force_path = "loop"
         want = moe(x)
     # outputs are ~0.1: a few bf16 steps of the loop's per-expert rounding
@@ -94,6 +96,62 @@ def test_small_path_is_cuda_graph_capturable(name):
     moe = _full(name)
     moe.force_path = "small"
     x = torch.randn(4, moe.spec.hidden_size, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        moe(x)  # warm up (Triton compiles) outside the graph
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe(x)
+        x.copy_(torch.randn_like(x))  # a new routing, replayed
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, moe(x))
+        moe.force_path = "loop"
+        torch.testing.assert_close(out.float(), moe(x).float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("name", ["thinker", "talker"])
+@pytest.mark.parametrize("tokens", [3, 16, 32, 64, 128])
+def test_tiled_path_matches_loop_at_full_size(name, tokens):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    moe = _full(name)
+    x = torch.randn(tokens, moe.spec.hidden_size, device="cuda", dtype=torch.bfloat16)
+    picked = pick_path(x, moe.spec.top_k) == "tiled"
+    with torch.no_grad():
+        got = moe(x)
+        moe.force_path = "tiled"
+        if picked:
+            assert torch.equal(got, moe(x))  # the unforced pick ran the tiled kernels
+        got = moe(x)
+        moe.force_path = "loop"
+        want = moe(x)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_tiled_path_with_many_slots_on_few_experts():
+    """Every token routed to the same 8 experts: 64 slots on each, four 16-slot tiles in one program."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from mstar.kernels.moe_tiled import experts_tiled
+    from mstar.layers.moe import experts_loop
+
+    moe = _full("thinker")
+    x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+    ids = torch.arange(8, device="cuda").repeat(64, 1) * 5
+    weights = torch.softmax(torch.randn(64, 8, device="cuda"), -1).to(torch.bfloat16)
+    with torch.no_grad():
+        got = experts_tiled(x, moe.experts.gate_up_proj, moe.experts.down_proj, ids, weights)
+        want = experts_loop(x, moe.experts, ids, weights)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("name", ["thinker", "talker"])
+def test_tiled_path_is_cuda_graph_capturable(name):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    moe = _full(name)
+    moe.force_path = "tiled"
+    x = torch.randn(24, moe.spec.hidden_size, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         moe(x)  # warm up (Triton compiles) outside the graph
         graph = torch.cuda.CUDAGraph()

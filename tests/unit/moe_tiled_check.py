@@ -53,8 +53,8 @@ def check_configs() -> None:
     x = torch.randn(9, 80)
     weights, ids = route(moe.gate(x), 3, True)
     want = experts_loop(x, moe.experts, ids, weights)
-    for cfg in (TiledMoEConfig(16, 16, 16, 16, 16, combine_block=16), TiledMoEConfig(32, 64, 32, 128, 64, 8, 2, 128),
-                moe_tiled.tiled_config(80, 40), TiledMoEConfig()):
+    for cfg in (TiledMoEConfig(16, 16, 16, down_block_n=16, down_block_k=16, combine_block=16),
+                TiledMoEConfig(32, 64, 32, 8, 2, 128, 64, 8, 2, 128), moe_tiled.tiled_config(80, 40), TiledMoEConfig()):
         torch.testing.assert_close(tiled(moe, x, ids, weights, config=cfg), want, **TIGHT)
 
 
