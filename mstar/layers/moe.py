@@ -35,10 +35,13 @@ from mstar.layers.mlp import GatedMLP
 
 PATHS = ("small", "tiled", "grouped", "loop")
 # Which of the Triton paths serves a batch of T * top_k (token, expert) slots. "small" reads an expert once
-# per slot routed to it; "tiled" once per batch, at the cost of two more launches and tensor-core tiles of
-# 16 slots; "grouped" once per batch too, after a sort of ~20 kernels, with cuBLAS tiles made for many
-# rows. On an H200 (`benchmarks/moe_micro.py`, bf16, random routing; docs/benchmarks.md) ... (set below
-# from the sweep).
+# per slot routed to it; "tiled" once per batch, for two more launches and tensor-core tiles of 16 slots;
+# "grouped" once per batch too, after a sort of ~20 kernels, with cuBLAS tiles made for many rows. On an
+# H200 (`python3 benchmarks/moe_micro.py --batches 1 4 8 12 16 24 32 48 64 96 128 --sweep 16 32 64`,
+# bf16, random routing; the whole block in a CUDA graph, us small / tiled / grouped): thinker (top-8 of
+# 128) 133 / 138 / 263 at 8 tokens, 176 / 172 / 313 at 12, 218 / 204 / 363 at 16, 362 / 267 / 468 at 32,
+# 696 / 304 / 515 at 64, 1328 / 320 / 524 at 128; talker (top-6) 75 / 80 / 162 at 16, 93 / 92 / 196 at
+# 24, 115 / 100 / 202 at 32, 344 / 123 / 235 at 128. Larger batches than 128 tokens were not measured.
 TILED_MIN_SLOTS = 128  # fewer slots: "small"
 TILED_MAX_SLOTS = 1024  # more slots: "grouped" (CUDA bf16) or "loop"
 SMALL_MAX_SLOTS = 256  # where "tiled" cannot serve, "small" still serves up to this many
