@@ -56,6 +56,11 @@ SKINNY_GEMM = EnvVar(
     "skinny-GEMM kernel for few-row linears: 0 never, 1 wherever allowed, auto timed per shape "
     "(read once per process)",
     ("0", "1", "auto"))
+MOE_TILED = EnvVar(
+    "MSTAR_MOE_TILED", "bool (0/1/true/false)", "1",
+    "0 keeps sparse-MoE decode batches of tens of tokens off the tiled kernels (the small-slot kernels "
+    "or the grouped path serve them instead; read once per process)",
+    _TRUE + _FALSE)
 FUSE_ROPE_ATTENTION = EnvVar(
     "MSTAR_FUSE_ROPE_ATTENTION", "bool (0/1/true/false)", "0",
     "1 rotates q/k inside the Triton decode-attention kernel (no rotary kernel in decode steps; "
@@ -107,7 +112,7 @@ SCHEMATHESIS_EXAMPLES = EnvVar(
     "MSTAR_SCHEMATHESIS_EXAMPLES", "int", "25",
     "tests only: generated examples per operation in tests/e2e/test_schemathesis.py")
 
-ALL: tuple[EnvVar, ...] = (FUSED_KERNELS, SKINNY_GEMM, FUSE_ROPE_ATTENTION, FUSE_ATTENTION_REDUCE,
+ALL: tuple[EnvVar, ...] = (FUSED_KERNELS, SKINNY_GEMM, MOE_TILED, FUSE_ROPE_ATTENTION, FUSE_ATTENTION_REDUCE,
                            FUSE_NORM_LINEAR, WAN_GEMM_GELU, PDL, LOOP_FAST_PATH, STALL_DUMP_S, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
                            SCHEMATHESIS_EXAMPLES)
 
@@ -140,6 +145,11 @@ def skinny_gemm() -> bool | None:
     """MSTAR_SKINNY_GEMM: False (never), True (forced wherever allowed) or None (auto, the default)."""
     value = SKINNY_GEMM.choice()
     return None if value in (None, "auto") else value == "1"
+
+
+def moe_tiled() -> bool:
+    """MSTAR_MOE_TILED: whether the tiled MoE kernels may serve (default True)."""
+    return _flag(MOE_TILED, True)
 
 
 def fuse_rope_attention() -> bool:

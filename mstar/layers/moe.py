@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar import envs
 from mstar.kernels.guard import KernelGuard
 from mstar.layers.fused import FUSED
 from mstar.layers.linear import linear
@@ -190,6 +191,7 @@ def grouped_mm_usable(x: torch.Tensor) -> bool:
 # next path serves from then on (logged once) rather than a step failing.
 _SMALL = KernelGuard("small-batch MoE")
 _TILED = KernelGuard("tiled MoE")
+_TILED.usable = envs.moe_tiled()  # MSTAR_MOE_TILED=0: never
 
 
 def pick_path(x: torch.Tensor, top_k: int) -> str:

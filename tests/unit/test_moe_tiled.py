@@ -1,8 +1,12 @@
 """The tiled MoE path: its kernels equal the per-expert loop, alone and split over expert-parallel ranks, and
-SparseMoE picks it between the small path's range and the grouped path's (CPU, Triton interpreter)."""
+SparseMoE picks it between the small path's range and the grouped path's (CPU, Triton interpreter), unless
+MSTAR_MOE_TILED=0."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,3 +19,14 @@ def test_tiled_kernels_match_loop_interpreted():
     proc = run_interpreted(Path(__file__).with_name("moe_tiled_check.py"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "moe tiled ok" in proc.stdout
+
+
+@pytest.mark.parametrize("value, usable", [("0", "False"), ("1", "True"), (None, "True")])
+def test_env_switch_keeps_the_tiled_path_off(value, usable):
+    env = {k: v for k, v in os.environ.items() if k != "MSTAR_MOE_TILED"}
+    if value is not None:
+        env["MSTAR_MOE_TILED"] = value
+    code = "from mstar.layers import moe; print(moe._TILED.usable)"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == usable
