@@ -20,8 +20,11 @@ default down, then down's with the best gate_up; rows with "sweep": true, the ex
 small path beside them, and per block the config with the least total time over the swept batches,
 which then serves the block rows ("tiled_config" in the report).
 
+With `--eager`, each row also has `eager_host_us` (host time to issue one call without a graph, as a
+prefill runs the block) and `eager_us` (wall time per call over 48 calls in a row, then a sync).
+
     python3 benchmarks/moe_micro.py [--batches 1 4 8 16 32 64] [--paths small tiled grouped]
-        [--sweep 16 32 64] [--out benchmarks/results/moe_micro_h200.json]
+        [--sweep 16 32 64] [--eager] [--out benchmarks/results/moe_micro_h200.json]
 """
 
 from __future__ import annotations
@@ -123,6 +126,21 @@ def time_calls(fns: list, replays: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def time_eager(blocks: list[SparseMoE], xs: list[torch.Tensor], calls: int = 48) -> tuple[float, float]:
+    """(host us to issue one eager call, wall us per call for `calls` calls in a row then a sync)."""
+    with torch.inference_mode():
+        for b, x in zip(blocks, xs):
+            b(x)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i in range(calls):
+            blocks[i % len(blocks)](xs[i % len(xs)])
+        issued = time.perf_counter()
+        torch.cuda.synchronize()
+        done = time.perf_counter()
+    return round((issued - start) / calls * 1e6, 1), round((done - start) / calls * 1e6, 1)
+
+
 def sweep_tiled(name: str, spec: MoESpec, blocks: list[SparseMoE], batches: list[int], rows: list) -> TiledMoEConfig:
     """Coordinate search of the tiled kernels' tiles at `batches` (experts alone); returns the config with the
     least summed time."""
@@ -189,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--copies", type=int, default=3, help="weight copies per block (L2 misses)")
     parser.add_argument("--sweep", type=int, nargs="*", default=[],
                         help="batches at which to search the tiled kernels' tiles first (none: the defaults)")
+    parser.add_argument("--eager", action="store_true",
+                        help="also time eager calls, as a prefill runs them: host us to launch one, wall us per call")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -223,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"block": name, "path": path, "batch": batch, "us": round(us, 2), "experts": round(experts, 1),
                        "mb_read": round(moved / 1e6, 1), "gb_per_s": round(gbps, 1),
                        "pct_copy": round(100 * gbps / peak, 1)}
+                if args.eager:
+                    row["eager_host_us"], row["eager_us"] = time_eager(blocks, xs)
                 rows.append(row)
                 print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
                 if batch in (1, 16, 32):
