@@ -197,10 +197,16 @@ _TILED.usable = envs.moe_tiled()  # MSTAR_MOE_TILED=0: never
 def pick_path(x: torch.Tensor, top_k: int) -> str:
     """The path `SparseMoE.forward` takes for x [T, H] unless forced: by the number of slots T * top_k,
     "small" below TILED_MIN_SLOTS, "tiled" up to TILED_MAX_SLOTS (or "small" up to SMALL_MAX_SLOTS where
-    the tiled kernels have failed), where their kernels serve x; else "grouped" on CUDA bfloat16, else "loop"."""
+    the tiled kernels have failed), where their kernels serve x; else "grouped" on CUDA bfloat16, else "loop".
+
+    A CUDA call outside a graph capture (a prefill) takes "small" up to SMALL_MAX_SLOTS: issuing the tiled
+    path's four launches costs the host more than its GPU time saves there (`moe_micro.py --eager` on the
+    H200's host, the thinker block at 30 tokens: 347 us a call small, 452 tiled; in a graph 341 vs 262)."""
     slots = x.shape[0] * top_k
     if x.dtype in SMALL_DTYPES and FUSED.ops_for(x) is not None:
-        if slots < TILED_MIN_SLOTS and slots <= SMALL_MAX_SLOTS and _SMALL.usable:
+        eager = x.is_cuda and not torch.cuda.is_current_stream_capturing()
+        below = slots <= SMALL_MAX_SLOTS if eager else slots < TILED_MIN_SLOTS
+        if below and slots <= SMALL_MAX_SLOTS and _SMALL.usable:
             return "small"
         if slots <= TILED_MAX_SLOTS and _TILED.usable:
             return "tiled"

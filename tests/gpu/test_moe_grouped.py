@@ -163,3 +163,22 @@ def test_tiled_path_is_cuda_graph_capturable(name):
         assert torch.equal(out, moe(x))
         moe.force_path = "loop"
         torch.testing.assert_close(out.float(), moe(x).float(), atol=1e-2, rtol=1e-2)
+
+
+def test_eager_calls_take_the_small_path_and_graphs_the_tiled_one():
+    """Outside a capture (a prefill) up to SMALL_MAX_SLOTS slots take the small path, which costs the host
+    fewer launches; captured, from TILED_MIN_SLOTS slots the tiled one."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from mstar.layers.moe import SMALL_MAX_SLOTS, TILED_MIN_SLOTS
+
+    x = torch.zeros(SMALL_MAX_SLOTS // 8, 2048, device="cuda", dtype=torch.bfloat16)
+    assert TILED_MIN_SLOTS <= SMALL_MAX_SLOTS
+    assert pick_path(x, 8) == "small"
+    assert pick_path(torch.zeros(SMALL_MAX_SLOTS // 8 + 1, 2048, device="cuda", dtype=torch.bfloat16), 8) == "tiled"
+    picked = []
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        picked.append(pick_path(x, 8))
+        picked.append(pick_path(x[: TILED_MIN_SLOTS // 8 - 1], 8))
+    assert picked == ["tiled", "small"]
