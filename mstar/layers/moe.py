@@ -15,7 +15,8 @@ tens of tokens), "grouped" (tokens sorted by expert, two `torch._grouped_mm`; CU
 
 Expert parallelism (`ExpertShard`): each rank of a group holds an equal, contiguous share of the experts;
 the router runs whole on every rank, each rank computes its own experts' share of every token (slots
-routed elsewhere get weight 0), the shared expert runs on the group's first rank only, and one
+routed elsewhere are skipped by the tiled kernels and run at weight 0 on the other paths), the shared
+expert runs on the group's first rank only, and one
 all-reduce sums the shares.
 """
 

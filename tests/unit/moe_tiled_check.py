@@ -11,16 +11,7 @@ from mstar.kernels.moe_tiled import TiledMoEConfig, experts_tiled
 from mstar.layers import moe as moe_mod
 from mstar.layers.fused import FUSED
 from mstar.layers.moe import ExpertShard, MoESpec, SparseMoE, experts_loop, route
-
-TIGHT = {"atol": 2e-5, "rtol": 2e-5}  # float32: only the summation order differs
-
-
-def block(spec: MoESpec, dtype: torch.dtype = torch.float32) -> SparseMoE:
-    moe = SparseMoE(spec).to(dtype)
-    with torch.no_grad():
-        for p in moe.parameters():
-            p.normal_(0, 0.3)
-    return moe
+from tests.unit.moe_small_check import TIGHT, block
 
 
 def tiled(moe: SparseMoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, first: int = 0,
