@@ -70,18 +70,19 @@ def _full(name: str) -> SparseMoE:
 
 
 @pytest.mark.parametrize("name", ["thinker", "talker"])
-@pytest.mark.parametrize("tokens", [1, 2, 4, 8, 32])  # 32: 256 thinker slots, SMALL_MAX_SLOTS
-def test_small_path_matches_loop_at_full_size(name, tokens):
+@pytest.mark.parametrize("path, tokens", [("small", t) for t in (1, 2, 4, 8, 32)]  # 32: 256 thinker slots
+                         + [("tiled", t) for t in (3, 16, 32, 64, 128)])
+def test_triton_paths_match_loop_at_full_size(name, path, tokens):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     moe = _full(name)
     x = torch.randn(tokens, moe.spec.hidden_size, device="cuda", dtype=torch.bfloat16)
-    picked = pick_path(x, moe.spec.top_k) == "small"
+    picked = pick_path(x, moe.spec.top_k) == path
     with torch.no_grad():
         got = moe(x)
-        moe.force_path = "small"
+        moe.force_path = path
         if picked:
-            assert torch.equal(got, moe(x))  # the unforced pick ran the small kernels
+            assert torch.equal(got, moe(x))  # the unforced pick ran this path's kernels
         got = moe(x)
         moe.force_path = "loop"
         want = moe(x)
@@ -108,25 +109,6 @@ def test_triton_paths_are_cuda_graph_capturable(name, path, tokens):
         assert torch.equal(out, moe(x))
         moe.force_path = "loop"
         torch.testing.assert_close(out.float(), moe(x).float(), atol=1e-2, rtol=1e-2)
-
-
-@pytest.mark.parametrize("name", ["thinker", "talker"])
-@pytest.mark.parametrize("tokens", [3, 16, 32, 64, 128])
-def test_tiled_path_matches_loop_at_full_size(name, tokens):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    moe = _full(name)
-    x = torch.randn(tokens, moe.spec.hidden_size, device="cuda", dtype=torch.bfloat16)
-    picked = pick_path(x, moe.spec.top_k) == "tiled"
-    with torch.no_grad():
-        got = moe(x)
-        moe.force_path = "tiled"
-        if picked:
-            assert torch.equal(got, moe(x))  # the unforced pick ran the tiled kernels
-        got = moe(x)
-        moe.force_path = "loop"
-        want = moe(x)
-    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
 
 
 def test_tiled_path_with_many_slots_on_few_experts():

@@ -122,7 +122,7 @@ class ExtrasGraphs:
         for seq, pos in zip(seqs, positions):
             row = seq.inputs.next_plain_row(pos) if seq.inputs is not None else None
             guesses.append(None if row is None else row.positions)
-            values = [float(pos)] * self.rows if row is None else row.positions
+            values = [float(pos)] if row is None else row.positions
             rows.append(values * self.rows if len(values) == 1 else values)
         n = len(seqs)
         return (guesses, to_device_async(torch.tensor(rows, dtype=torch.float32), self.device),
