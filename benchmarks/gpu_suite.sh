@@ -10,7 +10,7 @@
 # for the Orpheus server step, fastapi/uvicorn/pyzmq/msgspec; the Wan step needs diffusers for its
 # baseline (benchmarks/wan_bench.py says how to carry it); the omni steps need the Qwen3-Omni tokenizer folder
 # (mstar_tokenizers/qwen3-omni-v1, built by any qwen3_omni test here) under the temp dir. omni2 needs two GPUs.
-# ORPHEUS_CONFIG picks the Orpheus server's config (default configs/orpheus.yaml).
+# ORPHEUS_CONFIG picks the Orpheus server's config (default mstar/configs/orpheus.yaml).
 # With TAR=1 everything under $OUT is packed into $OUT/gpu_suite.tgz at the end (one file to fetch).
 # Results to commit go to benchmarks/results/.
 set -u
@@ -107,11 +107,11 @@ orpheus_sweep() {  # orpheus_sweep <config> <json name>
   kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
 }
 if [[ $WHAT == orpheus || $WHAT == orpheus_http || $WHAT == all ]]; then  # orpheus_http: the served sweep alone
-  orpheus_sweep "${ORPHEUS_CONFIG:-configs/orpheus.yaml}" orpheus_bench_h200
+  orpheus_sweep "${ORPHEUS_CONFIG:-mstar/configs/orpheus.yaml}" orpheus_bench_h200
 fi
 if [[ $WHAT == orpheus_ab ]]; then  # the sweep without, then with prefill graphs (cuda_graphs.prefill_tokens)
-  orpheus_sweep configs/orpheus_eager_prefill.yaml orpheus_bench_h200_eager_prefill
-  orpheus_sweep configs/orpheus.yaml orpheus_bench_h200
+  orpheus_sweep mstar/configs/orpheus_eager_prefill.yaml orpheus_bench_h200_eager_prefill
+  orpheus_sweep mstar/configs/orpheus.yaml orpheus_bench_h200
 fi
 if [[ $WHAT == wan_quick ]]; then  # the Wan GPU tests of the served fast paths, then 50 steps at concurrency 1 (~2 min)
   run 180 gpu_tests_wan22_quick python3 -m pytest -q -m gpu tests/gpu/test_wan22_scheduler_gpu.py \
@@ -175,7 +175,7 @@ omni_bench() {  # omni_bench <config> <json name>
   kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
 }
 if [[ $WHAT == omni || $WHAT == all ]]; then
-  omni_bench configs/qwen3_omni.yaml omni_bench_1gpu
+  omni_bench mstar/configs/qwen3_omni.yaml omni_bench_1gpu
 fi
 if [[ $WHAT == profile_omni || $WHAT == all ]]; then  # the per-component profile (<= 240 s)
   run 300 profile_omni python3 benchmarks/profile_omni.py --out "$OUT/profile_omni_h200.json"
@@ -189,8 +189,8 @@ if [[ $WHAT == code2wav || $WHAT == all ]]; then  # Code2Wav alone, as served an
   run 180 code2wav_bench python3 benchmarks/code2wav_bench.py --out "$OUT/code2wav_bench_h200.json"
 fi
 if [[ $WHAT == omni2 ]]; then  # the original's split, then the thinker tensor-parallel over both GPUs
-  omni_bench configs/qwen3_omni_2gpu.yaml omni_bench_2gpu
-  omni_bench configs/qwen3_omni_2gpu_tp.yaml omni_bench_2gpu_tp
+  omni_bench mstar/configs/qwen3_omni_2gpu.yaml omni_bench_2gpu
+  omni_bench mstar/configs/qwen3_omni_2gpu_tp.yaml omni_bench_2gpu_tp
 fi
 if [[ ${TAR:-0} == 1 ]]; then
   tar czf /tmp/gpu_suite.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu_suite.tgz "$OUT/"

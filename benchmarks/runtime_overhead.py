@@ -32,7 +32,7 @@ TOKENS = 300  # loop iterations per request; each runs 3 nodes (cond, uncond, gu
 
 
 def walk_step_us(config: str, mode: str, repeats: int = 3) -> dict:
-    cfg = load_config(ROOT / config)
+    cfg = load_config(config)
     with MStar(config=cfg, mode=mode) as m:
         m.generate({"text": "warm up"}, max_tokens=20, stop_early=False, modalities=["text"])
         times = []
@@ -70,7 +70,7 @@ def messages_per_streamed_item() -> dict:
 
     InprocNetwork._deliver = counting
     try:
-        with MStar(config=ROOT / "configs/toy_2workers.yaml") as m:
+        with MStar(config="toy_2workers") as m:
             m.generate({"text": "The quick brown fox"}, max_tokens=TOKENS, stop_early=False)
     finally:
         InprocNetwork._deliver = original
@@ -96,7 +96,7 @@ def main() -> None:
     torch.set_num_threads(1)
     compute = compute_us_per_iteration()
     steps = {f"{mode}:{cfg}": walk_step_us(cfg, mode) for cfg, mode in [
-        ("configs/toy.yaml", "inproc"), ("configs/toy.yaml", "multiproc"), ("configs/toy_3workers.yaml", "multiproc")]}
+        ("toy", "inproc"), ("toy", "multiproc"), ("toy_3workers", "multiproc")]}
     for entry in steps.values():
         entry["runtime_us_per_node_step"] = round((entry["us_per_iteration"] - compute) / 3, 1)
     result = {

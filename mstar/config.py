@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+SHIPPED_CONFIGS = Path(__file__).parent / "configs"  # one YAML per shipped placement, package data
+
 
 class ConfigError(ValueError):
     """A config file or value is wrong; the message names the key and the file."""
@@ -165,11 +167,30 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def shipped_configs() -> list[str]:
+    """Names of the configs that ship inside the package (`mstar/configs/<name>.yaml`)."""
+    return sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.yaml"))
+
+
+def config_file(path_or_name: str | Path) -> Path:
+    """The YAML file that a `--config` value means: a path, or the name of a shipped config
+    (`toy_3workers` or `toy_3workers.yaml`), so every config works from any directory."""
+    path = Path(path_or_name)
+    if path.is_file():
+        return path
+    shipped = SHIPPED_CONFIGS / f"{path.stem}.yaml"
+    if path.parent == Path(".") and path.suffix in ("", ".yaml") and shipped.is_file():
+        return shipped
+    raise ConfigError(f"config file {path} does not exist (shipped configs, usable by name: "
+                      f"{', '.join(shipped_configs())})")
+
+
 def load_config(path: str | Path, **overrides: Any) -> MStarConfig:
-    """Read a YAML file into a validated MStarConfig; `overrides` replace top-level keys."""
+    """Read a YAML file (a path or a shipped config's name) into a validated MStarConfig;
+    `overrides` replace top-level keys."""
     import yaml
 
-    path = Path(path)
+    path = config_file(path)
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except FileNotFoundError:

@@ -6,20 +6,18 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 
 from mstar import envs
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2"
-CONFIG_DIR = Path("configs")
 
 
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--gpus", default=None, help="GPU ids to use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)")
-    p.add_argument("--config", default=None, help="YAML config (default: configs/<model>.yaml when it exists)")
+    p.add_argument("--config", default=None, help="YAML config: a path, or a shipped config's name (default: the shipped <model>.yaml if any; `mstar configs` lists them)")
     p.add_argument("--model-path", default=None, help="local checkpoint folder or file instead of the default")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto", help="dummy: random weights")
     p.add_argument("--tiny", action="store_true", help="the model's tiny debug flavour")
@@ -44,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=run_serve)
     models = sub.add_parser("models", help="list registered models and their modalities")
     models.set_defaults(func=list_models)
+    configs = sub.add_parser("configs", help="list the shipped configs (usable by name with --config)")
+    configs.set_defaults(func=list_configs)
     bench.add_parser(sub)
     return parser
 
@@ -59,14 +59,26 @@ def list_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def list_configs(args: argparse.Namespace) -> int:
+    """Print each shipped config's name and its first comment line."""
+    from mstar.config import SHIPPED_CONFIGS, shipped_configs
+
+    for name in shipped_configs():
+        first = (SHIPPED_CONFIGS / f"{name}.yaml").read_text().splitlines()[:1]
+        about = first[0].lstrip("# ") if first and first[0].startswith("#") else ""
+        sys.stdout.write(f"{name:<26} {about}\n")
+    return 0
+
+
 def resolve_config(model: str | None, config_path: str | None):
-    """The config to serve: the given file, else configs/<model>.yaml, else the model on rank 0."""
-    from mstar.config import config_from_dict, load_config
+    """The config to serve: the given file or shipped name, else the shipped <model>.yaml, else the
+    model on rank 0."""
+    from mstar.config import SHIPPED_CONFIGS, config_from_dict, load_config
 
     if config_path is not None:
         return load_config(config_path, model=model)
     model = model or DEFAULT_MODEL
-    default = CONFIG_DIR / f"{model}.yaml"
+    default = SHIPPED_CONFIGS / f"{model}.yaml"
     if default.is_file():
         logger.info("using %s", default)
         return load_config(default, model=model)
@@ -131,7 +143,7 @@ def serve_main(argv: list[str] | None = None) -> int:
     _add_serve_arguments(parser)
     args = parser.parse_args(argv)
     if args.config is None and args.model is None:
-        parser.error("give --config configs/<model>.yaml (or --model NAME)")
+        parser.error("give --config FILE_OR_SHIPPED_NAME (or --model NAME)")
     return run_serve(args)
 
 

@@ -17,7 +17,6 @@ import torch
 from mstar.config import load_config
 from mstar.models.qwen3_omni.full import FULL_TOKEN_IDS
 
-ROOT = Path(__file__).resolve().parents[2]
 FOLDER = Path(tempfile.gettempdir()) / "mstar_tokenizers" / "qwen3-omni-v1"
 SAMPLES_PER_FRAME = 1920
 LOOKAHEAD_SAMPLES = 555  # Code2Wav.lookahead_samples of the real model: T frames give T * 1920 - 555 samples
@@ -52,11 +51,11 @@ def test_full_thinker_fills_in_place_on_the_gpu():
 
 
 def test_full_dummy_model_serves_text_and_speech_on_one_gpu():
-    """configs/qwen3_omni.yaml (every component on one GPU) with random weights: the thinker fills
+    """mstar/configs/qwen3_omni.yaml (every component on one GPU) with random weights: the thinker fills
     max_tokens, the talker speaks talker.max_tokens frames, Code2Wav decodes them all."""
     from mstar.runtime.offline import MStar
 
-    config = load_config(ROOT / "configs" / "qwen3_omni.yaml")
+    config = load_config("qwen3_omni")
     frames = 30
     options = {"modalities": ["text", "audio"], "max_tokens": 8, "ignore_eos": True, "temperature": 0.0,
                "talker.max_tokens": frames, "talker.ignore_eos": True, "seed": 0}

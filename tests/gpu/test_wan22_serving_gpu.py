@@ -24,7 +24,7 @@ def _run(m, seeds=(0, 1)) -> list:
 def test_dummy_full_size_two_requests_batch_on_one_gpu():
     torch.zeros(1, device="cuda")  # the allocator keeps statistics once it has run ("Invalid device argument")
     torch.cuda.reset_peak_memory_stats(0)
-    with MStar(config="configs/wan22.yaml", load_format="dummy") as m:
+    with MStar(config="wan22", load_format="dummy") as m:
         results = _run(m)
     for r in results:
         video = r.outputs["video"][0]
@@ -35,9 +35,9 @@ def test_dummy_full_size_two_requests_batch_on_one_gpu():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_cfg_parallel_on_two_gpus_matches_one_gpu():
-    with MStar(config="configs/wan22.yaml", load_format="dummy") as m:
+    with MStar(config="wan22", load_format="dummy") as m:
         one = _run(m, seeds=(5,))[0]
-    with MStar(config="configs/wan22_cfg_parallel.yaml", mode="multiproc", load_format="dummy") as m:
+    with MStar(config="wan22_cfg_parallel", mode="multiproc", load_format="dummy") as m:
         two = _run(m, seeds=(5,))[0]
     # bf16 DiT: batching the branches (2 rows vs 1) changes kernels, so allow bf16-level differences
     for a, b in zip(one.outputs["step_latents"], two.outputs["step_latents"], strict=True):

@@ -66,7 +66,7 @@ def test_two_gpu_sequence_parallel_dit_matches_one_gpu(tmp_path) -> None:
 
 
 def test_sp2_runtime_on_two_gpus_matches_one_gpu() -> None:
-    """configs/wan22_sp2.yaml through the runtime (2 worker processes, NCCL), tiny float32, vs one GPU."""
+    """mstar/configs/wan22_sp2.yaml through the runtime (2 worker processes, NCCL), tiny float32, vs one GPU."""
     from wan22_testing import NEGATIVE, PROMPTS, outputs_of
 
     from mstar.config import load_config
@@ -81,7 +81,7 @@ def test_sp2_runtime_on_two_gpus_matches_one_gpu() -> None:
 
     with MStar("wan22", tiny=True) as m:
         expected = run(m)
-    with MStar(config=load_config("configs/wan22_sp2.yaml"), mode="multiproc", tiny=True) as m:
+    with MStar(config=load_config("wan22_sp2"), mode="multiproc", tiny=True) as m:
         got = run(m)
     for ours, want in zip(got, expected, strict=True):
         for a, b in zip(ours["steps"], want["steps"], strict=True):

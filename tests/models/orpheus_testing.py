@@ -9,14 +9,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from mstar.config import config_file
 
 
 def yaml_config(name: str, **overrides) -> dict:
-    """configs/<name>.yaml as a dict, on CPU, with a small KV pool; `overrides` replace top-level keys."""
+    """mstar/configs/<name>.yaml as a dict, on CPU, with a small KV pool; `overrides` replace top-level keys."""
     import yaml
 
-    data = yaml.safe_load((ROOT / "configs" / f"{name}.yaml").read_text())
+    data = yaml.safe_load(config_file(name).read_text())
     return {**data, "device": "cpu", "kv_cache": {"max_num_pages": 256, "page_size": 16}, **overrides}
 
 

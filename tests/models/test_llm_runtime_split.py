@@ -1,16 +1,12 @@
-"""Prefill on worker 0, decode on worker 1 (configs/llama_pd.yaml, multiproc): same tokens as one worker."""
+"""Prefill on worker 0, decode on worker 1 (mstar/configs/llama_pd.yaml, multiproc): same tokens as one worker."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 from llm_runtime_testing import PROMPTS, hf_greedy, make_checkpoint, token_ids
 
 from mstar.config import load_config
 from mstar.runtime.offline import MStar
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +19,7 @@ def checkpoint(tmp_path_factory):
 def _config(**kw):
     import dataclasses
 
-    cfg = load_config(ROOT / "configs" / "llama_pd.yaml")
+    cfg = load_config("llama_pd")
     return dataclasses.replace(cfg, device="cpu", **kw)
 
 

@@ -1,4 +1,4 @@
-"""Orpheus across processes with the vocoder on a second worker (configs/orpheus_disaggregated.yaml):
+"""Orpheus across processes with the vocoder on a second worker (mstar/configs/orpheus_disaggregated.yaml):
 the same audio as in-process on one worker, streamed in order."""
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """A spoken chat about an image and an audio clip (--tiny, CPU) gives the same text and audio on one worker
-and on two worker processes placed as configs/qwen3_omni_2gpu.yaml (encoders + thinker on rank 0)."""
+and on two worker processes placed as mstar/configs/qwen3_omni_2gpu.yaml (encoders + thinker on rank 0)."""
 
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +9,6 @@ import pytest
 from mstar.config import load_config
 from mstar.runtime.offline import MStar
 
-ROOT = Path(__file__).parents[2]
 KWARGS = {"code2wav_chunk": 4}
 OPTIONS = dict(temperature=0.0, max_tokens=6, modalities=["text", "audio"],
                **{"talker.temperature": 0.0, "talker.max_tokens": 8})
@@ -31,7 +29,7 @@ def test_one_worker_and_two_processes_agree_on_a_media_chat():
     config = {"model": "qwen3_omni", "device": "cpu", "model_kwargs": KWARGS}
     with MStar("qwen3_omni", config=config, tiny=True) as one:
         want = one.generate(_request(), **OPTIONS)
-    cfg = dataclasses.replace(load_config(ROOT / "configs" / "qwen3_omni_2gpu.yaml"), device="cpu",
+    cfg = dataclasses.replace(load_config("qwen3_omni_2gpu"), device="cpu",
                               model_kwargs=KWARGS)
     with MStar("qwen3_omni", config=cfg, mode="multiproc", tiny=True) as two:
         got = two.generate(_request(), **OPTIONS)

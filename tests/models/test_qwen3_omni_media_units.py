@@ -96,7 +96,7 @@ def test_row_count_mismatch_is_an_error(vision):
 
 @pytest.mark.parametrize("file,rank", [("qwen3_omni.yaml", 0), ("qwen3_omni_2gpu.yaml", 0), ("qwen3_omni_pd.yaml", 1)])
 def test_configs_place_the_encoders_with_the_media_prefill(file, rank):
-    config = load_config(f"configs/{file}")
+    config = load_config(file)
     plan = plan_placement(omni_graph(OmniServeConfig()), config.node_groups, file)
     for component in ("audio_encoder", "vision_encoder", "thinker"):
         assert plan.replicas(component, "prefill_media") == ((rank,),)

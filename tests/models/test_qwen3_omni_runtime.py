@@ -1,10 +1,9 @@
 """Served Qwen3-Omni at tiny size (Qwen tokenizer, random weights): in-process on one worker and
-multi-process over two CPU workers (configs/qwen3_omni_2gpu.yaml) give the same text and audio."""
+multi-process over two CPU workers (mstar/configs/qwen3_omni_2gpu.yaml) give the same text and audio."""
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +11,6 @@ import pytest
 from mstar.config import load_config
 from mstar.runtime.offline import MStar
 
-ROOT = Path(__file__).resolve().parents[2]
 CHAT = {"messages": [{"role": "user", "content": "Say hello to the assistant."}]}
 KWARGS = {"code2wav_chunk": 4}  # several audio chunks from a short answer
 SPOKEN = {"temperature": 0.0, "max_tokens": 6, "modalities": ["text", "audio"], "voice": "Aiden",
@@ -38,7 +36,7 @@ def test_one_worker_and_two_processes_agree():
     spoken_text, audio, text, pieces = want
     assert text and spoken_text == text  # speaking changes nothing in the thinker's greedy text
     assert audio.dtype == np.float32 and len(pieces) > 1, "audio should stream in several chunks"
-    cfg = dataclasses.replace(load_config(ROOT / "configs" / "qwen3_omni_2gpu.yaml"), device="cpu",
+    cfg = dataclasses.replace(load_config("qwen3_omni_2gpu"), device="cpu",
                               model_kwargs=KWARGS)
     with MStar("qwen3_omni", config=cfg, mode="multiproc", tiny=True) as two:
         got = _run(two)

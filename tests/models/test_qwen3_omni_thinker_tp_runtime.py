@@ -1,12 +1,11 @@
 """Qwen3-Omni served with its thinker tensor-parallel over two CPU worker processes (gloo; heads and
 experts split, the engines in lockstep: worker/replica.py), the encoders with its lead and the talk
-loop with its follower, as configs/qwen3_omni_2gpu_tp.yaml places them: from the tiny reference
+loop with its follower, as mstar/configs/qwen3_omni_2gpu_tp.yaml places them: from the tiny reference
 checkpoint, the same greedy text and spoken answer as the whole thinker on one worker."""
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +15,6 @@ from mstar.runtime.offline import MStar
 from tests.models.qwen3_omni_model_testing import PROMPT, make_reference, outputs, runtime_config, submit_ids
 
 pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 SPOKEN = {"modalities": ["text", "audio"], "temperature": 0.0, "max_tokens": 8, "ignore_eos": True,
           "talker.temperature": 0.0, "talker.max_tokens": 10}
@@ -33,7 +31,7 @@ def _serve(folder, config) -> tuple[list[list[int]], torch.Tensor]:
 def test_tensor_parallel_thinker_serves_the_same_answers(tmp_path, split_attention):
     make_reference(tmp_path)
     one = {**runtime_config(dtype="float32"), "device": "cpu"}
-    layout = load_config(ROOT / "configs" / "qwen3_omni_2gpu_tp.yaml").node_groups
+    layout = load_config("qwen3_omni_2gpu_tp").node_groups
     two = {**runtime_config(dtype="float32", thinker_tp_attention=split_attention), "device": "cpu",
            "node_groups": [dataclasses.asdict(group) for group in layout]}
     assert two["node_groups"][0]["tp_size"] == 2

@@ -14,7 +14,7 @@ from mstar.runtime.offline import MStar, RequestFailed
 from mstar.transport.tensors import list_segments
 
 PROMPTS = ["The quick brown fox", "hello", "abc", "mstar serves composite models"]
-CONFIGS = ["configs/toy.yaml", "configs/toy_2workers.yaml", "configs/toy_3workers.yaml"]
+CONFIGS = ["toy", "toy_2workers", "toy_3workers"]
 
 
 def run_all(m, **options):
@@ -29,7 +29,7 @@ def as_arrays(results):
 
 @pytest.fixture(scope="module")
 def reference():
-    with MStar(config="configs/toy.yaml", mode="inproc") as m:
+    with MStar(config="toy", mode="inproc") as m:
         return as_arrays(run_all(m, max_tokens=24)), [r.finish_reason for r in run_all(m, max_tokens=24)]
 
 
@@ -49,7 +49,7 @@ def test_same_outputs_in_every_placement_and_mode(reference, config, mode):
 
 
 def test_streamed_chunks_arrive_complete_and_in_order():
-    with MStar(config="configs/toy_2workers.yaml", mode="multiproc") as m:
+    with MStar(config="toy_2workers", mode="multiproc") as m:
         handle = m.submit({"text": "The quick brown fox"}, max_tokens=30, stop_early=False)
         events = list(handle)
     seqs = {}
@@ -113,7 +113,7 @@ def test_200_cancelled_requests_leave_no_state_inproc():
 
 def test_200_cancelled_requests_leave_no_shared_memory_across_processes():
     # hidden=9000 makes the context vector 72 KB: it crosses processes through shared memory.
-    cfg = load_config("configs/toy_3workers.yaml")
+    cfg = load_config("toy_3workers")
     cfg.model_kwargs = {"hidden": 9000, "step_delay_s": 0.002}
     with MStar(config=cfg, mode="multiproc") as m:
         handles = [m.submit({"text": f"req {i}"}, max_tokens=100_000, stop_early=False) for i in range(200)]

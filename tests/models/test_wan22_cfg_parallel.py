@@ -1,4 +1,4 @@
-"""Guidance branches on two worker processes (configs/wan22_cfg_parallel.yaml) give what one device gives."""
+"""Guidance branches on two worker processes (mstar/configs/wan22_cfg_parallel.yaml) give what one device gives."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ OPTIONS = {"negative_prompt": NEGATIVE, "width": 64, "height": 64, "num_frames":
 
 
 def test_cfg_parallel_placement_splits_the_branches_by_node_name():
-    config = load_config("configs/wan22_cfg_parallel.yaml")
+    config = load_config("wan22_cfg_parallel")
     cls = get_model_class("wan22")
     graph = cls(cls.make_config(tiny=True)).graph()
     plan = plan_placement(graph, config.node_groups, config.source)
@@ -42,7 +42,7 @@ def root(tmp_path_factory):
 def test_two_process_cfg_parallel_equals_one_device(root):
     with MStar("wan22", tiny=True, model_path=str(root)) as m:
         expected = _run(m)
-    with MStar(config="configs/wan22_cfg_parallel.yaml", mode="multiproc", tiny=True, model_path=str(root)) as m:
+    with MStar(config="wan22_cfg_parallel", mode="multiproc", tiny=True, model_path=str(root)) as m:
         got = _run(m)
     for ours, want in zip(got, expected, strict=True):
         assert len(ours["steps"]) == 3
@@ -63,7 +63,7 @@ def test_each_rank_runs_only_its_branch(root, monkeypatch):
         return original(self, items)
 
     monkeypatch.setattr(DiTComponent, "run_items", spy)
-    with MStar(config="configs/wan22_cfg_parallel.yaml", tiny=True, model_path=str(root)) as m:
+    with MStar(config="wan22_cfg_parallel", tiny=True, model_path=str(root)) as m:
         m.submit({"text": PROMPTS[0]}, seed=0, **OPTIONS).result()
         ranks = {rank: id(w.engines["dit"].module) for rank, w in m.runtime.workers.items()}
     assert seen == {ranks[0]: {"cond"}, ranks[1]: {"uncond"}}

@@ -1,4 +1,4 @@
-"""The DiT on a 2-rank sequence-parallel replica (configs/wan22_sp2.yaml: 2 worker processes, gloo) gives
+"""The DiT on a 2-rank sequence-parallel replica (mstar/configs/wan22_sp2.yaml: 2 worker processes, gloo) gives
 what one device gives; in-process mode refuses multi-rank replicas with the fix."""
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ def _run(m) -> list[dict]:
 
 def test_in_process_mode_refuses_multi_rank_replicas():
     with pytest.raises(ValueError, match=r"components \['dit'\] run on multi-rank replicas .* use mode='multiproc'"):
-        MStar(config=load_config("configs/wan22_sp2.yaml"), tiny=True)
+        MStar(config=load_config("wan22_sp2"), tiny=True)
 
 
 def test_sequence_parallel_replica_equals_one_device():
     with MStar("wan22", tiny=True) as m:
         expected = _run(m)
-    with MStar(config=load_config("configs/wan22_sp2.yaml"), mode="multiproc", tiny=True) as m:
+    with MStar(config=load_config("wan22_sp2"), mode="multiproc", tiny=True) as m:
         got = _run(m)
     for ours, want in zip(got, expected, strict=True):
         assert len(ours["steps"]) == 3

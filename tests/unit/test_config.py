@@ -2,7 +2,7 @@
 
 import pytest
 
-from mstar.config import ConfigError, config_from_dict, load_config
+from mstar.config import SHIPPED_CONFIGS, ConfigError, config_from_dict, load_config
 from mstar.graph.placement import PlacementError, plan_placement
 from mstar.models.toy.model import ToyModel
 
@@ -87,9 +87,34 @@ def test_unknown_model_lists_valid_names():
 
 
 def test_every_shipped_config_loads():
-    from pathlib import Path
-
-    configs = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+    configs = sorted(SHIPPED_CONFIGS.glob("*.yaml"))
     assert len(configs) >= 5
     for path in configs:
         assert load_config(path).model, path
+
+
+def test_shipped_configs_load_by_name_from_any_directory(tmp_path, monkeypatch):
+    from mstar.cli.main import resolve_config
+
+    monkeypatch.chdir(tmp_path)  # no configs/ folder here
+    assert load_config("toy_3workers").source == str(SHIPPED_CONFIGS / "toy_3workers.yaml")
+    assert load_config("toy_2workers.yaml").num_workers == 2
+    assert resolve_config("toy", None).source == str(SHIPPED_CONFIGS / "toy.yaml")  # `mstar serve toy`
+    assert resolve_config("qwen3", None).source == "<defaults for qwen3>"  # no shipped file: defaults
+    with pytest.raises(ConfigError, match=r"config file toy_9workers does not exist \(shipped configs, usable "
+                                          r"by name: .*toy_3workers"):
+        load_config("toy_9workers")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("elsewhere/toy.yaml")  # a path is never read as a shipped name
+    local = tmp_path / "toy.yaml"  # a file in the working directory wins over the shipped one
+    local.write_text("model: toy\nnode_groups: [{node_names: [encoder, decoder, guide, painter, vocoder], ranks: [0]}]\n")
+    assert load_config("toy.yaml").source == "toy.yaml"
+
+
+def test_mstar_configs_lists_the_shipped_configs(capsys):
+    from mstar.cli.main import main
+
+    assert main(["configs"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.yaml"))
+    assert any(line.startswith("toy_2workers") and "second worker" in line for line in lines)

@@ -21,7 +21,7 @@ def _groups(*groups: dict):
 
 
 def test_sp2_dit_is_one_replica_of_two_ranks():
-    config = load_config("configs/wan22_sp2.yaml")
+    config = load_config("wan22_sp2")
     plan = plan_placement(_wan_graph(), config.node_groups, config.source)
     assert plan.replicas("dit", "denoise") == ((0, 1),)
     assert plan.replicas("vae", "decode") == ((0,),)

@@ -34,8 +34,8 @@ def _run(config: str) -> tuple[dict, Counter, list[int]]:
 
 
 def test_same_worker_stream_sends_no_messages_and_matches_two_workers():
-    local, local_counts, local_sizes = _run("configs/toy.yaml")
-    remote, remote_counts, _ = _run("configs/toy_2workers.yaml")
+    local, local_counts, local_sizes = _run("toy")
+    remote, remote_counts, _ = _run("toy_2workers")
     assert local_counts["StreamItem"] == 0
     assert remote_counts["StreamItem"] > 40  # the prompt's last token and every generated one
     assert local_sizes == [0]  # nothing of the finished request is left, local stream items included
