@@ -100,7 +100,7 @@ CACHE_DIR = EnvVar(
     "MSTAR_CACHE_DIR", "path", "~/.cache/mstar", "where mstar keeps converted checkpoints")
 API_KEY = EnvVar(
     "MSTAR_API_KEY", "str", "unset",
-    "default of `mstar serve --api-key`: the Bearer token every route but /health requires")
+    "the Bearer token every route but /health requires (`mstar serve --api-key-file` overrides it); never printed")
 SESSION = EnvVar(
     "MSTAR_SESSION", "str", "unset",
     "transport session id (1-32 of [A-Za-z0-9_]) grouping one run's shared-memory segments; the "

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from mstar import envs
 
@@ -22,8 +23,10 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto", help="dummy: random weights")
     p.add_argument("--tiny", action="store_true", help="the model's tiny debug flavour")
     p.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-    p.add_argument("--api-key", default=envs.api_key(),
-                   help="require 'Authorization: Bearer <key>' on every route but /health (env MSTAR_API_KEY)")
+    p.add_argument("--api-key-file", default=None,
+                   help="require 'Authorization: Bearer <key>' on every route but /health, the key being this "
+                        "file's first line (or set MSTAR_API_KEY); never printed")
+    p.add_argument("--api-key", default=None, help=argparse.SUPPRESS)  # refused: see read_api_key
     p.add_argument("--mode", choices=("auto", "inproc", "multiproc"), default="auto",
                    help="workers as threads of this process, or one process per worker; auto: one process per "
                         "worker when CUDA is available (the HTTP server and the workers then never share a GIL), "
@@ -85,10 +88,27 @@ def resolve_config(model: str | None, config_path: str | None):
     return config_from_dict({"model": model}, source=f"<defaults for {model}>")
 
 
+def read_api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key-file, else MSTAR_API_KEY, else None; a key on the command line is refused
+    since every user of the machine can read it in the process list."""
+    if args.api_key is not None:
+        raise SystemExit("mstar: --api-key would show the key in the process list; put it in a file and pass "
+                         "--api-key-file FILE, or set MSTAR_API_KEY")
+    if args.api_key_file is None:
+        return envs.api_key()
+    try:
+        lines = Path(args.api_key_file).read_text().splitlines()
+    except OSError as exc:
+        raise SystemExit(f"mstar: cannot read --api-key-file: {exc}") from None
+    if not lines or not lines[0].strip():
+        raise SystemExit(f"mstar: --api-key-file {args.api_key_file} is empty; its first line is the key")
+    return lines[0].strip()
+
+
 def snippets(base_url: str, model: str, api_key: str | None) -> str:
-    """Copy-paste examples for curl, the mstar SDK and the OpenAI client."""
-    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
-    key = repr(api_key or "none")
+    """Copy-paste examples for curl, the mstar SDK and the OpenAI client; a key shows as $MSTAR_API_KEY."""
+    auth = " -H \"Authorization: Bearer $MSTAR_API_KEY\"" if api_key else ""
+    key = 'os.environ["MSTAR_API_KEY"]' if api_key else repr("none")
     return f"""
 mstar is serving {model!r} at {base_url}   (docs: {base_url}/docs, metrics: {base_url}/metrics)
 
@@ -113,6 +133,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from mstar.server.app import create_app
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = read_api_key(args)
     stacks_on_sigusr1()
     if args.gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus
@@ -121,9 +142,9 @@ def run_serve(args: argparse.Namespace) -> int:
                       model_path=args.model_path)
     stacks_on_sigusr1(runtime.worker_pids)  # from now on the workers dump theirs too
     try:
-        app = create_app(runtime, api_key=args.api_key)
+        app = create_app(runtime, api_key=api_key)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-        sys.stderr.write(snippets(f"http://{host}:{args.port}", config.model, args.api_key))
+        sys.stderr.write(snippets(f"http://{host}:{args.port}", config.model, api_key))
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
     finally:
         runtime.shutdown()

@@ -138,8 +138,8 @@ class Conductor:
                     self._start_walk(req, first)
             if not req.active_lanes:
                 self._end(req, FinishEvent(req.rid, "stop"))
-        except AdmissionError as exc:
-            self._end(req, FinishEvent(req.rid, "error", str(exc), exc.status))
+        except Exception as exc:  # the request fails alone and gives its slot back
+            self._end(req, _failure(req, exc))
 
     def _start_walk(self, req: RequestState, name: str) -> None:
         walk = self._walks[name]
@@ -175,14 +175,14 @@ class Conductor:
             req.stream_counts[stream] = req.stream_counts.get(stream, 0) + count
         req.finish_reason = msg.finish_reason or req.finish_reason
         lane = self._lanes[self._walks[msg.walk].lane]
-        nxt = None if msg.stopped else lane.next_walk(msg.walk, req.options)
         try:
+            nxt = None if msg.stopped else lane.next_walk(msg.walk, req.options)
             if nxt is not None:
                 self._start_walk(req, nxt)
                 return
             self._lane_done(req, lane.name)
-        except AdmissionError as exc:
-            self._end(req, FinishEvent(req.rid, "error", str(exc), exc.status, dict(req.out_seq)))
+        except Exception as exc:  # as in _admit: this request fails, the others go on
+            self._end(req, _failure(req, exc))
 
     def _lane_done(self, req: RequestState, lane: str) -> None:
         req.active_lanes.discard(lane)
@@ -233,6 +233,14 @@ class Conductor:
                 req.workers.add(replica[0])
                 self._load[replica[0]] += 1
         return routes
+
+
+def _failure(req: RequestState, exc: Exception) -> FinishEvent:
+    """The event that fails `req` for `exc`: an AdmissionError's own status, else a logged 500."""
+    if isinstance(exc, AdmissionError):
+        return FinishEvent(req.rid, "error", str(exc), exc.status, dict(req.out_seq))
+    logger.exception("request %s failed between walks", req.rid)
+    return FinishEvent(req.rid, "error", f"internal error: {type(exc).__name__}: {exc}", 500, dict(req.out_seq))
 
 
 def _first_node(walk: Walk) -> str:

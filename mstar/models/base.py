@@ -25,6 +25,49 @@ import torch
 from mstar.graph import ModelGraph
 
 
+class OptionError(ValueError):
+    """A request option is malformed; `option` names it."""
+
+    def __init__(self, option: str, message: str) -> None:
+        super().__init__(message)
+        self.option = option
+
+
+MAX_OPTION_DEPTH = 8  # lists and mappings inside an option value; deeper is refused before any copy
+
+
+def check_option_types(defaults: Mapping[str, Any], options: Mapping[str, Any]) -> None:
+    """Raise OptionError naming the first option whose value is not of its default's kind (a bool,
+    a whole number, a number, a string, a list or a mapping) or nests deeper than MAX_OPTION_DEPTH,
+    before any model code reads it."""
+    for key, value in options.items():
+        default = defaults.get(key)
+        kind = _OPTION_KINDS.get(list if isinstance(default, tuple) else type(default))
+        if kind is not None and not kind[1](value):
+            raise OptionError(key, f"option {key!r} must be {kind[0]}, got {value!r:.80}")
+        if _nests_deeper(value, MAX_OPTION_DEPTH):
+            raise OptionError(key, f"option {key!r} nests lists or mappings deeper than {MAX_OPTION_DEPTH} levels")
+
+
+def _nests_deeper(value: Any, levels: int) -> bool:
+    if not isinstance(value, list | tuple | dict):
+        return False
+    if levels == 0:
+        return True
+    items = value.values() if isinstance(value, dict) else value
+    return any(_nests_deeper(v, levels - 1) for v in items)
+
+
+_OPTION_KINDS = {  # a default's type -> (what to call it, whether a request's value fits)
+    bool: ("true or false", lambda v: isinstance(v, bool)),
+    int: ("a whole number", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    float: ("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool)),
+    str: ("a string", lambda v: isinstance(v, str)),
+    list: ("a list", lambda v: isinstance(v, list | tuple)),
+    dict: ("a mapping", lambda v: isinstance(v, dict)),
+}
+
+
 @dataclass
 class BuiltComponent:
     """A component ready to run: its module and what its engine needs to know."""

@@ -16,7 +16,7 @@ from typing import Any
 
 from mstar.conductor.request_state import FinishEvent, OutputEvent
 from mstar.config import MStarConfig, config_from_dict, load_config
-from mstar.models.base import OutputDecoder
+from mstar.models.base import OutputDecoder, check_option_types
 from mstar.runtime.launcher import Runtime
 
 
@@ -106,6 +106,7 @@ class MStar:
     def submit(self, request: dict[str, Any], request_id: str | None = None, **options: Any) -> RequestHandle:
         """Start a request; `options` override the model's per-request defaults."""
         rid = request_id or uuid.uuid4().hex
+        check_option_types(self.runtime.model.default_options, options)
         opts = self.runtime.model.request_options(options)
         self.processor.validate_options(opts)
         inputs = self.processor.inputs(request, opts)

@@ -18,6 +18,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from mstar.conductor.request_state import FinishEvent, OutputEvent
+from mstar.models.base import OptionError, check_option_types
 from mstar.server.protocol import Usage
 
 logger = logging.getLogger(__name__)
@@ -145,12 +146,15 @@ async def start_request(state, request: dict[str, Any], options: Mapping[str, An
     from mstar.conductor.conductor import AdmissionError
 
     runtime = state.runtime
-    opts = runtime.model.request_options(dict(options))
     try:
+        check_option_types(runtime.model.default_options, options)
+        opts = runtime.model.request_options(dict(options))
         runtime.processor.validate_options(opts)
         inputs = await run_in_threadpool(runtime.processor.inputs, request, opts)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise RequestError(400, str(exc).strip("'\"")) from None
+    except OptionError as exc:
+        raise RequestError(400, str(exc), exc.option) from None
+    except (ValueError, TypeError, KeyError) as exc:  # a KeyError's text is its quoted argument
+        raise RequestError(400, str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)) from None
     stream = RequestStream(state, rid or uuid.uuid4().hex, inputs, opts)
     try:
         runtime.submit(stream.rid, inputs, opts, stream.sink)

@@ -86,11 +86,6 @@ def _install_error_handlers(app: FastAPI) -> None:
             message = f"no route {request.method} {request.url.path}; see /docs for the API"
         return error_json(exc.status_code, message, headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_json(500, f"internal error: {type(exc).__name__}")
-
 
 @asynccontextmanager
 async def _warm_lifespan(app: FastAPI):

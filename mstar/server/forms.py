@@ -90,6 +90,8 @@ async def json_or_form(request: Request, cls: type[M], file_fields: tuple[str, .
         data = json.loads(raw) if raw else None
     except ValueError as exc:
         raise RequestError(400, f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise RequestError(400, "the body's JSON is nested too deeply") from None
     if not isinstance(data, dict):
         raise RequestError(400, f"the body must be a JSON object, got {type(data).__name__}")
     return validate(cls, data), None
@@ -137,7 +139,7 @@ def form_options(extra: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, str):
             try:
                 value = json.loads(value)
-            except ValueError:
+            except (ValueError, RecursionError):
                 pass
         out[key] = value
     return out

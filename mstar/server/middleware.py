@@ -1,18 +1,22 @@
 """Pure ASGI middleware (no BaseHTTPMiddleware: it would hide client disconnects from handlers).
 
-`GuardMiddleware` enforces the bearer token, caps request bodies and counts responses per route.
+`GuardMiddleware` enforces the bearer token, caps request bodies, counts responses per route and
+answers any unhandled error with a counted 500.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import logging
+import uuid
 from typing import Any
 
 from starlette.exceptions import HTTPException
 
 from mstar.server.protocol import error_response
 
+logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)  # reachable without the API key (load balancer probes)
 
 
@@ -81,6 +85,11 @@ class GuardMiddleware:
         except _TooLarge:  # a chunked body with no content-length ran past the cap
             if not started:
                 await send_error(counting_send, 413, f"request body is over the limit of {self.max_body_bytes} bytes")
+        except Exception:  # answered and counted here, logged once; the connection stays usable
+            error_id = uuid.uuid4().hex[:12]
+            logger.exception("unhandled error %s on %s %s", error_id, scope.get("method"), path)
+            if not started:
+                await send_error(counting_send, 500, f"internal error {error_id} (the server log has its traceback)")
 
     def _authorized(self, scope) -> bool:
         value = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")

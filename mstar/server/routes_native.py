@@ -154,7 +154,7 @@ def form_fields_of(form) -> dict[str, Any]:
 def _json(text: str, field: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise RequestError(400, f"form field {field!r} is not valid JSON: {exc}", field) from None
 
 

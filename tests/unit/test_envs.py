@@ -97,7 +97,7 @@ def test_bad_value_names_variable_and_accepted_values(monkeypatch, name, value, 
 
 
 def test_call_sites_use_the_accessors(monkeypatch):
-    from mstar.cli.main import build_parser
+    from mstar.cli.main import build_parser, read_api_key
     from mstar.layers.fused import _Switch
     from mstar.layers.linear import _SkinnySwitch
     from mstar.transport.tensors import session_id
@@ -108,7 +108,7 @@ def test_call_sites_use_the_accessors(monkeypatch):
     monkeypatch.setenv("MSTAR_SESSION", "run_42")
     assert _Switch().enabled is False
     assert _SkinnySwitch().force is True
-    assert build_parser().parse_args(["serve"]).api_key == "k"
+    assert read_api_key(build_parser().parse_args(["serve"])) == "k"
     assert session_id() == "run_42"
     monkeypatch.setenv("MSTAR_SESSION", "bad-id")
     with pytest.raises(ValueError, match="set MSTAR_SESSION or pass session="):

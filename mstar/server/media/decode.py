@@ -72,6 +72,8 @@ def decode_image(source, policy: MediaPolicy | None = None) -> np.ndarray:
             return np.asarray(rgb, dtype=np.uint8).copy()
     except MediaError:
         raise
+    except Image.DecompressionBombError:  # Pillow refuses at open what is far past its own limit
+        raise MediaError(413, f"image is over the limit of {policy.max_image_pixels} pixels") from None
     except UnidentifiedImageError:
         raise MediaError(400, f"could not decode image: not one of {', '.join(IMAGE_FORMATS)}, or corrupt") from None
     except (OSError, ValueError, SyntaxError, EOFError) as exc:

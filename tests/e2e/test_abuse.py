@@ -1,0 +1,90 @@
+"""Input a hostile client sends: each is answered 4xx on its own, holds no slot afterwards, and an
+unhandled server error is answered, counted in /metrics and leaves the connection usable."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+
+import httpx
+import pytest
+
+from tests.e2e.server_thread import in_flight, metric_sum, running_server, scrape
+
+
+@pytest.fixture(scope="module")
+def base():
+    with running_server({"model": "toy"}) as url:
+        yield url
+
+
+def _png_declaring(width: int, height: int) -> bytes:
+    """A one-pixel PNG whose header claims width x height (a decompression bomb's first bytes)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(buf, "PNG")
+    data = bytearray(buf.getvalue())
+    data[16:24] = struct.pack(">II", width, height)  # IHDR's size, then its CRC over type and fields
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])))
+    return bytes(data)
+
+
+def test_a_thousand_wrong_typed_options_leave_no_slot_in_use(base):
+    bodies = [{"text": "x", "options": {"modalities": 5}}, {"text": "x", "options": {"guidance": "abc"}},
+              {"text": "x", "options": {"max_tokens": 2.5}}, {"text": "x", "options": {"stop_early": "no"}}]
+    with httpx.Client(base_url=base, timeout=30) as client:
+        for i in range(1000):
+            resp = client.post("/generate", json={**bodies[i % 4], "stream": i % 2 == 0})
+            assert resp.status_code == 400, resp.text
+        error = client.post("/generate", json=bodies[1]).json()["error"]
+        assert error["message"] == "option 'guidance' must be a number, got 'abc'" and error["param"] == "guidance"
+        assert in_flight(base) == 0
+        ok = client.post("/generate", json={"text": "still serving", "stream": False, "options": {"max_tokens": 3}})
+        assert ok.status_code == 200 and ok.json()["finish_reason"] in ("stop", "length")
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/generate", b'{"text": "x", "options": {"a": ' + b"[" * 50_000 + b"]" * 50_000 + b"}}"),
+    ("/v1/chat/completions", b'{"model": "toy", "messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"),
+    ("/generate", b'{"text": "x", "options": {"a": ' + b"[" * 20 + b"]" * 20 + b"}}"),
+])
+def test_deeply_nested_json_is_refused(base, route, body):
+    resp = httpx.post(f"{base}{route}", content=body, headers={"content-type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("size", [(30000, 30000), (20000, 20000)])
+def test_images_declaring_too_many_pixels_are_refused_on_every_route(base, size):
+    png = base64.b64encode(_png_declaring(*size)).decode()
+    data_url = f"data:image/png;base64,{png}"
+    answers = [
+        httpx.post(f"{base}/generate", json={"text": "x", "media": [{"type": "image", "data": png}]}),
+        httpx.post(f"{base}/v1/chat/completions", json={"model": "toy", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": data_url}}]}]}),
+        httpx.post(f"{base}/v1/images/edits", data={"prompt": "x"},
+                   files={"image": ("a.png", _png_declaring(*size), "image/png")}),
+    ]
+    for resp in answers:
+        assert resp.status_code == 413, resp.text
+        assert "pixels" in resp.json()["error"]["message"]
+
+
+def test_an_unhandled_error_is_a_counted_500_and_the_connection_stays_usable(base, monkeypatch):
+    from mstar.server import routes_native
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("planted")
+
+    monkeypatch.setattr(routes_native, "build_request", broken)
+    before = metric_sum(scrape(base), "mstar_http_responses_total", route="/generate", status="500") or 0
+    with httpx.Client(base_url=base, timeout=30) as client:
+        resp = client.post("/generate", json={"text": "x"})
+        assert resp.status_code == 500 and "internal error" in resp.json()["error"]["message"]
+        assert "planted" not in resp.text  # the traceback stays in the log
+        assert client.get("/health").status_code == 200  # same connection
+    after = metric_sum(scrape(base), "mstar_http_responses_total", route="/generate", status="500")
+    assert after == before + 1
