@@ -27,6 +27,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer <key>' on every route but /health, the key being this "
                         "file's first line (or set MSTAR_API_KEY); never printed")
     p.add_argument("--api-key", default=None, help=argparse.SUPPRESS)  # refused: see read_api_key
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds that SIGTERM or Ctrl-C lets open requests finish before they are ended with an "
+                        "error and the server exits (default 30)")
     p.add_argument("--mode", choices=("auto", "inproc", "multiproc"), default="auto",
                    help="workers as threads of this process, or one process per worker; auto: one process per "
                         "worker when CUDA is available (the HTTP server and the workers then never share a GIL), "
@@ -126,8 +129,6 @@ mstar is serving {model!r} at {base_url}   (docs: {base_url}/docs, metrics: {bas
 
 def run_serve(args: argparse.Namespace) -> int:
     """Start the runtime, serve it with uvicorn until interrupted, then shut the runtime down."""
-    import uvicorn
-
     from mstar.runtime.launcher import Runtime
     from mstar.runtime.process import stacks_on_sigusr1
     from mstar.server.app import create_app
@@ -145,10 +146,30 @@ def run_serve(args: argparse.Namespace) -> int:
         app = create_app(runtime, api_key=api_key)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         sys.stderr.write(snippets(f"http://{host}:{args.port}", config.model, api_key))
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+        serve_until_stopped(app, runtime, args)
     finally:
         runtime.shutdown()
+    if runtime.fatal:
+        logger.error("exiting: %s", runtime.fatal)
+        return 1
     return 0
+
+
+def serve_until_stopped(app, runtime, args: argparse.Namespace) -> None:
+    """Run uvicorn until a signal or a fatal runtime error. The first signal starts the drain: /ready turns
+    503, no new connection is taken, and requests still open a second before the timeout end with an error."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            runtime.drain(max(0.0, args.shutdown_timeout - 1.0))
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()  # uvicorn would re-raise it on exit, before runtime.shutdown() ran
+
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                                   timeout_graceful_shutdown=args.shutdown_timeout))
+    runtime.on_fatal(lambda: setattr(server, "should_exit", True))
+    server.run()
 
 
 def main(argv: list[str] | None = None) -> int:

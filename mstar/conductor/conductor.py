@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 
 class AdmissionError(RuntimeError):
-    """The request was not admitted (queue full, no live replica); `status` is an HTTP status."""
+    """The request was not admitted: 429 with the queue full (retry soon), 503 with no live replica."""
 
     def __init__(self, message: str, status: int = 503) -> None:
         super().__init__(message)
@@ -64,7 +64,7 @@ class Conductor:
             else:
                 raise AdmissionError(
                     f"server busy: {len(self._active)} requests in flight and {len(self._queue)} queued "
-                    f"(max_queued_requests={self.max_queued}); retry later", status=503)
+                    f"(max_queued_requests={self.max_queued}); retry later", status=429)
 
     def cancel(self, rid: str) -> bool:
         """Remove the request everywhere; True if it was known."""
@@ -114,13 +114,30 @@ class Conductor:
         req.sink(OutputEvent(msg.rid, msg.name, req.next_seq(msg.name), self.codec.unpack(msg.value)))
 
     def worker_died(self, rank: int, reason: str) -> None:
-        """Fail every request that touched the rank and never place work there again."""
+        """Fail every request that touched the rank and place no work there until `worker_revived`."""
         with self._lock:
             self._dead[rank] = reason
             self._worker_stats.pop(rank, None)  # a dead worker's last load would read as live
             for req in [r for r in self._active.values() if rank in r.workers]:
                 self._end(req, FinishEvent(req.rid, "error", f"worker {rank} died: {reason}", 500,
                                            dict(req.out_seq)))
+
+    def fail_all(self, message: str, status: int = 503) -> int:
+        """End every queued and running request with `message` (shutting down); how many there were."""
+        with self._lock:
+            queued, self._queue = list(self._queue), deque()
+            for req in queued:
+                self._wire_ids.pop(req.sink.rid, None)
+                req.sink(FinishEvent(req.rid, "error", message, status))
+            running = list(self._active.values())
+            for req in running:
+                self._end(req, FinishEvent(req.rid, "error", message, status, dict(req.out_seq)))
+            return len(queued) + len(running)
+
+    def worker_revived(self, rank: int) -> None:
+        """A restarted worker is ready: place work on the rank again."""
+        with self._lock:
+            self._dead.pop(rank, None)
 
     # -- walks ---------------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from mstar.graph.placement import plan_placement
 from mstar.runtime.build import build_engines, build_model, worker_device
 from mstar.runtime.codecs import LocalCodec, PayloadCodec
 from mstar.runtime.replicas import check_run_mode, multi_rank_replicas
+from mstar.runtime.supervisor import RestartPolicy, exit_reason
 from mstar.transport import wire
 from mstar.transport.channels import make_network
 from mstar.transport.messages import Codec
@@ -62,6 +63,11 @@ class Runtime:
         self._threads: list[threading.Thread] = []
         self._ready: set[int] = set()
         self._stopping = False
+        self.draining = False  # shutting down: not ready, and open requests end at the drain deadline
+        self.fatal: str | None = None  # why the runtime cannot go on (a worker died too often); then exit
+        self._on_fatal: list[Any] = []
+        self._restarts = RestartPolicy()
+        self._down: set[int] = set()  # worker processes that died and wait for their restart
         self._start_workers()
         self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="mstar-conductor")
         self._receiver.start()
@@ -71,11 +77,30 @@ class Runtime:
 
     @property
     def ready(self) -> bool:
-        return len(self._ready) == self.plan.num_workers and not self._stopping
+        return len(self._ready) == self.plan.num_workers and not self._stopping and not self.draining
 
     def worker_pids(self) -> list[int]:
         """Process ids of the worker processes (none in-process)."""
         return [w.pid for w in self.workers.values() if isinstance(getattr(w, "pid", None), int)]
+
+    def drain(self, deadline_s: float) -> None:
+        """Stop being ready now; end the requests still open after `deadline_s` with an error, so each
+        client gets a clear last message before the server closes."""
+        if self.draining:
+            return
+        self.draining = True
+        timer = threading.Timer(deadline_s, self._end_open_requests)
+        timer.daemon = True
+        timer.start()
+
+    def _end_open_requests(self) -> None:
+        ended = self.conductor.fail_all("the server is shutting down; retry on another replica", 503)
+        if ended:
+            logger.warning("shutdown deadline: ended %d open requests", ended)
+
+    def on_fatal(self, callback) -> None:
+        """Call `callback()` (from a watchdog thread) once the runtime gives up; `fatal` says why."""
+        self._on_fatal.append(callback)
 
     def submit(self, rid: str, inputs: dict[str, Any], options: dict[str, Any], sink: Sink) -> None:
         self.conductor.submit(rid, inputs, options, sink)
@@ -129,19 +154,23 @@ class Runtime:
                 self._threads.append(thread)
                 self._ready.add(rank)
             return
-        from mstar.runtime.process import worker_process_main
-
-        ctx = mp.get_context("spawn")
         config_json = msgspec.json.encode(dataclasses.asdict(self.config))
         directory_json = msgspec.json.encode(self.network.directory)
         args = {**self._build_args, "log_level": logging.getLogger().level or "WARNING"}
-        rendezvous = self._rendezvous()
+        self._process_args = (config_json, directory_json, self.session, args, self._rendezvous())
         for rank in range(self.plan.num_workers):
-            proc = ctx.Process(target=worker_process_main, name=f"mstar-worker-{rank}", daemon=True,
-                               args=(rank, config_json, directory_json, self.session, dict(args), rendezvous))
-            proc.start()
-            self.workers[rank] = proc
+            self.workers[rank] = self._spawn(rank)
         threading.Thread(target=self._watch_processes, daemon=True, name="mstar-watchdog").start()
+
+    def _spawn(self, rank: int) -> mp.process.BaseProcess:
+        from mstar.runtime.process import worker_process_main
+
+        config_json, directory_json, session, args, rendezvous = self._process_args
+        proc = mp.get_context("spawn").Process(
+            target=worker_process_main, name=f"mstar-worker-{rank}", daemon=True,
+            args=(rank, config_json, directory_json, session, dict(args), rendezvous))
+        proc.start()
+        return proc
 
     def _rendezvous(self) -> list[Any] | None:
         """[host, port, world size] where the workers join torch.distributed; None without multi-rank replicas."""
@@ -174,6 +203,7 @@ class Runtime:
             try:
                 if isinstance(msg, wire.WorkerReady):
                     self._ready.add(msg.rank)
+                    self.conductor.worker_revived(msg.rank)
                 elif isinstance(msg, wire.WorkerFailed):
                     self._failure = f"worker {msg.rank}: {msg.error}"
                 else:
@@ -182,14 +212,47 @@ class Runtime:
                 logger.exception("conductor failed handling %s", type(msg).__name__)
 
     def _watch_processes(self) -> None:
+        """Reap each worker process that exits, fail its requests, and restart it (see supervisor.py)."""
         from multiprocessing.connection import wait
 
-        alive = {proc.sentinel: rank for rank, proc in self.workers.items()}
-        while alive and not self._stopping:
-            for sentinel in wait(list(alive), timeout=0.5):
-                rank = alive.pop(sentinel)
-                if not self._stopping:
-                    code = self.workers[rank].exitcode
-                    logger.error("worker %d exited with code %s", rank, code)
-                    self._ready.discard(rank)
-                    self.conductor.worker_died(rank, f"process exited with code {code}")
+        while not self._stopping:
+            watched = {proc.sentinel: rank for rank, proc in list(self.workers.items()) if rank not in self._down}
+            if not watched:  # every worker waits for its restart
+                time.sleep(0.5)
+                continue
+            for sentinel in wait(list(watched), timeout=0.5):
+                if self._stopping:
+                    return
+                self._worker_exited(watched[sentinel])
+
+    def _worker_exited(self, rank: int) -> None:
+        proc = self.workers[rank]
+        proc.join(timeout=5)  # reaps it: no zombie, and the exit code (or signal) is known
+        reason = exit_reason(proc.exitcode)
+        logger.error("worker %d %s", rank, reason)
+        self._ready.discard(rank)
+        self._down.add(rank)
+        self.conductor.worker_died(rank, reason)
+        if any(rank in replica for reps in multi_rank_replicas(self.plan).values() for replica in reps):
+            self._give_up(f"worker {rank} {reason}; it belongs to a multi-rank replica, which cannot take a "
+                          "new rank while running")
+            return
+        delay = self._restarts.next_delay(rank)
+        if delay is None:
+            self._give_up(f"worker {rank} {reason}, the {self._restarts.limit}th time within "
+                          f"{self._restarts.window_s:.0f} s")
+            return
+        logger.warning("restarting worker %d in %.1f s", rank, delay)
+        threading.Timer(delay, self._restart, (rank,)).start()
+
+    def _restart(self, rank: int) -> None:
+        if self._stopping:
+            return
+        self.workers[rank] = self._spawn(rank)
+        self._down.discard(rank)
+
+    def _give_up(self, reason: str) -> None:
+        logger.critical("giving up: %s", reason)
+        self.fatal = reason
+        for callback in self._on_fatal:
+            callback()

@@ -22,14 +22,16 @@ from mstar.models.base import OptionError, check_option_types
 from mstar.server.protocol import Usage
 
 logger = logging.getLogger(__name__)
+RETRY_AFTER_S = 1  # what a 429 for a full queue asks the client to wait
 
 
 class RequestError(Exception):
     """A request could not be started or failed; `status` is the HTTP status to answer."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.headers = status, message, param, headers
 
 
 @dataclass(frozen=True)
@@ -158,8 +160,9 @@ async def start_request(state, request: dict[str, Any], options: Mapping[str, An
     stream = RequestStream(state, rid or uuid.uuid4().hex, inputs, opts)
     try:
         runtime.submit(stream.rid, inputs, opts, stream.sink)
-    except AdmissionError as exc:
-        raise RequestError(exc.status, str(exc)) from None
+    except AdmissionError as exc:  # a full queue drains as requests finish: ask the client to come back
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else None
+        raise RequestError(exc.status, str(exc), headers=headers) from None
     state.metrics.started()
     return stream
 

@@ -73,7 +73,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
-        return error_json(exc.status, exc.message, exc.param)
+        return error_json(exc.status, exc.message, exc.param, exc.headers)
 
     @app.exception_handler(MediaError)
     async def _media_error(request: Request, exc: MediaError) -> JSONResponse:

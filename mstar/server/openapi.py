@@ -3,7 +3,7 @@
 FastAPI documents a 422 validation error per operation; this server answers bad input (body or
 parameters) with 400 and the OpenAI error body (app.py), refuses oversized bodies with 413, bodies
 of the wrong media type on form routes with 415, missing keys with 401, other models and
-unsupported routes with 404 and a full queue with 503. `install_openapi` swaps the 422 for those,
+unsupported routes with 404, a full queue with 429 and no live worker with 503. `install_openapi` swaps the 422 for those,
 each with the `ErrorResponse` schema, so clients and schema-driven tests
 (tests/e2e/test_schemathesis.py) see the real contract. Routes document their own success
 content types (e.g. NDJSON or SSE streams) and route-specific errors (`errors(...)`) with
@@ -27,8 +27,8 @@ _DESCRIPTIONS = {
     "409": "the resource is not in a state that allows this (e.g. a video job not completed yet)",
     "413": "request body over the size limit",
     "415": "request body of a media type this route does not take",
-    "429": "too many jobs kept: retry when one finishes",
-    "503": "server busy (queue full) or no live worker",
+    "429": "server busy (queue full, or too many jobs kept): retry after the Retry-After seconds",
+    "503": "no live worker can serve it, or the server is stopping",
 }
 
 # `responses=` content entries for streamed and binary success bodies.
@@ -62,7 +62,7 @@ def _document(schema: dict[str, Any], api_key: bool) -> dict[str, Any]:
             statuses = ["401"] if api_key and path != "/health" else []
             body = op.get("requestBody")
             if body is not None:
-                statuses += ["400", "404", "413", "503"]
+                statuses += ["400", "404", "413", "429", "503"]
                 if "multipart/form-data" in body.get("content", {}):  # forms.py refuses other media types
                     statuses.append("415")
             elif op.get("parameters"):  # a bad path or query parameter

@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from mstar.server.protocol import MAX_SEED, MAX_TOKENS_LIMIT, Usage
 
+MAX_CHOICES = 16  # generations one HTTP request may start (prompts x n), so it cannot take every slot
+
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
              "frequency_penalty", "seed", "ignore_eos", "min_tokens")
 _UNSUPPORTED = ("tools", "functions", "logit_bias")
@@ -41,7 +43,7 @@ class SamplingParams(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=-MAX_SEED - 1, le=MAX_SEED)
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=16)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     ignore_eos: bool | None = None
     min_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
     user: str | None = None  # accepted and ignored
@@ -228,6 +230,10 @@ class CompletionRequest(SamplingParams):
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
+        choices = len(self.prompts()) * self.n
+        if choices > MAX_CHOICES:
+            raise ValueError(f"{len(self.prompts())} prompts x n={self.n} make {choices} generations; one request "
+                             f"may ask for at most {MAX_CHOICES} (send several requests)")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         if self.suffix:

@@ -51,13 +51,17 @@ router = APIRouter()
 VIDEO_FPS = 8.0  # frame rate given to video outputs whose model does not say
 
 
-@router.get("/health")
-async def health() -> dict[str, str]:
-    """The process is up (no key needed)."""
-    return {"status": "ok"}
-
-
 _ERROR = {"model": ErrorResponse}
+
+
+@router.get("/health", responses={503: {**_ERROR, "description": "the runtime gave up: restart the server"}})
+async def health(request: Request) -> Response:
+    """200 while the process can serve (no key needed); 503 once the runtime gave up (a worker died too
+    often), so an orchestrator restarts it."""
+    fatal = get_state(request).runtime.fatal
+    if fatal:
+        return error_json(503, f"unhealthy: {fatal}")
+    return JSONResponse({"status": "ok"})
 _NDJSON = {"application/x-ndjson": {"schema": {"type": "string", "description": "one JSON chunk per line"}}}
 
 

@@ -88,3 +88,35 @@ def test_an_unhandled_error_is_a_counted_500_and_the_connection_stays_usable(bas
         assert client.get("/health").status_code == 200  # same connection
     after = metric_sum(scrape(base), "mstar_http_responses_total", route="/generate", status="500")
     assert after == before + 1
+
+
+def test_one_request_cannot_ask_for_more_than_its_share_of_generations(base):
+    resp = httpx.post(f"{base}/v1/completions", json={"model": "toy", "prompt": ["p"] * 1000, "max_tokens": 2})
+    assert resp.status_code == 400 and "at most 16" in resp.json()["error"]["message"]
+    resp = httpx.post(f"{base}/v1/completions", json={"model": "toy", "prompt": ["p"] * 4, "n": 5, "max_tokens": 2})
+    assert resp.status_code == 400 and "20 generations" in resp.json()["error"]["message"]
+    assert in_flight(base) == 0
+
+
+def test_a_full_queue_answers_429_with_retry_after():
+    import threading
+
+    config = {"model": "toy", "max_concurrent_requests": 1, "max_queued_requests": 0,
+              "model_kwargs": {"step_delay_s": 0.05}}
+    with running_server(config) as url:
+        first_started = threading.Event()
+
+        def long_request():
+            with httpx.stream("POST", f"{url}/generate", json={"text": "x", "options": {
+                    "max_tokens": 40, "stop_early": False}}, timeout=60) as resp:
+                for _ in resp.iter_lines():
+                    first_started.set()
+
+        thread = threading.Thread(target=long_request)
+        thread.start()
+        assert first_started.wait(30)
+        resp = httpx.post(f"{url}/generate", json={"text": "y", "stream": False})
+        thread.join(60)
+        assert resp.status_code == 429 and resp.headers["retry-after"] == "1", resp.text
+        assert "server busy" in resp.json()["error"]["message"]
+        assert httpx.post(f"{url}/generate", json={"text": "y", "stream": False}).status_code == 200  # served now

@@ -84,13 +84,18 @@ def test_audio_lane_is_skipped_when_not_asked_for():
     assert "audio" not in result.outputs and len(result.outputs["text"]) == 5
 
 
-def test_bad_requests_fail_alone():
+def test_bad_requests_fail_alone(monkeypatch):
+    from mstar.runtime import offline
+
     with MStar("toy") as m:
         with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
             m.generate({"text": "hi"}, max_tokens=-3)
         with pytest.raises(ValueError, match="non-empty text prompt"):
             m.submit({"text": ""})
-        bad = m.submit({"text": "hi"}, guidance="strong")  # fails inside the guide component
+        with pytest.raises(ValueError, match="option 'guidance' must be a number"):
+            m.submit({"text": "hi"}, guidance="strong")
+        monkeypatch.setattr(offline, "check_option_types", lambda defaults, options: None)
+        bad = m.submit({"text": "hi"}, guidance="strong")  # past the edge check: fails inside the guide component
         good = m.submit({"text": "hello"}, max_tokens=5)
         with pytest.raises(RequestFailed, match="guide failed"):
             bad.result()
@@ -143,10 +148,47 @@ def test_killed_worker_fails_only_its_requests():
                 assert len(h.result().outputs["text"]) == 150
                 done += 1
             except RequestFailed as exc:
-                assert "worker 2 died" in str(exc) and exc.status == 500
+                assert "worker 2 died: was killed by signal SIGKILL" in str(exc) and exc.status == 500
                 failed += 1
         assert failed == 4 and done == 4  # least-loaded placement split them evenly
         assert len(m.generate({"text": "after"}, max_tokens=4, modalities=["text"]).outputs["text"]) == 4
+        _wait(lambda: m.runtime.ready, timeout=60)  # restarted (weights built again) and ready
+        assert m.runtime.workers[2].is_alive() and m.runtime.fatal is None
+        again = [m.submit({"text": f"again {i}"}, max_tokens=20, stop_early=False, modalities=["text"])
+                 for i in range(4)]
+        assert all(len(h.result().outputs["text"]) == 20 for h in again)
+        assert m.runtime.conductor._load == [0, 0, 0] and not m.runtime.conductor._dead
+
+
+def test_a_worker_that_keeps_dying_makes_the_runtime_give_up():
+    from mstar.runtime.supervisor import RestartPolicy
+
+    cfg = config_from_dict({"model": "toy", "node_groups": [
+        {"node_names": ["encoder", "guide", "painter", "vocoder"], "ranks": [0]}, {"node_names": ["decoder"], "ranks": [1]}]})
+    with MStar(config=cfg, mode="multiproc") as m:
+        m.runtime._restarts = RestartPolicy(limit=2, first_delay_s=0.1)
+        gave_up = []
+        m.runtime.on_fatal(lambda: gave_up.append(m.runtime.fatal))
+        first = m.runtime.workers[1]
+        os.kill(first.pid, signal.SIGKILL)
+        _wait(lambda: m.runtime.workers[1] is not first and m.runtime.ready, timeout=60)  # restarted once
+        os.kill(m.runtime.workers[1].pid, signal.SIGKILL)
+        _wait(lambda: gave_up, timeout=30)
+        assert "worker 1 was killed by signal SIGKILL, the 2th time" in gave_up[0]
+        assert not m.runtime.ready
+
+
+def test_drain_ends_open_requests_with_an_error_at_its_deadline():
+    with MStar(config={"model": "toy", "model_kwargs": {"step_delay_s": 0.02}}) as m:
+        quick = m.submit({"text": "quick"}, max_tokens=3, stop_early=False)
+        slow = m.submit({"text": "slow"}, max_tokens=100_000, stop_early=False)
+        assert len(quick.result().outputs["text"]) == 3
+        m.runtime.drain(0.3)
+        assert not m.runtime.ready
+        with pytest.raises(RequestFailed, match="shutting down") as exc:
+            slow.result()
+        assert exc.value.status == 503
+        assert m.runtime.conductor.stats() == {"in_flight": 0, "queued": 0}
 
 
 def _wait(condition, timeout=5.0):
@@ -167,7 +209,7 @@ def test_full_queue_rejects_instead_of_growing():
         assert m.runtime.conductor.stats() == {"in_flight": 1, "queued": 1}
         with pytest.raises(AdmissionError, match="server busy") as exc:
             m.submit({"text": "three"}, max_tokens=3)
-        assert exc.value.status == 503
+        assert exc.value.status == 429
         assert len(running.result().outputs["text"]) == 50
         assert len(queued.result().outputs["text"]) == 3  # admitted once the first finished
 

@@ -56,7 +56,7 @@ def test_admits_up_to_the_limit_then_queues_then_refuses():
     assert fake.conductor.stats() == {"in_flight": 2, "queued": 1}
     with pytest.raises(AdmissionError, match="server busy") as err:
         fake.submit("d")
-    assert err.value.status == 503
+    assert err.value.status == 429
     with pytest.raises(AdmissionError, match="already in flight") as err:
         fake.submit("a")
     assert err.value.status == 409
@@ -125,3 +125,14 @@ def test_replicas_are_chosen_by_load_and_a_dead_worker_fails_only_its_requests()
     assert not any(isinstance(e, FinishEvent) for e in fake.events["a"] + fake.events["c"])
     fake.submit("d")
     assert fake.started()[-1][0] == 0  # never placed on the dead rank again
+
+
+def test_fail_all_ends_queued_and_running_requests_and_admits_nothing():
+    fake = FakeWorkers(max_concurrent=1, max_queued=2)
+    for rid in "abc":
+        fake.submit(rid)
+    assert fake.conductor.fail_all("shutting down") == 3
+    assert {rid: (fake.finish(rid).error, fake.finish(rid).status) for rid in "abc"} == {
+        rid: ("shutting down", 503) for rid in "abc"}
+    assert len(fake.started()) == 1  # the queued ones were never started
+    assert fake.conductor.stats() == {"in_flight": 0, "queued": 0}

@@ -1,0 +1,83 @@
+"""`mstar serve` under SIGTERM with streams open: no new connection and no 200 from /ready after it,
+every open stream ends with an in-band error before the shutdown timeout, and the process exits
+within it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+from tests.e2e.server_thread import free_port
+
+STREAMS = 20
+TIMEOUT_S = 4.0
+
+
+def _stream(url: str, lines: list[list[str]], opened: threading.Semaphore) -> None:
+    got: list[str] = []
+    lines.append(got)
+    try:
+        with httpx.stream("POST", f"{url}/generate", json={"text": "x", "outputs": ["text"], "options": {
+                "max_tokens": 100_000, "stop_early": False}}, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if not got:
+                    opened.release()
+                got.append(line)
+    except httpx.HTTPError as exc:
+        got.append(f"transport error: {exc}")
+
+
+def test_sigterm_with_twenty_streams_open_exits_within_the_timeout(tmp_path):
+    config = tmp_path / "slow_toy.yaml"
+    config.write_text("model: toy\nmodel_kwargs: {step_delay_s: 0.02}\n")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "mstar.cli.main", "serve", "--config", str(config), "--port",
+                             str(port), "--shutdown-timeout", str(TIMEOUT_S), "--log-level", "WARNING"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        lines: list[list[str]] = []
+        opened = threading.Semaphore(0)
+        threads = [threading.Thread(target=_stream, args=(url, lines, opened)) for _ in range(STREAMS)]
+        for thread in threads:
+            thread.start()
+        for _ in range(STREAMS):
+            assert opened.acquire(timeout=30)
+        with httpx.Client(base_url=url, timeout=5) as client:  # a connection opened before the signal
+            assert client.get("/ready").status_code == 200
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            try:  # uvicorn closes idle connections and the listener at once; an answer must say draining
+                assert client.get("/ready").status_code == 503
+            except httpx.TransportError:
+                pass
+        code = proc.wait(timeout=TIMEOUT_S + 10)
+        took = time.monotonic() - sent
+        for thread in threads:
+            thread.join(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert code == 0, proc.stderr.read()[-3000:]
+    assert took < TIMEOUT_S + 3, took
+    assert len(lines) == STREAMS
+    for got in lines:  # each stream's last line is the in-band error naming the shutdown
+        last = json.loads(got[-1])
+        assert last["type"] == "error" and last["status"] == 503 and "shutting down" in last["message"], got[-1]
