@@ -89,6 +89,17 @@ def test_corrupt_and_too_long_audio():
     assert info.value.status_code == 413
 
 
+@pytest.mark.parametrize("fmt", ["flac", "wav", "aac"])  # soundfile reads the header; PyAV counts as it decodes
+def test_audio_over_the_sample_limit_counts_channels(fmt):
+    from mstar.server.media import MediaPolicy
+
+    policy = MediaPolicy(max_audio_samples=int(1.5 * RATE))  # 1.5 s of mono
+    assert decode_audio(encode_audio(_tone(1.0, channels=1), RATE, fmt), policy).samples.shape[1] == 1
+    with pytest.raises(MediaError, match="frames x channels") as info:
+        decode_audio(encode_audio(_tone(1.0, channels=2), RATE, fmt), policy)
+    assert info.value.status_code == 413
+
+
 def test_image_roundtrip_png_exact_jpeg_close():
     rng = np.random.default_rng(0)
     img = rng.integers(0, 255, (17, 23, 3), dtype=np.uint8)

@@ -125,6 +125,7 @@ def _decode_audio_soundfile(data: bytes, policy: MediaPolicy) -> DecodedAudio:
                 raise MediaError(
                     413, f"audio lasts {f.frames / f.samplerate:.1f} s, over the limit of {policy.max_audio_seconds} s"
                 )
+            _check_audio_samples(f.frames * f.channels, policy)
             samples = f.read(dtype="float32", always_2d=True)
             return DecodedAudio(samples, int(f.samplerate))
     except sf.LibsndfileError as exc:
@@ -148,6 +149,7 @@ def _decode_audio_av(data: bytes, policy: MediaPolicy) -> DecodedAudio:
                 total += pieces[-1].shape[0]
                 if total / rate > policy.max_audio_seconds:
                     raise MediaError(413, f"audio lasts over the limit of {policy.max_audio_seconds} s")
+                _check_audio_samples(total * pieces[-1].shape[1], policy)
     except MediaError:
         raise
     except (av.FFmpegError, ValueError, IndexError) as exc:
@@ -155,6 +157,12 @@ def _decode_audio_av(data: bytes, policy: MediaPolicy) -> DecodedAudio:
     if not pieces:
         raise MediaError(400, "could not decode audio: the stream has no samples")
     return DecodedAudio(np.concatenate(pieces, axis=0), rate)
+
+
+def _check_audio_samples(values: int, policy: MediaPolicy) -> None:
+    if values > policy.max_audio_samples:
+        raise MediaError(413, f"audio decodes to {values} samples (frames x channels), over the limit of "
+                              f"{policy.max_audio_samples}: send fewer channels, a lower rate or a shorter clip")
 
 
 def _audio_frame_to_array(frame) -> np.ndarray:

@@ -50,6 +50,9 @@ class MediaPolicy:
     timeout_s: float = 10.0  # per remote fetch, connect and each read
     max_image_pixels: int = 64 * 1024 * 1024  # width * height; guards against decompression bombs
     max_audio_seconds: float = 3600.0  # decoded duration bound
+    # Decoded values (frames x channels), checked from the header where the format has one: an hour
+    # of 16 kHz mono, or ten minutes of 48 kHz stereo; 230 MB as float32.
+    max_audio_samples: int = 16_000 * 3600
 
     def __post_init__(self) -> None:
         if self.max_bytes <= 0:
