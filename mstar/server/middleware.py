@@ -6,6 +6,7 @@ answers any unhandled error with a counted 500.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -36,11 +37,19 @@ class _TooLarge(HTTPException):
         super().__init__(413, f"request body is over the limit of {limit} bytes")
 
 
-class GuardMiddleware:
-    """API key check (every path but /health), body size limit, response counting."""
+class _BodyTimeout(HTTPException):
+    """Raised from `receive` when a client stops sending a body it declared; answered as a 408."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics: Any) -> None:
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(408, f"the request body stopped arriving for {timeout_s:g} s")
+
+
+class GuardMiddleware:
+    """API key check (every path but /health), body size limit and read timeout, response counting."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics: Any, body_timeout_s: float) -> None:
         self.app, self.api_key, self.max_body_bytes, self.metrics = app, api_key, max_body_bytes, metrics
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -62,13 +71,19 @@ class GuardMiddleware:
 
     async def _call_capped(self, scope, receive, send, path: str) -> None:
         received = 0
-        started = False
+        started = body_done = False
 
         async def capped_receive():
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # later reads wait for a disconnect, which may rightly take long
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except TimeoutError:
+                raise _BodyTimeout(self.body_timeout_s) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if received > self.max_body_bytes:
                     raise _TooLarge(self.max_body_bytes)
             return message
@@ -82,9 +97,9 @@ class GuardMiddleware:
 
         try:
             await self.app(scope, capped_receive, counting_send)
-        except _TooLarge:  # a chunked body with no content-length ran past the cap
+        except (_TooLarge, _BodyTimeout) as exc:  # raised where the route itself did not read the body
             if not started:
-                await send_error(counting_send, 413, f"request body is over the limit of {self.max_body_bytes} bytes")
+                await send_error(counting_send, exc.status_code, exc.detail)
         except Exception:  # answered and counted here, logged once; the connection stays usable
             error_id = uuid.uuid4().hex[:12]
             logger.exception("unhandled error %s on %s %s", error_id, scope.get("method"), path)

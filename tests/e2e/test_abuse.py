@@ -120,3 +120,20 @@ def test_a_full_queue_answers_429_with_retry_after():
         assert resp.status_code == 429 and resp.headers["retry-after"] == "1", resp.text
         assert "server busy" in resp.json()["error"]["message"]
         assert httpx.post(f"{url}/generate", json={"text": "y", "stream": False}).status_code == 200  # served now
+
+
+def test_a_body_that_stops_arriving_is_408_after_the_read_timeout():
+    import socket
+    import time
+
+    with running_server({"model": "toy"}, body_timeout_s=0.5) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"text\": ")  # 9 of the 1,000 bytes declared
+            start = time.monotonic()
+            answer = sock.recv(4096).decode()
+            took = time.monotonic() - start
+        assert answer.startswith("HTTP/1.1 408"), answer
+        assert "stopped arriving" in answer and took < 5
+        assert httpx.get(f"{url}/health").status_code == 200
