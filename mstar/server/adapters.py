@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import traceback
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -148,15 +149,21 @@ async def start_request(state, request: dict[str, Any], options: Mapping[str, An
     from mstar.conductor.conductor import AdmissionError
 
     runtime = state.runtime
+    refused = None
     try:
         check_option_types(runtime.model.default_options, options)
         opts = runtime.model.request_options(dict(options))
         runtime.processor.validate_options(opts)
         inputs = await run_in_threadpool(runtime.processor.inputs, request, opts)
     except OptionError as exc:
-        raise RequestError(400, str(exc), exc.option) from None
+        refused = RequestError(400, str(exc), exc.option)
     except (ValueError, TypeError, KeyError) as exc:  # a KeyError's text is its quoted argument
-        raise RequestError(400, str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)) from None
+        refused = RequestError(400, str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc))
+        # The thread pool's future and the frames of this traceback refer to each other, so the refused
+        # input (a prompt of megabytes) would live until the cyclic collector ran: free the frames' locals.
+        traceback.clear_frames(exc.__traceback__)
+    if refused is not None:
+        raise refused
     stream = RequestStream(state, rid or uuid.uuid4().hex, inputs, opts)
     try:
         runtime.submit(stream.rid, inputs, opts, stream.sink)

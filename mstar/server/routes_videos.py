@@ -31,11 +31,15 @@ _CREATE_SCHEMA = {"requestBody": {"required": True, "content": {
         "size": {"type": "string"}, "input_reference": {"type": "string", "format": "binary"}}}}}}}
 
 
+VIDEO_SHARE = 4  # video jobs may hold at most a quarter of the request slots, leaving the rest to chat
+
+
 def job_store(request: Request) -> VideoJobStore:
     """The app's job store, made on first use."""
     store = getattr(request.app.state, "mstar_video_jobs", None)
     if store is None:
-        store = request.app.state.mstar_video_jobs = VideoJobStore()
+        slots = get_state(request).runtime.config.max_concurrent_requests
+        store = request.app.state.mstar_video_jobs = VideoJobStore(max_running=max(1, slots // VIDEO_SHARE))
     return store
 
 

@@ -4,7 +4,8 @@ A job owns one model request. Its task reads the request's outputs: `progress` v
 convention of `mstar/models/base.py`) move `progress`, the last `video` output is kept with the
 `audio` pieces, and at the end the clip is encoded to MP4 (audio muxed in when there is some).
 The store keeps at most `max_jobs` jobs; when full, the oldest finished job is evicted, and when
-every kept job is still running a new one is refused with 429.
+every kept job is still running a new one is refused with 429. At most `max_running` jobs run at
+once (a share of the server's request slots), so video jobs cannot starve chat.
 """
 
 from __future__ import annotations
@@ -48,17 +49,22 @@ class VideoRecord:
 class VideoJobStore:
     """Jobs by id, oldest first. Not thread-safe: used from the event loop only."""
 
-    def __init__(self, max_jobs: int = DEFAULT_MAX_JOBS) -> None:
-        if max_jobs < 1:
-            raise ValueError(f"max_jobs must be >= 1, got {max_jobs}")
-        self.max_jobs = max_jobs
+    def __init__(self, max_jobs: int = DEFAULT_MAX_JOBS, max_running: int = DEFAULT_MAX_JOBS) -> None:
+        if max_jobs < 1 or max_running < 1:
+            raise ValueError(f"max_jobs and max_running must be >= 1, got {max_jobs} and {max_running}")
+        self.max_jobs, self.max_running = max_jobs, max_running
         self._jobs: OrderedDict[str, VideoRecord] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._jobs)
 
     def make_room(self) -> None:
-        """Evict the oldest finished jobs until one more fits; 429 when every kept job still runs."""
+        """Evict the oldest finished jobs until one more fits; 429 when every kept job still runs or
+        `max_running` jobs run."""
+        running = sum(not rec.finished for rec in self._jobs.values())
+        if running >= self.max_running:
+            raise RequestError(429, f"{running} video jobs are running, the most this server runs at once; "
+                                    "retry when one finishes", headers={"Retry-After": "5"})
         while len(self._jobs) >= self.max_jobs:
             oldest = next((jid for jid, rec in self._jobs.items() if rec.finished), None)
             if oldest is None:

@@ -137,3 +137,33 @@ def test_a_body_that_stops_arriving_is_408_after_the_read_timeout():
         assert answer.startswith("HTTP/1.1 408"), answer
         assert "stopped arriving" in answer and took < 5
         assert httpx.get(f"{url}/health").status_code == 200
+
+
+def _rss_mb() -> tuple[float, float]:
+    """This process's resident memory now and at its peak, in MB (the server runs in it)."""
+    import resource
+
+    with open("/proc/self/statm") as f:
+        now = int(f.read().split()[1]) * 4096 / 2**20
+    return now, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@pytest.mark.parametrize("model", ["toy", "llama"])
+def test_a_fifty_megabyte_prompt_is_refused_quickly_and_in_bounded_memory(model):
+    import time
+
+    config = {"model": model, "device": "cpu", "kv_cache": {"max_num_pages": 64}} if model == "llama" else {"model": model}
+    body = b'{"text": "' + b"lorem ipsum dolor sit amet " * (50_000_000 // 27) + b'", "stream": false}'
+    with running_server(config, tiny=model == "llama") as url, httpx.Client(base_url=url, timeout=60) as client:
+        before = _rss_mb()[0]
+        rss = []
+        for _ in range(4):
+            start = time.monotonic()
+            resp = client.post("/generate", content=body, headers={"content-type": "application/json"})
+            took = time.monotonic() - start
+            assert resp.status_code == 400, resp.text
+            assert "context" in resp.json()["error"]["message"] or "limit" in resp.json()["error"]["message"]
+            assert took < 5, took  # tokenizing the whole text took about a minute
+            rss.append(_rss_mb())
+        assert rss[-1][0] - rss[0][0] < 50  # nothing accumulates from one request to the next
+        assert rss[-1][1] - before < 400  # peak: the body, its text and a copy or two, never gigabytes

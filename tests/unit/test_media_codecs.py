@@ -158,6 +158,16 @@ def test_mp4_with_audio_track():
     assert track.sample_rate == RATE and track.channels == 2 and abs(track.duration_s - 1.0) < 0.1
 
 
+def test_video_over_the_pixel_limit_is_413():
+    from mstar.server.media import MediaPolicy
+
+    clip = encode_video(np.zeros((6, 32, 48, 3), np.uint8), 8.0)
+    assert decode_video(clip, MediaPolicy(max_video_pixels=6 * 32 * 48)).frames.shape[0] == 6
+    with pytest.raises(MediaError, match="frames x 48x32") as info:
+        decode_video(clip, MediaPolicy(max_video_pixels=5 * 32 * 48))
+    assert info.value.status_code == 413
+
+
 def test_corrupt_video_is_400():
     with pytest.raises(MediaError) as info:
         decode_video(b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 100)

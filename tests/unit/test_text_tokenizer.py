@@ -165,3 +165,18 @@ def test_added_tokens_declared_only_in_config(tmp_path):
 def test_missing_tokenizer_json_names_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         Tokenizer.from_pretrained(tmp_path)
+
+
+def test_a_prompt_far_over_the_context_is_refused_from_a_prefix(pair, monkeypatch):
+    from mstar.models.common.text import CHARS_PER_TOKEN_BOUND
+
+    ours, _ = pair
+    text = "The quick brown fox jumps over the lazy dog. " * 2000  # 90,000 characters
+    whole = ours.encode(text)
+    assert ours.encode(text, max_tokens=len(whole) + 1) == whole  # fits: tokenized whole, same ids
+    seen = []
+    encode = ours.backend.encode
+    monkeypatch.setattr(ours.backend, "encode", lambda t, **kw: seen.append(len(t)) or encode(t, **kw))
+    with pytest.raises(ValueError, match="more than the model's context of 64 tokens"):
+        ours.encode(text, max_tokens=64)
+    assert seen == [64 * CHARS_PER_TOKEN_BOUND]  # only the prefix was tokenized

@@ -31,6 +31,19 @@ def test_store_evicts_the_oldest_finished_job_and_refuses_when_all_run():
     assert info.value.status == 429
 
 
+def test_store_runs_at_most_its_share_of_jobs_at_once():
+    store = VideoJobStore(max_jobs=8, max_running=2)
+    first, second = record("in_progress"), record("queued")
+    store.add(first)
+    store.add(second)
+    with pytest.raises(RequestError, match="2 video jobs are running") as info:
+        store.make_room()
+    assert info.value.status == 429 and info.value.headers == {"Retry-After": "5"}
+    first.job.status = "completed"
+    store.add(record())  # one slot of the pool is free again
+    assert len(store) == 3
+
+
 def test_store_pages_in_both_orders():
     store = VideoJobStore()
     jobs = [record() for _ in range(5)]

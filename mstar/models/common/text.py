@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 # HF's `clean_up_tokenization_spaces`: undo the spaces word-piece era tokenizers put before punctuation.
+# No token of a served vocabulary spans more characters, so a text this many times the context that
+# is over the context in its first so many characters need not be tokenized whole.
+CHARS_PER_TOKEN_BOUND = 32
 _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
              (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
@@ -124,8 +127,17 @@ class Tokenizer:
         return self._special_ids
 
     # ---- text ----
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` applies the checkpoint's post-processor (e.g. a bos)."""
+    def encode(self, text: str, add_special_tokens: bool = True, max_tokens: int | None = None) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` applies the checkpoint's post-processor (e.g. a bos).
+        With `max_tokens`, a text that cannot fit is refused (ValueError) after tokenizing a prefix only,
+        so a huge prompt costs little memory and time."""
+        cut = None if max_tokens is None else max_tokens * CHARS_PER_TOKEN_BOUND
+        if cut is not None and len(text) > cut:
+            head = self.backend.encode(text[:cut], add_special_tokens=add_special_tokens).ids
+            if len(head) > max_tokens:  # the whole text has at least len(head) - 1 tokens
+                raise ValueError(f"the prompt has over {len(head) - 1} tokens in its first {cut} characters "
+                                 f"(of {len(text)}), more than the model's context of {max_tokens} tokens; "
+                                 "shorten it")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False,

@@ -36,9 +36,9 @@ class TextProcessor(Processor):
     def inputs(self, request: Mapping[str, Any], options: dict[str, Any]) -> dict[str, torch.Tensor]:
         if request.get("messages"):
             prompt = self.tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True)
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)  # the template holds any bos
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False, max_tokens=self.max_model_len)  # bos in it
         elif isinstance(request.get("text"), str) and request["text"]:
-            ids = self.tokenizer.encode(request["text"], add_special_tokens=True)
+            ids = self.tokenizer.encode(request["text"], add_special_tokens=True, max_tokens=self.max_model_len)
         else:
             raise ValueError("a text request needs non-empty 'messages' (chat) or 'text' (completion)")
         if request.get("media"):

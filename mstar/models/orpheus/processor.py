@@ -38,7 +38,8 @@ class OrpheusProcessor(Processor):
         if request.get("media"):
             raise ValueError("orpheus takes text only; remove the media parts of the request")
         voice = options.get("voice", VOICES[0])
-        ids = self.tokens.prompt_ids(self.tokenizer.encode(f"{voice}: {text}", add_special_tokens=True))
+        ids = self.tokens.prompt_ids(self.tokenizer.encode(f"{voice}: {text}", add_special_tokens=True,
+                                                             max_tokens=self.max_model_len))
         budget = options.get("max_tokens") or 0
         if len(ids) + budget > self.max_model_len:
             raise ValueError(f"the {len(ids)}-token prompt plus max_tokens={budget} exceeds the context of "

@@ -57,7 +57,7 @@ class OmniProcessor(Processor):
             parts = [{"type": m.get("type")} for m in media] + ([{"type": "text", "text": text}] if text else [])
             messages = [{"role": "user", "content": parts if media else text}]
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False, max_tokens=self.max_model_len)
         return self.prompt_inputs(ids, media, options)
 
     def prompt_inputs(self, ids: list[int] | torch.Tensor, media: list[Mapping[str, Any]],

@@ -20,6 +20,7 @@ import torch
 from mstar.models.base import Processor
 
 AUDIO_SEGMENTS = 8
+MAX_PROMPT_BYTES = 1 << 20  # one token per byte: the toy's context
 
 
 class ToyProcessor(Processor):
@@ -34,7 +35,10 @@ class ToyProcessor(Processor):
         text = request.get("text")
         if text is None and request.get("messages"):
             text = "\n".join(_message_text(m) for m in request["messages"])
-        prompt = list((text or "").encode("utf-8"))
+        data = (text or "").encode("utf-8")
+        if len(data) > MAX_PROMPT_BYTES:  # checked before the bytes become a list of ids
+            raise ValueError(f"the toy's prompt is {len(data)} bytes, over its limit of {MAX_PROMPT_BYTES}")
+        prompt = list(data)
         for item in request.get("media") or ():
             prompt += media_summary(item)
         if not prompt:

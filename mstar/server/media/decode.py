@@ -196,6 +196,9 @@ def decode_video(source, policy: MediaPolicy | None = None, max_frames: int = 25
                 raise MediaError(413, f"video is {width}x{height}, over the limit of {policy.max_image_pixels} pixels")
             fps = float(stream.average_rate or stream.guessed_rate or 0.0)
             for frame in container.decode(stream):
+                if (len(frames) + 1) * width * height > policy.max_video_pixels:
+                    raise MediaError(413, f"video decodes to over {policy.max_video_pixels} pixels (frames x "
+                                          f"{width}x{height}); send fewer frames or a smaller size")
                 frames.append(frame.to_ndarray(format="rgb24"))
                 if len(frames) >= max_frames:
                     break

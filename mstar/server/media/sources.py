@@ -53,6 +53,8 @@ class MediaPolicy:
     # Decoded values (frames x channels), checked from the header where the format has one: an hour
     # of 16 kHz mono, or ten minutes of 48 kHz stereo; 230 MB as float32.
     max_audio_samples: int = 16_000 * 3600
+    # Decoded video pixels, frames x width x height: 256 frames of 1280x720, 708 MB as RGB.
+    max_video_pixels: int = 256 * 1280 * 720
 
     def __post_init__(self) -> None:
         if self.max_bytes <= 0:
