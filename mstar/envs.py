@@ -96,6 +96,10 @@ STALL_DUMP_S = EnvVar(
     "MSTAR_STALL_DUMP_S", "int", "unset",
     "seconds: a worker whose engine step runs longer writes every thread's stack to stderr (to find "
     "where a stuck server is stuck; read when a worker is built)")
+WATCHDOG_S = EnvVar(
+    "MSTAR_WATCHDOG_S", "int", "300",
+    "seconds without a message from any worker, with requests in flight, after which /health and /ready "
+    "answer 503 so an orchestrator restarts the server; raise it for models with longer steps")
 CACHE_DIR = EnvVar(
     "MSTAR_CACHE_DIR", "path", "~/.cache/mstar", "where mstar keeps converted checkpoints")
 API_KEY = EnvVar(
@@ -113,7 +117,7 @@ SCHEMATHESIS_EXAMPLES = EnvVar(
     "tests only: generated examples per operation in tests/e2e/test_schemathesis.py")
 
 ALL: tuple[EnvVar, ...] = (FUSED_KERNELS, SKINNY_GEMM, MOE_TILED, FUSE_ROPE_ATTENTION, FUSE_ATTENTION_REDUCE,
-                           FUSE_NORM_LINEAR, WAN_GEMM_GELU, PDL, LOOP_FAST_PATH, STALL_DUMP_S, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
+                           FUSE_NORM_LINEAR, WAN_GEMM_GELU, PDL, LOOP_FAST_PATH, STALL_DUMP_S, WATCHDOG_S, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
                            SCHEMATHESIS_EXAMPLES)
 
 
@@ -186,6 +190,11 @@ def loop_fast_path() -> bool:
 def stall_dump_s() -> int | None:
     """MSTAR_STALL_DUMP_S: a whole number of seconds >= 1, or None when unset (no stall dumps)."""
     return None if STALL_DUMP_S.raw() is None else _positive_int(STALL_DUMP_S, default=0)
+
+
+def watchdog_s() -> int:
+    """MSTAR_WATCHDOG_S: a whole number of seconds >= 1 (default 300)."""
+    return _positive_int(WATCHDOG_S, default=300)
 
 
 def cache_dir() -> Path:

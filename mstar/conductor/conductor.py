@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -44,6 +45,7 @@ class Conductor:
         self._lanes = {lane.name: lane for lane in graph.lanes}
         self._walks = {w.name: w for w in graph.walks}
         self._worker_stats: dict[int, wire.WorkerStats] = {}  # rank -> latest engine load it reported
+        self._busy_since: float | None = None  # monotonic time the first of the running requests was admitted
 
     # -- API side --------------------------------------------------------------------------
 
@@ -86,6 +88,16 @@ class Conductor:
         """Requests admitted and running (`in_flight`) and waiting for admission (`queued`)."""
         with self._lock:
             return {"in_flight": len(self._active), "queued": len(self._queue)}
+
+    def busy_since(self, lock_timeout_s: float) -> float | None:
+        """When the running requests began to be (monotonic seconds), None when idle; raises TimeoutError
+        when the lock is not free within `lock_timeout_s` (a wedged conductor)."""
+        if not self._lock.acquire(timeout=lock_timeout_s):
+            raise TimeoutError(f"the conductor has held its lock for over {lock_timeout_s:g} s")
+        try:
+            return self._busy_since
+        finally:
+            self._lock.release()
 
     def worker_stats(self) -> dict[int, wire.WorkerStats]:
         """The latest engine load each live worker reported (ranks that never reported are absent)."""
@@ -142,6 +154,8 @@ class Conductor:
     # -- walks ---------------------------------------------------------------------------------
 
     def _admit(self, req: RequestState) -> None:
+        if not self._active:
+            self._busy_since = time.monotonic()
         self._active[req.rid] = req
         try:
             firsts = {lane.name: lane.first_walk(req.options) for lane in self.graph.lanes}
@@ -214,6 +228,8 @@ class Conductor:
         """Finish, fail or cancel: release the request on every worker, tell the caller, admit more."""
         if self._active.pop(req.rid, None) is None:
             return
+        if not self._active:
+            self._busy_since = None
         self._wire_ids.pop(req.sink.rid, None)
         for rank in req.workers:
             self._load[rank] -= 1

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 import torch
 
+from mstar import envs
 from mstar.conductor.conductor import Conductor
 from mstar.conductor.request_state import Sink
 from mstar.config import MStarConfig
@@ -68,6 +69,8 @@ class Runtime:
         self._on_fatal: list[Any] = []
         self._restarts = RestartPolicy()
         self._down: set[int] = set()  # worker processes that died and wait for their restart
+        self._last_message = time.monotonic()  # from any worker: the watchdog's sign of progress
+        self._watchdog_s = envs.watchdog_s()
         self._start_workers()
         self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="mstar-conductor")
         self._receiver.start()
@@ -97,6 +100,22 @@ class Runtime:
         ended = self.conductor.fail_all("the server is shutting down; retry on another replica", 503)
         if ended:
             logger.warning("shutdown deadline: ended %d open requests", ended)
+
+    def health_problem(self) -> str | None:
+        """Why the server should not be trusted now, or None: it gave up (`fatal`), the conductor is
+        wedged, or no worker has said anything for MSTAR_WATCHDOG_S while requests are in flight."""
+        if self.fatal:
+            return self.fatal
+        try:
+            busy_since = self.conductor.busy_since(lock_timeout_s=1.0)
+        except TimeoutError as exc:
+            return str(exc)
+        if busy_since is None:
+            return None
+        quiet = time.monotonic() - max(self._last_message, busy_since)
+        if quiet > self._watchdog_s:
+            return f"no worker has reported for {quiet:.0f} s while requests are in flight (MSTAR_WATCHDOG_S)"
+        return None
 
     def on_fatal(self, callback) -> None:
         """Call `callback()` (from a watchdog thread) once the runtime gives up; `fatal` says why."""
@@ -200,6 +219,7 @@ class Runtime:
             msg = self._inbox.recv(0.1)
             if msg is None:
                 continue
+            self._last_message = time.monotonic()
             try:
                 if isinstance(msg, wire.WorkerReady):
                     self._ready.add(msg.rank)

@@ -54,23 +54,28 @@ VIDEO_FPS = 8.0  # frame rate given to video outputs whose model does not say
 _ERROR = {"model": ErrorResponse}
 
 
-@router.get("/health", responses={503: {**_ERROR, "description": "the runtime gave up: restart the server"}})
+@router.get("/health", responses={503: {**_ERROR, "description": "unhealthy: restart the server"}})
 async def health(request: Request) -> Response:
     """200 while the process can serve (no key needed); 503 once the runtime gave up (a worker died too
-    often), so an orchestrator restarts it."""
-    fatal = get_state(request).runtime.fatal
-    if fatal:
-        return error_json(503, f"unhealthy: {fatal}")
+    often) or makes no progress with requests in flight, so an orchestrator restarts it."""
+    problem = await run_in_threadpool(get_state(request).runtime.health_problem)
+    if problem:
+        return error_json(503, f"unhealthy: {problem}")
     return JSONResponse({"status": "ok"})
 _NDJSON = {"application/x-ndjson": {"schema": {"type": "string", "description": "one JSON chunk per line"}}}
 
 
 @router.get("/ready", responses={503: {**_ERROR, "description": "still loading, or stopping"}})
 async def ready(request: Request) -> Response:
-    """200 once every worker is loaded; 503 before (and while shutting down)."""
-    if get_state(request).runtime.ready:
-        return JSONResponse({"status": "ready"})
-    return error_json(503, "the model is still loading (or the server is stopping)")
+    """200 once every worker is loaded; 503 before, while a worker restarts, while shutting down and
+    while /health is unhealthy."""
+    runtime = get_state(request).runtime
+    if not runtime.ready:
+        return error_json(503, "the model is still loading, a worker is restarting, or the server is stopping")
+    problem = await run_in_threadpool(runtime.health_problem)
+    if problem:
+        return error_json(503, f"unhealthy: {problem}")
+    return JSONResponse({"status": "ready"})
 
 
 @router.get("/metrics", response_class=PlainTextResponse,

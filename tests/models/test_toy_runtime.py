@@ -229,3 +229,17 @@ def test_decoded_handles_give_what_generate_gives():
         for name in ("audio", "image", "video"):
             assert all(np.array_equal(g, w) for g, w in zip(got.outputs[name], want.outputs[name], strict=True))
     assert not isinstance(raw.outputs["text"][0], str)  # result(): as emitted
+
+
+def test_the_watchdog_reports_a_server_with_requests_in_flight_and_no_worker_news(monkeypatch):
+    monkeypatch.setenv("MSTAR_WATCHDOG_S", "1")
+    with MStar(config={"model": "toy", "model_kwargs": {"step_delay_s": 1.5}}) as m:
+        assert m.runtime.health_problem() is None  # idle
+        slow = m.submit({"text": "slow"}, max_tokens=1, stop_early=False, modalities=["text"])
+        problems = []
+        for _ in range(40):  # 2 s into a run whose steps each sleep 1.5 s, a second more than allowed
+            problems.append(m.runtime.health_problem())
+            time.sleep(0.05)
+        assert any(p and "no worker has reported" in p for p in problems), problems
+        assert len(slow.result().outputs["text"]) == 1
+        assert m.runtime.health_problem() is None  # idle again

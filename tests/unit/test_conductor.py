@@ -136,3 +136,31 @@ def test_fail_all_ends_queued_and_running_requests_and_admits_nothing():
         rid: ("shutting down", 503) for rid in "abc"}
     assert len(fake.started()) == 1  # the queued ones were never started
     assert fake.conductor.stats() == {"in_flight": 0, "queued": 0}
+
+
+def test_busy_since_spans_the_running_requests_and_a_held_lock_times_out():
+    import threading
+
+    fake = FakeWorkers(max_concurrent=2)
+    assert fake.conductor.busy_since(1.0) is None
+    fake.submit("a")
+    since = fake.conductor.busy_since(1.0)
+    fake.submit("b")
+    assert fake.conductor.busy_since(1.0) == since  # set by the first, kept while any runs
+    for _, wire_id in fake.started():
+        fake.done(wire_id)
+    assert fake.conductor.busy_since(1.0) is None
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with fake.conductor._lock:
+            held.set()
+            release.wait(5)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    held.wait(5)
+    with pytest.raises(TimeoutError, match="held its lock"):
+        fake.conductor.busy_since(0.05)
+    release.set()
+    thread.join()
