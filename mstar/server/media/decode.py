@@ -135,7 +135,7 @@ def _decode_audio_soundfile(data: bytes, policy: MediaPolicy) -> DecodedAudio:
 
 
 def _decode_audio_av(data: bytes, policy: MediaPolicy) -> DecodedAudio:
-    av = _import_av()
+    import av  # a dependency; imported here since few requests carry video
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.audio:
@@ -184,7 +184,7 @@ def decode_video(source, policy: MediaPolicy | None = None, max_frames: int = 25
         raise ValueError(f"max_frames must be >= 1, got {max_frames}")
     policy = policy or MediaPolicy()
     data = load_media_bytes(source, policy)
-    av = _import_av()
+    import av
     frames: list[np.ndarray] = []
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
@@ -209,13 +209,3 @@ def decode_video(source, policy: MediaPolicy | None = None, max_frames: int = 25
     if not frames:
         raise MediaError(400, "could not decode video: no frames")
     return DecodedVideo(np.stack(frames), fps)
-
-
-def _import_av():
-    try:
-        import av
-    except ImportError:
-        raise MediaError(
-            500, "video and AAC support needs PyAV on the server: pip install 'mstar[video]'"
-        ) from None
-    return av

@@ -106,7 +106,7 @@ def _encode_audio_soundfile(frames: np.ndarray, sample_rate: int, fmt: str) -> b
 
 
 def _encode_audio_av(frames: np.ndarray, sample_rate: int, container_format: str, codec: str) -> bytes:
-    av = _import_av()
+    import av  # a dependency; imported here since few requests carry video
     buf = io.BytesIO()
     try:
         with av.open(buf, mode="w", format=container_format) as container:
@@ -124,7 +124,7 @@ def _layout(channels: int) -> str:
 
 def _mux_audio(container, stream, frames: np.ndarray, sample_rate: int) -> None:
     """Encode (frames, channels) float32 into `stream`, in codec-sized frames, and flush it."""
-    av = _import_av()
+    import av
     frame = av.AudioFrame.from_ndarray(
         np.ascontiguousarray(frames.reshape(1, -1)), format="flt", layout=_layout(frames.shape[1])
     )
@@ -189,7 +189,7 @@ def encode_video(frames: np.ndarray, fps: float, audio: DecodedAudio | None = No
 
     Odd widths or heights are padded by one edge pixel (H.264 with yuv420p needs even sizes).
     """
-    av = _import_av()
+    import av
     frames = np.asarray(frames)
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or frames.shape[0] == 0:
         raise MediaError(500, f"video frames must be uint8 (T, H, W, 3) with T >= 1, got {frames.dtype} {frames.shape}")
@@ -224,11 +224,3 @@ def encode_video(frames: np.ndarray, fps: float, audio: DecodedAudio | None = No
     except (av.FFmpegError, ValueError) as exc:
         raise MediaError(500, f"could not encode video: {exc}") from None
     return buf.getvalue()
-
-
-def _import_av():
-    try:
-        import av
-    except ImportError:
-        raise MediaError(500, "video and AAC output need PyAV on the server: pip install 'mstar[video]'") from None
-    return av
