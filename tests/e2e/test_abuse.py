@@ -167,3 +167,28 @@ def test_a_fifty_megabyte_prompt_is_refused_quickly_and_in_bounded_memory(model)
             rss.append(_rss_mb())
         assert rss[-1][0] - rss[0][0] < 50  # nothing accumulates from one request to the next
         assert rss[-1][1] - before < 400  # peak: the body, its text and a copy or two, never gigabytes
+
+
+def test_the_largest_request_leaves_slots_for_other_clients():
+    import threading
+
+    config = {"model": "toy", "max_concurrent_requests": 20, "max_queued_requests": 8,
+              "model_kwargs": {"step_delay_s": 0.01}}
+    with running_server(config) as url:
+        started = threading.Event()
+
+        def largest():  # 16 prompts, the most one request may ask for, each generating for a while
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                    "model": "toy", "prompt": ["p"] * 16, "max_tokens": 60, "stream": True}) as resp:
+                for _ in resp.iter_lines():
+                    started.set()
+
+        thread = threading.Thread(target=largest)
+        thread.start()
+        assert started.wait(30)
+        samples = scrape(url)
+        assert metric_sum(samples, "mstar_requests_in_flight") == 16
+        other = httpx.post(f"{url}/generate", json={"text": "mine", "stream": False, "options": {"max_tokens": 2}},
+                           timeout=60)
+        assert other.status_code == 200 and thread.is_alive()  # served beside it, not after it
+        thread.join(60)
