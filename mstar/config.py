@@ -63,6 +63,26 @@ def _is_int(value: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class LimitsConfig:
+    """What one request may bring (the `limits` YAML section); docs/operations.md gives the memory each
+    default allows. Every limit is checked before the input is decoded or tokenized."""
+
+    max_body_bytes: int = 64 * 1024 * 1024  # a request body; room for inline media
+    body_timeout_s: float = 10.0  # longest wait for the next piece of a body, then 408
+    max_media_bytes: int = 50 * 1024 * 1024  # one media input, encoded (inline or fetched)
+    max_image_pixels: int = 64 * 1024 * 1024  # width x height, from the header
+    max_audio_seconds: float = 3600.0
+    max_audio_samples: int = 16_000 * 3600  # decoded frames x channels: an hour of 16 kHz mono, 230 MB
+    max_video_pixels: int = 256 * 1280 * 720  # decoded frames x width x height, 708 MB as RGB
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"{f.name}={value!r}: use a positive number")
+
+
+@dataclass(frozen=True)
 class CudaGraphConfig:
     """CUDA graphs for decode steps and captured components (the `cuda_graphs` YAML section).
 
@@ -142,6 +162,7 @@ class MStarConfig:
     max_queued_requests: int = 1024  # a full queue rejects new requests instead of growing
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     cuda_graphs: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     model_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the model's config
     device: str = "auto"  # "auto" (cuda:<rank> when CUDA is there, else cpu) | "cpu" | "cuda"
     max_seq_len: int | None = None  # accepted for compatibility with M* configs; models bound it themselves

@@ -26,8 +26,6 @@ from mstar.server.openapi import install_openapi
 from mstar.server.protocol import error_response, validation_message
 
 logger = logging.getLogger(__name__)
-DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024  # room for inline media (MediaPolicy caps each input at 50 MiB)
-DEFAULT_BODY_TIMEOUT_S = 10.0  # longest wait for the next piece of a request body; then 408
 
 
 @dataclass
@@ -111,13 +109,14 @@ def _warm_request_path(runtime: Any) -> None:
 
 
 def create_app(runtime: Any, api_key: str | None = None, media_policy: MediaPolicy | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, model_name: str | None = None,
-               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> FastAPI:
+               max_body_bytes: int | None = None, model_name: str | None = None,
+               body_timeout_s: float | None = None) -> FastAPI:
     """The app serving `runtime`. With `api_key`, every route but /health needs `Authorization: Bearer`."""
     from mstar.server import routes_media, routes_native, routes_openai, routes_transcriptions, routes_videos
 
     metrics = ServerMetrics(runtime)
-    state = ServerState(runtime, metrics, media_policy or MediaPolicy(),
+    limits = runtime.config.limits  # the arguments override the config's `limits` (tests use them)
+    state = ServerState(runtime, metrics, media_policy or MediaPolicy.from_limits(limits),
                         model_name or getattr(runtime.model, "name", None) or runtime.config.model)
     app = FastAPI(title="mstar", version="0.1.0", lifespan=_warm_lifespan,
                   description=f"Serving {state.model_name}: native /generate and OpenAI-compatible routes.")
@@ -129,8 +128,8 @@ def create_app(runtime: Any, api_key: str | None = None, media_policy: MediaPoli
     app.include_router(routes_media.router)
     app.include_router(routes_transcriptions.router)
     app.include_router(routes_videos.router)
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics,
-                       body_timeout_s=body_timeout_s)
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes or limits.max_body_bytes,
+                       metrics=metrics, body_timeout_s=body_timeout_s or limits.body_timeout_s)
     return app
 
 

@@ -197,3 +197,14 @@ def test_the_largest_request_leaves_slots_for_other_clients():
                            timeout=60)
         assert other.status_code == 200 and thread.is_alive()  # served beside it, not after it
         thread.join(60)
+
+
+def test_the_config_limits_section_sets_what_the_server_takes():
+    with running_server({"model": "toy", "limits": {"max_image_pixels": 100, "max_body_bytes": 50_000}}) as url:
+        small = base64.b64encode(_png_declaring(10, 10)).decode()
+        big = base64.b64encode(_png_declaring(20, 20)).decode()
+        assert httpx.post(f"{url}/generate", json={"text": "x", "media": [{"type": "image", "data": big}]}
+                          ).status_code == 413
+        resp = httpx.post(f"{url}/generate", json={"text": "x", "media": [{"type": "image", "data": small}]})
+        assert resp.status_code != 413  # within the pixel limit (the one-pixel file then fails to decode: 400)
+        assert httpx.post(f"{url}/generate", json={"text": "x" * 60_000}).status_code == 413  # the body cap

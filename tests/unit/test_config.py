@@ -118,3 +118,13 @@ def test_mstar_configs_lists_the_shipped_configs(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == sorted(p.stem for p in SHIPPED_CONFIGS.glob("*.yaml"))
     assert any(line.startswith("toy_2workers") and "second worker" in line for line in lines)
+
+
+def test_limits_section_is_validated():
+    cfg = config_from_dict({"model": "toy", "limits": {"max_image_pixels": 4096, "body_timeout_s": 2.5}})
+    assert cfg.limits.max_image_pixels == 4096 and cfg.limits.body_timeout_s == 2.5
+    assert cfg.limits.max_body_bytes == 64 * 1024 * 1024  # the rest keep their defaults
+    with pytest.raises(ConfigError, match=r"unknown key 'limits.max_pixels'; valid keys here are .*max_image_pixels"):
+        config_from_dict({"model": "toy", "limits": {"max_pixels": 4096}})
+    with pytest.raises(ConfigError, match=r"limits.*max_audio_seconds=0.0: use a positive number"):
+        config_from_dict({"model": "toy", "limits": {"max_audio_seconds": 0}})

@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urljoin, urlsplit
 
+from mstar.config import LimitsConfig
+
 logger = logging.getLogger(__name__)
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.\-]*):")
@@ -46,15 +48,19 @@ class MediaPolicy:
 
     allow_remote: bool = False  # fetch http(s) URLs at all
     allowed_hosts: tuple[str, ...] = ()  # empty: any host (only when allow_remote)
-    max_bytes: int = 50 * 1024 * 1024  # per input, encoded size
+    max_bytes: int = LimitsConfig.max_media_bytes  # per input, encoded size
     timeout_s: float = 10.0  # per remote fetch, connect and each read
-    max_image_pixels: int = 64 * 1024 * 1024  # width * height; guards against decompression bombs
-    max_audio_seconds: float = 3600.0  # decoded duration bound
-    # Decoded values (frames x channels), checked from the header where the format has one: an hour
-    # of 16 kHz mono, or ten minutes of 48 kHz stereo; 230 MB as float32.
-    max_audio_samples: int = 16_000 * 3600
-    # Decoded video pixels, frames x width x height: 256 frames of 1280x720, 708 MB as RGB.
-    max_video_pixels: int = 256 * 1280 * 720
+    max_image_pixels: int = LimitsConfig.max_image_pixels  # width * height; guards against decompression bombs
+    max_audio_seconds: float = LimitsConfig.max_audio_seconds  # decoded duration bound
+    max_audio_samples: int = LimitsConfig.max_audio_samples  # decoded frames x channels
+    max_video_pixels: int = LimitsConfig.max_video_pixels  # decoded frames x width x height
+
+    @classmethod
+    def from_limits(cls, limits: LimitsConfig) -> MediaPolicy:
+        """The policy a config's `limits` section sets (remote fetching stays off)."""
+        return cls(max_bytes=limits.max_media_bytes, max_image_pixels=limits.max_image_pixels,
+                   max_audio_seconds=limits.max_audio_seconds, max_audio_samples=limits.max_audio_samples,
+                   max_video_pixels=limits.max_video_pixels)
 
     def __post_init__(self) -> None:
         if self.max_bytes <= 0:
