@@ -124,23 +124,20 @@ def test_a_full_queue_answers_429_with_retry_after():
 
 def test_a_body_that_stops_arriving_is_408_after_the_read_timeout():
     import socket
-    import time
 
     with running_server({"model": "toy"}, body_timeout_s=0.5) as url:
         port = int(url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 1000\r\n\r\n{\"text\": ")  # 9 of the 1,000 bytes declared
-            start = time.monotonic()
             answer = sock.recv(4096).decode()
-            took = time.monotonic() - start
             head, _, body = answer.partition("\r\n\r\n")
             length = int(next(line.split(":")[1] for line in head.split("\r\n") if line.lower().startswith("content-length")))
             while len(body.encode()) < length:  # the body may come in a later segment
                 body += sock.recv(4096).decode()
             answer = head + body
         assert answer.startswith("HTTP/1.1 408"), answer
-        assert "stopped arriving" in answer and took < 5
+        assert "stopped arriving" in answer  # not the socket's 10 s timeout: the server answered
         assert httpx.get(f"{url}/health").status_code == 200
 
 
@@ -154,21 +151,18 @@ def _rss_mb() -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("model", ["toy", "llama"])
-def test_a_fifty_megabyte_prompt_is_refused_quickly_and_in_bounded_memory(model):
-    import time
-
+def test_a_fifty_megabyte_prompt_is_refused_from_a_prefix_in_bounded_memory(model):
     config = {"model": model, "device": "cpu", "kv_cache": {"max_num_pages": 64}} if model == "llama" else {"model": model}
     body = b'{"text": "' + b"lorem ipsum dolor sit amet " * (50_000_000 // 27) + b'", "stream": false}'
     with running_server(config, tiny=model == "llama") as url, httpx.Client(base_url=url, timeout=60) as client:
         before = _rss_mb()[0]
         rss = []
         for _ in range(4):
-            start = time.monotonic()
             resp = client.post("/generate", content=body, headers={"content-type": "application/json"})
-            took = time.monotonic() - start
+            message = resp.json()["error"]["message"]
             assert resp.status_code == 400, resp.text
-            assert "context" in resp.json()["error"]["message"] or "limit" in resp.json()["error"]["message"]
-            assert took < 5, took  # tokenizing the whole text took about a minute
+            # refused from a prefix (the Llama) or the byte count (the toy), never by tokenizing it all
+            assert "in its first 16384 characters" in message if model == "llama" else "over its limit" in message
             rss.append(_rss_mb())
         assert rss[-1][0] - rss[0][0] < 50  # nothing accumulates from one request to the next
         assert rss[-1][1] - before < 400  # peak: the body, its text and a copy or two, never gigabytes

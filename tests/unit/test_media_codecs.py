@@ -172,3 +172,15 @@ def test_corrupt_video_is_400():
     with pytest.raises(MediaError) as info:
         decode_video(b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 100)
     assert info.value.status_code == 400
+
+
+def test_a_small_flac_declaring_an_hour_of_48k_stereo_is_refused_from_its_header():
+    import struct
+
+    data = bytearray(encode_audio(_tone(0.1, rate=48000, channels=2), 48000, "flac"))
+    assert data[:4] == b"fLaC" and data[4] & 0x7F == 0  # the first metadata block is STREAMINFO
+    field = struct.unpack(">Q", data[18:26])[0]  # rate, channels, bits per sample, then 36 bits of frames
+    data[18:26] = struct.pack(">Q", (field & ~((1 << 36) - 1)) | 48000 * 3600)
+    with pytest.raises(MediaError, match="345600000 samples") as info:  # the header's count: 0.1 s is inside
+        decode_audio(bytes(data))  # the default policy: an hour is allowed, 57.6 M decoded values are not
+    assert info.value.status_code == 413 and len(data) < 50_000
