@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import json
 import logging
+import tempfile
 import uuid
 from typing import Any
 
@@ -44,6 +45,43 @@ class _BodyTimeout(HTTPException):
         super().__init__(408, f"the request body stopped arriving for {timeout_s:g} s")
 
 
+SPOOL_BYTES = 1024 * 1024  # a larger body is read to its end on disk before the route runs
+_REPLAY_CHUNK = 64 * 1024
+
+
+class _SpooledBody:
+    """A request body read to its end before the app runs, kept on disk past SPOOL_BYTES, so a slow
+    upload holds a file rather than memory; the app then receives it again in chunks."""
+
+    def __init__(self) -> None:
+        self.file = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        self.file.write(data)
+        self.size += len(data)
+
+    def close(self) -> None:
+        self.file.close()
+
+    def replay(self, receive):
+        """A `receive` that gives the spooled body, then passes on to `receive` (disconnects)."""
+        self.file.seek(0)
+        done = False
+
+        async def replayed():
+            nonlocal done
+            if done:
+                return await receive()
+            chunk = self.file.read(_REPLAY_CHUNK)
+            done = self.file.tell() >= self.size
+            if done:
+                self.close()
+            return {"type": "http.request", "body": chunk, "more_body": not done}
+
+        return replayed
+
+
 class GuardMiddleware:
     """API key check (every path but /health), body size limit and read timeout, response counting."""
 
@@ -67,7 +105,39 @@ class GuardMiddleware:
             await send_error(send, 413, f"request body is {int(length)} bytes, over the limit of "
                                         f"{self.max_body_bytes} bytes")
             return
+        declared = int(length) if length is not None and length.isdigit() else None
+        if scope.get("method") in ("POST", "PUT", "PATCH") and (declared is None or declared > SPOOL_BYTES):
+            try:
+                spooled = await self._spool(receive)
+            except (_TooLarge, _BodyTimeout) as exc:
+                self.metrics.http_response(_route(path), exc.status_code)
+                await send_error(send, exc.status_code, exc.detail)
+                return
+            if spooled is None:  # the client left while sending
+                return
+            receive = spooled.replay(receive)
         await self._call_capped(scope, receive, send, path)
+
+    async def _spool(self, receive) -> _SpooledBody | None:
+        """The whole body, read under the size cap and the read timeout; None if the client left."""
+        body = _SpooledBody()
+        try:
+            while True:
+                try:
+                    message = await asyncio.wait_for(receive(), self.body_timeout_s)
+                except TimeoutError:
+                    raise _BodyTimeout(self.body_timeout_s) from None
+                if message["type"] == "http.disconnect":
+                    body.close()
+                    return None
+                body.write(message.get("body", b""))
+                if body.size > self.max_body_bytes:
+                    raise _TooLarge(self.max_body_bytes)
+                if not message.get("more_body", False):
+                    return body
+        except BaseException:
+            body.close()
+            raise
 
     async def _call_capped(self, scope, receive, send, path: str) -> None:
         received = 0

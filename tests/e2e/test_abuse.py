@@ -202,3 +202,48 @@ def test_the_config_limits_section_sets_what_the_server_takes():
         resp = httpx.post(f"{url}/generate", json={"text": "x", "media": [{"type": "image", "data": small}]})
         assert resp.status_code != 413  # within the pixel limit (the one-pixel file then fails to decode: 400)
         assert httpx.post(f"{url}/generate", json={"text": "x" * 60_000}).status_code == 413  # the body cap
+
+
+def test_large_bodies_are_read_to_disk_first_and_reach_the_route_whole():
+    import socket
+
+    with running_server({"model": "toy"}, max_body_bytes=3_000_000, body_timeout_s=0.5) as url:
+        resp = httpx.post(f"{url}/generate", json={"text": "x" * 1_500_000, "stream": False})
+        assert resp.status_code == 400 and "1500000 bytes" in resp.json()["error"]["message"]  # all of it arrived
+
+        def chunks(total):  # no content-length: chunked transfer, read to its end before the route runs
+            for _ in range(total // 100_000):
+                yield b"x" * 100_000
+
+        resp = httpx.post(f"{url}/generate", content=chunks(4_000_000), headers={"content-type": "application/json"})
+        assert resp.status_code == 413
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:  # declares 2 MB, sends 9 bytes
+            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 2000000\r\n\r\n{\"text\": ")
+            assert sock.recv(4096).decode().startswith("HTTP/1.1 408")
+
+
+def test_a_spooled_body_rolls_to_disk_and_replays_the_same_bytes():
+    import asyncio
+
+    from mstar.server.middleware import SPOOL_BYTES, _SpooledBody
+
+    body = _SpooledBody()
+    data = bytes(range(256)) * (3 * SPOOL_BYTES // 256)
+    for i in range(0, len(data), 50_000):
+        body.write(data[i:i + 50_000])
+    assert body.file._rolled  # on disk, not in memory
+
+    async def never():
+        raise AssertionError("the body is replayed before the real receive is asked")
+
+    async def read_all():
+        receive, got = body.replay(never), b""
+        while True:
+            message = await receive()
+            got += message["body"]
+            if not message["more_body"]:
+                return got
+
+    assert asyncio.run(read_all()) == data
