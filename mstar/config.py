@@ -74,12 +74,28 @@ class LimitsConfig:
     max_audio_seconds: float = 3600.0
     max_audio_samples: int = 16_000 * 3600  # decoded frames x channels: an hour of 16 kHz mono, 230 MB
     max_video_pixels: int = 256 * 1280 * 720  # decoded frames x width x height, 708 MB as RGB
+    # route path -> its own values of the media keys, e.g. {"/v1/audio/transcriptions": {"max_audio_seconds": 7200}}
+    routes: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            if f.name != "routes" and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
                 raise ValueError(f"{f.name}={value!r}: use a positive number")
+        for route, values in self.routes.items():
+            unknown = set(values) - set(ROUTE_LIMITS) if isinstance(values, dict) else {"(not a mapping)"}
+            if not route.startswith("/") or unknown:
+                raise ValueError(f"routes[{route!r}]: give a route path and a mapping of {', '.join(ROUTE_LIMITS)} "
+                                 f"(got {values!r})")
+            self.for_route(route)  # its values are checked as the whole section's are
+
+    def for_route(self, route: str) -> LimitsConfig:
+        """These limits with `route`'s own values applied."""
+        values = self.routes.get(route)
+        return dataclasses.replace(self, routes={}, **values) if values else self
+
+
+ROUTE_LIMITS = ("max_media_bytes", "max_image_pixels", "max_audio_seconds", "max_audio_samples", "max_video_pixels")
 
 
 @dataclass(frozen=True)

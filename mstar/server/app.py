@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,12 +30,17 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ServerState:
-    """What every route needs: the runtime, its metrics and the media policy."""
+    """What every route needs: the runtime, its metrics and the media policy (`policy(route)`)."""
 
     runtime: Any
     metrics: ServerMetrics
-    media_policy: MediaPolicy
+    media_policy: MediaPolicy  # every route's, but those in `route_policies`
     model_name: str
+    route_policies: dict[str, MediaPolicy] = field(default_factory=dict)
+
+    def policy(self, route: str) -> MediaPolicy:
+        """The media policy of `route` (its path as the app declares it)."""
+        return self.route_policies.get(route, self.media_policy)
 
     def check_model(self, requested: str | None, needs: str | None = None, route: str = "") -> None:
         """Raise RequestError(404) for another model's name or a route this model cannot serve."""
@@ -117,7 +122,8 @@ def create_app(runtime: Any, api_key: str | None = None, media_policy: MediaPoli
     metrics = ServerMetrics(runtime)
     limits = runtime.config.limits  # the arguments override the config's `limits` (tests use them)
     state = ServerState(runtime, metrics, media_policy or MediaPolicy.from_limits(limits),
-                        model_name or getattr(runtime.model, "name", None) or runtime.config.model)
+                        model_name or getattr(runtime.model, "name", None) or runtime.config.model,
+                        {route: MediaPolicy.from_limits(limits.for_route(route)) for route in limits.routes})
     app = FastAPI(title="mstar", version="0.1.0", lifespan=_warm_lifespan,
                   description=f"Serving {state.model_name}: native /generate and OpenAI-compatible routes.")
     app.state.mstar = state
@@ -128,9 +134,23 @@ def create_app(runtime: Any, api_key: str | None = None, media_policy: MediaPoli
     app.include_router(routes_media.router)
     app.include_router(routes_transcriptions.router)
     app.include_router(routes_videos.router)
+    if limits.routes:
+        _check_limit_routes(app, limits, runtime.config.source)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes or limits.max_body_bytes,
                        metrics=metrics, body_timeout_s=body_timeout_s or limits.body_timeout_s)
     return app
+
+
+def _check_limit_routes(app: FastAPI, limits, source: str) -> None:
+    """Refuse `limits.routes` keys that name no route taking a body (read from the OpenAPI document,
+    which lists every included route)."""
+    from mstar.config import ConfigError
+
+    paths = sorted(path for path, ops in app.openapi()["paths"].items() if "post" in ops)
+    unknown = sorted(set(limits.routes) - set(paths))
+    if unknown:
+        raise ConfigError(f"{source}: limits.routes names {unknown}, which take no input here; routes that do: "
+                          f"{', '.join(paths)}")
 
 
 def get_state(request: Request) -> ServerState:

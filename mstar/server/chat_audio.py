@@ -96,7 +96,7 @@ def chat_media(state, body: ChatCompletionRequest) -> list[dict]:
     from mstar.server.media import DecodedAudio, decode_audio, decode_image, decode_video, load_media_bytes
     from mstar.server.protocol_openai import AudioURLPart, ImageURLPart, InputAudioPart
 
-    policy, media = state.media_policy, []
+    policy, media = state.policy("/v1/chat/completions"), []
     for message in body.messages:
         for part in message.media_parts():
             if isinstance(part, ImageURLPart):

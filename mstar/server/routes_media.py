@@ -156,8 +156,9 @@ async def image_edits(request: Request) -> ImagesResponse:
 
 
 async def _image(state: ServerState, value, field: str) -> np.ndarray:
-    data = await media_bytes(value, field, state.media_policy)
-    return await run_in_threadpool(decode_image, data, state.media_policy)
+    policy = state.policy("/v1/images/edits")
+    data = await media_bytes(value, field, policy)
+    return await run_in_threadpool(decode_image, data, policy)
 
 
 async def _images(state: ServerState, request: Request, body: ImageGenerationRequest,

@@ -109,12 +109,12 @@ def build_request(state, body: GenerateRequest, uploads: list[tuple[str, bytes]]
 
 def _decode(state, kind: str, data, name: str | None) -> dict[str, Any]:
     if kind == "image":
-        item = {"type": "image", "data": decode_image(data, state.media_policy)}
+        item = {"type": "image", "data": decode_image(data, state.policy("/generate"))}
     elif kind == "audio":
-        audio = decode_audio(data, state.media_policy)
+        audio = decode_audio(data, state.policy("/generate"))
         item = {"type": "audio", "data": audio.mono(), "sample_rate": audio.sample_rate}
     else:
-        video = decode_video(data, state.media_policy)
+        video = decode_video(data, state.policy("/generate"))
         item = {"type": "video", "data": video.frames, "fps": video.fps}
     if name:
         item["name"] = name
@@ -141,7 +141,7 @@ async def read_generate(request: Request, state) -> tuple[GenerateRequest, list[
     uploads = []
     for upload in files_of(form, *_FORM_FILES):
         kind = upload_modality(upload, "files")
-        uploads.append((kind, await upload_bytes(upload, "files", state.media_policy)))
+        uploads.append((kind, await upload_bytes(upload, "files", state.policy("/generate"))))
     if body.text is None and not uploads:
         raise RequestError(400, "a request needs `text` or at least one file part (`files`)")
     return body, uploads

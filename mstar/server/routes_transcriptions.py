@@ -45,8 +45,8 @@ async def transcriptions(request: Request) -> Response:
     source = (files_of(form, "file") or [v for v in form.getlist("file") if isinstance(v, str) and v] or [None])[0]
     if source is None:
         raise RequestError(400, "/v1/audio/transcriptions needs the audio as the `file` field", "file")
-    data = await media_bytes(source, "file", state.media_policy)
-    audio = await run_in_threadpool(decode_audio, data, state.media_policy)
+    data = await media_bytes(source, "file", state.policy("/v1/audio/transcriptions"))
+    audio = await run_in_threadpool(decode_audio, data, state.policy("/v1/audio/transcriptions"))
     stream = await start_request(state, _model_request(body, audio), _options(state, body))
     if body.stream:
         return ClosingStreamingResponse(guarded(lambda: _sse(stream), sse_error), [stream],

@@ -81,8 +81,8 @@ async def _reference_image(state: ServerState, value) -> Any:
     if "image" not in state.runtime.model.input_modalities:
         raise RequestError(400, f"model {state.model_name!r} takes no image input; leave input_reference out",
                            "input_reference")
-    data = await media_bytes(value, "input_reference", state.media_policy)
-    return await run_in_threadpool(decode_image, data, state.media_policy)
+    data = await media_bytes(value, "input_reference", state.policy("/v1/videos"))
+    return await run_in_threadpool(decode_image, data, state.policy("/v1/videos"))
 
 
 def _options(state: ServerState, body: VideoCreateRequest) -> dict[str, Any]:

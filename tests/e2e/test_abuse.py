@@ -247,3 +247,18 @@ def test_a_spooled_body_rolls_to_disk_and_replays_the_same_bytes():
                 return got
 
     assert asyncio.run(read_all()) == data
+
+
+def test_a_route_may_have_its_own_media_limits():
+    from mstar.config import ConfigError
+
+    limits = {"max_image_pixels": 100, "routes": {"/v1/images/edits": {"max_image_pixels": 1000}}}
+    with running_server({"model": "toy", "limits": limits}) as url:
+        png = _png_declaring(20, 20)  # 400 pixels: over the default here, within the edits route's own
+        assert httpx.post(f"{url}/generate", json={"text": "x", "media": [
+            {"type": "image", "data": base64.b64encode(png).decode()}]}).status_code == 413
+        edit = httpx.post(f"{url}/v1/images/edits", data={"prompt": "x"}, files={"image": ("a.png", png, "image/png")})
+        assert edit.status_code == 400 and "truncated" in edit.json()["error"]["message"]  # decoded, not refused
+    with pytest.raises(ConfigError, match=r"limits.routes names \['/v1/nothing'\].*/v1/audio/transcriptions"):
+        with running_server({"model": "toy", "limits": {"routes": {"/v1/nothing": {"max_image_pixels": 5}}}}):
+            pass

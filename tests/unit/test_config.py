@@ -128,3 +128,14 @@ def test_limits_section_is_validated():
         config_from_dict({"model": "toy", "limits": {"max_pixels": 4096}})
     with pytest.raises(ConfigError, match=r"limits.*max_audio_seconds=0.0: use a positive number"):
         config_from_dict({"model": "toy", "limits": {"max_audio_seconds": 0}})
+
+
+def test_limits_may_differ_per_route():
+    cfg = config_from_dict({"model": "toy", "limits": {"max_audio_seconds": 60, "routes": {
+        "/v1/audio/transcriptions": {"max_audio_seconds": 7200}}}})
+    assert cfg.limits.for_route("/v1/audio/transcriptions").max_audio_seconds == 7200
+    assert cfg.limits.for_route("/generate").max_audio_seconds == 60
+    with pytest.raises(ConfigError, match=r"routes\['/generate'\]: give a route path and a mapping of max_media_bytes"):
+        config_from_dict({"model": "toy", "limits": {"routes": {"/generate": {"max_body_bytes": 5}}}})
+    with pytest.raises(ConfigError, match="max_image_pixels=-1: use a positive number"):
+        config_from_dict({"model": "toy", "limits": {"routes": {"/generate": {"max_image_pixels": -1}}}})
