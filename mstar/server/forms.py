@@ -85,13 +85,14 @@ async def json_or_form(request: Request, cls: type[M], file_fields: tuple[str, .
         return validate(cls, data), form
     if content_type(request) not in ("application/json", ""):
         raise RequestError(415, f"send application/json or multipart/form-data, got {content_type(request)!r}")
-    raw = await request.body()
+    raw = b"".join([chunk async for chunk in request.stream()])  # not kept on the request once parsed
     try:
         data = json.loads(raw) if raw else None
     except ValueError as exc:
         raise RequestError(400, f"the body is not valid JSON: {exc}") from None
     except RecursionError:
         raise RequestError(400, "the body's JSON is nested too deeply") from None
+    del raw  # the parsed body is all the route needs: the bytes are not held beside it
     if not isinstance(data, dict):
         raise RequestError(400, f"the body must be a JSON object, got {type(data).__name__}")
     return validate(cls, data), None
