@@ -147,7 +147,8 @@ class Model:
 
     @classmethod
     def make_config(cls, tiny: bool = False, **overrides: Any) -> Any:
-        """The default (or tiny) config, with overrides from YAML `model_kwargs`."""
+        """The default (or tiny) config, a dataclass whose fields are the keys YAML `model_kwargs` may set
+        (any other key is refused with the valid ones), with those overrides applied."""
         raise NotImplementedError
 
     def graph(self) -> ModelGraph:

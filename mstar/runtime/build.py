@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 import torch
 
-from mstar.config import MStarConfig
+from mstar.config import ConfigError, MStarConfig
 from mstar.engines.base import Engine
 from mstar.models.base import BuiltComponent, Model
 from mstar.models.registry import get_model_class
@@ -19,6 +20,11 @@ def build_model(config: MStarConfig, tiny: bool = False, load_format: str = "aut
                 model_path: str | None = None) -> Model:
     """The registered model of `config.model`, configured from model_kwargs."""
     cls = get_model_class(config.model)
+    valid = sorted(f.name for f in dataclasses.fields(cls.make_config(tiny=tiny)))
+    unknown = sorted(set(config.model_kwargs) - set(valid))
+    if unknown:
+        raise ConfigError(f"{config.source}: unknown key 'model_kwargs.{unknown[0]}' for model {config.model!r}; "
+                          f"valid keys here are {valid}")
     model_cfg = cls.make_config(tiny=tiny, **config.model_kwargs)
     return cls(model_cfg, load_format=load_format, model_path=model_path)
 

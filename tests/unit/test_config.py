@@ -87,10 +87,16 @@ def test_unknown_model_lists_valid_names():
 
 
 def test_every_shipped_config_loads():
+    import dataclasses
+
+    from mstar.models.registry import get_model_class
+
     configs = sorted(SHIPPED_CONFIGS.glob("*.yaml"))
     assert len(configs) >= 5
     for path in configs:
-        assert load_config(path).model, path
+        cfg = load_config(path)
+        fields = {f.name for f in dataclasses.fields(get_model_class(cfg.model).make_config())}
+        assert set(cfg.model_kwargs) <= fields, path  # build_model refuses any other key
 
 
 def test_shipped_configs_load_by_name_from_any_directory(tmp_path, monkeypatch):
@@ -139,3 +145,14 @@ def test_limits_may_differ_per_route():
         config_from_dict({"model": "toy", "limits": {"routes": {"/generate": {"max_body_bytes": 5}}}})
     with pytest.raises(ConfigError, match="max_image_pixels=-1: use a positive number"):
         config_from_dict({"model": "toy", "limits": {"routes": {"/generate": {"max_image_pixels": -1}}}})
+
+
+def test_a_misspelt_model_kwargs_key_names_the_file_and_the_valid_keys(tmp_path):
+    from mstar.runtime.build import build_model
+
+    path = tmp_path / "toy.yaml"
+    path.write_text("model: toy\nmodel_kwargs: {step_delay: 0.5}\n")
+    with pytest.raises(ConfigError, match=rf"{path}: unknown key 'model_kwargs.step_delay' for model 'toy'; "
+                                          r"valid keys here are \[.*'step_delay_s'"):
+        build_model(load_config(path))
+    assert build_model(config_from_dict({"model": "toy", "model_kwargs": {"step_delay_s": 0.5}})).config.step_delay_s == 0.5
