@@ -20,9 +20,11 @@ from starlette.concurrency import run_in_threadpool
 
 from mstar.conductor.request_state import FinishEvent, OutputEvent
 from mstar.models.base import OptionError, check_option_types
+from mstar.server.middleware import REQUEST_ROUTE
 from mstar.server.protocol import Usage
 
 logger = logging.getLogger(__name__)
+request_log = logging.getLogger("mstar.server.requests")  # one line per ended request
 RETRY_AFTER_S = 1  # what a 429 for a full queue asks the client to wait
 
 
@@ -59,6 +61,8 @@ class RequestStream:
         self._loop = asyncio.get_running_loop()
         self._seq: dict[str, int] = {}
         self._t0 = time.monotonic()
+        self._first: float | None = None  # seconds from submission to the first value of any output
+        self.route = REQUEST_ROUTE.get()
         self._last: float | None = None
         self._last_of: dict[str, float] = {}  # output name -> arrival of its latest value
 
@@ -85,11 +89,13 @@ class RequestStream:
     def _handle(self, event: OutputEvent | FinishEvent) -> list[Item]:
         if isinstance(event, FinishEvent):
             self.done = True
-            self.state.metrics.finished(self.finish_reason or event.finish_reason, event.status)
             if event.error is not None:
+                self._ended(self.finish_reason or event.finish_reason, event.status)
                 raise RequestError(event.status if event.status >= 400 else 500, event.error)
             self.finish_reason = self.finish_reason or event.finish_reason or "stop"
-            return self._items(self.decoder.flush())
+            items = self._items(self.decoder.flush())
+            self._ended(self.finish_reason, event.status)
+            return items
         if self.finish_reason is not None:  # stopped by the decoder (stop string): drop the rest
             return []
         self._observe_timing(event.name)
@@ -110,7 +116,8 @@ class RequestStream:
     def _observe_timing(self, output: str) -> None:
         now, metrics = time.monotonic(), self.state.metrics
         if self._last is None:
-            metrics.first_output(now - self._t0)
+            self._first = now - self._t0
+            metrics.first_output(self._first)
         else:
             metrics.inter_output(now - self._last)
         previous = self._last_of.get(output)
@@ -124,8 +131,17 @@ class RequestStream:
         """Cancel the request if it has not finished (the client went away)."""
         if not self.done:
             self.done = True
-            self.state.metrics.finished("cancelled", 499)
+            self._ended("cancelled", 499)
             self.runtime.cancel(self.rid)
+
+    def _ended(self, finish_reason: str | None, status: int) -> None:
+        """Count the request's end and its tokens, and log its line."""
+        generated = self.decoder.completion_tokens
+        self.state.metrics.finished(finish_reason, status, self.prompt_tokens, generated)
+        first = "-" if self._first is None else f"{self._first:.3f}s"
+        request_log.info("%s %s model=%s status=%d finish=%s prompt_tokens=%d output_tokens=%d "
+                         "first_output=%s total=%.3fs", self.rid, self.route, self.state.model_name, status,
+                         finish_reason or "none", self.prompt_tokens, generated, first, time.monotonic() - self._t0)
 
     async def collect(self) -> dict[str, list[Item]]:
         """Run to the end: every output's items, in order."""

@@ -7,6 +7,7 @@ answers any unhandled error with a counted 500.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
 import json
 import logging
@@ -19,6 +20,8 @@ from starlette.exceptions import HTTPException
 from mstar.server.protocol import error_response
 
 logger = logging.getLogger(__name__)
+# "METHOD /route" of the request the current task serves, for the request log (server/adapters.py)
+REQUEST_ROUTE: contextvars.ContextVar[str] = contextvars.ContextVar("mstar_request_route", default="-")
 OPEN_PATHS = ("/health",)  # reachable without the API key (load balancer probes)
 
 
@@ -94,6 +97,7 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
+        REQUEST_ROUTE.set(f"{scope.get('method', '')} {_route(path)}")
         if self.api_key and path not in OPEN_PATHS and not self._authorized(scope):
             self.metrics.http_response(_route(path), 401)
             await send_error(send, 401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",

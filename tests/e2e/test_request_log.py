@@ -1,0 +1,30 @@
+"""Each ended request is counted with its tokens in /metrics and logged on one line (id, route, model,
+status, finish reason, prompt and output tokens, time to first output, total time)."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import httpx
+
+from tests.e2e.server_thread import metric_sum, running_server, scrape
+
+
+def test_token_counters_and_one_log_line_per_request(caplog):
+    caplog.set_level(logging.INFO, logger="mstar.server.requests")
+    with running_server({"model": "toy"}) as url:
+        before = scrape(url)
+        chat = httpx.post(f"{url}/v1/chat/completions", json={
+            "model": "toy", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}).json()
+        bad = httpx.post(f"{url}/generate", json={"text": "x", "options": {"guidance": "abc"}})
+        after = scrape(url)
+    usage = chat["usage"]
+    for name, tokens in (("mstar_prompt_tokens_total", usage["prompt_tokens"]),
+                         ("mstar_generation_tokens_total", usage["completion_tokens"])):
+        assert metric_sum(after, name) - (metric_sum(before, name) or 0) == tokens > 0, name
+    lines = [r.getMessage() for r in caplog.records if r.name == "mstar.server.requests"]
+    assert len(lines) == 1 and bad.status_code == 400  # refused before submission: no request to log
+    assert re.fullmatch(rf"\w+ POST /v1/chat/completions model=toy status=200 finish=\w+ "
+                        rf"prompt_tokens={usage['prompt_tokens']} output_tokens={usage['completion_tokens']} "
+                        r"first_output=\d+\.\d{3}s total=\d+\.\d{3}s", lines[0]), lines[0]
