@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from mstar import envs
+from mstar import __version__, envs
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2"
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mstar.cli import bench
 
     parser = argparse.ArgumentParser(prog="mstar", description="Serve and benchmark composite multimodal models.")
+    parser.add_argument("--version", action="version", version=f"mstar {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run an HTTP server for one model")
     serve.add_argument("model", nargs="?", default=None, help=f"registered model name (default {DEFAULT_MODEL})")
@@ -135,12 +136,19 @@ def run_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = read_api_key(args)
+    check_port_free(args.host, args.port)  # before minutes of loading, not after
     stacks_on_sigusr1()
     if args.gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus
-    config = resolve_config(getattr(args, "model", None), args.config)
-    runtime = Runtime(config, mode=args.mode, tiny=args.tiny, load_format=args.load_format,
-                      model_path=args.model_path)
+    try:
+        config = resolve_config(getattr(args, "model", None), args.config)
+        runtime = Runtime(config, mode=args.mode, tiny=args.tiny, load_format=args.load_format,
+                          model_path=args.model_path)
+    except (ValueError, KeyError, FileNotFoundError) as exc:  # a config, model name or checkpoint mistake
+        if args.log_level == "DEBUG":
+            raise
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        raise SystemExit(f"mstar: {message}\n(--log-level DEBUG shows the traceback)") from None
     stacks_on_sigusr1(runtime.worker_pids)  # from now on the workers dump theirs too
     try:
         app = create_app(runtime, api_key=api_key)
@@ -153,6 +161,18 @@ def run_serve(args: argparse.Namespace) -> int:
         logger.error("exiting: %s", runtime.fatal)
         return 1
     return 0
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Exit with one line when `host:port` cannot be listened on."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise SystemExit(f"mstar: cannot listen on {host}:{port}: {exc.strerror}; pass another --port") from None
 
 
 def serve_until_stopped(app, runtime, args: argparse.Namespace) -> None:
@@ -181,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 def serve_main(argv: list[str] | None = None) -> int:
     """Entry point of `mstar-serve --config x.yaml` (the model comes from the config)."""
     parser = argparse.ArgumentParser(prog="mstar-serve", description="Serve the model a config file names.")
+    parser.add_argument("--version", action="version", version=f"mstar {__version__}")
     parser.add_argument("--model", default=None, help="override the config's model")
     _add_serve_arguments(parser)
     args = parser.parse_args(argv)

@@ -1,0 +1,54 @@
+"""`mstar serve` mistakes end in one line with the fix: a port in use (found before anything loads), an
+unknown model, a config or checkpoint mistake; `--version` answers."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from mstar import __version__
+from mstar.cli import main as cli
+
+
+@pytest.fixture
+def no_runtime(monkeypatch):
+    """Fails the test if a runtime is started (the check must come first)."""
+    from mstar.runtime import launcher
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the runtime was started")
+
+    monkeypatch.setattr(launcher, "Runtime", refuse)
+
+
+def test_a_port_in_use_is_one_line_before_anything_loads(no_runtime):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["serve", "toy", "--port", str(port)])
+    assert str(exc.value) == f"mstar: cannot listen on 127.0.0.1:{port}: Address already in use; pass another --port"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["serve", "nosuchmodel"], "mstar: unknown model 'nosuchmodel'; registered models are: "),
+    (["serve", "--config", "toy_9workers"], "mstar: config file toy_9workers does not exist (shipped configs"),
+    (["serve", "llama"], "mstar: model 'llama' needs a checkpoint: pass --model-path"),
+])
+def test_startup_mistakes_are_one_line_with_the_fix(argv, message):
+    with socket.socket() as probe:  # a free port, so the port check passes
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*argv, "--port", str(port)])
+    first, hint = str(exc.value).split("\n")
+    assert first.startswith(message) and hint == "(--log-level DEBUG shows the traceback)"
+
+
+def test_version(capsys):
+    for entry in (cli.main, cli.serve_main):
+        with pytest.raises(SystemExit) as exc:
+            entry(["--version"])
+        assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"mstar {__version__}"
