@@ -46,8 +46,9 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
-    """The one model this server runs."""
-    return ModelList(data=[ModelCard(id=get_state(request).model_name)])
+    """The one model this server runs, with its context length when it has one."""
+    state = get_state(request)
+    return ModelList(data=[ModelCard(id=state.model_name, max_model_len=state.runtime.processor.max_model_len)])
 
 
 def _options(state: ServerState, params: SamplingParams, index: int) -> dict[str, Any]:

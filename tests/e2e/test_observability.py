@@ -1,5 +1,6 @@
-"""Each ended request is counted with its tokens in /metrics and logged on one line (id, route, model,
-status, finish reason, prompt and output tokens, time to first output, total time)."""
+"""What the server tells its operator: each ended request counted with its tokens in /metrics and logged on
+one line (id, route, model, status, finish reason, prompt and output tokens, time to first output, total
+time), and the model's context length in /v1/models."""
 
 from __future__ import annotations
 
@@ -28,3 +29,13 @@ def test_token_counters_and_one_log_line_per_request(caplog):
     assert re.fullmatch(rf"\w+ POST /v1/chat/completions model=toy status=200 finish=\w+ "
                         rf"prompt_tokens={usage['prompt_tokens']} output_tokens={usage['completion_tokens']} "
                         r"first_output=\d+\.\d{3}s total=\d+\.\d{3}s", lines[0]), lines[0]
+
+
+def test_models_lists_the_context_length_of_a_token_model():
+    with running_server({"model": "llama", "device": "cpu", "kv_cache": {"max_num_pages": 64}}, tiny=True) as url:
+        (card,) = httpx.get(f"{url}/v1/models").json()["data"]
+        too_long = httpx.post(f"{url}/v1/completions", json={"prompt": "word " * 2000, "max_tokens": 4})
+    assert card["id"] == "llama" and card["max_model_len"] == 512  # the tiny checkpoint's context
+    assert too_long.status_code == 400 and "context of 512 tokens" in too_long.json()["error"]["message"]
+    with running_server({"model": "toy"}) as url:
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"] is None  # no token context
