@@ -19,19 +19,37 @@ _MODELS: dict[str, str] = {
 }
 
 
+ENTRY_POINT_GROUP = "mstar.models"  # installed packages may add models under this group: name = "module:Class"
+
+
 def model_names() -> list[str]:
-    """Every registered model name."""
-    return sorted(_MODELS)
+    """Every registered model name, those of installed packages' entry points included."""
+    return sorted(set(_MODELS) | {ep.name for ep in _entry_points()})
 
 
 def get_model_class(name: str) -> type[Model]:
-    """The model class registered under `name`; a typo gets the list of valid names."""
+    """The model class registered under `name`, an installed package's entry point of that name, or the
+    class a 'package.module:Class' name points at; a typo gets the list of valid names."""
+    target = _MODELS.get(name) or next((ep.value for ep in _entry_points() if ep.name == name), None)
+    if target is None and ":" in name:
+        target = name
+    if target is None:
+        raise KeyError(f"unknown model {name!r}; registered models are: {', '.join(model_names())} "
+                       "(or name an out-of-tree one as 'package.module:Class')")
+    module_name, _, cls_name = target.partition(":")
     try:
-        target = _MODELS[name]
-    except KeyError:
-        raise KeyError(f"unknown model {name!r}; registered models are: {', '.join(model_names())}") from None
-    module_name, cls_name = target.split(":")
-    return getattr(importlib.import_module(module_name), cls_name)
+        cls = getattr(importlib.import_module(module_name), cls_name)
+    except (ImportError, AttributeError) as exc:
+        raise KeyError(f"model {name!r}: cannot load {target!r}: {exc}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Model)):
+        raise KeyError(f"model {name!r}: {target!r} is not a subclass of mstar.models.base.Model")
+    return cls
+
+
+def _entry_points():
+    from importlib.metadata import entry_points
+
+    return entry_points(group=ENTRY_POINT_GROUP)
 
 
 def register(name: str, target: str) -> None:
