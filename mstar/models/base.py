@@ -114,6 +114,11 @@ class Processor:
     sample_rate: int = 24000  # of audio outputs
     max_model_len: int | None = None  # tokens of prompt and output one sequence may hold; None: not a token model
 
+    @property
+    def voices(self) -> tuple[str, ...]:
+        """The voices a request may name (option `voice`); empty for models that do not speak."""
+        return ()
+
     def inputs(self, request: Mapping[str, Any], options: dict[str, Any]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 

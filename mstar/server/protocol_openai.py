@@ -361,6 +361,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "mstar"
     max_model_len: int | None = None
+    voices: list[str] = Field(default_factory=list)  # mstar extension: what option `voice` may name
 
 
 class ModelList(BaseModel):

@@ -48,7 +48,9 @@ router = APIRouter()
 async def list_models(request: Request) -> ModelList:
     """The one model this server runs, with its context length when it has one."""
     state = get_state(request)
-    return ModelList(data=[ModelCard(id=state.model_name, max_model_len=state.runtime.processor.max_model_len)])
+    processor = state.runtime.processor
+    return ModelList(data=[ModelCard(id=state.model_name, max_model_len=processor.max_model_len,
+                                     voices=list(processor.voices))])
 
 
 def _options(state: ServerState, params: SamplingParams, index: int) -> dict[str, Any]:

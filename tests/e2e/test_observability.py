@@ -1,6 +1,6 @@
 """What the server tells its operator: each ended request counted with its tokens in /metrics and logged on
 one line (id, route, model, status, finish reason, prompt and output tokens, time to first output, total
-time), and the model's context length in /v1/models."""
+time), and the model's context length and voices in /v1/models."""
 
 from __future__ import annotations
 
@@ -38,4 +38,14 @@ def test_models_lists_the_context_length_of_a_token_model():
     assert card["id"] == "llama" and card["max_model_len"] == 512  # the tiny checkpoint's context
     assert too_long.status_code == 400 and "context of 512 tokens" in too_long.json()["error"]["message"]
     with running_server({"model": "toy"}) as url:
-        assert httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"] is None  # no token context
+        card = httpx.get(f"{url}/v1/models").json()["data"][0]
+    assert card["max_model_len"] is None and card["voices"] == []  # no token context, no voices
+
+
+def test_models_lists_the_voices_of_a_speaking_model():
+    from mstar.models.orpheus.tokens import VOICES
+
+    with running_server({"model": "orpheus", "device": "cpu", "kv_cache": {"max_num_pages": 64}}, tiny=True) as url:
+        (card,) = httpx.get(f"{url}/v1/models").json()["data"]
+        wrong = httpx.post(f"{url}/v1/audio/speech", json={"model": "orpheus", "input": "hi", "voice": "nobody"})
+    assert card["voices"] == list(VOICES) and wrong.status_code == 400 and "tara" in wrong.text

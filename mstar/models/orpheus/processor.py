@@ -46,6 +46,10 @@ class OrpheusProcessor(Processor):
                              f"{self.max_model_len} tokens; shorten the text or lower max_tokens")
         return {"prompt_ids": torch.tensor(ids, dtype=torch.long)}
 
+    @property
+    def voices(self) -> tuple[str, ...]:
+        return VOICES
+
     def validate_options(self, options: Mapping[str, Any]) -> None:
         voice = options.get("voice", VOICES[0])
         if voice not in VOICES:

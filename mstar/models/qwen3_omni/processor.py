@@ -102,6 +102,10 @@ class OmniProcessor(Processor):
         positions, _delta = mrope_positions(rope_ids, self.omni.talker.tokens, **rope)
         return positions
 
+    @property
+    def voices(self) -> tuple[str, ...]:
+        return tuple(sorted(s.capitalize() for s in self.omni.talker.speakers)) if self.omni.talker else ()
+
     def validate_options(self, options: Mapping[str, Any]) -> None:
         speakers = self.omni.talker.speakers if self.omni.talker else {}
         omni_options.validate(options, speakers)
