@@ -12,6 +12,11 @@ from mstar import __version__, envs
 
 logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2"
+# vLLM-style flags that set a key of the model's config: flag -> (model_kwargs key, type, help)
+MODEL_FLAGS = {
+    "--max-model-len": ("max_model_len", int, "tokens of prompt and output one sequence may hold"),
+    "--dtype": ("dtype", str, "weights and compute dtype, e.g. bfloat16, float32"),
+}
 
 
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,6 +32,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer <key>' on every route but /health, the key being this "
                         "file's first line (or set MSTAR_API_KEY); never printed")
     p.add_argument("--api-key", default=None, help=argparse.SUPPRESS)  # refused: see read_api_key
+    p.add_argument("--served-model-name", default=None, help="the name clients use (default: the model's)")
+    for flag, (key, kind, what) in MODEL_FLAGS.items():
+        p.add_argument(flag, type=kind, default=None, help=f"{what} (model_kwargs.{key}; the YAML wins if it sets it)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds that SIGTERM or Ctrl-C lets open requests finish before they are ended with an "
                         "error and the server exits (default 30)")
@@ -75,6 +83,34 @@ def list_configs(args: argparse.Namespace) -> int:
         about = first[0].lstrip("# ") if first and first[0].startswith("#") else ""
         sys.stdout.write(f"{name:<26} {about}\n")
     return 0
+
+
+def apply_model_flags(config, args: argparse.Namespace):
+    """`config` with the vLLM-style flags given (MODEL_FLAGS) set in its model_kwargs; a key the YAML
+    already sets keeps the YAML's value, and the conflict is logged."""
+    import dataclasses
+
+    from mstar.config import ConfigError
+    from mstar.models.registry import get_model_class
+
+    given = {flag: getattr(args, key_of(flag)) for flag in MODEL_FLAGS if getattr(args, key_of(flag)) is not None}
+    if not given:
+        return config
+    fields = {f.name for f in dataclasses.fields(get_model_class(config.model).make_config())}
+    kwargs = dict(config.model_kwargs)
+    for flag, value in given.items():
+        key = MODEL_FLAGS[flag][0]
+        if key not in fields:
+            raise ConfigError(f"{flag}: model {config.model!r} has no setting {key!r}")
+        if key in kwargs and kwargs[key] != value:
+            logger.warning("%s %s ignored: %s sets model_kwargs.%s to %r", flag, value, config.source, key, kwargs[key])
+            continue
+        kwargs[key] = value
+    return dataclasses.replace(config, model_kwargs=kwargs)
+
+
+def key_of(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
 
 
 def resolve_config(model: str | None, config_path: str | None):
@@ -141,7 +177,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus
     try:
-        config = resolve_config(getattr(args, "model", None), args.config)
+        config = apply_model_flags(resolve_config(getattr(args, "model", None), args.config), args)
         runtime = Runtime(config, mode=args.mode, tiny=args.tiny, load_format=args.load_format,
                           model_path=args.model_path)
     except (ValueError, KeyError, FileNotFoundError) as exc:  # a config, model name or checkpoint mistake
@@ -151,9 +187,9 @@ def run_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"mstar: {message}\n(--log-level DEBUG shows the traceback)") from None
     stacks_on_sigusr1(runtime.worker_pids)  # from now on the workers dump theirs too
     try:
-        app = create_app(runtime, api_key=api_key)
+        app = create_app(runtime, api_key=api_key, model_name=args.served_model_name)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-        sys.stderr.write(snippets(f"http://{host}:{args.port}", config.model, api_key))
+        sys.stderr.write(snippets(f"http://{host}:{args.port}", args.served_model_name or config.model, api_key))
         serve_until_stopped(app, runtime, args)
     finally:
         runtime.shutdown()

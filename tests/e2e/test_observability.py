@@ -49,3 +49,13 @@ def test_models_lists_the_voices_of_a_speaking_model():
         (card,) = httpx.get(f"{url}/v1/models").json()["data"]
         wrong = httpx.post(f"{url}/v1/audio/speech", json={"model": "orpheus", "input": "hi", "voice": "nobody"})
     assert card["voices"] == list(VOICES) and wrong.status_code == 400 and "tara" in wrong.text
+
+
+def test_served_model_name_is_the_name_clients_use():
+    with running_server({"model": "toy"}, model_name="my-assistant") as url:
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["my-assistant"]
+        ok = httpx.post(f"{url}/v1/chat/completions", json={
+            "model": "my-assistant", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        other = httpx.post(f"{url}/v1/chat/completions", json={
+            "model": "toy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["model"] == "my-assistant" and other.status_code == 404

@@ -52,3 +52,19 @@ def test_version(capsys):
         with pytest.raises(SystemExit) as exc:
             entry(["--version"])
         assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"mstar {__version__}"
+
+
+def test_vllm_style_flags_set_the_model_config_and_the_yaml_wins(tmp_path, caplog):
+    from mstar.config import ConfigError, config_from_dict, load_config
+
+    args = cli.build_parser().parse_args(["serve", "qwen3", "--max-model-len", "1024", "--dtype", "float32"])
+    config = cli.apply_model_flags(config_from_dict({"model": "qwen3"}), args)
+    assert config.model_kwargs == {"max_model_len": 1024, "dtype": "float32"}
+    path = tmp_path / "q.yaml"
+    path.write_text("model: qwen3\nmodel_kwargs: {dtype: bfloat16}\n")
+    config = cli.apply_model_flags(load_config(path), args)
+    assert config.model_kwargs == {"dtype": "bfloat16", "max_model_len": 1024}
+    assert f"--dtype float32 ignored: {path} sets model_kwargs.dtype to 'bfloat16'" in caplog.text
+    toy = cli.build_parser().parse_args(["serve", "toy", "--max-model-len", "64"])
+    with pytest.raises(ConfigError, match="--max-model-len: model 'toy' has no setting 'max_model_len'"):
+        cli.apply_model_flags(config_from_dict({"model": "toy"}), toy)
