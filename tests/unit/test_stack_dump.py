@@ -33,8 +33,9 @@ def test_a_server_passes_sigusr1_on_to_its_workers():
     code = ("import os, signal, subprocess, sys, time\n"
             "from mstar.runtime.process import stacks_on_sigusr1\n"
             "child = subprocess.Popen([sys.executable, '-c', 'from mstar.runtime.process import stacks_on_sigusr1\\n"
-            "import time\\nstacks_on_sigusr1()\\nprint(\"ready\", flush=True)\\n"
-            "def worker_waiting():\\n    time.sleep(3)\\nworker_waiting()\\n'], stdout=subprocess.PIPE, text=True)\n"
+            "import time\\nstacks_on_sigusr1()\\n"  # "ready" from inside the frame the dump must show
+            "def worker_waiting():\\n    print(\"ready\", flush=True)\\n    time.sleep(3)\\nworker_waiting()\\n'],"
+            " stdout=subprocess.PIPE, text=True)\n"
             "child.stdout.readline()\n"
             "stacks_on_sigusr1(lambda: [child.pid])\n"
             "def server_serving():\n"
