@@ -76,6 +76,16 @@ class BuiltComponent:
     engine_options: dict[str, Any] = field(default_factory=dict)  # e.g. eos ids, default sampling
 
 
+@dataclass
+class TokenLogprobs:
+    """One generated token's log-probability under the model's raw distribution, and (token id,
+    log-probability) of the most likely alternatives when the request asked for them."""
+
+    token_id: int
+    logprob: float = 0.0
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
 class OutputDecoder:
     """Per request: turns emitted tensors into client values, in order.
 
@@ -90,6 +100,7 @@ class OutputDecoder:
         self.finish_reason: str | None = None
         self.prompt_tokens = 0  # for usage
         self.completion_tokens = 0  # text tokens emitted so far
+        self.logprobs: list[TokenLogprobs] = []  # per text token, when the request asked (Processor.returns_logprobs)
 
     def push(self, name: str, value: torch.Tensor) -> list[tuple[str, Any]]:
         if name == "text":
@@ -99,6 +110,10 @@ class OutputDecoder:
     def flush(self) -> list[tuple[str, Any]]:
         """Values held back until the end (e.g. incomplete UTF-8)."""
         return []
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token, as logprobs name it."""
+        return str(token_id)
 
 
 class Processor:
@@ -113,6 +128,7 @@ class Processor:
 
     sample_rate: int = 24000  # of audio outputs
     max_model_len: int | None = None  # tokens of prompt and output one sequence may hold; None: not a token model
+    returns_logprobs: bool = False  # its decoder fills `OutputDecoder.logprobs` for option `logprobs`
 
     @property
     def voices(self) -> tuple[str, ...]:

@@ -166,6 +166,8 @@ async def start_request(state, request: dict[str, Any], options: Mapping[str, An
 
     runtime = state.runtime
     refused = None
+    if options.get("logprobs") is not None and not runtime.processor.returns_logprobs:
+        raise RequestError(400, f"model {state.model_name!r} does not return logprobs; leave them out", "logprobs")
     try:
         check_option_types(runtime.model.default_options, options)
         opts = runtime.model.request_options(dict(options))

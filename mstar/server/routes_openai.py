@@ -5,12 +5,14 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from mstar.server import logprobs
 from mstar.server.adapters import RequestStream, merge, start_request
 from mstar.server.app import ServerState, get_state
 from mstar.server.chat_audio import chat_media, check_spoken, spoken_answers, spoken_sse
@@ -62,6 +64,8 @@ def _options(state: ServerState, params: SamplingParams, index: int) -> dict[str
         opts["modalities"] = params.output_modalities() if isinstance(params, ChatCompletionRequest) else ["text"]
     if isinstance(params, ChatCompletionRequest) and params.audio is not None and params.audio.voice:
         opts["voice"] = params.audio.voice
+    if logprobs.wanted(params) is not None:
+        opts["logprobs"] = logprobs.wanted(params)
     return opts
 
 
@@ -110,13 +114,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         return await _spoken(request, body, streams, model, state.runtime.processor.sample_rate)
     if not body.stream:
         texts = await unless_disconnected(request, _texts(streams), streams)
-        choices = [ChatChoice(index=i, message=ChatResponseMessage(content=t), finish_reason=s.finish_reason)
+        with_logprobs = logprobs.wanted(body) is not None
+        choices = [ChatChoice(index=i, message=ChatResponseMessage(content=t), finish_reason=s.finish_reason,
+                              logprobs=logprobs.chat(s.decoder, s.decoder.logprobs) if with_logprobs else None)
                    for i, (t, s) in enumerate(zip(texts, streams))]
         resp = ChatCompletion(model=model, choices=choices, usage=_usage(streams))
         return Response(resp.model_dump_json(), media_type="application/json")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return ClosingStreamingResponse(guarded(lambda: _chat_sse(streams, model, include_usage), sse_error), streams,
-                                    media_type="text/event-stream")
+    sse_body = partial(_chat_sse, streams, model, include_usage, logprobs.wanted(body) is not None)
+    return ClosingStreamingResponse(guarded(sse_body, sse_error), streams, media_type="text/event-stream")
 
 
 async def _spoken(request: Request, body: ChatCompletionRequest, streams: list[RequestStream], model: str,
@@ -133,12 +139,15 @@ async def _spoken(request: Request, body: ChatCompletionRequest, streams: list[R
     return Response(resp.model_dump_json(), media_type="application/json")
 
 
-async def _chat_sse(streams: list[RequestStream], model: str, include_usage: bool):
+async def _chat_sse(streams: list[RequestStream], model: str, include_usage: bool, with_logprobs: bool):
     cid = new_id("chatcmpl")
+    cursor = logprobs.Cursor(streams)
 
     def chunk(index: int, delta: ChatDelta, finish: str | None = None) -> bytes:
-        return sse(ChatCompletionChunk(id=cid, model=model,
-                                       choices=[ChatChunkChoice(index=index, delta=delta, finish_reason=finish)]))
+        # a token's text goes out with its logprobs (the decoder holds it until they come)
+        lp = logprobs.chat(streams[index].decoder, cursor.take(index)) if with_logprobs else None
+        return sse(ChatCompletionChunk(id=cid, model=model, choices=[
+            ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)]))
 
     for i in range(len(streams)):
         yield chunk(i, ChatDelta(role="assistant", content=""))
@@ -172,7 +181,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     prefixes = [p if body.echo else "" for p in prompts for _ in range(body.n)]
     if not body.stream:
         texts = await unless_disconnected(request, _texts(streams), streams)
-        choices = [CompletionChoice(index=i, text=prefixes[i] + t, finish_reason=s.finish_reason)
+        choices = [CompletionChoice(index=i, text=prefixes[i] + t, finish_reason=s.finish_reason,
+                                    logprobs=None if body.logprobs is None else
+                                    logprobs.completion(s.decoder, s.decoder.logprobs, len(prefixes[i])))
                    for i, (t, s) in enumerate(zip(texts, streams))]
         usage = Usage(prompt_tokens=sum(s.prompt_tokens for s in streams[:: body.n]),
                       completion_tokens=sum(s.decoder.completion_tokens for s in streams))
@@ -180,22 +191,31 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         return Response(resp.model_dump_json(), media_type="application/json")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return ClosingStreamingResponse(
-        guarded(lambda: _completion_sse(streams, model, prefixes, include_usage, body.n), sse_error), streams,
-        media_type="text/event-stream")
+        guarded(partial(_completion_sse, streams, model, prefixes, include_usage, body.n, body.logprobs is not None),
+                sse_error), streams, media_type="text/event-stream")
 
 
 async def _completion_sse(streams: list[RequestStream], model: str, prefixes: list[str], include_usage: bool,
-                          n: int):
+                          n: int, with_logprobs: bool):
     cid = new_id("cmpl")
+    cursor = logprobs.Cursor(streams)
+    offsets = [len(prefix) for prefix in prefixes]  # where each choice's next text starts
+
+    def choice(index: int, text: str, finish: str | None = None) -> CompletionChoice:
+        lp = None
+        if with_logprobs:
+            lp = logprobs.completion(streams[index].decoder, cursor.take(index), offsets[index])
+            offsets[index] += sum(len(t) for t in lp.tokens)
+        return CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=lp)
+
     for i, prefix in enumerate(prefixes):
         if prefix:
             yield sse(Completion(id=cid, model=model, choices=[CompletionChoice(index=i, text=prefix)]))
     async for index, item in merge(streams):
         if item.name == "text" and item.value:
-            yield sse(Completion(id=cid, model=model, choices=[CompletionChoice(index=index, text=item.value)]))
+            yield sse(Completion(id=cid, model=model, choices=[choice(index, item.value)]))
     for i, stream in enumerate(streams):
-        yield sse(Completion(id=cid, model=model,
-                             choices=[CompletionChoice(index=i, text="", finish_reason=stream.finish_reason or "stop")]))
+        yield sse(Completion(id=cid, model=model, choices=[choice(i, "", stream.finish_reason or "stop")]))
     if include_usage:
         usage = Usage(prompt_tokens=sum(s.prompt_tokens for s in streams[::n]),
                       completion_tokens=sum(s.decoder.completion_tokens for s in streams))

@@ -15,16 +15,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from mstar.engines.sampling import SamplingParams
-from mstar.models.base import OutputDecoder, Processor
+from mstar.models.base import OutputDecoder, Processor, TokenLogprobs
 from mstar.models.common.detokenizer import IncrementalDetokenizer
 from mstar.models.common.text import Tokenizer
+
+LOGPROB_OUTPUTS = ("logprob", "top_ids", "top_logprobs")  # the engine's outputs for option `logprobs`
 
 
 class TextProcessor(Processor):
     """Tokenizes prompts and detokenizes generated ids for one tokenizer and context length."""
+
+    returns_logprobs = True
 
     def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
         self.tokenizer = tokenizer
@@ -76,7 +81,13 @@ class TextProcessor(Processor):
 
 
 class TextDecoder(OutputDecoder):
-    """Streams text deltas (complete UTF-8 only), cuts at stop strings, counts usage."""
+    """Streams text deltas (complete UTF-8 only), cuts at stop strings, counts usage.
+
+    With option `logprobs` (k >= 0), each token's "logprob" (and k "top_ids" / "top_logprobs") outputs
+    fill `logprobs`; the token's text is held until they have all arrived, then handed out with a
+    "logprobs" value ([logprob, top ids..., top log-probabilities...]), so a route can send a token's
+    text and its logprobs together.
+    """
 
     def __init__(self, processor: TextProcessor, options: Mapping[str, Any],
                  inputs: Mapping[str, torch.Tensor]) -> None:
@@ -88,8 +99,14 @@ class TextDecoder(OutputDecoder):
             stop=tuple(options.get("stop") or ()),
             include_stop_str_in_output=bool(options.get("include_stop_str_in_output", False)),
             prompt_ids=prompt)
+        # None: no logprobs wanted, or a processor whose graph does not emit them (the Qwen3-Omni thinker's)
+        self.top_logprobs: int | None = options.get("logprobs") if processor.returns_logprobs else None
+        self._held = ""  # text of the token whose logprobs are on their way
+        self._open = False  # the last token's logprobs are not complete yet
 
     def push(self, name: str, value: torch.Tensor) -> list[tuple[str, Any]]:
+        if name in LOGPROB_OUTPUTS:
+            return self._push_logprobs(name, value)
         if name != "text":
             return super().push(name, value)
         if self.detokenizer.finished:  # tokens already in flight when a stop string matched
@@ -99,8 +116,33 @@ class TextDecoder(OutputDecoder):
         text = self.detokenizer.push(ids)
         if self.detokenizer.finished:
             self.finish_reason = self.detokenizer.finish_reason
+        if self.top_logprobs is not None:
+            self.logprobs.extend(TokenLogprobs(i) for i in ids)
+            self._held, self._open = self._held + text, True
+            return []
         return [("text", text)] if text else []
 
+    def _push_logprobs(self, name: str, value: torch.Tensor) -> list[tuple[str, Any]]:
+        if not self._open:  # a token dropped after a stop string: its logprobs go with it
+            return []
+        entry, values = self.logprobs[-1], value.reshape(-1).tolist()
+        if name == "logprob":
+            entry.logprob = float(values[0])
+        elif name == "top_ids":
+            entry.top = [(int(t), 0.0) for t in values]
+        else:
+            entry.top = [(t, float(lp)) for (t, _), lp in zip(entry.top, values)]
+        if name != ("logprob" if self.top_logprobs == 0 else "top_logprobs"):
+            return []
+        self._open = False
+        text, self._held = self._held, ""
+        packed = np.array([entry.logprob, *(t for t, _ in entry.top), *(lp for _, lp in entry.top)], np.float64)
+        return [("text", text)] * bool(text) + [("logprobs", packed)]
+
     def flush(self) -> list[tuple[str, Any]]:
-        text = self.detokenizer.flush()
+        text = self._held + self.detokenizer.flush()
+        self._held = ""
         return [("text", text)] if text else []
+
+    def token_text(self, token_id: int) -> str:
+        return self.processor.tokenizer.decode([token_id], skip_special_tokens=False)

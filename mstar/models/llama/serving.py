@@ -25,7 +25,7 @@ import torch
 from mstar.graph import CARRY, ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Walk
 from mstar.models.base import BuiltComponent, Model
 from mstar.models.llama.config import LlamaConfig
-from mstar.models.llama.processor import TextProcessor
+from mstar.models.llama.processor import LOGPROB_OUTPUTS, TextProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +57,17 @@ def lm_graph(context_len: int) -> ModelGraph:
         max_tokens = options.get("max_tokens")
         return context_len if max_tokens is None else max(int(max_tokens) - 1, 0)
 
-    prefill = Node("llm", inputs={"input_ids": "prompt_ids"}, outputs={"token": "token"})
-    decode = Node("llm", inputs={"input_ids": "token", "prompt_ids": "prompt_ids"}, outputs={"token": "token"})
+    sampled = {"token": "token", **{name: name for name in LOGPROB_OUTPUTS}}  # logprobs only when asked
+    prefill = Node("llm", inputs={"input_ids": "prompt_ids"}, outputs=sampled)
+    decode = Node("llm", inputs={"input_ids": "token", "prompt_ids": "prompt_ids"}, outputs=sampled)
+    logprobs = tuple(Emit(name, name=name) for name in LOGPROB_OUTPUTS)
     return ModelGraph(
         components={"llm": ComponentSpec("autoregressive", "token ids -> next token (paged KV cache)")},
         walks=(
             Walk("prefill", "lm", prefill, inputs=("prompt_ids",),
-                 emits=(Emit("token", name="text"), Emit("token", CARRY))),
+                 emits=(Emit("token", name="text"), *logprobs, Emit("token", CARRY))),
             Walk("decode", "lm", Loop(decode, max_iterations=decode_steps, name="decode"),
-                 inputs=("token", "prompt_ids"), emits=(Emit("token", name="text"),)),
+                 inputs=("token", "prompt_ids"), emits=(Emit("token", name="text"), *logprobs)),
         ),
         lanes=(Lane("lm", "prefill", {"prefill": "decode", "decode": None}),),
     )
