@@ -85,7 +85,13 @@ async def json_or_form(request: Request, cls: type[M], file_fields: tuple[str, .
         return validate(cls, data), form
     if content_type(request) not in ("application/json", ""):
         raise RequestError(415, f"send application/json or multipart/form-data, got {content_type(request)!r}")
-    raw = b"".join([chunk async for chunk in request.stream()])  # not kept on the request once parsed
+    return await read_json(request, cls), None
+
+
+async def read_json(request: Request, cls: type[M]) -> M:
+    """Validate a JSON body as `cls`, read from the body's stream so its bytes are freed once parsed
+    (FastAPI's own body parameter keeps them, and the parsed dict, for the whole request)."""
+    raw = b"".join([chunk async for chunk in request.stream()])
     try:
         data = json.loads(raw) if raw else None
     except ValueError as exc:
@@ -95,7 +101,12 @@ async def json_or_form(request: Request, cls: type[M], file_fields: tuple[str, .
     del raw  # the parsed body is all the route needs: the bytes are not held beside it
     if not isinstance(data, dict):
         raise RequestError(400, f"the body must be a JSON object, got {type(data).__name__}")
-    return validate(cls, data), None
+    return validate(cls, data)
+
+
+def json_body(cls: type[BaseModel]) -> dict[str, Any]:
+    """`openapi_extra` documenting a JSON body of `cls`, for routes that read it with `read_json`."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline_schema(cls)}}}}
 
 
 async def upload_bytes(upload: UploadFile, field: str, policy: MediaPolicy) -> bytes:

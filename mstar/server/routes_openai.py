@@ -16,6 +16,7 @@ from mstar.server import logprobs
 from mstar.server.adapters import RequestStream, merge, start_request
 from mstar.server.app import ServerState, get_state
 from mstar.server.chat_audio import chat_media, check_spoken, spoken_answers, spoken_sse
+from mstar.server.forms import json_body, read_json
 from mstar.server.openapi import SSE
 from mstar.server.protocol import Usage
 from mstar.server.protocol_openai import (
@@ -94,12 +95,13 @@ async def _texts(streams: list[RequestStream]) -> list[str]:
     return texts
 
 
-@router.post("/v1/chat/completions", response_model=None, responses={200: {
+@router.post("/v1/chat/completions", response_model=None, openapi_extra=json_body(ChatCompletionRequest), responses={200: {
     "model": ChatCompletion, "content": {"text/event-stream": SSE},
     "description": "one chat completion; with `stream: true` an SSE stream of chat.completion.chunk objects"}})
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+async def chat_completions(request: Request) -> Response:
     """Chat: text out, or text and audio with `modalities: ["text", "audio"]` (see `chat_audio`);
     streamed as SSE with `stream: true`."""
+    body = await read_json(request, ChatCompletionRequest)  # inline media may be megabytes: parsed once
     state = get_state(request)
     state.check_model(body.model, "text", "/v1/chat/completions")
     spoken = check_spoken(state, body)
@@ -167,11 +169,12 @@ async def _chat_sse(streams: list[RequestStream], model: str, include_usage: boo
     yield SSE_DONE
 
 
-@router.post("/v1/completions", response_model=None, responses={200: {
+@router.post("/v1/completions", response_model=None, openapi_extra=json_body(CompletionRequest), responses={200: {
     "model": Completion, "content": {"text/event-stream": SSE},
     "description": "one completion; with `stream: true` an SSE stream of completion chunks"}})
-async def completions(body: CompletionRequest, request: Request) -> Response:
+async def completions(request: Request) -> Response:
     """Plain-text completion of one or more prompts (n choices each)."""
+    body = await read_json(request, CompletionRequest)
     state = get_state(request)
     state.check_model(body.model, "text", "/v1/completions")
     prompts = body.prompts()
