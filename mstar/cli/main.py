@@ -93,7 +93,7 @@ def apply_model_flags(config, args: argparse.Namespace):
     from mstar.config import ConfigError
     from mstar.models.registry import get_model_class
 
-    given = {flag: getattr(args, key_of(flag)) for flag in MODEL_FLAGS if getattr(args, key_of(flag)) is not None}
+    given = {flag: getattr(args, _dest(flag)) for flag in MODEL_FLAGS if getattr(args, _dest(flag)) is not None}
     if not given:
         return config
     fields = {f.name for f in dataclasses.fields(get_model_class(config.model).make_config())}
@@ -109,7 +109,8 @@ def apply_model_flags(config, args: argparse.Namespace):
     return dataclasses.replace(config, model_kwargs=kwargs)
 
 
-def key_of(flag: str) -> str:
+def _dest(flag: str) -> str:
+    """The attribute argparse stores `flag` under."""
     return flag.removeprefix("--").replace("-", "_")
 
 

@@ -165,7 +165,6 @@ async def start_request(state, request: dict[str, Any], options: Mapping[str, An
     from mstar.conductor.conductor import AdmissionError
 
     runtime = state.runtime
-    refused = None
     if options.get("logprobs") is not None and not runtime.processor.returns_logprobs:
         raise RequestError(400, f"model {state.model_name!r} does not return logprobs; leave them out", "logprobs")
     try:
@@ -174,14 +173,12 @@ async def start_request(state, request: dict[str, Any], options: Mapping[str, An
         runtime.processor.validate_options(opts)
         inputs = await run_in_threadpool(runtime.processor.inputs, request, opts)
     except OptionError as exc:
-        refused = RequestError(400, str(exc), exc.option)
+        raise RequestError(400, str(exc), exc.option) from None
     except (ValueError, TypeError, KeyError) as exc:  # a KeyError's text is its quoted argument
-        refused = RequestError(400, str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc))
         # The thread pool's future and the frames of this traceback refer to each other, so the refused
         # input (a prompt of megabytes) would live until the cyclic collector ran: free the frames' locals.
         traceback.clear_frames(exc.__traceback__)
-    if refused is not None:
-        raise refused
+        raise RequestError(400, str(exc.args[0] if isinstance(exc, KeyError) and exc.args else exc)) from None
     stream = RequestStream(state, rid or uuid.uuid4().hex, inputs, opts)
     try:
         runtime.submit(stream.rid, inputs, opts, stream.sink)
