@@ -30,7 +30,7 @@ class KVCacheConfig:
     max_num_pages: int | None = None  # explicit page count; wins over memory_fraction
     page_size: int = 16  # tokens per page
     memory_fraction: float = 0.9  # share of free device memory (after weights) given to the pool (GPU)
-    cpu_offload_pages: int = 0  # reserved: host pages for offloading (not implemented yet)
+    cpu_offload_pages: int = 0  # an M* key: host pages for offloading; mstar does not offload, so only 0 is taken
     # "auto": on CUDA triton when it imports and initialises, else flashinfer, else sdpa (flashinfer is
     # not yet validated on a GPU, so it is chosen first only when named);
     # or "sdpa" (reference, CPU and GPU), "triton" or "flashinfer" (CUDA, float16/bfloat16)
@@ -43,8 +43,9 @@ class KVCacheConfig:
             raise ValueError(f"kv_cache.page_size={self.page_size!r}: use a positive integer such as 16")
         if not isinstance(self.memory_fraction, int | float) or not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"kv_cache.memory_fraction={self.memory_fraction!r}: use a number in (0, 1]")
-        if not _is_int(self.cpu_offload_pages) or self.cpu_offload_pages < 0:
-            raise ValueError(f"kv_cache.cpu_offload_pages={self.cpu_offload_pages!r}: use an integer >= 0")
+        if self.cpu_offload_pages != 0:
+            raise ValueError(f"kv_cache.cpu_offload_pages={self.cpu_offload_pages!r}: mstar does not offload KV pages "
+                             "to the host; remove the key (0 is the only value taken)")
         if not isinstance(self.attention_backend, str) or not self.attention_backend:
             raise ValueError(f"kv_cache.attention_backend={self.attention_backend!r}: use a name such as 'auto'")
 
@@ -181,7 +182,6 @@ class MStarConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     model_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the model's config
     device: str = "auto"  # "auto" (cuda:<rank> when CUDA is there, else cpu) | "cpu" | "cuda"
-    max_seq_len: int | None = None  # accepted for compatibility with M* configs; models bound it themselves
     source: str = "<dict>"  # where this config came from, for error messages
 
     def validate(self) -> None:
@@ -244,6 +244,9 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> MStarConfi
     """Build and validate a config from plain data (as parsed from YAML)."""
     data = dict(data)
     data.pop("source", None)
+    if "max_seq_len" in data:  # an M* key that mstar would otherwise accept and ignore
+        raise ConfigError(f"{source}: max_seq_len is not taken: each model bounds its own context; set "
+                          "model_kwargs.max_model_len (mstar serve --max-model-len) instead")
     cfg = _build(MStarConfig, data, source, "")
     cfg.source = source
     cfg.validate()

@@ -18,7 +18,6 @@ def write(tmp_path, text):
 def test_original_mstar_keys_load(tmp_path):
     cfg = load_config(write(tmp_path, """
 model: toy
-max_seq_len: 4096
 max_concurrent_requests: 8
 kv_cache: {max_num_pages: 128, page_size: 16, cpu_offload_pages: 0, attention_backend: sdpa}
 node_groups:
@@ -27,6 +26,16 @@ node_groups:
 model_kwargs: {hidden: 8}
 """))
     assert cfg.kv_cache.max_num_pages == 128 and cfg.num_workers == 2 and cfg.model_kwargs == {"hidden": 8}
+
+
+@pytest.mark.parametrize("text,message", [
+    ("model: toy\nmax_seq_len: 4096\n", "max_seq_len is not taken: each model bounds its own context; set "
+                                        "model_kwargs.max_model_len"),
+    ("model: toy\nkv_cache: {cpu_offload_pages: 8}\n", "cpu_offload_pages=8: mstar does not offload KV pages"),
+])
+def test_original_mstar_keys_that_would_do_nothing_are_refused(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, text))
 
 
 def test_unknown_key_names_key_and_file(tmp_path):

@@ -15,7 +15,6 @@ the offset added on the device.
 
 from __future__ import annotations
 
-import logging
 import zlib
 
 import torch
@@ -33,8 +32,6 @@ from mstar.engines.kv_cache.block_pool import BlockPool
 from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
 from mstar.engines.sampling import SampleOutput, SamplingParams, SamplingRow, plain_greedy, sample
 from mstar.engines.sampling_graph import SamplerGraphs
-
-logger = logging.getLogger(__name__)
 
 
 class AutoregressiveEngine:
@@ -65,8 +62,6 @@ class AutoregressiveEngine:
         if not 1 < self.max_model_len <= capacity:
             raise ValueError(f"max_model_len={max_model_len} must be in [2, {capacity}] (the KV pool holds "
                              f"{num_pages} pages of {kv_config.page_size}); lower it or raise kv_cache.max_num_pages")
-        if kv_config.cpu_offload_pages:
-            logger.warning("kv_cache.cpu_offload_pages=%d is not implemented yet; ignored", kv_config.cpu_offload_pages)
         self.pool = BlockPool(num_pages, kv_config.page_size, enable_prefix_caching)
         attn = make_attention_backend(kv_config.attention_backend, model.kv_layout, num_pages,
                                       kv_config.page_size, self.device, max_num_seqs=max_num_seqs,
