@@ -214,11 +214,15 @@ def check_port_free(host: str, port: int) -> None:
 
 def serve_until_stopped(app, runtime, args: argparse.Namespace) -> None:
     """Run uvicorn until a signal or a fatal runtime error. The first signal starts the drain: /ready turns
-    503, no new connection is taken, and requests still open a second before the timeout end with an error."""
+    503, no new connection is taken, and requests still open a second before the timeout end with an error;
+    a second signal ends them at once (each client still gets its last line)."""
     import uvicorn
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
+            if runtime.draining:  # impatient: end the open requests now rather than cancel them mid-write
+                runtime.end_open_requests()
+                return
             runtime.drain(max(0.0, args.shutdown_timeout - 1.0))
             super().handle_exit(sig, frame)
             self._captured_signals.clear()  # uvicorn would re-raise it on exit, before runtime.shutdown() ran

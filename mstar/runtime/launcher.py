@@ -92,11 +92,12 @@ class Runtime:
         if self.draining:
             return
         self.draining = True
-        timer = threading.Timer(deadline_s, self._end_open_requests)
+        timer = threading.Timer(deadline_s, self.end_open_requests)
         timer.daemon = True
         timer.start()
 
-    def _end_open_requests(self) -> None:
+    def end_open_requests(self) -> None:
+        """End every queued and running request now with a 503 saying the server is shutting down."""
         ended = self.conductor.fail_all("the server is shutting down; retry on another replica", 503)
         if ended:
             logger.warning("shutdown deadline: ended %d open requests", ended)
