@@ -118,8 +118,9 @@ def test_send_to_missing_peer_times_out(tmp_path, session):
     net.close()
 
 
-def _produce(directory_json: bytes, session: str) -> None:
-    """Child: sends N_MESSAGES Tokens with an inline and a shm payload each, then Done."""
+def _produce(directory_json: bytes, session: str, received) -> None:
+    """Child: sends N_MESSAGES Tokens with an inline and a shm payload each, then Done, and keeps its
+    socket open until the parent has them (closing drops what is still queued: LINGER 0)."""
     import torch
 
     net = ZmqNetwork(msgspec.json.decode(directory_json, type=Directory), CODEC)
@@ -133,6 +134,7 @@ def _produce(directory_json: bytes, session: str) -> None:
         }
         out.send("api", Tokens(seq=i, tensors=tensors))
     out.send("api", Done(count=N_MESSAGES))
+    received.wait(timeout=60)
     out.close()
     net.close()
 
@@ -143,7 +145,9 @@ def test_nested_payloads_between_processes_in_order(tmp_path, session):
     directory = Directory.ipc(str(tmp_path))
     net = ZmqNetwork(directory, CODEC)
     inbox = net.inbox("api")
-    child = mp.get_context("spawn").Process(target=_produce, args=(msgspec.json.encode(directory), session))
+    ctx = mp.get_context("spawn")
+    received = ctx.Event()
+    child = ctx.Process(target=_produce, args=(msgspec.json.encode(directory), session, received))
     child.start()
     seqs = []
     while isinstance(msg := inbox.recv(timeout_s=30), Tokens):
@@ -153,6 +157,7 @@ def test_nested_payloads_between_processes_in_order(tmp_path, session):
         hidden = unpack_tensor(msg.tensors["hidden"])
         assert hidden.shape == (8, 4) and hidden.dtype == torch.bfloat16
         assert torch.equal(hidden, torch.full((8, 4), float(msg.seq), dtype=torch.bfloat16))
+    received.set()
     child.join(timeout=30)
     assert isinstance(msg, Done) and msg.count == N_MESSAGES
     assert seqs == list(range(N_MESSAGES))
