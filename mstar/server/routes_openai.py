@@ -65,8 +65,9 @@ def _options(state: ServerState, params: SamplingParams, index: int) -> dict[str
         opts["modalities"] = params.output_modalities() if isinstance(params, ChatCompletionRequest) else ["text"]
     if isinstance(params, ChatCompletionRequest) and params.audio is not None and params.audio.voice:
         opts["voice"] = params.audio.voice
-    if logprobs.wanted(params) is not None:
-        opts["logprobs"] = logprobs.wanted(params)
+    top = logprobs.wanted(params)
+    if top is not None:
+        opts["logprobs"] = top
     return opts
 
 
@@ -112,18 +113,18 @@ async def chat_completions(request: Request) -> Response:
         chat_request["media"] = media
     streams = await _start_n(state, [chat_request] * body.n, body)
     model = body.model or state.model_name
+    with_logprobs = logprobs.wanted(body) is not None
     if spoken:
         return await _spoken(request, body, streams, model, state.runtime.processor.sample_rate)
     if not body.stream:
         texts = await unless_disconnected(request, _texts(streams), streams)
-        with_logprobs = logprobs.wanted(body) is not None
         choices = [ChatChoice(index=i, message=ChatResponseMessage(content=t), finish_reason=s.finish_reason,
                               logprobs=logprobs.chat(s.decoder, s.decoder.logprobs) if with_logprobs else None)
                    for i, (t, s) in enumerate(zip(texts, streams))]
         resp = ChatCompletion(model=model, choices=choices, usage=_usage(streams))
         return Response(resp.model_dump_json(), media_type="application/json")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    sse_body = partial(_chat_sse, streams, model, include_usage, logprobs.wanted(body) is not None)
+    sse_body = partial(_chat_sse, streams, model, include_usage, with_logprobs)
     return ClosingStreamingResponse(guarded(sse_body, sse_error), streams, media_type="text/event-stream")
 
 
