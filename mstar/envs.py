@@ -87,11 +87,6 @@ PDL = EnvVar(
     "kernel's tail): 0 never, 1 on every CUDA device (an error below sm_90 or without Triton support), "
     "auto on sm_90+ when Triton supports it (read once per process)",
     ("0", "1", "auto"))
-LOOP_FAST_PATH = EnvVar(
-    "MSTAR_LOOP_FAST_PATH", "bool (0/1/true/false)", "1",
-    "0 routes every decode-loop step through the generic walk interpreter and worker routing instead of "
-    "feeding the result straight back to its engine (the fast path's reference; read when a worker is built)",
-    _TRUE + _FALSE)
 STALL_DUMP_S = EnvVar(
     "MSTAR_STALL_DUMP_S", "int", "unset",
     "seconds: a worker whose engine step runs longer writes every thread's stack to stderr (to find "
@@ -117,7 +112,7 @@ SCHEMATHESIS_EXAMPLES = EnvVar(
     "tests only: generated examples per operation in tests/e2e/test_schemathesis.py")
 
 ALL: tuple[EnvVar, ...] = (FUSED_KERNELS, SKINNY_GEMM, MOE_TILED, FUSE_ROPE_ATTENTION, FUSE_ATTENTION_REDUCE,
-                           FUSE_NORM_LINEAR, WAN_GEMM_GELU, PDL, LOOP_FAST_PATH, STALL_DUMP_S, WATCHDOG_S, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
+                           FUSE_NORM_LINEAR, WAN_GEMM_GELU, PDL, STALL_DUMP_S, WATCHDOG_S, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
                            SCHEMATHESIS_EXAMPLES)
 
 
@@ -180,11 +175,6 @@ def pdl() -> bool | None:
     """MSTAR_PDL: False (never), True (on every CUDA device) or None (auto: sm_90+, the default)."""
     value = PDL.choice()
     return None if value in (None, "auto") else value == "1"
-
-
-def loop_fast_path() -> bool:
-    """MSTAR_LOOP_FAST_PATH: whether workers run the decode-loop fast path (default True)."""
-    return _flag(LOOP_FAST_PATH, default=True)
 
 
 def stall_dump_s() -> int | None:

@@ -3,6 +3,10 @@
 A worker hands an engine one `StepItem` per (request, node) whose inputs are ready; the engine
 batches pending items across requests as it sees fit and returns one `StepResult` per item it
 finished in that step. Items it did not finish stay pending inside the engine.
+
+An item of an engine loop (`StepItem.loop`, see `ModelGraph.engine_loop`) is the whole loop: the
+engine runs its iterations itself, each fed the token the last one sampled, and returns one result
+per iteration; all but the last have `more=True`.
 """
 
 from __future__ import annotations
@@ -11,6 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+
+@dataclass(frozen=True, slots=True)
+class LoopSpec:
+    """An engine loop handed to its engine as one item: at most `max_iterations` (>= 1) iterations, the
+    first fed the item's inputs, each later one the token the one before sampled (ports
+    `graph.SAMPLED_PORT` -> `graph.FED_PORT`); the item's other inputs are read once, at the first."""
+
+    max_iterations: int
 
 
 @dataclass(slots=True)  # one per item and step: slots make them cheaper to build and read
@@ -26,6 +39,7 @@ class StepItem:
     options: dict[str, Any] = field(default_factory=dict)  # per-request model options (sampling, ...)
     iteration: int = 0  # loop iteration the item belongs to (0 outside loops)
     kv_slot: str = "main"  # which KV sequence of the request (guidance branches use several)
+    loop: LoopSpec | None = None  # set: the item is an engine loop (module docstring)
 
 
 @dataclass(slots=True)
@@ -40,6 +54,7 @@ class StepResult:
     error: str | None = None  # set when this item failed; the request fails alone
     iteration: int = 0
     finish_reason: str | None = None  # why the request's generation ended ("stop", "length"), if it did
+    more: bool = False  # an engine loop's iteration that does not end it: its item stays pending
 
 
 class Engine(Protocol):
@@ -47,8 +62,9 @@ class Engine(Protocol):
 
     Contract: `submit` never blocks and never runs the model; `step` runs at most one batched
     execution and returns results for the items it finished (possibly none, possibly items
-    submitted in earlier calls); `release` drops every trace of a request (cache pages, pending
-    items) and is safe to call for unknown requests.
+    submitted in earlier calls) and for the iterations of engine-loop items it ran (`more=True`
+    but the last); `release` drops every trace of a request (cache pages, pending items) and is
+    safe to call for unknown requests. Only the autoregressive engine takes engine-loop items.
     """
 
     def submit(self, item: StepItem) -> None: ...

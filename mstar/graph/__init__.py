@@ -3,6 +3,8 @@
 from mstar.graph.chunking import ChunkPolicy, Fixed, LeftContext, SlidingWindow
 from mstar.graph.spec import (
     CARRY,
+    FED_PORT,
+    SAMPLED_PORT,
     TO_CLIENT,
     ComponentSpec,
     Emit,
@@ -15,12 +17,13 @@ from mstar.graph.spec import (
     Sequential,
     StreamEdge,
     Walk,
+    iter_loops,
     iter_nodes,
 )
 from mstar.graph.validate import GraphError, validate_graph
 
 __all__ = [
-    "CARRY", "TO_CLIENT", "ChunkPolicy", "ComponentSpec", "Emit", "Fixed", "GraphError", "Lane",
+    "CARRY", "FED_PORT", "SAMPLED_PORT", "TO_CLIENT", "ChunkPolicy", "ComponentSpec", "Emit", "Fixed", "GraphError", "Lane",
     "LeftContext", "Loop", "ModelGraph", "Node", "Parallel", "Section", "Sequential", "SlidingWindow",
-    "StreamEdge", "Walk", "iter_nodes", "validate_graph",
+    "StreamEdge", "Walk", "iter_loops", "iter_nodes", "validate_graph",
 ]

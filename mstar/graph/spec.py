@@ -16,6 +16,9 @@ from mstar.graph.chunking import ChunkPolicy
 
 TO_CLIENT = "client"  # Emit destination: stream the edge to the caller as a named output
 CARRY = "carry"  # Emit destination: keep the edge's last value for later walks of the request
+# An engine loop (`ModelGraph.engine_loop`) feeds the autoregressive engine's sampled token back as
+# its next input: these are the two ports of that contract.
+SAMPLED_PORT, FED_PORT = "token", "input_ids"
 
 
 def _ports(spec: Mapping[str, str] | tuple[str, ...] | list[str] | str) -> tuple[tuple[str, str], ...]:
@@ -207,6 +210,26 @@ class ModelGraph:
                 return walk
         raise KeyError(f"no walk {name!r}; walks are {[w.name for w in self.walks]}")
 
+    def engine_loop(self, walk: Walk, loop: Loop) -> Node | None:
+        """The node of `loop` when the loop is an *engine loop*, else None.
+
+        An engine loop's body is one node of an autoregressive component that feeds its sampled token
+        (port `token`) back into its own `input_ids` and has no other loop-back edge and no stream
+        input. Its engine runs every iteration itself, appending each sample as the next input and
+        yielding one result per iteration; the walk interpreter resumes only when the loop ends. Every
+        other loop runs iteration by iteration through the interpreter."""
+        node = loop.body
+        if not isinstance(node, Node) or self.components[node.component].engine != "autoregressive":
+            return None
+        inputs, outputs = dict(node.inputs), dict(node.outputs)
+        fed = outputs.get(SAMPLED_PORT)
+        if fed is None or inputs.get(FED_PORT) != fed:
+            return None
+        if any(edge in node.input_edges for port, edge in node.outputs if port != SAMPLED_PORT):
+            return None
+        streamed = {s.target_input for s in self.streams if s.target_walk == walk.name}
+        return None if streamed & set(node.input_edges) else node
+
     def step_order(self) -> list[str]:
         """Every component, in the order a worker steps their engines: as they first appear in the walks
         (in declaration order, each walk's nodes in program order), then any in no walk, by name.
@@ -220,6 +243,16 @@ class ModelGraph:
             for node in iter_nodes(walk.body):
                 order.setdefault(node.component, None)
         return [*order, *sorted(set(self.components) - set(order))]
+
+
+def iter_loops(section: Section):
+    """Yield every Loop of a section in program order (outer loops first)."""
+    if isinstance(section, Loop):
+        yield section
+        yield from iter_loops(section.body)
+    elif isinstance(section, (Sequential, Parallel)):
+        for member in section.members:
+            yield from iter_loops(member)
 
 
 def iter_nodes(section: Section):

@@ -37,6 +37,7 @@ class RunNode(msgspec.Struct, tag=True, array_like=True):
     inputs: Tensors  # port -> tensor
     options: dict[str, Any]
     reply_to: int
+    loop: int = 0  # > 0: the node is an engine loop of this many iterations at most (engines/base.py LoopSpec)
 
 
 class NodeDone(msgspec.Struct, tag=True, array_like=True):
@@ -50,6 +51,7 @@ class NodeDone(msgspec.Struct, tag=True, array_like=True):
     stop: bool = False
     error: str | None = None
     finish_reason: str | None = None
+    more: bool = False  # an engine loop's iteration that does not end it (the node stays running)
 
 
 class StreamItem(msgspec.Struct, tag=True, array_like=True):
@@ -115,6 +117,8 @@ class ReplicaItem(msgspec.Struct, array_like=True):
     iteration: int
     inputs: Tensors  # port -> tensor
     options: dict[str, Any]
+    kv_slot: str = "main"
+    loop: int = 0  # > 0: an engine loop of this many iterations at most
 
 
 class ReplicaStep(msgspec.Struct, tag=True, array_like=True):

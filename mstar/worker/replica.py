@@ -12,7 +12,8 @@ of one is kept in lockstep at the engine's seam instead: on the lead, `LeadEngin
 and submitted item and, before each step, sends them (`wire.ReplicaEngineStep`); a follower's engine
 takes the same releases and items in the same order and steps once (`FollowerEngine.follow`), so its
 scheduler picks the same chunks and its sampling (seeded per request: `AutoregressiveEngine.
-seed_per_request`) the same tokens and stops. A follower's engine (`FollowerEngine`) is stepped only
+seed_per_request`) the same tokens and stops; an engine loop's later iterations need no message, each
+rank appending the token it sampled, which is the lead's. A follower's engine (`FollowerEngine`) is stepped only
 so, never by its worker's own loop.
 """
 
@@ -22,7 +23,7 @@ import logging
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from mstar.engines.base import StepItem
+from mstar.engines.base import LoopSpec, StepItem
 from mstar.transport import wire
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ def run_component_step(module: Any, items: Sequence[StepItem]) -> list[dict]:
 def replica_items(items: Sequence[StepItem], pack: Callable[[Any], Any]) -> list[wire.ReplicaItem]:
     """`items` as a replica message carries them, their tensors packed (`follower_items` undoes it)."""
     return [wire.ReplicaItem(i.request_id, i.walk, i.node, i.iteration, {k: pack(v) for k, v in i.inputs.items()},
-                             i.options) for i in items]
+                             i.options, i.kv_slot, i.loop.max_iterations if i.loop else 0) for i in items]
 
 
 class LeadModule:
@@ -145,4 +146,4 @@ def follower_items(msg: wire.ReplicaStep | wire.ReplicaEngineStep, unpack: Calla
                    ) -> list[StepItem]:
     """The StepItems of a ReplicaStep, inputs on this worker's device."""
     return [StepItem(i.rid, i.walk, i.node, {k: to_device(unpack(v)) for k, v in i.inputs.items()}, i.options,
-                     i.iteration) for i in msg.items]
+                     i.iteration, i.kv_slot, LoopSpec(i.loop) if i.loop else None) for i in msg.items]

@@ -5,10 +5,10 @@ and is resumed with their outcomes. Loops therefore live in the generator's fram
 never on the conductor; edge values live in `env` (a loop-back edge is simply the value the
 previous iteration left there).
 
-A Loop whose body is one node without a stream input (a decode loop) keeps its state in a
-`NodeLoop`; while its call is the only one waiting, `next_iteration` runs an iteration that does not
-end the loop without resuming the generator (the worker's decode-loop fast path). The iteration
-that ends it (a stop, the last one) goes through `complete`, as every call of other sections does.
+An engine loop (`ModelGraph.engine_loop`: one autoregressive node feeding its token back) is one
+call carrying its `LoopSpec`: its engine runs the iterations and the worker records each one that
+does not end the loop with `loop_value`, without resuming the generator; the last comes through
+`complete`, as every call of other sections does.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from mstar.engines.base import LoopSpec
 from mstar.graph import Loop, Node, Parallel, Section, Sequential
 
 
@@ -31,6 +32,7 @@ class NodeCall:
     inputs: dict[str, Any]  # port -> tensor
     stream: tuple[str, str] | None = None  # (port, stream name): filled with one chunk at a time
     per_iteration: bool = False  # a stream call inside a Loop: one chunk, or no port once the stream ended
+    loop: LoopSpec | None = None  # the call is a whole engine loop (module docstring)
 
 
 @dataclass(slots=True)
@@ -50,18 +52,6 @@ class _LoopContext:
     stop: bool = False
 
 
-@dataclass(slots=True)
-class NodeLoop:
-    """A running Loop whose body is one node without a stream input (a decode loop)."""
-
-    node: Node
-    inputs: tuple[tuple[str, str], ...]  # the node's (port, edge) inputs, read from env each iteration
-    limit: int  # iterations at most
-    ctx: _LoopContext  # the current iteration (one context for the loop's life)
-    gathered: dict[str, list]  # accumulated edge -> values of the iterations so far
-    call: NodeCall | None = None  # the current iteration's call
-
-
 Program = Generator[list[NodeCall], dict[str, Outcome], None]
 
 
@@ -75,7 +65,7 @@ class WalkRun:
         inputs: Mapping[str, Any],
         stream_inputs: frozenset[str],
         on_value: Callable[[str, Any], None],
-        node_loops: bool = True,
+        engine_loops: frozenset[int] = frozenset(),
     ) -> None:
         self.env: dict[str, Any] = dict(inputs)
         self.options = options
@@ -89,11 +79,9 @@ class WalkRun:
         self._outcomes: dict[str, Outcome] = {}
         # id(node) -> its (port, edge) inputs read from env, and its stream input (port, edge) if any
         self._plans: dict[int, tuple[tuple[tuple[str, str], ...], tuple[str, str] | None]] = {}
-        # False: every loop runs through the generic sections (the reference the fast path is tested against)
-        self._node_loops = node_loops
-        self._yielded_loop: NodeLoop | None = None  # the node loop whose call was yielded last
-        # the node loop whose call is the only one waiting (no outcome of its round held): next_iteration's
-        self._fast_loop: NodeLoop | None = None
+        self._engine_loops = engine_loops  # id() of the Loops of this walk that are engine loops
+        # node name -> (node, iteration context, gathered values) of each engine loop running now
+        self._looping: dict[str, tuple[Node, _LoopContext, dict[str, list]]] = {}
 
     def start(self) -> list[NodeCall]:
         return self._advance(None)
@@ -110,46 +98,21 @@ class WalkRun:
     def waiting(self, node: str) -> NodeCall | None:
         return self._waiting.get(node)
 
-    def next_iteration(self, node: str, outputs: dict[str, Any], stop: bool) -> NodeCall | None:
-        """The decode-loop fast path: when `node`'s call is the only one waiting, is the current
-        iteration of a node loop, and its outcome (`outputs`, `stop`) does not end the loop, record the
-        outcome as `complete` would and return the next iteration's call: the waiting NodeCall itself,
-        updated (a worker keeps no call it dispatched, but for stream calls). None, with nothing
-        recorded, in every other case."""
-        loop = self._fast_loop
-        if loop is None or stop or loop.node.name != node or loop.ctx.iteration + 1 >= loop.limit:
-            return None
-        call, ctx = loop.call, loop.ctx
-        env, on_value, accumulate = self.env, self._on_value, ctx.accumulate
-        for port, edge in loop.node.outputs:  # `_record`, inlined: this runs once per token
-            if port in outputs:
-                value = env[edge] = outputs[port]
-                if edge not in accumulate:
-                    on_value(edge, value)
-        if loop.gathered:
-            self._gather(loop.gathered)
+    def loop_value(self, node: str, outputs: dict[str, Any]) -> None:
+        """Record one iteration of the engine loop of `node` that does not end it, as `complete` records
+        an iteration of any loop (the last one comes through `complete`)."""
+        spec, ctx, gathered = self._looping[node]
+        self._record(spec, outputs, ctx)
+        self._gather(gathered)
         ctx.iteration += 1
-        call.iteration = ctx.iteration
-        inputs = call.inputs = {}
-        for port, edge in loop.inputs:
-            if edge in env:
-                inputs[port] = env[edge]
-        return call
 
     def _advance(self, outcomes: dict[str, Outcome] | None) -> list[NodeCall]:
         try:
             calls = self._program.send(outcomes)
         except StopIteration:
             self.done = True
-            self._fast_loop = None
             return []
-        if len(calls) == 1:
-            self._waiting = {calls[0].node.name: calls[0]}
-            loop = self._yielded_loop
-            self._fast_loop = loop if loop is not None and calls[0] is loop.call else None
-        else:
-            self._waiting = {c.node.name: c for c in calls}
-            self._fast_loop = None
+        self._waiting = {c.node.name: c for c in calls}
         return calls
 
     def _run(self, sec: Section, ctx: _LoopContext | None) -> Program:
@@ -220,15 +183,13 @@ class WalkRun:
         limit = resolve_max_iterations(loop, self.options)
         accumulate = frozenset(loop.accumulate) | (outer.accumulate if outer else frozenset())
         gathered: dict[str, list] = {edge: [] for edge in loop.accumulate}
-        body = loop.body
-        if self._node_loops and isinstance(body, Node) and self._inputs(body)[1] is None:
-            node_loop = NodeLoop(body, self._plans[id(body)][0], limit, _LoopContext(0, accumulate), gathered)
-            stopped = yield from self._node_loop(node_loop)
+        if id(loop) in self._engine_loops and isinstance(loop.body, Node):
+            stopped = yield from self._engine_loop(loop.body, limit, _LoopContext(0, accumulate), gathered)
         else:
             stopped = False
             for i in range(limit):
                 ctx = _LoopContext(i, accumulate)
-                yield from self._run(body, ctx)
+                yield from self._run(loop.body, ctx)
                 self._gather(gathered)
                 if ctx.stop:
                     stopped = True
@@ -241,22 +202,20 @@ class WalkRun:
                 if not (outer and edge in outer.accumulate):
                     self._on_value(edge, self.env[edge])
 
-    def _node_loop(self, loop: NodeLoop) -> Generator[list[NodeCall], dict[str, Outcome], bool]:
-        """A node loop's iterations; whether a call asked it to stop. `next_iteration` may run
-        iterations between two resumptions: the state it advances is `loop`'s."""
-        node, ctx = loop.node, loop.ctx
-        while ctx.iteration < loop.limit:
-            call = loop.call = NodeCall(node, ctx.iteration, self._inputs(node)[0], None, True)
-            self._yielded_loop = loop
-            outcomes = yield [call]
-            if self._yielded_loop is loop:
-                self._yielded_loop = None
-            self._take(node, outcomes[node.name], ctx)
-            self._gather(loop.gathered)
-            if ctx.stop:
-                return True
-            ctx.iteration += 1
-        return False
+    def _engine_loop(self, node: Node, limit: int, ctx: _LoopContext,
+                     gathered: dict[str, list]) -> Generator[list[NodeCall], dict[str, Outcome], bool]:
+        """An engine loop as one call; whether its last iteration asked it to stop. `loop_value` records
+        the iterations before the last, which `complete` brings."""
+        if limit == 0:
+            return False
+        self._looping[node.name] = (node, ctx, gathered)
+        try:
+            outcomes = yield [NodeCall(node, 0, self._inputs(node)[0], None, True, LoopSpec(limit))]
+        finally:
+            del self._looping[node.name]
+        self._take(node, outcomes[node.name], ctx)
+        self._gather(gathered)
+        return ctx.stop
 
     def _gather(self, gathered: dict[str, list]) -> None:
         for edge, values in gathered.items():

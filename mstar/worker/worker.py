@@ -4,10 +4,9 @@ Its loop is four named steps: receive messages, hand ready node calls to engines
 let each busy engine run one batched step (execute), and route the results (to the next node,
 another worker, the client, or the conductor).
 
-Decode-loop fast path: a result whose walk goes on with the next iteration of the same one-node
-loop (`WalkRun.next_iteration`) is fed straight back to its engine as the next item, its values
-emitted as the generic route would; everything else (stops, the last iteration, errors, other
-sections, nodes run for another worker) takes the generic route.
+An engine loop (`ModelGraph.engine_loop`) is submitted once, with its `LoopSpec`; the engine's
+results for its iterations but the last (`more=True`) only have their values recorded and emitted
+(`WalkRun.loop_value`, or a NodeDone with `more` to the driving worker), the last one resumes the walk.
 """
 
 from __future__ import annotations
@@ -21,9 +20,9 @@ from typing import Any
 import torch
 
 from mstar import envs
-from mstar.engines.base import Engine, StepItem, StepResult
+from mstar.engines.base import Engine, LoopSpec, StepItem, StepResult
 from mstar.engines.cuda_graphs import to_device_async
-from mstar.graph import CARRY, TO_CLIENT, ModelGraph, Walk, iter_nodes
+from mstar.graph import CARRY, TO_CLIENT, ModelGraph, Walk, iter_loops, iter_nodes
 from mstar.transport import wire
 from mstar.transport.messages import discard_message
 from mstar.worker.outputs import BatchingOutbox
@@ -91,14 +90,6 @@ class _Out:
     buffer: StreamBuffer | None = None  # the consumer's buffer when it is on this worker
 
 
-@dataclass(slots=True)
-class _Feed:
-    """How the decode-loop fast path submits the next item of one walk run's loop node."""
-
-    target: _Target
-    options: dict[str, Any]  # as the component sees them
-
-
 @dataclass
 class _Run:
     """A walk this worker drives."""
@@ -107,7 +98,6 @@ class _Run:
     walk: Walk
     run: WalkRun | None = None
     outs: dict[str, _Out] = field(default_factory=dict)  # produced edge -> where its values go
-    feed: _Feed | None = None  # set at the run's first fast-path step
 
     def stream_counts(self) -> dict[str, int]:
         """Stream -> items this walk produced (streams it fed at all)."""
@@ -118,7 +108,7 @@ class Worker:
     """Drives walks and runs node steps for the components on one device."""
 
     def __init__(self, rank: int, graph: ModelGraph, engines: dict[str, Engine], inbox, outbox, codec,
-                 device: torch.device, loop_fast_path: bool | None = None) -> None:
+                 device: torch.device) -> None:
         self.rank = rank
         self.graph = graph
         # stepped in the graph's data-flow order, so a multi-component loop advances once per pass
@@ -139,8 +129,9 @@ class Worker:
         self._blocked: dict[tuple[str, str], tuple[str, NodeCall]] = {}  # stream -> (walk, call)
         self._released: set[str] = set()
         self._final_chunks: set[tuple[str, str, str]] = set()  # calls fed the last chunk of their stream
-        # the decode-loop fast path (module docstring); None: as MSTAR_LOOP_FAST_PATH says
-        self.loop_fast_path = envs.loop_fast_path() if loop_fast_path is None else loop_fast_path
+        # walk -> id() of its Loops that are engine loops (module docstring)
+        self._engine_loops = {w.name: frozenset(id(loop) for loop in iter_loops(w.body) if graph.engine_loop(w, loop))
+                              for w in graph.walks}
         self.stall_dump_s = envs.stall_dump_s()  # MSTAR_STALL_DUMP_S: stacks of a step that runs longer
         self._node_specs = {(w.name, n.name): n for w in graph.walks for n in iter_nodes(w.body)}
         # (walk, node) -> how its items reach an engine: looked up once per node, not once per token
@@ -193,10 +184,10 @@ class Worker:
                 logger.exception("engine of %s failed a step", component)
                 results = self._fail_engine(component, engine, exc)
             pending = self._pending[component]
-            fast = self.loop_fast_path
             for result in results:
-                if fast and self._feed_back(result):
-                    continue  # answered and submitted again: its pending count stands
+                if result.more:
+                    self._loop_value(result)
+                    continue  # its item stays in the engine: the pending count stands
                 left = pending.get(result.request_id, 0) - 1
                 if left > 0:
                     pending[result.request_id] = left
@@ -216,7 +207,10 @@ class Worker:
         elif isinstance(msg, wire.RunNode):
             self._remote[(msg.rid, msg.walk, msg.node, msg.iteration)] = msg.reply_to
             inputs = {k: self.codec.unpack(v) for k, v in msg.inputs.items()}
-            self._submit(msg.rid, msg.walk, msg.node, msg.iteration, inputs, msg.options)
+            loop = LoopSpec(msg.loop) if msg.loop else None
+            self._submit(msg.rid, msg.walk, msg.node, msg.iteration, inputs, msg.options, loop)
+        elif isinstance(msg, wire.NodeDone) and msg.more:
+            self._record_loop_value(msg.rid, msg.walk, msg.node, {k: self.codec.unpack(v) for k, v in msg.outputs.items()})
         elif isinstance(msg, wire.NodeDone):
             outcome = Outcome({k: self.codec.unpack(v) for k, v in msg.outputs.items()}, msg.stop, msg.finish_reason)
             self._complete(msg.rid, msg.walk, msg.node, outcome, msg.error)
@@ -247,7 +241,7 @@ class Worker:
         inputs = {k: self._to_device(self.codec.unpack(v)) for k, v in msg.inputs.items()}
         state.outs = self._outs(msg, walk)
         state.run = WalkRun(walk.body, msg.options, inputs, streams, partial(Worker._on_value, self, state),
-                            node_loops=self.loop_fast_path)
+                            self._engine_loops[msg.walk])
         self._dispatch(state, state.run.start())
         self._finish_if_done(state)
 
@@ -262,17 +256,19 @@ class Worker:
                 continue
             rank = state.start.routes[call.node.name]
             if rank == self.rank:
-                self._submit(rid, walk, call.node.name, call.iteration, call.inputs, state.start.options)
+                self._submit(rid, walk, call.node.name, call.iteration, call.inputs, state.start.options, call.loop)
             else:
                 inputs = {k: self.codec.pack(v) for k, v in call.inputs.items()}
-                msg = wire.RunNode(rid, walk, call.node.name, call.iteration, inputs, state.start.options, self.rank)
+                msg = wire.RunNode(rid, walk, call.node.name, call.iteration, inputs, state.start.options, self.rank,
+                                   call.loop.max_iterations if call.loop else 0)
                 self.outbox.send(worker_peer(rank), msg)
 
-    def _submit(self, rid: str, walk: str, node: str, iteration: int, inputs: dict, options: dict) -> None:
+    def _submit(self, rid: str, walk: str, node: str, iteration: int, inputs: dict, options: dict,
+                loop: LoopSpec | None = None) -> None:
         target = self._target(walk, node)
         if not target.host_inputs:  # engines that read inputs on the host skip the copy
             inputs = {k: self._to_device(v) for k, v in inputs.items()}
-        item = StepItem(rid, walk, node, inputs, self._options(rid, target, options), iteration, target.kv_slot)
+        item = StepItem(rid, walk, node, inputs, self._options(rid, target, options), iteration, target.kv_slot, loop)
         pending = target.pending
         pending[rid] = pending.get(rid, 0) + 1
         target.engine.submit(item)
@@ -337,39 +333,29 @@ class Worker:
 
     # -- route ---------------------------------------------------------------------------------
 
-    def _feed_back(self, result: StepResult) -> bool:
-        """The decode-loop fast path: True when `result` continued its walk's one-node loop, its values
-        emitted and the loop's next item submitted to the same engine. False, with nothing done, when
-        the generic route must take it (also after a failure here: the route finds the walk gone)."""
-        if result.error is not None:
-            return False
-        rid, walk, node = result.request_id, result.walk, result.node
+    def _loop_value(self, result: StepResult) -> None:
+        """An engine loop's iteration that does not end it: to the driving worker when the loop runs for
+        another one, else recorded in its walk."""
+        key = (result.request_id, result.walk, result.node, result.iteration)
+        if self._remote and (reply := self._remote.get(key)) is not None:
+            outputs = {k: self.codec.pack(v) for k, v in result.outputs.items()}
+            self.outbox.send(worker_peer(reply), wire.NodeDone(*key, outputs, more=True))
+            return
+        self._record_loop_value(result.request_id, result.walk, result.node, result.outputs)
+
+    def _record_loop_value(self, rid: str, walk: str, node: str, outputs: dict) -> None:
         state = self._runs.get((rid, walk))
-        if state is None or state.run is None or (self._remote and (rid, walk, node, result.iteration) in self._remote):
-            return False
+        if state is None or state.run is None or state.run.waiting(node) is None:
+            return  # released meanwhile
         try:
-            call = state.run.next_iteration(node, result.outputs, result.stop)
+            state.run.loop_value(node, outputs)
         except Exception as exc:  # as in _complete: the walk fails, not the worker
             logger.exception("walk %s of request %s failed", walk, rid)
             self._fail(rid, walk, f"{type(exc).__name__}: {exc}")
-            return False
-        if call is None:
-            return False
-        feed = state.feed
-        if feed is None:
-            feed = state.feed = self._feed(state, node)
-        target = feed.target
-        inputs = call.inputs
-        if not target.host_inputs:
-            inputs = {k: self._to_device(v) for k, v in inputs.items()}
-        target.engine.submit(StepItem(rid, walk, node, inputs, feed.options, call.iteration, target.kv_slot))
-        return True
-
-    def _feed(self, state: _Run, node: str) -> _Feed:
-        # a loop's result comes from this worker's engine only if the walk routes its node here
-        assert state.start.routes[node] == self.rank, (state.start.walk, node)
-        target = self._target(state.start.walk, node)
-        return _Feed(target, self._options(state.start.rid, target, state.start.options))
+            if state.start.routes[node] == self.rank:  # its engine stops the loop now, not at the Release
+                target = self._target(walk, node)
+                target.engine.release(rid)
+                target.pending.pop(rid, None)
 
     def _route(self, result: StepResult) -> None:
         key = (result.request_id, result.walk, result.node, result.iteration)

@@ -2,11 +2,16 @@
 
 Items are keyed by (request_id, kv_slot): each key is one sequence. An item's
 `inputs["input_ids"]` (1-D int64) are appended to its sequence: the prompt on the first item, the
-previously sampled token (or any tokens the caller chooses) on later ones; the engine never
-appends what it sampled by itself. Each item yields one StepResult with `outputs["token"]`
-(LongTensor[1]) once its tokens are computed. A result with `stop=True` ends the sequence: its
-pages are freed (full pages stay in the prefix cache) and a later item with the same key starts a
-new sequence.
+previously sampled token (or any tokens the caller chooses) on later ones. Each item yields one
+StepResult with `outputs["token"]` (LongTensor[1]) once its tokens are computed. An engine-loop item
+(`StepItem.loop`) is a decode loop: after each sample that does not end it, the engine appends the
+token to the sequence itself and yields a result with `more=True`; the item stays pending until the
+last iteration, a stop, the length limit or its release. A result with `stop=True` ends the
+sequence: its pages are freed (full pages stay in the prefix cache) and a later item with the same
+key starts a new sequence.
+
+Lookahead (`lookahead.py`): once a step's draw is queued on the device, the next forward of the
+engine-loop sequences that go on is launched with the drawn ids before the host reads them.
 
 A model whose logits cover a window of ids (`CausalLM.logit_offset`) is sampled over the window's
 columns; every id handed back (tokens, `top_ids`, the ids a lookahead forward is fed) is a token id,
@@ -20,13 +25,13 @@ import zlib
 import torch
 
 from mstar.config import CudaGraphConfig
-from mstar.engines.autoregressive.lookahead import Ahead, continuing
+from mstar.engines.autoregressive.lookahead import Ahead
 from mstar.engines.autoregressive.runner import ModelRunner, make_attention_backend
 from mstar.engines.autoregressive.scheduler import Chunk, Scheduler
 from mstar.engines.autoregressive.sequence import Sequence
 from mstar.engines.autoregressive.step_graph import StepGraphs
 from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs, parse_item
-from mstar.engines.base import CausalLM, StepItem, StepResult, logit_offset
+from mstar.engines.base import CausalLM, LoopSpec, StepItem, StepResult, logit_offset
 from mstar.engines.cuda_graphs import to_device_async, to_host_async
 from mstar.engines.kv_cache.block_pool import BlockPool
 from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
@@ -80,7 +85,7 @@ class AutoregressiveEngine:
         self._ahead: Ahead | None = None
         # marks a step's samples copied to the host; one event reused (created per step it costs the host)
         self._copied = torch.cuda.Event() if self.device.type == "cuda" else None
-        self.lookahead_hits = self.lookahead_misses = 0
+        self.lookahead_steps = 0  # steps whose forward was launched ahead
         # sampling replayed from CUDA graphs (sampling_graph.py), captured at the first sampled step
         self.sampler: SamplerGraphs | None = None
         if self.runner.graphs is not None and (cuda_graphs is None or cuda_graphs.sampling):
@@ -118,14 +123,12 @@ class AutoregressiveEngine:
             self._warm_run(items, options)
 
     def _warm_run(self, prompts: list[tuple[str, torch.Tensor]], options: dict) -> None:
-        for rid, ids in prompts:
-            self.submit(StepItem(rid, "warmup", "warmup", {"input_ids": ids}, options))
+        for rid, ids in prompts:  # each one engine loop: the prompt, then decode steps as served
+            self.submit(StepItem(rid, "warmup", "warmup", {"input_ids": ids}, options, loop=LoopSpec(3)))
         while self.has_work():
             for r in self.step():
                 if r.error is not None:
                     raise RuntimeError(f"engine warm-up failed: {r.error}")
-                if not r.stop:
-                    self.submit(StepItem(r.request_id, "warmup", "warmup", {"input_ids": r.outputs["token"]}, options))
         for rid, _ in prompts:
             self.release(rid)
 
@@ -138,25 +141,40 @@ class AutoregressiveEngine:
                                            iteration=item.iteration))
 
     def step(self) -> list[StepResult]:
-        """Schedule, run one packed forward, sample; results for the items finished in this step."""
+        """Run one packed forward (the one launched ahead by the last step, or a newly scheduled one),
+        sample; results for the items finished in this step and the engine loops' iterations."""
         results, self._errors = self._errors, []
-        chunks = self.scheduler.schedule()
-        self.last_step_items = len(chunks)
         ahead, self._ahead = self._ahead, None
+        chunks, logits = self._ahead_chunks(ahead) if ahead is not None else ([], None)
+        if not chunks:
+            chunks = self.scheduler.schedule()
+            logits = self.runner.run(chunks) if chunks else None
+        self.last_step_items = len(chunks)
         if chunks:
-            if ahead is not None and ahead.matches(chunks):
-                logits, self.runner.last_greedy_ids = ahead.logits, ahead.greedy_ids
-                ahead.hand_over(chunks)  # captured hidden states to the items asking for them
-                self.lookahead_hits += 1
-            else:
-                self.lookahead_misses += ahead is not None
-                logits = self.runner.run(chunks)
             self.scheduler.update(chunks)
             done = [c for c in chunks if c.completes]  # a prefill chunk that ends mid-prompt samples nothing
             if done:
                 assert logits is not None
                 results += self._postprocess(done, logits)
         return results
+
+    def _ahead_chunks(self, ahead: Ahead) -> tuple[list[Chunk], torch.Tensor | None]:
+        """The step launched ahead: its sequences that are still live (a sequence that sampled a stop
+        or was released meanwhile is left out, its row dropped) with their logits rows."""
+        live = [i for i, (s, pos) in enumerate(zip(ahead.seqs, ahead.positions))
+                if self._seqs.get(s.key) is s and s.num_computed == pos and len(s.token_ids) == pos + 1]
+        if not live:
+            return [], None
+        chunks = [Chunk(ahead.seqs[i], ahead.positions[i], 1) for i in live]
+        logits, greedy = ahead.logits, ahead.greedy_ids
+        if len(live) < len(ahead.seqs):
+            rows = to_device_async(torch.tensor(live), logits.device)
+            logits = logits.index_select(0, rows)
+            greedy = None if greedy is None else greedy.index_select(0, rows)
+        self.runner.last_greedy_ids = greedy
+        ahead.hand_over(chunks, live)  # captured hidden states to the sequences asking for them
+        self.lookahead_steps += 1
+        return chunks, logits
 
     def has_work(self) -> bool:
         """Whether some submitted item has no result yet."""
@@ -177,8 +195,6 @@ class AutoregressiveEngine:
 
     def release(self, request_id: str) -> None:
         """Drop every sequence (all KV slots) and pending item of `request_id`; unknown ids are fine."""
-        if self._ahead is not None and any(s.key[0] == request_id for s in self._ahead.seqs):
-            self._ahead = None
         for key in [k for k in self._seqs if k[0] == request_id]:
             self.scheduler.remove(self._seqs.pop(key))
         self._errors = [r for r in self._errors if r.request_id != request_id]
@@ -189,6 +205,8 @@ class AutoregressiveEngine:
             raise ValueError(f"item {item.node!r} needs inputs['input_ids'] as a non-empty 1-D integer tensor")
         tokens = ids.tolist()
         extras = parse_item(item, len(tokens), self.runner.model)  # validated before the sequence changes
+        if item.loop is not None and item.loop.max_iterations < 1:
+            raise ValueError(f"item {item.node!r}: an engine loop needs max_iterations >= 1, got {item.loop.max_iterations}")
         key = (item.request_id, item.kv_slot)
         seq = self._seqs.get(key)
         if seq is None:
@@ -201,6 +219,9 @@ class AutoregressiveEngine:
             seq.token_ids.extend(tokens)
         if extras is not None:
             self._add_extras(seq, len(tokens), extras)
+        # what each token the engine appends in this loop brings: the hidden capture its item asks for
+        seq.loop_done = 0
+        seq.loop_extras = ItemExtras(hidden_layers=extras.hidden_layers) if extras and extras.hidden_layers else None
         seq.item = item
         self.scheduler.add(seq)
 
@@ -233,27 +254,66 @@ class AutoregressiveEngine:
     def _postprocess(self, chunks: list[Chunk], logits: torch.Tensor) -> list[StepResult]:
         seqs = [c.seq for c in chunks]
         rows = [s.sampling_row for s in seqs]
-        keep = None
-        if self.lookahead:
-            extras = any(s.inputs is not None for s in seqs) and self.runner.extras_ahead(seqs)
-            keep = continuing(seqs, self.scheduler, self.runner.page_size, self.max_model_len, extras)
+        keep = self._continuing(seqs) if self.lookahead else None
         out, tokens = self._step_graph(seqs, rows, logits, keep) or self._draw(seqs, rows, logits, keep)
         views = out.token_ids.unsqueeze(1).unbind(0)  # each row's [1] view, in one call, not a slice per row
         results = []
         for i, seq in enumerate(seqs):
             item = seq.item
             assert item is not None, f"{seq.key} computed without a pending item"
-            seq.item = None
             seq.num_generated += 1
             reason = self._finish_reason(seq, tokens[i])
             outputs = {"token": views[i]} if seq.params.logprobs is None else _outputs(out, i, seq.params)
             if seq.inputs is not None and (hidden := seq.inputs.take_hidden()) is not None:
                 outputs["hidden"] = hidden
-            results.append(StepResult(item.request_id, item.walk, item.node, outputs,
-                                      stop=reason is not None, iteration=item.iteration, finish_reason=reason))
+            more = reason is None and item.loop is not None and seq.loop_done + 1 < item.loop.max_iterations
+            if more:
+                self._append(seq, tokens[i])
+            else:
+                seq.item = None
+            results.append(StepResult(item.request_id, item.walk, item.node, outputs, stop=reason is not None,
+                                      iteration=item.iteration, finish_reason=reason, more=more))
             if reason is not None:
                 self.scheduler.remove(self._seqs.pop(seq.key))
         return results
+
+    def _append(self, seq: Sequence, token: int) -> None:
+        """The next iteration of `seq`'s engine loop: its sampled token appended as the next input."""
+        seq.loop_done += 1
+        seq.token_ids.append(token)
+        if seq.loop_extras is not None:
+            self._add_extras(seq, 1, seq.loop_extras)
+
+    def _continuing(self, seqs: list[Sequence]) -> list[int] | None:
+        """Indexes (into `seqs`, the step's sampled sequences) of those whose next forward is launched
+        ahead: engine-loop sequences that go on unless they sample a stop. None, launching nothing, when
+        the next step should be scheduled as usual: other work could join it (a sequence with tokens
+        still to compute, one waiting for a free seat), or none goes on.
+
+        A sequence whose next token opens a page gets it now, from free pages only (it needs the page
+        for its next token anyway); when there are not enough, nothing is launched ahead."""
+        sched = self.scheduler
+        if sched.waiting and len(sched.running) < sched.max_num_seqs:
+            return None
+        if any(s.num_pending for s in sched.running):
+            return None
+        keep, grow, with_inputs = [], [], []
+        for i, seq in enumerate(seqs):
+            loop, p = seq.item.loop, seq.params
+            pos = len(seq.token_ids)  # where the token sampled now will sit
+            if loop is None or seq.loop_done + 1 >= loop.max_iterations or pos + 1 >= self.max_model_len \
+                    or (p.max_tokens is not None and seq.num_generated + 1 >= p.max_tokens):
+                continue
+            if seq.inputs is not None:
+                with_inputs.append(seq)
+            if pos // self.runner.page_size >= len(seq.pages):
+                grow.append(seq)
+            keep.append(i)
+        if not keep or (with_inputs and not self.runner.extras_ahead(with_inputs)):
+            return None
+        if grow and not sched.grow_ahead(grow):
+            return None
+        return keep
 
     def _step_graph(self, seqs: list[Sequence], rows: list[SamplingRow], logits: torch.Tensor,
                     keep: list[int] | None) -> tuple[SampleOutput, list[int]] | None:
@@ -267,8 +327,8 @@ class AutoregressiveEngine:
         if ahead is None:
             return None
         ids = self.step_graphs.drawn(len(seqs))
-        self._ahead, ahead.tokens = ahead, ids.tolist()
-        return SampleOutput(ids), ahead.tokens
+        self._ahead = ahead
+        return SampleOutput(ids), ids.tolist()
 
     def _draw(self, seqs: list[Sequence], rows: list[SamplingRow], logits: torch.Tensor,
               keep: list[int] | None) -> tuple[SampleOutput, list[int]]:
@@ -299,10 +359,8 @@ class AutoregressiveEngine:
         ahead = self.runner.launch_ahead([seqs[i] for i in keep], ids)
         if copied is not None:
             copied.synchronize()
-        tokens = host.token_ids.tolist()
-        ahead.tokens = tokens if len(keep) == len(tokens) else [tokens[i] for i in keep]
         self._ahead = ahead
-        return host, tokens
+        return host, host.token_ids.tolist()
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

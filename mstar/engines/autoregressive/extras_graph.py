@@ -109,23 +109,20 @@ class ExtrasGraphs:
                 to_device_async(torch.tensor(mask, dtype=torch.bool), self.device))
 
     def accepts_ahead(self, seqs: list[Sequence]) -> bool:
-        """Whether a lookahead forward of `seqs` (next tokens guessed to bring ids only) can replay."""
+        """Whether a lookahead forward of `seqs` (each fed the token the engine appends) can replay."""
         if self.graphs is None or len(seqs) > self.graphs.max_batch:
             return False
         return all(self._fits(seq) for seq in seqs)
 
-    def ahead_inputs(self, seqs: list[Sequence],
-                     positions: list[int]) -> tuple[list[list[float] | None], torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For a lookahead forward: each sequence's guessed rotary positions (None without TokenInputs),
-        and the graph's (positions, embeddings, use-embedding mask) with no embedding rows."""
-        guesses, rows = [], []
+    def appended_inputs(self, seqs: list[Sequence], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The graph's (positions, embeddings, use-embedding mask) for a lookahead forward: each sequence
+        at `positions` fed the token the engine appends (no embedding row)."""
+        rows = []
         for seq, pos in zip(seqs, positions):
-            row = seq.inputs.next_plain_row(pos) if seq.inputs is not None else None
-            guesses.append(None if row is None else row.positions)
-            values = [float(pos)] if row is None else row.positions
+            values = [float(pos)] if seq.inputs is None else seq.inputs.appended_positions(pos)
             rows.append(values * self.rows if len(values) == 1 else values)
         n = len(seqs)
-        return (guesses, to_device_async(torch.tensor(rows, dtype=torch.float32), self.device),
+        return (to_device_async(torch.tensor(rows, dtype=torch.float32), self.device),
                 self._zero_row.expand(n, -1), to_device_async(torch.zeros(n, dtype=torch.bool), self.device))
 
     def store_hidden(self, chunks: list[Chunk], hidden: tuple[torch.Tensor, ...]) -> None:

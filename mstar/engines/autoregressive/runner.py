@@ -333,20 +333,19 @@ class ModelRunner:
             return Ahead(seqs, positions, self.model.compute_logits(hidden, ids))
 
     def extras_ahead(self, seqs: list[Sequence]) -> bool:
-        """Whether `launch_ahead` can run `seqs` when some have TokenInputs: through the extras graphs,
-        their next tokens guessed to bring ids only (a spoken answer's thinker steps)."""
+        """Whether `launch_ahead` can run `seqs`, which have TokenInputs: through the extras graphs."""
         return self.extras_graphs is not None and self.extras_graphs.accepts_ahead(seqs)
 
     def _extras_ahead(self, seqs: list[Sequence], positions: list[int], ids: torch.Tensor) -> Ahead:
-        """The lookahead forward through the extras graph: guessed positions, no embeddings; its
-        captured states are copied out at once (the next replay overwrites the graph's)."""
+        """The lookahead forward through the extras graph (appended tokens: no embeddings); its captured
+        states are copied out at once (the next replay overwrites the graph's)."""
         extras = self.extras_graphs
         assert extras is not None and extras.graphs is not None
         dec, n, bucket = self._stage(seqs, positions, ids)
-        guesses, pos, embeds, use_embeds = extras.ahead_inputs(seqs, positions)
+        pos, embeds, use_embeds = extras.appended_inputs(seqs, positions)
         logits, greedy, *hidden = extras.graphs(dec.ids_rows[n], pos, embeds, use_embeds, bucket=bucket)
         kept = torch.stack(hidden) if hidden else None
-        return Ahead(seqs, positions, logits, greedy_ids=greedy, rows=guesses, hidden=kept, layers=extras.layers)
+        return Ahead(seqs, positions, logits, greedy_ids=greedy, hidden=kept, layers=extras.layers)
 
     def _metadata(self, chunks: list[Chunk], slots: list[int]) -> AttentionMetadata:
         max_pages = max(len(c.seq.pages) for c in chunks)

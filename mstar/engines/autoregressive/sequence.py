@@ -12,7 +12,7 @@ from mstar.engines.base import StepItem
 from mstar.engines.sampling import SamplingParams, SamplingRow
 
 if TYPE_CHECKING:
-    from mstar.engines.autoregressive.token_inputs import TokenInputs
+    from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs
 
 
 class SeqStatus(Enum):
@@ -27,8 +27,8 @@ class SeqStatus(Enum):
 class Sequence:
     """One KV sequence: every token the caller appended, and how much of it is in the cache.
 
-    Token rule: the sequence is the concatenation of its items' `input_ids`; the engine never
-    appends the tokens it samples itself, the caller feeds them back in the next item.
+    Token rule: the sequence is the concatenation of its items' `input_ids` and, while an engine-loop
+    item runs, of the tokens the engine sampled and appended for it.
     """
 
     key: tuple[str, str]  # (request_id, kv_slot)
@@ -46,6 +46,8 @@ class Sequence:
     sampling_cache: dict = field(default_factory=dict)  # sampling's per-sequence scratch (seen-token mask)
     sampling_row: SamplingRow | None = None  # what sampling reads of this sequence (set by the engine, kept)
     inputs: TokenInputs | None = None  # embeddings, explicit positions, hidden capture (token_inputs.py)
+    loop_done: int = 0  # iterations of the pending engine-loop item run so far
+    loop_extras: ItemExtras | None = None  # what each token appended for that item brings (hidden capture)
 
     @property
     def num_pending(self) -> int:

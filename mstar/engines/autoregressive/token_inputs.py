@@ -174,17 +174,12 @@ class TokenInputs:
             has_features = any(v.numel() for v in extras.features.values())
         return DecodeRow(positions, embed, has_features)
 
-    def next_plain_row(self, start: int) -> DecodeRow | None:
-        """The DecodeRow token `start` gets if its item brings only a token id (default positions, no
-        embedding): what a lookahead forward guesses for the next decode token. None when the token
-        before it brought an embedding or features (its successor likely does too: a talker step)."""
+    def appended_positions(self, start: int) -> list[float]:
+        """The rotary positions of a token the engine appends at `start` (an engine loop's next input):
+        after the last explicit ones, on every position row."""
         first, offset = self._offsets[-1]
-        if start < first or start < 1:
-            return None
-        before = self.decode_row(start - 1)
-        if before.embed is not None or before.has_features:
-            return None
-        return DecodeRow([float(start + offset)] * (3 if self.multi_row else 1), None, False)
+        assert start >= first, (start, first)
+        return [float(start + offset)] * (3 if self.multi_row else 1)
 
     def decode_row(self, start: int) -> DecodeRow:
         """The DecodeRow of token `start` (as made when it arrived for the last one-token item, else

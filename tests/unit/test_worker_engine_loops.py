@@ -1,11 +1,13 @@
-"""The worker's decode-loop fast path against the generic route: the same workload, pumped step by step
-from one thread (conductor and workers), gives the same client events in the same order, the same
-items submitted to the engines (iterations, inputs, options), the same per-request pending counts
-after every round, the same stops, lengths, failures and cancellations, and leaves no state behind.
+"""The worker's engine loops against the generic route: the same workload, pumped step by step from one
+thread (conductor and workers), gives the same client events in the same order, the same iterations
+run by the engines (inputs, options), the same per-request pending counts after every round, the same
+stops, lengths, failures and cancellations, and leaves no state behind. The generic reference is the
+same graph with the decode loop's node wrapped in a Sequential, which makes it no engine loop.
 
 A fake autoregressive-like `llm` answers a varying number of its pending items per step, so requests
-interleave differently from round to round; a stateless `snac` reads the `llm` tokens through a
-sliding-window stream (on the same worker or another one) and a keep filter that drops some tokens.
+interleave differently from round to round (an engine loop's item goes to the back of the queue after
+each iteration, as the generic route's next item would); a stateless `snac` reads the `llm` tokens
+through a sliding-window stream (on the same worker or another one) and a keep filter that drops some.
 """
 
 from __future__ import annotations
@@ -48,15 +50,18 @@ def _keep(item: torch.Tensor, kept: int) -> bool:
     return token % 5 != 0
 
 
-def _graph(prep: bool = False, accumulate: bool = False) -> ModelGraph:
-    """Orpheus-shaped: prefill -> decode Loop(llm) (tokens to the client and into the vocoder stream).
+def _graph(prep: bool = False, accumulate: bool = False, engine_loop: bool = True) -> ModelGraph:
+    """Orpheus-shaped: prefill -> decode Loop(llm) (tokens to the client and into the vocoder stream);
+    without `engine_loop` the loop's body is Sequential(llm), which the interpreter runs iteration by
+    iteration.
     `prep`: a stateless node runs before the loop in the decode walk, so the walk's driver is the
     prep's worker and the loop node may run on another one. `accumulate`: the loop also gathers its
     tokens, sent to the client once, joined, when it ends."""
     prefill = Node("llm", inputs={"input_ids": "prompt_ids"}, outputs={"token": "token"})
     decode = Node("llm", inputs={"input_ids": "token", "prompt_ids": "prompt_ids"},
                   outputs={"token": "token", "copy": "generated"} if accumulate else {"token": "token"})
-    loop = Loop(decode, max_iterations="max_tokens", name="decode", accumulate=("generated",) if accumulate else ())
+    loop = Loop(decode if engine_loop else Sequential(decode), max_iterations="max_tokens", name="decode",
+                accumulate=("generated",) if accumulate else ())
     body = Sequential(Node("prep", inputs=("token",), outputs=("token",)), loop) if prep else loop
     emits = (Emit("token", name="text"),) + ((Emit("generated"),) if accumulate else ())
     components = {"llm": ComponentSpec("autoregressive", "fake: next token"),
@@ -78,51 +83,56 @@ def _graph(prep: bool = False, accumulate: bool = False) -> ModelGraph:
 
 
 class FakeLM:
-    """Answers the oldest 1, 3, 2, 5, 4, 1, ... pending items per step; logs every submitted item.
+    """Answers the oldest 1, 3, 2, 5, 4, 1, ... pending iterations per step; logs every iteration it runs.
 
     Token = f(request, inputs); options `stop_at` (generated count: stop there, reason "stop"),
-    `fail_at` (an error result), `bad_at` (BAD_TOKEN, which the stream filter rejects)."""
+    `fail_at` (an error result), `bad_at` (BAD_TOKEN, which the stream filter rejects). An engine-loop
+    item feeds its token back as its next `input_ids` (its other inputs kept) and goes to the back of
+    the queue, until it stops, fails or runs its last iteration."""
 
     host_inputs = True
     PATTERN = (1, 3, 2, 5, 4)
 
     def __init__(self) -> None:
-        self.pending: list[StepItem] = []
-        self.submitted: list[tuple] = []
+        self.pending: list[tuple[StepItem, int, dict]] = []  # (item, iteration, its inputs)
+        self.ran: list[tuple] = []
         self.made: dict[str, int] = {}
         self.steps = 0
         self.last_step_items = 0
 
     def submit(self, item: StepItem) -> None:
-        self.submitted.append((item.request_id, item.walk, item.node, item.iteration, item.kv_slot,
-                               {k: v.tolist() for k, v in item.inputs.items()}, sorted(item.options.items())))
-        self.pending.append(item)
+        self.pending.append((item, item.iteration, item.inputs))
 
     def has_work(self) -> bool:
         return bool(self.pending)
 
     def release(self, request_id: str) -> None:
-        self.pending = [i for i in self.pending if i.request_id != request_id]
+        self.pending = [p for p in self.pending if p[0].request_id != request_id]
 
     def step(self) -> list[StepResult]:
         n = self.PATTERN[self.steps % len(self.PATTERN)]
         self.steps += 1
-        items, self.pending = self.pending[:n], self.pending[n:]
-        self.last_step_items = len(items)
-        return [self._answer(item) for item in items]
+        ready, self.pending = self.pending[:n], self.pending[n:]
+        self.last_step_items = len(ready)
+        return [self._answer(*p) for p in ready]
 
-    def _answer(self, item: StepItem) -> StepResult:
+    def _answer(self, item: StepItem, iteration: int, inputs: dict) -> StepResult:
         rid, opts = item.request_id, item.options
+        self.ran.append((rid, item.walk, item.node, iteration, item.kv_slot, {k: v.tolist() for k, v in inputs.items()},
+                         sorted(opts.items())))
         made = self.made[rid] = self.made.get(rid, 0) + 1
         if made == opts.get("fail_at"):
             return StepResult(rid, item.walk, item.node, error="fake llm failed", iteration=item.iteration)
-        ids = item.inputs["input_ids"]
+        ids = inputs["input_ids"]
         token = BAD_TOKEN if made == opts.get("bad_at") else (int(ids.sum()) * 7 + len(rid) + made) % 97 + 1
         stop = made == opts.get("stop_at")
         out = torch.tensor([token])
         outputs = {"token": out, "copy": out} if item.node == "llm" else {"token": out}
+        more = item.loop is not None and not stop and iteration + 1 < item.loop.max_iterations
+        if more:
+            self.pending.append((item, iteration + 1, {**inputs, "input_ids": out}))
         return StepResult(rid, item.walk, item.node, outputs, stop=stop, iteration=item.iteration,
-                          finish_reason="stop" if stop else None)
+                          finish_reason="stop" if stop else None, more=more)
 
 
 class FakeSnac(torch.nn.Module):
@@ -144,14 +154,14 @@ def _engines(components: list[str]) -> dict:
 class Harness:
     """Conductor and workers in one thread; every event, submitted item and pending count recorded."""
 
-    def __init__(self, graph: ModelGraph, groups: list[NodeGroup], fast: bool, max_concurrent: int = 8) -> None:
+    def __init__(self, graph: ModelGraph, groups: list[NodeGroup], max_concurrent: int = 8) -> None:
         plan = plan_placement(graph, groups)
         network = make_network("inproc", Codec(wire.Message))
         self.inbox, outbox, codec = network.inbox(CONDUCTOR), network.outbox(), LocalCodec()
         self.conductor = Conductor(graph, plan, lambda rank, msg: outbox.send(worker_peer(rank), msg), codec,
                                    max_concurrent, 64)
         self.workers = [Worker(r, graph, _engines(plan.components_on(r)), network.inbox(worker_peer(r)),
-                               network.outbox(), codec, torch.device("cpu"), loop_fast_path=fast)
+                               network.outbox(), codec, torch.device("cpu"))
                         for r in range(plan.num_workers)]
         self.events: list[tuple] = []  # every request's events, in the order the sinks saw them
         self.finished: set[str] = set()
@@ -195,7 +205,7 @@ class Harness:
 
     def record(self) -> dict:
         return {"events": self.events, "pending": self.pending_log, "messages": self.messages,
-                "submitted": [e.submitted for w in self.workers for e in w.engines.values() if isinstance(e, FakeLM)],
+                "ran": [e.ran for w in self.workers for e in w.engines.values() if isinstance(e, FakeLM)],
                 "state": [w.state_size() for w in self.workers],
                 "left": [{c: dict(p) for c, p in w._pending.items()} for w in self.workers]}
 
@@ -207,7 +217,7 @@ WORKLOAD = [  # rid, prompt, options
     ("bad", [7, 8, 9], {"bad_at": 4}),
     ("long", [2, 2], {"max_tokens": 30}),
     ("zero", [3], {"max_tokens": 0}),  # the decode loop runs zero times
-    ("one", [5, 1], {"max_tokens": 1}),  # one decode iteration: the last one, never the fast path
+    ("one", [5, 1], {"max_tokens": 1}),  # one decode iteration: the engine loop's first is its last
     ("stop_last", [9], {"max_tokens": 5, "stop_at": 6}),  # a stop on the last iteration: "stop", not "length"
     ("cancelled", [8, 8], {"max_tokens": 40}),
 ]
@@ -217,8 +227,8 @@ PLACEMENTS = {
 }
 
 
-def _run(graph: ModelGraph, groups: list[NodeGroup], fast: bool, max_concurrent: int = 8) -> dict:
-    h = Harness(graph, groups, fast, max_concurrent)
+def _run(engine_loop: bool, groups: list[NodeGroup], max_concurrent: int = 8, **graph) -> dict:
+    h = Harness(_graph(engine_loop=engine_loop, **graph), groups, max_concurrent)
     for rid, prompt, options in WORKLOAD:
         h.submit(rid, prompt, **options)
     h.run([rid for rid, _, _ in WORKLOAD], cancel={"cancelled": 9})
@@ -227,11 +237,11 @@ def _run(graph: ModelGraph, groups: list[NodeGroup], fast: bool, max_concurrent:
 
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
 @pytest.mark.parametrize("accumulate", [False, True])
-def test_fast_path_matches_the_generic_route(placement, accumulate):
-    graph = _graph(accumulate=accumulate)
-    fast, generic = _run(graph, PLACEMENTS[placement], True), _run(graph, PLACEMENTS[placement], False)
+def test_engine_loops_match_the_generic_route(placement, accumulate):
+    fast = _run(True, PLACEMENTS[placement], accumulate=accumulate)
+    generic = _run(False, PLACEMENTS[placement], accumulate=accumulate)
     assert fast["events"] == generic["events"]
-    assert fast["submitted"] == generic["submitted"]
+    assert fast["ran"] == generic["ran"]
     assert fast["pending"] == generic["pending"]
     assert fast["messages"] == generic["messages"]
     batches = fast["messages"].get("ClientOutputs", 0) + fast["messages"].get("ClientOutput", 0)
@@ -263,35 +273,66 @@ def test_fast_path_matches_the_generic_route(placement, accumulate):
         assert joined and all(joined[rid] == tokens[rid] for rid in joined)
 
 
-def test_fast_path_feeds_the_engine_the_same_items_when_the_loop_node_runs_on_another_worker():
-    """The decode walk's driver (its `prep` node's worker) sends every loop item to the llm's worker:
-    results come back as NodeDone messages, always through the generic route; same results either way."""
+def test_an_engine_loop_on_another_worker_reports_each_iteration_to_the_driver():
+    """The decode walk's driver (its `prep` node's worker) sends the loop to the llm's worker once
+    (one RunNode); each iteration comes back as a NodeDone with `more`, the last without: each request
+    gets the same events and runs the same iterations as on the generic route, which sends a RunNode
+    per iteration. (Not in the same global order: the llm's worker runs the loop of the request that
+    fails on the driver until its Release arrives, which shifts the others' turns in the fake llm.)"""
     groups = [NodeGroup(["prep", "snac"], [0]), NodeGroup(["llm"], [1])]
-    fast, generic = _run(_graph(prep=True), groups, True), _run(_graph(prep=True), groups, False)
-    assert fast["events"] == generic["events"] and fast["submitted"] == generic["submitted"]
+    sent: dict[str, int] = {}
+    original = Worker.handle
+
+    def counting(self, msg):
+        sent[type(msg).__name__] = sent.get(type(msg).__name__, 0) + 1
+        return original(self, msg)
+
+    Worker.handle = counting
+    try:
+        fast = _run(True, groups, prep=True)
+        fast_sent, sent = sent, {}
+        generic = _run(False, groups, prep=True)
+    finally:
+        Worker.handle = original
+    def per_request(rows: list[tuple]) -> dict[str, list]:
+        out: dict[str, list] = {}
+        for row in rows:
+            out.setdefault(row[0], []).append(row)
+        return out
+
+    assert per_request(fast["events"]) == per_request(generic["events"])
+    ran, ran_generic = per_request(fast["ran"][0]), per_request(generic["ran"][0])
+    bad = next(rid for rid in ran if rid.startswith("bad"))
+    assert ran_generic[bad] == ran[bad][: len(ran_generic[bad])]  # then more, until its Release
+    assert {r: v for r, v in ran.items() if r != bad} == {r: v for r, v in ran_generic.items() if r != bad}
     assert fast["state"] == generic["state"] == [0, 0]
     texts = [e for e in fast["events"] if e[0] == "plain" and e[1] == "text"]
     assert len(texts) == 14  # prefill, prep (it writes the token edge too), 12 iterations
+    loops = sum(1 for r in WORKLOAD if r[2].get("max_tokens", 12) > 0)
+    assert fast_sent["RunNode"] <= loops < sent["RunNode"]
+    assert fast_sent["NodeDone"] > loops
 
 
-def test_fast_path_takes_the_decode_steps_and_queued_requests_wait_the_same():
+def test_engine_loops_take_the_decode_steps_and_queued_requests_wait_the_same():
     """With fewer slots than requests, later requests are admitted as earlier ones end: the same
-    admissions and events; and the fast path really carried the decode iterations (the generic
-    route's `_complete` ran only for the others)."""
-    graph = _graph()
+    admissions and events; and the engine ran the decode iterations (the generic route's `_complete`
+    ran once per loop, not once per iteration)."""
     calls = {}
     original = Worker._complete
 
     def counting(self, *args, **kwargs):
-        calls[self.loop_fast_path] = calls.get(self.loop_fast_path, 0) + 1
+        calls[mode] = calls.get(mode, 0) + 1
         return original(self, *args, **kwargs)
 
     Worker._complete = counting
     try:
-        fast, generic = _run(graph, PLACEMENTS["one_worker"], True, 3), _run(graph, PLACEMENTS["one_worker"], False, 3)
+        mode = "engine"
+        fast = _run(True, PLACEMENTS["one_worker"], 3)
+        mode = "generic"
+        generic = _run(False, PLACEMENTS["one_worker"], 3)
     finally:
         Worker._complete = original
-    assert fast["events"] == generic["events"] and fast["submitted"] == generic["submitted"]
+    assert fast["events"] == generic["events"] and fast["ran"] == generic["ran"]
     assert fast["pending"] == generic["pending"]
-    decode_items = sum(1 for item in fast["submitted"][0] if item[1] == "decode")
-    assert calls[False] - calls[True] >= decode_items - 2 * len(WORKLOAD)
+    decode_iterations = sum(1 for item in fast["ran"][0] if item[1] == "decode")
+    assert calls["generic"] - calls["engine"] >= decode_iterations - 2 * len(WORKLOAD)
