@@ -7,12 +7,13 @@ would do is an instant fake:
 - sampling is `SamplerGraphs` (`RowTable.columns`, the seen-token masks of the repetition penalty,
   copies into static inputs) whose graph returns new audio token ids each step (rows of a table made
   once, so that the fake costs the host one indexing);
-- lookahead is on (`continuing`, `launch_ahead`, `Ahead.matches`), as on CUDA;
+- lookahead is on (`_continuing`, `launch_ahead`), as on CUDA;
 - prefill's eager forward returns zeros; the KV pool is tiny (the model never reads it).
-The caller does what the worker does with each result: it feeds the token back as the next item
-(`StepItem` with the token and the prompt ids, the request's options). Per sequence-step it reports
-the CPU time of `step()` (schedule, stage, sample prep, postprocess, lookahead) and of `submit()`
-(`_accept`) over `--steps` decode steps at each `--batch`, the median of `--runs` runs.
+Each request is one engine loop, as the decode walk runs it: the engine appends its samples, the
+caller submits nothing per step. Per sequence-step it reports the CPU time of `step()` (schedule,
+stage, sample prep, postprocess, lookahead) and of what the caller does with the results (`submit_us`:
+nothing now; before engine loops, feeding each token back as the next item) over `--steps` decode steps
+at each `--batch`, the median of `--runs` runs.
 
     python3 benchmarks/ar_engine_host.py --batch 1 8 16 32 --out benchmarks/results/ar_engine_host.json
     python3 benchmarks/ar_engine_host.py --batch 32 --profile     # cProfile of the decode steps
@@ -43,7 +44,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # lets TritonBackend (its host h
 
 from mstar.engines import sampling_graph  # noqa: E402
 from mstar.engines.autoregressive import AutoregressiveEngine  # noqa: E402
-from mstar.engines.base import KVLayout, StepItem  # noqa: E402
+from mstar.engines.base import KVLayout, LoopSpec, StepItem  # noqa: E402
 from mstar.engines.kv_cache.config import KVCacheConfig  # noqa: E402
 from mstar.engines.sampling_graph import SamplerGraphs  # noqa: E402
 
@@ -114,15 +115,16 @@ def make_engine(batch: int) -> AutoregressiveEngine:
 
 
 def decode(engine: AutoregressiveEngine, batch: int, steps: int, warm: int) -> tuple[float, float]:
-    """CPU seconds of this thread in step() and in submit() over `steps` decode steps (after `warm`
-    steps), as the worker drives the engine: each result's token goes back as the next item. CPU time,
-    not wall time: the machine is shared, and a thread waiting for a core uses none."""
+    """CPU seconds of this thread in step() and in handling the results over `steps` decode steps (after
+    `warm` steps), each request an engine loop. CPU time, not wall time: the machine is shared, and a
+    thread waiting for a core uses none."""
     prompt = torch.arange(PROMPT_LEN, dtype=torch.long) + 128_000
     tag = time.perf_counter_ns()
     for i in range(batch):  # each its own prompt: no prefix sharing
         ids = prompt.clone()
         ids[0] = i
-        engine.submit(StepItem(f"r{tag}-{i}", "prefill", "llm", {"input_ids": ids}, dict(ORPHEUS_OPTIONS)))
+        engine.submit(StepItem(f"r{tag}-{i}", "decode", "llm", {"input_ids": ids}, dict(ORPHEUS_OPTIONS),
+                               loop=LoopSpec(warm + steps + 1)))
     step_s = submit_s = 0.0
     for n in range(warm + steps):
         t0 = time.thread_time()
@@ -130,8 +132,6 @@ def decode(engine: AutoregressiveEngine, batch: int, steps: int, warm: int) -> t
         t1 = time.thread_time()
         for r in results:
             assert r.error is None and not r.stop, r
-            engine.submit(StepItem(r.request_id, "decode", "llm", {"input_ids": r.outputs["token"],
-                                   "prompt_ids": prompt}, ORPHEUS_OPTIONS, r.iteration + 1))
         t2 = time.thread_time()
         assert len(results) == batch
         if n >= warm:
@@ -154,7 +154,7 @@ def measure(batch: int, steps: int, runs: int) -> dict:
             "step_us_per_seq": round(statistics.median(step_us), 2),
             "submit_us_per_seq": round(statistics.median(submit_us), 2),
             "runs_us_per_seq_step": [round(t, 2) for t in total],
-            "lookahead_hits": engine.lookahead_hits, "lookahead_misses": engine.lookahead_misses,
+            "lookahead_steps": engine.lookahead_steps,
             "sampler_replays": engine.sampler.replays if engine.sampler else 0}
 
 

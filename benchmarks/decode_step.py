@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from mstar.config import CudaGraphConfig, KVCacheConfig  # noqa: E402
 from mstar.engines.autoregressive.engine import AutoregressiveEngine  # noqa: E402
-from mstar.engines.base import StepItem  # noqa: E402
+from mstar.engines.base import LoopSpec, StepItem  # noqa: E402
 from mstar.models.common.loading import fill_dummy_weights  # noqa: E402
 from mstar.models.llama.config import LlamaConfig  # noqa: E402
 from mstar.models.llama.model import build_model  # noqa: E402
@@ -76,10 +76,11 @@ def make_engine(model, device: torch.device, max_batch: int, max_len: int, backe
 
 
 def run_engine(engine: AutoregressiveEngine, prompts: torch.Tensor, new_tokens: int, tag: str) -> dict:
-    """Prefill all prompts, then decode until every sequence has `new_tokens`; per-step wall times."""
+    """Prefill all prompts, then decode until every sequence has `new_tokens`, each request one engine loop
+    as a decode walk runs; per-step wall times."""
     options = {"temperature": 0.0, "ignore_eos": True, "max_tokens": new_tokens}
     for i, p in enumerate(prompts):
-        engine.submit(StepItem(f"{tag}-{i}", "gen", "llm", {"input_ids": p}, options))
+        engine.submit(StepItem(f"{tag}-{i}", "gen", "llm", {"input_ids": p}, options, loop=LoopSpec(new_tokens)))
     torch.cuda.synchronize()
     start = time.perf_counter()
     results = []
@@ -87,16 +88,12 @@ def run_engine(engine: AutoregressiveEngine, prompts: torch.Tensor, new_tokens: 
         results += engine.step()
     prefill_s = time.perf_counter() - start
     step_times, tokens = [], {r.request_id: [int(r.outputs["token"])] for r in results}
-    pending = [r for r in results if not r.stop]
-    while pending:
-        for r in pending:
-            engine.submit(StepItem(r.request_id, "gen", "llm", {"input_ids": r.outputs["token"]}, options))
+    while engine.has_work():
         t0 = time.perf_counter()
-        pending = engine.step()
+        done = engine.step()
         step_times.append(time.perf_counter() - t0)
-        for r in pending:
+        for r in done:
             tokens[r.request_id].append(int(r.outputs["token"]))
-        pending = [r for r in pending if not r.stop]
     total = sum(step_times)
     return {"prefill_ms": 1e3 * prefill_s, "decode_steps": len(step_times),
             "decode_ms_per_step": 1e3 * total / len(step_times),

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from benchmarks.call_timing import PeakMemory, profile_calls, sync
-from mstar.engines.base import StepItem, StepResult
+from mstar.engines.base import LoopSpec, StepItem, StepResult
 from mstar.models.qwen3_omni.options import CODE_PREDICTOR_DEFAULTS, TALKER_DEFAULTS
 
 
@@ -53,18 +53,15 @@ def count_paths(engine) -> dict[str, int]:
 
 
 def thinker_items(engine, batch: int, prompt_len: int, extras_layers: tuple[int, ...] | None):
-    """(first items, next-item function) of a thinker decode: text prompt, greedy, `return_hidden` when
-    the answer is spoken (`extras_layers`: the layers the talker reads)."""
+    """(first items, None) of a thinker decode: text prompt, greedy, `return_hidden` when the answer is
+    spoken (`extras_layers`: the layers the talker reads); each item an engine loop, as the decode walk runs."""
     options: dict[str, Any] = {"temperature": 0.0, "max_tokens": None, "ignore_eos": True}
     if extras_layers:
         options["return_hidden"] = list(extras_layers)
     prompt = torch.arange(prompt_len, dtype=torch.long) % 1000 + 100
-    first = [StepItem(f"t{i}", "prefill", "thinker", {"input_ids": prompt}, options) for i in range(batch)]
-
-    def after(r: StepResult, step: int) -> StepItem:
-        return StepItem(r.request_id, "decode", "thinker", {"input_ids": r.outputs["token"], "prompt_ids": prompt},
-                        options, iteration=step)
-    return first, after
+    first = [StepItem(f"t{i}", "decode", "thinker", {"input_ids": prompt}, options, loop=LoopSpec(1 << 30))
+             for i in range(batch)]
+    return first, None
 
 
 def talker_options() -> dict[str, Any]:
@@ -95,9 +92,10 @@ def talker_items(engine, batch: int, prompt_len: int, device: torch.device, devi
     return first, after
 
 
-def run_decode(engine, first: list[StepItem], after: Callable[[StepResult, int], StepItem], steps: int,
+def run_decode(engine, first: list[StepItem], after: Callable[[StepResult, int], StepItem] | None, steps: int,
                warmup: int = 3) -> dict[str, Any]:
-    """Prefill `first`, then `warmup` + `steps` decode steps feeding each result back; per-step host times."""
+    """Prefill `first`, then `warmup` + `steps` decode steps feeding each result back (`after`; None: the
+    items are engine loops, which feed themselves); per-step host times."""
     counts = count_paths(engine)
     for item in first:
         engine.submit(item)
@@ -107,9 +105,9 @@ def run_decode(engine, first: list[StepItem], after: Callable[[StepResult, int],
         for k in range(warmup + steps):
             if k == warmup:
                 counts.update(dict.fromkeys(counts, 0))
-                engine.lookahead_hits = engine.lookahead_misses = 0
+                engine.lookahead_steps = 0
             t0 = time.perf_counter()
-            for r in results:
+            for r in results if after is not None else ():
                 engine.submit(after(r, k + 1))
             t1 = time.perf_counter()
             results = engine.step()
@@ -121,7 +119,7 @@ def run_decode(engine, first: list[StepItem], after: Callable[[StepResult, int],
     for item in first:
         engine.release(item.request_id)
     out = {"submit_ms": _mean(submit), "step_ms": _mean(step), "wall_ms": _mean([a + b for a, b in zip(submit, step)]),
-           "paths": {**counts, "lookahead_hits": engine.lookahead_hits}, "peak_gib": mem.peak_gib}
+           "paths": {**counts, "lookahead_steps": engine.lookahead_steps}, "peak_gib": mem.peak_gib}
     out.update(graph_gpu(engine, len(first), extras=counts["extras_graph"] > 0))
     out["host_overhead_ms"] = (round(out["wall_ms"] - out["forward_gpu_ms"], 3)
                                if out.get("forward_gpu_ms") is not None else None)

@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.decode_step import ORPHEUS_3B, make_engine  # noqa: E402
 from mstar.engines.autoregressive import engine as engine_module  # noqa: E402
-from mstar.engines.base import StepItem  # noqa: E402
+from mstar.engines.base import LoopSpec, StepItem  # noqa: E402
 from mstar.kernels.decode_attention import PRELOAD  # noqa: E402
 from mstar.kernels.pdl import PDL  # noqa: E402
 from mstar.layers.fused import FUSED  # noqa: E402
@@ -81,7 +81,7 @@ def host_phases(engine, bs: int, steps: int, vocab: int) -> dict:
     g = torch.Generator().manual_seed(bs)
     for i in range(bs):
         engine.submit(StepItem(f"p{bs}-{i}", "gen", "llm", {"input_ids": torch.randint(0, vocab, (64,), generator=g)},
-                               options))
+                               options, loop=LoopSpec(steps + 8)))
     results = []
     while len(results) < bs:
         results += engine.step()
@@ -94,9 +94,7 @@ def host_phases(engine, bs: int, steps: int, vocab: int) -> dict:
     engine._postprocess = timer.wrap("sample_sync_and_results", engine._postprocess)
     total = 0.0
     try:
-        for _ in range(steps):
-            for r in results:
-                engine.submit(StepItem(r.request_id, "gen", "llm", {"input_ids": r.outputs["token"]}, options))
+        for _ in range(steps):  # each request an engine loop, as the decode walk runs: no items to submit
             t0 = time.perf_counter()
             results = engine.step()
             total += time.perf_counter() - t0

@@ -305,9 +305,9 @@ def main() -> None:
         m.generate({"text": "warm up"}, max_tokens=30, ignore_eos=True)
         llm = m.runtime.workers[0].engines["llm"]
         for c in args.concurrency:
-            hits, misses = llm.lookahead_hits, llm.lookahead_misses
+            ahead = llm.lookahead_steps
             cases[f"c{c}"] = run_case(m, rec, c, tokens)
-            cases[f"c{c}"]["lookahead_hits_misses"] = [llm.lookahead_hits - hits, llm.lookahead_misses - misses]
+            cases[f"c{c}"]["lookahead_steps"] = llm.lookahead_steps - ahead
             sys.stdout.write(f"concurrency {c}: {json.dumps(cases[f'c{c}'])}\n")
         if args.timeline and device == "cuda":
             for c in args.concurrency:

@@ -8,7 +8,7 @@ from llama_testing import DenseAttention, save_hf_model
 
 from mstar.config import CudaGraphConfig, KVCacheConfig
 from mstar.engines.autoregressive.engine import AutoregressiveEngine
-from mstar.engines.base import StepItem
+from mstar.engines.base import LoopSpec, StepItem
 from mstar.layers.fused import fused_kernels
 from mstar.models.llama.weights import load_model
 
@@ -93,20 +93,19 @@ def test_sampling_graphs_equal_eager_sampling(checkpoint):
 
 def generate_staggered(engine: AutoregressiveEngine, prompts: list[list[int]], options: list[dict],
                        join_at: list[int]) -> list[list[int]]:
-    """`generate` with request i submitted at step join_at[i] (sequences join a running batch)."""
+    """`generate` with request i submitted at step join_at[i] (sequences join a running batch), each an
+    engine loop as a decode walk runs it."""
     out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     opts = [{"ignore_eos": True, **o} for o in options]
     step = 0
     while step <= max(join_at) or engine.has_work():
         for i, at in enumerate(join_at):
             if at == step:
-                engine.submit(StepItem(f"r{i}", "w", "llm", {"input_ids": torch.tensor(prompts[i])}, opts[i]))
+                engine.submit(StepItem(f"r{i}", "w", "llm", {"input_ids": torch.tensor(prompts[i])}, opts[i],
+                                       loop=LoopSpec(10_000)))
         for r in engine.step():
             assert r.error is None, r.error
             out[r.request_id].append(int(r.outputs["token"]))
-            if not r.stop:
-                i = int(r.request_id[1:])
-                engine.submit(StepItem(r.request_id, "w", "llm", {"input_ids": r.outputs["token"]}, opts[i]))
         step += 1
     return [out[f"r{i}"] for i in range(len(prompts))]
 
@@ -126,7 +125,7 @@ def test_packed_decode_inputs_with_joins_penalties_and_preemption_equal_eager(ch
     assert runner.graphs._shared[0] is runner._decode.ids and runner.graphs._shared[1] is runner._decode.positions
     replays = graphed_draws(graphed)
     got = generate_staggered(graphed, prompts, options, join_at)
-    assert graphed.scheduler.num_preemptions > 0 and graphed.lookahead_hits > 0
+    assert graphed.scheduler.num_preemptions > 0 and graphed.lookahead_steps > 0
     assert graphed_draws(graphed) - replays > 100
     eager = engine_for(model, graphs=False, pages=18, max_model_len=256)
     assert got == generate_staggered(eager, prompts, options, join_at)

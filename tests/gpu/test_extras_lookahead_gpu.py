@@ -1,5 +1,5 @@
 """A spoken answer's thinker steps launched ahead through the extras graph (`lookahead.py`,
-`ExtrasGraphs.ahead_inputs`) and the thinker on a CUDA stream of its own (`engines/own_stream.py`), alone
+`ExtrasGraphs.appended_inputs`) and the thinker on a CUDA stream of its own (`engines/own_stream.py`), alone
 and together, serve tiny Qwen3-Omni on CUDA with the same text and audio as the plain path (no lookahead,
 one stream), and every request speaks: thinker and talker ignore EOS, so an answer without audio is a
 bug, not the model's choice.
@@ -74,7 +74,7 @@ def _serve(run: str, dtype: str, together: bool):
             results = [h.decoded() for h in handles]
         else:
             results = [m.submit(chat, **SPOKEN).decoded() for chat in CHATS]
-        hits = thinker.lookahead_hits
+        hits = thinker.lookahead_steps
     del thinker, m
     answers = []
     for i, r in enumerate(results):
@@ -82,7 +82,7 @@ def _serve(run: str, dtype: str, together: bool):
         answers.append(("".join(r.outputs["text"]), [len(a) for a in r.outputs["audio"]],
                         np.concatenate(r.outputs["audio"])))
     if lookahead:
-        assert hits > 0, f"{run}: no thinker forward launched ahead was claimed"
+        assert hits > 0, f"{run}: no thinker step was launched ahead"
     return answers
 
 

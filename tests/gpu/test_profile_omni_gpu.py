@@ -23,7 +23,7 @@ def test_tiny_model_on_cuda_replays_the_decode_graphs(tmp_path):
         assert talker["forward_gpu_ms"] > 0 and talker["graph_bucket"] == b
         assert thinker[f"extras_b{b}"]["paths"]["extras_graph"] == 3
         plain = thinker[f"plain_b{b}"]["paths"]
-        assert plain["plain_graph"] + plain["lookahead_hits"] >= 3 and plain["eager_extras"] == 0
+        assert plain["plain_graph"] + plain["lookahead_steps"] >= 3 and plain["eager_extras"] == 0
         assert "error" not in cases["frame_loop"][f"b{b}"]
     predictor = cases["code_predictor"]
     assert predictor["graph_sizes"][0] == 1 and "graph_sampled_b8" in predictor

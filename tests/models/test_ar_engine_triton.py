@@ -36,7 +36,7 @@ def test_engine_with_triton_backend_matches_reference() -> None:
 def test_graphed_decode_through_packed_inputs_matches_reference() -> None:
     result = _run("engine_graphed")
     assert result["got"] == result["want"] and all(len(t) == 6 for t in result["got"])
-    assert result["shared"] and result["replays"] >= 5 and result["lookahead_hits"] > 0
+    assert result["shared"] and result["replays"] >= 5 and result["lookahead_steps"] > 0
 
 
 def test_graphed_prefill_steps_match_reference() -> None:

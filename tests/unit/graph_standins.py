@@ -68,11 +68,12 @@ class PoolGraphs(EagerBatchGraphs):
     def __call__(self, *inputs, bucket=None):
         outs = super().__call__(*inputs, bucket=bucket)
         batch = inputs[0].shape[0]
-        if self.outputs is None:
-            self.outputs = [torch.empty((self.sizes[-1], *o.shape[1:]), dtype=o.dtype) for o in outs]
-        for buffer, out in zip(self.outputs, outs, strict=True):
-            buffer.fill_(-7)
-            buffer[:batch].copy_(out)
+        with torch.inference_mode():  # as a replay writes its pool: whether or not the caller is in it
+            if self.outputs is None:
+                self.outputs = [torch.empty((self.sizes[-1], *o.shape[1:]), dtype=o.dtype) for o in outs]
+            for buffer, out in zip(self.outputs, outs, strict=True):
+                buffer.fill_(-7)
+                buffer[:batch].copy_(out)
         return tuple(buffer[:batch] for buffer in self.outputs)
 
 

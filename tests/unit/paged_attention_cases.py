@@ -193,10 +193,10 @@ def engine_graphed_case() -> dict:
     runner_module.BatchGraphs = EagerBatchGraphs
     with torch.inference_mode():
         engine.runner.graphs = engine.runner._capture([1, 2, 4])
-    out = ar.drive(engine, [ar.item(f"r{i}", p, max_tokens=6) for i, p in enumerate(ps)])
+    out = ar.drive(engine, [ar.item(f"r{i}", p, max_tokens=6) for i, p in enumerate(ps)], loop=True)
     got = [ar.tokens_of(out[(f"r{i}", "main")]) for i in range(len(ps))]
     return {"got": got, "want": [ar.reference(model, p, 6) for p in ps], "replays": engine.runner.graphs.calls,
-            "shared": engine.runner._shares_decode, "lookahead_hits": engine.lookahead_hits}
+            "shared": engine.runner._shares_decode, "lookahead_steps": engine.lookahead_steps}
 
 
 def engine_prefill_graphed_case() -> dict:

@@ -1,12 +1,14 @@
 """AutoregressiveEngine against a full-recompute reference on a tiny 2-layer transformer."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mstar.engines.autoregressive import AutoregressiveEngine
-from mstar.engines.base import KVLayout, StepItem
+from mstar.engines.base import KVLayout, LoopSpec, StepItem
 from mstar.engines.kv_cache.config import KVCacheConfig
 from mstar.engines.sampling import SamplingParams
 
@@ -89,8 +91,12 @@ def item(rid, tokens, slot="main", **options):
                     options=options, kv_slot=slot)
 
 
-def drive(engine, items, max_steps=2000, feed=lambda token: token):
-    """Act as the worker: feed `feed(sampled token)` back until the item says stop; collect results."""
+def drive(engine, items, max_steps=2000, feed=lambda token: token, loop=False):
+    """Act as the worker: feed `feed(sampled token)` back until the item says stop; collect results.
+    With `loop`, each item is an engine loop instead (the engine appends its samples) that ends only
+    on a stop: nothing is fed back."""
+    if loop:
+        items = [replace(it, loop=LoopSpec(10_000)) for it in items]
     results = {(it.request_id, it.kv_slot): [] for it in items}
     for it in items:
         engine.submit(it)
@@ -100,7 +106,8 @@ def drive(engine, items, max_steps=2000, feed=lambda token: token):
         for r in engine.step():
             slot = r.node.removeprefix("llm_")
             results.setdefault((r.request_id, slot), []).append(r)
-            if r.error is None and not r.stop:
+            assert r.more == (loop and r.error is None and not r.stop), r
+            if r.error is None and not r.stop and not loop:
                 engine.submit(item(r.request_id, feed(r.outputs["token"]), slot))
     raise AssertionError("engine did not finish")
 
@@ -188,6 +195,43 @@ def test_eos_stop_min_tokens_and_ignore_eos(model):
     assert eos not in tokens_of(out)[: first_eos + 2]
     out = drive(engine, [item("d", prompt, max_tokens=8, stop_token_ids=[ref[1]])])[("d", "main")]
     assert tokens_of(out) == ref[: ref.index(ref[1]) + 1] and out[-1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("max_batch_tokens", [2048, 8])
+def test_engine_loops_append_their_own_samples(model, max_batch_tokens):
+    """Engine-loop items give the tokens, stops and finish reasons of items fed back one token at a time,
+    with stops (eos, max_tokens) and preemption; every result but the last has more=True."""
+    ps = prompts(8)[2:8]
+    eos = reference(model, ps[1], 8)[4]
+    items = [item(f"r{i}", p, max_tokens=6 + i) for i, p in enumerate(ps)]
+    kw = {"pages": 12, "max_model_len": 48, "max_batch_tokens": max_batch_tokens, "eos_token_ids": (eos,)}
+    fed, looped = make_engine(model, **kw), make_engine(model, **kw)
+    expected, out = drive(fed, items), drive(looped, items, loop=True)
+    assert {k: tokens_of(v) for k, v in out.items()} == {k: tokens_of(v) for k, v in expected.items()}
+    assert {k: v[-1].finish_reason for k, v in out.items()} == {k: v[-1].finish_reason for k, v in expected.items()}
+    assert any(v[-1].finish_reason == "stop" for v in out.values())
+    assert looped.scheduler.num_preemptions == fed.scheduler.num_preemptions > 0
+    assert looped.pool.num_used == 0 and not looped._seqs
+
+
+def test_an_engine_loop_ends_at_its_bound_and_the_sequence_goes_on(model):
+    """A loop of 3 iterations: 3 results, the last with more=False and no stop; the sequence keeps its
+    tokens (the engine appended two of them) and a later item continues it, as a walk's next loop does."""
+    prompt = prompts(8)[5]
+    ref = reference(model, prompt, 7)
+    engine = make_engine(model)
+    engine.submit(replace(item("a", prompt, max_tokens=7), loop=LoopSpec(3)))
+    out = []
+    while engine.has_work():
+        out += engine.step()
+    assert tokens_of(out) == ref[:3] and [r.more for r in out] == [True, True, False]
+    assert not out[-1].stop and out[-1].finish_reason is None
+    assert engine._seqs[("a", "main")].token_ids == prompt + ref[:2]  # the third is the caller's to feed
+    engine.submit(replace(item("a", ref[2:3], max_tokens=7), loop=LoopSpec(10)))
+    rest = []
+    while engine.has_work():
+        rest += engine.step()
+    assert tokens_of(rest) == ref[3:] and rest[-1].finish_reason == "length" and not rest[-1].more
 
 
 def test_context_limit_ends_with_length(model):

@@ -1,8 +1,11 @@
-"""Decode lookahead (engines/autoregressive/lookahead.py): launching step N+1 before N's tokens are read
-changes when work runs, never what comes out. On CPU the lookahead forward runs eagerly."""
+"""Decode lookahead (engines/autoregressive/lookahead.py): launching an engine loop's step N+1 before N's
+tokens are read changes when work runs, never what comes out. On CPU the lookahead forward runs eagerly."""
+
+from dataclasses import replace
 
 import pytest
 
+from mstar.engines.base import LoopSpec
 from tests.unit.test_ar_engine import TinyLM, drive, item, make_engine, prompts, reference, tokens_of
 
 
@@ -14,11 +17,11 @@ def model():
 def test_single_request_uses_lookahead_and_matches_reference(model):
     prompt = prompts(8)[5]
     engine = make_engine(model, lookahead=True)
-    out = drive(engine, [item("a", prompt, max_tokens=12)])[("a", "main")]
+    out = drive(engine, [item("a", prompt, max_tokens=12)], loop=True)[("a", "main")]
     assert tokens_of(out) == reference(model, prompt, 12)
     # every token after the first comes from a forward launched ahead, also those that open a new page
     # (page size 4: the lookahead takes the page from the pool first)
-    assert engine.lookahead_hits == 11 and engine.lookahead_misses == 0
+    assert engine.lookahead_steps == 11
     assert out[-1].finish_reason == "length" and engine.pool.num_used == 0
 
 
@@ -26,10 +29,10 @@ def test_single_request_uses_lookahead_and_matches_reference(model):
 def test_batched_requests_with_lookahead_match_reference(model, max_batch_tokens):
     ps = prompts(8)
     engine = make_engine(model, max_batch_tokens=max_batch_tokens, lookahead=True)
-    out = drive(engine, [item(f"r{i}", p, max_tokens=6 + i) for i, p in enumerate(ps)])
+    out = drive(engine, [item(f"r{i}", p, max_tokens=6 + i) for i, p in enumerate(ps)], loop=True)
     for i, p in enumerate(ps):
         assert tokens_of(out[(f"r{i}", "main")]) == reference(model, p, 6 + i)
-    assert engine.lookahead_hits > 0
+    assert engine.lookahead_steps > 0
 
 
 def test_preemption_and_eos_with_lookahead(model):
@@ -39,8 +42,8 @@ def test_preemption_and_eos_with_lookahead(model):
     plain = drive(make_engine(model, pages=12, max_model_len=48, eos_token_ids=(eos,)),
                   [item(f"r{i}", p, max_tokens=10) for i, p in enumerate(ps)])
     engine = make_engine(model, pages=12, max_model_len=48, eos_token_ids=(eos,), lookahead=True)
-    out = drive(engine, [item(f"r{i}", p, max_tokens=10) for i, p in enumerate(ps)])
-    assert engine.scheduler.num_preemptions > 0
+    out = drive(engine, [item(f"r{i}", p, max_tokens=10) for i, p in enumerate(ps)], loop=True)
+    assert engine.scheduler.num_preemptions > 0 and engine.lookahead_steps > 0
     for key in plain:
         assert tokens_of(out[key]) == tokens_of(plain[key])
         assert out[key][-1].finish_reason == plain[key][-1].finish_reason
@@ -58,16 +61,16 @@ def test_no_free_page_skips_the_lookahead_without_preempting(model):
     grown = []
     real = engine.scheduler.grow_ahead
     engine.scheduler.grow_ahead = lambda seqs: grown.append(real(seqs)) or grown[-1]
-    out = drive(engine, [item(f"r{i}", p, max_tokens=12) for i, p in enumerate(ps)])
+    out = drive(engine, [item(f"r{i}", p, max_tokens=12) for i, p in enumerate(ps)], loop=True)
     assert {k: tokens_of(v) for k, v in out.items()} == {k: tokens_of(v) for k, v in plain.items()}
     assert True in grown and False in grown  # pages taken ahead, and refused once the pool ran dry
     assert engine.scheduler.num_preemptions == plain_engine.scheduler.num_preemptions > 0
     assert engine.pool.num_used == 0
 
 
-def test_fed_back_token_differs_from_sample(model):
-    """A walk may feed something other than the sampled token: the guess is dropped, outputs are those
-    of an engine without lookahead driven the same way."""
+def test_only_engine_loops_run_ahead(model):
+    """Items fed back by their caller (the walk interpreter's loops) bring a token the engine cannot know
+    in advance: nothing runs ahead, and a caller may feed anything."""
     prompt = prompts(8)[6]
 
     def shift(token):
@@ -76,8 +79,27 @@ def test_fed_back_token_differs_from_sample(model):
     plain = drive(make_engine(model), [item("a", prompt, max_tokens=9)], feed=shift)[("a", "main")]
     engine = make_engine(model, lookahead=True)
     out = drive(engine, [item("a", prompt, max_tokens=9)], feed=shift)[("a", "main")]
-    assert tokens_of(out) == tokens_of(plain)
-    assert engine.lookahead_hits == 0 and engine.lookahead_misses > 0
+    assert tokens_of(out) == tokens_of(plain) and engine.lookahead_steps == 0
+
+
+def test_new_work_waits_one_step_at_most(model):
+    """A request that arrives while an engine loop runs ahead is not run ahead of: the step launched
+    ahead runs without it, the next one admits it."""
+    ps = prompts(8)
+    engine = make_engine(model, lookahead=True)
+    engine.submit(replace(item("a", ps[4], max_tokens=20), loop=LoopSpec(100)))
+    while engine._ahead is None:
+        engine.step()
+    engine.submit(replace(item("b", ps[6], max_tokens=5), loop=LoopSpec(100)))
+    engine.step()  # a's step, launched before b came
+    assert [s.key[0] for s in engine.scheduler.running] == ["a"] and engine._ahead is None
+    engine.step()
+    assert [s.key[0] for s in engine.scheduler.running] == ["a", "b"]
+    out = {}
+    while engine.has_work():
+        for r in engine.step():
+            out.setdefault(r.request_id, []).append(int(r.outputs["token"]))
+    assert out["b"] == reference(model, ps[6], 5)[1:]
 
 
 def test_seeded_sampling_same_with_and_without_lookahead(model):
@@ -86,22 +108,28 @@ def test_seeded_sampling_same_with_and_without_lookahead(model):
     runs = []
     for lookahead in (False, True):
         engine = make_engine(model, lookahead=lookahead)
-        out = drive(engine, [item(f"r{i}", p, **options) for i, p in enumerate(ps)])
+        out = drive(engine, [item(f"r{i}", p, **options) for i, p in enumerate(ps)], loop=True)
         runs.append({k: tokens_of(v) for k, v in out.items()})
     assert runs[0] == runs[1]
 
 
-def test_release_drops_the_lookahead(model):
+def test_release_and_stops_leave_the_rest_of_the_step_ahead(model):
+    """A sequence released (or stopped) after its row was launched ahead is left out of that step; the
+    others take their rows and come out as without lookahead."""
+    ps = prompts(8)
     engine = make_engine(model, lookahead=True)
-    engine.submit(item("a", prompts(8)[4], max_tokens=20))
-    results = []
-    while not results or engine._ahead is None:
-        results = engine.step()
-        for r in results:
-            engine.submit(item("a", r.outputs["token"]))
-    engine.release("a")
-    assert engine._ahead is None and not engine.has_work() and engine.pool.num_used == 0
-    assert engine.step() == []
+    for rid, p in (("a", ps[4]), ("b", ps[5]), ("c", ps[6])):
+        engine.submit(replace(item(rid, p, max_tokens=12), loop=LoopSpec(100)))
+    out: dict[str, list[int]] = {}
+    while engine._ahead is None or len(engine._ahead.seqs) < 3:
+        for r in engine.step():
+            out.setdefault(r.request_id, []).append(int(r.outputs["token"]))
+    engine.release("b")
+    while engine.has_work():
+        for r in engine.step():
+            out.setdefault(r.request_id, []).append(int(r.outputs["token"]))
+    assert out["a"] == reference(model, ps[4], 12) and out["c"] == reference(model, ps[6], 12)
+    assert engine.lookahead_steps > 10 and engine.pool.num_used == 0 and not engine._seqs
 
 
 def test_off_by_default_without_cuda_graphs(model):

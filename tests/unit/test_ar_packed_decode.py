@@ -7,10 +7,13 @@ shares with the packed inputs, as the Triton kernels read it). With lookahead on
 and leaving, pages growing and preemption, the tokens must equal the reference / a plain engine's.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from mstar.engines import sampling_graph
+from mstar.engines.base import LoopSpec
 from mstar.engines.autoregressive import runner as runner_module
 from mstar.engines.sampling_graph import SamplerGraphs
 from tests.unit.graph_standins import EagerBatchGraphs, SharedSDPA
@@ -41,24 +44,18 @@ def graphed(model, monkeypatch, pages=64, max_model_len=None, sampler=True):
 
 
 def drive_staggered(engine, items, join_at, max_steps=3000):
-    """Feed sampled tokens back as a worker does; items[i] is submitted at step join_at[i]."""
+    """Each of `items` as an engine loop (as decode walks run), submitted at step join_at[i]; results."""
     results = {it.request_id: [] for it in items}
     for step in range(max_steps):
         for it, at in zip(items, join_at):
             if at == step:
-                engine.submit(it)
+                engine.submit(replace(it, loop=LoopSpec(10_000)))
         if step > max(join_at) and not engine.has_work():
             return results
         for r in engine.step():
             assert r.error is None, r.error
             results[r.request_id].append(r)
-            if not r.stop:
-                engine.submit(item(r.request_id, r.outputs["token"], **_options(items, r.request_id)))
     raise AssertionError("engine did not finish")
-
-
-def _options(items, rid):
-    return next(it.options for it in items if it.request_id == rid)
 
 
 def test_greedy_batches_read_everything_from_the_packed_buffer(model, monkeypatch):
@@ -69,7 +66,7 @@ def test_greedy_batches_read_everything_from_the_packed_buffer(model, monkeypatc
     for i, p in enumerate(ps):
         assert tokens_of(out[f"r{i}"]) == reference(model, p, 6 + 2 * i)
     r = engine.runner
-    assert r._shares_decode and r.attn.staged > 20 and engine.lookahead_hits > 10
+    assert r._shares_decode and r.attn.staged > 20 and engine.lookahead_steps > 10
     assert r.graphs.calls == r.attn.staged and r.graphs.copies == 0  # every input came with the packed copy
 
 
@@ -97,13 +94,13 @@ def test_sampler_graphs_and_preemption_match_a_plain_engine(model, monkeypatch):
     for key in want:
         assert tokens_of(got[key]) == tokens_of(want[key]), key
     assert engine.scheduler.num_preemptions > 0 and engine.sampler.replays > 20
-    assert engine.runner.attn.staged > 20 and engine.lookahead_hits > 0
+    assert engine.runner.attn.staged > 20 and engine.lookahead_steps > 0
     # decode graphs leave their logits where the sampler graphs read them, and those write the ids the
     # lookahead forward reads: only prefill steps' logits and shrinking batches' ids are copied
     sampler, runner = engine.sampler, engine.runner
     assert runner.logits_out is not None and sampler._logits[1].data_ptr() == runner.logits_out.data_ptr()
     assert sampler.logit_copies < sampler.replays / 2, (sampler.logit_copies, sampler.replays)
-    assert runner.ids_copies < engine.lookahead_hits / 2, (runner.ids_copies, engine.lookahead_hits)
+    assert runner.ids_copies < engine.lookahead_steps / 2, (runner.ids_copies, engine.lookahead_steps)
     ids = runner.decode_ids  # padding rows included: the next forward embeds them all
     assert int(ids.min()) >= 0 and int(ids.max()) < VOCAB
     # the penalty changed what greedy picks: the masks were read, not just carried along

@@ -237,51 +237,38 @@ def test_decode_row_of_one_row_positions_repeats_over_three_rows_once_multi_row(
     assert made.positions == inputs.decode_row(5).positions == [50.0] * 3
 
 
-def test_next_plain_row_is_what_a_token_only_item_gets():
-    """The row a lookahead forward guesses for the next token (`next_plain_row`) equals the row a
-    token-only item then brings; after a token with an embedding (a talker step) there is no guess."""
+def test_appended_positions_are_what_a_token_only_item_gets():
+    """The positions of a token the engine appends (`appended_positions`, what a lookahead forward feeds)
+    equal those the same token gets as a token-only item: after the last explicit ones, on every row."""
     from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs
 
     inputs = TokenInputs()
     prompt = torch.stack([torch.arange(5), torch.arange(5) * 2, torch.arange(5) + 1])  # max 8
     inputs.add(0, 5, ItemExtras(positions=prompt))
     for start in range(5, 8):
-        guess = inputs.next_plain_row(start)
+        appended = inputs.appended_positions(start)
         inputs.add(start, 1, ItemExtras(hidden_layers=(0, 2)))
-        assert guess is not None and guess.positions == inputs.decode_row(start).positions
-        assert guess.embed is None and not guess.has_features
-    inputs.add(8, 1, ItemExtras(embeds=torch.ones(1, 4), rows=torch.arange(1)))
-    assert inputs.next_plain_row(9) is None  # the token before it brought an embedding
+        assert appended == inputs.decode_row(start).positions == [float(start + 4)] * 3
 
 
-def test_ahead_through_extras_matches_only_the_items_it_guessed():
-    """`Ahead.matches` for sequences with TokenInputs: the guessed positions, no embedding, and hidden
-    layers the forward captured; `hand_over` gives each asking item its row of the kept states."""
+def test_ahead_hands_each_live_sequence_its_row_of_the_kept_states():
+    """`hand_over` gives each sequence that asks for hidden states its batch row of the states kept by a
+    forward launched ahead, also when a sequence before it left the step."""
     from mstar.engines.autoregressive.lookahead import Ahead
     from mstar.engines.autoregressive.scheduler import Chunk
     from mstar.engines.autoregressive.sequence import Sequence
     from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs
 
-    def seq_at(pos: int, token: int) -> Sequence:
-        seq = Sequence(("r", "s"), SamplingParams(temperature=0.0), list(range(pos)) + [token], pos, None)
+    def seq_at(pos: int) -> Sequence:
+        seq = Sequence(("r", str(pos)), SamplingParams(temperature=0.0), list(range(pos + 1)), pos, None)
         seq.inputs = TokenInputs()
         seq.inputs.add(0, pos, ItemExtras())
+        seq.inputs.add(pos, 1, ItemExtras(hidden_layers=(2,)))
         return seq
 
-    def ahead(seq, pos, guess, hidden):
-        return Ahead([seq], [pos], torch.zeros(1, 4), tokens=[seq.token_ids[pos]], rows=[guess],
-                     hidden=hidden, layers=(0, 2))
-
-    states = torch.arange(2 * 1 * 3, dtype=torch.float32).view(2, 1, 3)
-    seq = seq_at(6, 42)
-    seq.inputs.add(6, 1, ItemExtras(hidden_layers=(2,)))
-    chunk = [Chunk(seq, 6, 1)]
-    assert ahead(seq, 6, [6.0], states).matches(chunk)
-    assert not ahead(seq, 6, [7.0], states).matches(chunk)  # other positions were guessed
-    assert not ahead(seq, 6, None, states).matches(chunk)  # no guess for it
-    assert not ahead(seq, 6, [6.0], None).matches(chunk)  # it asks for states the forward did not keep
-    ahead(seq, 6, [6.0], states).hand_over(chunk)
-    assert torch.equal(seq.inputs.take_hidden(), states[1:2, 0:1])  # layer 2 of row 0
-    with_embed = seq_at(6, 42)
-    with_embed.inputs.add(6, 1, ItemExtras(embeds=torch.ones(1, 4), rows=torch.arange(1)))
-    assert not ahead(with_embed, 6, [6.0], states).matches([Chunk(with_embed, 6, 1)])
+    states = torch.arange(2 * 2 * 3, dtype=torch.float32).view(2, 2, 3)  # [layers (0, 2), rows, hidden]
+    gone, live = seq_at(6), seq_at(9)
+    ahead = Ahead([gone, live], [6, 9], torch.zeros(2, 4), hidden=states, layers=(0, 2))
+    ahead.hand_over([Chunk(live, 9, 1)], [1])
+    assert torch.equal(live.inputs.take_hidden(), states[1:2, 1:2])  # layer 2 of row 1
+    assert gone.inputs.take_hidden() is None
