@@ -66,7 +66,8 @@ TOKENS = 700  # generated tokens per request (100 SNAC frames)
 
 
 class FakeLMEngine:
-    """An autoregressive-like engine that answers every pending item in one instant step."""
+    """An autoregressive-like engine that answers every pending item in one instant step; an engine-loop
+    item (the decode walk's) stays pending until its last iteration, as the real engine keeps it."""
 
     host_inputs = True
 
@@ -74,6 +75,7 @@ class FakeLMEngine:
         self.first_code, self.codebook_size = first_code, codebook_size
         self._pending: list[StepItem] = []
         self._made: dict[str, int] = {}
+        self._iterations: dict[str, int] = {}  # request -> iterations of its engine loop run so far
         self.last_step_items = 0
 
     def submit(self, item: StepItem) -> None:
@@ -85,20 +87,29 @@ class FakeLMEngine:
     def release(self, request_id: str) -> None:
         self._pending = [i for i in self._pending if i.request_id != request_id]
         self._made.pop(request_id, None)
+        self._iterations.pop(request_id, None)
 
     def step(self) -> list[StepResult]:
         """One token per pending item; as the real engine, one host tensor per step, a view per item."""
         items, self._pending = self._pending, []
         self.last_step_items = len(items)
-        tokens = []
+        tokens, more = [], []
         for item in items:
             n = self._made.get(item.request_id, 0)
             self._made[item.request_id] = n + 1
             # code 1 at frame place n % 7: every token is kept by the stream filter
             tokens.append(self.first_code + (n % FRAME) * self.codebook_size + 1)
+            done = self._iterations.get(item.request_id, 0) + 1
+            goes_on = item.loop is not None and done < item.loop.max_iterations
+            more.append(goes_on)
+            if goes_on:
+                self._iterations[item.request_id] = done
+                self._pending.append(item)
+            else:
+                self._iterations.pop(item.request_id, None)
         ids = torch.tensor(tokens)
-        return [StepResult(item.request_id, item.walk, item.node, {"token": ids[i : i + 1]}, iteration=item.iteration)
-                for i, item in enumerate(items)]
+        return [StepResult(item.request_id, item.walk, item.node, {"token": ids[i : i + 1]}, iteration=item.iteration,
+                           more=more[i]) for i, item in enumerate(items)]
 
 
 class FakeVocoder(torch.nn.Module):
