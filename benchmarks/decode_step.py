@@ -4,8 +4,8 @@ Model: a Llama with the shape of Orpheus-3B (hidden 3072, 28 layers, 24 heads, 8
 vocab 156,940, tied embeddings; 3.3B parameters), bf16, seeded random weights. For each batch size B:
 B prompts of --prompt-len random tokens, --new-tokens tokens each, greedy, eos ignored.
 
-- mstar: `AutoregressiveEngine` driven directly (submit the prompts, then feed each sampled token back
-  as the next item, as a worker does). Decode ms/step = wall time of all decode steps / their count
+- mstar: `AutoregressiveEngine` driven directly (each prompt one engine-loop item, as a decode walk
+  hands it over: the engine appends its samples). Decode ms/step = wall time of all decode steps / their count
   (the prefill step is timed separately); it includes the engine's host work (scheduling, metadata,
   sampling, the one host sync) and the CUDA-graph replay.
 - transformers: `generate` on the same shapes (its default cache); decode ms/step =

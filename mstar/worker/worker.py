@@ -336,17 +336,19 @@ class Worker:
     def _loop_value(self, result: StepResult) -> None:
         """An engine loop's iteration that does not end it: to the driving worker when the loop runs for
         another one, else recorded in its walk."""
-        key = (result.request_id, result.walk, result.node, result.iteration)
-        if self._remote and (reply := self._remote.get(key)) is not None:
-            outputs = {k: self.codec.pack(v) for k, v in result.outputs.items()}
-            self.outbox.send(worker_peer(reply), wire.NodeDone(*key, outputs, more=True))
-            return
+        if self._remote:
+            key = (result.request_id, result.walk, result.node, result.iteration)
+            reply = self._remote.get(key)
+            if reply is not None:
+                outputs = {k: self.codec.pack(v) for k, v in result.outputs.items()}
+                self.outbox.send(worker_peer(reply), wire.NodeDone(*key, outputs, more=True))
+                return
         self._record_loop_value(result.request_id, result.walk, result.node, result.outputs)
 
     def _record_loop_value(self, rid: str, walk: str, node: str, outputs: dict) -> None:
         state = self._runs.get((rid, walk))
-        if state is None or state.run is None or state.run.waiting(node) is None:
-            return  # released meanwhile
+        if state is None or state.run is None:
+            return  # released or failed meanwhile
         try:
             state.run.loop_value(node, outputs)
         except Exception as exc:  # as in _complete: the walk fails, not the worker

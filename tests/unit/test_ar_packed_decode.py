@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from mstar.engines import sampling_graph
-from mstar.engines.base import LoopSpec
 from mstar.engines.autoregressive import runner as runner_module
+from mstar.engines.base import LoopSpec
 from mstar.engines.sampling_graph import SamplerGraphs
 from tests.unit.graph_standins import EagerBatchGraphs, SharedSDPA
 from tests.unit.test_ar_engine import VOCAB, TinyLM, item, make_engine, prompts, reference, tokens_of
