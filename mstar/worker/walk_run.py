@@ -102,12 +102,7 @@ class WalkRun:
         """Record one iteration of the engine loop of `node` that does not end it, as `complete` records
         an iteration of any loop (the last one comes through `complete`)."""
         spec, ctx, gathered = self._looping[node]
-        env, on_value, accumulate = self.env, self._on_value, ctx.accumulate
-        for port, edge in spec.outputs:  # `_record`, inlined: this runs once per token
-            if port in outputs:
-                value = env[edge] = outputs[port]
-                if edge not in accumulate:
-                    on_value(edge, value)
+        self._record(spec, outputs, ctx)
         if gathered:
             self._gather(gathered)
         ctx.iteration += 1
