@@ -44,7 +44,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # lets TritonBackend (its host h
 
 from mstar.engines import sampling_graph  # noqa: E402
 from mstar.engines.autoregressive import AutoregressiveEngine  # noqa: E402
-from mstar.engines.base import KVLayout, LoopSpec, StepItem  # noqa: E402
+from mstar.engines.base import CausalLMBase, KVLayout, LoopSpec, StepItem  # noqa: E402
 from mstar.engines.kv_cache.config import KVCacheConfig  # noqa: E402
 from mstar.engines.sampling_graph import SamplerGraphs  # noqa: E402
 
@@ -59,15 +59,18 @@ SIZES = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)  # CudaGraphConfig's default ba
 CODE_STEPS = 977  # distinct rows of fake sampled codes, used in turn
 
 
-class FakeLM:
+class FakeLM(CausalLMBase):
     """The CausalLM contract without compute: prefill returns zero hidden states and logits."""
 
     kv_layout = KVLayout(1, 1, 8, torch.float32)
+    hidden_size = 8
+    logit_width = VOCAB
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         return torch.zeros(len(input_ids), 8)
 
-    def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
         return torch.zeros(hidden.shape[0], VOCAB)
 
 

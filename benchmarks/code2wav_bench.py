@@ -63,15 +63,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build(quick: bool, device: torch.device, batches: list[int]) -> tuple[Any, Any, dict[str, Any]]:
     """(serve config, Code2Wav as the server builds it, build info); graphs reach the largest batch."""
+    from dataclasses import replace
+
     from mstar.models.qwen3_omni.builders import build_component
     from mstar.models.qwen3_omni.checkpoint import OmniCheckpoint
     from mstar.models.qwen3_omni.model import Qwen3Omni
 
-    cfg = Qwen3Omni.make_config(tiny=quick, code2wav_max_batch=max(batches))
+    cfg = Qwen3Omni.make_config(tiny=quick)
     ckpt = OmniCheckpoint.open(cfg, None, "dummy")
     t0 = time.perf_counter()
-    with PeakMemory(device) as mem:
-        module = build_component(ckpt, cfg, "code2wav", device).module
+    with PeakMemory(device) as mem:  # as with YAML `engines: {code2wav: {max_batch_size: max(batches)}}`
+        module = build_component(ckpt, cfg, "code2wav", device,
+                                 lambda name, spec: replace(spec, max_batch_size=max(batches))).module
         sync(device)
     info = {"build_s": round(time.perf_counter() - t0, 2), "build_held_gib": mem.held_gib,
             "build_peak_gib": mem.peak_gib, "pad_frames": module.pad_frames,
@@ -90,10 +93,10 @@ def per_call(timing: dict[str, Any], batch: int, new: int, frame_s: float) -> di
 def engine_call(module, items: list[dict[str, torch.Tensor]]):
     """A function that runs `items` through a stateless engine (side stream on CUDA) until every result
     is out, as the worker's loop polls it."""
-    from mstar.engines.base import StepItem
+    from mstar.engines.base import StatelessSpec, StepItem
     from mstar.engines.stateless import StatelessEngine
 
-    engine = StatelessEngine(module, max_batch_size=len(items))
+    engine = StatelessEngine(module, StatelessSpec(max_batch_size=len(items)))
 
     def call() -> None:
         for i, x in enumerate(items):

@@ -30,11 +30,10 @@ def make_engine(built, device: torch.device, pages: int, sizes: list[int]):
     """The engine the server makes for an autoregressive component, with a small KV pool and graphs at `sizes`."""
     from mstar.config import CudaGraphConfig, KVCacheConfig
     from mstar.engines.autoregressive import build_autoregressive_engine
-    from mstar.models.base import BuiltComponent
 
     kv = KVCacheConfig(max_num_pages=pages, page_size=16)
-    options = {k: v for k, v in built.engine_options.items() if k != "own_stream"}  # alone: no other engine
-    return build_autoregressive_engine(BuiltComponent(built.module, options), kv, device,
+    # built.engine.own_stream is not applied: the engine runs alone here, beside no other
+    return build_autoregressive_engine(built.module, built.engine, kv, device,
                                        CudaGraphConfig(batch_sizes=sizes))
 
 

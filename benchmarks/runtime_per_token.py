@@ -53,7 +53,14 @@ sys.path.insert(0, str(ROOT))  # this checkout's mstar, not whichever one is ins
 
 import mstar.runtime.build as build  # noqa: E402
 from mstar import envs  # noqa: E402
-from mstar.engines.base import StepItem, StepResult  # noqa: E402
+from mstar.engines.base import (  # noqa: E402
+    AutoregressiveSpec,
+    KVLayout,
+    StatelessBase,
+    StatelessSpec,
+    StepItem,
+    StepResult,
+)
 from mstar.graph import ModelGraph  # noqa: E402
 from mstar.models.base import BuiltComponent  # noqa: E402
 from mstar.models.orpheus.model import OrpheusModel  # noqa: E402
@@ -84,6 +91,9 @@ class FakeLMEngine:
     def has_work(self) -> bool:
         return bool(self._pending)
 
+    def stats(self) -> dict[str, float]:
+        return {}
+
     def release(self, request_id: str) -> None:
         self._pending = [i for i in self._pending if i.request_id != request_id]
         self._made.pop(request_id, None)
@@ -112,7 +122,13 @@ class FakeLMEngine:
                            more=more[i]) for i, item in enumerate(items)]
 
 
-class FakeVocoder(torch.nn.Module):
+class FakeLM(torch.nn.Module):
+    """The `llm` module the fake engine stands for: only its KV layout is read (the worker sizes pools)."""
+
+    kv_layout = KVLayout(1, 1, 8, torch.float32)
+
+
+class FakeVocoder(StatelessBase, torch.nn.Module):
     """A stateless `snac` stand-in: a few zero samples per window."""
 
     def run_batch(self, walk: str, node: str, inputs: list[dict], options: list[dict]) -> list[dict]:
@@ -138,8 +154,8 @@ class FakeOrpheus(OrpheusModel):
 
     def build_component(self, name: str, device: torch.device) -> BuiltComponent:
         if name == "llm":
-            return BuiltComponent(torch.nn.Identity(), {"fake": "llm"})
-        return BuiltComponent(FakeVocoder(), {"max_batch_size": 64})
+            return BuiltComponent(FakeLM(), AutoregressiveSpec())
+        return BuiltComponent(FakeVocoder(), StatelessSpec(max_batch_size=64))
 
 
 class FakeOrpheusNoStream(FakeOrpheus):
@@ -149,11 +165,11 @@ class FakeOrpheusNoStream(FakeOrpheus):
     stream = False
 
 
-def _engine(kind: str, built: Any, config: Any, device: torch.device):
-    if built.engine_options.get("fake") == "llm":
+def _engine(built: Any, config: Any, device: torch.device, pages: int | None, tensor_parallel: bool = False):
+    if isinstance(built.module, FakeLM):
         model = FakeOrpheus(FakeOrpheus.make_config())
         return FakeLMEngine(model.tokens.audio_offset, model.tokens.codebook_size)
-    return _real_engine(kind, built, config, device)
+    return _real_engine(built, config, device, pages, tensor_parallel)
 
 
 def _profiled_worker_run(self) -> None:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from mstar.engines.autoregressive.extras_graph import ExtrasGraphs  # noqa: E402
 from mstar.engines.autoregressive.scheduler import Chunk  # noqa: E402
 from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs  # noqa: E402
-from mstar.engines.base import KVLayout  # noqa: E402
+from mstar.engines.base import CausalLMBase, KVLayout  # noqa: E402
 
 HIDDEN = 1024  # the talker's hidden size
 
@@ -43,7 +43,7 @@ def us_per_add(steps: int) -> float:
     return (time.perf_counter() - t0) / steps * 1e6
 
 
-class _TalkerShape:
+class _TalkerShape(CausalLMBase):
     """What ExtrasGraphs reads of a model: the talker's declared capture, 3-row positions, hidden size."""
 
     graph_hidden_layers = (-1,)

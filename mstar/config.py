@@ -181,6 +181,9 @@ class MStarConfig:
     cuda_graphs: CudaGraphConfig = field(default_factory=CudaGraphConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     model_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the model's config
+    # component -> its engine settings (mstar.engines.base: AutoregressiveSpec, StatelessSpec), over the
+    # model's defaults; keys checked against the model's graph when it is built (runtime.build.engine_settings)
+    engines: dict[str, dict[str, Any]] = field(default_factory=dict)
     device: str = "auto"  # "auto" (cuda:<rank> when CUDA is there, else cpu) | "cpu" | "cuda"
     source: str = "<dict>"  # where this config came from, for error messages
 
@@ -198,10 +201,6 @@ class MStarConfig:
     @property
     def num_workers(self) -> int:
         return 1 + max((r for g in self.node_groups for r in g.ranks), default=0)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def shipped_configs() -> list[str]:
@@ -254,20 +253,23 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> MStarConfi
 
 
 def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: {prefix or 'config'} must be a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - fields)
-    if unknown:
-        raise ConfigError(
-            f"{source}: unknown key '{prefix}{unknown[0]}'; valid keys here are {sorted(fields - {'source'})}"
-        )
-    kwargs = {name: _coerce(hints[name], value, source, f"{prefix}{name}") for name, value in data.items()}
+    kwargs = typed_values(cls, data, source, prefix, [f.name for f in dataclasses.fields(cls) if f.name != "source"])
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{source}: {prefix or 'config'}: {exc}") from None
+
+
+def typed_values(cls: type, data: Any, source: str, prefix: str, valid: typing.Sequence[str]) -> dict[str, Any]:
+    """`data` (a mapping of some of the dataclass `cls`'s fields) with each value checked against, and
+    coerced to, its field's type; ConfigError naming the file, the key and the `valid` keys otherwise."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    unknown = sorted(set(data) - set(valid))
+    if unknown:
+        raise ConfigError(f"{source}: unknown key '{prefix}{unknown[0]}'; valid keys here are {sorted(valid)}")
+    hints = typing.get_type_hints(cls)
+    return {name: _coerce(hints[name], value, source, f"{prefix}{name}") for name, value in data.items()}
 
 
 def _coerce(hint: Any, value: Any, source: str, key: str) -> Any:

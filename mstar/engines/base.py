@@ -11,8 +11,9 @@ per iteration; all but the last have `more=True`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Hashable
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -65,7 +66,19 @@ class Engine(Protocol):
     submitted in earlier calls) and for the iterations of engine-loop items it ran (`more=True`
     but the last); `release` drops every trace of a request (cache pages, pending items) and is
     safe to call for unknown requests. Only the autoregressive engine takes engine-loop items.
+
+    `host_inputs`: the worker hands item inputs over as they came (host tensors stay on the host)
+    instead of copying them to the engine's device. `last_step_items`: the items (sequences, batch
+    rows) the latest `step` computed, 0 when it ran nothing. `stats()`: cheap load counters for
+    /metrics (no device sync; the worker calls it about twice a second). Keys the server knows
+    (docs/metrics.md names the series they become): queue_depth (items submitted and not yet
+    answered), kv_pages_used (held by live sequences), kv_pages_cached (of finished sequences, kept
+    for prefix reuse, free to evict), kv_pages_total, seqs_running (holding KV pages), seqs_waiting
+    (for pages, new or preempted), preemptions (since start, a counter).
     """
+
+    host_inputs: bool
+    last_step_items: int
 
     def submit(self, item: StepItem) -> None: ...
 
@@ -74,6 +87,145 @@ class Engine(Protocol):
     def has_work(self) -> bool: ...
 
     def release(self, request_id: str) -> None: ...
+
+    def stats(self) -> dict[str, float]: ...
+
+
+@dataclass(frozen=True)
+class AutoregressiveSpec:
+    """How the autoregressive engine runs one component: what the model fixes (`eos_token_ids`,
+    `max_model_len`) and the engine settings (`TUNABLE` fields, metadata `tunable`), whose model
+    defaults a deployment overrides per component in the YAML `engines:` section."""
+
+    eos_token_ids: tuple[int, ...] = ()  # ids that end a sequence
+    max_model_len: int | None = None  # tokens one sequence may hold; None: what the KV pool holds
+    max_num_seqs: int = field(default=256, metadata={"tunable": True})  # sequences batched together at most
+    max_batch_tokens: int = field(default=2048, metadata={"tunable": True})  # tokens per step (prefill chunks)
+    enable_prefix_caching: bool = field(default=True, metadata={"tunable": True})
+    # the KV pool: `max_num_pages` pages, else this share of the device memory free once every component of
+    # the worker is built (None: kv_cache.memory_fraction, split over the device's autoregressive
+    # components in proportion to their page sizes, so each holds as many tokens); either overrides kv_cache's
+    max_num_pages: int | None = field(default=None, metadata={"tunable": True})
+    memory_fraction: float | None = field(default=None, metadata={"tunable": True})
+    # batch sizes of the decode CUDA graphs; None: cuda_graphs' (batch_sizes, or up to max_batch_size)
+    cuda_graph_sizes: list[int] | None = field(default=None, metadata={"tunable": True})
+    own_stream: bool = field(default=False, metadata={"tunable": True})  # step on a CUDA stream of its own (own_stream.py)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_batch_tokens"):
+            if not _positive_int(getattr(self, name)):
+                raise ValueError(f"{name}={getattr(self, name)!r}: use a positive integer")
+        if self.max_num_pages is not None and not _positive_int(self.max_num_pages):
+            raise ValueError(f"max_num_pages={self.max_num_pages!r}: use a positive integer or leave it unset")
+        if self.memory_fraction is not None and not (
+                isinstance(self.memory_fraction, int | float) and 0.0 < self.memory_fraction <= 1.0):
+            raise ValueError(f"memory_fraction={self.memory_fraction!r}: use a number in (0, 1] or leave it unset")
+        if self.cuda_graph_sizes is not None and (
+                not self.cuda_graph_sizes or not all(_positive_int(s) for s in self.cuda_graph_sizes)):
+            raise ValueError(f"cuda_graph_sizes={self.cuda_graph_sizes!r}: use a list of positive integers")
+
+
+@dataclass(frozen=True)
+class StatelessSpec:
+    """How the stateless engine runs one component (`TUNABLE` fields as in `AutoregressiveSpec`)."""
+
+    max_batch_size: int = field(default=64, metadata={"tunable": True})  # items batched into one call at most
+
+    def __post_init__(self) -> None:
+        if not _positive_int(self.max_batch_size):
+            raise ValueError(f"max_batch_size={self.max_batch_size!r}: use a positive integer")
+
+
+EngineSpec = AutoregressiveSpec | StatelessSpec
+SPEC_OF_ENGINE: dict[str, type[AutoregressiveSpec] | type[StatelessSpec]] = {
+    "autoregressive": AutoregressiveSpec, "stateless": StatelessSpec}  # ComponentSpec.engine -> its spec
+
+
+def tunable(spec: type[AutoregressiveSpec] | type[StatelessSpec]) -> tuple[str, ...]:
+    """The fields of `spec` a deployment may set per component (YAML `engines.<component>`)."""
+    return tuple(f.name for f in fields(spec) if f.metadata.get("tunable"))
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@runtime_checkable
+class StatelessComponent(Protocol):
+    """What the stateless engine runs (`StatelessBase` gives every member but `run_batch` a default).
+
+    `run_items(items)` computes one batched call: one output dict (port -> tensor, plus an optional
+    "stop" bool that ends the enclosing loop) per item. `batch_key(item)`: which pending items may
+    share one call (a DiT batches guidance branches and requests whose latent shapes match, whatever
+    node or iteration each belongs to). `release(request_id)`: drop per-request state, called when
+    the engine releases the request. `host_inputs`: inputs arrive as produced (host tensors stay on
+    the host). `host_outputs`: outputs are wanted on the host (audio for the client); on CUDA the
+    engine queues their copies into pinned memory and hands the results out at a later step, once
+    they are done. `side_stream` (with both, for a CUDA module): its steps run on a CUDA stream of
+    their own, overlapping the other components' kernels (engines/stateless.py says why it is safe).
+    """
+
+    host_inputs: bool
+    host_outputs: bool
+    side_stream: bool
+
+    def run_items(self, items: list[StepItem]) -> list[dict[str, Any]]: ...
+
+    def batch_key(self, item: StepItem) -> Hashable: ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+@runtime_checkable
+class SequenceParallelComponent(StatelessComponent, Protocol):
+    """A stateless component that splits its work over the ranks of a sequence-parallel replica
+    (`ComponentSpec.sequence_parallel`): given the replica's process group before its first step."""
+
+    def set_sp_group(self, group: Any) -> None: ...
+
+
+class StatelessBase:
+    """Defaults of `StatelessComponent`: a subclass implements `run_batch` (or overrides `run_items`
+    when it needs the request ids or node names of a mixed batch) and what else differs."""
+
+    host_inputs = False
+    host_outputs = False
+    side_stream = False
+
+    def run_batch(self, walk: str, node: str, inputs: list[dict[str, torch.Tensor]],
+                  options: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """One output dict per item of a batch of the same (walk, node)."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither run_batch nor run_items")
+
+    def run_items(self, items: list[StepItem]) -> list[dict[str, Any]]:
+        head = items[0]
+        return self.run_batch(head.walk, head.node, [i.inputs for i in items], [i.options for i in items])
+
+    def batch_key(self, item: StepItem) -> Hashable:
+        return (item.walk, item.node)
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+def require(obj: object, protocol: type, hint: str = "") -> None:
+    """TypeError naming what `obj` lacks when it does not implement `protocol` (checked once, at build)."""
+    if isinstance(obj, protocol):
+        return
+    missing = [name for name in protocol_members(protocol) if not hasattr(obj, name)]
+    raise TypeError(f"{type(obj).__name__} does not implement {protocol.__name__}: it lacks "
+                    f"{', '.join(missing) or '(members of the wrong kind)'}{hint}")
+
+
+def protocol_members(protocol: type) -> list[str]:
+    """The attributes and methods `protocol` (and the protocols it extends) declare."""
+    names: dict[str, None] = {}
+    for cls in reversed(protocol.__mro__):
+        if cls is object or not getattr(cls, "_is_protocol", False) or cls is Protocol:
+            continue
+        names.update(dict.fromkeys(getattr(cls, "__annotations__", {})))
+        names.update(dict.fromkeys(n for n, v in vars(cls).items() if callable(v) and not n.startswith("_")))
+    return list(names)
 
 
 @dataclass(frozen=True)
@@ -86,34 +238,54 @@ class KVLayout:
     dtype: torch.dtype
 
 
+@runtime_checkable
 class CausalLM(Protocol):
-    """What the autoregressive engine needs from a decoder model (`mstar/models/llama` implements it).
+    """What the autoregressive engine needs from a decoder model (`mstar/models/llama` implements it;
+    `CausalLMBase` gives the members a plain decoder need not restate).
 
     `forward` takes the new tokens of a packed batch (requests one after another, as described by
-    the metadata the engine gave `attn.prepare`) and returns their final hidden states;
-    `compute_logits` maps the hidden states of the positions to sample from, with the token each was
-    computed at (`input_ids` [N], on the same device: a head may score only the ids that token allows
-    next, -inf elsewhere), to float32 logits [N, width] over the contiguous token ids
-    [offset, offset + width): column c is token id offset + c. `logit_offset` (optional; absent
-    means 0) is that offset, and a model whose logits do not cover the whole vocabulary also defines
-    `logit_width` (the engine needs it before any logits exist: a resumed seeded sequence skips that
-    many draws per token). The engine samples
-    over the columns and hands back token ids; ids outside the window are never sampled. Both are
-    fixed once the engine is built (its CUDA graphs capture at that width).
-    A model may also define `supports_cuda_graphs() -> bool`; when it returns False the engine runs
-    decode eagerly (e.g. a MoE whose expert path syncs the host for this dtype). A `compute_logits`
-    taking an `out` argument (float32 [N, width]) may write the logits there and return it; the engine's
-    decode graphs then pass the rows of the buffer their sampler reads, and copy only what comes back
-    elsewhere.
+    the metadata the engine gave `attn.prepare`) and returns their final hidden states [T,
+    `hidden_size`]; a model with `accepts_extras` also takes `extras` (a `ForwardExtras` or None:
+    input embeddings, per-token features named in `token_features`, hidden states to capture) and,
+    with `multirow_positions`, positions [3, T] (M-RoPE). `compute_logits` maps the hidden states of
+    the positions to sample from, with the token each was computed at (`input_ids` [N], on the same
+    device: a head may score only the ids that token allows next, -inf elsewhere), to float32 logits
+    [N, logit_width] over the contiguous token ids [logit_offset, logit_offset + logit_width):
+    column c is token id logit_offset + c; ids outside the window are never sampled. Both are fixed
+    once the engine is built (its CUDA graphs capture at that width; a resumed seeded sequence skips
+    `logit_width` draws per token). `out` (float32 [N, logit_width]) is where the model may write the
+    logits and return them (a hint: the engine checks what comes back and copies anything else).
+    `supports_cuda_graphs()` False has the engine run decode eagerly (a MoE whose expert path syncs
+    the host for this dtype); `graph_hidden_layers` are the layers whose hidden states decode graphs
+    can return (`ExtrasGraphs`).
     """
 
     kv_layout: KVLayout
+    hidden_size: int
+    logit_offset: int
+    logit_width: int
+    accepts_extras: bool
+    multirow_positions: bool
+    token_features: tuple[str, ...]
+    graph_hidden_layers: tuple[int, ...]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any) -> torch.Tensor: ...
 
-    def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor: ...
+    def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def supports_cuda_graphs(self) -> bool: ...
 
 
-def logit_offset(model: object) -> int:
-    """The first token id `model.compute_logits` covers (`CausalLM.logit_offset`; 0 when absent)."""
-    return int(getattr(model, "logit_offset", 0))
+class CausalLMBase:
+    """Defaults of `CausalLM` for a decoder that scores the whole vocabulary from id 0, takes token ids
+    and positions [T] only and can be captured in CUDA graphs."""
+
+    logit_offset = 0
+    accepts_extras = False
+    multirow_positions = False
+    token_features: tuple[str, ...] = ()
+    graph_hidden_layers: tuple[int, ...] = ()
+
+    def supports_cuda_graphs(self) -> bool:
+        return True

@@ -21,8 +21,8 @@ stepped inside `scratch_owner(stream)` (`kernels/scratch.py`), so its split-K wo
 counters are its own, and its CUDA graphs are captured on its stream, not on the capture stream the
 other engines' graphs share (`BatchGraphs`: cuBLAS workspaces are kept per stream).
 
-Everything else (has_work, release, stats, attributes, also set ones) goes to the wrapped engine. Off
-CUDA the engine is not wrapped (`on_own_stream`).
+The rest of the `Engine` contract (has_work, release, stats, last_step_items) is the wrapped engine's;
+anything else is reached through `engine`. Off CUDA the engine is not wrapped (`on_own_stream`).
 """
 
 from __future__ import annotations
@@ -39,21 +39,16 @@ from mstar.kernels.scratch import scratch_owner
 class OwnStreamEngine:
     """`engine` with every step on `stream` (see the module doc); build it with `on_own_stream`."""
 
-    _OWN = ("engine", "device", "stream")  # attributes of the wrapper; any other is the engine's
-
     def __init__(self, engine: Engine, device: torch.device, stream: Any) -> None:
-        object.__setattr__(self, "engine", engine)
-        object.__setattr__(self, "device", device)
-        object.__setattr__(self, "stream", stream)
+        self.engine, self.device, self.stream = engine, device, stream
+        self.host_inputs = engine.host_inputs
 
-    def __getattr__(self, name: str) -> Any:  # last_step_items, stats, module, ...
-        return getattr(self.engine, name)
+    @property
+    def last_step_items(self) -> int:
+        return self.engine.last_step_items
 
-    def __setattr__(self, name: str, value: Any) -> None:  # e.g. seed_per_request (runtime/replicas.py)
-        if name in self._OWN:
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.engine, name, value)
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
 
     def submit(self, item: StepItem) -> None:
         for value in item.inputs.values():

@@ -1,33 +1,23 @@
 """The stateless engine: batches steps of one (walk, node) across requests.
 
 Used by encoders, codecs, denoising steps and the toy model. A component implements
+`StatelessComponent` (engines/base.py), usually by subclassing `StatelessBase` and writing
 
     run_batch(walk, node, inputs: list[dict[port, Tensor]], options: list[dict]) -> list[dict[port, Tensor]]
 
-and may return a "stop" entry (bool) in an item's outputs to end its enclosing loop.
+whose outputs may hold a "stop" entry (bool) to end the enclosing loop.
 
-Optional abilities a component may add (duck-typed, each separate):
-- `batch_key(item: StepItem) -> Hashable`: which pending items may share one call (default:
-  same walk and node). A DiT uses it to batch the guidance branches and requests whose latent
-  shapes match, whatever node or loop iteration each item belongs to.
-- `run_items(items: list[StepItem]) -> list[dict]`: called instead of `run_batch`, for components
-  that need the request ids or node names of a mixed batch (per-request state).
-- `release(request_id)`: drop any per-request state the component keeps; called when the engine
-  releases the request (finished, failed or cancelled).
-- `host_inputs = True`: the worker hands its inputs over as they came (host tensors stay on the
-  host); the component moves what it needs to its device itself.
-- `host_outputs = True`: its outputs are wanted on the host (audio for the client). On CUDA the
-  engine then queues their copies into pinned memory and hands the results out at a later `step`,
-  once an event says the copies are done, oldest first: the worker never waits on a blocking
-  `.cpu()` for everything queued before (on a shared worker, the LM's next decode step too).
-- `side_stream = True` (with both of the above, for a CUDA module): its steps run on a CUDA stream
-  of their own, so its kernels overlap those of the other components on the GPU (the LM's decode
-  step on a shared worker) instead of queueing behind them. Safe because everything such a step
-  computed leaves through host copies whose event is recorded on that same stream, and a step
-  with device inputs (another component wrote them on the device's current stream: Qwen3-Omni's
-  codec frames) first makes its stream wait, on the GPU, for the work queued there so far (the
-  host never waits) and marks those inputs as used on its stream, so their memory is not reused
-  before its kernels have read them.
+A component with `host_outputs` has its CUDA outputs copied to pinned host memory asynchronously:
+the engine hands the results out at a later `step`, once an event says the copies are done, oldest
+first, so the worker never waits on a blocking `.cpu()` for everything queued before (on a shared
+worker, the LM's next decode step too). One that also has `host_inputs` and `side_stream` (a CUDA
+module) runs its steps on a CUDA stream of its own, so its kernels overlap those of the other
+components on the GPU (the LM's decode step on a shared worker) instead of queueing behind them.
+Safe because everything such a step computed leaves through host copies whose event is recorded
+on that same stream, and a step with device inputs (another component wrote them on the device's
+current stream: Qwen3-Omni's codec frames) first makes its stream wait, on the GPU, for the work
+queued there so far (the host never waits) and marks those inputs as used on its stream, so their
+memory is not reused before its kernels have read them.
 """
 
 from __future__ import annotations
@@ -39,7 +29,7 @@ from typing import Any
 
 import torch
 
-from mstar.engines.base import StepItem, StepResult
+from mstar.engines.base import StatelessComponent, StatelessSpec, StepItem, StepResult, require
 from mstar.engines.cuda_graphs import to_host_async
 
 logger = logging.getLogger(__name__)
@@ -48,18 +38,17 @@ logger = logging.getLogger(__name__)
 class StatelessEngine:
     """Runs the oldest pending (walk, node) group, up to `max_batch_size` requests at once."""
 
-    def __init__(self, module: Any, max_batch_size: int = 64) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    def __init__(self, module: StatelessComponent, spec: StatelessSpec | None = None) -> None:
+        require(module, StatelessComponent, " (subclass mstar.engines.base.StatelessBase)")
         self.module = module
-        self.max_batch_size = max_batch_size
+        self.max_batch_size = (spec or StatelessSpec()).max_batch_size
         self._pending: deque[StepItem] = deque()
         self._in_flight: deque[_InFlight] = deque()  # results whose host copies are still running
-        self.host_outputs = bool(getattr(module, "host_outputs", False))
+        self.host_outputs = module.host_outputs
         # the worker hands inputs over without a device copy when the component reads them on the host
-        self.host_inputs = bool(getattr(module, "host_inputs", False))
+        self.host_inputs = module.host_inputs
         self.stream = _side_stream(module) if self.host_inputs and self.host_outputs else None
-        self.last_step_items = 0  # items the latest step ran (mstar.engines.stats.ReportsStats)
+        self.last_step_items = 0  # items the latest step ran (`Engine`)
 
     def submit(self, item: StepItem) -> None:
         self._pending.append(item)
@@ -71,12 +60,10 @@ class StatelessEngine:
         self._pending = deque(i for i in self._pending if i.request_id != request_id)
         for flight in self._in_flight:
             flight.results = [r for r in flight.results if r.request_id != request_id]
-        release = getattr(self.module, "release", None)
-        if release is not None:
-            release(request_id)
+        self.module.release(request_id)
 
     def stats(self) -> dict[str, float]:
-        """Load counters (mstar.engines.stats): items waiting for a step."""
+        """Load counters (`Engine.stats`): items waiting for a step."""
         return {"queue_depth": len(self._pending)}
 
     def step(self) -> list[StepResult]:
@@ -118,29 +105,21 @@ class StatelessEngine:
     def _take_batch(self) -> list[StepItem]:
         if not self._pending:
             return []
-        key = self._key(self._pending[0])
+        key = self.module.batch_key(self._pending[0])
         batch, rest = [], deque()
         for item in self._pending:
-            if len(batch) < self.max_batch_size and self._key(item) == key:
+            if len(batch) < self.max_batch_size and self.module.batch_key(item) == key:
                 batch.append(item)
             else:
                 rest.append(item)
         self._pending = rest
         return batch
 
-    def _key(self, item: StepItem) -> Any:
-        batch_key = getattr(self.module, "batch_key", None)
-        return batch_key(item) if batch_key is not None else (item.walk, item.node)
-
     def _run(self, batch: list[StepItem]) -> list[StepResult]:
         head = batch[0]
-        if hasattr(self.module, "run_items"):
-            outputs = self.module.run_items(batch)
-        else:
-            outputs = self.module.run_batch(head.walk, head.node, [i.inputs for i in batch],
-                                            [i.options for i in batch])
+        outputs = self.module.run_items(batch)
         if len(outputs) != len(batch):
-            raise RuntimeError(f"{head.node}.run_batch returned {len(outputs)} results for {len(batch)} items")
+            raise RuntimeError(f"{head.node}.run_items returned {len(outputs)} results for {len(batch)} items")
         results = []
         for item, out in zip(batch, outputs):
             out = dict(out)
@@ -213,9 +192,9 @@ def follow_device_inputs(stream: torch.cuda.Stream, batch: list[StepItem]) -> No
                 value.record_stream(stream)
 
 
-def _side_stream(module: Any) -> torch.cuda.Stream | None:
+def _side_stream(module: StatelessComponent) -> torch.cuda.Stream | None:
     """A stream of its own for a module that declares `side_stream` and lives on a CUDA device."""
-    if not getattr(module, "side_stream", False) or not isinstance(module, torch.nn.Module):
+    if not module.side_stream or not isinstance(module, torch.nn.Module):
         return None
     tensor = next(iter(module.buffers()), None)
     tensor = tensor if tensor is not None else next(iter(module.parameters()), None)

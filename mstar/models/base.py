@@ -16,13 +16,17 @@ Output conventions the server understands (optional; a model follows them or not
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
+from mstar.engines.base import AutoregressiveSpec, CausalLM, StatelessComponent, StatelessSpec
 from mstar.graph import ModelGraph
+
+SpecT = TypeVar("SpecT", AutoregressiveSpec, StatelessSpec)
 
 
 class OptionError(ValueError):
@@ -68,12 +72,14 @@ _OPTION_KINDS = {  # a default's type -> (what to call it, whether a request's v
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class BuiltComponent:
-    """A component ready to run: its module and what its engine needs to know."""
+    """A component ready to run: its module and how its engine runs it (the spec of the component's
+    engine kind: a stateless component's module is a `StatelessComponent`, an autoregressive one's a
+    `CausalLM`)."""
 
-    module: torch.nn.Module  # stateless: implements run_batch(); autoregressive: a CausalLM
-    engine_options: dict[str, Any] = field(default_factory=dict)  # e.g. eos ids, default sampling
+    module: StatelessComponent | CausalLM
+    engine: AutoregressiveSpec | StatelessSpec = field(default_factory=StatelessSpec)
 
 
 @dataclass
@@ -166,6 +172,14 @@ class Model:
         self.config = config
         self.load_format = load_format
         self.model_path = model_path
+        # component -> the deployment's engine settings (YAML `engines:`), set by runtime.build.build_model
+        self.engine_settings: Mapping[str, Mapping[str, Any]] = {}
+
+    def engine_spec(self, component: str, defaults: SpecT) -> SpecT:
+        """The model's engine `defaults` for `component` with the deployment's settings applied: what a
+        build that depends on them reads (the batch sizes it captures graphs for). The runtime applies
+        them to what `build_component` returns in any case."""
+        return dataclasses.replace(defaults, **self.engine_settings.get(component, {}))
 
     @classmethod
     def make_config(cls, tiny: bool = False, **overrides: Any) -> Any:
@@ -178,7 +192,8 @@ class Model:
         raise NotImplementedError
 
     def build_component(self, name: str, device: torch.device) -> BuiltComponent:
-        """Build (and load weights for) one component on `device`."""
+        """Build (and load weights for) one component on `device`, with its engine's spec: the model's
+        defaults (`engine_spec` where the build reads them)."""
         raise NotImplementedError
 
     def processor(self) -> Processor:

@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
-from mstar.config import ConfigError, MStarConfig
-from mstar.engines.base import Engine
+from mstar.config import ConfigError, MStarConfig, typed_values
+from mstar.engines.base import SPEC_OF_ENGINE, AutoregressiveSpec, Engine, StatelessSpec, tunable
+from mstar.graph import ModelGraph
 from mstar.models.base import BuiltComponent, Model
 from mstar.models.registry import get_model_class
 
@@ -18,7 +19,8 @@ logger = logging.getLogger(__name__)
 
 def build_model(config: MStarConfig, tiny: bool = False, load_format: str = "auto",
                 model_path: str | None = None) -> Model:
-    """The registered model of `config.model`, configured from model_kwargs."""
+    """The registered model of `config.model`, configured from model_kwargs, with the deployment's
+    per-component engine settings (`engines:`) checked against its graph."""
     cls = get_model_class(config.model)
     valid = sorted(f.name for f in dataclasses.fields(cls.make_config(tiny=tiny)))
     unknown = sorted(set(config.model_kwargs) - set(valid))
@@ -26,7 +28,28 @@ def build_model(config: MStarConfig, tiny: bool = False, load_format: str = "aut
         raise ConfigError(f"{config.source}: unknown key 'model_kwargs.{unknown[0]}' for model {config.model!r}; "
                           f"valid keys here are {valid}")
     model_cfg = cls.make_config(tiny=tiny, **config.model_kwargs)
-    return cls(model_cfg, load_format=load_format, model_path=model_path)
+    model = cls(model_cfg, load_format=load_format, model_path=model_path)
+    model.engine_settings = engine_settings(config, model.graph())
+    return model
+
+
+def engine_settings(config: MStarConfig, graph: ModelGraph) -> dict[str, dict[str, Any]]:
+    """component -> the `engines:` values the deployment sets for it, typed; ConfigError naming the file
+    and the valid keys for an unknown component or key, or a bad value."""
+    out = {}
+    for component, values in config.engines.items():
+        spec = graph.components.get(component)
+        if spec is None:
+            raise ConfigError(f"{config.source}: unknown key 'engines.{component}': model {config.model!r} has no "
+                              f"such component; valid keys here are {sorted(graph.components)}")
+        kind = SPEC_OF_ENGINE[spec.engine]
+        typed = typed_values(kind, values, config.source, f"engines.{component}.", tunable(kind))
+        try:
+            kind(**typed)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{config.source}: engines.{component}: {exc}") from None
+        out[component] = typed
+    return out
 
 
 def worker_device(config: MStarConfig, rank: int) -> torch.device:
@@ -41,43 +64,71 @@ def build_engines(model: Model, config: MStarConfig, components: list[str], devi
     """One engine per component placed on this worker; a component in `shards` (a tensor-parallel one)
     is built as this rank's share of it (`layers.parallel.tensor_parallel`).
 
-    Every component's weights go on the device before any engine is made: an autoregressive engine
-    sizes its KV pool from the memory free when it is made, so weights built after a pool might not
-    fit (Qwen3-Omni on one GPU: the talker's pool took 60% of the GPU before the 57 GiB thinker).
+    Every component's weights go on the device before any engine is made, and the KV pools of the
+    autoregressive ones are sized together from the memory free then (`kv_pool_pages`), so neither the
+    build order nor one engine's graphs decide another's pool.
     """
     graph = model.graph()
-    built = {}
+    built: dict[str, BuiltComponent] = {}
     from mstar.layers.parallel import tensor_parallel
 
     shards = shards or {}
     for name in components:
         with tensor_parallel(shards.get(name)):
-            built[name] = model.build_component(name, device)
+            component = model.build_component(name, device)
+        kind = SPEC_OF_ENGINE[graph.components[name].engine]
+        if not isinstance(component.engine, kind):
+            raise TypeError(f"{type(model).__name__}.build_component({name!r}) returned a "
+                            f"{type(component.engine).__name__}; its {graph.components[name].engine} engine takes "
+                            f"{kind.__name__}")
+        # the deployment's settings win, also where the model's build did not read them
+        built[name] = dataclasses.replace(component, engine=dataclasses.replace(
+            component.engine, **model.engine_settings.get(name, {})))
         logger.info("built component %s on %s%s", name, device,
                     f" (share {shards[name].index + 1} of {shards[name].size})" if name in shards else "")
+    from mstar.engines.kv_cache.config import kv_pool_pages
+
+    pools = {n: (b.module.kv_layout, b.engine) for n, b in built.items() if isinstance(b.engine, AutoregressiveSpec)}
+    pages = kv_pool_pages(pools, config.kv_cache, device)
     engines: dict[str, Engine] = {}
     for name in components:
-        kind = graph.components[name].engine
-        engines[name] = _engine(kind, built.pop(name), config, device)
-        logger.info("made the %s engine of %s", kind, name)
+        if name in shards and name in pages:
+            _check_same_kv_pool(name, pages[name], shards[name])
+        engines[name] = _engine(built.pop(name), config, device, pages.get(name), tensor_parallel=name in shards)
+        logger.info("made the %s engine of %s", graph.components[name].engine, name)
     return engines
 
 
-def _engine(kind: str, built: Any, config: MStarConfig, device: torch.device) -> Engine:
-    options = dict(built.engine_options)
-    own_stream = options.pop("own_stream", False)  # engines/own_stream.py
+def _check_same_kv_pool(component: str, pages: int, shard: Any) -> None:
+    """The ranks of a tensor-parallel engine must hold KV pools of one size: the schedulers admit and
+    preempt by free pages, and two sizes would part them. A pool sized from free memory differs per
+    rank when the ranks hold other components; the error says how to fix it."""
+    counts = [None] * shard.size
+    torch.distributed.all_gather_object(counts, pages, group=shard.group)
+    if len(set(counts)) > 1:
+        raise ValueError(f"tensor-parallel component {component!r}: its ranks sized their KV pools at {counts} "
+                         f"pages; set engines.{component}.max_num_pages (or kv_cache.max_num_pages) so that every "
+                         "rank holds the same")
+
+
+def _engine(built: BuiltComponent, config: MStarConfig, device: torch.device, pages: int | None,
+            tensor_parallel: bool = False) -> Engine:
+    spec = built.engine
+    if isinstance(spec, StatelessSpec):
+        from mstar.engines.stateless import StatelessEngine
+
+        return StatelessEngine(built.module, spec)
+    assert pages is not None
 
     def make() -> Engine:
-        if kind == "stateless":
-            from mstar.engines.stateless import StatelessEngine
-
-            return StatelessEngine(built.module, **options)
         from mstar.engines.autoregressive import build_autoregressive_engine
 
-        return build_autoregressive_engine(BuiltComponent(built.module, options), config.kv_cache, device,
-                                           config.cuda_graphs)
+        engine = build_autoregressive_engine(built.module, spec, config.kv_cache, device, config.cuda_graphs, pages)
+        # the ranks of a tensor-parallel replica must draw the same tokens (worker/replica.py)
+        engine.seed_per_request = tensor_parallel
+        return engine
 
-    if not own_stream:
+    if not spec.own_stream:
         return make()
     from mstar.engines.own_stream import on_own_stream
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from mstar.distributed.groups import ProcessGroups, Rendezvous
-from mstar.engines.base import Engine
+from mstar.engines.base import Engine, SequenceParallelComponent, require
 from mstar.graph import ModelGraph
 from mstar.graph.placement import PlacementPlan
 from mstar.layers.attention import HeadShard
@@ -67,33 +67,25 @@ def tensor_parallel_shards(plan: PlacementPlan, graph: ModelGraph, rank: int, gr
     return shards
 
 
-def _check_same_kv_pool(component: str, engine: Engine, replica: Any) -> None:
-    """The ranks of a tensor-parallel engine must hold KV pools of one size: the schedulers admit and
-    preempt by free pages, and two sizes would part them. A pool sized from free memory differs per
-    rank when the ranks hold other components; the error says how to fix it."""
-    pages = [None] * replica.size
-    torch.distributed.all_gather_object(pages, engine.pool.num_pages, group=replica.group)  # type: ignore[attr-defined]
-    if len(set(pages)) > 1:
-        raise ValueError(f"tensor-parallel component {component!r}: its ranks {replica.ranks} sized their KV "
-                         f"pools at {pages} pages; set kv_cache.max_num_pages so that every rank holds the same")
-
-
 def wrap_replicas(plan: PlacementPlan, graph: ModelGraph, rank: int, engines: dict[str, Engine],
                   groups: ProcessGroups, send: Callable[[int, Any], None], pack: Callable[[Any], Any]) -> None:
     """Give each sequence-parallel module its group and wrap the lead's module to forward batches; put
-    each tensor-parallel engine in lockstep (`LeadEngine` on the lead, `FollowerEngine` elsewhere, both
-    sampling with per-request seeds). Replaces entries of `engines`."""
+    each tensor-parallel engine in lockstep (`LeadEngine` on the lead, `FollowerEngine` elsewhere; both
+    were built sampling with per-request seeds and equal KV pools, `runtime.build`). Replaces entries of
+    `engines`."""
+    from mstar.engines.stateless import StatelessEngine
+
     for component, engine in list(engines.items()):
         replica = _replica_of(plan, rank, component, groups)
         if replica is None:
             continue
         if graph.components[component].tensor_parallel:
-            _check_same_kv_pool(component, engine, replica)
-            engine.seed_per_request = True  # type: ignore[attr-defined]
             engines[component] = (LeadEngine(engine, component, replica.ranks[1:], send, pack) if replica.is_lead
-                                  else FollowerEngine(engine))  # type: ignore[assignment]
+                                  else FollowerEngine(engine))
         else:
-            module = engine.module  # stateless engines only (placement checks ComponentSpec.sequence_parallel)
+            assert isinstance(engine, StatelessEngine)  # placement checks ComponentSpec.sequence_parallel
+            module = engine.module
+            require(module, SequenceParallelComponent)
             module.set_sp_group(replica.group)
             if replica.is_lead:
                 engine.module = LeadModule(module, component, replica.ranks[1:], send, pack)

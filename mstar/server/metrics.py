@@ -16,7 +16,7 @@ from mstar.transport import wire
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 MODALITIES = ("text", "audio", "image", "video")
 _FIRST_NAMES = {"text": "token", "audio": "audio", "image": "image", "video": "video"}
-# Engine stats key (mstar/engines/stats.py) -> gauge name and help.
+# Engine stats key (mstar.engines.base.Engine.stats) -> gauge name and help.
 _ENGINE_GAUGES = {
     "queue_depth": ("mstar_component_queue_depth", "items submitted to the component's engine, not yet answered"),
     "kv_pages_used": ("mstar_kv_cache_pages_used", "KV cache pages held by live sequences"),

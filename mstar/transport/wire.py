@@ -168,7 +168,7 @@ class ComponentStats(msgspec.Struct, array_like=True):
     """Load of one component's engine on one worker, cumulative since the worker started."""
 
     component: str
-    gauges: dict[str, float]  # the engine's stats() (queue depth, KV pages, ...; mstar/engines/stats.py)
+    gauges: dict[str, float]  # the engine's stats() (queue depth, KV pages, ...; mstar.engines.base.Engine.stats)
     steps: int  # steps that ran at least one item
     step_seconds_sum: float
     step_seconds_buckets: list[int]  # steps per bucket of STEP_SECONDS_BOUNDS, +Inf last (not cumulative)
@@ -182,6 +182,10 @@ class WorkerStats(msgspec.Struct, tag=True, array_like=True):
     rank: int
     components: list[ComponentStats]
 
+
+# the messages about one request (`rid`), and those of them about one of its walks (`walk`)
+REQUEST_MESSAGES = (StartWalk, RunNode, NodeDone, StreamItem, StreamEnd, Release, ClientOutput, WalkDone)
+WALK_MESSAGES = (StartWalk, RunNode, NodeDone, WalkDone)
 
 Message = Union[
     StartWalk, RunNode, NodeDone, StreamItem, StreamEnd, Release, Shutdown, ClientOutput, ClientOutputs, WalkDone,

@@ -23,18 +23,15 @@ import logging
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from mstar.engines.base import LoopSpec, StepItem
+from mstar.engines.base import Engine, LoopSpec, StatelessComponent, StepItem
 from mstar.transport import wire
 
 logger = logging.getLogger(__name__)
 
 
-def run_component_step(module: Any, items: Sequence[StepItem]) -> list[dict]:
-    """The batched call a stateless engine makes for `items` (run_items when the module has it)."""
-    if hasattr(module, "run_items"):
-        return module.run_items(list(items))
-    head = items[0]
-    return module.run_batch(head.walk, head.node, [i.inputs for i in items], [i.options for i in items])
+def run_component_step(module: StatelessComponent, items: Sequence[StepItem]) -> list[dict]:
+    """The batched call a stateless engine makes for `items`."""
+    return module.run_items(list(items))
 
 
 def replica_items(items: Sequence[StepItem], pack: Callable[[Any], Any]) -> list[wire.ReplicaItem]:
@@ -49,15 +46,16 @@ class LeadModule:
     `send(rank, message)` delivers a wire message; `pack` turns a tensor into its payload.
     """
 
-    def __init__(self, module: Any, component: str, followers: Sequence[int],
+    def __init__(self, module: StatelessComponent, component: str, followers: Sequence[int],
                  send: Callable[[int, Any], None], pack: Callable[[Any], Any]) -> None:
         self.module, self.component = module, component
         self.followers = tuple(followers)
         self._send, self._pack = send, pack
+        self.host_inputs, self.host_outputs = module.host_inputs, module.host_outputs
+        self.side_stream = module.side_stream
 
     def batch_key(self, item: StepItem) -> Hashable:
-        key = getattr(self.module, "batch_key", None)
-        return key(item) if key is not None else (item.walk, item.node)
+        return self.module.batch_key(item)
 
     def run_items(self, items: list[StepItem]) -> list[dict]:
         for rank in self.followers:  # packed per follower: a payload is consumed by one reader
@@ -65,21 +63,17 @@ class LeadModule:
         return run_component_step(self.module, items)
 
     def release(self, request_id: str) -> None:
-        release = getattr(self.module, "release", None)
-        if release is not None:
-            release(request_id)
-
-    def __getattr__(self, name: str) -> Any:  # anything else (e.g. the transformer) is the module's
-        return getattr(self.__dict__["module"], name)
+        self.module.release(request_id)
 
 
 class LeadEngine:
     """An autoregressive engine on a tensor-parallel replica's lead rank: the same engine, but each step
     first sends the followers what the engine was given since the last one (module docstring)."""
 
-    def __init__(self, engine: Any, component: str, followers: Sequence[int], send: Callable[[int, Any], None],
+    def __init__(self, engine: Engine, component: str, followers: Sequence[int], send: Callable[[int, Any], None],
                  pack: Callable[[Any], Any]) -> None:
         self.engine, self.component = engine, component
+        self.host_inputs = engine.host_inputs
         self.followers = tuple(followers)
         self._send, self._pack = send, pack
         self._items: list[StepItem] = []
@@ -105,8 +99,12 @@ class LeadEngine:
     def has_work(self) -> bool:
         return self.engine.has_work()
 
-    def __getattr__(self, name: str) -> Any:  # stats, last_step_items, runner, ...
-        return getattr(self.__dict__["engine"], name)
+    @property
+    def last_step_items(self) -> int:
+        return self.engine.last_step_items
+
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
 
 
 class FollowerEngine:
@@ -114,8 +112,10 @@ class FollowerEngine:
     messages (`follow`), never by its worker's loop (no work of its own) and never released but as the
     lead says (a worker-level release could land between two of the lead's steps)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.host_inputs = engine.host_inputs
+        self.last_step_items = 0  # its steps are the lead's, counted there
 
     def follow(self, msg: wire.ReplicaEngineStep, items: list[StepItem]) -> None:
         """The lead's releases, its items (`items`, unpacked) and one step; the results are the lead's to
@@ -138,8 +138,8 @@ class FollowerEngine:
     def release(self, request_id: str) -> None:
         pass  # the lead's ReplicaEngineStep carries it, in order
 
-    def __getattr__(self, name: str) -> Any:  # stats, runner, ...
-        return getattr(self.__dict__["engine"], name)
+    def stats(self) -> dict[str, float]:
+        return self.engine.stats()
 
 
 def follower_items(msg: wire.ReplicaStep | wire.ReplicaEngineStep, unpack: Callable[[Any], Any], to_device: Callable[[Any], Any]

@@ -97,8 +97,7 @@ class StatsReporter:
         """The current WorkerStats of this worker (engines' gauges read now)."""
         components = []
         for name, engine in self.engines.items():
-            stats = getattr(engine, "stats", None)
-            gauges = {k: float(v) for k, v in stats().items()} if callable(stats) else {}
+            gauges = {k: float(v) for k, v in engine.stats().items()}
             h = self._hist[name]
             components.append(wire.ComponentStats(name, gauges, h.steps, h.seconds_sum, list(h.seconds_buckets),
                                                   h.items_sum, list(h.size_buckets)))

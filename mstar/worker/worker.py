@@ -161,9 +161,9 @@ class Worker:
                 self.handle(msg)
             except Exception as exc:  # a bad message fails its request, never the worker
                 logger.exception("worker %d failed handling %s", self.rank, type(msg).__name__)
-                rid = getattr(msg, "rid", None)
-                if rid is not None:
-                    self._fail(rid, getattr(msg, "walk", "?"), f"{type(exc).__name__}: {exc}")
+                if isinstance(msg, wire.REQUEST_MESSAGES):
+                    self._fail(msg.rid, msg.walk if isinstance(msg, wire.WALK_MESSAGES) else "?",
+                               f"{type(exc).__name__}: {exc}")
             msg = self.inbox.recv(0.0)
         self.outbox.flush()
 
@@ -178,8 +178,7 @@ class Worker:
                         results = engine.step()
                 else:
                     results = engine.step()
-                self.stats.record(component, time.perf_counter() - started,
-                                  getattr(engine, "last_step_items", len(results)))
+                self.stats.record(component, time.perf_counter() - started, engine.last_step_items)
             except Exception as exc:
                 logger.exception("engine of %s failed a step", component)
                 results = self._fail_engine(component, engine, exc)
@@ -199,7 +198,7 @@ class Worker:
     # -- receive -------------------------------------------------------------------------------
 
     def handle(self, msg: Any) -> None:
-        if getattr(msg, "rid", None) in self._released:
+        if isinstance(msg, wire.REQUEST_MESSAGES) and msg.rid in self._released:
             discard_message(msg)  # late traffic of a finished or cancelled request: free its payloads
             return
         if isinstance(msg, wire.StartWalk):
@@ -279,7 +278,7 @@ class Worker:
             spec = self._node_specs[(walk, node)]
             engine = self.engines[spec.component]
             target = self._targets[(walk, node)] = _Target(
-                engine, bool(getattr(engine, "host_inputs", False)), self._namespaces.get(spec.component),
+                engine, engine.host_inputs, self._namespaces.get(spec.component),
                 spec.kv_slot, self._pending[spec.component])
         return target
 

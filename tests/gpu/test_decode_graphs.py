@@ -121,7 +121,7 @@ def test_packed_decode_inputs_with_joins_penalties_and_preemption_equal_eager(ch
     join_at = [0, 0, 3, 10, 11, 25, 40]
     graphed = engine_for(model, graphs=True, pages=18, max_model_len=256)
     runner = graphed.runner
-    assert runner._shares_decode and runner._decode is not None
+    assert runner._shared_attn is runner.attn and runner._decode is not None
     assert runner.graphs._shared[0] is runner._decode.ids and runner.graphs._shared[1] is runner._decode.positions
     replays = graphed_draws(graphed)
     got = generate_staggered(graphed, prompts, options, join_at)

@@ -64,10 +64,11 @@ def _serve(run: str, dtype: str, together: bool):
     # small KV pools: runs follow one another in this process, and a pool sized by free memory takes 90% of it
     config = {"model": "qwen3_omni", "device": "cuda", "cuda_graphs": {"lookahead": lookahead},
               "kv_cache": {"max_num_pages": 2048},
-              "model_kwargs": {"code2wav_chunk": 4, "dtype": dtype, "thinker_stream": stream}}
+              "model_kwargs": {"code2wav_chunk": 4, "dtype": dtype}, "engines": {"thinker": {"own_stream": stream}}}
     with _small_moe(dtype == "float32"), MStar("qwen3_omni", config=config, tiny=True) as m:
         thinker = m.runtime.workers[0].engines["thinker"]
         assert isinstance(thinker, OwnStreamEngine) == stream, run
+        thinker = thinker.engine if stream else thinker  # the wrapped engine's internals
         assert thinker.runner.extras_graphs is not None, f"{run}: the thinker captured no extras graphs"
         if together:
             handles = [m.submit(chat, **SPOKEN) for chat in CHATS]  # in flight together

@@ -14,7 +14,7 @@ import torch
 import mstar.engines.autoregressive.engine as ar_engine
 from mstar.config import CudaGraphConfig, KVCacheConfig
 from mstar.engines.autoregressive import build_autoregressive_engine
-from mstar.engines.base import StepItem
+from mstar.engines.base import StatelessSpec, StepItem
 from mstar.engines.stateless import StatelessEngine
 from mstar.models.qwen3_omni.builders import build_component
 from mstar.models.qwen3_omni.checkpoint import OmniCheckpoint
@@ -61,7 +61,8 @@ def parts():
     ckpt = OmniCheckpoint.open(cfg, None, "dummy")
     built = {n: build_component(ckpt, cfg, n, CUDA) for n in ("talker_input", "talker", "code_predictor", "code2wav")}
     kv = KVCacheConfig(max_num_pages=64, page_size=16)
-    talker = build_autoregressive_engine(built["talker"], kv, CUDA, CudaGraphConfig(batch_sizes=[1, 2, 4, 8]))
+    talker = build_autoregressive_engine(built["talker"].module, built["talker"].engine, kv, CUDA,
+                                         CudaGraphConfig(batch_sizes=[1, 2, 4, 8]))
     return {"talker": talker, **{n: built[n].module for n in ("talker_input", "code_predictor", "code2wav")}}
 
 
@@ -151,7 +152,7 @@ def test_talk_loop_frames_never_sync(parts, allow_sampled_ids_read):
 def test_code2wav_chunks_on_the_side_stream_never_sync(parts):
     code2wav = parts["code2wav"]
     assert code2wav.graphs is not None and code2wav.pad_frames == 50  # padded by default on CUDA
-    engine = StatelessEngine(code2wav, max_batch_size=8)
+    engine = StatelessEngine(code2wav, StatelessSpec(max_batch_size=8))
     assert engine.stream is not None
     q = code2wav.cfg.num_quantizers
     gen = torch.Generator(device=CUDA).manual_seed(0)

@@ -6,13 +6,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mstar.engines.base import StepItem
+from mstar.engines.base import StatelessBase, StepItem
 from mstar.engines.stateless import StatelessEngine
 
 N = 1 << 20
 
 
-class _Summer(nn.Module):
+class _Summer(StatelessBase, nn.Module):
     host_inputs = host_outputs = side_stream = True
 
     def __init__(self) -> None:

@@ -41,9 +41,10 @@ def make_reference(folder: Path):
 
 def runtime_config(**model_kwargs) -> dict:
     """An MStar config dict for the tiny reference checkpoint (all components on worker 0)."""
-    kwargs = {"tokenizer_path": None, "max_model_len": 256, "talker_max_model_len": 256, "max_batch_tokens": 64,
+    kwargs = {"tokenizer_path": None, "max_model_len": 256, "talker_max_model_len": 256,
               "code2wav_chunk": 4, "code2wav_left_context": 39, **model_kwargs}  # 39: the tiny exact context
-    return {"model": "qwen3_omni", "kv_cache": {"max_num_pages": 64, "page_size": 16}, "model_kwargs": kwargs}
+    return {"model": "qwen3_omni", "kv_cache": {"max_num_pages": 64, "page_size": 16}, "model_kwargs": kwargs,
+            "engines": {"thinker": {"max_batch_tokens": 64}, "talker": {"max_batch_tokens": 64}}}
 
 
 def reference_generate(model, prompt: list[int], thinker_tokens: int, talker_tokens: int, speaker: str = "Ethan"):

@@ -26,9 +26,9 @@ def checkpoints(tmp_path_factory):
     return get
 
 
-def _mstar(arch: str, path, kv: dict | None = None, **model_kwargs) -> MStar:
+def _mstar(arch: str, path, kv: dict | None = None, engine: dict | None = None, **model_kwargs) -> MStar:
     config = {"model": arch, "device": "cpu", "kv_cache": kv or {"max_num_pages": 256},
-              "model_kwargs": model_kwargs}
+              "model_kwargs": model_kwargs, "engines": {"llm": engine or {}}}
     return MStar(arch, config=config, model_path=str(path))
 
 
@@ -55,7 +55,7 @@ def test_mixed_batch_and_chunked_prefill_match_transformers(checkpoints):
     expected = _references(hf, tok, PROMPTS)
     with _mstar("qwen3", path) as m:
         assert _run_all(m, PROMPTS, **GREEDY) == expected
-    with _mstar("qwen3", path, max_batch_tokens=7) as m:  # prompts split into many chunks per step
+    with _mstar("qwen3", path, engine={"max_batch_tokens": 7}) as m:  # prompts split into many chunks per step
         assert _run_all(m, PROMPTS, **GREEDY) == expected
 
 

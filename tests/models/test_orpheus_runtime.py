@@ -11,6 +11,7 @@ import pytest
 import torch
 from orpheus_testing import make_checkpoint, yaml_config
 
+from mstar.engines.base import CausalLMBase
 from mstar.models.orpheus.tokens import keep_audio_token
 from mstar.runtime.offline import MStar
 
@@ -205,17 +206,18 @@ def test_greedy_tokens_keep_to_frame_places_as_transformers_with_the_same_mask(o
         assert ours != placed and len(kept) < len(ours), "place 3's rows should pull the span's greedy off place"
 
 
-class _FullMinusInf:
+class _FullMinusInf(CausalLMBase):
     """The span-restricted tiny LM as the engine saw it before the sampler worked over the span's columns:
     logits of the whole vocabulary, -inf outside the span (and on the markers), offset 0."""
 
     def __init__(self, lm):
-        self.lm, self.kv_layout = lm, lm.kv_layout
+        self.lm, self.kv_layout, self.hidden_size = lm, lm.kv_layout, lm.hidden_size
+        self.logit_width = lm.config.vocab_size
 
     def forward(self, input_ids, positions, attn):
         return self.lm.forward(input_ids, positions, attn)
 
-    def compute_logits(self, hidden, input_ids=None):
+    def compute_logits(self, hidden, input_ids=None, out=None):
         lo, hi = self.lm.logit_span
         full = torch.full((hidden.shape[0], self.lm.config.vocab_size), -math.inf)
         full[:, lo:hi] = self.lm.compute_logits(hidden, input_ids)

@@ -57,15 +57,13 @@ def _attention_checks(replica) -> dict:
 
 
 def _kv_pool_checks(replica) -> dict:
-    """runtime/replicas.py refuses a tensor-parallel engine whose ranks sized their KV pools differently."""
-    from types import SimpleNamespace
-
-    from mstar.runtime.replicas import _check_same_kv_pool
+    """runtime/build.py refuses a tensor-parallel engine whose ranks sized their KV pools differently."""
+    from mstar.runtime.build import _check_same_kv_pool
 
     out = {}
-    _check_same_kv_pool("thinker", SimpleNamespace(pool=SimpleNamespace(num_pages=64)), replica)  # equal: fine
+    _check_same_kv_pool("thinker", 64, replica)  # equal: fine
     try:
-        _check_same_kv_pool("thinker", SimpleNamespace(pool=SimpleNamespace(num_pages=64 + replica.index)), replica)
+        _check_same_kv_pool("thinker", 64 + replica.index, replica)
     except ValueError as exc:
         out["kv_pool_error"] = str(exc)
     return out
@@ -109,7 +107,8 @@ def test_two_ranks_give_the_whole_block(ranks, name):
 
 def test_ranks_with_kv_pools_of_two_sizes_are_refused(ranks):
     for result in ranks:
-        assert "sized their KV pools at [64, 65] pages; set kv_cache.max_num_pages" in result["kv_pool_error"]
+        assert "sized their KV pools at [64, 65] pages; set engines.thinker.max_num_pages (or kv_cache.max_num_pages)" \
+            in result["kv_pool_error"]
 
 
 def test_head_shard_slices_and_checks():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar.models.qwen3_omni.builders import code2wav_graph_sizes, code2wav_widths
+from mstar.models.qwen3_omni.builders import CODE2WAV_BATCH, code2wav_graph_sizes, code2wav_widths
 from mstar.models.qwen3_omni.code2wav import Code2Wav
 from mstar.models.qwen3_omni.code2wav_config import Code2WavConfig
 from mstar.models.qwen3_omni.model import Qwen3Omni
@@ -103,11 +103,22 @@ def test_serve_config_picks_the_widths() -> None:
 
 
 def test_graph_sizes_reach_the_max_batch() -> None:
-    assert code2wav_graph_sizes(Qwen3Omni.make_config()) == [1, 2, 4, 8, 16, 32]
-    assert code2wav_graph_sizes(Qwen3Omni.make_config(code2wav_max_batch=12)) == [1, 2, 4, 8, 12]
-    assert code2wav_graph_sizes(Qwen3Omni.make_config(code2wav_max_batch=1)) == [1]
-    with pytest.raises(ValueError, match="code2wav_max_batch"):
-        Qwen3Omni.make_config(code2wav_max_batch=0)
+    assert code2wav_graph_sizes(CODE2WAV_BATCH) == [1, 2, 4, 8, 16, 32]
+    assert code2wav_graph_sizes(12) == [1, 2, 4, 8, 12]
+    assert code2wav_graph_sizes(1) == [1]
+
+
+def test_code2wav_build_reads_its_engines_max_batch_size() -> None:
+    """The build (whose CUDA graphs reach its batch limit) reads the deployment's
+    `engines.code2wav.max_batch_size` through Model.engine_spec; the model's default otherwise."""
+    from mstar.config import config_from_dict
+    from mstar.runtime.build import build_model
+
+    model = build_model(config_from_dict({"model": "qwen3_omni", "engines": {"code2wav": {"max_batch_size": 12}}}),
+                        tiny=True)
+    assert model.build_component("code2wav", torch.device("cpu")).engine.max_batch_size == 12
+    plain = build_model(config_from_dict({"model": "qwen3_omni"}), tiny=True)
+    assert plain.build_component("code2wav", torch.device("cpu")).engine.max_batch_size == CODE2WAV_BATCH
 
 
 def test_served_flags_and_int32_codes(module) -> None:

@@ -103,7 +103,8 @@ def test_dit_graphs_option_is_validated_and_reaches_the_component() -> None:
     with pytest.raises(ValueError, match="dit_graphs"):
         Wan22ServeConfig(dit_graphs="yes")
     assert Wan22ServeConfig().dit_graphs is False
-    model = Wan22Model(config=Wan22Model.make_config(tiny=True, max_batch_size=6, dit_graphs=True))
+    model = Wan22Model(config=Wan22Model.make_config(tiny=True, dit_graphs=True))
+    model.engine_settings = {"dit": {"max_batch_size": 6}}  # YAML `engines: {dit: {max_batch_size: 6}}`
     assert model.build_component("dit", torch.device("cpu")).module.graph_rows == 6
     off = Wan22Model(config=Wan22Model.make_config(tiny=True))
     assert off.build_component("dit", torch.device("cpu")).module.graph_rows == 0

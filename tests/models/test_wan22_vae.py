@@ -245,7 +245,7 @@ def test_serve_option_vae_dtype_builds_the_vae_in_it_and_rejects_others():
     model = Wan22Model(Wan22Model.make_config(tiny=True, vae_dtype="bfloat16"))
     built = model.build_component("vae", torch.device("cpu")).module.vae
     assert {p.dtype for p in built.parameters()} == {torch.bfloat16}
-    with pytest.raises(ValueError, match=r"vae_dtype='fp8'; choose one of \['bfloat16', 'float16', 'float32'\]"):
+    with pytest.raises(ValueError, match=r"model_kwargs.vae_dtype='fp8': use one of \['bfloat16', 'float16', 'float32'\]"):
         Wan22Model.make_config(tiny=True, vae_dtype="fp8")
 
 
@@ -258,7 +258,7 @@ def test_serve_option_vae_conv_dtype_defaults_to_float16_for_a_float32_vae_and_f
     assert Wan22Model.make_config(tiny=True).conv_dtype() == "float16"
     assert Wan22Model.make_config(tiny=True, vae_dtype="bfloat16").conv_dtype() == "bfloat16"
     assert Wan22Model.make_config(tiny=True, vae_conv_dtype="float32").conv_dtype() == "float32"
-    with pytest.raises(ValueError, match=r"vae_conv_dtype='half'; choose one of"):
+    with pytest.raises(ValueError, match=r"model_kwargs.vae_conv_dtype='half': use one of"):
         Wan22Model.make_config(tiny=True, vae_conv_dtype="half")
     component = Wan22Model(Wan22Model.make_config(tiny=True)).build_component("vae", torch.device("cpu")).module
     vae = component.vae

@@ -196,7 +196,7 @@ def engine_graphed_case() -> dict:
     out = ar.drive(engine, [ar.item(f"r{i}", p, max_tokens=6) for i, p in enumerate(ps)], loop=True)
     got = [ar.tokens_of(out[(f"r{i}", "main")]) for i in range(len(ps))]
     return {"got": got, "want": [ar.reference(model, p, 6) for p in ps], "replays": engine.runner.graphs.calls,
-            "shared": engine.runner._shares_decode, "lookahead_steps": engine.lookahead_steps}
+            "shared": engine.runner._shared_attn is not None, "lookahead_steps": engine.lookahead_steps}
 
 
 def engine_prefill_graphed_case() -> dict:
@@ -218,7 +218,7 @@ def engine_prefill_graphed_case() -> dict:
     runner_module.BatchGraphs = prefill_module.BatchGraphs = EagerBatchGraphs
     with torch.inference_mode():
         engine.runner.graphs = engine.runner._capture([1, 2, 4])
-        engine.runner.prefill_graphs = engine.runner._capture_prefill([5, 8])
+        engine.runner.prefill_graphs = engine.runner._capture_prefill(engine.runner.attn, [5, 8])
     eager_steps = []
     forward = engine.runner._eager_forward
     engine.runner._eager_forward = lambda *a: eager_steps.append(a[0].shape[0]) or forward(*a)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.engines.autoregressive import AutoregressiveEngine
-from mstar.engines.base import KVLayout, LoopSpec, StepItem
+from mstar.engines.base import CausalLMBase, KVLayout, LoopSpec, StepItem
 from mstar.engines.kv_cache.config import KVCacheConfig
 from mstar.engines.sampling import SamplingParams
 
@@ -24,8 +24,11 @@ def _rope(x, positions):
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-class TinyLM(nn.Module):
+class TinyLM(CausalLMBase, nn.Module):
     """Follows the CausalLM contract; float64 so that cache/no-cache paths agree to the last bit of argmax."""
+
+    hidden_size = HIDDEN
+    logit_width = VOCAB
 
     def __init__(self):
         super().__init__()
@@ -52,7 +55,7 @@ class TinyLM(nn.Module):
             x = x + self.mlp[i](F.layer_norm(x, (HIDDEN,)))
         return F.layer_norm(x, (HIDDEN,))
 
-    def compute_logits(self, hidden, input_ids=None):
+    def compute_logits(self, hidden, input_ids=None, out=None):
         return (3.0 * self.head(hidden)).float()
 
 

@@ -34,8 +34,10 @@ class EagerGraphs:
 
 
 class PadTolerant:
-    """The SDPA backend with the Triton backend's graph-facing surface (pad_to, max_pages_per_seq);
-    EagerGraphs runs unpadded batches, so padding is not needed."""
+    """The SDPA backend with the graph-facing surface (`GraphedAttention`: pad_to, max_num_seqs,
+    max_pages_per_seq); EagerGraphs runs unpadded batches, so padding is not needed."""
+
+    max_num_seqs = 256
 
     def __init__(self, inner, max_pages):
         self.inner, self.max_pages_per_seq = inner, max_pages

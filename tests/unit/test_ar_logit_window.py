@@ -33,14 +33,14 @@ class WindowLM(TinyLM):
     logit_offset = LO
     logit_width = HI - LO
 
-    def compute_logits(self, hidden, input_ids=None):
+    def compute_logits(self, hidden, input_ids=None, out=None):
         return _window_logits(self, hidden)
 
 
 class MaskedLM(TinyLM):
     """The same logits over the whole vocabulary, -inf outside the window and on the blocked ids."""
 
-    def compute_logits(self, hidden, input_ids=None):
+    def compute_logits(self, hidden, input_ids=None, out=None):
         logits = torch.full((hidden.shape[0], VOCAB), -math.inf)
         logits[:, LO:HI] = _window_logits(self, hidden)
         return logits
@@ -133,7 +133,7 @@ def test_resumed_seeded_sequence_skips_draws_of_the_window_width(models):
     prompt = prompts(8)[4]
 
     def engine():
-        return ResumingEngine(window, KVCacheConfig(max_num_pages=64, page_size=4), "cpu", vocab_size=VOCAB,
+        return ResumingEngine(window, KVCacheConfig(max_num_pages=64, page_size=4), "cpu",
                               default_sampling=SamplingParams(temperature=0.0))
 
     whole = _run(engine(), [item("a", prompt, **options)])["a"]

@@ -66,7 +66,7 @@ def test_greedy_batches_read_everything_from_the_packed_buffer(model, monkeypatc
     for i, p in enumerate(ps):
         assert tokens_of(out[f"r{i}"]) == reference(model, p, 6 + 2 * i)
     r = engine.runner
-    assert r._shares_decode and r.attn.staged > 20 and engine.lookahead_steps > 10
+    assert r._shared_attn is r.attn and r.attn.staged > 20 and engine.lookahead_steps > 10
     assert r.graphs.calls == r.attn.staged and r.graphs.copies == 0  # every input came with the packed copy
 
 

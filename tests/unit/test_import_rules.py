@@ -28,7 +28,6 @@ ENGINE_CONTRACTS = (
     "mstar.engines.extras",  # ForwardExtras: per-step extras an AR engine hands the network
     "mstar.engines.sampling",  # SamplingParams: processors validate request options with it
     "mstar.engines.cuda_graphs",  # BatchGraphs (capture facility) and to_device_async (pinned host copies)
-    "mstar.engines.stats",  # the engine stats contract
 )
 
 # What models may import from mstar: "models use graph, layers, kernels" plus the recorded exceptions.

@@ -1,6 +1,5 @@
-"""`own_stream` engine option (engines/own_stream.py): taken out of the options before the engine is made,
-and a no-op off CUDA; on CUDA the engine is built and stepped inside its stream's scratch scope
-(kernels/scratch.py), and attributes set on the wrapper reach the engine. The CUDA side runs here with
+"""`AutoregressiveSpec.own_stream` (engines/own_stream.py): a no-op off CUDA; on CUDA the engine is built
+and stepped inside its stream's scratch scope (kernels/scratch.py). The CUDA side runs here with
 stand-ins for the stream calls; `tests/gpu/test_extras_lookahead_gpu.py` and
 `tests/gpu/test_own_stream_scratch_gpu.py` run it on a GPU."""
 
@@ -12,23 +11,29 @@ import pytest
 import torch
 
 from mstar.config import config_from_dict
+from mstar.engines.autoregressive.build import ResumingEngine
+from mstar.engines.base import AutoregressiveSpec, StatelessBase
 from mstar.engines.own_stream import OwnStreamEngine, on_own_stream
 from mstar.engines.stateless import StatelessEngine
 from mstar.kernels.scratch import current_owner, scratch_owner
 from mstar.models.base import BuiltComponent
 from mstar.runtime.build import _engine
+from tests.unit.test_ar_engine import TinyLM
 
 
-class _Double(torch.nn.Module):
-    def run_batch(self, items):
-        return [{"y": item.inputs["x"] * 2} for item in items]
+class _Double(StatelessBase, torch.nn.Module):
+    def run_batch(self, walk, node, inputs, options):
+        return [{"y": x["x"] * 2} for x in inputs]
 
 
-def test_own_stream_option_is_taken_out_and_cpu_engines_stay_plain():
-    built = BuiltComponent(_Double(), {"max_batch_size": 4, "own_stream": True})
-    engine = _engine("stateless", built, config_from_dict({"model": "toy"}), torch.device("cpu"))
-    assert type(engine) is StatelessEngine and engine.max_batch_size == 4
-    assert built.engine_options == {"max_batch_size": 4, "own_stream": True}  # the component's dict is untouched
+def test_cpu_engines_stay_plain_and_tensor_parallel_ones_seed_per_request():
+    """`own_stream` wraps nothing off CUDA; a tensor-parallel engine samples with per-request seeds (its
+    ranks must draw the same tokens), set on the engine itself before any wrapping."""
+    config = config_from_dict({"model": "toy"})
+    built = BuiltComponent(TinyLM(), AutoregressiveSpec(own_stream=True))
+    engine = _engine(built, config, torch.device("cpu"), pages=8)
+    assert type(engine) is ResumingEngine and not engine.seed_per_request
+    assert _engine(built, config, torch.device("cpu"), pages=8, tensor_parallel=True).seed_per_request
     made = StatelessEngine(_Double())
     assert on_own_stream(lambda: made, torch.device("cpu")) is made
 
@@ -46,8 +51,10 @@ class _Stream:
 class _Engine:
     """Records the scratch owner it was built and stepped under."""
 
+    host_inputs = True
+
     def __init__(self):
-        self.built_under, self.stepped_under, self.seed_per_request = current_owner(), None, False
+        self.built_under, self.stepped_under = current_owner(), None
 
     def step(self):
         self.stepped_under = current_owner()
@@ -70,14 +77,6 @@ def test_engine_is_built_and_stepped_in_its_streams_scratch_scope(fake_cuda):
     assert inner.built_under is stream and current_owner() is None  # graphs captured, kernels warmed for it
     assert wrapped.step() == [] and inner.stepped_under is stream
     assert stream.waited == [fake_cuda]  # the step waited for the worker's stream first
-
-
-def test_attributes_set_on_the_wrapper_reach_the_engine(fake_cuda):
-    """runtime/replicas.py sets `seed_per_request` on a tensor-parallel engine: on the wrapper it would
-    never reach the engine, whose ranks would then draw different tokens."""
-    wrapped = on_own_stream(_Engine, torch.device("cuda", 0))
-    wrapped.seed_per_request = True
-    assert wrapped.engine.seed_per_request is True and "seed_per_request" not in vars(wrapped)
 
 
 def test_split_k_scratch_is_kept_per_owner():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import mstar.engines.stateless as stateless
-from mstar.engines.base import StepItem
+from mstar.engines.base import StatelessBase, StatelessSpec, StepItem
 from mstar.engines.stateless import StatelessEngine
 
 
@@ -20,7 +20,7 @@ class _Event:
         return self.done
 
 
-class _Doubler(torch.nn.Module):
+class _Doubler(StatelessBase, torch.nn.Module):
     host_outputs = True
 
     def run_batch(self, walk, node, inputs, options):
@@ -39,7 +39,7 @@ def test_results_wait_for_their_copies_and_keep_order(monkeypatch):
         return events[-1]
 
     monkeypatch.setattr(stateless, "start_host_copies", fake_copies)
-    engine = StatelessEngine(_Doubler(), max_batch_size=1)
+    engine = StatelessEngine(_Doubler(), StatelessSpec(max_batch_size=1))
     for rid, v in (("a", 1.0), ("b", 2.0), ("c", 3.0)):
         engine.submit(_item(rid, v))
     assert engine.step() == []  # a's copy still running
@@ -56,7 +56,7 @@ def test_results_wait_for_their_copies_and_keep_order(monkeypatch):
 def test_release_drops_results_in_flight(monkeypatch):
     event = _Event()
     monkeypatch.setattr(stateless, "start_host_copies", lambda results: event)
-    engine = StatelessEngine(_Doubler(), max_batch_size=2)
+    engine = StatelessEngine(_Doubler(), StatelessSpec(max_batch_size=2))
     engine.submit(_item("a", 1.0))
     engine.submit(_item("b", 2.0))
     assert engine.step() == []

@@ -18,7 +18,7 @@ import torch
 from mstar.conductor.conductor import Conductor
 from mstar.conductor.request_state import FinishEvent
 from mstar.config import NodeGroup
-from mstar.engines.base import StepItem, StepResult
+from mstar.engines.base import StatelessBase, StatelessSpec, StepItem, StepResult
 from mstar.engines.stateless import StatelessEngine
 from mstar.graph import (
     CARRY,
@@ -135,18 +135,18 @@ class FakeLM:
                           finish_reason="stop" if stop else None, more=more)
 
 
-class FakeSnac(torch.nn.Module):
+class FakeSnac(StatelessBase, torch.nn.Module):
     def run_batch(self, walk, node, inputs, options):
         return [{"audio": x["codes"].float() * 2 + x["codes_new"].float()} for x in inputs]
 
 
-class Prep(torch.nn.Module):
+class Prep(StatelessBase, torch.nn.Module):
     def run_batch(self, walk, node, inputs, options):
         return [{"token": x["token"].clone()} for x in inputs]
 
 
 def _engines(components: list[str]) -> dict:
-    made = {"llm": FakeLM, "snac": lambda: StatelessEngine(FakeSnac(), max_batch_size=3),
+    made = {"llm": FakeLM, "snac": lambda: StatelessEngine(FakeSnac(), StatelessSpec(max_batch_size=3)),
             "prep": lambda: StatelessEngine(Prep())}
     return {c: made[c]() for c in components}
 

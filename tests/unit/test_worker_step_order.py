@@ -10,6 +10,7 @@ import torch
 from mstar.conductor.conductor import Conductor
 from mstar.conductor.request_state import FinishEvent
 from mstar.config import NodeGroup
+from mstar.engines.base import StatelessBase
 from mstar.engines.stateless import StatelessEngine
 from mstar.graph import ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Sequential, Walk
 from mstar.graph.placement import plan_placement
@@ -23,7 +24,7 @@ from mstar.worker.worker import CONDUCTOR, Worker, worker_peer
 FLOW = ("zeta", "mid", "alpha")  # the loop body's order: by name it is the reverse
 
 
-class AddOne(torch.nn.Module):
+class AddOne(StatelessBase, torch.nn.Module):
     def run_batch(self, walk, node, inputs, options):
         return [{"x": x["x"] + 1} for x in inputs]
 

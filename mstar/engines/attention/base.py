@@ -13,7 +13,7 @@ each request's new tokens over its cached prefix plus its own new tokens (causal
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -38,6 +38,39 @@ class AttentionBackend(Protocol):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store k/v for the new tokens of layer `layer` and return attention output [T, Hq, D]."""
+
+
+@runtime_checkable
+class GraphedAttention(AttentionBackend, Protocol):
+    """A backend whose decode steps can be captured in CUDA graphs: `prepare(meta, pad_to=rows)` fills
+    buffers of fixed addresses for a decode batch padded to `rows` (a graph's size), at most
+    `max_num_seqs` rows of at most `max_pages_per_seq` pages each."""
+
+    max_num_seqs: int
+    max_pages_per_seq: int
+
+    def prepare(self, meta: AttentionMetadata, pad_to: int | None = None) -> None: ...
+
+
+@runtime_checkable
+class SharedDecodeAttention(GraphedAttention, Protocol):
+    """A graphed backend that reads its decode buffers from the engine's packed decode inputs
+    (`DecodeInputs`), so that a staged decode batch costs no copy: `share_decode_buffers` hands it those
+    views once, before capture; `prepare_staged_decode(num_seqs, rows)` is `prepare` for a batch the
+    engine has already written there."""
+
+    def share_decode_buffers(self, seq_lens: torch.Tensor, slot_mapping: torch.Tensor,
+                             block_tables: torch.Tensor) -> None: ...
+
+    def prepare_staged_decode(self, num_seqs: int, rows: int) -> None: ...
+
+
+@runtime_checkable
+class GraphedPrefillAttention(GraphedAttention, Protocol):
+    """A graphed backend that can also replay steps with prompt tokens from graphs of `tokens` query
+    tokens (`PrefillGraphs`): `prepare_graphed_prefill` prepares such a step."""
+
+    def prepare_graphed_prefill(self, meta: AttentionMetadata, tokens: int) -> None: ...
 
 
 def padded_rows(meta: AttentionMetadata, pad_to: int | None, is_decode: bool) -> int:

@@ -77,8 +77,6 @@ class _Plan:
 class FlashInferBackend:
     """Owns the paged K/V tensors of one model and attends with FlashInfer (see module docstring)."""
 
-    supports_cuda_graphs = True  # decode batches follow FlashInfer's graph mode (module docstring)
-
     def __init__(self, layout: KVLayout, num_pages: int, page_size: int, device: torch.device | str,
                  scale: float | None = None, max_num_seqs: int = 256, max_pages_per_seq: int | None = None,
                  num_qo_heads: int | None = None, workspace_bytes: int = WORKSPACE_BYTES,

@@ -50,8 +50,6 @@ from mstar.engines.base import KVLayout
 class TritonBackend:
     """Owns the paged K/V tensors of one model and attends with Triton kernels (see module docstring)."""
 
-    supports_cuda_graphs = True  # decode batches follow the capture contract above
-
     def __init__(self, layout: KVLayout, num_pages: int, page_size: int, device: torch.device | str,
                  scale: float | None = None, max_num_seqs: int = 256,
                  max_pages_per_seq: int | None = None) -> None:
@@ -150,8 +148,8 @@ class TritonBackend:
         batch the caller staged there needs no copy (`prepare_staged_decode`); `prepare` keeps filling
         them for every other batch. Call it before capturing graphs: a graph reads the buffers it was
         captured with."""
-        for name, new in (("seq_lens", seq_lens), ("slot_mapping", slot_mapping), ("block_tables", block_tables)):
-            own = getattr(self, name)
+        for name, new, own in (("seq_lens", seq_lens, self.seq_lens), ("slot_mapping", slot_mapping, self.slot_mapping),
+                               ("block_tables", block_tables, self.block_tables)):
             if new.shape != own.shape or new.dtype != own.dtype or new.device != own.device:
                 raise ValueError(f"shared {name} {tuple(new.shape)} {new.dtype} on {new.device} does not match "
                                  f"{tuple(own.shape)} {own.dtype} on {own.device}")

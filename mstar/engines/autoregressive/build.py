@@ -11,36 +11,29 @@ where the prefill worker left off. For a sequence it already holds, `prompt_ids`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any
 
 import torch
 
 from mstar.config import CudaGraphConfig
 from mstar.engines.autoregressive.engine import AutoregressiveEngine
 from mstar.engines.autoregressive.sequence import Sequence
-from mstar.engines.base import StepItem
+from mstar.engines.base import AutoregressiveSpec, CausalLM, StepItem
 from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
 from mstar.engines.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 CONTEXT_PORT = "prompt_ids"  # optional input port: the tokens before `input_ids` of a resumed sequence
-_ENGINE_KEYS = ("eos_token_ids", "default_sampling", "max_num_seqs", "max_batch_tokens", "max_model_len",
-                "enable_prefix_caching", "vocab_size")
 
 
 class ResumingEngine(AutoregressiveEngine):
     """AutoregressiveEngine that resumes a sequence from `inputs["prompt_ids"]` (see the module doc).
 
-    `vocab_size` lets a seeded sequence skip the random draws its already generated tokens consumed
-    on the worker that sampled them: one row per token as wide as the logits, i.e. the model's
-    `logit_width` when it has one (a window of ids, `CausalLM`), else `vocab_size`.
+    A seeded sequence resumed here skips the random draws its already generated tokens consumed on the
+    worker that sampled them: one row as wide as the logits (`CausalLM.logit_width`) per token.
     """
-
-    def __init__(self, *args: Any, vocab_size: int | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.vocab_size = vocab_size
 
     def _new_sequence(self, key: tuple[str, str], item: StepItem, tokens: list[int]) -> Sequence:
         context = item.inputs.get(CONTEXT_PORT)
@@ -62,33 +55,28 @@ class ResumingEngine(AutoregressiveEngine):
 
     def _skip_draws(self, generator: torch.Generator, count: int) -> None:
         # sampling draws one Exp(1) row as wide as the logits per token (engines/sampling.py)
-        width = getattr(self.runner.model, "logit_width", None) or self.vocab_size
-        if width is None:
-            raise ValueError("a seeded sequence resumed on another worker needs the engine's vocab_size")
+        width = self.runner.model.logit_width
         for _ in range(count):
             torch.empty(width, dtype=torch.float32, device=self.device).exponential_(generator=generator)
 
 
-def build_autoregressive_engine(built: Any, kv_config: KVCacheConfig, device: torch.device,
-                                cuda_graphs: CudaGraphConfig | None = None) -> ResumingEngine:
-    """The engine of an autoregressive component from its `BuiltComponent`.
-
-    `built.engine_options` may hold: eos_token_ids, default_sampling (a SamplingParams or a dict of
-    sampling options), max_num_seqs, max_batch_tokens, max_model_len, enable_prefix_caching and
-    vocab_size. A `max_model_len` larger than the KV pool holds is lowered to the pool's capacity
-    (logged), since one sequence must always fit in the pool.
-    """
-    options = dict(built.engine_options)
-    unknown = sorted(set(options) - set(_ENGINE_KEYS))
-    if unknown:
-        raise ValueError(f"unknown autoregressive engine option(s) {unknown}; valid: {list(_ENGINE_KEYS)}")
-    defaults = options.get("default_sampling")
-    if isinstance(defaults, dict):
-        options["default_sampling"] = SamplingParams.from_options(defaults, SamplingParams())
-    if options.get("max_model_len") is not None:
-        capacity = compute_num_pages(kv_config, built.module.kv_layout, device) * kv_config.page_size
-        if options["max_model_len"] > capacity:
-            logger.warning("max_model_len %d lowered to %d, the KV pool's capacity (raise kv_cache.max_num_pages "
-                           "or memory_fraction for longer sequences)", options["max_model_len"], capacity)
-            options["max_model_len"] = capacity
-    return ResumingEngine(built.module, kv_config, device, cuda_graphs=cuda_graphs, **options)
+def build_autoregressive_engine(module: CausalLM, spec: AutoregressiveSpec, kv_config: KVCacheConfig,
+                                device: torch.device, cuda_graphs: CudaGraphConfig | None = None,
+                                num_pages: int | None = None) -> ResumingEngine:
+    """The engine of an autoregressive component: `module` run as `spec` says, its KV pool `num_pages`
+    pages (None: sized from `kv_config` as for a worker's only pool). A `max_model_len` larger than the
+    pool holds is lowered to the pool's capacity (logged), since one sequence must always fit in it."""
+    if num_pages is None:
+        num_pages = compute_num_pages(kv_config, module.kv_layout, device)
+    max_model_len = spec.max_model_len
+    capacity = num_pages * kv_config.page_size
+    if max_model_len is not None and max_model_len > capacity:
+        logger.warning("max_model_len %d lowered to %d, the KV pool's capacity (raise max_num_pages or "
+                       "memory_fraction for longer sequences)", max_model_len, capacity)
+        max_model_len = capacity
+    if cuda_graphs is not None and spec.cuda_graph_sizes is not None:
+        cuda_graphs = dataclasses.replace(cuda_graphs, batch_sizes=list(spec.cuda_graph_sizes))
+    return ResumingEngine(module, kv_config, device, eos_token_ids=spec.eos_token_ids,
+                          max_num_seqs=spec.max_num_seqs, max_batch_tokens=spec.max_batch_tokens,
+                          max_model_len=max_model_len, enable_prefix_caching=spec.enable_prefix_caching,
+                          cuda_graphs=cuda_graphs, num_pages=num_pages)

@@ -31,7 +31,7 @@ from mstar.engines.autoregressive.scheduler import Chunk, Scheduler
 from mstar.engines.autoregressive.sequence import Sequence
 from mstar.engines.autoregressive.step_graph import StepGraphs
 from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs, parse_item
-from mstar.engines.base import CausalLM, LoopSpec, StepItem, StepResult, logit_offset
+from mstar.engines.base import CausalLM, LoopSpec, StepItem, StepResult, require
 from mstar.engines.cuda_graphs import to_device_async, to_host_async
 from mstar.engines.kv_cache.block_pool import BlockPool
 from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
@@ -54,14 +54,16 @@ class AutoregressiveEngine:
                  eos_token_ids: tuple[int, ...] = (), default_sampling: SamplingParams | None = None,
                  max_num_seqs: int = 256, max_batch_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, cuda_graphs: CudaGraphConfig | None = None,
-                 warm_up: bool | None = None, lookahead: bool | None = None) -> None:
+                 warm_up: bool | None = None, lookahead: bool | None = None, num_pages: int | None = None) -> None:
         if max_num_seqs < 1 or max_batch_tokens < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs}, max_batch_tokens={max_batch_tokens}: both must be >= 1")
         self.device = torch.device(device)
         self.eos_token_ids = tuple(eos_token_ids)
-        self.logit_offset = logit_offset(model)  # the token id of the logits' column 0
+        require(model, CausalLM, " (subclass mstar.engines.base.CausalLMBase for the optional members)")
+        self.logit_offset = model.logit_offset  # the token id of the logits' column 0
         self.default_sampling = default_sampling or SamplingParams()
-        num_pages = compute_num_pages(kv_config, model.kv_layout, self.device)
+        if num_pages is None:  # a worker's pools are sized together (kv_cache.config.kv_pool_pages)
+            num_pages = compute_num_pages(kv_config, model.kv_layout, self.device)
         capacity = num_pages * kv_config.page_size
         self.max_model_len = capacity if max_model_len is None else max_model_len
         if not 1 < self.max_model_len <= capacity:
@@ -99,7 +101,7 @@ class AutoregressiveEngine:
             self.step_graphs = StepGraphs(self.runner, self.sampler)
         if warm_up if warm_up is not None else self.device.type == "cuda":
             self._warm_up()
-        self.last_step_items = 0  # sequences the latest step computed (mstar.engines.stats.ReportsStats)
+        self.last_step_items = 0  # sequences the latest step computed (`Engine`)
 
     def _warm_up(self, alone: tuple[int, ...] = (5, 12, 24, 48), together: tuple[int, ...] = (5, 16, 33)) -> None:
         """Run throwaway prompts (prefill and two decode steps) through the real path, so that the first
@@ -181,7 +183,7 @@ class AutoregressiveEngine:
         return bool(self._errors) or any(s.item is not None for s in self._seqs.values())
 
     def stats(self) -> dict[str, float]:
-        """Load and KV cache counters (keys documented in mstar.engines.stats); O(live sequences)."""
+        """Load and KV cache counters (keys documented at `Engine.stats`); O(live sequences)."""
         sched, pool = self.scheduler, self.pool
         return {
             "queue_depth": len(self._errors) + sum(s.item is not None for s in self._seqs.values()),

@@ -27,7 +27,7 @@ from torch import nn
 
 from mstar.engines.autoregressive.scheduler import Chunk
 from mstar.engines.autoregressive.sequence import Sequence
-from mstar.engines.base import logit_offset
+from mstar.engines.base import CausalLM
 from mstar.engines.cuda_graphs import BatchGraphs, to_device_async
 from mstar.engines.extras import ForwardExtras
 from mstar.engines.sampling import greedy_ids
@@ -48,11 +48,11 @@ class _StaticExtras(ForwardExtras):
 class ExtrasGraphs:
     """Decode graphs of a model's forward with static embedding, position and hidden-capture buffers."""
 
-    def __init__(self, model: Any, attn: Any, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, attn: Any, device: torch.device) -> None:
         self.model, self.attn, self.device = model, attn, device
         self.layers = tuple(model.graph_hidden_layers)
-        self.offset = logit_offset(model)  # greedy ids are token ids
-        self.rows = 3 if getattr(model, "multirow_positions", False) else 1
+        self.offset = model.logit_offset  # greedy ids are token ids
+        self.rows = 3 if model.multirow_positions else 1
         self._zero_row = torch.zeros(model.hidden_size, dtype=model.kv_layout.dtype, device=device)
         self.graphs: BatchGraphs | None = None
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar.engines.attention.base import AttentionMetadata
+from mstar.engines.attention.base import AttentionMetadata, GraphedPrefillAttention
 from mstar.engines.autoregressive.scheduler import Chunk
 from mstar.engines.base import CausalLM
 from mstar.engines.cuda_graphs import BatchGraphs
@@ -32,7 +32,8 @@ from mstar.engines.cuda_graphs import BatchGraphs
 class PrefillGraphs:
     """`model.forward` captured at token buckets `tokens` (see the module docstring)."""
 
-    def __init__(self, model: CausalLM, attn, device: torch.device, tokens: list[int]) -> None:
+    def __init__(self, model: CausalLM, attn: GraphedPrefillAttention, device: torch.device,
+                 tokens: list[int]) -> None:
         self.model, self.attn = model, attn
         self.tokens = sorted(set(tokens))
         self.max_tokens = self.tokens[-1]

@@ -1,20 +1,25 @@
 """Executes one scheduled step: packs the chunks, runs the model once, returns logits to sample.
 
 Decode-only steps replay a CUDA graph when the attention backend supports capture
-(`supports_cuda_graphs`) and the device is CUDA: the step's host work is then building a few
+(`GraphedAttention`), the model does (`CausalLM.supports_cuda_graphs`) and the device is CUDA: the step's host work is then building a few
 small index tensors and one graph launch, instead of launching every kernel of the model. With
 `cuda_graphs.prefill_tokens`, steps with prompt tokens replay graphs too (prefill_graph.py).
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 
 import torch
 
 from mstar.config import CudaGraphConfig
-from mstar.engines.attention.base import AttentionBackend, AttentionMetadata
+from mstar.engines.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    GraphedAttention,
+    GraphedPrefillAttention,
+    SharedDecodeAttention,
+)
 from mstar.engines.autoregressive.decode_inputs import DecodeInputs, HostSet
 from mstar.engines.autoregressive.extras_graph import ExtrasGraphs
 from mstar.engines.autoregressive.lookahead import Ahead
@@ -107,15 +112,15 @@ class ModelRunner:
         self.extras_graphs: ExtrasGraphs | None = None  # decode with embeddings/positions/hidden capture
         self.prefill_graphs: PrefillGraphs | None = None  # steps with prompt tokens (cuda_graphs.prefill_tokens)
         self._decode: DecodeInputs | None = None  # packed inputs of graphed decode steps (decode_inputs.py)
-        self._shares_decode = False  # whether the attention backend reads its decode buffers from it
+        self._graphed_attn: GraphedAttention | None = None  # the backend, once decode graphs use it
+        # the backend when it reads its decode buffers from `_decode` (`SharedDecodeAttention`), else None
+        self._shared_attn: SharedDecodeAttention | None = None
         self.last_greedy_ids: torch.Tensor | None = None  # token ids of the step's argmax, when an extras graph ran
         # float32 logits of every decode graph, written in place by the graph (all sizes share it), so a
         # sampler graph reading this buffer needs no copy of them (`SamplerGraphs(logits=...)`)
         self.logits_out: torch.Tensor | None = None
         self.ids_copies = 0  # lookahead forwards whose ids had to be copied in (not sampled in place)
         self._graph_rows = 0  # the largest decode graph's rows (logits_out holds that many)
-        # whether compute_logits can write into logits_out itself (`CausalLM`), saving a copy a step
-        self._head_takes_out = "out" in inspect.signature(model.compute_logits).parameters
         self._eager_forward = model.forward  # plain steps that replay no graph; compiled on request
         if graphs is not None and graphs.compile_eager:
             try:
@@ -125,17 +130,16 @@ class ModelRunner:
             logger.info("eager forward of %s compiled with torch.compile (backend %s)", type(model).__name__,
                         graphs.compile_backend)
         if graphs is not None and graphs.enabled and self.device.type == "cuda":
-            capturable = getattr(model, "supports_cuda_graphs", None)
-            if capturable is not None and not capturable():
+            if not model.supports_cuda_graphs():
                 logger.info("%s cannot be captured in CUDA graphs here; decode runs eagerly", type(model).__name__)
-            elif getattr(attn, "supports_cuda_graphs", False):
+            elif isinstance(attn, GraphedAttention):
                 sizes = [s for s in graphs.sizes() if s <= max_num_seqs] or [1]
                 self.graphs = self._capture(sizes)
-                if getattr(model, "graph_hidden_layers", None):
+                if model.graph_hidden_layers:
                     self.extras_graphs = ExtrasGraphs(model, attn, self.device)
                     self.extras_graphs.capture(sizes, self._describe_dummy_batch)
-                if graphs.prefill_tokens and hasattr(attn, "prepare_graphed_prefill"):
-                    self.prefill_graphs = self._capture_prefill(graphs.prefill_tokens)
+                if graphs.prefill_tokens and isinstance(attn, GraphedPrefillAttention):
+                    self.prefill_graphs = self._capture_prefill(attn, graphs.prefill_tokens)
             else:
                 logger.info("%s cannot be captured in CUDA graphs; decode runs eagerly", type(attn).__name__)
 
@@ -152,10 +156,7 @@ class ModelRunner:
         a wasted pass over the logits (~10 us at Orpheus's 28,680 ids on an H200)."""
         hidden = self.model.forward(input_ids, positions, self.attn)
         out = self.logits_out  # None at the first warm-up call, which makes it
-        if self._head_takes_out and out is not None:
-            logits = self.model.compute_logits(hidden, input_ids, out=out[: hidden.shape[0]])
-        else:
-            logits = self.model.compute_logits(hidden, input_ids)
+        logits = self.model.compute_logits(hidden, input_ids, out=None if out is None else out[: hidden.shape[0]])
         return self._into_logits_out(logits, self._graph_rows)
 
     def _into_logits_out(self, logits: torch.Tensor, rows: int) -> torch.Tensor:
@@ -180,14 +181,15 @@ class ModelRunner:
         return self._decode.ids if self._decode is not None else None
 
     @torch.inference_mode()
-    def _capture_prefill(self, tokens: list[int]) -> PrefillGraphs:
-        return PrefillGraphs(self.model, self.attn, self.device, tokens)
+    def _capture_prefill(self, attn: GraphedPrefillAttention, tokens: list[int]) -> PrefillGraphs:
+        return PrefillGraphs(self.model, attn, self.device, tokens)
 
     def _describe_dummy_batch(self, size: int) -> None:
         """Prepare the backend for a capture: every row one token over itself, written nowhere."""
         meta = AttentionMetadata([1] * size, [1] * size, torch.full((size,), -1, dtype=torch.long),
                                  torch.zeros(size, 1, dtype=torch.int32))
-        self.attn.prepare(meta, pad_to=size)  # type: ignore[call-arg]
+        assert self._graphed_attn is not None  # the decode inputs are made before any capture
+        self._graphed_attn.prepare(meta, pad_to=size)
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> torch.Tensor | None:
@@ -271,15 +273,16 @@ class ModelRunner:
         n = len(seqs)
         bucket = self.graphs.bucket(n)
         assert bucket is not None
-        host = dec.stage(seqs, positions, ids is None, bucket, self._shares_decode)
+        host = dec.stage(seqs, positions, ids is None, bucket, self._shared_attn is not None)
         if ids is not None and ids.data_ptr() != dec.ids.data_ptr():  # else sampled in place already
             dec.ids_rows[n].copy_(ids, non_blocking=True)
             self.ids_copies += 1
-        if self._shares_decode:
-            self.attn.prepare_staged_decode(n, bucket)  # type: ignore[attr-defined]
+        if self._shared_attn is not None:
+            self._shared_attn.prepare_staged_decode(n, bucket)
         else:
+            assert self._graphed_attn is not None
             meta = AttentionMetadata([1] * n, [p + 1 for p in positions], host.slots[:n], host.tables[:n])
-            self.attn.prepare(meta, pad_to=bucket)  # type: ignore[call-arg]
+            self._graphed_attn.prepare(meta, pad_to=bucket)
         dec.sent(host)
         return dec, n, bucket
 
@@ -287,32 +290,34 @@ class ModelRunner:
         """Stage the lookahead forward of `seqs` (ids: drawn on the device) into `host` without copying
         it, and prepare the attention backend for it; (positions, bucket). For a step graph
         (`step_graph.py`), which copies `host` in itself; needs a backend sharing the decode buffers."""
-        assert self.graphs is not None and self._decode is not None and self._shares_decode
+        assert self.graphs is not None and self._decode is not None and self._shared_attn is not None
         positions = [len(s.token_ids) for s in seqs]
         bucket = self.graphs.bucket(len(seqs))
         assert bucket is not None
         self._decode.stage(seqs, positions, False, bucket, True, host=host, send=False)
-        self.attn.prepare_staged_decode(len(seqs), bucket)  # type: ignore[attr-defined]
+        self._shared_attn.prepare_staged_decode(len(seqs), bucket)
         return positions, bucket
 
     @property
     def decode_inputs(self) -> DecodeInputs | None:
         """The packed decode inputs, when the attention backend reads its decode buffers from them (the
         case a step graph needs); else None."""
-        return self._decode if self._shares_decode else None
+        return self._decode if self._shared_attn is not None else None
 
     def _decode_inputs(self, max_batch: int) -> DecodeInputs:
         """The packed decode inputs for graphs of up to `max_batch` rows, made before the decode graphs
         are captured (or at the first replay of graphs installed from outside, as tests do): a backend
         that can share its decode buffers reads them from there from then on."""
-        share = getattr(self.attn, "share_decode_buffers", None)
-        if share is not None and max_batch > self.attn.max_num_seqs:  # type: ignore[attr-defined]
-            share = None  # such batches do not fit the backend anyway (it raises at prepare)
-        rows = self.attn.max_num_seqs if share is not None else max_batch  # type: ignore[attr-defined]
-        dec = DecodeInputs(rows, self.attn.max_pages_per_seq, self.page_size, self.device)  # type: ignore[attr-defined]
-        if share is not None:
-            share(dec.seq_lens, dec.slots, dec.tables)
-        self._decode, self._shares_decode = dec, share is not None
+        attn = self.attn
+        if not isinstance(attn, GraphedAttention):
+            raise TypeError(f"{type(attn).__name__} cannot replay decode graphs (it is no GraphedAttention)")
+        # batches larger than the backend holds do not fit it anyway (it raises at prepare)
+        shared = attn if isinstance(attn, SharedDecodeAttention) and max_batch <= attn.max_num_seqs else None
+        rows = attn.max_num_seqs if shared is not None else max_batch
+        dec = DecodeInputs(rows, attn.max_pages_per_seq, self.page_size, self.device)
+        if shared is not None:
+            shared.share_decode_buffers(dec.seq_lens, dec.slots, dec.tables)
+        self._decode, self._graphed_attn, self._shared_attn = dec, attn, shared
         return dec
 
     def launch_ahead(self, seqs: list[Sequence], ids: torch.Tensor) -> Ahead:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mstar.engines.base import StepItem
+from mstar.engines.base import CausalLM, StepItem
 from mstar.engines.cuda_graphs import to_device_async
 from mstar.engines.extras import FINAL, ForwardExtras
 
@@ -40,9 +40,9 @@ class ItemExtras:
     hidden_layers: tuple[int, ...] = ()
 
 
-def parse_item(item: StepItem, n: int, model: Any) -> ItemExtras | None:
+def parse_item(item: StepItem, n: int, model: CausalLM) -> ItemExtras | None:
     """The extras of `item` (n tokens), None when it has none; ValueError names a malformed one."""
-    names = tuple(getattr(model, "token_features", ()))
+    names = model.token_features
     inputs = item.inputs
     if ("input_embeds" not in inputs and "positions" not in inputs and "return_hidden" not in item.options
             and not (names and any(name in inputs for name in names))):
@@ -64,7 +64,7 @@ def parse_item(item: StepItem, n: int, model: Any) -> ItemExtras | None:
         extras.hidden_layers = _hidden_layers(layers, model)
     if extras.embeds is None and extras.positions is None and not extras.hidden_layers:
         return None
-    if not getattr(model, "accepts_extras", False):
+    if not model.accepts_extras:
         raise ValueError(f"model {type(model).__name__} takes no input_embeds, positions or return_hidden")
     return extras
 
@@ -80,16 +80,16 @@ def _embed_rows(item: StepItem, n: int, embeds: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-def _positions(pos: torch.Tensor, n: int, model: Any) -> torch.Tensor:
+def _positions(pos: torch.Tensor, n: int, model: CausalLM) -> torch.Tensor:
     pos = pos if pos.dim() == 2 else pos.unsqueeze(0)
     if pos.shape[-1] != n or pos.shape[0] not in (1, 3):
         raise ValueError(f"positions of shape {tuple(pos.shape)} must be [{n}] or [3, {n}]")
-    if pos.shape[0] == 3 and not getattr(model, "multirow_positions", False):
+    if pos.shape[0] == 3 and not model.multirow_positions:
         raise ValueError(f"model {type(model).__name__} takes 1-D positions, got [3, {n}]")
     return pos
 
 
-def _hidden_layers(layers: Any, model: Any) -> tuple[int, ...]:
+def _hidden_layers(layers: Any, model: CausalLM) -> tuple[int, ...]:
     layers = (layers,) if isinstance(layers, int) else tuple(layers)
     num = model.kv_layout.num_layers
     bad = [k for k in layers if not isinstance(k, int) or not (k == FINAL or 0 <= k <= num)]

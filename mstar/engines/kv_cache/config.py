@@ -7,9 +7,9 @@ import logging
 import torch
 
 from mstar.config import KVCacheConfig
-from mstar.engines.base import KVLayout
+from mstar.engines.base import AutoregressiveSpec, KVLayout
 
-__all__ = ["CPU_DEFAULT_POOL_BYTES", "KVCacheConfig", "compute_num_pages", "page_bytes"]
+__all__ = ["CPU_DEFAULT_POOL_BYTES", "KVCacheConfig", "compute_num_pages", "kv_pool_pages", "page_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,27 +25,60 @@ def page_bytes(layout: KVLayout, page_size: int) -> int:
 
 
 def compute_num_pages(config: KVCacheConfig, layout: KVLayout, device: torch.device | str) -> int:
-    """Number of pages for the pool: explicit `max_num_pages`, else sized from memory (see KVCacheConfig).
+    """Pages of the pool of a worker's only autoregressive component (`kv_pool_pages` for one pool): explicit
+    `max_num_pages`, else sized from memory (see KVCacheConfig). Call it once the weights are on `device`."""
+    return kv_pool_pages({"kv": (layout, AutoregressiveSpec())}, config, device)["kv"]
 
-    Call it after the model's weights are on `device`, so that free memory excludes them.
+
+def kv_pool_pages(pools: dict[str, tuple[KVLayout, AutoregressiveSpec]], config: KVCacheConfig,
+                  device: torch.device | str) -> dict[str, int]:
+    """component -> pages of its KV pool, for the autoregressive components of one worker, sized together
+    once their weights are on `device` (whatever order their engines are made in).
+
+    A component's own `max_num_pages` wins, then its own `memory_fraction` (of the memory free now); the
+    others take `kv_cache.max_num_pages`, or split what is left of `kv_cache.memory_fraction` in
+    proportion to their page sizes, so each holds as many tokens. Off CUDA every pool gets
+    `CPU_DEFAULT_POOL_BYTES` unless a page count is given.
     """
-    if config.max_num_pages is not None:
-        return config.max_num_pages
     device = torch.device(device)
-    per_page = page_bytes(layout, config.page_size)
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int(free * config.memory_fraction)
-        source = f"{config.memory_fraction} of {free / 2**30:.2f} GiB free on {device}"
-    else:
-        budget = CPU_DEFAULT_POOL_BYTES
-        source = f"the {CPU_DEFAULT_POOL_BYTES // 2**20} MiB default for {device.type}"
-    num_pages = budget // per_page
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" and pools else 0
+    pages: dict[str, int] = {}
+    shared: dict[str, int] = {}  # component -> bytes per page, for the pools that split the rest
+    claimed = 0.0
+    for name, (layout, spec) in pools.items():
+        per_page = page_bytes(layout, config.page_size)
+        if spec.max_num_pages is not None:
+            pages[name] = spec.max_num_pages
+        elif spec.memory_fraction is not None and device.type == "cuda":
+            pages[name] = _fit(name, int(free * spec.memory_fraction) // per_page, per_page,
+                               f"engines.{name}.memory_fraction={spec.memory_fraction} of {free / 2**30:.2f} GiB free")
+            claimed += spec.memory_fraction
+        elif config.max_num_pages is not None:
+            pages[name] = config.max_num_pages
+        elif device.type != "cuda":
+            pages[name] = _fit(name, CPU_DEFAULT_POOL_BYTES // per_page, per_page,
+                               f"the {CPU_DEFAULT_POOL_BYTES // 2**20} MiB default for {device.type}")
+        else:
+            shared[name] = per_page
+    if shared:
+        rest = config.memory_fraction - claimed
+        if rest <= 0:
+            raise ValueError(f"the engines' memory_fraction values add up to {claimed:g}, leaving nothing of "
+                             f"kv_cache.memory_fraction={config.memory_fraction} for {sorted(shared)}; give those a "
+                             "memory_fraction too, or raise kv_cache.memory_fraction")
+        # equal page counts: each pool gets the same share of `rest` per byte of its page
+        count = int(free * rest) // sum(shared.values())
+        for name, per_page in shared.items():
+            pages[name] = _fit(name, count, per_page, f"{rest:g} of {free / 2**30:.2f} GiB free on {device}"
+                               + (f", shared by {len(shared)} pools" if len(shared) > 1 else ""))
+    for name, (layout, _spec) in pools.items():
+        logger.info("KV pool of %s: %d pages of %d tokens (%.1f MiB)", name, pages[name], config.page_size,
+                    pages[name] * page_bytes(layout, config.page_size) / 2**20)
+    return pages
+
+
+def _fit(name: str, num_pages: int, per_page: int, source: str) -> int:
     if num_pages < 1:
-        raise ValueError(
-            f"no room for a single KV page ({per_page} bytes) in {source}; "
-            "set kv_cache.max_num_pages or free device memory"
-        )
-    logger.info("KV pool: %d pages of %d tokens (%.1f MiB) from %s",
-                num_pages, config.page_size, num_pages * per_page / 2**20, source)
+        raise ValueError(f"no room for a single KV page of {name} ({per_page} bytes) in {source}; set "
+                         f"engines.{name}.max_num_pages (or kv_cache.max_num_pages) or free device memory")
     return num_pages

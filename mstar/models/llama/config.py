@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from mstar.layers.rope import RopeSpec
+from mstar.models.common.serve_config import dtype_named
 
 # model_type -> the HF architecture name it must be loaded as.
 SUPPORTED_ARCHITECTURES = {
@@ -17,7 +18,6 @@ SUPPORTED_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,4 @@ def _rope_spec(cfg: dict[str, Any], head_dim: int) -> RopeSpec:
 
 
 def _dtype(cfg: dict[str, Any]) -> torch.dtype:
-    name = cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"
-    if name not in _DTYPES:
-        raise ValueError(f"unsupported checkpoint dtype {name!r}; supported: {', '.join(_DTYPES)}")
-    return _DTYPES[name]
+    return dtype_named(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16", "the checkpoint's dtype")

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mstar.engines.base import KVLayout
+from mstar.engines.base import CausalLMBase, KVLayout
 from mstar.engines.extras import FINAL, ForwardExtras
 from mstar.layers.attention import AttentionSpec, SelfAttention
 from mstar.layers.fused import FUSED
@@ -73,7 +73,7 @@ class DecoderBody(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLMBase, nn.Module):
     """A Llama/Qwen2/Qwen3 decoder: `forward` -> hidden [T, H], `compute_logits` -> float32 [N, V]
     (or [N, hi - lo] over a span, see `restrict_logits`)."""
 
@@ -83,6 +83,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.kv_layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, config.dtype)
+        self.hidden_size = config.hidden_size
         self.model = DecoderBody(config)
         self.rotary = RotaryEmbedding(config.rope)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

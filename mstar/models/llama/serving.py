@@ -22,33 +22,22 @@ from typing import Any
 
 import torch
 
+from mstar.engines.base import AutoregressiveSpec
 from mstar.graph import CARRY, ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Walk
 from mstar.models.base import BuiltComponent, Model
+from mstar.models.common.serve_config import LMServeConfig
 from mstar.models.llama.config import LlamaConfig
 from mstar.models.llama.processor import LOGPROB_OUTPUTS, TextProcessor
 
 logger = logging.getLogger(__name__)
 
 _SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
-class LLMConfig:
-    """Serving options of a dense LLM (YAML `model_kwargs`); the architecture comes from config.json."""
-
-    tiny: bool = False  # tiny random model + tiny tokenizer (offline, seconds)
-    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
-    tokenizer_path: str | None = None  # default: the checkpoint folder
-    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings (and the KV pool)
-    max_num_seqs: int = 256  # sequences batched together at most
-    max_batch_tokens: int = 2048  # tokens per engine step (prefill chunk budget)
-    enable_prefix_caching: bool = True
-    seed: int = 0  # of dummy / tiny random weights
-
-    def __post_init__(self) -> None:
-        if self.dtype is not None and self.dtype not in _DTYPES:
-            raise ValueError(f"model_kwargs.dtype={self.dtype!r}: use one of {sorted(_DTYPES)} or leave it unset")
+class LLMConfig(LMServeConfig):
+    """Serving options of a dense LLM (YAML `model_kwargs`); the architecture comes from config.json, and
+    `max_model_len` defaults to its max_position_embeddings (and the KV pool)."""
 
 
 def lm_graph(context_len: int) -> ModelGraph:
@@ -133,18 +122,14 @@ class DenseLM(Model):
             raise KeyError(f"{self.name} has no component {name!r}; its only component is 'llm'")
         module = self._load_module(device)
         eos = tuple(dict.fromkeys(self.llama_config.eos_token_ids + self.tokenizer.eos_token_ids))
-        return BuiltComponent(module, {
-            "eos_token_ids": eos, "max_model_len": self.max_model_len, "vocab_size": self.llama_config.vocab_size,
-            "max_num_seqs": self.config.max_num_seqs, "max_batch_tokens": self.config.max_batch_tokens,
-            "enable_prefix_caching": self.config.enable_prefix_caching})
+        return BuiltComponent(module, AutoregressiveSpec(eos_token_ids=eos, max_model_len=self.max_model_len))
 
     def _load_module(self, device: torch.device) -> torch.nn.Module:
         from mstar.models.common.loading import fill_dummy_weights
         from mstar.models.llama.model import build_model
         from mstar.models.llama.weights import load_model
 
-        dtype = _DTYPES[self.config.dtype] if self.config.dtype else (
-            torch.bfloat16 if device.type == "cuda" else torch.float32)
+        dtype = self.config.torch_dtype(device)
         if self.config.tiny:
             module = build_model(self.llama_config, dtype=dtype, device=device)
             fill_dummy_weights(module, seed=self.config.seed, std=0.3)  # large enough for varied greedy text

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from mstar.engines.base import AutoregressiveSpec, StatelessSpec
 from mstar.graph import (
     CARRY,
     ComponentSpec,
@@ -36,6 +37,7 @@ from mstar.graph import (
     Walk,
 )
 from mstar.models.base import BuiltComponent, Model
+from mstar.models.common.serve_config import LMServeConfig
 from mstar.models.orpheus.processor import OrpheusProcessor
 from mstar.models.orpheus.tokens import DEFAULT_VOICE, FRAME, LLAMA3_VOCAB, OrpheusTokens, keep_audio_token
 
@@ -43,23 +45,17 @@ logger = logging.getLogger(__name__)
 
 WINDOW_TOKENS, STRIDE_TOKENS = 4 * FRAME, FRAME
 EARLY_WINDOW_TOKENS = 2 * FRAME  # vocoder.EARLY_FRAMES; the first audio after 2 frames, not 4 (vocoder.py: it emits frame 0)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+VOCODER_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # vocoder batch sizes captured on CUDA, up to its max_batch_size
 
 
 @dataclass(frozen=True)
-class OrpheusConfig:
-    """Serving options of Orpheus (YAML `model_kwargs`); the LM architecture comes from config.json."""
+class OrpheusConfig(LMServeConfig):
+    """Serving options of Orpheus (YAML `model_kwargs`); the LM architecture comes from config.json, and
+    `max_model_len` defaults to its max_position_embeddings (and the KV pool). `dtype` is the LM's: SNAC
+    runs in float32."""
 
-    tiny: bool = False  # tiny LM + tiny SNAC + tiny tokenizer (offline, seconds)
-    dtype: str | None = None  # of the LM; None: bfloat16 on CUDA, float32 on CPU (SNAC runs in float32)
-    tokenizer_path: str | None = None  # default: the checkpoint folder
     snac_path: str | None = None  # SNAC folder or Hub id; default hubertsiuzdak/snac_24khz
     audio_token_base: int | None = None  # id of <custom_token_0>; default 128256 (Llama-3 vocabulary)
-    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings (and the KV pool)
-    max_num_seqs: int = 256
-    max_batch_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    vocoder_batch_size: int = 64  # windows decoded together at most
     early_window: bool = True  # first audio from a 2-frame window at 14 tokens; False: after 28, as the original
     # the LM head reads only the end-of-speech and audio-token rows (28,680 of 156,940 at full size); other
     # ids are never sampled; False: the full head, as the original
@@ -68,11 +64,6 @@ class OrpheusConfig:
     # take (4,096 of the 28,680 rows where the kernel serves, tokens.place_windows); False: every audio id,
     # whose out-of-place draws the vocoder drops or skips, as the original's decoder does
     frame_place_logits: bool = True
-    seed: int = 0  # of dummy / tiny random weights
-
-    def __post_init__(self) -> None:
-        if self.dtype is not None and self.dtype not in _DTYPES:
-            raise ValueError(f"model_kwargs.dtype={self.dtype!r}: use one of {sorted(_DTYPES)} or leave it unset")
 
 
 def orpheus_graph(context_len: int, tokens: OrpheusTokens, early_window: bool = True) -> ModelGraph:
@@ -213,21 +204,18 @@ class OrpheusModel(Model):
 
     def build_component(self, name: str, device: torch.device) -> BuiltComponent:
         if name == "llm":
-            return BuiltComponent(self._load_lm(device), {
-                "eos_token_ids": (self.tokens.end_of_speech,), "max_model_len": self.max_model_len,
-                "vocab_size": self.llama_config.vocab_size, "max_num_seqs": self.config.max_num_seqs,
-                "max_batch_tokens": self.config.max_batch_tokens,
-                "enable_prefix_caching": self.config.enable_prefix_caching})
+            return BuiltComponent(self._load_lm(device), AutoregressiveSpec(
+                eos_token_ids=(self.tokens.end_of_speech,), max_model_len=self.max_model_len))
         if name == "snac":
             from mstar.models.orpheus.vocoder import OrpheusVocoder
             from mstar.models.orpheus.weights import load_snac
 
             snac = load_snac(self.snac_config, self.snac_folder, device, seed=self.config.seed)
             vocoder = OrpheusVocoder(snac, self.tokens).to(device)
+            spec = self.engine_spec("snac", StatelessSpec(max_batch_size=64))  # windows decoded together at most
             if device.type == "cuda":  # captured during the build, before the worker reports ready
-                sizes = (1, 2, 4, 8, 16, 32, 64)
-                vocoder.capture_graphs(tuple(s for s in sizes if s <= self.config.vocoder_batch_size) or (1,))
-            return BuiltComponent(vocoder, {"max_batch_size": self.config.vocoder_batch_size})
+                vocoder.capture_graphs(tuple(s for s in VOCODER_GRAPH_SIZES if s <= spec.max_batch_size) or (1,))
+            return BuiltComponent(vocoder, spec)
         raise KeyError(f"orpheus has no component {name!r}; its components are 'llm' and 'snac'")
 
     def _load_lm(self, device: torch.device) -> torch.nn.Module:
@@ -235,8 +223,7 @@ class OrpheusModel(Model):
         from mstar.models.llama.model import build_model
         from mstar.models.orpheus.tiny import shape_audio_lm
 
-        dtype = _DTYPES[self.config.dtype] if self.config.dtype else (
-            torch.bfloat16 if device.type == "cuda" else torch.float32)
+        dtype = self.config.torch_dtype(device)
         if self.config.tiny or self.load_format == "dummy":
             # Untied head: a bigram-shaped head cannot be the embedding (tiny.py says why).
             module = build_model(replace(self.llama_config, tie_word_embeddings=False), dtype=dtype, device=device)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar.engines.base import StatelessBase
 from mstar.engines.cuda_graphs import to_device_async
 from mstar.models.orpheus.snac import SnacDecoder, TableNoise
 from mstar.models.orpheus.tokens import FRAME, OrpheusTokens, split_levels, valid_windows
@@ -78,7 +79,7 @@ def plan_window(length: int, new: int, start: int, final: bool) -> WindowPlan:
     return WindowPlan(FRAME * g0 - start, frames, g0, lo, max(hi, lo))
 
 
-class OrpheusVocoder(nn.Module):
+class OrpheusVocoder(StatelessBase, nn.Module):
     """run_batch over stream windows ("codes", "codes_new", "codes_start", "codes_final") -> "audio".
 
     `decode_windows` is the fixed-shape part (tokens [B, 7F] and first frames [B] -> samples

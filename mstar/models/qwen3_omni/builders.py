@@ -1,12 +1,14 @@
-"""Building each served component of Qwen3-Omni on a device, with its weights and engine options."""
+"""Building each served component of Qwen3-Omni on a device, with its weights and engine spec."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
+from mstar.engines.base import AutoregressiveSpec, StatelessSpec
 from mstar.models.base import BuiltComponent
 from mstar.models.common import loading
 from mstar.models.qwen3_omni.checkpoint import OmniCheckpoint
@@ -17,13 +19,23 @@ logger = logging.getLogger(__name__)
 COMPONENTS = ("thinker", "audio_encoder", "vision_encoder", "talker_input", "talker", "code_predictor", "code2wav")
 THINKER_SIDE = ("thinker", "audio_encoder", "vision_encoder")  # built without a talker too
 ENCODER_BATCH = 16  # requests per encoder call (bounds activation memory)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CODE2WAV_BATCH = 32  # chunks per Code2Wav call (its graphs: batch sizes 1, 2, 4, ... up to it)
+MAX_BATCH_TOKENS = 4096  # tokens per thinker or talker step (prefill chunk budget)
 _TINY_STD = 0.3  # tiny random weights large enough for varied greedy tokens
 
 
-def build_component(ckpt: OmniCheckpoint, cfg, name: str, device: torch.device) -> BuiltComponent:
-    """The component `name` on `device`; KeyError lists the components."""
-    dtype = _DTYPES[cfg.dtype] if cfg.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+SpecOf = Callable[[str, Any], Any]  # Model.engine_spec: a component's engine defaults with the deployment's settings
+
+
+def model_defaults(component: str, spec: Any) -> Any:
+    """`SpecOf` without deployment settings: the model's defaults as they are."""
+    return spec
+
+
+def build_component(ckpt: OmniCheckpoint, cfg, name: str, device: torch.device,
+                    spec_of: SpecOf = model_defaults) -> BuiltComponent:
+    """The component `name` on `device`, its engine spec from `spec_of`; KeyError lists the components."""
+    dtype = cfg.torch_dtype(device)
     builders = {"thinker": _thinker, "audio_encoder": _audio_encoder, "vision_encoder": _vision_encoder,
                 "talker_input": _talker_input, "talker": _talker,
                 "code_predictor": _code_predictor, "code2wav": _code2wav}
@@ -32,7 +44,7 @@ def build_component(ckpt: OmniCheckpoint, cfg, name: str, device: torch.device) 
     if name not in THINKER_SIDE and ckpt.omni.talker is None:
         raise ValueError(f"{ckpt.root} has no talker (enable_audio_output is false): it cannot speak; "
                          "place only the thinker")
-    return builders[name](ckpt, cfg, device, dtype)
+    return builders[name](ckpt, cfg, device, dtype, spec_of)
 
 
 def _fill_dummy(module: torch.nn.Module, cfg, salt: int) -> None:
@@ -46,7 +58,7 @@ def _construct(factory, device: torch.device, dtype: torch.dtype) -> torch.nn.Mo
     return module.to(dtype=dtype).eval()
 
 
-def _thinker(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype) -> BuiltComponent:
+def _thinker(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype, spec_of: SpecOf) -> BuiltComponent:
     from mstar.layers.parallel import current_tensor_parallel
     from mstar.models.qwen3_omni.thinker import build_thinker
     from mstar.models.qwen3_omni.weights import load_thinker
@@ -61,10 +73,10 @@ def _thinker(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype
     if ckpt.omni.talker is not None:  # a spoken answer's decode steps return these (engine decode graphs)
         module.graph_hidden_layers = (0, ckpt.omni.talker.accept_hidden_layer)
     eos = (ckpt.omni.token_ids["im_end"],)  # the reference's thinker_eos_token_id
-    return BuiltComponent(module, {
-        "eos_token_ids": eos, "max_model_len": cfg.max_model_len, "vocab_size": ckpt.omni.thinker.text.vocab_size,
-        "max_num_seqs": cfg.max_num_seqs, "max_batch_tokens": cfg.max_batch_tokens,
-        "enable_prefix_caching": cfg.enable_prefix_caching, "own_stream": cfg.thinker_stream})
+    # on CUDA the thinker steps on a stream of its own (engines/own_stream.py): its decode forwards run
+    # beside the talk loop's steps when both share a worker
+    return BuiltComponent(module, spec_of("thinker", AutoregressiveSpec(
+        eos_token_ids=eos, max_model_len=cfg.max_model_len, max_batch_tokens=MAX_BATCH_TOKENS, own_stream=True)))
 
 
 def _encoder(ckpt: OmniCheckpoint, cfg, module: torch.nn.Module, salt: int) -> None:
@@ -76,26 +88,36 @@ def _encoder(ckpt: OmniCheckpoint, cfg, module: torch.nn.Module, salt: int) -> N
         load_encoder(module, ckpt.root, ckpt.load_format, tensors=loading.iter_checkpoint_tensors(ckpt.root))
 
 
-def _audio_encoder(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype) -> BuiltComponent:
+def _audio_encoder(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype, spec_of: SpecOf
+                   ) -> BuiltComponent:
     from mstar.models.qwen3_omni.encoder_components import BatchedAudioEncoder
     from mstar.models.qwen3_omni.encoder_weights import build_audio_encoder
 
     module = build_audio_encoder(ckpt.media_spec().audio, dtype, device)
     _encoder(ckpt, cfg, module, 6)
     return BuiltComponent(BatchedAudioEncoder(module, ckpt.omni.thinker.num_deepstack),
-                          {"max_batch_size": ENCODER_BATCH})
+                          spec_of("audio_encoder", StatelessSpec(max_batch_size=ENCODER_BATCH)))
 
 
-def _vision_encoder(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype) -> BuiltComponent:
+def _vision_encoder(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype, spec_of: SpecOf
+                    ) -> BuiltComponent:
     from mstar.models.qwen3_omni.encoder_components import BatchedVisionEncoder
     from mstar.models.qwen3_omni.encoder_weights import build_vision_encoder
 
     module = build_vision_encoder(ckpt.media_spec().vision, dtype, device)
     _encoder(ckpt, cfg, module, 7)
-    return BuiltComponent(BatchedVisionEncoder(module), {"max_batch_size": ENCODER_BATCH})
+    return BuiltComponent(BatchedVisionEncoder(module), spec_of("vision_encoder", StatelessSpec(max_batch_size=ENCODER_BATCH)))
 
 
-def _talker(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype) -> BuiltComponent:
+def _talker_spec(ckpt: OmniCheckpoint, cfg, spec_of: SpecOf) -> AutoregressiveSpec:
+    talker_cfg = ckpt.omni.talker
+    assert talker_cfg is not None
+    return spec_of("talker", AutoregressiveSpec(eos_token_ids=(talker_cfg.codec_ids["eos"],),
+                                                max_model_len=cfg.talker_max_model_len,
+                                                max_batch_tokens=MAX_BATCH_TOKENS, enable_prefix_caching=False))
+
+
+def _talker(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype, spec_of: SpecOf) -> BuiltComponent:
     from mstar.models.qwen3_omni.talker import build_talker
     from mstar.models.qwen3_omni.weights import load_talker
 
@@ -106,13 +128,11 @@ def _talker(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype)
         _fill_dummy(talker, cfg, 2)
     else:
         talker = load_talker(ckpt.root, ckpt.load_format, dtype, device)
-    return BuiltComponent(CodecTalker(talker), {
-        "eos_token_ids": (talker_cfg.codec_ids["eos"],), "max_model_len": cfg.talker_max_model_len,
-        "vocab_size": talker_cfg.text.vocab_size, "max_num_seqs": cfg.max_num_seqs,
-        "max_batch_tokens": cfg.max_batch_tokens, "enable_prefix_caching": False})
+    return BuiltComponent(CodecTalker(talker), _talker_spec(ckpt, cfg, spec_of))
 
 
-def _talker_input(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype) -> BuiltComponent:
+def _talker_input(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype, spec_of: SpecOf
+                  ) -> BuiltComponent:
     talker_cfg = ckpt.omni.talker
     assert talker_cfg is not None
     module = _construct(lambda: TalkerInput(talker_cfg, ckpt.omni.token_ids), device, dtype)
@@ -146,7 +166,8 @@ def load_talker_input(module: TalkerInput, named_tensors: Iterable[tuple[str, to
         raise ValueError(f"checkpoint lacks the talker input tensors {missing}; is it Qwen3-Omni with a talker?")
 
 
-def _code_predictor(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype) -> BuiltComponent:
+def _code_predictor(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype, spec_of: SpecOf
+                    ) -> BuiltComponent:
     from mstar.models.qwen3_omni.codec_weights import load_code_predictor
 
     module = _construct(lambda: FrameCodePredictor(ckpt.code_predictor_config), device, dtype)
@@ -155,12 +176,14 @@ def _code_predictor(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torc
         _fill_dummy(module, cfg, 4)
     else:
         load_code_predictor(module, loading.iter_checkpoint_tensors(ckpt.root))
+    spec = spec_of("code_predictor", StatelessSpec())
     if device.type == "cuda" and module.norm.weight.dtype == torch.bfloat16:  # captured before ready
-        module.capture_graphs([s for s in (1, 2, 4, 8, 16, 32, 64) if s <= cfg.max_num_seqs] or [1])
-    return BuiltComponent(module)
+        rows = min(spec.max_batch_size, _talker_spec(ckpt, cfg, spec_of).max_num_seqs)  # frames a step at most
+        module.capture_graphs([s for s in (1, 2, 4, 8, 16, 32, 64) if s <= rows] or [1])
+    return BuiltComponent(module, spec)
 
 
-def _code2wav(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype) -> BuiltComponent:
+def _code2wav(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype, spec_of: SpecOf) -> BuiltComponent:
     from mstar.models.qwen3_omni.code2wav import Code2Wav
     from mstar.models.qwen3_omni.codec_weights import build_code2wav
 
@@ -170,11 +193,12 @@ def _code2wav(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtyp
     else:
         module = build_code2wav(ckpt.code2wav_config, ckpt.root, ckpt.load_format, dtype, device)
     module.pad_frames, widths = code2wav_widths(cfg, device)
+    spec = spec_of("code2wav", StatelessSpec(max_batch_size=CODE2WAV_BATCH))
     if device.type == "cuda" and module.pad_frames:  # one width: its graphs (and cuDNN plans) before ready
-        module.capture_graphs(code2wav_graph_sizes(cfg), autotune=cfg.code2wav_autotune)
+        module.capture_graphs(code2wav_graph_sizes(spec.max_batch_size), autotune=cfg.code2wav_autotune)
     elif device.type == "cuda":  # the first request would pay kernel loading and cuDNN plans otherwise
         module.warm_up(widths)
-    return BuiltComponent(module, {"max_batch_size": cfg.code2wav_max_batch})
+    return BuiltComponent(module, spec)
 
 
 def code2wav_widths(cfg, device: torch.device | str = "cpu") -> tuple[int, list[int]]:
@@ -186,10 +210,10 @@ def code2wav_widths(cfg, device: torch.device | str = "cpu") -> tuple[int, list[
     return (full, [full]) if pad else (0, [cfg.code2wav_chunk, full])
 
 
-def code2wav_graph_sizes(cfg) -> list[int]:
-    """Batch sizes of Code2Wav's graphs: powers of two below `code2wav_max_batch`, and it."""
+def code2wav_graph_sizes(max_batch: int) -> list[int]:
+    """Batch sizes of Code2Wav's graphs: powers of two below its engine's `max_batch`, and it."""
     sizes, size = [], 1
-    while size < cfg.code2wav_max_batch:
+    while size < max_batch:
         sizes.append(size)
         size *= 2
-    return sizes + [cfg.code2wav_max_batch]
+    return sizes + [max_batch]

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.engines.base import StatelessBase
 from mstar.engines.cuda_graphs import to_device_async
 from mstar.layers.mlp import GatedMLP
 from mstar.layers.norm import RMSNorm
@@ -102,7 +103,7 @@ class PreTransformer(nn.Module):
         return self.norm(x)
 
 
-class Code2Wav(nn.Module):
+class Code2Wav(StatelessBase, nn.Module):
     """The stateless `code2wav` component.
 
     Input per request: `codes` [T, Q] int64 (T frames of Q codes, as the talker's stream delivers

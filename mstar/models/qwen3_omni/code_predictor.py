@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.engines.base import StatelessBase
 from mstar.engines.cuda_graphs import to_device_async
 from mstar.kernels.guard import KernelGuard
 from mstar.layers.attention import normed_rotated_qk
@@ -128,7 +129,7 @@ class _Layer(nn.Module):
         return self.mlp(normed), residual
 
 
-class CodePredictor(nn.Module):
+class CodePredictor(StatelessBase, nn.Module):
     """The stateless `code_predictor` component.
 
     Inputs per request: `talker_hidden` [hidden] (the talker's final, normed hidden state at the

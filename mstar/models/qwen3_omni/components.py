@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar.engines.base import CausalLMBase, StatelessBase
 from mstar.engines.cuda_graphs import to_device_async
 from mstar.layers.moe import MoEGraphCapture
 from mstar.models.common.derived import derived
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 SUPPRESSED_SPECIALS = 1024  # the top ids of the talker's codec vocabulary are control tokens
 
 
-class TalkerInput(nn.Module):
+class TalkerInput(StatelessBase, nn.Module):
     """The stateless `talker_input` component (one call per talker step, see the module doc).
 
     Inputs per request: `thinker_states` [2, r, Ht] (rows: the thinker's input embeddings and its
@@ -143,7 +144,7 @@ class TalkerInput(nn.Module):
                 "frame_index": x["frame_index"] + 1, "text_ended": ended}
 
 
-class CodecTalker(MoEGraphCapture, nn.Module):
+class CodecTalker(MoEGraphCapture, CausalLMBase, nn.Module):
     """A `Qwen3OmniTalker` for the autoregressive engine whose logits exclude the codec control ids
     (the top `SUPPRESSED_SPECIALS` of the vocabulary) except EOS."""
 
@@ -156,7 +157,7 @@ class CodecTalker(MoEGraphCapture, nn.Module):
         self.kv_layout = talker.kv_layout
         self.hidden_size = talker.hidden_size
         self.graph_hidden_layers = talker.graph_hidden_layers
-        vocab = talker.config.text.vocab_size
+        vocab = self.logit_width = talker.config.text.vocab_size
         mask = torch.zeros(vocab, dtype=torch.bool, device=talker.codec_head.weight.device)
         mask[max(0, vocab - SUPPRESSED_SPECIALS):] = True
         mask[talker.config.codec_ids["eos"]] = False
@@ -165,8 +166,9 @@ class CodecTalker(MoEGraphCapture, nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any, extras: Any = None) -> torch.Tensor:
         return self.talker(input_ids, positions, attn, extras)
 
-    def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [N, H] -> float32 codec logits [N, vocab], control ids at -inf (`input_ids` unused)."""
+    def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, H] -> float32 codec logits [N, vocab], control ids at -inf (`input_ids`, `out` unused)."""
         return self.talker.compute_logits(hidden).masked_fill(self.suppressed, float("-inf"))
 
 

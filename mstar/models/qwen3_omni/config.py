@@ -15,9 +15,8 @@ from typing import Any
 import torch
 
 from mstar.layers.moe import MoESpec
+from mstar.models.common.serve_config import DTYPES
 from mstar.models.qwen3_omni.mrope import MRopeSpec
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 # The full checkpoint's main sizes (for docs, benchmarks and a sanity test of the parser).
 FULL_SIZES = {
@@ -164,7 +163,7 @@ class OmniConfig:
         if cfg.get("model_type") != "qwen3_omni_moe":
             raise ValueError(f"model_type {cfg.get('model_type')!r} is not a Qwen3-Omni checkpoint "
                              "(expected 'qwen3_omni_moe')")
-        dtype = _DTYPES.get(str(cfg.get("dtype", cfg.get("torch_dtype", "bfloat16"))), torch.bfloat16)
+        dtype = DTYPES.get(str(cfg.get("dtype", cfg.get("torch_dtype", "bfloat16"))), torch.bfloat16)
         th = cfg["thinker_config"]
         vision, audio = th.get("vision_config", {}), th.get("audio_config", {})
         thinker = ThinkerConfig(MoETextConfig.from_hf(th["text_config"], dtype),

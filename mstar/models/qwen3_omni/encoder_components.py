@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar.engines.base import StatelessBase
 from mstar.models.qwen3_omni.audio_encoder import AudioEncoder, audio_output_lengths
 from mstar.models.qwen3_omni.media_inputs import MM_AUDIO, MM_VISION
 from mstar.models.qwen3_omni.vision_encoder import VisionEncoder
@@ -43,7 +44,7 @@ def place_rows(x: Mapping[str, torch.Tensor], kind: int, rows: torch.Tensor, dee
     return {"mm_embeds": embeds, "deepstack_embeds": stack}
 
 
-class BatchedAudioEncoder(nn.Module):
+class BatchedAudioEncoder(StatelessBase, nn.Module):
     """`audio_encoder`: inputs `audio_features` [mel, frames], `audio_lengths` [audios], `mm_kinds`
     (and the rows an earlier encoder placed); outputs `mm_embeds`, `deepstack_embeds`.
 
@@ -72,7 +73,7 @@ class BatchedAudioEncoder(nn.Module):
         return out
 
 
-class BatchedVisionEncoder(nn.Module):
+class BatchedVisionEncoder(StatelessBase, nn.Module):
     """`vision_encoder`: inputs `pixel_values` [patches, patch_dim], `vision_grid_thw` [items, 3],
     `mm_kinds` (and the rows an earlier encoder placed); outputs `mm_embeds`, `deepstack_embeds`.
 

@@ -51,47 +51,33 @@ from mstar.graph import (
     Walk,
 )
 from mstar.models.base import BuiltComponent, Model
+from mstar.models.common.serve_config import LMServeConfig
 from mstar.models.qwen3_omni import options as omni_options
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
-class OmniServeConfig:
+class OmniServeConfig(LMServeConfig):
     """Serving options of Qwen3-Omni (YAML `model_kwargs`); the architecture comes from config.json."""
 
-    tiny: bool = False  # tiny random model + the Qwen tokenizer (offline, seconds)
-    dtype: str | None = None  # None: bfloat16 on CUDA, float32 on CPU
-    tokenizer_path: str | None = None  # default: the checkpoint folder
     max_model_len: int = 32768  # thinker context (prompt + text)
     talker_max_model_len: int = 8192  # talker context (prompt + frames)
-    max_num_seqs: int = 256
-    max_batch_tokens: int = 4096
-    enable_prefix_caching: bool = True
     code2wav_chunk: int = 25  # frames of new audio per Code2Wav step (25 = 2 s)
     code2wav_left_context: int = 25  # earlier frames each chunk sees (see code2wav.py on exactness)
     # pad shorter chunks to chunk + left_context frames: one shape, replayed from CUDA graphs (code2wav.py);
     # None: on where Code2Wav runs on CUDA
     code2wav_pad: bool | None = None
-    code2wav_max_batch: int = 32  # chunks per Code2Wav call (its graphs: batch sizes 1, 2, 4, ... up to it)
     code2wav_autotune: bool = False  # cuDNN times its algorithms for Code2Wav's graph shapes at start
     video_fps: float = 2.0  # frames a second sampled from input videos
-    # on CUDA the thinker steps on a stream of its own (engines/own_stream.py): its decode forwards run
-    # beside the talk loop's steps when both share a worker; False: one stream for all
-    thinker_stream: bool = True
-    seed: int = 0  # of dummy / tiny random weights
     # with the thinker tensor-parallel (tp_size > 1): split its attention heads over the ranks too (one
     # more all-reduce a layer, half the attention weights and KV read per rank); False: every rank runs
     # whole attention with a whole KV cache and only the experts are split
     thinker_tp_attention: bool = True
 
     def __post_init__(self) -> None:
-        if self.dtype is not None and self.dtype not in _DTYPES:
-            raise ValueError(f"model_kwargs.dtype={self.dtype!r}: use one of {sorted(_DTYPES)} or leave it unset")
-        if self.code2wav_max_batch < 1:
-            raise ValueError(f"code2wav_max_batch={self.code2wav_max_batch} must be >= 1")
+        super().__post_init__()
         if self.code2wav_chunk < 1 or self.code2wav_left_context < 0:
             raise ValueError(f"code2wav_chunk={self.code2wav_chunk} must be >= 1 and code2wav_left_context="
                              f"{self.code2wav_left_context} >= 0")
@@ -197,7 +183,7 @@ class Qwen3Omni(Model):
     def build_component(self, name: str, device: torch.device) -> BuiltComponent:
         from mstar.models.qwen3_omni.builders import build_component
 
-        return build_component(self.checkpoint, self.config, name, device)
+        return build_component(self.checkpoint, self.config, name, device, self.engine_spec)
 
     def processor(self):
         from mstar.models.qwen3_omni.processor import OmniProcessor

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.engines.base import KVLayout
+from mstar.engines.base import CausalLMBase, KVLayout
 from mstar.engines.extras import FINAL, ForwardExtras
 from mstar.layers.moe import MoEGraphCapture
 from mstar.layers.norm import RMSNorm
@@ -51,7 +51,7 @@ class TalkerBody(nn.Module):
         self.codec_embedding = nn.Embedding(text.vocab_size, text.hidden_size)
 
 
-class Qwen3OmniTalker(MoEGraphCapture, nn.Module):
+class Qwen3OmniTalker(MoEGraphCapture, CausalLMBase, nn.Module):
     """`forward` -> final hidden [T, H] (items bring `input_embeds`); `compute_logits` -> codec logits."""
 
     accepts_extras = True
@@ -68,6 +68,7 @@ class Qwen3OmniTalker(MoEGraphCapture, nn.Module):
         self.text_projection = ResizeMLP(config.thinker_hidden_size, text.intermediate_size, text.hidden_size)
         self.hidden_projection = ResizeMLP(config.thinker_hidden_size, text.intermediate_size, text.hidden_size)
         self.hidden_size = text.hidden_size
+        self.logit_width = text.vocab_size
         self.graph_hidden_layers = (FINAL,)  # the code predictor reads each step's final state
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: Any,
@@ -80,8 +81,10 @@ class Qwen3OmniTalker(MoEGraphCapture, nn.Module):
         # FINAL, the last token's state, is the code predictor's first input
         return run_layers(self.model.layers, self.model.norm, x, cos, sin, attn, extras)
 
-    def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [N, H] -> float32 codec logits [N, vocab] (the head does not depend on `input_ids`)."""
+    def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, H] -> float32 codec logits [N, vocab] (the head does not depend on `input_ids`; `out`
+        unused)."""
         return self.codec_head(hidden).float()
 
     def embed_codec(self, ids: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mstar.engines.base import KVLayout
+from mstar.engines.base import CausalLMBase, KVLayout
 from mstar.engines.extras import ForwardExtras
 from mstar.layers.attention import HeadShard
 from mstar.layers.moe import MoEGraphCapture
@@ -38,7 +38,7 @@ class ThinkerBody(nn.Module):
         self.norm = RMSNorm(text.hidden_size, text.rms_norm_eps)
 
 
-class Qwen3OmniThinker(MoEGraphCapture, nn.Module):
+class Qwen3OmniThinker(MoEGraphCapture, CausalLMBase, nn.Module):
     """`forward` -> final hidden [T, H]; `compute_logits` -> float32 [N, vocab].
 
     With `tp` the thinker is one rank of a tensor-parallel group (`decoder.MoEDecoderLayer`): its share
@@ -60,6 +60,7 @@ class Qwen3OmniThinker(MoEGraphCapture, nn.Module):
         self.rotary = MRotaryEmbedding(text.rope)
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.hidden_size = text.hidden_size
+        self.logit_width = text.vocab_size
         # hidden-state layers decode items may ask for, captured in the engine's decode graphs
         # (engines/autoregressive/extras_graph.py); the builder sets (0, talker accept layer)
         self.graph_hidden_layers: tuple[int, ...] = ()
@@ -94,8 +95,9 @@ class Qwen3OmniThinker(MoEGraphCapture, nn.Module):
         return run_layers(self.model.layers, self.model.norm, x, cos, sin, attn, extras, add_deepstack,
                           frozenset(range(deepstack.shape[1])))
 
-    def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, vocab] (the head does not depend on `input_ids`)."""
+    def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [N, H] -> float32 logits [N, vocab] (the head does not depend on `input_ids`; `out` unused)."""
         return self.lm_head(hidden).float()
 
 

@@ -9,6 +9,8 @@ import time
 import torch
 from torch import nn
 
+from mstar.engines.base import StatelessBase
+
 PRINTABLE = (32, 127)  # the guide picks tokens in this byte range
 
 
@@ -17,7 +19,7 @@ def _weights(cfg, *shape: int, salt: int) -> torch.Tensor:
     return torch.randint(-8, 9, shape, generator=gen).double()
 
 
-class Encoder(nn.Module):
+class Encoder(StatelessBase, nn.Module):
     """prompt bytes -> context (sum of byte embeddings) and a first token (the last prompt byte)."""
 
     def __init__(self, cfg) -> None:
@@ -32,7 +34,7 @@ class Encoder(nn.Module):
         ]
 
 
-class Decoder(nn.Module):
+class Decoder(StatelessBase, nn.Module):
     """(token, position, context) -> scores; a missing context (the unconditional branch) counts as zeros."""
 
     def __init__(self, cfg) -> None:
@@ -53,7 +55,7 @@ class Decoder(nn.Module):
         return [{"scores": row} for row in scores]
 
 
-class Guide(nn.Module):
+class Guide(StatelessBase, nn.Module):
     """Guidance combine: uncond + g * (cond - uncond); argmax over printable bytes; stop on '.'-like
     tokens (token % 11 == 0) unless the request turns `stop_early` off. With the request option
     `report_progress`, it also returns `progress`: tokens generated so far / max_tokens, in (0, 1]."""
@@ -77,7 +79,7 @@ class Guide(nn.Module):
         return out
 
 
-class Painter(nn.Module):
+class Painter(StatelessBase, nn.Module):
     """generated tokens -> an image [H, N, 3] and a two-frame video [2, H, N, 3], uint8."""
 
     def __init__(self, cfg) -> None:
@@ -93,7 +95,7 @@ class Painter(nn.Module):
         return out
 
 
-class Vocoder(nn.Module):
+class Vocoder(StatelessBase, nn.Module):
     """A window of tokens -> float32 samples for the window's new tokens (a tone per token)."""
 
     def __init__(self, cfg) -> None:

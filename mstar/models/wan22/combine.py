@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar.engines.base import StatelessBase
 from mstar.models.wan22 import denoise, scheduler
 from mstar.models.wan22.config import UniPCConfig
 from mstar.models.wan22.vae_config import WanVAEConfig
@@ -31,7 +32,7 @@ class _RequestState:
     generator: torch.Generator  # drew the request's noise; kept so any later draw stays per request
 
 
-class GuidanceScheduler(nn.Module):
+class GuidanceScheduler(StatelessBase, nn.Module):
     """Runs nodes `prepare` and `combine` (see the module docstring) for many requests."""
 
     def __init__(self, config: UniPCConfig, vae: WanVAEConfig, device: torch.device) -> None:

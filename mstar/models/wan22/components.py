@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar.engines.base import StatelessBase
 from mstar.engines.cuda_graphs import cudnn_autotune
 from mstar.models.wan22.dit_graphs import DiTGraphs
 from mstar.models.wan22.text_cache import TextKVCache
@@ -24,7 +25,7 @@ from mstar.models.wan22.vae import WanVAE, frames_to_uint8
 logger = logging.getLogger(__name__)
 
 
-class TextEncoderComponent(nn.Module):
+class TextEncoderComponent(StatelessBase, nn.Module):
     """(prompt_ids, prompt_mask[, negative_ids, negative_mask]) [L] -> prompt_embeds[, negative_embeds] [L, D].
 
     Every prompt and negative prompt of the batch goes through the encoder in one forward.
@@ -49,7 +50,7 @@ class TextEncoderComponent(nn.Module):
         return out
 
 
-class DiTComponent(nn.Module):
+class DiTComponent(StatelessBase, nn.Module):
     """(latents [C, F', H', W'], timestep [F'], context [L, D]) -> velocity [C, F', H', W'] float32.
 
     Items whose latent shapes match share one forward whatever their node (guidance branch), step or
@@ -121,7 +122,7 @@ class DiTComponent(nn.Module):
         return text_kv
 
 
-class VAEComponent(nn.Module):
+class VAEComponent(StatelessBase, nn.Module):
     """Node `encode_image`: image [3, 1, H, W] in [-1, 1] -> condition [C, 1, H/16, W/16] (normalised).
     Node `decode`: latents [C, F', H', W'] -> "video" uint8 [T, H, W, 3], decoded `chunk_frames` latent
     frames at a time; "image" [H, W, 3] for a one-frame request that asks for images; with the

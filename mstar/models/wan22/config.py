@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from mstar.models.common.serve_config import dtype_named
+
 TEXT_LENGTH = 512  # Wan pads and truncates every prompt to 512 tokens (max_sequence_length)
 
 
@@ -183,6 +184,4 @@ def read_config(path: Path) -> dict[str, Any]:
 
 
 def _dtype(name: str) -> torch.dtype:
-    if name not in _DTYPES:
-        raise ValueError(f"unsupported checkpoint dtype {name!r}; supported: {', '.join(_DTYPES)}")
-    return _DTYPES[name]
+    return dtype_named(name, "the checkpoint's dtype")

@@ -21,20 +21,21 @@ from typing import Any
 
 import torch
 
+from mstar.engines.base import StatelessSpec
 from mstar.graph import CARRY, ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Parallel, Sequential, Walk
 from mstar.models.base import BuiltComponent, Model
+from mstar.models.common.serve_config import DTYPES, ServeConfig, dtype_named
 from mstar.models.wan22.config import Wan22Config
 from mstar.models.wan22.vae_config import WanVAEConfig
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DIT_BATCH = 16  # DiT rows (requests x guidance branches) per forward
 
 
 @dataclass(frozen=True)
-class Wan22ServeConfig:
-    """How one deployment runs Wan2.2 (YAML `model_kwargs`); request defaults live in the processor."""
+class Wan22ServeConfig(ServeConfig):
+    """How one deployment runs Wan2.2 (YAML `model_kwargs`); request defaults live in the processor.
+    `dtype` is the text encoder's and the DiT's (None: float32 on CPU or tiny, else bfloat16)."""
 
-    tiny: bool = False  # tiny random components (or a tiny checkpoint via --model-path) for tests
-    dtype: str | None = None  # text encoder and DiT: None = float32 on CPU or tiny, else bfloat16
     vae_dtype: str = "float32"
     # the VAE decode's convolutions in this dtype where it runs channels-last (CUDA); None: float16 for a
     # float32 VAE (TF32's 10-bit mantissa at twice its tensor-core rate, sums and the residual stream stay
@@ -46,12 +47,10 @@ class Wan22ServeConfig:
     height: int | None = None
     num_frames: int | None = None  # default frame count (4k+1); None = 121 (tiny: 5)
     fps: float = 24.0  # default frame rate of the video output
-    max_batch_size: int = 16  # DiT rows (requests x guidance branches) per forward
     vae_chunk_frames: int = 1  # latent frames the VAE decodes at once (memory vs speed)
     # cuDNN times its algorithms for each VAE convolution shape on first use (the first decode at a size
     # pays the search; engines.cuda_graphs.cudnn_autotune); off: PyTorch's heuristic picks
     vae_autotune: bool = False
-    seed: int = 0  # of dummy / tiny random weights
     compile: bool = False  # torch.compile the DiT blocks' tensor math (compile.py); first forward compiles
     text_cache_rows: int = 16  # DiT rows whose text K/V are kept across steps (~189 MB each at 5B); 0: off
     # on CUDA, DiT forwards replay CUDA graphs, one per latent shape and row count, each captured on its first
@@ -60,21 +59,23 @@ class Wan22ServeConfig:
     dit_graphs: bool = False
 
     def __post_init__(self) -> None:
-        if self.dtype is not None and self.dtype not in _DTYPES:
-            raise ValueError(f"wan22 dtype={self.dtype!r}; choose one of {sorted(_DTYPES)}")
-        if self.vae_dtype not in _DTYPES:
-            raise ValueError(f"wan22 vae_dtype={self.vae_dtype!r}; choose one of {sorted(_DTYPES)}")
-        if self.vae_conv_dtype is not None and self.vae_conv_dtype not in _DTYPES:
-            raise ValueError(f"wan22 vae_conv_dtype={self.vae_conv_dtype!r}; choose one of {sorted(_DTYPES)}")
+        super().__post_init__()
+        dtype_named(self.vae_dtype, "model_kwargs.vae_dtype")
+        if self.vae_conv_dtype is not None:
+            dtype_named(self.vae_conv_dtype, "model_kwargs.vae_conv_dtype")
         for name in ("compile", "vae_autotune", "dit_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"wan22 {name}={getattr(self, name)!r} must be true or false (YAML booleans, unquoted)")
         if self.text_cache_rows < 0:
             raise ValueError(f"wan22 text_cache_rows={self.text_cache_rows} must be >= 0 (0 turns the cache off)")
-        if self.max_batch_size < 1 or self.vae_chunk_frames < 1:
-            raise ValueError(f"wan22 max_batch_size={self.max_batch_size} and vae_chunk_frames="
-                             f"{self.vae_chunk_frames} must be >= 1")
+        if self.vae_chunk_frames < 1:
+            raise ValueError(f"wan22 vae_chunk_frames={self.vae_chunk_frames} must be >= 1")
 
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype is None and self.tiny:
+            return torch.float32
+        return super().torch_dtype(device)
 
     def conv_dtype(self) -> str:
         """The dtype of the channels-last VAE decode's convolutions (`vae_conv_dtype` resolved)."""
@@ -153,16 +154,17 @@ class Wan22Model(Model):
                 from mstar.models.wan22.compile import compile_blocks
 
                 compile_blocks(transformer)
-            graph_rows = self.config.max_batch_size if self.config.dit_graphs and not self.config.compile else 0
+            spec = self.engine_spec("dit", StatelessSpec(max_batch_size=DIT_BATCH))
+            graph_rows = spec.max_batch_size if self.config.dit_graphs and not self.config.compile else 0
             dit = components.DiTComponent(transformer, self.config.text_cache_rows, graph_rows)
-            return BuiltComponent(dit, {"max_batch_size": self.config.max_batch_size})
+            return BuiltComponent(dit, spec)
         if name == "scheduler":
             from mstar.models.wan22.combine import GuidanceScheduler
 
             return BuiltComponent(GuidanceScheduler(self.components.scheduler, self.vae_config, device))
         if name == "vae":
-            vae = loaders.vae(self, _DTYPES[self.config.vae_dtype], device)
-            vae.conv_dtype = _DTYPES[self.config.conv_dtype()]
+            vae = loaders.vae(self, DTYPES[self.config.vae_dtype], device)
+            vae.conv_dtype = DTYPES[self.config.conv_dtype()]
             return BuiltComponent(components.VAEComponent(vae, self.config.vae_chunk_frames,
                                                           autotune=self.config.vae_autotune))
         raise KeyError(f"wan22 has no component {name!r}; components are {sorted(self.graph().components)}")
@@ -229,6 +231,4 @@ class Wan22Model(Model):
         return tiny_tokenizer_folder()
 
     def _dtype(self, device: torch.device) -> torch.dtype:
-        if self.config.dtype is not None:
-            return _DTYPES[self.config.dtype]
-        return torch.bfloat16 if device.type == "cuda" and not self.config.tiny else torch.float32
+        return self.config.torch_dtype(device)

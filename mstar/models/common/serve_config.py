@@ -1,0 +1,48 @@
+"""What every model's serving config (YAML `model_kwargs`) holds, and the dtype names they all take.
+
+A model's config subclasses `ServeConfig` (or `LMServeConfig` for a model that tokenizes text) and adds
+its own fields; engine settings (batch limits, KV pool, CUDA graph sizes) are not among them: they
+are the component's engine spec (`mstar.engines.base`), set per component in the YAML `engines:`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def dtype_named(name: str, key: str = "dtype") -> torch.dtype:
+    """The torch dtype called `name`; ValueError naming `key` and the valid names otherwise."""
+    if name not in DTYPES:
+        raise ValueError(f"{key}={name!r}: use one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """The fields every model's `model_kwargs` takes."""
+
+    tiny: bool = False  # tiny random model (and tokenizer) for tests and `--tiny`: offline, seconds
+    dtype: str | None = None  # of the weights and compute; None: bfloat16 on CUDA, float32 elsewhere
+    seed: int = 0  # of dummy / tiny random weights
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None:
+            dtype_named(self.dtype, "model_kwargs.dtype")
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype to build in on `device`."""
+        if self.dtype is not None:
+            return DTYPES[self.dtype]
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+@dataclass(frozen=True, kw_only=True)
+class LMServeConfig(ServeConfig):
+    """`ServeConfig` of a model that reads text: where its tokenizer is and how long a sequence may be."""
+
+    tokenizer_path: str | None = None  # default: the checkpoint folder
+    max_model_len: int | None = None  # tokens of prompt and output; None: the checkpoint's context
