@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from mstar.engines.autoregressive.build import CONTEXT_PORT, ResumingEngine
+from mstar.engines.autoregressive import CONTEXT_PORT, AutoregressiveEngine
 from mstar.engines.kv_cache.config import KVCacheConfig
 from mstar.engines.sampling import SamplingParams
 from tests.unit.test_ar_engine import VOCAB, TinyLM, item, make_engine, prompts, tokens_of
@@ -133,7 +133,7 @@ def test_resumed_seeded_sequence_skips_draws_of_the_window_width(models):
     prompt = prompts(8)[4]
 
     def engine():
-        return ResumingEngine(window, KVCacheConfig(max_num_pages=64, page_size=4), "cpu",
+        return AutoregressiveEngine(window, KVCacheConfig(max_num_pages=64, page_size=4), "cpu",
                               default_sampling=SamplingParams(temperature=0.0))
 
     whole = _run(engine(), [item("a", prompt, **options)])["a"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mstar.config import config_from_dict
-from mstar.engines.autoregressive.build import ResumingEngine
+from mstar.engines.autoregressive import AutoregressiveEngine
 from mstar.engines.base import AutoregressiveSpec, StatelessBase
 from mstar.engines.own_stream import OwnStreamEngine, on_own_stream
 from mstar.engines.stateless import StatelessEngine
@@ -32,7 +32,7 @@ def test_cpu_engines_stay_plain_and_tensor_parallel_ones_seed_per_request():
     config = config_from_dict({"model": "toy"})
     built = BuiltComponent(TinyLM(), AutoregressiveSpec(own_stream=True))
     engine = _engine(built, config, torch.device("cpu"), pages=8)
-    assert type(engine) is ResumingEngine and not engine.seed_per_request
+    assert type(engine) is AutoregressiveEngine and not engine.seed_per_request
     assert _engine(built, config, torch.device("cpu"), pages=8, tensor_parallel=True).seed_per_request
     made = StatelessEngine(_Double())
     assert on_own_stream(lambda: made, torch.device("cpu")) is made

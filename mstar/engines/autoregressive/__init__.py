@@ -1,6 +1,6 @@
 """Autoregressive engine: scheduler (policy), runner (execution), engine (the Engine protocol)."""
 
-from mstar.engines.autoregressive.build import ResumingEngine, build_autoregressive_engine
-from mstar.engines.autoregressive.engine import AutoregressiveEngine
+from mstar.engines.autoregressive.build import build_autoregressive_engine
+from mstar.engines.autoregressive.engine import CONTEXT_PORT, AutoregressiveEngine
 
-__all__ = ["AutoregressiveEngine", "ResumingEngine", "build_autoregressive_engine"]
+__all__ = ["CONTEXT_PORT", "AutoregressiveEngine", "build_autoregressive_engine"]

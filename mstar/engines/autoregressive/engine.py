@@ -16,6 +16,15 @@ engine-loop sequences that go on is launched with the drawn ids before the host 
 A model whose logits cover a window of ids (`CausalLM.logit_offset`) is sampled over the window's
 columns; every id handed back (tokens, `top_ids`, the ids a lookahead forward is fed) is a token id,
 the offset added on the device.
+
+Resuming a sequence started elsewhere (prefill/decode split): the KV cache of a request lives in the
+engine of the worker that ran its prefill, so a decode walk placed on another worker meets a sequence
+its engine has never seen. A model makes that case correct without changing its graph by also feeding
+the decode node the request's prompt on the port `prompt_ids` (`CONTEXT_PORT`): an unknown sequence
+then starts from `prompt_ids + input_ids` (recomputing the prompt's KV once) and counts `input_ids` as
+tokens already generated, so penalties, `min_tokens`, `max_tokens` and seeded sampling (which skips
+the draws those tokens consumed: one row of `logit_width` each) continue exactly where the prefill
+worker left off. For a sequence it already holds, `prompt_ids` is ignored.
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ from mstar.engines.kv_cache.block_pool import BlockPool
 from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
 from mstar.engines.sampling import SampleOutput, SamplingParams, SamplingRow, plain_greedy, sample
 from mstar.engines.sampling_graph import SamplerGraphs
+
+CONTEXT_PORT = "prompt_ids"  # optional input port: the tokens before `input_ids` of a resumed sequence
 
 
 class AutoregressiveEngine:
@@ -234,7 +245,16 @@ class AutoregressiveEngine:
         seq.inputs.add(len(seq.token_ids) - n, n, extras)
 
     def _new_sequence(self, key: tuple[str, str], item: StepItem, tokens: list[int]) -> Sequence:
+        """A sequence of `tokens`, or, when the item brings `prompt_ids`, one started on another worker:
+        its prompt recomputed and `tokens` counted as generated (module doc)."""
         params = SamplingParams.from_options(item.options, self.default_sampling)
+        context = item.inputs.get(CONTEXT_PORT)
+        prompt = [] if context is None else context.tolist()
+        if prompt and (len(prompt) + len(tokens) >= self.max_model_len
+                       or len(prompt) + (params.max_tokens or 0) > self.max_model_len):
+            raise ValueError(f"resumed sequence of {len(prompt)} prompt + {len(tokens)} generated tokens "
+                             f"(max_tokens={params.max_tokens}) does not fit max_model_len={self.max_model_len}")
+        tokens = prompt + tokens
         if len(tokens) >= self.max_model_len:
             raise ValueError(f"prompt of {len(tokens)} tokens leaves no room to generate under "
                              f"max_model_len={self.max_model_len}; shorten the prompt")
@@ -246,10 +266,15 @@ class AutoregressiveEngine:
         if seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(seed)
+            for _ in range(len(tokens) - len(prompt) if prompt else 0):  # the draws the generated tokens took:
+                torch.empty(self.runner.model.logit_width, dtype=torch.float32,  # one Exp(1) row each
+                            device=self.device).exponential_(generator=generator)
         seq = Sequence(key, params, tokens, len(tokens), generator)
         # one row for the sequence's life: it reads token_ids and the sampling cache, which grow in place
         seq.sampling_row = SamplingRow(params, seq.token_ids, seq.num_prompt, generator, self.eos_token_ids,
                                        seq.sampling_cache)
+        if prompt:
+            seq.num_prompt, seq.num_generated = len(prompt), len(tokens) - len(prompt)
         self._seqs[key] = seq
         return seq
 
