@@ -22,6 +22,7 @@ from mstar.layers.logit_windows import LogitWindows, head_logits
 from mstar.layers.mlp import GatedMLP
 from mstar.layers.norm import PendingNorm, RMSNorm
 from mstar.layers.rope import RotaryEmbedding
+from mstar.models.common.meta import build_on_meta
 from mstar.models.llama.config import LlamaConfig
 
 
@@ -193,15 +194,8 @@ def build_model(
 ) -> LlamaForCausalLM:
     """A model in `dtype` (the config's by default) on `device` with UNINITIALISED weights; load next."""
     dtype = dtype or config.dtype
-    # Build on the meta device in the target dtype so no full-size float32 copy is ever allocated.
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    model.to_empty(device=device)
+    model = build_on_meta(lambda: LlamaForCausalLM(config), dtype, device)
+    assert isinstance(model, LlamaForCausalLM)
     model.tie_weights()  # to_empty replaces parameters, which unties them
     model.kv_layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
-    return model.eval()
+    return model

@@ -74,15 +74,3 @@ def run_layers(layers: nn.ModuleList, norm: RMSNorm, x: torch.Tensor, cos: torch
     extras.keep(FINAL, out)
     return out
 
-
-def build_on_meta(factory: Any, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
-    """`factory()` built on the meta device in `dtype`, then materialised UNINITIALISED on `device`."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            module = factory()
-    finally:
-        torch.set_default_dtype(previous)
-    module.to_empty(device=device)
-    return module.eval()

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from mstar.models.common import loading
+from mstar.models.common.meta import build_on_meta
 from mstar.models.qwen3_omni.audio_encoder import AudioEncoder
 from mstar.models.qwen3_omni.encoder_config import AudioEncoderConfig, VisionEncoderConfig
 from mstar.models.qwen3_omni.vision_encoder import VisionEncoder
@@ -75,18 +76,18 @@ def build_audio_encoder(
     config: AudioEncoderConfig, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
 ) -> AudioEncoder:
     """An AudioEncoder in `dtype` on `device`, weights UNINITIALISED (fill them next)."""
-    with torch.device("meta"):  # no full-size float32 copy is ever allocated
-        model = AudioEncoder(config).to(dtype)
-    return model.to_empty(device=device).eval()
+    model = build_on_meta(lambda: AudioEncoder(config).to(dtype), dtype, device)
+    assert isinstance(model, AudioEncoder)
+    return model
 
 
 def build_vision_encoder(
     config: VisionEncoderConfig, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
 ) -> VisionEncoder:
     """A VisionEncoder in `dtype` on `device`, weights UNINITIALISED (fill them next)."""
-    with torch.device("meta"):
-        model = VisionEncoder(config).to(dtype)
-    return model.to_empty(device=device).eval()
+    model = build_on_meta(lambda: VisionEncoder(config).to(dtype), dtype, device)
+    assert isinstance(model, VisionEncoder)
+    return model
 
 
 def fill_encoder_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:

@@ -22,8 +22,9 @@ from mstar.engines.base import CausalLMBase, KVLayout
 from mstar.engines.extras import FINAL, ForwardExtras
 from mstar.layers.moe import MoEGraphCapture
 from mstar.layers.norm import RMSNorm
+from mstar.models.common.meta import build_on_meta
 from mstar.models.qwen3_omni.config import TalkerConfig
-from mstar.models.qwen3_omni.decoder import MoEDecoderLayer, build_on_meta, run_layers
+from mstar.models.qwen3_omni.decoder import MoEDecoderLayer, run_layers
 from mstar.models.qwen3_omni.mrope import MRotaryEmbedding
 
 

@@ -19,8 +19,9 @@ from mstar.engines.extras import ForwardExtras
 from mstar.layers.attention import HeadShard
 from mstar.layers.moe import MoEGraphCapture
 from mstar.layers.norm import RMSNorm
+from mstar.models.common.meta import build_on_meta
 from mstar.models.qwen3_omni.config import ThinkerConfig
-from mstar.models.qwen3_omni.decoder import MoEDecoderLayer, build_on_meta, run_layers
+from mstar.models.qwen3_omni.decoder import MoEDecoderLayer, run_layers
 from mstar.models.qwen3_omni.mrope import MRotaryEmbedding
 
 DEEPSTACK = "deepstack_embeds"  # item input: deepstack visual features, [m, num_deepstack, H]

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.models.common.meta import build_on_meta
 from mstar.models.wan22.block_math import (
     addcmul_as,
     apply_rope,
@@ -303,9 +304,14 @@ def build_transformer(
     The time embedder and modulation tables stay float32 (sinusoids of t up to 1000 need it).
     """
     dtype = dtype or config.dtype
-    with torch.device("meta"):  # no full-size float32 copy is ever allocated
+
+    def make() -> WanTransformer:
         model = WanTransformer(config)
-    for name, param in model.named_parameters():
-        keep32 = any(part in name for part in FP32_PARAMETERS)
-        param.data = param.data.to(torch.float32 if keep32 else dtype)
-    return model.to_empty(device=device).eval()
+        for name, param in model.named_parameters():
+            keep32 = any(part in name for part in FP32_PARAMETERS)
+            param.data = param.data.to(torch.float32 if keep32 else dtype)
+        return model
+
+    model = build_on_meta(make, torch.float32, device)
+    assert isinstance(model, WanTransformer)
+    return model

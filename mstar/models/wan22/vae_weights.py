@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from mstar.models.common import loading
+from mstar.models.common.meta import build_on_meta
 from mstar.models.wan22.vae import WanVAE
 from mstar.models.wan22.vae_config import WAN22_TI2V_5B_VAE, WanVAEConfig
 
@@ -26,14 +27,9 @@ def build_vae(
     config: WanVAEConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> WanVAE:
     """A `WanVAE` in `dtype` on `device` with UNINITIALISED weights (no float32 copy is ever made)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = WanVAE(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.to_empty(device=device).eval()
+    model = build_on_meta(lambda: WanVAE(config), dtype, device)
+    assert isinstance(model, WanVAE)
+    return model
 
 
 def vae_folder(source: str | Path) -> Path:

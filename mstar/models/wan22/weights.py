@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from mstar.models.common import loading
+from mstar.models.common.meta import build_on_meta
 from mstar.models.wan22.config import UMT5Config, UniPCConfig, WanTransformerConfig, read_config
 from mstar.models.wan22.text_encoder import UMT5Encoder
 from mstar.models.wan22.transformer import WanTransformer, build_transformer
@@ -93,9 +94,10 @@ def _one_embedding(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[
 def build_text_encoder(config: UMT5Config, dtype: torch.dtype | None = None,
                        device: str | torch.device = "cpu") -> UMT5Encoder:
     """A UMT5 encoder in `dtype` (the config's by default) on `device`, weights UNINITIALISED."""
-    with torch.device("meta"):  # no full-size float32 copy is ever allocated
-        model = UMT5Encoder(config).to(dtype or config.dtype)
-    return model.to_empty(device=device).eval()
+    dtype = dtype or config.dtype
+    model = build_on_meta(lambda: UMT5Encoder(config).to(dtype), dtype, device)
+    assert isinstance(model, UMT5Encoder)
+    return model
 
 
 def load_text_encoder(root: str | Path, load_format: str = "auto", dtype: torch.dtype | None = None,
