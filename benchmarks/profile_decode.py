@@ -51,6 +51,7 @@ from mstar.layers.linear import SKINNY  # noqa: E402
 from mstar.models.common.loading import fill_dummy_weights  # noqa: E402
 from mstar.models.llama.config import LlamaConfig  # noqa: E402
 from mstar.models.llama.model import build_model  # noqa: E402
+from mstar.models.orpheus.head import SpanHeadLM  # noqa: E402
 from mstar.models.orpheus.tokens import OrpheusTokens  # noqa: E402
 
 # variant -> (RoPE in attention, split merge in attention, RMSNorm folded into the GEMV)
@@ -210,11 +211,12 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/profile_decode_h200.json")
     args = parser.parse_args()
     config = LlamaConfig.from_hf(ORPHEUS_3B)
-    model = build_model(config, torch.bfloat16, torch.device("cuda"))
-    fill_dummy_weights(model, seed=0)
+    lm = build_model(config, torch.bfloat16, torch.device("cuda"))
+    fill_dummy_weights(lm, seed=0)
     tokens = OrpheusTokens()
+    model = lm
     if args.speakable_span:
-        model.restrict_logits(tokens.speakable_span, blocked=tokens.span_markers)
+        model = SpanHeadLM(lm, tokens.speakable_span, blocked=tokens.span_markers)
     elif args.frame_places:
         parser.error("--frame-places needs --speakable-span")
     result = {"benchmark": "profile_decode", "command": "python3 " + " ".join(sys.argv),
@@ -225,7 +227,7 @@ def main() -> None:
         result["variants"] = {}
         for on in args.frame_places:
             windows = tokens.place_windows(config.vocab_size) if on else None
-            model.restrict_logits(tokens.speakable_span, blocked=tokens.span_markers, windows=windows)
+            model = SpanHeadLM(lm, tokens.speakable_span, blocked=tokens.span_markers, windows=windows)
             label = f"frame_places={on}"
             runs = sum(key.startswith(label) for key in result["variants"])
             label += f" (run {runs + 1})" if runs else ""

@@ -93,38 +93,37 @@ def test_sharded_checkpoint_loads(tmp_path):
 
 
 @torch.no_grad()
-def test_restricted_logits_are_the_full_heads_on_the_span(pair):
-    """`restrict_logits`: compact float32 logits [N, hi - lo] (`logit_offset` lo, `logit_width` hi - lo)
-    whose columns are the full head's span, the blocked ones -inf; None restores the full head."""
+def test_span_head_logits_are_the_full_heads_on_the_span(pair):
+    """Orpheus' `SpanHeadLM` over the Llama decoder: compact float32 logits [N, hi - lo] (`logit_offset`
+    lo, `logit_width` hi - lo) whose columns are the full head's span, the blocked ones -inf."""
+    from mstar.models.orpheus.head import SpanHeadLM
+
     hf, ours = pair
     hidden = ours(torch.tensor(PROMPT), torch.arange(len(PROMPT)), DenseAttention())
     full = ours.compute_logits(hidden)
     vocab = full.shape[1]
     assert (ours.logit_offset, ours.logit_width) == (0, vocab)
     lo, hi, blocked = 40, vocab - 30, (41, 48)
-    try:
-        ours.restrict_logits((lo, hi), blocked=blocked)
-        got = ours.compute_logits(hidden)
-        assert got.dtype == torch.float32 and got.shape == (full.shape[0], hi - lo)
-        assert (ours.logit_offset, ours.logit_width) == (lo, hi - lo)
-        kept = torch.ones(hi - lo, dtype=torch.bool)
-        kept[blocked[0] - lo:blocked[1] - lo] = False
-        torch.testing.assert_close(got[:, kept], full[:, lo:hi][:, kept], atol=1e-5, rtol=1e-5)
-        assert bool((got[:, ~kept] == -math.inf).all())
-        ours.restrict_logits((0, vocab))  # the whole vocabulary as a span: the full head's logits
-        torch.testing.assert_close(ours.compute_logits(hidden), full, atol=1e-5, rtol=1e-5)
-    finally:
-        ours.restrict_logits(None)
-    assert ours.logit_span is None and ours.logit_offset == 0 and torch.equal(ours.compute_logits(hidden), full)
+    head = SpanHeadLM(ours, (lo, hi), blocked=blocked)
+    assert torch.equal(head(torch.tensor(PROMPT), torch.arange(len(PROMPT)), DenseAttention()), hidden)
+    got = head.compute_logits(hidden)
+    assert got.dtype == torch.float32 and got.shape == (full.shape[0], hi - lo)
+    assert (head.logit_offset, head.logit_width) == (lo, hi - lo)
+    kept = torch.ones(hi - lo, dtype=torch.bool)
+    kept[blocked[0] - lo:blocked[1] - lo] = False
+    torch.testing.assert_close(got[:, kept], full[:, lo:hi][:, kept], atol=1e-5, rtol=1e-5)
+    assert bool((got[:, ~kept] == -math.inf).all())
+    whole = SpanHeadLM(ours, (0, vocab))  # the whole vocabulary as a span: the full head's logits
+    torch.testing.assert_close(whole.compute_logits(hidden), full, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("span, blocked, message", [
     ((-1, 10), None, "span=\\(-1, 10\\)"), ((10, 10), None, "non-empty"), ((0, 10**6), None, "vocabulary"),
     ((10, 20), (5, 12), "inside span"), ((10, 20), (15, 15), "non-empty"), ((10, 20), (15, 21), "inside span"),
-    (None, (1, 2), "needs a span"),
 ])
-def test_restrict_logits_rejects_bad_ranges(pair, span, blocked, message):
+def test_span_head_rejects_bad_ranges(pair, span, blocked, message):
+    from mstar.models.orpheus.head import SpanHeadLM
+
     _, ours = pair
     with pytest.raises(ValueError, match=message):
-        ours.restrict_logits(span, blocked=blocked)
-    assert ours.logit_span is None and ours.blocked_ids is None
+        SpanHeadLM(ours, span, blocked=blocked)

@@ -12,6 +12,7 @@ import torch
 from orpheus_testing import make_checkpoint, yaml_config
 
 from mstar.engines.base import CausalLMBase
+from mstar.models.llama.model import LlamaForCausalLM
 from mstar.models.orpheus.tokens import keep_audio_token
 from mstar.runtime.offline import MStar
 
@@ -101,7 +102,7 @@ def test_tiny_speaks_only_speakable_ids_with_audio_logits_only():
         tokens = m.runtime.model.tokens
         engine = m.runtime.workers[0].engines["llm"]
         lm = engine.runner.model
-        assert (lm.logit_span, lm.blocked_ids) == (tokens.speakable_span, tokens.span_markers)
+        assert (lm.span, lm.blocked_ids) == (tokens.speakable_span, tokens.span_markers)
         lo, hi = tokens.speakable_span
         assert engine.logit_offset == lm.logit_offset == lo and lm.logit_width == hi - lo  # compact logits
         seen = _record_lm(m)
@@ -110,7 +111,7 @@ def test_tiny_speaks_only_speakable_ids_with_audio_logits_only():
     made = [t for run in seen.values() for t, _ in run]
     assert len(made) > 100 and set(made) <= _speakable(tokens)
     full = OrpheusModel(OrpheusModel.make_config(tiny=True, audio_logits_only=False))._load_lm(torch.device("cpu"))
-    assert full.logit_span is None
+    assert type(full) is LlamaForCausalLM and full.logit_offset == 0
 
 
 @pytest.fixture(scope="module")
@@ -212,14 +213,14 @@ class _FullMinusInf(CausalLMBase):
 
     def __init__(self, lm):
         self.lm, self.kv_layout, self.hidden_size = lm, lm.kv_layout, lm.hidden_size
-        self.logit_width = lm.config.vocab_size
+        self.logit_width = lm.lm.config.vocab_size
 
     def forward(self, input_ids, positions, attn):
         return self.lm.forward(input_ids, positions, attn)
 
     def compute_logits(self, hidden, input_ids=None, out=None):
-        lo, hi = self.lm.logit_span
-        full = torch.full((hidden.shape[0], self.lm.config.vocab_size), -math.inf)
+        lo, hi = self.lm.span
+        full = torch.full((hidden.shape[0], self.logit_width), -math.inf)
         full[:, lo:hi] = self.lm.compute_logits(hidden, input_ids)
         return full
 

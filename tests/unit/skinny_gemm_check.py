@@ -70,7 +70,7 @@ def check_selection(dtype: torch.dtype) -> None:
 
 
 def check_row_slice(dtype: torch.dtype) -> None:
-    # A contiguous row slice of a head (a view at a storage offset, as `restrict_logits` reads it)
+    # A contiguous row slice of a head (a view at a storage offset, as `SpanHeadLM` reads it)
     # goes through skinny_linear and equals F.linear on those rows.
     head = (torch.randn(300, 64) / 8).to(dtype)
     rows = head[37:229]

@@ -1,6 +1,6 @@
 """Logits over a window of ids (`CausalLM.logit_offset`, e.g. Orpheus' speakable span): the engine samples
 over the window's columns and hands back token ids. Against the same model returning full-vocabulary
-logits that are -inf outside the window (what `restrict_logits` returned before), on every CPU-drivable
+logits that are -inf outside the window (what the span head returned before), on every CPU-drivable
 path: eager sampling, lookahead (ids fed back on the device), and the decode and sampler graphs run
 eagerly (tests/unit/graph_standins.py) with lookahead."""
 

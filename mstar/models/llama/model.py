@@ -7,7 +7,6 @@ batch structure and owns the KV cache.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -17,8 +16,7 @@ from mstar.engines.base import CausalLMBase, KVLayout
 from mstar.engines.extras import FINAL, ForwardExtras
 from mstar.layers.attention import AttentionSpec, SelfAttention
 from mstar.layers.fused import FUSED
-from mstar.layers.linear import linear, linear_weight
-from mstar.layers.logit_windows import LogitWindows, head_logits
+from mstar.layers.linear import linear
 from mstar.layers.mlp import GatedMLP
 from mstar.layers.norm import PendingNorm, RMSNorm
 from mstar.layers.rope import RotaryEmbedding
@@ -75,8 +73,7 @@ class DecoderBody(nn.Module):
 
 
 class LlamaForCausalLM(CausalLMBase, nn.Module):
-    """A Llama/Qwen2/Qwen3 decoder: `forward` -> hidden [T, H], `compute_logits` -> float32 [N, V]
-    (or [N, hi - lo] over a span, see `restrict_logits`)."""
+    """A Llama/Qwen2/Qwen3 decoder: `forward` -> hidden [T, H], `compute_logits` -> float32 [N, V]."""
 
     accepts_extras = True  # forward takes ForwardExtras (input embeddings, hidden capture)
 
@@ -85,12 +82,10 @@ class LlamaForCausalLM(CausalLMBase, nn.Module):
         self.config = config
         self.kv_layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, config.dtype)
         self.hidden_size = config.hidden_size
+        self.logit_width = config.vocab_size
         self.model = DecoderBody(config)
         self.rotary = RotaryEmbedding(config.rope)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.logit_span: tuple[int, int] | None = None  # `restrict_logits`; None: every row of the head
-        self.blocked_ids: tuple[int, int] | None = None  # ids inside the span that get -inf too
-        self.logit_windows: LogitWindows | None = None  # per-row windows of the span's columns, if any
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -117,76 +112,10 @@ class LlamaForCausalLM(CausalLMBase, nn.Module):
         extras.keep(FINAL, x)
         return x
 
-    def restrict_logits(self, span: tuple[int, int] | None, blocked: tuple[int, int] | None = None,
-                        windows: LogitWindows | None = None) -> None:
-        """From now on `compute_logits` reads only rows [lo, hi) = `span` of the head and returns their
-        logits alone, [N, hi - lo] (`logit_offset` = lo): the other ids are never sampled; the ids
-        [a, b) = `blocked` inside the span get -inf. `windows` (columns of the span) narrows each row
-        further to the window its input token picks (`LogitWindows`; blocked ids must lie outside every
-        window): the head reads those rows alone where it can. `span` None: the whole head again. Call
-        it before the engine is built (its graphs capture at the logits' width)."""
-        vocab = self.config.vocab_size
-        if span is None:
-            if blocked is not None or windows is not None:
-                raise ValueError(f"restrict_logits: blocked={blocked}, windows: each needs a span; pass span=(lo, hi) too")
-            self.logit_span = self.blocked_ids = self.logit_windows = None
-            return
-        lo, hi = span
-        if not 0 <= lo < hi <= vocab:
-            raise ValueError(f"restrict_logits: span={span} is not a non-empty id range [lo, hi) inside the "
-                             f"vocabulary [0, {vocab})")
-        if blocked is not None and not lo <= blocked[0] < blocked[1] <= hi:
-            raise ValueError(f"restrict_logits: blocked={blocked} is not a non-empty id range [a, b) inside "
-                             f"span={span}")
-        if windows is not None:
-            windows = windows.to(self.lm_head.weight.device)
-            windows.check(hi - lo, vocab)
-            if blocked is not None and _window_columns(windows, hi - lo)[blocked[0] - lo:blocked[1] - lo].any():
-                raise ValueError(f"restrict_logits: blocked={blocked} overlaps a window")
-        self.logit_span = (int(lo), int(hi))
-        self.blocked_ids = None if blocked is None else (int(blocked[0]), int(blocked[1]))
-        self.logit_windows = windows
-
-    @property
-    def logit_offset(self) -> int:
-        """The token id of the logits' column 0 (`CausalLM`): the span's lo, 0 without a span."""
-        return 0 if self.logit_span is None else self.logit_span[0]
-
-    @property
-    def logit_width(self) -> int:
-        """Columns of the logits (`CausalLM`): the span's width, the vocabulary without a span."""
-        return self.config.vocab_size if self.logit_span is None else self.logit_span[1] - self.logit_span[0]
-
     def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
                        out: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, logit_width] of ids logit_offset.. (the whole vocabulary,
-        or `restrict_logits`' span with its blocked ids -inf, and, with windows, -inf outside the window
-        each row's input token, `input_ids` [N], picks). `out` (float32 [N, logit_width]): where the
-        window head writes them when it serves the rows (`CausalLM`: a hint; check what is returned)."""
-        if self.logit_span is None:
-            return linear(hidden, self.lm_head).float()
-        lo, hi = self.logit_span
-        # A view taken now always reads the loaded weight; its rows are contiguous, so the skinny GEMV serves it.
-        weight = self.lm_head.weight[lo:hi]
-        if self.logit_windows is not None:
-            if input_ids is None:
-                raise ValueError("compute_logits: this head scores per-row windows; pass the rows' input_ids")
-            # blocked ids lie outside the windows
-            return head_logits(hidden, weight, input_ids, self.logit_windows, out=out)
-        logits = linear_weight(hidden, weight).float()
-        if self.blocked_ids is not None:
-            a, b = self.blocked_ids
-            logits[:, a - lo:b - lo].fill_(-math.inf)  # a kernel argument: no host scalar copied
-        return logits
-
-
-def _window_columns(windows: LogitWindows, columns: int) -> torch.Tensor:
-    """Bool [columns] (host): the columns some window or `always` covers."""
-    covered = torch.zeros(columns + windows.width, dtype=torch.bool)
-    for start in windows.starts.unique().tolist():
-        covered[start:start + windows.width] = True
-    covered[list(windows.always)] = True
-    return covered[:columns]
+        """hidden [N, H] -> float32 logits [N, vocab] (`input_ids` and `out` unused)."""
+        return linear(hidden, self.lm_head).float()
 
 
 def build_model(

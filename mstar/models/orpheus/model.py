@@ -234,8 +234,10 @@ class OrpheusModel(Model):
 
             module = load_model(self.checkpoint_path(), dtype=dtype, device=device)
         if self.config.audio_logits_only:
+            from mstar.models.orpheus.head import SpanHeadLM
+
             windows = self.tokens.place_windows(module.config.vocab_size) if self.config.frame_place_logits else None
-            module.restrict_logits(self.tokens.speakable_span, blocked=self.tokens.span_markers, windows=windows)
+            return SpanHeadLM(module, self.tokens.speakable_span, blocked=self.tokens.span_markers, windows=windows)
         return module
 
     def processor(self) -> OrpheusProcessor:
