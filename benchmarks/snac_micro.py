@@ -2,7 +2,7 @@
 
 For each batch size, the graph of `OrpheusVocoder.decode_windows` (full-size SNAC 24 kHz, random
 weights, float32 as served) is replayed `--replays` times between two CUDA events; the figure is
-microseconds per replay, with the fused SNAC kernels (`kernels/snac_ops.py`, as served) and in
+microseconds per replay, with the fused SNAC kernels (`models/orpheus/snac_ops.py`, as served) and in
 PyTorch's form (`--form torch`), for a window decoding all four frames (`whole`) and one decoding only the
 frame an ordinary window emits (`kept`: samples 2048:4096, each decoder block on the span they depend on, as
 served since stop 31); `--emit` picks. `--kernels` also counts the kernels of one replay and lists the

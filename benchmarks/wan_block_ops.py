@@ -1,4 +1,4 @@
-"""GPU time of each fused Wan DiT block step (mstar/kernels/wan_ops.py) against its PyTorch form.
+"""GPU time of each fused Wan DiT block step (mstar/models/wan22/wan_ops.py) against its PyTorch form.
 
 Full-width shapes of one TI2V-5B step at 832x480x33 (B=2 guidance rows, 9 frames x 390 tokens, hidden
 3072, 24 heads, per-frame modulation). For every step: microseconds per call for the Triton kernel and

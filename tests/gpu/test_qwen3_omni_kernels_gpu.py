@@ -7,12 +7,12 @@ import torch
 
 from mstar.kernels.fused_ops import qk_norm_rotary
 from mstar.kernels.moe_route import route_topk
-from mstar.kernels.small_vocab_sampling import sample_rows
 from mstar.layers.fused import fused_kernels
 from mstar.layers.moe import route
 from mstar.layers.norm import RMSNorm
 from mstar.layers.rope import RopeSpec, RotaryEmbedding, apply_rotary
 from mstar.models.qwen3_omni.code_predictor_sampling import SamplingTensors, sample_step
+from mstar.models.qwen3_omni.small_vocab_sampling import sample_rows
 
 
 def test_route_kernel_equals_route_at_thinker_and_talker_shapes():
@@ -90,12 +90,12 @@ def test_code_predictor_graphs_replay_the_fused_predict():
 
 
 def test_step_attention_equals_the_pytorch_step_in_bf16():
-    """The code predictor's one-token attention step (kernels/step_attention.py) against its PyTorch form
+    """The code predictor's one-token attention step (models/qwen3_omni/step_attention.py) against its PyTorch form
     (qk-norm rotary, cache copies, cuDNN/flash SDPA) at full size: cache writes as qk_norm_rotary
     rounds, outputs within bf16 rounding (SDPA's kernels round P and the sum differently)."""
-    from mstar.kernels.step_attention import step_attention
     from mstar.models.qwen3_omni.code_predictor import _Attention
     from mstar.models.qwen3_omni.code_predictor_config import CodePredictorConfig
+    from mstar.models.qwen3_omni.step_attention import step_attention
 
     cfg = CodePredictorConfig.full()
     layer = _Attention(cfg).cuda().bfloat16()

@@ -1,4 +1,4 @@
-"""The Wan DiT block kernels (mstar/kernels/wan_ops.py, the FFN's GELU epilogue, and the VAE's norm + SiLU
+"""The Wan DiT block kernels (mstar/models/wan22/wan_ops.py, the FFN's GELU epilogue, and the VAE's norm + SiLU
 of wan_vae_ops.py) on a GPU at full width (B=2, 9 frames x 390 tokens, D=3072, 24 heads): one kernel
 each, the float32 formulas rounded once to bf16 (round to nearest even, which the CPU interpreter does
 not do), fewer kernels per block than the PyTorch form, and a 2-layer full-width DiT as close to its

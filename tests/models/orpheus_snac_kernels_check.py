@@ -1,4 +1,4 @@
-"""Checks of the fused SNAC kernels (`mstar/kernels/snac_ops.py`) against the PyTorch form of the layers in
+"""Checks of the fused SNAC kernels (`mstar/models/orpheus/snac_ops.py`) against the PyTorch form of the layers in
 `mstar/models/orpheus/snac.py`; run with TRITON_INTERPRET=1 (by test_orpheus_snac_kernels.py, in a fresh
 process). float32 throughout, as the vocoder runs.
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mstar.kernels import snac_ops
 from mstar.layers.fused import fused_kernels
+from mstar.models.orpheus import snac_ops
 from mstar.models.orpheus.snac import BlockNoise, Quantizer, ResidualUnit, SnacConfig, Snake
 from mstar.models.orpheus.tiny import TINY_SNAC
 from mstar.models.orpheus.tokens import FRAME, OrpheusTokens

@@ -1,4 +1,4 @@
-"""The fused SNAC kernels (mstar/kernels/snac_ops.py) equal the PyTorch form of Orpheus's vocoder, kernel by
+"""The fused SNAC kernels (mstar/models/orpheus/snac_ops.py) equal the PyTorch form of Orpheus's vocoder, kernel by
 kernel and for whole window decodes (run on CPU through the Triton interpreter)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Checks of the Wan DiT block kernels (`mstar/kernels/wan_ops.py`) against the PyTorch forms of
+"""Checks of the Wan DiT block kernels (`mstar/models/wan22/wan_ops.py`) against the PyTorch forms of
 `block_math.py`; run with TRITON_INTERPRET=1 (by test_wan22_kernels.py, in a fresh process so the
 interpreter setting holds for every kernel).
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from mstar.kernels import wan_ops
 from mstar.layers.fused import fused_kernels
 from mstar.models.wan22 import block_math as bm
+from mstar.models.wan22 import wan_ops
 
 
 def torch_form(fn, *args, **kwargs):

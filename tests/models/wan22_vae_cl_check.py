@@ -1,4 +1,4 @@
-"""Checks of the channels-last VAE kernels (`mstar/kernels/wan_vae_cl_ops.py`) against their PyTorch forms in
+"""Checks of the channels-last VAE kernels (`mstar/models/wan22/wan_vae_cl_ops.py`) against their PyTorch forms in
 `models/wan22/vae_channels_last.py`; run with TRITON_INTERPRET=1 (by test_wan22_kernels.py, in a fresh process).
 
 float32 checks the math to float32 precision; float16 (which the interpreter rounds to nearest, unlike
@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from wan22_kernels_check import torch_form  # this script's folder is on sys.path (run as a script)
 
-from mstar.kernels import wan_vae_cl_ops
 from mstar.layers.fused import FUSED
 from mstar.models.wan22 import vae_channels_last as vcl
+from mstar.models.wan22 import wan_vae_cl_ops
 from mstar.models.wan22.vae_layers import ChannelRMSNorm
 
 CL3D = torch.channels_last_3d

@@ -1,4 +1,4 @@
-"""Checks of the Wan VAE's fused channel RMS norm (+ SiLU) (`mstar/kernels/wan_vae_ops.py`) against the
+"""Checks of the Wan VAE's fused channel RMS norm (+ SiLU) (`mstar/models/wan22/wan_vae_ops.py`) against the
 PyTorch form of `ChannelRMSNorm`; run with TRITON_INTERPRET=1 (by test_wan22_kernels.py, in a fresh process).
 
 float32 checks the math to float32 precision (channel counts over and under one channel tile, position
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from wan22_kernels_check import torch_form  # this script's folder is on sys.path (run as a script)
 
-from mstar.kernels import wan_vae_ops
 from mstar.layers.fused import FUSED
+from mstar.models.wan22 import wan_vae_ops
 from mstar.models.wan22.vae_layers import ChannelRMSNorm
 
 

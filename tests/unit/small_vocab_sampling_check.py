@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from mstar.kernels import small_vocab_sampling
 from mstar.layers.fused import FUSED, fused_kernels
+from mstar.models.qwen3_omni import small_vocab_sampling
 from mstar.models.qwen3_omni.code_predictor_sampling import (
     MAX_VOCAB,
     SamplingTensors,

@@ -1,4 +1,4 @@
-"""Checks of the one-step attention kernel (`kernels/step_attention.py`) against the code predictor's
+"""Checks of the one-step attention kernel (`models/qwen3_omni/step_attention.py`) against the code predictor's
 PyTorch step (qk-norm rotary, cache copies, SDPA); run with TRITON_INTERPRET=1 (by
 test_step_attention.py, in a fresh process so the interpreter setting holds for every kernel)."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from mstar.kernels.step_attention import step_attention, supports
 from mstar.layers.fused import FUSED, fused_kernels
 from mstar.layers.rope import RopeSpec, RotaryEmbedding
 from mstar.models.qwen3_omni.code_predictor import _Attention
 from mstar.models.qwen3_omni.code_predictor_config import CodePredictorConfig
+from mstar.models.qwen3_omni.step_attention import step_attention, supports
 
 
 def check(dtype: torch.dtype, num_heads: int, num_kv: int, head_dim: int, batch: int = 3, groups: int = 16) -> None:

@@ -5,7 +5,7 @@ repeated to the latent rate and summed; a convolutional decoder (depthwise convs
 activations, transposed-conv upsampling, noise blocks) turns latents into samples. Module paths
 follow the `snac` package so its checkpoints load by name; the encoder is not built.
 
-On CUDA (fused kernels on) the layers take the fused forms of `mstar/kernels/snac_ops.py`: a residual
+On CUDA (fused kernels on) the layers take the fused forms of `mstar/models/orpheus/snac_ops.py`: a residual
 unit is one depthwise kernel (with the Snake after it), its 1x1 conv and one bias + residual kernel that
 also writes the next layer's first Snake of its output, so within the decoder no Snake runs alone and no
 sine is taken per conv tap; a transposed conv is a 1x1 conv to every tap and one fold kernel; noise is
@@ -165,7 +165,7 @@ class ResidualUnit(nn.Module):
         """The fused kernels' form: (the unit's output, its Snake by `next_alpha` when given). `x_snaked`:
         x through this unit's first Snake, when the layer before wrote it (else the depthwise kernel
         applies the Snake at every tap)."""
-        from mstar.kernels import snac_ops
+        from mstar.models.orpheus import snac_ops
 
         snake_in, conv, snake_out, project = self.block
         source, alpha_in = (x, snake_in.alpha) if x_snaked is None else (x_snaked, None)
@@ -195,7 +195,7 @@ class NoiseBlock(nn.Module):
         kernel writes both; other noise takes the PyTorch form and gives None)."""
         if not isinstance(noise, BlockNoise):
             return self.forward(x, noise), None
-        from mstar.kernels import snac_ops
+        from mstar.models.orpheus import snac_ops
 
         return snac_ops.table_noise(x, self.linear(x), noise.table, noise.first_frame, noise.steps, next_alpha,
                                     noise.offset)
@@ -252,7 +252,7 @@ class DecoderBlock(nn.Module):
         Each layer writes the next one's first Snake beside its output, so no Snake runs on its own:
         `x_snaked` is x through this block's first Snake when the layer before wrote it (x itself is then
         not read, and may be None)."""
-        from mstar.kernels import snac_ops
+        from mstar.models.orpheus import snac_ops
 
         snake, conv, *rest = self.block
         stride, padding = conv.stride[0], conv.padding[0]
@@ -345,7 +345,7 @@ class Decoder(nn.Module):
 
     def _fused(self, x: torch.Tensor, noises: list[torch.Tensor] | TableNoise | None, layers: list[nn.Module],
                spans: list[tuple[int, int]] | None, keep: tuple[int, int] | None) -> torch.Tensor:
-        from mstar.kernels import snac_ops
+        from mstar.models.orpheus import snac_ops
 
         blocks = [layer for layer in layers if isinstance(layer, DecoderBlock)]
         snake, conv = layers[-3], layers[-2]
@@ -404,7 +404,7 @@ class Quantizer(nn.Module):
 
     def forward(self, codes: list[torch.Tensor]) -> torch.Tensor:
         if len(codes) == 3 and self.strides[2] == 1 and codes[0].dim() == 2 and FUSED.ops_for(codes[0]) is not None:
-            from mstar.kernels import snac_ops
+            from mstar.models.orpheus import snac_ops
 
             return snac_ops.sum_codes([c.contiguous() for c in codes], self.tables(), self.strides)
         z = None

@@ -75,7 +75,7 @@ class _Attention(nn.Module):
                    cache: tuple[torch.Tensor, torch.Tensor], start: int) -> torch.Tensor:
         """Attention of one token per sequence at position `start` (heads [b, Hq + 2 Hkv, D], every
         row's cos/sin the same): its k/v written into the cache, the output [b, Hq, D]. One launch where
-        the fused kernels serve (`kernels/step_attention.py`), else qk-norm rotary, two cache copies and SDPA."""
+        the fused kernels serve (`models/qwen3_omni/step_attention.py`), else qk-norm rotary, two cache copies and SDPA."""
         cfg, d = self.cfg, self.cfg.head_dim
         nq, nkv, b = cfg.num_heads, cfg.num_kv_heads, heads.shape[0]
         keys, values = cache
@@ -93,7 +93,7 @@ class _Attention(nn.Module):
 
         if FUSED.ops_for(heads) is None or self.q_norm.eps != self.k_norm.eps or cos[0].stride(0) != 1:
             return unfused()
-        from mstar.kernels.step_attention import step_attention, supports
+        from mstar.models.qwen3_omni.step_attention import step_attention, supports
 
         if not supports(nq, nkv, d, keys.shape[2]) or keys.stride(3) != 1 or keys.stride() != values.stride():
             return unfused()

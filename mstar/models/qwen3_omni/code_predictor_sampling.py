@@ -123,7 +123,7 @@ def sample_step(logits: torch.Tensor, st: SamplingTensors, step: int) -> torch.T
         return logits.argmax(dim=-1)
     vocab = logits.shape[-1]
     if FUSED.ops_for(logits) is not None and vocab <= MAX_VOCAB:  # one launch instead of ~15 (CUDA)
-        from mstar.kernels.small_vocab_sampling import sample_rows
+        from mstar.models.qwen3_omni.small_vocab_sampling import sample_rows
 
         noise = st.noise
         return _SAMPLER.run(lambda: sample_rows(logits.float(), st.temperature, st.top_k, st.top_p, noise[:, step]),
@@ -146,7 +146,7 @@ def sample_and_embed(logits: torch.Tensor, st: SamplingTensors, step: int, table
     if FUSED.ops_for(logits) is None or logits.shape[-1] > MAX_VOCAB or not embed_sum.is_contiguous() \
             or table.stride(1) != 1 or embed_sum.dtype != table.dtype:
         return unfused()
-    from mstar.kernels.small_vocab_sampling import sample_embed_rows
+    from mstar.models.qwen3_omni.small_vocab_sampling import sample_embed_rows
 
     noise = None if st.noise is None else st.noise[:, step]
     return _SAMPLER.run(lambda: sample_embed_rows(logits, st.temperature, st.top_k, st.top_p, noise, table, embed_sum),

@@ -1,7 +1,7 @@
 """The Wan DiT block's elementwise and norm math: float32 inside, one rounding to the model dtype.
 
 Two forms of each step. The PyTorch form is the reference and serves CPU tensors and torch.compile
-(inductor fuses it itself). On CUDA the Triton kernels of `mstar/kernels/wan_ops.py` replace it, one
+(inductor fuses it itself). On CUDA the Triton kernels of `mstar/models/wan22/wan_ops.py` replace it, one
 kernel per step reading the activations once (`MSTAR_FUSED_KERNELS=0` or `FUSED.enabled = False`
 keeps PyTorch; TRITON_INTERPRET=1 runs them on CPU for tests).
 
@@ -30,11 +30,11 @@ GEMM_GELU = envs.wan_gemm_gelu()
 
 
 def wan_kernels(x: torch.Tensor) -> ModuleType | None:
-    """`mstar.kernels.wan_ops` when its kernels should serve x (CUDA, or CPU under TRITON_INTERPRET=1,
+    """`mstar.models.wan22.wan_ops` when its kernels should serve x (CUDA, or CPU under TRITON_INTERPRET=1,
     fused kernels on, triton importable, not tracing under torch.compile), else None."""
     if torch.compiler.is_compiling() or FUSED.ops_for(x) is None:
         return None
-    from mstar.kernels import wan_ops
+    from mstar.models.wan22 import wan_ops
 
     return wan_ops
 

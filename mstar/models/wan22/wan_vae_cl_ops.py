@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mstar.kernels.wan_vae_ops import EPS
+from mstar.models.wan22.wan_vae_ops import EPS
 
 CL3D = torch.channels_last_3d
 
@@ -98,7 +98,7 @@ def _tiles(pixels: int, channels: int) -> tuple[tuple[int, int], int, int]:
 
 def channel_rms_norm_ndhwc(x: torch.Tensor, gamma: torch.Tensor, scale: float, bias: torch.Tensor | None = None,
                            silu: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The channel RMS norm of `kernels/wan_vae_ops.py` on x [B, C, T, H, W] whose batch rows are dense
+    """The channel RMS norm of `models/wan22/wan_vae_ops.py` on x [B, C, T, H, W] whose batch rows are dense
     [pixels, C] blocks (channels-last), with `bias` (C values) added first; writes `out` (same shape and
     row layout, any batch stride; new when None) and returns it."""
     out = torch.empty_like(x, memory_format=CL3D) if out is None else out
