@@ -13,6 +13,7 @@ treats them the same way:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -42,3 +43,15 @@ class ForwardExtras:
         """Record hidden states `x` [T, H] of `layer` if it was asked for."""
         if layer in self.capture:
             self.captured[layer] = x
+
+    def layer_outputs(self, change: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+                      changed: frozenset[int] = frozenset()
+                      ) -> tuple[frozenset[int], Callable[[int, torch.Tensor], torch.Tensor]]:
+        """(outputs_at, on_output) for `layers.decoder.run_layers`: the outputs of the captured layers
+        (numbered from 1 here, from 0 there) are kept, and `change(i, out)` is applied to those of the
+        layers in `changed` after."""
+        def on_output(i: int, out: torch.Tensor) -> torch.Tensor:
+            self.keep(i + 1, out)
+            return change(i, out) if change is not None and i in changed else out
+
+        return frozenset(k - 1 for k in self.capture if k > 0) | changed, on_output

@@ -14,52 +14,29 @@ from torch import nn
 
 from mstar.engines.base import CausalLMBase, KVLayout
 from mstar.engines.extras import FINAL, ForwardExtras
-from mstar.layers.attention import AttentionSpec, SelfAttention
-from mstar.layers.fused import FUSED
+from mstar.layers.attention import AttentionSpec
+from mstar.layers.decoder import DecoderLayer, run_layers
 from mstar.layers.linear import linear
 from mstar.layers.mlp import GatedMLP
-from mstar.layers.norm import PendingNorm, RMSNorm
+from mstar.layers.norm import RMSNorm
 from mstar.layers.rope import RotaryEmbedding
 from mstar.models.common.meta import build_on_meta
 from mstar.models.llama.config import LlamaConfig
 
 
-class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention then gated MLP."""
-
-    def __init__(self, config: LlamaConfig, layer_idx: int) -> None:
-        super().__init__()
-        spec = AttentionSpec(
-            hidden_size=config.hidden_size,
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            qkv_bias=config.qkv_bias,
-            o_bias=config.o_bias,
-            qk_norm=config.qk_norm,
-            norm_eps=config.rms_norm_eps,
-        )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(spec, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                attn: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block output, residual stream before it): the caller adds them, fused into the next norm."""
-        if FUSED.norm_linear and FUSED.ops_for(x) is not None and x.dim() == 2 and x.shape[0] <= 4:  # GEMV rows
-            # Each norm goes to the next projection un-applied; its skinny GEMV may fold it in.
-            pending = PendingNorm(self.input_layernorm, x, residual)
-            h = self.self_attn(pending, cos, sin, attn)
-            pending = PendingNorm(self.post_attention_layernorm, h, pending.summed())
-            return self.mlp(pending), pending.summed()
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.add_forward(x, residual)
-        h = self.self_attn(h, cos, sin, attn)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+def decoder_layer(config: LlamaConfig, layer_idx: int) -> DecoderLayer:
+    """Layer `layer_idx`: the shared pre-norm block (`layers.decoder`) with attention and a gated MLP."""
+    spec = AttentionSpec(
+        hidden_size=config.hidden_size,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        qkv_bias=config.qkv_bias,
+        o_bias=config.o_bias,
+        qk_norm=config.qk_norm,
+        norm_eps=config.rms_norm_eps,
+    )
+    return DecoderLayer(spec, layer_idx, GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias))
 
 
 class DecoderBody(nn.Module):
@@ -68,7 +45,7 @@ class DecoderBody(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(decoder_layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -97,20 +74,14 @@ class LlamaForCausalLM(CausalLMBase, nn.Module):
                 extras: ForwardExtras | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, H] (after the last norm)."""
         cos, sin = self.rotary(positions)  # shared by every layer
+        body = self.model
         if extras is None:
-            x, residual = self.model.embed_tokens(input_ids), None
-            for layer in self.model.layers:
-                x, residual = layer(x, residual, cos, sin, attn)
-            return self.model.norm.add_forward(x, residual)[0]
-        x = extras.embed(self.model.embed_tokens, input_ids)
+            return run_layers(body.layers, body.norm, body.embed_tokens(input_ids), cos, sin, attn)
+        x = extras.embed(body.embed_tokens, input_ids)
         extras.keep(0, x)
-        for i, layer in enumerate(self.model.layers):
-            h, residual = layer(x, None, cos, sin, attn)
-            x = h + residual  # each layer's full output is kept, so the residual add is not fused
-            extras.keep(i + 1, x)
-        x = self.model.norm(x)
-        extras.keep(FINAL, x)
-        return x
+        out = run_layers(body.layers, body.norm, x, cos, sin, attn, *extras.layer_outputs())
+        extras.keep(FINAL, out)
+        return out
 
     def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
                        out: torch.Tensor | None = None) -> torch.Tensor:

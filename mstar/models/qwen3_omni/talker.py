@@ -20,11 +20,12 @@ from torch import nn
 
 from mstar.engines.base import CausalLMBase, KVLayout
 from mstar.engines.extras import FINAL, ForwardExtras
+from mstar.layers.decoder import run_layers
 from mstar.layers.moe import MoEGraphCapture
 from mstar.layers.norm import RMSNorm
 from mstar.models.common.meta import build_on_meta
 from mstar.models.qwen3_omni.config import TalkerConfig
-from mstar.models.qwen3_omni.decoder import MoEDecoderLayer, run_layers
+from mstar.models.qwen3_omni.decoder import moe_decoder_layer
 from mstar.models.qwen3_omni.mrope import MRotaryEmbedding
 
 
@@ -47,7 +48,7 @@ class TalkerBody(nn.Module):
         super().__init__()
         text = config.text
         # the reference makes every talker layer sparse, whatever decoder_sparse_step says
-        self.layers = nn.ModuleList(MoEDecoderLayer(text, i, sparse=True) for i in range(text.num_layers))
+        self.layers = nn.ModuleList(moe_decoder_layer(text, i, sparse=True) for i in range(text.num_layers))
         self.norm = RMSNorm(text.hidden_size, text.rms_norm_eps)
         self.codec_embedding = nn.Embedding(text.vocab_size, text.hidden_size)
 
@@ -80,7 +81,9 @@ class Qwen3OmniTalker(MoEGraphCapture, CausalLMBase, nn.Module):
         x = extras.embed(self.model.codec_embedding, input_ids)
         extras.keep(0, x)
         # FINAL, the last token's state, is the code predictor's first input
-        return run_layers(self.model.layers, self.model.norm, x, cos, sin, attn, extras)
+        out = run_layers(self.model.layers, self.model.norm, x, cos, sin, attn, *extras.layer_outputs())
+        extras.keep(FINAL, out)
+        return out
 
     def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
                        out: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,13 +15,14 @@ import torch
 from torch import nn
 
 from mstar.engines.base import CausalLMBase, KVLayout
-from mstar.engines.extras import ForwardExtras
+from mstar.engines.extras import FINAL, ForwardExtras
 from mstar.layers.attention import HeadShard
+from mstar.layers.decoder import run_layers
 from mstar.layers.moe import MoEGraphCapture
 from mstar.layers.norm import RMSNorm
 from mstar.models.common.meta import build_on_meta
 from mstar.models.qwen3_omni.config import ThinkerConfig
-from mstar.models.qwen3_omni.decoder import MoEDecoderLayer, run_layers
+from mstar.models.qwen3_omni.decoder import moe_decoder_layer
 from mstar.models.qwen3_omni.mrope import MRotaryEmbedding
 
 DEEPSTACK = "deepstack_embeds"  # item input: deepstack visual features, [m, num_deepstack, H]
@@ -34,7 +35,7 @@ class ThinkerBody(nn.Module):
         super().__init__()
         text = config.text
         self.embed_tokens = nn.Embedding(text.vocab_size, text.hidden_size)
-        self.layers = nn.ModuleList(MoEDecoderLayer(text, i, text.is_sparse(i), tp, split_attention)
+        self.layers = nn.ModuleList(moe_decoder_layer(text, i, text.is_sparse(i), tp, split_attention)
                                     for i in range(text.num_layers))
         self.norm = RMSNorm(text.hidden_size, text.rms_norm_eps)
 
@@ -42,7 +43,7 @@ class ThinkerBody(nn.Module):
 class Qwen3OmniThinker(MoEGraphCapture, CausalLMBase, nn.Module):
     """`forward` -> final hidden [T, H]; `compute_logits` -> float32 [N, vocab].
 
-    With `tp` the thinker is one rank of a tensor-parallel group (`decoder.MoEDecoderLayer`): its share
+    With `tp` the thinker is one rank of a tensor-parallel group (`decoder.moe_decoder_layer`): its share
     of every layer's experts and, with `split_attention`, heads (and of the KV cache: `kv_layout` counts
     its KV heads); the embedding, norms, routers and head are whole on every rank, and so are its outputs."""
 
@@ -86,15 +87,17 @@ class Qwen3OmniThinker(MoEGraphCapture, CausalLMBase, nn.Module):
         extras.keep(0, x)
         deepstack = extras.features.get(DEEPSTACK)
         if deepstack is None:
-            return run_layers(self.model.layers, self.model.norm, x, cos, sin, attn, extras)
+            outputs_at, on_output = extras.layer_outputs()
+        else:
+            def add_deepstack(i: int, out: torch.Tensor) -> torch.Tensor:
+                # after the layer's kept output, as the reference's hidden_states
+                assert extras.embeds_rows is not None
+                return out.index_add(0, extras.embeds_rows, deepstack[:, i].to(out.dtype))
 
-        def add_deepstack(i: int, out: torch.Tensor) -> torch.Tensor:
-            # after the layer's kept output, as the reference's hidden_states
-            assert extras.embeds_rows is not None
-            return out.index_add(0, extras.embeds_rows, deepstack[:, i].to(out.dtype))
-
-        return run_layers(self.model.layers, self.model.norm, x, cos, sin, attn, extras, add_deepstack,
-                          frozenset(range(deepstack.shape[1])))
+            outputs_at, on_output = extras.layer_outputs(add_deepstack, frozenset(range(deepstack.shape[1])))
+        out = run_layers(self.model.layers, self.model.norm, x, cos, sin, attn, outputs_at, on_output)
+        extras.keep(FINAL, out)
+        return out
 
     def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None,
                        out: torch.Tensor | None = None) -> torch.Tensor:
