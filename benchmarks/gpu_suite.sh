@@ -115,7 +115,7 @@ if [[ $WHAT == orpheus_ab ]]; then  # the sweep without, then with prefill graph
 fi
 if [[ $WHAT == wan_quick ]]; then  # the Wan GPU tests of the served fast paths, then 50 steps at concurrency 1 (~2 min)
   run 180 gpu_tests_wan22_quick python3 -m pytest -q -m gpu tests/gpu/test_wan22_scheduler_gpu.py \
-      tests/gpu/test_wan22_dit_graphs_gpu.py tests/gpu/test_wan22_vae_gpu.py -p no:cacheprovider
+      tests/gpu/test_wan22_vae_gpu.py -p no:cacheprovider
   run 120 wan_bench_quick python3 benchmarks/wan_bench.py --skip-diffusers --steps 50 --concurrency 1 \
       --out "$OUT/wan_bench_h200.json"
 fi
@@ -132,11 +132,9 @@ if [[ $WHAT == wan || $WHAT == all ]]; then
   run 90 profile_wan python3 benchmarks/profile_wan.py --out "$OUT/profile_wan_h200.json"
   run 420 wan_bench python3 benchmarks/wan_bench.py --out "$OUT/wan_bench_h200.json"
 fi
-if [[ $WHAT == wan_extra || $WHAT == all ]]; then  # VAE 3 latent frames at once; compiled DiT; bf16 VAE; cuDNN-tuned VAE
+if [[ $WHAT == wan_extra || $WHAT == all ]]; then  # VAE 3 latent frames at once; bf16 VAE; cuDNN-tuned VAE
   run 150 wan_bench_vae3 python3 benchmarks/wan_bench.py --skip-diffusers --steps 50 --concurrency 1 \
       --vae-chunk-frames 3 --out "$OUT/wan_bench_h200_vae3.json"
-  run 420 wan_bench_compile python3 benchmarks/wan_bench.py --skip-diffusers --compile \
-      --out "$OUT/wan_bench_h200_compile.json"
   run 150 wan_bench_vae_bf16 python3 benchmarks/wan_bench.py --skip-diffusers --steps 50 --concurrency 1 \
       --vae-dtype bfloat16 --out "$OUT/wan_bench_h200_vae_bf16.json"
   run 150 wan_bench_vae_autotune python3 benchmarks/wan_bench.py --skip-diffusers --steps 50 --concurrency 1 \

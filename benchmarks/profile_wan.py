@@ -4,8 +4,8 @@ Full-size DiT (30 layers, hidden 3072), dummy bf16 weights, the benchmark shape 
 9x30x52 latents -> 3,510 tokens, 512 text tokens, per-frame timesteps with frame 0 at 0). "Step" = one
 DiT forward of `batch` rows: batch 2 is one guidance step of one request (cond + uncond batched), batch
 1 one branch. Guidance/UniPC math around the DiT is left out (a few tiny kernels). For every variant
-(eager; eager with cuDNN attention first; eager with the text K/V computed once, as served; CUDA graphs
-replayed as served, `DiTGraphs`; --compile: compile_blocks) and batch it reports:
+(eager; eager with cuDNN attention first; eager with the text K/V computed once, as served) and batch it
+reports:
 
 - wall_ms_per_step: CUDA-event time of back-to-back forwards (what a serving loop sees);
 - kernel_ms_per_step: sum of kernel durations in the profiler trace (GPU busy time); wall - kernel = idle;
@@ -15,11 +15,10 @@ replayed as served, `DiTGraphs`; --compile: compile_blocks) and batch it reports
   the SDPA backends seen (from kernel names);
 plus an SDPA micro-benchmark of the self- and cross-attention shapes on each backend and a bf16 GEMM probe.
 
-    python3 benchmarks/profile_wan.py [--batch 2 1] [--steps 5] [--compile] [--trace-dir DIR] [--out FILE]
+    python3 benchmarks/profile_wan.py [--batch 2 1] [--steps 5] [--trace-dir DIR] [--out FILE]
     python3 benchmarks/profile_wan.py --quick    # tiny config on CPU (CPU ops instead of kernels)
 
-Without --compile it takes well under a minute on an H200 after the model is built; --compile compiles
-the two block halves once per shape (batch 2 only by default, ~30-60 s). Measures, asserts nothing.
+Measures, asserts nothing.
 """
 
 from __future__ import annotations
@@ -140,15 +139,10 @@ def summarize_kernels(totals: dict[str, list[float]], steps: int, top: int = 25)
 
 
 class CachedText:
-    """The forward as served: the text's cross-attention K/V computed once (as `TextKVCache` keeps them),
-    each forward eager, or replayed from CUDA graphs (`DiTGraphs`, captured at the first forward of a
-    shape) with `graphs`."""
+    """The forward as served: the text's cross-attention K/V computed once (as `TextKVCache` keeps them)."""
 
-    def __init__(self, model, graphs: bool) -> None:
-        from mstar.models.wan22.dit_graphs import DiTGraphs
-
+    def __init__(self, model) -> None:
         self.model = model
-        self.graphs = DiTGraphs(model, 4, model.proj_out.weight.device) if graphs else None
         self._kv: dict[int, tuple] = {}
 
     def __call__(self, latents: torch.Tensor, timesteps: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
@@ -156,8 +150,6 @@ class CachedText:
         if key not in self._kv:
             self._kv[key] = (text, self.model.text_states(text))  # holds text: ids stay unique
         kv = self._kv[key][1]
-        if self.graphs is not None:
-            return self.graphs(latents, timesteps, kv)
         return self.model(latents, timesteps, None, text_kv=kv)
 
 
@@ -190,14 +182,11 @@ def _transformer(model):
 
 def variants(opts: argparse.Namespace, device: torch.device) -> list[tuple[str, contextlib.AbstractContextManager, str]]:
     """(label, context, forward) triples to run: forward "plain" computes the text K/V every forward,
-    "cached" computes them once (as served), "graphs" also replays CUDA graphs (as served on CUDA);
-    the cuDNN-first and graph ones only on CUDA."""
+    "cached" computes them once (as served); the cuDNN-first one only on CUDA."""
     out: list[tuple[str, contextlib.AbstractContextManager, str]] = [("eager", contextlib.nullcontext(), "plain")]
     if device.type == "cuda":
         out.append(("eager_cudnn_first", _backend_first("CUDNN_ATTENTION"), "plain"))
     out.append(("eager_text_cached", contextlib.nullcontext(), "cached"))
-    if device.type == "cuda":
-        out.append(("graphs", contextlib.nullcontext(), "graphs"))
     return out
 
 
@@ -270,8 +259,6 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[2, 1])
     parser.add_argument("--steps", type=int, default=5, help="timed forwards per measurement")
     parser.add_argument("--profile-steps", type=int, default=2, help="forwards under the profiler")
-    parser.add_argument("--compile", action="store_true", help="also time compile_blocks (slow: compiles)")
-    parser.add_argument("--compile-batch", type=int, nargs="+", default=[2])
     parser.add_argument("--trace-dir", default=None, help="write a Chrome trace per (variant, batch) here")
     parser.add_argument("--quick", action="store_true", help="tiny config on CPU (tests / CI)")
     parser.add_argument("--out", default=None, help="JSON path; default benchmarks/results/profile_wan_h200.json "
@@ -288,18 +275,13 @@ def main() -> None:
               "latent": TINY_LATENT if opts.quick else LATENT, "build_s": round(time.perf_counter() - t0, 1)}
     rows = []
     for label, ctx, forward in variants(opts, device):
-        fn = model if forward == "plain" else CachedText(model, graphs=forward == "graphs")
+        fn = model if forward == "plain" else CachedText(model)
         with ctx:
             rows += [measure(fn, b, opts, device, label) for b in opts.batch]
         del fn
     if device.type == "cuda":
         result["sdpa_microbench"] = sdpa_microbench(max(opts.batch), device)
         result["gemm_probe"] = gemm_probe(max(opts.batch), device)
-    if opts.compile:
-        from mstar.models.wan22.compile import compile_blocks
-
-        compile_blocks(model)
-        rows += [measure(model, b, opts, device, "compile", host_proxy=False) for b in opts.compile_batch]
     result["rows"] = rows
     result["total_s"] = round(time.perf_counter() - t0, 1)
     report(rows)

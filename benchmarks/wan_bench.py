@@ -17,16 +17,12 @@ guidance 5 (both branches every step), for every --steps and --concurrency; c re
   DiT FLOPs per forward (matmuls and attention, from the config) x 2 branches x c / the bf16 matmul
   TFLOP/s of an 8192^3 torch.matmul probe in the same run.
 
-    python3 benchmarks/wan_bench.py [--steps 20 50] [--concurrency 1 2] [--skip-diffusers] [--compile] [--dit-graphs] \
+    python3 benchmarks/wan_bench.py [--steps 20 50] [--concurrency 1 2] [--skip-diffusers] \
         [--out benchmarks/results/wan_bench_h200.json]
     python3 benchmarks/wan_bench.py --quick     # tiny shapes on CPU (< 60 s): checks the script end to end
 
 --trace-steps N adds one profiled request (concurrency 1, N steps) after the grid: where its wall time
 goes on the GPU (busy, idle gaps by size and the largest with their neighbouring kernels, host syncs).
-
---compile serves with wan22 `model_kwargs: {compile: true}` (torch.compile of the DiT blocks); the
-warm-up run at each concurrency pays the compile (its seconds are recorded), the timed runs do not.
-Compiled against eager in one device command: run it twice, with --skip-diffusers on one of them.
 
 diffusers is not on the GPU machine; carry its pure-python wheel (6 MB; /.whl/ is git-ignored). Here:
 
@@ -163,15 +159,13 @@ def summarize(timelines: list[dict], steps: int) -> dict:
     return out
 
 
-def _ours_config(quick: bool, vae_dtype: str, compile_dit: bool = False, vae_chunk_frames: int = 1,
-                 vae_autotune: bool = False, dit_graphs: bool = False, vae_conv_dtype: str | None = None) -> dict:
+def _ours_config(quick: bool, vae_dtype: str, vae_chunk_frames: int = 1, vae_autotune: bool = False,
+                 vae_conv_dtype: str | None = None) -> dict:
     kwargs = {"vae_dtype": vae_dtype} if quick else {"dtype": "bfloat16", "vae_dtype": vae_dtype}
     if vae_conv_dtype:
         kwargs["vae_conv_dtype"] = vae_conv_dtype
-    kwargs["compile"] = compile_dit
     kwargs["vae_chunk_frames"] = vae_chunk_frames
     kwargs["vae_autotune"] = vae_autotune
-    kwargs["dit_graphs"] = dit_graphs
     return {"model": "wan22", "max_concurrent_requests": 8, "model_kwargs": kwargs, "device": "cpu" if quick else "auto",
             "node_groups": [{"node_names": COMPONENTS, "ranks": [0]}]}
 
@@ -180,18 +174,17 @@ def bench_ours(args, shape: dict, device: torch.device) -> tuple[list[dict], dic
     """Build our deployment, warm it at every concurrency, then time every (steps, concurrency)."""
     rows = []
     t0 = time.perf_counter()
-    config = _ours_config(args.quick, args.vae_dtype, args.compile, args.vae_chunk_frames, args.vae_autotune,
-                          args.dit_graphs, args.vae_conv_dtype)
+    config = _ours_config(args.quick, args.vae_dtype, args.vae_chunk_frames, args.vae_autotune, args.vae_conv_dtype)
     with MStar(config=config, tiny=args.quick,
                load_format="auto" if args.quick else "dummy") as m:
         info = {"build_s": round(time.perf_counter() - t0, 1)}
         for c in args.concurrency:
             prompts = [PROMPTS[i % len(PROMPTS)] for i in range(c)]
             w0 = time.perf_counter()
-            run_ours(m, prompts, shape, 2, args.guidance, device)  # warm-up at this concurrency (compiles)
+            run_ours(m, prompts, shape, 2, args.guidance, device)  # warm-up at this concurrency
             info[f"warmup_s_c{c}"] = round(time.perf_counter() - w0, 1)
             for steps in args.steps:
-                row = {"impl": "mstar", "steps": steps, "concurrency": c, "compile": args.compile,
+                row = {"impl": "mstar", "steps": steps, "concurrency": c,
                        **summarize(run_ours(m, prompts, shape, steps, args.guidance, device), steps)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
@@ -258,17 +251,12 @@ def main() -> None:
                         "the VAE decodes at once (more: faster, more memory)")
     parser.add_argument("--vae-autotune", action="store_true", help="wan22 vae_autotune: cuDNN times its "
                         "algorithms per VAE convolution shape (the warm-up pays the search)")
-    parser.add_argument("--dit-graphs", action="store_true", help="wan22 dit_graphs: DiT forwards replay CUDA "
-                        "graphs (each shape and row count captured in the warm-up)")
-    parser.add_argument("--compile", action="store_true", help="wan22 model_kwargs compile: torch.compile the "
-                        "DiT blocks (the warm-up pays the compile; recorded as mstar.warmup_s_c<c>)")
     parser.add_argument("--trace-steps", type=int, default=0, help="after the grid, one request of this many "
                         "steps (concurrency 1) under torch.profiler: GPU busy/idle, gaps, host syncs "
                         "(benchmarks/request_trace.py), written as mstar.trace")
     parser.add_argument("--trace-chrome", default=None, help="with --trace-steps: also write its Chrome trace here")
     parser.add_argument("--quick", action="store_true", help="tiny random models and shapes, on CPU")
-    parser.add_argument("--out", default=None, help="default benchmarks/results/wan_bench_h200.json, with "
-                        "--compile wan_bench_h200_compile.json (quick: none)")
+    parser.add_argument("--out", default=None, help="default benchmarks/results/wan_bench_h200.json (quick: none)")
     args = parser.parse_args()
     args.steps = args.steps or ([3] if args.quick else [20, 50])
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
@@ -283,10 +271,9 @@ def main() -> None:
     info["peak_gb"] = _peak_gb(device)
     result = {"benchmark": "wan_bench", "command": "python3 " + " ".join(sys.argv), **_versions(device),
               "model": "Wan2.2-TI2V-5B shapes, dummy weights" if not args.quick else "wan22 tiny (quick)",
-              **shape, "guidance_scale": args.guidance, "vae_dtype": args.vae_dtype, "compile": args.compile,
+              **shape, "guidance_scale": args.guidance, "vae_dtype": args.vae_dtype,
               "vae_conv_dtype": args.vae_conv_dtype,
               "vae_chunk_frames": args.vae_chunk_frames, "vae_autotune": args.vae_autotune,
-              "dit_graphs": args.dit_graphs,
               "floor": floor,
               "mstar": info, "rows": rows}
     if not args.skip_diffusers:
@@ -298,7 +285,7 @@ def main() -> None:
         result.update(diffusers=dinfo, rows=rows + drows)
     for row in result["rows"]:  # the DiT-compute floor of the row's denoising, all its requests
         row["floor_denoise_s"] = round(row["steps"] * row["concurrency"] * floor["estimate_s_per_step_c1"], 4)
-    default_out = f"benchmarks/results/wan_bench_h200{'_compile' if args.compile else ''}.json"
+    default_out = "benchmarks/results/wan_bench_h200.json"
     out = args.out or (None if args.quick else default_out)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)

@@ -30,7 +30,6 @@ class KVCacheConfig:
     max_num_pages: int | None = None  # explicit page count; wins over memory_fraction
     page_size: int = 16  # tokens per page
     memory_fraction: float = 0.9  # share of free device memory (after weights) given to the pool (GPU)
-    cpu_offload_pages: int = 0  # an M* key: host pages for offloading; mstar does not offload, so only 0 is taken
     # "auto": on CUDA triton when it imports and initialises, else flashinfer, else sdpa (flashinfer is
     # not yet validated on a GPU, so it is chosen first only when named);
     # or "sdpa" (reference, CPU and GPU), "triton" or "flashinfer" (CUDA, float16/bfloat16)
@@ -43,9 +42,6 @@ class KVCacheConfig:
             raise ValueError(f"kv_cache.page_size={self.page_size!r}: use a positive integer such as 16")
         if not isinstance(self.memory_fraction, int | float) or not 0.0 < self.memory_fraction <= 1.0:
             raise ValueError(f"kv_cache.memory_fraction={self.memory_fraction!r}: use a number in (0, 1]")
-        if self.cpu_offload_pages != 0:
-            raise ValueError(f"kv_cache.cpu_offload_pages={self.cpu_offload_pages!r}: mstar does not offload KV pages "
-                             "to the host; remove the key (0 is the only value taken)")
         if not isinstance(self.attention_backend, str) or not self.attention_backend:
             raise ValueError(f"kv_cache.attention_backend={self.attention_backend!r}: use a name such as 'auto'")
 
@@ -116,8 +112,6 @@ class CudaGraphConfig:
     # with lookahead and sampling graphs: a steady step's draw and the next forward in one graph replay
     # (engines/autoregressive/step_graph.py)
     step_graphs: bool = True
-    compile_eager: bool = False  # torch.compile the model forward of steps that replay no graph (prefill, big batches)
-    compile_backend: str = "inductor"  # torch.compile backend for compile_eager ("eager"/"aot_eager" to debug)
     # token buckets at which steps with prompt tokens replay graphs (engines/autoregressive/prefill_graph.py);
     # empty: such steps run eagerly. Off by default until measured on a GPU.
     prefill_tokens: list[int] = field(default_factory=list)
@@ -246,6 +240,9 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> MStarConfi
     if "max_seq_len" in data:  # an M* key that mstar would otherwise accept and ignore
         raise ConfigError(f"{source}: max_seq_len is not taken: each model bounds its own context; set "
                           "model_kwargs.max_model_len (mstar serve --max-model-len) instead")
+    if isinstance(data.get("kv_cache"), dict) and "cpu_offload_pages" in data["kv_cache"]:  # an M* key, likewise
+        raise ConfigError(f"{source}: kv_cache.cpu_offload_pages is not taken: mstar does not offload KV pages to "
+                          "the host; remove the key")
     cfg = _build(MStarConfig, data, source, "")
     cfg.source = source
     cfg.validate()

@@ -78,33 +78,12 @@ def test_served_request_reuses_its_text_kv_and_releases_it() -> None:
         assert cache.rows == 0  # released with the request
 
 
-def test_graph_rows_on_cpu_run_eagerly_and_graphs_need_cuda() -> None:
-    """`graph_rows` is a CUDA-only fast path: on CPU the component runs the same eager forward."""
-    from mstar.models.wan22.dit_graphs import DiTGraphs
+def test_removed_dit_switches_are_refused_by_name() -> None:
+    """`compile` and `dit_graphs` lost their measurements and are gone (docs/benchmarks.md): a config
+    that still sets them gets the unknown-key error, not a silent no-op."""
+    from mstar.config import ConfigError, config_from_dict
+    from mstar.runtime.build import build_model
 
-    torch.manual_seed(0)
-    model = _dit()
-    with_rows, plain = DiTComponent(model, graph_rows=4), DiTComponent(model)
-    gen = torch.Generator().manual_seed(2)
-    items = [types.SimpleNamespace(request_id="r", node="cond", walk="denoise",
-                                   inputs={"latents": torch.randn(16, 3, 4, 6, generator=gen),
-                                           "timestep": torch.full((3,), 500.0),
-                                           "context": torch.randn(TINY_TEXT_LENGTH, 32, generator=gen)})]
-    torch.testing.assert_close(with_rows.run_items(items)[0]["velocity"], plain.run_items(items)[0]["velocity"],
-                               atol=0, rtol=0)
-    assert with_rows.graphs is None
-    with pytest.raises(ValueError, match="CUDA device"):
-        DiTGraphs(model, 4, torch.device("cpu"))
-
-
-def test_dit_graphs_option_is_validated_and_reaches_the_component() -> None:
-    from mstar.models.wan22.model import Wan22Model, Wan22ServeConfig
-
-    with pytest.raises(ValueError, match="dit_graphs"):
-        Wan22ServeConfig(dit_graphs="yes")
-    assert Wan22ServeConfig().dit_graphs is False
-    model = Wan22Model(config=Wan22Model.make_config(tiny=True, dit_graphs=True))
-    model.engine_settings = {"dit": {"max_batch_size": 6}}  # YAML `engines: {dit: {max_batch_size: 6}}`
-    assert model.build_component("dit", torch.device("cpu")).module.graph_rows == 6
-    off = Wan22Model(config=Wan22Model.make_config(tiny=True))
-    assert off.build_component("dit", torch.device("cpu")).module.graph_rows == 0
+    for key in ("compile", "dit_graphs"):
+        with pytest.raises(ConfigError, match=f"unknown key 'model_kwargs.{key}'"):
+            build_model(config_from_dict({"model": "wan22", "model_kwargs": {key: True}}), tiny=True)

@@ -19,7 +19,7 @@ def test_original_mstar_keys_load(tmp_path):
     cfg = load_config(write(tmp_path, """
 model: toy
 max_concurrent_requests: 8
-kv_cache: {max_num_pages: 128, page_size: 16, cpu_offload_pages: 0, attention_backend: sdpa}
+kv_cache: {max_num_pages: 128, page_size: 16, attention_backend: sdpa}
 node_groups:
   - {node_names: [encoder, decoder, guide, painter], ranks: [0], graph_walks: [encode, generate, render]}
   - {node_names: [vocoder], ranks: [1], tp_size: 1, sp_size: 1}
@@ -31,7 +31,8 @@ model_kwargs: {hidden: 8}
 @pytest.mark.parametrize("text,message", [
     ("model: toy\nmax_seq_len: 4096\n", "max_seq_len is not taken: each model bounds its own context; set "
                                         "model_kwargs.max_model_len"),
-    ("model: toy\nkv_cache: {cpu_offload_pages: 8}\n", "cpu_offload_pages=8: mstar does not offload KV pages"),
+    ("model: toy\nkv_cache: {cpu_offload_pages: 0}\n", "kv_cache.cpu_offload_pages is not taken: mstar does not "
+                                                      "offload KV pages to the host"),
 ])
 def test_original_mstar_keys_that_would_do_nothing_are_refused(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):

@@ -24,7 +24,6 @@ def test_cpu_default_budget():
     ({"page_size": 0}, "page_size=0"),
     ({"memory_fraction": 1.5}, "memory_fraction=1.5"),
     ({"memory_fraction": 0.0}, "memory_fraction=0.0"),
-    ({"cpu_offload_pages": 4}, "cpu_offload_pages=4: mstar does not offload"),
     ({"attention_backend": ""}, "attention_backend"),
 ])
 def test_invalid_values_are_named(kwargs, match):

@@ -121,14 +121,6 @@ class ModelRunner:
         self.logits_out: torch.Tensor | None = None
         self.ids_copies = 0  # lookahead forwards whose ids had to be copied in (not sampled in place)
         self._graph_rows = 0  # the largest decode graph's rows (logits_out holds that many)
-        self._eager_forward = model.forward  # plain steps that replay no graph; compiled on request
-        if graphs is not None and graphs.compile_eager:
-            try:
-                self._eager_forward = torch.compile(model.forward, dynamic=True, backend=graphs.compile_backend)
-            except Exception as exc:  # an unknown backend name is the usual cause
-                raise ValueError(f"cuda_graphs.compile_backend={graphs.compile_backend!r}: {exc}") from exc
-            logger.info("eager forward of %s compiled with torch.compile (backend %s)", type(model).__name__,
-                        graphs.compile_backend)
         if graphs is not None and graphs.enabled and self.device.type == "cuda":
             if not model.supports_cuda_graphs():
                 logger.info("%s cannot be captured in CUDA graphs here; decode runs eagerly", type(model).__name__)
@@ -214,7 +206,7 @@ class ModelRunner:
             hidden = self.prefill_graphs.run(chunks, meta, input_ids, positions)
         else:
             self.attn.prepare(meta)
-            hidden = self._eager_forward(self._tensor(input_ids), self._tensor(positions), self.attn)
+            hidden = self.model.forward(self._tensor(input_ids), self._tensor(positions), self.attn)
         return self._last_logits(chunks, hidden, input_ids)
 
     def _last_logits(self, chunks: list[Chunk], hidden: torch.Tensor, input_ids: list[int]) -> torch.Tensor | None:
@@ -334,7 +326,7 @@ class ModelRunner:
             slots = [s.pages[p // page] * page + p % page for s, p in zip(seqs, positions)]
             self.attn.prepare(self._metadata([Chunk(s, p, 1) for s, p in zip(seqs, positions)], slots))
             ids = ids.to(self.device)
-            hidden = self._eager_forward(ids, self._tensor(positions), self.attn)
+            hidden = self.model.forward(ids, self._tensor(positions), self.attn)
             return Ahead(seqs, positions, self.model.compute_logits(hidden, ids))
 
     def extras_ahead(self, seqs: list[Sequence]) -> bool:

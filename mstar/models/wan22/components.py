@@ -16,7 +16,6 @@ from torch import nn
 
 from mstar.engines.base import StatelessBase
 from mstar.engines.cuda_graphs import cudnn_autotune
-from mstar.models.wan22.dit_graphs import DiTGraphs
 from mstar.models.wan22.text_cache import TextKVCache
 from mstar.models.wan22.text_encoder import UMT5Encoder
 from mstar.models.wan22.transformer import WanTransformer
@@ -55,19 +54,15 @@ class DiTComponent(StatelessBase, nn.Module):
 
     Items whose latent shapes match share one forward whatever their node (guidance branch), step or
     request. An item without `context` (the unconditional branch of a request without guidance)
-    produces nothing. With `graph_rows` > 0 on CUDA, forwards of up to that many rows replay CUDA
-    graphs (one per latent shape and row count, captured the first time it runs: a few forwards' time).
+    produces nothing.
     """
 
-    def __init__(self, transformer: WanTransformer, text_cache_rows: int = 16, graph_rows: int = 0) -> None:
+    def __init__(self, transformer: WanTransformer, text_cache_rows: int = 16) -> None:
         super().__init__()
         self.transformer = transformer
         self.sp_group: Any = None  # a sequence-parallel replica's torch.distributed group
         # cross-attention K/V of each request's text, reused across its steps (text_cache.py)
         self.text_cache = TextKVCache(text_cache_rows)
-        # > 0 on CUDA: forwards of up to this many rows replay CUDA graphs (dit_graphs.py), made on first use
-        self.graph_rows = graph_rows
-        self.graphs: DiTGraphs | None = None
 
     def release(self, request_id: str) -> None:
         """Forget the request's cached text keys and values (safe for unknown ids)."""
@@ -93,23 +88,10 @@ class DiTComponent(StatelessBase, nn.Module):
         latents = torch.stack([items[i].inputs["latents"] for i in rows]).to(dtype)
         timesteps = torch.stack([items[i].inputs["timestep"] for i in rows])
         text_kv = self._text_kv([items[i] for i in rows], dtype)
-        graphs = self._graphs(latents)
-        if graphs is not None and len(rows) <= graphs.max_rows:
-            velocity = graphs(latents, timesteps, text_kv).to(torch.float32, copy=True)  # out before the next replay
-        else:
-            velocity = self.transformer(latents, timesteps, None, sp_group=self.sp_group, text_kv=text_kv).float()
+        velocity = self.transformer(latents, timesteps, None, sp_group=self.sp_group, text_kv=text_kv).float()
         for row, i in enumerate(rows):
             out[i] = {"velocity": velocity[row]}
         return out
-
-    def _graphs(self, latents: torch.Tensor) -> DiTGraphs | None:
-        """The CUDA graphs forwards replay from, made on first use; None when they are off (CPU,
-        `graph_rows` 0, sequence parallel: its all-to-alls stay eager)."""
-        if self.graph_rows <= 0 or latents.device.type != "cuda" or self.sp_group is not None:
-            return None
-        if self.graphs is None:
-            self.graphs = DiTGraphs(self.transformer, self.graph_rows, latents.device)
-        return self.graphs
 
     def _text_kv(self, items: list[Any], dtype: torch.dtype) -> list:
         """The batch's cross-attention (k, v) per block: cached from an earlier step of the same rows."""

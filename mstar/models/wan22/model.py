@@ -51,21 +51,15 @@ class Wan22ServeConfig(ServeConfig):
     # cuDNN times its algorithms for each VAE convolution shape on first use (the first decode at a size
     # pays the search; engines.cuda_graphs.cudnn_autotune); off: PyTorch's heuristic picks
     vae_autotune: bool = False
-    compile: bool = False  # torch.compile the DiT blocks' tensor math (compile.py); first forward compiles
     text_cache_rows: int = 16  # DiT rows whose text K/V are kept across steps (~189 MB each at 5B); 0: off
-    # on CUDA, DiT forwards replay CUDA graphs, one per latent shape and row count, each captured on its first
-    # forward (dit_graphs.py); off with `compile` and under sequence parallelism. Off by default: at 832x480
-    # the GPU time of a forward did not change (113.5 vs 114.8 ms at 2 rows), only the host's launch time
-    dit_graphs: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         dtype_named(self.vae_dtype, "model_kwargs.vae_dtype")
         if self.vae_conv_dtype is not None:
             dtype_named(self.vae_conv_dtype, "model_kwargs.vae_conv_dtype")
-        for name in ("compile", "vae_autotune", "dit_graphs"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"wan22 {name}={getattr(self, name)!r} must be true or false (YAML booleans, unquoted)")
+        if not isinstance(self.vae_autotune, bool):
+            raise ValueError(f"wan22 vae_autotune={self.vae_autotune!r} must be true or false (YAML booleans, unquoted)")
         if self.text_cache_rows < 0:
             raise ValueError(f"wan22 text_cache_rows={self.text_cache_rows} must be >= 0 (0 turns the cache off)")
         if self.vae_chunk_frames < 1:
@@ -150,14 +144,8 @@ class Wan22Model(Model):
             return BuiltComponent(components.TextEncoderComponent(encoder, self._dtype(device)))
         if name == "dit":
             transformer = loaders.transformer(self, self._dtype(device), device)
-            if self.config.compile:
-                from mstar.models.wan22.compile import compile_blocks
-
-                compile_blocks(transformer)
-            spec = self.engine_spec("dit", StatelessSpec(max_batch_size=DIT_BATCH))
-            graph_rows = spec.max_batch_size if self.config.dit_graphs and not self.config.compile else 0
-            dit = components.DiTComponent(transformer, self.config.text_cache_rows, graph_rows)
-            return BuiltComponent(dit, spec)
+            dit = components.DiTComponent(transformer, self.config.text_cache_rows)
+            return BuiltComponent(dit, StatelessSpec(max_batch_size=DIT_BATCH))
         if name == "scheduler":
             from mstar.models.wan22.combine import GuidanceScheduler
 

@@ -161,8 +161,7 @@ class WanBlock(nn.Module):
     def forward(self, x: torch.Tensor, text: torch.Tensor | tuple, t_mod: torch.Tensor, rope: tuple,
                 attend: Attend = sdpa_attention) -> torch.Tensor:
         """x [B, L, D]; text [B, Lt, D] or this block's precomputed cross-attention (k, v); t_mod [B, T, 6, D] float32 with T dividing L; rope (cos, sin);
-        `attend` runs the self-attention core (see SelfAttention). The two halves around `attend` are
-        pure tensor math: `compile_blocks` (compile.py) may compile them and leave `attend` eager."""
+        `attend` runs the self-attention core (see SelfAttention)."""
         q, k, v = self.pre_attention(x, t_mod, *rope)
         return self.post_attention(x, attend(q, k, v), text, t_mod)
 
