@@ -143,8 +143,8 @@ def test_prefill_graphs_equal_eager(checkpoint):
     prefill = graphed.runner.prefill_graphs
     assert prefill is not None and prefill.tokens == [16, 32, 64]
     eager_steps = []
-    forward = graphed.runner._eager_forward
-    graphed.runner._eager_forward = lambda *a: eager_steps.append(a[0].shape[0]) or forward(*a)
+    forward = graphed.runner._eager
+    graphed.runner._eager = lambda *a: eager_steps.append(a[0].shape[0]) or forward(*a)
     got = generate_staggered(graphed, prompts, options, join_at)
     assert prefill.replays >= 5 and eager_steps == [], (prefill.replays, eager_steps)
     eager = engine_for(model, graphs=False, max_batch_tokens=64)

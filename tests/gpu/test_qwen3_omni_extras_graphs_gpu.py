@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mstar.engines.own_stream import OwnStreamEngine
 from mstar.runtime.offline import MStar
 from tests.models.qwen3_omni_model_testing import PROMPT, make_reference, outputs, runtime_config, submit_ids
 
@@ -35,7 +36,9 @@ def _speak(tmp_path, graphs: bool):
         engines = mstar.runtime.workers[0].engines
         replays = {"thinker": 0, "talker": 0}
         for name in replays if graphs else ():
-            extras = engines[name].runner.extras_graphs
+            engine = engines[name]
+            engine = engine.engine if isinstance(engine, OwnStreamEngine) else engine  # the thinker's own stream
+            extras = engine.runner.extras_graphs
             assert extras is not None and extras.graphs is not None
             extras.graphs = _Counted(extras.graphs, replays, name)  # replays in step and launched ahead
         handle = submit_ids(mstar, PROMPT, modalities=["text", "audio"], temperature=0, max_tokens=12,

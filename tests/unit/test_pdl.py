@@ -115,8 +115,8 @@ PDL_KERNELS = {
     "kv_store.py": ("_store_kv_kernel",),
     "moe_small.py": ("_gate_up_kernel", "_down_kernel"),
     "prefill_attention.py": ("_prefill_kernel",),
-    "step_attention.py": ("_step_attention_kernel",),
-    "small_vocab_sampling.py": ("_sample_kernel",),
+    "../models/qwen3_omni/step_attention.py": ("_step_attention_kernel",),  # model-only kernels live with it
+    "../models/qwen3_omni/small_vocab_sampling.py": ("_sample_kernel",),
     "window_head.py": ("_window_head_kernel",),
 }
 WEIGHT_POINTERS = {"w_ptr", "w_ptrs"}  # constant during a step: what a kernel may read before the wait

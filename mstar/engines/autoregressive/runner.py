@@ -166,6 +166,10 @@ class ModelRunner:
             out.copy_(logits)
         return out
 
+    def _eager(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The model's forward run eagerly: a step that replays no graph (its attention prepared)."""
+        return self.model.forward(input_ids, positions, self.attn)
+
     @property
     def decode_ids(self) -> torch.Tensor | None:
         """The token ids every decode graph reads (int64 [rows]); a sampler that writes its ids here feeds
@@ -206,7 +210,7 @@ class ModelRunner:
             hidden = self.prefill_graphs.run(chunks, meta, input_ids, positions)
         else:
             self.attn.prepare(meta)
-            hidden = self.model.forward(self._tensor(input_ids), self._tensor(positions), self.attn)
+            hidden = self._eager(self._tensor(input_ids), self._tensor(positions))
         return self._last_logits(chunks, hidden, input_ids)
 
     def _last_logits(self, chunks: list[Chunk], hidden: torch.Tensor, input_ids: list[int]) -> torch.Tensor | None:
@@ -326,7 +330,7 @@ class ModelRunner:
             slots = [s.pages[p // page] * page + p % page for s, p in zip(seqs, positions)]
             self.attn.prepare(self._metadata([Chunk(s, p, 1) for s, p in zip(seqs, positions)], slots))
             ids = ids.to(self.device)
-            hidden = self.model.forward(ids, self._tensor(positions), self.attn)
+            hidden = self._eager(ids, self._tensor(positions))
             return Ahead(seqs, positions, self.model.compute_logits(hidden, ids))
 
     def extras_ahead(self, seqs: list[Sequence]) -> bool:
