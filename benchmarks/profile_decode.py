@@ -5,10 +5,7 @@ Same model as benchmarks/decode_step.py (Orpheus-3B shape, bf16, dummy weights).
   averaged over --steps decode steps;
 - GPU time of one graph replay alone (CUDA events over 50 back-to-back replays);
 and, at batch 1, the top GPU kernels of one decode step under torch.profiler (eager forward, same kernels).
-With --variants, each named set of decode fusions (none, rope, reduce, norm, all: RoPE in attention,
-split merge in attention, RMSNorm folded into the GEMV) gets its own engine and graphs from the same
-model, so one run shows each fusion's effect; the skinny-GEMM choices made are listed too.
-With --pdl both, everything is profiled with Programmatic Dependent Launch of the Triton kernels off,
+The skinny-GEMM choices made are listed too. With --pdl both, everything is profiled with Programmatic Dependent Launch of the Triton kernels off,
 then on (mstar/kernels/pdl.py; the skinny-GEMM choices are re-timed for each, as a fresh process with
 that MSTAR_PDL would); --pdl off / on forces one; the default follows MSTAR_PDL (auto: on for sm_90+).
 --speakable-span restricts the head to Orpheus' speakable span, as the served model does; with
@@ -18,7 +15,7 @@ With --attention-preload, each setting (1: each decode-attention program reads i
 keys and values before its PDL wait, `mstar/kernels/decode_attention.py` PRELOAD; 0: after) gets its own
 engine and graphs, in the order given (repeat one to see the run-to-run spread).
 
-    python3 benchmarks/profile_decode.py [--batch-sizes 1 16 64] [--variants none rope reduce norm all]
+    python3 benchmarks/profile_decode.py [--batch-sizes 1 16 64]
         [--pdl {env,off,on,both}] [--speakable-span] [--attention-preload 0 1 0 1]
         [--frame-places 0 1 0 1]
         [--out benchmarks/results/profile_decode_h200.json]
@@ -31,7 +28,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 from collections import defaultdict
@@ -46,7 +42,6 @@ from mstar.engines.autoregressive import engine as engine_module  # noqa: E402
 from mstar.engines.base import LoopSpec, StepItem  # noqa: E402
 from mstar.kernels.decode_attention import PRELOAD  # noqa: E402
 from mstar.kernels.pdl import PDL  # noqa: E402
-from mstar.layers.fused import FUSED  # noqa: E402
 from mstar.layers.linear import SKINNY  # noqa: E402
 from mstar.models.common.loading import fill_dummy_weights  # noqa: E402
 from mstar.models.llama.config import LlamaConfig  # noqa: E402
@@ -54,9 +49,6 @@ from mstar.models.llama.model import build_model  # noqa: E402
 from mstar.models.orpheus.head import SpanHeadLM  # noqa: E402
 from mstar.models.orpheus.tokens import OrpheusTokens  # noqa: E402
 
-# variant -> (RoPE in attention, split merge in attention, RMSNorm folded into the GEMV)
-VARIANTS = {"none": (False, False, False), "rope": (True, False, False), "reduce": (False, True, False),
-            "norm": (False, False, True), "all": (True, True, True)}
 # --pdl -> the PDL.mode values profiled one after another (None: as MSTAR_PDL sets it)
 PDL_MODES = {"env": (None,), "off": (False,), "on": (True,), "both": (False, True)}
 
@@ -147,13 +139,6 @@ def kernel_table(engine, model, top: int = 25) -> list[dict]:
         rows[:top]
 
 
-def set_fusions(rope: bool, reduce: bool, norm: bool) -> None:
-    """Switch the decode fusions for the next engine built (the backend reads its two at construction)."""
-    os.environ["MSTAR_FUSE_ROPE_ATTENTION"] = "1" if rope else "0"
-    os.environ["MSTAR_FUSE_ATTENTION_REDUCE"] = "1" if reduce else "0"
-    FUSED.norm_linear = norm
-
-
 def set_pdl(mode: bool | None) -> None:
     """PDL on (True) or off (False) for the next engine built; None keeps MSTAR_PDL's choice. A change
     drops the skinny-GEMM choices so that they are timed again under the new launch mode."""
@@ -176,13 +161,10 @@ def profile_engine(model, config, args) -> dict:
     kernels = kernel_table(engine, model)
     for k in kernels:
         print(json.dumps(k))
-    attn = engine.runner.attn
-    fusions = {"rope": getattr(attn, "fuse_rotary", False), "reduce": getattr(attn, "fuse_reduce", False),
-               "norm": FUSED.norm_linear}
     del engine
     gc.collect()
     torch.cuda.empty_cache()
-    return {"fusions": fusions, "pdl": PDL.enabled(torch.device("cuda")), "rows": rows,
+    return {"pdl": PDL.enabled(torch.device("cuda")), "rows": rows,
             "kernels_batch1_eager": kernels}
 
 
@@ -195,8 +177,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=None,
-                        help="decode fusions to compare, one engine each (default: as the environment sets them)")
     parser.add_argument("--pdl", choices=sorted(PDL_MODES), default="env",
                         help="Programmatic Dependent Launch: as MSTAR_PDL sets it (env), off, on, or both in turn")
     parser.add_argument("--max-model-len", type=int, default=None,
@@ -243,7 +223,7 @@ def main() -> None:
             label += f" (run {runs + 1})" if runs else ""
             print(json.dumps({"variant": label}), flush=True)
             result["variants"][label] = profile_engine(model, config, args)
-    elif args.variants is None and len(modes) == 1:
+    elif len(modes) == 1:
         set_pdl(modes[0])
         result.update(profile_engine(model, config, args))
         result["skinny_choices"] = skinny_choices()
@@ -251,13 +231,10 @@ def main() -> None:
         result["variants"] = {}
         for pdl in modes:
             set_pdl(pdl)
-            for name in args.variants or ["default"]:
-                label = name if pdl is None else f"{name}/pdl={'on' if pdl else 'off'}"
-                print(json.dumps({"variant": label}), flush=True)
-                if name != "default":
-                    set_fusions(*VARIANTS[name])
-                result["variants"][label] = profile_engine(model, config, args)
-                result["variants"][label]["skinny_choices"] = skinny_choices()
+            label = f"pdl={'on' if pdl else 'off'}"
+            print(json.dumps({"variant": label}), flush=True)
+            result["variants"][label] = profile_engine(model, config, args)
+            result["variants"][label]["skinny_choices"] = skinny_choices()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

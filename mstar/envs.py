@@ -61,21 +61,6 @@ MOE_TILED = EnvVar(
     "0 keeps sparse-MoE decode batches of tens of tokens off the tiled kernels (the small-slot kernels "
     "or the grouped path serve them instead; read once per process)",
     _TRUE + _FALSE)
-FUSE_ROPE_ATTENTION = EnvVar(
-    "MSTAR_FUSE_ROPE_ATTENTION", "bool (0/1/true/false)", "0",
-    "1 rotates q/k inside the Triton decode-attention kernel (no rotary kernel in decode steps; "
-    "read when the attention backend is built)",
-    _TRUE + _FALSE)
-FUSE_ATTENTION_REDUCE = EnvVar(
-    "MSTAR_FUSE_ATTENTION_REDUCE", "bool (0/1/true/false)", "0",
-    "1 merges split-KV decode-attention partials in the attention kernel itself (no reduce kernel; "
-    "read when the attention backend is built)",
-    _TRUE + _FALSE)
-FUSE_NORM_LINEAR = EnvVar(
-    "MSTAR_FUSE_NORM_LINEAR", "bool (0/1/true/false)", "0",
-    "1 lets the skinny GEMV of a decoder layer's qkv and gate_up projections fold in the preceding "
-    "(residual add +) RMSNorm where timing says it wins (read once per process)",
-    _TRUE + _FALSE)
 WAN_GEMM_GELU = EnvVar(
     "MSTAR_WAN_GEMM_GELU", "bool (0/1/true/false)", "1",
     "0 runs the Wan DiT's FFN GELU as its own kernel instead of in the up-projection's cuBLASLt GEMM "
@@ -111,8 +96,7 @@ SCHEMATHESIS_EXAMPLES = EnvVar(
     "MSTAR_SCHEMATHESIS_EXAMPLES", "int", "25",
     "tests only: generated examples per operation in tests/e2e/test_schemathesis.py")
 
-ALL: tuple[EnvVar, ...] = (FUSED_KERNELS, SKINNY_GEMM, MOE_TILED, FUSE_ROPE_ATTENTION, FUSE_ATTENTION_REDUCE,
-                           FUSE_NORM_LINEAR, WAN_GEMM_GELU, PDL, STALL_DUMP_S, WATCHDOG_S, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
+ALL: tuple[EnvVar, ...] = (FUSED_KERNELS, SKINNY_GEMM, MOE_TILED, WAN_GEMM_GELU, PDL, STALL_DUMP_S, WATCHDOG_S, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
                            SCHEMATHESIS_EXAMPLES)
 
 
@@ -149,21 +133,6 @@ def skinny_gemm() -> bool | None:
 def moe_tiled() -> bool:
     """MSTAR_MOE_TILED: whether the tiled MoE kernels may serve (default True)."""
     return _flag(MOE_TILED, True)
-
-
-def fuse_rope_attention() -> bool:
-    """MSTAR_FUSE_ROPE_ATTENTION: whether decode attention applies RoPE itself (default False)."""
-    return _flag(FUSE_ROPE_ATTENTION, default=False)
-
-
-def fuse_attention_reduce() -> bool:
-    """MSTAR_FUSE_ATTENTION_REDUCE: whether split-KV decode attention merges in-kernel (default False)."""
-    return _flag(FUSE_ATTENTION_REDUCE, default=False)
-
-
-def fuse_norm_linear() -> bool:
-    """MSTAR_FUSE_NORM_LINEAR: whether RMSNorm may be folded into the next skinny GEMV (default False)."""
-    return _flag(FUSE_NORM_LINEAR, default=False)
 
 
 def wan_gemm_gelu() -> bool:

@@ -8,19 +8,12 @@ which saves a kernel launch per layer. Each split writes a normalised
 partial output and its log-sum-exp; a small reduce kernel merges the splits. Loop bounds come from
 the device `seq_lens`, so one launch (and one captured CUDA graph) is valid for any lengths.
 
-Two optional fusions (both exact re-arrangements, both CUDA-graph safe):
-- `rotary=(cos, sin)`: q and the new k arrive un-rotated and are rotated on load (rounded like
-  `fused_ops.rotary`, bit for bit), which removes the rotary kernel of a decode step.
-- `lock`: an int32 counter per (sequence, KV head), zero at rest. Each split bumps it after writing
-  its partial; the last to arrive merges all partials in the fixed order 0..NUM_SPLITS-1 and resets
-  it, so no reduce kernel runs and the result does not depend on which split finishes last.
-
 PDL (sm_90+, `mstar.kernels.pdl`): both kernels let the next kernel launch at their start. The reduce
 kernel waits for the previous one before it reads anything (the partials). The decode kernel first
 reads its sequence's length, block table and the first block of its split's cached keys and values
 (`PRELOAD`): lengths and tables are written by copies that precede the step's kernels, the cached
 positions before the new token by earlier steps, so none of it by a kernel that may still run. It
-waits before everything else (q/k/v, slots, cos/sin, the new token's cache row, partials, counters).
+waits before everything else (q/k/v, slots, the new token's cache row, partials).
 """
 
 from __future__ import annotations
@@ -47,32 +40,14 @@ PRELOAD = _Preload()
 
 
 @triton.jit
-def _load_rotated(base, d, mask, cos_row, sin_row, ROPE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """x[..., d] at `base + d`, rotated by the row's cos/sin when ROPE (rotate-half convention), with
-    each product and the sum rounded to x's dtype as `fused_ops.rotary` and the PyTorch path do."""
-    x = tl.load(base + d, mask=mask, other=0.0)
-    if ROPE:
-        half = HEAD_DIM // 2
-        partner = tl.where(d < half, d + half, d - half)  # rotate_half reads the other half
-        xr = tl.load(base + partner, mask=mask, other=0.0).to(tl.float32)
-        xr = tl.where(d < half, -xr, xr)
-        dtype = x.dtype
-        # cos/sin rows are float32 [freqs, freqs]; torch casts them to x's dtype before multiplying.
-        c = tl.load(cos_row + d, mask=d < HEAD_DIM, other=0.0).to(dtype).to(tl.float32)
-        s = tl.load(sin_row + d, mask=d < HEAD_DIM, other=0.0).to(dtype).to(tl.float32)
-        x = ((x.to(tl.float32) * c).to(dtype).to(tl.float32) + (xr * s).to(dtype).to(tl.float32)).to(dtype)
-    return x
-
-
-@triton.jit
-def _new_token(q, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_row, sin_row, b, kvh, split, seq_len,
+def _new_token(q, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, b, kvh, split, seq_len,
                stride_kb, stride_kh, stride_vb, stride_vh, qk_scale, d, dmask,
                NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
-               BLOCK_D: tl.constexpr, ROPE: tl.constexpr):
+               BLOCK_D: tl.constexpr):
     """Split 0 stores the sequence's new K/V row and starts its softmax state with it; the other
     splits start empty. The new row is taken from registers, so no program reads its slot."""
     owner = split == 0
-    k = _load_rotated(k_ptr + b * stride_kb + kvh * stride_kh, d, dmask & owner, cos_row, sin_row, ROPE, HEAD_DIM)
+    k = tl.load(k_ptr + b * stride_kb + kvh * stride_kh + d, mask=dmask & owner, other=0.0)
     v = tl.load(v_ptr + b * stride_vb + kvh * stride_vh + d, mask=dmask & owner, other=0.0)
     k = k.to(k_cache_ptr.dtype.element_ty)  # attend to exactly what the cache will hold
     v = v.to(v_cache_ptr.dtype.element_ty)
@@ -86,30 +61,6 @@ def _new_token(q, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_row, sin
     l_i = tl.where(has_new, 1.0, 0.0) + tl.zeros([BLOCK_G], tl.float32)
     acc = tl.where(has_new, v.to(q.dtype).to(tl.float32)[None, :], 0.0) + tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     return m_i, l_i, acc
-
-
-@triton.jit
-def _merge_splits(mid_ptr, lse_ptr, out_ptr, b, heads, gmask, mask, d, stride_mb, stride_mh, stride_ms, stride_ob,
-                  stride_oh, NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
-    """out[b, heads] = the log-sum-exp weighted mean of the splits' partials, summed in split order.
-    Loads bypass L1 (.cg): the partials were written by other programs."""
-    lse_ptrs = lse_ptr + (b * NUM_HEADS + heads) * NUM_SPLITS
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        m = tl.maximum(m, tl.load(lse_ptrs + s, mask=gmask, other=float("-inf"), cache_modifier=".cg"))
-    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights 0, output 0
-    total = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        w = tl.exp2(tl.load(lse_ptrs + s, mask=gmask, other=float("-inf"), cache_modifier=".cg") - m)
-        part = tl.load(mid_ptr + b * stride_mb + heads[:, None] * stride_mh + s * stride_ms + d[None, :], mask=mask,
-                       other=0.0, cache_modifier=".cg")
-        total += w
-        acc += part * w[:, None]
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=mask)
 
 
 @triton.jit
@@ -142,13 +93,12 @@ def _attend(q, k, v, nmask, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_tables_ptr, seq_lens_ptr,
-                   cos_ptr, sin_ptr, out_ptr, lse_ptr, final_ptr, lock_ptr, stride_qb, stride_qh, stride_kb,
-                   stride_kh, stride_vb, stride_vh, stride_bt, stride_cs, stride_ob, stride_oh, stride_os,
-                   stride_fb, stride_fh, qk_scale, window,
+                   out_ptr, lse_ptr, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_bt,
+                   stride_ob, stride_oh, stride_os, qk_scale, window,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                   ROPE: tl.constexpr, FUSE_REDUCE: tl.constexpr, PRELOAD: tl.constexpr, PDL: tl.constexpr):
+                   PRELOAD: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     if not PRELOAD:
         pdl_wait(PDL)  # every read after the wait (the wait below then returns at once)
@@ -175,12 +125,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, bloc
     k0, v0, nmask0 = _load_block(k_cache_ptr, v_cache_ptr, block_tables_ptr, b, stride_bt, kvh, lo, hi, d, dmask,
                                  NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, BLOCK_N)
     pdl_wait(PDL)
-    cos_row, sin_row = cos_ptr + b * stride_cs, sin_ptr + b * stride_cs
-    q = _load_rotated(q_ptr + b * stride_qb + heads[:, None] * stride_qh, d[None, :],
-                      gmask[:, None] & dmask[None, :], cos_row, sin_row, ROPE, HEAD_DIM)
-    m_i, l_i, acc = _new_token(q, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, cos_row, sin_row, b, kvh,
-                               split, seq_len, stride_kb, stride_kh, stride_vb, stride_vh, qk_scale, d, dmask,
-                               NUM_KV_HEADS, HEAD_DIM, BLOCK_G, BLOCK_D, ROPE)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0)
+    m_i, l_i, acc = _new_token(q, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, b, kvh, split, seq_len,
+                               stride_kb, stride_kh, stride_vb, stride_vh, qk_scale, d, dmask,
+                               NUM_KV_HEADS, HEAD_DIM, BLOCK_G, BLOCK_D)
     if lo < hi:  # an empty split attends to nothing (a block of no valid key would make m - m NaN)
         m_i, l_i, acc = _attend(q, k0, v0, nmask0, m_i, l_i, acc, qk_scale, PRECISION)
     for start in range(lo + BLOCK_N, hi, BLOCK_N):
@@ -195,14 +144,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, bloc
     if NUM_SPLITS > 1:
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + (b * NUM_KV_HEADS * GROUP + heads) * NUM_SPLITS + split, lse, mask=gmask)
-        if FUSE_REDUCE:
-            tl.debug_barrier()  # every thread's partial is written before the counter says so
-            arrived = tl.atomic_add(lock_ptr + b * NUM_KV_HEADS + kvh, 1, sem="acq_rel", scope="gpu")
-            if arrived == NUM_SPLITS - 1:  # the last split of this (sequence, KV head) merges them all
-                _merge_splits(out_ptr, lse_ptr, final_ptr, b, heads, gmask, out_mask, d, stride_ob, stride_oh,
-                              stride_os, stride_fb, stride_fh, NUM_KV_HEADS * GROUP, NUM_SPLITS, BLOCK_G,
-                              BLOCK_D)
-                tl.atomic_xchg(lock_ptr + b * NUM_KV_HEADS + kvh, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -243,19 +184,14 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, num_sms: int, max_seq_le
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, window: int = 0, num_splits: int = 1,
-                     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     lock: torch.Tensor | None = None) -> torch.Tensor:
+                     seq_lens: torch.Tensor, scale: float, window: int = 0, num_splits: int = 1) -> torch.Tensor:
     """Store each sequence's new k/v [B, Hkv, D] at `slot_mapping` [B] (negative: skipped) in one
     layer's caches [num_pages, page_size, Hkv, D], and attend q [B, Hq, D] (the token at position
     `seq_lens[b] - 1`) over the sequence's keys; returns [B, Hq, D] in q's dtype.
 
     `block_tables` [B, W] int32, `seq_lens` [B] int32 (device; rows with 0 give zeros), `window` > 0
-    keeps only the last `window` keys. `rotary` = (cos, sin) [B, D] float32: q and k are un-rotated
-    and get RoPE (rotate-half) applied in the kernel, exactly as `fused_ops.rotary` would. `lock`:
-    int32 zeros with >= B * Hkv elements that this launch leaves zero (one per caller, never shared
-    by launches that may run concurrently): split partials are merged in the same launch (no reduce
-    kernel). Launch only: no host sync; grids depend on shapes and `num_splits` alone.
+    keeps only the last `window` keys. Launch only: no host sync; grids depend on shapes and
+    `num_splits` alone.
     """
     num_seqs, num_heads, head_dim = q.shape
     _, page_size, num_kv_heads, cache_dim = k_cache.shape
@@ -264,37 +200,28 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     assert block_tables.stride(1) == 1 and seq_lens.shape == slot_mapping.shape == (num_seqs,)
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    cos, sin = rotary if rotary is not None else (q, q)  # placeholders: never read without ROPE
-    if rotary is not None:
-        assert head_dim % 2 == 0 and cos.shape == sin.shape == (num_seqs, head_dim), (cos.shape, q.shape)
-        assert cos.stride(1) == sin.stride(1) == 1 and cos.stride(0) == sin.stride(0), (cos.stride(), sin.stride())
-    fuse_reduce = lock is not None and num_splits > 1
-    if fuse_reduce:
-        assert lock.dtype == torch.int32 and lock.numel() >= num_seqs * num_kv_heads, (lock.dtype, lock.shape)
     group = num_heads // num_kv_heads
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     block_d = triton.next_power_of_2(head_dim)
     common = dict(NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
                   NUM_SPLITS=num_splits, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
                   BLOCK_N=64 if block_d <= 128 else 32,
-                  PRECISION="ieee" if q.dtype == torch.float32 else "tf32", ROPE=rotary is not None,
-                  FUSE_REDUCE=fuse_reduce, PRELOAD=PRELOAD.on, num_warps=4, **pdl_args(q.device))
+                  PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PRELOAD=PRELOAD.on, num_warps=4,
+                  **pdl_args(q.device))
     grid = (num_seqs, num_kv_heads, num_splits)
-    inputs = (q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens, cos, sin)
-    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_tables.stride(0),
-               cos.stride(0))
+    inputs = (q, k, v, k_cache, v_cache, slot_mapping, block_tables, seq_lens)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_tables.stride(0))
     qk_scale = scale * LOG2E
     if num_splits == 1:
-        _decode_kernel[grid](*inputs, out, out, out, out, *strides, out.stride(0), out.stride(1), 0, 0, 0,
-                             qk_scale, window, **common)
+        _decode_kernel[grid](*inputs, out, out, *strides, out.stride(0), out.stride(1), 0, qk_scale, window,
+                             **common)
         return out
     mid = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    _decode_kernel[grid](*inputs, mid, lse, out, lock if fuse_reduce else lse, *strides, mid.stride(0),
-                         mid.stride(1), mid.stride(2), out.stride(0), out.stride(1), qk_scale, window, **common)
-    if not fuse_reduce:
-        _reduce_kernel[(num_seqs, num_heads)](mid, lse, out, out.stride(0), out.stride(1),
-                                              NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-                                              BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-                                              num_warps=1, **pdl_args(q.device))
+    _decode_kernel[grid](*inputs, mid, lse, *strides, mid.stride(0), mid.stride(1), mid.stride(2), qk_scale, window,
+                         **common)
+    _reduce_kernel[(num_seqs, num_heads)](mid, lse, out, out.stride(0), out.stride(1),
+                                          NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+                                          BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+                                          num_warps=1, **pdl_args(q.device))
     return out

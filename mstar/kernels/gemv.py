@@ -17,14 +17,10 @@ reproducible), and it is CUDA-graph capturable (no host sync, no data-dependent 
 
 `gated=True` reads x as the [M, 2K] output of a gate_up projection and computes
 silu(gate) * up in the x-load, rounded like `fused_ops.silu_and_mul`, which it replaces.
-`norm=(weight, eps)` likewise folds the preceding (residual add +) RMSNorm into the x-load: each
-program first computes its rows' 1/rms over all of K (x is a few KB, read from L2), then scales x as
-it loads it; the first program writes x + residual (the residual stream) once. It replaces
-`fused_ops.rms_norm` and its launch.
 
 PDL (sm_90+, `mstar.kernels.pdl`): every program lets the next kernel launch at its start and loads
 its first weight tile (weights are complete before a step starts) before `pdl_wait`; only after the
-wait does it read x, the residual, the norm weight and the bias, store, or touch the split-K
+wait does it read x and the bias, store, or touch the split-K
 workspace and counters. So a GEMV's blocks are resident, their first DRAM reads in flight, while the
 previous kernel finishes.
 
@@ -45,8 +41,7 @@ MAX_M = 4  # rows above this take the tl.dot kernel in skinny_gemm
 
 
 @triton.jit
-def _load_x(x_ptrs, k, gate_offset, mask, r_ptrs, nw_ptrs, inv, GATED: tl.constexpr, NORM: tl.constexpr,
-            HAS_RES: tl.constexpr, EVEN_K: tl.constexpr):
+def _load_x(x_ptrs, k, gate_offset, mask, GATED: tl.constexpr, EVEN_K: tl.constexpr):
     # x rows are tiny and shared by every program: they come from L2/L1, not HBM.
     if EVEN_K:
         x = tl.load(x_ptrs + k)
@@ -58,57 +53,7 @@ def _load_x(x_ptrs, k, gate_offset, mask, r_ptrs, nw_ptrs, inv, GATED: tl.conste
         else:
             up = tl.load(x_ptrs + gate_offset + k, mask=mask, other=0.0)
         x = silu_times(x, up)  # rounded as fused_ops.silu_and_mul rounds
-    if NORM:  # x -> rms_norm(x (+ r)) with the row's 1/rms, rounded where fused_ops.rms_norm rounds
-        if HAS_RES:
-            if EVEN_K:
-                r = tl.load(r_ptrs + k)
-            else:
-                r = tl.load(r_ptrs + k, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-        if EVEN_K:
-            nw = tl.load(nw_ptrs + k)
-        else:
-            nw = tl.load(nw_ptrs + k, mask=mask, other=0.0)
-        normed = (x.to(tl.float32) * inv).to(x.dtype).to(tl.float32)
-        x = (normed * nw.to(tl.float32)).to(x.dtype)
     return x.to(tl.float32)
-
-
-@triton.jit
-def _row_inv_rms(x_row, r_row, res_out_row, K, eps, store, HAS_RES: tl.constexpr, K_CHUNKS: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """1 / rms of one row of x (+ r) over all of K; stores x + r at `res_out_row` where `store`. Every
-    program recomputes it (K elements from L2: cheap next to its weight slice), so no norm launch."""
-    rk = tl.arange(0, BLOCK_K)
-    ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for i in range(K_CHUNKS):
-        mask = i * BLOCK_K + rk < K
-        x = tl.load(x_row + i * BLOCK_K + rk, mask=mask, other=0.0)
-        if HAS_RES:
-            r = tl.load(r_row + i * BLOCK_K + rk, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded like `x + r` in torch
-            tl.store(res_out_row + i * BLOCK_K + rk, x, mask=mask & store)
-        xf = x.to(tl.float32)
-        ss += xf * xf
-    return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-
-
-@triton.jit
-def _rows_inv_rms(x_ptr, r_ptr, res_out_ptr, M, K, stride_xm, stride_rm, eps, first, HAS_RES: tl.constexpr,
-                  K_CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """1/rms of rows 0..3 (rows past M repeat row M - 1; unused past BLOCK_M); `first` stores x + r."""
-    m1, m2, m3 = tl.minimum(1, M - 1), tl.minimum(2, M - 1), tl.minimum(3, M - 1)
-    inv0 = _row_inv_rms(x_ptr, r_ptr, res_out_ptr, K, eps, first, HAS_RES, K_CHUNKS, BLOCK_K)
-    inv1, inv2, inv3 = inv0, inv0, inv0
-    if BLOCK_M > 1:
-        inv1 = _row_inv_rms(x_ptr + m1 * stride_xm, r_ptr + m1 * stride_rm, res_out_ptr + m1 * K, K, eps,
-                            first & (M > 1), HAS_RES, K_CHUNKS, BLOCK_K)
-    if BLOCK_M > 2:
-        inv2 = _row_inv_rms(x_ptr + m2 * stride_xm, r_ptr + m2 * stride_rm, res_out_ptr + m2 * K, K, eps,
-                            first & (M > 2), HAS_RES, K_CHUNKS, BLOCK_K)
-        inv3 = _row_inv_rms(x_ptr + m3 * stride_xm, r_ptr + m3 * stride_rm, res_out_ptr + m3 * K, K, eps,
-                            first & (M > 3), HAS_RES, K_CHUNKS, BLOCK_K)
-    return inv0, inv1, inv2, inv3
 
 
 @triton.jit
@@ -126,43 +71,39 @@ def _folded(prod, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD_K: tl.const
     along K summed. With FOLD_K at most a thread's vector of K elements (8 for 16-byte bf16 loads) a group
     is one thread's registers, so the sum stays in the thread (`benchmarks/kernel_registers.py` shows the
     registers it frees). The reshape keeps the element order: with `can_reorder` the compiler may regroup
-    elements across rows of N too, and on an H200 the norm-folded GEMV then summed other rows' products."""
+    elements across rows of N too, which sums other rows' products."""
     if FOLD_K > 1:
         prod = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // FOLD_K, FOLD_K)), axis=2)
     return prod
 
 
 @triton.jit
-def _fma_rows(acc0, acc1, acc2, acc3, w, k, k_mask, x_ptrs, r_ptrs, nw_ptrs, M, stride_xm, stride_rm, gate_offset,
-              inv0, inv1, inv2, inv3, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+def _fma_rows(acc0, acc1, acc2, acc3, w, k, k_mask, x_ptrs, M, stride_xm, gate_offset, GATED: tl.constexpr,
               EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               FOLD_K: tl.constexpr):
     """acc_m += x[m, k:k + BLOCK_K] * w for the rows m of x (rows past M repeat row M - 1): one K chunk,
     folded by FOLD_K along K (`_folded`)."""
     w = w.to(tl.float32)
-    acc0 += _folded(_load_x(x_ptrs, k, gate_offset, k_mask, r_ptrs, nw_ptrs, inv0, GATED, NORM, HAS_RES, EVEN_K) * w,
-                    BLOCK_N, BLOCK_K, FOLD_K)
+    acc0 += _folded(_load_x(x_ptrs, k, gate_offset, k_mask, GATED, EVEN_K) * w, BLOCK_N, BLOCK_K, FOLD_K)
     if BLOCK_M > 1:
         m = tl.minimum(1, M - 1)
-        acc1 += _folded(_load_x(x_ptrs + m * stride_xm, k, gate_offset, k_mask, r_ptrs + m * stride_rm, nw_ptrs,
-                                inv1, GATED, NORM, HAS_RES, EVEN_K) * w, BLOCK_N, BLOCK_K, FOLD_K)
+        acc1 += _folded(_load_x(x_ptrs + m * stride_xm, k, gate_offset, k_mask, GATED, EVEN_K) * w,
+                        BLOCK_N, BLOCK_K, FOLD_K)
     if BLOCK_M > 2:
         m = tl.minimum(2, M - 1)
-        acc2 += _folded(_load_x(x_ptrs + m * stride_xm, k, gate_offset, k_mask, r_ptrs + m * stride_rm, nw_ptrs,
-                                inv2, GATED, NORM, HAS_RES, EVEN_K) * w, BLOCK_N, BLOCK_K, FOLD_K)
+        acc2 += _folded(_load_x(x_ptrs + m * stride_xm, k, gate_offset, k_mask, GATED, EVEN_K) * w,
+                        BLOCK_N, BLOCK_K, FOLD_K)
         m = tl.minimum(3, M - 1)
-        acc3 += _folded(_load_x(x_ptrs + m * stride_xm, k, gate_offset, k_mask, r_ptrs + m * stride_rm, nw_ptrs,
-                                inv3, GATED, NORM, HAS_RES, EVEN_K) * w, BLOCK_N, BLOCK_K, FOLD_K)
+        acc3 += _folded(_load_x(x_ptrs + m * stride_xm, k, gate_offset, k_mask, GATED, EVEN_K) * w,
+                        BLOCK_N, BLOCK_K, FOLD_K)
     return acc0, acc1, acc2, acc3
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, res_out_ptr, M, N, K, stride_xm,
-                 stride_wn, stride_rm, gate_offset, eps,
-                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                 SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, K_ITERS: tl.constexpr, K_CHUNKS: tl.constexpr,
-                 BROADCAST_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 FOLD_K: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, stride_xm, stride_wn, gate_offset,
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 K_ITERS: tl.constexpr, BROADCAST_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, FOLD_K: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -173,7 +114,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, 
     rn_safe = tl.minimum(rn, N - 1)
     w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
     # The weight is constant during a step, so the first tile is loaded before the PDL wait: its DRAM
-    # latency overlaps the previous kernel's tail. Everything else (x, the residual stream, every store,
+    # latency overlaps the previous kernel's tail. Everything else (x, every store,
     # the split-K workspace and counters) comes after the wait: the contract in mstar/kernels/pdl.py.
     k_start = pid_k * (K_ITERS * BLOCK_K)
     first_mask = ((k_start + rk) < K)[None, :]
@@ -187,28 +128,20 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, r_ptr, nw_ptr, 
         offs = rk[None, :]
     else:
         offs = (rn * 0)[:, None] + rk[None, :]
-    x_ptrs, r_ptrs, nw_ptrs = x_ptr + offs, r_ptr + offs, nw_ptr + offs
-    # NORM: the rows' 1/rms over the whole of K first (rows past M repeat row M - 1); the first program
-    # also writes x + r, the residual stream, once.
-    inv0, inv1, inv2, inv3 = 1.0, 1.0, 1.0, 1.0
-    if NORM:
-        inv0, inv1, inv2, inv3 = _rows_inv_rms(x_ptr, r_ptr, res_out_ptr, M, K, stride_xm, stride_rm, eps,
-                                               (pid_n == 0) & (pid_k == 0), HAS_RES, K_CHUNKS, BLOCK_M, BLOCK_K)
+    x_ptrs = x_ptr + offs
     # One [BLOCK_N, BLOCK_K // FOLD_K] accumulator per row of x (rows past M repeat row M - 1, never stored).
     acc0 = tl.zeros((BLOCK_N, BLOCK_K // FOLD_K), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_N, BLOCK_K // FOLD_K), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_N, BLOCK_K // FOLD_K), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_K // FOLD_K), dtype=tl.float32)
-    acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w_first, k_start, first_mask, x_ptrs, r_ptrs, nw_ptrs,
-                                       M, stride_xm, stride_rm, gate_offset, inv0, inv1, inv2, inv3, GATED, NORM,
-                                       HAS_RES, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, FOLD_K)
+    acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w_first, k_start, first_mask, x_ptrs, M, stride_xm,
+                                       gate_offset, GATED, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, FOLD_K)
     for i in range(1, K_ITERS):
         k = k_start + i * BLOCK_K
         k_mask = ((k + rk) < K)[None, :]
         w = _load_w(w_ptrs, k, k_mask, EVEN_K)
-        acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w, k, k_mask, x_ptrs, r_ptrs, nw_ptrs, M,
-                                           stride_xm, stride_rm, gate_offset, inv0, inv1, inv2, inv3, GATED, NORM,
-                                           HAS_RES, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, FOLD_K)
+        acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w, k, k_mask, x_ptrs, M, stride_xm, gate_offset,
+                                           GATED, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, FOLD_K)
     # The only cross-thread reductions, once per row after the loop; rows gathered into [BLOCK_M, BLOCK_N].
     part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) + tl.sum(acc0, axis=1)[None, :]
     if BLOCK_M > 1:
@@ -254,37 +187,27 @@ def _buffer(kind: str, device: torch.device, numel: int) -> torch.Tensor:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, block_m: int, block_n: int,
          block_k: int, split_k: int = 1, num_warps: int = 4, num_stages: int = 2,
-         gated: bool = False, norm: tuple[torch.Tensor, float] | None = None,
-         residual: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
-         fold_k: int = 1) -> torch.Tensor:
+         gated: bool = False, fold_k: int = 1) -> torch.Tensor:
     """x [M, K] (or [M, 2K] = [gate | up] when `gated`) times weight [N, K].T (+ bias) -> [M, N].
 
     M <= block_m <= MAX_M. Output in x's dtype, accumulated in fp32, bit-reproducible; inputs are
     checked by the caller (`skinny_gemm`). `split_k` is an upper bound: each split keeps whole
-    BLOCK_K chunks. `norm` = (norm weight [K], eps) multiplies by rms_norm(x + residual) instead of x
-    (rounded like `fused_ops.rms_norm`), and x + residual is written to `residual_out` [M, K]
-    (contiguous) when a residual is given. Not with `gated`. `fold_k` (`SkinnyConfig` checks it) sums
+    BLOCK_K chunks. `fold_k` (`SkinnyConfig` checks it) sums
     groups of that many products along K inside each thread every chunk, so the accumulators take
     fold_k times fewer registers (more rows of x per program at the same register budget).
     """
     m = x.shape[0]
     n, k = weight.shape
-    assert not (gated and norm is not None), "gemv: gated and norm do not combine"
-    assert (residual is None) == (residual_out is None), "gemv: residual and residual_out go together"
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
     split = triton.cdiv(k, k_per_split)  # rounding k_per_split up can leave fewer splits
     tiles = triton.cdiv(n, block_n)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = _buffer("ws", x.device, split * m * n) if split > 1 else out
     lock = _buffer("lock", x.device, tiles) if split > 1 else out
-    norm_weight, eps = norm if norm is not None else (x, 0.0)
-    res = residual if residual is not None else x
     _gemv_kernel[(tiles, split)](
-        x, weight, bias if bias is not None else weight, out, ws, lock, res, norm_weight,
-        residual_out if residual_out is not None else x, m, n, k, x.stride(0), weight.stride(0), res.stride(0), k,
-        eps, HAS_BIAS=bias is not None, GATED=gated, NORM=norm is not None, HAS_RES=residual is not None,
-        SPLIT_K=split, EVEN_K=split * k_per_split == k, K_ITERS=k_per_split // block_k,
-        K_CHUNKS=triton.cdiv(k, block_k),
+        x, weight, bias if bias is not None else weight, out, ws, lock, m, n, k, x.stride(0), weight.stride(0), k,
+        HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=split, EVEN_K=split * k_per_split == k,
+        K_ITERS=k_per_split // block_k,
         BROADCAST_X=block_k >= 16 // x.element_size() * 32 * num_warps,  # 16-byte loads by every thread
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FOLD_K=fold_k, num_warps=num_warps,
         num_stages=num_stages,

@@ -14,8 +14,7 @@ allocation; workspaces cached per shape):
 
 Block sizes come from `pick_config` (a static heuristic; `TUNED` overrides per (M bucket, N, K),
 filled from `benchmarks/gemv_micro.py --sweep`, which times candidates inside CUDA graphs).
-`skinny_norm_linear` runs the GEMV with the preceding (residual add +) RMSNorm folded in. Use
-through `mstar.layers.linear`, which decides per shape whether this beats F.linear; tests run it on
+Use through `mstar.layers.linear`, which decides per shape whether this beats F.linear; tests run it on
 CPU with TRITON_INTERPRET=1.
 
 PDL (sm_90+, `mstar.kernels.pdl`): both tl.dot-path kernels let the next kernel launch at their
@@ -109,11 +108,6 @@ TUNED_SILU_DOWN: dict[tuple[int, int, int], SkinnyConfig] = {
     (2, 3072, 8192): SkinnyConfig(block_m=2, block_n=4, block_k=2048, split_k=1, num_warps=8, num_stages=2, fold_k=8),
     (4, 3072, 8192): SkinnyConfig(block_m=4, block_n=16, block_k=1024, split_k=1, num_warps=4, num_stages=2, fold_k=8),
 }
-# The same for skinny_norm_linear (RMSNorm folded into the x-load), keyed by (M bucket, N, K); empty:
-# such shapes use the plain GEMV's config (`pick_config`). `benchmarks/norm_gemv_micro.py` found block_n=8
-# best for a variant of the fold at one row, but with it the engine's timing still kept the norm kernel +
-# GEMV and the served figures did not move (docs/benchmarks.md, stop 30), so no entry is kept.
-TUNED_NORM: dict[tuple[int, int, int], SkinnyConfig] = {}
 
 
 @triton.jit
@@ -282,42 +276,6 @@ def skinny_silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias
         raise ValueError(f"skinny_silu_and_mul_linear needs a GEMV config with {m} <= block_m <= {GEMV_MAX_M}, got {cfg}")
     return gemv(gate_up, weight, bias, cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
                 cfg.num_stages, gated=True, fold_k=cfg.fold_k)
-
-
-def pick_norm_config(m: int, n: int, k: int, sm_count: int = 132) -> SkinnyConfig:
-    """The GEMV config of `skinny_norm_linear` for [m, k] -> [m, n]: `TUNED_NORM`, else the GEMV config
-    `pick_config` gives the plain projection."""
-    bucket = m_bucket(m)
-    tuned = TUNED_NORM.get((bucket, n, k)) or pick_config(m, n, k, sm_count)
-    return tuned if not tuned.use_dot else _gemv_config(bucket, n, k, sm_count)
-
-
-def skinny_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                       bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                       config: SkinnyConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(rms_norm(x + residual) @ weight[N, K].T + bias, x + residual) for x [M, K], M <= GEMV_MAX_M.
-
-    Equals `skinny_linear(*fused_ops.rms_norm(x, norm_weight, eps, residual), ...)` up to the summation
-    order of the sum of squares (the normed row is rounded to x's dtype at the same points) in one
-    launch. Without `residual` the second result is None. `config` (block_m <= 4) overrides
-    `pick_norm_config`.
-    """
-    m, k = x.shape
-    n = weight.shape[0]
-    _check(x, weight, k, GEMV_MAX_M, "skinny_norm_linear")
-    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous():
-        raise ValueError(f"skinny_norm_linear needs a contiguous norm weight [{k}] of x's dtype {x.dtype}, got "
-                         f"{tuple(norm_weight.shape)} {norm_weight.dtype}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
-        raise ValueError(f"residual must match x {tuple(x.shape)} {x.dtype} with unit K stride, got "
-                         f"{tuple(residual.shape)} {residual.dtype} stride {residual.stride()}")
-    cfg = config or pick_norm_config(m, n, k, _sm_count(x.device))
-    if cfg.use_dot or cfg.block_m < m:
-        raise ValueError(f"skinny_norm_linear needs a GEMV config with {m} <= block_m <= {GEMV_MAX_M}, got {cfg}")
-    summed = torch.empty((m, k), dtype=x.dtype, device=x.device) if residual is not None else None
-    out = gemv(x, weight, bias, cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
-               cfg.num_stages, norm=(norm_weight, eps), residual=residual, residual_out=summed, fold_k=cfg.fold_k)
-    return out, summed
 
 
 def _dot_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

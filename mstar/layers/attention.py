@@ -1,9 +1,7 @@
 """The attention front-end of Llama-family decoders: projections, qk-norm, RoPE, backend call, output.
 
 The KV cache and the attention kernel live in the backend (`mstar.engines.attention`); this module
-only turns hidden states [T, hidden] into q/k/v [T, heads, head_dim] and back. A backend whose
-`fuses_rotary` is true for the prepared batch takes q/k un-rotated through `forward_rotary(layer, q,
-k, v, cos, sin)` and applies RoPE itself (the Triton decode kernel); others get rotated q/k.
+only turns hidden states [T, hidden] into q/k/v [T, heads, head_dim] and back.
 
 Tensor parallelism over heads (`HeadShard`): each rank of a group holds an equal share of the q heads and
 of the KV heads (its rows of the qkv projection, its columns of the output projection, its KV heads in
@@ -21,7 +19,7 @@ from torch import nn
 from mstar.kernels.guard import KernelGuard
 from mstar.layers.fused import FUSED
 from mstar.layers.linear import linear
-from mstar.layers.norm import PendingNorm, RMSNorm
+from mstar.layers.norm import RMSNorm
 from mstar.layers.rope import apply_rotary
 
 _QK_NORM_ROTARY = KernelGuard("qk_norm_rotary")
@@ -119,15 +117,14 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, spec.norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.norm_eps)
 
-    def forward(self, x: torch.Tensor | PendingNorm, cos: torch.Tensor, sin: torch.Tensor, attn: Any) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; `attn` is an AttentionBackend already prepared for the batch.
-        x may be a PendingNorm, which the qkv projection consumes."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; `attn` is an AttentionBackend already prepared for the batch."""
         out = self._local(x, cos, sin, attn)
         if self.shard is not None and self.shard.size > 1:
             torch.distributed.all_reduce(out, group=self.shard.group)  # the ranks' o_proj shares summed
         return out
 
-    def _local(self, x: torch.Tensor | PendingNorm, cos: torch.Tensor, sin: torch.Tensor, attn: Any) -> torch.Tensor:
+    def _local(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: Any) -> torch.Tensor:
         t, d = x.shape[0], self.spec.head_dim
         qkv = linear(x, self.qkv_proj)
         ops = FUSED.ops_for(qkv)
@@ -137,11 +134,6 @@ class SelfAttention(nn.Module):
             # q and k heads sit side by side in each qkv row: one launch norms (Qwen3) and rotates both.
             if self.spec.qk_norm:
                 qk = normed_rotated_qk(heads[:, :num_q + num_kv], self.q_norm, self.k_norm, num_q, cos, sin)
-            elif getattr(attn, "fuses_rotary", False):
-                # The backend rotates q and k as its kernel loads them: no rotary launch, no round trip.
-                q, k, v = heads.split([num_q, num_kv, num_kv], dim=1)
-                out = attn.forward_rotary(self.layer_idx, q, k, v, cos, sin)
-                return linear(out.reshape(t, self.q_size), self.o_proj)
             else:
                 qk = ops.rotary(heads[:, :num_q + num_kv], cos, sin)
             q, k = qk.split([num_q, num_kv], dim=1)

@@ -15,9 +15,7 @@ import torch
 from torch import nn
 
 from mstar.layers.attention import AttentionSpec, HeadShard, SelfAttention
-from mstar.layers.fused import FUSED
-from mstar.layers.mlp import GatedMLP
-from mstar.layers.norm import PendingNorm, RMSNorm
+from mstar.layers.norm import RMSNorm
 
 
 class DecoderLayer(nn.Module):
@@ -31,18 +29,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = SelfAttention(spec, layer_idx, attention_tp)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps)
         self.mlp = mlp
-        self._dense = isinstance(mlp, GatedMLP)  # its projections can take a norm un-applied (PendingNorm)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 attn: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream is residual + h [T, H] (residual None: h alone); returns (block output,
         residual stream before it) for the caller to add, fused into the next norm."""
-        if self._dense and FUSED.norm_linear and FUSED.ops_for(h) is not None and h.dim() == 2 and h.shape[0] <= 4:
-            # GEMV rows: each norm goes to the next projection un-applied; its skinny GEMV may fold it in.
-            pending = PendingNorm(self.input_layernorm, h, residual)
-            out = self.self_attn(pending, cos, sin, attn)
-            pending = PendingNorm(self.post_attention_layernorm, out, pending.summed())
-            return self.mlp(pending), pending.summed()
         if residual is None:
             normed, residual = self.input_layernorm(h), h
         else:

@@ -2,10 +2,7 @@
 
 They run for CUDA tensors when triton imports (and for CPU tensors under TRITON_INTERPRET=1, for
 tests); MSTAR_FUSED_KERNELS=0 turns them off (the PyTorch code in the layers is the reference).
-`norm_linear` (MSTAR_FUSE_NORM_LINEAR=1) lets decoder layers hand an RMSNorm to the next projection
-un-applied (`mstar.layers.norm.PendingNorm`), for the skinny GEMV to fold in where timing says so.
-The switches are read once per process; tests flip `FUSED.norm_linear`, and take their PyTorch reference
-under `fused_kernels(False)`.
+The switch is read once per process; tests take their PyTorch reference under `fused_kernels(False)`.
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ from mstar import envs
 class _Switch:
     def __init__(self) -> None:
         self.enabled = envs.fused_kernels()
-        self.norm_linear = envs.fuse_norm_linear()
         self.interpret = os.environ.get("TRITON_INTERPRET") == "1"
         self._ops: ModuleType | None | bool = False  # False: not imported yet; None: unavailable
 

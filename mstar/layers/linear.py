@@ -14,10 +14,6 @@ timed against the SiLU kernel followed by the best linear. A shape first seen du
 the unfused F.linear path for good (timing needs host syncs). On CPU (Triton interpreter) the
 kernels run only when `SKINNY.force` is True (tests). MSTAR_SKINNY_GEMM=0 turns them off, =1 forces
 them on wherever allowed.
-
-`linear` also takes a `PendingNorm` (`mstar.layers.norm`): for up to 4 rows `skinny_norm_linear`
-(the (residual add +) RMSNorm folded into the GEMV) is timed once per shape against the norm kernel
-followed by the best linear, and the faster serves; otherwise the norm is computed first.
 """
 
 from __future__ import annotations
@@ -31,7 +27,6 @@ from torch import nn
 
 from mstar import envs
 from mstar.layers.fused import FUSED
-from mstar.layers.norm import PendingNorm
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +52,6 @@ class _SkinnySwitch:
         once per shape on CUDA against silu_and_mul followed by the best linear."""
         key = ("silu_and_mul",) + self._key(gate_up, weight, bias)
         return self._decide(key, gate_up.is_cuda, lambda: self._measure_fused_silu(gate_up, weight, bias))
-
-    def use_fused_norm(self, pending: PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether skinny_norm_linear should run `pending`'s norm and this projection; measured once per
-        shape on CUDA against the norm kernel followed by the best linear."""
-        key = ("norm", pending.residual is not None) + self._key(pending.x, weight, bias)
-        return self._decide(key, pending.x.is_cuda, lambda: self._measure_fused_norm(pending, weight, bias))
 
     @staticmethod
     def _key(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
@@ -111,22 +100,6 @@ class _SkinnySwitch:
                     best.__name__, times["separate"])
         return times["fused"] < times["separate"]
 
-    def _measure_fused_norm(self, pending: PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        from mstar.kernels.fused_ops import rms_norm
-        from mstar.kernels.skinny_gemm import skinny_linear, skinny_norm_linear
-
-        x, r, nw, eps = pending.x, pending.residual, pending.norm.weight, pending.norm.eps
-        normed = rms_norm(x, nw, eps, r)[0]
-        best = skinny_linear if self.use_skinny(normed, weight, bias) else F.linear
-        times = self._time({"fused": lambda w: skinny_norm_linear(x, nw, eps, w, bias, r),
-                            "separate": lambda w: best(rms_norm(x, nw, eps, r)[0], w, bias)}, weight)
-        if times is None:
-            return False
-        logger.info("rms_norm + linear M=%d N=%d K=%d %s residual=%s: fused %.1f us, rms_norm + %s %.1f us",
-                    x.shape[0], weight.shape[0], weight.shape[1], x.dtype, r is not None, times["fused"],
-                    best.__name__, times["separate"])
-        return times["fused"] < times["separate"]
-
     @torch.inference_mode()  # weights and buffers may be inference tensors (made under inference mode)
     def _time(self, candidates: dict[str, Callable[[torch.Tensor], object]],
               weight: torch.Tensor) -> dict[str, float] | None:
@@ -145,11 +118,8 @@ class _SkinnySwitch:
 SKINNY = _SkinnySwitch()
 
 
-def linear(x: torch.Tensor | PendingNorm, module: nn.Linear) -> torch.Tensor:
-    """module(x) for an nn.Linear: through skinny_linear for few-row inputs where it wins, else F.linear.
-    For a PendingNorm, module(norm(...)), with the norm folded into the GEMV where that wins."""
-    if isinstance(x, PendingNorm):
-        return _norm_linear(x, module)
+def linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
+    """module(x) for an nn.Linear: through skinny_linear for few-row inputs where it wins, else F.linear."""
     return linear_weight(x, module.weight, module.bias)
 
 
@@ -194,27 +164,3 @@ def silu_and_mul_linear(gate_up: torch.Tensor, module: nn.Linear) -> torch.Tenso
 
         return skinny_silu_and_mul_linear(gate_up, weight, bias)
     return linear(ops.silu_and_mul(gate_up), module)
-
-
-def _norm_linear(pending: PendingNorm, module: nn.Linear) -> torch.Tensor:
-    """linear(pending.materialize(), module), or one skinny_norm_linear launch where allowed and faster."""
-    x, r, nw, weight, bias = pending.x, pending.residual, pending.norm.weight, module.weight, module.bias
-    if (
-        x.dim() == 2
-        and 0 < x.shape[0] <= _GEMV_MAX_M
-        and SKINNY.force is not False
-        and x.dtype == weight.dtype == nw.dtype
-        and x.dtype in _DTYPES
-        and x.stride(1) == 1
-        and weight.is_contiguous()
-        and nw.is_contiguous()
-        and (r is None or (r.shape == x.shape and r.dtype == x.dtype and r.stride(1) == 1))
-        and FUSED.ops_for(x) is not None
-        and SKINNY.use_fused_norm(pending, weight, bias)
-    ):
-        from mstar.kernels.skinny_gemm import skinny_norm_linear
-
-        out, summed = skinny_norm_linear(x, nw, pending.norm.eps, weight, bias, r)
-        pending.set_summed(summed)
-        return out
-    return linear(pending.materialize(), module)

@@ -8,7 +8,6 @@ from torch import nn
 
 from mstar.layers.fused import FUSED
 from mstar.layers.linear import linear, silu_and_mul_linear
-from mstar.layers.norm import PendingNorm
 
 
 class GatedMLP(nn.Module):
@@ -20,8 +19,8 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
-        """x [T, hidden] (or a PendingNorm, which gate_up consumes) -> [T, hidden]."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
         gate_up = linear(x, self.gate_up_proj)
         ops = FUSED.ops_for(gate_up)
         if ops is not None and gate_up.dim() == 2 and gate_up.is_contiguous():

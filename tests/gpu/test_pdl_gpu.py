@@ -16,7 +16,6 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
-from decode_fusion_cases import decode_inputs  # noqa: E402
 from paged_attention_cases import Shape, make_pair, random_batch  # noqa: E402
 
 from mstar.kernels import decode_attention, fused_ops, gemv, kv_store, prefill_attention, skinny_gemm  # noqa: E402
@@ -24,7 +23,6 @@ from mstar.kernels.pdl import PDL, triton_supports_pdl  # noqa: E402
 from mstar.kernels.skinny_gemm import (  # noqa: E402
     SkinnyConfig,
     skinny_linear,
-    skinny_norm_linear,
     skinny_silu_and_mul_linear,
 )
 from mstar.layers.rope import RopeSpec, RotaryEmbedding  # noqa: E402
@@ -84,20 +82,6 @@ def silu_down_chain():
     return step
 
 
-def norm_gemv_chain(config: SkinnyConfig | None = None):
-    g = torch.Generator(device="cuda").manual_seed(4)
-    w, nw, x0, r0 = _randn(g, 3072, 3072, scale=3072 ** -0.5), 1 + _randn(g, 3072, scale=0.2), _randn(g, 2, 3072), \
-        _randn(g, 2, 3072)
-
-    def step():
-        x, r, outs = x0, r0, []
-        for _ in range(CHAIN):
-            x, r = skinny_norm_linear(x, nw, 1e-5, w, None, r, config=config)
-            outs += [x, r]
-        return outs
-    return step
-
-
 def fused_ops_chain():
     g = torch.Generator(device="cuda").manual_seed(5)
     nw, x0, r0 = 1 + _randn(g, 3072, scale=0.2), _randn(g, 4, 3072), _randn(g, 4, 3072)
@@ -131,10 +115,11 @@ def prefill_case():
     return step
 
 
-def decode_case(fused: bool):
+def decode_case():
     _, tri = make_pair(ATTN, "cuda")
-    tri.fuse_rotary = tri.fuse_reduce = fused  # fused: RoPE + split merge in the kernel; else the reduce kernel
-    meta, q0, k, v, cos, sin = decode_inputs(ATTN, [100, 3900, 37], 4, seed=7, device="cuda")
+    meta, q0, k, v = random_batch(ATTN, [100, 3900, 37], [1, 1, 1], "cuda", seed=7)
+    g = torch.Generator().manual_seed(8)  # a padding row: the batch replays at 4 rows
+    q0, k, v = (torch.cat([x, torch.randn(1, *x.shape[1:], generator=g).to(x)]) for x in (q0, k, v))
     tri.prepare(meta, pad_to=4)
     k0, v0 = tri.k_cache.clone(), tri.v_cache.clone()
 
@@ -144,7 +129,7 @@ def decode_case(fused: bool):
         outs = [q0]
         for _ in range(CHAIN // 2):
             q = outs[-1]
-            outs.append(tri.forward_rotary(1, q, k, v, cos, sin) if fused else tri.forward(1, q, k, v))
+            outs.append(tri.forward(1, q, k, v))
         return outs[1:] + [tri.k_cache, tri.v_cache]
     return step
 
@@ -153,13 +138,10 @@ CASES = {
     "gemv": lambda: gemv_chain(1, 3072),  # the TUNED batch-1 config: 3072 one-row programs
     "gemv_split_k_ragged": lambda: gemv_chain(3, 3000, SkinnyConfig(block_m=4, block_n=4, block_k=1024, split_k=3)),
     "gemv_silu_down": silu_down_chain,
-    "gemv_norm": norm_gemv_chain,
-    "gemv_norm_split_k": lambda: norm_gemv_chain(SkinnyConfig(block_m=2, block_n=4, block_k=1024, split_k=3)),
     "dot_split_k": lambda: gemv_chain(16, 1024, SkinnyConfig(block_m=16, block_n=32, block_k=128, split_k=4)),
     "fused_ops": fused_ops_chain,
     "prefill": prefill_case,
-    "decode_splits_reduce_kernel": lambda: decode_case(False),
-    "decode_fused_rope_and_merge": lambda: decode_case(True),
+    "decode_splits_reduce_kernel": decode_case,
 }
 
 
@@ -235,21 +217,17 @@ def checkpoint(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("fusions", [False, True])
-def test_engine_graphs_with_pdl_decode_token_for_token(checkpoint, pdl_mode, monkeypatch, fusions):
+def test_engine_graphs_with_pdl_decode_token_for_token(checkpoint, pdl_mode):
     """Five sequences finishing at different steps (the batch shrinks through the captured sizes); every
-    projection on the skinny GEMV; the decode fusions off, then all on."""
+    projection on the skinny GEMV."""
     from test_decode_graphs import engine_for, generate, prompts_of
 
-    from mstar.layers.fused import FUSED
     from mstar.layers.linear import SKINNY
     from mstar.models.llama.weights import load_model
 
     model = load_model(checkpoint, dtype=torch.bfloat16, device=torch.device("cuda"))
     prompts, budgets = prompts_of([3, 17, 40, 9, 64]), [40, 33, 20, 7, 50]
-    for name in ("MSTAR_FUSE_ROPE_ATTENTION", "MSTAR_FUSE_ATTENTION_REDUCE"):
-        monkeypatch.setenv(name, "1" if fusions else "0")  # read when the backend is built
-    SKINNY.force, FUSED.norm_linear = True, fusions
+    SKINNY.force = True
     tokens = {}
     try:
         for on, graphs in ((True, True), (True, False), (False, False)):
@@ -260,5 +238,5 @@ def test_engine_graphs_with_pdl_decode_token_for_token(checkpoint, pdl_mode, mon
             tokens[(on, graphs)] = generate(engine, prompts, budgets)
             del engine
     finally:
-        SKINNY.force, FUSED.norm_linear = None, False
+        SKINNY.force = None
     assert tokens[(True, True)] == tokens[(True, False)] == tokens[(False, False)]

@@ -20,10 +20,7 @@ CUDA-graph contract (decode batches):
   before capturing (Triton compiles on first launch).
 
 Decode batches take one split-KV attention launch (which also stores the new K/V) plus a small
-reduce when split. Two switches, read from `mstar.envs` when the backend is built (tests flip the
-attributes): `fuse_reduce` merges the splits inside the attention launch (a per-backend counter
-buffer, zero at rest), and `fuse_rotary` offers `forward_rotary`, which takes q/k un-rotated and
-applies RoPE in the kernel; layers ask `fuses_rotary` (true only for a prepared decode batch). Prefill / mixed batches store K/V, then run the varlen kernel, whose grid uses
+reduce when split. Prefill / mixed batches store K/V, then run the varlen kernel, whose grid uses
 the host-side max query length from `prepare` (no sync either).
 
 CUDA-graph contract (steps with prompt tokens, `autoregressive/prefill_graph.py`):
@@ -42,7 +39,6 @@ import os
 import numpy as np
 import torch
 
-from mstar import envs
 from mstar.engines.attention.base import AttentionMetadata, padded_rows
 from mstar.engines.base import KVLayout
 
@@ -66,11 +62,6 @@ class TritonBackend:
         self.v_cache = torch.zeros(shape, dtype=layout.dtype, device=self.device)
         self._alloc_buffers()
         self._kernels: tuple | None = None  # imported at the first forward: triton loads slowly
-        self.fuse_reduce = envs.fuse_attention_reduce()  # merge split-KV partials in the attention kernel
-        self.fuse_rotary = envs.fuse_rope_attention()  # `forward_rotary` applies RoPE in the kernel
-        # One counter per (decode row, KV head) for the in-kernel merge; owned by this backend so that
-        # another model's attention on another stream never shares it. Every launch leaves it zero.
-        self._lock = torch.zeros(max_num_seqs * layout.num_kv_heads, dtype=torch.int32, device=self.device)
         # Splits target ~2 decode programs per SM; tests may lower `num_sms` to exercise the paths.
         on_cuda = self.device.type == "cuda"
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if on_cuda else 8
@@ -198,25 +189,11 @@ class TritonBackend:
         if self._staged is not None:
             self._staged.record()
 
-    @property
-    def fuses_rotary(self) -> bool:
-        """Whether `forward_rotary` serves the prepared batch (a decode batch, with the switch on)."""
-        return self.fuse_rotary and self.is_decode
-
-    def forward_rotary(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor) -> torch.Tensor:
-        """`forward` for q/k NOT yet rotated: the decode kernel applies RoPE with cos/sin [T, D] (float32,
-        rotate-half) as it loads them, exactly as `fused_ops.rotary` would. Only when `fuses_rotary`."""
-        if not self.fuses_rotary:
-            raise ValueError("forward_rotary serves decode batches with fuse_rotary on; check `fuses_rotary` "
-                             "first and rotate q/k yourself otherwise")
-        return self._decode(layer, q, k, v, (cos, sin))
-
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write k/v at the batch's slots, then attend each sequence's new tokens over its prefix."""
         assert self._slots is not None, "TritonBackend.forward called before prepare"
         if self.is_decode:  # the decode kernel stores k/v itself
-            return self._decode(layer, q, k, v, None)
+            return self._decode(layer, q, k, v)
         if self._kernels is None:
             self._kernels = _load_kernels()
         store_kv, _, _, prefill_attention = self._kernels
@@ -227,8 +204,7 @@ class TritonBackend:
                                  self.seq_lens[:b], self._max_query_len, self.scale, self._causal, self._window)
 
 
-    def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         assert self._slots is not None, "TritonBackend.forward called before prepare"
         if self._kernels is None:
             self._kernels = _load_kernels()
@@ -237,8 +213,7 @@ class TritonBackend:
         # The split count is a function of the padded batch and max_pages_per_seq only: graph-static.
         splits = decode_num_splits(rows, k.shape[1], self.num_sms, self.max_pages_per_seq * self.page_size)
         return decode_attention(q, k, v, self.k_cache[layer], self.v_cache[layer], self._slots,
-                                self.block_tables[:rows], self.seq_lens[:rows], self.scale, self._window, splits,
-                                rotary=rotary, lock=self._lock if self.fuse_reduce else None)
+                                self.block_tables[:rows], self.seq_lens[:rows], self.scale, self._window, splits)
 
 
 def _load_kernels() -> tuple:

@@ -23,7 +23,7 @@ from mstar.layers.attention import normed_rotated_qk
 from mstar.layers.fused import FUSED
 from mstar.layers.linear import linear
 from mstar.layers.mlp import GatedMLP
-from mstar.layers.norm import PendingNorm, RMSNorm
+from mstar.layers.norm import RMSNorm
 from mstar.layers.rope import RopeSpec, RotaryEmbedding
 from mstar.models.qwen3_omni.code_predictor_config import CodePredictorConfig
 from mstar.models.qwen3_omni.code_predictor_sampling import (
@@ -49,9 +49,9 @@ class _Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor | PendingNorm, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: tuple[torch.Tensor, torch.Tensor], start: int, b: int) -> torch.Tensor:
-        """x [b * t, hidden] (or a PendingNorm of them, which the qkv projection consumes), the rows of b
+        """x [b * t, hidden], the rows of b
         sequences at positions start..start+t-1 (sequence-major), with cos/sin [b * t, head_dim] per
         row -> [b * t, hidden]."""
         cfg, d = self.cfg, self.cfg.head_dim
@@ -114,12 +114,6 @@ class _Layer(nn.Module):
         """The residual stream is residual + h ([b * t, hidden]; residual None: h alone); returns the
         layer's (mlp output, residual stream before it), so each residual add runs fused with the norm
         that follows it (see `_Attention.forward` for the rows)."""
-        if FUSED.norm_linear and h.shape[0] <= 4 and FUSED.ops_for(h) is not None:  # GEMV rows
-            # each norm goes to the next projection un-applied; its skinny GEMV may fold it in
-            pending = PendingNorm(self.input_layernorm, h, residual)
-            attn = self.self_attn(pending, cos, sin, cache, start, b)
-            pending = PendingNorm(self.post_attention_layernorm, attn, pending.summed())
-            return self.mlp(pending), pending.summed()
         if residual is None:
             normed, residual = self.input_layernorm(h), h
         else:
