@@ -33,19 +33,19 @@ from mstar.kernels import gemv  # noqa: E402
 # (block_m, block_n, block_k, num_warps, fold_k): the tuned M = 1 qkv config, the M = 4 sweep's best
 # and its folded variants
 DEFAULT = ["1,2,1024,4,1", "4,4,1024,4,1", "4,4,1024,4,8", "4,8,1024,4,8", "4,2,1024,4,1", "4,2,1024,4,8"]
-_ALIGNED = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "ws_ptr", "lock_ptr", "r_ptr", "nw_ptr", "res_out_ptr",
-            "N", "K", "stride_xm", "stride_wn", "stride_rm", "gate_offset")
+_ALIGNED = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "ws_ptr", "lock_ptr", "N", "K", "stride_xm", "stride_wn",
+            "gate_offset")
 
 
 def compile_report(block_m: int, block_n: int, block_k: int, warps: int, fold_k: int, k: int = 3072,
                    stages: int = 2) -> dict:
-    """Compile the plain GEMV (no bias, norm or gate; one split) for sm_90a and read ptxas' report."""
+    """Compile the plain GEMV (no bias or gate; one split) for sm_90a and read ptxas' report."""
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
-           "lock_ptr": "*i32", "r_ptr": "*bf16", "nw_ptr": "*bf16", "res_out_ptr": "*bf16", "M": "i32", "N": "i32",
-           "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32", "gate_offset": "i32", "eps": "fp32"}
+           "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
+           "gate_offset": "i32"}
     names = list(sig)
-    const = dict(HAS_BIAS=False, GATED=False, NORM=False, HAS_RES=False, SPLIT_K=1, EVEN_K=True,
-                 K_ITERS=k // block_k, K_CHUNKS=k // block_k, BROADCAST_X=block_k >= 8 * 32 * warps,
+    const = dict(HAS_BIAS=False, GATED=False, SPLIT_K=1, EVEN_K=True,
+                 K_ITERS=k // block_k, BROADCAST_X=block_k >= 8 * 32 * warps,
                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FOLD_K=fold_k, PDL=True)
     sig.update({name: "constexpr" for name in const})
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _ALIGNED}

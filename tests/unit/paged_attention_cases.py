@@ -220,8 +220,8 @@ def engine_prefill_graphed_case() -> dict:
         engine.runner.graphs = engine.runner._capture([1, 2, 4])
         engine.runner.prefill_graphs = engine.runner._capture_prefill(engine.runner.attn, [5, 8])
     eager_steps = []
-    forward = engine.runner._eager_forward
-    engine.runner._eager_forward = lambda *a: eager_steps.append(a[0].shape[0]) or forward(*a)
+    forward = engine.runner._eager
+    engine.runner._eager = lambda *a: eager_steps.append(a[0].shape[0]) or forward(*a)
     out = ar.drive(engine, [ar.item(f"r{i}", p, max_tokens=6) for i, p in enumerate(ps)])
     got = [ar.tokens_of(out[(f"r{i}", "main")]) for i in range(len(ps))]
     from mstar.engines.attention.base import AttentionMetadata
