@@ -94,7 +94,7 @@ class Engine(Protocol):
 @dataclass(frozen=True)
 class AutoregressiveSpec:
     """How the autoregressive engine runs one component: what the model fixes (`eos_token_ids`,
-    `max_model_len`) and the engine settings (`TUNABLE` fields, metadata `tunable`), whose model
+    `max_model_len`) and the engine settings (the fields marked tunable, `tunable()`), whose model
     defaults a deployment overrides per component in the YAML `engines:` section."""
 
     eos_token_ids: tuple[int, ...] = ()  # ids that end a sequence
@@ -127,7 +127,7 @@ class AutoregressiveSpec:
 
 @dataclass(frozen=True)
 class StatelessSpec:
-    """How the stateless engine runs one component (`TUNABLE` fields as in `AutoregressiveSpec`)."""
+    """How the stateless engine runs one component (tunable fields as in `AutoregressiveSpec`)."""
 
     max_batch_size: int = field(default=64, metadata={"tunable": True})  # items batched into one call at most
 
@@ -136,7 +136,6 @@ class StatelessSpec:
             raise ValueError(f"max_batch_size={self.max_batch_size!r}: use a positive integer")
 
 
-EngineSpec = AutoregressiveSpec | StatelessSpec
 SPEC_OF_ENGINE: dict[str, type[AutoregressiveSpec] | type[StatelessSpec]] = {
     "autoregressive": AutoregressiveSpec, "stateless": StatelessSpec}  # ComponentSpec.engine -> its spec
 
