@@ -12,6 +12,7 @@ from tests.interpreted import run_interpreted
 pytest.importorskip("triton")
 
 
+@pytest.mark.slow  # runs a whole script or kernel check; CI's slow group runs it
 def test_snac_kernels_match_the_torch_form():
     # A fresh process: triton reads TRITON_INTERPRET when the kernels are decorated.
     proc = run_interpreted(Path(__file__).with_name("orpheus_snac_kernels_check.py"), OMP_NUM_THREADS="1")

@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 pytest.importorskip("diffusers")
 
 
+@pytest.mark.slow  # runs a whole script or kernel check; CI's slow group runs it
 def test_wan_kernels_match_the_torch_forms_and_diffusers():
     # A fresh process: triton reads TRITON_INTERPRET when the kernels are decorated.
     proc = run_interpreted(Path(__file__).with_name("wan22_kernels_check.py"), OMP_NUM_THREADS="1")

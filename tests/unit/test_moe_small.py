@@ -24,6 +24,7 @@ def _moe() -> SparseMoE:
     return moe
 
 
+@pytest.mark.slow  # runs a whole script or kernel check; CI's slow group runs it
 def test_small_kernels_match_loop_interpreted():
     pytest.importorskip("triton")
     proc = run_interpreted(Path(__file__).with_name("moe_small_check.py"))

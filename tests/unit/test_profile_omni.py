@@ -25,6 +25,7 @@ def quick_doc(tmp_path_factory) -> dict:
     return doc
 
 
+@pytest.mark.slow  # runs a whole script or kernel check; CI's slow group runs it
 def test_quick_run_times_every_component_without_errors(quick_doc: dict) -> None:
     cases = quick_doc["cases"]
     assert set(cases) == set(COMPONENTS) | {"frame_loop"}
@@ -35,6 +36,7 @@ def test_quick_run_times_every_component_without_errors(quick_doc: dict) -> None
         assert quick_doc["components"][name]["weights_gib"] >= 0 and quick_doc["components"][name]["build_s"] >= 0
 
 
+@pytest.mark.slow  # runs a whole script or kernel check; CI's slow group runs it
 def test_quick_run_decoder_cases_ran_the_real_engine_paths(quick_doc: dict) -> None:
     talker, thinker = quick_doc["cases"]["talker"], quick_doc["cases"]["thinker"]
     steps = 3  # the --quick default
@@ -49,6 +51,7 @@ def test_quick_run_decoder_cases_ran_the_real_engine_paths(quick_doc: dict) -> N
     assert frame["frame_ms"] == pytest.approx(sum(frame["host_ms_split"].values()), abs=0.01)
 
 
+@pytest.mark.slow  # runs a whole script or kernel check; CI's slow group runs it
 def test_quick_run_codec_cases(quick_doc: dict) -> None:
     c2w, predictor = quick_doc["cases"]["code2wav"], quick_doc["cases"]["code_predictor"]
     assert c2w["first_call_after_build_ms"] > 0
@@ -91,6 +94,7 @@ def test_bad_component_names_are_refused(capsys) -> None:
     assert "vocoder" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # runs a whole script or kernel check; CI's slow group runs it
 def test_cprofile_option_reports_the_talk_loop_host_functions(tmp_path: Path) -> None:
     out = tmp_path / "omni.json"
     doc = main(["--quick", "--components", "talker", "talker_input", "code_predictor", "--batches", "2",

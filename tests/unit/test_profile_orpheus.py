@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow  # runs a whole script or kernel check; CI's slow group runs it
 def test_quick_profile_writes_the_split(tmp_path):
     root = Path(__file__).parents[2]
     out = tmp_path / "p.json"

@@ -48,6 +48,7 @@ def test_summary_sums_categories_per_step() -> None:
     assert out["sdpa_backends"] == ["flash"]
 
 
+@pytest.mark.slow  # runs a whole script or kernel check; CI's slow group runs it
 def test_quick_run_writes_the_report(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
     root = Path(__file__).resolve().parents[2]
@@ -67,6 +68,7 @@ def test_quick_run_writes_the_report(tmp_path: Path) -> None:
     assert rows["eager"]["categories_calls"]["GEMM"] > rows["eager_text_cached"]["categories_calls"]["GEMM"] > 0
 
 
+@pytest.mark.slow  # runs a whole script or kernel check; CI's slow group runs it
 def test_profile_wan_vae_quick_run(tmp_path: Path) -> None:
     """benchmarks/profile_wan_vae.py --quick --accuracy: every variant decodes the tiny VAE on CPU, is profiled
     and compared with the exact float32 decode."""

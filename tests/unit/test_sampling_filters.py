@@ -86,6 +86,7 @@ def test_fused_prefilter_race_equals_the_torch_form_interpreted():
     assert "prefilter ok" in proc.stdout
 
 
+@pytest.mark.slow  # runs a whole script or kernel check; CI's slow group runs it
 def test_fused_sampling_equals_the_torch_form_interpreted():
     pytest.importorskip("triton")
     proc = run_interpreted(Path(__file__).with_name("fused_sampling_check.py"))

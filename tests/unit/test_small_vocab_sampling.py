@@ -11,6 +11,7 @@ from tests.interpreted import run_interpreted
 pytest.importorskip("triton")
 
 
+@pytest.mark.slow  # runs a whole script or kernel check; CI's slow group runs it
 def test_small_vocab_sampler_matches_pytorch():
     proc = run_interpreted(Path(__file__).with_name("small_vocab_sampling_check.py"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
