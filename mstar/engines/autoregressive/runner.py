@@ -1,8 +1,9 @@
 """Executes one scheduled step: packs the chunks, runs the model once, returns logits to sample.
 
 Decode-only steps replay a CUDA graph when the attention backend supports capture
-(`GraphedAttention`), the model does (`CausalLM.supports_cuda_graphs`) and the device is CUDA: the step's host work is then building a few
-small index tensors and one graph launch, instead of launching every kernel of the model. With
+(`GraphedAttention`), the model does (`CausalLM.supports_cuda_graphs`) and the device is CUDA: the
+step's host work is then building a few small index tensors and one graph launch, instead of
+launching every kernel of the model. With
 `cuda_graphs.prefill_tokens`, steps with prompt tokens replay graphs too (prefill_graph.py).
 """
 
