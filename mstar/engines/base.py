@@ -112,9 +112,9 @@ class AutoregressiveSpec:
     own_stream: bool = field(default=False, metadata={"tunable": True})  # step on a CUDA stream of its own (own_stream.py)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_batch_tokens"):
-            if not _positive_int(getattr(self, name)):
-                raise ValueError(f"{name}={getattr(self, name)!r}: use a positive integer")
+        for name, value in (("max_num_seqs", self.max_num_seqs), ("max_batch_tokens", self.max_batch_tokens)):
+            if not _positive_int(value):
+                raise ValueError(f"{name}={value!r}: use a positive integer")
         if self.max_num_pages is not None and not _positive_int(self.max_num_pages):
             raise ValueError(f"max_num_pages={self.max_num_pages!r}: use a positive integer or leave it unset")
         if self.memory_fraction is not None and not (
