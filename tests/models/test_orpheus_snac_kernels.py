@@ -18,3 +18,10 @@ def test_snac_kernels_match_the_torch_form():
     proc = run_interpreted(Path(__file__).with_name("orpheus_snac_kernels_check.py"), OMP_NUM_THREADS="1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "snac kernels ok" in proc.stdout
+
+
+def test_snac_kernels_match_the_torch_form_one_shape():
+    """The default run's representative of the check above (its whole run is in the slow group)."""
+    proc = run_interpreted(Path(__file__).with_name("orpheus_snac_kernels_check.py"), "--quick", OMP_NUM_THREADS="1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "snac kernels ok" in proc.stdout

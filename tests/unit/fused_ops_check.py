@@ -3,6 +3,8 @@ test_fused_ops.py, in a fresh process so the interpreter setting holds for every
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from mstar.kernels import fused_ops
@@ -153,7 +155,8 @@ def check_sigmoid_gate_add(dtype: torch.dtype) -> None:
 if __name__ == "__main__":
     assert FUSED.ops_for(torch.zeros(1)) is fused_ops, "run with TRITON_INTERPRET=1"
     torch.manual_seed(0)
-    for dt in (torch.float32, torch.float16):
+    quick = "--quick" in sys.argv  # float32 alone (the default test run)
+    for dt in (torch.float32,) if quick else (torch.float32, torch.float16):
         check_rms_norm(dt)
         check_rotary(dt)
         check_silu_mul(dt)
@@ -161,6 +164,7 @@ if __name__ == "__main__":
         check_attention_rotary(dt, qk_norm=True)
         check_qk_norm_rotary(dt)
         check_sigmoid_gate_add(dt)
-    check_code_predictor()
-    check_rope_cos_sin()
+    if not quick:
+        check_code_predictor()
+        check_rope_cos_sin()
     print("fused ops ok")

@@ -4,6 +4,8 @@ interpreter setting holds for every kernel."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -146,6 +148,11 @@ def check_timing_helper() -> None:
 if __name__ == "__main__":
     assert FUSED.ops_for(torch.zeros(1)) is not None, "run with TRITON_INTERPRET=1"
     torch.manual_seed(0)
+    if "--quick" in sys.argv:  # one representative of each kernel (the default test run)
+        check_gemv(torch.float32)
+        check_silu_down(torch.float32)
+        print("gemv ok")
+        sys.exit(0)
     for dt in (torch.float32, torch.bfloat16):
         check_gemv(dt)
         check_fold_k(dt)

@@ -3,6 +3,8 @@ TRITON_INTERPRET=1 (by test_small_vocab_sampling.py, in a fresh process)."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from mstar.layers.fused import FUSED, fused_kernels
@@ -55,6 +57,11 @@ def check_embed(vocab: int, hidden: int, dtype: torch.dtype) -> None:
 if __name__ == "__main__":
     assert FUSED.ops_for(torch.zeros(1)) is not None and MAX_VOCAB == small_vocab_sampling.MAX_VOCAB
     torch.manual_seed(0)
+    if "--quick" in sys.argv:  # one representative of each kernel (the default test run)
+        check(64)
+        check_embed(64, 40, torch.float32)
+        print("small vocab sampling ok")
+        sys.exit(0)
     for v in (64, 100, 256):  # (the interpreter sorts slowly: 2048, the code predictor's, takes minutes)
         check(v)
     check_embed(64, 40, torch.float32)

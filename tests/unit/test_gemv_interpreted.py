@@ -16,3 +16,10 @@ def test_gemv_and_fused_silu_down_match_torch():
     proc = run_interpreted(Path(__file__).with_name("gemv_check.py"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "gemv ok" in proc.stdout
+
+
+def test_gemv_and_fused_silu_down_match_torch_one_shape():
+    """The default run's representative of the check above (its whole run is in the slow group)."""
+    proc = run_interpreted(Path(__file__).with_name("gemv_check.py"), "--quick")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "gemv ok" in proc.stdout

@@ -32,6 +32,14 @@ def test_small_kernels_match_loop_interpreted():
     assert "moe small ok" in proc.stdout
 
 
+def test_small_kernels_match_loop_interpreted_one_shape():
+    """The default run's representative of the check above (its whole run is in the slow group)."""
+    pytest.importorskip("triton")
+    proc = run_interpreted(Path(__file__).with_name("moe_small_check.py"), "--quick")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "moe small ok" in proc.stdout
+
+
 def test_cpu_without_interpreter_takes_the_loop(monkeypatch):
     monkeypatch.setattr(FUSED, "interpret", False)
     assert moe_mod.pick_path(torch.zeros(1, 8), 2) == "loop"

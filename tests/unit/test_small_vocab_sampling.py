@@ -16,3 +16,10 @@ def test_small_vocab_sampler_matches_pytorch():
     proc = run_interpreted(Path(__file__).with_name("small_vocab_sampling_check.py"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "small vocab sampling ok" in proc.stdout
+
+
+def test_small_vocab_sampler_matches_pytorch_one_shape():
+    """The default run's representative of the check above (its whole run is in the slow group)."""
+    proc = run_interpreted(Path(__file__).with_name("small_vocab_sampling_check.py"), "--quick")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "small vocab sampling ok" in proc.stdout
