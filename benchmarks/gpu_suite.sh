@@ -132,13 +132,11 @@ if [[ $WHAT == wan || $WHAT == all ]]; then
   run 90 profile_wan python3 benchmarks/profile_wan.py --out "$OUT/profile_wan_h200.json"
   run 420 wan_bench python3 benchmarks/wan_bench.py --out "$OUT/wan_bench_h200.json"
 fi
-if [[ $WHAT == wan_extra || $WHAT == all ]]; then  # VAE 3 latent frames at once; bf16 VAE; cuDNN-tuned VAE
+if [[ $WHAT == wan_extra || $WHAT == all ]]; then  # VAE 3 latent frames at once; bf16 VAE
   run 150 wan_bench_vae3 python3 benchmarks/wan_bench.py --skip-diffusers --steps 50 --concurrency 1 \
       --vae-chunk-frames 3 --out "$OUT/wan_bench_h200_vae3.json"
   run 150 wan_bench_vae_bf16 python3 benchmarks/wan_bench.py --skip-diffusers --steps 50 --concurrency 1 \
       --vae-dtype bfloat16 --out "$OUT/wan_bench_h200_vae_bf16.json"
-  run 150 wan_bench_vae_autotune python3 benchmarks/wan_bench.py --skip-diffusers --steps 50 --concurrency 1 \
-      --vae-autotune --out "$OUT/wan_bench_h200_vae_autotune.json"
 fi
 omni_bench() {  # omni_bench <config> <json name>
   # a worker step running past 30 s writes every thread's stack to the server log (MSTAR_STALL_DUMP_S)

@@ -7,7 +7,7 @@ the wan_bench shape). Variants (each: one warm-up decode, `--repeats` timed ones
   the channels-last one;
 - `float32_cl`: the channels-last decoder with folded conv biases (`models/wan22/vae_channels_last.py`), TF32
   convolutions (`vae_conv_dtype: float32`), as served until float16 ones; `float32_cl_autotune`: the same with cuDNN timing its algorithms per
-  convolution shape (`model_kwargs.vae_autotune`); `float32_cl_chunk3`: channels-last, three latent
+  convolution shape (`cudnn_autotune`; the served model option was deleted: no gain); `float32_cl_chunk3`: channels-last, three latent
   frames per decoder call;
 - `float32_chunk3`: three latent frames per decoder call (NCDHW);
 - `float32_no_tf32`: cuDNN's TF32 off, to show whether the convolutions use TF32 tensor cores at all (NCDHW);
@@ -60,7 +60,7 @@ VARIANTS = {
 
 
 def cudnn_flags(allow_tf32: bool, benchmark: bool = False):
-    """cuDNN's TF32 switch and algorithm search (`benchmark`, what `model_kwargs.vae_autotune` turns on) set
+    """cuDNN's TF32 switch and algorithm search (`benchmark`, what `cudnn_autotune` turns on) set
     inside the block, its other flags as they are."""
     cudnn = torch.backends.cudnn
     return cudnn.flags(enabled=cudnn.enabled, benchmark=benchmark, deterministic=cudnn.deterministic,

@@ -159,13 +159,11 @@ def summarize(timelines: list[dict], steps: int) -> dict:
     return out
 
 
-def _ours_config(quick: bool, vae_dtype: str, vae_chunk_frames: int = 1, vae_autotune: bool = False,
-                 vae_conv_dtype: str | None = None) -> dict:
+def _ours_config(quick: bool, vae_dtype: str, vae_chunk_frames: int = 1, vae_conv_dtype: str | None = None) -> dict:
     kwargs = {"vae_dtype": vae_dtype} if quick else {"dtype": "bfloat16", "vae_dtype": vae_dtype}
     if vae_conv_dtype:
         kwargs["vae_conv_dtype"] = vae_conv_dtype
     kwargs["vae_chunk_frames"] = vae_chunk_frames
-    kwargs["vae_autotune"] = vae_autotune
     return {"model": "wan22", "max_concurrent_requests": 8, "model_kwargs": kwargs, "device": "cpu" if quick else "auto",
             "node_groups": [{"node_names": COMPONENTS, "ranks": [0]}]}
 
@@ -174,7 +172,7 @@ def bench_ours(args, shape: dict, device: torch.device) -> tuple[list[dict], dic
     """Build our deployment, warm it at every concurrency, then time every (steps, concurrency)."""
     rows = []
     t0 = time.perf_counter()
-    config = _ours_config(args.quick, args.vae_dtype, args.vae_chunk_frames, args.vae_autotune, args.vae_conv_dtype)
+    config = _ours_config(args.quick, args.vae_dtype, args.vae_chunk_frames, args.vae_conv_dtype)
     with MStar(config=config, tiny=args.quick,
                load_format="auto" if args.quick else "dummy") as m:
         info = {"build_s": round(time.perf_counter() - t0, 1)}
@@ -249,8 +247,6 @@ def main() -> None:
     parser.add_argument("--skip-diffusers", action="store_true")
     parser.add_argument("--vae-chunk-frames", type=int, default=1, help="wan22 vae_chunk_frames: latent frames "
                         "the VAE decodes at once (more: faster, more memory)")
-    parser.add_argument("--vae-autotune", action="store_true", help="wan22 vae_autotune: cuDNN times its "
-                        "algorithms per VAE convolution shape (the warm-up pays the search)")
     parser.add_argument("--trace-steps", type=int, default=0, help="after the grid, one request of this many "
                         "steps (concurrency 1) under torch.profiler: GPU busy/idle, gaps, host syncs "
                         "(benchmarks/request_trace.py), written as mstar.trace")
@@ -273,7 +269,7 @@ def main() -> None:
               "model": "Wan2.2-TI2V-5B shapes, dummy weights" if not args.quick else "wan22 tiny (quick)",
               **shape, "guidance_scale": args.guidance, "vae_dtype": args.vae_dtype,
               "vae_conv_dtype": args.vae_conv_dtype,
-              "vae_chunk_frames": args.vae_chunk_frames, "vae_autotune": args.vae_autotune,
+              "vae_chunk_frames": args.vae_chunk_frames,
               "floor": floor,
               "mstar": info, "rows": rows}
     if not args.skip_diffusers:

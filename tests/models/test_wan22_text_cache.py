@@ -79,11 +79,11 @@ def test_served_request_reuses_its_text_kv_and_releases_it() -> None:
 
 
 def test_removed_dit_switches_are_refused_by_name() -> None:
-    """`compile` and `dit_graphs` lost their measurements and are gone (docs/benchmarks.md): a config
+    """`compile`, `dit_graphs` and `vae_autotune` lost their measurements and are gone (docs/benchmarks.md): a config
     that still sets them gets the unknown-key error, not a silent no-op."""
     from mstar.config import ConfigError, config_from_dict
     from mstar.runtime.build import build_model
 
-    for key in ("compile", "dit_graphs"):
+    for key in ("compile", "dit_graphs", "vae_autotune"):
         with pytest.raises(ConfigError, match=f"unknown key 'model_kwargs.{key}'"):
             build_model(config_from_dict({"model": "wan22", "model_kwargs": {key: True}}), tiny=True)

@@ -300,34 +300,6 @@ def test_serve_option_vae_conv_dtype_defaults_to_float16_for_a_float32_vae_and_f
     assert "not finite" in caplog.text and "latents finite: False" in caplog.text and "overflowed" not in caplog.text
 
 
-def test_serve_option_vae_autotune_times_cudnn_only_around_the_vae():
-    """`vae_autotune`: the VAE's calls run with cudnn.benchmark on (cuDNN times its algorithms per
-    convolution shape), and the process-wide flag is as it was afterwards; off by default."""
-    from mstar.models.wan22.model import Wan22Model
-
-    assert Wan22Model.make_config(tiny=True).vae_autotune is False
-    with pytest.raises(ValueError, match="vae_autotune='yes' must be true or false"):
-        Wan22Model.make_config(tiny=True, vae_autotune="yes")
-    component = Wan22Model(Wan22Model.make_config(tiny=True, vae_autotune=True)).build_component(
-        "vae", torch.device("cpu")).module
-    seen = []
-    decode_chunks = component.vae.decode_chunks
-
-    def recording(*args, **kwargs):
-        seen.append(torch.backends.cudnn.benchmark)
-        yield from decode_chunks(*args, **kwargs)
-
-    component.vae.decode_chunks = recording
-    before = torch.backends.cudnn.benchmark
-    latents = torch.randn(component.vae.config.z_dim, 2, 4, 4)
-    out = component.run_batch("t2v", "decode", [{"latents": latents}], [{}])
-    assert seen == [True] and torch.backends.cudnn.benchmark == before
-    assert out[0]["video"].dtype == torch.uint8
-    component.autotune = False
-    component.run_batch("t2v", "decode", [{"latents": latents}], [{}])
-    assert seen == [True, before]
-
-
 def test_conv_out_wide_weight_pads_with_zero_filters_and_follows_the_weight():
     """conv_out's filters zero-padded to 32 outputs (what the CUDA channels-last decode convolves with): the
     first 12 outputs are conv_out's, the padded weight is made once per weight version and dtype."""

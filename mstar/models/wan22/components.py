@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from mstar.engines.base import StatelessBase
-from mstar.engines.cuda_graphs import cudnn_autotune
 from mstar.models.wan22.text_cache import TextKVCache
 from mstar.models.wan22.text_encoder import UMT5Encoder
 from mstar.models.wan22.transformer import WanTransformer
@@ -108,21 +107,18 @@ class VAEComponent(StatelessBase, nn.Module):
     """Node `encode_image`: image [3, 1, H, W] in [-1, 1] -> condition [C, 1, H/16, W/16] (normalised).
     Node `decode`: latents [C, F', H', W'] -> "video" uint8 [T, H, W, 3], decoded `chunk_frames` latent
     frames at a time; "image" [H, W, 3] for a one-frame request that asks for images; with the
-    `debug_outputs` option also "frames" float32 [T, H, W, 3] in [0, 1] (before rounding).
-    `autotune`: both run with cuDNN timing its algorithms per convolution shape (`cudnn_autotune`)."""
+    `debug_outputs` option also "frames" float32 [T, H, W, 3] in [0, 1] (before rounding)."""
 
-    def __init__(self, vae: WanVAE, chunk_frames: int = 1, autotune: bool = False) -> None:
+    def __init__(self, vae: WanVAE, chunk_frames: int = 1) -> None:
         super().__init__()
         self.vae = vae
         self.chunk_frames = chunk_frames
-        self.autotune = autotune
 
     @torch.no_grad()
     def run_batch(self, walk: str, node: str, inputs: list[dict], options: list[dict]) -> list[dict]:
-        with cudnn_autotune(self.autotune):
-            if node == "encode_image":
-                return [{"condition": self.vae.encode(x["image"][None])[0]} for x in inputs]
-            return [self._decode(x["latents"], opts) for x, opts in zip(inputs, options, strict=True)]
+        if node == "encode_image":
+            return [{"condition": self.vae.encode(x["image"][None])[0]} for x in inputs]
+        return [self._decode(x["latents"], opts) for x, opts in zip(inputs, options, strict=True)]
 
     def _decode(self, latents: torch.Tensor, options: dict) -> dict:
         debug = bool(options.get("debug_outputs"))

@@ -48,9 +48,6 @@ class Wan22ServeConfig(ServeConfig):
     num_frames: int | None = None  # default frame count (4k+1); None = 121 (tiny: 5)
     fps: float = 24.0  # default frame rate of the video output
     vae_chunk_frames: int = 1  # latent frames the VAE decodes at once (memory vs speed)
-    # cuDNN times its algorithms for each VAE convolution shape on first use (the first decode at a size
-    # pays the search; engines.cuda_graphs.cudnn_autotune); off: PyTorch's heuristic picks
-    vae_autotune: bool = False
     text_cache_rows: int = 16  # DiT rows whose text K/V are kept across steps (~189 MB each at 5B); 0: off
 
     def __post_init__(self) -> None:
@@ -58,8 +55,6 @@ class Wan22ServeConfig(ServeConfig):
         dtype_named(self.vae_dtype, "model_kwargs.vae_dtype")
         if self.vae_conv_dtype is not None:
             dtype_named(self.vae_conv_dtype, "model_kwargs.vae_conv_dtype")
-        if not isinstance(self.vae_autotune, bool):
-            raise ValueError(f"wan22 vae_autotune={self.vae_autotune!r} must be true or false (YAML booleans, unquoted)")
         if self.text_cache_rows < 0:
             raise ValueError(f"wan22 text_cache_rows={self.text_cache_rows} must be >= 0 (0 turns the cache off)")
         if self.vae_chunk_frames < 1:
@@ -153,8 +148,7 @@ class Wan22Model(Model):
         if name == "vae":
             vae = loaders.vae(self, DTYPES[self.config.vae_dtype], device)
             vae.conv_dtype = DTYPES[self.config.conv_dtype()]
-            return BuiltComponent(components.VAEComponent(vae, self.config.vae_chunk_frames,
-                                                          autotune=self.config.vae_autotune))
+            return BuiltComponent(components.VAEComponent(vae, self.config.vae_chunk_frames))
         raise KeyError(f"wan22 has no component {name!r}; components are {sorted(self.graph().components)}")
 
     def processor(self):
