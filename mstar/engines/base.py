@@ -211,7 +211,8 @@ def require(obj: object, protocol: type, hint: str = "") -> None:
     """TypeError naming what `obj` lacks when it does not implement `protocol` (checked once, at build)."""
     if isinstance(obj, protocol):
         return
-    missing = [name for name in protocol_members(protocol) if not hasattr(obj, name)]
+    present = set(dir(obj))  # class and instance attributes (an nn.Module lists its submodules too)
+    missing = [name for name in protocol_members(protocol) if name not in present]
     raise TypeError(f"{type(obj).__name__} does not implement {protocol.__name__}: it lacks "
                     f"{', '.join(missing) or '(members of the wrong kind)'}{hint}")
 
@@ -220,9 +221,10 @@ def protocol_members(protocol: type) -> list[str]:
     """The attributes and methods `protocol` (and the protocols it extends) declare."""
     names: dict[str, None] = {}
     for cls in reversed(protocol.__mro__):
-        if cls is object or not getattr(cls, "_is_protocol", False) or cls is Protocol:
+        own = vars(cls)
+        if cls is Protocol or not own.get("_is_protocol", False):
             continue
-        names.update(dict.fromkeys(getattr(cls, "__annotations__", {})))
+        names.update(dict.fromkeys(own.get("__annotations__", {})))
         names.update(dict.fromkeys(n for n, v in vars(cls).items() if callable(v) and not n.startswith("_")))
     return list(names)
 
