@@ -1,5 +1,5 @@
-"""The docs name what the code holds: every module in docs/structure.md, every /metrics series in
-docs/metrics.md, and no config or module path in the docs that does not exist."""
+"""The docs name what the code holds: the module index (docs/modules.md) is current and covers every module,
+every /metrics series is in docs/metrics.md, and no config or module path in the docs is missing."""
 
 from __future__ import annotations
 
@@ -8,22 +8,30 @@ from pathlib import Path
 
 from mstar.server.metrics import ServerMetrics
 from mstar.transport import wire
+from tools.module_index import COMMAND, INDEX, module_paths, render, undocumented
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 
-def test_structure_names_every_module():
-    text = (DOCS / "structure.md").read_text()
-    missing = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "mstar").rglob("*.py"))
-               if p.name != "__init__.py" and f"`{p.name}`" not in text]
-    assert not missing, f"docs/structure.md does not name: {missing}"
+def test_every_module_has_a_docstring():
+    missing = undocumented()
+    assert not missing, f"modules without a docstring (the module index shows its first paragraph): {missing}"
+
+
+def test_module_index_covers_every_module_and_is_current():
+    assert INDEX.is_file(), f"{INDEX.relative_to(ROOT)} is missing: run `{COMMAND}`"
+    text = INDEX.read_text()
+    missing = [p.as_posix() for p in module_paths() if p.name != "__init__.py" and f"`{p.as_posix()}`" not in text]
+    assert not missing, f"docs/modules.md does not list {missing}: run `{COMMAND}` and commit docs/modules.md"
+    assert text == render(), f"docs/modules.md is out of date: run `{COMMAND}` and commit docs/modules.md"
 
 
 def test_paths_named_in_docs_exist():
     stale = []
     for doc in sorted(DOCS.glob("*.md")):
-        for path in re.findall(r"`((?:configs|mstar|tests|benchmarks)/[\w/.]+\.(?:py|yaml|json))`", doc.read_text()):
+        for path in re.findall(r"`((?:configs|mstar|tests|benchmarks|tools)/[\w/.]+\.(?:py|yaml|json))`",
+                               doc.read_text()):
             if not (ROOT / path).exists():
                 stale.append(f"{doc.name}: {path}")
     assert not stale, f"paths named in docs that do not exist: {stale}"
