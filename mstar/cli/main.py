@@ -1,4 +1,11 @@
-"""The `mstar` command: `mstar serve <model>`, `mstar models`, `mstar bench`; and `mstar-serve --config x.yaml`."""
+"""The `mstar` command: `mstar serve <model>`, `mstar models`, `mstar configs`, `mstar bench`; and
+`mstar-serve --config x.yaml`.
+
+`mstar serve` takes the shipped `mstar/configs/<model>.yaml` when there is one (`--config` takes a path or a
+shipped name) and checks the port before anything loads; config, model-name and checkpoint mistakes end
+in one line with the fix. The runtime and the server are imported inside `run_serve`, so importing this
+module loads no torch.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,9 @@
-"""Lazy, string-keyed model registry: importing it imports no model."""
+"""Lazy, string-keyed model registry: importing it imports no model.
+
+Names map to "module:Class" strings, imported only by `get_model_class`, which also takes the
+`mstar.models` entry points of installed packages and "package.module:Class" names; `register` adds an
+out-of-tree model by name.
+"""
 
 from __future__ import annotations
 

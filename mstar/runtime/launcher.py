@@ -1,6 +1,11 @@
 """Start a conductor and its workers, in one process (threads) or across processes.
 
 Both modes run the same Worker and Conductor code; only the channels and the tensor codec differ.
+
+The conductor's receive loop runs on a thread of its own (`mstar-conductor`). In `multiproc` mode a
+watchdog reaps a worker process that exits, fails its requests and restarts it with backoff
+(`supervisor.py`); a rank of a multi-rank replica, or one that died too often, makes the runtime give up
+(`Runtime.fatal`). `Runtime.drain` stops being ready and ends open requests at a shutdown deadline.
 """
 
 from __future__ import annotations

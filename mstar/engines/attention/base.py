@@ -1,4 +1,4 @@
-"""The interface every attention backend implements (SDPA, the reference; Triton, the CUDA fast path).
+"""The interface every attention backend implements (SDPA, the reference; Triton and FlashInfer, on CUDA).
 
 Model code never sees pages. Each attention layer calls
 
@@ -8,6 +8,9 @@ where T is the total number of new tokens of the batch, requests packed one afte
 the order given by the `AttentionMetadata` the engine set with `backend.prepare(meta)` before
 the model's forward. The backend writes k/v into the paged cache at `slot_mapping` and attends
 each request's new tokens over its cached prefix plus its own new tokens (causal).
+
+What CUDA-graph replay needs of a backend is declared apart (`GraphedAttention`, `SharedDecodeAttention`,
+`GraphedPrefillAttention`), and the runner checks for those once, when it is made.
 """
 
 from __future__ import annotations

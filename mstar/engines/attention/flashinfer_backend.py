@@ -1,9 +1,8 @@
 """Paged attention with FlashInfer (the `flashinfer` package, imported lazily): a CUDA fast path.
 
-Written against FlashInfer's documented wrapper API (0.2 and later: `plan()` then `run()`); it has
-not been run against a real FlashInfer in this repository yet (tests/gpu/test_flashinfer_attention_gpu.py
-does, where flashinfer imports). tests/unit/test_flashinfer_backend.py checks this adapter against
-a torch stand-in of the documented semantics.
+Written against FlashInfer's documented wrapper API (0.2 and later: `plan()` then `run()`);
+tests/gpu/test_flashinfer_attention_gpu.py checks it against SDPA with a real FlashInfer, where flashinfer
+imports, and tests/unit/test_flashinfer_backend.py against a torch stand-in of the documented semantics.
 
 Cache: k/v caches [num_layers, num_pages + 1, page_size, Hkv, D], i.e. SDPABackend's layout, which
 is FlashInfer's "NHD" layout passed as a (k_cache[layer], v_cache[layer]) tuple. Page `num_pages`

@@ -8,7 +8,7 @@ Lane `lm`:  prefill -> decode
            bound is then the context length and the engine ends the sequence ("length").
 The decode node also reads the request's `prompt_ids`: ignored while the engine holds the
 sequence, it lets a decode walk placed on another worker than the prefill recompute the KV once
-(see mstar/engines/autoregressive/build.py), so the graph is the same for every placement.
+(`CONTEXT_PORT`, mstar/engines/autoregressive/engine.py), so the graph is the same for every placement.
 """
 
 from __future__ import annotations
