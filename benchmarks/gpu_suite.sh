@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|omni|omni2|omni_quick|profile_omni|code2wav|sampler|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|omni|omni2|omni_quick|profile_omni|code2wav|kernels|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -12,11 +12,14 @@
 # (mstar_tokenizers/qwen3-omni-v1, built by any qwen3_omni test here) under the temp dir. omni2 needs two GPUs.
 # ORPHEUS_CONFIG picks the Orpheus server's config (default mstar/configs/orpheus.yaml).
 # With TAR=1 everything under $OUT is packed into $OUT/gpu_suite.tgz at the end (one file to fetch).
-# Results to commit go to benchmarks/results/.
+# Results are named <benchmark>_<gpu>[_<config>].json (GPU: h100, h200, ... from nvidia-smi, or set GPU=);
+# the newest of each replaces its file in benchmarks/results/. The *.log files are not results.
 set -u
 OUT=${OUT:-gpu_out}
 WHAT=${1:-all}
 PORT=${PORT:-8123}
+GPU=${GPU:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | grep -oiE 'h100|h200|b200|a100' | tr 'A-Z' 'a-z')}
+GPU=${GPU:-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 run() {  # run <seconds> <log name> <command...>
@@ -86,13 +89,19 @@ if [[ $WHAT == tests_omni || $WHAT == all ]]; then
   run 480 gpu_tests_omni python3 -m pytest -q -m gpu $FULL_OMNI -p no:cacheprovider --durations=15
 fi
 if [[ $WHAT == decode || $WHAT == all ]]; then
-  run 300 decode_step python3 benchmarks/decode_step.py --out "$OUT/decode_step_h200.json"
-  run 200 profile_decode python3 benchmarks/profile_decode.py --batch-sizes 1 --pdl both \
-      --out "$OUT/profile_decode_pdl_h200.json"
+  run 300 decode_step python3 benchmarks/decode_step.py --out "$OUT/decode_step_$GPU.json"
+  run 200 profile_decode python3 benchmarks/profile_decode.py --batch-sizes 1 4 --speakable-span --max-model-len 700 \
+      --steps 30 --frame-places 0 1 --out "$OUT/profile_decode_$GPU.json"
+  run 200 profile_decode_pdl python3 benchmarks/profile_decode.py --batch-sizes 1 --pdl both \
+      --out "$OUT/profile_decode_${GPU}_pdl.json"
 fi
 if [[ $WHAT == orpheus || $WHAT == all ]]; then
-  run 60 sampling_ops python3 benchmarks/sampling_ops.py --device cuda --batch 1 16 --out "$OUT/sampling_ops_h200.json"
-  run 120 profile_orpheus python3 benchmarks/profile_orpheus.py --out "$OUT/profile_orpheus_h200.json"
+  run 120 profile_orpheus python3 benchmarks/profile_orpheus.py --concurrency 1 4 --tokens 300 \
+      --out "$OUT/profile_orpheus_$GPU.json"
+  run 120 profile_orpheus_no_vocoder python3 benchmarks/profile_orpheus.py --concurrency 1 4 --tokens 300 --no-vocoder \
+      --out "$OUT/profile_orpheus_${GPU}_no_vocoder.json"
+  run 120 profile_orpheus_timeline python3 benchmarks/profile_orpheus.py --concurrency 1 --tokens 300 --timeline \
+      --out "$OUT/profile_orpheus_${GPU}_timeline.json"
 fi
 orpheus_sweep() {  # orpheus_sweep <config> <json name>
   python3 -m mstar.cli.main serve orpheus --load-format dummy --config "$1" --port "$PORT" > "$OUT/$2_server.log" 2>&1 &
@@ -107,37 +116,50 @@ orpheus_sweep() {  # orpheus_sweep <config> <json name>
   kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
 }
 if [[ $WHAT == orpheus || $WHAT == orpheus_http || $WHAT == all ]]; then  # orpheus_http: the served sweep alone
-  orpheus_sweep "${ORPHEUS_CONFIG:-mstar/configs/orpheus.yaml}" orpheus_bench_h200
+  orpheus_sweep "${ORPHEUS_CONFIG:-mstar/configs/orpheus.yaml}" "orpheus_http_$GPU"
 fi
 if [[ $WHAT == orpheus_ab ]]; then  # the sweep without, then with prefill graphs (cuda_graphs.prefill_tokens)
-  orpheus_sweep mstar/configs/orpheus_eager_prefill.yaml orpheus_bench_h200_eager_prefill
-  orpheus_sweep mstar/configs/orpheus.yaml orpheus_bench_h200
+  orpheus_sweep mstar/configs/orpheus_eager_prefill.yaml "orpheus_http_${GPU}_eager_prefill"
+  orpheus_sweep mstar/configs/orpheus.yaml "orpheus_http_$GPU"
 fi
 if [[ $WHAT == wan_quick ]]; then  # the Wan GPU tests of the served fast paths, then 50 steps at concurrency 1 (~2 min)
   run 180 gpu_tests_wan22_quick python3 -m pytest -q -m gpu tests/gpu/test_wan22_scheduler_gpu.py \
       tests/gpu/test_wan22_vae_gpu.py -p no:cacheprovider
   run 120 wan_bench_quick python3 benchmarks/wan_bench.py --skip-diffusers --steps 50 --concurrency 1 \
-      --out "$OUT/wan_bench_h200.json"
+      --out "$OUT/wan_bench_${GPU}_quick.json"
 fi
 if [[ $WHAT == wan_profile ]]; then  # one DiT forward (batch 2) per variant, then the VAE decode's variants (~3 min)
-  run 200 profile_wan python3 benchmarks/profile_wan.py --batch 2 --out "$OUT/profile_wan_h200.json"
-  run 200 profile_wan_vae python3 benchmarks/profile_wan_vae.py --out "$OUT/profile_wan_vae_h200.json"
+  run 200 profile_wan python3 benchmarks/profile_wan.py --batch 2 --out "$OUT/profile_wan_$GPU.json"
+  run 200 profile_wan_vae python3 benchmarks/profile_wan_vae.py --accuracy \
+      --variants float32_cl float32_cl_fp16conv bfloat16_cl --out "$OUT/profile_wan_vae_$GPU.json"
 fi
-if [[ $WHAT == sampler ]]; then  # the fused sampler against the PyTorch form, and its slice configs
-  run 120 sampler_micro python3 benchmarks/sampler_micro.py --vocab 28680 --batch 1 4 16 --scale 3.0 \
-      --kernel-configs 1024x4 2048x4 2048x8 4096x8 --out "$OUT/sampler_micro_h200.json"
+if [[ $WHAT == kernels || $WHAT == all ]]; then  # the kernels behind tuned tables, each against its PyTorch/cuBLAS form
+  run 120 sampler_micro python3 benchmarks/sampler_micro.py --vocab 28680 151936 --batch 1 4 16 --mix orpheus \
+      --scale 3.0 --out "$OUT/sampler_micro_$GPU.json"
+  run 150 gemv_micro python3 benchmarks/gemv_micro.py --ms 1 2 4 8 16 --out "$OUT/gemv_micro_$GPU.json"
+  run 150 moe_micro python3 benchmarks/moe_micro.py --batches 1 4 8 12 16 24 32 48 64 96 128 \
+      --out "$OUT/moe_micro_$GPU.json"
+  run 120 snac_micro python3 benchmarks/snac_micro.py --form fused --emit both --batch 1 4 8 16 32 \
+      --out "$OUT/snac_micro_$GPU.json"
 fi
 if [[ $WHAT == wan || $WHAT == all ]]; then
-  run 60 wan_block_ops python3 benchmarks/wan_block_ops.py --out "$OUT/wan_block_ops_h200.json"
-  run 90 profile_wan python3 benchmarks/profile_wan.py --out "$OUT/profile_wan_h200.json"
-  run 420 wan_bench python3 benchmarks/wan_bench.py --out "$OUT/wan_bench_h200.json"
+  run 90 profile_wan python3 benchmarks/profile_wan.py --batch 2 --out "$OUT/profile_wan_$GPU.json"
+  run 420 wan_bench python3 benchmarks/wan_bench.py --out "$OUT/wan_bench_$GPU.json"
 fi
 if [[ $WHAT == wan_extra || $WHAT == all ]]; then  # VAE 3 latent frames at once; bf16 VAE
   run 150 wan_bench_vae3 python3 benchmarks/wan_bench.py --skip-diffusers --steps 50 --concurrency 1 \
-      --vae-chunk-frames 3 --out "$OUT/wan_bench_h200_vae3.json"
+      --vae-chunk-frames 3 --out "$OUT/wan_bench_${GPU}_vae3.json"
   run 150 wan_bench_vae_bf16 python3 benchmarks/wan_bench.py --skip-diffusers --steps 50 --concurrency 1 \
-      --vae-dtype bfloat16 --out "$OUT/wan_bench_h200_vae_bf16.json"
+      --vae-dtype bfloat16 --out "$OUT/wan_bench_${GPU}_vae_bf16.json"
 fi
+fold_metrics() {  # fold_metrics <json> <metrics txt>: the server's step metrics go into the results file
+  python3 - "$1" "$2" <<'PY'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+doc["server_metrics"] = {k: float(v) for k, v in (line.rsplit(" ", 1) for line in open(sys.argv[2]) if line.strip())}
+json.dump(doc, open(sys.argv[1], "w"), indent=1)
+PY
+}
 omni_bench() {  # omni_bench <config> <json name>
   # a worker step running past 30 s writes every thread's stack to the server log (MSTAR_STALL_DUMP_S)
   MSTAR_STALL_DUMP_S=30 python3 -m mstar.cli.main serve qwen3_omni --load-format dummy --config "$1" --port "$PORT" \
@@ -165,28 +187,29 @@ omni_bench() {  # omni_bench <config> <json name>
         --extra-body '{"talker.max_tokens": 256}' --output "$OUT/$2.json" || stacks "$server"
     curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^mstar_component_(step_seconds|batch_size)_(sum|count)" \
         > "$OUT/$2_metrics.txt"
+    [[ -s $OUT/$2.json ]] && fold_metrics "$OUT/$2.json" "$OUT/$2_metrics.txt"
   else
     echo "qwen3_omni server not ready"; tail -n 20 "$OUT/$2_server.log"
   fi
   kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
 }
 if [[ $WHAT == omni || $WHAT == all ]]; then
-  omni_bench mstar/configs/qwen3_omni.yaml omni_bench_1gpu
+  omni_bench mstar/configs/qwen3_omni.yaml "qwen3_omni_http_$GPU"
 fi
 if [[ $WHAT == profile_omni || $WHAT == all ]]; then  # the per-component profile (<= 240 s)
-  run 300 profile_omni python3 benchmarks/profile_omni.py --out "$OUT/profile_omni_h200.json"
+  run 300 profile_omni python3 benchmarks/profile_omni.py --out "$OUT/profile_omni_$GPU.json"
 fi
 if [[ $WHAT == omni_quick ]]; then  # the Omni kernels' GPU tests, then the talk loop's components at 1 and 16 rows (< 3 min)
   run 120 gpu_tests_omni_kernels python3 -m pytest -q -m gpu tests/gpu/test_qwen3_omni_kernels_gpu.py -p no:cacheprovider
   run 200 profile_omni_talk python3 benchmarks/profile_omni.py --components talker talker_input code_predictor \
-      --batches 1 16 --out "$OUT/profile_omni_talk_h200.json"
+      --batches 1 16 --out "$OUT/profile_omni_${GPU}_talk.json"
 fi
 if [[ $WHAT == code2wav || $WHAT == all ]]; then  # Code2Wav alone, as served and eagerly (< 2 min)
-  run 180 code2wav_bench python3 benchmarks/code2wav_bench.py --out "$OUT/code2wav_bench_h200.json"
+  run 180 code2wav_bench python3 benchmarks/code2wav_bench.py --out "$OUT/code2wav_bench_$GPU.json"
 fi
 if [[ $WHAT == omni2 ]]; then  # the original's split, then the thinker tensor-parallel over both GPUs
-  omni_bench mstar/configs/qwen3_omni_2gpu.yaml omni_bench_2gpu
-  omni_bench mstar/configs/qwen3_omni_2gpu_tp.yaml omni_bench_2gpu_tp
+  omni_bench mstar/configs/qwen3_omni_2gpu.yaml "qwen3_omni_http_${GPU}_2gpu"
+  omni_bench mstar/configs/qwen3_omni_2gpu_tp.yaml "qwen3_omni_http_${GPU}_2gpu_tp"
 fi
 if [[ ${TAR:-0} == 1 ]]; then
   tar czf /tmp/gpu_suite.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu_suite.tgz "$OUT/"
