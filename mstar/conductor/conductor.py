@@ -54,6 +54,10 @@ class Conductor:
         with self._lock:
             if rid in self._wire_ids:
                 raise AdmissionError(f"request id {rid!r} is already in flight", status=409)
+            if len(self._active) >= self.max_concurrent and len(self._queue) >= self.max_queued:
+                raise AdmissionError(
+                    f"server busy: {len(self._active)} requests in flight and {len(self._queue)} queued "
+                    f"(max_queued_requests={self.max_queued}); retry later", status=429)
             # Workers remember released requests to drop their late traffic, so every admission
             # travels under a fresh wire id even when a caller reuses a request id.
             self._admissions += 1
@@ -61,12 +65,8 @@ class Conductor:
             self._wire_ids[rid] = req.rid
             if len(self._active) < self.max_concurrent:
                 self._admit(req)
-            elif len(self._queue) < self.max_queued:
-                self._queue.append(req)
             else:
-                raise AdmissionError(
-                    f"server busy: {len(self._active)} requests in flight and {len(self._queue)} queued "
-                    f"(max_queued_requests={self.max_queued}); retry later", status=429)
+                self._queue.append(req)
 
     def cancel(self, rid: str) -> bool:
         """Remove the request everywhere; True if it was known."""
@@ -130,7 +130,9 @@ class Conductor:
         with self._lock:
             self._dead[rank] = reason
             self._worker_stats.pop(rank, None)  # a dead worker's last load would read as live
-            for req in [r for r in self._active.values() if rank in r.workers]:
+            # `workers` holds lead ranks only (the conductor sends a replica's other ranks nothing): see replicas.
+            for req in [r for r in self._active.values()
+                        if rank in r.workers or any(rank in rep for rep in r.sticky.values())]:
                 self._end(req, FinishEvent(req.rid, "error", f"worker {rank} died: {reason}", 500,
                                            dict(req.out_seq)))
 
