@@ -9,7 +9,6 @@ batch:
 - `engine`: the same through the stateless engine on its side stream, until the audio is on the host
   (pinned copies included), as the worker gets it (wall time only);
 - `eager`: the padded width without graphs (the kernels one by one);
-- `autotune`: graphs captured after cuDNN timed its algorithms (`model_kwargs.code2wav_autotune`);
 - `new_width`: eager calls at chunk lengths not run before (the unpadded server's last chunks, and every
   new batch size: cuDNN plans built while serving): first and second call.
 Per case: ms per call (`wall_ms`, synced back-to-back calls; `gpu_ms`, CUDA events; `host_ms`), ms per
@@ -38,6 +37,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
 from benchmarks.call_timing import PeakMemory, sync, time_calls  # noqa: E402
 from benchmarks.omni_codec_cases import code2wav_items, code2wav_stages  # noqa: E402
+from mstar.engines.base import StepGraphs  # noqa: E402
 
 logger = logging.getLogger(__name__)
 DEFAULT_OUT = ROOT / "benchmarks/results/code2wav_bench_h200.json"
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny config on CPU (smoke test)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="chunks per call")
     parser.add_argument("--calls", type=int, default=20, help="timed calls per case (fewer when slow)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["engine", "eager", "autotune", "new_width"],
+    parser.add_argument("--skip", nargs="*", default=[], choices=["engine", "eager", "new_width"],
                         help="cases to leave out")
     parser.add_argument("--out", default=None, help=f"JSON path (default {DEFAULT_OUT.relative_to(ROOT)}; "
                                                     "--quick: code2wav_bench_quick.json)")
@@ -65,6 +65,7 @@ def build(quick: bool, device: torch.device, batches: list[int]) -> tuple[Any, A
     """(serve config, Code2Wav as the server builds it, build info); graphs reach the largest batch."""
     from dataclasses import replace
 
+    from mstar.engines.stateless import capture_step_graphs
     from mstar.models.qwen3_omni.builders import build_component
     from mstar.models.qwen3_omni.checkpoint import OmniCheckpoint
     from mstar.models.qwen3_omni.model import Qwen3Omni
@@ -73,12 +74,15 @@ def build(quick: bool, device: torch.device, batches: list[int]) -> tuple[Any, A
     ckpt = OmniCheckpoint.open(cfg, None, "dummy")
     t0 = time.perf_counter()
     with PeakMemory(device) as mem:  # as with YAML `engines: {code2wav: {max_batch_size: max(batches)}}`
-        module = build_component(ckpt, cfg, "code2wav", device,
-                                 lambda name, spec: replace(spec, max_batch_size=max(batches))).module
+        built = build_component(ckpt, cfg, "code2wav", device,
+                                lambda name, spec: replace(spec, max_batch_size=max(batches)))
+        module = built.module
+        if device.type == "cuda":  # as its stateless engine does when the server makes it
+            capture_step_graphs(module, built.engine.graph_sizes(), device)
         sync(device)
     info = {"build_s": round(time.perf_counter() - t0, 2), "build_held_gib": mem.held_gib,
             "build_peak_gib": mem.peak_gib, "pad_frames": module.pad_frames,
-            "graph_sizes": module.graphs.sizes if module.graphs is not None else None,
+            "graph_sizes": module.graphs.sizes("decode") if module.graphs else None,
             "dtype": str(module.code_embedding.weight.dtype)}
     return cfg, module, info
 
@@ -121,24 +125,21 @@ def run(args) -> dict[str, Any]:
         def call(items=items, b=b) -> None:
             module.run_batch("vocode", "code2wav", items, [{}] * b)
         row: dict[str, Any] = {}
-        if graphs is not None:
+        if graphs:
             row["graphs"] = per_call(time_calls(call, device, args.calls), b, chunk, frame_s)
         if "engine" not in skip:  # its kernels run on the engine's own stream: no default-stream GPU time
             timing = time_calls(engine_call(module, items), device, args.calls)
             row["engine"] = per_call({**timing, "gpu_ms": None}, b, chunk, frame_s)
         if "eager" not in skip:
-            module.graphs = None
+            module.graphs = StepGraphs()
             try:
                 row["eager"] = per_call(time_calls(call, device, args.calls), b, chunk, frame_s)
             finally:
                 module.graphs = graphs
         cases[f"b{b}"] = row
-    if "autotune" not in skip and graphs is not None:
-        cases["autotune"] = _autotuned(module, args, chunk, context, frame_s)
-        module.graphs = graphs
     if "new_width" not in skip:
         cases["new_width"] = _new_widths(module, device, context, chunk)
-    module.graphs = None
+    module.graphs = StepGraphs()
     cases["stages_b1_ms"] = code2wav_stages(module, torch.zeros(1, module.cfg.num_quantizers, chunk + context,
                                                                 dtype=torch.long, device=device), device, 3)
     module.graphs = graphs
@@ -147,26 +148,10 @@ def run(args) -> dict[str, Any]:
             "quick": args.quick, "chunk": chunk, "left_context": context, "build": info, "cases": cases}
 
 
-def _autotuned(module, args, chunk: int, context: int, frame_s: float) -> dict[str, Any]:
-    """Graphs recaptured after cuDNN autotuning (capture time, then each batch as served)."""
-    device = args.device
-    t0 = time.perf_counter()
-    with PeakMemory(device) as mem:
-        module.capture_graphs(module.graphs.sizes, autotune=True)
-        sync(device)
-    out: dict[str, Any] = {"capture_s": round(time.perf_counter() - t0, 2), "capture_peak_gib": mem.peak_gib}
-    for b in args.batches:
-        items = code2wav_items(module, b, chunk + context, chunk, device)
-        timing = time_calls(lambda items=items, b=b: module.run_batch("vocode", "code2wav", items, [{}] * b),
-                            device, args.calls)
-        out[f"b{b}"] = per_call(timing, b, chunk, frame_s)
-    return out
-
-
 def _new_widths(module, device: torch.device, context: int, chunk: int) -> list[dict[str, Any]]:
     """Synced ms of the first and second eager call at widths (and batch sizes) never run before."""
     graphs, pad = module.graphs, module.pad_frames
-    module.graphs, module.pad_frames = None, 0
+    module.graphs, module.pad_frames = StepGraphs(), 0
     out = []
     try:
         for frames, batch in ((context + 3, 1), (context + 5, 1), (context + chunk, 3)):
@@ -190,7 +175,6 @@ def print_table(doc: dict[str, Any]) -> None:
           f"{doc['left_context']} context frames, build {doc['build']['build_s']} s")
     rows = [(f"{name} b{b[1:]}", case) for b, cases in doc["cases"].items() if b.startswith("b") and b[1:].isdigit()
             for name, case in cases.items()]
-    rows += [(f"autotune {b}", case) for b, case in doc["cases"].get("autotune", {}).items() if b.startswith("b")]
     print(f"{'case':<16}{'wall ms':>10}{'gpu ms':>10}{'host ms':>10}{'ms/chunk':>10}{'audio s/s':>11}")
     for name, c in rows:
         print(f"{name:<16}{c['wall_ms']:>10}{c['gpu_ms']!s:>10}{c['host_ms']:>10}{c['ms_per_chunk']:>10}"

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from benchmarks.call_timing import PeakMemory, profile_calls, sync, time_calls
-from mstar.engines.cuda_graphs import cudnn_autotune
+from mstar.engines.base import StepGraphs
 from mstar.models.qwen3_omni.options import CODE_PREDICTOR_DEFAULTS
 
 
@@ -75,6 +75,17 @@ def code2wav_stages(module, codes: torch.Tensor, device: torch.device, repeats: 
 
 
 @contextlib.contextmanager
+def cudnn_benchmark(on: bool) -> Iterator[None]:
+    """torch.backends.cudnn.benchmark set to `on` inside the block (on: cuDNN times its algorithms per shape)."""
+    before = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = on
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = before
+
+
+@contextlib.contextmanager
 def cudnn_enabled(on: bool) -> Iterator[None]:
     """torch.backends.cudnn.enabled set to `on` inside the block (off: PyTorch's own conv kernels)."""
     before = torch.backends.cudnn.enabled
@@ -105,12 +116,12 @@ def profile_code2wav(module, device: torch.device, batches: list[int], calls: in
                                                                 ("float32_padded", True, False, True, False, True))
     out: dict[str, Any] = {}
     graphs, served_pad = module.graphs, module.pad_frames
-    if graphs is not None:  # as served: padded, replayed from the graphs the builder captured
+    if graphs:  # as served: padded, replayed from the graphs its engine captured
         with torch.no_grad():
             out["served_graphs"] = {f"chunk_b{b}": measure(
                 lambda b=b, items=code2wav_items(module, b, chunk + context, chunk, device):
                 module.run_batch("vocode", "code2wav", items, [{}] * b), device, calls) for b in batches}
-    module.graphs = None  # the variants below run eagerly
+    module.graphs = StepGraphs()  # the variants below run eagerly
     try:
         out.update(_code2wav_variants(module, device, batches, calls, chunk, context, variants, fresh, deadline,
                                       budget_s))
@@ -136,7 +147,7 @@ def _code2wav_variants(module, device, batches, calls, chunk, context, variants,
             mod = fp32
         mod.pad_frames = chunk + context if padded else 0
         try:
-            with cudnn_autotune(bench), cudnn_enabled(enabled):
+            with cudnn_benchmark(bench), cudnn_enabled(enabled):
                 out[name] = _code2wav_variant(mod, device, batches if all_batches else batches[:1], calls, chunk,
                                               context, fresh, kernels=not bench and not padded)
                 if not padded:
@@ -201,10 +212,10 @@ def profile_code_predictor(module, device: torch.device, batches: list[int], cal
     sampled = {k: v for k, v in CODE_PREDICTOR_DEFAULTS.items()}
     greedy = {**sampled, "code_predictor.temperature": 0.0}
     graphs = module.graphs
-    out: dict[str, Any] = {"graph_sizes": sorted(graphs[False].sizes) if graphs else []}
+    out: dict[str, Any] = {"graph_sizes": graphs.sizes(False) if graphs else []}
     for b in batches:
         items = predictor_items(module, b, device, dtype)
-        modes = [("graph_sampled", graphs, sampled), ("eager_sampled", {}, sampled), ("graph_greedy", graphs, greedy)]
+        modes = [("graph_sampled", graphs, sampled), ("eager_sampled", StepGraphs(), sampled), ("graph_greedy", graphs, greedy)]
         for mode, use, opts in modes:
             if mode.startswith("graph") and not graphs:
                 continue  # CPU: nothing captured

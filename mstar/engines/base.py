@@ -11,7 +11,7 @@ per iteration; all but the last have `more=True`.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
@@ -130,10 +130,38 @@ class StatelessSpec:
     """How the stateless engine runs one component (tunable fields as in `AutoregressiveSpec`)."""
 
     max_batch_size: int = field(default=64, metadata={"tunable": True})  # items batched into one call at most
+    # batch sizes at which the engine captures the component's `capture_plans` on CUDA; None: powers of
+    # two below max_batch_size, and it
+    cuda_graph_sizes: list[int] | None = field(default=None, metadata={"tunable": True})
 
     def __post_init__(self) -> None:
         if not _positive_int(self.max_batch_size):
             raise ValueError(f"max_batch_size={self.max_batch_size!r}: use a positive integer")
+        if self.cuda_graph_sizes is not None and (
+                not self.cuda_graph_sizes or not all(_positive_int(s) for s in self.cuda_graph_sizes)):
+            raise ValueError(f"cuda_graph_sizes={self.cuda_graph_sizes!r}: use a list of positive integers")
+
+    def graph_sizes(self) -> list[int]:
+        """The batch sizes to capture, ascending, none above `max_batch_size` (a batch never holds more)."""
+        if self.cuda_graph_sizes is not None:
+            return sorted({s for s in self.cuda_graph_sizes if s <= self.max_batch_size}) or [self.max_batch_size]
+        sizes, size = [], 1
+        while size < self.max_batch_size:
+            sizes.append(size)
+            size *= 2
+        return [*sizes, self.max_batch_size]
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    """A fixed-shape function of a stateless component that its engine captures in CUDA graphs, one per
+    batch size (`cuda_graphs.BatchGraphs` states what such a function may do). `example` gives one row of
+    each input: (shape without the batch dimension, dtype). The component replays it by `key`
+    (`StepGraphs.replay`)."""
+
+    key: Hashable
+    fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
+    example: tuple[tuple[tuple[int, ...], torch.dtype], ...]
 
 
 SPEC_OF_ENGINE: dict[str, type[AutoregressiveSpec] | type[StatelessSpec]] = {
@@ -162,17 +190,24 @@ class StatelessComponent(Protocol):
     engine queues their copies into pinned memory and hands the results out at a later step, once
     they are done. `side_stream` (with both, for a CUDA module): its steps run on a CUDA stream of
     their own, overlapping the other components' kernels (engines/stateless.py says why it is safe).
+    `capture_plans()`: the fixed-shape functions the engine captures in CUDA graphs when it is made on
+    a CUDA device (none: the component runs eagerly); it sets `graphs` to them, and `run_items`
+    replays one with `self.graphs.replay(key, *inputs)`, falling back to eager code when that
+    returns None (no graph, or a batch larger than the largest captured size).
     """
 
     host_inputs: bool
     host_outputs: bool
     side_stream: bool
+    graphs: StepGraphs
 
     def run_items(self, items: list[StepItem]) -> list[dict[str, Any]]: ...
 
     def batch_key(self, item: StepItem) -> Hashable: ...
 
     def release(self, request_id: str) -> None: ...
+
+    def capture_plans(self) -> Sequence[CapturePlan]: ...
 
 
 @runtime_checkable
@@ -183,6 +218,33 @@ class SequenceParallelComponent(StatelessComponent, Protocol):
     def set_sp_group(self, group: Any) -> None: ...
 
 
+class StepGraphs:
+    """A stateless component's captured functions by `CapturePlan.key` (empty until its engine captures
+    them: `engines.stateless.capture_step_graphs`)."""
+
+    def __init__(self, graphs: dict[Hashable, Any] | None = None) -> None:
+        self._graphs = dict(graphs or {})  # key -> cuda_graphs.BatchGraphs
+
+    def __bool__(self) -> bool:
+        return bool(self._graphs)
+
+    def keys(self) -> list[Hashable]:
+        return list(self._graphs)
+
+    def sizes(self, key: Hashable) -> list[int]:
+        """The batch sizes captured for `key`, ascending."""
+        return list(self._graphs[key].sizes)
+
+    def replay(self, key: Hashable, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """`key`'s function over `inputs` (batch first) replayed from its graph: its outputs' first rows,
+        views of the graphs' buffers that the next replay of any key overwrites (copy what is kept);
+        None when `key` has no graph or the batch is larger than its largest size (run it eagerly)."""
+        graphs = self._graphs.get(key)
+        if graphs is None or inputs[0].shape[0] > graphs.max_batch:
+            return None
+        return graphs(*inputs)
+
+
 class StatelessBase:
     """Defaults of `StatelessComponent`: a subclass implements `run_batch` (or overrides `run_items`
     when it needs the request ids or node names of a mixed batch) and what else differs."""
@@ -190,6 +252,7 @@ class StatelessBase:
     host_inputs = False
     host_outputs = False
     side_stream = False
+    graphs = StepGraphs()  # none until its engine captures `capture_plans` (it sets a new one)
 
     def run_batch(self, walk: str, node: str, inputs: list[dict[str, torch.Tensor]],
                   options: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -205,6 +268,9 @@ class StatelessBase:
 
     def release(self, request_id: str) -> None:
         pass
+
+    def capture_plans(self) -> Sequence[CapturePlan]:
+        return ()
 
 
 def require(obj: object, protocol: type, hint: str = "") -> None:

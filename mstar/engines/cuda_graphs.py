@@ -2,8 +2,8 @@
 
 On a slow host, launching a decoder's few hundred kernels one by one costs more than the GPU
 work itself; replaying a captured graph costs one launch. `BatchGraphs` is the one facility for
-this: the autoregressive engine captures its decode step with it, and stateless components
-(vocoders, codecs, denoising steps) can wrap their forward with it too.
+this: the autoregressive engine captures its decode step with it, and the stateless engine the
+fixed-shape functions its components declare (`StatelessComponent.capture_plans`).
 
 Contract for a function `fn(*inputs) -> Tensor | tuple[Tensor, ...]` to be captured:
 - every input and output has the batch as dimension 0, and the other dimensions are fixed;
@@ -14,8 +14,6 @@ Contract for a function `fn(*inputs) -> Tensor | tuple[Tensor, ...]` to be captu
 
 `to_device_async` is how host data reaches such steps: a pageable host-to-device copy first waits for
 all the work queued on the stream (the step just launched included); a pinned one does not.
-`cudnn_autotune` lets cuDNN time its convolution algorithms for a block of calls (before a capture, or
-around an eager convolutional component).
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -48,22 +45,6 @@ def to_host_async(t: torch.Tensor) -> torch.Tensor:
     """A pinned host tensor that a copy of CUDA tensor `t` is queued into; valid once an event recorded
     after this call completes (the caller records and waits on it)."""
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-
-
-@contextmanager
-def cudnn_autotune(enabled: bool = True) -> Iterator[None]:
-    """cudnn.benchmark on inside the block, as it was after: each new convolution shape is first run
-    with every algorithm cuDNN has and the fastest is kept for that shape (the first call pays the
-    search; no search may happen inside a graph capture). `enabled` False: a no-op."""
-    if not enabled:
-        yield
-        return
-    before = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = True
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.benchmark = before
 
 
 class _Captured:

@@ -18,6 +18,10 @@ on that same stream, and a step with device inputs (another component wrote them
 current stream: Qwen3-Omni's codec frames) first makes its stream wait, on the GPU, for the work
 queued there so far (the host never waits) and marks those inputs as used on its stream, so their
 memory is not reused before its kernels have read them.
+
+A component's `capture_plans` (fixed-shape functions) are captured in CUDA graphs by the engine when it
+is made with a `CudaGraphConfig` on a CUDA device, at the spec's `graph_sizes()`, all in one memory pool
+(`capture_step_graphs`); the component replays them through its `graphs`.
 """
 
 from __future__ import annotations
@@ -29,19 +33,29 @@ from typing import Any
 
 import torch
 
-from mstar.engines.base import StatelessComponent, StatelessSpec, StepItem, StepResult, require
-from mstar.engines.cuda_graphs import to_host_async
+from mstar.config import CudaGraphConfig
+from mstar.engines.base import StatelessComponent, StatelessSpec, StepGraphs, StepItem, StepResult, require
+from mstar.engines.cuda_graphs import BatchGraphs, to_host_async
 
 logger = logging.getLogger(__name__)
 
 
 class StatelessEngine:
-    """Runs the oldest pending (walk, node) group, up to `max_batch_size` requests at once."""
+    """Runs the oldest pending (walk, node) group, up to `max_batch_size` requests at once.
 
-    def __init__(self, module: StatelessComponent, spec: StatelessSpec | None = None) -> None:
+    `graphs` (None: none) captures the module's `capture_plans` when it lives on a CUDA device and
+    `graphs.enabled`; capturing happens here, before the worker reports ready.
+    """
+
+    def __init__(self, module: StatelessComponent, spec: StatelessSpec | None = None,
+                 graphs: CudaGraphConfig | None = None) -> None:
         require(module, StatelessComponent, " (subclass mstar.engines.base.StatelessBase)")
         self.module = module
-        self.max_batch_size = (spec or StatelessSpec()).max_batch_size
+        spec = spec or StatelessSpec()
+        self.max_batch_size = spec.max_batch_size
+        device = _module_device(module)
+        if graphs is not None and graphs.enabled and device is not None and device.type == "cuda":
+            capture_step_graphs(module, spec.graph_sizes(), device)
         self._pending: deque[StepItem] = deque()
         self._in_flight: deque[_InFlight] = deque()  # results whose host copies are still running
         self.host_outputs = module.host_outputs
@@ -192,15 +206,32 @@ def follow_device_inputs(stream: torch.cuda.Stream, batch: list[StepItem]) -> No
                 value.record_stream(stream)
 
 
-def _side_stream(module: StatelessComponent) -> torch.cuda.Stream | None:
-    """A stream of its own for a module that declares `side_stream` and lives on a CUDA device."""
-    if not module.side_stream or not isinstance(module, torch.nn.Module):
+def capture_step_graphs(module: StatelessComponent, sizes: list[int], device: torch.device) -> None:
+    """Capture each of `module.capture_plans()` at `sizes` (batch sizes) on CUDA `device`, all in one
+    memory pool (a step replays them one after another and copies out what it keeps), and give them to
+    the module as its `graphs`. Captured under inference mode, as components run."""
+    plans = list(module.capture_plans())
+    if not plans:
+        return
+    pool = torch.cuda.graph_pool_handle()
+    with torch.inference_mode():
+        captured = {plan.key: BatchGraphs(plan.fn, sizes, plan.example, device, pool=pool) for plan in plans}
+    module.graphs = StepGraphs(captured)
+
+
+def _module_device(module: StatelessComponent) -> torch.device | None:
+    """The device of a module's first buffer or parameter (None: not a torch module, or it holds none)."""
+    if not isinstance(module, torch.nn.Module):
         return None
     tensor = next(iter(module.buffers()), None)
     tensor = tensor if tensor is not None else next(iter(module.parameters()), None)
-    if tensor is None or tensor.device.type != "cuda":
-        return None
-    return torch.cuda.Stream(tensor.device)
+    return None if tensor is None else tensor.device
+
+
+def _side_stream(module: StatelessComponent) -> torch.cuda.Stream | None:
+    """A stream of its own for a module that declares `side_stream` and lives on a CUDA device."""
+    device = _module_device(module) if module.side_stream else None
+    return torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
 
 
 def _failed(item: StepItem) -> StepResult:

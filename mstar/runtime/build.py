@@ -64,9 +64,10 @@ def build_engines(model: Model, config: MStarConfig, components: list[str], devi
     """One engine per component placed on this worker; a component in `shards` (a tensor-parallel one)
     is built as this rank's share of it (`layers.parallel.tensor_parallel`).
 
-    Every component's weights go on the device before any engine is made, and the KV pools of the
-    autoregressive ones are sized together from the memory free then (`kv_pool_pages`), so neither the
-    build order nor one engine's graphs decide another's pool.
+    Every component's weights go on the device before any engine is made; the stateless engines (and
+    their CUDA graphs) come next, and the KV pools of the autoregressive ones are then sized together from
+    the memory free (`kv_pool_pages`), so neither the build order nor one engine's graphs decide another's
+    pool.
     """
     graph = model.graph()
     built: dict[str, BuiltComponent] = {}
@@ -88,15 +89,18 @@ def build_engines(model: Model, config: MStarConfig, components: list[str], devi
                     f" (share {shards[name].index + 1} of {shards[name].size})" if name in shards else "")
     from mstar.engines.kv_cache.config import kv_pool_pages
 
+    # stateless engines first: the CUDA graphs they capture hold memory the KV pools must leave free
+    stateless = [n for n in components if isinstance(built[n].engine, StatelessSpec)]
+    made = {name: _engine(built.pop(name), config, device, None) for name in stateless}
     pools = {n: (b.module.kv_layout, b.engine) for n, b in built.items() if isinstance(b.engine, AutoregressiveSpec)}
     pages = kv_pool_pages(pools, config.kv_cache, device)
-    engines: dict[str, Engine] = {}
-    for name in components:
+    for name in built:
         if name in shards and name in pages:
             _check_same_kv_pool(name, pages[name], shards[name])
-        engines[name] = _engine(built.pop(name), config, device, pages.get(name), tensor_parallel=name in shards)
+        made[name] = _engine(built[name], config, device, pages.get(name), tensor_parallel=name in shards)
+    for name in components:
         logger.info("made the %s engine of %s", graph.components[name].engine, name)
-    return engines
+    return {name: made[name] for name in components}
 
 
 def _check_same_kv_pool(component: str, pages: int, shard: Any) -> None:
@@ -117,7 +121,7 @@ def _engine(built: BuiltComponent, config: MStarConfig, device: torch.device, pa
     if isinstance(spec, StatelessSpec):
         from mstar.engines.stateless import StatelessEngine
 
-        return StatelessEngine(built.module, spec)
+        return StatelessEngine(built.module, spec, config.cuda_graphs)
     assert pages is not None
 
     def make() -> Engine:

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from mstar.engines.base import Engine, LoopSpec, StatelessComponent, StepItem
+from mstar.engines.base import CapturePlan, Engine, LoopSpec, StatelessComponent, StepGraphs, StepItem
 from mstar.transport import wire
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,13 @@ class LeadModule:
 
     def release(self, request_id: str) -> None:
         self.module.release(request_id)
+
+    @property
+    def graphs(self) -> StepGraphs:  # captured on the wrapped module, which replays them in its run_items
+        return self.module.graphs
+
+    def capture_plans(self) -> Sequence[CapturePlan]:
+        return self.module.capture_plans()
 
 
 class LeadEngine:

@@ -66,10 +66,11 @@ def test_graph_plans_give_the_samples_of_eager_whole_window_decodes(cuda):
 
 
 def _check_graph_plans(vocoder, cuda):
+    from mstar.engines.stateless import capture_step_graphs
     from mstar.models.orpheus.tokens import FRAME
     from mstar.models.orpheus.vocoder import plan_window
 
-    vocoder.capture_graphs((1, 2))
+    capture_step_graphs(vocoder, [1, 2], vocoder.noise_table.device)
     tokens = vocoder.tokens
     gen = torch.Generator().manual_seed(4)
     stream = (torch.randint(1, 4096, (30, FRAME), generator=gen) + tokens.audio_offset

@@ -94,8 +94,10 @@ def test_served_code_predictor_replays_its_graphs():
     inputs = [{"talker_hidden": hidden[i], "first_code": first[i:i + 1], "frame_index": torch.tensor(i)}
               for i in range(BATCH)]
     want = model.run_batch("talker", "code_predictor", inputs, opts)
-    model.capture_graphs([1, 2, 4, BATCH])
-    assert set(model.graphs) == {False, True}
+    from mstar.engines.stateless import capture_step_graphs
+
+    capture_step_graphs(model, [1, 2, 4, BATCH], torch.device("cuda"))
+    assert set(model.graphs.keys()) == {False, True}
     got = model.run_batch("talker", "code_predictor", inputs, opts)
     again = model.run_batch("talker", "code_predictor", inputs, opts)  # a later replay leaves `got` intact
     for g, a, w in zip(got, again, want):

@@ -76,7 +76,9 @@ def test_code_predictor_graphs_replay_the_fused_predict():
     model = CodePredictor(cfg).cuda().bfloat16().eval()
     for p in model.parameters():
         torch.nn.init.normal_(p, 0.0, 0.02)
-    model.capture_graphs([1, 4])
+    from mstar.engines.stateless import capture_step_graphs
+
+    capture_step_graphs(model, [1, 4], torch.device("cuda"))
     hidden = torch.randn(3, cfg.hidden_size, device="cuda").bfloat16()
     first = torch.tensor([5, 70, 900], device="cuda")
     params = [CodePredictorSampling(seed=7)] * 3

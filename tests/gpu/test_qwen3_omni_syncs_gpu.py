@@ -15,7 +15,7 @@ import mstar.engines.autoregressive.engine as ar_engine
 from mstar.config import CudaGraphConfig, KVCacheConfig
 from mstar.engines.autoregressive import build_autoregressive_engine
 from mstar.engines.base import StatelessSpec, StepItem
-from mstar.engines.stateless import StatelessEngine
+from mstar.engines.stateless import StatelessEngine, capture_step_graphs
 from mstar.models.qwen3_omni.builders import build_component
 from mstar.models.qwen3_omni.checkpoint import OmniCheckpoint
 from mstar.models.qwen3_omni.model import Qwen3Omni
@@ -60,6 +60,8 @@ def parts():
     cfg = Qwen3Omni.make_config(tiny=True, dtype="bfloat16")
     ckpt = OmniCheckpoint.open(cfg, None, "dummy")
     built = {n: build_component(ckpt, cfg, n, CUDA) for n in ("talker_input", "talker", "code_predictor", "code2wav")}
+    for name in ("code_predictor", "code2wav"):  # as their stateless engines do when the server builds them
+        capture_step_graphs(built[name].module, built[name].engine.graph_sizes(), CUDA)
     kv = KVCacheConfig(max_num_pages=64, page_size=16)
     talker = build_autoregressive_engine(built["talker"].module, built["talker"].engine, kv, CUDA,
                                          CudaGraphConfig(batch_sizes=[1, 2, 4, 8]))
@@ -151,7 +153,7 @@ def test_talk_loop_frames_never_sync(parts, allow_sampled_ids_read):
 
 def test_code2wav_chunks_on_the_side_stream_never_sync(parts):
     code2wav = parts["code2wav"]
-    assert code2wav.graphs is not None and code2wav.pad_frames == 50  # padded by default on CUDA
+    assert code2wav.graphs.keys() == ["decode"] and code2wav.pad_frames == 50  # padded by default on CUDA
     engine = StatelessEngine(code2wav, StatelessSpec(max_batch_size=8))
     assert engine.stream is not None
     q = code2wav.cfg.num_quantizers

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar.models.qwen3_omni.builders import CODE2WAV_BATCH, code2wav_graph_sizes, code2wav_widths
+from mstar.engines.base import StatelessSpec, StepGraphs
+from mstar.models.qwen3_omni.builders import CODE2WAV_BATCH, code2wav_widths
 from mstar.models.qwen3_omni.code2wav import Code2Wav
 from mstar.models.qwen3_omni.code2wav_config import Code2WavConfig
 from mstar.models.qwen3_omni.model import Qwen3Omni
@@ -103,9 +104,13 @@ def test_serve_config_picks_the_widths() -> None:
 
 
 def test_graph_sizes_reach_the_max_batch() -> None:
-    assert code2wav_graph_sizes(CODE2WAV_BATCH) == [1, 2, 4, 8, 16, 32]
-    assert code2wav_graph_sizes(12) == [1, 2, 4, 8, 12]
-    assert code2wav_graph_sizes(1) == [1]
+    """Its engine captures powers of two below the batch limit, and the limit; set sizes above it are dropped."""
+    assert StatelessSpec(max_batch_size=CODE2WAV_BATCH).graph_sizes() == [1, 2, 4, 8, 16, 32]
+    assert StatelessSpec(max_batch_size=12).graph_sizes() == [1, 2, 4, 8, 12]
+    assert StatelessSpec(max_batch_size=1).graph_sizes() == [1]
+    assert StatelessSpec(max_batch_size=8, cuda_graph_sizes=[4, 1, 16]).graph_sizes() == [1, 4]
+    with pytest.raises(ValueError, match="cuda_graph_sizes"):
+        StatelessSpec(cuda_graph_sizes=[0])
 
 
 def test_code2wav_build_reads_its_engines_max_batch_size() -> None:
@@ -150,19 +155,26 @@ class _StubGraphs:
 def test_padded_calls_replay_the_graphs_up_to_their_batch(module) -> None:
     items = [_chunk(f, n, seed=i) for i, (f, n) in enumerate(SHAPES)]
     alone = [_run(module, [x], pad=0)[0] for x in items]
-    module.graphs = graphs = _StubGraphs(module, max_batch=4)
+    module.pad_frames = CHUNK + CONTEXT
+    (plan,) = module.capture_plans()
+    graphs = _StubGraphs(module, max_batch=4)
+    module.graphs = StepGraphs({plan.key: graphs})
     try:
         first = _run(module, items[:4], pad=CHUNK + CONTEXT)
         _run(module, items[1:], pad=CHUNK + CONTEXT)  # would overwrite `first` if it were a view
         _run(module, items, pad=CHUNK + CONTEXT)  # 5 chunks: more than the largest graph, eager
         _run(module, items[:2], pad=0)  # unpadded widths: eager
     finally:
-        module.graphs = None
+        del module.graphs
     assert graphs.batches == [4, 4]
     for got, want in zip(first, alone):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
 def test_graphs_need_one_width() -> None:
-    with pytest.raises(ValueError, match="pad_frames"):
-        Code2Wav(CFG).capture_graphs([1, 2])
+    """Unpadded chunks vary in width: nothing to capture; padded, the decode of that one width."""
+    module = Code2Wav(CFG)
+    assert module.capture_plans() == []
+    module.pad_frames = 7
+    (plan,) = module.capture_plans()
+    assert plan.example == (((CFG.num_quantizers, 7), torch.long),)

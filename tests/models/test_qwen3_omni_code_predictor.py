@@ -6,6 +6,7 @@ import pytest
 import torch
 from qwen3_omni_codec_testing import hf_talker_config, make_hf_code_predictor, save_checkpoint
 
+from mstar.engines.base import StepGraphs
 from mstar.models.qwen3_omni.code_predictor_config import CodePredictorConfig
 from mstar.models.qwen3_omni.code_predictor_sampling import CodePredictorSampling
 from mstar.models.qwen3_omni.codec_weights import build_code_predictor
@@ -139,10 +140,8 @@ class _EagerGraphs:
         return self.out
 
 
-def test_captured_predict_serves_the_same_frames(pair, monkeypatch):
+def test_captured_predict_serves_the_same_frames(pair):
     """run_batch through the graphs (greedy and sampled batches) equals the eager predict."""
-    from mstar.engines import cuda_graphs
-
     _, _, ours = pair
     frames = _frames(3, seed=4)
     sampled = {"code_predictor.temperature": 0.9, "code_predictor.seed": 3}
@@ -156,12 +155,12 @@ def test_captured_predict_serves_the_same_frames(pair, monkeypatch):
                 for opts in rows for k, (h, f) in enumerate(frames)]
 
     want = serve()
-    monkeypatch.setattr(cuda_graphs, "BatchGraphs", _EagerGraphs)
-    ours.capture_graphs([1, 2, 4])
+    graphs = {plan.key: _EagerGraphs(plan.fn, [1, 2, 4], plan.example, None) for plan in ours.capture_plans()}
+    ours.graphs = StepGraphs(graphs)
     try:
         got = serve()
-        assert ours.graphs[False].calls == 3 and ours.graphs[True].calls == 3
+        assert graphs[False].calls == 3 and graphs[True].calls == 3
     finally:
-        ours.graphs = {}
+        del ours.graphs  # back to the class's empty StepGraphs
     # compared after all calls: outputs must not be views a later replay overwrites
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for g, w in zip(got, want) for a, b in zip(g, w))

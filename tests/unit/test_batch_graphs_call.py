@@ -21,7 +21,7 @@ class _Graph:
 
 def test_inference_mode_inputs_take_a_no_grad_batch() -> None:
     graphs = object.__new__(BatchGraphs)
-    with torch.inference_mode():  # as capture_graphs builds them
+    with torch.inference_mode():  # as the stateless engine captures them
         static_in, static_out = torch.zeros(4, 3), torch.zeros(4, 3)
     graph = _Graph(static_in, static_out)
     graphs.sizes, graphs._graphs = [4], {4: _Captured(graph, [static_in], (static_out,))}  # noqa: SLF001

@@ -48,12 +48,19 @@ def made(monkeypatch):
     return out
 
 
-def test_all_weights_are_built_before_the_first_engine(made):
+def test_all_weights_are_built_before_the_first_engine(made, monkeypatch):
+    """Weights first; then the stateless engines (their CUDA graphs hold memory); then the KV pools are sized
+    from what is free, and the autoregressive engines made."""
+    from mstar.engines.kv_cache import config as kv_config
+
     events = []
+    sizing = kv_config.kv_pool_pages
+    monkeypatch.setattr(kv_config, "kv_pool_pages", lambda *a: events.append(("pools", len(made))) or sizing(*a))
     names = ["talker", "llm", "vocoder"]
     engines = build.build_engines(FakeModel(events), config_from_dict({"model": "toy"}), names, torch.device("cpu"))
-    assert events == [("build", n) for n in names] and [m[0] for m in made] == names
-    assert engines == {n: n for n in names}
+    assert events == [*(("build", n) for n in names), ("pools", 1)]
+    assert [m[0] for m in made] == ["vocoder", "talker", "llm"]
+    assert list(engines) == names and engines == {n: n for n in names}
 
 
 def test_engine_settings_win_over_the_models_defaults(made):
@@ -104,7 +111,7 @@ def test_a_build_returning_the_wrong_spec_kind_is_named(made):
                                   "'enable_prefix_caching', 'max_batch_tokens', 'max_num_pages', 'max_num_seqs', "
                                   "'memory_fraction', 'own_stream'\\]"),
     ({"snac": {"max_num_seqs": 4}}, "unknown key 'engines.snac.max_num_seqs'; valid keys here are "
-                                    "\\['max_batch_size'\\]"),
+                                    "\\['cuda_graph_sizes', 'max_batch_size'\\]"),
     ({"llm": {"max_num_seqs": "many"}}, "engines.llm.max_num_seqs must be int, got 'many'"),
     ({"llm": {"max_num_seqs": 0}}, "engines.llm: max_num_seqs=0: use a positive integer"),
     ({"llm": {"eos_token_ids": [1]}}, "unknown key 'engines.llm.eos_token_ids'"),  # the model's, not tunable

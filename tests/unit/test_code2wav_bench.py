@@ -14,7 +14,7 @@ from benchmarks.code2wav_bench import main  # noqa: E402
 
 def test_quick_run(tmp_path) -> None:
     out = tmp_path / "c2w.json"
-    doc = main(["--quick", "--batches", "1", "2", "--calls", "1", "--skip", "autotune", "--out", str(out)])
+    doc = main(["--quick", "--batches", "1", "2", "--calls", "1", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
     assert doc["build"]["pad_frames"] == 0 and doc["build"]["graph_sizes"] is None  # CPU: unpadded, no graphs
     for b in (1, 2):

@@ -83,3 +83,49 @@ def test_side_stream_only_for_cuda_modules_that_declare_it():
 
     assert StatelessEngine(Declares()).stream is None  # on the CPU: nothing to overlap
     assert StatelessEngine(_Doubler()).stream is None
+
+
+class _Planned(_Doubler):
+    """A component with one fixed-shape function, on a device the test names (`_module_device` is faked)."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__()
+        self.device_name = device
+
+    def capture_plans(self):
+        from mstar.engines.base import CapturePlan
+
+        return [CapturePlan("double", lambda x: x * 2, (((1,), torch.float32),))]
+
+
+def test_engine_captures_the_plans_on_cuda_only_when_graphs_are_on(monkeypatch):
+    """The engine captures a module's plans at its spec's sizes when made with cuda_graphs on a CUDA device;
+    never on the CPU, nor with cuda_graphs off or not given."""
+    from mstar.config import CudaGraphConfig
+
+    captured: list[tuple[list[int], torch.device]] = []
+    monkeypatch.setattr(stateless, "capture_step_graphs", lambda module, sizes, device: captured.append((sizes, device)))
+    monkeypatch.setattr(stateless, "_module_device", lambda module: torch.device(module.device_name))
+    StatelessEngine(_Planned("cuda"), StatelessSpec(max_batch_size=6), CudaGraphConfig())
+    StatelessEngine(_Planned("cuda"), StatelessSpec(max_batch_size=6, cuda_graph_sizes=[3]), CudaGraphConfig())
+    StatelessEngine(_Planned("cuda"), StatelessSpec(), CudaGraphConfig(enabled=False))
+    StatelessEngine(_Planned("cuda"), StatelessSpec())
+    StatelessEngine(_Planned("cpu"), StatelessSpec(), CudaGraphConfig())
+    assert captured == [([1, 2, 4, 6], torch.device("cuda")), ([3], torch.device("cuda"))]
+
+
+def test_replay_falls_back_past_the_largest_size():
+    """`StepGraphs.replay` answers None (run eagerly) for an unknown key or a batch above the largest size."""
+    from mstar.engines.base import StepGraphs
+
+    class Graphs:  # BatchGraphs' interface: max_batch and a call
+        max_batch = 2
+
+        def __call__(self, x):
+            return (x + 1,)
+
+    graphs = StepGraphs({"k": Graphs()})
+    assert graphs.replay("other", torch.zeros(1)) is None
+    assert graphs.replay("k", torch.zeros(3)) is None
+    assert torch.equal(graphs.replay("k", torch.zeros(2))[0], torch.ones(2))
+    assert not StepGraphs() and graphs.keys() == ["k"]

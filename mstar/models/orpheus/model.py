@@ -45,7 +45,6 @@ logger = logging.getLogger(__name__)
 
 WINDOW_TOKENS, STRIDE_TOKENS = 4 * FRAME, FRAME
 EARLY_WINDOW_TOKENS = 2 * FRAME  # vocoder.EARLY_FRAMES; the first audio after 2 frames, not 4 (vocoder.py: it emits frame 0)
-VOCODER_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # vocoder batch sizes captured on CUDA, up to its max_batch_size
 
 
 @dataclass(frozen=True)
@@ -212,10 +211,8 @@ class OrpheusModel(Model):
 
             snac = load_snac(self.snac_config, self.snac_folder, device, seed=self.config.seed)
             vocoder = OrpheusVocoder(snac, self.tokens).to(device)
-            spec = self.engine_spec("snac", StatelessSpec(max_batch_size=64))  # windows decoded together at most
-            if device.type == "cuda":  # captured during the build, before the worker reports ready
-                vocoder.capture_graphs(tuple(s for s in VOCODER_GRAPH_SIZES if s <= spec.max_batch_size) or (1,))
-            return BuiltComponent(vocoder, spec)
+            # windows decoded together at most; its engine captures the vocoder's graphs up to that batch
+            return BuiltComponent(vocoder, self.engine_spec("snac", StatelessSpec(max_batch_size=64)))
         raise KeyError(f"orpheus has no component {name!r}; its components are 'llm' and 'snac'")
 
     def _load_lm(self, device: torch.device) -> torch.nn.Module:

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
-from mstar.engines.base import StatelessBase
+from mstar.engines.base import CapturePlan, StatelessBase
 from mstar.engines.cuda_graphs import to_device_async
 from mstar.models.orpheus.snac import SnacDecoder, TableNoise
 from mstar.models.orpheus.tokens import FRAME, OrpheusTokens, split_levels, valid_windows
@@ -83,8 +82,8 @@ class OrpheusVocoder(StatelessBase, nn.Module):
     """run_batch over stream windows ("codes", "codes_new", "codes_start", "codes_final") -> "audio".
 
     `decode_windows` is the fixed-shape part (tokens [B, 7F] and first frames [B] -> samples
-    [B, F * samples_per_frame]) with no host sync: the piece to capture in a CUDA graph (F = 4 is
-    the steady state).
+    [B, F * samples_per_frame]) with no host sync: its engine captures it in CUDA graphs for each
+    window plan of `GRAPH_PLANS` (`capture_plans`).
     """
 
     host_outputs = True  # audio goes to the client: copied to the host asynchronously (stateless.py)
@@ -100,29 +99,16 @@ class OrpheusVocoder(StatelessBase, nn.Module):
         gen = torch.Generator().manual_seed(_NOISE_SEED)
         self.register_buffer("noise_table", torch.randn(len(self.noise_steps), NOISE_TABLE, generator=gen),
                              persistent=False)
-        # (frames, emit_from, emit_to) -> BatchGraphs of decode_windows, once captured on CUDA
-        self.graphs: dict[tuple[int, int, int], Any] = {}
 
-    def capture_graphs(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
-                       plans: tuple[tuple[int, int, int], ...] = GRAPH_PLANS) -> None:
-        """Capture `decode_windows` for each (frames, emit_from, emit_to) of `plans` (`GRAPH_PLANS`: the
-        plans streams make and whole windows) at these batch sizes (CUDA only), all in one memory pool
-        (`run_batch` copies each replay's audio out before the next replay). A window of another plan takes
-        its whole window's graph and keeps its frames; only one with no such graph, or a batch larger than
-        the largest size, decodes eagerly.
-
-        The decoder is some seventy kernels (a hundred and sixty in PyTorch's form): replaying them as
-        one graph keeps the vocoder from stalling the worker that also runs the LM; run eagerly, their
-        launches cost the host milliseconds.
-        """
-        from mstar.engines.cuda_graphs import BatchGraphs
-
-        device = self.noise_table.device
-        pool = torch.cuda.graph_pool_handle()
-        for frames, lo, hi in plans:
-            example = [((FRAME * frames,), torch.long), ((), torch.long)]
-            fn = functools.partial(self.decode_windows, emit=(lo, hi))
-            self.graphs[(frames, lo, hi)] = BatchGraphs(fn, sizes, example, device, pool=pool)
+    def capture_plans(self) -> list[CapturePlan]:
+        """`decode_windows` for each (frames, emit_from, emit_to) of `GRAPH_PLANS` (the plans
+        streams make and whole windows), keyed by that plan. A window of another plan takes its whole
+        window's graph and keeps its frames; only one with no such graph, or a batch larger than the largest
+        size, decodes eagerly. Replayed as graphs, the decoder's many small kernels cost one launch instead
+        of stalling the worker that also runs the LM."""
+        return [CapturePlan((frames, lo, hi), functools.partial(self.decode_windows, emit=(lo, hi)),
+                            (((FRAME * frames,), torch.long), ((), torch.long)))
+                for frames, lo, hi in GRAPH_PLANS]
 
     def table_noise(self, first_frame: torch.Tensor) -> TableNoise:
         """The decoder blocks' noise for windows starting at `first_frame` [B], read from the table (the
@@ -177,11 +163,10 @@ class OrpheusVocoder(StatelessBase, nn.Module):
         """Samples of frames [lo, hi) of windows of `frames` frames [B, (hi - lo) * samples_per_frame]: from
         this plan's graph, else sliced from the whole window's graph, else decoded eagerly on their spans."""
         for plan in ((frames, lo, hi), (frames, 0, frames)):
-            graphs = self.graphs.get(plan)
-            if graphs is not None and spans.shape[0] <= graphs.max_batch:
-                (audio,) = graphs(spans, first)  # views of the graph's output
+            replayed = self.graphs.replay(plan, spans, first)  # views of the graph's output
+            if replayed is not None:
                 spf = self.samples_per_frame
-                return audio[:, (lo - plan[1]) * spf: (hi - plan[1]) * spf]
+                return replayed[0][:, (lo - plan[1]) * spf: (hi - plan[1]) * spf]
         return self.decode_windows(spans, first, (lo, hi))
 
 

@@ -176,11 +176,9 @@ def _code_predictor(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torc
         _fill_dummy(module, cfg, 4)
     else:
         load_code_predictor(module, loading.iter_checkpoint_tensors(ckpt.root))
-    spec = spec_of("code_predictor", StatelessSpec())
-    if device.type == "cuda" and module.norm.weight.dtype == torch.bfloat16:  # captured before ready
-        rows = min(spec.max_batch_size, _talker_spec(ckpt, cfg, spec_of).max_num_seqs)  # frames a step at most
-        module.capture_graphs([s for s in (1, 2, 4, 8, 16, 32, 64) if s <= rows] or [1])
-    return BuiltComponent(module, spec)
+    # a step holds at most one frame per talker sequence: no larger batch (nor graph) is needed
+    rows = min(_talker_spec(ckpt, cfg, spec_of).max_num_seqs, StatelessSpec().max_batch_size)
+    return BuiltComponent(module, spec_of("code_predictor", StatelessSpec(max_batch_size=rows)))
 
 
 def _code2wav(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype, spec_of: SpecOf) -> BuiltComponent:
@@ -193,12 +191,9 @@ def _code2wav(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtyp
     else:
         module = build_code2wav(ckpt.code2wav_config, ckpt.root, ckpt.load_format, dtype, device)
     module.pad_frames, widths = code2wav_widths(cfg, device)
-    spec = spec_of("code2wav", StatelessSpec(max_batch_size=CODE2WAV_BATCH))
-    if device.type == "cuda" and module.pad_frames:  # one width: its graphs (and cuDNN plans) before ready
-        module.capture_graphs(code2wav_graph_sizes(spec.max_batch_size), autotune=cfg.code2wav_autotune)
-    elif device.type == "cuda":  # the first request would pay kernel loading and cuDNN plans otherwise
-        module.warm_up(widths)
-    return BuiltComponent(module, spec)
+    if device.type == "cuda" and not module.pad_frames:  # padded, its engine captures graphs of the one width
+        module.warm_up(widths)  # the first request would pay kernel loading and cuDNN plans otherwise
+    return BuiltComponent(module, spec_of("code2wav", StatelessSpec(max_batch_size=CODE2WAV_BATCH)))
 
 
 def code2wav_widths(cfg, device: torch.device | str = "cpu") -> tuple[int, list[int]]:
@@ -208,12 +203,3 @@ def code2wav_widths(cfg, device: torch.device | str = "cpu") -> tuple[int, list[
     full = cfg.code2wav_chunk + cfg.code2wav_left_context
     pad = cfg.code2wav_pad if cfg.code2wav_pad is not None else torch.device(device).type == "cuda"
     return (full, [full]) if pad else (0, [cfg.code2wav_chunk, full])
-
-
-def code2wav_graph_sizes(max_batch: int) -> list[int]:
-    """Batch sizes of Code2Wav's graphs: powers of two below its engine's `max_batch`, and it."""
-    sizes, size = [], 1
-    while size < max_batch:
-        sizes.append(size)
-        size *= 2
-    return sizes + [max_batch]

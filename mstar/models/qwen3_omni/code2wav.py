@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.engines.base import StatelessBase
+from mstar.engines.base import CapturePlan, StatelessBase
 from mstar.engines.cuda_graphs import to_device_async
 from mstar.layers.mlp import GatedMLP
 from mstar.layers.norm import RMSNorm
@@ -115,8 +115,8 @@ class Code2Wav(StatelessBase, nn.Module):
     With `pad_frames` set, a shorter chunk (the first one, a request's last one) is padded with code
     0 frames on the right to that many frames and its audio cut back: every stage is causal, so the
     kept samples do not depend on the padding, and calls keep one shape (chunks of several lengths
-    batch together; no cuDNN plan or kernel choice per new length). `capture_graphs` then records
-    the decode of that one width at a few batch sizes: a call replays one graph instead of launching
+    batch together; no cuDNN plan or kernel choice per new length). Its engine then captures
+    the decode of that one width (`capture_plans`) at a few batch sizes: a call replays one graph instead of launching
     a few hundred kernels, and no batch size meets cuDNN for the first time while serving.
 
     On CUDA it runs beside the LMs on a stream of its own (`side_stream`), reads its chunk sizes on
@@ -142,7 +142,6 @@ class Code2Wav(StatelessBase, nn.Module):
         out_dim = cfg.decoder_dim // 2 ** len(cfg.upsample_rates)
         decoder += [SnakeBeta(out_dim), CausalConv1d(out_dim, 1, 7)]
         self.decoder = nn.ModuleList(decoder)
-        self.graphs: Any = None  # BatchGraphs of `decode` at `pad_frames` frames, once captured on CUDA
 
     @property
     def lookahead_samples(self) -> int:
@@ -218,28 +217,16 @@ class Code2Wav(StatelessBase, nn.Module):
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """codes [B, Q, T] -> float32 audio [B, T * samples_per_frame - lookahead_samples]: what a call
-        computes, and what `capture_graphs` records."""
+        computes, and what its graphs record (`capture_plans`)."""
         return self.forward(codes).float()
 
-    def capture_graphs(self, sizes: Sequence[int], autotune: bool = False) -> None:
-        """Capture `decode` of `pad_frames`-frame chunks at these batch sizes (CUDA; `pad_frames` set).
-
-        Warm-up and capture build every cuDNN plan of these shapes before the server is ready; a call
-        of more chunks than the largest size runs eagerly. `autotune`: each shape is first decoded with
-        cudnn.benchmark on, so cuDNN times its algorithms and the capture (benchmark off again: no
-        search inside a capture) takes the fastest from its plan cache.
-        """
-        from mstar.engines.cuda_graphs import BatchGraphs, cudnn_autotune
-
+    def capture_plans(self) -> list[CapturePlan]:
+        """`decode` of `pad_frames`-frame chunks (none unpadded: chunk widths then vary). Warm-up and capture
+        build every cuDNN plan of these shapes before the server is ready; a call of more chunks than the
+        largest captured size runs eagerly."""
         if self.pad_frames < 1:
-            raise ValueError("Code2Wav graphs need pad_frames (one chunk width); set it before capturing")
-        device, shape = self.code_offset.device, (self.cfg.num_quantizers, self.pad_frames)
-        with torch.inference_mode():
-            if autotune:
-                with cudnn_autotune():
-                    for size in sorted(set(sizes)):
-                        self.decode(torch.zeros((size, *shape), dtype=torch.long, device=device))
-            self.graphs = BatchGraphs(self.decode, sizes, [(shape, torch.long)], device)
+            return []
+        return [CapturePlan("decode", self.decode, (((self.cfg.num_quantizers, self.pad_frames), torch.long),))]
 
     @torch.no_grad()
     def run_batch(self, walk: str, node: str, inputs: Sequence[Mapping[str, torch.Tensor]],
@@ -263,10 +250,8 @@ class Code2Wav(StatelessBase, nn.Module):
         return outputs
 
     def _decode_rows(self, codes: torch.Tensor) -> torch.Tensor:
-        graphs = self.graphs
-        if graphs is not None and codes.shape[-1] == self.pad_frames and codes.shape[0] <= graphs.max_batch:
-            return graphs(codes)[0]
-        return self.decode(codes)
+        replayed = self.graphs.replay("decode", codes) if codes.shape[-1] == self.pad_frames else None
+        return replayed[0] if replayed is not None else self.decode(codes)
 
     def _stack(self, chunks: Sequence[torch.Tensor], width: int) -> torch.Tensor:
         """Chunks [T_i, Q] -> codes [B, Q, width] (right-padded with code 0) on the module's device; host

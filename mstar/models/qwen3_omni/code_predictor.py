@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.engines.base import StatelessBase
+from mstar.engines.base import CapturePlan, StatelessBase
 from mstar.engines.cuda_graphs import to_device_async
 from mstar.kernels.guard import KernelGuard
 from mstar.layers.attention import normed_rotated_qk
@@ -149,20 +149,15 @@ class CodePredictor(StatelessBase, nn.Module):
         # A copy of the talker's codec embedding: the predictor's second input is the first code's.
         self.talker_codec_embedding = nn.Embedding(cfg.talker_vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(RopeSpec(head_dim=cfg.head_dim, theta=cfg.rope_theta))
-        self.graphs: dict[bool, Any] = {}  # sampled? -> BatchGraphs of `predict`, once captured on CUDA
         self._rope: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None  # (key, (cos, sin) of 0..G-1)
 
-    def capture_graphs(self, sizes: Sequence[int]) -> None:
-        """Capture `predict` at these batch sizes, for all-greedy batches and for sampled ones (CUDA only).
-
-        The inner loop is 15 steps of every layer plus sampling: hundreds of small kernels per frame,
-        which a slow host would otherwise launch one by one at every talker step.
-        """
-        from mstar.engines.cuda_graphs import BatchGraphs
-
-        device, cfg = self.norm.weight.device, self.cfg
-        example = [((cfg.hidden_size,), self.norm.weight.dtype), ((), torch.long),
-                   ((), torch.float32), ((), torch.long), ((), torch.float32)]
+    def capture_plans(self) -> list[CapturePlan]:
+        """`predict` for all-greedy batches (key False) and for sampled ones (True, with the noise input).
+        The inner loop is 15 steps of every layer plus sampling: hundreds of small kernels per frame, which
+        a slow host would otherwise launch one by one at every talker step."""
+        cfg = self.cfg
+        example = (((cfg.hidden_size,), self.norm.weight.dtype), ((), torch.long),
+                   ((), torch.float32), ((), torch.long), ((), torch.float32))
 
         def greedy(hidden, first, temperature, top_k, top_p):
             return self.predict(hidden, first, SamplingTensors(temperature, top_k, top_p, None))
@@ -170,24 +165,20 @@ class CodePredictor(StatelessBase, nn.Module):
         def sampled(hidden, first, temperature, top_k, top_p, noise):
             return self.predict(hidden, first, SamplingTensors(temperature, top_k, top_p, noise))
 
-        with torch.inference_mode():
-            self.graphs = {
-                False: BatchGraphs(greedy, sizes, example, device),
-                True: BatchGraphs(sampled, sizes, example + [((cfg.num_residual, cfg.vocab_size), torch.float32)],
-                                  device),
-            }
+        return [CapturePlan(False, greedy, example),
+                CapturePlan(True, sampled, (*example, ((cfg.num_residual, cfg.vocab_size), torch.float32)))]
 
     def _predict(self, hidden: torch.Tensor, first: torch.Tensor, sampling: SamplingTensors
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """`predict`, replayed from a captured graph when one holds the batch (outputs copied out of
         the graph's buffers, which the next replay overwrites)."""
-        graphs = self.graphs.get(sampling.noise is not None)
-        if graphs is None or hidden.shape[0] > graphs.max_batch:
-            return self.predict(hidden, first, sampling)
         args = [hidden, first, sampling.temperature, sampling.top_k, sampling.top_p]
         if sampling.noise is not None:
             args.append(sampling.noise)
-        codes, embed_sum = graphs(*args)
+        replayed = self.graphs.replay(sampling.noise is not None, *args)
+        if replayed is None:
+            return self.predict(hidden, first, sampling)
+        codes, embed_sum = replayed
         return codes.clone(), embed_sum.clone()
 
     def predict(self, talker_hidden: torch.Tensor, first_code: torch.Tensor, sampling: SamplingTensors

@@ -69,7 +69,6 @@ class OmniServeConfig(LMServeConfig):
     # pad shorter chunks to chunk + left_context frames: one shape, replayed from CUDA graphs (code2wav.py);
     # None: on where Code2Wav runs on CUDA
     code2wav_pad: bool | None = None
-    code2wav_autotune: bool = False  # cuDNN times its algorithms for Code2Wav's graph shapes at start
     video_fps: float = 2.0  # frames a second sampled from input videos
     # with the thinker tensor-parallel (tp_size > 1): split its attention heads over the ranks too (one
     # more all-reduce a layer, half the attention weights and KV read per rank); False: every rank runs
