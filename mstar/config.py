@@ -30,8 +30,7 @@ class KVCacheConfig:
     max_num_pages: int | None = None  # explicit page count; wins over memory_fraction
     page_size: int = 16  # tokens per page
     memory_fraction: float = 0.9  # share of free device memory (after weights) given to the pool (GPU)
-    # "auto": on CUDA triton when it imports and initialises, else flashinfer, else sdpa (flashinfer is
-    # not yet validated on a GPU, so it is chosen first only when named);
+    # "auto": on CUDA triton when it imports and initialises, else flashinfer, else sdpa;
     # or "sdpa" (reference, CPU and GPU), "triton" or "flashinfer" (CUDA, float16/bfloat16)
     attention_backend: str = "auto"
 

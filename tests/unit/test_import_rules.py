@@ -1,4 +1,4 @@
-"""DESIGN.md "Who may import whom", checked on the source.
+"""Who may import whom (docs/structure.md states the rules per package), checked on the source.
 
 An AST scan of every module under mstar/ collects each import (module level and inside functions,
 `import x` and `from x import y`, relative imports resolved to absolute names) and checks the rules.
@@ -27,7 +27,7 @@ ENGINE_CONTRACTS = (
     "mstar.engines.base",  # KVLayout and the Engine/StepItem seam a network declares itself against
     "mstar.engines.extras",  # ForwardExtras: per-step extras an AR engine hands the network
     "mstar.engines.sampling",  # SamplingParams: processors validate request options with it
-    "mstar.engines.cuda_graphs",  # BatchGraphs (capture facility) and to_device_async (pinned host copies)
+    "mstar.engines.cuda_graphs",  # to_device_async (pinned host copies without waiting for the GPU)
 )
 
 # What models may import from mstar: "models use graph, layers, kernels" plus the recorded exceptions.
