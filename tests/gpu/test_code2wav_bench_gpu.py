@@ -3,13 +3,7 @@ the served component is padded and replays its graphs, and its audio matches the
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.code2wav_bench import main  # noqa: E402
+from benchmarks.code2wav_bench import main
 
 
 def test_full_size_code2wav_bench(tmp_path):

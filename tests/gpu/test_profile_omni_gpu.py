@@ -3,13 +3,7 @@ used), and the full-size speech components (Code2Wav, code predictor, talker_inp
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.profile_omni import COMPONENTS, main  # noqa: E402
+from benchmarks.profile_omni import COMPONENTS, main
 
 
 def test_tiny_model_on_cuda_replays_the_decode_graphs(tmp_path):

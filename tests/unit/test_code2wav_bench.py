@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.code2wav_bench import main  # noqa: E402
+from benchmarks.code2wav_bench import main
 
 
 def test_quick_run(tmp_path) -> None:

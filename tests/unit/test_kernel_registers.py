@@ -4,19 +4,16 @@ reduction inside each thread, so at 4 rows the accumulators take fewer registers
 from __future__ import annotations
 
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
 
 
 def test_fold_k_cuts_the_four_row_gemv_registers():
     if importlib.util.find_spec("triton.backends.nvidia") is None:
         pytest.skip("this triton has no NVIDIA backend to compile with")
-    from kernel_registers import compile_report
+    from benchmarks.kernel_registers import compile_report
 
     plain, folded = compile_report(4, 4, 1024, 4, 1), compile_report(4, 4, 1024, 4, 8)
     for row in (plain, folded):

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from benchmarks.call_timing import CATEGORIES, categorize, summarize_kernels, time_calls  # noqa: E402
-from benchmarks.profile_omni import COMPONENTS, main, parse_args  # noqa: E402
-from benchmarks.profile_omni_report import timed_rows  # noqa: E402
+from benchmarks.call_timing import CATEGORIES, categorize, summarize_kernels, time_calls
+from benchmarks.profile_omni import COMPONENTS, main, parse_args
+from benchmarks.profile_omni_report import timed_rows
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 def test_quick_profile_writes_the_split(tmp_path):
     root = Path(__file__).parents[2]
     out = tmp_path / "p.json"
-    proc = subprocess.run([sys.executable, "benchmarks/profile_orpheus.py", "--quick", "--tokens", "20",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.profile_orpheus", "--quick", "--tokens", "20",
                            "--concurrency", "1", "2", "--out", str(out)], cwd=root, capture_output=True, text=True,
                           timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -52,7 +52,7 @@ def test_summary_sums_categories_per_step() -> None:
 def test_quick_run_writes_the_report(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
     root = Path(__file__).resolve().parents[2]
-    subprocess.run([sys.executable, "benchmarks/profile_wan.py", "--quick", "--batch", "2", "--steps", "2",
+    subprocess.run([sys.executable, "-m", "benchmarks.profile_wan", "--quick", "--batch", "2", "--steps", "2",
                     "--profile-steps", "1", "--out", str(out)], cwd=root, check=True, capture_output=True,
                    timeout=120)
     result = json.loads(out.read_text())
@@ -73,7 +73,7 @@ def test_profile_wan_vae_quick_run(tmp_path: Path) -> None:
     """benchmarks/profile_wan_vae.py --quick --accuracy: every variant decodes the tiny VAE on CPU, is profiled
     and compared with the exact float32 decode."""
     out = tmp_path / "vae.json"
-    proc = subprocess.run([sys.executable, "benchmarks/profile_wan_vae.py", "--quick", "--accuracy", "--repeats", "1",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.profile_wan_vae", "--quick", "--accuracy", "--repeats", "1",
                            "--out", str(out)], cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
