@@ -15,7 +15,7 @@ stage, sample prep, postprocess, lookahead) and of what the caller does with the
 nothing now; before engine loops, feeding each token back as the next item) over `--steps` decode steps
 at each `--batch`, the median of `--runs` runs.
 
-    python3 benchmarks/ar_engine_host.py --batch 1 8 16 32 --out benchmarks/results/ar_engine_host.json
+    python3 benchmarks/ar_engine_host.py --batch 1 8 16 32 --out benchmarks/results/ar_engine_host_cpu.json
     python3 benchmarks/ar_engine_host.py --batch 32 --profile     # cProfile of the decode steps
 
 Pinned memory needs an accelerator that this machine lacks: `Tensor.pin_memory` returns the tensor
@@ -167,7 +167,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400, help="decode steps measured per run (< 1160)")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="print a cProfile of the first --batch and exit")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/ar_engine_host.json"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/ar_engine_host_cpu.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.Tensor.pin_memory = lambda self, *a, **k: self  # no accelerator here (see the module docstring)

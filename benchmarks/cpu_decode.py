@@ -7,7 +7,7 @@ KV cache). Tokens/s = c * new_tokens / wall time (prefill included). Both in flo
 in the same process and run, so they share the machine's load; measures, asserts nothing.
 
     python3 benchmarks/cpu_decode.py [--concurrency 1 8 32] [--new-tokens 32] \
-        [--out benchmarks/results/cpu_decode.json]
+        [--out benchmarks/results/cpu_decode_cpu.json]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--out", default="benchmarks/results/cpu_decode.json")
+    parser.add_argument("--out", default="benchmarks/results/cpu_decode_cpu.json")
     args = parser.parse_args()
     import transformers
 

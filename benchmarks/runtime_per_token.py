@@ -19,7 +19,7 @@ the median kept. `worker_cpu_us_per_token` is the CPU time of the worker loops a
 in-process, processes otherwise): on a GPU host with lookahead this is the host work that must fit
 in the decode step's GPU time.
 
-    python3 benchmarks/runtime_per_token.py                 # -> benchmarks/results/runtime_per_token.json
+    python3 benchmarks/runtime_per_token.py                 # -> benchmarks/results/runtime_per_token_cpu.json
     python3 benchmarks/runtime_per_token.py --concurrency 1,8,32 --cases multiproc:stream
     python3 benchmarks/runtime_per_token.py --profile inproc:stream --concurrency 32   # cProfile of every thread
 
@@ -437,7 +437,7 @@ def main() -> None:
                         help="comma-separated requests in flight at once, e.g. 1,8,32 (each case runs at each)")
     parser.add_argument("--profile", metavar="CASE",
                         help="print a cProfile of CASE (all threads) at the first --concurrency and exit")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/runtime_per_token.json"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/runtime_per_token_cpu.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     levels = [int(c) for c in args.concurrency.split(",")]

@@ -5,7 +5,7 @@ weights, float32 as served) is replayed `--replays` times between two CUDA event
 microseconds per replay, with the fused SNAC kernels (`models/orpheus/snac_ops.py`, as served) and in
 PyTorch's form (`--form torch`), for a window decoding all four frames (`whole`) and one decoding only the
 frame an ordinary window emits (`kept`: samples 2048:4096, each decoder block on the span they depend on, as
-served since stop 31); `--emit` picks. `--kernels` also counts the kernels of one replay and lists the
+served); `--emit` picks. `--kernels` also counts the kernels of one replay and lists the
 costliest, from torch.profiler.
 
     python3 benchmarks/snac_micro.py                          # H200: batches 1 4 8 16, both forms

@@ -6,7 +6,7 @@
 Both processes run torch with one thread. One-way times use CLOCK_MONOTONIC (time.monotonic_ns), which is shared by processes on Linux.
 Messages go one at a time (the receiver answers each), so these are latencies, not throughput.
 
-    python3 benchmarks/transport_hops.py [--iters 5000] [--out benchmarks/results/transport_hops.json]
+    python3 benchmarks/transport_hops.py [--iters 5000] [--out benchmarks/results/transport_hops_cpu.json]
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def _tensor_hops(inbox, out, nbytes: int, inline: bool, iters: int, session: str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=5000, help="small-message round trips")
-    parser.add_argument("--out", default="benchmarks/results/transport_hops.json")
+    parser.add_argument("--out", default="benchmarks/results/transport_hops_cpu.json")
     args = parser.parse_args()
     import torch
     import zmq
