@@ -8,7 +8,7 @@ for hidden states (`options["return_hidden"]`). Models use the two helpers so th
 treats them the same way:
 
     x = extras.embed(self.embed_tokens, input_ids) if extras else self.embed_tokens(input_ids)
-    extras.keep(0, x); ...; extras.keep(layer + 1, x); ...; extras.keep(FINAL, normed)
+    extras.record(0, x); ...; extras.record(layer + 1, x); ...; extras.record(FINAL, normed)
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class ForwardExtras:
     embeds: torch.Tensor | None = None  # [M, H]: used instead of the embedding lookup at `embeds_rows`
     embeds_rows: torch.Tensor | None = None  # [M] int64 rows of the packed batch
     features: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [M, ...] aligned with embeds_rows
-    capture: frozenset[int] = frozenset()  # layers to keep: 0 = embeddings, k = output of layer k, FINAL
+    capture: frozenset[int] = frozenset()  # layers to record: 0 = embeddings, k = output of layer k, FINAL
     captured: dict[int, torch.Tensor] = field(default_factory=dict)  # filled by the model: layer -> [T, H]
 
     def embed(self, table: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
@@ -39,7 +39,7 @@ class ForwardExtras:
             x = x.index_copy(0, self.embeds_rows, self.embeds.to(x.dtype))
         return x
 
-    def keep(self, layer: int, x: torch.Tensor) -> None:
+    def record(self, layer: int, x: torch.Tensor) -> None:
         """Record hidden states `x` [T, H] of `layer` if it was asked for."""
         if layer in self.capture:
             self.captured[layer] = x
@@ -48,10 +48,10 @@ class ForwardExtras:
                       changed: frozenset[int] = frozenset()
                       ) -> tuple[frozenset[int], Callable[[int, torch.Tensor], torch.Tensor]]:
         """(outputs_at, on_output) for `layers.decoder.run_layers`: the outputs of the captured layers
-        (numbered from 1 here, from 0 there) are kept, and `change(i, out)` is applied to those of the
+        (numbered from 1 here, from 0 there) are recorded, and `change(i, out)` is applied to those of the
         layers in `changed` after."""
         def on_output(i: int, out: torch.Tensor) -> torch.Tensor:
-            self.keep(i + 1, out)
+            self.record(i + 1, out)
             return change(i, out) if change is not None and i in changed else out
 
         return frozenset(k - 1 for k in self.capture if k > 0) | changed, on_output

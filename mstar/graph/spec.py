@@ -137,9 +137,9 @@ class StreamEdge:
     the chunk's items no earlier chunk held), `<input>_start` (the index of the chunk's first item
     in the stream) and `<input>_final` (no chunk follows).
 
-    `keep(item, kept)` (optional) filters items in stream order before chunking: `kept` is how many
-    items were kept so far, so a filter may depend on an item's position (Orpheus drops tokens
-    that are no audio code at their place in a frame).
+    `accept(item, accepted)` (optional, the stream filter) drops items in stream order before
+    chunking: `accepted` is how many items it let through so far, so it may depend on an item's
+    position (Orpheus drops tokens that are no audio code at their place in a frame).
     """
 
     edge: str
@@ -147,7 +147,7 @@ class StreamEdge:
     target_walk: str
     target_input: str
     policy: ChunkPolicy
-    keep: Callable[[Any, int], bool] | None = None
+    accept: Callable[[Any, int], bool] | None = None  # the stream filter
     dim: int = 0  # items are joined along this dim (e.g. 1 for [layers, tokens, hidden] states)
 
 

@@ -16,34 +16,35 @@ END = object()  # the stream is exhausted: no chunk will ever come
 class StreamBuffer:
     """Items of one stream of one request, in order; ends once `total` items have arrived.
 
-    `keep(item, kept)` drops items (in stream order) before they reach the chunk policy; chunks
-    join items along `dim`.
+    `accept(item, accepted)` (the stream filter) drops items, in stream order, before they reach the
+    chunk policy; chunks join items along `dim`.
     """
 
-    def __init__(self, policy: ChunkPolicy, keep: Callable[[Any, int], bool] | None = None, dim: int = 0) -> None:
+    def __init__(self, policy: ChunkPolicy, accept: Callable[[Any, int], bool] | None = None,
+                 dim: int = 0) -> None:
         self.policy = policy
-        self.keep = keep
+        self.accept = accept
         self.dim = dim  # items are concatenated along it
-        self._received = 0  # items taken in order, kept or not
+        self._received = 0  # items taken in order, accepted or not
         self._items: list[Any] = []
         self._early: dict[int, Any] = {}  # items that arrived ahead of a gap
         self._start = 0
         self._covered = 0  # items already delivered in an earlier chunk
         self._total: int | None = None
-        self._need = policy.waits_for(0)  # while open, no chunk before this many kept items
+        self._need = policy.waits_for(0)  # while open, no chunk before this many accepted items
 
     def put(self, seq: int, value: Any) -> bool:
         """Take item `seq`; returns `ready()` (the caller need not ask again)."""
         if seq == self._received and not self._early:  # in order, nothing held back: the usual case
             self._received += 1
-            if self.keep is None or self.keep(value, len(self._items)):
+            if self.accept is None or self.accept(value, len(self._items)):
                 self._items.append(value)
             return self._total is not None or len(self._items) >= self._need
         self._early[seq] = value
         while self._received in self._early:
             item = self._early.pop(self._received)
             self._received += 1
-            if self.keep is None or self.keep(item, len(self._items)):
+            if self.accept is None or self.accept(item, len(self._items)):
                 self._items.append(item)
         return self.ready()
 
@@ -79,4 +80,4 @@ class Chunk:
     value: torch.Tensor
     new: int
     final: bool
-    start: int = 0  # index of the chunk's first item in the (kept) stream
+    start: int = 0  # index of the chunk's first item in the (accepted) stream

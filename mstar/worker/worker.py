@@ -327,7 +327,7 @@ class Worker:
         buffer = self._buffers.get((rid, stream))
         if buffer is None:
             spec = self._streams[stream]
-            buffer = self._buffers[(rid, stream)] = StreamBuffer(spec.policy, spec.keep, spec.dim)
+            buffer = self._buffers[(rid, stream)] = StreamBuffer(spec.policy, spec.accept, spec.dim)
         return buffer
 
     # -- route ---------------------------------------------------------------------------------

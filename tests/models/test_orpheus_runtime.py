@@ -13,7 +13,7 @@ from orpheus_testing import make_checkpoint, yaml_config
 
 from mstar.engines.base import CausalLMBase
 from mstar.models.llama.model import LlamaForCausalLM
-from mstar.models.orpheus.tokens import keep_audio_token
+from mstar.models.orpheus.tokens import accept_audio_token
 from mstar.runtime.offline import MStar
 
 
@@ -57,7 +57,7 @@ def test_lm_lane_greedy_tokens_match_transformers(checkpoint, penalty):
     assert ours == out[0, ids.shape[1]:].tolist()
     kept = []
     for t in ours:
-        if keep_audio_token(tokens, torch.tensor([t]), len(kept)):
+        if accept_audio_token(tokens, torch.tensor([t]), len(kept)):
             kept.append(t)
     assert len(kept) >= 35, "the tiny LM should speak audio frames"
     samples = sum(a.size for a in result.outputs["audio"])
@@ -196,7 +196,7 @@ def test_greedy_tokens_keep_to_frame_places_as_transformers_with_the_same_mask(o
                          **common)[0, ids.shape[1]:].tolist()
     kept = []
     for t in ours:
-        if keep_audio_token(tokens, torch.tensor([t]), len(kept)):
+        if accept_audio_token(tokens, torch.tensor([t]), len(kept)):
             kept.append(t)
     if frame_places:
         assert ours == placed and kept == ours and len(ours) == 30

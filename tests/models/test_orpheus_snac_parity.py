@@ -112,7 +112,7 @@ KEPT_CONFIGS = [TINY_SNAC, SnacConfig(encoder_dim=4, decoder_dim=32, codebook_si
 
 
 @pytest.mark.parametrize("cfg", KEPT_CONFIGS, ids=["snac24k_rates", "odd_stride"])
-def test_kept_samples_equal_the_whole_decodes(cfg):
+def test_emitted_samples_equal_the_whole_decodes(cfg):
     """Decoding only samples [lo, hi) (each block on the span of its input they depend on) gives the whole
     decode's samples there; float64, so anything beyond rounding shows."""
     torch.manual_seed(0)
@@ -125,10 +125,10 @@ def test_kept_samples_equal_the_whole_decodes(cfg):
         whole = ours(codes, vocoder.table_noise(first))
         assert whole.shape == (2, 1, 4 * spf)
         for lo, hi in ((spf, 2 * spf), (0, spf), (3 * spf, 4 * spf), (5, 17), (0, 4 * spf)):
-            kept = ours(codes, vocoder.table_noise(first), keep=(lo, hi))
+            kept = ours(codes, vocoder.table_noise(first), emit=(lo, hi))
             assert kept.shape == (2, 1, hi - lo)
             assert (kept - whole[..., lo:hi]).abs().max() < 1e-12
-        spans = ours.decoder.kept_spans(codes[2].shape[1], (spf, 2 * spf))
+        spans = ours.decoder.emit_spans(codes[2].shape[1], (spf, 2 * spf))
     block_steps = [codes[2].shape[1]]  # latent steps, then each block's output steps
     for rate in cfg.decoder_rates:
         block_steps.append(block_steps[-1] * rate)
@@ -139,8 +139,8 @@ def test_kept_samples_equal_the_whole_decodes(cfg):
     assert all(b - a < block_steps[i] // 2 for i, (a, b) in enumerate(spans) if i >= 1)
 
 
-def test_a_span_one_step_short_changes_the_kept_samples(monkeypatch):
-    """The spans are no wider than needed: one input step fewer for any block changes the kept samples."""
+def test_a_span_one_step_short_changes_the_emitted_samples(monkeypatch):
+    """The spans are no wider than needed: one input step fewer for any block changes the emitted samples."""
     from mstar.models.orpheus.snac import DecoderBlock
 
     cfg = TINY_SNAC
@@ -159,6 +159,6 @@ def test_a_span_one_step_short_changes_the_kept_samples(monkeypatch):
                     a, b = exact(self, lo, hi, in_len)
                     return (a + 1, b) if self is short and side == 0 else (a, b - 1) if self is short else (a, b)
                 monkeypatch.setattr(DecoderBlock, "input_span", narrower)
-                kept = ours(codes, vocoder.table_noise(first), keep=(spf, 2 * spf))
+                kept = ours(codes, vocoder.table_noise(first), emit=(spf, 2 * spf))
                 monkeypatch.setattr(DecoderBlock, "input_span", exact)
                 assert (kept - whole).abs().max() > 1e-9, (blocks.index(short), side)

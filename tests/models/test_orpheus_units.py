@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from mstar.graph import SlidingWindow
-from mstar.models.orpheus.tokens import FRAME, OrpheusTokens, keep_audio_token, split_levels, window_is_valid
+from mstar.models.orpheus.tokens import (
+    FRAME,
+    OrpheusTokens,
+    accept_audio_token,
+    split_levels,
+    window_is_valid,
+)
 from mstar.models.orpheus.vocoder import GRAPH_PLANS, plan_window
 from mstar.models.orpheus.weights import fold_weight_norm
 from mstar.worker.streams import END, StreamBuffer
@@ -35,13 +41,13 @@ def _original_filter(ids: list[int]) -> list[int]:
     return kept
 
 
-def test_keep_filter_matches_the_original_decoder():
+def test_stream_filter_matches_the_original_decoder():
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(128000, REAL.vocab_size, (3000,), generator=gen).tolist()
     ids[:3] = [REAL.end_of_speech, 128266, 128266 + 5]  # marker dropped; code 0 dropped (as the original)
     ours = []
     for t in ids:
-        if keep_audio_token(REAL, torch.tensor([t]), len(ours)):
+        if accept_audio_token(REAL, torch.tensor([t]), len(ours)):
             ours.append(t)
     assert ours == _original_filter(ids) and len(ours) > 50
     assert ours[0] == 128266 + 5
@@ -63,7 +69,7 @@ def test_place_windows_hold_the_next_places_codes_that_the_decoder_keeps():
         ids = range(first, first + windows.width)
         assert [t.code(i, kept) for i in (ids[0], ids[-1])] == [1, t.codebook_size - 1]
         token = ids[int(torch.randint(len(ids), (), generator=gen))]
-        assert keep_audio_token(t, torch.tensor([token]), kept)
+        assert accept_audio_token(t, torch.tensor([token]), kept)
         kept += 1
     assert int(windows.starts[t.end_of_text]) + lo == t.audio_offset + 1  # any other id: place 0
 

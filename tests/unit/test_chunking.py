@@ -68,8 +68,8 @@ def test_sliding_window_recut_at_end_repeats_the_last_window_once():
     assert drain(SlidingWindow(28, 7, recut_at_end=True), 5) == [([0, 1, 2, 3, 4], 5, True)]
 
 
-def test_keep_filters_in_order_and_the_stream_still_ends():
-    buf = StreamBuffer(Fixed(2), keep=lambda item, kept: int(item) % 3 != 0 or kept == 0)
+def test_stream_filter_drops_in_order_and_the_stream_still_ends():
+    buf = StreamBuffer(Fixed(2), accept=lambda item, accepted: int(item) % 3 != 0 or accepted == 0)
     for i in (2, 1, 0, 3, 4):  # out of order: filtering happens in stream order
         buf.put(i, torch.tensor([i]))
     buf.end(5)
@@ -108,7 +108,7 @@ def test_sliding_window_first_must_be_shorter_than_the_window():
         SlidingWindow(4, 2, first=4)
 
 
-def test_keep_filter_sees_items_in_stream_order_whatever_the_arrival_order():
+def test_stream_filter_sees_items_in_stream_order_whatever_the_arrival_order():
     """In-order items take a direct path, held-back ones wait for the gap: the filter sees the same
     items with the same kept counts either way (multiples of 3 stay only at an even kept count)."""
     def kept(order):
@@ -118,7 +118,7 @@ def test_keep_filter_sees_items_in_stream_order_whatever_the_arrival_order():
             calls.append((int(item), n))
             return int(item) % 3 != 0 or n % 2 == 0
 
-        buf = StreamBuffer(Fixed(100), keep=keep)
+        buf = StreamBuffer(Fixed(100), accept=keep)
         for seq in order:
             buf.put(seq, torch.tensor([seq]))
         buf.end(len(order))
@@ -146,10 +146,10 @@ def test_waits_for_is_the_least_count_that_cuts_an_open_stream(policy):
 
 
 def test_buffer_ready_follows_the_policy_and_the_end():
-    buf = StreamBuffer(SlidingWindow(4, 2, first=3), keep=lambda item, kept: int(item) != 0)
+    buf = StreamBuffer(SlidingWindow(4, 2, first=3), accept=lambda item, accepted: int(item) != 0)
     readiness = []
     for i in range(8):
-        buf.put(i, torch.tensor([i]))  # item 0 is dropped by keep
+        buf.put(i, torch.tensor([i]))  # item 0 is dropped by the filter
         readiness.append(buf.ready())
         if buf.ready():
             assert buf.pop() is not None

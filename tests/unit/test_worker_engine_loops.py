@@ -7,7 +7,7 @@ same graph with the decode loop's node wrapped in a Sequential, which makes it n
 A fake autoregressive-like `llm` answers a varying number of its pending items per step, so requests
 interleave differently from round to round (an engine loop's item goes to the back of the queue after
 each iteration, as the generic route's next item would); a stateless `snac` reads the `llm` tokens
-through a sliding-window stream (on the same worker or another one) and a keep filter that drops some.
+through a sliding-window stream (on the same worker or another one) and a stream filter that drops some.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def _graph(prep: bool = False, accumulate: bool = False, engine_loop: bool = Tru
         lanes=(Lane("lm", "prefill", {"prefill": "decode", "decode": None}),
                Lane("vocoder", "vocode", {"vocode": None})),
         streams=(StreamEdge("token", "lm", "vocode", "codes", SlidingWindow(4, 2, recut_at_end=True, first=3),
-                            keep=_keep),),
+                            accept=_keep),),
     )
 
 

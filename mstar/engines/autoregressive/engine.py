@@ -281,8 +281,9 @@ class AutoregressiveEngine:
     def _postprocess(self, chunks: list[Chunk], logits: torch.Tensor) -> list[StepResult]:
         seqs = [c.seq for c in chunks]
         rows = [s.sampling_row for s in seqs]
-        keep = self._continuing(seqs) if self.lookahead else None
-        out, tokens = self._step_graph(seqs, rows, logits, keep) or self._draw(seqs, rows, logits, keep)
+        continuing = self._continuing(seqs) if self.lookahead else None
+        out, tokens = (self._step_graph(seqs, rows, logits, continuing)
+                       or self._draw(seqs, rows, logits, continuing))
         views = out.token_ids.unsqueeze(1).unbind(0)  # each row's [1] view, in one call, not a slice per row
         results = []
         for i, seq in enumerate(seqs):
@@ -324,7 +325,7 @@ class AutoregressiveEngine:
             return None
         if any(s.num_pending for s in sched.running):
             return None
-        keep, grow, with_inputs = [], [], []
+        continuing, grow, with_inputs = [], [], []
         for i, seq in enumerate(seqs):
             loop, p = seq.item.loop, seq.params
             pos = len(seq.token_ids)  # where the token sampled now will sit
@@ -335,20 +336,21 @@ class AutoregressiveEngine:
                 with_inputs.append(seq)
             if pos // self.runner.page_size >= len(seq.pages):
                 grow.append(seq)
-            keep.append(i)
-        if not keep or (with_inputs and not self.runner.extras_ahead(with_inputs)):
+            continuing.append(i)
+        if not continuing or (with_inputs and not self.runner.extras_ahead(with_inputs)):
             return None
         if grow and not sched.grow_ahead(grow):
             return None
-        return keep
+        return continuing
 
     def _step_graph(self, seqs: list[Sequence], rows: list[SamplingRow], logits: torch.Tensor,
-                    keep: list[int] | None) -> tuple[SampleOutput, list[int]] | None:
+                    continuing: list[int] | None) -> tuple[SampleOutput, list[int]] | None:
         """Draw this step's tokens and launch the lookahead forward of every sequence in one step-graph
         replay (step_graph.py); the samples on the host and their ids as ints, or None when the step
         does not take it (some sequence stops on length, an extras graph's argmax, rows the sampler
         graphs do not serve, logits not in `logits_out`): nothing was launched then."""
-        if self.step_graphs is None or keep is None or len(keep) < len(seqs) or self.runner.last_greedy_ids is not None:
+        if self.step_graphs is None or continuing is None or len(continuing) < len(seqs) \
+                or self.runner.last_greedy_ids is not None:
             return None
         ahead = self.step_graphs.launch(seqs, logits, rows)
         if ahead is None:
@@ -358,10 +360,10 @@ class AutoregressiveEngine:
         return SampleOutput(ids), ids.tolist()
 
     def _draw(self, seqs: list[Sequence], rows: list[SamplingRow], logits: torch.Tensor,
-              keep: list[int] | None) -> tuple[SampleOutput, list[int]]:
+              continuing: list[int] | None) -> tuple[SampleOutput, list[int]]:
         """Draw this step's tokens (an extras graph's argmax, the sampler graphs or eager `sample`), then
-        launch the lookahead forward of `seqs[keep]` (none when `keep` is None); the samples on the host
-        and their ids as ints."""
+        launch the lookahead forward of `seqs[continuing]` (none when `continuing` is None); the samples
+        on the host and their ids as ints."""
         greedy = self.runner.last_greedy_ids  # token ids of an extras graph's argmax, if one ran
         if greedy is not None and all(plain_greedy(r) for r in rows):
             out = SampleOutput(greedy)
@@ -369,21 +371,21 @@ class AutoregressiveEngine:
             out = SampleOutput(ids)
         else:
             out = sample(logits, rows, self.logit_offset)
-        if keep is None:
+        if continuing is None:
             out = _to_host(out)  # the step's one host sync
             return out, out.token_ids.tolist()
-        return self._launch_ahead(seqs, keep, out)
+        return self._launch_ahead(seqs, continuing, out)
 
-    def _launch_ahead(self, seqs: list[Sequence], keep: list[int],
+    def _launch_ahead(self, seqs: list[Sequence], continuing: list[int],
                       out: SampleOutput) -> tuple[SampleOutput, list[int]]:
-        """Queue the copy of this step's samples to the host, launch the next forward of `seqs[keep]`
-        fed with them, then wait for the copy only (see lookahead.py); the samples on the host, and
-        their token ids as ints."""
+        """Queue the copy of this step's samples to the host, launch the next forward of
+        `seqs[continuing]` fed with them, then wait for the copy only (see lookahead.py); the samples on
+        the host, and their token ids as ints."""
         host, copied = _to_host_async(out, self._copied)
         ids = out.token_ids
-        if len(keep) < len(seqs):
-            ids = ids.index_select(0, to_device_async(torch.tensor(keep), ids.device))
-        ahead = self.runner.launch_ahead([seqs[i] for i in keep], ids)
+        if len(continuing) < len(seqs):
+            ids = ids.index_select(0, to_device_async(torch.tensor(continuing), ids.device))
+        ahead = self.runner.launch_ahead([seqs[i] for i in continuing], ids)
         if copied is not None:
             copied.synchronize()
         self._ahead = ahead

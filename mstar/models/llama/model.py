@@ -78,9 +78,9 @@ class LlamaForCausalLM(CausalLMBase, nn.Module):
         if extras is None:
             return run_layers(body.layers, body.norm, body.embed_tokens(input_ids), cos, sin, attn)
         x = extras.embed(body.embed_tokens, input_ids)
-        extras.keep(0, x)
+        extras.record(0, x)
         out = run_layers(body.layers, body.norm, x, cos, sin, attn, *extras.layer_outputs())
-        extras.keep(FINAL, out)
+        extras.record(FINAL, out)
         return out
 
     def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None,

@@ -7,7 +7,7 @@ Lane `lm`:       prefill -> decode
             end-of-speech token (the engine's only eos).
 Lane `vocoder`:  vocode
   vocode    `snac` reads the lm lane's tokens through a StreamEdge: tokens that are no audio code
-            at their frame place are dropped (tokens.keep_audio_token), the rest is cut in windows
+            at their frame place are dropped (tokens.accept_audio_token), the rest is cut in windows
             of 28 tokens (4 frames) advancing by 7 (one frame), recut once at the end; each window
             emits the audio of the frames it owns (vocoder.py), so the client hears speech while
             the LM still talks.
@@ -39,7 +39,7 @@ from mstar.graph import (
 from mstar.models.base import BuiltComponent, Model
 from mstar.models.common.serve_config import LMServeConfig
 from mstar.models.orpheus.processor import OrpheusProcessor
-from mstar.models.orpheus.tokens import DEFAULT_VOICE, FRAME, LLAMA3_VOCAB, OrpheusTokens, keep_audio_token
+from mstar.models.orpheus.tokens import DEFAULT_VOICE, FRAME, LLAMA3_VOCAB, OrpheusTokens, accept_audio_token
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,8 @@ def orpheus_graph(context_len: int, tokens: OrpheusTokens, early_window: bool = 
         ),
         lanes=(Lane("lm", "prefill", {"prefill": "decode", "decode": None}),
                Lane("vocoder", "vocode", {"vocode": None})),
-        streams=(StreamEdge("token", "lm", "vocode", "codes", window, keep=partial(keep_audio_token, tokens)),),
+        streams=(StreamEdge("token", "lm", "vocode", "codes", window,
+                            accept=partial(accept_audio_token, tokens)),),
     )
 
 

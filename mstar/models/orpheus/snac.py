@@ -287,19 +287,19 @@ class Decoder(nn.Module):
         self.model = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor, noises: list[torch.Tensor] | TableNoise | None = None,
-                keep: tuple[int, int] | None = None) -> torch.Tensor:
-        """Samples [B, 1, T * hop] of latents x [B, latent, T]; with `keep` = (lo, hi) only samples [lo, hi),
+                emit: tuple[int, int] | None = None) -> torch.Tensor:
+        """Samples [B, 1, T * hop] of latents x [B, latent, T]; with `emit` = (lo, hi) only samples [lo, hi),
         [B, 1, hi - lo]: each decoder block then runs on just the span of its input those samples depend
-        on (`kept_spans`), the same numbers as the whole decode's, for a fraction of its work. `keep` needs
+        on (`emit_spans`), the same numbers as the whole decode's, for a fraction of its work. `emit` needs
         table noise (or none): drawn noise would not line up with the whole decode's."""
         layers = list(self.model)
         spans = None
-        if keep is not None:
+        if emit is not None:
             if isinstance(noises, list):
-                raise ValueError("a decode of kept samples needs TableNoise (or no noise), not drawn noise tensors")
-            spans = self.kept_spans(x.shape[-1], keep)
+                raise ValueError("decoding emitted samples alone needs TableNoise (or no noise), not drawn noise")
+            spans = self.emit_spans(x.shape[-1], emit)
         if _fused(x) and self._fusable(layers):
-            return self._fused(x, noises, layers, spans, keep)
+            return self._fused(x, noises, layers, spans, emit)
         blocks, start = 0, 0  # start: the window step x's first step is, at the current layer's rate
         for layer in layers:
             if isinstance(layer, DecoderBlock):
@@ -314,18 +314,18 @@ class Decoder(nn.Module):
                 if spans is not None and layer is layers[-3]:  # the Snake before the output conv
                     (x,), start = _span((x,), start, spans[-1]), spans[-1][0]
                 x = layer(x)
-        return x if keep is None else x[..., keep[0] - start: keep[1] - start]
+        return x if emit is None else x[..., emit[0] - start: emit[1] - start]
 
-    def kept_spans(self, steps: int, keep: tuple[int, int]) -> list[tuple[int, int]]:
+    def emit_spans(self, steps: int, emit: tuple[int, int]) -> list[tuple[int, int]]:
         """For output samples [lo, hi) of latents of `steps` steps: the input span [a, b) of each decoder
         block and, last, the span of the last block's output that the output conv needs."""
         blocks = [layer for layer in self.model if isinstance(layer, DecoderBlock)]
         lengths = [steps]
         for block in blocks:
             lengths.append(block.out_len(lengths[-1]))
-        lo, hi = keep
+        lo, hi = emit
         if not 0 <= lo < hi <= lengths[-1]:
-            raise ValueError(f"keep {keep}: need 0 <= lo < hi <= {lengths[-1]} (the decode's samples)")
+            raise ValueError(f"emit {emit}: need 0 <= lo < hi <= {lengths[-1]} (the decode's samples)")
         conv = self.model[-2]
         reach = conv.dilation[0] * (conv.kernel_size[0] // 2)
         spans = [(max(lo - reach, 0), min(hi + reach, lengths[-1]))]
@@ -344,7 +344,7 @@ class Decoder(nn.Module):
                 and isinstance(tanh, nn.Tanh))
 
     def _fused(self, x: torch.Tensor, noises: list[torch.Tensor] | TableNoise | None, layers: list[nn.Module],
-               spans: list[tuple[int, int]] | None, keep: tuple[int, int] | None) -> torch.Tensor:
+               spans: list[tuple[int, int]] | None, emit: tuple[int, int] | None) -> torch.Tensor:
         from mstar.models.orpheus import snac_ops
 
         blocks = [layer for layer in layers if isinstance(layer, DecoderBlock)]
@@ -369,7 +369,7 @@ class Decoder(nn.Module):
             x, snaked = _span((x, None) if snaked is None else (None, snaked), start, spans[-1])
             start = spans[-1][0]
         out = snac_ops.conv_out(snake(x) if snaked is None else snaked, conv.weight, conv.bias)
-        return out if keep is None else out[..., keep[0] - start: keep[1] - start]
+        return out if emit is None else out[..., emit[0] - start: emit[1] - start]
 
 
 def _span(tensors: tuple[torch.Tensor | None, ...], start: int, span: tuple[int, int]) -> tuple[torch.Tensor | None, ...]:
@@ -441,7 +441,7 @@ class SnacDecoder(nn.Module):
         self.decoder = Decoder(cfg)
 
     def forward(self, codes: list[torch.Tensor], noises: list[torch.Tensor] | TableNoise | None = None,
-                keep: tuple[int, int] | None = None) -> torch.Tensor:
-        """`keep` = (lo, hi): only samples [lo, hi) of the decode, computed on the spans they depend on
+                emit: tuple[int, int] | None = None) -> torch.Tensor:
+        """`emit` = (lo, hi): only samples [lo, hi) of the decode, computed on the spans they depend on
         (`Decoder.forward`)."""
-        return self.decoder(self.quantizer(codes), noises, keep)
+        return self.decoder(self.quantizer(codes), noises, emit)

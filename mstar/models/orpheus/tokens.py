@@ -89,7 +89,7 @@ class OrpheusTokens:
         id (start of speech ends the prompt), those of place 0; end of speech is always scored.
 
         Every token said this way is one the original decoder keeps at the place it reads it for
-        (`keep_audio_token`: its code there is positive and inside the codebook), so the places the LM
+        (`accept_audio_token`: its code there is positive and inside the codebook), so the places the LM
         is held to and the ones the vocoder counts stay the same. Code 0 is left out because that
         decoder drops it without advancing the place."""
         lo = self.end_of_speech
@@ -106,17 +106,17 @@ class OrpheusTokens:
         return token - self.audio_offset - (place % FRAME) * self.codebook_size
 
 
-def keep_audio_token(tokens: OrpheusTokens, item: torch.Tensor, kept: int) -> bool:
+def accept_audio_token(tokens: OrpheusTokens, item: torch.Tensor, accepted: int) -> bool:
     """Stream filter of the LM -> vocoder edge: whether a generated token joins the audio frames.
 
     Mirrors the original decoder (orpheus_tts `tokens_decoder`): a token whose code at the next
-    frame place (`kept % 7`) is not positive is dropped and the place does not advance. That drops
+    frame place (`accepted % 7`) is not positive is dropped and the place does not advance. That drops
     every text or marker token (end of speech included) and, as in the original, code 0 too.
-    Codes >= codebook_size are kept here; `window_is_valid` rejects the windows holding them.
+    Codes >= codebook_size pass here; `window_is_valid` rejects the windows holding them.
     """
-    # item() on the usual one-token item: a reshape and an index cost ~2 µs per generated token
+    # item() on the usual one-token item: it runs per generated token, and a reshape and an index cost more
     token = item.item() if item.numel() == 1 else int(item.reshape(-1)[0])
-    return tokens.code(token, kept) > 0
+    return tokens.code(token, accepted) > 0
 
 
 def split_levels(frame_tokens: torch.Tensor, tokens: OrpheusTokens) -> list[torch.Tensor]:

@@ -15,7 +15,7 @@ repeat:
 Noise of SNAC's noise blocks comes from a fixed table indexed by the sample's position in the
 request, so a request's audio does not depend on batching or on streaming.
 
-A window decodes only the samples it emits (`SnacDecoder` `keep`): each decoder block runs on the span
+A window decodes only the samples it emits (`SnacDecoder` `emit`): each decoder block runs on the span
 of its input those samples depend on, the same numbers as the whole window's decode. An ordinary window
 emits one frame of four, and its decoder blocks after the first then run on about a third of their steps.
 """
@@ -129,8 +129,9 @@ class OrpheusVocoder(StatelessBase, nn.Module):
         codes = split_levels(frame_tokens, self.tokens)
         dtype = self.noise_table.dtype
         spf = self.samples_per_frame
-        keep = None if emit is None else (emit[0] * spf, emit[1] * spf)
-        return self.snac(codes, self.table_noise(first_frame) if self.noise_steps else None, keep)[:, 0].to(dtype)
+        samples = None if emit is None else (emit[0] * spf, emit[1] * spf)
+        noise = self.table_noise(first_frame) if self.noise_steps else None
+        return self.snac(codes, noise, samples)[:, 0].to(dtype)
 
     def run_batch(self, walk, node, inputs, options):
         # Windows and their stream metadata are read on the host (host_inputs), without a device sync.

@@ -114,7 +114,7 @@ class Code2Wav(StatelessBase, nn.Module):
 
     With `pad_frames` set, a shorter chunk (the first one, a request's last one) is padded with code
     0 frames on the right to that many frames and its audio cut back: every stage is causal, so the
-    kept samples do not depend on the padding, and calls keep one shape (chunks of several lengths
+    samples it emits do not depend on the padding, and calls share one shape (chunks of several lengths
     batch together; no cuDNN plan or kernel choice per new length). Its engine then captures
     the decode of that one width (`capture_plans`) at a few batch sizes: a call replays one graph instead of launching
     a few hundred kernels, and no batch size meets cuDNN for the first time while serving.

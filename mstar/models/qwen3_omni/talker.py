@@ -79,10 +79,10 @@ class Qwen3OmniTalker(MoEGraphCapture, CausalLMBase, nn.Module):
         cos, sin = self.rotary(positions)
         extras = extras or ForwardExtras()
         x = extras.embed(self.model.codec_embedding, input_ids)
-        extras.keep(0, x)
+        extras.record(0, x)
         # FINAL, the last token's state, is the code predictor's first input
         out = run_layers(self.model.layers, self.model.norm, x, cos, sin, attn, *extras.layer_outputs())
-        extras.keep(FINAL, out)
+        extras.record(FINAL, out)
         return out
 
     def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None,

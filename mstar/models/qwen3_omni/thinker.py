@@ -84,19 +84,19 @@ class Qwen3OmniThinker(MoEGraphCapture, CausalLMBase, nn.Module):
         cos, sin = self.rotary(positions)
         extras = extras or ForwardExtras()
         x = extras.embed(self.model.embed_tokens, input_ids)
-        extras.keep(0, x)
+        extras.record(0, x)
         deepstack = extras.features.get(DEEPSTACK)
         if deepstack is None:
             outputs_at, on_output = extras.layer_outputs()
         else:
             def add_deepstack(i: int, out: torch.Tensor) -> torch.Tensor:
-                # after the layer's kept output, as the reference's hidden_states
+                # after the layer's recorded output, as the reference's hidden_states
                 assert extras.embeds_rows is not None
                 return out.index_add(0, extras.embeds_rows, deepstack[:, i].to(out.dtype))
 
             outputs_at, on_output = extras.layer_outputs(add_deepstack, frozenset(range(deepstack.shape[1])))
         out = run_layers(self.model.layers, self.model.norm, x, cos, sin, attn, outputs_at, on_output)
-        extras.keep(FINAL, out)
+        extras.record(FINAL, out)
         return out
 
     def compute_logits(self, hidden: torch.Tensor, input_ids: torch.Tensor | None = None,

@@ -77,7 +77,7 @@ class Downsample(nn.Module):
             )
         out = self.time_conv(torch.cat([tail, x], dim=2)) if x.shape[2] else x
         if stream is not None:
-            stream.keep(self, x[:, :, -1:] if x.shape[2] else tail)
+            stream.set_tail(self, x[:, :, -1:] if x.shape[2] else tail)
         return out if head is None else torch.cat([head, out], dim=2)
 
 

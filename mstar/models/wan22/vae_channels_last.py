@@ -178,7 +178,7 @@ def _norm_conv(norm: ChannelRMSNorm, conv: CausalConv3d, x: torch.Tensor, stream
             buf[:, :, :past].copy_(tail)
     norm_ndhwc(norm, x, bias, silu=True, out=buf[:, :, past:])
     if past:
-        stream.keep(conv, buf[:, :, -past:])
+        stream.set_tail(conv, buf[:, :, -past:])
     return _conv(conv, buf, wide=wide)
 
 
@@ -188,7 +188,7 @@ def _causal_conv(conv: CausalConv3d, x: torch.Tensor, stream: CausalStream, cd: 
     if tail is None:
         tail = _empty(x.shape[0], x.shape[1], conv.context, *x.shape[3:], like=x, dtype=cd).zero_()
     x = torch.cat([tail, x.to(cd)], dim=2)  # stays channels-last: both parts are
-    stream.keep(conv, x[:, :, -conv.context :])
+    stream.set_tail(conv, x[:, :, -conv.context :])
     return _conv(conv, x)
 
 

@@ -28,10 +28,10 @@ class CausalStream:
         self._started: set[nn.Module] = set()
 
     def tail(self, layer: nn.Module) -> torch.Tensor | None:
-        """The frames `layer` kept from the previous chunk, or None on the first chunk."""
+        """The frames `layer` set aside from the previous chunk, or None on the first chunk."""
         return self._tails.get(layer)
 
-    def keep(self, layer: nn.Module, frames: torch.Tensor) -> None:
+    def set_tail(self, layer: nn.Module, frames: torch.Tensor) -> None:
         """Remember `frames` for `layer`'s next chunk (copied, so the chunk's activations can be freed)."""
         self._tails[layer] = frames.clone()
 
@@ -60,7 +60,7 @@ class CausalConv3d(nn.Conv3d):
         else:
             x = torch.cat([tail.to(x.dtype), x], dim=2)
         if stream is not None:
-            stream.keep(self, x[:, :, -self.context :])
+            stream.set_tail(self, x[:, :, -self.context :])
         return super().forward(x)
 
 
