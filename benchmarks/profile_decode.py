@@ -79,7 +79,7 @@ def host_phases(engine, bs: int, steps: int, vocab: int) -> dict:
     while len(results) < bs:
         results += engine.step()
     timer = PhaseTimer()
-    sched, runner = engine.scheduler, engine.runner
+    sched, runner = engine.batch_scheduler, engine.runner
     saved = (sched.schedule, runner.run, engine_module.sample, engine._postprocess)
     sched.schedule = timer.wrap("schedule", sched.schedule)
     runner.run = timer.wrap("prepare_and_launch", runner.run)

@@ -45,8 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import mstar.engines.autoregressive.engine as ar  # noqa: E402
+from mstar.engines.autoregressive.batch_scheduler import BatchScheduler  # noqa: E402
 from mstar.engines.autoregressive.runner import ModelRunner  # noqa: E402
-from mstar.engines.autoregressive.scheduler import Scheduler  # noqa: E402
 from mstar.engines.autoregressive.step_graph import StepGraphs  # noqa: E402
 from mstar.engines.sampling_graph import SamplerGraphs  # noqa: E402
 from mstar.engines.stateless import StatelessEngine  # noqa: E402
@@ -94,7 +94,7 @@ def install(rec: Recorder) -> None:
     """Wrap the hot-path methods (threads of this process share the patched classes)."""
     ar.AutoregressiveEngine.step = rec.timed("llm_step", ar.AutoregressiveEngine.step)
     StatelessEngine.step = rec.timed("snac_step", StatelessEngine.step, gpu=True)
-    Scheduler.schedule = rec.timed("llm_schedule", Scheduler.schedule)
+    BatchScheduler.schedule = rec.timed("llm_schedule", BatchScheduler.schedule)
     ar.sample = rec.timed("llm_sample_launch", ar.sample)
     SamplerGraphs.__call__ = rec.timed("llm_sample_launch", SamplerGraphs.__call__)  # sampling graphs
     ModelRunner.run = rec.timed("llm_graph_launch", ModelRunner.run, gpu=True)

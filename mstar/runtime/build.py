@@ -104,8 +104,8 @@ def build_engines(model: Model, config: MStarConfig, components: list[str], devi
 
 
 def _check_same_kv_pool(component: str, pages: int, shard: Any) -> None:
-    """The ranks of a tensor-parallel engine must hold KV pools of one size: the schedulers admit and
-    preempt by free pages, and two sizes would part them. A pool sized from free memory differs per
+    """The ranks of a tensor-parallel engine must hold KV pools of one size: the batch schedulers admit
+    and preempt by free pages, and two sizes would part them. A pool sized from free memory differs per
     rank when the ranks hold other components; the error says how to fix it."""
     counts = [None] * shard.size
     torch.distributed.all_gather_object(counts, pages, group=shard.group)

@@ -136,9 +136,9 @@ class ReplicaEngineStep(msgspec.Struct, tag=True, array_like=True):
     """Lead rank -> the other ranks of a tensor-parallel replica of an autoregressive component: take
     these releases and items, in this order, then step the engine once, now.
 
-    The followers' engines see exactly what the lead's saw since its last step, so their schedulers
-    pick the same chunks and their forwards' collectives pair with the lead's; only the lead routes
-    results.
+    The followers' engines see exactly what the lead's saw since its last step, so their batch
+    schedulers pick the same chunks and their forwards' collectives pair with the lead's; only the lead
+    routes results.
     """
 
     component: str

@@ -7,11 +7,11 @@ followers' identical call. Followers run `run_component_step` on the items from 
 order received, and drop the outputs. A failure on one rank only leaves the other waiting in a
 collective until the group's timeout, which then fails the step.
 
-An autoregressive engine keeps state (sequences, KV pages, its scheduler), so a tensor-parallel replica
-of one is kept in lockstep at the engine's seam instead: on the lead, `LeadEngine` notes every release
-and submitted item and, before each step, sends them (`wire.ReplicaEngineStep`); a follower's engine
-takes the same releases and items in the same order and steps once (`FollowerEngine.follow`), so its
-scheduler picks the same chunks and its sampling (seeded per request: `AutoregressiveEngine.
+An autoregressive engine keeps state (sequences, KV pages, its batch scheduler), so a tensor-parallel
+replica of one is kept in lockstep at the engine's seam instead: on the lead, `LeadEngine` notes every
+release and submitted item and, before each step, sends them (`wire.ReplicaEngineStep`); a follower's
+engine takes the same releases and items in the same order and steps once (`FollowerEngine.follow`), so
+its batch scheduler picks the same chunks and its sampling (seeded per request: `AutoregressiveEngine.
 seed_per_request`) the same tokens and stops; an engine loop's later iterations need no message, each
 rank appending the token it sampled, which is the lead's. A follower's engine (`FollowerEngine`) is stepped only
 so, never by its worker's own loop.

@@ -69,7 +69,7 @@ def test_graph_replay_equals_eager_under_preemption(checkpoint):
     prompts, budgets = prompts_of([3, 17, 40, 9, 64, 20]), [120, 100, 90, 110, 80, 100]
     graphed = engine_for(model, graphs=True, pages=20, max_model_len=256)
     got = generate(graphed, prompts, budgets)
-    assert graphed.scheduler.num_preemptions > 0
+    assert graphed.batch_scheduler.num_preemptions > 0
     eager = engine_for(model, graphs=False, pages=20, max_model_len=256)  # the same preemptions, eagerly
     assert got == generate(eager, prompts, budgets)
 
@@ -125,7 +125,7 @@ def test_packed_decode_inputs_with_joins_penalties_and_preemption_equal_eager(ch
     assert runner.graphs._shared[0] is runner._decode.ids and runner.graphs._shared[1] is runner._decode.positions
     replays = graphed_draws(graphed)
     got = generate_staggered(graphed, prompts, options, join_at)
-    assert graphed.scheduler.num_preemptions > 0 and graphed.lookahead_steps > 0
+    assert graphed.batch_scheduler.num_preemptions > 0 and graphed.lookahead_steps > 0
     assert graphed_draws(graphed) - replays > 100
     eager = engine_for(model, graphs=False, pages=18, max_model_len=256)
     assert got == generate_staggered(eager, prompts, options, join_at)

@@ -122,4 +122,4 @@ def test_step_graphs_equal_separate_launches(checkpoint):
     assert separate.step_graphs is None
     assert got == generate_staggered(separate, prompts, options, join_at)
     assert fused.step_graphs.replays - before > 100
-    assert fused.scheduler.num_preemptions > 0
+    assert fused.batch_scheduler.num_preemptions > 0

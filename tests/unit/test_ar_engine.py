@@ -165,7 +165,7 @@ def test_preemption_when_pages_run_out(model):
     # 12 pages of 4 tokens hold 48 tokens; the six requests need about 130 at their longest.
     engine = make_engine(model, pages=12, max_model_len=48)
     out = drive(engine, [item(f"r{i}", p, max_tokens=10) for i, p in enumerate(ps)])
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.batch_scheduler.num_preemptions > 0
     for i, p in enumerate(ps):
         assert tokens_of(out[(f"r{i}", "main")]) == reference(model, p, 10)
     for i in range(len(ps)):
@@ -213,7 +213,7 @@ def test_engine_loops_append_their_own_samples(model, max_batch_tokens):
     assert {k: tokens_of(v) for k, v in out.items()} == {k: tokens_of(v) for k, v in expected.items()}
     assert {k: v[-1].finish_reason for k, v in out.items()} == {k: v[-1].finish_reason for k, v in expected.items()}
     assert any(v[-1].finish_reason == "stop" for v in out.values())
-    assert looped.scheduler.num_preemptions == fed.scheduler.num_preemptions > 0
+    assert looped.batch_scheduler.num_preemptions == fed.batch_scheduler.num_preemptions > 0
     assert looped.pool.num_used == 0 and not looped._seqs
 
 
@@ -283,7 +283,7 @@ def test_idle_sequences_give_way_to_waiting_ones(model):
     (first,) = engine.step()
     out = drive(engine, [item("b", ps[5], max_tokens=2)])  # 17 tokens -> 5 pages
     assert tokens_of(out[("b", "main")]) == reference(model, ps[5], 2)
-    assert engine.scheduler.num_preemptions == 1
+    assert engine.batch_scheduler.num_preemptions == 1
     out = drive(engine, [item("a", first.outputs["token"])])
     assert tokens_of([first, *out[("a", "main")]]) == reference(model, ps[7], 3)
 

@@ -43,7 +43,7 @@ def test_preemption_and_eos_with_lookahead(model):
                   [item(f"r{i}", p, max_tokens=10) for i, p in enumerate(ps)])
     engine = make_engine(model, pages=12, max_model_len=48, eos_token_ids=(eos,), lookahead=True)
     out = drive(engine, [item(f"r{i}", p, max_tokens=10) for i, p in enumerate(ps)], loop=True)
-    assert engine.scheduler.num_preemptions > 0 and engine.lookahead_steps > 0
+    assert engine.batch_scheduler.num_preemptions > 0 and engine.lookahead_steps > 0
     for key in plain:
         assert tokens_of(out[key]) == tokens_of(plain[key])
         assert out[key][-1].finish_reason == plain[key][-1].finish_reason
@@ -59,12 +59,12 @@ def test_no_free_page_skips_the_lookahead_without_preempting(model):
     plain = drive(plain_engine, [item(f"r{i}", p, max_tokens=12) for i, p in enumerate(ps)])
     engine = make_engine(model, pages=12, max_model_len=32, lookahead=True)
     grown = []
-    real = engine.scheduler.grow_ahead
-    engine.scheduler.grow_ahead = lambda seqs: grown.append(real(seqs)) or grown[-1]
+    real = engine.batch_scheduler.grow_ahead
+    engine.batch_scheduler.grow_ahead = lambda seqs: grown.append(real(seqs)) or grown[-1]
     out = drive(engine, [item(f"r{i}", p, max_tokens=12) for i, p in enumerate(ps)], loop=True)
     assert {k: tokens_of(v) for k, v in out.items()} == {k: tokens_of(v) for k, v in plain.items()}
     assert True in grown and False in grown  # pages taken ahead, and refused once the pool ran dry
-    assert engine.scheduler.num_preemptions == plain_engine.scheduler.num_preemptions > 0
+    assert engine.batch_scheduler.num_preemptions == plain_engine.batch_scheduler.num_preemptions > 0
     assert engine.pool.num_used == 0
 
 
@@ -92,9 +92,9 @@ def test_new_work_waits_one_step_at_most(model):
         engine.step()
     engine.submit(replace(item("b", ps[6], max_tokens=5), loop=LoopSpec(100)))
     engine.step()  # a's step, launched before b came
-    assert [s.key[0] for s in engine.scheduler.running] == ["a"] and engine._ahead is None
+    assert [s.key[0] for s in engine.batch_scheduler.running] == ["a"] and engine._ahead is None
     engine.step()
-    assert [s.key[0] for s in engine.scheduler.running] == ["a", "b"]
+    assert [s.key[0] for s in engine.batch_scheduler.running] == ["a", "b"]
     out = {}
     while engine.has_work():
         for r in engine.step():

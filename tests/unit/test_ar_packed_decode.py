@@ -93,7 +93,7 @@ def test_sampler_graphs_and_preemption_match_a_plain_engine(model, monkeypatch):
     got = drive_staggered(engine, items, join_at)
     for key in want:
         assert tokens_of(got[key]) == tokens_of(want[key]), key
-    assert engine.scheduler.num_preemptions > 0 and engine.sampler.replays > 20
+    assert engine.batch_scheduler.num_preemptions > 0 and engine.sampler.replays > 20
     assert engine.runner.attn.staged > 20 and engine.lookahead_steps > 0
     # decode graphs leave their logits where the sampler graphs read them, and those write the ids the
     # lookahead forward reads: only prefill steps' logits and shrinking batches' ids are copied

@@ -3,7 +3,7 @@ the chunk budget, preemption and prefix hits."""
 
 from __future__ import annotations
 
-from mstar.engines.autoregressive.scheduler import Scheduler
+from mstar.engines.autoregressive.batch_scheduler import BatchScheduler
 from mstar.engines.autoregressive.sequence import SeqStatus, Sequence
 from mstar.engines.base import StepItem
 from mstar.engines.kv_cache.block_pool import BlockPool
@@ -21,7 +21,7 @@ def seq(name: str, tokens, waiting_item: bool = True, shared: bool = False) -> S
     return s
 
 
-def step(scheduler: Scheduler) -> dict[str, tuple[int, int]]:
+def step(scheduler: BatchScheduler) -> dict[str, tuple[int, int]]:
     """Schedule and run one step (the model is not needed): name -> (start, tokens) of its chunk."""
     chunks = scheduler.schedule()
     scheduler.update(chunks)
@@ -34,7 +34,7 @@ def decode(s: Sequence, token: int = 7) -> None:
 
 
 def test_decodes_go_first_then_prefill_chunks_within_the_token_budget():
-    scheduler = Scheduler(BlockPool(64, PAGE), max_num_seqs=8, max_batch_tokens=16)
+    scheduler = BatchScheduler(BlockPool(64, PAGE), max_num_seqs=8, max_batch_tokens=16)
     a, b = seq("a", range(5)), seq("b", range(3))
     for s in (a, b):
         scheduler.add(s)
@@ -51,7 +51,7 @@ def test_decodes_go_first_then_prefill_chunks_within_the_token_budget():
 
 
 def test_no_more_than_max_num_seqs_run():
-    scheduler = Scheduler(BlockPool(64, PAGE), max_num_seqs=2, max_batch_tokens=64)
+    scheduler = BatchScheduler(BlockPool(64, PAGE), max_num_seqs=2, max_batch_tokens=64)
     seqs = [seq(str(i), range(3)) for i in range(3)]
     for s in seqs:
         scheduler.add(s)
@@ -63,7 +63,7 @@ def test_no_more_than_max_num_seqs_run():
 
 def test_out_of_pages_the_newest_running_sequence_is_preempted_and_recomputes_later():
     pool = BlockPool(4, PAGE)  # 16 tokens in all
-    scheduler = Scheduler(pool, max_num_seqs=8, max_batch_tokens=64)
+    scheduler = BatchScheduler(pool, max_num_seqs=8, max_batch_tokens=64)
     old, new = seq("old", range(8)), seq("new", range(8))
     for s in (old, new):
         scheduler.add(s)
@@ -80,7 +80,7 @@ def test_out_of_pages_the_newest_running_sequence_is_preempted_and_recomputes_la
 
 def test_a_preempted_idle_sequence_is_parked_until_its_next_item():
     pool = BlockPool(2, PAGE)
-    scheduler = Scheduler(pool, max_num_seqs=8, max_batch_tokens=64)
+    scheduler = BatchScheduler(pool, max_num_seqs=8, max_batch_tokens=64)
     idle = seq("idle", range(8), waiting_item=False)  # its caller holds the next token back (another branch)
     scheduler.add(idle)
     step(scheduler)
@@ -95,7 +95,7 @@ def test_a_preempted_idle_sequence_is_parked_until_its_next_item():
 
 def test_a_shared_prefix_is_taken_from_the_cache_and_at_least_one_token_computed():
     pool = BlockPool(16, PAGE)
-    scheduler = Scheduler(pool, max_num_seqs=8, max_batch_tokens=64)
+    scheduler = BatchScheduler(pool, max_num_seqs=8, max_batch_tokens=64)
     prompt = list(range(100, 110))  # two full pages and two tokens
     first = seq("first", prompt, shared=True)
     scheduler.add(first)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 
-from mstar.engines.autoregressive.scheduler import Scheduler
+from mstar.engines.autoregressive.batch_scheduler import BatchScheduler
 from mstar.engines.autoregressive.sequence import SeqStatus, Sequence
 from mstar.engines.autoregressive.token_inputs import TokenInputs
 from mstar.engines.base import StepItem
@@ -22,7 +22,7 @@ def fresh(n: int) -> list[int]:
     return [next(_token_ids) for _ in range(n)]
 
 
-def submit(scheduler: Scheduler, name: str, tokens: list[int]) -> Sequence:
+def submit(scheduler: BatchScheduler, name: str, tokens: list[int]) -> Sequence:
     """A new sequence whose caller waits for a result, handed to the scheduler as the engine does."""
     seq = Sequence((name, "main"), SamplingParams(), list(tokens), len(tokens))
     seq.item = StepItem(name, "w", "n", {})
@@ -30,14 +30,14 @@ def submit(scheduler: Scheduler, name: str, tokens: list[int]) -> Sequence:
     return seq
 
 
-def feed(scheduler: Scheduler, seq: Sequence, tokens: list[int]) -> None:
+def feed(scheduler: BatchScheduler, seq: Sequence, tokens: list[int]) -> None:
     """The caller's next item: more tokens, and a result awaited again."""
     seq.token_ids.extend(tokens)
     seq.item = StepItem(seq.key[0], "w", "n", {})
     scheduler.add(seq)
 
 
-def step(scheduler: Scheduler) -> list[tuple[str, int, int]]:
+def step(scheduler: BatchScheduler) -> list[tuple[str, int, int]]:
     """Schedule and run one step: (name, start, tokens) of each chunk in batch order. A chunk that
     completes its sequence samples, so its caller has its result and no item is pending."""
     chunks = scheduler.schedule()
@@ -50,7 +50,7 @@ def step(scheduler: Scheduler) -> list[tuple[str, int, int]]:
 
 def test_admission_is_first_come_and_stops_at_the_first_sequence_whose_pages_do_not_fit():
     pool = BlockPool(4, PAGE)
-    scheduler = Scheduler(pool, max_num_seqs=8, max_batch_tokens=64)
+    scheduler = BatchScheduler(pool, max_num_seqs=8, max_batch_tokens=64)
     a = submit(scheduler, "a", fresh(12))  # 3 pages
     b = submit(scheduler, "b", fresh(8))  # 2 pages
     c = submit(scheduler, "c", fresh(2))  # 1 page: it would fit, but b is ahead of it
@@ -67,7 +67,7 @@ def test_admission_is_first_come_and_stops_at_the_first_sequence_whose_pages_do_
 
 
 def test_an_idle_sequence_keeps_its_seat_while_others_run_and_gives_it_up_when_nothing_can():
-    scheduler = Scheduler(BlockPool(64, PAGE), max_num_seqs=2, max_batch_tokens=64)
+    scheduler = BatchScheduler(BlockPool(64, PAGE), max_num_seqs=2, max_batch_tokens=64)
     a, b = submit(scheduler, "a", fresh(3)), submit(scheduler, "b", fresh(3))
     assert step(scheduler) == [("a", 0, 3), ("b", 0, 3)]
     c = submit(scheduler, "c", fresh(3))
@@ -83,7 +83,7 @@ def test_an_idle_sequence_keeps_its_seat_while_others_run_and_gives_it_up_when_n
 
 
 def test_decode_rows_take_the_budget_before_an_older_sequence_s_prefill():
-    scheduler = Scheduler(BlockPool(64, PAGE), max_num_seqs=8, max_batch_tokens=2)
+    scheduler = BatchScheduler(BlockPool(64, PAGE), max_num_seqs=8, max_batch_tokens=2)
     p, d1, d2 = (submit(scheduler, name, fresh(2)) for name in ("p", "d1", "d2"))
     # each two-token prompt fills the budget: one admission a step
     assert [step(scheduler) for _ in range(3)] == [[("p", 0, 2)], [("d1", 0, 2)], [("d2", 0, 2)]]
@@ -101,7 +101,7 @@ def test_decode_rows_take_the_budget_before_an_older_sequence_s_prefill():
 
 def test_out_of_pages_the_newest_unscheduled_sequence_is_preempted_and_its_pages_go_to_the_others():
     pool = BlockPool(6, PAGE)
-    scheduler = Scheduler(pool, max_num_seqs=8, max_batch_tokens=64)
+    scheduler = BatchScheduler(pool, max_num_seqs=8, max_batch_tokens=64)
     a, b, c = (submit(scheduler, name, fresh(8)) for name in "abc")
     assert step(scheduler) == [("a", 0, 8), ("b", 0, 8), ("c", 0, 8)] and pool.num_free == 0
     c_pages = list(c.pages)
@@ -119,7 +119,7 @@ def test_out_of_pages_the_newest_unscheduled_sequence_is_preempted_and_its_pages
 
 def test_the_step_that_preempts_admits_nothing_new():
     pool = BlockPool(5, PAGE)
-    scheduler = Scheduler(pool, max_num_seqs=8, max_batch_tokens=64)
+    scheduler = BatchScheduler(pool, max_num_seqs=8, max_batch_tokens=64)
     a, idle = submit(scheduler, "a", fresh(4)), submit(scheduler, "idle", fresh(16))
     assert step(scheduler) == [("a", 0, 4), ("idle", 0, 16)] and pool.num_free == 0
     feed(scheduler, a, fresh(1))  # opens a page: the idle sequence gives up its four
@@ -131,7 +131,7 @@ def test_the_step_that_preempts_admits_nothing_new():
 
 def test_a_scheduled_row_is_never_preempted_so_an_older_prefill_preempts_itself_and_resumes_from_the_cache():
     pool = BlockPool(4, PAGE)
-    scheduler = Scheduler(pool, max_num_seqs=8, max_batch_tokens=64)
+    scheduler = BatchScheduler(pool, max_num_seqs=8, max_batch_tokens=64)
     a, b = submit(scheduler, "a", fresh(8)), submit(scheduler, "b", fresh(7))
     assert step(scheduler) == [("a", 0, 8), ("b", 0, 7)] and pool.num_free == 0
     feed(scheduler, a, fresh(5))  # two more pages
@@ -146,7 +146,7 @@ def test_a_scheduled_row_is_never_preempted_so_an_older_prefill_preempts_itself_
 
 def test_a_running_sequence_s_full_pages_are_shared_by_a_request_with_the_same_prefix():
     pool = BlockPool(16, PAGE)
-    scheduler = Scheduler(pool, max_num_seqs=8, max_batch_tokens=64)
+    scheduler = BatchScheduler(pool, max_num_seqs=8, max_batch_tokens=64)
     prompt = fresh(10)
     first = submit(scheduler, "first", prompt)
     assert step(scheduler) == [("first", 0, 10)]
@@ -162,7 +162,7 @@ def test_a_running_sequence_s_full_pages_are_shared_by_a_request_with_the_same_p
 
 def test_cached_pages_are_evicted_least_recently_freed_first_when_pages_are_needed():
     pool = BlockPool(5, PAGE)
-    scheduler = Scheduler(pool, max_num_seqs=8, max_batch_tokens=64)
+    scheduler = BatchScheduler(pool, max_num_seqs=8, max_batch_tokens=64)
     x = submit(scheduler, "x", fresh(8))
     step(scheduler)
     x_tokens, x_pages = list(x.token_ids), list(x.pages)
@@ -181,7 +181,7 @@ def test_cached_pages_are_evicted_least_recently_freed_first_when_pages_are_need
 
 def test_without_prefix_caching_a_repeated_prompt_is_computed_again():
     pool = BlockPool(16, PAGE, enable_prefix_caching=False)
-    scheduler = Scheduler(pool, max_num_seqs=8, max_batch_tokens=64)
+    scheduler = BatchScheduler(pool, max_num_seqs=8, max_batch_tokens=64)
     prompt = fresh(10)
     first = submit(scheduler, "first", prompt)
     assert step(scheduler) == [("first", 0, 10)]
@@ -193,7 +193,7 @@ def test_without_prefix_caching_a_repeated_prompt_is_computed_again():
 
 def test_only_tokens_that_depend_on_their_ids_alone_are_cached_or_taken_from_the_cache():
     pool = BlockPool(16, PAGE)
-    scheduler = Scheduler(pool, max_num_seqs=8, max_batch_tokens=64)
+    scheduler = BatchScheduler(pool, max_num_seqs=8, max_batch_tokens=64)
     prompt = fresh(12)
     embedded = Sequence(("embedded", "main"), SamplingParams(), list(prompt), len(prompt))
     embedded.item, embedded.inputs = StepItem("embedded", "w", "n", {}), TokenInputs()
@@ -210,7 +210,7 @@ def test_only_tokens_that_depend_on_their_ids_alone_are_cached_or_taken_from_the
 
 def test_grow_ahead_takes_free_pages_only_and_all_or_none():
     pool = BlockPool(4, PAGE)
-    scheduler = Scheduler(pool, max_num_seqs=8, max_batch_tokens=64)
+    scheduler = BatchScheduler(pool, max_num_seqs=8, max_batch_tokens=64)
     a, b = submit(scheduler, "a", fresh(4)), submit(scheduler, "b", fresh(4))
     step(scheduler)
     assert scheduler.grow_ahead([a, b]) and (len(a.pages), len(b.pages), pool.num_free) == (2, 2, 0)

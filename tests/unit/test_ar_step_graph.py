@@ -38,7 +38,7 @@ def test_penalised_greedy_through_step_graphs_matches_a_plain_engine(model, monk
     for key in want:
         assert tokens_of(got[key]) == tokens_of(want[key]), key
     graphs = engine.step_graphs
-    assert engine.scheduler.num_preemptions > 0 and graphs.replays > 10
+    assert engine.batch_scheduler.num_preemptions > 0 and graphs.replays > 10
     # every replay's forward was run by the step after it, but where all its sequences had stopped
     assert engine.lookahead_steps >= graphs.replays - len(items)
     # the penalty changed what greedy picks: the seen-token masks the replays marked were read

@@ -108,7 +108,7 @@ def test_explicit_positions_continue_into_decode_and_survive_preemption(model):
         items.append(StepItem(f"r{i}", "g", "llm", inputs, options={"max_tokens": 8}))
     engine = engine_for(model, pages=10, max_model_len=40)
     out = drive(engine, items)
-    assert engine.scheduler.num_preemptions > 0
+    assert engine.batch_scheduler.num_preemptions > 0
     for i in range(5):
         assert tokens(out[f"r{i}"]) == wants[i]
     assert wants[0] != reference(model, prompt(9, seed=0), 8)[0]  # the positions matter
@@ -254,8 +254,8 @@ def test_appended_positions_are_what_a_token_only_item_gets():
 def test_ahead_hands_each_live_sequence_its_row_of_the_kept_states():
     """`hand_over` gives each sequence that asks for hidden states its batch row of the states kept by a
     forward launched ahead, also when a sequence before it left the step."""
+    from mstar.engines.autoregressive.batch_scheduler import Chunk
     from mstar.engines.autoregressive.lookahead import Ahead
-    from mstar.engines.autoregressive.scheduler import Chunk
     from mstar.engines.autoregressive.sequence import Sequence
     from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs
 

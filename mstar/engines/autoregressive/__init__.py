@@ -1,4 +1,4 @@
-"""Autoregressive engine: scheduler (policy), runner (execution), engine (the Engine protocol)."""
+"""Autoregressive engine: batch scheduler (policy), runner (execution), engine (the Engine protocol)."""
 
 from mstar.engines.autoregressive.build import build_autoregressive_engine
 from mstar.engines.autoregressive.engine import CONTEXT_PORT, AutoregressiveEngine

@@ -77,9 +77,9 @@ class HostSet(_Fields):
         self.table_rows: list[tuple[list[int] | None, int]] = [(None, 0)] * rows
 
     def write_table_row(self, i: int, pages: list[int]) -> None:
-        """Block-table row i := `pages`. A sequence's page list only grows in place (the scheduler
-        appends, and gives a new list when it frees them), so while row i holds the same list only
-        the pages appended since are written: rewriting a whole row costs microseconds per sequence.
+        """Block-table row i := `pages`. A sequence's page list only grows in place (the batch
+        scheduler appends, and gives a new list when it frees them), so while row i holds the same list
+        only the pages appended since are written: rewriting a whole row costs microseconds per sequence.
         The list is kept referenced, so its identity cannot pass to another list. Stale page ids past
         the sequence's own pages stay: the kernels stop at the sequence length."""
         held, done = self.table_rows[i]

@@ -34,9 +34,9 @@ import zlib
 import torch
 
 from mstar.config import CudaGraphConfig
+from mstar.engines.autoregressive.batch_scheduler import BatchScheduler, Chunk
 from mstar.engines.autoregressive.lookahead import Ahead
 from mstar.engines.autoregressive.runner import ModelRunner, make_attention_backend
-from mstar.engines.autoregressive.scheduler import Chunk, Scheduler
 from mstar.engines.autoregressive.sequence import Sequence
 from mstar.engines.autoregressive.step_graph import StepGraphs
 from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs, parse_item
@@ -84,7 +84,7 @@ class AutoregressiveEngine:
         attn = make_attention_backend(kv_config.attention_backend, model.kv_layout, num_pages,
                                       kv_config.page_size, self.device, max_num_seqs=max_num_seqs,
                                       max_pages_per_seq=-(-self.max_model_len // kv_config.page_size))
-        self.scheduler = Scheduler(self.pool, max_num_seqs, max_batch_tokens)
+        self.batch_scheduler = BatchScheduler(self.pool, max_num_seqs, max_batch_tokens)
         self.runner = ModelRunner(model, attn, kv_config.page_size, self.device, cuda_graphs, max_num_seqs)
         self._seqs: dict[tuple[str, str], Sequence] = {}
         self._errors: list[StepResult] = []  # items refused at submit, reported by the next step
@@ -160,11 +160,11 @@ class AutoregressiveEngine:
         ahead, self._ahead = self._ahead, None
         chunks, logits = self._ahead_chunks(ahead) if ahead is not None else ([], None)
         if not chunks:
-            chunks = self.scheduler.schedule()
+            chunks = self.batch_scheduler.schedule()
             logits = self.runner.run(chunks) if chunks else None
         self.last_step_items = len(chunks)
         if chunks:
-            self.scheduler.update(chunks)
+            self.batch_scheduler.update(chunks)
             done = [c for c in chunks if c.completes]  # a prefill chunk that ends mid-prompt samples nothing
             if done:
                 assert logits is not None
@@ -195,7 +195,7 @@ class AutoregressiveEngine:
 
     def stats(self) -> dict[str, float]:
         """Load and KV cache counters (keys documented at `Engine.stats`); O(live sequences)."""
-        sched, pool = self.scheduler, self.pool
+        sched, pool = self.batch_scheduler, self.pool
         return {
             "queue_depth": len(self._errors) + sum(s.item is not None for s in self._seqs.values()),
             "kv_pages_used": pool.num_used,
@@ -209,7 +209,7 @@ class AutoregressiveEngine:
     def release(self, request_id: str) -> None:
         """Drop every sequence (all KV slots) and pending item of `request_id`; unknown ids are fine."""
         for key in [k for k in self._seqs if k[0] == request_id]:
-            self.scheduler.remove(self._seqs.pop(key))
+            self.batch_scheduler.remove(self._seqs.pop(key))
         self._errors = [r for r in self._errors if r.request_id != request_id]
 
     def _accept(self, item: StepItem) -> None:
@@ -236,7 +236,7 @@ class AutoregressiveEngine:
         seq.loop_done = 0
         seq.loop_extras = ItemExtras(hidden_layers=extras.hidden_layers) if extras and extras.hidden_layers else None
         seq.item = item
-        self.scheduler.add(seq)
+        self.batch_scheduler.add(seq)
 
     def _add_extras(self, seq: Sequence, n: int, extras: ItemExtras) -> None:
         """Keep the item's embeddings/positions/capture request with its n tokens (just appended)."""
@@ -302,7 +302,7 @@ class AutoregressiveEngine:
             results.append(StepResult(item.request_id, item.walk, item.node, outputs, stop=reason is not None,
                                       iteration=item.iteration, finish_reason=reason, more=more))
             if reason is not None:
-                self.scheduler.remove(self._seqs.pop(seq.key))
+                self.batch_scheduler.remove(self._seqs.pop(seq.key))
         return results
 
     def _append(self, seq: Sequence, token: int) -> None:
@@ -320,7 +320,7 @@ class AutoregressiveEngine:
 
         A sequence whose next token opens a page gets it now, from free pages only (it needs the page
         for its next token anyway); when there are not enough, nothing is launched ahead."""
-        sched = self.scheduler
+        sched = self.batch_scheduler
         if sched.waiting and len(sched.running) < sched.max_num_seqs:
             return None
         if any(s.num_pending for s in sched.running):

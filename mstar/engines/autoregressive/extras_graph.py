@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mstar.engines.autoregressive.scheduler import Chunk
+from mstar.engines.autoregressive.batch_scheduler import Chunk
 from mstar.engines.autoregressive.sequence import Sequence
 from mstar.engines.base import CausalLM
 from mstar.engines.cuda_graphs import BatchGraphs, to_device_async

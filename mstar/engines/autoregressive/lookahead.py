@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mstar.engines.autoregressive.scheduler import Chunk
+from mstar.engines.autoregressive.batch_scheduler import Chunk
 from mstar.engines.autoregressive.sequence import Sequence
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from mstar.engines.attention.base import AttentionMetadata, GraphedPrefillAttention
-from mstar.engines.autoregressive.scheduler import Chunk
+from mstar.engines.autoregressive.batch_scheduler import Chunk
 from mstar.engines.base import CausalLM
 from mstar.engines.cuda_graphs import BatchGraphs
 

@@ -21,11 +21,11 @@ from mstar.engines.attention.base import (
     GraphedPrefillAttention,
     SharedDecodeAttention,
 )
+from mstar.engines.autoregressive.batch_scheduler import Chunk
 from mstar.engines.autoregressive.decode_inputs import DecodeInputs, HostSet
 from mstar.engines.autoregressive.extras_graph import ExtrasGraphs
 from mstar.engines.autoregressive.lookahead import Ahead
 from mstar.engines.autoregressive.prefill_graph import PrefillGraphs
-from mstar.engines.autoregressive.scheduler import Chunk
 from mstar.engines.autoregressive.sequence import Sequence
 from mstar.engines.base import CausalLM, KVLayout
 from mstar.engines.cuda_graphs import BatchGraphs

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 class SeqStatus(Enum):
-    """Where a sequence sits in the scheduler."""
+    """Where a sequence sits in the batch scheduler."""
 
     WAITING = "waiting"  # has work, holds no pages yet (new, or preempted with work pending)
     RUNNING = "running"  # holds pages; may be idle until its next item arrives

@@ -32,7 +32,7 @@ class Chunk:
         return self.start + self.num_tokens == len(self.seq.token_ids)
 
 
-class Scheduler:
+class BatchScheduler:
     """Owns the running/waiting queues and the pages of every sequence."""
 
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_batch_tokens: int) -> None:
