@@ -112,7 +112,8 @@ class CudaGraphConfig:
     # (engines/autoregressive/step_graph.py)
     step_graphs: bool = True
     # token buckets at which steps with prompt tokens replay graphs (engines/autoregressive/prefill_graph.py);
-    # empty: such steps run eagerly. Off by default until measured on a GPU.
+    # empty (the default): such steps run eagerly; each bucket holds a whole-model graph, so configs pick
+    # buckets per model (mstar/configs/orpheus.yaml)
     prefill_tokens: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """Sampling replayed from CUDA graphs: one graph launch per step instead of ~60 kernel launches.
 
 Eager `sampling.sample` launches a few dozen small kernels per step, and on a slow host their launch
-time (about 1 ms) exceeds a decode step's GPU time at small batches. `SamplerGraphs` captures
+time exceeds a decode step's GPU time at small batches. `SamplerGraphs` captures
 `sampling.sample_static` (the same draw with every stage on, no branch on the rows) at the decode
 graphs' batch sizes, the first time a step has rows it serves (the engine's warm-up does that, before
 the worker reports ready). Rows it does not serve (`sampling.graphable`: seeded, logprobs,
@@ -12,8 +12,7 @@ Two sets of graphs share their inputs: `general` (any row may be greedy or unfil
 `filtered`, for batches whose every row samples under top-k or top-p (the usual serving case,
 Orpheus's defaults among them). `filtered` leaves out the whole-vocabulary race of unfiltered rows
 (a softmax, a divide and an argmax over the vocabulary) and the greedy rows' argmax, which at batch 1
-are single-block reductions over 157K logits (the softmax alone took 40 us of a 2.38 ms Orpheus step
-in `benchmarks/profile_orpheus.py --kernels` on an H200).
+are single-block reductions over the whole vocabulary and a visible share of a small model's step.
 
 A steady step costs the host one copy of the logits into the graphs' input, one packed copy of
 pinned host memory (the rows' parameter table, rebuilt only when the rows' params change, and each

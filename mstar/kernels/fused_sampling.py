@@ -1,9 +1,9 @@
 """`sampling.sample_static` in five small Triton launches (and the fallback's): penalties, temperature, greedy, top-k,
 top-p, min-p and the exponential race, each row split over several programs, for the sampler CUDA graphs.
 
-The PyTorch form takes some sixty kernels a step (a `topk` of 1,024 alone is five), about 0.1 ms of
-GPU time at batch 1 over Orpheus's 28,680-id head on an H200. A row is cut into slices of SLICE ids,
-one program each (28 for Orpheus's head), so a step's walks over the row run on as many SMs:
+The PyTorch form takes some sixty kernels a step (a `topk` of 1,024 alone is five), each a small
+launch that leaves most of the GPU idle. A row is cut into slices of SLICE ids, one program each (28
+for Orpheus's head), so a step's walks over the row run on as many SMs instead of one:
 1. `_scale_kernel`: scale the slice's logits (repetition penalty where the token was seen, then
    1/temperature, rounded as the PyTorch form rounds them), store them, and keep the slice's max, its
    first id and the sum of exp(x - slice max);
@@ -16,8 +16,8 @@ one program each (28 for Orpheus's head), so a step's walks over the row run on 
    complement of the id, at the offset the slices before it fill (no atomics: the buffer's order is the
    ids' order, as one program would write it); the first program stores the row's candidate count;
 4. `_rank_kernel`: the candidates in descending order (ties lowest id first), RANK_BLOCK of them a
-   program: each one's rank is the number of larger keys, where it is stored (one program's `tl.sort`
-   of 1,024 keys took most of a 15 us race at one row);
+   program: each one's rank is the number of larger keys, where it is stored (a `tl.sort` of 1,024
+   keys in one program would be most of the race's time);
 5. `_race_kernel`, one program per row: the normaliser from the slices' sums, then the prefilter race of
    `sampling_filters` runs over the sorted candidates: top-k by rank,
    top-p on the cumulative mass (over the full normaliser, or the top k's), min-p against the top
@@ -30,12 +30,7 @@ bisection, which exits at once for every other row (and, given `out`, finishes e
 The noise is the caller's tensor, or (`rng`, filtered batches) philox's under a seed plus a draw count
 that the scale kernel advances on the device, made only where the race and the fallback read it: no
 noise launch, and no PyTorch generator in a CUDA graph (whose replay would first refresh its state).
-
-On an H200 (`benchmarks/sampler_micro.py`, graph-timed `sample_static`, before the rank kernel; the kernels'
-times a step in Orpheus's decode are in docs/benchmarks.md, stop 29): 17.3 / 18.9 / 28.1 µs at batch 1 / 4 /
-16 over Orpheus's 28,680-id window, where one program per row took 56 / 58 / 62 (its walks 2 and 3 were
-20 µs each on one SM: the histogram's shared-memory atomics and the copy's block-wide scan); 29 µs at
-batch 1 over Qwen's 151,936 ids, against 120 in the PyTorch form.
+`benchmarks/sampler_micro.py` times it against the PyTorch form.
 """
 
 from __future__ import annotations

@@ -4,11 +4,10 @@ With M <= 4 rows a linear layer's whole cost is streaming W [N, K] (row-major) f
 program owns BLOCK_N rows of W and walks its slice of K in BLOCK_K-wide chunks: 16-byte loads along
 K, elementwise fp32 multiply-adds into one [BLOCK_N, BLOCK_K] accumulator per row of x, and a single
 reduction over K after the loop, so the loop holds only loads and FMAs (no shuffles, no barriers,
-no layout conversions: checked in the compiled TTGIR for sm_90). At 4 rows those accumulators fill
-the registers; `fold_k` shrinks them by summing groups of a thread's products every chunk (a sweep
-candidate, not yet timed on a GPU). No tl.dot: at M <= 4 tensor cores buy nothing. BLOCK_K >= 8 * 32 * num_warps (bf16) lets every thread load its x slice once.
+no layout conversions). At 4 rows those accumulators fill the registers; `fold_k` shrinks them by
+summing groups of a thread's products every chunk. No tl.dot: at M <= 4 tensor cores buy nothing. BLOCK_K >= 8 * 32 * num_warps (bf16) lets every thread load its x slice once.
 
-Programs must fill the GPU (132 SMs on an H100/H200): BLOCK_N sets how many there are; where N is
+Programs must fill the GPU's SMs: BLOCK_N sets how many there are; where N is
 too small, K is split. Split programs write fp32 partials to a workspace cached per shape; the last
 of a tile's splits to finish (an atomic counter per tile says which) sums the partials in the fixed
 order 0..SPLIT_K-1, adds the bias, stores the output and resets the counter. So one launch does it

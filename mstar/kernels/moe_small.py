@@ -13,9 +13,8 @@ many rows per expert (~20 kernels); here each slot's expert rows are read direct
   top_k experts of token t at once ([SLOTS, BLOCK_N, BLOCK_K] tiles, SLOTS = top_k rounded up to a
   power of two, the padding masked off), so one launch also does the weighted sum over the slots.
 
-Every weight element is read once per slot. On an H200 (bf16, in a CUDA graph, weights from HBM) the
-experts of one token take 21 us on the Qwen3-Omni thinker's block (75 MB: 17.6 us at 4.3 TB/s;
-`experts_grouped` 85 us) and 7.5 us on the talker's (14 MB; grouped 65 us).
+Every weight element is read once per slot, so a token's experts cost close to reading their weights
+from HBM, which the grouped path's sort and many-row tiles are far from at a few tokens.
 
 Values are rounded to the weights' dtype where the PyTorch reference (`experts_grouped`) rounds them:
 the gate_up matmul output, F.silu, silu * up, the down matmul output, `y * w`; the sum over a token's
@@ -49,16 +48,16 @@ class SmallMoEConfig:
 
 
 def small_config(hidden: int, intermediate: int, element_size: int) -> SmallMoEConfig:
-    """Static heuristic, from a sweep on one H200 (bf16, the Qwen3-Omni thinker and talker blocks at
-    1, 4 and 8 tokens, inside CUDA graphs): small tiles and many programs win, since a program's few
-    chunks leave little to pipeline and only the number of resident programs keeps HBM busy.
+    """Static heuristic, tuned on the Qwen3-Omni thinker and talker blocks at 1 to 8 tokens inside CUDA
+    graphs: small tiles and many programs win, since a program's few chunks leave little to pipeline
+    and only the number of resident programs keeps HBM busy.
 
     gate_up: BLOCK_K spans all warps (8 bf16 x 32 lanes x 4 warps = 1024), so each thread loads its
     slice of x once per chunk and it lines up with the weight tile (no layout shuffle, as in `gemv`'s
-    BROADCAST_X); 2 gate and 2 up rows a program (4 rows were 1-5% slower, 1 row slower on the talker).
+    BROADCAST_X); 2 gate and 2 up rows a program, the best of 1, 2 and 4 on both blocks.
     down: K is the expert's intermediate size (hundreds), so BLOCK_K is 128 (whole chunks of 768 and
-    384) and BLOCK_N 2, i.e. SLOTS * 2 * 128 elements = two 16-byte loads a thread at 8 slots (4
-    columns took the talker's block from 8.6 to 12.9 us at one token; other splits were no faster).
+    384) and BLOCK_N 2, i.e. SLOTS * 2 * 128 elements = two 16-byte loads a thread at 8 slots (wider
+    column blocks leave too few programs on the talker's block).
     """
     warps = 4
     span = 16 // element_size * 32 * warps

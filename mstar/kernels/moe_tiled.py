@@ -1,10 +1,8 @@
 """Sparse-MoE experts for decode batches of tens of tokens: each expert's weights read once, its tokens as one tile.
 
-`kernels/moe_small.py` reads a slot's expert for every (token, expert) slot. Past ~16 tokens many slots
-share an expert (at 32 tokens of the Qwen3-Omni thinker, 256 slots land on ~111 of 128 experts), and
-those repeated reads, even as L2 hits, cost it: the thinker's block took 362 us at 32 tokens against 218
-us of HBM time for the distinct experts, 267 us here (`benchmarks/moe_micro.py`, one H200; the figures
-by batch are in `mstar/layers/moe.py`). Here the work is split by expert:
+`kernels/moe_small.py` reads a slot's expert for every (token, expert) slot. Past about 16 tokens many
+slots share an expert (at 32 tokens of the Qwen3-Omni thinker, 256 slots land on about 111 of 128
+experts), and those repeated reads cost it even as L2 hits. Here the work is split by expert:
 
 - `_slots_kernel`, grid (E,): program e lists the slots routed to expert e (in slot order) and counts them.
 - `_gate_up_kernel`, grid (E, cdiv(I, BLOCK_N)): program (e, n) streams BLOCK_N gate rows and the matching

@@ -1,7 +1,7 @@
 """Honest GPU time of one weight-reading call, as it costs inside a decode CUDA graph.
 
 Timing a single launch between two CUDA events measures the host: Python plus a Triton launch can
-take 20-80 us while the kernel itself takes a few, and the GPU idles in between. Decode runs in CUDA
+take many times longer than the kernel itself, and the GPU idles in between. Decode runs in CUDA
 graphs, where launch cost is gone and consecutive kernels follow each other with no gap but the
 device's own. So `graph_time_us` captures `calls` back-to-back calls of `fn` into one CUDA graph,
 replays it, and divides. Each call reads a different copy of the weight, so that the weights read by
@@ -9,11 +9,11 @@ the graph add up to at least twice the L2 cache and every call streams its weigh
 decode step does (one call re-reading a weight the previous call left in L2 would look too fast).
 The copies are capped (`MAX_COPIES`): a weight of a few kilobytes (a tiny test model) would otherwise
 need thousands of copies and as many launches per candidate, each a Triton launch on a slow host,
-which made a tiny model's warm-up take minutes. Such weights then share L2, which is what they do in
+which would stretch a tiny model's warm-up to minutes. Such weights then share L2, which is what they do in
 a decode step too.
 
-Memory borrowed while it runs: the extra weight copies, at most 2 x L2 bytes in all (about 100 MB on
-an H100/H200; none when the weight alone is that large), plus the graph's pool for the `calls`
+Memory borrowed while it runs: the extra weight copies, at most 2 x L2 bytes in all (none when the
+weight alone is that large), plus the graph's pool for the `calls`
 outputs. Everything is freed before it returns. Call it outside any CUDA-graph capture: it
 synchronises the device.
 """
@@ -25,8 +25,8 @@ from collections.abc import Callable
 
 import torch
 
-DEFAULT_L2_BYTES = 50 << 20  # H100/H200; used when the device does not report its L2 size
-MAX_COPIES = 64  # weights of >= 1.6 MB reach 2 x L2 of an H200 with this many; smaller ones share L2
+DEFAULT_L2_BYTES = 50 << 20  # a large data-centre GPU's L2; used when the device does not report its size
+MAX_COPIES = 64  # enough for weights of a few MB to fill 2 x L2 of a large GPU; smaller ones share L2
 
 
 def l2_bytes(device: torch.device) -> int:

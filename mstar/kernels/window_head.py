@@ -3,8 +3,8 @@
 Some heads know before the forward which few ids the next token can be: Orpheus speaks seven tokens a
 SNAC frame, and a token at frame place p can only be one of the 4,095 codes of place p (or end of
 speech); which place comes next follows from the token just fed. Scoring the whole audio span there
-reads 28,680 head rows a step (176 MB at Orpheus-3B's width, ~41 us of an H200 decode step at one row)
-where 4,096 rows hold every id that can be said.
+reads 28,680 head rows a step (176 MB at Orpheus-3B's width, a visible share of a decode step) where
+4,096 rows hold every id that can be said.
 
 `window_logits(hidden, weight, input_ids, windows)`: float32 logits [M, width] over the head `weight`
 [width, K] (a contiguous row slice of the LM head) where row m holds the dot products of columns
@@ -85,8 +85,8 @@ def window_logits(hidden: torch.Tensor, weight: torch.Tensor, input_ids: torch.T
     """float32 logits [M, weight rows] of `hidden` [M, K] (`fits`) over each row's window (module
     docstring) in one launch; `input_ids` [M] (on hidden's device) picks the windows. Written into `out`
     when given (float32 [M, weight rows], unit column stride: e.g. rows of a buffer a sampler graph
-    reads, saving the copy into it). The default launch config was the fastest at 1 and 2 rows of
-    Orpheus' head and within 2 us of the best at 4 and 6 (`benchmarks/window_head_micro.py`)."""
+    reads, saving the copy into it). The default launch config is tuned for Orpheus' head at the few
+    rows of decode."""
     m, k = hidden.shape
     columns = weight.shape[0]
     if out is None:

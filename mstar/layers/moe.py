@@ -38,12 +38,10 @@ from mstar.layers.mlp import GatedMLP
 PATHS = ("small", "tiled", "grouped", "loop")
 # Which of the Triton paths serves a batch of T * top_k (token, expert) slots. "small" reads an expert once
 # per slot routed to it; "tiled" once per batch, for two more launches and tensor-core tiles of 16 slots;
-# "grouped" once per batch too, after a sort of ~20 kernels, with cuBLAS tiles made for many rows. On an
-# H200 (`python3 benchmarks/moe_micro.py --batches 1 4 8 12 16 24 32 48 64 96 128 --sweep 16 32 64`,
-# bf16, random routing; the whole block in a CUDA graph, us small / tiled / grouped): thinker (top-8 of
-# 128) 133 / 138 / 263 at 8 tokens, 176 / 172 / 313 at 12, 218 / 204 / 363 at 16, 362 / 267 / 468 at 32,
-# 696 / 304 / 515 at 64, 1328 / 320 / 524 at 128; talker (top-6) 75 / 80 / 162 at 16, 93 / 92 / 196 at
-# 24, 115 / 100 / 202 at 32, 344 / 123 / 235 at 128. Larger batches than 128 tokens were not measured.
+# "grouped" once per batch too, after a sort of ~20 kernels, with cuBLAS tiles made for many rows. The
+# bounds follow `benchmarks/moe_micro.py --sweep` on the Qwen3-Omni thinker and talker blocks in CUDA
+# graphs: "small" while few slots share an expert, "tiled" once many do, "grouped" behind both up to the
+# largest batch swept (128 tokens), so it only serves beyond TILED_MAX_SLOTS.
 TILED_MIN_SLOTS = 128  # fewer slots: "small"
 TILED_MAX_SLOTS = 1024  # more slots: "grouped" (CUDA bf16) or "loop"
 SMALL_MAX_SLOTS = 256  # where "tiled" cannot serve, "small" still serves up to this many
@@ -201,8 +199,7 @@ def pick_path(x: torch.Tensor, top_k: int) -> str:
     the tiled kernels have failed), where their kernels serve x; else "grouped" on CUDA bfloat16, else "loop".
 
     A CUDA call outside a graph capture (a prefill) takes "small" up to SMALL_MAX_SLOTS: issuing the tiled
-    path's four launches costs the host more than its GPU time saves there (`moe_micro.py --eager` on the
-    H200's host, the thinker block at 30 tokens: 347 us a call small, 452 tiled; in a graph 341 vs 262)."""
+    path's four launches costs the host more than its GPU time saves there (`moe_micro.py --eager`)."""
     slots = x.shape[0] * top_k
     if x.dtype in SMALL_DTYPES and FUSED.ops_for(x) is not None:
         eager = x.is_cuda and not torch.cuda.is_current_stream_capturing()

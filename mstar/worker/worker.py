@@ -57,7 +57,7 @@ _MAX_CACHED_SCALAR = 1 << 16
 
 def _scalar(value: int | bool) -> torch.Tensor:
     """torch.tensor(value), cached for small values: stream ports get three per chunk, and torch.tensor
-    costs ~3 µs. Components read these inputs and never write them (inputs are shared, as in-process)."""
+    costs far more than a dict lookup. Components read these inputs and never write them (inputs are shared, as in-process)."""
     key = (value, type(value))
     cached = _SCALARS.get(key)
     if cached is None:

@@ -1,8 +1,8 @@
 """Paged attention with torch's scaled_dot_product_attention: works on CPU and GPU.
 
 The reference backend: sequences of a packed batch are padded to one [B, Hq, Lq, Lk] problem
-and masked, so it stays one SDPA call per layer; faster kernels (Triton, FlashInfer) come later
-behind the same interface.
+and masked, so it stays one SDPA call per layer; the faster backends (Triton, FlashInfer) implement
+the same interface.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 from CUDA graphs.
 
 Plain decode graphs take token ids and positions only, so a step where some sequence brings input
-embeddings, explicit rotary positions or asks for hidden states used to run eagerly: for Qwen3-Omni
+embeddings, explicit rotary positions or asks for hidden states would run eagerly: for Qwen3-Omni
 that is every talker step (its input is an embedding) and every thinker step of a spoken answer
 (the talker reads the thinker's hidden states), each paying all its layers' kernel launches.
 
@@ -13,7 +13,7 @@ and positions as float32 rows ([B, 3] for models with `multirow_positions`; rota
 in float32, so integral positions give the same angles); their outputs add the declared layers'
 states. A decode batch replays them when every sequence computes one token without per-token
 features (e.g. deepstack rows, which only prompts carry) and asks for declared layers only; any
-other batch runs eagerly as before.
+other batch runs eagerly.
 """
 
 from __future__ import annotations

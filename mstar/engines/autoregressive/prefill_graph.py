@@ -1,10 +1,9 @@
 """Steps with prompt tokens replayed from CUDA graphs captured at token buckets.
 
 A step that is not decode-only (a prefill chunk, alone or beside decode rows) runs the model eagerly:
-every kernel of every layer is launched from Python. On the H200 machine's slow host that took
-23.5 ms for a 64-token prompt of the 28-layer Orpheus-3B shape (`benchmarks/decode_step.py`, prefill
-at batch 1), and every running sequence waits that long (served Orpheus: one such step per admitted request, the chunk
-gap's p99 about twice its median).
+every kernel of every layer is launched from Python, which on a slow host takes far longer than the
+GPU work, and every running sequence waits for that step (served Orpheus has one per admitted
+request, so it sets the tail of the gaps between audio chunks).
 
 `PrefillGraphs` captures `model.forward` over T tokens for each T of `cuda_graphs.prefill_tokens`. A
 step of n <= max(T) tokens over at most `max_num_seqs` sequences replays the smallest T >= n: the

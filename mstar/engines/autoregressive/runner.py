@@ -43,9 +43,8 @@ def make_attention_backend(name: str, layout: KVLayout, num_pages: int, page_siz
     "auto" tries, in order, "triton" (CUDA, when triton imports), "flashinfer" (CUDA, when flashinfer
     imports) and "sdpa"; a backend that fails to initialise (unsupported dtype or head size, kernels
     that do not load) is logged and the next one is tried. Triton comes first: it is the backend the
-    decode benchmarks measured and the one prefill graphs use; FlashInfer passes its GPU tests
-    (tests/gpu/test_flashinfer_attention_gpu.py) and is chosen with `kv_cache.attention_backend:
-    flashinfer`. `max_num_seqs` and `max_pages_per_seq` (default: the whole pool) size the persistent
+    decode benchmarks cover and the one prefill graphs use; FlashInfer is chosen with
+    `kv_cache.attention_backend: flashinfer`. `max_num_seqs` and `max_pages_per_seq` (default: the whole pool) size the persistent
     buffers of the CUDA-graph-capable backends.
     """
     if name not in ATTENTION_BACKENDS:
@@ -146,7 +145,7 @@ class ModelRunner:
     def decode_step(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """What a decode graph captures: the rows' logits, float32 ones in `logits_out`. Logits only: a
         greedy batch takes its argmax after the replay; inside the graph it would cost every sampled step
-        a wasted pass over the logits (~10 us at Orpheus's 28,680 ids on an H200)."""
+        a wasted pass over the logits."""
         hidden = self.model.forward(input_ids, positions, self.attn)
         out = self.logits_out  # None at the first warm-up call, which makes it
         logits = self.model.compute_logits(hidden, input_ids, out=None if out is None else out[: hidden.shape[0]])

@@ -3,9 +3,8 @@
 With sampler graphs (`engines/sampling_graph.py`) and decode lookahead (`lookahead.py`), a steady decode
 step queues on the GPU: a copy of the sampler's packed inputs, the sampler graph (its ids written into
 the decode graphs' id input), a copy of the ids to the host, a copy of the next forward's packed inputs
-and the decode graph. Each copy and each graph launch costs a few microseconds of idle GPU before it
-(about 40 us a step on an H200 at batch 1; docs/benchmarks.md, stop 26's timeline), more than the
-copies themselves.
+and the decode graph. Each copy and each graph launch leaves the GPU idle a few microseconds before
+it, more than the copies themselves take.
 
 A step graph holds all of it, captured at each decode batch size and for both sampler graph sets:
 
@@ -16,8 +15,8 @@ A step graph holds all of it, captured at each decode batch size and for both sa
        -> record an event (external: recorded by the replay at this point, not at its end)
 
 The branch keeps the copy and the event node out of the way of the forward, whose first kernel then
-follows the draw's last by Programmatic Dependent Launch (stop 29's timeline had 3.6 us a step
-between them, the copy's 1.5 us and 1.7 us of launch gap after the event node).
+follows the draw's last by Programmatic Dependent Launch instead of waiting behind the copy and the
+event node's launch gap.
 
 The host stages both inputs into its own pinned sets, replays once, and waits for the event only: the ids
 are on the host while the forward runs, as with separate launches. The host sets are single: the host

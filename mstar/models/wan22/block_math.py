@@ -5,8 +5,8 @@ Two forms of each step. The PyTorch form is the reference and serves CPU tensors
 kernel per step reading the activations once (`MSTAR_FUSED_KERNELS=0` or `FUSED.enabled = False`
 keeps PyTorch; TRITON_INTERPRET=1 runs them on CPU for tests).
 
-At full size (B=2, L=3510, D=3072) every float32 pass over the activations costs ~30-60 us on an
-H200. The PyTorch form already avoids float32 temporaries where one TensorIterator kernel can
+At full size (B=2, L=3510, D=3072) every float32 pass over the activations is a visible share of a
+block's time. The PyTorch form already avoids float32 temporaries where one TensorIterator kernel can
 (`addcmul_as`: mixed-dtype inputs read and computed in float32, the result written once in bf16);
 the kernels also fuse the norms into the modulation, the residual sums and the rope. The FFN's
 GELU runs in the up-projection's cuBLASLt epilogue (`linear_gelu`), so the [B, L, ffn] activation is

@@ -40,7 +40,7 @@ class Wan22ServeConfig(ServeConfig):
     # the VAE decode's convolutions in this dtype where it runs channels-last (CUDA); None: float16 for a
     # float32 VAE (TF32's 10-bit mantissa at twice its tensor-core rate, sums and the residual stream stay
     # float32; a request whose decode overflows float16 is decoded again in float32, which then stays),
-    # else vae_dtype. "float32": TF32 convolutions, as before
+    # else vae_dtype. "float32": TF32 convolutions
     vae_conv_dtype: str | None = None
     text_length: int | None = None  # prompt tokens; None = 512 (tiny: 16)
     width: int | None = None  # default video size; None = 1280x704 (tiny: 64x64)

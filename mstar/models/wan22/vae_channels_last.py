@@ -15,7 +15,7 @@ reading the output adds anyway (`models/wan22/wan_vae_cl_ops.py` on CUDA):
 
 Only `to_qkv` (one small map a chunk) keeps its bias, and `conv_out`'s (12 channels) is added after it;
 on CUDA conv_out runs with its filters zero-padded to 32 (`_conv_weight`: cuDNN's kernel for 12 outputs
-was 3x slower).
+is much slower).
 
 `conv_dtype` (e.g. float16 for a float32 VAE) runs the convolutions alone in that dtype: their inputs are
 written in it (the norms round once, from float32), their weights are cast copies made on first use, and
@@ -81,9 +81,9 @@ def _conv_weight(conv: nn.Conv2d | nn.Conv3d, dtype: torch.dtype, wide: bool = F
     """conv's weight in `dtype`, with `wide` zero filters appended up to NARROW_CONV_CHANNELS outputs; a copy
     made once per weight version (`models/common/derived.py`; conv's own weight when neither applies).
 
-    For conv_out (256 -> 12 channels) cuDNN picks a kernel with a 16-wide tile that ran a 4-frame 832x480
-    chunk in 4.2 ms; with 32 outputs (the 20 extra are zeros, sliced off) it picks one that takes 1.3 ms
-    (`benchmarks/wan_vae_conv_out_micro.py`). The 12 channels differ only by TF32 rounding."""
+    For conv_out (256 -> 12 channels) cuDNN picks a kernel with a 16-wide tile that is several times
+    slower than the one it picks for 32 outputs (the 20 extra are zeros, sliced off). The 12 channels
+    differ only by TF32 rounding."""
     weight = conv.weight
     wide = wide and weight.shape[0] < NARROW_CONV_CHANNELS
     if weight.dtype == dtype and not wide:

@@ -145,9 +145,8 @@ def _mux_audio(container, stream, frames: np.ndarray, sample_rate: int) -> None:
 def warm_encoders(outputs: tuple[str, ...] | list[str], sample_rate: int) -> dict[str, float]:
     """Encode a few milliseconds of silence or black frames once per container a model with `outputs`
     (its output modalities) may be asked for, so that the first request does not pay the codecs' and
-    libraries' first use (dev machine, first encode of 1 s at 24 kHz: aac 52-66 ms cold, 9-13 ms warmed;
-    mp3 17-26 / 12 ms; the first MP4 ~50 ms, PyAV's import included). Never raises
-    (a format that fails is logged and left cold). Seconds each warm-up took, by format."""
+    libraries' first use, several times a warm encode. Never raises (a format that fails is logged and
+    left cold). Seconds each warm-up took, by format."""
     jobs = []
     if "audio" in outputs:
         silence = np.zeros(max(1, sample_rate // 20), dtype=np.float32)
@@ -204,9 +203,8 @@ def encode_video(frames: np.ndarray, fps: float, audio: DecodedAudio | None = No
             stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
             stream.width, stream.height = frames.shape[2], frames.shape[1]
             stream.pix_fmt = "yuv420p"
-            # Macroblock-tree rate control made run-to-run different bitstreams from the same tiny frames
-            # (64x32: three distinct MP4s in 24 encodes inside a busy server; none without it), so a
-            # same-seed job would not give the same file. Off, at a small cost in size for the same CRF.
+            # Macroblock-tree rate control can make different bitstreams from the same frames from run to
+            # run, so a same-seed job would not give the same file; off, at a small cost in size.
             stream.options = {"crf": str(crf), "x264-params": "mbtree=0"}
             audio_stream = None
             if audio is not None:
