@@ -13,7 +13,10 @@ import base64
 import importlib.util
 import json
 import logging
-from collections.abc import Iterable, Sequence
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from mstar.models.common.chat_templates import CHATML_TEMPLATE, LLAMA3_TEMPLATE
@@ -229,26 +232,27 @@ _BUILD_VERSION = 1  # bump when a builder's output changes, so stale cached fold
 
 
 def cached_tokenizer_folder(name: str, cache_dir: str | Path | None = None) -> Path:
-    """The folder for `name` ('qwen2' or 'llama3'), built once per machine under the temp dir and reused.
-
-    Built in a scratch folder and renamed into place, so concurrent test processes never see half a folder.
-    """
-    import os
-    import tempfile
-
+    """The folder for `name` ('qwen2' or 'llama3'), built once per machine (`cached_folder`)."""
     if name not in _BUILDERS:
         raise ValueError(f"unknown tokenizer {name!r}; choose one of {sorted(_BUILDERS)}")
+    return cached_folder(f"{name}-v{_BUILD_VERSION}", _BUILDERS[name], cache_dir)
+
+
+def cached_folder(name: str, build: Callable[[Path], object], cache_dir: str | Path | None = None) -> Path:
+    """Folder `name` under `cache_dir` (default: `mstar_tokenizers` in the temp dir), made by `build(folder)`
+    the first time and reused after; put the builder's version in `name` so a changed builder rebuilds.
+
+    Built in a scratch folder and renamed into place, so concurrent processes never see half a folder.
+    """
     root = Path(cache_dir or Path(tempfile.gettempdir()) / "mstar_tokenizers")
-    final = root / f"{name}-v{_BUILD_VERSION}"
+    final = root / name
     if (final / "tokenizer_config.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=root))
-    _BUILDERS[name](scratch)
+    build(scratch)
     try:
         os.rename(scratch, final)
     except OSError:  # another process won the race; use its folder
-        import shutil
-
         shutil.rmtree(scratch, ignore_errors=True)
     return final

@@ -73,30 +73,18 @@ _TINY_TOKENIZER_VERSION = 1  # bump when the tiny tokenizer changes, so cached f
 
 
 def tiny_tokenizer_folder(cache_dir: str | Path | None = None) -> Path:
-    """A ChatML byte-level BPE tokenizer folder (eos `<|im_end|>`), trained offline in well under a second.
+    """A ChatML byte-level BPE tokenizer folder (eos `<|im_end|>`), trained offline in well under a second
+    and built once per machine (`cached_folder`). Ids are below `TINY_TOKENIZER_VOCAB`."""
+    from mstar.models.common.tokenizer_build import cached_folder
 
-    Built once per machine under the temp dir (or `cache_dir`) and renamed into place, so concurrent
-    processes never see a half-written folder. Ids are below `TINY_TOKENIZER_VOCAB`.
-    """
-    import os
-    import shutil
-    import tempfile
+    return cached_folder(f"tiny-chatml-v{_TINY_TOKENIZER_VERSION}", _write_tiny_tokenizer, cache_dir)
 
+
+def _write_tiny_tokenizer(out_dir: Path) -> None:
     from mstar.models.common.chat_templates import CHATML_TEMPLATE
     from mstar.models.common.tokenizer_build import train_byte_level_bpe, write_tokenizer_folder
 
-    root = Path(cache_dir or Path(tempfile.gettempdir()) / "mstar_tokenizers")
-    final = root / f"tiny-chatml-v{_TINY_TOKENIZER_VERSION}"
-    if (final / "tokenizer_config.json").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix="tiny-chatml.", dir=root))
     tok = train_byte_level_bpe(_TINY_CORPUS, vocab_size=TINY_TOKENIZER_VOCAB)
     config = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
               "chat_template": CHATML_TEMPLATE, "clean_up_tokenization_spaces": False}
-    write_tokenizer_folder(scratch, tok, config)
-    try:
-        os.rename(scratch, final)
-    except OSError:  # another process won the race; use its folder
-        shutil.rmtree(scratch, ignore_errors=True)
-    return final
+    write_tokenizer_folder(out_dir, tok, config)

@@ -53,23 +53,10 @@ def build_omni_tokenizer_folder(out_dir: str | Path) -> Path:
 
 
 def omni_tokenizer_folder(cache_dir: str | Path | None = None) -> Path:
-    """`build_omni_tokenizer_folder` once per machine under the temp dir (renamed into place)."""
-    import os
-    import shutil
-    import tempfile
+    """`build_omni_tokenizer_folder` once per machine (`cached_folder`)."""
+    from mstar.models.common.tokenizer_build import cached_folder
 
-    root = Path(cache_dir or Path(tempfile.gettempdir()) / "mstar_tokenizers")
-    final = root / f"qwen3-omni-v{_VERSION}"
-    if (final / "tokenizer_config.json").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix="qwen3-omni.", dir=root))
-    build_omni_tokenizer_folder(scratch)
-    try:
-        os.rename(scratch, final)
-    except OSError:  # another process won the race; use its folder
-        shutil.rmtree(scratch, ignore_errors=True)
-    return final
+    return cached_folder(f"qwen3-omni-v{_VERSION}", build_omni_tokenizer_folder, cache_dir)
 
 
 def token_ids(tokenizer) -> dict[str, int]:

@@ -68,23 +68,7 @@ _TINY_TOKENIZER_VERSION = 1  # bump when write_tiny_tokenizer's output changes
 
 
 def tiny_tokenizer_folder(cache_dir: str | Path | None = None) -> Path:
-    """The tiny tokenizer folder, built once per machine under the temp dir (or `cache_dir`) and reused.
+    """The tiny tokenizer folder, built once per machine (`cached_folder`)."""
+    from mstar.models.common.tokenizer_build import cached_folder
 
-    Built in a scratch folder and renamed into place, so concurrent processes never see half a folder.
-    """
-    import os
-    import shutil
-    import tempfile
-
-    root = Path(cache_dir or Path(tempfile.gettempdir()) / "mstar_tokenizers")
-    final = root / f"tiny-umt5-v{_TINY_TOKENIZER_VERSION}"
-    if (final / "tokenizer.json").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix="tiny-umt5.", dir=root))
-    write_tiny_tokenizer(scratch)
-    try:
-        os.rename(scratch, final)
-    except OSError:  # another process won the race; use its folder
-        shutil.rmtree(scratch, ignore_errors=True)
-    return final
+    return cached_folder(f"tiny-umt5-v{_TINY_TOKENIZER_VERSION}", write_tiny_tokenizer, cache_dir)
