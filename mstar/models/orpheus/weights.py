@@ -8,13 +8,13 @@ plain `weight` = g * v / |v| (norm over every dim but 0) once at load.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
+from mstar.models.common.loading import read_config_json
 from mstar.models.orpheus.snac import SnacConfig, SnacDecoder
 
 logger = logging.getLogger(__name__)
@@ -72,11 +72,9 @@ def snac_folder(path_or_repo: str | Path | None) -> Path:
 
 def read_snac_config(folder: Path) -> SnacConfig:
     """The SnacConfig of a checkpoint folder's config.json."""
-    file = folder / "config.json"
-    if not file.is_file():
-        raise FileNotFoundError(f"no config.json in the SNAC folder {folder}; pass model_kwargs.snac_path "
-                                f"with a folder holding config.json and pytorch_model.bin (like {SNAC_REPO})")
-    return SnacConfig.from_dict(json.loads(file.read_text()))
+    return SnacConfig.from_dict(read_config_json(
+        folder / "config.json", f"pass model_kwargs.snac_path with a SNAC folder holding config.json and "
+        f"pytorch_model.bin (like {SNAC_REPO})"))
 
 
 def _snac_tensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -7,7 +7,6 @@ Sizes of the full checkpoint are in `FULL_SIZES`; tiny random configs for tests 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,8 @@ from typing import Any
 import torch
 
 from mstar.layers.moe import MoESpec
-from mstar.models.common.serve_config import DTYPES
+from mstar.models.common.loading import read_config_json
+from mstar.models.common.serve_config import checkpoint_dtype
 from mstar.models.qwen3_omni.mrope import MRopeSpec
 
 # The full checkpoint's main sizes (for docs, benchmarks and a sanity test of the parser).
@@ -163,7 +163,7 @@ class OmniConfig:
         if cfg.get("model_type") != "qwen3_omni_moe":
             raise ValueError(f"model_type {cfg.get('model_type')!r} is not a Qwen3-Omni checkpoint "
                              "(expected 'qwen3_omni_moe')")
-        dtype = DTYPES.get(str(cfg.get("dtype", cfg.get("torch_dtype", "bfloat16"))), torch.bfloat16)
+        dtype = checkpoint_dtype(cfg)
         th = cfg["thinker_config"]
         vision, audio = th.get("vision_config", {}), th.get("audio_config", {})
         thinker = ThinkerConfig(MoETextConfig.from_hf(th["text_config"], dtype),
@@ -179,10 +179,7 @@ class OmniConfig:
     @classmethod
     def from_path(cls, path: str | Path) -> OmniConfig:
         """The config of a checkpoint folder (its config.json)."""
-        file = Path(path) / "config.json"
-        if not file.is_file():
-            raise FileNotFoundError(f"no config.json in {path}; pass a Qwen3-Omni checkpoint folder")
-        return cls.from_hf(json.loads(file.read_text()))
+        return cls.from_hf(read_config_json(Path(path) / "config.json", "pass a Qwen3-Omni checkpoint folder"))
 
 
 def _talker(cfg: dict[str, Any], vision: dict[str, Any], audio: dict[str, Any], dtype: torch.dtype) -> TalkerConfig:

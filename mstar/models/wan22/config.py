@@ -8,14 +8,14 @@ modules need and rejects options we do not implement, naming the key.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mstar.models.common.serve_config import dtype_named
+from mstar.models.common.loading import read_config_json
+from mstar.models.common.serve_config import checkpoint_dtype
 
 TEXT_LENGTH = 512  # Wan pads and truncates every prompt to 512 tokens (max_sequence_length)
 
@@ -51,7 +51,7 @@ class UMT5Config:
             relative_attention_num_buckets=cfg.get("relative_attention_num_buckets", 32),
             relative_attention_max_distance=cfg.get("relative_attention_max_distance", 128),
             layer_norm_epsilon=cfg.get("layer_norm_epsilon", 1e-6),
-            dtype=_dtype(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
+            dtype=checkpoint_dtype(cfg),
         )
 
 
@@ -106,7 +106,7 @@ class WanTransformerConfig:
             num_layers=cfg["num_layers"],
             cross_attn_norm=bool(cfg.get("cross_attn_norm", True)),
             eps=cfg.get("eps", 1e-6),
-            dtype=_dtype(cfg.get("torch_dtype") or "bfloat16"),
+            dtype=checkpoint_dtype(cfg),
         )
 
 
@@ -175,13 +175,7 @@ class Wan22Config:
 
 def read_config(path: Path) -> dict[str, Any]:
     """The JSON dict at `path`; FileNotFoundError says which Diffusers sub-folder is missing."""
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"no {path.name} at {path}; pass a Diffusers-format Wan2.2 folder (e.g. a download of "
-            "Wan-AI/Wan2.2-TI2V-5B-Diffusers) holding text_encoder/, transformer/ and scheduler/"
-        )
-    return json.loads(path.read_text())
+    return read_config_json(path, "pass a Diffusers-format Wan2.2 folder (e.g. a download of "
+                            "Wan-AI/Wan2.2-TI2V-5B-Diffusers) holding text_encoder/, transformer/ and scheduler/")
 
 
-def _dtype(name: str) -> torch.dtype:
-    return dtype_named(name, "the checkpoint's dtype")

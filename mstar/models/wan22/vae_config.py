@@ -6,11 +6,12 @@ patchified 2x2 into 12 channels) is supported; the Wan2.1 VAE raises with a clea
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from mstar.models.common.loading import read_config_json
 
 logger = logging.getLogger(__name__)
 
@@ -105,12 +106,7 @@ class WanVAEConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> WanVAEConfig:
         """Read `path` (a config.json, or a folder holding one)."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no config.json at {path}; pass the Diffusers `vae` folder of Wan2.2")
-        return cls.from_hf(json.loads(path.read_text()))
+        return cls.from_hf(read_config_json(path, "pass the Diffusers `vae` folder of Wan2.2"))
 
     def to_hf(self) -> dict[str, Any]:
         """The Diffusers config.json dict of this config (round-trips through `from_hf`)."""
