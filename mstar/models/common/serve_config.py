@@ -1,13 +1,14 @@
-"""What every model's serving config (YAML `model_kwargs`) holds, and the dtype names they all take.
+"""What every model's serving config (YAML `model_kwargs`) holds, dtype names and an LM's decode bound.
 
 A model's config subclasses `ServeConfig` (or `LMServeConfig` for a model that tokenizes text) and adds
 its own fields; engine settings (batch limits, KV pool, CUDA graph sizes) are not among them: they
 are the component's engine spec (`mstar.engines.base`), set per component in the YAML `engines:`.
+`checkpoint_dtype` reads a config.json's dtype; `decode_steps` bounds an LM's decode loop by max_tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,3 +55,13 @@ class LMServeConfig(ServeConfig):
 
     tokenizer_path: str | None = None  # default: the checkpoint folder
     max_model_len: int | None = None  # tokens of prompt and output; None: the checkpoint's context
+
+
+def decode_steps(context_len: int) -> Callable[[Mapping[str, Any]], int]:
+    """A decode Loop's `max_iterations`: a request's max_tokens less one (its prefill samples the first
+    token), or `context_len` when it sets none (the engine then ends the sequence at the context's end)."""
+    def steps(options: Mapping[str, Any]) -> int:
+        max_tokens = options.get("max_tokens")
+        return context_len if max_tokens is None else max(int(max_tokens) - 1, 0)
+
+    return steps

@@ -25,7 +25,7 @@ import torch
 from mstar.engines.base import AutoregressiveSpec
 from mstar.graph import CARRY, ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Walk
 from mstar.models.base import BuiltComponent, Model
-from mstar.models.common.serve_config import LMServeConfig
+from mstar.models.common.serve_config import LMServeConfig, decode_steps
 from mstar.models.llama.config import LlamaConfig
 from mstar.models.llama.processor import LOGPROB_OUTPUTS, TextProcessor
 
@@ -42,10 +42,6 @@ class LLMConfig(LMServeConfig):
 
 def lm_graph(context_len: int) -> ModelGraph:
     """The prefill/decode graph; `context_len` bounds decode when a request sets no max_tokens."""
-    def decode_steps(options: dict[str, Any]) -> int:
-        max_tokens = options.get("max_tokens")
-        return context_len if max_tokens is None else max(int(max_tokens) - 1, 0)
-
     sampled = {"token": "token", **{name: name for name in LOGPROB_OUTPUTS}}  # logprobs only when asked
     prefill = Node("llm", inputs={"input_ids": "prompt_ids"}, outputs=sampled)
     decode = Node("llm", inputs={"input_ids": "token", "prompt_ids": "prompt_ids"}, outputs=sampled)
@@ -55,7 +51,7 @@ def lm_graph(context_len: int) -> ModelGraph:
         walks=(
             Walk("prefill", "lm", prefill, inputs=("prompt_ids",),
                  emits=(Emit("token", name="text"), *logprobs, Emit("token", CARRY))),
-            Walk("decode", "lm", Loop(decode, max_iterations=decode_steps, name="decode"),
+            Walk("decode", "lm", Loop(decode, max_iterations=decode_steps(context_len), name="decode"),
                  inputs=("token", "prompt_ids"), emits=(Emit("token", name="text"), *logprobs)),
         ),
         lanes=(Lane("lm", "prefill", {"prefill": "decode", "decode": None}),),

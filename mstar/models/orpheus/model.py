@@ -37,7 +37,7 @@ from mstar.graph import (
     Walk,
 )
 from mstar.models.base import BuiltComponent, Model
-from mstar.models.common.serve_config import LMServeConfig
+from mstar.models.common.serve_config import LMServeConfig, decode_steps
 from mstar.models.orpheus.processor import OrpheusProcessor
 from mstar.models.orpheus.tokens import DEFAULT_VOICE, FRAME, LLAMA3_VOCAB, OrpheusTokens, accept_audio_token
 
@@ -67,10 +67,6 @@ class OrpheusConfig(LMServeConfig):
 
 def orpheus_graph(context_len: int, tokens: OrpheusTokens, early_window: bool = True) -> ModelGraph:
     """The two-lane graph; `context_len` bounds decode for a request without max_tokens."""
-    def decode_steps(options: dict[str, Any]) -> int:
-        max_tokens = options.get("max_tokens")
-        return context_len if max_tokens is None else max(int(max_tokens) - 1, 0)
-
     prefill = Node("llm", inputs={"input_ids": "prompt_ids"}, outputs={"token": "token"})
     decode = Node("llm", inputs={"input_ids": "token", "prompt_ids": "prompt_ids"}, outputs={"token": "token"})
     vocode = Node("snac", inputs=("codes",), outputs=("audio",))
@@ -83,7 +79,7 @@ def orpheus_graph(context_len: int, tokens: OrpheusTokens, early_window: bool = 
         },
         walks=(
             Walk("prefill", "lm", prefill, inputs=("prompt_ids",), emits=(Emit("token", CARRY),)),
-            Walk("decode", "lm", Loop(decode, max_iterations=decode_steps, name="decode"),
+            Walk("decode", "lm", Loop(decode, max_iterations=decode_steps(context_len), name="decode"),
                  inputs=("token", "prompt_ids")),
             Walk("vocode", "vocoder", vocode, inputs=("codes",), emits=(Emit("audio"),)),
         ),
