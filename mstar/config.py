@@ -46,12 +46,9 @@ class KVCacheConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVCacheConfig:
-        """Build from a parsed YAML mapping; an unknown key is an error naming the valid ones."""
-        valid = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - valid)
-        if unknown:
-            raise ValueError(f"unknown kv_cache key(s) {unknown}; valid keys: {sorted(valid)}")
-        return cls(**data)
+        """Build from a parsed YAML mapping, as the config file's `kv_cache` is: values checked against
+        their types, an unknown key an error naming the valid ones."""
+        return _build(cls, data, "<dict>", "kv_cache.")
 
 
 def _is_int(value: Any) -> bool:

@@ -143,6 +143,19 @@ def _down_kernel(h_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, H, INTER, stride_we, st
     tl.store(out_ptr + t * stride_ot + rn, total.to(dtype), mask=rn < H)
 
 
+def experts_layout(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, ids: torch.Tensor,
+                   caller: str) -> tuple[int, int, int, int, int]:
+    """(T, H, top_k, E, I) of an experts call, asserting what the MoE kernels read: gate_up_proj [E, 2I, H]
+    and down_proj [E, H, I] with unit last strides, in x's dtype."""
+    t, hidden = x.shape
+    experts, two_i, _ = gate_up_proj.shape
+    inter = two_i // 2
+    assert gate_up_proj.shape == (experts, 2 * inter, hidden) and down_proj.shape == (experts, hidden, inter)
+    assert gate_up_proj.stride(2) == 1 and down_proj.stride(2) == 1, f"{caller}: experts need a unit K stride"
+    assert gate_up_proj.dtype == down_proj.dtype == x.dtype, f"{caller}: x and the experts share a dtype"
+    return t, hidden, ids.shape[1], experts, inter
+
+
 def experts_small(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, ids: torch.Tensor,
                   weights: torch.Tensor, config: SmallMoEConfig | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x [T, H] -> [T, H] in x's dtype.
@@ -151,14 +164,8 @@ def experts_small(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.
     stride and in x's dtype (bfloat16, float16 or float32); ids [T, k] (int64 from topk), weights
     [T, k]. Rounded like `experts_grouped`; capturable in a CUDA graph.
     """
-    t, hidden = x.shape
-    top_k = ids.shape[1]
-    num_experts, two_i, _ = gate_up_proj.shape
-    inter = two_i // 2
-    assert gate_up_proj.shape == (num_experts, 2 * inter, hidden) and down_proj.shape == (num_experts, hidden, inter)
-    assert gate_up_proj.stride(2) == 1 and down_proj.stride(2) == 1, "experts_small: experts need a unit K stride"
+    t, hidden, top_k, _, inter = experts_layout(x, gate_up_proj, down_proj, ids, "experts_small")
     x = x if x.stride(1) == 1 else x.contiguous()
-    assert gate_up_proj.dtype == down_proj.dtype == x.dtype, "experts_small: x and the experts share a dtype"
     cfg = config or small_config(hidden, inter, x.element_size())
     ids, weights = ids.contiguous(), weights.contiguous()
     h = torch.empty((t * top_k, inter), dtype=x.dtype, device=x.device)

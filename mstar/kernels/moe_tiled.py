@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mstar.kernels.moe_small import experts_layout
 from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 MAX_SLOTS = 4096  # one program of `_slots_kernel` holds all T * top_k expert ids in registers
@@ -197,13 +198,7 @@ def experts_tiled(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.
     (distinct within a token, as top-k gives them), weights [T, k]. Slots routed elsewhere add nothing.
     Weights with unit last stride, in x's dtype (bfloat16, float16 or float32). Capturable in a CUDA graph.
     """
-    t, hidden = x.shape
-    top_k = ids.shape[1]
-    local, two_i, _ = gate_up_proj.shape
-    inter = two_i // 2
-    assert gate_up_proj.shape == (local, 2 * inter, hidden) and down_proj.shape == (local, hidden, inter)
-    assert gate_up_proj.stride(2) == 1 and down_proj.stride(2) == 1, "experts_tiled: experts need a unit K stride"
-    assert gate_up_proj.dtype == down_proj.dtype == x.dtype, "experts_tiled: x and the experts share a dtype"
+    t, hidden, top_k, local, inter = experts_layout(x, gate_up_proj, down_proj, ids, "experts_tiled")
     num_slots = t * top_k
     if num_slots > MAX_SLOTS:
         raise ValueError(f"experts_tiled takes at most {MAX_SLOTS} (token, expert) slots, got {t} x {top_k}")

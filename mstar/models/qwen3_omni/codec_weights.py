@@ -9,8 +9,9 @@ and gate/up, so those tensors land at a row offset of the fused parameter.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
@@ -22,6 +23,7 @@ from mstar.models.qwen3_omni.code_predictor_config import CodePredictorConfig
 
 logger = logging.getLogger(__name__)
 
+M = TypeVar("M", bound=torch.nn.Module)
 CODE_PREDICTOR_PREFIX = "talker.code_predictor."
 TALKER_CODEC_EMBEDDING = "talker.model.codec_embedding.weight"
 CODE2WAV_PREFIX = "code2wav."
@@ -87,28 +89,28 @@ def build_code_predictor(cfg: CodePredictorConfig, checkpoint: Path | None, load
                          dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                          progress: bool = True) -> CodePredictor:
     """A CodePredictor on `device` in `dtype`, weights from `checkpoint` or seeded dummies."""
-    model = CodePredictor(cfg).to(device=device, dtype=dtype).eval()
-    _fill(model, checkpoint, load_format, progress, load_code_predictor)
-    return model
+    return _fill(CodePredictor(cfg).to(device=device, dtype=dtype).eval(), checkpoint, load_format, progress,
+                 load_code_predictor)
 
 
 def build_code2wav(cfg: Code2WavConfig, checkpoint: Path | None, load_format: str = "auto",
                    dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                    progress: bool = True) -> Code2Wav:
     """A Code2Wav on `device` in `dtype`, weights from `checkpoint` or seeded dummies."""
-    model = Code2Wav(cfg).to(device=device, dtype=dtype).eval()
-    _fill(model, checkpoint, load_format, progress, load_code2wav)
-    return model
+    return _fill(Code2Wav(cfg).to(device=device, dtype=dtype).eval(), checkpoint, load_format, progress,
+                 load_code2wav)
 
 
-def _fill(model: torch.nn.Module, checkpoint: Path | None, load_format: str, progress: bool, load) -> None:
+def _fill(model: M, checkpoint: Path | None, load_format: str, progress: bool, load: Callable[[M, Any], None]) -> M:
+    """`model` with seeded dummy weights, or with those of `checkpoint` copied in by `load`."""
     if load_format not in loading.LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {loading.LOAD_FORMATS}")
     if load_format == "dummy":
         loading.fill_dummy_weights(model)
-        return
+        return model
     if checkpoint is None:
         raise ValueError(f"{type(model).__name__} needs a checkpoint folder with load_format='auto'; "
                          "pass --model-path or use --load-format dummy")
     load(model, loading.iter_checkpoint_tensors(Path(checkpoint), progress=progress))
     logger.info("loaded %s from %s", type(model).__name__, checkpoint)
+    return model

@@ -12,6 +12,7 @@ import logging
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from mstar.models.qwen3_omni.vision_encoder import VisionEncoder
 
 logger = logging.getLogger(__name__)
 
+E = TypeVar("E", AudioEncoder, VisionEncoder)
 AUDIO_PREFIX = "thinker.audio_tower."
 VISION_PREFIX = "thinker.visual."
 
@@ -76,17 +78,19 @@ def build_audio_encoder(
     config: AudioEncoderConfig, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
 ) -> AudioEncoder:
     """An AudioEncoder in `dtype` on `device`, weights UNINITIALISED (fill them next)."""
-    model = build_on_meta(lambda: AudioEncoder(config).to(dtype), dtype, device)
-    assert isinstance(model, AudioEncoder)
-    return model
+    return _built(AudioEncoder, config, dtype, device)
 
 
 def build_vision_encoder(
     config: VisionEncoderConfig, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"
 ) -> VisionEncoder:
     """A VisionEncoder in `dtype` on `device`, weights UNINITIALISED (fill them next)."""
-    model = build_on_meta(lambda: VisionEncoder(config).to(dtype), dtype, device)
-    assert isinstance(model, VisionEncoder)
+    return _built(VisionEncoder, config, dtype, device)
+
+
+def _built(cls: type[E], config: Any, dtype: torch.dtype, device: str | torch.device) -> E:
+    model = build_on_meta(lambda: cls(config).to(dtype), dtype, device)
+    assert isinstance(model, cls)
     return model
 
 

@@ -6,7 +6,8 @@ every process) builds the same model.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -15,6 +16,7 @@ from mstar.models.wan22.text_encoder import UMT5Encoder
 from mstar.models.wan22.transformer import WanTransformer
 from mstar.models.wan22.vae import WanVAE
 
+M = TypeVar("M", bound=torch.nn.Module)
 _TINY_STD = 0.3  # tiny random weights large enough that prompts and steps visibly change the output
 
 
@@ -22,22 +24,14 @@ def text_encoder(model: Any, dtype: torch.dtype, device: torch.device) -> UMT5En
     """The UMT5 encoder of `model` (a Wan22Model) in `dtype` on `device`."""
     from mstar.models.wan22.weights import build_text_encoder, load_text_encoder
 
-    if model.checkpoint is not None:
-        return load_text_encoder(model.checkpoint, model.load_format, dtype, device)
-    encoder = build_text_encoder(model.components.text_encoder, dtype, device)
-    _fill(encoder, model.config)
-    return encoder
+    return _loaded(model, load_text_encoder, build_text_encoder, model.components.text_encoder, dtype, device)
 
 
 def transformer(model: Any, dtype: torch.dtype, device: torch.device) -> WanTransformer:
     """The video DiT of `model` in `dtype` (timestep parts stay float32) on `device`."""
     from mstar.models.wan22.weights import build_transformer, load_transformer
 
-    if model.checkpoint is not None:
-        return load_transformer(model.checkpoint, model.load_format, dtype, device)
-    dit = build_transformer(model.components.transformer, dtype, device)
-    _fill(dit, model.config)
-    return dit
+    return _loaded(model, load_transformer, build_transformer, model.components.transformer, dtype, device)
 
 
 def vae(model: Any, dtype: torch.dtype, device: torch.device) -> WanVAE:
@@ -48,6 +42,16 @@ def vae(model: Any, dtype: torch.dtype, device: torch.device) -> WanVAE:
         return load_vae(model.checkpoint, load_format=model.load_format, dtype=dtype, device=device,
                         seed=model.config.seed)
     return load_vae(load_format="dummy", config=model.vae_config, dtype=dtype, device=device, seed=model.config.seed)
+
+
+def _loaded(model: Any, load: Callable[..., M], build: Callable[..., M], config: Any, dtype: torch.dtype,
+            device: torch.device) -> M:
+    """`load` from the deployment's checkpoint, else `build` from `config` with seeded random weights."""
+    if model.checkpoint is not None:
+        return load(model.checkpoint, model.load_format, dtype, device)
+    module = build(config, dtype, device)
+    _fill(module, model.config)
+    return module
 
 
 def _fill(module: torch.nn.Module, config: Any) -> None:

@@ -7,10 +7,13 @@ soundfile, scipy and PyAV are imported inside the functions that use them.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from math import gcd
+from typing import Any
 
 import numpy as np
 
@@ -135,28 +138,37 @@ def _decode_audio_soundfile(data: bytes, policy: MediaPolicy) -> DecodedAudio:
 
 
 def _decode_audio_av(data: bytes, policy: MediaPolicy) -> DecodedAudio:
-    import av  # a dependency; imported here since few requests carry video
-    try:
-        with av.open(io.BytesIO(data), mode="r") as container:
-            if not container.streams.audio:
-                raise MediaError(400, "could not decode audio: no audio stream found")
-            stream = container.streams.audio[0]
-            rate = int(stream.codec_context.sample_rate or stream.rate)
-            pieces: list[np.ndarray] = []
-            total = 0
-            for frame in container.decode(stream):
-                pieces.append(_audio_frame_to_array(frame))
-                total += pieces[-1].shape[0]
-                if total / rate > policy.max_audio_seconds:
-                    raise MediaError(413, f"audio lasts over the limit of {policy.max_audio_seconds} s")
-                _check_audio_samples(total * pieces[-1].shape[1], policy)
-    except MediaError:
-        raise
-    except (av.FFmpegError, ValueError, IndexError) as exc:
-        raise MediaError(400, f"could not decode audio (unsupported or corrupt): {exc}") from None
+    pieces: list[np.ndarray] = []
+    total = 0
+    with _av_stream(data, "audio") as (container, stream):
+        rate = int(stream.codec_context.sample_rate or stream.rate)
+        for frame in container.decode(stream):
+            pieces.append(_audio_frame_to_array(frame))
+            total += pieces[-1].shape[0]
+            if total / rate > policy.max_audio_seconds:
+                raise MediaError(413, f"audio lasts over the limit of {policy.max_audio_seconds} s")
+            _check_audio_samples(total * pieces[-1].shape[1], policy)
     if not pieces:
         raise MediaError(400, "could not decode audio: the stream has no samples")
     return DecodedAudio(np.concatenate(pieces, axis=0), rate)
+
+
+@contextlib.contextmanager
+def _av_stream(data: bytes, kind: str) -> Iterator[tuple[Any, Any]]:
+    """(container, its first `kind` stream: "audio" or "video"); a decoding error in the block becomes
+    MediaError 400."""
+    import av  # a dependency; imported here since few requests carry video
+
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            streams = container.streams.audio if kind == "audio" else container.streams.video
+            if not streams:
+                raise MediaError(400, f"could not decode {kind}: no {kind} stream found")
+            yield container, streams[0]
+    except MediaError:
+        raise
+    except (av.FFmpegError, ValueError, IndexError) as exc:
+        raise MediaError(400, f"could not decode {kind} (unsupported or corrupt): {exc}") from None
 
 
 def _check_audio_samples(values: int, policy: MediaPolicy) -> None:
@@ -184,28 +196,19 @@ def decode_video(source, policy: MediaPolicy | None = None, max_frames: int = 25
         raise ValueError(f"max_frames must be >= 1, got {max_frames}")
     policy = policy or MediaPolicy()
     data = load_media_bytes(source, policy)
-    import av
     frames: list[np.ndarray] = []
-    try:
-        with av.open(io.BytesIO(data), mode="r") as container:
-            if not container.streams.video:
-                raise MediaError(400, "could not decode video: no video stream found")
-            stream = container.streams.video[0]
-            width, height = stream.codec_context.width, stream.codec_context.height
-            if width * height > policy.max_image_pixels:
-                raise MediaError(413, f"video is {width}x{height}, over the limit of {policy.max_image_pixels} pixels")
-            fps = float(stream.average_rate or stream.guessed_rate or 0.0)
-            for frame in container.decode(stream):
-                if (len(frames) + 1) * width * height > policy.max_video_pixels:
-                    raise MediaError(413, f"video decodes to over {policy.max_video_pixels} pixels (frames x "
-                                          f"{width}x{height}); send fewer frames or a smaller size")
-                frames.append(frame.to_ndarray(format="rgb24"))
-                if len(frames) >= max_frames:
-                    break
-    except MediaError:
-        raise
-    except (av.FFmpegError, ValueError, IndexError) as exc:
-        raise MediaError(400, f"could not decode video (unsupported or corrupt): {exc}") from None
+    with _av_stream(data, "video") as (container, stream):
+        width, height = stream.codec_context.width, stream.codec_context.height
+        if width * height > policy.max_image_pixels:
+            raise MediaError(413, f"video is {width}x{height}, over the limit of {policy.max_image_pixels} pixels")
+        fps = float(stream.average_rate or stream.guessed_rate or 0.0)
+        for frame in container.decode(stream):
+            if (len(frames) + 1) * width * height > policy.max_video_pixels:
+                raise MediaError(413, f"video decodes to over {policy.max_video_pixels} pixels (frames x "
+                                      f"{width}x{height}); send fewer frames or a smaller size")
+            frames.append(frame.to_ndarray(format="rgb24"))
+            if len(frames) >= max_frames:
+                break
     if not frames:
         raise MediaError(400, "could not decode video: no frames")
     return DecodedVideo(np.stack(frames), fps)
