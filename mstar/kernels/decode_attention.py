@@ -64,14 +64,24 @@ def _new_token(q, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, b, kvh, spli
 
 
 @triton.jit
-def _load_block(k_cache_ptr, v_cache_ptr, block_tables_ptr, b, stride_bt, kvh, start, hi, d, dmask,
-                NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Cached keys and values [BLOCK_N, BLOCK_D] of positions start.. (masked from `hi` on), gathered
-    through the block table, and the mask of the valid positions."""
+def kv_rows(block_tables_ptr, b, stride_bt, kvh, start, hi,
+            NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(positions n = start.., the mask n < hi, each position's element offset of head `kvh` in a paged
+    cache [pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM]) for sequence b, through its block-table row."""
     n = start + tl.arange(0, BLOCK_N)
     nmask = n < hi
     page = tl.load(block_tables_ptr + b * stride_bt + n // PAGE_SIZE, mask=nmask, other=0)
     row = (page.to(tl.int64) * PAGE_SIZE + n % PAGE_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
+    return n, nmask, row
+
+
+@triton.jit
+def _load_block(k_cache_ptr, v_cache_ptr, block_tables_ptr, b, stride_bt, kvh, start, hi, d, dmask,
+                NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Cached keys and values [BLOCK_N, BLOCK_D] of positions start.. (masked from `hi` on), gathered
+    through the block table, and the mask of the valid positions."""
+    _, nmask, row = kv_rows(block_tables_ptr, b, stride_bt, kvh, start, hi, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE,
+                            BLOCK_N)
     kv_mask = nmask[:, None] & dmask[None, :]
     k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)

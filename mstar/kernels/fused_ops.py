@@ -60,17 +60,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, x_stride_t, x_stride_h, cs_stride, out_stride_t,
-                   out_stride_h, HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    pdl_launch_dependents(PDL)
-    pdl_wait(PDL)  # x and the step's cos/sin come from earlier kernels
-    t = tl.program_id(0)
+def _head_halves(x_ptr, t, x_stride_t, x_stride_h, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    """This program's heads of token t: (head ids, their mask, the half-column index d, x's two halves
+    [BLOCK_H, HALF] in x's dtype)."""
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads[:, None] < num_heads
     d = tl.arange(0, HALF)[None, :]
     base = x_ptr + t * x_stride_t + heads[:, None] * x_stride_h
     x1 = tl.load(base + d, mask=hmask, other=0.0)
     x2 = tl.load(base + HALF + d, mask=hmask, other=0.0)
+    return heads, hmask, d, x1, x2
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, x_stride_t, x_stride_h, cs_stride, out_stride_t,
+                   out_stride_h, HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)  # x and the step's cos/sin come from earlier kernels
+    t = tl.program_id(0)
+    heads, hmask, d, x1, x2 = _head_halves(x_ptr, t, x_stride_t, x_stride_h, num_heads, HALF, BLOCK_H)
     _store_rotated(x1.to(tl.float32), x2.to(tl.float32), x1, cos_ptr + t * cs_stride, sin_ptr + t * cs_stride,
                    out_ptr + t * out_stride_t + heads[:, None] * out_stride_h, d, hmask, HALF)
 
@@ -165,12 +173,7 @@ def _qk_norm_rotary_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, num
     pdl_launch_dependents(PDL)
     pdl_wait(PDL)
     t = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads[:, None] < num_heads
-    d = tl.arange(0, HALF)[None, :]
-    base = x_ptr + t * x_stride_t + heads[:, None] * x_stride_h
-    x1 = tl.load(base + d, mask=hmask, other=0.0)
-    x2 = tl.load(base + HALF + d, mask=hmask, other=0.0)
+    heads, hmask, d, x1, x2 = _head_halves(x_ptr, t, x_stride_t, x_stride_h, num_heads, HALF, BLOCK_H)
     # RMSNorm over each head's 2 * HALF values (q heads first, with q's weight, then k heads, k's)
     is_q = heads[:, None] < num_q
     w1 = tl.where(is_q, tl.load(qw_ptr + d), tl.load(kw_ptr + d)).to(tl.float32)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mstar.kernels.decode_attention import LOG2E
+from mstar.kernels.decode_attention import LOG2E, kv_rows
 from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 
@@ -56,10 +56,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, q_starts_
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        nmask = n < hi
-        page = tl.load(block_tables_ptr + b * stride_bt + n // PAGE_SIZE, mask=nmask, other=0)
-        row = (page.to(tl.int64) * PAGE_SIZE + n % PAGE_SIZE) * (NUM_KV_HEADS * HEAD_DIM) + kvh * HEAD_DIM
+        n, nmask, row = kv_rows(block_tables_ptr, b, stride_bt, kvh, start, hi, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE,
+                                BLOCK_N)
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale

@@ -35,22 +35,32 @@ def _mod_offset(row, seq_len, group_len, stride_b, stride_t):
 
 
 @triton.jit
+def _token_row(ptr, row, seq_len, stride_b, stride_l):
+    """Start of packed row `row` (request row // seq_len, token row % seq_len) of a [B, L, D] tensor."""
+    return ptr + (row // seq_len) * stride_b + (row % seq_len) * stride_l
+
+
+@triton.jit
+def _centred(xf, mask, n_cols, eps):
+    """LayerNorm's statistics of one float32 row: (x - mean, zero where masked; 1 / std)."""
+    mean = tl.sum(xf, axis=0) / n_cols
+    diff = tl.where(mask, xf - mean, 0.0)
+    return diff, 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
+
+
+@triton.jit
 def _ln_modulate_kernel(x_ptr, res_ptr, sum_ptr, shift_ptr, scale_ptr, out_ptr, n_cols, seq_len, group_len,
                         x_sb, x_sl, r_sb, r_sl, sh_sb, sh_st, sc_sb, sc_st, eps,
                         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # offsets of long videos pass 2**31
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    b, tok = row // seq_len, row % seq_len
-    x = tl.load(x_ptr + b * x_sb + tok * x_sl + cols, mask=mask, other=0.0)
+    x = tl.load(_token_row(x_ptr, row, seq_len, x_sb, x_sl) + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + b * r_sb + tok * r_sl + cols, mask=mask, other=0.0)
+        r = tl.load(_token_row(res_ptr, row, seq_len, r_sb, r_sl) + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # `x + residual` in torch rounds here
         tl.store(sum_ptr + row * n_cols + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    mean = tl.sum(xf, axis=0) / n_cols
-    diff = tl.where(mask, xf - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
+    diff, rstd = _centred(x.to(tl.float32), mask, n_cols, eps)
     shift = tl.load(shift_ptr + _mod_offset(row, seq_len, group_len, sh_sb, sh_st) + cols, mask=mask)
     scale = tl.load(scale_ptr + _mod_offset(row, seq_len, group_len, sc_sb, sc_st) + cols, mask=mask)
     out = (diff * rstd) * (1.0 + scale.to(tl.float32)) + shift.to(tl.float32)
@@ -64,18 +74,14 @@ def _gated_residual_kernel(x_ptr, y_ptr, gate_ptr, w_ptr, bias_ptr, out_ptr, h_p
     row = tl.program_id(0).to(tl.int64)  # offsets of long videos pass 2**31
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    b, tok = row // seq_len, row % seq_len
-    x = tl.load(x_ptr + b * x_sb + tok * x_sl + cols, mask=mask, other=0.0)
-    y = tl.load(y_ptr + b * y_sb + tok * y_sl + cols, mask=mask, other=0.0)
+    x = tl.load(_token_row(x_ptr, row, seq_len, x_sb, x_sl) + cols, mask=mask, other=0.0)
+    y = tl.load(_token_row(y_ptr, row, seq_len, y_sb, y_sl) + cols, mask=mask, other=0.0)
     gate = tl.load(gate_ptr + _mod_offset(row, seq_len, group_len, g_sb, g_st) + cols, mask=mask,
                    other=0.0)
     summed = (x.to(tl.float32) + y.to(tl.float32) * gate.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * n_cols + cols, summed, mask=mask)
     if HAS_NORM:  # the norm reads the rounded sum, as a separate torch LayerNorm would
-        xf = summed.to(tl.float32)
-        mean = tl.sum(xf, axis=0) / n_cols
-        diff = tl.where(mask, xf - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
+        diff, rstd = _centred(summed.to(tl.float32), mask, n_cols, eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         bias = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(h_ptr + row * n_cols + cols, (diff * rstd * w + bias).to(h_ptr.dtype.element_ty), mask=mask)
@@ -87,8 +93,8 @@ def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, n_cols, seq_l
     row = tl.program_id(0).to(tl.int64)  # offsets of long videos pass 2**31
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    b, tok = row // seq_len, row % seq_len
-    x_row = x_ptr + b * x_sb + tok * x_sl
+    tok = row % seq_len
+    x_row = _token_row(x_ptr, row, seq_len, x_sb, x_sl)
     x = tl.load(x_row + cols, mask=mask, other=0.0)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
