@@ -1,0 +1,85 @@
+"""The transformer block every V-JEPA 2 network uses: pre-norm attention (fused qkv, optional 3D RoPE,
+optional KV cache) and a GELU MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.models.vjepa2.config import ViTShape
+from mstar.models.vjepa2.rope import apply_rope
+
+
+class MLP(nn.Module):
+    """fc1 -> exact GELU -> fc2."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class LayerKV:
+    """One layer's keys and values for a batch, preallocated [B, heads, capacity, head_dim]; positions
+    [0, length) are filled. Rows may be broadcast views of one row (a context shared by candidates)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int = 0) -> None:
+        self.keys, self.values, self.length = keys, values, length
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B, heads, n, head_dim] after the filled part; every key and value so far."""
+        end = self.length + k.shape[2]
+        if end > self.keys.shape[2]:
+            raise ValueError(f"KV cache holds {self.keys.shape[2]} tokens; {end} needed")
+        self.keys[:, :, self.length:end] = k
+        self.values[:, :, self.length:end] = v
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with one qkv projection; RoPE tables and a KV cache are optional."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mask: torch.Tensor | None = None, cache: LayerKV | None = None) -> torch.Tensor:
+        """x [B, N, width]; `mask` [N, keys] bool (True: attend) or None (everything); with `cache`,
+        the new keys and values are appended and the queries attend to the whole cache."""
+        batch, n, width = x.shape
+        q, k, v = self.qkv(x).view(batch, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # each [B, h, N, d]
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(out.transpose(1, 2).reshape(batch, n, width))
+
+
+class Block(nn.Module):
+    """x + attn(norm1(x)); then x + mlp(norm2(x))."""
+
+    def __init__(self, shape: ViTShape) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(shape.hidden_size, eps=shape.layer_norm_eps)
+        self.attn = Attention(shape.hidden_size, shape.num_heads)
+        self.norm2 = nn.LayerNorm(shape.hidden_size, eps=shape.layer_norm_eps)
+        self.mlp = MLP(shape.hidden_size, shape.mlp_size)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mask: torch.Tensor | None = None, cache: LayerKV | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope, mask, cache)
+        return x + self.mlp(self.norm2(x))
+
+
+def blocks(shape: ViTShape) -> nn.ModuleList:
+    """`shape.num_layers` blocks."""
+    return nn.ModuleList(Block(shape) for _ in range(shape.num_layers))

@@ -1,0 +1,61 @@
+"""V-JEPA 2's 3D rotary embedding as per-token (cos, sin) tables over a whole head.
+
+A head's channels are three equal even slices (frame, row, column; `rope_axis_dim`) and a remainder
+left as is. Inside a slice of width D, channels (2k, 2k+1) rotate as a pair, and channel i turns by
+position * 10000^(-(i mod D/2) / (D/2)): the checkpoints were trained with that layout (the frequency
+list repeated, not interleaved), so it is kept. A token may leave an axis unrotated (the AC
+predictor's action and state tokens rotate by frame only): its table holds cos 1, sin 0 there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mstar.models.vjepa2.config import rope_axis_dim
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, rotate: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each [..., head_dim] float32, for `positions` [..., 3] (frame, row, column; floats
+    allowed); `rotate` [..., 3] bool (default all true) says which axes turn for each token."""
+    dim = rope_axis_dim(head_dim)
+    half = dim // 2
+    omega = torch.arange(half, dtype=torch.float32, device=positions.device)
+    omega = 1.0 / 10000 ** (omega / (dim / 2.0))
+    angles = positions.to(torch.float32).unsqueeze(-1) * omega  # [..., 3, half]
+    cos, sin = angles.cos(), angles.sin()
+    if rotate is not None:
+        keep = rotate.unsqueeze(-1)
+        cos, sin = torch.where(keep, cos, 1.0), torch.where(keep, sin, 0.0)
+    cos = torch.cat([cos, cos], dim=-1).flatten(-2)  # [..., 3 * dim]: each axis' list twice
+    sin = torch.cat([sin, sin], dim=-1).flatten(-2)
+    rest = head_dim - 3 * dim
+    if rest:
+        cos = torch.cat([cos, cos.new_ones(*cos.shape[:-1], rest)], dim=-1)
+        sin = torch.cat([sin, sin.new_zeros(*sin.shape[:-1], rest)], dim=-1)
+    return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., N, head_dim] turned by tables broadcastable to it; pairs (2k, 2k+1) -> (-x[2k+1], x[2k])."""
+    pairs = x.unflatten(-1, (-1, 2))
+    turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    return x * cos.to(x.dtype) + turned * sin.to(x.dtype)
+
+
+def grid_positions(frames: int, rows: int, cols: int, device: torch.device | None = None,
+                   col_scale: float = 1.0) -> torch.Tensor:
+    """[frames * rows * cols, 3] (frame, row, column) of tokens laid out frame-major, row-major;
+    columns scaled by `col_scale` (the AC predictor snaps a non-square grid onto its row count)."""
+    f, r, c = torch.meshgrid(torch.arange(frames, device=device), torch.arange(rows, device=device),
+                             torch.arange(cols, device=device), indexing="ij")
+    return torch.stack([f.float(), r.float(), c.float() * col_scale], dim=-1).reshape(-1, 3)
+
+
+def ids_to_positions(ids: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Flat token indexes (frame-major, row-major) -> [..., 3] (frame, row, column)."""
+    per_frame = rows * cols
+    frame = ids // per_frame
+    row = (ids - frame * per_frame) // cols
+    col = ids - frame * per_frame - row * cols
+    return torch.stack([frame, row, col], dim=-1)
