@@ -44,7 +44,28 @@ def place_rows(x: Mapping[str, torch.Tensor], kind: int, rows: torch.Tensor, dee
     return {"mm_embeds": embeds, "deepstack_embeds": stack}
 
 
-class BatchedAudioEncoder(StatelessBase, nn.Module):
+class _MediaEncoder(StatelessBase, nn.Module):
+    """Encodes the requests of a batch that carry input `media_input` in one call (`encode`); the others
+    pass through with empty outputs."""
+
+    media_input: str
+
+    @torch.no_grad()
+    def run_batch(self, walk: str, node: str, inputs: Sequence[Mapping[str, torch.Tensor]],
+                  options: Sequence[Mapping[str, Any]]) -> list[dict[str, torch.Tensor]]:
+        todo = [i for i, x in enumerate(inputs) if self.media_input in x]
+        out: list[dict[str, torch.Tensor]] = [{} for _ in inputs]
+        if todo:
+            for i, placed in zip(todo, self.encode([inputs[i] for i in todo]), strict=True):
+                out[i] = placed
+        return out
+
+    def encode(self, inputs: list[Mapping[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """`mm_embeds` / `deepstack_embeds` of each request (all carry the media), in order."""
+        raise NotImplementedError
+
+
+class BatchedAudioEncoder(_MediaEncoder):
     """`audio_encoder`: inputs `audio_features` [mel, frames], `audio_lengths` [audios], `mm_kinds`
     (and the rows an earlier encoder placed); outputs `mm_embeds`, `deepstack_embeds`.
 
@@ -52,28 +73,23 @@ class BatchedAudioEncoder(StatelessBase, nn.Module):
     encoder's `group_sizes`), so each request gets exactly what it would get alone.
     """
 
+    media_input = "audio_features"
+
     def __init__(self, encoder: AudioEncoder, num_deepstack: int) -> None:
         super().__init__()
         self.encoder = encoder
         self.num_deepstack = num_deepstack
 
-    @torch.no_grad()
-    def run_batch(self, walk: str, node: str, inputs: Sequence[Mapping[str, torch.Tensor]],
-                  options: Sequence[Mapping[str, Any]]) -> list[dict[str, torch.Tensor]]:
-        todo = [i for i, x in enumerate(inputs) if "audio_features" in x]
-        out: list[dict[str, torch.Tensor]] = [{} for _ in inputs]
-        if not todo:
-            return out
-        lengths = [inputs[i]["audio_lengths"].reshape(-1).tolist() for i in todo]
-        features = torch.cat([inputs[i]["audio_features"] for i in todo], dim=1)
+    def encode(self, inputs: list[Mapping[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        lengths = [x["audio_lengths"].reshape(-1).tolist() for x in inputs]
+        features = torch.cat([x["audio_features"] for x in inputs], dim=1)
         embeds = self.encoder(features, [n for group in lengths for n in group], [len(g) for g in lengths])
         sizes = [sum(audio_output_lengths(group, self.encoder.config)) for group in lengths]
-        for i, rows in zip(todo, embeds.split(sizes)):
-            out[i] = place_rows(inputs[i], MM_AUDIO, rows, None, self.num_deepstack)
-        return out
+        return [place_rows(x, MM_AUDIO, rows, None, self.num_deepstack)
+                for x, rows in zip(inputs, embeds.split(sizes))]
 
 
-class BatchedVisionEncoder(StatelessBase, nn.Module):
+class BatchedVisionEncoder(_MediaEncoder):
     """`vision_encoder`: inputs `pixel_values` [patches, patch_dim], `vision_grid_thw` [items, 3],
     `mm_kinds` (and the rows an earlier encoder placed); outputs `mm_embeds`, `deepstack_embeds`.
 
@@ -81,26 +97,21 @@ class BatchedVisionEncoder(StatelessBase, nn.Module):
     call changes no request's result.
     """
 
+    media_input = "pixel_values"
+
     def __init__(self, encoder: VisionEncoder) -> None:
         super().__init__()
         self.encoder = encoder
         self.num_deepstack = len(encoder.config.deepstack_visual_indexes)
 
-    @torch.no_grad()
-    def run_batch(self, walk: str, node: str, inputs: Sequence[Mapping[str, torch.Tensor]],
-                  options: Sequence[Mapping[str, Any]]) -> list[dict[str, torch.Tensor]]:
-        todo = [i for i, x in enumerate(inputs) if "pixel_values" in x]
-        out: list[dict[str, torch.Tensor]] = [{} for _ in inputs]
-        if not todo:
-            return out
-        grids = [inputs[i]["vision_grid_thw"].reshape(-1, 3) for i in todo]
-        pixels = torch.cat([inputs[i]["pixel_values"] for i in todo])
+    def encode(self, inputs: list[Mapping[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        grids = [x["vision_grid_thw"].reshape(-1, 3) for x in inputs]
+        pixels = torch.cat([x["pixel_values"] for x in inputs])
         result = self.encoder(pixels, torch.cat(grids))
         merge = self.encoder.config.spatial_merge_size ** 2
         sizes = [int(g.prod(dim=1).sum()) // merge for g in grids]
         embeds = result.embeds
         deepstack = (torch.stack(result.deepstack, dim=1) if result.deepstack
                      else embeds.new_zeros(embeds.shape[0], 0, embeds.shape[1]))
-        for i, rows, stack in zip(todo, embeds.split(sizes), deepstack.split(sizes)):
-            out[i] = place_rows(inputs[i], MM_VISION, rows, stack, self.num_deepstack)
-        return out
+        return [place_rows(x, MM_VISION, rows, stack, self.num_deepstack)
+                for x, rows, stack in zip(inputs, embeds.split(sizes), deepstack.split(sizes))]
