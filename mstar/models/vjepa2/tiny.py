@@ -34,4 +34,4 @@ def tiny_config(classifier: bool = True) -> VJEPA2Config:
 def tiny_ac_config(embed_dim: int = 64) -> ACPredictorConfig:
     """The tiny AC predictor: 2 layers of width 48 (3 heads of 16) over 4x4 patch grids, 7-D actions."""
     return ACPredictorConfig(embed_dim=embed_dim, vit=ViTShape(48, 2, 3, 4.0, 1e-6), img_size=(32, 32),
-                             patch_size=8, num_frames=16)
+                             patch_size=8, num_frames=32)
