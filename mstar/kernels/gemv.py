@@ -56,12 +56,14 @@ def _load_x(x_ptrs, k, gate_offset, mask, GATED: tl.constexpr, EVEN_K: tl.conste
 
 
 @triton.jit
-def _load_w(w_ptrs, k, k_mask, EVEN_K: tl.constexpr):
+def load_chunk(ptrs, k, mask, EVEN_K: tl.constexpr):
+    """The tile at `ptrs + k` of a walk over K: unmasked when the chunks divide K (EVEN_K), else zero
+    where `mask` is false (the GEMV-style kernels here all load their K chunks through it)."""
     if EVEN_K:
-        w = tl.load(w_ptrs + k)
+        tile = tl.load(ptrs + k)
     else:
-        w = tl.load(w_ptrs + k, mask=k_mask, other=0.0)
-    return w
+        tile = tl.load(ptrs + k, mask=mask, other=0.0)
+    return tile
 
 
 @triton.jit
@@ -117,7 +119,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, stride
     # the split-K workspace and counters) comes after the wait: the contract in mstar/kernels/pdl.py.
     k_start = pid_k * (K_ITERS * BLOCK_K)
     first_mask = ((k_start + rk) < K)[None, :]
-    w_first = _load_w(w_ptrs, k_start, first_mask, EVEN_K)
+    w_first = load_chunk(w_ptrs, k_start, first_mask, EVEN_K)
     pdl_wait(PDL)
     # x, w and the accumulators must share one register layout, or the compiler shuffles a tile through
     # shared memory every iteration. When BLOCK_K spans all warps (BROADCAST_X), a [1, BLOCK_K] x row
@@ -138,7 +140,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr, M, N, K, stride
     for i in range(1, K_ITERS):
         k = k_start + i * BLOCK_K
         k_mask = ((k + rk) < K)[None, :]
-        w = _load_w(w_ptrs, k, k_mask, EVEN_K)
+        w = load_chunk(w_ptrs, k, k_mask, EVEN_K)
         acc0, acc1, acc2, acc3 = _fma_rows(acc0, acc1, acc2, acc3, w, k, k_mask, x_ptrs, M, stride_xm, gate_offset,
                                            GATED, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, FOLD_K)
     # The only cross-thread reductions, once per row after the loop; rows gathered into [BLOCK_M, BLOCK_N].

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mstar.kernels.gemv import load_chunk
 from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 
@@ -89,15 +90,10 @@ def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, INTER, K, stride_xt, stride_we
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for i in range(K_CHUNKS):
         k = i * BLOCK_K
-        if EVEN_K:
-            x = tl.load(x_ptrs + k)
-            g = tl.load(gate_ptrs + k)
-            u = tl.load(up_ptrs + k)
-        else:
-            mask = (k + rk < K)[None, :]
-            x = tl.load(x_ptrs + k, mask=mask, other=0.0)
-            g = tl.load(gate_ptrs + k, mask=mask, other=0.0)
-            u = tl.load(up_ptrs + k, mask=mask, other=0.0)
+        mask = (k + rk < K)[None, :]
+        x = load_chunk(x_ptrs, k, mask, EVEN_K)
+        g = load_chunk(gate_ptrs, k, mask, EVEN_K)
+        u = load_chunk(up_ptrs, k, mask, EVEN_K)
         xf = x.to(tl.float32)
         acc_gate += xf * g.to(tl.float32)
         acc_up += xf * u.to(tl.float32)
@@ -127,13 +123,9 @@ def _down_kernel(h_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, H, INTER, stride_we, st
     acc = tl.zeros((SLOTS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for i in range(K_CHUNKS):
         k = i * BLOCK_K
-        if EVEN_K and SLOTS == TOP_K:
-            h = tl.load(h_ptrs + k)
-            w = tl.load(w_ptrs + k)
-        else:
-            mask = real[:, None, None] & (k + rk < INTER)[None, None, :]
-            h = tl.load(h_ptrs + k, mask=mask, other=0.0)
-            w = tl.load(w_ptrs + k, mask=mask, other=0.0)
+        mask = real[:, None, None] & (k + rk < INTER)[None, None, :]
+        h = load_chunk(h_ptrs, k, mask, EVEN_K and SLOTS == TOP_K)
+        w = load_chunk(w_ptrs, k, mask, EVEN_K and SLOTS == TOP_K)
         acc += h.to(tl.float32) * w.to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     y = tl.sum(acc, axis=2).to(dtype).to(tl.float32)  # [SLOTS, BLOCK_N]: each slot's down matmul, rounded

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from mstar.kernels.gemv import MAX_M as GEMV_MAX_M
-from mstar.kernels.gemv import gemv
+from mstar.kernels.gemv import gemv, load_chunk
 from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 from mstar.kernels.scratch import current_owner
 
@@ -127,13 +127,9 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, str
     # unless EVEN_K). A constexpr trip count also lets the compiler unroll and pipeline the loads.
     for i in range(K_ITERS):
         k = k_start + i * BLOCK_K
-        if EVEN_K:
-            w = tl.load(w_ptrs + k)
-            x = tl.load(x_ptrs + k)
-        else:
-            k_mask = (k + rk) < K
-            w = tl.load(w_ptrs + k, mask=k_mask[None, :], other=0.0)
-            x = tl.load(x_ptrs + k, mask=k_mask[None, :], other=0.0)
+        k_mask = ((k + rk) < K)[None, :]
+        w = load_chunk(w_ptrs, k, k_mask, EVEN_K)
+        x = load_chunk(x_ptrs, k, k_mask, EVEN_K)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if TO_WORKSPACE:

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mstar.kernels.gemv import load_chunk
 from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 from mstar.layers.logit_windows import LogitWindows
 
@@ -54,13 +55,9 @@ def _window_head_kernel(x_ptr, w_ptr, ids_ptr, starts_ptr, always_ptr, out_ptr, 
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for i in range(K_ITERS):
         k = i * BLOCK_K
-        if EVEN_K:
-            w = tl.load(w_ptrs + k)
-            x = tl.load(x_ptrs + k)
-        else:
-            k_mask = (k + rk < K)[None, :]
-            w = tl.load(w_ptrs + k, mask=k_mask, other=0.0)
-            x = tl.load(x_ptrs + k, mask=k_mask, other=0.0)
+        k_mask = (k + rk < K)[None, :]
+        w = load_chunk(w_ptrs, k, k_mask, EVEN_K)
+        x = load_chunk(x_ptrs, k, k_mask, EVEN_K)
         acc += w.to(tl.float32) * x.to(tl.float32)
     out_row = out_ptr + m * stride_om
     tl.store(out_row + cols, tl.sum(acc, axis=1), mask=valid)

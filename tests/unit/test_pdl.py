@@ -125,7 +125,7 @@ WEIGHT_POINTERS = {"w_ptr", "w_ptrs"}  # constant during a step: what a kernel m
 EARLY_READS = {"_decode_kernel": WEIGHT_POINTERS | {"seq_lens_ptr", "block_tables_ptr", "k_cache_ptr", "v_cache_ptr"}}
 # helpers that may run before the wait: loads of weight tiles or cached blocks (their pointers checked),
 # and an earlier wait
-PRE_WAIT_HELPERS = {"pdl_launch_dependents", "pdl_wait", "_load_w", "_load_block"}
+PRE_WAIT_HELPERS = {"pdl_launch_dependents", "pdl_wait", "load_chunk", "_load_block"}
 
 
 def _is_call_to(node: ast.AST, name: str) -> bool:
@@ -163,7 +163,7 @@ def contract_errors(kernel: ast.FunctionDef) -> list[str]:
                     errors.append(f"{name}: loads {sorted(_pointers(node.args[0]))} before pdl_wait")
             elif isinstance(func, ast.Name) and func.id not in PRE_WAIT_HELPERS:
                 errors.append(f"{name}: calls {func.id} before pdl_wait")
-            elif (_is_call_to(node, "_load_w") or _is_call_to(node, "_load_block")) and \
+            elif (_is_call_to(node, "load_chunk") or _is_call_to(node, "_load_block")) and \
                     not set().union(*map(_pointers, node.args)) <= allowed:
                 errors.append(f"{name}: {func.id} of {sorted(set().union(*map(_pointers, node.args)))} before pdl_wait")
     return errors
@@ -205,7 +205,7 @@ def k_kernel(x_ptr, w_ptr, out_ptr, PDL: tl.constexpr):
     """doc"""
     pdl_launch_dependents(PDL)
     w = tl.load(w_ptr + 1)
-    w2 = _load_w(w_ptr, 0, None, True)
+    w2 = load_chunk(w_ptr, 0, None, True)
     pdl_wait(PDL)
     tl.store(out_ptr, tl.load(x_ptr) * w)
 '''
@@ -213,7 +213,7 @@ def k_kernel(x_ptr, w_ptr, out_ptr, PDL: tl.constexpr):
     cases = {
         "tl.store before": good.replace("    pdl_wait(PDL)\n", "    tl.store(out_ptr, w)\n    pdl_wait(PDL)\n"),
         "loads ['x_ptr']": good.replace("tl.load(w_ptr + 1)", "tl.load(x_ptr + 1)"),
-        "_load_w of ['x_ptr']": good.replace("_load_w(w_ptr,", "_load_w(x_ptr,"),
+        "load_chunk of ['x_ptr']": good.replace("load_chunk(w_ptr,", "load_chunk(x_ptr,"),
         "tl.atomic_add before": good.replace("    pdl_wait(PDL)\n", "    tl.atomic_add(out_ptr, 1)\n    pdl_wait(PDL)\n"),
         "calls helper before": good.replace("    pdl_wait(PDL)\n", "    helper(x_ptr)\n    pdl_wait(PDL)\n"),
         "no pdl_wait": good.replace("    pdl_wait(PDL)\n", "    if PDL:\n        pdl_wait(PDL)\n"),
@@ -225,7 +225,7 @@ def k_kernel(x_ptr, w_ptr, out_ptr, PDL: tl.constexpr):
         assert any(expected in e for e in errors), (expected, errors)
     # the decode attention may read lengths, tables and cached blocks early; no other kernel may
     early = good.replace("w = tl.load(w_ptr + 1)", "w = tl.load(seq_lens_ptr + 1)").replace(
-        "w2 = _load_w(w_ptr, 0, None, True)", "k, v, m = _load_block(k_cache_ptr, v_cache_ptr, block_tables_ptr, 0)")
+        "w2 = load_chunk(w_ptr, 0, None, True)", "k, v, m = _load_block(k_cache_ptr, v_cache_ptr, block_tables_ptr, 0)")
     assert contract_errors(_kernels(early.replace("k_kernel", "_decode_kernel"))["_decode_kernel"]) == []
     errors = contract_errors(_kernels(early)["k_kernel"])
     assert any("loads ['seq_lens_ptr']" in e for e in errors) and any("_load_block of" in e for e in errors), errors
