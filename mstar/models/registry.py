@@ -20,6 +20,8 @@ _MODELS: dict[str, str] = {
     "qwen3_omni": "mstar.models.qwen3_omni.model:Qwen3Omni",
     "smollm2": "mstar.models.llama.serving:SmolLM2",
     "toy": "mstar.models.toy.model:ToyModel",
+    "vjepa2": "mstar.models.vjepa2.model:VJEPA2",
+    "vjepa2_ac": "mstar.models.vjepa2.model:VJEPA2AC",
     "wan22": "mstar.models.wan22.model:Wan22Model",
 }
 
