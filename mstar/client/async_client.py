@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
+import numpy as np
 
 from mstar.client import wire
 from mstar.client.errors import MStarError, error_from_body
@@ -206,3 +207,26 @@ class AsyncMStarClient:
             job = (await self._request("GET", f"/v1/videos/{job['id']}")).json()
             wire.report_progress(job, on_progress)
         return (await self._request("GET", f"/v1/videos/{job['id']}/content")).content
+
+    # -- V-JEPA 2 ---------------------------------------------------------------------------------
+
+    async def encode_video(self, video: Any, pooled: bool = False, **options: Any) -> np.ndarray:
+        """See `MStarClient.encode_video`."""
+        name = "pooled" if pooled else "latents"
+        return wire.array_output(await self.generate(files=wire.frame_parts(video), outputs=[name], **options), name)
+
+    async def rollout(self, frames: Any, actions: Any, states: Any, **options: Any) -> np.ndarray:
+        """See `MStarClient.rollout`."""
+        result = await self.generate(
+            files=wire.frame_parts(frames), outputs=["predicted"], task="rollout", actions=wire.numbers(actions),
+            states=wire.numbers(states), **options)
+        return wire.array_output(result, "predicted")
+
+    async def plan(
+        self, frames: Any, goal: Any, states: Any, actions: Any = (), return_sequence: bool = False, **options: Any,
+    ) -> np.ndarray:
+        """See `MStarClient.plan`."""
+        result = await self.generate(
+            files=wire.frame_parts(frames, goal), outputs=["actions"], task="plan", states=wire.numbers(states),
+            actions=wire.numbers(actions), return_sequence=return_sequence, **options)
+        return wire.array_output(result, "actions")

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+import numpy as np
 
 from mstar.client import wire
 from mstar.client.errors import MStarError, error_from_body
@@ -210,3 +211,30 @@ class MStarClient:
             job = self._request("GET", f"/v1/videos/{job['id']}").json()
             wire.report_progress(job, on_progress)
         return self._request("GET", f"/v1/videos/{job['id']}/content").content
+
+    # -- V-JEPA 2 ---------------------------------------------------------------------------------
+
+    def encode_video(self, video: Any, pooled: bool = False, **options: Any) -> np.ndarray:
+        """V-JEPA 2 latents of `video` (a file, data URL, image frames or uint8 arrays): [tokens, width], or
+        their mean [width] with `pooled`."""
+        name = "pooled" if pooled else "latents"
+        return wire.array_output(self.generate(files=wire.frame_parts(video), outputs=[name], **options), name)
+
+    def rollout(self, frames: Any, actions: Any, states: Any, **options: Any) -> np.ndarray:
+        """V-JEPA 2-AC: latents [H, patches, width] predicted from context `frames` (one row each of
+        `states` [C, 7]) under `actions` [C + H - 1, 7] (one per context frame, then one per further step)."""
+        result = self.generate(
+            files=wire.frame_parts(frames), outputs=["predicted"], task="rollout", actions=wire.numbers(actions),
+            states=wire.numbers(states), **options)
+        return wire.array_output(result, "predicted")
+
+    def plan(
+        self, frames: Any, goal: Any, states: Any, actions: Any = (), return_sequence: bool = False, **options: Any,
+    ) -> np.ndarray:
+        """V-JEPA 2-AC: actions [1, 7] (the whole plan [H, 7] with `return_sequence`) that the cross-entropy
+        method finds to move from `frames` (robot `states` [C, 7]; `actions` [C - 1, 7] between them) toward
+        the `goal` image; `seed`, `horizon`, `samples`, `topk`, `cem_iterations`, `maxnorm` tune it."""
+        result = self.generate(
+            files=wire.frame_parts(frames, goal), outputs=["actions"], task="plan", states=wire.numbers(states),
+            actions=wire.numbers(actions), return_sequence=return_sequence, **options)
+        return wire.array_output(result, "actions")

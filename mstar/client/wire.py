@@ -8,6 +8,8 @@ import mimetypes
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from mstar.client.errors import MStarError
 from mstar.server.protocol import ErrorChunk, FinalChunk, OutputChunk, parse_chunk
 from mstar.server.protocol_openai_media import SAMPLE_RATE_HEADER  # noqa: F401 (re-exported for the clients)
@@ -241,3 +243,49 @@ def report_progress(job: dict[str, Any], on_progress: Any) -> None:
     """Call `on_progress(progress, status)` for a polled job, when a callback was given."""
     if on_progress is not None:
         on_progress(int(job.get("progress") or 0), str(job.get("status")))
+
+
+def frame_parts(frames: Any, goal: Any = None) -> list[dict[str, Any]]:
+    """/generate media parts of context frames (a video or image file as `media_part` takes it, a list of
+    them, or uint8 arrays [H, W, 3] / [T, H, W, 3], sent as PNGs) and of a goal image, named "goal"."""
+    parts = [media_part(item) for item in _frame_items(frames)]
+    if goal is not None:
+        goals = _frame_items(goal)
+        if len(goals) != 1:
+            raise ValueError(f"the goal is one image, got {len(goals)}")
+        parts.append({**media_part(goals[0]), "name": "goal"})
+    return parts
+
+
+def _frame_items(frames: Any) -> list[Any]:
+    if isinstance(frames, np.ndarray):
+        return [png_bytes(f) for f in (frames[None] if frames.ndim == 3 else frames)]
+    if isinstance(frames, str | bytes | bytearray | Path | tuple | dict):
+        return [frames]
+    return [png_bytes(f) if isinstance(f, np.ndarray) else f for f in frames]
+
+
+def png_bytes(image: np.ndarray) -> bytes:
+    """A uint8 [H, W, 3] array as PNG bytes."""
+    import io
+
+    from PIL import Image
+
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
+        raise ValueError(f"frames must be uint8 [H, W, 3] arrays, got {image.dtype} {image.shape}")
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def numbers(rows: Any) -> list:
+    """Nested lists of floats (robot states, actions) from lists or arrays."""
+    return np.asarray(rows, dtype=np.float64).tolist()
+
+
+def array_output(result: Any, name: str) -> np.ndarray:
+    """The array of `result`'s (a GenerateResult) output `name` (a tensor or action chunk)."""
+    chunks = result.outputs.get(name)
+    if not chunks:
+        raise MStarError(502, f"the server sent no {name!r} output (got {sorted(result.outputs)})")
+    return chunks[-1].to_numpy()

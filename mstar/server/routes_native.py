@@ -32,6 +32,7 @@ from mstar.server.forms import (
 )
 from mstar.server.media import decode_audio, decode_image, decode_video, encode_image, encode_video
 from mstar.server.protocol import (
+    ActionChunk,
     AudioChunk,
     ErrorChunk,
     ErrorResponse,
@@ -175,6 +176,9 @@ def to_chunk(item: Item, sample_rate: int, fps: float = VIDEO_FPS):
     arr = np.asarray(value)
     if item.name == "audio" or item.name.endswith("audio"):
         return AudioChunk.from_array(item.name, item.seq, arr.astype(np.float32), sample_rate)
+    if item.name == "actions" and arr.dtype.kind == "f":  # robot actions as numbers (a V-JEPA 2-AC plan)
+        return ActionChunk(output=item.name, seq=item.seq, values=arr.astype(np.float64).reshape(-1).tolist(),
+                           shape=list(arr.shape))
     if arr.dtype == np.uint8 and arr.ndim == 3 and arr.shape[-1] in (3, 4):
         data = base64.b64encode(encode_image(arr, "png")).decode()
         return ImageChunk(output=item.name, seq=item.seq, data=data, width=arr.shape[1], height=arr.shape[0])
