@@ -16,34 +16,40 @@ pytest.importorskip("triton")
 CASES = Path(__file__).parents[1] / "unit" / "paged_attention_cases.py"
 
 
-def _run(case: str) -> dict:
-    # TRITON_INTERPRET must be set before kernels are decorated: run in a fresh interpreter.
+@pytest.fixture(scope="module")
+def results() -> dict:
+    """The three engine cases, run in one fresh interpreter: TRITON_INTERPRET must be set before kernels are
+    decorated."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(CASES.parents[2])}
-    proc = subprocess.run([sys.executable, str(CASES), case], env=env, capture_output=True,
-                          text=True, timeout=240)
+    proc = subprocess.run([sys.executable, str(CASES), "engine_greedy", "engine_graphed", "engine_prefill_graphed"],
+                          env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])[case]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _result(results: dict, case: str) -> dict:
+    result = results[case]
     assert "error" not in result, result.get("error")
     return result
 
 
-def test_engine_with_triton_backend_matches_reference() -> None:
-    result = _run("engine_greedy")
+def test_engine_with_triton_backend_matches_reference(results: dict) -> None:
+    result = _result(results, "engine_greedy")
     assert result["got"] == result["want"]
     assert all(len(t) == 3 for t in result["got"])
 
 
-def test_graphed_decode_through_packed_inputs_matches_reference() -> None:
-    result = _run("engine_graphed")
+def test_graphed_decode_through_packed_inputs_matches_reference(results: dict) -> None:
+    result = _result(results, "engine_graphed")
     assert result["got"] == result["want"] and all(len(t) == 6 for t in result["got"])
     assert result["shared"] and result["replays"] >= 5 and result["lookahead_steps"] > 0
 
 
-def test_graphed_prefill_steps_match_reference() -> None:
+def test_graphed_prefill_steps_match_reference(results: dict) -> None:
     """Chunked prefills and mixed prefill + decode steps through the prefill graphs (padded token
     buckets, the backend's graphed-prefill description): the reference's greedy tokens, and no step
     ran eagerly."""
-    result = _run("engine_prefill_graphed")
+    result = _result(results, "engine_prefill_graphed")
     assert result["got"] == result["want"] and all(len(t) == 6 for t in result["got"])
     assert result["prefill_replays"] >= 3 and result["eager_steps"] == [], result
     assert result["decode_replays"] >= 5

@@ -35,8 +35,13 @@ def mods(batch: int, groups: int, dim: int, count: int) -> tuple[torch.Tensor, .
     return (torch.randn(batch, groups, count, 1, dim) * 0.5).unbind(2)
 
 
-def check_modulated_norm(dtype: torch.dtype) -> None:
-    for batch, length, dim, groups in ((2, 12, 40, 1), (2, 12, 40, 3), (1, 6, 96, 6), (3, 5, 17, 5)):
+# (batch, length, dim, timestep groups) of the modulated norm and the gated residual
+NORM_SHAPES = ((2, 12, 40, 1), (2, 12, 40, 3), (1, 6, 96, 6), (3, 5, 17, 5))
+RESIDUAL_SHAPES = ((2, 12, 40, 1), (2, 12, 40, 4), (3, 5, 17, 5))
+
+
+def check_modulated_norm(dtype: torch.dtype, shapes=NORM_SHAPES) -> None:
+    for batch, length, dim, groups in shapes:
         x = (torch.randn(batch, length, dim) * 3 + 1).to(dtype)
         shift, scale = mods(batch, groups, dim, 2)
         got, same = bm.modulated_norm(x, shift, scale, 1e-6)
@@ -54,8 +59,8 @@ def check_modulated_norm(dtype: torch.dtype) -> None:
           torch_form(bm.modulated_norm, wide[:, ::2].contiguous(), shift, scale, 1e-5)[0])
 
 
-def check_gated_residual(dtype: torch.dtype) -> None:
-    for batch, length, dim, groups in ((2, 12, 40, 1), (2, 12, 40, 4), (3, 5, 17, 5)):
+def check_gated_residual(dtype: torch.dtype, shapes=RESIDUAL_SHAPES) -> None:
+    for batch, length, dim, groups in shapes:
         x, y = torch.randn(batch, length, dim).to(dtype), torch.randn(batch, length, dim).to(dtype)
         (gate,) = mods(batch, groups, dim, 1)
         got, none = bm.gated_residual(x, y, gate)
@@ -183,6 +188,14 @@ def check_tiny_dit() -> None:
     truth = torch_form(ours32, latents, per_frame, text)
     fused_err, torch_err = (got16 - truth).abs().mean().item(), (torch_16 - truth).abs().mean().item()
     assert 0 < fused_err <= 1.5 * torch_err, (fused_err, torch_err)
+
+
+@torch.no_grad()
+def quick() -> None:
+    """One float32 shape of each kernel (the default test run, through wan22_quick_check.py)."""
+    check_modulated_norm(torch.float32, NORM_SHAPES[1:2])
+    check_gated_residual(torch.float32, RESIDUAL_SHAPES[1:2])
+    check_norm_heads(torch.float32)
 
 
 @torch.no_grad()

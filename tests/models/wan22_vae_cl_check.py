@@ -12,12 +12,12 @@ decode with the kernels off.
 from __future__ import annotations
 
 import torch
-from wan22_kernels_check import torch_form  # this script's folder is on sys.path (run as a script)
 
 from mstar.layers.fused import FUSED
 from mstar.models.wan22 import vae_channels_last as vcl
 from mstar.models.wan22 import wan_vae_cl_ops
 from mstar.models.wan22.vae_layers import ChannelRMSNorm
+from tests.models.wan22_kernels_check import torch_form
 
 CL3D = torch.channels_last_3d
 
@@ -49,9 +49,16 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=tol * want.float().abs().mean().item(), rtol=tol)
 
 
-def check_norm() -> None:
-    for dtype in (torch.float32, torch.float16):
-        for shape in ((1, 24, 3, 4, 5), (2, 40, 2, 3, 7), (1, 7, 1, 1, 1), (2, 64, 1, 5, 3), (1, 200, 2, 2, 3)):
+DTYPES = (torch.float32, torch.float16)
+NORM_SHAPES = ((1, 24, 3, 4, 5), (2, 40, 2, 3, 7), (1, 7, 1, 1, 1), (2, 64, 1, 5, 3), (1, 200, 2, 2, 3))
+ADD_SHAPES = ((1, 24, 3, 4, 5), (2, 7, 2, 3, 3), (1, 200, 2, 3, 3))
+# (C_in, C_out, factor_t): repeats 8 = cells, 4 and 2 < cells (the Wan levels), 16 > cells; 200: two tiles
+SPACE_TIME = ((16, 16, 2), (16, 8, 2), (16, 8, 1), (8, 16, 2), (6, 6, 1), (200, 200, 2))
+
+
+def check_norm(dtypes=DTYPES, shapes=NORM_SHAPES) -> None:
+    for dtype in dtypes:
+        for shape in shapes:
             x = _cl(*shape, dtype=dtype)
             norm = ChannelRMSNorm(shape[1], spatial_dims=3)
             norm.gamma.copy_(1 + 0.3 * torch.randn_like(norm.gamma))
@@ -71,9 +78,9 @@ def check_norm() -> None:
     assert torch.equal(vcl.norm_ndhwc(ChannelRMSNorm(8, 3), zeros, silu=True), zeros)
 
 
-def check_add_biased() -> None:
-    for dtype in (torch.float32, torch.float16):
-        for shape in ((1, 24, 3, 4, 5), (2, 7, 2, 3, 3), (1, 200, 2, 3, 3)):
+def check_add_biased(dtypes=DTYPES, shapes=ADD_SHAPES) -> None:
+    for dtype in dtypes:
+        for shape in shapes:
             a, b = _cl(*shape, dtype=dtype), _cl(*shape, dtype=dtype)
             a_bias, b_bias = torch.randn(shape[1]).to(dtype), torch.randn(shape[1]).to(dtype)
             for biases in ((a_bias, b_bias), (a_bias, None), (None, b_bias), (None, None)):
@@ -84,10 +91,9 @@ def check_add_biased() -> None:
             _close(got, (a.float() + a_bias.float().view(1, -1, 1, 1, 1) + b.float()).to(dtype))
 
 
-def check_add_space_time() -> None:
-    # (C_in, C_out, factor_t): repeats 8 = cells, 4 and 2 < cells (the Wan levels), 16 > cells; 200: two tiles
-    for c_in, c_out, factor_t in ((16, 16, 2), (16, 8, 2), (16, 8, 1), (8, 16, 2), (6, 6, 1), (200, 200, 2)):
-        for dtype in (torch.float32, torch.float16):
+def check_add_space_time(dtypes=DTYPES, cases=SPACE_TIME) -> None:
+    for c_in, c_out, factor_t in cases:
+        for dtype in dtypes:
             x = _cl(2, c_in, 3, 2, 3, dtype=dtype)
             bias = torch.randn(c_out).to(dtype)
             for drop in sorted({0, factor_t - 1}):
@@ -142,6 +148,15 @@ def check_tiny_decode() -> None:
         for name in names:
             setattr(wan_vae_cl_ops, name, originals[name])
     assert set(calls) == set(names), calls
+
+
+@torch.no_grad()
+def quick() -> None:
+    """One float32 shape of each kernel (the default test run, through wan22_quick_check.py)."""
+    one = (torch.float32,)
+    check_norm(one, NORM_SHAPES[1:2])
+    check_add_biased(one, ADD_SHAPES[:1])
+    check_add_space_time(one, SPACE_TIME[1:2])
 
 
 @torch.no_grad()

@@ -9,11 +9,11 @@ float32 formula once (the interpreter rounds float32 -> bf16 toward zero, which 
 from __future__ import annotations
 
 import torch
-from wan22_kernels_check import torch_form  # this script's folder is on sys.path (run as a script)
 
 from mstar.layers.fused import FUSED
 from mstar.models.wan22 import wan_vae_ops
 from mstar.models.wan22.vae_layers import ChannelRMSNorm
+from tests.models.wan22_kernels_check import torch_form
 
 
 def _norm(channels: int, spatial_dims: int) -> ChannelRMSNorm:
@@ -23,8 +23,12 @@ def _norm(channels: int, spatial_dims: int) -> ChannelRMSNorm:
     return norm
 
 
-def check_float32() -> None:
-    for shape in ((2, 24, 3, 4, 5), (1, 40, 2, 3, 7), (3, 64, 5, 6), (1, 7, 1, 1, 1)):
+# channel counts over and under one channel tile, 3D and 2D maps
+SHAPES = ((2, 24, 3, 4, 5), (1, 40, 2, 3, 7), (3, 64, 5, 6), (1, 7, 1, 1, 1))
+
+
+def check_float32(shapes=SHAPES) -> None:
+    for shape in shapes:
         x = torch.randn(*shape) * 3 + 0.5
         norm = _norm(shape[1], len(shape) - 2)
         for silu in (False, True):
@@ -88,6 +92,12 @@ def check_tiny_decode() -> None:
         wan_vae_ops.channel_rms_norm = original
     assert calls, "the decoder never used the kernel"
     torch.testing.assert_close(got, torch_form(vae.decode, latents), atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def quick() -> None:
+    """One float32 shape (the default test run, through wan22_quick_check.py)."""
+    check_float32(SHAPES[1:2])
 
 
 @torch.no_grad()

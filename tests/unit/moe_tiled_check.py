@@ -4,6 +4,8 @@ TRITON_INTERPRET=1 by test_moe_tiled.py in a fresh process. Prints "moe tiled ok
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from mstar.kernels import moe_tiled
@@ -20,12 +22,15 @@ def tiled(moe: SparseMoE, x: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
                          first, config)
 
 
-def check_matches_loop() -> None:
-    # (T, top_k, E, H, I): non-powers of two (ragged K chunks in both kernels), top_k 3 and 6 padded to 4
-    # and 8 in the combine, one token, one expert per token, and few experts for many tokens: 40 tokens on
-    # 4 experts put ~20 slots on each, more than one 16-slot tile per expert.
-    cases = [(1, 2, 4, 40, 24), (3, 3, 5, 40, 24), (6, 2, 3, 48, 20), (2, 6, 8, 24, 20), (5, 1, 7, 33, 17),
-             (40, 2, 4, 32, 16), (17, 8, 16, 64, 48)]
+# (T, top_k, E, H, I): non-powers of two (ragged K chunks in both kernels), top_k 3 and 6 padded to 4
+# and 8 in the combine, one token, one expert per token, and few experts for many tokens: 40 tokens on
+# 4 experts put ~20 slots on each, more than one 16-slot tile per expert.
+CASES = [(1, 2, 4, 40, 24), (3, 3, 5, 40, 24), (6, 2, 3, 48, 20), (2, 6, 8, 24, 20), (5, 1, 7, 33, 17),
+         (40, 2, 4, 32, 16), (17, 8, 16, 64, 48)]
+QUICK_CASE = (40, 2, 4, 32, 16)  # several tiles per expert: the one shape of the default test run
+
+
+def check_matches_loop(cases=CASES) -> None:
     for t, k, e, h, i in cases:
         moe = block(MoESpec(h, e, k, i))
         x = torch.randn(t, h)
@@ -97,13 +102,17 @@ def block_as(moe: SparseMoE, dtype: torch.dtype) -> SparseMoE:
     return copy
 
 
-def check_path_choice() -> None:
-    lo, hi, small_max = moe_mod.TILED_MIN_SLOTS, moe_mod.TILED_MAX_SLOTS, moe_mod.SMALL_MAX_SLOTS
+def check_path_bounds() -> None:
+    lo, hi = moe_mod.TILED_MIN_SLOTS, moe_mod.TILED_MAX_SLOTS
     x = lambda t: torch.zeros(t, 16)  # noqa: E731
     assert moe_mod.pick_path(x(lo // 4 - 1), 4) == "small"
     assert moe_mod.pick_path(x(lo // 4), 4) == "tiled"
     assert moe_mod.pick_path(x(hi // 4), 4) == "tiled"
     assert moe_mod.pick_path(x(hi // 4 + 1), 4) == "loop"  # CPU: no grouped path
+
+
+def check_path_choice() -> None:
+    lo, hi, small_max = moe_mod.TILED_MIN_SLOTS, moe_mod.TILED_MAX_SLOTS, moe_mod.SMALL_MAX_SLOTS
     calls = []
     real = moe_tiled.experts_tiled
 
@@ -144,10 +153,17 @@ def check_path_choice() -> None:
 if __name__ == "__main__":
     assert FUSED.ops_for(torch.zeros(1)) is not None, "run with TRITON_INTERPRET=1"
     torch.manual_seed(0)
+    if "--quick" in sys.argv:  # one representative shape and the path bounds (the default test run)
+        with torch.no_grad():
+            check_matches_loop([QUICK_CASE])
+            check_path_bounds()
+        print("moe tiled ok")
+        sys.exit(0)
     with torch.no_grad():
         check_matches_loop()
         check_configs()
         check_expert_parallel()
         check_half()
+        check_path_bounds()
         check_path_choice()
     print("moe tiled ok")

@@ -14,9 +14,18 @@ import pytest
 from tests.interpreted import run_interpreted
 
 
+@pytest.mark.slow  # runs a whole script or kernel check; CI's slow group runs it
 def test_tiled_kernels_match_loop_interpreted():
     pytest.importorskip("triton")
     proc = run_interpreted(Path(__file__).with_name("moe_tiled_check.py"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "moe tiled ok" in proc.stdout
+
+
+def test_tiled_kernels_match_loop_interpreted_one_shape():
+    """The default run's representative of the check above (its whole run is in the slow group)."""
+    pytest.importorskip("triton")
+    proc = run_interpreted(Path(__file__).with_name("moe_tiled_check.py"), "--quick")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "moe tiled ok" in proc.stdout
 

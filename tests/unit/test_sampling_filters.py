@@ -94,6 +94,14 @@ def test_fused_sampling_equals_the_torch_form_interpreted():
     assert "fused sampling ok" in proc.stdout
 
 
+def test_fused_sampling_equals_the_torch_form_interpreted_one_batch_each():
+    """The default run's representative of the check above (its whole run is in the slow group)."""
+    pytest.importorskip("triton")
+    proc = run_interpreted(Path(__file__).with_name("fused_sampling_check.py"), "--quick")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "fused sampling ok" in proc.stdout
+
+
 def test_fused_race_that_fails_hands_over_to_the_torch_form(monkeypatch, caplog):
     """A Triton that cannot build the fused race kernel costs one logged failure, not a failed step:
     the PyTorch form serves from then on."""
