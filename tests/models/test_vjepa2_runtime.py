@@ -14,11 +14,11 @@ import torch
 
 from mstar.models.vjepa2.planning import CEMSettings
 from mstar.models.vjepa2.processor import pixels
-from mstar.models.vjepa2.tiny import TINY_CLASSIFIER_HF, TINY_LABELS, tiny_ac_config
+from mstar.models.vjepa2.tiny import TINY_CLASSIFIER_HF, TINY_LABELS, tiny_ac_config, tiny_config
 from mstar.runtime.offline import MStar
 from tests.models.test_vjepa2_ac import reference_search
 from tests.models.test_vjepa2_networks import randomize
-from tests.models.vjepa2_reference import recompute_rollout, upstream_predictor
+from tests.models.vjepa2_reference import recompute_rollout, upstream_encoder, upstream_predictor
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -154,3 +154,22 @@ def test_bad_requests_are_refused_naming_the_problem(world, options: dict, messa
 def test_two_context_frames_need_the_action_between_them(world) -> None:
     with pytest.raises(ValueError, match="2 context frames needs at least 2 actions"):
         world.generate(_images(_frames(2, 8)), states=[[0.0] * 7] * 2, actions=[[0.0] * 7])
+
+
+def test_upstream_pt_checkpoint_rolls_out_like_its_modules(tmp_path: Path) -> None:
+    """An upstream-layout .pt ("encoder" keys prefixed module.backbone., "predictor"), read with --tiny shapes."""
+    encoder, predictor = upstream_encoder(tiny_config().encoder), upstream_predictor(tiny_ac_config())
+    randomize(encoder, 3)
+    randomize(predictor, 4)
+    path = tmp_path / "vjepa2-ac-tiny.pt"
+    torch.save({"encoder": {f"module.backbone.{k}": v for k, v in encoder.state_dict().items()},
+                "predictor": {f"module.{k}": v for k, v in predictor.state_dict().items()}}, path)
+    frames = _frames(1, 10)
+    states, actions = torch.rand(1, 7), 0.1 * torch.randn(3, 7, generator=torch.Generator().manual_seed(1))
+    with MStar("vjepa2_ac", tiny=True, model_path=str(path)) as m:
+        got = m.generate(_images(frames), states=states.tolist(), actions=actions.tolist()).outputs["predicted"][0]
+    with torch.no_grad():
+        clips = pixels(frames, 32)[:, None].expand(-1, 2, -1, -1, -1).permute(0, 2, 1, 3, 4)
+        latents = torch.nn.functional.layer_norm(encoder(clips), (64,))
+        expected = recompute_rollout(predictor, latents[None], states[None], actions[None], HW)[0]
+    np.testing.assert_allclose(got, expected.numpy(), atol=TOL, rtol=0)

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mstar.models.vjepa2.config import ACPredictorConfig
+from mstar.models.vjepa2.config import ACPredictorConfig, EncoderConfig
 
 
 def upstream_ac_module():
@@ -39,6 +39,19 @@ def upstream_predictor(config: ACPredictorConfig):
         tubelet_size=config.tubelet_size, embed_dim=config.embed_dim, predictor_embed_dim=config.vit.hidden_size,
         depth=config.vit.num_layers, num_heads=config.vit.num_heads, action_embed_dim=config.action_dim,
         use_extrinsics=config.use_extrinsics).eval()
+
+
+def upstream_encoder(config: EncoderConfig):
+    """cc-vjepa2's RoPE VisionTransformer of `config`'s shape (eval mode); it takes clips [B, C, T, H, W]."""
+    upstream_ac_module()  # the timm stand-in, or a skip
+    from vjepa2.models.vision_transformer import VisionTransformer
+
+    vit = config.vit
+    return VisionTransformer(
+        img_size=(config.crop_size, config.crop_size), patch_size=config.patch_size, num_frames=config.frames_per_clip,
+        tubelet_size=config.tubelet_size, embed_dim=vit.hidden_size, depth=vit.num_layers, num_heads=vit.num_heads,
+        mlp_ratio=vit.mlp_ratio, qkv_bias=True, use_rope=True, uniform_power=False, use_sdpa=True,
+        norm_layer=lambda width: torch.nn.LayerNorm(width, eps=vit.layer_norm_eps)).eval()
 
 
 def scipy_next_pose(pose: torch.Tensor, action: torch.Tensor) -> torch.Tensor:
