@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -125,9 +126,7 @@ def read_ac_config(folder: Path, embed_dim: int) -> ACPredictorConfig:
     if "img_size" in fields:
         fields["img_size"] = tuple(fields["img_size"])
     config = ACPredictorConfig(embed_dim=embed_dim, **fields)
-    if vit is not None:
-        config = ACPredictorConfig(**{**config.__dict__, "vit": ViTShape(**vit)})
-    return config
+    return config if vit is None else replace(config, vit=ViTShape(**vit))
 
 
 def hf_tensors(folder: Path, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
