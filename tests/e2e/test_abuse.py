@@ -108,7 +108,7 @@ def test_a_full_queue_answers_429_with_retry_after():
 
         def long_request():
             with httpx.stream("POST", f"{url}/generate", json={"text": "x", "options": {
-                    "max_tokens": 40, "stop_early": False}}, timeout=60) as resp:
+                    "max_tokens": 12, "stop_early": False}}, timeout=60) as resp:
                 for _ in resp.iter_lines():
                     first_started.set()
 

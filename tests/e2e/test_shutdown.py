@@ -18,7 +18,7 @@ import pytest
 from tests.e2e.server_thread import free_port
 
 STREAMS = 20
-TIMEOUT_S = 4.0
+TIMEOUT_S = 2.0
 
 
 def _stream(url: str, lines: list[list[str]], opened: threading.Semaphore) -> None:

@@ -3,10 +3,13 @@ over two processes leave no request, KV page or shared-memory segment behind."""
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.soak import main
 from tests.e2e.server_thread import free_port
 
 
+@pytest.mark.slow  # runs a whole script or kernel check; CI's slow group runs it
 def test_a_short_soak_leaks_nothing():
     (phase,) = main(["--requests", "120", "--clients", "6", "--servers", "toy_2workers", "--port", str(free_port())])[
         "phases"]

@@ -48,11 +48,18 @@ def _speak(eos_step: int | None, **options) -> tuple[str, int, int]:
     return "".join(result.outputs["text"]), int(np.concatenate(audio).size), len(frames)
 
 
-@pytest.mark.parametrize("eos_step", [0, 3])
-def test_eos_stops_the_talk_or_is_skipped_under_ignore_eos(eos_step):
-    steps = SPOKEN["talker.max_tokens"]
+@pytest.fixture(scope="module")
+def plain() -> tuple[str, int, int]:
+    """The answer with no EOS said: every talker step makes a frame."""
     text, samples, frames = _speak(None)
-    assert text and samples > 0 and frames == steps
+    assert text and samples > 0 and frames == SPOKEN["talker.max_tokens"]
+    return text, samples, frames
+
+
+@pytest.mark.parametrize("eos_step", [0, 3])
+def test_eos_stops_the_talk_or_is_skipped_under_ignore_eos(plain, eos_step):
+    steps = SPOKEN["talker.max_tokens"]
+    text, samples, _ = plain
     stopped_text, stopped, stopped_frames = _speak(eos_step)
     assert stopped_text == text and stopped_frames == eos_step and stopped < samples  # the frames before EOS
     kept_text, kept, kept_frames = _speak(eos_step, **{"talker.ignore_eos": True})

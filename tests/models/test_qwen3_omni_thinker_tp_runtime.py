@@ -20,24 +20,32 @@ SPOKEN = {"modalities": ["text", "audio"], "temperature": 0.0, "max_tokens": 8, 
           "talker.temperature": 0.0, "talker.max_tokens": 10}
 
 
-def _serve(folder, config) -> tuple[list[list[int]], torch.Tensor]:
-    with MStar("qwen3_omni", config=config, model_path=str(folder), mode="multiproc") as mstar:
+def _serve(folder, config, mode: str) -> tuple[list[list[int]], torch.Tensor]:
+    with MStar("qwen3_omni", config=config, model_path=str(folder), mode=mode) as mstar:
         text, _ = outputs(submit_ids(mstar, PROMPT, temperature=0.0, max_tokens=8, ignore_eos=True))
         spoken_text, audio = outputs(submit_ids(mstar, PROMPT, **SPOKEN))
     return [text, spoken_text], audio
 
 
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory, one_thread):
+    """(checkpoint folder, texts, audio) of the whole thinker on one worker, in this process."""
+    folder = tmp_path_factory.mktemp("qwen3_omni_tp")
+    make_reference(folder)
+    texts, audio = _serve(folder, {**runtime_config(dtype="float32"), "device": "cpu"}, "inproc")
+    assert len(texts[0]) == 8 and texts[0] == texts[1]  # speaking changes no thinker token
+    assert audio.numel() > 0
+    return folder, texts, audio
+
+
 @pytest.mark.parametrize("split_attention", [True, False])  # model_kwargs.thinker_tp_attention
-def test_tensor_parallel_thinker_serves_the_same_answers(tmp_path, split_attention):
-    make_reference(tmp_path)
-    one = {**runtime_config(dtype="float32"), "device": "cpu"}
+def test_tensor_parallel_thinker_serves_the_same_answers(whole, split_attention):
+    folder, want_texts, want_audio = whole
     layout = load_config("qwen3_omni_2gpu_tp").node_groups
     two = {**runtime_config(dtype="float32", thinker_tp_attention=split_attention), "device": "cpu",
            "node_groups": [dataclasses.asdict(group) for group in layout]}
     assert two["node_groups"][0]["tp_size"] == 2
-    want_texts, want_audio = _serve(tmp_path, one)
-    got_texts, got_audio = _serve(tmp_path, two)
-    assert len(want_texts[0]) == 8 and want_texts[0] == want_texts[1]  # speaking changes no thinker token
+    got_texts, got_audio = _serve(folder, two, "multiproc")
     assert got_texts == want_texts
-    assert want_audio.numel() > 0 and got_audio.shape == want_audio.shape
+    assert got_audio.shape == want_audio.shape
     torch.testing.assert_close(got_audio, want_audio, rtol=0, atol=1e-4)
