@@ -4,12 +4,11 @@ does it with decode graphs (CPU stand-ins), whose steps reach the kernels throug
 inputs the backend shares."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.interpreted import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -20,9 +19,7 @@ CASES = Path(__file__).parents[1] / "unit" / "paged_attention_cases.py"
 def results() -> dict:
     """The three engine cases, run in one fresh interpreter: TRITON_INTERPRET must be set before kernels are
     decorated."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(CASES.parents[2])}
-    proc = subprocess.run([sys.executable, str(CASES), "engine_greedy", "engine_graphed", "engine_prefill_graphed"],
-                          env=env, capture_output=True, text=True, timeout=240)
+    proc = run_interpreted(CASES, "engine_greedy", "engine_graphed", "engine_prefill_graphed")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -6,9 +6,6 @@ imports them.
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ from mstar.engines.attention.base import AttentionMetadata
 from mstar.engines.attention.sdpa import SDPABackend
 from mstar.engines.autoregressive.runner import make_attention_backend
 from mstar.engines.base import KVLayout
+from tests.interpreted import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -29,9 +27,7 @@ CASES = ["mixed_gqa4_causal", "mixed_mha_causal", "non_causal", "sliding_window"
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(HERE.parents[1])}
-    proc = subprocess.run([sys.executable, str(HERE / "paged_attention_cases.py"), *CASES],
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = run_interpreted(HERE / "paged_attention_cases.py", *CASES, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
