@@ -10,9 +10,9 @@ import io
 import httpx
 import numpy as np
 import pytest
-from server_thread import running_server
 
 from mstar.client import AsyncMStarClient, MStarClient, MStarError
+from tests.e2e.server_thread import running_server
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ import json
 import httpx
 import numpy as np
 import pytest
-from server_thread import running_server
+
+from tests.e2e.server_thread import running_server
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK flags its videos API

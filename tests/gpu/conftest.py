@@ -6,13 +6,9 @@ Run them on a GPU machine with `python3 -m pytest -q -m gpu tests/gpu`.
 from __future__ import annotations
 
 import gc
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "models"))  # shared helpers such as llama_testing
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llama_testing import DenseAttention, save_hf_model
 
 from mstar.config import CudaGraphConfig, KVCacheConfig
 from mstar.engines.autoregressive.engine import AutoregressiveEngine
 from mstar.engines.base import LoopSpec, StepItem
 from mstar.layers.fused import fused_kernels
 from mstar.models.llama.weights import load_model
+from tests.models.llama_testing import DenseAttention, save_hf_model
 
 DEVICE = torch.device("cuda")
 

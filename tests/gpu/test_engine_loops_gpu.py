@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_loops import CASES, run_tiny
+
+from tests.models.test_engine_loops import CASES, run_tiny
 
 pytestmark = pytest.mark.gpu
 

@@ -6,15 +6,13 @@ for FlashInfer itself (tests/unit/test_flashinfer_backend.py only checks it agai
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
-import flashinfer_cases as fc  # noqa: E402
-from paged_attention_cases import Shape, random_batch  # noqa: E402
+from tests.unit import flashinfer_cases as fc
+from tests.unit.paged_attention_cases import Shape, random_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 flashinfer = pytest.importorskip("flashinfer")
@@ -93,10 +91,9 @@ def _checkpoint(path: Path) -> Path:
 
 
 def test_engine_graphs_match_eager_with_flashinfer(tmp_path) -> None:
-    from test_decode_graphs import engine_for, generate, prompts_of
-
     from mstar.engines.attention.flashinfer_backend import FlashInferBackend
     from mstar.models.llama.weights import load_model
+    from tests.gpu.test_decode_graphs import engine_for, generate, prompts_of
 
     model = load_model(_checkpoint(tmp_path), dtype=torch.bfloat16, device=torch.device("cuda"))
     prompts, budgets = prompts_of([3, 17, 40, 9, 64]), [40, 33, 20, 7, 50]

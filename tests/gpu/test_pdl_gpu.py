@@ -9,23 +9,18 @@ to eager with PDL off.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
-from paged_attention_cases import Shape, make_pair, random_batch  # noqa: E402
-
-from mstar.kernels import decode_attention, fused_ops, gemv, kv_store, prefill_attention, skinny_gemm  # noqa: E402
-from mstar.kernels.pdl import PDL, triton_supports_pdl  # noqa: E402
-from mstar.kernels.skinny_gemm import (  # noqa: E402
+from mstar.kernels import decode_attention, fused_ops, gemv, kv_store, prefill_attention, skinny_gemm
+from mstar.kernels.pdl import PDL, triton_supports_pdl
+from mstar.kernels.skinny_gemm import (
     SkinnyConfig,
     skinny_linear,
     skinny_silu_and_mul_linear,
 )
-from mstar.layers.rope import RopeSpec, RotaryEmbedding  # noqa: E402
+from mstar.layers.rope import RopeSpec, RotaryEmbedding
+from tests.unit.paged_attention_cases import Shape, make_pair, random_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -210,7 +205,7 @@ def test_pdl_variants_carry_griddepcontrol(pdl_mode):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from llama_testing import save_hf_model
+    from tests.models.llama_testing import save_hf_model
 
     path = tmp_path_factory.mktemp("llama_pdl")
     save_hf_model("llama3", path)
@@ -220,10 +215,9 @@ def checkpoint(tmp_path_factory):
 def test_engine_graphs_with_pdl_decode_token_for_token(checkpoint, pdl_mode):
     """Five sequences finishing at different steps (the batch shrinks through the captured sizes); every
     projection on the skinny GEMV."""
-    from test_decode_graphs import engine_for, generate, prompts_of
-
     from mstar.layers.linear import SKINNY
     from mstar.models.llama.weights import load_model
+    from tests.gpu.test_decode_graphs import engine_for, generate, prompts_of
 
     model = load_model(checkpoint, dtype=torch.bfloat16, device=torch.device("cuda"))
     prompts, budgets = prompts_of([3, 17, 40, 9, 64]), [40, 33, 20, 7, 50]

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llama_testing import save_hf_model
-from test_decode_graphs import generate_staggered, prompts_of
 
 from mstar.config import CudaGraphConfig, KVCacheConfig
 from mstar.engines.autoregressive.engine import AutoregressiveEngine
 from mstar.kernels.host_copy import copy_words
 from mstar.models.llama.weights import load_model
+from tests.gpu.test_decode_graphs import generate_staggered, prompts_of
+from tests.models.llama_testing import save_hf_model
 
 DEVICE = torch.device("cuda")
 

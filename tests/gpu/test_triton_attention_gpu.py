@@ -1,18 +1,15 @@
 """Triton paged attention on CUDA (bf16, Llama-3B-like heads) against SDPABackend, CUDA-graph replay,
-and micro-benchmarks (`benchmark_decode`, `benchmark_prefill`; `python tests/gpu/test_triton_attention.py`).
+and micro-benchmarks (`benchmark_decode`, `benchmark_prefill`; `python -m tests.gpu.test_triton_attention_gpu`).
 """
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))
-from paged_attention_cases import Shape, make_pair, random_batch, run_case  # noqa: E402
+from tests.unit.paged_attention_cases import Shape, make_pair, random_batch, run_case
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -10,7 +10,8 @@ from functools import partial
 
 import pytest
 import torch
-from sp_testing import run_ranks
+
+from tests.models.sp_testing import run_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -67,10 +68,9 @@ def test_two_gpu_sequence_parallel_dit_matches_one_gpu(tmp_path) -> None:
 
 def test_sp2_runtime_on_two_gpus_matches_one_gpu() -> None:
     """mstar/configs/wan22_sp2.yaml through the runtime (2 worker processes, NCCL), tiny float32, vs one GPU."""
-    from wan22_testing import NEGATIVE, PROMPTS, outputs_of
-
     from mstar.config import load_config
     from mstar.runtime.offline import MStar
+    from tests.models.wan22_testing import NEGATIVE, PROMPTS, outputs_of
 
     options = {"negative_prompt": NEGATIVE, "width": 128, "height": 128, "num_frames": 9,
                "num_inference_steps": 3, "guidance_scale": 5.0, "debug_outputs": True}

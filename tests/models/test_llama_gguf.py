@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from llama_testing import DenseAttention, save_hf_model
 
 from mstar.models.common.gguf_checkpoint import gguf_hf_config, unpermute_qk
 from mstar.models.llama.weights import load_model
+from tests.models.llama_testing import DenseAttention, save_hf_model
 
 gguf = pytest.importorskip("gguf")
 

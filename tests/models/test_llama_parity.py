@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-from llama_testing import DenseAttention, greedy, save_hf_model
 
 from mstar.engines.base import KVLayout
 from mstar.models.llama.weights import load_model
+from tests.models.llama_testing import DenseAttention, greedy, save_hf_model
 
 MODELS = ["llama", "llama3", "qwen2", "qwen3"]
 PROMPT = [5, 17, 99, 3, 42, 250, 8, 77, 13, 64, 200, 31]

@@ -6,7 +6,8 @@ import importlib.util
 
 import pytest
 import torch
-from llama_testing import DenseAttention, greedy
+
+from tests.models.llama_testing import DenseAttention, greedy
 
 pytest.importorskip("gguf")
 pytestmark = [

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llm_runtime_testing import PROMPTS, hf_greedy, make_checkpoint, token_ids
 
 from mstar.runtime.offline import MStar
+from tests.models.llm_runtime_testing import PROMPTS, hf_greedy, make_checkpoint, token_ids
 
 NEW = 48
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_tokens": NEW}

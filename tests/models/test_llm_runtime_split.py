@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from llm_runtime_testing import PROMPTS, hf_greedy, make_checkpoint, token_ids
 
 from mstar.config import load_config
 from mstar.runtime.offline import MStar
+from tests.models.llm_runtime_testing import PROMPTS, hf_greedy, make_checkpoint, token_ids
 
 
 @pytest.fixture(scope="module")

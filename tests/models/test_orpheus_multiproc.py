@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from orpheus_testing import yaml_config
 
 from mstar.runtime.offline import MStar
+from tests.models.orpheus_testing import yaml_config
 
 pytestmark = pytest.mark.slow  # two worker processes: about a minute on 2 busy CPU cores
 

@@ -9,12 +9,12 @@ import time
 import numpy as np
 import pytest
 import torch
-from orpheus_testing import make_checkpoint, yaml_config
 
 from mstar.engines.base import CausalLMBase
 from mstar.models.llama.model import LlamaForCausalLM
 from mstar.models.orpheus.tokens import accept_audio_token
 from mstar.runtime.offline import MStar
+from tests.models.orpheus_testing import make_checkpoint, yaml_config
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sp_testing import run_ranks
 
 from mstar.layers.attention import AttentionSpec, HeadShard, SelfAttention
 from mstar.layers.moe import ExpertShard, MoESpec, SparseMoE
 from tests.models.qwen3_omni_testing import FullAttention
+from tests.models.sp_testing import run_ranks
 
 ATTENTION = {"qwen3": AttentionSpec(hidden_size=24, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm=True),
              "qkv_bias": AttentionSpec(hidden_size=24, num_heads=4, num_kv_heads=2, head_dim=6, qkv_bias=True)}

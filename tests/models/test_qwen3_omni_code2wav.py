@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from qwen3_omni_codec_testing import hf_code2wav_config, make_hf_code2wav, save_checkpoint
 
 from mstar.graph.chunking import LeftContext
 from mstar.models.qwen3_omni.code2wav_config import Code2WavConfig
 from mstar.models.qwen3_omni.codec_weights import build_code2wav
 from mstar.worker.streams import END, StreamBuffer
+from tests.models.qwen3_omni_codec_testing import hf_code2wav_config, make_hf_code2wav, save_checkpoint
 
 CFG = Code2WavConfig.tiny()
 FRAMES = 50

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from qwen3_omni_codec_testing import hf_talker_config, make_hf_code_predictor, save_checkpoint
 
 from mstar.engines.base import StepGraphs
 from mstar.models.qwen3_omni.code_predictor_config import CodePredictorConfig
 from mstar.models.qwen3_omni.code_predictor_sampling import CodePredictorSampling
 from mstar.models.qwen3_omni.codec_weights import build_code_predictor
+from tests.models.qwen3_omni_codec_testing import hf_talker_config, make_hf_code_predictor, save_checkpoint
 
 CFG = CodePredictorConfig.tiny()
 GREEDY = {"code_predictor.temperature": 0.0}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from qwen3_omni_codec_testing import hf_code2wav_config, hf_talker_config
 
 from mstar.models.qwen3_omni.code2wav import Code2Wav
 from mstar.models.qwen3_omni.code2wav_config import Code2WavConfig
@@ -16,6 +15,7 @@ from mstar.models.qwen3_omni.codec_weights import (
     code2wav_name_mapper,
     code_predictor_name_mapper,
 )
+from tests.models.qwen3_omni_codec_testing import hf_code2wav_config, hf_talker_config
 
 
 def _covers_exactly(ours: torch.nn.Module, hf_named_shapes: dict[str, torch.Size], mapper) -> None:

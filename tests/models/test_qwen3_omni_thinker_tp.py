@@ -10,10 +10,10 @@ from functools import partial
 
 import pytest
 import torch
-from sp_testing import run_ranks
 
 from tests.models.qwen3_omni_model_testing import PROMPT, make_reference
 from tests.models.qwen3_omni_testing import FullAttention
+from tests.models.sp_testing import run_ranks
 
 pytest.importorskip("transformers")
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from wan22_testing import NEGATIVE, PROMPTS, outputs_of, write_pipeline_dir
 
 from mstar.config import load_config
 from mstar.graph.placement import plan_placement
 from mstar.models.registry import get_model_class
 from mstar.runtime.offline import MStar
+from tests.models.wan22_testing import NEGATIVE, PROMPTS, outputs_of, write_pipeline_dir
 
 OPTIONS = {"negative_prompt": NEGATIVE, "width": 64, "height": 64, "num_frames": 5, "num_inference_steps": 3,
            "guidance_scale": 5.0, "debug_outputs": True}

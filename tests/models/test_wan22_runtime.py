@@ -9,7 +9,15 @@ import time
 import numpy as np
 import pytest
 import torch
-from wan22_testing import NEGATIVE, PROMPTS, outputs_of, reference_pipeline, run_reference, write_pipeline_dir
+
+from tests.models.wan22_testing import (
+    NEGATIVE,
+    PROMPTS,
+    outputs_of,
+    reference_pipeline,
+    run_reference,
+    write_pipeline_dir,
+)
 
 pytest.importorskip("diffusers")
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from sp_testing import run_ranks
+
+from tests.models.sp_testing import run_ranks
 
 TOL = 1e-5
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from wan22_testing import NEGATIVE, PROMPTS, outputs_of
 
 from mstar.config import load_config
 from mstar.runtime.offline import MStar
+from tests.models.wan22_testing import NEGATIVE, PROMPTS, outputs_of
 
 OPTIONS = {"negative_prompt": NEGATIVE, "width": 64, "height": 64, "num_frames": 5, "num_inference_steps": 3,
            "guidance_scale": 5.0, "debug_outputs": True}

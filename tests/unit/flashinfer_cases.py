@@ -7,10 +7,10 @@ checks our adapter only) and tests/gpu/test_flashinfer_attention_gpu.py (CUDA, t
 from __future__ import annotations
 
 import torch
-from paged_attention_cases import Shape, random_batch
 
 from mstar.engines.attention.sdpa import SDPABackend
 from mstar.engines.base import KVLayout
+from tests.unit.paged_attention_cases import Shape, random_batch
 
 GQA4 = Shape(hq=4, hkv=1, head_dim=64, page_size=4, dtype=torch.float16)
 MHA = Shape(hq=2, hkv=2, head_dim=64, page_size=3, dtype=torch.float16)  # a page size that is not a power of 2

@@ -161,10 +161,9 @@ CPU_CASES = {
 def engine_case() -> dict:
     """Greedy tokens of the tiny engine model (tests/unit/test_ar_engine.py) through attention backend
     'triton' (chunked prefill, mixed batches, decode) and of its dense reference."""
-    import test_ar_engine as ar
-
     from mstar.engines.autoregressive import AutoregressiveEngine
     from mstar.engines.kv_cache.config import KVCacheConfig
+    from tests.unit import test_ar_engine as ar
 
     model, ps = ar.TinyLM(), ar.prompts(8)[2:5]  # 4, 7 and 12 tokens
     config = KVCacheConfig(max_num_pages=64, page_size=4, attention_backend="triton")
@@ -179,12 +178,11 @@ def engine_graphed_case() -> dict:
     """`engine_case` with decode graphs (CPU stand-ins that replay the whole padded bucket, captured by
     the runner, so the Triton backend reads the packed decode inputs) and lookahead on: greedy tokens,
     the reference's, and how many decode steps the graphs ran."""
-    import test_ar_engine as ar
-    from graph_standins import EagerBatchGraphs
-
     from mstar.engines.autoregressive import AutoregressiveEngine
     from mstar.engines.autoregressive import runner as runner_module
     from mstar.engines.kv_cache.config import KVCacheConfig
+    from tests.unit import test_ar_engine as ar
+    from tests.unit.graph_standins import EagerBatchGraphs
 
     model, ps = ar.TinyLM(), ar.prompts(8)[2:5]  # 4, 7 and 12 tokens
     config = KVCacheConfig(max_num_pages=64, page_size=4, attention_backend="triton")
@@ -203,13 +201,12 @@ def engine_prefill_graphed_case() -> dict:
     """`engine_graphed_case` with prefill graphs too (token buckets 5 and 8; CPU stand-ins that run the
     whole padded bucket, so the backend's graphed-prefill description is what the kernels read): the
     chunked prefills and mixed steps replay them, decode steps the decode graphs."""
-    import test_ar_engine as ar
-    from graph_standins import EagerBatchGraphs
-
     from mstar.engines.autoregressive import AutoregressiveEngine
     from mstar.engines.autoregressive import prefill_graph as prefill_module
     from mstar.engines.autoregressive import runner as runner_module
     from mstar.engines.kv_cache.config import KVCacheConfig
+    from tests.unit import test_ar_engine as ar
+    from tests.unit.graph_standins import EagerBatchGraphs
 
     model, ps = ar.TinyLM(), ar.prompts(8)[2:5]  # 4, 7 and 12 tokens
     config = KVCacheConfig(max_num_pages=64, page_size=4, attention_backend="triton")

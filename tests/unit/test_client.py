@@ -5,11 +5,11 @@ import io
 
 import numpy as np
 import pytest
-from fake_mstar_server import API_KEY, RATE, FakeServer
 
 from mstar.client import AsyncMStarClient, AudioBuffer, MStarClient, MStarError, collect
 from mstar.server.media import encode_image
 from mstar.server.protocol import AudioChunk, FinalChunk, ImageChunk, TextChunk
+from tests.unit.fake_mstar_server import API_KEY, RATE, FakeServer
 
 
 @pytest.fixture(scope="module")

@@ -11,18 +11,18 @@ from __future__ import annotations
 import logging
 import sys
 
-import fake_flashinfer
 import numpy as np
 import pytest
 import torch
-from flashinfer_cases import CASES, GQA4, MHA, compare, make_pair, run_case, tolerance
-from paged_attention_cases import random_batch
 
 from mstar.engines.attention.base import AttentionMetadata
 from mstar.engines.attention.flashinfer_index import paged_index
 from mstar.engines.attention.sdpa import SDPABackend
 from mstar.engines.autoregressive import runner
 from mstar.engines.base import KVLayout
+from tests.unit import fake_flashinfer
+from tests.unit.flashinfer_cases import CASES, GQA4, MHA, compare, make_pair, run_case, tolerance
+from tests.unit.paged_attention_cases import random_batch
 
 CPU = dict(require_cuda=False, workspace_bytes=1024)
 

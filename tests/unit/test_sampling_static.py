@@ -181,7 +181,7 @@ def test_seen_rows_follow_any_history(offset):
 def test_static_draw_over_minus_inf_logits(monkeypatch, prefilter):
     """Logits of a head restricted to a span: `sample_static`, general and filtered, draws only finite
     ids, the ones `sample` draws for the same noise."""
-    from test_sampling import SPAN, SPAN_PARAMS, SPEAKABLE, VOCAB, span_logits
+    from tests.unit.test_sampling import SPAN, SPAN_PARAMS, SPEAKABLE, VOCAB, span_logits
 
     monkeypatch.setattr(filters, "PREFILTER_K", prefilter)
     # those `sample_static` serves (top_k 200 only over the wide prefilter)
