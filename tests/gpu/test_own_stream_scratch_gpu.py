@@ -64,12 +64,6 @@ def test_split_k_gemvs_on_two_streams_with_their_own_scratch():
     _race(("engine", None))  # the engine's stream under its owner, the worker's under the shared one
 
 
-@pytest.mark.xfail(strict=False, reason="control: both streams on the shared scratch race (kernels/scratch.py); "
-                                        "XPASS only says this run's launches did not overlap badly")
-def test_control_shared_scratch_on_two_streams():
-    _race((None, None))
-
-
 def test_graphs_built_under_a_stream_owner_are_captured_on_that_stream(monkeypatch):
     captured_on = []
     real = torch.cuda.graph
