@@ -123,9 +123,13 @@ def _down_kernel(h_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, H, INTER, stride_we, st
     acc = tl.zeros((SLOTS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for i in range(K_CHUNKS):
         k = i * BLOCK_K
-        mask = real[:, None, None] & (k + rk < INTER)[None, None, :]
-        h = load_chunk(h_ptrs, k, mask, EVEN_K and SLOTS == TOP_K)
-        w = load_chunk(w_ptrs, k, mask, EVEN_K and SLOTS == TOP_K)
+        if EVEN_K and SLOTS == TOP_K:
+            h = tl.load(h_ptrs + k)
+            w = tl.load(w_ptrs + k)
+        else:
+            mask = real[:, None, None] & (k + rk < INTER)[None, None, :]
+            h = tl.load(h_ptrs + k, mask=mask, other=0.0)
+            w = tl.load(w_ptrs + k, mask=mask, other=0.0)
         acc += h.to(tl.float32) * w.to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     y = tl.sum(acc, axis=2).to(dtype).to(tl.float32)  # [SLOTS, BLOCK_N]: each slot's down matmul, rounded
