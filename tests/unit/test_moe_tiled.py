@@ -4,9 +4,6 @@ MSTAR_MOE_TILED=0."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,11 +28,9 @@ def test_tiled_kernels_match_loop_interpreted_one_shape():
 
 
 @pytest.mark.parametrize("value, usable", [("0", "False"), ("1", "True"), (None, "True")])
-def test_env_switch_keeps_the_tiled_path_off(value, usable):
-    env = {k: v for k, v in os.environ.items() if k != "MSTAR_MOE_TILED"}
-    if value is not None:
-        env["MSTAR_MOE_TILED"] = value
-    code = "from mstar.layers import moe; print(moe._TILED.usable)"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+def test_env_switch_keeps_the_tiled_path_off(monkeypatch, value, usable):
+    monkeypatch.delenv("MSTAR_MOE_TILED", raising=False)
+    switch = {} if value is None else {"MSTAR_MOE_TILED": value}
+    proc = run_interpreted(Path(__file__).with_name("moe_tiled_switch_check.py"), timeout=120, **switch)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == usable
