@@ -37,8 +37,9 @@ def _fork_server() -> subprocess.Popen:
 
 
 def _stop(server: subprocess.Popen) -> None:
-    server.stdin.close()
-    server.wait(timeout=30)
+    if server.poll() is None:
+        server.stdin.close()
+        server.wait(timeout=30)
 
 
 def run_interpreted(script: Path, *args: str, timeout: int = 240, **env: str) -> subprocess.CompletedProcess:
@@ -46,9 +47,15 @@ def run_interpreted(script: Path, *args: str, timeout: int = 240, **env: str) ->
     `env` adds variables. The caller asserts on the returned process."""
     argv = [str(script), *args]
     server = _fork_server()
-    server.stdin.write(json.dumps({"argv": argv, "env": _environment(env), "cwd": str(ROOT), "timeout": timeout}) + "\n")
-    server.stdin.flush()
-    answer = json.loads(server.stdout.readline())
+    request = {"argv": argv, "env": _environment(env), "cwd": str(ROOT), "timeout": timeout}
+    try:
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        answer = json.loads(server.stdout.readline())
+    except BaseException:  # interrupted mid-request (a test timeout, Ctrl-C): its answer would go to the next
+        server.kill()
+        server.wait()
+        raise
     if answer["timed_out"]:
         raise subprocess.TimeoutExpired(argv, timeout, answer["stdout"], answer["stderr"])
     return subprocess.CompletedProcess(argv, answer["returncode"], answer["stdout"], answer["stderr"])
