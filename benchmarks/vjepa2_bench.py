@@ -124,10 +124,13 @@ def recompute_rollout(reference, latents, states, actions, tokens):
     from mstar.models.vjepa2.ac_predictor import normalize_latents
     from mstar.models.vjepa2.pose import next_state
 
-    frames, poses, out = latents, states, []
+    frames, poses, out, dtype = latents, states, [], latents.dtype
     for step in range(actions.shape[1]):
         acts = actions[:, :step + 1]
-        nxt = normalize_latents(reference(frames.flatten(1, 2), acts, poses)[:, -tokens:])
+        # the upstream predictor keeps its RoPE in float32: it runs bf16 under autocast, as its authors run it
+        with torch.autocast(frames.device.type, dtype=dtype, enabled=dtype != torch.float32):
+            predicted = reference(frames.flatten(1, 2), acts.to(dtype), poses.to(dtype))
+        nxt = normalize_latents(predicted[:, -tokens:]).to(dtype)
         out.append(nxt)
         frames = torch.cat([frames, nxt[:, None]], 1)
         poses = torch.cat([poses, next_state(poses[:, -1], acts[:, -1])[:, None]], 1)
