@@ -44,12 +44,6 @@ class KVCacheConfig:
         if not isinstance(self.attention_backend, str) or not self.attention_backend:
             raise ValueError(f"kv_cache.attention_backend={self.attention_backend!r}: use a name such as 'auto'")
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> KVCacheConfig:
-        """Build from a parsed YAML mapping, as the config file's `kv_cache` is: values checked against
-        their types, an unknown key an error naming the valid ones."""
-        return _build(cls, data, "<dict>", "kv_cache.")
-
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

@@ -31,7 +31,9 @@ def test_invalid_values_are_named(kwargs, match):
         KVCacheConfig(**kwargs)
 
 
-def test_from_dict_rejects_unknown_keys():
-    assert KVCacheConfig.from_dict({"page_size": 32}).page_size == 32
+def test_the_yaml_section_rejects_unknown_keys():
+    from mstar.config import config_from_dict
+
+    assert config_from_dict({"model": "toy", "kv_cache": {"page_size": 32}}).kv_cache.page_size == 32
     with pytest.raises(ValueError, match="page_sise"):
-        KVCacheConfig.from_dict({"page_sise": 32})
+        config_from_dict({"model": "toy", "kv_cache": {"page_sise": 32}})
