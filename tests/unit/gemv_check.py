@@ -25,10 +25,13 @@ def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch
     return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
 
 
-def check_gemv(dtype: torch.dtype) -> None:
-    # N and K not multiples of the blocks (ragged last split), M = 1..4, with and without bias, split on/off,
-    # x read once per thread (BLOCK_K spans the warps: 1024) or through weight-shaped pointers (32).
-    cases = [(1, 32, 1), (1, 1024, 1), (2, 64, 2), (3, 32, 3), (4, 1024, 1), (4, 32, 3)]  # (M, BLOCK_K, SPLIT_K)
+# (M, BLOCK_K, SPLIT_K): N and K not multiples of the blocks (ragged last split), M = 1..4, split on/off, x read
+# once per thread (BLOCK_K spans the warps: 1024) or through weight-shaped pointers (32)
+GEMV_CASES = [(1, 32, 1), (1, 1024, 1), (2, 64, 2), (3, 32, 3), (4, 1024, 1), (4, 32, 3)]
+
+
+def check_gemv(dtype: torch.dtype, cases=GEMV_CASES) -> None:
+    # with and without bias (every other case)
     for i, (m, block_k, split) in enumerate(cases):
         x, w, b = torch.randn(m, 200).to(dtype), (torch.randn(37, 200) / 14).to(dtype), torch.randn(37).to(dtype)
         cfg = SkinnyConfig(block_m=skinny_gemm.m_bucket(m), block_n=8, block_k=block_k, split_k=split)
@@ -91,8 +94,8 @@ def check_config_validation() -> None:
             raise AssertionError(f"{bad} must be refused")
 
 
-def check_silu_down(dtype: torch.dtype) -> None:
-    for m in (1, 3):
+def check_silu_down(dtype: torch.dtype, rows=(1, 3)) -> None:
+    for m in rows:
         gate_up = (torch.randn(m, 2 * 160) * 2).to(dtype)
         w, b = (torch.randn(24, 160) / 12).to(dtype), torch.randn(24).to(dtype)
         act = fused_ops.silu_and_mul(gate_up)
@@ -148,9 +151,9 @@ def check_timing_helper() -> None:
 if __name__ == "__main__":
     assert FUSED.ops_for(torch.zeros(1)) is not None, "run with TRITON_INTERPRET=1"
     torch.manual_seed(0)
-    if "--quick" in sys.argv:  # one representative of each kernel (the default test run)
-        check_gemv(torch.float32)
-        check_silu_down(torch.float32)
+    if "--quick" in sys.argv:  # one representative of each kernel, split and not (the default test run)
+        check_gemv(torch.float32, [GEMV_CASES[1], GEMV_CASES[5]])
+        check_silu_down(torch.float32, rows=(3,))
         print("gemv ok")
         sys.exit(0)
     for dt in (torch.float32, torch.bfloat16):

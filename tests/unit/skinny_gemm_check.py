@@ -19,10 +19,10 @@ def tol(dtype: torch.dtype) -> dict:
     return {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
 
 
-def check_against_torch(dtype: torch.dtype) -> None:
+def check_against_torch(dtype: torch.dtype, rows=(1, 3, 16), sizes=((40, 48), (33, 200), (17, 512))) -> None:
     # N, K not multiples of the blocks; M on both paths (broadcast for M <= 4, tl.dot above).
-    for m in (1, 3, 16):
-        for n, k in ((40, 48), (33, 200), (17, 512)):
+    for m in rows:
+        for n, k in sizes:
             x, w = torch.randn(m, k).to(dtype), (torch.randn(n, k) / k**0.5).to(dtype)
             b = torch.randn(n).to(dtype)
             want_b = F.linear(x.float(), w.float(), b.float()).to(dtype)
@@ -119,8 +119,12 @@ def check_attention_projections(dtype: torch.dtype) -> None:
 if __name__ == "__main__":
     assert FUSED.ops_for(torch.zeros(1)) is not None, "run with TRITON_INTERPRET=1"
     torch.manual_seed(0)
-    for dt in (torch.float32,) if "--quick" in sys.argv else (torch.float32, torch.float16):  # --quick: float32
-        check_against_torch(dt)
+    quick = "--quick" in sys.argv  # float32, one (N, K) on each path (the default test run)
+    for dt in (torch.float32,) if quick else (torch.float32, torch.float16):
+        if quick:
+            check_against_torch(dt, rows=(1, 16), sizes=((33, 200),))
+        else:
+            check_against_torch(dt)
         check_split_k(dt)
         check_strided_rows(dt)
         check_row_slice(dt)
