@@ -121,6 +121,7 @@ class UniPCConfig:
     lower_order_final: bool = True  # drop to first order on the last steps
     disable_corrector: tuple[int, ...] = ()  # step indices whose corrector is skipped
     final_sigma_zero: bool = True  # final_sigmas_type "zero" (else "sigma_min")
+    native_flow: bool = False  # base sigmas from 1 - 1/T down to 0 (Cosmos3's use_native_flow_schedule)
 
     def __post_init__(self) -> None:
         if self.solver_type not in ("bh1", "bh2"):

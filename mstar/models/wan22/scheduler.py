@@ -31,7 +31,10 @@ def make_schedule(config: UniPCConfig, num_steps: int) -> FlowSchedule:
     if num_steps < 1:
         raise ValueError(f"num_inference_steps must be >= 1, got {num_steps}")
     train_steps = config.num_train_timesteps
-    sigmas = np.linspace(1, 1 / train_steps, num_steps + 1)[:-1]
+    if config.native_flow:
+        sigmas = np.linspace(1 - 1 / train_steps, 0, num_steps + 1)[:-1]
+    else:
+        sigmas = np.linspace(1, 1 / train_steps, num_steps + 1)[:-1]
     sigmas = config.flow_shift * sigmas / (1 + (config.flow_shift - 1) * sigmas)
     if abs(sigmas[0] - 1) < 1e-6:
         sigmas[0] -= 1e-6  # sigma = 1 would make lambda = -inf at the first step
