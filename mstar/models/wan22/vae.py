@@ -32,24 +32,23 @@ from mstar.models.wan22.vae_tiling import TileSpec, decode_tiled
 logger = logging.getLogger(__name__)
 
 
+def _levels(block: type[ResidualDownBlock | ResidualUpBlock], dims: list[int], num_res_blocks: int,
+            temporal: tuple[bool, ...]) -> nn.ModuleList:
+    """One `block` per level, from width dims[i] to dims[i + 1]; every level but the last resamples in
+    space, and in time where `temporal` says."""
+    last = len(dims) - 2
+    return nn.ModuleList(block(dims[i], dims[i + 1], num_res_blocks, i < last and temporal[i], i < last)
+                         for i in range(last + 1))
+
+
 class Encoder(nn.Module):
     """Patchified video [B, in_channels, T, H, W] -> posterior mean and log-variance [B, 2 z, T', H', W']."""
 
     def __init__(self, config: WanVAEConfig) -> None:
         super().__init__()
         dims = [config.base_dim * m for m in (1, *config.dim_mult)]
-        levels = len(config.dim_mult)
         self.conv_in = CausalConv3d(config.in_channels, dims[0], 3)
-        self.down_blocks = nn.ModuleList(
-            ResidualDownBlock(
-                dims[i],
-                dims[i + 1],
-                config.num_res_blocks,
-                temporal=i < levels - 1 and config.temperal_downsample[i],
-                down=i < levels - 1,
-            )
-            for i in range(levels)
-        )
+        self.down_blocks = _levels(ResidualDownBlock, dims, config.num_res_blocks, config.temperal_downsample)
         self.mid_block = MidBlock(dims[-1])
         self.norm_out = ChannelRMSNorm(dims[-1], spatial_dims=3)
         self.conv_out = CausalConv3d(dims[-1], 2 * config.z_dim, 3)
@@ -69,19 +68,9 @@ class Decoder(nn.Module):
     def __init__(self, config: WanVAEConfig) -> None:
         super().__init__()
         dims = [config.decoder_base_dim * m for m in (config.dim_mult[-1], *reversed(config.dim_mult))]
-        levels = len(config.dim_mult)
         self.conv_in = CausalConv3d(config.z_dim, dims[0], 3)
         self.mid_block = MidBlock(dims[0])
-        self.up_blocks = nn.ModuleList(
-            ResidualUpBlock(
-                dims[i],
-                dims[i + 1],
-                config.num_res_blocks,
-                temporal=i < levels - 1 and config.temperal_upsample[i],
-                up=i < levels - 1,
-            )
-            for i in range(levels)
-        )
+        self.up_blocks = _levels(ResidualUpBlock, dims, config.num_res_blocks, config.temperal_upsample)
         self.norm_out = ChannelRMSNorm(dims[-1], spatial_dims=3)
         self.conv_out = CausalConv3d(dims[-1], config.out_channels, 3)
 
