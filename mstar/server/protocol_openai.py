@@ -281,13 +281,20 @@ class ChatChoice(BaseModel):
     logprobs: ChoiceLogprobs | None = None
 
 
-class ChatCompletion(BaseModel):
+class _Answer(BaseModel):
+    """What every OpenAI answer object carries first: its id, its kind, when it was made, the model."""
+
+    id: str
+    object: str  # each answer narrows it to its own literal
+    created: int = Field(default_factory=lambda: int(time.time()))  # seconds since the epoch
+    model: str
+
+
+class ChatCompletion(_Answer):
     """A non-streaming chat answer."""
 
     id: str = Field(default_factory=lambda: new_id("chatcmpl"))
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChoice]
     usage: Usage = Field(default_factory=Usage)
     system_fingerprint: str | None = None
@@ -319,13 +326,10 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChoiceLogprobs | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Answer):
     """One SSE event of a streaming chat answer; the usage chunk has no choices."""
 
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatChunkChoice] = Field(default_factory=list)
     usage: Usage | None = None
 
@@ -344,13 +348,11 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
 
 
-class Completion(BaseModel):
+class Completion(_Answer):
     """A completion answer, or one streamed piece of it (then `usage` is None until the end)."""
 
     id: str = Field(default_factory=lambda: new_id("cmpl"))
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionChoice] = Field(default_factory=list)
     usage: Usage | None = None
 
