@@ -1,0 +1,214 @@
+"""The two Gemma stacks of Pi0.5: the PaliGemma language model over the prefix, the action expert over
+the action tokens.
+
+Layer i of the expert attends the prefix's layer-i keys and values and its own action tokens, all of
+them bidirectionally (openpi's attention mask gives the action block sight of the whole prefix and of
+itself; the prefix never sees the actions, so its keys and values are computed once per chunk). The
+language model's layers only ever serve those keys and values: the last layer's attention output and
+MLP are never computed, and its final norm and head are not built.
+
+Scaling follows the checkpoint's training code (openpi): token embeddings are multiplied by sqrt(width)
+at lookup, image tokens and action tokens enter unscaled. The expert's norms are adaptive (adaRMS): a
+dense layer of the time condition gives each norm a scale, a shift and a gate on its residual branch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.layers.rope import RopeSpec, RotaryEmbedding, apply_rotary
+from mstar.models.pi05.config import GemmaShape
+
+KV = tuple[torch.Tensor, torch.Tensor]  # keys, values [B, L, KV heads, head_dim]
+
+
+def rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) in float32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class GemmaNorm(nn.Module):
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), in float32."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (rms_normed(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class AdaRMSNorm(nn.Module):
+    """RMSNorm modulated by a condition: (x / rms(x) * (1 + scale) + shift, gate), where `dense(cond)`
+    gives scale, shift and gate per row of the batch."""
+
+    def __init__(self, width: int, cond_width: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.dense = nn.Linear(cond_width, 3 * width)
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, L, W], cond [B, C] -> (normed [B, L, W], gate [B, 1, W])."""
+        scale, shift, gate = self.dense(cond.to(self.dense.weight.dtype))[:, None].chunk(3, dim=-1)
+        normed = rms_normed(x, self.eps) * (1.0 + scale.float()) + shift.float()
+        return normed.to(x.dtype), gate.to(x.dtype)
+
+
+class GemmaMLP(nn.Module):
+    """down(gelu_tanh(gate(x)) * up(x)), gate and up as one matmul."""
+
+    def __init__(self, width: int, mlp_dim: int) -> None:
+        super().__init__()
+        self.mlp_dim = mlp_dim
+        self.gate_up = nn.Linear(width, 2 * mlp_dim, bias=False)
+        self.down = nn.Linear(mlp_dim, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.mlp_dim, dim=-1)
+        return self.down(F.gelu(gate, approximate="tanh") * up)
+
+
+class GemmaAttention(nn.Module):
+    """Query, key and value projections (one matmul, no biases) with RoPE, and the output projection."""
+
+    def __init__(self, shape: GemmaShape) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.qkv = nn.Linear(shape.width, (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim, bias=False)
+        self.o = nn.Linear(shape.num_heads * shape.head_dim, shape.width, bias=False)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                        torch.Tensor]:
+        """x [B, L, W], cos/sin [B * L, head_dim] -> q [B, L, H, D], k and v [B, L, KV, D] (q and k rotated)."""
+        batch, length, _ = x.shape
+        q, k, v = self.qkv(x).split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                                     self.num_kv_heads * self.head_dim], dim=-1)
+        q = apply_rotary(q.reshape(batch * length, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.reshape(batch * length, self.num_kv_heads, self.head_dim), cos, sin)
+        return (q.view(batch, length, self.num_heads, self.head_dim), k.view(batch, length, self.num_kv_heads,
+                self.head_dim), v.reshape(batch, length, self.num_kv_heads, self.head_dim))
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+        """Every query [B, Lq, H, D] over the valid keys [B, Lk, KV, D] (`key_valid` [B, Lk]) -> [B, Lq, W]."""
+        batch, length = q.shape[:2]
+        groups = self.num_heads // self.num_kv_heads
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2).repeat_interleave(groups, dim=1),
+            values.transpose(1, 2).repeat_interleave(groups, dim=1), attn_mask=key_valid[:, None, None, :])
+        return self.o(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
+
+
+class PrefixLayer(nn.Module):
+    """A PaliGemma decoder layer."""
+
+    def __init__(self, shape: GemmaShape) -> None:
+        super().__init__()
+        self.norm1 = GemmaNorm(shape.width, shape.rms_norm_eps)
+        self.attn = GemmaAttention(shape)
+        self.norm2 = GemmaNorm(shape.width, shape.rms_norm_eps)
+        self.mlp = GemmaMLP(shape.width, shape.mlp_dim)
+
+
+class PrefixLM(nn.Module):
+    """The prefix (image tokens, then the prompt's token embeddings) -> every layer's keys and values."""
+
+    def __init__(self, shape: GemmaShape, vocab_size: int) -> None:
+        super().__init__()
+        self.shape = shape
+        self.embed = nn.Embedding(vocab_size, shape.width)
+        self.layers = nn.ModuleList(PrefixLayer(shape) for _ in range(shape.depth))
+        self.rotary = RotaryEmbedding(RopeSpec(shape.head_dim, shape.rope_theta))
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings scaled by sqrt(width), the scale rounded to the weights' dtype as Gemma does."""
+        scale = torch.tensor(math.sqrt(self.shape.width), dtype=self.embed.weight.dtype)
+        return self.embed(ids) * scale.to(ids.device)
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
+                store: Callable[[int, torch.Tensor, torch.Tensor], None]) -> None:
+        """Prefix embeddings x [B, L, W] (rows past a prefix's end invalid in `valid` [B, L]) at `positions`
+        [B, L]: `store(layer, keys, values)` receives each layer's keys and values [B, L, KV, D]."""
+        cos, sin = self.rotary(positions.reshape(-1))
+        x = x.to(self.embed.weight.dtype)
+        for index, layer in enumerate(self.layers):
+            q, k, v = layer.attn.project(layer.norm1(x), cos, sin)
+            store(index, k, v)
+            if index == len(self.layers) - 1:
+                break  # the last layer's output feeds nothing
+            x = x + layer.attn.attend(q, k, v, valid)
+            x = x + layer.mlp(layer.norm2(x))
+
+
+class ExpertLayer(nn.Module):
+    """An action-expert layer: adaRMS norms gating both residual branches."""
+
+    def __init__(self, shape: GemmaShape) -> None:
+        super().__init__()
+        self.norm1 = AdaRMSNorm(shape.width, shape.width, shape.rms_norm_eps)
+        self.attn = GemmaAttention(shape)
+        self.norm2 = AdaRMSNorm(shape.width, shape.width, shape.rms_norm_eps)
+        self.mlp = GemmaMLP(shape.width, shape.mlp_dim)
+
+
+def time_embedding(t: torch.Tensor, width: int, min_period: float, max_period: float) -> torch.Tensor:
+    """Sine-cosine embedding [B, width] of flow times t [B], computed in float64 and returned in float32."""
+    fraction = torch.linspace(0.0, 1.0, width // 2, dtype=torch.float64, device=t.device)
+    period = min_period * (max_period / min_period) ** fraction
+    angles = (2 * math.pi / period)[None, :] * t.double()[:, None]
+    return torch.cat([angles.sin(), angles.cos()], dim=1).float()
+
+
+class ActionExpert(nn.Module):
+    """Noisy actions x_t [B, C, A] at flow time t [B] -> velocity [B, C, A], attending a prefix's keys
+    and values layer by layer."""
+
+    def __init__(self, shape: GemmaShape, action_dim: int, min_period: float, max_period: float) -> None:
+        super().__init__()
+        self.shape, self.periods = shape, (min_period, max_period)
+        self.action_in = nn.Linear(action_dim, shape.width)
+        self.time_in = nn.Linear(shape.width, shape.width)
+        self.time_out = nn.Linear(shape.width, shape.width)
+        self.layers = nn.ModuleList(ExpertLayer(shape) for _ in range(shape.depth))
+        self.norm = AdaRMSNorm(shape.width, shape.width, shape.rms_norm_eps)
+        self.action_out = nn.Linear(shape.width, action_dim)
+        self.rotary = RotaryEmbedding(RopeSpec(shape.head_dim, shape.rope_theta))
+
+    def condition(self, t: torch.Tensor) -> torch.Tensor:
+        """The adaRMS condition [B, W] of flow times t [B]: the time embedding through a two-layer SiLU MLP."""
+        emb = time_embedding(t, self.shape.width, *self.periods).to(self.time_in.weight.dtype)
+        return F.silu(self.time_out(F.silu(self.time_in(emb))))
+
+    @torch.no_grad()
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor, prefix: Callable[[int], KV], prefix_valid: torch.Tensor,
+                prefix_len: torch.Tensor) -> torch.Tensor:
+        """`prefix(layer)` gives that layer's prefix keys and values [B, P, KV, D], valid where
+        `prefix_valid` [B, P]; the action tokens sit at positions prefix_len [B] onwards. Float32 out."""
+        x = self.action_in(x_t.to(self.action_in.weight.dtype))
+        positions = prefix_len[:, None] + torch.arange(x.shape[1], device=x.device)[None, :]
+        hidden = self.hidden(x, self.condition(t), positions, prefix, prefix_valid)
+        return self.action_out(hidden).float()
+
+    def hidden(self, x: torch.Tensor, cond: torch.Tensor, positions: torch.Tensor, prefix: Callable[[int], KV],
+               prefix_valid: torch.Tensor) -> torch.Tensor:
+        """The layers and final norm over action tokens x [B, C, W] at `positions` [B, C] under `cond` [B, W]."""
+        batch, chunk = x.shape[:2]
+        cos, sin = self.rotary(positions.reshape(-1))
+        key_valid = torch.cat([prefix_valid, prefix_valid.new_ones(batch, chunk)], dim=1)
+        for index, layer in enumerate(self.layers):
+            normed, gate = layer.norm1(x, cond)
+            q, k, v = layer.attn.project(normed, cos, sin)
+            prefix_k, prefix_v = prefix(index)
+            keys = torch.cat([prefix_k.to(k.dtype), k], dim=1)
+            values = torch.cat([prefix_v.to(v.dtype), v], dim=1)
+            x = x + layer.attn.attend(q, keys, values, key_valid) * gate
+            normed, gate = layer.norm2(x, cond)
+            x = x + layer.mlp(normed) * gate
+        return self.norm(x, cond)[0]

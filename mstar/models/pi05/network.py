@@ -1,0 +1,67 @@
+"""Pi0.5's networks as built: the vision tower (component `vision`) and the policy (component `policy`:
+the Gemma prefix and the action expert, which share the prefix's keys and values).
+
+`prefill` turns a batch of prefixes into keys and values; `velocity` is one flow step's network;
+`euler_step` moves noisy actions along it. Pi05Network holds all three parts for whole-checkpoint checks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from mstar.models.pi05.config import Pi05Config
+from mstar.models.pi05.gemma import ActionExpert, PrefixLM
+from mstar.models.pi05.siglip import SiglipEncoder
+
+
+class PolicyNet(nn.Module):
+    """The Gemma prefix (`llm`) and the action expert (`expert`)."""
+
+    def __init__(self, config: Pi05Config) -> None:
+        super().__init__()
+        self.config = config
+        self.llm = PrefixLM(config.llm, config.vocab_size)
+        self.expert = ActionExpert(config.expert, config.max_action_dim, config.min_period, config.max_period)
+
+    def prefix_embeddings(self, image_tokens: list[torch.Tensor], prompt_ids: list[torch.Tensor]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per request its image tokens [N_i, W] and prompt ids [T_i] -> padded prefixes [B, L, W] (images
+        first, then the scaled token embeddings) and which rows are real [B, L]."""
+        rows = [torch.cat([images.to(self.llm.embed.weight.dtype), self.llm.embed_tokens(ids)])
+                for images, ids in zip(image_tokens, prompt_ids, strict=True)]
+        lengths = torch.tensor([len(r) for r in rows], device=rows[0].device)
+        padded = nn.utils.rnn.pad_sequence(rows, batch_first=True)
+        return padded, torch.arange(padded.shape[1], device=padded.device)[None, :] < lengths[:, None]
+
+    def prefill(self, prefixes: torch.Tensor, valid: torch.Tensor,
+                store: Callable[[int, torch.Tensor, torch.Tensor], None]) -> None:
+        """Every layer's keys and values of the prefixes [B, L, W] (positions 0, 1, ... per row) to `store`."""
+        positions = torch.arange(prefixes.shape[1], device=prefixes.device).expand(prefixes.shape[0], -1)
+        self.llm(prefixes, valid, positions, store)
+
+    def velocity(self, x_t: torch.Tensor, t: torch.Tensor, prefix: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                 prefix_valid: torch.Tensor, prefix_len: torch.Tensor) -> torch.Tensor:
+        """The flow's velocity [B, C, A] (float32) at noisy actions x_t [B, C, A] and times t [B]."""
+        return self.expert(x_t, t, prefix, prefix_valid, prefix_len)
+
+
+def euler_step(x_t: torch.Tensor, velocity: torch.Tensor, num_steps: int) -> torch.Tensor:
+    """One Euler step from t toward 0: x_t - velocity / num_steps, in float32."""
+    return x_t.float() + (-1.0 / num_steps) * velocity
+
+
+def flow_time(step: int, num_steps: int) -> float:
+    """The time of Euler step `step` (0-based) of `num_steps`: 1 at the first, 1/num_steps at the last."""
+    return 1.0 + step * (-1.0 / num_steps)
+
+
+class Pi05Network(nn.Module):
+    """The whole checkpoint: vision tower, Gemma prefix and action expert."""
+
+    def __init__(self, config: Pi05Config) -> None:
+        super().__init__()
+        self.vision = SiglipEncoder(config.vision, config.llm.width)
+        self.policy = PolicyNet(config)

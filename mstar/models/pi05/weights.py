@@ -1,0 +1,174 @@
+"""Checkpoint names of lerobot's Pi0.5 (`PI05Policy.save_pretrained`: config.json, model.safetensors) and
+building the loaded networks.
+
+lerobot's names, with or without the policy's leading `model.`:
+- `paligemma_with_expert.paligemma.model.vision_tower.vision_model.*`: SigLIP (separate q/k/v projections,
+  filling our fused qkv by rows); `...model.multi_modal_projector.linear`: the projector;
+- `paligemma_with_expert.paligemma.model.language_model.*`: the Gemma prefix (q/k/v and gate/up fused by
+  rows); the token embedding is `embed_tokens` or, saved tied, `paligemma.lm_head`;
+- `paligemma_with_expert.gemma_expert.model.*`: the action expert, its norms adaptive (`*.dense`);
+- `action_in_proj`, `action_out_proj`, `time_mlp_in`, `time_mlp_out` (older: `action_time_mlp_*`).
+The older transformers layout (`paligemma.language_model.model.*`, `paligemma.vision_tower.*`) and the tower
+without `vision_model.` (as transformers 5 saves it) read too.
+`UNUSED` lists what inference never reads; every other name must land on a parameter.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mstar.models.common.loading import fill_dummy_weights, load_named_tensors, weight_files
+from mstar.models.common.meta import build_on_meta
+from mstar.models.pi05.config import Pi05Config
+
+Mapped = tuple[str, int] | None  # (our parameter in Pi05Network, first row it fills), or None: not read
+
+_PALI = "paligemma_with_expert.paligemma."
+_EXPERT = "paligemma_with_expert.gemma_expert."
+_VISION = _PALI + "model.vision_tower.vision_model."
+_LLM = _PALI + "model.language_model."
+UNUSED = (  # never read at inference: the prefix's outputs (only its keys and values are), the expert's LM head
+    _LLM + "norm.weight", _EXPERT + "lm_head.weight")
+_OLD_LAYOUT = ((_PALI + "language_model.model.", _LLM), (_PALI + "language_model.lm_head.", _PALI + "lm_head."),
+               (_PALI + "vision_tower.", _PALI + "model.vision_tower."),
+               (_PALI + "multi_modal_projector.", _PALI + "model.multi_modal_projector."))
+_TOP = {"action_in_proj": "policy.expert.action_in", "action_out_proj": "policy.expert.action_out",
+        "time_mlp_in": "policy.expert.time_in", "time_mlp_out": "policy.expert.time_out",
+        "action_time_mlp_in": "policy.expert.time_in", "action_time_mlp_out": "policy.expert.time_out",
+        _PALI + "model.multi_modal_projector.linear": "vision.projector",
+        _VISION + "embeddings.patch_embedding": "vision.patch_embed", _VISION + "post_layernorm": "vision.norm"}
+_SIGLIP = {"layer_norm1": ("norm1", 0), "layer_norm2": ("norm2", 0), "self_attn.q_proj": ("qkv", 0),
+           "self_attn.k_proj": ("qkv", 1), "self_attn.v_proj": ("qkv", 2), "self_attn.out_proj": ("proj", 0),
+           "mlp.fc1": ("fc1", 0), "mlp.fc2": ("fc2", 0)}
+_LAYER = re.compile(r"(.*\.layers)\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def canonical(name: str) -> str:
+    """A checkpoint name without the policy's `model.` and in the current transformers layout."""
+    name = name.removeprefix("model.")
+    for old, new in _OLD_LAYOUT:
+        if name.startswith(old):
+            name = new + name[len(old):]
+            break
+    tower = _PALI + "model.vision_tower."
+    if name.startswith(tower) and not name.startswith(_VISION):  # transformers 5 saves the tower unwrapped
+        name = _VISION + name[len(tower):]
+    return name
+
+
+def mapper(config: Pi05Config, names: Iterable[str]) -> Callable[[str], Mapped]:
+    """lerobot checkpoint names -> Pi05Network parameters (the embedding from `embed_tokens` if `names`
+    holds it, else from the tied `lm_head`); UNUSED names -> None; anything unknown -> itself (so the
+    loader reports it)."""
+    has_embed = any(canonical(n) == _LLM + "embed_tokens.weight" for n in names)
+    vision_width, llm, expert = config.vision.hidden_size, config.llm, config.expert
+
+    def gemma_rows(shape, inner: str) -> tuple[str, int] | None:
+        q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+        table = {"self_attn.q_proj": ("attn.qkv", 0), "self_attn.k_proj": ("attn.qkv", q),
+                 "self_attn.v_proj": ("attn.qkv", q + kv), "self_attn.o_proj": ("attn.o", 0),
+                 "mlp.gate_proj": ("mlp.gate_up", 0), "mlp.up_proj": ("mlp.gate_up", shape.mlp_dim),
+                 "mlp.down_proj": ("mlp.down", 0), "input_layernorm": ("norm1", 0),
+                 "post_attention_layernorm": ("norm2", 0), "input_layernorm.dense": ("norm1.dense", 0),
+                 "post_attention_layernorm.dense": ("norm2.dense", 0)}
+        return table.get(inner)
+
+    def mapped(name: str) -> Mapped:
+        key = canonical(name)
+        if key in UNUSED or (has_embed and key == _PALI + "lm_head.weight"):
+            return None
+        if key in (_LLM + "embed_tokens.weight", _PALI + "lm_head.weight"):
+            return "policy.llm.embed.weight", 0
+        if key == _VISION + "embeddings.position_embedding.weight":
+            return "vision.pos_embed", 0
+        if key == _EXPERT + "model.norm.dense.weight" or key == _EXPERT + "model.norm.dense.bias":
+            return "policy.expert.norm.dense." + key.rpartition(".")[2], 0
+        stem, _, leaf = key.rpartition(".")
+        if stem in _TOP:
+            return f"{_TOP[stem]}.{leaf}", 0
+        match = _LAYER.match(key)
+        if match is None:
+            return name, 0
+        stack, index, inner, leaf = match.groups()
+        if stack == _VISION + "encoder.layers" and inner in _SIGLIP:
+            ours, third = _SIGLIP[inner]
+            return f"vision.blocks.{index}.{ours}.{leaf}", third * vision_width
+        for prefix, ours, shape in ((_LLM + "layers", "policy.llm", llm), (_EXPERT + "model.layers", "policy.expert",
+                                                                              expert)):
+            if stack == prefix and (rows := gemma_rows(shape, inner)) is not None:
+                return f"{ours}.layers.{index}.{rows[0]}.{leaf}", rows[1]
+        return name, 0
+
+    return mapped
+
+
+def part_mapper(full: Callable[[str], Mapped], part: str) -> Callable[[str], Mapped]:
+    """`full` narrowed to one part of Pi05Network ("vision" or "policy"), names relative to that part."""
+    prefix = part + "."
+
+    def mapped(name: str) -> Mapped:
+        target = full(name)
+        if target is None or not target[0].startswith(("vision.", "policy.")):
+            return target  # skipped, or unknown: the loader reports it
+        return (target[0][len(prefix):], target[1]) if target[0].startswith(prefix) else None
+
+    return mapped
+
+
+def checkpoint_names(folder: Path) -> list[str]:
+    """Every tensor name of a checkpoint folder, read without loading a tensor."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for file in weight_files(Path(folder))[1]:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            names.extend(handle.keys())
+    return names
+
+
+def tensors(folder: Path, wanted: Callable[[str], Mapped]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a checkpoint folder that `wanted` maps (others are never read)."""
+    from safetensors import safe_open
+
+    for file in weight_files(Path(folder))[1]:
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                if wanted(name) is not None:
+                    yield name, handle.get_tensor(name)
+
+
+def build(factory: Callable[[], nn.Module], dtype: torch.dtype, device: torch.device | str,
+          named: Iterable[tuple[str, torch.Tensor]] | None, name_map: Callable[[str], Mapped] | None,
+          seed: int = 0, std: float = 0.02) -> nn.Module:
+    """`factory()` on `device` in `dtype`, loaded from `named` through `name_map`, or seeded random weights
+    (norm weights zero: Gemma's norms scale by 1 + weight) when `named` is None."""
+    from mstar.models.pi05.gemma import GemmaNorm
+
+    module = build_on_meta(factory, dtype, device)
+    if named is None:
+        fill_dummy_weights(module, seed=seed, std=std)
+        generator = torch.Generator(device=device).manual_seed(seed + 1)
+        with torch.no_grad():
+            for sub in module.modules():
+                if isinstance(sub, GemmaNorm):  # its weight is an offset from 1
+                    sub.weight.normal_(0.0, std, generator=generator)
+    else:
+        load_named_tensors(module, named, name_map)
+    return module
+
+
+def load_part(folder: Path, config: Pi05Config, part: str, dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu") -> nn.Module:
+    """`part` ("vision" or "policy") of a lerobot Pi0.5 folder, loaded in `dtype` on `device`."""
+    from mstar.models.pi05.network import PolicyNet
+    from mstar.models.pi05.siglip import SiglipEncoder
+
+    name_map = part_mapper(mapper(config, checkpoint_names(folder)), part)
+    factory = (lambda: SiglipEncoder(config.vision, config.llm.width)) if part == "vision" else \
+        (lambda: PolicyNet(config))
+    return build(factory, dtype, device, tensors(folder, name_map), name_map)
