@@ -27,15 +27,20 @@ class StartWalk(msgspec.Struct, tag=True, array_like=True):
     stream_targets: dict[str, list[Any]]  # produced edge -> [consumer rank, stream name, first seq]
 
 
-class RunNode(msgspec.Struct, tag=True, array_like=True):
-    """Driver -> worker: run one node of a walk whose driver lives elsewhere."""
+class _ReadyNode(msgspec.Struct, array_like=True):
+    """A ready node of one request, as a message carries it (the fields a worker makes a StepItem of)."""
 
     rid: str
     walk: str
     node: str
     iteration: int
     inputs: Tensors  # port -> tensor
-    options: dict[str, Any]
+    options: dict[str, Any]  # per-request model options
+
+
+class RunNode(_ReadyNode, tag=True):
+    """Driver -> worker: run one node of a walk whose driver lives elsewhere."""
+
     reply_to: int
     loop: int = 0  # > 0: the node is an engine loop of this many iterations at most (engines/base.py LoopSpec)
 
@@ -108,15 +113,9 @@ class WalkDone(msgspec.Struct, tag=True, array_like=True):
     error: str | None = None
 
 
-class ReplicaItem(msgspec.Struct, array_like=True):
+class ReplicaItem(_ReadyNode):
     """One item of a replica step: a ready node of one request, as the lead rank's engine saw it."""
 
-    rid: str
-    walk: str
-    node: str
-    iteration: int
-    inputs: Tensors  # port -> tensor
-    options: dict[str, Any]
     kv_slot: str = "main"
     loop: int = 0  # > 0: an engine loop of this many iterations at most
 
