@@ -23,6 +23,11 @@ FRAME = 7  # audio tokens per SNAC frame
 LLAMA3_VOCAB = 128256  # the first custom token of the full-size model
 
 
+def _custom_token(n: int) -> property:
+    """The id of `<custom_token_n>` in the layout (`base` + n)."""
+    return property(lambda self: self.base + n, doc=f"The id of `<custom_token_{n}>`.")
+
+
 @dataclass(frozen=True)
 class OrpheusTokens:
     """Ids of the markers and audio tokens; `base` is the id of `<custom_token_0>`."""
@@ -32,29 +37,12 @@ class OrpheusTokens:
     end_of_text: int = 128009  # Llama-3 <|eot_id|>
     bos: int | None = 128000  # <|begin_of_text|>, None when the tokenizer has none (tiny)
 
-    @property
-    def start_of_speech(self) -> int:
-        return self.base + 1
-
-    @property
-    def end_of_speech(self) -> int:
-        return self.base + 2
-
-    @property
-    def start_of_human(self) -> int:
-        return self.base + 3
-
-    @property
-    def end_of_human(self) -> int:
-        return self.base + 4
-
-    @property
-    def start_of_ai(self) -> int:
-        return self.base + 5
-
-    @property
-    def audio_offset(self) -> int:
-        return self.base + 10
+    start_of_speech = _custom_token(1)
+    end_of_speech = _custom_token(2)
+    start_of_human = _custom_token(3)
+    end_of_human = _custom_token(4)
+    start_of_ai = _custom_token(5)
+    audio_offset = _custom_token(10)  # the first audio token
 
     @property
     def speakable_span(self) -> tuple[int, int]:
