@@ -16,7 +16,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -28,6 +28,7 @@ from mstar.engines.base import StatelessSpec
 from mstar.graph import CARRY, ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Walk
 from mstar.models.base import BuiltComponent, Model
 from mstar.models.common.serve_config import ServeConfig
+from mstar.models.vjepa2.config import AC_VITG, VITG_FPC64_256, VITL_FPC64_256, VJEPA2Config
 
 _TINY_STD = 0.3  # tiny random weights large enough that inputs visibly change the outputs
 
@@ -92,6 +93,9 @@ def _next_world_walk(finished: str, options: Mapping[str, Any]) -> str | None:
 class _VJEPA2Base(Model):
     """What both models share: the checkpoint, its configs and building the encoder."""
 
+    _example: str  # what --model-path takes, for the error that asks for it
+    _full_size: dict  # the encoder's Hugging Face config.json keys at full size (dummy weights)
+
     @classmethod
     def make_config(cls, tiny: bool = False, **overrides: Any) -> VJEPA2ServeConfig:
         return replace(VJEPA2ServeConfig(tiny=tiny), **overrides)
@@ -110,13 +114,13 @@ class _VJEPA2Base(Model):
     @cached_property
     def vjepa2(self):
         """The encoder's (and mask predictor's, classifier's) config."""
-        from mstar.models.vjepa2 import config, tiny, weights
+        from mstar.models.vjepa2 import tiny, weights
 
         if self.checkpoint is not None and self.checkpoint.suffix != ".pt":
             return weights.read_hf_config(self.checkpoint)
         if self.config.tiny:
             return tiny.tiny_config()
-        return config.VJEPA2Config.from_hf(self._full_size)
+        return VJEPA2Config.from_hf(self._full_size)
 
     def _dtype(self, device: torch.device) -> torch.dtype:
         return torch.float32 if self.config.dtype is None and self.config.tiny else self.config.torch_dtype(device)
@@ -126,6 +130,10 @@ class _VJEPA2Base(Model):
 
         std = _TINY_STD if self.config.tiny else 0.02
         return build(factory, self._dtype(device), device, tensors, mapper, seed=self.config.seed, std=std)
+
+    def _encoder(self, component: Callable[[torch.nn.Module], object], device: torch.device) -> BuiltComponent:
+        """The `encoder` node's component: the model's `component` class around the ViT."""
+        return BuiltComponent(component(self._part("encoder", device)), StatelessSpec(max_batch_size=8))
 
     def _part(self, part: str, device: torch.device):
         from mstar.models.vjepa2 import weights
@@ -148,12 +156,7 @@ class VJEPA2(_VJEPA2Base):
     output_modalities = ("latents", "pooled", "logits", "label")
     default_options = {"modalities": ["latents"]}
     _example = "a Hugging Face V-JEPA 2 folder or repo id, e.g. facebook/vjepa2-vitl-fpc64-256"
-
-    @property
-    def _full_size(self) -> dict:
-        from mstar.models.vjepa2.config import VITL_FPC64_256
-
-        return VITL_FPC64_256
+    _full_size = VITL_FPC64_256
 
     def graph(self) -> ModelGraph:
         return _clip_graph()
@@ -162,8 +165,7 @@ class VJEPA2(_VJEPA2Base):
         from mstar.models.vjepa2 import components
 
         if name == "encoder":
-            return BuiltComponent(components.ClipEncoderComponent(self._part("encoder", device)),
-                                  StatelessSpec(max_batch_size=8))
+            return self._encoder(components.ClipEncoderComponent, device)
         if name == "classifier":
             head = self._part("classifier", device) if self.vjepa2.classifier is not None else None
             return BuiltComponent(components.ClassifierComponent(head))
@@ -187,23 +189,18 @@ class VJEPA2AC(_VJEPA2Base):
     default_options = {"modalities": ["latents"], "report_progress": False, "return_sequence": False,
                        "states": [], "actions": []}
     _example = "a folder with a V-JEPA 2 encoder and ac_predictor/, or the upstream vjepa2-ac-vitg.pt"
-
-    @property
-    def _full_size(self) -> dict:
-        from mstar.models.vjepa2.config import VITG_FPC64_256
-
-        return VITG_FPC64_256
+    _full_size = VITG_FPC64_256
 
     @cached_property
     def ac_config(self):
-        from mstar.models.vjepa2 import config, tiny, weights
+        from mstar.models.vjepa2 import tiny, weights
 
         width = self.vjepa2.encoder.vit.hidden_size
         if self.checkpoint is not None and self.checkpoint.suffix != ".pt":
             return weights.read_ac_config(self.checkpoint, width)
         if self.config.tiny:
             return tiny.tiny_ac_config(width)
-        return replace(config.AC_VITG, embed_dim=width)
+        return replace(AC_VITG, embed_dim=width)
 
     def graph(self) -> ModelGraph:
         return _world_graph()
@@ -213,8 +210,7 @@ class VJEPA2AC(_VJEPA2Base):
         from mstar.models.vjepa2.ac_predictor import ACPredictor
 
         if name == "encoder":
-            return BuiltComponent(components.FrameEncoderComponent(self._part("encoder", device)),
-                                  StatelessSpec(max_batch_size=8))
+            return self._encoder(components.FrameEncoderComponent, device)
         if name == "predictor":
             factory = lambda: ACPredictor(self.ac_config)  # noqa: E731
             if self.checkpoint is None:
