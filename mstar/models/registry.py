@@ -15,6 +15,7 @@ from mstar.models.base import Model
 _MODELS: dict[str, str] = {
     "llama": "mstar.models.llama.serving:DenseLM",
     "orpheus": "mstar.models.orpheus.model:OrpheusModel",
+    "pi05": "mstar.models.pi05.model:Pi05",
     "qwen2": "mstar.models.llama.serving:Qwen2LM",
     "qwen3": "mstar.models.llama.serving:Qwen3LM",
     "qwen3_omni": "mstar.models.qwen3_omni.model:Qwen3Omni",

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mstar.models.pi05.config import GemmaShape, Pi05Config, SiglipShape
 
-TINY_VOCAB = 512  # the tiny tokenizer's ids all fit
+TINY_VOCAB = 1024  # the tiny tokenizer's ids (259 base pieces and 400 merges) all fit
 
 
 def tiny_config() -> Pi05Config:

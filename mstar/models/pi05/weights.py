@@ -25,6 +25,7 @@ from torch import nn
 from mstar.models.common.loading import fill_dummy_weights, load_named_tensors, weight_files
 from mstar.models.common.meta import build_on_meta
 from mstar.models.pi05.config import Pi05Config
+from mstar.models.pi05.prompt import Quantiles
 
 Mapped = tuple[str, int] | None  # (our parameter in Pi05Network, first row it fills), or None: not read
 
@@ -172,3 +173,26 @@ def load_part(folder: Path, config: Pi05Config, part: str, dtype: torch.dtype = 
     factory = (lambda: SiglipEncoder(config.vision, config.llm.width)) if part == "vision" else \
         (lambda: PolicyNet(config))
     return build(factory, dtype, device, tensors(folder, name_map), name_map)
+
+
+def read_config(folder: Path) -> Pi05Config:
+    """The `Pi05Config` of a lerobot folder's config.json."""
+    from mstar.models.common.loading import read_config_json
+
+    return Pi05Config.from_lerobot(read_config_json(folder, "pass a lerobot Pi0.5 folder (lerobot/pi05_base or a "
+                                                            "fine-tune saved by lerobot)"))
+
+
+def read_stats(folder: Path, feature: str) -> Quantiles:
+    """`feature`'s ("observation.state" or "action") quantiles from the normalizer files lerobot saves beside
+    the weights (`policy_*processor_step_*_normalizer_processor.safetensors`); identity when there are none."""
+    from safetensors.torch import load_file
+
+    for path in sorted(Path(folder).glob("policy_*processor_step_*normalizer_processor.safetensors")):
+        stats = load_file(str(path))
+        if f"{feature}.q01" in stats and f"{feature}.q99" in stats:
+            return Quantiles(stats[f"{feature}.q01"].double().numpy(), stats[f"{feature}.q99"].double().numpy())
+        if f"{feature}.mean" in stats:
+            raise ValueError(f"{path.name} normalises {feature} by mean and std; Pi0.5 serving reads quantiles "
+                             "(q01/q99, lerobot's QUANTILES mode)")
+    return Quantiles()

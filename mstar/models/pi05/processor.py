@@ -1,0 +1,142 @@
+"""Pi0.5 requests <-> tensors: camera images, the robot's state and the task in; the action chunk out.
+
+A request holds the task as its text, one image per camera (media parts named by camera, or unnamed ones
+taken in the policy's camera order; a camera left out is masked, as lerobot does), and the state as
+option `state` (the robot's `state_dim` numbers). Images are scaled to fit the policy's square input,
+padded with black around the centre (openpi's resize_with_pad) and mapped to [-1, 1]. The state is
+normalised with the checkpoint's quantiles and written into the prompt (`prompt.py`); the chunk's first
+`action_dim` entries are unnormalised on the way out. The flow starts from seeded noise (option `seed`).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from mstar.models.base import Processor
+from mstar.models.pi05.prompt import Quantiles, prompt_text
+
+MAX_STEPS = 100
+
+
+@dataclass(frozen=True)
+class RobotSpec:
+    """What a deployment's policy takes and gives."""
+
+    cameras: tuple[str, ...]
+    image_size: int
+    state_dim: int
+    action_dim: int
+    chunk_size: int
+    max_state_dim: int
+    max_action_dim: int
+    num_steps: int
+    max_prompt_tokens: int
+    state_stats: Quantiles = field(default_factory=Quantiles)
+    action_stats: Quantiles = field(default_factory=Quantiles)
+
+
+def pixels(image: np.ndarray, size: int) -> torch.Tensor:
+    """uint8 [H, W, 3] -> float32 [3, size, size] in [-1, 1]: scaled to fit, black bars centred."""
+    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] not in (3, 4):
+        raise ValueError(f"camera images must be uint8 [H, W, 3], got {image.dtype} {list(image.shape)}")
+    x = torch.from_numpy(np.ascontiguousarray(image[..., :3])).permute(2, 0, 1).float()[None] / 255.0
+    height, width = x.shape[-2:]
+    if (height, width) != (size, size):
+        ratio = max(width / size, height / size)
+        scaled = (int(height / ratio), int(width / ratio))
+        x = F.interpolate(x, size=scaled, mode="bilinear", align_corners=False).clamp(0.0, 1.0)
+        top, extra_h = divmod(size - scaled[0], 2)
+        left, extra_w = divmod(size - scaled[1], 2)
+        x = F.pad(x, (left, left + extra_w, top, top + extra_h))
+    return x[0] * 2.0 - 1.0
+
+
+def noise(seed: int, chunk: int, width: int) -> torch.Tensor:
+    """The flow's starting noise [chunk, width] for `seed` (standard normal, float32)."""
+    return torch.randn(chunk, width, generator=torch.Generator().manual_seed(seed))
+
+
+def camera_images(media: list[Mapping[str, Any]], cameras: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """camera -> image of a request's media parts (named by camera, or unnamed in camera order)."""
+    if other := sorted({str(m.get("type")) for m in media} - {"image"}):
+        raise ValueError(f"Pi0.5 reads camera images, not {other}")
+    named = {}
+    for part in media:
+        name = part.get("name")
+        if name is None:
+            continue
+        if name not in cameras:
+            raise ValueError(f"unknown camera {name!r}; this policy's cameras are {list(cameras)}")
+        if name in named:
+            raise ValueError(f"two images for camera {name!r}")
+        named[name] = np.asarray(part["data"])
+    unnamed = [np.asarray(m["data"]) for m in media if m.get("name") is None]
+    free = [c for c in cameras if c not in named]
+    if len(unnamed) > len(free):
+        raise ValueError(f"{len(named) + len(unnamed)} images for {len(cameras)} cameras {list(cameras)}")
+    named.update(zip(free, unnamed, strict=False))
+    if not named:
+        raise ValueError(f"Pi0.5 needs at least one camera image (cameras: {list(cameras)})")
+    return named
+
+
+def state_vector(value: Any, size: int) -> np.ndarray:
+    """Option `state`: `size` finite numbers."""
+    try:
+        state = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"state must be a list of {size} numbers") from None
+    if state.shape != (size,):
+        raise ValueError(f"state must hold {size} numbers (this robot's state size), got shape {list(state.shape)}")
+    if not np.isfinite(state).all():
+        raise ValueError("state holds a value that is not a finite number")
+    return state
+
+
+class Pi05Processor(Processor):
+    """Request -> `images` [C, 3, S, S] (present cameras, in camera order), `prompt_ids` [T], `noise`
+    [chunk, max_action_dim]; output `actions` -> float32 [chunk, action_dim] in the robot's units."""
+
+    def __init__(self, robot: RobotSpec, tokenizer) -> None:
+        self.robot, self.tokenizer = robot, tokenizer
+
+    def validate_options(self, options: Mapping[str, Any]) -> None:
+        steps = options.get("num_steps")
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS):
+            raise ValueError(f"num_steps must be an integer in [1, {MAX_STEPS}], got {steps!r}")
+        seed = options.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+            raise ValueError(f"seed must be an integer in [0, 2**63), got {seed!r}")
+
+    def inputs(self, request: Mapping[str, Any], options: dict[str, Any]) -> dict[str, torch.Tensor]:
+        self.validate_options(options)
+        robot = self.robot
+        task = request.get("text")
+        if not isinstance(task, str) or not task.strip():
+            raise ValueError("Pi0.5 needs the task as the request's text")
+        images = camera_images(list(request.get("media") or []), robot.cameras)
+        state = state_vector(options.get("state"), robot.state_dim)
+        ids = self.tokenizer.encode(prompt_text(task, robot.state_stats.normalize(state), robot.max_state_dim))
+        if options.get("num_steps") is None:
+            options["num_steps"] = robot.num_steps
+        if options.get("seed") is None:
+            options["seed"] = secrets.randbelow(2**31)
+        return {"images": torch.stack([pixels(images[c], robot.image_size) for c in robot.cameras if c in images]),
+                "prompt_ids": torch.tensor(ids[:robot.max_prompt_tokens], dtype=torch.long),
+                "noise": noise(int(options["seed"]), robot.chunk_size, robot.max_action_dim)}
+
+    def decode_output(self, name: str, tensor: torch.Tensor, options: Mapping[str, Any]) -> Any:
+        if name != "actions":
+            return tensor.detach().float().cpu().numpy()
+        actions = tensor.detach().float().cpu().numpy()[:, :self.robot.action_dim]
+        return self.robot.action_stats.unnormalize(actions).astype(np.float32)
+
+    def warm(self) -> None:
+        self.tokenizer.warm()
