@@ -121,12 +121,17 @@ def part_mapper(full: Callable[[str], Mapped], part: str) -> Callable[[str], Map
     return mapped
 
 
+def _weight_files(folder: Path) -> list[Path]:
+    """The folder's weight files, not the normalizer statistics lerobot saves beside them (`policy_*`)."""
+    return [f for f in weight_files(Path(folder))[1] if not f.name.startswith("policy_")]
+
+
 def checkpoint_names(folder: Path) -> list[str]:
     """Every tensor name of a checkpoint folder, read without loading a tensor."""
     from safetensors import safe_open
 
     names: list[str] = []
-    for file in weight_files(Path(folder))[1]:
+    for file in _weight_files(folder):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             names.extend(handle.keys())
     return names
@@ -136,7 +141,7 @@ def tensors(folder: Path, wanted: Callable[[str], Mapped]) -> Iterator[tuple[str
     """The tensors of a checkpoint folder that `wanted` maps (others are never read)."""
     from safetensors import safe_open
 
-    for file in weight_files(Path(folder))[1]:
+    for file in _weight_files(folder):
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for name in handle.keys():
                 if wanted(name) is not None:
