@@ -13,6 +13,8 @@ from mstar.models.base import Model
 
 # name -> "module:Class". Keep sorted by name.
 _MODELS: dict[str, str] = {
+    "cosmos3": "mstar.models.cosmos3.model:Cosmos3Model",
+    "cosmos3_droid": "mstar.models.cosmos3.model:Cosmos3DroidModel",
     "llama": "mstar.models.llama.serving:DenseLM",
     "orpheus": "mstar.models.orpheus.model:OrpheusModel",
     "pi05": "mstar.models.pi05.model:Pi05",

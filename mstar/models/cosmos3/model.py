@@ -1,0 +1,237 @@
+"""Cosmos3 (Nano, Super) and Cosmos3 Policy DROID: text, an image or camera video to images, videos
+and robot actions, as served models.
+
+Lane `generate`:  [encode_image] -> denoise -> [decode]
+  encode_image  image-to-video and policy requests: the VAE encodes the conditioning frame as the
+                first latent frame; carried on.
+  denoise       `prepare` draws the request's noise (its own generator) and opens its UniPC states;
+                then a Loop over the request's steps of Sequential(Parallel(cond DiT, uncond DiT),
+                combine): guidance plus one UniPC step per generated modality (video, actions),
+                stopping when the schedule is done and emitting a policy's action chunk. The DiT runs
+                the prompt through its understanding tower once per branch and every step through its
+                generation tower; requests at different steps share forwards, and the branches batch
+                on one device or sit on two ranks (placement by node name) with the same graph.
+  decode        the VAE turns the final latents into uint8 frames, when images or video are asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mstar.engines.base import StatelessSpec
+from mstar.graph import CARRY, ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Parallel, Sequential, Walk
+from mstar.models.base import BuiltComponent, Model
+from mstar.models.common.serve_config import DTYPES, ServeConfig, dtype_named
+from mstar.models.cosmos3.config import Cosmos3Config
+from mstar.models.cosmos3.options import Cosmos3Defaults, PolicyDefaults
+from mstar.models.wan22.vae_config import WanVAEConfig
+
+DIT_BATCH = 16  # DiT rows (requests x guidance branches) per forward
+_TINY_STD = 0.3  # tiny random weights large enough that prompts and steps visibly change the output
+
+
+@dataclass(frozen=True)
+class Cosmos3ServeConfig(ServeConfig):
+    """How one deployment runs Cosmos3 (YAML `model_kwargs`); request defaults live in options.py.
+    `dtype` is the DiT's (None: float32 on CPU or tiny, else bfloat16)."""
+
+    vae_dtype: str = "float32"
+    width: int | None = None  # default output size; None = 1280x720 (tiny: 64x64)
+    height: int | None = None
+    num_frames: int | None = None  # default frame count (4k+1); None = 189 (tiny: 5)
+    fps: float | None = None  # default frame rate; None = 24 (policy: 15)
+    vae_chunk_frames: int = 1  # latent frames the VAE decodes at once (memory vs speed)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        dtype_named(self.vae_dtype, "model_kwargs.vae_dtype")
+        if self.vae_chunk_frames < 1:
+            raise ValueError(f"cosmos3 vae_chunk_frames={self.vae_chunk_frames} must be >= 1")
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype is None and self.tiny:
+            return torch.float32
+        return super().torch_dtype(device)
+
+
+def _graph() -> ModelGraph:
+    image = Node("vae", name="encode_image", inputs=("image",), outputs=("condition",))
+    prepare = Node("scheduler", name="prepare", inputs=("condition",),
+                   outputs=("latents", "sound_latents", "action_latents", "timestep"))
+    state = ("latents", "timestep", "sound_latents", "action_latents")
+    velocities = ("velocity", "sound_velocity", "action_velocity")
+    cond = Node("dit", name="cond", inputs={**{e: e for e in state}, "prompt_ids": "prompt_ids"},
+                outputs=dict(zip(velocities, ("cond_velocity", "cond_sound", "cond_action"), strict=True)))
+    uncond = Node("dit", name="uncond", inputs={**{e: e for e in state}, "prompt_ids": "negative_ids"},
+                  outputs=dict(zip(velocities, ("uncond_velocity", "uncond_sound", "uncond_action"), strict=True)))
+    combine = Node("scheduler", name="combine",
+                   inputs=("cond_velocity", "uncond_velocity", "cond_sound", "uncond_sound", "cond_action",
+                           "uncond_action", "latents", "sound_latents", "action_latents"),
+                   outputs=("latents", "sound_latents", "action_latents", "timestep", "progress", "step_latents",
+                            "actions"))
+    steps = Loop(Sequential(Parallel(cond, uncond), combine), max_iterations="num_inference_steps", name="steps")
+    decode = Node("vae", name="decode", inputs=("latents",), outputs=("video", "image", "frames", "progress"))
+    return ModelGraph(
+        components={
+            "dit": ComponentSpec("stateless", "MoT generator: (prompt ids, noisy latents, timestep) -> velocities"),
+            "scheduler": ComponentSpec("stateless", "per-request noise and UniPC states; guidance + one step"),
+            "vae": ComponentSpec("stateless", "Wan2.2 VAE: conditioning frame -> latent frame; latents -> frames"),
+        },
+        walks=(
+            Walk("encode_image", "generate", image, inputs=("image",), emits=(Emit("condition", CARRY),)),
+            Walk("denoise", "generate", Sequential(prepare, steps), inputs=("prompt_ids",),
+                 optional_inputs=("negative_ids", "condition"),
+                 emits=(Emit("progress"), Emit("step_latents"), Emit("actions"), Emit("latents", CARRY))),
+            Walk("decode", "generate", decode, inputs=("latents",),
+                 emits=(Emit("video"), Emit("image"), Emit("frames"), Emit("progress"))),
+        ),
+        lanes=(Lane("generate", _first_walk, _next_walk),),
+    )
+
+
+def _first_walk(options: Mapping[str, Any]) -> str:
+    return "encode_image" if options.get("condition") else "denoise"
+
+
+def _next_walk(finished: str, options: Mapping[str, Any]) -> str | None:
+    if finished == "encode_image":
+        return "denoise"
+    if finished == "denoise" and {"image", "video"} & set(options.get("modalities") or ["video"]):
+        return "decode"
+    return None
+
+
+class Cosmos3Model(Model):
+    """Cosmos3-Nano (or Super, by --model-path) from a Diffusers folder, dummy weights, or --tiny."""
+
+    name = "cosmos3"
+    input_modalities = ("text", "image", "video")
+    output_modalities = ("video", "image", "actions")
+    default_options = {"negative_prompt": "", "modalities": ["video"], "report_progress": False,
+                       "debug_outputs": False}
+    _repo = "nvidia/Cosmos3-Nano"
+
+    @classmethod
+    def make_config(cls, tiny: bool = False, **overrides: Any) -> Cosmos3ServeConfig:
+        return replace(Cosmos3ServeConfig(tiny=tiny), **overrides)
+
+    def graph(self) -> ModelGraph:
+        return _graph()
+
+    def build_component(self, name: str, device: torch.device) -> BuiltComponent:
+        from mstar.models.cosmos3 import components, loaders
+
+        if name == "dit":
+            generator = loaders.generator(self, self._dtype(device), device)
+            dit = components.GeneratorComponent(generator, self.vae_config.scale_factor_temporal)
+            return BuiltComponent(dit, StatelessSpec(max_batch_size=DIT_BATCH))
+        if name == "scheduler":
+            from mstar.models.cosmos3.guidance import GuidanceScheduler
+
+            return BuiltComponent(GuidanceScheduler(self.components.scheduler, device))
+        if name == "vae":
+            from mstar.models.wan22 import loaders as wan_loaders
+
+            vae = wan_loaders.vae(self, DTYPES[self.config.vae_dtype], device)
+            return BuiltComponent(components.Cosmos3VAEComponent(vae, self.config.vae_chunk_frames))
+        raise KeyError(f"{self.name} has no component {name!r}; components are {sorted(self.graph().components)}")
+
+    def processor(self):
+        from mstar.models.cosmos3.processor import Cosmos3Processor, ModelShape
+
+        t, v = self.components.transformer, self.vae_config
+        shape = ModelShape(t.latent_channel, v.scale_factor_spatial, v.scale_factor_temporal, t.action_dim,
+                           self.components.flags.use_system_prompt)
+        return Cosmos3Processor(self.tokenizer_folder, shape, self.request_defaults())
+
+    def request_defaults(self) -> Cosmos3Defaults:
+        """The deployment's request defaults (full size, or 64x64x5 when tiny)."""
+        c = self.config
+        width, height, frames = (64, 64, 5) if c.tiny else (1280, 720, 189)
+        return Cosmos3Defaults(width=c.width or width, height=c.height or height, num_frames=c.num_frames or frames,
+                               fps=c.fps or 24.0)
+
+    # -- what the loaders and the processor read -------------------------------------------------
+
+    @cached_property
+    def checkpoint(self) -> Path | None:
+        """The Diffusers folder, or None for random weights (tiny, or --load-format dummy)."""
+        from mstar.models.common.loading import resolve_checkpoint
+
+        if self.model_path is not None:
+            return resolve_checkpoint(self.model_path)
+        if not self.config.tiny and self.load_format != "dummy":
+            raise ValueError(f"{self.name} needs --model-path (a Diffusers Cosmos3 folder or the repo id "
+                             f"{self._repo}), or --load-format dummy, or --tiny")
+        return None
+
+    @cached_property
+    def components(self) -> Cosmos3Config:
+        """Configs of the generator, scheduler and pipeline flags."""
+        if self.checkpoint is not None:
+            return Cosmos3Config.from_folder(self.checkpoint)
+        if self.config.tiny:
+            from mstar.models.cosmos3.tiny import tiny_config
+
+            return tiny_config()
+        return Cosmos3Config()
+
+    @cached_property
+    def vae_config(self) -> WanVAEConfig:
+        """The VAE's config; its latent channels must be the generator's."""
+        from mstar.models.wan22.vae_config import WAN22_TI2V_5B_VAE, tiny_vae_config
+        from mstar.models.wan22.vae_weights import vae_folder
+
+        channels = self.components.transformer.latent_channel
+        if self.checkpoint is not None:
+            config = WanVAEConfig.from_file(vae_folder(self.checkpoint))
+        else:
+            config = tiny_vae_config(channels) if self.config.tiny else WAN22_TI2V_5B_VAE
+        if config.z_dim != channels:
+            raise ValueError(f"the VAE has {config.z_dim} latent channels but the generator takes {channels}; "
+                             "pass a matching Cosmos3 folder")
+        return config
+
+    @cached_property
+    def tokenizer_folder(self) -> Path:
+        """The checkpoint's text_tokenizer/ folder, else the tiny tokenizer (fine for random weights only)."""
+        from mstar.models.cosmos3.tokenizer import tiny_tokenizer_folder
+
+        if self.checkpoint is not None:
+            for name in ("text_tokenizer", "tokenizer"):
+                if (self.checkpoint / name / "tokenizer.json").is_file():
+                    return self.checkpoint / name
+        if not self.config.tiny:
+            from mstar.models.qwen3_omni.tokenizer import omni_tokenizer_folder
+
+            return omni_tokenizer_folder()  # Qwen's vocabulary and special ids, for full-size dummy weights
+        return tiny_tokenizer_folder()
+
+    @property
+    def tiny_std(self) -> float:
+        """Standard deviation of random weights."""
+        return _TINY_STD if self.config.tiny else 0.02
+
+    def _dtype(self, device: torch.device) -> torch.dtype:
+        return self.config.torch_dtype(device)
+
+
+class Cosmos3DroidModel(Cosmos3Model):
+    """Cosmos3-Nano-Policy-DROID: a camera video (or image) and a task -> a DROID action chunk
+    (option modalities ["actions", "video"] adds the predicted video)."""
+
+    name = "cosmos3_droid"
+    default_options = {**Cosmos3Model.default_options, "modalities": ["actions"]}
+    _repo = "nvidia/Cosmos3-Nano-Policy-DROID"
+
+    def request_defaults(self) -> Cosmos3Defaults:
+        """Policy defaults: the DROID embodiment, 32-step chunks at 15 fps, guidance 3."""
+        base = super().request_defaults()
+        return replace(base, fps=self.config.fps or 15.0, guidance_scale=3.0,
+                       policy=PolicyDefaults(view_point="concat_view"))
