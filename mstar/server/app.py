@@ -117,7 +117,14 @@ def create_app(runtime: Any, api_key: str | None = None, media_policy: MediaPoli
                max_body_bytes: int | None = None, model_name: str | None = None,
                body_timeout_s: float | None = None) -> FastAPI:
     """The app serving `runtime`. With `api_key`, every route but /health needs `Authorization: Bearer`."""
-    from mstar.server import routes_media, routes_native, routes_openai, routes_transcriptions, routes_videos
+    from mstar.server import (
+        routes_media,
+        routes_native,
+        routes_openai,
+        routes_openpi,
+        routes_transcriptions,
+        routes_videos,
+    )
 
     metrics = ServerMetrics(runtime)
     limits = runtime.config.limits  # the arguments override the config's `limits` (tests use them)
@@ -127,6 +134,7 @@ def create_app(runtime: Any, api_key: str | None = None, media_policy: MediaPoli
     app = FastAPI(title="mstar", version="0.1.0", lifespan=_warm_lifespan,
                   description=f"Serving {state.model_name}: native /generate and OpenAI-compatible routes.")
     app.state.mstar = state
+    app.state.api_key = api_key  # the websocket routes check it themselves (GuardMiddleware sees HTTP only)
     install_openapi(app, api_key=api_key is not None)
     _install_error_handlers(app)
     app.include_router(routes_native.router)
@@ -134,6 +142,7 @@ def create_app(runtime: Any, api_key: str | None = None, media_policy: MediaPoli
     app.include_router(routes_media.router)
     app.include_router(routes_transcriptions.router)
     app.include_router(routes_videos.router)
+    app.include_router(routes_openpi.router)
     if limits.routes:
         _check_limit_routes(app, limits, runtime.config.source)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes or limits.max_body_bytes,

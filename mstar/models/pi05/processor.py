@@ -46,7 +46,7 @@ def pixels(image: np.ndarray, size: int) -> torch.Tensor:
     """uint8 [H, W, 3] -> float32 [3, size, size] in [-1, 1]: scaled to fit, black bars centred."""
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] not in (3, 4):
         raise ValueError(f"camera images must be uint8 [H, W, 3], got {image.dtype} {list(image.shape)}")
-    x = torch.from_numpy(np.ascontiguousarray(image[..., :3])).permute(2, 0, 1).float()[None] / 255.0
+    x = torch.from_numpy(np.array(image[..., :3])).permute(2, 0, 1).float()[None] / 255.0
     height, width = x.shape[-2:]
     if (height, width) != (size, size):
         ratio = max(width / size, height / size)
@@ -140,3 +140,36 @@ class Pi05Processor(Processor):
 
     def warm(self) -> None:
         self.tokenizer.warm()
+
+    # -- the openpi policy protocol (mstar/server/routes_openpi.py) --
+
+    def policy_metadata(self) -> dict[str, Any]:
+        """What a robot client needs to build observations, with an example of one."""
+        robot, side = self.robot, self.robot.image_size
+        example = {"images": {c: np.zeros((side, side, 3), np.uint8) for c in robot.cameras},
+                   "state": np.zeros(robot.state_dim, np.float32), "prompt": "pick up the cube"}
+        return {"policy": "pi05", "cameras": list(robot.cameras), "image_size": [side, side],
+                "state_dim": robot.state_dim, "action_shape": [robot.chunk_size, robot.action_dim],
+                "num_steps": robot.num_steps, "example_observation": example}
+
+    def observation_request(self, observation: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """{"images": {camera: uint8 [H, W, 3] or [3, H, W]}, "state": [state_dim], "prompt": str, and
+        optionally "seed", "num_steps"} -> (request, options)."""
+        if not isinstance(observation, dict):
+            raise ValueError("an observation is a map of images, state and prompt")
+        if unknown := sorted(set(observation) - {"images", "state", "prompt", "seed", "num_steps"}):
+            raise ValueError(f"unknown observation keys {unknown}; send images, state and prompt "
+                             "(the metadata's example_observation)")
+        images = observation.get("images")
+        if not isinstance(images, dict) or not all(isinstance(v, np.ndarray) for v in images.values()):
+            raise ValueError(f"images must map camera names ({list(self.robot.cameras)}) to uint8 arrays")
+        media = [{"type": "image", "name": str(name), "data": _channels_last(image)} for name, image in images.items()]
+        state = observation.get("state")
+        options = {"state": np.asarray(state).tolist() if isinstance(state, np.ndarray | list) else state}
+        options.update({k: int(observation[k]) for k in ("seed", "num_steps") if k in observation})
+        return {"text": observation.get("prompt"), "media": media}, options
+
+
+def _channels_last(image: np.ndarray) -> np.ndarray:
+    """[3, H, W] images (as some openpi clients send them) as [H, W, 3]."""
+    return image.transpose(1, 2, 0) if image.ndim == 3 and image.shape[0] == 3 and image.shape[-1] != 3 else image
