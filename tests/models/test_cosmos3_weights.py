@@ -1,0 +1,53 @@
+"""Full-size structure on the meta device (no memory): every tensor of diffusers' Cosmos3OmniTransformer at
+the Nano and Super shapes lands on one of our generator's parameters with its shape, each parameter is
+filled exactly once, and only the reasoner's head and final norm are left to the reasoner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mstar.models.cosmos3.config import NANO, SUPER, Cosmos3TransformerConfig
+from mstar.models.cosmos3.transformer import Cosmos3Generator
+from mstar.models.cosmos3.weights import READ_BY_REASONER, checkpoint_shapes, generator_mapper
+
+pytest.importorskip("diffusers")
+
+
+def _reference_shapes(config: Cosmos3TransformerConfig) -> dict[str, tuple[int, ...]]:
+    from diffusers import Cosmos3OmniTransformer
+
+    kwargs = {k: v for k, v in config.to_hf().items() if k not in ("_class_name", "dtype")}
+    return checkpoint_shapes(lambda: Cosmos3OmniTransformer(**kwargs))
+
+
+@pytest.mark.parametrize(("config", "billions"), [(NANO, 15.17), (SUPER, 64.02)], ids=["nano", "super"])
+def test_every_checkpoint_tensor_maps_onto_a_parameter(config, billions):
+    shapes = _reference_shapes(config)
+    with torch.device("meta"):
+        ours = dict(Cosmos3Generator(config).named_parameters())
+    filled = dict.fromkeys(ours, 0)
+    mapper = generator_mapper(config)
+    skipped = []
+    for name, shape in shapes.items():
+        target = mapper(name)
+        if target is None:
+            skipped.append(name)
+            continue
+        param, offset = target
+        assert param in ours, f"{name} -> {param}: no such parameter"
+        rows = ours[param].shape[0] if ours[param].ndim else 1
+        assert offset + shape[0] <= rows and tuple(ours[param].shape[1:]) == shape[1:], (name, param, shape)
+        filled[param] += torch.Size(shape).numel()
+    assert sorted(skipped) == sorted(READ_BY_REASONER)
+    assert {n: c for n, c in filled.items() if c != ours[n].numel()} == {}
+    total = sum(torch.Size(s).numel() for s in shapes.values()) / 1e9
+    assert total == pytest.approx(billions, rel=0.001)  # two 8B / 32B towers (Nano / Super), no ViT
+
+
+def test_config_round_trips_and_rejects_what_we_do_not_run():
+    assert Cosmos3TransformerConfig.from_hf(NANO.to_hf()) == NANO
+    with pytest.raises(ValueError, match="hidden_act='relu2' is not supported"):
+        Cosmos3TransformerConfig.from_hf({**NANO.to_hf(), "hidden_act": "relu2"})
+    with pytest.raises(ValueError, match="rope_axes_dim"):
+        Cosmos3TransformerConfig.from_hf({**NANO.to_hf(), "rope_axes_dim": [24, 20, 24]})
