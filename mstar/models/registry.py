@@ -13,6 +13,7 @@ from mstar.models.base import Model
 
 # name -> "module:Class". Keep sorted by name.
 _MODELS: dict[str, str] = {
+    "bagel": "mstar.models.bagel.model:BagelModel",
     "cosmos3": "mstar.models.cosmos3.model:Cosmos3Model",
     "cosmos3_droid": "mstar.models.cosmos3.model:Cosmos3DroidModel",
     "llama": "mstar.models.llama.serving:DenseLM",

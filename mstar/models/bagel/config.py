@@ -123,7 +123,8 @@ class BagelConfig:
                 raise FileNotFoundError(f"no {name} in {folder}; pass --model-path with a BAGEL-7B-MoT folder "
                                         "(llm_config.json, vit_config.json, ema.safetensors, ae.safetensors)")
             configs.append(json.loads(path.read_text()))
-        return cls(llm=LLMConfig.from_hf(configs[0]), vit=ViTConfig.from_hf(configs[1]), vae=vae or VAEConfig())
+        vit = ViTConfig.from_hf(configs[1])
+        return cls(llm=LLMConfig.from_hf(configs[0]), vit=vit, vae=vae or VAEConfig(), vit_max_patches_per_side=vit.max_side)
 
 
 @dataclass(frozen=True)

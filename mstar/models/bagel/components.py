@@ -1,0 +1,253 @@
+"""BAGEL's stateless components as the stateless engine runs them: ViT, VAE, the LLM over KV contexts, the flow.
+
+Edges carry one request's tensors without a batch dimension: ViT rows [N, H], latent patches [N, p*p*C],
+a token [1], a flow time [1]. The LLM component keeps each request's contexts (one per guidance branch
+it prefilled, keyed by request and branch) and its text sampling state until the request is released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mstar.engines.base import StatelessBase, StepItem
+from mstar.engines.sampling import SamplingParams, SamplingRow, sample
+from mstar.models.bagel import flow
+from mstar.models.bagel.config import BagelConfig, TokenIds
+from mstar.models.bagel.context import KVContext
+from mstar.models.bagel.embeddings import patchify, unpatchify
+from mstar.models.bagel.llm import BagelLLM
+from mstar.models.bagel.plan import VAE, decode_segments
+from mstar.models.bagel.queries import Query, QueryBuilder, run
+from mstar.models.bagel.vae import FluxVAE
+from mstar.models.bagel.vit import VisionTower
+
+
+class ViTComponent(StatelessBase, nn.Module):
+    """(vit_patches [N, 3 * p * p], vit_positions [N], vit_lengths [images]) -> vit_embeds [N, H]; the
+    images of every request in the batch go through the encoder packed together."""
+
+    def __init__(self, tower: VisionTower) -> None:
+        super().__init__()
+        self.tower = tower
+
+    @torch.no_grad()
+    def run_batch(self, walk: str, node: str, inputs: list[dict], options: list[dict]) -> list[dict]:
+        rows = [i for i, x in enumerate(inputs) if "vit_patches" in x]
+        out: list[dict] = [{} for _ in inputs]
+        if not rows:
+            return out
+        lengths = [n for i in rows for n in inputs[i]["vit_lengths"].tolist()]
+        embeds = self.tower(torch.cat([inputs[i]["vit_patches"] for i in rows]),
+                            torch.cat([inputs[i]["vit_positions"] for i in rows]), lengths)
+        for i, part in zip(rows, embeds.split([inputs[i]["vit_patches"].shape[0] for i in rows]), strict=True):
+            out[i] = {"vit_embeds": part}
+        return out
+
+
+class VAEComponent(StatelessBase, nn.Module):
+    """Node `encode`: vae_pixels (every VAE image segment's [3, H, W] in [-1, 1], flattened one after another)
+    -> vae_latents [N, p*p*C] (each image's latent patches). Node `decode`: latents [N, p*p*C] -> image
+    uint8 [H, W, 3]; requests of one size decode together."""
+
+    def __init__(self, vae: FluxVAE, cfg: BagelConfig) -> None:
+        super().__init__()
+        self.vae, self.cfg = vae, cfg
+
+    def batch_key(self, item: StepItem) -> Hashable:
+        if item.node == "decode":
+            return (item.node, item.options["latent_rows"], item.options["latent_cols"])
+        return item.node
+
+    @torch.no_grad()
+    def run_batch(self, walk: str, node: str, inputs: list[dict], options: list[dict]) -> list[dict]:
+        if node == "encode":
+            return [self._encode(x) for x in inputs]
+        p = self.cfg.latent_patch_size
+        rows, cols = options[0]["latent_rows"], options[0]["latent_cols"]
+        latents = torch.stack([unpatchify(x["latents"], rows, cols, p) for x in inputs])
+        images = ((self.vae.decode(latents).float() * 0.5 + 0.5).clamp(0, 1) * 255).to(torch.uint8)  # truncated
+        out = []
+        for image, opts in zip(images, options, strict=True):
+            item = {"image": image.permute(1, 2, 0).contiguous()}
+            if opts.get("report_progress"):
+                item["progress"] = torch.ones(1)
+            out.append(item)
+        return out
+
+    def _encode(self, x: dict) -> dict:
+        if "vae_pixels" not in x:
+            return {}
+        pixels, offset, parts = x["vae_pixels"], 0, []
+        step, p = self.cfg.latent_downsample, self.cfg.latent_patch_size
+        for seg in decode_segments(x["segments"]):
+            if seg.kind != VAE:
+                continue
+            height, width = seg.rows * step, seg.cols * step
+            image = pixels[offset:offset + 3 * height * width].reshape(1, 3, height, width)
+            offset += 3 * height * width
+            parts.append(patchify(self.vae.encode(image)[0].float(), p))
+        return {"vae_latents": torch.cat(parts)}
+
+
+@dataclass
+class _TextState:
+    """A request's text sampling: its parameters, generator and the tokens generated so far."""
+
+    row: SamplingRow
+    tokens: list[int]
+
+
+_KINDS = {"prefill": "prefill", "prefill_guided": "prefill", "decode": "text", "close": "text", "denoise": "denoise"}
+
+
+class LLMComponent(StatelessBase, nn.Module):
+    """The MoT LLM over per-branch contexts. Walks `prefill`/`prefill_guided`: node `full`, `no_text` or
+    `no_image` builds that branch's context from (prompt_ids, segments, vit_embeds, vae_latents). Walk `decode`:
+    feeds `token` [1] to the full context and samples the next `token` (stop at <|im_end|>). Walk `close`:
+    appends a thought's end to the full context. Walk `denoise`: node `full`/`no_text`/`no_image` runs the
+    noisy `latents` at flow `timestep` over its branch's context -> `velocity` [N, p*p*C] float32; a branch
+    the request does not guide with at this time produces nothing. Items of any request, branch or step
+    share one forward per kind (prefill, text, denoise)."""
+
+    def __init__(self, llm: BagelLLM, cfg: BagelConfig, ids: TokenIds) -> None:
+        super().__init__()
+        self.llm, self.cfg, self.ids = llm, cfg, ids
+        self.queries = QueryBuilder(llm, cfg, ids)
+        self._contexts: dict[tuple[str, str], KVContext] = {}
+        self._texts: dict[str, _TextState] = {}
+
+    @property
+    def num_contexts(self) -> int:
+        """Contexts held (for leak tests)."""
+        return len(self._contexts)
+
+    def release(self, request_id: str) -> None:
+        """Forget the request's contexts and sampling state (safe for unknown ids)."""
+        for key in [k for k in self._contexts if k[0] == request_id]:
+            del self._contexts[key]
+        self._texts.pop(request_id, None)
+
+    def batch_key(self, item: StepItem) -> Hashable:
+        return _KINDS[item.walk]
+
+    @torch.no_grad()
+    def run_items(self, items: list[StepItem]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = [{} for _ in items]
+        planned: list[tuple[int, KVContext, Query]] = []
+        for i, item in enumerate(items):
+            work = self._query(item)
+            if work is not None:
+                planned.append((i, *work))
+        if not planned:
+            return out
+        hidden = run(self.llm, [(c, q) for _, c, q in planned]).split([q.num_tokens for _, _, q in planned])
+        texts = []
+        for (i, _, _), h in zip(planned, hidden, strict=True):
+            if items[i].walk == "denoise":
+                out[i] = {"velocity": self.llm.velocity(h[1:-1])}
+            elif items[i].walk == "decode":
+                texts.append((i, h[-1]))
+        if texts:
+            self._sample(items, texts, out)
+        return out
+
+    def _query(self, item: StepItem) -> tuple[KVContext, Query] | None:
+        """The item's context and query; None when it has nothing to compute."""
+        rid, options, x = item.request_id, item.options, item.inputs
+        if item.walk in ("prefill", "prefill_guided"):
+            if not flow.branch_needed(item.node, options):
+                return None
+            context = self._contexts[(rid, item.node)] = KVContext(self.cfg.llm.num_layers)
+            query = self.queries.prefill(decode_segments(x["segments"]), item.node, 0, x["prompt_ids"],
+                                         x.get("vit_embeds"), x.get("vae_latents"))
+            return None if query is None else (context, query)
+        if item.walk == "denoise":
+            t = float(x["timestep"].reshape(-1)[0])
+            if not flow.branch_active(item.node, t, options):
+                return None
+            context = self._context(rid, item.node)
+            return context, self.queries.denoise(x["latents"], t, options["latent_rows"], options["latent_cols"],
+                                                 context.rope)
+        token = int(x["token"].reshape(-1)[0])
+        context = self._context(rid, "full")
+        if item.walk == "close":
+            ids = [self.ids.eos] if token == self.ids.eos else [token, self.ids.eos]
+            return context, self.queries.text(ids, context.rope)
+        return context, self.queries.text([token], context.rope)
+
+    def _context(self, rid: str, branch: str) -> KVContext:
+        context = self._contexts.get((rid, branch))
+        if context is None:
+            raise RuntimeError(f"request {rid} has no {branch!r} context here: its prefill node ran on another "
+                               f"worker; place node {branch!r} of every walk on one rank")
+        return context
+
+    def _sample(self, items: list[StepItem], texts: list[tuple[int, torch.Tensor]], out: list[dict]) -> None:
+        """Sample each decoding request's next token from its last hidden state."""
+        states = [self._text_state(items[i]) for i, _ in texts]
+        logits = self.llm.language_model.logits(torch.stack([h for _, h in texts]))
+        drawn = sample(logits, [s.row for s in states]).token_ids.cpu().tolist()
+        for (i, _), state, token in zip(texts, states, drawn, strict=True):
+            state.tokens.append(token)
+            params = state.row.params
+            stop = token in params.stop_token_ids or (not params.ignore_eos and token == self.ids.eos)
+            out[i] = {"token": torch.tensor([token], dtype=torch.long), "stop": stop}
+
+    def _text_state(self, item: StepItem) -> _TextState:
+        state = self._texts.get(item.request_id)
+        if state is None:
+            params = SamplingParams.from_options(dict(item.options), SamplingParams())
+            device = self.llm.language_model.embed_tokens.weight.device
+            generator = None if params.seed is None else torch.Generator(device=device).manual_seed(params.seed)
+            tokens: list[int] = []
+            state = self._texts[item.request_id] = _TextState(
+                SamplingRow(params, tokens, 0, generator, (self.ids.eos,)), tokens)
+        return state
+
+
+class FlowComponent(StatelessBase, nn.Module):
+    """Node `prepare`: the request's starting noise (its `seed`) as `latents` [N, p*p*C] and the first `timestep`.
+    Node `combine`: guidance over the branch velocities and one Euler step -> the next `latents` and
+    `timestep`, stopping after the last grid point; `step_latents` with option `debug_outputs`, `progress`
+    with `report_progress`. Nothing is kept between steps: the time grid is a function of the options."""
+
+    def __init__(self, cfg: BagelConfig, device: torch.device) -> None:
+        super().__init__()
+        self.cfg, self.device = cfg, device
+
+    @torch.no_grad()
+    def run_items(self, items: list[StepItem]) -> list[dict[str, Any]]:
+        return [self._prepare(i.options) if i.node == "prepare" else self._combine(i) for i in items]
+
+    def _grid(self, options: dict) -> torch.Tensor:
+        return flow.timesteps(int(options["num_inference_steps"]), float(options["timestep_shift"]))
+
+    def _prepare(self, options: dict) -> dict[str, Any]:
+        tokens = int(options["latent_rows"]) * int(options["latent_cols"])
+        latents = flow.initial_noise(tokens, self.cfg.patch_latent_dim, int(options["seed"])).to(self.device)
+        return {"latents": latents, "timestep": self._grid(options)[:1].to(self.device)}
+
+    def _combine(self, item: StepItem) -> dict[str, Any]:
+        x, options, i = item.inputs, item.options, item.iteration
+        grid = self._grid(options)
+        t = float(grid[i])
+        guidance = flow.guidance_of(options)
+        full = x["full_velocity"]
+        no_text = x["no_text_velocity"] if guidance.active(t) else None
+        no_image = None
+        if guidance.image_active(t):
+            no_image = x["no_image_velocity"] if options.get("no_image_context") else full
+        velocity = flow.guided_velocity(full, no_text, no_image, guidance)
+        latents = x["latents"] - velocity * float(grid[i] - grid[i + 1])
+        out: dict[str, Any] = {"latents": latents, "timestep": grid[i + 1:i + 2].to(self.device)}
+        if options.get("debug_outputs"):
+            out["step_latents"] = latents[None].clone()
+        if options.get("report_progress"):
+            out["progress"] = torch.tensor([(i + 1) / len(grid)])
+        out["stop"] = i + 2 >= len(grid)
+        return out
