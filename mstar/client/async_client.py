@@ -164,3 +164,8 @@ class AsyncMStarClient:
     ) -> np.ndarray:
         """See `MStarClient.plan`."""
         return await self._run(endpoints.plan(frames, goal, states, actions, return_sequence, **options))
+
+    async def predict_actions(self, frames: Any, task: str, with_video: bool = False,
+                              **options: Any) -> np.ndarray | tuple[np.ndarray, bytes]:
+        """See `MStarClient.predict_actions`."""
+        return await self._run(endpoints.predict_actions(frames, task, with_video, **options))

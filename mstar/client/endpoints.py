@@ -11,6 +11,7 @@ from functools import partial
 from typing import Any
 
 import httpx
+import numpy as np
 
 from mstar.client import wire
 from mstar.client.errors import MStarError
@@ -195,6 +196,24 @@ def plan(frames: Any, goal: Any, states: Any, actions: Any, return_sequence: boo
                     states=wire.numbers(states), actions=wire.numbers(actions), return_sequence=return_sequence,
                     **options)
     return _array(call, "actions")
+
+
+# -- Cosmos3 policies: /generate answering an action chunk ------------------------------------------
+
+
+def predict_actions(frames: Any, task: str, with_video: bool, **options: Any) -> Call:
+    outputs = ["actions", "video"] if with_video else ["actions"]
+    call = generate(text=task, files=wire.frame_parts(frames), outputs=outputs, modalities=outputs, **options)
+    if not with_video:
+        return _array(call, "actions")
+    return replace(call, read=lambda resp: _actions_and_video(_generate_result(resp)))
+
+
+def _actions_and_video(result: Any) -> tuple[np.ndarray, bytes]:
+    videos = result.outputs.get("video")
+    if not videos:
+        raise MStarError(502, f"the server sent no 'video' output (got {sorted(result.outputs)})")
+    return wire.array_output(result, "actions"), videos[-1].mp4_bytes()
 
 
 def _array(call: Call | StreamCall, name: str) -> Call:

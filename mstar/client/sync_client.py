@@ -179,3 +179,12 @@ class MStarClient:
         method finds to move from `frames` (robot `states` [C, 7]; `actions` [C - 1, 7] between them) toward
         the `goal` image; `seed`, `horizon`, `samples`, `topk`, `cem_iterations`, `maxnorm` tune it."""
         return self._run(endpoints.plan(frames, goal, states, actions, return_sequence, **options))
+
+    # -- Cosmos3 policies -------------------------------------------------------------------------
+
+    def predict_actions(self, frames: Any, task: str, with_video: bool = False,
+                        **options: Any) -> np.ndarray | tuple[np.ndarray, bytes]:
+        """Cosmos3 policy: the action chunk [chunk_size, action width] for `task` from camera `frames` (a
+        video file, image files or uint8 arrays; the first frame conditions); with `with_video` also the
+        predicted video's MP4 bytes. `embodiment`, `chunk_size`, `seed`, `num_inference_steps` tune it."""
+        return self._run(endpoints.predict_actions(frames, task, with_video, **options))

@@ -139,14 +139,15 @@ def _prompt(request: Mapping[str, Any]) -> str:
 
 
 def _media_frame(request: Mapping[str, Any], policy: bool) -> np.ndarray | None:
-    """The conditioning frame: a policy's first video frame or image; an image-to-video request's image."""
+    """The conditioning frame: a policy's first video frame or image frame; an image-to-video request's image."""
     media = [m for m in request.get("media") or [] if m.get("name") != "mask"]
     if other := sorted({str(m.get("type")) for m in media} - {"image", "video"}):
         raise ValueError(f"cosmos3 reads images and videos, not {other}")
-    if len(media) > 1:
-        raise ValueError(f"cosmos3 takes one conditioning image or video, got {len(media)} media parts")
     if not media:
         return None
+    if len(media) > 1 and not (policy and all(m["type"] == "image" for m in media)):
+        raise ValueError(f"cosmos3 takes one conditioning image or video (a policy also image frames in order), "
+                         f"got {len(media)} media parts")
     data = np.asarray(media[0]["data"])
     if media[0]["type"] == "video":
         if not policy:

@@ -1,0 +1,99 @@
+"""`mstar serve cosmos3 --tiny` and `mstar serve cosmos3_droid --tiny` over HTTP: /v1/images/generations
+(real openai client and the SDK) returns a PNG, /v1/videos jobs a playable MP4, and the policy's /generate
+an action chunk (typed NDJSON chunk, SDK predict_actions), the same for the same seed."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import httpx
+import numpy as np
+import pytest
+
+from mstar.client import MStarClient, wire
+from tests.e2e.server_thread import running_server
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK flags its videos API
+av = pytest.importorskip("av")
+
+FRAMES = np.random.default_rng(0).integers(0, 256, (3, 48, 64, 3), dtype=np.uint8)  # a small camera clip
+
+
+@pytest.fixture(scope="module")
+def base():
+    with running_server({"model": "cosmos3"}, runtime_kwargs={"tiny": True}) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def droid():
+    with running_server({"model": "cosmos3_droid"}, runtime_kwargs={"tiny": True}) as url:
+        yield url
+
+
+def test_images_generation_returns_a_png(base):
+    from PIL import Image
+
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    resp = client.images.generate(model="cosmos3", prompt="a lighthouse at dusk", size="64x32",
+                                  response_format="b64_json", extra_body={"num_inference_steps": 2, "seed": 1})
+    data = base64.b64decode(resp.data[0].b64_json)
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    image = Image.open(io.BytesIO(data))
+    assert image.size == (64, 32) and image.mode == "RGB"
+    sdk = MStarClient(base, model="cosmos3").generate_image("a lighthouse at dusk", size="64x32", seed=1,
+                                                            as_bytes=True, num_inference_steps=2)
+    assert sdk == data  # same seed, same picture, whichever client asked
+
+
+def test_videos_resource_with_the_openai_client_and_the_sdk(base):
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    extra = {"num_frames": 5, "num_inference_steps": 2, "seed": 4}
+    job = client.videos.create(model="cosmos3", prompt="a kite over the sea", size="64x32", extra_body=extra)
+    done = client.videos.poll(job.id, poll_interval_ms=20)
+    assert done.status == "completed" and done.progress == 100, done.error
+    mp4 = client.videos.download_content(done.id).content
+    with av.open(io.BytesIO(mp4)) as container:
+        stream = container.streams.video[0]
+        assert stream.codec_context.name == "h264" and float(stream.average_rate) == pytest.approx(24)
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(frames) == 5 and frames[0].shape == (32, 64, 3)
+    assert np.std(np.stack(frames).astype(np.float32)) > 1.0  # real content, not a blank clip
+    sdk = MStarClient(base, model="cosmos3").generate_video("a kite over the sea", size="64x32", **extra)
+    assert sdk == mp4
+
+
+def test_policy_answers_typed_action_chunks(droid):
+    """NDJSON: one `action` chunk of shape [chunk_size, 10] (DROID), values as JSON numbers."""
+    client = MStarClient(droid)
+    chunks = list(client.generate("pick up the red cube", files=wire.frame_parts(FRAMES), outputs=["actions"], stream=True, seed=5,
+                                  modalities=["actions"], chunk_size=8, num_inference_steps=2))
+    actions = [c for c in chunks if c.type == "action"]
+    assert chunks[-1].type == "final" and len(actions) == 1
+    assert actions[0].shape == [8, 10] and all(isinstance(v, float) for v in actions[0].values)
+    chunk = actions[0].to_numpy()
+    assert np.isfinite(chunk).all() and chunk.std() > 0.01
+    again = client.predict_actions(FRAMES, "pick up the red cube", seed=5, chunk_size=8, num_inference_steps=2)
+    np.testing.assert_array_equal(again, chunk)
+    other = client.predict_actions(FRAMES, "open the drawer", seed=5, chunk_size=8, num_inference_steps=2)
+    assert np.abs(other - chunk).max() > 1e-3  # the task conditions the actions
+
+
+def test_policy_with_the_predicted_video(droid):
+    actions, mp4 = MStarClient(droid).predict_actions(FRAMES[:1], "push the block left", with_video=True, seed=2,
+                                                      chunk_size=4, num_inference_steps=2)
+    assert actions.shape == (4, 10)
+    with av.open(io.BytesIO(mp4)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(frames) == 5 and frames[0].shape == (48, 64, 3)  # chunk_size + 1 frames of the camera's size
+
+
+def test_policy_errors_are_400s_naming_the_option(droid):
+    body = {"text": "x", "outputs": ["actions"], "stream": False, "options": {"embodiment": "spaceship"}}
+    resp = httpx.post(f"{droid}/generate", json=body, timeout=30)
+    assert resp.status_code == 400 and "embodiment 'spaceship' is not supported" in resp.text
+    resp = httpx.post(f"{droid}/generate", json={**body, "options": {}}, timeout=30)
+    assert resp.status_code == 400 and "needs the camera video" in json.dumps(resp.json())
