@@ -1,0 +1,177 @@
+"""Pi0.5 served to robots on one GPU, dummy weights, bf16, three cameras (asserts nothing).
+
+- `latency`: one action chunk at concurrency 1 (p50/p99 over `--requests`) as the real `openpi_client` sees
+  it over the websocket (what a robot waits), and inside the server (observation received to chunk sent).
+- `throughput`: chunks per second with `--concurrency` robots, each an openpi client sending its next
+  observation when its last chunk arrives.
+- `baseline`: transformers' `PI0ForConditionalGeneration.sample_actions` (Pi0: the same SigLIP, Gemma prefix
+  and expert shapes, 10 Euler steps) on the same GPU and dtype, at the same prefix length, batch 1.
+
+    python3 benchmarks/pi05_bench.py                 # GPU: writes benchmarks/results/pi05_bench_<gpu>.json
+    python3 benchmarks/pi05_bench.py --concurrency 8 32 128 --requests 100
+    python3 benchmarks/pi05_bench.py --quick         # the tiny policy on CPU (smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without install
+
+TASK = "pick up the red cube and place it in the bowl"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the tiny policy on CPU (smoke test)")
+    parser.add_argument("--requests", type=int, default=None, help="chunks timed per latency case (default 100)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="robots (default 8 32 128)")
+    parser.add_argument("--per-robot", type=int, default=None, help="chunks each robot asks for (default 10)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip transformers' PI0")
+    parser.add_argument("--out", default=None, help="JSON path")
+    args = parser.parse_args(argv)
+    if not args.quick and not torch.cuda.is_available():
+        parser.error("no CUDA device here: pass --quick (tiny, CPU)")
+    args.requests = args.requests or (3 if args.quick else 100)
+    args.concurrency = args.concurrency or ([2] if args.quick else [8, 32, 128])
+    args.per_robot = args.per_robot or (2 if args.quick else 10)
+    return args
+
+
+def percentiles(seconds: list[float]) -> dict[str, float]:
+    ordered = sorted(seconds)
+    return {"p50_ms": 1e3 * statistics.median(ordered), "p99_ms": 1e3 * ordered[min(len(ordered) - 1,
+            round(0.99 * (len(ordered) - 1)))], "n": len(ordered)}
+
+
+def observation(metadata: dict[str, Any], seed: int) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    example = metadata["example_observation"]
+    return {"images": {c: rng.integers(0, 256, im.shape, dtype=np.uint8) for c, im in example["images"].items()},
+            "state": rng.uniform(-1, 1, example["state"].shape).astype(np.float32), "prompt": TASK}
+
+
+def serve(args: argparse.Namespace):
+    """The runtime and a live server on a free port (tests/e2e/server_thread.py's)."""
+    from tests.e2e.server_thread import running_server
+
+    limit = max(args.concurrency) + 1
+    config = {"model": "pi05", "max_concurrent_requests": limit, "model_kwargs": {"max_robots": limit}}
+    kwargs = {"tiny": True} if args.quick else {"load_format": "dummy"}
+    return running_server(config, runtime_kwargs=kwargs)
+
+
+def latency_cases(args: argparse.Namespace, base: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    policy = WebsocketClientPolicy(base.replace("http://", "ws://"))
+    metadata = policy.get_server_metadata()
+    obs = observation(metadata, 0)
+    for _ in range(3):  # warm-up: first-call costs (allocations, autotuning) are not a robot's steady state
+        policy.infer(obs)
+    seconds, server = [], []
+    for i in range(args.requests):
+        start = time.perf_counter()
+        answer = policy.infer(observation(metadata, i))
+        seconds.append(time.perf_counter() - start)
+        server.append(answer["server_timing"]["infer_ms"] / 1e3)
+    return metadata, {"websocket": percentiles(seconds), "in_server": percentiles(server),
+                      "actions_shape": list(answer["actions"].shape)}
+
+
+def throughput_case(base: str, robots: int, per_robot: int) -> dict[str, Any]:
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    clients = [WebsocketClientPolicy(base.replace("http://", "ws://")) for _ in range(robots)]
+    metadata = clients[0].get_server_metadata()
+    observations = [observation(metadata, i) for i in range(robots)]
+    barrier, seconds = threading.Barrier(robots + 1), []
+
+    def robot(index: int) -> None:
+        barrier.wait()
+        for _ in range(per_robot):
+            start = time.perf_counter()
+            clients[index].infer(observations[index])
+            seconds.append(time.perf_counter() - start)
+
+    threads = [threading.Thread(target=robot, args=(i,)) for i in range(robots)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    return {"chunks_per_s": robots * per_robot / wall, "robots": robots, **percentiles(seconds)}
+
+
+def baseline_case(args: argparse.Namespace, prompt_tokens: int) -> dict[str, Any]:
+    """transformers' PI0 sample_actions at the same shapes (random weights), batch 1."""
+    import transformers
+
+    from mstar.models.pi05.config import PI05_BASE
+    from mstar.models.pi05.tiny import tiny_config
+    from tests.models.pi05_reference import pi0_config
+
+    cfg = tiny_config() if args.quick else PI05_BASE
+    device, dtype = (torch.device("cpu"), torch.float32) if args.quick else (torch.device("cuda"), torch.bfloat16)
+    with torch.device(device):
+        model = transformers.PI0ForConditionalGeneration(pi0_config(cfg)).to(dtype).eval()
+    cameras, side, tokens = len(cfg.cameras), cfg.vision.image_size, cfg.vision.tokens
+    ids = torch.cat([torch.full((cameras * tokens,), cfg.vocab_size), torch.randint(0, 1000, (prompt_tokens,))])
+    inputs = {"state": torch.zeros(1, cfg.max_state_dim, dtype=dtype, device=device), "input_ids": ids[None].to(device),
+              "pixel_values": torch.rand(1, cameras, 3, side, side, dtype=dtype, device=device) * 2 - 1,
+              "pixel_attention_mask": torch.ones(1, cameras, dtype=torch.bool, device=device),
+              "attention_mask": torch.ones(1, len(ids), dtype=torch.long, device=device)}
+    seconds = []
+    for i in range(args.requests + 3):
+        start = time.perf_counter()
+        model.sample_actions(**inputs, num_steps=cfg.num_steps)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= 3:
+            seconds.append(time.perf_counter() - start)
+    return {"sample_actions": percentiles(seconds), "prefix_tokens": len(ids)}
+
+
+def prompt_length(metadata: dict[str, Any], args: argparse.Namespace) -> int:
+    """Tokens of the benchmark's prompt as the served policy tokenizes it."""
+    from mstar.models.pi05.model import Pi05
+
+    model = Pi05(Pi05.make_config(tiny=args.quick), load_format="auto" if args.quick else "dummy")
+    processor = model.processor()
+    request, options = processor.observation_request(observation(metadata, 0))
+    return int(processor.inputs(request, options)["prompt_ids"].numel())
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device = "cpu" if args.quick else torch.cuda.get_device_name()
+    doc: dict[str, Any] = {"device": device, "dtype": "float32" if args.quick else "bfloat16",
+                           "weights": "tiny" if args.quick else "dummy (lerobot/pi05_base shapes)", "cameras": 3,
+                           "command": "python3 benchmarks/pi05_bench.py " + " ".join(argv or sys.argv[1:])}
+    with serve(args) as base:
+        metadata, doc["latency"] = latency_cases(args, base)
+        doc["throughput"] = {f"c{n}": throughput_case(base, n, args.per_robot) for n in args.concurrency}
+    if not args.no_baseline:
+        doc["baseline"] = baseline_case(args, prompt_length(metadata, args))
+    name = "quick" if args.quick else device.replace(" ", "_")
+    out = Path(args.out) if args.out else ROOT / f"benchmarks/results/pi05_bench_{name}.json"
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(json.dumps(doc, indent=2))
+    return doc
+
+
+if __name__ == "__main__":
+    main()

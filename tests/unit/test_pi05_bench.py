@@ -1,0 +1,26 @@
+"""benchmarks/pi05_bench.py: a --quick run (the tiny policy on CPU, a live server, openpi clients, and
+transformers' PI0 as the baseline) writes what it returns, with every case measured (#39)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("openpi_client")
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+
+def test_quick_run(tmp_path) -> None:
+    from benchmarks.pi05_bench import main
+
+    out = tmp_path / "pi05.json"
+    doc = main(["--quick", "--requests", "2", "--concurrency", "1", "3", "--per-robot", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
+    assert doc["device"] == "cpu" and doc["latency"]["actions_shape"] == [10, 7]
+    assert doc["latency"]["websocket"]["n"] == 2 and doc["latency"]["websocket"]["p50_ms"] > 0
+    assert doc["latency"]["in_server"]["p99_ms"] <= doc["latency"]["websocket"]["p99_ms"]
+    assert set(doc["throughput"]) == {"c1", "c3"} and doc["throughput"]["c3"]["chunks_per_s"] > 0
+    assert doc["throughput"]["c3"]["n"] == 6
+    assert doc["baseline"]["sample_actions"]["p50_ms"] > 0 and doc["baseline"]["prefix_tokens"] > 3 * 16
