@@ -51,3 +51,17 @@ def test_config_round_trips_and_rejects_what_we_do_not_run():
         Cosmos3TransformerConfig.from_hf({**NANO.to_hf(), "hidden_act": "relu2"})
     with pytest.raises(ValueError, match="rope_axes_dim"):
         Cosmos3TransformerConfig.from_hf({**NANO.to_hf(), "rope_axes_dim": [24, 20, 24]})
+
+
+def test_dummy_weights_build_the_full_size_generator_on_the_meta_device():
+    """`--load-format dummy` at full size: Nano's shapes, the Wan2.2-TI2V-5B VAE, every parameter built."""
+    from mstar.models.cosmos3.model import Cosmos3DroidModel, Cosmos3Model
+    from mstar.models.wan22.vae_config import WAN22_TI2V_5B_VAE
+
+    for cls in (Cosmos3Model, Cosmos3DroidModel):
+        model = cls(cls.make_config(), load_format="dummy")
+        assert model.components.transformer == NANO and model.vae_config == WAN22_TI2V_5B_VAE
+        dit = model.build_component("dit", torch.device("meta")).module
+        count = sum(p.numel() for p in dit.parameters())
+        head_and_norm = NANO.vocab_size * NANO.hidden_size + NANO.hidden_size  # the reasoner's, not built here
+        assert count == sum(torch.Size(s).numel() for s in _reference_shapes(NANO).values()) - head_and_norm
