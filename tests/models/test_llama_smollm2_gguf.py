@@ -39,7 +39,7 @@ def reference():
 def checkpoint(tmp_path_factory):
     from mstar.models.common.smollm2 import ensure_smollm2_checkpoint
 
-    return ensure_smollm2_checkpoint(tmp_path_factory.mktemp("cache"), dtype=torch.float32)
+    return ensure_smollm2_checkpoint(tmp_path_factory.mktemp("cache"))  # the default: float32
 
 
 def test_tokenizer_and_chat_template_match(reference, checkpoint):

@@ -6,6 +6,8 @@ Only the llama architecture is mapped. llama.cpp's converter permutes the rows o
 
 from __future__ import annotations
 
+import functools
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_GGUF_ARCHS = ("llama",)
 
@@ -37,12 +41,23 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def open_gguf(path: Path) -> Any:
-    """A `gguf.GGUFReader` for `path`, after checking the architecture is supported."""
+    """A `gguf.GGUFReader` for `path`, after checking the architecture is supported.
+
+    Readers are kept per file and modification time, since parsing a large vocabulary's metadata is
+    slow and the config, the tokenizer and the weights each read the same file.
+    """
+    path = Path(path).resolve()
+    return _open_gguf(str(path), path.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_gguf(path: str, mtime_ns: int) -> Any:
     try:
         import gguf
     except ImportError as exc:
         raise ImportError("reading GGUF files needs the gguf package: pip install gguf") from exc
-    reader = gguf.GGUFReader(str(path))
+    logger.info("reading GGUF metadata of %s", path)
+    reader = gguf.GGUFReader(path)
     arch = metadata(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise ValueError(

@@ -57,16 +57,39 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
-        """Load from a checkpoint folder; raises FileNotFoundError naming the folder if tokenizer.json is absent."""
-        from tokenizers import AddedToken
+        """Load from a checkpoint folder, or from the vocabulary and chat template embedded in a `.gguf` file;
+        raises FileNotFoundError naming the folder if tokenizer.json is absent."""
         from tokenizers import Tokenizer as Backend
 
         folder = Path(path)
+        if folder.is_file() and folder.suffix == ".gguf":
+            return cls.from_gguf(folder)
         if not (folder / "tokenizer.json").is_file():
             raise FileNotFoundError(f"no tokenizer.json in {folder}; pass the checkpoint folder that holds "
-                                    "tokenizer.json (and tokenizer_config.json)")
+                                    "tokenizer.json (and tokenizer_config.json), or a .gguf file")
         backend = Backend.from_file(str(folder / "tokenizer.json"))
         raw = read_json(folder / "tokenizer_config.json")
+        gen = read_json(folder / "generation_config.json").get("eos_token_id")
+        gen_ids = tuple(gen if isinstance(gen, list) else [gen] if gen is not None else [])
+        return cls._from_parts(backend, raw, load_chat_templates(folder, raw), gen_ids)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer a GGUF file embeds (vocabulary, merges, special tokens, chat template)."""
+        from tokenizers import Tokenizer as Backend
+
+        from mstar.models.common.gguf_checkpoint import open_gguf
+        from mstar.models.common.gguf_tokenizer import gguf_tokenizer
+
+        tokenizer_json, raw = gguf_tokenizer(open_gguf(Path(path)))
+        templates = {"default": raw["chat_template"]} if raw.get("chat_template") else {}
+        return cls._from_parts(Backend.from_str(tokenizer_json), raw, templates, ())
+
+    @classmethod
+    def _from_parts(cls, backend: Any, raw: dict[str, Any], templates: dict[str, str],
+                    gen_ids: Sequence[int]) -> Tokenizer:
+        from tokenizers import AddedToken
+
         present = backend.get_added_tokens_decoder()
         for idx, spec in sorted((raw.get("added_tokens_decoder") or {}).items(), key=lambda kv: int(kv[0])):
             if int(idx) not in present:  # declared only in the config: add it as HF does
@@ -75,9 +98,7 @@ class Tokenizer:
                                    lstrip=spec.get("lstrip", False), rstrip=spec.get("rstrip", False))
                 (backend.add_special_tokens if token.special else backend.add_tokens)([token])
         specials = {n: token_content(raw[n]) for n in _SPECIAL_NAMES if raw.get(n) is not None}
-        gen = read_json(folder / "generation_config.json").get("eos_token_id")
-        gen_ids = tuple(gen if isinstance(gen, list) else [gen] if gen is not None else [])
-        config = TokenizerConfig(special_tokens=specials, chat_templates=load_chat_templates(folder, raw),
+        config = TokenizerConfig(special_tokens=specials, chat_templates=templates,
                                  generation_eos_ids=tuple(int(i) for i in gen_ids),
                                  clean_up_tokenization_spaces=bool(raw.get("clean_up_tokenization_spaces", False)))
         return cls(backend, config)

