@@ -22,6 +22,7 @@ from tests.models.pi05_reference import (
 )
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 TOL = 1e-4
 CONFIG = tiny_config()
 
