@@ -1,0 +1,331 @@
+"""Cosmos3-Nano on one GPU: mstar against diffusers' Cosmos3OmniPipeline, dummy weights (asserts nothing).
+
+Both sides build the full-size Nano generator (bf16, the timestep embedder float32), the Wan2.2 VAE in
+--vae-dtype and the flow UniPC scheduler with seeded random weights, and read the offline Qwen tokenizer
+(mstar.models.qwen3_omni.tokenizer; ids do not change the speed). Cases (--cases):
+- `t2i`: text to image at each --sizes, --steps steps, guidance --guidance, concurrency 1: seconds per
+  image (median of --repeats), and the ratio diffusers / mstar.
+- `throughput`: text to image at --throughput-size with c requests in flight (--concurrency): images
+  per second; diffusers runs one sample per call, so its figure is 1 / its latency.
+- `t2v`: text to video at --video-size, --video-frames frames, --video-steps steps: seconds, and the ratio.
+- `policy`: the DROID policy (chunk --chunk-size, --policy-steps steps, guidance 3) from a --camera frame:
+  action-chunk latency p50 / p99 at concurrency 1 (--policy-repeats runs) and chunks per second with
+  --policy-concurrency requests in flight; diffusers: CosmosActionCondition(mode="policy") latency.
+Our deployment is freed before the baseline is built (one copy at a time).
+
+    python3 benchmarks/cosmos3_bench.py                          # GPU: writes benchmarks/results/cosmos3_bench_<gpu>.json
+    python3 benchmarks/cosmos3_bench.py --cases t2i throughput --skip-diffusers
+    python3 benchmarks/cosmos3_bench.py --quick                  # tiny networks on CPU (smoke test)
+
+diffusers is not on the GPU machine; carry its pure-python wheel as benchmarks/wan_bench.py explains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without install
+
+PROMPT = "A lighthouse on a rocky cliff at dusk, waves below, warm light in the window"
+TASK = "pick up the red cube and put it in the bowl"
+CASES = ("t2i", "throughput", "t2v", "policy")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny networks on CPU (smoke test)")
+    p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    p.add_argument("--sizes", nargs="+", default=None, help="WxH of the t2i case (default 320x192 832x480 1280x720)")
+    p.add_argument("--steps", type=int, default=None, help="t2i steps (default 50)")
+    p.add_argument("--guidance", type=float, default=6.0)
+    p.add_argument("--throughput-size", default=None, help="default 832x480")
+    p.add_argument("--concurrency", type=int, nargs="+", default=None, help="default 4 8")
+    p.add_argument("--video-size", default=None, help="default 1280x720")
+    p.add_argument("--video-frames", type=int, default=None, help="default 189")
+    p.add_argument("--video-steps", type=int, default=None, help="default 35")
+    p.add_argument("--camera", default=None, help="WxH of the policy's camera frame (default 640x480)")
+    p.add_argument("--chunk-size", type=int, default=None, help="default 32")
+    p.add_argument("--policy-steps", type=int, default=None, help="default 4")
+    p.add_argument("--policy-repeats", type=int, default=None, help="default 20")
+    p.add_argument("--policy-concurrency", type=int, default=None, help="default 16")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs per latency case (default 3)")
+    p.add_argument("--vae-dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--skip-diffusers", action="store_true")
+    p.add_argument("--out", default=None, help="JSON path")
+    args = p.parse_args(argv)
+    args.device = torch.device("cpu" if args.quick else "cuda")
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        p.error("no CUDA device here: pass --quick (tiny, CPU)")
+    q = args.quick
+    pick = lambda value, quick, full: value if value is not None else (quick if q else full)  # noqa: E731
+    args.sizes = pick(args.sizes, ["64x64", "96x64"], ["320x192", "832x480", "1280x720"])
+    args.steps = pick(args.steps, 2, 50)
+    args.throughput_size = pick(args.throughput_size, "64x64", "832x480")
+    args.concurrency = pick(args.concurrency, [2], [4, 8])
+    args.video_size = pick(args.video_size, "64x64", "1280x720")
+    args.video_frames = pick(args.video_frames, 5, 189)
+    args.video_steps = pick(args.video_steps, 2, 35)
+    args.camera = pick(args.camera, "64x48", "640x480")
+    args.chunk_size = pick(args.chunk_size, 4, 32)
+    args.policy_steps = pick(args.policy_steps, 2, 4)
+    args.policy_repeats = pick(args.policy_repeats, 3, 20)
+    args.policy_concurrency = pick(args.policy_concurrency, 2, 16)
+    args.repeats = pick(args.repeats, 1, 3)
+    return args
+
+
+def _size(text: str) -> dict[str, int]:
+    width, height = (int(v) for v in text.lower().split("x"))
+    return {"width": width, "height": height}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _camera(args) -> np.ndarray:
+    size = _size(args.camera)
+    return np.random.default_rng(0).integers(0, 256, (size["height"], size["width"], 3), dtype=np.uint8)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return round(float(np.percentile(values, q)), 4)
+
+
+# -- mstar -----------------------------------------------------------------------------------------
+
+
+def _ours_request(args, case: str, seed: int) -> tuple[dict, dict]:
+    if case == "policy":
+        return ({"text": TASK, "media": [{"type": "image", "data": _camera(args)}]},
+                {"modalities": ["actions"], "chunk_size": args.chunk_size, "num_inference_steps": args.policy_steps,
+                 "guidance_scale": 3.0, "fps": 15.0, "view_point": "concat_view", "seed": seed})
+    if case == "t2v":
+        return ({"text": PROMPT}, {**_size(args.video_size), "num_frames": args.video_frames, "seed": seed,
+                                   "num_inference_steps": args.video_steps, "guidance_scale": args.guidance})
+    size = args.throughput_size if case == "throughput" else case
+    return ({"text": PROMPT}, {**_size(size), "modalities": ["image"], "num_inference_steps": args.steps,
+                               "guidance_scale": args.guidance, "seed": seed})
+
+
+def _wall(m, requests: list[tuple[dict, dict]], device: torch.device) -> list[float]:
+    """Submit every request at once; each one's seconds from the common start to its result."""
+    done: list[float] = [0.0] * len(requests)
+    errors: list[Exception] = []
+    _sync(device)
+    start = time.perf_counter()
+
+    def wait(i: int, handle) -> None:
+        try:
+            handle.result()
+            done[i] = time.perf_counter() - start
+        except Exception as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wait, args=(i, m.submit(req, **opts))) for i, (req, opts) in enumerate(requests)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    _sync(device)
+    return done
+
+
+def bench_ours(args) -> dict[str, Any]:
+    from mstar.runtime.offline import MStar
+
+    kwargs = {"vae_dtype": args.vae_dtype} if args.quick else {"dtype": "bfloat16", "vae_dtype": args.vae_dtype}
+    config = {"model": "cosmos3", "max_concurrent_requests": 32, "model_kwargs": kwargs,
+              "device": "cpu" if args.quick else "auto", "node_groups": [{"node_names": ["dit", "scheduler", "vae"],
+                                                                           "ranks": [0]}]}
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    with MStar(config=config, tiny=args.quick, load_format="auto" if args.quick else "dummy") as m:
+        out["build_s"] = round(time.perf_counter() - t0, 1)
+        latency = lambda case, n: [_wall(m, [_ours_request(args, case, i)], args.device)[0] for i in range(n)]  # noqa: E731
+        if "t2i" in args.cases:
+            for size in args.sizes:
+                latency(size, 1)  # warm-up at this size
+                out[f"t2i_{size}_s"] = round(statistics.median(latency(size, args.repeats)), 4)
+        if "throughput" in args.cases:
+            for c in args.concurrency:
+                _wall(m, [_ours_request(args, "throughput", i) for i in range(c)], args.device)
+                walls = _wall(m, [_ours_request(args, "throughput", i) for i in range(c)], args.device)
+                out[f"t2i_{args.throughput_size}_c{c}_images_per_s"] = round(c / max(walls), 4)
+        if "t2v" in args.cases:
+            out["t2v_s"] = round(latency("t2v", 1)[0], 4)
+        if "policy" in args.cases:
+            latency("policy", 1)
+            runs = latency("policy", args.policy_repeats)
+            c = args.policy_concurrency
+            walls = _wall(m, [_ours_request(args, "policy", i) for i in range(c)], args.device)
+            out.update(policy_p50_s=_percentile(runs, 50), policy_p99_s=_percentile(runs, 99),
+                       **{f"policy_c{c}_chunks_per_s": round(c / max(walls), 4)})
+        out["peak_gb"] = _peak_gb(args.device)
+    return out
+
+
+# -- diffusers ---------------------------------------------------------------------------------------
+
+
+def _built(factory, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """`factory()` made on `device` in `dtype`, seeded random weights (no host copy at full size)."""
+    from mstar.models.common.loading import fill_dummy_weights
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            module = factory()
+    finally:
+        torch.set_default_dtype(previous)
+    fill_dummy_weights(module, seed=0)
+    return module.eval()
+
+
+def reference_pipeline(args):
+    """diffusers' Cosmos3OmniPipeline of random weights at the bench's size (safety checker off)."""
+    from diffusers import (
+        AutoencoderKLWan,
+        Cosmos3OmniPipeline,
+        Cosmos3OmniTransformer,
+        UniPCMultistepScheduler,
+    )
+    from transformers import AutoTokenizer
+
+    from mstar.models.cosmos3.config import NANO
+    from mstar.models.cosmos3.tiny import SCHEDULER, TINY_TRANSFORMER, TINY_VAE_CHANNELS
+    from mstar.models.wan22.vae_config import WAN22_TI2V_5B_VAE, tiny_vae_config
+
+    hf = lambda cfg: {k: v for k, v in cfg.items() if not k.startswith("_") and k != "dtype"}  # noqa: E731
+    dtype = torch.float32 if args.quick else torch.bfloat16
+    dit = _built(lambda: Cosmos3OmniTransformer(**hf(TINY_TRANSFORMER if args.quick else NANO.to_hf())), dtype,
+                 args.device)
+    dit.time_embedder.float()  # diffusers keeps it float32 (_keep_in_fp32_modules)
+    vae_config = tiny_vae_config(TINY_VAE_CHANNELS) if args.quick else WAN22_TI2V_5B_VAE
+    vae = _built(lambda: AutoencoderKLWan(**hf(vae_config.to_hf())), getattr(torch, args.vae_dtype), args.device)
+    with torch.no_grad():  # unit RMS-norm gains, as trained weights have about
+        for name, param in vae.named_parameters():
+            if name.endswith(".gamma"):
+                param.fill_(1.0)
+    pipe = Cosmos3OmniPipeline(transformer=dit, text_tokenizer=AutoTokenizer.from_pretrained(_tokenizer(args)),
+                               vae=vae, scheduler=UniPCMultistepScheduler(**hf(SCHEDULER)), enable_safety_checker=False)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _tokenizer(args) -> Path:
+    if args.quick:
+        from mstar.models.cosmos3.tokenizer import tiny_tokenizer_folder
+
+        return tiny_tokenizer_folder()
+    from mstar.models.qwen3_omni.tokenizer import omni_tokenizer_folder
+
+    return omni_tokenizer_folder()
+
+
+def _reference_call(pipe, args, case: str, seed: int) -> float:
+    from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
+    from PIL import Image
+
+    kwargs: dict[str, Any] = {"generator": torch.Generator().manual_seed(seed), "output_type": "np",
+                              "enable_safety_check": False}
+    if case == "policy":
+        action = CosmosActionCondition(mode="policy", chunk_size=args.chunk_size, domain_name="droid_lerobot",
+                                       image=Image.fromarray(_camera(args)), view_point="concat_view")
+        kwargs.update(prompt=TASK, action=action, num_inference_steps=args.policy_steps, guidance_scale=3.0,
+                      fps=15.0, output_type="latent")
+    elif case == "t2v":
+        kwargs.update(prompt=PROMPT, num_frames=args.video_frames, num_inference_steps=args.video_steps,
+                      guidance_scale=args.guidance, **_size(args.video_size))
+    else:
+        kwargs.update(prompt=PROMPT, num_frames=1, num_inference_steps=args.steps, guidance_scale=args.guidance,
+                      **_size(args.throughput_size if case == "throughput" else case))
+    _sync(args.device)
+    start = time.perf_counter()
+    pipe(**kwargs)
+    _sync(args.device)
+    return time.perf_counter() - start
+
+
+def bench_diffusers(args) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    pipe = reference_pipeline(args)
+    out: dict[str, Any] = {"build_s": round(time.perf_counter() - t0, 1)}
+    latency = lambda case, n: [_reference_call(pipe, args, case, i) for i in range(n)]  # noqa: E731
+    if "t2i" in args.cases:
+        for size in args.sizes:
+            latency(size, 1)
+            out[f"t2i_{size}_s"] = round(statistics.median(latency(size, args.repeats)), 4)
+    if "throughput" in args.cases:
+        seconds = statistics.median(latency("throughput", args.repeats))
+        out[f"t2i_{args.throughput_size}_images_per_s"] = round(1 / seconds, 4)
+    if "t2v" in args.cases:
+        out["t2v_s"] = round(latency("t2v", 1)[0], 4)
+    if "policy" in args.cases:
+        latency("policy", 1)
+        runs = latency("policy", args.repeats)
+        out.update(policy_p50_s=_percentile(runs, 50), policy_p99_s=_percentile(runs, 99))
+    out["peak_gb"] = _peak_gb(args.device)
+    return out
+
+
+# -- report ------------------------------------------------------------------------------------------
+
+
+def _peak_gb(device: torch.device) -> float | None:
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def ratios(ours: dict, theirs: dict) -> dict[str, float]:
+    """diffusers seconds / mstar seconds of every latency both measured (above 1: we are faster)."""
+    return {key.removesuffix("_s"): round(theirs[key] / ours[key], 3) for key in ours
+            if key.endswith("_s") and key != "build_s" and key in theirs and ours[key] > 0}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device_name = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu"
+    doc: dict[str, Any] = {"command": "python3 benchmarks/cosmos3_bench.py " + " ".join(argv or sys.argv[1:]),
+                           "device": device_name, "dtype": "float32" if args.quick else "bfloat16",
+                           "vae_dtype": args.vae_dtype, "torch": torch.__version__, "python": platform.python_version(),
+                           "settings": {k: v for k, v in vars(args).items() if k not in ("device", "out")}}
+    doc["mstar"] = bench_ours(args)
+    print(json.dumps({"mstar": doc["mstar"]}), flush=True)
+    _free(args.device)
+    if not args.skip_diffusers:
+        doc["diffusers"] = bench_diffusers(args)
+        doc["speedup"] = ratios(doc["mstar"], doc["diffusers"])
+        print(json.dumps({"diffusers": doc["diffusers"], "speedup": doc["speedup"]}), flush=True)
+    slug = "".join(ch if ch.isalnum() else "_" for ch in device_name.lower()).strip("_")
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"cosmos3_bench_{slug}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
