@@ -1,6 +1,7 @@
 """`mstar serve pi05 --tiny` to robots (#39): the real `openpi_client.WebsocketClientPolicy` connects unchanged,
 reads the metadata, builds observations from its example and receives action chunks of the right shape;
-the same observation over /generate gives the same chunk as numbers; bad observations get a clear error
+the same observation over /generate (as numbers) and through the SDK's predict_actions gives the same
+chunk; bad observations get a clear error
 (a text message over the websocket, a 400 over HTTP); the websocket checks the API key."""
 
 from __future__ import annotations
@@ -99,3 +100,16 @@ def test_the_websocket_checks_the_api_key() -> None:
         with pytest.raises(Exception, match="1008|403|rejected"):
             _client(url)
         assert _client(url, api_key="k3y").get_server_metadata()["policy"] == "pi05"
+
+
+def test_sdk_predict_actions_gives_the_websocket_chunk(base) -> None:
+    from mstar.client import MStarClient
+
+    policy = _client(base)
+    observation = _observation(policy.get_server_metadata(), 5)
+    over_ws = policy.infer(observation)["actions"]
+    frames = [observation["images"][c] for c in ("base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb")]
+    with MStarClient(base) as client:  # unnamed images fill the cameras in order
+        chunk = client.predict_actions(frames, observation["prompt"], state=observation["state"].tolist(), seed=5)
+    assert chunk.shape == (10, 7)
+    np.testing.assert_allclose(chunk, over_ws, atol=1e-6, rtol=0)
