@@ -150,7 +150,8 @@ def _wall(m, requests: list[tuple[dict, dict]], device: torch.device) -> list[fl
 def bench_ours(args) -> dict[str, Any]:
     from mstar.runtime.offline import MStar
 
-    kwargs = {"vae_dtype": args.vae_dtype} if args.quick else {"dtype": "bfloat16", "vae_dtype": args.vae_dtype}
+    kwargs = {"vae_dtype": args.vae_dtype, "reasoner": False}  # generation only: no reasoner copy, no KV pool
+    kwargs.update({} if args.quick else {"dtype": "bfloat16"})
     config = {"model": "cosmos3", "max_concurrent_requests": 32, "model_kwargs": kwargs,
               "device": "cpu" if args.quick else "auto", "node_groups": [{"node_names": ["dit", "scheduler", "vae"],
                                                                            "ranks": [0]}]}

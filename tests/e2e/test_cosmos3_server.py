@@ -97,3 +97,13 @@ def test_policy_errors_are_400s_naming_the_option(droid):
     assert resp.status_code == 400 and "embodiment 'spaceship' is not supported" in resp.text
     resp = httpx.post(f"{droid}/generate", json={**body, "options": {}}, timeout=30)
     assert resp.status_code == 400 and "needs the camera video" in json.dumps(resp.json())
+
+
+def test_chat_goes_to_the_reasoner(base):
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    answer = client.chat.completions.create(model="cosmos3", messages=[{"role": "user", "content": "What is here?"}],
+                                            max_tokens=6, temperature=0)
+    again = client.chat.completions.create(model="cosmos3", messages=[{"role": "user", "content": "What is here?"}],
+                                           max_tokens=6, temperature=0)
+    assert answer.choices[0].message.content and answer.choices[0].message.content == again.choices[0].message.content
+    assert answer.usage.completion_tokens == 6 and answer.choices[0].finish_reason == "length"

@@ -1,7 +1,7 @@
 """Cosmos3 (Nano, Super) and Cosmos3 Policy DROID: text, an image or camera video to images, videos
 and robot actions, as served models.
 
-Lane `generate`:  [encode_image] -> denoise -> [decode]
+Lane `generate` (image, video and action outputs):  [encode_image] -> denoise -> [decode]
   encode_image  image-to-video and policy requests: the VAE encodes the conditioning frame as the
                 first latent frame; carried on.
   denoise       `prepare` draws the request's noise (its own generator) and opens its UniPC states;
@@ -12,6 +12,9 @@ Lane `generate`:  [encode_image] -> denoise -> [decode]
                 generation tower; requests at different steps share forwards, and the branches batch
                 on one device or sit on two ranks (placement by node name) with the same graph.
   decode        the VAE turns the final latents into uint8 frames, when images or video are asked for.
+Lane `chat` (text output; cosmos3 only):  prefill -> decode
+  the reasoner (the understanding tower with its head, a Qwen3 decoder on the autoregressive engine)
+  answers the chat, as the dense decoders of models/llama do.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ from typing import Any
 
 import torch
 
-from mstar.engines.base import StatelessSpec
+from mstar.engines.base import AutoregressiveSpec, StatelessSpec
 from mstar.graph import CARRY, ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Parallel, Sequential, Walk
 from mstar.models.base import BuiltComponent, Model
-from mstar.models.common.serve_config import DTYPES, ServeConfig, dtype_named
+from mstar.models.common.serve_config import DTYPES, ServeConfig, decode_steps, dtype_named
 from mstar.models.cosmos3.config import Cosmos3Config
 from mstar.models.cosmos3.options import Cosmos3Defaults, PolicyDefaults
 from mstar.models.wan22.vae_config import WanVAEConfig
@@ -47,6 +50,8 @@ class Cosmos3ServeConfig(ServeConfig):
     num_frames: int | None = None  # default frame count (4k+1); None = 189 (tiny: 5)
     fps: float | None = None  # default frame rate; None = 24 (policy: 15)
     vae_chunk_frames: int = 1  # latent frames the VAE decodes at once (memory vs speed)
+    max_model_len: int | None = None  # the reasoner's context (prompt and answer); None: 32768 (tiny: 2048)
+    reasoner: bool = True  # answer chat with the reasoner (a second copy of the understanding tower, a KV pool)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -60,7 +65,8 @@ class Cosmos3ServeConfig(ServeConfig):
         return super().torch_dtype(device)
 
 
-def _graph() -> ModelGraph:
+def _graph(chat_context: int | None) -> ModelGraph:
+    """The generate lane, and with `chat_context` (the reasoner's context length) the chat lane."""
     image = Node("vae", name="encode_image", inputs=("image",), outputs=("condition",))
     prepare = Node("scheduler", name="prepare", inputs=("condition",),
                    outputs=("latents", "sound_latents", "action_latents", "timestep"))
@@ -77,12 +83,16 @@ def _graph() -> ModelGraph:
                             "actions"))
     steps = Loop(Sequential(Parallel(cond, uncond), combine), max_iterations="num_inference_steps", name="steps")
     decode = Node("vae", name="decode", inputs=("latents",), outputs=("video", "image", "frames", "progress"))
+    components = {
+        "dit": ComponentSpec("stateless", "MoT generator: (prompt ids, noisy latents, timestep) -> velocities"),
+        "scheduler": ComponentSpec("stateless", "per-request noise and UniPC states; guidance + one step"),
+        "vae": ComponentSpec("stateless", "Wan2.2 VAE: conditioning frame -> latent frame; latents -> frames"),
+    }
+    chat_walks, chat_lanes = _chat(chat_context) if chat_context else ((), ())
+    if chat_context:
+        components["reasoner"] = ComponentSpec("autoregressive", "the reasoner: token ids -> next token (paged KV)")
     return ModelGraph(
-        components={
-            "dit": ComponentSpec("stateless", "MoT generator: (prompt ids, noisy latents, timestep) -> velocities"),
-            "scheduler": ComponentSpec("stateless", "per-request noise and UniPC states; guidance + one step"),
-            "vae": ComponentSpec("stateless", "Wan2.2 VAE: conditioning frame -> latent frame; latents -> frames"),
-        },
+        components=components,
         walks=(
             Walk("encode_image", "generate", image, inputs=("image",), emits=(Emit("condition", CARRY),)),
             Walk("denoise", "generate", Sequential(prepare, steps), inputs=("prompt_ids",),
@@ -90,12 +100,36 @@ def _graph() -> ModelGraph:
                  emits=(Emit("progress"), Emit("step_latents"), Emit("actions"), Emit("latents", CARRY))),
             Walk("decode", "generate", decode, inputs=("latents",),
                  emits=(Emit("video"), Emit("image"), Emit("frames"), Emit("progress"))),
+            *chat_walks,
         ),
-        lanes=(Lane("generate", _first_walk, _next_walk),),
+        lanes=(Lane("generate", _first_walk, _next_walk), *chat_lanes),
     )
 
 
-def _first_walk(options: Mapping[str, Any]) -> str:
+def _chat(context: int) -> tuple[tuple[Walk, ...], tuple[Lane, ...]]:
+    """The chat lane's prefill and decode walks over the reasoner (as the dense decoders' `lm_graph`)."""
+    from mstar.models.llama.processor import LOGPROB_OUTPUTS
+
+    sampled = {"token": "token", **{name: name for name in LOGPROB_OUTPUTS}}  # logprobs only when asked
+    prefill = Node("reasoner", inputs={"input_ids": "prompt_ids"}, outputs=sampled)
+    decode = Node("reasoner", inputs={"input_ids": "token", "prompt_ids": "prompt_ids"}, outputs=sampled)
+    logprobs = tuple(Emit(name, name=name) for name in LOGPROB_OUTPUTS)
+    walks = (Walk("chat_prefill", "chat", prefill, inputs=("prompt_ids",),
+                  emits=(Emit("token", name="text"), *logprobs, Emit("token", CARRY))),
+             Walk("chat_decode", "chat", Loop(decode, max_iterations=decode_steps(context), name="decode"),
+                  inputs=("token", "prompt_ids"), emits=(Emit("token", name="text"), *logprobs)))
+    lane = Lane("chat", lambda o: "chat_prefill" if is_chat(o) else None, {"chat_prefill": "chat_decode"})
+    return walks, (lane,)
+
+
+def is_chat(options: Mapping[str, Any]) -> bool:
+    """A request for text: the reasoner answers it."""
+    return "text" in (options.get("modalities") or ())
+
+
+def _first_walk(options: Mapping[str, Any]) -> str | None:
+    if is_chat(options):
+        return None
     return "encode_image" if options.get("condition") else "denoise"
 
 
@@ -112,7 +146,7 @@ class Cosmos3Model(Model):
 
     name = "cosmos3"
     input_modalities = ("text", "image", "video")
-    output_modalities = ("video", "image", "actions")
+    output_modalities = ("video", "image", "actions", "text")
     default_options = {"negative_prompt": "", "modalities": ["video"], "report_progress": False,
                        "debug_outputs": False}
     _repo = "nvidia/Cosmos3-Nano"
@@ -121,8 +155,15 @@ class Cosmos3Model(Model):
     def make_config(cls, tiny: bool = False, **overrides: Any) -> Cosmos3ServeConfig:
         return replace(Cosmos3ServeConfig(tiny=tiny), **overrides)
 
+    has_reasoner = True  # the checkpoint's reasoner can answer text requests
+
+    @property
+    def chat(self) -> bool:
+        """Whether this deployment answers text requests (the reasoner is built)."""
+        return self.has_reasoner and self.config.reasoner
+
     def graph(self) -> ModelGraph:
-        return _graph()
+        return _graph(self.max_model_len if self.chat else None)
 
     def build_component(self, name: str, device: torch.device) -> BuiltComponent:
         from mstar.models.cosmos3 import components, loaders
@@ -140,6 +181,8 @@ class Cosmos3Model(Model):
 
             vae = wan_loaders.vae(self, DTYPES[self.config.vae_dtype], device)
             return BuiltComponent(components.Cosmos3VAEComponent(vae, self.config.vae_chunk_frames))
+        if name == "reasoner" and self.chat:
+            return self._reasoner(device)
         raise KeyError(f"{self.name} has no component {name!r}; components are {sorted(self.graph().components)}")
 
     def processor(self):
@@ -148,7 +191,24 @@ class Cosmos3Model(Model):
         t, v = self.components.transformer, self.vae_config
         shape = ModelShape(t.latent_channel, v.scale_factor_spatial, v.scale_factor_temporal, t.action_dim,
                            self.components.flags.use_system_prompt)
-        return Cosmos3Processor(self.tokenizer_folder, shape, self.request_defaults())
+        return Cosmos3Processor(self.tokenizer_folder, shape, self.request_defaults(),
+                                self.max_model_len if self.chat else None)
+
+    @property
+    def max_model_len(self) -> int:
+        """The reasoner's context: prompt and answer tokens."""
+        return self.config.max_model_len or (2048 if self.config.tiny else 32768)
+
+    def _reasoner(self, device: torch.device) -> BuiltComponent:
+        from mstar.models.common.text import Tokenizer
+        from mstar.models.cosmos3.reasoner import load_reasoner, reasoner_config
+
+        eos = Tokenizer.from_pretrained(self.tokenizer_folder).eos_token_ids
+        config = reasoner_config(self.components.transformer, eos, self.max_model_len)
+        folder = None if self.checkpoint is None else self.checkpoint / "transformer"
+        module = load_reasoner(folder, config, self.load_format, self._dtype(device), device, self.config.seed,
+                               self.tiny_std)
+        return BuiltComponent(module, AutoregressiveSpec(eos_token_ids=eos, max_model_len=self.max_model_len))
 
     def request_defaults(self) -> Cosmos3Defaults:
         """The deployment's request defaults (full size, or 64x64x5 when tiny)."""
@@ -227,8 +287,10 @@ class Cosmos3DroidModel(Cosmos3Model):
     (option modalities ["actions", "video"] adds the predicted video)."""
 
     name = "cosmos3_droid"
+    output_modalities = ("actions", "video", "image")
     default_options = {**Cosmos3Model.default_options, "modalities": ["actions"]}
     _repo = "nvidia/Cosmos3-Nano-Policy-DROID"
+    has_reasoner = False
 
     def request_defaults(self) -> Cosmos3Defaults:
         """Policy defaults: the DROID embodiment, 32-step chunks at 15 fps, guidance 3."""

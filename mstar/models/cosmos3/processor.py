@@ -1,6 +1,7 @@
 """Cosmos3 requests <-> tensors: prompts to token ids, conditioning frames to pixels, options resolved.
 
-Three kinds of request (options in options.py):
+Four kinds of request (options in options.py):
+- chat (modality "text"; cosmos3): messages or text for the reasoner, as the dense decoders take them;
 - text to image / video: `{"text": prompt}`;
 - image to video: an image in the media; it becomes the first latent frame;
 - policy (modality "actions"): a camera video (its first frame conditions) or image, the task as the
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mstar.models.base import Processor
+from mstar.models.base import OutputDecoder, Processor
 from mstar.models.cosmos3 import actions, prompts
 from mstar.models.cosmos3.guidance import Layout
 from mstar.models.cosmos3.options import Cosmos3Defaults, Generation, resolve_generation, resolve_policy
@@ -36,15 +37,30 @@ class ModelShape:
 
 
 class Cosmos3Processor(Processor):
-    """`{"text": ..., "media": [...]}` -> prompt ids (and the conditioning frame); frames and actions out."""
+    """`{"text": ..., "media": [...]}` -> prompt ids (and the conditioning frame); frames and actions out.
+    With `chat_context` (the reasoner's context length) text requests go to the reasoner's `TextProcessor`."""
 
-    def __init__(self, tokenizer_folder: str | Path, shape: ModelShape, defaults: Cosmos3Defaults) -> None:
+    returns_logprobs = True  # chat answers carry logprobs when asked
+
+    def __init__(self, tokenizer_folder: str | Path, shape: ModelShape, defaults: Cosmos3Defaults,
+                 chat_context: int | None = None) -> None:
         from mstar.models.common.text import Tokenizer
+        from mstar.models.llama.processor import TextProcessor
 
         self.tokenizer = Tokenizer.from_pretrained(tokenizer_folder)
         self.shape, self.defaults = shape, defaults
+        self.chat = None if chat_context is None else TextProcessor(self.tokenizer, chat_context)
+        self.max_model_len = chat_context
+
+    def output_decoder(self, options: Mapping[str, Any], inputs: Mapping[str, torch.Tensor]) -> OutputDecoder:
+        if _is_chat(options) and self.chat is not None:
+            return self.chat.output_decoder(options, inputs)
+        return OutputDecoder(self, options)
 
     def validate_options(self, options: Mapping[str, Any]) -> None:
+        if _is_chat(options):
+            self._chat().validate_options(options)
+            return
         policy = _is_policy(options)
         resolve_generation(options, self.defaults, policy)
         if policy:
@@ -57,6 +73,8 @@ class Cosmos3Processor(Processor):
     def inputs(self, request: Mapping[str, Any], options: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Prompt ids (and, under guidance, negative ids), the conditioning frame [3, 1, H, W] in [-1, 1];
         writes the resolved options, `layout` and `condition` (whether a frame conditions) into `options`."""
+        if _is_chat(options):
+            return self._chat().inputs(request, options)
         text = _prompt(request)
         policy = _is_policy(options)
         gen = resolve_generation(options, self.defaults, policy)
@@ -110,14 +128,25 @@ class Cosmos3Processor(Processor):
         shape = prompts.Shape(num_frames, canvas[0], canvas[1], gen.fps)
         return {"image": fitted[:, None]}, prompts.action_caption(text, shape, policy.view_point), shape
 
+    def _chat(self):
+        if self.chat is None:
+            raise ValueError("this model answers no text (it has no reasoner); ask for actions, video or images")
+        return self.chat
+
     def _policy_allowed(self) -> None:
         if self.shape.action_dim is None:
             raise ValueError("this checkpoint has no action tower (action_gen is false); it cannot answer 'actions'")
 
     def decode_output(self, name: str, tensor: torch.Tensor, options: Mapping[str, Any]) -> Any:
+        if name == "text" and self.chat is not None:
+            return self.chat.decode_output(name, tensor, options)
         if name == "progress":
             return float(tensor.reshape(-1)[0])
         return tensor.detach().float().cpu().numpy() if name == "actions" else tensor.detach().cpu().numpy()
+
+
+def _is_chat(options: Mapping[str, Any]) -> bool:
+    return "text" in (options.get("modalities") or ())
 
 
 def _is_policy(options: Mapping[str, Any]) -> bool:
