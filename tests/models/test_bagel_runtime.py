@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
+import torch
 
 from mstar.runtime.offline import MStar, RequestFailed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+PHOTO = (np.random.default_rng(1).random((48, 64, 3)) * 255).astype(np.uint8)
 
 
 @pytest.fixture()
@@ -62,3 +65,28 @@ def test_cancel_stops_at_the_next_step_and_frees_the_contexts():
             time.sleep(0.01)
         assert llm.num_contexts == 0
     assert steps < 10
+
+
+@pytest.mark.parametrize(("request_", "options", "views", "grown"), [
+    ({"text": "Make the sky purple", "media": [{"type": "image", "data": PHOTO}]}, {}, {"no_text"}, False),
+    ({"text": "A red fox"}, {"modalities": ["text", "image"], "max_tokens": 2}, {"no_text", "no_image"}, True),
+])
+def test_guidance_contexts_share_the_full_contexts_prefix(request_, options, views, grown):
+    """The no-text context (the full one less its last text) and, without images, the no-image one (less the
+    thought) are views of the full context's keys and values, not copies (a full context that grows past
+    its buffers since, by a thought, moves to new ones and leaves the views the old)."""
+    with MStar("bagel", tiny=True) as m:
+        handle = m.submit(request_, **{"modalities": ["image"], "num_inference_steps": 200, "seed": 1,
+                                       "debug_outputs": True, **options})
+        _first_step(handle)
+        llm = m.runtime.workers[0].engines["llm"].module
+        contexts = {branch: c for (_, branch), c in llm.contexts().items()}  # the one request's
+        handle.cancel()
+    full = contexts["full"]
+    assert {b for b, c in contexts.items() if c.view} == views and set(contexts) == {"full", "no_text", "no_image"}
+    for branch in views:
+        view = contexts[branch]
+        assert 0 < view.length < full.length
+        for layer in range(len(full.keys)):
+            torch.testing.assert_close(view.layer(layer)[0], full.layer(layer)[0][:view.length], atol=0, rtol=0)
+        assert (view.keys[0].data_ptr() == full.keys[0].data_ptr()) != grown

@@ -21,7 +21,7 @@ from mstar.models.bagel.config import BagelConfig, TokenIds
 from mstar.models.bagel.context import KVContext
 from mstar.models.bagel.embeddings import patchify, unpatchify
 from mstar.models.bagel.llm import BagelLLM
-from mstar.models.bagel.plan import VAE, decode_segments
+from mstar.models.bagel.plan import VAE, decode_segments, extent, shared_prefix
 from mstar.models.bagel.queries import Query, QueryBuilder, run
 from mstar.models.bagel.vae import FluxVAE
 from mstar.models.bagel.vit import VisionTower
@@ -103,11 +103,13 @@ class _TextState:
 
 
 _KINDS = {"prefill": "prefill", "prefill_guided": "prefill", "decode": "text", "close": "text", "denoise": "denoise"}
+_PREFILLS = ("prefill", "prefill_guided")
 
 
 class LLMComponent(StatelessBase, nn.Module):
     """The MoT LLM over per-branch contexts. Walks `prefill`/`prefill_guided`: node `full`, `no_text` or
-    `no_image` builds that branch's context from (prompt_ids, segments, vit_embeds, vae_latents). Walk `decode`:
+    `no_image` builds that branch's context from (prompt_ids, segments, vit_embeds, vae_latents); a guidance
+context that is a prefix of the full one prefilled in the same batch is a view of it. Walk `decode`:
     feeds `token` [1] to the full context and samples the next `token` (stop at <|im_end|>). Walk `close`:
     appends a thought's end to the full context. Walk `denoise`: node `full`/`no_text`/`no_image` runs the
     noisy `latents` at flow `timestep` over its branch's context -> `velocity` [N, p*p*C] float32; a branch
@@ -126,6 +128,10 @@ class LLMComponent(StatelessBase, nn.Module):
         """Contexts held (for leak tests)."""
         return len(self._contexts)
 
+    def contexts(self) -> dict[tuple[str, str], KVContext]:
+        """The contexts held, by (request, branch) (to inspect them)."""
+        return dict(self._contexts)
+
     def release(self, request_id: str) -> None:
         """Forget the request's contexts and sampling state (safe for unknown ids)."""
         for key in [k for k in self._contexts if k[0] == request_id]:
@@ -139,12 +145,23 @@ class LLMComponent(StatelessBase, nn.Module):
     def run_items(self, items: list[StepItem]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = [{} for _ in items]
         planned: list[tuple[int, KVContext, Query]] = []
+        views: list[tuple[str, str, tuple[int, int]]] = []  # (request, branch, extent in the full context)
+        fulls = {i.request_id for i in items if i.walk in _PREFILLS and i.node == "full"}
         for i, item in enumerate(items):
+            view = self._view(item) if item.request_id in fulls else None
+            if view is not None:
+                views.append((item.request_id, item.node, view))
+                continue
             work = self._query(item)
             if work is not None:
                 planned.append((i, *work))
-        if not planned:
-            return out
+        if planned:
+            self._forward(items, planned, out)
+        for rid, branch, (tokens, rope) in views:
+            self._contexts[(rid, branch)] = self._contexts[(rid, "full")].prefix(tokens, rope)
+        return out
+
+    def _forward(self, items: list[StepItem], planned: list[tuple[int, KVContext, Query]], out: list[dict]) -> None:
         hidden = run(self.llm, [(c, q) for _, c, q in planned]).split([q.num_tokens for _, _, q in planned])
         texts = []
         for (i, _, _), h in zip(planned, hidden, strict=True):
@@ -154,12 +171,20 @@ class LLMComponent(StatelessBase, nn.Module):
                 texts.append((i, h[-1]))
         if texts:
             self._sample(items, texts, out)
-        return out
+
+    def _view(self, item: StepItem) -> tuple[int, int] | None:
+        """A guidance branch's prefill whose context is a prefix of the full one prefilled in the same batch:
+        (tokens, rope) of that prefix, taken as a view after the forward instead of computed again."""
+        if item.walk not in _PREFILLS or item.node == "full" or not flow.branch_needed(item.node, item.options):
+            return None
+        segments = decode_segments(item.inputs["segments"])
+        count = shared_prefix(segments, item.node)
+        return None if count is None else extent(segments[:count])
 
     def _query(self, item: StepItem) -> tuple[KVContext, Query] | None:
         """The item's context and query; None when it has nothing to compute."""
         rid, options, x = item.request_id, item.options, item.inputs
-        if item.walk in ("prefill", "prefill_guided"):
+        if item.walk in _PREFILLS:
             if not flow.branch_needed(item.node, options):
                 return None
             context = self._contexts[(rid, item.node)] = KVContext(self.cfg.llm.num_layers)

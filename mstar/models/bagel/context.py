@@ -25,6 +25,15 @@ class KVContext:
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.length = 0  # tokens every layer holds
         self.rope = 0  # position id of the next token
+        self.view = False  # a prefix of another context, sharing its buffers: never written
+
+    def prefix(self, length: int, rope: int) -> KVContext:
+        """A read-only context of this one's first `length` tokens (next position `rope`), sharing its keys
+        and values: this one's later writes land beyond `length` (or in new buffers when it grows)."""
+        assert length <= self.length, f"a prefix of {length} tokens of a {self.length}-token context"
+        out = KVContext(len(self.keys))
+        out.keys, out.values, out.length, out.rope, out.view = list(self.keys), list(self.values), length, rope, True
+        return out
 
     def layer(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(keys, values) [length, Hkv, D] of `layer`; (None, None) while empty."""
@@ -35,6 +44,7 @@ class KVContext:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stage `layer`'s new keys and values after the current length (visible once `commit`ted)."""
+        assert not self.view, "a prefix view is read-only: its buffers belong to the context it was taken from"
         end = self.length + k.shape[0]
         buf_k, buf_v = self.keys[layer], self.values[layer]
         if buf_k is None or buf_v is None or buf_k.shape[0] < end:
@@ -52,6 +62,7 @@ class KVContext:
         self.rope = rope
 
     def nbytes(self) -> int:
+        """Bytes of the buffers this context holds (a view's are its source's)."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
 
 

@@ -7,7 +7,8 @@ one. Image generation keeps three contexts (guidance branches), as the upstream 
   full      every segment (and, in thinking mode, the thought after them);
   no_text   the full context without its last text segment (no thought);
   no_image  the text segments only (no thought).
-The processor sends the segments as one int64 tensor [S, 5] (`encode_segments`): kind, branch mask,
+Where a guidance context is a prefix of the full one (`shared_prefix`), it can be a view of the full one's
+keys and values. The processor sends the segments as one int64 tensor [S, 5] (`encode_segments`): kind, branch mask,
 tokens, grid rows, grid columns; the text ids, ViT patches and VAE pixels of every segment travel
 packed in segment order, so each branch finds its pieces by walking the segments.
 """
@@ -67,3 +68,17 @@ def branch_masks(kinds: list[int], think: bool) -> list[int]:
             mask |= no_image
         masks.append(mask)
     return masks
+
+
+def shared_prefix(segments: list[Segment], branch: str) -> int | None:
+    """How many leading segments of the full context make up `branch`'s context, when it is such a prefix
+    (the no-text context always is; the no-image one when there are no images); else None."""
+    mine = [i for i, s in enumerate(segments) if s.in_branch(branch)]
+    return len(mine) if mine == list(range(len(mine))) else None
+
+
+def extent(segments: list[Segment]) -> tuple[int, int]:
+    """(tokens, rope positions) the segments take: text one position per token, an image its tokens and
+    two markers at one position."""
+    tokens = sum(s.tokens + (0 if s.kind == TEXT else 2) for s in segments)
+    return tokens, sum(s.tokens if s.kind == TEXT else 1 for s in segments)
