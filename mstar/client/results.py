@@ -17,8 +17,10 @@ from mstar.server.protocol import (
     AudioChunk,
     FinalChunk,
     ImageChunk,
+    LogprobsChunk,
     OutputChunk,
     TextChunk,
+    TokenLogprob,
     Usage,
     VideoChunk,
 )
@@ -127,6 +129,12 @@ class GenerateResult:
     def videos(self) -> list[bytes]:
         """Every video, as MP4 bytes."""
         return [c.mp4_bytes() for chunks in self.outputs.values() for c in chunks if isinstance(c, VideoChunk)]
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        """Each generated token's log-probability and alternatives (option `logprobs`, output "logprobs")."""
+        return [t for chunks in self.outputs.values() for c in chunks if isinstance(c, LogprobsChunk)
+                for t in c.content]
 
     @property
     def actions(self) -> list[np.ndarray]:

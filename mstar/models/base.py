@@ -121,6 +121,10 @@ class OutputDecoder:
         """The text of one token, as logprobs name it."""
         return str(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The exact bytes of one token, as logprobs give them (part of a character for some tokens)."""
+        return self.token_text(token_id).encode()
+
 
 class Processor:
     """Turns a request into walk inputs and output tensors into client media.

@@ -1,18 +1,18 @@
-"""Log-probabilities for the OpenAI routes: what a request asks of the engine, and the engine's values
-(`OutputDecoder.logprobs`) in the shapes of chat (`ChoiceLogprobs`) and completions (`CompletionLogprobs`)."""
+"""Log-probabilities for the text routes: what a request asks of the engine, and the engine's values
+(`OutputDecoder.logprobs`) in the shapes of chat (`ChoiceLogprobs`), completions (`CompletionLogprobs`) and
+/generate (`LogprobsChunk`, chat's shape)."""
 
 from __future__ import annotations
 
 from mstar.models.base import OutputDecoder, TokenLogprobs
 from mstar.server.adapters import RequestStream
+from mstar.server.protocol import LogprobsChunk, TokenLogprob, TopLogprob
 from mstar.server.protocol_openai import (
     ChatCompletionRequest,
     ChoiceLogprobs,
     CompletionLogprobs,
     CompletionRequest,
     SamplingParams,
-    TokenLogprob,
-    TopLogprob,
 )
 
 
@@ -36,15 +36,23 @@ class Cursor:
         return entries
 
 
+def token(decoder: OutputDecoder, entry: TokenLogprobs) -> TokenLogprob:
+    """One token's entry with its alternatives, in chat's shape."""
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        return TopLogprob(token=decoder.token_text(token_id), logprob=logprob, bytes=list(decoder.token_bytes(token_id)))
+
+    return TokenLogprob(**top(entry.token_id, entry.logprob).model_dump(),
+                        top_logprobs=[top(i, lp) for i, lp in entry.top])
+
+
 def chat(decoder: OutputDecoder, entries: list[TokenLogprobs]) -> ChoiceLogprobs:
     """Entries as a chat choice's `logprobs`."""
-    def token(token_id: int, logprob: float) -> TopLogprob:
-        text = decoder.token_text(token_id)
-        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode()))
+    return ChoiceLogprobs(content=[token(decoder, e) for e in entries])
 
-    return ChoiceLogprobs(content=[
-        TokenLogprob(**token(e.token_id, e.logprob).model_dump(), top_logprobs=[token(i, lp) for i, lp in e.top])
-        for e in entries])
+
+def chunk(decoder: OutputDecoder, entry: TokenLogprobs, output: str, seq: int) -> LogprobsChunk:
+    """One token's entry as a /generate chunk."""
+    return LogprobsChunk(output=output, seq=seq, content=[token(decoder, entry)])
 
 
 def completion(decoder: OutputDecoder, entries: list[TokenLogprobs], offset: int) -> CompletionLogprobs:

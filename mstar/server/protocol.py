@@ -267,6 +267,29 @@ class TensorChunk(_Chunk):
         return np.frombuffer(raw, np.dtype(self.dtype).newbyteorder("<")).reshape(self.shape)
 
 
+class TopLogprob(BaseModel):
+    """One token's log-probability, as OpenAI names it: its text, and its exact UTF-8 bytes (a token may hold
+    part of a character, whose text is then U+FFFD)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token's log-probability and its most likely alternatives (chat's `logprobs.content` item)."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class LogprobsChunk(_Chunk):
+    """One generated token's log-probability and alternatives (option `logprobs`, output "logprobs"), as
+    OpenAI chat's `logprobs.content`; it follows the text chunk (if any) that the token completed."""
+
+    type: Literal["logprobs"] = "logprobs"
+    content: list[TokenLogprob]
+
+
 class ErrorChunk(BaseModel):
     """The request failed after streaming began. Clients must raise, never show it as output."""
 
@@ -289,7 +312,7 @@ class FinalChunk(BaseModel):
     usage: Usage = Field(default_factory=Usage)
 
 
-OutputChunk = TextChunk | ImageChunk | AudioChunk | VideoChunk | ActionChunk | TensorChunk
+OutputChunk = TextChunk | ImageChunk | AudioChunk | VideoChunk | ActionChunk | TensorChunk | LogprobsChunk
 StreamChunk = Annotated[OutputChunk | ErrorChunk | FinalChunk, Field(discriminator="type")]
 _CHUNK = TypeAdapter(StreamChunk)
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from mstar.server.protocol import MAX_SEED, MAX_TOKENS_LIMIT, Usage
+from mstar.server.protocol import MAX_SEED, MAX_TOKENS_LIMIT, TokenLogprob, Usage
 
 MAX_CHOICES = 16  # generations one HTTP request may start (prompts x n), so it cannot take every slot
 
@@ -242,16 +242,6 @@ class CompletionRequest(SamplingParams):
 
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
 class ChoiceLogprobs(BaseModel):

@@ -17,6 +17,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from mstar.models.base import OutputDecoder, TokenLogprobs
+from mstar.server import logprobs
 from mstar.server.adapters import Item, RequestError, RequestStream, start_request
 from mstar.server.app import error_json, get_state
 from mstar.server.forms import (
@@ -168,11 +170,15 @@ def _json(text: str, field: str) -> Any:
         raise RequestError(400, f"form field {field!r} is not valid JSON: {exc}", field) from None
 
 
-def to_chunk(item: Item, sample_rate: int, fps: float = VIDEO_FPS):
-    """The typed NDJSON chunk of one decoded output value; videos are encoded at `fps`."""
+def to_chunk(item: Item, sample_rate: int, fps: float = VIDEO_FPS, decoder: OutputDecoder | None = None):
+    """The typed NDJSON chunk of one decoded output value; videos are encoded at `fps`, a token's logprobs
+    named by `decoder`'s tokenizer."""
     value = item.value
     if isinstance(value, str):
         return TextChunk(output=item.name, seq=item.seq, delta=value)
+    if isinstance(value, TokenLogprobs):
+        assert decoder is not None, "logprobs are named by the request's decoder"
+        return logprobs.chunk(decoder, value, item.name, item.seq)
     arr = np.asarray(value)
     if item.name == "audio" or item.name.endswith("audio"):
         return AudioChunk.from_array(item.name, item.seq, arr.astype(np.float32), sample_rate)
@@ -209,7 +215,7 @@ async def generate(request: Request) -> Response:
     fps = _fps(stream.decoder.options)
     if not body.stream:
         outputs = await unless_disconnected(request, stream.collect(), [stream])
-        chunks = {name: [await run_in_threadpool(to_chunk, i, rate, fps) for i in items]
+        chunks = {name: [await run_in_threadpool(to_chunk, i, rate, fps, stream.decoder) for i in items]
                   for name, items in outputs.items() if name in wanted}
         resp = GenerateResponse(request_id=stream.rid, outputs=chunks, finish_reason=stream.finish_reason or "stop",
                                 usage=stream.usage)
@@ -227,7 +233,7 @@ def _fps(options) -> float:
 async def _ndjson(stream: RequestStream, wanted: set[str], rate: int, fps: float):
     async for item in stream:
         if item.name in wanted:
-            yield chunk_line(await run_in_threadpool(to_chunk, item, rate, fps))
+            yield chunk_line(await run_in_threadpool(to_chunk, item, rate, fps, stream.decoder))
     yield chunk_line(FinalChunk(request_id=stream.rid, finish_reason=stream.finish_reason or "stop",
                                 usage=stream.usage))
 

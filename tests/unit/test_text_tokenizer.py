@@ -71,6 +71,32 @@ def test_special_ids(pair):
         i for i, t in ref.added_tokens_decoder.items() if t.special}
 
 
+def test_token_bytes_are_exact_pieces_of_the_text(pair):
+    """Each token's bytes (logprobs' `bytes`) join to the text's UTF-8, pieces of characters included."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    ours, ref = pair
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    partial = 0
+    for text in [*TEXTS[:4], "hieroglyphs 𓀀𓀁𓀂"]:
+        ids = ours.encode(text, add_special_tokens=False)
+        pieces = [ours.token_bytes(i) for i in ids]
+        assert b"".join(pieces) == ours.decode(ids).encode(), text  # the text as normalized (Qwen's NFC)
+        assert pieces == [bytes(byte_of[c] for c in ref.convert_ids_to_tokens(i)) for i in ids]
+        partial += sum(_not_utf8(p) for p in pieces)
+    assert partial > 0  # some token holds part of a character
+    special = ours.eos_token_id
+    assert ours.token_bytes(special) == ref.convert_ids_to_tokens(special).encode()
+
+
+def _not_utf8(piece: bytes) -> bool:
+    try:
+        piece.decode()
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
 def test_qwen2_and_llama3_known_ids():
     qwen = Tokenizer.from_pretrained(cached_tokenizer_folder("qwen2"))
     assert qwen.token_to_id("<|im_start|>") == 151644 and qwen.eos_token_ids == (151645, 151643)

@@ -12,6 +12,7 @@ no silent ChatML fallback (a wrong template gives fluent nonsense), but `CHATML_
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +31,19 @@ _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 CHARS_PER_TOKEN_BOUND = 32
 _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
              (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece's byte tokens
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's): each byte is one printable character, printable ASCII and
+    Latin-1 as themselves and the rest shifted past 255; returned as character -> byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in kept]
+    chars = {b: chr(b) for b in kept} | {b: chr(256 + i) for i, b in enumerate(shifted)}
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
 
 
 @dataclass(frozen=True)
@@ -53,7 +67,10 @@ class Tokenizer:
         self.backend = backend
         """the `tokenizers.Tokenizer`"""
         self.config = config or TokenizerConfig()
-        self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        added = backend.get_added_tokens_decoder()
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
+        self._added_ids = frozenset(added)
+        self._byte_level = backend.decoder is not None and b'"ByteLevel"' in backend.decoder.__getstate__()
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
@@ -116,6 +133,21 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         """The text of a token id (byte-level form), or None."""
         return self.backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, exactly: a token holding part of a multi-byte character gives
+        that part (its decoded text would be U+FFFD); an added token gives its text's UTF-8."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id not in self._added_ids:
+            if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+                return bytes(_BYTE_OF_CHAR[c] for c in piece)
+            if match := _BYTE_FALLBACK.fullmatch(piece):
+                return bytes([int(match.group(1), 16)])
+            if not self._byte_level:
+                return piece.replace("\u2581", " ").encode()  # sentencepiece's word marker is a space
+        return piece.encode()
 
     def _special_id(self, name: str) -> int | None:
         text = self.config.special_tokens.get(name)

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from mstar.engines.sampling import SamplingParams
@@ -85,8 +84,8 @@ class TextDecoder(OutputDecoder):
 
     With option `logprobs` (k >= 0), each token's "logprob" (and k "top_ids" / "top_logprobs") outputs
     fill `logprobs`; the token's text is held until they have all arrived, then handed out with a
-    "logprobs" value ([logprob, top ids..., top log-probabilities...]), so a route can send a token's
-    text and its logprobs together.
+    "logprobs" value (the token's `TokenLogprobs`), so a route can send a token's text and its logprobs
+    together.
     """
 
     def __init__(self, processor: TextProcessor, options: Mapping[str, Any],
@@ -136,8 +135,7 @@ class TextDecoder(OutputDecoder):
             return []
         self._open = False
         text, self._held = self._held, ""
-        packed = np.array([entry.logprob, *(t for t, _ in entry.top), *(lp for _, lp in entry.top)], np.float64)
-        return [("text", text)] * bool(text) + [("logprobs", packed)]
+        return [("text", text)] * bool(text) + [("logprobs", entry)]
 
     def flush(self) -> list[tuple[str, Any]]:
         text = self._held + self.detokenizer.flush()
@@ -146,3 +144,6 @@ class TextDecoder(OutputDecoder):
 
     def token_text(self, token_id: int) -> str:
         return self.processor.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self.processor.tokenizer.token_bytes(token_id)
