@@ -200,16 +200,17 @@ class BagelModel(Model):
 
     @cached_property
     def tokenizer(self):
-        """The checkpoint's Qwen2 tokenizer, or the tiny one."""
+        """The checkpoint's Qwen2 tokenizer; without one, the tiny tokenizer or (dummy weights) Qwen2.5's, which
+        BAGEL-7B-MoT ships."""
         from mstar.models.bagel.tiny import tiny_tokenizer_folder
         from mstar.models.common.text import Tokenizer
+        from mstar.models.common.tokenizer_build import cached_tokenizer_folder
 
         if self.folder is not None and (self.folder / "tokenizer.json").is_file():
             return Tokenizer.from_pretrained(self.folder)
-        if not self.config.tiny:
-            raise ValueError(f"no tokenizer.json in {self.folder}; bagel needs the checkpoint's tokenizer files "
-                             "(or --tiny)")
-        return Tokenizer.from_pretrained(tiny_tokenizer_folder())
+        if self.folder is not None and self.load_format != "dummy":
+            raise ValueError(f"no tokenizer.json in {self.folder}; bagel needs the checkpoint's tokenizer files")
+        return Tokenizer.from_pretrained(tiny_tokenizer_folder() if self.config.tiny else cached_tokenizer_folder("qwen2"))
 
     @cached_property
     def token_ids(self):

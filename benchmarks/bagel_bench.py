@@ -1,0 +1,117 @@
+"""BAGEL-7B-MoT served in process on one GPU, dummy weights, bf16 (asserts nothing).
+
+- `understanding`: an image (the ViT's 980 px) and a question, `--tokens` answer tokens each (eos ignored),
+  at each `--concurrency`: time to the first answer token (p50) and answer tokens per second over all
+  requests.
+- `generation`: text to image at `--size`, `--steps` timesteps, text guidance 4 on the interval [0.4, 1]:
+  seconds end to end (prompt to decoded image), concurrency 1.
+- `editing`: an image of `--size` and an instruction, all three guidance branches over the whole grid:
+  seconds end to end, concurrency 1.
+
+    python3 benchmarks/bagel_bench.py                   # GPU: writes benchmarks/results/bagel_bench_<gpu>.json
+    python3 benchmarks/bagel_bench.py --concurrency 1 16 --tokens 64 256
+    python3 benchmarks/bagel_bench.py --quick           # tiny random model on CPU (smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without install
+
+QUESTION = "Describe this picture in detail: the objects, their colors and what is happening."
+PROMPT = "A female cosplayer portraying an ethereal fairy, flowing emerald dress, a glowing magical forest behind."
+EDIT = "She boards a modern subway, quietly reading a folded newspaper, wearing the same clothes."
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny random model on CPU (smoke test)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="understanding (default 1 16)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=None, help="answer tokens (default 64 256)")
+    parser.add_argument("--size", type=int, default=None, help="image side in pixels (default 1024)")
+    parser.add_argument("--steps", type=int, default=None, help="timesteps of a generation (default 50)")
+    parser.add_argument("--out", default=None, help="JSON path")
+    args = parser.parse_args(argv)
+    args.device = torch.device("cpu" if args.quick else "cuda")
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device here: pass --quick (tiny, CPU)")
+    quick = args.quick
+    args.concurrency = args.concurrency or ([1, 2] if quick else [1, 16])
+    args.tokens = args.tokens or ([4] if quick else [64, 256])
+    args.size = args.size or (64 if quick else 1024)
+    args.steps = args.steps or (3 if quick else 50)
+    return args
+
+
+def image(size: int, seed: int) -> np.ndarray:
+    return (np.random.default_rng(seed).random((size, size, 3)) * 255).astype(np.uint8)
+
+
+def understanding_case(m, args: argparse.Namespace, concurrency: int, tokens: int) -> dict[str, Any]:
+    """TTFT p50 and answer tokens/s of `concurrency` image questions at once."""
+    request = {"text": QUESTION, "media": [{"type": "image", "data": image(args.size, 1)}]}
+    start = time.perf_counter()
+    handles = [m.submit(request, max_tokens=tokens, ignore_eos=True, temperature=0.0) for _ in range(concurrency)]
+    first, count = [], 0
+    for handle in handles:
+        seen = False
+        for event in handle:
+            if event.name == "text":
+                count += 1
+                if not seen:
+                    first.append(time.perf_counter() - start)
+                    seen = True
+    elapsed = time.perf_counter() - start
+    return {"ttft_p50_s": round(statistics.median(first), 4), "tokens_per_s": round(count / elapsed, 1),
+            "tokens": count, "seconds": round(elapsed, 3)}
+
+
+def image_case(m, args: argparse.Namespace, edit: bool) -> dict[str, Any]:
+    """Seconds of one generation (or edit) end to end."""
+    if edit:
+        request, options = {"text": EDIT, "media": [{"type": "image", "data": image(args.size, 2)}]}, {}
+    else:
+        request = {"text": PROMPT}
+        options = {"size": f"{args.size}x{args.size}", "guidance_scale": 4.0, "cfg_interval": [0.4, 1.0]}
+    start = time.perf_counter()
+    result = m.submit(request, modalities=["image"], num_inference_steps=args.steps, seed=0, **options).result()
+    seconds = time.perf_counter() - start
+    shape = list(np.asarray(result.outputs["image"][0]).shape)
+    return {"seconds": round(seconds, 3), "image": shape, "steps": args.steps}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    from mstar.runtime.offline import MStar
+
+    kind = "cpu" if args.quick else torch.cuda.get_device_name().split()[-1].lower()
+    kwargs = {"tiny": True} if args.quick else {"load_format": "dummy"}
+    doc: dict[str, Any] = {"device": "cpu" if args.quick else torch.cuda.get_device_name(),
+                           "dtype": "float32" if args.quick else "bfloat16", "command": " ".join(sys.argv),
+                           "understanding": {}}
+    with MStar("bagel", **kwargs) as m:
+        image_case(m, args, edit=False)  # warm-up: first-call kernel choices and allocations
+        for concurrency in args.concurrency:
+            for tokens in args.tokens:
+                doc["understanding"][f"c{concurrency}_t{tokens}"] = understanding_case(m, args, concurrency, tokens)
+        doc["generation"] = image_case(m, args, edit=False)
+        doc["editing"] = image_case(m, args, edit=True)
+    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"bagel_bench_{kind}.json"
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(json.dumps(doc, indent=2))
+    return doc
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""benchmarks/bagel_bench.py: a --quick run (the tiny model on CPU) writes what it returns, with every case."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks.bagel_bench import main
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+
+def test_quick_run(tmp_path) -> None:
+    out = tmp_path / "bagel.json"
+    doc = main(["--quick", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
+    assert doc["device"] == "cpu" and doc["dtype"] == "float32"
+    for concurrency in (1, 2):
+        case = doc["understanding"][f"c{concurrency}_t4"]
+        assert case["tokens"] == 4 * concurrency and case["tokens_per_s"] > 0 and case["ttft_p50_s"] > 0
+    assert doc["generation"]["image"] == [64, 64, 3] and doc["generation"]["seconds"] > 0
+    assert doc["editing"]["image"] == [64, 64, 3] and doc["editing"]["steps"] == 3
