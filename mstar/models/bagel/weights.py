@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -127,8 +127,20 @@ def load_part(part: str, cfg: BagelConfig, folder: Path | None, dtype: torch.dty
         raise loading.CheckpointNotFoundError(f"no {file} in {folder}; pass --model-path with a BAGEL-7B-MoT folder "
                                               "(or --load-format dummy for random weights)")
     logger.info("loading BAGEL %s from %s", part, path)
-    loading.load_named_tensors(module, loading.iter_safetensors([path]), mapper(cfg))
+    names = mapper(cfg)
+    loading.load_named_tensors(module, _read(path, names), names)
     return module
+
+
+def _read(path: Path, mapper: loading.NameMapper) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of `path` that `mapper` places, read one at a time (ema.safetensors holds the LLM's and the
+    ViT's tensors: each component reads only its own)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as handle:
+        for name in handle.keys():
+            if mapper(name) is not None:
+                yield name, handle.get_tensor(name)
 
 
 def fill_random(module: nn.Module, seed: int, std: float) -> None:
