@@ -189,3 +189,11 @@ def test_vae_equals_diffusers_autoencoder_kl_flux_config():
     torch.testing.assert_close(latents, (mean - v.shift_factor) * v.scale_factor, atol=TOL, rtol=0)
     want = reference.decode(latents / v.scale_factor + v.shift_factor).sample
     torch.testing.assert_close(ours.decode(latents), want, atol=TOL, rtol=0)
+
+
+def test_a_missing_weight_file_is_named(tmp_path):
+    from mstar.models.bagel.weights import load_part
+    from mstar.models.common.loading import CheckpointNotFoundError
+
+    with pytest.raises(CheckpointNotFoundError, match="no ae.safetensors in"):
+        load_part("vae", tiny_config(), tmp_path, torch.float32, "cpu")

@@ -109,7 +109,7 @@ _PREFILLS = ("prefill", "prefill_guided")
 class LLMComponent(StatelessBase, nn.Module):
     """The MoT LLM over per-branch contexts. Walks `prefill`/`prefill_guided`: node `full`, `no_text` or
     `no_image` builds that branch's context from (prompt_ids, segments, vit_embeds, vae_latents); a guidance
-context that is a prefix of the full one prefilled in the same batch is a view of it. Walk `decode`:
+    context that is a prefix of the full one prefilled in the same batch is a view of it. Walk `decode`:
     feeds `token` [1] to the full context and samples the next `token` (stop at <|im_end|>). Walk `close`:
     appends a thought's end to the full context. Walk `denoise`: node `full`/`no_text`/`no_image` runs the
     noisy `latents` at flow `timestep` over its branch's context -> `velocity` [N, p*p*C] float32; a branch
