@@ -153,7 +153,7 @@ def bench_ours(args) -> dict[str, Any]:
     kwargs = {"vae_dtype": args.vae_dtype, "reasoner": False}  # generation only: no reasoner copy, no KV pool
     kwargs.update({} if args.quick else {"dtype": "bfloat16"})
     config = {"model": "cosmos3", "max_concurrent_requests": 32, "model_kwargs": kwargs,
-              "device": "cpu" if args.quick else "auto", "node_groups": [{"node_names": ["dit", "scheduler", "vae"],
+              "device": "cpu" if args.quick else "auto", "node_groups": [{"node_names": ["dit", "scheduler", "vae", "sound_decoder"],
                                                                            "ranks": [0]}]}
     out: dict[str, Any] = {}
     t0 = time.perf_counter()

@@ -119,7 +119,7 @@ async def run_job(record: VideoRecord, stream: RequestStream) -> None:
             elif item.name == "video":
                 video = np.asarray(item.value)
             elif item.name == "audio":
-                record._audio.append(np.asarray(item.value, dtype=np.float32).reshape(-1))
+                record._audio.append(_frames_by_channels(np.asarray(item.value, dtype=np.float32)))
         if video is None:
             raise RequestError(500, "the model produced no video for this request")
         await run_in_threadpool(_encode, record, video)
@@ -138,6 +138,11 @@ async def run_job(record: VideoRecord, stream: RequestStream) -> None:
             record.job.completed_at = int(record.finished_at)
 
 
+def _frames_by_channels(samples: np.ndarray) -> np.ndarray:
+    """A piece of audio as [frames, channels]: a 2-D piece is that already (stereo sound), any other is mono."""
+    return samples if samples.ndim == 2 else samples.reshape(-1, 1)
+
+
 def _fail(record: VideoRecord, code: str, message: str) -> None:
     record.job.status = "failed"
     record.job.error = VideoJobError(code=code, message=message)
@@ -150,7 +155,7 @@ def _encode(record: VideoRecord, video: np.ndarray) -> None:
     audio = None
     if record._audio:
         samples = np.concatenate(record._audio)
-        audio = DecodedAudio(samples[:, None], record.sample_rate) if samples.size else None
+        audio = DecodedAudio(samples, record.sample_rate) if samples.size else None
     record.mp4 = encode_video(video, record.fps, audio)
     record.thumbnail_png = encode_image(video[0], "png")
     record._audio = []

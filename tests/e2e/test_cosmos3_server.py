@@ -1,5 +1,6 @@
 """`mstar serve cosmos3 --tiny` and `mstar serve cosmos3_droid --tiny` over HTTP: /v1/images/generations
-(real openai client and the SDK) returns a PNG, /v1/videos jobs a playable MP4, and the policy's /generate
+(real openai client and the SDK) returns a PNG, /v1/videos jobs a playable MP4 with stereo sound, chat
+answers through the reasoner, and the policy's /generate
 an action chunk (typed NDJSON chunk, SDK predict_actions), the same for the same seed."""
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ def test_videos_resource_with_the_openai_client_and_the_sdk(base):
     assert done.status == "completed" and done.progress == 100, done.error
     mp4 = client.videos.download_content(done.id).content
     with av.open(io.BytesIO(mp4)) as container:
-        stream = container.streams.video[0]
+        stream, sound = container.streams.video[0], container.streams.audio[0]
         assert stream.codec_context.name == "h264" and float(stream.average_rate) == pytest.approx(24)
+        assert sound.codec_context.name == "aac" and sound.rate == 8000 and sound.channels == 2  # stereo sound muxed
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
     assert len(frames) == 5 and frames[0].shape == (32, 64, 3)
     assert np.std(np.stack(frames).astype(np.float32)) > 1.0  # real content, not a blank clip

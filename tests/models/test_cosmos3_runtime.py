@@ -90,6 +90,19 @@ def test_image_to_video_matches_cosmos3_pipeline(runtime, pipe):
     assert (t2v["steps"][-1] - ref["steps"][-1]).abs().max() > 1e-2  # the image really conditions the video
 
 
+def test_video_with_sound_matches_cosmos3_pipeline(runtime, pipe):
+    """enable_sound: the sound tower's latents denoise beside the video's and the AVAE decoder makes stereo."""
+    ref = run_reference(pipe, 3, 15, prompt=PROMPTS[0], negative_prompt=NEGATIVE, num_frames=9, height=SIZE,
+                        width=SIZE, enable_sound=True)
+    ours = _ours(runtime, PROMPTS[0], 3, 15, num_frames=9, modalities=["video", "audio"])
+    _assert_matches(ours, ref, 9)
+    assert ours["audio"].shape == ref["audio"].shape and ref["audio"].shape[1] == 2  # [samples, stereo]
+    torch.testing.assert_close(ours["audio"], ref["audio"].float(), atol=FRAME_TOL, rtol=0)
+    assert ref["audio"].std() > 0.01
+    silent = _ours(runtime, PROMPTS[0], 3, 15, num_frames=9)
+    assert silent["audio"] is None and (silent["steps"][-1] - ref["steps"][-1]).abs().max() > 1e-3  # sound shares attention
+
+
 def test_policy_actions_match_cosmos_action_condition(runtime, pipe):
     """DROID policy mode: a camera clip shrunk into the tier's canvas (bicubic) and padded; the action
     chunk, every step's latents and the predicted video match diffusers'."""

@@ -19,6 +19,7 @@ Lane `chat` (text output; cosmos3 only):  prefill -> decode
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -65,8 +66,9 @@ class Cosmos3ServeConfig(ServeConfig):
         return super().torch_dtype(device)
 
 
-def _graph(chat_context: int | None) -> ModelGraph:
-    """The generate lane, and with `chat_context` (the reasoner's context length) the chat lane."""
+def _graph(chat_context: int | None, sound: bool) -> ModelGraph:
+    """The generate lane (with `sound`, its decode walk also decodes sound), and with `chat_context` (the
+    reasoner's context length) the chat lane."""
     image = Node("vae", name="encode_image", inputs=("image",), outputs=("condition",))
     prepare = Node("scheduler", name="prepare", inputs=("condition",),
                    outputs=("latents", "sound_latents", "action_latents", "timestep"))
@@ -83,11 +85,18 @@ def _graph(chat_context: int | None) -> ModelGraph:
                             "actions"))
     steps = Loop(Sequential(Parallel(cond, uncond), combine), max_iterations="num_inference_steps", name="steps")
     decode = Node("vae", name="decode", inputs=("latents",), outputs=("video", "image", "frames", "progress"))
+    decode_walk = Walk("decode", "generate", decode, inputs=("latents",),
+                       emits=(Emit("video"), Emit("image"), Emit("frames"), Emit("progress")))
     components = {
         "dit": ComponentSpec("stateless", "MoT generator: (prompt ids, noisy latents, timestep) -> velocities"),
         "scheduler": ComponentSpec("stateless", "per-request noise and UniPC states; guidance + one step"),
         "vae": ComponentSpec("stateless", "Wan2.2 VAE: conditioning frame -> latent frame; latents -> frames"),
     }
+    if sound:
+        components["sound_decoder"] = ComponentSpec("stateless", "AVAE audio decoder: sound latents -> waveform")
+        waves = Node("sound_decoder", name="sound", inputs=("sound_latents",), outputs=("audio",))
+        decode_walk = Walk("decode", "generate", Parallel(decode, waves), inputs=("latents",),
+                           optional_inputs=("sound_latents",), emits=(*decode_walk.emits, Emit("audio")))
     chat_walks, chat_lanes = _chat(chat_context) if chat_context else ((), ())
     if chat_context:
         components["reasoner"] = ComponentSpec("autoregressive", "the reasoner: token ids -> next token (paged KV)")
@@ -97,9 +106,9 @@ def _graph(chat_context: int | None) -> ModelGraph:
             Walk("encode_image", "generate", image, inputs=("image",), emits=(Emit("condition", CARRY),)),
             Walk("denoise", "generate", Sequential(prepare, steps), inputs=("prompt_ids",),
                  optional_inputs=("negative_ids", "condition"),
-                 emits=(Emit("progress"), Emit("step_latents"), Emit("actions"), Emit("latents", CARRY))),
-            Walk("decode", "generate", decode, inputs=("latents",),
-                 emits=(Emit("video"), Emit("image"), Emit("frames"), Emit("progress"))),
+                 emits=(Emit("progress"), Emit("step_latents"), Emit("actions"), Emit("latents", CARRY),
+                        *((Emit("sound_latents", CARRY),) if sound else ()))),
+            decode_walk,
             *chat_walks,
         ),
         lanes=(Lane("generate", _first_walk, _next_walk), *chat_lanes),
@@ -136,7 +145,7 @@ def _first_walk(options: Mapping[str, Any]) -> str | None:
 def _next_walk(finished: str, options: Mapping[str, Any]) -> str | None:
     if finished == "encode_image":
         return "denoise"
-    if finished == "denoise" and {"image", "video"} & set(options.get("modalities") or ["video"]):
+    if finished == "denoise" and {"image", "video", "audio"} & set(options.get("modalities") or ["video"]):
         return "decode"
     return None
 
@@ -146,7 +155,7 @@ class Cosmos3Model(Model):
 
     name = "cosmos3"
     input_modalities = ("text", "image", "video")
-    output_modalities = ("video", "image", "actions", "text")
+    output_modalities = ("video", "image", "audio", "actions", "text")
     default_options = {"negative_prompt": "", "modalities": ["video"], "report_progress": False,
                        "debug_outputs": False}
     _repo = "nvidia/Cosmos3-Nano"
@@ -163,7 +172,7 @@ class Cosmos3Model(Model):
         return self.has_reasoner and self.config.reasoner
 
     def graph(self) -> ModelGraph:
-        return _graph(self.max_model_len if self.chat else None)
+        return _graph(self.max_model_len if self.chat else None, sound=self.has_reasoner)
 
     def build_component(self, name: str, device: torch.device) -> BuiltComponent:
         from mstar.models.cosmos3 import components, loaders
@@ -183,6 +192,13 @@ class Cosmos3Model(Model):
             return BuiltComponent(components.Cosmos3VAEComponent(vae, self.config.vae_chunk_frames))
         if name == "reasoner" and self.chat:
             return self._reasoner(device)
+        if name == "sound_decoder" and self.has_reasoner:
+            from mstar.models.cosmos3.sound import SoundComponent, load_sound_decoder
+
+            folder = None if self.checkpoint is None else self.checkpoint / "sound_tokenizer"
+            decoder = None if self.sound_config is None else load_sound_decoder(
+                folder, self.sound_config, self.load_format, device, self.config.seed)
+            return BuiltComponent(SoundComponent(decoder))
         raise KeyError(f"{self.name} has no component {name!r}; components are {sorted(self.graph().components)}")
 
     def processor(self):
@@ -190,9 +206,25 @@ class Cosmos3Model(Model):
 
         t, v = self.components.transformer, self.vae_config
         shape = ModelShape(t.latent_channel, v.scale_factor_spatial, v.scale_factor_temporal, t.action_dim,
-                           self.components.flags.use_system_prompt)
+                           self.components.flags.use_system_prompt, t.sound_dim, self.sound_config)
         return Cosmos3Processor(self.tokenizer_folder, shape, self.request_defaults(),
                                 self.max_model_len if self.chat else None)
+
+    @cached_property
+    def sound_config(self):
+        """The sound decoder's config (a SoundConfig), None when the checkpoint makes no sound."""
+        from mstar.models.cosmos3.sound import SoundConfig
+
+        if not self.has_reasoner or self.components.transformer.sound_dim is None:
+            return None
+        if self.checkpoint is not None:
+            path = self.checkpoint / "sound_tokenizer" / "config.json"
+            return SoundConfig.from_hf(json.loads(path.read_text())) if path.is_file() else None
+        if self.config.tiny:
+            from mstar.models.cosmos3.tiny import TINY_SOUND
+
+            return SoundConfig.from_hf(TINY_SOUND)
+        return SoundConfig(latent_dim=self.components.transformer.sound_dim)
 
     @property
     def max_model_len(self) -> int:

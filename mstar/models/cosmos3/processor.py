@@ -2,7 +2,8 @@
 
 Four kinds of request (options in options.py):
 - chat (modality "text"; cosmos3): messages or text for the reasoner, as the dense decoders take them;
-- text to image / video: `{"text": prompt}`;
+- text to image / video: `{"text": prompt}`; with modality "audio" also the sound (when the checkpoint has a
+  sound tokenizer; without one "audio" is left out, so the videos route still gets its video);
 - image to video: an image in the media; it becomes the first latent frame;
 - policy (modality "actions"): a camera video (its first frame conditions) or image, the task as the
   text; the answer is an action chunk [chunk_size, action width] (and, with modality "video", the
@@ -34,6 +35,8 @@ class ModelShape:
     temporal_scale: int = 4  # VAE frames per latent frame (after the first)
     action_dim: int | None = None  # the action tower's width; None: no policy
     use_system_prompt: bool = True
+    sound_dim: int | None = None  # the sound tower's width; None: no sound
+    sound: Any = None  # the sound decoder's SoundConfig; None: the checkpoint makes no sound
 
 
 class Cosmos3Processor(Processor):
@@ -51,6 +54,8 @@ class Cosmos3Processor(Processor):
         self.shape, self.defaults = shape, defaults
         self.chat = None if chat_context is None else TextProcessor(self.tokenizer, chat_context)
         self.max_model_len = chat_context
+        if shape.sound is not None:
+            self.sample_rate = shape.sound.sampling_rate
 
     def output_decoder(self, options: Mapping[str, Any], inputs: Mapping[str, torch.Tensor]) -> OutputDecoder:
         if _is_chat(options) and self.chat is not None:
@@ -100,8 +105,11 @@ class Cosmos3Processor(Processor):
         if image is not None and gen.num_frames == 1:
             raise ValueError("an image conditions a video: ask for num_frames > 1 (or modalities ['video'])")
         frames = 1 + (gen.num_frames - 1) // s.temporal_scale
+        sound = None
+        if "audio" in (options.get("modalities") or ()) and s.sound is not None and s.sound_dim is not None:
+            sound = (s.sound_dim, s.sound.steps_for(gen.num_frames, gen.fps))
         layout = Layout(vision=(s.latent_channels, frames, gen.height // s.spatial_scale, gen.width // s.spatial_scale),
-                        condition_frames=int(image is not None))
+                        condition_frames=int(image is not None), sound=sound)
         options["layout"] = layout.to_option()
         out = {} if image is None else {"image": actions.image_condition(image, gen.height, gen.width)[:, None]}
         shape = prompts.Shape(gen.num_frames, gen.height, gen.width, gen.fps)

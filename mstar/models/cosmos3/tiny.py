@@ -28,6 +28,12 @@ SCHEDULER: dict[str, Any] = {
     "timestep_spacing": "linspace",
 }
 TINY_VAE_CHANNELS = TINY_TRANSFORMER["latent_channel"]
+# A tiny AVAE sound decoder (diffusers Cosmos3AVAEAudioTokenizer keys): 8 latent channels, 20 samples per step at
+# 8 kHz (a rate AAC takes, so tiny videos mux their sound).
+TINY_SOUND: dict[str, Any] = {
+    "_class_name": "Cosmos3AVAEAudioTokenizer", "sampling_rate": 8000, "vocoder_input_dim": TINY_TRANSFORMER["sound_dim"],
+    "dec_dim": 4, "dec_c_mults": [1, 2], "dec_strides": [4, 5], "dec_out_channels": 2, "encoder_enabled": False,
+}
 
 
 def tiny_config():
