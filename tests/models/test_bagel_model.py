@@ -49,6 +49,13 @@ CASES = [
               "media": [{"type": "image", "data": PHOTO}]},
      {"max_tokens": 6}, {"items": [PHOTO, "What is in this picture?"], "think": False, "understanding": True,
                          "max_tokens": 6}),
+    ("chat_think", {"text": "What is this?", "media": [{"type": "image", "data": SKETCH}]}, {"think": True, "max_tokens": 4},
+     {"items": [SKETCH, "What is this?"], "think": True, "understanding": True, "max_tokens": 4}),
+    ("chat_turns", {"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": "Hi"}]},
+        {"role": "assistant", "content": "A cat."}, {"role": "user", "content": "And the colors?"}],
+        "media": [{"type": "image", "data": PHOTO}]}, {"max_tokens": 5},
+     {"items": [PHOTO, "Hi", "A cat.", "And the colors?"], "think": False, "understanding": True, "max_tokens": 5}),
     ("generate", {"text": "A photo of a red fox"}, {"modalities": ["image"], "seed": 3},
      {"items": ["A photo of a red fox"], "think": False, "understanding": False, "size": (64, 64),
       "seed": 3, **_image_args()}),
