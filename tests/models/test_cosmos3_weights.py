@@ -65,3 +65,19 @@ def test_dummy_weights_build_the_full_size_generator_on_the_meta_device():
         count = sum(p.numel() for p in dit.parameters())
         head_and_norm = NANO.vocab_size * NANO.hidden_size + NANO.hidden_size  # the reasoner's, not built here
         assert count == sum(torch.Size(s).numel() for s in _reference_shapes(NANO).values()) - head_and_norm
+
+
+def test_sound_decoder_takes_the_full_size_avae_checkpoint():
+    """Every decoder tensor of diffusers' Cosmos3AVAEAudioTokenizer (shipped config), weight norm folded, lands
+    on our SoundDecoder with its shape; the encoder's are not read."""
+    from diffusers import Cosmos3AVAEAudioTokenizer
+
+    from mstar.models.common.loading import load_named_tensors
+    from mstar.models.cosmos3.sound import SoundConfig, SoundDecoder, _snake_and_folded
+
+    with torch.device("meta"):
+        reference = Cosmos3AVAEAudioTokenizer()
+        ours = SoundDecoder(SoundConfig.from_hf(dict(reference.config)))
+    assert any(name.startswith("encoder.") for name in reference.state_dict())
+    load_named_tensors(ours, _snake_and_folded(reference.state_dict().items()).items(), lambda name: (name, 0))
+    assert SoundConfig().hop == reference._hop_size == 1920 and ours.config.latent_dim == NANO.sound_dim
