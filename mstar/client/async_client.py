@@ -109,7 +109,7 @@ class AsyncMStarClient:
 
     async def generate_image(
         self, prompt: str, size: str | None = None, n: int = 1, seed: int | None = None,
-        as_bytes: bool = False, **options: Any,
+        as_bytes: bool = True, **options: Any,
     ):
         """See `MStarClient.generate_image`."""
         return await self._run(endpoints.generate_image(prompt, size, n, seed, as_bytes, self.model, options))
@@ -123,7 +123,7 @@ class AsyncMStarClient:
 
     async def edit_image(
         self, prompt: str, images: Any, mask: Any = None, size: str | None = None, n: int = 1,
-        seed: int | None = None, as_bytes: bool = False, **options: Any,
+        seed: int | None = None, as_bytes: bool = True, **options: Any,
     ):
         """See `MStarClient.edit_image`."""
         return await self._run(endpoints.edit_image(prompt, images, mask, size, n, seed, as_bytes, self.model,

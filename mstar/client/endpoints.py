@@ -104,7 +104,7 @@ def edit_image(prompt: str, images: Any, mask: Any, size: str | None, n: int, se
 
 
 def _images(resp: httpx.Response, n: int, as_bytes: bool) -> Any:
-    """PIL images (PNG bytes with `as_bytes`) of an images answer; the image itself when n is 1."""
+    """PNG bytes (PIL images without `as_bytes`) of an images answer; the image itself when n is 1."""
     images = [wire.image_from_b64(d["b64_json"], as_bytes) for d in resp.json()["data"]]
     return images[0] if n == 1 else images
 

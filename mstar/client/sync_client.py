@@ -116,9 +116,9 @@ class MStarClient:
 
     def generate_image(
         self, prompt: str, size: str | None = None, n: int = 1, seed: int | None = None,
-        as_bytes: bool = False, **options: Any,
+        as_bytes: bool = True, **options: Any,
     ):
-        """Text to image: a PIL image (or PNG bytes with `as_bytes`); a list when n > 1."""
+        """Text to image: PNG bytes (a PIL image with `as_bytes=False`); a list when n > 1."""
         return self._run(endpoints.generate_image(prompt, size, n, seed, as_bytes, self.model, options))
 
     def tts(
@@ -130,10 +130,10 @@ class MStarClient:
 
     def edit_image(
         self, prompt: str, images: Any, mask: Any = None, size: str | None = None, n: int = 1,
-        seed: int | None = None, as_bytes: bool = False, **options: Any,
+        seed: int | None = None, as_bytes: bool = True, **options: Any,
     ):
-        """Image(s) + prompt (+ mask) to image through /v1/images/edits: a PIL image (PNG bytes with
-        `as_bytes`), a list when n > 1. `images` is a path, bytes, (name, bytes) or a list of them."""
+        """Image(s) + prompt (+ mask) to image through /v1/images/edits: PNG bytes (a PIL image with
+        `as_bytes=False`), a list when n > 1. `images` is a path, bytes, (name, bytes) or a list of them."""
         return self._run(endpoints.edit_image(prompt, images, mask, size, n, seed, as_bytes, self.model, options))
 
     def transcribe(

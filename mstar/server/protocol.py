@@ -167,6 +167,11 @@ class TextChunk(_Chunk):
     type: Literal["text"] = "text"
     delta: str
 
+    @property
+    def text(self) -> str:
+        """The new text (`delta`), named as on a streamed chat event."""
+        return self.delta
+
 
 class ImageChunk(_Chunk):
     """One image, PNG."""

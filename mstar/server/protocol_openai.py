@@ -323,6 +323,12 @@ class ChatCompletionChunk(_Answer):
     choices: list[ChatChunkChoice] = Field(default_factory=list)
     usage: Usage | None = None
 
+    @property
+    def text(self) -> str:
+        """The new text this event carries (its choices' `delta.content`; "" for role, finish and usage events),
+        so `for event in client.chat(..., stream=True): print(event.text, end="")` prints the answer."""
+        return "".join(c.delta.content or "" for c in self.choices)
+
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)

@@ -76,9 +76,10 @@ def test_content_of_an_unfinished_job_is_409(base):
 
 
 def test_edit_image_and_transcribe(sdk):
-    img = sdk.edit_image("edit", [("a.png", png(10))], mask=("m.png", png(0)), max_tokens=5, **NO_STOP)
+    img = sdk.edit_image("edit", [("a.png", png(10))], mask=("m.png", png(0)), as_bytes=False, max_tokens=5,
+                         **NO_STOP)
     assert img.size == (5, 8)
-    both = sdk.edit_image("edit", png(10), n=2, as_bytes=True, max_tokens=5, **NO_STOP)
+    both = sdk.edit_image("edit", png(10), n=2, max_tokens=5, **NO_STOP)  # PNG bytes by default
     assert len(both) == 2 and both[0][:4] == b"\x89PNG"
     text = sdk.transcribe(("a.wav", wav(0.02, 0.9)), max_tokens=5)
     assert text == sdk.transcribe(wav(0.02, 0.9), max_tokens=5) and len(text) <= 5
@@ -122,7 +123,7 @@ def test_async_client_media_calls(base):
         async with AsyncMStarClient(base, timeout=30) as client:
             mp4 = await client.generate_video("a bird", poll_interval_s=0.02, max_tokens=4)
             text = await client.transcribe(wav(0.02, 0.9), max_tokens=5)
-            img = await client.edit_image("edit", png(10), max_tokens=3, **NO_STOP)
+            img = await client.edit_image("edit", png(10), as_bytes=False, max_tokens=3, **NO_STOP)
             return mp4, text, img
 
     mp4, text, img = asyncio.run(run())

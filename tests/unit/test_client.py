@@ -31,7 +31,7 @@ def test_generate_stream_yields_typed_chunks_in_order(client, tmp_path):
     chunks = list(client.generate(text="hello there", files=[png], outputs=["text", "audio", "image"], stream=True))
     assert isinstance(chunks[-1], FinalChunk) and chunks[-1].usage.total_tokens == 5
     text = [c for c in chunks if isinstance(c, TextChunk)]
-    assert "".join(c.delta for c in text) == "[image] hello there "
+    assert "".join(c.delta for c in text) == "".join(c.text for c in text) == "[image] hello there "
     assert [c.seq for c in text] == [0, 1, 2]
     assert [type(c) for c in chunks if not isinstance(c, TextChunk)] == [AudioChunk, AudioChunk, ImageChunk, FinalChunk]
     result = collect(chunks)
@@ -87,6 +87,7 @@ def test_chat_plain_and_streamed(client):
     assert done.text == "echo: hi you" and done.usage.total_tokens == 5
     chunks = list(client.chat("hi you", stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == "echo: hi you"
+    assert "".join(c.text for c in chunks) == "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert chunks[-1].usage.total_tokens == 5 and not chunks[-1].choices
     with pytest.raises(MStarError) as info:
         list(client.chat("fail-late", stream=True))
@@ -108,10 +109,11 @@ def test_tts_buffer_and_stream(client, tmp_path):
 
 
 def test_images_and_videos(client, server):
-    img = client.generate_image("a cat", size="24x10")
+    img = client.generate_image("a cat", size="24x10", as_bytes=False)
     assert img.size == (24, 10)
-    raw = client.generate_image("a cat", n=2, as_bytes=True)
+    raw = client.generate_image("a cat", n=2)  # PNG bytes by default
     assert len(raw) == 2 and raw[0].startswith(b"\x89PNG")
+    assert client.generate_image("a cat", size="24x10").startswith(b"\x89PNG")
     mp4 = client.generate_video("waves", size="16x16", poll_interval_s=0.01, input_reference=raw[0])
     from mstar.server.media import decode_video
 
