@@ -91,6 +91,8 @@ def test_thinking_before_drawing_adds_the_planning_prompt(processor, model):
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a"}}]}]}, {},
      "no decoded image"),
     ({"text": ""}, {}, "needs a prompt"),
+    ({"text": "a fox " * 20000}, {}, "the model's context of 32768 tokens"),
+    ({"text": "a fox"}, {"max_tokens": 40000}, "max_tokens=40000 plus the"),
 ])
 def test_bad_requests_are_refused_naming_the_cause(processor, request_, options, message):
     with pytest.raises(ValueError, match=message):

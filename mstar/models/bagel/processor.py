@@ -9,7 +9,8 @@ prompt to a text answer too.
 Images are resized as the upstream inferencer does: first to the VAE's range (long side at most 1024,
 short at least 512, both multiples of 16: the size of an edit's output), then from that to the ViT's
 (980 / 224 / 14). A text answer reads images through the ViT only; image output also puts them in the
-context through the VAE. Walk inputs: `prompt_ids` (every text segment's ids, markers included),
+context through the VAE. A context (its text and image tokens) and the answer's `max_tokens` must fit
+the model's 32,768 positions. Walk inputs: `prompt_ids` (every text segment's ids, markers included),
 `segments` (plan.py), `token` (the first token a text answer is fed), and when there are images
 `vit_patches`, `vit_positions`, `vit_lengths` and `vae_pixels`.
 """
@@ -27,7 +28,7 @@ import torch
 from mstar.models.bagel.config import BagelConfig, TokenIds
 from mstar.models.bagel.embeddings import grid_positions, patchify
 from mstar.models.bagel.flow import RENORM_TYPES
-from mstar.models.bagel.plan import TEXT, VAE, VIT, Segment, branch_masks, encode_segments
+from mstar.models.bagel.plan import TEXT, VAE, VIT, Segment, branch_masks, encode_segments, extent
 from mstar.models.common.text import Tokenizer
 from mstar.models.llama.processor import TextProcessor
 
@@ -154,13 +155,15 @@ class BagelProcessor(TextProcessor):
         options["no_image_context"] = bool(images) or options["think"]
         if options["think"]:
             items = [("text", GEN_THINK_PROMPT if image_out else VLM_THINK_PROMPT), *items]
-        return self._plan(items, iter(resized), image_out, options["think"])
+        return self._plan(items, iter(resized), image_out, options["think"], options.get("max_tokens"))
 
-    def _plan(self, items: list[tuple[str, Any]], resized, image_out: bool, think: bool) -> dict[str, torch.Tensor]:
+    def _plan(self, items: list[tuple[str, Any]], resized, image_out: bool, think: bool,
+              max_tokens: int | None) -> dict[str, torch.Tensor]:
         kinds, segments, text, vit, vae = [], [], [], [], []
         for kind, value in items:
             if kind == "text":
-                ids = [self.ids.bos, *self.tokenizer.encode(value, add_special_tokens=False), self.ids.eos]
+                encoded = self.tokenizer.encode(value, add_special_tokens=False, max_tokens=self.max_model_len)
+                ids = [self.ids.bos, *encoded, self.ids.eos]
                 text += ids
                 kinds.append(TEXT)
                 segments.append((TEXT, len(ids), 0, 0))
@@ -179,6 +182,7 @@ class BagelProcessor(TextProcessor):
             segments.append((VIT, rows * cols, rows, cols))
         masks = branch_masks(kinds, think)
         plan = [Segment(k, m, n, r, c) for (k, n, r, c), m in zip(segments, masks, strict=True)]
+        self._check_length(extent(plan)[0], max_tokens)
         out = {"prompt_ids": torch.tensor(text, dtype=torch.long), "segments": encode_segments(plan),
                "token": torch.tensor([self.ids.bos], dtype=torch.long)}
         if vit:
