@@ -188,7 +188,8 @@ class GuardMiddleware:
 
 _KNOWN_ROUTES = frozenset((
     "/health", "/ready", "/metrics", "/generate", "/v1/models", "/v1/chat/completions", "/v1/completions",
-    "/v1/audio/speech", "/v1/audio/transcriptions", "/v1/images/generations", "/v1/images/edits", "/v1/videos"))
+    "/v1/audio/speech", "/v1/audio/transcriptions", "/v1/images/generations", "/v1/images/edits", "/v1/videos",
+    "/v1/videos/generations"))
 
 
 def _route(path: str) -> str:

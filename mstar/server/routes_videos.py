@@ -1,23 +1,26 @@
 """The OpenAI videos resource: `POST /v1/videos` creates a job, `GET /v1/videos/{id}` reports its
 status and progress, `GET /v1/videos/{id}/content` returns the MP4, `GET /v1/videos` lists jobs and
 `DELETE /v1/videos/{id}` removes one (cancelling it when it still runs). Jobs live in a bounded
-in-memory store (`video_jobs.py`), one per app."""
+in-memory store (`video_jobs.py`), one per app. `POST /v1/videos/generations` (the original M*'s route)
+takes the same body and answers the MP4 itself, synchronously, keeping no job."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from mstar.server.adapters import RequestError, start_request
+from mstar.server.adapters import RequestError, RequestStream, start_request
 from mstar.server.app import ServerState, get_state
 from mstar.server.forms import files_of, form_options, json_or_form, media_bytes
 from mstar.server.media import decode_image
 from mstar.server.openapi import errors
 from mstar.server.protocol_openai_media import VideoCreateRequest, VideoDeleted, VideoJob, VideoList
+from mstar.server.streaming import unless_disconnected
 from mstar.server.video_jobs import VideoJobStore, VideoRecord, run_job
 
 router = APIRouter()
@@ -55,34 +58,51 @@ _CONTENT = {200: {"description": "the MP4 (`variant=video`) or a PNG of the firs
 @router.post("/v1/videos", openapi_extra=_CREATE_SCHEMA, response_model=VideoJob, responses=errors(429))
 async def create_video(request: Request) -> JSONResponse:
     """Start a video job (JSON or multipart; `input_reference` as a file part, data URL or base64)."""
+    store = job_store(request)
+    record, stream = await _start(request, "/v1/videos", store.make_room)  # refused before work that cannot be kept
+    store.add(record)
+    record.task = asyncio.create_task(run_job(record, stream), name=f"video-job-{record.job.id}")
+    return _job_response(record.job)
+
+
+@router.post("/v1/videos/generations", openapi_extra=_CREATE_SCHEMA, response_model=None,
+             responses={200: {"description": "the MP4", "content": {"video/mp4": {"schema": {
+                 "type": "string", "format": "binary"}}}}, **errors(429, 500)})
+async def generate_video(request: Request) -> Response:
+    """The body of POST /v1/videos; the MP4 itself once it is made (H.264, AAC when the model made sound)."""
+    record, stream = await _start(request, "/v1/videos/generations")
+    await unless_disconnected(request, run_job(record, stream), [stream])
+    if record.mp4 is None:
+        raise RequestError(500, record.job.error.message if record.job.error else "the video was not made")
+    return Response(record.mp4, media_type="video/mp4")
+
+
+async def _start(request: Request, route: str, before: Callable[[], None] = lambda: None,
+                 ) -> tuple[VideoRecord, RequestStream]:
+    """The job record of a video request and its model request's stream (started after `before()`)."""
     state = get_state(request)
     body, form = await json_or_form(request, VideoCreateRequest, file_fields=("input_reference",))
-    state.check_model(body.model, "video", "/v1/videos")
+    state.check_model(body.model, "video", route)
     reference = (files_of(form, "input_reference") if form is not None else []) or [body.input_reference]
     model_request: dict[str, Any] = {"text": body.prompt}
     if reference[0] is not None:
         model_request["media"] = [{"type": "image", "name": "input_reference",
-                                   "data": await _reference_image(state, reference[0])}]
-    store = job_store(request)
-    store.make_room()  # refuse before starting work that could not be kept
+                                   "data": await _reference_image(state, reference[0], route)}]
+    before()
     opts = _options(state, body)
     stream = await start_request(state, model_request, opts)
     job = VideoJob(model=state.model_name, prompt=body.prompt, seconds=body.seconds_text(), size=body.size)
     # the model's resolved options hold its frame rate when the request gave none (wan22: 24)
     fps = stream.decoder.options.get("fps") or opts.get("fps") or DEFAULT_FPS
-    record = VideoRecord(job, fps=float(fps),
-                         sample_rate=state.runtime.processor.sample_rate)
-    store.add(record)
-    record.task = asyncio.create_task(run_job(record, stream), name=f"video-job-{job.id}")
-    return _job_response(job)
+    return VideoRecord(job, fps=float(fps), sample_rate=state.runtime.processor.sample_rate), stream
 
 
-async def _reference_image(state: ServerState, value) -> Any:
+async def _reference_image(state: ServerState, value, route: str) -> Any:
     if "image" not in state.runtime.model.input_modalities:
         raise RequestError(400, f"model {state.model_name!r} takes no image input; leave input_reference out",
                            "input_reference")
-    data = await media_bytes(value, "input_reference", state.policy("/v1/videos"))
-    return await run_in_threadpool(decode_image, data, state.policy("/v1/videos"))
+    data = await media_bytes(value, "input_reference", state.policy(route))
+    return await run_in_threadpool(decode_image, data, state.policy(route))
 
 
 def _options(state: ServerState, body: VideoCreateRequest) -> dict[str, Any]:

@@ -68,6 +68,17 @@ def test_videos_resource_with_the_openai_client_and_the_sdk(base):
     assert sdk == mp4
 
 
+def test_synchronous_video_route_answers_the_mp4(base):
+    """POST /v1/videos/generations: the same body as /v1/videos, the MP4 in the answer; the same clip as a job."""
+    body = {"prompt": "a kite over the sea", "size": "64x32", "num_frames": 5, "num_inference_steps": 2, "seed": 4}
+    resp = httpx.post(f"{base}/v1/videos/generations", json=body, timeout=60)
+    assert resp.status_code == 200 and resp.headers["content-type"] == "video/mp4"
+    assert resp.content == MStarClient(base, model="cosmos3").generate_video("a kite over the sea", size="64x32",
+                                                                             num_frames=5, num_inference_steps=2, seed=4)
+    bad = httpx.post(f"{base}/v1/videos/generations", json={**body, "size": "100x64"}, timeout=30)
+    assert bad.status_code == 400 and "width=100 must be a multiple of 16" in bad.text
+
+
 def test_policy_answers_typed_action_chunks(droid):
     """NDJSON: one `action` chunk of shape [chunk_size, 10] (DROID), values as JSON numbers."""
     client = MStarClient(droid)

@@ -8,7 +8,8 @@ import pytest
 from mstar.server.middleware import _route
 
 
-@pytest.mark.parametrize("path", ["/v1/images/edits", "/v1/audio/transcriptions", "/v1/videos", "/generate",
+@pytest.mark.parametrize("path", ["/v1/images/edits", "/v1/audio/transcriptions", "/v1/videos", "/v1/videos/generations",
+                                  "/generate",
                                   "/v1/chat/completions", "/v1/audio/speech", "/health"])
 def test_known_paths_are_their_own_label(path):
     assert _route(path) == path
