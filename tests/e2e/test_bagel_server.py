@@ -88,3 +88,15 @@ def test_bad_size_is_a_400_naming_it(base):
     body = {"text": "x", "outputs": ["image"], "stream": False, "options": {"modalities": ["image"], "size": "40x32"}}
     resp = httpx.post(f"{base}/generate", json=body, timeout=30)
     assert resp.status_code == 400 and "width=40 must be a multiple of 16" in resp.text
+
+
+def test_chat_streams_text_deltas(base):
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(model="bagel", max_tokens=4, temperature=0, stream=True,
+                                            messages=[{"role": "user", "content": "Tell me about foxes."}])
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length") and isinstance(text, str)
+    whole = client.chat.completions.create(model="bagel", max_tokens=4, temperature=0,
+                                           messages=[{"role": "user", "content": "Tell me about foxes."}])
+    assert whole.choices[0].message.content == text  # greedy: the stream spells the same answer
