@@ -12,6 +12,11 @@ Lane `main` (which walks a request takes depends on what it asks for: plan.py an
                   no_text, no_image), combine): each branch's LLM reads its own context (prefilled once, never
                   changed) and predicts a velocity; `combine` applies guidance and one Euler step.
   render          the VAE decodes the latents into the image.
+
+Where this departs from the upstream inferencer, on purpose: the noise comes from a generator seeded by
+the request (`seed`), an input image's latents are the VAE posterior's mean, `max_tokens` counts answer
+tokens as OpenAI does (upstream's `max_length` counts the fed <|im_start|> too), and a thought joins the
+image's context as the token ids generated, not decoded and tokenized again.
 """
 
 from __future__ import annotations

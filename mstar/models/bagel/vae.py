@@ -1,8 +1,9 @@
 """The FLUX autoencoder BAGEL generates in: images [B, 3, H, W] in [-1, 1] <-> latents [B, 16, H/8, W/8].
 
 A GroupNorm ResNet with one self-attention block in the middle of each half. Latents are normalised:
-`scale * (mean - shift)` on the way in (the posterior's mean: encoding is deterministic here), and the
-inverse before decoding. Module names are the checkpoint's (`ae.safetensors`).
+`scale * (mean - shift)` on the way in, and the inverse before decoding. Encoding takes the posterior's
+mean (upstream adds a draw from its spread), so an edit depends on its seed through the noise alone.
+Module names are the checkpoint's (`ae.safetensors`).
 """
 
 from __future__ import annotations
