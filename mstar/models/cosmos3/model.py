@@ -69,24 +69,6 @@ class Cosmos3ServeConfig(ServeConfig):
 def _graph(chat_context: int | None, sound: bool) -> ModelGraph:
     """The generate lane (with `sound`, its decode walk also decodes sound), and with `chat_context` (the
     reasoner's context length) the chat lane."""
-    image = Node("vae", name="encode_image", inputs=("image",), outputs=("condition",))
-    prepare = Node("scheduler", name="prepare", inputs=("condition",),
-                   outputs=("latents", "sound_latents", "action_latents", "timestep"))
-    state = ("latents", "timestep", "sound_latents", "action_latents")
-    velocities = ("velocity", "sound_velocity", "action_velocity")
-    cond = Node("dit", name="cond", inputs={**{e: e for e in state}, "prompt_ids": "prompt_ids"},
-                outputs=dict(zip(velocities, ("cond_velocity", "cond_sound", "cond_action"), strict=True)))
-    uncond = Node("dit", name="uncond", inputs={**{e: e for e in state}, "prompt_ids": "negative_ids"},
-                  outputs=dict(zip(velocities, ("uncond_velocity", "uncond_sound", "uncond_action"), strict=True)))
-    combine = Node("scheduler", name="combine",
-                   inputs=("cond_velocity", "uncond_velocity", "cond_sound", "uncond_sound", "cond_action",
-                           "uncond_action", "latents", "sound_latents", "action_latents"),
-                   outputs=("latents", "sound_latents", "action_latents", "timestep", "progress", "step_latents",
-                            "actions"))
-    steps = Loop(Sequential(Parallel(cond, uncond), combine), max_iterations="num_inference_steps", name="steps")
-    decode = Node("vae", name="decode", inputs=("latents",), outputs=("video", "image", "frames", "progress"))
-    decode_walk = Walk("decode", "generate", decode, inputs=("latents",),
-                       emits=(Emit("video"), Emit("image"), Emit("frames"), Emit("progress")))
     components = {
         "dit": ComponentSpec("stateless", "MoT generator: (prompt ids, noisy latents, timestep) -> velocities"),
         "scheduler": ComponentSpec("stateless", "per-request noise and UniPC states; guidance + one step"),
@@ -94,25 +76,49 @@ def _graph(chat_context: int | None, sound: bool) -> ModelGraph:
     }
     if sound:
         components["sound_decoder"] = ComponentSpec("stateless", "AVAE audio decoder: sound latents -> waveform")
-        waves = Node("sound_decoder", name="sound", inputs=("sound_latents",), outputs=("audio",))
-        decode_walk = Walk("decode", "generate", Parallel(decode, waves), inputs=("latents",),
-                           optional_inputs=("sound_latents",), emits=(*decode_walk.emits, Emit("audio")))
-    chat_walks, chat_lanes = _chat(chat_context) if chat_context else ((), ())
     if chat_context:
         components["reasoner"] = ComponentSpec("autoregressive", "the reasoner: token ids -> next token (paged KV)")
+    image = Node("vae", name="encode_image", inputs=("image",), outputs=("condition",))
+    chat_walks, chat_lanes = _chat(chat_context) if chat_context else ((), ())
     return ModelGraph(
         components=components,
-        walks=(
-            Walk("encode_image", "generate", image, inputs=("image",), emits=(Emit("condition", CARRY),)),
-            Walk("denoise", "generate", Sequential(prepare, steps), inputs=("prompt_ids",),
-                 optional_inputs=("negative_ids", "condition"),
-                 emits=(Emit("progress"), Emit("step_latents"), Emit("actions"), Emit("latents", CARRY),
-                        *((Emit("sound_latents", CARRY),) if sound else ()))),
-            decode_walk,
-            *chat_walks,
-        ),
+        walks=(Walk("encode_image", "generate", image, inputs=("image",), emits=(Emit("condition", CARRY),)),
+               _denoise(sound), _decode(sound), *chat_walks),
         lanes=(Lane("generate", _first_walk, _next_walk), *chat_lanes),
     )
+
+
+def _denoise(sound: bool) -> Walk:
+    """prepare, then a Loop over the steps of Parallel(cond, uncond) DiT branches and the combine."""
+    prepare = Node("scheduler", name="prepare", inputs=("condition",),
+                   outputs=("latents", "sound_latents", "action_latents", "timestep"))
+    state = {e: e for e in ("latents", "timestep", "sound_latents", "action_latents")}
+    velocities = ("velocity", "sound_velocity", "action_velocity")
+    cond = Node("dit", name="cond", inputs={**state, "prompt_ids": "prompt_ids"},
+                outputs=dict(zip(velocities, ("cond_velocity", "cond_sound", "cond_action"), strict=True)))
+    uncond = Node("dit", name="uncond", inputs={**state, "prompt_ids": "negative_ids"},
+                  outputs=dict(zip(velocities, ("uncond_velocity", "uncond_sound", "uncond_action"), strict=True)))
+    combine = Node("scheduler", name="combine",
+                   inputs=("cond_velocity", "uncond_velocity", "cond_sound", "uncond_sound", "cond_action",
+                           "uncond_action", "latents", "sound_latents", "action_latents"),
+                   outputs=("latents", "sound_latents", "action_latents", "timestep", "progress", "step_latents",
+                            "actions"))
+    steps = Loop(Sequential(Parallel(cond, uncond), combine), max_iterations="num_inference_steps", name="steps")
+    carried = (Emit("latents", CARRY), *((Emit("sound_latents", CARRY),) if sound else ()))
+    return Walk("denoise", "generate", Sequential(prepare, steps), inputs=("prompt_ids",),
+                optional_inputs=("negative_ids", "condition"),
+                emits=(Emit("progress"), Emit("step_latents"), Emit("actions"), *carried))
+
+
+def _decode(sound: bool) -> Walk:
+    """The VAE's frames, and with `sound` the sound decoder's waveform beside them."""
+    frames = Node("vae", name="decode", inputs=("latents",), outputs=("video", "image", "frames", "progress"))
+    emits = (Emit("video"), Emit("image"), Emit("frames"), Emit("progress"))
+    if not sound:
+        return Walk("decode", "generate", frames, inputs=("latents",), emits=emits)
+    waves = Node("sound_decoder", name="sound", inputs=("sound_latents",), outputs=("audio",))
+    return Walk("decode", "generate", Parallel(frames, waves), inputs=("latents",), optional_inputs=("sound_latents",),
+                emits=(*emits, Emit("audio")))
 
 
 def _chat(context: int) -> tuple[tuple[Walk, ...], tuple[Lane, ...]]:
