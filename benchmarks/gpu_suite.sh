@@ -168,7 +168,7 @@ omni_bench() {  # omni_bench <config> <json name>
   if wait_ready; then
     # one request first: if it takes over a minute the sweep would eat the call's time, so it is skipped
     local body='{"model":"qwen3_omni","input":"Hello there, how are you today?","max_tokens":256,"ignore_eos":true,'
-    body+='"talker.max_tokens":256,"response_format":"pcm"}'
+    body+='"talker.max_tokens":257,"response_format":"pcm"}'
     local single
     if ! single=$(curl -sf -o /dev/null --max-time 60 -w "$2 single request: %{http_code} in %{time_total}s" \
         -H 'Content-Type: application/json' -d "$body" "http://127.0.0.1:$PORT/v1/audio/speech"); then
@@ -184,7 +184,7 @@ omni_bench() {  # omni_bench <config> <json name>
     # finished if the limit cuts it)
     run "${OMNI_LIMIT:-400}" "$2" python3 -m mstar.cli.main bench --base-url "http://127.0.0.1:$PORT" --workload speech \
         --model qwen3_omni --concurrency "${OMNI_LEVELS:-1,4,8,16,32}" --duration "${OMNI_DURATION:-20}" --max-tokens 256 --ignore-eos \
-        --extra-body '{"talker.max_tokens": 256}' --output "$OUT/$2.json" || stacks "$server"
+        --extra-body '{"talker.max_tokens": 257}' --output "$OUT/$2.json" || stacks "$server"
     curl -s "http://127.0.0.1:$PORT/metrics" | grep -E "^mstar_component_(step_seconds|batch_size)_(sum|count)" \
         > "$OUT/$2_metrics.txt"
     [[ -s $OUT/$2.json ]] && fold_metrics "$OUT/$2.json" "$OUT/$2_metrics.txt"

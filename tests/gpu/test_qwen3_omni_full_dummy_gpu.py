@@ -52,7 +52,7 @@ def test_full_thinker_fills_in_place_on_the_gpu():
 
 def test_full_dummy_model_serves_text_and_speech_on_one_gpu():
     """mstar/configs/qwen3_omni.yaml (every component on one GPU) with random weights: the thinker fills
-    max_tokens, the talker speaks talker.max_tokens frames, Code2Wav decodes them all."""
+    max_tokens, the talker speaks talker.max_tokens - 1 frames, Code2Wav decodes them all."""
     from mstar.runtime.offline import MStar
 
     config = load_config("qwen3_omni")

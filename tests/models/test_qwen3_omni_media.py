@@ -185,7 +185,7 @@ def test_spoken_answer_to_an_image_matches_reference_text_and_audio(setup):
     prompt = HEAD + IMAGE + TAIL
     handle, inputs = submit_media(mstar, prompt, [{"type": "image", "data": _image(0)}], temperature=0,
                                   max_tokens=6, modalities=["text", "audio"], voice="Ethan",
-                                  **{"talker.temperature": 0, "talker.max_tokens": 9})
+                                  **{"talker.temperature": 0, "talker.max_tokens": 10})
     text, audio = outputs(handle)
     ids = torch.tensor([inputs["prompt_ids"].tolist()])
     with torch.no_grad():
@@ -193,6 +193,6 @@ def test_spoken_answer_to_an_image_matches_reference_text_and_audio(setup):
             input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=inputs["pixel_values"],
             image_grid_thw=inputs["vision_grid_thw"], speaker="Ethan", return_audio=True, thinker_max_new_tokens=6,
             thinker_eos_token_id=SP["im_end"], thinker_do_sample=False, talker_do_sample=False,
-            talker_max_new_tokens=10)  # the reference decodes no frame for its last talker step
+            talker_max_new_tokens=10)
     assert text == sequences[0, ids.shape[1]:].tolist()
     torch.testing.assert_close(audio, want_audio.reshape(-1), atol=1e-4, rtol=0)

@@ -68,9 +68,9 @@ def test_spoken_request_matches_reference_text_codes_and_audio(setup, spies):
     reference, mstar = setup
     walks, chunks = spies
     want_text, want_codes, want_audio = reference_generate(reference, PROMPT, THINKER_TOKENS, TALKER_TOKENS)
-    # the reference decodes no frame for its last talker step; ours stops one step earlier instead
+    # the same talker.max_tokens as the reference's talker_max_new_tokens: as many frames
     handle = submit_ids(mstar, PROMPT, temperature=0, max_tokens=THINKER_TOKENS, modalities=["text", "audio"],
-                        voice="Ethan", **{"talker.temperature": 0, "talker.max_tokens": TALKER_TOKENS - 1})
+                        voice="Ethan", **{"talker.temperature": 0, "talker.max_tokens": TALKER_TOKENS})
     text, audio = outputs(handle)
     assert text == want_text
     assert {"talk", "vocode"} <= set(walks)

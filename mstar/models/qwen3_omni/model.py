@@ -17,7 +17,8 @@ Lane `talker` (only when "audio" is in the request's modalities):
             prompt's states joined with the first fed token's (Fixed(1, first=2)) and prefills the
             talker with the reference's prompt; each later one takes the next text token (tts_eos,
             then tts_pad once the thinker is done: the talker keeps speaking after it) plus the
-            previous frame's `codec_embed_sum`. Stopped by codec EOS or talker.max_tokens. Every
+            previous frame's `codec_embed_sum`. Stopped by codec EOS or after talker.max_tokens - 1
+            frames (as many as transformers' generate speaks for talker_max_new_tokens). Every
             frame's `codes` [1, G] streams to Code2Wav.
 Lane `code2wav` (audio only):
   vocode    Code2Wav over the codes stream in LeftContext(chunk, context) chunks, seamless trim;
@@ -93,7 +94,9 @@ def omni_graph(cfg: OmniServeConfig) -> ModelGraph:
         return max(int(options["thinker.max_tokens"]) - 1, 0)
 
     def talker_steps(options: Any) -> int:
-        return int(options["talker.max_tokens"])
+        # the reference's talker.generate(max_new_tokens=N) samples N codes but runs the code predictor, which
+        # completes a frame, in the step after each one: its last code never becomes a frame
+        return max(int(options["talker.max_tokens"]) - 1, 0)
 
     def thinker_first(options: Any) -> str:
         return "prefill_media" if options.get(omni_options.MEDIA_OPTION) else "prefill"

@@ -4,7 +4,8 @@
 `ComponentSpec.option_namespace`), `code_predictor.*` the code predictor. A plain sampling key
 (`temperature`, `max_tokens`, ... as the OpenAI routes send them) is the thinker's: it becomes
 `thinker.<key>` unless the request also sets that one. Defaults follow the reference's `generate`
-(talker: temperature 0.9, top_k 50, top_p 1.0, repetition_penalty 1.05, 4096 frames at most;
+(talker: temperature 0.9, top_k 50, top_p 1.0, repetition_penalty 1.05, max_tokens 4096, which speaks
+at most 4095 frames as the reference's talker_max_new_tokens does;
 code predictor: top_k 50, top_p 0.8) and the checkpoint's generation_config.json for the thinker.
 """
 
