@@ -45,6 +45,11 @@ class GeneratorComponent(StatelessBase, nn.Module):
         self.generator = generator
         self.temporal_compression = temporal_compression
         self._prompts: dict[tuple[str, str], _Prompt] = {}
+        self.sp_group: Any = None  # a sequence-parallel replica's torch.distributed group
+
+    def set_sp_group(self, group: Any) -> None:
+        """Run every forward sequence-parallel over `group` (all its ranks make the same calls)."""
+        self.sp_group = group
 
     @property
     def num_prompts(self) -> int:
@@ -67,7 +72,7 @@ class GeneratorComponent(StatelessBase, nn.Module):
         if not live:
             return out
         rows = [self._row(items[i]) for i in live]
-        for i, result in zip(live, self.generator(rows), strict=True):
+        for i, result in zip(live, self.generator(rows, sp_group=self.sp_group), strict=True):
             out[i] = {"velocity": result.vision.float()}
             if result.sound is not None:
                 out[i]["sound_velocity"] = result.sound.float()

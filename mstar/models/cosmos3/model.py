@@ -70,7 +70,8 @@ def _graph(chat_context: int | None, sound: bool) -> ModelGraph:
     """The generate lane (with `sound`, its decode walk also decodes sound), and with `chat_context` (the
     reasoner's context length) the chat lane."""
     components = {
-        "dit": ComponentSpec("stateless", "MoT generator: (prompt ids, noisy latents, timestep) -> velocities"),
+        "dit": ComponentSpec("stateless", "MoT generator: (prompt ids, noisy latents, timestep) -> velocities",
+                             sequence_parallel=True),
         "scheduler": ComponentSpec("stateless", "per-request noise and UniPC states; guidance + one step"),
         "vae": ComponentSpec("stateless", "Wan2.2 VAE: conditioning frame -> latent frame; latents -> frames"),
     }

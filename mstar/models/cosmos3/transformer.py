@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -164,19 +165,34 @@ class Cosmos3Generator(nn.Module):
         return TextKV(keys, values)
 
     @torch.no_grad()
-    def forward(self, rows: list[GenRow]) -> list[GenOut]:
-        """One denoising step of every row: the generation tower over all rows' tokens packed together."""
+    def forward(self, rows: list[GenRow], sp_group: Any = None) -> list[GenOut]:
+        """One denoising step of every row: the generation tower over all rows' tokens packed together.
+        With `sp_group` (every rank of it calling with the same rows) each rank runs 1/P of every row's
+        tokens, attention as Ulysses attention over the group (sequence_parallel.py), and every rank
+        returns every row's velocities."""
         x = torch.cat([self._embed_row(row) for row in rows])
         cos = torch.cat([row.cos for row in rows])
         sin = torch.cat([row.sin for row in rows])
-        bounds = _bounds([row.num_tokens for row in rows])
+        lengths = [row.num_tokens for row in rows]
+        bounds = _bounds(lengths)
+        shards = None
+        if sp_group is not None:
+            from mstar.models.cosmos3.sequence_parallel import RowShards
+
+            shards = RowShards(sp_group, lengths)
+            x, cos, sin = shards.split(x), shards.split(cos), shards.split(sin)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.gen.project(x, cos, sin)
-            attended = torch.cat([
-                _attend(q[a:b], torch.cat([row.text.keys[i], k[a:b]]), torch.cat([row.text.values[i], v[a:b]]))
-                for row, (a, b) in zip(rows, bounds, strict=True)])
+            if shards is not None:
+                attended = shards.attend(q, k, v, [r.text.keys[i] for r in rows], [r.text.values[i] for r in rows])
+            else:
+                attended = torch.cat([
+                    _attend(q[a:b], torch.cat([row.text.keys[i], k[a:b]]), torch.cat([row.text.values[i], v[a:b]]))
+                    for row, (a, b) in zip(rows, bounds, strict=True)])
             x = layer.gen.finish(x, attended)
         x = self.gen_norm(x)
+        if shards is not None:
+            x = shards.gather(x)
         return [self._heads(row, x[a:b]) for row, (a, b) in zip(rows, bounds, strict=True)]
 
     def _embed_row(self, row: GenRow) -> torch.Tensor:
