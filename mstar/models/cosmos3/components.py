@@ -89,7 +89,7 @@ class GeneratorComponent(StatelessBase, nn.Module):
         return GenRow(
             text=prompt.text, cos=prompt.cos, sin=prompt.sin, vision=x["latents"],
             vision_noisy=torch.arange(frames, device=device) >= layout.condition_frames,
-            timestep=int(x["timestep"].reshape(-1)[0]), sound=x.get("sound_latents"), action=action,
+            timestep=x["timestep"], sound=x.get("sound_latents"), action=action,
             action_noisy=None if action is None else torch.ones(action.shape[0], dtype=torch.bool, device=device),
             domain=layout.domain)
 

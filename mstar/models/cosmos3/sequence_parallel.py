@@ -23,7 +23,7 @@ from mstar.distributed.ulysses import check_heads, group_size, heads_to_sequence
 class RowShards:
     """This rank's share of packed rows of `lengths` tokens (see the module docstring)."""
 
-    def __init__(self, group: Any, lengths: list[int]) -> None:
+    def __init__(self, group: Any, lengths: list[int], device: torch.device | str = "cpu") -> None:
         import torch.distributed as dist
 
         self.group, self.size, self.rank = group, group_size(group), dist.get_rank(group)
@@ -31,9 +31,9 @@ class RowShards:
         self.local = [math.ceil(n / self.size) for n in lengths]  # tokens per rank of each row
         starts = torch.tensor([0, *self.local]).cumsum(0).tolist()
         total = starts[-1]
-        # position in the all-to-all's rank-major [P * total] order of token t of padded row i
+        # position in the all-to-all's rank-major [P * total] order of token t of row i (padding dropped)
         self.order = [torch.cat([torch.arange(starts[i], starts[i] + local) + p * total for p in range(self.size)])
-                      for i, local in enumerate(self.local)]
+                      [:n].to(device) for i, (n, local) in enumerate(zip(lengths, self.local, strict=True))]
 
     def split(self, x: torch.Tensor) -> torch.Tensor:
         """Packed whole rows [sum n_i, ...] -> this rank's packed slices [sum local_i, ...] (zero padding)."""
@@ -56,8 +56,7 @@ class RowShards:
         kh, vh = sequence_to_heads(torch.stack((k, v))[:, None], self.group)[:, 0]
         mine = slice(self.rank * kv_heads // self.size, (self.rank + 1) * kv_heads // self.size)
         out = torch.zeros_like(qh)
-        for i, (n, order) in enumerate(zip(self.lengths, self.order, strict=True)):
-            index = order[:n].to(q.device)
+        for i, index in enumerate(self.order):
             keys = torch.cat([text_k[i][:, mine], kh[index]])
             values = torch.cat([text_v[i][:, mine], vh[index]])
             attended = F.scaled_dot_product_attention(
@@ -73,4 +72,4 @@ class RowShards:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         everything = torch.cat(parts)  # rank-major, as the all-to-all's order
-        return torch.cat([everything[order[:n].to(x.device)] for n, order in zip(self.lengths, self.order, strict=True)])
+        return torch.cat([everything[index] for index in self.order])

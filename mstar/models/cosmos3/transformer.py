@@ -101,7 +101,7 @@ class GenRow:
     sin: torch.Tensor
     vision: torch.Tensor  # [C, T, H, W] noisy latents
     vision_noisy: torch.Tensor  # [T] bool: frames the model denoises (the others condition it)
-    timestep: float  # the step's timestep (the scheduler's integer value)
+    timestep: torch.Tensor | int  # the step's timestep: the scheduler's integer value (int64 on any device)
     sound: torch.Tensor | None = None  # [sound_dim, S]
     action: torch.Tensor | None = None  # [A, action_dim]
     action_noisy: torch.Tensor | None = None  # [A] bool
@@ -179,7 +179,7 @@ class Cosmos3Generator(nn.Module):
         if sp_group is not None:
             from mstar.models.cosmos3.sequence_parallel import RowShards
 
-            shards = RowShards(sp_group, lengths)
+            shards = RowShards(sp_group, lengths, x.device)
             x, cos, sin = shards.split(x), shards.split(cos), shards.split(sin)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.gen.project(x, cos, sin)
@@ -211,9 +211,12 @@ class Cosmos3Generator(nn.Module):
             parts.append(torch.where(row.action_noisy[:, None], action + temb, action))
         return torch.cat(parts)
 
-    def _time_embedding(self, timestep: float) -> torch.Tensor:
-        """[1, D] embedding of the step's timestep, in the embedder's (float32) dtype."""
-        scaled = torch.full((1,), int(timestep), device=self.proj_in.weight.device) * self.config.timestep_scale
+    def _time_embedding(self, timestep: torch.Tensor | int) -> torch.Tensor:
+        """[1, D] embedding of the step's integer timestep, in the embedder's (float32) dtype; a tensor is read
+        where it lives (no host sync)."""
+        device = self.proj_in.weight.device
+        steps = torch.as_tensor(timestep, dtype=torch.int64).reshape(1).to(device)
+        scaled = steps * self.config.timestep_scale  # int64 times a float: float32, as the reference scales it
         features = timestep_features(scaled, TIME_FEATURES)
         return self.time_embedder(features.to(self.time_embedder.linear_1.weight.dtype))
 
