@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.models.qwen3_omni.encoder_attention import SegmentPlan, segment_attention
+from mstar.layers.segment_attention import SegmentPlan, segment_attention
 from mstar.models.qwen3_omni.encoder_config import VisionEncoderConfig
 
 

@@ -3,7 +3,8 @@
 Tokens of several images, frames or audio windows lie one after another; each attends only to the
 tokens of its own segment. Segments of equal length are gathered into one SDPA batch, so there is no
 mask and no padding, and on GPU SDPA picks its flash kernel: encoders have few distinct lengths
-(every frame of a video and every full audio window are alike).
+(every frame of a video and every full audio window are alike). When every segment has one length
+(a batch of same-size images) the packed sequence is viewed as that batch, with no gather at all.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ def segment_lengths(cu_seqlens: torch.Tensor) -> list[int]:
 
 
 class SegmentPlan:
-    """Gather indices grouping a packed sequence's segments by length; built once, used by every layer."""
+    """Gather indices grouping a packed sequence's segments by length; built once, used by every layer.
+    `uniform` is the one length when every segment has it (then no index is built)."""
 
     def __init__(self, lengths: list[int], device: torch.device) -> None:
         if any(n <= 0 for n in lengths):
@@ -28,8 +30,9 @@ class SegmentPlan:
             starts.append(offset)
             offset += n
         self.total = offset
+        self.uniform = lengths[0] if len(set(lengths)) == 1 else None
         self.groups: list[tuple[int, torch.Tensor]] = []  # (length, token indices [num_segments * length])
-        for length in sorted(set(lengths)):
+        for length in sorted(set(lengths)) if self.uniform is None else ():
             seg_starts = torch.tensor([s for s, n in zip(starts, lengths) if n == length], dtype=torch.long)
             index = (seg_starts[:, None] + torch.arange(length)[None, :]).reshape(-1)
             self.groups.append((length, index.to(device)))
@@ -40,8 +43,9 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: S
     if q.shape[0] != plan.total:
         raise ValueError(f"packed sequence has {q.shape[0]} tokens but the segments cover {plan.total}")
     heads, dim = q.shape[1], q.shape[2]
-    if len(plan.groups) == 1 and plan.groups[0][0] == plan.total:  # one segment: no gather
-        return _sdpa(q[None], k[None], v[None])[0]
+    if plan.uniform is not None:  # segments of one length lie in order: the packed rows are their batch
+        shape = (-1, plan.uniform, heads, dim)
+        return _sdpa(q.view(shape), k.view(shape), v.view(shape)).reshape(q.shape)
     out = torch.empty_like(q)
     for length, index in plan.groups:
         shape = (-1, length, heads, dim)
