@@ -233,11 +233,13 @@ class VideoChunk(_Chunk):
 
 
 class ActionChunk(_Chunk):
-    """Robot actions: row-major `values` of `shape` (e.g. [horizon, action_dim])."""
+    """Robot actions: row-major `values` of `shape` (e.g. [horizon, action_dim]), JSON numbers that hold the
+    model's `dtype` values exactly (`to_numpy` gives them back in it)."""
 
     type: Literal["action"] = "action"
     values: list[float]
     shape: list[int]
+    dtype: Literal["float32"] = "float32"
 
     @model_validator(mode="after")
     def _check_shape(self) -> ActionChunk:

@@ -86,7 +86,8 @@ def test_policy_answers_typed_action_chunks(droid):
                                   modalities=["actions"], chunk_size=8, num_inference_steps=2))
     actions = [c for c in chunks if c.type == "action"]
     assert chunks[-1].type == "final" and len(actions) == 1
-    assert actions[0].shape == [8, 10] and all(isinstance(v, float) for v in actions[0].values)
+    assert actions[0].shape == [8, 10] and actions[0].dtype == "float32"
+    assert all(isinstance(v, float) for v in actions[0].values)
     chunk = actions[0].to_numpy()
     assert np.isfinite(chunk).all() and chunk.std() > 0.01
     again = client.predict_actions(FRAMES, "pick up the red cube", seed=5, chunk_size=8, num_inference_steps=2)
