@@ -113,5 +113,5 @@ def chat_media(state, body: ChatCompletionRequest) -> list[dict]:
                 media.append({"type": "audio", "data": audio.mono(), "sample_rate": audio.sample_rate})
                 continue
             video = decode_video(part.video_url.url, policy)
-            media.append({"type": "video", "data": video.frames, "fps": video.fps})
+            media.append(video.media_item())
     return media

@@ -118,7 +118,7 @@ def _decode(state, kind: str, data, name: str | None) -> dict[str, Any]:
         item = {"type": "audio", "data": audio.mono(), "sample_rate": audio.sample_rate}
     else:
         video = decode_video(data, state.policy("/generate"))
-        item = {"type": "video", "data": video.frames, "fps": video.fps}
+        item = video.media_item()
     if name:
         item["name"] = name
     return item

@@ -1,5 +1,6 @@
 """`mstar serve qwen3_omni --tiny` on CPU through the real openai client with media in: a chat with an
-image_url (data URL) and an input_audio part, and a transcription (audio in, text out)."""
+image_url (data URL) and an input_audio part, a video_url whose sound is heard (use_audio_in_video), and a
+transcription (audio in, text out)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,30 @@ def test_chat_with_image_and_audio_answers_text(client, encoder_calls):
     text_only = client.chat.completions.create(
         model="qwen3_omni", messages=[{"role": "user", "content": "What do you see and hear?"}], max_tokens=1)
     assert resp.usage.prompt_tokens > text_only.usage.prompt_tokens + 20
+
+
+def _mp4_with_sound_data_url() -> str:
+    from mstar.server.media import DecodedAudio, encode_video
+
+    frames = np.stack([np.full((32, 32, 3), 30 * k, np.uint8) for k in range(8)])
+    t = np.arange(16000 * 2) / 16000
+    sound = DecodedAudio((0.3 * np.sin(2 * np.pi * 330 * t)).astype(np.float32)[:, None], 16000)
+    return "data:video/mp4;base64," + base64.b64encode(encode_video(frames, 4.0, audio=sound)).decode()
+
+
+def test_a_video_url_is_heard_with_its_sound_unless_switched_off(client, encoder_calls):
+    content = [{"type": "video_url", "video_url": {"url": _mp4_with_sound_data_url()}},
+               {"type": "text", "text": "What happens?"}]
+    messages = [{"role": "user", "content": content}]
+    heard = client.chat.completions.create(model="qwen3_omni", messages=messages, max_tokens=4, temperature=0,
+                                           modalities=["text", "audio"], audio={"voice": "Ethan", "format": "wav"},
+                                           extra_body={"talker.max_tokens": 4, "talker.temperature": 0})
+    assert heard.choices[0].message.audio.data and encoder_calls == [("audio_encoder", 1), ("vision_encoder", 1)]
+    encoder_calls.clear()
+    seen = client.chat.completions.create(model="qwen3_omni", messages=messages, max_tokens=4, temperature=0,
+                                          extra_body={"use_audio_in_video": False})
+    assert encoder_calls == [("audio_encoder", 0), ("vision_encoder", 1)]
+    assert heard.usage.prompt_tokens > seen.usage.prompt_tokens + 20  # the track's rows and its two markers
 
 
 def test_transcription_takes_the_audio(client, encoder_calls):

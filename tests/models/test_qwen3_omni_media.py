@@ -196,3 +196,67 @@ def test_spoken_answer_to_an_image_matches_reference_text_and_audio(setup):
             talker_max_new_tokens=10)
     assert text == sequences[0, ids.shape[1]:].tolist()
     torch.testing.assert_close(audio, want_audio.reshape(-1), atol=1e-4, rtol=0)
+
+
+def _sounding_video(seed, sound_seed, frames=8):
+    """Two seconds of frames at 4 fps with a sound track (as decode_video's media_item gives them)."""
+    sound = _audio(sound_seed, seconds=frames / 4)
+    return {"type": "video", "data": np.stack([_image(seed + k, 32, 32) for k in range(frames)]), "fps": 4.0,
+            "audio": sound["data"], "sample_rate": sound["sample_rate"]}
+
+
+def reference_heard_prompt(reference, prompt, inputs):
+    """The reference processor's expansion of `prompt` with use_audio_in_video (its own code, run on one character
+    per token: transformers' processor class needs torchvision, its expansion method does not)."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import _get_feat_extract_output_lengths
+    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessor
+
+    chars = {SP["audio"]: "A", SP["image"]: "I", SP["video"]: "V", SP["vision_start"]: "[", SP["vision_end"]: "]",
+             SP["audio_start"]: "<", SP["audio_end"]: ">"}
+    other = {c: chr(0x4E00 + i) for i, c in enumerate(sorted(set(prompt) - set(chars)))}
+    merge = SimpleNamespace(merge_size=reference.config.thinker_config.vision_config.spatial_merge_size)
+    fake = SimpleNamespace(audio_token="A", image_token="I", video_token="V", vision_bos_token="[",
+                           vision_eos_token="]", audio_bos_token="<", audio_eos_token=">", image_processor=merge,
+                           video_processor=merge)
+    [text] = Qwen3OmniMoeProcessor.replace_multimodal_special_tokens(
+        fake, ["".join(chars.get(t) or other[t] for t in prompt)],
+        iter(_get_feat_extract_output_lengths(inputs["audio_lengths"]).tolist()), iter([]),
+        iter(inputs["vision_grid_thw"].numpy()), iter([1.0]), True, reference.config.thinker_config.position_id_per_seconds, 2)
+    back = {v: k for k, v in {**chars, **other}.items()}
+    return [back[c] for c in text]
+
+
+def test_a_video_is_heard_with_its_sound_as_the_reference_hears_it(setup, spies):
+    reference, mstar = setup
+    walks, batches = spies
+    prompt = HEAD + VIDEO + TAIL
+    handle, inputs = submit_media(mstar, prompt, [_sounding_video(2, 1)], temperature=0, max_tokens=TOKENS)
+    text, _ = outputs(handle)
+    ids = inputs["prompt_ids"]
+    assert ids.tolist() == reference_heard_prompt(reference, prompt, inputs)
+    kinds = inputs["mm_kinds"].tolist()
+    assert 0 < kinds.index(0) < len(kinds) - kinds[::-1].index(1) - 1  # audio rows between the frames' rows
+    mask = torch.ones(1, ids.numel(), dtype=torch.long)
+    lengths = inputs["audio_lengths"]
+    want_positions, _ = reference.thinker.get_rope_index(ids[None], None, inputs["vision_grid_thw"], mask, True,
+                                                         lengths, torch.tensor([1.0]))
+    torch.testing.assert_close(inputs["positions"].double(), want_positions[:, 0].double())
+    kwargs = {"attention_mask": mask, "input_features": inputs["audio_features"][None],
+              "feature_attention_mask": torch.ones(1, inputs["audio_features"].shape[1], dtype=torch.long),
+              "pixel_values_videos": inputs["pixel_values"], "video_grid_thw": inputs["vision_grid_thw"],
+              "video_second_per_grid": torch.tensor([1.0]), "use_audio_in_video": True}
+    with torch.no_grad():
+        out = reference.thinker.generate(ids[None], max_new_tokens=TOKENS, do_sample=False, eos_token_id=SP["im_end"],
+                                         **kwargs)
+    assert text == out[0, ids.numel():].tolist()
+    assert walks[0] == "prefill_media" and batches == {"audio": [1], "vision": [1]}
+    # the sound is heard: another track changes the answer; switched off, the video is as if silent
+    other, _ = submit_media(mstar, prompt, [_sounding_video(2, 3)], temperature=0, max_tokens=TOKENS)
+    assert outputs(other)[0] != text
+    off, off_inputs = submit_media(mstar, prompt, [_sounding_video(2, 1)], temperature=0, max_tokens=TOKENS,
+                                   use_audio_in_video=False)
+    silent = {k: v for k, v in _sounding_video(2, 1).items() if k not in ("audio", "sample_rate")}
+    alone, _ = submit_media(mstar, prompt, [silent], temperature=0, max_tokens=TOKENS)
+    assert outputs(off)[0] == outputs(alone)[0] != text and "audio_features" not in off_inputs

@@ -153,9 +153,18 @@ def test_mp4_with_audio_track():
     frames = np.zeros((8, 16, 16, 3), np.uint8)
     audio = DecodedAudio(_tone(1.0, channels=2), RATE)
     mp4 = encode_video(frames, fps=8, audio=audio)
-    assert decode_video(mp4).frames.shape[0] == 8
+    video = decode_video(mp4)
+    assert video.frames.shape[0] == 8
     track = decode_audio(mp4)
     assert track.sample_rate == RATE and track.channels == 2 and abs(track.duration_s - 1.0) < 0.1
+    # the video decodes with its sound (a processor hears it as mono); cut to the frames when they are cut
+    assert video.audio is not None and np.array_equal(video.audio.samples, track.samples)
+    item = video.media_item()
+    assert item["sample_rate"] == RATE and item["audio"].shape == (track.samples.shape[0],)
+    half = decode_video(mp4, max_frames=4).audio
+    assert abs(half.duration_s - 0.5) < 1e-3
+    silent = decode_video(encode_video(frames, fps=8))
+    assert silent.audio is None and "audio" not in silent.media_item()
 
 
 def test_video_over_the_pixel_limit_is_413():

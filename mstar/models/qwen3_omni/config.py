@@ -116,6 +116,7 @@ class MultimodalTokens:
     position_id_per_seconds: float = 13
     spatial_merge_size: int = 2
     audio_n_window: int = 50  # the audio encoder's window: sets its output length for a feature length
+    audio_end_token_id: int | None = None  # closes a video's audio track (use_audio_in_video)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], vision: dict[str, Any], audio: dict[str, Any]) -> MultimodalTokens:
@@ -123,7 +124,7 @@ class MultimodalTokens:
         return cls(cfg["audio_token_id"], cfg["image_token_id"], cfg["video_token_id"],
                    cfg["vision_start_token_id"], cfg["audio_start_token_id"],
                    cfg.get("position_id_per_seconds", 13), vision.get("spatial_merge_size", 2),
-                   audio.get("n_window", 50))
+                   audio.get("n_window", 50), cfg.get("audio_end_token_id"))
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ Lane `code2wav` (audio only):
             emits "audio" (24 kHz float32).
 Per-request options: plain sampling keys and thinker.* go to the thinker, talker.* to the talker,
 code_predictor.* to the code predictor (defaults are the checkpoint's), `voice` (Ethan, Chelsie,
-Aiden), `modalities`.
+Aiden), `modalities`, `use_audio_in_video` (default true: a video's sound track is heard, as the
+reference's switch does; `media_inputs`).
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ class Qwen3Omni(Model):
     name = "qwen3_omni"
     input_modalities = ("text", "image", "audio", "video")
     output_modalities = ("text", "audio")
-    default_options = {"modalities": ["text"], "voice": "Ethan"}
+    default_options = {"modalities": ["text"], "voice": "Ethan", "use_audio_in_video": True}
 
     @classmethod
     def make_config(cls, tiny: bool = False, **overrides: Any) -> OmniServeConfig:

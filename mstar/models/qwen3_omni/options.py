@@ -79,6 +79,8 @@ def validate(options: Mapping[str, Any], speakers: Mapping[str, int]) -> None:
     if speakers and voice.lower() not in speakers:
         names = sorted(s.capitalize() for s in speakers)
         raise ValueError(f"unknown voice {voice!r}; this checkpoint's voices are {names}")
+    if not isinstance(options.get("use_audio_in_video", True), bool):
+        raise ValueError(f"use_audio_in_video={options['use_audio_in_video']!r}: use true or false")
     for key in ("thinker.max_tokens", "talker.max_tokens"):
         value = options.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):

@@ -4,7 +4,8 @@ Requests: chat `messages` are rendered with the checkpoint's chat template (gene
 added); a bare `text` (e.g. /v1/audio/speech input) is taken as one user message, after the
 request's `media` when there are any (/v1/audio/transcriptions, native /generate). Walk inputs:
 `prompt_ids` [n]; with media, the placeholders expanded and the encoders' inputs, `mm_mask`,
-`mm_kinds` and M-RoPE `positions` (`media_inputs`), and option "media" set so the thinker lane
+`mm_kinds` and M-RoPE `positions` (`media_inputs`; a video's sound track heard too unless option
+`use_audio_in_video` is false), and option "media" set so the thinker lane
 starts with `prefill_media`; for a speaking request also `talker_positions` [3, m], the M-RoPE
 positions of the talker's prompt (the user turns' tokens then the 9 assistant rows, as the
 reference's `get_rope_index` lays them out). Unset `thinker.max_tokens` means "until eos or the end
@@ -72,7 +73,8 @@ class OmniProcessor(Processor):
                 raise ValueError("this qwen3_omni processor takes no media (built without encoder configs)")
             from mstar.models.qwen3_omni.media_inputs import media_prompt
 
-            prepared = media_prompt(ids, media, self.media, self.omni.thinker.tokens)
+            prepared = media_prompt(ids, media, self.media, self.omni.thinker.tokens,
+                                    use_audio_in_video=bool(options.get("use_audio_in_video", True)))
             out, rope = prepared.inputs, prepared.rope
             options[MEDIA_OPTION] = list(prepared.kinds)
         else:

@@ -46,10 +46,19 @@ class DecodedAudio:
 
 @dataclass(frozen=True)
 class DecodedVideo:
-    """Video frames as uint8 RGB shaped (frames, height, width, 3), with the stream's frame rate."""
+    """Video frames as uint8 RGB shaped (frames, height, width, 3), with the stream's frame rate and the
+    container's sound track, if it has one."""
 
     frames: np.ndarray
     fps: float
+    audio: DecodedAudio | None = None
+
+    def media_item(self) -> dict[str, Any]:
+        """A processor request's media item: frames and fps, and the sound as mono samples with their rate."""
+        item: dict[str, Any] = {"type": "video", "data": self.frames, "fps": self.fps}
+        if self.audio is not None:
+            item.update(audio=self.audio.mono(), sample_rate=self.audio.sample_rate)
+        return item
 
 
 def decode_image(source, policy: MediaPolicy | None = None) -> np.ndarray:
@@ -191,7 +200,9 @@ def _audio_frame_to_array(frame) -> np.ndarray:
 
 
 def decode_video(source, policy: MediaPolicy | None = None, max_frames: int = 256) -> DecodedVideo:
-    """Decode the first video stream into at most `max_frames` uint8 RGB frames (T, H, W, 3)."""
+    """Decode the first video stream into at most `max_frames` uint8 RGB frames (T, H, W, 3), and the first
+    audio stream, if any, under the policy's audio limits (cut to the frames kept when `max_frames` cut
+    the video short)."""
     if max_frames < 1:
         raise ValueError(f"max_frames must be >= 1, got {max_frames}")
     policy = policy or MediaPolicy()
@@ -209,6 +220,15 @@ def decode_video(source, policy: MediaPolicy | None = None, max_frames: int = 25
             frames.append(frame.to_ndarray(format="rgb24"))
             if len(frames) >= max_frames:
                 break
+        has_sound = bool(container.streams.audio)
     if not frames:
         raise MediaError(400, "could not decode video: no frames")
-    return DecodedVideo(np.stack(frames), fps)
+    audio = None
+    if has_sound:
+        try:
+            audio = _decode_audio_av(data, policy)
+        except MediaError as exc:
+            raise MediaError(exc.status_code, f"the video's sound track: {exc.message}") from None
+        if len(frames) >= max_frames and fps > 0:
+            audio = DecodedAudio(audio.samples[: int(len(frames) / fps * audio.sample_rate)], audio.sample_rate)
+    return DecodedVideo(np.stack(frames), fps, audio)
