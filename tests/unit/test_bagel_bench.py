@@ -8,7 +8,8 @@ import pytest
 
 from benchmarks.bagel_bench import main
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+# a whole benchmark script: the slow group (tests/conftest.py: one_thread)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 def test_quick_run(tmp_path) -> None:

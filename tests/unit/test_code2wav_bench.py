@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks.code2wav_bench import main
+
+pytestmark = pytest.mark.slow  # a whole benchmark script
 
 
 def test_quick_run(tmp_path) -> None:

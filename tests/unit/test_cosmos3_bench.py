@@ -11,7 +11,8 @@ pytest.importorskip("diffusers")
 
 from benchmarks.cosmos3_bench import main  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+# a whole benchmark script: the slow group (tests/conftest.py: one_thread)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 def test_quick_run(tmp_path) -> None:

@@ -9,7 +9,8 @@ import pytest
 
 pytest.importorskip("openpi_client")
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+# a whole benchmark script: the slow group (tests/conftest.py: one_thread)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 def test_quick_run(tmp_path) -> None:
