@@ -1,4 +1,5 @@
-"""The gated SiLU feed-forward block of Llama-family decoders."""
+"""Feed-forward blocks: the gated SiLU MLP of Llama-family decoders and the plain GELU MLP of vision
+transformers and connectors."""
 
 from __future__ import annotations
 
@@ -27,3 +28,19 @@ class GatedMLP(nn.Module):
             return silu_and_mul_linear(gate_up, self.down_proj)  # fused into the GEMV where it wins
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return linear(F.silu(gate) * up, self.down_proj)
+
+
+class GeluMLP(nn.Module):
+    """fc2(gelu(fc1(x))) with biases: SigLIP's MLP and BAGEL's connector (tanh-approximated GELU) and
+    V-JEPA 2's (`approximate="none"`, the exact GELU)."""
+
+    def __init__(self, in_features: int, hidden: int, out_features: int | None = None,
+                 approximate: str = "tanh") -> None:
+        super().__init__()
+        self.approximate = approximate
+        self.fc1 = nn.Linear(in_features, hidden)
+        self.fc2 = nn.Linear(hidden, in_features if out_features is None else out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features]."""
+        return linear(F.gelu(linear(x, self.fc1), approximate=self.approximate), self.fc2)

@@ -50,7 +50,7 @@ def vit_shapes(cfg: BagelConfig) -> dict[str, tuple[int, ...]]:
     vit, hidden = cfg.vit, cfg.llm.hidden_size
     d, pre = vit.hidden_size, "vit_model.vision_model."
     out = {f"{pre}embeddings.patch_embedding.weight": (d, vit.patch_dim), f"{pre}embeddings.patch_embedding.bias": (d,),
-           f"{pre}embeddings.position_embedding.weight": (vit.max_side**2, d),
+           f"{pre}embeddings.position_embedding.weight": (vit.grid_side**2, d),
            f"{pre}post_layernorm.weight": (d,), f"{pre}post_layernorm.bias": (d,)}
     for i in range(vit.num_layers):
         layer = f"{pre}encoder.layers.{i}."

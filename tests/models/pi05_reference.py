@@ -36,7 +36,7 @@ def pi0_config(config: Pi05Config):
                             "intermediate_size": llm.mlp_dim, "num_attention_heads": llm.num_heads,
                             "num_key_value_heads": llm.num_kv_heads, "head_dim": llm.head_dim},
             "vision_config": {"model_type": "siglip_vision_model", "hidden_size": vision.hidden_size,
-                              "intermediate_size": vision.mlp_size, "num_hidden_layers": vision.num_layers,
+                              "intermediate_size": vision.intermediate_size, "num_hidden_layers": vision.num_layers,
                               "num_attention_heads": vision.num_heads, "patch_size": vision.patch_size,
                               "image_size": vision.image_size, "vision_use_head": False}},
         dit_config={**gemma, "hidden_size": expert.width, "num_hidden_layers": expert.depth,

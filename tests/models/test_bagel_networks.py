@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar.models.bagel.config import BagelConfig, LLMConfig, ViTConfig
+from mstar.models.bagel.config import BagelConfig, LLMConfig, vit_from_hf
 from mstar.models.bagel.context import KVContext, PackedAttention, QuerySpec
 from mstar.models.bagel.embeddings import grid_positions, patchify
 from mstar.models.bagel.llm import Routing
@@ -34,7 +34,7 @@ def _load(part: str, cfg: BagelConfig, state: dict[str, torch.Tensor]) -> torch.
 
 
 def test_full_size_config_is_the_checkpoints():
-    cfg = BagelConfig(llm=LLMConfig.from_hf(FULL_LLM), vit=ViTConfig.from_hf(FULL_VIT))
+    cfg = BagelConfig(llm=LLMConfig.from_hf(FULL_LLM), vit=vit_from_hf(FULL_VIT))
     assert cfg == BagelConfig()  # the defaults (--load-format dummy without files) are BAGEL-7B-MoT's
     assert cfg.vit.num_layers == 26 and cfg.latent_downsample == 16 and cfg.patch_latent_dim == 64
 
@@ -161,11 +161,11 @@ def test_vit_equals_siglip_vision_model():
     want = reference(pixel_values=image[None]).last_hidden_state[0]
     p = vit.patch_size
     patches = torch.cat([patchify(image, p), patchify(small, p)])
-    positions = torch.cat([grid_positions(vit.max_side, vit.max_side, vit.max_side), grid_positions(3, 2, vit.max_side)])
-    n = vit.max_side**2
+    positions = torch.cat([grid_positions(vit.grid_side, vit.grid_side, vit.grid_side), grid_positions(3, 2, vit.grid_side)])
+    n = vit.grid_side**2
     got = tower.vit(patches, positions, [n, 6])
     torch.testing.assert_close(got[:n], want, atol=TOL, rtol=0)
-    alone = tower.vit(patchify(small, p), grid_positions(3, 2, vit.max_side), [6])
+    alone = tower.vit(patchify(small, p), grid_positions(3, 2, vit.grid_side), [6])
     torch.testing.assert_close(got[n:], alone, atol=TOL, rtol=0)
 
 

@@ -37,7 +37,7 @@ PI05_BASE_JSON = {
 def lerobot_keys(cfg: Pi05Config) -> dict[str, tuple[int, ...]]:
     """`PI05Policy.state_dict()` names (without the policy's `model.`) and shapes at `cfg`."""
     keys: dict[str, tuple[int, ...]] = {}
-    v, width, mlp = cfg.vision, cfg.vision.hidden_size, cfg.vision.mlp_size
+    v, width, mlp = cfg.vision, cfg.vision.hidden_size, cfg.vision.intermediate_size
     tower = PALI + "model.vision_tower.vision_model."
     keys[tower + "embeddings.patch_embedding.weight"] = (width, 3, v.patch_size, v.patch_size)
     keys[tower + "embeddings.patch_embedding.bias"] = (width,)

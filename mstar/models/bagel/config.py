@@ -10,9 +10,11 @@ qk-norm, whatever the config files say; those choices are made here, once.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from mstar.layers.siglip import SiglipShape
 
 LLM_CONFIG, VIT_CONFIG = "llm_config.json", "vit_config.json"
 EMA_WEIGHTS, VAE_WEIGHTS = "ema.safetensors", "ae.safetensors"
@@ -44,34 +46,14 @@ class LLMConfig:
                    rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)))
 
 
-@dataclass(frozen=True)
-class ViTConfig:
-    """SigLIP's vision tower as BAGEL runs it: learned position embeddings over a `max_side` grid, no head."""
+BAGEL_VIT = SiglipShape(num_layers=26, image_size=980)  # vit_config.json's 27 layers less the last
 
-    hidden_size: int = 1152
-    intermediate_size: int = 4304
-    num_layers: int = 26  # vit_config.json's 27 less the last, which BAGEL drops
-    num_heads: int = 16
-    patch_size: int = 14
-    image_size: int = 980
-    layer_norm_eps: float = 1e-6
 
-    @property
-    def max_side(self) -> int:
-        """Patches per side of the position-embedding grid."""
-        return self.image_size // self.patch_size
-
-    @property
-    def patch_dim(self) -> int:
-        return 3 * self.patch_size**2
-
-    @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> ViTConfig:
-        """From vit_config.json: BAGEL uses the penultimate layer's output, so one layer fewer."""
-        return cls(hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-                   num_layers=cfg["num_hidden_layers"] - 1, num_heads=cfg["num_attention_heads"],
-                   patch_size=cfg["patch_size"], image_size=cfg["image_size"],
-                   layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-6)))
+def vit_from_hf(cfg: dict[str, Any]) -> SiglipShape:
+    """SigLIP's shape from vit_config.json, one layer fewer: BAGEL uses the penultimate layer's output and
+    a position table over the `image_size / patch_size` grid, without the pooling head."""
+    shape = SiglipShape.from_hf(cfg)
+    return replace(shape, num_layers=shape.num_layers - 1)
 
 
 @dataclass(frozen=True)
@@ -95,7 +77,7 @@ class BagelConfig:
     """Every shape of one BAGEL model and the glue between its parts."""
 
     llm: LLMConfig = field(default_factory=LLMConfig)
-    vit: ViTConfig = field(default_factory=ViTConfig)
+    vit: SiglipShape = BAGEL_VIT
     vae: VAEConfig = field(default_factory=VAEConfig)
     latent_patch_size: int = 2  # VAE latents enter the LLM as 2x2 patches
     max_latent_size: int = 64  # patches per side of the latent position-embedding grid (1024 px)
@@ -123,8 +105,8 @@ class BagelConfig:
                 raise FileNotFoundError(f"no {name} in {folder}; pass --model-path with a BAGEL-7B-MoT folder "
                                         "(llm_config.json, vit_config.json, ema.safetensors, ae.safetensors)")
             configs.append(json.loads(path.read_text()))
-        vit = ViTConfig.from_hf(configs[1])
-        return cls(llm=LLMConfig.from_hf(configs[0]), vit=vit, vae=vae or VAEConfig(), vit_max_patches_per_side=vit.max_side)
+        vit = vit_from_hf(configs[1])
+        return cls(llm=LLMConfig.from_hf(configs[0]), vit=vit, vae=vae or VAEConfig(), vit_max_patches_per_side=vit.grid_side)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mstar.models.bagel.config import BagelConfig, LLMConfig, VAEConfig, ViTConfig
+from mstar.models.bagel.config import BagelConfig, LLMConfig, VAEConfig, vit_from_hf
 
 TINY_LLM: dict[str, Any] = {
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 640, "hidden_size": 64,
@@ -26,9 +26,9 @@ TINY_MAX_LATENT = 8  # latent patches per side: images up to 128 px
 
 def tiny_config() -> BagelConfig:
     """2-layer MoT LLM (hidden 64), 2-layer ViT (hidden 32, patch 14, 8x8 grid), a 32/64-channel FLUX VAE."""
-    vit = ViTConfig.from_hf(TINY_VIT)
+    vit = vit_from_hf(TINY_VIT)
     return BagelConfig(llm=LLMConfig.from_hf(TINY_LLM), vit=vit, vae=TINY_VAE, max_latent_size=TINY_MAX_LATENT,
-                       vit_max_patches_per_side=vit.max_side)
+                       vit_max_patches_per_side=vit.grid_side)
 
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",

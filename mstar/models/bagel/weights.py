@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mstar.layers import siglip
 from mstar.models.bagel.config import EMA_WEIGHTS, VAE_WEIGHTS, BagelConfig
 from mstar.models.bagel.llm import BagelLLM
 from mstar.models.bagel.vae import FluxVAE
@@ -62,22 +63,15 @@ def llm_mapper(cfg: BagelConfig) -> loading.NameMapper:
 
 def vit_mapper(cfg: BagelConfig) -> loading.NameMapper:
     """Maps an `ema.safetensors` name to (parameter of `VisionTower`, row offset); None for the LLM's tensors."""
-    d = cfg.vit.hidden_size
-    attn = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", d), "v_proj": ("qkv_proj", 2 * d),
-            "out_proj": ("out_proj", 0)}
-    layer = re.compile(r"vit_model\.vision_model\.encoder\.layers\.(\d+)\.(self_attn\.|mlp\.)?(\w+)\.(weight|bias)")
+    prefix = "vit_model.vision_model."
 
     def mapper(name: str) -> tuple[str, int] | None:
         if name.startswith(_VIT_PARTS):
             return name, 0
-        if not name.startswith("vit_model."):
+        if not name.startswith(prefix):
             return None
-        match = layer.fullmatch(name)
-        if match:
-            index, _, part, kind = match.groups()
-            target, offset = attn.get(part, (part, 0))
-            return f"vit.layers.{index}.{target}.{kind}", offset
-        return name.replace("vit_model.vision_model.", "vit.", 1), 0
+        target, offset = siglip.checkpoint_name(name[len(prefix):], cfg.vit.hidden_size)
+        return "vit." + target, offset
 
     return mapper
 

@@ -14,13 +14,13 @@ from torch import nn
 from mstar.engines.base import StatelessBase, StepItem
 from mstar.models.pi05.network import PolicyNet, flow_time
 from mstar.models.pi05.prefix_kv import PoolFull, PrefixKVPool
-from mstar.models.pi05.siglip import SiglipEncoder
+from mstar.models.pi05.siglip import VisionTower
 
 
 class VisionComponent(StatelessBase, nn.Module):
     """Node `vision`: every camera of every request in one SigLIP forward; images -> image_tokens."""
 
-    def __init__(self, encoder: SiglipEncoder) -> None:
+    def __init__(self, encoder: VisionTower) -> None:
         super().__init__()
         self.encoder = encoder
 

@@ -11,30 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mstar.layers.siglip import SiglipShape
+
 CAMERA_PREFIX = "observation.images."  # lerobot's image feature names: CAMERA_PREFIX + camera
-
-
-@dataclass(frozen=True)
-class SiglipShape:
-    """The SigLIP vision tower (no pooling head) and its projection into the Gemma width."""
-
-    hidden_size: int = 1152
-    num_layers: int = 27
-    num_heads: int = 16
-    mlp_size: int = 4304
-    patch_size: int = 14
-    image_size: int = 224
-    layer_norm_eps: float = 1e-6
-
-    def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads or self.image_size % self.patch_size:
-            raise ValueError(f"SigLIP: hidden_size {self.hidden_size} must divide by num_heads {self.num_heads} "
-                             f"and image_size {self.image_size} by patch_size {self.patch_size}")
-
-    @property
-    def tokens(self) -> int:
-        """Tokens per image: one per patch."""
-        return (self.image_size // self.patch_size) ** 2
 
 
 @dataclass(frozen=True)

@@ -106,12 +106,12 @@ class Pi05(Model):
     def _part(self, part: str, device: torch.device):
         from mstar.models.pi05 import weights
         from mstar.models.pi05.network import PolicyNet
-        from mstar.models.pi05.siglip import SiglipEncoder
+        from mstar.models.pi05.siglip import VisionTower
 
         cfg = self.pi05
         if self.checkpoint is not None and self.load_format != "dummy":
             return weights.load_part(self.checkpoint, cfg, part, self._dtype(device), device)
-        factory = (lambda: SiglipEncoder(cfg.vision, cfg.llm.width)) if part == "vision" else (lambda: PolicyNet(cfg))
+        factory = (lambda: VisionTower(cfg.vision, cfg.llm.width)) if part == "vision" else (lambda: PolicyNet(cfg))
         std = _TINY_STD if self.config.tiny else 0.02
         return weights.build(factory, self._dtype(device), device, None, None, seed=self.config.seed, std=std)
 

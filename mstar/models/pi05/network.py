@@ -14,7 +14,7 @@ from torch import nn
 
 from mstar.models.pi05.config import Pi05Config
 from mstar.models.pi05.gemma import ActionExpert, PrefixLM
-from mstar.models.pi05.siglip import SiglipEncoder
+from mstar.models.pi05.siglip import VisionTower
 
 
 class PolicyNet(nn.Module):
@@ -63,5 +63,5 @@ class Pi05Network(nn.Module):
 
     def __init__(self, config: Pi05Config) -> None:
         super().__init__()
-        self.vision = SiglipEncoder(config.vision, config.llm.width)
+        self.vision = VisionTower(config.vision, config.llm.width)
         self.policy = PolicyNet(config)

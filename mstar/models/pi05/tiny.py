@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mstar.models.pi05.config import GemmaShape, Pi05Config, SiglipShape
+from mstar.layers.siglip import SiglipShape
+from mstar.models.pi05.config import GemmaShape, Pi05Config
 
 TINY_VOCAB = 1024  # the tiny tokenizer's ids (259 base pieces and 400 merges) all fit
 
@@ -17,7 +18,7 @@ TINY_VOCAB = 1024  # the tiny tokenizer's ids (259 base pieces and 400 merges) a
 def tiny_config() -> Pi05Config:
     """The tiny policy: 7-D actions, 8-D states padded to 32, 10 Euler steps."""
     return Pi05Config(
-        vision=SiglipShape(hidden_size=32, num_layers=2, num_heads=2, mlp_size=48, patch_size=8, image_size=32),
+        vision=SiglipShape(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=48, patch_size=8, image_size=32),
         llm=GemmaShape(width=64, depth=2, mlp_dim=96, num_heads=2, num_kv_heads=1, head_dim=16),
         expert=GemmaShape(width=32, depth=2, mlp_dim=64, num_heads=2, num_kv_heads=1, head_dim=16),
         vocab_size=TINY_VOCAB, state_dim=8, action_dim=7, chunk_size=10, max_prompt_tokens=160)

@@ -2,8 +2,9 @@
 building the loaded networks.
 
 lerobot's names, with or without the policy's leading `model.`:
-- `paligemma_with_expert.paligemma.model.vision_tower.vision_model.*`: SigLIP (separate q/k/v projections,
-  filling our fused qkv by rows); `...model.multi_modal_projector.linear`: the projector;
+- `paligemma_with_expert.paligemma.model.vision_tower.vision_model.*`: SigLIP, our names but for the separate
+  q/k/v projections, which fill our fused qkv by rows (`layers.siglip.checkpoint_name`);
+  `...model.multi_modal_projector.linear`: the projector;
 - `paligemma_with_expert.paligemma.model.language_model.*`: the Gemma prefix (q/k/v and gate/up fused by
   rows); the token embedding is `embed_tokens` or, saved tied, `paligemma.lm_head`;
 - `paligemma_with_expert.gemma_expert.model.*`: the action expert, its norms adaptive (`*.dense`);
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mstar.layers import siglip
 from mstar.models.common.loading import fill_dummy_weights, load_named_tensors, weight_files
 from mstar.models.common.meta import build_on_meta
 from mstar.models.pi05.config import Pi05Config
@@ -41,11 +43,7 @@ _OLD_LAYOUT = ((_PALI + "language_model.model.", _LLM), (_PALI + "language_model
 _TOP = {"action_in_proj": "policy.expert.action_in", "action_out_proj": "policy.expert.action_out",
         "time_mlp_in": "policy.expert.time_in", "time_mlp_out": "policy.expert.time_out",
         "action_time_mlp_in": "policy.expert.time_in", "action_time_mlp_out": "policy.expert.time_out",
-        _PALI + "model.multi_modal_projector.linear": "vision.projector",
-        _VISION + "embeddings.patch_embedding": "vision.patch_embed", _VISION + "post_layernorm": "vision.norm"}
-_SIGLIP = {"layer_norm1": ("norm1", 0), "layer_norm2": ("norm2", 0), "self_attn.q_proj": ("qkv", 0),
-           "self_attn.k_proj": ("qkv", 1), "self_attn.v_proj": ("qkv", 2), "self_attn.out_proj": ("proj", 0),
-           "mlp.fc1": ("fc1", 0), "mlp.fc2": ("fc2", 0)}
+        _PALI + "model.multi_modal_projector.linear": "vision.projector"}
 _LAYER = re.compile(r"(.*\.layers)\.(\d+)\.(.+)\.(weight|bias)$")
 
 
@@ -85,8 +83,9 @@ def mapper(config: Pi05Config, names: Iterable[str]) -> Callable[[str], Mapped]:
             return None
         if key in (_LLM + "embed_tokens.weight", _PALI + "lm_head.weight"):
             return "policy.llm.embed.weight", 0
-        if key == _VISION + "embeddings.position_embedding.weight":
-            return "vision.pos_embed", 0
+        if key.startswith(_VISION):  # the tower's names are transformers' but for the fused q/k/v
+            target, row = siglip.checkpoint_name(key[len(_VISION):], vision_width)
+            return "vision." + target, row
         if key == _EXPERT + "model.norm.dense.weight" or key == _EXPERT + "model.norm.dense.bias":
             return "policy.expert.norm.dense." + key.rpartition(".")[2], 0
         stem, _, leaf = key.rpartition(".")
@@ -96,9 +95,6 @@ def mapper(config: Pi05Config, names: Iterable[str]) -> Callable[[str], Mapped]:
         if match is None:
             return name, 0
         stack, index, inner, leaf = match.groups()
-        if stack == _VISION + "encoder.layers" and inner in _SIGLIP:
-            ours, third = _SIGLIP[inner]
-            return f"vision.blocks.{index}.{ours}.{leaf}", third * vision_width
         for prefix, ours, shape in ((_LLM + "layers", "policy.llm", llm), (_EXPERT + "model.layers", "policy.expert",
                                                                               expert)):
             if stack == prefix and (rows := gemma_rows(shape, inner)) is not None:
@@ -172,10 +168,10 @@ def load_part(folder: Path, config: Pi05Config, part: str, dtype: torch.dtype = 
               device: torch.device | str = "cpu") -> nn.Module:
     """`part` ("vision" or "policy") of a lerobot Pi0.5 folder, loaded in `dtype` on `device`."""
     from mstar.models.pi05.network import PolicyNet
-    from mstar.models.pi05.siglip import SiglipEncoder
+    from mstar.models.pi05.siglip import VisionTower
 
     name_map = part_mapper(mapper(config, checkpoint_names(folder)), part)
-    factory = (lambda: SiglipEncoder(config.vision, config.llm.width)) if part == "vision" else \
+    factory = (lambda: VisionTower(config.vision, config.llm.width)) if part == "vision" else \
         (lambda: PolicyNet(config))
     return build(factory, dtype, device, tensors(folder, name_map), name_map)
 
