@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.layers.mlp import GeluMLP
 from mstar.models.vjepa2.config import ClassifierConfig, ViTShape
-from mstar.models.vjepa2.layers import MLP, blocks
+from mstar.models.vjepa2.layers import blocks
 
 
 class CrossAttentionLayer(nn.Module):
@@ -21,7 +22,7 @@ class CrossAttentionLayer(nn.Module):
         self.q = nn.Linear(width, width)
         self.kv = nn.Linear(width, 2 * width)
         self.norm2 = nn.LayerNorm(width, eps=shape.layer_norm_eps)
-        self.mlp = MLP(width, shape.mlp_size)
+        self.mlp = GeluMLP(width, shape.mlp_size, approximate="none")
 
     def forward(self, queries: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
         batch, n, width = latents.shape

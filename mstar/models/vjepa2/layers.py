@@ -1,5 +1,5 @@
 """The transformer block every V-JEPA 2 network uses: pre-norm attention (fused qkv, optional 3D RoPE,
-optional KV cache) and a GELU MLP."""
+optional KV cache) and an exact-GELU MLP (`layers.mlp.GeluMLP`)."""
 
 from __future__ import annotations
 
@@ -7,20 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.layers.mlp import GeluMLP
 from mstar.models.vjepa2.config import ViTShape
 from mstar.models.vjepa2.rope import apply_rope
-
-
-class MLP(nn.Module):
-    """fc1 -> exact GELU -> fc2."""
-
-    def __init__(self, width: int, hidden: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(width, hidden)
-        self.fc2 = nn.Linear(hidden, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
 
 
 class LayerKV:
@@ -72,7 +61,7 @@ class Block(nn.Module):
         self.norm1 = nn.LayerNorm(shape.hidden_size, eps=shape.layer_norm_eps)
         self.attn = Attention(shape.hidden_size, shape.num_heads)
         self.norm2 = nn.LayerNorm(shape.hidden_size, eps=shape.layer_norm_eps)
-        self.mlp = MLP(shape.hidden_size, shape.mlp_size)
+        self.mlp = GeluMLP(shape.hidden_size, shape.mlp_size, approximate="none")
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                 mask: torch.Tensor | None = None, cache: LayerKV | None = None) -> torch.Tensor:
