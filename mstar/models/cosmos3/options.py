@@ -8,13 +8,11 @@ or `seconds` at `fps`), `fps`, `num_inference_steps`, `guidance_scale` (1 turns 
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
+from mstar.models.common.video_options import frame_count, integer, number, seed, video_size
 from mstar.models.cosmos3.actions import RESOLUTION_TIERS, domain_of
 from mstar.models.cosmos3.prompts import VIEWPOINTS
 
@@ -67,15 +65,14 @@ class Generation:
 def resolve_generation(options: Mapping[str, Any], defaults: Cosmos3Defaults, policy: bool) -> Generation:
     """The size, frames, rate, steps, guidance and seed of a request (a policy's size and frames come later)."""
     fps = number(options.get("fps", defaults.fps), "fps", 0.0, 240.0, exclusive_low=True)
-    width, height = (0, 0) if policy else _size(options, defaults)
-    num_frames = 0 if policy else _frames(options, defaults, fps)
-    seed = options.get("seed")
+    width, height = (0, 0) if policy else video_size(options, defaults.width, defaults.height, MULTIPLE, MAX_SIDE)
+    num_frames = 0 if policy else frame_count(options, defaults.num_frames, fps, MAX_FRAMES)
     return Generation(
         width=width, height=height, num_frames=num_frames, fps=fps,
         num_inference_steps=integer(options.get("num_inference_steps", defaults.num_inference_steps),
                                     "num_inference_steps", 1, MAX_STEPS),
         guidance_scale=number(options.get("guidance_scale", defaults.guidance_scale), "guidance_scale", 0.0, 100.0),
-        seed=secrets.randbelow(2**31) if seed is None else integer(seed, "seed", 0, 2**63 - 1))
+        seed=seed(options))
 
 
 @dataclass(frozen=True)
@@ -104,51 +101,3 @@ def resolve_policy(options: Mapping[str, Any], defaults: PolicyDefaults) -> Poli
         raise ValueError(f"view_point={view!r} must be one of {sorted(VIEWPOINTS)}")
     return Policy(embodiment, domain, width, integer(options.get("chunk_size", defaults.chunk_size), "chunk_size", 1,
                                                       MAX_CHUNK), tier, view)
-
-
-def _frames(options: Mapping[str, Any], defaults: Cosmos3Defaults, fps: float) -> int:
-    modalities = list(options.get("modalities") or ["video"])
-    num_frames = options.get("num_frames")
-    if num_frames is None and options.get("seconds") is not None:
-        seconds = number(options["seconds"], "seconds", 0.0, 600.0, exclusive_low=True)
-        num_frames = 4 * max(round(seconds * fps / 4), 0) + 1
-    if num_frames is None:
-        num_frames = 1 if "image" in modalities and "video" not in modalities else defaults.num_frames
-    num_frames = integer(num_frames, "num_frames", 1, MAX_FRAMES)
-    if num_frames % 4 != 1:
-        raise ValueError(f"num_frames={num_frames} must be 4k+1 (1, 5, 9, ..., 189); try {4 * (num_frames // 4) + 1}")
-    if "image" in modalities and "video" not in modalities and num_frames != 1:
-        raise ValueError(f"an image output needs num_frames=1, got num_frames={num_frames}")
-    return num_frames
-
-
-def _size(options: Mapping[str, Any], defaults: Cosmos3Defaults) -> tuple[int, int]:
-    size = options.get("size")
-    if size not in (None, "auto"):
-        try:
-            width, height = (int(v) for v in str(size).lower().split("x"))
-        except ValueError:
-            raise ValueError(f"size={size!r} must look like 'WxH', e.g. '1280x720'") from None
-    else:
-        width, height = options.get("width", defaults.width), options.get("height", defaults.height)
-    for name, value in (("width", width), ("height", height)):
-        value = integer(value, name, MULTIPLE, MAX_SIDE)
-        if value % MULTIPLE:
-            raise ValueError(f"{name}={value} must be a multiple of {MULTIPLE}; try {MULTIPLE * round(value / MULTIPLE)}")
-    return int(width), int(height)
-
-
-def integer(value: Any, name: str, low: int, high: int) -> int:
-    """`value` as an int in [low, high]; ValueError naming `name` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
-        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
-    return int(value)
-
-
-def number(value: Any, name: str, low: float, high: float, exclusive_low: bool = False) -> float:
-    """`value` as a float in [low, high] (low excluded when asked); ValueError naming `name` otherwise."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not (low < value if exclusive_low else low <= value) or value > high:
-        bound = f"({low}, {high}]" if exclusive_low else f"[{low}, {high}]"
-        raise ValueError(f"{name} must be a number in {bound}, got {value!r}")
-    return float(value)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from mstar.models.base import OutputDecoder, Processor
+from mstar.models.common.video_options import request_text
 from mstar.models.cosmos3 import actions, prompts
 from mstar.models.cosmos3.guidance import Layout
 from mstar.models.cosmos3.options import Cosmos3Defaults, Generation, resolve_generation, resolve_policy
@@ -80,7 +81,9 @@ class Cosmos3Processor(Processor):
         writes the resolved options, `layout` and `condition` (whether a frame conditions) into `options`."""
         if _is_chat(options):
             return self._chat().inputs(request, options)
-        text = _prompt(request)
+        text = request_text(request)
+        if text is None:
+            raise ValueError("cosmos3 needs a non-empty text prompt (the task, for a policy)")
         policy = _is_policy(options)
         gen = resolve_generation(options, self.defaults, policy)
         options.update(gen.as_options())
@@ -159,20 +162,6 @@ def _is_chat(options: Mapping[str, Any]) -> bool:
 
 def _is_policy(options: Mapping[str, Any]) -> bool:
     return "actions" in (options.get("modalities") or ())
-
-
-def _prompt(request: Mapping[str, Any]) -> str:
-    text = request.get("text")
-    if text is None and request.get("messages"):
-        parts = []
-        for message in request["messages"]:
-            content = message.get("content") or ""
-            parts += [content] if isinstance(content, str) else [p.get("text", "") for p in content
-                                                                  if p.get("type") == "text"]
-        text = " ".join(parts)
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError("cosmos3 needs a non-empty text prompt (the task, for a policy)")
-    return text
 
 
 def _media_frame(request: Mapping[str, Any], policy: bool) -> np.ndarray | None:

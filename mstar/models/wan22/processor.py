@@ -8,7 +8,6 @@ image in its media is image-to-video: the image (resized to the video size) beco
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 
 from mstar.models.base import Processor
+from mstar.models.common.video_options import frame_count, integer, number, request_text, seed, video_size
 
 MULTIPLE = 32  # VAE 16x spatial compression x DiT 2x2 patches
 MAX_SIDE = 4096
@@ -43,26 +43,14 @@ def defaults_for(config: Any) -> Wan22Defaults:
 
 def resolve_options(options: Mapping[str, Any], defaults: Wan22Defaults) -> dict[str, Any]:
     """The resolved size, frames, fps, steps, guidance and seed of a request; ValueError names a bad one."""
-    width, height = _size(options, defaults)
-    fps = _number(options.get("fps", defaults.fps), "fps", 0.0, 240.0, exclusive_low=True)
-    modalities = list(options.get("modalities") or ["video"])
-    num_frames = options.get("num_frames")
-    if num_frames is None and options.get("seconds") is not None:
-        seconds = _number(options["seconds"], "seconds", 0.0, 600.0, exclusive_low=True)
-        num_frames = 4 * max(round(seconds * fps / 4), 0) + 1
-    if num_frames is None:
-        num_frames = 1 if "image" in modalities and "video" not in modalities else defaults.num_frames
-    num_frames = _integer(num_frames, "num_frames", 1, MAX_FRAMES)
-    if num_frames % 4 != 1:
-        raise ValueError(f"num_frames={num_frames} must be 4k+1 (1, 5, 9, ..., 121); try {4 * (num_frames // 4) + 1}")
-    if "image" in modalities and "video" not in modalities and num_frames != 1:
-        raise ValueError(f"an image output needs num_frames=1, got num_frames={num_frames}")
-    seed = options.get("seed")
+    width, height = video_size(options, defaults.width, defaults.height, MULTIPLE, MAX_SIDE)
+    fps = number(options.get("fps", defaults.fps), "fps", 0.0, 240.0, exclusive_low=True)
     return {
-        "width": width, "height": height, "fps": fps, "num_frames": num_frames,
-        "num_inference_steps": _integer(options.get("num_inference_steps", 50), "num_inference_steps", 1, MAX_STEPS),
-        "guidance_scale": _number(options.get("guidance_scale", 5.0), "guidance_scale", 0.0, 100.0),
-        "seed": secrets.randbelow(2**31) if seed is None else _integer(seed, "seed", 0, 2**63 - 1),
+        "width": width, "height": height, "fps": fps,
+        "num_frames": frame_count(options, defaults.num_frames, fps, MAX_FRAMES),
+        "num_inference_steps": integer(options.get("num_inference_steps", 50), "num_inference_steps", 1, MAX_STEPS),
+        "guidance_scale": number(options.get("guidance_scale", 5.0), "guidance_scale", 0.0, 100.0),
+        "seed": seed(options),
     }
 
 
@@ -86,7 +74,9 @@ class Wan22Processor(Processor):
         from mstar.models.wan22.text_encoder import tokenize_prompts
 
         options.update(resolve_options(options, self.defaults))
-        prompt = _prompt(request)
+        prompt = request_text(request)
+        if prompt is None:
+            raise ValueError("wan22 needs a non-empty text prompt")
         negative = options.get("negative_prompt") or ""
         if not isinstance(negative, str):
             raise ValueError(f"negative_prompt must be a string, got {type(negative).__name__}")
@@ -122,20 +112,6 @@ def image_tensor(image: np.ndarray, width: int, height: int) -> torch.Tensor:
     return (pixels * 2 - 1).permute(2, 0, 1).unsqueeze(1).contiguous()
 
 
-def _prompt(request: Mapping[str, Any]) -> str:
-    text = request.get("text")
-    if text is None and request.get("messages"):
-        parts = []
-        for message in request["messages"]:
-            content = message.get("content") or ""
-            parts += [content] if isinstance(content, str) else [p.get("text", "") for p in content
-                                                                  if p.get("type") == "text"]
-        text = " ".join(parts)
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError("wan22 needs a non-empty text prompt")
-    return text
-
-
 def _reference_image(request: Mapping[str, Any]) -> np.ndarray | None:
     media = request.get("media") or []
     if any(m.get("type") not in ("image",) for m in media):
@@ -145,33 +121,3 @@ def _reference_image(request: Mapping[str, Any]) -> np.ndarray | None:
     if len(images) > 1:
         raise ValueError(f"wan22 takes one reference image, got {len(images)}")
     return images[0]["data"] if images else None
-
-
-def _size(options: Mapping[str, Any], defaults: Wan22Defaults) -> tuple[int, int]:
-    size = options.get("size")
-    if size not in (None, "auto"):
-        try:
-            width, height = (int(v) for v in str(size).lower().split("x"))
-        except ValueError:
-            raise ValueError(f"size={size!r} must look like 'WxH', e.g. '1280x704'") from None
-    else:
-        width, height = options.get("width", defaults.width), options.get("height", defaults.height)
-    for name, value in (("width", width), ("height", height)):
-        value = _integer(value, name, MULTIPLE, MAX_SIDE)
-        if value % MULTIPLE:
-            raise ValueError(f"{name}={value} must be a multiple of {MULTIPLE}; try {MULTIPLE * round(value / MULTIPLE)}")
-    return int(width), int(height)
-
-
-def _integer(value: Any, name: str, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
-        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
-    return int(value)
-
-
-def _number(value: Any, name: str, low: float, high: float, exclusive_low: bool = False) -> float:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not (low < value if exclusive_low else low <= value) or value > high:
-        bound = f"({low}, {high}]" if exclusive_low else f"[{low}, {high}]"
-        raise ValueError(f"{name} must be a number in {bound}, got {value!r}")
-    return float(value)

@@ -1,0 +1,84 @@
+"""Request options of the image and video generators: the prompt, size, frame count, seed and bounded numbers.
+
+Each check raises ValueError naming the option, its value and what it must be, so the server answers 400
+with the fix. The limits (size multiple, largest side, most frames) are the caller's: they depend on the
+model's VAE and patches.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+
+def request_text(request: Mapping[str, Any]) -> str | None:
+    """The request's `text`, else the text parts of its `messages` joined by spaces; None when blank."""
+    text = request.get("text")
+    if text is None and request.get("messages"):
+        parts = []
+        for message in request["messages"]:
+            content = message.get("content") or ""
+            parts += [content] if isinstance(content, str) else [p.get("text", "") for p in content
+                                                                  if p.get("type") == "text"]
+        text = " ".join(parts)
+    return text if isinstance(text, str) and text.strip() else None
+
+
+def video_size(options: Mapping[str, Any], width: int, height: int, multiple: int, max_side: int) -> tuple[int, int]:
+    """(width, height) from option `size` "WxH" or `width`/`height`, defaulting to `width` x `height`;
+    each side a multiple of `multiple` in [multiple, max_side]."""
+    size = options.get("size")
+    if size not in (None, "auto"):
+        try:
+            width, height = (int(v) for v in str(size).lower().split("x"))
+        except ValueError:
+            raise ValueError(f"size={size!r} must look like 'WxH', e.g. '{width}x{height}'") from None
+    else:
+        width, height = options.get("width", width), options.get("height", height)
+    for name, value in (("width", width), ("height", height)):
+        value = integer(value, name, multiple, max_side)
+        if value % multiple:
+            raise ValueError(f"{name}={value} must be a multiple of {multiple}; try {multiple * round(value / multiple)}")
+    return int(width), int(height)
+
+
+def frame_count(options: Mapping[str, Any], default: int, fps: float, max_frames: int) -> int:
+    """Option `num_frames` (4k+1), else `seconds` at `fps`, else 1 for an image-only request, else `default`."""
+    modalities = list(options.get("modalities") or ["video"])
+    num_frames = options.get("num_frames")
+    if num_frames is None and options.get("seconds") is not None:
+        seconds = number(options["seconds"], "seconds", 0.0, 600.0, exclusive_low=True)
+        num_frames = 4 * max(round(seconds * fps / 4), 0) + 1
+    if num_frames is None:
+        num_frames = 1 if "image" in modalities and "video" not in modalities else default
+    num_frames = integer(num_frames, "num_frames", 1, max_frames)
+    if num_frames % 4 != 1:
+        raise ValueError(f"num_frames={num_frames} must be 4k+1 (1, 5, 9, ...); try {4 * (num_frames // 4) + 1}")
+    if "image" in modalities and "video" not in modalities and num_frames != 1:
+        raise ValueError(f"an image output needs num_frames=1, got num_frames={num_frames}")
+    return num_frames
+
+
+def seed(options: Mapping[str, Any]) -> int:
+    """Option `seed`, or one drawn at random when the request sets none."""
+    value = options.get("seed")
+    return secrets.randbelow(2**31) if value is None else integer(value, "seed", 0, 2**63 - 1)
+
+
+def integer(value: Any, name: str, low: int, high: int) -> int:
+    """`value` as an int in [low, high]; ValueError naming `name` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+    return int(value)
+
+
+def number(value: Any, name: str, low: float, high: float, exclusive_low: bool = False) -> float:
+    """`value` as a float in [low, high] (low excluded when asked); ValueError naming `name` otherwise."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not (low < value if exclusive_low else low <= value) or value > high:
+        bound = f"({low}, {high}]" if exclusive_low else f"[{low}, {high}]"
+        raise ValueError(f"{name} must be a number in {bound}, got {value!r}")
+    return float(value)
