@@ -115,7 +115,6 @@ class SiglipTower(nn.Module):
 
     def __init__(self, shape: SiglipShape, embeddings: nn.Module) -> None:
         super().__init__()
-        self.shape = shape
         self.embeddings = embeddings
         self.encoder = SiglipEncoder(shape)
         self.post_layernorm = nn.LayerNorm(shape.hidden_size, eps=shape.layer_norm_eps)
