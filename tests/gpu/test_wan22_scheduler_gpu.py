@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar.models.wan22 import scheduler
-from mstar.models.wan22.config import UniPCConfig
+from mstar.models.common import unipc
+from mstar.models.common.unipc import UniPCConfig
 
 
 @pytest.mark.parametrize("order", [1, 2, 3])
@@ -16,15 +16,15 @@ def test_unipc_step_on_cuda_never_syncs_and_equals_the_cpu(order):
     gen = torch.Generator().manual_seed(order)
     latents = torch.randn(1, 48, 3, 8, 8, generator=gen)
     velocities = [torch.randn(1, 48, 3, 8, 8, generator=gen) for _ in range(20)]
-    cpu_state, gpu_state = scheduler.new_state(config, 20), scheduler.new_state(config, 20)
+    cpu_state, gpu_state = unipc.new_state(config, 20), unipc.new_state(config, 20)
     x_cpu, x_gpu = latents, latents.cuda()
     gpu_velocities = [v.cuda() for v in velocities]
     torch.cuda.synchronize()
     for velocity, velocity_gpu in zip(velocities, gpu_velocities, strict=True):
-        x_cpu = scheduler.step(cpu_state, velocity, x_cpu)
+        x_cpu = unipc.step(cpu_state, velocity, x_cpu)
         torch.cuda.set_sync_debug_mode("error")
         try:
-            x_gpu = scheduler.step(gpu_state, velocity_gpu, x_gpu)
+            x_gpu = unipc.step(gpu_state, velocity_gpu, x_gpu)
         finally:
             torch.cuda.set_sync_debug_mode(0)
     assert x_gpu.is_cuda and cpu_state.done and gpu_state.done

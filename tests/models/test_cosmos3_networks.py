@@ -112,14 +112,14 @@ def test_prompt_ids_match_the_pipeline(mode, pipe):
 def test_native_flow_schedule_matches_diffusers():
     from diffusers import UniPCMultistepScheduler
 
-    from mstar.models.wan22 import scheduler
-    from mstar.models.wan22.config import UniPCConfig
+    from mstar.models.common import unipc
+    from mstar.models.common.unipc import UniPCConfig
 
     reference = UniPCMultistepScheduler(**{k: v for k, v in SCHEDULER.items() if not k.startswith("_")})
     steps = 6
     reference.set_timesteps(steps, sigmas=np.linspace(1 - 1 / 1000, 0, steps + 1)[:-1])
     config = UniPCConfig.from_hf(SCHEDULER)
-    state = scheduler.new_state(UniPCConfig(**{**vars(config), "native_flow": True}), steps)
+    state = unipc.new_state(UniPCConfig(**{**vars(config), "native_flow": True}), steps)
     assert torch.equal(state.schedule.timesteps, reference.timesteps)
     torch.testing.assert_close(state.schedule.sigmas, reference.sigmas.float(), atol=1e-7, rtol=0)
-    assert not torch.equal(scheduler.new_state(config, steps).schedule.timesteps, reference.timesteps)
+    assert not torch.equal(unipc.new_state(config, steps).schedule.timesteps, reference.timesteps)

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mstar.models.wan22 import denoise, scheduler
+from mstar.models.common import unipc
+from mstar.models.common.guidance import combine_guidance, initial_noise
+from mstar.models.wan22 import denoise
 from mstar.models.wan22.text_encoder import tokenize_prompts
 from mstar.models.wan22.tiny import SCHEDULER, TINY_TEXT_ENCODER, TINY_TEXT_LENGTH, TINY_TRANSFORMER
 from mstar.models.wan22.weights import load_scheduler_config, load_text_encoder, load_transformer
@@ -121,7 +123,7 @@ def test_scheduler_matches_diffusers_unipc_for_20_steps(pipeline_dir: Path) -> N
     config = load_scheduler_config(pipeline_dir)
     reference = UniPCMultistepScheduler.from_pretrained(pipeline_dir / "scheduler")
     reference.set_timesteps(20)
-    state = scheduler.new_state(config, 20)
+    state = unipc.new_state(config, 20)
     assert torch.equal(state.schedule.timesteps, reference.timesteps)
     gen = torch.Generator().manual_seed(9)
     expected = got = torch.randn(1, 16, 3, 4, 4, generator=gen)
@@ -129,11 +131,11 @@ def test_scheduler_matches_diffusers_unipc_for_20_steps(pipeline_dir: Path) -> N
         assert int(state.timestep) == int(t)
         velocity = torch.randn(got.shape, generator=gen)
         expected = reference.step(velocity, t, expected, return_dict=False)[0]
-        got = scheduler.step(state, velocity, got)
+        got = unipc.step(state, velocity, got)
         torch.testing.assert_close(got, expected, atol=TOL, rtol=0)
     assert state.done
     with pytest.raises(ValueError, match="already took all 20 steps"):
-        scheduler.step(state, velocity, got)
+        unipc.step(state, velocity, got)
 
 
 def test_scheduler_states_are_independent(pipeline_dir: Path) -> None:
@@ -144,24 +146,24 @@ def test_scheduler_states_are_independent(pipeline_dir: Path) -> None:
     outputs = [[torch.randn(1, 4, 2, 2, 2, generator=gen) for _ in range(n)] for n in (6, 4)]
 
     def run_alone(i: int) -> torch.Tensor:
-        state, x = scheduler.new_state(config, len(outputs[i])), start[i]
+        state, x = unipc.new_state(config, len(outputs[i])), start[i]
         for v in outputs[i]:
-            x = scheduler.step(state, v, x)
+            x = unipc.step(state, v, x)
         return x
 
-    states = [scheduler.new_state(config, len(o)) for o in outputs]
+    states = [unipc.new_state(config, len(o)) for o in outputs]
     xs = list(start)
     for k in range(6):
         for i in (1, 0) if k % 2 else (0, 1):
             if k < len(outputs[i]):
-                xs[i] = scheduler.step(states[i], outputs[i][k], xs[i])
+                xs[i] = unipc.step(states[i], outputs[i][k], xs[i])
     for i in range(2):
         torch.testing.assert_close(xs[i], run_alone(i), atol=0, rtol=0)
 
 
 def test_combine_guidance() -> None:
     cond, uncond = torch.tensor([3.0, 1.0]), torch.tensor([1.0, 1.0])
-    assert torch.equal(denoise.combine_guidance(cond, uncond, 5.0), torch.tensor([11.0, 1.0]))
+    assert torch.equal(combine_guidance(cond, uncond, 5.0), torch.tensor([11.0, 1.0]))
 
 
 def _tiny_vae():
@@ -202,8 +204,8 @@ def _our_denoise(root: Path, prompts: list[str], steps: int, guidance: float, se
                                  max_length=TINY_TEXT_LENGTH)
     encoder = load_text_encoder(root, dtype=torch.float32, progress=False)
     transformer = load_transformer(root, dtype=torch.float32, progress=False)
-    state = scheduler.new_state(load_scheduler_config(root), steps)
-    latents = denoise.initial_noise((1, 16, 3, 4, 4), [torch.Generator().manual_seed(seed)])
+    state = unipc.new_state(load_scheduler_config(root), steps)
+    latents = initial_noise((1, 16, 3, 4, 4), [torch.Generator().manual_seed(seed)])
     history = []
     with torch.no_grad():
         text = encoder(ids, mask)  # rows: [cond, uncond]
@@ -211,7 +213,7 @@ def _our_denoise(root: Path, prompts: list[str], steps: int, guidance: float, se
             x = denoise.blend_first_frame(latents, condition)
             ts = denoise.frame_timesteps(state.timestep, 3, condition is not None)[None].expand(2, -1)
             cond, uncond = transformer(torch.cat([x, x]), ts, text).chunk(2)
-            latents = scheduler.step(state, denoise.combine_guidance(cond, uncond, guidance), latents)
+            latents = unipc.step(state, combine_guidance(cond, uncond, guidance), latents)
             history.append(latents)
     return history
 
@@ -265,7 +267,8 @@ def test_image_to_video_loop_matches_wan_i2v_pipeline(pipeline_dir: Path, monkey
 
 def test_config_errors_name_the_offending_value(tmp_path: Path) -> None:
     from mstar.models.common.loading import CheckpointNotFoundError
-    from mstar.models.wan22.config import UniPCConfig, WanTransformerConfig
+    from mstar.models.common.unipc import UniPCConfig
+    from mstar.models.wan22.config import WanTransformerConfig
 
     with pytest.raises(ValueError, match="prediction_type='epsilon'"):
         UniPCConfig.from_hf({**SCHEDULER, "prediction_type": "epsilon"})

@@ -17,7 +17,7 @@ import torch
 
 from mstar.models.common.loading import read_config_json
 from mstar.models.common.serve_config import checkpoint_dtype
-from mstar.models.wan22.config import UniPCConfig
+from mstar.models.common.unipc import UniPCConfig
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ in the reference's order (vision, then sound, then actions), writes the conditio
 the vision noise and opens one UniPC state per generated modality. Node `combine` (end of each step)
 applies classifier-free guidance to each modality's velocities and steps its state; on the last step
 it hands the latents on and emits a policy's actions, cut to the embodiment's width. Per-request
-state lives here alone, keyed by request id, so requests at different steps share only DiT forwards.
+state is kept as `common.guidance.GuidanceSchedulerBase` keeps it.
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
-from mstar.engines.base import StatelessBase
-from mstar.models.wan22 import denoise, scheduler
-from mstar.models.wan22.config import UniPCConfig
+from mstar.models.common import unipc
+from mstar.models.common.guidance import GuidanceSchedulerBase, combine_guidance, initial_noise
 
 # modality -> (latents edge, branch velocity edges): what `combine` steps
 MODALITIES = {"vision": ("latents", "cond_velocity", "uncond_velocity"),
@@ -55,36 +53,22 @@ class Layout:
 
 @dataclass
 class _RequestState:
-    states: dict[str, scheduler.UniPCState]  # one per generated modality
+    states: dict[str, unipc.UniPCState]  # one per generated modality
     generator: torch.Generator  # drew the request's noise; kept so any later draw stays per request
     layout: Layout
 
 
-class GuidanceScheduler(StatelessBase, nn.Module):
+class GuidanceScheduler(GuidanceSchedulerBase[_RequestState]):
     """Runs nodes `prepare` and `combine` (see the module docstring) for many requests."""
 
-    def __init__(self, config: UniPCConfig, device: torch.device) -> None:
+    def __init__(self, config: unipc.UniPCConfig, device: torch.device) -> None:
         super().__init__()
         self.config, self.device = config, device
-        self._requests: dict[str, _RequestState] = {}
-
-    @property
-    def num_requests(self) -> int:
-        """Requests whose state is held (for leak tests)."""
-        return len(self._requests)
-
-    def release(self, request_id: str) -> None:
-        """Forget the request (safe for unknown ids)."""
-        self._requests.pop(request_id, None)
-
-    @torch.no_grad()
-    def run_items(self, items: list[Any]) -> list[dict]:
-        return [self._prepare(i) if i.node == "prepare" else self._combine(i) for i in items]
 
     def _prepare(self, item: Any) -> dict:
         layout, steps = Layout.of(item.options), int(item.options["num_inference_steps"])
         generator = torch.Generator().manual_seed(int(item.options["seed"]))  # CPU, as the reference draws
-        latents = denoise.initial_noise((1, *layout.vision), [generator], device=self.device)[0]
+        latents = initial_noise((1, *layout.vision), [generator], device=self.device)[0]
         condition = item.inputs.get("condition")
         if layout.condition_frames:
             if condition is None or condition.shape[1] != layout.condition_frames:
@@ -92,35 +76,32 @@ class GuidanceScheduler(StatelessBase, nn.Module):
                                  f"{None if condition is None else tuple(condition.shape)}")
             latents[:, : layout.condition_frames] = condition.to(latents.dtype)
         out = {"latents": latents}
-        states = {"vision": scheduler.new_state(self.config, steps)}
+        states = {"vision": unipc.new_state(self.config, steps)}
         if layout.sound is not None:
             out["sound_latents"] = torch.randn(layout.sound, generator=generator).to(self.device)
-            states["sound"] = scheduler.new_state(self.config, steps)
+            states["sound"] = unipc.new_state(self.config, steps)
         if layout.action is not None:
             action = torch.randn(layout.action, generator=generator)
             if layout.action_width is not None:
                 action[:, layout.action_width:] = 0
             out["action_latents"] = action.to(self.device)
-            states["action"] = scheduler.new_state(self.config, steps)
+            states["action"] = unipc.new_state(self.config, steps)
         self._requests[item.request_id] = _RequestState(states, generator, layout)
         return {**out, "timestep": states["vision"].timestep.reshape(1)}
 
     def _combine(self, item: Any) -> dict:
-        request = self._requests.get(item.request_id)
-        if request is None:
-            raise RuntimeError(f"request {item.request_id} has no scheduler state: its prepare node never ran here")
-        x, options = item.inputs, item.options
+        request, x, options = self._state(item), item.inputs, item.options
         scale = float(options["guidance_scale"])
         out: dict[str, Any] = {}
         for modality, state in request.states.items():
             latents_edge, cond_edge, uncond_edge = MODALITIES[modality]
             velocity = x[cond_edge].float()
             if uncond_edge in x:
-                velocity = denoise.combine_guidance(velocity, x[uncond_edge].float(), scale)
+                velocity = combine_guidance(velocity, x[uncond_edge].float(), scale)
             if modality == "action" and request.layout.action_width is not None:
                 velocity = velocity.clone()
                 velocity[:, request.layout.action_width:] = 0
-            stepped = scheduler.step(state, velocity[None], x[latents_edge].float()[None])[0]
+            stepped = unipc.step(state, velocity[None], x[latents_edge].float()[None])[0]
             if modality == "action" and request.layout.action_width is not None:
                 stepped[:, request.layout.action_width:] = 0
             out[latents_edge] = stepped

@@ -38,8 +38,8 @@ TINY_SOUND: dict[str, Any] = {
 
 def tiny_config():
     """The tiny Cosmos3 generator config (2 layers of hidden 48, 16 latent channels) and its scheduler."""
+    from mstar.models.common.unipc import UniPCConfig
     from mstar.models.cosmos3.config import Cosmos3Config, Cosmos3TransformerConfig
-    from mstar.models.wan22.config import UniPCConfig
 
     return Cosmos3Config(transformer=Cosmos3TransformerConfig.from_hf({**TINY_TRANSFORMER, "dtype": "float32"}),
                          scheduler=UniPCConfig.from_hf(SCHEDULER))

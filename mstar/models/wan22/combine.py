@@ -1,10 +1,10 @@
-"""The guidance scheduler component: per-request noise, UniPC state and classifier-free guidance.
+"""The Wan2.2 guidance scheduler component: per-request noise, UniPC state and classifier-free guidance.
 
 Node `prepare` (before the step loop) draws the request's starting noise from its own generator
 (option `seed`) and opens its scheduler state; node `combine` (end of each step) applies guidance to
-the two branch velocities and takes one UniPC step. State is keyed by request id and dropped when the
-schedule finishes or the engine releases the request (finished, failed or cancelled), so requests at
-different steps, with different step counts, never share anything but DiT forwards.
+the two branch velocities and takes one UniPC step. Per-request state is kept as
+`common.guidance.GuidanceSchedulerBase` keeps it. Image-to-video writes the condition over frame 0 of
+what the DiT sees, at timestep 0 (`denoise.py`).
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
-from mstar.engines.base import StatelessBase
-from mstar.models.wan22 import denoise, scheduler
-from mstar.models.wan22.config import UniPCConfig
+from mstar.models.common import unipc
+from mstar.models.common.guidance import GuidanceSchedulerBase, combine_guidance, initial_noise
+from mstar.models.wan22 import denoise
 from mstar.models.wan22.vae_config import WanVAEConfig
 
 logger = logging.getLogger(__name__)
@@ -28,30 +27,16 @@ logger = logging.getLogger(__name__)
 class _RequestState:
     """What one request keeps between steps."""
 
-    unipc: scheduler.UniPCState
+    solver: unipc.UniPCState
     generator: torch.Generator  # drew the request's noise; kept so any later draw stays per request
 
 
-class GuidanceScheduler(StatelessBase, nn.Module):
+class GuidanceScheduler(GuidanceSchedulerBase[_RequestState]):
     """Runs nodes `prepare` and `combine` (see the module docstring) for many requests."""
 
-    def __init__(self, config: UniPCConfig, vae: WanVAEConfig, device: torch.device) -> None:
+    def __init__(self, config: unipc.UniPCConfig, vae: WanVAEConfig, device: torch.device) -> None:
         super().__init__()
         self.config, self.vae, self.device = config, vae, device
-        self._requests: dict[str, _RequestState] = {}
-
-    @property
-    def num_requests(self) -> int:
-        """Requests whose state is held (for leak tests)."""
-        return len(self._requests)
-
-    def release(self, request_id: str) -> None:
-        """Forget the request (safe for unknown ids)."""
-        self._requests.pop(request_id, None)
-
-    @torch.no_grad()
-    def run_items(self, items: list[Any]) -> list[dict]:
-        return [self._prepare(i) if i.node == "prepare" else self._combine(i) for i in items]
 
     def latent_shape(self, options: dict) -> tuple[int, int, int, int]:
         """(C, F', H', W') of a request's latents from its resolved width, height and num_frames."""
@@ -62,20 +47,17 @@ class GuidanceScheduler(StatelessBase, nn.Module):
     def _prepare(self, item: Any) -> dict:
         options = item.options
         generator = torch.Generator().manual_seed(int(options["seed"]))  # CPU, as the reference draws
-        latents = denoise.initial_noise((1, *self.latent_shape(options)), [generator], device=self.device)[0]
-        state = scheduler.new_state(self.config, int(options["num_inference_steps"]))
+        latents = initial_noise((1, *self.latent_shape(options)), [generator], device=self.device)[0]
+        state = unipc.new_state(self.config, int(options["num_inference_steps"]))
         self._requests[item.request_id] = _RequestState(state, generator)
         return {"latents": latents, **self._dit_inputs(latents, item.inputs.get("condition"), state)}
 
     def _combine(self, item: Any) -> dict:
-        request = self._requests.get(item.request_id)
-        if request is None:
-            raise RuntimeError(f"request {item.request_id} has no scheduler state: its prepare node never ran here")
-        x, options, state = item.inputs, item.options, request.unipc
+        x, options, state = item.inputs, item.options, self._state(item).solver
         velocity = x["cond_velocity"]
         if "uncond_velocity" in x:
-            velocity = denoise.combine_guidance(velocity, x["uncond_velocity"], float(options["guidance_scale"]))
-        latents = scheduler.step(state, velocity[None], x["latents"][None])[0]
+            velocity = combine_guidance(velocity, x["uncond_velocity"], float(options["guidance_scale"]))
+        latents = unipc.step(state, velocity[None], x["latents"][None])[0]
         out: dict[str, Any] = {}
         if options.get("debug_outputs"):
             out["step_latents"] = latents[None].clone()
@@ -90,7 +72,7 @@ class GuidanceScheduler(StatelessBase, nn.Module):
         return {**out, "latents": latents, **self._dit_inputs(latents, condition, state)}
 
     def _dit_inputs(self, latents: torch.Tensor, condition: torch.Tensor | None,
-                    state: scheduler.UniPCState) -> dict:
+                    state: unipc.UniPCState) -> dict:
         """The DiT's view of this step: frame 0 replaced by the condition, which sits at timestep 0."""
         dit_latents = denoise.blend_first_frame(latents[None], _batch(condition))[0]
         timestep = denoise.frame_timesteps(state.timestep, latents.shape[1], condition is not None, latents.device)

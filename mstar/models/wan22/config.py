@@ -16,6 +16,7 @@ import torch
 
 from mstar.models.common.loading import read_config_json
 from mstar.models.common.serve_config import checkpoint_dtype
+from mstar.models.common.unipc import UniPCConfig
 
 TEXT_LENGTH = 512  # Wan pads and truncates every prompt to 512 tokens (max_sequence_length)
 
@@ -107,50 +108,6 @@ class WanTransformerConfig:
             cross_attn_norm=bool(cfg.get("cross_attn_norm", True)),
             eps=cfg.get("eps", 1e-6),
             dtype=checkpoint_dtype(cfg),
-        )
-
-
-@dataclass(frozen=True)
-class UniPCConfig:
-    """The flow-matching UniPC multistep scheduler as Wan configures it (TI2V-5B: flow_shift 5)."""
-
-    num_train_timesteps: int = 1000
-    flow_shift: float = 5.0
-    solver_order: int = 2
-    solver_type: str = "bh2"  # "bh1" or "bh2"
-    lower_order_final: bool = True  # drop to first order on the last steps
-    disable_corrector: tuple[int, ...] = ()  # step indices whose corrector is skipped
-    final_sigma_zero: bool = True  # final_sigmas_type "zero" (else "sigma_min")
-    native_flow: bool = False  # base sigmas from 1 - 1/T down to 0 (Cosmos3's use_native_flow_schedule)
-
-    def __post_init__(self) -> None:
-        if self.solver_type not in ("bh1", "bh2"):
-            raise ValueError(f"scheduler solver_type {self.solver_type!r} is not supported; use 'bh1' or 'bh2'")
-        if self.solver_order < 1:
-            raise ValueError(f"scheduler solver_order must be >= 1, got {self.solver_order}")
-
-    @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> UniPCConfig:
-        """Parse a diffusers scheduler_config.json; options Wan does not use raise, naming the key."""
-        required = {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "predict_x0": True}
-        for key, value in required.items():
-            if cfg.get(key, value) != value:
-                raise ValueError(f"scheduler {key}={cfg.get(key)!r} is not supported; Wan uses {key}={value!r}")
-        for key in ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "use_dynamic_shifting",
-                    "thresholding", "shift_terminal", "solver_p"):
-            if cfg.get(key):
-                raise ValueError(f"scheduler option {key}={cfg[key]!r} is not supported; remove it")
-        final = cfg.get("final_sigmas_type", "zero")
-        if final not in ("zero", "sigma_min"):
-            raise ValueError(f"scheduler final_sigmas_type {final!r} is not supported; use 'zero' or 'sigma_min'")
-        return cls(
-            num_train_timesteps=cfg.get("num_train_timesteps", 1000),
-            flow_shift=float(cfg.get("flow_shift", 1.0)),
-            solver_order=cfg.get("solver_order", 2),
-            solver_type=cfg.get("solver_type", "bh2"),
-            lower_order_final=bool(cfg.get("lower_order_final", True)),
-            disable_corrector=tuple(cfg.get("disable_corrector") or ()),
-            final_sigma_zero=final == "zero",
         )
 
 

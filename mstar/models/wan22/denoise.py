@@ -1,4 +1,4 @@
-"""Small pure functions around one denoising step: guidance, first-frame conditioning, timesteps, noise.
+"""Small pure functions around one Wan2.2 denoising step: first-frame conditioning and timesteps.
 
 Text-to-video: every latent frame is noise and denoised at the step's timestep. Image-to-video
 (TI2V-5B): the first latent frame is the encoded image; it is written over the noisy latents before
@@ -7,14 +7,7 @@ every DiT call and after the last step, and its tokens are conditioned on timest
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-
-
-def combine_guidance(cond: torch.Tensor, uncond: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
-    """Classifier-free guidance: uncond + scale * (cond - uncond). `scale` may be [B, 1, 1, 1, 1]."""
-    return uncond + scale * (cond - uncond)
 
 
 def blend_first_frame(latents: torch.Tensor, condition: torch.Tensor | None) -> torch.Tensor:
@@ -40,17 +33,3 @@ def frame_timesteps(
 def token_timesteps(frame_ts: torch.Tensor, tokens_per_frame: int) -> torch.Tensor:
     """Per-frame timesteps [..., F'] spread to per-token [..., F' * tokens_per_frame] (diffusers' layout)."""
     return frame_ts.repeat_interleave(tokens_per_frame, dim=-1)
-
-
-def initial_noise(
-    shape: Sequence[int], generators: Sequence[torch.Generator], dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-) -> torch.Tensor:
-    """Starting latents [B, ...]: row b drawn from `generators[b]` on the generator's device, then moved.
-
-    One generator per request keeps a request's noise the same whichever batch it lands in.
-    """
-    if len(generators) != shape[0]:
-        raise ValueError(f"need one generator per batch row: got {len(generators)} for batch {shape[0]}")
-    rows = [torch.randn((1, *shape[1:]), generator=g, device=g.device, dtype=dtype) for g in generators]
-    return torch.cat(rows).to(device)

@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mstar.models.wan22.config import UMT5Config, UniPCConfig, Wan22Config, WanTransformerConfig
+from mstar.models.common.unipc import UniPCConfig
+from mstar.models.wan22.config import UMT5Config, Wan22Config, WanTransformerConfig
 
 TINY_TEXT_ENCODER: dict[str, Any] = {
     "architectures": ["UMT5EncoderModel"], "model_type": "umt5", "vocab_size": 512, "d_model": 32,

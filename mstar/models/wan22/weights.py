@@ -20,7 +20,8 @@ from torch import nn
 
 from mstar.models.common import loading
 from mstar.models.common.meta import build_on_meta
-from mstar.models.wan22.config import UMT5Config, UniPCConfig, WanTransformerConfig, read_config
+from mstar.models.common.unipc import UniPCConfig
+from mstar.models.wan22.config import UMT5Config, WanTransformerConfig, read_config
 from mstar.models.wan22.text_encoder import UMT5Encoder
 from mstar.models.wan22.transformer import WanTransformer, build_transformer
 
