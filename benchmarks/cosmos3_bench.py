@@ -224,9 +224,9 @@ def reference_pipeline(args):
     )
     from transformers import AutoTokenizer
 
+    from mstar.models.common.wan_vae.vae_config import WAN22_TI2V_5B_VAE, tiny_vae_config
     from mstar.models.cosmos3.config import NANO
     from mstar.models.cosmos3.tiny import SCHEDULER, TINY_TRANSFORMER, TINY_VAE_CHANNELS
-    from mstar.models.wan22.vae_config import WAN22_TI2V_5B_VAE, tiny_vae_config
 
     hf = lambda cfg: {k: v for k, v in cfg.items() if not k.startswith("_") and k != "dtype"}  # noqa: E731
     dtype = torch.float32 if args.quick else torch.bfloat16

@@ -5,7 +5,7 @@ the wan_bench shape). Variants (each: one warm-up decode, `--repeats` timed ones
 
 - `float32`: the NCDHW decoder (`vae_dtype: float32`, one latent frame per decoder call), as served until
   the channels-last one;
-- `float32_cl`: the channels-last decoder with folded conv biases (`models/wan22/vae_channels_last.py`), TF32
+- `float32_cl`: the channels-last decoder with folded conv biases (`models/common/wan_vae/vae_channels_last.py`), TF32
   convolutions (`vae_conv_dtype: float32`), as served until float16 ones; `float32_cl_autotune`: the same with cuDNN timing its algorithms per
   convolution shape (`cudnn_autotune`; the served model option was deleted: no gain); `float32_cl_chunk3`: channels-last, three latent
   frames per decoder call;
@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from benchmarks.profile_wan import summarize_kernels  # noqa: E402
-from mstar.models.wan22.vae_weights import load_vae  # noqa: E402
+from mstar.models.common.wan_vae.vae_weights import load_vae  # noqa: E402
 
 LATENT = (9, 30, 52)
 TINY_LATENT = (3, 4, 6)
@@ -134,7 +134,7 @@ def exact_decode(config, latent: tuple[int, int, int], device: torch.device) -> 
 
 def difference(video: torch.Tensor, exact: torch.Tensor) -> dict:
     """video against the exact decode: |diff| mean and max in [-1, 1] units, and in uint8 levels."""
-    from mstar.models.wan22.vae import frames_to_uint8
+    from mstar.models.common.wan_vae.vae import frames_to_uint8
 
     diff = (video.float() - exact).abs()
     levels = (frames_to_uint8(video).int() - frames_to_uint8(exact).int()).abs()
@@ -156,7 +156,7 @@ def main() -> None:
     device = torch.device("cpu" if args.quick or not torch.cuda.is_available() else "cuda")
     config = None
     if args.quick:
-        from mstar.models.wan22.vae_config import tiny_vae_config
+        from mstar.models.common.wan_vae.vae_config import tiny_vae_config
 
         config = tiny_vae_config()
     latent = TINY_LATENT if args.quick else LATENT

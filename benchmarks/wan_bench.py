@@ -200,8 +200,8 @@ def bench_ours(args, shape: dict, device: torch.device) -> tuple[list[dict], dic
 
 def bench_diffusers(args, shape: dict, device: torch.device, text_length: int) -> tuple[list[dict], dict]:
     """Build the diffusers pipeline (after ours is freed) and time the same grid, c prompts per call."""
+    from mstar.models.common.wan_vae.vae_config import WAN22_TI2V_5B_VAE, tiny_vae_config
     from mstar.models.wan22 import tiny
-    from mstar.models.wan22.vae_config import WAN22_TI2V_5B_VAE, tiny_vae_config
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     dit, encoder = (tiny.TINY_TRANSFORMER, tiny.TINY_TEXT_ENCODER) if args.quick else (

@@ -146,7 +146,7 @@ def test_ffn_up_projection_gelu_in_the_gemm_epilogue() -> None:
 def test_vae_channel_norm_silu_full_width() -> None:
     """The VAE's norm + SiLU at the decoder's widest map of an 832x480 chunk ([1, 256, 4, 240, 416]): one
     kernel, the float32 formula rounded once in bf16, equal to the PyTorch form to float32 precision."""
-    from mstar.models.wan22.vae_layers import ChannelRMSNorm
+    from mstar.models.common.wan_vae.vae_layers import ChannelRMSNorm
 
     gen = torch.Generator("cuda").manual_seed(11)
     x32 = 2 * torch.randn(1, 256, 4, 240, 416, device="cuda", generator=gen) + 0.3

@@ -16,8 +16,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-from mstar.models.wan22.vae import WanVAE  # noqa: E402
-from mstar.models.wan22.vae_config import WAN22_TI2V_5B_VAE  # noqa: E402
+from mstar.models.common.wan_vae.vae import WanVAE  # noqa: E402
+from mstar.models.common.wan_vae.vae_config import WAN22_TI2V_5B_VAE  # noqa: E402
 
 logger = logging.getLogger(__name__)
 DEVICE = torch.device("cuda")
@@ -62,7 +62,7 @@ def _peak_decode(vae: WanVAE, latents: torch.Tensor, chunk_frames: int | None) -
 
 
 def test_chunked_decode_832x480x33_bf16_bounds_memory():
-    from mstar.models.wan22.vae_weights import load_vae
+    from mstar.models.common.wan_vae.vae_weights import load_vae
 
     vae = load_vae(load_format="dummy", dtype=torch.bfloat16, device=DEVICE)
     latents = torch.randn(1, 48, *vae.latent_shape(33, 480, 832)[1:], device=DEVICE)
@@ -84,7 +84,7 @@ def test_bf16_decode_close_to_float32_at_full_width(exact_float32):
     """The `vae_dtype: bfloat16` serving option against the float32 decode, same (default-init) weights, a
     5-frame 128x160 video: logs the error; bounds it loosely (not yet measured at full width; the tiny
     CPU test saw ~0.004 mean, ~0.04 max on the [-1, 1] scale)."""
-    from mstar.models.wan22.vae import frames_to_uint8
+    from mstar.models.common.wan_vae.vae import frames_to_uint8
 
     torch.manual_seed(0)
     vae32 = WanVAE(WAN22_TI2V_5B_VAE).to(DEVICE).eval()
@@ -105,7 +105,7 @@ def test_float16_convolutions_err_like_tf32(exact_float32):
     float32) against the exact float32 decode (TF32 off), beside the TF32 decode served before it: same
     default-init full-size weights, 3 latent frames of 128x192. float16 keeps TF32's 10-bit mantissa and adds
     one rounding of each conv output, so its error should be of TF32's size, not bf16's (7 bits)."""
-    from mstar.models.wan22.vae import frames_to_uint8
+    from mstar.models.common.wan_vae.vae import frames_to_uint8
 
     torch.manual_seed(0)
     vae = WanVAE(WAN22_TI2V_5B_VAE).to(DEVICE).eval()
@@ -152,7 +152,7 @@ def test_channels_last_decode_matches_ncdhw(exact_float32, size):
     off: the tiny config (batch 2), and the full-size VAE (default init: non-zero biases) on 3 latent frames
     of 128x192; equal up to float32 rounding. At mid size with cuDNN's TF32 on (as served), it launches
     fewer kernels and cuDNN converts about a ninth of the layouts it did."""
-    from mstar.models.wan22.vae_config import tiny_vae_config
+    from mstar.models.common.wan_vae.vae_config import tiny_vae_config
 
     torch.manual_seed(0)
     config = tiny_vae_config() if size == "tiny" else WAN22_TI2V_5B_VAE
@@ -187,8 +187,8 @@ def test_channels_last_kernels_full_width():
     """The channels-last norm (with a folded bias, into a causal buffer) and the residual add at the widest map
     of an 832x480 chunk, in float32 against their PyTorch forms; bf16 within one rounding of float32."""
     from mstar.layers.fused import fused_kernels
-    from mstar.models.wan22 import vae_channels_last as vcl
-    from mstar.models.wan22.vae_layers import ChannelRMSNorm
+    from mstar.models.common.wan_vae import vae_channels_last as vcl
+    from mstar.models.common.wan_vae.vae_layers import ChannelRMSNorm
 
     gen = torch.Generator("cuda").manual_seed(3)
     cl3d = torch.channels_last_3d
@@ -218,7 +218,7 @@ def test_channels_last_kernels_full_width():
 
 def test_frames_to_uint8_non_blocking_lands_in_pinned_memory():
     """The served decode's per-chunk copy: pinned, queued behind the stream, equal once it is synchronized."""
-    from mstar.models.wan22.vae import frames_to_uint8
+    from mstar.models.common.wan_vae.vae import frames_to_uint8
 
     video = torch.rand(1, 3, 4, 480, 832, device=DEVICE) * 2 - 1
     want = frames_to_uint8(video)

@@ -55,8 +55,8 @@ def test_config_round_trips_and_rejects_what_we_do_not_run():
 
 def test_dummy_weights_build_the_full_size_generator_on_the_meta_device():
     """`--load-format dummy` at full size: Nano's shapes, the Wan2.2-TI2V-5B VAE, every parameter built."""
+    from mstar.models.common.wan_vae.vae_config import WAN22_TI2V_5B_VAE
     from mstar.models.cosmos3.model import Cosmos3DroidModel, Cosmos3Model
-    from mstar.models.wan22.vae_config import WAN22_TI2V_5B_VAE
 
     for cls in (Cosmos3Model, Cosmos3DroidModel):
         model = cls(cls.make_config(), load_format="dummy")

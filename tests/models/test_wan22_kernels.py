@@ -1,5 +1,5 @@
 """The Wan DiT block kernels (mstar/models/wan22/wan_ops.py) equal the PyTorch forms of block_math.py, and
-the tiny DiT with them on matches diffusers; the VAE's channel norm kernel (mstar/models/wan22/wan_vae_ops.py)
+the tiny DiT with them on matches diffusers; the VAE's channel norm kernel (mstar/models/common/wan_vae/wan_vae_ops.py)
 equals ChannelRMSNorm's PyTorch form, and the channels-last decode's kernels (wan_vae_cl_ops.py) theirs
 (run on CPU through the Triton interpreter)."""
 
@@ -40,7 +40,7 @@ def test_wan_vae_norm_kernel_matches_the_torch_form():
 
 @pytest.mark.slow  # runs a whole script or kernel check; CI's slow group runs it
 def test_wan_vae_channels_last_kernels_match_the_torch_forms():
-    """models/wan22/wan_vae_cl_ops.py (the channels-last decode's norm with a folded bias, residual add and
+    """models/common/wan_vae/wan_vae_cl_ops.py (the channels-last decode's norm with a folded bias, residual add and
     space-time shortcut add) against their PyTorch forms, then a tiny channels-last decode through them."""
     proc = run_interpreted(Path(__file__).with_name("wan22_vae_cl_check.py"), OMP_NUM_THREADS="1")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -10,14 +10,14 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 from mstar.models.common.loading import CheckpointNotFoundError  # noqa: E402
-from mstar.models.wan22.vae import WanVAE, frames_to_uint8  # noqa: E402
-from mstar.models.wan22.vae_config import (  # noqa: E402
+from mstar.models.common.wan_vae.vae import WanVAE, frames_to_uint8  # noqa: E402
+from mstar.models.common.wan_vae.vae_config import (  # noqa: E402
     WAN22_TI2V_5B_VAE,
     WanVAEConfig,
     tiny_vae_config,
 )
-from mstar.models.wan22.vae_tiling import TileSpec  # noqa: E402
-from mstar.models.wan22.vae_weights import build_vae, load_vae  # noqa: E402
+from mstar.models.common.wan_vae.vae_tiling import TileSpec  # noqa: E402
+from mstar.models.common.wan_vae.vae_weights import build_vae, load_vae  # noqa: E402
 
 TOL = 1e-4
 CONFIG = tiny_vae_config()
@@ -305,7 +305,7 @@ def test_conv_out_wide_weight_pads_with_zero_filters_and_follows_the_weight():
     first 12 outputs are conv_out's, the padded weight is made once per weight version and dtype."""
     import torch.nn.functional as F
 
-    from mstar.models.wan22.vae_channels_last import NARROW_CONV_CHANNELS, _conv_weight
+    from mstar.models.common.wan_vae.vae_channels_last import NARROW_CONV_CHANNELS, _conv_weight
 
     conv = WanVAE(CONFIG).decoder.conv_out
     torch.nn.init.normal_(conv.weight)

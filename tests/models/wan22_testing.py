@@ -30,7 +30,7 @@ def tiny_reference_vae():
     """A random AutoencoderKLWan shaped like our tiny VAE config with 16 latent channels (the tiny DiT's)."""
     from diffusers import AutoencoderKLWan
 
-    from mstar.models.wan22.vae_config import tiny_vae_config
+    from mstar.models.common.wan_vae.vae_config import tiny_vae_config
 
     kwargs = {k: v for k, v in tiny_vae_config(TINY_TRANSFORMER["in_channels"]).to_hf().items() if not k.startswith("_")}
     torch.manual_seed(12)

@@ -1,5 +1,5 @@
-"""Checks of the channels-last VAE kernels (`mstar/models/wan22/wan_vae_cl_ops.py`) against their PyTorch forms in
-`models/wan22/vae_channels_last.py`; run with TRITON_INTERPRET=1 (by test_wan22_kernels.py, in a fresh process).
+"""Checks of the channels-last VAE kernels (`mstar/models/common/wan_vae/wan_vae_cl_ops.py`) against their PyTorch forms in
+`models/common/wan_vae/vae_channels_last.py`; run with TRITON_INTERPRET=1 (by test_wan22_kernels.py, in a fresh process).
 
 float32 checks the math to float32 precision; float16 (which the interpreter rounds to nearest, unlike
 bf16) checks indexing and one rounding within a half step. Covered: channel counts that are and are not
@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from mstar.layers.fused import FUSED
-from mstar.models.wan22 import vae_channels_last as vcl
-from mstar.models.wan22 import wan_vae_cl_ops
-from mstar.models.wan22.vae_layers import ChannelRMSNorm
+from mstar.models.common.wan_vae import vae_channels_last as vcl
+from mstar.models.common.wan_vae import wan_vae_cl_ops
+from mstar.models.common.wan_vae.vae_layers import ChannelRMSNorm
 from tests.models.wan22_kernels_check import torch_form
 
 CL3D = torch.channels_last_3d
@@ -113,8 +113,8 @@ def check_tiny_decode() -> None:
     """A tiny VAE (non-zero biases) decodes channels-last through all three kernels as the NCDHW decoder does
     with the kernels off, streaming one latent frame at a time and (batch 2) all at once; with float16
     convolutions, as its channels-last PyTorch form does."""
-    from mstar.models.wan22.vae_config import tiny_vae_config
-    from mstar.models.wan22.vae_weights import load_vae
+    from mstar.models.common.wan_vae.vae_config import tiny_vae_config
+    from mstar.models.common.wan_vae.vae_weights import load_vae
 
     config = tiny_vae_config()
     vae = load_vae(load_format="dummy", config=config, seed=5)

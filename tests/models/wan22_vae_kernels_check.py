@@ -1,4 +1,4 @@
-"""Checks of the Wan VAE's fused channel RMS norm (+ SiLU) (`mstar/models/wan22/wan_vae_ops.py`) against the
+"""Checks of the Wan VAE's fused channel RMS norm (+ SiLU) (`mstar/models/common/wan_vae/wan_vae_ops.py`) against the
 PyTorch form of `ChannelRMSNorm`; run with TRITON_INTERPRET=1 (by test_wan22_kernels.py, in a fresh process).
 
 float32 checks the math to float32 precision (channel counts over and under one channel tile, position
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from mstar.layers.fused import FUSED
-from mstar.models.wan22 import wan_vae_ops
-from mstar.models.wan22.vae_layers import ChannelRMSNorm
+from mstar.models.common.wan_vae import wan_vae_ops
+from mstar.models.common.wan_vae.vae_layers import ChannelRMSNorm
 from tests.models.wan22_kernels_check import torch_form
 
 
@@ -77,8 +77,8 @@ def check_fallbacks_and_errors() -> None:
 
 def check_tiny_decode() -> None:
     """A tiny VAE decodes the same with the kernel as with the PyTorch form (float32), through it."""
-    from mstar.models.wan22.vae import WanVAE
-    from mstar.models.wan22.vae_config import tiny_vae_config
+    from mstar.models.common.wan_vae.vae import WanVAE
+    from mstar.models.common.wan_vae.vae_config import tiny_vae_config
 
     config = tiny_vae_config()
     vae = WanVAE(config).eval()

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from mstar.engines.base import StatelessBase
+from mstar.models.common.wan_vae.component import VAEComponent
 from mstar.models.cosmos3.guidance import Layout
 from mstar.models.cosmos3.positions import GenLayout, gen_positions, rope_tables
 from mstar.models.cosmos3.transformer import Cosmos3Generator, GenRow, TextKV
-from mstar.models.wan22.components import VAEComponent
 
 
 @dataclass
@@ -111,7 +111,7 @@ class GeneratorComponent(StatelessBase, nn.Module):
 
 
 class Cosmos3VAEComponent(VAEComponent):
-    """Wan2.2's VAE component; node `encode_image` also crops the condition to the request's latent
+    """The Wan2.2 VAE's component; node `encode_image` also crops the condition to the request's latent
     size (a policy frame's canvas padding has no latents of its own)."""
 
     @torch.no_grad()

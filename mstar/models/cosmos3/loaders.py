@@ -1,7 +1,7 @@
 """Building the loaded Cosmos3 generator of one deployment: from its Diffusers folder, or random weights.
 
 Random weights (tiny, or `--load-format dummy`) are seeded, so every worker of a deployment (and every
-process) builds the same model. The VAE is Wan2.2's and loads through `mstar.models.wan22.loaders.vae`.
+process) builds the same model. The VAE is Wan2.2's, loaded by `common.wan_vae.vae_weights`.
 """
 
 from __future__ import annotations

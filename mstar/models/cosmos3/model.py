@@ -32,9 +32,9 @@ from mstar.engines.base import AutoregressiveSpec, StatelessSpec
 from mstar.graph import CARRY, ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Parallel, Sequential, Walk
 from mstar.models.base import BuiltComponent, Model
 from mstar.models.common.serve_config import DTYPES, ServeConfig, decode_steps, dtype_named
+from mstar.models.common.wan_vae.vae_config import WanVAEConfig
 from mstar.models.cosmos3.config import Cosmos3Config
 from mstar.models.cosmos3.options import Cosmos3Defaults, PolicyDefaults
-from mstar.models.wan22.vae_config import WanVAEConfig
 
 DIT_BATCH = 16  # DiT rows (requests x guidance branches) per forward
 _TINY_STD = 0.3  # tiny random weights large enough that prompts and steps visibly change the output
@@ -194,9 +194,10 @@ class Cosmos3Model(Model):
 
             return BuiltComponent(GuidanceScheduler(self.components.scheduler, device))
         if name == "vae":
-            from mstar.models.wan22 import loaders as wan_loaders
+            from mstar.models.common.wan_vae.vae_weights import load_deployment_vae
 
-            vae = wan_loaders.vae(self, DTYPES[self.config.vae_dtype], device)
+            vae = load_deployment_vae(self.checkpoint, self.vae_config, self.load_format,
+                                      DTYPES[self.config.vae_dtype], device, self.config.seed)
             return BuiltComponent(components.Cosmos3VAEComponent(vae, self.config.vae_chunk_frames))
         if name == "reasoner" and self.chat:
             return self._reasoner(device)
@@ -285,18 +286,10 @@ class Cosmos3Model(Model):
     @cached_property
     def vae_config(self) -> WanVAEConfig:
         """The VAE's config; its latent channels must be the generator's."""
-        from mstar.models.wan22.vae_config import WAN22_TI2V_5B_VAE, tiny_vae_config
-        from mstar.models.wan22.vae_weights import vae_folder
+        from mstar.models.common.wan_vae.vae_weights import deployment_vae_config
 
-        channels = self.components.transformer.latent_channel
-        if self.checkpoint is not None:
-            config = WanVAEConfig.from_file(vae_folder(self.checkpoint))
-        else:
-            config = tiny_vae_config(channels) if self.config.tiny else WAN22_TI2V_5B_VAE
-        if config.z_dim != channels:
-            raise ValueError(f"the VAE has {config.z_dim} latent channels but the generator takes {channels}; "
-                             "pass a matching Cosmos3 folder")
-        return config
+        return deployment_vae_config(self.checkpoint, self.config.tiny, self.components.transformer.latent_channel,
+                                     "Cosmos3")
 
     @cached_property
     def tokenizer_folder(self) -> Path:

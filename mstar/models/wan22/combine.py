@@ -17,8 +17,8 @@ import torch
 
 from mstar.models.common import unipc
 from mstar.models.common.guidance import GuidanceSchedulerBase, combine_guidance, initial_noise
+from mstar.models.common.wan_vae.vae_config import WanVAEConfig
 from mstar.models.wan22 import denoise
-from mstar.models.wan22.vae_config import WanVAEConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Building the loaded Wan2.2 modules of one deployment: from its Diffusers folder, or random weights.
+"""Building the loaded Wan2.2 text encoder and DiT of a deployment: from its Diffusers folder, or random weights.
 
 Random weights (tiny, or `--load-format dummy`) are seeded, so every worker of a deployment (and
 every process) builds the same model.
@@ -14,7 +14,6 @@ import torch
 from mstar.models.common.loading import fill_dummy_weights
 from mstar.models.wan22.text_encoder import UMT5Encoder
 from mstar.models.wan22.transformer import WanTransformer
-from mstar.models.wan22.vae import WanVAE
 
 M = TypeVar("M", bound=torch.nn.Module)
 _TINY_STD = 0.3  # tiny random weights large enough that prompts and steps visibly change the output
@@ -32,16 +31,6 @@ def transformer(model: Any, dtype: torch.dtype, device: torch.device) -> WanTran
     from mstar.models.wan22.weights import build_transformer, load_transformer
 
     return _loaded(model, load_transformer, build_transformer, model.components.transformer, dtype, device)
-
-
-def vae(model: Any, dtype: torch.dtype, device: torch.device) -> WanVAE:
-    """The Wan2.2 VAE of `model` in `dtype` on `device`."""
-    from mstar.models.wan22.vae_weights import load_vae
-
-    if model.checkpoint is not None:
-        return load_vae(model.checkpoint, load_format=model.load_format, dtype=dtype, device=device,
-                        seed=model.config.seed)
-    return load_vae(load_format="dummy", config=model.vae_config, dtype=dtype, device=device, seed=model.config.seed)
 
 
 def _loaded(model: Any, load: Callable[..., M], build: Callable[..., M], config: Any, dtype: torch.dtype,

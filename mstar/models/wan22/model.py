@@ -25,8 +25,8 @@ from mstar.engines.base import StatelessSpec
 from mstar.graph import CARRY, ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Parallel, Sequential, Walk
 from mstar.models.base import BuiltComponent, Model
 from mstar.models.common.serve_config import DTYPES, ServeConfig, dtype_named
+from mstar.models.common.wan_vae.vae_config import WanVAEConfig
 from mstar.models.wan22.config import Wan22Config
-from mstar.models.wan22.vae_config import WanVAEConfig
 
 DIT_BATCH = 16  # DiT rows (requests x guidance branches) per forward
 
@@ -146,9 +146,13 @@ class Wan22Model(Model):
 
             return BuiltComponent(GuidanceScheduler(self.components.scheduler, self.vae_config, device))
         if name == "vae":
-            vae = loaders.vae(self, DTYPES[self.config.vae_dtype], device)
+            from mstar.models.common.wan_vae.component import VAEComponent
+            from mstar.models.common.wan_vae.vae_weights import load_deployment_vae
+
+            vae = load_deployment_vae(self.checkpoint, self.vae_config, self.load_format,
+                                      DTYPES[self.config.vae_dtype], device, self.config.seed)
             vae.conv_dtype = DTYPES[self.config.conv_dtype()]
-            return BuiltComponent(components.VAEComponent(vae, self.config.vae_chunk_frames))
+            return BuiltComponent(VAEComponent(vae, self.config.vae_chunk_frames))
         raise KeyError(f"wan22 has no component {name!r}; components are {sorted(self.graph().components)}")
 
     def processor(self):
@@ -184,17 +188,10 @@ class Wan22Model(Model):
     @cached_property
     def vae_config(self) -> WanVAEConfig:
         """The VAE's config; its latent channels must be the DiT's."""
-        from mstar.models.wan22.vae_config import WAN22_TI2V_5B_VAE, tiny_vae_config
-        from mstar.models.wan22.vae_weights import vae_folder
+        from mstar.models.common.wan_vae.vae_weights import deployment_vae_config
 
-        if self.checkpoint is not None:
-            config = WanVAEConfig.from_file(vae_folder(self.checkpoint))
-        else:
-            config = tiny_vae_config(self.components.transformer.in_channels) if self.config.tiny else WAN22_TI2V_5B_VAE
-        if config.z_dim != self.components.transformer.in_channels:
-            raise ValueError(f"the VAE has {config.z_dim} latent channels but the transformer takes "
-                             f"{self.components.transformer.in_channels}; pass a matching Wan2.2 folder")
-        return config
+        return deployment_vae_config(self.checkpoint, self.config.tiny, self.components.transformer.in_channels,
+                                     "Wan2.2")
 
     @property
     def text_length(self) -> int:

@@ -9,7 +9,7 @@ activations that reach [1, 256, 4, 240, 416] per decoded chunk at 832x480.
 Channels are strided by the position count, so each program owns BLOCK_S consecutive positions of
 one batch row (coalesced along positions) and walks the channels twice in BLOCK_C tiles: the sums of
 squares, then the scaled output (the second read of a tile mostly hits L2). Use through
-`mstar/models/wan22/vae_layers.py`'s ChannelRMSNorm; tests run it on CPU with TRITON_INTERPRET=1.
+`mstar/models/common/wan_vae/vae_layers.py`'s ChannelRMSNorm; tests run it on CPU with TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations

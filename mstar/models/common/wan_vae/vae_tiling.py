@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mstar.models.wan22.vae_config import WanVAEConfig
+from mstar.models.common.wan_vae.vae_config import WanVAEConfig
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from mstar.models.wan22.vae_layers import CausalConv3d, CausalStream, ResidualBlock
+from mstar.models.common.wan_vae.vae_layers import CausalConv3d, CausalStream, ResidualBlock
 
 
 def space_time_to_channels(x: torch.Tensor, out_dim: int, factor_t: int, factor_s: int) -> torch.Tensor:

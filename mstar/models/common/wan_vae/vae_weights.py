@@ -14,8 +14,8 @@ import torch
 
 from mstar.models.common import loading
 from mstar.models.common.meta import build_on_meta
-from mstar.models.wan22.vae import WanVAE
-from mstar.models.wan22.vae_config import WAN22_TI2V_5B_VAE, WanVAEConfig
+from mstar.models.common.wan_vae.vae import WanVAE
+from mstar.models.common.wan_vae.vae_config import WAN22_TI2V_5B_VAE, WanVAEConfig, tiny_vae_config
 
 logger = logging.getLogger(__name__)
 
@@ -83,3 +83,26 @@ def fill_dummy_vae_weights(model: WanVAE, seed: int = 0) -> None:
         for name, param in model.named_parameters():
             if name.endswith(".gamma"):  # 4D gains would otherwise be drawn near zero
                 param.fill_(1.0)
+
+
+def deployment_vae_config(checkpoint: Path | None, tiny: bool, latent_channels: int, model: str) -> WanVAEConfig:
+    """The VAE config of a deployment of `model`: its checkpoint's, else the tiny or the TI2V-5B one.
+
+    Its latent channels must be `latent_channels` (the denoiser's); ValueError otherwise."""
+    if checkpoint is not None:
+        config = WanVAEConfig.from_file(vae_folder(checkpoint))
+    else:
+        config = tiny_vae_config(latent_channels) if tiny else WAN22_TI2V_5B_VAE
+    if config.z_dim != latent_channels:
+        raise ValueError(f"the VAE has {config.z_dim} latent channels but the {model} denoiser takes "
+                         f"{latent_channels}; pass a matching {model} folder")
+    return config
+
+
+def load_deployment_vae(checkpoint: Path | None, config: WanVAEConfig, load_format: str, dtype: torch.dtype,
+                        device: torch.device, seed: int) -> WanVAE:
+    """The VAE of a deployment: from its checkpoint as `load_format` says, else `config` with seeded random
+    weights (the same on every worker)."""
+    if checkpoint is not None:
+        return load_vae(checkpoint, load_format=load_format, dtype=dtype, device=device, seed=seed)
+    return load_vae(load_format="dummy", config=config, dtype=dtype, device=device, seed=seed)

@@ -5,7 +5,7 @@ around every one, and PyTorch adds each convolution's bias as a pass of its own.
 same modules as `Decoder.forward` (their parameters as they are, so Diffusers state dicts still load) with
 every activation in torch.channels_last_3d: per-frame 2D layers then see a chunk's frames as a
 channels-last view, never a copy. The convolutions run without their biases, which the next kernel
-reading the output adds anyway (`models/wan22/wan_vae_cl_ops.py` on CUDA):
+reading the output adds anyway (`models/common/wan_vae/wan_vae_cl_ops.py` on CUDA):
 
 - conv_in's and each conv1's by the channel norm after it, which also writes its output after the causal
   conv's past frames (no concatenation copies the chunk);
@@ -34,8 +34,8 @@ from torch import nn
 
 from mstar.layers.fused import FUSED
 from mstar.models.common.derived import derived
-from mstar.models.wan22.vae_blocks import ResidualUpBlock, Upsample, channels_to_space_time
-from mstar.models.wan22.vae_layers import (
+from mstar.models.common.wan_vae.vae_blocks import ResidualUpBlock, Upsample, channels_to_space_time
+from mstar.models.common.wan_vae.vae_layers import (
     AttentionBlock,
     CausalConv3d,
     CausalStream,
@@ -248,7 +248,7 @@ def norm_ndhwc(norm: ChannelRMSNorm, x: torch.Tensor, bias: torch.Tensor | None 
     """`norm(x + bias, silu)` of a channels-last x [B, C, T, H, W], written to `out` (a channels-last view,
     e.g. into a larger buffer; new when None)."""
     if _use_kernels(x) and _dense_rows(x) and (out is None or _dense_rows(out)):
-        from mstar.models.wan22.wan_vae_cl_ops import channel_rms_norm_ndhwc
+        from mstar.models.common.wan_vae.wan_vae_cl_ops import channel_rms_norm_ndhwc
 
         return channel_rms_norm_ndhwc(x, norm.gamma, norm.scale, bias, silu, out)
     view = (1, -1, 1, 1, 1)
@@ -263,7 +263,7 @@ def add_biased(a: torch.Tensor, a_bias: torch.Tensor | None, b: torch.Tensor, b_
                out: torch.Tensor) -> torch.Tensor:
     """out = (a + a_bias) + (b + b_bias) over channels-last [B, C, T, H, W] (biases per channel, None: none)."""
     if _use_kernels(a) and all(t.is_contiguous(memory_format=CL3D) for t in (a, b, out)):
-        from mstar.models.wan22 import wan_vae_cl_ops
+        from mstar.models.common.wan_vae import wan_vae_cl_ops
 
         return wan_vae_cl_ops.add_biased(a, a_bias, b, b_bias, out)
     view = (1, -1, 1, 1, 1)
@@ -280,7 +280,7 @@ def add_space_time(y: torch.Tensor, bias: torch.Tensor, x: torch.Tensor, factor_
     if frames != factor_t * x.shape[2] - drop or y.shape[3:] != tuple(2 * s for s in x.shape[3:]):
         raise ValueError(f"y {tuple(y.shape)} is not x {tuple(x.shape)} unfolded by ({factor_t}, 2, 2) less {drop}")
     if _use_kernels(y) and all(t.is_contiguous(memory_format=CL3D) for t in (y, x, out)):
-        from mstar.models.wan22 import wan_vae_cl_ops
+        from mstar.models.common.wan_vae import wan_vae_cl_ops
 
         return wan_vae_cl_ops.add_space_time(y, bias, x, factor_t, drop, out)
     shortcut = channels_to_space_time(x, channels, factor_t, 2, starts_video=False)[:, :, drop:]

@@ -68,7 +68,7 @@ class ChannelRMSNorm(nn.Module):
     """RMS norm across channels (dim 1) with a learned per-channel gain; float32 math for half inputs.
 
     `forward(x, silu=True)` also applies the SiLU that follows every norm but the attention block's. On
-    CUDA (fused kernels on, x contiguous) both run as one kernel (`models/wan22/wan_vae_ops.py`) that
+    CUDA (fused kernels on, x contiguous) both run as one kernel (`models/common/wan_vae/wan_vae_ops.py`) that
     rounds once; the PyTorch form (CPU, kernels off) rounds after the norm, each product and the SiLU.
     """
 
@@ -80,7 +80,7 @@ class ChannelRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, silu: bool = False) -> torch.Tensor:
         """Same shape as x."""
         if x.is_contiguous() and not torch.compiler.is_compiling() and FUSED.ops_for(x) is not None:
-            from mstar.models.wan22.wan_vae_ops import channel_rms_norm
+            from mstar.models.common.wan_vae.wan_vae_ops import channel_rms_norm
 
             return channel_rms_norm(x, self.gamma, self.scale, silu)
         normed = F.normalize(x.float() if x.dtype in (torch.float16, torch.bfloat16) else x, dim=1)

@@ -12,7 +12,7 @@ separate pass over the output).
 Each program takes a tile of pixels x channels (the norm: all C channels of its pixels), so no element
 needs an index division by C. All compute in float32 and round once to the output dtype. Tensors are
 [B, C, T, H, W] in torch.channels_last_3d (C innermost); the PyTorch forms are in
-`models/wan22/vae_channels_last.py`, which also checks the layouts before calling these. Tests run them
+`models/common/wan_vae/vae_channels_last.py`, which also checks the layouts before calling these. Tests run them
 on CPU with TRITON_INTERPRET=1.
 """
 
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mstar.models.wan22.wan_vae_ops import EPS
+from mstar.models.common.wan_vae.wan_vae_ops import EPS
 
 CL3D = torch.channels_last_3d
 
@@ -98,7 +98,7 @@ def _tiles(pixels: int, channels: int) -> tuple[tuple[int, int], int, int]:
 
 def channel_rms_norm_ndhwc(x: torch.Tensor, gamma: torch.Tensor, scale: float, bias: torch.Tensor | None = None,
                            silu: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The channel RMS norm of `models/wan22/wan_vae_ops.py` on x [B, C, T, H, W] whose batch rows are dense
+    """The channel RMS norm of `models/common/wan_vae/wan_vae_ops.py` on x [B, C, T, H, W] whose batch rows are dense
     [pixels, C] blocks (channels-last), with `bias` (C values) added first; writes `out` (same shape and
     row layout, any batch stride; new when None) and returns it."""
     out = torch.empty_like(x, memory_format=CL3D) if out is None else out

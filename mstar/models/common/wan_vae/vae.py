@@ -16,10 +16,10 @@ from functools import partial
 import torch
 from torch import nn
 
-from mstar.models.wan22.vae_blocks import ResidualDownBlock, ResidualUpBlock
-from mstar.models.wan22.vae_channels_last import decode_chunk, to_channels_last
-from mstar.models.wan22.vae_config import WanVAEConfig
-from mstar.models.wan22.vae_layers import (
+from mstar.models.common.wan_vae.vae_blocks import ResidualDownBlock, ResidualUpBlock
+from mstar.models.common.wan_vae.vae_channels_last import decode_chunk, to_channels_last
+from mstar.models.common.wan_vae.vae_config import WanVAEConfig
+from mstar.models.common.wan_vae.vae_layers import (
     CausalConv3d,
     CausalStream,
     ChannelRMSNorm,
@@ -27,7 +27,7 @@ from mstar.models.wan22.vae_layers import (
     patchify,
     unpatchify,
 )
-from mstar.models.wan22.vae_tiling import TileSpec, decode_tiled
+from mstar.models.common.wan_vae.vae_tiling import TileSpec, decode_tiled
 
 logger = logging.getLogger(__name__)
 
