@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.layers.attention import normed_rotated_qk
+from mstar.layers.embedders import MLP, timestep_features
 from mstar.layers.linear import linear
 from mstar.layers.mlp import GatedMLP
 from mstar.layers.norm import RMSNorm
 from mstar.models.cosmos3.config import Cosmos3TransformerConfig
 from mstar.models.cosmos3.positions import rope_tables, text_positions
-from mstar.models.wan22.transformer import MLP, timestep_features
 
 TIME_FEATURES = 256  # sinusoidal timestep features
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.layers.embedders import MLP, timestep_features
 from mstar.models.common.meta import build_on_meta
 from mstar.models.wan22.block_math import (
     addcmul_as,
@@ -58,14 +59,6 @@ def rope_angles(grid: tuple[int, int, int], head_dim: int, theta: float, device:
     return torch.cat(parts, dim=-1).reshape(math.prod(grid), head_dim // 2)
 
 
-def timestep_features(timestep: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sinusoidal features [N, dim] of timesteps [N] (cos half first, max period 10000), float32."""
-    half = dim // 2
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half)
-    angles = timestep.float()[:, None] * freqs[None]
-    return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
-
-
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Full attention on one device: q, k, v and the result are [B, L, H, D]."""
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
@@ -73,21 +66,6 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
 
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # [B, L, H, D] x3 -> [B, L, H, D]
-
-
-class MLP(nn.Module):
-    """Linear -> activation ("silu" or "gelu_tanh") -> Linear; the time and text embedders."""
-
-    def __init__(self, in_dim: int, dim: int, act: str) -> None:
-        super().__init__()
-        self.act = act
-        self.linear_1 = nn.Linear(in_dim, dim)
-        self.linear_2 = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.linear_1(x)
-        h = F.silu(h) if self.act == "silu" else F.gelu(h, approximate="tanh")
-        return self.linear_2(h)
 
 
 class SelfAttention(nn.Module):
