@@ -110,6 +110,16 @@ def iter_checkpoint_tensors(path: Path, progress: bool = True) -> Iterator[tuple
         yield from iter_safetensors(files, progress=progress)
 
 
+def iter_component_tensors(folder: Path, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors of one component folder: transformers names its index model.safetensors.index.json,
+    diffusers diffusion_pytorch_model.safetensors.index.json; either, or plain *.safetensors files."""
+    index = folder / "diffusion_pytorch_model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return iter_safetensors([folder / f for f in files], progress=progress)
+    return iter_checkpoint_tensors(folder, progress=progress)
+
+
 def iter_safetensors(files: list[Path], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream tensors from safetensors files with one progress bar (per tensor) on stderr."""
     from safetensors import safe_open

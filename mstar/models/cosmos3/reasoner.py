@@ -58,11 +58,10 @@ def load_reasoner(transformer_folder: Path | None, config: LlamaConfig, load_for
                   device: torch.device, seed: int = 0, std: float = 0.02):
     """The reasoner from the checkpoint's transformer/ folder, or seeded random weights (folder None, dummy)."""
     from mstar.models.llama.model import build_model
-    from mstar.models.wan22.weights import iter_component_tensors
 
     model = build_model(config, dtype=dtype, device=device)
     if transformer_folder is None or load_format == "dummy":
         loading.fill_dummy_weights(model, seed=seed, std=std)
     else:
-        loading.load_named_tensors(model, iter_component_tensors(transformer_folder), reasoner_mapper(config))
+        loading.load_named_tensors(model, loading.iter_component_tensors(transformer_folder), reasoner_mapper(config))
     return model

@@ -85,7 +85,6 @@ def build_generator(config: Cosmos3TransformerConfig, dtype: torch.dtype | None 
 def load_generator(root: str | Path, load_format: str = "auto", dtype: torch.dtype | None = None,
                    device: str | torch.device = "cpu", progress: bool = True) -> Cosmos3Generator:
     """The generator of the pipeline folder or Hub repo `root` (its transformer/ sub-folder)."""
-    from mstar.models.wan22.weights import iter_component_tensors
 
     folder = component_folder(root, "transformer")
     config = Cosmos3TransformerConfig.from_hf(loading.read_config_json(folder, "pass a Cosmos3 pipeline folder"))
@@ -93,7 +92,7 @@ def load_generator(root: str | Path, load_format: str = "auto", dtype: torch.dty
     if load_format == "dummy":
         loading.fill_dummy_weights(model)
     else:
-        loading.load_named_tensors(model, iter_component_tensors(folder, progress), generator_mapper(config))
+        loading.load_named_tensors(model, loading.iter_component_tensors(folder, progress), generator_mapper(config))
     logger.info("loaded the Cosmos3 generator (%s) from %s", load_format, folder)
     return model
 

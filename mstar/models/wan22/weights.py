@@ -9,7 +9,6 @@ row offsets of our fused parameters.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections.abc import Iterable, Iterator
@@ -141,16 +140,6 @@ def _fill(model: nn.Module, folder: Path, load_format: str, mapper: loading.Name
     if load_format == "dummy":
         loading.fill_dummy_weights(model)
     else:
-        named = iter_component_tensors(folder, progress)
+        named = loading.iter_component_tensors(folder, progress)
         loading.load_named_tensors(model, filter_fn(named) if filter_fn else named, mapper)
     logger.info("loaded %s (%s) from %s", type(model).__name__, load_format, folder)
-
-
-def iter_component_tensors(folder: Path, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors of one component folder: transformers names its index model.safetensors.index.json,
-    diffusers diffusion_pytorch_model.safetensors.index.json; either, or plain *.safetensors files."""
-    index = folder / "diffusion_pytorch_model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return loading.iter_safetensors([folder / f for f in files], progress=progress)
-    return loading.iter_checkpoint_tensors(folder, progress=progress)
