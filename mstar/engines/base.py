@@ -17,6 +17,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from mstar.engines.grammar import Grammars
+
 
 @dataclass(frozen=True, slots=True)
 class LoopSpec:
@@ -110,6 +112,9 @@ class AutoregressiveSpec:
     # batch sizes of the decode CUDA graphs; None: cuda_graphs' (batch_sizes, or up to max_batch_size)
     cuda_graph_sizes: list[int] | None = field(default=None, metadata={"tunable": True})
     own_stream: bool = field(default=False, metadata={"tunable": True})  # step on a CUDA stream of its own (own_stream.py)
+    # structured outputs: makes the grammar matcher of each request that sets `structured_outputs`
+    # (engines/grammar.py); None: such requests fail
+    grammars: Grammars | None = None
 
     def __post_init__(self) -> None:
         for name, value in (("max_num_seqs", self.max_num_seqs), ("max_batch_tokens", self.max_batch_tokens)):

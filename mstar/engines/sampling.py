@@ -16,6 +16,7 @@ Semantics (as in vLLM and the OpenAI API):
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
@@ -26,6 +27,7 @@ import torch
 
 from mstar.engines import sampling_filters
 from mstar.engines.cuda_graphs import to_device_async
+from mstar.engines.grammar import canonical_spec
 from mstar.engines.sampling_filters import RowTable, pick, seen_masks
 from mstar.kernels.guard import KernelGuard
 
@@ -52,6 +54,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that end generation
     ignore_eos: bool = False  # keep generating past eos
     logprobs: int | None = None  # None = none; 0 = the chosen token's; k = also the top k alternatives
+    # a grammar the tokens must follow (`grammar.canonical_spec`: JSON of json_schema, json_object,
+    # regex or choice); None = free text. Needs a model whose engine has `Grammars`
+    structured_outputs: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.temperature >= 0 and math.isfinite(self.temperature), "temperature", self.temperature,
@@ -78,14 +83,14 @@ class SamplingParams:
     def argmax_only(self) -> bool:
         """Whether the token is the argmax of the raw logits whenever no token is banned (`plain_greedy`)."""
         return (self.temperature == 0 and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0
-                and self.frequency_penalty == 0.0 and self.logprobs is None)
+                and self.frequency_penalty == 0.0 and self.logprobs is None and self.structured_outputs is None)
 
     @cached_property
     def static_ok(self) -> bool:
         """Whether `sample_static` serves these parameters whenever no token is banned (`graphable`,
         which also needs the row to have no generator of its own)."""
         return (self.logprobs is None and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
-                and self.top_k <= sampling_filters.PREFILTER_K)
+                and self.top_k <= sampling_filters.PREFILTER_K and self.structured_outputs is None)
 
     @classmethod
     def from_options(cls, options: dict[str, Any], defaults: SamplingParams) -> SamplingParams:
@@ -114,6 +119,8 @@ def _coerce(name: str, value: Any) -> Any:
     if name in _FLOAT_FIELDS:
         _check(is_int or isinstance(value, float), name, value, "use a number")
         return float(value)
+    if name == "structured_outputs":
+        return None if value is None else canonical_spec(json.loads(value) if isinstance(value, str) else value)
     if name == "ignore_eos":
         _check(isinstance(value, bool), name, value, "use true or false")
         return value

@@ -139,6 +139,7 @@ class Processor:
     sample_rate: int = 24000  # of audio outputs
     max_model_len: int | None = None  # tokens of prompt and output one sequence may hold; None: not a token model
     returns_logprobs: bool = False  # its decoder fills `OutputDecoder.logprobs` for option `logprobs`
+    follows_grammars: bool = False  # its engine constrains text to option `structured_outputs` (engines/grammar.py)
 
     @property
     def voices(self) -> tuple[str, ...]:

@@ -167,6 +167,9 @@ async def start_request(state, request: dict[str, Any], options: Mapping[str, An
     runtime = state.runtime
     if options.get("logprobs") is not None and not runtime.processor.returns_logprobs:
         raise RequestError(400, f"model {state.model_name!r} does not return logprobs; leave them out", "logprobs")
+    if options.get("structured_outputs") is not None and not runtime.processor.follows_grammars:
+        raise RequestError(400, f"model {state.model_name!r} does not constrain its output to a grammar; leave "
+                                "structured_outputs (response_format) out", "structured_outputs")
     try:
         check_option_types(runtime.model.default_options, options)
         opts = runtime.model.request_options(dict(options))

@@ -2,8 +2,9 @@
 
 Requests accept unknown fields (OpenAI clients send many, and `extra_body` carries model knobs);
 `extra_options()` returns them so the server can pass them to the model as per-request options.
-Sampling fields left unset mean "the model's default". Features mstar does not implement (tools,
-structured output, logit bias) are refused with a clear message instead of being ignored silently.
+Sampling fields left unset mean "the model's default"; `response_format` becomes the engine's
+`structured_outputs`. Features mstar does not implement (tools, logit bias) are refused with a clear
+message instead of being ignored silently.
 """
 
 from __future__ import annotations
@@ -205,9 +206,23 @@ class ChatCompletionRequest(SamplingParams):
             raise ValueError("stream_options is only allowed when stream is true")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported; use text")
+        self.structured_outputs()  # a malformed response_format is a 400 here
         return self
+
+    def structured_outputs(self) -> dict[str, Any] | None:
+        """`response_format` as the engine's `structured_outputs` option (None: free text); ValueError for
+        one that is not text, json_object or json_schema with a `schema` object. The grammar is always strict."""
+        fmt = self.response_format or {}
+        kind = fmt.get("type", "text")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {"json_object": True}
+        schema = (fmt.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+        if not isinstance(schema, dict):
+            raise ValueError(f"response_format {kind!r}: use text, json_object, or json_schema with "
+                             "json_schema.schema a JSON schema object")
+        return {"json_schema": schema}
 
     def token_limit(self) -> int | None:
         # OpenAI deprecated max_tokens in favour of max_completion_tokens: the latter wins.

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 from functools import partial
 from typing import Any
 
@@ -68,6 +69,9 @@ def _options(state: ServerState, params: SamplingParams, index: int) -> dict[str
     top = logprobs.wanted(params)
     if top is not None:
         opts["logprobs"] = top
+    if isinstance(params, ChatCompletionRequest) and (structured := params.structured_outputs()) is not None:
+        opts["structured_outputs"] = json.dumps(structured)  # a string: schemas nest deeper than options may
+    opts.pop("response_format", None)
     return opts
 
 

@@ -85,7 +85,8 @@ def test_unset_sampling_fields_mean_model_defaults():
         ({"top_logprobs": 2}, "needs logprobs"),
         ({"min_tokens": 5, "max_tokens": 3}, "min_tokens (5) must not exceed"),
         ({"tools": [{"type": "function"}]}, "`tools` is not supported"),
-        ({"response_format": {"type": "json_schema"}}, "not supported"),
+        ({"response_format": {"type": "json_schema"}}, "json_schema.schema a JSON schema object"),
+        ({"response_format": {"type": "yaml"}}, "use text, json_object, or json_schema"),
         ({"modalities": ["smell"]}, "modalities"),
     ],
 )
@@ -93,6 +94,16 @@ def test_chat_rejections_are_clear(patch, needle):
     message, param = _message(ChatCompletionRequest, {"messages": USER, **patch})
     assert needle in message, message
     assert param is None or param.split(".")[0] in (*patch, "messages")
+
+
+def test_response_format_becomes_structured_outputs():
+    def structured(fmt):
+        return ChatCompletionRequest.model_validate({"messages": USER, "response_format": fmt}).structured_outputs()
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert structured({"type": "text"}) is None and structured({"type": "json_object"}) == {"json_object": True}
+    assert structured({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}) == {
+        "json_schema": schema}
 
 
 def test_completion_request():

@@ -42,6 +42,7 @@ from mstar.engines.autoregressive.step_graph import StepGraphs
 from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs, parse_item
 from mstar.engines.base import CausalLM, LoopSpec, StepItem, StepResult, require
 from mstar.engines.cuda_graphs import to_device_async, to_host_async
+from mstar.engines.grammar import GrammarMatcher, Grammars, mask_logits
 from mstar.engines.kv_cache.block_pool import BlockPool
 from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
 from mstar.engines.sampling import SampleOutput, SamplingParams, SamplingRow, plain_greedy, sample
@@ -65,7 +66,8 @@ class AutoregressiveEngine:
                  eos_token_ids: tuple[int, ...] = (), default_sampling: SamplingParams | None = None,
                  max_num_seqs: int = 256, max_batch_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, cuda_graphs: CudaGraphConfig | None = None,
-                 warm_up: bool | None = None, lookahead: bool | None = None, num_pages: int | None = None) -> None:
+                 warm_up: bool | None = None, lookahead: bool | None = None, num_pages: int | None = None,
+                 grammars: Grammars | None = None) -> None:
         if max_num_seqs < 1 or max_batch_tokens < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs}, max_batch_tokens={max_batch_tokens}: both must be >= 1")
         self.device = torch.device(device)
@@ -73,6 +75,7 @@ class AutoregressiveEngine:
         require(model, CausalLM, " (subclass mstar.engines.base.CausalLMBase for the optional members)")
         self.logit_offset = model.logit_offset  # the token id of the logits' column 0
         self.default_sampling = default_sampling or SamplingParams()
+        self.grammars = grammars  # structured outputs' matchers (engines/grammar.py)
         if num_pages is None:  # a worker's pools are sized together (kv_cache.config.kv_pool_pages)
             num_pages = compute_num_pages(kv_config, model.kv_layout, self.device)
         capacity = num_pages * kv_config.page_size
@@ -269,7 +272,8 @@ class AutoregressiveEngine:
             for _ in range(len(tokens) - len(prompt) if prompt else 0):  # the draws the generated tokens took:
                 torch.empty(self.runner.model.logit_width, dtype=torch.float32,  # one Exp(1) row each
                             device=self.device).exponential_(generator=generator)
-        seq = Sequence(key, params, tokens, len(tokens), generator)
+        seq = Sequence(key, params, tokens, len(tokens), generator, matcher=self._matcher(params, tokens[len(prompt):]
+                                                                                   if prompt else []))
         # one row for the sequence's life: it reads token_ids and the sampling cache, which grow in place
         seq.sampling_row = SamplingRow(params, seq.token_ids, seq.num_prompt, generator, self.eos_token_ids,
                                        seq.sampling_cache)
@@ -278,12 +282,31 @@ class AutoregressiveEngine:
         self._seqs[key] = seq
         return seq
 
+    def _matcher(self, params: SamplingParams, generated: list[int]) -> GrammarMatcher | None:
+        """The grammar matcher of a sequence that asks for structured outputs, past the tokens it already
+        generated (a sequence resumed on this worker); ValueError when this engine has no grammars."""
+        if params.structured_outputs is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("structured_outputs: this model does not constrain its output to a grammar")
+        matcher = self.grammars.matcher(params.structured_outputs)
+        for token in generated:
+            if not matcher.accept(token):
+                raise ValueError(f"structured_outputs: generated token {token} breaks the grammar")
+        return matcher
+
     def _postprocess(self, chunks: list[Chunk], logits: torch.Tensor) -> list[StepResult]:
         seqs = [c.seq for c in chunks]
         rows = [s.sampling_row for s in seqs]
-        continuing = self._continuing(seqs) if self.lookahead else None
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if constrained:  # each next mask needs the token sampled now: no step is launched ahead
+            logits = self._masked(seqs, constrained, logits)
+        continuing = self._continuing(seqs) if self.lookahead and not constrained else None
         out, tokens = (self._step_graph(seqs, rows, logits, continuing)
                        or self._draw(seqs, rows, logits, continuing))
+        for i in constrained:
+            matcher = seqs[i].matcher
+            assert matcher.accept(tokens[i]), f"{seqs[i].key} sampled token {tokens[i]} that its grammar forbids"
         views = out.token_ids.unsqueeze(1).unbind(0)  # each row's [1] view, in one call, not a slice per row
         results = []
         for i, seq in enumerate(seqs):
@@ -291,6 +314,8 @@ class AutoregressiveEngine:
             assert item is not None, f"{seq.key} computed without a pending item"
             seq.num_generated += 1
             reason = self._finish_reason(seq, tokens[i])
+            if reason is None and seq.matcher is not None and seq.matcher.is_finished():
+                reason = "stop"  # the grammar took its end token (ignore_eos cannot extend a complete grammar)
             outputs = {"token": views[i]} if seq.params.logprobs is None else _outputs(out, i, seq.params)
             if seq.inputs is not None and (hidden := seq.inputs.take_hidden()) is not None:
                 outputs["hidden"] = hidden
@@ -311,6 +336,14 @@ class AutoregressiveEngine:
         seq.token_ids.append(token)
         if seq.loop_extras is not None:
             self._add_extras(seq, 1, seq.loop_extras)
+
+    def _masked(self, seqs: list[Sequence], constrained: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """`logits` with each constrained row's grammar applied (the other rows as they are)."""
+        words = -(-(self.logit_offset + logits.shape[1]) // 32)
+        bitmask = torch.zeros(len(constrained), words, dtype=torch.int32)
+        for j, i in enumerate(constrained):
+            seqs[i].matcher.fill_bitmask(bitmask, j)
+        return mask_logits(logits, constrained, bitmask, self.logit_offset)
 
     def _continuing(self, seqs: list[Sequence]) -> list[int] | None:
         """Indexes (into `seqs`, the step's sampled sequences) of those whose next forward is launched

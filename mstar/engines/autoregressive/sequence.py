@@ -13,6 +13,7 @@ from mstar.engines.sampling import SamplingParams, SamplingRow
 
 if TYPE_CHECKING:
     from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs
+    from mstar.engines.grammar import GrammarMatcher
 
 
 class SeqStatus(Enum):
@@ -48,6 +49,7 @@ class Sequence:
     inputs: TokenInputs | None = None  # embeddings, explicit positions, hidden capture (token_inputs.py)
     loop_done: int = 0  # iterations of the pending engine-loop item run so far
     loop_extras: ItemExtras | None = None  # what each token appended for that item brings (hidden capture)
+    matcher: GrammarMatcher | None = None  # where the sequence is in its grammar (structured outputs only)
 
     @property
     def num_pending(self) -> int:

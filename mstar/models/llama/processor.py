@@ -30,9 +30,11 @@ class TextProcessor(Processor):
 
     returns_logprobs = True
 
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int, grammars: Any = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.grammars = grammars  # `Grammars` of structured outputs (models/common/grammar.py); None: refused
+        self.follows_grammars = grammars is not None
 
     def warm(self) -> None:
         self.tokenizer.warm()
@@ -60,7 +62,11 @@ class TextProcessor(Processor):
                              f"{self.max_model_len - prompt_len} or leave it unset")
 
     def validate_options(self, options: Mapping[str, Any]) -> None:
-        SamplingParams.from_options(dict(options), SamplingParams())
+        params = SamplingParams.from_options(dict(options), SamplingParams())
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError("structured_outputs: this model does not constrain its output to a grammar")
+            self.grammars.matcher(params.structured_outputs)  # a spec that cannot compile is refused here
         stop = options.get("stop")
         if stop is not None and (isinstance(stop, str) or not isinstance(stop, list | tuple)
                                  or not all(isinstance(s, str) and s for s in stop)):

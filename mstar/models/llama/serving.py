@@ -118,7 +118,8 @@ class DenseLM(Model):
             raise KeyError(f"{self.name} has no component {name!r}; its only component is 'llm'")
         module = self._load_module(device)
         eos = tuple(dict.fromkeys(self.llama_config.eos_token_ids + self.tokenizer.eos_token_ids))
-        return BuiltComponent(module, AutoregressiveSpec(eos_token_ids=eos, max_model_len=self.max_model_len))
+        return BuiltComponent(module, AutoregressiveSpec(eos_token_ids=eos, max_model_len=self.max_model_len,
+                                                         grammars=self.grammars))
 
     def _load_module(self, device: torch.device) -> torch.nn.Module:
         from mstar.models.common.loading import fill_dummy_weights
@@ -132,8 +133,16 @@ class DenseLM(Model):
             return module
         return load_model(self.checkpoint_path(), load_format=self.load_format, dtype=dtype, device=device)
 
+    @cached_property
+    def grammars(self):
+        """Structured outputs' grammars over this model's tokenizer (compiled once per spec, shared by the
+        processor, which refuses a spec that cannot compile, and the engine)."""
+        from mstar.models.common.grammar import XGrammars
+
+        return XGrammars(self.tokenizer)
+
     def processor(self) -> TextProcessor:
-        return TextProcessor(self.tokenizer, self.max_model_len)
+        return TextProcessor(self.tokenizer, self.max_model_len, self.grammars)
 
     def request_options(self, options: dict[str, Any]) -> dict[str, Any]:
         """Sampling defaults of the checkpoint's generation_config.json, overridden by the request."""

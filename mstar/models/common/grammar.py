@@ -1,0 +1,149 @@
+"""Structured outputs over a model's tokenizer with xgrammar: the `Grammars` an engine masks logits with.
+
+xgrammar gets the tokenizer's exact token bytes (`Tokenizer.token_bytes`), so any vocabulary we load works,
+with special tokens given no text (a grammar never allows them; the end-of-sequence ids close it). JSON
+schemas compile in strict mode with compact separators (`{"a":1,"b":[2,3]}`), so a grammar alone, even over
+random weights, gives parseable JSON. Compiled grammars are kept per spec (`COMPILED_KEPT` of them).
+xgrammar was chosen over llguidance by measured mask cost (docs/benchmarks.md); it is imported when the
+first grammar is compiled, and a model without it refuses structured outputs with the install line.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+COMPILED_KEPT = 64
+
+
+class XGrammarMatcher:
+    """One sequence's xgrammar matcher (the engine's `GrammarMatcher`), whose tokens also always continue
+    valid UTF-8: xgrammar 0.2.9 lets a string hold UTF-16 surrogates (bytes ED A0-BF ..), which no decoder
+    takes, so the bytes of a character begun by the previous token are carried and checked."""
+
+    def __init__(self, matcher: Any, grammars: XGrammars, json_kind: bool) -> None:
+        self._matcher = matcher
+        self._grammars = grammars
+        self._json = json_kind  # JSON strings take no raw control characters either
+        self._row = torch.zeros(1, grammars.words, dtype=torch.int32)  # xgrammar writes a row of its own width
+        self._pending = b""  # the bytes of an unfinished character at the end of the text so far
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(self._row, 0)
+        self._row &= self._grammars.allowed_after(self._pending, self._json)
+        bitmask[row, : self._row.shape[1]] = self._row[0]
+
+    def accept(self, token_id: int) -> bool:
+        if not self._matcher.accept_token(token_id):
+            return False
+        if token_id not in self._grammars.tokenizer.special_ids:
+            self._pending = _unfinished_tail(self._pending + self._grammars.tokenizer.token_bytes(token_id))
+        return True
+
+    def is_finished(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+
+class XGrammars:
+    """Matchers over one tokenizer's vocabulary (the engine's `Grammars`); safe to share between threads."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.words = -(-tokenizer.vocab_size // 32)  # int32 words of a bitmask row
+        self._compiler: Any = None
+        self._compiled: OrderedDict[str, Any] = OrderedDict()
+        self._allowed: dict[tuple[bytes, bool], torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def matcher(self, spec: str) -> XGrammarMatcher:
+        """A fresh matcher for `spec` (JSON of one of json_schema, json_object, regex, choice)."""
+        compiled = self._compile(spec)
+        import xgrammar as xgr  # present: the compile above imported it
+
+        return XGrammarMatcher(xgr.GrammarMatcher(compiled), self, spec.startswith(('{"json_schema"', '{"json_object"')))
+
+    def allowed_after(self, pending: bytes, json_kind: bool) -> torch.Tensor:
+        """A bitmask row [1, words] of the tokens that continue valid UTF-8 after the unfinished character
+        `pending` (special tokens always; with `json_kind`, none holding a byte below 0x20)."""
+        key = (pending, json_kind)
+        with self._lock:
+            row = self._allowed.get(key)
+        if row is None:
+            tok = self.tokenizer
+            ok = [i in tok.special_ids or (_utf8_prefix(pending + tok.token_bytes(i)) and not (
+                  json_kind and min(tok.token_bytes(i), default=32) < 32)) for i in range(tok.vocab_size)]
+            row = _pack(ok, self.words)
+            with self._lock:
+                self._allowed[key] = row
+        return row
+
+    def _compile(self, spec: str) -> Any:
+        with self._lock:
+            if spec in self._compiled:
+                self._compiled.move_to_end(spec)
+                return self._compiled[spec]
+            compiled = _compile(self._get_compiler(), json.loads(spec))
+            self._compiled[spec] = compiled
+            if len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+            return compiled
+
+    def _get_compiler(self) -> Any:
+        if self._compiler is None:
+            try:
+                import xgrammar as xgr
+            except ImportError as exc:
+                raise ValueError("structured_outputs need the xgrammar package on the server: "
+                                 "pip install xgrammar (or mstar[all])") from exc
+            tok = self.tokenizer
+            specials = tok.special_ids
+            vocab = [b"" if i in specials else tok.token_bytes(i) for i in range(tok.vocab_size)]
+            info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=len(vocab),
+                                     stop_token_ids=list(tok.eos_token_ids))
+            self._compiler = xgr.GrammarCompiler(info)
+        return self._compiler
+
+
+def _compile(compiler: Any, spec: dict[str, Any]) -> Any:
+    """xgrammar's compiled grammar of one spec; ValueError naming what it could not compile."""
+    kind, body = next(iter(spec.items()))
+    try:
+        if kind == "json_schema":
+            return compiler.compile_json_schema(json.dumps(body), any_whitespace=False, strict_mode=True)
+        if kind == "json_object":
+            return compiler.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
+        if kind == "regex":
+            return compiler.compile_regex(body)
+        choices = " | ".join(json.dumps(c) for c in body)  # EBNF string literals take JSON's escapes
+        return compiler.compile_grammar(f"root ::= {choices}")
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ValueError(f"structured_outputs.{kind} cannot be compiled: {exc}") from None
+
+
+def _utf8_prefix(data: bytes) -> bool:
+    """Whether `data` is valid UTF-8 but for an unfinished last character."""
+    try:
+        data.decode()
+    except UnicodeDecodeError as exc:
+        return exc.reason == "unexpected end of data"
+    return True
+
+
+def _unfinished_tail(data: bytes) -> bytes:
+    """The bytes of the unfinished last character of valid UTF-8 `data` (empty when it ends whole)."""
+    try:
+        data.decode()
+    except UnicodeDecodeError as exc:
+        return data[exc.start:]
+    return b""
+
+
+def _pack(ok: list[bool], words: int) -> torch.Tensor:
+    """Booleans per token as an int32 bitmask row [1, words] (bit i of word w: token 32 * w + i)."""
+    bits = torch.tensor(ok + [False] * (32 * words - len(ok)), dtype=torch.int64).reshape(words, 32)
+    packed = (bits << torch.arange(32)).sum(1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)[None]
