@@ -1,4 +1,4 @@
-"""Fused Triton kernels for Snake activations (Qwen3-Omni's Code2Wav, Orpheus's SNAC): one read, one write.
+"""Fused Triton kernels for Snake activations (Code2Wav, Cosmos3's sound decoder, SNAC): one read, one write.
 
 `snake_beta(x, alpha, beta)`: x [B, C, T] contiguous; out = x + sin(x * e^alpha[c])^2 / (e^beta[c] + 1e-9),
 computed in float32 and rounded once to x's dtype. `snake(x, alpha)` is SNAC's form with one linear-scale
@@ -7,7 +7,7 @@ the sine, the square, a product, the sum), each a pass over activations that rea
 decoded chunk, and rounds after each in bf16.
 
 Each program owns BLOCK consecutive time steps of one (batch, channel) row: the row's parameters are
-loaded once, the time steps are coalesced. Use through `code2wav_layers.SnakeBeta` and `orpheus.snac.Snake`;
+loaded once, the time steps are coalesced. Use through `layers.snake.SnakeBeta` and `orpheus.snac.Snake`;
 tests run it on CPU with TRITON_INTERPRET=1.
 """
 

@@ -1,5 +1,5 @@
 """Checks of Code2Wav's fused SnakeBeta (`mstar/kernels/snake.py`) against the PyTorch form of
-`code2wav_layers.SnakeBeta`, and of SNAC's Snake (Orpheus) against its own PyTorch form; run with TRITON_INTERPRET=1 (by test_qwen3_omni_code2wav_kernels.py, in a
+`layers.snake.SnakeBeta`, and of SNAC's Snake (Orpheus) against its own PyTorch form; run with TRITON_INTERPRET=1 (by test_qwen3_omni_code2wav_kernels.py, in a
 fresh process).
 
 float32 checks the math (rows of one and of several time blocks, a single step); bfloat16 checks that the
@@ -13,9 +13,9 @@ import torch
 
 from mstar.kernels import snake
 from mstar.layers.fused import fused_kernels
+from mstar.layers.snake import SnakeBeta
 from mstar.models.qwen3_omni.code2wav import Code2Wav
 from mstar.models.qwen3_omni.code2wav_config import Code2WavConfig
-from mstar.models.qwen3_omni.code2wav_layers import SnakeBeta
 
 
 def torch_form(fn, *args):

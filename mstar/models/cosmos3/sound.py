@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from mstar.engines.base import StatelessBase
+from mstar.layers.snake import SnakeBeta
 from mstar.models.common import loading
-from mstar.models.qwen3_omni.code2wav_layers import SnakeBeta
 
 logger = logging.getLogger(__name__)
 

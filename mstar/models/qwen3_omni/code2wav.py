@@ -31,8 +31,9 @@ from mstar.engines.cuda_graphs import to_device_async
 from mstar.layers.mlp import GatedMLP
 from mstar.layers.norm import RMSNorm
 from mstar.layers.rope import RopeSpec, RotaryEmbedding, apply_rotary
+from mstar.layers.snake import SnakeBeta
 from mstar.models.qwen3_omni.code2wav_config import Code2WavConfig
-from mstar.models.qwen3_omni.code2wav_layers import CausalConv1d, DecoderBlock, SnakeBeta, UpsampleStage
+from mstar.models.qwen3_omni.code2wav_layers import CausalConv1d, DecoderBlock, UpsampleStage
 
 TRIMS = ("seamless", "reference")
 

@@ -1,4 +1,4 @@
-"""Convolutional blocks of Code2Wav: causal (transposed) convolutions, ConvNeXt, SnakeBeta, decoder blocks.
+"""Convolutional blocks of Code2Wav: causal (transposed) convolutions, ConvNeXt, decoder blocks (with SnakeBeta).
 
 All work on [B, channels, time]. Module and parameter names follow the HF checkpoint so weights
 map one to one.
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.layers.fused import FUSED
+from mstar.layers.snake import SnakeBeta
 
 
 class CausalConv1d(nn.Module):
@@ -59,28 +59,6 @@ class ConvNeXtBlock(nn.Module):
         h = self.norm(self.dwconv(x).transpose(1, 2))
         h = self.gamma * self.pwconv2(F.gelu(self.pwconv1(h)))
         return x + h.transpose(1, 2)
-
-
-class SnakeBeta(nn.Module):
-    """x + sin^2(x * e^alpha) / e^beta, per channel (alpha, beta stored in log scale).
-
-    On CUDA (fused kernels on, x contiguous) one Triton kernel (`kernels/snake.py`) computes it in float32
-    and rounds once; the PyTorch form (CPU, kernels off) is five passes, rounding after each.
-    """
-
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.alpha = nn.Parameter(torch.zeros(channels))
-        self.beta = nn.Parameter(torch.zeros(channels))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 3 and x.is_contiguous() and FUSED.ops_for(x) is not None:
-            from mstar.kernels.snake import snake_beta
-
-            return snake_beta(x, self.alpha, self.beta)
-        alpha = self.alpha.exp()[None, :, None]
-        inv_beta = 1.0 / (self.beta.exp()[None, :, None] + 1e-9)
-        return x + inv_beta * torch.sin(x * alpha).pow(2)
 
 
 class ResidualUnit(nn.Module):
