@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mstar.graph import SlidingWindow
+from mstar.models.common.loading import fold_weight_norm
 from mstar.models.orpheus.tokens import (
     FRAME,
     OrpheusTokens,
@@ -14,7 +15,6 @@ from mstar.models.orpheus.tokens import (
     window_is_valid,
 )
 from mstar.models.orpheus.vocoder import GRAPH_PLANS, plan_window
-from mstar.models.orpheus.weights import fold_weight_norm
 from mstar.worker.streams import END, StreamBuffer
 
 REAL = OrpheusTokens()

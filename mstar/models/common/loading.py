@@ -26,6 +26,9 @@ HUB_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja")
 # and which part of the checkpoint tensor to take (a tensor-parallel rank's rows); None: skip it
 NameMapper = Callable[[str], "tuple[str, Any] | tuple[str, Any, tuple[int | slice, ...]] | None"]
 
+_WEIGHT_G = (".weight_g", ".parametrizations.weight.original0")  # weight-norm pair names: g
+_WEIGHT_V = (".weight_v", ".parametrizations.weight.original1")  # and v
+
 
 class CheckpointNotFoundError(FileNotFoundError):
     """No checkpoint where the user pointed; the message says where we looked and what to pass."""
@@ -174,6 +177,34 @@ def load_named_tensors(
             f"{' ...' if len(unexpected) > 10 else ''}; parameters not loaded {missing[:10]}"
             f"{' ...' if len(missing) > 10 else ''}. Check that the checkpoint is of this architecture."
         )
+
+
+def fold_weight_norm(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A state dict with every weight-norm (g, v) pair replaced by its plain `weight` = g * v / |v| (the norm
+    over every dim but 0). Pairs are named `weight_g`/`weight_v` (older torch) or
+    `parametrizations.weight.original0/1`."""
+    plain, gs, vs = {}, {}, {}
+    for name, tensor in named:
+        dotted = "." + name  # so a top-level "weight_g" has an (empty) owner like any other
+        if dotted.endswith(_WEIGHT_G):
+            gs[_owner(dotted)] = tensor
+        elif dotted.endswith(_WEIGHT_V):
+            vs[_owner(dotted)] = tensor
+        else:
+            plain[name] = tensor
+    if set(gs) != set(vs):
+        raise ValueError(f"weight-norm pairs are incomplete for {sorted(set(gs) ^ set(vs))[:5]}")
+    for prefix, g in gs.items():
+        v = vs[prefix].float()
+        norm = v.pow(2).sum(dim=tuple(range(1, v.dim())), keepdim=True).sqrt()
+        plain[f"{prefix}.weight".lstrip(".")] = (v * (g.float() / norm)).to(vs[prefix].dtype)
+    return plain
+
+
+def _owner(name: str) -> str:
+    """The module path of a dotted weight-norm tensor name ("" at the top level)."""
+    cut = ".parametrizations." if ".parametrizations." in name else ".weight_"
+    return name[1: name.rindex(cut)]
 
 
 def fill_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:

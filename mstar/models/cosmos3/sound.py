@@ -136,11 +136,9 @@ class SoundComponent(StatelessBase, nn.Module):
 
 def _snake_and_folded(named) -> dict[str, torch.Tensor]:
     """The decoder's tensors with weight norm folded and Snake parameters [1, C, 1] flattened to [C]."""
-    from mstar.models.orpheus.weights import fold_weight_norm
-
     decoder = ((name.removeprefix("decoder."), t) for name, t in named if name.startswith("decoder."))
     return {name: t.reshape(-1) if name.endswith((".alpha", ".beta")) else t
-            for name, t in fold_weight_norm(decoder).items()}
+            for name, t in loading.fold_weight_norm(decoder).items()}
 
 
 def load_sound_decoder(folder: Path | None, config: SoundConfig, load_format: str, device: torch.device,

@@ -1,20 +1,18 @@
 """Checkpoints of Orpheus: the LM (a Llama checkpoint folder, loaded by mstar.models.llama) and SNAC.
 
 SNAC checkpoints (hubertsiuzdak/snac_24khz: config.json + pytorch_model.bin, or *.safetensors)
-store weight-normed convolutions as (g, v) pairs, named `weight_g`/`weight_v` (old torch) or
-`parametrizations.weight.original0/1` (new torch); `fold_weight_norm` turns each pair into the
-plain `weight` = g * v / |v| (norm over every dim but 0) once at load.
+store weight-normed convolutions as (g, v) pairs; `fold_weight_norm` (models/common/loading.py) turns
+each pair into the plain `weight` once at load.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
-from mstar.models.common.loading import read_config_json
+from mstar.models.common.loading import fold_weight_norm, read_config_json
 from mstar.models.orpheus.snac import SnacConfig, SnacDecoder
 
 logger = logging.getLogger(__name__)
@@ -32,35 +30,7 @@ ORPHEUS_3B_CONFIG = {
     "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                      "original_max_position_embeddings": 8192},
 }
-_G = (".weight_g", ".parametrizations.weight.original0")
-_V = (".weight_v", ".parametrizations.weight.original1")
 _SKIPPED = ("encoder.", "quantizer.quantizers.")  # + in_proj: the decoder never encodes
-
-
-def fold_weight_norm(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """A state dict with every (g, v) pair replaced by its plain `weight`."""
-    plain, gs, vs = {}, {}, {}
-    for name, tensor in named:
-        dotted = "." + name  # so a top-level "weight_g" has an (empty) owner like any other
-        if dotted.endswith(_G):
-            gs[_owner(dotted)] = tensor
-        elif dotted.endswith(_V):
-            vs[_owner(dotted)] = tensor
-        else:
-            plain[name] = tensor
-    if set(gs) != set(vs):
-        raise ValueError(f"weight-norm pairs are incomplete for {sorted(set(gs) ^ set(vs))[:5]}")
-    for prefix, g in gs.items():
-        v = vs[prefix].float()
-        norm = v.pow(2).sum(dim=tuple(range(1, v.dim())), keepdim=True).sqrt()
-        plain[f"{prefix}.weight".lstrip(".")] = (v * (g.float() / norm)).to(vs[prefix].dtype)
-    return plain
-
-
-def _owner(name: str) -> str:
-    """The module path of a dotted weight-norm tensor name ("" at the top level)."""
-    cut = ".parametrizations." if ".parametrizations." in name else ".weight_"
-    return name[1: name.rindex(cut)]
 
 
 def snac_folder(path_or_repo: str | Path | None) -> Path:
