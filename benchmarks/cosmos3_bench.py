@@ -2,7 +2,7 @@
 
 Both sides build the full-size Nano generator (bf16, the timestep embedder float32), the Wan2.2 VAE in
 --vae-dtype and the flow UniPC scheduler with seeded random weights, and read the offline Qwen tokenizer
-(mstar.models.qwen3_omni.tokenizer; ids do not change the speed). Cases (--cases):
+(mstar.models.common.tokenizer_build; ids do not change the speed). Cases (--cases):
 - `t2i`: text to image at each --sizes, --steps steps, guidance --guidance, concurrency 1: seconds per
   image (median of --repeats), and the ratio diffusers / mstar.
 - `throughput`: text to image at --throughput-size with c requests in flight (--concurrency): images
@@ -22,7 +22,7 @@ tokenizer folder built here (both git-ignored), and run the cases in separate co
 ten minutes):
 
     python3 -m pip download --no-deps --only-binary=:all: -d .whl diffusers==0.42.1
-    python3 -c "from mstar.models.qwen3_omni.tokenizer import build_omni_tokenizer_folder as b; b('.tok/qwen')"
+    python3 -c "from mstar.models.common.tokenizer_build import build_omni_tokenizer_folder as b; b('.tok/qwen')"
 
 then with carry [".whl", ".tok"]:
 
@@ -252,7 +252,7 @@ def _tokenizer(args) -> Path:
         from mstar.models.cosmos3.tokenizer import tiny_tokenizer_folder
 
         return tiny_tokenizer_folder()
-    from mstar.models.qwen3_omni.tokenizer import omni_tokenizer_folder
+    from mstar.models.common.tokenizer_build import omni_tokenizer_folder
 
     return omni_tokenizer_folder()
 

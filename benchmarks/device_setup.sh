@@ -11,7 +11,7 @@
 #   pynvml, einops, tabulate, requests, jinja2, are in the machine's image)
 #   (fastapi 0.115 with its starlette: newer fastapi imports opentelemetry, absent there)
 #   python3 -c "from mstar.models.common.tokenizer_build import cached_tokenizer_folder as f; f('llama3')"
-#   python3 -c "from mstar.models.qwen3_omni.tokenizer import omni_tokenizer_folder as f; f()"
+#   python3 -c "from mstar.models.common.tokenizer_build import omni_tokenizer_folder as f; f()"
 #   mkdir -p .devscratch && cp -r /tmp/mstar_tokenizers .devscratch/
 # On the GPU machine, from the repo root:
 #   source benchmarks/device_setup.sh && OUT=$OUT TAR=1 bash benchmarks/gpu_suite.sh decode

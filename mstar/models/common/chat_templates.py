@@ -3,6 +3,8 @@
 `CHATML_TEMPLATE` is the `<|im_start|>role ... <|im_end|>` layout of Qwen2/2.5 (tools in the system turn,
 `<tool_call>` JSON for assistant calls, image/video/audio parts as Qwen-VL/Omni placeholders).
 `LLAMA3_TEMPLATE` follows Llama 3.1 (header ids, dated system turn, `ipython` tool results).
+`QWEN3_VL_CHAT_TEMPLATE` (Cosmos3) and `OMNI_CHAT_TEMPLATE` (Qwen3-Omni) are the same layout with no default
+system turn, media parts as the checkpoints' placeholders; the Omni one also has audio.
 Real checkpoints ship their own template; these exist for tests, tiny models and demos.
 """
 
@@ -128,3 +130,27 @@ LLAMA3_TEMPLATE = """\
     {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
 {%- endif %}
 """
+
+
+def _qwen_media_template(audio: bool) -> str:
+    """ChatML turns without a default system turn; each image, (audio,) and video part as its placeholder."""
+    audio_part = ("{%- elif part['type'] in ('audio', 'input_audio', 'audio_url') %}"
+                  "{{- '<|audio_start|><|audio_pad|><|audio_end|>' }}") if audio else ""
+    return (
+        "{%- for message in messages %}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+        "{%- if message['content'] is string %}{{- message['content'] }}"
+        "{%- else %}{%- for part in message['content'] %}"
+        "{%- if part['type'] == 'text' %}{{- part['text'] }}"
+        "{%- elif part['type'] in ('image', 'image_url') %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+        + audio_part +
+        "{%- elif part['type'] in ('video', 'video_url') %}{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
+        "{%- endif %}{%- endfor %}{%- endif %}"
+        "{{- '<|im_end|>\\n' }}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+
+
+QWEN3_VL_CHAT_TEMPLATE = _qwen_media_template(audio=False)
+OMNI_CHAT_TEMPLATE = _qwen_media_template(audio=True)

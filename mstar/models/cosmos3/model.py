@@ -304,7 +304,7 @@ class Cosmos3Model(Model):
                 if (self.checkpoint / name / "tokenizer.json").is_file():
                     return self.checkpoint / name
         if not self.config.tiny:
-            from mstar.models.qwen3_omni.tokenizer import omni_tokenizer_folder
+            from mstar.models.common.tokenizer_build import omni_tokenizer_folder
 
             return omni_tokenizer_folder()  # Qwen's vocabulary and special ids, for full-size dummy weights
         return tiny_tokenizer_folder()

