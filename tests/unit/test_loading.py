@@ -8,7 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mstar.models.common.loading import CheckpointNotFoundError, resolve_checkpoint, weight_files
+from mstar.models.common.loading import (
+    CheckpointNotFoundError,
+    deployment_checkpoint,
+    resolve_checkpoint,
+    weight_files,
+)
 from mstar.models.llama.config import LlamaConfig
 from mstar.models.llama.tiny import tiny_hf_config
 from mstar.models.llama.weights import load_model
@@ -41,6 +46,14 @@ def test_missing_local_path_names_it_without_the_hub(tmp_path):
     with pytest.raises(CheckpointNotFoundError, match="--model-path") as info:
         resolve_checkpoint(missing)
     assert str(missing) in str(info.value)
+
+
+def test_deployment_checkpoint_is_none_only_for_random_weights(tmp_path):
+    assert deployment_checkpoint(tmp_path, False, "auto", "m", "a folder") == tmp_path
+    assert deployment_checkpoint(None, True, "auto", "m", "a folder") is None
+    assert deployment_checkpoint(None, False, "dummy", "m", "a folder") is None
+    with pytest.raises(ValueError, match=r"m needs --model-path \(a folder\), or --load-format dummy, or --tiny"):
+        deployment_checkpoint(None, False, "auto", "m", "a folder")
 
 
 def test_folder_without_weights_says_what_it_looked_for(tmp_path):

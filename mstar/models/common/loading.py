@@ -62,6 +62,17 @@ def resolve_checkpoint(path_or_repo_id: str | Path, allow_patterns: Iterable[str
         ) from exc
 
 
+def deployment_checkpoint(model_path: str | Path | None, tiny: bool, load_format: str, model: str,
+                          example: str) -> Path | None:
+    """A deployment's checkpoint: `model_path` resolved, or None for random weights (tiny, or load_format
+    dummy). ValueError naming `model` and `example` (what --model-path takes) when neither is given."""
+    if model_path is not None:
+        return resolve_checkpoint(model_path)
+    if not tiny and load_format != "dummy":
+        raise ValueError(f"{model} needs --model-path ({example}), or --load-format dummy, or --tiny")
+    return None
+
+
 def read_config_json(path: str | Path, fix: str) -> dict[str, Any]:
     """The JSON object at `path` (a folder: its config.json); FileNotFoundError naming the file and `fix`."""
     path = Path(path)

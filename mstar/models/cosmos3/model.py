@@ -263,14 +263,10 @@ class Cosmos3Model(Model):
     @cached_property
     def checkpoint(self) -> Path | None:
         """The Diffusers folder, or None for random weights (tiny, or --load-format dummy)."""
-        from mstar.models.common.loading import resolve_checkpoint
+        from mstar.models.common.loading import deployment_checkpoint
 
-        if self.model_path is not None:
-            return resolve_checkpoint(self.model_path)
-        if not self.config.tiny and self.load_format != "dummy":
-            raise ValueError(f"{self.name} needs --model-path (a Diffusers Cosmos3 folder or the repo id "
-                             f"{self._repo}), or --load-format dummy, or --tiny")
-        return None
+        return deployment_checkpoint(self.model_path, self.config.tiny, self.load_format, self.name,
+                                     f"a Diffusers Cosmos3 folder or the repo id {self._repo}")
 
     @cached_property
     def components(self) -> Cosmos3Config:

@@ -165,14 +165,10 @@ class Wan22Model(Model):
     @cached_property
     def checkpoint(self) -> Path | None:
         """The Diffusers folder, or None for random weights (tiny, or --load-format dummy)."""
-        from mstar.models.common.loading import resolve_checkpoint
+        from mstar.models.common.loading import deployment_checkpoint
 
-        if self.model_path is not None:
-            return resolve_checkpoint(self.model_path)
-        if not self.config.tiny and self.load_format != "dummy":
-            raise ValueError("wan22 needs --model-path (a Diffusers Wan2.2-TI2V-5B folder or the repo id "
-                             "Wan-AI/Wan2.2-TI2V-5B-Diffusers), or --load-format dummy, or --tiny")
-        return None
+        return deployment_checkpoint(self.model_path, self.config.tiny, self.load_format, "wan22",
+                                     "a Diffusers Wan2.2-TI2V-5B folder or the repo id Wan-AI/Wan2.2-TI2V-5B-Diffusers")
 
     @cached_property
     def components(self) -> Wan22Config:
