@@ -7,7 +7,9 @@ token it samples. The engine knows no grammar library: `mstar.models.common.gram
 with xgrammar over the model's tokenizer.
 
 A request's `structured_outputs` is a JSON object with exactly one of: "json_schema" (a JSON schema),
-"json_object" (true: any JSON object), "regex" (a pattern), "choice" (a list of strings).
+"json_object" (true: any JSON object), "regex" (a pattern), "choice" (a list of strings), "tagged_json"
+({"begin": text, "schema": a JSON schema, "end": text}: a JSON value between two literal texts, as a chat
+model's tool call is written).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
-STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice")
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "tagged_json")
 
 
 class GrammarMatcher(Protocol):
@@ -50,10 +52,13 @@ def canonical_spec(value: Any) -> str:
     kind, body = next(iter(value.items()))
     ok = {"json_schema": isinstance(body, dict), "json_object": body is True,
           "regex": isinstance(body, str) and bool(body),
-          "choice": isinstance(body, list) and bool(body) and all(isinstance(c, str) and c for c in body)}[kind]
+          "choice": isinstance(body, list) and bool(body) and all(isinstance(c, str) and c for c in body),
+          "tagged_json": isinstance(body, dict) and set(body) == {"begin", "schema", "end"}
+          and isinstance(body["schema"], dict) and isinstance(body["begin"], str) and isinstance(body["end"], str)}[kind]
     if not ok:
         want = {"json_schema": "a JSON schema object", "json_object": "true", "regex": "a non-empty pattern",
-                "choice": "a non-empty list of non-empty strings"}[kind]
+                "choice": "a non-empty list of non-empty strings",
+                "tagged_json": '{"begin": text, "schema": a JSON schema object, "end": text}'}[kind]
         raise ValueError(f"invalid sampling option structured_outputs.{kind}={body!r}: use {want}")
     return json.dumps(value)  # keys keep their order: a schema's properties are generated in it
 

@@ -3,8 +3,9 @@
 Requests accept unknown fields (OpenAI clients send many, and `extra_body` carries model knobs);
 `extra_options()` returns them so the server can pass them to the model as per-request options.
 Sampling fields left unset mean "the model's default"; `response_format` becomes the engine's
-`structured_outputs`. Features mstar does not implement (tools, logit bias) are refused with a clear
-message instead of being ignored silently.
+`structured_outputs`, and so does a forced tool call (`tool_choice` "required" or a named function).
+Features mstar does not implement (legacy `functions`, logit bias) are refused with a clear message
+instead of being ignored silently.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ MAX_CHOICES = 16  # generations one HTTP request may start (prompts x n), so it 
 
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
              "frequency_penalty", "seed", "ignore_eos", "min_tokens")
-_UNSUPPORTED = ("tools", "functions", "logit_bias")
+_UNSUPPORTED = ("functions", "function_call", "logit_bias")
+_SCHEMA_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 
 
 def new_id(prefix: str) -> str:
@@ -186,6 +188,56 @@ class AudioOutputParams(BaseModel):
     format: Literal["wav", "mp3", "flac", "opus", "aac", "pcm16"] = "wav"
 
 
+class FunctionSpec(BaseModel):
+    """A callable function: its name, what it does, and its arguments' JSON schema (an object schema)."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # accepted: forced calls always follow the schema strictly
+
+    @field_validator("parameters")
+    @classmethod
+    def _check_parameters(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            if v.get("type", "object") != "object":
+                raise ValueError(f"function parameters must be an object schema, got type {v.get('type')!r}")
+            _check_schema(v, "parameters")
+        return v
+
+
+def _check_schema(schema: Any, where: str) -> None:
+    """ValueError naming the first part of a JSON schema that is not a schema (types, properties, items,
+    required, enum, the combinators)."""
+    if not isinstance(schema, dict):
+        raise ValueError(f"{where}: a JSON schema must be an object, got {schema!r}")
+    kinds = schema.get("type", "object")
+    if not all(k in _SCHEMA_TYPES for k in (kinds if isinstance(kinds, list) else [kinds])):
+        raise ValueError(f"{where}.type={kinds!r}: use one of {list(_SCHEMA_TYPES)}")
+    props = schema.get("properties", {})
+    if not isinstance(props, dict):
+        raise ValueError(f"{where}.properties must be an object of schemas, got {props!r}")
+    for name, sub in props.items():
+        _check_schema(sub, f"{where}.properties.{name}")
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise ValueError(f"{where}.required must be a list of property names, got {required!r}")
+    if "enum" in schema and (not isinstance(schema["enum"], list) or not schema["enum"]):
+        raise ValueError(f"{where}.enum must be a non-empty list, got {schema['enum']!r}")
+    if "items" in schema:
+        _check_schema(schema["items"], f"{where}.items")
+    for key in ("anyOf", "oneOf", "allOf"):
+        for i, sub in enumerate(schema.get(key, [])):
+            _check_schema(sub, f"{where}.{key}[{i}]")
+
+
+class ToolSpec(BaseModel):
+    """One entry of `tools`: only functions exist."""
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
 class ChatCompletionRequest(SamplingParams):
     """`POST /v1/chat/completions`."""
 
@@ -199,6 +251,9 @@ class ChatCompletionRequest(SamplingParams):
     modalities: list[Literal["text", "audio"]] | None = None
     audio: AudioOutputParams | None = None
     response_format: dict[str, Any] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # accepted: a forced answer is one call, an `auto` one any number
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
@@ -207,7 +262,38 @@ class ChatCompletionRequest(SamplingParams):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         self.structured_outputs()  # a malformed response_format is a 400 here
+        if self.forced_tool() is not None and self.structured_outputs() is not None:
+            raise ValueError("a forced tool call (tool_choice required or a function) and a JSON response_format "
+                             "exclude each other; leave one out")
         return self
+
+    def tool_mode(self) -> str:
+        """"none", "auto" (the default when tools are given), "required", or the name of the one function
+        the answer must call; ValueError for a tool_choice that names nothing declared."""
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        names = [t.function.name for t in self.tools or []]
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            if not isinstance(name, str):
+                raise ValueError(f"tool_choice={choice!r}: use none, auto, required or "
+                                 '{"type": "function", "function": {"name": ...}}')
+            choice = name
+        elif choice == "none":
+            return choice
+        if not names:
+            raise ValueError(f"tool_choice={self.tool_choice!r} needs `tools`")
+        if choice not in ("auto", "required") and choice not in names:
+            raise ValueError(f"tool_choice names function {choice!r}, which is not among the tools {names}")
+        return choice
+
+    def forced_tool(self) -> str | None:
+        """None when the answer may be text; else the function it must call ("" for any of the tools)."""
+        mode = self.tool_mode()
+        return None if mode in ("none", "auto") else ("" if mode == "required" else mode)
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        """`tools` as plain dicts (what chat templates and call grammars take), None when there are none."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
     def structured_outputs(self) -> dict[str, Any] | None:
         """`response_format` as the engine's `structured_outputs` option (None: free text); ValueError for
@@ -272,11 +358,37 @@ class ChatCompletionAudio(BaseModel):
     transcript: str = ""
 
 
+class FunctionCall(BaseModel):
+    """The function a call names and its arguments as JSON text; in a stream's deltas each field comes in
+    pieces (the name once, the arguments as text to append)."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallOut(BaseModel):
+    """One call in an assistant message."""
+
+    id: str = Field(default_factory=lambda: new_id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of call `index` in a stream: its first piece carries the id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     audio: ChatCompletionAudio | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -322,6 +434,7 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     audio: DeltaAudio | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -1,20 +1,23 @@
 """OpenAI-compatible text routes: /v1/models, /v1/chat/completions, /v1/completions.
 
 `n` runs n separate requests (seed + i when a seed is given); streams interleave their choices.
+Chat `tools`: the model's processor says how its template writes calls (`Processor.tool_format`); a forced
+call (`tool_choice` required or named) is a grammar over that format, and unless `tool_choice` is none the
+answer's calls are parsed out of its text into `tool_calls` (finish_reason "tool_calls").
 """
 
 from __future__ import annotations
 
 import json
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from mstar.server import logprobs
-from mstar.server.adapters import RequestStream, merge, start_request
+from mstar.server.adapters import RequestError, RequestStream, merge, start_request
 from mstar.server.app import ServerState, get_state
 from mstar.server.chat_audio import chat_media, check_spoken, spoken_answers, spoken_sse
 from mstar.server.forms import json_body, read_json
@@ -31,9 +34,12 @@ from mstar.server.protocol_openai import (
     Completion,
     CompletionChoice,
     CompletionRequest,
+    FunctionCall,
     ModelCard,
     ModelList,
     SamplingParams,
+    ToolCallDelta,
+    ToolCallOut,
     new_id,
 )
 from mstar.server.streaming import (
@@ -44,6 +50,9 @@ from mstar.server.streaming import (
     sse_error,
     unless_disconnected,
 )
+
+if TYPE_CHECKING:
+    from mstar.models.common.tool_calls import ToolCallFormat
 
 router = APIRouter()
 
@@ -69,10 +78,33 @@ def _options(state: ServerState, params: SamplingParams, index: int) -> dict[str
     top = logprobs.wanted(params)
     if top is not None:
         opts["logprobs"] = top
-    if isinstance(params, ChatCompletionRequest) and (structured := params.structured_outputs()) is not None:
+    if isinstance(params, ChatCompletionRequest) and (structured := _structured(state, params)) is not None:
         opts["structured_outputs"] = json.dumps(structured)  # a string: schemas nest deeper than options may
-    opts.pop("response_format", None)
+    for name in ("response_format", "tools", "tool_choice", "parallel_tool_calls"):
+        opts.pop(name, None)
     return opts
+
+
+def _structured(state: ServerState, body: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The chat answer's grammar: a forced tool call's, else response_format's, else None."""
+    forced = body.forced_tool()
+    if forced is None:
+        return body.structured_outputs()
+    return _tool_format(state).grammar(body.tool_dicts(), forced or None)
+
+
+def _tool_format(state: ServerState) -> ToolCallFormat:
+    """The served model's tool-call format; a 400 when its chat template writes no calls."""
+    fmt = state.runtime.processor.tool_format
+    if fmt is None:
+        raise RequestError(400, f"model {state.model_name!r} has no tool-call format in its chat template; "
+                                "leave tools out or use tool_choice none", "tools")
+    return fmt
+
+
+def _call_parser(state: ServerState, body: ChatCompletionRequest) -> ToolCallFormat | None:
+    """The format that parses the answer's calls, or None when the answer is plain text."""
+    return None if body.tool_mode() == "none" else _tool_format(state)
 
 
 async def _start_n(state: ServerState, requests: list[dict[str, Any]], params: SamplingParams) -> list[RequestStream]:
@@ -112,6 +144,9 @@ async def chat_completions(request: Request) -> Response:
     spoken = check_spoken(state, body)
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     chat_request: dict[str, Any] = {"messages": messages}
+    if body.tools:
+        chat_request["tools"] = body.tool_dicts()
+    calls = _call_parser(state, body)
     media = await run_in_threadpool(chat_media, state, body)
     if media:
         chat_request["media"] = media
@@ -122,14 +157,27 @@ async def chat_completions(request: Request) -> Response:
         return await _spoken(request, body, streams, model, state.runtime.processor.sample_rate)
     if not body.stream:
         texts = await unless_disconnected(request, _texts(streams), streams)
-        choices = [ChatChoice(index=i, message=ChatResponseMessage(content=t), finish_reason=s.finish_reason,
-                              logprobs=logprobs.chat(s.decoder, s.decoder.logprobs) if with_logprobs else None)
-                   for i, (t, s) in enumerate(zip(texts, streams))]
+        choices = []
+        for i, (text, stream) in enumerate(zip(texts, streams)):
+            message, finish = _message(text, stream.finish_reason, calls)
+            choices.append(ChatChoice(index=i, message=message, finish_reason=finish, logprobs=logprobs.chat(
+                stream.decoder, stream.decoder.logprobs) if with_logprobs else None))
         resp = ChatCompletion(model=model, choices=choices, usage=_usage(streams))
         return Response(resp.model_dump_json(), media_type="application/json")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    sse_body = partial(_chat_sse, streams, model, include_usage, with_logprobs)
+    sse_body = partial(_chat_sse, streams, model, include_usage, with_logprobs, calls)
     return ClosingStreamingResponse(guarded(sse_body, sse_error), streams, media_type="text/event-stream")
+
+
+def _message(text: str, finish: str | None, calls: ToolCallFormat | None) -> tuple[ChatResponseMessage, str | None]:
+    """The assistant message of one answer and its finish reason ("tool_calls" when it ended on calls)."""
+    if calls is None:
+        return ChatResponseMessage(content=text), finish
+    content, found = calls.parse(text)
+    if not found:
+        return ChatResponseMessage(content=text), finish
+    out = [ToolCallOut(function=FunctionCall(name=c.name, arguments=c.arguments)) for c in found]
+    return ChatResponseMessage(content=content, tool_calls=out), "tool_calls" if finish == "stop" else finish
 
 
 async def _spoken(request: Request, body: ChatCompletionRequest, streams: list[RequestStream], model: str,
@@ -146,9 +194,42 @@ async def _spoken(request: Request, body: ChatCompletionRequest, streams: list[R
     return Response(resp.model_dump_json(), media_type="application/json")
 
 
-async def _chat_sse(streams: list[RequestStream], model: str, include_usage: bool, with_logprobs: bool):
+class _ChatDeltas:
+    """The deltas of each streamed choice's text: as it comes, or, with a call format, content and calls
+    (a call goes out as its id and name, then its arguments, once it is complete)."""
+
+    def __init__(self, count: int, calls: ToolCallFormat | None) -> None:
+        self.parsers = [calls.stream() if calls is not None else None for _ in range(count)]
+        self.num_calls = [0] * count
+
+    def text(self, index: int, text: str) -> list[ChatDelta]:
+        parser = self.parsers[index]
+        return [ChatDelta(content=text)] if parser is None else self._pieces(index, parser.push(text))
+
+    def finish(self, index: int, reason: str) -> tuple[list[ChatDelta], str]:
+        parser = self.parsers[index]
+        tail = self._pieces(index, parser.finish()) if parser is not None else []
+        return tail, "tool_calls" if self.num_calls[index] and reason == "stop" else reason
+
+    def _pieces(self, index: int, pieces: list) -> list[ChatDelta]:
+        out = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                out.append(ChatDelta(content=piece))
+                continue
+            k = self.num_calls[index]
+            self.num_calls[index] += 1
+            out.append(ChatDelta(tool_calls=[ToolCallDelta(index=k, id=new_id("call"), type="function",
+                                                           function=FunctionCall(name=piece.name, arguments=""))]))
+            out.append(ChatDelta(tool_calls=[ToolCallDelta(index=k, function=FunctionCall(arguments=piece.arguments))]))
+        return out
+
+
+async def _chat_sse(streams: list[RequestStream], model: str, include_usage: bool, with_logprobs: bool,
+                    calls: ToolCallFormat | None):
     cid = new_id("chatcmpl")
     cursor = logprobs.Cursor(streams)
+    deltas = _ChatDeltas(len(streams), calls)
 
     def chunk(index: int, delta: ChatDelta, finish: str | None = None) -> bytes:
         # a token's text goes out with its logprobs (the decoder holds it until they come)
@@ -156,19 +237,26 @@ async def _chat_sse(streams: list[RequestStream], model: str, include_usage: boo
         return sse(ChatCompletionChunk(id=cid, model=model, choices=[
             ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)]))
 
+    def finish(index: int, reason: str) -> list[bytes]:
+        tail, reason = deltas.finish(index, reason)
+        return [chunk(index, d) for d in tail] + [chunk(index, ChatDelta(), reason)]
+
     for i in range(len(streams)):
         yield chunk(i, ChatDelta(role="assistant", content=""))
     finished = set()
     async for index, item in merge(streams):
         if item.name == "text" and item.value:
-            yield chunk(index, ChatDelta(content=item.value))
+            for delta in deltas.text(index, item.value):
+                yield chunk(index, delta)
         for i, stream in enumerate(streams):  # a stream's finish is known once its last item went out
             if stream.done and i not in finished and stream.finish_reason is not None:
                 finished.add(i)
-                yield chunk(i, ChatDelta(), stream.finish_reason)
+                for event in finish(i, stream.finish_reason):
+                    yield event
     for i, stream in enumerate(streams):
         if i not in finished:
-            yield chunk(i, ChatDelta(), stream.finish_reason or "stop")
+            for event in finish(i, stream.finish_reason or "stop"):
+                yield event
     if include_usage:
         yield sse(ChatCompletionChunk(id=cid, model=model, choices=[], usage=_usage(streams)))
     yield SSE_DONE

@@ -64,7 +64,7 @@ class XGrammars:
         compiled = self._compile(spec)
         import xgrammar as xgr  # present: the compile above imported it
 
-        return XGrammarMatcher(xgr.GrammarMatcher(compiled), self, spec.startswith(('{"json_schema"', '{"json_object"')))
+        return XGrammarMatcher(xgr.GrammarMatcher(compiled), self, spec.startswith(('{"json_schema"', '{"json_object"', '{"tagged_json"')))
 
     def allowed_after(self, pending: bytes, json_kind: bool) -> torch.Tensor:
         """A bitmask row [1, words] of the tokens that continue valid UTF-8 after the unfinished character
@@ -118,10 +118,22 @@ def _compile(compiler: Any, spec: dict[str, Any]) -> Any:
             return compiler.compile_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
         if kind == "regex":
             return compiler.compile_regex(body)
+        if kind == "tagged_json":
+            return compiler.compile_grammar(_tagged_json(body))
         choices = " | ".join(json.dumps(c) for c in body)  # EBNF string literals take JSON's escapes
         return compiler.compile_grammar(f"root ::= {choices}")
     except (RuntimeError, ValueError, TypeError) as exc:
         raise ValueError(f"structured_outputs.{kind} cannot be compiled: {exc}") from None
+
+
+def _tagged_json(body: dict[str, Any]) -> Any:
+    """xgrammar's grammar of one JSON value (strict, compact) between the literal texts begin and end."""
+    import xgrammar as xgr
+
+    value = xgr.Grammar.from_json_schema(json.dumps(body["schema"]), any_whitespace=False, strict_mode=True)
+    parts = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(body['begin'])}")] * bool(body["begin"]) + [value]
+    parts += [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(body['end'])}")] * bool(body["end"])
+    return xgr.Grammar.concat(*parts) if len(parts) > 1 else value
 
 
 def _utf8_prefix(data: bytes) -> bool:

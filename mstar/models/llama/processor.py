@@ -1,7 +1,7 @@
 """Text requests <-> token ids for the dense decoder family.
 
-Requests: `{"messages": [...]}` is rendered with the tokenizer's chat template (generation prompt
-added; the template supplies any bos) or `{"text": prompt}` is a raw completion prompt (encoded
+Requests: `{"messages": [...]}` (and `"tools"`, OpenAI function tools the template lists for the model)
+is rendered with the tokenizer's chat template (generation prompt added; the template supplies any bos) or `{"text": prompt}` is a raw completion prompt (encoded
 with the tokenizer's special tokens, e.g. a bos). Both become the `prompt_ids` walk input.
 
 Options: sampling keys are validated by `SamplingParams`; `stop` (list of strings) ends the text
@@ -13,14 +13,17 @@ as n requests, the i-th with seed `seed + i` when a seed is given, and merges th
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import cached_property
 from typing import Any
 
 import torch
 
 from mstar.engines.sampling import SamplingParams
 from mstar.models.base import OutputDecoder, Processor, TokenLogprobs
+from mstar.models.common.chat_template import ChatTemplateError, select_template
 from mstar.models.common.detokenizer import IncrementalDetokenizer
 from mstar.models.common.text import Tokenizer
+from mstar.models.common.tool_calls import ToolCallFormat, format_of
 
 LOGPROB_OUTPUTS = ("logprob", "top_ids", "top_logprobs")  # the engine's outputs for option `logprobs`
 
@@ -39,9 +42,18 @@ class TextProcessor(Processor):
     def warm(self) -> None:
         self.tokenizer.warm()
 
+    @cached_property
+    def tool_format(self) -> ToolCallFormat | None:
+        """How the chat template writes tool calls (models/common/tool_calls.py); None: it writes none."""
+        try:
+            return format_of(select_template(self.tokenizer.config.chat_templates, None, has_tools=True))
+        except ChatTemplateError:
+            return None
+
     def inputs(self, request: Mapping[str, Any], options: dict[str, Any]) -> dict[str, torch.Tensor]:
         if request.get("messages"):
-            prompt = self.tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True)
+            prompt = self.tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True,
+                                                        tools=request.get("tools"))
             ids = self.tokenizer.encode(prompt, add_special_tokens=False, max_tokens=self.max_model_len)  # bos in it
         elif isinstance(request.get("text"), str) and request["text"]:
             ids = self.tokenizer.encode(request["text"], add_special_tokens=True, max_tokens=self.max_model_len)

@@ -1,0 +1,162 @@
+"""Tool calls written in a chat model's own format: the grammar that forces one, and the parser that finds them.
+
+Two formats, chosen from the chat template (`format_of`):
+- `HERMES` (Qwen2.5/Qwen3, Hermes, our ChatML template): `<tool_call>{"name": f, "arguments": {...}}</tool_call>`,
+  any number of them among text.
+- `LLAMA3` (Llama 3.1+ JSON tool calling): the whole answer is one JSON object `{"name": f, "parameters": {...}}`.
+
+`grammar` gives the `structured_outputs` spec (engines/grammar.py) of exactly one call to one of the tools,
+its arguments valid under that tool's `parameters` schema; `ToolCallStream` splits streamed text into
+content and complete calls.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # a function declared without `parameters`
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One parsed call: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallFormat:
+    """How one model family writes a call: between `begin` and `end` (both empty: the whole answer is the
+    call), as a JSON object whose `name` names the function and whose `args_key` holds the arguments."""
+
+    name: str
+    begin: str
+    end: str
+    args_key: str
+
+    def grammar(self, tools: Sequence[Mapping[str, Any]], only: str | None = None) -> dict[str, Any]:
+        """The `structured_outputs` spec of one call to `only` (a function name) or to any of `tools`
+        (OpenAI tool objects, already checked)."""
+        functions = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
+        assert functions, f"no tool named {only!r}"
+        options = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                                     self.args_key: f.get("parameters") or EMPTY_PARAMETERS},
+                    "required": ["name", self.args_key], "additionalProperties": False} for f in functions]
+        schema = options[0] if len(options) == 1 else {"anyOf": options}
+        if not self.begin:
+            return {"json_schema": schema}
+        return {"tagged_json": {"begin": self.begin, "schema": schema, "end": self.end}}
+
+    def parse_call(self, text: str) -> ToolCall | None:
+        """The call written as `text` (the JSON between begin and end), or None when it is not one."""
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+            return None
+        args = obj.get(self.args_key, obj.get("arguments", obj.get("parameters", {})))
+        if not isinstance(args, dict | str):
+            return None
+        return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+    def stream(self) -> ToolCallStream:
+        """A fresh splitter of one streamed answer."""
+        return ToolCallStream(self)
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A whole answer split into its content (None when only calls and whitespace) and its calls."""
+        stream = ToolCallStream(self)
+        pieces = stream.push(text) + stream.finish()
+        content = "".join(p for p in pieces if isinstance(p, str))
+        calls = [p for p in pieces if isinstance(p, ToolCall)]
+        return (content if content.strip() else None), calls
+
+
+HERMES = ToolCallFormat("hermes", "<tool_call>", "</tool_call>", "arguments")
+LLAMA3 = ToolCallFormat("llama3", "", "", "parameters")
+
+
+def format_of(template: str) -> ToolCallFormat | None:
+    """The call format a chat template source writes assistant calls in; None when it renders no calls."""
+    if "<tool_call>" in template:
+        return HERMES
+    if "tool_calls" in template and "<|start_header_id|>" in template:
+        return LLAMA3
+    return None
+
+
+@dataclass(slots=True)
+class ToolCallStream:
+    """Splits an answer arriving in pieces into content text and complete calls, in order. Text that may
+    begin a call is held until the call closes (a call never closed goes out as content at `finish`);
+    whitespace is held until more content follows, so the whitespace around calls is dropped."""
+
+    fmt: ToolCallFormat
+    _buf: str = ""
+    _space: str = ""  # whitespace content waiting for more content
+    _whole: bool | None = None  # LLAMA3: whether the answer is a call (None: not known yet)
+    _out: list[str | ToolCall] = field(default_factory=list)
+
+    def push(self, text: str) -> list[str | ToolCall]:
+        """What `text`, after what came before, lets go out now."""
+        self._buf += text
+        if self.fmt.begin:
+            self._split_tagged()
+        elif self._whole is None and self._buf.strip():
+            self._whole = self._buf.lstrip().startswith("{")
+        if self._whole is False:
+            self._content(self._buf)
+            self._buf = ""
+        return self._take()
+
+    def finish(self) -> list[str | ToolCall]:
+        """What is left once the answer ended."""
+        call = self.fmt.parse_call(self._buf) if self._whole else None
+        if call is not None:
+            self._out.append(call)
+        else:
+            self._content(self._buf)
+        self._buf = ""
+        return self._take()
+
+    def _split_tagged(self) -> None:
+        begin, end = self.fmt.begin, self.fmt.end
+        while True:
+            start = self._buf.find(begin)
+            if start < 0:
+                keep = next((k for k in range(min(len(begin) - 1, len(self._buf)), 0, -1)
+                             if begin.startswith(self._buf[-k:])), 0)
+                self._content(self._buf[:len(self._buf) - keep])
+                self._buf = self._buf[len(self._buf) - keep:]
+                return
+            self._content(self._buf[:start])
+            self._buf = self._buf[start:]
+            stop = self._buf.find(end, len(begin))
+            if stop < 0:
+                return
+            raw = self._buf[:stop + len(end)]
+            call = self.fmt.parse_call(self._buf[len(begin):stop])
+            if call is not None:
+                self._space = ""
+                self._out.append(call)
+            else:
+                self._content(raw)
+            self._buf = self._buf[stop + len(end):]
+
+    def _content(self, text: str) -> None:
+        if not text:
+            return
+        if not text.strip():
+            self._space += text
+            return
+        self._out.append(self._space + text)
+        self._space = ""
+
+    def _take(self) -> list[str | ToolCall]:
+        out, self._out = self._out, []
+        return out
