@@ -25,6 +25,7 @@ import torch
 
 from mstar.engines.base import AutoregressiveSpec, CausalLM, StatelessComponent, StatelessSpec
 from mstar.graph import ModelGraph
+from mstar.models.common.tool_calls import ToolCallFormat
 
 SpecT = TypeVar("SpecT", AutoregressiveSpec, StatelessSpec)
 
@@ -140,6 +141,7 @@ class Processor:
     max_model_len: int | None = None  # tokens of prompt and output one sequence may hold; None: not a token model
     returns_logprobs: bool = False  # its decoder fills `OutputDecoder.logprobs` for option `logprobs`
     follows_grammars: bool = False  # its engine constrains text to option `structured_outputs` (engines/grammar.py)
+    tool_format: ToolCallFormat | None = None  # how its chat template writes tool calls; None: chat takes no tools
 
     @property
     def voices(self) -> tuple[str, ...]:
