@@ -118,3 +118,10 @@ def test_bad_tools_are_refused(client, tools, choice, match):
 def test_a_forced_call_and_a_json_format_exclude_each_other(client):
     with pytest.raises(openai.BadRequestError, match="exclude each other"):
         _create(client, 0, tool_choice="required", response_format={"type": "json_object"})
+
+
+def test_a_model_without_a_call_format_refuses_tools():
+    with running_server({"model": "toy"}) as url:
+        toy = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="no tool-call format"):
+            toy.chat.completions.create(model="toy", messages=MESSAGES, tools=TOOLS)
