@@ -4,6 +4,10 @@ and the grammar spec of a forced call."""
 from __future__ import annotations
 
 import json
+import random
+
+import pytest
+import torch
 
 from mstar.engines.grammar import canonical_spec
 from mstar.models.common.chat_templates import CHATML_TEMPLATE, LLAMA3_TEMPLATE
@@ -51,3 +55,35 @@ def test_forced_call_grammars():
     named = LLAMA3.grammar(TOOLS, "g")["json_schema"]
     assert named["properties"]["parameters"] == {"type": "object", "properties": {}}
     assert named["required"] == ["name", "parameters"]
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3])
+def test_random_tokens_under_a_forced_grammar_make_a_valid_call(fmt):
+    """Any walk the grammar allows (random allowed tokens over the tiny tokenizer) parses as one call to a
+    declared tool whose arguments validate."""
+    pytest.importorskip("xgrammar")
+    jsonschema_rs = pytest.importorskip("jsonschema_rs")
+    from mstar.models.common.grammar import XGrammars
+    from mstar.models.common.text import Tokenizer
+    from mstar.models.llama.tiny import tiny_tokenizer_folder
+
+    tokenizer = Tokenizer.from_pretrained(tiny_tokenizer_folder())
+    grammars = XGrammars(tokenizer)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "integer", "minimum": 0, "maximum": 9}, "s": {"enum": ["a", "b"]}}, "required": ["x", "s"]}}},
+        {"type": "function", "function": {"name": "g"}}]
+    schemas = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"}) for t in tools}
+    rng = random.Random(0)
+    for _ in range(8):
+        matcher, ids = grammars.matcher(canonical_spec(fmt.grammar(tools))), []
+        bitmask = torch.zeros(1, grammars.words, dtype=torch.int32)
+        while not matcher.is_finished() and len(ids) < 400:
+            matcher.fill_bitmask(bitmask, 0)
+            allowed = [t for t in range(tokenizer.vocab_size) if bitmask[0, t // 32] >> (t % 32) & 1]
+            token = rng.choice(allowed)
+            assert matcher.accept(token)
+            ids.append(token)
+        assert matcher.is_finished(), tokenizer.decode(ids)
+        content, [call] = fmt.parse(tokenizer.decode(ids, skip_special_tokens=True))
+        assert content is None and call.name in schemas
+        jsonschema_rs.validate(schemas[call.name], json.loads(call.arguments))
