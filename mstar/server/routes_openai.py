@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from mstar.models.common.tool_calls import CallArgs, ToolCall
 from mstar.server import logprobs
 from mstar.server.adapters import RequestError, RequestStream, merge, start_request
 from mstar.server.app import ServerState, get_state
@@ -52,7 +53,7 @@ from mstar.server.streaming import (
 )
 
 if TYPE_CHECKING:
-    from mstar.models.common.tool_calls import ToolCallFormat
+    from mstar.models.common.tool_calls import Piece, ToolCallFormat
 
 router = APIRouter()
 
@@ -196,7 +197,7 @@ async def _spoken(request: Request, body: ChatCompletionRequest, streams: list[R
 
 class _ChatDeltas:
     """The deltas of each streamed choice's text: as it comes, or, with a call format, content and calls
-    (a call goes out as its id and name, then its arguments, once it is complete)."""
+    (a call's first delta carries its index, id and name; its arguments follow as pieces to append)."""
 
     def __init__(self, count: int, calls: ToolCallFormat | None) -> None:
         self.parsers = [calls.stream() if calls is not None else None for _ in range(count)]
@@ -211,18 +212,27 @@ class _ChatDeltas:
         tail = self._pieces(index, parser.finish()) if parser is not None else []
         return tail, "tool_calls" if self.num_calls[index] and reason == "stop" else reason
 
-    def _pieces(self, index: int, pieces: list) -> list[ChatDelta]:
+    def _pieces(self, index: int, pieces: list[Piece]) -> list[ChatDelta]:
         out = []
         for piece in pieces:
             if isinstance(piece, str):
                 out.append(ChatDelta(content=piece))
                 continue
-            k = self.num_calls[index]
+            if isinstance(piece, CallArgs):
+                out.append(self._call(self.num_calls[index] - 1, arguments=piece.text))
+                continue
             self.num_calls[index] += 1
-            out.append(ChatDelta(tool_calls=[ToolCallDelta(index=k, id=new_id("call"), type="function",
-                                                           function=FunctionCall(name=piece.name, arguments=""))]))
-            out.append(ChatDelta(tool_calls=[ToolCallDelta(index=k, function=FunctionCall(arguments=piece.arguments))]))
+            k = self.num_calls[index] - 1
+            out.append(self._call(k, new_id("call"), piece.name, ""))
+            if isinstance(piece, ToolCall):
+                out.append(self._call(k, arguments=piece.arguments))
         return out
+
+    @staticmethod
+    def _call(index: int, call_id: str | None = None, name: str | None = None, arguments: str = "") -> ChatDelta:
+        first = call_id is not None
+        return ChatDelta(tool_calls=[ToolCallDelta(index=index, id=call_id, type="function" if first else None,
+                                                   function=FunctionCall(name=name, arguments=arguments))])
 
 
 async def _chat_sse(streams: list[RequestStream], model: str, include_usage: bool, with_logprobs: bool,

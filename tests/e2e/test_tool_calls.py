@@ -69,7 +69,7 @@ def test_streamed_calls_assemble_into_valid_calls(client, seed):
     for choice, want in (("required", None), ({"type": "function", "function": {"name": "get_weather"}},
                                               "get_weather")):
         calls: dict[int, dict] = {}
-        finish = None
+        finish, pieces = None, 0
         for event in _create(client, seed, tool_choice=choice, stream=True):
             for c in event.choices:
                 finish = c.finish_reason or finish
@@ -78,7 +78,9 @@ def test_streamed_calls_assemble_into_valid_calls(client, seed):
                     entry = calls.setdefault(d.index, {"id": d.id, "name": "", "arguments": ""})
                     entry["name"] += d.function.name or ""
                     entry["arguments"] += d.function.arguments or ""
+                    pieces += bool(d.function.arguments)
         assert finish == "tool_calls" and list(calls) == [0] and calls[0]["id"]
+        assert pieces > 2  # the arguments streamed as written
         _check_call(calls[0]["name"], calls[0]["arguments"], want)
 
 

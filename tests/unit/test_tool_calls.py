@@ -11,7 +11,7 @@ import torch
 
 from mstar.engines.grammar import canonical_spec
 from mstar.models.common.chat_templates import CHATML_TEMPLATE, LLAMA3_TEMPLATE
-from mstar.models.common.tool_calls import HERMES, LLAMA3, ToolCall, format_of
+from mstar.models.common.tool_calls import HERMES, LLAMA3, CallArgs, CallOpen, ToolCall, format_of
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
     "x": {"type": "integer"}}}}}, {"type": "function", "function": {"name": "g"}}]
@@ -35,15 +35,40 @@ def test_llama3_call_is_the_whole_answer():
     assert LLAMA3.parse("hello {") == ("hello {", [])
 
 
-def test_a_stream_holds_only_what_may_begin_a_call():
-    stream, out = HERMES.stream(), []
-    for ch in 'ab<tool_call>{"name":"f","arguments":{"x":3}}</tool_call> done <tool':
+def _assembled(pieces: list) -> tuple[str, list[ToolCall]]:
+    """Content and calls as a client puts streamed deltas together."""
+    content, calls = "", []
+    for piece in pieces:
+        if isinstance(piece, str):
+            content += piece
+        elif isinstance(piece, ToolCall):
+            calls.append(piece)
+        elif isinstance(piece, CallOpen):
+            calls.append(ToolCall(piece.name, ""))
+        else:
+            calls[-1] = ToolCall(calls[-1].name, calls[-1].arguments + piece.text)
+    return content, calls
+
+
+def test_a_stream_holds_only_what_may_begin_a_call_and_streams_arguments():
+    stream, out, args_pieces = HERMES.stream(), [], 0
+    text = 'ab<tool_call>{"name":"f","arguments":{"x":3,"y":{"z":[1]}}}</tool_call> done <tool_call>{"arguments":{},"name":"g"}</tool_call> <tool'
+    for ch in text:
         pieces = stream.push(ch)
         assert "<" not in "".join(p for p in pieces if isinstance(p, str))
+        args_pieces += sum(isinstance(p, CallArgs) for p in pieces)
         out += pieces
     out += stream.finish()
-    assert "".join(p for p in out if isinstance(p, str)) == "ab done <tool"
-    assert [p for p in out if isinstance(p, ToolCall)] == [ToolCall("f", '{"x": 3}')]
+    assert args_pieces > 5  # the arguments went out while written, not at the call's end
+    assert _assembled(out) == ("ab done <tool", [ToolCall("f", '{"x":3,"y":{"z":[1]}}'), ToolCall("g", "{}")])
+
+
+def test_a_llama3_call_streams_its_parameters():
+    stream, out = LLAMA3.stream(), []
+    for ch in ' {"name": "f", "parameters": {"x": 2}}':
+        out += stream.push(ch)
+    out += stream.finish()
+    assert _assembled(out) == ("", [ToolCall("f", '{"x": 2}')])
 
 
 def test_forced_call_grammars():

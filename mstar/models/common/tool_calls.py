@@ -7,17 +7,20 @@ Two formats, chosen from the chat template (`format_of`):
 
 `grammar` gives the `structured_outputs` spec (engines/grammar.py) of exactly one call to one of the tools,
 its arguments valid under that tool's `parameters` schema; `ToolCallStream` splits streamed text into
-content and complete calls.
+content and calls, a call's arguments streamed as they are written when it begins with its name.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # a function declared without `parameters`
+# the head of a call object written name first (as forced calls are): its arguments follow
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.-]+)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +29,23 @@ class ToolCall:
 
     name: str
     arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallOpen:
+    """A streamed call has begun: the function it names (its arguments follow as `CallArgs`)."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallArgs:
+    """The next piece of the arguments of the call last opened."""
+
+    text: str
+
+
+Piece = str | ToolCall | CallOpen | CallArgs  # what a ToolCallStream hands out: content, or (part of) a call
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +85,8 @@ class ToolCallFormat:
         return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
     def stream(self) -> ToolCallStream:
-        """A fresh splitter of one streamed answer."""
-        return ToolCallStream(self)
+        """A fresh splitter of one streamed answer, streaming arguments as they are written."""
+        return ToolCallStream(self, incremental=True)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """A whole answer split into its content (None when only calls and whitespace) and its calls."""
@@ -92,17 +112,22 @@ def format_of(template: str) -> ToolCallFormat | None:
 
 @dataclass(slots=True)
 class ToolCallStream:
-    """Splits an answer arriving in pieces into content text and complete calls, in order. Text that may
-    begin a call is held until the call closes (a call never closed goes out as content at `finish`);
-    whitespace is held until more content follows, so the whitespace around calls is dropped."""
+    """Splits an answer arriving in pieces into content text and calls, in order. Text that may begin a call
+    is held; with `incremental`, a call written name first goes out as `CallOpen` once its name is known and
+    its arguments as `CallArgs` while written (held back: what may still be the call's closing `}`), others
+    as a `ToolCall` once closed. A call never closed goes out as content at `finish`, unless it was opened.
+    Whitespace is held until more content follows, so the whitespace around calls is dropped."""
 
     fmt: ToolCallFormat
+    incremental: bool = False
     _buf: str = ""
     _space: str = ""  # whitespace content waiting for more content
     _whole: bool | None = None  # LLAMA3: whether the answer is a call (None: not known yet)
-    _out: list[str | ToolCall] = field(default_factory=list)
+    _args_at: int | None = None  # where the open call's arguments begin in its body (None: not opened)
+    _sent: int = 0  # characters of the open call's arguments handed out
+    _out: list[Piece] = field(default_factory=list)
 
-    def push(self, text: str) -> list[str | ToolCall]:
+    def push(self, text: str) -> list[Piece]:
         """What `text`, after what came before, lets go out now."""
         self._buf += text
         if self.fmt.begin:
@@ -112,12 +137,15 @@ class ToolCallStream:
         if self._whole is False:
             self._content(self._buf)
             self._buf = ""
+        elif self._whole:
+            self._stream_args(self._buf)
         return self._take()
 
-    def finish(self) -> list[str | ToolCall]:
+    def finish(self) -> list[Piece]:
         """What is left once the answer ended."""
-        call = self.fmt.parse_call(self._buf) if self._whole else None
-        if call is not None:
+        if self._args_at is not None:
+            self._close(self._buf[len(self.fmt.begin):])
+        elif (call := self.fmt.parse_call(self._buf) if self._whole else None) is not None:
             self._out.append(call)
         else:
             self._content(self._buf)
@@ -128,25 +156,55 @@ class ToolCallStream:
         begin, end = self.fmt.begin, self.fmt.end
         while True:
             start = self._buf.find(begin)
-            if start < 0:
+            if start < 0 and self._args_at is None:
                 keep = next((k for k in range(min(len(begin) - 1, len(self._buf)), 0, -1)
                              if begin.startswith(self._buf[-k:])), 0)
                 self._content(self._buf[:len(self._buf) - keep])
                 self._buf = self._buf[len(self._buf) - keep:]
                 return
-            self._content(self._buf[:start])
-            self._buf = self._buf[start:]
+            if self._args_at is None:
+                self._content(self._buf[:start])
+                self._buf = self._buf[start:]
             stop = self._buf.find(end, len(begin))
             if stop < 0:
+                self._stream_args(self._buf[len(begin):])
                 return
-            raw = self._buf[:stop + len(end)]
-            call = self.fmt.parse_call(self._buf[len(begin):stop])
-            if call is not None:
+            body = self._buf[len(begin):stop]
+            if self._args_at is not None:
+                self._close(body)
+            elif (call := self.fmt.parse_call(body)) is not None:
                 self._space = ""
                 self._out.append(call)
             else:
-                self._content(raw)
+                self._content(self._buf[:stop + len(end)])
             self._buf = self._buf[stop + len(end):]
+
+    def _stream_args(self, body: str) -> None:
+        """Open the call whose unfinished `body` has begun with its name; hand out its arguments so far."""
+        if not self.incremental:
+            return
+        if self._args_at is None:
+            head = _CALL_HEAD.match(body)
+            if head is None:
+                return
+            self._space, self._args_at, self._sent = "", head.end(), 0
+            self._out.append(CallOpen(head.group(1)))
+        rest = body[self._args_at:]
+        brace = rest.rfind("}")
+        tail = rest[brace + 1:].lstrip() if brace >= 0 else None
+        ready = brace if tail is not None and self.fmt.end.startswith(tail) else len(rest.rstrip())
+        self._send(rest[:ready])
+
+    def _close(self, body: str) -> None:
+        """The open call's body is complete: its arguments end before the call object's closing brace."""
+        args = body[self._args_at:].rstrip()
+        self._send(args[:-1].rstrip() if args.endswith("}") else args)
+        self._args_at = None
+
+    def _send(self, args: str) -> None:
+        if len(args) > self._sent:
+            self._out.append(CallArgs(args[self._sent:]))
+            self._sent = len(args)
 
     def _content(self, text: str) -> None:
         if not text:
@@ -157,6 +215,6 @@ class ToolCallStream:
         self._out.append(self._space + text)
         self._space = ""
 
-    def _take(self) -> list[str | ToolCall]:
+    def _take(self) -> list[Piece]:
         out, self._out = self._out, []
         return out
