@@ -227,7 +227,10 @@ def _check_schema(schema: Any, where: str) -> None:
     if "items" in schema:
         _check_schema(schema["items"], f"{where}.items")
     for key in ("anyOf", "oneOf", "allOf"):
-        for i, sub in enumerate(schema.get(key, [])):
+        subs = schema.get(key, [])
+        if not isinstance(subs, list):
+            raise ValueError(f"{where}.{key} must be a list of schemas, got {subs!r}")
+        for i, sub in enumerate(subs):
             _check_schema(sub, f"{where}.{key}[{i}]")
 
 

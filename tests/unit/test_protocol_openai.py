@@ -90,6 +90,8 @@ def test_unset_sampling_fields_mean_model_defaults():
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
                                                                                    "required": "a"}}}]},
          "parameters.required must be a list"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"anyOf": 3}}}]},
+         "parameters.anyOf must be a list"),
         ({"response_format": {"type": "json_schema"}}, "json_schema.schema a JSON schema object"),
         ({"response_format": {"type": "yaml"}}, "use text, json_object, or json_schema"),
         ({"modalities": ["smell"]}, "modalities"),
