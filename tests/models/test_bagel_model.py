@@ -153,3 +153,14 @@ def test_served_equals_the_upstream_reference(name, served, reference):
 
 def test_no_context_is_left_behind(served):
     assert served[1] == 0
+
+
+def test_dummy_weights_keep_the_folders_configs(tmp_path):
+    from mstar.models.bagel.model import BagelModel
+
+    dummy = BagelModel(BagelModel.make_config(tiny=True), load_format="dummy", model_path=str(tmp_path))
+    assert dummy.checkpoint is None and dummy.folder == tmp_path
+    assert BagelModel(BagelModel.make_config(tiny=True), model_path=str(tmp_path)).checkpoint == tmp_path
+    assert BagelModel(BagelModel.make_config(tiny=True)).checkpoint is None
+    with pytest.raises(ValueError, match=r"bagel needs --model-path \(a folder or the repo id ByteDance-Seed"):
+        _ = BagelModel(BagelModel.make_config()).checkpoint

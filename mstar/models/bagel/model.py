@@ -177,12 +177,12 @@ class BagelModel(Model):
     @cached_property
     def checkpoint(self) -> Path | None:
         """The folder to load weights from, or None for random weights (tiny, or --load-format dummy)."""
-        if self.load_format == "dummy" or (self.config.tiny and self.model_path is None):
+        from mstar.models.common.loading import deployment_checkpoint
+
+        if self.load_format == "dummy":  # random weights even with --model-path, whose configs and tokenizer apply
             return None
-        if self.model_path is None:
-            raise ValueError("bagel needs --model-path (a folder or the repo id ByteDance-Seed/BAGEL-7B-MoT), "
-                             "or --load-format dummy, or --tiny")
-        return self.folder
+        return deployment_checkpoint(self.folder, self.config.tiny, self.load_format, self.name,
+                                     "a folder or the repo id ByteDance-Seed/BAGEL-7B-MoT")
 
     @cached_property
     def folder(self) -> Path | None:

@@ -79,14 +79,10 @@ class Pi05(Model):
     @cached_property
     def checkpoint(self) -> Path | None:
         """The lerobot folder, or None for random weights."""
-        from mstar.models.common.loading import resolve_checkpoint
+        from mstar.models.common.loading import deployment_checkpoint
 
-        if self.model_path is not None:
-            return resolve_checkpoint(self.model_path)
-        if not self.config.tiny and self.load_format != "dummy":
-            raise ValueError("pi05 needs --model-path (a lerobot Pi0.5 folder or repo id, e.g. lerobot/pi05_base), "
-                             "or --load-format dummy, or --tiny")
-        return None
+        return deployment_checkpoint(self.model_path, self.config.tiny, self.load_format, self.name,
+                                     "a lerobot Pi0.5 folder or repo id, e.g. lerobot/pi05_base")
 
     @cached_property
     def pi05(self):

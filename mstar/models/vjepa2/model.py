@@ -103,13 +103,9 @@ class _VJEPA2Base(Model):
     @cached_property
     def checkpoint(self) -> Path | None:
         """The checkpoint (a Hugging Face folder, or an upstream .pt), or None for random weights."""
-        from mstar.models.common.loading import resolve_checkpoint
+        from mstar.models.common.loading import deployment_checkpoint
 
-        if self.model_path is not None:
-            return resolve_checkpoint(self.model_path)
-        if not self.config.tiny and self.load_format != "dummy":
-            raise ValueError(f"{self.name} needs --model-path ({self._example}), or --load-format dummy, or --tiny")
-        return None
+        return deployment_checkpoint(self.model_path, self.config.tiny, self.load_format, self.name, self._example)
 
     @cached_property
     def vjepa2(self):
