@@ -81,6 +81,8 @@ def test_thinking_before_drawing_adds_the_planning_prompt(processor, model):
 @pytest.mark.parametrize(("request_", "options", "message"), [
     ({"text": "x"}, {"modalities": ["audio"]}, "modalities"),
     ({"text": "x"}, {"modalities": ["image"], "size": "40x32"}, "width=40 must be a multiple of 16"),
+    ({"text": "x"}, {"modalities": ["image"], "size": "big"}, r"size='big' must look like 'WxH', e\.g\. '64x64'"),
+    ({"text": "x"}, {"modalities": ["image"], "seed": -1}, r"seed must be an integer in \[0, "),
     ({"text": "x"}, {"modalities": ["image"], "cfg_interval": [0.8, 0.2]}, "cfg_interval"),
     ({"text": "x"}, {"modalities": ["image"], "cfg_renorm_type": "l2"}, "cfg_renorm_type"),
     ({"text": "x"}, {"modalities": ["image"], "num_inference_steps": 1}, "num_inference_steps"),

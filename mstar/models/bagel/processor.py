@@ -17,7 +17,6 @@ the model's 32,768 positions. Walk inputs: `prompt_ids` (every text segment's id
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +29,7 @@ from mstar.models.bagel.embeddings import grid_positions, patchify
 from mstar.models.bagel.flow import RENORM_TYPES
 from mstar.models.bagel.plan import TEXT, VAE, VIT, Segment, branch_masks, encode_segments, extent
 from mstar.models.common.text import Tokenizer
+from mstar.models.common.video_options import integer, number, seed, video_size
 from mstar.models.llama.processor import TextProcessor
 
 # The system prompts BAGEL was trained to think under (the upstream inferencer's).
@@ -95,7 +95,7 @@ def resolve_options(options: Mapping[str, Any], defaults: BagelDefaults, edit: b
     if not modalities or not set(modalities) <= {"text", "image"}:
         raise ValueError(f"modalities={modalities!r}: bagel makes 'text', 'image' or both (a thought, then the image)")
     image = "image" in modalities
-    width, height = _size(options, defaults)
+    width, height = video_size(options, defaults.width, defaults.height, 16, defaults.max_side)
     interval = options.get("cfg_interval")
     interval = ([0.0, 1.0] if edit else [0.4, 1.0]) if interval is None else interval
     if not (isinstance(interval, list | tuple) and len(interval) == 2
@@ -106,21 +106,20 @@ def resolve_options(options: Mapping[str, Any], defaults: BagelDefaults, edit: b
     if renorm not in RENORM_TYPES:
         raise ValueError(f"cfg_renorm_type={renorm!r}: use one of {list(RENORM_TYPES)}")
     image_scale = options.get("image_guidance_scale")
-    seed = options.get("seed")
     max_tokens = options.get("max_tokens")
     if max_tokens is not None:
-        _integer(max_tokens, "max_tokens", 1, 1 << 20)
+        integer(max_tokens, "max_tokens", 1, 1 << 20)
     return {
         "image_output": image, "think": bool(options.get("think")) or (image and "text" in modalities),
         "width": width, "height": height,
-        "num_inference_steps": _integer(options.get("num_inference_steps", 50), "num_inference_steps", 2, MAX_STEPS),
-        "guidance_scale": _number(options.get("guidance_scale", 4.0), "guidance_scale", 0.0, 100.0),
-        "image_guidance_scale": _number((2.0 if edit else 1.5) if image_scale is None else image_scale,
-                                        "image_guidance_scale", 0.0, 100.0),
+        "num_inference_steps": integer(options.get("num_inference_steps", 50), "num_inference_steps", 2, MAX_STEPS),
+        "guidance_scale": number(options.get("guidance_scale", 4.0), "guidance_scale", 0.0, 100.0),
+        "image_guidance_scale": number((2.0 if edit else 1.5) if image_scale is None else image_scale,
+                                       "image_guidance_scale", 0.0, 100.0),
         "cfg_interval": [float(interval[0]), float(interval[1])], "cfg_renorm_type": renorm,
-        "cfg_renorm_min": _number(options.get("cfg_renorm_min", 0.0), "cfg_renorm_min", 0.0, 1.0),
-        "timestep_shift": _number(options.get("timestep_shift", 3.0), "timestep_shift", 0.01, 100.0),
-        "seed": secrets.randbelow(2**31) if seed is None else _integer(seed, "seed", 0, 2**63 - 1),
+        "cfg_renorm_min": number(options.get("cfg_renorm_min", 0.0), "cfg_renorm_min", 0.0, 1.0),
+        "timestep_shift": number(options.get("timestep_shift", 3.0), "timestep_shift", 0.01, 100.0),
+        "seed": seed(options),
     }
 
 
@@ -255,31 +254,3 @@ def _rgb(image: Any) -> np.ndarray:
     if array.dtype != np.uint8 or array.ndim != 3 or array.shape[-1] not in (3, 4):
         raise ValueError(f"an image must be uint8 [H, W, 3], got {array.dtype} {array.shape}")
     return np.ascontiguousarray(array[..., :3])
-
-
-def _size(options: Mapping[str, Any], defaults: BagelDefaults) -> tuple[int, int]:
-    size = options.get("size")
-    if size not in (None, "auto"):
-        try:
-            width, height = (int(v) for v in str(size).lower().split("x"))
-        except ValueError:
-            raise ValueError(f"size={size!r} must look like 'WxH', e.g. '1024x1024'") from None
-    else:
-        width, height = options.get("width", defaults.width), options.get("height", defaults.height)
-    for name, value in (("width", width), ("height", height)):
-        _integer(value, name, 16, defaults.max_side)
-        if value % 16:
-            raise ValueError(f"{name}={value} must be a multiple of 16; try {16 * max(round(value / 16), 1)}")
-    return int(width), int(height)
-
-
-def _integer(value: Any, name: str, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or not low <= value <= high:
-        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
-    return int(value)
-
-
-def _number(value: Any, name: str, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-        raise ValueError(f"{name} must be a number in [{low}, {high}], got {value!r}")
-    return float(value)
