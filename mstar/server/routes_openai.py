@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from mstar.models.common.tool_calls import CallArgs, ToolCall
+from mstar.models.common.tool_calls import CallArgs, Piece, ToolCall, ToolCallFormat
 from mstar.server import logprobs
 from mstar.server.adapters import RequestError, RequestStream, merge, start_request
 from mstar.server.app import ServerState, get_state
@@ -51,9 +51,6 @@ from mstar.server.streaming import (
     sse_error,
     unless_disconnected,
 )
-
-if TYPE_CHECKING:
-    from mstar.models.common.tool_calls import Piece, ToolCallFormat
 
 router = APIRouter()
 
