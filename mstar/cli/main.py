@@ -153,12 +153,14 @@ def read_api_key(args: argparse.Namespace) -> str | None:
     return lines[0].strip()
 
 
-def snippets(base_url: str, model: str, api_key: str | None) -> str:
-    """Copy-paste examples for curl, the mstar SDK and the OpenAI client; a key shows as $MSTAR_API_KEY."""
+def snippets(base_url: str, model: str, api_key: str | None, max_model_len: int | None = None) -> str:
+    """Copy-paste examples for curl, the mstar SDK and the OpenAI client; a key shows as $MSTAR_API_KEY.
+    A token model's context is the limit its engine enforces, as /v1/models and the 400s quote it."""
+    context = f"   (max_model_len: {max_model_len} tokens)" if max_model_len is not None else ""
     auth = " -H \"Authorization: Bearer $MSTAR_API_KEY\"" if api_key else ""
     key = 'os.environ["MSTAR_API_KEY"]' if api_key else repr("none")
     return f"""
-mstar is serving {model!r} at {base_url}   (docs: {base_url}/docs, metrics: {base_url}/metrics)
+mstar is serving {model!r} at {base_url}{context}   (docs: {base_url}/docs, metrics: {base_url}/metrics)
 
   curl {base_url}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\
        -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
@@ -197,7 +199,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         app = create_app(runtime, api_key=api_key, model_name=args.served_model_name)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-        sys.stderr.write(snippets(f"http://{host}:{args.port}", args.served_model_name or config.model, api_key))
+        sys.stderr.write(snippets(f"http://{host}:{args.port}", args.served_model_name or config.model, api_key,
+                                  runtime.processor.max_model_len))
         serve_until_stopped(app, runtime, args)
     finally:
         runtime.shutdown()

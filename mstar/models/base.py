@@ -154,6 +154,12 @@ class Processor:
     def validate_options(self, options: Mapping[str, Any]) -> None:
         """Raise ValueError naming the bad option; called before a request is admitted."""
 
+    def limit_context(self, max_model_len: int) -> None:
+        """Lower `max_model_len` to what the engine of the model's `context_component` holds, so the 400s
+        on prompt and `max_tokens` quote the limit the engine enforces."""
+        if self.max_model_len is not None:
+            self.max_model_len = min(self.max_model_len, max_model_len)
+
     def warm(self) -> None:
         """Once, before the server accepts requests: the one-time work the first request would otherwise
         pay (imports, template compiles, a tokenizer's first call). Never touches the model."""
@@ -174,6 +180,9 @@ class Model:
     output_modalities: ClassVar[tuple[str, ...]] = ("text",)
     # Sampling and other per-request option defaults; each request may override them.
     default_options: ClassVar[Mapping[str, Any]] = {}
+    # The autoregressive component whose context bounds a prompt and its output (`Processor.max_model_len`);
+    # its engine's actual limit, lowered to what its KV pool holds, is handed to the processor at start.
+    context_component: ClassVar[str | None] = None
 
     def __init__(self, config: Any, load_format: str = "auto", model_path: str | None = None) -> None:
         self.config = config

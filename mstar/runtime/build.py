@@ -103,6 +103,20 @@ def build_engines(model: Model, config: MStarConfig, components: list[str], devi
     return {name: made[name] for name in components}
 
 
+def context_lens(engines: dict[str, Engine]) -> dict[str, int]:
+    """Each autoregressive engine's `max_model_len` by component: the limit it enforces, lowered to what its
+    KV pool holds, which the server's processor then quotes (`Processor.limit_context`)."""
+    from mstar.engines.autoregressive.engine import AutoregressiveEngine
+    from mstar.engines.own_stream import OwnStreamEngine
+
+    lens = {}
+    for name, engine in engines.items():
+        inner = engine.engine if isinstance(engine, OwnStreamEngine) else engine
+        if isinstance(inner, AutoregressiveEngine):
+            lens[name] = inner.max_model_len
+    return lens
+
+
 def _check_same_kv_pool(component: str, pages: int, shard: Any) -> None:
     """The ranks of a tensor-parallel engine must hold KV pools of one size: the batch schedulers admit
     and preempt by free pages, and two sizes would part them. A pool sized from free memory differs per

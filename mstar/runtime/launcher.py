@@ -26,7 +26,7 @@ from mstar.conductor.request_state import Sink
 from mstar.config import MStarConfig
 from mstar.graph import validate_graph
 from mstar.graph.placement import plan_placement
-from mstar.runtime.build import build_engines, build_model, worker_device
+from mstar.runtime.build import build_engines, build_model, context_lens, worker_device
 from mstar.runtime.codecs import LocalCodec, PayloadCodec
 from mstar.runtime.replicas import check_run_mode, multi_rank_replicas
 from mstar.runtime.supervisor import RestartPolicy, exit_reason
@@ -171,6 +171,7 @@ class Runtime:
             for rank in range(self.plan.num_workers):
                 device = worker_device(self.config, rank)
                 engines = build_engines(self.model, self.config, self.plan.components_on(rank), device)
+                self._limit_context(context_lens(engines))
                 worker = Worker(rank, self.graph, engines, self.network.inbox(worker_peer(rank)),
                                 self.network.outbox(), self.codec, device)
                 self.workers[rank] = worker
@@ -196,6 +197,12 @@ class Runtime:
             args=(rank, config_json, directory_json, session, dict(args), rendezvous))
         proc.start()
         return proc
+
+    def _limit_context(self, lens: dict[str, int]) -> None:
+        """Hand the processor the limit the engine of the model's context component enforces."""
+        component = type(self.model).context_component
+        if component in lens:
+            self.processor.limit_context(lens[component])
 
     def _rendezvous(self) -> list[Any] | None:
         """[host, port, world size] where the workers join torch.distributed; None without multi-rank replicas."""
@@ -228,6 +235,7 @@ class Runtime:
             self._last_message = time.monotonic()
             try:
                 if isinstance(msg, wire.WorkerReady):
+                    self._limit_context(msg.context_lens)
                     self._ready.add(msg.rank)
                     self.conductor.worker_revived(msg.rank)
                 elif isinstance(msg, wire.WorkerFailed):

@@ -67,7 +67,7 @@ def worker_process_main(rank: int, config_json: bytes, directory_json: bytes, se
     logging.basicConfig(level=build_args.pop("log_level", "WARNING"))
     from mstar.config import config_from_dict
     from mstar.graph.placement import plan_placement
-    from mstar.runtime.build import build_engines, build_model, worker_device
+    from mstar.runtime.build import build_engines, build_model, context_lens, worker_device
     from mstar.runtime.codecs import PayloadCodec
     from mstar.transport import wire
     from mstar.transport.messages import Codec
@@ -92,6 +92,7 @@ def worker_process_main(rank: int, config_json: bytes, directory_json: bytes, se
             groups = start_replica_groups(plan, rank, device, Rendezvous(*rendezvous))
             shards = tensor_parallel_shards(plan, graph, rank, groups)
         engines = build_engines(model, config, plan.components_on(rank), device, shards)
+        lens = context_lens(engines)
         if groups is not None:
             wrap_replicas(plan, graph, rank, engines, groups, lambda r, msg: outbox.send(worker_peer(r), msg),
                           codec.pack)
@@ -106,7 +107,7 @@ def worker_process_main(rank: int, config_json: bytes, directory_json: bytes, se
     # otherwise walk it again and again while requests run.
     gc.collect()
     gc.freeze()
-    outbox.send(CONDUCTOR, wire.WorkerReady(rank))
+    outbox.send(CONDUCTOR, wire.WorkerReady(rank, lens))
     worker.run()
     if groups is not None:
         groups.close()

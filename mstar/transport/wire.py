@@ -149,6 +149,7 @@ class WorkerReady(msgspec.Struct, tag=True, array_like=True):
     """Worker -> conductor: components built and warmed up."""
 
     rank: int
+    context_lens: dict[str, int] = {}  # component -> its autoregressive engine's max_model_len on this worker
 
 
 class WorkerFailed(msgspec.Struct, tag=True, array_like=True):

@@ -42,6 +42,20 @@ def test_models_lists_the_context_length_of_a_token_model():
     assert card["max_model_len"] is None and card["voices"] == []  # no token context, no voices
 
 
+def test_the_kv_pool_capacity_is_the_one_limit_every_answer_quotes():
+    # 16 pages of 16 tokens hold 256 tokens, under the tiny checkpoint's 512: the engine's limit wins everywhere
+    with running_server({"model": "llama", "device": "cpu", "kv_cache": {"max_num_pages": 16}}, tiny=True) as url:
+        (card,) = httpx.get(f"{url}/v1/models").json()["data"]
+        long_prompt = httpx.post(f"{url}/v1/completions", json={"prompt": "word " * 60, "max_tokens": 4})
+        many_tokens = httpx.post(f"{url}/v1/completions", json={"prompt": "word", "max_tokens": 400})
+    assert card["max_model_len"] == 256
+    assert long_prompt.status_code == 400, long_prompt.text
+    assert re.search(r"the prompt has \d+ tokens, .* context of 256 tokens", long_prompt.json()["error"]["message"])
+    assert many_tokens.status_code == 400 and re.search(
+        r"max_tokens=400 plus the \d+-token prompt exceeds the model's context of 256 tokens; use max_tokens <= \d+",
+        many_tokens.json()["error"]["message"])
+
+
 def test_models_lists_the_voices_of_a_speaking_model():
     from mstar.models.orpheus.tokens import VOICES
 

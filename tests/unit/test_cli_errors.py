@@ -68,3 +68,8 @@ def test_vllm_style_flags_set_the_model_config_and_the_yaml_wins(tmp_path, caplo
     toy = cli.build_parser().parse_args(["serve", "toy", "--max-model-len", "64"])
     with pytest.raises(ConfigError, match="--max-model-len: model 'toy' has no setting 'max_model_len'"):
         cli.apply_model_flags(config_from_dict({"model": "toy"}), toy)
+
+
+def test_the_banner_quotes_the_context_the_engine_enforces():
+    assert "(max_model_len: 256 tokens)" in cli.snippets("http://127.0.0.1:8000", "qwen3", None, 256)
+    assert "max_model_len" not in cli.snippets("http://127.0.0.1:8000", "toy", None)

@@ -63,6 +63,7 @@ class DenseLM(Model):
 
     name = "llama"
     tiny_arch = "llama"  # tiny config used with tiny=True
+    context_component = "llm"
 
     @classmethod
     def make_config(cls, tiny: bool = False, **overrides: Any) -> LLMConfig:

@@ -96,6 +96,7 @@ class OrpheusModel(Model):
     name = "orpheus"
     input_modalities = ("text",)
     output_modalities = ("audio",)
+    context_component = "llm"
     default_options = {"voice": DEFAULT_VOICE, "temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.3,
                        "max_tokens": 1200}
 

@@ -167,6 +167,7 @@ class Qwen3Omni(Model):
     name = "qwen3_omni"
     input_modalities = ("text", "image", "audio", "video")
     output_modalities = ("text", "audio")
+    context_component = "thinker"
     default_options = {"modalities": ["text"], "voice": "Ethan", "use_audio_in_video": True}
 
     @classmethod
