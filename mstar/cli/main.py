@@ -23,7 +23,24 @@ DEFAULT_MODEL = "smollm2"
 MODEL_FLAGS = {
     "--max-model-len": ("max_model_len", int, "tokens of prompt and output one sequence may hold"),
     "--dtype": ("dtype", str, "weights and compute dtype, e.g. bfloat16, float32"),
+    "--seed": ("seed", int, "seed of random weights (--load-format dummy, --tiny)"),
 }
+
+# optional packages a model or route imports when it starts: import name -> (pip name, extra that brings it)
+OPTIONAL_PACKAGES = {
+    "gguf": ("gguf", "gguf"),
+    "triton": ("triton", "gpu"),
+    "ftfy": ("ftfy", "all"),
+    "xgrammar": ("xgrammar", "all"),
+}
+
+
+def missing_package_line(exc: ModuleNotFoundError) -> str:
+    """One line naming the package a start needs and how to install it."""
+    name = (exc.name or "").split(".")[0]
+    package, extra = OPTIONAL_PACKAGES.get(name, (name, None))
+    fix = f"pip install -c constraints.txt -e '.[{extra}]'" if extra else f"pip install {package}"
+    return f"mstar: the Python package {package!r} is needed and not installed; install it: {fix}"
 
 
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +59,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: the model's)")
     for flag, (key, kind, what) in MODEL_FLAGS.items():
         p.add_argument(flag, type=kind, default=None, help=f"{what} (model_kwargs.{key}; the YAML wins if it sets it)")
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="split the model's tensor-parallel components over this many GPUs (the others on GPU 0); "
+                        "the YAML's node_groups win if it has them")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds that SIGTERM or Ctrl-C lets open requests finish before they are ended with an "
                         "error and the server exits (default 30)")
@@ -116,6 +136,35 @@ def apply_model_flags(config, args: argparse.Namespace):
     return dataclasses.replace(config, model_kwargs=kwargs)
 
 
+def apply_parallel_flags(config, args: argparse.Namespace):
+    """`config` with --tensor-parallel-size N placed as node_groups: the components that declare
+    `tensor_parallel` split over ranks 0..N-1, every other one on rank 0. A YAML that places components
+    itself keeps its placement, and the conflict is logged."""
+    import dataclasses
+
+    from mstar.config import ConfigError, NodeGroup
+    from mstar.runtime.build import build_model
+
+    size = args.tensor_parallel_size
+    if size is None or size == 1:
+        return config
+    if size < 1:
+        raise ConfigError(f"--tensor-parallel-size {size}: give a number of GPUs >= 1")
+    if config.node_groups:
+        logger.warning("--tensor-parallel-size %d ignored: %s places the components (node_groups)", size, config.source)
+        return config
+    graph = build_model(config, tiny=args.tiny, load_format=args.load_format, model_path=args.model_path).graph()
+    split = [name for name, spec in graph.components.items() if spec.tensor_parallel]
+    if not split:
+        raise ConfigError(f"--tensor-parallel-size: model {config.model!r} has no tensor-parallel component; "
+                          "remove the flag (or place replicas with node_groups in a YAML config)")
+    rest = [name for name in graph.components if name not in split]
+    groups = [NodeGroup(split, list(range(size)), tp_size=size)] + ([NodeGroup(rest, [0])] if rest else [])
+    config = dataclasses.replace(config, node_groups=groups)
+    config.validate()
+    return config
+
+
 def _dest(flag: str) -> str:
     """The attribute argparse stores `flag` under."""
     return flag.removeprefix("--").replace("-", "_")
@@ -188,8 +237,13 @@ def run_serve(args: argparse.Namespace) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus
     try:
         config = apply_model_flags(resolve_config(getattr(args, "model", None), args.config), args)
+        config = apply_parallel_flags(config, args)
         runtime = Runtime(config, mode=args.mode, tiny=args.tiny, load_format=args.load_format,
                           model_path=args.model_path)
+    except ModuleNotFoundError as exc:  # an optional dependency of this model or route
+        if args.log_level == "DEBUG":
+            raise
+        raise SystemExit(missing_package_line(exc)) from None
     except (ValueError, KeyError, FileNotFoundError) as exc:  # a config, model name or checkpoint mistake
         if args.log_level == "DEBUG":
             raise

@@ -73,3 +73,47 @@ def test_vllm_style_flags_set_the_model_config_and_the_yaml_wins(tmp_path, caplo
 def test_the_banner_quotes_the_context_the_engine_enforces():
     assert "(max_model_len: 256 tokens)" in cli.snippets("http://127.0.0.1:8000", "qwen3", None, 256)
     assert "max_model_len" not in cli.snippets("http://127.0.0.1:8000", "toy", None)
+
+
+def test_seed_sets_the_model_config():
+    args = cli.build_parser().parse_args(["serve", "qwen3", "--seed", "7"])
+    from mstar.config import config_from_dict
+
+    assert cli.apply_model_flags(config_from_dict({"model": "qwen3"}), args).model_kwargs == {"seed": 7}
+
+
+def test_tensor_parallel_size_splits_the_tensor_parallel_components(tmp_path, caplog):
+    from mstar.config import ConfigError, config_from_dict, load_config
+
+    args = cli.build_parser().parse_args(["serve", "qwen3_omni", "--tiny", "--tensor-parallel-size", "2"])
+    config = cli.apply_parallel_flags(config_from_dict({"model": "qwen3_omni"}), args)
+    (split, rest) = config.node_groups
+    assert (split.node_names, split.ranks, split.tp_size) == (["thinker"], [0, 1], 2)
+    assert rest.ranks == [0] and "thinker" not in rest.node_names and "talker" in rest.node_names
+    placed = load_config("qwen3_omni_2gpu_tp")
+    assert cli.apply_parallel_flags(placed, args) is placed
+    assert "--tensor-parallel-size 2 ignored" in caplog.text
+    toy = cli.build_parser().parse_args(["serve", "toy", "--tensor-parallel-size", "2"])
+    with pytest.raises(ConfigError, match="model 'toy' has no tensor-parallel component"):
+        cli.apply_parallel_flags(config_from_dict({"model": "toy"}), toy)
+
+
+@pytest.mark.parametrize("missing,fix", [
+    ("gguf", "pip install -c constraints.txt -e '.[gguf]'"),
+    ("triton.language", "pip install -c constraints.txt -e '.[gpu]'"),
+    ("einops", "pip install einops"),
+])
+def test_a_missing_optional_package_is_one_line_naming_how_to_install_it(monkeypatch, missing, fix):
+    from mstar.runtime import launcher
+
+    def runtime(*args, **kwargs):
+        raise ModuleNotFoundError(f"No module named {missing!r}", name=missing)
+
+    monkeypatch.setattr(launcher, "Runtime", runtime)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "toy", "--port", str(port)])
+    package = missing.split(".")[0]
+    assert str(exc.value) == f"mstar: the Python package {package!r} is needed and not installed; install it: {fix}"
