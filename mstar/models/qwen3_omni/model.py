@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 class OmniServeConfig(LMServeConfig):
     """Serving options of Qwen3-Omni (YAML `model_kwargs`); the architecture comes from config.json."""
 
-    max_model_len: int = 32768  # thinker context (prompt + text)
+    max_model_len: int | None = None  # thinker context (prompt + text); None: 32768 (tiny: 2048, see context)
     talker_max_model_len: int = 8192  # talker context (prompt + frames)
     code2wav_chunk: int = 25  # frames of new audio per Code2Wav step (25 = 2 s)
     code2wav_left_context: int = 25  # earlier frames each chunk sees (see code2wav.py on exactness)
@@ -76,6 +76,12 @@ class OmniServeConfig(LMServeConfig):
     # more all-reduce a layer, half the attention weights and KV read per rank); False: every rank runs
     # whole attention with a whole KV cache and only the experts are split
     thinker_tp_attention: bool = True
+
+    @property
+    def context(self) -> int:
+        """The thinker's context, the default bound on a text answer (prompt + max_tokens). The tiny flavour's
+        random weights never sample eos, so its smaller default ends a default request in seconds."""
+        return self.max_model_len or (2048 if self.tiny else 32768)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -193,7 +199,7 @@ class Qwen3Omni(Model):
         from mstar.models.qwen3_omni.processor import OmniProcessor
 
         ckpt = self.checkpoint
-        return OmniProcessor(ckpt.tokenizer, ckpt.omni, self.config.max_model_len, ckpt.media_spec(self.config.video_fps))
+        return OmniProcessor(ckpt.tokenizer, ckpt.omni, self.config.context, ckpt.media_spec(self.config.video_fps))
 
     def request_options(self, options: dict[str, Any]) -> dict[str, Any]:
         """Checkpoint defaults, then the request's options (plain sampling keys belong to the thinker)."""
