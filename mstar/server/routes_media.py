@@ -166,8 +166,8 @@ async def _images(state: ServerState, request: Request, body: ImageGenerationReq
     """Run `body.n` requests (seed + i) for `model_request` and encode the first image of each;
     `extra` are the model options beyond OpenAI's fields."""
     dims = body.dimensions()
-    if dims is not None:
-        extra["width"], extra["height"] = dims
+    if dims is not None:  # as `size`, which a model may snap to its multiple
+        extra["size"] = f"{dims[0]}x{dims[1]}"
     for name in ("negative_prompt", "num_inference_steps", "guidance_scale"):
         if getattr(body, name) is not None:
             extra[name] = getattr(body, name)

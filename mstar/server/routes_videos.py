@@ -108,8 +108,8 @@ async def _reference_image(state: ServerState, value, route: str) -> Any:
 def _options(state: ServerState, body: VideoCreateRequest) -> dict[str, Any]:
     opts = form_options(body.extra_options())
     dims = body.dimensions()
-    if dims is not None:
-        opts["width"], opts["height"] = dims
+    if dims is not None:  # as `size`, which a model may snap to its multiple (the job then names the size made)
+        opts["size"] = f"{dims[0]}x{dims[1]}"
     for name in ("seconds", "seed", "fps", "num_frames", "negative_prompt", "num_inference_steps", "guidance_scale"):
         if getattr(body, name) is not None:
             opts[name] = getattr(body, name)

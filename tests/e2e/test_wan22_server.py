@@ -56,7 +56,8 @@ def test_images_generation_returns_a_png(base):
 
 
 def test_bad_size_is_a_400_naming_it(base):
-    body = {"text": "x", "outputs": ["video"], "stream": False, "options": {"size": "100x64"}}
+    # `size` is snapped to the multiple (tests/unit/test_video_sizes.py); an explicit width is refused
+    body = {"text": "x", "outputs": ["video"], "stream": False, "options": {"width": 100, "height": 64}}
     resp = httpx.post(f"{base}/generate", json=body, timeout=30)
     assert resp.status_code == 400 and "width=100 must be a multiple of 32" in resp.text
 

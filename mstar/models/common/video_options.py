@@ -27,15 +27,20 @@ def request_text(request: Mapping[str, Any]) -> str | None:
     return text if isinstance(text, str) and text.strip() else None
 
 
-def video_size(options: Mapping[str, Any], width: int, height: int, multiple: int, max_side: int) -> tuple[int, int]:
+def video_size(options: Mapping[str, Any], width: int, height: int, multiple: int, max_side: int,
+               snap: bool = False) -> tuple[int, int]:
     """(width, height) from option `size` "WxH" or `width`/`height`, defaulting to `width` x `height`;
-    each side a multiple of `multiple` in [multiple, max_side]."""
+    each side a multiple of `multiple` in [multiple, max_side]. With `snap`, the sides of `size` (an OpenAI
+    size such as "720x1280") are rounded to the nearest multiple instead of refused; the response then
+    names the size produced."""
     size = options.get("size")
     if size not in (None, "auto"):
         try:
             width, height = (int(v) for v in str(size).lower().split("x"))
         except ValueError:
             raise ValueError(f"size={size!r} must look like 'WxH', e.g. '{width}x{height}'") from None
+        if snap:
+            width, height = (max(multiple, multiple * round(side / multiple)) for side in (width, height))
     else:
         width, height = options.get("width", width), options.get("height", height)
     for name, value in (("width", width), ("height", height)):

@@ -1,6 +1,7 @@
 """Wan2.2 requests <-> tensors: prompts to token ids, a reference image to pixels, options resolved.
 
-Options (each request may set any): `size` "WxH" or `width`/`height` (multiples of 32), `num_frames`
+Options (each request may set any): `size` "WxH" (each side rounded to a multiple of 32, so OpenAI's
+"720x1280" gives 704x1280) or `width`/`height` (multiples of 32), `num_frames`
 (4k+1; or `seconds` at `fps`; 1 when only an image is asked for), `fps`, `guidance_scale`,
 `num_inference_steps`, `seed` (drawn at random when missing), `negative_prompt`. A request with an
 image in its media is image-to-video: the image (resized to the video size) becomes frame 0.
@@ -43,7 +44,7 @@ def defaults_for(config: Any) -> Wan22Defaults:
 
 def resolve_options(options: Mapping[str, Any], defaults: Wan22Defaults) -> dict[str, Any]:
     """The resolved size, frames, fps, steps, guidance and seed of a request; ValueError names a bad one."""
-    width, height = video_size(options, defaults.width, defaults.height, MULTIPLE, MAX_SIDE)
+    width, height = video_size(options, defaults.width, defaults.height, MULTIPLE, MAX_SIDE, snap=True)
     fps = number(options.get("fps", defaults.fps), "fps", 0.0, 240.0, exclusive_low=True)
     return {
         "width": width, "height": height, "fps": fps,

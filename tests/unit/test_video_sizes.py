@@ -1,0 +1,28 @@
+"""OpenAI sizes on video models: Wan2.2 rounds each side of `size` to its multiple of 32 (OpenAI's
+"720x1280" gives 704x1280, the size the video job then names); explicit `width`/`height` and the models
+that refuse odd sizes (Cosmos3, BAGEL) still answer a 400 naming the nearest multiple."""
+
+from __future__ import annotations
+
+import pytest
+
+from mstar.models.common.video_options import video_size
+from mstar.models.wan22.processor import Wan22Defaults, resolve_options
+
+
+def wan_size(options: dict) -> tuple[int, int]:
+    resolved = resolve_options(options, Wan22Defaults(width=64, height=64, num_frames=5, fps=16.0))
+    return resolved["width"], resolved["height"]
+
+
+def test_wan22_snaps_an_openai_size_to_its_multiple():
+    assert wan_size({"size": "720x1280"}) == (704, 1280)
+    assert wan_size({"size": "10x40"}) == (32, 32)
+    with pytest.raises(ValueError, match="width=720 must be a multiple of 32; try 704"):
+        wan_size({"width": 720, "height": 1280})
+
+
+def test_without_snap_an_odd_size_is_refused_with_the_nearest_multiple():
+    with pytest.raises(ValueError, match="width=720 must be a multiple of 32"):
+        video_size({"size": "720x1280"}, 64, 64, 32, 4096)
+    assert video_size({"size": "720x1280"}, 64, 64, 16, 4096) == (720, 1280)
