@@ -91,13 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def list_models(args: argparse.Namespace) -> int:
-    """Print each registered model with its input and output modalities."""
+    """Print each registered model with its input and output modalities, and the voices of one that speaks."""
     from mstar.models.registry import get_model_class, model_names
 
     for name in model_names():
         cls = get_model_class(name)
+        voices = f"   voices: {', '.join(cls.voices)}" if cls.voices else ""
         sys.stdout.write(f"{name:<16} in: {', '.join(cls.input_modalities):<28} "
-                         f"out: {', '.join(cls.output_modalities)}\n")
+                         f"out: {', '.join(cls.output_modalities)}{voices}\n")
     return 0
 
 

@@ -183,6 +183,9 @@ class Model:
     # The autoregressive component whose context bounds a prompt and its output (`Processor.max_model_len`);
     # its engine's actual limit, lowered to what its KV pool holds, is handed to the processor at start.
     context_component: ClassVar[str | None] = None
+    # The voices of the default checkpoint, as `mstar models` lists them without loading it; a server's
+    # are its processor's (`Processor.voices`, in /v1/models).
+    voices: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: Any, load_format: str = "auto", model_path: str | None = None) -> None:
         self.config = config

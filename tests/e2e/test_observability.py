@@ -58,11 +58,13 @@ def test_the_kv_pool_capacity_is_the_one_limit_every_answer_quotes():
 
 def test_models_lists_the_voices_of_a_speaking_model():
     from mstar.models.orpheus.tokens import VOICES
+    from mstar.models.registry import get_model_class
 
     with running_server({"model": "orpheus", "device": "cpu", "kv_cache": {"max_num_pages": 64}}, tiny=True) as url:
         (card,) = httpx.get(f"{url}/v1/models").json()["data"]
         wrong = httpx.post(f"{url}/v1/audio/speech", json={"model": "orpheus", "input": "hi", "voice": "nobody"})
     assert card["voices"] == list(VOICES) and wrong.status_code == 400 and "tara" in wrong.text
+    assert get_model_class("orpheus").voices == VOICES  # what `mstar models` lists
 
 
 def test_served_model_name_is_the_name_clients_use():

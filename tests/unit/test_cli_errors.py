@@ -117,3 +117,12 @@ def test_a_missing_optional_package_is_one_line_naming_how_to_install_it(monkeyp
         cli.main(["serve", "toy", "--port", str(port)])
     package = missing.split(".")[0]
     assert str(exc.value) == f"mstar: the Python package {package!r} is needed and not installed; install it: {fix}"
+
+
+def test_models_lists_the_voices_of_the_models_that_speak(capsys):
+    from mstar.models.orpheus.tokens import VOICES
+
+    assert cli.main(["models"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines["orpheus"].endswith(f"voices: {', '.join(VOICES)}")
+    assert lines["qwen3_omni"].endswith("voices: Aiden, Chelsie, Ethan") and "voices" not in lines["toy"]

@@ -39,7 +39,14 @@ from mstar.graph import (
 from mstar.models.base import BuiltComponent, Model
 from mstar.models.common.serve_config import LMServeConfig, decode_steps
 from mstar.models.orpheus.processor import OrpheusProcessor
-from mstar.models.orpheus.tokens import DEFAULT_VOICE, FRAME, LLAMA3_VOCAB, OrpheusTokens, accept_audio_token
+from mstar.models.orpheus.tokens import (
+    DEFAULT_VOICE,
+    FRAME,
+    LLAMA3_VOCAB,
+    VOICES,
+    OrpheusTokens,
+    accept_audio_token,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +104,7 @@ class OrpheusModel(Model):
     input_modalities = ("text",)
     output_modalities = ("audio",)
     context_component = "llm"
+    voices = VOICES
     default_options = {"voice": DEFAULT_VOICE, "temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.3,
                        "max_tokens": 1200}
 

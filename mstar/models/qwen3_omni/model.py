@@ -174,6 +174,7 @@ class Qwen3Omni(Model):
     input_modalities = ("text", "image", "audio", "video")
     output_modalities = ("text", "audio")
     context_component = "thinker"
+    voices = ("Aiden", "Chelsie", "Ethan")  # the talker's speakers in the released checkpoint's config.json
     default_options = {"modalities": ["text"], "voice": "Ethan", "use_audio_in_video": True}
 
     @classmethod
