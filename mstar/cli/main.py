@@ -43,6 +43,13 @@ def missing_package_line(exc: ModuleNotFoundError) -> str:
     return f"mstar: the Python package {package!r} is needed and not installed; install it: {fix}"
 
 
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose mistakes end in one line naming the fix, not the whole usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} ({self.prog} --help lists the flags)\n")
+
+
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000)
@@ -75,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The `mstar` argument parser with its subcommands."""
     from mstar.cli import bench
 
-    parser = argparse.ArgumentParser(prog="mstar", description="Serve and benchmark composite multimodal models.")
+    parser = Parser(prog="mstar", description="Serve and benchmark composite multimodal models.")
     parser.add_argument("--version", action="version", version=f"mstar {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run an HTTP server for one model")
@@ -306,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve_main(argv: list[str] | None = None) -> int:
     """Entry point of `mstar-serve --config x.yaml` (the model comes from the config)."""
-    parser = argparse.ArgumentParser(prog="mstar-serve", description="Serve the model a config file names.")
+    parser = Parser(prog="mstar-serve", description="Serve the model a config file names.")
     parser.add_argument("--version", action="version", version=f"mstar {__version__}")
     parser.add_argument("--model", default=None, help="override the config's model")
     _add_serve_arguments(parser)

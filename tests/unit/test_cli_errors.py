@@ -126,3 +126,14 @@ def test_models_lists_the_voices_of_the_models_that_speak(capsys):
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
     assert lines["orpheus"].endswith(f"voices: {', '.join(VOICES)}")
     assert lines["qwen3_omni"].endswith("voices: Aiden, Chelsie, Ethan") and "voices" not in lines["toy"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["serve", "qwen3", "--seed", "x"], "mstar serve: argument --seed: invalid int value: 'x'"),
+    (["serve", "--mode", "fast"], "mstar serve: argument --mode: invalid choice: 'fast'"),
+])
+def test_bad_flag_values_are_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert exc.value.code == 2 and line.startswith(message) and line.endswith("(mstar serve --help lists the flags)")
