@@ -167,6 +167,7 @@ class Cosmos3Model(Model):
     default_options = {"negative_prompt": "", "modalities": ["video"], "report_progress": False,
                        "debug_outputs": False}
     _repo = "nvidia/Cosmos3-Nano"
+    context_component = "reasoner"  # bounds chat prompts and answers (absent without the reasoner: no chat)
 
     @classmethod
     def make_config(cls, tiny: bool = False, **overrides: Any) -> Cosmos3ServeConfig:
