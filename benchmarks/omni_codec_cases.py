@@ -7,7 +7,6 @@ predictor), so host syncs inside the call count. See profile_omni.py for the num
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from collections.abc import Iterator
 from typing import Any
@@ -74,28 +73,6 @@ def code2wav_stages(module, codes: torch.Tensor, device: torch.device, repeats: 
     return {name: round(ms / repeats, 3) for name, ms in totals.items()}
 
 
-@contextlib.contextmanager
-def cudnn_benchmark(on: bool) -> Iterator[None]:
-    """torch.backends.cudnn.benchmark set to `on` inside the block (on: cuDNN times its algorithms per shape)."""
-    before = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = on
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.benchmark = before
-
-
-@contextlib.contextmanager
-def cudnn_enabled(on: bool) -> Iterator[None]:
-    """torch.backends.cudnn.enabled set to `on` inside the block (off: PyTorch's own conv kernels)."""
-    before = torch.backends.cudnn.enabled
-    torch.backends.cudnn.enabled = on
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.enabled = before
-
-
 # (name, float32?, cudnn.benchmark, cudnn enabled, all batches?, padded?); the first is the served setting
 CODE2WAV_VARIANTS = (("bf16", False, False, True, True, False), ("bf16_padded", False, False, True, False, True),
                      ("bf16_cudnn_benchmark", False, True, True, False, False),
@@ -147,7 +124,8 @@ def _code2wav_variants(module, device, batches, calls, chunk, context, variants,
             mod = fp32
         mod.pad_frames = chunk + context if padded else 0
         try:
-            with cudnn_benchmark(bench), cudnn_enabled(enabled):
+            # cuDNN on or off, timing its algorithms per shape or not (the other flags at PyTorch's defaults)
+            with torch.backends.cudnn.flags(enabled=enabled, benchmark=bench):
                 out[name] = _code2wav_variant(mod, device, batches if all_batches else batches[:1], calls, chunk,
                                               context, fresh, kernels=not bench and not padded)
                 if not padded:
