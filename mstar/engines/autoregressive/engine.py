@@ -304,9 +304,9 @@ class AutoregressiveEngine:
         continuing = self._continuing(seqs) if self.lookahead and not constrained else None
         out, tokens = (self._step_graph(seqs, rows, logits, continuing)
                        or self._draw(seqs, rows, logits, continuing))
-        for i in constrained:
-            matcher = seqs[i].matcher
-            assert matcher.accept(tokens[i]), f"{seqs[i].key} sampled token {tokens[i]} that its grammar forbids"
+        for i in constrained:  # advances each grammar (not an assert: python -O would skip the call)
+            if not seqs[i].matcher.accept(tokens[i]):
+                raise RuntimeError(f"{seqs[i].key} sampled token {tokens[i]} that its grammar forbids")
         views = out.token_ids.unsqueeze(1).unbind(0)  # each row's [1] view, in one call, not a slice per row
         results = []
         for i, seq in enumerate(seqs):
