@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mstar {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run an HTTP server for one model")
-    serve.add_argument("model", nargs="?", default=None, help=f"registered model name (default {DEFAULT_MODEL})")
+    serve.add_argument("model", nargs="?", default=None, help=f"registered model name, or an out-of-tree package.module:Class (default {DEFAULT_MODEL})")
     _add_serve_arguments(serve)
     serve.set_defaults(func=run_serve)
     models = sub.add_parser("models", help="list registered models and their modalities")
@@ -243,6 +243,8 @@ def run_serve(args: argparse.Namespace) -> int:
     stacks_on_sigusr1()
     if args.gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = args.gpus
+    if os.getcwd() not in sys.path:  # 'module:Class' models import from here as under `python -m`, shadowing nothing
+        sys.path.append(os.getcwd())
     try:
         config = apply_model_flags(resolve_config(getattr(args, "model", None), args.config), args)
         config = apply_parallel_flags(config, args)
