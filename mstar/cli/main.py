@@ -263,7 +263,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         app = create_app(runtime, api_key=api_key, model_name=args.served_model_name)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-        sys.stderr.write(snippets(f"http://{host}:{args.port}", args.served_model_name or config.model, api_key,
+        # the name the app answers to, which for a 'module:Class' model is the class's, not the spec
+        sys.stderr.write(snippets(f"http://{host}:{args.port}", app.state.mstar.model_name, api_key,
                                   runtime.processor.max_model_len))
         serve_until_stopped(app, runtime, args)
     finally:
