@@ -13,6 +13,7 @@ On CPU there are no events: `gpu_ms` is the wall time.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections import defaultdict
@@ -148,6 +149,19 @@ class PeakMemory:
             sync(self.device)
             self.peak_gib = _r((torch.cuda.max_memory_allocated(self.device) - self._start) / 2**30)
             self.held_gib = _r((torch.cuda.memory_allocated(self.device) - self._start) / 2**30)
+
+
+def peak_gb(device: torch.device) -> float | None:
+    """GiB the CUDA allocator held at its peak since the last reset (None on CPU)."""
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+
+
+def free_memory(device: torch.device) -> None:
+    """Collect garbage, hand cached CUDA blocks back and reset the peak, so the next case starts clean."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def module_gib(module: torch.nn.Module) -> float:

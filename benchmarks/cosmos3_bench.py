@@ -34,7 +34,6 @@ then with carry [".whl", ".tok"]:
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import platform
 import statistics
@@ -49,6 +48,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
+
+from benchmarks.call_timing import free_memory, peak_gb  # noqa: E402
+from benchmarks.wan_baseline import dummy_module  # noqa: E402
 
 PROMPT = "A lighthouse on a rocky cliff at dusk, waves below, warm light in the window"
 TASK = "pick up the red cube and put it in the bowl"
@@ -192,26 +194,11 @@ def bench_ours(args) -> dict[str, Any]:
             walls = _wall(m, [_ours_request(args, "policy", i) for i in range(c)], args.device)
             out.update(policy_p50_s=_percentile(runs, 50), policy_p99_s=_percentile(runs, 99),
                        **{f"policy_c{c}_chunks_per_s": round(c / max(walls), 4)})
-        out["peak_gb"] = _peak_gb(args.device)
+        out["peak_gb"] = peak_gb(args.device)
     return out
 
 
 # -- diffusers ---------------------------------------------------------------------------------------
-
-
-def _built(factory, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """`factory()` made on `device` in `dtype`, seeded random weights (no host copy at full size)."""
-    from mstar.models.common.loading import fill_dummy_weights
-
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            module = factory()
-    finally:
-        torch.set_default_dtype(previous)
-    fill_dummy_weights(module, seed=0)
-    return module.eval()
 
 
 def reference_pipeline(args):
@@ -230,11 +217,11 @@ def reference_pipeline(args):
 
     hf = lambda cfg: {k: v for k, v in cfg.items() if not k.startswith("_") and k != "dtype"}  # noqa: E731
     dtype = torch.float32 if args.quick else torch.bfloat16
-    dit = _built(lambda: Cosmos3OmniTransformer(**hf(TINY_TRANSFORMER if args.quick else NANO.to_hf())), dtype,
+    dit = dummy_module(lambda: Cosmos3OmniTransformer(**hf(TINY_TRANSFORMER if args.quick else NANO.to_hf())), dtype,
                  args.device)
     dit.time_embedder.float()  # diffusers keeps it float32 (_keep_in_fp32_modules)
     vae_config = tiny_vae_config(TINY_VAE_CHANNELS) if args.quick else WAN22_TI2V_5B_VAE
-    vae = _built(lambda: AutoencoderKLWan(**hf(vae_config.to_hf())), getattr(torch, args.vae_dtype), args.device)
+    vae = dummy_module(lambda: AutoencoderKLWan(**hf(vae_config.to_hf())), getattr(torch, args.vae_dtype), args.device)
     with torch.no_grad():  # unit RMS-norm gains, as trained weights have about
         for name, param in vae.named_parameters():
             if name.endswith(".gamma"):
@@ -299,22 +286,13 @@ def bench_diffusers(args) -> dict[str, Any]:
         latency("policy", 1)
         runs = latency("policy", args.repeats)
         out.update(policy_p50_s=_percentile(runs, 50), policy_p99_s=_percentile(runs, 99))
-    out["peak_gb"] = _peak_gb(args.device)
+    out["peak_gb"] = peak_gb(args.device)
     return out
 
 
 # -- report ------------------------------------------------------------------------------------------
 
 
-def _peak_gb(device: torch.device) -> float | None:
-    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 def ratios(ours: dict, theirs: dict) -> dict[str, float]:
@@ -332,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            "settings": {k: v for k, v in vars(args).items() if k not in ("device", "out")}}
     doc["mstar"] = bench_ours(args)
     print(json.dumps({"mstar": doc["mstar"]}), flush=True)
-    _free(args.device)
+    free_memory(args.device)
     if not args.skip_diffusers:
         doc["diffusers"] = bench_diffusers(args)
         doc["speedup"] = ratios(doc["mstar"], doc["diffusers"])

@@ -35,8 +35,8 @@ def _hf_kwargs(config: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if not k.startswith("_")}
 
 
-def _built(factory, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """`factory()` constructed directly on `device` in `dtype` (no host copy of 5B parameters)."""
+def dummy_module(factory, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """`factory()` constructed directly on `device` in `dtype` (no host copy at full size), seeded random weights."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -63,10 +63,10 @@ def build_pipeline(transformer: dict, text_encoder: dict, vae: dict, scheduler: 
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
-    dit = _built(lambda: WanTransformer3DModel(**_hf_kwargs(transformer)), dtype, device)
+    dit = dummy_module(lambda: WanTransformer3DModel(**_hf_kwargs(transformer)), dtype, device)
     _keep_fp32(dit)
-    encoder = _built(lambda: UMT5EncoderModel(UMT5Config(**text_encoder)), dtype, device)
-    autoencoder = _built(lambda: AutoencoderKLWan(**_hf_kwargs(vae)), vae_dtype, device)
+    encoder = dummy_module(lambda: UMT5EncoderModel(UMT5Config(**text_encoder)), dtype, device)
+    autoencoder = dummy_module(lambda: AutoencoderKLWan(**_hf_kwargs(vae)), vae_dtype, device)
     with torch.no_grad():  # the VAE's RMS norm scales are named gamma; give them unit scale
         for name, param in autoencoder.named_parameters():
             if name.endswith(".gamma"):

@@ -40,7 +40,6 @@ Measures, asserts nothing. Our models are freed before the baseline is built (on
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import platform
@@ -55,6 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
 from benchmarks import wan_baseline  # noqa: E402
+from benchmarks.call_timing import free_memory, peak_gb  # noqa: E402
 from mstar.models.wan22.config import UMT5Config, Wan22Config, WanTransformerConfig  # noqa: E402
 from mstar.runtime.offline import MStar  # noqa: E402
 
@@ -224,15 +224,6 @@ def bench_diffusers(args, shape: dict, device: torch.device, text_length: int) -
     return rows, info
 
 
-def _peak_gb(device: torch.device) -> float | None:
-    return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
-
-
-def _free(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
 
 
 def main() -> None:
@@ -262,9 +253,9 @@ def main() -> None:
                                                                             "num_frames": 33}
     floor = floor_info(args, shape, device)
     print(json.dumps(floor), flush=True)
-    _free(device)
+    free_memory(device)
     rows, info = bench_ours(args, shape, device)
-    info["peak_gb"] = _peak_gb(device)
+    info["peak_gb"] = peak_gb(device)
     result = {"benchmark": "wan_bench", "command": "python3 " + " ".join(sys.argv), **_versions(device),
               "model": "Wan2.2-TI2V-5B shapes, dummy weights" if not args.quick else "wan22 tiny (quick)",
               **shape, "guidance_scale": args.guidance, "vae_dtype": args.vae_dtype,
@@ -273,11 +264,11 @@ def main() -> None:
               "floor": floor,
               "mstar": info, "rows": rows}
     if not args.skip_diffusers:
-        _free(device)
+        free_memory(device)
         if device.type == "cuda":  # what our deployment left behind (should be ~0)
             result["mstar"]["left_allocated_gb"] = round(torch.cuda.memory_allocated(device) / 2**30, 2)
         drows, dinfo = bench_diffusers(args, shape, device, floor["text_length"])
-        dinfo["peak_gb"] = _peak_gb(device)
+        dinfo["peak_gb"] = peak_gb(device)
         result.update(diffusers=dinfo, rows=rows + drows)
     for row in result["rows"]:  # the DiT-compute floor of the row's denoising, all its requests
         row["floor_denoise_s"] = round(row["steps"] * row["concurrency"] * floor["estimate_s_per_step_c1"], 4)
