@@ -9,21 +9,12 @@ import numpy as np
 import torch
 
 from mstar.models.cosmos3.tiny import SCHEDULER, TINY_SOUND, TINY_TRANSFORMER
+from tests.models.wan22_testing import randomize
 
 PROMPTS = ("A cat and a dog bake a cake in a sunny kitchen", "Waves crash on a rocky shore at sunset",
            "A robot arm picks up the red cube and places it in the bowl")
 NEGATIVE = "blurred details, worst quality"
 SIZE = 64  # pixels per side of the tiny runs
-
-
-def _randomize(module: torch.nn.Module, seed: int) -> None:
-    """Non-trivial values everywhere (norm scales around 1), so a mis-mapped tensor cannot hide."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in module.named_parameters():
-            noise = torch.randn(param.shape, generator=gen)
-            param.copy_(1 + 0.2 * noise if ("norm" in name and param.ndim == 1) or name.endswith(".gamma")
-                        else 0.3 * noise)
 
 
 def reference_transformer(config: dict | None = None, seed: int = 2):
@@ -32,7 +23,7 @@ def reference_transformer(config: dict | None = None, seed: int = 2):
 
     kwargs = {k: v for k, v in (config or TINY_TRANSFORMER).items() if not k.startswith("_")}
     transformer = Cosmos3OmniTransformer(**kwargs).eval()
-    _randomize(transformer, seed)
+    randomize(transformer, seed)
     return transformer
 
 
@@ -48,7 +39,7 @@ def write_pipeline_dir(root: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(write_tiny_tokenizer(root / "_tokenizer"))
     scheduler = UniPCMultistepScheduler(**{k: v for k, v in SCHEDULER.items() if not k.startswith("_")})
     sound = Cosmos3AVAEAudioTokenizer(**{k: v for k, v in TINY_SOUND.items() if not k.startswith("_")}).eval()
-    _randomize(sound, 4)
+    randomize(sound, 4)
     pipe = Cosmos3OmniPipeline(transformer=reference_transformer(), text_tokenizer=tokenizer, vae=vae,
                                scheduler=scheduler, sound_tokenizer=sound, enable_safety_checker=False)
     pipe.save_pretrained(root)

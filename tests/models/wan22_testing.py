@@ -16,7 +16,7 @@ PROMPTS = ("A cat and a dog bake a cake in a sunny kitchen", "Waves crash on a r
 NEGATIVE = "blurred details, worst quality"
 
 
-def _randomize(module: torch.nn.Module, seed: int) -> None:
+def randomize(module: torch.nn.Module, seed: int) -> None:
     """Non-trivial values everywhere (norm scales around 1), so a mis-mapped tensor cannot hide."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -51,10 +51,10 @@ def write_pipeline_dir(root: Path) -> Path:
 
     torch.manual_seed(0)
     text_encoder = UMT5EncoderModel(UMT5Config(**TINY_TEXT_ENCODER))
-    _randomize(text_encoder, 1)
+    randomize(text_encoder, 1)
     text_encoder.save_pretrained(root / "text_encoder")
     transformer = WanTransformer3DModel(**{k: v for k, v in TINY_TRANSFORMER.items() if not k.startswith("_")})
-    _randomize(transformer, 2)
+    randomize(transformer, 2)
     transformer.save_pretrained(root / "transformer")
     (root / "scheduler").mkdir(parents=True, exist_ok=True)
     (root / "scheduler" / "scheduler_config.json").write_text(json.dumps(SCHEDULER))
