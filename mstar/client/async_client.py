@@ -14,6 +14,7 @@ import httpx
 import numpy as np
 
 from mstar.client import endpoints, wire
+from mstar.client.base import ClientBase, answer
 from mstar.client.endpoints import Call, StreamCall
 from mstar.client.errors import MStarError, error_from_body
 from mstar.client.results import AudioBuffer, GenerateResult
@@ -21,19 +22,10 @@ from mstar.server.protocol import FinalChunk, OutputChunk
 from mstar.server.protocol_openai import ChatCompletion, ChatCompletionChunk, ModelList
 
 
-class AsyncMStarClient:
+class AsyncMStarClient(ClientBase[httpx.AsyncClient]):
     """Talks to one mstar server from asyncio code. Every failure raises `MStarError`."""
 
-    def __init__(
-        self,
-        base_url: str = "http://127.0.0.1:8000",
-        api_key: str | None = None,
-        timeout: float = 600.0,
-        model: str | None = None,
-        http_client: httpx.AsyncClient | None = None,
-    ):
-        self.model = model
-        self._http = http_client or httpx.AsyncClient(**endpoints.client_settings(base_url, api_key, timeout))
+    http_class = httpx.AsyncClient
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -53,9 +45,7 @@ class AsyncMStarClient:
             resp = await self._http.request(call.method, call.path, **call.send)
         except httpx.TransportError as exc:
             raise MStarError(0, f"cannot reach {self._http.base_url}{call.path}: {exc}") from None
-        if resp.status_code >= 400:
-            raise error_from_body(resp.status_code, resp.content)
-        return call.read(resp)
+        return answer(call, resp)
 
     async def _stream(self, call: StreamCall) -> AsyncIterator[Any]:
         try:

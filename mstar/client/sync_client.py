@@ -10,6 +10,7 @@ import httpx
 import numpy as np
 
 from mstar.client import endpoints, wire
+from mstar.client.base import ClientBase, answer
 from mstar.client.endpoints import Call, StreamCall
 from mstar.client.errors import MStarError, error_from_body
 from mstar.client.results import AudioBuffer, GenerateResult
@@ -17,22 +18,13 @@ from mstar.server.protocol import FinalChunk, OutputChunk
 from mstar.server.protocol_openai import ChatCompletion, ChatCompletionChunk, ModelList
 
 
-class MStarClient:
+class MStarClient(ClientBase[httpx.Client]):
     """Talks to one mstar server. Every failure, HTTP or in-band in a stream, raises `MStarError`.
 
     Streaming methods return iterators; leaving the loop early closes the connection.
     """
 
-    def __init__(
-        self,
-        base_url: str = "http://127.0.0.1:8000",
-        api_key: str | None = None,
-        timeout: float = 600.0,
-        model: str | None = None,
-        http_client: httpx.Client | None = None,
-    ):
-        self.model = model
-        self._http = http_client or httpx.Client(**endpoints.client_settings(base_url, api_key, timeout))
+    http_class = httpx.Client
 
     def close(self) -> None:
         self._http.close()
@@ -54,9 +46,7 @@ class MStarClient:
             resp = self._http.request(call.method, call.path, **call.send)
         except httpx.TransportError as exc:
             raise MStarError(0, f"cannot reach {self._http.base_url}{call.path}: {exc}") from None
-        if resp.status_code >= 400:
-            raise error_from_body(resp.status_code, resp.content)
-        return call.read(resp)
+        return answer(call, resp)
 
     def _stream(self, call: StreamCall) -> Iterator[Any]:
         try:
