@@ -25,6 +25,7 @@ import torch
 
 from mstar.engines.base import AutoregressiveSpec, CausalLM, StatelessComponent, StatelessSpec
 from mstar.graph import ModelGraph
+from mstar.models.common.serve_config import ServeConfig
 from mstar.models.common.tool_calls import ToolCallFormat
 
 SpecT = TypeVar("SpecT", AutoregressiveSpec, StatelessSpec)
@@ -186,6 +187,8 @@ class Model:
     # The voices of the default checkpoint, as `mstar models` lists them without loading it; a server's
     # are its processor's (`Processor.voices`, in /v1/models).
     voices: ClassVar[tuple[str, ...]] = ()
+    # The serving config dataclass (`ServeConfig` or a subclass) that the default `make_config` builds.
+    config_class: ClassVar[type[ServeConfig]]
 
     def __init__(self, config: Any, load_format: str = "auto", model_path: str | None = None) -> None:
         self.config = config
@@ -204,7 +207,7 @@ class Model:
     def make_config(cls, tiny: bool = False, **overrides: Any) -> Any:
         """The default (or tiny) config, a dataclass whose fields are the keys YAML `model_kwargs` may set
         (any other key is refused with the valid ones), with those overrides applied."""
-        raise NotImplementedError
+        return dataclasses.replace(cls.config_class(tiny=tiny), **overrides)
 
     def graph(self) -> ModelGraph:
         """The model's graph; never depends on placement."""

@@ -43,6 +43,7 @@ class BagelServeConfig(ServeConfig):
     """How one deployment runs BAGEL (YAML `model_kwargs`); request defaults live in the processor.
     `dtype` is the LLM's and the ViT's (None: float32 on CPU or tiny, else bfloat16)."""
 
+    tiny_in_float32 = True
     vae_dtype: str | None = None  # the VAE's weights and compute; None: `dtype`'s
     width: int | None = None  # default image size; None = 1024x1024 (tiny: 64x64)
     height: int | None = None
@@ -54,11 +55,6 @@ class BagelServeConfig(ServeConfig):
             dtype_named(self.vae_dtype, "model_kwargs.vae_dtype")
         if self.llm_batch < 1:
             raise ValueError(f"bagel llm_batch={self.llm_batch} must be >= 1")
-
-    def torch_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype is None and self.tiny:
-            return torch.float32
-        return super().torch_dtype(device)
 
 
 def _graph() -> ModelGraph:
@@ -139,9 +135,7 @@ class BagelModel(Model):
         "report_progress": False, "debug_outputs": False,
     }
 
-    @classmethod
-    def make_config(cls, tiny: bool = False, **overrides: Any) -> BagelServeConfig:
-        return replace(BagelServeConfig(tiny=tiny), **overrides)
+    config_class = BagelServeConfig
 
     def graph(self) -> ModelGraph:
         return _graph()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -37,6 +37,9 @@ class ServeConfig:
     tiny: bool = False  # tiny random model (and tokenizer) for tests and `--tiny`: offline, seconds
     dtype: str | None = None  # of the weights and compute; None: bfloat16 on CUDA, float32 elsewhere
     seed: int = 0  # of dummy / tiny random weights
+    # Whether a tiny build with no `dtype` computes in float32 on every device, CUDA too (the tiny
+    # generators' tests compare against float32 references).
+    tiny_in_float32: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.dtype is not None:
@@ -46,6 +49,8 @@ class ServeConfig:
         """The dtype to build in on `device`."""
         if self.dtype is not None:
             return DTYPES[self.dtype]
+        if self.tiny and self.tiny_in_float32:
+            return torch.float32
         return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 

@@ -45,6 +45,7 @@ class Cosmos3ServeConfig(ServeConfig):
     """How one deployment runs Cosmos3 (YAML `model_kwargs`); request defaults live in options.py.
     `dtype` is the DiT's (None: float32 on CPU or tiny, else bfloat16)."""
 
+    tiny_in_float32 = True
     vae_dtype: str = "float32"
     width: int | None = None  # default output size; None = 1280x720 (tiny: 64x64)
     height: int | None = None
@@ -60,11 +61,6 @@ class Cosmos3ServeConfig(ServeConfig):
         dtype_named(self.vae_dtype, "model_kwargs.vae_dtype")
         if self.vae_chunk_frames < 1:
             raise ValueError(f"cosmos3 vae_chunk_frames={self.vae_chunk_frames} must be >= 1")
-
-    def torch_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype is None and self.tiny:
-            return torch.float32
-        return super().torch_dtype(device)
 
 
 def _graph(chat_context: int | None, sound: bool) -> ModelGraph:
@@ -169,9 +165,7 @@ class Cosmos3Model(Model):
     _repo = "nvidia/Cosmos3-Nano"
     context_component = "reasoner"  # bounds chat prompts and answers (absent without the reasoner: no chat)
 
-    @classmethod
-    def make_config(cls, tiny: bool = False, **overrides: Any) -> Cosmos3ServeConfig:
-        return replace(Cosmos3ServeConfig(tiny=tiny), **overrides)
+    config_class = Cosmos3ServeConfig
 
     has_reasoner = True  # the checkpoint's reasoner can answer text requests
 

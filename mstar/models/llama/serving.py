@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -65,9 +65,7 @@ class DenseLM(Model):
     tiny_arch = "llama"  # tiny config used with tiny=True
     context_component = "llm"
 
-    @classmethod
-    def make_config(cls, tiny: bool = False, **overrides: Any) -> LLMConfig:
-        return replace(LLMConfig(tiny=tiny), **overrides)
+    config_class = LLMConfig
 
     def checkpoint_path(self) -> Path:
         """The checkpoint: `--model-path` (a folder, a GGUF file with its embedded tokenizer, or a Hub id)."""

@@ -19,7 +19,6 @@ import logging
 from dataclasses import dataclass, replace
 from functools import cached_property, partial
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -108,9 +107,7 @@ class OrpheusModel(Model):
     default_options = {"voice": DEFAULT_VOICE, "temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.3,
                        "max_tokens": 1200}
 
-    @classmethod
-    def make_config(cls, tiny: bool = False, **overrides: Any) -> OrpheusConfig:
-        return replace(OrpheusConfig(tiny=tiny), **overrides)
+    config_class = OrpheusConfig
 
     # -- what the checkpoints say ------------------------------------------------------------------
 

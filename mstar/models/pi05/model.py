@@ -14,10 +14,9 @@ forward whatever step each is at.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -72,9 +71,7 @@ class Pi05(Model):
     output_modalities = ("actions",)
     default_options = {"state": [], "num_steps": None, "seed": None}
 
-    @classmethod
-    def make_config(cls, tiny: bool = False, **overrides: Any) -> Pi05ServeConfig:
-        return replace(Pi05ServeConfig(tiny=tiny), **overrides)
+    config_class = Pi05ServeConfig
 
     @cached_property
     def checkpoint(self) -> Path | None:

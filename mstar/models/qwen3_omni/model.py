@@ -32,7 +32,7 @@ reference's switch does; `media_inputs`).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -177,9 +177,7 @@ class Qwen3Omni(Model):
     voices = ("Aiden", "Chelsie", "Ethan")  # the talker's speakers in the released checkpoint's config.json
     default_options = {"modalities": ["text"], "voice": "Ethan", "use_audio_in_video": True}
 
-    @classmethod
-    def make_config(cls, tiny: bool = False, **overrides: Any) -> OmniServeConfig:
-        return replace(OmniServeConfig(tiny=tiny), **overrides)
+    config_class = OmniServeConfig
 
     def graph(self) -> ModelGraph:
         return omni_graph(self.config)

@@ -96,9 +96,7 @@ class _VJEPA2Base(Model):
     _example: str  # what --model-path takes, for the error that asks for it
     _full_size: dict  # the encoder's Hugging Face config.json keys at full size (dummy weights)
 
-    @classmethod
-    def make_config(cls, tiny: bool = False, **overrides: Any) -> VJEPA2ServeConfig:
-        return replace(VJEPA2ServeConfig(tiny=tiny), **overrides)
+    config_class = VJEPA2ServeConfig
 
     @cached_property
     def checkpoint(self) -> Path | None:

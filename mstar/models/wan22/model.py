@@ -14,7 +14,7 @@ Lane `video`:  encode_text -> [encode_image] -> denoise -> decode
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ class Wan22ServeConfig(ServeConfig):
     """How one deployment runs Wan2.2 (YAML `model_kwargs`); request defaults live in the processor.
     `dtype` is the text encoder's and the DiT's (None: float32 on CPU or tiny, else bfloat16)."""
 
+    tiny_in_float32 = True
     vae_dtype: str = "float32"
     # the VAE decode's convolutions in this dtype where it runs channels-last (CUDA); None: float16 for a
     # float32 VAE (TF32's 10-bit mantissa at twice its tensor-core rate, sums and the residual stream stay
@@ -59,12 +60,6 @@ class Wan22ServeConfig(ServeConfig):
             raise ValueError(f"wan22 text_cache_rows={self.text_cache_rows} must be >= 0 (0 turns the cache off)")
         if self.vae_chunk_frames < 1:
             raise ValueError(f"wan22 vae_chunk_frames={self.vae_chunk_frames} must be >= 1")
-
-
-    def torch_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype is None and self.tiny:
-            return torch.float32
-        return super().torch_dtype(device)
 
     def conv_dtype(self) -> str:
         """The dtype of the channels-last VAE decode's convolutions (`vae_conv_dtype` resolved)."""
@@ -124,9 +119,7 @@ class Wan22Model(Model):
     default_options = {"negative_prompt": "", "guidance_scale": 5.0, "num_inference_steps": 50,
                        "modalities": ["video"], "report_progress": False, "debug_outputs": False}
 
-    @classmethod
-    def make_config(cls, tiny: bool = False, **overrides: Any) -> Wan22ServeConfig:
-        return replace(Wan22ServeConfig(tiny=tiny), **overrides)
+    config_class = Wan22ServeConfig
 
     def graph(self) -> ModelGraph:
         return _graph()
