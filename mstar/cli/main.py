@@ -72,6 +72,8 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds that SIGTERM or Ctrl-C lets open requests finish before they are ended with an "
                         "error and the server exits (default 30)")
+    p.add_argument("--ui", action=argparse.BooleanOptionalAction, default=None,
+                   help="the browser playground at / (default: on when --host is local: 127.0.0.1, localhost, ::1)")
     p.add_argument("--mode", choices=("auto", "inproc", "multiproc"), default="auto",
                    help="workers as threads of this process, or one process per worker; auto: one process per "
                         "worker when CUDA is available (the HTTP server and the workers then never share a GIL), "
@@ -210,15 +212,17 @@ def read_api_key(args: argparse.Namespace) -> str | None:
     return lines[0].strip()
 
 
-def snippets(base_url: str, model: str, api_key: str | None, max_model_len: int | None = None) -> str:
+def snippets(base_url: str, model: str, api_key: str | None, max_model_len: int | None = None,
+             ui: bool = False) -> str:
     """Copy-paste examples for curl, the mstar SDK and the OpenAI client; a key shows as $MSTAR_API_KEY.
     A token model's context is the limit its engine enforces, as /v1/models and the 400s quote it."""
     context = f"   (max_model_len: {max_model_len} tokens)" if max_model_len is not None else ""
     auth = " -H \"Authorization: Bearer $MSTAR_API_KEY\"" if api_key else ""
     key = 'os.environ["MSTAR_API_KEY"]' if api_key else repr("none")
+    playground = f"\n  playground in a browser: {base_url}/\n" if ui else ""
     return f"""
 mstar is serving {model!r} at {base_url}{context}   (docs: {base_url}/docs, metrics: {base_url}/metrics)
-
+{playground}
   curl {base_url}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\
        -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
@@ -236,6 +240,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from mstar.runtime.launcher import Runtime
     from mstar.runtime.process import stacks_on_sigusr1
     from mstar.server.app import create_app
+    from mstar.server.routes_playground import wants_playground
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = read_api_key(args)
@@ -261,11 +266,12 @@ def run_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"mstar: {message}\n(--log-level DEBUG shows the traceback)") from None
     stacks_on_sigusr1(runtime.worker_pids)  # from now on the workers dump theirs too
     try:
-        app = create_app(runtime, api_key=api_key, model_name=args.served_model_name)
+        ui = wants_playground(args.host, args.ui)
+        app = create_app(runtime, api_key=api_key, model_name=args.served_model_name, ui=ui)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         # the name the app answers to, which for a 'module:Class' model is the class's, not the spec
         sys.stderr.write(snippets(f"http://{host}:{args.port}", app.state.mstar.model_name, api_key,
-                                  runtime.processor.max_model_len))
+                                  runtime.processor.max_model_len, ui))
         serve_until_stopped(app, runtime, args)
     finally:
         runtime.shutdown()

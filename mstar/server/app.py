@@ -1,8 +1,8 @@
 """The HTTP server: `create_app(runtime)` builds the FastAPI app over a running `Runtime`.
 
 Routes live in `routes_native` (/generate, /health, /ready, /metrics), `routes_openai` (models, chat,
-completions), `routes_media` (speech, images), `routes_transcriptions` and `routes_videos`. Every error body is `{"error": {...}}`; bad input
-answers 4xx, never 5xx.
+completions), `routes_media` (speech, images), `routes_transcriptions`, `routes_videos` and, with `ui`,
+`routes_playground` (the page at `/`). Every error body is `{"error": {...}}`; bad input answers 4xx, never 5xx.
 """
 
 from __future__ import annotations
@@ -115,13 +115,15 @@ def _warm_request_path(runtime: Any) -> None:
 
 def create_app(runtime: Any, api_key: str | None = None, media_policy: MediaPolicy | None = None,
                max_body_bytes: int | None = None, model_name: str | None = None,
-               body_timeout_s: float | None = None) -> FastAPI:
-    """The app serving `runtime`. With `api_key`, every route but /health needs `Authorization: Bearer`."""
+               body_timeout_s: float | None = None, ui: bool = False) -> FastAPI:
+    """The app serving `runtime`. With `api_key`, every route but /health and the playground's files needs
+    `Authorization: Bearer`. With `ui`, the playground page answers at `/` (routes_playground)."""
     from mstar.server import (
         routes_media,
         routes_native,
         routes_openai,
         routes_openpi,
+        routes_playground,
         routes_transcriptions,
         routes_videos,
     )
@@ -143,6 +145,8 @@ def create_app(runtime: Any, api_key: str | None = None, media_policy: MediaPoli
     app.include_router(routes_transcriptions.router)
     app.include_router(routes_videos.router)
     app.include_router(routes_openpi.router)
+    if ui:
+        routes_playground.install_playground(app)
     if limits.routes:
         _check_limit_routes(app, limits, runtime.config.source)
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes or limits.max_body_bytes,

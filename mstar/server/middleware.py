@@ -22,7 +22,8 @@ from mstar.server.protocol import error_response
 logger = logging.getLogger(__name__)
 # "METHOD /route" of the request the current task serves, for the request log (server/adapters.py)
 REQUEST_ROUTE: contextvars.ContextVar[str] = contextvars.ContextVar("mstar_request_route", default="-")
-OPEN_PATHS = ("/health",)  # reachable without the API key (load balancer probes)
+OPEN_PATHS = ("/health", "/")  # reachable without the API key (load balancer probes; the playground page)
+OPEN_PREFIX = "/playground/"  # the playground's static files, which hold no data; its requests send the key
 
 
 async def send_error(send, status: int, message: str, headers: list | None = None) -> None:
@@ -98,7 +99,7 @@ class GuardMiddleware:
             return
         path = scope.get("path", "")
         REQUEST_ROUTE.set(f"{scope.get('method', '')} {_route(path)}")
-        if self.api_key and path not in OPEN_PATHS and not self._authorized(scope):
+        if self.api_key and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIX) and not self._authorized(scope):
             self.metrics.http_response(_route(path), 401)
             await send_error(send, 401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                              [(b"www-authenticate", b"Bearer")])

@@ -491,6 +491,10 @@ class ModelCard(BaseModel):
     owned_by: str = "mstar"
     max_model_len: int | None = None
     voices: list[str] = Field(default_factory=list)  # mstar extension: what option `voice` may name
+    # mstar extensions: what the model takes and makes, and whether /generate can stream its `progress`
+    input_modalities: list[str] = Field(default_factory=list)
+    output_modalities: list[str] = Field(default_factory=list)
+    reports_progress: bool = False
 
 
 class ModelList(BaseModel):

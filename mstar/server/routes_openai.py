@@ -57,11 +57,13 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
-    """The one model this server runs, with its context length when it has one."""
+    """The one model this server runs, with its context length when it has one, its voices and modalities."""
     state = get_state(request)
-    processor = state.runtime.processor
+    processor, model = state.runtime.processor, state.runtime.model
     return ModelList(data=[ModelCard(id=state.model_name, max_model_len=processor.max_model_len,
-                                     voices=list(processor.voices))])
+                                     voices=list(processor.voices), input_modalities=list(model.input_modalities),
+                                     output_modalities=list(model.output_modalities),
+                                     reports_progress="report_progress" in model.default_options)])
 
 
 def _options(state: ServerState, params: SamplingParams, index: int) -> dict[str, Any]:
