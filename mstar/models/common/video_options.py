@@ -1,5 +1,8 @@
 """Request options of the image and video generators: the prompt, size, frame count, seed and bounded numbers.
 
+`resolve_generation` resolves what every video generator takes (size, frames, fps, steps, guidance, seed)
+against the deployment's `GenerationDefaults` within the model's `GenerationLimits`.
+
 Each check raises ValueError naming the option, its value and what it must be, so the server answers 400
 with the fix. The limits (size multiple, largest side, most frames) are the caller's: they depend on the
 model's VAE and patches.
@@ -9,9 +12,51 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """A video generator's request defaults that depend on the deployment (full size or tiny)."""
+
+    width: int
+    height: int
+    num_frames: int
+    fps: float
+    num_inference_steps: int
+    guidance_scale: float
+
+
+@dataclass(frozen=True)
+class GenerationLimits:
+    """What a video generator accepts: they follow from its VAE and patches."""
+
+    multiple: int  # each side a multiple of this
+    max_side: int
+    max_frames: int
+    max_steps: int
+    snap: bool = False  # round the sides of option `size` to the multiple instead of refusing them
+
+
+def resolve_generation(options: Mapping[str, Any], defaults: GenerationDefaults, limits: GenerationLimits,
+                       sized: bool = True) -> dict[str, Any]:
+    """A request's width, height, num_frames, fps, num_inference_steps, guidance_scale and seed; ValueError
+    names a bad one. Without `sized` (the frames' size comes from elsewhere) width, height and frames are 0."""
+    fps = number(options.get("fps", defaults.fps), "fps", 0.0, 240.0, exclusive_low=True)
+    width = height = num_frames = 0
+    if sized:
+        width, height = video_size(options, defaults.width, defaults.height, limits.multiple, limits.max_side,
+                                   snap=limits.snap)
+        num_frames = frame_count(options, defaults.num_frames, fps, limits.max_frames)
+    steps = options.get("num_inference_steps", defaults.num_inference_steps)
+    return {"width": width, "height": height, "num_frames": num_frames, "fps": fps,
+            "num_inference_steps": integer(steps, "num_inference_steps", 1, limits.max_steps),
+            "guidance_scale": number(options.get("guidance_scale", defaults.guidance_scale), "guidance_scale", 0.0,
+                                     100.0),
+            "seed": seed(options)}
 
 
 def request_text(request: Mapping[str, Any]) -> str | None:

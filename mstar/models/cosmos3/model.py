@@ -251,7 +251,7 @@ class Cosmos3Model(Model):
         c = self.config
         width, height, frames = (64, 64, 5) if c.tiny else (1280, 720, 189)
         return Cosmos3Defaults(width=c.width or width, height=c.height or height, num_frames=c.num_frames or frames,
-                               fps=c.fps or 24.0)
+                               fps=c.fps or 24.0, num_inference_steps=35, guidance_scale=6.0)
 
     # -- what the loaders and the processor read -------------------------------------------------
 

@@ -12,14 +12,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mstar.models.common.video_options import frame_count, integer, number, seed, video_size
+from mstar.models.common import video_options
+from mstar.models.common.video_options import GenerationDefaults, GenerationLimits, integer
 from mstar.models.cosmos3.actions import RESOLUTION_TIERS, domain_of
 from mstar.models.cosmos3.prompts import VIEWPOINTS
 
-MULTIPLE = 16  # the VAE's spatial compression; odd latent sizes are padded to whole patches
-MAX_SIDE = 4096
-MAX_FRAMES = 1025
-MAX_STEPS = 1000
+# Sides a multiple of 16, the VAE's spatial compression: odd latent sizes are padded to whole patches.
+LIMITS = GenerationLimits(multiple=16, max_side=4096, max_frames=1025, max_steps=1000)
 MAX_CHUNK = 256
 
 
@@ -34,28 +33,16 @@ class PolicyDefaults:
 
 
 @dataclass(frozen=True)
-class Cosmos3Defaults:
+class Cosmos3Defaults(GenerationDefaults):
     """Request defaults that depend on the deployment (full size or tiny, omni or policy)."""
 
-    width: int = 1280
-    height: int = 720
-    num_frames: int = 189
-    fps: float = 24.0
-    num_inference_steps: int = 35
-    guidance_scale: float = 6.0
     policy: PolicyDefaults = PolicyDefaults()
 
 
 @dataclass(frozen=True)
-class Generation:
-    """What a generation request resolved to."""
+class Generation(GenerationDefaults):
+    """What a generation request resolved to: its own values where it set them, else the defaults."""
 
-    width: int
-    height: int
-    num_frames: int
-    fps: float
-    num_inference_steps: int
-    guidance_scale: float
     seed: int
 
     def as_options(self) -> dict[str, Any]:
@@ -64,15 +51,7 @@ class Generation:
 
 def resolve_generation(options: Mapping[str, Any], defaults: Cosmos3Defaults, policy: bool) -> Generation:
     """The size, frames, rate, steps, guidance and seed of a request (a policy's size and frames come later)."""
-    fps = number(options.get("fps", defaults.fps), "fps", 0.0, 240.0, exclusive_low=True)
-    width, height = (0, 0) if policy else video_size(options, defaults.width, defaults.height, MULTIPLE, MAX_SIDE)
-    num_frames = 0 if policy else frame_count(options, defaults.num_frames, fps, MAX_FRAMES)
-    return Generation(
-        width=width, height=height, num_frames=num_frames, fps=fps,
-        num_inference_steps=integer(options.get("num_inference_steps", defaults.num_inference_steps),
-                                    "num_inference_steps", 1, MAX_STEPS),
-        guidance_scale=number(options.get("guidance_scale", defaults.guidance_scale), "guidance_scale", 0.0, 100.0),
-        seed=seed(options))
+    return Generation(**video_options.resolve_generation(options, defaults, LIMITS, sized=not policy))
 
 
 @dataclass(frozen=True)

@@ -18,22 +18,23 @@ import numpy as np
 import torch
 
 from mstar.models.base import Processor
-from mstar.models.common.video_options import frame_count, integer, number, request_text, seed, video_size
+from mstar.models.common.video_options import (
+    GenerationDefaults,
+    GenerationLimits,
+    request_text,
+    resolve_generation,
+)
 
-MULTIPLE = 32  # VAE 16x spatial compression x DiT 2x2 patches
-MAX_SIDE = 4096
-MAX_FRAMES = 1025
-MAX_STEPS = 1000
+# Sides a multiple of 32: the VAE's 16x spatial compression times the DiT's 2x2 patches.
+LIMITS = GenerationLimits(multiple=32, max_side=4096, max_frames=1025, max_steps=1000, snap=True)
 
 
 @dataclass(frozen=True)
-class Wan22Defaults:
+class Wan22Defaults(GenerationDefaults):
     """Request defaults that depend on the deployment (full size or tiny)."""
 
-    width: int
-    height: int
-    num_frames: int
-    fps: float
+    num_inference_steps: int = 50
+    guidance_scale: float = 5.0
 
 
 def defaults_for(config: Any) -> Wan22Defaults:
@@ -44,15 +45,7 @@ def defaults_for(config: Any) -> Wan22Defaults:
 
 def resolve_options(options: Mapping[str, Any], defaults: Wan22Defaults) -> dict[str, Any]:
     """The resolved size, frames, fps, steps, guidance and seed of a request; ValueError names a bad one."""
-    width, height = video_size(options, defaults.width, defaults.height, MULTIPLE, MAX_SIDE, snap=True)
-    fps = number(options.get("fps", defaults.fps), "fps", 0.0, 240.0, exclusive_low=True)
-    return {
-        "width": width, "height": height, "fps": fps,
-        "num_frames": frame_count(options, defaults.num_frames, fps, MAX_FRAMES),
-        "num_inference_steps": integer(options.get("num_inference_steps", 50), "num_inference_steps", 1, MAX_STEPS),
-        "guidance_scale": number(options.get("guidance_scale", 5.0), "guidance_scale", 0.0, 100.0),
-        "seed": seed(options),
-    }
+    return resolve_generation(options, defaults, LIMITS)
 
 
 class Wan22Processor(Processor):
