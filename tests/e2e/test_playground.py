@@ -19,7 +19,6 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 if CHROMIUM is None:
     pytest.skip("no chromium on PATH (apt-get install chromium): the playground test drives a real browser",
                 allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extra")
 WAIT_MS = 60_000
 
 
@@ -34,15 +33,33 @@ def _png(seed: int, size: tuple[int, int] = (32, 32)) -> bytes:
 
 @pytest.fixture(scope="module")
 def browser():
-    with sync_api.sync_playwright() as playwright:
+    from playwright.sync_api import sync_playwright  # the dev extra's; only a missing chromium skips
+
+    with sync_playwright() as playwright:
         chromium = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
                                               args=["--autoplay-policy=no-user-gesture-required"])
         yield chromium
         chromium.close()
 
 
+# Counts the Web Audio buffers started, to see speech played while it streams (before the <audio> has it).
+COUNT_PLAYED = """window.playedPieces = 0;
+const start = AudioBufferSourceNode.prototype.start;
+AudioBufferSourceNode.prototype.start = function (...args) { window.playedPieces += 1; return start.apply(this, args); };"""
+
+
+def _wav(seconds: float = 0.2, rate: int = 16000) -> bytes:
+    import soundfile
+
+    samples = np.sin(np.linspace(0, 2 * np.pi * 440 * seconds, int(rate * seconds))).astype(np.float32)
+    buf = io.BytesIO()
+    soundfile.write(buf, samples, rate, format="WAV")
+    return buf.getvalue()
+
+
 def _open(browser, base: str):
     page = browser.new_page(viewport={"width": 1000, "height": 800})
+    page.add_init_script(COUNT_PLAYED)
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     page.goto(base + "/")
@@ -74,12 +91,19 @@ def test_toy_tabs_chat_speech_image_video(browser, tmp_path) -> None:
         _done(page, "chat-form")
         assert page.text_content("#chat-log .msg.user") == "hello there [dot.png]"
         assert page.text_content("#chat-log .msg.assistant").strip()
+        page.fill("#chat-input", "and this")
+        page.set_input_files("#chat-file", {"name": "tone.wav", "mimeType": "audio/wav", "buffer": _wav()})
+        page.click("#chat-form button")
+        _done(page, "chat-form")
+        replies = page.eval_on_selector_all("#chat-log .msg.assistant", "ms => ms.map(m => m.textContent)")
+        assert len(replies) == 2 and replies[1].strip()
         page.screenshot(path=tmp_path / "chat.png")
 
         _tab(page, "speech")
         assert page.eval_on_selector_all("#speech-voice option", "os => os.map(o => o.textContent)") == ["default"]
         page.click("#speech-form button")
         _done(page, "speech-form")
+        assert page.evaluate("window.playedPieces") >= 1
         assert page.get_attribute("#speech-audio", "src").startswith("blob:")
         page.wait_for_function("document.querySelector('#speech-audio').duration > 0", timeout=WAIT_MS)
         page.screenshot(path=tmp_path / "speech.png")
@@ -110,6 +134,7 @@ def test_orpheus_voice_picker(browser, tmp_path) -> None:
         page.select_option("#speech-voice", voices[1])
         page.click("#speech-form button")
         _done(page, "speech-form")
+        assert page.evaluate("window.playedPieces") > 1  # Orpheus streams its speech in pieces
         assert page.get_attribute("#speech-audio", "src").startswith("blob:")
         page.screenshot(path=tmp_path / "speech-orpheus.png")
         assert errors == []
