@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mstar.models.common.hf_config import from_hf_fields, rope_theta
+
 SAMPLE_RATE = 24000  # of Code2Wav's output audio
 
 
@@ -71,24 +73,8 @@ class Code2WavConfig:
 
     @classmethod
     def from_hf(cls, d: Mapping[str, Any]) -> Code2WavConfig:
-        """From the HF `code2wav_config` dict."""
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"code2wav rope {rope!r} is not supported; only the default RoPE is")
-        heads = int(d.get("num_attention_heads", 16))
-        return cls(
-            codebook_size=int(d.get("codebook_size", 2048)),
-            num_quantizers=int(d.get("num_quantizers", 16)),
-            hidden_size=int(d.get("hidden_size", 1024)),
-            intermediate_size=int(d.get("intermediate_size", 3072)),
-            num_layers=int(d.get("num_hidden_layers", 8)),
-            num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            sliding_window=int(d.get("sliding_window", 72)),
-            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-            attention_bias=bool(d.get("attention_bias", False)),
-            upsampling_ratios=tuple(int(r) for r in d.get("upsampling_ratios", (2, 2))),
-            upsample_rates=tuple(int(r) for r in d.get("upsample_rates", (8, 5, 4, 3))),
-            decoder_dim=int(d.get("decoder_dim", 1536)),
-        )
+        """From the HF `code2wav_config` dict (missing keys take the defaults: Qwen3-Omni-30B-A3B's)."""
+        heads = int(d.get("num_attention_heads", cls.num_heads))
+        return from_hf_fields(cls, d, {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads"},
+                              num_kv_heads=int(d.get("num_key_value_heads") or heads),
+                              rope_theta=rope_theta(d, "code2wav"))

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from mstar.models.common.hf_config import from_hf_fields, rope_theta
+
 
 @dataclass(frozen=True)
 class CodePredictorConfig:
@@ -58,24 +60,14 @@ class CodePredictorConfig:
         """From the HF `talker_config` dict (config.json of Qwen3OmniMoeForConditionalGeneration)."""
         cp = talker_config.get("code_predictor_config") or {}
         text = talker_config.get("text_config") or {}
-        rope = cp.get("rope_parameters") or cp.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"code predictor rope {rope!r} is not supported; only the default RoPE is")
-        heads = int(cp.get("num_attention_heads", 16))
-        hidden = int(cp.get("hidden_size", 1024))
-        config = cls(
-            vocab_size=int(cp.get("vocab_size", 2048)),
-            hidden_size=hidden,
-            intermediate_size=int(cp.get("intermediate_size", 3072)),
-            num_layers=int(cp.get("num_hidden_layers", 5)),
-            num_heads=heads,
+        heads = int(cp.get("num_attention_heads", cls.num_heads))
+        config = from_hf_fields(
+            cls, cp, {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads"},
             num_kv_heads=int(cp.get("num_key_value_heads") or heads),
-            head_dim=int(cp.get("head_dim") or hidden // heads),
-            rms_norm_eps=float(cp.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", cp.get("rope_theta", 10000.0))),
+            head_dim=int(cp.get("head_dim") or int(cp.get("hidden_size", cls.hidden_size)) // heads),
+            rope_theta=rope_theta(cp, "code predictor"),
             num_code_groups=int(cp.get("num_code_groups", talker_config.get("num_code_groups", 32))),
-            attention_bias=bool(cp.get("attention_bias", False)),
-            talker_vocab_size=int(text.get("vocab_size", 3072)),
+            talker_vocab_size=int(text.get("vocab_size", cls.talker_vocab_size)),
         )
         _check_talker_agrees(config, talker_config, text)
         return config

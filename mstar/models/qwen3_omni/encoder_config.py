@@ -3,7 +3,8 @@
 `AudioEncoderConfig.from_hf(d)` takes `thinker_config.audio_config` and `VisionEncoderConfig.from_hf(d)`
 takes `thinker_config.vision_config` of Qwen/Qwen3-Omni-30B-A3B-Instruct's config.json. `FULL_AUDIO` /
 `FULL_VISION` are those sections of the 30B-A3B checkpoint; `TINY_AUDIO` / `TINY_VISION` are tiny random
-configs for CPU tests, in the same keys so transformers can build the reference from the same dicts.
+configs for CPU tests, in the same keys so transformers can build the reference from the same dicts; the
+config classes take their values from these dicts only (`from_hf`), so they declare no defaults.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from mstar.models.common.hf_config import from_hf_fields, rope_theta
 
 FULL_AUDIO: dict[str, Any] = {
     "num_mel_bins": 128,
@@ -78,18 +81,18 @@ _ACTIVATIONS = ("gelu", "gelu_pytorch_tanh")
 class AudioEncoderConfig:
     """The Whisper-style audio tower: conv downsampling of mel chunks, windowed transformer, projection."""
 
-    num_mel_bins: int = 128
-    num_layers: int = 32
-    num_heads: int = 20
-    ffn_dim: int = 5120
-    d_model: int = 1280
-    output_dim: int = 2048  # the thinker's hidden size
-    max_source_positions: int = 1500  # rows of the sinusoidal table; a chunk uses the first few
-    n_window: int = 50  # a conv chunk is 2 * n_window mel frames (1 s)
-    n_window_infer: int = 800  # mel frames per attention window (8 s); a multiple of 2 * n_window
-    conv_chunksize: int = 500  # chunks per conv call, to bound conv activation memory
-    downsample_hidden_size: int = 480
-    activation: str = "gelu"
+    num_mel_bins: int
+    num_layers: int
+    num_heads: int
+    ffn_dim: int
+    d_model: int
+    output_dim: int  # the thinker's hidden size
+    max_source_positions: int  # rows of the sinusoidal table; a chunk uses the first few
+    n_window: int  # a conv chunk is 2 * n_window mel frames (1 s)
+    n_window_infer: int  # mel frames per attention window (8 s); a multiple of 2 * n_window
+    conv_chunksize: int  # chunks per conv call, to bound conv activation memory
+    downsample_hidden_size: int
+    activation: str
 
     def __post_init__(self) -> None:
         if self.d_model % self.num_heads:
@@ -119,43 +122,27 @@ class AudioEncoderConfig:
     def from_hf(cls, d: Mapping[str, Any]) -> AudioEncoderConfig:
         """From `thinker_config.audio_config` of an HF config.json (missing keys take HF defaults)."""
         full = {**FULL_AUDIO, "output_dim": 3584, **d}  # HF's own default output_dim is 3584
-        return cls(
-            num_mel_bins=full["num_mel_bins"],
-            num_layers=full["encoder_layers"],
-            num_heads=full["encoder_attention_heads"],
-            ffn_dim=full["encoder_ffn_dim"],
-            d_model=full["d_model"],
-            output_dim=full["output_dim"],
-            max_source_positions=full["max_source_positions"],
-            n_window=full["n_window"],
-            n_window_infer=full["n_window_infer"],
-            conv_chunksize=full["conv_chunksize"],
-            downsample_hidden_size=full["downsample_hidden_size"],
-            activation=full["activation_function"],
-        )
+        return from_hf_fields(cls, full, {"num_layers": "encoder_layers", "num_heads": "encoder_attention_heads",
+                                          "ffn_dim": "encoder_ffn_dim", "activation": "activation_function"})
 
 
 @dataclass(frozen=True)
 class VisionEncoderConfig:
     """The ViT: 3D patch embed, 2D rotary, blocks attending within each frame, 2x2 patch mergers."""
 
-    depth: int = 27
-    hidden_size: int = 1152
-    intermediate_size: int = 4304
-    num_heads: int = 16
-    in_channels: int = 3
-    patch_size: int = 16
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    out_hidden_size: int = 2048  # the thinker's hidden size
-    num_position_embeddings: int = 2304  # a square table (48 x 48) resampled to each grid
-    deepstack_visual_indexes: tuple[int, ...] = (
-        8,
-        16,
-        24,
-    )  # blocks whose outputs feed the thinker's first layers
-    activation: str = "gelu_pytorch_tanh"
-    rope_theta: float = 10000.0
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    out_hidden_size: int  # the thinker's hidden size
+    num_position_embeddings: int  # a square table (48 x 48) resampled to each grid
+    deepstack_visual_indexes: tuple[int, ...]  # blocks whose outputs feed the thinker's first layers
+    activation: str
+    rope_theta: float
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
@@ -185,22 +172,8 @@ class VisionEncoderConfig:
     def from_hf(cls, d: Mapping[str, Any]) -> VisionEncoderConfig:
         """From `thinker_config.vision_config` of an HF config.json (missing keys take HF defaults)."""
         full = {**FULL_VISION, "out_hidden_size": 3584, **d}  # HF's own default out_hidden_size is 3584
-        rope = full.get("rope_parameters") or {}
-        return cls(
-            depth=full["depth"],
-            hidden_size=full["hidden_size"],
-            intermediate_size=full["intermediate_size"],
-            num_heads=full["num_heads"],
-            in_channels=full["in_channels"],
-            patch_size=full["patch_size"],
-            temporal_patch_size=full["temporal_patch_size"],
-            spatial_merge_size=full["spatial_merge_size"],
-            out_hidden_size=full["out_hidden_size"],
-            num_position_embeddings=full["num_position_embeddings"],
-            deepstack_visual_indexes=tuple(full["deepstack_visual_indexes"]),
-            activation=full["hidden_act"],
-            rope_theta=float(rope.get("rope_theta", full.get("rope_theta", 10000.0))),
-        )
+        return from_hf_fields(cls, full, {"activation": "hidden_act"}, rope_theta=rope_theta(full, "vision"),
+                              deepstack_visual_indexes=tuple(full["deepstack_visual_indexes"]))
 
 
 def full_audio_config() -> AudioEncoderConfig:
