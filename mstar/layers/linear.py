@@ -14,11 +14,17 @@ timed against the SiLU kernel followed by the best linear. A shape first seen du
 the unfused F.linear path for good (timing needs host syncs). On CPU (Triton interpreter) the
 kernels run only when `SKINNY.force` is True (tests). MSTAR_SKINNY_GEMM=0 turns them off, =1 forces
 them on wherever allowed.
+
+On CPU, float32 linears whose weights `pack_cpu_linears` reordered (the autoregressive engine does it
+when it is built on CPU, after the weights load) run through oneDNN with the weight in its blocked
+layout: MKL's sgemm, which F.linear calls, reads the weight far below the memory bandwidth for a few
+rows. The packed copy is made once and not refreshed: weights changed in place afterwards are not seen.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -118,6 +124,41 @@ class _SkinnySwitch:
 SKINNY = _SkinnySwitch()
 
 
+class _CpuPacked:
+    """float32 CPU weights reordered once into oneDNN's blocked layout, by the weight's identity."""
+
+    def __init__(self) -> None:
+        self.enabled = torch.backends.mkldnn.is_available()
+        self._packed: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+
+    def pack(self, weight: torch.Tensor) -> None:
+        """Keep a reordered copy of `weight` [N, K] (float32, CPU) for `get`, until `weight` is freed."""
+        if not self.enabled or id(weight) in self._packed:
+            return
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        self._packed[id(weight)] = (weakref.ref(weight), packed)
+        weakref.finalize(weight, self._packed.pop, id(weight), None)
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The reordered copy of `weight`, or None when it was never packed."""
+        entry = self._packed.get(id(weight))
+        return entry[1] if entry is not None and entry[0]() is weight else None
+
+
+CPU_PACKED = _CpuPacked()
+
+
+def pack_cpu_linears(model: nn.Module) -> int:
+    """Reorder the weight of every float32 CPU nn.Linear of `model` for oneDNN (module docstring); how
+    many weights were packed (0 where oneDNN is unavailable)."""
+    weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Linear)
+               and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32}
+    for weight in weights.values():
+        CPU_PACKED.pack(weight)
+    return len(weights) if CPU_PACKED.enabled else 0
+
+
 def linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
     """module(x) for an nn.Linear: through skinny_linear for few-row inputs where it wins, else F.linear."""
     return linear_weight(x, module.weight, module.bias)
@@ -126,6 +167,8 @@ def linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
 def linear_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) with `linear`'s choice of the skinny GEMV: for a weight that is no
     module's own, e.g. a contiguous row slice of an output head."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and (packed := CPU_PACKED.get(weight)) is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     if (
         x.dim() == 2
         and 0 < x.shape[0] <= SKINNY.max_m

@@ -21,6 +21,7 @@ class _Batch:
         qlens = torch.tensor(meta.query_lens, dtype=torch.long, device=device)
         slens = torch.tensor(meta.seq_lens, dtype=torch.long, device=device)
         self.max_q = max(meta.query_lens)
+        self.decode = self.max_q == 1  # one new token per sequence: packed rows are the batch's rows
         max_pages = -(-max(meta.seq_lens) // page_size)
         self.block_tables = meta.block_tables[:, :max_pages].to(device=device, dtype=torch.long)
         max_k = max_pages * page_size
@@ -78,15 +79,22 @@ class SDPABackend:
         v_flat[b.slot_mapping] = v.to(v_flat.dtype)
         # Gather each sequence's pages into a contiguous [B, Lk, Hkv, D] view of its keys/values.
         num_seqs = b.block_tables.shape[0]
-        keys = self.k_cache[layer][b.block_tables].view(num_seqs, -1, num_kv_heads, head_dim)
-        values = self.v_cache[layer][b.block_tables].view(num_seqs, -1, num_kv_heads, head_dim)
+        keys = self.k_cache[layer][b.block_tables].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+        values = self.v_cache[layer][b.block_tables].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+        groups = q.shape[1] // num_kv_heads  # GQA: each kv head serves `groups` query heads
+        if b.decode:
+            # A kv head's `groups` query heads attend as that many query rows under one key mask: no
+            # copies of the keys per query head, no padded query grid.
+            out = F.scaled_dot_product_attention(q.view(num_seqs, num_kv_heads, groups, head_dim),
+                                                 keys.to(q.dtype), values.to(q.dtype), attn_mask=b.mask,
+                                                 scale=self.scale)
+            return out.view(num_seqs, q.shape[1], head_dim)
         q_pad = q.new_zeros(num_seqs, b.max_q, q.shape[1], head_dim)
         q_pad[b.batch_idx, b.q_idx] = q
-        groups = q.shape[1] // num_kv_heads  # GQA: each kv head serves `groups` query heads
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2),
-            keys.transpose(1, 2).repeat_interleave(groups, dim=1).to(q.dtype),
-            values.transpose(1, 2).repeat_interleave(groups, dim=1).to(q.dtype),
+            keys.repeat_interleave(groups, dim=1).to(q.dtype),
+            values.repeat_interleave(groups, dim=1).to(q.dtype),
             attn_mask=b.mask,
             scale=self.scale,
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 import torch
+from torch import nn
 
 from mstar.config import CudaGraphConfig
 from mstar.engines.attention.base import (
@@ -29,6 +30,7 @@ from mstar.engines.autoregressive.prefill_graph import PrefillGraphs
 from mstar.engines.autoregressive.sequence import Sequence
 from mstar.engines.base import CausalLM, KVLayout
 from mstar.engines.cuda_graphs import BatchGraphs
+from mstar.layers.linear import pack_cpu_linears
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +123,8 @@ class ModelRunner:
         self.logits_out: torch.Tensor | None = None
         self.ids_copies = 0  # lookahead forwards whose ids had to be copied in (not sampled in place)
         self._graph_rows = 0  # the largest decode graph's rows (logits_out holds that many)
+        if self.device.type == "cpu" and isinstance(model, nn.Module):  # weights are loaded by now
+            pack_cpu_linears(model)
         if graphs is not None and graphs.enabled and self.device.type == "cuda":
             if not model.supports_cuda_graphs():
                 logger.info("%s cannot be captured in CUDA graphs here; decode runs eagerly", type(model).__name__)
