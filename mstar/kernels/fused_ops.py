@@ -27,7 +27,7 @@ from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, x_stride, res_stride, out_stride,
                      eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in a large packed prefill
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     pdl_wait(PDL)
@@ -77,7 +77,7 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, x_stride_t, x_st
                    out_stride_h, HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     pdl_wait(PDL)  # x and the step's cos/sin come from earlier kernels
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # t * stride passes 2**31 in a large packed prefill
     heads, hmask, d, x1, x2 = _head_halves(x_ptr, t, x_stride_t, x_stride_h, num_heads, HALF, BLOCK_H)
     _store_rotated(x1.to(tl.float32), x2.to(tl.float32), x1, cos_ptr + t * cs_stride, sin_ptr + t * cs_stride,
                    out_ptr + t * out_stride_t + heads[:, None] * out_stride_h, d, hmask, HALF)
@@ -172,7 +172,7 @@ def _qk_norm_rotary_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, num
                            BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     pdl_wait(PDL)
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # t * stride passes 2**31 in a large packed prefill
     heads, hmask, d, x1, x2 = _head_halves(x_ptr, t, x_stride_t, x_stride_h, num_heads, HALF, BLOCK_H)
     # RMSNorm over each head's 2 * HALF values (q heads first, with q's weight, then k heads, k's)
     is_q = heads[:, None] < num_q
@@ -205,7 +205,7 @@ def qk_norm_rotary(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
 def _silu_mul_kernel(x_ptr, out_ptr, n, x_stride, out_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     pdl_wait(PDL)
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in a large packed prefill
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
@@ -238,7 +238,7 @@ def _sigmoid_gate_add_kernel(out_ptr, base_ptr, gate_ptr, shared_ptr, n, base_st
                              out_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     pdl_wait(PDL)
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in a large packed prefill
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
     base = tl.load(base_ptr + row * base_stride + cols, mask=mask, other=0.0)
