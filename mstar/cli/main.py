@@ -10,6 +10,7 @@ module loads no torch.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 import sys
@@ -32,7 +33,18 @@ OPTIONAL_PACKAGES = {
     "triton": ("triton", "gpu"),
     "ftfy": ("ftfy", "all"),
     "xgrammar": ("xgrammar", "all"),
+    "python_multipart": ("python-multipart", None),
 }
+# dependencies the routes import only when a request needs them (form uploads, video, audio files): checked at
+# start, so an install without one fails there in one line instead of answering those requests with a 500
+ROUTE_PACKAGES = ("python_multipart", "av", "soundfile")
+
+
+def check_route_packages() -> None:
+    """Raise ModuleNotFoundError naming the first of ROUTE_PACKAGES that is not installed."""
+    for name in ROUTE_PACKAGES:
+        if importlib.util.find_spec(name) is None:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 
 
 def missing_package_line(exc: ModuleNotFoundError) -> str:
@@ -251,6 +263,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if os.getcwd() not in sys.path:  # 'module:Class' models import from here as under `python -m`, shadowing nothing
         sys.path.append(os.getcwd())
     try:
+        check_route_packages()
         config = apply_model_flags(resolve_config(getattr(args, "model", None), args.config), args)
         config = apply_parallel_flags(config, args)
         runtime = Runtime(config, mode=args.mode, tiny=args.tiny, load_format=args.load_format,

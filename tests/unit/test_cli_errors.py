@@ -3,6 +3,7 @@ unknown model, a config or checkpoint mistake; `--version` answers."""
 
 from __future__ import annotations
 
+import importlib.util
 import socket
 
 import pytest
@@ -116,6 +117,20 @@ def test_a_missing_optional_package_is_one_line_naming_how_to_install_it(monkeyp
     with pytest.raises(SystemExit) as exc:
         cli.main(["serve", "toy", "--port", str(port)])
     package = missing.split(".")[0]
+    assert str(exc.value) == f"mstar: the Python package {package!r} is needed and not installed; install it: {fix}"
+
+
+@pytest.mark.parametrize("missing,fix", [("python_multipart", "pip install python-multipart"),
+                                         ("av", "pip install av")])
+def test_a_missing_route_package_fails_the_start_not_a_request(monkeypatch, no_runtime, missing, fix):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else find_spec(name, *a))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "toy", "--port", str(port)])
+    package = fix.split()[-1]
     assert str(exc.value) == f"mstar: the Python package {package!r} is needed and not installed; install it: {fix}"
 
 
