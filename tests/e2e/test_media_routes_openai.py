@@ -97,6 +97,7 @@ def test_video_job_lifecycle(client):
     mp4 = client.videos.download_content(done.id).content
     with av.open(io.BytesIO(mp4)) as container:
         assert container.streams.video[0].codec_context.name == "h264"
+        assert (container.streams.video[0].width, container.streams.video[0].height) == (16, 8)  # the size asked
         assert container.streams.audio and container.streams.audio[0].codec_context.name == "aac"
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
     assert len(frames) == 2 and done.size == f"{frames[0].shape[1]}x{frames[0].shape[0]}"

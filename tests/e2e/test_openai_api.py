@@ -90,6 +90,15 @@ def test_images_generation_returns_the_toy_image(client):
     assert img.format == "PNG" and img.size[1] == 8 and img.size[0] >= 1
 
 
+def test_the_toy_paints_the_size_asked_and_refuses_one_it_cannot(client):
+    import base64
+
+    resp = client.images.generate(model="toy", prompt="paint", size="40x24", response_format="b64_json")
+    assert Image.open(io.BytesIO(base64.b64decode(resp.data[0].b64_json))).size == (40, 24)
+    with pytest.raises(openai.BadRequestError, match=r"\[1, 4096\]"):
+        client.images.generate(model="toy", prompt="paint", size="5000x8", response_format="b64_json")
+
+
 def test_wrong_key_is_refused(base):
     bad = openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from mstar.engines.base import StatelessBase
+from mstar.models.toy.processor import painted_size
 
 PRINTABLE = (32, 127)  # the guide picks tokens in this byte range
 
@@ -80,7 +81,8 @@ class Guide(StatelessBase, nn.Module):
 
 
 class Painter(StatelessBase, nn.Module):
-    """generated tokens -> an image [H, N, 3] and a two-frame video [2, H, N, 3], uint8."""
+    """generated tokens -> an image [H, N, 3] and a two-frame video [2, H, N, 3], uint8 (N tokens; with option
+    `size` the tokens repeat across its width and H is its height)."""
 
     def __init__(self, cfg) -> None:
         super().__init__()
@@ -88,9 +90,13 @@ class Painter(StatelessBase, nn.Module):
 
     def run_batch(self, walk, node, inputs, options):
         out = []
-        for x in inputs:
-            row = x["generated"].to(torch.uint8)
-            image = torch.stack([row, 255 - row, row // 2], dim=-1).expand(self.height, -1, -1).contiguous()
+        for x, opts in zip(inputs, options, strict=True):
+            row, height = x["generated"].to(torch.uint8), self.height
+            size = painted_size(opts, self.height)
+            if size is not None:  # the tokens repeated across the asked width
+                width, height = size
+                row = row[torch.arange(width, device=row.device) % row.numel()] if row.numel() else row.new_zeros(width)
+            image = torch.stack([row, 255 - row, row // 2], dim=-1).expand(height, -1, -1).contiguous()
             out.append({"image": image, "video": torch.stack([image, 255 - image])})
         return out
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from mstar.models.base import Processor
+from mstar.models.common.video_options import video_size
 
 AUDIO_SEGMENTS = 8
 MAX_PROMPT_BYTES = 1 << 20  # one token per byte: the toy's context
@@ -51,6 +52,7 @@ class ToyProcessor(Processor):
             raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
         if max_tokens > 1 << 20:
             raise ValueError(f"max_tokens={max_tokens} is above the toy's limit of {1 << 20}")
+        painted_size(options, self.cfg.image_height)
 
     def decode_output(self, name: str, tensor: torch.Tensor, options: Mapping[str, Any]) -> Any:
         tensor = tensor.cpu()
@@ -79,6 +81,14 @@ def media_summary(item: Mapping[str, Any]) -> list[int]:
         means = data[..., :3].reshape(-1, 3).mean(axis=0)
         return [data.shape[0] % 256] + [int(m) for m in means]
     raise ValueError(f"toy takes image, audio and video media, got type {kind!r}")
+
+
+def painted_size(options: Mapping[str, Any], height: int) -> tuple[int, int] | None:
+    """(width, height) that option `size` ("WxH") or `width`/`height` asks the painter for (each side in
+    [1, 4096]), or None: one pixel per generated token, `height` rows. ValueError names a bad value."""
+    if all(options.get(k) in (None, "auto") for k in ("size", "width", "height")):
+        return None
+    return video_size(options, int(options.get("max_tokens", 16)), height, 1, 4096)
 
 
 def _message_text(message: Mapping[str, Any]) -> str:
