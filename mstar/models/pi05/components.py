@@ -1,33 +1,45 @@
 """Pi0.5's stateless components as the stateless engine runs them.
 
 Edges carry one request's tensors without a batch dimension: images [C, 3, S, S], image_tokens
-[C * N, W], prompt_ids [T], noise and x_t [chunk, max_action_dim], prefix_len [1].
+[C * N, W], prompt_ids [T], noise and actions [chunk, max_action_dim], prefix_len [1].
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Hashable
 from typing import Any
 
 import torch
 from torch import nn
 
-from mstar.engines.base import StatelessBase, StepItem
-from mstar.models.pi05.network import PolicyNet, flow_time
+from mstar.engines.base import CapturePlan, StatelessBase, StepItem
+from mstar.engines.cuda_graphs import to_device_async
+from mstar.models.pi05.network import PolicyNet
 from mstar.models.pi05.prefix_kv import PoolFull, PrefixKVPool
 from mstar.models.pi05.siglip import VisionTower
 
 
 class VisionComponent(StatelessBase, nn.Module):
-    """Node `vision`: every camera of every request in one SigLIP forward; images -> image_tokens."""
+    """Node `vision`: every camera of every request in one SigLIP forward; images -> image_tokens. On
+    CUDA the forward replays a graph captured per image count (`capture_plans`; the engine's batch sizes
+    count images here)."""
 
     def __init__(self, encoder: VisionTower) -> None:
         super().__init__()
         self.encoder = encoder
 
+    def capture_plans(self) -> list[CapturePlan]:
+        """The tower over a batch of images [N, 3, S, S] (float32): its few hundred kernels as one launch."""
+        size = self.encoder.shape.image_size
+        return [CapturePlan("tower", self.encoder, (((3, size, size), torch.float32),))]
+
     @torch.no_grad()
     def run_items(self, items: list[StepItem]) -> list[dict[str, Any]]:
         counts = [item.inputs["images"].shape[0] for item in items]
-        tokens = self.encoder(torch.cat([item.inputs["images"] for item in items]))
+        images = torch.cat([item.inputs["images"] for item in items])
+        replayed = self.graphs.replay("tower", images)  # views of the graph's buffer: copied out
+        tokens = self.encoder(images) if replayed is None else replayed[0].clone()
         return [{"image_tokens": part.flatten(0, 1)} for part in tokens.split(counts)]
 
 
@@ -36,9 +48,9 @@ class PolicyComponent(StatelessBase, nn.Module):
 
     `prefix` (walk `prefix`): image_tokens and prompt_ids -> every layer's keys and values, written to
     pages the request holds until its chunk is out; outputs prefix_len.
-    `flow` (walk `act`, once per Euler step): x_t (the walk's `noise` at the first step) -> x_t one step
-    nearer the actions, the velocity attending the request's prefix; the last step also outputs
-    `actions`, stops the loop and gives the pages back. Requests at different steps share a forward.
+    `flow` (walk `act`): noise -> `actions`, every Euler step of the flow in one call over the request's
+    prefix, read from the cache once; then the pages go back. Requests batch by their step count; at the
+    config's count the call replays one CUDA graph (`capture_plans`).
     """
 
     def __init__(self, net: PolicyNet, pool: PrefixKVPool) -> None:
@@ -48,15 +60,37 @@ class PolicyComponent(StatelessBase, nn.Module):
     def release(self, request_id: str) -> None:
         self.pool.release(request_id)
 
+    def batch_key(self, item: StepItem) -> Hashable:
+        return (item.walk, item.node, int(item.options["num_steps"]) if item.node == "flow" else 0)
+
+    @property
+    def table_width(self) -> int:
+        """Pages of the longest prefix: the page table's width in the flow's graphs."""
+        return -(-self.net.config.max_prefix_tokens // self.pool.page_size)
+
+    def capture_plans(self) -> list[CapturePlan]:
+        """The whole flow (`sample`) at the config's step count, over a page table of `table_width` pages:
+        ten expert forwards of a few hundred kernels each replay as one graph instead of launching one by
+        one."""
+        cfg = self.net.config
+        return [CapturePlan("flow", functools.partial(self.sample, num_steps=cfg.num_steps),
+                            (((cfg.chunk_size, cfg.max_action_dim), torch.float32),
+                             ((self.table_width + 1,), torch.long)))]
+
+    def sample(self, noise: torch.Tensor, table: torch.Tensor, num_steps: int) -> torch.Tensor:
+        """noise [B, C, A] and a device `page_table` [B, pages + 1] -> actions [B, C, A] (float32)."""
+        prefix = self.pool.gather(table)
+        return self.net.sample(noise, prefix.layer, prefix.valid, prefix.lengths, num_steps)
+
     @torch.no_grad()
     def run_items(self, items: list[StepItem]) -> list[dict[str, Any]]:
         return self._prefix(items) if items[0].node == "prefix" else self._flow(items)
 
     def _prefix(self, items: list[StepItem]) -> list[dict[str, Any]]:
         rids = [item.request_id for item in items]
-        prefixes, valid = self.net.prefix_embeddings([i.inputs["image_tokens"] for i in items],
-                                                     [i.inputs["prompt_ids"] for i in items])
-        lengths = valid.sum(dim=1).tolist()
+        image_tokens = [i.inputs["image_tokens"] for i in items]
+        prompt_ids = [i.inputs["prompt_ids"] for i in items]
+        lengths = [len(images) + len(ids) for images, ids in zip(image_tokens, prompt_ids, strict=True)]
         try:
             for rid, length in zip(rids, lengths, strict=True):
                 self.pool.allocate(rid, length)
@@ -64,25 +98,27 @@ class PolicyComponent(StatelessBase, nn.Module):
             for rid in rids:  # the engine runs the items again one by one: those that fit go on
                 self.pool.release(rid)
             raise
+        prefixes, valid = self.net.prefix_embeddings(image_tokens, prompt_ids)
         slots = self.pool.slots(rids, prefixes.device)
-        self.net.prefill(prefixes, valid, lambda layer, k, v: self.pool.write(layer, slots, k[valid], v[valid]))
+        width = prefixes.shape[1]  # each prefix's rows of the padded batch, known on the host
+        rows = to_device_async(torch.cat([row * width + torch.arange(n) for row, n in enumerate(lengths)]),
+                               prefixes.device)
+        self.net.prefill(prefixes, valid, lambda layer, k, v: self.pool.write(
+            layer, slots, k.flatten(0, 1)[rows], v.flatten(0, 1)[rows]))
         return [{"prefix_len": torch.tensor([length])} for length in lengths]
 
     def _flow(self, items: list[StepItem]) -> list[dict[str, Any]]:
-        x_t = torch.stack([item.inputs.get("x_t", item.inputs["noise"]) for item in items]).float()
-        steps = [int(item.options["num_steps"]) for item in items]
-        device = x_t.device
-        t = torch.tensor([flow_time(i.iteration, n) for i, n in zip(items, steps, strict=True)], device=device)
-        view = self.pool.view([item.request_id for item in items])
-        prefix_len = torch.cat([item.inputs["prefix_len"] for item in items]).to(device)
-        velocity = self.net.velocity(x_t, t, view.layer, view.valid, prefix_len)
-        dt = torch.tensor([-1.0 / n for n in steps], device=device)[:, None, None]
-        x_next = x_t + dt * velocity
-        out = []
-        for row, item in enumerate(items):
-            values: dict[str, Any] = {"x_t": x_next[row]}
-            if item.iteration + 1 >= steps[row]:
-                values.update(actions=x_next[row], stop=True)
-                self.pool.release(item.request_id)
-            out.append(values)
-        return out
+        rids = [item.request_id for item in items]
+        num_steps = int(items[0].options["num_steps"])  # one count per batch (`batch_key`)
+        noise = torch.stack([item.inputs["noise"] for item in items]).float()
+        replayed = None
+        if self.graphs and num_steps == self.net.config.num_steps:
+            table = to_device_async(self.pool.page_table(rids, self.table_width), noise.device)
+            replayed = self.graphs.replay("flow", noise, table)  # views of the graph's buffer: copied out
+        if replayed is not None:
+            actions = replayed[0].clone()
+        else:
+            actions = self.sample(noise, to_device_async(self.pool.page_table(rids), noise.device), num_steps)
+        for rid in rids:  # later work on this stream runs after the flow's reads of these pages
+            self.pool.release(rid)
+        return [{"actions": row} for row in actions]

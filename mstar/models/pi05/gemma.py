@@ -98,11 +98,13 @@ class GemmaAttention(nn.Module):
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
         """Every query [B, Lq, H, D] over the valid keys [B, Lk, KV, D] (`key_valid` [B, Lk]) -> [B, Lq, W]."""
         batch, length = q.shape[:2]
-        groups = self.num_heads // self.num_kv_heads
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2).repeat_interleave(groups, dim=1),
-            values.transpose(1, 2).repeat_interleave(groups, dim=1), attn_mask=key_valid[:, None, None, :])
-        return self.o(out.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
+        # the query heads of one KV head become rows of one attention (the mask is per key, not per query),
+        # so keys and values are read as they are instead of copied once per query head
+        rows = q.transpose(1, 2).reshape(batch, self.num_kv_heads, -1, self.head_dim)
+        out = F.scaled_dot_product_attention(rows, keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=key_valid[:, None, None, :])
+        out = out.view(batch, self.num_heads, length, self.head_dim).transpose(1, 2)
+        return self.o(out.reshape(batch, length, self.num_heads * self.head_dim))
 
 
 class PrefixLayer(nn.Module):
@@ -128,8 +130,8 @@ class PrefixLM(nn.Module):
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings scaled by sqrt(width), the scale rounded to the weights' dtype as Gemma does."""
-        scale = torch.tensor(math.sqrt(self.shape.width), dtype=self.embed.weight.dtype)
-        return self.embed(ids) * scale.to(ids.device)
+        scale = torch.tensor(math.sqrt(self.shape.width), dtype=self.embed.weight.dtype).item()  # a host number
+        return self.embed(ids) * scale
 
     @torch.no_grad()
     def forward(self, x: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,

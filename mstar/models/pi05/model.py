@@ -4,11 +4,13 @@ Lane `policy`:  prefix -> act
   prefix   SigLIP over every camera (all robots' cameras in one forward), then the Gemma prefix (image
            tokens, then the prompt: task and discretised state) writes every layer's keys and values
            into the paged prefix cache; carries the prefix's length.
-  act      a Loop of the flow's Euler steps (`num_steps`, 10 by default): each runs the action expert
-           over the request's cached prefix at the step's time, from the request's noise at t = 1; the
-           last emits `actions` [chunk, action_dim] and frees the prefix's pages.
-Requests from many robots batch at every node: their prefixes in one forward, their flow steps in one
-forward whatever step each is at.
+  act      the flow's Euler steps (`num_steps`, 10 by default) in one call: the action expert over the
+           request's cached prefix at each step's time, from the request's noise at t = 1, to `actions`
+           [chunk, action_dim]; then the prefix's pages are freed.
+Requests from many robots batch at every node: all their cameras in one SigLIP forward, their prefixes in
+one Gemma forward, their whole flows in one call. `act` is one node, not a Loop of one node per step: each
+iteration of a walk's loop is a round trip through the worker and the walk interpreter, and one call lets
+the ten steps replay as one CUDA graph (docs/models/pi05.md).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 import torch
 
 from mstar.engines.base import StatelessSpec
-from mstar.graph import CARRY, ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Sequential, Walk
+from mstar.graph import CARRY, ComponentSpec, Emit, Lane, ModelGraph, Node, Sequential, Walk
 from mstar.models.base import BuiltComponent, Model
 from mstar.models.common.serve_config import LMServeConfig
 
@@ -45,18 +47,17 @@ class Pi05ServeConfig(LMServeConfig):
 def _graph() -> ModelGraph:
     vision = Node("vision", inputs=("images",), outputs=("image_tokens",))
     prefix = Node("policy", name="prefix", inputs=("image_tokens", "prompt_ids"), outputs=("prefix_len",))
-    flow = Node("policy", name="flow", inputs=("noise", "x_t", "prefix_len"), outputs=("x_t", "actions"))
+    flow = Node("policy", name="flow", inputs=("noise", "prefix_len"), outputs=("actions",))
     return ModelGraph(
         components={
             "vision": ComponentSpec("stateless", "SigLIP + projector: every camera image -> Gemma-width tokens"),
-            "policy": ComponentSpec("stateless", "Gemma prefix into the paged prefix cache; action-expert flow "
-                                                 "steps over it"),
+            "policy": ComponentSpec("stateless", "Gemma prefix into the paged prefix cache; the action "
+                                                 "expert's whole flow over it in one call"),
         },
         walks=(
             Walk("prefix", "policy", Sequential(vision, prefix), inputs=("images", "prompt_ids"),
                  emits=(Emit("prefix_len", CARRY),)),
-            Walk("act", "policy", Loop(flow, max_iterations="num_steps", name="steps"),
-                 inputs=("noise", "prefix_len"), optional_inputs=("x_t",), emits=(Emit("actions"),)),
+            Walk("act", "policy", flow, inputs=("noise", "prefix_len"), emits=(Emit("actions"),)),
         ),
         lanes=(Lane("policy", "prefix", {"prefix": "act", "act": None}),),
     )
@@ -113,7 +114,10 @@ class Pi05(Model):
         from mstar.models.pi05.prefix_kv import PrefixKVPool
 
         if name == "vision":
-            return BuiltComponent(VisionComponent(self._part("vision", device)), StatelessSpec(max_batch_size=64))
+            cameras = len(self.pi05.cameras)  # vision's graphs are per image count: whole robots, and one image
+            sizes = sorted({1, *(cameras * n for n in (1, 2, 4, 8, 16) if cameras * n <= 64)})
+            return BuiltComponent(VisionComponent(self._part("vision", device)),
+                                  StatelessSpec(max_batch_size=64, cuda_graph_sizes=sizes))
         if name == "policy":
             cfg, net = self.pi05, self._part("policy", device)
             pages = self.config.max_robots * -(-cfg.max_prefix_tokens // PAGE_SIZE)

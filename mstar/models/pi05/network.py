@@ -2,7 +2,7 @@
 the Gemma prefix and the action expert, which share the prefix's keys and values).
 
 `prefill` turns a batch of prefixes into keys and values; `velocity` is one flow step's network;
-`euler_step` moves noisy actions along it. Pi05Network holds all three parts for whole-checkpoint checks.
+`euler_step` moves noisy actions along it; `sample` runs all the flow's steps in one call. Pi05Network holds all three parts for whole-checkpoint checks.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from mstar.engines.cuda_graphs import to_device_async
 from mstar.models.pi05.config import Pi05Config
 from mstar.models.pi05.gemma import ActionExpert, PrefixLM
 from mstar.models.pi05.siglip import VisionTower
@@ -32,9 +33,10 @@ class PolicyNet(nn.Module):
         first, then the scaled token embeddings) and which rows are real [B, L]."""
         rows = [torch.cat([images.to(self.llm.embed.weight.dtype), self.llm.embed_tokens(ids)])
                 for images, ids in zip(image_tokens, prompt_ids, strict=True)]
-        lengths = torch.tensor([len(r) for r in rows], device=rows[0].device)
+        lengths = torch.tensor([len(r) for r in rows])  # from shapes, on the host: no device sync
         padded = nn.utils.rnn.pad_sequence(rows, batch_first=True)
-        return padded, torch.arange(padded.shape[1], device=padded.device)[None, :] < lengths[:, None]
+        valid = torch.arange(padded.shape[1])[None, :] < lengths[:, None]
+        return padded, to_device_async(valid, padded.device)
 
     def prefill(self, prefixes: torch.Tensor, valid: torch.Tensor,
                 store: Callable[[int, torch.Tensor, torch.Tensor], None]) -> None:
@@ -46,6 +48,16 @@ class PolicyNet(nn.Module):
                  prefix_valid: torch.Tensor, prefix_len: torch.Tensor) -> torch.Tensor:
         """The flow's velocity [B, C, A] (float32) at noisy actions x_t [B, C, A] and times t [B]."""
         return self.expert(x_t, t, prefix, prefix_valid, prefix_len)
+
+    def sample(self, noise: torch.Tensor, prefix: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+               prefix_valid: torch.Tensor, prefix_len: torch.Tensor, num_steps: int) -> torch.Tensor:
+        """Every Euler step from noise [B, C, A] at t = 1 to the actions at t = 0 (float32), as `num_steps`
+        calls of `velocity` and `euler_step` give them; device work only, so a CUDA graph may hold it."""
+        x_t = noise.float()
+        for step in range(num_steps):
+            t = torch.full((x_t.shape[0],), flow_time(step, num_steps), device=x_t.device)
+            x_t = euler_step(x_t, self.velocity(x_t, t, prefix, prefix_valid, prefix_len), num_steps)
+        return x_t
 
 
 def euler_step(x_t: torch.Tensor, velocity: torch.Tensor, num_steps: int) -> torch.Tensor:

@@ -2,8 +2,10 @@
 
 A prefix is written once (walk `prefix`) and read by every flow step of its chunk (walk `act`), then
 released. Pages of `page_size` tokens come from one preallocated pool, so memory is fixed at start and
-requests of any prefix length share it without fragmenting; a batch of flow steps gathers its requests'
-pages into one padded [B, P, KV, D] view per layer.
+requests of any prefix length share it without fragmenting. A batch of action chunks reads its requests'
+prefixes through a page table (`page_table` on the host, `gather` on the device): one padded [B, P, KV, D]
+batch per layer, gathered once for all the chunk's flow steps; at a fixed table width its shapes are fixed,
+so the whole flow can replay from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from mstar.engines.cuda_graphs import to_device_async
 
 
 class PoolFull(RuntimeError):
@@ -66,7 +70,7 @@ class PrefixKVPool:
             pages = torch.tensor(held.pages, dtype=torch.long)
             offsets = torch.arange(held.tokens)
             slots.append(pages[offsets // self.page_size] * self.page_size + offsets % self.page_size)
-        return torch.cat(slots).to(device)
+        return to_device_async(torch.cat(slots), device)
 
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store packed keys and values [T, KV, D] of `layer` at `slots` [T]."""
@@ -74,25 +78,41 @@ class PrefixKVPool:
         self.keys[layer].view(flat_shape)[slots] = keys.to(self.keys.dtype)
         self.values[layer].view(flat_shape)[slots] = values.to(self.values.dtype)
 
-    def view(self, request_ids: list[str]) -> PrefixView:
-        """The prefixes of `request_ids` as one padded batch."""
+    def page_table(self, request_ids: list[str], width: int | None = None) -> torch.Tensor:
+        """A host table [B, width + 1]: each prefix's pages (page 0 past its last), then its token count;
+        `width` defaults to the longest prefix's pages."""
         held = [self.held[rid] for rid in request_ids]
-        width = max(len(h.pages) for h in held)
-        table = torch.zeros(len(held), width, dtype=torch.long)
+        width = max(len(h.pages) for h in held) if width is None else width
+        table = torch.zeros(len(held), width + 1, dtype=torch.long)
         for row, h in enumerate(held):
+            assert len(h.pages) <= width, f"a prefix of {len(h.pages)} pages in a table {width} wide"
             table[row, :len(h.pages)] = torch.tensor(h.pages, dtype=torch.long)
-        device = self.keys.device
-        lengths = torch.tensor([h.tokens for h in held], device=device)
-        valid = torch.arange(width * self.page_size, device=device)[None, :] < lengths[:, None]
-        return PrefixView(self, table.to(device), valid, lengths)
+            table[row, -1] = h.tokens
+        return table
+
+    def gather(self, table: torch.Tensor) -> PrefixBatch:
+        """The prefixes of a device `page_table` as one padded batch; device work only, of shapes fixed by
+        the table's (so a CUDA graph may hold it)."""
+        pages, lengths = table[:, :-1], table[:, -1]
+        keys, values = self.keys[:, pages].flatten(2, 3), self.values[:, pages].flatten(2, 3)
+        valid = torch.arange(keys.shape[2], device=keys.device)[None, :] < lengths[:, None]
+        return PrefixBatch(keys, values, valid, lengths)
+
+    def view(self, request_ids: list[str]) -> PrefixBatch:
+        """The prefixes of `request_ids` as one padded batch."""
+        return self.gather(to_device_async(self.page_table(request_ids), self.keys.device))
 
 
-class PrefixView:
-    """A batch of prefixes in the pool: `layer(i)` gathers layer i's keys and values [B, P, KV, D] (P the
-    longest prefix's pages times page_size), valid where `valid` [B, P]; `lengths` [B] are their tokens."""
+@dataclass(frozen=True)
+class PrefixBatch:
+    """A batch of prefixes read out of the pool: every layer's keys and values [layers, B, P, KV, D] (P the
+    table's pages times page_size), valid where `valid` [B, P]; `lengths` [B] are their tokens."""
 
-    def __init__(self, pool: PrefixKVPool, table: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor) -> None:
-        self.pool, self.table, self.valid, self.lengths = pool, table, valid, lengths
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+    lengths: torch.Tensor
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.pool.keys[index][self.table].flatten(1, 2), self.pool.values[index][self.table].flatten(1, 2)
+        """Layer `index`'s keys and values [B, P, KV, D]."""
+        return self.keys[index], self.values[index]

@@ -32,6 +32,7 @@ class VisionTower(SiglipTower):
 
     def __init__(self, shape: SiglipShape, out_width: int) -> None:
         super().__init__(shape, PatchEmbeddings(shape))
+        self.shape = shape
         self.projector = nn.Linear(shape.hidden_size, out_width)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:

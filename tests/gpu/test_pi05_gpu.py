@@ -1,0 +1,137 @@
+"""Pi0.5's CUDA graphs at tiny size (#39 item 4): the whole flow (every Euler step over the paged prefix)
+and the SigLIP tower replayed from graphs give the eager actions for batches of 1 and 3 robots with
+different prompt lengths and camera counts, the graphs are actually replayed, and a flow call makes no
+host sync; through the runtime, a robot's chunk is the same with `cuda_graphs` on and off."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mstar.engines.base import StepGraphs, StepItem
+from mstar.engines.stateless import capture_step_graphs
+from mstar.models.pi05.components import PolicyComponent, VisionComponent
+from mstar.models.pi05.network import PolicyNet
+from mstar.models.pi05.prefix_kv import PrefixKVPool
+from mstar.models.pi05.siglip import VisionTower
+from mstar.models.pi05.tiny import tiny_config
+from mstar.models.pi05.weights import build
+
+CONFIG = tiny_config()
+CUDA = torch.device("cuda")
+SIZES = [1, 2, 4, 8]  # image counts for the tower (3 robots: 6 images), robots for the flow
+ROBOTS = {"a": (1, 3, 21), "b": (2, 1, 5), "c": (3, 2, 60)}  # seed, cameras, prompt tokens
+
+
+class _Counted:
+    """A component's graphs whose replays are counted."""
+
+    def __init__(self, graphs: StepGraphs) -> None:
+        self.graphs, self.replays = graphs, 0
+
+    def __bool__(self) -> bool:
+        return bool(self.graphs)
+
+    def replay(self, key, *inputs):
+        out = self.graphs.replay(key, *inputs)
+        self.replays += out is not None
+        return out
+
+
+@pytest.fixture(scope="module")
+def components():
+    vision = build(lambda: VisionTower(CONFIG.vision, CONFIG.llm.width), torch.float32, CUDA, None, None, seed=3,
+                   std=0.1).eval()
+    net = build(lambda: PolicyNet(CONFIG), torch.float32, CUDA, None, None, seed=4, std=0.1).eval()
+    llm = CONFIG.llm
+    pool = PrefixKVPool(llm.depth, llm.num_kv_heads, llm.head_dim, 4 * -(-CONFIG.max_prefix_tokens // 16), 16,
+                        torch.float32, CUDA)
+    return VisionComponent(vision), PolicyComponent(net, pool)
+
+
+def _inputs(seed: int, cameras: int, prompt: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    side = CONFIG.vision.image_size
+    return {"images": (torch.rand(cameras, 3, side, side, generator=gen) * 2 - 1).to(CUDA),
+            "prompt_ids": torch.randint(0, CONFIG.vocab_size, (prompt,), generator=gen).to(CUDA),
+            "noise": torch.randn(CONFIG.chunk_size, CONFIG.max_action_dim, generator=gen).to(CUDA)}
+
+
+def _chunks(vision: VisionComponent, policy: PolicyComponent, robots: dict[str, dict]) -> torch.Tensor:
+    options = {"num_steps": CONFIG.num_steps}
+    with torch.no_grad():
+        tokens = vision.run_items([StepItem(r, "prefix", "vision", {"images": x["images"]}) for r, x in robots.items()])
+        policy.run_items([StepItem(r, "prefix", "prefix", {"image_tokens": t["image_tokens"],
+                                                            "prompt_ids": x["prompt_ids"]}, options)
+                          for (r, x), t in zip(robots.items(), tokens, strict=True)])
+        out = policy.run_items([StepItem(r, "act", "flow", {"noise": x["noise"]}, options) for r, x in robots.items()])
+    return torch.stack([o["actions"] for o in out])
+
+
+@pytest.mark.parametrize("names", [["a"], ["a", "b", "c"]])
+def test_graphs_give_the_eager_actions(components, names) -> None:
+    vision, policy = components
+    robots = {name: _inputs(*ROBOTS[name]) for name in names}
+    vision.graphs = policy.graphs = StepGraphs()
+    eager = _chunks(vision, policy, robots)
+    for component in components:
+        capture_step_graphs(component, SIZES, CUDA)
+    counted = [_Counted(c.graphs) for c in components]
+    vision.graphs, policy.graphs = counted
+    try:
+        replayed = _chunks(vision, policy, robots)
+    finally:
+        vision.graphs = policy.graphs = StepGraphs()
+    assert [c.replays for c in counted] == [1, 1]
+    torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=0)
+    assert (eager - torch.stack([r["noise"] for r in robots.values()])).abs().mean() > 0.05
+    assert not policy.pool.held
+
+
+def test_a_flow_call_makes_no_host_sync(components) -> None:
+    vision, policy = components
+    robots = {name: _inputs(*ROBOTS[name]) for name in ROBOTS}
+    capture_step_graphs(policy, SIZES, CUDA)
+    options = {"num_steps": CONFIG.num_steps}
+    try:
+        with torch.no_grad():
+            tokens = vision.run_items([StepItem(r, "prefix", "vision", {"images": x["images"]})
+                                       for r, x in robots.items()])
+            items = [StepItem(r, "prefix", "prefix", {"image_tokens": t["image_tokens"], "prompt_ids": x["prompt_ids"]},
+                              options) for (r, x), t in zip(robots.items(), tokens, strict=True)]
+            flows = [StepItem(r, "act", "flow", {"noise": x["noise"]}, options) for r, x in robots.items()]
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                policy.run_items(items)
+                policy.run_items(flows)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        policy.graphs = StepGraphs()
+
+
+def _runtime_chunks(graphs: bool) -> list[np.ndarray]:
+    from mstar.runtime.offline import MStar
+
+    config = {"model": "pi05", "device": "cuda", "max_concurrent_requests": 3, "model_kwargs": {"max_robots": 3},
+              "cuda_graphs": {"enabled": graphs}}
+    rng = np.random.default_rng(0)
+    cameras = CONFIG.cameras
+    observations = [({"text": task, "media": [{"type": "image", "name": c, "data": rng.integers(0, 256, (48, 48, 3),
+                                                                                                   dtype=np.uint8)}
+                                               for c in cams]}, rng.uniform(-1, 1, CONFIG.state_dim).tolist())
+                    for task, cams in (("pick up the red cube", cameras), ("push", cameras[:1]),
+                                       ("open the drawer and fold the towel", cameras[1:]))]
+    with MStar("pi05", config=config, tiny=True) as m:
+        alone = [m.generate(observations[0][0], state=observations[0][1], seed=1).outputs["actions"][0]]
+        handles = [m.submit(req, state=st, seed=1 + i) for i, (req, st) in enumerate(observations)]
+        return alone + [h.decoded().outputs["actions"][0] for h in handles]
+
+
+def test_runtime_chunks_are_the_same_with_and_without_graphs() -> None:
+    with_graphs, without = _runtime_chunks(True), _runtime_chunks(False)
+    for got, expected in zip(with_graphs, without, strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(with_graphs[0], with_graphs[1], atol=1e-4, rtol=0)  # batch 1 and batch 3 agree
