@@ -9,8 +9,9 @@ in the message, optionally a spoken answer (Qwen3-Omni, toy) saved as WAV.
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 
-from common import parser, read_or, save
+from common import parser, save
 from openai import OpenAI
 
 
@@ -20,10 +21,10 @@ def content(args) -> str | list[dict]:
         return args.prompt
     parts = [{"type": "text", "text": args.prompt}]
     if args.image is not None:
-        url = "data:image/png;base64," + base64.b64encode(read_or(args.image, b"")).decode()
+        url = "data:image/png;base64," + base64.b64encode(Path(args.image).read_bytes()).decode()
         parts.append({"type": "image_url", "image_url": {"url": url}})
     if args.audio is not None:
-        data = base64.b64encode(read_or(args.audio, b"")).decode()
+        data = base64.b64encode(Path(args.audio).read_bytes()).decode()
         parts.append({"type": "input_audio", "input_audio": {"data": data, "format": "wav"}})
     return parts
 
@@ -38,14 +39,15 @@ def main() -> None:
     p.add_argument("--voice", help="answer aloud too, in this voice (models with audio out)")
     p.add_argument("--out", default="answer.wav", help="where the spoken answer goes")
     args = p.parse_args()
-    client = OpenAI(base_url=f"{args.base_url}/v1", api_key="none")
+    client = OpenAI(base_url=f"{args.base_url}/v1", api_key=args.api_key)
     request = dict(model=args.model, max_tokens=args.max_tokens, extra_body=dict(args.option),
                    messages=[{"role": "user", "content": content(args)}])
     if args.voice:
         request.update(modalities=["text", "audio"], audio={"voice": args.voice, "format": "wav"})
     if args.stream and not args.voice:
         for chunk in client.chat.completions.create(stream=True, **request):
-            print(chunk.choices[0].delta.content or "" if chunk.choices else "", end="", flush=True)
+            if chunk.choices:
+                print(chunk.choices[0].delta.content or "", end="", flush=True)
         print()
         return
     message = client.chat.completions.create(**request).choices[0].message

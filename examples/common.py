@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 
 import numpy as np
 
@@ -19,6 +20,8 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base-url", default=BASE_URL, help="the server, as `mstar serve` prints it")
     p.add_argument("--model", default="default", help="the served model's name (GET /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("MSTAR_API_KEY", "none"),
+                   help="the server's key, if it has one (default: $MSTAR_API_KEY)")
     p.add_argument("--option", action="append", type=option, default=[], metavar="KEY=VALUE",
                    help="a model option sent with the request, e.g. num_inference_steps=4 (repeatable)")
     return p
@@ -37,7 +40,7 @@ def sdk(args: argparse.Namespace):
     """The SDK client of `args.base_url` and `args.model`."""
     from mstar import MStarClient
 
-    return MStarClient(args.base_url, model=None if args.model == "default" else args.model)
+    return MStarClient(args.base_url, api_key=args.api_key, model=None if args.model == "default" else args.model)
 
 
 def frames(count: int = 4, height: int = 64, width: int = 64, seed: int = 0) -> np.ndarray:

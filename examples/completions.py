@@ -16,7 +16,7 @@ def main() -> None:
     p.add_argument("--prompt", default="Once upon a time")
     p.add_argument("--max-tokens", type=int, default=16)
     args = p.parse_args()
-    client = OpenAI(base_url=f"{args.base_url}/v1", api_key="none")
+    client = OpenAI(base_url=f"{args.base_url}/v1", api_key=args.api_key)
     answer = client.completions.create(model=args.model, prompt=args.prompt, max_tokens=args.max_tokens,
                                        extra_body=dict(args.option))
     print(args.prompt + answer.choices[0].text)

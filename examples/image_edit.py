@@ -19,7 +19,7 @@ def main() -> None:
     p.add_argument("--prompt", default="make it purple")
     p.add_argument("--out", default="edited.png")
     args = p.parse_args()
-    client = OpenAI(base_url=f"{args.base_url}/v1", api_key="none")
+    client = OpenAI(base_url=f"{args.base_url}/v1", api_key=args.api_key)
     image = ("input.png", read_or(args.image, png()), "image/png")
     answer = client.images.edit(model=args.model, image=image, prompt=args.prompt, response_format="b64_json",
                                 extra_body=dict(args.option))

@@ -19,7 +19,7 @@ def main() -> None:
     p.add_argument("--size", help="WIDTHxHEIGHT (default: the model's)")
     p.add_argument("--out", default="image.png")
     args = p.parse_args()
-    client = OpenAI(base_url=f"{args.base_url}/v1", api_key="none")
+    client = OpenAI(base_url=f"{args.base_url}/v1", api_key=args.api_key)
     size = {"size": args.size} if args.size else {}
     answer = client.images.generate(model=args.model, prompt=args.prompt, response_format="b64_json",
                                     extra_body=dict(args.option), **size)

@@ -17,7 +17,8 @@ def main() -> None:
     p.add_argument("--task", default="pick up the red cube")
     p.add_argument("--out", default="actions.npy")
     args = p.parse_args()
-    policy = WebsocketClientPolicy(args.base_url.replace("http://", "ws://").replace("https://", "wss://"))
+    url = args.base_url.replace("http://", "ws://").replace("https://", "wss://")
+    policy = WebsocketClientPolicy(url, api_key=None if args.api_key == "none" else args.api_key)
     example = policy.get_server_metadata()["example_observation"]
     rng = np.random.default_rng(0)
     observation = {"images": {name: rng.integers(0, 256, image.shape, dtype=np.uint8)

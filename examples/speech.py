@@ -18,7 +18,7 @@ def main() -> None:
     p.add_argument("--voice", default="tara")
     p.add_argument("--out", default="speech.wav")
     args = p.parse_args()
-    client = OpenAI(base_url=f"{args.base_url}/v1", api_key="none")
+    client = OpenAI(base_url=f"{args.base_url}/v1", api_key=args.api_key)
     answer = client.audio.speech.create(model=args.model, voice=args.voice, input=args.input,
                                         response_format="wav", extra_body=dict(args.option))
     save(args.out, answer.content)

@@ -15,7 +15,7 @@ def main() -> None:
     p = parser(__doc__)
     p.add_argument("--audio", help="a WAV, FLAC, MP3 or other sound file")
     args = p.parse_args()
-    client = OpenAI(base_url=f"{args.base_url}/v1", api_key="none")
+    client = OpenAI(base_url=f"{args.base_url}/v1", api_key=args.api_key)
     sound = ("input.wav", read_or(args.audio, wav()), "audio/wav")
     print(client.audio.transcriptions.create(model=args.model, file=sound, extra_body=dict(args.option)).text)
 

@@ -9,8 +9,9 @@ download the MP4.
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
-from common import parser, read_or, save
+from common import parser, save
 from openai import OpenAI
 
 
@@ -22,8 +23,8 @@ def main() -> None:
     p.add_argument("--out", default="video.mp4")
     args = p.parse_args()
     warnings.simplefilter("ignore", DeprecationWarning)  # the openai client marks its videos API deprecated
-    client = OpenAI(base_url=f"{args.base_url}/v1", api_key="none")
-    kwargs = {"input_reference": ("input.png", read_or(args.image, b""), "image/png")} if args.image else {}
+    client = OpenAI(base_url=f"{args.base_url}/v1", api_key=args.api_key)
+    kwargs = {"input_reference": ("input.png", Path(args.image).read_bytes(), "image/png")} if args.image else {}
     if args.size:
         kwargs["size"] = args.size
     job = client.videos.create_and_poll(model=args.model, prompt=args.prompt, extra_body=dict(args.option),
