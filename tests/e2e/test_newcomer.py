@@ -20,7 +20,7 @@ import pytest
 from tests.e2e import examples_table as table
 from tests.e2e.server_thread import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # the first test also makes the venv
 SERVED = [("smollm2", [])] + [(m, [] if m == "toy" else ["--tiny"]) for m in sorted({m for row in table.rows()
                                                                                 for m in row.models} - {"smollm2"})]
 CLIENT_EXTRAS = "pip install -q --no-deps openpi-client==0.1.2 && pip install -q msgpack"  # examples/README.md's
