@@ -225,25 +225,49 @@ def read_api_key(args: argparse.Namespace) -> str | None:
 
 
 def snippets(base_url: str, model: str, api_key: str | None, max_model_len: int | None = None,
-             ui: bool = False) -> str:
-    """Copy-paste examples for curl, the mstar SDK and the OpenAI client; a key shows as $MSTAR_API_KEY.
+             ui: bool = False, outputs: tuple[str, ...] = ("text",)) -> str:
+    """Copy-paste examples for curl, the mstar SDK and the OpenAI client for what the model makes (`outputs`:
+    chat for text, else speech, images, videos or the native /generate); a key shows as $MSTAR_API_KEY.
     A token model's context is the limit its engine enforces, as /v1/models and the 400s quote it."""
     context = f"   (max_model_len: {max_model_len} tokens)" if max_model_len is not None else ""
     auth = " -H \"Authorization: Bearer $MSTAR_API_KEY\"" if api_key else ""
     key = 'os.environ["MSTAR_API_KEY"]' if api_key else repr("none")
     playground = f"\n  playground in a browser: {base_url}/\n" if ui else ""
-    return f"""
+    head = f"""
 mstar is serving {model!r} at {base_url}{context}   (docs: {base_url}/docs, metrics: {base_url}/metrics)
-{playground}
+{playground}"""
+    client = f"""  from openai import OpenAI
+  client = OpenAI(base_url="{base_url}/v1", api_key={key})"""
+    if "text" in outputs:
+        return head + f"""
   curl {base_url}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\
        -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
 
   from mstar.client import MStarClient
   print(MStarClient("{base_url}", api_key={key}).chat("Hello!").text)
 
-  from openai import OpenAI
-  client = OpenAI(base_url="{base_url}/v1", api_key={key})
+{client}
   print(client.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hello!"}}]))
+"""
+    route, body, call = {
+        "audio": ("audio/speech", f'{{"model": "{model}", "input": "Hello!"}}\' -o hello.wav',
+                  f'client.audio.speech.create(model="{model}", input="Hello!").write_to_file("hello.wav")'),
+        "image": ("images/generations", f'{{"model": "{model}", "prompt": "a red fox"}}\'',
+                  f'print(client.images.generate(model="{model}", prompt="a red fox").data[0].b64_json[:60])'),
+        "video": ("videos", f'{{"model": "{model}", "prompt": "a red fox"}}\'',
+                  f'print(client.videos.create_and_poll(model="{model}", prompt="a red fox").status)'),
+    }.get(next((o for o in ("audio", "image", "video") if o in outputs), ""), (None, None, None))
+    if route is None:  # latents, actions: only the native endpoint carries them
+        return head + f"""
+  curl -N {base_url}/generate{auth} -H 'Content-Type: application/json' -d '{{"text": ..., "media": [...], "options": {{...}}}}'
+  (the request each model takes, with a script and a curl line per route: examples/README.md in the source tree)
+"""
+    return head + f"""
+  curl {base_url}/v1/{route}{auth} -H 'Content-Type: application/json' \\
+       -d '{body}
+
+{client}
+  {call}
 """
 
 
@@ -284,7 +308,7 @@ def run_serve(args: argparse.Namespace) -> int:
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         # the name the app answers to, which for a 'module:Class' model is the class's, not the spec
         sys.stderr.write(snippets(f"http://{host}:{args.port}", app.state.mstar.model_name, api_key,
-                                  runtime.processor.max_model_len, ui))
+                                  runtime.processor.max_model_len, ui, runtime.model.output_modalities))
         serve_until_stopped(app, runtime, args)
     finally:
         runtime.shutdown()

@@ -76,6 +76,14 @@ def test_the_banner_quotes_the_context_the_engine_enforces():
     assert "max_model_len" not in cli.snippets("http://127.0.0.1:8000", "toy", None)
 
 
+@pytest.mark.parametrize(("outputs", "route"), [(("text", "audio"), "/v1/chat/completions"),
+                                                (("audio",), "/v1/audio/speech"), (("video",), "/v1/videos"),
+                                                (("actions",), "/generate")])
+def test_the_banner_shows_a_route_the_model_serves(outputs, route):
+    text = cli.snippets("http://127.0.0.1:8000", "m", None, outputs=outputs)
+    assert route in text and ("chat.completions" in text) == ("text" in outputs)
+
+
 def test_seed_sets_the_model_config():
     args = cli.build_parser().parse_args(["serve", "qwen3", "--seed", "7"])
     from mstar.config import config_from_dict
