@@ -91,11 +91,14 @@ class AsyncMStarClient(ClientBase[httpx.AsyncClient]):
         seed: int | None = None,
         request_id: str | None = None,
         multipart: bool = False,
+        *,
+        encoding: str = "binary",
+        tensor_dtype: str | None = None,
         **options: Any,
     ) -> GenerateResult | AsyncIterator[OutputChunk | FinalChunk]:
         """See `MStarClient.generate`."""
         return await self._run(endpoints.generate(text, files, outputs, stream, seed, request_id, multipart,
-                                                  **options))
+                                                  encoding=encoding, tensor_dtype=tensor_dtype, **options))
 
     async def generate_image(
         self, prompt: str, size: str | None = None, n: int = 1, seed: int | None = None,
@@ -141,13 +144,15 @@ class AsyncMStarClient(ClientBase[httpx.AsyncClient]):
 
     # -- V-JEPA 2 ---------------------------------------------------------------------------------
 
-    async def encode_video(self, video: Any, pooled: bool = False, **options: Any) -> np.ndarray:
+    async def encode_video(self, video: Any, pooled: bool = False, latent_dtype: str = "float32",
+                           as_torch: bool = False, **options: Any) -> Any:
         """See `MStarClient.encode_video`."""
-        return await self._run(endpoints.encode_video(video, pooled, **options))
+        return await self._run(endpoints.encode_video(video, pooled, latent_dtype, as_torch, **options))
 
-    async def rollout(self, frames: Any, actions: Any, states: Any, **options: Any) -> np.ndarray:
+    async def rollout(self, frames: Any, actions: Any, states: Any, latent_dtype: str = "float32",
+                      as_torch: bool = False, **options: Any) -> Any:
         """See `MStarClient.rollout`."""
-        return await self._run(endpoints.rollout(frames, actions, states, **options))
+        return await self._run(endpoints.rollout(frames, actions, states, latent_dtype, as_torch, **options))
 
     async def plan(
         self, frames: Any, goal: Any, states: Any, actions: Any = (), return_sequence: bool = False, **options: Any,

@@ -71,14 +71,16 @@ def _chat_chunk(line: str) -> Any:
 
 
 def generate(text: str | None = None, files: Any = (), outputs: Any = ("text",), stream: bool = False,
-             seed: int | None = None, request_id: str | None = None, multipart: bool = False,
-             **options: Any) -> Call | StreamCall:
-    """Native /generate: JSON with base64 media, or with `multipart` the files as file parts."""
+             seed: int | None = None, request_id: str | None = None, multipart: bool = False, *,
+             encoding: str = "binary", tensor_dtype: str | None = None, **options: Any) -> Call | StreamCall:
+    """Native /generate: JSON with base64 media, or with `multipart` the files as file parts; array outputs
+    come as `encoding` asks (raw bytes by default), float tensors in `tensor_dtype`."""
+    arrays = wire.array_fields(encoding, tensor_dtype)
     if multipart:
-        data, parts = wire.generate_form(text, files, outputs, stream, options, seed, request_id)
+        data, parts = wire.generate_form(text, files, outputs, stream, options, seed, request_id, arrays)
         send: dict[str, Any] = {"data": data, "files": parts}
     else:
-        send = {"json": wire.generate_body(text, files, outputs, stream, options, seed, request_id)}
+        send = {"json": wire.generate_body(text, files, outputs, stream, options, seed, request_id, arrays)}
     if stream:
         return StreamCall("/generate", send, wire.ndjson_chunk)
     return Call("POST", "/generate", send, _generate_result)
@@ -180,15 +182,18 @@ class VideoWait:
 # -- V-JEPA 2: /generate calls whose result is one output's array ----------------------------------
 
 
-def encode_video(video: Any, pooled: bool, **options: Any) -> Call:
+def encode_video(video: Any, pooled: bool, latent_dtype: str = "float32", as_torch: bool = False,
+                 **options: Any) -> Call:
     name = "pooled" if pooled else "latents"
-    return _array(generate(files=wire.frame_parts(video), outputs=[name], **options), name)
+    call = generate(files=wire.frame_parts(video), outputs=[name], tensor_dtype=latent_dtype, **options)
+    return _array(call, name, as_torch)
 
 
-def rollout(frames: Any, actions: Any, states: Any, **options: Any) -> Call:
+def rollout(frames: Any, actions: Any, states: Any, latent_dtype: str = "float32", as_torch: bool = False,
+            **options: Any) -> Call:
     call = generate(files=wire.frame_parts(frames), outputs=["predicted"], task="rollout",
-                    actions=wire.numbers(actions), states=wire.numbers(states), **options)
-    return _array(call, "predicted")
+                    actions=wire.numbers(actions), states=wire.numbers(states), tensor_dtype=latent_dtype, **options)
+    return _array(call, "predicted", as_torch)
 
 
 def plan(frames: Any, goal: Any, states: Any, actions: Any, return_sequence: bool, **options: Any) -> Call:
@@ -216,8 +221,8 @@ def _actions_and_video(result: Any) -> tuple[np.ndarray, bytes]:
     return wire.array_output(result, "actions"), videos[-1].mp4_bytes()
 
 
-def _array(call: Call | StreamCall, name: str) -> Call:
-    """`call`, a /generate call, reading the array of its output `name`."""
+def _array(call: Call | StreamCall, name: str, as_torch: bool = False) -> Call:
+    """`call`, a /generate call, reading the array of its output `name` (numpy, or torch with `as_torch`)."""
     if not isinstance(call, Call):
         raise ValueError(f"output {name!r} is an array read from the whole answer; drop stream=True")
-    return replace(call, read=lambda resp: wire.array_output(_generate_result(resp), name))
+    return replace(call, read=lambda resp: wire.array_output(_generate_result(resp), name, as_torch))

@@ -97,12 +97,18 @@ class MStarClient(ClientBase[httpx.Client]):
         seed: int | None = None,
         request_id: str | None = None,
         multipart: bool = False,
+        *,
+        encoding: str = "binary",
+        tensor_dtype: str | None = None,
         **options: Any,
     ) -> GenerateResult | Iterator[OutputChunk | FinalChunk]:
         """Native /generate. `files` are local paths, bytes, (name, bytes) or media dicts; `options`
         are per-request model options. Streaming yields typed chunks, ending with a `FinalChunk`.
-        With `multipart`, files travel as multipart file parts instead of base64 inside JSON."""
-        return self._run(endpoints.generate(text, files, outputs, stream, seed, request_id, multipart, **options))
+        With `multipart`, files travel as multipart file parts instead of base64 inside JSON. Array outputs
+        (actions, latents) come as raw bytes (`encoding="binary"`) or JSON numbers (`"json"`), float tensors
+        in `tensor_dtype` ("float32" or "bfloat16"); a chunk's `to_numpy()` / `to_torch()` reads either."""
+        return self._run(endpoints.generate(text, files, outputs, stream, seed, request_id, multipart,
+                                            encoding=encoding, tensor_dtype=tensor_dtype, **options))
 
     def generate_image(
         self, prompt: str, size: str | None = None, n: int = 1, seed: int | None = None,
@@ -152,15 +158,19 @@ class MStarClient(ClientBase[httpx.Client]):
 
     # -- V-JEPA 2 ---------------------------------------------------------------------------------
 
-    def encode_video(self, video: Any, pooled: bool = False, **options: Any) -> np.ndarray:
+    def encode_video(self, video: Any, pooled: bool = False, latent_dtype: str = "float32", as_torch: bool = False,
+                     **options: Any) -> Any:
         """V-JEPA 2 latents of `video` (a file, data URL, image frames or uint8 arrays): [tokens, width], or
-        their mean [width] with `pooled`."""
-        return self._run(endpoints.encode_video(video, pooled, **options))
+        their mean [width] with `pooled`. `latent_dtype="bfloat16"` halves the bytes sent (values rounded to
+        bfloat16); the result is numpy float32, or with `as_torch` a torch tensor of `latent_dtype`."""
+        return self._run(endpoints.encode_video(video, pooled, latent_dtype, as_torch, **options))
 
-    def rollout(self, frames: Any, actions: Any, states: Any, **options: Any) -> np.ndarray:
+    def rollout(self, frames: Any, actions: Any, states: Any, latent_dtype: str = "float32", as_torch: bool = False,
+                **options: Any) -> Any:
         """V-JEPA 2-AC: latents [H, patches, width] predicted from context `frames` (one row each of
-        `states` [C, 7]) under `actions` [C + H - 1, 7] (one per context frame, then one per further step)."""
-        return self._run(endpoints.rollout(frames, actions, states, **options))
+        `states` [C, 7]) under `actions` [C + H - 1, 7] (one per context frame, then one per further step);
+        `latent_dtype` and `as_torch` as for `encode_video`."""
+        return self._run(endpoints.rollout(frames, actions, states, latent_dtype, as_torch, **options))
 
     def plan(
         self, frames: Any, goal: Any, states: Any, actions: Any = (), return_sequence: bool = False, **options: Any,

@@ -138,9 +138,10 @@ def sse_event(line: str) -> Any:
     return event
 
 
-def generate_body(text, files, outputs, stream, options, seed, request_id) -> dict[str, Any]:
-    """The /generate JSON body (see `mstar.server.protocol.GenerateRequest`)."""
-    body: dict[str, Any] = {"outputs": list(outputs), "stream": stream, "options": dict(options)}
+def generate_body(text, files, outputs, stream, options, seed, request_id, arrays=None) -> dict[str, Any]:
+    """The /generate JSON body (see `mstar.server.protocol.GenerateRequest`); `arrays` are its `encoding` and
+    `tensor_dtype` fields."""
+    body: dict[str, Any] = {"outputs": list(outputs), "stream": stream, "options": dict(options), **(arrays or {})}
     if text is not None:
         body["text"] = text
     if files:
@@ -200,10 +201,10 @@ def media_file(item: Any, default_name: str = "file") -> tuple[str, bytes, str]:
     raise TypeError(f"uploads must be paths, bytes or (name, bytes), got {type(item).__name__}")
 
 
-def generate_form(text, files, outputs, stream, options, seed, request_id) -> tuple[dict[str, Any], list]:
+def generate_form(text, files, outputs, stream, options, seed, request_id, arrays=None) -> tuple[dict[str, Any], list]:
     """The multipart /generate body: (text fields, file parts) for httpx's `data=` and `files=`."""
     data: dict[str, Any] = {"outputs": json.dumps(list(outputs)), "stream": json.dumps(stream),
-                            "options": json.dumps(dict(options))}
+                            "options": json.dumps(dict(options)), **(arrays or {})}
     if text is not None:
         data["text"] = text
     if seed is not None:
@@ -283,9 +284,16 @@ def numbers(rows: Any) -> list:
     return np.asarray(rows, dtype=np.float64).tolist()
 
 
-def array_output(result: Any, name: str) -> np.ndarray:
-    """The array of `result`'s (a GenerateResult) output `name` (a tensor or action chunk)."""
+def array_fields(encoding: str, tensor_dtype: str | None) -> dict[str, str]:
+    """The /generate fields asking for array outputs in `encoding` ("json" or "binary"), float tensors in
+    `tensor_dtype` ("float32", "bfloat16", or None for the outputs' own); the server checks them."""
+    return {"encoding": encoding, **({"tensor_dtype": tensor_dtype} if tensor_dtype else {})}
+
+
+def array_output(result: Any, name: str, as_torch: bool = False) -> Any:
+    """The array of `result`'s (a GenerateResult) output `name` (a tensor or action chunk): numpy (bfloat16
+    as float32), or with `as_torch` a torch tensor of the wire dtype (bfloat16 stays bfloat16)."""
     chunks = result.outputs.get(name)
     if not chunks:
         raise MStarError(502, f"the server sent no {name!r} output (got {sorted(result.outputs)})")
-    return chunks[-1].to_numpy()
+    return chunks[-1].to_torch() if as_torch else chunks[-1].to_numpy()

@@ -166,7 +166,9 @@ class Processor:
         pay (imports, template compiles, a tokenizer's first call). Never touches the model."""
 
     def decode_output(self, name: str, tensor: torch.Tensor, options: Mapping[str, Any]) -> Any:
-        return tensor.detach().cpu().numpy()
+        # numpy has no bfloat16; float32 holds its values exactly (the wire can send them as bfloat16 again)
+        tensor = tensor.detach()
+        return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).cpu().numpy()
 
     def output_decoder(self, options: Mapping[str, Any], inputs: Mapping[str, torch.Tensor]) -> OutputDecoder:
         """A fresh decoder for one request (stateful: detokenizers, stop strings, usage counts)."""

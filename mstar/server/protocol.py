@@ -9,7 +9,16 @@ Binary payloads are base64 (standard alphabet, padded):
 - `audio`: raw little-endian PCM, channels interleaved; `encoding` says `f32le` (float32 in [-1, 1],
   what the server sends) or `s16le`.
 - `video`: an MP4 file (H.264; AAC when it carries sound).
-- `tensor`: the raw little-endian bytes of a C-contiguous array of `dtype` and `shape`.
+
+Array outputs (`action` chunks for robot actions, `tensor` chunks for latents and other arrays) carry
+`dtype`, `shape` and their row-major values in the form the request's `encoding` asks:
+- `"json"` (the default): `values`, a flat list of JSON numbers, exact for the dtype (float32 written as
+  the float64 it widens to); NaN and infinities as the strings "NaN", "Infinity", "-Infinity".
+- `"binary"`: `data`, the base64 of the raw little-endian bytes of the C-contiguous array (4/3 the raw
+  size, against about 20 characters a value for JSON numbers; decoding is a copy, not a parse).
+A request's `tensor_dtype` (`"float32"` or `"bfloat16"`) sends float `tensor` chunks in that dtype (action
+chunks stay float32): bfloat16 values are rounded to nearest even, and their bytes are the top two bytes of
+each float32 (`mstar.server.array_codec`).
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from mstar.server.array_codec import base64_length, from_raw, itemsize, raw_bytes, to_bfloat16, torch_from_raw
 
 MAX_TOKENS_LIMIT = 1 << 20  # upper bound for any token-count field
 MAX_SEED = 2**63 - 1
@@ -129,6 +140,8 @@ class GenerateRequest(BaseModel):
     request_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:\-]{1,128}$")
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = True
+    encoding: Literal["json", "binary"] = "json"  # how action and tensor chunks carry values (module doc)
+    tensor_dtype: Literal["float32", "bfloat16"] | None = None  # float tensor chunks' dtype; None: the output's
 
     @model_validator(mode="after")
     def _check(self) -> GenerateRequest:
@@ -232,46 +245,63 @@ class VideoChunk(_Chunk):
         return base64.b64decode(self.data)
 
 
-class ActionChunk(_Chunk):
-    """Robot actions: row-major `values` of `shape` (e.g. [horizon, action_dim]), JSON numbers that hold the
-    model's `dtype` values exactly (`to_numpy` gives them back in it)."""
+class _ArrayChunk(_Chunk):
+    """An array of `dtype` and `shape`: row-major `values` (encoding "json") or base64 raw little-endian
+    `data` (encoding "binary"), exactly one of them (see the module docstring)."""
 
-    type: Literal["action"] = "action"
-    values: list[float]
-    shape: list[int]
-    dtype: Literal["float32"] = "float32"
+    model_config = ConfigDict(ser_json_inf_nan="strings")
+
+    dtype: str
+    shape: list[Annotated[int, Field(ge=0)]]
+    values: list[float | int] | None = None
+    data: str | None = None
 
     @model_validator(mode="after")
-    def _check_shape(self) -> ActionChunk:
-        if int(np.prod(self.shape)) != len(self.values):
+    def _check_size(self) -> _ArrayChunk:
+        count = int(np.prod(self.shape))
+        if (self.values is None) == (self.data is None):
+            raise ValueError("an array chunk carries exactly one of `values` and `data`")
+        if self.values is not None and len(self.values) != count:
             raise ValueError(f"shape {self.shape} does not hold {len(self.values)} values")
+        if self.data is not None and len(self.data) != base64_length(count * itemsize(self.dtype)):
+            raise ValueError(f"data is not the base64 of {count} {self.dtype} values of shape {self.shape}")
         return self
 
+    @classmethod
+    def from_array(cls, output: str, seq: int, array: np.ndarray, binary: bool, dtype: str | None = None):
+        """The chunk of `array` in `dtype` (default: its own), as bytes when `binary`, else as numbers."""
+        arr = np.asarray(array)
+        dtype = dtype or str(arr.dtype)
+        fields = {"output": output, "seq": seq, "dtype": dtype, "shape": list(arr.shape)}
+        if binary:
+            return cls(**fields, data=base64.b64encode(raw_bytes(arr, dtype)).decode())
+        values = to_bfloat16(arr) if dtype == "bfloat16" else arr.astype(dtype, copy=False)
+        return cls(**fields, values=values.reshape(-1).tolist())
+
     def to_numpy(self) -> np.ndarray:
-        return np.asarray(self.values, dtype=np.float32).reshape(self.shape)
+        """The array (bfloat16 comes back as float32 holding the same values: numpy has no bfloat16)."""
+        if self.data is not None:
+            return from_raw(base64.b64decode(self.data), self.dtype, self.shape)
+        return np.asarray(self.values, np.float32 if self.dtype == "bfloat16" else self.dtype).reshape(self.shape)
+
+    def to_torch(self):
+        """The array as a `torch.Tensor` of `dtype` itself (bfloat16 stays bfloat16; needs torch)."""
+        raw = base64.b64decode(self.data) if self.data is not None else raw_bytes(self.to_numpy(), self.dtype)
+        return torch_from_raw(raw, self.dtype, self.shape)
 
 
-class TensorChunk(_Chunk):
-    """Any other array output."""
+class ActionChunk(_ArrayChunk):
+    """Robot actions of `shape` (e.g. [horizon, action_dim]), float32."""
+
+    type: Literal["action"] = "action"
+    dtype: Literal["float32"] = "float32"
+
+
+class TensorChunk(_ArrayChunk):
+    """Any other array output (latents, pooled features, logits, progress)."""
 
     type: Literal["tensor"] = "tensor"
     dtype: Literal[TENSOR_DTYPES]  # type: ignore[valid-type]
-    shape: list[int]
-    data: str
-
-    @classmethod
-    def from_array(cls, output: str, seq: int, array: np.ndarray) -> TensorChunk:
-        arr = np.ascontiguousarray(array)
-        raw = arr.astype(arr.dtype.newbyteorder("<")).tobytes()
-        return cls(output=output, seq=seq, dtype=str(arr.dtype), shape=list(arr.shape), data=base64.b64encode(raw).decode())
-
-    def to_numpy(self) -> np.ndarray:
-        """The array (bfloat16 comes back as float32: numpy has no bfloat16)."""
-        raw = base64.b64decode(self.data)
-        if self.dtype == "bfloat16":
-            bits = np.frombuffer(raw, "<u2").astype(np.uint32) << 16
-            return bits.view(np.float32).reshape(self.shape)
-        return np.frombuffer(raw, np.dtype(self.dtype).newbyteorder("<")).reshape(self.shape)
 
 
 class TopLogprob(BaseModel):
@@ -337,6 +367,7 @@ def chunk_line(chunk: BaseModel) -> bytes:
 class GenerateResponse(BaseModel):
     """A non-streaming /generate answer: every output's chunks in order, then how it ended."""
 
+    model_config = ConfigDict(ser_json_inf_nan="strings")  # the array chunks' non-finite numbers, nested
     request_id: str | None = None
     outputs: dict[str, list[Annotated[OutputChunk, Field(discriminator="type")]]]
     finish_reason: str

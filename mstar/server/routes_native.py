@@ -2,14 +2,15 @@
 /ready, /metrics.
 
 Multipart /generate: text fields `text`, `outputs` (repeated, comma-separated or a JSON list),
-`options` (a JSON object), `request_id`, `seed`, `stream`; media as file parts named `files` (or
-`file`, `media`), typed by their Content-Type (image/*, audio/*, video/*; else 415).
+`options` (a JSON object), `request_id`, `seed`, `stream`, `encoding`, `tensor_dtype`; media as file parts
+named `files` (or `file`, `media`), typed by their Content-Type (image/*, audio/*, video/*; else 415).
 """
 
 from __future__ import annotations
 
 import base64
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -130,7 +131,9 @@ _GENERATE_SCHEMA = {"requestBody": {"required": True, "content": {
     "multipart/form-data": {"schema": {"type": "object", "properties": {
         "text": {"type": "string"}, "files": {"type": "array", "items": {"type": "string", "format": "binary"}},
         "outputs": {"type": "string"}, "options": {"type": "string"}, "request_id": {"type": "string"},
-        "seed": {"type": "integer"}, "stream": {"type": "boolean"}}}}}}}
+        "seed": {"type": "integer"}, "stream": {"type": "boolean"},
+        "encoding": {"type": "string", "enum": ["json", "binary"]},
+        "tensor_dtype": {"type": "string", "enum": ["float32", "bfloat16"]}}}}}}}
 
 
 async def read_generate(request: Request, state) -> tuple[GenerateRequest, list[tuple[str, bytes]]]:
@@ -170,9 +173,22 @@ def _json(text: str, field: str) -> Any:
         raise RequestError(400, f"form field {field!r} is not valid JSON: {exc}", field) from None
 
 
-def to_chunk(item: Item, sample_rate: int, fps: float = VIDEO_FPS, decoder: OutputDecoder | None = None):
+@dataclass(frozen=True)
+class ArrayForm:
+    """How a request wants its array outputs written (GenerateRequest's `encoding` and `tensor_dtype`)."""
+
+    binary: bool = False  # raw bytes in `data`, else JSON numbers in `values`
+    tensor_dtype: str | None = None  # float tensor chunks in this dtype; None keeps the output's own
+
+    @classmethod
+    def of(cls, body: GenerateRequest) -> ArrayForm:
+        return cls(binary=body.encoding == "binary", tensor_dtype=body.tensor_dtype)
+
+
+def to_chunk(item: Item, sample_rate: int, fps: float = VIDEO_FPS, decoder: OutputDecoder | None = None,
+             arrays: ArrayForm = ArrayForm()):
     """The typed NDJSON chunk of one decoded output value; videos are encoded at `fps`, a token's logprobs
-    named by `decoder`'s tokenizer."""
+    named by `decoder`'s tokenizer, arrays written as `arrays` says."""
     value = item.value
     if isinstance(value, str):
         return TextChunk(output=item.name, seq=item.seq, delta=value)
@@ -182,16 +198,16 @@ def to_chunk(item: Item, sample_rate: int, fps: float = VIDEO_FPS, decoder: Outp
     arr = np.asarray(value)
     if item.name == "audio" or item.name.endswith("audio"):
         return AudioChunk.from_array(item.name, item.seq, arr.astype(np.float32), sample_rate)
-    if item.name == "actions" and arr.dtype.kind == "f":  # robot actions as numbers (a V-JEPA 2-AC plan)
-        return ActionChunk(output=item.name, seq=item.seq, values=arr.astype(np.float64).reshape(-1).tolist(),
-                           shape=list(arr.shape))
+    if item.name == "actions" and arr.dtype.kind == "f":  # robot actions (a policy's chunk, a V-JEPA 2-AC plan)
+        return ActionChunk.from_array(item.name, item.seq, arr, arrays.binary, "float32")
     if arr.dtype == np.uint8 and arr.ndim == 3 and arr.shape[-1] in (3, 4):
         data = base64.b64encode(encode_image(arr, "png")).decode()
         return ImageChunk(output=item.name, seq=item.seq, data=data, width=arr.shape[1], height=arr.shape[0])
     if arr.dtype == np.uint8 and arr.ndim == 4 and arr.shape[-1] == 3:
         data = base64.b64encode(encode_video(_even(arr), fps)).decode()
         return VideoChunk(output=item.name, seq=item.seq, data=data, fps=fps, frames=arr.shape[0])
-    return TensorChunk.from_array(item.name, item.seq, arr)
+    dtype = arrays.tensor_dtype if arr.dtype.kind == "f" else None
+    return TensorChunk.from_array(item.name, item.seq, arr, arrays.binary, dtype)
 
 
 def _even(frames: np.ndarray) -> np.ndarray:
@@ -205,22 +221,24 @@ def _even(frames: np.ndarray) -> np.ndarray:
           "description": "one JSON answer; with `stream: true` an NDJSON stream of typed chunks"},
     409: {**_ERROR, "description": "`request_id` is already in flight"}})
 async def generate(request: Request) -> Response:
-    """Run the model on text and media; stream typed NDJSON chunks, or answer once with `stream: false`."""
+    """Run the model on text and media; stream typed NDJSON chunks, or answer once with `stream: false`.
+    Array outputs (actions, latents) come as JSON numbers or, with `encoding: "binary"`, raw little-endian
+    bytes; `tensor_dtype: "bfloat16"` halves the bytes of float tensors (docs/generate.md)."""
     state = get_state(request)
     body, uploads = await read_generate(request, state)
     req, options = await run_in_threadpool(build_request, state, body, uploads)
     stream = await start_request(state, req, options, rid=body.request_id)
     wanted = set(body.outputs)
     rate = state.runtime.processor.sample_rate
-    fps = _fps(stream.decoder.options)
+    fps, arrays = _fps(stream.decoder.options), ArrayForm.of(body)
     if not body.stream:
         outputs = await unless_disconnected(request, stream.collect(), [stream])
-        chunks = {name: [await run_in_threadpool(to_chunk, i, rate, fps, stream.decoder) for i in items]
+        chunks = {name: [await run_in_threadpool(to_chunk, i, rate, fps, stream.decoder, arrays) for i in items]
                   for name, items in outputs.items() if name in wanted}
         resp = GenerateResponse(request_id=stream.rid, outputs=chunks, finish_reason=stream.finish_reason or "stop",
                                 usage=stream.usage)
         return Response(resp.model_dump_json(exclude_none=True), media_type="application/json")
-    return ClosingStreamingResponse(guarded(lambda: _ndjson(stream, wanted, rate, fps), _error_line), [stream],
+    return ClosingStreamingResponse(guarded(lambda: _ndjson(stream, wanted, rate, fps, arrays), _error_line), [stream],
                                     media_type="application/x-ndjson")
 
 
@@ -230,10 +248,10 @@ def _fps(options) -> float:
     return float(fps) if isinstance(fps, (int, float)) and not isinstance(fps, bool) and fps > 0 else VIDEO_FPS
 
 
-async def _ndjson(stream: RequestStream, wanted: set[str], rate: int, fps: float):
+async def _ndjson(stream: RequestStream, wanted: set[str], rate: int, fps: float, arrays: ArrayForm):
     async for item in stream:
         if item.name in wanted:
-            yield chunk_line(await run_in_threadpool(to_chunk, item, rate, fps, stream.decoder))
+            yield chunk_line(await run_in_threadpool(to_chunk, item, rate, fps, stream.decoder, arrays))
     yield chunk_line(FinalChunk(request_id=stream.rid, finish_reason=stream.finish_reason or "stop",
                                 usage=stream.usage))
 

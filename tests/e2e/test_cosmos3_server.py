@@ -1,7 +1,8 @@
 """`mstar serve cosmos3 --tiny` and `mstar serve cosmos3_droid --tiny` over HTTP: /v1/images/generations
 (real openai client and the SDK) returns a PNG, /v1/videos jobs a playable MP4 with stereo sound, chat
 answers through the reasoner, and the policy's /generate
-an action chunk (typed NDJSON chunk, SDK predict_actions), the same for the same seed."""
+an action chunk (typed NDJSON chunk as JSON numbers or raw float32, SDK predict_actions), the same for the same
+seed."""
 
 from __future__ import annotations
 
@@ -80,18 +81,24 @@ def test_synchronous_video_route_answers_the_mp4(base):
 
 
 def test_policy_answers_typed_action_chunks(droid):
-    """NDJSON: one `action` chunk of shape [chunk_size, 10] (DROID), values as JSON numbers."""
+    """NDJSON: one `action` chunk of shape [chunk_size, 10] (DROID), values as JSON numbers; the SDK's
+    predict_actions, which asks for raw float32 bytes, gives the same values exactly."""
     client = MStarClient(droid)
     chunks = list(client.generate("pick up the red cube", files=wire.frame_parts(FRAMES), outputs=["actions"], stream=True, seed=5,
-                                  modalities=["actions"], chunk_size=8, num_inference_steps=2))
+                                  modalities=["actions"], chunk_size=8, num_inference_steps=2, encoding="json"))
     actions = [c for c in chunks if c.type == "action"]
     assert chunks[-1].type == "final" and len(actions) == 1
-    assert actions[0].shape == [8, 10] and actions[0].dtype == "float32"
+    assert actions[0].shape == [8, 10] and actions[0].dtype == "float32" and actions[0].data is None
     assert all(isinstance(v, float) for v in actions[0].values)
     chunk = actions[0].to_numpy()
     assert np.isfinite(chunk).all() and chunk.std() > 0.01
     again = client.predict_actions(FRAMES, "pick up the red cube", seed=5, chunk_size=8, num_inference_steps=2)
+    assert again.dtype == np.float32
     np.testing.assert_array_equal(again, chunk)
+    raw = client.generate("pick up the red cube", files=wire.frame_parts(FRAMES), outputs=["actions"], seed=5,
+                          modalities=["actions"], chunk_size=8, num_inference_steps=2).outputs["actions"][0]
+    assert raw.values is None and len(base64.b64decode(raw.data)) == 8 * 10 * 4
+    np.testing.assert_array_equal(np.frombuffer(base64.b64decode(raw.data), "<f4").reshape(8, 10), chunk)
     other = client.predict_actions(FRAMES, "open the drawer", seed=5, chunk_size=8, num_inference_steps=2)
     assert np.abs(other - chunk).max() > 1e-3  # the task conditions the actions
 

@@ -1,7 +1,7 @@
 """`mstar serve pi05 --tiny` to robots (#39): the real `openpi_client.WebsocketClientPolicy` connects unchanged,
 reads the metadata, builds observations from its example and receives action chunks of the right shape;
-the same observation over /generate (as numbers) and through the SDK's predict_actions gives the same
-chunk; bad observations get a clear error
+the same observation over /generate (as JSON numbers or raw float32 bytes, bit-equal) and through the SDK's
+predict_actions gives the same chunk; bad observations get a clear error
 (a text message over the websocket, a 400 over HTTP); the websocket checks the API key."""
 
 from __future__ import annotations
@@ -69,8 +69,13 @@ def test_generate_answers_the_same_chunk(base) -> None:
             "options": {"state": observation["state"].tolist()}}
     answer = httpx.post(f"{base}/generate", json=body, timeout=60).json()
     chunk = answer["outputs"]["actions"][0]
-    assert chunk["type"] == "action" and chunk["shape"] == [10, 7]
-    np.testing.assert_allclose(np.asarray(chunk["values"]).reshape(10, 7), over_ws, atol=1e-6, rtol=0)
+    assert chunk["type"] == "action" and chunk["shape"] == [10, 7] and chunk["dtype"] == "float32"
+    numbers = np.asarray(chunk["values"], np.float32).reshape(10, 7)
+    np.testing.assert_allclose(numbers, over_ws, atol=1e-6, rtol=0)
+    raw = httpx.post(f"{base}/generate", json={**body, "encoding": "binary"}, timeout=60).json()
+    chunk = raw["outputs"]["actions"][0]
+    assert "values" not in chunk and chunk["shape"] == [10, 7]
+    np.testing.assert_array_equal(np.frombuffer(base64.b64decode(chunk["data"]), "<f4").reshape(10, 7), numbers)
 
 
 @pytest.mark.parametrize(("change", "fault"), [

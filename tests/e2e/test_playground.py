@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
+from mstar.server.protocol import TensorChunk
 from tests.e2e.server_thread import running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -164,6 +165,10 @@ def test_vjepa2_latents_plot(browser, tmp_path) -> None:
         assert size[0] > 0 and size[1] > 0
         page.screenshot(path=tmp_path / "latents.png")
         assert errors == []
+        values = np.array([1.0, -2.5, 3.1415927, -1e-20, 6e4], np.float32)  # the page reads raw bfloat16 as Python does
+        chunk = TensorChunk.from_array("latents", 0, values, True, "bfloat16").model_dump()
+        read = page.evaluate("c => import('/playground/media.js').then((m) => m.tensorValues(c))", chunk)
+        np.testing.assert_array_equal(np.asarray(read, np.float32), TensorChunk.model_validate(chunk).to_numpy())
 
 
 def test_api_key_field_reaches_a_guarded_server(browser, tmp_path) -> None:

@@ -1,6 +1,7 @@
 """`mstar serve vjepa2_ac --tiny` (and `vjepa2 --tiny`) over HTTP: the SDK's encode_video, rollout and plan,
-raw /generate answers (latents as a float32 tensor chunk with its shape, actions as numbers), and bad
-inputs answered with a 400 that names the problem."""
+raw /generate answers (latents as a tensor chunk with its shape, actions as an action chunk; JSON numbers or
+raw bytes, float32 or bfloat16 latents, the same values either way), and bad inputs answered with a 400 that
+names the problem."""
 
 from __future__ import annotations
 
@@ -86,7 +87,7 @@ def test_generate_answers_typed_chunks(base):
     action = outputs["actions"][0]
     assert action["type"] == "action" and action["shape"] == [1, 7] and len(action["values"]) == 7
     assert [c["type"] for c in outputs["energy"]] == ["tensor", "tensor"]
-    body = {"media": body["media"][:1], "outputs": ["predicted"], "stream": True,
+    body = {"media": body["media"][:1], "outputs": ["predicted"], "stream": True, "encoding": "binary",
             "options": {"states": STATE, "actions": [[0.0] * 7] * 2}}
     with httpx.stream("POST", f"{base}/generate", json=body, timeout=60) as stream:
         lines = [line for line in stream.iter_lines() if line]
@@ -96,6 +97,50 @@ def test_generate_answers_typed_chunks(base):
     assert [c["type"] for c in chunks] == ["tensor", "final"]
     assert chunks[0]["dtype"] == "float32" and chunks[0]["shape"] == [2, 16, 64]
     assert len(base64.b64decode(chunks[0]["data"])) == 2 * 16 * 64 * 4
+
+
+def _latents(base: str, **fields) -> dict:
+    body = {"media": [{"type": "image", "data": _png(_frames(1, 8)[0])}], "outputs": ["latents"], "stream": False,
+            **fields}
+    resp = httpx.post(f"{base}/generate", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["outputs"]["latents"][0]
+
+
+def test_latents_are_the_same_as_numbers_bytes_and_bfloat16(base):
+    import torch
+
+    from mstar.server.protocol import TensorChunk
+
+    numbers, raw, half = _latents(base), _latents(base, encoding="binary"), \
+        _latents(base, encoding="binary", tensor_dtype="bfloat16")
+    assert "values" in numbers and "data" not in numbers and "data" in raw and "values" not in raw
+    assert half["dtype"] == "bfloat16" and len(base64.b64decode(half["data"])) * 2 == len(base64.b64decode(raw["data"]))
+    exact = np.asarray(numbers["values"], np.float32).reshape(numbers["shape"])
+    np.testing.assert_array_equal(TensorChunk.model_validate(raw).to_numpy(), exact)
+    rounded = torch.from_numpy(exact).to(torch.bfloat16)
+    np.testing.assert_array_equal(TensorChunk.model_validate(half).to_numpy(), rounded.float().numpy())
+    with MStarClient(base) as client:  # the SDK asks for bytes and gives the same arrays
+        np.testing.assert_array_equal(client.encode_video(_frames(1, 8)), exact)
+        bf16 = client.encode_video(_frames(1, 8), latent_dtype="bfloat16", as_torch=True)
+        predicted = client.rollout(_frames(1, 8), actions=[[0.01] * 7] * 2, states=STATE)
+        as_numbers = client.generate(files=[_png(_frames(1, 8)[0])], outputs=["predicted"], encoding="json",
+                                     states=STATE, actions=[[0.01] * 7] * 2)
+    assert bf16.dtype == torch.bfloat16 and torch.equal(bf16, rounded)
+    np.testing.assert_array_equal(predicted, as_numbers.outputs["predicted"][0].to_numpy())
+
+
+@pytest.mark.parametrize(("fields", "field"), [({"encoding": "msgpack"}, "encoding"),
+                                             ({"encoding": "binary", "tensor_dtype": "int8"}, "tensor_dtype")])
+def test_a_bad_encoding_is_a_400(base, fields, field):
+    image = _png(_frames(1, 9)[0])
+    body = {"media": [{"type": "image", "data": image}], "outputs": ["latents"], **fields}
+    resp = httpx.post(f"{base}/generate", json=body, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == field, resp.text
+    png = base64.b64decode(image.split(",", 1)[1])
+    resp = httpx.post(f"{base}/generate", data={"outputs": "latents", **fields},
+                      files={"files": ("f.png", png, "image/png")}, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == field, resp.text
 
 
 @pytest.mark.parametrize("options,message", [

@@ -45,6 +45,8 @@ def test_generate_request_defaults_and_media():
         ({"text": "x", "seed": -1}, "seed"),
         ({"text": "x", "request_id": "has space"}, "request_id"),
         ({"text": "x", "temperature": 0.5}, "temperature"),  # options belong in `options`
+        ({"text": "x", "encoding": "msgpack"}, "encoding"),
+        ({"text": "x", "tensor_dtype": "float16"}, "tensor_dtype"),
     ],
 )
 def test_generate_request_rejections_name_the_field(data, needle):
@@ -58,7 +60,7 @@ def test_chunks_roundtrip_through_ndjson():
         TextChunk(output="text", seq=0, delta="héllo 🌍"),
         AudioChunk.from_array("audio", 3, samples, 24000),
         ActionChunk(output="actions", seq=0, values=[0.0, 1.0, 2.0, 3.0, 4.0, 5.0], shape=[2, 3]),
-        TensorChunk.from_array("latents", 1, np.arange(12, dtype=np.int16).reshape(3, 4)),
+        TensorChunk.from_array("latents", 1, np.arange(12, dtype=np.int16).reshape(3, 4), binary=True),
         ErrorChunk(status=500, message="worker died"),
         FinalChunk(finish_reason="length", usage=Usage(prompt_tokens=4, completion_tokens=6)),
     ]

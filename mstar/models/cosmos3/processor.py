@@ -153,7 +153,7 @@ class Cosmos3Processor(Processor):
             return self.chat.decode_output(name, tensor, options)
         if name == "progress":
             return float(tensor.reshape(-1)[0])
-        return tensor.detach().float().cpu().numpy() if name == "actions" else tensor.detach().cpu().numpy()
+        return tensor.detach().float().cpu().numpy() if name == "actions" else super().decode_output(name, tensor, options)
 
 
 def _is_chat(options: Mapping[str, Any]) -> bool:

@@ -44,9 +44,16 @@ export function setupVideo(model) {
   });
 }
 
-// The numbers of a /generate tensor chunk (little-endian, as the server writes them).
+// The numbers of a /generate action or tensor chunk: its JSON `values`, or its little-endian `data` bytes
+// (bfloat16 widened to float32 by putting its two bytes on top of two zero bytes).
 export function tensorValues(chunk) {
+  if (chunk.values) return chunk.values.map(Number);
   const bytes = base64Bytes(chunk.data).buffer;
+  if (chunk.dtype === "bfloat16") {
+    const halves = new Uint16Array(bytes), words = new Uint32Array(halves.length);
+    halves.forEach((h, i) => { words[i] = h << 16; });
+    return Array.from(new Float32Array(words.buffer));
+  }
   const types = { float32: Float32Array, float64: Float64Array, int64: BigInt64Array, int32: Int32Array };
   const Type = types[chunk.dtype];
   if (!Type) throw new Error(`cannot show a ${chunk.dtype} tensor`);

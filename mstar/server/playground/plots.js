@@ -24,7 +24,7 @@ export function setupActions(model) {
     const body = { text: document.getElementById("actions-prompt").value,
       media: await mediaOf(document.getElementById("actions-file")), options: state.length ? { state } : {} };
     const chunk = await generate(body, "actions");
-    const values = chunk.type === "action" ? chunk.values : tensorValues(chunk);
+    const values = tensorValues(chunk);
     const [steps, dims] = chunk.shape.length > 1 ? chunk.shape.slice(-2) : [chunk.shape[0], 1];
     document.getElementById("actions-out").replaceChildren(linePlot(values.slice(-steps * dims), steps, dims));
   });
@@ -34,7 +34,8 @@ export function setupLatents(model) {
   onSubmit(document.getElementById("latents-form"), async () => {
     const media = await mediaOf(document.getElementById("latents-file"));
     if (!media.length) throw new Error("choose an image to encode");
-    const chunk = await generate({ media }, "latents");
+    // raw bfloat16 bytes: half the size of float32, and a heat map needs no more precision
+    const chunk = await generate({ media, encoding: "binary", tensor_dtype: "bfloat16" }, "latents");
     const [rows, cols] = chunk.shape.length > 1 ? chunk.shape.slice(-2) : [1, chunk.shape[0]];
     document.getElementById("latents-out").replaceChildren(heatMap(tensorValues(chunk).slice(0, rows * cols), rows, cols));
   });
