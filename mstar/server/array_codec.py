@@ -36,8 +36,10 @@ def to_bfloat16(array: np.ndarray) -> np.ndarray:
 def raw_bytes(array: np.ndarray, dtype: str) -> bytes:
     """C-order little-endian bytes of `array` in `dtype` (bfloat16: rounded, then the top half of each float32)."""
     if dtype == "bfloat16":
-        bits = np.ascontiguousarray(to_bfloat16(array), "<f4").view("<u4")
-        return (bits >> 16).astype("<u2").tobytes()
+        import torch
+
+        halves = torch.from_numpy(np.ascontiguousarray(array, np.float32)).to(torch.bfloat16).view(torch.int16)
+        return halves.numpy().astype("<i2", copy=False).tobytes()
     return np.ascontiguousarray(array, np.dtype(dtype).newbyteorder("<")).tobytes()
 
 
