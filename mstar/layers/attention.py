@@ -139,12 +139,11 @@ class SelfAttention(nn.Module):
             q, k = qk.split([num_q, num_kv], dim=1)
             out = attn.forward(self.layer_idx, q, k, heads[:, num_q + num_kv:])
             return linear(out.reshape(t, self.q_size), self.o_proj)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.spec.num_heads, d)
-        k = k.view(t, self.spec.num_kv_heads, d)
-        v = v.view(t, self.spec.num_kv_heads, d)
+        heads = qkv.reshape(t, -1, d)
+        num_q, num_kv = self.spec.num_heads, self.spec.num_kv_heads
+        qk, v = heads[:, :num_q + num_kv], heads[:, num_q + num_kv:]
         if self.spec.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qk = torch.cat([self.q_norm(qk[:, :num_q]), self.k_norm(qk[:, num_q:])], dim=1)
+        q, k = apply_rotary(qk, cos, sin).split([num_q, num_kv], dim=1)  # q and k heads rotated in one pass
         out = attn.forward(self.layer_idx, q, k, v)
         return linear(out.reshape(t, self.q_size), self.o_proj)

@@ -24,6 +24,7 @@ class _Batch:
         self.decode = self.max_q == 1  # one new token per sequence: packed rows are the batch's rows
         max_pages = -(-max(meta.seq_lens) // page_size)
         self.block_tables = meta.block_tables[:, :max_pages].to(device=device, dtype=torch.long)
+        self.pages = self.block_tables.flatten()  # index_select takes 1-D indices (faster than [block_tables])
         max_k = max_pages * page_size
         # Row/column of each packed new token inside the padded [B, max_q] query grid.
         batch_idx = torch.repeat_interleave(torch.arange(len(meta.query_lens), device=device), qlens)
@@ -75,17 +76,17 @@ class SDPABackend:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_flat = self.k_cache[layer].view(-1, num_kv_heads, head_dim)
         v_flat = self.v_cache[layer].view(-1, num_kv_heads, head_dim)
-        k_flat[b.slot_mapping] = k.to(k_flat.dtype)
-        v_flat[b.slot_mapping] = v.to(v_flat.dtype)
+        k_flat.index_copy_(0, b.slot_mapping, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, b.slot_mapping, v.to(v_flat.dtype))
         # Gather each sequence's pages into a contiguous [B, Lk, Hkv, D] view of its keys/values.
         num_seqs = b.block_tables.shape[0]
-        keys = self.k_cache[layer][b.block_tables].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-        values = self.v_cache[layer][b.block_tables].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+        keys = self.k_cache[layer].index_select(0, b.pages).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+        values = self.v_cache[layer].index_select(0, b.pages).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
         groups = q.shape[1] // num_kv_heads  # GQA: each kv head serves `groups` query heads
         if b.decode:
             # A kv head's `groups` query heads attend as that many query rows under one key mask: no
             # copies of the keys per query head, no padded query grid.
-            out = F.scaled_dot_product_attention(q.view(num_seqs, num_kv_heads, groups, head_dim),
+            out = F.scaled_dot_product_attention(q.reshape(num_seqs, num_kv_heads, groups, head_dim),
                                                  keys.to(q.dtype), values.to(q.dtype), attn_mask=b.mask,
                                                  scale=self.scale)
             return out.view(num_seqs, q.shape[1], head_dim)
