@@ -12,7 +12,9 @@ Binary payloads are base64 (standard alphabet, padded):
 
 Array outputs (`action` chunks for robot actions, `tensor` chunks for latents and other arrays) carry
 `dtype`, `shape` and their row-major values in the form the request's `encoding` asks:
-- `"json"` (the default): `values`, a flat list of JSON numbers, exact for the dtype (float32 written as
+- `"auto"` (the default): actions as `"json"` (a few hundred numbers a chunk), tensors as `"binary"`
+  (latents run to millions of values).
+- `"json"`: `values`, a flat list of JSON numbers, exact for the dtype (float32 written as
   the float64 it widens to); NaN and infinities as the strings "NaN", "Infinity", "-Infinity".
 - `"binary"`: `data`, the base64 of the raw little-endian bytes of the C-contiguous array (4/3 the raw
   size, against about 20 characters a value for JSON numbers; decoding is a copy, not a parse).
@@ -140,7 +142,7 @@ class GenerateRequest(BaseModel):
     request_id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:\-]{1,128}$")
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = True
-    encoding: Literal["json", "binary"] = "json"  # how action and tensor chunks carry values (module doc)
+    encoding: Literal["auto", "json", "binary"] = "auto"  # how action and tensor chunks carry values (module doc)
     tensor_dtype: Literal["float32", "bfloat16"] | None = None  # float tensor chunks' dtype; None: the output's
 
     @model_validator(mode="after")

@@ -132,7 +132,7 @@ _GENERATE_SCHEMA = {"requestBody": {"required": True, "content": {
         "text": {"type": "string"}, "files": {"type": "array", "items": {"type": "string", "format": "binary"}},
         "outputs": {"type": "string"}, "options": {"type": "string"}, "request_id": {"type": "string"},
         "seed": {"type": "integer"}, "stream": {"type": "boolean"},
-        "encoding": {"type": "string", "enum": ["json", "binary"]},
+        "encoding": {"type": "string", "enum": ["auto", "json", "binary"]},
         "tensor_dtype": {"type": "string", "enum": ["float32", "bfloat16"]}}}}}}}
 
 
@@ -177,12 +177,12 @@ def _json(text: str, field: str) -> Any:
 class ArrayForm:
     """How a request wants its array outputs written (GenerateRequest's `encoding` and `tensor_dtype`)."""
 
-    binary: bool = False  # raw bytes in `data`, else JSON numbers in `values`
+    binary: bool | None = None  # raw bytes in `data`, JSON numbers in `values`, None: numbers for actions only
     tensor_dtype: str | None = None  # float tensor chunks in this dtype; None keeps the output's own
 
     @classmethod
     def of(cls, body: GenerateRequest) -> ArrayForm:
-        return cls(binary=body.encoding == "binary", tensor_dtype=body.tensor_dtype)
+        return cls(binary={"auto": None, "json": False, "binary": True}[body.encoding], tensor_dtype=body.tensor_dtype)
 
 
 def to_chunk(item: Item, sample_rate: int, fps: float = VIDEO_FPS, decoder: OutputDecoder | None = None,
@@ -199,7 +199,7 @@ def to_chunk(item: Item, sample_rate: int, fps: float = VIDEO_FPS, decoder: Outp
     if item.name == "audio" or item.name.endswith("audio"):
         return AudioChunk.from_array(item.name, item.seq, arr.astype(np.float32), sample_rate)
     if item.name == "actions" and arr.dtype.kind == "f":  # robot actions (a policy's chunk, a V-JEPA 2-AC plan)
-        return ActionChunk.from_array(item.name, item.seq, arr, arrays.binary, "float32")
+        return ActionChunk.from_array(item.name, item.seq, arr, arrays.binary is True, "float32")
     if arr.dtype == np.uint8 and arr.ndim == 3 and arr.shape[-1] in (3, 4):
         data = base64.b64encode(encode_image(arr, "png")).decode()
         return ImageChunk(output=item.name, seq=item.seq, data=data, width=arr.shape[1], height=arr.shape[0])
@@ -207,7 +207,7 @@ def to_chunk(item: Item, sample_rate: int, fps: float = VIDEO_FPS, decoder: Outp
         data = base64.b64encode(encode_video(_even(arr), fps)).decode()
         return VideoChunk(output=item.name, seq=item.seq, data=data, fps=fps, frames=arr.shape[0])
     dtype = arrays.tensor_dtype if arr.dtype.kind == "f" else None
-    return TensorChunk.from_array(item.name, item.seq, arr, arrays.binary, dtype)
+    return TensorChunk.from_array(item.name, item.seq, arr, arrays.binary is not False, dtype)
 
 
 def _even(frames: np.ndarray) -> np.ndarray:
@@ -222,8 +222,8 @@ def _even(frames: np.ndarray) -> np.ndarray:
     409: {**_ERROR, "description": "`request_id` is already in flight"}})
 async def generate(request: Request) -> Response:
     """Run the model on text and media; stream typed NDJSON chunks, or answer once with `stream: false`.
-    Array outputs (actions, latents) come as JSON numbers or, with `encoding: "binary"`, raw little-endian
-    bytes; `tensor_dtype: "bfloat16"` halves the bytes of float tensors (docs/generate.md)."""
+    Array outputs come as JSON numbers (actions, by default) or raw little-endian bytes (tensors, by default;
+    `encoding` sets both); `tensor_dtype: "bfloat16"` halves the bytes of float tensors (docs/generate.md)."""
     state = get_state(request)
     body, uploads = await read_generate(request, state)
     req, options = await run_in_threadpool(build_request, state, body, uploads)
