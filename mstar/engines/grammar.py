@@ -2,19 +2,22 @@
 
 A model that supports structured outputs hands its engine `Grammars` (in `AutoregressiveSpec.grammars`);
 for each sequence whose request sets `structured_outputs`, the engine asks it for a `GrammarMatcher`,
-masks that row's logits with the matcher's allowed tokens before sampling, and feeds the matcher each
-token it samples. The engine knows no grammar library: `mstar.models.common.grammar` implements these
+masks that row's logits with the matcher's allowed tokens before sampling (`constrain`), and feeds the
+matcher each token it samples. A component that samples text itself (BAGEL's LLM, a stateless component)
+does the same with the `Grammars` its model gives it. The engine knows no grammar library: `mstar.models.common.grammar` implements these
 with xgrammar over the model's tokenizer.
 
 A request's `structured_outputs` is a JSON object with exactly one of: "json_schema" (a JSON schema),
 "json_object" (true: any JSON object), "regex" (a pattern), "choice" (a list of strings), "tagged_json"
 ({"begin": text, "schema": a JSON schema, "end": text}: a JSON value between two literal texts, as a chat
-model's tool call is written).
+model's tool call is written; with "separator": text as well, one or more such tagged values separated by it,
+as parallel tool calls are written).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -53,14 +56,28 @@ def canonical_spec(value: Any) -> str:
     ok = {"json_schema": isinstance(body, dict), "json_object": body is True,
           "regex": isinstance(body, str) and bool(body),
           "choice": isinstance(body, list) and bool(body) and all(isinstance(c, str) and c for c in body),
-          "tagged_json": isinstance(body, dict) and set(body) == {"begin", "schema", "end"}
-          and isinstance(body["schema"], dict) and isinstance(body["begin"], str) and isinstance(body["end"], str)}[kind]
+          "tagged_json": isinstance(body, dict) and set(body) - {"separator"} == {"begin", "schema", "end"}
+          and isinstance(body["schema"], dict) and isinstance(body["begin"], str) and isinstance(body["end"], str)
+          and isinstance(body.get("separator", ""), str)}[kind]
     if not ok:
         want = {"json_schema": "a JSON schema object", "json_object": "true", "regex": "a non-empty pattern",
                 "choice": "a non-empty list of non-empty strings",
-                "tagged_json": '{"begin": text, "schema": a JSON schema object, "end": text}'}[kind]
+                "tagged_json": '{"begin": text, "schema": a JSON schema object, "end": text[, "separator": text]}'}[kind]
         raise ValueError(f"invalid sampling option structured_outputs.{kind}={body!r}: use {want}")
     return json.dumps(value)  # keys keep their order: a schema's properties are generated in it
+
+
+def constrain(logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None], offset: int = 0) -> torch.Tensor:
+    """`logits` [N, V] (columns = token ids offset .. offset + V - 1) with row i limited to the tokens
+    `matchers[i]` allows (a row without a matcher as it is); `logits` itself when no row has one. Whoever
+    samples a row then feeds its matcher the token (`GrammarMatcher.accept`)."""
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return logits
+    bitmask = torch.zeros(len(rows), -(-(offset + logits.shape[1]) // 32), dtype=torch.int32)
+    for j, i in enumerate(rows):
+        matchers[i].fill_bitmask(bitmask, j)
+    return mask_logits(logits, rows, bitmask, offset)
 
 
 def mask_logits(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor, offset: int = 0) -> torch.Tensor:

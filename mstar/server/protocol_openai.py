@@ -23,7 +23,6 @@ MAX_CHOICES = 16  # generations one HTTP request may start (prompts x n), so it 
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
              "frequency_penalty", "seed", "ignore_eos", "min_tokens")
 _UNSUPPORTED = ("functions", "function_call", "logit_bias")
-_SCHEMA_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 
 
 def new_id(prefix: str) -> str:
@@ -196,42 +195,30 @@ class FunctionSpec(BaseModel):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # accepted: forced calls always follow the schema strictly
 
-    @field_validator("parameters")
-    @classmethod
-    def _check_parameters(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None:
-            if v.get("type", "object") != "object":
-                raise ValueError(f"function parameters must be an object schema, got type {v.get('type')!r}")
-            _check_schema(v, "parameters")
-        return v
+    @model_validator(mode="after")
+    def _check_parameters(self) -> FunctionSpec:
+        if self.parameters is not None:
+            kind = self.parameters.get("type", "object")
+            if kind != "object":
+                raise ValueError(f"tool {self.name!r}: parameters must be an object schema, got type {kind!r}")
+            problem = schema_problem(self.parameters)
+            if problem is not None:
+                raise ValueError(f"tool {self.name!r}: parameters{problem}")
+        return self
 
 
-def _check_schema(schema: Any, where: str) -> None:
-    """ValueError naming the first part of a JSON schema that is not a schema (types, properties, items,
-    required, enum, the combinators)."""
-    if not isinstance(schema, dict):
-        raise ValueError(f"{where}: a JSON schema must be an object, got {schema!r}")
-    kinds = schema.get("type", "object")
-    if not all(k in _SCHEMA_TYPES for k in (kinds if isinstance(kinds, list) else [kinds])):
-        raise ValueError(f"{where}.type={kinds!r}: use one of {list(_SCHEMA_TYPES)}")
-    props = schema.get("properties", {})
-    if not isinstance(props, dict):
-        raise ValueError(f"{where}.properties must be an object of schemas, got {props!r}")
-    for name, sub in props.items():
-        _check_schema(sub, f"{where}.properties.{name}")
-    required = schema.get("required", [])
-    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-        raise ValueError(f"{where}.required must be a list of property names, got {required!r}")
-    if "enum" in schema and (not isinstance(schema["enum"], list) or not schema["enum"]):
-        raise ValueError(f"{where}.enum must be a non-empty list, got {schema['enum']!r}")
-    if "items" in schema:
-        _check_schema(schema["items"], f"{where}.items")
-    for key in ("anyOf", "oneOf", "allOf"):
-        subs = schema.get(key, [])
-        if not isinstance(subs, list):
-            raise ValueError(f"{where}.{key} must be a list of schemas, got {subs!r}")
-        for i, sub in enumerate(subs):
-            _check_schema(sub, f"{where}.{key}[{i}]")
+def schema_problem(schema: dict[str, Any]) -> str | None:
+    """Where and why `schema` is not a valid JSON schema under its declared draft (2020-12 when it names
+    none), as ".path: reason"; None when it is valid."""
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        best = jsonschema.exceptions.best_match([exc, *exc.context]) if exc.context else exc
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in best.absolute_path)
+        return f"{where}: {best.message}"
+    return None
 
 
 class ToolSpec(BaseModel):
@@ -256,7 +243,9 @@ class ChatCompletionRequest(SamplingParams):
     response_format: dict[str, Any] | None = None
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # accepted: a forced answer is one call, an `auto` one any number
+    # false: a "required" answer is exactly one call; else one or more (an `auto` one any number; a named function
+    # is called once)
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:

@@ -86,11 +86,14 @@ def _options(state: ServerState, params: SamplingParams, index: int) -> dict[str
 
 
 def _structured(state: ServerState, body: ChatCompletionRequest) -> dict[str, Any] | None:
-    """The chat answer's grammar: a forced tool call's, else response_format's, else None."""
+    """The chat answer's grammar: a forced tool call's, else response_format's, else None. As OpenAI documents
+    `tool_choice`, "required" calls one or more functions (exactly one when `parallel_tool_calls` is false)
+    and a named function is called exactly once."""
     forced = body.forced_tool()
     if forced is None:
         return body.structured_outputs()
-    return _tool_format(state).grammar(body.tool_dicts(), forced or None)
+    several = forced == "" and body.parallel_tool_calls is not False
+    return _tool_format(state).grammar(body.tool_dicts(), forced or None, several=several)
 
 
 def _tool_format(state: ServerState) -> ToolCallFormat:

@@ -1,8 +1,8 @@
 """Tool calling on chat from a tiny random Qwen3 (`mstar serve qwen3 --tiny`'s architecture and tokenizer, as a
 checkpoint whose context is 2048 tokens: the Hermes tool preamble alone takes about 400 of the tiny tokenizer's
 tokens, past --tiny's 512) through the unmodified openai client; the grammar alone makes a forced call
-well-formed: tool_choice required and a named function give tool_calls
-whose arguments validate against the tool's schema, streamed and not; none gives text; a history with calls
+well-formed: tool_choice required gives one or more tool_calls (exactly one with parallel_tool_calls false) and
+a named function one, whose arguments validate against the tool's schema, streamed and not; none gives text; a history with calls
 and tool results renders; malformed tools and choices are 400s."""
 
 from __future__ import annotations
@@ -56,12 +56,15 @@ def _check_call(name: str, arguments: str, want: str | None = None) -> None:
 @pytest.mark.parametrize("seed", range(6))
 def test_required_and_named_calls_validate(client, seed):
     named = {"type": "function", "function": {"name": "search"}}
-    for choice, want in (("required", None), (named, "search")):
-        choice_out = _create(client, seed, tool_choice=choice).choices[0]
+    for choice, want, single in (("required", None, False), ("required", None, True), (named, "search", False)):
+        extra = {"parallel_tool_calls": False} if single else {}
+        choice_out = _create(client, seed, tool_choice=choice, max_tokens=400, **extra).choices[0]
         assert choice_out.finish_reason == "tool_calls", choice_out
-        [call] = choice_out.message.tool_calls
-        assert call.type == "function" and call.id
-        _check_call(call.function.name, call.function.arguments, want)
+        calls = choice_out.message.tool_calls
+        assert len(calls) == 1 if single or want else len(calls) >= 1
+        for call in calls:
+            assert call.type == "function" and call.id
+            _check_call(call.function.name, call.function.arguments, want)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -79,9 +82,12 @@ def test_streamed_calls_assemble_into_valid_calls(client, seed):
                     entry["name"] += d.function.name or ""
                     entry["arguments"] += d.function.arguments or ""
                     pieces += bool(d.function.arguments)
-        assert finish == "tool_calls" and list(calls) == [0] and calls[0]["id"]
+        assert finish == "tool_calls" and list(calls) == list(range(len(calls))) and calls
+        assert len(calls) == 1 or want is None
         assert pieces > 2  # the arguments streamed as written
-        _check_call(calls[0]["name"], calls[0]["arguments"], want)
+        for call in calls.values():
+            assert call["id"]
+            _check_call(call["name"], call["arguments"], want)
 
 
 def test_none_answers_text_and_auto_answers_something(client):

@@ -27,6 +27,7 @@ ENGINE_CONTRACTS = (
     "mstar.engines.base",  # KVLayout and the Engine/StepItem seam a network declares itself against
     "mstar.engines.extras",  # ForwardExtras: per-step extras an AR engine hands the network
     "mstar.engines.sampling",  # SamplingParams: processors validate request options with it
+    "mstar.engines.grammar",  # constrained decoding: a component sampling its own text masks its logits (BAGEL)
     "mstar.engines.cuda_graphs",  # to_device_async (pinned host copies without waiting for the GPU)
 )
 

@@ -89,9 +89,15 @@ def test_unset_sampling_fields_mean_model_defaults():
         ({"tool_choice": "required"}, "needs `tools`"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
                                                                                    "required": "a"}}}]},
-         "parameters.required must be a list"),
+         "tool 'f': parameters.required: 'a' is not of type 'array'"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"anyOf": 3}}}]},
-         "parameters.anyOf must be a list"),
+         "tool 'f': parameters.anyOf: 3 is not of type 'array'"),
+        ({"tools": [{"type": "function", "function": {"name": "g", "parameters": {
+            "type": "object", "properties": {"a": {"type": "array", "items": {"type": "strng"}}}}}}]},
+         "tool 'g': parameters.properties.a.items.type: 'strng' is not one of"),
+        ({"tools": [{"type": "function", "function": {"name": "h", "parameters": {
+            "type": "object", "properties": {"n": {"type": "integer", "minimum": "1"}}}}}]},
+         "tool 'h': parameters.properties.n.minimum: '1' is not of type 'number'"),
         ({"response_format": {"type": "json_schema"}}, "json_schema.schema a JSON schema object"),
         ({"response_format": {"type": "yaml"}}, "use text, json_object, or json_schema"),
         ({"modalities": ["smell"]}, "modalities"),

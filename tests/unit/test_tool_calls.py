@@ -87,9 +87,9 @@ FORCED_TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"t
     "name": "g"}}]
 
 
-def _random_forced_calls(tokenizer, fmt, walks: int) -> None:
-    """Any walk the forced grammar allows (uniformly random allowed tokens) parses as one call to a declared
-    tool whose arguments validate."""
+def _random_forced_calls(tokenizer, fmt, walks: int, several: bool = False) -> list[int]:
+    """Any walk the forced grammar allows (uniformly random allowed tokens) parses as one call (with `several`,
+    one or more) to a declared tool whose arguments validate; the number of calls of each walk."""
     jsonschema_rs = pytest.importorskip("jsonschema_rs")
     from mstar.models.common.grammar import XGrammars
 
@@ -97,19 +97,24 @@ def _random_forced_calls(tokenizer, fmt, walks: int) -> None:
     schemas = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"}) for t in FORCED_TOOLS}
     generator = torch.Generator().manual_seed(0)
     shifts = torch.arange(32, dtype=torch.int32)
+    counts = []
     for _ in range(walks):
-        matcher, ids = grammars.matcher(canonical_spec(fmt.grammar(FORCED_TOOLS))), []
+        matcher, ids = grammars.matcher(canonical_spec(fmt.grammar(FORCED_TOOLS, several=several))), []
         bitmask = torch.zeros(1, grammars.words, dtype=torch.int32)
-        while not matcher.is_finished() and len(ids) < 400:
+        while not matcher.is_finished() and len(ids) < 1200:
             matcher.fill_bitmask(bitmask, 0)
             allowed = ((bitmask[0, :, None] >> shifts) & 1).flatten().nonzero().flatten()
             token = int(allowed[torch.randint(len(allowed), (1,), generator=generator)])
             assert matcher.accept(token)
             ids.append(token)
         assert matcher.is_finished(), tokenizer.decode(ids)
-        content, [call] = fmt.parse(tokenizer.decode(ids, skip_special_tokens=True))
-        assert content is None and call.name in schemas
-        jsonschema_rs.validate(schemas[call.name], json.loads(call.arguments))
+        content, calls = fmt.parse(tokenizer.decode(ids, skip_special_tokens=True))
+        assert content is None and (len(calls) >= 1 if several else len(calls) == 1), calls
+        for call in calls:
+            assert call.name in schemas
+            jsonschema_rs.validate(schemas[call.name], json.loads(call.arguments))
+        counts.append(len(calls))
+    return counts
 
 
 @pytest.mark.parametrize("fmt", [HERMES, LLAMA3])
@@ -119,6 +124,20 @@ def test_random_tokens_under_a_forced_grammar_make_a_valid_call(fmt):
     from mstar.models.llama.tiny import tiny_tokenizer_folder
 
     _random_forced_calls(Tokenizer.from_pretrained(tiny_tokenizer_folder()), fmt, walks=8)
+
+
+def test_a_required_parallel_grammar_makes_one_or_more_valid_calls():
+    """tool_choice "required" with parallel_tool_calls: Hermes calls one a line, at least one; a Llama-3 answer
+    stays one call (its JSON format holds one)."""
+    pytest.importorskip("xgrammar")
+    from mstar.models.common.text import Tokenizer
+    from mstar.models.llama.tiny import tiny_tokenizer_folder
+
+    spec = HERMES.grammar(FORCED_TOOLS, several=True)
+    assert spec["tagged_json"]["separator"] == "\n" and json.loads(canonical_spec(spec)) == spec
+    assert LLAMA3.grammar(FORCED_TOOLS, several=True) == LLAMA3.grammar(FORCED_TOOLS)
+    counts = _random_forced_calls(Tokenizer.from_pretrained(tiny_tokenizer_folder()), HERMES, walks=8, several=True)
+    assert max(counts) > 1, counts
 
 
 @pytest.mark.parametrize(("name", "fmt"), [("qwen2", HERMES), ("llama3", LLAMA3)])

@@ -42,7 +42,7 @@ from mstar.engines.autoregressive.step_graph import StepGraphs
 from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs, parse_item
 from mstar.engines.base import CausalLM, LoopSpec, StepItem, StepResult, require
 from mstar.engines.cuda_graphs import to_device_async, to_host_async
-from mstar.engines.grammar import GrammarMatcher, Grammars, mask_logits
+from mstar.engines.grammar import GrammarMatcher, Grammars, constrain
 from mstar.engines.kv_cache.block_pool import BlockPool
 from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
 from mstar.engines.sampling import SampleOutput, SamplingParams, SamplingRow, plain_greedy, sample
@@ -300,7 +300,7 @@ class AutoregressiveEngine:
         rows = [s.sampling_row for s in seqs]
         constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if constrained:  # each next mask needs the token sampled now: no step is launched ahead
-            logits = self._masked(seqs, constrained, logits)
+            logits = constrain(logits, [s.matcher for s in seqs], self.logit_offset)
         continuing = self._continuing(seqs) if self.lookahead and not constrained else None
         out, tokens = (self._step_graph(seqs, rows, logits, continuing)
                        or self._draw(seqs, rows, logits, continuing))
@@ -336,14 +336,6 @@ class AutoregressiveEngine:
         seq.token_ids.append(token)
         if seq.loop_extras is not None:
             self._add_extras(seq, 1, seq.loop_extras)
-
-    def _masked(self, seqs: list[Sequence], constrained: list[int], logits: torch.Tensor) -> torch.Tensor:
-        """`logits` with each constrained row's grammar applied (the other rows as they are)."""
-        words = -(-(self.logit_offset + logits.shape[1]) // 32)
-        bitmask = torch.zeros(len(constrained), words, dtype=torch.int32)
-        for j, i in enumerate(constrained):
-            seqs[i].matcher.fill_bitmask(bitmask, j)
-        return mask_logits(logits, constrained, bitmask, self.logit_offset)
 
     def _continuing(self, seqs: list[Sequence]) -> list[int] | None:
         """Indexes (into `seqs`, the step's sampled sequences) of those whose next forward is launched

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from mstar.engines.base import StatelessBase, StepItem
+from mstar.engines.grammar import GrammarMatcher, Grammars, constrain
 from mstar.engines.sampling import SamplingParams, SamplingRow, sample
 from mstar.models.bagel import flow
 from mstar.models.bagel.config import BagelConfig, TokenIds
@@ -96,10 +97,12 @@ class VAEComponent(StatelessBase, nn.Module):
 
 @dataclass
 class _TextState:
-    """A request's text sampling: its parameters, generator and the tokens generated so far."""
+    """A request's text sampling: its parameters, generator, the tokens generated so far and, for structured
+    outputs, where it is in its grammar."""
 
     row: SamplingRow
     tokens: list[int]
+    matcher: GrammarMatcher | None = None
 
 
 _KINDS = {"prefill": "prefill", "prefill_guided": "prefill", "decode": "text", "close": "text", "denoise": "denoise"}
@@ -110,15 +113,17 @@ class LLMComponent(StatelessBase, nn.Module):
     """The MoT LLM over per-branch contexts. Walks `prefill`/`prefill_guided`: node `full`, `no_text` or
     `no_image` builds that branch's context from (prompt_ids, segments, vit_embeds, vae_latents); a guidance
     context that is a prefix of the full one prefilled in the same batch is a view of it. Walk `decode`:
-    feeds `token` [1] to the full context and samples the next `token` (stop at <|im_end|>). Walk `close`:
+    feeds `token` [1] to the full context and samples the next `token` (stop at <|im_end|>, or once the grammar
+    of option `structured_outputs` is complete: its logits masked through engines/grammar.py). Walk `close`:
     appends a thought's end to the full context. Walk `denoise`: node `full`/`no_text`/`no_image` runs the
     noisy `latents` at flow `timestep` over its branch's context -> `velocity` [N, p*p*C] float32; a branch
     the request does not guide with at this time produces nothing. Items of any request, branch or step
     share one forward per kind (prefill, text, denoise)."""
 
-    def __init__(self, llm: BagelLLM, cfg: BagelConfig, ids: TokenIds) -> None:
+    def __init__(self, llm: BagelLLM, cfg: BagelConfig, ids: TokenIds, grammars: Grammars | None = None) -> None:
         super().__init__()
         self.llm, self.cfg, self.ids = llm, cfg, ids
+        self.grammars = grammars  # structured outputs' matchers; None: such requests fail
         self.queries = QueryBuilder(llm, cfg, ids)
         self._contexts: dict[tuple[str, str], KVContext] = {}
         self._texts: dict[str, _TextState] = {}
@@ -216,11 +221,16 @@ class LLMComponent(StatelessBase, nn.Module):
         """Sample each decoding request's next token from its last hidden state."""
         states = [self._text_state(items[i]) for i, _ in texts]
         logits = self.llm.language_model.logits(torch.stack([h for _, h in texts]))
+        logits = constrain(logits, [s.matcher for s in states])
         drawn = sample(logits, [s.row for s in states]).token_ids.cpu().tolist()
         for (i, _), state, token in zip(texts, states, drawn, strict=True):
             state.tokens.append(token)
             params = state.row.params
             stop = token in params.stop_token_ids or (not params.ignore_eos and token == self.ids.eos)
+            if state.matcher is not None:  # a plain call, not an assert: python -O would skip it
+                if not state.matcher.accept(token):
+                    raise RuntimeError(f"{items[i].request_id} sampled token {token} that its grammar forbids")
+                stop = stop or state.matcher.is_finished()
             out[i] = {"token": torch.tensor([token], dtype=torch.long), "stop": stop}
 
     def _text_state(self, item: StepItem) -> _TextState:
@@ -230,9 +240,17 @@ class LLMComponent(StatelessBase, nn.Module):
             device = self.llm.language_model.embed_tokens.weight.device
             generator = None if params.seed is None else torch.Generator(device=device).manual_seed(params.seed)
             tokens: list[int] = []
-            state = self._texts[item.request_id] = _TextState(
-                SamplingRow(params, tokens, 0, generator, (self.ids.eos,)), tokens)
+            state = _TextState(SamplingRow(params, tokens, 0, generator, (self.ids.eos,)), tokens,
+                               self._matcher(params))
+            self._texts[item.request_id] = state
         return state
+
+    def _matcher(self, params: SamplingParams) -> GrammarMatcher | None:
+        if params.structured_outputs is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("structured_outputs: this model does not constrain its output to a grammar")
+        return self.grammars.matcher(params.structured_outputs)
 
 
 class FlowComponent(StatelessBase, nn.Module):

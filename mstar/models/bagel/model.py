@@ -155,7 +155,7 @@ class BagelModel(Model):
             return BuiltComponent(components.VAEComponent(vae, self.bagel))
         if name == "llm":
             llm = load_part("llm", self.bagel, self.checkpoint, dtype, device, seed, std)
-            module = components.LLMComponent(llm, self.bagel, self.token_ids)
+            module = components.LLMComponent(llm, self.bagel, self.token_ids, self.grammars)
             return BuiltComponent(module, StatelessSpec(max_batch_size=self.config.llm_batch))
         if name == "flow":
             return BuiltComponent(components.FlowComponent(self.bagel, device))
@@ -164,7 +164,7 @@ class BagelModel(Model):
     def processor(self):
         from mstar.models.bagel.processor import BagelProcessor, defaults_for
 
-        return BagelProcessor(self.tokenizer, self.bagel, defaults_for(self.config, self.bagel))
+        return BagelProcessor(self.tokenizer, self.bagel, defaults_for(self.config, self.bagel), grammars=self.grammars)
 
     # -- what the builders and the processor read --------------------------------------------------
 
@@ -210,6 +210,14 @@ class BagelModel(Model):
         if self.folder is not None and self.load_format != "dummy":
             raise ValueError(f"no tokenizer.json in {self.folder}; bagel needs the checkpoint's tokenizer files")
         return Tokenizer.from_pretrained(tiny_tokenizer_folder() if self.config.tiny else cached_tokenizer_folder("qwen2"))
+
+    @cached_property
+    def grammars(self):
+        """Structured outputs' grammars over the tokenizer, shared by the processor (which refuses a spec that
+        cannot compile) and the LLM component, which masks a text answer's logits with them."""
+        from mstar.models.common.grammar import XGrammars
+
+        return XGrammars(self.tokenizer)
 
     @cached_property
     def token_ids(self):

@@ -1,7 +1,9 @@
 """BAGEL requests <-> tensors: text and images in order to a context plan, options resolved; text and images out.
 
 A request is a chat (`messages`: every text part and every image part, in order, any role) or a prompt
-(`text`, after its `media` images, as the upstream inferencer orders them). Option `modalities` says
+(`text`, after its `media` images, as the upstream inferencer orders them). A chat's `tools`, assistant tool
+calls and tool results become text parts written as the tokenizer's ChatML template writes them (Hermes
+`<tool_call>`s); option `structured_outputs` constrains a text answer (models/bagel/components.py). Option `modalities` says
 what comes out: ["text"] (an answer), ["image"] (generation; an edit when the request has images),
 ["text", "image"] (a thought, then the image it plans). Option `think` adds the thinking system
 prompt to a text answer too.
@@ -17,6 +19,7 @@ the model's 32,768 positions. Walk inputs: `prompt_ids` (every text segment's id
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +43,7 @@ GEN_THINK_PROMPT = ("You should first think about the planning process in the mi
                     "The planning process is enclosed within <think> </think> tags, i.e. <think> planning process "
                     "here </think> image here")
 MAX_STEPS = 1000
+_TURN = re.compile(r"<\|im_start\|>[a-z]+\n?(.*?)<\|im_end\|>", re.DOTALL)  # a ChatML turn's body
 
 
 @dataclass(frozen=True)
@@ -128,20 +132,23 @@ class BagelProcessor(TextProcessor):
     uint8 [H, W, 3]."""
 
     def __init__(self, tokenizer: Tokenizer, cfg: BagelConfig, defaults: BagelDefaults,
-                 max_model_len: int = 32768) -> None:
-        super().__init__(tokenizer, max_model_len)
+                 max_model_len: int = 32768, grammars: Any = None) -> None:
+        super().__init__(tokenizer, max_model_len, grammars)
         self.cfg, self.defaults = cfg, defaults
         self.ids = TokenIds.from_tokenizer(tokenizer)
 
     def validate_options(self, options: Mapping[str, Any]) -> None:
         super().validate_options(options)
-        resolve_options(options, self.defaults)
+        resolved = resolve_options(options, self.defaults)
+        if options.get("structured_outputs") is not None and resolved["think"]:
+            raise ValueError("structured_outputs constrain a text answer from its first token: ask for modalities "
+                             "['text'] without think (a thought follows no grammar)")
 
     def inputs(self, request: Mapping[str, Any], options: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Walk inputs (module docstring); writes the resolved options into `options`, with the latent grid
         (`latent_rows`, `latent_cols`), `has_images` and `no_image_context` (the no-image guidance context
         differs from the full one)."""
-        items = _items(request)
+        items = _items(self._with_tools(request))
         images = [x for kind, x in items if kind == "image"]
         image_out = "image" in (options.get("modalities") or ["text"])
         options.update(resolve_options(options, self.defaults, edit=bool(images) and image_out))
@@ -155,6 +162,29 @@ class BagelProcessor(TextProcessor):
         if options["think"]:
             items = [("text", GEN_THINK_PROMPT if image_out else VLM_THINK_PROMPT), *items]
         return self._plan(items, iter(resized), image_out, options["think"], options.get("max_tokens"))
+
+    def _with_tools(self, request: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The chat with its `tools` and tool turns (assistant calls, tool results) as plain text messages, each
+        the body of the turn the tokenizer's ChatML template writes for it: BAGEL reads every text as one
+        <|im_start|> .. <|im_end|> segment, without roles."""
+        tools, messages = request.get("tools"), list(request.get("messages") or ())
+        if not tools and not any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
+            return request
+        if self.tool_format is None:
+            raise ValueError("this bagel tokenizer has no chat template that writes tool calls; leave tools out")
+        out = []
+        if tools:
+            system = messages[0].get("role") == "system"
+            head = messages[:1] if system else [{"role": "user", "content": ""}]
+            out.append({"role": "system", "content": self._turns(head, tools)[0]})
+            messages = messages[1:] if system else messages
+        for m in messages:
+            tool_turn = m.get("role") == "tool" or m.get("tool_calls")
+            out.append({"role": m["role"], "content": self._turns([m], None)[-1]} if tool_turn else m)
+        return {**request, "messages": out}
+
+    def _turns(self, messages: list[Mapping[str, Any]], tools: Any) -> list[str]:
+        return _TURN.findall(self.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=tools))
 
     def _plan(self, items: list[tuple[str, Any]], resized, image_out: bool, think: bool,
               max_tokens: int | None) -> dict[str, torch.Tensor]:

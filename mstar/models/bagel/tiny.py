@@ -43,9 +43,11 @@ _CORPUS = (
 
 
 def write_tiny_tokenizer(out_dir: str | Path) -> Path:
-    """A byte-level BPE folder whose ids fit TINY_LLM's vocabulary, eos `<|im_end|>`."""
+    """A byte-level BPE folder whose ids fit TINY_LLM's vocabulary, eos `<|im_end|>`, with Qwen2.5's ChatML template
+    (BAGEL-7B-MoT ships Qwen2.5's tokenizer files, whose template lists tools)."""
     from tokenizers import AddedToken
 
+    from mstar.models.common.chat_templates import CHATML_TEMPLATE
     from mstar.models.common.tokenizer_build import train_byte_level_bpe, write_tokenizer_folder
 
     tok = train_byte_level_bpe(_CORPUS, vocab_size=560, special_tokens=SPECIAL_TOKENS[:3])
@@ -53,11 +55,11 @@ def write_tiny_tokenizer(out_dir: str | Path) -> Path:
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in SPECIAL_TOKENS[5:]])
     assert tok.get_vocab_size() <= TINY_LLM["vocab_size"]
     config = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-              "clean_up_tokenization_spaces": False}
+              "chat_template": CHATML_TEMPLATE, "clean_up_tokenization_spaces": False}
     return write_tokenizer_folder(out_dir, tok, config)
 
 
-_TINY_TOKENIZER_VERSION = 1  # bump when write_tiny_tokenizer's output changes
+_TINY_TOKENIZER_VERSION = 2  # bump when write_tiny_tokenizer's output changes
 
 
 def tiny_tokenizer_folder(cache_dir: str | Path | None = None) -> Path:

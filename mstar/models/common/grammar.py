@@ -23,25 +23,32 @@ COMPILED_KEPT = 64
 class XGrammarMatcher:
     """One sequence's xgrammar matcher (the engine's `GrammarMatcher`), whose tokens also always continue
     valid UTF-8: xgrammar 0.2.9 lets a string hold UTF-16 surrogates (bytes ED A0-BF ..), which no decoder
-    takes, so the bytes of a character begun by the previous token are carried and checked."""
+    takes, so the bytes of a character begun by the previous token are carried and checked. Nor may a JSON
+    string hold a raw control character (xgrammar lets one into a maxLength string), so in JSON kinds the
+    matcher follows whether the text is inside a string (`_scan`); outside one the grammar places any
+    control character, as a tagged separator's newline."""
 
     def __init__(self, matcher: Any, grammars: XGrammars, json_kind: bool) -> None:
         self._matcher = matcher
         self._grammars = grammars
-        self._json = json_kind  # JSON strings take no raw control characters either
+        self._json = json_kind
         self._row = torch.zeros(1, grammars.words, dtype=torch.int32)  # xgrammar writes a row of its own width
         self._pending = b""  # the bytes of an unfinished character at the end of the text so far
+        self._string: tuple[bool, bool] | None = (False, False) if json_kind else None  # (in a string, escaped)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(self._row, 0)
-        self._row &= self._grammars.allowed_after(self._pending, self._json)
+        self._row &= self._grammars.allowed_after(self._pending, self._string)
         bitmask[row, : self._row.shape[1]] = self._row[0]
 
     def accept(self, token_id: int) -> bool:
         if not self._matcher.accept_token(token_id):
             return False
         if token_id not in self._grammars.tokenizer.special_ids:
-            self._pending = _unfinished_tail(self._pending + self._grammars.tokenizer.token_bytes(token_id))
+            data = self._grammars.tokenizer.token_bytes(token_id)
+            self._pending = _unfinished_tail(self._pending + data)
+            if self._string is not None:
+                self._string = _scan(data, self._string)[:2]
         return True
 
     def is_finished(self) -> bool:
@@ -56,7 +63,7 @@ class XGrammars:
         self.words = -(-tokenizer.vocab_size // 32)  # int32 words of a bitmask row
         self._compiler: Any = None
         self._compiled: OrderedDict[str, Any] = OrderedDict()
-        self._allowed: dict[tuple[bytes, bool], torch.Tensor] = {}
+        self._allowed: dict[tuple[bytes, tuple[bool, bool] | None], torch.Tensor] = {}
         self._lock = threading.Lock()
 
     def matcher(self, spec: str) -> XGrammarMatcher:
@@ -66,16 +73,17 @@ class XGrammars:
 
         return XGrammarMatcher(xgr.GrammarMatcher(compiled), self, spec.startswith(('{"json_schema"', '{"json_object"', '{"tagged_json"')))
 
-    def allowed_after(self, pending: bytes, json_kind: bool) -> torch.Tensor:
+    def allowed_after(self, pending: bytes, string: tuple[bool, bool] | None) -> torch.Tensor:
         """A bitmask row [1, words] of the tokens that continue valid UTF-8 after the unfinished character
-        `pending` (special tokens always; with `json_kind`, none holding a byte below 0x20)."""
-        key = (pending, json_kind)
+        `pending` (special tokens always); given a JSON `string` state (in a string, escaped), none that puts a
+        byte below 0x20 inside a string."""
+        key = (pending, string)
         with self._lock:
             row = self._allowed.get(key)
         if row is None:
             tok = self.tokenizer
-            ok = [i in tok.special_ids or (_utf8_prefix(pending + tok.token_bytes(i)) and not (
-                  json_kind and min(tok.token_bytes(i), default=32) < 32)) for i in range(tok.vocab_size)]
+            ok = [i in tok.special_ids or (_utf8_prefix(pending + tok.token_bytes(i)) and (
+                  string is None or _scan(tok.token_bytes(i), string)[2])) for i in range(tok.vocab_size)]
             row = _pack(ok, self.words)
             with self._lock:
                 self._allowed[key] = row
@@ -127,10 +135,16 @@ def _compile(compiler: Any, spec: dict[str, Any]) -> Any:
 
 
 def _tagged_json(body: dict[str, Any]) -> Any:
-    """xgrammar's grammar of one JSON value (strict, compact) between the literal texts begin and end."""
+    """xgrammar's grammar of one JSON value (strict, compact) between the literal texts begin and end; with a
+    separator, of one or more such tagged values separated by it."""
     import xgrammar as xgr
 
     value = xgr.Grammar.from_json_schema(json.dumps(body["schema"]), any_whitespace=False, strict_mode=True)
+    if "separator" in body:  # xgrammar's structural tag repeats a tag; its content is the value's EBNF
+        tag = {"type": "tag", "begin": body["begin"], "content": {"type": "grammar", "grammar": str(value)},
+               "end": body["end"]}
+        return xgr.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": {
+            "type": "tags_with_separator", "tags": [tag], "separator": body["separator"], "at_least_one": True}}))
     parts = [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(body['begin'])}")] * bool(body["begin"]) + [value]
     parts += [xgr.Grammar.from_ebnf(f"root ::= {json.dumps(body['end'])}")] * bool(body["end"])
     return xgr.Grammar.concat(*parts) if len(parts) > 1 else value
@@ -143,6 +157,23 @@ def _utf8_prefix(data: bytes) -> bool:
     except UnicodeDecodeError as exc:
         return exc.reason == "unexpected end of data"
     return True
+
+
+def _scan(data: bytes, state: tuple[bool, bool]) -> tuple[bool, bool, bool]:
+    """JSON text `data` read from `state` (inside a string, after a backslash there): the state after it, and
+    whether no byte below 0x20 fell inside a string."""
+    inside, escaped = state
+    clean = True
+    for byte in data:
+        if inside and byte < 0x20:
+            clean = False
+        if escaped:
+            escaped = False
+        elif inside and byte == 0x5C:  # backslash
+            escaped = True
+        elif byte == 0x22:  # quote
+            inside = not inside
+    return inside, escaped, clean
 
 
 def _unfinished_tail(data: bytes) -> bytes:

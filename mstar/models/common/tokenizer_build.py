@@ -42,7 +42,7 @@ OMNI_EXTRA_TOKENS = [("<tool_response>", False), ("</tool_response>", False), ("
                      ("</think>", False), ("<|audio_start|>", True), ("<|audio_end|>", True), ("<tts_pad>", True),
                      ("<tts_text_bos>", True), ("<tts_text_eod>", True), ("<tts_text_bos_single>", True),
                      ("<|audio_pad|>", True)]
-_OMNI_VERSION = 1  # bump when build_omni_tokenizer_folder's output changes
+_OMNI_VERSION = 2  # bump when build_omni_tokenizer_folder's output changes
 
 _LLAMA3_NAMED = ("<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
                  "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",

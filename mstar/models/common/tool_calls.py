@@ -5,8 +5,9 @@ Two formats, chosen from the chat template (`format_of`):
   any number of them among text.
 - `LLAMA3` (Llama 3.1+ JSON tool calling): the whole answer is one JSON object `{"name": f, "parameters": {...}}`.
 
-`grammar` gives the `structured_outputs` spec (engines/grammar.py) of exactly one call to one of the tools,
-its arguments valid under that tool's `parameters` schema; `ToolCallStream` splits streamed text into
+`grammar` gives the `structured_outputs` spec (engines/grammar.py) of one call to one of the tools (or, in
+`HERMES`, of one or more calls: OpenAI's `tool_choice` "required" with `parallel_tool_calls`), its arguments
+valid under that tool's `parameters` schema; `ToolCallStream` splits streamed text into
 content and calls, a call's arguments streamed as they are written when it begins with its name.
 """
 
@@ -58,9 +59,11 @@ class ToolCallFormat:
     end: str
     args_key: str
 
-    def grammar(self, tools: Sequence[Mapping[str, Any]], only: str | None = None) -> dict[str, Any]:
+    def grammar(self, tools: Sequence[Mapping[str, Any]], only: str | None = None,
+                several: bool = False) -> dict[str, Any]:
         """The `structured_outputs` spec of one call to `only` (a function name) or to any of `tools`
-        (OpenAI tool objects, already checked)."""
+        (OpenAI tool objects, already checked); with `several`, of one or more calls, one a line, where the
+        format writes calls between tags (a `LLAMA3` answer is one call)."""
         functions = [t["function"] for t in tools if only is None or t["function"]["name"] == only]
         assert functions, f"no tool named {only!r}"
         options = [{"type": "object", "properties": {"name": {"const": f["name"]},
@@ -69,7 +72,8 @@ class ToolCallFormat:
         schema = options[0] if len(options) == 1 else {"anyOf": options}
         if not self.begin:
             return {"json_schema": schema}
-        return {"tagged_json": {"begin": self.begin, "schema": schema, "end": self.end}}
+        tagged = {"begin": self.begin, "schema": schema, "end": self.end}
+        return {"tagged_json": {**tagged, "separator": "\n"} if several else tagged}
 
     def parse_call(self, text: str) -> ToolCall | None:
         """The call written as `text` (the JSON between begin and end), or None when it is not one."""
@@ -108,6 +112,17 @@ def format_of(template: str) -> ToolCallFormat | None:
     if "tool_calls" in template and "<|start_header_id|>" in template:
         return LLAMA3
     return None
+
+
+def template_format(tokenizer: Any) -> ToolCallFormat | None:
+    """The call format of the chat template a `Tokenizer` renders tools with; None when it has none or it
+    writes no calls."""
+    from mstar.models.common.chat_template import ChatTemplateError, select_template
+
+    try:
+        return format_of(select_template(tokenizer.config.chat_templates, None, has_tools=True))
+    except ChatTemplateError:
+        return None
 
 
 @dataclass(slots=True)

@@ -20,10 +20,9 @@ import torch
 
 from mstar.engines.sampling import SamplingParams
 from mstar.models.base import OutputDecoder, Processor, TokenLogprobs
-from mstar.models.common.chat_template import ChatTemplateError, select_template
 from mstar.models.common.detokenizer import IncrementalDetokenizer
 from mstar.models.common.text import Tokenizer
-from mstar.models.common.tool_calls import ToolCallFormat, format_of
+from mstar.models.common.tool_calls import ToolCallFormat, template_format
 
 LOGPROB_OUTPUTS = ("logprob", "top_ids", "top_logprobs")  # the engine's outputs for option `logprobs`
 
@@ -45,10 +44,7 @@ class TextProcessor(Processor):
     @cached_property
     def tool_format(self) -> ToolCallFormat | None:
         """How the chat template writes tool calls (models/common/tool_calls.py); None: it writes none."""
-        try:
-            return format_of(select_template(self.tokenizer.config.chat_templates, None, has_tools=True))
-        except ChatTemplateError:
-            return None
+        return template_format(self.tokenizer)
 
     def inputs(self, request: Mapping[str, Any], options: dict[str, Any]) -> dict[str, torch.Tensor]:
         if request.get("messages"):

@@ -76,7 +76,8 @@ def _thinker(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype
     # on CUDA the thinker steps on a stream of its own (engines/own_stream.py): its decode forwards run
     # beside the talk loop's steps when both share a worker
     return BuiltComponent(module, spec_of("thinker", AutoregressiveSpec(
-        eos_token_ids=eos, max_model_len=cfg.context, max_batch_tokens=MAX_BATCH_TOKENS, own_stream=True)))
+        eos_token_ids=eos, max_model_len=cfg.context, max_batch_tokens=MAX_BATCH_TOKENS, own_stream=True,
+        grammars=ckpt.grammars)))
 
 
 def _encoder(ckpt: OmniCheckpoint, cfg, module: torch.nn.Module, salt: int) -> None:

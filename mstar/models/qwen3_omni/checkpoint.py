@@ -74,6 +74,14 @@ class OmniCheckpoint:
 
         return Tokenizer.from_pretrained(self.tokenizer_path)
 
+    @cached_property
+    def grammars(self):
+        """Structured outputs' grammars over the thinker's tokenizer, shared by the processor (which refuses a
+        spec that cannot compile) and the thinker's engine."""
+        from mstar.models.common.grammar import XGrammars
+
+        return XGrammars(self.tokenizer)
+
     def media_spec(self, video_fps: float = 2.0):
         """How the processor turns media into encoder inputs (`media_inputs.MediaSpec`)."""
         from mstar.models.qwen3_omni.media_inputs import MediaSpec

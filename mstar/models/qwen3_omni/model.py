@@ -23,7 +23,8 @@ Lane `talker` (only when "audio" is in the request's modalities):
 Lane `code2wav` (audio only):
   vocode    Code2Wav over the codes stream in LeftContext(chunk, context) chunks, seamless trim;
             emits "audio" (24 kHz float32).
-Per-request options: plain sampling keys and thinker.* go to the thinker, talker.* to the talker,
+Per-request options: plain sampling keys and thinker.* go to the thinker (`structured_outputs` too: the thinker's
+engine masks its text to the grammar), talker.* to the talker,
 code_predictor.* to the code predictor (defaults are the checkpoint's), `voice` (Ethan, Chelsie,
 Aiden), `modalities`, `use_audio_in_video` (default true: a video's sound track is heard, as the
 reference's switch does; `media_inputs`).
@@ -198,7 +199,8 @@ class Qwen3Omni(Model):
         from mstar.models.qwen3_omni.processor import OmniProcessor
 
         ckpt = self.checkpoint
-        return OmniProcessor(ckpt.tokenizer, ckpt.omni, self.config.context, ckpt.media_spec(self.config.video_fps))
+        return OmniProcessor(ckpt.tokenizer, ckpt.omni, self.config.context, ckpt.media_spec(self.config.video_fps),
+                             ckpt.grammars)
 
     def request_options(self, options: dict[str, Any]) -> dict[str, Any]:
         """Checkpoint defaults, then the request's options (plain sampling keys belong to the thinker)."""

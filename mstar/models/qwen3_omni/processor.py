@@ -1,7 +1,7 @@
 """Qwen3-Omni requests <-> tensors.
 
-Requests: chat `messages` are rendered with the checkpoint's chat template (generation prompt
-added); a bare `text` (e.g. /v1/audio/speech input) is taken as one user message, after the
+Requests: chat `messages` (and `tools`, where the template lists them) are rendered with the checkpoint's
+chat template (generation prompt added); a bare `text` (e.g. /v1/audio/speech input) is taken as one user message, after the
 request's `media` when there are any (/v1/audio/transcriptions, native /generate). Walk inputs:
 `prompt_ids` [n]; with media, the placeholders expanded and the encoders' inputs, `mm_mask`,
 `mm_kinds` and M-RoPE `positions` (`media_inputs`; a video's sound track heard too unless option
@@ -11,6 +11,9 @@ positions of the talker's prompt (the user turns' tokens then the 9 assistant ro
 reference's `get_rope_index` lays them out). Unset `thinker.max_tokens` means "until eos or the end
 of the context": it is set to what the context leaves.
 
+Option `structured_outputs` (engines/grammar.py) constrains the thinker's text, as for the Llama family; tool
+calls are written as the template says (`tool_format`).
+
 Outputs: "text" token ids -> UTF-8-safe text deltas (stop strings, usage); "audio" -> float32
 samples at 24 kHz.
 """
@@ -18,11 +21,14 @@ samples at 24 kHz.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import cached_property
 from typing import Any
 
 import torch
 
+from mstar.engines.sampling import SamplingParams
 from mstar.models.base import OutputDecoder, Processor
+from mstar.models.common.tool_calls import ToolCallFormat, template_format
 from mstar.models.llama.processor import TextDecoder
 from mstar.models.qwen3_omni import options as omni_options
 from mstar.models.qwen3_omni.code2wav_config import SAMPLE_RATE
@@ -39,11 +45,18 @@ class OmniProcessor(Processor):
 
     sample_rate = SAMPLE_RATE
 
-    def __init__(self, tokenizer, omni: OmniConfig, max_model_len: int, media=None) -> None:
+    def __init__(self, tokenizer, omni: OmniConfig, max_model_len: int, media=None, grammars=None) -> None:
         self.tokenizer = tokenizer
         self.omni = omni
         self.max_model_len = max_model_len
         self.media = media  # media_inputs.MediaSpec; None: text only
+        self.grammars = grammars  # the thinker's `Grammars` (models/common/grammar.py); None: refused
+        self.follows_grammars = grammars is not None
+
+    @cached_property
+    def tool_format(self) -> ToolCallFormat | None:
+        """How the chat template writes tool calls; None: it writes none."""
+        return template_format(self.tokenizer)
 
     def warm(self) -> None:
         self.tokenizer.warm()
@@ -57,7 +70,7 @@ class OmniProcessor(Processor):
                 raise ValueError("a qwen3_omni request needs non-empty 'messages' (chat) or 'text'")
             parts = [{"type": m.get("type")} for m in media] + ([{"type": "text", "text": text}] if text else [])
             messages = [{"role": "user", "content": parts if media else text}]
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=request.get("tools"))
         ids = self.tokenizer.encode(prompt, add_special_tokens=False, max_tokens=self.max_model_len)
         return self.prompt_inputs(ids, media, options)
 
@@ -115,6 +128,15 @@ class OmniProcessor(Processor):
             raise ValueError("this checkpoint has no talker (enable_audio_output is false); ask for text only")
         if options.get("n", 1) != 1:
             raise ValueError(f"n={options['n']!r}: a single request generates one answer")
+        if options.get("talker.structured_outputs") is not None:
+            raise ValueError("talker.structured_outputs: only the thinker's text follows a grammar; set "
+                             "structured_outputs (or thinker.structured_outputs)")
+        spec = SamplingParams.from_options({"structured_outputs": options.get("thinker.structured_outputs")},
+                                           SamplingParams()).structured_outputs
+        if spec is not None:
+            if self.grammars is None:
+                raise ValueError("structured_outputs: this model does not constrain its output to a grammar")
+            self.grammars.matcher(spec)  # a spec that cannot compile is refused here
 
     def decode_output(self, name: str, tensor: torch.Tensor, options: Mapping[str, Any]) -> Any:
         if name == "text":
