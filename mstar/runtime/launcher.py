@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing as mp
+import queue
 import threading
 import time
 from typing import Any
@@ -169,16 +170,7 @@ class Runtime:
     def _start_workers(self) -> None:
         if self.mode == "inproc":
             for rank in range(self.plan.num_workers):
-                device = worker_device(self.config, rank)
-                engines = build_engines(self.model, self.config, self.plan.components_on(rank), device)
-                self._limit_context(context_lens(engines))
-                worker = Worker(rank, self.graph, engines, self.network.inbox(worker_peer(rank)),
-                                self.network.outbox(), self.codec, device)
-                self.workers[rank] = worker
-                thread = threading.Thread(target=worker.run, daemon=True, name=f"mstar-worker-{rank}")
-                thread.start()
-                self._threads.append(thread)
-                self._ready.add(rank)
+                self._start_inproc_worker(rank)
             return
         config_json = msgspec.json.encode(dataclasses.asdict(self.config))
         directory_json = msgspec.json.encode(self.network.directory)
@@ -187,6 +179,38 @@ class Runtime:
         for rank in range(self.plan.num_workers):
             self.workers[rank] = self._spawn(rank)
         threading.Thread(target=self._watch_processes, daemon=True, name="mstar-watchdog").start()
+
+    def _start_inproc_worker(self, rank: int) -> None:
+        """Build rank's engines and run its worker on a thread of its own, returning once they are built
+        (a build error is raised here). The engines are built on that thread because a CPU thread pool
+        belongs to the thread that first runs parallel work: built here, the main thread would hold a
+        second OpenMP pool, and libgomp puts every pool's threads to sleep between kernels once they
+        outnumber the cores, which slows CPU decode by a third."""
+        built: queue.SimpleQueue = queue.SimpleQueue()
+
+        def serve() -> None:
+            try:
+                device = worker_device(self.config, rank)
+                engines = build_engines(self.model, self.config, self.plan.components_on(rank), device)
+                worker = Worker(rank, self.graph, engines, self.network.inbox(worker_peer(rank)),
+                                self.network.outbox(), self.codec, device)
+            except BaseException as exc:  # handed to the starting thread, which raises it
+                built.put(exc)
+                return
+            built.put((worker, context_lens(engines)))
+            worker.run()
+
+        thread = threading.Thread(target=serve, daemon=True, name=f"mstar-worker-{rank}")
+        thread.start()
+        result = built.get()
+        if isinstance(result, BaseException):
+            thread.join()
+            raise result
+        worker, lens = result
+        self._limit_context(lens)
+        self.workers[rank] = worker
+        self._threads.append(thread)
+        self._ready.add(rank)
 
     def _spawn(self, rank: int) -> mp.process.BaseProcess:
         from mstar.runtime.process import worker_process_main
