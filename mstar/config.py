@@ -169,6 +169,9 @@ class MStarConfig:
     # component -> its engine settings (mstar.engines.base: AutoregressiveSpec, StatelessSpec), over the
     # model's defaults; keys checked against the model's graph when it is built (runtime.build.engine_settings)
     engines: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # component -> weight quantization ("fp8": E4M3 with per-channel scales, "fp8_block": 128x128 block
+    # scales); checked against the model's quantizable components when it is built (runtime.build)
+    quantization: dict[str, str] = field(default_factory=dict)
     device: str = "auto"  # "auto" (cuda:<rank> when CUDA is there, else cpu) | "cpu" | "cuda"
     source: str = "<dict>"  # where this config came from, for error messages
 
@@ -182,6 +185,10 @@ class MStarConfig:
             raise ConfigError(f"{where}: device {self.device!r} must be auto, cpu or cuda")
         for i, group in enumerate(self.node_groups):
             group.validate(f"{where}: node_groups[{i}]")
+        if not isinstance(self.quantization, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in self.quantization.items()):
+            raise ConfigError(f"{where}: quantization must map components to a method, e.g. "
+                              f"{{llm: fp8}}; got {self.quantization!r}")
 
     @property
     def num_workers(self) -> int:

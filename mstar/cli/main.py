@@ -78,6 +78,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: the model's)")
     for flag, (key, kind, what) in MODEL_FLAGS.items():
         p.add_argument(flag, type=kind, default=None, help=f"{what} (model_kwargs.{key}; the YAML wins if it sets it)")
+    p.add_argument("--quantization", choices=("fp8", "fp8_block"), default=None,
+                   help="weights of the model's quantizable components in FP8 (E4M3; fp8: per-channel scales, "
+                        "fp8_block: 128x128 blocks), quantized on load; YAML `quantization:` wins per component")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="split the model's tensor-parallel components over this many GPUs (the others on GPU 0); "
                         "the YAML's node_groups win if it has them")
@@ -156,6 +159,24 @@ def apply_model_flags(config, args: argparse.Namespace):
             continue
         kwargs[key] = value
     return dataclasses.replace(config, model_kwargs=kwargs)
+
+
+def apply_quantization_flag(config, args: argparse.Namespace):
+    """`config` with --quantization set for every component the model can quantize (`Model.quantizable`)
+    that the YAML's `quantization:` leaves unset; ConfigError for a model with none."""
+    import dataclasses
+
+    from mstar.config import ConfigError
+    from mstar.models.registry import get_model_class
+
+    if args.quantization is None:
+        return config
+    components = get_model_class(config.model).quantizable
+    if not components:
+        raise ConfigError(f"--quantization {args.quantization}: model {config.model!r} has no component that can "
+                          "be quantized")
+    values = {name: args.quantization for name in components} | config.quantization
+    return dataclasses.replace(config, quantization=values)
 
 
 def apply_parallel_flags(config, args: argparse.Namespace):
@@ -289,6 +310,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         check_route_packages()
         config = apply_model_flags(resolve_config(getattr(args, "model", None), args.config), args)
+        config = apply_quantization_flag(config, args)
         config = apply_parallel_flags(config, args)
         runtime = Runtime(config, mode=args.mode, tiny=args.tiny, load_format=args.load_format,
                           model_path=args.model_path)

@@ -15,6 +15,8 @@ the unfused F.linear path for good (timing needs host syncs). On CPU (Triton int
 kernels run only when `SKINNY.force` is True (tests). MSTAR_SKINNY_GEMM=0 turns them off, =1 forces
 them on wherever allowed.
 
+An `Fp8Linear` (layers/fp8.py) runs `fp8_linear` instead: the FP8 kernels are not among the choices yet.
+
 On CPU, float32 linears whose weights `pack_cpu_linears` reordered (the autoregressive engine does it
 when it is built on CPU, after the weights load) run through oneDNN with the weight in its blocked
 layout: MKL's sgemm, which F.linear calls, reads the weight far below the memory bandwidth for a few
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar import envs
+from mstar.layers.fp8 import Fp8Linear, fp8_linear
 from mstar.layers.fused import FUSED
 
 logger = logging.getLogger(__name__)
@@ -159,8 +162,11 @@ def pack_cpu_linears(model: nn.Module) -> int:
     return len(weights) if CPU_PACKED.enabled else 0
 
 
-def linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
-    """module(x) for an nn.Linear: through skinny_linear for few-row inputs where it wins, else F.linear."""
+def linear(x: torch.Tensor, module: nn.Linear | Fp8Linear) -> torch.Tensor:
+    """module(x) for an nn.Linear: through skinny_linear for few-row inputs where it wins, else F.linear;
+    an Fp8Linear through `fp8_linear` (layers/fp8.py)."""
+    if isinstance(module, Fp8Linear):
+        return fp8_linear(x, module)
     return linear_weight(x, module.weight, module.bias)
 
 
@@ -186,7 +192,7 @@ def linear_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.linear(x, weight, bias)
 
 
-def silu_and_mul_linear(gate_up: torch.Tensor, module: nn.Linear) -> torch.Tensor:
+def silu_and_mul_linear(gate_up: torch.Tensor, module: nn.Linear | Fp8Linear) -> torch.Tensor:
     """module(silu(gate) * up) for 2-D contiguous gate_up = [gate | up] on a device the fused kernels
     serve: one fused GEMV where it is measured to win, else fused_ops.silu_and_mul then `linear`."""
     ops = FUSED.ops_for(gate_up)
@@ -195,7 +201,8 @@ def silu_and_mul_linear(gate_up: torch.Tensor, module: nn.Linear) -> torch.Tenso
                          f"{tuple(gate_up.shape)} on {gate_up.device}; use F.silu(gate) * up and linear()")
     weight, bias = module.weight, module.bias
     if (
-        0 < gate_up.shape[0] <= _GEMV_MAX_M
+        not isinstance(module, Fp8Linear)
+        and 0 < gate_up.shape[0] <= _GEMV_MAX_M
         and SKINNY.force is not False
         and gate_up.dtype == weight.dtype
         and gate_up.dtype in _DTYPES

@@ -191,6 +191,8 @@ class Model:
     voices: ClassVar[tuple[str, ...]] = ()
     # The serving config dataclass (`ServeConfig` or a subclass) that the default `make_config` builds.
     config_class: ClassVar[type[ServeConfig]]
+    # Components whose build can quantize their weights (YAML `quantization:`, `mstar serve --quantization`).
+    quantizable: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: Any, load_format: str = "auto", model_path: str | None = None) -> None:
         self.config = config
@@ -198,6 +200,8 @@ class Model:
         self.model_path = model_path
         # component -> the deployment's engine settings (YAML `engines:`), set by runtime.build.build_model
         self.engine_settings: Mapping[str, Mapping[str, Any]] = {}
+        # component -> its weight quantization ("fp8", "fp8_block"; layers/fp8.py), set by build_model
+        self.quantization: Mapping[str, str] = {}
 
     def engine_spec(self, component: str, defaults: SpecT) -> SpecT:
         """The model's engine `defaults` for `component` with the deployment's settings applied: what a

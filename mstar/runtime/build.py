@@ -30,7 +30,26 @@ def build_model(config: MStarConfig, tiny: bool = False, load_format: str = "aut
     model_cfg = cls.make_config(tiny=tiny, **config.model_kwargs)
     model = cls(model_cfg, load_format=load_format, model_path=model_path)
     model.engine_settings = engine_settings(config, model.graph())
+    model.quantization = quantization(config, model)
     return model
+
+
+def quantization(config: MStarConfig, model: Model) -> dict[str, str]:
+    """component -> its quantization (`quantization:`); ConfigError naming the file for an unknown
+    component, one that cannot be quantized, or an unknown method."""
+    from mstar.layers.fp8 import METHODS
+
+    components = model.graph().components
+    for component, method in config.quantization.items():
+        if component not in components:
+            raise ConfigError(f"{config.source}: unknown key 'quantization.{component}': model {config.model!r} "
+                              f"has no such component; valid keys here are {sorted(components)}")
+        if component not in model.quantizable:
+            raise ConfigError(f"{config.source}: quantization.{component}: component {component!r} of model "
+                              f"{config.model!r} cannot be quantized; quantizable: {list(model.quantizable) or 'none'}")
+        if method not in METHODS:
+            raise ConfigError(f"{config.source}: quantization.{component}={method!r}: use one of {sorted(METHODS)}")
+    return dict(config.quantization)
 
 
 def engine_settings(config: MStarConfig, graph: ModelGraph) -> dict[str, dict[str, Any]]:

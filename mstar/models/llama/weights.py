@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
+from mstar.layers.fp8 import method_block, quantize_linears
 from mstar.models.common import loading
+from mstar.models.common.fp8_checkpoint import Fp8Format, fp8_format, load_fp8_checkpoint
 from mstar.models.llama.config import LlamaConfig
 from mstar.models.llama.model import LlamaForCausalLM, build_model
 
@@ -53,6 +55,17 @@ def load_weights(model: LlamaForCausalLM, named_tensors: Iterable[tuple[str, tor
     loading.load_named_tensors(model, named_tensors, name_mapper(model.config))
 
 
+def quantize_decoder(model: LlamaForCausalLM, quantization: str) -> None:
+    """FP8 weights for every linear of the decoder layers; the embedding, norms and head stay as they are."""
+    layers = quantize_linears(model.model.layers, method_block(quantization))
+    logger.info("quantized %d linear layers to %s", len(layers), quantization)
+
+
+def _fp8_format(path: Path) -> Fp8Format | None:
+    """The FP8 format a checkpoint folder's config.json declares (None: unquantized, or a GGUF file)."""
+    return fp8_format(json.loads((path / "config.json").read_text())) if (path / "config.json").is_file() else None
+
+
 def load_config(path: Path) -> LlamaConfig:
     """The config of a checkpoint folder (config.json) or of a GGUF file (its metadata)."""
     if (path / "config.json").is_file():
@@ -71,20 +84,29 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     progress: bool = True,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Build a model from a checkpoint folder, GGUF file or Hub repo id, weights loaded.
 
     `load_format="dummy"` still reads config.json but fills seeded random weights instead of reading
-    the weight files. `dtype` defaults to the checkpoint's.
+    the weight files. `dtype` defaults to the checkpoint's. An FP8 checkpoint (`fp8_checkpoint`) loads
+    as it is; otherwise `quantization` ("fp8", "fp8_block") quantizes the decoder layers' linears on load.
     """
     if load_format not in loading.LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {loading.LOAD_FORMATS}")
     path = loading.resolve_checkpoint(path_or_repo_id)
     config = load_config(path)
     model = build_model(config, dtype=dtype, device=device)
+    fmt = _fp8_format(path) if load_format != "dummy" else None
     if load_format == "dummy":
         loading.fill_dummy_weights(model)
+    elif fmt is not None:
+        layers = load_fp8_checkpoint(model, path, fmt, name_mapper(config), progress=progress)
+        logger.info("loaded %d FP8 layers of %s as they are%s", len(layers), path,
+                    f" (quantization {quantization!r} not applied)" if quantization else "")
     else:
         load_weights(model, loading.iter_checkpoint_tensors(path, progress=progress))
+    if quantization is not None and fmt is None:
+        quantize_decoder(model, quantization)
     logger.info("loaded %s (%s) from %s as %s", config.model_type, load_format, path, model.kv_layout.dtype)
     return model

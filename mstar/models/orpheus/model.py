@@ -103,6 +103,7 @@ class OrpheusModel(Model):
     input_modalities = ("text",)
     output_modalities = ("audio",)
     context_component = "llm"
+    quantizable = ("llm",)  # the Llama backbone; the SNAC vocoder stays as it is
     voices = VOICES
     default_options = {"voice": DEFAULT_VOICE, "temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.3,
                        "max_tokens": 1200}
@@ -229,10 +230,15 @@ class OrpheusModel(Model):
             module = build_model(replace(self.llama_config, tie_word_embeddings=False), dtype=dtype, device=device)
             fill_dummy_weights(module, seed=self.config.seed, std=0.1 if self.config.tiny else 0.02)
             shape_audio_lm(module, self.tokens, seed=self.config.seed, strength=3.0 if self.config.tiny else 50.0)
+            if "llm" in self.quantization:
+                from mstar.models.llama.weights import quantize_decoder
+
+                quantize_decoder(module, self.quantization["llm"])
         else:
             from mstar.models.llama.weights import load_model
 
-            module = load_model(self.checkpoint_path(), dtype=dtype, device=device)
+            module = load_model(self.checkpoint_path(), dtype=dtype, device=device,
+                                quantization=self.quantization.get("llm"))
         if self.config.audio_logits_only:
             from mstar.models.orpheus.head import SpanHeadLM
 

@@ -1,0 +1,159 @@
+"""FP8 (E4M3) weights: the quantize/dequantize formulas, `Fp8Linear` and its matmul, and
+`quantize_linears`, which swaps a module's nn.Linear layers for FP8 ones on load.
+
+A weight W [N, K] is stored as q = round_e4m3(W / s) (float8_e4m3fn, saturated at +-448) with float32
+scales s of one of two shapes:
+  per output channel  s [N, 1]          = amax(|W[n, :]|) / 448
+  blocks (bn x bk)    s [N/bn, K/bk]   = amax(|W[block]|) / 448 (ceil-divided; the last block may be short)
+and W ~ q * s, expanded to W's shape. The Hugging Face formats store the same s: `weight_scale_inv`
+(fine-grained FP8, blocks) and `weight_scale` (compressed-tensors, per channel); both are multiplied.
+
+`fp8_linear` is the reference every device path must match: the weight dequantized in float32,
+rounded to the activation dtype, then F.linear in that dtype. CPU runs exactly that (an emulation);
+the CUDA kernels (a GEMV reading FP8 for decode batches, `torch._scaled_mm` with per-token activation
+scales for larger ones) are not written yet and run the same emulation meanwhile.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+_MIN_SCALE = 1e-12  # an all-zero row or block still gets a finite scale (its q is all zero)
+METHODS = {"fp8": None, "fp8_block": (128, 128)}  # setting -> block shape (None: per output channel)
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn [N, K], s float32 [N, 1]) with weight ~ q * s, s = row amax / 448."""
+    w = weight.float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+    return _to_fp8(w / scale), scale
+
+
+def quantize_blocks(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn [N, K], s float32 [ceil(N/bn), ceil(K/bk)]) with weight ~ q * s per block."""
+    w = weight.float()
+    n, k = w.shape
+    bn, bk = block
+    padded = F.pad(w.abs(), (0, -k % bk, 0, -n % bn))  # zeros never raise an amax
+    amax = padded.reshape(math.ceil(n / bn), bn, math.ceil(k / bk), bk).amax(dim=(1, 3))
+    scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
+    return _to_fp8(w / expand_scale(scale, (n, k), block)), scale
+
+
+def _to_fp8(values: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even into E4M3, saturating instead of overflowing to NaN."""
+    return values.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def expand_scale(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int] | None) -> torch.Tensor:
+    """The scale broadcastable to a weight of `shape`: [N, 1] as is, a block grid repeated over each block."""
+    if block is None:
+        return scale
+    n, k = shape
+    return scale.repeat_interleave(block[0], dim=0)[:n].repeat_interleave(block[1], dim=1)[:, :k]
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """q * s in float32, the scale expanded to q's shape."""
+    return q.float() * expand_scale(scale, tuple(q.shape), block)
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer with an E4M3 weight [out, in] and float32 scales (`block` None: per output channel).
+
+    `weight` and `weight_scale` are parameters (no gradient) so checkpoints load into them by name.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, block: tuple[int, int] | None,
+                 dtype: torch.dtype, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.block = in_features, out_features, block
+        rows, cols = (out_features, 1) if block is None else (math.ceil(out_features / block[0]),
+                                                                math.ceil(in_features / block[1]))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(rows, cols, dtype=torch.float32, device=device),
+                                         requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device),
+                                 requires_grad=False) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, block: tuple[int, int] | None) -> Fp8Linear:
+        """`linear` quantized: E4M3 weight and scales of `block` shape, its bias kept in its dtype."""
+        weight = linear.weight.detach()
+        module = cls(linear.in_features, linear.out_features, linear.bias is not None, block, weight.dtype,
+                     weight.device)
+        q, scale = quantize_per_channel(weight) if block is None else quantize_blocks(weight, block)
+        with torch.no_grad():
+            module.weight.copy_(q)
+            module.weight_scale.copy_(scale)
+            if linear.bias is not None:
+                module.bias.copy_(linear.bias)
+        return module
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as `dtype`: q * s computed in float32, then rounded once."""
+        return dequantize(self.weight, self.weight_scale, self.block).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self)
+
+    def extra_repr(self) -> str:
+        scales = "per channel" if self.block is None else f"blocks {self.block[0]}x{self.block[1]}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3, {scales}"
+
+
+def fp8_linear(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
+    """x @ W.T (+ bias) with W the module's dequantized weight in x's dtype (the reference: module docstring)."""
+    bias = None if module.bias is None else module.bias.to(x.dtype)
+    return F.linear(x, module.dequantized(x.dtype), bias)
+
+
+def method_block(method: str) -> tuple[int, int] | None:
+    """The block shape of a quantization setting (None: per output channel); ValueError naming the valid ones."""
+    if method not in METHODS:
+        raise ValueError(f"quantization {method!r}: use one of {sorted(METHODS)}")
+    return METHODS[method]
+
+
+def quantize_linears(module: nn.Module, block: tuple[int, int] | None,
+                     only: set[str] | None = None) -> list[str]:
+    """Replace every nn.Linear inside `module` (or only those named in `only`, relative to `module`) by
+    `Fp8Linear.from_linear`; the names replaced. A weight shared with another module (a tied head) is
+    left alone, since quantizing it would change the other user too."""
+    shared = _shared_weights(module)
+    done = []
+    for name, child in list(module.named_modules()):
+        if not isinstance(child, nn.Linear) or (only is not None and name not in only) or id(child.weight) in shared:
+            continue
+        parent, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(parent) if parent else module, attr, Fp8Linear.from_linear(child, block))
+        done.append(name)
+    return done
+
+
+def empty_fp8_linears(module: nn.Module, names: set[str], block: tuple[int, int] | None) -> None:
+    """Replace the nn.Linear layers `names` (relative to `module`) by uninitialised `Fp8Linear`s of `block`
+    scales, to load an FP8 checkpoint into; ValueError for a name that is not an nn.Linear."""
+    for name in sorted(names):
+        child = module.get_submodule(name)
+        if not isinstance(child, nn.Linear):
+            raise ValueError(f"{name} is a {type(child).__name__}, not a linear layer; it cannot hold FP8 weights")
+        parent, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(parent) if parent else module, attr,
+                Fp8Linear(child.in_features, child.out_features, child.bias is not None, block,
+                          child.weight.dtype, child.weight.device))
+
+
+def _shared_weights(module: nn.Module) -> set[int]:
+    """ids of parameters reachable under more than one name (tied weights)."""
+    seen: dict[int, int] = {}
+    for _, param in module.named_parameters(remove_duplicate=False):
+        seen[id(param)] = seen.get(id(param), 0) + 1
+    return {key for key, count in seen.items() if count > 1}
