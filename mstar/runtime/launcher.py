@@ -1,6 +1,7 @@
 """Start a conductor and its workers, in one process (threads) or across processes.
 
-Both modes run the same Worker and Conductor code; only the channels and the tensor codec differ.
+Both modes run the same Worker and Conductor code; only the channels and the tensor codec differ. An
+in-process worker builds its engines on its own thread (`_start_inproc_worker` says why).
 
 The conductor's receive loop runs on a thread of its own (`mstar-conductor`). In `multiproc` mode a
 watchdog reaps a worker process that exits, fails its requests and restarts it with backoff

@@ -1,8 +1,9 @@
 """Paged attention with torch's scaled_dot_product_attention: works on CPU and GPU.
 
 The reference backend: sequences of a packed batch are padded to one [B, Hq, Lq, Lk] problem
-and masked, so it stays one SDPA call per layer; the faster backends (Triton, FlashInfer) implement
-the same interface.
+and masked, so it stays one SDPA call per layer; a decode batch (one new token per sequence) is
+[B, Hkv, groups, Lk] instead, each kv head's query heads as rows, so no key is copied per query head.
+It is the CPU backend; the faster backends (Triton, FlashInfer) implement the same interface on CUDA.
 """
 
 from __future__ import annotations
