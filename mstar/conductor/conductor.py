@@ -192,7 +192,8 @@ class Conductor:
             if s.source_lane == walk.lane and s.edge in produced and s.target_input in req.stream_dest
         }
         req.current_walk[walk.lane] = name
-        self._send(routes[_first_node(walk)], wire.StartWalk(req.rid, name, req.options, inputs, routes, targets))
+        self._send(routes[_first_node(walk)], wire.StartWalk(req.rid, name, req.options, inputs, routes, targets,
+                                                             req.kv_sources.pop(name, {})))
 
     def _walk_done(self, msg: wire.WalkDone) -> None:
         req = self._active.get(msg.rid)
@@ -259,15 +260,24 @@ class Conductor:
                 raise AdmissionError(
                     f"no live worker runs component {node.component!r} for walk {walk.name!r} "
                     f"(dead: {self._dead})", status=503)
-            replica = req.sticky.get(node.component)
+            replica = earlier = req.sticky.get(node.component)
             if replica not in candidates:
                 replica = min(candidates, key=lambda r: self._load[r[0]])
                 req.sticky[node.component] = replica
+                if earlier is not None and self._moves_kv(node.component, earlier, replica):
+                    req.kv_sources.setdefault(walk.name, {})[node.component] = earlier[0]
             routes[node.name] = replica[0]
             if replica[0] not in req.workers:
                 req.workers.add(replica[0])
                 self._load[replica[0]] += 1
         return routes
+
+    def _moves_kv(self, component: str, earlier: tuple[int, ...], replica: tuple[int, ...]) -> bool:
+        """Whether the request's sequence of `component` moves from replica `earlier` to `replica`: an
+        autoregressive component, one rank each (a tensor-parallel replica's shards recompute), the
+        earlier one alive."""
+        return (self.graph.components[component].engine == "autoregressive" and len(earlier) == 1
+                and len(replica) == 1 and earlier[0] not in self._dead)
 
 
 def _failure(req: RequestState, exc: Exception) -> FinishEvent:

@@ -25,7 +25,13 @@ _ENGINE_GAUGES = {
     "seqs_running": ("mstar_sequences_running", "autoregressive sequences holding KV pages"),
     "seqs_waiting": ("mstar_sequences_waiting", "autoregressive sequences waiting for KV pages"),
 }
-_ENGINE_COUNTERS = {"preemptions": ("mstar_preemptions", "sequences preempted (pages freed, recomputed later)")}
+_ENGINE_COUNTERS = {
+    "preemptions": ("mstar_preemptions", "sequences preempted (pages freed, recomputed later)"),
+    "prompt_tokens": ("mstar_prompt_tokens", "prompt tokens the engine computed"),
+    "kv_pages_sent": ("mstar_kv_pages_sent", "KV pages sent to another worker's engine"),
+    "kv_pages_received": ("mstar_kv_pages_received", "KV pages received from another worker's engine"),
+    "kv_pages_reused": ("mstar_kv_pages_reused", "pages of a moved sequence found in the prefix cache, not sent"),
+}
 _LABELS = ("component", "rank")
 
 

@@ -25,6 +25,8 @@ class StartWalk(msgspec.Struct, tag=True, array_like=True):
     inputs: Tensors  # walk inputs by edge name (request inputs and carries)
     routes: dict[str, int]  # node name -> rank that runs it
     stream_targets: dict[str, list[Any]]  # produced edge -> [consumer rank, stream name, first seq]
+    # component -> rank whose engine holds the request's sequence of it, to move here (PD disaggregation)
+    kv_sources: dict[str, int] = {}
 
 
 class _ReadyNode(msgspec.Struct, array_like=True):
@@ -113,6 +115,43 @@ class WalkDone(msgspec.Struct, tag=True, array_like=True):
     error: str | None = None
 
 
+class KVPull(msgspec.Struct, tag=True, array_like=True):
+    """Worker -> the worker holding a request's sequence of `component`: send it to me; `held` are the
+    hashes of its leading pages I have cached already (their contents need not travel)."""
+
+    rid: str
+    component: str
+    kv_slot: str
+    held: list[bytes]  # 16-byte little-endian page hashes (engines/kv_cache/prefix_cache.py)
+    reply_to: int
+
+
+class KVPositionsWire(msgspec.Struct, array_like=True):
+    """engines.base.KVPositions on the wire."""
+
+    start: int
+    offset: float
+    multi_row: bool
+    fractional: bool
+    num_shareable: int
+
+
+class KVPages(msgspec.Struct, tag=True, array_like=True):
+    """Answer to KVPull: the sequence (engines.base.KVExport), or found=False when the sender has none
+    to give (the receiver then recomputes the prompt). All layers in one message."""
+
+    rid: str
+    component: str
+    kv_slot: str
+    found: bool
+    tokens: list[int] = []
+    page_hashes: list[bytes] = []  # as KVPull.held
+    skip: int = 0
+    k: TensorPayload | None = None
+    v: TensorPayload | None = None
+    positions: KVPositionsWire | None = None
+
+
 class ReplicaItem(_ReadyNode):
     """One item of a replica step: a ready node of one request, as the lead rank's engine saw it."""
 
@@ -184,10 +223,10 @@ class WorkerStats(msgspec.Struct, tag=True, array_like=True):
 
 
 # the messages about one request (`rid`), and those of them about one of its walks (`walk`)
-REQUEST_MESSAGES = (StartWalk, RunNode, NodeDone, StreamItem, StreamEnd, Release, ClientOutput, WalkDone)
+REQUEST_MESSAGES = (StartWalk, RunNode, NodeDone, StreamItem, StreamEnd, Release, ClientOutput, WalkDone, KVPull, KVPages)
 WALK_MESSAGES = (StartWalk, RunNode, NodeDone, WalkDone)
 
 Message = Union[
     StartWalk, RunNode, NodeDone, StreamItem, StreamEnd, Release, Shutdown, ClientOutput, ClientOutputs, WalkDone,
-    ReplicaStep, ReplicaEngineStep, WorkerReady, WorkerFailed, WorkerStats,
+    ReplicaStep, ReplicaEngineStep, WorkerReady, WorkerFailed, WorkerStats, KVPull, KVPages,
 ]

@@ -26,10 +26,12 @@ def test_autoregressive_stats_follow_pages_sequences_and_release(model):
     engine.submit(item("a", list(range(1, 10))))  # 9 tokens: 3 pages once computed
     engine.submit(item("b", [5, 6]))
     assert engine.stats() == {"queue_depth": 2, "kv_pages_used": 0, "kv_pages_cached": 0, "kv_pages_total": 16,
-                              "seqs_running": 0, "seqs_waiting": 2, "preemptions": 0}
+                              "seqs_running": 0, "seqs_waiting": 2, "preemptions": 0, "prompt_tokens": 0,
+                              "kv_pages_sent": 0, "kv_pages_received": 0, "kv_pages_reused": 0}
     results = engine.step()
     assert engine.last_step_items == 2 and len(results) == 2
     stats = engine.stats()
+    assert stats["prompt_tokens"] == 9 + 2
     assert stats["kv_pages_used"] == 3 + 1 and stats["seqs_running"] == 2 and stats["queue_depth"] == 0
     engine.release("a")
     engine.release("b")

@@ -49,6 +49,12 @@ class BatchScheduler:
             seq.status = SeqStatus.WAITING
             self.waiting.append(seq)
 
+    def adopt(self, seq: Sequence) -> None:
+        """Add a sequence that already holds pages for its computed tokens (moved from another engine)
+        to the running ones; the caller checked that a seat is free."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
     def remove(self, seq: Sequence) -> None:
         """Forget `seq` and free its pages (cached full pages stay reusable)."""
         if seq.status is SeqStatus.RUNNING:

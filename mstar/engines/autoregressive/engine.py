@@ -25,6 +25,11 @@ then starts from `prompt_ids + input_ids` (recomputing the prompt's KV once) and
 tokens already generated, so penalties, `min_tokens`, `max_tokens` and seeded sampling (which skips
 the draws those tokens consumed: one row of `logit_width` each) continue exactly where the prefill
 worker left off. For a sequence it already holds, `prompt_ids` is ignored.
+
+Moving a sequence instead (`KVHandoff`, kv_transfer.py): the decode worker holds what its prefix cache
+has of the prompt (`hold_prefix`), the prefill worker exports the sequence's other pages and drops it
+(`export_kv`), and the decode worker's first item starts from those pages (`submit_with_kv`): no
+prompt token is computed again. `stats()["prompt_tokens"]` counts the prompt tokens this engine computed.
 """
 
 from __future__ import annotations
@@ -35,16 +40,18 @@ import torch
 
 from mstar.config import CudaGraphConfig
 from mstar.engines.autoregressive.batch_scheduler import BatchScheduler, Chunk
+from mstar.engines.autoregressive.kv_transfer import gather_pages, place_pages
 from mstar.engines.autoregressive.lookahead import Ahead
 from mstar.engines.autoregressive.runner import ModelRunner, make_attention_backend
 from mstar.engines.autoregressive.sequence import Sequence
 from mstar.engines.autoregressive.step_graph import StepGraphs
 from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs, parse_item
-from mstar.engines.base import CausalLM, LoopSpec, StepItem, StepResult, require
+from mstar.engines.base import CausalLM, KVExport, LoopSpec, StepItem, StepResult, require
 from mstar.engines.cuda_graphs import to_device_async, to_host_async
 from mstar.engines.grammar import GrammarMatcher, Grammars, constrain
 from mstar.engines.kv_cache.block_pool import BlockPool
 from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
+from mstar.engines.kv_cache.prefix_cache import hash_pages
 from mstar.engines.sampling import SampleOutput, SamplingParams, SamplingRow, plain_greedy, sample
 from mstar.engines.sampling_graph import SamplerGraphs
 
@@ -91,6 +98,9 @@ class AutoregressiveEngine:
         self.runner = ModelRunner(model, attn, kv_config.page_size, self.device, cuda_graphs, max_num_seqs)
         self._seqs: dict[tuple[str, str], Sequence] = {}
         self._errors: list[StepResult] = []  # items refused at submit, reported by the next step
+        self._held: dict[tuple[str, str], list[int]] = {}  # cached prompt pages held for a sequence moving here
+        self.prompt_tokens = 0  # prompt tokens computed (a moved sequence's count none)
+        self.kv_pages_sent = self.kv_pages_received = self.kv_pages_reused = 0
         # a request without a seed samples from a generator seeded by its id, not the device's shared one:
         # the ranks of a tensor-parallel replica then draw the same tokens (worker/replica.py)
         self.seed_per_request = False
@@ -164,6 +174,8 @@ class AutoregressiveEngine:
         chunks, logits = self._ahead_chunks(ahead) if ahead is not None else ([], None)
         if not chunks:
             chunks = self.batch_scheduler.schedule()
+            self.prompt_tokens += sum(min(c.start + c.num_tokens, c.seq.num_prompt) - c.start
+                                      for c in chunks if c.start < c.seq.num_prompt)
             logits = self.runner.run(chunks) if chunks else None
         self.last_step_items = len(chunks)
         if chunks:
@@ -207,15 +219,85 @@ class AutoregressiveEngine:
             "seqs_running": len(sched.running),
             "seqs_waiting": len(sched.waiting),
             "preemptions": sched.num_preemptions,
+            "prompt_tokens": self.prompt_tokens,
+            "kv_pages_sent": self.kv_pages_sent,
+            "kv_pages_received": self.kv_pages_received,
+            "kv_pages_reused": self.kv_pages_reused,
         }
 
     def release(self, request_id: str) -> None:
         """Drop every sequence (all KV slots) and pending item of `request_id`; unknown ids are fine."""
         for key in [k for k in self._seqs if k[0] == request_id]:
             self.batch_scheduler.remove(self._seqs.pop(key))
+        for key in [k for k in self._held if k[0] == request_id]:
+            self.pool.free(self._held.pop(key))
         self._errors = [r for r in self._errors if r.request_id != request_id]
 
-    def _accept(self, item: StepItem) -> None:
+    def hold_prefix(self, item: StepItem) -> list[int]:
+        """`KVHandoff.hold_prefix`: the prompt is the item's `prompt_ids` (none: nothing is held)."""
+        context = item.inputs.get(CONTEXT_PORT)
+        key = (item.request_id, item.kv_slot)
+        if context is None or key in self._seqs or key in self._held:
+            return []
+        page = self.pool.page_size
+        tokens = context.tolist()
+        hashes = hash_pages(tokens[: len(tokens) // page * page], page, [])
+        self._held[key] = self.pool.match_prefix(hashes)
+        return hashes[: len(self._held[key])]
+
+    def export_kv(self, request_id: str, kv_slot: str, held: list[int]) -> KVExport | None:
+        """`KVHandoff.export_kv`: a sequence with every token computed and no item pending."""
+        key = (request_id, kv_slot)
+        seq = self._seqs.get(key)
+        if seq is None or seq.item is not None or seq.num_computed != len(seq.token_ids) or not seq.token_ids:
+            return None
+        hashes = seq.page_hashes[: seq.num_registered]
+        skip = 0
+        while skip < min(len(held), len(hashes)) and held[skip] == hashes[skip]:
+            skip += 1
+        pages = seq.pages[skip : self.pool.pages_for(seq.num_computed)]
+        k, v = gather_pages(self.runner.attn, pages)
+        positions = seq.inputs.continuation() if seq.inputs is not None else None
+        export = KVExport(list(seq.token_ids), list(hashes), skip, k, v, positions)
+        self.batch_scheduler.remove(self._seqs.pop(key))
+        self.kv_pages_sent += len(pages)
+        return export
+
+    def submit_with_kv(self, item: StepItem, export: KVExport | None) -> None:
+        """`KVHandoff.submit_with_kv`; a sequence that cannot take its pages now (no free pages or
+        seats) starts as the recompute path does."""
+        held = self._held.pop((item.request_id, item.kv_slot), [])
+        try:
+            self._accept(item, export, held)
+        except ValueError as e:
+            self._errors.append(StepResult(item.request_id, item.walk, item.node, error=str(e),
+                                           iteration=item.iteration))
+        finally:
+            self.pool.free(held)  # the moved sequence took its own references
+
+    def _adopt(self, seq: Sequence, export: KVExport, held: list[int]) -> None:
+        """Give a new sequence (not yet queued) the pages of `export`: the held ones it skipped, fresh
+        ones with the sent contents; it joins the running sequences with its tokens computed."""
+        pages_needed = self.pool.pages_for(len(export.tokens))
+        fresh = pages_needed - export.skip
+        sched = self.batch_scheduler
+        if export.skip > len(held) or fresh > self.pool.num_free or len(sched.running) >= sched.max_num_seqs:
+            return  # recomputed from its tokens instead (counted in prompt_tokens)
+        seq.pages = [*held[: export.skip], *self.pool.allocate(fresh)]
+        del held[: export.skip]  # their references pass to the sequence; the caller frees the rest
+        if fresh:
+            assert export.k is not None and export.v is not None
+            place_pages(self.runner.attn, seq.pages[export.skip :], export.k, export.v)
+        seq.num_computed = len(export.tokens)
+        seq.page_hashes = list(export.page_hashes)
+        for i in range(export.skip, len(export.page_hashes)):
+            self.pool.register(seq.pages[i], export.page_hashes[i])
+        seq.num_registered = len(export.page_hashes)
+        sched.adopt(seq)
+        self.kv_pages_received += fresh
+        self.kv_pages_reused += export.skip
+
+    def _accept(self, item: StepItem, export: KVExport | None = None, held: list[int] | None = None) -> None:
         ids = item.inputs.get("input_ids")
         if ids is None or ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point():
             raise ValueError(f"item {item.node!r} needs inputs['input_ids'] as a non-empty 1-D integer tensor")
@@ -226,7 +308,11 @@ class AutoregressiveEngine:
         key = (item.request_id, item.kv_slot)
         seq = self._seqs.get(key)
         if seq is None:
-            seq = self._new_sequence(key, item, tokens)
+            seq = self._new_sequence(key, item, tokens, None if export is None else export.tokens)
+            if export is not None:
+                if export.positions is not None:
+                    seq.inputs = TokenInputs.resumed(export.positions)
+                self._adopt(seq, export, held or [])
         elif seq.item is not None:
             raise ValueError(f"request {key[0]!r} slot {key[1]!r} already has an item waiting for its result")
         elif len(seq.token_ids) + len(tokens) > self.max_model_len:
@@ -247,12 +333,14 @@ class AutoregressiveEngine:
             seq.inputs = TokenInputs()
         seq.inputs.add(len(seq.token_ids) - n, n, extras)
 
-    def _new_sequence(self, key: tuple[str, str], item: StepItem, tokens: list[int]) -> Sequence:
-        """A sequence of `tokens`, or, when the item brings `prompt_ids`, one started on another worker:
-        its prompt recomputed and `tokens` counted as generated (module doc)."""
+    def _new_sequence(self, key: tuple[str, str], item: StepItem, tokens: list[int],
+                      moved: list[int] | None = None) -> Sequence:
+        """A sequence of `tokens`, or, when the item brings `prompt_ids` (or `moved`: the tokens of a
+        sequence moved here), one started on another worker: its prompt recomputed (or moved) and
+        `tokens` counted as generated (module doc)."""
         params = SamplingParams.from_options(item.options, self.default_sampling)
         context = item.inputs.get(CONTEXT_PORT)
-        prompt = [] if context is None else context.tolist()
+        prompt = moved if moved is not None else [] if context is None else context.tolist()
         if prompt and (len(prompt) + len(tokens) >= self.max_model_len
                        or len(prompt) + (params.max_tokens or 0) > self.max_model_len):
             raise ValueError(f"resumed sequence of {len(prompt)} prompt + {len(tokens)} generated tokens "

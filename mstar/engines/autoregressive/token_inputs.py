@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mstar.engines.base import CausalLM, StepItem
+from mstar.engines.base import CausalLM, KVPositions, StepItem
 from mstar.engines.cuda_graphs import to_device_async
 from mstar.engines.extras import FINAL, ForwardExtras
 
@@ -137,6 +137,23 @@ class TokenInputs:
         self.num_shareable = sys.maxsize  # tokens before the first one whose K/V depend on more than ids
         self.hidden: _Hidden | None = None
         self._step: tuple[int, DecodeRow] | None = None  # the last one-token item's row, made as it arrived
+
+    def continuation(self) -> KVPositions:
+        """What later tokens without explicit positions continue from (a sequence moved elsewhere)."""
+        start, offset = self._offsets[-1]
+        return KVPositions(start, float(offset), self.multi_row, self._float, min(self.num_shareable, sys.maxsize))
+
+    @classmethod
+    def resumed(cls, state: KVPositions) -> TokenInputs:
+        """The inputs of a sequence moved here with its tokens computed: later tokens continue as
+        `state` says. Earlier tokens' embeddings and explicit positions stay with the sender, so such
+        a sequence is never recomputed from here correctly unless its tokens alone describe it."""
+        inputs = cls()
+        offset = state.offset if state.fractional else int(state.offset)
+        inputs._offsets.append((state.start, offset))
+        inputs.multi_row, inputs._float = state.multi_row, state.fractional
+        inputs.num_shareable = state.num_shareable
+        return inputs
 
     @property
     def num_matchable(self) -> int:
