@@ -110,3 +110,8 @@ def test_release_while_waiting_frees_the_held_pages(model):
     assert len(b.hold_prefix(it)) == 7 and b.stats()["kv_pages_used"] == 7
     b.release("r")
     assert b.stats()["kv_pages_used"] == 0 and b.stats()["kv_pages_cached"] == cached
+
+
+def test_warm_up_prompts_are_not_counted(model):
+    engine = make_engine(model, warm_up=True)  # as on CUDA: throwaway prompts run before serving
+    assert engine.stats()["prompt_tokens"] == 0

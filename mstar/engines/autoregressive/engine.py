@@ -125,6 +125,7 @@ class AutoregressiveEngine:
             self.step_graphs = StepGraphs(self.runner, self.sampler)
         if warm_up if warm_up is not None else self.device.type == "cuda":
             self._warm_up()
+            self.prompt_tokens = 0  # served prompts only
         self.last_step_items = 0  # sequences the latest step computed (`Engine`)
 
     def _warm_up(self, alone: tuple[int, ...] = (5, 12, 24, 48), together: tuple[int, ...] = (5, 16, 33)) -> None:
