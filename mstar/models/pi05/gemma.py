@@ -25,12 +25,12 @@ from mstar.layers.rope import RopeSpec, RotaryEmbedding, apply_rotary
 from mstar.models.pi05.config import GemmaShape
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values [B, L, KV heads, head_dim]
+Modulation = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # an adaRMS norm's 1 + scale, shift, gate [N, 1, W]
 
 
 def rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) in float32."""
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    """x / rms(x) in float32 (one fused kernel where PyTorch has one)."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
 
 
 class GemmaNorm(nn.Module):
@@ -54,11 +54,19 @@ class AdaRMSNorm(nn.Module):
         self.eps = eps
         self.dense = nn.Linear(cond_width, 3 * width)
 
+    def modulation(self, cond: torch.Tensor) -> Modulation:
+        """cond [N, C] -> (1 + scale, shift) in float32 and gate, each [N, 1, W]: what `modulate` applies."""
+        scale, shift, gate = self.dense(cond.to(self.dense.weight.dtype))[:, None].chunk(3, dim=-1)
+        return 1.0 + scale.float(), shift.float(), gate
+
+    def modulate(self, x: torch.Tensor, modulation: Modulation) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, L, W] under a `modulation` of B rows (or one, shared) -> (normed [B, L, W], gate)."""
+        scale, shift, gate = modulation
+        return torch.addcmul(shift, rms_normed(x, self.eps), scale).to(x.dtype), gate.to(x.dtype)
+
     def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, L, W], cond [B, C] -> (normed [B, L, W], gate [B, 1, W])."""
-        scale, shift, gate = self.dense(cond.to(self.dense.weight.dtype))[:, None].chunk(3, dim=-1)
-        normed = rms_normed(x, self.eps) * (1.0 + scale.float()) + shift.float()
-        return normed.to(x.dtype), gate.to(x.dtype)
+        return self.modulate(x, self.modulation(cond))
 
 
 class GemmaMLP(nn.Module):
@@ -98,12 +106,15 @@ class GemmaAttention(nn.Module):
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
         """Every query [B, Lq, H, D] over the valid keys [B, Lk, KV, D] (`key_valid` [B, Lk]) -> [B, Lq, W]."""
         batch, length = q.shape[:2]
+        kv, groups = self.num_kv_heads, self.num_heads // self.num_kv_heads
         # the query heads of one KV head become rows of one attention (the mask is per key, not per query),
-        # so keys and values are read as they are instead of copied once per query head
-        rows = q.transpose(1, 2).reshape(batch, self.num_kv_heads, -1, self.head_dim)
+        # so keys and values are read in place, not copied per query head; rows in (position, head) order
+        # make every reshape a view when there is one KV head (Gemma's)
+        rows = q.view(batch, length, kv, groups, self.head_dim).transpose(1, 2).reshape(
+            batch, kv, length * groups, self.head_dim)
         out = F.scaled_dot_product_attention(rows, keys.transpose(1, 2), values.transpose(1, 2),
                                              attn_mask=key_valid[:, None, None, :])
-        out = out.view(batch, self.num_heads, length, self.head_dim).transpose(1, 2)
+        out = out.view(batch, kv, length, groups, self.head_dim).transpose(1, 2)
         return self.o(out.reshape(batch, length, self.num_heads * self.head_dim))
 
 
@@ -188,29 +199,50 @@ class ActionExpert(nn.Module):
         emb = time_embedding(t, self.shape.width, *self.periods).to(self.time_in.weight.dtype)
         return F.silu(self.time_out(F.silu(self.time_in(emb))))
 
+    def modulations(self, cond: torch.Tensor) -> list[Modulation]:
+        """Every adaRMS norm's modulation under cond [N, W]: each layer's two norms, then the final norm."""
+        per_layer = [m for layer in self.layers for m in (layer.norm1.modulation(cond), layer.norm2.modulation(cond))]
+        return [*per_layer, self.norm.modulation(cond)]
+
+    def context(self, chunk: int, prefix_len: torch.Tensor, prefix_valid: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cos, sin) of action tokens at positions prefix_len [B] onwards and which keys they see
+        [B, P + chunk]: what every step of a chunk shares."""
+        positions = prefix_len[:, None] + torch.arange(chunk, device=prefix_len.device)[None, :]
+        cos, sin = self.rotary(positions.reshape(-1))
+        return cos, sin, torch.cat([prefix_valid, prefix_valid.new_ones(len(prefix_valid), chunk)], dim=1)
+
     @torch.no_grad()
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, prefix: Callable[[int], KV], prefix_valid: torch.Tensor,
                 prefix_len: torch.Tensor) -> torch.Tensor:
         """`prefix(layer)` gives that layer's prefix keys and values [B, P, KV, D], valid where
         `prefix_valid` [B, P]; the action tokens sit at positions prefix_len [B] onwards. Float32 out."""
+        context = self.context(x_t.shape[1], prefix_len, prefix_valid)
+        return self.velocity(x_t, self.modulations(self.condition(t)), context, prefix)
+
+    def velocity(self, x_t: torch.Tensor, modulations: list[Modulation],
+                 context: tuple[torch.Tensor, torch.Tensor, torch.Tensor], prefix: Callable[[int], KV]) -> torch.Tensor:
+        """`forward` with the time's `modulations` and the chunk's `context` given (float32 out)."""
         x = self.action_in(x_t.to(self.action_in.weight.dtype))
-        positions = prefix_len[:, None] + torch.arange(x.shape[1], device=x.device)[None, :]
-        hidden = self.hidden(x, self.condition(t), positions, prefix, prefix_valid)
-        return self.action_out(hidden).float()
+        return self.action_out(self._layers(x, modulations, context, prefix)).float()
 
     def hidden(self, x: torch.Tensor, cond: torch.Tensor, positions: torch.Tensor, prefix: Callable[[int], KV],
                prefix_valid: torch.Tensor) -> torch.Tensor:
         """The layers and final norm over action tokens x [B, C, W] at `positions` [B, C] under `cond` [B, W]."""
-        batch, chunk = x.shape[:2]
         cos, sin = self.rotary(positions.reshape(-1))
-        key_valid = torch.cat([prefix_valid, prefix_valid.new_ones(batch, chunk)], dim=1)
+        key_valid = torch.cat([prefix_valid, prefix_valid.new_ones(x.shape[0], x.shape[1])], dim=1)
+        return self._layers(x, self.modulations(cond), (cos, sin, key_valid), prefix)
+
+    def _layers(self, x: torch.Tensor, modulations: list[Modulation],
+                context: tuple[torch.Tensor, torch.Tensor, torch.Tensor], prefix: Callable[[int], KV]) -> torch.Tensor:
+        cos, sin, key_valid = context
         for index, layer in enumerate(self.layers):
-            normed, gate = layer.norm1(x, cond)
+            normed, gate = layer.norm1.modulate(x, modulations[2 * index])
             q, k, v = layer.attn.project(normed, cos, sin)
             prefix_k, prefix_v = prefix(index)
             keys = torch.cat([prefix_k.to(k.dtype), k], dim=1)
             values = torch.cat([prefix_v.to(v.dtype), v], dim=1)
-            x = x + layer.attn.attend(q, keys, values, key_valid) * gate
-            normed, gate = layer.norm2(x, cond)
-            x = x + layer.mlp(normed) * gate
-        return self.norm(x, cond)[0]
+            x = torch.addcmul(x, layer.attn.attend(q, keys, values, key_valid), gate)
+            normed, gate = layer.norm2.modulate(x, modulations[2 * index + 1])
+            x = torch.addcmul(x, layer.mlp(normed), gate)
+        return self.norm.modulate(x, modulations[-1])[0]

@@ -52,11 +52,19 @@ class PolicyNet(nn.Module):
     def sample(self, noise: torch.Tensor, prefix: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
                prefix_valid: torch.Tensor, prefix_len: torch.Tensor, num_steps: int) -> torch.Tensor:
         """Every Euler step from noise [B, C, A] at t = 1 to the actions at t = 0 (float32), as `num_steps`
-        calls of `velocity` and `euler_step` give them; device work only, so a CUDA graph may hold it."""
+        calls of `velocity` and `euler_step` give them; device work only, so a CUDA graph may hold it.
+        What every step shares is computed once: the rotary tables and key mask, and each step's adaRMS
+        modulations (the time is the same for every row), all steps' in one matmul per norm."""
+        expert = self.expert
+        steps = torch.arange(num_steps, dtype=torch.float64, device=noise.device)
+        t = (1.0 + steps * (-1.0 / num_steps)).float()  # `flow_time` of every step, as the host computes it
+        per_step = expert.modulations(expert.condition(t))
+        context = expert.context(noise.shape[1], prefix_len, prefix_valid)
         x_t = noise.float()
         for step in range(num_steps):
-            t = torch.full((x_t.shape[0],), flow_time(step, num_steps), device=x_t.device)
-            x_t = euler_step(x_t, self.velocity(x_t, t, prefix, prefix_valid, prefix_len), num_steps)
+            modulations = [(scale[step:step + 1], shift[step:step + 1], gate[step:step + 1])
+                           for scale, shift, gate in per_step]
+            x_t = euler_step(x_t, expert.velocity(x_t, modulations, context, prefix), num_steps)
         return x_t
 
 
