@@ -8,10 +8,14 @@ scales s of one of two shapes:
 and W ~ q * s, expanded to W's shape. The Hugging Face formats store the same s: `weight_scale_inv`
 (fine-grained FP8, blocks) and `weight_scale` (compressed-tensors, per channel); both are multiplied.
 
-`fp8_linear` is the reference every device path must match: the weight dequantized in float32,
-rounded to the activation dtype, then F.linear in that dtype. CPU runs exactly that (an emulation);
-the CUDA kernels (a GEMV reading FP8 for decode batches, `torch._scaled_mm` with per-token activation
-scales for larger ones) are not written yet and run the same emulation meanwhile.
+`fp8_linear` picks one of two numerics, each with a CPU reference:
+  weight-only  (`weight_only_linear`) the weight dequantized in float32, rounded to the activation dtype,
+               then F.linear in that dtype: CPU always, and CUDA where `torch._scaled_mm` does not serve
+               (decode batches, where an FP8 GEMV is still to be written, and block scales);
+  W8A8         (`scaled_mm_linear`) on CUDA for bfloat16 inputs of at least SCALED_MM_MIN_ROWS rows and
+               per-channel weights: the activations quantized per token (the same formula as the weight's
+               rows) and `torch._scaled_mm` with both scales, accumulating in float32;
+               `w8a8_reference` is its CPU emulation.
 """
 
 from __future__ import annotations
@@ -109,10 +113,48 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3, {scales}"
 
 
+SCALED_MM_MIN_ROWS = 16  # fewer rows (decode) are weight-bound: reading FP8 weights is the gain, not FP8 math
+
+
 def fp8_linear(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
-    """x @ W.T (+ bias) with W the module's dequantized weight in x's dtype (the reference: module docstring)."""
+    """x @ W.T (+ bias) for the module's FP8 weight: W8A8 through `torch._scaled_mm` where it serves,
+    else the weight-only reference (module docstring)."""
+    if _scaled_mm_serves(x, module):
+        return scaled_mm_linear(x, module)
+    return weight_only_linear(x, module)
+
+
+def weight_only_linear(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
+    """F.linear with the module's weight dequantized to x's dtype: the weight-only reference."""
     bias = None if module.bias is None else module.bias.to(x.dtype)
     return F.linear(x, module.dequantized(x.dtype), bias)
+
+
+def _scaled_mm_serves(x: torch.Tensor, module: Fp8Linear) -> bool:
+    return (x.is_cuda and x.dtype == torch.bfloat16 and module.block is None
+            and x.numel() >= SCALED_MM_MIN_ROWS * module.in_features
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0)  # _scaled_mm's alignment
+
+
+def scaled_mm_linear(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
+    """W8A8 on CUDA: x quantized per token, `torch._scaled_mm` with row-wise scales, bfloat16 out."""
+    rows = x.reshape(-1, module.in_features)
+    xq, x_scale = quantize_per_channel(rows)
+    out = torch._scaled_mm(xq, module.weight.t(), scale_a=x_scale, scale_b=module.weight_scale.reshape(1, -1),
+                           out_dtype=x.dtype)
+    if module.bias is not None:
+        out = out + module.bias.to(x.dtype)
+    return out.reshape(*x.shape[:-1], module.out_features)
+
+
+def w8a8_reference(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
+    """The CPU emulation of `scaled_mm_linear`: both operands dequantized, the product in float32."""
+    rows = x.reshape(-1, module.in_features)
+    xq, x_scale = quantize_per_channel(rows)
+    out = F.linear(dequantize(xq, x_scale, None), dequantize(module.weight, module.weight_scale, module.block))
+    if module.bias is not None:
+        out = out + module.bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], module.out_features)
 
 
 def method_block(method: str) -> tuple[int, int] | None:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.config import ConfigError, config_from_dict
+from mstar.layers import fp8
 from mstar.layers.fp8 import (
     FP8_DTYPE,
     Fp8Linear,
@@ -17,6 +18,7 @@ from mstar.layers.fp8 import (
     quantize_blocks,
     quantize_linears,
     quantize_per_channel,
+    w8a8_reference,
 )
 from mstar.layers.linear import linear
 
@@ -138,3 +140,17 @@ def test_the_cli_flag_sets_every_quantizable_component_and_the_yaml_wins(tmp_pat
         cli.apply_quantization_flag(config_from_dict({"model": "toy"}), args)
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["serve", "llama", "--quantization", "int4"])
+
+
+def test_the_w8a8_reference_quantizes_activations_per_token():
+    torch.manual_seed(3)
+    module = Fp8Linear.from_linear(nn.Linear(64, 32, bias=True), None)
+    x = torch.randn(6, 64) * torch.logspace(-2, 1, 6)[:, None]  # tokens of very different ranges
+    x_scale = x.abs().amax(dim=1, keepdim=True) / E4M3_MAX
+    xq = _reference_quantize(x, x_scale)
+    want = (xq.float() * x_scale) @ (module.weight.float() * module.weight_scale).T + module.bias
+    got = w8a8_reference(x, module)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    weight_only = fp8_linear(x, module)  # what CPU runs: the activation rounding is the only difference
+    assert 0 < (got - weight_only).norm() < 0.05 * weight_only.norm()
+    assert not fp8._scaled_mm_serves(x.bfloat16(), module)  # never on CPU
