@@ -29,6 +29,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
+from benchmarks.results_io import write_results  # noqa: E402
+
 QUESTION = "Describe this picture in detail: the objects, their colors and what is happening."
 PROMPT = "A female cosplayer portraying an ethereal fairy, flowing emerald dress, a glowing magical forest behind."
 EDIT = "She boards a modern subway, quietly reading a folded newspaper, wearing the same clothes."
@@ -107,8 +109,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 doc["understanding"][f"c{concurrency}_t{tokens}"] = understanding_case(m, args, concurrency, tokens)
         doc["generation"] = image_case(m, args, edit=False)
         doc["editing"] = image_case(m, args, edit=True)
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"bagel_bench_{kind}.json"
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+    write_results(doc, args.out, args.quick, f"bagel_bench_{kind}")
     print(json.dumps(doc, indent=2))
     return doc
 

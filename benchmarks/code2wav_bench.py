@@ -23,7 +23,6 @@ Also: build and capture time, the graphs' memory, GPU ms per stage (eager, batch
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -37,6 +36,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
 from benchmarks.call_timing import PeakMemory, sync, time_calls  # noqa: E402
 from benchmarks.omni_codec_cases import code2wav_items, code2wav_stages  # noqa: E402
+from benchmarks.results_io import write_results  # noqa: E402
 from mstar.engines.base import StepGraphs  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip", nargs="*", default=[], choices=["engine", "eager", "new_width"],
                         help="cases to leave out")
     parser.add_argument("--out", default=None, help=f"JSON path (default {DEFAULT_OUT.relative_to(ROOT)}; "
-                                                    "--quick: code2wav_bench_quick.json)")
+                                                    "--quick: none)")
     args = parser.parse_args(argv)
     args.device = torch.device("cpu" if args.quick else "cuda")
     if args.device.type == "cuda" and not torch.cuda.is_available():
@@ -192,11 +192,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     doc["command"] = "python3 benchmarks/code2wav_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
     doc["date"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     print_table(doc)
-    out = Path(args.out) if args.out else (ROOT / "benchmarks/results/code2wav_bench_quick.json" if args.quick
-                                           else DEFAULT_OUT)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    logger.info("wrote %s (%.1f s in all)", out, doc["total_s"])
+    out = write_results(doc, args.out, args.quick, DEFAULT_OUT.stem)
+    logger.info("wrote %s (%.1f s in all)", out or "no file (--quick)", doc["total_s"])
     return doc
 
 

@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
 from benchmarks.call_timing import free_memory, peak_gb  # noqa: E402
+from benchmarks.results_io import write_results  # noqa: E402
 from benchmarks.wan_baseline import dummy_module  # noqa: E402
 
 PROMPT = "A lighthouse on a rocky cliff at dusk, waves below, warm light in the window"
@@ -316,9 +317,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         doc["speedup"] = ratios(doc["mstar"], doc["diffusers"])
         print(json.dumps({"diffusers": doc["diffusers"], "speedup": doc["speedup"]}), flush=True)
     slug = "".join(ch if ch.isalnum() else "_" for ch in device_name.lower()).strip("_")
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"cosmos3_bench_{slug}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+    write_results(doc, args.out, args.quick, f"cosmos3_bench_{slug}")
     return doc
 
 

@@ -29,6 +29,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
+from benchmarks.results_io import write_results  # noqa: E402
+
 TASK = "pick up the red cube and place it in the bowl"
 
 
@@ -166,9 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         doc["throughput"] = {f"c{n}": throughput_case(base, n, args.per_robot) for n in args.concurrency}
     if not args.no_baseline:
         doc["baseline"] = baseline_case(args, prompt_length(metadata, args))
-    name = "quick" if args.quick else device.replace(" ", "_")
-    out = Path(args.out) if args.out else ROOT / f"benchmarks/results/pi05_bench_{name}.json"
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+    write_results(doc, args.out, args.quick, f"pi05_bench_{device.replace(' ', '_')}")
     print(json.dumps(doc, indent=2))
     return doc
 

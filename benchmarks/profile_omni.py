@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import logging
 import platform
 import sys
@@ -50,6 +49,7 @@ from benchmarks import omni_codec_cases as codec  # noqa: E402
 from benchmarks import omni_decoder_cases as dec  # noqa: E402
 from benchmarks.call_timing import PeakMemory, module_gib  # noqa: E402
 from benchmarks.profile_omni_report import print_table  # noqa: E402
+from benchmarks.results_io import write_results  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also run N frames of the talk loop at the largest batch under cProfile: the "
                              "host functions by own and by cumulative time go into the JSON (frame_loop_cprofile)")
     parser.add_argument("--out", default=None, help=f"JSON path (default {DEFAULT_OUT.relative_to(ROOT)}; "
-                                                    "--quick: profile_omni_quick.json)")
+                                                    "--quick: none)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.components) - set(COMPONENTS))
     if unknown:
@@ -280,11 +280,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     doc["command"] = "python3 benchmarks/profile_omni.py " + " ".join(sys.argv[1:] if argv is None else argv)
     doc["date"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     print_table(doc, sys.stdout)
-    quick_out = ROOT / "benchmarks/results/profile_omni_quick.json"
-    out = Path(args.out) if args.out else (quick_out if args.quick else DEFAULT_OUT)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
-    logger.info("wrote %s (%.1f s in all)", out, doc["total_s"])
+    out = write_results(doc, args.out, args.quick, DEFAULT_OUT.stem)
+    logger.info("wrote %s (%.1f s in all)", out or "no file (--quick)", doc["total_s"])
     return doc
 
 

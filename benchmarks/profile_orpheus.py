@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import mstar.engines.autoregressive.engine as ar  # noqa: E402
+from benchmarks.results_io import write_results  # noqa: E402
 from mstar.engines.autoregressive.batch_scheduler import BatchScheduler  # noqa: E402
 from mstar.engines.autoregressive.runner import ModelRunner  # noqa: E402
 from mstar.engines.autoregressive.step_graph import StepGraphs  # noqa: E402
@@ -316,9 +317,8 @@ def main() -> None:
             for c in args.concurrency:
                 cases[f"c{c}"]["kernels"] = kernel_table(m, rec, c, args.kernels)
     _print_table(cases)
-    out = Path(args.out or ROOT / f"benchmarks/results/profile_orpheus{'_quick' if args.quick else ''}.json")
-    out.write_text(json.dumps({"command": "python3 " + " ".join(sys.argv), "device": device,
-                               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cases": cases}, indent=2) + "\n")
+    write_results({"command": "python3 " + " ".join(sys.argv), "device": device,
+                   "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "cases": cases}, args.out, args.quick, "profile_orpheus")
 
 
 def _print_table(cases: dict) -> None:
