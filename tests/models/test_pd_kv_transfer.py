@@ -44,7 +44,8 @@ def test_llama_decode_worker_takes_the_kv_and_prefills_nothing(llama):
     with MStar("llama", config=cfg, mode="multiproc", model_path=str(path)) as split:
         handles = [split.submit({"text": p}, **greedy) for p in prompts]
         assert [token_ids(h) for h in handles] == [hf_greedy(hf, tok.encode(p), 12) for p in prompts]
-        first = _gauges(split, "llm", lambda s: s.get(1, {}).get("kv_pages_received", 0) >= len(prompts))
+        first = _gauges(split, "llm", lambda s: s.get(1, {}).get("kv_pages_received", 0) >= len(prompts)
+                        and s[1]["kv_pages_received"] == s.get(0, {}).get("kv_pages_sent"))
         assert first[1]["prompt_tokens"] == 0 and first[1]["kv_pages_received"] >= len(prompts)
         assert first[0]["prompt_tokens"] == sum(len(tok.encode(p)) for p in prompts)
         assert first[0]["kv_pages_sent"] == first[1]["kv_pages_received"]
@@ -96,7 +97,8 @@ def test_qwen3_omni_thinker_decode_takes_the_kv_with_its_positions():
         want = [one.generate(r, **OMNI_OPTIONS) for r in (text, _media_request())]
     with MStar("qwen3_omni", config=config_from_dict(OMNI_PD), mode="multiproc", tiny=True) as two:
         got = [two.generate(r, **OMNI_OPTIONS) for r in (text, _media_request())]
-        stats = _gauges(two, "thinker", lambda s: s.get(1, {}).get("kv_pages_received", 0) >= 2)
+        stats = _gauges(two, "thinker", lambda s: s.get(1, {}).get("kv_pages_received", 0) >= 2
+                        and s[1]["kv_pages_received"] == s.get(0, {}).get("kv_pages_sent"))
     for w, g in zip(want, got):
         assert "".join(w.outputs["text"]) and g.outputs["text"] == w.outputs["text"]
         np.testing.assert_allclose(np.concatenate(g.outputs["audio"]), np.concatenate(w.outputs["audio"]), atol=1e-6)
