@@ -7,8 +7,9 @@ Lane `lm`:  prefill -> decode
            the first); unset max_tokens means "until eos or the end of the context": the loop
            bound is then the context length and the engine ends the sequence ("length").
 The decode node also reads the request's `prompt_ids`: ignored while the engine holds the
-sequence, it lets a decode walk placed on another worker than the prefill recompute the KV once
-(`CONTEXT_PORT`, mstar/engines/autoregressive/engine.py), so the graph is the same for every placement.
+sequence, it lets a decode walk placed on another worker than the prefill start there, from KV pages
+pulled from the prefill worker or, where they cannot move, by recomputing them once (`CONTEXT_PORT`,
+mstar/engines/autoregressive/engine.py), so the graph is the same for every placement.
 """
 
 from __future__ import annotations
