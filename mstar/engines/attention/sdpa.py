@@ -77,8 +77,8 @@ class SDPABackend:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_flat = self.k_cache[layer].view(-1, num_kv_heads, head_dim)
         v_flat = self.v_cache[layer].view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, b.slot_mapping, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, b.slot_mapping, v.to(v_flat.dtype))
+        k_flat[b.slot_mapping] = k.to(k_flat.dtype)
+        v_flat[b.slot_mapping] = v.to(v_flat.dtype)
         # Gather each sequence's pages into a contiguous [B, Lk, Hkv, D] view of its keys/values.
         num_seqs = b.block_tables.shape[0]
         keys = self.k_cache[layer].index_select(0, b.pages).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
