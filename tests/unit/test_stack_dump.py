@@ -33,15 +33,16 @@ def test_a_server_passes_sigusr1_on_to_its_workers():
     code = ("import os, signal, subprocess, sys, time\n"
             "from mstar.runtime.process import stacks_on_sigusr1\n"
             "child = subprocess.Popen([sys.executable, '-c', 'from mstar.runtime.process import stacks_on_sigusr1\\n"
-            "import time\\nstacks_on_sigusr1()\\n"  # "ready" from inside the frame the dump must show
-            "def worker_waiting():\\n    print(\"ready\", flush=True)\\n    time.sleep(3)\\nworker_waiting()\\n'],"
-            " stdout=subprocess.PIPE, text=True)\n"
+            "import sys\\nstacks_on_sigusr1()\\n"  # "ready" from inside the frame the dump must show
+            "def worker_waiting():\\n    print(\"ready\", flush=True)\\n    sys.stdin.readline()\\n"
+            "worker_waiting()\\n'], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)\n"
             "child.stdout.readline()\n"
             "stacks_on_sigusr1(lambda: [child.pid])\n"
             "def server_serving():\n"
             "    os.kill(os.getpid(), signal.SIGUSR1)\n"
             "    time.sleep(0.5)\n"
             "server_serving()\n"
+            "child.stdin.close()\n"  # the child waits in its frame until here, however loaded the machine
             "child.wait(timeout=30)\n")
     done = _python(code)
     assert "server_serving" in done.stderr and "worker_waiting" in done.stderr  # both wrote their stacks

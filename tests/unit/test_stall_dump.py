@@ -11,14 +11,14 @@ from mstar.worker.stats import stall_dump
 
 def test_a_step_past_the_limit_dumps_the_stacks(capfd):
     def slow_engine_step():
-        time.sleep(1.4)
+        time.sleep(0.5)
 
-    with stall_dump(1):
+    with stall_dump(0.1):
         slow_engine_step()
     assert "slow_engine_step" in capfd.readouterr().err
-    with stall_dump(1):
+    with stall_dump(0.1):
         pass
-    time.sleep(1.2)  # the cancelled dump never comes
+    time.sleep(0.4)  # the cancelled dump never comes
     assert "Thread" not in capfd.readouterr().err
 
 
