@@ -36,6 +36,7 @@ def _run(m) -> list:
     return [h.result().outputs for h in handles]
 
 
+@pytest.mark.slow  # worker processes; test_wan22_cfg_parallel.py is the default run's representative
 def test_three_process_cfg_parallel_equals_one_worker():
     with MStar("bagel", tiny=True) as m:
         expected = _run(m)

@@ -3,6 +3,7 @@ one device gives; each rank holds only its branch's prompt keys and values."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mstar.config import load_config
@@ -24,6 +25,7 @@ def test_cfg_parallel_placement_splits_the_branches_by_node_name():
     assert plan.components_on(1) == ["dit"] and plan.num_workers == 2
 
 
+@pytest.mark.slow  # worker processes; test_wan22_cfg_parallel.py is the default run's representative
 def test_two_process_cfg_parallel_equals_one_device():
     def run(m) -> list[dict]:
         handles = [m.submit({"text": p}, seed=i, **OPTIONS) for i, p in enumerate(PROMPTS[:2])]

@@ -3,6 +3,7 @@ float32; packed rows of odd lengths (padded per row), sound and action tokens, g
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.models.sp_testing import run_ranks
@@ -41,6 +42,7 @@ def _check(replica, device) -> dict:
             "scale": alone[0].vision.abs().mean().item()}
 
 
+@pytest.mark.slow  # spawned ranks; test_wan22_sequence_parallel.py is the default run's representative
 def test_two_ranks_equal_one(tmp_path):
     results = run_ranks(_check, 2, "cpu", tmp_path)
     for result in results:

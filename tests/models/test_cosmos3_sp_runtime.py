@@ -4,6 +4,7 @@ gloo) gives what one device gives, for a video with sound and a policy batched t
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from mstar.config import load_config
@@ -21,6 +22,7 @@ def _run(m) -> list[dict]:
     return [outputs_of(h.result()) for h in handles]
 
 
+@pytest.mark.slow  # worker processes; test_wan22_sp_runtime.py is the default run's representative
 def test_sequence_parallel_replica_equals_one_device():
     with MStar("cosmos3", tiny=True) as m:
         expected = _run(m)

@@ -89,6 +89,7 @@ def _media_request():
                       {"type": "audio", "data": (0.3 * np.sin(2e3 * t)).astype(np.float32), "sample_rate": 16000}]}
 
 
+@pytest.mark.slow  # a second model over two processes; the Llama test above is the default run's representative
 @pytest.mark.usefixtures("one_thread")
 def test_qwen3_omni_thinker_decode_takes_the_kv_with_its_positions():
     text = {"messages": [{"role": "user", "content": "Say something."}]}

@@ -25,6 +25,7 @@ def _request():
 
 
 @pytest.mark.usefixtures("one_thread")
+@pytest.mark.slow  # test_qwen3_omni_runtime.py runs the same placement over two processes by default
 def test_one_worker_and_two_processes_agree_on_a_media_chat():
     config = {"model": "qwen3_omni", "device": "cpu", "model_kwargs": KWARGS}
     with MStar("qwen3_omni", config=config, tiny=True) as one:

@@ -38,7 +38,9 @@ def whole(tmp_path_factory, one_thread):
     return folder, texts, audio
 
 
-@pytest.mark.parametrize("split_attention", [True, False])  # model_kwargs.thinker_tp_attention
+# model_kwargs.thinker_tp_attention; the experts-only split is also checked layer by layer by
+# test_qwen3_omni_thinker_tp.py, so its two-process run is in the slow group
+@pytest.mark.parametrize("split_attention", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_tensor_parallel_thinker_serves_the_same_answers(whole, split_attention):
     folder, want_texts, want_audio = whole
     layout = load_config("qwen3_omni_2gpu_tp").node_groups
