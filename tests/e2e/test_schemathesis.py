@@ -26,6 +26,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "min_tokens")
 TOKEN_CAP = 16
 EXAMPLES = envs.schemathesis_examples()
+QUICK_EXAMPLES = min(EXAMPLES, 8)  # the default run's count; the slow group runs EXAMPLES
 
 
 # name -> (config, Runtime kwargs, run schemathesis' coverage phase). The coverage phase (about a
@@ -50,8 +51,19 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 
 
 @schema.parametrize()
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=QUICK_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_api_conforms_to_its_schema(case):
+    _conforms(case)
+
+
+@pytest.mark.slow
+@schema.parametrize()
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+def test_api_conforms_to_its_schema_with_every_example(case):
+    _conforms(case)
+
+
+def _conforms(case) -> None:
     _cap_lengths(case.body)
     case.call_and_validate(checks=CHECKS, timeout=30)
 
