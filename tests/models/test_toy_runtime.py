@@ -33,8 +33,9 @@ def reference():
         return as_arrays(run_all(m, max_tokens=24)), [r.finish_reason for r in run_all(m, max_tokens=24)]
 
 
-@pytest.mark.parametrize("mode", ["inproc", "multiproc"])
-@pytest.mark.parametrize("config", CONFIGS)
+# Every placement in process; over processes the three-worker placement by default, the others in the slow group
+@pytest.mark.parametrize(("config", "mode"), [(c, "inproc") for c in CONFIGS] + [
+    pytest.param(c, "multiproc", marks=() if c == "toy_3workers" else pytest.mark.slow) for c in CONFIGS])
 def test_same_outputs_in_every_placement_and_mode(reference, config, mode):
     expected, reasons = reference
     with MStar(config=config, mode=mode) as m:
