@@ -23,6 +23,9 @@ def _config(**kw):
     return dataclasses.replace(cfg, device="cpu", **kw)
 
 
+# two worker processes: test_pd_kv_transfer.py serves this placement by default, and seeded decoding after a
+# handoff is checked between two engines in process by tests/unit/test_ar_kv_handoff.py
+@pytest.mark.slow
 def test_prefill_decode_split_matches_one_worker(checkpoint):
     path, hf, tok = checkpoint
     prompts = PROMPTS[:4]
