@@ -94,7 +94,8 @@ BENCH_PROFILE_DIR = EnvVar(
     "benchmarks only: worker processes of benchmarks/runtime_per_token.py dump cProfile stats here")
 SCHEMATHESIS_EXAMPLES = EnvVar(
     "MSTAR_SCHEMATHESIS_EXAMPLES", "int", "25",
-    "tests only: generated examples per operation in tests/e2e/test_schemathesis.py")
+    "tests only: generated examples per operation in tests/e2e/test_schemathesis.py's slow test (the default "
+    "run takes at most 8)")
 
 ALL: tuple[EnvVar, ...] = (FUSED_KERNELS, SKINNY_GEMM, MOE_TILED, WAN_GEMM_GELU, PDL, STALL_DUMP_S, WATCHDOG_S, CACHE_DIR, API_KEY, SESSION, BENCH_PROFILE_DIR,
                            SCHEMATHESIS_EXAMPLES)
