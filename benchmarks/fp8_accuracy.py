@@ -27,24 +27,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Give me three tips for staying healthy.",
-    "What is 17 times 23?",
-    "Translate 'good morning' into Spanish.",
-    "Explain photosynthesis in one sentence.",
-    "Name the planets of the solar system.",
-    "Write a Python function that reverses a string.",
-    "Who wrote Romeo and Juliet?",
-    "What is the boiling point of water in Fahrenheit?",
-    "Summarize the plot of Cinderella.",
-    "List three uses of a paperclip.",
-    "Why is the sky blue?",
-    "Describe a cat to someone who has never seen one.",
-    "What are the primary colors?",
-    "Give an example of a prime number larger than 100.",
-]
+from benchmarks.chat_prompts import CHAT_PROMPTS as PROMPTS  # noqa: E402
+
 VARIANTS = ("fp8", "fp8_block", "bf16")
 
 

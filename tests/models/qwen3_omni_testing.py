@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -41,3 +42,14 @@ def save_checkpoint(folder: Path, hf_parts: dict[str, torch.nn.Module], config: 
             tensors.update({f"{prefix}.{k}": f.get_tensor(k) for k in f.keys()})
     save_file(tensors, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config))
+
+
+def media_chat_request() -> dict:
+    """A chat turn with an image (48x64 gradient) and 1.25 s of a 2 kHz tone at 16 kHz, then a question."""
+    y, x = np.mgrid[0:48, 0:64]
+    image = np.stack([x * 4, y * 5, (x + y) * 2], -1).astype(np.uint8)
+    t = np.arange(20000) / 16000
+    content = [{"type": "image_url"}, {"type": "input_audio"}, {"type": "text", "text": "What is this?"}]
+    return {"messages": [{"role": "user", "content": content}],
+            "media": [{"type": "image", "data": image},
+                      {"type": "audio", "data": (0.3 * np.sin(2e3 * t)).astype(np.float32), "sample_rate": 16000}]}

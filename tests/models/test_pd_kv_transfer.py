@@ -14,6 +14,7 @@ import pytest
 from mstar.config import config_from_dict, load_config
 from mstar.runtime.offline import MStar
 from tests.models.llm_runtime_testing import PROMPTS, hf_greedy, make_checkpoint, token_ids
+from tests.models.qwen3_omni_testing import media_chat_request
 
 
 def _gauges(m: MStar, component: str, until, timeout_s: float = 15.0) -> dict[int, dict[str, float]]:
@@ -79,14 +80,6 @@ OMNI_OPTIONS = dict(temperature=0.0, max_tokens=6, modalities=["text", "audio"],
                     **{"talker.temperature": 0.0, "talker.max_tokens": 8})
 
 
-def _media_request():
-    y, x = np.mgrid[0:48, 0:64]
-    image = np.stack([x * 4, y * 5, (x + y) * 2], -1).astype(np.uint8)
-    t = np.arange(20000) / 16000
-    content = [{"type": "image_url"}, {"type": "input_audio"}, {"type": "text", "text": "What is this?"}]
-    return {"messages": [{"role": "user", "content": content}],
-            "media": [{"type": "image", "data": image},
-                      {"type": "audio", "data": (0.3 * np.sin(2e3 * t)).astype(np.float32), "sample_rate": 16000}]}
 
 
 @pytest.mark.slow  # a second model over two processes; the Llama test above is the default run's representative
@@ -95,9 +88,9 @@ def test_qwen3_omni_thinker_decode_takes_the_kv_with_its_positions():
     text = {"messages": [{"role": "user", "content": "Say something."}]}
     one_cfg = {"model": "qwen3_omni", "device": "cpu", "model_kwargs": {"code2wav_chunk": 4}}
     with MStar("qwen3_omni", config=one_cfg, tiny=True) as one:
-        want = [one.generate(r, **OMNI_OPTIONS) for r in (text, _media_request())]
+        want = [one.generate(r, **OMNI_OPTIONS) for r in (text, media_chat_request())]
     with MStar("qwen3_omni", config=config_from_dict(OMNI_PD), mode="multiproc", tiny=True) as two:
-        got = [two.generate(r, **OMNI_OPTIONS) for r in (text, _media_request())]
+        got = [two.generate(r, **OMNI_OPTIONS) for r in (text, media_chat_request())]
         stats = _gauges(two, "thinker", lambda s: s.get(1, {}).get("kv_pages_received", 0) >= 2
                         and s[1]["kv_pages_received"] == s.get(0, {}).get("kv_pages_sent"))
     for w, g in zip(want, got):

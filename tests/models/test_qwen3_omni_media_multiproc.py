@@ -8,20 +8,13 @@ import pytest
 
 from mstar.config import load_config
 from mstar.runtime.offline import MStar
+from tests.models.qwen3_omni_testing import media_chat_request
 
 KWARGS = {"code2wav_chunk": 4}
 OPTIONS = dict(temperature=0.0, max_tokens=6, modalities=["text", "audio"],
                **{"talker.temperature": 0.0, "talker.max_tokens": 8})
 
 
-def _request():
-    y, x = np.mgrid[0:48, 0:64]
-    image = np.stack([x * 4, y * 5, (x + y) * 2], -1).astype(np.uint8)
-    t = np.arange(20000) / 16000
-    content = [{"type": "image_url"}, {"type": "input_audio"}, {"type": "text", "text": "What is this?"}]
-    return {"messages": [{"role": "user", "content": content}],
-            "media": [{"type": "image", "data": image},
-                      {"type": "audio", "data": (0.3 * np.sin(2e3 * t)).astype(np.float32), "sample_rate": 16000}]}
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -29,11 +22,11 @@ def _request():
 def test_one_worker_and_two_processes_agree_on_a_media_chat():
     config = {"model": "qwen3_omni", "device": "cpu", "model_kwargs": KWARGS}
     with MStar("qwen3_omni", config=config, tiny=True) as one:
-        want = one.generate(_request(), **OPTIONS)
+        want = one.generate(media_chat_request(), **OPTIONS)
     cfg = dataclasses.replace(load_config("qwen3_omni_2gpu"), device="cpu",
                               model_kwargs=KWARGS)
     with MStar("qwen3_omni", config=cfg, mode="multiproc", tiny=True) as two:
-        got = two.generate(_request(), **OPTIONS)
+        got = two.generate(media_chat_request(), **OPTIONS)
     assert "".join(want.outputs["text"]) and got.outputs["text"] == want.outputs["text"]
     want_audio, got_audio = np.concatenate(want.outputs["audio"]), np.concatenate(got.outputs["audio"])
     assert want_audio.size > 0
