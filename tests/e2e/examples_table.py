@@ -92,15 +92,17 @@ def check_file(path: Path) -> str:
 
 def check_json_answer(route: str, body: str) -> str:
     """Check a JSON (or NDJSON, for /generate's stream) answer has the route's shape; describe it."""
-    if route.startswith("`/generate`") and "\n" in body.strip():
-        chunks = [json.loads(line) for line in body.splitlines() if line.strip()]
-        kinds = [c["type"] for c in chunks]
-        assert kinds[-1] == "final" and len(kinds) > 1 and "error" not in kinds, kinds
+    lines = [json.loads(line) for line in body.splitlines() if line.strip()]
+    if route.startswith("`/generate`") and "type" in lines[0]:  # a stream, however short
+        kinds = [c["type"] for c in lines]
+        assert kinds[-1] == "final" and "error" not in kinds, lines
+        # sampled tokens of random weights may all decode to nothing (special tokens): the count still shows
+        assert len(kinds) > 1 or lines[-1]["usage"]["completion_tokens"] > 0, lines
         return f"NDJSON {kinds}"
     answer = json.loads(body)
     assert "error" not in answer, answer
     if route.startswith("`/generate`"):
-        assert answer["outputs"] and all(answer["outputs"].values()), answer
+        assert answer.get("outputs") and all(answer["outputs"].values()), answer
         return f"outputs {sorted(answer['outputs'])}"
     if "/chat/completions" in route:
         message = answer["choices"][0]["message"]
