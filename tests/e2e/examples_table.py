@@ -96,8 +96,9 @@ def check_json_answer(route: str, body: str) -> str:
     if route.startswith("`/generate`") and "type" in lines[0]:  # a stream, however short
         kinds = [c["type"] for c in lines]
         assert kinds[-1] == "final" and "error" not in kinds, lines
-        # sampled tokens of random weights may all decode to nothing (special tokens): the count still shows
-        assert len(kinds) > 1 or lines[-1]["usage"]["completion_tokens"] > 0, lines
+        # random weights may sample an end token first, or only tokens that decode to nothing: then the
+        # final chunk alone answers, and its usage says what was generated
+        assert len(kinds) > 1 or "usage" in lines[-1], lines
         return f"NDJSON {kinds}"
     answer = json.loads(body)
     assert "error" not in answer, answer
