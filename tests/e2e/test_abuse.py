@@ -160,7 +160,7 @@ def _rss_mb() -> tuple[float, float]:
     return min(reads), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-@pytest.mark.parametrize("model", ["toy", "llama"])
+@pytest.mark.parametrize("model", ["toy", pytest.param("llama", marks=pytest.mark.slow)])
 def test_a_fifty_megabyte_prompt_is_refused_from_a_prefix_in_bounded_memory(model):
     config = {"model": model, "device": "cpu", "kv_cache": {"max_num_pages": 64}} if model == "llama" else {"model": model}
     body = b'{"text": "' + b"lorem ipsum dolor sit amet " * (50_000_000 // 27) + b'", "stream": false}'

@@ -55,7 +55,7 @@ def _wait_for(base: str, wanted: dict[str, float], timeout_s: float) -> dict:
         time.sleep(0.1)
 
 
-@pytest.mark.parametrize("mode", ["inproc", "multiproc"])
+@pytest.mark.parametrize("mode", ["inproc", pytest.param("multiproc", marks=pytest.mark.slow)])
 def test_fifty_streaming_clients_leaving_free_everything(mode):
     with running_server(LLAMA, runtime_kwargs={"mode": mode, "tiny": True}) as base:
         before = _wait_for(base, {"mstar_kv_cache_pages_total": 2048}, timeout_s=10)  # first WorkerStats came

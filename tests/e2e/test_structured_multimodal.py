@@ -32,7 +32,9 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris? Answer in
 SERVERS = {"qwen3_omni": {"model": "qwen3_omni", "device": "cpu"}, "bagel": {"model": "bagel"}}
 
 
-@pytest.fixture(scope="module", params=sorted(SERVERS))
+# BAGEL in the default run; the Omni thinker (the autoregressive engine's grammar path, which the Llama tests
+# also cover) in the slow group
+@pytest.fixture(scope="module", params=["bagel", pytest.param("qwen3_omni", marks=pytest.mark.slow)])
 def served(request, one_thread):
     with running_server(SERVERS[request.param], runtime_kwargs={"tiny": True}) as url:
         yield request.param, url, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300)

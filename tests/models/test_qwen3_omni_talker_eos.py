@@ -56,7 +56,7 @@ def plain() -> tuple[str, int, int]:
     return text, samples, frames
 
 
-@pytest.mark.parametrize("eos_step", [0, 3])
+@pytest.mark.parametrize("eos_step", [0, pytest.param(3, marks=pytest.mark.slow)])
 def test_eos_stops_the_talk_or_is_skipped_under_ignore_eos(plain, eos_step):
     steps = SPOKEN["talker.max_tokens"]
     text, samples, _ = plain
