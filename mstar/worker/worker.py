@@ -20,11 +20,12 @@ from typing import Any
 import torch
 
 from mstar import envs
-from mstar.engines.base import Engine, KVExport, KVHandoff, KVPositions, LoopSpec, StepItem, StepResult
+from mstar.engines.base import Engine, LoopSpec, StepItem, StepResult
 from mstar.engines.cuda_graphs import to_device_async
 from mstar.graph import CARRY, TO_CLIENT, ModelGraph, Walk, iter_loops, iter_nodes
 from mstar.transport import wire
 from mstar.transport.messages import discard_message
+from mstar.worker.kv_moves import KVMoves
 from mstar.worker.outputs import BatchingOutbox
 from mstar.worker.replica import follower_items, run_component_step
 from mstar.worker.stats import StatsReporter, stall_dump
@@ -66,14 +67,6 @@ def _scalar(value: int | bool) -> torch.Tensor:
             _SCALARS[key] = cached
     return cached
 
-
-def _hash_bytes(hashes: list[int]) -> list[bytes]:
-    """128-bit page hashes as msgpack carries them (its ints stop at 64 bits)."""
-    return [h.to_bytes(16, "little") for h in hashes]
-
-
-def _hash_ints(hashes: list[bytes]) -> list[int]:
-    return [int.from_bytes(h, "little") for h in hashes]
 
 
 @dataclass(slots=True)
@@ -138,10 +131,6 @@ class Worker:
         self._buffers: dict[tuple[str, str], StreamBuffer] = {}
         self._blocked: dict[tuple[str, str], tuple[str, NodeCall]] = {}  # stream -> (walk, call)
         self._released: set[str] = set()
-        # PD disaggregation: (rid, component) -> rank holding the sequence to move here, asked for at the
-        # component's first item; (rid, component, kv_slot) -> that item, held until the pages arrive
-        self._kv_sources: dict[tuple[str, str], int] = {}
-        self._kv_waiting: dict[tuple[str, str, str], StepItem] = {}
         self._final_chunks: set[tuple[str, str, str]] = set()  # calls fed the last chunk of their stream
         # walk -> id() of its Loops that are engine loops (module docstring)
         self._engine_loops = {w.name: frozenset(id(loop) for loop in iter_loops(w.body) if graph.engine_loop(w, loop))
@@ -155,6 +144,8 @@ class Worker:
                               for w in graph.walks for e in w.emits}
         self._running = True
         self.stats = StatsReporter(rank, engines, lambda msg: self.outbox.send(CONDUCTOR, msg))
+        self.kv_moves = KVMoves(rank, engines, lambda to, msg: self.outbox.send(worker_peer(to), msg), codec,
+                                self._to_device)  # prefill/decode disaggregation
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -242,7 +233,7 @@ class Worker:
             # follower rank of a tensor-parallel autoregressive replica: the lead's step (replica.py)
             self.engines[msg.component].follow(msg, follower_items(msg, self.codec.unpack, self._to_device))
         elif isinstance(msg, wire.KVPull | wire.KVPages):
-            self._move_kv(msg)
+            self.kv_moves.handle(msg)
         elif isinstance(msg, wire.Release):
             self._release(msg.rid)
         elif isinstance(msg, wire.Shutdown):
@@ -252,9 +243,7 @@ class Worker:
         walk = self._walks[msg.walk]
         state = _Run(msg, walk)
         self._runs[(msg.rid, msg.walk)] = state
-        for component, rank in msg.kv_sources.items():
-            if isinstance(self.engines.get(component), KVHandoff):
-                self._kv_sources[(msg.rid, component)] = rank
+        self.kv_moves.start(msg)
         streams = frozenset(s.target_input for s in self.graph.streams if s.target_walk == msg.walk)
         inputs = {k: self._to_device(self.codec.unpack(v)) for k, v in msg.inputs.items()}
         state.outs = self._outs(msg, walk)
@@ -289,58 +278,8 @@ class Worker:
         item = StepItem(rid, walk, node, inputs, self._options(rid, target, options), iteration, target.kv_slot, loop)
         pending = target.pending
         pending[rid] = pending.get(rid, 0) + 1
-        if self._kv_sources and (source := self._kv_sources.pop((rid, target.component), None)) is not None:
-            self._pull_kv(source, target, item)
-            return
-        target.engine.submit(item)
-
-    # -- moving a sequence (prefill/decode disaggregation) -------------------------------------------
-
-    def _pull_kv(self, source: int, target: _Target, item: StepItem) -> None:
-        """Hold the first item of a component's sequence that lives on `source` and ask for it."""
-        engine = target.engine
-        assert isinstance(engine, KVHandoff)  # only such engines get a kv source (_start)
-        held = engine.hold_prefix(item)
-        self._kv_waiting[(item.request_id, target.component, item.kv_slot)] = item
-        self.outbox.send(worker_peer(source), wire.KVPull(item.request_id, target.component, item.kv_slot,
-                                                          _hash_bytes(held), self.rank))
-
-    def _move_kv(self, msg: wire.KVPull | wire.KVPages) -> None:
-        if isinstance(msg, wire.KVPull):
-            self._send_kv(msg)
-        else:
-            self._receive_kv(msg)
-
-    def _send_kv(self, msg: wire.KVPull) -> None:
-        engine = self.engines.get(msg.component)
-        export = engine.export_kv(msg.rid, msg.kv_slot, _hash_ints(msg.held)) if isinstance(engine, KVHandoff) else None
-        if export is None:
-            reply = wire.KVPages(msg.rid, msg.component, msg.kv_slot, False)
-        else:
-            p = export.positions
-            positions = None if p is None else wire.KVPositionsWire(p.start, p.offset, p.multi_row, p.fractional,
-                                                                    p.num_shareable)
-            k = None if export.k is None else self.codec.pack(export.k)
-            v = None if export.v is None else self.codec.pack(export.v)
-            reply = wire.KVPages(msg.rid, msg.component, msg.kv_slot, True, export.tokens, _hash_bytes(export.page_hashes),
-                                 export.skip, k, v, positions)
-        self.outbox.send(worker_peer(msg.reply_to), reply)
-
-    def _receive_kv(self, msg: wire.KVPages) -> None:
-        item = self._kv_waiting.pop((msg.rid, msg.component, msg.kv_slot), None)
-        if item is None:  # released meanwhile
-            discard_message(msg)
-            return
-        export = None
-        if msg.found:
-            p = msg.positions
-            positions = None if p is None else KVPositions(p.start, p.offset, p.multi_row, p.fractional, p.num_shareable)
-            k = None if msg.k is None else self._to_device(self.codec.unpack(msg.k))
-            v = None if msg.v is None else self._to_device(self.codec.unpack(msg.v))
-            export = KVExport(msg.tokens, _hash_ints(msg.page_hashes), msg.skip, k, v, positions)
-        engine = self.engines[msg.component]
-        assert isinstance(engine, KVHandoff)
-        engine.submit_with_kv(item, export)
+        if not self.kv_moves.pull(target.component, item):
+            target.engine.submit(item)
 
     def _target(self, walk: str, node: str) -> _Target:
         target = self._targets.get((walk, node))
@@ -541,9 +480,7 @@ class Worker:
                 del table[key]
         for key in [k for k in self._remote if k[0] == rid]:
             del self._remote[key]
-        for table in (self._kv_sources, self._kv_waiting):
-            for key in [k for k in table if k[0] == rid]:
-                del table[key]
+        self.kv_moves.release(rid)
         self._final_chunks = {k for k in self._final_chunks if k[0] != rid}
         for engine in self.engines.values():
             engine.release(rid)
@@ -554,4 +491,4 @@ class Worker:
     def state_size(self) -> int:
         """Per-request entries held (for leak tests)."""
         return (len(self._runs) + len(self._remote) + len(self._buffers) + len(self._blocked)
-                + len(self._final_chunks) + len(self._scoped) + len(self._kv_sources) + len(self._kv_waiting))
+                + len(self._final_chunks) + len(self._scoped) + len(self.kv_moves))
