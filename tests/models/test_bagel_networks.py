@@ -117,6 +117,34 @@ def test_understanding_path_equals_qwen3_with_qk_norm(llm_pair):
     assert context.length == 12 and context.rope == 12
 
 
+@pytest.mark.parametrize("prompts", [(4, 4, 4), (3, 6, 9, 2)], ids=["same_length", "mixed"])
+@torch.no_grad()
+def test_a_decode_batch_equals_each_sequence_alone(llm_pair, prompts):
+    """Single stored tokens over contexts of different lengths attend in one batched call (keys padded and
+    masked); each gets what it gets alone, and a multi-token sequence beside them keeps its own path."""
+    _, llm = llm_pair
+    lm, layers = llm.language_model, TINY_LLM["num_hidden_layers"]
+    gen = torch.Generator().manual_seed(5)
+    ids = [torch.randint(0, TINY_LLM["vocab_size"], (n + 2,), generator=gen) for n in prompts]
+    # the last prompt continues with two tokens (not a decode row); the others with one
+    new = [x[n:n + 1] for x, n in zip(ids[:-1], prompts[:-1], strict=True)] + [ids[-1][prompts[-1]:]]
+    alone, batched = [], []
+    for x, n, tokens in zip(ids, prompts, new, strict=True):
+        context = KVContext(layers)
+        _und_forward(llm, x[:n], context, 0)
+        alone.append(_und_forward(llm, tokens, context, n))
+        batched.append(KVContext(layers))
+        _und_forward(llm, x[:n], batched[-1], 0)
+    attn = PackedAttention([QuerySpec(c, t.numel(), None, store=True) for c, t in zip(batched, new, strict=True)],
+                           lm.attention_scale)
+    assert attn.decoding == list(range(len(prompts) - 1)) and attn.others == [len(prompts) - 1]
+    positions = torch.cat([torch.arange(n, n + t.numel()) for n, t in zip(prompts, new, strict=True)])
+    hidden = lm(lm.embed_tokens(torch.cat(new)), positions, Routing(), attn)
+    attn.commit([n + t.numel() for n, t in zip(prompts, new, strict=True)])
+    torch.testing.assert_close(lm.logits(hidden), torch.cat(alone), atol=1e-5, rtol=0)
+    assert [c.length for c in batched] == [n + t.numel() for n, t in zip(prompts, new, strict=True)]
+
+
 @torch.no_grad()
 def test_a_bidirectional_block_sees_itself_whole(llm_pair):
     """Tokens of one block attend each other both ways: its first token's output changes with its last token,

@@ -7,6 +7,10 @@ of three rules: causal (text), causal with bidirectional blocks (an image's toke
 whole), or fully bidirectional (a denoising step's query block). Its new keys and values are
 appended to the context only when the sequence stores them (prefill, decode); a denoising step
 reads its context and leaves it unchanged, so every step of a request reuses one prefill.
+
+A storing sequence writes its keys and values into its context's buffer first and attends over that
+buffer, so nothing is copied per layer. Decoding sequences (one stored token each) attend together in
+one call per layer; prefills and denoising blocks keep one call each, already large.
 """
 
 from __future__ import annotations
@@ -56,6 +60,12 @@ class KVContext:
         buf_k[self.length:end] = k
         buf_v[self.length:end] = v
 
+    def staged(self, layer: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) [length + tokens, Hkv, D] of `layer` after `write` staged `tokens` there."""
+        k, v = self.keys[layer], self.values[layer]
+        assert k is not None and v is not None, "staged before write"
+        return k[: self.length + tokens], v[: self.length + tokens]
+
     def commit(self, tokens: int, rope: int) -> None:
         """Make the staged `tokens` part of the context; the next token sits at position `rope`."""
         self.length += tokens
@@ -79,7 +89,7 @@ class QuerySpec:
 
     def mask(self, past: int, device: torch.device) -> torch.Tensor | None:
         """Bool [num_tokens, past + num_tokens], True where a query may attend a key; None: everywhere."""
-        if isinstance(self.blocks, str):
+        if isinstance(self.blocks, str) or self.num_tokens == 1:  # one token sees its whole context and itself
             return None
         n = self.num_tokens
         rows = torch.arange(n, device=device)
@@ -100,27 +110,63 @@ class PackedAttention:
         self.bounds = [0]
         for spec in specs:
             self.bounds.append(self.bounds[-1] + spec.num_tokens)
+        self.decoding = [i for i, spec in enumerate(specs) if _decodes(spec)]
+        self.others = [i for i, spec in enumerate(specs) if not _decodes(spec)]
+        self._decoders = [c for c in (specs[i].context for i in self.decoding) if c is not None]
+        self._keys = [c.length + 1 for c in self._decoders]  # each decoding row's keys, its new one included
         self._masks: dict[int, torch.Tensor | None] = {}
+        self._rows: torch.Tensor | None = None  # the decoding rows, when other sequences share the batch
+        self._key_mask: torch.Tensor | None = None  # [B, 1, 1, longest]: each decoding row's real keys
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        if not self.others:
+            return self._decode(layer, q, k, v)
         out = torch.empty_like(q)
-        groups = q.shape[1] // k.shape[1]
-        for i, spec in enumerate(self.specs):
+        if self.decoding:
+            if self._rows is None:
+                self._rows = torch.tensor([self.bounds[i] for i in self.decoding], device=q.device)
+            out[self._rows] = self._decode(layer, q[self._rows], k, v)
+        for i in self.others:
             lo, hi = self.bounds[i], self.bounds[i + 1]
-            keys, values = k[lo:hi], v[lo:hi]
-            past = 0
-            if spec.context is not None:
-                old_k, old_v = spec.context.layer(layer)
-                if old_k is not None and old_v is not None:
-                    past = old_k.shape[0]
-                    keys, values = torch.cat([old_k, keys.to(old_k.dtype)]), torch.cat([old_v, values.to(old_v.dtype)])
-                if spec.store:
-                    spec.context.write(layer, k[lo:hi], v[lo:hi])
-            if i not in self._masks:
-                self._masks[i] = spec.mask(past, q.device)
-            out[lo:hi] = _sdpa(q[lo:hi], keys, values, self._masks[i], groups, self.scale)
+            out[lo:hi] = self._one(i, layer, q[lo:hi], k[lo:hi], v[lo:hi])
         return out
+
+    def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The decoding sequences' rows q [B, Hq, D] (k/v: the whole packed batch's) in one call: a kv head's
+        query heads are the query rows of one problem, each sequence's keys padded to the longest."""
+        keys, values = [], []
+        for context, i in zip(self._decoders, self.decoding, strict=True):
+            context.write(layer, k[self.bounds[i]:self.bounds[i] + 1], v[self.bounds[i]:self.bounds[i] + 1])
+            ck, cv = context.staged(layer, 1)
+            keys.append(ck)
+            values.append(cv)
+        uniform = len(set(self._keys)) == 1
+        if self._key_mask is None and not uniform:
+            lengths = torch.tensor(self._keys, device=q.device)
+            self._key_mask = (torch.arange(max(self._keys), device=q.device) < lengths[:, None])[:, None, None]
+        b, hkv, d = q.shape[0], keys[0].shape[1], q.shape[2]
+        kb, vb = _batch(keys, uniform), _batch(values, uniform)  # [B, longest, Hkv, D]
+        out = F.scaled_dot_product_attention(q.reshape(b, hkv, -1, d), kb.transpose(1, 2).to(q.dtype),
+                                             vb.transpose(1, 2).to(q.dtype), attn_mask=self._key_mask,
+                                             scale=self.scale)
+        return out.reshape(q.shape)
+
+    def _one(self, i: int, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Sequence `i` alone: q [n, Hq, D] over its context and its k/v [n, Hkv, D]."""
+        spec, keys, values, past = self.specs[i], k, v, 0
+        if spec.context is not None:
+            past = spec.context.length
+            if spec.store:  # attend where the keys will stay: no copy of the context
+                spec.context.write(layer, k, v)
+                keys, values = spec.context.staged(layer, spec.num_tokens)
+            elif past:
+                old_k, old_v = spec.context.layer(layer)
+                assert old_k is not None and old_v is not None
+                keys, values = torch.cat([old_k, k.to(old_k.dtype)]), torch.cat([old_v, v.to(old_v.dtype)])
+        if i not in self._masks:
+            self._masks[i] = spec.mask(past, q.device)
+        return _sdpa(q, keys, values, self._masks[i], self.scale)
 
     def commit(self, ropes: list[int]) -> None:
         """After the forward: each storing sequence's context takes its tokens; `ropes[i]` is its next position."""
@@ -129,11 +175,25 @@ class PackedAttention:
                 spec.context.commit(spec.num_tokens, rope)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, groups: int,
+def _decodes(spec: QuerySpec) -> bool:
+    """One stored token over a context of its own: it joins the batched decode call."""
+    return spec.num_tokens == 1 and spec.store and spec.context is not None and not spec.context.view
+
+
+def _batch(parts: list[torch.Tensor], uniform: bool) -> torch.Tensor:
+    """[B, longest, ...] of B tensors [L_i, ...], zero-padded past each one's length."""
+    if len(parts) == 1:
+        return parts[0][None]
+    return torch.stack(parts) if uniform else torch.nn.utils.rnn.pad_sequence(parts, batch_first=True)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
           scale: float) -> torch.Tensor:
-    """One sequence: q [n, Hq, D] over k/v [m, Hkv, D] (GQA: each kv head serves `groups` query heads)."""
-    k = k.to(q.dtype).repeat_interleave(groups, dim=1)
-    v = v.to(q.dtype).repeat_interleave(groups, dim=1)
+    """One sequence: q [n, Hq, D] over k/v [m, Hkv, D] (GQA: each kv head serves Hq / Hkv query heads)."""
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if mask is not None:  # the fused kernels that take a mask take no grouped heads: give each query head its own
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, scale=scale)
+                                         attn_mask=mask, scale=scale, enable_gqa=mask is None)
     return out.transpose(0, 1)

@@ -34,11 +34,12 @@ class Routing:
     gen: torch.Tensor | None = None  # [Tg] int64 rows
 
     @classmethod
-    def of(cls, is_gen: torch.Tensor) -> Routing:
-        """From a bool mask [T] of generation rows."""
+    def of(cls, is_gen: torch.Tensor, device: torch.device | None = None) -> Routing:
+        """From a bool mask [T] of generation rows, rows moved to `device`; a host mask is read without
+        waiting for the device."""
         if not bool(is_gen.any()):
             return cls()
-        return cls(und=torch.nonzero(~is_gen).flatten(), gen=torch.nonzero(is_gen).flatten())
+        return cls(und=torch.nonzero(~is_gen).flatten().to(device), gen=torch.nonzero(is_gen).flatten().to(device))
 
     def apply(self, x: torch.Tensor, und: Callable[[torch.Tensor], torch.Tensor],
               gen: Callable[[torch.Tensor], torch.Tensor], width: int | None = None) -> torch.Tensor:

@@ -121,7 +121,7 @@ def run(llm: BagelLLM, items: list[tuple[KVContext, Query]]) -> torch.Tensor:
     queries = [q for _, q in items]
     embeds = torch.cat([q.embeds for q in queries])
     positions = torch.cat([q.positions for q in queries]).to(device)
-    routing = Routing.of(torch.cat([q.is_gen for q in queries]).to(device))
+    routing = Routing.of(torch.cat([q.is_gen for q in queries]), device)  # the masks are on the host
     attn = PackedAttention([QuerySpec(c, q.num_tokens, q.blocks, q.store) for c, q in items],
                            llm.language_model.attention_scale)
     hidden = llm.language_model(embeds, positions, routing, attn)
