@@ -1,4 +1,5 @@
-"""Classifier-free guidance and starting noise, and the guidance scheduler component's per-request bookkeeping.
+"""Classifier-free guidance, the outputs of branches it skips, starting noise, and the guidance scheduler
+component's per-request bookkeeping.
 
 A guidance scheduler component runs two nodes for many requests at once: `prepare` (before the step
 loop) draws a request's noise and opens its state, `combine` (end of each step) applies guidance to the
@@ -8,7 +9,7 @@ finishes or the engine releases the request, so requests at different steps shar
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -22,6 +23,17 @@ State = TypeVar("State")
 def combine_guidance(cond: torch.Tensor, uncond: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
     """Classifier-free guidance: uncond + scale * (cond - uncond). `scale` may be [B, 1, 1, 1, 1]."""
     return uncond + scale * (cond - uncond)
+
+
+def run_live_branches(items: Sequence[Any], needed: str, run: Callable[[list[Any]], Sequence[dict]]) -> list[dict]:
+    """Each item's outputs: {} for a branch that guidance skips (it has no input `needed`), the others'
+    from one `run` over them, in order."""
+    out: list[dict] = [{} for _ in items]
+    live = [i for i, item in enumerate(items) if needed in item.inputs]
+    if live:
+        for i, values in zip(live, run([items[i] for i in live]), strict=True):
+            out[i] = values
+    return out
 
 
 def initial_noise(

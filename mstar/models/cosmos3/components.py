@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from mstar.engines.base import StatelessBase
+from mstar.models.common.guidance import run_live_branches
 from mstar.models.common.wan_vae.component import VAEComponent
 from mstar.models.cosmos3.guidance import Layout
 from mstar.models.cosmos3.positions import GenLayout, gen_positions, rope_tables
@@ -67,17 +68,17 @@ class GeneratorComponent(StatelessBase, nn.Module):
 
     @torch.no_grad()
     def run_items(self, items: list[Any]) -> list[dict]:
-        out: list[dict] = [{} for _ in items]
-        live = [i for i, item in enumerate(items) if "prompt_ids" in item.inputs]
-        if not live:
-            return out
-        rows = [self._row(items[i]) for i in live]
-        for i, result in zip(live, self.generator(rows, sp_group=self.sp_group), strict=True):
-            out[i] = {"velocity": result.vision.float()}
+        return run_live_branches(items, "prompt_ids", self._velocities)
+
+    def _velocities(self, items: list[Any]) -> list[dict]:
+        out = []
+        for result in self.generator([self._row(item) for item in items], sp_group=self.sp_group):
+            values = {"velocity": result.vision.float()}
             if result.sound is not None:
-                out[i]["sound_velocity"] = result.sound.float()
+                values["sound_velocity"] = result.sound.float()
             if result.action is not None:
-                out[i]["action_velocity"] = result.action.float()
+                values["action_velocity"] = result.action.float()
+            out.append(values)
         return out
 
     def _row(self, item: Any) -> GenRow:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from mstar.engines.base import StatelessBase
+from mstar.models.common.guidance import run_live_branches
 from mstar.models.wan22.text_cache import TextKVCache
 from mstar.models.wan22.text_encoder import UMT5Encoder
 from mstar.models.wan22.transformer import WanTransformer
@@ -75,18 +76,15 @@ class DiTComponent(StatelessBase, nn.Module):
 
     @torch.no_grad()
     def run_items(self, items: list[Any]) -> list[dict]:
-        out: list[dict] = [{} for _ in items]
-        rows = [i for i, item in enumerate(items) if "context" in item.inputs]
-        if not rows:
-            return out
+        return run_live_branches(items, "context", self._velocities)
+
+    def _velocities(self, items: list[Any]) -> list[dict]:
         dtype = self.transformer.proj_out.weight.dtype
-        latents = torch.stack([items[i].inputs["latents"] for i in rows]).to(dtype)
-        timesteps = torch.stack([items[i].inputs["timestep"] for i in rows])
-        text_kv = self._text_kv([items[i] for i in rows], dtype)
+        latents = torch.stack([item.inputs["latents"] for item in items]).to(dtype)
+        timesteps = torch.stack([item.inputs["timestep"] for item in items])
+        text_kv = self._text_kv(items, dtype)
         velocity = self.transformer(latents, timesteps, None, sp_group=self.sp_group, text_kv=text_kv).float()
-        for row, i in enumerate(rows):
-            out[i] = {"velocity": velocity[row]}
-        return out
+        return [{"velocity": v} for v in velocity]
 
     def _text_kv(self, items: list[Any], dtype: torch.dtype) -> list:
         """The batch's cross-attention (k, v) per block: cached from an earlier step of the same rows."""
