@@ -257,7 +257,8 @@ class FlowComponent(StatelessBase, nn.Module):
     """Node `prepare`: the request's starting noise (its `seed`) as `latents` [N, p*p*C] and the first `timestep`.
     Node `combine`: guidance over the branch velocities and one Euler step -> the next `latents` and
     `timestep`, stopping after the last grid point; `step_latents` with option `debug_outputs`, `progress`
-    with `report_progress`. Nothing is kept between steps: the time grid is a function of the options."""
+    with `report_progress`. Nothing is kept between steps: the time grid is a function of the options. The
+    `timestep` stays on the host: the LLM reads it as a number, which from the device would wait for it."""
 
     def __init__(self, cfg: BagelConfig, device: torch.device) -> None:
         super().__init__()
@@ -273,7 +274,7 @@ class FlowComponent(StatelessBase, nn.Module):
     def _prepare(self, options: dict) -> dict[str, Any]:
         tokens = int(options["latent_rows"]) * int(options["latent_cols"])
         latents = flow.initial_noise(tokens, self.cfg.patch_latent_dim, int(options["seed"])).to(self.device)
-        return {"latents": latents, "timestep": self._grid(options)[:1].to(self.device)}
+        return {"latents": latents, "timestep": self._grid(options)[:1]}
 
     def _combine(self, item: StepItem) -> dict[str, Any]:
         x, options, i = item.inputs, item.options, item.iteration
@@ -287,7 +288,7 @@ class FlowComponent(StatelessBase, nn.Module):
             no_image = x["no_image_velocity"] if options.get("no_image_context") else full
         velocity = flow.guided_velocity(full, no_text, no_image, guidance)
         latents = x["latents"] - velocity * float(grid[i] - grid[i + 1])
-        out: dict[str, Any] = {"latents": latents, "timestep": grid[i + 1:i + 2].to(self.device)}
+        out: dict[str, Any] = {"latents": latents, "timestep": grid[i + 1:i + 2]}
         if options.get("debug_outputs"):
             out["step_latents"] = latents[None].clone()
         if options.get("report_progress"):
