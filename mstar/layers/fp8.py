@@ -8,10 +8,14 @@ scales s of one of two shapes:
 and W ~ q * s, expanded to W's shape. The Hugging Face formats store the same s: `weight_scale_inv`
 (fine-grained FP8, blocks) and `weight_scale` (compressed-tensors, per channel); both are multiplied.
 
-`fp8_linear` picks one of two numerics, each with a CPU reference:
+`fp8_linear` picks one of three paths, each with a CPU reference:
   weight-only  (`weight_only_linear`) the weight dequantized in float32, rounded to the activation dtype,
-               then F.linear in that dtype: CPU always, and CUDA where `torch._scaled_mm` does not serve
-               (decode batches, where an FP8 GEMV is still to be written, and block scales);
+               then F.linear in that dtype: the CPU path, and CUDA where neither kernel below serves
+               (float32 inputs; block scales above FP8_GEMV_MAX_ROWS rows);
+  FP8 GEMV     (`gemv_linear`, `mstar.kernels.fp8_gemv`) on CUDA for bfloat16/float16 inputs of at most
+               FP8_GEMV_MAX_ROWS rows (decode) that `torch._scaled_mm` does not take: reads the E4M3
+               weight once, accumulates in float32, scales per channel or per block; weight-only
+               numerics without the rounding of q * s, so `weight_only_linear` is its reference;
   W8A8         (`scaled_mm_linear`) on CUDA for bfloat16 inputs of at least SCALED_MM_MIN_ROWS rows and
                per-channel weights: the activations quantized per token (the same formula as the weight's
                rows) and `torch._scaled_mm` with both scales, accumulating in float32;
@@ -114,13 +118,16 @@ class Fp8Linear(nn.Module):
 
 
 SCALED_MM_MIN_ROWS = 16  # fewer rows (decode) are weight-bound: reading FP8 weights is the gain, not FP8 math
+FP8_GEMV_MAX_ROWS = 16  # mstar.kernels.fp8_gemv.MAX_M, kept here so this module imports no Triton
 
 
 def fp8_linear(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
-    """x @ W.T (+ bias) for the module's FP8 weight: W8A8 through `torch._scaled_mm` where it serves,
-    else the weight-only reference (module docstring)."""
+    """x @ W.T (+ bias) for the module's FP8 weight: W8A8 through `torch._scaled_mm` or the FP8 GEMV where
+    they serve, else the weight-only reference (module docstring)."""
     if _scaled_mm_serves(x, module):
         return scaled_mm_linear(x, module)
+    if _gemv_serves(x, module):
+        return gemv_linear(x, module)
     return weight_only_linear(x, module)
 
 
@@ -128,6 +135,22 @@ def weight_only_linear(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
     """F.linear with the module's weight dequantized to x's dtype: the weight-only reference."""
     bias = None if module.bias is None else module.bias.to(x.dtype)
     return F.linear(x, module.dequantized(x.dtype), bias)
+
+
+def _gemv_serves(x: torch.Tensor, module: Fp8Linear) -> bool:
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and 0 < x.numel() <= FP8_GEMV_MAX_ROWS * module.in_features
+            and (module.block is None or module.block[1] % 16 == 0))  # the tl.dot kernel's K chunk
+
+
+def gemv_linear(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
+    """The FP8 GEMV (`mstar.kernels.fp8_gemv`) for x of at most FP8_GEMV_MAX_ROWS rows of bfloat16 or float16,
+    on CUDA (or on CPU under TRITON_INTERPRET=1, for tests)."""
+    from mstar.kernels.fp8_gemv import fp8_gemv
+
+    rows = x.reshape(-1, module.in_features).contiguous()
+    out = fp8_gemv(rows, module.weight, module.weight_scale, module.bias, module.block)
+    return out.reshape(*x.shape[:-1], module.out_features)
 
 
 def _scaled_mm_serves(x: torch.Tensor, module: Fp8Linear) -> bool:

@@ -15,7 +15,8 @@ the unfused F.linear path for good (timing needs host syncs). On CPU (Triton int
 kernels run only when `SKINNY.force` is True (tests). MSTAR_SKINNY_GEMM=0 turns them off, =1 forces
 them on wherever allowed.
 
-An `Fp8Linear` (layers/fp8.py) runs `fp8_linear` instead: the FP8 kernels are not among the choices yet.
+An `Fp8Linear` (layers/fp8.py) runs `fp8_linear` instead, which picks its kernel by the input alone
+(the FP8 GEMV for decode rows, `torch._scaled_mm` for larger bf16 batches): nothing is timed for it.
 
 On CPU, float32 linears whose weights `pack_cpu_linears` reordered (the autoregressive engine does it
 when it is built on CPU, after the weights load) run through oneDNN with the weight in its blocked

@@ -1,0 +1,230 @@
+"""Skinny GEMM with FP8 weights (decode): y = x @ (q * s).T (+ bias) for few rows of x, reading q once.
+
+At decode a linear layer's cost is streaming its weight from HBM; an E4M3 weight (`layers/fp8.py`) is
+one byte an element, half of bf16, so a kernel that reads it as it is and never writes a dequantized
+copy halves that cost. q is float8_e4m3fn [N, K] with float32 scales s, either one per output channel
+([N, 1]) or one per (SCALE_BN x SCALE_BK) block; x is bf16 or fp16; products accumulate in fp32 and
+the output has x's dtype. E4M3 -> fp32 (and -> bf16/fp16 for tl.dot) is exact, so the only roundings
+are the fp32 sums and the final one to x's dtype: within a rounding of `weight_only_linear`, which
+rounds q * s to x's dtype first.
+
+Two kernels, both modelled on `mstar.kernels.gemv` and the tl.dot kernel of `skinny_gemm`:
+
+- M <= 4 (`_fp8_gemv_kernel`): the GEMV. Each program owns BLOCK_N rows of q and walks K in BLOCK_K
+  chunks with 16-byte loads (16 E4M3 values a thread), multiply-adds into one fp32 accumulator per row
+  of x (`gemv._fma_rows`, folded along K by FOLD_K), and reduces over K once after the loop.
+- 4 < M <= 16 (`_fp8_dot_kernel`): x padded to 16 rows in a tl.dot against the chunk of q converted to
+  x's dtype (exact); under the Triton interpreter (CPU tensors, tests) the operands are fp32, since
+  numpy has no bf16 matmul.
+
+Scales: per channel, s[n] multiplies the finished sum of row n (one multiply an output). Blocks: every
+chunk lies inside one block column (BLOCK_K divides SCALE_BK, checked), so the chunk's products are
+scaled by s[n // SCALE_BN, k // SCALE_BK] before they are added.
+
+No split-K: `pick_fp8_config` narrows BLOCK_N until there are enough programs to fill the SMs, which
+the decoder shapes this serves reach (N >= 3072). So no workspace, no counters: one launch, no host
+sync, bit-reproducible and CUDA-graph capturable.
+
+PDL (sm_90+, `mstar.kernels.pdl`): the GEMV loads its first weight tile before `pdl_wait`, as
+`gemv.py` does; the tl.dot kernel waits first.
+
+Use through `mstar.layers.fp8.fp8_linear`, which sends CUDA inputs of at most MAX_M rows here.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mstar.kernels.gemv import _fma_rows, load_chunk
+from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
+from mstar.kernels.skinny_gemm import SkinnyConfig, m_bucket
+
+MAX_M = 16  # rows above this: torch._scaled_mm or the weight-only reference (layers/fp8.py)
+GEMV_MAX_M = 4  # rows up to this take the GEMV, more the tl.dot kernel
+_X_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _block_scale(s_ptr, rn_safe, k, stride_sn, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
+    """[BLOCK_N] scales of the K chunk starting at k (the whole chunk lies in one block column)."""
+    return tl.load(s_ptr + (rn_safe // SCALE_BN) * stride_sn + k // SCALE_BK)
+
+
+@triton.jit
+def _fma_chunk(acc0, acc1, acc2, acc3, w, s_ptr, rn_safe, k, k_mask, x_ptrs, M, stride_xm, stride_sn,
+               BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, EVEN_K: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD_K: tl.constexpr):
+    """acc_m += x[m, k:k + BLOCK_K] * w for each row m of x (`gemv._fma_rows`), w scaled first when the
+    scales are blocks."""
+    w = w.to(tl.float32)
+    if BLOCK_SCALES:
+        w = w * _block_scale(s_ptr, rn_safe, k, stride_sn, SCALE_BN, SCALE_BK)[:, None]
+    return _fma_rows(acc0, acc1, acc2, acc3, w, k, k_mask, x_ptrs, M, stride_xm, 0, False, EVEN_K, BLOCK_M,
+                     BLOCK_N, BLOCK_K, FOLD_K)
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+                     HAS_BIAS: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr,
+                     SCALE_BK: tl.constexpr, EVEN_K: tl.constexpr, K_ITERS: tl.constexpr,
+                     BROADCAST_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, FOLD_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    pid_n = tl.program_id(0)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    # Clamped indices keep the weight loads unmasked (vectorised); the extra rows are never stored.
+    rn_safe = tl.minimum(rn, N - 1)
+    w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
+    # Weights and scales are constant during a step: the first tile may load before the PDL wait.
+    first_mask = (rk < K)[None, :]
+    w_first = load_chunk(w_ptrs, 0, first_mask, EVEN_K)
+    pdl_wait(PDL)
+    # x must share the weight tile's register layout (gemv.py says why); BLOCK_K spanning every thread's
+    # 16 E4M3 values lets a [1, BLOCK_K] x row have it.
+    if BROADCAST_X:
+        offs = rk[None, :]
+    else:
+        offs = (rn * 0)[:, None] + rk[None, :]
+    x_ptrs = x_ptr + offs
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K // FOLD_K), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_K // FOLD_K), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, BLOCK_K // FOLD_K), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_K // FOLD_K), dtype=tl.float32)
+    acc0, acc1, acc2, acc3 = _fma_chunk(acc0, acc1, acc2, acc3, w_first, s_ptr, rn_safe, 0, first_mask, x_ptrs, M,
+                                        stride_xm, stride_sn, BLOCK_SCALES, SCALE_BN, SCALE_BK, EVEN_K, BLOCK_M,
+                                        BLOCK_N, BLOCK_K, FOLD_K)
+    for i in range(1, K_ITERS):
+        k = i * BLOCK_K
+        k_mask = ((k + rk) < K)[None, :]
+        w = load_chunk(w_ptrs, k, k_mask, EVEN_K)
+        acc0, acc1, acc2, acc3 = _fma_chunk(acc0, acc1, acc2, acc3, w, s_ptr, rn_safe, k, k_mask, x_ptrs, M,
+                                            stride_xm, stride_sn, BLOCK_SCALES, SCALE_BN, SCALE_BK, EVEN_K, BLOCK_M,
+                                            BLOCK_N, BLOCK_K, FOLD_K)
+    # One cross-thread reduction per row after the loop; rows gathered into [BLOCK_M, BLOCK_N].
+    part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) + tl.sum(acc0, axis=1)[None, :]
+    if BLOCK_M > 1:
+        part = tl.where(rm[:, None] == 1, tl.sum(acc1, axis=1)[None, :], part)
+    if BLOCK_M > 2:
+        part = tl.where(rm[:, None] == 2, tl.sum(acc2, axis=1)[None, :], part)
+        part = tl.where(rm[:, None] == 3, tl.sum(acc3, axis=1)[None, :], part)
+    if not BLOCK_SCALES:
+        part = part * tl.load(s_ptr + rn_safe * stride_sn)[None, :]
+    if HAS_BIAS:
+        part += tl.load(b_ptr + rn_safe).to(tl.float32)[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(out_ptr + rm[:, None] * N + rn[None, :], part.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+                    HAS_BIAS: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr,
+                    SCALE_BK: tl.constexpr, EVEN_K: tl.constexpr, K_ITERS: tl.constexpr,
+                    DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)  # everything below reads x or writes: after the previous kernel (mstar/kernels/pdl.py)
+    pid_n = tl.program_id(0)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    rn_safe = tl.minimum(rn, N - 1)
+    rm_safe = tl.minimum(rm, M - 1)
+    w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
+    x_ptrs = x_ptr + rm_safe[:, None] * stride_xm + rk[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(K_ITERS):
+        k = i * BLOCK_K
+        k_mask = ((k + rk) < K)[None, :]
+        w = load_chunk(w_ptrs, k, k_mask, EVEN_K)
+        x = load_chunk(x_ptrs, k, k_mask, EVEN_K)
+        if DOT_FP32:
+            prod = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            prod = tl.dot(x, tl.trans(w.to(x.dtype)))
+        if BLOCK_SCALES:
+            prod = prod * _block_scale(s_ptr, rn_safe, k, stride_sn, SCALE_BN, SCALE_BK)[None, :]
+        acc += prod
+    if not BLOCK_SCALES:
+        acc = acc * tl.load(s_ptr + rn_safe * stride_sn)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn_safe).to(tl.float32)[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def pick_fp8_config(m: int, n: int, k: int, block: tuple[int, int] | None, sm_count: int = 132) -> SkinnyConfig:
+    """The launch config for x [m, k] @ q[n, k].T with scales of `block` (None: per channel); split_k is 1."""
+    bucket = m_bucket(m)
+    if bucket > GEMV_MAX_M:
+        block_k = 128 if block is None else _block_chunk(block)
+        block_n = 32 if triton.cdiv(n, 32) >= sm_count else 16
+        return SkinnyConfig(16, block_n, block_k, num_warps=4, num_stages=4)
+    if block is None:
+        # 16 E4M3 values a thread: BLOCK_K = 1024 spans 2 warps, so x is loaded once per thread.
+        block_k, warps = min(1024, triton.next_power_of_2(k)), 2
+    else:
+        # one block column a chunk; 4 warps x 32 threads x 16 values cover BLOCK_N = 16 rows of 128
+        block_k, warps = _block_chunk(block), 4
+    block_n = (4 if bucket == 1 else 2) if block is None else 16
+    while block_n > 1 and triton.cdiv(n, block_n) < 2 * sm_count:
+        block_n //= 2
+    return SkinnyConfig(bucket, block_n, block_k, num_warps=warps, num_stages=2 if block is None else 3,
+                        fold_k=1 if bucket == 1 else 8)
+
+
+def _block_chunk(block: tuple[int, int]) -> int:
+    """The widest power-of-two chunk (<= 128) that divides the scale block's columns."""
+    return min(128, block[1] & -block[1])
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+           cfg: SkinnyConfig) -> None:
+    m, k = x.shape
+    n = weight.shape[0]
+    if not 1 <= m <= MAX_M or x.dtype not in _X_DTYPES or x.stride(1) != 1:
+        raise ValueError(f"fp8_gemv handles 1..{MAX_M} rows of bf16/fp16 x with unit K stride, got x "
+                         f"{tuple(x.shape)} {x.dtype} stride {x.stride()}; use layers.fp8.weight_only_linear")
+    if weight.dtype != torch.float8_e4m3fn or weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"fp8_gemv needs a float8_e4m3fn weight [N, {k}] with unit K stride, got "
+                         f"{tuple(weight.shape)} {weight.dtype} stride {weight.stride()}")
+    want = (n, 1) if block is None else (triton.cdiv(n, block[0]), triton.cdiv(k, block[1]))
+    if scale.dtype != torch.float32 or tuple(scale.shape) != want or not scale.is_contiguous():
+        raise ValueError(f"fp8_gemv needs contiguous float32 scales of shape {want}, got {tuple(scale.shape)} "
+                         f"{scale.dtype} stride {scale.stride()}")
+    if cfg.split_k != 1 or cfg.block_m < m:
+        raise ValueError(f"fp8_gemv config {cfg}: needs split_k=1 and block_m >= M={m}")
+    if block is not None and block[1] % cfg.block_k:
+        raise ValueError(f"fp8_gemv config block_k={cfg.block_k} must divide the scale block's {block[1]} columns")
+
+
+def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+             block: tuple[int, int] | None, config: SkinnyConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ (weight * scale)[N, K].T + bias -> [M, N] in x's dtype, accumulated in fp32.
+
+    weight float8_e4m3fn; scale float32 [N, 1] (block None) or [ceil(N/bn), ceil(K/bk)] for block
+    (bn, bk); x bf16 or fp16 with 1..MAX_M rows. Deterministic. `config` overrides `pick_fp8_config`.
+    """
+    m, k = x.shape
+    n = weight.shape[0]
+    sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+    cfg = config or pick_fp8_config(m, n, k, block, sm_count)
+    _check(x, weight, scale, block, cfg)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    scale_bn, scale_bk = block or (1, 1)
+    common = dict(HAS_BIAS=bias is not None, BLOCK_SCALES=block is not None, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
+                  EVEN_K=k % cfg.block_k == 0, K_ITERS=triton.cdiv(k, cfg.block_k), BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                  **pdl_args(x.device))
+    args = (x, weight, scale, bias if bias is not None else scale, out, m, n, k, x.stride(0), weight.stride(0),
+            scale.stride(0))
+    grid = (triton.cdiv(n, cfg.block_n),)
+    if cfg.use_dot:
+        _fp8_dot_kernel[grid](*args, DOT_FP32=not x.is_cuda, **common)
+    else:
+        _fp8_gemv_kernel[grid](*args, BROADCAST_X=cfg.block_k >= 16 * 32 * cfg.num_warps, FOLD_K=cfg.fold_k,
+                               **common)
+    return out
