@@ -1,6 +1,8 @@
 """FP8 weights on CUDA (layers/fp8.py): `fp8_linear` runs W8A8 `torch._scaled_mm` for bfloat16 batches of
-SCALED_MM_MIN_ROWS rows or more and matches its CPU emulation `w8a8_reference`; fewer rows, block
-scales and float32 run the weight-only reference; the W8A8 path replays from a CUDA graph."""
+SCALED_MM_MIN_ROWS rows or more and matches its CPU emulation `w8a8_reference`; decode rows run the FP8
+GEMV (kernels/fp8_gemv.py), which matches `weight_only_linear` at the Llama-3.2-3B (Orpheus-3B) decoder
+shapes; float32 and block scales above 16 rows run the weight-only reference; both kernels replay from
+a CUDA graph."""
 
 from __future__ import annotations
 
@@ -8,11 +10,22 @@ import pytest
 import torch
 from torch import nn
 
+from mstar.kernels.fp8_gemv import fp8_gemv
 from mstar.layers import fp8
-from mstar.layers.fp8 import Fp8Linear, fp8_linear, w8a8_reference, weight_only_linear
+from mstar.layers.fp8 import (
+    Fp8Linear,
+    dequantize,
+    fp8_linear,
+    gemv_linear,
+    w8a8_reference,
+    weight_only_linear,
+)
 
 pytestmark = pytest.mark.gpu
 TOL = {"atol": 4e-2, "rtol": 2e-2}  # two bfloat16 steps at outputs near 4, from rounding and summation order
+EXACT_TOL = {"atol": 1e-2, "rtol": 8e-3}  # one bfloat16 rounding of the output plus fp32 summation order
+# Llama-3.2-3B / Orpheus-3B decoder linears (N, K): qkv, o, gate_up, down
+LLAMA_3B = [(5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)]
 
 
 def _module(n: int, k: int, block=None, bias=True) -> Fp8Linear:
@@ -36,20 +49,44 @@ def test_scaled_mm_matches_its_cpu_emulation(rows, bias):
     assert (got.float() - dense).abs().mean() < 0.05 * dense.abs().mean()  # activation rounding only
 
 
-def test_the_weight_only_path_serves_decode_blocks_and_float32():
+@pytest.mark.parametrize("block", [None, (128, 128)])
+@pytest.mark.parametrize("rows", [1, 4, 8, 16])
+@pytest.mark.parametrize("shape", LLAMA_3B, ids=[f"{n}x{k}" for n, k in LLAMA_3B])
+def test_fp8_gemv_matches_the_references_at_llama_3b_shapes(shape, rows, block):
+    n, k = shape
+    module = _module(n, k, block=block, bias=False).cuda()
+    x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
+    got = fp8_gemv(x, module.weight, module.weight_scale, None, block)
+    exact = (x.double() @ dequantize(module.weight, module.weight_scale, block).double().T).to(torch.bfloat16)
+    torch.testing.assert_close(got, exact, **EXACT_TOL)
+    torch.testing.assert_close(got.float(), weight_only_linear(x, module).float(), **TOL)
+    assert torch.equal(got, fp8_gemv(x, module.weight, module.weight_scale, None, block))  # reproducible
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 15])
+def test_fp8_linear_sends_decode_rows_to_the_gemv(rows):
+    module = _module(1024, 512, bias=True).cuda()
+    x = torch.randn(rows, 512, dtype=torch.bfloat16, device="cuda")
+    assert fp8._gemv_serves(x, module) and not fp8._scaled_mm_serves(x, module)
+    got = fp8_linear(x, module)
+    assert torch.equal(got, gemv_linear(x, module))
+    torch.testing.assert_close(got.float(), weight_only_linear(x, module).float(), **TOL)
+
+
+def test_the_weight_only_path_serves_large_blocks_and_float32():
     per_channel, blocks = _module(1024, 512).cuda(), _module(1024, 512, block=(128, 128)).cuda()
-    for x, module in [(torch.randn(4, 512, dtype=torch.bfloat16, device="cuda"), per_channel),
-                      (torch.randn(64, 512, dtype=torch.bfloat16, device="cuda"), blocks),
-                      (torch.randn(64, 512, device="cuda"), per_channel)]:
-        assert not fp8._scaled_mm_serves(x, module)
+    for x, module in [(torch.randn(64, 512, dtype=torch.bfloat16, device="cuda"), blocks),
+                      (torch.randn(4, 512, device="cuda"), per_channel)]:
+        assert not fp8._scaled_mm_serves(x, module) and not fp8._gemv_serves(x, module)
         want = weight_only_linear(x.cpu(), module.cpu()).float()
         module.cuda()
         torch.testing.assert_close(fp8_linear(x, module).cpu().float(), want, **TOL)
 
 
-def test_scaled_mm_replays_from_a_cuda_graph():
+@pytest.mark.parametrize("rows", [1, 8, 32])  # GEMV, tl.dot kernel, _scaled_mm
+def test_fp8_linear_replays_from_a_cuda_graph(rows):
     module = _module(2048, 1024).cuda()
-    x = torch.randn(32, 1024, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(rows, 1024, dtype=torch.bfloat16, device="cuda")
     eager = fp8_linear(x, module)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
