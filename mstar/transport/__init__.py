@@ -2,7 +2,9 @@
 
 - `messages`: the `Message` base struct, `Codec` (msgspec msgpack), payload walking;
 - `tensors`: `TensorPayload`, inline / shared-memory packing of host tensors;
-- `tensor_channels`: the `TensorChannel` seam (shm default; CUDA IPC, TCP, RDMA plug in);
+- `tensor_channels`: the `TensorChannel` seam and its shared-memory default;
+- `cuda_ipc`, `dist_tensors`, `tcp_tensors`: CUDA IPC, torch.distributed (NCCL) and TCP channels;
+- `placed_channels`: the channel of each edge, chosen from where its ends run;
 - `channels`: `Inbox` / `Outbox` / `Network`, in-process queues and `make_network`;
 - `zmq_channels`: the ZMQ (ipc, tcp) implementation.
 """

@@ -2,11 +2,12 @@
 
 The sender turns a tensor into a small tagged payload struct (`pack`) and puts it in a message; the
 receiver turns the payload back into a tensor (`unpack`) or drops it (`discard`). The control
-channel only ever carries the payload. This is the seam other mechanisms plug into, each with its
-own tagged payload struct joining the message unions:
-- CUDA IPC (same host, GPU): the payload carries an IPC handle; the tensor never leaves the device;
-- TCP / RDMA (NIXL, Mooncake) across hosts: the payload carries a transfer id the receiver pulls;
-- `ShmTensorChannel` (below, the default): host tensors, inline when small, else /dev/shm.
+channel only ever carries the payload. Each mechanism has its own tagged payload struct:
+- `ShmTensorChannel` (below, the default): host tensors, inline when small, else /dev/shm;
+- `cuda_ipc.CudaIpcTensorChannel` (one host, GPU): an IPC handle; the tensor never leaves the device;
+- `dist_tensors.DistTensorChannel` (GPUs on two hosts): torch.distributed send/recv (NCCL; gloo on CPU);
+- `tcp_tensors.TcpTensorChannel` (host tensors on two hosts): a transfer id the receiver pulls;
+- `placed_channels.PlacedTensorChannel`: one of those per edge, chosen from placement.
 Contract for every implementation: after `pack` returns the sender may reuse its tensor; the
 channel owns the bytes until exactly one `unpack` or `discard`; `cleanup` at shutdown frees what a
 dead receiver left behind.

@@ -86,7 +86,7 @@ def pack_tensor(
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    dtype, shape, nbytes = _dtype_name(t), tuple(t.shape), t.numel() * t.element_size()
+    dtype, shape, nbytes = dtype_name(t), tuple(t.shape), t.numel() * t.element_size()
     if nbytes == 0:
         return TensorPayload(dtype, shape, 0)
     if nbytes <= inline_max_bytes:
@@ -102,7 +102,7 @@ def unpack_tensor(p: TensorPayload) -> torch.Tensor:
     freed with the tensor); a shm payload can be unpacked once."""
     import torch
 
-    dtype = _dtype(p.dtype)
+    dtype = dtype_from_name(p.dtype)
     if p.nbytes == 0:
         return torch.empty(p.shape, dtype=dtype)
     if p.data is not None:
@@ -179,11 +179,13 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def _dtype_name(t: torch.Tensor) -> str:
+def dtype_name(t: torch.Tensor) -> str:
+    """The payload name of `t`'s dtype: torch's without the "torch." prefix."""
     return str(t.dtype).removeprefix("torch.")
 
 
-def _dtype(name: str) -> torch.dtype:
+def dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype a payload names; ValueError for an unknown name."""
     import torch
 
     dtype = getattr(torch, name, None)
