@@ -170,7 +170,7 @@ def run_case(engine: AutoregressiveEngine, clock: TimedGrammars, args: argparse.
     for _ in range(batch):
         start()
     times, grammar, steady, completed = [], [], 0, 0
-    for _ in range(8 * (args.warm_steps + steps) + 64):  # bounded: a case that never steadies fails below
+    for _ in range(50 * (args.warm_steps + steps) + 64):  # bounded: a case that never steadies fails below
         if len(times) == steps:
             break
         was_steady, before = not unstarted, clock.fill_s + clock.accept_s
