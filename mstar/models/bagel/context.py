@@ -48,6 +48,13 @@ class KVContext:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stage `layer`'s new keys and values after the current length (visible once `commit`ted)."""
+        slot_k, slot_v = self.slots(layer, k, v)
+        slot_k.copy_(k)
+        slot_v.copy_(v)
+
+    def slots(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of `layer`'s buffers where keys and values shaped as `k`, `v` are staged (after the current
+        length; the buffers grow as needed), for the caller to fill."""
         assert not self.view, "a prefix view is read-only: its buffers belong to the context it was taken from"
         end = self.length + k.shape[0]
         buf_k, buf_v = self.keys[layer], self.values[layer]
@@ -57,8 +64,7 @@ class KVContext:
             if buf_k is not None and buf_v is not None:
                 new_k[: self.length], new_v[: self.length] = buf_k[: self.length], buf_v[: self.length]
             buf_k, buf_v = self.keys[layer], self.values[layer] = new_k, new_v
-        buf_k[self.length:end] = k
-        buf_v[self.length:end] = v
+        return buf_k[self.length:end], buf_v[self.length:end]
 
     def staged(self, layer: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(keys, values) [length + tokens, Hkv, D] of `layer` after `write` staged `tokens` there."""
@@ -135,12 +141,12 @@ class PackedAttention:
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The decoding sequences' rows q [B, Hq, D] (k/v: the whole packed batch's) in one call: a kv head's
         query heads are the query rows of one problem, each sequence's keys padded to the longest."""
-        keys, values = [], []
+        new_k, new_v, slots = k.split(1), v.split(1), []
         for context, i in zip(self._decoders, self.decoding, strict=True):
-            context.write(layer, k[self.bounds[i]:self.bounds[i] + 1], v[self.bounds[i]:self.bounds[i] + 1])
-            ck, cv = context.staged(layer, 1)
-            keys.append(ck)
-            values.append(cv)
+            slots += context.slots(layer, new_k[self.bounds[i]], new_v[self.bounds[i]])
+        news = [t for i in self.decoding for t in (new_k[self.bounds[i]], new_v[self.bounds[i]])]
+        torch._foreach_copy_(slots, news)  # every row's new key and value in one launch
+        keys, values = zip(*(c.staged(layer, 1) for c in self._decoders), strict=True)
         uniform = len(set(self._keys)) == 1
         if self._key_mask is None and not uniform:
             lengths = torch.tensor(self._keys, device=q.device)
@@ -180,11 +186,16 @@ def _decodes(spec: QuerySpec) -> bool:
     return spec.num_tokens == 1 and spec.store and spec.context is not None and not spec.context.view
 
 
-def _batch(parts: list[torch.Tensor], uniform: bool) -> torch.Tensor:
-    """[B, longest, ...] of B tensors [L_i, ...], zero-padded past each one's length."""
+def _batch(parts: tuple[torch.Tensor, ...], uniform: bool) -> torch.Tensor:
+    """[B, longest, ...] of B tensors [L_i, ...], zero-padded past each one's length (finite, as masked
+    values still meet a zero weight)."""
     if len(parts) == 1:
         return parts[0][None]
-    return torch.stack(parts) if uniform else torch.nn.utils.rnn.pad_sequence(parts, batch_first=True)
+    if uniform:
+        return torch.stack(parts)
+    out = parts[0].new_zeros((len(parts), max(len(p) for p in parts), *parts[0].shape[1:]))
+    torch._foreach_copy_([row[: len(p)] for row, p in zip(out, parts, strict=True)], list(parts))
+    return out
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
