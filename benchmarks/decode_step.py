@@ -8,20 +8,33 @@ B prompts of --prompt-len random tokens, --new-tokens tokens each, greedy, eos i
   hands it over: the engine appends its samples). Decode ms/step = wall time of all decode steps / their count
   (the prefill step is timed separately); it includes the engine's host work (scheduling, metadata,
   sampling, the one host sync) and the CUDA-graph replay.
-- transformers: `generate` on the same shapes (its default cache); decode ms/step =
+- --quantization: each listed variant in turn, in the same run on the same card: `none` (bf16) and/or
+  `fp8` / `fp8_block` (every decoder linear E4M3, quantized on load from the same seeded bf16 weights;
+  the tied embedding/head and norms stay bf16, as `--quantization` serves them). Each row names its
+  variant; an FP8 row also gives its ms/step over the bf16 floor and over bf16's ms/step at that batch
+  (when `none` ran too).
+- transformers: `generate` on the same shapes (its default cache), bf16 only; decode ms/step =
   (time of generate with N new tokens - time with 1 new token) / (N - 1).
 - floor: weight bytes / copy bandwidth, where the bandwidth is (read + written bytes) / time of a
-  2 GiB device-to-device copy measured in the same run.
+  2 GiB device-to-device copy measured in the same run. `floor_ms` is the bf16 model's (the yardstick
+  of #42's "at most 0.65x the bf16 floor"); each variant also has its own (its weight bytes).
 
     python3 benchmarks/decode_step.py [--batch-sizes 1 8 16 32 64] [--new-tokens 256] \
-        [--out benchmarks/results/decode_step_h200.json] [--skip-hf]
+        [--quantization none fp8] [--out benchmarks/results/decode_step_h200.json] [--skip-hf]
 
-Measures, asserts nothing. Needs a CUDA GPU.
+bf16 against FP8 at batch 1 / 16 / 64 (#42's decode figure), one command:
+
+    python3 benchmarks/decode_step.py --skip-hf --batch-sizes 1 16 64 --quantization none fp8 \
+        --out benchmarks/results/decode_step_fp8_h100.json
+
+Measures, asserts nothing. Needs a CUDA GPU; --quick runs a 2-layer model of the same structure on the
+CPU for a few tokens (a smoke test of the script: its times mean nothing).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
@@ -39,6 +52,7 @@ from mstar.engines.base import LoopSpec, StepItem  # noqa: E402
 from mstar.models.common.loading import fill_dummy_weights  # noqa: E402
 from mstar.models.llama.config import LlamaConfig  # noqa: E402
 from mstar.models.llama.model import build_model  # noqa: E402
+from mstar.models.llama.weights import quantize_decoder  # noqa: E402
 
 ORPHEUS_3B = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 156940, "hidden_size": 3072,
@@ -48,6 +62,15 @@ ORPHEUS_3B = {
     "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                      "original_max_position_embeddings": 8192},
 }
+# --quick: the same structure, small enough for a CPU smoke run
+TINY = {**ORPHEUS_3B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+VARIANTS = ("none", "fp8", "fp8_block")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, iters: int = 20) -> float:
@@ -56,11 +79,11 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, iters: int = 20)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    torch.cuda.synchronize(device)
+    sync(device)
     start = time.perf_counter()
     for _ in range(iters):
         dst.copy_(src)
-    torch.cuda.synchronize(device)
+    sync(device)
     elapsed = (time.perf_counter() - start) / iters
     del src, dst
     return 2 * nbytes / elapsed
@@ -81,7 +104,7 @@ def run_engine(engine: AutoregressiveEngine, prompts: torch.Tensor, new_tokens: 
     options = {"temperature": 0.0, "ignore_eos": True, "max_tokens": new_tokens}
     for i, p in enumerate(prompts):
         engine.submit(StepItem(f"{tag}-{i}", "gen", "llm", {"input_ids": p}, options, loop=LoopSpec(new_tokens)))
-    torch.cuda.synchronize()
+    sync(engine.device)
     start = time.perf_counter()
     results = []
     while len(results) < len(prompts):  # prefill (maybe several chunked steps)
@@ -135,58 +158,119 @@ def build_hf(config: dict, device: torch.device):
     return model.eval()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 16, 32, 64])
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--backend", default="auto", help="kv_cache.attention_backend")
-    parser.add_argument("--no-graphs", action="store_true", help="run decode eagerly (no CUDA graphs)")
-    parser.add_argument("--skip-hf", action="store_true")
-    parser.add_argument("--out", default="benchmarks/results/decode_step_h200.json")
-    args = parser.parse_args()
-    device = torch.device("cuda")
-    torch.manual_seed(0)
-    config = LlamaConfig.from_hf(ORPHEUS_3B)
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters as stored (a tied weight counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def bf16_weight_bytes(model) -> int:
+    """Bytes the same model holds in bf16: every parameter at 2 bytes, FP8 scales left out."""
+    return 2 * sum(p.numel() for name, p in model.named_parameters() if not name.endswith("weight_scale"))
+
+
+def build_variant(config: LlamaConfig, method: str, device: torch.device):
+    """The Orpheus-shaped model with seeded dummy bf16 weights, its decoder linears quantized unless `none`."""
     model = build_model(config, torch.bfloat16, device)
     fill_dummy_weights(model, seed=0)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: counted once
-    bandwidth = copy_bandwidth(device)
-    floor_ms = 1e3 * weight_bytes / bandwidth
-    print(f"weights {weight_bytes / 1e9:.2f} GB, copy bandwidth {bandwidth / 1e12:.2f} TB/s, floor {floor_ms:.3f} ms",
+    if method != "none":
+        quantize_decoder(model, method)
+    return model
+
+
+def run_variant(method: str, args: argparse.Namespace, config: LlamaConfig, device: torch.device,
+                bandwidth: float) -> tuple[dict, list[dict]]:
+    """Build, measure every batch size, free: (the variant's weights, floors and engine facts; its rows)."""
+    model = build_variant(config, method, device)
+    nbytes, bf16_bytes = weight_bytes(model), bf16_weight_bytes(model)
+    bf16_floor_ms = 1e3 * bf16_bytes / bandwidth
+    info = {"weight_bytes": nbytes, "weight_gb": round(nbytes / 1e9, 3), "floor_ms": round(1e3 * nbytes / bandwidth, 3),
+            "bf16_floor_ms": round(bf16_floor_ms, 3)}
+    print(f"{method}: weights {nbytes / 1e9:.2f} GB, floor {info['floor_ms']:.3f} ms (bf16 {bf16_floor_ms:.3f} ms)",
           flush=True)
     max_batch = max(args.batch_sizes)
     t0 = time.perf_counter()
     engine = make_engine(model, device, max_batch, args.prompt_len + args.new_tokens, args.backend,
-                         not args.no_graphs)
-    setup_s = time.perf_counter() - t0
-    print(f"engine ready in {setup_s:.1f} s (attention {type(engine.runner.attn).__name__}, graphs "
+                         not args.no_graphs and device.type == "cuda")
+    info.update(engine_setup_s=round(time.perf_counter() - t0, 1), attention_backend=type(engine.runner.attn).__name__)
+    print(f"engine ready in {info['engine_setup_s']:.1f} s (attention {info['attention_backend']}, graphs "
           f"{engine.runner.graphs.sizes if engine.runner.graphs else None})", flush=True)
-    hf_model = None if args.skip_hf else build_hf(ORPHEUS_3B, device)
+    hf_model = None if args.skip_hf or method != "none" or device.type != "cuda" else build_hf(ORPHEUS_3B, device)
     rows = []
     for bs in args.batch_sizes:
         prompts = torch.randint(0, config.vocab_size, (bs, args.prompt_len), generator=torch.Generator().manual_seed(bs))
         run_engine(engine, prompts[:, :8], 4, f"warm{bs}")  # warm-up at this batch size
         ours = run_engine(engine, prompts, args.new_tokens, f"b{bs}")
-        row = {"batch": bs, "mstar_ms_per_step": round(ours["decode_ms_per_step"], 3),
+        row = {"quantization": method, "batch": bs, "mstar_ms_per_step": round(ours["decode_ms_per_step"], 3),
                "mstar_ms_p50": round(ours["decode_ms_p50"], 3), "mstar_tok_s": round(ours["tokens_per_s"], 1),
-               "mstar_prefill_ms": round(ours["prefill_ms"], 1), "floor_ms": round(floor_ms, 3)}
+               "mstar_prefill_ms": round(ours["prefill_ms"], 1), "floor_ms": round(bf16_floor_ms, 3),
+               "over_bf16_floor": round(ours["decode_ms_per_step"] / bf16_floor_ms, 3)}
         if hf_model is not None:
             hf = run_hf(hf_model, prompts.to(device), args.new_tokens)
             row.update(hf_ms_per_step=round(hf["decode_ms_per_step"], 2), hf_tok_s=round(hf["tokens_per_s"], 1))
         rows.append(row)
         print(json.dumps(row), flush=True)
+    del engine, model, hf_model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return info, rows
+
+
+def against_bf16(rows: list[dict]) -> None:
+    """Add to each quantized row its ms/step over bf16's at the same batch, where bf16 ran."""
+    bf16 = {r["batch"]: r["mstar_ms_per_step"] for r in rows if r["quantization"] == "none"}
+    for row in rows:
+        if row["quantization"] != "none" and row["batch"] in bf16:
+            row["over_bf16_step"] = round(row["mstar_ms_per_step"] / bf16[row["batch"]], 3)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 16, 32, 64])
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--quantization", nargs="+", default=["none"], choices=VARIANTS,
+                        help="variants measured one after another in this run: none (bf16), fp8, fp8_block")
+    parser.add_argument("--backend", default="auto", help="kv_cache.attention_backend")
+    parser.add_argument("--no-graphs", action="store_true", help="run decode eagerly (no CUDA graphs)")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="a 2-layer model on the CPU, few tokens (smoke test)")
+    parser.add_argument("--out", default="benchmarks/results/decode_step_h200.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.prompt_len, args.new_tokens, args.skip_hf = 8, 4, True
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    device = torch.device("cpu" if args.quick else "cuda")
+    torch.manual_seed(0)
+    config = LlamaConfig.from_hf(TINY if args.quick else ORPHEUS_3B)
+    bandwidth = copy_bandwidth(device, nbytes=(1 << 20) if args.quick else 2 << 30)
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    variants, rows = {}, []
+    for method in dict.fromkeys(args.quantization):
+        variants[method], got = run_variant(method, args, config, device, bandwidth)
+        rows += got
+    against_bf16(rows)
+    first = next(iter(variants.values()))
     result = {
-        "benchmark": "decode_step", "command": "python3 " + " ".join(sys.argv),
-        "device": torch.cuda.get_device_name(device), "torch": torch.__version__, "python": platform.python_version(),
-        "model": "Llama, Orpheus-3B shape, bf16, dummy weights", "weight_gb": round(weight_bytes / 1e9, 3),
-        "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "floor_ms": round(floor_ms, 3),
-        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "engine_setup_s": round(setup_s, 1),
-        "attention_backend": type(engine.runner.attn).__name__, "cuda_graphs": not args.no_graphs, "rows": rows,
+        "benchmark": "decode_step", "command": "python3 " + " ".join(sys.argv if argv is None else ["decode_step.py", *argv]),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "python": platform.python_version(),
+        "model": f"Llama, {'tiny (--quick)' if args.quick else 'Orpheus-3B'} shape, dummy weights; "
+                 f"quantization {', '.join(variants)}",
+        "weight_gb": first["weight_gb"], "copy_bandwidth_tb_s": round(bandwidth / 1e12, 3),
+        "floor_ms": first["bf16_floor_ms"], "variants": variants,
+        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "engine_setup_s": first["engine_setup_s"],
+        "attention_backend": first["attention_backend"], "cuda_graphs": not args.no_graphs and device.type == "cuda",
+        "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
+    return result
 
 
 if __name__ == "__main__":

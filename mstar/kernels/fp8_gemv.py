@@ -33,6 +33,8 @@ Use through `mstar.layers.fp8.fp8_linear`, which sends CUDA inputs of at most MA
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -176,6 +178,13 @@ def pick_fp8_config(m: int, n: int, k: int, block: tuple[int, int] | None, sm_co
                         fold_k=1 if bucket == 1 else 8)
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # interpreter: a large GPU's count, so configs are picked as they are served
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _block_chunk(block: tuple[int, int]) -> int:
     """The widest power-of-two chunk (<= 128) that divides the scale block's columns."""
     return min(128, block[1] & -block[1])
@@ -210,8 +219,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     """
     m, k = x.shape
     n = weight.shape[0]
-    sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
-    cfg = config or pick_fp8_config(m, n, k, block, sm_count)
+    cfg = config or pick_fp8_config(m, n, k, block, _sm_count(x.device))
     _check(x, weight, scale, block, cfg)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     scale_bn, scale_bk = block or (1, 1)
