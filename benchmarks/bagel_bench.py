@@ -8,9 +8,14 @@
 - `editing`: an image of `--size` and an instruction, all three guidance branches over the whole grid:
   seconds end to end, concurrency 1.
 
+`--profile` then runs, under torch.profiler inside the worker, one understanding decode step at the highest
+`--concurrency` and one text-to-image denoising step, and writes each one's top-25 ops by self device time
+(self CPU time on CPU) into the JSON (`profile`) and the log.
+
     python3 benchmarks/bagel_bench.py                   # GPU: writes benchmarks/results/bagel_bench_<gpu>.json
     python3 benchmarks/bagel_bench.py --concurrency 1 16 --tokens 64 256
     python3 benchmarks/bagel_bench.py --quick           # tiny random model on CPU (smoke test)
+    python3 benchmarks/bagel_bench.py --profile --out benchmarks/results/bagel_bench_h100_profile.json 2>&1 | tee bagel.log
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--size", type=int, default=None, help="image side in pixels (default 1024)")
     parser.add_argument("--steps", type=int, default=None, help="timesteps of a generation (default 50)")
     parser.add_argument("--out", default=None, help="JSON path")
+    parser.add_argument("--profile", action="store_true", help="also profile a decode and a denoising step")
     args = parser.parse_args(argv)
     args.device = torch.device("cpu" if args.quick else "cuda")
     if args.device.type == "cuda" and not torch.cuda.is_available():
@@ -93,6 +99,62 @@ def image_case(m, args: argparse.Namespace, edit: bool) -> dict[str, Any]:
     return {"seconds": round(seconds, 3), "image": shape, "steps": args.steps}
 
 
+class StepProfiler:
+    """Profiles one forward of the LLM component, the one after `skip` forwards of the expected walk and size,
+    in the worker thread that runs it (the profiler records the thread that starts it)."""
+
+    def __init__(self, llm, cuda: bool) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.llm, self.run_items = llm, llm.run_items
+        self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        self.want: tuple[str, int | None] | None = None  # (walk, items or None for any)
+        self.skip, self.found = 0, None
+        with profile(activities=self.activities):  # the profiler's backend must first start on this thread
+            pass
+        llm.run_items = self._run_items
+
+    def expect(self, walk: str, items: int | None, skip: int) -> None:
+        self.want, self.skip, self.found = (walk, items), skip, None
+
+    def _run_items(self, items):
+        if self.want is None or items[0].walk != self.want[0] or self.want[1] not in (None, len(items)):
+            return self.run_items(items)
+        if self.skip:
+            self.skip -= 1
+            return self.run_items(items)
+        self.want = None
+        from torch.profiler import profile
+
+        cuda = len(self.activities) > 1
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        sync()
+        with profile(activities=self.activities) as prof:
+            start = time.perf_counter()
+            out = self.run_items(items)
+            sync()
+            seconds = time.perf_counter() - start
+        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        self.found = {"items": len(items), "step_ms_under_profiler": round(seconds * 1e3, 3), "sorted_by": sort,
+                      "table": prof.key_averages().table(sort_by=sort, row_limit=25)}
+        return out
+
+
+def profile_steps(m, args: argparse.Namespace) -> dict[str, Any]:
+    """Top-25 op tables of one decode step at the highest concurrency and one text-to-image denoising step."""
+    profiler = StepProfiler(m.runtime.workers[0].engines["llm"].module, args.device.type == "cuda")
+    concurrency, out = max(args.concurrency), {}
+    profiler.expect("decode", concurrency, skip=2)  # past the first steps' buffer growth
+    understanding_case(m, args, concurrency, max(*args.tokens, 16))  # requests that start apart still meet
+    out[f"decode_c{concurrency}"] = profiler.found or {"table": "no decode step of that size ran"}
+    profiler.expect("denoise", None, skip=1)
+    image_case(m, args, edit=False)
+    out["denoise_t2i"] = profiler.found or {"table": "no denoising step ran"}
+    for name, case in out.items():
+        print(f"== {name}: {case.get('items')} items, {case.get('step_ms_under_profiler')} ms\n{case['table']}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     from mstar.runtime.offline import MStar
@@ -109,6 +171,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 doc["understanding"][f"c{concurrency}_t{tokens}"] = understanding_case(m, args, concurrency, tokens)
         doc["generation"] = image_case(m, args, edit=False)
         doc["editing"] = image_case(m, args, edit=True)
+        if args.profile:
+            doc["profile"] = profile_steps(m, args)
     write_results(doc, args.out, args.quick, f"bagel_bench_{kind}")
     print(json.dumps(doc, indent=2))
     return doc

@@ -1,4 +1,5 @@
-"""benchmarks/bagel_bench.py: a --quick run (the tiny model on CPU) writes what it returns, with every case."""
+"""benchmarks/bagel_bench.py: a --quick run (the tiny model on CPU) writes what it returns, with every case and,
+with --profile, an op table of a decode step at concurrency 2 and of a denoising step."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 def test_quick_run(tmp_path) -> None:
     out = tmp_path / "bagel.json"
-    doc = main(["--quick", "--out", str(out)])
+    doc = main(["--quick", "--profile", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
     assert doc["device"] == "cpu" and doc["dtype"] == "float32"
     for concurrency in (1, 2):
@@ -22,3 +23,6 @@ def test_quick_run(tmp_path) -> None:
         assert case["tokens"] == 4 * concurrency and case["tokens_per_s"] > 0 and case["ttft_p50_s"] > 0
     assert doc["generation"]["image"] == [64, 64, 3] and doc["generation"]["seconds"] > 0
     assert doc["editing"]["image"] == [64, 64, 3] and doc["editing"]["steps"] == 3
+    decode, denoise = doc["profile"]["decode_c2"], doc["profile"]["denoise_t2i"]
+    assert decode["items"] == 2 and "aten::" in decode["table"]
+    assert denoise["items"] >= 1 and "aten::" in denoise["table"]
