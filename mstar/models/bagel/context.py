@@ -205,6 +205,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
     if mask is not None:  # the fused kernels that take a mask take no grouped heads: give each query head its own
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+    # a batch of one: the fused kernels take only 4-D inputs (3-D ones fall back to the unfused math kernel)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                          attn_mask=mask, scale=scale, enable_gqa=mask is None)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
