@@ -177,12 +177,13 @@ class Conductor:
     def _start_walk(self, req: RequestState, name: str) -> None:
         walk = self._walks[name]
         routes = req.reserved_routes.pop(name, None) or self._choose_routes(req, walk)
+        driver = routes[_first_node(walk)]
         streamed = {s.target_input for s in self.graph.streams if s.target_walk == name}
         inputs = {}
         for edge in walk.inputs + walk.optional_inputs:
             value = req.carries.get(edge, req.inputs.get(edge))
             if value is not None:
-                inputs[edge] = self.codec.pack(value)
+                inputs[edge] = self.codec.pack(value, driver)
             elif edge not in streamed and edge not in walk.optional_inputs:
                 raise AdmissionError(f"walk {name!r} needs input {edge!r}, which the request does not provide", 400)
         produced = {e for n in iter_nodes(walk.body) for e in n.output_edges}
@@ -192,7 +193,7 @@ class Conductor:
             if s.source_lane == walk.lane and s.edge in produced and s.target_input in req.stream_dest
         }
         req.current_walk[walk.lane] = name
-        self._send(routes[_first_node(walk)], wire.StartWalk(req.rid, name, req.options, inputs, routes, targets,
+        self._send(driver, wire.StartWalk(req.rid, name, req.options, inputs, routes, targets,
                                                              req.kv_sources.pop(name, {})))
 
     def _walk_done(self, msg: wire.WalkDone) -> None:

@@ -68,7 +68,7 @@ def worker_process_main(rank: int, config_json: bytes, directory_json: bytes, se
     from mstar.config import config_from_dict
     from mstar.graph.placement import plan_placement
     from mstar.runtime.build import build_engines, build_model, context_lens, worker_device
-    from mstar.runtime.codecs import PayloadCodec
+    from mstar.runtime.codecs import worker_codec
     from mstar.transport import wire
     from mstar.transport.messages import Codec
     from mstar.transport.zmq_channels import Directory, ZmqNetwork
@@ -83,7 +83,7 @@ def worker_process_main(rank: int, config_json: bytes, directory_json: bytes, se
         graph = model.graph()
         plan = plan_placement(graph, config.node_groups, config.source)
         device = worker_device(config, rank)
-        codec = PayloadCodec(session)
+        codec = worker_codec(session, rank, [worker_device(config, r) for r in range(plan.num_workers)])
         shards = {}
         if rendezvous is not None:  # groups first: a tensor-parallel component warms up with its collectives
             from mstar.distributed.groups import Rendezvous

@@ -68,7 +68,7 @@ def tensor_parallel_shards(plan: PlacementPlan, graph: ModelGraph, rank: int, gr
 
 
 def wrap_replicas(plan: PlacementPlan, graph: ModelGraph, rank: int, engines: dict[str, Engine],
-                  groups: ProcessGroups, send: Callable[[int, Any], None], pack: Callable[[Any], Any]) -> None:
+                  groups: ProcessGroups, send: Callable[[int, Any], None], pack: Callable[[Any, int], Any]) -> None:
     """Give each sequence-parallel module its group and wrap the lead's module to forward batches; put
     each tensor-parallel engine in lockstep (`LeadEngine` on the lead, `FollowerEngine` elsewhere; both
     were built sampling with per-request seeds and equal KV pools, `runtime.build`). Replaces entries of

@@ -83,13 +83,10 @@ class CudaIpcTensorChannel:
         return torch.empty(0, dtype=dtype, device=f"cuda:{payload.device}").set_(storage, 0, payload.shape)
 
     def discard(self, payload: TensorPayload | CudaIpcPayload) -> None:
-        import torch
-
         if isinstance(payload, TensorPayload):
             self.host.discard(payload)
-        elif payload.handle:
-            torch.UntypedStorage._release_ipc_counter(payload.ref_counter, payload.ref_counter_offset,
-                                                      device=f"cuda:{payload.device}")
+        else:
+            release_ipc_payload(payload)
 
     def cleanup(self) -> int:
         """Free this session's shared-memory segments and hand released GPU blocks back to the allocator."""
@@ -98,3 +95,12 @@ class CudaIpcTensorChannel:
         if torch.cuda.is_initialized():
             torch.cuda.ipc_collect()
         return self.host.cleanup()
+
+
+def release_ipc_payload(payload: CudaIpcPayload) -> None:
+    """Clear the counter of a payload that will never be unpacked, so its sender can free the block."""
+    import torch
+
+    if payload.handle:
+        torch.UntypedStorage._release_ipc_counter(payload.ref_counter, payload.ref_counter_offset,
+                                                  device=f"cuda:{payload.device}")

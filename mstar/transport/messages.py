@@ -1,18 +1,20 @@
 """Machinery for cross-process messages: a base struct, a codec, and payload walking.
 
 The runtime defines its own message structs (subclasses of `Message`) and a tagged union of them;
-`Codec(Union[...])` turns those into msgpack bytes and back. `TensorPayload` nests anywhere inside
-(fields, `dict[str, TensorPayload]`, lists). No pickle: a message decodes only into the declared
-types.
+`Codec(Union[...])` turns those into msgpack bytes and back. Tensor payloads (`AnyPayload`: shared
+memory, CUDA IPC, TCP, torch.distributed) nest anywhere inside (fields, `dict[str, AnyPayload]`,
+lists). No pickle: a message decodes only into the declared types.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 import msgspec
 
+from mstar.transport.cuda_ipc import CudaIpcPayload, release_ipc_payload
+from mstar.transport.placed_channels import PAYLOAD_TYPES, AnyPayload
 from mstar.transport.tensors import TensorPayload, discard_payload
 
 M = TypeVar("M")
@@ -42,9 +44,9 @@ class Codec(Generic[M]):
         return self._decoder.decode(buf)
 
 
-def iter_payloads(obj: Any) -> Iterator[TensorPayload]:
-    """Every TensorPayload reachable from `obj` through struct fields, dicts, lists and tuples."""
-    if isinstance(obj, TensorPayload):
+def iter_payloads(obj: Any) -> Iterator[AnyPayload]:
+    """Every tensor payload reachable from `obj` through struct fields, dicts, lists and tuples."""
+    if isinstance(obj, PAYLOAD_TYPES):
         yield obj
     elif isinstance(obj, msgspec.Struct):
         for name in obj.__struct_fields__:
@@ -57,11 +59,20 @@ def iter_payloads(obj: Any) -> Iterator[TensorPayload]:
             yield from iter_payloads(value)
 
 
-def discard_message(msg: Any) -> int:
-    """Release the shared memory of every payload in a message that will never be consumed (a
-    cancelled request, an undeliverable send). Returns how many payloads were in it."""
+def discard_message(msg: Any, discard: Callable[[Any], None] | None = None) -> int:
+    """Release every payload in a message that will never be consumed (a cancelled request, an
+    undeliverable send) with `discard` (the process's tensor channel); by default shared-memory and
+    CUDA IPC payloads are released, and the others wait for their sender's cleanup. Returns how
+    many payloads were in it."""
     count = 0
     for payload in iter_payloads(msg):
-        discard_payload(payload)
+        (discard or _release)(payload)
         count += 1
     return count
+
+
+def _release(payload: AnyPayload) -> None:
+    if isinstance(payload, TensorPayload):
+        discard_payload(payload)
+    elif isinstance(payload, CudaIpcPayload):
+        release_ipc_payload(payload)

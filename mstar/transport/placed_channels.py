@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 SHM, CUDA_IPC, NCCL, TCP = "shm", "cuda_ipc", "nccl", "tcp"
 AnyPayload = TensorPayload | CudaIpcPayload | TcpPayload | DistPayload
+PAYLOAD_TYPES = (TensorPayload, CudaIpcPayload, TcpPayload, DistPayload)
 _KIND_OF_PAYLOAD = {TensorPayload: SHM, CudaIpcPayload: CUDA_IPC, TcpPayload: TCP, DistPayload: NCCL}
 
 

@@ -1,8 +1,8 @@
 """The runtime's message catalogue: typed msgspec structs, never pickle.
 
 Tensor fields hold whatever the process's tensor codec produces: torch tensors themselves in
-in-process mode (nothing is encoded), `TensorPayload`s across processes (the annotation is what
-the decoder validates against).
+in-process mode (nothing is encoded), payloads across processes (`AnyPayload`: shared memory, CUDA
+IPC, ...; the annotation is what the decoder validates against).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any, Union
 
 import msgspec
 
-from mstar.transport.tensors import TensorPayload
+from mstar.transport.placed_channels import AnyPayload
 
-Tensors = dict[str, TensorPayload]  # edge or port name -> tensor payload
+Tensors = dict[str, AnyPayload]  # edge or port name -> tensor payload
 
 
 class StartWalk(msgspec.Struct, tag=True, array_like=True):
@@ -67,7 +67,7 @@ class StreamItem(msgspec.Struct, tag=True, array_like=True):
     rid: str
     stream: str
     seq: int
-    value: TensorPayload
+    value: AnyPayload
 
 
 class StreamEnd(msgspec.Struct, tag=True, array_like=True):
@@ -93,7 +93,7 @@ class ClientOutput(msgspec.Struct, tag=True, array_like=True):
 
     rid: str
     name: str
-    value: TensorPayload
+    value: AnyPayload
 
 
 class ClientOutputs(msgspec.Struct, tag=True, array_like=True):
@@ -147,8 +147,8 @@ class KVPages(msgspec.Struct, tag=True, array_like=True):
     tokens: list[int] = []
     page_hashes: list[bytes] = []  # as KVPull.held
     skip: int = 0
-    k: TensorPayload | None = None
-    v: TensorPayload | None = None
+    k: AnyPayload | None = None
+    v: AnyPayload | None = None
     positions: KVPositionsWire | None = None
 
 

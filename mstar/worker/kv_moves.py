@@ -75,8 +75,8 @@ class KVMoves:
             p = export.positions
             positions = None if p is None else wire.KVPositionsWire(p.start, p.offset, p.multi_row, p.fractional,
                                                                     p.num_shareable)
-            k = None if export.k is None else self.codec.pack(export.k)
-            v = None if export.v is None else self.codec.pack(export.v)
+            k = None if export.k is None else self.codec.pack(export.k, msg.reply_to)
+            v = None if export.v is None else self.codec.pack(export.v, msg.reply_to)
             reply = wire.KVPages(msg.rid, msg.component, msg.kv_slot, True, export.tokens, _hash_bytes(export.page_hashes),
                                  export.skip, k, v, positions)
         self.send(msg.reply_to, reply)
@@ -84,7 +84,7 @@ class KVMoves:
     def _receive(self, msg: wire.KVPages) -> None:
         item = self._waiting.pop((msg.rid, msg.component, msg.kv_slot), None)
         if item is None:  # released meanwhile
-            discard_message(msg)
+            discard_message(msg, self.codec.discard)
             return
         export = None
         if msg.found:

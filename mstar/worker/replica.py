@@ -34,20 +34,20 @@ def run_component_step(module: StatelessComponent, items: Sequence[StepItem]) ->
     return module.run_items(list(items))
 
 
-def replica_items(items: Sequence[StepItem], pack: Callable[[Any], Any]) -> list[wire.ReplicaItem]:
-    """`items` as a replica message carries them, their tensors packed (`follower_items` undoes it)."""
-    return [wire.ReplicaItem(i.request_id, i.walk, i.node, i.iteration, {k: pack(v) for k, v in i.inputs.items()},
+def replica_items(items: Sequence[StepItem], pack: Callable[[Any, int], Any], to: int) -> list[wire.ReplicaItem]:
+    """`items` as a replica message to rank `to` carries them, their tensors packed (`follower_items` undoes it)."""
+    return [wire.ReplicaItem(i.request_id, i.walk, i.node, i.iteration, {k: pack(v, to) for k, v in i.inputs.items()},
                              i.options, i.kv_slot, i.loop.max_iterations if i.loop else 0) for i in items]
 
 
 class LeadModule:
     """A component module on a replica's lead rank: same calls, but every batch goes to the followers first.
 
-    `send(rank, message)` delivers a wire message; `pack` turns a tensor into its payload.
+    `send(rank, message)` delivers a wire message; `pack(tensor, rank)` turns a tensor into its payload for `rank`.
     """
 
     def __init__(self, module: StatelessComponent, component: str, followers: Sequence[int],
-                 send: Callable[[int, Any], None], pack: Callable[[Any], Any]) -> None:
+                 send: Callable[[int, Any], None], pack: Callable[[Any, int], Any]) -> None:
         self.module, self.component = module, component
         self.followers = tuple(followers)
         self._send, self._pack = send, pack
@@ -59,7 +59,7 @@ class LeadModule:
 
     def run_items(self, items: list[StepItem]) -> list[dict]:
         for rank in self.followers:  # packed per follower: a payload is consumed by one reader
-            self._send(rank, wire.ReplicaStep(self.component, replica_items(items, self._pack)))
+            self._send(rank, wire.ReplicaStep(self.component, replica_items(items, self._pack, rank)))
         return run_component_step(self.module, items)
 
     def release(self, request_id: str) -> None:
@@ -78,7 +78,7 @@ class LeadEngine:
     first sends the followers what the engine was given since the last one (module docstring)."""
 
     def __init__(self, engine: Engine, component: str, followers: Sequence[int], send: Callable[[int, Any], None],
-                 pack: Callable[[Any], Any]) -> None:
+                 pack: Callable[[Any, int], Any]) -> None:
         self.engine, self.component = engine, component
         self.host_inputs = engine.host_inputs
         self.followers = tuple(followers)
@@ -100,7 +100,7 @@ class LeadEngine:
     def step(self) -> list:
         items, releases, self._items, self._releases = self._items, self._releases, [], []
         for rank in self.followers:  # packed per follower: a payload is consumed by one reader
-            self._send(rank, wire.ReplicaEngineStep(self.component, releases, replica_items(items, self._pack)))
+            self._send(rank, wire.ReplicaEngineStep(self.component, releases, replica_items(items, self._pack, rank)))
         return self.engine.step()
 
     def has_work(self) -> bool:

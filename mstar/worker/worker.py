@@ -204,7 +204,7 @@ class Worker:
 
     def handle(self, msg: Any) -> None:
         if isinstance(msg, wire.REQUEST_MESSAGES) and msg.rid in self._released:
-            discard_message(msg)  # late traffic of a finished or cancelled request: free its payloads
+            discard_message(msg, self.codec.discard)  # late traffic of a finished or cancelled request: free its payloads
             return
         if isinstance(msg, wire.StartWalk):
             self._start(msg)
@@ -265,7 +265,7 @@ class Worker:
             if rank == self.rank:
                 self._submit(rid, walk, call.node.name, call.iteration, call.inputs, state.start.options, call.loop)
             else:
-                inputs = {k: self.codec.pack(v) for k, v in call.inputs.items()}
+                inputs = {k: self.codec.pack(v, rank) for k, v in call.inputs.items()}
                 msg = wire.RunNode(rid, walk, call.node.name, call.iteration, inputs, state.start.options, self.rank,
                                    call.loop.max_iterations if call.loop else 0)
                 self.outbox.send(worker_peer(rank), msg)
@@ -348,7 +348,7 @@ class Worker:
             key = (result.request_id, result.walk, result.node, result.iteration)
             reply = self._remote.get(key)
             if reply is not None:
-                outputs = {k: self.codec.pack(v) for k, v in result.outputs.items()}
+                outputs = {k: self.codec.pack(v, reply) for k, v in result.outputs.items()}
                 self.outbox.send(worker_peer(reply), wire.NodeDone(*key, outputs, more=True))
                 return
         self._record_loop_value(result.request_id, result.walk, result.node, result.outputs)
@@ -371,7 +371,7 @@ class Worker:
         key = (result.request_id, result.walk, result.node, result.iteration)
         if self._remote and key in self._remote:
             reply = self._remote.pop(key)
-            outputs = {k: self.codec.pack(v) for k, v in result.outputs.items()}
+            outputs = {k: self.codec.pack(v, reply) for k, v in result.outputs.items()}
             msg = wire.NodeDone(*key, outputs, result.stop, result.error, result.finish_reason)
             self.outbox.send(worker_peer(reply), msg)
             return
@@ -418,14 +418,14 @@ class Worker:
             return
         rid = state.start.rid
         for name in out.names:
-            self.outbox.send(CONDUCTOR, wire.ClientOutput(rid, name, self.codec.pack(value)))
+            self.outbox.send(CONDUCTOR, wire.ClientOutput(rid, name, self.codec.pack(value, None)))
         if not out.stream:
             return
         seq = out.first + out.sent
         out.sent += 1
         buffer = out.buffer
         if buffer is None:
-            self.outbox.send(worker_peer(out.rank), wire.StreamItem(rid, out.stream, seq, self.codec.pack(value)))
+            self.outbox.send(worker_peer(out.rank), wire.StreamItem(rid, out.stream, seq, self.codec.pack(value, out.rank)))
             return
         # a consumer on this worker: into its buffer now, no message, no encoding, same device
         if buffer.put(seq, value):
@@ -439,7 +439,7 @@ class Worker:
             return
         del self._runs[key]
         carries = {
-            e.name: self.codec.pack(run.env[e.edge]) for e in state.walk.emits if e.to == CARRY and e.edge in run.env
+            e.name: self.codec.pack(run.env[e.edge], None) for e in state.walk.emits if e.to == CARRY and e.edge in run.env
         }
         msg = wire.WalkDone(state.start.rid, state.start.walk, carries, state.stream_counts(), run.stopped,
                             run.finish_reason)

@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation on one GPU, two worker processes (mstar/configs/llama_pd.yaml): the decode
-worker takes the prefilled KV pages (through host shared memory today) and gives the tokens of one worker
+worker takes the prefilled KV pages (by CUDA IPC: they never leave the device) and gives the tokens of one worker
 on the same GPU, computing no prompt token."""
 
 from __future__ import annotations

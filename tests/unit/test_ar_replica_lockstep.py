@@ -46,7 +46,7 @@ def _run(model, seeded: bool) -> tuple[list[dict], list[dict], list[list[int]]]:
     """Drive the lead as a worker would (feed each token back, release a finished request, one request
     cancelled mid-way, one arriving late); deliver its messages to the follower after each step."""
     sent: list[tuple[int, object]] = []
-    lead = LeadEngine(_engine(model, seeded), "llm", [1], lambda rank, msg: sent.append((rank, msg)), lambda t: t)
+    lead = LeadEngine(_engine(model, seeded), "llm", [1], lambda rank, msg: sent.append((rank, msg)), lambda t, rank: t)
     follower = FollowerEngine(_engine(model, seeded))
     prompts = {"a": [5, 9, 2, 7], "b": [3, 3, 8], "c": [11, 4, 6, 1, 2]}
     for rid in ("a", "b"):
