@@ -11,14 +11,14 @@ from __future__ import annotations
 import json
 
 import httpx
+import jsonschema
 import pytest
 
 from tests.e2e.server_thread import running_server
-from tests.e2e.test_structured_outputs import _top_schema
+from tests.json_schemas import top_schema
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("xgrammar")
-jsonschema_rs = pytest.importorskip("jsonschema_rs")
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                             "unit": {"enum": ["celsius", "fahrenheit"]},
@@ -48,11 +48,11 @@ def _chat(served, seed: int, **kwargs):
 
 def test_json_schemas_and_json_object_answers_validate(served):
     for seed in range(6):
-        schema = _top_schema(seed)
+        schema = top_schema(seed)
         out = _chat(served, seed, response_format={"type": "json_schema", "json_schema": {
             "name": f"s{seed}", "schema": schema, "strict": True}})
         assert out.finish_reason == "stop", out
-        jsonschema_rs.validate(schema, json.loads(out.message.content))
+        jsonschema.validate(json.loads(out.message.content), schema)
     # any object: its strings are unbounded, so random weights may run out of tokens first; seeds are tried until
     # one answer ends (3 first: the Qwen3-Omni thinker's ends, the others run to max_tokens), and it must parse
     ends = []
@@ -75,7 +75,7 @@ def test_forced_tool_calls_follow_the_tool_schemas(served):
             assert len(out.message.tool_calls) == 1 or parallel and want is None
             for call in out.message.tool_calls:
                 assert call.function.name in SCHEMAS and (want is None or call.function.name == want)
-                jsonschema_rs.validate(SCHEMAS[call.function.name], json.loads(call.function.arguments))
+                jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
     history = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius", "days": 1}'}}]},
