@@ -2,11 +2,16 @@
 
 - small message (one token id) over ZMQ ipc: round trip at the sender, one way at the receiver;
 - tensor hop (pack + send + recv + unpack, then optionally a full read) through shared memory for
-  1 MB and 64 MB, and inline for comparison at 64 KiB and 1 MB (the inline-threshold choice).
+  1 MB and 64 MB, and inline for comparison at 64 KiB and 1 MB (the inline-threshold choice);
+- with --cuda, GPU tensor hops of 1 KB, 1 MB and 256 MB between two processes on one GPU: CUDA IPC
+  (`CudaIpcTensorChannel`) against shared memory (`ShmTensorChannel`: a copy to the host, then back
+  to the device at the receiver). A GPU hop ends when the tensor is usable on the receiver's device
+  (its stream synchronized), and bandwidth is bytes over the p50 hop.
 Both processes run torch with one thread. One-way times use CLOCK_MONOTONIC (time.monotonic_ns), which is shared by processes on Linux.
 Messages go one at a time (the receiver answers each), so these are latencies, not throughput.
 
     python3 benchmarks/transport_hops.py [--iters 5000] [--out benchmarks/results/transport_hops_cpu.json]
+    python3 benchmarks/transport_hops.py --cuda --iters 2000 --out benchmarks/results/transport_hops_cuda.json
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-from mstar.transport import Codec, Message, TensorPayload, new_session_id, pack_tensor, unpack_tensor  # noqa: E402
+from mstar.transport import Codec, Message, ShmTensorChannel, new_session_id, pack_tensor  # noqa: E402
+from mstar.transport.cuda_ipc import CudaIpcTensorChannel  # noqa: E402
+from mstar.transport.placed_channels import AnyPayload  # noqa: E402
 from mstar.transport.tensors import cleanup_segments  # noqa: E402
 from mstar.transport.zmq_channels import Directory, ZmqNetwork  # noqa: E402
 
@@ -32,7 +39,8 @@ from mstar.transport.zmq_channels import Directory, ZmqNetwork  # noqa: E402
 class Ping(Message):
     t_ns: int
     token: int = 0
-    tensor: TensorPayload | None = None
+    tensor: AnyPayload | None = None
+    on_gpu: bool = False  # the receiver moves the tensor to its GPU (if not there) and synchronizes
 
 
 class Pong(Message):
@@ -56,13 +64,17 @@ def _echo(directory_json: bytes) -> None:
     torch.set_num_threads(1)  # intra-op threads only add noise on a shared, small CPU
     net = ZmqNetwork(msgspec.json.decode(directory_json, type=Directory), CODEC)
     inbox, out = net.inbox("echo"), net.outbox()
+    channel = CudaIpcTensorChannel()  # unpacks shared-memory payloads too
     while isinstance(msg := inbox.recv(), Ping):
         t_recv = time.monotonic_ns()
         times = {}
         if msg.tensor is not None:
-            t = unpack_tensor(msg.tensor)
+            t = channel.unpack(msg.tensor)
+            if msg.on_gpu:
+                t = t.cuda()
+                torch.cuda.synchronize()
             t_unpacked = time.monotonic_ns()
-            t.sum()
+            t.sum().item()
             t_read = time.monotonic_ns()
             del t
             times = {"unpack_ns": t_unpacked - t_recv, "read_ns": t_read - t_unpacked,
@@ -95,12 +107,25 @@ def _tensor_hops(inbox, out, nbytes: int, inline: bool, iters: int, session: str
 
     t = torch.randn(nbytes // 4)
     limit = nbytes if inline else 0
+    return _hops(inbox, out, lambda: pack_tensor(t, inline_max_bytes=limit, session=session), iters, False)
+
+
+def _gpu_hops(inbox, out, nbytes: int, channel, iters: int) -> dict:
+    import torch
+
+    t = torch.randn(nbytes // 4, device="cuda")
+    result = _hops(inbox, out, lambda: channel.pack(t, "echo"), iters, True)
+    result["bandwidth_GBps"] = nbytes / (result["hop"]["p50_us"] * 1e3)
+    return result
+
+
+def _hops(inbox, out, pack_one, iters: int, on_gpu: bool) -> dict:
     hop, pack, unpack, read, free = [], [], [], [], []
     for i in range(iters + 2):
         t0 = time.monotonic_ns()
-        payload = pack_tensor(t, inline_max_bytes=limit, session=session)
+        payload = pack_one()
         t_packed = time.monotonic_ns()
-        out.send("echo", Ping(t_ns=t0, tensor=payload))
+        out.send("echo", Ping(t_ns=t0, tensor=payload, on_gpu=on_gpu))
         pong = inbox.recv()
         if i >= 2:
             hop.append(pong.one_way_ns)
@@ -115,8 +140,10 @@ def _tensor_hops(inbox, out, nbytes: int, inline: bool, iters: int, session: str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=5000, help="small-message round trips")
-    parser.add_argument("--out", default="benchmarks/results/transport_hops_cpu.json")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/transport_hops_{cpu,cuda}.json")
+    parser.add_argument("--cuda", action="store_true", help="also GPU tensors: CUDA IPC against shared memory")
     args = parser.parse_args()
+    args.out = args.out or f"benchmarks/results/transport_hops_{'cuda' if args.cuda else 'cpu'}.json"
     import torch
     import zmq
 
@@ -132,6 +159,11 @@ def main() -> None:
              ("1MB_inline", 1 << 20, True, 200), ("1MB_shm", 1 << 20, False, 200), ("64MB_shm", 64 << 20, False, 20)]
     for name, nbytes, inline, iters in cases:
         results[f"tensor_{name}"] = _tensor_hops(inbox, out, nbytes, inline, iters, session)
+    if args.cuda:
+        channels = {"cuda_ipc": CudaIpcTensorChannel(session), "shm": ShmTensorChannel(session)}
+        for size, nbytes, iters in (("1KB", 1 << 10, 500), ("1MB", 1 << 20, 200), ("256MB", 256 << 20, 10)):
+            for kind, channel in channels.items():
+                results[f"gpu_{size}_{kind}"] = _gpu_hops(inbox, out, nbytes, channel, iters)
     out.send("echo", Stop())
     child.join(timeout=30)
     net.close()
@@ -140,9 +172,11 @@ def main() -> None:
         "command": "python3 " + " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "torch": torch.__version__, "pyzmq": zmq.__version__, "msgspec": msgspec.__version__},
+                    "torch": torch.__version__, "pyzmq": zmq.__version__, "msgspec": msgspec.__version__,
+                    "gpu": torch.cuda.get_device_name() if args.cuda else None},
         "notes": "microseconds; one message in flight at a time; hop = pack + send + recv + unpack "
-                 "(read = first full read of the unpacked tensor, free = dropping it; not in hop)",
+                 "(gpu_*: and the copy to the receiver's GPU, synchronized; read = first full read of "
+                 "the unpacked tensor, free = dropping it; not in hop); bandwidth_GBps = bytes / p50 hop",
         "results": results,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
