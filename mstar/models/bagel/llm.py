@@ -15,14 +15,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mstar.layers.attention import normed_rotated_qk
 from mstar.layers.linear import linear
 from mstar.layers.mlp import GatedMLP
 from mstar.layers.norm import RMSNorm
-from mstar.layers.rope import RopeSpec, RotaryEmbedding, apply_rotary
+from mstar.layers.rope import RopeSpec, RotaryEmbedding
 from mstar.models.bagel.config import BagelConfig, LLMConfig
 from mstar.models.bagel.embeddings import PositionEmbedding, TimestepEmbedder
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (layer, q, k, v) -> out
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, D] of some rows
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,13 @@ class Routing:
         if not bool(is_gen.any()):
             return cls()
         return cls(und=torch.nonzero(~is_gen).flatten().to(device), gen=torch.nonzero(is_gen).flatten().to(device))
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x's understanding rows and generation rows (None when there are none)."""
+        if self.gen is None:
+            return x, None
+        assert self.und is not None
+        return x[self.und], x[self.gen]
 
     def apply(self, x: torch.Tensor, und: Callable[[torch.Tensor], torch.Tensor],
               gen: Callable[[torch.Tensor], torch.Tensor], width: int | None = None) -> torch.Tensor:
@@ -65,12 +74,12 @@ class ExpertAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def qkv(self, x: torch.Tensor, head_dim: int) -> torch.Tensor:
-        """[T, (Hq + 2 Hkv) * D]: q and k normed per head, v as projected."""
-        q, k, v = linear(x, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(x.shape[0], -1, head_dim)).flatten(1)
-        k = self.k_norm(k.reshape(x.shape[0], -1, head_dim)).flatten(1)
-        return torch.cat([q, k, v], dim=-1)
+    def qkv(self, x: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """[T, (Hq + 2 Hkv) * D]: q and k normed per head and rotated by cos/sin [T, D], v as projected."""
+        qk, v = linear(x, self.qkv_proj).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = normed_rotated_qk(qk.view(x.shape[0], -1, head_dim), self.q_norm, self.k_norm, self.q_size // head_dim,
+                               cos, sin)
+        return torch.cat([qk.flatten(1), v], dim=-1)
 
 
 class MoTLayer(nn.Module):
@@ -88,18 +97,17 @@ class MoTLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         self.mlp_moe_gen = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, routing: Routing, cos: torch.Tensor, sin: torch.Tensor,
-                attend: Attend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routing: Routing, rope: tuple[Rope, Rope | None], attend: Attend) -> torch.Tensor:
+        """`rope`: (cos, sin) of the understanding rows and of the generation rows (`Routing.split`)."""
         cfg, und, gen = self.cfg, self.self_attn, self.self_attn_moe_gen
-        d = cfg.head_dim
+        d, (und_rope, gen_rope) = cfg.head_dim, rope
         width = und.q_size + 2 * und.kv_size
-        qkv = routing.apply(x, lambda h: und.qkv(self.input_layernorm(h), d),
-                            lambda h: gen.qkv(self.input_layernorm_moe_gen(h), d), width)
+        qkv = routing.apply(x, lambda h: und.qkv(self.input_layernorm(h), d, *und_rope),
+                            lambda h: gen.qkv(self.input_layernorm_moe_gen(h), d, *gen_rope), width)
         q, k, v = qkv.split([und.q_size, und.kv_size, und.kv_size], dim=-1)
         t = x.shape[0]
-        q = apply_rotary(q.reshape(t, cfg.num_heads, d), cos, sin)
-        k = apply_rotary(k.reshape(t, cfg.num_kv_heads, d), cos, sin)
-        attn = attend(self.layer, q, k, v.reshape(t, cfg.num_kv_heads, d)).reshape(t, -1)
+        q, k, v = q.view(t, cfg.num_heads, d), k.view(t, cfg.num_kv_heads, d), v.view(t, cfg.num_kv_heads, d)
+        attn = attend(self.layer, q, k, v).reshape(t, -1)
         x = x + routing.apply(attn, lambda a: linear(a, und.o_proj), lambda a: linear(a, gen.o_proj),
                               cfg.hidden_size)
         return x + routing.apply(x, lambda h: self.mlp(self.post_attention_layernorm(h)),
@@ -126,9 +134,10 @@ class MoTLanguageModel(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, routing: Routing, attend: Attend) -> torch.Tensor:
         """Input embeddings [T, H] at rope `positions` [T] -> final hidden states [T, H], each row normed by
         its expert's final norm."""
-        cos, sin = self.rotary(positions)
+        (und_cos, gen_cos), (und_sin, gen_sin) = (routing.split(t) for t in self.rotary(positions))
+        rope = ((und_cos, und_sin), None if gen_cos is None or gen_sin is None else (gen_cos, gen_sin))
         for layer in self.layers:
-            x = layer(x, routing, cos, sin, attend)
+            x = layer(x, routing, rope, attend)
         return routing.apply(x, self.norm, self.norm_moe_gen)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
