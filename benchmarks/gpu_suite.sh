@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|omni|omni2|omni_quick|profile_omni|code2wav|kernels|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|omni|omni2|omni_quick|profile_omni|code2wav|structured|kernels|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -206,6 +206,10 @@ if [[ $WHAT == omni_quick ]]; then  # the Omni kernels' GPU tests, then the talk
 fi
 if [[ $WHAT == code2wav || $WHAT == all ]]; then  # Code2Wav alone, as served and eagerly (< 2 min)
   run 180 code2wav_bench python3 benchmarks/code2wav_bench.py --out "$OUT/code2wav_bench_$GPU.json"
+fi
+if [[ $WHAT == structured || $WHAT == all ]]; then  # json_schema decoding against free decoding, batch 1 and 16
+  # needs the Llama-3 tokenizer folder (mstar_tokenizers/llama3-v1) under the temp dir, as device_setup.sh says
+  run 420 structured_decode python3 benchmarks/structured_decode.py --batch 1 16 --out "$OUT/structured_decode_$GPU.json"
 fi
 if [[ $WHAT == omni2 ]]; then  # the original's split, then the thinker tensor-parallel over both GPUs
   omni_bench mstar/configs/qwen3_omni_2gpu.yaml "qwen3_omni_http_${GPU}_2gpu"

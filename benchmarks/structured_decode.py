@@ -25,8 +25,8 @@ real models' JSON visits more structural states. The figure is the machinery's c
 On a bare lent GPU machine (carry `.whl` and `.devscratch/mstar_tokenizers/llama3-v1`, where
 benchmarks/device_setup.sh says how to make both; xgrammar's wheel is in `.whl`):
 
-    source benchmarks/device_setup.sh && python3 benchmarks/structured_decode.py --batch 1 16 \
-        --out $OUT/structured_decode_h100.json
+    source benchmarks/device_setup.sh && OUT=$OUT bash benchmarks/gpu_suite.sh structured
+    # which runs: python3 benchmarks/structured_decode.py --batch 1 16 --out $OUT/structured_decode_<gpu>.json
 
 It writes `benchmarks/results/structured_decode_<gpu>.json` without `--out`. On CPU, in seconds:
 
