@@ -96,16 +96,18 @@ class TcpTensorChannel:
         sock = self._client(payload.address)
         sock.send_multipart([_GET, payload.transfer_id.to_bytes(8, "little")])
         out = torch.empty(payload.shape, dtype=dtype_from_name(payload.dtype))
-        while True:  # a reply to an earlier, abandoned request may come first: skip it
-            reply_id = self._recv(sock, payload)
-            if not sock.rcvmore:
+        while True:
+            reply_id, found = self._recv(sock, payload), sock.rcvmore
+            if reply_id != payload.transfer_id:  # the answer to an earlier, abandoned request: skip it
+                if found:
+                    sock.recv()
+                continue
+            if not found:
                 raise KeyError(f"tensor transfer {payload.transfer_id} is unknown at {payload.address}: "
                                f"a TCP payload can be unpacked once, and not after discard or cleanup")
-            if reply_id == payload.transfer_id:
-                got = sock.recv_into(out.view(-1).view(torch.uint8).numpy())
-                assert got == payload.nbytes, f"got {got} bytes of {payload.nbytes} from {payload.address}"
-                return out
-            sock.recv()
+            got = sock.recv_into(out.view(-1).view(torch.uint8).numpy())
+            assert got == payload.nbytes, f"got {got} bytes of {payload.nbytes} from {payload.address}"
+            return out
 
     def discard(self, payload: TensorPayload | TcpPayload) -> None:
         if isinstance(payload, TcpPayload):

@@ -71,6 +71,15 @@ def test_tcp_discard_and_cleanup_free_held_tensors(tcp_pair):
     assert sender.cleanup() == 1
 
 
+def test_tcp_answer_to_an_abandoned_request_is_skipped(tcp_pair):
+    sender, receiver = tcp_pair
+    abandoned, wanted = sender.pack(torch.zeros(50_000), "peer"), sender.pack(torch.ones(50_000), "peer")
+    # as requests that timed out would leave them: asked for, their answers (one found, one not) never read
+    for _ in range(2):
+        receiver._client(abandoned.address).send_multipart([b"get", abandoned.transfer_id.to_bytes(8, "little")])
+    assert torch.equal(receiver.unpack(wanted), torch.ones(50_000))
+
+
 def test_tcp_unpack_times_out_when_the_sender_is_gone():
     sender, receiver = TcpTensorChannel(), TcpTensorChannel(timeout_s=0.3)
     payload = sender.pack(torch.ones(50_000), "peer")
