@@ -228,6 +228,18 @@ def resolve_config(model: str | None, config_path: str | None):
     return config_from_dict({"model": model}, source=f"<defaults for {model}>")
 
 
+def serve_config(args: argparse.Namespace):
+    """The config to serve, the flags applied: --config's, else the first of the model's shipped configs
+    (`<model>.yaml`, then its variants for smaller cards, `<model>_<N>gb.yaml`) that fits the GPUs' memory."""
+    from mstar.runtime.memory_plan import fitting_config, memory_variants
+
+    model = getattr(args, "model", None)
+    names = [args.config] if args.config is not None else [None, *memory_variants(model or DEFAULT_MODEL)]
+    configs = [apply_parallel_flags(apply_quantization_flag(apply_model_flags(resolve_config(model, name), args), args),
+                                    args) for name in names]
+    return fitting_config(configs, tiny=args.tiny, model_path=args.model_path)
+
+
 def read_api_key(args: argparse.Namespace) -> str | None:
     """The key from --api-key-file, else MSTAR_API_KEY, else None; a key on the command line is refused
     since every user of the machine can read it in the process list."""
@@ -295,6 +307,7 @@ mstar is serving {model!r} at {base_url}{context}   (docs: {base_url}/docs, metr
 def run_serve(args: argparse.Namespace) -> int:
     """Start the runtime, serve it with uvicorn until interrupted, then shut the runtime down."""
     from mstar.runtime.launcher import Runtime
+    from mstar.runtime.memory_plan import MemoryPlanError
     from mstar.runtime.process import stacks_on_sigusr1
     from mstar.server.app import create_app
     from mstar.server.routes_playground import wants_playground
@@ -309,15 +322,14 @@ def run_serve(args: argparse.Namespace) -> int:
         sys.path.append(os.getcwd())
     try:
         check_route_packages()
-        config = apply_model_flags(resolve_config(getattr(args, "model", None), args.config), args)
-        config = apply_quantization_flag(config, args)
-        config = apply_parallel_flags(config, args)
-        runtime = Runtime(config, mode=args.mode, tiny=args.tiny, load_format=args.load_format,
+        runtime = Runtime(serve_config(args), mode=args.mode, tiny=args.tiny, load_format=args.load_format,
                           model_path=args.model_path)
     except ModuleNotFoundError as exc:  # an optional dependency of this model or route
         if args.log_level == "DEBUG":
             raise
         raise SystemExit(missing_package_line(exc)) from None
+    except MemoryPlanError as exc:  # refused before loading: the line says what would fit, a traceback adds nothing
+        raise SystemExit(f"mstar: {exc}") from None
     except (ValueError, KeyError, FileNotFoundError) as exc:  # a config, model name or checkpoint mistake
         if args.log_level == "DEBUG":
             raise

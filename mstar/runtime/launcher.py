@@ -30,6 +30,7 @@ from mstar.graph import validate_graph
 from mstar.graph.placement import plan_placement
 from mstar.runtime.build import build_engines, build_model, context_lens, worker_device
 from mstar.runtime.codecs import LocalCodec, PayloadCodec
+from mstar.runtime.memory_plan import check_memory
 from mstar.runtime.replicas import check_run_mode, multi_rank_replicas
 from mstar.runtime.supervisor import RestartPolicy, exit_reason
 from mstar.transport import wire
@@ -58,6 +59,7 @@ class Runtime:
         validate_graph(self.graph)
         self.plan = plan_placement(self.graph, config.node_groups, config.source)
         check_run_mode(self.plan, mode)
+        check_memory(config, tiny=tiny, model_path=model_path)  # before any weight is loaded
         self.processor = self.model.processor()
         self.session = new_session_id()
         self.codec = LocalCodec() if mode == "inproc" else PayloadCodec(self.session)

@@ -44,8 +44,9 @@ def make_attention_backend(name: str, layout: KVLayout, num_pages: int, page_siz
 
     "auto" tries, in order, "triton" (CUDA, when triton imports), "flashinfer" (CUDA, when flashinfer
     imports) and "sdpa"; a backend that fails to initialise (unsupported dtype or head size, kernels
-    that do not load) is logged and the next one is tried. Triton comes first: it is the backend the
-    decode benchmarks cover and the one prefill graphs use; FlashInfer is chosen with
+    that do not load) is logged and the next one is tried; running out of device memory is raised, not
+    tried again. Triton comes first: it is the backend the decode benchmarks cover and the one prefill
+    graphs use; FlashInfer is chosen with
     `kv_cache.attention_backend: flashinfer`. `max_num_seqs` and `max_pages_per_seq` (default: the whole pool) size the persistent
     buffers of the CUDA-graph-capable backends.
     """
@@ -58,7 +59,9 @@ def make_attention_backend(name: str, layout: KVLayout, num_pages: int, page_siz
     for candidate in candidates[:-1]:
         try:
             return _build_backend(candidate, *args)
-        except Exception as exc:  # any init failure: the next candidate serves instead
+        except torch.OutOfMemoryError:  # the pool does not fit: every backend would fail alike
+            raise
+        except Exception as exc:  # any other init failure: the next candidate serves instead
             logger.warning("attention backend %r failed to initialise (%s: %s); trying %r",
                            candidate, type(exc).__name__, exc, candidates[candidates.index(candidate) + 1])
             logger.debug("attention backend %r init failure", candidate, exc_info=True)

@@ -9,7 +9,8 @@ import torch
 from mstar.config import KVCacheConfig
 from mstar.engines.base import AutoregressiveSpec, KVLayout
 
-__all__ = ["CPU_DEFAULT_POOL_BYTES", "KVCacheConfig", "compute_num_pages", "kv_pool_pages", "page_bytes"]
+__all__ = ["CPU_DEFAULT_POOL_BYTES", "KVCacheConfig", "asked_pages", "compute_num_pages", "kv_pool_pages",
+           "page_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +23,14 @@ def page_bytes(layout: KVLayout, page_size: int) -> int:
     """Bytes one page takes across all layers, K and V together."""
     itemsize = torch.empty((), dtype=layout.dtype).element_size()
     return 2 * layout.num_layers * page_size * layout.num_kv_heads * layout.head_dim * itemsize
+
+
+def asked_pages(spec: AutoregressiveSpec, config: KVCacheConfig) -> int | None:
+    """The page count a component's pool is given outright, or None when it is sized from a share of the
+    memory free (`kv_pool_pages` says in which order the settings win)."""
+    if spec.max_num_pages is not None or spec.memory_fraction is not None:
+        return spec.max_num_pages
+    return config.max_num_pages
 
 
 def compute_num_pages(config: KVCacheConfig, layout: KVLayout, device: torch.device | str) -> int:
@@ -47,13 +56,13 @@ def kv_pool_pages(pools: dict[str, tuple[KVLayout, AutoregressiveSpec]], config:
     claimed = 0.0
     for name, (layout, spec) in pools.items():
         per_page = page_bytes(layout, config.page_size)
-        if spec.max_num_pages is not None:
-            pages[name] = spec.max_num_pages
+        if asked_pages(spec, config) is not None:
+            pages[name] = asked_pages(spec, config)
         elif spec.memory_fraction is not None and device.type == "cuda":
             pages[name] = _fit(name, int(free * spec.memory_fraction) // per_page, per_page,
                                f"engines.{name}.memory_fraction={spec.memory_fraction} of {free / 2**30:.2f} GiB free")
             claimed += spec.memory_fraction
-        elif config.max_num_pages is not None:
+        elif config.max_num_pages is not None:  # off CUDA a component's memory_fraction has nothing to share
             pages[name] = config.max_num_pages
         elif device.type != "cuda":
             pages[name] = _fit(name, CPU_DEFAULT_POOL_BYTES // per_page, per_page,

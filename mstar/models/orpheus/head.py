@@ -40,11 +40,11 @@ class SpanHeadLM(CausalLMBase, nn.Module):
             raise ValueError(f"span={span} is not a non-empty id range [lo, hi) inside the vocabulary [0, {vocab})")
         if blocked is not None and not lo <= blocked[0] < blocked[1] <= hi:
             raise ValueError(f"blocked={blocked} is not a non-empty id range [a, b) inside span={span}")
-        if windows is not None:
-            windows = windows.to(lm.lm_head.weight.device)
+        if windows is not None:  # checked where they were made: a head built on the meta device has no values
             windows.check(hi - lo, vocab)
             if blocked is not None and _window_columns(windows, hi - lo)[blocked[0] - lo:blocked[1] - lo].any():
                 raise ValueError(f"blocked={blocked} overlaps a window")
+            windows = windows.to(lm.lm_head.weight.device)
         self.lm = lm
         self.kv_layout, self.hidden_size = lm.kv_layout, lm.hidden_size
         self.span = (int(lo), int(hi))

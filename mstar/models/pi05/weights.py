@@ -152,6 +152,8 @@ def build(factory: Callable[[], nn.Module], dtype: torch.dtype, device: torch.de
     from mstar.models.pi05.gemma import GemmaNorm
 
     module = build_on_meta(factory, dtype, device)
+    if torch.device(device).type == "meta":  # shapes only (a build that sizes the model): nothing to fill
+        return module
     if named is None:
         fill_dummy_weights(module, seed=seed, std=std)
         generator = torch.Generator(device=device).manual_seed(seed + 1)
