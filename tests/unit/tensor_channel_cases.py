@@ -24,7 +24,7 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator) -> t
 
 def cases(large: int = 70_000) -> dict[str, torch.Tensor]:
     """name -> tensor: each dtype small and large (`large` elements: past the 64 KiB inline limit for
-    every dtype), plus empty, 0-d and non-contiguous layouts."""
+    every dtype), plus empty, 0-d and non-contiguous (small, and past the inline limit) layouts."""
     g = torch.Generator().manual_seed(0)
     out = {}
     for dtype in DTYPES:
@@ -34,6 +34,7 @@ def cases(large: int = 70_000) -> dict[str, torch.Tensor]:
         out[f"{name}_empty"] = _random((0, 4), dtype, g)
         out[f"{name}_scalar"] = _random((), dtype, g)
         out[f"{name}_strided"] = _random((64, 300), dtype, g)[::2, 1::3].t()  # 100 x 32, not contiguous
+        out[f"{name}_strided_large"] = _random((512, 1200), dtype, g)[::2, 1::3].t()  # 400 x 256
     return out
 
 

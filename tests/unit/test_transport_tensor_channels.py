@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as tmp
 
-from mstar.transport import Codec
+from mstar.transport import Codec, ShmTensorChannel, new_session_id
 from mstar.transport.dist_tensors import DistPayload
 from mstar.transport.placed_channels import (
     CUDA_IPC,
@@ -28,6 +28,7 @@ from mstar.transport.tensors import TensorPayload
 from tests.unit.tensor_channel_cases import bit_equal, cases
 
 CODEC = Codec(AnyPayload)
+CASES = cases()
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +39,10 @@ def tcp_pair():
     receiver.close()
 
 
-@pytest.mark.parametrize("name", list(cases()))
+@pytest.mark.parametrize("name", list(CASES))
 def test_tcp_moves_every_dtype_and_layout_bit_exactly(name, tcp_pair):
     sender, receiver = tcp_pair
-    t = cases()[name]
+    t = CASES[name]
     payload = CODEC.decode(CODEC.encode(sender.pack(t, "peer")))
     big = t.numel() * t.element_size() > sender.inline_max_bytes
     assert isinstance(payload, TcpPayload if big else TensorPayload)
@@ -195,3 +196,34 @@ def test_placed_channel_routes_by_edge_and_device(caplog):
         placed.pack(host, "w9")
     with pytest.raises(ValueError, match=r"need channels \['nccl', 'tcp'\]"):
         PlacedTensorChannel("w0", ends, {SHM: channels[SHM], CUDA_IPC: channels[CUDA_IPC]})
+
+
+def test_cuda_ipc_channel_sends_host_tensors_through_shared_memory():
+    from mstar.transport.cuda_ipc import CudaIpcTensorChannel
+
+    channel = CudaIpcTensorChannel(new_session_id(), inline_max_bytes=0)
+    t = CASES["bfloat16_strided_large"]
+    payload = CODEC.decode(CODEC.encode(channel.pack(t, "peer")))
+    assert isinstance(payload, TensorPayload) and payload.in_shm
+    assert bit_equal(channel.unpack(payload), t)
+    channel.discard(channel.pack(t, "peer"))
+    channel.pack(t, "peer")
+    assert channel.cleanup() == 1
+
+
+def test_messages_carry_and_discard_every_payload_kind():
+    from mstar.transport import Message, discard_message, iter_payloads
+    from mstar.transport.cuda_ipc import CudaIpcPayload
+
+    class Carrier(Message):
+        tensors: dict[str, AnyPayload]
+
+    shm = ShmTensorChannel(new_session_id(), inline_max_bytes=0)
+    tensors = {"shm": shm.pack(torch.ones(4), "peer"), "tcp": TcpPayload("float32", (1,), 4, "tcp://x:1", 0),
+               "nccl": DistPayload("int8", (2,), 2, 0, 0),
+               "ipc": CudaIpcPayload("float32", (0,), 0, b"", 0, 0, b"", 0, b"", False)}
+    codec = Codec(Carrier)
+    msg = codec.decode(codec.encode(Carrier(tensors=tensors)))
+    assert msg.tensors == tensors
+    assert sorted(type(p).__name__ for p in iter_payloads(msg)) == sorted(type(p).__name__ for p in tensors.values())
+    assert discard_message(msg) == 4 and shm.cleanup() == 0  # the shm segment went with the message
