@@ -12,7 +12,9 @@ Two kernels, both modelled on `mstar.kernels.gemv` and the tl.dot kernel of `ski
 
 - M <= 4 (`_fp8_gemv_kernel`): the GEMV. Each program owns BLOCK_N rows of q and walks K in BLOCK_K
   chunks with 16-byte loads (16 E4M3 values a thread), multiply-adds into one fp32 accumulator per row
-  of x (`gemv._fma_rows`, folded along K by FOLD_K), and reduces over K once after the loop.
+  of x (`gemv._fma_rows`, folded along K by FOLD_K), and reduces over K once after the loop. With
+  `gated` it reads x as a gate_up projection's [M, 2K] output and takes silu(gate) * up in the x-load,
+  as gemv.py does, for a down projection without the SiLU launch.
 - 4 < M <= 16 (`_fp8_dot_kernel`): x padded to 16 rows in a tl.dot against the chunk of q converted to
   x's dtype (exact); under the Triton interpreter (CPU tensors, tests) the operands are fp32, since
   numpy has no bf16 matmul.
@@ -55,21 +57,21 @@ def _block_scale(s_ptr, rn_safe, k, stride_sn, SCALE_BN: tl.constexpr, SCALE_BK:
 
 
 @triton.jit
-def _fma_chunk(acc0, acc1, acc2, acc3, w, s_ptr, rn_safe, k, k_mask, x_ptrs, M, stride_xm, stride_sn,
-               BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, EVEN_K: tl.constexpr,
+def _fma_chunk(acc0, acc1, acc2, acc3, w, s_ptr, rn_safe, k, k_mask, x_ptrs, M, stride_xm, stride_sn, gate_offset,
+               GATED: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, EVEN_K: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD_K: tl.constexpr):
     """acc_m += x[m, k:k + BLOCK_K] * w for each row m of x (`gemv._fma_rows`), w scaled first when the
     scales are blocks."""
     w = w.to(tl.float32)
     if BLOCK_SCALES:
         w = w * _block_scale(s_ptr, rn_safe, k, stride_sn, SCALE_BN, SCALE_BK)[:, None]
-    return _fma_rows(acc0, acc1, acc2, acc3, w, k, k_mask, x_ptrs, M, stride_xm, 0, False, EVEN_K, BLOCK_M,
+    return _fma_rows(acc0, acc1, acc2, acc3, w, k, k_mask, x_ptrs, M, stride_xm, gate_offset, GATED, EVEN_K, BLOCK_M,
                      BLOCK_N, BLOCK_K, FOLD_K)
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
-                     HAS_BIAS: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr,
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, gate_offset,
+                     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr,
                      SCALE_BK: tl.constexpr, EVEN_K: tl.constexpr, K_ITERS: tl.constexpr,
                      BROADCAST_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, FOLD_K: tl.constexpr, PDL: tl.constexpr):
@@ -97,15 +99,15 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, st
     acc2 = tl.zeros((BLOCK_N, BLOCK_K // FOLD_K), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_K // FOLD_K), dtype=tl.float32)
     acc0, acc1, acc2, acc3 = _fma_chunk(acc0, acc1, acc2, acc3, w_first, s_ptr, rn_safe, 0, first_mask, x_ptrs, M,
-                                        stride_xm, stride_sn, BLOCK_SCALES, SCALE_BN, SCALE_BK, EVEN_K, BLOCK_M,
-                                        BLOCK_N, BLOCK_K, FOLD_K)
+                                        stride_xm, stride_sn, gate_offset, GATED, BLOCK_SCALES, SCALE_BN, SCALE_BK,
+                                        EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, FOLD_K)
     for i in range(1, K_ITERS):
         k = i * BLOCK_K
         k_mask = ((k + rk) < K)[None, :]
         w = load_chunk(w_ptrs, k, k_mask, EVEN_K)
         acc0, acc1, acc2, acc3 = _fma_chunk(acc0, acc1, acc2, acc3, w, s_ptr, rn_safe, k, k_mask, x_ptrs, M,
-                                            stride_xm, stride_sn, BLOCK_SCALES, SCALE_BN, SCALE_BK, EVEN_K, BLOCK_M,
-                                            BLOCK_N, BLOCK_K, FOLD_K)
+                                            stride_xm, stride_sn, gate_offset, GATED, BLOCK_SCALES, SCALE_BN, SCALE_BK,
+                                            EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, FOLD_K)
     # One cross-thread reduction per row after the loop; rows gathered into [BLOCK_M, BLOCK_N].
     part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) + tl.sum(acc0, axis=1)[None, :]
     if BLOCK_M > 1:
@@ -122,7 +124,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, st
 
 
 @triton.jit
-def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, gate_offset,
                     HAS_BIAS: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr,
                     SCALE_BK: tl.constexpr, EVEN_K: tl.constexpr, K_ITERS: tl.constexpr,
                     DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -191,36 +193,40 @@ def _block_chunk(block: tuple[int, int]) -> int:
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-           cfg: SkinnyConfig) -> None:
-    m, k = x.shape
-    n = weight.shape[0]
-    if not 1 <= m <= MAX_M or x.dtype not in _X_DTYPES or x.stride(1) != 1:
-        raise ValueError(f"fp8_gemv handles 1..{MAX_M} rows of bf16/fp16 x with unit K stride, got x "
+           cfg: SkinnyConfig, gated: bool) -> None:
+    m = x.shape[0]
+    n, k = weight.shape
+    max_m = GEMV_MAX_M if gated else MAX_M
+    if x.dim() != 2 or not 1 <= m <= max_m or x.dtype not in _X_DTYPES or x.stride(1) != 1:
+        raise ValueError(f"fp8_gemv handles 1..{max_m} rows of bf16/fp16 x with unit K stride, got x "
                          f"{tuple(x.shape)} {x.dtype} stride {x.stride()}; use layers.fp8.weight_only_linear")
-    if weight.dtype != torch.float8_e4m3fn or weight.shape[1] != k or weight.stride(1) != 1:
-        raise ValueError(f"fp8_gemv needs a float8_e4m3fn weight [N, {k}] with unit K stride, got "
-                         f"{tuple(weight.shape)} {weight.dtype} stride {weight.stride()}")
+    if weight.dtype != torch.float8_e4m3fn or x.shape[1] != (2 if gated else 1) * k or weight.stride(1) != 1:
+        raise ValueError(f"fp8_gemv needs a float8_e4m3fn weight [N, K] with unit K stride and x of width "
+                         f"{'2K' if gated else 'K'}, got x {tuple(x.shape)}, weight {tuple(weight.shape)} "
+                         f"{weight.dtype} stride {weight.stride()}")
     want = (n, 1) if block is None else (triton.cdiv(n, block[0]), triton.cdiv(k, block[1]))
     if scale.dtype != torch.float32 or tuple(scale.shape) != want or not scale.is_contiguous():
         raise ValueError(f"fp8_gemv needs contiguous float32 scales of shape {want}, got {tuple(scale.shape)} "
                          f"{scale.dtype} stride {scale.stride()}")
-    if cfg.split_k != 1 or cfg.block_m < m:
-        raise ValueError(f"fp8_gemv config {cfg}: needs split_k=1 and block_m >= M={m}")
+    if cfg.split_k != 1 or cfg.block_m < m or (gated and cfg.use_dot):
+        raise ValueError(f"fp8_gemv config {cfg}: needs split_k=1, block_m >= M={m} and, gated, the GEMV")
     if block is not None and block[1] % cfg.block_k:
         raise ValueError(f"fp8_gemv config block_k={cfg.block_k} must divide the scale block's {block[1]} columns")
 
 
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-             block: tuple[int, int] | None, config: SkinnyConfig | None = None) -> torch.Tensor:
+             block: tuple[int, int] | None, config: SkinnyConfig | None = None, gated: bool = False) -> torch.Tensor:
     """x [M, K] @ (weight * scale)[N, K].T + bias -> [M, N] in x's dtype, accumulated in fp32.
 
     weight float8_e4m3fn; scale float32 [N, 1] (block None) or [ceil(N/bn), ceil(K/bk)] for block
-    (bn, bk); x bf16 or fp16 with 1..MAX_M rows. Deterministic. `config` overrides `pick_fp8_config`.
+    (bn, bk); x bf16 or fp16 with 1..MAX_M rows. `gated`: x is [M, 2K] = [gate | up] of a gate_up
+    projection (M <= GEMV_MAX_M) and the product is taken with silu(gate) * up, rounded as
+    `fused_ops.silu_and_mul` rounds, in place of x. Deterministic. `config` overrides `pick_fp8_config`.
     """
-    m, k = x.shape
-    n = weight.shape[0]
+    m = x.shape[0]
+    n, k = weight.shape
     cfg = config or pick_fp8_config(m, n, k, block, _sm_count(x.device))
-    _check(x, weight, scale, block, cfg)
+    _check(x, weight, scale, block, cfg, gated)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     scale_bn, scale_bk = block or (1, 1)
     common = dict(HAS_BIAS=bias is not None, BLOCK_SCALES=block is not None, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
@@ -228,11 +234,11 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                   **pdl_args(x.device))
     args = (x, weight, scale, bias if bias is not None else scale, out, m, n, k, x.stride(0), weight.stride(0),
-            scale.stride(0))
+            scale.stride(0), k)
     grid = (triton.cdiv(n, cfg.block_n),)
     if cfg.use_dot:
         _fp8_dot_kernel[grid](*args, DOT_FP32=not x.is_cuda, **common)
     else:
-        _fp8_gemv_kernel[grid](*args, BROADCAST_X=cfg.block_k >= 16 * 32 * cfg.num_warps, FOLD_K=cfg.fold_k,
-                               **common)
+        _fp8_gemv_kernel[grid](*args, GATED=gated, BROADCAST_X=cfg.block_k >= 16 * 32 * cfg.num_warps,
+                               FOLD_K=cfg.fold_k, **common)
     return out

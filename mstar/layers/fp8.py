@@ -15,7 +15,8 @@ and W ~ q * s, expanded to W's shape. The Hugging Face formats store the same s:
   FP8 GEMV     (`gemv_linear`, `mstar.kernels.fp8_gemv`) on CUDA for bfloat16/float16 inputs of at most
                FP8_GEMV_MAX_ROWS rows (decode) that `torch._scaled_mm` does not take: reads the E4M3
                weight once, accumulates in float32, scales per channel or per block; weight-only
-               numerics without the rounding of q * s, so `weight_only_linear` is its reference;
+               numerics without the rounding of q * s, so `weight_only_linear` is its reference
+               (`silu_and_mul_gemv_linear`: the same with SiLU-and-mul fused into a down projection);
   W8A8         (`scaled_mm_linear`) on CUDA for bfloat16 inputs of at least SCALED_MM_MIN_ROWS rows and
                per-channel weights: the activations quantized per token (the same formula as the weight's
                rows) and `torch._scaled_mm` with both scales, accumulating in float32;
@@ -141,6 +142,25 @@ def _gemv_serves(x: torch.Tensor, module: Fp8Linear) -> bool:
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
             and 0 < x.numel() <= FP8_GEMV_MAX_ROWS * module.in_features
             and (module.block is None or module.block[1] % 16 == 0))  # the tl.dot kernel's K chunk
+
+
+FP8_GATED_MAX_ROWS = 4  # mstar.kernels.fp8_gemv.GEMV_MAX_M: the GEMV that takes silu(gate) * up in its x-load
+
+
+def gated_gemv_serves(gate_up: torch.Tensor, module: Fp8Linear) -> bool:
+    """Whether `silu_and_mul_gemv_linear` can run `module` on gate_up [M, 2K] = [gate | up]: CUDA bf16/fp16
+    rows of at most FP8_GATED_MAX_ROWS, contiguous."""
+    return (gate_up.is_cuda and gate_up.dtype in (torch.bfloat16, torch.float16) and gate_up.dim() == 2
+            and 0 < gate_up.shape[0] <= FP8_GATED_MAX_ROWS and gate_up.shape[1] == 2 * module.in_features
+            and gate_up.is_contiguous() and (module.block is None or module.block[1] % 16 == 0))
+
+
+def silu_and_mul_gemv_linear(gate_up: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
+    """module(silu(gate) * up) in one FP8 GEMV launch (`gated_gemv_serves` says where; also on CPU under
+    TRITON_INTERPRET=1, for tests)."""
+    from mstar.kernels.fp8_gemv import fp8_gemv
+
+    return fp8_gemv(gate_up, module.weight, module.weight_scale, module.bias, module.block, gated=True)
 
 
 def gemv_linear(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:

@@ -16,7 +16,8 @@ kernels run only when `SKINNY.force` is True (tests). MSTAR_SKINNY_GEMM=0 turns 
 them on wherever allowed.
 
 An `Fp8Linear` (layers/fp8.py) runs `fp8_linear` instead, which picks its kernel by the input alone
-(the FP8 GEMV for decode rows, `torch._scaled_mm` for larger bf16 batches): nothing is timed for it.
+(the FP8 GEMV for decode rows, `torch._scaled_mm` for larger bf16 batches); for up to 4 rows the FP8
+GEMV with SiLU-and-mul fused into its x-load is timed against the SiLU kernel and the FP8 GEMV, as above.
 
 On CPU, float32 linears whose weights `pack_cpu_linears` reordered (the autoregressive engine does it
 when it is built on CPU, after the weights load) run through oneDNN with the weight in its blocked
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar import envs
-from mstar.layers.fp8 import Fp8Linear, fp8_linear
+from mstar.layers.fp8 import Fp8Linear, fp8_linear, gated_gemv_serves, silu_and_mul_gemv_linear
 from mstar.layers.fused import FUSED
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,12 @@ class _SkinnySwitch:
         once per shape on CUDA against silu_and_mul followed by the best linear."""
         key = ("silu_and_mul",) + self._key(gate_up, weight, bias)
         return self._decide(key, gate_up.is_cuda, lambda: self._measure_fused_silu(gate_up, weight, bias))
+
+    def use_fp8_fused_silu(self, gate_up: torch.Tensor, module: Fp8Linear) -> bool:
+        """Whether the FP8 GEMV with SiLU-and-mul fused in should run the down projection of `gate_up`;
+        measured once per shape on CUDA against silu_and_mul followed by the FP8 GEMV."""
+        key = ("fp8_silu_and_mul", module.block) + self._key(gate_up, module.weight, module.bias)
+        return self._decide(key, gate_up.is_cuda, lambda: self._measure_fp8_fused_silu(gate_up, module))
 
     @staticmethod
     def _key(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple:
@@ -108,6 +115,20 @@ class _SkinnySwitch:
         logger.info("silu_and_mul + down M=%d N=%d K=%d %s: fused %.1f us, silu_and_mul + %s %.1f us",
                     gate_up.shape[0], weight.shape[0], weight.shape[1], gate_up.dtype, times["fused"],
                     best.__name__, times["separate"])
+        return times["fused"] < times["separate"]
+
+    def _measure_fp8_fused_silu(self, gate_up: torch.Tensor, module: Fp8Linear) -> bool:
+        from mstar.kernels.fp8_gemv import fp8_gemv
+        from mstar.kernels.fused_ops import silu_and_mul
+
+        scale, bias, block = module.weight_scale, module.bias, module.block
+        times = self._time({"fused": lambda w: fp8_gemv(gate_up, w, scale, bias, block, gated=True),
+                            "separate": lambda w: fp8_gemv(silu_and_mul(gate_up), w, scale, bias, block)},
+                           module.weight)
+        if times is None:
+            return False
+        logger.info("FP8 silu_and_mul + down M=%d N=%d K=%d %s: fused %.1f us, separate %.1f us", gate_up.shape[0],
+                    module.out_features, module.in_features, gate_up.dtype, times["fused"], times["separate"])
         return times["fused"] < times["separate"]
 
     @torch.inference_mode()  # weights and buffers may be inference tensors (made under inference mode)
@@ -200,10 +221,13 @@ def silu_and_mul_linear(gate_up: torch.Tensor, module: nn.Linear | Fp8Linear) ->
     if ops is None or gate_up.dim() != 2 or not gate_up.is_contiguous():
         raise ValueError(f"silu_and_mul_linear needs a 2-D contiguous gate_up the fused kernels serve, got "
                          f"{tuple(gate_up.shape)} on {gate_up.device}; use F.silu(gate) * up and linear()")
+    if isinstance(module, Fp8Linear):
+        if gated_gemv_serves(gate_up, module) and SKINNY.force is not False and SKINNY.use_fp8_fused_silu(gate_up, module):
+            return silu_and_mul_gemv_linear(gate_up, module)
+        return fp8_linear(ops.silu_and_mul(gate_up), module)
     weight, bias = module.weight, module.bias
     if (
-        not isinstance(module, Fp8Linear)
-        and 0 < gate_up.shape[0] <= _GEMV_MAX_M
+        0 < gate_up.shape[0] <= _GEMV_MAX_M
         and SKINNY.force is not False
         and gate_up.dtype == weight.dtype
         and gate_up.dtype in _DTYPES

@@ -11,15 +11,19 @@ import torch
 from torch import nn
 
 from mstar.kernels.fp8_gemv import fp8_gemv
+from mstar.kernels.fused_ops import silu_and_mul
 from mstar.layers import fp8
 from mstar.layers.fp8 import (
     Fp8Linear,
     dequantize,
     fp8_linear,
     gemv_linear,
+    quantize_linears,
     w8a8_reference,
     weight_only_linear,
 )
+from mstar.layers.linear import SKINNY
+from mstar.layers.mlp import GatedMLP
 
 pytestmark = pytest.mark.gpu
 TOL = {"atol": 4e-2, "rtol": 2e-2}  # two bfloat16 steps at outputs near 4, from rounding and summation order
@@ -71,6 +75,31 @@ def test_fp8_linear_sends_decode_rows_to_the_gemv(rows):
     got = fp8_linear(x, module)
     assert torch.equal(got, gemv_linear(x, module))
     torch.testing.assert_close(got.float(), weight_only_linear(x, module).float(), **TOL)
+
+
+@pytest.mark.parametrize("block", [None, (128, 128)])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_fused_silu_down_matches_separate(rows, block):
+    module = _module(3072, 8192, block=block, bias=False).cuda()
+    gate_up = (torch.randn(rows, 2 * 8192, device="cuda") * 2).bfloat16()
+    assert fp8.gated_gemv_serves(gate_up, module)
+    got = fp8.silu_and_mul_gemv_linear(gate_up, module)
+    assert torch.equal(got, fp8_linear(silu_and_mul(gate_up), module))  # one rounding of the activation, one GEMV
+    torch.testing.assert_close(got.float(), weight_only_linear(silu_and_mul(gate_up), module).float(), **TOL)
+
+
+def test_mlp_with_fp8_weights_decides_fused_silu_by_timing():
+    mlp = GatedMLP(3072, 8192, bias=False).to(device="cuda", dtype=torch.bfloat16)
+    quantize_linears(mlp, None)
+    x = torch.randn(1, 3072, device="cuda", dtype=torch.bfloat16)
+    saved, SKINNY.force = SKINNY.force, None
+    try:
+        got = mlp(x)
+    finally:
+        SKINNY.force = saved
+    assert any(key[0] == "fp8_silu_and_mul" for key in SKINNY.decisions), SKINNY.decisions
+    want = fp8_linear(silu_and_mul(fp8_linear(x, mlp.gate_up_proj)), mlp.down_proj)
+    torch.testing.assert_close(got.float(), want.float(), **TOL)
 
 
 def test_the_weight_only_path_serves_large_blocks_and_float32():

@@ -10,11 +10,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.kernels import fused_ops
 from mstar.kernels.fp8_gemv import fp8_gemv, pick_fp8_config
 from mstar.kernels.skinny_gemm import SkinnyConfig
-from mstar.layers.fp8 import Fp8Linear, dequantize, gemv_linear, weight_only_linear
+from mstar.layers.fp8 import Fp8Linear, dequantize, gemv_linear, silu_and_mul_gemv_linear, weight_only_linear
 
-# One rounding of an output to bf16 (2^-8 relative) plus fp32 summation order.
+# One rounding of an output to bf16 (up to 2^-7 relative: the interpreter rounds toward zero) plus fp32 sums.
 EXACT_TOL = {torch.bfloat16: {"atol": 1e-2, "rtol": 8e-3}, torch.float16: {"atol": 2e-3, "rtol": 1e-3}}
 # weight_only_linear also rounds every q * s to x's dtype before multiplying.
 REFERENCE_TOL = {"atol": 5e-2, "rtol": 3e-2}
@@ -80,6 +81,29 @@ def check_picked_configs() -> None:
         assert pick_fp8_config(8, n, k, None).use_dot and pick_fp8_config(1, n, k, (128, 128)).block_k == 128
 
 
+def check_gated() -> None:
+    # silu(gate) * up taken in the x-load: the same bits as fused_ops.silu_and_mul then the same GEMV (they
+    # share silu_times), per channel and in blocks, x broadcast or not, 1..4 rows. Not compared with
+    # F.silu: the interpreter rounds float32 -> bfloat16 toward zero, so its activations differ from torch's.
+    for m, n, k, block, cfg in ((1, 37, 200, None, None), (3, 40, 256, (16, 32), None),
+                                (4, 24, 1024, None, SkinnyConfig(4, 2, 1024, num_warps=2, fold_k=8)),
+                                (2, 300, 256, (128, 128), None)):
+        layer = module(n, k, block, bias=m % 2 == 1, dtype=torch.bfloat16, seed=m)
+        gate_up = (torch.randn(m, 2 * k) * 2).to(torch.bfloat16)
+        got = fp8_gemv(gate_up, layer.weight, layer.weight_scale, layer.bias, block, config=cfg, gated=True)
+        act = fused_ops.silu_and_mul(gate_up)
+        assert torch.equal(got, fp8_gemv(act, layer.weight, layer.weight_scale, layer.bias, block, config=cfg))
+        torch.testing.assert_close(got, exact(act, layer), **EXACT_TOL[got.dtype])
+        if cfg is None:
+            assert torch.equal(got, silu_and_mul_gemv_linear(gate_up, layer))
+    try:
+        fp8_gemv(torch.randn(5, 400).to(torch.bfloat16), layer.weight, layer.weight_scale, None, None, gated=True)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("the gated GEMV accepted 5 rows")
+
+
 def check_layer_and_errors() -> None:
     # gemv_linear (what fp8_linear runs on CUDA) keeps leading dimensions; bad inputs are refused.
     layer = module(40, 64, None, bias=True, dtype=torch.bfloat16)
@@ -97,6 +121,7 @@ if __name__ == "__main__":
     quick = "--quick" in sys.argv
     check_default_configs(CASES[:1] + CASES[5:6] + CASES[7:8] if quick else CASES)
     check_picked_configs()
+    check_gated()
     if not quick:
         check_configs()
         check_layer_and_errors()
