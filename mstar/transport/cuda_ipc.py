@@ -66,7 +66,9 @@ class CudaIpcTensorChannel:
             return CudaIpcPayload(dtype, shape, t.device.index, b"", 0, 0, b"", 0, b"", False)
         block = t.clone(memory_format=torch.contiguous_format)
         device, handle, size, offset, counter, counter_offset, event, sync = block.untyped_storage()._share_cuda_()
-        return CudaIpcPayload(dtype, shape, device, handle, size, offset, counter, counter_offset, event, bool(sync))
+        # torch gives no event handle where it synchronized the stream instead (event_sync_required False)
+        return CudaIpcPayload(dtype, shape, device, handle, size, offset, counter, counter_offset, event or b"",
+                              bool(sync))
 
     def unpack(self, payload: TensorPayload | CudaIpcPayload) -> torch.Tensor:
         import torch
