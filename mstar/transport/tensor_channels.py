@@ -30,19 +30,21 @@ from mstar.transport.tensors import (
 if TYPE_CHECKING:
     import torch
 
+    from mstar.transport.placed_channels import AnyPayload
+
 
 class TensorChannel(Protocol):
     """Sends tensors to peers as payloads carried by control messages; see the module docstring."""
 
-    def pack(self, tensor: torch.Tensor, peer: str) -> TensorPayload:
+    def pack(self, tensor: torch.Tensor, peer: str) -> AnyPayload:
         """A payload for `peer` describing `tensor`; `tensor` may be reused once this returns."""
         ...
 
-    def unpack(self, payload: TensorPayload) -> torch.Tensor:
+    def unpack(self, payload: AnyPayload) -> torch.Tensor:
         """The tensor; consumes the payload (at most once)."""
         ...
 
-    def discard(self, payload: TensorPayload) -> None:
+    def discard(self, payload: AnyPayload) -> None:
         """Free the payload without reading it (its message was dropped)."""
         ...
 
