@@ -104,7 +104,7 @@ def check_memory(config: MStarConfig, tiny: bool = False, model_path: str | None
     over = [p for p in plans if not p.fits]
     if over:
         raise MemoryPlanError(f"{config.source} does not fit: {over[0].describe()}. "
-                              f"{_what_fits(config, over[0], tiny, model_path)}")
+                              f"{_what_fits(config, over[0], devices, tiny, model_path)}")
     return plans
 
 
@@ -132,7 +132,7 @@ def fitting_config(candidates: list[MStarConfig], tiny: bool = False, model_path
     """The first of `candidates` whose placement fits the visible CUDA devices; the first one when none
     fits (its refusal then names what would) or there is no CUDA."""
     devices = cuda_devices()
-    for config in candidates if devices else ():
+    for config in candidates if devices and len(candidates) > 1 else ():
         if all(p.fits for p in plan_memory(config, devices, tiny, model_path)):
             if config is not candidates[0]:
                 logger.info("using %s: %s does not fit the GPU memory", config.source, candidates[0].source)
@@ -217,6 +217,7 @@ def _build_on_meta(model: Model, name: str, shard: HeadShard | None) -> BuiltCom
 
 
 def _need(model: Model, config: MStarConfig, name: str, built: BuiltComponent, seen: set[int]) -> ComponentNeed:
+    """`name`'s bytes: its tensors not in `seen` (which it then joins), its KV pool and its allowance."""
     module = built.module
     tensors = [*module.parameters(), *module.buffers()] if isinstance(module, nn.Module) else []
     weights = sum(t.numel() * t.element_size() for t in tensors if id(t) not in seen)
@@ -226,21 +227,22 @@ def _need(model: Model, config: MStarConfig, name: str, built: BuiltComponent, s
         return ComponentNeed(name, weights, 0, False, 0, STATELESS_ALLOWANCE_BYTES if weights else 0)
     per_page = page_bytes(module.kv_layout, config.kv_cache.page_size)
     pages = asked_pages(spec, config.kv_cache)
-    if pages is None:  # sized from a share of what is left (its context follows): at least one step's tokens
+    share = pages is None  # sized from a share of what is left, its context following: at least one step's tokens
+    if share:
         pages = -(-min(spec.max_batch_tokens, spec.max_model_len or spec.max_batch_tokens) // config.kv_cache.page_size)
-    return ComponentNeed(name, weights, pages * per_page, asked_pages(spec, config.kv_cache) is None, per_page,
-                         AUTOREGRESSIVE_ALLOWANCE_BYTES)
+    return ComponentNeed(name, weights, pages * per_page, share, per_page, AUTOREGRESSIVE_ALLOWANCE_BYTES)
 
 
-def _what_fits(config: MStarConfig, over: DevicePlan, tiny: bool, model_path: str | None) -> str:
+def _what_fits(config: MStarConfig, over: DevicePlan, devices: list[int], tiny: bool, model_path: str | None) -> str:
     """One sentence of the changes that would fit: fewer KV pages, another shipped config, FP8 weights."""
     ideas = []
     fixed = [n for n in over.needs if n.kv_page_bytes and not n.kv_share]
     room = over.total_bytes - over.need_bytes + sum(n.kv_bytes for n in fixed)
     pages = room // sum(n.kv_page_bytes for n in fixed) if fixed else 0
     if pages >= 1:
-        ideas.append(f"kv_cache.max_num_pages: {pages}" if config.kv_cache.max_num_pages else
-                     f"max_num_pages: {pages} in engines.{'/'.join(n.name for n in fixed)}")
+        own = any("max_num_pages" in config.engines.get(n.name, {}) for n in fixed)
+        where = "kv_cache" if config.kv_cache.max_num_pages and not own else f"engines.{'/'.join(n.name for n in fixed)}"
+        ideas.append(f"{where}.max_num_pages: {pages}")
     for name in _shipped_of(config.model):
         other = load_config(name)
         if Path(other.source).resolve() == Path(config.source).resolve():
@@ -248,13 +250,13 @@ def _what_fits(config: MStarConfig, over: DevicePlan, tiny: bool, model_path: st
         gpus = other.num_workers
         if all(p.fits for p in plan_memory(other, [over.total_bytes] * gpus, tiny, model_path)):
             ideas.append(f"--config {name}" + (f" on {gpus} GPUs of this size" if gpus > 1 else ""))
-    if _fp8_fits(config, over, tiny, model_path):
+    if _fp8_fits(config, over, devices, tiny, model_path):
         ideas.append("--quantization fp8")
     return ("What would fit: " + "; or ".join(ideas) + ".") if ideas else \
         "No shipped config of this model fits a device of this size; use a larger GPU or more of them."
 
 
-def _fp8_fits(config: MStarConfig, over: DevicePlan, tiny: bool, model_path: str | None) -> bool:
+def _fp8_fits(config: MStarConfig, over: DevicePlan, devices: list[int], tiny: bool, model_path: str | None) -> bool:
     """Whether FP8 weights for the model's quantizable components on `over` that are not yet would fit."""
     from mstar.models.registry import get_model_class
 
@@ -263,7 +265,6 @@ def _fp8_fits(config: MStarConfig, over: DevicePlan, tiny: bool, model_path: str
     if not todo:
         return False
     quantized = dataclasses.replace(config, quantization={**config.quantization, **dict.fromkeys(todo, "fp8")})
-    devices = [over.total_bytes] * (over.device + 1)
     return next(p for p in plan_memory(quantized, devices, tiny, model_path) if p.device == over.device).fits
 
 
@@ -277,7 +278,3 @@ def _shipped_of(model: str) -> list[str]:
 
 def _gib(n: int) -> str:
     return f"{n / GiB:.1f} GiB"
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"

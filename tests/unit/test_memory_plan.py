@@ -129,6 +129,25 @@ def test_serve_chooses_qwen3_omni_config_by_card(monkeypatch, card, chosen):
     assert Path(cli.serve_config(args).source).stem == chosen
 
 
+@pytest.mark.slow  # full-size meta builds of every Qwen3-Omni config
+def test_serve_qwen3_omni_on_an_80_gb_card_refuses_its_141_gb_config(monkeypatch):
+    from mstar.cli import main as cli
+    from mstar.runtime import launcher
+
+    def no_engines(*args, **kwargs):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(launcher, "build_engines", no_engines)
+    monkeypatch.setattr(memory_plan, "cuda_devices", lambda: [memory_plan.CARDS["80 GB (H100)"]])
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "qwen3_omni", "--config", "qwen3_omni", "--load-format", "dummy", "--port", str(_free_port())])
+    message = str(exc.value)
+    assert "\n" not in message and "qwen3_omni.yaml does not fit: cuda:0 (79.6 GiB) needs 104.7 GiB: " in message
+    assert "thinker 56.9 GiB weights + 24.0 GiB KV + 2.0 GiB activations" in message
+    assert "What would fit: kv_cache.max_num_pages: " in message
+    assert "--config qwen3_omni_2gpu on 2 GPUs of this size" in message and "--config qwen3_omni_80gb" in message
+
+
 @pytest.mark.slow  # a meta build of every shipped config at full size
 def test_docs_table_is_the_planners():
     text = (ROOT / "docs" / "operations.md").read_text()
