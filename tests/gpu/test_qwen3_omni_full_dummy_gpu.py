@@ -51,11 +51,13 @@ def test_full_thinker_fills_in_place_on_the_gpu():
 
 
 def test_full_dummy_model_serves_text_and_speech_on_one_gpu():
-    """mstar/configs/qwen3_omni.yaml (every component on one GPU) with random weights: the thinker fills
+    """The config `mstar serve qwen3_omni` takes on this GPU (qwen3_omni.yaml on a 141 GB card,
+    qwen3_omni_80gb.yaml on an 80 GB one: every component on one GPU) with random weights: the thinker fills
     max_tokens, the talker speaks talker.max_tokens - 1 frames, Code2Wav decodes them all."""
+    from mstar.runtime.memory_plan import fitting_config, memory_variants
     from mstar.runtime.offline import MStar
 
-    config = load_config("qwen3_omni")
+    config = fitting_config([load_config(name) for name in ("qwen3_omni", *memory_variants("qwen3_omni"))])
     frames = 30
     options = {"modalities": ["text", "audio"], "max_tokens": 8, "ignore_eos": True, "temperature": 0.0,
                "talker.max_tokens": frames, "talker.ignore_eos": True, "seed": 0}
