@@ -12,6 +12,12 @@ move (weight + x + output); `pct_copy` compares it with a device-to-device copy 
 
     python3 benchmarks/gemv_micro.py [--ms 1 2 4 8 16] [--out benchmarks/results/gemv_micro_h200.json]
     python3 benchmarks/gemv_micro.py --sweep [--budget-s 150]   # also try configs, print TUNED
+    python3 benchmarks/gemv_micro.py --fp8 --ms 1 2 4 8   # also the FP8 GEMV (kernels/fp8_gemv.py)
+
+--fp8 adds, per cell, the FP8 GEMV on the same weight quantized to E4M3 with per-channel scales
+(`fp8_us`) and with 128x128 block scales (`fp8_block_us`), and for the down projection the FP8 GEMV
+with SiLU-and-mul fused in (`fp8_fused_us`) against the SiLU kernel + FP8 GEMV (`fp8_silu_us`); their
+GB/s count one byte a weight element plus the scales.
 
 --sweep searches a grid of SkinnyConfigs per (M, shape) greedily from the heuristic's pick
 (benchmarks/gemv_sweep.py; at M <= 4 the GEMV kernel's configs and, unless --no-dot-small, the tl.dot
@@ -27,6 +33,7 @@ import argparse
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -34,6 +41,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mstar.kernels.fp8_gemv import MAX_M as FP8_MAX_M  # noqa: E402
+from mstar.kernels.fp8_gemv import fp8_gemv  # noqa: E402
 from mstar.kernels.fused_ops import silu_and_mul  # noqa: E402
 from mstar.kernels.skinny_gemm import (  # noqa: E402
     m_bucket,
@@ -43,6 +52,7 @@ from mstar.kernels.skinny_gemm import (  # noqa: E402
     skinny_silu_and_mul_linear,
 )
 from mstar.kernels.timing import copy_bandwidth_gbps, graph_time_us  # noqa: E402
+from mstar.layers.fp8 import quantize_blocks, quantize_per_channel  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemv_sweep import Sweep, dot_grid, gemv_grid  # noqa: E402
@@ -68,6 +78,31 @@ def rate(nbytes: int, us: float, copy_gbps: float) -> tuple[float, float]:
     return round(gbps, 1), round(100 * gbps / copy_gbps, 1)
 
 
+def _silu_then_fp8_gemv(gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
+    return fp8_gemv(silu_and_mul(gate_up), weight, scale, None, block)
+
+
+def fp8_cells(w: torch.Tensor, m: int, x: torch.Tensor, gated: bool, args, copy_gbps: float) -> dict:
+    """FP8 GEMV timings of `w` quantized per channel and in 128x128 blocks (`--fp8`), as row fields."""
+    if not args.fp8 or m > FP8_MAX_M or (gated and m > 4):
+        return {}
+    n, k = w.shape
+    row = {}
+    for key, block in (("fp8", None), ("fp8_block", (128, 128))):
+        q, scale = quantize_per_channel(w) if block is None else quantize_blocks(w, block)
+        moved = n * k + scale.numel() * 4 + (x.numel() + m * n) * 2
+        if gated:
+            fns = {f"{key}_fused": partial(fp8_gemv, x, scale=scale, bias=None, block=block, gated=True),
+                   f"{key}_silu": partial(_silu_then_fp8_gemv, x, scale=scale, block=block)}
+        else:
+            fns = {key: partial(fp8_gemv, x, scale=scale, bias=None, block=block)}
+        for name, fn in fns.items():
+            us = graph_time_us(fn, q, replays=args.replays)
+            row[f"{name}_us"] = round(us, 2)
+            row[f"{name}_gbps"], row[f"{name}_pct_copy"] = rate(moved, us, copy_gbps)
+    return row
+
+
 def linear_row(name: str, m: int, w: torch.Tensor, args, copy_gbps: float, deadline: float | None) -> dict:
     """One (shape, M) cell: F.linear and skinny_linear (heuristic config, and swept when `deadline`)."""
     n, k = w.shape
@@ -85,7 +120,7 @@ def linear_row(name: str, m: int, w: torch.Tensor, args, copy_gbps: float, deadl
     for key, us in timings.items():
         row[f"{key}_us"] = round(us, 2)
         row[f"{key}_gbps"], row[f"{key}_pct_copy"] = rate(moved, us, copy_gbps)
-    return row
+    return row | fp8_cells(w, m, x, False, args, copy_gbps)
 
 
 def silu_down_row(m: int, w: torch.Tensor, args, copy_gbps: float, deadline: float | None) -> dict:
@@ -108,7 +143,7 @@ def silu_down_row(m: int, w: torch.Tensor, args, copy_gbps: float, deadline: flo
     for key, us in timings.items():
         row[f"{key}_us"] = round(us, 2)
         row[f"{key}_gbps"], row[f"{key}_pct_copy"] = rate(moved, us, copy_gbps)
-    return row
+    return row | fp8_cells(w, m, gate_up, True, args, copy_gbps)
 
 
 def tuned_literal(name: str, rows: list[dict], shapes: set[str]) -> str:
@@ -135,6 +170,7 @@ def main() -> None:
                         help="--sweep at M <= 4: GEMV-kernel configs only")
     parser.add_argument("--budget-s", type=float, default=150.0, help="total time the sweep may take")
     parser.add_argument("--compile-threads", type=int, default=8, help="parallel Triton compiles in --sweep")
+    parser.add_argument("--fp8", action="store_true", help="also time the FP8 GEMV (per-channel and block scales)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
