@@ -32,6 +32,8 @@ class ViTComponent(StatelessBase, nn.Module):
     """(vit_patches [N, 3 * p * p], vit_positions [N], vit_lengths [images]) -> vit_embeds [N, H]; the
     images of every request in the batch go through the encoder packed together."""
 
+    host_inputs = True  # the image lengths are read on the host; patches and positions are moved here
+
     def __init__(self, tower: VisionTower) -> None:
         super().__init__()
         self.tower = tower
@@ -43,8 +45,10 @@ class ViTComponent(StatelessBase, nn.Module):
         if not rows:
             return out
         lengths = [n for i in rows for n in inputs[i]["vit_lengths"].tolist()]
-        embeds = self.tower(torch.cat([inputs[i]["vit_patches"] for i in rows]),
-                            torch.cat([inputs[i]["vit_positions"] for i in rows]), lengths)
+        device = next(self.tower.parameters()).device
+        patches = torch.cat([inputs[i]["vit_patches"] for i in rows]).to(device, non_blocking=True)
+        embeds = self.tower(patches, torch.cat([inputs[i]["vit_positions"] for i in rows]).to(device, non_blocking=True),
+                            lengths)
         for i, part in zip(rows, embeds.split([inputs[i]["vit_patches"].shape[0] for i in rows]), strict=True):
             out[i] = {"vit_embeds": part}
         return out
@@ -54,6 +58,8 @@ class VAEComponent(StatelessBase, nn.Module):
     """Node `encode`: vae_pixels (every VAE image segment's [3, H, W] in [-1, 1], flattened one after another)
     -> vae_latents [N, p*p*C] (each image's latent patches). Node `decode`: latents [N, p*p*C] -> image
     uint8 [H, W, 3]; requests of one size decode together."""
+
+    host_inputs = True  # the segments are read on the host; pixels and latents are moved here
 
     def __init__(self, vae: FluxVAE, cfg: BagelConfig) -> None:
         super().__init__()
@@ -70,7 +76,8 @@ class VAEComponent(StatelessBase, nn.Module):
             return [self._encode(x) for x in inputs]
         p = self.cfg.latent_patch_size
         rows, cols = options[0]["latent_rows"], options[0]["latent_cols"]
-        latents = torch.stack([unpatchify(x["latents"], rows, cols, p) for x in inputs])
+        latents = torch.stack([unpatchify(x["latents"], rows, cols, p) for x in inputs]).to(self._device,
+                                                                                             non_blocking=True)
         images = ((self.vae.decode(latents).float() * 0.5 + 0.5).clamp(0, 1) * 255).to(torch.uint8)  # truncated
         out = []
         for image, opts in zip(images, options, strict=True):
@@ -80,10 +87,14 @@ class VAEComponent(StatelessBase, nn.Module):
             out.append(item)
         return out
 
+    @property
+    def _device(self) -> torch.device:
+        return next(self.vae.parameters()).device
+
     def _encode(self, x: dict) -> dict:
         if "vae_pixels" not in x:
             return {}
-        pixels, offset, parts = x["vae_pixels"], 0, []
+        pixels, offset, parts = x["vae_pixels"].to(self._device, non_blocking=True), 0, []
         step, p = self.cfg.latent_downsample, self.cfg.latent_patch_size
         for seg in decode_segments(x["segments"]):
             if seg.kind != VAE:
@@ -119,6 +130,8 @@ class LLMComponent(StatelessBase, nn.Module):
     noisy `latents` at flow `timestep` over its branch's context -> `velocity` [N, p*p*C] float32; a branch
     the request does not guide with at this time produces nothing. Items of any request, branch or step
     share one forward per kind (prefill, text, denoise)."""
+
+    host_inputs = True  # token ids, segments and flow times are read on the host; `_query` moves the rest
 
     def __init__(self, llm: BagelLLM, cfg: BagelConfig, ids: TokenIds, grammars: Grammars | None = None) -> None:
         super().__init__()
@@ -194,21 +207,25 @@ class LLMComponent(StatelessBase, nn.Module):
                 return None
             context = self._contexts[(rid, item.node)] = KVContext(self.cfg.llm.num_layers)
             query = self.queries.prefill(decode_segments(x["segments"]), item.node, 0, x["prompt_ids"],
-                                         x.get("vit_embeds"), x.get("vae_latents"))
+                                         self._on_device(x.get("vit_embeds")), self._on_device(x.get("vae_latents")))
             return None if query is None else (context, query)
         if item.walk == "denoise":
             t = float(x["timestep"].reshape(-1)[0])
             if not flow.branch_active(item.node, t, options):
                 return None
             context = self._context(rid, item.node)
-            return context, self.queries.denoise(x["latents"], t, options["latent_rows"], options["latent_cols"],
-                                                 context.rope)
+            return context, self.queries.denoise(self._on_device(x["latents"]), t, options["latent_rows"],
+                                                 options["latent_cols"], context.rope)
         token = int(x["token"].reshape(-1)[0])
         context = self._context(rid, "full")
         if item.walk == "close":
             ids = [self.ids.eos] if token == self.ids.eos else [token, self.ids.eos]
             return context, self.queries.text(ids, context.rope)
         return context, self.queries.text([token], context.rope)
+
+    def _on_device(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        device = self.llm.language_model.embed_tokens.weight.device
+        return None if tensor is None else tensor.to(device, non_blocking=True)  # without waiting for queued work
 
     def _context(self, rid: str, branch: str) -> KVContext:
         context = self._contexts.get((rid, branch))
@@ -273,7 +290,8 @@ class FlowComponent(StatelessBase, nn.Module):
 
     def _prepare(self, options: dict) -> dict[str, Any]:
         tokens = int(options["latent_rows"]) * int(options["latent_cols"])
-        latents = flow.initial_noise(tokens, self.cfg.patch_latent_dim, int(options["seed"])).to(self.device)
+        latents = flow.initial_noise(tokens, self.cfg.patch_latent_dim, int(options["seed"])).to(self.device,
+                                                                                                 non_blocking=True)
         return {"latents": latents, "timestep": self._grid(options)[:1]}
 
     def _combine(self, item: StepItem) -> dict[str, Any]:

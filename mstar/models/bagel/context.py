@@ -101,7 +101,7 @@ class QuerySpec:
         rows = torch.arange(n, device=device)
         new = rows[None, :] <= rows[:, None]
         if self.blocks is not None:
-            blocks = self.blocks.to(device)
+            blocks = self.blocks.to(device, non_blocking=True)
             new = new | (blocks[None, :] == blocks[:, None])
         return torch.cat([new.new_ones((n, past)), new], dim=1)
 
@@ -131,7 +131,8 @@ class PackedAttention:
         out = torch.empty_like(q)
         if self.decoding:
             if self._rows is None:
-                self._rows = torch.tensor([self.bounds[i] for i in self.decoding], device=q.device)
+                rows = torch.tensor([self.bounds[i] for i in self.decoding])
+                self._rows = rows.to(q.device, non_blocking=True)  # without waiting for the queued layers
             out[self._rows] = self._decode(layer, q[self._rows], k, v)
         for i in self.others:
             lo, hi = self.bounds[i], self.bounds[i + 1]
@@ -149,7 +150,7 @@ class PackedAttention:
         keys, values = zip(*(c.staged(layer, 1) for c in self._decoders), strict=True)
         uniform = len(set(self._keys)) == 1
         if self._key_mask is None and not uniform:
-            lengths = torch.tensor(self._keys, device=q.device)
+            lengths = torch.tensor(self._keys).to(q.device, non_blocking=True)
             self._key_mask = (torch.arange(max(self._keys), device=q.device) < lengths[:, None])[:, None, None]
         b, hkv, d = q.shape[0], keys[0].shape[1], q.shape[2]
         kb, vb = _batch(keys, uniform), _batch(values, uniform)  # [B, longest, Hkv, D]

@@ -41,7 +41,8 @@ class Routing:
         waiting for the device."""
         if not bool(is_gen.any()):
             return cls()
-        return cls(und=torch.nonzero(~is_gen).flatten().to(device), gen=torch.nonzero(is_gen).flatten().to(device))
+        und, gen = torch.nonzero(~is_gen).flatten(), torch.nonzero(is_gen).flatten()
+        return cls(und=und.to(device, non_blocking=True), gen=gen.to(device, non_blocking=True))
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x's understanding rows and generation rows (None when there are none)."""

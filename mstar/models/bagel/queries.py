@@ -42,7 +42,7 @@ class QueryBuilder:
 
     def _embed(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         table = self.llm.language_model.embed_tokens
-        return table(torch.as_tensor(ids, dtype=torch.long, device=table.weight.device))
+        return table(torch.as_tensor(ids, dtype=torch.long).to(table.weight.device, non_blocking=True))
 
     def prefill(self, segments: list[Segment], branch: str, rope: int, text_ids: torch.Tensor,
                 vit_embeds: torch.Tensor | None, vae_latents: torch.Tensor | None) -> Query | None:
@@ -93,7 +93,7 @@ class QueryBuilder:
         if max(rows, cols) > self.cfg.max_latent_size:
             raise ValueError(f"an image of {rows}x{cols} latent patches exceeds the model's "
                              f"{self.cfg.max_latent_size}x{self.cfg.max_latent_size} grid")
-        return grid_positions(rows, cols, self.cfg.max_latent_size).to(device)
+        return grid_positions(rows, cols, self.cfg.max_latent_size).to(device, non_blocking=True)
 
     def text(self, ids: list[int], rope: int) -> Query:
         """Tokens appended causally (a decode step, or closing a thought), stored."""
@@ -120,7 +120,8 @@ def run(llm: BagelLLM, items: list[tuple[KVContext, Query]]) -> torch.Tensor:
     device = llm.language_model.embed_tokens.weight.device
     queries = [q for _, q in items]
     embeds = torch.cat([q.embeds for q in queries])
-    positions = torch.cat([q.positions for q in queries]).to(device)
+    # host tensors go over with non_blocking: a blocking copy would wait for all work queued on the device
+    positions = torch.cat([q.positions for q in queries]).to(device, non_blocking=True)
     routing = Routing.of(torch.cat([q.is_gen for q in queries]), device)  # the masks are on the host
     attn = PackedAttention([QuerySpec(c, q.num_tokens, q.blocks, q.store) for c, q in items],
                            llm.language_model.attention_scale)
