@@ -151,7 +151,8 @@ class PackedAttention:
         uniform = len(set(self._keys)) == 1
         if self._key_mask is None and not uniform:
             lengths = torch.tensor(self._keys).to(q.device, non_blocking=True)
-            self._key_mask = (torch.arange(max(self._keys), device=q.device) < lengths[:, None])[:, None, None]
+            self._key_mask = _additive(torch.arange(max(self._keys), device=q.device) < lengths[:, None], q.dtype)[
+                :, None, None]
         b, hkv, d = q.shape[0], keys[0].shape[1], q.shape[2]
         kb, vb = _batch(keys, uniform), _batch(values, uniform)  # [B, longest, Hkv, D]
         out = F.scaled_dot_product_attention(q.reshape(b, hkv, -1, d), kb.transpose(1, 2).to(q.dtype),
@@ -172,7 +173,8 @@ class PackedAttention:
                 assert old_k is not None and old_v is not None
                 keys, values = torch.cat([old_k, k.to(old_k.dtype)]), torch.cat([old_v, v.to(old_v.dtype)])
         if i not in self._masks:
-            self._masks[i] = spec.mask(past, q.device)
+            mask = spec.mask(past, q.device)
+            self._masks[i] = None if mask is None else _additive(mask, q.dtype)
         return _sdpa(q, keys, values, self._masks[i], self.scale)
 
     def commit(self, ropes: list[int]) -> None:
@@ -197,6 +199,14 @@ def _batch(parts: tuple[torch.Tensor, ...], uniform: bool) -> torch.Tensor:
     out = parts[0].new_zeros((len(parts), max(len(p) for p in parts), *parts[0].shape[1:]))
     torch._foreach_copy_([row[: len(p)] for row, p in zip(out, parts, strict=True)], list(parts))
     return out
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as the additive one SDPA would make of it in every call (0 where True, -inf elsewhere),
+    its rows 16-element aligned, else the memory-efficient kernel copies it in every call."""
+    width = -(-mask.shape[-1] // 16) * 16
+    out = torch.zeros((*mask.shape[:-1], width), dtype=dtype, device=mask.device)[..., : mask.shape[-1]]
+    return out.masked_fill_(~mask, float("-inf"))
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
