@@ -33,10 +33,12 @@ logger = logging.getLogger(__name__)
 GiB = 1 << 30
 # Estimates, not measurements: the CUDA context and library workspaces outside PyTorch's allocator, per device
 CUDA_CONTEXT_BYTES = 1 * GiB
-# activations of one step and the CUDA-graph pools of an engine, by engine kind (a stateless component
+# activations of one step and the CUDA-graph pools of an engine, by engine kind, but no more than its weights
+# and SMALL_ALLOWANCE_BYTES, since a small component's activations are small too (a stateless component
 # without weights, such as a scheduler, gets none)
 AUTOREGRESSIVE_ALLOWANCE_BYTES = 2 * GiB
 STATELESS_ALLOWANCE_BYTES = 1 * GiB
+SMALL_ALLOWANCE_BYTES = 256 << 20
 # total_memory of the cards the shipped configs are chosen for (NVML's 81559 MiB and 143771 MiB)
 CARDS = {"80 GB (H100)": 85_520_809_984, "141 GB (H200)": 150_754_820_096}
 
@@ -224,13 +226,15 @@ def _need(model: Model, config: MStarConfig, name: str, built: BuiltComponent, s
     seen.update(id(t) for t in tensors)
     spec = dataclasses.replace(built.engine, **model.engine_settings.get(name, {}))
     if not isinstance(spec, AutoregressiveSpec):
-        return ComponentNeed(name, weights, 0, False, 0, STATELESS_ALLOWANCE_BYTES if weights else 0)
+        allowance = min(STATELESS_ALLOWANCE_BYTES, weights + SMALL_ALLOWANCE_BYTES) if weights else 0
+        return ComponentNeed(name, weights, 0, False, 0, allowance)
     per_page = page_bytes(module.kv_layout, config.kv_cache.page_size)
     pages = asked_pages(spec, config.kv_cache)
     share = pages is None  # sized from a share of what is left, its context following: at least one step's tokens
     if share:
         pages = -(-min(spec.max_batch_tokens, spec.max_model_len or spec.max_batch_tokens) // config.kv_cache.page_size)
-    return ComponentNeed(name, weights, pages * per_page, share, per_page, AUTOREGRESSIVE_ALLOWANCE_BYTES)
+    return ComponentNeed(name, weights, pages * per_page, share, per_page,
+                         min(AUTOREGRESSIVE_ALLOWANCE_BYTES, weights + SMALL_ALLOWANCE_BYTES))
 
 
 def _what_fits(config: MStarConfig, over: DevicePlan, devices: list[int], tiny: bool, model_path: str | None) -> str:
