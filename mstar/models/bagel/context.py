@@ -142,17 +142,18 @@ class PackedAttention:
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The decoding sequences' rows q [B, Hq, D] (k/v: the whole packed batch's) in one call: a kv head's
         query heads are the query rows of one problem, each sequence's keys padded to the longest."""
-        new_k, new_v, slots = k.split(1), v.split(1), []
+        new_k, new_v, slots, news = k.split(1), v.split(1), [], []
         for context, i in zip(self._decoders, self.decoding, strict=True):
-            slots += context.slots(layer, new_k[self.bounds[i]], new_v[self.bounds[i]])
-        news = [t for i in self.decoding for t in (new_k[self.bounds[i]], new_v[self.bounds[i]])]
+            row_k, row_v = new_k[self.bounds[i]], new_v[self.bounds[i]]
+            slots += context.slots(layer, row_k, row_v)
+            news += (row_k, row_v)
         torch._foreach_copy_(slots, news)  # every row's new key and value in one launch
         keys, values = zip(*(c.staged(layer, 1) for c in self._decoders), strict=True)
         uniform = len(set(self._keys)) == 1
         if self._key_mask is None and not uniform:
             lengths = torch.tensor(self._keys).to(q.device, non_blocking=True)
-            self._key_mask = _additive(torch.arange(max(self._keys), device=q.device) < lengths[:, None], q.dtype)[
-                :, None, None]
+            real = torch.arange(max(self._keys), device=q.device) < lengths[:, None]
+            self._key_mask = _additive(real, q.dtype)[:, None, None]
         b, hkv, d = q.shape[0], keys[0].shape[1], q.shape[2]
         kb, vb = _batch(keys, uniform), _batch(values, uniform)  # [B, longest, Hkv, D]
         out = F.scaled_dot_product_attention(q.reshape(b, hkv, -1, d), kb.transpose(1, 2).to(q.dtype),
