@@ -100,9 +100,9 @@ def check_memory(config: MStarConfig, tiny: bool = False, model_path: str | None
     """The plan of every device `config` uses; MemoryPlanError naming what would fit when one overflows.
     Nothing is checked (an empty list) off CUDA."""
     devices = cuda_devices()
-    if config.device == "cpu" or not devices:
+    plans = _plan_if_sized(config, devices, tiny, model_path) if config.device != "cpu" and devices else None
+    if plans is None:
         return []
-    plans = plan_memory(config, devices, tiny=tiny, model_path=model_path)
     over = [p for p in plans if not p.fits]
     if over:
         raise MemoryPlanError(f"{config.source} does not fit: {over[0].describe()}. "
@@ -135,11 +135,24 @@ def fitting_config(candidates: list[MStarConfig], tiny: bool = False, model_path
     fits (its refusal then names what would) or there is no CUDA."""
     devices = cuda_devices()
     for config in candidates if devices and len(candidates) > 1 else ():
-        if all(p.fits for p in plan_memory(config, devices, tiny, model_path)):
+        plans = _plan_if_sized(config, devices, tiny, model_path)
+        if plans is not None and all(p.fits for p in plans):
             if config is not candidates[0]:
                 logger.info("using %s: %s does not fit the GPU memory", config.source, candidates[0].source)
             return config
     return candidates[0]
+
+
+def _plan_if_sized(config: MStarConfig, devices: list[int], tiny: bool, model_path: str | None
+                   ) -> list[DevicePlan] | None:
+    """`plan_memory`, or None (logged) for a model that cannot be sized: one that takes no random weights or
+    whose build needs values a meta tensor lacks (an out-of-tree model, say); its start is then unchecked."""
+    try:
+        return plan_memory(config, devices, tiny, model_path)
+    except (ValueError, RuntimeError, NotImplementedError) as exc:
+        logger.warning("GPU memory not checked: %s cannot be sized on the meta device (%s: %s)", config.source,
+                       type(exc).__name__, exc)
+        return None
 
 
 def memory_variants(model: str) -> list[str]:

@@ -106,6 +106,17 @@ def test_nothing_is_checked_without_cuda(monkeypatch):
     assert memory_plan.check_memory(config_from_dict({"model": "smollm2", "device": "cpu"}), tiny=True) == []
 
 
+def test_a_model_that_cannot_be_sized_starts_unchecked(monkeypatch, caplog):
+    def no_meta(model, name, shard):
+        raise NotImplementedError("aten::_unique2 has no Meta kernel")
+
+    monkeypatch.setattr(memory_plan, "_build_on_meta", no_meta)
+    monkeypatch.setattr(memory_plan, "cuda_devices", lambda: [GiB])
+    huge = config_from_dict({"model": "smollm2", "kv_cache": {"max_num_pages": 10**9}}, source="huge.yaml")
+    assert memory_plan.check_memory(huge, tiny=True) == []
+    assert "GPU memory not checked: huge.yaml cannot be sized on the meta device (NotImplementedError" in caplog.text
+
+
 def test_the_first_config_that_fits_is_chosen(monkeypatch):
     big = config_from_dict({"model": "smollm2", "kv_cache": {"max_num_pages": 10**8}}, source="big.yaml")
     small = config_from_dict({"model": "smollm2", "kv_cache": {"max_num_pages": 10}}, source="small.yaml")
