@@ -15,9 +15,9 @@ Two kernels, both modelled on `mstar.kernels.gemv` and the tl.dot kernel of `ski
   of x (`gemv._fma_rows`, folded along K by FOLD_K), and reduces over K once after the loop. With
   `gated` it reads x as a gate_up projection's [M, 2K] output and takes silu(gate) * up in the x-load,
   as gemv.py does, for a down projection without the SiLU launch.
-- 4 < M <= 16 (`_fp8_dot_kernel`): x padded to 16 rows in a tl.dot against the chunk of q converted to
-  x's dtype (exact); under the Triton interpreter (CPU tensors, tests) the operands are fp32, since
-  numpy has no bf16 matmul.
+- 4 < M <= 64 (`_fp8_dot_kernel`): x padded to 16, 32 or 64 rows in a tl.dot against the chunk of q
+  converted to x's dtype (exact); under the Triton interpreter (CPU tensors, tests) the operands are
+  fp32, since numpy has no bf16 matmul.
 
 Scales: per channel, s[n] multiplies the finished sum of row n (one multiply an output). Blocks: every
 chunk lies inside one block column (BLOCK_K divides SCALE_BK, checked), so the chunk's products are
@@ -30,7 +30,8 @@ sync, bit-reproducible and CUDA-graph capturable.
 PDL (sm_90+, `mstar.kernels.pdl`): the GEMV loads its first weight tile before `pdl_wait`, as
 `gemv.py` does; the tl.dot kernel waits first.
 
-Use through `mstar.layers.fp8.fp8_linear`, which sends CUDA inputs of at most MAX_M rows here.
+Use through `mstar.layers.fp8.fp8_linear` and `mstar.layers.linear.linear`, which send CUDA inputs of at
+most MAX_M rows here (from 16 rows on, where `torch._scaled_mm` also serves, `linear` times the two).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from mstar.kernels.gemv import _fma_rows, load_chunk
 from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 from mstar.kernels.skinny_gemm import SkinnyConfig, m_bucket
 
-MAX_M = 16  # rows above this: torch._scaled_mm or the weight-only reference (layers/fp8.py)
+MAX_M = 64  # rows above this: torch._scaled_mm or the weight-only reference (layers/fp8.py)
 GEMV_MAX_M = 4  # rows up to this take the GEMV, more the tl.dot kernel
 _X_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -164,9 +165,11 @@ def pick_fp8_config(m: int, n: int, k: int, block: tuple[int, int] | None, sm_co
     """The launch config for x [m, k] @ q[n, k].T with scales of `block` (None: per channel); split_k is 1."""
     bucket = m_bucket(m)
     if bucket > GEMV_MAX_M:
+        # Every program re-reads x from L2: wider tiles of q for more rows, while programs fill the SMs.
+        block_m = max(bucket, 16)
+        block_n = 16 if block_m == 16 or triton.cdiv(n, 64) < sm_count else 64
         block_k = 128 if block is None else _block_chunk(block)
-        block_n = 32 if triton.cdiv(n, 32) >= sm_count else 16
-        return SkinnyConfig(16, block_n, block_k, num_warps=4, num_stages=4)
+        return SkinnyConfig(block_m, block_n, block_k, num_warps=4, num_stages=4 if block_m <= 32 else 3)
     if block is None:
         # 16 E4M3 values a thread: BLOCK_K = 1024 spans 2 warps, so x is loaded once per thread.
         block_k, warps = min(1024, triton.next_power_of_2(k)), 2

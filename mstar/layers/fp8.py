@@ -12,8 +12,9 @@ and W ~ q * s, expanded to W's shape. The Hugging Face formats store the same s:
   weight-only  (`weight_only_linear`) the weight dequantized in float32, rounded to the activation dtype,
                then F.linear in that dtype: the CPU path, and CUDA where neither kernel below serves
                (float32 inputs; block scales above FP8_GEMV_MAX_ROWS rows);
-  FP8 GEMV     (`gemv_linear`, `mstar.kernels.fp8_gemv`) on CUDA for bfloat16/float16 inputs of at most
-               FP8_GEMV_MAX_ROWS rows (decode) that `torch._scaled_mm` does not take: reads the E4M3
+  FP8 GEMV     (`gemv_linear`, `mstar.kernels.fp8_gemv`) on CUDA for bfloat16/float16 inputs of fewer than
+               SCALED_MM_MIN_ROWS rows, and up to FP8_GEMV_MAX_ROWS where `torch._scaled_mm` does not
+               serve or `layers.linear.linear` timed it faster (decode batches): reads the E4M3
                weight once, accumulates in float32, scales per channel or per block; weight-only
                numerics without the rounding of q * s, so `weight_only_linear` is its reference
                (`silu_and_mul_gemv_linear`: the same with SiLU-and-mul fused into a down projection);
@@ -119,17 +120,26 @@ class Fp8Linear(nn.Module):
 
 
 SCALED_MM_MIN_ROWS = 16  # fewer rows (decode) are weight-bound: reading FP8 weights is the gain, not FP8 math
-FP8_GEMV_MAX_ROWS = 16  # mstar.kernels.fp8_gemv.MAX_M, kept here so this module imports no Triton
+FP8_GEMV_MAX_ROWS = 64  # mstar.kernels.fp8_gemv.MAX_M, kept here so this module imports no Triton
 
 
 def fp8_linear(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
-    """x @ W.T (+ bias) for the module's FP8 weight: W8A8 through `torch._scaled_mm` or the FP8 GEMV where
-    they serve, else the weight-only reference (module docstring)."""
+    """x @ W.T (+ bias) for the module's FP8 weight: the FP8 GEMV below SCALED_MM_MIN_ROWS rows, W8A8
+    through `torch._scaled_mm` from there, the FP8 GEMV where only it serves, else the weight-only
+    reference (module docstring). `layers.linear.linear` times GEMV against `_scaled_mm` where both serve."""
+    if _gemv_serves(x, module) and x.numel() < SCALED_MM_MIN_ROWS * module.in_features:
+        return gemv_linear(x, module)
     if _scaled_mm_serves(x, module):
         return scaled_mm_linear(x, module)
     if _gemv_serves(x, module):
         return gemv_linear(x, module)
     return weight_only_linear(x, module)
+
+
+def gemv_and_scaled_mm_serve(x: torch.Tensor, module: Fp8Linear) -> bool:
+    """Whether both the FP8 GEMV and `torch._scaled_mm` can run x (CUDA bfloat16, SCALED_MM_MIN_ROWS to
+    FP8_GEMV_MAX_ROWS rows, per-channel scales): the choice `layers.linear.linear` times."""
+    return _gemv_serves(x, module) and _scaled_mm_serves(x, module)
 
 
 def weight_only_linear(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
@@ -181,13 +191,16 @@ def _scaled_mm_serves(x: torch.Tensor, module: Fp8Linear) -> bool:
 
 def scaled_mm_linear(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
     """W8A8 on CUDA: x quantized per token, `torch._scaled_mm` with row-wise scales, bfloat16 out."""
-    rows = x.reshape(-1, module.in_features)
-    xq, x_scale = quantize_per_channel(rows)
-    out = torch._scaled_mm(xq, module.weight.t(), scale_a=x_scale, scale_b=module.weight_scale.reshape(1, -1),
-                           out_dtype=x.dtype)
-    if module.bias is not None:
-        out = out + module.bias.to(x.dtype)
+    out = scaled_mm(x.reshape(-1, module.in_features), module.weight, module.weight_scale, module.bias)
     return out.reshape(*x.shape[:-1], module.out_features)
+
+
+def scaled_mm(rows: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """`scaled_mm_linear` for 2-D rows and a bare E4M3 weight [N, K] with per-channel scales [N, 1]."""
+    xq, x_scale = quantize_per_channel(rows)
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.reshape(1, -1), out_dtype=rows.dtype)
+    return out if bias is None else out + bias.to(rows.dtype)
 
 
 def w8a8_reference(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:

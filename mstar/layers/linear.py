@@ -15,9 +15,10 @@ the unfused F.linear path for good (timing needs host syncs). On CPU (Triton int
 kernels run only when `SKINNY.force` is True (tests). MSTAR_SKINNY_GEMM=0 turns them off, =1 forces
 them on wherever allowed.
 
-An `Fp8Linear` (layers/fp8.py) runs `fp8_linear` instead, which picks its kernel by the input alone
-(the FP8 GEMV for decode rows, `torch._scaled_mm` for larger bf16 batches); for up to 4 rows the FP8
-GEMV with SiLU-and-mul fused into its x-load is timed against the SiLU kernel and the FP8 GEMV, as above.
+An `Fp8Linear` (layers/fp8.py) runs `fp8_linear` instead (the FP8 GEMV below 16 rows, `torch._scaled_mm`
+above 64), except that from 16 to 64 rows, where both serve, the FP8 GEMV's tl.dot kernel is timed
+against `torch._scaled_mm` (activation quantization included) as above; and for up to 4 rows the FP8
+GEMV with SiLU-and-mul fused into its x-load is timed against the SiLU kernel and the FP8 GEMV.
 
 On CPU, float32 linears whose weights `pack_cpu_linears` reordered (the autoregressive engine does it
 when it is built on CPU, after the weights load) run through oneDNN with the weight in its blocked
@@ -36,7 +37,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar import envs
-from mstar.layers.fp8 import Fp8Linear, fp8_linear, gated_gemv_serves, silu_and_mul_gemv_linear
+from mstar.layers.fp8 import (
+    Fp8Linear,
+    fp8_linear,
+    gated_gemv_serves,
+    gemv_and_scaled_mm_serve,
+    gemv_linear,
+    silu_and_mul_gemv_linear,
+)
 from mstar.layers.fused import FUSED
 
 logger = logging.getLogger(__name__)
@@ -63,6 +71,12 @@ class _SkinnySwitch:
         once per shape on CUDA against silu_and_mul followed by the best linear."""
         key = ("silu_and_mul",) + self._key(gate_up, weight, bias)
         return self._decide(key, gate_up.is_cuda, lambda: self._measure_fused_silu(gate_up, weight, bias))
+
+    def use_fp8_gemv(self, x: torch.Tensor, module: Fp8Linear) -> bool:
+        """Whether the FP8 GEMV (rather than `torch._scaled_mm`) should run `module` on the 2-D rows x;
+        measured once per shape on CUDA."""
+        key = ("fp8_gemv",) + self._key(x, module.weight, module.bias)
+        return self._decide(key, x.is_cuda, lambda: self._measure_fp8_gemv(x, module))
 
     def use_fp8_fused_silu(self, gate_up: torch.Tensor, module: Fp8Linear) -> bool:
         """Whether the FP8 GEMV with SiLU-and-mul fused in should run the down projection of `gate_up`;
@@ -116,6 +130,19 @@ class _SkinnySwitch:
                     gate_up.shape[0], weight.shape[0], weight.shape[1], gate_up.dtype, times["fused"],
                     best.__name__, times["separate"])
         return times["fused"] < times["separate"]
+
+    def _measure_fp8_gemv(self, x: torch.Tensor, module: Fp8Linear) -> bool:
+        from mstar.kernels.fp8_gemv import fp8_gemv
+        from mstar.layers.fp8 import scaled_mm
+
+        scale, bias = module.weight_scale, module.bias
+        times = self._time({"gemv": lambda w: fp8_gemv(x, w, scale, bias, None),
+                            "scaled_mm": lambda w: scaled_mm(x, w, scale, bias)}, module.weight)
+        if times is None:
+            return False
+        logger.info("FP8 linear M=%d N=%d K=%d: GEMV %.1f us, _scaled_mm %.1f us", x.shape[0], module.out_features,
+                    module.in_features, times["gemv"], times["scaled_mm"])
+        return times["gemv"] < times["scaled_mm"]
 
     def _measure_fp8_fused_silu(self, gate_up: torch.Tensor, module: Fp8Linear) -> bool:
         from mstar.kernels.fp8_gemv import fp8_gemv
@@ -186,8 +213,12 @@ def pack_cpu_linears(model: nn.Module) -> int:
 
 def linear(x: torch.Tensor, module: nn.Linear | Fp8Linear) -> torch.Tensor:
     """module(x) for an nn.Linear: through skinny_linear for few-row inputs where it wins, else F.linear;
-    an Fp8Linear through `fp8_linear` (layers/fp8.py)."""
+    an Fp8Linear through `fp8_linear` (layers/fp8.py), or the FP8 GEMV where it was timed faster than
+    `torch._scaled_mm`."""
     if isinstance(module, Fp8Linear):
+        if gemv_and_scaled_mm_serve(x, module) and SKINNY.force is not False and \
+                SKINNY.use_fp8_gemv(x.reshape(-1, module.in_features), module):
+            return gemv_linear(x, module)
         return fp8_linear(x, module)
     return linear_weight(x, module.weight, module.bias)
 

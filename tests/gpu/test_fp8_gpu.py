@@ -1,8 +1,8 @@
 """FP8 weights on CUDA (layers/fp8.py): `fp8_linear` runs W8A8 `torch._scaled_mm` for bfloat16 batches of
 SCALED_MM_MIN_ROWS rows or more and matches its CPU emulation `w8a8_reference`; decode rows run the FP8
 GEMV (kernels/fp8_gemv.py), which matches `weight_only_linear` at the Llama-3.2-3B (Orpheus-3B) decoder
-shapes; float32 and block scales above 16 rows run the weight-only reference; both kernels replay from
-a CUDA graph."""
+shapes up to 64 rows; from 16 to 64 rows `linear` times it against `_scaled_mm`; float32 and block
+scales above 64 rows run the weight-only reference; both kernels replay from a CUDA graph."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from mstar.layers.fp8 import (
     w8a8_reference,
     weight_only_linear,
 )
-from mstar.layers.linear import SKINNY
+from mstar.layers.linear import SKINNY, linear
 from mstar.layers.mlp import GatedMLP
 
 pytestmark = pytest.mark.gpu
@@ -54,7 +54,7 @@ def test_scaled_mm_matches_its_cpu_emulation(rows, bias):
 
 
 @pytest.mark.parametrize("block", [None, (128, 128)])
-@pytest.mark.parametrize("rows", [1, 4, 8, 16])
+@pytest.mark.parametrize("rows", [1, 4, 8, 16, 64])
 @pytest.mark.parametrize("shape", LLAMA_3B, ids=[f"{n}x{k}" for n, k in LLAMA_3B])
 def test_fp8_gemv_matches_the_references_at_llama_3b_shapes(shape, rows, block):
     n, k = shape
@@ -102,9 +102,23 @@ def test_mlp_with_fp8_weights_decides_fused_silu_by_timing():
     torch.testing.assert_close(got.float(), want.float(), **TOL)
 
 
+@pytest.mark.parametrize("rows", [16, 64])
+def test_linear_times_the_gemv_against_scaled_mm_where_both_serve(rows):
+    module = _module(3072, 3072, bias=False).cuda()
+    x = torch.randn(rows, 3072, dtype=torch.bfloat16, device="cuda")
+    assert fp8.gemv_and_scaled_mm_serve(x, module)
+    saved, SKINNY.force = SKINNY.force, None
+    try:
+        got = linear(x, module)
+    finally:
+        SKINNY.force = saved
+    assert any(key[0] == "fp8_gemv" and key[1] == rows for key in SKINNY.decisions), SKINNY.decisions
+    torch.testing.assert_close(got.float(), weight_only_linear(x, module).float(), **TOL)
+
+
 def test_the_weight_only_path_serves_large_blocks_and_float32():
     per_channel, blocks = _module(1024, 512).cuda(), _module(1024, 512, block=(128, 128)).cuda()
-    for x, module in [(torch.randn(64, 512, dtype=torch.bfloat16, device="cuda"), blocks),
+    for x, module in [(torch.randn(80, 512, dtype=torch.bfloat16, device="cuda"), blocks),
                       (torch.randn(4, 512, device="cuda"), per_channel)]:
         assert not fp8._scaled_mm_serves(x, module) and not fp8._gemv_serves(x, module)
         want = weight_only_linear(x.cpu(), module.cpu()).float()

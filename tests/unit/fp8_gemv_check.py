@@ -47,7 +47,8 @@ def check(x: torch.Tensor, layer: Fp8Linear, config: SkinnyConfig | None = None)
 
 # (rows, N, K, block): ragged N and K, 128x128 blocks as served, small blocks with ragged edges
 CASES = [(1, 37, 200, None), (3, 40, 256, None), (4, 300, 1024, None), (5, 48, 200, None), (16, 33, 256, None),
-         (1, 300, 256, (128, 128)), (2, 40, 200, (16, 32)), (8, 300, 256, (128, 128)), (16, 37, 96, (16, 32))]
+         (1, 300, 256, (128, 128)), (2, 40, 200, (16, 32)), (8, 300, 256, (128, 128)), (16, 37, 96, (16, 32)),
+         (33, 70, 200, None), (64, 40, 128, (16, 32))]
 
 
 def check_default_configs(cases=CASES) -> None:
@@ -79,6 +80,7 @@ def check_picked_configs() -> None:
             assert not cfg.use_dot and cfg.block_k == 1024 and cfg.num_warps == 2 and k % cfg.block_k == 0, cfg
             assert -(-n // cfg.block_n) >= 2 * 132, cfg
         assert pick_fp8_config(8, n, k, None).use_dot and pick_fp8_config(1, n, k, (128, 128)).block_k == 128
+        assert [pick_fp8_config(m, n, k, None).block_m for m in (5, 16, 17, 64)] == [16, 16, 32, 64]
 
 
 def check_gated() -> None:
@@ -109,7 +111,7 @@ def check_layer_and_errors() -> None:
     layer = module(40, 64, None, bias=True, dtype=torch.bfloat16)
     x = torch.randn(2, 3, 64).to(torch.bfloat16)
     torch.testing.assert_close(gemv_linear(x, layer).float(), weight_only_linear(x, layer).float(), **REFERENCE_TOL)
-    for bad in (torch.randn(17, 64).to(torch.bfloat16), torch.randn(2, 64)):
+    for bad in (torch.randn(65, 64).to(torch.bfloat16), torch.randn(2, 64)):
         try:
             fp8_gemv(bad, layer.weight, layer.weight_scale, None, None)
         except ValueError:
