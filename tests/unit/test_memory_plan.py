@@ -27,7 +27,9 @@ def _bytes(module: object) -> int:
     return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
-@pytest.mark.parametrize("model,quantization", [("smollm2", {}), ("orpheus", {"llm": "fp8"})])
+@pytest.mark.parametrize("model,quantization", [
+    ("smollm2", {}), ("orpheus", {"llm": "fp8"}), ("qwen3_omni", {}), ("bagel", {}), ("wan22", {}), ("cosmos3", {}),
+    ("pi05", {}), ("vjepa2_ac", {})])
 def test_weight_bytes_are_the_built_models(model, quantization):
     config = config_from_dict({"model": model, "model_kwargs": {"dtype": "bfloat16"}, "quantization": quantization})
     (plan,) = memory_plan.plan_memory(config, [64 * GiB], tiny=True)
