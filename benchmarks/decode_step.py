@@ -12,7 +12,8 @@ B prompts of --prompt-len random tokens, --new-tokens tokens each, greedy, eos i
   `fp8` / `fp8_block` (every decoder linear E4M3, quantized on load from the same seeded bf16 weights;
   the tied embedding/head and norms stay bf16, as `--quantization` serves them). Each row names its
   variant; an FP8 row also gives its ms/step over the bf16 floor and over bf16's ms/step at that batch
-  (when `none` ran too).
+  (when `none` ran too), and the variant lists what warm-up timing chose for its linears
+  (`timed_choices`: FP8 GEMV or `_scaled_mm` at 16-64 rows, the fused SiLU down projection or not).
 - transformers: `generate` on the same shapes (its default cache), bf16 only; decode ms/step =
   (time of generate with N new tokens - time with 1 new token) / (N - 1).
 - floor: weight bytes / copy bandwidth, where the bandwidth is (read + written bytes) / time of a
@@ -49,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from mstar.config import CudaGraphConfig, KVCacheConfig  # noqa: E402
 from mstar.engines.autoregressive.engine import AutoregressiveEngine  # noqa: E402
 from mstar.engines.base import LoopSpec, StepItem  # noqa: E402
+from mstar.layers.linear import SKINNY  # noqa: E402
 from mstar.models.common.loading import fill_dummy_weights  # noqa: E402
 from mstar.models.llama.config import LlamaConfig  # noqa: E402
 from mstar.models.llama.model import build_model  # noqa: E402
@@ -209,11 +211,25 @@ def run_variant(method: str, args: argparse.Namespace, config: LlamaConfig, devi
             row.update(hf_ms_per_step=round(hf["decode_ms_per_step"], 2), hf_tok_s=round(hf["tokens_per_s"], 1))
         rows.append(row)
         print(json.dumps(row), flush=True)
+    if method != "none":
+        info["timed_choices"] = fp8_choices()
     del engine, model, hf_model
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return info, rows
+
+
+def fp8_choices() -> list[dict]:
+    """What warm-up timing chose for FP8 linears so far: the FP8 GEMV over `_scaled_mm` (16-64 rows) and
+    the fused SiLU down projection over SiLU + FP8 GEMV (up to 4 rows), per (rows bucket, N, K)."""
+    out = []
+    for key, chosen in SKINNY.decisions.items():
+        if key[0] == "fp8_gemv":
+            out.append({"choice": "gemv_over_scaled_mm", "m_bucket": key[1], "n": key[2], "k": key[3], "won": chosen})
+        elif key[0] == "fp8_silu_and_mul":
+            out.append({"choice": "fused_silu_down", "m_bucket": key[2], "n": key[3], "k": key[4], "won": chosen})
+    return out
 
 
 def against_bf16(rows: list[dict]) -> None:

@@ -20,6 +20,7 @@ def test_quick_run_with_bf16_and_fp8(tmp_path) -> None:
     bf16, fp8 = doc["variants"]["none"], doc["variants"]["fp8"]
     assert fp8["bf16_floor_ms"] == bf16["bf16_floor_ms"] == bf16["floor_ms"] == doc["floor_ms"]
     assert fp8["weight_bytes"] < 0.7 * bf16["weight_bytes"] and fp8["floor_ms"] < bf16["floor_ms"]  # decoder linears at 1 byte
+    assert fp8["timed_choices"] == [] and "timed_choices" not in bf16  # the CPU times no kernel choice
     steps = {(r["quantization"], r["batch"]): r["mstar_ms_per_step"] for r in doc["rows"]}
     for row in doc["rows"]:
         assert row["mstar_ms_per_step"] > 0 and row["floor_ms"] == doc["floor_ms"]
