@@ -18,7 +18,8 @@ class KernelGuard:
     """One newer Triton kernel on trial: `run` calls it while it works; if it ever fails to build or
     launch (a Triton or driver version that cannot compile it), the PyTorch form serves from then on
     (logged once) rather than every request failing. A failure inside a CUDA-graph capture is raised:
-    a capture cannot switch paths mid-graph, and the eager warm-up before it has run the kernel."""
+    a capture cannot switch paths mid-graph, and the eager warm-up before it has run the kernel. Running out
+    of device memory is raised too, and the kernel stays in use."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -29,6 +30,8 @@ class KernelGuard:
         if self.usable:
             try:
                 return kernel()
+            except torch.OutOfMemoryError:  # a full device, not a broken kernel: the PyTorch form would fail too
+                raise
             except Exception:
                 if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                     raise
