@@ -10,13 +10,16 @@ B prompts of --prompt-len random tokens, --new-tokens tokens each, greedy, eos i
   sampling, the one host sync) and the CUDA-graph replay.
 - --quantization: each listed variant in turn, in the same run on the same card: `none` (bf16) and/or
   `fp8` / `fp8_block` (every decoder linear E4M3, quantized on load from the same seeded bf16 weights;
-  the tied embedding/head and norms stay bf16, as `--quantization` serves them). Each row names its
+  the tied embedding/head and norms stay bf16, as `--quantization` serves them). `fp8_head` is `fp8`
+  with the output head in FP8 too, untied from the embedding: a benchmark-only variant that shows what
+  the head's bytes cost (the served setting keeps the head bf16 until its accuracy is measured). Each row names its
   variant; an FP8 row also gives its ms/step over the bf16 floor and over bf16's ms/step at that batch
   (when `none` ran too), and the variant lists what warm-up timing chose for its linears
   (`timed_choices`: FP8 GEMV or `_scaled_mm` at 16-64 rows, the fused SiLU down projection or not).
 - transformers: `generate` on the same shapes (its default cache), bf16 only; decode ms/step =
   (time of generate with N new tokens - time with 1 new token) / (N - 1).
-- floor: weight bytes / copy bandwidth, where the bandwidth is (read + written bytes) / time of a
+- floor: bytes of the weights a step reads (all, a tied embedding once, an untied one not at all) / copy
+  bandwidth, where the bandwidth is (read + written bytes) / time of a
   2 GiB device-to-device copy measured in the same run. `floor_ms` is the bf16 model's (the yardstick
   of #42's "at most 0.65x the bf16 floor"); each variant also has its own (its weight bytes).
 
@@ -50,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from mstar.config import CudaGraphConfig, KVCacheConfig  # noqa: E402
 from mstar.engines.autoregressive.engine import AutoregressiveEngine  # noqa: E402
 from mstar.engines.base import LoopSpec, StepItem  # noqa: E402
+from mstar.layers.fp8 import Fp8Linear  # noqa: E402
 from mstar.layers.linear import SKINNY  # noqa: E402
 from mstar.models.common.loading import fill_dummy_weights  # noqa: E402
 from mstar.models.llama.config import LlamaConfig  # noqa: E402
@@ -67,7 +71,7 @@ ORPHEUS_3B = {
 # --quick: the same structure, small enough for a CPU smoke run
 TINY = {**ORPHEUS_3B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
-VARIANTS = ("none", "fp8", "fp8_block")
+VARIANTS = ("none", "fp8", "fp8_block", "fp8_head")
 
 
 def sync(device: torch.device) -> None:
@@ -160,22 +164,33 @@ def build_hf(config: dict, device: torch.device):
     return model.eval()
 
 
+def read_parameters(model) -> list[tuple[str, torch.Tensor]]:
+    """The parameters a decode step reads whole: all of them (a tied weight once), but the embedding
+    table when it is not the output head too (a step gathers a row of it)."""
+    embedding = model.model.embed_tokens.weight
+    return [(name, p) for name, p in model.named_parameters()
+            if p is not embedding or model.lm_head.weight is embedding]
+
+
 def weight_bytes(model) -> int:
-    """Bytes of the model's parameters as stored (a tied weight counted once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the weights a decode step reads, as stored."""
+    return sum(p.numel() * p.element_size() for _, p in read_parameters(model))
 
 
 def bf16_weight_bytes(model) -> int:
-    """Bytes the same model holds in bf16: every parameter at 2 bytes, FP8 scales left out."""
-    return 2 * sum(p.numel() for name, p in model.named_parameters() if not name.endswith("weight_scale"))
+    """Bytes of the same weights in bf16: every parameter at 2 bytes, FP8 scales left out."""
+    return 2 * sum(p.numel() for name, p in read_parameters(model) if not name.endswith("weight_scale"))
 
 
 def build_variant(config: LlamaConfig, method: str, device: torch.device):
-    """The Orpheus-shaped model with seeded dummy bf16 weights, its decoder linears quantized unless `none`."""
+    """The Orpheus-shaped model with seeded dummy bf16 weights, its decoder linears quantized unless `none`;
+    `fp8_head` also the output head, untied from the embedding (which stays bf16)."""
     model = build_model(config, torch.bfloat16, device)
     fill_dummy_weights(model, seed=0)
     if method != "none":
-        quantize_decoder(model, method)
+        quantize_decoder(model, "fp8" if method == "fp8_head" else method)
+    if method == "fp8_head":
+        model.lm_head = Fp8Linear.from_linear(model.lm_head, None)
     return model
 
 
