@@ -28,7 +28,7 @@ B prompts of --prompt-len random tokens, --new-tokens tokens each, greedy, eos i
 
 bf16 against FP8 at batch 1 / 16 / 64 (#42's decode figure), one command:
 
-    python3 benchmarks/decode_step.py --skip-hf --batch-sizes 1 16 64 --quantization none fp8 \
+    python3 benchmarks/decode_step.py --skip-hf --batch-sizes 1 16 64 --quantization none fp8 fp8_head \
         --out benchmarks/results/decode_step_fp8_h100.json
 
 Measures, asserts nothing. Needs a CUDA GPU; --quick runs a 2-layer model of the same structure on the

@@ -5,7 +5,7 @@ one byte an element, half of bf16, so a kernel that reads it as it is and never 
 copy halves that cost. q is float8_e4m3fn [N, K] with float32 scales s, either one per output channel
 ([N, 1]) or one per (SCALE_BN x SCALE_BK) block; x is bf16 or fp16; products accumulate in fp32 and
 the output has x's dtype. E4M3 -> fp32 (and -> bf16/fp16 for tl.dot) is exact, so the only roundings
-are the fp32 sums and the final one to x's dtype: within a rounding of `weight_only_linear`, which
+are fp32 arithmetic and the final one to x's dtype: within a rounding of `weight_only_linear`, which
 rounds q * s to x's dtype first.
 
 Two kernels, both modelled on `mstar.kernels.gemv` and the tl.dot kernel of `skinny_gemm`:
@@ -23,9 +23,9 @@ Scales: per channel, s[n] multiplies the finished sum of row n (one multiply an 
 chunk lies inside one block column (BLOCK_K divides SCALE_BK, checked), so the chunk's products are
 scaled by s[n // SCALE_BN, k // SCALE_BK] before they are added.
 
-No split-K: `pick_fp8_config` narrows BLOCK_N until there are enough programs to fill the SMs, which
-the decoder shapes this serves reach (N >= 3072). So no workspace, no counters: one launch, no host
-sync, bit-reproducible and CUDA-graph capturable.
+No split-K: `pick_fp8_config` picks BLOCK_N narrow enough for the programs to fill the SMs at the
+decoder shapes this serves (N >= 3072); a small N leaves SMs idle. So no workspace, no counters: one
+launch, no host sync, bit-reproducible and CUDA-graph capturable.
 
 PDL (sm_90+, `mstar.kernels.pdl`): the GEMV loads its first weight tile before `pdl_wait`, as
 `gemv.py` does; the tl.dot kernel waits first.
