@@ -146,6 +146,26 @@ def test_a_decode_batch_equals_each_sequence_alone(llm_pair, prompts):
 
 
 @torch.no_grad()
+def test_the_generation_expert_taking_every_row_changes_nothing(llm_pair):
+    """A denoising-like block (two understanding markers around many generation rows) routed with the
+    generation expert on every row gives what routing each expert to its own rows gives."""
+    _, llm = llm_pair
+    lm, t = llm.language_model, 70
+    is_gen = torch.ones(t, dtype=torch.bool)
+    is_gen[0] = is_gen[-1] = False
+    routing = Routing.of(is_gen)
+    assert routing.gen_takes_all
+    x = torch.randn(t, lm.cfg.hidden_size, generator=torch.Generator().manual_seed(9))
+    positions = torch.arange(t)  # distinct, so a row given another's rope would show
+
+    def forward(route: Routing) -> torch.Tensor:
+        return lm(x, positions, route, PackedAttention([QuerySpec(None, t, "full")], lm.attention_scale))
+
+    apart = Routing(routing.und, routing.gen, gen_takes_all=False)
+    torch.testing.assert_close(forward(routing), forward(apart), atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
 def test_a_bidirectional_block_sees_itself_whole(llm_pair):
     """Tokens of one block attend each other both ways: its first token's output changes with its last token,
     while a causal run's first token does not."""

@@ -30,10 +30,14 @@ Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, D] of some rows
 @dataclass(frozen=True)
 class Routing:
     """Which rows of a packed batch the generation expert takes (`gen`); the understanding expert takes
-    the rest (`und`). `gen` None: every row is an understanding row."""
+    the rest (`und`). `gen` None: every row is an understanding row. `gen_takes_all`: the understanding
+    rows are few (a denoising block's two markers), so the generation expert runs on every row and the
+    understanding expert's results replace its own on those few, instead of gathering and scattering
+    the many generation rows around every projection."""
 
     und: torch.Tensor | None = None  # [Tu] int64 rows; None with gen None: all rows
     gen: torch.Tensor | None = None  # [Tg] int64 rows
+    gen_takes_all: bool = False
 
     @classmethod
     def of(cls, is_gen: torch.Tensor, device: torch.device | None = None) -> Routing:
@@ -42,25 +46,30 @@ class Routing:
         if not bool(is_gen.any()):
             return cls()
         und, gen = torch.nonzero(~is_gen).flatten(), torch.nonzero(is_gen).flatten()
-        return cls(und=und.to(device, non_blocking=True), gen=gen.to(device, non_blocking=True))
+        return cls(und=und.to(device, non_blocking=True), gen=gen.to(device, non_blocking=True),
+                   gen_takes_all=und.numel() * 32 <= is_gen.numel())
 
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x's understanding rows and generation rows (None when there are none)."""
+        """The rows of x each expert computes: (understanding, generation; None when there are none)."""
         if self.gen is None:
             return x, None
         assert self.und is not None
-        return x[self.und], x[self.gen]
+        return x[self.und], x if self.gen_takes_all else x[self.gen]
 
     def apply(self, x: torch.Tensor, und: Callable[[torch.Tensor], torch.Tensor],
               gen: Callable[[torch.Tensor], torch.Tensor], width: int | None = None) -> torch.Tensor:
-        """und(x) on understanding rows and gen(x) on generation rows, each expert on its rows only."""
+        """und(x) on understanding rows and gen(x) on generation rows (on every row with `gen_takes_all`,
+        where those of the understanding rows are then replaced)."""
         if self.gen is None:
             return und(x)
         assert self.und is not None
-        out = x.new_empty((x.shape[0], width or x.shape[1]))
+        if self.gen_takes_all:
+            out = gen(x).to(x.dtype)
+        else:
+            out = x.new_empty((x.shape[0], width or x.shape[1]))
+            out[self.gen] = gen(x[self.gen]).to(out.dtype)
         if self.und.numel():
             out[self.und] = und(x[self.und]).to(out.dtype)
-        out[self.gen] = gen(x[self.gen]).to(out.dtype)
         return out
 
 
