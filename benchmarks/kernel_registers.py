@@ -1,4 +1,5 @@
-"""Registers, spills and load widths of the decode GEMV (mstar/kernels/gemv.py) per launch config, from
+"""Registers, spills, load widths and in-loop layout conversions of the decode GEMV (mstar/kernels/gemv.py,
+or with --fp8 mstar/kernels/fp8_gemv.py) per launch config, from
 an offline compile for an H100/H200 (sm_90a): no GPU needed, only triton's bundled ptxas.
 
 A GEMV at a few rows is bandwidth-bound; what limits its bandwidth is the bytes each SM keeps in flight,
@@ -8,6 +9,7 @@ compiled as 16-byte aligned, as Triton specialises them at launch for these shap
 
     python3 benchmarks/kernel_registers.py                      # the M = 1 and M = 4 configs below
     python3 benchmarks/kernel_registers.py --configs 4,8,1024,4,8   # block_m,block_n,block_k,warps,fold_k
+    python3 benchmarks/kernel_registers.py --fp8 --configs 1,4,1024,2,1   # the FP8-weight GEMV
 """
 
 from __future__ import annotations
@@ -28,28 +30,37 @@ from triton.compiler import ASTSource
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mstar.kernels import gemv  # noqa: E402
+from mstar.kernels import fp8_gemv, gemv  # noqa: E402
 
 # (block_m, block_n, block_k, num_warps, fold_k): the tuned M = 1 qkv config, the M = 4 sweep's best
 # and its folded variants
 DEFAULT = ["1,2,1024,4,1", "4,4,1024,4,1", "4,4,1024,4,8", "4,8,1024,4,8", "4,2,1024,4,1", "4,2,1024,4,8"]
-_ALIGNED = ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "ws_ptr", "lock_ptr", "N", "K", "stride_xm", "stride_wn",
+_ALIGNED = ("x_ptr", "w_ptr", "s_ptr", "b_ptr", "out_ptr", "ws_ptr", "lock_ptr", "N", "K", "stride_xm", "stride_wn",
             "gate_offset")
 
 
 def compile_report(block_m: int, block_n: int, block_k: int, warps: int, fold_k: int, k: int = 3072,
-                   stages: int = 2) -> dict:
-    """Compile the plain GEMV (no bias or gate; one split) for sm_90a and read ptxas' report."""
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
-           "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
-           "gate_offset": "i32"}
-    names = list(sig)
-    const = dict(HAS_BIAS=False, GATED=False, SPLIT_K=1, EVEN_K=True,
-                 K_ITERS=k // block_k, BROADCAST_X=block_k >= 8 * 32 * warps,
+                   stages: int = 2, fp8: bool = False) -> dict:
+    """Compile the plain GEMV (no bias or gate; one split) for sm_90a and read ptxas' report; `fp8`: the
+    FP8-weight GEMV (mstar/kernels/fp8_gemv.py, per-channel scales) instead."""
+    if fp8:
+        sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16",
+               "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_sn": "i32",
+               "gate_offset": "i32"}
+        const = dict(GATED=False, HAS_BIAS=False, BLOCK_SCALES=False, SCALE_BN=1, SCALE_BK=1)
+    else:
+        sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
+               "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
+               "gate_offset": "i32"}
+        const = dict(HAS_BIAS=False, GATED=False, SPLIT_K=1)
+    # both kernels load 8 values of a weight row a thread (16 bytes of bf16, 8 of E4M3), as x's 16-byte loads
+    const.update(EVEN_K=True, K_ITERS=k // block_k, BROADCAST_X=block_k >= 8 * 32 * warps,
                  BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FOLD_K=fold_k, PDL=True)
+    names = list(sig)
     sig.update({name: "constexpr" for name in const})
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _ALIGNED}
-    src = ASTSource(fn=gemv._gemv_kernel, signature=sig, constexprs=const, attrs=attrs)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _ALIGNED if n in names}
+    src = ASTSource(fn=fp8_gemv._fp8_gemv_kernel if fp8 else gemv._gemv_kernel, signature=sig, constexprs=const,
+                    attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     ptx = kernel.asm["ptx"]
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -64,27 +75,45 @@ def compile_report(block_m: int, block_n: int, block_k: int, warps: int, fold_k:
     threads = 32 * warps
     blocks = min(65536 // (regs * threads), 2048 // threads, 32)  # per SM: registers, threads, blocks
     return {"config": dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps, fold_k=fold_k,
-                           num_stages=stages, k=k),
+                           num_stages=stages, k=k, fp8=fp8),
             "registers": regs, "spill_bytes": spills, "loads": sorted(set(re.findall(r"ld\.global[.a-z0-9]*", ptx))),
             "shuffles": ptx.count("shfl.sync"),  # the whole kernel: the final reduction has its own
+            "loop_layout_conversions": loop_layout_conversions(kernel.asm["ttgir"]),
             "blocks_per_sm_by_registers": blocks,
-            "weight_bytes_per_sm_per_chunk": blocks * block_n * block_k * 2}
+            "weight_bytes_per_sm_per_chunk": blocks * block_n * block_k * (1 if fp8 else 2)}
+
+
+def loop_layout_conversions(ttgir: str) -> int:
+    """How many `ttg.convert_layout` ops sit inside an scf.for of the TTGIR: each moves a tile through
+    shared memory on every K chunk."""
+    depth, count = 0, 0
+    for line in ttgir.splitlines():
+        text = line.strip()
+        if "scf.for" in text:
+            depth += 1
+        elif text.startswith("scf.yield"):
+            depth -= 1
+        elif depth and "ttg.convert_layout" in text:
+            count += 1
+    return count
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", nargs="+", default=DEFAULT, help="block_m,block_n,block_k,num_warps,fold_k")
+    parser.add_argument("--fp8", action="store_true", help="the FP8-weight GEMV (mstar/kernels/fp8_gemv.py)")
     parser.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = parser.parse_args()
     rows = []
     for spec in args.configs:
-        row = compile_report(*(int(v) for v in spec.split(",")))
+        row = compile_report(*(int(v) for v in spec.split(",")), fp8=args.fp8)
         rows.append(row)
         c = row["config"]
         print(f"M<={c['block_m']} N-block {c['block_n']} K-block {c['block_k']} warps {c['num_warps']} "
               f"fold {c['fold_k']}: {row['registers']} registers, {row['spill_bytes']} B spilled, "
               f"{row['blocks_per_sm_by_registers']} blocks/SM, {row['weight_bytes_per_sm_per_chunk']} weight B/SM "
-              f"per chunk, loads {row['loads']}", flush=True)
+              f"per chunk, loads {row['loads']}, {row['loop_layout_conversions']} layout conversions in the K loop",
+              flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"command": "python3 " + " ".join(sys.argv), "triton": triton.__version__,
                                               "target": "sm_90a (offline compile, no GPU)", "rows": rows}, indent=1))

@@ -11,7 +11,9 @@ rounds q * s to x's dtype first.
 Two kernels, both modelled on `mstar.kernels.gemv` and the tl.dot kernel of `skinny_gemm`:
 
 - M <= 4 (`_fp8_gemv_kernel`): the GEMV. Each program owns BLOCK_N rows of q and walks K in BLOCK_K
-  chunks with 16-byte loads (16 E4M3 values a thread), multiply-adds into one fp32 accumulator per row
+  chunks with 8-byte loads (8 E4M3 values a thread, so that the weight tile has the register layout of
+  x's 16-byte loads and no tile is shuffled through shared memory in the loop; `benchmarks/
+  kernel_registers.py --fp8` shows it), multiply-adds into one fp32 accumulator per row
   of x (`gemv._fma_rows`, folded along K by FOLD_K), and reduces over K once after the loop. With
   `gated` it reads x as a gate_up projection's [M, 2K] output and takes silu(gate) * up in the x-load,
   as gemv.py does, for a down projection without the SiLU launch.
@@ -83,13 +85,17 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, st
     rk = tl.arange(0, BLOCK_K)
     # Clamped indices keep the weight loads unmasked (vectorised); the extra rows are never stored.
     rn_safe = tl.minimum(rn, N - 1)
-    w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
+    # The same offsets as rk, written so that the compiler sees runs of only 8 contiguous bytes: 8-byte weight
+    # loads give the weight tile the layout of x's 16-byte loads (8 bf16 values), so no tile is shuffled
+    # through shared memory to meet the other's layout in the loop.
+    rk_w = (rk // 8) * 8 + rk % 8
+    w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk_w[None, :]
     # Weights and scales are constant during a step: the first tile may load before the PDL wait.
     first_mask = (rk < K)[None, :]
     w_first = load_chunk(w_ptrs, 0, first_mask, EVEN_K)
     pdl_wait(PDL)
     # x must share the weight tile's register layout (gemv.py says why); BLOCK_K spanning every thread's
-    # 16 E4M3 values lets a [1, BLOCK_K] x row have it.
+    # 8 values lets a [1, BLOCK_K] x row have it.
     if BROADCAST_X:
         offs = rk[None, :]
     else:
@@ -170,16 +176,14 @@ def pick_fp8_config(m: int, n: int, k: int, block: tuple[int, int] | None, sm_co
         block_n = 16 if block_m == 16 or triton.cdiv(n, 64) < sm_count else 64
         block_k = 128 if block is None else _block_chunk(block)
         return SkinnyConfig(block_m, block_n, block_k, num_warps=4, num_stages=4 if block_m <= 32 else 3)
-    if block is None:
-        # 16 E4M3 values a thread: BLOCK_K = 1024 spans 2 warps, so x is loaded once per thread.
-        block_k, warps = min(1024, triton.next_power_of_2(k)), 2
-    else:
-        # one block column a chunk; 4 warps x 32 threads x 16 values cover BLOCK_N = 16 rows of 128
-        block_k, warps = _block_chunk(block), 4
-    block_n = (4 if bucket == 1 else 2) if block is None else 16
+    # 8 E4M3 values of a row a thread: BLOCK_K = 1024 spans 4 warps, so x is loaded once per thread; 4 rows
+    # of q a program keep the accumulators at 64-80 registers (folded beyond one row of x: 8 blocks an SM).
+    # Block scales: one block column a chunk.
+    block_k = min(1024, triton.next_power_of_2(k)) if block is None else _block_chunk(block)
+    block_n = 4 if block is None else 16
     while block_n > 1 and triton.cdiv(n, block_n) < 2 * sm_count:
         block_n //= 2
-    return SkinnyConfig(bucket, block_n, block_k, num_warps=warps, num_stages=2 if block is None else 3,
+    return SkinnyConfig(bucket, block_n, block_k, num_warps=4, num_stages=2 if block is None else 3,
                         fold_k=1 if bucket == 1 else 8)
 
 
@@ -242,6 +246,6 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     if cfg.use_dot:
         _fp8_dot_kernel[grid](*args, DOT_FP32=not x.is_cuda, **common)
     else:
-        _fp8_gemv_kernel[grid](*args, GATED=gated, BROADCAST_X=cfg.block_k >= 16 * 32 * cfg.num_warps,
+        _fp8_gemv_kernel[grid](*args, GATED=gated, BROADCAST_X=cfg.block_k >= 8 * 32 * cfg.num_warps,
                                FOLD_K=cfg.fold_k, **common)
     return out

@@ -63,10 +63,10 @@ def check_configs() -> None:
     # along K or not, one or several K chunks, K a multiple of BLOCK_K or not; the tl.dot kernel at M <= 4.
     layer = module(24, 2048 + 64, None, bias=True, dtype=torch.bfloat16)
     x = torch.randn(4, 2048 + 64).to(torch.bfloat16)
-    for cfg in (SkinnyConfig(4, 2, 1024, num_warps=2, fold_k=8), SkinnyConfig(4, 8, 64, num_warps=4, fold_k=1),
-                SkinnyConfig(4, 4, 512, num_warps=1, fold_k=4), SkinnyConfig(16, 16, 128, num_warps=4)):
+    for cfg in (SkinnyConfig(4, 2, 1024, num_warps=4, fold_k=8), SkinnyConfig(4, 8, 64, num_warps=4, fold_k=1),
+                SkinnyConfig(4, 4, 512, num_warps=8, fold_k=4), SkinnyConfig(16, 16, 128, num_warps=4)):
         check(x, layer, cfg)
-    check(x[:1], layer, SkinnyConfig(1, 4, 1024, num_warps=2))
+    check(x[:1], layer, SkinnyConfig(1, 4, 1024, num_warps=4))
     blocks = module(64, 512, (32, 128), bias=False, dtype=torch.bfloat16)
     for cfg in (SkinnyConfig(2, 16, 128), SkinnyConfig(2, 8, 32, fold_k=2), SkinnyConfig(16, 16, 64)):
         check(x[:2, :512].contiguous(), blocks, cfg)
@@ -77,7 +77,7 @@ def check_picked_configs() -> None:
     for n, k in ((5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)):
         for m in (1, 2, 4):
             cfg = pick_fp8_config(m, n, k, None)
-            assert not cfg.use_dot and cfg.block_k == 1024 and cfg.num_warps == 2 and k % cfg.block_k == 0, cfg
+            assert not cfg.use_dot and cfg.block_k == 1024 and cfg.num_warps == 4 and k % cfg.block_k == 0, cfg
             assert -(-n // cfg.block_n) >= 2 * 132, cfg
         assert pick_fp8_config(8, n, k, None).use_dot and pick_fp8_config(1, n, k, (128, 128)).block_k == 128
         assert [pick_fp8_config(m, n, k, None).block_m for m in (5, 16, 17, 64)] == [16, 16, 32, 64]

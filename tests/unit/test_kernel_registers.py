@@ -21,3 +21,20 @@ def test_fold_k_cuts_the_four_row_gemv_registers():
     # the fold adds no shuffles (it sums each thread's own 8 products) and frees registers
     assert folded["shuffles"] == plain["shuffles"], (plain, folded)
     assert folded["registers"] < plain["registers"] - 32, (plain["registers"], folded["registers"])
+
+
+def test_the_fp8_gemv_streams_its_weight_without_shuffles_in_the_k_loop():
+    """The FP8 GEMV at the configs pick_fp8_config gives decode (M = 1 and 4, Orpheus-3B qkv): 8-byte weight
+    loads share x's register layout, so no tile goes through shared memory on every K chunk, and nothing
+    spills."""
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("this triton has no NVIDIA backend to compile with")
+    from benchmarks.kernel_registers import compile_report
+    from mstar.kernels.fp8_gemv import pick_fp8_config
+
+    for m in (1, 4):
+        cfg = pick_fp8_config(m, 5120, 3072, None)
+        row = compile_report(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.fold_k,
+                             stages=cfg.num_stages, fp8=True)
+        assert row["spill_bytes"] == 0 and row["loop_layout_conversions"] == 0, row
+        assert "ld.global.v2.b32" in row["loads"], row
