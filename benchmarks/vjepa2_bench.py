@@ -1,19 +1,22 @@
 """V-JEPA 2 and V-JEPA 2-AC on one GPU with dummy weights (asserts nothing).
 
-- `rollout`: latency of one rollout (concurrency 1, one context frame) at each horizon, on our KV cache
-  (`rollout.rollout`: every frame's keys and values computed once) against the recompute loop the
-  checkpoint authors' world model runs (every step re-runs the predictor over the whole growing
-  context): cc-vjepa2's VisionTransformerPredictorAC when installed (`pip install --no-deps
+- `rollout`: latency of one rollout (concurrency 1, one context frame) at each horizon, on our KV cache,
+  eagerly (`kv_cache`: `rollout.rollout`, every frame's keys and values computed once) and replaying the
+  served world model's CUDA graphs (`graphs`: one per frame position of its preallocated rollout cache,
+  captured by the stateless engine's `capture_step_graphs` as a server captures them), against the
+  recompute loop the checkpoint authors' world model runs (every step re-runs the predictor over the whole
+  growing context): cc-vjepa2's VisionTransformerPredictorAC when installed (`pip install --no-deps
   cc-vjepa2==0.0.3`), else our predictor without a cache (the same computation, parity-tested). Also the
-  largest difference between the two rollouts' latents.
+  largest difference between our rollouts' latents and the loop's, and between graphs and eager.
 - `encoder`: clips per second of the encoder on `--frames`-frame clips at its crop size, per batch size.
 - `plan`: seconds per planned action of the cross-entropy search (`--samples`, `--topk`,
-  `--iterations`, `--horizon`; defaults: the authors' planning demo), from one context frame.
+  `--iterations`, `--horizon`; defaults: the authors' planning demo), from one context frame, eagerly
+  and on the world model's graphed plan cache (`graphs`); `capture_s` is the one-time capture.
 Full size: ViT-g encoder (`--encoder vitl` for ViT-L fpc64-256) and the 24-layer AC predictor, bf16.
 
-    python3 benchmarks/vjepa2_bench.py                      # GPU: writes benchmarks/results/vjepa2_bench_<gpu>.json
+    python3 benchmarks/vjepa2_bench.py --horizons 4 15 30   # GPU: writes benchmarks/results/vjepa2_bench_<gpu>.json
     python3 benchmarks/vjepa2_bench.py --horizons 4 15 30 --samples 800
-    python3 benchmarks/vjepa2_bench.py --quick              # tiny networks on CPU (smoke test)
+    python3 benchmarks/vjepa2_bench.py --quick              # tiny networks on CPU (smoke test; no graphs)
 """
 
 from __future__ import annotations
@@ -137,9 +140,36 @@ def recompute_rollout(reference, latents, states, actions, tokens):
     return torch.stack(out, 1)
 
 
-def rollout_case(args, predictor, ac, dtype) -> dict[str, Any]:
+def world_model(args, predictor) -> tuple[Any, float]:
+    """The served world model over `predictor` with its lanes sized for the cases here, its graphs
+    captured on CUDA (eager on CPU), and the seconds the capture took."""
+    from mstar.engines.stateless import capture_step_graphs
+    from mstar.models.vjepa2.components import WorldModelComponent
+
+    world = WorldModelComponent(predictor, rollout_frames=max(args.horizons), plan_samples=(args.samples,),
+                                plan_frames=args.horizon)
+    start = time.perf_counter()
+    if args.device.type == "cuda":
+        capture_step_graphs(world, [1], args.device)
+    return world, round(time.perf_counter() - start, 2)
+
+
+def graphed_rollout(world, latents, states, actions):
+    """A rollout on the world model's rollout lane: its cache and graphs, as its `step` node runs them."""
     from mstar.models.vjepa2.rollout import rollout
 
+    frames = actions.shape[1]  # context + horizon - 1: one per action
+    cache, steps = world.steps("rollout", "bench", latents.shape[0], frames)
+    try:
+        return rollout(world.predictor, latents, states, actions, cache=cache, steps=steps)
+    finally:
+        world.release("bench")
+
+
+def rollout_case(args, world, ac, dtype) -> dict[str, Any]:
+    from mstar.models.vjepa2.rollout import rollout
+
+    predictor = world.predictor
     name, reference = recompute_reference(ac, predictor, dtype, args.device)
     gen = torch.Generator(device=args.device).manual_seed(0)
     tokens = ac.tokens_per_frame
@@ -149,12 +179,16 @@ def rollout_case(args, predictor, ac, dtype) -> dict[str, Any]:
         states = torch.rand(1, 1, ac.action_dim, generator=gen, device=args.device)
         actions = 0.05 * torch.randn(1, horizon, ac.action_dim, generator=gen, device=args.device)
         with torch.no_grad():
+            graphed = timed(args.repeats, args.device, graphed_rollout, world, latents, states, actions)
             cached = timed(args.repeats, args.device, rollout, predictor, latents, states, actions)
             again = timed(args.repeats, args.device, recompute_rollout, reference, latents, states, actions, tokens)
-            diff = (rollout(predictor, latents, states, actions)[0].float()
-                    - recompute_rollout(reference, latents, states, actions, tokens).float()).abs().max()
-        out[f"h{horizon}"] = {"kv_cache": cached, "recompute": again, "speedup": round(again["ms"] / cached["ms"], 2),
-                              "max_abs_diff": float(diff)}
+            ours = graphed_rollout(world, latents, states, actions)[0].float()
+            diff = (ours - recompute_rollout(reference, latents, states, actions, tokens).float()).abs().max()
+            eager_diff = (ours - rollout(predictor, latents, states, actions)[0].float()).abs().max()
+        out[f"h{horizon}"] = {"graphs": graphed, "kv_cache": cached, "recompute": again,
+                              "speedup": round(again["ms"] / graphed["ms"], 2),
+                              "speedup_eager": round(again["ms"] / cached["ms"], 2),
+                              "max_abs_diff": float(diff), "graphs_vs_eager_max_abs_diff": float(eager_diff)}
     return out
 
 
@@ -168,7 +202,7 @@ def encoder_case(args, encoder, shape, dtype) -> dict[str, Any]:
     return out
 
 
-def plan_case(args, predictor, ac, dtype) -> dict[str, Any]:
+def plan_case(args, world, ac, dtype) -> dict[str, Any]:
     from mstar.models.vjepa2.planning import CEMSearch, CEMSettings
 
     settings = CEMSettings(horizon=args.horizon, samples=args.samples, topk=args.topk, iterations=args.iterations)
@@ -177,28 +211,38 @@ def plan_case(args, predictor, ac, dtype) -> dict[str, Any]:
     goal = torch.randn(ac.tokens_per_frame, ac.embed_dim, generator=gen, device=args.device, dtype=dtype)
     states = torch.rand(1, ac.action_dim, generator=gen, device=args.device)
 
-    def plan() -> torch.Tensor:
-        search = CEMSearch(predictor, latents, states, states.new_zeros(0, ac.action_dim), goal, settings,
-                           torch.Generator(device=args.device).manual_seed(2))
-        for _ in range(settings.iterations):
-            search.iterate()
-        return search.actions()
+    def plan(graphs: bool) -> torch.Tensor:
+        lane = world.steps("plan", "bench", settings.samples, settings.horizon) if graphs else (None, None)
+        try:
+            search = CEMSearch(world.predictor, latents, states, states.new_zeros(0, ac.action_dim), goal, settings,
+                               torch.Generator(device=args.device).manual_seed(2), *lane)
+            for _ in range(settings.iterations):
+                search.iterate()
+            return search.actions()
+        finally:
+            world.release("bench")
 
     with torch.no_grad():
-        t = timed(args.repeats, args.device, plan)
-    return {**t, "s_per_action": round(t["ms"] / 1e3, 4), "settings": settings.__dict__}
+        graphed = timed(args.repeats, args.device, plan, True)
+        eager = timed(args.repeats, args.device, plan, False)
+        diff = (plan(True) - plan(False)).abs().max()
+    return {"graphs": {**graphed, "s_per_action": round(graphed["ms"] / 1e3, 4)},
+            "eager": {**eager, "s_per_action": round(eager["ms"] / 1e3, 4)},
+            "graphs_vs_eager_max_abs_diff": float(diff), "settings": settings.__dict__}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.manual_seed(0)
     encoder, predictor, ac, shape, dtype = networks(args)
+    world, capture_s = world_model(args, predictor)
     gpu = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu"
     doc = {"command": "python3 benchmarks/vjepa2_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "device": gpu, "dtype": str(dtype).removeprefix("torch."), "encoder": "tiny" if args.quick else args.encoder,
-           "rollout": rollout_case(args, predictor, ac, dtype),
+           "capture_s": capture_s,
+           "rollout": rollout_case(args, world, ac, dtype),
            "encoder_clips": encoder_case(args, encoder, shape, dtype),
-           "plan": plan_case(args, predictor, ac, dtype)}
+           "plan": plan_case(args, world, ac, dtype)}
     name = "cpu" if args.quick else gpu.lower().replace("nvidia ", "").split()[0].replace("-", "")
     out = Path(args.out) if args.out else ROOT / f"benchmarks/results/vjepa2_bench_{name}.json"
     out.write_text(json.dumps(doc, indent=2) + "\n")

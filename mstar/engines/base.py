@@ -212,11 +212,13 @@ class CapturePlan:
     """A fixed-shape function of a stateless component that its engine captures in CUDA graphs, one per
     batch size (`cuda_graphs.BatchGraphs` states what such a function may do). `example` gives one row of
     each input: (shape without the batch dimension, dtype). The component replays it by `key`
-    (`StepGraphs.replay`)."""
+    (`StepGraphs.replay`). `sizes`: the batch sizes this plan is captured at when its batch counts
+    something other than the engine's items (a search's candidates); None: the engine's `graph_sizes()`."""
 
     key: Hashable
     fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
     example: tuple[tuple[tuple[int, ...], torch.dtype], ...]
+    sizes: tuple[int, ...] | None = None
 
 
 SPEC_OF_ENGINE: dict[str, type[AutoregressiveSpec] | type[StatelessSpec]] = {

@@ -207,15 +207,17 @@ def follow_device_inputs(stream: torch.cuda.Stream, batch: list[StepItem]) -> No
 
 
 def capture_step_graphs(module: StatelessComponent, sizes: list[int], device: torch.device) -> None:
-    """Capture each of `module.capture_plans()` at `sizes` (batch sizes) on CUDA `device`, all in one
-    memory pool (a step replays them one after another and copies out what it keeps), and give them to
-    the module as its `graphs`. Captured under inference mode, as components run."""
+    """Capture each of `module.capture_plans()` at `sizes` (batch sizes; a plan's own `sizes` where it
+    gives them) on CUDA `device`, all in one memory pool (a step replays them one after another and
+    copies out what it keeps), and give them to the module as its `graphs`. Captured under inference
+    mode, as components run."""
     plans = list(module.capture_plans())
     if not plans:
         return
     pool = torch.cuda.graph_pool_handle()
     with torch.inference_mode():
-        captured = {plan.key: BatchGraphs(plan.fn, sizes, plan.example, device, pool=pool) for plan in plans}
+        captured = {plan.key: BatchGraphs(plan.fn, list(plan.sizes or sizes), plan.example, device, pool=pool)
+                    for plan in plans}
     module.graphs = StepGraphs(captured)
 
 

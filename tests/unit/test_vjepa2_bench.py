@@ -1,5 +1,5 @@
-"""benchmarks/vjepa2_bench.py: a --quick run (tiny networks on CPU) writes what it returns, and its cached
-rollouts equal the recompute loop's."""
+"""benchmarks/vjepa2_bench.py: a --quick run (tiny networks on CPU) writes what it returns, its cached
+rollouts equal the recompute loop's, and the world model's lanes (eager on CPU) give the eager results."""
 
 from __future__ import annotations
 
@@ -20,7 +20,10 @@ def test_quick_run(tmp_path) -> None:
     assert doc["device"] == "cpu" and doc["dtype"] == "float32"
     for horizon in (2, 4):
         case = doc["rollout"][f"h{horizon}"]
-        assert case["kv_cache"]["ms"] > 0 and case["recompute"]["ms"] > 0
+        assert case["graphs"]["ms"] > 0 and case["kv_cache"]["ms"] > 0 and case["recompute"]["ms"] > 0
         assert case["max_abs_diff"] < 1e-4  # the two loops compute the same latents
+        assert case["graphs_vs_eager_max_abs_diff"] < 1e-5
     assert set(doc["encoder_clips"]) == {"b1", "b2"} and doc["encoder_clips"]["b2"]["clips_per_s"] > 0
-    assert doc["plan"]["s_per_action"] > 0 and doc["plan"]["settings"]["samples"] == 16
+    plan = doc["plan"]
+    assert plan["graphs"]["s_per_action"] > 0 and plan["eager"]["s_per_action"] > 0
+    assert plan["graphs_vs_eager_max_abs_diff"] < 1e-5 and plan["settings"]["samples"] == 16

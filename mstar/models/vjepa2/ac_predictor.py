@@ -42,19 +42,20 @@ class RolloutCache:
         for layer in self.layers:
             layer.length = frames * self.tokens_per_block
 
-    def broadcast(self, batch: int, capacity: int) -> RolloutCache:
-        """A new cache of `batch` rows and `capacity` frames, each row starting with this one-row cache's
-        frames (computed once, copied into every row)."""
+    def rows(self, batch: int) -> RolloutCache:
+        """The first `batch` rows of this cache, sharing its buffers (a smaller batch on a larger cache)."""
+        layers = [LayerKV(layer.keys[:batch], layer.values[:batch], layer.length) for layer in self.layers]
+        return RolloutCache(layers, self.tokens_per_block)
+
+    def share(self, into: RolloutCache) -> None:
+        """Write this one-row cache's frames into every row of `into` (computed once, for every row) and
+        make `into` hold exactly them."""
         assert self.batch == 1, "only a one-row cache is shared"
         held = self.layers[0].length
-        layers = []
-        for layer in self.layers:
-            shape = (batch, layer.keys.shape[1], capacity * self.tokens_per_block, layer.keys.shape[3])
-            keys, values = layer.keys.new_empty(shape), layer.values.new_empty(shape)
-            keys[:, :, :held] = layer.keys[:, :, :held]
-            values[:, :, :held] = layer.values[:, :, :held]
-            layers.append(LayerKV(keys, values, held))
-        return RolloutCache(layers, self.tokens_per_block)
+        for source, target in zip(self.layers, into.layers, strict=True):
+            target.keys[:, :, :held] = source.keys[:, :, :held]
+            target.values[:, :, :held] = source.values[:, :, :held]
+            target.length = held
 
 
 class ACPredictor(nn.Module):
@@ -71,6 +72,7 @@ class ACPredictor(nn.Module):
         self.blocks = blocks(config.vit)
         self.norm = nn.LayerNorm(width, eps=config.vit.layer_norm_eps)
         self.proj = nn.Linear(width, config.embed_dim)
+        self._rope: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # device -> tables from frame 0
 
     @property
     def block_tokens(self) -> int:
@@ -89,13 +91,22 @@ class ACPredictor(nn.Module):
         return RolloutCache(layers, self.block_tokens)
 
     def rope(self, first: int, frames: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [frames * block_tokens, head_dim] of frames first .. first + frames - 1: patches
-        turn by (frame, row, column), conditioning tokens by frame only."""
+        """(cos, sin) [frames * block_tokens, head_dim] of frames first .. first + frames - 1, sliced from
+        tables computed once per device (a step launches no work and copies nothing for them)."""
+        tables = self._rope.get(device)
+        end = (first + frames) * self.block_tokens
+        if tables is None or tables[0].shape[0] < end:
+            tables = self._rope[device] = self.rope_tables(max(first + frames, self.config.num_frames), device)
+        start = first * self.block_tokens
+        return tables[0][start:end], tables[1][start:end]
+
+    def rope_tables(self, frames: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [frames * block_tokens, head_dim] of frames 0 .. frames - 1: patches turn by (frame,
+        row, column), conditioning tokens by frame only."""
         rows, cols = self.config.grid
         cond = self.config.cond_tokens
         patches = grid_positions(frames, rows, cols, device, col_scale=rows / cols).view(frames, rows * cols, 3)
         positions = torch.cat([patches[:, :1].expand(-1, cond, -1), patches], dim=1)  # cond tokens: frame only
-        positions = positions + torch.tensor([first, 0.0, 0.0], device=device)
         rotate = torch.ones(frames, cond + rows * cols, 3, dtype=torch.bool, device=device)
         rotate[:, :cond, 1:] = False
         return rope_tables(positions.reshape(-1, 3), self.config.vit.head_dim, rotate.reshape(-1, 3))
@@ -137,7 +148,7 @@ class ACPredictor(nn.Module):
 def block_causal_mask(frames: int, block: int, before: int, device: torch.device) -> torch.Tensor:
     """[frames * block, before + frames * block] bool: every new token sees the `before` cached tokens,
     its own frame and earlier new frames."""
-    frame = torch.arange(frames, device=device).repeat_interleave(block)
+    frame = torch.arange(frames * block, device=device) // block  # not repeat_interleave: it syncs for its size
     new = frame[:, None] >= frame[None, :]
     return torch.cat([new.new_ones(len(frame), before), new], dim=1)
 

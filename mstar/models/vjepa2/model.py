@@ -38,6 +38,20 @@ class VJEPA2ServeConfig(ServeConfig):
     """How one deployment runs V-JEPA 2 (YAML `model_kwargs`); request defaults live in the processor."""
 
     normalize: bool = True  # V-JEPA 2-AC: layer-norm latents before feeding and comparing them, as trained
+    # V-JEPA 2-AC on CUDA with cuda_graphs: a rollout of up to `rollout_graph_frames` frames (context plus
+    # horizon less one) and a search of up to `plan_graph_samples` candidates over `plan_graph_frames`
+    # frames (context less one plus horizon) replay CUDA graphs on caches allocated at start (the plan's:
+    # samples x frames x 258 tokens x 24 layers of keys and values); 0 turns that graphed cache off
+    rollout_graph_frames: int = 32
+    plan_graph_samples: int = 400
+    plan_graph_frames: int = 2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("rollout_graph_frames", "plan_graph_samples", "plan_graph_frames"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"model_kwargs.{name}={value!r}: use a whole number >= 0")
 
 
 def _clip_graph() -> ModelGraph:
@@ -214,7 +228,10 @@ class VJEPA2AC(_VJEPA2Base):
             else:
                 tensors = weights.ac_tensors(self.checkpoint)
             predictor = self._build(factory, device, tensors, weights.upstream_ac_mapper)
-            return BuiltComponent(components.WorldModelComponent(predictor, self.config.normalize))
+            c = self.config
+            plan_samples = (c.plan_graph_samples,) if c.plan_graph_samples else ()
+            return BuiltComponent(components.WorldModelComponent(
+                predictor, c.normalize, c.rollout_graph_frames, plan_samples, c.plan_graph_frames))
         raise KeyError(f"vjepa2_ac has no component {name!r}; components are {sorted(self.graph().components)}")
 
     def processor(self):

@@ -6,7 +6,9 @@ context in one batch, scores each by the mean absolute distance of its last pred
 goal's latents, and refits the Gaussian to the `topk` best with momentum. The context frames before
 the last (their actions are history, not searched) are run through the predictor once per plan and
 their keys and values copied into every candidate's cache; each iteration only appends the searched
-frames. The answer is the final mean, gripper moves under 0.25 rounded to zero.
+frames, through a `FrameStep` (eager, or replayed from CUDA graphs by the served component). Nothing
+in an iteration waits on the GPU: its best energy stays a device tensor. The answer is the final mean,
+gripper moves under 0.25 rounded to zero.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mstar.models.vjepa2.ac_predictor import ACPredictor
-from mstar.models.vjepa2.rollout import rollout_step
+from mstar.models.vjepa2.ac_predictor import ACPredictor, RolloutCache
+from mstar.models.vjepa2.rollout import EagerSteps, FrameStep
 
 XYZ, GRIPPER = slice(0, 3), slice(3, 4)  # the searched dims of a 4-wide sample; actions are 7 wide
 
@@ -56,22 +58,30 @@ class CEMSearch:
     """One request's search: the context cache, the current distribution and its random stream."""
 
     def __init__(self, predictor: ACPredictor, latents: torch.Tensor, states: torch.Tensor, history: torch.Tensor,
-                 goal: torch.Tensor, settings: CEMSettings, generator: torch.Generator) -> None:
+                 goal: torch.Tensor, settings: CEMSettings, generator: torch.Generator,
+                 cache: RolloutCache | None = None, steps: FrameStep | None = None) -> None:
         """latents [C, HW, E] and states [C, A] of the context frames, history [C - 1, A] the actions
-        between them, goal [HW, E] the latents to reach."""
+        between them, goal [HW, E] the latents to reach. `cache` (default: a new one) holds `samples`
+        rows of C - 1 + horizon frames; `steps` runs the candidates' frames on it (default: eagerly)."""
         self.predictor, self.settings, self.generator = predictor, settings, generator
         context = latents.shape[0]
         self.last = (latents[None, -1:], states[None, -1:])  # the context frame the searched actions start at
         self.goal = goal.reshape(1, -1)
-        prefix = predictor.new_cache(1, context - 1)
+        self.prefix_frames = context - 1
+        self.cache = cache if cache is not None else predictor.new_cache(settings.samples, context - 1 + settings.horizon)
+        self.steps = steps or EagerSteps(predictor, self.cache, settings.normalize)
+        prefix = predictor.new_cache(1, max(context - 1, 1))
         if context > 1:
             predictor(latents[None, :-1], history[None], states[None, :-1], cache=prefix, last_only=True)
-        self.cache = prefix.broadcast(settings.samples, context - 1 + settings.horizon)
-        self.prefix_frames = context - 1
+        prefix.truncate(context - 1)
+        prefix.share(self.cache)
         device = latents.device
         self.mean = torch.zeros(settings.horizon, 4, device=device)
         self.std = torch.cat([torch.full((settings.horizon, 3), settings.maxnorm, device=device),
                               torch.ones(settings.horizon, 1, device=device)], dim=-1)
+        self.keep = torch.empty(2, 4, device=device)  # filled, not copied from the host: that would sync
+        self.keep[0, :3], self.keep[0, 3] = settings.momentum_mean, settings.momentum_mean_gripper
+        self.keep[1, :3], self.keep[1, 3] = settings.momentum_std, settings.momentum_std_gripper
 
     def sample(self, step: int) -> torch.Tensor:
         """[samples, 7] candidate actions for `step` of the sequence."""
@@ -85,29 +95,26 @@ class CEMSearch:
     def energies(self, candidates: list[torch.Tensor]) -> torch.Tensor:
         """Distance to the goal [samples] of each candidate sequence, rolled out step by step as drawn."""
         s = self.settings
-        self.cache.truncate(self.prefix_frames)
         latents, states = (t.expand(s.samples, -1, *t.shape[2:]) for t in self.last)
         for step in range(s.horizon):
             candidates.append(self.sample(step))
-            frame, state = rollout_step(self.predictor, self.cache, latents, candidates[-1][:, None], states,
-                                        s.normalize)
+            frame, state = self.steps(self.prefix_frames + step, latents, candidates[-1][:, None], states)
             latents, states = frame[:, None], state[:, None]
         return (latents.flatten(1).float() - self.goal.float()).abs().mean(dim=-1)
 
-    def iterate(self) -> float:
-        """One draw, rollout and refit; the best candidate's energy."""
+    def iterate(self) -> torch.Tensor:
+        """One draw, rollout and refit; the best candidate's energy (a 0-d device tensor)."""
         s = self.settings
         candidates: list[torch.Tensor] = []
         energy = self.energies(candidates)
-        best = energy.topk(s.topk, largest=False).indices
+        lowest, best = energy.topk(s.topk, largest=False)
         chosen = torch.stack(candidates, dim=1)[best].float()  # [topk, H, 7]
         mean, std = chosen.mean(0), chosen.std(0)
         mean, std = torch.cat([mean[:, :3], mean[:, -1:]], -1), torch.cat([std[:, :3], std[:, -1:]], -1)
-        keep_mean = torch.tensor([s.momentum_mean] * 3 + [s.momentum_mean_gripper], device=mean.device)
-        keep_std = torch.tensor([s.momentum_std] * 3 + [s.momentum_std_gripper], device=std.device)
+        keep_mean, keep_std = self.keep
         self.mean = mean * (1 - keep_mean) + self.mean * keep_mean
         self.std = std * (1 - keep_std) + self.std * keep_std
-        return float(energy[best[0]])
+        return lowest[0]
 
     def actions(self) -> torch.Tensor:
         """The plan [H, 7]: the current mean, small gripper moves rounded to zero."""

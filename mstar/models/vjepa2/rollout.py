@@ -9,10 +9,20 @@ layer-normed (`normalize`) before they are compared or fed back, as the checkpoi
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from mstar.models.vjepa2.ac_predictor import ACPredictor, RolloutCache, normalize_latents
 from mstar.models.vjepa2.pose import next_state
+
+
+class FrameStep(Protocol):
+    """Appends frames at frame `position` of a cache it holds (forgetting any after) and predicts the
+    next: (latents [B, T, HW, E], actions and states [B, T, A]) -> (frame [B, HW, E], state [B, A])."""
+
+    def __call__(self, position: int, latents: torch.Tensor, actions: torch.Tensor,
+                 states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def horizon_of(context_frames: int, actions: int) -> int:
@@ -35,18 +45,35 @@ def rollout_step(predictor: ACPredictor, cache: RolloutCache, latents: torch.Ten
     return predicted, next_state(states[:, -1], actions[:, -1])
 
 
+class EagerSteps:
+    """`FrameStep` on `cache`, run eagerly (every shape a Python int, no host sync)."""
+
+    def __init__(self, predictor: ACPredictor, cache: RolloutCache, normalize: bool = True) -> None:
+        self.predictor, self.cache, self.normalize = predictor, cache, normalize
+
+    def __call__(self, position: int, latents: torch.Tensor, actions: torch.Tensor,
+                 states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cache.truncate(position)
+        return rollout_step(self.predictor, self.cache, latents, actions, states, self.normalize)
+
+
 def rollout(predictor: ACPredictor, latents: torch.Tensor, states: torch.Tensor, actions: torch.Tensor,
-            normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+            normalize: bool = True, cache: RolloutCache | None = None,
+            steps: FrameStep | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every predicted frame [B, H, HW, E] and its state [B, H, A], from context latents [B, C, HW, E],
-    states [B, C, A] and actions [B, C + H - 1, A]."""
+    states [B, C, A] and actions [B, C + H - 1, A]; on `cache` (default: a new one for the whole
+    horizon), one frame a step through `steps` (default: eager; a context of several frames is
+    appended eagerly in one forward)."""
     batch, context = latents.shape[:2]
     horizon = horizon_of(context, actions.shape[1])
-    cache = predictor.new_cache(batch, context + horizon - 1)
-    frame, state = rollout_step(predictor, cache, latents, actions[:, :context], states, normalize)
+    cache = cache if cache is not None else predictor.new_cache(batch, context + horizon - 1)
+    eager = EagerSteps(predictor, cache, normalize)
+    steps = steps or eager
+    frame, state = (steps if context == 1 else eager)(0, latents, actions[:, :context], states)
     frames, poses = [frame], [state]
     for step in range(1, horizon):
         action = actions[:, context - 1 + step]
-        frame, state = rollout_step(predictor, cache, frame[:, None], action[:, None], state[:, None], normalize)
+        frame, state = steps(context - 1 + step, frame[:, None], action[:, None], state[:, None])
         frames.append(frame)
         poses.append(state)
     return torch.stack(frames, 1), torch.stack(poses, 1)
