@@ -154,6 +154,51 @@ class NodeGroup:
         return [tuple(self.ranks[i : i + size]) for i in range(0, len(self.ranks), size)]
 
 
+RAY_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass
+class RayWorkers:
+    """`ray.workers[]` — where Ray places some worker ranks (`mstar serve --ray-address`): each rank gets
+    one placement-group bundle of `num_cpus`, `num_gpus` and `resources`, on the node `node_ip` names."""
+
+    ranks: list[int]  # the worker ranks this entry places
+    node_ip: str | None = None  # the Ray node (its IP address) they run on; None: wherever the bundle fits
+    resources: dict[str, float] = field(default_factory=dict)  # Ray resources each rank asks for, e.g. {node_b: 1}
+    num_cpus: float = 1.0
+    num_gpus: float | None = None  # None: 1 unless the config's device is cpu or the cluster has no GPU
+
+    def validate(self, where: str, num_workers: int) -> None:
+        if not self.ranks or any(not _is_int(r) or not 0 <= r < num_workers for r in self.ranks):
+            raise ConfigError(f"{where}: ranks must name worker ranks 0..{num_workers - 1}, got {self.ranks}")
+        amounts = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus or 0.0, **self.resources}
+        bad = {k: v for k, v in amounts.items() if isinstance(v, bool) or not isinstance(v, int | float) or v < 0}
+        if bad:
+            raise ConfigError(f"{where}: resource amounts must be numbers >= 0, got {bad}")
+
+
+@dataclass
+class RayConfig:
+    """`ray` — how `mstar serve --ray-address` places workers on a Ray cluster; ignored without Ray."""
+
+    workers: list[RayWorkers] = field(default_factory=list)  # ranks not listed get the default bundle
+    strategy: str = "PACK"  # the placement group's strategy: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD
+
+    def validate(self, where: str, num_workers: int) -> None:
+        if self.strategy not in RAY_STRATEGIES:
+            raise ConfigError(f"{where}: ray.strategy {self.strategy!r} must be one of {RAY_STRATEGIES}")
+        seen: set[int] = set()
+        for i, entry in enumerate(self.workers):
+            entry.validate(f"{where}: ray.workers[{i}]", num_workers)
+            if seen & set(entry.ranks):
+                raise ConfigError(f"{where}: ray.workers[{i}] places rank {min(seen & set(entry.ranks))} again")
+            seen |= set(entry.ranks)
+
+    def bundle_of(self, rank: int) -> RayWorkers:
+        """The entry that places `rank` (a default one when none lists it)."""
+        return next((e for e in self.workers if rank in e.ranks), RayWorkers(ranks=[rank]))
+
+
 @dataclass
 class MStarConfig:
     """The whole deployment: which model, its placement, and runtime limits."""
@@ -173,6 +218,7 @@ class MStarConfig:
     # scales); checked against the model's quantizable components when it is built (runtime.build)
     quantization: dict[str, str] = field(default_factory=dict)
     device: str = "auto"  # "auto" (cuda:<rank> when CUDA is there, else cpu) | "cpu" | "cuda"
+    ray: RayConfig = field(default_factory=RayConfig)  # worker placement on a Ray cluster (--ray-address)
     source: str = "<dict>"  # where this config came from, for error messages
 
     def validate(self) -> None:
@@ -185,6 +231,7 @@ class MStarConfig:
             raise ConfigError(f"{where}: device {self.device!r} must be auto, cpu or cuda")
         for i, group in enumerate(self.node_groups):
             group.validate(f"{where}: node_groups[{i}]")
+        self.ray.validate(where, self.num_workers)
         if not isinstance(self.quantization, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in self.quantization.items()):
             raise ConfigError(f"{where}: quantization must map components to a method, e.g. "

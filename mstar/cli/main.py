@@ -34,6 +34,7 @@ OPTIONAL_PACKAGES = {
     "ftfy": ("ftfy", "all"),
     "xgrammar": ("xgrammar", "all"),
     "python_multipart": ("python-multipart", None),
+    "ray": ("ray", "ray"),
 }
 # dependencies the routes import only when a request needs them (form uploads, video, audio files): checked at
 # start, so an install without one fails there in one line instead of answering those requests with a 500
@@ -93,6 +94,9 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="workers as threads of this process, or one process per worker; auto: one process per "
                         "worker when CUDA is available (the HTTP server and the workers then never share a GIL), "
                         "threads otherwise")
+    p.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                   help="run each worker as an actor of the Ray cluster at ADDRESS (or auto: the one this machine "
+                        "belongs to), placed by the config's ray section; this process is the head (needs mstar[ray])")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -322,8 +326,10 @@ def run_serve(args: argparse.Namespace) -> int:
         sys.path.append(os.getcwd())
     try:
         check_route_packages()
+        if args.ray_address and importlib.util.find_spec("ray") is None:
+            raise ModuleNotFoundError("No module named 'ray'", name="ray")
         runtime = Runtime(serve_config(args), mode=args.mode, tiny=args.tiny, load_format=args.load_format,
-                          model_path=args.model_path)
+                          model_path=args.model_path, ray_address=args.ray_address)
     except ModuleNotFoundError as exc:  # an optional dependency of this model or route
         if args.log_level == "DEBUG":
             raise

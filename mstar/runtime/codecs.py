@@ -10,7 +10,15 @@ from typing import Any
 
 import torch
 
-from mstar.transport.placed_channels import CUDA_IPC, SHM, Endpoint, PlacedTensorChannel, needed_kinds
+from mstar.transport.placed_channels import (
+    CUDA_IPC,
+    NCCL,
+    SHM,
+    TCP,
+    Endpoint,
+    PlacedTensorChannel,
+    needed_kinds,
+)
 from mstar.transport.tensor_channels import ShmTensorChannel, TensorChannel
 from mstar.worker.worker import CONDUCTOR, worker_peer
 
@@ -54,10 +62,23 @@ def worker_codec(session: str, rank: int, devices: list[torch.device]) -> Payloa
     me = worker_peer(rank)
     kinds = needed_kinds(me, endpoints)
     assert kinds <= {SHM, CUDA_IPC}, f"one host needs no {kinds - {SHM, CUDA_IPC}}"
-    shm = ShmTensorChannel(session)
-    channels: dict[str, TensorChannel] = {SHM: shm}
+    return placed_codec(session, me, endpoints)
+
+
+def placed_codec(session: str, me: str, endpoints: dict[str, Endpoint], tcp_host: str | None = None) -> PayloadCodec:
+    """The codec of process `me` among `endpoints` (every process's host and device): it builds the
+    channels its edges need, a TCP tensor server reachable at `tcp_host` where an edge leaves the host.
+    GPU tensors between hosts go through host memory over TCP: the launcher sets up no NCCL group for
+    tensor edges."""
+    kinds = needed_kinds(me, endpoints)
+    channels: dict[str, TensorChannel] = {SHM: ShmTensorChannel(session)}
     if CUDA_IPC in kinds:
         from mstar.transport.cuda_ipc import CudaIpcTensorChannel
 
         channels[CUDA_IPC] = CudaIpcTensorChannel(session)
+    if kinds & {TCP, NCCL}:
+        from mstar.transport.tcp_tensors import TcpTensorChannel
+
+        assert tcp_host is not None, f"{me} sends tensors to another host: give the address peers reach it at"
+        channels[TCP] = channels[NCCL] = TcpTensorChannel(tcp_host, "0.0.0.0")
     return PayloadCodec(session, PlacedTensorChannel(me, endpoints, channels))

@@ -6,7 +6,8 @@ in-process worker builds its engines on its own thread (`_start_inproc_worker` s
 The conductor's receive loop runs on a thread of its own (`mstar-conductor`). In `multiproc` mode a
 watchdog reaps a worker process that exits, fails its requests and restarts it with backoff
 (`supervisor.py`); a rank of a multi-rank replica, or one that died too often, makes the runtime give up
-(`Runtime.fatal`). `Runtime.drain` stops being ready and ends open requests at a shutdown deadline.
+(`Runtime.fatal`). With `ray_address` each worker is a Ray actor on a cluster instead (`ray_workers.py`),
+watched and restarted the same way. `Runtime.drain` stops being ready and ends open requests at a shutdown deadline.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import multiprocessing as mp
 import queue
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -39,6 +40,9 @@ from mstar.transport.messages import Codec
 from mstar.transport.tensors import cleanup_segments, new_session_id
 from mstar.worker.worker import CONDUCTOR, Worker, worker_peer
 
+if TYPE_CHECKING:
+    from mstar.runtime.ray_workers import RayCluster
+
 logger = logging.getLogger(__name__)
 MODES = ("inproc", "multiproc")
 
@@ -47,10 +51,14 @@ class Runtime:
     """A running model: `submit` requests, `cancel` them, `shutdown` at the end."""
 
     def __init__(self, config: MStarConfig, mode: str = "inproc", tiny: bool = False, load_format: str = "auto",
-                 model_path: str | None = None, ready_timeout_s: float = 600.0) -> None:
+                 model_path: str | None = None, ready_timeout_s: float = 600.0, ray_address: str | None = None) -> None:
+        """`ray_address` (a Ray cluster's address, or "auto") runs each worker as a Ray actor placed by the
+        config's `ray` section; `mode` is then "ray"."""
         if mode not in (*MODES, "auto"):
             raise ValueError(f"unknown run mode {mode!r}; use one of {(*MODES, 'auto')}")
-        if mode == "auto":  # one process per worker on CUDA machines: HTTP and workers never share a GIL
+        if ray_address is not None:
+            mode = "ray"
+        elif mode == "auto":  # one process per worker on CUDA machines: HTTP and workers never share a GIL
             mode = "multiproc" if torch.cuda.is_available() else "inproc"
         self.config, self.mode = config, mode
         self._build_args = {"tiny": tiny, "load_format": load_format, "model_path": model_path}
@@ -59,11 +67,16 @@ class Runtime:
         validate_graph(self.graph)
         self.plan = plan_placement(self.graph, config.node_groups, config.source)
         check_run_mode(self.plan, mode)
-        check_memory(config, tiny=tiny, model_path=model_path)  # before any weight is loaded
+        if mode != "ray":  # Ray workers run on other machines' GPUs, which this process cannot size
+            check_memory(config, tiny=tiny, model_path=model_path)  # before any weight is loaded
         self.processor = self.model.processor()
         self.session = new_session_id()
-        self.codec = LocalCodec() if mode == "inproc" else PayloadCodec(self.session)
-        self.network = make_network("inproc" if mode == "inproc" else "ipc", Codec(wire.Message))
+        self.cluster: RayCluster | None = None
+        if mode == "ray":
+            self._start_cluster(ray_address)
+        else:
+            self.codec = LocalCodec() if mode == "inproc" else PayloadCodec(self.session)
+            self.network = make_network("inproc" if mode == "inproc" else "ipc", Codec(wire.Message))
         self._inbox = self.network.inbox(CONDUCTOR)
         self._outbox = self.network.outbox()
         self._send_lock = threading.Lock()
@@ -151,6 +164,8 @@ class Runtime:
                     worker.kill()
         for thread in self._threads:
             thread.join(timeout=5)
+        if self.cluster is not None:
+            self.cluster.stop()
         self._receiver.join(timeout=2)
         self.network.close()
         cleanup_segments(self.session)
@@ -170,14 +185,36 @@ class Runtime:
             except Exception:
                 logger.exception("could not send %s to worker %d", type(msg).__name__, rank)
 
+    def _start_cluster(self, address: str) -> None:
+        """Reserve the Ray bundles, start the actors and learn their addresses; the conductor listens on
+        the head and takes tensors from other nodes over TCP."""
+        from mstar.runtime.codecs import placed_codec
+        from mstar.runtime.ray_workers import RayCluster
+        from mstar.transport.zmq_channels import ZmqNetwork
+
+        self.cluster = RayCluster(address, self.config, self.session)
+        try:
+            directory, endpoints = self.cluster.prepare(msgspec.json.encode(dataclasses.asdict(self.config)))
+        except BaseException:  # the bundles and any started actor go back to the cluster
+            self.cluster.stop()
+            raise
+        self.network = ZmqNetwork(directory, Codec(wire.Message))
+        self.codec = placed_codec(self.session, CONDUCTOR, endpoints, self.cluster.head.ip)
+
     def _start_workers(self) -> None:
         if self.mode == "inproc":
             for rank in range(self.plan.num_workers):
                 self._start_inproc_worker(rank)
             return
+        args = {**self._build_args, "log_level": logging.getLogger().level or "WARNING"}
+        if self.cluster is not None:
+            self.workers = dict(self.cluster.actors)
+            self.cluster.serve(args)
+            threading.Thread(target=self.cluster.watch, args=(self._worker_down, lambda: self._stopping),
+                             daemon=True, name="mstar-watchdog").start()
+            return
         config_json = msgspec.json.encode(dataclasses.asdict(self.config))
         directory_json = msgspec.json.encode(self.network.directory)
-        args = {**self._build_args, "log_level": logging.getLogger().level or "WARNING"}
         self._process_args = (config_json, directory_json, self.session, args, self._rendezvous())
         for rank in range(self.plan.num_workers):
             self.workers[rank] = self._spawn(rank)
@@ -289,7 +326,10 @@ class Runtime:
     def _worker_exited(self, rank: int) -> None:
         proc = self.workers[rank]
         proc.join(timeout=5)  # reaps it: no zombie, and the exit code (or signal) is known
-        reason = exit_reason(proc.exitcode)
+        self._worker_down(rank, exit_reason(proc.exitcode))
+
+    def _worker_down(self, rank: int, reason: str) -> None:
+        """Fail the dead worker's requests and restart it with backoff, or give up."""
         logger.error("worker %d %s", rank, reason)
         self._ready.discard(rank)
         self._down.add(rank)
@@ -309,7 +349,16 @@ class Runtime:
     def _restart(self, rank: int) -> None:
         if self._stopping:
             return
-        self.workers[rank] = self._spawn(rank)
+        if self.cluster is not None:
+            try:
+                self.cluster.restart(rank)
+            except Exception as exc:  # a restart that cannot happen ends the runtime, as dying too often does
+                logger.exception("could not restart worker %d", rank)
+                self._give_up(f"worker {rank} could not be restarted: {exc}")
+                return
+            self.workers[rank] = self.cluster.actors[rank]
+        else:
+            self.workers[rank] = self._spawn(rank)
         self._down.discard(rank)
 
     def _give_up(self, reason: str) -> None:

@@ -90,17 +90,20 @@ class RequestHandle:
 
 
 class MStar:
-    """A model running in this process (mode "inproc") or across worker processes ("multiproc")."""
+    """A model running in this process (mode "inproc"), across worker processes ("multiproc"), or with
+    its workers as actors of the Ray cluster at `ray_address`."""
 
     def __init__(self, model: str = "toy", config: str | Path | dict | MStarConfig | None = None, *,
-                 mode: str = "inproc", tiny: bool = False, load_format: str = "auto", model_path: str | None = None):
+                 mode: str = "inproc", tiny: bool = False, load_format: str = "auto", model_path: str | None = None,
+                 ray_address: str | None = None):
         if config is None:
             config = config_from_dict({"model": model})
         elif isinstance(config, (str, Path)):
             config = load_config(config)
         elif isinstance(config, dict):
             config = config_from_dict(config)
-        self.runtime = Runtime(config, mode=mode, tiny=tiny, load_format=load_format, model_path=model_path)
+        self.runtime = Runtime(config, mode=mode, tiny=tiny, load_format=load_format, model_path=model_path,
+                               ray_address=ray_address)
         self.processor = self.runtime.processor
 
     def submit(self, request: dict[str, Any], request_id: str | None = None, **options: Any) -> RequestHandle:

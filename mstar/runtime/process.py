@@ -1,4 +1,5 @@
-"""Entry point of a worker process: build, report ready, serve, and die with the parent."""
+"""Entry point of a worker process: build, report ready, serve, and die with the parent (`serve_worker`,
+the build-and-serve part, also runs in Ray actors: `ray_workers.py`)."""
 
 from __future__ import annotations
 
@@ -65,10 +66,22 @@ def worker_process_main(rank: int, config_json: bytes, directory_json: bytes, se
     stacks_on_sigusr1()
     os.environ[envs.SESSION.name] = session
     logging.basicConfig(level=build_args.pop("log_level", "WARNING"))
+    from mstar.runtime.build import worker_device
+    from mstar.runtime.codecs import worker_codec
+
+    def codec_for(config: Any, plan: Any) -> Any:
+        return worker_codec(session, rank, [worker_device(config, r) for r in range(plan.num_workers)])
+
+    serve_worker(rank, config_json, directory_json, build_args, codec_for, rendezvous)
+
+
+def serve_worker(rank: int, config_json: bytes, directory_json: bytes, build_args: dict,
+                 codec_for: Callable[[Any, Any], Any], rendezvous: list | None = None) -> None:
+    """Build worker `rank` (its codec from `codec_for(config, plan)`), report ready or failed to the
+    conductor, and serve until Shutdown; shared by worker processes and Ray actors."""
     from mstar.config import config_from_dict
     from mstar.graph.placement import plan_placement
     from mstar.runtime.build import build_engines, build_model, context_lens, worker_device
-    from mstar.runtime.codecs import worker_codec
     from mstar.transport import wire
     from mstar.transport.messages import Codec
     from mstar.transport.zmq_channels import Directory, ZmqNetwork
@@ -83,7 +96,7 @@ def worker_process_main(rank: int, config_json: bytes, directory_json: bytes, se
         graph = model.graph()
         plan = plan_placement(graph, config.node_groups, config.source)
         device = worker_device(config, rank)
-        codec = worker_codec(session, rank, [worker_device(config, r) for r in range(plan.num_workers)])
+        codec = codec_for(config, plan)
         shards = {}
         if rendezvous is not None:  # groups first: a tensor-parallel component warms up with its collectives
             from mstar.distributed.groups import Rendezvous

@@ -34,6 +34,9 @@ def multi_rank_replicas(plan: PlacementPlan) -> dict[str, set[tuple[int, ...]]]:
 def check_run_mode(plan: PlacementPlan, mode: str) -> None:
     """Multi-rank replicas need one process per rank: reject in-process mode with the fix."""
     replicas = multi_rank_replicas(plan)
+    if replicas and mode == "ray":
+        raise ValueError(f"components {sorted(replicas)} run on multi-rank replicas (tp_size or sp_size > 1), which "
+                         "the Ray launcher does not start yet: use replicas of one rank, or serve on one host")
     if replicas and mode != "multiproc":
         raise ValueError(f"components {sorted(replicas)} run on multi-rank replicas (tp_size or sp_size > 1), which "
                          f"need one process per rank: use mode='multiproc' (got {mode!r}) or replicas of one rank")

@@ -44,6 +44,7 @@ class Directory(msgspec.Struct, frozen=True):
     host: str = "127.0.0.1"  # tcp: every peer listens on this host...
     port_base: int = 0  # ...at port_base + its index in `peers`
     peers: tuple[str, ...] = ()
+    addresses: dict[str, str] = {}  # tcp across hosts: each peer's own endpoint, e.g. "tcp://10.0.0.5:41234"
 
     @classmethod
     def ipc(cls, run_dir: str | None = None) -> Directory:
@@ -59,11 +60,20 @@ class Directory(msgspec.Struct, frozen=True):
             raise ValueError(f"tcp transport needs port_base > 0 and the peer names, got {port_base}, {peers}")
         return cls("tcp", host=host, port_base=port_base, peers=tuple(peers))
 
+    @classmethod
+    def tcp_addresses(cls, addresses: dict[str, str]) -> Directory:
+        """TCP across hosts: peer `name` listens at `addresses[name]` ("tcp://host:port")."""
+        if not addresses or not all(a.startswith("tcp://") for a in addresses.values()):
+            raise ValueError(f"tcp addresses must be a non-empty mapping of names to tcp:// endpoints, got {addresses}")
+        return cls("tcp", peers=tuple(addresses), addresses=dict(addresses))
+
     def endpoint(self, name: str) -> str:
         """The ZMQ endpoint of inbox `name`."""
         if not _NAME_RE.fullmatch(name):
             raise ValueError(f"invalid peer name {name!r}: use 1-64 characters from [A-Za-z0-9_.:-]")
         if self.mode == "tcp":
+            if name in self.addresses:
+                return self.addresses[name]
             if name not in self.peers:
                 raise ValueError(f"unknown tcp peer {name!r}: the directory lists {self.peers}")
             return f"tcp://{self.host}:{self.port_base + self.peers.index(name)}"

@@ -142,6 +142,18 @@ def test_a_missing_route_package_fails_the_start_not_a_request(monkeypatch, no_r
     assert str(exc.value) == f"mstar: the Python package {package!r} is needed and not installed; install it: {fix}"
 
 
+def test_ray_address_without_ray_is_one_line_before_anything_loads(monkeypatch, no_runtime):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "toy", "--port", str(port), "--ray-address", "auto"])
+    assert str(exc.value) == ("mstar: the Python package 'ray' is needed and not installed; install it: "
+                              "pip install -c constraints.txt -e '.[ray]'")
+
+
 def test_models_lists_the_voices_of_the_models_that_speak(capsys):
     from mstar.models.orpheus.tokens import VOICES
 

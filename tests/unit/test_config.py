@@ -166,3 +166,23 @@ def test_a_misspelt_model_kwargs_key_names_the_file_and_the_valid_keys(tmp_path)
                                           r"valid keys here are \[.*'step_delay_s'"):
         build_model(load_config(path))
     assert build_model(config_from_dict({"model": "toy", "model_kwargs": {"step_delay_s": 0.5}})).config.step_delay_s == 0.5
+
+
+def test_ray_section_places_ranks_and_is_validated(tmp_path):
+    groups = "node_groups:\n  - {node_names: [encoder, decoder, guide, painter], ranks: [0]}\n" \
+             "  - {node_names: [vocoder], ranks: [1]}\n"
+    cfg = load_config(write(tmp_path, "model: toy\n" + groups + "ray:\n  strategy: SPREAD\n  workers:\n"
+                            "    - {ranks: [1], node_ip: 10.0.0.2, resources: {big_disk: 1}, num_gpus: 0}\n"))
+    assert cfg.ray.strategy == "SPREAD"
+    assert cfg.ray.bundle_of(1).node_ip == "10.0.0.2" and cfg.ray.bundle_of(1).resources == {"big_disk": 1}
+    assert cfg.ray.bundle_of(0).ranks == [0] and cfg.ray.bundle_of(0).num_gpus is None  # the default bundle
+    for ray, message in [
+        ("  workers: [{ranks: [2]}]", r"ray.workers\[0\]: ranks must name worker ranks 0..1, got \[2\]"),
+        ("  workers: [{ranks: [1], host: a}]", r"unknown key 'ray.workers\[0\].host'; valid keys here are \['node_ip'"),
+        ("  workers: [{ranks: [1]}, {ranks: [0, 1]}]", r"ray.workers\[1\] places rank 1 again"),
+        ("  workers: [{ranks: [1], resources: {gpu_a: -1}}]", r"ray.workers\[0\]: resource amounts must be numbers >= 0, got \{'gpu_a': -1\}"),
+        ("  strategy: pack", r"ray.strategy 'pack' must be one of \('PACK'"),
+    ]:
+        path = write(tmp_path, "model: toy\n" + groups + "ray:\n" + ray + "\n")
+        with pytest.raises(ConfigError, match=rf"^{path}: {message}"):
+            load_config(path)

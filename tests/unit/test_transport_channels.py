@@ -101,6 +101,12 @@ def test_make_network_errors_name_the_fix():
         Directory("ipc", run_dir="/tmp/" + "x" * 120).endpoint("api")
     with pytest.raises(ValueError, match="unknown tcp peer 'w9'"):
         Directory.tcp("127.0.0.1", 5555, ("api",)).endpoint("w9")
+    across = Directory.tcp_addresses({"api": "tcp://10.0.0.1:5555", "w0": "tcp://10.0.0.2:6000"})
+    assert across.endpoint("w0") == "tcp://10.0.0.2:6000"
+    with pytest.raises(ValueError, match="unknown tcp peer 'w9'"):
+        across.endpoint("w9")
+    with pytest.raises(ValueError, match="tcp:// endpoints"):
+        Directory.tcp_addresses({"api": "ipc:///tmp/api.sock"})
 
 
 def test_send_to_missing_peer_times_out(tmp_path, session):
