@@ -15,6 +15,12 @@
 Full size: ViT-g encoder (`--encoder vitl` for ViT-L fpc64-256) and the 24-layer AC predictor, bf16.
 
     python3 benchmarks/vjepa2_bench.py --horizons 4 15 30   # GPU: writes benchmarks/results/vjepa2_bench_<gpu>.json
+
+On a bare GPU machine (benchmarks/device_setup.sh; carry .whl for cc-vjepa2), with the GPU tests first:
+
+    source benchmarks/device_setup.sh && python3 -m pytest -q -m gpu tests/gpu/test_vjepa2_gpu.py \
+        tests/gpu/test_step_graph_gpu.py && python3 benchmarks/vjepa2_bench.py --horizons 4 15 30 \
+        --out $OUT/vjepa2_bench_h100.json
     python3 benchmarks/vjepa2_bench.py --horizons 4 15 30 --samples 800
     python3 benchmarks/vjepa2_bench.py --quick              # tiny networks on CPU (smoke test; no graphs)
 """

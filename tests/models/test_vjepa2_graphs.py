@@ -155,3 +155,27 @@ def test_lanes_turned_off_capture_nothing_and_bad_sizes_are_refused() -> None:
     assert cache.capacity == 4 and not world.holders
     with pytest.raises(ValueError, match="plan_graph_samples=-1"):
         VJEPA2ServeConfig(plan_graph_samples=-1)
+
+
+def test_full_size_steps_and_a_search_iteration_read_no_device_values() -> None:
+    """On the meta device (shapes, no values) any `.item()`, `.tolist()` or data-dependent shape raises:
+    the full-size graphed steps and a whole search iteration run there, so they read nothing back."""
+    from mstar.models.vjepa2.config import AC_VITG
+    from mstar.models.vjepa2.planning import CEMSearch, CEMSettings
+
+    with torch.device("meta"):
+        predictor = ACPredictor(AC_VITG).to(torch.bfloat16)
+    world = WorldModelComponent(predictor)
+    plans = world.capture_plans()
+    assert [p.key for p in plans] == [("rollout", i) for i in range(32)] + [("plan", 0), ("plan", 1)]
+    with torch.no_grad():
+        for plan in (plans[0], plans[31], plans[-1]):
+            inputs = [torch.zeros(max(plan.sizes), *shape, dtype=dtype, device="meta") for shape, dtype in plan.example]
+            frame, state = plan.fn(*inputs)
+            assert frame.shape == (max(plan.sizes), 256, 1408) and state.shape == (max(plan.sizes), 7)
+        latents = torch.zeros(1, 256, 1408, dtype=torch.bfloat16, device="meta")
+        states = torch.zeros(1, 7, device="meta")
+        cache, steps = world.steps("plan", "p", 400, 2)
+        search = CEMSearch(predictor, latents, states, states[:0], latents[0], CEMSettings(), torch.Generator(),
+                           cache, steps)
+        assert search.iterate().shape == () and search.actions().shape == (2, 7)
