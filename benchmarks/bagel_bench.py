@@ -25,6 +25,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -164,16 +165,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     doc: dict[str, Any] = {"device": "cpu" if args.quick else torch.cuda.get_device_name(),
                            "dtype": "float32" if args.quick else "bfloat16", "command": " ".join(sys.argv),
                            "understanding": {}}
+    # written after every case, so that a run cut short keeps what it measured
+    save = partial(write_results, doc, args.out, args.quick, f"bagel_bench_{kind}")
     with MStar("bagel", **kwargs) as m:
         image_case(m, args, edit=False)  # warm-up: first-call kernel choices and allocations
         for concurrency in args.concurrency:
             for tokens in args.tokens:
-                doc["understanding"][f"c{concurrency}_t{tokens}"] = understanding_case(m, args, concurrency, tokens)
-        doc["generation"] = image_case(m, args, edit=False)
-        doc["editing"] = image_case(m, args, edit=True)
+                case = doc["understanding"][f"c{concurrency}_t{tokens}"] = understanding_case(m, args, concurrency,
+                                                                                              tokens)
+                print(f"understanding c{concurrency} t{tokens}: {case}", flush=True)
+                save()
+        for name, edit in (("generation", False), ("editing", True)):
+            doc[name] = image_case(m, args, edit=edit)
+            print(f"{name}: {doc[name]}", flush=True)
+            save()
         if args.profile:
             doc["profile"] = profile_steps(m, args)
-    write_results(doc, args.out, args.quick, f"bagel_bench_{kind}")
+            save()
     print(json.dumps(doc, indent=2))
     return doc
 
