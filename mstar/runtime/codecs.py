@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,9 @@ from mstar.transport.placed_channels import (
     needed_kinds,
 )
 from mstar.transport.tensor_channels import ShmTensorChannel, TensorChannel
+
+if TYPE_CHECKING:
+    from mstar.transport.tcp_tensors import TcpTensorChannel
 from mstar.worker.worker import CONDUCTOR, worker_peer
 
 
@@ -65,11 +68,11 @@ def worker_codec(session: str, rank: int, devices: list[torch.device]) -> Payloa
     return placed_codec(session, me, endpoints)
 
 
-def placed_codec(session: str, me: str, endpoints: dict[str, Endpoint], tcp_host: str | None = None) -> PayloadCodec:
+def placed_codec(session: str, me: str, endpoints: dict[str, Endpoint],
+                 tcp: TcpTensorChannel | None = None) -> PayloadCodec:
     """The codec of process `me` among `endpoints` (every process's host and device): it builds the
-    channels its edges need, a TCP tensor server reachable at `tcp_host` where an edge leaves the host.
-    GPU tensors between hosts go through host memory over TCP: the launcher sets up no NCCL group for
-    tensor edges."""
+    channels its edges need, and sends through `tcp` where an edge leaves the host. GPU tensors between
+    hosts go through host memory over TCP: the launcher sets up no NCCL group for tensor edges."""
     kinds = needed_kinds(me, endpoints)
     channels: dict[str, TensorChannel] = {SHM: ShmTensorChannel(session)}
     if CUDA_IPC in kinds:
@@ -77,8 +80,6 @@ def placed_codec(session: str, me: str, endpoints: dict[str, Endpoint], tcp_host
 
         channels[CUDA_IPC] = CudaIpcTensorChannel(session)
     if kinds & {TCP, NCCL}:
-        from mstar.transport.tcp_tensors import TcpTensorChannel
-
-        assert tcp_host is not None, f"{me} sends tensors to another host: give the address peers reach it at"
-        channels[TCP] = channels[NCCL] = TcpTensorChannel(tcp_host, "0.0.0.0")
+        assert tcp is not None, f"{me} sends tensors to another host: give it a TCP tensor channel"
+        channels[TCP] = channels[NCCL] = tcp
     return PayloadCodec(session, PlacedTensorChannel(me, endpoints, channels))

@@ -166,6 +166,7 @@ class Runtime:
             thread.join(timeout=5)
         if self.cluster is not None:
             self.cluster.stop()
+            self._tcp.close()
         self._receiver.join(timeout=2)
         self.network.close()
         cleanup_segments(self.session)
@@ -190,6 +191,7 @@ class Runtime:
         the head and takes tensors from other nodes over TCP."""
         from mstar.runtime.codecs import placed_codec
         from mstar.runtime.ray_workers import RayCluster
+        from mstar.transport.tcp_tensors import TcpTensorChannel
         from mstar.transport.zmq_channels import ZmqNetwork
 
         self.cluster = RayCluster(address, self.config, self.session)
@@ -199,7 +201,8 @@ class Runtime:
             self.cluster.stop()
             raise
         self.network = ZmqNetwork(directory, Codec(wire.Message))
-        self.codec = placed_codec(self.session, CONDUCTOR, endpoints, self.cluster.head.ip)
+        self._tcp = TcpTensorChannel(self.cluster.head.ip)
+        self.codec = placed_codec(self.session, CONDUCTOR, endpoints, self._tcp)
 
     def _start_workers(self) -> None:
         if self.mode == "inproc":

@@ -79,11 +79,13 @@ class WorkerActor:
         """Build the worker and serve until Shutdown; `endpoints_json` says where every peer runs."""
         from mstar.runtime.codecs import placed_codec
         from mstar.runtime.process import serve_worker
+        from mstar.transport.tcp_tensors import TcpTensorChannel
 
         logging.basicConfig(level=build_args.pop("log_level", "WARNING"))
         endpoints = msgspec.json.decode(endpoints_json, type=dict[str, Endpoint])
+        tcp = TcpTensorChannel(self.ip)  # lives as long as the actor's process
         serve_worker(rank, config_json, directory_json, build_args,
-                     lambda config, plan: placed_codec(self.session, worker_peer(rank), endpoints, self.ip))
+                     lambda config, plan: placed_codec(self.session, worker_peer(rank), endpoints, tcp))
 
 
 class RayCluster:
