@@ -2,8 +2,8 @@
 
 Every layer holds an understanding expert (text and ViT tokens) and a generation expert (VAE latent
 tokens): separate norms, q/k/v/o projections (qk-normed), and MLPs. The tokens of a packed sequence
-are routed by kind; each expert runs only on its own rows, and all rows meet in one attention over
-the sequence. Module names follow the checkpoint (`language_model.model.*`), with q/k/v and
+are routed by kind; each expert runs only on its own rows (save a denoising block's two markers, which
+the generation expert computes too: `Routing`), and all rows meet in one attention over the sequence. Module names follow the checkpoint (`language_model.model.*`), with q/k/v and
 gate/up fused into one projection each (weights.py places the checkpoint's tensors).
 """
 
