@@ -14,7 +14,7 @@ from mstar.models.vjepa2.rope import apply_rope
 
 class LayerKV:
     """One layer's keys and values for a batch, preallocated [B, heads, capacity, head_dim]; positions
-    [0, length) are filled. Rows may be broadcast views of one row (a context shared by candidates)."""
+    [0, length) are filled. The tensors may be the first rows of a larger preallocated cache."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int = 0) -> None:
         self.keys, self.values, self.length = keys, values, length
