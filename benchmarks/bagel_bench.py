@@ -8,7 +8,8 @@
 - `editing`: an image of `--size` and an instruction, all three guidance branches over the whole grid:
   seconds end to end, concurrency 1.
 
-`--profile` then runs, under torch.profiler inside the worker, one understanding decode step at the highest
+A text-to-image request and a short understanding request at each concurrency run first, unmeasured (first-call
+kernel choices and allocations). `--profile` then runs, under torch.profiler inside the worker, one understanding decode step at the highest
 `--concurrency` and one text-to-image denoising step, and writes each one's top-25 ops by self device time
 (self CPU time on CPU) into the JSON (`profile`) and the log.
 
@@ -168,7 +169,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # written after every case, so that a run cut short keeps what it measured
     save = partial(write_results, doc, args.out, args.quick, f"bagel_bench_{kind}")
     with MStar("bagel", **kwargs) as m:
-        image_case(m, args, edit=False)  # warm-up: first-call kernel choices and allocations
+        # warm-up: first-call kernel choices (decode GEMMs pick theirs per row count) and allocations
+        image_case(m, args, edit=False)
+        for concurrency in args.concurrency:
+            understanding_case(m, args, concurrency, 8)
         for concurrency in args.concurrency:
             for tokens in args.tokens:
                 case = doc["understanding"][f"c{concurrency}_t{tokens}"] = understanding_case(m, args, concurrency,
