@@ -8,10 +8,11 @@
 - `editing`: an image of `--size` and an instruction, all three guidance branches over the whole grid:
   seconds end to end, concurrency 1.
 
-A text-to-image request and a short understanding request at each concurrency run first, unmeasured (first-call
-kernel choices and allocations). `--profile` then runs, under torch.profiler inside the worker, one understanding decode step at the highest
-`--concurrency` and one text-to-image denoising step, and writes each one's top-25 ops by self device time
-(self CPU time on CPU) into the JSON (`profile`) and the log.
+A text-to-image request and a short understanding request at each concurrency run first, unmeasured
+(first-call kernel choices and allocations). After the measured cases, `--profile` runs one understanding
+decode step at the highest `--concurrency` and one text-to-image denoising step under torch.profiler inside
+the worker, and writes each one's top-25 ops by self device time (self CPU time on CPU) into the JSON
+(`profile`) and the log.
 
     python3 benchmarks/bagel_bench.py                   # GPU: writes benchmarks/results/bagel_bench_<gpu>.json
     python3 benchmarks/bagel_bench.py --concurrency 1 16 --tokens 64 256
