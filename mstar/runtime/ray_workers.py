@@ -142,7 +142,9 @@ class RayCluster:
         ray = import_ray()
         self.actors[rank] = self._actor(rank)
         port = int(self.sites[rank].inbox.rsplit(":", 1)[1])
-        site = ray.get(self.actors[rank].prepare.remote(rank, self.session, self._config_json, port))
+        # a bundle whose node is gone waits for room that may never come: that ends the runtime
+        site = ray.get(self.actors[rank].prepare.remote(rank, self.session, self._config_json, port),
+                       timeout=PLACEMENT_TIMEOUT_S)
         if site.node_id != self.sites[rank].node_id:
             raise RuntimeError(f"worker {rank}'s bundle moved to another Ray node ({site.ip}); its peers cannot follow")
         self._start_serving(rank)

@@ -76,3 +76,14 @@ def test_only_stateless_components_may_declare_sequence_parallel():
     assert ComponentSpec("autoregressive", tensor_parallel=True).tensor_parallel
     with pytest.raises(ValueError, match=r"tensor_parallel=True needs an autoregressive component"):
         ComponentSpec("stateless", tensor_parallel=True)
+
+
+def test_multi_rank_replicas_are_refused_on_ray_with_the_fix():
+    from mstar.runtime.replicas import check_run_mode
+
+    config = load_config("wan22_sp2")
+    plan = plan_placement(_wan_graph(), config.node_groups, config.source)
+    with pytest.raises(ValueError, match=r"\['dit'\] run on multi-rank replicas .* the Ray launcher does not start "
+                                         r"yet: use replicas of one rank, or serve on one host"):
+        check_run_mode(plan, "ray")
+    check_run_mode(plan, "multiproc")
