@@ -39,7 +39,7 @@ class RecordingCodec:
     def __init__(self) -> None:
         self.discarded: list[object] = []
 
-    def pack(self, value: object) -> object:
+    def pack(self, value: object, to: int | None) -> object:
         return value
 
     def unpack(self, value: object) -> object:
