@@ -53,6 +53,8 @@ def test_toy_with_a_worker_on_each_node_gives_what_one_process_gives(cluster):
         sites = m.runtime.cluster.sites
         assert sites[0].node_id != sites[1].node_id  # one worker on each node
         assert sites[1].node_id != m.runtime.cluster.head.node_id
+        assert m.runtime.codec.channel.edges["worker-1"].host == "tcp"  # another node: another host
+        assert m.runtime.codec.channel.edges["worker-0"].host == "shm"
         got = m.generate(request, max_tokens=12, stop_early=False).outputs
         assert got["text"] == want["text"] and len(got["audio"]) == len(want["audio"])
         for mine, theirs in zip(got["audio"], want["audio"], strict=True):
