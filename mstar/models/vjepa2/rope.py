@@ -37,10 +37,14 @@ def rope_tables(positions: torch.Tensor, head_dim: int, rotate: torch.Tensor | N
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [..., N, head_dim] turned by tables broadcastable to it; pairs (2k, 2k+1) -> (-x[2k+1], x[2k])."""
-    pairs = x.unflatten(-1, (-1, 2))
-    turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
-    return x * cos.to(x.dtype) + turned * sin.to(x.dtype)
+    """x [..., N, head_dim] turned by tables broadcastable to it: x * cos + turned * sin, where pairs
+    (2k, 2k+1) turn to (-x[2k+1], x[2k])."""
+    # the pair swap and the sign go to a copy of x and to the small table, so the wide tensor is passed over
+    # three times (swap, x * cos, add-multiply) instead of five
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    halves = sin.unflatten(-1, (-1, 2))
+    signed = torch.stack((-halves[..., 0], halves[..., 1]), dim=-1).flatten(-2)
+    return torch.addcmul(x * cos.to(x.dtype), swapped, signed.to(x.dtype))
 
 
 def grid_positions(frames: int, rows: int, cols: int, device: torch.device | None = None,
