@@ -63,6 +63,7 @@ class CEMSearch:
         """latents [C, HW, E] and states [C, A] of the context frames, history [C - 1, A] the actions
         between them, goal [HW, E] the latents to reach. `cache` (default: a new one) holds `samples`
         rows of C - 1 + horizon frames; `steps` runs the candidates' frames on it (default: eagerly)."""
+        assert steps is None or cache is not None, "steps run on a cache: pass the one they write"
         self.predictor, self.settings, self.generator = predictor, settings, generator
         context = latents.shape[0]
         self.last = (latents[None, -1:], states[None, -1:])  # the context frame the searched actions start at
