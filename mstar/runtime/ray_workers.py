@@ -98,13 +98,16 @@ class RayCluster:
         self.config, self.session = config, session
         self._owns_connection = not ray.is_initialized()
         if self._owns_connection:
-            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+            try:
+                ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
+            except ConnectionError as exc:  # a start mistake: one line, as a config mistake is
+                raise ValueError(f"no Ray cluster at {address!r}: {exc}") from None
         self.head = WorkerSite(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), "", "cpu")
         self._bundles = [self._bundle(rank) for rank in range(config.num_workers)]
         self.group = placement_group([b["bundle"] for b in self._bundles], strategy=config.ray.strategy)
         if not self.group.wait(timeout_seconds=PLACEMENT_TIMEOUT_S):
             ray.util.remove_placement_group(self.group)
-            raise RuntimeError(f"{config.source}: the Ray cluster at {address} found no room for the workers' bundles "
+            raise ValueError(f"{config.source}: the Ray cluster at {address} found no room for the workers' bundles "
                                f"{[b['bundle'] for b in self._bundles]} within {PLACEMENT_TIMEOUT_S:.0f} s; it has "
                                f"{ray.cluster_resources()} (see the config's ray.workers)")
         self.actors: dict[int, Any] = {}

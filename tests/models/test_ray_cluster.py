@@ -117,3 +117,15 @@ def _wait(condition, timeout=5.0):
     while not condition():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.05)
+
+
+def test_a_cluster_without_room_for_the_bundles_fails_the_start_naming_them(cluster, monkeypatch):
+    from mstar.runtime import ray_workers
+
+    monkeypatch.setattr(ray_workers, "PLACEMENT_TIMEOUT_S", 1.0)
+    cfg = config_from_dict({**TOY, "ray": {"workers": _on_nodes(HEAD, {"gpu_node": 1})}}, source="two.yaml")
+    with pytest.raises(ValueError, match=r"two.yaml: the Ray cluster at .* found no room for the workers' bundles "
+                                         r"\[.*'gpu_node': 1.*\] within 1 s; it has .*'remote_node': 4.0"):
+        MStar(config=cfg, ray_address=cluster.address)
+    assert ray.util.placement_group_table() and all(  # the bundles asked for went back
+        g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())
