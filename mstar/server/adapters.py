@@ -192,8 +192,9 @@ async def start_request(state, request: dict[str, Any], options: Mapping[str, An
     return stream
 
 
-async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Item]]:
-    """Items of several streams as they arrive, tagged with the stream's index."""
+async def merge(streams: list[RequestStream], ends: bool = False) -> AsyncIterator[tuple[int, Item | None]]:
+    """Items of several streams as they arrive, tagged with the stream's index; with `ends`, also
+    `(index, None)` right after a stream's last item (its `finish_reason` is final then)."""
     queue: asyncio.Queue = asyncio.Queue()
     end = object()
 
@@ -212,6 +213,8 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Item]]
             index, item = await queue.get()
             if item is end:
                 remaining -= 1
+                if ends:
+                    yield index, None
             elif isinstance(item, BaseException):
                 raise item
             else:

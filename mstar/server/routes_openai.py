@@ -255,20 +255,15 @@ async def _chat_sse(streams: list[RequestStream], model: str, include_usage: boo
 
     for i in range(len(streams)):
         yield chunk(i, ChatDelta(role="assistant", content=""))
-    finished = set()
-    async for index, item in merge(streams):
-        if item.name == "text" and item.value:
+    # a stream's finish goes out when merge reports its end, after its last item: `stream.done` turns
+    # true while items it flushed may still wait in merge's queue
+    async for index, item in merge(streams, ends=True):
+        if item is None:
+            for event in finish(index, streams[index].finish_reason or "stop"):
+                yield event
+        elif item.name == "text" and item.value:
             for delta in deltas.text(index, item.value):
                 yield chunk(index, delta)
-        for i, stream in enumerate(streams):  # a stream's finish is known once its last item went out
-            if stream.done and i not in finished and stream.finish_reason is not None:
-                finished.add(i)
-                for event in finish(i, stream.finish_reason):
-                    yield event
-    for i, stream in enumerate(streams):
-        if i not in finished:
-            for event in finish(i, stream.finish_reason or "stop"):
-                yield event
     if include_usage:
         yield sse(ChatCompletionChunk(id=cid, model=model, choices=[], usage=_usage(streams)))
     yield SSE_DONE
