@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from mstar.engines import sampling_filters
-from mstar.engines.cuda_graphs import to_device_async
+from mstar.engines.cuda_graphs import to_device_async, to_host_async
 from mstar.engines.grammar import canonical_spec
 from mstar.engines.sampling_filters import RowTable, pick, seen_masks
 from mstar.kernels.guard import KernelGuard
@@ -150,6 +150,33 @@ class SampleOutput:
     logprobs: torch.Tensor | None = None  # [N] float32: log-probability of the chosen token
     top_ids: torch.Tensor | None = None  # [N, K] int64, K = the largest `logprobs` asked in the batch
     top_logprobs: torch.Tensor | None = None  # [N, K] float32
+
+    def _map(self, f) -> SampleOutput:
+        return SampleOutput(*(None if t is None else f(t) for t in
+                              (self.token_ids, self.logprobs, self.top_ids, self.top_logprobs)))
+
+    def to_host(self) -> SampleOutput:
+        """Host copies, on CPU too: sampled ids may be a view of a buffer the next step rewrites."""
+        return self._map(lambda t: t.cpu() if t.device.type != "cpu" else t.clone())
+
+    def to_host_async(self, copied: torch.cuda.Event | None) -> tuple[SampleOutput, torch.cuda.Event | None]:
+        """Queue copies into pinned host memory and record `copied` after them; the host copies, and the
+        event that marks them done (None off CUDA: copied already)."""
+        if self.token_ids.device.type != "cuda" or copied is None:
+            return self.to_host(), None
+        result = self._map(to_host_async)
+        copied.record()
+        return result, copied
+
+    def row(self, i: int, params: SamplingParams) -> dict[str, torch.Tensor]:
+        """Row `i` as item outputs: its token, and the logprobs its `params` asked for."""
+        outputs = {"token": self.token_ids[i : i + 1]}
+        if params.logprobs is not None and self.logprobs is not None:
+            outputs["logprob"] = self.logprobs[i : i + 1]
+            if params.logprobs > 0 and self.top_ids is not None and self.top_logprobs is not None:
+                outputs["top_ids"] = self.top_ids[i, : params.logprobs]
+                outputs["top_logprobs"] = self.top_logprobs[i, : params.logprobs]
+        return outputs
 
 
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow], offset: int = 0) -> SampleOutput:

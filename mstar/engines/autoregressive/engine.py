@@ -39,19 +39,18 @@ import zlib
 import torch
 
 from mstar.config import CudaGraphConfig
+from mstar.engines.autoregressive import kv_transfer
 from mstar.engines.autoregressive.batch_scheduler import BatchScheduler, Chunk
-from mstar.engines.autoregressive.kv_transfer import gather_pages, place_pages
 from mstar.engines.autoregressive.lookahead import Ahead
 from mstar.engines.autoregressive.runner import ModelRunner, make_attention_backend
 from mstar.engines.autoregressive.sequence import Sequence
 from mstar.engines.autoregressive.step_graph import StepGraphs
 from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs, parse_item
 from mstar.engines.base import CausalLM, KVExport, LoopSpec, StepItem, StepResult, require
-from mstar.engines.cuda_graphs import to_device_async, to_host_async
+from mstar.engines.cuda_graphs import to_device_async
 from mstar.engines.grammar import GrammarMatcher, Grammars, constrain
 from mstar.engines.kv_cache.block_pool import BlockPool
 from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
-from mstar.engines.kv_cache.prefix_cache import hash_pages
 from mstar.engines.sampling import SampleOutput, SamplingParams, SamplingRow, plain_greedy, sample
 from mstar.engines.sampling_graph import SamplerGraphs
 
@@ -240,28 +239,17 @@ class AutoregressiveEngine:
         key = (item.request_id, item.kv_slot)
         if context is None or key in self._seqs or key in self._held:
             return []
-        page = self.pool.page_size
-        tokens = context.tolist()
-        hashes = hash_pages(tokens[: len(tokens) // page * page], page, [])
-        self._held[key] = self.pool.match_prefix(hashes)
-        return hashes[: len(self._held[key])]
+        self._held[key], hashes = kv_transfer.hold_cached_prefix(self.pool, context.tolist())
+        return hashes
 
     def export_kv(self, request_id: str, kv_slot: str, held: list[int]) -> KVExport | None:
         """`KVHandoff.export_kv`: a sequence with every token computed and no item pending."""
-        key = (request_id, kv_slot)
-        seq = self._seqs.get(key)
-        if seq is None or seq.item is not None or seq.num_computed != len(seq.token_ids) or not seq.token_ids:
+        seq = self._seqs.get((request_id, kv_slot))
+        if seq is None or not kv_transfer.exportable(seq):
             return None
-        hashes = seq.page_hashes[: seq.num_registered]
-        skip = 0
-        while skip < min(len(held), len(hashes)) and held[skip] == hashes[skip]:
-            skip += 1
-        pages = seq.pages[skip : self.pool.pages_for(seq.num_computed)]
-        k, v = gather_pages(self.runner.attn, pages)
-        positions = seq.inputs.continuation() if seq.inputs is not None else None
-        export = KVExport(list(seq.token_ids), list(hashes), skip, k, v, positions)
-        self.batch_scheduler.remove(self._seqs.pop(key))
-        self.kv_pages_sent += len(pages)
+        export, sent = kv_transfer.export_sequence(seq, self.pool, self.runner.attn, held)
+        self.batch_scheduler.remove(self._seqs.pop(seq.key))
+        self.kv_pages_sent += sent
         return export
 
     def submit_with_kv(self, item: StepItem, export: KVExport | None) -> None:
@@ -275,28 +263,6 @@ class AutoregressiveEngine:
                                            iteration=item.iteration))
         finally:
             self.pool.free(held)  # the moved sequence took its own references
-
-    def _adopt(self, seq: Sequence, export: KVExport, held: list[int]) -> None:
-        """Give a new sequence (not yet queued) the pages of `export`: the held ones it skipped, fresh
-        ones with the sent contents; it joins the running sequences with its tokens computed."""
-        pages_needed = self.pool.pages_for(len(export.tokens))
-        fresh = pages_needed - export.skip
-        sched = self.batch_scheduler
-        if export.skip > len(held) or fresh > self.pool.num_free or len(sched.running) >= sched.max_num_seqs:
-            return  # recomputed from its tokens instead (counted in prompt_tokens)
-        seq.pages = [*held[: export.skip], *self.pool.allocate(fresh)]
-        del held[: export.skip]  # their references pass to the sequence; the caller frees the rest
-        if fresh:
-            assert export.k is not None and export.v is not None
-            place_pages(self.runner.attn, seq.pages[export.skip :], export.k, export.v)
-        seq.num_computed = len(export.tokens)
-        seq.page_hashes = list(export.page_hashes)
-        for i in range(export.skip, len(export.page_hashes)):
-            self.pool.register(seq.pages[i], export.page_hashes[i])
-        seq.num_registered = len(export.page_hashes)
-        sched.adopt(seq)
-        self.kv_pages_received += fresh
-        self.kv_pages_reused += export.skip
 
     def _accept(self, item: StepItem, export: KVExport | None = None, held: list[int] | None = None) -> None:
         ids = item.inputs.get("input_ids")
@@ -313,7 +279,10 @@ class AutoregressiveEngine:
             if export is not None:
                 if export.positions is not None:
                     seq.inputs = TokenInputs.resumed(export.positions)
-                self._adopt(seq, export, held or [])
+                fresh = kv_transfer.adopt_pages(seq, export, held or [], self.pool, self.batch_scheduler, self.runner.attn)
+                if fresh is not None:  # else recomputed from its tokens (counted in prompt_tokens)
+                    self.kv_pages_received += fresh
+                    self.kv_pages_reused += export.skip
         elif seq.item is not None:
             raise ValueError(f"request {key[0]!r} slot {key[1]!r} already has an item waiting for its result")
         elif len(seq.token_ids) + len(tokens) > self.max_model_len:
@@ -405,7 +374,7 @@ class AutoregressiveEngine:
             reason = self._finish_reason(seq, tokens[i])
             if reason is None and seq.matcher is not None and seq.matcher.is_finished():
                 reason = "stop"  # the grammar took its end token (ignore_eos cannot extend a complete grammar)
-            outputs = {"token": views[i]} if seq.params.logprobs is None else _outputs(out, i, seq.params)
+            outputs = {"token": views[i]} if seq.params.logprobs is None else out.row(i, seq.params)
             if seq.inputs is not None and (hidden := seq.inputs.take_hidden()) is not None:
                 outputs["hidden"] = hidden
             more = reason is None and item.loop is not None and seq.loop_done + 1 < item.loop.max_iterations
@@ -486,7 +455,7 @@ class AutoregressiveEngine:
         else:
             out = sample(logits, rows, self.logit_offset)
         if continuing is None:
-            out = _to_host(out)  # the step's one host sync
+            out = out.to_host()  # the step's one host sync
             return out, out.token_ids.tolist()
         return self._launch_ahead(seqs, continuing, out)
 
@@ -495,7 +464,7 @@ class AutoregressiveEngine:
         """Queue the copy of this step's samples to the host, launch the next forward of
         `seqs[continuing]` fed with them, then wait for the copy only (see lookahead.py); the samples on
         the host, and their token ids as ints."""
-        host, copied = _to_host_async(out, self._copied)
+        host, copied = out.to_host_async(self._copied)
         ids = out.token_ids
         if len(continuing) < len(seqs):
             ids = ids.index_select(0, to_device_async(torch.tensor(continuing), ids.device))
@@ -519,35 +488,3 @@ class AutoregressiveEngine:
 def request_seed(key: tuple[str, str]) -> int:
     """A seed from a sequence's (request id, KV slot), the same in every process."""
     return zlib.crc32("\x00".join(key).encode())
-
-
-def _to_host(out: SampleOutput) -> SampleOutput:
-    def host(t: torch.Tensor | None) -> torch.Tensor | None:
-        # a copy on CPU too: sampled ids may be a view of a buffer the next step rewrites (decode_ids)
-        return None if t is None else t.cpu() if t.device.type != "cpu" else t.clone()
-
-    return SampleOutput(host(out.token_ids), host(out.logprobs), host(out.top_ids), host(out.top_logprobs))
-
-
-def _to_host_async(out: SampleOutput, copied: torch.cuda.Event | None) -> tuple[SampleOutput, torch.cuda.Event | None]:
-    """Queue copies of `out` into pinned host memory and record `copied` after them; the host copies,
-    and the event that marks them done (None off CUDA: copied already)."""
-    if out.token_ids.device.type != "cuda" or copied is None:
-        return _to_host(out), None
-
-    def host(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else to_host_async(t)
-
-    result = SampleOutput(host(out.token_ids), host(out.logprobs), host(out.top_ids), host(out.top_logprobs))
-    copied.record()
-    return result, copied
-
-
-def _outputs(out: SampleOutput, i: int, params: SamplingParams) -> dict[str, torch.Tensor]:
-    outputs = {"token": out.token_ids[i : i + 1]}
-    if params.logprobs is not None and out.logprobs is not None:
-        outputs["logprob"] = out.logprobs[i : i + 1]
-        if params.logprobs > 0 and out.top_ids is not None and out.top_logprobs is not None:
-            outputs["top_ids"] = out.top_ids[i, : params.logprobs]
-            outputs["top_logprobs"] = out.top_logprobs[i, : params.logprobs]
-    return outputs
