@@ -1,7 +1,9 @@
-"""Pi0.5's CUDA graphs at tiny size (#39 item 4): the whole flow (every Euler step over the paged prefix)
-and the SigLIP tower replayed from graphs give the eager actions for batches of 1 and 3 robots with
-different prompt lengths and camera counts, the graphs are actually replayed, and a flow call makes no
-host sync; through the runtime, a robot's chunk is the same with `cuda_graphs` on and off."""
+"""Pi0.5's CUDA graphs at tiny size (#39): the SigLIP tower, the Gemma prefix (per prompt-length bucket)
+and the whole flow (every Euler step over the paged prefix) replayed from graphs give the eager actions for
+batches of 1 and 3 robots with different prompt lengths and camera counts, and the graphs are actually
+replayed; the prefix graphs on and off (the flow's graph on) give the same actions; prefix and flow calls
+make no host sync, with graphs and without; through the runtime, a robot's chunk is the same with
+`cuda_graphs` on and off."""
 
 from __future__ import annotations
 
@@ -25,18 +27,28 @@ ROBOTS = {"a": (1, 3, 21), "b": (2, 1, 5), "c": (3, 2, 60)}  # seed, cameras, pr
 
 
 class _Counted:
-    """A component's graphs whose replays are counted."""
+    """A component's graphs whose replays are counted, less those whose key `skip` names."""
 
-    def __init__(self, graphs: StepGraphs) -> None:
-        self.graphs, self.replays = graphs, 0
+    def __init__(self, graphs: StepGraphs, skip=lambda key: False) -> None:
+        self.graphs, self.skip, self.replays = graphs, skip, 0
 
     def __bool__(self) -> bool:
-        return bool(self.graphs)
+        return bool(self.keys())
+
+    def keys(self):
+        return [key for key in self.graphs.keys() if not self.skip(key)]
+
+    def sizes(self, key):
+        return self.graphs.sizes(key)
 
     def replay(self, key, *inputs):
-        out = self.graphs.replay(key, *inputs)
+        out = None if self.skip(key) else self.graphs.replay(key, *inputs)
         self.replays += out is not None
         return out
+
+
+def _is_prefix(key) -> bool:
+    return isinstance(key, tuple) and key[0] == "prefix"
 
 
 @pytest.fixture(scope="module")
@@ -83,16 +95,37 @@ def test_graphs_give_the_eager_actions(components, names) -> None:
         replayed = _chunks(vision, policy, robots)
     finally:
         vision.graphs = policy.graphs = StepGraphs()
-    assert [c.replays for c in counted] == [1, 1]
+    assert [c.replays for c in counted] == [1, 2]  # vision; prefix and flow
     torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=0)
     assert (eager - torch.stack([r["noise"] for r in robots.values()])).abs().mean() > 0.05
     assert not policy.pool.held
 
 
-def test_a_flow_call_makes_no_host_sync(components) -> None:
+def test_prefix_graphs_on_and_off_give_the_same_actions(components) -> None:
+    """The flow's graph in both runs: only the prefix differs (a bucket-padded graph against the eager
+    forward at the longest prefix's pages)."""
     vision, policy = components
     robots = {name: _inputs(*ROBOTS[name]) for name in ROBOTS}
     capture_step_graphs(policy, SIZES, CUDA)
+    graphs = policy.graphs
+    try:
+        policy.graphs = without = _Counted(graphs, skip=_is_prefix)
+        off = _chunks(vision, policy, robots)
+        policy.graphs = with_prefix = _Counted(graphs)
+        on = _chunks(vision, policy, robots)
+    finally:
+        policy.graphs = StepGraphs()
+    assert (without.replays, with_prefix.replays) == (1, 2)
+    torch.testing.assert_close(on, off, atol=1e-5, rtol=0)
+    assert not policy.pool.held
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_prefix_and_flow_calls_make_no_host_sync(components, graphs) -> None:
+    vision, policy = components
+    robots = {name: _inputs(*ROBOTS[name]) for name in ROBOTS}
+    if graphs:
+        capture_step_graphs(policy, SIZES, CUDA)
     options = {"num_steps": CONFIG.num_steps}
     try:
         with torch.no_grad():
@@ -110,6 +143,7 @@ def test_a_flow_call_makes_no_host_sync(components) -> None:
                 torch.cuda.set_sync_debug_mode("default")
     finally:
         policy.graphs = StepGraphs()
+    assert not policy.pool.held
 
 
 def _runtime_chunks(graphs: bool) -> list[np.ndarray]:

@@ -1,16 +1,24 @@
 """Pi0.5's fast paths at tiny size on CPU, float32 (#39 item 4): the whole flow in one call equals the
 step-by-step flow; a batch of robots with different prompt lengths gives each what it gets alone; the
 flow's capture plan, run eagerly on static buffers of the graph's shapes (the page table at its full
-width, padded rows), gives the eager path's actions; the vision plan's function is the tower; the policy
-component batches flows by step count and frees the pages."""
+width, padded rows), gives the eager path's actions; the prefix's plans, run on buffers padded to their
+prompt bucket and batch size, write the eager prefix's keys and values, and the whole policy replaying
+them gives the eager actions; the vision plan's function is the tower; the policy component batches flows
+by step count and frees the pages."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mstar.engines.base import StepItem
-from mstar.models.pi05.components import PolicyComponent, VisionComponent
+from mstar.engines.base import CapturePlan, StepGraphs, StepItem
+from mstar.models.pi05.components import (
+    PREFIX_GRAPH_SIZES,
+    PROMPT_BUCKET,
+    PolicyComponent,
+    VisionComponent,
+    prefix_buckets,
+)
 from mstar.models.pi05.network import PolicyNet, euler_step, flow_time
 from mstar.models.pi05.prefix_kv import PrefixKVPool
 from mstar.models.pi05.siglip import VisionTower
@@ -85,7 +93,7 @@ def test_one_call_equals_the_step_by_step_flow(net) -> None:
     torch.testing.assert_close(sampled, x_t, atol=1e-6, rtol=0)
     torch.testing.assert_close(got, x_t, atol=TOL, rtol=0)
     assert (x_t - noise).abs().mean() > 0.05
-    assert policy.pool.free_pages == policy.pool.keys.shape[1] and not policy.pool.held  # every page back
+    assert policy.pool.free_pages == policy.pool.keys.shape[1] - 1 and not policy.pool.held  # all but the sink
 
 
 def test_a_batch_of_robots_gets_what_each_gets_alone(net) -> None:
@@ -101,7 +109,7 @@ def test_the_flow_plan_run_on_static_buffers_equals_the_eager_flow(net) -> None:
     next captured size (stale rows below), the page table at the width of the longest possible prefix."""
     policy = _policy(net)
     robots = {rid: _robot(*spec) for rid, spec in ROBOTS.items()}
-    (plan,) = policy.capture_plans()
+    plan = policy.capture_plans()[-1]
     assert plan.key == "flow" and [shape for shape, _ in plan.example] == [
         (CONFIG.chunk_size, CONFIG.max_action_dim), (policy.table_width + 1,)]
     size = 4  # the captured size 3 rows run in
@@ -140,3 +148,94 @@ def test_the_vision_plan_is_the_tower(vision) -> None:
         direct = plan.fn(torch.cat([images, torch.zeros(3, 3, side, side)]))[:5]  # padded to a size of 8
     torch.testing.assert_close(torch.cat([got[0]["image_tokens"], got[1]["image_tokens"]]),
                                direct.flatten(0, 1), atol=TOL, rtol=0)
+
+
+class _EagerGraphs:
+    """A plan as `cuda_graphs.BatchGraphs` replays it, run eagerly on CPU: the inputs copied into the first
+    rows of static buffers of the next captured size, whose other rows hold what an earlier batch left
+    there (page tables of page 1, which a robot holds: a stale row written through would show)."""
+
+    def __init__(self, plan: CapturePlan, sizes: tuple[int, ...]) -> None:
+        self.fn, self.sizes, self.calls = plan.fn, sorted(plan.sizes or sizes), 0
+        gen = torch.Generator().manual_seed(11)
+        self.static = {size: [torch.ones(size, *shape, dtype=dtype) if dtype == torch.long
+                              else torch.randn(size, *shape, generator=gen).to(dtype) for shape, dtype in plan.example]
+                       for size in self.sizes}
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        batch = inputs[0].shape[0]
+        static = self.static[next(size for size in self.sizes if size >= batch)]
+        for buffer, value in zip(static, inputs, strict=True):
+            buffer[:batch] = value
+        self.calls += 1
+        out = self.fn(*static)
+        return tuple(o[:batch] for o in (out if isinstance(out, tuple) else (out,)))
+
+
+def _graphed(policy: PolicyComponent) -> dict:
+    """The policy's plans as `_EagerGraphs`, installed as its graphs (flows at batch sizes 1, 2, 4, 8)."""
+    graphs = {plan.key: _EagerGraphs(plan, (1, 2, 4, 8)) for plan in policy.capture_plans()}
+    policy.graphs = StepGraphs(graphs)
+    return graphs
+
+
+def test_prefix_buckets_cover_every_prefix_in_whole_pages() -> None:
+    buckets = prefix_buckets(CONFIG, PAGE)
+    assert buckets == sorted(set(buckets)) and all(b % PAGE == 0 for b in buckets)
+    assert buckets[-1] >= CONFIG.max_prefix_tokens and buckets[0] >= TOKENS
+    for cameras in range(1, len(CONFIG.cameras) + 1):  # every prefix pads by less than a bucket step and a page
+        for prompt in range(1, CONFIG.max_prompt_tokens + 1):
+            tokens = cameras * TOKENS + prompt
+            assert 0 <= next(b for b in buckets if b >= tokens) - tokens < PROMPT_BUCKET + PAGE
+
+
+def test_the_prefix_plan_on_padded_buffers_writes_the_eager_prefix(net) -> None:
+    """The plan's function over prompts padded to their bucket and a batch padded to the next captured
+    size (padded rows: zero prefixes and the sink's pages) writes what the eager prefix writes."""
+    robots = {rid: _robot(*spec) for rid, spec in ROBOTS.items()}
+    rids = list(robots)
+    eager, graphed = _policy(net), _policy(net)
+    lengths = [len(r["image_tokens"]) + len(r["prompt_ids"]) for r in robots.values()]
+    bucket = next(n for n in graphed.buckets if n >= max(lengths))
+    plans = {plan.key: plan for plan in graphed.capture_plans()}
+    plan = plans[("prefix", bucket)]
+    assert plan.sizes == PREFIX_GRAPH_SIZES and [shape for shape, _ in plan.example] == [
+        (bucket, CONFIG.llm.width), (bucket // PAGE + 1,)]
+    with torch.no_grad():
+        eager.run_items(_items("prefix", robots))
+        for rid, n in zip(rids, lengths, strict=True):
+            graphed.pool.allocate(rid, n)
+        rows = 4
+        prefixes = net.prefix_embeddings([r["image_tokens"] for r in robots.values()],
+                                         [r["prompt_ids"] for r in robots.values()], bucket, rows)
+        table = graphed.pool.page_table(rids, bucket // PAGE)
+        assert plan.fn(prefixes, torch.cat([table, table.new_zeros(rows - len(rids), table.shape[1])])) == ()
+    want, got = eager.pool.view(rids), graphed.pool.view(rids)
+    assert torch.equal(want.lengths, got.lengths)
+    valid = want.valid[None, :, :, None, None]
+    torch.testing.assert_close(got.keys * valid, want.keys * valid, atol=TOL, rtol=0)
+    torch.testing.assert_close(got.values * valid, want.values * valid, atol=TOL, rtol=0)
+    assert want.keys.abs().mean() > 0.1
+    assert torch.isfinite(graphed.pool.keys[:, 0]).all()  # the sink took the padding, and no NaN
+
+
+def test_the_policy_replaying_its_plans_gives_the_eager_actions(net) -> None:
+    """Robots of different prompt lengths and camera counts, as a batch of 3 and alone: prefixes and flows
+    through the plans' functions on padded buffers give the eager actions; a batch of 5 prefixes (more than
+    the largest prefix graph) runs eagerly."""
+    batches = [{rid: _robot(*spec) for rid, spec in ROBOTS.items()}, {"b": _robot(*ROBOTS["b"])},
+               {f"r{i}": _robot(10 + i, 1 + i % 3, 7 * i + 1) for i in range(5)}]
+    for robots in batches:
+        eager = _chunks(_policy(net, robots=5), robots)
+        policy = _policy(net, robots=5)
+        graphs = _graphed(policy)
+        replayed = _chunks(policy, robots)
+        for got, want in zip(replayed, eager, strict=True):
+            torch.testing.assert_close(got, want, atol=TOL, rtol=0)
+        prefix_calls = sum(g.calls for key, g in graphs.items() if key != "flow")
+        assert (prefix_calls, graphs["flow"].calls) == (len(robots) <= max(PREFIX_GRAPH_SIZES), 1)
+        assert not policy.pool.held

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mstar.engines.base import StepItem
+from mstar.models.pi05.components import PolicyComponent
 from mstar.models.pi05.network import PolicyNet, euler_step, flow_time
 from mstar.models.pi05.prefix_kv import PrefixKVPool
 from mstar.models.pi05.tiny import tiny_config
@@ -81,15 +83,16 @@ def _prefix_cache(pi0, images: torch.Tensor, prompts: list[torch.Tensor]):
 
 
 def _our_prefix(parts, images, prompts, pool: PrefixKVPool, rids: list[str]):
+    """The policy component's prefix node over the tower's tokens (writes `pool`): the padded prefixes and
+    which of their rows are real."""
     vision, policy = parts
     with torch.no_grad():
-        tokens = vision(images).view(len(prompts), -1, CONFIG.llm.width)
-        prefixes, valid = policy.prefix_embeddings(list(tokens), prompts)
-        for rid, row in zip(rids, valid, strict=True):
-            pool.allocate(rid, int(row.sum()))
-        slots = pool.slots(rids, prefixes.device)
-        policy.prefill(prefixes, valid, lambda i, k, v: pool.write(i, slots, k[valid], v[valid]))
-    return prefixes, valid
+        tokens = list(vision(images).view(len(prompts), -1, CONFIG.llm.width))
+        PolicyComponent(policy, pool).run_items([StepItem(rid, "prefix", "prefix", {"image_tokens": t, "prompt_ids": p})
+                                                 for rid, t, p in zip(rids, tokens, prompts, strict=True)])
+        lengths = torch.tensor([len(t) + len(p) for t, p in zip(tokens, prompts, strict=True)])
+        prefixes = policy.prefix_embeddings(tokens, prompts, int(lengths.max()), len(prompts))
+    return prefixes, torch.arange(prefixes.shape[1])[None, :] < lengths[:, None]
 
 
 def _pool(pages: int = 64) -> PrefixKVPool:

@@ -24,22 +24,29 @@ def test_pages_are_allocated_and_given_back() -> None:
         pool.allocate("c", 1)
     pool.release("a")
     pool.release("a")  # twice (a cancel after the last step) is harmless
-    assert pool.free_pages == 2 and set(pool.allocate("c", 7).pages) == {0, 1}
+    assert pool.free_pages == 2 and set(pool.allocate("c", 7).pages) == {1, 2}  # page 0 is the sink
 
 
 def test_a_batch_reads_back_what_each_prefix_wrote() -> None:
+    """Written through a page table of whole pages (padding to the sink, page 0), read back through
+    another table of another order and width; the sink is never handed out."""
     pool = _pool(6)
     lengths = {"a": 6, "b": 3}
     for rid, n in lengths.items():
         pool.allocate(rid, n)
-    keys = torch.randn(9, 1, 3)
-    pool.write(1, pool.slots(["a", "b"], torch.device("cpu")), keys, -keys)
+    keys = torch.randn(2, 12, 1, 3)  # three pages a row: a holds two, b one
+    table = pool.page_table(["a", "b"], width=3)
+    assert table[:, -1].tolist() == [6, 3] and table[0, 2] == 0 and table[1, 1:3].tolist() == [0, 0]
+    pool.write(1, table, keys, -keys)
     view = pool.view(["b", "a"])
     got_k, got_v = view.layer(1)
     assert view.lengths.tolist() == [3, 6] and view.valid.sum(1).tolist() == [3, 6]
-    torch.testing.assert_close(got_k[0, :3], keys[6:])
-    torch.testing.assert_close(got_k[1, :6], keys[:6])
-    torch.testing.assert_close(got_v[1, :6], -keys[:6])
+    torch.testing.assert_close(got_k[0, :3], keys[1, :3])
+    torch.testing.assert_close(got_k[1, :6], keys[0, :6])
+    torch.testing.assert_close(got_v[1, :6], -keys[0, :6])
+    pool.release("a")
+    pool.release("b")
+    assert pool.free_pages == 6 and 0 not in {p for rid in "cdefgh" for p in pool.allocate(rid, 1).pages}
 
 
 def test_the_policy_gives_pages_back_on_release() -> None:

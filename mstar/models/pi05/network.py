@@ -12,7 +12,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mstar.engines.cuda_graphs import to_device_async
 from mstar.models.pi05.config import Pi05Config
 from mstar.models.pi05.gemma import ActionExpert, PrefixLM
 from mstar.models.pi05.siglip import VisionTower
@@ -27,16 +26,16 @@ class PolicyNet(nn.Module):
         self.llm = PrefixLM(config.llm, config.vocab_size)
         self.expert = ActionExpert(config.expert, config.max_action_dim, config.min_period, config.max_period)
 
-    def prefix_embeddings(self, image_tokens: list[torch.Tensor], prompt_ids: list[torch.Tensor]
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per request its image tokens [N_i, W] and prompt ids [T_i] -> padded prefixes [B, L, W] (images
-        first, then the scaled token embeddings) and which rows are real [B, L]."""
-        rows = [torch.cat([images.to(self.llm.embed.weight.dtype), self.llm.embed_tokens(ids)])
-                for images, ids in zip(image_tokens, prompt_ids, strict=True)]
-        lengths = torch.tensor([len(r) for r in rows])  # from shapes, on the host: no device sync
-        padded = nn.utils.rnn.pad_sequence(rows, batch_first=True)
-        valid = torch.arange(padded.shape[1])[None, :] < lengths[:, None]
-        return padded, to_device_async(valid, padded.device)
+    def prefix_embeddings(self, image_tokens: list[torch.Tensor], prompt_ids: list[torch.Tensor], length: int,
+                          rows: int) -> torch.Tensor:
+        """Per request its image tokens [N_i, W] and prompt ids [T_i] -> prefixes [rows, length, W] (images
+        first, then the scaled token embeddings), zero past each prefix's end and in rows past the requests'."""
+        dtype = self.llm.embed.weight.dtype
+        prefixes = torch.zeros(rows, length, self.config.llm.width, dtype=dtype, device=self.llm.embed.weight.device)
+        for row, (images, ids) in enumerate(zip(image_tokens, prompt_ids, strict=True)):
+            prefixes[row, :len(images)] = images
+            prefixes[row, len(images):len(images) + len(ids)] = self.llm.embed_tokens(ids)
+        return prefixes
 
     def prefill(self, prefixes: torch.Tensor, valid: torch.Tensor,
                 store: Callable[[int, torch.Tensor, torch.Tensor], None]) -> None:

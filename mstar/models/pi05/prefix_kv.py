@@ -2,10 +2,13 @@
 
 A prefix is written once (walk `prefix`) and read by every flow step of its chunk (walk `act`), then
 released. Pages of `page_size` tokens come from one preallocated pool, so memory is fixed at start and
-requests of any prefix length share it without fragmenting. A batch of action chunks reads its requests'
-prefixes through a page table (`page_table` on the host, `gather` on the device): one padded [B, P, KV, D]
-batch per layer, gathered once for all the chunk's flow steps; at a fixed table width its shapes are fixed,
-so the whole flow can replay from a CUDA graph.
+requests of any prefix length share it without fragmenting. A batch of prefixes is written, and a batch of
+action chunks reads its requests' prefixes, through a page table (`page_table` on the host, `write` and
+`gather` on the device): whole pages, one padded [B, P, KV, D] batch per layer; at a fixed table width the
+shapes are fixed, so the prefix forward and the whole flow can replay from CUDA graphs.
+
+Page 0 is the pool's sink: no prefix holds it, a table names it past each prefix's last page, so padding
+is written there and read from there (masked), and a graph's warm-up over a zero table writes only there.
 """
 
 from __future__ import annotations
@@ -30,15 +33,16 @@ class Held:
 
 
 class PrefixKVPool:
-    """Keys and values [layers, pages, page_size, KV heads, head_dim] with a free list of pages."""
+    """Keys and values [layers, 1 + pages, page_size, KV heads, head_dim]: the sink (page 0) and `num_pages`
+    pages to hand out, with a free list."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, num_pages: int, page_size: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
-        shape = (layers, num_pages, page_size, kv_heads, head_dim)
+        shape = (layers, 1 + num_pages, page_size, kv_heads, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.page_size = page_size
-        self._free = list(range(num_pages - 1, -1, -1))  # popped from the end: low pages first
+        self._free = list(range(num_pages, 0, -1))  # popped from the end: low pages first; never the sink
         self.held: dict[str, Held] = {}
 
     @property
@@ -62,25 +66,9 @@ class PrefixKVPool:
         if held is not None:
             self._free.extend(reversed(held.pages))
 
-    def slots(self, request_ids: list[str], device: torch.device) -> torch.Tensor:
-        """The flat slot (page * page_size + offset) of every token of these prefixes, one after another."""
-        slots = []
-        for rid in request_ids:
-            held = self.held[rid]
-            pages = torch.tensor(held.pages, dtype=torch.long)
-            offsets = torch.arange(held.tokens)
-            slots.append(pages[offsets // self.page_size] * self.page_size + offsets % self.page_size)
-        return to_device_async(torch.cat(slots), device)
-
-    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store packed keys and values [T, KV, D] of `layer` at `slots` [T]."""
-        flat_shape = (-1, *self.keys.shape[3:])
-        self.keys[layer].view(flat_shape)[slots] = keys.to(self.keys.dtype)
-        self.values[layer].view(flat_shape)[slots] = values.to(self.values.dtype)
-
     def page_table(self, request_ids: list[str], width: int | None = None) -> torch.Tensor:
-        """A host table [B, width + 1]: each prefix's pages (page 0 past its last), then its token count;
-        `width` defaults to the longest prefix's pages."""
+        """A host table [B, width + 1]: each prefix's pages (the sink, page 0, past its last), then its token
+        count; `width` defaults to the longest prefix's pages."""
         held = [self.held[rid] for rid in request_ids]
         width = max(len(h.pages) for h in held) if width is None else width
         table = torch.zeros(len(held), width + 1, dtype=torch.long)
@@ -89,6 +77,15 @@ class PrefixKVPool:
             table[row, :len(h.pages)] = torch.tensor(h.pages, dtype=torch.long)
             table[row, -1] = h.tokens
         return table
+
+    def write(self, layer: int, table: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store keys and values [B, pages * page_size, KV, D] of `layer` in the pages of a device `page_table`
+        [B, pages + 1], whole pages (what lies past a prefix's end lands in its last page or the sink);
+        device work only, of shapes fixed by the table's."""
+        pages = table[:, :-1]
+        shape = (*pages.shape, self.page_size, *self.keys.shape[3:])
+        self.keys[layer][pages] = keys.reshape(shape).to(self.keys.dtype)
+        self.values[layer][pages] = values.reshape(shape).to(self.values.dtype)
 
     def gather(self, table: torch.Tensor) -> PrefixBatch:
         """The prefixes of a device `page_table` as one padded batch; device work only, of shapes fixed by
