@@ -2,8 +2,9 @@
 and the whole flow (every Euler step over the paged prefix) replayed from graphs give the eager actions for
 batches of 1 and 3 robots with different prompt lengths and camera counts, and the graphs are actually
 replayed; the prefix graphs on and off (the flow's graph on) give the same actions; prefix and flow calls
-make no host sync, with graphs and without; through the runtime, a robot's chunk is the same with
-`cuda_graphs` on and off."""
+make no host sync, with graphs and without; at the full expert's shapes in bfloat16, the attention bias made
+once and adaRMS's rounding store give what a boolean mask per call and a cast after the addcmul give, bit
+for bit; through the runtime, a robot's chunk is the same with `cuda_graphs` on and off."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import torch
 from mstar.engines.base import StepGraphs, StepItem
 from mstar.engines.stateless import capture_step_graphs
 from mstar.models.pi05.components import PolicyComponent, VisionComponent
+from mstar.models.pi05.config import PI05_BASE
+from mstar.models.pi05.gemma import AdaRMSNorm, GemmaAttention, attention_bias, rms_normed
 from mstar.models.pi05.network import PolicyNet
 from mstar.models.pi05.prefix_kv import PrefixKVPool
 from mstar.models.pi05.siglip import VisionTower
@@ -144,6 +147,27 @@ def test_prefix_and_flow_calls_make_no_host_sync(components, graphs) -> None:
     finally:
         policy.graphs = StepGraphs()
     assert not policy.pool.held
+
+
+def test_bias_and_rounding_store_are_the_plain_forms_bit_for_bit() -> None:
+    """A flow step's shapes: 50 actions x 8 query heads over 976 prefix keys (some padding) and the 50
+    actions' own, one KV head of 256 channels."""
+    shape, dtype = PI05_BASE.expert, torch.bfloat16
+    gen = torch.Generator(device=CUDA).manual_seed(13)
+    attn = GemmaAttention(shape).to(CUDA, dtype)
+    q = torch.randn(1, 50, shape.num_heads, shape.head_dim, generator=gen, device=CUDA).to(dtype)
+    keys, values = (torch.randn(1, 1026, 1, shape.head_dim, generator=gen, device=CUDA).to(dtype) for _ in range(2))
+    valid = torch.arange(1026, device=CUDA)[None, :] < 1026
+    valid[:, 850:976] = False
+    with torch.no_grad():
+        assert torch.equal(attn.attend(q, keys, values, attention_bias(valid, dtype)),
+                           attn.attend(q, keys, values, valid))
+        norm = AdaRMSNorm(shape.width, shape.width, shape.rms_norm_eps).to(CUDA, dtype)
+        x = (torch.randn(1, 50, shape.width, generator=gen, device=CUDA) * 3).to(dtype)
+        modulation = norm.modulation(torch.randn(1, shape.width, generator=gen, device=CUDA))
+        scale, shift, _ = modulation
+        assert torch.equal(norm.modulate(x, modulation)[0],
+                           torch.addcmul(shift, rms_normed(x, shape.rms_norm_eps), scale).to(dtype))
 
 
 def _runtime_chunks(graphs: bool) -> list[np.ndarray]:

@@ -4,7 +4,8 @@ flow's capture plan, run eagerly on static buffers of the graph's shapes (the pa
 width, padded rows), gives the eager path's actions; the prefix's plans, run on buffers padded to their
 prompt bucket and batch size, write the eager prefix's keys and values, and the whole policy replaying
 them gives the eager actions; the vision plan's function is the tower; the policy component batches flows
-by step count and frees the pages."""
+by step count and frees the pages; the attention bias made once and adaRMS's rounding store give what a
+boolean mask per call and a cast after the addcmul give, bit for bit."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from mstar.models.pi05.components import (
     VisionComponent,
     prefix_buckets,
 )
+from mstar.models.pi05.gemma import AdaRMSNorm, GemmaAttention, attention_bias, rms_normed
 from mstar.models.pi05.network import PolicyNet, euler_step, flow_time
 from mstar.models.pi05.prefix_kv import PrefixKVPool
 from mstar.models.pi05.siglip import VisionTower
@@ -239,3 +241,25 @@ def test_the_policy_replaying_its_plans_gives_the_eager_actions(net) -> None:
         prefix_calls = sum(g.calls for key, g in graphs.items() if key != "flow")
         assert (prefix_calls, graphs["flow"].calls) == (len(robots) <= max(PREFIX_GRAPH_SIZES), 1)
         assert not policy.pool.held
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bias_and_rounding_store_are_the_plain_forms_bit_for_bit(dtype) -> None:
+    gen = torch.Generator().manual_seed(12)
+    shape = CONFIG.expert
+    attn = GemmaAttention(shape).to(dtype)
+    q = torch.randn(2, 50, shape.num_heads, shape.head_dim, generator=gen).to(dtype)
+    keys, values = (torch.randn(2, 130, 1, shape.head_dim, generator=gen).to(dtype) for _ in range(2))
+    valid = torch.arange(130)[None, :] < torch.tensor([[70], [130]])
+    bias = attention_bias(valid, dtype)
+    assert bias.dtype == dtype and torch.equal(bias == 0, valid) and torch.isneginf(bias[~valid]).all()
+    with torch.no_grad():  # SDPA takes the boolean mask as well, and converts it on every call
+        assert torch.equal(attn.attend(q, keys, values, bias), attn.attend(q, keys, values, valid))
+    norm = AdaRMSNorm(shape.width, shape.width, shape.rms_norm_eps).to(dtype)
+    x = (torch.randn(2, 50, shape.width, generator=gen) * 3).to(dtype)
+    with torch.no_grad():
+        modulation = norm.modulation(torch.randn(1, shape.width, generator=gen))
+        normed, _ = norm.modulate(x, modulation)
+    scale, shift, _ = modulation
+    assert normed.dtype == dtype
+    assert torch.equal(normed, torch.addcmul(shift, rms_normed(x, shape.rms_norm_eps), scale).to(dtype))

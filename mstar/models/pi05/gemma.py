@@ -28,6 +28,12 @@ KV = tuple[torch.Tensor, torch.Tensor]  # keys, values [B, L, KV heads, head_dim
 Modulation = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # an adaRMS norm's 1 + scale, shift, gate [N, 1, W]
 
 
+def attention_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Which keys are seen, valid [B, L], as SDPA's additive mask in the queries' `dtype` (0 or -inf): what
+    SDPA makes of a boolean mask on every call (a `where` kernel each), made once for all the calls."""
+    return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
+
+
 def rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) in float32 (one fused kernel where PyTorch has one)."""
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
@@ -62,7 +68,8 @@ class AdaRMSNorm(nn.Module):
     def modulate(self, x: torch.Tensor, modulation: Modulation) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, L, W] under a `modulation` of B rows (or one, shared) -> (normed [B, L, W], gate)."""
         scale, shift, gate = modulation
-        return torch.addcmul(shift, rms_normed(x, self.eps), scale).to(x.dtype), gate.to(x.dtype)
+        normed = torch.empty_like(x)  # the float32 result rounded to x's dtype as it is stored: no cast kernel
+        return torch.addcmul(shift, rms_normed(x, self.eps), scale, out=normed), gate.to(x.dtype)
 
     def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, L, W], cond [B, C] -> (normed [B, L, W], gate [B, 1, W])."""
@@ -103,8 +110,9 @@ class GemmaAttention(nn.Module):
         return (q.view(batch, length, self.num_heads, self.head_dim), k.view(batch, length, self.num_kv_heads,
                 self.head_dim), v.reshape(batch, length, self.num_kv_heads, self.head_dim))
 
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
-        """Every query [B, Lq, H, D] over the valid keys [B, Lk, KV, D] (`key_valid` [B, Lk]) -> [B, Lq, W]."""
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
+        """Every query [B, Lq, H, D] over the keys [B, Lk, KV, D] that `key_bias` [B, Lk] (`attention_bias`)
+        leaves seen -> [B, Lq, W]."""
         batch, length = q.shape[:2]
         kv, groups = self.num_kv_heads, self.num_heads // self.num_kv_heads
         # the query heads of one KV head become rows of one attention (the mask is per key, not per query),
@@ -113,7 +121,7 @@ class GemmaAttention(nn.Module):
         rows = q.view(batch, length, kv, groups, self.head_dim).transpose(1, 2).reshape(
             batch, kv, length * groups, self.head_dim)
         out = F.scaled_dot_product_attention(rows, keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=key_valid[:, None, None, :])
+                                             attn_mask=key_bias[:, None, None, :])
         out = out.view(batch, kv, length, groups, self.head_dim).transpose(1, 2)
         return self.o(out.reshape(batch, length, self.num_heads * self.head_dim))
 
@@ -151,12 +159,13 @@ class PrefixLM(nn.Module):
         [B, L]: `store(layer, keys, values)` receives each layer's keys and values [B, L, KV, D]."""
         cos, sin = self.rotary(positions.reshape(-1))
         x = x.to(self.embed.weight.dtype)
+        bias = attention_bias(valid, x.dtype)
         for index, layer in enumerate(self.layers):
             q, k, v = layer.attn.project(layer.norm1(x), cos, sin)
             store(index, k, v)
             if index == len(self.layers) - 1:
                 break  # the last layer's output feeds nothing
-            x = x + layer.attn.attend(q, k, v, valid)
+            x = x + layer.attn.attend(q, k, v, bias)
             x = x + layer.mlp(layer.norm2(x))
 
 
@@ -206,11 +215,12 @@ class ActionExpert(nn.Module):
 
     def context(self, chunk: int, prefix_len: torch.Tensor, prefix_valid: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(cos, sin) of action tokens at positions prefix_len [B] onwards and which keys they see
-        [B, P + chunk]: what every step of a chunk shares."""
+        """(cos, sin) of action tokens at positions prefix_len [B] onwards and the `attention_bias` of the keys
+        they see [B, P + chunk]: what every step of a chunk shares."""
         positions = prefix_len[:, None] + torch.arange(chunk, device=prefix_len.device)[None, :]
         cos, sin = self.rotary(positions.reshape(-1))
-        return cos, sin, torch.cat([prefix_valid, prefix_valid.new_ones(len(prefix_valid), chunk)], dim=1)
+        key_valid = torch.cat([prefix_valid, prefix_valid.new_ones(len(prefix_valid), chunk)], dim=1)
+        return cos, sin, attention_bias(key_valid, self.action_in.weight.dtype)
 
     @torch.no_grad()
     def forward(self, x_t: torch.Tensor, t: torch.Tensor, prefix: Callable[[int], KV], prefix_valid: torch.Tensor,
@@ -231,18 +241,18 @@ class ActionExpert(nn.Module):
         """The layers and final norm over action tokens x [B, C, W] at `positions` [B, C] under `cond` [B, W]."""
         cos, sin = self.rotary(positions.reshape(-1))
         key_valid = torch.cat([prefix_valid, prefix_valid.new_ones(x.shape[0], x.shape[1])], dim=1)
-        return self._layers(x, self.modulations(cond), (cos, sin, key_valid), prefix)
+        return self._layers(x, self.modulations(cond), (cos, sin, attention_bias(key_valid, x.dtype)), prefix)
 
     def _layers(self, x: torch.Tensor, modulations: list[Modulation],
                 context: tuple[torch.Tensor, torch.Tensor, torch.Tensor], prefix: Callable[[int], KV]) -> torch.Tensor:
-        cos, sin, key_valid = context
+        cos, sin, key_bias = context
         for index, layer in enumerate(self.layers):
             normed, gate = layer.norm1.modulate(x, modulations[2 * index])
             q, k, v = layer.attn.project(normed, cos, sin)
             prefix_k, prefix_v = prefix(index)
             keys = torch.cat([prefix_k.to(k.dtype), k], dim=1)
             values = torch.cat([prefix_v.to(v.dtype), v], dim=1)
-            x = torch.addcmul(x, layer.attn.attend(q, keys, values, key_valid), gate)
+            x = torch.addcmul(x, layer.attn.attend(q, keys, values, key_bias), gate)
             normed, gate = layer.norm2.modulate(x, modulations[2 * index + 1])
             x = torch.addcmul(x, layer.mlp(normed), gate)
         return self.norm.modulate(x, modulations[-1])[0]
