@@ -98,7 +98,7 @@ class PolicyComponent(StatelessBase, nn.Module):
         prefixes = [CapturePlan(("prefix", length), self.prefill,
                                 (((length, cfg.llm.width), self.net.llm.embed.weight.dtype),
                                  ((length // page + 1,), torch.long)), PREFIX_GRAPH_SIZES)
-                    for length in self.buckets]
+                    for length in reversed(self.buckets)]  # longest first: the shorter reuse its pool memory
         return [*prefixes, CapturePlan("flow", functools.partial(self.sample, num_steps=cfg.num_steps),
                                        (((cfg.chunk_size, cfg.max_action_dim), torch.float32),
                                         ((self.table_width + 1,), torch.long)))]
