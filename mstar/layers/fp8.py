@@ -1,5 +1,8 @@
 """FP8 (E4M3) weights: the quantize/dequantize formulas, `Fp8Linear` and its matmul, and
-`quantize_linears`, which swaps a module's nn.Linear layers for FP8 ones on load.
+`quantize_linears`, which swaps a module's nn.Linear layers for FP8 ones, and `empty_fp8_decoder`, which
+swaps them for empty ones before any weight exists (a module built on the meta device): the loader
+(`models.common.loading`) then quantizes each layer as its full-precision weight arrives, so no
+full-precision copy of those layers is ever held on the device.
 
 A weight W [N, K] is stored as q = round_e4m3(W / s) (float8_e4m3fn, saturated at +-448) with float32
 scales s of one of two shapes:
@@ -77,13 +80,16 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | No
 class Fp8Linear(nn.Module):
     """A linear layer with an E4M3 weight [out, in] and float32 scales (`block` None: per output channel).
 
-    `weight` and `weight_scale` are parameters (no gradient) so checkpoints load into them by name.
+    `weight` and `weight_scale` are parameters (no gradient) so checkpoints load into them by name;
+    `source_dtype` is the dtype of the full-precision weight it stands for (its bias's, and the one a
+    full-precision weight is rounded to before `set_weight` quantizes it on load).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, block: tuple[int, int] | None,
                  dtype: torch.dtype, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features, self.block = in_features, out_features, block
+        self.source_dtype = dtype
         rows, cols = (out_features, 1) if block is None else (math.ceil(out_features / block[0]),
                                                                 math.ceil(in_features / block[1]))
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device),
@@ -99,13 +105,19 @@ class Fp8Linear(nn.Module):
         weight = linear.weight.detach()
         module = cls(linear.in_features, linear.out_features, linear.bias is not None, block, weight.dtype,
                      weight.device)
-        q, scale = quantize_per_channel(weight) if block is None else quantize_blocks(weight, block)
-        with torch.no_grad():
-            module.weight.copy_(q)
-            module.weight_scale.copy_(scale)
-            if linear.bias is not None:
+        module.set_weight(weight)
+        if linear.bias is not None:
+            with torch.no_grad():
                 module.bias.copy_(linear.bias)
         return module
+
+    def set_weight(self, weight: torch.Tensor) -> None:
+        """Quantize the full-precision `weight` [out, in] (any device) into `weight` and `weight_scale`."""
+        weight = weight.to(self.weight.device)
+        q, scale = quantize_per_channel(weight) if self.block is None else quantize_blocks(weight, self.block)
+        with torch.no_grad():
+            self.weight.copy_(q)
+            self.weight_scale.copy_(scale)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as `dtype`: q * s computed in float32, then rounded once."""
@@ -225,15 +237,28 @@ def quantize_linears(module: nn.Module, block: tuple[int, int] | None,
     """Replace every nn.Linear inside `module` (or only those named in `only`, relative to `module`) by
     `Fp8Linear.from_linear`; the names replaced. A weight shared with another module (a tied head) is
     left alone, since quantizing it would change the other user too."""
-    shared = _shared_weights(module)
-    done = []
-    for name, child in list(module.named_modules()):
-        if not isinstance(child, nn.Linear) or (only is not None and name not in only) or id(child.weight) in shared:
-            continue
+    done = quantizable_linears(module, only)
+    for name in done:
         parent, _, attr = name.rpartition(".")
-        setattr(module.get_submodule(parent) if parent else module, attr, Fp8Linear.from_linear(child, block))
-        done.append(name)
+        setattr(module.get_submodule(parent) if parent else module, attr,
+                Fp8Linear.from_linear(module.get_submodule(name), block))
     return done
+
+
+def quantizable_linears(module: nn.Module, only: set[str] | None = None) -> list[str]:
+    """The nn.Linear layers inside `module` (or those of `only`) whose weight no other module shares."""
+    shared = _shared_weights(module)
+    return [name for name, child in module.named_modules()
+            if isinstance(child, nn.Linear) and (only is None or name in only) and id(child.weight) not in shared]
+
+
+def empty_fp8_decoder(module: nn.Module, block: tuple[int, int] | None) -> list[str]:
+    """What `quantize_linears(module, block)` would swap, swapped for uninitialised `Fp8Linear`s instead: for a
+    module built on the meta device, so that loading (`load_named_tensors`, `fill_dummy_weights`) quantizes
+    each layer as its weight arrives and no full-precision copy is made; the names swapped."""
+    names = quantizable_linears(module)
+    empty_fp8_linears(module, set(names), block)
+    return names
 
 
 def empty_fp8_linears(module: nn.Module, names: set[str], block: tuple[int, int] | None) -> None:

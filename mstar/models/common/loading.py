@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mstar.layers.fp8 import FP8_DTYPE, Fp8Linear
+
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "dummy")  # auto: safetensors or GGUF, whichever the checkpoint holds
@@ -155,11 +157,13 @@ def load_named_tensors(
 
     `mapper` places each tensor at a row offset of a parameter (fused qkv, gate_up fill from several
     tensors) or at an index tuple (one expert of stacked MoE weights); a third element takes only that
-    part of the checkpoint tensor (a tensor-parallel rank's rows or columns). Raises ValueError listing
+    part of the checkpoint tensor (a tensor-parallel rank's rows or columns). A full-precision tensor for
+    an `Fp8Linear`'s weight is quantized on load (`_QuantizeOnLoad`). Raises ValueError listing
     unexpected names, shape mismatches and parameters left (partly) unfilled.
     """
     params = dict(model.named_parameters())
     filled: dict[str, int] = dict.fromkeys(params, 0)
+    staging = _QuantizeOnLoad(model)
     unexpected: list[str] = []
     with torch.no_grad():
         for name, tensor in named_tensors:
@@ -172,7 +176,7 @@ def load_named_tensors(
             if param_name not in params:
                 unexpected.append(name)
                 continue
-            data = params[param_name].data
+            data = staging.buffer(param_name, tensor) if staging.takes(param_name, tensor) else params[param_name].data
             dst = data[where : where + tensor.shape[0]] if isinstance(where, int) else data[where]
             if dst.shape != tensor.shape:
                 raise ValueError(
@@ -181,6 +185,13 @@ def load_named_tensors(
                 )
             dst.copy_(tensor)
             filled[param_name] += tensor.numel()
+            if staging.takes(param_name, tensor) and filled[param_name] == data.numel():
+                scale_name = staging.quantize(param_name)
+                filled[scale_name] = params[scale_name].numel()
+    _check_filled(params, filled, unexpected)
+
+
+def _check_filled(params: dict[str, nn.Parameter], filled: dict[str, int], unexpected: list[str]) -> None:
     missing = [n for n, p in params.items() if filled[n] != p.numel()]
     if unexpected or missing:
         raise ValueError(
@@ -188,6 +199,39 @@ def load_named_tensors(
             f"{' ...' if len(unexpected) > 10 else ''}; parameters not loaded {missing[:10]}"
             f"{' ...' if len(missing) > 10 else ''}. Check that the checkpoint is of this architecture."
         )
+
+
+class _QuantizeOnLoad:
+    """Full-precision checkpoint tensors bound for `Fp8Linear` weights: each layer's parts are gathered in a
+    buffer of its `source_dtype` on its device and quantized into it (`Fp8Linear.set_weight`) once complete,
+    then the buffer is freed. Checkpoints hold a layer's parts together, so about one layer is buffered at a
+    time: the device holds the FP8 model plus one layer, never a full-precision model. An FP8 tensor (an FP8
+    checkpoint, `fp8_checkpoint`) goes straight into the weight instead."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.layers = {_join(name, "weight"): m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def takes(self, param_name: str, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is a full-precision part of an `Fp8Linear`'s weight `param_name`."""
+        return param_name in self.layers and tensor.dtype != FP8_DTYPE
+
+    def buffer(self, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The full-precision buffer that gathers the weight `param_name` (made at its first part)."""
+        if param_name not in self.buffers:
+            layer = self.layers[param_name]
+            self.buffers[param_name] = torch.empty(layer.weight.shape, dtype=layer.source_dtype,
+                                                   device=layer.weight.device)
+        return self.buffers[param_name]
+
+    def quantize(self, param_name: str) -> str:
+        """Quantize the complete weight `param_name` into its layer, free its buffer; the scale's name."""
+        self.layers[param_name].set_weight(self.buffers.pop(param_name))
+        return param_name.removesuffix("weight") + "weight_scale"
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def fold_weight_norm(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -220,16 +264,23 @@ def _owner(name: str) -> str:
 
 def fill_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Seeded random weights without files: normal(0, std) matrices, unit norm scales, zero biases
-    (norm biases too) and zero for every other vector."""
+    (norm biases too) and zero for every other vector. An `Fp8Linear`'s weight is drawn in its
+    `source_dtype` and quantized, so it equals the full-precision model's weight quantized."""
     generators: dict[torch.device, torch.Generator] = {}  # random numbers drawn on each parameter's device
+    fp8 = {_join(name, "weight"): m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    scales = {name + "_scale" for name in fp8}  # set with their weight
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.is_meta:
-                continue  # no storage to fill (a model built on the meta device to size or inspect it)
+            if param.is_meta or name in scales:
+                continue  # no storage to fill (a model built on the meta device to size or inspect it); a scale
             if param.ndim >= 2:
                 if param.device not in generators:
                     generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-                param.normal_(0.0, std, generator=generators[param.device])
+                if name in fp8:
+                    drawn = torch.empty(param.shape, dtype=fp8[name].source_dtype, device=param.device)
+                    fp8[name].set_weight(drawn.normal_(0.0, std, generator=generators[param.device]))
+                else:
+                    param.normal_(0.0, std, generator=generators[param.device])
             elif name.endswith(".weight") and "norm" in name.rsplit(".", 2)[-2]:
                 param.fill_(1.0)  # norm scales; norm biases (LayerNorm) fall through to zero
             else:

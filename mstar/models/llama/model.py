@@ -16,6 +16,7 @@ from mstar.engines.base import CausalLMBase, KVLayout
 from mstar.engines.extras import FINAL, ForwardExtras
 from mstar.layers.attention import AttentionSpec
 from mstar.layers.decoder import DecoderLayer, run_layers
+from mstar.layers.fp8 import empty_fp8_decoder, method_block
 from mstar.layers.linear import linear
 from mstar.layers.mlp import GatedMLP
 from mstar.layers.norm import RMSNorm
@@ -90,11 +91,21 @@ class LlamaForCausalLM(CausalLMBase, nn.Module):
 
 
 def build_model(
-    config: LlamaConfig, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    config: LlamaConfig, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
-    """A model in `dtype` (the config's by default) on `device` with UNINITIALISED weights; load next."""
+    """A model in `dtype` (the config's by default) on `device` with UNINITIALISED weights; load next.
+    With `quantization` ("fp8", "fp8_block") every decoder-layer linear is an empty `Fp8Linear`, which
+    loading or `fill_dummy_weights` quantizes as its weight arrives; the embedding, norms and head stay."""
     dtype = dtype or config.dtype
-    model = build_on_meta(lambda: LlamaForCausalLM(config), dtype, device)
+
+    def make() -> LlamaForCausalLM:
+        model = LlamaForCausalLM(config)
+        if quantization is not None:
+            empty_fp8_decoder(model.model.layers, method_block(quantization))
+        return model
+
+    model = build_on_meta(make, dtype, device)
     assert isinstance(model, LlamaForCausalLM)
     model.tie_weights()  # to_empty replaces parameters, which unties them
     model.kv_layout = KVLayout(config.num_layers, config.num_kv_heads, config.head_dim, dtype)

@@ -125,15 +125,13 @@ class DenseLM(Model):
     def _load_module(self, device: torch.device) -> torch.nn.Module:
         from mstar.models.common.loading import fill_dummy_weights
         from mstar.models.llama.model import build_model
-        from mstar.models.llama.weights import load_model, quantize_decoder
+        from mstar.models.llama.weights import load_model
 
         dtype = self.config.torch_dtype(device)
         quantization = self.quantization.get("llm")
         if self.config.tiny:
-            module = build_model(self.llama_config, dtype=dtype, device=device)
+            module = build_model(self.llama_config, dtype=dtype, device=device, quantization=quantization)
             fill_dummy_weights(module, seed=self.config.seed, std=0.3)  # large enough for varied greedy text
-            if quantization is not None:
-                quantize_decoder(module, quantization)
             return module
         return load_model(self.checkpoint_path(), load_format=self.load_format, dtype=dtype, device=device,
                           quantization=quantization)

@@ -90,14 +90,15 @@ def load_model(
 
     `load_format="dummy"` still reads config.json but fills seeded random weights instead of reading
     the weight files. `dtype` defaults to the checkpoint's. An FP8 checkpoint (`fp8_checkpoint`) loads
-    as it is; otherwise `quantization` ("fp8", "fp8_block") quantizes the decoder layers' linears on load.
+    as it is; otherwise `quantization` ("fp8", "fp8_block") quantizes the decoder layers' linears on load,
+    each as its weight is read (`build_model`): no full-precision copy of them is made on `device`.
     """
     if load_format not in loading.LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of {loading.LOAD_FORMATS}")
     path = loading.resolve_checkpoint(path_or_repo_id)
     config = load_config(path)
-    model = build_model(config, dtype=dtype, device=device)
     fmt = _fp8_format(path) if load_format != "dummy" else None
+    model = build_model(config, dtype=dtype, device=device, quantization=quantization if fmt is None else None)
     if load_format == "dummy":
         loading.fill_dummy_weights(model)
     elif fmt is not None:
@@ -106,7 +107,5 @@ def load_model(
                     f" (quantization {quantization!r} not applied)" if quantization else "")
     else:
         load_weights(model, loading.iter_checkpoint_tensors(path, progress=progress))
-    if quantization is not None and fmt is None:
-        quantize_decoder(model, quantization)
     logger.info("loaded %s (%s) from %s as %s", config.model_type, load_format, path, model.kv_layout.dtype)
     return model

@@ -227,13 +227,10 @@ class OrpheusModel(Model):
         dtype = self.config.torch_dtype(device)
         if self.config.tiny or self.load_format == "dummy":
             # Untied head: a bigram-shaped head cannot be the embedding (tiny.py says why).
-            module = build_model(replace(self.llama_config, tie_word_embeddings=False), dtype=dtype, device=device)
+            module = build_model(replace(self.llama_config, tie_word_embeddings=False), dtype=dtype, device=device,
+                                 quantization=self.quantization.get("llm"))
             fill_dummy_weights(module, seed=self.config.seed, std=0.1 if self.config.tiny else 0.02)
             shape_audio_lm(module, self.tokens, seed=self.config.seed, strength=3.0 if self.config.tiny else 50.0)
-            if "llm" in self.quantization:
-                from mstar.models.llama.weights import quantize_decoder
-
-                quantize_decoder(module, self.quantization["llm"])
         else:
             from mstar.models.llama.weights import load_model
 
