@@ -181,6 +181,61 @@ class AutoregressiveSpec:
 
 
 @dataclass(frozen=True)
+class KVPoolSpec:
+    """A paged KV pool that a stateless component keeps contexts of its own in (BAGEL's LLM): the stateless
+    engine makes it (`PagedKVStore`) and hands it over once (`KVPoolComponent.set_kv_pool`); the memory
+    plan counts `nbytes()`. `setting` names where a deployment sizes it (for messages)."""
+
+    layout: KVLayout
+    num_pages: int
+    setting: str  # e.g. "model_kwargs.kv_tokens"
+    page_size: int = 16  # tokens per page
+    max_rows: int = 64  # decode rows of one call at most (the attention backend's persistent buffers)
+    attention_backend: str = "auto"  # as kv_cache.attention_backend
+
+    def __post_init__(self) -> None:
+        if not _positive_int(self.num_pages) or not _positive_int(self.page_size) or not _positive_int(self.max_rows):
+            raise ValueError(f"KVPoolSpec needs positive num_pages, page_size and max_rows, got {self.num_pages}, "
+                             f"{self.page_size}, {self.max_rows} ({self.setting})")
+
+    def page_bytes(self) -> int:
+        """Bytes one page takes across all layers, K and V together."""
+        itemsize = torch.empty((), dtype=self.layout.dtype).element_size()
+        return 2 * self.layout.num_layers * self.page_size * self.layout.num_kv_heads * self.layout.head_dim * itemsize
+
+    def nbytes(self) -> int:
+        return self.num_pages * self.page_bytes()
+
+
+@runtime_checkable
+class PagedKVStore(Protocol):
+    """What a component sees of its `KVPoolSpec` pool: pages handed out and shared by reference count
+    (`allocate`, `share`: one more holder of pages already held, `free`: one holder fewer), the caches
+    `k_cache`/`v_cache` [num_layers, pages, page_size, Hkv, D] it reads and writes by page, and attention of
+    decode rows in place: `prepare_decode` describes a batch of one new token per row (each row's length
+    with that token, its slot page * page_size + offset, its pages [B, W] int32; host or device tensors),
+    then `decode(layer, q [B, Hq, D], k/v [B, Hkv, D])` stores each row's k/v at its slot and attends q over
+    the row's keys -> [B, Hq, D]."""
+
+    page_size: int
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+    @property
+    def num_free(self) -> int: ...
+
+    def allocate(self, n: int) -> list[int]: ...
+
+    def share(self, pages: Sequence[int]) -> None: ...
+
+    def free(self, pages: Sequence[int]) -> None: ...
+
+    def prepare_decode(self, seq_lens: list[int], slots: torch.Tensor, block_tables: torch.Tensor) -> None: ...
+
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
 class StatelessSpec:
     """How the stateless engine runs one component (tunable fields as in `AutoregressiveSpec`)."""
 
@@ -188,6 +243,8 @@ class StatelessSpec:
     # batch sizes at which the engine captures the component's `capture_plans` on CUDA; None: powers of
     # two below max_batch_size, and it
     cuda_graph_sizes: list[int] | None = field(default=None, metadata={"tunable": True})
+    # a paged KV pool the engine makes for the component (a `KVPoolComponent`); None: none
+    kv_pool: KVPoolSpec | None = None
 
     def __post_init__(self) -> None:
         if not _positive_int(self.max_batch_size):
@@ -265,6 +322,14 @@ class StatelessComponent(Protocol):
     def release(self, request_id: str) -> None: ...
 
     def capture_plans(self) -> Sequence[CapturePlan]: ...
+
+
+@runtime_checkable
+class KVPoolComponent(StatelessComponent, Protocol):
+    """A stateless component whose spec declares a `kv_pool`: given the pool its engine made, once,
+    before its first step."""
+
+    def set_kv_pool(self, pool: PagedKVStore) -> None: ...
 
 
 @runtime_checkable

@@ -21,7 +21,9 @@ memory is not reused before its kernels have read them.
 
 A component's `capture_plans` (fixed-shape functions) are captured in CUDA graphs by the engine when it
 is made with a `CudaGraphConfig` on a CUDA device, at the spec's `graph_sizes()`, all in one memory pool
-(`capture_step_graphs`); the component replays them through its `graphs`.
+(`capture_step_graphs`); the component replays them through its `graphs`. A spec's `kv_pool` has the
+engine make that paged KV pool (engines/kv_cache/paged.py) on the module's device and hand it to the
+module (`KVPoolComponent.set_kv_pool`) before anything is captured.
 """
 
 from __future__ import annotations
@@ -34,7 +36,15 @@ from typing import Any
 import torch
 
 from mstar.config import CudaGraphConfig
-from mstar.engines.base import StatelessComponent, StatelessSpec, StepGraphs, StepItem, StepResult, require
+from mstar.engines.base import (
+    KVPoolComponent,
+    StatelessComponent,
+    StatelessSpec,
+    StepGraphs,
+    StepItem,
+    StepResult,
+    require,
+)
 from mstar.engines.cuda_graphs import BatchGraphs, to_host_async
 
 logger = logging.getLogger(__name__)
@@ -54,6 +64,11 @@ class StatelessEngine:
         spec = spec or StatelessSpec()
         self.max_batch_size = spec.max_batch_size
         device = _module_device(module)
+        if spec.kv_pool is not None:  # before capture: a captured step reads the pool's caches
+            from mstar.engines.kv_cache.paged import PagedKV
+
+            require(module, KVPoolComponent, f" (its spec declares a kv_pool of {spec.kv_pool.num_pages} pages)")
+            module.set_kv_pool(PagedKV(spec.kv_pool, device or torch.device("cpu")))
         if graphs is not None and graphs.enabled and device is not None and device.type == "cuda":
             capture_step_graphs(module, spec.graph_sizes(), device)
         self._pending: deque[StepItem] = deque()

@@ -3,7 +3,8 @@
 Each component placed on a device is built on the meta device (shapes, no storage) to count its weight
 bytes in the dtype and quantization the deployment asks for; an autoregressive component adds the KV
 pool its config asks for (a page count, or, for a pool sized from a share of the memory left, one step's
-tokens); every component adds an allowance for activations and CUDA-graph pools, and every device one for
+tokens), a stateless one the pool its spec declares (`StatelessSpec.kv_pool`: BAGEL's contexts); every
+component adds an allowance for activations and CUDA-graph pools, and every device one for
 the CUDA context. A placement that cannot fit is refused at start with one line that names the device,
 each component's need and what would fit (`MemoryPlanError`). Off CUDA nothing is checked.
 docs/operations.md, "GPU memory", tabulates every shipped config on an 80 GB and a 141 GB card
@@ -57,6 +58,7 @@ class ComponentNeed:
     kv_share: bool  # the pool takes a share of what is left: `kv_bytes` is its floor, one step's tokens
     kv_page_bytes: int  # one page of its pool (0: no pool)
     allowance_bytes: int  # activations and CUDA-graph pools, estimated
+    kv_setting: str = ""  # where a stateless component's pool (`StatelessSpec.kv_pool`) is sized; "": none
 
     @property
     def total(self) -> int:
@@ -240,7 +242,10 @@ def _need(model: Model, config: MStarConfig, name: str, built: BuiltComponent, s
     spec = dataclasses.replace(built.engine, **model.engine_settings.get(name, {}))
     if not isinstance(spec, AutoregressiveSpec):
         allowance = min(STATELESS_ALLOWANCE_BYTES, weights + SMALL_ALLOWANCE_BYTES) if weights else 0
-        return ComponentNeed(name, weights, 0, False, 0, allowance)
+        pool = spec.kv_pool  # a pool the component keeps its own contexts in: the page count it declares
+        if pool is None:
+            return ComponentNeed(name, weights, 0, False, 0, allowance)
+        return ComponentNeed(name, weights, pool.nbytes(), False, pool.page_bytes(), allowance, pool.setting)
     per_page = page_bytes(module.kv_layout, config.kv_cache.page_size)
     pages = asked_pages(spec, config.kv_cache)
     share = pages is None  # sized from a share of what is left, its context following: at least one step's tokens
@@ -253,13 +258,14 @@ def _need(model: Model, config: MStarConfig, name: str, built: BuiltComponent, s
 def _what_fits(config: MStarConfig, over: DevicePlan, devices: list[int], tiny: bool, model_path: str | None) -> str:
     """One sentence of the changes that would fit: fewer KV pages, another shipped config, FP8 weights."""
     ideas = []
-    fixed = [n for n in over.needs if n.kv_page_bytes and not n.kv_share]
+    fixed = [n for n in over.needs if n.kv_page_bytes and not n.kv_share and not n.kv_setting]
     room = over.total_bytes - over.need_bytes + sum(n.kv_bytes for n in fixed)
     pages = room // sum(n.kv_page_bytes for n in fixed) if fixed else 0
     if pages >= 1:
         own = any("max_num_pages" in config.engines.get(n.name, {}) for n in fixed)
         where = "kv_cache" if config.kv_cache.max_num_pages and not own else f"engines.{'/'.join(n.name for n in fixed)}"
         ideas.append(f"{where}.max_num_pages: {pages}")
+    ideas += [f"a smaller {n.kv_setting} (its pool takes {_gib(n.kv_bytes)})" for n in over.needs if n.kv_setting]
     for name in _shipped_of(config.model):
         other = load_config(name)
         if Path(other.source).resolve() == Path(config.source).resolve():

@@ -5,9 +5,14 @@ against diffusers' AutoencoderKL in the FLUX configuration. Full-size name and s
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
+from mstar.engines.base import KVLayout, KVPoolSpec
+from mstar.engines.kv_cache.paged import PagedKV
 from mstar.models.bagel.config import BagelConfig, LLMConfig, vit_from_hf
 from mstar.models.bagel.context import KVContext, PackedAttention, QuerySpec
 from mstar.models.bagel.embeddings import grid_positions, patchify
@@ -93,6 +98,13 @@ def llm_pair():
     return reference, _load("llm", cfg, ours)
 
 
+def _pool(num_pages: int = 64, page_size: int = 4) -> PagedKV:
+    """A CPU pool of the tiny LLM's shape with small pages, so that contexts cross page boundaries."""
+    cfg = tiny_config().llm
+    layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    return PagedKV(KVPoolSpec(layout, num_pages, "test", page_size), "cpu")
+
+
 def _und_forward(llm, ids: torch.Tensor, context: KVContext, start: int, blocks=None) -> torch.Tensor:
     lm = llm.language_model
     attn = PackedAttention([QuerySpec(context, ids.numel(), blocks, store=True)], lm.attention_scale)
@@ -107,10 +119,10 @@ def test_understanding_path_equals_qwen3_with_qk_norm(llm_pair):
     reference, llm = llm_pair
     ids = torch.randint(0, TINY_LLM["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(3))
     want = reference(ids).logits[0]
-    whole = _und_forward(llm, ids[0], KVContext(TINY_LLM["num_hidden_layers"]), 0)
+    whole = _und_forward(llm, ids[0], KVContext(_pool()), 0)
     torch.testing.assert_close(whole, want, atol=TOL, rtol=0)
     # the same prompt in two chunks, then one token at a time, through one context
-    context = KVContext(TINY_LLM["num_hidden_layers"])
+    context = KVContext(_pool())
     parts = [_und_forward(llm, ids[0, :5], context, 0), _und_forward(llm, ids[0, 5:9], context, 5)]
     parts += [_und_forward(llm, ids[0, i:i + 1], context, i) for i in range(9, 12)]
     torch.testing.assert_close(torch.cat(parts), want, atol=TOL, rtol=0)
@@ -123,17 +135,17 @@ def test_a_decode_batch_equals_each_sequence_alone(llm_pair, prompts):
     """Single stored tokens over contexts of different lengths attend in one batched call (keys padded and
     masked); each gets what it gets alone, and a multi-token sequence beside them keeps its own path."""
     _, llm = llm_pair
-    lm, layers = llm.language_model, TINY_LLM["num_hidden_layers"]
+    lm, pool = llm.language_model, _pool()
     gen = torch.Generator().manual_seed(5)
     ids = [torch.randint(0, TINY_LLM["vocab_size"], (n + 2,), generator=gen) for n in prompts]
     # the last prompt continues with two tokens (not a decode row); the others with one
     new = [x[n:n + 1] for x, n in zip(ids[:-1], prompts[:-1], strict=True)] + [ids[-1][prompts[-1]:]]
     alone, batched = [], []
     for x, n, tokens in zip(ids, prompts, new, strict=True):
-        context = KVContext(layers)
+        context = KVContext(pool)
         _und_forward(llm, x[:n], context, 0)
         alone.append(_und_forward(llm, tokens, context, n))
-        batched.append(KVContext(layers))
+        batched.append(KVContext(pool))
         _und_forward(llm, x[:n], batched[-1], 0)
     attn = PackedAttention([QuerySpec(c, t.numel(), None, store=True) for c, t in zip(batched, new, strict=True)],
                            lm.attention_scale)
@@ -143,6 +155,79 @@ def test_a_decode_batch_equals_each_sequence_alone(llm_pair, prompts):
     attn.commit([n + t.numel() for n, t in zip(prompts, new, strict=True)])
     torch.testing.assert_close(lm.logits(hidden), torch.cat(alone), atol=1e-5, rtol=0)
     assert [c.length for c in batched] == [n + t.numel() for n, t in zip(prompts, new, strict=True)]
+
+
+@torch.no_grad()
+def test_paged_decode_rows_equal_the_reference(llm_pair):
+    """Contexts of different lengths, crossing 4-token pages, decode three tokens each in batched steps
+    through the pool's paged decode attention (read in place, no padded copy): every row's logits are
+    transformers' Qwen3 over the whole sequence; freeing the contexts gives every page back."""
+    reference, llm = llm_pair
+    lm, pool = llm.language_model, _pool(num_pages=32)
+    gen = torch.Generator().manual_seed(11)
+    prompts, steps = (3, 6, 9, 13), 3
+    ids = [torch.randint(0, TINY_LLM["vocab_size"], (n + steps,), generator=gen) for n in prompts]
+    contexts = [KVContext(pool) for _ in prompts]
+    for x, n, context in zip(ids, prompts, contexts, strict=True):
+        _und_forward(llm, x[:n], context, 0)
+    got = []
+    for step in range(steps):
+        attn = PackedAttention([QuerySpec(c, 1, None, store=True) for c in contexts], lm.attention_scale)
+        assert attn.decoding == list(range(len(prompts))) and not attn.others
+        tokens = torch.stack([x[n + step] for x, n in zip(ids, prompts, strict=True)])
+        positions = torch.tensor([n + step for n in prompts])
+        got.append(lm.logits(lm(lm.embed_tokens(tokens), positions, Routing(), attn)))
+        attn.commit((positions + 1).tolist())
+    for row, (x, n) in enumerate(zip(ids, prompts, strict=True)):
+        want = reference(x[None]).logits[0, n:]
+        torch.testing.assert_close(torch.stack([g[row] for g in got]), want, atol=TOL, rtol=0)
+    assert [len(c.pages) for c in contexts] == [-(-(n + steps) // 4) for n in prompts]
+    for context in contexts:
+        context.free()
+    assert pool.num_free == 32
+
+
+def test_paged_decode_through_the_triton_kernel_equals_the_sdpa_reference():
+    """The same batched decode steps with the pool's decode attention as the Triton paged decode kernel
+    (interpreted on CPU: tests/models/bagel_paged_check.py) and as the SDPA reference give the same logits."""
+    pytest.importorskip("triton")
+    from tests.interpreted import run_interpreted
+
+    proc = run_interpreted(Path(__file__).parent / "bagel_paged_check.py", timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["max_diff"] <= 2e-5 * max(1.0, result["scale"]), result
+
+
+@torch.no_grad()
+def test_a_prefix_view_shares_pages_and_reads_what_a_copy_would(llm_pair):
+    """A prefix view holds its source's first pages (no copy); a denoising-like block over it equals the block
+    over a context prefilled with that prefix alone, also after the source grows past it and is freed; the
+    pages go back once both are freed; a pool too small for a prefill says which setting sizes it."""
+    _, llm = llm_pair
+    lm, pool = llm.language_model, _pool(num_pages=12)
+    ids = torch.randint(0, TINY_LLM["vocab_size"], (11,), generator=torch.Generator().manual_seed(12))
+    full, alone = KVContext(pool), KVContext(pool)
+    _und_forward(llm, ids, full, 0)
+    _und_forward(llm, ids[:7], alone, 0)
+    view = full.prefix(7, 7)
+    assert view.pages == full.pages[:2] and all(pool.blocks.refcount(p) == 2 for p in view.pages)
+    x = torch.randn(3, lm.cfg.hidden_size, generator=torch.Generator().manual_seed(13))
+
+    def block(context: KVContext) -> torch.Tensor:
+        return lm(x, torch.full((3,), 7), Routing(), PackedAttention([QuerySpec(context, 3, "full")], lm.attention_scale))
+
+    seen = block(view)
+    torch.testing.assert_close(seen, block(alone), atol=1e-5, rtol=0)  # prefilled in another shape
+    _und_forward(llm, ids[:5], full, 11)  # the source grows: its writes land past the view
+    full.free()
+    torch.testing.assert_close(block(view), seen, atol=0, rtol=0)
+    assert view.length == 7 and alone.length == 7
+    view.free()
+    alone.free()
+    assert pool.num_free == 12
+    with pytest.raises(RuntimeError, match="raise test"):
+        _und_forward(llm, torch.zeros(13 * 4, dtype=torch.long), KVContext(pool), 0)
 
 
 @torch.no_grad()
@@ -174,12 +259,12 @@ def test_a_bidirectional_block_sees_itself_whole(llm_pair):
     blocks = torch.tensor([0, 1, 1, 1, 4])
     changed = ids.clone()
     changed[3] = 100
-    layers = TINY_LLM["num_hidden_layers"]
-    a = _und_forward(llm, ids, KVContext(layers), 0, blocks)
-    b = _und_forward(llm, changed, KVContext(layers), 0, blocks)
+    pool = _pool()
+    a = _und_forward(llm, ids, KVContext(pool), 0, blocks)
+    b = _und_forward(llm, changed, KVContext(pool), 0, blocks)
     assert torch.equal(a[0], b[0])  # before the block
     assert not torch.allclose(a[1], b[1])  # in the block, before the changed token
-    causal_a, causal_b = _und_forward(llm, ids, KVContext(layers), 0), _und_forward(llm, changed, KVContext(layers), 0)
+    causal_a, causal_b = _und_forward(llm, ids, KVContext(pool), 0), _und_forward(llm, changed, KVContext(pool), 0)
     torch.testing.assert_close(causal_a[:3], causal_b[:3], atol=0, rtol=0)
 
 

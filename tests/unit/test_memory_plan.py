@@ -54,6 +54,24 @@ def test_kv_pools_count_the_pages_asked_for_or_one_step():
     assert need.allowance_bytes == need.weight_bytes + memory_plan.SMALL_ALLOWANCE_BYTES  # a small model's
 
 
+def test_a_stateless_components_declared_pool_is_counted():
+    """BAGEL's LLM keeps its contexts in a pool its spec declares (`StatelessSpec.kv_pool`): the plan counts
+    `model_kwargs.kv_tokens` of it (default 262,144 at full size: 56 KiB a token in bfloat16), and a
+    placement that does not fit names that setting."""
+    per_token = 2 * 28 * 4 * 128 * 2  # K and V, layers, kv heads, head size, bfloat16
+    default = config_from_dict({"model": "bagel"})
+    small = config_from_dict({"model": "bagel", "model_kwargs": {"kv_tokens": 65_536}})
+    needs, needs_small = ({n.name: n for n in memory_plan.plan_memory(c, [80 * GiB])[0].needs}
+                          for c in (default, small))
+    llm, llm_small = needs["llm"], needs_small["llm"]
+    assert (llm.kv_bytes, llm.kv_share, llm.kv_setting) == (262_144 * per_token, False, "model_kwargs.kv_tokens")
+    assert llm_small.kv_bytes == 65_536 * per_token and llm_small.weight_bytes == llm.weight_bytes
+    assert all(n.kv_bytes == 0 for name, n in needs.items() if name != "llm")
+    (plan,) = memory_plan.plan_memory(default, [40 * GiB])
+    assert not plan.fits and "a smaller model_kwargs.kv_tokens (its pool takes 14.0 GiB)" in \
+        memory_plan._what_fits(default, plan, [40 * GiB], False, None)
+
+
 def test_ranks_share_a_gpu_when_there_are_fewer_gpus():
     config = config_from_dict({"model": "toy", "node_groups": [
         {"node_names": ["encoder", "decoder", "guide", "painter"], "ranks": [0]},

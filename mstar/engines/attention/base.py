@@ -44,6 +44,15 @@ class AttentionBackend(Protocol):
 
 
 @runtime_checkable
+class PagedCacheAttention(AttentionBackend, Protocol):
+    """A backend whose caches its owner may also read and write by page (a component keeping contexts of
+    its own: engines/kv_cache/paged.py): `k_cache`/`v_cache` [num_layers, pages, page_size, Hkv, D]."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+@runtime_checkable
 class GraphedAttention(AttentionBackend, Protocol):
     """A backend whose decode steps can be captured in CUDA graphs: `prepare(meta, pad_to=rows)` fills
     buffers of fixed addresses for a decode batch padded to `rows` (a graph's size), at most

@@ -69,6 +69,13 @@ class BlockPool:
                 else:
                     self._free.append(page)
 
+    def share(self, pages: Sequence[int]) -> None:
+        """One more reference to each of `pages`, all in use (a second holder of them: a prefix of one
+        sequence's pages read by another)."""
+        for page in pages:
+            assert self._refcount[page] > 0, f"page {page} shared while not in use"
+            self._refcount[page] += 1
+
     def match_prefix(self, page_hashes: Sequence[int]) -> list[int]:
         """Take a reference to the cached pages of the longest cached run of `page_hashes`."""
         pages: list[int] = []

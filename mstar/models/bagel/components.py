@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mstar.engines.base import StatelessBase, StepItem
+from mstar.engines.base import PagedKVStore, StatelessBase, StepItem
 from mstar.engines.grammar import GrammarMatcher, Grammars, constrain
 from mstar.engines.sampling import SamplingParams, SamplingRow, sample
 from mstar.models.bagel import flow
@@ -129,7 +129,8 @@ class LLMComponent(StatelessBase, nn.Module):
     appends a thought's end to the full context. Walk `denoise`: node `full`/`no_text`/`no_image` runs the
     noisy `latents` at flow `timestep` over its branch's context -> `velocity` [N, p*p*C] float32; a branch
     the request does not guide with at this time produces nothing. Items of any request, branch or step
-    share one forward per kind (prefill, text, denoise)."""
+    share one forward per kind (prefill, text, denoise). The contexts live in the paged KV pool its engine
+    hands it (`set_kv_pool`, from the spec's `kv_pool`); a released request's pages go back to it."""
 
     host_inputs = True  # token ids, segments and flow times are read on the host; `_query` moves the rest
 
@@ -140,6 +141,17 @@ class LLMComponent(StatelessBase, nn.Module):
         self.queries = QueryBuilder(llm, cfg, ids)
         self._contexts: dict[tuple[str, str], KVContext] = {}
         self._texts: dict[str, _TextState] = {}
+        self._pool: PagedKVStore | None = None
+
+    def set_kv_pool(self, pool: PagedKVStore) -> None:
+        self._pool = pool
+
+    @property
+    def pool(self) -> PagedKVStore:
+        """The pool the contexts live in."""
+        if self._pool is None:
+            raise RuntimeError("the bagel llm component has no KV pool: its engine hands it one (StatelessSpec.kv_pool)")
+        return self._pool
 
     @property
     def num_contexts(self) -> int:
@@ -153,7 +165,7 @@ class LLMComponent(StatelessBase, nn.Module):
     def release(self, request_id: str) -> None:
         """Forget the request's contexts and sampling state (safe for unknown ids)."""
         for key in [k for k in self._contexts if k[0] == request_id]:
-            del self._contexts[key]
+            self._contexts.pop(key).free()
         self._texts.pop(request_id, None)
 
     def batch_key(self, item: StepItem) -> Hashable:
@@ -176,7 +188,7 @@ class LLMComponent(StatelessBase, nn.Module):
         if planned:
             self._forward(items, planned, out)
         for rid, branch, (tokens, rope) in views:
-            self._contexts[(rid, branch)] = self._contexts[(rid, "full")].prefix(tokens, rope)
+            self._keep(rid, branch, self._contexts[(rid, "full")].prefix(tokens, rope))
         return out
 
     def _forward(self, items: list[StepItem], planned: list[tuple[int, KVContext, Query]], out: list[dict]) -> None:
@@ -205,7 +217,7 @@ class LLMComponent(StatelessBase, nn.Module):
         if item.walk in _PREFILLS:
             if not flow.branch_needed(item.node, options):
                 return None
-            context = self._contexts[(rid, item.node)] = KVContext(self.cfg.llm.num_layers)
+            context = self._keep(rid, item.node, KVContext(self.pool))
             query = self.queries.prefill(decode_segments(x["segments"]), item.node, 0, x["prompt_ids"],
                                          self._on_device(x.get("vit_embeds")), self._on_device(x.get("vae_latents")))
             return None if query is None else (context, query)
@@ -222,6 +234,14 @@ class LLMComponent(StatelessBase, nn.Module):
             ids = [self.ids.eos] if token == self.ids.eos else [token, self.ids.eos]
             return context, self.queries.text(ids, context.rope)
         return context, self.queries.text([token], context.rope)
+
+    def _keep(self, rid: str, branch: str, context: KVContext) -> KVContext:
+        """Hold `context` as the request's `branch`, giving back the pages of one held before."""
+        old = self._contexts.pop((rid, branch), None)
+        if old is not None:
+            old.free()
+        self._contexts[(rid, branch)] = context
+        return context
 
     def _on_device(self, tensor: torch.Tensor | None) -> torch.Tensor | None:
         device = self.llm.language_model.embed_tokens.weight.device

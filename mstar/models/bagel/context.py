@@ -8,9 +8,13 @@ whole), or fully bidirectional (a denoising step's query block). Its new keys an
 appended to the context only when the sequence stores them (prefill, decode); a denoising step
 reads its context and leaves it unchanged, so every step of a request reuses one prefill.
 
-A storing sequence writes its keys and values into its context's buffer first and attends over that
-buffer, so nothing is copied per layer. Decoding sequences (one stored token each) attend together in
-one call per layer; prefills and denoising blocks keep one call each, already large.
+Contexts live in pages of the component's paged KV pool (`PagedKVStore`, made by the stateless engine
+from the `KVPoolSpec` BAGEL declares): a context is a page table and a length. A prefix of another
+context (a guidance branch's) shares that context's pages by reference count and is never written: its
+source writes only past its own length, hence past the prefix's. Decoding sequences (one stored token
+each) attend together through the pool's paged decode attention, which stores each new key and value
+and reads every row's pages in place; prefills and denoising blocks write their new keys and values
+by slot and gather their context's pages for one SDPA call each.
 """
 
 from __future__ import annotations
@@ -20,66 +24,79 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mstar.engines.base import PagedKVStore
+
 
 class KVContext:
-    """Keys and values per layer ([length, kv heads, head dim], grown in place) and the next rope position."""
+    """A page table into `pool` (`pages`, shared with the contexts of its prefix views), the tokens every
+    layer holds (`length`) and the next rope position."""
 
-    def __init__(self, num_layers: int) -> None:
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
-        self.values: list[torch.Tensor | None] = [None] * num_layers
+    def __init__(self, pool: PagedKVStore) -> None:
+        self.pool = pool
+        self.pages: list[int] = []
         self.length = 0  # tokens every layer holds
         self.rope = 0  # position id of the next token
-        self.view = False  # a prefix of another context, sharing its buffers: never written
+        self.view = False  # a prefix of another context, sharing its pages: never written
+        self._index: torch.Tensor | None = None  # `pages` as a device tensor, while they stay the same
 
     def prefix(self, length: int, rope: int) -> KVContext:
-        """A read-only context of this one's first `length` tokens (next position `rope`), sharing its keys
-        and values: this one's later writes land beyond `length` (or in new buffers when it grows)."""
+        """A read-only context of this one's first `length` tokens (next position `rope`), holding their
+        pages with this one: this one's later writes land beyond `length`."""
         assert length <= self.length, f"a prefix of {length} tokens of a {self.length}-token context"
-        out = KVContext(len(self.keys))
-        out.keys, out.values, out.length, out.rope, out.view = list(self.keys), list(self.values), length, rope, True
+        out = KVContext(self.pool)
+        out.pages = self.pages[: -(-length // self.pool.page_size)]
+        self.pool.share(out.pages)
+        out.length, out.rope, out.view = length, rope, True
         return out
 
-    def layer(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(keys, values) [length, Hkv, D] of `layer`; (None, None) while empty."""
-        k, v = self.keys[layer], self.values[layer]
-        if k is None or v is None:
-            return None, None
-        return k[: self.length], v[: self.length]
+    def free(self) -> None:
+        """Give the pages back (a view's stay with their other holders); the context is empty after."""
+        self.pool.free(self.pages)
+        self.pages, self.length, self._index = [], 0, None
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Stage `layer`'s new keys and values after the current length (visible once `commit`ted)."""
-        slot_k, slot_v = self.slots(layer, k, v)
-        slot_k.copy_(k)
-        slot_v.copy_(v)
+    def reserve(self, tokens: int) -> torch.Tensor:
+        """Slots (page * page_size + offset, int64 on the host) of `tokens` new tokens after the current
+        length, pages taken from the pool as needed (again for the same tokens: no more pages)."""
+        assert not self.view, "a prefix view is read-only: its pages belong to the context it was taken from"
+        size = self.pool.page_size
+        need = -(-(self.length + tokens) // size) - len(self.pages)
+        if need > 0:
+            self.pages += self.pool.allocate(need)
+            self._index = None
+        positions = torch.arange(self.length, self.length + tokens)
+        return torch.tensor(self.pages, dtype=torch.int64)[positions // size] * size + positions % size
 
-    def slots(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows of `layer`'s buffers where keys and values shaped as `k`, `v` are staged (after the current
-        length; the buffers grow as needed), for the caller to fill."""
-        assert not self.view, "a prefix view is read-only: its buffers belong to the context it was taken from"
-        end = self.length + k.shape[0]
-        buf_k, buf_v = self.keys[layer], self.values[layer]
-        if buf_k is None or buf_v is None or buf_k.shape[0] < end:
-            capacity = max(end, 2 * (0 if buf_k is None else buf_k.shape[0]), 16)
-            new_k, new_v = k.new_empty((capacity, *k.shape[1:])), v.new_empty((capacity, *v.shape[1:]))
-            if buf_k is not None and buf_v is not None:
-                new_k[: self.length], new_v[: self.length] = buf_k[: self.length], buf_v[: self.length]
-            buf_k, buf_v = self.keys[layer], self.values[layer] = new_k, new_v
-        return buf_k[self.length:end], buf_v[self.length:end]
+    def page_index(self, device: torch.device) -> torch.Tensor:
+        """`pages` as an int64 tensor on `device` (made once per page table)."""
+        if self._index is None or self._index.device != device:
+            self._index = torch.tensor(self.pages, dtype=torch.int64).to(device, non_blocking=True)
+        return self._index
 
-    def staged(self, layer: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(keys, values) [length + tokens, Hkv, D] of `layer` after `write` staged `tokens` there."""
-        k, v = self.keys[layer], self.values[layer]
-        assert k is not None and v is not None, "staged before write"
-        return k[: self.length + tokens], v[: self.length + tokens]
+    def gather(self, layer: int, k: torch.Tensor | None = None,
+               v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) [length (+ n), Hkv, D] of `layer`: the context's, then k/v [n, Hkv, D] if given;
+        one gather of the context's pages and one copy of the new rows each."""
+        cache_k, cache_v = self.pool.k_cache[layer], self.pool.v_cache[layer]
+        n, size, pages = 0 if k is None else k.shape[0], self.pool.page_size, -(-self.length // self.pool.page_size)
+        index = self.page_index(cache_k.device)[:pages]
+        out = []
+        for cache, new in ((cache_k, k), (cache_v, v)):
+            buf = cache.new_empty((max(pages * size, self.length + n), *cache.shape[2:]))
+            torch.index_select(cache, 0, index, out=buf[: pages * size].view(pages, *cache.shape[1:]))
+            if new is not None:
+                buf[self.length: self.length + n] = new
+            out.append(buf[: self.length + n])
+        return out[0], out[1]
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) [length, Hkv, D] of `layer`, gathered (to inspect them)."""
+        return self.gather(layer)
 
     def commit(self, tokens: int, rope: int) -> None:
-        """Make the staged `tokens` part of the context; the next token sits at position `rope`."""
+        """Make the `tokens` written after the current length part of the context; the next token sits at
+        position `rope`."""
         self.length += tokens
         self.rope = rope
-
-    def nbytes(self) -> int:
-        """Bytes of the buffers this context holds (a view's are its source's)."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
 
 
 @dataclass
@@ -108,8 +125,8 @@ class QuerySpec:
 
 class PackedAttention:
     """`attend(layer, q, k, v)` for a packed batch of sequences (`QuerySpec`s, their tokens one after another):
-    each attends over its context and its own new tokens; stored tokens are staged in the context, and
-    `commit(ropes)` makes them part of it after the last layer."""
+    each attends over its context and its own new tokens; stored tokens are written to the context's pages
+    (reserved here, before the forward), and `commit(ropes)` makes them part of it after the last layer."""
 
     def __init__(self, specs: list[QuerySpec], scale: float) -> None:
         self.specs, self.scale = specs, scale
@@ -118,11 +135,13 @@ class PackedAttention:
             self.bounds.append(self.bounds[-1] + spec.num_tokens)
         self.decoding = [i for i, spec in enumerate(specs) if _decodes(spec)]
         self.others = [i for i, spec in enumerate(specs) if not _decodes(spec)]
-        self._decoders = [c for c in (specs[i].context for i in self.decoding) if c is not None]
-        self._keys = [c.length + 1 for c in self._decoders]  # each decoding row's keys, its new one included
+        # every storing sequence's slots, on the host; on the device once the first layer needs them
+        self._slots = {i: spec.context.reserve(spec.num_tokens) for i, spec in enumerate(specs)
+                       if spec.store and spec.context is not None}
+        self._device_slots: dict[int, torch.Tensor] = {}
         self._masks: dict[int, torch.Tensor | None] = {}
         self._rows: torch.Tensor | None = None  # the decoding rows, when other sequences share the batch
-        self._key_mask: torch.Tensor | None = None  # [B, 1, 1, longest]: each decoding row's real keys
+        self._prepared = False  # the pool's decode attention describes this batch's decoding rows
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
@@ -133,46 +152,41 @@ class PackedAttention:
             if self._rows is None:
                 rows = torch.tensor([self.bounds[i] for i in self.decoding])
                 self._rows = rows.to(q.device, non_blocking=True)  # without waiting for the queued layers
-            out[self._rows] = self._decode(layer, q[self._rows], k, v)
+            out[self._rows] = self._decode(layer, q[self._rows], k[self._rows], v[self._rows])
         for i in self.others:
             lo, hi = self.bounds[i], self.bounds[i + 1]
             out[lo:hi] = self._one(i, layer, q[lo:hi], k[lo:hi], v[lo:hi])
         return out
 
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The decoding sequences' rows q [B, Hq, D] (k/v: the whole packed batch's) in one call: a kv head's
-        query heads are the query rows of one problem, each sequence's keys padded to the longest."""
-        new_k, new_v, slots, news = k.split(1), v.split(1), [], []
-        for context, i in zip(self._decoders, self.decoding, strict=True):
-            row_k, row_v = new_k[self.bounds[i]], new_v[self.bounds[i]]
-            slots += context.slots(layer, row_k, row_v)
-            news += (row_k, row_v)
-        torch._foreach_copy_(slots, news)  # every row's new key and value in one launch
-        keys, values = zip(*(c.staged(layer, 1) for c in self._decoders), strict=True)
-        uniform = len(set(self._keys)) == 1
-        if self._key_mask is None and not uniform:
-            lengths = torch.tensor(self._keys).to(q.device, non_blocking=True)
-            real = torch.arange(max(self._keys), device=q.device) < lengths[:, None]
-            self._key_mask = _additive(real, q.dtype)[:, None, None]
-        b, hkv, d = q.shape[0], keys[0].shape[1], q.shape[2]
-        kb, vb = _batch(keys, uniform), _batch(values, uniform)  # [B, longest, Hkv, D]
-        out = F.scaled_dot_product_attention(q.reshape(b, hkv, -1, d), kb.transpose(1, 2).to(q.dtype),
-                                             vb.transpose(1, 2).to(q.dtype), attn_mask=self._key_mask,
-                                             scale=self.scale)
-        return out.reshape(q.shape)
+        """The decoding sequences' rows q [B, Hq, D], k/v [B, Hkv, D] through the pool's paged decode
+        attention: each row's new key and value stored at its slot, its pages read where they are."""
+        contexts = [self.specs[i].context for i in self.decoding]
+        pool = contexts[0].pool
+        if not self._prepared:
+            width = max(len(c.pages) for c in contexts)
+            tables = torch.zeros((len(contexts), width), dtype=torch.int32)
+            for row, c in zip(tables, contexts, strict=True):
+                row[: len(c.pages)] = torch.tensor(c.pages, dtype=torch.int32)
+            pool.prepare_decode([c.length + 1 for c in contexts], torch.cat([self._slots[i] for i in self.decoding]),
+                                tables)
+            self._prepared = True
+        return pool.decode(layer, q, k, v)
 
     def _one(self, i: int, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Sequence `i` alone: q [n, Hq, D] over its context and its k/v [n, Hkv, D]."""
         spec, keys, values, past = self.specs[i], k, v, 0
-        if spec.context is not None:
-            past = spec.context.length
-            if spec.store:  # attend where the keys will stay: no copy of the context
-                spec.context.write(layer, k, v)
-                keys, values = spec.context.staged(layer, spec.num_tokens)
-            elif past:
-                old_k, old_v = spec.context.layer(layer)
-                assert old_k is not None and old_v is not None
-                keys, values = torch.cat([old_k, k.to(old_k.dtype)]), torch.cat([old_v, v.to(old_v.dtype)])
+        context = spec.context
+        if context is not None:
+            past = context.length
+            if spec.store:
+                if i not in self._device_slots:
+                    self._device_slots[i] = self._slots[i].to(k.device, non_blocking=True)
+                slots = self._device_slots[i]
+                for cache, new in ((context.pool.k_cache[layer], k), (context.pool.v_cache[layer], v)):
+                    cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new.to(cache.dtype))
+            if past:
+                keys, values = context.gather(layer, k, v)
         if i not in self._masks:
             mask = spec.mask(past, q.device)
             self._masks[i] = None if mask is None else _additive(mask, q.dtype)
@@ -188,18 +202,6 @@ class PackedAttention:
 def _decodes(spec: QuerySpec) -> bool:
     """One stored token over a context of its own: it joins the batched decode call."""
     return spec.num_tokens == 1 and spec.store and spec.context is not None and not spec.context.view
-
-
-def _batch(parts: tuple[torch.Tensor, ...], uniform: bool) -> torch.Tensor:
-    """[B, longest, ...] of B tensors [L_i, ...], zero-padded past each one's length (finite, as masked
-    values still meet a zero weight)."""
-    if len(parts) == 1:
-        return parts[0][None]
-    if uniform:
-        return torch.stack(parts)
-    out = parts[0].new_zeros((len(parts), max(len(p) for p in parts), *parts[0].shape[1:]))
-    torch._foreach_copy_([row[: len(p)] for row, p in zip(out, parts, strict=True)], list(parts))
-    return out
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -29,13 +29,15 @@ from typing import Any
 
 import torch
 
-from mstar.engines.base import StatelessSpec
+from mstar.engines.base import KVLayout, KVPoolSpec, StatelessSpec
 from mstar.graph import CARRY, ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Parallel, Sequential, Walk
 from mstar.models.bagel.config import BagelConfig
 from mstar.models.base import BuiltComponent, Model
 from mstar.models.common.serve_config import DTYPES, ServeConfig, dtype_named
 
 DEFAULT_MAX_TOKENS = 1024  # text tokens of an answer or a thought when a request sets no max_tokens
+KV_PAGE_SIZE = 16  # tokens per page of the LLM's KV pool
+DEFAULT_KV_TOKENS, TINY_KV_TOKENS = 262_144, 16_384  # `kv_tokens` when unset
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,11 @@ class BagelServeConfig(ServeConfig):
     width: int | None = None  # default image size; None = 1024x1024 (tiny: 64x64)
     height: int | None = None
     llm_batch: int = 64  # branch sequences (requests x guidance branches) per LLM forward
+    # tokens the LLM's paged KV pool holds for every context of the requests in flight (prompts, images,
+    # answers; a guidance branch that is a prefix of the full context shares its pages); None: 262,144
+    # (14 GiB at full size in bfloat16), --tiny 16,384
+    kv_tokens: int | None = None
+    attention_backend: str = "auto"  # the pool's decode attention, as kv_cache.attention_backend
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -55,6 +62,9 @@ class BagelServeConfig(ServeConfig):
             dtype_named(self.vae_dtype, "model_kwargs.vae_dtype")
         if self.llm_batch < 1:
             raise ValueError(f"bagel llm_batch={self.llm_batch} must be >= 1")
+        if self.kv_tokens is not None and (isinstance(self.kv_tokens, bool) or not isinstance(self.kv_tokens, int)
+                                           or self.kv_tokens < KV_PAGE_SIZE):
+            raise ValueError(f"bagel kv_tokens={self.kv_tokens!r} must be an integer >= {KV_PAGE_SIZE}")
 
 
 def _graph() -> ModelGraph:
@@ -156,10 +166,19 @@ class BagelModel(Model):
         if name == "llm":
             llm = load_part("llm", self.bagel, self.checkpoint, dtype, device, seed, std)
             module = components.LLMComponent(llm, self.bagel, self.token_ids, self.grammars)
-            return BuiltComponent(module, StatelessSpec(max_batch_size=self.config.llm_batch))
+            return BuiltComponent(module, StatelessSpec(max_batch_size=self.config.llm_batch,
+                                                        kv_pool=self.kv_pool(dtype)))
         if name == "flow":
             return BuiltComponent(components.FlowComponent(self.bagel, device))
         raise KeyError(f"bagel has no component {name!r}; components are {sorted(self.graph().components)}")
+
+    def kv_pool(self, dtype: torch.dtype) -> KVPoolSpec:
+        """The LLM's KV pool: every context of the requests in flight, `kv_tokens` in pages."""
+        llm, c = self.bagel.llm, self.config
+        tokens = c.kv_tokens or (TINY_KV_TOKENS if c.tiny else DEFAULT_KV_TOKENS)
+        return KVPoolSpec(KVLayout(llm.num_layers, llm.num_kv_heads, llm.head_dim, dtype), -(-tokens // KV_PAGE_SIZE),
+                          "model_kwargs.kv_tokens", KV_PAGE_SIZE, max_rows=c.llm_batch,
+                          attention_backend=c.attention_backend)
 
     def processor(self):
         from mstar.models.bagel.processor import BagelProcessor, defaults_for
