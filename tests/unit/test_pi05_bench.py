@@ -1,5 +1,6 @@
 """benchmarks/pi05_bench.py: a --quick run (the tiny policy on CPU, a live server, openpi clients, and
-transformers' PI0 as the baseline) writes what it returns, with every case measured (#39)."""
+transformers' PI0 as the baseline) writes what it returns, with every case measured (#39). benchmarks/pi05_stages.py --quick times every
+stage at each batch size."""
 
 from __future__ import annotations
 
@@ -25,3 +26,15 @@ def test_quick_run(tmp_path) -> None:
     assert set(doc["throughput"]) == {"c1", "c3"} and doc["throughput"]["c3"]["chunks_per_s"] > 0
     assert doc["throughput"]["c3"]["n"] == 6
     assert doc["baseline"]["sample_actions"]["p50_ms"] > 0 and doc["baseline"]["prefix_tokens"] > 3 * 16
+
+
+def test_stages_quick_run(tmp_path) -> None:
+    """benchmarks/pi05_stages.py: every stage timed at each batch size, the prompt's prefix bucket named."""
+    from benchmarks.pi05_stages import main
+
+    out = tmp_path / "stages.json"
+    doc = main(["--quick", "--repeats", "1", "--batch", "1", "3", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
+    assert set(doc["cases"]) == {"eager_b1", "eager_b3"}
+    assert all(value > 0 for case in doc["cases"].values() for value in case.values())
+    assert doc["prefix_bucket"] >= doc["prefix_tokens"] == 3 * 16 + 80

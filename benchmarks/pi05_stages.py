@@ -1,0 +1,120 @@
+"""Pi0.5 per stage (asserts nothing): the median time of each of vision, prefix and flow at full size (dummy
+weights, bf16, three cameras), the components called directly with a synchronize after each stage, with
+their CUDA graphs and eagerly, at a few batch sizes; which prefix bucket the prompt ran in.
+
+    python3 benchmarks/pi05_stages.py --out $OUT/pi05_stages.json
+    python3 benchmarks/pi05_stages.py --quick   # the tiny policy on CPU, eager only (smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without install
+
+from benchmarks.results_io import write_results  # noqa: E402
+
+STAGES = ("vision", "prefix", "flow")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the tiny policy on CPU (smoke test)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="robots per call (default 1 4)")
+    parser.add_argument("--prompt-tokens", type=int, default=80, help="task and state tokens (default 80)")
+    parser.add_argument("--repeats", type=int, default=None, help="chunks timed per case (default 30)")
+    parser.add_argument("--out", default=None, help="JSON path")
+    args = parser.parse_args(argv)
+    if not args.quick and not torch.cuda.is_available():
+        parser.error("no CUDA device here: pass --quick (tiny, CPU)")
+    args.repeats = args.repeats or (3 if args.quick else 30)
+    return args
+
+
+def components(quick: bool):
+    """The vision and policy components with random weights, the policy's pool room for 16 robots."""
+    from mstar.models.pi05.components import PolicyComponent, VisionComponent
+    from mstar.models.pi05.config import PI05_BASE
+    from mstar.models.pi05.network import PolicyNet
+    from mstar.models.pi05.prefix_kv import PrefixKVPool
+    from mstar.models.pi05.siglip import VisionTower
+    from mstar.models.pi05.tiny import tiny_config
+    from mstar.models.pi05.weights import build
+
+    cfg = tiny_config() if quick else PI05_BASE
+    device, dtype = (torch.device("cpu"), torch.float32) if quick else (torch.device("cuda"), torch.bfloat16)
+    vision = build(lambda: VisionTower(cfg.vision, cfg.llm.width), dtype, device, None, None).eval()
+    net = build(lambda: PolicyNet(cfg), dtype, device, None, None).eval()
+    pool = PrefixKVPool(cfg.llm.depth, cfg.llm.num_kv_heads, cfg.llm.head_dim, 16 * -(-cfg.max_prefix_tokens // 16),
+                        16, dtype, device)
+    return cfg, device, VisionComponent(vision), PolicyComponent(net, pool)
+
+
+def chunk_times(cfg, device, vision, policy, batch: int, prompt: int, seed: int) -> tuple[float, float, float]:
+    """Seconds of each stage of one chunk for `batch` robots."""
+    from mstar.engines.base import StepItem
+
+    gen = torch.Generator().manual_seed(seed)
+    side, options = cfg.vision.image_size, {"num_steps": cfg.num_steps}
+    rids = [f"r{seed}_{i}" for i in range(batch)]
+    images = [(torch.rand(len(cfg.cameras), 3, side, side, generator=gen) * 2 - 1).to(device) for _ in rids]
+    ids = [torch.randint(0, cfg.vocab_size, (prompt,), generator=gen).to(device) for _ in rids]
+    noise = [torch.randn(cfg.chunk_size, cfg.max_action_dim, generator=gen).to(device) for _ in rids]
+    marks = [_now(device)]
+    with torch.no_grad():
+        tokens = vision.run_items([StepItem(r, "prefix", "vision", {"images": x}) for r, x in zip(rids, images)])
+        marks.append(_now(device))
+        policy.run_items([StepItem(r, "prefix", "prefix", {"image_tokens": t["image_tokens"], "prompt_ids": p},
+                                   options) for r, t, p in zip(rids, tokens, ids)])
+        marks.append(_now(device))
+        policy.run_items([StepItem(r, "act", "flow", {"noise": n}, options) for r, n in zip(rids, noise)])
+        marks.append(_now(device))
+    return tuple(b - a for a, b in zip(marks, marks[1:]))
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def medians(args, cfg, device, vision, policy, batch: int) -> dict[str, float]:
+    runs = [chunk_times(cfg, device, vision, policy, batch, args.prompt_tokens, seed) for seed in range(3 + args.repeats)]
+    return {f"{stage}_ms": 1e3 * statistics.median(run[i] for run in runs[3:]) for i, stage in enumerate(STAGES)}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from mstar.engines.base import StepGraphs
+    from mstar.engines.stateless import capture_step_graphs
+
+    args = parse_args(argv)
+    cfg, device, vision, policy = components(args.quick)
+    tokens = len(cfg.cameras) * cfg.vision.tokens + args.prompt_tokens
+    doc: dict[str, Any] = {
+        "device": "cpu" if args.quick else torch.cuda.get_device_name(), "prefix_tokens": tokens,
+        "prefix_bucket": next(n for n in policy.buckets if n >= tokens), "command": " ".join(sys.argv), "cases": {}}
+    modes = ["eager"] if args.quick else ["graphs", "eager"]
+    for mode in modes:
+        if mode == "graphs":
+            camera_sizes = [1, *(len(cfg.cameras) * n for n in (1, 2, 4, 8))]
+            capture_step_graphs(vision, camera_sizes, device)
+            capture_step_graphs(policy, [1, 2, 4, 8, 16], device)
+        else:
+            vision.graphs = policy.graphs = StepGraphs()
+        for batch in args.batch:
+            doc["cases"][f"{mode}_b{batch}"] = case = medians(args, cfg, device, vision, policy, batch)
+            print(f"{mode} batch {batch}: " + ", ".join(f"{k} {v:.2f}" for k, v in case.items()), flush=True)
+    write_results(doc, args.out, args.quick, f"pi05_stages_{doc['device'].replace(' ', '_')}")
+    return doc
+
+
+if __name__ == "__main__":
+    main()
