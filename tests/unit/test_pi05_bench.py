@@ -1,6 +1,6 @@
 """benchmarks/pi05_bench.py: a --quick run (the tiny policy on CPU, a live server, openpi clients, and
-transformers' PI0 as the baseline) writes what it returns, with every case measured (#39). benchmarks/pi05_stages.py --quick times every
-stage at each batch size."""
+transformers' PI0 as the baseline) writes what it returns, with every case measured (#39).
+benchmarks/pi05_stages.py --quick times every stage at each batch size."""
 
 from __future__ import annotations
 
