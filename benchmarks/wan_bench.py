@@ -13,12 +13,18 @@ guidance 5 (both branches every step), for every --steps and --concurrency; c re
   a bounded queue of kernels; the average over many steps is unaffected.
 - diffusers: one `WanPipeline.__call__` with the c prompts as a batch (each branch its own DiT forward,
   as diffusers runs them), output_type "pt"; the same split from a step-end callback that synchronizes.
+- --quantization none fp8: our deployment once per setting (the DiT's block linears in FP8 for fp8:
+  `quantization: {dit: fp8}`, W8A8 through torch._scaled_mm on CUDA), one after the other in the same run;
+  each row says its setting. Every FP8 row also reports, per request of the same seed and prompt, the
+  frame PSNR of its decoded uint8 video against the first setting's (mean and worst frame, dB) and its
+  end-to-end time over that row's (`mstar.vs_first_setting`). With dummy weights the frames are not natural
+  images: the PSNR measures how far FP8 moves the output, not how it looks.
 - floor: the issue's ~4.4 s of DiT compute for 50 steps (one request) on one H200, and our own estimate:
   DiT FLOPs per forward (matmuls and attention, from the config) x 2 branches x c / the bf16 matmul
   TFLOP/s of an 8192^3 torch.matmul probe in the same run.
 
     python3 benchmarks/wan_bench.py [--steps 20 50] [--concurrency 1 2] [--skip-diffusers] \
-        [--out benchmarks/results/wan_bench_h200.json]
+        [--quantization none fp8] [--out benchmarks/results/wan_bench_h200.json]
     python3 benchmarks/wan_bench.py --quick     # tiny shapes on CPU (< 60 s): checks the script end to end
 
 --trace-steps N adds one profiled request (concurrency 1, N steps) after the grid: where its wall time
@@ -49,6 +55,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
@@ -108,12 +115,15 @@ def _sync(device: torch.device) -> None:
 
 
 def _timeline(handle, start: float, out: dict, errors: list) -> None:
-    """Consume one request's events as they arrive, stamping progress events (one per denoising step)."""
+    """Consume one request's events as they arrive, stamping progress events (one per denoising step) and
+    keeping its decoded video (uint8 [F, H, W, 3])."""
     steps: list[float] = []
     try:
         for event in handle:
             if event.name == "progress" and float(event.value) < 1.0:  # 1.0 is the decode walk's report
                 steps.append(time.perf_counter())
+            elif event.name == "video":
+                out["video"] = event.value
         out.update(start=start, steps=steps, end=time.perf_counter())
     except Exception as exc:  # noqa: BLE001 - re-raised by the caller
         errors.append(exc)
@@ -159,20 +169,35 @@ def summarize(timelines: list[dict], steps: int) -> dict:
     return out
 
 
-def _ours_config(quick: bool, vae_dtype: str, vae_chunk_frames: int = 1, vae_conv_dtype: str | None = None) -> dict:
+def _ours_config(quick: bool, vae_dtype: str, vae_chunk_frames: int = 1, vae_conv_dtype: str | None = None,
+                 quantization: str = "none") -> dict:
     kwargs = {"vae_dtype": vae_dtype} if quick else {"dtype": "bfloat16", "vae_dtype": vae_dtype}
     if vae_conv_dtype:
         kwargs["vae_conv_dtype"] = vae_conv_dtype
     kwargs["vae_chunk_frames"] = vae_chunk_frames
     return {"model": "wan22", "max_concurrent_requests": 8, "model_kwargs": kwargs, "device": "cpu" if quick else "auto",
-            "node_groups": [{"node_names": COMPONENTS, "ranks": [0]}]}
+            "node_groups": [{"node_names": COMPONENTS, "ranks": [0]}],
+            "quantization": {} if quantization == "none" else {"dit": quantization}}
 
 
-def bench_ours(args, shape: dict, device: torch.device) -> tuple[list[dict], dict]:
-    """Build our deployment, warm it at every concurrency, then time every (steps, concurrency)."""
+def frame_psnr(video, reference) -> tuple[float, float]:
+    """(mean, worst) over frames of the PSNR in dB of uint8 `video` [F, H, W, 3] (array or CPU tensor)
+    against `reference` (inf for identical frames)."""
+    err = (np.asarray(video, dtype=np.float64) - np.asarray(reference, dtype=np.float64)) ** 2
+    mse = err.reshape(err.shape[0], -1).mean(axis=1)
+    with np.errstate(divide="ignore"):
+        psnr = 10 * np.log10(255.0**2 / mse)
+    return float(psnr.mean()), float(psnr.min())
+
+
+def bench_ours(args, shape: dict, device: torch.device, quantization: str = "none",
+               videos: dict | None = None) -> tuple[list[dict], dict]:
+    """Build our deployment with `quantization` ("none" or a method for the DiT), warm it at every
+    concurrency, then time every (steps, concurrency). `videos` maps (steps, concurrency) to each request's
+    video: filled on the first setting, compared against (frame PSNR) on the others."""
     rows = []
     t0 = time.perf_counter()
-    config = _ours_config(args.quick, args.vae_dtype, args.vae_chunk_frames, args.vae_conv_dtype)
+    config = _ours_config(args.quick, args.vae_dtype, args.vae_chunk_frames, args.vae_conv_dtype, quantization)
     with MStar(config=config, tiny=args.quick,
                load_format="auto" if args.quick else "dummy") as m:
         info = {"build_s": round(time.perf_counter() - t0, 1)}
@@ -182,8 +207,9 @@ def bench_ours(args, shape: dict, device: torch.device) -> tuple[list[dict], dic
             run_ours(m, prompts, shape, 2, args.guidance, device)  # warm-up at this concurrency
             info[f"warmup_s_c{c}"] = round(time.perf_counter() - w0, 1)
             for steps in args.steps:
-                row = {"impl": "mstar", "steps": steps, "concurrency": c,
-                       **summarize(run_ours(m, prompts, shape, steps, args.guidance, device), steps)}
+                timelines = run_ours(m, prompts, shape, steps, args.guidance, device)
+                row = {"impl": "mstar", "quantization": quantization, "steps": steps, "concurrency": c,
+                       **summarize(timelines, steps), **_against(videos, (steps, c), timelines)}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
         if args.trace_steps:
@@ -196,6 +222,17 @@ def bench_ours(args, shape: dict, device: torch.device) -> tuple[list[dict], dic
                              **trace(one_request, Path(args.trace_chrome) if args.trace_chrome else None)}
             print(json.dumps(info["trace"]), flush=True)
     return rows, info
+
+
+def _against(videos: dict | None, key: tuple[int, int], timelines: list[dict]) -> dict:
+    """Keep the videos of the first setting's run; for later settings, their frame PSNR against those."""
+    if videos is None:
+        return {}
+    if key not in videos:
+        videos[key] = [t["video"] for t in timelines]
+        return {}
+    psnr = [frame_psnr(t["video"], ref) for t, ref in zip(timelines, videos[key], strict=True)]
+    return {"psnr_db_mean": round(statistics.mean(p[0] for p in psnr), 2), "psnr_db_worst_frame": round(min(p[1] for p in psnr), 2)}
 
 
 def bench_diffusers(args, shape: dict, device: torch.device, text_length: int) -> tuple[list[dict], dict]:
@@ -243,6 +280,9 @@ def main() -> None:
                         "(benchmarks/request_trace.py), written as mstar.trace")
     parser.add_argument("--trace-chrome", default=None, help="with --trace-steps: also write its Chrome trace here")
     parser.add_argument("--quick", action="store_true", help="tiny random models and shapes, on CPU")
+    parser.add_argument("--quantization", nargs="+", choices=["none", "fp8", "fp8_block"], default=["none"],
+                        help="our deployment once per setting, the DiT's block linears in FP8 for fp8/fp8_block; "
+                        "later settings report frame PSNR and e2e time against the first")
     parser.add_argument("--out", default=None, help="default benchmarks/results/wan_bench_h200.json (quick: none)")
     args = parser.parse_args()
     args.steps = args.steps or ([3] if args.quick else [20, 50])
@@ -254,8 +294,15 @@ def main() -> None:
     floor = floor_info(args, shape, device)
     print(json.dumps(floor), flush=True)
     free_memory(device)
-    rows, info = bench_ours(args, shape, device)
-    info["peak_gb"] = peak_gb(device)
+    rows, info, videos = [], {}, {}
+    for quantization in args.quantization:
+        free_memory(device)
+        q_rows, q_info = bench_ours(args, shape, device, quantization, videos)
+        q_info["peak_gb"] = peak_gb(device)
+        rows += q_rows
+        info[quantization] = q_info
+    if len(args.quantization) > 1:
+        info["vs_first_setting"] = _ratios(rows, args.quantization[0])
     result = {"benchmark": "wan_bench", "command": "python3 " + " ".join(sys.argv), **_versions(device),
               "model": "Wan2.2-TI2V-5B shapes, dummy weights" if not args.quick else "wan22 tiny (quick)",
               **shape, "guidance_scale": args.guidance, "vae_dtype": args.vae_dtype,
@@ -278,6 +325,15 @@ def main() -> None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {out}")
+
+
+def _ratios(rows: list[dict], base: str) -> list[dict]:
+    """Per (setting, steps, concurrency): end-to-end seconds over the `base` setting's, with the PSNR."""
+    ref = {(r["steps"], r["concurrency"]): r for r in rows if r["quantization"] == base}
+    return [{"quantization": r["quantization"], "steps": r["steps"], "concurrency": r["concurrency"],
+             "e2e_ratio": round(r["e2e_s"] / ref[(r["steps"], r["concurrency"])]["e2e_s"], 3),
+             "psnr_db_mean": r.get("psnr_db_mean"), "psnr_db_worst_frame": r.get("psnr_db_worst_frame")}
+            for r in rows if r["quantization"] != base]
 
 
 def floor_info(args, shape: dict, device: torch.device) -> dict:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar import envs
+from mstar.layers.fp8 import Fp8Linear
 from mstar.layers.fused import FUSED
 
 # MSTAR_WAN_GEMM_GELU, read once per process (tests and benchmarks flip it): `linear_gelu` may put the
@@ -138,16 +139,17 @@ def norm_heads(x: torch.Tensor, norm: nn.RMSNorm, heads: int,
     return apply_rope(h, *rope) if rope is not None else h
 
 
-def linear_gelu(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-    """gelu_tanh(linear(x)) in x's dtype; x [..., in], `linear` with a bias.
+def linear_gelu(x: torch.Tensor, linear: nn.Linear | Fp8Linear) -> torch.Tensor:
+    """gelu_tanh(linear(x)) in x's dtype; x [..., in], `linear` with a bias (an `Fp8Linear` runs its own
+    matmul, `fp8_linear`, then the GELU).
 
     On CUDA where the fused kernels serve x (and GEMM_GELU): `gemm_gelu`, one GEMM whose epilogue adds
     the bias and applies the GELU to the float32 accumulator, rounding once, where the reference rounds
     the projection to x's dtype first: within about one step of x's dtype of it. Else (CPU,
     torch.compile, kernels off) the reference form.
     """
-    if GEMM_GELU and x.is_cuda and linear.bias is not None and x.dtype == linear.weight.dtype \
-            and wan_kernels(x) is not None:
+    if GEMM_GELU and isinstance(linear, nn.Linear) and x.is_cuda and linear.bias is not None \
+            and x.dtype == linear.weight.dtype and wan_kernels(x) is not None:
         return gemm_gelu(x, linear.weight, linear.bias)
     return F.gelu(linear(x), approximate="tanh")
 

@@ -7,6 +7,7 @@ every process) builds the same model.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -27,10 +28,13 @@ def text_encoder(model: Any, dtype: torch.dtype, device: torch.device) -> UMT5En
 
 
 def transformer(model: Any, dtype: torch.dtype, device: torch.device) -> WanTransformer:
-    """The video DiT of `model` in `dtype` (timestep parts stay float32) on `device`."""
+    """The video DiT of `model` in `dtype` (timestep parts stay float32) on `device`, its blocks' linears in FP8
+    where the deployment quantizes "dit"."""
     from mstar.models.wan22.weights import build_transformer, load_transformer
 
-    return _loaded(model, load_transformer, build_transformer, model.components.transformer, dtype, device)
+    quantization = model.quantization.get("dit")
+    return _loaded(model, partial(load_transformer, quantization=quantization),
+                   partial(build_transformer, quantization=quantization), model.components.transformer, dtype, device)
 
 
 def _loaded(model: Any, load: Callable[..., M], build: Callable[..., M], config: Any, dtype: torch.dtype,

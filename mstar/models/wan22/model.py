@@ -120,6 +120,7 @@ class Wan22Model(Model):
                        "modalities": ["video"], "report_progress": False, "debug_outputs": False}
 
     config_class = Wan22ServeConfig
+    quantizable = ("dit",)  # the blocks' attention and FFN linears (transformer.build_transformer says which stay)
 
     def graph(self) -> ModelGraph:
         return _graph()

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.layers.embedders import MLP, timestep_features
+from mstar.layers.fp8 import empty_fp8_decoder, method_block
 from mstar.models.common.meta import build_on_meta
 from mstar.models.wan22.block_math import (
     addcmul_as,
@@ -274,11 +275,18 @@ FP32_PARAMETERS = ("time_embedder.", "scale_shift_table")
 
 
 def build_transformer(
-    config: WanTransformerConfig, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    config: WanTransformerConfig, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+    quantization: str | None = None,
 ) -> WanTransformer:
     """A DiT in `dtype` (the config's by default) on `device` with UNINITIALISED weights; load next.
 
     The time embedder and modulation tables stay float32 (sinusoids of t up to 1000 need it).
+    With `quantization` ("fp8", "fp8_block"; layers/fp8.py) the blocks' attention and FFN linears are
+    empty `Fp8Linear`s, quantized as their weights load: they hold almost all of the weights and FLOPs.
+    The rest keeps its dtype: norms are elementwise; the time embedding, `time_proj` and the modulation
+    tables set every token's shift, scale and gate, so their error would scale the whole residual stream;
+    the patch embedding and `proj_out` touch the latents directly and are a fraction of a percent of the
+    FLOPs; the text embedder runs once per request (its output is cached across steps).
     """
     dtype = dtype or config.dtype
 
@@ -287,6 +295,8 @@ def build_transformer(
         for name, param in model.named_parameters():
             keep32 = any(part in name for part in FP32_PARAMETERS)
             param.data = param.data.to(torch.float32 if keep32 else dtype)
+        if quantization is not None:
+            empty_fp8_decoder(model.blocks, method_block(quantization))
         return model
 
     model = build_on_meta(make, torch.float32, device)

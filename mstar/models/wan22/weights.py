@@ -110,10 +110,13 @@ def load_text_encoder(root: str | Path, load_format: str = "auto", dtype: torch.
 
 
 def load_transformer(root: str | Path, load_format: str = "auto", dtype: torch.dtype | None = None,
-                     device: str | torch.device = "cpu", progress: bool = True) -> WanTransformer:
-    """The video DiT of the pipeline folder or Hub repo `root` (its transformer/ sub-folder)."""
+                     device: str | torch.device = "cpu", progress: bool = True,
+                     quantization: str | None = None) -> WanTransformer:
+    """The video DiT of the pipeline folder or Hub repo `root` (its transformer/ sub-folder); with
+    `quantization`, its blocks' linears in FP8, quantized as they load (`build_transformer`)."""
     folder = _component_folder(root, "transformer")
-    model = build_transformer(WanTransformerConfig.from_hf(read_config(folder / "config.json")), dtype, device)
+    model = build_transformer(WanTransformerConfig.from_hf(read_config(folder / "config.json")), dtype, device,
+                              quantization)
     _fill(model, folder, load_format, transformer_mapper(model.config), progress)
     return model
 
