@@ -144,7 +144,8 @@ class PolicyComponent(StatelessBase, nn.Module):
         if graph is None:
             self.prefill(prefixes, table)
         else:
-            self.graphs.replay(("prefix", width * page), prefixes, table)
+            replayed = self.graphs.replay(("prefix", width * page), prefixes, table)
+            assert replayed is not None, f"no prefix graph of {width * page} tokens at {rows} rows"
         return [{"prefix_len": torch.tensor([length])} for length in lengths]
 
     def _prefix_graph(self, tokens: int, batch: int) -> tuple[int, int] | None:
