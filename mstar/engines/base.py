@@ -215,9 +215,12 @@ class PagedKVStore(Protocol):
     decode rows in place: `prepare_decode` describes a batch of one new token per row (each row's length
     with that token, its slot page * page_size + offset, its pages [B, W] int32; host or device tensors),
     then `decode(layer, q [B, Hq, D], k/v [B, Hkv, D])` stores each row's k/v at its slot and attends q over
-    the row's keys -> [B, Hq, D]."""
+    the row's keys -> [B, Hq, D]. `graphed`: `decode` can be captured in CUDA graphs; `prepare_decode(...,
+    pad_to=rows)` then pads the batch to `rows` (length 0, slot -1: nothing stored, zeros out) in buffers of
+    fixed addresses, as a graph captured at `rows` rows reads them."""
 
     page_size: int
+    graphed: bool
     k_cache: torch.Tensor
     v_cache: torch.Tensor
 
@@ -230,7 +233,8 @@ class PagedKVStore(Protocol):
 
     def free(self, pages: Sequence[int]) -> None: ...
 
-    def prepare_decode(self, seq_lens: list[int], slots: torch.Tensor, block_tables: torch.Tensor) -> None: ...
+    def prepare_decode(self, seq_lens: list[int], slots: torch.Tensor, block_tables: torch.Tensor,
+                       pad_to: int | None = None) -> None: ...
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
@@ -276,6 +280,9 @@ class CapturePlan:
     fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]
     example: tuple[tuple[tuple[int, ...], torch.dtype], ...]
     sizes: tuple[int, ...] | None = None
+    # called with the batch size before each size's warm-up and capture, so that state `fn` reads besides
+    # its inputs (an attention backend's buffers) describes a valid batch of that size; None: nothing
+    before_capture: Callable[[int], None] | None = None
 
 
 SPEC_OF_ENGINE: dict[str, type[AutoregressiveSpec] | type[StatelessSpec]] = {

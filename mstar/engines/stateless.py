@@ -231,7 +231,8 @@ def capture_step_graphs(module: StatelessComponent, sizes: list[int], device: to
         return
     pool = torch.cuda.graph_pool_handle()
     with torch.inference_mode():
-        captured = {plan.key: BatchGraphs(plan.fn, list(plan.sizes or sizes), plan.example, device, pool=pool)
+        captured = {plan.key: BatchGraphs(plan.fn, list(plan.sizes or sizes), plan.example, device,
+                                          before_capture=plan.before_capture, pool=pool)
                     for plan in plans}
     module.graphs = StepGraphs(captured)
 

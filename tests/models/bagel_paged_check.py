@@ -1,6 +1,7 @@
 """Run under TRITON_INTERPRET=1 by test_bagel_networks.py: BAGEL's tiny LLM decodes contexts of different
-lengths (crossing pages) in batched steps, once with a pool whose decode attention is the Triton paged
-decode kernel and once with the SDPA reference; prints the largest logit difference as JSON."""
+lengths (crossing pages) in batched steps with a pool whose decode attention is the SDPA reference, then the
+Triton paged decode kernel, then that kernel under the component's decode plan with the rows padded as a
+captured graph runs them; prints the largest logit differences to the first as JSON."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 
 from mstar.engines.base import KVLayout, KVPoolSpec
 from mstar.engines.kv_cache.paged import PagedKV
+from mstar.models.bagel.components import LLMComponent
+from mstar.models.bagel.config import TokenIds
 from mstar.models.bagel.context import KVContext, PackedAttention, QuerySpec
 from mstar.models.bagel.llm import Routing
 from mstar.models.bagel.tiny import tiny_config
@@ -20,7 +23,10 @@ from tests.unit.paged_attention_cases import _fix_interpreter_scalars
 
 
 @torch.no_grad()
-def decode(llm, backend: str, ids: list[torch.Tensor], prompts: tuple[int, ...], steps: int) -> torch.Tensor:
+def decode(llm, backend: str, ids: list[torch.Tensor], prompts: tuple[int, ...], steps: int,
+           pad_to: int | None = None) -> torch.Tensor:
+    """Logits [steps, B, vocab] of batched decode steps after each prompt's prefill; with `pad_to`, each step
+    runs as a captured one would: the component's decode plan over rows padded to `pad_to`."""
     lm, cfg = llm.language_model, tiny_config().llm
     layout = KVLayout(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32)
     pool = PagedKV(KVPoolSpec(layout, 32, "test", page_size=4, max_rows=8, attention_backend=backend), "cpu")
@@ -29,13 +35,23 @@ def decode(llm, backend: str, ids: list[torch.Tensor], prompts: tuple[int, ...],
         attn = PackedAttention([QuerySpec(context, n, None, store=True)], lm.attention_scale)
         lm(lm.embed_tokens(x[:n]), torch.arange(n), Routing(), attn)
         attn.commit([n])
+    component = LLMComponent(llm, tiny_config(), TokenIds(bos=1, eos=2, start_of_image=3, end_of_image=4))
+    component.set_kv_pool(pool)
     out = []
     for step in range(steps):
-        attn = PackedAttention([QuerySpec(c, 1, None, store=True) for c in contexts], lm.attention_scale)
         tokens = torch.stack([x[n + step] for x, n in zip(ids, prompts, strict=True)])
         positions = torch.tensor([n + step for n in prompts])
-        out.append(lm.logits(lm(lm.embed_tokens(tokens), positions, Routing(), attn)))
-        attn.commit((positions + 1).tolist())
+        if pad_to is None:
+            attn = PackedAttention([QuerySpec(c, 1, None, store=True) for c in contexts], lm.attention_scale)
+            out.append(lm.logits(lm(lm.embed_tokens(tokens), positions, Routing(), attn)))
+            attn.commit((positions + 1).tolist())
+            continue
+        rows, rope = component.describe_decode(contexts, tokens.tolist(), pad_to)
+        padding = torch.full((pad_to - len(prompts),), 5)
+        hidden = component.decode_plan().fn(torch.cat([rows, padding]), torch.cat([rope, padding]))
+        out.append(lm.logits(hidden[: len(prompts)]))
+        for context in contexts:
+            context.commit(1, context.rope + 1)
     return torch.stack(out)
 
 
@@ -48,8 +64,11 @@ def main() -> None:
     prompts, steps = (3, 6, 9, 13, 1), 3
     gen = torch.Generator().manual_seed(11)
     ids = [torch.randint(0, cfg.llm.vocab_size, (n + steps,), generator=gen) for n in prompts]
-    triton, sdpa = decode(llm, "triton", ids, prompts, steps), decode(llm, "sdpa", ids, prompts, steps)
-    print(json.dumps({"max_diff": float((triton - sdpa).abs().max()), "scale": float(sdpa.abs().max())}))
+    sdpa = decode(llm, "sdpa", ids, prompts, steps)
+    triton = decode(llm, "triton", ids, prompts, steps)
+    padded = decode(llm, "triton", ids, prompts, steps, pad_to=8)
+    print(json.dumps({"max_diff": float((triton - sdpa).abs().max()), "padded_diff": float((padded - sdpa).abs().max()),
+                      "scale": float(sdpa.abs().max())}))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mstar.engines.attention.base import AttentionMetadata, PagedCacheAttention
+from mstar.engines.attention.base import AttentionMetadata, GraphedAttention, PagedCacheAttention
 from mstar.engines.base import KVPoolSpec
 from mstar.engines.kv_cache.block_pool import BlockPool
 
@@ -32,6 +32,7 @@ class PagedKV:
             raise TypeError(f"attention backend {type(backend).__name__} keeps no page-addressed k_cache/v_cache")
         self.attention: PagedCacheAttention = backend
         self.k_cache, self.v_cache = backend.k_cache, backend.v_cache
+        self.graphed = isinstance(backend, GraphedAttention) and torch.device(device).type == "cuda"
 
     @property
     def num_free(self) -> int:
@@ -50,8 +51,15 @@ class PagedKV:
     def free(self, pages: Sequence[int]) -> None:
         self.blocks.free(pages)
 
-    def prepare_decode(self, seq_lens: list[int], slots: torch.Tensor, block_tables: torch.Tensor) -> None:
-        self.attention.prepare(AttentionMetadata([1] * len(seq_lens), seq_lens, slots, block_tables))
+    def prepare_decode(self, seq_lens: list[int], slots: torch.Tensor, block_tables: torch.Tensor,
+                       pad_to: int | None = None) -> None:
+        meta = AttentionMetadata([1] * len(seq_lens), seq_lens, slots, block_tables)
+        if pad_to is None:
+            self.attention.prepare(meta)
+            return
+        if not isinstance(self.attention, GraphedAttention):
+            raise ValueError(f"{type(self.attention).__name__} pads no decode batch (pad_to={pad_to})")
+        self.attention.prepare(meta, pad_to=pad_to)
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self.attention.forward(layer, q, k, v)

@@ -7,21 +7,22 @@ it prefilled, keyed by request and branch) and its text sampling state until the
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from mstar.engines.base import PagedKVStore, StatelessBase, StepItem
+from mstar.engines.base import CapturePlan, PagedKVStore, StatelessBase, StepItem
+from mstar.engines.cuda_graphs import to_device_async
 from mstar.engines.grammar import GrammarMatcher, Grammars, constrain
 from mstar.engines.sampling import SamplingParams, SamplingRow, sample
 from mstar.models.bagel import flow
 from mstar.models.bagel.config import BagelConfig, TokenIds
 from mstar.models.bagel.context import KVContext
 from mstar.models.bagel.embeddings import patchify, unpatchify
-from mstar.models.bagel.llm import BagelLLM
+from mstar.models.bagel.llm import BagelLLM, Routing
 from mstar.models.bagel.plan import VAE, decode_segments, extent, shared_prefix
 from mstar.models.bagel.queries import Query, QueryBuilder, run
 from mstar.models.bagel.vae import FluxVAE
@@ -171,8 +172,29 @@ class LLMComponent(StatelessBase, nn.Module):
     def batch_key(self, item: StepItem) -> Hashable:
         return _KINDS[item.walk]
 
+    def capture_plans(self) -> Sequence[CapturePlan]:
+        return (self.decode_plan(),) if self.pool.graphed else ()
+
+    def decode_plan(self) -> CapturePlan:
+        """The understanding expert's decode step (`decode_step`) as its engine captures it in CUDA graphs: one
+        token id and rope position per row; the pool's decode buffers describe the rows (`describe_decode`),
+        rows past the batch attend nothing and store nothing."""
+        def blank(rows: int) -> None:
+            self.pool.prepare_decode([0] * rows, torch.full((rows,), -1, dtype=torch.int64),
+                                     torch.zeros((rows, 1), dtype=torch.int32), pad_to=rows)
+
+        return CapturePlan("decode", self.decode_step, (((), torch.int64), ((), torch.int64)), before_capture=blank)
+
+    def decode_step(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [B, H] of one token per row (ids, rope positions [B] on the device) over the
+        contexts the pool's decode buffers describe: launches only, every row through the understanding expert."""
+        lm = self.llm.language_model
+        return lm(lm.embed_tokens(ids), positions, Routing(), self.pool.decode)
+
     @torch.no_grad()
     def run_items(self, items: list[StepItem]) -> list[dict[str, Any]]:
+        if self.graphs and all(i.walk == "decode" for i in items) and len(items) <= self.graphs.sizes("decode")[-1]:
+            return self._replay_decode(items)
         out: list[dict[str, Any]] = [{} for _ in items]
         planned: list[tuple[int, KVContext, Query]] = []
         views: list[tuple[str, str, tuple[int, int]]] = []  # (request, branch, extent in the full context)
@@ -190,6 +212,30 @@ class LLMComponent(StatelessBase, nn.Module):
         for rid, branch, (tokens, rope) in views:
             self._keep(rid, branch, self._contexts[(rid, "full")].prefix(tokens, rope))
         return out
+
+    def _replay_decode(self, items: list[StepItem]) -> list[dict[str, Any]]:
+        """A decode batch replayed from the graph of the smallest captured size that holds it."""
+        contexts = [self._context(i.request_id, "full") for i in items]
+        rows = next(s for s in self.graphs.sizes("decode") if s >= len(items))
+        ids, positions = self.describe_decode(contexts, [int(i.inputs["token"].reshape(-1)[0]) for i in items], rows)
+        device = self.llm.language_model.embed_tokens.weight.device
+        (hidden,) = self.graphs.replay("decode", to_device_async(ids, device), to_device_async(positions, device))
+        for context in contexts:
+            context.commit(1, context.rope + 1)
+        out: list[dict[str, Any]] = [{} for _ in items]
+        self._sample(items, list(enumerate(hidden)), out)
+        return out
+
+    def describe_decode(self, contexts: list[KVContext], tokens: list[int],
+                         rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reserve each context's next slot and describe the rows to the pool's decode attention (padded to
+        `rows`); the host (ids, rope positions) [B] of `decode_step`. The caller commits the contexts after."""
+        slots = torch.cat([c.reserve(1) for c in contexts])
+        tables = torch.zeros((len(contexts), max(len(c.pages) for c in contexts)), dtype=torch.int32)
+        for row, c in zip(tables, contexts, strict=True):
+            row[: len(c.pages)] = torch.tensor(c.pages, dtype=torch.int32)
+        self.pool.prepare_decode([c.length + 1 for c in contexts], slots, tables, pad_to=rows)
+        return torch.tensor(tokens, dtype=torch.long), torch.tensor([c.rope for c in contexts], dtype=torch.long)
 
     def _forward(self, items: list[StepItem], planned: list[tuple[int, KVContext, Query]], out: list[dict]) -> None:
         hidden = run(self.llm, [(c, q) for _, c, q in planned]).split([q.num_tokens for _, _, q in planned])
