@@ -14,6 +14,7 @@ import torch
 
 from mstar.engines.base import StepGraphs, StepItem
 from mstar.engines.stateless import capture_step_graphs
+from mstar.models.pi05 import components as pi05_components
 from mstar.models.pi05.components import PolicyComponent, VisionComponent
 from mstar.models.pi05.config import PI05_BASE
 from mstar.models.pi05.gemma import AdaRMSNorm, GemmaAttention, attention_bias, rms_normed
@@ -104,9 +105,11 @@ def test_graphs_give_the_eager_actions(components, names) -> None:
     assert not policy.pool.held
 
 
-def test_prefix_graphs_on_and_off_give_the_same_actions(components) -> None:
+@pytest.mark.parametrize("step", [32, 128], ids=["prompt_step_32", "prompt_step_128"])
+def test_prefix_graphs_on_and_off_give_the_same_actions(components, step, monkeypatch) -> None:
     """The flow's graph in both runs: only the prefix differs (a bucket-padded graph against the eager
-    forward at the longest prefix's pages)."""
+    forward at the longest prefix's pages; at a prompt step of 128 the bucket is longer than that)."""
+    monkeypatch.setattr(pi05_components, "PROMPT_BUCKET", step)
     vision, policy = components
     robots = {name: _inputs(*ROBOTS[name]) for name in ROBOTS}
     capture_step_graphs(policy, SIZES, CUDA)

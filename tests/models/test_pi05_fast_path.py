@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mstar.engines.base import CapturePlan, StepGraphs, StepItem
+from mstar.models.pi05 import components
 from mstar.models.pi05.components import (
     PREFIX_GRAPH_SIZES,
     PROMPT_BUCKET,
@@ -195,14 +196,17 @@ def test_prefix_buckets_cover_every_prefix_in_whole_pages() -> None:
             assert 0 <= next(b for b in buckets if b >= tokens) - tokens < PROMPT_BUCKET + PAGE
 
 
-def test_the_prefix_plan_on_padded_buffers_writes_the_eager_prefix(net) -> None:
-    """The plan's function over prompts padded to their bucket and a batch padded to the next captured
-    size (padded rows: zero prefixes and the sink's pages) writes what the eager prefix writes."""
+@pytest.mark.parametrize("longest", [False, True], ids=["next_bucket", "longest_bucket"])
+def test_the_prefix_plan_on_padded_buffers_writes_the_eager_prefix(net, longest) -> None:
+    """The plan's function over prompts padded to a bucket (the next one that holds them, the longest) and a
+    batch padded to the next captured size (padded rows: zero prefixes and the sink's pages) writes what the
+    eager prefix writes."""
     robots = {rid: _robot(*spec) for rid, spec in ROBOTS.items()}
     rids = list(robots)
     eager, graphed = _policy(net), _policy(net)
     lengths = [len(r["image_tokens"]) + len(r["prompt_ids"]) for r in robots.values()]
-    bucket = next(n for n in graphed.buckets if n >= max(lengths))
+    bucket = graphed.buckets[-1] if longest else next(n for n in graphed.buckets if n >= max(lengths))
+    assert not longest or bucket > -(-max(lengths) // PAGE) * PAGE  # padding past the eager width
     plans = {plan.key: plan for plan in graphed.capture_plans()}
     plan = plans[("prefix", bucket)]
     assert plan.sizes == PREFIX_GRAPH_SIZES and [shape for shape, _ in plan.example] == [
@@ -225,10 +229,13 @@ def test_the_prefix_plan_on_padded_buffers_writes_the_eager_prefix(net) -> None:
     assert torch.isfinite(graphed.pool.keys[:, 0]).all()  # the sink took the padding, and no NaN
 
 
-def test_the_policy_replaying_its_plans_gives_the_eager_actions(net) -> None:
+@pytest.mark.parametrize("step", [32, 128], ids=["prompt_step_32", "prompt_step_128"])
+def test_the_policy_replaying_its_plans_gives_the_eager_actions(net, step, monkeypatch) -> None:
     """Robots of different prompt lengths and camera counts, as a batch of 3 and alone: prefixes and flows
     through the plans' functions on padded buffers give the eager actions; a batch of 5 prefixes (more than
-    the largest prefix graph) runs eagerly."""
+    the largest prefix graph) runs eagerly. At a prompt step of 128 the buckets are coarser than pages, so
+    prefixes are padded past the eager path's width."""
+    monkeypatch.setattr(components, "PROMPT_BUCKET", step)
     batches = [{rid: _robot(*spec) for rid, spec in ROBOTS.items()}, {"b": _robot(*ROBOTS["b"])},
                {f"r{i}": _robot(10 + i, 1 + i % 3, 7 * i + 1) for i in range(5)}]
     for robots in batches:
@@ -238,8 +245,10 @@ def test_the_policy_replaying_its_plans_gives_the_eager_actions(net) -> None:
         replayed = _chunks(policy, robots)
         for got, want in zip(replayed, eager, strict=True):
             torch.testing.assert_close(got, want, atol=TOL, rtol=0)
-        prefix_calls = sum(g.calls for key, g in graphs.items() if key != "flow")
-        assert (prefix_calls, graphs["flow"].calls) == (len(robots) <= max(PREFIX_GRAPH_SIZES), 1)
+        called = [key[1] for key, g in graphs.items() if key != "flow" for _ in range(g.calls)]
+        assert (len(called), graphs["flow"].calls) == (len(robots) <= max(PREFIX_GRAPH_SIZES), 1)
+        longest = max(len(r["image_tokens"]) + len(r["prompt_ids"]) for r in robots.values())
+        assert step == 32 or all(n > -(-longest // PAGE) * PAGE for n in called)
         assert not policy.pool.held
 
 
