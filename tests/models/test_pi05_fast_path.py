@@ -262,6 +262,7 @@ def test_bias_and_rounding_store_are_the_plain_forms_bit_for_bit(dtype) -> None:
     valid = torch.arange(130)[None, :] < torch.tensor([[70], [130]])
     bias = attention_bias(valid, dtype)
     assert bias.dtype == dtype and torch.equal(bias == 0, valid) and torch.isneginf(bias[~valid]).all()
+    assert bias.stride(0) == 144  # 130 keys, rows 16-element aligned
     with torch.no_grad():  # SDPA takes the boolean mask as well, and converts it on every call
         assert torch.equal(attn.attend(q, keys, values, bias), attn.attend(q, keys, values, valid))
     norm = AdaRMSNorm(shape.width, shape.width, shape.rms_norm_eps).to(dtype)

@@ -30,8 +30,11 @@ Modulation = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # an adaRMS norm's
 
 def attention_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Which keys are seen, valid [B, L], as SDPA's additive mask in the queries' `dtype` (0 or -inf): what
-    SDPA makes of a boolean mask on every call (a `where` kernel each), made once for all the calls."""
-    return torch.zeros(valid.shape, dtype=dtype, device=valid.device).masked_fill_(~valid, float("-inf"))
+    SDPA makes of a boolean mask on every call (a `where` kernel each), made once for all the calls. Its rows
+    start 16-element aligned, else the memory-efficient kernel copies it in every call."""
+    width = -(-valid.shape[-1] // 16) * 16
+    bias = torch.zeros((*valid.shape[:-1], width), dtype=dtype, device=valid.device)[..., :valid.shape[-1]]
+    return bias.masked_fill_(~valid, float("-inf"))
 
 
 def rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
