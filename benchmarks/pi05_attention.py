@@ -23,6 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without install
+
+from mstar.models.pi05.gemma import attention_bias  # noqa: E402
+
 CALLS = 180  # 18 layers x 10 Euler steps
 HEADS, DIM, CHUNK, PADDED = 8, 256, 50, 976
 
@@ -36,7 +41,7 @@ def inputs(prefix: int, batch: int) -> dict[str, torch.Tensor]:
 
     valid = torch.ones(batch, keys, dtype=torch.bool, device="cuda")
     valid[:, prefix:PADDED] = False
-    bias = torch.zeros(batch, keys, dtype=torch.bfloat16, device="cuda").masked_fill_(~valid, float("-inf"))
+    bias = attention_bias(valid, torch.bfloat16)  # as the flow makes it: rows 16-element aligned
     return {"q": randn(batch, 1, CHUNK * HEADS, DIM), "k": randn(batch, 1, keys, DIM), "v": randn(batch, 1, keys, DIM),
             "bias": bias[:, None, None, :], "valid": valid}
 
