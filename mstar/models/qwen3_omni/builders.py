@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,11 +34,14 @@ def model_defaults(component: str, spec: Any) -> Any:
 
 
 def build_component(ckpt: OmniCheckpoint, cfg, name: str, device: torch.device,
-                    spec_of: SpecOf = model_defaults) -> BuiltComponent:
-    """The component `name` on `device`, its engine spec from `spec_of`; KeyError lists the components."""
+                    spec_of: SpecOf = model_defaults, quantization: Mapping[str, str] | None = None) -> BuiltComponent:
+    """The component `name` on `device`, its engine spec from `spec_of`, its weights quantized where
+    `quantization` (component -> method; only thinker and talker) says; KeyError lists the components."""
     dtype = cfg.torch_dtype(device)
-    builders = {"thinker": _thinker, "audio_encoder": _audio_encoder, "vision_encoder": _vision_encoder,
-                "talker_input": _talker_input, "talker": _talker,
+    quantization = quantization or {}
+    builders = {"thinker": partial(_thinker, quantization=quantization.get("thinker")),
+                "audio_encoder": _audio_encoder, "vision_encoder": _vision_encoder,
+                "talker_input": _talker_input, "talker": partial(_talker, quantization=quantization.get("talker")),
                 "code_predictor": _code_predictor, "code2wav": _code2wav}
     if name not in builders:
         raise KeyError(f"qwen3_omni has no component {name!r}; components are {list(COMPONENTS)}")
@@ -58,18 +62,19 @@ def _construct(factory, device: torch.device, dtype: torch.dtype) -> torch.nn.Mo
     return module.to(dtype=dtype).eval()
 
 
-def _thinker(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype, spec_of: SpecOf) -> BuiltComponent:
+def _thinker(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype, spec_of: SpecOf,
+             quantization: str | None = None) -> BuiltComponent:
     from mstar.layers.parallel import current_tensor_parallel
     from mstar.models.qwen3_omni.thinker import build_thinker
     from mstar.models.qwen3_omni.weights import load_thinker
 
     tp = current_tensor_parallel()  # one rank's share of a tensor-parallel replica, or None
     if ckpt.root is None:
-        module = build_thinker(ckpt.omni.thinker, dtype, device, tp, cfg.thinker_tp_attention)
+        module = build_thinker(ckpt.omni.thinker, dtype, device, tp, cfg.thinker_tp_attention, quantization)
         _fill_dummy(module, cfg, 1)
     else:
         module = load_thinker(ckpt.root, ckpt.load_format, dtype, device, tp=tp,
-                              split_attention=cfg.thinker_tp_attention)
+                              split_attention=cfg.thinker_tp_attention, quantization=quantization)
     if ckpt.omni.talker is not None:  # a spoken answer's decode steps return these (engine decode graphs)
         module.graph_hidden_layers = (0, ckpt.omni.talker.accept_hidden_layer)
     eos = (ckpt.omni.token_ids["im_end"],)  # the reference's thinker_eos_token_id
@@ -118,17 +123,18 @@ def _talker_spec(ckpt: OmniCheckpoint, cfg, spec_of: SpecOf) -> AutoregressiveSp
                                                 max_batch_tokens=MAX_BATCH_TOKENS, enable_prefix_caching=False))
 
 
-def _talker(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype, spec_of: SpecOf) -> BuiltComponent:
+def _talker(ckpt: OmniCheckpoint, cfg, device: torch.device, dtype: torch.dtype, spec_of: SpecOf,
+            quantization: str | None = None) -> BuiltComponent:
     from mstar.models.qwen3_omni.talker import build_talker
     from mstar.models.qwen3_omni.weights import load_talker
 
     talker_cfg = ckpt.omni.talker
     assert talker_cfg is not None
     if ckpt.root is None:
-        talker = build_talker(talker_cfg, dtype, device)
+        talker = build_talker(talker_cfg, dtype, device, quantization)
         _fill_dummy(talker, cfg, 2)
     else:
-        talker = load_talker(ckpt.root, ckpt.load_format, dtype, device)
+        talker = load_talker(ckpt.root, ckpt.load_format, dtype, device, quantization=quantization)
     return BuiltComponent(CodecTalker(talker), _talker_spec(ckpt, cfg, spec_of))
 
 

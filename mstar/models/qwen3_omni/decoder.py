@@ -3,8 +3,11 @@ qk-normed GQA attention and a sparse MoE (or dense MLP) block."""
 
 from __future__ import annotations
 
+from torch import nn
+
 from mstar.layers.attention import AttentionSpec, HeadShard
 from mstar.layers.decoder import DecoderLayer
+from mstar.layers.fp8 import empty_fp8_linears, method_block, quantizable_linears
 from mstar.layers.mlp import GatedMLP
 from mstar.layers.moe import ExpertShard, SparseMoE
 from mstar.models.qwen3_omni.config import MoETextConfig
@@ -27,3 +30,16 @@ def moe_decoder_layer(config: MoETextConfig, layer_idx: int, sparse: bool, tp: H
     else:
         mlp = GatedMLP(config.hidden_size, config.intermediate_size)
     return DecoderLayer(spec, layer_idx, mlp, tp if split_attention else None)
+
+
+ROUTER_GATES = ("mlp.gate", "mlp.shared_expert_gate")  # routing decisions stay in the model dtype
+
+
+def empty_fp8_layers(layers: nn.ModuleList, quantization: str) -> list[str]:
+    """The attention projections, dense MLPs and shared experts of `layers` (module paths inside it) swapped
+    for empty `Fp8Linear`s of `quantization`'s scales, to be quantized as they load; the routers and the
+    shared expert's gate keep the model dtype (a rounding there can change which experts run), and so do
+    the stacked routed experts, which are not linear layers (`layers/moe.StackedExperts`)."""
+    names = [n for n in quantizable_linears(layers) if not n.endswith(ROUTER_GATES)]
+    empty_fp8_linears(layers, set(names), method_block(quantization))
+    return names

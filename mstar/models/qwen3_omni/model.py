@@ -179,6 +179,9 @@ class Qwen3Omni(Model):
     default_options = {"modalities": ["text"], "voice": "Ethan", "use_audio_in_video": True}
 
     config_class = OmniServeConfig
+    # the decoder layers' dense linears (attention, dense MLPs, the talker's shared experts; builders.py): the
+    # routed experts stay in the model dtype
+    quantizable = ("thinker", "talker")
 
     def graph(self) -> ModelGraph:
         return omni_graph(self.config)
@@ -193,7 +196,7 @@ class Qwen3Omni(Model):
     def build_component(self, name: str, device: torch.device) -> BuiltComponent:
         from mstar.models.qwen3_omni.builders import build_component
 
-        return build_component(self.checkpoint, self.config, name, device, self.engine_spec)
+        return build_component(self.checkpoint, self.config, name, device, self.engine_spec, self.quantization)
 
     def processor(self):
         from mstar.models.qwen3_omni.processor import OmniProcessor

@@ -25,7 +25,7 @@ from mstar.layers.moe import MoEGraphCapture
 from mstar.layers.norm import RMSNorm
 from mstar.models.common.meta import build_on_meta
 from mstar.models.qwen3_omni.config import TalkerConfig
-from mstar.models.qwen3_omni.decoder import moe_decoder_layer
+from mstar.models.qwen3_omni.decoder import empty_fp8_layers, moe_decoder_layer
 from mstar.models.qwen3_omni.mrope import MRotaryEmbedding
 
 
@@ -188,10 +188,19 @@ def _assistant_start(ids: torch.Tensor, token_ids: dict[str, int]) -> int:
 
 
 def build_talker(config: TalkerConfig, dtype: torch.dtype | None = None,
-                 device: str | torch.device = "cpu") -> Qwen3OmniTalker:
-    """A talker in `dtype` (the config's by default) on `device` with UNINITIALISED weights; load next."""
+                 device: str | torch.device = "cpu", quantization: str | None = None) -> Qwen3OmniTalker:
+    """A talker in `dtype` (the config's by default) on `device` with UNINITIALISED weights; load next. With
+    `quantization`, the decoder layers' dense linears are FP8 (`decoder.empty_fp8_layers`), quantized as
+    they load; the thinker-side projections and the codec head stay."""
     dtype = dtype or config.text.dtype
-    model = build_on_meta(lambda: Qwen3OmniTalker(config), dtype, device)
+
+    def make() -> Qwen3OmniTalker:
+        model = Qwen3OmniTalker(config)
+        if quantization is not None:
+            empty_fp8_layers(model.model.layers, quantization)
+        return model
+
+    model = build_on_meta(make, dtype, device)
     assert isinstance(model, Qwen3OmniTalker)
     t = config.text
     model.kv_layout = KVLayout(t.num_layers, t.num_kv_heads, t.head_dim, dtype)

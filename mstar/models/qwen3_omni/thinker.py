@@ -22,7 +22,7 @@ from mstar.layers.moe import MoEGraphCapture
 from mstar.layers.norm import RMSNorm
 from mstar.models.common.meta import build_on_meta
 from mstar.models.qwen3_omni.config import ThinkerConfig
-from mstar.models.qwen3_omni.decoder import moe_decoder_layer
+from mstar.models.qwen3_omni.decoder import empty_fp8_layers, moe_decoder_layer
 from mstar.models.qwen3_omni.mrope import MRotaryEmbedding
 
 DEEPSTACK = "deepstack_embeds"  # item input: deepstack visual features, [m, num_deepstack, H]
@@ -106,11 +106,20 @@ class Qwen3OmniThinker(MoEGraphCapture, CausalLMBase, nn.Module):
 
 
 def build_thinker(config: ThinkerConfig, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                  tp: HeadShard | None = None, split_attention: bool = True) -> Qwen3OmniThinker:
+                  tp: HeadShard | None = None, split_attention: bool = True,
+                  quantization: str | None = None) -> Qwen3OmniThinker:
     """A thinker in `dtype` (the config's by default) on `device` with UNINITIALISED weights (with `tp`,
-    one rank's share); load next."""
+    one rank's share); load next. With `quantization`, the decoder layers' dense linears are FP8
+    (`decoder.empty_fp8_layers` says which), quantized as they load."""
     dtype = dtype or config.text.dtype
-    model = build_on_meta(lambda: Qwen3OmniThinker(config, tp, split_attention), dtype, device)
+
+    def make() -> Qwen3OmniThinker:
+        model = Qwen3OmniThinker(config, tp, split_attention)
+        if quantization is not None:
+            empty_fp8_layers(model.model.layers, quantization)
+        return model
+
+    model = build_on_meta(make, dtype, device)
     assert isinstance(model, Qwen3OmniThinker)
     model.tie_weights()
     t = config.text
