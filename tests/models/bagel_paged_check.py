@@ -46,7 +46,7 @@ def decode(llm, backend: str, ids: list[torch.Tensor], prompts: tuple[int, ...],
             out.append(lm.logits(lm(lm.embed_tokens(tokens), positions, Routing(), attn)))
             attn.commit((positions + 1).tolist())
             continue
-        rows, rope = component.describe_decode(contexts, tokens.tolist(), pad_to)
+        rows, rope = component.decode_rows(contexts, tokens.tolist(), pad_to)
         padding = torch.full((pad_to - len(prompts),), 5)
         hidden = component.decode_plan().fn(torch.cat([rows, padding]), torch.cat([rope, padding]))
         out.append(lm.logits(hidden[: len(prompts)]))

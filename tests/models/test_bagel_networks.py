@@ -234,7 +234,7 @@ def test_a_prefix_view_shares_pages_and_reads_what_a_copy_would(llm_pair):
 @torch.no_grad()
 def test_the_decode_plan_run_eagerly_equals_the_packed_forward(llm_pair):
     """The decode step the stateless engine captures in CUDA graphs (`LLMComponent.decode_plan`), run eagerly
-    over rows `describe_decode` described, gives the packed forward's hidden states for the same tokens over
+    over rows `decode_rows` described, gives the packed forward's hidden states for the same tokens over
     equal contexts of different lengths, step after step; on a CPU pool nothing is captured."""
     from mstar.models.bagel.components import LLMComponent
     from mstar.models.bagel.config import TokenIds
@@ -256,7 +256,7 @@ def test_the_decode_plan_run_eagerly_equals_the_packed_forward(llm_pair):
     for step in range(2):
         tokens = [int(x[n + step]) for x, n in zip(ids, prompts, strict=True)]
         want = run(llm, [(c, component.queries.text([t], c.rope)) for c, t in zip(packed, tokens, strict=True)])
-        got = plan.fn(*component.describe_decode(planned, tokens))
+        got = plan.fn(*component.decode_rows(planned, tokens))
         for context in planned:
             context.commit(1, context.rope + 1)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

@@ -20,7 +20,7 @@ from mstar.engines.grammar import GrammarMatcher, Grammars, constrain
 from mstar.engines.sampling import SamplingParams, SamplingRow, sample
 from mstar.models.bagel import flow
 from mstar.models.bagel.config import BagelConfig, TokenIds
-from mstar.models.bagel.context import KVContext
+from mstar.models.bagel.context import KVContext, describe_decode
 from mstar.models.bagel.embeddings import patchify, unpatchify
 from mstar.models.bagel.llm import BagelLLM, Routing
 from mstar.models.bagel.plan import VAE, decode_segments, extent, shared_prefix
@@ -177,7 +177,7 @@ class LLMComponent(StatelessBase, nn.Module):
 
     def decode_plan(self) -> CapturePlan:
         """The understanding expert's decode step (`decode_step`) as its engine captures it in CUDA graphs: one
-        token id and rope position per row; the pool's decode buffers describe the rows (`describe_decode`),
+        token id and rope position per row; the pool's decode buffers describe the rows (`decode_rows`),
         rows past the batch attend nothing and store nothing."""
         def blank(rows: int) -> None:
             self.pool.prepare_decode([0] * rows, torch.full((rows,), -1, dtype=torch.int64),
@@ -217,7 +217,7 @@ class LLMComponent(StatelessBase, nn.Module):
         """A decode batch replayed from the graph of the smallest captured size that holds it."""
         contexts = [self._context(i.request_id, "full") for i in items]
         rows = next(s for s in self.graphs.sizes("decode") if s >= len(items))
-        ids, positions = self.describe_decode(contexts, [int(i.inputs["token"].reshape(-1)[0]) for i in items], rows)
+        ids, positions = self.decode_rows(contexts, [int(i.inputs["token"].reshape(-1)[0]) for i in items], rows)
         device = self.llm.language_model.embed_tokens.weight.device
         (hidden,) = self.graphs.replay("decode", to_device_async(ids, device), to_device_async(positions, device))
         for context in contexts:
@@ -226,15 +226,11 @@ class LLMComponent(StatelessBase, nn.Module):
         self._sample(items, list(enumerate(hidden)), out)
         return out
 
-    def describe_decode(self, contexts: list[KVContext], tokens: list[int],
-                         rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_rows(self, contexts: list[KVContext], tokens: list[int],
+                    rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Reserve each context's next slot and describe the rows to the pool's decode attention (padded to
         `rows`); the host (ids, rope positions) [B] of `decode_step`. The caller commits the contexts after."""
-        slots = torch.cat([c.reserve(1) for c in contexts])
-        tables = torch.zeros((len(contexts), max(len(c.pages) for c in contexts)), dtype=torch.int32)
-        for row, c in zip(tables, contexts, strict=True):
-            row[: len(c.pages)] = torch.tensor(c.pages, dtype=torch.int32)
-        self.pool.prepare_decode([c.length + 1 for c in contexts], slots, tables, pad_to=rows)
+        describe_decode(contexts, torch.cat([c.reserve(1) for c in contexts]), rows)
         return torch.tensor(tokens, dtype=torch.long), torch.tensor([c.rope for c in contexts], dtype=torch.long)
 
     def _forward(self, items: list[StepItem], planned: list[tuple[int, KVContext, Query]], out: list[dict]) -> None:

@@ -135,6 +135,7 @@ class PackedAttention:
             self.bounds.append(self.bounds[-1] + spec.num_tokens)
         self.decoding = [i for i, spec in enumerate(specs) if _decodes(spec)]
         self.others = [i for i, spec in enumerate(specs) if not _decodes(spec)]
+        self._decoders = [c for c in (specs[i].context for i in self.decoding) if c is not None]
         # every storing sequence's slots, on the host; on the device once the first layer needs them
         self._slots = {i: spec.context.reserve(spec.num_tokens) for i, spec in enumerate(specs)
                        if spec.store and spec.context is not None}
@@ -161,17 +162,10 @@ class PackedAttention:
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The decoding sequences' rows q [B, Hq, D], k/v [B, Hkv, D] through the pool's paged decode
         attention: each row's new key and value stored at its slot, its pages read where they are."""
-        contexts = [self.specs[i].context for i in self.decoding]
-        pool = contexts[0].pool
         if not self._prepared:
-            width = max(len(c.pages) for c in contexts)
-            tables = torch.zeros((len(contexts), width), dtype=torch.int32)
-            for row, c in zip(tables, contexts, strict=True):
-                row[: len(c.pages)] = torch.tensor(c.pages, dtype=torch.int32)
-            pool.prepare_decode([c.length + 1 for c in contexts], torch.cat([self._slots[i] for i in self.decoding]),
-                                tables)
+            describe_decode(self._decoders, torch.cat([self._slots[i] for i in self.decoding]))
             self._prepared = True
-        return pool.decode(layer, q, k, v)
+        return self._decoders[0].pool.decode(layer, q, k, v)
 
     def _one(self, i: int, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Sequence `i` alone: q [n, Hq, D] over its context and its k/v [n, Hkv, D]."""
@@ -197,6 +191,15 @@ class PackedAttention:
         for spec, rope in zip(self.specs, ropes, strict=True):
             if spec.store and spec.context is not None:
                 spec.context.commit(spec.num_tokens, rope)
+
+
+def describe_decode(contexts: list[KVContext], slots: torch.Tensor, pad_to: int | None = None) -> None:
+    """Describe to the pool's decode attention one new token per context (stored at `slots` [B], reserved)
+    over its pages, the rows padded to `pad_to` (a captured graph's size)."""
+    tables = torch.zeros((len(contexts), max(len(c.pages) for c in contexts)), dtype=torch.int32)
+    for row, context in zip(tables, contexts, strict=True):
+        row[: len(context.pages)] = torch.tensor(context.pages, dtype=torch.int32)
+    contexts[0].pool.prepare_decode([c.length + 1 for c in contexts], slots, tables, pad_to=pad_to)
 
 
 def _decodes(spec: QuerySpec) -> bool:
