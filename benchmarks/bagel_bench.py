@@ -147,7 +147,7 @@ def profile_steps(m, args: argparse.Namespace) -> dict[str, Any]:
     """Top-25 op tables of one decode step at the highest concurrency and one text-to-image denoising step."""
     profiler = StepProfiler(m.runtime.workers[0].engines["llm"].module, args.device.type == "cuda")
     concurrency, out = max(args.concurrency), {}
-    profiler.expect("decode", concurrency, skip=2)  # past the first steps' buffer growth
+    profiler.expect("decode", concurrency, skip=2)  # past the first steps' first-call kernel choices
     understanding_case(m, args, concurrency, max(*args.tokens, 16))  # requests that start apart still meet
     out[f"decode_c{concurrency}"] = profiler.found or {"table": "no decode step of that size ran"}
     profiler.expect("denoise", None, skip=1)
