@@ -1,6 +1,7 @@
 """Pi0.5 per stage (asserts nothing): the median time of each of vision, prefix and flow at full size (dummy
 weights, bf16, three cameras), the components called directly with a synchronize after each stage, with
-their CUDA graphs and eagerly, at a few batch sizes; which prefix bucket the prompt ran in.
+their CUDA graphs and eagerly, at a few batch sizes; which prefix bucket the prompt ran in; how long capturing
+the graphs took and the memory it reserved.
 
     python3 benchmarks/pi05_stages.py --out $OUT/pi05_stages.json
     python3 benchmarks/pi05_stages.py --quick   # the tiny policy on CPU, eager only (smoke test)
@@ -105,8 +106,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for mode in modes:
         if mode == "graphs":
             camera_sizes = [1, *(len(cfg.cameras) * n for n in (1, 2, 4, 8))]
+            reserved, started = torch.cuda.memory_reserved(device), time.perf_counter()
             capture_step_graphs(vision, camera_sizes, device)
             capture_step_graphs(policy, [1, 2, 4, 8, 16], device)
+            doc["capture"] = {"seconds": time.perf_counter() - started, "graphs": len(policy.graphs.keys()) + 1,
+                              "reserved_mib": (torch.cuda.memory_reserved(device) - reserved) / 2**20}
+            print(f"captured: {doc['capture']}", flush=True)
         else:
             vision.graphs = policy.graphs = StepGraphs()
         for batch in args.batch:
