@@ -68,9 +68,9 @@ def small_config(hidden: int, intermediate: int, element_size: int) -> SmallMoEC
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, INTER, K, stride_xt, stride_we, stride_wn,
+def _gate_up_kernel(x_ptr, w_ptr, s_ptr, ids_ptr, h_ptr, INTER, K, stride_xt, stride_we, stride_wn, stride_se,
                     TOP_K: tl.constexpr, K_CHUNKS: tl.constexpr, EVEN_K: tl.constexpr, BROADCAST_X: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                    SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     s = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -98,16 +98,22 @@ def _gate_up_kernel(x_ptr, w_ptr, ids_ptr, h_ptr, INTER, K, stride_xt, stride_we
         acc_gate += xf * g.to(tl.float32)
         acc_up += xf * u.to(tl.float32)
     dtype = h_ptr.dtype.element_ty
-    gate = tl.sum(acc_gate, axis=1).to(dtype).to(tl.float32)  # the gate_up matmul's output is rounded
-    up = tl.sum(acc_up, axis=1).to(dtype).to(tl.float32)
+    gate = tl.sum(acc_gate, axis=1)
+    up = tl.sum(acc_up, axis=1)
+    if SCALED:  # FP8 weights: each row's scale applied to its float32 sum
+        s_row = s_ptr + e * stride_se + tl.minimum(rn, INTER - 1)
+        gate = gate * tl.load(s_row)
+        up = up * tl.load(s_row + INTER)
+    gate = gate.to(dtype).to(tl.float32)  # the gate_up matmul's output is rounded
+    up = up.to(dtype).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu rounds to the input dtype
     tl.store(h_ptr + s * INTER + rn, (act * up).to(dtype), mask=rn < INTER)  # and so does silu(gate) * up
 
 
 @triton.jit
-def _down_kernel(h_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, H, INTER, stride_we, stride_wn, stride_ot,
+def _down_kernel(h_ptr, w_ptr, s_ptr, ids_ptr, rw_ptr, out_ptr, H, INTER, stride_we, stride_wn, stride_se, stride_ot,
                  TOP_K: tl.constexpr, SLOTS: tl.constexpr, K_CHUNKS: tl.constexpr, EVEN_K: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                 SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     t = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -132,7 +138,10 @@ def _down_kernel(h_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, H, INTER, stride_we, st
             w = tl.load(w_ptrs + k, mask=mask, other=0.0)
         acc += h.to(tl.float32) * w.to(tl.float32)
     dtype = out_ptr.dtype.element_ty
-    y = tl.sum(acc, axis=2).to(dtype).to(tl.float32)  # [SLOTS, BLOCK_N]: each slot's down matmul, rounded
+    y = tl.sum(acc, axis=2)  # [SLOTS, BLOCK_N]: each slot's down matmul
+    if SCALED:  # FP8 weights: each row's scale applied to its float32 sum
+        y = y * tl.load(s_ptr + e[:, None] * stride_se + tl.minimum(rn, H - 1)[None, :])
+    y = y.to(dtype).to(tl.float32)  # rounded
     rw = tl.load(rw_ptr + slots, mask=real, other=0.0).to(tl.float32)
     weighted = (y * rw[:, None]).to(dtype).to(tl.float32)  # `y * w` rounded
     total = tl.sum(tl.where(real[:, None], weighted, 0.0), axis=0)  # fp32 over the slots, one rounding
@@ -140,27 +149,40 @@ def _down_kernel(h_ptr, w_ptr, ids_ptr, rw_ptr, out_ptr, H, INTER, stride_we, st
 
 
 def experts_layout(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, ids: torch.Tensor,
-                   caller: str) -> tuple[int, int, int, int, int]:
+                   caller: str, gate_up_scale: torch.Tensor | None = None,
+                   down_scale: torch.Tensor | None = None) -> tuple[int, int, int, int, int]:
     """(T, H, top_k, E, I) of an experts call, asserting what the MoE kernels read: gate_up_proj [E, 2I, H]
-    and down_proj [E, H, I] with unit last strides, in x's dtype."""
+    and down_proj [E, H, I] with unit last strides, in x's dtype, or FP8 (float8_e4m3fn) with float32
+    row scales gate_up_scale [E, 2I] and down_scale [E, H] (unit last stride)."""
     t, hidden = x.shape
     experts, two_i, _ = gate_up_proj.shape
     inter = two_i // 2
     assert gate_up_proj.shape == (experts, 2 * inter, hidden) and down_proj.shape == (experts, hidden, inter)
     assert gate_up_proj.stride(2) == 1 and down_proj.stride(2) == 1, f"{caller}: experts need a unit K stride"
-    assert gate_up_proj.dtype == down_proj.dtype == x.dtype, f"{caller}: x and the experts share a dtype"
+    if gate_up_scale is None:
+        assert gate_up_proj.dtype == down_proj.dtype == x.dtype, f"{caller}: x and the experts share a dtype"
+    else:
+        assert gate_up_proj.dtype == down_proj.dtype == torch.float8_e4m3fn and down_scale is not None
+        assert gate_up_scale.shape == (experts, 2 * inter) and down_scale.shape == (experts, hidden)
+        assert gate_up_scale.stride(1) == down_scale.stride(1) == 1, f"{caller}: scales need a unit last stride"
     return t, hidden, ids.shape[1], experts, inter
 
 
 def experts_small(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, ids: torch.Tensor,
-                  weights: torch.Tensor, config: SmallMoEConfig | None = None) -> torch.Tensor:
+                  weights: torch.Tensor, config: SmallMoEConfig | None = None,
+                  gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x [T, H] -> [T, H] in x's dtype.
 
     gate_up_proj [E, 2I, H] (rows [0, I) gate, [I, 2I) up), down_proj [E, H, I], both with unit last
-    stride and in x's dtype (bfloat16, float16 or float32); ids [T, k] (int64 from topk), weights
+    stride and in x's dtype (bfloat16, float16 or float32), or FP8 with their row scales (`experts_layout`:
+    each row's float32 sum times its scale, then rounded as before); ids [T, k] (int64 from topk), weights
     [T, k]. Rounded like `experts_grouped`; capturable in a CUDA graph.
     """
-    t, hidden, top_k, _, inter = experts_layout(x, gate_up_proj, down_proj, ids, "experts_small")
+    t, hidden, top_k, _, inter = experts_layout(x, gate_up_proj, down_proj, ids, "experts_small",
+                                                gate_up_scale, down_scale)
+    scaled = gate_up_scale is not None
+    gate_up_scale = gate_up_scale if scaled else x  # an unread placeholder pointer
+    down_scale = down_scale if scaled else x
     x = x if x.stride(1) == 1 else x.contiguous()
     cfg = config or small_config(hidden, inter, x.element_size())
     ids, weights = ids.contiguous(), weights.contiguous()
@@ -170,15 +192,17 @@ def experts_small(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.
         return out
     pdl = pdl_args(x.device)
     _gate_up_kernel[(t * top_k, triton.cdiv(inter, cfg.gate_up_block_n))](
-        x, gate_up_proj, ids, h, inter, hidden, x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
+        x, gate_up_proj, gate_up_scale, ids, h, inter, hidden, x.stride(0), gate_up_proj.stride(0),
+        gate_up_proj.stride(1), gate_up_scale.stride(0),
         TOP_K=top_k, K_CHUNKS=triton.cdiv(hidden, cfg.gate_up_block_k), EVEN_K=hidden % cfg.gate_up_block_k == 0,
-        BROADCAST_X=cfg.gate_up_block_k >= 16 // x.element_size() * 32 * cfg.num_warps,
+        BROADCAST_X=cfg.gate_up_block_k >= 16 // x.element_size() * 32 * cfg.num_warps, SCALED=scaled,
         BLOCK_N=cfg.gate_up_block_n, BLOCK_K=cfg.gate_up_block_k, num_warps=cfg.num_warps, **pdl,
     )
     _down_kernel[(t, triton.cdiv(hidden, cfg.down_block_n))](
-        h, down_proj, ids, weights, out, hidden, inter, down_proj.stride(0), down_proj.stride(1), out.stride(0),
+        h, down_proj, down_scale, ids, weights, out, hidden, inter, down_proj.stride(0), down_proj.stride(1),
+        down_scale.stride(0), out.stride(0),
         TOP_K=top_k, SLOTS=triton.next_power_of_2(top_k), K_CHUNKS=triton.cdiv(inter, cfg.down_block_k),
-        EVEN_K=inter % cfg.down_block_k == 0,
+        EVEN_K=inter % cfg.down_block_k == 0, SCALED=scaled,
         BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, num_warps=cfg.num_warps, **pdl,
     )
     return out

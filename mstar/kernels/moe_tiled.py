@@ -87,10 +87,10 @@ def _slots_kernel(ids_ptr, slots_ptr, counts_ptr, num_slots, first, S_PAD: tl.co
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, slots_ptr, counts_ptr, h_ptr, INTER, K, stride_xt, stride_we, stride_wn,
-                    stride_se, TOP_K: tl.constexpr, K_CHUNKS: tl.constexpr, EVEN_K: tl.constexpr,
-                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PDL: tl.constexpr):
+def _gate_up_kernel(x_ptr, w_ptr, sc_ptr, slots_ptr, counts_ptr, h_ptr, INTER, K, stride_xt, stride_we, stride_wn,
+                    stride_sce, stride_se, TOP_K: tl.constexpr, K_CHUNKS: tl.constexpr, EVEN_K: tl.constexpr,
+                    IEEE: tl.constexpr, SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     e = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -120,12 +120,20 @@ def _gate_up_kernel(x_ptr, w_ptr, slots_ptr, counts_ptr, h_ptr, INTER, K, stride
                 x = tl.load(x_ptrs + k, mask=kin[:, None] & valid[None, :], other=0.0)
                 g = tl.load(gate_ptrs + k, mask=kin[None, :], other=0.0)
                 u = tl.load(up_ptrs + k, mask=kin[None, :], other=0.0)
+            if SCALED:  # FP8 weights: both sides widened to float32 (exact in TF32: E4M3 and bfloat16 fit its
+                g = g.to(tl.float32)  # 10-bit mantissa), the row scales applied after the sum
+                u = u.to(tl.float32)
+                x = x.to(tl.float32)
             if IEEE:
                 acc_gate = tl.dot(g, x, acc_gate, input_precision="ieee")
                 acc_up = tl.dot(u, x, acc_up, input_precision="ieee")
             else:
                 acc_gate = tl.dot(g, x, acc_gate)
                 acc_up = tl.dot(u, x, acc_up)
+        if SCALED:
+            s_rows = sc_ptr + e.to(tl.int64) * stride_sce + tl.minimum(rn, INTER - 1)
+            acc_gate = acc_gate * tl.load(s_rows)[:, None]
+            acc_up = acc_up * tl.load(s_rows + INTER)[:, None]
         gate = acc_gate.to(dtype).to(tl.float32)  # the gate_up matmul's output is rounded
         up = acc_up.to(dtype).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # F.silu rounds to the input dtype
@@ -135,8 +143,8 @@ def _gate_up_kernel(x_ptr, w_ptr, slots_ptr, counts_ptr, h_ptr, INTER, K, stride
 
 
 @triton.jit
-def _down_kernel(h_ptr, w_ptr, slots_ptr, counts_ptr, y_ptr, H, INTER, stride_we, stride_wn, stride_se,
-                 K_CHUNKS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr,
+def _down_kernel(h_ptr, w_ptr, sc_ptr, slots_ptr, counts_ptr, y_ptr, H, INTER, stride_we, stride_wn, stride_sce,
+                 stride_se, K_CHUNKS: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, SCALED: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     e = tl.program_id(0)
@@ -162,10 +170,15 @@ def _down_kernel(h_ptr, w_ptr, slots_ptr, counts_ptr, y_ptr, H, INTER, stride_we
                 kin = k + rk < INTER
                 h = tl.load(h_ptrs + k, mask=kin[:, None] & valid[None, :], other=0.0)
                 w = tl.load(w_ptrs + k, mask=kin[None, :], other=0.0)
+            if SCALED:  # as in the gate_up kernel
+                w = w.to(tl.float32)
+                h = h.to(tl.float32)
             if IEEE:
                 acc = tl.dot(w, h, acc, input_precision="ieee")
             else:
                 acc = tl.dot(w, h, acc)
+        if SCALED:
+            acc = acc * tl.load(sc_ptr + e.to(tl.int64) * stride_sce + tl.minimum(rn, H - 1))[:, None]
         tl.store(y_ptr + slot[None, :] * H + rn[:, None], acc.to(dtype),  # the down matmul's output, rounded
                  mask=valid[None, :] & (rn < H)[:, None])
         m0 += BLOCK_M
@@ -191,14 +204,22 @@ def _combine_kernel(y_ptr, ids_ptr, rw_ptr, out_ptr, H, first, local, stride_ot,
 
 
 def experts_tiled(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, ids: torch.Tensor,
-                  weights: torch.Tensor, first: int = 0, config: TiledMoEConfig | None = None) -> torch.Tensor:
+                  weights: torch.Tensor, first: int = 0, config: TiledMoEConfig | None = None,
+                  gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x [T, H] -> [T, H] in x's dtype, over the experts
     held here: gate_up_proj [E, 2I, H] (rows [0, I) gate, [I, 2I) up) and down_proj [E, H, I] are experts
     [first, first + E) of the block (all of them unless expert-parallel); ids [T, k] are global expert ids
     (distinct within a token, as top-k gives them), weights [T, k]. Slots routed elsewhere add nothing.
-    Weights with unit last stride, in x's dtype (bfloat16, float16 or float32). Capturable in a CUDA graph.
+    Weights with unit last stride, in x's dtype (bfloat16, float16 or float32), or FP8 with their row scales
+    (`moe_small.experts_layout`; each E4M3 tile and its activations are widened to float32 for the dot,
+    TF32 on CUDA, which holds E4M3 and bfloat16 values exactly; each row's float32 sum is scaled, then rounded
+    as before). Capturable in a CUDA graph.
     """
-    t, hidden, top_k, local, inter = experts_layout(x, gate_up_proj, down_proj, ids, "experts_tiled")
+    t, hidden, top_k, local, inter = experts_layout(x, gate_up_proj, down_proj, ids, "experts_tiled",
+                                                    gate_up_scale, down_scale)
+    scaled = gate_up_scale is not None
+    gate_up_scale = gate_up_scale if scaled else x  # an unread placeholder pointer
+    down_scale = down_scale if scaled else x
     num_slots = t * top_k
     if num_slots > MAX_SLOTS:
         raise ValueError(f"experts_tiled takes at most {MAX_SLOTS} (token, expert) slots, got {t} x {top_k}")
@@ -217,15 +238,15 @@ def experts_tiled(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.
     ieee = x.dtype == torch.float32
     _slots_kernel[(local,)](ids, slots, counts, num_slots, first, S_PAD=s_pad, num_warps=4, **pdl)
     _gate_up_kernel[(local, triton.cdiv(inter, cfg.gate_up_block_n))](
-        x, gate_up_proj, slots, counts, h, inter, hidden, x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
-        s_pad, TOP_K=top_k, K_CHUNKS=triton.cdiv(hidden, cfg.gate_up_block_k),
-        EVEN_K=hidden % cfg.gate_up_block_k == 0, IEEE=ieee, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gate_up_block_n,
+        x, gate_up_proj, gate_up_scale, slots, counts, h, inter, hidden, x.stride(0), gate_up_proj.stride(0),
+        gate_up_proj.stride(1), gate_up_scale.stride(0), s_pad, TOP_K=top_k, K_CHUNKS=triton.cdiv(hidden, cfg.gate_up_block_k),
+        EVEN_K=hidden % cfg.gate_up_block_k == 0, IEEE=ieee, SCALED=scaled, BLOCK_M=cfg.block_m, BLOCK_N=cfg.gate_up_block_n,
         BLOCK_K=cfg.gate_up_block_k, num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages, **pdl,
     )
     _down_kernel[(local, triton.cdiv(hidden, cfg.down_block_n))](
-        h, down_proj, slots, counts, y, hidden, inter, down_proj.stride(0), down_proj.stride(1), s_pad,
-        K_CHUNKS=triton.cdiv(inter, cfg.down_block_k), EVEN_K=inter % cfg.down_block_k == 0,
-        IEEE=ieee, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
+        h, down_proj, down_scale, slots, counts, y, hidden, inter, down_proj.stride(0), down_proj.stride(1),
+        down_scale.stride(0), s_pad, K_CHUNKS=triton.cdiv(inter, cfg.down_block_k), EVEN_K=inter % cfg.down_block_k == 0,
+        IEEE=ieee, SCALED=scaled, BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k,
         num_warps=cfg.down_warps, num_stages=cfg.down_stages, **pdl,
     )
     _combine_kernel[(t, triton.cdiv(hidden, cfg.combine_block))](

@@ -11,7 +11,9 @@ read each slot's expert through the ids; decode batches of a few tokens), "tiled
 each routed expert's weights read once against all its tokens on the tensor cores; decode batches of
 tens of tokens), "grouped" (tokens sorted by expert, two `torch._grouped_mm`; CUDA bf16) and "loop"
 (one gated MLP per routed expert; the reference, syncs the host). `pick_path` chooses;
-`SparseMoE.force_path` overrides.
+`SparseMoE.force_path` overrides. FP8 experts (`StackedExperts.to_fp8`) run the small and tiled kernels
+(row scales applied to their float32 sums) and, where "grouped" would serve, the tiled kernels over
+chunks of tokens (there is no FP8 grouped matmul here); the loop dequantizes one expert at a time.
 
 Expert parallelism (`ExpertShard`): each rank of a group holds an equal, contiguous share of the experts;
 the router runs whole on every rank, each rank computes its own experts' share of every token (slots
@@ -110,7 +112,12 @@ class ExpertShard:
 
 class StackedExperts(nn.Module):
     """The weights of all experts, stacked on dim 0 (HF transformers 5 names: gate_up_proj, down_proj);
-    with `num_experts`, only that many (an expert-parallel rank's share)."""
+    with `num_experts`, only that many (an expert-parallel rank's share).
+
+    After `to_fp8` the weights are E4M3 with one float32 scale per output row of each expert
+    (`gate_up_scale` [E, 2I], `down_scale` [E, H]; W ~ q * s as `layers/fp8.quantize_per_channel` gives
+    them): loading quantizes them row by row as they arrive (`models/common/loading`); the Triton paths
+    apply the scale to their float32 sums, the loop path dequantizes one expert at a time."""
 
     def __init__(self, spec: MoESpec, num_experts: int | None = None) -> None:
         super().__init__()
@@ -118,6 +125,37 @@ class StackedExperts(nn.Module):
         self.intermediate_size = i
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))  # rows [0, I): gate, [I, 2I): up
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.register_parameter("gate_up_scale", None)
+        self.register_parameter("down_scale", None)
+        self.source_dtype = self.gate_up_proj.dtype  # the dtype the FP8 weights stand for
+
+    @property
+    def fp8(self) -> bool:
+        return self.gate_up_scale is not None
+
+    def to_fp8(self) -> None:
+        """Replace the weights by empty E4M3 ones and add their row scales (on the meta device, before the
+        module is materialised and loaded)."""
+        from mstar.layers.fp8 import FP8_DTYPE
+
+        self.source_dtype = self.gate_up_proj.dtype
+        for name in ("gate_up_proj", "down_proj"):
+            weight = getattr(self, name)
+            setattr(self, name, nn.Parameter(torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device),
+                                             requires_grad=False))
+            setattr(self, name.removesuffix("_proj") + "_scale", nn.Parameter(
+                torch.empty(weight.shape[:-1], dtype=torch.float32, device=weight.device), requires_grad=False))
+
+    def row_scales(self) -> dict[str, str]:
+        """FP8 weight name -> its scale's name (empty before `to_fp8`)."""
+        return {"gate_up_proj": "gate_up_scale", "down_proj": "down_scale"} if self.fp8 else {}
+
+    def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up [2I, H], down [H, I]) in `dtype` (FP8: q * s in float32, rounded once)."""
+        if not self.fp8:
+            return self.gate_up_proj[e], self.down_proj[e]
+        gate_up = self.gate_up_proj[e].float() * self.gate_up_scale[e, :, None]
+        return gate_up.to(dtype), (self.down_proj[e].float() * self.down_scale[e, :, None]).to(dtype)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,8 +189,9 @@ def experts_loop(x: torch.Tensor, experts: StackedExperts, ids: torch.Tensor, we
     for e in torch.unique(flat).tolist():
         slots = torch.nonzero(flat == e).squeeze(1)
         tokens = slots // top_k
-        gate, up = F.linear(x[tokens], experts.gate_up_proj[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, experts.down_proj[e])
+        gate_up_proj, down_proj = experts.expert(e, x.dtype)
+        gate, up = F.linear(x[tokens], gate_up_proj).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down_proj)
         out.index_add_(0, tokens, (y * weights.flatten()[slots, None]).to(out.dtype))
     return out
 
@@ -220,7 +259,9 @@ def moe_graph_capturable(model: nn.Module) -> bool:
     for moe in (m for m in model.modules() if isinstance(m, SparseMoE)):
         w = moe.experts.gate_up_proj
         forced = moe.force_path
-        if forced == "loop" or (forced is None and not grouped_mm_usable(w)):
+        # FP8 experts take the tiled kernels where grouped_mm would serve (`SparseMoE._on_path`)
+        large = (w.is_cuda and _TILED.usable) if moe.experts.fp8 else grouped_mm_usable(w)
+        if forced == "loop" or (forced is None and not large):
             return False
     return True
 
@@ -287,23 +328,22 @@ class SparseMoE(nn.Module):
         path = self.force_path or pick_path(x, self.spec.top_k)
         if path not in PATHS:
             raise ValueError(f"unknown MoE path {path!r}; use one of {PATHS} (or None: picked per batch)")
+        if path == "grouped" and self.experts.fp8:  # no FP8 grouped_mm here: the tiled kernels, in chunks
+            path = "tiled" if _TILED.usable and FUSED.ops_for(x) is not None else "loop"
         if path == "tiled":
-            def tiled() -> torch.Tensor:
-                from mstar.kernels.moe_tiled import experts_tiled
-
-                first = self.shard.first if self.shard is not None else 0
-                return experts_tiled(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights, first)
-
             if self.force_path == "tiled":
-                return tiled()
-            return _TILED.run(tiled, lambda: self.run_experts(x, ids, weights))  # picked anew: not "tiled"
+                return self._tiled(x, ids, weights)
+            return _TILED.run(lambda: self._tiled(x, ids, weights),
+                              lambda: self.run_experts(x, ids, weights))  # picked anew: not "tiled"
         if self.shard is not None:
             ids, weights = self.shard.localize(ids, weights)
         if path == "small":
             def small() -> torch.Tensor:
                 from mstar.kernels.moe_small import experts_small
 
-                return experts_small(x, self.experts.gate_up_proj, self.experts.down_proj, ids, weights)
+                e = self.experts
+                return experts_small(x, e.gate_up_proj, e.down_proj, ids, weights,
+                                     gate_up_scale=e.gate_up_scale, down_scale=e.down_scale)
 
             if self.force_path == "small":
                 return small()
@@ -311,7 +351,19 @@ class SparseMoE(nn.Module):
             return _SMALL.run(small, lambda: self._on_path(path, x, ids, weights))
         return self._on_path(path, x, ids, weights)
 
+    def _tiled(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The tiled kernels over x's tokens, as many at a time as one call takes (FP8 experts run
+        batches larger than TILED_MAX_SLOTS here too)."""
+        from mstar.kernels.moe_tiled import MAX_SLOTS, experts_tiled
+
+        first = self.shard.first if self.shard is not None else 0
+        e, step = self.experts, max(1, MAX_SLOTS // self.spec.top_k)
+        parts = [experts_tiled(x[i:i + step], e.gate_up_proj, e.down_proj, ids[i:i + step], weights[i:i + step],
+                               first, gate_up_scale=e.gate_up_scale, down_scale=e.down_scale)
+                 for i in range(0, max(x.shape[0], 1), step)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
     def _on_path(self, path: str, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if path == "grouped":
+        if path == "grouped" and not self.experts.fp8:
             return experts_grouped(x, self.experts, ids, weights)
         return experts_loop(x, self.experts, ids, weights)

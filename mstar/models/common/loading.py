@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mstar.layers.fp8 import FP8_DTYPE, Fp8Linear
+from mstar.layers.fp8 import FP8_DTYPE, Fp8Linear, quantize_per_channel
 
 logger = logging.getLogger(__name__)
 
@@ -177,18 +177,28 @@ def load_named_tensors(
                 unexpected.append(name)
                 continue
             data = staging.buffer(param_name, tensor) if staging.takes(param_name, tensor) else params[param_name].data
-            dst = data[where : where + tensor.shape[0]] if isinstance(where, int) else data[where]
+            dst = _at(data, where, tensor)
             if dst.shape != tensor.shape:
                 raise ValueError(
                     f"checkpoint tensor {name} has shape {tuple(tensor.shape)} but {param_name}"
                     f"[{where}] expects {tuple(dst.shape)}: config.json does not match the weights"
                 )
-            dst.copy_(tensor)
+            if staging.takes_rows(param_name, tensor):
+                scale_name = staging.copy_rows(param_name, dst, _at(params[staging.rows[param_name]].data, where, tensor),
+                                               tensor)
+                filled[scale_name] += tensor[..., 0].numel()
+            else:
+                dst.copy_(tensor)
             filled[param_name] += tensor.numel()
             if staging.takes(param_name, tensor) and filled[param_name] == data.numel():
                 scale_name = staging.quantize(param_name)
                 filled[scale_name] = params[scale_name].numel()
     _check_filled(params, filled, unexpected)
+
+
+def _at(data: torch.Tensor, where: Any, tensor: torch.Tensor) -> torch.Tensor:
+    """The part of `data` a mapper's `where` names: rows from an offset, or an index."""
+    return data[where : where + tensor.shape[0]] if isinstance(where, int) else data[where]
 
 
 def _check_filled(params: dict[str, nn.Parameter], filled: dict[str, int], unexpected: list[str]) -> None:
@@ -206,11 +216,34 @@ class _QuantizeOnLoad:
     buffer of its `source_dtype` on its device and quantized into it (`Fp8Linear.set_weight`) once complete,
     then the buffer is freed. Checkpoints hold a layer's parts together, so about one layer is buffered at a
     time: the device holds the FP8 model plus one layer, never a full-precision model. An FP8 tensor (an FP8
-    checkpoint, `fp8_checkpoint`) goes straight into the weight instead."""
+    checkpoint, `fp8_checkpoint`) goes straight into the weight instead.
+
+    FP8 stacked MoE experts (`StackedExperts.to_fp8`) have one scale per row, so each checkpoint tensor's
+    rows are quantized as they arrive (`copy_rows`), with no buffer."""
 
     def __init__(self, model: nn.Module) -> None:
+        from mstar.layers.moe import StackedExperts
+
         self.layers = {_join(name, "weight"): m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
         self.buffers: dict[str, torch.Tensor] = {}
+        experts = [(name, m) for name, m in model.named_modules() if isinstance(m, StackedExperts)]
+        self.rows = {_join(name, w): _join(name, s) for name, m in experts for w, s in m.row_scales().items()}
+        self.row_dtype = {_join(name, w): m.source_dtype for name, m in experts for w in m.row_scales()}
+
+    def takes_rows(self, param_name: str, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is a full-precision part of FP8 stacked experts `param_name`."""
+        return param_name in self.rows and tensor.dtype != FP8_DTYPE
+
+    def copy_rows(self, param_name: str, dst: torch.Tensor, scale_dst: torch.Tensor, tensor: torch.Tensor) -> str:
+        """Quantize `tensor`'s rows (rounded to the experts' dtype first) into `dst` and their scales into
+        `scale_dst`; the scale's parameter name."""
+        if scale_dst.shape != tensor.shape[:-1]:
+            raise ValueError(f"{param_name}: FP8 row scales cannot follow a part split along its last dim")
+        rows = tensor.to(device=dst.device, dtype=self.row_dtype[param_name]).reshape(-1, tensor.shape[-1])
+        q, scale = quantize_per_channel(rows)
+        dst.copy_(q.view(tensor.shape))
+        scale_dst.copy_(scale.view(tensor.shape[:-1]))
+        return self.rows[param_name]
 
     def takes(self, param_name: str, tensor: torch.Tensor) -> bool:
         """Whether `tensor` is a full-precision part of an `Fp8Linear`'s weight `param_name`."""
@@ -265,22 +298,30 @@ def _owner(name: str) -> str:
 def fill_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Seeded random weights without files: normal(0, std) matrices, unit norm scales, zero biases
     (norm biases too) and zero for every other vector. An `Fp8Linear`'s weight is drawn in its
-    `source_dtype` and quantized, so it equals the full-precision model's weight quantized."""
+    `source_dtype` and quantized, so it equals the full-precision model's weight quantized; FP8 stacked
+    experts are drawn and quantized one expert at a time (`_QuantizeOnLoad.copy_rows`)."""
     generators: dict[torch.device, torch.Generator] = {}  # random numbers drawn on each parameter's device
     fp8 = {_join(name, "weight"): m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
-    scales = {name + "_scale" for name in fp8}  # set with their weight
+    rows = _QuantizeOnLoad(model)
+    scales = {name + "_scale" for name in fp8} | set(rows.rows.values())  # set with their weight
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in params.items():
             if param.is_meta or name in scales:
                 continue  # no storage to fill (a model built on the meta device to size or inspect it); a scale
             if param.ndim >= 2:
                 if param.device not in generators:
                     generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+                generator = generators[param.device]
                 if name in fp8:
                     drawn = torch.empty(param.shape, dtype=fp8[name].source_dtype, device=param.device)
-                    fp8[name].set_weight(drawn.normal_(0.0, std, generator=generators[param.device]))
+                    fp8[name].set_weight(drawn.normal_(0.0, std, generator=generator))
+                elif name in rows.rows:
+                    for e in range(param.shape[0]):
+                        drawn = torch.empty(param.shape[1:], dtype=rows.row_dtype[name], device=param.device)
+                        rows.copy_rows(name, param[e], params[rows.rows[name]][e], drawn.normal_(0.0, std, generator=generator))
                 else:
-                    param.normal_(0.0, std, generator=generators[param.device])
+                    param.normal_(0.0, std, generator=generator)
             elif name.endswith(".weight") and "norm" in name.rsplit(".", 2)[-2]:
                 param.fill_(1.0)  # norm scales; norm biases (LayerNorm) fall through to zero
             else:

@@ -9,7 +9,7 @@ from mstar.layers.attention import AttentionSpec, HeadShard
 from mstar.layers.decoder import DecoderLayer
 from mstar.layers.fp8 import empty_fp8_linears, method_block, quantizable_linears
 from mstar.layers.mlp import GatedMLP
-from mstar.layers.moe import ExpertShard, SparseMoE
+from mstar.layers.moe import ExpertShard, SparseMoE, StackedExperts
 from mstar.models.qwen3_omni.config import MoETextConfig
 
 
@@ -36,10 +36,14 @@ ROUTER_GATES = ("mlp.gate", "mlp.shared_expert_gate")  # routing decisions stay 
 
 
 def empty_fp8_layers(layers: nn.ModuleList, quantization: str) -> list[str]:
-    """The attention projections, dense MLPs and shared experts of `layers` (module paths inside it) swapped
-    for empty `Fp8Linear`s of `quantization`'s scales, to be quantized as they load; the routers and the
-    shared expert's gate keep the model dtype (a rounding there can change which experts run), and so do
-    the stacked routed experts, which are not linear layers (`layers/moe.StackedExperts`)."""
+    """The attention projections, dense MLPs and shared experts of `layers` swapped for empty `Fp8Linear`s
+    of `quantization`'s scales, and the routed experts made FP8 with one scale per row whatever the
+    setting (`StackedExperts.to_fp8`: what the MoE kernels apply), all quantized as they load; the routers
+    and the shared expert's gate keep the model dtype (a rounding there can change which experts run).
+    The linear layers' names (module paths inside `layers`)."""
     names = [n for n in quantizable_linears(layers) if not n.endswith(ROUTER_GATES)]
     empty_fp8_linears(layers, set(names), method_block(quantization))
+    for module in layers.modules():
+        if isinstance(module, StackedExperts):
+            module.to_fp8()
     return names

@@ -179,8 +179,7 @@ class Qwen3Omni(Model):
     default_options = {"modalities": ["text"], "voice": "Ethan", "use_audio_in_video": True}
 
     config_class = OmniServeConfig
-    # the decoder layers' dense linears (attention, dense MLPs, the talker's shared experts; builders.py): the
-    # routed experts stay in the model dtype
+    # the decoder layers' linears and routed experts in FP8, routers excepted (decoder.empty_fp8_layers)
     quantizable = ("thinker", "talker")
 
     def graph(self) -> ModelGraph:

@@ -190,8 +190,8 @@ def _assistant_start(ids: torch.Tensor, token_ids: dict[str, int]) -> int:
 def build_talker(config: TalkerConfig, dtype: torch.dtype | None = None,
                  device: str | torch.device = "cpu", quantization: str | None = None) -> Qwen3OmniTalker:
     """A talker in `dtype` (the config's by default) on `device` with UNINITIALISED weights; load next. With
-    `quantization`, the decoder layers' dense linears are FP8 (`decoder.empty_fp8_layers`), quantized as
-    they load; the thinker-side projections and the codec head stay."""
+    `quantization`, the decoder layers' linears and routed experts are FP8 (`decoder.empty_fp8_layers`),
+    quantized as they load; the thinker-side projections and the codec head stay."""
     dtype = dtype or config.text.dtype
 
     def make() -> Qwen3OmniTalker:

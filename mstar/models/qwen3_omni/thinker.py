@@ -109,7 +109,7 @@ def build_thinker(config: ThinkerConfig, dtype: torch.dtype | None = None, devic
                   tp: HeadShard | None = None, split_attention: bool = True,
                   quantization: str | None = None) -> Qwen3OmniThinker:
     """A thinker in `dtype` (the config's by default) on `device` with UNINITIALISED weights (with `tp`,
-    one rank's share); load next. With `quantization`, the decoder layers' dense linears are FP8
+    one rank's share); load next. With `quantization`, the decoder layers' linears and routed experts are FP8
     (`decoder.empty_fp8_layers` says which), quantized as they load."""
     dtype = dtype or config.text.dtype
 

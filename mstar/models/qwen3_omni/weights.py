@@ -114,8 +114,8 @@ def load_thinker(path: str | Path, load_format: str = "auto", dtype: torch.dtype
                  device: str | torch.device = "cpu", progress: bool = True, tp: HeadShard | None = None,
                  split_attention: bool = True, quantization: str | None = None) -> Qwen3OmniThinker:
     """The thinker text model of a checkpoint folder or Hub id (`load_format="dummy"`: random weights);
-    with `tp`, that rank's share of it (heads too with `split_attention`); with `quantization`, its dense
-    linears in FP8, quantized as they load (`build_thinker`)."""
+    with `tp`, that rank's share of it (heads too with `split_attention`); with `quantization`, its decoder
+    linears and routed experts in FP8, quantized as they load (`build_thinker`)."""
     root = loading.resolve_checkpoint(path)
     model = build_thinker(OmniConfig.from_path(root).thinker, dtype, device, tp, split_attention, quantization)
     _fill(model, root, load_format, thinker_mapper(model), progress)
@@ -126,7 +126,7 @@ def load_talker(path: str | Path, load_format: str = "auto", dtype: torch.dtype 
                 device: str | torch.device = "cpu", progress: bool = True,
                 quantization: str | None = None) -> Qwen3OmniTalker:
     """The talker backbone (with its projections and codec head) of a checkpoint folder or Hub id; with
-    `quantization`, its dense linears in FP8 (`build_talker`)."""
+    `quantization`, its decoder linears and routed experts in FP8 (`build_talker`)."""
     root = loading.resolve_checkpoint(path)
     config = OmniConfig.from_path(root)
     if config.talker is None:
