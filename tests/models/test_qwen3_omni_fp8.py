@@ -144,3 +144,17 @@ def test_only_thinker_and_talker_can_be_quantized():
     config = config_from_dict({"model": "qwen3_omni", "quantization": {"code_predictor": "fp8"}}, source="o.yaml")
     with pytest.raises(ConfigError, match=r"code_predictor.*cannot be quantized; quantizable: \['thinker', 'talker'\]"):
         build_model(config, tiny=True)
+
+
+def test_tiny_model_served_with_fp8_speaks():
+    """Served end to end with FP8 thinker and talker (CPU: the weight-only linears and the per-expert loop)."""
+    from mstar.runtime.offline import MStar
+
+    chat = {"messages": [{"role": "user", "content": "Say hello to the assistant."}]}
+    config = {"model": "qwen3_omni", "device": "cpu", "model_kwargs": {"code2wav_chunk": 4}, "quantization": QUANTIZED}
+    with MStar("qwen3_omni", config=config, tiny=True) as m:
+        spoken = m.generate(chat, temperature=0.0, max_tokens=6, modalities=["text", "audio"], voice="Aiden",
+                            **{"talker.temperature": 0.0, "talker.max_tokens": 12})
+        thinker = m.runtime.workers[0].engines["thinker"].runner.model
+    assert isinstance(thinker.model.layers[0].self_attn.qkv_proj, Fp8Linear)
+    assert "".join(spoken.outputs["text"]) and sum(len(a) for a in spoken.outputs["audio"]) > 0
