@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|omni|omni2|omni_quick|profile_omni|code2wav|structured|kernels|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|kernels|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -146,6 +146,12 @@ if [[ $WHAT == wan || $WHAT == all ]]; then
   run 90 profile_wan python3 benchmarks/profile_wan.py --batch 2 --out "$OUT/profile_wan_$GPU.json"
   run 420 wan_bench python3 benchmarks/wan_bench.py --out "$OUT/wan_bench_$GPU.json"
 fi
+if [[ $WHAT == wan_fp8 ]]; then  # FP8 tests, then bf16 and FP8 DiT in one run: e2e seconds and frame PSNR (~5 min)
+  run 240 gpu_tests_fp8 python3 -m pytest -q -m gpu tests/gpu/test_fp8_gpu.py tests/gpu/test_moe_fp8_gpu.py \
+      -p no:cacheprovider
+  run 420 wan_bench_fp8 python3 benchmarks/wan_bench.py --skip-diffusers --steps 50 --concurrency 1 \
+      --quantization none fp8 --out "$OUT/wan_bench_${GPU}_fp8.json"
+fi
 if [[ $WHAT == wan_extra || $WHAT == all ]]; then  # VAE 3 latent frames at once; bf16 VAE
   run 150 wan_bench_vae3 python3 benchmarks/wan_bench.py --skip-diffusers --steps 50 --concurrency 1 \
       --vae-chunk-frames 3 --out "$OUT/wan_bench_${GPU}_vae3.json"
@@ -160,10 +166,10 @@ doc["server_metrics"] = {k: float(v) for k, v in (line.rsplit(" ", 1) for line i
 json.dump(doc, open(sys.argv[1], "w"), indent=1)
 PY
 }
-omni_bench() {  # omni_bench <config> <json name>
+omni_bench() {  # omni_bench <config> <json name> [more mstar serve flags]
   # a worker step running past 30 s writes every thread's stack to the server log (MSTAR_STALL_DUMP_S)
   MSTAR_STALL_DUMP_S=30 python3 -m mstar.cli.main serve qwen3_omni --load-format dummy --config "$1" --port "$PORT" \
-      > "$OUT/$2_server.log" 2>&1 &
+      "${@:3}" > "$OUT/$2_server.log" 2>&1 &
   local server=$!
   if wait_ready; then
     # one request first: if it takes over a minute the sweep would eat the call's time, so it is skipped
@@ -195,6 +201,9 @@ omni_bench() {  # omni_bench <config> <json name>
 }
 if [[ $WHAT == omni || $WHAT == all ]]; then
   omni_bench mstar/configs/qwen3_omni.yaml "qwen3_omni_http_$GPU"
+fi
+if [[ $WHAT == omni_fp8 ]]; then  # FP8 thinker and talker (experts too): qwen3_omni.yaml fits an 80 GB card
+  OMNI_LEVELS=${OMNI_LEVELS:-1,16,32} omni_bench mstar/configs/qwen3_omni.yaml "qwen3_omni_fp8_http_$GPU" --quantization fp8
 fi
 if [[ $WHAT == profile_omni || $WHAT == all ]]; then  # the per-component profile (<= 240 s)
   run 300 profile_omni python3 benchmarks/profile_omni.py --out "$OUT/profile_omni_$GPU.json"
