@@ -158,7 +158,7 @@ def load_named_tensors(
     `mapper` places each tensor at a row offset of a parameter (fused qkv, gate_up fill from several
     tensors) or at an index tuple (one expert of stacked MoE weights); a third element takes only that
     part of the checkpoint tensor (a tensor-parallel rank's rows or columns). A full-precision tensor for
-    an `Fp8Linear`'s weight is quantized on load (`_QuantizeOnLoad`). Raises ValueError listing
+    an `Fp8Linear`'s weight or FP8 stacked experts is quantized on load (`_QuantizeOnLoad`). Raises ValueError listing
     unexpected names, shape mismatches and parameters left (partly) unfilled.
     """
     params = dict(model.named_parameters())
@@ -184,8 +184,8 @@ def load_named_tensors(
                     f"[{where}] expects {tuple(dst.shape)}: config.json does not match the weights"
                 )
             if staging.takes_rows(param_name, tensor):
-                scale_name = staging.copy_rows(param_name, dst, _at(params[staging.rows[param_name]].data, where, tensor),
-                                               tensor)
+                scale_dst = _at(params[staging.rows[param_name]].data, where, tensor)
+                scale_name = staging.copy_rows(param_name, dst, scale_dst, tensor)
                 filled[scale_name] += tensor[..., 0].numel()
             else:
                 dst.copy_(tensor)
