@@ -1,8 +1,9 @@
 """FP8 (E4M3) weights: the quantize/dequantize formulas, `Fp8Linear` and its matmul, and
-`quantize_linears`, which swaps a module's nn.Linear layers for FP8 ones, and `empty_fp8_decoder`, which
-swaps them for empty ones before any weight exists (a module built on the meta device): the loader
-(`models.common.loading`) then quantizes each layer as its full-precision weight arrives, so no
-full-precision copy of those layers is ever held on the device.
+`quantize_linears`, which swaps a module's nn.Linear layers for FP8 ones (`empty_fp8_decoder`: before loading).
+
+`empty_fp8_decoder` swaps them for empty ones before any weight exists (a module built on the meta
+device): the loader (`models.common.loading`) then quantizes each layer as its full-precision weight
+arrives, so no full-precision copy of those layers is ever held on the device.
 
 A weight W [N, K] is stored as q = round_e4m3(W / s) (float8_e4m3fn, saturated at +-448) with float32
 scales s of one of two shapes:
