@@ -152,4 +152,4 @@ def test_full_size_tokenizers_choose_their_format_and_force_valid_calls(name, fm
 
     tokenizer = Tokenizer.from_pretrained(cached_tokenizer_folder(name))
     assert TextProcessor(tokenizer, 4096).tool_format is fmt
-    _random_forced_calls(tokenizer, fmt, walks=3)
+    _random_forced_calls(tokenizer, fmt, walks=1)  # one walk each: the tiny tokenizer's tests walk 8
