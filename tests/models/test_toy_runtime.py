@@ -33,13 +33,28 @@ def reference():
         return as_arrays(run_all(m, max_tokens=24)), [r.finish_reason for r in run_all(m, max_tokens=24)]
 
 
-# Every placement in process; over processes the three-worker placement by default, the others in the slow group
+@pytest.fixture(scope="module")
+def three_workers():
+    """The three-worker placement over processes, started once for the tests that only submit to it."""
+    with MStar(config="toy_3workers", mode="multiproc") as m:
+        yield m
+
+
+# Every placement in process; over processes the three-worker placement by default (the next test), the
+# others in the slow group
 @pytest.mark.parametrize(("config", "mode"), [(c, "inproc") for c in CONFIGS] + [
-    pytest.param(c, "multiproc", marks=() if c == "toy_3workers" else pytest.mark.slow) for c in CONFIGS])
+    pytest.param(c, "multiproc", marks=pytest.mark.slow) for c in CONFIGS if c != "toy_3workers"])
 def test_same_outputs_in_every_placement_and_mode(reference, config, mode):
-    expected, reasons = reference
     with MStar(config=config, mode=mode) as m:
-        results = run_all(m, max_tokens=24)
+        _check_same_outputs(reference, run_all(m, max_tokens=24))
+
+
+def test_same_outputs_over_three_worker_processes(reference, three_workers):
+    _check_same_outputs(reference, run_all(three_workers, max_tokens=24))
+
+
+def _check_same_outputs(reference, results) -> None:
+    expected, reasons = reference
     assert [r.finish_reason for r in results] == reasons
     for got, want in zip(as_arrays(results), expected):
         assert got.keys() == want.keys() == {"text", "audio", "image", "video"}
@@ -49,10 +64,9 @@ def test_same_outputs_in_every_placement_and_mode(reference, config, mode):
                 np.testing.assert_array_equal(a, b)
 
 
-def test_streamed_chunks_arrive_complete_and_in_order():
-    with MStar(config="toy_2workers", mode="multiproc") as m:
-        handle = m.submit({"text": "The quick brown fox"}, max_tokens=30, stop_early=False)
-        events = list(handle)
+def test_streamed_chunks_arrive_complete_and_in_order(three_workers):
+    handle = three_workers.submit({"text": "The quick brown fox"}, max_tokens=30, stop_early=False)
+    events = list(handle)
     seqs = {}
     for event in events:
         seqs.setdefault(event.name, []).append(event.seq)
