@@ -74,6 +74,11 @@ TINY = {**ORPHEUS_3B, "vocab_size": 512, "hidden_size": 64, "intermediate_size":
 VARIANTS = ("none", "fp8", "fp8_block", "fp8_head")
 
 
+
+def _sig(ms: float) -> float:
+    """Four significant digits: a tiny --quick model's floor is far below a millisecond."""
+    return float(f"{ms:.4g}")
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -200,8 +205,8 @@ def run_variant(method: str, args: argparse.Namespace, config: LlamaConfig, devi
     model = build_variant(config, method, device)
     nbytes, bf16_bytes = weight_bytes(model), bf16_weight_bytes(model)
     bf16_floor_ms = 1e3 * bf16_bytes / bandwidth
-    info = {"weight_bytes": nbytes, "weight_gb": round(nbytes / 1e9, 3), "floor_ms": round(1e3 * nbytes / bandwidth, 3),
-            "bf16_floor_ms": round(bf16_floor_ms, 3)}
+    info = {"weight_bytes": nbytes, "weight_gb": round(nbytes / 1e9, 3), "floor_ms": _sig(1e3 * nbytes / bandwidth),
+            "bf16_floor_ms": _sig(bf16_floor_ms)}
     print(f"{method}: weights {nbytes / 1e9:.2f} GB, floor {info['floor_ms']:.3f} ms (bf16 {bf16_floor_ms:.3f} ms)",
           flush=True)
     max_batch = max(args.batch_sizes)
@@ -219,7 +224,7 @@ def run_variant(method: str, args: argparse.Namespace, config: LlamaConfig, devi
         ours = run_engine(engine, prompts, args.new_tokens, f"b{bs}")
         row = {"quantization": method, "batch": bs, "mstar_ms_per_step": round(ours["decode_ms_per_step"], 3),
                "mstar_ms_p50": round(ours["decode_ms_p50"], 3), "mstar_tok_s": round(ours["tokens_per_s"], 1),
-               "mstar_prefill_ms": round(ours["prefill_ms"], 1), "floor_ms": round(bf16_floor_ms, 3),
+               "mstar_prefill_ms": round(ours["prefill_ms"], 1), "floor_ms": _sig(bf16_floor_ms),
                "over_bf16_floor": round(ours["decode_ms_per_step"] / bf16_floor_ms, 3)}
         if hf_model is not None:
             hf = run_hf(hf_model, prompts.to(device), args.new_tokens)

@@ -49,6 +49,7 @@ from benchmarks.results_io import write_results  # noqa: E402
 from mstar.engines.autoregressive.batch_scheduler import BatchScheduler  # noqa: E402
 from mstar.engines.autoregressive.runner import ModelRunner  # noqa: E402
 from mstar.engines.autoregressive.step_graph import StepGraphs  # noqa: E402
+from mstar.engines.sampling import SampleOutput  # noqa: E402
 from mstar.engines.sampling_graph import SamplerGraphs  # noqa: E402
 from mstar.engines.stateless import StatelessEngine  # noqa: E402
 from mstar.worker.worker import Worker  # noqa: E402
@@ -103,15 +104,15 @@ def install(rec: Recorder) -> None:
     StepGraphs.launch = rec.timed("llm_graph_launch", StepGraphs.launch, gpu=True)  # the draw and the forward
     StepGraphs.drawn = rec.timed("llm_wait", StepGraphs.drawn)
     Worker.execute = rec.timed("worker_execute", Worker.execute)
-    real_async = ar._to_host_async
+    real_async = SampleOutput.to_host_async
 
     def to_host_async(out, copied):
         host, event = real_async(out, copied)
         if event is not None and "synchronize" not in vars(event):  # the engine reuses one event
             event.synchronize = rec.timed("llm_wait", event.synchronize)
         return host, event
-    ar._to_host_async = to_host_async
-    ar._to_host = rec.timed("llm_wait", ar._to_host)
+    SampleOutput.to_host_async = to_host_async
+    SampleOutput.to_host = rec.timed("llm_wait", SampleOutput.to_host)
 
 
 def _ms(values: list[float], scale: float = 1e3) -> float:
