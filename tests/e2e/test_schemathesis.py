@@ -37,7 +37,9 @@ SERVERS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(SERVERS))
+# the toy app in the default run; the tiny Llama's (the same routes and schema) in the slow group
+@pytest.fixture(scope="module", params=[pytest.param(name, marks=pytest.mark.slow) if name == "tiny-llama" else name
+                                        for name in sorted(SERVERS)])
 def api_schema(request):
     from schemathesis.config import SchemathesisConfig
 

@@ -37,7 +37,8 @@ def _stream(url: str, lines: list[list[str]], opened: threading.Semaphore) -> No
 
 @pytest.mark.parametrize("signals,timeout_s,within_s", [
     ((signal.SIGTERM,), TIMEOUT_S, TIMEOUT_S + 3),  # the drain's deadline ends the streams
-    ((signal.SIGINT, signal.SIGINT), 60.0, 10.0),  # Ctrl-C twice: ended at once, long before the timeout
+    pytest.param((signal.SIGINT, signal.SIGINT), 60.0, 10.0,  # Ctrl-C twice: ended at once, long before the timeout
+                 marks=pytest.mark.slow),
 ])
 def test_a_signal_with_twenty_streams_open_exits_within_the_timeout(tmp_path, signals, timeout_s, within_s):
     config = tmp_path / "slow_toy.yaml"

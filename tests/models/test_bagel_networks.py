@@ -187,6 +187,7 @@ def test_paged_decode_rows_equal_the_reference(llm_pair):
     assert pool.num_free == 32
 
 
+@pytest.mark.slow  # an interpreted kernel at a model's shapes; tests/unit/test_triton_attention.py checks it by default
 def test_paged_decode_through_the_triton_kernel_equals_the_sdpa_reference():
     """The same batched decode steps with the pool's decode attention as the Triton paged decode kernel
     (interpreted on CPU: tests/models/bagel_paged_check.py) and as the SDPA reference give the same logits,

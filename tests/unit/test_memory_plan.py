@@ -61,14 +61,13 @@ def test_a_stateless_components_declared_pool_is_counted():
     per_token = 2 * 28 * 4 * 128 * 2  # K and V, layers, kv heads, head size, bfloat16
     default = config_from_dict({"model": "bagel"})
     small = config_from_dict({"model": "bagel", "model_kwargs": {"kv_tokens": 65_536}})
-    needs, needs_small = ({n.name: n for n in memory_plan.plan_memory(c, [80 * GiB])[0].needs}
-                          for c in (default, small))
+    (plan,), (plan_small,) = memory_plan.plan_memory(default, [40 * GiB]), memory_plan.plan_memory(small, [80 * GiB])
+    needs, needs_small = ({n.name: n for n in p.needs} for p in (plan, plan_small))
     llm, llm_small = needs["llm"], needs_small["llm"]
     assert (llm.kv_bytes, llm.kv_share, llm.kv_setting) == (262_144 * per_token, False, "model_kwargs.kv_tokens")
     assert llm_small.kv_bytes == 65_536 * per_token and llm_small.weight_bytes == llm.weight_bytes
     assert all(n.kv_bytes == 0 for name, n in needs.items() if name != "llm")
-    (plan,) = memory_plan.plan_memory(default, [40 * GiB])
-    assert not plan.fits and "a smaller model_kwargs.kv_tokens (its pool takes 14.0 GiB)" in \
+    assert plan_small.fits and not plan.fits and "a smaller model_kwargs.kv_tokens (its pool takes 14.0 GiB)" in \
         memory_plan._what_fits(default, plan, [40 * GiB], False, None)
 
 

@@ -10,6 +10,7 @@ import pytest
 from tests.interpreted import run_interpreted
 
 
+@pytest.mark.slow  # the bf16 MoE kernels' one-shape checks run by default; the FP8 variant of each here
 def test_fp8_experts_match_loop_interpreted():
     pytest.importorskip("triton")
     proc = run_interpreted(Path(__file__).with_name("moe_fp8_check.py"))
