@@ -6,8 +6,8 @@ the GPU machine: pytest -m gpu tests/gpu/test_moe_fp8_gpu.py"""
 import pytest
 import torch
 
-from mstar.layers.fp8 import quantize_per_channel
 from mstar.layers.moe import MoESpec, SparseMoE, moe_graph_capturable
+from tests.unit.moe_fp8_check import quantize_experts
 
 pytestmark = pytest.mark.gpu
 
@@ -18,13 +18,7 @@ def _fp8_moe() -> SparseMoE:
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.02)
-    experts = moe.experts
-    full = {name: getattr(experts, name).detach().clone() for name in ("gate_up_proj", "down_proj")}
-    experts.to_fp8()
-    for name, scale_name in experts.row_scales().items():
-        q, s = quantize_per_channel(full[name].reshape(-1, full[name].shape[-1]))
-        getattr(experts, name).data.copy_(q.view(full[name].shape))
-        getattr(experts, scale_name).data.copy_(s.view(full[name].shape[:-1]))
+    quantize_experts(moe)
     return moe
 
 

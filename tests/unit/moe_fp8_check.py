@@ -19,6 +19,17 @@ from mstar.layers.moe import MoESpec, SparseMoE, experts_loop, route
 TIGHT = {"atol": 2e-5, "rtol": 2e-5}  # float32: the loop applies q * s before its matmul, the kernels after
 
 
+def quantize_experts(moe: SparseMoE) -> None:
+    """Make `moe`'s full-precision experts FP8 in place: quantize_per_channel of each row, as loading does."""
+    experts = moe.experts
+    full = {name: getattr(experts, name).detach().clone() for name in ("gate_up_proj", "down_proj")}
+    experts.to_fp8()
+    for name, scale_name in experts.row_scales().items():
+        q, s = quantize_per_channel(full[name].reshape(-1, full[name].shape[-1]))
+        getattr(experts, name).data.copy_(q.view(full[name].shape))
+        getattr(experts, scale_name).data.copy_(s.view(full[name].shape[:-1]))
+
+
 def fp8_block(spec: MoESpec, dtype: torch.dtype) -> tuple[SparseMoE, SparseMoE]:
     """A random block in `dtype` and its copy with FP8 experts (quantize_per_channel of each row)."""
     moe = SparseMoE(spec).to(dtype)
@@ -26,13 +37,7 @@ def fp8_block(spec: MoESpec, dtype: torch.dtype) -> tuple[SparseMoE, SparseMoE]:
         for p in moe.parameters():
             p.normal_(0, 0.3)
     quantized = copy.deepcopy(moe)
-    experts = quantized.experts
-    full = {name: getattr(experts, name).detach().clone() for name in ("gate_up_proj", "down_proj")}
-    experts.to_fp8()
-    for name, scale_name in experts.row_scales().items():
-        q, s = quantize_per_channel(full[name].reshape(-1, full[name].shape[-1]))
-        getattr(experts, name).data.copy_(q.view(full[name].shape))
-        getattr(experts, scale_name).data.copy_(s.view(full[name].shape[:-1]))
+    quantize_experts(quantized)
     return moe, quantized
 
 
