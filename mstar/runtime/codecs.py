@@ -12,7 +12,6 @@ import torch
 
 from mstar.transport.placed_channels import (
     CUDA_IPC,
-    NCCL,
     SHM,
     TCP,
     Endpoint,
@@ -72,14 +71,14 @@ def placed_codec(session: str, me: str, endpoints: dict[str, Endpoint],
                  tcp: TcpTensorChannel | None = None) -> PayloadCodec:
     """The codec of process `me` among `endpoints` (every process's host and device): it builds the
     channels its edges need, and sends through `tcp` where an edge leaves the host. GPU tensors between
-    hosts go through host memory over TCP: the launcher sets up no NCCL group for tensor edges."""
+    hosts go through host memory over TCP too: no launcher sets up a NCCL group for tensor edges."""
     kinds = needed_kinds(me, endpoints)
     channels: dict[str, TensorChannel] = {SHM: ShmTensorChannel(session)}
     if CUDA_IPC in kinds:
         from mstar.transport.cuda_ipc import CudaIpcTensorChannel
 
         channels[CUDA_IPC] = CudaIpcTensorChannel(session)
-    if kinds & {TCP, NCCL}:
+    if TCP in kinds:
         assert tcp is not None, f"{me} sends tensors to another host: give it a TCP tensor channel"
-        channels[TCP] = channels[NCCL] = tcp
+        channels[TCP] = tcp
     return PayloadCodec(session, PlacedTensorChannel(me, endpoints, channels))

@@ -4,10 +4,12 @@
 | --------------------------- | ------------- | -------------- |
 | one host, both on GPUs      | CUDA IPC      | shared memory  |
 | one host, otherwise         | shared memory | shared memory  |
-| two hosts, both on GPUs     | NCCL          | TCP            |
+| two hosts, both on GPUs     | TCP (NCCL)    | TCP            |
 | two hosts, otherwise        | TCP           | TCP            |
 
-A GPU tensor is copied to the host only where an end has no GPU. `PlacedTensorChannel` is one
+GPU tensors between hosts take NCCL only where the launcher has paired the two processes in a NCCL
+group (`nccl=True`); no launcher does yet, so they go through host memory by TCP. Otherwise a GPU
+tensor is copied to the host only where an end has no GPU. `PlacedTensorChannel` is one
 process's channel to all its peers: it decides every edge when built (and logs each choice once),
 packs each tensor with the channel its edge and device call for, and unpacks a payload with the
 channel its type names.
@@ -52,31 +54,34 @@ class EdgeTransport(NamedTuple):
     host: str
 
 
-def choose_transport(src: Endpoint, dst: Endpoint) -> EdgeTransport:
-    """The channels for tensors sent from `src` to `dst` (the table in the module docstring)."""
+def choose_transport(src: Endpoint, dst: Endpoint, nccl: bool = False) -> EdgeTransport:
+    """The channels for tensors sent from `src` to `dst` (the table in the module docstring); `nccl`
+    says whether a NCCL group pairs GPU processes on different hosts."""
     both_gpu = src.device == "cuda" and dst.device == "cuda"
     if src.host == dst.host:
         return EdgeTransport(CUDA_IPC if both_gpu else SHM, SHM)
-    return EdgeTransport(NCCL if both_gpu else TCP, TCP)
+    return EdgeTransport(NCCL if both_gpu and nccl else TCP, TCP)
 
 
-def needed_kinds(me: str, endpoints: dict[str, Endpoint]) -> set[str]:
+def needed_kinds(me: str, endpoints: dict[str, Endpoint], nccl: bool = False) -> set[str]:
     """The channel kinds process `me` sends with, so a launcher builds only those (and always shm,
     which also unpacks inline payloads)."""
     kinds = {SHM}
     for peer, end in endpoints.items():
         if peer != me:
-            kinds.update(choose_transport(endpoints[me], end))
+            kinds.update(choose_transport(endpoints[me], end, nccl))
     return kinds
 
 
 class PlacedTensorChannel:
     """A TensorChannel to every peer in `endpoints`, through `channels` (kind -> channel, holding at
-    least the kinds `needed_kinds` names)."""
+    least the kinds `needed_kinds` names); `nccl` as for `choose_transport`."""
 
-    def __init__(self, me: str, endpoints: dict[str, Endpoint], channels: dict[str, TensorChannel]) -> None:
+    def __init__(self, me: str, endpoints: dict[str, Endpoint], channels: dict[str, TensorChannel],
+                 nccl: bool = False) -> None:
         self.channels = channels
-        self.edges = {peer: choose_transport(endpoints[me], end) for peer, end in endpoints.items() if peer != me}
+        self.edges = {peer: choose_transport(endpoints[me], end, nccl)
+                      for peer, end in endpoints.items() if peer != me}
         for peer, edge in self.edges.items():
             missing = {edge.gpu, edge.host} - channels.keys()
             if missing:

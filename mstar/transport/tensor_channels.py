@@ -5,8 +5,9 @@ receiver turns the payload back into a tensor (`unpack`) or drops it (`discard`)
 channel only ever carries the payload. Each mechanism has its own tagged payload struct:
 - `ShmTensorChannel` (below, the default): host tensors, inline when small, else /dev/shm;
 - `cuda_ipc.CudaIpcTensorChannel` (one host, GPU): an IPC handle; the tensor never leaves the device;
-- `dist_tensors.DistTensorChannel` (GPUs on two hosts): torch.distributed send/recv (NCCL; gloo on CPU);
-- `tcp_tensors.TcpTensorChannel` (host tensors on two hosts): a transfer id the receiver pulls;
+- `dist_tensors.DistTensorChannel` (GPUs on two hosts, not wired in by any launcher yet): torch.distributed
+  send/recv (NCCL; gloo on CPU);
+- `tcp_tensors.TcpTensorChannel` (two hosts; GPU tensors through host memory): a transfer id the receiver pulls;
 - `placed_channels.PlacedTensorChannel`: one of those per edge, chosen from placement.
 Contract for every implementation: after `pack` returns the sender may reuse its tensor; the
 channel owns the bytes until exactly one `unpack` or `discard`; `cleanup` at shutdown frees what a

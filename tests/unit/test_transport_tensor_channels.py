@@ -149,11 +149,13 @@ def test_choice_per_edge_follows_placement():
     assert choose_transport(gpu_a, gpu_a) == EdgeTransport(CUDA_IPC, SHM)
     assert choose_transport(gpu_a, cpu_a) == EdgeTransport(SHM, SHM)
     assert choose_transport(cpu_a, gpu_a) == EdgeTransport(SHM, SHM)
-    assert choose_transport(gpu_a, gpu_b) == EdgeTransport(NCCL, TCP)
-    assert choose_transport(gpu_a, cpu_b) == EdgeTransport(TCP, TCP)
+    assert choose_transport(gpu_a, gpu_b) == EdgeTransport(TCP, TCP)  # no NCCL group between hosts
+    assert choose_transport(gpu_a, gpu_b, nccl=True) == EdgeTransport(NCCL, TCP)
+    assert choose_transport(gpu_a, cpu_b, nccl=True) == EdgeTransport(TCP, TCP)
     ends = {"api": cpu_a, "w0": gpu_a, "w1": gpu_a, "w2": gpu_b}
-    assert needed_kinds("w0", ends) == {SHM, CUDA_IPC, NCCL, TCP}
-    assert needed_kinds("api", ends) == {SHM, TCP}
+    assert needed_kinds("w0", ends) == {SHM, CUDA_IPC, TCP}
+    assert needed_kinds("w0", ends, nccl=True) == {SHM, CUDA_IPC, NCCL, TCP}
+    assert needed_kinds("api", ends, nccl=True) == {SHM, TCP}
 
 
 class _Recording:
@@ -179,11 +181,15 @@ def test_placed_channel_routes_by_edge_and_device(caplog):
             "w2": Endpoint("b", "cuda")}
     channels = {kind: _Recording(kind) for kind in (SHM, CUDA_IPC, NCCL, TCP)}
     with caplog.at_level("INFO", logger="mstar.transport.placed_channels"):
-        placed = PlacedTensorChannel("w0", ends, channels)
+        PlacedTensorChannel("w0", ends, {kind: channels[kind] for kind in (SHM, CUDA_IPC, TCP)})
+        placed = PlacedTensorChannel("w0", ends, channels, nccl=True)
     assert sorted(r.getMessage() for r in caplog.records) == [
         "tensors w0 -> api: GPU tensors by shm, host tensors by shm",
+        "tensors w0 -> api: GPU tensors by shm, host tensors by shm",
+        "tensors w0 -> w1: GPU tensors by cuda_ipc, host tensors by shm",
         "tensors w0 -> w1: GPU tensors by cuda_ipc, host tensors by shm",
         "tensors w0 -> w2: GPU tensors by nccl, host tensors by tcp",
+        "tensors w0 -> w2: GPU tensors by tcp, host tensors by tcp",
     ]
     host = torch.ones(2)
     for peer in ("api", "w1", "w2"):
@@ -194,8 +200,22 @@ def test_placed_channel_routes_by_edge_and_device(caplog):
     assert placed.cleanup() == 4
     with pytest.raises(KeyError, match="no tensor edge to 'w9'"):
         placed.pack(host, "w9")
-    with pytest.raises(ValueError, match=r"need channels \['nccl', 'tcp'\]"):
+    with pytest.raises(ValueError, match=r"need channels \['tcp'\]"):
         PlacedTensorChannel("w0", ends, {SHM: channels[SHM], CUDA_IPC: channels[CUDA_IPC]})
+    with pytest.raises(ValueError, match=r"need channels \['nccl', 'tcp'\]"):
+        PlacedTensorChannel("w0", ends, {SHM: channels[SHM], CUDA_IPC: channels[CUDA_IPC]}, nccl=True)
+
+
+def test_placed_codec_sends_gpu_tensors_between_hosts_by_tcp(caplog):
+    from mstar.runtime.codecs import placed_codec
+
+    ends = {"api": Endpoint("a", "cpu"), "w0": Endpoint("a", "cuda"), "w2": Endpoint("b", "cuda")}
+    tcp = _Recording(TCP)
+    with caplog.at_level("INFO", logger="mstar.transport.placed_channels"):
+        channel = placed_codec(new_session_id(), "w0", ends, tcp).channel
+    assert channel.edges["w2"] == EdgeTransport(TCP, TCP) and channel.channels[TCP] is tcp
+    assert NCCL not in channel.channels
+    assert "tensors w0 -> w2: GPU tensors by tcp, host tensors by tcp" in [r.getMessage() for r in caplog.records]
 
 
 def test_cuda_ipc_channel_sends_host_tensors_through_shared_memory():
