@@ -239,6 +239,7 @@ class Conductor:
             self._load[rank] -= 1
             if rank not in self._dead:
                 self._send(rank, wire.Release(req.rid))
+        event.streams = dict(req.stream_counts)
         req.sink(event)
         while self._queue and len(self._active) < self.max_concurrent:
             self._admit(self._queue.popleft())

@@ -26,6 +26,7 @@ class FinishEvent:
     error: str | None = None
     status: int = 200
     outputs: dict[str, int] = field(default_factory=dict)  # output name -> number of values sent
+    streams: dict[str, int] = field(default_factory=dict)  # stream (target input) -> items its finished walks produced
 
 
 Sink = Callable[[OutputEvent | FinishEvent], None]

@@ -107,7 +107,7 @@ class OutputDecoder:
         self.processor, self.options = processor, options
         self.finish_reason: str | None = None
         self.prompt_tokens = 0  # for usage
-        self.completion_tokens = 0  # text tokens emitted so far
+        self.completion_tokens = 0  # text tokens emitted so far, or the request's Processor.generated_stream items
         self.logprobs: list[TokenLogprobs] = []  # per text token, when the request asked (Processor.returns_logprobs)
 
     def push(self, name: str, value: torch.Tensor) -> list[tuple[str, Any]]:
@@ -118,6 +118,12 @@ class OutputDecoder:
     def flush(self) -> list[tuple[str, Any]]:
         """Values held back until the end (e.g. incomplete UTF-8)."""
         return []
+
+    def end(self, streams: Mapping[str, int]) -> None:
+        """The request ended, its streams having carried `streams` (target input -> items): the tokens
+        of `Processor.generated_stream` count as completion tokens."""
+        if self.processor.generated_stream is not None:
+            self.completion_tokens += streams.get(self.processor.generated_stream, 0)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token, as logprobs name it."""
@@ -143,6 +149,9 @@ class Processor:
     returns_logprobs: bool = False  # its decoder fills `OutputDecoder.logprobs` for option `logprobs`
     follows_grammars: bool = False  # its engine constrains text to option `structured_outputs` (engines/grammar.py)
     tool_format: ToolCallFormat | None = None  # how its chat template writes tool calls; None: chat takes no tools
+    # the stream (by target input) carrying the tokens the model samples when they reach the client as no text
+    # (an LM's audio codes): usage counts its items as completion tokens
+    generated_stream: str | None = None
 
     @property
     def voices(self) -> tuple[str, ...]:

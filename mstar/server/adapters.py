@@ -89,6 +89,7 @@ class RequestStream:
     def _handle(self, event: OutputEvent | FinishEvent) -> list[Item]:
         if isinstance(event, FinishEvent):
             self.done = True
+            self.decoder.end(event.streams)
             if event.error is not None:
                 self._ended(self.finish_reason or event.finish_reason, event.status)
                 raise RequestError(event.status if event.status >= 400 else 500, event.error)

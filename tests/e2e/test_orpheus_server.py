@@ -10,6 +10,7 @@ import pytest
 import soundfile as sf
 
 from mstar import MStarClient
+from mstar.server.protocol import AudioChunk, FinalChunk
 from tests.e2e.server_thread import running_server
 
 openai = pytest.importorskip("openai")
@@ -81,3 +82,15 @@ def test_sdk_tts_whole_wav(base, tmp_path):
     audio.to_wav(tmp_path / "hi.wav")
     samples, rate = sf.read(tmp_path / "hi.wav", dtype="float32")
     assert rate == RATE and samples.shape[0] == SAMPLES
+
+
+def test_generate_usage_counts_the_audio_tokens_the_lm_sampled(base):
+    """/generate's usage: completion_tokens are the LM's sampled tokens (audio codes), streamed or not."""
+    sdk = MStarClient(base, model="orpheus")
+    chunks = list(sdk.generate("Hello there.", outputs=["audio"], stream=True, max_tokens=TOKENS, seed=4))
+    final = chunks[-1]
+    assert isinstance(final, FinalChunk) and final.finish_reason == "length"
+    assert sum(c.to_numpy().size for c in chunks if isinstance(c, AudioChunk)) == SAMPLES
+    assert final.usage.completion_tokens == TOKENS and final.usage.prompt_tokens > 0
+    whole = sdk.generate("Hello there.", outputs=["audio"], max_tokens=TOKENS // 2, seed=4)
+    assert whole.usage.completion_tokens == TOKENS // 2

@@ -20,6 +20,8 @@ from mstar.models.orpheus.tokens import VOICES, OrpheusTokens
 class OrpheusProcessor(Processor):
     """Builds `prompt_ids` from `{"text": ...}` (or the last user message) and the request's voice."""
 
+    generated_stream = "codes"  # the LM's sampled tokens, streamed to the vocoder (model.py)
+
     def __init__(self, tokenizer, tokens: OrpheusTokens, max_model_len: int, sample_rate: int) -> None:
         self.tokenizer = tokenizer
         self.tokens = tokens
