@@ -334,9 +334,15 @@ class StatelessComponent(Protocol):
 @runtime_checkable
 class KVPoolComponent(StatelessComponent, Protocol):
     """A stateless component whose spec declares a `kv_pool`: given the pool its engine made, once,
-    before its first step."""
+    before its first step. `kv_pages(item)`: the pages the request of `item` holds in the pool at most,
+    over its whole life (every context it keeps here, at full length), when `item` is the request's first
+    to take pages (0 for items that take none). The engine promises a request that many pages when its
+    first such item runs and keeps the promise until the request is released: an item whose request does
+    not fit what is unpromised waits, and one that no pool of this size holds fails alone."""
 
     def set_kv_pool(self, pool: PagedKVStore) -> None: ...
+
+    def kv_pages(self, item: StepItem) -> int: ...
 
 
 @runtime_checkable

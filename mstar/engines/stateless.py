@@ -23,15 +23,22 @@ A component's `capture_plans` (fixed-shape functions) are captured in CUDA graph
 is made with a `CudaGraphConfig` on a CUDA device, at the spec's `graph_sizes()`, all in one memory pool
 (`capture_step_graphs`); the component replays them through its `graphs`. A spec's `kv_pool` has the
 engine make that paged KV pool (engines/kv_cache/paged.py) on the module's device and hand it to the
-module (`KVPoolComponent.set_kv_pool`) before anything is captured.
+module (`KVPoolComponent.set_kv_pool`) before anything is captured, and admits requests to that pool:
+each is promised the pages it will hold at most (`KVPoolComponent.kv_pages`) when its first item that
+takes pages runs, until it is released. A batch takes only items whose requests were promised already or
+fit what is unpromised, in arrival order (a request waiting for pages is not overtaken by later ones that
+need pages, so it is not starved); the others wait in the queue. An admitted request never finds the pool
+full, so requests waiting for pages wait only for admitted ones to finish. A request larger than the whole
+pool fails alone.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,6 +53,9 @@ from mstar.engines.base import (
     require,
 )
 from mstar.engines.cuda_graphs import BatchGraphs, to_host_async
+
+if TYPE_CHECKING:
+    from mstar.engines.kv_cache.paged import PagedKV
 
 logger = logging.getLogger(__name__)
 
@@ -64,14 +74,18 @@ class StatelessEngine:
         spec = spec or StatelessSpec()
         self.max_batch_size = spec.max_batch_size
         device = _module_device(module)
+        self._kv: _Promises | None = None
         if spec.kv_pool is not None:  # before capture: a captured step reads the pool's caches
+            require(module, KVPoolComponent, f" (its spec declares a kv_pool of {spec.kv_pool.num_pages} pages)")
             from mstar.engines.kv_cache.paged import PagedKV
 
-            require(module, KVPoolComponent, f" (its spec declares a kv_pool of {spec.kv_pool.num_pages} pages)")
-            module.set_kv_pool(PagedKV(spec.kv_pool, device or torch.device("cpu")))
+            pool = PagedKV(spec.kv_pool, device or torch.device("cpu"))
+            module.set_kv_pool(pool)
+            self._kv = _Promises(module, pool)
         if graphs is not None and graphs.enabled and device is not None and device.type == "cuda":
             capture_step_graphs(module, spec.graph_sizes(), device)
         self._pending: deque[StepItem] = deque()
+        self._waiting = False  # every pending item waits for pages: nothing to step until a submit or release
         self._in_flight: deque[_InFlight] = deque()  # results whose host copies are still running
         self.host_outputs = module.host_outputs
         # the worker hands inputs over without a device copy when the component reads them on the host
@@ -81,25 +95,37 @@ class StatelessEngine:
 
     def submit(self, item: StepItem) -> None:
         self._pending.append(item)
+        self._waiting = False
 
     def has_work(self) -> bool:
-        return bool(self._pending) or bool(self._in_flight)
+        return (bool(self._pending) and not self._waiting) or bool(self._in_flight)
 
     def release(self, request_id: str) -> None:
         self._pending = deque(i for i in self._pending if i.request_id != request_id)
+        self._waiting = False
+        if self._kv is not None:
+            self._kv.release(request_id)
         for flight in self._in_flight:
             flight.results = [r for r in flight.results if r.request_id != request_id]
         self.module.release(request_id)
 
     def stats(self) -> dict[str, float]:
         """Load counters (`Engine.stats`): items waiting for a step."""
-        return {"queue_depth": len(self._pending)}
+        stats = {"queue_depth": len(self._pending)}
+        if self._kv is not None:
+            stats.update(self._kv.stats())
+        return stats
 
     def step(self) -> list[StepResult]:
         """Run the oldest pending group; results of this step, or of earlier ones whose host copies
         finished (in submission order)."""
+        refused = self._kv.refuse(self._pending) if self._kv is not None else []
         batch = self._take_batch()
+        self._waiting = not batch and bool(self._pending)
         self.last_step_items = len(batch)
+        return refused + self._run_step(batch)
+
+    def _run_step(self, batch: list[StepItem]) -> list[StepResult]:
         if self.stream is not None and batch:
             follow_device_inputs(self.stream, batch)
             with torch.cuda.stream(self.stream):  # the host copies' event is recorded on it too
@@ -134,10 +160,12 @@ class StatelessEngine:
     def _take_batch(self) -> list[StepItem]:
         if not self._pending:
             return []
-        key = self.module.batch_key(self._pending[0])
-        batch, rest = [], deque()
+        key, batch, rest = None, [], deque()
+        admit = self._kv.admission() if self._kv is not None else None
         for item in self._pending:
-            if len(batch) < self.max_batch_size and self.module.batch_key(item) == key:
+            fits = key is None or (len(batch) < self.max_batch_size and self.module.batch_key(item) == key)
+            if fits and (admit is None or admit(item)):
+                key = self.module.batch_key(item) if key is None else key
                 batch.append(item)
             else:
                 rest.append(item)
@@ -162,6 +190,58 @@ class StatelessEngine:
         except Exception:
             logger.exception("component step failed for request %s", item.request_id)
             return [_failed(item)]
+
+
+class _Promises:
+    """The pages of a `KVPoolComponent`'s pool promised to the requests it admitted (module docstring)."""
+
+    def __init__(self, module: KVPoolComponent, pool: PagedKV) -> None:
+        self.module, self.pool, self.spec = module, pool, pool.spec
+        self.promised: dict[str, int] = {}  # request -> pages it may hold
+        self.waiting: set[str] = set()  # requests the latest batch left waiting for pages
+
+    def refuse(self, pending: deque[StepItem]) -> list[StepResult]:
+        """Take out of `pending` the items whose requests no pool of this size holds; their failed results."""
+        out = []
+        for item in [i for i in pending if i.request_id not in self.promised]:
+            need = self.module.kv_pages(item)
+            if need > self.spec.num_pages:
+                pending.remove(item)
+                out.append(StepResult(
+                    item.request_id, item.walk, item.node, iteration=item.iteration,
+                    error=f"{item.node} refused: the request's contexts take {need} pages of {self.spec.page_size} "
+                          f"tokens, more than the whole KV pool ({self.spec.num_pages} pages); raise "
+                          f"{self.spec.setting} or shorten the request"))
+        return out
+
+    def admission(self) -> Callable[[StepItem], bool]:
+        """A check for one batch, asked of the pending items in order: whether the item may run now,
+        promising its request's pages when it is the first to take some. Once a request waits, later ones
+        that need pages wait behind it."""
+        free = self.spec.num_pages - sum(self.promised.values())
+        blocked = self.waiting = set()
+
+        def admit(item: StepItem) -> bool:
+            nonlocal free
+            rid = item.request_id
+            if rid in self.promised:
+                return True
+            need = self.module.kv_pages(item)
+            if need and (blocked or need > free):
+                blocked.add(rid)
+                return False
+            if need:
+                self.promised[rid], free = need, free - need
+            return True
+
+        return admit
+
+    def release(self, request_id: str) -> None:
+        self.promised.pop(request_id, None)
+
+    def stats(self) -> dict[str, float]:
+        return {"kv_pages_total": self.spec.num_pages, "kv_pages_used": self.spec.num_pages - self.pool.num_free,
+                "seqs_waiting": len(self.waiting)}
 
 
 @dataclass

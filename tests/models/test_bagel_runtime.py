@@ -95,3 +95,25 @@ def test_guidance_contexts_share_the_full_contexts_prefix(request_, options, vie
         while llm.num_contexts and time.monotonic() < deadline:
             time.sleep(0.01)
         assert llm.num_contexts == 0 and all(pool.blocks.refcount(p) == 0 for p in held)
+
+
+def _answers(m: MStar, prompts: list[str]) -> list[str]:
+    handles = [m.submit({"text": p}, max_tokens=40, ignore_eos=True, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    return ["".join(h.decoded().outputs["text"]) for h in handles]
+
+
+def test_requests_beyond_the_kv_pool_wait_for_pages_and_one_that_never_fits_is_refused():
+    """With a pool of 8 pages (128 tokens), four answers of about 4 pages each at once: each waits for the pages
+    of those before it and all finish as they do in a large pool, every page given back; a request whose
+    context and answer exceed the whole pool is refused at submission (a 400 at the HTTP layer), alone."""
+    prompts = [f"a story number {i} about a fox" for i in range(4)]
+    with MStar("bagel", tiny=True) as m:
+        expected = _answers(m, prompts)
+    with MStar("bagel", {"model": "bagel", "model_kwargs": {"kv_tokens": 128}}, tiny=True) as m:
+        with pytest.raises(ValueError, match="model_kwargs.kv_tokens"):
+            m.submit({"text": "a fox"}, max_tokens=200)
+        assert _answers(m, prompts) == expected
+        llm, deadline = m.runtime.workers[0].engines["llm"].module, time.monotonic() + 5
+        while llm.num_contexts and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert llm.num_contexts == 0 and llm.pool.num_free == 8

@@ -23,6 +23,7 @@ from mstar.models.bagel.config import BagelConfig, TokenIds
 from mstar.models.bagel.context import KVContext, describe_decode
 from mstar.models.bagel.embeddings import patchify, unpatchify
 from mstar.models.bagel.llm import BagelLLM, Routing
+from mstar.models.bagel.model import request_pages
 from mstar.models.bagel.plan import VAE, decode_segments, extent, shared_prefix
 from mstar.models.bagel.queries import Query, QueryBuilder, run
 from mstar.models.bagel.vae import FluxVAE
@@ -146,6 +147,13 @@ class LLMComponent(StatelessBase, nn.Module):
 
     def set_kv_pool(self, pool: PagedKVStore) -> None:
         self._pool = pool
+
+    def kv_pages(self, item: StepItem) -> int:
+        """A prefill's request: every branch context it needs at full length (`request_pages`); other walks
+        take pages only within what their request's prefill counted."""
+        if item.walk not in _PREFILLS:
+            return 0
+        return request_pages(decode_segments(item.inputs["segments"]), item.options, self.pool.page_size)
 
     @property
     def pool(self) -> PagedKVStore:

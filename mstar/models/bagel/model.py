@@ -32,6 +32,8 @@ import torch
 from mstar.engines.base import KVLayout, KVPoolSpec, StatelessSpec
 from mstar.graph import CARRY, ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Parallel, Sequential, Walk
 from mstar.models.bagel.config import BagelConfig
+from mstar.models.bagel.flow import branch_needed
+from mstar.models.bagel.plan import BRANCHES, Segment, pages_held
 from mstar.models.base import BuiltComponent, Model
 from mstar.models.common.serve_config import DTYPES, ServeConfig, dtype_named
 
@@ -112,6 +114,21 @@ def _decode_steps(options: Mapping[str, Any]) -> int:
     return int(options.get("max_tokens") or DEFAULT_MAX_TOKENS)
 
 
+def answer_tokens(options: Mapping[str, Any]) -> int:
+    """Tokens the full context takes beyond its prompt at most: an answer's or a thought's `max_tokens`, and a
+    thought's end (its last token and <|im_end|>); none for an image drawn without thinking."""
+    if options.get("image_output"):
+        return _decode_steps(options) + 2 if options.get("think") else 0
+    return _decode_steps(options)
+
+
+def request_pages(segments: list[Segment], options: Mapping[str, Any], page_size: int) -> int:
+    """Pages the LLM's contexts of one request take at most in its KV pool: the full context with its answer
+    or thought, and each guidance context it keeps that is not a prefix of the full one."""
+    branches = [b for b in BRANCHES if branch_needed(b, dict(options))]
+    return pages_held(segments, branches, answer_tokens(options), page_size)
+
+
 def _euler_steps(options: Mapping[str, Any]) -> int:
     return int(options["num_inference_steps"]) - 1  # one step per grid point but the last
 
@@ -175,15 +192,21 @@ class BagelModel(Model):
     def kv_pool(self, dtype: torch.dtype) -> KVPoolSpec:
         """The LLM's KV pool: every context of the requests in flight, `kv_tokens` in pages."""
         llm, c = self.bagel.llm, self.config
-        tokens = c.kv_tokens or (TINY_KV_TOKENS if c.tiny else DEFAULT_KV_TOKENS)
-        return KVPoolSpec(KVLayout(llm.num_layers, llm.num_kv_heads, llm.head_dim, dtype), -(-tokens // KV_PAGE_SIZE),
+        return KVPoolSpec(KVLayout(llm.num_layers, llm.num_kv_heads, llm.head_dim, dtype), self.kv_pages,
                           "model_kwargs.kv_tokens", KV_PAGE_SIZE, max_rows=c.llm_batch,
                           attention_backend=c.attention_backend)
+
+    @property
+    def kv_pages(self) -> int:
+        """Pages of `KV_PAGE_SIZE` tokens in the LLM's KV pool (`kv_tokens`)."""
+        c = self.config
+        return -(-(c.kv_tokens or (TINY_KV_TOKENS if c.tiny else DEFAULT_KV_TOKENS)) // KV_PAGE_SIZE)
 
     def processor(self):
         from mstar.models.bagel.processor import BagelProcessor, defaults_for
 
-        return BagelProcessor(self.tokenizer, self.bagel, defaults_for(self.config, self.bagel), grammars=self.grammars)
+        return BagelProcessor(self.tokenizer, self.bagel, defaults_for(self.config, self.bagel), grammars=self.grammars,
+                              kv_pages=self.kv_pages)
 
     # -- what the builders and the processor read --------------------------------------------------
 

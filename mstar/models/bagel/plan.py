@@ -82,3 +82,17 @@ def extent(segments: list[Segment]) -> tuple[int, int]:
     two markers at one position."""
     tokens = sum(s.tokens + (0 if s.kind == TEXT else 2) for s in segments)
     return tokens, sum(s.tokens if s.kind == TEXT else 1 for s in segments)
+
+
+def pages_held(segments: list[Segment], branches: list[str], answer: int, page_size: int) -> int:
+    """Pages of `page_size` tokens a request's contexts of `branches` take at most in one pool: the full
+    context with `answer` tokens decoded into it, and each other branch's unless it is a prefix of the full
+    one (a view of its pages)."""
+    def pages(tokens: int) -> int:
+        return -(-tokens // page_size)
+
+    total = pages(extent(segments)[0] + answer)
+    for branch in branches:
+        if branch != "full" and shared_prefix(segments, branch) is None:
+            total += pages(extent([s for s in segments if s.in_branch(branch)])[0])
+    return total

@@ -30,7 +30,17 @@ import torch
 from mstar.models.bagel.config import BagelConfig, TokenIds
 from mstar.models.bagel.embeddings import grid_positions, patchify
 from mstar.models.bagel.flow import RENORM_TYPES
-from mstar.models.bagel.plan import TEXT, VAE, VIT, Segment, branch_masks, encode_segments, extent
+from mstar.models.bagel.model import KV_PAGE_SIZE, request_pages
+from mstar.models.bagel.plan import (
+    TEXT,
+    VAE,
+    VIT,
+    Segment,
+    branch_masks,
+    decode_segments,
+    encode_segments,
+    extent,
+)
 from mstar.models.common.text import Tokenizer
 from mstar.models.common.video_options import integer, number, seed, video_size
 from mstar.models.llama.processor import TextProcessor
@@ -132,9 +142,10 @@ class BagelProcessor(TextProcessor):
     uint8 [H, W, 3]."""
 
     def __init__(self, tokenizer: Tokenizer, cfg: BagelConfig, defaults: BagelDefaults,
-                 max_model_len: int = 32768, grammars: Any = None) -> None:
+                 max_model_len: int = 32768, grammars: Any = None, kv_pages: int | None = None) -> None:
         super().__init__(tokenizer, max_model_len, grammars)
         self.cfg, self.defaults = cfg, defaults
+        self.kv_pages = kv_pages  # pages of the LLM's KV pool (model_kwargs.kv_tokens); None: unchecked
         self.ids = TokenIds.from_tokenizer(tokenizer)
 
     def validate_options(self, options: Mapping[str, Any]) -> None:
@@ -161,7 +172,21 @@ class BagelProcessor(TextProcessor):
         options["no_image_context"] = bool(images) or options["think"]
         if options["think"]:
             items = [("text", GEN_THINK_PROMPT if image_out else VLM_THINK_PROMPT), *items]
-        return self._plan(items, iter(resized), image_out, options["think"], options.get("max_tokens"))
+        out = self._plan(items, iter(resized), image_out, options["think"], options.get("max_tokens"))
+        self._check_pool(decode_segments(out["segments"]), options)
+        return out
+
+    def _check_pool(self, segments: list[Segment], options: Mapping[str, Any]) -> None:
+        """Refuse a request whose contexts (counted as on one worker, the default placement) no KV pool of
+        this size holds; one that fits waits in the LLM's engine while others hold the pages."""
+        if self.kv_pages is None:
+            return
+        pages = request_pages(segments, options, KV_PAGE_SIZE)
+        if pages > self.kv_pages:
+            raise ValueError(f"this request's contexts take {pages * KV_PAGE_SIZE} tokens of the LLM's KV pool "
+                             f"(prompt, images, max_tokens and guidance contexts), more than it holds "
+                             f"({self.kv_pages * KV_PAGE_SIZE}, model_kwargs.kv_tokens); shorten it or lower "
+                             "max_tokens")
 
     def _with_tools(self, request: Mapping[str, Any]) -> Mapping[str, Any]:
         """The chat with its `tools` and tool turns (assistant calls, tool results) as plain text messages, each
