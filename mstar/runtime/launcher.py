@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing as mp
+import os
 import queue
 import threading
 import time
@@ -219,6 +220,7 @@ class Runtime:
         config_json = msgspec.json.encode(dataclasses.asdict(self.config))
         directory_json = msgspec.json.encode(self.network.directory)
         self._process_args = (config_json, directory_json, self.session, args, self._rendezvous())
+        self._cpu_threads = self._thread_shares()
         for rank in range(self.plan.num_workers):
             self.workers[rank] = self._spawn(rank)
         threading.Thread(target=self._watch_processes, daemon=True, name="mstar-watchdog").start()
@@ -255,13 +257,27 @@ class Runtime:
         self._threads.append(thread)
         self._ready.add(rank)
 
+    def _thread_shares(self) -> dict[int, int]:
+        """Rank -> intra-op threads of each CPU worker process: several at one thread per core would
+        oversubscribe the host, and a rank spinning in a collective would starve the others."""
+        from mstar.runtime.process import cpu_thread_shares, host_cores
+
+        devices = [worker_device(self.config, rank).type for rank in range(self.plan.num_workers)]
+        omp = os.environ.get("OMP_NUM_THREADS")  # OpenMP's own variable, which spawned workers inherit
+        shares = cpu_thread_shares(devices, host_cores(), omp)
+        if shares:
+            logger.info("CPU workers %s: %d intra-op threads each", sorted(shares), next(iter(shares.values())))
+        elif omp and "cpu" in devices:
+            logger.info("CPU workers keep OMP_NUM_THREADS=%s", omp)
+        return shares
+
     def _spawn(self, rank: int) -> mp.process.BaseProcess:
         from mstar.runtime.process import worker_process_main
 
         config_json, directory_json, session, args, rendezvous = self._process_args
         proc = mp.get_context("spawn").Process(
             target=worker_process_main, name=f"mstar-worker-{rank}", daemon=True,
-            args=(rank, config_json, directory_json, session, dict(args), rendezvous))
+            args=(rank, config_json, directory_json, session, dict(args), rendezvous, self._cpu_threads.get(rank)))
         proc.start()
         return proc
 

@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -58,14 +58,37 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="parent-watchdog").start()
 
 
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity, where the OS keeps one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def cpu_thread_shares(devices: Sequence[str], cores: int, omp_num_threads: str | None) -> dict[int, int]:
+    """Rank -> intra-op threads for the CPU ranks among `devices` (each rank's device type, every rank
+    on one host of `cores` cores): an equal share of the cores, at least one. None where the user set
+    `omp_num_threads` (OMP_NUM_THREADS, which the workers inherit): that choice stands."""
+    cpu_ranks = [rank for rank, device in enumerate(devices) if device == "cpu"]
+    if omp_num_threads or not cpu_ranks:
+        return {}
+    return dict.fromkeys(cpu_ranks, max(1, cores // len(cpu_ranks)))
+
+
 def worker_process_main(rank: int, config_json: bytes, directory_json: bytes, session: str, build_args: dict,
-                        rendezvous: list | None = None) -> None:
+                        rendezvous: list | None = None, cpu_threads: int | None = None) -> None:
     """Run one worker until Shutdown (spawned by runtime.launcher); with `rendezvous` ([host, port,
-    world size]) it first joins the torch.distributed groups of its multi-rank replicas."""
+    world size]) it first joins the torch.distributed groups of its multi-rank replicas. `cpu_threads`
+    (a CPU worker's share of the host, `cpu_thread_shares`) sets its torch intra-op threads."""
     die_with_parent()
     stacks_on_sigusr1()
     os.environ[envs.SESSION.name] = session
     logging.basicConfig(level=build_args.pop("log_level", "WARNING"))
+    if cpu_threads is not None:
+        import torch
+
+        torch.set_num_threads(cpu_threads)
+        logger.info("worker %d: %d intra-op threads", rank, torch.get_num_threads())
     from mstar.runtime.build import worker_device
     from mstar.runtime.codecs import worker_codec
 

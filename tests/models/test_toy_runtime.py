@@ -1,7 +1,9 @@
 """The toy model through the whole runtime: same outputs in every placement and run mode,
 ordered streams, dynamic loop stops, cancellation without leaks, and worker failures."""
 
+import logging
 import os
+import re
 import signal
 import time
 
@@ -145,6 +147,21 @@ def test_200_cancelled_requests_leave_no_shared_memory_across_processes():
         assert m.runtime.conductor.stats() == {"in_flight": 0, "queued": 0}
         assert len(m.generate({"text": "hello"}, max_tokens=3).outputs["text"]) == 3
         assert not list_segments(m.runtime.session)
+
+
+def test_cpu_worker_processes_run_their_share_of_the_cores(monkeypatch, capfd, caplog):
+    """Two CPU workers on a host of 12 cores run 6 intra-op threads each (the workers log what torch
+    reports); the cores are patched so the share differs from any default of this machine."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("mstar.runtime.process.host_cores", lambda: 12)
+    caplog.set_level(logging.INFO)  # the workers log at the launching process's level
+    with MStar(config=config_from_dict({"model": "toy", "device": "cpu", "node_groups": [
+        {"node_names": ["encoder", "guide", "painter", "vocoder"], "ranks": [0]},
+        {"node_names": ["decoder"], "ranks": [1]},
+    ]}), mode="multiproc") as m:
+        assert len(m.generate({"text": "hello"}, max_tokens=3).outputs["text"]) == 3
+    reported = re.findall(r"worker (\d+): (\d+) intra-op threads", capfd.readouterr().err)
+    assert sorted(reported) == [("0", "6"), ("1", "6")]
 
 
 def test_killed_worker_fails_only_its_requests():
