@@ -240,6 +240,21 @@ class PagedKVStore(Protocol):
 
 
 @dataclass(frozen=True)
+class GraphBufferSpec:
+    """Buffers a stateless component allocates when its engine captures its `capture_plans` (caches its graphs
+    write and read, such as V-JEPA 2-AC's rollout and candidate caches), beyond its weights and the graphs'
+    own pool: the memory plan counts `nbytes` where graphs are captured. `setting` names where a deployment
+    sizes them (for messages)."""
+
+    nbytes: int
+    setting: str  # e.g. "model_kwargs.plan_graph_samples"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.nbytes, int) or isinstance(self.nbytes, bool) or self.nbytes < 0:
+            raise ValueError(f"GraphBufferSpec needs nbytes >= 0, got {self.nbytes!r} ({self.setting})")
+
+
+@dataclass(frozen=True)
 class StatelessSpec:
     """How the stateless engine runs one component (tunable fields as in `AutoregressiveSpec`)."""
 
@@ -249,6 +264,8 @@ class StatelessSpec:
     cuda_graph_sizes: list[int] | None = field(default=None, metadata={"tunable": True})
     # a paged KV pool the engine makes for the component (a `KVPoolComponent`); None: none
     kv_pool: KVPoolSpec | None = None
+    # buffers the component allocates for its captured graphs (counted by the memory plan); None: none
+    graph_buffers: GraphBufferSpec | None = None
 
     def __post_init__(self) -> None:
         if not _positive_int(self.max_batch_size):

@@ -3,7 +3,8 @@
 Each component placed on a device is built on the meta device (shapes, no storage) to count its weight
 bytes in the dtype and quantization the deployment asks for; an autoregressive component adds the KV
 pool its config asks for (a page count, or, for a pool sized from a share of the memory left, one step's
-tokens), a stateless one the pool its spec declares (`StatelessSpec.kv_pool`: BAGEL's contexts); every
+tokens), a stateless one the pool its spec declares (`StatelessSpec.kv_pool`: BAGEL's contexts) and, where
+graphs are captured, the buffers its graphs write (`StatelessSpec.graph_buffers`: V-JEPA 2-AC's caches); every
 component adds an allowance for activations and CUDA-graph pools, and every device one for
 the CUDA context. A placement that cannot fit is refused at start with one line that names the device,
 each component's need and what would fit (`MemoryPlanError`). Off CUDA nothing is checked.
@@ -59,14 +60,18 @@ class ComponentNeed:
     kv_page_bytes: int  # one page of its pool (0: no pool)
     allowance_bytes: int  # activations and CUDA-graph pools, estimated
     kv_setting: str = ""  # where a stateless component's pool (`StatelessSpec.kv_pool`) is sized; "": none
+    buffer_bytes: int = 0  # buffers its captured graphs write (`StatelessSpec.graph_buffers`)
+    buffer_setting: str = ""  # where those are sized; "": none
 
     @property
     def total(self) -> int:
-        return self.weight_bytes + self.kv_bytes + self.allowance_bytes
+        return self.weight_bytes + self.kv_bytes + self.buffer_bytes + self.allowance_bytes
 
     def describe(self) -> str:
         kv = f" + {_gib(self.kv_bytes)} KV{' (at least)' if self.kv_share else ''}" if self.kv_bytes else ""
-        return f"{self.name} {_gib(self.weight_bytes)} weights{kv} + {_gib(self.allowance_bytes)} activations"
+        buffers = f" + {_gib(self.buffer_bytes)} graph caches" if self.buffer_bytes else ""
+        return (f"{self.name} {_gib(self.weight_bytes)} weights{kv}{buffers} + {_gib(self.allowance_bytes)} "
+                "activations")
 
 
 @dataclass(frozen=True)
@@ -242,10 +247,12 @@ def _need(model: Model, config: MStarConfig, name: str, built: BuiltComponent, s
     spec = dataclasses.replace(built.engine, **model.engine_settings.get(name, {}))
     if not isinstance(spec, AutoregressiveSpec):
         allowance = min(STATELESS_ALLOWANCE_BYTES, weights + SMALL_ALLOWANCE_BYTES) if weights else 0
+        buffers = spec.graph_buffers if config.cuda_graphs.enabled else None  # allocated when graphs are captured
+        extra = {"buffer_bytes": buffers.nbytes, "buffer_setting": buffers.setting} if buffers else {}
         pool = spec.kv_pool  # a pool the component keeps its own contexts in: the page count it declares
         if pool is None:
-            return ComponentNeed(name, weights, 0, False, 0, allowance)
-        return ComponentNeed(name, weights, pool.nbytes(), False, pool.page_bytes(), allowance, pool.setting)
+            return ComponentNeed(name, weights, 0, False, 0, allowance, **extra)
+        return ComponentNeed(name, weights, pool.nbytes(), False, pool.page_bytes(), allowance, pool.setting, **extra)
     per_page = page_bytes(module.kv_layout, config.kv_cache.page_size)
     pages = asked_pages(spec, config.kv_cache)
     share = pages is None  # sized from a share of what is left, its context following: at least one step's tokens
@@ -266,6 +273,8 @@ def _what_fits(config: MStarConfig, over: DevicePlan, devices: list[int], tiny: 
         where = "kv_cache" if config.kv_cache.max_num_pages and not own else f"engines.{'/'.join(n.name for n in fixed)}"
         ideas.append(f"{where}.max_num_pages: {pages}")
     ideas += [f"a smaller {n.kv_setting} (its pool takes {_gib(n.kv_bytes)})" for n in over.needs if n.kv_setting]
+    ideas += [f"a smaller {n.buffer_setting} (its graphs' caches take {_gib(n.buffer_bytes)}), or cuda_graphs.enabled: "
+              "false" for n in over.needs if n.buffer_bytes]
     for name in _shipped_of(config.model):
         other = load_config(name)
         if Path(other.source).resolve() == Path(config.source).resolve():

@@ -71,6 +71,36 @@ def test_a_stateless_components_declared_pool_is_counted():
         memory_plan._what_fits(default, plan, [40 * GiB], False, None)
 
 
+def test_vjepa2_ac_graph_caches_are_counted_where_graphs_are_captured():
+    """V-JEPA 2-AC's predictor allocates its lanes' caches when its graphs are captured (`StatelessSpec.
+    graph_buffers`): at full size in bfloat16, 400 candidates x 2 frames plus a 32-frame rollout, 258 tokens a
+    frame, 24 layers of keys and values of 16 heads x 64; a card that cannot hold them is refused naming the
+    setting; without CUDA graphs nothing is allocated, so nothing is counted."""
+    per_frame = 2 * 24 * 258 * 16 * 64 * 2  # K and V, layers, tokens, heads, head size, bfloat16
+    default = config_from_dict({"model": "vjepa2_ac"})
+    (plan,) = memory_plan.plan_memory(default, [24 * GiB])
+    predictor = next(n for n in plan.needs if n.name == "predictor")
+    assert predictor.buffer_bytes == (400 * 2 + 1 * 32) * per_frame
+    assert predictor.buffer_setting == "model_kwargs.plan_graph_samples" and "19.7 GiB graph caches" in plan.describe()
+    assert not plan.fits and "a smaller model_kwargs.plan_graph_samples" in \
+        memory_plan._what_fits(default, plan, [24 * GiB], False, None)
+    fewer = config_from_dict({"model": "vjepa2_ac", "model_kwargs": {"plan_graph_samples": 100}})
+    assert next(n for n in memory_plan.plan_memory(fewer, [24 * GiB])[0].needs
+                if n.name == "predictor").buffer_bytes == (100 * 2 + 32) * per_frame
+    eager = config_from_dict({"model": "vjepa2_ac", "cuda_graphs": {"enabled": False}})
+    assert all(n.buffer_bytes == 0 for n in memory_plan.plan_memory(eager, [24 * GiB])[0].needs)
+
+
+def test_vjepa2_ac_declared_graph_caches_are_what_capture_allocates():
+    config = config_from_dict({"model": "vjepa2_ac", "model_kwargs": {"plan_graph_samples": 6, "plan_graph_frames": 3,
+                                                                      "rollout_graph_frames": 5}})
+    world = build_model(config, tiny=True).build_component("predictor", torch.device("cpu"))
+    world.module.capture_plans()  # allocates the lanes' caches (capturing is the engine's, on CUDA)
+    allocated = sum(t.numel() * t.element_size() for cache in world.module.lanes.values()
+                    for layer in cache.layers for t in (layer.keys, layer.values))
+    assert allocated > 0 and world.engine.graph_buffers.nbytes == allocated
+
+
 def test_ranks_share_a_gpu_when_there_are_fewer_gpus():
     config = config_from_dict({"model": "toy", "node_groups": [
         {"node_names": ["encoder", "decoder", "guide", "painter"], "ranks": [0]},

@@ -83,12 +83,20 @@ class ACPredictor(nn.Module):
                   device: torch.device | None = None) -> RolloutCache:
         """An empty cache for `batch` sequences of up to `frames` frames."""
         weight = self.proj.weight
-        vit = self.config.vit
-        shape = (batch, vit.num_heads, frames * self.block_tokens, vit.head_dim)
+        shape = self._cache_shape(batch, frames)
         dtype, device = dtype or weight.dtype, device or weight.device
         layers = [LayerKV(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
                   for _ in self.blocks]
         return RolloutCache(layers, self.block_tokens)
+
+    def cache_bytes(self, batch: int, frames: int) -> int:
+        """Bytes `new_cache(batch, frames)` allocates in the weights' dtype: keys and values of every layer."""
+        shape = self._cache_shape(batch, frames)
+        return 2 * len(self.blocks) * shape[0] * shape[1] * shape[2] * shape[3] * self.proj.weight.element_size()
+
+    def _cache_shape(self, batch: int, frames: int) -> tuple[int, int, int, int]:
+        vit = self.config.vit
+        return batch, vit.num_heads, frames * self.block_tokens, vit.head_dim
 
     def rope(self, first: int, frames: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [frames * block_tokens, head_dim] of frames first .. first + frames - 1, sliced from

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mstar.engines.base import CapturePlan, StatelessBase, StepItem
+from mstar.engines.base import CapturePlan, GraphBufferSpec, StatelessBase, StepItem
 from mstar.models.vjepa2.ac_predictor import ACPredictor, RolloutCache, normalize_latents
 from mstar.models.vjepa2.classifier import VideoClassifier
 from mstar.models.vjepa2.encoder import VJEPA2Encoder
@@ -126,11 +126,7 @@ class WorldModelComponent(StatelessBase, nn.Module):
         """The one-frame step (`lane_step`) at each frame position of each lane's cache: a step's few
         hundred kernels replay as one graph. Allocates the lanes' caches."""
         p = self.predictor
-        self.lanes = {}
-        if self.rollout_frames:
-            self.lanes["rollout"] = p.new_cache(1, self.rollout_frames)
-        if self.plan_samples and self.plan_frames:
-            self.lanes["plan"] = p.new_cache(max(self.plan_samples), self.plan_frames)
+        self.lanes = {lane: p.new_cache(rows, frames) for lane, (rows, frames) in self.lane_shapes().items()}
         if not self.lanes:
             return []
         cfg, dtype = p.config, p.proj.weight.dtype
@@ -140,6 +136,21 @@ class WorldModelComponent(StatelessBase, nn.Module):
         sizes = {"rollout": (1,), "plan": tuple(self.plan_samples)}
         return [CapturePlan((lane, position), functools.partial(self.lane_step, lane, position), example, sizes[lane])
                 for lane, cache in self.lanes.items() for position in range(cache.capacity)]
+
+    def lane_shapes(self) -> dict[str, tuple[int, int]]:
+        """(rows, frames) of each lane's cache that `capture_plans` allocates."""
+        shapes = {"rollout": (1, self.rollout_frames)} if self.rollout_frames else {}
+        if self.plan_samples and self.plan_frames:
+            shapes["plan"] = (max(self.plan_samples), self.plan_frames)
+        return shapes
+
+    def graph_buffers(self) -> GraphBufferSpec | None:
+        """The lanes' caches as the memory plan counts them (`StatelessSpec.graph_buffers`); None: no lane."""
+        shapes = self.lane_shapes()
+        if not shapes:
+            return None
+        setting = "model_kwargs.plan_graph_samples" if "plan" in shapes else "model_kwargs.rollout_graph_frames"
+        return GraphBufferSpec(sum(self.predictor.cache_bytes(*shape) for shape in shapes.values()), setting)
 
     def lane_step(self, lane: str, position: int, latents: torch.Tensor, actions: torch.Tensor,
                   states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

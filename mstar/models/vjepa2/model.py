@@ -230,8 +230,9 @@ class VJEPA2AC(_VJEPA2Base):
             predictor = self._build(factory, device, tensors, weights.upstream_ac_mapper)
             c = self.config
             plan_samples = (c.plan_graph_samples,) if c.plan_graph_samples else ()
-            return BuiltComponent(components.WorldModelComponent(
-                predictor, c.normalize, c.rollout_graph_frames, plan_samples, c.plan_graph_frames))
+            world = components.WorldModelComponent(predictor, c.normalize, c.rollout_graph_frames, plan_samples,
+                                                   c.plan_graph_frames)
+            return BuiltComponent(world, StatelessSpec(graph_buffers=world.graph_buffers()))
         raise KeyError(f"vjepa2_ac has no component {name!r}; components are {sorted(self.graph().components)}")
 
     def processor(self):
