@@ -67,16 +67,19 @@ def test_cancel_stops_at_the_next_step_and_frees_the_contexts():
     assert steps < 10
 
 
-@pytest.mark.parametrize(("request_", "options", "views"), [
-    ({"text": "Make the sky purple", "media": [{"type": "image", "data": PHOTO}]}, {}, {"no_text"}),
-    ({"text": "A red fox"}, {"modalities": ["text", "image"], "max_tokens": 2}, {"no_text", "no_image"}),
+@pytest.mark.parametrize(("request_", "options", "views", "batch"), [
+    ({"text": "Make the sky purple", "media": [{"type": "image", "data": PHOTO}]}, {}, {"no_text"}, None),
+    ({"text": "Make the sky purple", "media": [{"type": "image", "data": PHOTO}]}, {}, {"no_text"}, 1),
+    ({"text": "A red fox"}, {"modalities": ["text", "image"], "max_tokens": 2}, {"no_text", "no_image"}, None),
 ])
-def test_guidance_contexts_share_the_full_contexts_prefix(request_, options, views):
+def test_guidance_contexts_share_the_full_contexts_prefix(request_, options, views, batch):
     """The no-text context (the full one less its last text) and, without images, the no-image one (less the
     thought) are views of the full context's keys and values: they hold the first pages of the full context
-    (a thought the full context grew by since lands past them), not copies; a cancelled request's pages go
-    back to the pool."""
-    with MStar("bagel", tiny=True) as m:
+    (a thought the full context grew by since lands past them), not copies, also when the guidance branch is
+    prefilled in a later batch than the full one (one item a batch), as the pool's admission counts them; a
+    cancelled request's pages go back to the pool."""
+    config = {"model": "bagel", "engines": {"llm": {"max_batch_size": batch}}} if batch else None
+    with MStar("bagel", config, tiny=True) as m:
         handle = m.submit(request_, **{"modalities": ["image"], "num_inference_steps": 200, "seed": 1,
                                        "debug_outputs": True, **options})
         _first_step(handle)

@@ -208,7 +208,8 @@ class LLMComponent(StatelessBase, nn.Module):
         views: list[tuple[str, str, tuple[int, int]]] = []  # (request, branch, extent in the full context)
         fulls = {i.request_id for i in items if i.walk in _PREFILLS and i.node == "full"}
         for i, item in enumerate(items):
-            view = self._view(item) if item.request_id in fulls else None
+            held = item.request_id in fulls or (item.request_id, "full") in self._contexts
+            view = self._view(item) if held else None
             if view is not None:
                 views.append((item.request_id, item.node, view))
                 continue
@@ -253,8 +254,9 @@ class LLMComponent(StatelessBase, nn.Module):
             self._sample(items, texts, out)
 
     def _view(self, item: StepItem) -> tuple[int, int] | None:
-        """A guidance branch's prefill whose context is a prefix of the full one prefilled in the same batch:
-        (tokens, rope) of that prefix, taken as a view after the forward instead of computed again."""
+        """A guidance branch's prefill whose context is a prefix of the full one (prefilled in the same batch or
+        before): (tokens, rope) of that prefix, taken as a view after the forward instead of computed again, as
+        `request_pages` counts it."""
         if item.walk not in _PREFILLS or item.node == "full" or not flow.branch_needed(item.node, item.options):
             return None
         segments = decode_segments(item.inputs["segments"])
