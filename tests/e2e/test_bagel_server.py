@@ -90,6 +90,13 @@ def test_bad_size_is_a_400_naming_it(base):
     assert resp.status_code == 400 and "width=40 must be a multiple of 16" in resp.text
 
 
+def test_a_request_larger_than_the_kv_pool_is_a_400_naming_it(base):
+    """--tiny's pool holds 16,384 tokens: an answer of up to 20,000 tokens (within the 32,768 positions) never fits."""
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="model_kwargs.kv_tokens"):
+        client.chat.completions.create(model="bagel", max_tokens=20_000, messages=[{"role": "user", "content": "hi"}])
+
+
 def test_chat_streams_text_deltas(base):
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
     stream = client.chat.completions.create(model="bagel", max_tokens=4, temperature=0, stream=True,
