@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|kernels|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|kernels|serve_fit|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -9,8 +9,10 @@
 # failing step does not stop the others. Needs the repo importable (pip install -e . or PYTHONPATH) and,
 # for the Orpheus server step, fastapi/uvicorn/pyzmq/msgspec; the Wan step needs diffusers for its
 # baseline (benchmarks/wan_bench.py says how to carry it); the omni steps need the Qwen3-Omni tokenizer folder
-# (mstar_tokenizers/qwen3-omni-v1, built by any qwen3_omni test here) under the temp dir. omni2 needs two GPUs.
+# (mstar_tokenizers/qwen3-omni-v2, built by any qwen3_omni test here) under the temp dir. omni2 needs two GPUs.
 # ORPHEUS_CONFIG picks the Orpheus server's config (default mstar/configs/orpheus.yaml).
+# serve_fit (not in all): MODELS picks the models (default every one), SERVE_FIT_ARGS adds flags of
+# benchmarks/serve_fit.py (its docstring has the tokenizer folders each model needs and a plan of calls).
 # With TAR=1 everything under $OUT is packed into $OUT/gpu_suite.tgz at the end (one file to fetch).
 # Results are named <benchmark>_<gpu>[_<config>].json (GPU: h100, h200, ... from nvidia-smi, or set GPU=);
 # the newest of each replaces its file in benchmarks/results/. The *.log files are not results.
@@ -219,6 +221,11 @@ fi
 if [[ $WHAT == structured || $WHAT == all ]]; then  # json_schema decoding against free decoding, batch 1 and 16
   # needs the Llama-3 tokenizer folder (mstar_tokenizers/llama3-v1) under the temp dir, as device_setup.sh says
   run 420 structured_decode python3 benchmarks/structured_decode.py --batch 1 16 --out "$OUT/structured_decode_$GPU.json"
+fi
+if [[ $WHAT == serve_fit ]]; then  # `mstar serve <model> --load-format dummy`: serves (config, memory, one request) or refuses
+  # shellcheck disable=SC2086  # MODELS and SERVE_FIT_ARGS are word lists
+  run "${SERVE_FIT_LIMIT:-560}" serve_fit python3 benchmarks/serve_fit.py ${MODELS:+--models $MODELS} ${SERVE_FIT_ARGS:-} \
+      --log-dir "$OUT/serve_fit_logs" --out "$OUT/serve_fit_$GPU.json"
 fi
 if [[ $WHAT == omni2 ]]; then  # the original's split, then the thinker tensor-parallel over both GPUs
   omni_bench mstar/configs/qwen3_omni_2gpu.yaml "qwen3_omni_http_${GPU}_2gpu"
