@@ -69,6 +69,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -192,7 +194,7 @@ def planner_estimate(model: str, config_name: str, total_bytes: int, opts: Optio
     config = load_config(path, model=model) if path.is_file() else config_from_dict({"model": model})
     try:
         plans = plan_memory(config, [total_bytes], opts.tiny, opts.model_paths.get(model))
-    except (ValueError, RuntimeError, NotImplementedError) as exc:
+    except (ValueError, RuntimeError, NotImplementedError, OSError, KeyError) as exc:  # recorded, not fatal
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {"need_gib": [round(p.need_bytes / GiB, 2) for p in plans], "fits": all(p.fits for p in plans),
             "card_gib": round(total_bytes / GiB, 2), "describe": [p.describe() for p in plans]}
@@ -393,19 +395,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+@contextmanager
+def own_settings() -> Iterator[None]:
+    """While the models run: this process sees no GPU (the planner runs on the meta device, and no CUDA
+    context of ours counts in the memory read), and SIGTERM (a time limit) raises SystemExit, so the server
+    in flight is stopped; both restored after."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)) if main_thread else None
+    try:
+        yield
+    finally:
+        if visible is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None, launcher: list[str] = SERVE) -> dict[str, Any]:
+    import torch
+
     args = parse_args(argv)
-    if threading.current_thread() is threading.main_thread():  # a time limit's SIGTERM stops the server too
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     gpu = first_gpu()
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the planner runs on the meta device; no CUDA context of ours
     device = gpu_memory(gpu)
     name = "serve_fit_" + (gpu_tag(device["name"]) if device else "cpu")
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix=f"{name}_logs_"))
     log_dir.mkdir(parents=True, exist_ok=True)
     opts = Options(args.port, args.limit, args.request_timeout, log_dir, args.tiny, gpu, args.model_path)
-    import torch
-
     doc: dict[str, Any] = {
         "benchmark": "serve_fit", "command": "python3 benchmarks/serve_fit.py " + " ".join(
             argv if argv is not None else sys.argv[1:]), "commit": commit(),
@@ -413,11 +432,12 @@ def main(argv: list[str] | None = None, launcher: list[str] = SERVE) -> dict[str
         "torch": torch.__version__, "python": platform.python_version(), "limit_s": args.limit,
         "tiny": args.tiny, "rows": []}
     out = None
-    for i, model in enumerate(args.models):
-        row = run_model(model, args.port + i, opts, launcher)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("log_tail", "planner")}), flush=True)
-        doc["rows"].append(row)
-        out = write_results(doc, args.out, args.tiny, name)
+    with own_settings():
+        for i, model in enumerate(args.models):
+            row = run_model(model, args.port + i, opts, launcher)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("log_tail", "planner")}), flush=True)
+            doc["rows"].append(row)
+            out = write_results(doc, args.out, args.tiny, name)
     print(f"wrote {out or 'no file (--tiny)'}; logs in {log_dir}", flush=True)
     return doc
 

@@ -5,6 +5,7 @@ planner refuses (a 512 MiB card patched in) is recorded as the one-line refusal 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -72,3 +73,20 @@ def test_a_start_the_planner_refuses_is_recorded_as_its_one_line(tmp_path) -> No
     assert row["outcome"] == "exited" and row["exit_code"] == 1
     assert row["planner_refusal"] and row["clean"] and not row["built_before_exit"], row["log_tail"]
     assert "does not fit: cuda:0 (0.5 GiB) needs" in row["last_line"] and row["config"] == "toy"
+
+
+@pytest.mark.slow  # starts a server process
+def test_gpu_memory_is_read_from_nvidia_smi_and_this_process_keeps_its_settings(tmp_path, monkeypatch) -> None:
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text('#!/bin/sh\necho "NVIDIA H100 80GB HBM3, 1000, 81559"\n')
+    (tools / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}:{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    doc = main(["--models", "toy", "--tiny", "--port", "8495", "--log-dir", str(tmp_path)])
+    assert doc["device"] == "NVIDIA H100 80GB HBM3" and doc["gpu_total_mib"] == 81559
+    row = doc["rows"][0]
+    assert row["gpu_mib_before"] == row["gpu_mib_ready"] == row["gpu_mib_request_max"] == 1000
+    assert row["memory_back"] and row["planner_card"] == "NVIDIA H100 80GB HBM3"
+    assert row["planner"]["card_gib"] == pytest.approx(81559 / 1024, abs=0.01)
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"  # hidden only while the models ran
