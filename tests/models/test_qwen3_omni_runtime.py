@@ -28,6 +28,7 @@ def _run(mstar: MStar) -> tuple[str, np.ndarray, str, list[int]]:
         [len(a) for a in audio]
 
 
+@pytest.mark.slow  # the Omni walk across processes; one process: the Omni server tests, two: the thinker-TP runtime
 def test_one_worker_and_two_processes_agree():
     with MStar("qwen3_omni", config={"model": "qwen3_omni", "device": "cpu", "model_kwargs": KWARGS}, tiny=True) as one:
         want = _run(one)

@@ -24,6 +24,7 @@ def test_in_process_mode_refuses_multi_rank_replicas():
         MStar(config=load_config("wan22_sp2"), tiny=True)
 
 
+@pytest.mark.slow  # a second multi-process Wan replica beside test_wan22_cfg_parallel's; the group itself: test_wan22_sequence_parallel
 def test_sequence_parallel_replica_equals_one_device():
     with MStar("wan22", tiny=True) as m:
         expected = _run(m)
