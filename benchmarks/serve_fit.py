@@ -32,10 +32,9 @@ cosmos3_droid read `qwen3-omni-v2` (18.7 MB); bagel `qwen2-v1` (18.7 MB); orpheu
 1.6 MB, `.devscratch/smollm2_shapes`, with `--model-path`); toy, vjepa2, vjepa2_ac nothing; llama, qwen2 and
 qwen3 need a checkpoint and refuse in one line. A call carries at most 64 MiB with the working tree (about
 5 MB) and `.whl` (18.3 MB), so two of the large folders at most. The plan, one device call each, in order of
-need (T=.devscratch/mstar_tokenizers; each command is
-`source benchmarks/device_setup.sh > /dev/null && MODELS="..." SERVE_FIT_ARGS="..." OUT=$OUT TAR=1 bash
-benchmarks/gpu_suite.sh serve_fit`, which stops at 560 s (SERVE_FIT_LIMIT) and brings back one gpu_suite.tgz with the JSON and
-the server logs):
+need (T=.devscratch/mstar_tokenizers; each command is `source benchmarks/device_setup.sh > /dev/null &&
+MODELS="..." SERVE_FIT_ARGS="..." OUT=$OUT TAR=1 bash benchmarks/gpu_suite.sh serve_fit`, which stops at
+560 s (SERVE_FIT_LIMIT) and brings back one gpu_suite.tgz with the JSON and the server logs):
 
     1. 80 GB (kind nvidia-h100-x1), carry .whl $T/qwen3-omni-v2
        MODELS="qwen3_omni llama qwen2 qwen3 toy vjepa2"  SERVE_FIT_ARGS="--limit 300"
@@ -44,14 +43,14 @@ the server logs):
     3. 80 GB, carry .whl $T/qwen2-v1 $T/llama3-v1 $T/tiny-umt5-v1 .devscratch/smollm2_shapes
        MODELS="bagel orpheus wan22 smollm2"  SERVE_FIT_ARGS="--limit 180 --model-path smollm2=.devscratch/smollm2_shapes"
     4. 141 GB (kind nvidia-h200 with needs_h200: qwen3_omni.yaml needs 103 GiB), carry as call 1
-       MODELS="qwen3_omni cosmos3 cosmos3_droid vjepa2_ac"  SERVE_FIT_ARGS="--limit 300"
-    5. 141 GB, carry as call 3 plus $T/pi05-tiny-v1
-       MODELS="bagel orpheus wan22 smollm2 pi05 vjepa2 toy"  SERVE_FIT_ARGS="--limit 120 --model-path smollm2=.devscratch/smollm2_shapes"
+       MODELS="qwen3_omni cosmos3 cosmos3_droid"  SERVE_FIT_ARGS="--limit 300"
 
 Each call's models are the biggest start first; its limits add up to more than 560 s only if several starts
-take their whole limit, and rows are written after each model, so a cut call keeps what it finished. Call 5
-matters least: the planner gives every model but qwen3_omni the same config on both cards (docs/operations.md,
-"GPU memory"). Calls on one card kind write the same file name: merge their `rows`.
+take their whole limit, and rows are written after each model, so a cut call keeps what it finished. Every
+model but qwen3_omni takes the same config on both cards (docs/operations.md, "GPU memory"), so its 80 GB row
+answers for the 141 GB card, which call 4 checks for the largest. A session's 30 device minutes hold about
+three calls on one warm machine (a fresh start costs minutes; call 4's kind is another start). Calls on one
+card kind write the same file name: merge their `rows`.
 """
 
 from __future__ import annotations
