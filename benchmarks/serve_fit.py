@@ -40,11 +40,11 @@ qwen3 need a checkpoint and refuse in one line. To make them here (a fresh check
         "from mstar.models.common.smollm2 import ensure_smollm2_checkpoint as e; print(e())"  # then copy its
     # config.json, tokenizer.json and tokenizer_config.json into .devscratch/smollm2_shapes
 
-A call carries at most 64 MiB with the working tree (about
-5 MB) and `.whl` (18.3 MB), so two of the large folders at most. The plan, one device call each, in order of
-need (T=.devscratch/mstar_tokenizers; each command is `source benchmarks/device_setup.sh > /dev/null &&
-MODELS="..." SERVE_FIT_ARGS="..." OUT=$OUT TAR=1 bash benchmarks/gpu_suite.sh serve_fit`, which stops at
-560 s (SERVE_FIT_LIMIT) and brings back one gpu_suite.tgz with the JSON and the server logs):
+A call carries at most 64 MiB with the working tree (about 5 MB) and `.whl` (18.3 MB), so two of the large
+folders at most. The plan, one device call each, in order of need (T=.devscratch/mstar_tokenizers; each
+command is `source benchmarks/device_setup.sh > /dev/null && MODELS="..." SERVE_FIT_ARGS="..." OUT=$OUT TAR=1
+bash benchmarks/gpu_suite.sh serve_fit`, which stops at 560 s (SERVE_FIT_LIMIT) and brings back one
+gpu_suite.tgz with the JSON and the server logs):
 
     1. 80 GB (kind nvidia-h100-x1), carry .whl $T/qwen3-omni-v2
        MODELS="qwen3_omni llama qwen2 qwen3 toy vjepa2"  SERVE_FIT_ARGS="--limit 300"
