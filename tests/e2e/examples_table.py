@@ -115,7 +115,10 @@ def check_json_answer(route: str, body: str) -> str:
         if message.get("audio"):
             check_wav(base64.b64decode(message["audio"]["data"]))
             return "spoken answer"
-        assert isinstance(message["content"], str) and message["content"], answer
+        assert isinstance(message["content"], str), answer
+        # random weights may sample an end token first: an empty answer is then the model's, not the server's
+        ended_at_once = answer["choices"][0]["finish_reason"] == "stop" and answer["usage"]["completion_tokens"] == 1
+        assert message["content"] or ended_at_once, answer
         return "chat answer"
     if "/completions" in route:
         assert isinstance(answer["choices"][0]["text"], str), answer
