@@ -127,7 +127,7 @@ class KVPull(msgspec.Struct, tag=True, array_like=True):
 
 
 class KVPositionsWire(msgspec.Struct, array_like=True):
-    """engines.base.KVPositions on the wire."""
+    """engines.kv_handoff.KVPositions on the wire."""
 
     start: int
     offset: float
@@ -137,7 +137,7 @@ class KVPositionsWire(msgspec.Struct, array_like=True):
 
 
 class KVPages(msgspec.Struct, tag=True, array_like=True):
-    """Answer to KVPull: the sequence (engines.base.KVExport), or found=False when the sender has none
+    """Answer to KVPull: the sequence (engines.kv_handoff.KVExport), or found=False when the sender has none
     to give (the receiver then recomputes the prompt). All layers in one message."""
 
     rid: str

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from mstar.engines.base import Engine, KVExport, KVHandoff, KVPositions, StepItem
+from mstar.engines.base import Engine, StepItem
+from mstar.engines.kv_handoff import KVExport, KVHandoff, KVPositions
 from mstar.transport import wire
 from mstar.transport.messages import discard_message
 

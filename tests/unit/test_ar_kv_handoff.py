@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mstar.engines.base import KVHandoff, LoopSpec, StepItem
+from mstar.engines.base import LoopSpec, StepItem
+from mstar.engines.kv_handoff import KVHandoff
 from tests.unit.test_ar_engine import TinyLM, make_engine, prompts
 
 

@@ -46,11 +46,12 @@ from mstar.engines.autoregressive.runner import ModelRunner, make_attention_back
 from mstar.engines.autoregressive.sequence import Sequence
 from mstar.engines.autoregressive.step_graph import StepGraphs
 from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs, parse_item
-from mstar.engines.base import CausalLM, KVExport, LoopSpec, StepItem, StepResult, require
+from mstar.engines.base import CausalLM, LoopSpec, StepItem, StepResult, require
 from mstar.engines.cuda_graphs import to_device_async
 from mstar.engines.grammar import GrammarMatcher, Grammars, constrain
 from mstar.engines.kv_cache.block_pool import BlockPool
 from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
+from mstar.engines.kv_handoff import KVExport
 from mstar.engines.sampling import SampleOutput, SamplingParams, SamplingRow, plain_greedy, sample
 from mstar.engines.sampling_graph import SamplerGraphs
 

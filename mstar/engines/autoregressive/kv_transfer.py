@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from mstar.engines.base import KVExport
 from mstar.engines.kv_cache.prefix_cache import hash_pages
+from mstar.engines.kv_handoff import KVExport
 
 if TYPE_CHECKING:
     from mstar.engines.autoregressive.batch_scheduler import BatchScheduler

@@ -24,9 +24,10 @@ from typing import Any
 
 import torch
 
-from mstar.engines.base import CausalLM, KVPositions, StepItem
+from mstar.engines.base import CausalLM, StepItem
 from mstar.engines.cuda_graphs import to_device_async
 from mstar.engines.extras import FINAL, ForwardExtras
+from mstar.engines.kv_handoff import KVPositions
 
 
 @dataclass
