@@ -199,12 +199,14 @@ class _Promises:
         self.module, self.pool, self.spec = module, pool, pool.spec
         self.promised: dict[str, int] = {}  # request -> pages it may hold
         self.waiting: set[str] = set()  # requests the latest batch left waiting for pages
+        # (request, walk, node) -> kv_pages of its pending item, asked once: a waiting item is checked every step
+        self.needs: dict[tuple[str, str, str], int] = {}
 
     def refuse(self, pending: deque[StepItem]) -> list[StepResult]:
         """Take out of `pending` the items whose requests no pool of this size holds; their failed results."""
         out = []
         for item in [i for i in pending if i.request_id not in self.promised]:
-            need = self.module.kv_pages(item)
+            need = self.need(item)
             if need > self.spec.num_pages:
                 pending.remove(item)
                 out.append(StepResult(
@@ -226,7 +228,7 @@ class _Promises:
             rid = item.request_id
             if rid in self.promised:
                 return True
-            need = self.module.kv_pages(item)
+            need = self.need(item)
             if need and (blocked or need > free):
                 blocked.add(rid)
                 return False
@@ -236,8 +238,16 @@ class _Promises:
 
         return admit
 
+    def need(self, item: StepItem) -> int:
+        key = (item.request_id, item.walk, item.node)
+        need = self.needs.get(key)
+        if need is None:
+            need = self.needs[key] = self.module.kv_pages(item)
+        return need
+
     def release(self, request_id: str) -> None:
         self.promised.pop(request_id, None)
+        self.needs = {key: need for key, need in self.needs.items() if key[0] != request_id}
 
     def stats(self) -> dict[str, float]:
         return {"kv_pages_total": self.spec.num_pages, "kv_pages_used": self.spec.num_pages - self.pool.num_free,
