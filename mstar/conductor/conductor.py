@@ -194,7 +194,7 @@ class Conductor:
         }
         req.current_walk[walk.lane] = name
         self._send(driver, wire.StartWalk(req.rid, name, req.options, inputs, routes, targets,
-                                                             req.kv_sources.pop(name, {})))
+                                          self._kv_targets(req, walk)))
 
     def _walk_done(self, msg: wire.WalkDone) -> None:
         req = self._active.get(msg.rid)
@@ -262,24 +262,32 @@ class Conductor:
                 raise AdmissionError(
                     f"no live worker runs component {node.component!r} for walk {walk.name!r} "
                     f"(dead: {self._dead})", status=503)
-            replica = earlier = req.sticky.get(node.component)
+            replica = req.sticky.get(node.component)
             if replica not in candidates:
                 replica = min(candidates, key=lambda r: self._load[r[0]])
                 req.sticky[node.component] = replica
-                if earlier is not None and self._moves_kv(node.component, earlier, replica):
-                    req.kv_sources.setdefault(walk.name, {})[node.component] = earlier[0]
             routes[node.name] = replica[0]
             if replica[0] not in req.workers:
                 req.workers.add(replica[0])
                 self._load[replica[0]] += 1
         return routes
 
-    def _moves_kv(self, component: str, earlier: tuple[int, ...], replica: tuple[int, ...]) -> bool:
-        """Whether the request's sequence of `component` moves from replica `earlier` to `replica`: an
-        autoregressive component, one rank each (a tensor-parallel replica's shards recompute), the
-        earlier one alive."""
-        return (self.graph.components[component].engine == "autoregressive" and len(earlier) == 1
-                and len(replica) == 1 and earlier[0] not in self._dead)
+    def _kv_targets(self, req: RequestState, walk: Walk) -> dict[str, int]:
+        """Component -> rank, for each autoregressive component of `walk` whose sequence the lane's next walk
+        continues on another replica: that walk's routes are chosen now, so the sequence's K/V can stream
+        there while `walk` computes them. Only one-rank replicas move a sequence (a tensor-parallel
+        replica's shards recompute it)."""
+        nxt = self._lanes[walk.lane].next_walk(walk.name, req.options)
+        if nxt is None:
+            return {}
+        here = {n.component: req.sticky[n.component] for n in iter_nodes(walk.body)
+                if self.graph.components[n.component].engine == "autoregressive"}
+        moving = [n for n in iter_nodes(self._walks[nxt].body) if len(here.get(n.component, ())) == 1
+                  and here[n.component] not in self.plan.node_replicas(n.component, n.name, nxt)]
+        if not moving:
+            return {}
+        routes = self._reserve(req, self._walks[nxt])
+        return {n.component: routes[n.name] for n in moving if len(req.sticky[n.component]) == 1}
 
 
 def _failure(req: RequestState, exc: Exception) -> FinishEvent:

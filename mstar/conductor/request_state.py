@@ -45,7 +45,6 @@ class RequestState:
     current_walk: dict[str, str] = field(default_factory=dict)  # lane -> walk in flight
     sticky: dict[str, tuple[int, ...]] = field(default_factory=dict)  # component -> replica chosen
     reserved_routes: dict[str, dict[str, int]] = field(default_factory=dict)  # walk -> node -> rank
-    kv_sources: dict[str, dict[str, int]] = field(default_factory=dict)  # walk -> component -> rank its KV leaves
     stream_counts: dict[str, int] = field(default_factory=dict)  # stream -> items produced so far
     stream_dest: dict[str, int] = field(default_factory=dict)  # stream -> consumer rank
     workers: set[int] = field(default_factory=set)  # every rank that may hold state of this request

@@ -1,7 +1,9 @@
 """The contract by which an autoregressive sequence moves between engines of one component on different
-workers (prefill/decode disaggregation): what moves (`KVExport`, with its M-RoPE `KVPositions`) and the
-engine side of the move (`KVHandoff`); engines/autoregressive/kv_transfer.py implements it for paged caches
-and worker/kv_moves.py carries it between workers."""
+workers (prefill/decode disaggregation), layer by layer while the sender computes it: what the receiver
+learns first (`KVOffer`), where the sender puts each layer's K/V as its forward writes them
+(`KVStreamSink`), what closes the stream (`KVStreamEnd`, with its M-RoPE `KVPositions`) and the engine side
+of the move (`KVHandoff`); engines/autoregressive/kv_transfer.py implements it for paged caches and
+worker/kv_moves.py carries it between workers."""
 
 from __future__ import annotations
 
@@ -26,36 +28,65 @@ class KVPositions:
 
 
 @dataclass
-class KVExport:
-    """A computed sequence moved from one engine to another (prefill/decode disaggregation): every
-    token, the chained hashes of its full shareable pages, and the K/V of its pages from `skip` on
-    (the receiver holds the first `skip`, found by the same hashes in its prefix cache)."""
+class KVOffer:
+    """A sequence about to be computed and streamed: its tokens and the chained hashes of its full pages
+    whose K/V depend on their tokens alone (those the receiver's prefix cache holds need not travel)."""
 
-    tokens: list[int]  # every token of the sequence; all of them computed
+    tokens: list[int]
     page_hashes: list[int]
-    skip: int
-    k: torch.Tensor | None  # [layers, pages - skip, page_size, kv_heads, head_dim]; None when nothing is sent
-    v: torch.Tensor | None
-    positions: KVPositions | None = None  # None: positions are the token indexes
+
+
+@dataclass
+class KVStreamEnd:
+    """A streamed sequence, computed: every token, the chained hashes of its full shareable pages, and
+    where its positions continue (None: at the token indexes)."""
+
+    tokens: list[int]
+    page_hashes: list[int]
+    positions: KVPositions | None = None
+
+
+class KVStreamSink(Protocol):
+    """Where a sender's engine puts one streamed sequence as its forwards compute it."""
+
+    def layer(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The final K and V of tokens [start, start + len(k)) of `layer` ([tokens, kv_heads, head_dim]),
+        called as soon as the forward wrote them, before it computes the next layer."""
+        ...
+
+    def end(self, done: KVStreamEnd) -> None:
+        """Every layer of every token went: the sequence is complete and the sender forgot it."""
+        ...
 
 
 @runtime_checkable
 class KVHandoff(Protocol):
-    """An engine whose sequences can move to another worker's engine of the same component: the
-    receiver `hold_prefix`es what its prefix cache has of the item's prompt, the sender
-    `export_kv`s the sequence (dropping it), the receiver `submit_with_kv`s the item with it."""
+    """An engine whose sequences can move to another worker's engine of the same component while they are
+    computed. Sender: `submit_streamed` an item (its sequence waits), `stream_kv` once the receiver
+    answered. Receiver: `reserve_kv` for the offer, `place_kv` each layer, `submit_with_kv` the first item."""
 
-    def hold_prefix(self, item: StepItem) -> list[int]:
-        """Hashes of the leading full pages of `item`'s prompt this engine has cached, held (not
-        evictable) until `submit_with_kv` or the request's release."""
+    def submit_streamed(self, item: StepItem, sink: KVStreamSink) -> KVOffer | None:
+        """`submit`; when `item` starts a new sequence it waits, computing nothing, until `stream_kv`, and
+        its offer is returned. None: the item was submitted as usual (or failed) and nothing streams."""
         ...
 
-    def export_kv(self, request_id: str, kv_slot: str, held: list[int]) -> KVExport | None:
-        """The sequence, its pages after the common prefix with `held` only, and forget it here;
-        None when this engine holds no fully computed sequence of that key."""
+    def stream_kv(self, request_id: str, kv_slot: str, skip: int | None) -> None:
+        """Start the waiting sequence: the K/V of its tokens from `skip` on go to its sink as computed, and
+        the sink's `end` follows its item's result; `skip` None: nothing streams (the receiver had no room)."""
         ...
 
-    def submit_with_kv(self, item: StepItem, export: KVExport | None) -> None:
-        """`submit` for the first item of a sequence whose K/V come in `export` (None: the item
-        starts as any other, recomputing what it needs)."""
+    def reserve_kv(self, request_id: str, kv_slot: str, offer: KVOffer) -> int | None:
+        """Take pages for an offered sequence: the leading ones this engine's prefix cache holds and free
+        ones for the rest, until `submit_with_kv` or the request's release; the number of leading tokens
+        held (their K/V need not travel), or None when there is no room (nothing taken)."""
+        ...
+
+    def place_kv(self, request_id: str, kv_slot: str, layer: int, start: int, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+        """Write one `KVStreamSink.layer` call's K/V into the reserved pages (ignored when none are)."""
+        ...
+
+    def submit_with_kv(self, item: StepItem, done: KVStreamEnd | None) -> None:
+        """`submit` for the first item of a reserved sequence whose every layer is placed (`done`); None, or
+        a sequence that cannot be seated now, starts as any other item, recomputing what it needs."""
         ...

@@ -25,8 +25,9 @@ class StartWalk(msgspec.Struct, tag=True, array_like=True):
     inputs: Tensors  # walk inputs by edge name (request inputs and carries)
     routes: dict[str, int]  # node name -> rank that runs it
     stream_targets: dict[str, list[Any]]  # produced edge -> [consumer rank, stream name, first seq]
-    # component -> rank whose engine holds the request's sequence of it, to move here (PD disaggregation)
-    kv_sources: dict[str, int] = {}
+    # component -> rank that continues the request's sequence of it in the next walk: the sequence's K/V
+    # stream there layer by layer as this walk computes them (PD disaggregation, worker/kv_moves.py)
+    kv_targets: dict[str, int] = {}
 
 
 class _ReadyNode(msgspec.Struct, array_like=True):
@@ -45,6 +46,7 @@ class RunNode(_ReadyNode, tag=True):
 
     reply_to: int
     loop: int = 0  # > 0: the node is an engine loop of this many iterations at most (engines/base.py LoopSpec)
+    kv_targets: dict[str, int] = {}  # the node's component -> as StartWalk.kv_targets
 
 
 class NodeDone(msgspec.Struct, tag=True, array_like=True):
@@ -115,15 +117,40 @@ class WalkDone(msgspec.Struct, tag=True, array_like=True):
     error: str | None = None
 
 
-class KVPull(msgspec.Struct, tag=True, array_like=True):
-    """Worker -> the worker holding a request's sequence of `component`: send it to me; `held` are the
-    hashes of its leading pages I have cached already (their contents need not travel)."""
+class KVOffer(msgspec.Struct, tag=True, array_like=True):
+    """Worker about to compute a request's sequence of `component` -> the worker that continues it: take
+    pages for it; `page_hashes` are those of its full pages you may hold already (they need not travel).
+    The sequence computes nothing until the KVAccept."""
 
     rid: str
     component: str
     kv_slot: str
-    held: list[bytes]  # 16-byte little-endian page hashes (engines/kv_cache/prefix_cache.py)
+    tokens: list[int]
+    page_hashes: list[bytes]  # 16-byte little-endian page hashes (engines/kv_cache/prefix_cache.py)
     reply_to: int
+
+
+class KVAccept(msgspec.Struct, tag=True, array_like=True):
+    """Answer to KVOffer: the K/V of the sequence's tokens from `skip` on will come (the receiver holds those
+    before it and has pages for the rest); `skip` < 0: no room, nothing is sent and the receiver recomputes."""
+
+    rid: str
+    component: str
+    kv_slot: str
+    skip: int
+
+
+class KVLayer(msgspec.Struct, tag=True, array_like=True):
+    """Sender -> receiver of an accepted KVOffer: the final K and V ([tokens, kv_heads, head_dim]) of
+    tokens [start, start + tokens) of one layer, sent as soon as the sender's forward wrote them."""
+
+    rid: str
+    component: str
+    kv_slot: str
+    layer: int
+    start: int
+    k: AnyPayload
+    v: AnyPayload
 
 
 class KVPositionsWire(msgspec.Struct, array_like=True):
@@ -136,19 +163,15 @@ class KVPositionsWire(msgspec.Struct, array_like=True):
     num_shareable: int
 
 
-class KVPages(msgspec.Struct, tag=True, array_like=True):
-    """Answer to KVPull: the sequence (engines.kv_handoff.KVExport), or found=False when the sender has none
-    to give (the receiver then recomputes the prompt). All layers in one message."""
+class KVEnd(msgspec.Struct, tag=True, array_like=True):
+    """Sender -> receiver, after the last KVLayer of the sequence: it is computed
+    (engines.kv_handoff.KVStreamEnd) and the sender forgot it."""
 
     rid: str
     component: str
     kv_slot: str
-    found: bool
-    tokens: list[int] = []
-    page_hashes: list[bytes] = []  # as KVPull.held
-    skip: int = 0
-    k: AnyPayload | None = None
-    v: AnyPayload | None = None
+    tokens: list[int]
+    page_hashes: list[bytes]  # as KVOffer's, of the full pages whose K/V depend on their tokens alone
     positions: KVPositionsWire | None = None
 
 
@@ -223,10 +246,11 @@ class WorkerStats(msgspec.Struct, tag=True, array_like=True):
 
 
 # the messages about one request (`rid`), and those of them about one of its walks (`walk`)
-REQUEST_MESSAGES = (StartWalk, RunNode, NodeDone, StreamItem, StreamEnd, Release, ClientOutput, WalkDone, KVPull, KVPages)
+REQUEST_MESSAGES = (StartWalk, RunNode, NodeDone, StreamItem, StreamEnd, Release, ClientOutput, WalkDone, KVOffer,
+                    KVAccept, KVLayer, KVEnd)
 WALK_MESSAGES = (StartWalk, RunNode, NodeDone, WalkDone)
 
 Message = Union[
     StartWalk, RunNode, NodeDone, StreamItem, StreamEnd, Release, Shutdown, ClientOutput, ClientOutputs, WalkDone,
-    ReplicaStep, ReplicaEngineStep, WorkerReady, WorkerFailed, WorkerStats, KVPull, KVPages,
+    ReplicaStep, ReplicaEngineStep, WorkerReady, WorkerFailed, WorkerStats, KVOffer, KVAccept, KVLayer, KVEnd,
 ]

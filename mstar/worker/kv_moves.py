@@ -1,8 +1,11 @@
-"""Moving a sequence's KV pages between workers (prefill/decode disaggregation).
+"""Moving a sequence's KV pages between workers while it is computed (prefill/decode disaggregation).
 
-The conductor names, in `StartWalk.kv_sources`, the rank that prefilled a component this worker decodes.
-The component's first item here is held while its pages are pulled (`KVPull`); the prefill worker answers
-with `KVPages`, and the engine places them and runs the item (`KVHandoff` in engines/base.py).
+The conductor names, in `StartWalk.kv_targets`, the rank that continues a component's sequence in the
+request's next walk. Here, the component's first item of that sequence is submitted waiting (`KVOffer` to
+that rank); once the receiver answers (`KVAccept`: it took pages, holding what its prefix cache had), the
+sequence runs, and every layer's K/V leaves as the forward writes it (`KVLayer`), then `KVEnd`. On the
+receiver each layer is placed at once; the sequence's first item there waits for `KVEnd` (`KVHandoff` in
+engines/kv_handoff.py).
 """
 
 from __future__ import annotations
@@ -10,10 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from mstar.engines.base import Engine, StepItem
-from mstar.engines.kv_handoff import KVExport, KVHandoff, KVPositions
+from mstar.engines.kv_handoff import KVHandoff, KVOffer, KVPositions, KVStreamEnd
 from mstar.transport import wire
 from mstar.transport.messages import discard_message
+
+_Key = tuple[str, str, str]  # (rid, component, kv_slot)
+_LAYERS_COMING = None  # an accepted stream whose KVEnd has not come
 
 
 def _hash_bytes(hashes: list[int]) -> list[bytes]:
@@ -26,74 +34,114 @@ def _hash_ints(hashes: list[bytes]) -> list[int]:
 
 
 class KVMoves:
-    """A worker's side of moving sequences: the ranks to pull from and the items held until pages arrive."""
+    """A worker's side of moving sequences: where its sequences stream to, and the streams coming in."""
 
     def __init__(self, rank: int, engines: dict[str, Engine], send: Callable[[int, Any], None], codec,
                  to_device: Callable[[Any], Any]) -> None:
-        """`send(rank, msg)` sends to another worker; `codec` packs tensors for the wire."""
+        """`send(rank, msg)` sends to another worker at once; `codec` packs tensors for the wire."""
         self.rank, self.engines, self.send, self.codec, self.to_device = rank, engines, send, codec, to_device
-        self._sources: dict[tuple[str, str], int] = {}  # (rid, component) -> rank holding the sequence
-        self._waiting: dict[tuple[str, str, str], StepItem] = {}  # (rid, component, kv_slot) -> held item
+        self._targets: dict[tuple[str, str], int] = {}  # (rid, component) -> rank its sequence streams to
+        self._incoming: dict[_Key, KVStreamEnd | None] = {}  # accepted streams -> their end, once it came
+        self._waiting: dict[_Key, StepItem] = {}  # first items held until their stream's end
 
-    def start(self, msg: wire.StartWalk) -> None:
-        """Note the ranks this walk's components move their sequences from."""
-        for component, rank in msg.kv_sources.items():
+    def start(self, rid: str, kv_targets: dict[str, int]) -> None:
+        """Note the ranks a walk's components (`StartWalk.kv_targets`) stream their sequences to."""
+        for component, rank in kv_targets.items():
             if isinstance(self.engines.get(component), KVHandoff):
-                self._sources[(msg.rid, component)] = rank
+                self._targets[(rid, component)] = rank
 
-    def pull(self, component: str, item: StepItem) -> bool:
-        """Hold `item` and ask for its sequence if it is the first of a moved one; False: submit it as usual."""
-        if not self._sources or (source := self._sources.pop((item.request_id, component), None)) is None:
+    def submit(self, component: str, item: StepItem) -> bool:
+        """Submit `item` if a move concerns it (it starts a sequence streamed from or to here); False:
+        submit it as usual."""
+        if not self._targets and not self._incoming:
             return False
+        key = (item.request_id, component, item.kv_slot)
         engine = self.engines[component]
-        assert isinstance(engine, KVHandoff)  # only such engines get a kv source (start)
-        held = engine.hold_prefix(item)
-        self._waiting[(item.request_id, component, item.kv_slot)] = item
-        self.send(source, wire.KVPull(item.request_id, component, item.kv_slot, _hash_bytes(held),
-                                                   self.rank))
+        if key in self._incoming:
+            assert isinstance(engine, KVHandoff)  # only such engines accept offers (_offer)
+            done = self._incoming[key]
+            if done is _LAYERS_COMING:
+                self._waiting[key] = item
+            else:
+                del self._incoming[key]
+                engine.submit_with_kv(item, done)
+            return True
+        target = self._targets.pop((item.request_id, component), None)
+        if target is None:
+            return False
+        assert isinstance(engine, KVHandoff)  # only such engines get a target (start)
+        offer = engine.submit_streamed(item, _Sink(self, key, target))
+        if offer is not None:
+            self.send(target, wire.KVOffer(*key, offer.tokens, _hash_bytes(offer.page_hashes), self.rank))
         return True
 
-    def handle(self, msg: wire.KVPull | wire.KVPages) -> None:
-        if isinstance(msg, wire.KVPull):
-            self._send(msg)
+    def handle(self, msg: wire.KVOffer | wire.KVAccept | wire.KVLayer | wire.KVEnd) -> None:
+        if isinstance(msg, wire.KVOffer):
+            self._offer(msg)
+        elif isinstance(msg, wire.KVAccept):
+            engine = self.engines[msg.component]
+            assert isinstance(engine, KVHandoff)
+            engine.stream_kv(msg.rid, msg.kv_slot, None if msg.skip < 0 else msg.skip)
+        elif isinstance(msg, wire.KVLayer):
+            self._place(msg)
         else:
-            self._receive(msg)
+            self._end(msg)
 
     def release(self, rid: str) -> None:
-        for table in (self._sources, self._waiting):
+        for table in (self._targets, self._incoming, self._waiting):
             for key in [k for k in table if k[0] == rid]:
                 del table[key]
 
     def __len__(self) -> int:
-        return len(self._sources) + len(self._waiting)
+        return len(self._targets) + len(self._incoming) + len(self._waiting)
 
-    def _send(self, msg: wire.KVPull) -> None:
+    def _offer(self, msg: wire.KVOffer) -> None:
         engine = self.engines.get(msg.component)
-        export = engine.export_kv(msg.rid, msg.kv_slot, _hash_ints(msg.held)) if isinstance(engine, KVHandoff) else None
-        if export is None:
-            reply = wire.KVPages(msg.rid, msg.component, msg.kv_slot, False)
-        else:
-            p = export.positions
-            positions = None if p is None else wire.KVPositionsWire(p.start, p.offset, p.multi_row, p.fractional,
-                                                                    p.num_shareable)
-            k = None if export.k is None else self.codec.pack(export.k, msg.reply_to)
-            v = None if export.v is None else self.codec.pack(export.v, msg.reply_to)
-            reply = wire.KVPages(msg.rid, msg.component, msg.kv_slot, True, export.tokens, _hash_bytes(export.page_hashes),
-                                 export.skip, k, v, positions)
-        self.send(msg.reply_to, reply)
+        skip = None
+        if isinstance(engine, KVHandoff):
+            skip = engine.reserve_kv(msg.rid, msg.kv_slot, KVOffer(msg.tokens, _hash_ints(msg.page_hashes)))
+        if skip is not None:
+            self._incoming[(msg.rid, msg.component, msg.kv_slot)] = _LAYERS_COMING
+        self.send(msg.reply_to, wire.KVAccept(msg.rid, msg.component, msg.kv_slot, -1 if skip is None else skip))
 
-    def _receive(self, msg: wire.KVPages) -> None:
-        item = self._waiting.pop((msg.rid, msg.component, msg.kv_slot), None)
-        if item is None:  # released meanwhile
+    def _place(self, msg: wire.KVLayer) -> None:
+        if (msg.rid, msg.component, msg.kv_slot) not in self._incoming:  # released meanwhile
             discard_message(msg, self.codec.discard)
             return
-        export = None
-        if msg.found:
-            p = msg.positions
-            positions = None if p is None else KVPositions(p.start, p.offset, p.multi_row, p.fractional, p.num_shareable)
-            k = None if msg.k is None else self.to_device(self.codec.unpack(msg.k))
-            v = None if msg.v is None else self.to_device(self.codec.unpack(msg.v))
-            export = KVExport(msg.tokens, _hash_ints(msg.page_hashes), msg.skip, k, v, positions)
         engine = self.engines[msg.component]
         assert isinstance(engine, KVHandoff)
-        engine.submit_with_kv(item, export)
+        k, v = (self.to_device(self.codec.unpack(t)) for t in (msg.k, msg.v))
+        engine.place_kv(msg.rid, msg.kv_slot, msg.layer, msg.start, k, v)
+
+    def _end(self, msg: wire.KVEnd) -> None:
+        key = (msg.rid, msg.component, msg.kv_slot)
+        if key not in self._incoming:  # released meanwhile
+            return
+        p = msg.positions
+        positions = None if p is None else KVPositions(p.start, p.offset, p.multi_row, p.fractional, p.num_shareable)
+        done = KVStreamEnd(msg.tokens, _hash_ints(msg.page_hashes), positions)
+        item = self._waiting.pop(key, None)
+        if item is None:
+            self._incoming[key] = done
+            return
+        del self._incoming[key]
+        engine = self.engines[msg.component]
+        assert isinstance(engine, KVHandoff)
+        engine.submit_with_kv(item, done)
+
+
+class _Sink:
+    """The `KVStreamSink` of one sequence streamed from here: each call leaves as a message at once."""
+
+    def __init__(self, moves: KVMoves, key: _Key, rank: int) -> None:
+        self.moves, self.key, self.rank = moves, key, rank
+
+    def layer(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        pack = self.moves.codec.pack
+        self.moves.send(self.rank, wire.KVLayer(*self.key, layer, start, pack(k, self.rank), pack(v, self.rank)))
+
+    def end(self, done: KVStreamEnd) -> None:
+        p = done.positions
+        positions = None if p is None else wire.KVPositionsWire(p.start, p.offset, p.multi_row, p.fractional,
+                                                                p.num_shareable)
+        self.moves.send(self.rank, wire.KVEnd(*self.key, done.tokens, _hash_bytes(done.page_hashes), positions))

@@ -210,6 +210,7 @@ class Worker:
             self._start(msg)
         elif isinstance(msg, wire.RunNode):
             self._remote[(msg.rid, msg.walk, msg.node, msg.iteration)] = msg.reply_to
+            self.kv_moves.start(msg.rid, msg.kv_targets)
             inputs = {k: self.codec.unpack(v) for k, v in msg.inputs.items()}
             loop = LoopSpec(msg.loop) if msg.loop else None
             self._submit(msg.rid, msg.walk, msg.node, msg.iteration, inputs, msg.options, loop)
@@ -232,7 +233,7 @@ class Worker:
         elif isinstance(msg, wire.ReplicaEngineStep):
             # follower rank of a tensor-parallel autoregressive replica: the lead's step (replica.py)
             self.engines[msg.component].follow(msg, follower_items(msg, self.codec.unpack, self._to_device))
-        elif isinstance(msg, wire.KVPull | wire.KVPages):
+        elif isinstance(msg, wire.KVOffer | wire.KVAccept | wire.KVLayer | wire.KVEnd):
             self.kv_moves.handle(msg)
         elif isinstance(msg, wire.Release):
             self._release(msg.rid)
@@ -243,7 +244,7 @@ class Worker:
         walk = self._walks[msg.walk]
         state = _Run(msg, walk)
         self._runs[(msg.rid, msg.walk)] = state
-        self.kv_moves.start(msg)
+        self.kv_moves.start(msg.rid, msg.kv_targets)
         streams = frozenset(s.target_input for s in self.graph.streams if s.target_walk == msg.walk)
         inputs = {k: self._to_device(self.codec.unpack(v)) for k, v in msg.inputs.items()}
         state.outs = self._outs(msg, walk)
@@ -266,8 +267,10 @@ class Worker:
                 self._submit(rid, walk, call.node.name, call.iteration, call.inputs, state.start.options, call.loop)
             else:
                 inputs = {k: self.codec.pack(v, rank) for k, v in call.inputs.items()}
+                targets = state.start.kv_targets
                 msg = wire.RunNode(rid, walk, call.node.name, call.iteration, inputs, state.start.options, self.rank,
-                                   call.loop.max_iterations if call.loop else 0)
+                                   call.loop.max_iterations if call.loop else 0,
+                                   {c: r for c, r in targets.items() if c == call.node.component} if targets else {})
                 self.outbox.send(worker_peer(rank), msg)
 
     def _submit(self, rid: str, walk: str, node: str, iteration: int, inputs: dict, options: dict,
@@ -278,7 +281,7 @@ class Worker:
         item = StepItem(rid, walk, node, inputs, self._options(rid, target, options), iteration, target.kv_slot, loop)
         pending = target.pending
         pending[rid] = pending.get(rid, 0) + 1
-        if not self.kv_moves.pull(target.component, item):
+        if not self.kv_moves.submit(target.component, item):
             target.engine.submit(item)
 
     def _target(self, walk: str, node: str) -> _Target:

@@ -1,7 +1,7 @@
-"""Prefill/decode disaggregation with KV transfer, over two CPU worker processes: the decode worker pulls
-the prefilled KV pages (KVPull / KVPages) instead of recomputing the prompt, gives the greedy tokens of one
-worker, and computes no prompt token (its engine's `prompt_tokens` stat stays 0); pages its prefix cache
-already holds are not sent again."""
+"""Prefill/decode disaggregation with KV transfer, over two CPU worker processes: the decode worker takes
+the prefilled K/V (streamed layer by layer: KVOffer / KVAccept / KVLayer / KVEnd) instead of recomputing the
+prompt, gives the greedy tokens of one worker, and computes no prompt token (its engine's `prompt_tokens` stat
+stays 0); pages its prefix cache already holds are not sent again."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""A sequence moved between two autoregressive engines (`KVHandoff`: hold_prefix, export_kv, submit_with_kv)
-continues as on one engine, computes no prompt token on the receiver, sends only the pages the receiver's
-prefix cache lacks, and falls back to recomputing when it cannot move; nothing leaks."""
+"""A sequence streamed between two autoregressive engines while it is computed (`KVHandoff`: submit_streamed,
+reserve_kv, stream_kv, place_kv, submit_with_kv) continues as on one engine, computes no prompt token on the
+receiver, sends each layer before the forward computes the next, sends only the tokens the receiver's prefix
+cache lacks, and falls back to recomputing when the receiver has no room; nothing leaks."""
 
 from __future__ import annotations
 
@@ -10,13 +11,31 @@ import pytest
 import torch
 
 from mstar.engines.base import LoopSpec, StepItem
-from mstar.engines.kv_handoff import KVHandoff
-from tests.unit.test_ar_engine import TinyLM, make_engine, prompts
+from mstar.engines.kv_handoff import KVHandoff, KVStreamEnd
+from tests.unit.test_ar_engine import LAYERS, TinyLM, make_engine, prompts
 
 
 @pytest.fixture(scope="module")
 def model():
     return TinyLM()
+
+
+class Wire:
+    """The sender engine's sink, delivering to the receiver engine at once (as KVMoves does over the
+    transport); it records what it sent."""
+
+    def __init__(self, receiver, rid: str, events: list | None = None) -> None:
+        self.receiver, self.rid, self.events = receiver, rid, events if events is not None else []
+        self.done: KVStreamEnd | None = None
+        self.tokens_sent = 0
+
+    def layer(self, layer, start, k, v):
+        self.events.append(("sent", layer))
+        self.tokens_sent += len(k) if layer == 0 else 0
+        self.receiver.place_kv(self.rid, "main", layer, start, k, v)
+
+    def end(self, done):
+        self.done = done
 
 
 def _run(engine) -> list[int]:
@@ -29,10 +48,8 @@ def _run(engine) -> list[int]:
     return out
 
 
-def _prefill(engine, rid: str, prompt: list[int], **options) -> int:
-    engine.submit(StepItem(rid, "prefill", "llm", {"input_ids": torch.tensor(prompt)}, options))
-    (result,) = engine.step()
-    return int(result.outputs["token"])
+def _prefill_item(rid: str, prompt: list[int], **options) -> StepItem:
+    return StepItem(rid, "prefill", "llm", {"input_ids": torch.tensor(prompt)}, options)
 
 
 def _decode_item(rid: str, prompt: list[int], first: int, steps: int, **options) -> StepItem:
@@ -42,26 +59,41 @@ def _decode_item(rid: str, prompt: list[int], first: int, steps: int, **options)
 
 def _one_engine(model, prompt, steps, **options) -> list[int]:
     engine = make_engine(model)
-    first = _prefill(engine, "r", prompt, **options)
+    engine.submit(_prefill_item("r", prompt, **options))
+    (result,) = engine.step()
+    first = int(result.outputs["token"])
     engine.submit(replace(_decode_item("r", prompt, first, steps, **options), inputs={"input_ids": torch.tensor([first])}))
     return [first, *_run(engine)]
 
 
+def _stream(a, b, rid, prompt, wire=None, **options) -> tuple[Wire, int | None, int]:
+    """Offer `prompt`'s sequence from `a` to `b` and prefill it on `a`; the wire, b's answer, the first token."""
+    wire = wire or Wire(b, rid)
+    offer = a.submit_streamed(_prefill_item(rid, prompt, **options), wire)
+    assert offer is not None and offer.tokens == prompt
+    assert not a.step()  # the sequence waits for the receiver's answer
+    skip = b.reserve_kv(rid, "main", offer)
+    a.stream_kv(rid, "main", skip)
+    results = []
+    while a.has_work():
+        results += a.step()
+    (result,) = results
+    return wire, skip, int(result.outputs["token"])
+
+
 @pytest.mark.parametrize("options", [{"temperature": 0.0, "ignore_eos": True},
                                      {"temperature": 1.0, "seed": 7, "ignore_eos": True, "frequency_penalty": 0.5}])
-def test_moved_sequence_continues_as_on_one_engine(model, options):
+@pytest.mark.parametrize("max_batch_tokens", [2048, 8])  # one forward, or chunks of 8 tokens
+def test_streamed_sequence_continues_as_on_one_engine(model, options, max_batch_tokens):
     prompt = prompts(8)[-1]  # 30 tokens: 7 full pages of 4 and a partial one
     want = _one_engine(model, prompt, 6, **options)
-    a, b = make_engine(model), make_engine(model)
+    a, b = make_engine(model, max_batch_tokens=max_batch_tokens), make_engine(model)
     assert isinstance(a, KVHandoff)
-    first = _prefill(a, "r", prompt, **options)
-    it = _decode_item("r", prompt, first, 6, **options)
-    held = b.hold_prefix(it)
-    assert held == []  # b has seen nothing
-    export = a.export_kv("r", "main", held)
-    assert export is not None and export.skip == 0 and export.k is not None and export.k.shape[1] == 8
-    assert a.stats()["kv_pages_used"] == 0 and a.export_kv("r", "main", []) is None  # forgotten on a
-    b.submit_with_kv(it, export)
+    wire, skip, first = _stream(a, b, "r", prompt, **options)
+    assert skip == 0 and wire.tokens_sent == len(prompt) and wire.done is not None
+    assert wire.done.tokens == prompt and len(wire.done.page_hashes) == 7
+    assert a.stats()["kv_pages_used"] == 0 and a.stats()["kv_pages_sent"] == 8  # forgotten on a
+    b.submit_with_kv(_decode_item("r", prompt, first, 6, **options), wire.done)
     assert [first, *_run(b)] == want
     stats = b.stats()
     assert stats["prompt_tokens"] == 0 and stats["kv_pages_received"] == 8 and stats["kv_pages_reused"] == 0
@@ -69,48 +101,65 @@ def test_moved_sequence_continues_as_on_one_engine(model, options):
     assert b.stats()["kv_pages_used"] == 0
 
 
-def test_pages_the_receiver_caches_do_not_travel(model):
+def test_each_layer_leaves_before_the_forward_computes_the_next(model):
+    events: list[tuple[str, int]] = []
+    hooks = [model.qkv[i].register_forward_hook(lambda m, args, out, i=i: events.append(("computed", i)))
+             for i in range(LAYERS)]
+    try:
+        a, b = make_engine(model), make_engine(model)
+        _stream(a, b, "r", prompts(8)[-1], Wire(b, "r", events), temperature=0.0)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    # one forward: layer i's K/V go right after its attention wrote them, before layer i + 1 starts
+    assert events == [e for i in range(LAYERS) for e in (("computed", i), ("sent", i))]
+
+
+def test_tokens_the_receiver_caches_do_not_travel(model):
     prompt = prompts(8)[-1]
     want = _one_engine(model, prompt, 4, temperature=0.0, ignore_eos=True)
     a, b = make_engine(model), make_engine(model)
     for rid in ("r1", "r2"):  # the second time b's prefix cache holds the prompt's 7 full pages
-        first = _prefill(a, rid, prompt, temperature=0.0, ignore_eos=True)
-        it = _decode_item(rid, prompt, first, 4, temperature=0.0, ignore_eos=True)
-        held = b.hold_prefix(it)
-        export = a.export_kv(rid, "main", held)
-        b.submit_with_kv(it, export)
+        wire, skip, first = _stream(a, b, rid, prompt, temperature=0.0, ignore_eos=True)
+        b.submit_with_kv(_decode_item(rid, prompt, first, 4, temperature=0.0, ignore_eos=True), wire.done)
         assert [first, *_run(b)] == want
         b.release(rid)
-    assert len(held) == 7 and export.skip == 7 and export.k.shape[1] == 1
+    assert skip == 28 and wire.tokens_sent == 2
     stats = b.stats()
     assert stats["kv_pages_reused"] == 7 and stats["kv_pages_received"] == 8 + 1 and stats["prompt_tokens"] == 0
     assert a.stats()["kv_pages_sent"] == 9 and stats["kv_pages_used"] == 0
 
 
-def test_a_sequence_that_cannot_move_is_recomputed(model):
+def test_a_receiver_without_room_recomputes_with_the_same_tokens(model):
     prompt = prompts(8)[-1]
     want = _one_engine(model, prompt, 4, temperature=0.0, ignore_eos=True)
-    a = make_engine(model)
-    first = _prefill(a, "r", prompt, temperature=0.0, ignore_eos=True)
-    b = make_engine(model)
-    it = _decode_item("r", prompt, first, 4, temperature=0.0, ignore_eos=True)
-    b.hold_prefix(it)
-    assert a.export_kv("gone", "main", []) is None
-    b.submit_with_kv(it, None)  # the sender had nothing: the prompt is recomputed from prompt_ids
+    a, b = make_engine(model), make_engine(model, pages=16)
+    taken = b.pool.allocate(b.pool.num_free - 7)  # 7 free pages: the prompt needs 8
+    wire, skip, first = _stream(a, b, "r", prompt, temperature=0.0, ignore_eos=True)
+    assert skip is None and wire.tokens_sent == 0 and wire.done is None  # nothing streamed
+    assert a.stats()["kv_pages_sent"] == 0 and a.stats()["kv_pages_used"] == 8  # a keeps its sequence
+    b.pool.free(taken)
+    b.submit_with_kv(_decode_item("r", prompt, first, 4, temperature=0.0, ignore_eos=True), None)
     assert [first, *_run(b)] == want
     assert b.stats()["prompt_tokens"] == len(prompt) and b.stats()["kv_pages_received"] == 0
-
-
-def test_release_while_waiting_frees_the_held_pages(model):
-    prompt = prompts(8)[-1]
-    b = make_engine(model)
-    first = _prefill(b, "warm", prompt, temperature=0.0)
-    b.release("warm")  # its 7 full pages stay cached
-    cached = b.stats()["kv_pages_cached"]
-    it = _decode_item("r", prompt, first, 4)
-    assert len(b.hold_prefix(it)) == 7 and b.stats()["kv_pages_used"] == 7
+    a.release("r")
     b.release("r")
-    assert b.stats()["kv_pages_used"] == 0 and b.stats()["kv_pages_cached"] == cached
+    assert a.stats()["kv_pages_used"] == 0 and b.stats()["kv_pages_used"] == 0
+
+
+def test_release_mid_stream_frees_every_page_on_both_engines(model):
+    prompt = prompts(8)[-1]
+    a, b = make_engine(model, max_batch_tokens=8), make_engine(model)
+    wire = Wire(b, "r")
+    offer = a.submit_streamed(_prefill_item("r", prompt, temperature=0.0), wire)
+    a.stream_kv("r", "main", b.reserve_kv("r", "main", offer))
+    a.step()  # the first 8 tokens computed and sent
+    assert wire.tokens_sent == 8 and wire.done is None and b.stats()["kv_pages_used"] == 8
+    a.release("r")
+    b.release("r")
+    assert not a.has_work() and not a.step()
+    b.place_kv("r", "main", 0, 8, *torch.zeros(2, 8, 2, 8, dtype=torch.float64))  # late layer: ignored
+    assert a.stats()["kv_pages_used"] == 0 and b.stats()["kv_pages_used"] == 0
 
 
 def test_warm_up_prompts_are_not_counted(model):

@@ -26,10 +26,11 @@ tokens already generated, so penalties, `min_tokens`, `max_tokens` and seeded sa
 the draws those tokens consumed: one row of `logit_width` each) continue exactly where the prefill
 worker left off. For a sequence it already holds, `prompt_ids` is ignored.
 
-Moving a sequence instead (`KVHandoff`, kv_transfer.py): the decode worker holds what its prefix cache
-has of the prompt (`hold_prefix`), the prefill worker exports the sequence's other pages and drops it
-(`export_kv`), and the decode worker's first item starts from those pages (`submit_with_kv`): no
-prompt token is computed again. `stats()["prompt_tokens"]` counts the prompt tokens this engine computed.
+Moving a sequence instead (`KVHandoff`, kv_transfer.py): the prefill worker's sequence waits until the
+decode worker has taken pages for it (`submit_streamed`, `reserve_kv`, `stream_kv`), then each layer's K/V
+leaves as soon as the forward wrote it (`place_kv` on the other side), and the decode worker's first item
+starts from those pages (`submit_with_kv`): no prompt token is computed again.
+`stats()["prompt_tokens"]` counts the prompt tokens this engine computed.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from mstar.engines.cuda_graphs import to_device_async
 from mstar.engines.grammar import GrammarMatcher, Grammars, constrain
 from mstar.engines.kv_cache.block_pool import BlockPool
 from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
-from mstar.engines.kv_handoff import KVExport
+from mstar.engines.kv_handoff import KVOffer, KVStreamEnd, KVStreamSink
 from mstar.engines.sampling import SampleOutput, SamplingParams, SamplingRow, plain_greedy, sample
 from mstar.engines.sampling_graph import SamplerGraphs
 
@@ -98,9 +99,8 @@ class AutoregressiveEngine:
         self.runner = ModelRunner(model, attn, kv_config.page_size, self.device, cuda_graphs, max_num_seqs)
         self._seqs: dict[tuple[str, str], Sequence] = {}
         self._errors: list[StepResult] = []  # items refused at submit, reported by the next step
-        self._held: dict[tuple[str, str], list[int]] = {}  # cached prompt pages held for a sequence moving here
+        self.kv = kv_transfer.KVStreams(self.pool, attn)  # sequences moving to or from another worker
         self.prompt_tokens = 0  # prompt tokens computed (a moved sequence's count none)
-        self.kv_pages_sent = self.kv_pages_received = self.kv_pages_reused = 0
         # a request without a seed samples from a generator seeded by its id, not the device's shared one:
         # the ranks of a tensor-parallel replica then draw the same tokens (worker/replica.py)
         self.seed_per_request = False
@@ -161,11 +161,17 @@ class AutoregressiveEngine:
 
     def submit(self, item: StepItem) -> None:
         """Queue an item; a malformed one (bad options, too long, ...) fails alone at the next step."""
+        self._try_accept(item)
+
+    def _try_accept(self, item: StepItem, moved: KVStreamEnd | None = None, waiting: bool = False) -> bool:
+        """`_accept`; False, the item's error reported by the next step, when it is malformed."""
         try:
-            self._accept(item)
+            self._accept(item, moved, waiting)
         except ValueError as e:
             self._errors.append(StepResult(item.request_id, item.walk, item.node, error=str(e),
                                            iteration=item.iteration))
+            return False
+        return True
 
     def step(self) -> list[StepResult]:
         """Run one packed forward (the one launched ahead by the last step, or a newly scheduled one),
@@ -177,7 +183,10 @@ class AutoregressiveEngine:
             chunks = self.batch_scheduler.schedule()
             self.prompt_tokens += sum(min(c.start + c.num_tokens, c.seq.num_prompt) - c.start
                                       for c in chunks if c.start < c.seq.num_prompt)
-            logits = self.runner.run(chunks) if chunks else None
+            tap = self.kv.layer_tap(chunks) if self.kv.streams else None
+            logits = self.runner.run(chunks, tap) if chunks else None
+            if tap is not None:
+                self.kv.computed(chunks)
         self.last_step_items = len(chunks)
         if chunks:
             self.batch_scheduler.update(chunks)
@@ -206,8 +215,9 @@ class AutoregressiveEngine:
         return chunks, logits
 
     def has_work(self) -> bool:
-        """Whether some submitted item has no result yet."""
-        return bool(self._errors) or any(s.item is not None for s in self._seqs.values())
+        """Whether some submitted item has no result yet and can run (an offered sequence waits for its receiver)."""
+        offered = self.kv.offered
+        return bool(self._errors) or any(s.item is not None and s.key not in offered for s in self._seqs.values())
 
     def stats(self) -> dict[str, float]:
         """Load and KV cache counters (keys documented at `Engine.stats`); O(live sequences)."""
@@ -221,51 +231,47 @@ class AutoregressiveEngine:
             "seqs_waiting": len(sched.waiting),
             "preemptions": sched.num_preemptions,
             "prompt_tokens": self.prompt_tokens,
-            "kv_pages_sent": self.kv_pages_sent,
-            "kv_pages_received": self.kv_pages_received,
-            "kv_pages_reused": self.kv_pages_reused,
+            "kv_pages_sent": self.kv.pages_sent,
+            "kv_pages_received": self.kv.pages_received,
+            "kv_pages_reused": self.kv.pages_reused,
         }
 
     def release(self, request_id: str) -> None:
         """Drop every sequence (all KV slots) and pending item of `request_id`; unknown ids are fine."""
         for key in [k for k in self._seqs if k[0] == request_id]:
             self.batch_scheduler.remove(self._seqs.pop(key))
-        for key in [k for k in self._held if k[0] == request_id]:
-            self.pool.free(self._held.pop(key))
+        self.kv.release(request_id)
         self._errors = [r for r in self._errors if r.request_id != request_id]
 
-    def hold_prefix(self, item: StepItem) -> list[int]:
-        """`KVHandoff.hold_prefix`: the prompt is the item's `prompt_ids` (none: nothing is held)."""
-        context = item.inputs.get(CONTEXT_PORT)
+    def submit_streamed(self, item: StepItem, sink: KVStreamSink) -> KVOffer | None:
+        """`KVHandoff.submit_streamed`."""
         key = (item.request_id, item.kv_slot)
-        if context is None or key in self._seqs or key in self._held:
-            return []
-        self._held[key], hashes = kv_transfer.hold_cached_prefix(self.pool, context.tolist())
-        return hashes
-
-    def export_kv(self, request_id: str, kv_slot: str, held: list[int]) -> KVExport | None:
-        """`KVHandoff.export_kv`: a sequence with every token computed and no item pending."""
-        seq = self._seqs.get((request_id, kv_slot))
-        if seq is None or not kv_transfer.exportable(seq):
+        if key in self._seqs:
+            self.submit(item)
             return None
-        export, sent = kv_transfer.export_sequence(seq, self.pool, self.runner.attn, held)
-        self.batch_scheduler.remove(self._seqs.pop(seq.key))
-        self.kv_pages_sent += sent
-        return export
+        return self.kv.offer(self._seqs[key], sink) if self._try_accept(item, waiting=True) else None
 
-    def submit_with_kv(self, item: StepItem, export: KVExport | None) -> None:
-        """`KVHandoff.submit_with_kv`; a sequence that cannot take its pages now (no free pages or
-        seats) starts as the recompute path does."""
-        held = self._held.pop((item.request_id, item.kv_slot), [])
-        try:
-            self._accept(item, export, held)
-        except ValueError as e:
-            self._errors.append(StepResult(item.request_id, item.walk, item.node, error=str(e),
-                                           iteration=item.iteration))
-        finally:
-            self.pool.free(held)  # the moved sequence took its own references
+    def stream_kv(self, request_id: str, kv_slot: str, skip: int | None) -> None:
+        """`KVHandoff.stream_kv`; unknown keys (released meanwhile) are fine."""
+        key = (request_id, kv_slot)
+        if self.kv.start(key, skip) and key in self._seqs:
+            self.batch_scheduler.add(self._seqs[key])
 
-    def _accept(self, item: StepItem, export: KVExport | None = None, held: list[int] | None = None) -> None:
+    def reserve_kv(self, request_id: str, kv_slot: str, offer: KVOffer) -> int | None:
+        """`KVHandoff.reserve_kv`."""
+        return None if (request_id, kv_slot) in self._seqs else self.kv.reserve((request_id, kv_slot), offer)
+
+    def place_kv(self, request_id: str, kv_slot: str, layer: int, start: int, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+        """`KVHandoff.place_kv`."""
+        self.kv.place((request_id, kv_slot), layer, start, k, v)
+
+    def submit_with_kv(self, item: StepItem, done: KVStreamEnd | None) -> None:
+        """`KVHandoff.submit_with_kv`."""
+        self._try_accept(item, done)
+        self.kv.release_reserved((item.request_id, item.kv_slot))  # unless adopted
+
+    def _accept(self, item: StepItem, moved: KVStreamEnd | None = None, waiting: bool = False) -> None:
         ids = item.inputs.get("input_ids")
         if ids is None or ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point():
             raise ValueError(f"item {item.node!r} needs inputs['input_ids'] as a non-empty 1-D integer tensor")
@@ -276,14 +282,11 @@ class AutoregressiveEngine:
         key = (item.request_id, item.kv_slot)
         seq = self._seqs.get(key)
         if seq is None:
-            seq = self._new_sequence(key, item, tokens, None if export is None else export.tokens)
-            if export is not None:
-                if export.positions is not None:
-                    seq.inputs = TokenInputs.resumed(export.positions)
-                fresh = kv_transfer.adopt_pages(seq, export, held or [], self.pool, self.batch_scheduler, self.runner.attn)
-                if fresh is not None:  # else recomputed from its tokens (counted in prompt_tokens)
-                    self.kv_pages_received += fresh
-                    self.kv_pages_reused += export.skip
+            seq = self._new_sequence(key, item, tokens, None if moved is None else moved.tokens)
+            if moved is not None:
+                if moved.positions is not None:
+                    seq.inputs = TokenInputs.resumed(moved.positions)
+                self.kv.adopt(seq, moved, self.batch_scheduler)  # else recomputed (counted in prompt_tokens)
         elif seq.item is not None:
             raise ValueError(f"request {key[0]!r} slot {key[1]!r} already has an item waiting for its result")
         elif len(seq.token_ids) + len(tokens) > self.max_model_len:
@@ -296,7 +299,8 @@ class AutoregressiveEngine:
         seq.loop_done = 0
         seq.loop_extras = ItemExtras(hidden_layers=extras.hidden_layers) if extras and extras.hidden_layers else None
         seq.item = item
-        self.batch_scheduler.add(seq)
+        if not waiting:
+            self.batch_scheduler.add(seq)
 
     def _add_extras(self, seq: Sequence, n: int, extras: ItemExtras) -> None:
         """Keep the item's embeddings/positions/capture request with its n tokens (just appended)."""
@@ -383,6 +387,8 @@ class AutoregressiveEngine:
                 self._append(seq, tokens[i])
             else:
                 seq.item = None
+                if self.kv.streams and self.kv.finish(seq) and reason is None:  # it lives on on the receiver
+                    self.batch_scheduler.remove(self._seqs.pop(seq.key))
             results.append(StepResult(item.request_id, item.walk, item.node, outputs, stop=reason is not None,
                                       iteration=item.iteration, finish_reason=reason, more=more))
             if reason is not None:

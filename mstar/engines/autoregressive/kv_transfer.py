@@ -1,23 +1,27 @@
-"""Moving a computed sequence between engines (`KVHandoff`): the receiver holds what its prefix cache
-has of the prompt, the sender exports the sequence's other pages, the receiver adopts them.
+"""Moving a sequence between engines while it is computed (`KVHandoff`): the sender offers it before its
+forward runs, the receiver takes pages for it (the leading ones its prefix cache holds, free ones for the
+rest), and each layer's K/V of the sequence's tokens leaves the sender as soon as its forward wrote that
+layer, to be written into the receiver's pages; the receiver's first item then starts from them.
 
 Every paged backend (SDPA, Triton, FlashInfer) keeps one K and one V tensor of shape
-[layers, pages, page_size, kv_heads, head_dim] indexed by page id (`PagedKVCache`); a sequence's pages
-are gathered on the sender into [layers, n, page_size, kv_heads, head_dim] tensors and scattered into
-the receiver's own page ids, which need not match the sender's.
+[layers, pages, page_size, kv_heads, head_dim] indexed by page id (`PagedKVCache`); K/V travel by token
+position ([tokens, kv_heads, head_dim] per layer), so the two ends' page ids need not match.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+from mstar.engines.cuda_graphs import to_device_async
 from mstar.engines.kv_cache.prefix_cache import hash_pages
-from mstar.engines.kv_handoff import KVExport
+from mstar.engines.kv_handoff import KVOffer, KVStreamEnd, KVStreamSink
 
 if TYPE_CHECKING:
-    from mstar.engines.autoregressive.batch_scheduler import BatchScheduler
+    from mstar.engines.autoregressive.batch_scheduler import BatchScheduler, Chunk
     from mstar.engines.autoregressive.sequence import Sequence
     from mstar.engines.kv_cache.block_pool import BlockPool
 
@@ -36,72 +40,163 @@ def _cache(attn: object) -> PagedKVCache:
     return attn
 
 
-def gather_pages(attn: object, pages: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The K and V contents of `pages` (copies, on the backend's device); (None, None) for no pages."""
-    if not pages:
-        return None, None
-    cache = _cache(attn)
-    index = torch.tensor(pages, dtype=torch.long, device=cache.k_cache.device)
-    return cache.k_cache.index_select(1, index), cache.v_cache.index_select(1, index)
+def token_slots(attn: object, pages: list[int], page_size: int, start: int, end: int) -> torch.Tensor:
+    """Flat cache slots of token positions [start, end) of a sequence holding `pages`, on the cache's device
+    (copied without waiting for the work queued there)."""
+    slots = torch.tensor([pages[p // page_size] * page_size + p % page_size for p in range(start, end)],
+                         dtype=torch.long)
+    return to_device_async(slots, _cache(attn).k_cache.device)
 
 
-def place_pages(attn: object, pages: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-    """Write the K and V contents `k`, `v` ([layers, len(pages), ...]) into `pages` of the backend."""
+def gather_slots(attn: object, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the K and V of `layer` at cache `slots`, [len(slots), kv_heads, head_dim] each."""
     cache = _cache(attn)
-    if k.shape[1] != len(pages) or k.shape[0] != cache.k_cache.shape[0] or k.shape[2:] != cache.k_cache.shape[2:]:
-        raise ValueError(f"KV pages of shape {tuple(k.shape)} do not fit {len(pages)} pages of a cache "
-                         f"shaped {tuple(cache.k_cache.shape)}")
-    index = torch.tensor(pages, dtype=torch.long, device=cache.k_cache.device)
+    shape = (-1, *cache.k_cache.shape[3:])
+    return cache.k_cache[layer].view(shape)[slots], cache.v_cache[layer].view(shape)[slots]
+
+
+def place_tokens(attn: object, pages: list[int], page_size: int, layer: int, start: int, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+    """Write K and V of `layer` for token positions [start, start + len(k)) into `pages`."""
+    cache = _cache(attn)
+    end = start + k.shape[0]
+    if layer >= cache.k_cache.shape[0] or end > len(pages) * page_size or k.shape[1:] != cache.k_cache.shape[3:]:
+        raise ValueError(f"K/V of layer {layer}, tokens [{start}, {end}), shape {tuple(k.shape)} do not fit "
+                         f"{len(pages)} pages of a cache shaped {tuple(cache.k_cache.shape)}")
+    slots = token_slots(attn, pages, page_size, start, end)
+    shape = (-1, *cache.k_cache.shape[3:])
     with torch.inference_mode():
-        cache.k_cache.index_copy_(1, index, k.to(cache.k_cache.device, cache.k_cache.dtype))
-        cache.v_cache.index_copy_(1, index, v.to(cache.v_cache.device, cache.v_cache.dtype))
+        cache.k_cache[layer].view(shape)[slots] = k.to(cache.k_cache.device, cache.k_cache.dtype)
+        cache.v_cache[layer].view(shape)[slots] = v.to(cache.v_cache.device, cache.v_cache.dtype)
 
 
-def hold_cached_prefix(pool: BlockPool, prompt: list[int]) -> tuple[list[int], list[int]]:
-    """The pages `pool`'s prefix cache has of the leading full pages of `prompt`, each now referenced
-    (the caller frees them), and their hashes."""
-    page = pool.page_size
-    hashes = hash_pages(prompt[: len(prompt) // page * page], page, [])
-    pages = pool.match_prefix(hashes)
-    return pages, hashes[: len(pages)]
+@dataclass
+class _Stream:
+    """A sequence whose K/V leave as computed: where to, and the tokens before `sent` that already went."""
+
+    sink: KVStreamSink
+    sent: int
+    skip: int  # leading tokens the receiver held
 
 
-def exportable(seq: Sequence) -> bool:
-    """Whether `seq` can move: every token computed and no item pending."""
-    return seq.item is None and bool(seq.token_ids) and seq.num_computed == len(seq.token_ids)
+@dataclass
+class _Reserved:
+    """Pages taken for a sequence streamed here; the first `held` came from the prefix cache."""
+
+    pages: list[int]
+    held: int
 
 
-def export_sequence(seq: Sequence, pool: BlockPool, attn: object, held: list[int]) -> tuple[KVExport, int]:
-    """`seq` as a `KVExport` whose K/V skips the leading pages whose hashes match `held` (the receiver
-    has them), and the number of pages sent; `seq` itself is left to the caller to drop."""
-    hashes = seq.page_hashes[: seq.num_registered]
-    skip = 0
-    while skip < min(len(held), len(hashes)) and held[skip] == hashes[skip]:
-        skip += 1
-    pages = seq.pages[skip : pool.pages_for(seq.num_computed)]
-    k, v = gather_pages(attn, pages)
-    positions = seq.inputs.continuation() if seq.inputs is not None else None
-    return KVExport(list(seq.token_ids), list(hashes), skip, k, v, positions), len(pages)
+class KVStreams:
+    """An engine's sequences on the move: offered ones waiting for the receiver's answer, streamed ones
+    (sender) and reserved ones (receiver). The engine calls it; it owns no sequence."""
 
+    def __init__(self, pool: BlockPool, attn: object) -> None:
+        self.pool, self.attn = pool, attn
+        self.offered: dict[tuple[str, str], KVStreamSink] = {}
+        self.streams: dict[tuple[str, str], _Stream] = {}
+        self.reserved: dict[tuple[str, str], _Reserved] = {}
+        self.pages_sent = self.pages_received = self.pages_reused = 0
 
-def adopt_pages(seq: Sequence, export: KVExport, held: list[int], pool: BlockPool, sched: BatchScheduler,
-                attn: object) -> int | None:
-    """Give a new sequence (not yet queued) the pages of `export`: the held ones it skipped (their
-    references leave `held`; the caller frees the rest), fresh ones with the sent contents; it joins
-    `sched`'s running sequences with its tokens computed. The number of fresh pages, or None when there
-    is no room (too few free pages or seats, or fewer held pages than skipped): nothing changed then."""
-    fresh = pool.pages_for(len(export.tokens)) - export.skip
-    if export.skip > len(held) or fresh > pool.num_free or len(sched.running) >= sched.max_num_seqs:
-        return None
-    seq.pages = [*held[: export.skip], *pool.allocate(fresh)]
-    del held[: export.skip]
-    if fresh:
-        assert export.k is not None and export.v is not None
-        place_pages(attn, seq.pages[export.skip :], export.k, export.v)
-    seq.num_computed = len(export.tokens)
-    seq.page_hashes = list(export.page_hashes)
-    for i in range(export.skip, len(export.page_hashes)):
-        pool.register(seq.pages[i], export.page_hashes[i])
-    seq.num_registered = len(export.page_hashes)
-    sched.adopt(seq)
-    return fresh
+    def offer(self, seq: Sequence, sink: KVStreamSink) -> KVOffer:
+        """Hold `seq` (new, not yet scheduled) for `start`; what the receiver needs to know of it."""
+        self.offered[seq.key] = sink
+        page = self.pool.page_size
+        shareable = seq.num_shareable // page * page
+        return KVOffer(list(seq.token_ids), hash_pages(seq.token_ids[:shareable], page, []))
+
+    def start(self, key: tuple[str, str], skip: int | None) -> bool:
+        """Stream the offered sequence from token `skip` on (None: not at all); False when none is offered."""
+        sink = self.offered.pop(key, None)
+        if sink is None:
+            return False
+        if skip is not None:
+            self.streams[key] = _Stream(sink, skip, skip)
+        return True
+
+    def layer_tap(self, chunks: list[Chunk]) -> Callable[[int], None] | None:
+        """What the forward of `chunks` calls once a layer's K/V are in the cache: that layer of the streamed
+        sequences' tokens not sent yet goes to their sinks (None: no streamed sequence in `chunks`)."""
+        page, sends = self.pool.page_size, []
+        for c in chunks:
+            s = self.streams.get(c.seq.key)
+            end = c.start + c.num_tokens
+            if s is not None and end > s.sent:  # a recomputed chunk (after preemption) went already
+                sends.append((s, token_slots(self.attn, c.seq.pages, page, s.sent, end)))
+        if not sends:
+            return None
+
+        def layer_done(layer: int) -> None:
+            for s, slots in sends:
+                s.sink.layer(layer, s.sent, *gather_slots(self.attn, layer, slots))
+        return layer_done
+
+    def computed(self, chunks: list[Chunk]) -> None:
+        """The forward of `chunks` ran: their streamed tokens went."""
+        for c in chunks:
+            s = self.streams.get(c.seq.key)
+            if s is not None:
+                s.sent = max(s.sent, c.start + c.num_tokens)
+
+    def finish(self, seq: Sequence) -> bool:
+        """End the stream of `seq` (its item is answered: every token computed); False when it streams not."""
+        s = self.streams.pop(seq.key, None)
+        if s is None:
+            return False
+        page = self.pool.page_size
+        self.pages_sent += self.pool.pages_for(len(seq.token_ids)) - s.skip // page
+        positions = seq.inputs.continuation() if seq.inputs is not None else None
+        s.sink.end(KVStreamEnd(list(seq.token_ids), list(seq.page_hashes[: seq.num_registered]), positions))
+        return True
+
+    def reserve(self, key: tuple[str, str], offer: KVOffer) -> int | None:
+        """`KVHandoff.reserve_kv`."""
+        if key in self.reserved:
+            return None
+        held = self.pool.match_prefix(offer.page_hashes)
+        fresh = self.pool.pages_for(len(offer.tokens)) - len(held)
+        if fresh > self.pool.num_free:
+            self.pool.free(held)
+            return None
+        self.reserved[key] = _Reserved([*held, *self.pool.allocate(fresh)], len(held))
+        return len(held) * self.pool.page_size
+
+    def place(self, key: tuple[str, str], layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`KVHandoff.place_kv`."""
+        r = self.reserved.get(key)
+        if r is not None:
+            place_tokens(self.attn, r.pages, self.pool.page_size, layer, start, k, v)
+
+    def adopt(self, seq: Sequence, done: KVStreamEnd, sched: BatchScheduler) -> bool:
+        """Give a new sequence (not yet queued) of `done.tokens` its reserved pages: it joins `sched`'s
+        running sequences with its tokens computed. False when it cannot (no reservation, no free seat, a
+        sequence of other length than offered): its reservation is freed and it recomputes."""
+        r = self.reserved.pop(seq.key, None)
+        if r is None:
+            return False
+        if len(r.pages) != self.pool.pages_for(len(done.tokens)) or len(sched.running) >= sched.max_num_seqs:
+            self.pool.free(r.pages)
+            return False
+        seq.pages, seq.num_computed = r.pages, len(done.tokens)
+        seq.page_hashes = list(done.page_hashes)
+        for i in range(r.held, len(done.page_hashes)):
+            self.pool.register(seq.pages[i], done.page_hashes[i])
+        seq.num_registered = len(done.page_hashes)
+        sched.adopt(seq)
+        self.pages_received += len(r.pages) - r.held
+        self.pages_reused += r.held
+        return True
+
+    def release_reserved(self, key: tuple[str, str]) -> None:
+        """Give back the pages reserved for `key` that no sequence adopted."""
+        r = self.reserved.pop(key, None)
+        if r is not None:
+            self.pool.free(r.pages)
+
+    def release(self, request_id: str) -> None:
+        """Forget the request's sequences on the move; its reserved pages go back to the pool."""
+        for table in (self.offered, self.streams):
+            for key in [k for k in table if k[0] == request_id]:
+                del table[key]
+        for key in [k for k in self.reserved if k[0] == request_id]:
+            self.pool.free(self.reserved.pop(key).pages)

@@ -10,6 +10,7 @@ launching every kernel of the model. With
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -195,15 +196,17 @@ class ModelRunner:
         self._graphed_attn.prepare(meta, pad_to=size)
 
     @torch.inference_mode()
-    def run(self, chunks: list[Chunk]) -> torch.Tensor | None:
+    def run(self, chunks: list[Chunk], layer_done: Callable[[int], None] | None = None) -> torch.Tensor | None:
         """One packed forward over all chunks; float32 logits [N, V] for the chunks that complete
-        (columns from the model's `logit_offset`; None when none does)."""
+        (columns from the model's `logit_offset`; None when none does). With `layer_done` the forward runs
+        eagerly and calls it with each layer's index as soon as that layer's K/V are in the cache."""
         self.last_greedy_ids = None
+        attn = self.attn if layer_done is None else _LayerTap(self.attn, layer_done)
         if any(c.seq.inputs is not None for c in chunks):
-            if self.extras_graphs is not None and self.extras_graphs.accepts(chunks):
+            if layer_done is None and self.extras_graphs is not None and self.extras_graphs.accepts(chunks):
                 return self._replay_extras(chunks)
-            return self._run_with_extras(chunks)
-        if self.graphs is not None and len(chunks) <= self.graphs.max_batch and \
+            return self._run_with_extras(chunks, attn)
+        if layer_done is None and self.graphs is not None and len(chunks) <= self.graphs.max_batch and \
                 all(c.num_tokens == 1 and c.completes for c in chunks):
             return self._replay(chunks)
         input_ids, positions, slots = [], [], []
@@ -213,11 +216,11 @@ class ModelRunner:
             positions.extend(pos)
             slots.extend(c.seq.pages[p // self.page_size] * self.page_size + p % self.page_size for p in pos)
         meta = self._metadata(chunks, slots)
-        if self.prefill_graphs is not None and self.prefill_graphs.accepts(chunks):
+        if layer_done is None and self.prefill_graphs is not None and self.prefill_graphs.accepts(chunks):
             hidden = self.prefill_graphs.run(chunks, meta, input_ids, positions)
         else:
-            self.attn.prepare(meta)
-            hidden = self._eager(self._tensor(input_ids), self._tensor(positions))
+            attn.prepare(meta)
+            hidden = self.model.forward(self._tensor(input_ids), self._tensor(positions), attn)
         return self._last_logits(chunks, hidden, input_ids)
 
     def _last_logits(self, chunks: list[Chunk], hidden: torch.Tensor, input_ids: list[int]) -> torch.Tensor | None:
@@ -228,7 +231,7 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[self._tensor(last)], self._tensor([input_ids[i] for i in last]))
 
-    def _run_with_extras(self, chunks: list[Chunk]) -> torch.Tensor | None:
+    def _run_with_extras(self, chunks: list[Chunk], attn: AttentionBackend) -> torch.Tensor | None:
         """`run` for batches where a sequence has input embeddings, explicit positions or hidden capture."""
         from mstar.engines.autoregressive.token_inputs import collect_hidden, pack_extras
 
@@ -238,8 +241,8 @@ class ModelRunner:
             slots.extend(c.seq.pages[p // self.page_size] * self.page_size + p % self.page_size
                          for p in range(c.start, c.start + c.num_tokens))
         positions, extras = pack_extras(chunks, self.device)
-        self.attn.prepare(self._metadata(chunks, slots))
-        hidden = self.model.forward(self._tensor(input_ids), positions, self.attn, extras)  # type: ignore[call-arg]
+        attn.prepare(self._metadata(chunks, slots))
+        hidden = self.model.forward(self._tensor(input_ids), positions, attn, extras)  # type: ignore[call-arg]
         collect_hidden(chunks, extras)
         return self._last_logits(chunks, hidden, input_ids)
 
@@ -368,3 +371,19 @@ class ModelRunner:
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+
+class _LayerTap:
+    """An attention backend that calls `layer_done(layer)` after each layer's attention: that layer's K/V
+    of the step's tokens are in the cache then, and the layers after it not computed yet."""
+
+    def __init__(self, attn: AttentionBackend, layer_done: Callable[[int], None]) -> None:
+        self.attn, self.layer_done = attn, layer_done
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        self.attn.prepare(meta)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = self.attn.forward(layer, q, k, v)
+        self.layer_done(layer)
+        return out
