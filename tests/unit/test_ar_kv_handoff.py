@@ -165,3 +165,19 @@ def test_release_mid_stream_frees_every_page_on_both_engines(model):
 def test_warm_up_prompts_are_not_counted(model):
     engine = make_engine(model, warm_up=True)  # as on CUDA: throwaway prompts run before serving
     assert engine.stats()["prompt_tokens"] == 0
+
+
+def test_an_engine_loop_streams_the_tokens_its_lookahead_steps_computed(model):
+    prompt = prompts(8)[-1]
+    want = _one_engine(model, prompt, 8, temperature=0.0, ignore_eos=True)
+    a, b = make_engine(model, lookahead=True), make_engine(model)  # decode forwards launched ahead, untapped
+    wire = Wire(b, "r")
+    loop = replace(_prefill_item("r", prompt, temperature=0.0, ignore_eos=True), loop=LoopSpec(4))
+    a.stream_kv("r", "main", b.reserve_kv("r", "main", a.submit_streamed(loop, wire)))
+    first = _run(a)
+    assert len(first) == 4 and a.lookahead_steps > 0 and wire.done is not None
+    assert wire.done.tokens == prompt + first[:3]  # the last sample is not fed back
+    b.submit_with_kv(_decode_item("r", prompt, first[3], 5, temperature=0.0, ignore_eos=True), wire.done)
+    assert [*first, *_run(b)] == want
+    assert wire.tokens_sent == len(prompt) + 3 and b.stats()["prompt_tokens"] == 0
+    assert b.stats()["kv_pages_received"] == 9  # 33 tokens: the offer's 8 pages and one more

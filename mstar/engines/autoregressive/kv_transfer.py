@@ -139,11 +139,16 @@ class KVStreams:
                 s.sent = max(s.sent, c.start + c.num_tokens)
 
     def finish(self, seq: Sequence) -> bool:
-        """End the stream of `seq` (its item is answered: every token computed); False when it streams not."""
+        """End the stream of `seq` (its item is answered: every token computed); False when it streams not.
+        Tokens computed by forwards that ran untapped (an engine loop's lookahead) go now, every layer."""
         s = self.streams.pop(seq.key, None)
         if s is None:
             return False
         page = self.pool.page_size
+        if seq.num_computed > s.sent:
+            slots = token_slots(self.attn, seq.pages, page, s.sent, seq.num_computed)
+            for layer in range(_cache(self.attn).k_cache.shape[0]):
+                s.sink.layer(layer, s.sent, *gather_slots(self.attn, layer, slots))
         self.pages_sent += self.pool.pages_for(len(seq.token_ids)) - s.skip // page
         positions = seq.inputs.continuation() if seq.inputs is not None else None
         s.sink.end(KVStreamEnd(list(seq.token_ids), list(seq.page_hashes[: seq.num_registered]), positions))
@@ -164,8 +169,15 @@ class KVStreams:
     def place(self, key: tuple[str, str], layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """`KVHandoff.place_kv`."""
         r = self.reserved.get(key)
-        if r is not None:
-            place_tokens(self.attn, r.pages, self.pool.page_size, layer, start, k, v)
+        if r is None:
+            return
+        grow = self.pool.pages_for(start + k.shape[0]) - len(r.pages)  # tokens an engine loop appended
+        if grow > self.pool.num_free:  # no room after all: the sequence recomputes
+            self.release_reserved(key)
+            return
+        if grow > 0:
+            r.pages += self.pool.allocate(grow)
+        place_tokens(self.attn, r.pages, self.pool.page_size, layer, start, k, v)
 
     def adopt(self, seq: Sequence, done: KVStreamEnd, sched: BatchScheduler) -> bool:
         """Give a new sequence (not yet queued) of `done.tokens` its reserved pages: it joins `sched`'s
