@@ -80,9 +80,12 @@ class CEMSearch:
         self.mean = torch.zeros(settings.horizon, 4, device=device)
         self.std = torch.cat([torch.full((settings.horizon, 3), settings.maxnorm, device=device),
                               torch.ones(settings.horizon, 1, device=device)], dim=-1)
-        self.keep = torch.empty(2, 4, device=device)  # filled, not copied from the host: that would sync
-        self.keep[0, :3], self.keep[0, 3] = settings.momentum_mean, settings.momentum_mean_gripper
-        self.keep[1, :3], self.keep[1, 3] = settings.momentum_std, settings.momentum_std_gripper
+        # filled in place by kernels: an indexed assignment of a host scalar is a synchronizing copy
+        self.keep = torch.empty(2, 4, device=device)
+        self.keep[0, :3].fill_(settings.momentum_mean)
+        self.keep[0, 3:].fill_(settings.momentum_mean_gripper)
+        self.keep[1, :3].fill_(settings.momentum_std)
+        self.keep[1, 3:].fill_(settings.momentum_std_gripper)
 
     def sample(self, step: int) -> torch.Tensor:
         """[samples, 7] candidate actions for `step` of the sequence."""
