@@ -15,8 +15,8 @@ prefilled, after `--warm-steps` such steps. Per case: ms per step (wall time of 
 p50), the host time of the grammar itself per step (the matchers' `fill_bitmask` and `accept`, timed by
 wrapping the model's `Grammars`, whose contract the engine calls), and JSON documents completed. Per
 batch: the median over `--runs` runs of each figure (free and constrained runs alternate), and the mask
-cost per step = constrained - free ms per step (it includes the grammar's host time, the masking of the
-logits, and constrained rows sampling eagerly without lookahead). A constrained warm-up case at each
+cost per step = constrained - free ms per step (it includes what of the grammar's host time the forward
+does not hide, the masks' copy and their application on the device; see engines/token_masks.py). A constrained warm-up case at each
 batch (not timed) first fills the grammar caches, as a server that has run a while has them.
 
 With random weights the text is a random walk through what the grammar allows, mostly long strings;

@@ -88,9 +88,10 @@ class SamplingParams:
     @cached_property
     def static_ok(self) -> bool:
         """Whether `sample_static` serves these parameters whenever no token is banned (`graphable`,
-        which also needs the row to have no generator of its own)."""
+        which also needs the row to have no generator of its own). A structured-outputs row is served once
+        its grammar's token mask is on its logits (`token_masks.TokenMasks`, applied by the sampler graphs)."""
         return (self.logprobs is None and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
-                and self.top_k <= sampling_filters.PREFILTER_K and self.structured_outputs is None)
+                and self.top_k <= sampling_filters.PREFILTER_K)
 
     @classmethod
     def from_options(cls, options: dict[str, Any], defaults: SamplingParams) -> SamplingParams:

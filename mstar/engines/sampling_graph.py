@@ -6,7 +6,9 @@ time exceeds a decode step's GPU time at small batches. `SamplerGraphs` captures
 graphs' batch sizes, the first time a step has rows it serves (the engine's warm-up does that, before
 the worker reports ready). Rows it does not serve (`sampling.graphable`: seeded, logprobs,
 presence/frequency penalties, min_tokens bans, top_k over the prefilter) and batches over the
-largest size fall back to `sample`.
+largest size fall back to `sample`. Rows under a grammar (structured outputs) are served when the graphs
+were given the engine's `TokenMasks` (engines/token_masks.py): every captured draw first applies the
+masks staged for its batch to the logits in place (nothing in a row without a grammar).
 
 Two sets of graphs share their inputs: `general` (any row may be greedy or unfiltered) and
 `filtered`, for batches whose every row samples under top-k or top-p (the usual serving case,
@@ -43,6 +45,7 @@ import torch
 from mstar.engines.cuda_graphs import BatchGraphs, to_device_async
 from mstar.engines.sampling import SamplingParams, SamplingRow, graphable, sample_static
 from mstar.engines.sampling_filters import COLUMNS, RowTable
+from mstar.engines.token_masks import TokenMasks
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +66,8 @@ class SamplerGraphs:
     fed with them needs no copy. Both are used only when their shape fits."""
 
     def __init__(self, sizes: Sequence[int], device: torch.device, offset: int = 0,
-                 logits: torch.Tensor | None = None, ids: torch.Tensor | None = None) -> None:
+                 logits: torch.Tensor | None = None, ids: torch.Tensor | None = None,
+                 masks: TokenMasks | None = None) -> None:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" must compare equal
             device = torch.device("cuda", torch.cuda.current_device())
@@ -76,6 +80,7 @@ class SamplerGraphs:
         self.replays = 0
         self.logit_copies = 0  # calls whose logits were not already in the graphs' input
         self._given_logits, self._given_ids = logits, ids
+        self.masks = masks  # applied first in every captured draw; without them constrained rows are not served
         self._ids: torch.Tensor | None = None  # the given ids, once captured with them
         self._rng: torch.Tensor | None = None  # the filtered graphs' seed and draw count (made at capture)
 
@@ -101,6 +106,8 @@ class SamplerGraphs:
         """Whether a batch of these logits and rows is drawn here (capturing the graphs at the first one)."""
         n, vocab = logits.shape
         if n > self.sizes[-1] or logits.device != self.device or not all(graphable(r) for r in rows):
+            return False
+        if self.masks is None and any(r.params.structured_outputs is not None for r in rows):
             return False
         if not self._graphs or vocab != self._vocab:
             self.capture(vocab)
@@ -141,7 +148,7 @@ class SamplerGraphs:
         """The function the `filtered` graphs capture: (logits, table, new) -> token ids, written into the
         decode graphs' id input when the sampler was given it (`writes_ids`)."""
         assert self._seen is not None, "capture first"
-        return _marking(self._seen, filtered, self.offset, self._ids, self._rng if filtered else None)
+        return _marking(self._seen, filtered, self.offset, self._ids, self._rng if filtered else None, self.masks)
 
     @property
     def noise_state(self) -> torch.Tensor | None:
@@ -174,7 +181,8 @@ class SamplerGraphs:
         self._logits = [logits[:k] for k in range(rows + 1)]
         with torch.inference_mode(False):  # seed, draws so far: the filtered graphs' noise (module docstring)
             rng = self._rng = torch.tensor([int(torch.randint(0, 2**62, ())), 0], dtype=torch.int64, device=self.device)
-        self._graphs = {filtered: BatchGraphs(_marking(seen, filtered, self.offset, ids, rng if filtered else None),
+        self._graphs = {filtered: BatchGraphs(_marking(seen, filtered, self.offset, ids, rng if filtered else None,
+                                                       self.masks),
                                               self.sizes, example, self.device,
                                               static_inputs=[logits, inputs.table, inputs.new])
                         for filtered in (False, True)}
@@ -189,13 +197,17 @@ def _fits(t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, de
 
 
 def _marking(seen: SeenRows, filtered: bool, offset: int, ids: torch.Tensor | None = None,
-             rng: torch.Tensor | None = None) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The captured step: mark each row's new token (`new` [N]: flat mask indexes), then draw token ids
-    (into the first rows of `ids` when given; with `rng`, `sample_static`'s seeded noise)."""
+             rng: torch.Tensor | None = None, tokens: TokenMasks | None = None,
+             ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The captured step: apply the staged token masks of structured outputs (`tokens`, in place), mark each
+    row's new token (`new` [N]: flat mask indexes), then draw token ids (into the first rows of `ids` when
+    given; with `rng`, `sample_static`'s seeded noise)."""
     flat, masks = seen.flat, seen.masks
 
     def step(logits: torch.Tensor, table: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         n = logits.shape[0]
+        if tokens is not None:
+            tokens.apply_(logits)
         if ids is None:
             columns = sample_static(logits, table, masks[:n], filtered, mark=(flat, new), rng=rng)
             return columns + offset if offset else columns

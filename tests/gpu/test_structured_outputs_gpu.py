@@ -1,7 +1,8 @@
 """Structured outputs on CUDA (tiny Qwen3 in bf16, decode CUDA graphs, sampler graphs, lookahead and step
-graphs on): constrained rows leave the graphs for eager sampling on a masked copy of the logits, so 16
-schemas answer valid JSON while free requests batched beside them still run to their length (their tokens
-are not compared with a run alone: bf16 batches of other sizes may round differently)."""
+graphs on): 16 schemas answer valid JSON while free requests batched beside them still run to their length
+(their tokens are not compared with a run alone: bf16 batches of other sizes may round differently).
+Seeded constrained rows sample eagerly, their logits masked in place (engines/token_masks.py); unseeded
+ones are drawn by the sampler and step graphs, which apply the masks themselves, and run ahead."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import jsonschema
 import pytest
 
 from mstar.config import config_from_dict
+from mstar.engines.autoregressive import AutoregressiveEngine
+from mstar.engines.own_stream import OwnStreamEngine
 from mstar.runtime.offline import MStar
 from tests.json_schemas import top_schema
 
@@ -29,11 +32,21 @@ def _ids(handle) -> list[int]:
     return [int(t) for t in handle.result().outputs["text"] for t in t.reshape(-1).tolist()]
 
 
-def test_constrained_rows_beside_free_rows(served):
+def _engine(m) -> AutoregressiveEngine:
+    engine = m.runtime.workers[0].engines["llm"]
+    return engine.engine if isinstance(engine, OwnStreamEngine) else engine
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_constrained_rows_beside_free_rows(served, seeded):
     m = served
+    engine = _engine(m)
+    assert engine.step_graphs is not None and engine.masks is not None
+    before = (engine.step_graphs.replays, engine.lookahead_steps, engine.masks.staged)
     schemas = [top_schema(seed) for seed in range(16)]
-    constrained = [m.submit({"messages": [{"role": "user", "content": "JSON"}]}, temperature=1.0, seed=seed,
-                            max_tokens=400, structured_outputs=json.dumps({"json_schema": s}))
+    constrained = [m.submit({"messages": [{"role": "user", "content": "JSON"}]}, temperature=1.0,
+                            max_tokens=400, structured_outputs=json.dumps({"json_schema": s}),
+                            **({"seed": seed} if seeded else {}))
                    for seed, s in enumerate(schemas)]
     free = [m.submit({"text": f"free request {i}"}, **FREE) for i in range(4)]
     for schema, handle in zip(schemas, constrained, strict=True):
@@ -42,3 +55,7 @@ def test_constrained_rows_beside_free_rows(served):
         assert result.finish_reason == "stop", text
         jsonschema.validate(json.loads(text), schema)
     assert all(len(_ids(h)) == FREE["max_tokens"] for h in free)
+    replays, ahead, staged = (engine.step_graphs.replays, engine.lookahead_steps, engine.masks.staged)
+    assert staged > before[2] and ahead > before[1]  # masked steps, and constrained rows ran ahead
+    if not seeded:  # rows the graphs serve: most masked steps were step-graph replays
+        assert replays - before[0] > (staged - before[2]) // 2

@@ -29,8 +29,8 @@ def model():
     return TinyLM()
 
 
-def graphed(model, monkeypatch, pages=64, max_model_len=None, sampler=True):
-    engine = make_engine(model, pages=pages, max_model_len=max_model_len, lookahead=True, max_num_seqs=8)
+def graphed(model, monkeypatch, pages=64, max_model_len=None, sampler=True, **kw):
+    engine = make_engine(model, pages=pages, max_model_len=max_model_len, lookahead=True, max_num_seqs=8, **kw)
     r = engine.runner
     r.attn = SharedSDPA(model.kv_layout, pages, r.page_size, "cpu", max_num_seqs=8,
                         max_pages_per_seq=-(-engine.max_model_len // r.page_size))
@@ -39,7 +39,7 @@ def graphed(model, monkeypatch, pages=64, max_model_len=None, sampler=True):
     if sampler:
         monkeypatch.setattr(sampling_graph, "BatchGraphs", EagerBatchGraphs)
         engine.sampler = SamplerGraphs(SIZES, torch.device("cpu"), engine.logit_offset,
-                                       logits=r.logits_out, ids=r.decode_ids)  # as the engine builds it
+                                       logits=r.logits_out, ids=r.decode_ids, masks=engine.masks)  # as the engine builds it
     return engine
 
 

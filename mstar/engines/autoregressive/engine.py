@@ -13,6 +13,11 @@ key starts a new sequence.
 Lookahead (`lookahead.py`): once a step's draw is queued on the device, the next forward of the
 engine-loop sequences that go on is launched with the drawn ids before the host reads them.
 
+Structured outputs (`engines/token_masks.py`): a constrained row's token mask depends only on the tokens
+its matcher has accepted, so the host fills it while the step's forward runs, and the device applies it
+right before the draw (inside the sampler and step graphs). Constrained sequences run ahead like free
+ones: their sampled tokens reach the matchers while the next forward runs.
+
 A model whose logits cover a window of ids (`CausalLM.logit_offset`) is sampled over the window's
 columns; every id handed back (tokens, `top_ids`, the ids a lookahead forward is fed) is a token id,
 the offset added on the device.
@@ -49,12 +54,13 @@ from mstar.engines.autoregressive.step_graph import StepGraphs
 from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs, parse_item
 from mstar.engines.base import CausalLM, LoopSpec, StepItem, StepResult, require
 from mstar.engines.cuda_graphs import to_device_async
-from mstar.engines.grammar import GrammarMatcher, Grammars, constrain
+from mstar.engines.grammar import GrammarMatcher, Grammars
 from mstar.engines.kv_cache.block_pool import BlockPool
 from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
 from mstar.engines.kv_handoff import KVOffer, KVStreamEnd, KVStreamSink
 from mstar.engines.sampling import SampleOutput, SamplingParams, SamplingRow, plain_greedy, sample
 from mstar.engines.sampling_graph import SamplerGraphs
+from mstar.engines.token_masks import TokenMasks
 
 CONTEXT_PORT = "prompt_ids"  # optional input port: the tokens before `input_ids` of a resumed sequence
 
@@ -84,6 +90,9 @@ class AutoregressiveEngine:
         self.logit_offset = model.logit_offset  # the token id of the logits' column 0
         self.default_sampling = default_sampling or SamplingParams()
         self.grammars = grammars  # structured outputs' matchers (engines/grammar.py)
+        # their token masks, filled on the host while the forward runs and applied on the device
+        self.masks = None if grammars is None else TokenMasks(max_num_seqs, model.logit_width, self.device,
+                                                              self.logit_offset)
         if num_pages is None:  # a worker's pools are sized together (kv_cache.config.kv_pool_pages)
             num_pages = compute_num_pages(kv_config, model.kv_layout, self.device)
         capacity = num_pages * kv_config.page_size
@@ -117,7 +126,7 @@ class AutoregressiveEngine:
         if self.runner.graphs is not None and (cuda_graphs is None or cuda_graphs.sampling):
             # reading the decode graphs' logits and writing their next ids in place (no copies between)
             self.sampler = SamplerGraphs(self.runner.graphs.sizes, self.device, self.logit_offset,
-                                         logits=self.runner.logits_out, ids=self.runner.decode_ids)
+                                         logits=self.runner.logits_out, ids=self.runner.decode_ids, masks=self.masks)
         # a steady lookahead step's draw and next forward as one replay (step_graph.py), captured now
         self.step_graphs: StepGraphs | None = None
         if self.sampler is not None and self.lookahead and (cuda_graphs is None or cuda_graphs.step_graphs) \
@@ -362,11 +371,12 @@ class AutoregressiveEngine:
         seqs = [c.seq for c in chunks]
         rows = [s.sampling_row for s in seqs]
         constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
-        if constrained:  # each next mask needs the token sampled now: no step is launched ahead
-            logits = constrain(logits, [s.matcher for s in seqs], self.logit_offset)
-        continuing = self._continuing(seqs) if self.lookahead and not constrained else None
+        # the masks need only the tokens accepted so far: filled while this step's forward runs, and the
+        # next forward may be launched before this step's tokens reach their matchers
+        masked = self.masks is not None and self.masks.stage([s.matcher for s in seqs])
+        continuing = self._continuing(seqs) if self.lookahead else None
         out, tokens = (self._step_graph(seqs, rows, logits, continuing)
-                       or self._draw(seqs, rows, logits, continuing))
+                       or self._draw(seqs, rows, logits, continuing, masked))
         for i in constrained:  # advances each grammar (not an assert: python -O would skip the call)
             if not seqs[i].matcher.accept(tokens[i]):
                 raise RuntimeError(f"{seqs[i].key} sampled token {tokens[i]} that its grammar forbids")
@@ -450,16 +460,20 @@ class AutoregressiveEngine:
         return SampleOutput(ids), ids.tolist()
 
     def _draw(self, seqs: list[Sequence], rows: list[SamplingRow], logits: torch.Tensor,
-              continuing: list[int] | None) -> tuple[SampleOutput, list[int]]:
-        """Draw this step's tokens (an extras graph's argmax, the sampler graphs or eager `sample`), then
-        launch the lookahead forward of `seqs[continuing]` (none when `continuing` is None); the samples
-        on the host and their ids as ints."""
+              continuing: list[int] | None, masked: bool = False) -> tuple[SampleOutput, list[int]]:
+        """Draw this step's tokens (an extras graph's argmax, the sampler graphs or eager `sample`; with
+        `masked`, after the staged token masks), then launch the lookahead forward of `seqs[continuing]`
+        (none when `continuing` is None); the samples on the host and their ids as ints."""
         greedy = self.runner.last_greedy_ids  # token ids of an extras graph's argmax, if one ran
-        if greedy is not None and all(plain_greedy(r) for r in rows):
+        if greedy is not None and all(plain_greedy(r) for r in rows):  # no constrained row is plain greedy
             out = SampleOutput(greedy)
         elif self.sampler is not None and (ids := self.sampler(logits, rows)) is not None:
-            out = SampleOutput(ids)
+            out = SampleOutput(ids)  # the graphs applied the masks
         else:
+            if masked:
+                assert self.masks is not None
+                with torch.inference_mode():  # in place: the runner's logits are inference tensors
+                    self.masks.apply_(logits)
             out = sample(logits, rows, self.logit_offset)
         if continuing is None:
             out = out.to_host()  # the step's one host sync

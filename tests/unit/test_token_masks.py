@@ -1,0 +1,155 @@
+"""Structured outputs' token masks on the device (engines/token_masks.py, kernels/token_mask.py): the mask
+equals the host reference `grammar.mask_logits`, unflagged rows are untouched, and the autoregressive
+engine runs constrained sequences ahead (each sampled token reaches its matcher after the next forward
+was launched) and draws them through the sampler and step graphs, with the scripted tokens exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mstar.engines.autoregressive.step_graph import StepGraphs
+from mstar.engines.grammar import canonical_spec, mask_logits
+from mstar.engines.token_masks import TokenMasks
+from tests.interpreted import run_interpreted
+from tests.unit.graph_standins import EagerBatchGraphs
+from tests.unit.test_ar_engine import VOCAB, TinyLM, item, make_engine, prompts, reference, tokens_of
+from tests.unit.test_ar_packed_decode import drive_staggered, graphed
+from tests.unit.test_grammar_mask import Script
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
+
+EOS = VOCAB - 1
+
+
+@pytest.fixture(scope="module")
+def model():
+    return TinyLM()
+
+
+class Bits:
+    """A matcher that allows a fixed random set of tokens (written as a whole row, as xgrammar does)."""
+
+    def __init__(self, row: torch.Tensor) -> None:
+        self.row = row
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row, : self.row.numel()] = self.row
+
+
+@pytest.mark.parametrize(("width", "offset"), [(100, 0), (70, 30), (64, 0)])
+def test_staged_masks_equal_the_host_reference(width, offset):
+    g = torch.Generator().manual_seed(width + offset)
+    masks = TokenMasks(6, width, "cpu", offset)
+    words = masks.words - 1 if offset else masks.words  # a matcher over fewer ids: the rest are forbidden
+    matchers = [None if i % 3 == 1 else Bits(torch.randint(-(2**31), 2**31 - 1, (words,), dtype=torch.int32,
+                                                            generator=g)) for i in range(5)]
+    logits = torch.randn(5, width, generator=g)
+    bitmask = torch.zeros(5, masks.words, dtype=torch.int32)
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    for j, i in enumerate(rows):
+        matchers[i].fill_bitmask(bitmask, j)
+    want = mask_logits(logits, rows, bitmask[: len(rows)], offset)
+    assert masks.stage(matchers)
+    got = logits.clone()
+    masks.apply_(got)
+    assert torch.equal(got, want)
+    # a batch without grammars clears the flags: nothing is masked, whatever the bitmask still holds
+    assert not masks.stage([None] * 5)
+    got = logits.clone()
+    masks.apply_(got)
+    assert torch.equal(got, logits) and int(masks.flags.abs().sum()) == 0
+
+
+def test_token_mask_kernel_interpreted():
+    pytest.importorskip("triton")
+    proc = run_interpreted(Path(__file__).with_name("token_mask_check.py"))
+    assert proc.returncode == 0 and "token mask ok" in proc.stdout, proc.stderr[-3000:]
+
+
+class Logged(Script):
+    """A scripted matcher that logs each token it accepts."""
+
+    def __init__(self, tokens: list[int], eos: int, key: str, log: list) -> None:
+        super().__init__(tokens, eos)
+        self.key, self.log = key, log
+
+    def accept(self, token_id: int) -> bool:
+        self.log.append(("accept", self.key))
+        return super().accept(token_id)
+
+
+class LoggedGrammars:
+    """`Grammars` whose spec is {"choice": ["<request id> <token ids...>"]}."""
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def matcher(self, spec: str) -> Logged:
+        key, *ids = json.loads(spec)["choice"][0].split()
+        return Logged([int(t) for t in ids], EOS, key, self.log)
+
+
+SCRIPTS = {"a": [17, 5, 40, 42, 3, 3, 9, 11], "b": [8, 8, 8, 8, 8, 8], "c": [25, 1, 2, 3, 4, 5, 6, 7, 30]}
+
+
+def constrained_items():
+    ps = prompts(4)
+    items = [item(rid, ps[i], temperature=1.0, max_tokens=30,
+                  structured_outputs=canonical_spec({"choice": [" ".join([rid, *map(str, s)])]}))
+             for i, (rid, s) in enumerate(SCRIPTS.items())]
+    return ps, items + [item("free", ps[3], temperature=0.0, max_tokens=12, ignore_eos=True)]
+
+
+def check_tokens(out, ps):
+    for rid, script in SCRIPTS.items():
+        assert tokens_of(out[rid]) == [*script, EOS], rid  # the grammar's end token closes it
+    assert tokens_of(out["free"]) == reference(TinyLM(), ps[3], 12)  # a row beside them is not masked
+
+
+def test_constrained_rows_run_ahead_and_matchers_take_tokens_while_the_next_forward_runs(model):
+    log: list = []
+    engine = make_engine(model, lookahead=True, grammars=LoggedGrammars(log), eos_token_ids=(EOS,))
+    launch = engine.runner.launch_ahead
+
+    def logged_launch(seqs, ids):
+        log.append(("launch", {s.key[0] for s in seqs}))
+        return launch(seqs, ids)
+
+    engine.runner.launch_ahead = logged_launch
+    ps, items = constrained_items()
+    out = drive_staggered(engine, items, [0] * len(items))
+    check_tokens(out, ps)
+    # a token reaches its matcher after the forward it feeds was launched: the launch comes between the
+    # sequence's previous accept and this one (all but each sequence's first token, sampled after prefill)
+    ahead, launched = 0, set()
+    for event, who in log:
+        if event == "launch":
+            launched |= who
+        else:
+            ahead += who in launched
+            launched.discard(who)
+    assert ahead >= sum(len(s) for s in SCRIPTS.values()) and engine.lookahead_steps > 0
+    assert engine.masks.staged > max(map(len, SCRIPTS.values()))
+
+
+def test_constrained_rows_are_drawn_by_the_step_graphs(model, monkeypatch):
+    engine = graphed(model, monkeypatch, grammars=LoggedGrammars([]), eos_token_ids=(EOS,))
+    engine.step_graphs = StepGraphs(engine.runner, engine.sampler, graph_class=EagerBatchGraphs)
+    launch, constrained = engine.step_graphs.launch, []
+
+    def counted(seqs, logits, rows):
+        ahead = launch(seqs, logits, rows)
+        constrained.append(ahead is not None and any(s.matcher is not None for s in seqs))
+        return ahead
+
+    engine.step_graphs.launch = counted
+    ps, items = constrained_items()
+    out = drive_staggered(engine, items, [0, 0, 1, 2])
+    check_tokens(out, ps)
+    assert sum(constrained) >= min(map(len, SCRIPTS.values())) - 2
+    ids = engine.runner.decode_ids  # padding rows included: the next forward embeds them all
+    assert int(ids.min()) >= 0 and int(ids.max()) < VOCAB
