@@ -2,9 +2,9 @@
 
 A model that supports structured outputs hands its engine `Grammars` (in `AutoregressiveSpec.grammars`);
 for each sequence whose request sets `structured_outputs`, the engine asks it for a `GrammarMatcher`,
-masks that row's logits with the matcher's allowed tokens before sampling (`constrain`), and feeds the
-matcher each token it samples. A component that samples text itself (BAGEL's LLM, a stateless component)
-does the same with the `Grammars` its model gives it. The engine knows no grammar library: `mstar.models.common.grammar` implements these
+masks that row's logits with the matcher's allowed tokens before sampling (on the device:
+`token_masks.TokenMasks`), and feeds the matcher each token it samples. A component that samples text
+itself (BAGEL's LLM, a stateless component) does the same with the `Grammars` its model gives it (`constrain`). The engine knows no grammar library: `mstar.models.common.grammar` implements these
 with xgrammar over the model's tokenizer.
 
 A request's `structured_outputs` is a JSON object with exactly one of: "json_schema" (a JSON schema),
