@@ -3,10 +3,12 @@ heads over a prefix of --prefix keys padded to 976 and the 50 actions' own, one 
 bf16), in forms that give the same result, each replayed 180 times (a chunk's calls) from one CUDA graph:
 microseconds a call and the largest difference from a float64 reference.
 
-Forms: `rows` (what runs: query heads as rows of one head, additive mask, SDPA's own choice of backend), the
-same under each SDPA backend that accepts it, `gqa` (8 heads, enable_gqa), `matmul` (scores and weights in
-float32: two matmuls and a softmax), and `flash_valid` (flash over the valid keys only, no mask: what an
-attention that skips the padding could reach; not a drop-in, the padding is gone).
+Forms: `valid_keys` (what runs: `mstar/models/pi05/flow_attention.py`, a Triton kernel over each robot's
+valid prefix keys and the actions' keys, its keys split across programs by `default_splits`), the same with
+`valid_keys_splits_N` splits, `rows` (the masked form, what runs without the fused kernels: query heads as rows
+of one head, additive mask, SDPA's own choice of backend), the same under each SDPA backend that accepts it,
+`gqa` (8 heads, enable_gqa), `matmul` (scores and weights in float32: two matmuls and a softmax), and
+`flash_valid` (flash over the valid keys only, no mask: the padding cut out on the host, so not a drop-in).
 
     python3 benchmarks/pi05_attention.py --out $OUT/pi05_attention.json
 """
@@ -26,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
+from mstar.models.pi05.flow_attention import default_splits, valid_keys_attention  # noqa: E402
 from mstar.models.pi05.gemma import attention_bias  # noqa: E402
 
 CALLS = 180  # 18 layers x 10 Euler steps
@@ -73,7 +76,20 @@ def forms(x: dict[str, torch.Tensor], prefix: int) -> dict[str, Callable[[], tor
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(q, *kept)
 
-    found = {"rows": rows, "gqa": gqa, "matmul": matmul, "flash_valid": flash_valid}
+    heads = q.view(q.shape[0], CHUNK, HEADS, DIM)  # rows are (action, head): the expert's q as it is
+    prefix_kv = k[:, 0, :PADDED, None], v[:, 0, :PADDED, None]
+    actions_kv = k[:, 0, PADDED:, None], v[:, 0, PADDED:, None]
+    lengths = torch.full((q.shape[0],), prefix, device=q.device)
+
+    def valid_keys(splits: int | None) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            return valid_keys_attention(heads, *prefix_kv, lengths, *actions_kv, splits).view(q.shape)
+        return run
+
+    found = {"valid_keys": valid_keys(None)}
+    chosen = default_splits(heads, PADDED, CHUNK, 1)
+    found.update({f"valid_keys_splits_{n}": valid_keys(n) for n in (1, 2, 4, 8, 16) if n != chosen})
+    found.update({"rows": rows, "gqa": gqa, "matmul": matmul, "flash_valid": flash_valid})
     for which in (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
         found[f"rows_{which.name.lower()}"] = backend(which)
     return found
@@ -116,10 +132,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("no CUDA device here")
-    doc = {"device": torch.cuda.get_device_name(), "prefix": args.prefix, "command": " ".join(sys.argv), "cases": {}}
+    doc = {"device": torch.cuda.get_device_name(), "prefix": args.prefix, "command": " ".join(sys.argv), "cases": {},
+           "valid_keys_splits": {}}
     with torch.inference_mode():
         for batch in args.batch:
             x = inputs(args.prefix, batch)
+            heads = x["q"].view(batch, CHUNK, HEADS, DIM)
+            doc["valid_keys_splits"][f"b{batch}"] = default_splits(heads, PADDED, CHUNK, 1)
             want = reference(x)
             for name, fn in forms(x, args.prefix).items():
                 try:

@@ -4,7 +4,8 @@ batches of 1 and 3 robots with different prompt lengths and camera counts, and t
 replayed; the prefix graphs on and off (the flow's graph on) give the same actions; prefix and flow calls
 make no host sync, with graphs and without; at the full expert's shapes in bfloat16, the attention bias made
 once and adaRMS's rounding store give what a boolean mask per call and a cast after the addcmul give, bit
-for bit; through the runtime, a robot's chunk is the same with `cuda_graphs` on and off."""
+for bit, and the flow's attention over the valid keys only gives the masked form's within bf16 rounding,
+eagerly and replayed from a graph; through the runtime, a robot's chunk is the same with `cuda_graphs` on and off."""
 
 from __future__ import annotations
 
@@ -171,6 +172,47 @@ def test_bias_and_rounding_store_are_the_plain_forms_bit_for_bit() -> None:
         scale, shift, _ = modulation
         assert torch.equal(norm.modulate(x, modulation)[0],
                            torch.addcmul(shift, rms_normed(x, shape.rms_norm_eps), scale).to(dtype))
+
+
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_valid_keys_attention_is_the_masked_form(splits) -> None:
+    """A flow step's shapes: 50 actions x 8 query heads over prefixes of 848, 976, 300 and 0 valid keys
+    padded to 976, and the actions' own keys, one KV head of 256 channels, bf16; then replayed from a graph
+    after the lengths changed in place."""
+    from mstar.models.pi05.flow_attention import valid_keys_attention
+
+    shape, dtype = PI05_BASE.expert, torch.bfloat16
+    gen = torch.Generator(device=CUDA).manual_seed(14)
+    qkv = torch.randn(4, 50, shape.num_heads + 2, shape.head_dim, generator=gen, device=CUDA).to(dtype)
+    q, k, v = qkv.split([shape.num_heads, 1, 1], dim=2)
+    prefix_k, prefix_v = (torch.randn(4, 976, 1, shape.head_dim, generator=gen, device=CUDA).to(dtype)
+                          for _ in range(2))
+    table = torch.tensor([[848, 0], [976, 0], [300, 0], [0, 0]], device=CUDA)
+
+    def masked() -> torch.Tensor:
+        keys, values = torch.cat([prefix_k, k], 1), torch.cat([prefix_v, v], 1)
+        positions = torch.arange(1026, device=CUDA)[None, :]
+        valid = (positions < table[:, :1]) | (positions >= 976)
+        return _masked_rows(q, keys, values, valid)
+
+    with torch.no_grad():
+        got = valid_keys_attention(q, prefix_k, prefix_v, table[:, 0], k, v, splits)
+        torch.testing.assert_close(got, masked(), atol=2e-2, rtol=2e-2)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = valid_keys_attention(q, prefix_k, prefix_v, table[:, 0], k, v, splits)
+        table[:, 0] = torch.tensor([10, 500, 976, 1], device=CUDA)
+        graph.replay()
+        torch.testing.assert_close(replayed, masked(), atol=2e-2, rtol=2e-2)
+
+
+def _masked_rows(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """SDPA in float32 over all keys [B, Lk, 1, D], masked where `valid` [B, Lk] is False -> [B, Lq, H, D]."""
+    heads = q.shape[2]
+    keys, values = (x.transpose(1, 2).float().expand(-1, heads, -1, -1) for x in (keys, values))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2).float(), keys, values, attn_mask=attention_bias(valid, torch.float32)[:, None, None, :])
+    return out.transpose(1, 2).to(q.dtype)
 
 
 def _runtime_chunks(graphs: bool) -> list[np.ndarray]:

@@ -90,8 +90,8 @@ def test_one_call_equals_the_step_by_step_flow(net) -> None:
         x_t = noise
         for step in range(CONFIG.num_steps):
             t = torch.full((len(robots),), flow_time(step, CONFIG.num_steps))
-            x_t = euler_step(x_t, net.velocity(x_t, t, view.layer, view.valid, view.lengths), CONFIG.num_steps)
-        sampled = net.sample(noise, view.layer, view.valid, view.lengths, CONFIG.num_steps)
+            x_t = euler_step(x_t, net.velocity(x_t, t, view.layer, view.lengths), CONFIG.num_steps)
+        sampled = net.sample(noise, view.layer, view.lengths, CONFIG.num_steps)
         got = torch.stack([out["actions"] for out in policy.run_items(_items("flow", robots))])
     torch.testing.assert_close(sampled, x_t, atol=1e-6, rtol=0)
     torch.testing.assert_close(got, x_t, atol=TOL, rtol=0)

@@ -133,7 +133,7 @@ def test_expert_attends_the_prefix_as_pi0s(pi0, parts) -> None:
         expected = pi0.model.dit(inputs_embeds=x, attention_mask=key_mask[:, None, None, :].expand(-1, 1, chunk, -1),
                                  position_ids=positions, past_key_values=cache).last_hidden_state
         view = pool.view(["a", "b"])
-        got = parts[1].expert.hidden(x, torch.zeros(2, width), positions, view.layer, view.valid)
+        got = parts[1].expert.hidden(x, torch.zeros(2, width), positions, view.layer, view.lengths)
     torch.testing.assert_close(got, expected, atol=TOL, rtol=0)
     assert expected.abs().mean() > 0.1
 
@@ -153,7 +153,7 @@ def test_whole_flow_matches_the_plain_pi05(pi0, tmp_path: Path) -> None:
     x_t = noise
     for step in range(CONFIG.num_steps):
         t = torch.full((2,), flow_time(step, CONFIG.num_steps))
-        x_t = euler_step(x_t, policy.velocity(x_t, t, view.layer, view.valid, view.lengths), CONFIG.num_steps)
+        x_t = euler_step(x_t, policy.velocity(x_t, t, view.layer, view.lengths), CONFIG.num_steps)
     for row in range(2):
         expected = plain_sample_actions(state, CONFIG, images[2 * row:2 * row + 2], prompts[row], noise[row],
                                         CONFIG.num_steps)

@@ -116,7 +116,7 @@ class PolicyComponent(StatelessBase, nn.Module):
     def sample(self, noise: torch.Tensor, table: torch.Tensor, num_steps: int) -> torch.Tensor:
         """noise [B, C, A] and a device `page_table` [B, pages + 1] -> actions [B, C, A] (float32)."""
         prefix = self.pool.gather(table)
-        return self.net.sample(noise, prefix.layer, prefix.valid, prefix.lengths, num_steps)
+        return self.net.sample(noise, prefix.layer, prefix.lengths, num_steps)
 
     @torch.no_grad()
     def run_items(self, items: list[StepItem]) -> list[dict[str, Any]]:

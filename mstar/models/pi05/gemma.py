@@ -5,7 +5,9 @@ Layer i of the expert attends the prefix's layer-i keys and values and its own a
 them bidirectionally (openpi's attention mask gives the action block sight of the whole prefix and of
 itself; the prefix never sees the actions, so its keys and values are computed once per chunk). The
 language model's layers only ever serve those keys and values: the last layer's attention output and
-MLP are never computed, and its final norm and head are not built.
+MLP are never computed, and its final norm and head are not built. The expert's attention reads each robot's
+valid prefix keys and its action keys only, never the padding of a batch's prefixes (`flow_attention.py`,
+where the fused kernels serve; else SDPA under a mask).
 
 Scaling follows the checkpoint's training code (openpi): token embeddings are multiplied by sqrt(width)
 at lookup, image tokens and action tokens enter unscaled. The expert's norms are adaptive (adaRMS): a
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.layers.fused import FUSED
 from mstar.layers.rope import RopeSpec, RotaryEmbedding, apply_rotary
 from mstar.models.pi05.config import GemmaShape
 
@@ -128,6 +131,22 @@ class GemmaAttention(nn.Module):
         out = out.view(batch, kv, length, groups, self.head_dim).transpose(1, 2)
         return self.o(out.reshape(batch, length, self.num_heads * self.head_dim))
 
+    def attend_prefix(self, q: torch.Tensor, prefix: KV, prefix_len: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> torch.Tensor:
+        """The action queries q [B, C, H, D] over each robot's first prefix_len [B] prefix keys and values
+        (`prefix`, [B, P, KV, D]) and the actions' own k and v [B, C, KV, D] -> [B, C, W]. Where the fused
+        kernels serve, one kernel reads those keys alone (`valid_keys_attention`); else SDPA over all P + C
+        keys masks the padding."""
+        if FUSED.ops_for(q) is not None:
+            from mstar.models.pi05.flow_attention import valid_keys_attention
+
+            return self.o(valid_keys_attention(q, *prefix, prefix_len, k, v).flatten(2))
+        prefix_k, prefix_v = prefix
+        positions = torch.arange(prefix_k.shape[1] + k.shape[1], device=q.device)[None, :]
+        valid = (positions < prefix_len[:, None]) | (positions >= prefix_k.shape[1])
+        keys, values = torch.cat([prefix_k.to(k.dtype), k], dim=1), torch.cat([prefix_v.to(v.dtype), v], dim=1)
+        return self.attend(q, keys, values, attention_bias(valid, q.dtype))
+
 
 class PrefixLayer(nn.Module):
     """A PaliGemma decoder layer."""
@@ -216,21 +235,19 @@ class ActionExpert(nn.Module):
         per_layer = [m for layer in self.layers for m in (layer.norm1.modulation(cond), layer.norm2.modulation(cond))]
         return [*per_layer, self.norm.modulation(cond)]
 
-    def context(self, chunk: int, prefix_len: torch.Tensor, prefix_valid: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(cos, sin) of action tokens at positions prefix_len [B] onwards and the `attention_bias` of the keys
-        they see [B, P + chunk]: what every step of a chunk shares."""
+    def context(self, chunk: int, prefix_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cos, sin) of action tokens at positions prefix_len [B] onwards, and prefix_len: what every step of a
+        chunk shares."""
         positions = prefix_len[:, None] + torch.arange(chunk, device=prefix_len.device)[None, :]
         cos, sin = self.rotary(positions.reshape(-1))
-        key_valid = torch.cat([prefix_valid, prefix_valid.new_ones(len(prefix_valid), chunk)], dim=1)
-        return cos, sin, attention_bias(key_valid, self.action_in.weight.dtype)
+        return cos, sin, prefix_len
 
     @torch.no_grad()
-    def forward(self, x_t: torch.Tensor, t: torch.Tensor, prefix: Callable[[int], KV], prefix_valid: torch.Tensor,
+    def forward(self, x_t: torch.Tensor, t: torch.Tensor, prefix: Callable[[int], KV],
                 prefix_len: torch.Tensor) -> torch.Tensor:
-        """`prefix(layer)` gives that layer's prefix keys and values [B, P, KV, D], valid where
-        `prefix_valid` [B, P]; the action tokens sit at positions prefix_len [B] onwards. Float32 out."""
-        context = self.context(x_t.shape[1], prefix_len, prefix_valid)
+        """`prefix(layer)` gives that layer's prefix keys and values [B, P, KV, D], of which each robot's first
+        prefix_len [B] are its own; the action tokens sit at positions prefix_len onwards. Float32 out."""
+        context = self.context(x_t.shape[1], prefix_len)
         return self.velocity(x_t, self.modulations(self.condition(t)), context, prefix)
 
     def velocity(self, x_t: torch.Tensor, modulations: list[Modulation],
@@ -240,22 +257,18 @@ class ActionExpert(nn.Module):
         return self.action_out(self._layers(x, modulations, context, prefix)).float()
 
     def hidden(self, x: torch.Tensor, cond: torch.Tensor, positions: torch.Tensor, prefix: Callable[[int], KV],
-               prefix_valid: torch.Tensor) -> torch.Tensor:
+               prefix_len: torch.Tensor) -> torch.Tensor:
         """The layers and final norm over action tokens x [B, C, W] at `positions` [B, C] under `cond` [B, W]."""
         cos, sin = self.rotary(positions.reshape(-1))
-        key_valid = torch.cat([prefix_valid, prefix_valid.new_ones(x.shape[0], x.shape[1])], dim=1)
-        return self._layers(x, self.modulations(cond), (cos, sin, attention_bias(key_valid, x.dtype)), prefix)
+        return self._layers(x, self.modulations(cond), (cos, sin, prefix_len), prefix)
 
     def _layers(self, x: torch.Tensor, modulations: list[Modulation],
                 context: tuple[torch.Tensor, torch.Tensor, torch.Tensor], prefix: Callable[[int], KV]) -> torch.Tensor:
-        cos, sin, key_bias = context
+        cos, sin, prefix_len = context
         for index, layer in enumerate(self.layers):
             normed, gate = layer.norm1.modulate(x, modulations[2 * index])
             q, k, v = layer.attn.project(normed, cos, sin)
-            prefix_k, prefix_v = prefix(index)
-            keys = torch.cat([prefix_k.to(k.dtype), k], dim=1)
-            values = torch.cat([prefix_v.to(v.dtype), v], dim=1)
-            x = torch.addcmul(x, layer.attn.attend(q, keys, values, key_bias), gate)
+            x = torch.addcmul(x, layer.attn.attend_prefix(q, prefix(index), prefix_len, k, v), gate)
             normed, gate = layer.norm2.modulate(x, modulations[2 * index + 1])
             x = torch.addcmul(x, layer.mlp(normed), gate)
         return self.norm.modulate(x, modulations[-1])[0]

@@ -44,21 +44,22 @@ class PolicyNet(nn.Module):
         self.llm(prefixes, valid, positions, store)
 
     def velocity(self, x_t: torch.Tensor, t: torch.Tensor, prefix: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-                 prefix_valid: torch.Tensor, prefix_len: torch.Tensor) -> torch.Tensor:
-        """The flow's velocity [B, C, A] (float32) at noisy actions x_t [B, C, A] and times t [B]."""
-        return self.expert(x_t, t, prefix, prefix_valid, prefix_len)
+                 prefix_len: torch.Tensor) -> torch.Tensor:
+        """The flow's velocity [B, C, A] (float32) at noisy actions x_t [B, C, A] and times t [B], over each
+        robot's first prefix_len [B] keys and values of `prefix(layer)`."""
+        return self.expert(x_t, t, prefix, prefix_len)
 
     def sample(self, noise: torch.Tensor, prefix: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-               prefix_valid: torch.Tensor, prefix_len: torch.Tensor, num_steps: int) -> torch.Tensor:
+               prefix_len: torch.Tensor, num_steps: int) -> torch.Tensor:
         """Every Euler step from noise [B, C, A] at t = 1 to the actions at t = 0 (float32), as `num_steps`
         calls of `velocity` and `euler_step` give them; device work only, so a CUDA graph may hold it.
-        What every step shares is computed once: the rotary tables and key mask, and each step's adaRMS
+        What every step shares is computed once: the rotary tables, and each step's adaRMS
         modulations (the time is the same for every row), all steps' in one matmul per norm."""
         expert = self.expert
         steps = torch.arange(num_steps, dtype=torch.float64, device=noise.device)
         t = (1.0 + steps * (-1.0 / num_steps)).float()  # `flow_time` of every step, as the host computes it
         per_step = expert.modulations(expert.condition(t))
-        context = expert.context(noise.shape[1], prefix_len, prefix_valid)
+        context = expert.context(noise.shape[1], prefix_len)
         x_t = noise.float()
         for step in range(num_steps):
             modulations = [(scale[step:step + 1], shift[step:step + 1], gate[step:step + 1])

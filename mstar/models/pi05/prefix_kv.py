@@ -91,9 +91,7 @@ class PrefixKVPool:
         """The prefixes of a device `page_table` as one padded batch; device work only, of shapes fixed by
         the table's (so a CUDA graph may hold it)."""
         pages, lengths = table[:, :-1], table[:, -1]
-        keys, values = self.keys[:, pages].flatten(2, 3), self.values[:, pages].flatten(2, 3)
-        valid = torch.arange(keys.shape[2], device=keys.device)[None, :] < lengths[:, None]
-        return PrefixBatch(keys, values, valid, lengths)
+        return PrefixBatch(self.keys[:, pages].flatten(2, 3), self.values[:, pages].flatten(2, 3), lengths)
 
     def view(self, request_ids: list[str]) -> PrefixBatch:
         """The prefixes of `request_ids` as one padded batch."""
@@ -103,12 +101,16 @@ class PrefixKVPool:
 @dataclass(frozen=True)
 class PrefixBatch:
     """A batch of prefixes read out of the pool: every layer's keys and values [layers, B, P, KV, D] (P the
-    table's pages times page_size), valid where `valid` [B, P]; `lengths` [B] are their tokens."""
+    table's pages times page_size), of which each prefix's first `lengths` [B] are its tokens."""
 
     keys: torch.Tensor
     values: torch.Tensor
-    valid: torch.Tensor
     lengths: torch.Tensor
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """[B, P]: which rows hold a prefix's tokens."""
+        return torch.arange(self.keys.shape[2], device=self.keys.device)[None, :] < self.lengths[:, None]
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index`'s keys and values [B, P, KV, D]."""
