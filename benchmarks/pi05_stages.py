@@ -1,9 +1,11 @@
 """Pi0.5 per stage (asserts nothing): the median time of each of vision, prefix and flow at full size (dummy
 weights, bf16, three cameras), the components called directly with a synchronize after each stage, with
 their CUDA graphs and eagerly, at a few batch sizes; which prefix bucket the prompt ran in; how long capturing
-the graphs took and the memory it reserved.
+the graphs took and the memory it reserved. With --profile, also where one prefix call and one flow call spend
+their time at the first batch size, with graphs (torch.profiler: the top 25 kernels by device time, each with
+its calls and share of the call's device time; on --quick the top CPU ops of the eager calls).
 
-    python3 benchmarks/pi05_stages.py --out $OUT/pi05_stages.json
+    python3 benchmarks/pi05_stages.py --profile --out $OUT/pi05_stages.json
     python3 benchmarks/pi05_stages.py --quick   # the tiny policy on CPU, eager only (smoke test)
 """
 
@@ -13,6 +15,9 @@ import argparse
 import statistics
 import sys
 import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +29,8 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without install
 from benchmarks.results_io import write_results  # noqa: E402
 
 STAGES = ("vision", "prefix", "flow")
+PROFILED = ("prefix", "flow")
+TOP = 25
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -32,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="robots per call (default 1 4)")
     parser.add_argument("--prompt-tokens", type=int, default=80, help="task and state tokens (default 80)")
     parser.add_argument("--repeats", type=int, default=None, help="chunks timed per case (default 30)")
+    parser.add_argument("--profile", action="store_true", help="top kernels of one prefix and one flow call")
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args(argv)
     if not args.quick and not torch.cuda.is_available():
@@ -59,8 +67,10 @@ def components(quick: bool):
     return cfg, device, VisionComponent(vision), PolicyComponent(net, pool)
 
 
-def chunk_times(cfg, device, vision, policy, batch: int, prompt: int, seed: int) -> tuple[float, float, float]:
-    """Seconds of each stage of one chunk for `batch` robots."""
+def chunk_times(cfg, device, vision, policy, batch: int, prompt: int, seed: int,
+                profiles: dict[str, dict] | None = None) -> tuple[float, float, float]:
+    """Seconds of each stage of one chunk for `batch` robots; with `profiles`, the prefix and flow calls run
+    under the profiler and their `top_ops` land there."""
     from mstar.engines.base import StepItem
 
     gen = torch.Generator().manual_seed(seed)
@@ -73,12 +83,46 @@ def chunk_times(cfg, device, vision, policy, batch: int, prompt: int, seed: int)
     with torch.no_grad():
         tokens = vision.run_items([StepItem(r, "prefix", "vision", {"images": x}) for r, x in zip(rids, images)])
         marks.append(_now(device))
-        policy.run_items([StepItem(r, "prefix", "prefix", {"image_tokens": t["image_tokens"], "prompt_ids": p},
-                                   options) for r, t, p in zip(rids, tokens, ids)])
-        marks.append(_now(device))
-        policy.run_items([StepItem(r, "act", "flow", {"noise": n}, options) for r, n in zip(rids, noise)])
-        marks.append(_now(device))
+        with _profiled(profiles, "prefix", device):
+            policy.run_items([StepItem(r, "prefix", "prefix", {"image_tokens": t["image_tokens"], "prompt_ids": p},
+                                       options) for r, t, p in zip(rids, tokens, ids)])
+            marks.append(_now(device))
+        with _profiled(profiles, "flow", device):
+            policy.run_items([StepItem(r, "act", "flow", {"noise": n}, options) for r, n in zip(rids, noise)])
+            marks.append(_now(device))
     return tuple(b - a for a, b in zip(marks, marks[1:]))
+
+
+@contextmanager
+def _profiled(profiles: dict[str, dict] | None, stage: str, device: torch.device) -> Iterator[None]:
+    """The block under torch.profiler (device kernels on CUDA, CPU ops on CPU), its `top_ops` stored as
+    profiles[stage]; nothing when `profiles` is None. The block ends with a synchronize (`_now`)."""
+    if profiles is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU]) as prof:
+        yield
+    profiles[stage] = top_ops(prof, device)
+
+
+def top_ops(prof, device: torch.device) -> dict[str, Any]:
+    """The `TOP` kernels (CPU ops on CPU) by self time: name, calls, microseconds and share of the total."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    if device.type == "cuda":  # kernels, copies and sets on the device, graph replays' included
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                totals[event.name][0] += event.device_time
+                totals[event.name][1] += 1
+    else:
+        for event in prof.key_averages():
+            totals[event.key] = [event.self_cpu_time_total, event.count]
+    total = sum(us for us, _ in totals.values())
+    rows = sorted(totals.items(), key=lambda item: -item[1][0])[:TOP]
+    return {"total_us": round(total, 1), "calls": int(sum(n for _, n in totals.values())),
+            "top": [{"name": name[:160], "calls": int(n), "us": round(us, 1), "share": round(us / total, 4)}
+                    for name, (us, n) in rows]}
 
 
 def _now(device: torch.device) -> float:
@@ -90,6 +134,18 @@ def _now(device: torch.device) -> float:
 def medians(args, cfg, device, vision, policy, batch: int) -> dict[str, float]:
     runs = [chunk_times(cfg, device, vision, policy, batch, args.prompt_tokens, seed) for seed in range(3 + args.repeats)]
     return {f"{stage}_ms": 1e3 * statistics.median(run[i] for run in runs[3:]) for i, stage in enumerate(STAGES)}
+
+
+def profiled_chunk(args, cfg, device, vision, policy, mode: str) -> dict[str, Any]:
+    """`top_ops` of one prefix call and one flow call of a chunk at the first batch size (after `medians`
+    warmed them)."""
+    batch, profiles = args.batch[0], {}
+    chunk_times(cfg, device, vision, policy, batch, args.prompt_tokens, 10_000, profiles)
+    for stage in PROFILED:
+        top = profiles[stage]["top"]
+        print(f"{mode} batch {batch} {stage}: {profiles[stage]['total_us'] / 1e3:.2f} ms {device.type}, "
+              + "; ".join(f"{row['name'][:40]} {row['us']:.0f} us" for row in top[:5]), flush=True)
+    return {"mode": mode, "batch": batch, **profiles}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -117,6 +173,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for batch in args.batch:
             doc["cases"][f"{mode}_b{batch}"] = case = medians(args, cfg, device, vision, policy, batch)
             print(f"{mode} batch {batch}: " + ", ".join(f"{k} {v:.2f}" for k, v in case.items()), flush=True)
+        if args.profile and mode == modes[0]:
+            doc["profile"] = profiled_chunk(args, cfg, device, vision, policy, mode)
     write_results(doc, args.out, args.quick, f"pi05_stages_{doc['device'].replace(' ', '_')}")
     return doc
 

@@ -1,6 +1,7 @@
 """benchmarks/pi05_bench.py: a --quick run (the tiny policy on CPU, a live server, openpi clients, and
 transformers' PI0 as the baseline) writes what it returns, with every case measured (#39).
-benchmarks/pi05_stages.py --quick times every stage at each batch size."""
+benchmarks/pi05_stages.py --quick times every stage at each batch size and, with --profile, names the top ops
+of one prefix and one flow call."""
 
 from __future__ import annotations
 
@@ -29,12 +30,20 @@ def test_quick_run(tmp_path) -> None:
 
 
 def test_stages_quick_run(tmp_path) -> None:
-    """benchmarks/pi05_stages.py: every stage timed at each batch size, the prompt's prefix bucket named."""
-    from benchmarks.pi05_stages import main
+    """benchmarks/pi05_stages.py: every stage timed at each batch size, the prompt's prefix bucket named, the
+    profiled calls' top ops (the flow's attention among them) at the first batch size."""
+    from benchmarks.pi05_stages import TOP, main
 
     out = tmp_path / "stages.json"
-    doc = main(["--quick", "--repeats", "1", "--batch", "1", "3", "--out", str(out)])
+    doc = main(["--quick", "--repeats", "1", "--batch", "1", "3", "--profile", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
     assert set(doc["cases"]) == {"eager_b1", "eager_b3"}
     assert all(value > 0 for case in doc["cases"].values() for value in case.values())
     assert doc["prefix_bucket"] >= doc["prefix_tokens"] == 3 * 16 + 80
+    profile = doc["profile"]
+    assert (profile["mode"], profile["batch"]) == ("eager", 1)
+    for stage in ("prefix", "flow"):
+        top = profile[stage]["top"]
+        assert len(top) == TOP and top == sorted(top, key=lambda row: -row["us"])
+        assert 0 < sum(row["us"] for row in top) <= profile[stage]["total_us"]
+    assert any("attention" in row["name"] for row in profile["flow"]["top"])
