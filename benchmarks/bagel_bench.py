@@ -27,6 +27,7 @@ import json
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -74,15 +75,22 @@ def understanding_case(m, args: argparse.Namespace, concurrency: int, tokens: in
     request = {"text": QUESTION, "media": [{"type": "image", "data": image(args.size, 1)}]}
     start = time.perf_counter()
     handles = [m.submit(request, max_tokens=tokens, ignore_eos=True, temperature=0.0) for _ in range(concurrency)]
-    first, count = [], 0
-    for handle in handles:
-        seen = False
+
+    def drain(handle) -> tuple[float | None, int]:
+        """The first answer token's arrival and the answer's token count: each handle read on its own
+        thread, so a request's first token is timed when it comes, not when the handles before it end."""
+        first, count = None, 0
         for event in handle:
             if event.name == "text":
                 count += 1
-                if not seen:
-                    first.append(time.perf_counter() - start)
-                    seen = True
+                if first is None:
+                    first = time.perf_counter() - start
+        return first, count
+
+    with ThreadPoolExecutor(len(handles)) as pool:
+        drained = list(pool.map(drain, handles))
+    first = [f for f, _ in drained if f is not None]
+    count = sum(n for _, n in drained)
     elapsed = time.perf_counter() - start
     return {"ttft_p50_s": round(statistics.median(first), 4), "tokens_per_s": round(count / elapsed, 1),
             "tokens": count, "seconds": round(elapsed, 3)}
