@@ -137,7 +137,9 @@ def test_a_receiver_without_room_recomputes_with_the_same_tokens(model):
     taken = b.pool.allocate(b.pool.num_free - 7)  # 7 free pages: the prompt needs 8
     wire, skip, first = _stream(a, b, "r", prompt, temperature=0.0, ignore_eos=True)
     assert skip is None and wire.tokens_sent == 0 and wire.done is None  # nothing streamed
-    assert a.stats()["kv_pages_sent"] == 0 and a.stats()["kv_pages_used"] == 8  # a keeps its sequence
+    # a forgets the sequence once its item is answered: it continues on b, recomputed, not here
+    assert a.stats()["kv_pages_sent"] == 0 and a.stats()["kv_pages_used"] == 0 and not a.has_work()
+    assert a.stats()["seqs_running"] == 0 and not a.kv.unstreamed
     b.pool.free(taken)
     b.submit_with_kv(_decode_item("r", prompt, first, 4, temperature=0.0, ignore_eos=True), None)
     assert [first, *_run(b)] == want

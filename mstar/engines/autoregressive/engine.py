@@ -397,7 +397,7 @@ class AutoregressiveEngine:
                 self._append(seq, tokens[i])
             else:
                 seq.item = None
-                if self.kv.streams and self.kv.finish(seq) and reason is None:  # it lives on on the receiver
+                if self.kv.finish(seq) and reason is None:  # it lives on on the receiver
                     self.batch_scheduler.remove(self._seqs.pop(seq.key))
             results.append(StepResult(item.request_id, item.walk, item.node, outputs, stop=reason is not None,
                                       iteration=item.iteration, finish_reason=reason, more=more))

@@ -95,6 +95,7 @@ class KVStreams:
         self.pool, self.attn = pool, attn
         self.offered: dict[tuple[str, str], KVStreamSink] = {}
         self.streams: dict[tuple[str, str], _Stream] = {}
+        self.unstreamed: set[tuple[str, str]] = set()  # continued elsewhere by recomputing: nothing streams
         self.reserved: dict[tuple[str, str], _Reserved] = {}
         self.pages_sent = self.pages_received = self.pages_reused = 0
 
@@ -106,11 +107,14 @@ class KVStreams:
         return KVOffer(list(seq.token_ids), hash_pages(seq.token_ids[:shareable], page, []))
 
     def start(self, key: tuple[str, str], skip: int | None) -> bool:
-        """Stream the offered sequence from token `skip` on (None: not at all); False when none is offered."""
+        """Stream the offered sequence from token `skip` on (None: not at all, the receiver recomputes it);
+        False when none is offered."""
         sink = self.offered.pop(key, None)
         if sink is None:
             return False
-        if skip is not None:
+        if skip is None:
+            self.unstreamed.add(key)
+        else:
             self.streams[key] = _Stream(sink, skip, skip)
         return True
 
@@ -139,11 +143,15 @@ class KVStreams:
                 s.sent = max(s.sent, c.start + c.num_tokens)
 
     def finish(self, seq: Sequence) -> bool:
-        """End the stream of `seq` (its item is answered: every token computed); False when it streams not.
-        Tokens computed by forwards that ran untapped (an engine loop's lookahead) go now, every layer."""
+        """End the stream of `seq` (its item is answered: every token computed); False when it was not
+        offered (it stays here). Tokens computed by forwards that ran untapped (an engine loop's lookahead)
+        go now, every layer. True also for a sequence the receiver declined: it continues there, recomputed."""
         s = self.streams.pop(seq.key, None)
         if s is None:
-            return False
+            if seq.key not in self.unstreamed:
+                return False
+            self.unstreamed.discard(seq.key)
+            return True
         page = self.pool.page_size
         if seq.num_computed > s.sent:
             slots = token_slots(self.attn, seq.pages, page, s.sent, seq.num_computed)
@@ -210,5 +218,6 @@ class KVStreams:
         for table in (self.offered, self.streams):
             for key in [k for k in table if k[0] == request_id]:
                 del table[key]
+        self.unstreamed = {k for k in self.unstreamed if k[0] != request_id}
         for key in [k for k in self.reserved if k[0] == request_id]:
             self.pool.free(self.reserved.pop(key).pages)
