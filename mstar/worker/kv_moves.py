@@ -10,6 +10,7 @@ engines/kv_handoff.py).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -17,8 +18,10 @@ import torch
 
 from mstar.engines.base import Engine, StepItem
 from mstar.engines.kv_handoff import KVHandoff, KVOffer, KVPositions, KVStreamEnd
-from mstar.transport import wire
+from mstar.transport import PeerUnavailable, wire
 from mstar.transport.messages import discard_message
+
+logger = logging.getLogger(__name__)
 
 _Key = tuple[str, str, str]  # (rid, component, kv_slot)
 _LAYERS_COMING = None  # an accepted stream whose KVEnd has not come
@@ -45,9 +48,10 @@ class KVMoves:
         self._waiting: dict[_Key, StepItem] = {}  # first items held until their stream's end
 
     def start(self, rid: str, kv_targets: dict[str, int]) -> None:
-        """Note the ranks a walk's components (`StartWalk.kv_targets`) stream their sequences to."""
+        """Note the ranks a walk's components (`StartWalk.kv_targets`) stream their sequences to (a walk's
+        driver is told them all: the rank that continues a sequence never streams it to itself)."""
         for component, rank in kv_targets.items():
-            if isinstance(self.engines.get(component), KVHandoff):
+            if rank != self.rank and isinstance(self.engines.get(component), KVHandoff):
                 self._targets[(rid, component)] = rank
 
     def submit(self, component: str, item: StepItem) -> bool:
@@ -131,17 +135,29 @@ class KVMoves:
 
 
 class _Sink:
-    """The `KVStreamSink` of one sequence streamed from here: each call leaves as a message at once."""
+    """The `KVStreamSink` of one sequence streamed from here: each call leaves as a message at once. A
+    receiver found gone gets nothing more: the sequence's request fails when the conductor learns of the
+    death, and the forward that calls this must go on for the other sequences it computes."""
 
     def __init__(self, moves: KVMoves, key: _Key, rank: int) -> None:
         self.moves, self.key, self.rank = moves, key, rank
+        self.gone = False
 
     def layer(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        pack = self.moves.codec.pack
-        self.moves.send(self.rank, wire.KVLayer(*self.key, layer, start, pack(k, self.rank), pack(v, self.rank)))
+        if not self.gone:
+            pack = self.moves.codec.pack
+            self._send(wire.KVLayer(*self.key, layer, start, pack(k, self.rank), pack(v, self.rank)))
 
     def end(self, done: KVStreamEnd) -> None:
         p = done.positions
         positions = None if p is None else wire.KVPositionsWire(p.start, p.offset, p.multi_row, p.fractional,
                                                                 p.num_shareable)
-        self.moves.send(self.rank, wire.KVEnd(*self.key, done.tokens, _hash_bytes(done.page_hashes), positions))
+        if not self.gone:
+            self._send(wire.KVEnd(*self.key, done.tokens, _hash_bytes(done.page_hashes), positions))
+
+    def _send(self, msg: wire.KVLayer | wire.KVEnd) -> None:
+        try:
+            self.moves.send(self.rank, msg)
+        except PeerUnavailable:  # the send released the message's payloads
+            logger.warning("rank %d is gone: request %s's K/V stream stops", self.rank, self.key[0])
+            self.gone = True
