@@ -141,13 +141,20 @@ def test_a_body_that_stops_arriving_is_408_after_the_read_timeout():
         assert httpx.get(f"{url}/health").status_code == 200
 
 
+def _reset_peak_rss() -> None:
+    """Start this process's peak resident memory (VmHWM) over from what it holds now, so the peak read
+    after is this test's, not that of whatever ran earlier in the process."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def _rss_mb() -> tuple[float, float]:
-    """This process's resident memory now and at its peak, in MB (the server runs in it). "Now" is read once
-    what was freed has gone back to the system (a collection, then glibc's trim), the least of a few reads
-    while the server's threads finish with the last request: memory malloc merely kept is no accumulation."""
+    """This process's resident memory now and at its peak since `_reset_peak_rss`, in MB (the server runs in
+    it). "Now" is read once what was freed has gone back to the system (a collection, then glibc's trim), the
+    least of a few reads while the server's threads finish with the last request: memory malloc merely kept
+    is no accumulation."""
     import ctypes
     import gc
-    import resource
     import time
 
     reads = []
@@ -157,7 +164,9 @@ def _rss_mb() -> tuple[float, float]:
         with open("/proc/self/statm") as f:
             reads.append(int(f.read().split()[1]) * 4096 / 2**20)
         time.sleep(0.05)
-    return min(reads), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    with open("/proc/self/status") as f:
+        peak_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return min(reads), peak_kb / 1024
 
 
 @pytest.mark.parametrize("model", ["toy", pytest.param("llama", marks=pytest.mark.slow)])
@@ -166,6 +175,7 @@ def test_a_fifty_megabyte_prompt_is_refused_from_a_prefix_in_bounded_memory(mode
     body = b'{"text": "' + b"lorem ipsum dolor sit amet " * (50_000_000 // 27) + b'", "stream": false}'
     with running_server(config, tiny=model == "llama") as url, httpx.Client(base_url=url, timeout=60) as client:
         before = _rss_mb()[0]
+        _reset_peak_rss()
         rss = []
         for _ in range(4):
             resp = client.post("/generate", content=body, headers={"content-type": "application/json"})
