@@ -74,3 +74,17 @@ def test_decode_worker_without_room_recomputes_the_prompt(llama, monkeypatch):
         assert decode.stats()["prompt_tokens"] == prompt_tokens and decode.stats()["kv_pages_received"] == 0
         assert prefill.stats()["kv_pages_sent"] == 0
     assert got == [hf_greedy(hf, tok.encode(p), 8) for p in PROMPTS[:2]]
+
+
+@pytest.mark.parametrize("options", [{"max_tokens": 1}, {"max_tokens": 8, "stop_token_ids": "first"}])
+def test_a_request_that_ends_at_prefill_frees_the_decode_workers_reservation(llama, options):
+    path, hf, tok = llama
+    with _split(path) as split:
+        if options.get("stop_token_ids") == "first":  # the prefill's one token is a stop token
+            options = {**options, "stop_token_ids": hf_greedy(hf, tok.encode(PROMPTS[1]), 1)}
+        handle = split.submit({"text": PROMPTS[1]}, **{**GREEDY, **options})
+        assert len(token_ids(handle)) == 1
+        workers = split.runtime.workers
+        _wait(lambda: all(w.state_size() == 0 and w.engines["llm"].pool.num_used == 0 for w in workers.values()))
+        assert not any(w.engines["llm"].kv.reserved for w in workers.values())
+        assert not any(split.runtime.conductor._load)  # the decode replica reserved early is let go

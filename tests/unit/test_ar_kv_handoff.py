@@ -183,3 +183,56 @@ def test_an_engine_loop_streams_the_tokens_its_lookahead_steps_computed(model):
     assert [*first, *_run(b)] == want
     assert wire.tokens_sent == len(prompt) + 3 and b.stats()["prompt_tokens"] == 0
     assert b.stats()["kv_pages_received"] == 9  # 33 tokens: the offer's 8 pages and one more
+
+
+@pytest.mark.parametrize("pages", [64, 20])  # 20: the receiver preempts adopted sequences while they decode
+def test_several_streams_at_once_sharing_a_prefix_the_receiver_caches(model, pages):
+    base = prompts(8)[-1]
+    p1, p2, p3 = base, base[:20] + prompts(8, seed=2)[-1][:10], prompts(8, seed=3)[-2]
+    opts = {"temperature": 0.0, "ignore_eos": True}
+    want = {rid: _one_engine(model, p, 8, **opts) for rid, p in (("r1", p1), ("r2", p2), ("r3", p3))}
+    a, b = make_engine(model, max_batch_tokens=8), make_engine(model, pages=pages)
+    wire, _, first = _stream(a, b, "r0", p1, **opts)  # b's prefix cache then holds p1's 7 full pages
+    b.submit_with_kv(_decode_item("r0", p1, first, 1, **opts), wire.done)
+    _run(b)
+    b.release("r0")
+    wires, skips = {}, {}
+    for rid, p in (("r1", p1), ("r2", p2), ("r3", p3)):  # offered together: their 8-token chunks interleave
+        wires[rid] = Wire(b, rid)
+        skips[rid] = b.reserve_kv(rid, "main", a.submit_streamed(_prefill_item(rid, p, **opts), wires[rid]))
+    assert skips == {"r1": 28, "r2": 20, "r3": 0}  # r2 shares p1's first 5 pages, held by r1 too
+    for rid in wires:
+        a.stream_kv(rid, "main", skips[rid])
+    firsts = {}
+    while a.has_work():
+        for r in a.step():
+            firsts[r.request_id] = int(r.outputs["token"])
+    assert a.stats()["kv_pages_used"] == 0
+    for rid, p in (("r1", p1), ("r2", p2), ("r3", p3)):
+        b.submit_with_kv(_decode_item(rid, p, firsts[rid], 8, **opts), wires[rid].done)
+    got = {rid: [firsts[rid]] for rid in firsts}
+    while b.has_work():
+        for r in b.step():
+            got[r.request_id].append(int(r.outputs["token"]))
+    assert got == want
+    assert (b.stats()["preemptions"] > 0) == (pages == 20)
+    for rid in got:
+        b.release(rid)
+    assert b.stats()["kv_pages_used"] == 0
+
+
+def test_a_receiver_without_a_free_seat_recomputes_and_frees_the_reservation(model):
+    prompt, other = prompts(8)[-1], prompts(8)[-2]
+    opts = {"temperature": 0.0, "ignore_eos": True}
+    want = _one_engine(model, prompt, 4, **opts)
+    a, b = make_engine(model), make_engine(model, max_num_seqs=1)
+    b.submit(_prefill_item("busy", other, **opts))
+    b.step()  # "busy" holds b's one seat (idle, no item) when the streamed sequence's first item comes
+    wire, skip, first = _stream(a, b, "r", prompt, **opts)
+    assert skip == 0 and wire.done is not None
+    b.submit_with_kv(_decode_item("r", prompt, first, 4, **opts), wire.done)
+    assert not b.kv.reserved and b.stats()["kv_pages_received"] == 0
+    assert [first, *_run(b)] == want and b.stats()["prompt_tokens"] == len(other) + len(prompt)
+    for rid in ("busy", "r"):
+        b.release(rid)
+    assert b.stats()["kv_pages_used"] == 0
