@@ -23,12 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.kernels.guard import KernelGuard
 from mstar.layers.fused import FUSED
 from mstar.layers.rope import RopeSpec, RotaryEmbedding, apply_rotary
 from mstar.models.pi05.config import GemmaShape
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values [B, L, KV heads, head_dim]
 Modulation = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # an adaRMS norm's 1 + scale, shift, gate [N, 1, W]
+_FLOW_ATTENTION = KernelGuard("flow attention")
 
 
 def attention_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -135,12 +137,14 @@ class GemmaAttention(nn.Module):
                       v: torch.Tensor) -> torch.Tensor:
         """The action queries q [B, C, H, D] over each robot's first prefix_len [B] prefix keys and values
         (`prefix`, [B, P, KV, D]) and the actions' own k and v [B, C, KV, D] -> [B, C, W]. Where the fused
-        kernels serve, one kernel reads those keys alone (`valid_keys_attention`); else SDPA over all P + C
-        keys masks the padding."""
+        kernels serve, one kernel reads those keys alone (`valid_keys_attention`); else (or once that kernel
+        has failed to build or launch: `KernelGuard`) SDPA over all P + C keys masks the padding."""
         if FUSED.ops_for(q) is not None:
             from mstar.models.pi05.flow_attention import valid_keys_attention
 
-            return self.o(valid_keys_attention(q, *prefix, prefix_len, k, v).flatten(2))
+            out = _FLOW_ATTENTION.run(lambda: valid_keys_attention(q, *prefix, prefix_len, k, v), lambda: None)
+            if out is not None:
+                return self.o(out.flatten(2))
         prefix_k, prefix_v = prefix
         positions = torch.arange(prefix_k.shape[1] + k.shape[1], device=q.device)[None, :]
         valid = (positions < prefix_len[:, None]) | (positions >= prefix_k.shape[1])
