@@ -87,6 +87,7 @@ class KVHandoff(Protocol):
         ...
 
     def submit_with_kv(self, item: StepItem, done: KVStreamEnd | None) -> None:
-        """`submit` for the first item of a reserved sequence whose every layer is placed (`done`); None, or
-        a sequence that cannot be seated now, starts as any other item, recomputing what it needs."""
+        """`submit` for the first item of a reserved sequence whose every layer is placed (`done`); with no
+        free seat it waits for one, holding its pages. None (or no reservation left) starts as any other
+        item, recomputing what it needs."""
         ...

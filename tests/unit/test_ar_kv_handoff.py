@@ -221,18 +221,45 @@ def test_several_streams_at_once_sharing_a_prefix_the_receiver_caches(model, pag
     assert b.stats()["kv_pages_used"] == 0
 
 
-def test_a_receiver_without_a_free_seat_recomputes_and_frees_the_reservation(model):
+@pytest.mark.parametrize("lookahead", [False, True])
+@pytest.mark.parametrize("busy_steps", [0, 6])  # the seat's holder idle, or decoding 6 more tokens
+def test_a_receiver_without_a_free_seat_seats_the_sequence_with_its_pages_once_one_is(model, busy_steps, lookahead):
     prompt, other = prompts(8)[-1], prompts(8)[-2]
     opts = {"temperature": 0.0, "ignore_eos": True}
     want = _one_engine(model, prompt, 4, **opts)
-    a, b = make_engine(model), make_engine(model, max_num_seqs=1)
+    a, b = make_engine(model), make_engine(model, max_num_seqs=1, lookahead=lookahead)
     b.submit(_prefill_item("busy", other, **opts))
-    b.step()  # "busy" holds b's one seat (idle, no item) when the streamed sequence's first item comes
+    (token,) = b.step()  # "busy" holds b's one seat when the streamed sequence's first item comes
+    if busy_steps:
+        b.submit(_decode_item("busy", other, int(token.outputs["token"]), busy_steps, **opts))
     wire, skip, first = _stream(a, b, "r", prompt, **opts)
     assert skip == 0 and wire.done is not None
     b.submit_with_kv(_decode_item("r", prompt, first, 4, **opts), wire.done)
-    assert not b.kv.reserved and b.stats()["kv_pages_received"] == 0
-    assert [first, *_run(b)] == want and b.stats()["prompt_tokens"] == len(other) + len(prompt)
+    got = {"busy": [], "r": [first]}
+    while b.has_work():
+        for r in b.step():
+            got[r.request_id].append(int(r.outputs["token"]))
+    assert got["r"] == want and len(got["busy"]) == busy_steps
+    # the prompt's K/V were not thrown away: b computed only "busy"'s prompt; "busy", idle, gave its seat up
+    assert b.stats()["prompt_tokens"] == len(other) and b.stats()["preemptions"] == 1
+    assert b.stats()["kv_pages_received"] == 8 and not b.kv.reserved and not b.kv.seating
     for rid in ("busy", "r"):
         b.release(rid)
+    assert b.stats()["kv_pages_used"] == 0
+
+
+def test_a_sequence_waiting_for_a_seat_is_released_with_its_pages(model):
+    prompt, other = prompts(8)[-1], prompts(8)[-2]
+    opts = {"temperature": 0.0, "ignore_eos": True}
+    a, b = make_engine(model), make_engine(model, max_num_seqs=1)
+    b.submit(_prefill_item("busy", other, **opts))
+    (token,) = b.step()
+    b.submit(_decode_item("busy", other, int(token.outputs["token"]), 6, **opts))
+    wire, _, first = _stream(a, b, "r", prompt, **opts)
+    b.submit_with_kv(_decode_item("r", prompt, first, 4, **opts), wire.done)
+    assert b.kv.seating and b.stats()["kv_pages_used"] == 8 + 6
+    b.release("r")
+    assert not b.kv.seating and not b.kv.reserved and b.stats()["kv_pages_used"] == 6
+    assert len(_run(b)) == 6
+    b.release("busy")
     assert b.stats()["kv_pages_used"] == 0

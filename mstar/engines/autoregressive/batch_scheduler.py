@@ -55,6 +55,13 @@ class BatchScheduler:
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
 
+    def free_seat(self) -> bool:
+        """Whether one more sequence can run now: a seat is free or, when no running sequence has tokens
+        to compute, the newest idle one gave its seat up (the progress guarantee of `_admit_waiting`)."""
+        if len(self.running) < self.max_num_seqs:
+            return True
+        return not any(s.num_pending for s in self.running) and self._preempt_idle()
+
     def remove(self, seq: Sequence) -> None:
         """Forget `seq` and free its pages (cached full pages stay reusable)."""
         if seq.status is SeqStatus.RUNNING:

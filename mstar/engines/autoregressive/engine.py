@@ -189,6 +189,8 @@ class AutoregressiveEngine:
         ahead, self._ahead = self._ahead, None
         chunks, logits = self._ahead_chunks(ahead) if ahead is not None else ([], None)
         if not chunks:
+            if self.kv.seating:
+                self.kv.seat(self.batch_scheduler)
             chunks = self.batch_scheduler.schedule()
             self.prompt_tokens += sum(min(c.start + c.num_tokens, c.seq.num_prompt) - c.start
                                       for c in chunks if c.start < c.seq.num_prompt)
@@ -295,7 +297,8 @@ class AutoregressiveEngine:
             if moved is not None:
                 if moved.positions is not None:
                     seq.inputs = TokenInputs.resumed(moved.positions)
-                self.kv.adopt(seq, moved, self.batch_scheduler)  # else recomputed (counted in prompt_tokens)
+                # adopted: running now or once a seat is free (kv.seat); else recomputed (in prompt_tokens)
+                waiting = self.kv.adopt(seq, moved, self.batch_scheduler)
         elif seq.item is not None:
             raise ValueError(f"request {key[0]!r} slot {key[1]!r} already has an item waiting for its result")
         elif len(seq.token_ids) + len(tokens) > self.max_model_len:
@@ -421,7 +424,7 @@ class AutoregressiveEngine:
         A sequence whose next token opens a page gets it now, from free pages only (it needs the page
         for its next token anyway); when there are not enough, nothing is launched ahead."""
         sched = self.batch_scheduler
-        if sched.waiting and len(sched.running) < sched.max_num_seqs:
+        if (sched.waiting or self.kv.seating) and len(sched.running) < sched.max_num_seqs:
             return None
         if any(s.num_pending for s in sched.running):
             return None

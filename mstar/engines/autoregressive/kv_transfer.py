@@ -97,6 +97,7 @@ class KVStreams:
         self.streams: dict[tuple[str, str], _Stream] = {}
         self.unstreamed: set[tuple[str, str]] = set()  # continued elsewhere by recomputing: nothing streams
         self.reserved: dict[tuple[str, str], _Reserved] = {}
+        self.seating: dict[tuple[str, str], tuple[Sequence, KVStreamEnd]] = {}  # adopted, no seat free yet
         self.pages_sent = self.pages_received = self.pages_reused = 0
 
     def offer(self, seq: Sequence, sink: KVStreamSink) -> KVOffer:
@@ -189,26 +190,38 @@ class KVStreams:
 
     def adopt(self, seq: Sequence, done: KVStreamEnd, sched: BatchScheduler) -> bool:
         """Give a new sequence (not yet queued) of `done.tokens` its reserved pages: it joins `sched`'s
-        running sequences with its tokens computed. False when it cannot (no reservation, no free seat, a
-        sequence of other length than offered): its reservation is freed and it recomputes."""
-        r = self.reserved.pop(seq.key, None)
+        running sequences with its tokens computed, now or, holding its pages, once a seat is free (`seat`).
+        False when it cannot (no reservation, a sequence of other length than offered): its reservation is
+        freed and it recomputes."""
+        r = self.reserved.get(seq.key)
         if r is None:
             return False
-        if len(r.pages) != self.pool.pages_for(len(done.tokens)) or len(sched.running) >= sched.max_num_seqs:
-            self.pool.free(r.pages)
+        if len(r.pages) != self.pool.pages_for(len(done.tokens)):
+            self.release_reserved(seq.key)
             return False
-        seq.pages, seq.num_computed = r.pages, len(done.tokens)
-        seq.page_hashes = list(done.page_hashes)
-        for i in range(r.held, len(done.page_hashes)):
-            self.pool.register(seq.pages[i], done.page_hashes[i])
-        seq.num_registered = len(done.page_hashes)
-        sched.adopt(seq)
-        self.pages_received += len(r.pages) - r.held
-        self.pages_reused += r.held
+        self.seating[seq.key] = (seq, done)
+        self.seat(sched)
         return True
+
+    def seat(self, sched: BatchScheduler) -> None:
+        """Seat the adopted sequences waiting for a seat, first come first, while `sched` has seats."""
+        while self.seating and sched.free_seat():
+            key = next(iter(self.seating))
+            seq, done = self.seating.pop(key)
+            r = self.reserved.pop(key)
+            seq.pages, seq.num_computed = r.pages, len(done.tokens)
+            seq.page_hashes = list(done.page_hashes)
+            for i in range(r.held, len(done.page_hashes)):
+                self.pool.register(seq.pages[i], done.page_hashes[i])
+            seq.num_registered = len(done.page_hashes)
+            sched.adopt(seq)
+            self.pages_received += len(r.pages) - r.held
+            self.pages_reused += r.held
 
     def release_reserved(self, key: tuple[str, str]) -> None:
         """Give back the pages reserved for `key` that no sequence adopted."""
+        if key in self.seating:
+            return
         r = self.reserved.pop(key, None)
         if r is not None:
             self.pool.free(r.pages)
@@ -219,5 +232,7 @@ class KVStreams:
             for key in [k for k in table if k[0] == request_id]:
                 del table[key]
         self.unstreamed = {k for k in self.unstreamed if k[0] != request_id}
+        for key in [k for k in self.seating if k[0] == request_id]:
+            del self.seating[key]
         for key in [k for k in self.reserved if k[0] == request_id]:
             self.pool.free(self.reserved.pop(key).pages)
