@@ -73,6 +73,7 @@ def check_kernel(quick: bool) -> None:
 
 def check_policy() -> None:
     """The tiny policy's chunks for robots of different prompts and camera counts: kernel and masked form."""
+    from mstar.models.pi05 import gemma
     from mstar.models.pi05.network import PolicyNet
     from mstar.models.pi05.weights import build
     from tests.models.test_pi05_fast_path import CONFIG, ROBOTS, _chunks, _policy, _robot
@@ -85,6 +86,7 @@ def check_policy() -> None:
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     assert not torch.allclose(got[0], got[1], atol=1e-3)
+    assert gemma._FLOW_ATTENTION.usable, "the kernel failed: both chunks came from the masked form"
 
 
 def main() -> None:
