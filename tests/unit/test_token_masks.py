@@ -17,7 +17,7 @@ from mstar.engines.token_masks import TokenMasks
 from tests.interpreted import run_interpreted
 from tests.unit.graph_standins import EagerBatchGraphs
 from tests.unit.test_ar_engine import VOCAB, TinyLM, item, make_engine, prompts, reference, tokens_of
-from tests.unit.test_ar_packed_decode import drive_staggered, graphed
+from tests.unit.test_ar_packed_decode import POOL, drive_staggered, graphed
 from tests.unit.test_grammar_mask import Script
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -153,3 +153,64 @@ def test_constrained_rows_are_drawn_by_the_step_graphs(model, monkeypatch):
     assert sum(constrained) >= min(map(len, SCRIPTS.values())) - 2
     ids = engine.runner.decode_ids  # padding rows included: the next forward embeds them all
     assert int(ids.min()) >= 0 and int(ids.max()) < VOCAB
+
+
+MIXED = {"a": [17, 5, 40, 42, 3, 3, 9, 11, 12, 13, 14], "b": [8, 8, 8, 8, 8, 8], "c": [25, 1, 2, 3, 4, 5, 6, 7, 30],
+         "d": [33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45], "g": [50, 51, 52, 53]}
+MIXED_OPTIONS = {"a": {"temperature": 1.0}, "b": {"temperature": 1.0, "seed": 3},  # graphs / eager (own generator)
+                 "c": {"temperature": 0.7, "logprobs": 2}, "d": {"temperature": 0.0, "presence_penalty": 0.5},
+                 "g": {"temperature": 0.0}}
+
+
+def _engine(model, monkeypatch, mode, grammars, **kw):
+    if mode == "lookahead":
+        return make_engine(model, lookahead=True, max_num_seqs=8, grammars=grammars, **kw)
+    engine = graphed(model, monkeypatch, grammars=grammars, **kw)
+    engine.step_graphs = StepGraphs(engine.runner, engine.sampler, graph_class=EagerBatchGraphs)
+    return engine
+
+
+@pytest.mark.parametrize("mode", ["lookahead", "graphed"])
+def test_constrained_rows_beside_eager_rows_through_preemption(model, monkeypatch, mode):
+    """Constrained rows that sample eagerly (seeded, logprobs, presence penalty) and through the graphs in one
+    batch with free rows (a repetition penalty, logprobs), joining and leaving at staggered steps in a pool too
+    small for all (preemption): each batch row gets its own mask, graphed or eager, padded rows none."""
+    ps = prompts(8)
+    items = [item(rid, ps[i + 1], max_tokens=30, structured_outputs=canonical_spec({"choice": [" ".join(
+             [rid, *map(str, s)])]}), **MIXED_OPTIONS[rid]) for i, (rid, s) in enumerate(MIXED.items())]
+    free = [item("e", ps[6], temperature=0.0, repetition_penalty=1.4, max_tokens=14, ignore_eos=True),
+            item("f", ps[7], temperature=0.0, logprobs=1, max_tokens=9, ignore_eos=True)]
+    engine = _engine(model, monkeypatch, mode, LoggedGrammars([]), eos_token_ids=(EOS,), **POOL)
+    out = drive_staggered(engine, items + free, [6, 0, 2, 0, 1, 8, 0])
+    for rid, script in MIXED.items():
+        assert tokens_of(out[rid]) == [*script, EOS], rid
+    alone = drive_staggered(make_engine(model, **POOL), free, [0, 0])
+    assert all(tokens_of(out[r]) == tokens_of(alone[r]) for r in "ef")  # free rows beside them are not masked
+    assert engine.batch_scheduler.num_preemptions > 0 and engine.lookahead_steps > 0
+    if mode == "graphed":  # both ways of drawing a constrained row were taken
+        assert engine.sampler.replays > 0 and engine.step_graphs.replays > 0
+
+
+WINDOW_EOS = 45
+
+
+@pytest.mark.parametrize("mode", ["lookahead", "graphed"])
+def test_constrained_rows_of_a_windowed_head(monkeypatch, mode):
+    """Logits over a window of ids (`logit_offset` 20, 32 columns: a bitmask of 2 words whose bits start at
+    id 0): the masks line up with the window's columns on every path."""
+    from tests.unit.test_ar_logit_window import WindowLM
+    from tests.unit.test_grammar_mask import ScriptGrammars
+
+    window = WindowLM()
+    scripts = {"a": [20, 26, 51, 30, 31], "b": [50, 50, 50], "c": [27, 28, 29, 33, 34, 35, 36, 37]}
+    options = {"a": {"temperature": 1.0}, "b": {"temperature": 1.0, "seed": 3}, "c": {"temperature": 0.7, "top_p": 0.5}}
+    ps = prompts(8)
+    items = [item(rid, ps[i + 1], max_tokens=30, structured_outputs=canonical_spec({"choice": [" ".join(map(str, s))]}),
+                  **options[rid]) for i, (rid, s) in enumerate(scripts.items())]
+    free = item("f", ps[6], temperature=0.0, max_tokens=10, ignore_eos=True)
+    engine = _engine(window, monkeypatch, mode, ScriptGrammars(WINDOW_EOS), eos_token_ids=(WINDOW_EOS,))
+    out = drive_staggered(engine, [*items, free], [0, 1, 0, 2])
+    for rid, script in scripts.items():
+        assert tokens_of(out[rid]) == [*script, WINDOW_EOS], rid
+    assert tokens_of(out["f"]) == tokens_of(drive_staggered(make_engine(window), [free], [0])["f"])
+    assert engine.masks.words == 2
