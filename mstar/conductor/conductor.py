@@ -14,7 +14,7 @@ from collections import deque
 from typing import Any
 
 from mstar.conductor.request_state import FinishEvent, OutputEvent, RequestState, Sink
-from mstar.graph import ModelGraph, Walk, iter_nodes
+from mstar.graph import ModelGraph, Node, Walk, iter_loops, iter_nodes
 from mstar.graph.placement import PlacementPlan
 from mstar.transport import wire
 
@@ -276,12 +276,11 @@ class Conductor:
         """Component -> rank, for each autoregressive component of `walk` whose sequence the lane's next walk
         continues on another replica: that walk's routes are chosen now, so the sequence's K/V can stream
         there while `walk` computes them. Only one-rank replicas move a sequence (a tensor-parallel
-        replica's shards recompute it)."""
+        replica's shards recompute it), and only one that `walk` gives a single item (`_single_items`)."""
         nxt = self._lanes[walk.lane].next_walk(walk.name, req.options)
         if nxt is None:
             return {}
-        here = {n.component: req.sticky[n.component] for n in iter_nodes(walk.body)
-                if self.graph.components[n.component].engine == "autoregressive"}
+        here = {n.component: req.sticky[n.component] for n in _single_items(self.graph, walk)}
         moving = [n for n in iter_nodes(self._walks[nxt].body) if len(here.get(n.component, ())) == 1
                   and here[n.component] not in self.plan.node_replicas(n.component, n.name, nxt)]
         if not moving:
@@ -296,6 +295,16 @@ def _failure(req: RequestState, exc: Exception) -> FinishEvent:
         return FinishEvent(req.rid, "error", str(exc), exc.status, dict(req.out_seq))
     logger.exception("request %s failed between walks", req.rid)
     return FinishEvent(req.rid, "error", f"internal error: {type(exc).__name__}: {exc}", 500, dict(req.out_seq))
+
+
+def _single_items(graph: ModelGraph, walk: Walk) -> list[Node]:
+    """The autoregressive nodes of `walk` that are their component's one item in it: its only node, outside
+    any loop the walk runs iteration by iteration. The sender forgets a streamed sequence when its item
+    ends, so a component given more items stays where it is (its sequence is recomputed where it goes)."""
+    stepped = {id(n) for loop in iter_loops(walk.body) if graph.engine_loop(walk, loop) is None
+               for n in iter_nodes(loop.body)}
+    nodes = [n for n in iter_nodes(walk.body) if graph.components[n.component].engine == "autoregressive"]
+    return [n for n in nodes if id(n) not in stepped and sum(m.component == n.component for m in nodes) == 1]
 
 
 def _first_node(walk: Walk) -> str:

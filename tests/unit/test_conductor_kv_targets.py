@@ -7,7 +7,7 @@ import pytest
 
 from mstar.conductor.conductor import Conductor
 from mstar.config import NodeGroup
-from mstar.graph import ComponentSpec, Emit, Lane, ModelGraph, Node, Walk
+from mstar.graph import ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Sequential, Walk
 from mstar.graph.placement import plan_placement
 from mstar.runtime.codecs import LocalCodec
 from mstar.transport import wire
@@ -20,9 +20,9 @@ GRAPH = ModelGraph(
 )
 
 
-def _conductor(groups: list[NodeGroup]) -> tuple[Conductor, list[tuple[int, object]]]:
+def _conductor(groups: list[NodeGroup], graph: ModelGraph = GRAPH) -> tuple[Conductor, list[tuple[int, object]]]:
     sent: list[tuple[int, object]] = []
-    conductor = Conductor(GRAPH, plan_placement(GRAPH, groups), lambda rank, msg: sent.append((rank, msg)),
+    conductor = Conductor(graph, plan_placement(graph, groups), lambda rank, msg: sent.append((rank, msg)),
                           LocalCodec(), 4, 4)
     conductor.submit("r", {"x": 1}, {}, lambda event: None)
     return conductor, sent
@@ -53,3 +53,32 @@ def test_a_request_that_ends_after_prefill_releases_the_reserved_decode_rank():
 def test_nothing_streams_where_the_sequence_stays_or_cannot_move(groups):
     _, sent = _conductor(groups)
     assert _starts(sent) == [(0, "prefill", {})]
+
+
+def _two_walks(prefill_body) -> ModelGraph:
+    return ModelGraph(
+        components={"llm": ComponentSpec("autoregressive", "a language model")},
+        walks=(Walk("prefill", "text", prefill_body, inputs=("x",), emits=(Emit("y"),)),
+               Walk("decode", "text", Node("llm", inputs=("x",), outputs=("y",)), inputs=("x",), emits=(Emit("y"),))),
+        lanes=(Lane("text", "prefill", {"prefill": "decode", "decode": None}),),
+    )
+
+
+@pytest.mark.parametrize("body", [
+    # the sender forgets a streamed sequence when its item ends: a walk that submits the component more than
+    # one item (here two nodes, or a loop run iteration by iteration) would lose it after the first
+    Sequential(Node("llm", inputs=("x",), outputs=("y",)), Node("llm", name="again", inputs=("y",), outputs=("z",))),
+    Loop(Node("llm", inputs=("x",), outputs=("y",)), max_iterations=2),
+])
+def test_nothing_streams_from_a_walk_that_gives_the_component_several_items(body):
+    graph = _two_walks(body)
+    _, sent = _conductor([NodeGroup(["llm"], [0], ["prefill"]), NodeGroup(["llm"], [1], ["decode"])], graph)
+    assert _starts(sent) == [(0, "prefill", {})]
+
+
+def test_an_engine_loop_is_one_item_and_streams():
+    loop = Loop(Node("llm", inputs={"input_ids": "x"}, outputs={"token": "x"}), max_iterations=2)
+    graph = _two_walks(loop)
+    assert graph.engine_loop(graph.walks[0], loop) is not None
+    _, sent = _conductor([NodeGroup(["llm"], [0], ["prefill"]), NodeGroup(["llm"], [1], ["decode"])], graph)
+    assert _starts(sent) == [(0, "prefill", {"llm": 1})]
