@@ -1,9 +1,9 @@
 """Run under TRITON_INTERPRET=1 by test_sampling_filters.py: `kernels/fused_sampling.sample_rows` draws
 the ids `sampling.sample_static`'s PyTorch form draws for the same noise: greedy, unfiltered, top-k,
-top-p and min-p rows, repetition penalties, -inf outside a span, peaked rows (covered by the
-candidates), flat ones (left to the whole-vocabulary bisection, top-k rows too), and the variant
-for all-filtered batches (prints "fused sampling ok"). With --quick, one mixed batch and one all-filtered
-batch (the default test run)."""
+top-p and min-p rows, repetition penalties, -inf outside a span or where a structured output's token mask
+forbids, peaked rows (covered by the candidates), flat ones (left to the whole-vocabulary bisection, top-k
+rows too), and the variant for all-filtered batches (prints "fused sampling ok"). With --quick, one mixed
+batch, one all-filtered batch and one masked mixed batch (the default test run)."""
 
 import sys
 
@@ -40,14 +40,20 @@ def ranked(counts: list[int]) -> None:
 
 
 def check(params: list[SamplingParams], vocab: int, scale: float, seed: int, filtered: bool,
-          live: int | None = None) -> list[int]:
-    """`live`: only the first `live` ids of each row are finite (the window of a windowed head)."""
+          live: int | None = None, allowed: list[int | None] | None = None) -> list[int]:
+    """`live`: only the first `live` ids of each row are finite (the window of a windowed head). `allowed`: per
+    row, how many ids scattered past the first third a structured output's token mask leaves finite (None:
+    all); every id drawn is one of them."""
     gen = torch.Generator().manual_seed(seed)
     rows = [SamplingRow(p, torch.randint(0, vocab, (30,), generator=gen).tolist(), 10) for p in params]
     logits = torch.randn(len(rows), vocab, generator=gen) * scale
     logits[0, : vocab // 3] = -float("inf")  # a head restricted to a span
     if live is not None:
         logits[:, live:] = -float("inf")
+    for i, count in enumerate(allowed or []):
+        if count is not None:
+            keep = vocab // 3 + torch.randperm(vocab - vocab // 3, generator=gen)[:count]
+            logits[i] = torch.full((vocab,), -float("inf")).index_copy(0, keep, logits[i, keep])
     table = filters.RowTable.columns(rows, vocab)
     seen = filters.seen_masks(rows, vocab, logits.device)
     torch.manual_seed(seed)
@@ -56,6 +62,7 @@ def check(params: list[SamplingParams], vocab: int, scale: float, seed: int, fil
     expected = sample_static(logits, table, seen, filtered)  # on CPU: the PyTorch form, with the same noise
     got = sample_rows(logits, table, seen, noise, filtered, slice_=256)
     assert got.tolist() == expected.tolist(), (vocab, scale, seed, filtered, got, expected)
+    assert bool(logits[torch.arange(len(rows)), got].isfinite().all()), (got, allowed)
     return got.tolist()
 
 
@@ -120,8 +127,12 @@ def seeded(params: list[SamplingParams], vocab: int, scale: float) -> None:
 def main() -> None:
     check(MIXED, 600, 2.0, 0, False)  # peaked: every filtered row is covered by the candidates
     check(FILTERED, 1500, 2.5, 2, True)
+    # token masks of structured outputs; a top-k row with fewer finite ids than k is left to the fallback
+    check(MIXED, 700, 2.0, 5, False, allowed=[None, 1, 2, 5, 40, 300, 1, 60])
     if "--quick" in sys.argv:
         return
+    check(MIXED, 3000, 0.4, 6, False, allowed=[40, 2, 3, 7, 1, 300, 1, 60])  # flat rows under masks
+    check(FILTERED, 2500, 0.4, 7, True, allowed=[1, 4, 3, 1000])
     check(MIXED, 3000, 0.4, 1, False)  # flat: top-p rows reach past the 1,024 candidates
     check([SamplingParams(top_k=40), SamplingParams(top_k=5, top_p=0.5)], 1500, 1e-4, 3, True)  # a flat top-k
     # Orpheus's defaults over a 4,096-id window of logits as flat as dummy weights give: hundreds of candidates
