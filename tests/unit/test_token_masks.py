@@ -1,17 +1,21 @@
 """Structured outputs' token masks on the device (engines/token_masks.py, kernels/token_mask.py): the mask
 equals the host reference `grammar.mask_logits`, unflagged rows are untouched, and the autoregressive
 engine runs constrained sequences ahead (each sampled token reaches its matcher after the next forward
-was launched) and draws them through the sampler and step graphs, with the scripted tokens exactly."""
+was launched) and draws them through the sampler and step graphs, with the scripted tokens exactly: beside
+rows that sample eagerly and free rows, through preemption, over a windowed head's columns, and after a
+step that a refused token failed."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from mstar.engines.autoregressive.step_graph import StepGraphs
+from mstar.engines.base import LoopSpec
 from mstar.engines.grammar import canonical_spec, mask_logits
 from mstar.engines.token_masks import TokenMasks
 from tests.interpreted import run_interpreted
@@ -214,3 +218,45 @@ def test_constrained_rows_of_a_windowed_head(monkeypatch, mode):
         assert tokens_of(out[rid]) == [*script, WINDOW_EOS], rid
     assert tokens_of(out["f"]) == tokens_of(drive_staggered(make_engine(window), [free], [0])["f"])
     assert engine.masks.words == 2
+
+
+class Refuses(Script):
+    """A scripted matcher whose mask allows a token that its accept then refuses (a grammar library's fault)."""
+
+    def accept(self, token_id: int) -> bool:
+        return len(self.todo) != 2 and super().accept(token_id)
+
+
+class RefusingGrammars:
+    """`Grammars` whose spec is {"choice": ["<refuses|ok> <token ids...>"]}."""
+
+    def matcher(self, spec: str) -> Script:
+        kind, *ids = json.loads(spec)["choice"][0].split()
+        return (Refuses if kind == "refuses" else Script)([int(t) for t in ids], EOS)
+
+
+def test_a_refused_token_fails_the_step_and_the_engine_serves_on(model, monkeypatch):
+    """A matcher refusing a token its own mask allowed fails the step (the worker then fails the engine's
+    requests and releases them) while a forward launched ahead is in flight; new constrained and free
+    requests then get their tokens."""
+    engine = _engine(model, monkeypatch, "graphed", RefusingGrammars(), eos_token_ids=(EOS,))
+
+    def spec(kind, tokens):
+        return canonical_spec({"choice": [" ".join([kind, *map(str, tokens)])]})
+
+    ps = prompts(6)
+    for it in (item("x", ps[1], temperature=1.0, max_tokens=30, structured_outputs=spec("refuses", [5, 6, 7, 8, 9])),
+               item("y", ps[2], temperature=1.0, max_tokens=30, structured_outputs=spec("ok", [1, 2, 3, 4, 5, 6])),
+               item("z", ps[3], temperature=0.0, max_tokens=30, ignore_eos=True)):
+        engine.submit(replace(it, loop=LoopSpec(10_000)))
+    with pytest.raises(RuntimeError, match="forbids"):
+        for _ in range(100):
+            engine.step()
+    assert engine._ahead is not None  # the next forward was launched before the refusal
+    for rid in "xyz":
+        engine.release(rid)
+    free = item("b", ps[5], temperature=0.0, max_tokens=8, ignore_eos=True)
+    out = drive_staggered(engine, [item("a", ps[4], temperature=1.0, max_tokens=30,
+                                        structured_outputs=spec("ok", [9, 10, 11, 12])), free], [0, 0])
+    assert tokens_of(out["a"]) == [9, 10, 11, 12, EOS]
+    assert tokens_of(out["b"]) == reference(model, ps[5], 8)
