@@ -169,15 +169,16 @@ def test_warm_up_prompts_are_not_counted(model):
     assert engine.stats()["prompt_tokens"] == 0
 
 
-def test_an_engine_loop_streams_the_tokens_its_lookahead_steps_computed(model):
+@pytest.mark.parametrize("lookahead", [True, False])  # False: every loop step's forward is tapped
+def test_an_engine_loop_streams_the_tokens_its_lookahead_steps_computed(model, lookahead):
     prompt = prompts(8)[-1]
     want = _one_engine(model, prompt, 8, temperature=0.0, ignore_eos=True)
-    a, b = make_engine(model, lookahead=True), make_engine(model)  # decode forwards launched ahead, untapped
+    a, b = make_engine(model, lookahead=lookahead), make_engine(model)  # decode forwards launched ahead, untapped
     wire = Wire(b, "r")
     loop = replace(_prefill_item("r", prompt, temperature=0.0, ignore_eos=True), loop=LoopSpec(4))
     a.stream_kv("r", "main", b.reserve_kv("r", "main", a.submit_streamed(loop, wire)))
     first = _run(a)
-    assert len(first) == 4 and a.lookahead_steps > 0 and wire.done is not None
+    assert len(first) == 4 and (a.lookahead_steps > 0) == lookahead and wire.done is not None
     assert wire.done.tokens == prompt + first[:3]  # the last sample is not fed back
     b.submit_with_kv(_decode_item("r", prompt, first[3], 5, temperature=0.0, ignore_eos=True), wire.done)
     assert [*first, *_run(b)] == want
@@ -263,3 +264,21 @@ def test_a_sequence_waiting_for_a_seat_is_released_with_its_pages(model):
     assert len(_run(b)) == 6
     b.release("busy")
     assert b.stats()["kv_pages_used"] == 0
+
+
+def test_a_streamed_sequence_preempted_mid_prefill_sends_each_token_once(model):
+    prompt, other = prompts(8)[-1], prompts(8)[-2]
+    opts = {"temperature": 0.0, "ignore_eos": True}
+    want = _one_engine(model, prompt, 4, **opts)
+    a, b = make_engine(model, pages=13, max_batch_tokens=8), make_engine(model)
+    a.submit(replace(_prefill_item("old", other, **opts), loop=LoopSpec(30)))  # grows to 13 pages as it decodes
+    a.step()
+    wire = Wire(b, "r")
+    a.stream_kv("r", "main", b.reserve_kv("r", "main", a.submit_streamed(_prefill_item("r", prompt, **opts), wire)))
+    firsts = {}
+    while a.has_work():
+        for r in a.step():
+            firsts[r.request_id] = int(r.outputs["token"])
+    assert a.stats()["preemptions"] > 0 and wire.tokens_sent == len(prompt) and wire.done is not None
+    b.submit_with_kv(_decode_item("r", prompt, firsts["r"], 4, **opts), wire.done)
+    assert [firsts["r"], *_run(b)] == want and b.stats()["prompt_tokens"] == 0
