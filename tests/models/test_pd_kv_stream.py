@@ -88,3 +88,21 @@ def test_a_request_that_ends_at_prefill_frees_the_decode_workers_reservation(lla
         _wait(lambda: all(w.state_size() == 0 and w.engines["llm"].pool.num_used == 0 for w in workers.values()))
         assert not any(w.engines["llm"].kv.reserved for w in workers.values())
         assert not any(split.runtime.conductor._load)  # the decode replica reserved early is let go
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.xfail(strict=True, reason="a decode worker without room recomputes a media prompt from its token ids "
+                                       "alone (no media rows, no M-RoPE positions): its tokens differ")
+def test_a_media_prompt_whose_decode_worker_has_no_room_gives_one_workers_tokens(monkeypatch):
+    from mstar.config import config_from_dict
+    from tests.models.qwen3_omni_testing import media_chat_request
+    from tests.models.test_pd_kv_transfer import OMNI_PD
+
+    options = {"temperature": 0.0, "max_tokens": 6, "modalities": ["text"]}
+    one = {"model": "qwen3_omni", "device": "cpu", "model_kwargs": {"code2wav_chunk": 4}}
+    with MStar("qwen3_omni", config=one, tiny=True) as m:
+        want = m.generate(media_chat_request(), **options).outputs["text"]
+    monkeypatch.setattr(AutoregressiveEngine, "reserve_kv", lambda self, rid, kv_slot, offer: None)
+    with MStar("qwen3_omni", config=config_from_dict(OMNI_PD), tiny=True) as m:
+        assert m.generate(media_chat_request(), **options).outputs["text"] == want
