@@ -89,7 +89,8 @@ class _Reserved:
 
 class KVStreams:
     """An engine's sequences on the move: offered ones waiting for the receiver's answer, streamed ones
-    (sender) and reserved ones (receiver). The engine calls it; it owns no sequence."""
+    (sender), reserved ones and adopted ones waiting for a seat (receiver). The engine calls it; it owns
+    no sequence (those waiting for a seat are the engine's, held here until seated)."""
 
     def __init__(self, pool: BlockPool, attn: object) -> None:
         self.pool, self.attn = pool, attn
