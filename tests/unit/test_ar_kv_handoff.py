@@ -282,3 +282,16 @@ def test_a_streamed_sequence_preempted_mid_prefill_sends_each_token_once(model):
     assert a.stats()["preemptions"] > 0 and wire.tokens_sent == len(prompt) and wire.done is not None
     b.submit_with_kv(_decode_item("r", prompt, firsts["r"], 4, **opts), wire.done)
     assert [firsts["r"], *_run(b)] == want and b.stats()["prompt_tokens"] == 0
+
+
+def test_tokens_the_sender_caches_but_the_receiver_lacks_travel_from_the_senders_cache(model):
+    prompt = prompts(8)[-1]
+    opts = {"temperature": 0.0, "ignore_eos": True}
+    want = _one_engine(model, prompt, 4, **opts)
+    a = make_engine(model)
+    _stream(a, make_engine(model), "r0", prompt, **opts)  # a's prefix cache now holds the prompt's 7 full pages
+    b = make_engine(model)
+    wire, skip, first = _stream(a, b, "r", prompt, **opts)
+    assert skip == 0 and wire.tokens_sent == len(prompt) and a.stats()["prompt_tokens"] == len(prompt) + 2
+    b.submit_with_kv(_decode_item("r", prompt, first, 4, **opts), wire.done)
+    assert [first, *_run(b)] == want and b.stats()["prompt_tokens"] == 0
