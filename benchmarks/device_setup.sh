@@ -7,12 +7,14 @@
 #       annotated_types typing_inspection msgspec pyzmq uvicorn python_multipart soundfile cffi pycparser \
 #       diffusers==0.42.1 flashinfer-python==0.6.0 "apache-tvm-ffi>=0.1.6,<0.2" \
 #       openpi-client==0.1.2 websockets msgpack cc-vjepa2==0.0.3 xgrammar==0.2.9 \
-#       jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
+#       jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 \
+#       pytest-xdist==3.8.0 execnet==2.1.2
 #   (flashinfer 0.6.0: 7.5 MB, JIT-compiles its kernels with the machine's nvcc and ninja; newer
 #   releases are over the 64 MiB carry limit or need cutlass-dsl/cuda-tile wheels; its other imports,
 #   pynvml, einops, tabulate, requests, jinja2, are in the machine's image)
 #   (fastapi 0.115 with its starlette: newer fastapi imports opentelemetry, absent there)
 #   (jsonschema and its three: a dependency of mstar (chat tools) that the image lacks; attrs is there)
+#   (pytest-xdist: pyproject's addopts pass -n, which pytest refuses without it; GPU runs say -n 0)
 #   python3 -c "from mstar.models.common.tokenizer_build import cached_tokenizer_folder as f; f('llama3')"
 #   python3 -c "from mstar.models.common.tokenizer_build import omni_tokenizer_folder as f; f()"
 #   mkdir -p .devscratch && cp -r /tmp/mstar_tokenizers .devscratch/

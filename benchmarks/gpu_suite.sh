@@ -70,7 +70,7 @@ PY
 FULL_OMNI="tests/gpu/test_qwen3_omni_full_dummy_gpu.py tests/gpu/test_profile_omni_gpu.py"  # 35B builds
 test_file() {  # test_file <file>: one pytest with its own limit (FILE_LIMIT s), one summary line
   local f=$1 name; name=gpu_tests_$(basename "$f" .py)
-  timeout "${FILE_LIMIT:-240}" python3 -m pytest -q -m gpu "$f" -p no:cacheprovider -rfE --tb=short \
+  timeout "${FILE_LIMIT:-240}" python3 -m pytest -q -n 0 -m gpu "$f" -p no:cacheprovider -rfE --tb=short \
       --durations=5 -o faulthandler_timeout="${FAULT_S:-150}" --log-level=INFO > "$OUT/$name.log" 2>&1
   echo "$f rc=$? $(grep -E '^(FAILED|ERROR)|[0-9]+ (passed|failed|skipped|errors?)' "$OUT/$name.log" | tr '\n' ' ')"
 }
@@ -88,7 +88,7 @@ if [[ $WHAT == tests || $WHAT == all ]]; then
   wait
 fi
 if [[ $WHAT == tests_omni || $WHAT == all ]]; then
-  run 480 gpu_tests_omni python3 -m pytest -q -m gpu $FULL_OMNI -p no:cacheprovider --durations=15
+  run 480 gpu_tests_omni python3 -m pytest -q -n 0 -m gpu $FULL_OMNI -p no:cacheprovider --durations=15
 fi
 if [[ $WHAT == decode || $WHAT == all ]]; then
   run 300 decode_step python3 benchmarks/decode_step.py --out "$OUT/decode_step_$GPU.json"
@@ -125,7 +125,7 @@ if [[ $WHAT == orpheus_ab ]]; then  # the sweep without, then with prefill graph
   orpheus_sweep mstar/configs/orpheus.yaml "orpheus_http_$GPU"
 fi
 if [[ $WHAT == wan_quick ]]; then  # the Wan GPU tests of the served fast paths, then 50 steps at concurrency 1 (~2 min)
-  run 180 gpu_tests_wan22_quick python3 -m pytest -q -m gpu tests/gpu/test_wan22_scheduler_gpu.py \
+  run 180 gpu_tests_wan22_quick python3 -m pytest -q -n 0 -m gpu tests/gpu/test_wan22_scheduler_gpu.py \
       tests/gpu/test_wan22_vae_gpu.py -p no:cacheprovider
   run 120 wan_bench_quick python3 benchmarks/wan_bench.py --skip-diffusers --steps 50 --concurrency 1 \
       --out "$OUT/wan_bench_${GPU}_quick.json"
@@ -149,7 +149,7 @@ if [[ $WHAT == wan || $WHAT == all ]]; then
   run 420 wan_bench python3 benchmarks/wan_bench.py --out "$OUT/wan_bench_$GPU.json"
 fi
 if [[ $WHAT == wan_fp8 ]]; then  # FP8 tests, then bf16 and FP8 DiT in one run: e2e seconds and frame PSNR (~5 min)
-  run 240 gpu_tests_fp8 python3 -m pytest -q -m gpu tests/gpu/test_fp8_gpu.py tests/gpu/test_moe_fp8_gpu.py \
+  run 240 gpu_tests_fp8 python3 -m pytest -q -n 0 -m gpu tests/gpu/test_fp8_gpu.py tests/gpu/test_moe_fp8_gpu.py \
       -p no:cacheprovider
   run 420 wan_bench_fp8 python3 benchmarks/wan_bench.py --skip-diffusers --steps 50 --concurrency 1 \
       --quantization none fp8 --out "$OUT/wan_bench_${GPU}_fp8.json"
@@ -211,7 +211,7 @@ if [[ $WHAT == profile_omni || $WHAT == all ]]; then  # the per-component profil
   run 300 profile_omni python3 benchmarks/profile_omni.py --out "$OUT/profile_omni_$GPU.json"
 fi
 if [[ $WHAT == omni_quick ]]; then  # the Omni kernels' GPU tests, then the talk loop's components at 1 and 16 rows (< 3 min)
-  run 120 gpu_tests_omni_kernels python3 -m pytest -q -m gpu tests/gpu/test_qwen3_omni_kernels_gpu.py -p no:cacheprovider
+  run 120 gpu_tests_omni_kernels python3 -m pytest -q -n 0 -m gpu tests/gpu/test_qwen3_omni_kernels_gpu.py -p no:cacheprovider
   run 200 profile_omni_talk python3 benchmarks/profile_omni.py --components talker talker_input code_predictor \
       --batches 1 16 --out "$OUT/profile_omni_${GPU}_talk.json"
 fi
