@@ -89,7 +89,7 @@ def _load_block(k_cache_ptr, v_cache_ptr, block_tables_ptr, b, stride_bt, kvh, s
 
 
 @triton.jit
-def _attend(q, k, v, nmask, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
+def attend_block(q, k, v, nmask, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
     """One block of keys (at least one valid) into the online softmax state (m_i, l_i, acc)."""
     qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
     qk = tl.where(nmask[None, :], qk, float("-inf"))
@@ -141,11 +141,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, bloc
                                stride_kb, stride_kh, stride_vb, stride_vh, qk_scale, d, dmask,
                                NUM_KV_HEADS, HEAD_DIM, BLOCK_G, BLOCK_D)
     if lo < hi:  # an empty split attends to nothing (a block of no valid key would make m - m NaN)
-        m_i, l_i, acc = _attend(q, k0, v0, nmask0, m_i, l_i, acc, qk_scale, PRECISION)
+        m_i, l_i, acc = attend_block(q, k0, v0, nmask0, m_i, l_i, acc, qk_scale, PRECISION)
     for start in range(lo + BLOCK_N, hi, BLOCK_N):
         k, v, nmask = _load_block(k_cache_ptr, v_cache_ptr, block_tables_ptr, b, stride_bt, kvh, start, hi, d,
                                   dmask, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE, BLOCK_N)
-        m_i, l_i, acc = _attend(q, k, v, nmask, m_i, l_i, acc, qk_scale, PRECISION)
+        m_i, l_i, acc = attend_block(q, k, v, nmask, m_i, l_i, acc, qk_scale, PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # empty split / seq_len 0: zeros
     out_mask = gmask[:, None] & dmask[None, :]

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mstar.kernels.decode_attention import attend_block
+
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 16
 INTERPRETER_SMS = 132  # the interpreter has no device: split as a large GPU would
@@ -68,15 +70,8 @@ def _flow_kernel(q_ptr, pk_ptr, pv_ptr, k_ptr, v_ptr, len_ptr, out_ptr, part_ptr
     for start in range(lo, hi, BLOCK_N):  # position `start` always holds a key: no row sees an empty block
         n = start + tl.arange(0, BLOCK_N)
         k, seen = _keys(pk_ptr, k_ptr, b, kvh, n, length, hi, d, dmask, spkb, spkn, spkh, skb, skn, skh)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
-        qk = tl.where(seen[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v, _ = _keys(pv_ptr, v_ptr, b, kvh, n, length, hi, d, dmask, spvb, spvn, spvh, svb, svn, svh)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_block(q, k, v, seen, m_i, l_i, acc, qk_scale, PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split (lo >= hi) leaves zeros
     if NUM_SPLITS == 1:
