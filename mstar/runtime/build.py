@@ -78,6 +78,14 @@ def worker_device(config: MStarConfig, rank: int) -> torch.device:
     return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
 
 
+def use_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device (nothing for a CPU one): CUDA graph captures,
+    streams, events and Triton launches that name no device take the current one, which would otherwise be
+    cuda:0 for every worker of a host."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def build_engines(model: Model, config: MStarConfig, components: list[str], device: torch.device,
                   shards: dict[str, Any] | None = None) -> dict[str, Engine]:
     """One engine per component placed on this worker; a component in `shards` (a tensor-parallel one)

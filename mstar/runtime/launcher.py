@@ -30,7 +30,7 @@ from mstar.conductor.request_state import Sink
 from mstar.config import MStarConfig
 from mstar.graph import validate_graph
 from mstar.graph.placement import plan_placement
-from mstar.runtime.build import build_engines, build_model, context_lens, worker_device
+from mstar.runtime.build import build_engines, build_model, context_lens, use_device, worker_device
 from mstar.runtime.codecs import LocalCodec, PayloadCodec
 from mstar.runtime.memory_plan import check_memory
 from mstar.runtime.replicas import check_run_mode, multi_rank_replicas
@@ -236,6 +236,7 @@ class Runtime:
         def serve() -> None:
             try:
                 device = worker_device(self.config, rank)
+                use_device(device)  # this thread's: the worker runs its engines on it
                 engines = build_engines(self.model, self.config, self.plan.components_on(rank), device)
                 worker = Worker(rank, self.graph, engines, self.network.inbox(worker_peer(rank)),
                                 self.network.outbox(), self.codec, device)

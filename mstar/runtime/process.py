@@ -104,7 +104,7 @@ def serve_worker(rank: int, config_json: bytes, directory_json: bytes, build_arg
     conductor, and serve until Shutdown; shared by worker processes and Ray actors."""
     from mstar.config import config_from_dict
     from mstar.graph.placement import plan_placement
-    from mstar.runtime.build import build_engines, build_model, context_lens, worker_device
+    from mstar.runtime.build import build_engines, build_model, context_lens, use_device, worker_device
     from mstar.transport import wire
     from mstar.transport.messages import Codec
     from mstar.transport.zmq_channels import Directory, ZmqNetwork
@@ -119,6 +119,7 @@ def serve_worker(rank: int, config_json: bytes, directory_json: bytes, build_arg
         graph = model.graph()
         plan = plan_placement(graph, config.node_groups, config.source)
         device = worker_device(config, rank)
+        use_device(device)
         codec = codec_for(config, plan)
         shards = {}
         if rendezvous is not None:  # groups first: a tensor-parallel component warms up with its collectives
