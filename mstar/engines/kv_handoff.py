@@ -7,6 +7,7 @@ worker/kv_moves.py carries it between workers."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -46,6 +47,10 @@ class KVStreamEnd:
     positions: KVPositions | None = None
 
 
+KVGranted = Callable[[int], None]
+"""What a receiver calls once it took pages for an offer: the number of leading tokens it held."""
+
+
 class KVStreamSink(Protocol):
     """Where a sender's engine puts one streamed sequence as its forwards compute it."""
 
@@ -72,13 +77,17 @@ class KVHandoff(Protocol):
 
     def stream_kv(self, request_id: str, kv_slot: str, skip: int | None) -> None:
         """Start the waiting sequence: the K/V of its tokens from `skip` on go to its sink as computed, and
-        the sink's `end` follows its item's result; `skip` None: nothing streams (the receiver had no room)."""
+        the sink's `end` follows its item's result; `skip` None: nothing streams (the receiver's whole pool
+        cannot hold it), and a sequence whose K/V depend on more than its token ids (media rows, explicit
+        positions) fails its item, as the receiver could not recompute it."""
         ...
 
-    def reserve_kv(self, request_id: str, kv_slot: str, offer: KVOffer) -> int | None:
-        """Take pages for an offered sequence: the leading ones this engine's prefix cache holds and free
-        ones for the rest, until `submit_with_kv` or the request's release; the number of leading tokens
-        held (their K/V need not travel), or None when there is no room (nothing taken)."""
+    def reserve_kv(self, request_id: str, kv_slot: str, offer: KVOffer, granted: KVGranted) -> bool:
+        """Take pages for an offered sequence, now or, behind earlier offers, once enough are free: the
+        leading ones this engine's prefix cache holds and free ones for the rest, kept until `submit_with_kv`
+        or the request's release; then `granted` is called (from this call, a later `step`, `release`,
+        `place_kv` or `submit_with_kv`) with the number of leading tokens held (their K/V need not travel).
+        False, nothing taken or queued: the offer can never fit (more pages than the whole pool)."""
         ...
 
     def place_kv(self, request_id: str, kv_slot: str, layer: int, start: int, k: torch.Tensor,
@@ -89,5 +98,5 @@ class KVHandoff(Protocol):
     def submit_with_kv(self, item: StepItem, done: KVStreamEnd | None) -> None:
         """`submit` for the first item of a reserved sequence whose every layer is placed (`done`); with no
         free seat it waits for one, holding its pages. None (or no reservation left) starts as any other
-        item, recomputing what it needs."""
+        item, recomputing what it needs; a moved sequence whose K/V depend on more than its tokens then fails."""
         ...

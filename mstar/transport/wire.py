@@ -131,8 +131,10 @@ class KVOffer(msgspec.Struct, tag=True, array_like=True):
 
 
 class KVAccept(msgspec.Struct, tag=True, array_like=True):
-    """Answer to KVOffer: the K/V of the sequence's tokens from `skip` on will come (the receiver holds those
-    before it and has pages for the rest); `skip` < 0: no room, nothing is sent and the receiver recomputes."""
+    """Answer to KVOffer, once the receiver took pages (offers queue for them, first come first): the K/V of
+    the sequence's tokens from `skip` on will come (the receiver holds those before it and has pages for the
+    rest); `skip` < 0: the receiver's whole pool cannot hold it, nothing is sent and the receiver recomputes
+    (a sequence with media rows or explicit positions fails instead)."""
 
     rid: str
     component: str

@@ -2,10 +2,10 @@
 
 The conductor names, in `StartWalk.kv_targets`, the rank that continues a component's sequence in the
 request's next walk. Here, the component's first item of that sequence is submitted waiting (`KVOffer` to
-that rank); once the receiver answers (`KVAccept`: it took pages, holding what its prefix cache had), the
-sequence runs, and every layer's K/V leaves as the forward writes it (`KVLayer`), then `KVEnd`. On the
-receiver each layer is placed at once; the sequence's first item there waits for `KVEnd` (`KVHandoff` in
-engines/kv_handoff.py).
+that rank); once the receiver answers (`KVAccept`: it took pages, holding what its prefix cache had, at
+once or, its offer queued behind earlier ones, when enough pages freed), the sequence runs, and every
+layer's K/V leaves as the forward writes it (`KVLayer`), then `KVEnd`. On the receiver each layer is placed
+at once; the sequence's first item there waits for `KVEnd` (`KVHandoff` in engines/kv_handoff.py).
 """
 
 from __future__ import annotations
@@ -100,13 +100,20 @@ class KVMoves:
         return len(self._targets) + len(self._incoming) + len(self._waiting)
 
     def _offer(self, msg: wire.KVOffer) -> None:
+        key = (msg.rid, msg.component, msg.kv_slot)
         engine = self.engines.get(msg.component)
-        skip = None
-        if isinstance(engine, KVHandoff):
-            skip = engine.reserve_kv(msg.rid, msg.kv_slot, KVOffer(msg.tokens, _hash_ints(msg.page_hashes)))
-        if skip is not None:
-            self._incoming[(msg.rid, msg.component, msg.kv_slot)] = _LAYERS_COMING
-        self.send(msg.reply_to, wire.KVAccept(msg.rid, msg.component, msg.kv_slot, -1 if skip is None else skip))
+        offer = KVOffer(msg.tokens, _hash_ints(msg.page_hashes))
+        if not isinstance(engine, KVHandoff) or not engine.reserve_kv(msg.rid, msg.kv_slot, offer,
+                                                                      lambda skip: self._accept(key, msg.reply_to, skip)):
+            self.send(msg.reply_to, wire.KVAccept(*key, -1))
+
+    def _accept(self, key: _Key, rank: int, skip: int) -> None:
+        """The engine took pages for an offer (called from its methods, maybe long after the offer)."""
+        self._incoming[key] = _LAYERS_COMING
+        try:
+            self.send(rank, wire.KVAccept(*key, skip))
+        except PeerUnavailable:  # the request fails once the conductor learns of it; its release frees the pages
+            logger.warning("rank %d is gone: request %s's K/V offer is not answered", rank, key[0])
 
     def _place(self, msg: wire.KVLayer) -> None:
         if (msg.rid, msg.component, msg.kv_slot) not in self._incoming:  # released meanwhile

@@ -1,6 +1,8 @@
 """Prefill/decode disaggregation's layer-by-layer KV stream in one process (two workers, mstar/configs/llama_pd.yaml):
-a request cancelled while its K/V stream leaves every page free on both workers, and a decode worker without room
-for the stream recomputes the prompt with the same greedy tokens."""
+a request cancelled while its K/V stream leaves every page free on both workers; a decode worker that declines a
+text prompt recomputes it with the same greedy tokens; media prompts (tiny Qwen3-Omni, slow) whose decode pool
+holds one at a time wait for its pages and give one worker's tokens, and one the decode worker declines fails
+alone with a message naming the pool."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ import time
 import pytest
 
 from mstar.config import load_config
-from mstar.engines.autoregressive import AutoregressiveEngine
-from mstar.runtime.offline import MStar
+from mstar.engines.autoregressive import AutoregressiveEngine, kv_transfer
+from mstar.runtime.offline import MStar, RequestFailed
 from mstar.worker import kv_moves
 from tests.models.llm_runtime_testing import PROMPTS, hf_greedy, make_checkpoint, token_ids
 
@@ -62,11 +64,16 @@ def test_cancelled_mid_stream_leaves_every_page_free(llama, monkeypatch):
         assert token_ids(split.submit({"text": PROMPTS[0]}, **GREEDY)) == want
 
 
-def test_decode_worker_without_room_recomputes_the_prompt(llama, monkeypatch):
+def _decline(self, rid, kv_slot, offer, granted) -> bool:
+    return False
+
+
+def test_a_declined_text_prompt_is_recomputed_by_the_decode_worker(llama, monkeypatch):
     path, hf, tok = llama
-    # the engine's own room check is tested in tests/unit/test_ar_kv_handoff.py; here the decode worker's
-    # engine answers every offer with "no room" and the workers take the recompute path
-    monkeypatch.setattr(AutoregressiveEngine, "reserve_kv", lambda self, rid, kv_slot, offer: None)
+    # the engine declines only an offer larger than its whole pool (tests/unit/test_ar_kv_handoff.py, where the
+    # recompute then meets the pool's max_model_len); here the decode worker's engine declines every offer and
+    # the workers take the recompute path
+    monkeypatch.setattr(AutoregressiveEngine, "reserve_kv", _decline)
     with _split(path) as split:
         got = [token_ids(split.submit({"text": p}, **GREEDY)) for p in PROMPTS[:2]]
         prefill, decode = (split.runtime.workers[r].engines["llm"] for r in (0, 1))
@@ -90,19 +97,57 @@ def test_a_request_that_ends_at_prefill_frees_the_decode_workers_reservation(lla
         assert not any(split.runtime.conductor._load)  # the decode replica reserved early is let go
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("one_thread")
-@pytest.mark.xfail(strict=True, reason="a decode worker without room recomputes a media prompt from its token ids "
-                                       "alone (no media rows, no M-RoPE positions): its tokens differ")
-def test_a_media_prompt_whose_decode_worker_has_no_room_gives_one_workers_tokens(monkeypatch):
+def _omni_pd(thinker_pages: int | None = None):
     from mstar.config import config_from_dict
-    from tests.models.qwen3_omni_testing import media_chat_request
     from tests.models.test_pd_kv_transfer import OMNI_PD
 
-    options = {"temperature": 0.0, "max_tokens": 6, "modalities": ["text"]}
+    if thinker_pages is None:
+        return config_from_dict(OMNI_PD)
+    kwargs = {**OMNI_PD["model_kwargs"], "max_model_len": thinker_pages * 16}
+    return config_from_dict({**OMNI_PD, "model_kwargs": kwargs, "engines": {"thinker": {"max_num_pages": thinker_pages}}})
+
+
+OMNI_TEXT = {"temperature": 0.0, "max_tokens": 6, "modalities": ["text"]}
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_media_prompts_wait_for_the_decode_workers_pages_and_give_one_workers_tokens(monkeypatch):
+    from tests.models.qwen3_omni_testing import media_chat_request
+
     one = {"model": "qwen3_omni", "device": "cpu", "model_kwargs": {"code2wav_chunk": 4}}
     with MStar("qwen3_omni", config=one, tiny=True) as m:
-        want = m.generate(media_chat_request(), **options).outputs["text"]
-    monkeypatch.setattr(AutoregressiveEngine, "reserve_kv", lambda self, rid, kv_slot, offer: None)
-    with MStar("qwen3_omni", config=config_from_dict(OMNI_PD), tiny=True) as m:
-        assert m.generate(media_chat_request(), **options).outputs["text"] == want
+        want = m.generate(media_chat_request(), **OMNI_TEXT).outputs["text"]
+    queued, reserve = [], kv_transfer.KVStreams.reserve
+
+    def noting_the_queue(self, key, offer, granted):
+        taken = reserve(self, key, offer, granted)
+        queued.append(len(self.queued))
+        return taken
+
+    monkeypatch.setattr(kv_transfer.KVStreams, "reserve", noting_the_queue)
+    # the 81-token prompt and its 6 tokens take 6 pages of 16: the thinker's pool of 8 holds one at a time
+    with MStar("qwen3_omni", config=_omni_pd(thinker_pages=8), tiny=True) as m:
+        handles = [m.submit(media_chat_request(), **OMNI_TEXT) for _ in range(2)]
+        got = [h.decoded().outputs["text"] for h in handles]
+        decode = m.runtime.workers[1].engines["thinker"]
+        stats = decode.stats()
+        assert max(queued) == 1 and not decode.kv.queued  # the second offer waited for the first's pages
+    assert got == [want, want]
+    assert stats["prompt_tokens"] == 0 and stats["kv_pages_received"] == 12  # nothing recomputed
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_a_media_prompt_the_decode_worker_declines_fails_alone_with_the_pool_to_raise(monkeypatch):
+    from tests.models.qwen3_omni_testing import media_chat_request
+
+    monkeypatch.setattr(AutoregressiveEngine, "reserve_kv", _decline)  # as for an offer larger than its pool
+    with MStar("qwen3_omni", config=_omni_pd(), tiny=True) as m:
+        with pytest.raises(RequestFailed, match=r"media rows or explicit positions cannot be recomputed there; "
+                                                r"raise the decode worker's KV pool \(engines.<component>.max_num_pages"):
+            m.generate(media_chat_request(), **OMNI_TEXT)
+        text = m.generate({"messages": [{"role": "user", "content": "Say something."}]}, **OMNI_TEXT)
+        assert "".join(text.outputs["text"])  # the text request after it is recomputed and served
+        workers = m.runtime.workers
+        _wait(lambda: all(w.state_size() == 0 and w.engines["thinker"].pool.num_used == 0 for w in workers.values()))

@@ -1,7 +1,8 @@
 """A sequence streamed between two autoregressive engines while it is computed (`KVHandoff`: submit_streamed,
 reserve_kv, stream_kv, place_kv, submit_with_kv) continues as on one engine, computes no prompt token on the
 receiver, sends each layer before the forward computes the next, sends only the tokens the receiver's prefix
-cache lacks, and falls back to recomputing when the receiver has no room; nothing leaks."""
+cache lacks; an offer the receiver has no room for waits until pages free, and only one larger than its whole
+pool is declined (the receiver then recomputes); nothing leaks."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from mstar.engines.base import LoopSpec, StepItem
-from mstar.engines.kv_handoff import KVHandoff, KVStreamEnd
+from mstar.engines.kv_handoff import KVHandoff, KVOffer, KVPositions, KVStreamEnd
 from tests.unit.test_ar_engine import LAYERS, TinyLM, make_engine, prompts
 
 
@@ -66,13 +67,22 @@ def _one_engine(model, prompt, steps, **options) -> list[int]:
     return [first, *_run(engine)]
 
 
+def _reserve(b, rid, offer) -> int | None:
+    """b's answer to `offer` if it took pages at once: the leading tokens it held; None when it declined."""
+    granted: list[int] = []
+    if not b.reserve_kv(rid, "main", offer, granted.append):
+        return None
+    (skip,) = granted
+    return skip
+
+
 def _stream(a, b, rid, prompt, wire=None, **options) -> tuple[Wire, int | None, int]:
     """Offer `prompt`'s sequence from `a` to `b` and prefill it on `a`; the wire, b's answer, the first token."""
     wire = wire or Wire(b, rid)
     offer = a.submit_streamed(_prefill_item(rid, prompt, **options), wire)
     assert offer is not None and offer.tokens == prompt
     assert not a.step()  # the sequence waits for the receiver's answer
-    skip = b.reserve_kv(rid, "main", offer)
+    skip = _reserve(b, rid, offer)
     a.stream_kv(rid, "main", skip)
     results = []
     while a.has_work():
@@ -130,23 +140,102 @@ def test_tokens_the_receiver_caches_do_not_travel(model):
     assert a.stats()["kv_pages_sent"] == 9 and stats["kv_pages_used"] == 0
 
 
-def test_a_receiver_without_room_recomputes_with_the_same_tokens(model):
-    prompt = prompts(8)[-1]
-    want = _one_engine(model, prompt, 4, temperature=0.0, ignore_eos=True)
-    a, b = make_engine(model), make_engine(model, pages=16)
-    taken = b.pool.allocate(b.pool.num_free - 7)  # 7 free pages: the prompt needs 8
-    wire, skip, first = _stream(a, b, "r", prompt, temperature=0.0, ignore_eos=True)
-    assert skip is None and wire.tokens_sent == 0 and wire.done is None  # nothing streamed
+def test_an_offer_waits_for_pages_another_request_frees(model):
+    prompt, other = prompts(8)[-1], prompts(8)[-2]
+    opts = {"temperature": 0.0, "ignore_eos": True}
+    want = _one_engine(model, prompt, 4, **opts)
+    a, b = make_engine(model), make_engine(model, pages=6 + 7)  # "busy" takes 6 pages: 7 stay free, r needs 8
+    b.submit(replace(_prefill_item("busy", other, max_tokens=3, **opts), loop=LoopSpec(3)))
+    b.step()
+    wire, granted = Wire(b, "r"), []
+    assert b.reserve_kv("r", "main", a.submit_streamed(_prefill_item("r", prompt, **opts), wire), granted.append)
+    assert not granted and b.kv.queued and b.stats()["kv_pages_used"] == 6  # queued, nothing taken
+    assert not a.step() and not a.has_work()  # r computes nothing until the answer
+    _run(b)  # "busy" ends at max_tokens: its pages free and r's offer takes them
+    assert granted == [0] and not b.kv.queued and b.stats()["kv_pages_used"] == 8
+    a.stream_kv("r", "main", granted[0])
+    (result,) = [r for _ in range(3) for r in a.step()]
+    first = int(result.outputs["token"])
+    b.submit_with_kv(_decode_item("r", prompt, first, 4, **opts), wire.done)
+    assert [first, *_run(b)] == want and b.stats()["prompt_tokens"] == len(other)
+    b.release("r")
+    assert a.stats()["kv_pages_used"] == 0 and b.stats()["kv_pages_used"] == 0
+
+
+def test_an_offer_released_while_queued_leaves_nothing(model):
+    prompt, other = prompts(8)[-1], prompts(8)[-2]
+    opts = {"temperature": 0.0, "ignore_eos": True}
+    a, b = make_engine(model), make_engine(model, pages=6 + 7)
+    b.submit(replace(_prefill_item("busy", other, max_tokens=3, **opts), loop=LoopSpec(3)))
+    b.step()
+    granted: list[int] = []
+    assert b.reserve_kv("r", "main", a.submit_streamed(_prefill_item("r", prompt, **opts), Wire(b, "r")),
+                        granted.append)
+    a.release("r")
+    b.release("r")
+    assert not b.kv.queued and not a.kv.offered and not a.has_work()
+    _run(b)  # "busy"'s pages free: no offer is left to take them
+    assert not granted and not b.kv.reserved and b.stats()["kv_pages_used"] == 0
+    assert a.stats()["kv_pages_used"] == 0 and not a.step()
+
+
+def test_later_offers_do_not_overtake_a_queued_one(model):
+    prompt, small = prompts(8)[-1], prompts(8, seed=2)[-2]  # 8 pages, then 6
+    a, b = make_engine(model), make_engine(model, pages=6 + 7)
+    b.submit(replace(_prefill_item("busy", prompts(8)[-2], max_tokens=3), loop=LoopSpec(3)))
+    b.step()
+    order: list[str] = []
+    for rid, p in (("r1", prompt), ("r2", small)):  # r2 would fit the 7 free pages now
+        offer = a.submit_streamed(_prefill_item(rid, p), Wire(b, rid))
+        assert b.reserve_kv(rid, "main", offer, lambda skip, rid=rid: order.append(rid))
+    assert not order
+    _run(b)
+    assert order == ["r1"] and list(b.kv.queued) == [("r2", "main")]  # 13 pages: 8 for r1, 5 left
+    b.release("r1")
+    assert order == ["r1", "r2"] and not b.kv.queued
+
+
+def test_an_offer_larger_than_the_whole_pool_is_declined_and_recomputed(model):
+    prompt = prompts(8)[-1]  # 8 pages of 4
+    opts = {"temperature": 0.0, "ignore_eos": True}
+    a, b = make_engine(model), make_engine(model, pages=7)
+    wire, skip, first = _stream(a, b, "r", prompt, **opts)
+    assert skip is None and wire.tokens_sent == 0 and wire.done is None and not b.kv.queued  # nothing streamed
     # a forgets the sequence once its item is answered: it continues on b, recomputed, not here
     assert a.stats()["kv_pages_sent"] == 0 and a.stats()["kv_pages_used"] == 0 and not a.has_work()
     assert a.stats()["seqs_running"] == 0 and not a.kv.unstreamed
-    b.pool.free(taken)
+    # b's recompute of a prompt its pool cannot hold fails the request with b's length limit
+    b.submit_with_kv(_decode_item("r", prompt, first, 4, **opts), None)
+    (result,) = b.step()
+    assert "max_model_len=28" in result.error and b.stats()["kv_pages_used"] == 0
+
+
+def test_a_declined_sequence_recomputes_with_the_same_tokens(model):
+    prompt = prompts(8)[-1]
+    want = _one_engine(model, prompt, 4, temperature=0.0, ignore_eos=True)
+    a, b = make_engine(model), make_engine(model)
+    wire = Wire(b, "r")
+    a.submit_streamed(_prefill_item("r", prompt, temperature=0.0, ignore_eos=True), wire)
+    a.stream_kv("r", "main", None)  # as when b declined
+    (result,) = a.step()
+    first = int(result.outputs["token"])
     b.submit_with_kv(_decode_item("r", prompt, first, 4, temperature=0.0, ignore_eos=True), None)
     assert [first, *_run(b)] == want
     assert b.stats()["prompt_tokens"] == len(prompt) and b.stats()["kv_pages_received"] == 0
-    a.release("r")
     b.release("r")
     assert a.stats()["kv_pages_used"] == 0 and b.stats()["kv_pages_used"] == 0
+
+
+def test_a_stream_the_receiver_dropped_fails_when_its_tokens_alone_cannot_recompute_it(model):
+    prompt = prompts(8)[-1]
+    b = make_engine(model)
+    assert _reserve(b, "r", KVOffer(prompt, [])) == 0  # 8 pages
+    # an engine loop's tokens beyond the offer that found no page: b dropped the reservation (kv_transfer.place)
+    done = KVStreamEnd(prompt + [1, 2, 3], [], KVPositions(33, 5.0, True, False, num_shareable=4))
+    b.submit_with_kv(_decode_item("r", prompt, 7, 4), done)
+    (result,) = b.step()
+    assert "explicit positions cannot be recomputed there; raise the decode worker's KV pool" in result.error
+    assert b.stats()["kv_pages_used"] == 0 and not b.kv.reserved and not b.has_work()
 
 
 def test_release_mid_stream_frees_every_page_on_both_engines(model):
@@ -154,7 +243,7 @@ def test_release_mid_stream_frees_every_page_on_both_engines(model):
     a, b = make_engine(model, max_batch_tokens=8), make_engine(model)
     wire = Wire(b, "r")
     offer = a.submit_streamed(_prefill_item("r", prompt, temperature=0.0), wire)
-    a.stream_kv("r", "main", b.reserve_kv("r", "main", offer))
+    a.stream_kv("r", "main", _reserve(b, "r", offer))
     a.step()  # the first 8 tokens computed and sent
     assert wire.tokens_sent == 8 and wire.done is None and b.stats()["kv_pages_used"] == 8
     a.release("r")
@@ -176,7 +265,7 @@ def test_an_engine_loop_streams_the_tokens_its_lookahead_steps_computed(model, l
     a, b = make_engine(model, lookahead=lookahead), make_engine(model)  # decode forwards launched ahead, untapped
     wire = Wire(b, "r")
     loop = replace(_prefill_item("r", prompt, temperature=0.0, ignore_eos=True), loop=LoopSpec(4))
-    a.stream_kv("r", "main", b.reserve_kv("r", "main", a.submit_streamed(loop, wire)))
+    a.stream_kv("r", "main", _reserve(b, "r", a.submit_streamed(loop, wire)))
     first = _run(a)
     assert len(first) == 4 and (a.lookahead_steps > 0) == lookahead and wire.done is not None
     assert wire.done.tokens == prompt + first[:3]  # the last sample is not fed back
@@ -200,7 +289,7 @@ def test_several_streams_at_once_sharing_a_prefix_the_receiver_caches(model, pag
     wires, skips = {}, {}
     for rid, p in (("r1", p1), ("r2", p2), ("r3", p3)):  # offered together: their 8-token chunks interleave
         wires[rid] = Wire(b, rid)
-        skips[rid] = b.reserve_kv(rid, "main", a.submit_streamed(_prefill_item(rid, p, **opts), wires[rid]))
+        skips[rid] = _reserve(b, rid, a.submit_streamed(_prefill_item(rid, p, **opts), wires[rid]))
     assert skips == {"r1": 28, "r2": 20, "r3": 0}  # r2 shares p1's first 5 pages, held by r1 too
     for rid in wires:
         a.stream_kv(rid, "main", skips[rid])
@@ -274,7 +363,7 @@ def test_a_streamed_sequence_preempted_mid_prefill_sends_each_token_once(model):
     a.submit(replace(_prefill_item("old", other, **opts), loop=LoopSpec(30)))  # grows to 13 pages as it decodes
     a.step()
     wire = Wire(b, "r")
-    a.stream_kv("r", "main", b.reserve_kv("r", "main", a.submit_streamed(_prefill_item("r", prompt, **opts), wire)))
+    a.stream_kv("r", "main", _reserve(b, "r", a.submit_streamed(_prefill_item("r", prompt, **opts), wire)))
     firsts = {}
     while a.has_work():
         for r in a.step():

@@ -1,7 +1,8 @@
 """Two workers' `KVMoves` (worker/kv_moves.py) over a hand-delivered message queue, each with a tiny
 autoregressive engine: a request released at any point of its K/V stream (before the receiver's answer,
 between the answer and the first layer, after KVEnd but before the decode item) leaves no page and no
-move state on either side; a receiver that is gone fails only the streamed request, not the sender's
+move state on either side; an offer the receiver has no room for is answered once another request's pages
+free, or leaves nothing when released while it waits; a receiver that is gone fails only the streamed request, not the sender's
 other work; a target naming the worker itself streams nothing."""
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ class Net:
                 moves[rank].handle(msg)
 
 
-def _pair(model, **kw):
+def _pair(model, receiver_pages=64, **kw):
     net = Net()
-    a, b = make_engine(model, **kw), make_engine(model)
+    a, b = make_engine(model, **kw), make_engine(model, pages=receiver_pages)
     moves = {r: KVMoves(r, {"llm": e}, net.send, LocalCodec(), lambda t: t) for r, e in ((0, a), (1, b))}
     return net, a, b, moves
 
@@ -160,3 +161,43 @@ def test_a_target_naming_the_worker_itself_streams_nothing(model):
     net, a, _, moves = _pair(model)
     moves[0].start("r", {"llm": 0})
     assert not moves[0].submit("llm", _prefill("r", prompts(8)[-1])) and not net.queue and not len(moves[0])
+
+
+@pytest.mark.parametrize("then", ["the other request ends", "released while queued"])
+def test_an_offer_without_room_is_answered_once_pages_free(model, then):
+    prompt, other = prompts(8)[-1], prompts(8)[-2]
+    net, a, b, moves = _pair(model, receiver_pages=6 + 7)  # "busy" holds 6 of b's pages, r needs 8
+    b.submit(StepItem("busy", "prefill", "llm", {"input_ids": torch.tensor(other)}, {**GREEDY, "max_tokens": 3},
+                      loop=LoopSpec(3)))
+    b.step()
+    moves[0].start("r", {"llm": 1})
+    moves[0].submit("llm", _prefill("r", prompt))
+    net.deliver(moves)  # the offer: b queues it and answers nothing yet
+    assert not net.queue and b.kv.queued and not a.has_work()
+    if then == "released while queued":
+        _release("r", (a, b), moves)
+    _steps(b)  # "busy" ends and frees its pages
+    if then == "released while queued":
+        assert not net.queue and _empty(a, b, *moves.values())
+        return
+    (_, accept), = net.queue
+    assert accept.skip == 0 and len(moves[1]) == 1
+    net.deliver(moves)  # the accept: a streams
+    (result,) = _steps(a, net, moves)
+    first = int(result.outputs["token"])
+    assert moves[1].submit("llm", _decode("r", prompt, first, 5))
+    assert [first, *[int(r.outputs["token"]) for r in _steps(b)]] == _steps_one_engine(model, prompt, 5)
+    assert b.stats()["prompt_tokens"] == len(other) and b.stats()["kv_pages_received"] == 8
+    _release("r", (a, b), moves)
+    assert _empty(a, b, *moves.values())
+
+
+def test_an_offer_larger_than_the_receivers_pool_is_declined(model):
+    net, a, b, moves = _pair(model, receiver_pages=7)
+    moves[0].start("r", {"llm": 1})
+    moves[0].submit("llm", _prefill("r", prompts(8)[-1]))  # 8 pages
+    net.deliver(moves)
+    (_, answer), = net.queue
+    assert answer.skip < 0 and not len(moves[1]) and not b.kv.queued
+    net.deliver(moves)
+    assert len(_steps(a)) == 1 and _empty(a, b)  # a computes the item and forgets the sequence

@@ -32,9 +32,9 @@ the draws those tokens consumed: one row of `logit_width` each) continue exactly
 worker left off. For a sequence it already holds, `prompt_ids` is ignored.
 
 Moving a sequence instead (`KVHandoff`, kv_transfer.py): the prefill worker's sequence waits until the
-decode worker has taken pages for it (`submit_streamed`, `reserve_kv`, `stream_kv`), then each layer's K/V
-leaves as soon as the forward wrote it (`place_kv` on the other side), and the decode worker's first item
-starts from those pages (`submit_with_kv`): no prompt token is computed again.
+decode worker has taken pages for it (`submit_streamed`, `reserve_kv`, `stream_kv`; an offer without room
+queues there until pages free), then each layer's K/V leaves as soon as the forward wrote it (`place_kv` on
+the other side), and the decode worker's first item starts from those pages (`submit_with_kv`): no prompt token is computed again.
 `stats()["prompt_tokens"]` counts the prompt tokens this engine computed.
 """
 
@@ -57,7 +57,7 @@ from mstar.engines.cuda_graphs import to_device_async
 from mstar.engines.grammar import GrammarMatcher, Grammars
 from mstar.engines.kv_cache.block_pool import BlockPool
 from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
-from mstar.engines.kv_handoff import KVOffer, KVStreamEnd, KVStreamSink
+from mstar.engines.kv_handoff import KVGranted, KVOffer, KVStreamEnd, KVStreamSink
 from mstar.engines.sampling import SampleOutput, SamplingParams, SamplingRow, plain_greedy, sample
 from mstar.engines.sampling_graph import SamplerGraphs
 from mstar.engines.token_masks import TokenMasks
@@ -205,6 +205,8 @@ class AutoregressiveEngine:
             if done:
                 assert logits is not None
                 results += self._postprocess(done, logits)
+        if self.kv.queued:  # pages the step freed go to offers waiting for them
+            self.kv.grant()
         return results
 
     def _ahead_chunks(self, ahead: Ahead) -> tuple[list[Chunk], torch.Tensor | None]:
@@ -265,12 +267,22 @@ class AutoregressiveEngine:
     def stream_kv(self, request_id: str, kv_slot: str, skip: int | None) -> None:
         """`KVHandoff.stream_kv`; unknown keys (released meanwhile) are fine."""
         key = (request_id, kv_slot)
-        if self.kv.start(key, skip) and key in self._seqs:
-            self.batch_scheduler.add(self._seqs[key])
+        if not self.kv.start(key, skip) or key not in self._seqs:
+            return
+        seq = self._seqs[key]
+        if skip is None and seq.num_shareable < len(seq.token_ids):  # the receiver's recompute would be wrong
+            self.kv.unstreamed.discard(key)
+            del self._seqs[key]
+            self._errors.append(StepResult(request_id, seq.item.walk, seq.item.node, iteration=seq.item.iteration,
+                                           error=_not_recomputable(request_id, len(seq.token_ids),
+                                                                   "more KV pages than the decode worker's whole pool")))
+            return
+        self.batch_scheduler.add(seq)
 
-    def reserve_kv(self, request_id: str, kv_slot: str, offer: KVOffer) -> int | None:
+    def reserve_kv(self, request_id: str, kv_slot: str, offer: KVOffer, granted: KVGranted) -> bool:
         """`KVHandoff.reserve_kv`."""
-        return None if (request_id, kv_slot) in self._seqs else self.kv.reserve((request_id, kv_slot), offer)
+        key = (request_id, kv_slot)
+        return key not in self._seqs and self.kv.reserve(key, offer, granted)
 
     def place_kv(self, request_id: str, kv_slot: str, layer: int, start: int, k: torch.Tensor,
                  v: torch.Tensor) -> None:
@@ -299,6 +311,10 @@ class AutoregressiveEngine:
                     seq.inputs = TokenInputs.resumed(moved.positions)
                 # adopted: running now or once a seat is free (kv.seat); else recomputed (in prompt_tokens)
                 waiting = self.kv.adopt(seq, moved, self.batch_scheduler)
+                if not waiting and seq.num_shareable < len(moved.tokens):
+                    del self._seqs[key]
+                    raise ValueError(_not_recomputable(key[0], len(moved.tokens),
+                                                       "more KV pages than this worker's pool had free for its stream"))
         elif seq.item is not None:
             raise ValueError(f"request {key[0]!r} slot {key[1]!r} already has an item waiting for its result")
         elif len(seq.token_ids) + len(tokens) > self.max_model_len:
@@ -507,6 +523,13 @@ class AutoregressiveEngine:
         if len(seq.token_ids) + 1 >= self.max_model_len:  # no room to feed this token back
             return "length"
         return None
+
+
+def _not_recomputable(request_id: str, num_tokens: int, cause: str) -> str:
+    """The error of a moved sequence the decode worker would have to recompute from its token ids alone."""
+    return (f"request {request_id!r}: its {num_tokens}-token sequence needs {cause}, and its media rows or explicit "
+            "positions cannot be recomputed there; raise the decode worker's KV pool (engines.<component>."
+            "max_num_pages or memory_fraction, or kv_cache.max_num_pages)")
 
 
 def request_seed(key: tuple[str, str]) -> int:

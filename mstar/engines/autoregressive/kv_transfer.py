@@ -18,7 +18,7 @@ import torch
 
 from mstar.engines.cuda_graphs import to_device_async
 from mstar.engines.kv_cache.prefix_cache import hash_pages
-from mstar.engines.kv_handoff import KVOffer, KVStreamEnd, KVStreamSink
+from mstar.engines.kv_handoff import KVGranted, KVOffer, KVStreamEnd, KVStreamSink
 
 if TYPE_CHECKING:
     from mstar.engines.autoregressive.batch_scheduler import BatchScheduler, Chunk
@@ -89,14 +89,15 @@ class _Reserved:
 
 class KVStreams:
     """An engine's sequences on the move: offered ones waiting for the receiver's answer, streamed ones
-    (sender), reserved ones and adopted ones waiting for a seat (receiver). The engine calls it; it owns
-    no sequence (those waiting for a seat are the engine's, held here until seated)."""
+    (sender), offers waiting for pages, reserved ones and adopted ones waiting for a seat (receiver). The
+    engine calls it; it owns no sequence (those waiting for a seat are the engine's, held here until seated)."""
 
     def __init__(self, pool: BlockPool, attn: object) -> None:
         self.pool, self.attn = pool, attn
         self.offered: dict[tuple[str, str], KVStreamSink] = {}
         self.streams: dict[tuple[str, str], _Stream] = {}
         self.unstreamed: set[tuple[str, str]] = set()  # continued elsewhere by recomputing: nothing streams
+        self.queued: dict[tuple[str, str], tuple[KVOffer, KVGranted]] = {}  # offers waiting for pages, in order
         self.reserved: dict[tuple[str, str], _Reserved] = {}
         self.seating: dict[tuple[str, str], tuple[Sequence, KVStreamEnd]] = {}  # adopted, no seat free yet
         self.pages_sent = self.pages_received = self.pages_reused = 0
@@ -164,17 +165,27 @@ class KVStreams:
         s.sink.end(KVStreamEnd(list(seq.token_ids), list(seq.page_hashes[: seq.num_registered]), positions))
         return True
 
-    def reserve(self, key: tuple[str, str], offer: KVOffer) -> int | None:
-        """`KVHandoff.reserve_kv`."""
-        if key in self.reserved:
-            return None
-        held = self.pool.match_prefix(offer.page_hashes)
-        fresh = self.pool.pages_for(len(offer.tokens)) - len(held)
-        if fresh > self.pool.num_free:
-            self.pool.free(held)
-            return None
-        self.reserved[key] = _Reserved([*held, *self.pool.allocate(fresh)], len(held))
-        return len(held) * self.pool.page_size
+    def reserve(self, key: tuple[str, str], offer: KVOffer, granted: KVGranted) -> bool:
+        """`KVHandoff.reserve_kv`: the offer queues behind earlier ones until the pool has room for it."""
+        if key in self.reserved or key in self.queued or self.pool.pages_for(len(offer.tokens)) > self.pool.num_pages:
+            return False
+        self.queued[key] = (offer, granted)
+        self.grant()
+        return True
+
+    def grant(self) -> None:
+        """Take pages for the queued offers, first come first, while the pool has room for the next one."""
+        while self.queued:
+            key = next(iter(self.queued))
+            offer, granted = self.queued[key]
+            held = self.pool.match_prefix(offer.page_hashes)
+            fresh = self.pool.pages_for(len(offer.tokens)) - len(held)
+            if fresh > self.pool.num_free:
+                self.pool.free(held)
+                return
+            del self.queued[key]
+            self.reserved[key] = _Reserved([*held, *self.pool.allocate(fresh)], len(held))
+            granted(len(held) * self.pool.page_size)
 
     def place(self, key: tuple[str, str], layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """`KVHandoff.place_kv`."""
@@ -182,7 +193,7 @@ class KVStreams:
         if r is None:
             return
         grow = self.pool.pages_for(start + k.shape[0]) - len(r.pages)  # tokens an engine loop appended
-        if grow > self.pool.num_free:  # no room after all: the sequence recomputes
+        if grow > self.pool.num_free:  # no room after all: the sequence recomputes (or fails, if its ids cannot)
             self.release_reserved(key)
             return
         if grow > 0:
@@ -226,10 +237,11 @@ class KVStreams:
         r = self.reserved.pop(key, None)
         if r is not None:
             self.pool.free(r.pages)
+            self.grant()
 
     def release(self, request_id: str) -> None:
         """Forget the request's sequences on the move; its reserved pages go back to the pool."""
-        for table in (self.offered, self.streams):
+        for table in (self.offered, self.streams, self.queued):
             for key in [k for k in table if k[0] == request_id]:
                 del table[key]
         self.unstreamed = {k for k in self.unstreamed if k[0] != request_id}
@@ -237,3 +249,4 @@ class KVStreams:
             del self.seating[key]
         for key in [k for k in self.reserved if k[0] == request_id]:
             self.pool.free(self.reserved.pop(key).pages)
+        self.grant()
