@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|kernels|serve_fit|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|pd|kernels|serve_fit|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -221,6 +221,10 @@ fi
 if [[ $WHAT == structured || $WHAT == all ]]; then  # json_schema decoding against free decoding, batch 1 and 16
   # needs the Llama-3 tokenizer folder (mstar_tokenizers/llama3-v1) under the temp dir, as device_setup.sh says
   run 420 structured_decode python3 benchmarks/structured_decode.py --batch 1 16 --out "$OUT/structured_decode_$GPU.json"
+fi
+if [[ $WHAT == pd || $WHAT == all ]]; then  # PD disaggregation (llama_pd.yaml, two processes) against one worker
+  # needs the Llama-3 tokenizer folder (mstar_tokenizers/llama3-v1) under the temp dir, as device_setup.sh says
+  run 560 pd_stream python3 benchmarks/pd_stream.py --out "$OUT/pd_stream_$GPU.json"
 fi
 if [[ $WHAT == serve_fit ]]; then  # `mstar serve <model> --load-format dummy`: serves (config, memory, one request) or refuses
   # shellcheck disable=SC2086  # MODELS and SERVE_FIT_ARGS are word lists
