@@ -46,6 +46,21 @@ class Grammars(Protocol):
         """A fresh matcher for `spec` (`canonical_spec`'s form); ValueError naming what cannot be compiled."""
 
 
+def start_matcher(grammars: Grammars | None, spec: str | None, generated: Sequence[int] = ()) -> GrammarMatcher | None:
+    """The matcher of a sequence whose request asks for structured outputs `spec` (None: it does not), past
+    the tokens it already generated (a sequence resumed on this worker); ValueError when the model has no
+    grammars or a generated token breaks the grammar."""
+    if spec is None:
+        return None
+    if grammars is None:
+        raise ValueError("structured_outputs: this model does not constrain its output to a grammar")
+    matcher = grammars.matcher(spec)
+    for token in generated:
+        if not matcher.accept(token):
+            raise ValueError(f"structured_outputs: generated token {token} breaks the grammar")
+    return matcher
+
+
 def canonical_spec(value: Any) -> str:
     """A request's `structured_outputs` option checked and written as JSON (a string: hashable, and what
     `Grammars` compile); ValueError naming the fault."""

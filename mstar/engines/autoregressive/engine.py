@@ -52,9 +52,10 @@ from mstar.engines.autoregressive.runner import ModelRunner, make_attention_back
 from mstar.engines.autoregressive.sequence import Sequence
 from mstar.engines.autoregressive.step_graph import StepGraphs
 from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs, parse_item
-from mstar.engines.base import CausalLM, LoopSpec, StepItem, StepResult, require
+from mstar.engines.autoregressive.warm_up import warm_up_engine
+from mstar.engines.base import CausalLM, StepItem, StepResult, require
 from mstar.engines.cuda_graphs import to_device_async
-from mstar.engines.grammar import GrammarMatcher, Grammars
+from mstar.engines.grammar import Grammars, start_matcher
 from mstar.engines.kv_cache.block_pool import BlockPool
 from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
 from mstar.engines.kv_handoff import KVGranted, KVOffer, KVStreamEnd, KVStreamSink
@@ -133,40 +134,9 @@ class AutoregressiveEngine:
                 and self.runner.logits_out is not None and self.runner.decode_inputs is not None:
             self.step_graphs = StepGraphs(self.runner, self.sampler)
         if warm_up if warm_up is not None else self.device.type == "cuda":
-            self._warm_up()
+            warm_up_engine(self)
             self.prompt_tokens = 0  # served prompts only
         self.last_step_items = 0  # sequences the latest step computed (`Engine`)
-
-    def _warm_up(self, alone: tuple[int, ...] = (5, 12, 24, 48), together: tuple[int, ...] = (5, 16, 33)) -> None:
-        """Run throwaway prompts (prefill and two decode steps) through the real path, so that the first
-        requests pay for no kernel compilation and no per-shape GEMM timing; called on CUDA before the
-        worker reports ready. Each of `alone` is prefilled by itself (5 / 12 / 24 / 48 rows hit the row
-        buckets 8 / 16 / 32 / 64 that `layers/linear.py` decides per shape), then `together` as one batch
-        (batched prefill and decode), greedy and once more sampled (temperature, top-p, repetition
-        penalty: the sampling kernels compile and the sampling graphs are captured here, not in the first
-        sampled request; unseeded, since seeded rows never take the graphs). Every prompt
-        repeats its own token, so none reuses another's cached prefix (which would shrink its prefill)."""
-        greedy = {"temperature": 0.0, "max_tokens": 3, "ignore_eos": True}
-        sampled = {**greedy, "temperature": 1.0, "top_p": 0.9, "repetition_penalty": 1.1}
-        runs = [([n], greedy) for n in alone] + [(list(together), greedy), (list(together), sampled)]
-        token = 0
-        for lengths, options in runs:
-            items = []
-            for n in lengths:
-                token += 1
-                if n + 3 < self.max_model_len:
-                    items.append((f"__warmup_{token}", torch.full((n,), token, dtype=torch.long)))
-            self._warm_run(items, options)
-
-    def _warm_run(self, prompts: list[tuple[str, torch.Tensor]], options: dict) -> None:
-        for rid, ids in prompts:  # each one engine loop: the prompt, then decode steps as served
-            self.submit(StepItem(rid, "warmup", "warmup", {"input_ids": ids}, options, loop=LoopSpec(3)))
-        while self.has_work():
-            for r in self.step():
-                if r.error is not None:
-                    raise RuntimeError(f"engine warm-up failed: {r.error}")
-        for rid, _ in prompts:
-            self.release(rid)
 
     def submit(self, item: StepItem) -> None:
         """Queue an item; a malformed one (bad options, too long, ...) fails alone at the next step."""
@@ -363,7 +333,7 @@ class AutoregressiveEngine:
             for _ in range(len(tokens) - len(prompt) if prompt else 0):  # the draws the generated tokens took:
                 torch.empty(self.runner.model.logit_width, dtype=torch.float32,  # one Exp(1) row each
                             device=self.device).exponential_(generator=generator)
-        seq = Sequence(key, params, tokens, len(tokens), generator, matcher=self._matcher(params, tokens[len(prompt):]
+        seq = Sequence(key, params, tokens, len(tokens), generator, matcher=start_matcher(self.grammars, params.structured_outputs, tokens[len(prompt):]
                                                                                    if prompt else []))
         # one row for the sequence's life: it reads token_ids and the sampling cache, which grow in place
         seq.sampling_row = SamplingRow(params, seq.token_ids, seq.num_prompt, generator, self.eos_token_ids,
@@ -372,19 +342,6 @@ class AutoregressiveEngine:
             seq.num_prompt, seq.num_generated = len(prompt), len(tokens) - len(prompt)
         self._seqs[key] = seq
         return seq
-
-    def _matcher(self, params: SamplingParams, generated: list[int]) -> GrammarMatcher | None:
-        """The grammar matcher of a sequence that asks for structured outputs, past the tokens it already
-        generated (a sequence resumed on this worker); ValueError when this engine has no grammars."""
-        if params.structured_outputs is None:
-            return None
-        if self.grammars is None:
-            raise ValueError("structured_outputs: this model does not constrain its output to a grammar")
-        matcher = self.grammars.matcher(params.structured_outputs)
-        for token in generated:
-            if not matcher.accept(token):
-                raise ValueError(f"structured_outputs: generated token {token} breaks the grammar")
-        return matcher
 
     def _postprocess(self, chunks: list[Chunk], logits: torch.Tensor) -> list[StepResult]:
         seqs = [c.seq for c in chunks]

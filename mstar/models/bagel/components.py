@@ -16,7 +16,7 @@ from torch import nn
 
 from mstar.engines.base import CapturePlan, PagedKVStore, StatelessBase, StepItem
 from mstar.engines.cuda_graphs import to_device_async
-from mstar.engines.grammar import GrammarMatcher, Grammars, constrain
+from mstar.engines.grammar import GrammarMatcher, Grammars, constrain, start_matcher
 from mstar.engines.sampling import SamplingParams, SamplingRow, sample
 from mstar.models.bagel import flow
 from mstar.models.bagel.config import BagelConfig, TokenIds
@@ -330,16 +330,9 @@ class LLMComponent(StatelessBase, nn.Module):
             generator = None if params.seed is None else torch.Generator(device=device).manual_seed(params.seed)
             tokens: list[int] = []
             state = _TextState(SamplingRow(params, tokens, 0, generator, (self.ids.eos,)), tokens,
-                               self._matcher(params))
+                               start_matcher(self.grammars, params.structured_outputs))
             self._texts[item.request_id] = state
         return state
-
-    def _matcher(self, params: SamplingParams) -> GrammarMatcher | None:
-        if params.structured_outputs is None:
-            return None
-        if self.grammars is None:
-            raise ValueError("structured_outputs: this model does not constrain its output to a grammar")
-        return self.grammars.matcher(params.structured_outputs)
 
 
 class FlowComponent(StatelessBase, nn.Module):
