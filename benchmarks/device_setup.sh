@@ -15,6 +15,10 @@
 #   (fastapi 0.115 with its starlette: newer fastapi imports opentelemetry, absent there)
 #   (jsonschema and its three: a dependency of mstar (chat tools) that the image lacks; attrs is there)
 #   (pytest-xdist: pyproject's addopts pass -n, which pytest refuses without it; GPU runs say -n 0)
+#   (PyAV, which `mstar serve` checks at start, is not in the image either and its wheel is 36 MB: download
+#   it to .devscratch/avwhl (`pip download --no-deps --only-binary=:all: --python-version 3.12 -d
+#   .devscratch/avwhl av`) and carry it once; it is installed below when present, and /tmp/site keeps it
+#   for the later calls of a machine that stays warm, which then carry tokenizer folders instead)
 #   python3 -c "from mstar.models.common.tokenizer_build import cached_tokenizer_folder as f; f('llama3')"
 #   python3 -c "from mstar.models.common.tokenizer_build import omni_tokenizer_folder as f; f()"
 #   mkdir -p .devscratch && cp -r /tmp/mstar_tokenizers .devscratch/
@@ -22,5 +26,8 @@
 #   source benchmarks/device_setup.sh && OUT=$OUT TAR=1 bash benchmarks/gpu_suite.sh decode
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+if [ -d .devscratch/avwhl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .devscratch/avwhl/*.whl
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 mkdir -p /tmp/mstar_tokenizers && cp -r .devscratch/mstar_tokenizers/* /tmp/mstar_tokenizers/
