@@ -12,6 +12,9 @@
 - `plan`: seconds per planned action of the cross-entropy search (`--samples`, `--topk`,
   `--iterations`, `--horizon`; defaults: the authors' planning demo), from one context frame, eagerly
   and on the world model's graphed plan cache (`graphs`); `capture_s` is the one-time capture.
+- `profile` (with `--profile`): one plan forward (all candidates, one frame) at each frame position of the
+  plan lane, replayed from its graph, under torch.profiler: the top 25 device kernels (CPU ops on CPU), the
+  blocks' GEMM TFLOP and the TFLOP/s that makes over the forward's device time.
 Full size: ViT-g encoder (`--encoder vitl` for ViT-L fpc64-256) and the 24-layer AC predictor, bf16.
 
     python3 benchmarks/vjepa2_bench.py --horizons 4 15 30   # GPU: writes benchmarks/results/vjepa2_bench_<gpu>.json
@@ -23,6 +26,7 @@ On a bare GPU machine (benchmarks/device_setup.sh; carry .whl for cc-vjepa2), wi
         --out $OUT/vjepa2_bench_h100.json
     python3 benchmarks/vjepa2_bench.py --horizons 4 15 30 --samples 800
     python3 benchmarks/vjepa2_bench.py --quick              # tiny networks on CPU (smoke test; no graphs)
+    python3 benchmarks/vjepa2_bench.py --horizons 4 --profile --out $OUT/vjepa2_bench_h100_profile.json
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, default=None, help="CEM iterations (default 10)")
     parser.add_argument("--horizon", type=int, default=2, help="actions per planned sequence")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per case (default 5)")
+    parser.add_argument("--profile", action="store_true", help="top kernels of one graphed plan forward")
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args(argv)
     args.device = torch.device("cpu" if args.quick else "cuda")
@@ -237,6 +242,44 @@ def plan_case(args, world, ac, dtype) -> dict[str, Any]:
             "graphs_vs_eager_max_abs_diff": float(diff), "settings": settings.__dict__}
 
 
+def block_gemm_tflop(ac, rows: int) -> float:
+    """TFLOP of the predictor blocks' GEMMs (qkv, attention out, MLP) for `rows` tokens."""
+    width, mlp = ac.vit.hidden_size, ac.vit.mlp_size
+    return 2 * rows * (3 * width * width + width * width + 2 * width * mlp) * ac.vit.num_layers / 1e12
+
+
+def profile_case(args, world, ac, dtype) -> dict[str, Any]:
+    """`top_ops` of one plan forward at each frame position of the plan lane (graph replays on CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.pi05_stages import top_ops
+
+    samples, device = args.samples, args.device
+    gen = torch.Generator(device=device).manual_seed(3)
+    latents = torch.randn(samples, 1, ac.tokens_per_frame, ac.embed_dim, generator=gen, device=device, dtype=dtype)
+    actions = 0.05 * torch.randn(samples, 1, ac.action_dim, generator=gen, device=device)
+    states = torch.rand(samples, 1, ac.action_dim, generator=gen, device=device)
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    tflop = block_gemm_tflop(ac, samples * world.predictor.block_tokens)
+    out: dict[str, Any] = {"samples": samples, "block_gemm_tflop": float(f"{tflop:.4g}")}
+    with torch.no_grad():
+        _, steps = world.steps("plan", "bench", samples, args.horizon)
+        try:
+            for position in range(args.horizon):
+                steps(position, latents, actions, states)  # the first call of a shape is not the one measured
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                with profile(activities=[activity]) as prof:
+                    steps(position, latents, actions, states)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                top = top_ops(prof, device)
+                out[f"position{position}"] = {**top, "gemm_tflop_per_s": float(f"{tflop / top['total_us'] * 1e6:.4g}")}
+        finally:
+            world.release("bench")
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.manual_seed(0)
@@ -249,6 +292,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            "rollout": rollout_case(args, world, ac, dtype),
            "encoder_clips": encoder_case(args, encoder, shape, dtype),
            "plan": plan_case(args, world, ac, dtype)}
+    if args.profile:
+        doc["profile"] = profile_case(args, world, ac, dtype)
     name = "cpu" if args.quick else gpu.lower().replace("nvidia ", "").split()[0].replace("-", "")
     out = Path(args.out) if args.out else ROOT / f"benchmarks/results/vjepa2_bench_{name}.json"
     out.write_text(json.dumps(doc, indent=2) + "\n")

@@ -19,15 +19,18 @@ class LayerKV:
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int = 0) -> None:
         self.keys, self.values, self.length = keys, values, length
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [B, heads, n, head_dim] after the filled part; every key and value so far."""
-        end = self.length + k.shape[2]
+    def reserve(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next `n` slots after the filled part, as views [B, heads, n, head_dim] of keys and values
+        for the caller to write; they count as filled from now on."""
+        start, end = self.length, self.length + n
         if end > self.keys.shape[2]:
             raise ValueError(f"KV cache holds {self.keys.shape[2]} tokens; {end} needed")
-        self.keys[:, :, self.length:end] = k
-        self.values[:, :, self.length:end] = v
         self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        return self.keys[:, :, start:end], self.values[:, :, start:end]
+
+    def filled(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every key and value written so far, [B, heads, length, head_dim] views."""
+        return self.keys[:, :, :self.length], self.values[:, :, :self.length]
 
 
 class Attention(nn.Module):
@@ -45,10 +48,15 @@ class Attention(nn.Module):
         the new keys and values are appended and the queries attend to the whole cache."""
         batch, n, width = x.shape
         q, k, v = self.qkv(x).view(batch, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # each [B, h, N, d]
+        # with a cache, the rotated keys are written straight into their slots: no second copy of them
+        k_slot, v_slot = cache.reserve(n) if cache is not None else (None, None)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope, out=k_slot)
+        elif k_slot is not None:
+            k = k_slot.copy_(k)
         if cache is not None:
-            k, v = cache.append(k, v)
+            v_slot.copy_(v)
+            k, v = cache.filled()
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(out.transpose(1, 2).reshape(batch, n, width))
 

@@ -36,15 +36,16 @@ def rope_tables(positions: torch.Tensor, head_dim: int, rotate: torch.Tensor | N
     return cos, sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """x [..., N, head_dim] turned by tables broadcastable to it: x * cos + turned * sin, where pairs
-    (2k, 2k+1) turn to (-x[2k+1], x[2k])."""
+    (2k, 2k+1) turn to (-x[2k+1], x[2k]); written into `out` (x's shape, any strides) when given."""
     # the pair swap and the sign go to a copy of x and to the small table, so the wide tensor is passed over
     # three times (swap, x * cos, add-multiply) instead of five
     swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     halves = sin.unflatten(-1, (-1, 2))
     signed = torch.stack((-halves[..., 0], halves[..., 1]), dim=-1).flatten(-2)
-    return torch.addcmul(x * cos.to(x.dtype), swapped, signed.to(x.dtype))
+    return torch.addcmul(x * cos.to(x.dtype), swapped, signed.to(x.dtype), out=out)
 
 
 def grid_positions(frames: int, rows: int, cols: int, device: torch.device | None = None,
