@@ -56,14 +56,16 @@ def gather_slots(attn: object, layer: int, slots: torch.Tensor) -> tuple[torch.T
 
 
 def place_tokens(attn: object, pages: list[int], page_size: int, layer: int, start: int, k: torch.Tensor,
-                 v: torch.Tensor) -> None:
-    """Write K and V of `layer` for token positions [start, start + len(k)) into `pages`."""
+                 v: torch.Tensor, slots: torch.Tensor | None = None) -> None:
+    """Write K and V of `layer` for token positions [start, start + len(k)) into `pages` (at `slots`, those
+    positions' `token_slots`, when the caller has them)."""
     cache = _cache(attn)
     end = start + k.shape[0]
     if layer >= cache.k_cache.shape[0] or end > len(pages) * page_size or k.shape[1:] != cache.k_cache.shape[3:]:
         raise ValueError(f"K/V of layer {layer}, tokens [{start}, {end}), shape {tuple(k.shape)} do not fit "
                          f"{len(pages)} pages of a cache shaped {tuple(cache.k_cache.shape)}")
-    slots = token_slots(attn, pages, page_size, start, end)
+    if slots is None:
+        slots = token_slots(attn, pages, page_size, start, end)
     shape = (-1, *cache.k_cache.shape[3:])
     with torch.inference_mode():
         cache.k_cache[layer].view(shape)[slots] = k.to(cache.k_cache.device, cache.k_cache.dtype)
@@ -85,6 +87,7 @@ class _Reserved:
 
     pages: list[int]
     held: int
+    slots: tuple[int, int, torch.Tensor] | None = None  # the last token range placed and its cache slots
 
 
 class KVStreams:
@@ -198,7 +201,10 @@ class KVStreams:
             return
         if grow > 0:
             r.pages += self.pool.allocate(grow)
-        place_tokens(self.attn, r.pages, self.pool.page_size, layer, start, k, v)
+        end = start + k.shape[0]
+        if r.slots is None or r.slots[:2] != (start, end):  # every layer of one chunk lands at the same slots
+            r.slots = (start, end, token_slots(self.attn, r.pages, self.pool.page_size, start, end))
+        place_tokens(self.attn, r.pages, self.pool.page_size, layer, start, k, v, r.slots[2])
 
     def adopt(self, seq: Sequence, done: KVStreamEnd, sched: BatchScheduler) -> bool:
         """Give a new sequence (not yet queued) of `done.tokens` its reserved pages: it joins `sched`'s
