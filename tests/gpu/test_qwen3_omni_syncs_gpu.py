@@ -11,10 +11,10 @@ import contextlib
 import pytest
 import torch
 
-import mstar.engines.autoregressive.engine as ar_engine
 from mstar.config import CudaGraphConfig, KVCacheConfig
 from mstar.engines.autoregressive import build_autoregressive_engine
 from mstar.engines.base import StatelessSpec, StepItem
+from mstar.engines.sampling import SampleOutput
 from mstar.engines.stateless import StatelessEngine, capture_step_graphs
 from mstar.models.qwen3_omni.builders import build_component
 from mstar.models.qwen3_omni.checkpoint import OmniCheckpoint
@@ -43,16 +43,16 @@ def no_syncs():
 @pytest.fixture
 def allow_sampled_ids_read(monkeypatch):
     """The autoregressive engine's one host read per step (its sampled ids) is allowed."""
-    real = ar_engine._to_host
+    real = SampleOutput.to_host
 
-    def read(out):
+    def read(out: SampleOutput) -> SampleOutput:
         mode = torch.cuda.get_sync_debug_mode()  # "error" inside no_syncs(), off outside it
         torch.cuda.set_sync_debug_mode(0)
         try:
             return real(out)
         finally:
             torch.cuda.set_sync_debug_mode(mode)
-    monkeypatch.setattr(ar_engine, "_to_host", read)
+    monkeypatch.setattr(SampleOutput, "to_host", read)
 
 
 @pytest.fixture(scope="module")

@@ -90,7 +90,8 @@ class SDPABackend:
             out = F.scaled_dot_product_attention(q.reshape(num_seqs, num_kv_heads, groups, head_dim),
                                                  keys.to(q.dtype), values.to(q.dtype), attn_mask=b.mask,
                                                  scale=self.scale)
-            return out.view(num_seqs, q.shape[1], head_dim)
+            # reshape: the GPU kernels may return these rows in a layout a view cannot fold
+            return out.reshape(num_seqs, q.shape[1], head_dim)
         q_pad = q.new_zeros(num_seqs, b.max_q, q.shape[1], head_dim)
         q_pad[b.batch_idx, b.q_idx] = q
         out = F.scaled_dot_product_attention(
