@@ -120,11 +120,12 @@ def blocks(head_dim: int) -> tuple[int, int]:
 
 
 def default_splits(q: torch.Tensor, prefix_keys: int, chunk: int, num_kv_heads: int) -> int:
-    """Key splits that give about one program per SM, each split at least two key blocks long."""
+    """Key splits that give at least one program per SM (with fewer, a program walks a robot's keys alone while
+    SMs idle), each split at least two key blocks long."""
     block_m, block_n = blocks(q.shape[-1])
     programs = triton.cdiv(q.shape[1] * q.shape[2], block_m) * q.shape[0]
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else INTERPRETER_SMS
-    return max(1, min(MAX_SPLITS, sms // programs, triton.cdiv(prefix_keys + chunk, 2 * block_n)))
+    return max(1, min(MAX_SPLITS, triton.cdiv(sms, programs), triton.cdiv(prefix_keys + chunk, 2 * block_n)))
 
 
 def valid_keys_attention(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, prefix_len: torch.Tensor,
