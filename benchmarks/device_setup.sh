@@ -25,9 +25,13 @@
 # On the GPU machine, from the repo root:
 #   source benchmarks/device_setup.sh && OUT=$OUT TAR=1 bash benchmarks/gpu_suite.sh decode
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# A machine that stays warm keeps /tmp: later calls may carry tokenizer folders instead of .whl
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
 if [ -d .devscratch/avwhl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .devscratch/avwhl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-mkdir -p /tmp/mstar_tokenizers && cp -r .devscratch/mstar_tokenizers/* /tmp/mstar_tokenizers/
+mkdir -p /tmp/mstar_tokenizers
+if [ -d .devscratch/mstar_tokenizers ]; then cp -r .devscratch/mstar_tokenizers/* /tmp/mstar_tokenizers/; fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|pd|kernels|serve_fit|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|pd|kernels|pi05|vjepa2|vjepa2_profile|hops|fp8_decode|bagel|serve_fit|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -225,6 +225,29 @@ fi
 if [[ $WHAT == pd || $WHAT == all ]]; then  # PD disaggregation (llama_pd.yaml, two processes) against one worker
   # needs the Llama-3 tokenizer folder (mstar_tokenizers/llama3-v1) under the temp dir, as device_setup.sh says
   run 560 pd_stream python3 benchmarks/pd_stream.py --out "$OUT/pd_stream_$GPU.json"
+fi
+if [[ $WHAT == pi05 ]]; then  # the Pi0.5 policy: stages with the kernel profile, the flow attention, served chunks (~6 min)
+  run 150 pi05_stages python3 benchmarks/pi05_stages.py --profile --out "$OUT/pi05_stages_$GPU.json"
+  run 120 pi05_attention python3 benchmarks/pi05_attention.py --out "$OUT/pi05_attention_$GPU.json"
+  run 300 pi05_bench python3 benchmarks/pi05_bench.py --concurrency 8 32 128 --per-robot 5 --requests 50 \
+      --out "$OUT/pi05_bench_$GPU.json"
+fi
+if [[ $WHAT == vjepa2 ]]; then  # V-JEPA 2-AC rollouts against the recompute loop, encoder, a planned action (~4 min)
+  run 400 vjepa2_bench python3 benchmarks/vjepa2_bench.py --horizons 4 15 30 --out "$OUT/vjepa2_bench_$GPU.json"
+fi
+if [[ $WHAT == vjepa2_profile ]]; then  # the top kernels of one graphed plan forward (~1.5 min)
+  run 300 vjepa2_profile python3 benchmarks/vjepa2_bench.py --horizons 4 --profile --out "$OUT/vjepa2_bench_${GPU}_profile.json"
+fi
+if [[ $WHAT == hops ]]; then  # tensor hops between two processes: CUDA IPC against shared memory (< 1 min)
+  run 120 transport_hops python3 benchmarks/transport_hops.py --cuda --out "$OUT/transport_hops_cuda_$GPU.json"
+fi
+if [[ $WHAT == fp8_decode ]]; then  # the FP8 GEMV beside the bf16 one, then the decode step bf16 against FP8 (~1.5 min)
+  run 200 gemv_micro_fp8 python3 benchmarks/gemv_micro.py --fp8 --out "$OUT/gemv_micro_fp8_$GPU.json"
+  run 300 decode_step_fp8 python3 benchmarks/decode_step.py --skip-hf --batch-sizes 1 16 64 --quantization none fp8 \
+      --out "$OUT/decode_step_${GPU}_fp8.json"
+fi
+if [[ $WHAT == bagel ]]; then  # BAGEL understanding at 1 and 16, text to image, editing, with profiles (~6 min)
+  run 560 bagel_bench python3 benchmarks/bagel_bench.py --profile --out "$OUT/bagel_bench_$GPU.json"
 fi
 if [[ $WHAT == serve_fit ]]; then  # `mstar serve <model> --load-format dummy`: serves (config, memory, one request) or refuses
   # shellcheck disable=SC2086  # MODELS and SERVE_FIT_ARGS are word lists
