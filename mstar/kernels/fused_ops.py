@@ -60,27 +60,67 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _head_halves(x_ptr, t, x_stride_t, x_stride_h, num_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
-    """This program's heads of token t: (head ids, their mask, the half-column index d, x's two halves
-    [BLOCK_H, HALF] in x's dtype)."""
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads[:, None] < num_heads
-    d = tl.arange(0, HALF)[None, :]
-    base = x_ptr + t * x_stride_t + heads[:, None] * x_stride_h
-    x1 = tl.load(base + d, mask=hmask, other=0.0)
-    x2 = tl.load(base + HALF + d, mask=hmask, other=0.0)
-    return heads, hmask, d, x1, x2
+def _pair_columns(HALF: tl.constexpr, BLOCK_D: tl.constexpr, PAIRS: tl.constexpr):
+    """Columns [1, BLOCK_D] of the two members of each of a head's HALF rotation pairs, and which of them
+    exist (k < HALF): (2k, 2k + 1) with PAIRS (V-JEPA 2's convention), else (k, HALF + k) (rotate-half)."""
+    k = tl.arange(0, BLOCK_D)[None, :]
+    if PAIRS:
+        i1 = 2 * k
+        i2 = 2 * k + 1
+    else:
+        i1 = k
+        i2 = HALF + k
+    return i1, i2, k < HALF
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, x_stride_t, x_stride_h, cs_stride, out_stride_t,
-                   out_stride_h, HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+def _head_members(x_ptr, t, x_stride_t, x_stride_h, num_heads, i1, i2, dmask, BLOCK_H: tl.constexpr):
+    """This program's heads of token t: (head ids, their mask, x at columns i1 and at i2 [BLOCK_H, len(i1)]
+    in x's dtype, zero where `dmask` is false)."""
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads[:, None] < num_heads
+    base = x_ptr + t * x_stride_t + heads[:, None] * x_stride_h
+    x1 = tl.load(base + i1, mask=hmask & dmask, other=0.0)
+    x2 = tl.load(base + i2, mask=hmask & dmask, other=0.0)
+    return heads, hmask, x1, x2
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, x_stride_b, x_stride_t, x_stride_h, cs_stride_b,
+                   cs_stride, out_stride_b, out_stride_t, out_stride_h, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_H: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     pdl_wait(PDL)  # x and the step's cos/sin come from earlier kernels
     t = tl.program_id(0).to(tl.int64)  # t * stride passes 2**31 in a large packed prefill
-    heads, hmask, d, x1, x2 = _head_halves(x_ptr, t, x_stride_t, x_stride_h, num_heads, HALF, BLOCK_H)
-    _store_rotated(x1.to(tl.float32), x2.to(tl.float32), x1, cos_ptr + t * cs_stride, sin_ptr + t * cs_stride,
-                   out_ptr + t * out_stride_t + heads[:, None] * out_stride_h, d, hmask, HALF)
+    b = tl.program_id(2).to(tl.int64)
+    i1, i2, dmask = _pair_columns(HALF, BLOCK_D, PAIRS)
+    heads, hmask, x1, x2 = _head_members(x_ptr + b * x_stride_b, t, x_stride_t, x_stride_h, num_heads, i1, i2, dmask,
+                                         BLOCK_H)
+    cos_row = cos_ptr + b * cs_stride_b + t * cs_stride
+    sin_row = sin_ptr + b * cs_stride_b + t * cs_stride
+    if PAIRS:
+        o1, o2 = _pair_rotated(x1, x2, cos_row, sin_row, i1, i2, dmask)
+    else:
+        o1, o2 = rotated(x1.to(tl.float32), x2.to(tl.float32), x1.dtype, cos_row, sin_row, i1)
+    out_base = out_ptr + b * out_stride_b + t * out_stride_t + heads[:, None] * out_stride_h
+    tl.store(out_base + i1, o1, mask=hmask & dmask)
+    tl.store(out_base + i2, o2, mask=hmask & dmask)
+
+
+@triton.jit
+def _pair_rotated(x1, x2, cos_row, sin_row, i1, i2, dmask):
+    """Pair members x1, x2 (x's dtype) turned to (x1 c1 - x2 s1, x2 c2 + x1 s2) by one token's per-channel
+    tables (at columns i1, i2), rounded as `mstar.models.vjepa2.rope.apply_rope` rounds in x's dtype: the
+    tables cast to it, x * cos rounded, then the turned product added with one rounding (its addcmul)."""
+    dtype = x1.dtype
+    c1 = tl.load(cos_row + i1, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+    c2 = tl.load(cos_row + i2, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+    s1 = tl.load(sin_row + i1, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+    s2 = tl.load(sin_row + i2, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+    a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+    o1 = ((a1 * c1).to(dtype).to(tl.float32) - a2 * s1).to(dtype)
+    o2 = ((a2 * c2).to(dtype).to(tl.float32) + a1 * s2).to(dtype)
+    return o1, o2
 
 
 @triton.jit
@@ -115,17 +155,43 @@ def head_norm(a1, a2, w1, w2, eps, dtype, HALF: tl.constexpr):
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, H, D] (any strides with a unit last stride) by cos/sin [T, D]; returns a new
-    contiguous tensor."""
-    tokens, heads, dim = x.shape
-    assert x.stride(2) == 1 and cos.stride(1) == 1 and dim % 2 == 0, "rotary needs unit-stride head dims"
-    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
-    block_h = min(triton.next_power_of_2(heads), 16)
-    _rotary_kernel[(tokens, triton.cdiv(heads, block_h))](
-        x, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1),
-        HALF=dim // 2, BLOCK_H=block_h, **pdl_args(x.device),
-    )
+    """Rotate x [T, H, D] (any strides with a unit last stride) by cos/sin [T, D] (rotate-half pairs);
+    returns a new contiguous tensor."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch_rotary(x.unsqueeze(0), cos.unsqueeze(0), sin.unsqueeze(0), out.unsqueeze(0), pairs=False)
     return out
+
+
+def rotary_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """V-JEPA 2's RoPE (`mstar.models.vjepa2.rope.apply_rope`, whose roundings it keeps) in one pass:
+    x [B, H, N, D] (any strides with a unit last stride), channel pairs (2k, 2k + 1) turned by per-channel
+    cos/sin [N, D] or [B, 1, N, D]; written into `out` (x's shape, unit last stride) when given, else
+    into a new tensor whose dims lie in memory in x's order, as torch's elementwise result would."""
+    batch, heads, tokens, dim = x.shape
+    if out is None:
+        order = sorted(range(4), key=lambda i: x.stride(i), reverse=True)  # outermost first
+        out = torch.empty([x.shape[i] for i in order], dtype=x.dtype, device=x.device)
+        out = out.permute(*(order.index(i) for i in range(4)))
+    assert out.shape == x.shape, f"out {tuple(out.shape)} is not x's shape {tuple(x.shape)}"
+    cos, sin = (torch.broadcast_to(t, (batch, 1, tokens, dim))[:, 0] for t in (cos, sin))
+    _launch_rotary(x.transpose(1, 2), cos, sin, out.transpose(1, 2), pairs=True)
+    return out
+
+
+def _launch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, pairs: bool) -> None:
+    """x and out [B, T, H, D], cos and sin [B, T, D] of the same strides (row strides may be 0), each with a
+    unit last stride: one program per (token, block of heads, batch row)."""
+    batch, tokens, heads, dim = x.shape
+    assert x.stride(3) == out.stride(3) == cos.stride(2) == 1 and cos.stride() == sin.stride() and dim % 2 == 0, \
+        "rotary needs unit-stride head dims and tables of one layout"
+    assert batch < 65536, f"rotary launches one program row per batch row; {batch} pass the grid's 65535"
+    half, block_h = dim // 2, min(triton.next_power_of_2(heads), 16)
+    _rotary_kernel[(tokens, triton.cdiv(heads, block_h), batch)](
+        x, cos, sin, out, heads, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1), out.stride(0),
+        out.stride(1), out.stride(2), HALF=half, BLOCK_D=triton.next_power_of_2(half), BLOCK_H=block_h, PAIRS=pairs,
+        **pdl_args(x.device),
+    )
 
 
 @triton.jit
@@ -173,7 +239,8 @@ def _qk_norm_rotary_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, num
     pdl_launch_dependents(PDL)
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)  # t * stride passes 2**31 in a large packed prefill
-    heads, hmask, d, x1, x2 = _head_halves(x_ptr, t, x_stride_t, x_stride_h, num_heads, HALF, BLOCK_H)
+    d, d2, dmask = _pair_columns(HALF, HALF, False)
+    heads, hmask, x1, x2 = _head_members(x_ptr, t, x_stride_t, x_stride_h, num_heads, d, d2, dmask, BLOCK_H)
     # RMSNorm over each head's 2 * HALF values (q heads first, with q's weight, then k heads, k's)
     is_q = heads[:, None] < num_q
     w1 = tl.where(is_q, tl.load(qw_ptr + d), tl.load(kw_ptr + d)).to(tl.float32)
