@@ -114,6 +114,9 @@ class AutoregressiveSpec:
     # batch sizes of the decode CUDA graphs; None: cuda_graphs' (batch_sizes, or up to max_batch_size)
     cuda_graph_sizes: list[int] | None = field(default=None, metadata={"tunable": True})
     own_stream: bool = field(default=False, metadata={"tunable": True})  # step on a CUDA stream of its own (own_stream.py)
+    # prefill/decode disaggregation: how long a sequence offered to this engine (a decode worker's) may wait
+    # for free pages before the offer is declined (docs/operations.md gives the default's reason)
+    kv_offer_timeout_s: float = field(default=60.0, metadata={"tunable": True})
     # structured outputs: makes the grammar matcher of each request that sets `structured_outputs`
     # (engines/grammar.py); None: such requests fail
     grammars: Grammars | None = None
@@ -130,6 +133,9 @@ class AutoregressiveSpec:
         if self.cuda_graph_sizes is not None and (
                 not self.cuda_graph_sizes or not all(_positive_int(s) for s in self.cuda_graph_sizes)):
             raise ValueError(f"cuda_graph_sizes={self.cuda_graph_sizes!r}: use a list of positive integers")
+        timeout = self.kv_offer_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+            raise ValueError(f"kv_offer_timeout_s={timeout!r}: use a positive number of seconds")
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,13 @@ class KVStreamEnd:
 KVGranted = Callable[[int], None]
 """What a receiver calls once it took pages for an offer: the number of leading tokens it held."""
 
+KVWithdrawn = Callable[[str], None]
+"""What a receiver calls instead when a queued offer found no pages by its deadline: why, in words the
+sender's error quotes ("...needs <why>, and ...")."""
+
+WHOLE_POOL = "more KV pages than the decode worker's whole pool"
+"""Why an offer is declined at once: it can never fit (`reserve_kv` False)."""
+
 
 class KVStreamSink(Protocol):
     """Where a sender's engine puts one streamed sequence as its forwards compute it."""
@@ -75,19 +82,28 @@ class KVHandoff(Protocol):
         its offer is returned. None: the item was submitted as usual (or failed) and nothing streams."""
         ...
 
-    def stream_kv(self, request_id: str, kv_slot: str, skip: int | None) -> None:
+    def stream_kv(self, request_id: str, kv_slot: str, skip: int | None, declined: str = WHOLE_POOL) -> None:
         """Start the waiting sequence: the K/V of its tokens from `skip` on go to its sink as computed, and
-        the sink's `end` follows its item's result; `skip` None: nothing streams (the receiver's whole pool
-        cannot hold it), and a sequence whose K/V depend on more than its token ids (media rows, explicit
-        positions) fails its item, as the receiver could not recompute it."""
+        the sink's `end` follows its item's result; `skip` None: the receiver declined it (`declined` says
+        why: its whole pool cannot hold it, or its pages did not free in time), nothing streams, and a
+        sequence whose K/V depend on more than its token ids (media rows, explicit positions) fails its
+        item with that reason, as the receiver could not recompute it."""
         ...
 
-    def reserve_kv(self, request_id: str, kv_slot: str, offer: KVOffer, granted: KVGranted) -> bool:
+    def reserve_kv(self, request_id: str, kv_slot: str, offer: KVOffer, granted: KVGranted,
+                   withdrawn: KVWithdrawn) -> bool:
         """Take pages for an offered sequence, now or, behind earlier offers, once enough are free: the
         leading ones this engine's prefix cache holds and free ones for the rest, kept until `submit_with_kv`
         or the request's release; then `granted` is called (from this call, a later `step`, `release`,
-        `place_kv` or `submit_with_kv`) with the number of leading tokens held (their K/V need not travel).
-        False, nothing taken or queued: the offer can never fit (more pages than the whole pool)."""
+        `place_kv`, `submit_with_kv` or `expire_kv`) with the number of leading tokens held (their K/V need
+        not travel). An offer still queued at its deadline is dropped and `withdrawn` called instead
+        (`expire_kv`). False, nothing taken or queued: the offer can never fit (more pages than the whole pool)."""
+        ...
+
+    def expire_kv(self, now: float) -> None:
+        """Withdraw the queued offers whose deadline (the engine's `kv_offer_timeout_s` after `reserve_kv`)
+        is `now` (`time.monotonic()`) or earlier: each one's `withdrawn` is called and it holds nothing;
+        offers queued behind them may then be granted."""
         ...
 
     def place_kv(self, request_id: str, kv_slot: str, layer: int, start: int, k: torch.Tensor,

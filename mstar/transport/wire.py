@@ -133,13 +133,15 @@ class KVOffer(msgspec.Struct, tag=True, array_like=True):
 class KVAccept(msgspec.Struct, tag=True, array_like=True):
     """Answer to KVOffer, once the receiver took pages (offers queue for them, first come first): the K/V of
     the sequence's tokens from `skip` on will come (the receiver holds those before it and has pages for the
-    rest); `skip` < 0: the receiver's whole pool cannot hold it, nothing is sent and the receiver recomputes
-    (a sequence with media rows or explicit positions fails instead)."""
+    rest); `skip` < 0: declined (its whole pool cannot hold it, or the offer waited past the receiver's
+    `kv_offer_timeout_s`), nothing is sent and the receiver recomputes (a sequence with media rows or
+    explicit positions fails instead, with `declined` in its error)."""
 
     rid: str
     component: str
     kv_slot: str
     skip: int
+    declined: str = ""  # why, when skip < 0 (`KVWithdrawn`)
 
 
 class KVLayer(msgspec.Struct, tag=True, array_like=True):

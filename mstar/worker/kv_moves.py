@@ -5,7 +5,11 @@ request's next walk. Here, the component's first item of that sequence is submit
 that rank); once the receiver answers (`KVAccept`: it took pages, holding what its prefix cache had, at
 once or, its offer queued behind earlier ones, when enough pages freed), the sequence runs, and every
 layer's K/V leaves as the forward writes it (`KVLayer`), then `KVEnd`. On the receiver each layer is placed
-at once; the sequence's first item there waits for `KVEnd` (`KVHandoff` in engines/kv_handoff.py).
+at once; the sequence's first item there waits for `KVEnd` (`KVHandoff` in engines/kv_handoff.py). An offer
+the receiver cannot seat (larger than its pool, or still queued at its engine's `kv_offer_timeout_s`:
+`expire_offers`, each pass of the worker's loop) is declined (`KVAccept` skip < 0 and why): the sender
+computes the sequence without streaming it and the receiver recomputes it, or, when its token ids alone
+cannot recompute it, the sender fails its request with that reason.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any
 import torch
 
 from mstar.engines.base import Engine, StepItem
-from mstar.engines.kv_handoff import KVHandoff, KVOffer, KVPositions, KVStreamEnd
+from mstar.engines.kv_handoff import WHOLE_POOL, KVHandoff, KVOffer, KVPositions, KVStreamEnd
 from mstar.transport import PeerUnavailable, wire
 from mstar.transport.messages import discard_message
 
@@ -45,6 +49,7 @@ class KVMoves:
         self.rank, self.engines, self.send, self.codec, self.to_device = rank, engines, send, codec, to_device
         self._targets: dict[tuple[str, str], int] = {}  # (rid, component) -> rank its sequence streams to
         self._incoming: dict[_Key, KVStreamEnd | None] = {}  # accepted streams -> their end, once it came
+        self._queued: set[_Key] = set()  # offers the engine queued for pages, not answered yet
         self._waiting: dict[_Key, StepItem] = {}  # first items held until their stream's end
 
     def start(self, rid: str, kv_targets: dict[str, int]) -> None:
@@ -76,7 +81,10 @@ class KVMoves:
         assert isinstance(engine, KVHandoff)  # only such engines get a target (start)
         offer = engine.submit_streamed(item, _Sink(self, key, target))
         if offer is not None:
-            self.send(target, wire.KVOffer(*key, offer.tokens, _hash_bytes(offer.page_hashes), self.rank))
+            try:
+                self.send(target, wire.KVOffer(*key, offer.tokens, _hash_bytes(offer.page_hashes), self.rank))
+            except PeerUnavailable:  # the sequence waits, holding no page, until the request's release
+                logger.warning("rank %d is gone: request %s's K/V offer is not sent", target, key[0])
         return True
 
     def handle(self, msg: wire.KVOffer | wire.KVAccept | wire.KVLayer | wire.KVEnd) -> None:
@@ -85,35 +93,64 @@ class KVMoves:
         elif isinstance(msg, wire.KVAccept):
             engine = self.engines[msg.component]
             assert isinstance(engine, KVHandoff)
-            engine.stream_kv(msg.rid, msg.kv_slot, None if msg.skip < 0 else msg.skip)
+            if msg.skip < 0:
+                engine.stream_kv(msg.rid, msg.kv_slot, None, msg.declined)
+            else:
+                engine.stream_kv(msg.rid, msg.kv_slot, msg.skip)
         elif isinstance(msg, wire.KVLayer):
             self._place(msg)
         else:
             self._end(msg)
 
+    def expire_offers(self, now: float) -> None:
+        """Decline the offers queued here past their engine's deadline at `now` (`time.monotonic()`)."""
+        if not self._queued:
+            return
+        for component in {key[1] for key in self._queued}:
+            engine = self.engines[component]
+            assert isinstance(engine, KVHandoff)  # only such engines queue offers (_offer)
+            engine.expire_kv(now)
+
     def release(self, rid: str) -> None:
         for table in (self._targets, self._incoming, self._waiting):
             for key in [k for k in table if k[0] == rid]:
                 del table[key]
+        self._queued = {k for k in self._queued if k[0] != rid}
 
     def __len__(self) -> int:
-        return len(self._targets) + len(self._incoming) + len(self._waiting)
+        return len(self._targets) + len(self._incoming) + len(self._waiting) + len(self._queued)
 
     def _offer(self, msg: wire.KVOffer) -> None:
         key = (msg.rid, msg.component, msg.kv_slot)
         engine = self.engines.get(msg.component)
-        offer = KVOffer(msg.tokens, _hash_ints(msg.page_hashes))
-        if not isinstance(engine, KVHandoff) or not engine.reserve_kv(msg.rid, msg.kv_slot, offer,
-                                                                      lambda skip: self._accept(key, msg.reply_to, skip)):
-            self.send(msg.reply_to, wire.KVAccept(*key, -1))
+        if not isinstance(engine, KVHandoff):  # the conductor names only ranks whose engine takes moved K/V
+            self._answer(msg.reply_to, wire.KVAccept(*key, -1, f"an engine on rank {self.rank} that takes moved K/V"))
+            return
+        rank = msg.reply_to
+        self._queued.add(key)  # until the engine grants or withdraws it (maybe within reserve_kv)
+        if not engine.reserve_kv(msg.rid, msg.kv_slot, KVOffer(msg.tokens, _hash_ints(msg.page_hashes)),
+                                 lambda skip: self._accept(key, rank, skip), lambda why: self._withdrawn(key, rank, why)):
+            self._queued.discard(key)
+            self._answer(rank, wire.KVAccept(*key, -1, WHOLE_POOL))
 
     def _accept(self, key: _Key, rank: int, skip: int) -> None:
         """The engine took pages for an offer (called from its methods, maybe long after the offer)."""
+        self._queued.discard(key)
         self._incoming[key] = _LAYERS_COMING
+        self._answer(rank, wire.KVAccept(*key, skip))
+
+    def _withdrawn(self, key: _Key, rank: int, why: str) -> None:
+        """The engine dropped an offer that found no pages by its deadline (`expire_kv`): declined."""
+        self._queued.discard(key)
+        logger.warning("request %s's K/V offer for %s found no free pages here in time: declined (%s)",
+                       key[0], key[1], why)
+        self._answer(rank, wire.KVAccept(*key, -1, why))
+
+    def _answer(self, rank: int, msg: wire.KVAccept) -> None:
         try:
-            self.send(rank, wire.KVAccept(*key, skip))
+            self.send(rank, msg)
         except PeerUnavailable:  # the request fails once the conductor learns of it; its release frees the pages
-            logger.warning("rank %d is gone: request %s's K/V offer is not answered", rank, key[0])
+            logger.warning("rank %d is gone: request %s's K/V offer is not answered", rank, msg.rid)
 
     def _place(self, msg: wire.KVLayer) -> None:
         if (msg.rid, msg.component, msg.kv_slot) not in self._incoming:  # released meanwhile

@@ -151,12 +151,14 @@ class Worker:
 
     def run(self) -> None:
         """Serve until a Shutdown message arrives; engine stats go to the conductor about twice a second,
-        and at once when the worker turns busy or idle."""
+        and at once when the worker turns busy or idle; K/V offers queued here past their deadline are
+        declined (checked each pass: after each engine step, every 50 ms when idle)."""
         engines = list(self.engines.values())
         while self._running:
             busy = any(e.has_work() for e in engines)
             self.receive(timeout_s=0.0 if busy else 0.05)
             self.execute()
+            self.kv_moves.expire_offers(time.monotonic())
             self.stats.maybe_send(busy=any(e.has_work() for e in engines))
 
     def receive(self, timeout_s: float) -> None:

@@ -1,8 +1,10 @@
 """Prefill/decode disaggregation's layer-by-layer KV stream in one process (two workers, mstar/configs/llama_pd.yaml):
 a request cancelled while its K/V stream leaves every page free on both workers; a decode worker that declines a
-text prompt recomputes it with the same greedy tokens; media prompts (tiny Qwen3-Omni, slow) whose decode pool
-holds one at a time wait for its pages and give one worker's tokens, and one the decode worker declines fails
-alone with a message naming the pool."""
+text prompt recomputes it with the same greedy tokens; with the decode pool held full, an offer seated before
+`kv_offer_timeout_s` streams (nothing recomputed) and a text prompt whose offer waits past it is declined and
+recomputed; media prompts (tiny Qwen3-Omni, slow) whose decode pool holds one at a time wait for its pages and
+give one worker's tokens, and one the decode worker declines (larger than its pool, or not seated by the deadline)
+fails alone with a message naming the setting; nothing stays reserved on either worker."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import pytest
 
 from mstar.config import load_config
 from mstar.engines.autoregressive import AutoregressiveEngine, kv_transfer
+from mstar.engines.kv_handoff import KVOffer
 from mstar.runtime.offline import MStar, RequestFailed
+from mstar.transport import wire
 from mstar.worker import kv_moves
 from tests.models.llm_runtime_testing import PROMPTS, hf_greedy, make_checkpoint, token_ids
 
@@ -28,8 +32,10 @@ def llama(tmp_path_factory):
     return path, hf, tok
 
 
-def _split(path) -> MStar:
-    return MStar("llama", config=dataclasses.replace(load_config("llama_pd"), device="cpu"), model_path=str(path))
+def _split(path, **llm) -> MStar:
+    """llama_pd on CPU; `llm`: engine settings of the llm component (both workers)."""
+    config = dataclasses.replace(load_config("llama_pd"), device="cpu", engines={"llm": llm} if llm else {})
+    return MStar("llama", config=config, model_path=str(path))
 
 
 def _wait(condition, timeout_s: float = 10.0) -> None:
@@ -64,8 +70,75 @@ def test_cancelled_mid_stream_leaves_every_page_free(llama, monkeypatch):
         assert token_ids(split.submit({"text": PROMPTS[0]}, **GREEDY)) == want
 
 
-def _decline(self, rid, kv_slot, offer, granted) -> bool:
+def _decline(self, rid, kv_slot, offer, granted, withdrawn) -> bool:
     return False
+
+
+HOLDER = "pool-holder"  # a request id no client uses
+
+
+def _hold_the_whole_pool(engine) -> None:
+    """Take every page of an idle worker's `engine` for a made-up request, as a leak or long sequences would."""
+    granted: list = []
+    offer = KVOffer([0] * (engine.pool.num_pages * engine.pool.page_size), [])
+    assert engine.reserve_kv(HOLDER, "main", offer, granted.append, granted.append) and granted == [0]
+    assert engine.pool.num_free == 0
+
+
+def _let_go(m: MStar, rank: int) -> None:
+    """Free what `_hold_the_whole_pool` took, on the worker's own thread (as a request's release does)."""
+    m.runtime._send(rank, wire.Release(HOLDER))
+
+
+def _bounded(handle, seconds: float = 60.0) -> threading.Timer:
+    """Cancel `handle` if it still runs after `seconds`: a wedged request fails the test instead of hanging it."""
+    timer = threading.Timer(seconds, handle.cancel)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _nothing_left(m: MStar, component: str) -> None:
+    workers = m.runtime.workers
+    _wait(lambda: all(w.state_size() == 0 and w.engines[component].pool.num_used == 0 for w in workers.values()))
+    kv = [w.engines[component].kv for w in workers.values()]
+    assert not any(k.queued or k.reserved or k.offered or k.streams or k.unstreamed for k in kv)
+
+
+def test_an_offer_seated_before_its_deadline_streams(llama):
+    path, hf, tok = llama
+    prompt = tok.encode(PROMPTS[3])
+    with _split(path, max_num_pages=16, kv_offer_timeout_s=30.0) as split:
+        prefill, decode = (split.runtime.workers[r].engines["llm"] for r in (0, 1))
+        _hold_the_whole_pool(decode)
+        handle = split.submit({"text": PROMPTS[3]}, **GREEDY)
+        timer = _bounded(handle)
+        _wait(lambda: bool(decode.kv.queued))  # the offer waits for pages
+        _let_go(split, 1)
+        assert token_ids(handle) == hf_greedy(hf, prompt, 8)
+        timer.cancel()
+        assert decode.stats()["prompt_tokens"] == 0 and decode.stats()["kv_pages_received"] == -(-len(prompt) // 16)
+        _nothing_left(split, "llm")
+
+
+def test_a_text_prompt_whose_offer_waits_past_its_deadline_is_recomputed(llama):
+    path, hf, tok = llama
+    prompt = tok.encode(PROMPTS[3])
+    with _split(path, max_num_pages=16, kv_offer_timeout_s=0.5) as split:
+        prefill, decode = (split.runtime.workers[r].engines["llm"] for r in (0, 1))
+        _hold_the_whole_pool(decode)
+        start = time.monotonic()
+        handle = split.submit({"text": PROMPTS[3]}, **GREEDY)
+        # declined at the deadline: the prefill ran unstreamed, and the decode worker's recompute waits for pages
+        _wait(lambda: decode.stats()["seqs_waiting"] == 1)
+        assert time.monotonic() - start >= 0.5 and not decode.kv.queued and not decode.kv.reserved.keys() - {(HOLDER, "main")}
+        _let_go(split, 1)
+        timer = _bounded(handle)
+        assert token_ids(handle) == hf_greedy(hf, prompt, 8)
+        timer.cancel()
+        assert decode.stats()["prompt_tokens"] == len(prompt) and decode.stats()["kv_pages_received"] == 0
+        assert prefill.stats()["kv_pages_sent"] == 0
+        _nothing_left(split, "llm")
 
 
 def test_a_declined_text_prompt_is_recomputed_by_the_decode_worker(llama, monkeypatch):
@@ -97,14 +170,16 @@ def test_a_request_that_ends_at_prefill_frees_the_decode_workers_reservation(lla
         assert not any(split.runtime.conductor._load)  # the decode replica reserved early is let go
 
 
-def _omni_pd(thinker_pages: int | None = None):
+def _omni_pd(thinker_pages: int | None = None, **thinker):
+    """OMNI_PD; `thinker_pages`: the thinker's pool (and context) on both workers; `thinker`: its other settings."""
     from mstar.config import config_from_dict
     from tests.models.test_pd_kv_transfer import OMNI_PD
 
-    if thinker_pages is None:
-        return config_from_dict(OMNI_PD)
-    kwargs = {**OMNI_PD["model_kwargs"], "max_model_len": thinker_pages * 16}
-    return config_from_dict({**OMNI_PD, "model_kwargs": kwargs, "engines": {"thinker": {"max_num_pages": thinker_pages}}})
+    config = {**OMNI_PD, "engines": {"thinker": thinker}}
+    if thinker_pages is not None:
+        config["model_kwargs"] = {**OMNI_PD["model_kwargs"], "max_model_len": thinker_pages * 16}
+        config["engines"]["thinker"]["max_num_pages"] = thinker_pages
+    return config_from_dict(config)
 
 
 OMNI_TEXT = {"temperature": 0.0, "max_tokens": 6, "modalities": ["text"]}
@@ -120,8 +195,8 @@ def test_media_prompts_wait_for_the_decode_workers_pages_and_give_one_workers_to
         want = m.generate(media_chat_request(), **OMNI_TEXT).outputs["text"]
     queued, reserve = [], kv_transfer.KVStreams.reserve
 
-    def noting_the_queue(self, key, offer, granted):
-        taken = reserve(self, key, offer, granted)
+    def noting_the_queue(self, key, offer, granted, withdrawn):
+        taken = reserve(self, key, offer, granted, withdrawn)
         queued.append(len(self.queued))
         return taken
 
@@ -151,3 +226,27 @@ def test_a_media_prompt_the_decode_worker_declines_fails_alone_with_the_pool_to_
         assert "".join(text.outputs["text"])  # the text request after it is recomputed and served
         workers = m.runtime.workers
         _wait(lambda: all(w.state_size() == 0 and w.engines["thinker"].pool.num_used == 0 for w in workers.values()))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_a_media_prompt_whose_offer_waits_past_its_deadline_fails_alone_naming_the_setting():
+    from tests.models.qwen3_omni_testing import media_chat_request
+
+    with MStar("qwen3_omni", config=_omni_pd(thinker_pages=8, kv_offer_timeout_s=0.5), tiny=True) as m:
+        decode = m.runtime.workers[1].engines["thinker"]
+        _hold_the_whole_pool(decode)
+        handle = m.submit(media_chat_request(), **OMNI_TEXT)
+        timer = _bounded(handle)  # a request left waiting would end cancelled, with no error
+        with pytest.raises(RequestFailed, match=r"needs KV pages the decode worker's pool did not free within 0.5 s "
+                                                r"\(engines.<component>.kv_offer_timeout_s\), and its media rows or "
+                                                r"explicit positions cannot be recomputed there; raise the decode "
+                                                r"worker's KV pool"):
+            handle.decoded()
+        timer.cancel()
+        assert not decode.kv.queued and list(decode.kv.reserved) == [(HOLDER, "main")]
+        _let_go(m, 1)
+        text = m.generate({"messages": [{"role": "user", "content": "Say something."}]}, **OMNI_TEXT)
+        assert "".join(text.outputs["text"])  # the decode worker serves on: this one streams
+        assert decode.stats()["prompt_tokens"] == 0 and decode.stats()["kv_pages_received"] > 0
+        _nothing_left(m, "thinker")

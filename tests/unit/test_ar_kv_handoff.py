@@ -6,6 +6,7 @@ pool is declined (the receiver then recomputes); nothing leaks."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -67,10 +68,15 @@ def _one_engine(model, prompt, steps, **options) -> list[int]:
     return [first, *_run(engine)]
 
 
+def _kept(why: str) -> None:
+    """The `withdrawn` of an offer the test expects to be granted."""
+    raise AssertionError(f"offer withdrawn: {why}")
+
+
 def _reserve(b, rid, offer) -> int | None:
     """b's answer to `offer` if it took pages at once: the leading tokens it held; None when it declined."""
     granted: list[int] = []
-    if not b.reserve_kv(rid, "main", offer, granted.append):
+    if not b.reserve_kv(rid, "main", offer, granted.append, _kept):
         return None
     (skip,) = granted
     return skip
@@ -148,7 +154,8 @@ def test_an_offer_waits_for_pages_another_request_frees(model):
     b.submit(replace(_prefill_item("busy", other, max_tokens=3, **opts), loop=LoopSpec(3)))
     b.step()
     wire, granted = Wire(b, "r"), []
-    assert b.reserve_kv("r", "main", a.submit_streamed(_prefill_item("r", prompt, **opts), wire), granted.append)
+    assert b.reserve_kv("r", "main", a.submit_streamed(_prefill_item("r", prompt, **opts), wire), granted.append,
+                        _kept)
     assert not granted and b.kv.queued and b.stats()["kv_pages_used"] == 6  # queued, nothing taken
     assert not a.step() and not a.has_work()  # r computes nothing until the answer
     _run(b)  # "busy" ends at max_tokens: its pages free and r's offer takes them
@@ -170,11 +177,12 @@ def test_an_offer_released_while_queued_leaves_nothing(model):
     b.step()
     granted: list[int] = []
     assert b.reserve_kv("r", "main", a.submit_streamed(_prefill_item("r", prompt, **opts), Wire(b, "r")),
-                        granted.append)
+                        granted.append, granted.append)
     a.release("r")
     b.release("r")
     assert not b.kv.queued and not a.kv.offered and not a.has_work()
     _run(b)  # "busy"'s pages free: no offer is left to take them
+    b.expire_kv(time.monotonic() + 3600)  # nor to withdraw
     assert not granted and not b.kv.reserved and b.stats()["kv_pages_used"] == 0
     assert a.stats()["kv_pages_used"] == 0 and not a.step()
 
@@ -187,12 +195,35 @@ def test_later_offers_do_not_overtake_a_queued_one(model):
     order: list[str] = []
     for rid, p in (("r1", prompt), ("r2", small)):  # r2 would fit the 7 free pages now
         offer = a.submit_streamed(_prefill_item(rid, p), Wire(b, rid))
-        assert b.reserve_kv(rid, "main", offer, lambda skip, rid=rid: order.append(rid))
+        assert b.reserve_kv(rid, "main", offer, lambda skip, rid=rid: order.append(rid), _kept)
     assert not order
     _run(b)
     assert order == ["r1"] and list(b.kv.queued) == [("r2", "main")]  # 13 pages: 8 for r1, 5 left
     b.release("r1")
     assert order == ["r1", "r2"] and not b.kv.queued
+
+
+def test_a_queued_offer_past_its_deadline_is_withdrawn_and_those_behind_it_may_be_granted(model):
+    prompt, small = prompts(8)[-1], prompts(8, seed=2)[-2]  # 8 pages, then 6
+    a, b = make_engine(model), make_engine(model, pages=6 + 7, kv_offer_timeout_s=5.0)
+    b.submit(replace(_prefill_item("busy", prompts(8)[-2], max_tokens=3), loop=LoopSpec(3)))
+    b.step()  # "busy" holds 6 pages: r1 waits, r2 (which would fit) waits behind it
+    answers: list[tuple[str, object]] = []
+    for rid, p in (("r1", prompt), ("r2", small)):
+        offer = a.submit_streamed(_prefill_item(rid, p), Wire(b, rid))
+        assert b.reserve_kv(rid, "main", offer, lambda skip, rid=rid: answers.append((rid, skip)),
+                            lambda why, rid=rid: answers.append((rid, why)))
+        time.sleep(0.01)  # r2's deadline comes strictly later than r1's
+    first_deadline = b.kv.queued[("r1", "main")].deadline
+    b.expire_kv(first_deadline - 0.001)
+    assert not answers and len(b.kv.queued) == 2
+    b.expire_kv(first_deadline)
+    assert answers == [("r1", "KV pages the decode worker's pool did not free within 5 s "
+                               "(engines.<component>.kv_offer_timeout_s)"), ("r2", 0)]
+    assert not b.kv.queued and list(b.kv.reserved) == [("r2", "main")] and b.stats()["kv_pages_used"] == 6 + 6
+    b.release("r2")
+    _run(b)
+    assert b.stats()["kv_pages_used"] == 0 and not b.kv.reserved
 
 
 def test_an_offer_larger_than_the_whole_pool_is_declined_and_recomputed(model):

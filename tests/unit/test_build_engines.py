@@ -108,12 +108,13 @@ def test_a_build_returning_the_wrong_spec_kind_is_named(made):
     ({"vocodr": {}}, "unknown key 'engines.vocodr': model 'orpheus' has no such component; valid keys here are "
                      "\\['llm', 'snac'\\]"),
     ({"llm": {"max_num_seq": 4}}, "unknown key 'engines.llm.max_num_seq'; valid keys here are \\['cuda_graph_sizes', "
-                                  "'enable_prefix_caching', 'max_batch_tokens', 'max_num_pages', 'max_num_seqs', "
-                                  "'memory_fraction', 'own_stream'\\]"),
+                                  "'enable_prefix_caching', 'kv_offer_timeout_s', 'max_batch_tokens', 'max_num_pages', "
+                                  "'max_num_seqs', 'memory_fraction', 'own_stream'\\]"),
     ({"snac": {"max_num_seqs": 4}}, "unknown key 'engines.snac.max_num_seqs'; valid keys here are "
                                     "\\['cuda_graph_sizes', 'max_batch_size'\\]"),
     ({"llm": {"max_num_seqs": "many"}}, "engines.llm.max_num_seqs must be int, got 'many'"),
     ({"llm": {"max_num_seqs": 0}}, "engines.llm: max_num_seqs=0: use a positive integer"),
+    ({"llm": {"kv_offer_timeout_s": 0}}, "engines.llm: kv_offer_timeout_s=0.0: use a positive number of seconds"),
     ({"llm": {"eos_token_ids": [1]}}, "unknown key 'engines.llm.eos_token_ids'"),  # the model's, not tunable
     ({"llm": 4}, "engines.llm must be a mapping, got 4"),
 ])

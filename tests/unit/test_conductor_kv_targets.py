@@ -40,6 +40,18 @@ def test_prefill_start_names_the_decode_rank_and_decode_runs_there():
     assert _starts(sent)[1] == (targets["llm"], "decode", {})  # the reserved replica, nothing moves on
 
 
+def test_the_reserved_decode_rank_dying_during_prefill_fails_the_request_and_releases_the_prefill_worker():
+    # the prefill worker's sequence waits for that rank's KVAccept: the release is what frees it
+    events = []
+    conductor, sent = _conductor([NodeGroup(["llm"], [0], ["prefill"]), NodeGroup(["llm"], [1], ["decode"])])
+    conductor.submit("s", {"x": 1}, {}, events.append)
+    assert [t for _, _, t in _starts(sent)] == [{"llm": 1}, {"llm": 1}]
+    conductor.worker_died(1, "killed")
+    assert [rank for rank, m in sent if isinstance(m, wire.Release)] == [0, 0]  # r and s; none to the dead rank
+    (event,) = events
+    assert event.finish_reason == "error" and "worker 1 died" in event.error
+
+
 def test_a_request_that_ends_after_prefill_releases_the_reserved_decode_rank():
     conductor, sent = _conductor([NodeGroup(["llm"], [0], ["prefill"]), NodeGroup(["llm"], [1], ["decode"])])
     conductor.handle(wire.WalkDone("r#1", "prefill", {}, {}, stopped=True))

@@ -2,10 +2,14 @@
 autoregressive engine: a request released at any point of its K/V stream (before the receiver's answer,
 between the answer and the first layer, after KVEnd but before the decode item) leaves no page and no
 move state on either side; an offer the receiver has no room for is answered once another request's pages
-free, or leaves nothing when released while it waits; a receiver that is gone fails only the streamed request, not the sender's
-other work; a target naming the worker itself streams nothing."""
+free, or leaves nothing when released while it waits, or, still queued at the receiver's `kv_offer_timeout_s`, is
+declined with that reason and recomputed there; a receiver that is gone fails only the streamed request, not the
+sender's other work, and an offer it cannot be sent waits for the release; a target naming the worker itself
+streams nothing."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
@@ -46,9 +50,9 @@ class Net:
                 moves[rank].handle(msg)
 
 
-def _pair(model, receiver_pages=64, **kw):
+def _pair(model, receiver_pages=64, receiver_timeout_s=60.0, **kw):
     net = Net()
-    a, b = make_engine(model, **kw), make_engine(model, pages=receiver_pages)
+    a, b = make_engine(model, **kw), make_engine(model, pages=receiver_pages, kv_offer_timeout_s=receiver_timeout_s)
     moves = {r: KVMoves(r, {"llm": e}, net.send, LocalCodec(), lambda t: t) for r, e in ((0, a), (1, b))}
     return net, a, b, moves
 
@@ -201,3 +205,42 @@ def test_an_offer_larger_than_the_receivers_pool_is_declined(model):
     assert answer.skip < 0 and not len(moves[1]) and not b.kv.queued
     net.deliver(moves)
     assert len(_steps(a)) == 1 and _empty(a, b)  # a computes the item and forgets the sequence
+
+
+def test_an_offer_still_queued_at_its_deadline_is_declined_and_recomputed(model):
+    prompt, other = prompts(8)[-1], prompts(8)[-2]
+    net, a, b, moves = _pair(model, receiver_pages=6 + 7, receiver_timeout_s=30.0)  # "busy" holds 6, r needs 8
+    b.submit(StepItem("busy", "prefill", "llm", {"input_ids": torch.tensor(other)}, {**GREEDY, "max_tokens": 3},
+                      loop=LoopSpec(3)))
+    b.step()
+    moves[0].start("r", {"llm": 1})
+    moves[0].submit("llm", _prefill("r", prompt))
+    net.deliver(moves)  # the offer: b queues it
+    moves[1].expire_offers(time.monotonic())  # within its deadline: it waits on
+    assert not net.queue and b.kv.queued and len(moves[1]) == 1 and not a.has_work()
+    moves[1].expire_offers(time.monotonic() + 30.0)
+    (_, answer), = net.queue
+    assert answer.skip < 0 and "within 30 s (engines.<component>.kv_offer_timeout_s)" in answer.declined
+    assert not b.kv.queued and not b.kv.reserved and not len(moves[1]) and b.stats()["kv_pages_used"] == 6
+    net.deliver(moves)  # the decline: a computes the sequence without streaming it and forgets it
+    (result,) = _steps(a, net, moves)
+    assert result.error is None and not net.queue and _empty(a)
+    first = int(result.outputs["token"])
+    assert not moves[1].submit("llm", _decode("r", prompt, first, 5))  # nothing comes: b recomputes it
+    b.submit(_decode("r", prompt, first, 5))
+    got = [int(r.outputs["token"]) for r in _steps(b) if r.request_id == "r"]
+    assert [first, *got] == _steps_one_engine(model, prompt, 5)
+    assert b.stats()["prompt_tokens"] == len(other) + len(prompt) and b.stats()["kv_pages_received"] == 0
+    _release("r", (a, b), moves)
+    b.release("busy")
+    assert _empty(a, b, *moves.values())
+
+
+def test_an_offer_the_receiver_cannot_be_sent_waits_for_the_release(model):
+    net, a, b, moves = _pair(model)
+    net.gone.add(1)
+    moves[0].start("r", {"llm": 1})
+    assert moves[0].submit("llm", _prefill("r", prompts(8)[-1]))  # the send fails: logged, not raised
+    assert not net.queue and not a.has_work() and a.kv.offered  # it waits for the conductor's release
+    _release("r", (a, b), moves)
+    assert _empty(a, b, *moves.values())

@@ -34,4 +34,5 @@ def build_autoregressive_engine(module: CausalLM, spec: AutoregressiveSpec, kv_c
     return AutoregressiveEngine(module, kv_config, device, eos_token_ids=spec.eos_token_ids,
                                 max_num_seqs=spec.max_num_seqs, max_batch_tokens=spec.max_batch_tokens,
                                 max_model_len=max_model_len, enable_prefix_caching=spec.enable_prefix_caching,
-                                cuda_graphs=cuda_graphs, num_pages=num_pages, grammars=spec.grammars)
+                                cuda_graphs=cuda_graphs, num_pages=num_pages, grammars=spec.grammars,
+                                kv_offer_timeout_s=spec.kv_offer_timeout_s)

@@ -33,8 +33,9 @@ worker left off. For a sequence it already holds, `prompt_ids` is ignored.
 
 Moving a sequence instead (`KVHandoff`, kv_transfer.py): the prefill worker's sequence waits until the
 decode worker has taken pages for it (`submit_streamed`, `reserve_kv`, `stream_kv`; an offer without room
-queues there until pages free), then each layer's K/V leaves as soon as the forward wrote it (`place_kv` on
-the other side), and the decode worker's first item starts from those pages (`submit_with_kv`): no prompt token is computed again.
+queues there until pages free, for `kv_offer_timeout_s` at most: `expire_kv`), then each layer's K/V
+leaves as soon as the forward wrote it (`place_kv` on the other side), and the decode worker's first item
+starts from those pages (`submit_with_kv`): no prompt token is computed again.
 `stats()["prompt_tokens"]` counts the prompt tokens this engine computed.
 """
 
@@ -53,12 +54,12 @@ from mstar.engines.autoregressive.sequence import Sequence
 from mstar.engines.autoregressive.step_graph import StepGraphs
 from mstar.engines.autoregressive.token_inputs import ItemExtras, TokenInputs, parse_item
 from mstar.engines.autoregressive.warm_up import warm_up_engine
-from mstar.engines.base import CausalLM, StepItem, StepResult, require
+from mstar.engines.base import AutoregressiveSpec, CausalLM, StepItem, StepResult, require
 from mstar.engines.cuda_graphs import to_device_async
 from mstar.engines.grammar import Grammars, start_matcher
 from mstar.engines.kv_cache.block_pool import BlockPool
 from mstar.engines.kv_cache.config import KVCacheConfig, compute_num_pages
-from mstar.engines.kv_handoff import KVGranted, KVOffer, KVStreamEnd, KVStreamSink
+from mstar.engines.kv_handoff import WHOLE_POOL, KVGranted, KVOffer, KVStreamEnd, KVStreamSink, KVWithdrawn
 from mstar.engines.sampling import SampleOutput, SamplingParams, SamplingRow, plain_greedy, sample
 from mstar.engines.sampling_graph import SamplerGraphs
 from mstar.engines.token_masks import TokenMasks
@@ -82,7 +83,8 @@ class AutoregressiveEngine:
                  max_num_seqs: int = 256, max_batch_tokens: int = 2048, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, cuda_graphs: CudaGraphConfig | None = None,
                  warm_up: bool | None = None, lookahead: bool | None = None, num_pages: int | None = None,
-                 grammars: Grammars | None = None) -> None:
+                 grammars: Grammars | None = None,
+                 kv_offer_timeout_s: float = AutoregressiveSpec.kv_offer_timeout_s) -> None:
         if max_num_seqs < 1 or max_batch_tokens < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs}, max_batch_tokens={max_batch_tokens}: both must be >= 1")
         self.device = torch.device(device)
@@ -109,7 +111,7 @@ class AutoregressiveEngine:
         self.runner = ModelRunner(model, attn, kv_config.page_size, self.device, cuda_graphs, max_num_seqs)
         self._seqs: dict[tuple[str, str], Sequence] = {}
         self._errors: list[StepResult] = []  # items refused at submit, reported by the next step
-        self.kv = kv_transfer.KVStreams(self.pool, attn)  # sequences moving to or from another worker
+        self.kv = kv_transfer.KVStreams(self.pool, attn, kv_offer_timeout_s)  # sequences moving to or from another worker
         self.prompt_tokens = 0  # prompt tokens computed (a moved sequence's count none)
         # a request without a seed samples from a generator seeded by its id, not the device's shared one:
         # the ranks of a tensor-parallel replica then draw the same tokens (worker/replica.py)
@@ -234,7 +236,7 @@ class AutoregressiveEngine:
             return None
         return self.kv.offer(self._seqs[key], sink) if self._try_accept(item, waiting=True) else None
 
-    def stream_kv(self, request_id: str, kv_slot: str, skip: int | None) -> None:
+    def stream_kv(self, request_id: str, kv_slot: str, skip: int | None, declined: str = WHOLE_POOL) -> None:
         """`KVHandoff.stream_kv`; unknown keys (released meanwhile) are fine."""
         key = (request_id, kv_slot)
         if not self.kv.start(key, skip) or key not in self._seqs:
@@ -244,15 +246,20 @@ class AutoregressiveEngine:
             self.kv.unstreamed.discard(key)
             del self._seqs[key]
             self._errors.append(StepResult(request_id, seq.item.walk, seq.item.node, iteration=seq.item.iteration,
-                                           error=_not_recomputable(request_id, len(seq.token_ids),
-                                                                   "more KV pages than the decode worker's whole pool")))
+                                           error=_not_recomputable(request_id, len(seq.token_ids), declined)))
             return
         self.batch_scheduler.add(seq)
 
-    def reserve_kv(self, request_id: str, kv_slot: str, offer: KVOffer, granted: KVGranted) -> bool:
+    def reserve_kv(self, request_id: str, kv_slot: str, offer: KVOffer, granted: KVGranted,
+                   withdrawn: KVWithdrawn) -> bool:
         """`KVHandoff.reserve_kv`."""
         key = (request_id, kv_slot)
-        return key not in self._seqs and self.kv.reserve(key, offer, granted)
+        return key not in self._seqs and self.kv.reserve(key, offer, granted, withdrawn)
+
+    def expire_kv(self, now: float) -> None:
+        """`KVHandoff.expire_kv`."""
+        if self.kv.queued:
+            self.kv.expire(now)
 
     def place_kv(self, request_id: str, kv_slot: str, layer: int, start: int, k: torch.Tensor,
                  v: torch.Tensor) -> None:

@@ -10,6 +10,7 @@ position ([tokens, kv_heads, head_dim] per layer), so the two ends' page ids nee
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -18,7 +19,7 @@ import torch
 
 from mstar.engines.cuda_graphs import to_device_async
 from mstar.engines.kv_cache.prefix_cache import hash_pages
-from mstar.engines.kv_handoff import KVGranted, KVOffer, KVStreamEnd, KVStreamSink
+from mstar.engines.kv_handoff import KVGranted, KVOffer, KVStreamEnd, KVStreamSink, KVWithdrawn
 
 if TYPE_CHECKING:
     from mstar.engines.autoregressive.batch_scheduler import BatchScheduler, Chunk
@@ -82,6 +83,16 @@ class _Stream:
 
 
 @dataclass
+class _Queued:
+    """An offer waiting for pages: whom to answer, and until when it may wait."""
+
+    offer: KVOffer
+    granted: KVGranted
+    withdrawn: KVWithdrawn
+    deadline: float  # time.monotonic() after which it is withdrawn
+
+
+@dataclass
 class _Reserved:
     """Pages taken for a sequence streamed here; the first `held` came from the prefix cache."""
 
@@ -95,12 +106,13 @@ class KVStreams:
     (sender), offers waiting for pages, reserved ones and adopted ones waiting for a seat (receiver). The
     engine calls it; it owns no sequence (those waiting for a seat are the engine's, held here until seated)."""
 
-    def __init__(self, pool: BlockPool, attn: object) -> None:
-        self.pool, self.attn = pool, attn
+    def __init__(self, pool: BlockPool, attn: object, offer_timeout_s: float) -> None:
+        """`offer_timeout_s`: how long an offer may wait for pages (`AutoregressiveSpec.kv_offer_timeout_s`)."""
+        self.pool, self.attn, self.offer_timeout_s = pool, attn, offer_timeout_s
         self.offered: dict[tuple[str, str], KVStreamSink] = {}
         self.streams: dict[tuple[str, str], _Stream] = {}
         self.unstreamed: set[tuple[str, str]] = set()  # continued elsewhere by recomputing: nothing streams
-        self.queued: dict[tuple[str, str], tuple[KVOffer, KVGranted]] = {}  # offers waiting for pages, in order
+        self.queued: dict[tuple[str, str], _Queued] = {}  # offers waiting for pages, in arrival (and deadline) order
         self.reserved: dict[tuple[str, str], _Reserved] = {}
         self.seating: dict[tuple[str, str], tuple[Sequence, KVStreamEnd]] = {}  # adopted, no seat free yet
         self.pages_sent = self.pages_received = self.pages_reused = 0
@@ -168,27 +180,41 @@ class KVStreams:
         s.sink.end(KVStreamEnd(list(seq.token_ids), list(seq.page_hashes[: seq.num_registered]), positions))
         return True
 
-    def reserve(self, key: tuple[str, str], offer: KVOffer, granted: KVGranted) -> bool:
-        """`KVHandoff.reserve_kv`: the offer queues behind earlier ones until the pool has room for it."""
+    def reserve(self, key: tuple[str, str], offer: KVOffer, granted: KVGranted, withdrawn: KVWithdrawn) -> bool:
+        """`KVHandoff.reserve_kv`: the offer queues behind earlier ones until the pool has room for it, or
+        until `offer_timeout_s` passed (`expire`)."""
         if key in self.reserved or key in self.queued or self.pool.pages_for(len(offer.tokens)) > self.pool.num_pages:
             return False
-        self.queued[key] = (offer, granted)
+        self.queued[key] = _Queued(offer, granted, withdrawn, time.monotonic() + self.offer_timeout_s)
         self.grant()
         return True
+
+    def expire(self, now: float) -> None:
+        """`KVHandoff.expire_kv`: deadlines grow in queue order, so the late offers lead the queue."""
+        withdrew = False
+        while self.queued:
+            key, q = next(iter(self.queued.items()))
+            if q.deadline > now:
+                break
+            del self.queued[key]
+            withdrew = True
+            q.withdrawn(f"KV pages the decode worker's pool did not free within {self.offer_timeout_s:g} s "
+                        "(engines.<component>.kv_offer_timeout_s)")
+        if withdrew:  # an offer behind the withdrawn ones may fit what is free
+            self.grant()
 
     def grant(self) -> None:
         """Take pages for the queued offers, first come first, while the pool has room for the next one."""
         while self.queued:
-            key = next(iter(self.queued))
-            offer, granted = self.queued[key]
-            held = self.pool.match_prefix(offer.page_hashes)
-            fresh = self.pool.pages_for(len(offer.tokens)) - len(held)
+            key, q = next(iter(self.queued.items()))
+            held = self.pool.match_prefix(q.offer.page_hashes)
+            fresh = self.pool.pages_for(len(q.offer.tokens)) - len(held)
             if fresh > self.pool.num_free:
                 self.pool.free(held)
                 return
             del self.queued[key]
             self.reserved[key] = _Reserved([*held, *self.pool.allocate(fresh)], len(held))
-            granted(len(held) * self.pool.page_size)
+            q.granted(len(held) * self.pool.page_size)
 
     def place(self, key: tuple[str, str], layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """`KVHandoff.place_kv`."""
