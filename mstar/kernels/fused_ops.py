@@ -1,5 +1,5 @@
 """Fused elementwise Triton kernels for the decoder layers: (residual add +) RMSNorm, rotary and its cos/sin,
-Qwen3's qk-norm with rotary, SiLU-and-mul, and a MoE block's sigmoid-gated shared-expert add.
+Qwen3's qk-norm with rotary, SiLU- and GELU(tanh)-and-mul, and a MoE block's sigmoid-gated shared-expert add.
 
 Each replaces a handful of small PyTorch kernels with one, which is what decides decode speed once
 the weights are read at full bandwidth. They round intermediate values to the input dtype at the
@@ -269,7 +269,8 @@ def qk_norm_rotary(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, n, x_stride, out_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _act_mul_kernel(x_ptr, out_ptr, n, x_stride, out_stride, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in a large packed prefill
@@ -277,7 +278,11 @@ def _silu_mul_kernel(x_ptr, out_ptr, n, x_stride, out_stride, BLOCK: tl.constexp
     mask = cols < n
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * x_stride + n + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * out_stride + cols, silu_times(gate, up), mask=mask)
+    if ACT == "silu":
+        out = silu_times(gate, up)
+    else:
+        out = gelu_tanh_times(gate, up)
+    tl.store(out_ptr + row * out_stride + cols, out, mask=mask)
 
 
 @triton.jit
@@ -289,15 +294,36 @@ def silu_times(gate, up):
     return (act * up.to(tl.float32)).to(gate.dtype)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+@triton.jit
+def gelu_tanh_times(gate, up):
+    """gelu_tanh(gate) * up in gate's dtype, rounded as `F.gelu(gate, approximate="tanh") * up` rounds.
+    0.5 g (1 + tanh(u)) is written as g * sigmoid(2u): the same value, with no tanh (the interpreter has
+    no libdevice) and no cancellation."""
+    g = gate.to(tl.float32)
+    u = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) (g + 0.044715 g^3)
+    act = (g / (1.0 + tl.exp(-2.0 * u))).to(gate.dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(gate.dtype)
+
+
+def _act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
     rows, width = x.shape
+    assert x.stride(1) == 1, "act-and-mul needs unit-stride rows"
     half = width // 2
     out = torch.empty((rows, half), dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(half, block))](x, out, half, x.stride(0), out.stride(0), BLOCK=block,
-                                                       **pdl_args(x.device))
+    _act_mul_kernel[(rows, triton.cdiv(half, block))](x, out, half, x.stride(0), out.stride(0), ACT=act, BLOCK=block,
+                                                      **pdl_args(x.device))
     return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> silu(gate) * up, [T, I]."""
+    return _act_and_mul(x, "silu")
+
+
+def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> gelu_tanh(gate) * up, [T, I] (Gemma's MLP)."""
+    return _act_and_mul(x, "gelu_tanh")
 
 
 @triton.jit

@@ -28,7 +28,7 @@ CHAIN = 6  # dependent launches per case
 ATTN = Shape(hq=24, hkv=8, head_dim=128, page_size=16, num_pages=512, max_pages_per_seq=256, dtype=torch.bfloat16)
 KERNELS = [gemv._gemv_kernel, skinny_gemm._skinny_kernel, skinny_gemm._splitk_reduce_kernel,
            decode_attention._decode_kernel, decode_attention._reduce_kernel, fused_ops._rms_norm_kernel,
-           fused_ops._rotary_kernel, fused_ops._silu_mul_kernel, kv_store._store_kv_kernel,
+           fused_ops._rotary_kernel, fused_ops._act_mul_kernel, kv_store._store_kv_kernel,
            prefill_attention._prefill_kernel]
 
 
@@ -199,7 +199,7 @@ def test_pdl_variants_carry_griddepcontrol(pdl_mode):
             assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
     pdl_mode(False)
     CASES["fused_ops"]()()
-    plain = [k for k in _compiled(fused_ops._silu_mul_kernel) if not getattr(k.metadata, "launch_pdl", False)]
+    plain = [k for k in _compiled(fused_ops._act_mul_kernel) if not getattr(k.metadata, "launch_pdl", False)]
     assert plain and all("griddepcontrol" not in k.asm["ptx"] for k in plain)
 
 

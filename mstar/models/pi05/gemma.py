@@ -31,6 +31,8 @@ from mstar.models.pi05.config import GemmaShape
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values [B, L, KV heads, head_dim]
 Modulation = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # an adaRMS norm's 1 + scale, shift, gate [N, 1, W]
 _FLOW_ATTENTION = KernelGuard("flow attention")
+_NORM = KernelGuard("Pi0.5 norm")
+_GELU_AND_MUL = KernelGuard("GELU-and-mul")
 
 
 def attention_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -47,6 +49,28 @@ def rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), eps=eps)
 
 
+def fused_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, eps: float,
+               branch: torch.Tensor | None = None,
+               gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`norm_kernel.modulated_rms_norm` over x [..., W] (scale, shift, gate [N, W]; branch like x): (normed,
+    x + gate * branch), shaped like x, where the fused kernels serve x and x and the branch are contiguous;
+    else None (or once the kernel has failed to build or launch: `KernelGuard`), and the caller's PyTorch
+    form serves."""
+    if FUSED.ops_for(x) is None or not x.is_contiguous() or (branch is not None and not branch.is_contiguous()):
+        return None
+    from mstar.models.pi05.norm_kernel import modulated_rms_norm
+
+    width = x.shape[-1]
+    rows = None if branch is None else branch.view(-1, width)
+    gate = None if gate is None else gate.to(x.dtype)  # the PyTorch form multiplies in x's dtype
+
+    def kernel() -> tuple[torch.Tensor, torch.Tensor]:
+        normed, summed = modulated_rms_norm(x.view(-1, width), scale, shift, eps, rows, gate)
+        return normed.view(x.shape), summed.view(x.shape)
+
+    return _NORM.run(kernel, lambda: None)
+
+
 class GemmaNorm(nn.Module):
     """Gemma's RMSNorm: x / rms(x) * (1 + weight), in float32."""
 
@@ -56,7 +80,18 @@ class GemmaNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (rms_normed(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+        scale = 1.0 + self.weight.float()
+        fused = fused_norm(x, scale[None], None, self.eps)
+        return fused[0] if fused is not None else (rms_normed(x, self.eps) * scale).to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, branch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + branch, its norm): a residual branch added and the next norm applied (one kernel where the
+        fused kernels serve)."""
+        fused = fused_norm(x, (1.0 + self.weight.float())[None], None, self.eps, branch)
+        if fused is not None:
+            return fused[1], fused[0]
+        x = x + branch
+        return x, self(x)
 
 
 class AdaRMSNorm(nn.Module):
@@ -76,8 +111,22 @@ class AdaRMSNorm(nn.Module):
     def modulate(self, x: torch.Tensor, modulation: Modulation) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, L, W] under a `modulation` of B rows (or one, shared) -> (normed [B, L, W], gate)."""
         scale, shift, gate = modulation
+        fused = fused_norm(x, scale[:, 0], shift[:, 0], self.eps)
+        if fused is not None:
+            return fused[0], gate.to(x.dtype)
         normed = torch.empty_like(x)  # the float32 result rounded to x's dtype as it is stored: no cast kernel
         return torch.addcmul(shift, rms_normed(x, self.eps), scale, out=normed), gate.to(x.dtype)
+
+    def add_modulate(self, x: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor,
+                     modulation: Modulation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x + gate * branch (a gated residual branch [B, L, W], `gate` [B or 1, 1, W]), then `modulate` of
+        that -> (x + gate * branch, normed, this norm's gate); one kernel where the fused kernels serve."""
+        scale, shift, next_gate = modulation
+        fused = fused_norm(x, scale[:, 0], shift[:, 0], self.eps, branch, gate[:, 0])
+        if fused is not None:
+            return fused[1], fused[0], next_gate.to(x.dtype)
+        x = torch.addcmul(x, branch, gate)
+        return x, *self.modulate(x, modulation)
 
     def forward(self, x: torch.Tensor, cond: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, L, W], cond [B, C] -> (normed [B, L, W], gate [B, 1, W])."""
@@ -94,7 +143,14 @@ class GemmaMLP(nn.Module):
         self.down = nn.Linear(mlp_dim, width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.mlp_dim, dim=-1)
+        gate_up = self.gate_up(x)
+        ops = FUSED.ops_for(gate_up)
+        if ops is not None and gate_up.is_contiguous():
+            rows = gate_up.view(-1, 2 * self.mlp_dim)
+            act = _GELU_AND_MUL.run(lambda: ops.gelu_and_mul(rows), lambda: None)
+            if act is not None:
+                return self.down(act.view(*gate_up.shape[:-1], self.mlp_dim))
+        gate, up = gate_up.split(self.mlp_dim, dim=-1)
         return self.down(F.gelu(gate, approximate="tanh") * up)
 
 
@@ -186,13 +242,14 @@ class PrefixLM(nn.Module):
         cos, sin = self.rotary(positions.reshape(-1))
         x = x.to(self.embed.weight.dtype)
         bias = attention_bias(valid, x.dtype)
+        normed = self.layers[0].norm1(x)
         for index, layer in enumerate(self.layers):
-            q, k, v = layer.attn.project(layer.norm1(x), cos, sin)
+            q, k, v = layer.attn.project(normed, cos, sin)
             store(index, k, v)
             if index == len(self.layers) - 1:
                 break  # the last layer's output feeds nothing
-            x = x + layer.attn.attend(q, k, v, bias)
-            x = x + layer.mlp(layer.norm2(x))
+            x, normed = layer.norm2.add_forward(x, layer.attn.attend(q, k, v, bias))
+            x, normed = self.layers[index + 1].norm1.add_forward(x, layer.mlp(normed))
 
 
 class ExpertLayer(nn.Module):
@@ -269,10 +326,11 @@ class ActionExpert(nn.Module):
     def _layers(self, x: torch.Tensor, modulations: list[Modulation],
                 context: tuple[torch.Tensor, torch.Tensor, torch.Tensor], prefix: Callable[[int], KV]) -> torch.Tensor:
         cos, sin, prefix_len = context
-        for index, layer in enumerate(self.layers):
-            normed, gate = layer.norm1.modulate(x, modulations[2 * index])
+        norms = [norm for layer in self.layers for norm in (layer.norm1, layer.norm2)] + [self.norm]
+        normed, gate = norms[0].modulate(x, modulations[0])
+        for index, layer in enumerate(self.layers):  # each residual add fused with the norm after it
             q, k, v = layer.attn.project(normed, cos, sin)
-            x = torch.addcmul(x, layer.attn.attend_prefix(q, prefix(index), prefix_len, k, v), gate)
-            normed, gate = layer.norm2.modulate(x, modulations[2 * index + 1])
-            x = torch.addcmul(x, layer.mlp(normed), gate)
-        return self.norm.modulate(x, modulations[-1])[0]
+            attended = layer.attn.attend_prefix(q, prefix(index), prefix_len, k, v)
+            x, normed, gate = norms[2 * index + 1].add_modulate(x, attended, gate, modulations[2 * index + 1])
+            x, normed, gate = norms[2 * index + 2].add_modulate(x, layer.mlp(normed), gate, modulations[2 * index + 2])
+        return normed
