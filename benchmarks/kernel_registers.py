@@ -1,6 +1,7 @@
 """Registers, spills, load widths and in-loop layout conversions of the decode GEMV (mstar/kernels/gemv.py,
 or with --fp8 mstar/kernels/fp8_gemv.py) per launch config, from
-an offline compile for an H100/H200 (sm_90a): no GPU needed, only triton's bundled ptxas.
+an offline compile for an H100/H200 (sm_90a): no GPU needed, only triton's bundled ptxas. `skinny_report`
+does the same for the skinny GEMM's tl.dot kernel with bf16 or E4M3 weights (used by the CPU tests).
 
 A GEMV at a few rows is bandwidth-bound; what limits its bandwidth is the bytes each SM keeps in flight,
 i.e. how many threads fit (registers per thread) times the bytes each loads per chunk. This shows the
@@ -30,7 +31,7 @@ from triton.compiler import ASTSource
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mstar.kernels import fp8_gemv, gemv  # noqa: E402
+from mstar.kernels import fp8_gemv, gemv, skinny_gemm  # noqa: E402
 
 # (block_m, block_n, block_k, num_warps, fold_k): the tuned M = 1 qkv config, the M = 4 sweep's best
 # and its folded variants
@@ -61,17 +62,8 @@ def compile_report(block_m: int, block_n: int, block_k: int, warps: int, fold_k:
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _ALIGNED if n in names}
     src = ASTSource(fn=fp8_gemv._fp8_gemv_kernel if fp8 else gemv._gemv_kernel, signature=sig, constexprs=const,
                     attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    kernel, regs, spills = _compile_sm90(src, warps, stages)
     ptx = kernel.asm["ptx"]
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        Path(path).write_text(ptx)
-        out = subprocess.run([str(ptxas), "--gpu-name", "sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True, check=True)
-    report = out.stdout + out.stderr
-    regs = int(re.search(r"Used (\d+) registers", report).group(1))
-    spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
     threads = 32 * warps
     blocks = min(65536 // (regs * threads), 2048 // threads, 32)  # per SM: registers, threads, blocks
     return {"config": dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps, fold_k=fold_k,
@@ -81,6 +73,45 @@ def compile_report(block_m: int, block_n: int, block_k: int, warps: int, fold_k:
             "loop_layout_conversions": loop_layout_conversions(kernel.asm["ttgir"]),
             "blocks_per_sm_by_registers": blocks,
             "weight_bytes_per_sm_per_chunk": blocks * block_n * block_k * (1 if fp8 else 2)}
+
+
+def skinny_report(block_m: int, block_n: int, block_k: int, warps: int, stages: int, k: int = 3072, split: int = 1,
+                  fp8: bool = False, block: tuple[int, int] | None = None) -> dict:
+    """Compile the skinny GEMM's tl.dot kernel (mstar/kernels/skinny_gemm.py; bias, bf16 x) for sm_90a, with
+    bf16 weights or `fp8` E4M3 ones (per-channel scales, or `block` scales), and read ptxas' report: registers,
+    spills, the MMA instructions (their operand types) and the global loads."""
+    sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv" if fp8 else "*bf16", "s_ptr": "*fp32", "b_ptr": "*bf16",
+           "out_ptr": "*bf16", "ws_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+           "stride_wn": "i32", "stride_sn": "i32"}
+    scales = "none" if not fp8 else "channel" if block is None else "block"
+    const = dict(HAS_BIAS=True, TO_WORKSPACE=split > 1, EVEN_K=True, DOT_FP32=False, SCALES=scales,
+                 SCALE_BN=(block or (1, 1))[0], SCALE_BK=(block or (1, 1))[1], K_ITERS=k // split // block_k,
+                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PDL=True)
+    names = list(sig)
+    sig.update({name: "constexpr" for name in const})
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _ALIGNED if n in names}
+    src = ASTSource(fn=skinny_gemm._skinny_kernel, signature=sig, constexprs=const, attrs=attrs)
+    kernel, regs, spills = _compile_sm90(src, warps, stages)
+    ptx = kernel.asm["ptx"]
+    return {"config": dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=warps, num_stages=stages,
+                           k=k, split_k=split, fp8=fp8, block=block),
+            "registers": regs, "spill_bytes": spills,
+            "mma": sorted(set(re.findall(r"(?:wgmma\.mma_async|mma)\.sync\.aligned\.[a-z0-9.]+", ptx))),
+            "loads": sorted(set(re.findall(r"(?:ld\.global|cp\.async\.[a-z]+\.shared\.global)[.a-z0-9]*", ptx)))}
+
+
+def _compile_sm90(src: ASTSource, warps: int, stages: int):
+    """(the compiled kernel, registers, spill bytes) of `src` for sm_90a, from triton's bundled ptxas."""
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        Path(path).write_text(kernel.asm["ptx"])
+        out = subprocess.run([str(ptxas), "--gpu-name", "sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True, check=True)
+    report = out.stdout + out.stderr
+    regs = int(re.search(r"Used (\d+) registers", report).group(1))
+    return kernel, regs, int(re.search(r"(\d+) bytes spill stores", report).group(1))
 
 
 def loop_layout_conversions(ttgir: str) -> int:

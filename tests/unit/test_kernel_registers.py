@@ -1,5 +1,6 @@
 """The decode GEMV compiled offline for sm_90a (triton's bundled ptxas, no GPU): folding keeps its
-reduction inside each thread, so at 4 rows the accumulators take fewer registers, with 16-byte loads."""
+reduction inside each thread, so at 4 rows the accumulators take fewer registers, with 16-byte loads; the
+skinny GEMM's tl.dot kernel takes E4M3 weights into bf16 MMAs."""
 
 from __future__ import annotations
 
@@ -38,3 +39,20 @@ def test_the_fp8_gemv_streams_its_weight_without_shuffles_in_the_k_loop():
                              stages=cfg.num_stages, fp8=True)
         assert row["spill_bytes"] == 0 and row["loop_layout_conversions"] == 0, row
         assert "ld.global.v2.b32" in row["loads"], row
+
+
+def test_the_skinny_gemm_takes_e4m3_weights_into_bf16_mmas():
+    """The skinny GEMM's tl.dot kernel on E4M3 weights at the configs pick_skinny_config gives (Orpheus-3B qkv,
+    8 / 16 / 64 rows, per channel and 128x128 blocks): the weight tiles stream through cp.async, the MMAs take
+    bf16 operands (the weight converted in registers, the activations as they are), and nothing spills."""
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("this triton has no NVIDIA backend to compile with")
+    from benchmarks.kernel_registers import skinny_report
+    from mstar.kernels.fp8_gemv import pick_skinny_config
+
+    for m, block in ((8, None), (16, (128, 128)), (64, None)):
+        cfg = pick_skinny_config(m, 5120, 3072, block)
+        row = skinny_report(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, split=cfg.split_k,
+                            fp8=True, block=block)
+        assert row["spill_bytes"] == 0 and "cp.async.cg.shared.global" in row["loads"], row
+        assert row["mma"] and all(".bf16.bf16" in op for op in row["mma"]), row
