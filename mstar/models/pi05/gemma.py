@@ -163,16 +163,22 @@ class GemmaAttention(nn.Module):
         self.qkv = nn.Linear(shape.width, (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim, bias=False)
         self.o = nn.Linear(shape.num_heads * shape.head_dim, shape.width, bias=False)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                        torch.Tensor]:
-        """x [B, L, W], cos/sin [B * L, head_dim] -> q [B, L, H, D], k and v [B, L, KV, D] (q and k rotated)."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                strided: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, L, W], cos/sin [B * L, head_dim] -> q [B, L, H, D], k and v [B, L, KV, D] (q and k rotated).
+        `strided`: q and k are rotated together (one launch where the fused kernels serve) and returned as
+        views of one [B, L, H + KV, D] tensor, for the flow's attention, which reads any token stride; else
+        q is contiguous, as `attend`'s query rows need to be a view of it."""
         batch, length, _ = x.shape
-        q, k, v = self.qkv(x).split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                                     self.num_kv_heads * self.head_dim], dim=-1)
-        q = apply_rotary(q.reshape(batch * length, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.reshape(batch * length, self.num_kv_heads, self.head_dim), cos, sin)
-        return (q.view(batch, length, self.num_heads, self.head_dim), k.view(batch, length, self.num_kv_heads,
-                self.head_dim), v.reshape(batch, length, self.num_kv_heads, self.head_dim))
+        heads, kv, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv(x).view(batch * length, heads + 2 * kv, dim)
+        if strided:
+            qk = apply_rotary(qkv[:, :heads + kv], cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+        else:
+            q, k = apply_rotary(qkv[:, :heads], cos, sin), apply_rotary(qkv[:, heads:heads + kv], cos, sin)
+        return (q.view(batch, length, heads, dim), k.view(batch, length, kv, dim),
+                qkv[:, heads + kv:].view(batch, length, kv, dim))
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
         """Every query [B, Lq, H, D] over the keys [B, Lk, KV, D] that `key_bias` [B, Lk] (`attention_bias`)
@@ -329,7 +335,7 @@ class ActionExpert(nn.Module):
         norms = [norm for layer in self.layers for norm in (layer.norm1, layer.norm2)] + [self.norm]
         normed, gate = norms[0].modulate(x, modulations[0])
         for index, layer in enumerate(self.layers):  # each residual add fused with the norm after it
-            q, k, v = layer.attn.project(normed, cos, sin)
+            q, k, v = layer.attn.project(normed, cos, sin, strided=True)
             attended = layer.attn.attend_prefix(q, prefix(index), prefix_len, k, v)
             x, normed, gate = norms[2 * index + 1].add_modulate(x, attended, gate, modulations[2 * index + 1])
             x, normed, gate = norms[2 * index + 2].add_modulate(x, layer.mlp(normed), gate, modulations[2 * index + 2])

@@ -1,12 +1,13 @@
-"""Checks of Pi0.5's fused norms (`mstar/models/pi05/norm_kernel.py`) and GELU-and-mul (`fused_ops.gelu_and_mul`)
-against their PyTorch forms in `gemma.py`; run with TRITON_INTERPRET=1 (by test_pi05_norms.py, in a fresh process).
+"""Checks of Pi0.5's fused norms (`mstar/models/pi05/norm_kernel.py`), GELU-and-mul (`fused_ops.gelu_and_mul`) and
+q and k rotated in one launch against their PyTorch forms in `gemma.py`; run with TRITON_INTERPRET=1 (by test_pi05_fused.py, in a fresh process).
 
 Kernel through the layers: adaRMS's `modulate` and `add_modulate` (a gated residual add and the next norm) under
 a modulation of one row per robot and one shared, Gemma's norm and its `add_forward`, the MLP, in float32 and
-bf16, at a width that is not a power of two. Whole policy: the tiny policy's chunks and its prefix's keys and
+bf16, at a width that is not a power of two; the attention's projections with q and k rotated together (strided)
+and apart. Whole policy: the tiny policy's chunks and its prefix's keys and
 values, kernels against PyTorch (`fused_kernels(False)`), with every kernel's guard still in use afterwards.
 
-    TRITON_INTERPRET=1 python3 tests/models/pi05_norm_check.py [--quick]
+    TRITON_INTERPRET=1 python3 tests/models/pi05_fused_check.py [--quick]
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from mstar.layers.fused import FUSED, fused_kernels
 from mstar.models.pi05 import gemma
-from mstar.models.pi05.gemma import AdaRMSNorm, GemmaMLP, GemmaNorm
+from mstar.models.pi05.gemma import AdaRMSNorm, GemmaAttention, GemmaMLP, GemmaNorm
 
 F32 = dict(atol=1e-5, rtol=1e-5)
 BF16_STEP = 2.0 ** -7  # one bf16 rounding step, relative: the interpreter truncates float32 to bf16, torch rounds
@@ -69,6 +70,25 @@ def check_gemma(dtype: torch.dtype, width: int = 48) -> None:
         _close([mlp(x)], [reference(mlp, x)], dtype, f"gemma mlp {dtype}")
 
 
+def check_project(dtype: torch.dtype) -> None:
+    """q and k rotated in one launch, as views of one tensor, are the values rotated apart, kernel and PyTorch."""
+    from mstar.layers.rope import RopeSpec, RotaryEmbedding
+    from mstar.models.pi05.tiny import tiny_config
+
+    shape = tiny_config().expert
+    attn = GemmaAttention(shape).to(dtype)
+    gen = torch.Generator().manual_seed(4)
+    torch.nn.init.normal_(attn.qkv.weight, std=0.5, generator=gen)
+    x = torch.randn(2, 5, shape.width, generator=gen).to(dtype)
+    cos, sin = RotaryEmbedding(RopeSpec(shape.head_dim))(torch.arange(10) + 7)
+    with torch.no_grad():
+        apart = reference(attn.project, x, cos, sin)
+        for got in (attn.project(x, cos, sin, strided=True), attn.project(x, cos, sin),
+                    reference(attn.project, x, cos, sin, True)):
+            _close(got, apart, dtype, f"project {dtype}")
+        assert not attn.project(x, cos, sin, strided=True)[0].is_contiguous()
+
+
 def check_gelu_and_mul(dtype: torch.dtype) -> None:
     """The kernel alone: more columns than one program's block, large gates (tanh's saturation), strided rows."""
     from mstar.kernels.fused_ops import gelu_and_mul
@@ -116,9 +136,10 @@ def main() -> None:
         check_adarms(dtype)
         check_gemma(dtype)
         check_gelu_and_mul(dtype)
+        check_project(dtype)
     assert gemma._NORM.usable and gemma._GELU_AND_MUL.usable, "a kernel failed: the PyTorch form served"
     check_policy()
-    print("pi05 norms ok")
+    print("pi05 fused ok")
 
 
 if __name__ == "__main__":

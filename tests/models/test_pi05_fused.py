@@ -1,5 +1,6 @@
-"""Pi0.5's fused norms (a residual add with the next Gemma or adaRMS norm) and GELU-and-mul equal their PyTorch
-forms, layer by layer and as the tiny policy's prefix and chunks (run on CPU through the Triton interpreter)."""
+"""Pi0.5's fused norms (a residual add with the next Gemma or adaRMS norm), GELU-and-mul and q and k rotated in one
+launch equal their PyTorch forms, layer by layer and as the tiny policy's prefix and chunks (run on CPU through
+the Triton interpreter)."""
 
 from __future__ import annotations
 
@@ -10,20 +11,20 @@ import pytest
 from tests.interpreted import run_interpreted
 
 pytest.importorskip("triton")
-CHECK = Path(__file__).with_name("pi05_norm_check.py")
+CHECK = Path(__file__).with_name("pi05_fused_check.py")
 
 
-def test_fused_norms_match_the_pytorch_forms_float32():
+def test_fused_pi05_ops_match_the_pytorch_forms_float32():
     proc = run_interpreted(CHECK, "--quick", OMP_NUM_THREADS="1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "pi05 norms ok" in proc.stdout
+    assert "pi05 fused ok" in proc.stdout
 
 
 @pytest.mark.slow  # bf16 as well; CI's slow group runs it
-def test_fused_norms_match_the_pytorch_forms_float32_and_bf16():
+def test_fused_pi05_ops_match_the_pytorch_forms_float32_and_bf16():
     proc = run_interpreted(CHECK, OMP_NUM_THREADS="1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "pi05 norms ok" in proc.stdout
+    assert "pi05 fused ok" in proc.stdout
 
 
 def test_a_norm_kernel_that_fails_hands_over_to_the_pytorch_form(monkeypatch, caplog):
