@@ -24,8 +24,8 @@ from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, x_stride, res_stride, out_stride,
-                     eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, res_out_ptr, n_cols, x_stride, res_stride, out_stride,
+                     eps, HAS_RESIDUAL: tl.constexpr, LAYER: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in a large packed prefill
     cols = tl.arange(0, BLOCK)
@@ -37,24 +37,42 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, n_cols, x_stri
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the sum is rounded like `x + r` in torch
         tl.store(res_out_ptr + row * out_stride + cols, x, mask=mask)
     xf = x.to(tl.float32)
+    if LAYER:  # centred first: LayerNorm's variance
+        xf = tl.where(mask, xf - tl.sum(xf, axis=0) / n_cols, 0.0)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    normed = (xf * inv).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    if LAYER:  # torch's LayerNorm rounds once, after the affine
+        out = xf * inv * w + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    else:  # HF's RMSNorm rounds the normed value, then the product with the weight
+        out = (xf * inv).to(x.dtype).to(tl.float32) * w
+    tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm of the rows of 2-D `x` (or of `x + residual`): returns (normed, x + residual or None)."""
+    return _norm_rows(x, weight, None, eps, residual)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+               residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Affine LayerNorm of the rows of 2-D `x` (or of `x + residual`, rounded to x's dtype as torch's add
+    rounds), rounded once as torch's LayerNorm rounds: returns (normed, x + residual or None)."""
+    return _norm_rows(x, weight, bias, eps, residual)
+
+
+def _norm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+               residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm (`bias` None) or LayerNorm of 2-D rows, one program a row."""
     rows, cols = x.shape
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else None
     block = triton.next_power_of_2(cols)
     _rms_norm_kernel[(rows,)](
-        x, residual if residual is not None else x, weight, out, res_out if res_out is not None else out,
-        cols, x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
-        **pdl_args(x.device),
+        x, residual if residual is not None else x, weight, bias if bias is not None else weight, out,
+        res_out if res_out is not None else out, cols, x.stride(0), residual.stride(0) if residual is not None else 0,
+        out.stride(0), eps, HAS_RESIDUAL=residual is not None, LAYER=bias is not None, BLOCK=block,
+        num_warps=min(max(block // 256, 1), 16), **pdl_args(x.device),
     )
     return out, res_out
 

@@ -14,8 +14,10 @@ import torch
 
 from mstar.kernels import fused_ops
 from mstar.layers.fused import FUSED, fused_kernels
-from mstar.models.vjepa2 import rope
+from mstar.models.vjepa2 import layers, rope
 from mstar.models.vjepa2.ac_predictor import ACPredictor
+from mstar.models.vjepa2.layers import add_norm
+from mstar.models.vjepa2.planning import CEMSearch, CEMSettings
 from mstar.models.vjepa2.rope import apply_rope, grid_positions, rope_tables
 from mstar.models.vjepa2.tiny import tiny_ac_config
 
@@ -65,8 +67,25 @@ def check_rope(dtype: torch.dtype, head_dim: int) -> None:
     close(apply_rope(q, *per_row), torch_form(apply_rope, q, *per_row))
 
 
+def check_add_norm(dtype: torch.dtype) -> None:
+    """The residual add and the LayerNorm after it (a width that is not a power of two, a weight and bias
+    far from 1 and 0, rows whose mean is far from 0), and the first norm alone."""
+    norm = torch.nn.LayerNorm(48, eps=1e-6).to(dtype)
+    torch.nn.init.normal_(norm.weight, 1.0, 0.5)
+    torch.nn.init.normal_(norm.bias, 0.0, 0.5)
+    x, delta = (torch.randn(2, 7, 48) + 3.0).to(dtype), torch.randn(2, 7, 48).to(dtype)
+    for d in (delta, None):
+        (s, h), (want_s, want_h) = add_norm(x, d, norm), torch_form(add_norm, x, d, norm)
+        if dtype == torch.bfloat16:  # the interpreter's bf16 rounding is not torch's
+            close(s, want_s)
+        else:  # the add rounds once, as torch's does
+            torch.testing.assert_close(s, want_s, atol=0, rtol=0)
+        close(h, want_h)
+
+
 def check_predictor(dtype: torch.dtype) -> None:
-    """The tiny AC predictor through the kernels: two frames at once, then one more onto the cache."""
+    """The tiny AC predictor through the kernels (each launched where it should be): two frames at once,
+    then one more onto the cache."""
     torch.manual_seed(0)
     model = ACPredictor(tiny_ac_config()).to(dtype)
     for p in model.parameters():
@@ -80,20 +99,50 @@ def check_predictor(dtype: torch.dtype) -> None:
         first = model(latents[:, :2], actions[:, :2], states[:, :2], cache=cache)
         return torch.cat([first, model(latents[:, 2:], actions[:, 2:], states[:, 2:], cache=cache)], dim=1)
 
-    launches = []
+    launches = {"rotary_pairs": 0, "layer_norm": 0}
+    kernels = {name: getattr(fused_ops, name) for name in launches}
 
-    def counted(*args, **kwargs):
-        launches.append(args[0].shape)
-        return rotary_pairs(*args, **kwargs)
+    def counted(name):
+        def call(*args, **kwargs):
+            launches[name] += 1
+            return kernels[name](*args, **kwargs)
+        return call
 
-    rotary_pairs, fused_ops.rotary_pairs = fused_ops.rotary_pairs, counted
+    for name in launches:
+        setattr(fused_ops, name, counted(name))
     try:
         with torch.no_grad():
             got, want = run(), torch_form(run)
     finally:
-        fused_ops.rotary_pairs = rotary_pairs
-    assert len(launches) == 2 * 2 * len(model.blocks), launches  # q and k of each layer, two forwards
+        for name, kernel in kernels.items():
+            setattr(fused_ops, name, kernel)
+    n = len(model.blocks)
+    # two forwards: q and k of each layer; the first norm, then each layer's two adds but the very last
+    assert launches == {"rotary_pairs": 2 * 2 * n, "layer_norm": 2 * 2 * n}, launches
     torch.testing.assert_close(got, want, atol=1e-5 if dtype == torch.float32 else 3e-2, rtol=0)
+
+
+def check_search() -> None:
+    """A seeded float32 search through the kernels plans the eager search's actions."""
+    torch.manual_seed(0)
+    model = ACPredictor(tiny_ac_config())
+    for p in model.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.3)
+    gen = torch.Generator().manual_seed(2)
+    latents = torch.nn.functional.layer_norm(torch.randn(3, 16, 64, generator=gen), (64,))
+    states, history = torch.rand(2, 7, generator=gen), 0.1 * torch.randn(1, 7, generator=gen)
+    settings = CEMSettings(horizon=2, samples=24, topk=4, iterations=3, gripper_limit=0.75)
+
+    def plan():
+        search = CEMSearch(model, latents[:2], states, history, latents[2], settings, torch.Generator().manual_seed(11))
+        for _ in range(settings.iterations):
+            search.iterate()
+        return search.actions()
+
+    with torch.no_grad():
+        got, want = plan(), torch_form(plan)
+    assert want[:, :3].abs().max() > 1e-4, want  # the search moved
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 if __name__ == "__main__":
@@ -103,6 +152,10 @@ if __name__ == "__main__":
     for dt in (torch.float32,) if quick else (torch.float32, torch.float16, torch.bfloat16):
         check_rope(dt, 16)  # three 4-channel axes and 4 left as they are (the tiny heads)
         check_rope(dt, 20)  # 10 pairs: not a power of two (ViT-H's heads are 80 wide)
+        check_add_norm(dt)
         check_predictor(dt)
+    if not quick:
+        check_search()
     assert rope._ROTARY.usable, "the rotary kernel failed and its PyTorch form served"
+    assert layers._ADD_NORM.usable, "the add + layer norm kernel failed and its PyTorch form served"
     print("vjepa2 kernels ok")

@@ -145,8 +145,7 @@ class ACPredictor(nn.Module):
         rope = self.rope(first, frames, x.device)
         mask = None if frames == 1 else block_causal_mask(frames, self.block_tokens, first * self.block_tokens,
                                                           x.device)
-        for i, block in enumerate(self.blocks):
-            x = block(x, rope, mask, cache.layers[i] if cache is not None else None)
+        x = self.blocks.run(x, rope, mask, cache.layers if cache is not None else None)
         x = x.view(batch, frames, self.block_tokens, -1)
         if last_only:
             x = x[:, -1:]

@@ -46,8 +46,6 @@ class VideoClassifier(nn.Module):
         self.head = nn.Linear(encoder.hidden_size, config.num_labels)
 
     def forward(self, latents: torch.Tensor) -> torch.Tensor:
-        x = latents
-        for layer in self.layers:
-            x = layer(x)
+        x = self.layers.run(latents)
         pooled = self.cross(self.query_tokens.expand(x.shape[0], -1, -1), x)
         return self.head(pooled[:, 0])

@@ -42,8 +42,7 @@ class VJEPA2Encoder(nn.Module):
         frames, rows, cols = x.shape[2:]
         x = x.flatten(2).transpose(1, 2)
         rope = rope_tables(grid_positions(frames, rows, cols, x.device), self.config.vit.head_dim)
-        for block in self.blocks:
-            x = block(x, rope)
+        x = self.blocks.run(x, rope)
         return self.norm(x)
 
 
@@ -71,6 +70,5 @@ class MaskPredictor(nn.Module):
         ids = torch.cat([context_ids, target_ids], dim=1)
         cos, sin = rope_tables(ids_to_positions(ids, *grid), self.config.vit.head_dim)
         rope = (cos.unsqueeze(1), sin.unsqueeze(1))  # one table per batch row, shared by its heads
-        for block in self.blocks:
-            x = block(x, rope)
+        x = self.blocks.run(x, rope)
         return self.proj(self.norm(x[:, context_ids.shape[1]:]))
