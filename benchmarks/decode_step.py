@@ -15,7 +15,8 @@ B prompts of --prompt-len random tokens, --new-tokens tokens each, greedy, eos i
   the head's bytes cost (the served setting keeps the head bf16 until its accuracy is measured). Each row names its
   variant; an FP8 row also gives its ms/step over the bf16 floor and over bf16's ms/step at that batch
   (when `none` ran too), and the variant lists what warm-up timing chose for its linears
-  (`timed_choices`: FP8 GEMV or `_scaled_mm` at 16-64 rows, the fused SiLU down projection or not).
+  (`timed_choices`: per shape up to 64 rows, the FP8 GEMV, the skinny GEMM's tl.dot kernel on the E4M3
+  weight or, from 16 rows, `_scaled_mm`; the fused SiLU down projection or not).
 - transformers: `generate` on the same shapes (its default cache), bf16 only; decode ms/step =
   (time of generate with N new tokens - time with 1 new token) / (N - 1).
 - floor: bytes of the weights a step reads (all, a tied embedding once, an untied one not at all) / copy
@@ -241,12 +242,13 @@ def run_variant(method: str, args: argparse.Namespace, config: LlamaConfig, devi
 
 
 def fp8_choices() -> list[dict]:
-    """What warm-up timing chose for FP8 linears so far: the FP8 GEMV over `_scaled_mm` (16-64 rows) and
-    the fused SiLU down projection over SiLU + FP8 GEMV (up to 4 rows), per (rows bucket, N, K)."""
+    """What warm-up timing chose for FP8 linears so far: the kernel of each linear (`layers.linear.FP8_KERNELS`:
+    gemv, skinny_dot or scaled_mm; up to 64 rows) and the fused SiLU down projection over SiLU + the down
+    projection's kernel (up to 4 rows), per (rows bucket, N, K)."""
     out = []
     for key, chosen in SKINNY.decisions.items():
-        if key[0] == "fp8_gemv":
-            out.append({"choice": "gemv_over_scaled_mm", "m_bucket": key[1], "n": key[2], "k": key[3], "won": chosen})
+        if key[0] == "fp8":
+            out.append({"choice": "fp8_kernel", "m_bucket": key[2], "n": key[3], "k": key[4], "won": chosen})
         elif key[0] == "fp8_silu_and_mul":
             out.append({"choice": "fused_silu_down", "m_bucket": key[2], "n": key[3], "k": key[4], "won": chosen})
     return out

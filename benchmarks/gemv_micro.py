@@ -12,12 +12,16 @@ move (weight + x + output); `pct_copy` compares it with a device-to-device copy 
 
     python3 benchmarks/gemv_micro.py [--ms 1 2 4 8 16] [--out benchmarks/results/gemv_micro_h200.json]
     python3 benchmarks/gemv_micro.py --sweep [--budget-s 150]   # also try configs, print TUNED
-    python3 benchmarks/gemv_micro.py --fp8 --ms 1 2 4 8   # also the FP8 GEMV (kernels/fp8_gemv.py)
+    python3 benchmarks/gemv_micro.py --fp8 --ms 1 2 4 8 16 64   # also the FP8 kernels (kernels/fp8_gemv.py)
 
 --fp8 adds, per cell, the FP8 GEMV on the same weight quantized to E4M3 with per-channel scales
-(`fp8_us`) and with 128x128 block scales (`fp8_block_us`), and for the down projection the FP8 GEMV
-with SiLU-and-mul fused in (`fp8_fused_us`) against the SiLU kernel + FP8 GEMV (`fp8_silu_us`); their
-GB/s count one byte a weight element plus the scales.
+(`fp8_us`) and with 128x128 block scales (`fp8_block_us`), beside it the skinny GEMM's tl.dot kernel on
+those E4M3 weights at the bf16 configs (`fp8_skinny_dot_us`, `fp8_block_skinny_dot_us`:
+`fp8_gemv.fp8_skinny_linear`) and, from 16 rows where its alignment allows, `torch._scaled_mm` with the
+activations quantized per token (`fp8_scaled_mm_us`): the candidates `layers.linear` times per shape. For
+the down projection: the FP8 GEMV with SiLU-and-mul fused in (`fp8_fused_us`) against the SiLU kernel +
+FP8 GEMV (`fp8_silu_us`) and SiLU + the tl.dot kernel (`fp8_silu_skinny_dot_us`). Their GB/s count one
+byte a weight element plus the scales (and the bf16 activations, not their quantized copy).
 
 --sweep searches a grid of SkinnyConfigs per (M, shape) greedily from the heuristic's pick
 (benchmarks/gemv_sweep.py; at M <= 4 the GEMV kernel's configs and, unless --no-dot-small, the tl.dot
@@ -42,7 +46,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mstar.kernels.fp8_gemv import MAX_M as FP8_MAX_M  # noqa: E402
-from mstar.kernels.fp8_gemv import fp8_gemv  # noqa: E402
+from mstar.kernels.fp8_gemv import fp8_gemv, fp8_skinny_linear  # noqa: E402
 from mstar.kernels.fused_ops import silu_and_mul  # noqa: E402
 from mstar.kernels.skinny_gemm import (  # noqa: E402
     m_bucket,
@@ -52,7 +56,7 @@ from mstar.kernels.skinny_gemm import (  # noqa: E402
     skinny_silu_and_mul_linear,
 )
 from mstar.kernels.timing import copy_bandwidth_gbps, graph_time_us  # noqa: E402
-from mstar.layers.fp8 import quantize_blocks, quantize_per_channel  # noqa: E402
+from mstar.layers.fp8 import SCALED_MM_MIN_ROWS, quantize_blocks, quantize_per_channel, scaled_mm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gemv_sweep import Sweep, dot_grid, gemv_grid  # noqa: E402
@@ -78,12 +82,12 @@ def rate(nbytes: int, us: float, copy_gbps: float) -> tuple[float, float]:
     return round(gbps, 1), round(100 * gbps / copy_gbps, 1)
 
 
-def _silu_then_fp8_gemv(gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
-    return fp8_gemv(silu_and_mul(gate_up), weight, scale, None, block)
+def _silu_then(kernel, gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
+    return kernel(silu_and_mul(gate_up), weight, scale, None, block)
 
 
 def fp8_cells(w: torch.Tensor, m: int, x: torch.Tensor, gated: bool, args, copy_gbps: float) -> dict:
-    """FP8 GEMV timings of `w` quantized per channel and in 128x128 blocks (`--fp8`), as row fields."""
+    """FP8 kernel timings of `w` quantized per channel and in 128x128 blocks (`--fp8`), as row fields."""
     if not args.fp8 or m > FP8_MAX_M or (gated and m > 4):
         return {}
     n, k = w.shape
@@ -93,9 +97,13 @@ def fp8_cells(w: torch.Tensor, m: int, x: torch.Tensor, gated: bool, args, copy_
         moved = n * k + scale.numel() * 4 + (x.numel() + m * n) * 2
         if gated:
             fns = {f"{key}_fused": partial(fp8_gemv, x, scale=scale, bias=None, block=block, gated=True),
-                   f"{key}_silu": partial(_silu_then_fp8_gemv, x, scale=scale, block=block)}
+                   f"{key}_silu": partial(_silu_then, fp8_gemv, x, scale=scale, block=block),
+                   f"{key}_silu_skinny_dot": partial(_silu_then, fp8_skinny_linear, x, scale=scale, block=block)}
         else:
-            fns = {key: partial(fp8_gemv, x, scale=scale, bias=None, block=block)}
+            fns = {key: partial(fp8_gemv, x, scale=scale, bias=None, block=block),
+                   f"{key}_skinny_dot": partial(fp8_skinny_linear, x, scale=scale, bias=None, block=block)}
+            if block is None and m >= SCALED_MM_MIN_ROWS and n % 16 == 0 and k % 16 == 0:  # as scaled_mm_serves
+                fns[f"{key}_scaled_mm"] = partial(scaled_mm, x, weight_scale=scale, bias=None)
         for name, fn in fns.items():
             us = graph_time_us(fn, q, replays=args.replays)
             row[f"{name}_us"] = round(us, 2)
@@ -170,7 +178,7 @@ def main() -> None:
                         help="--sweep at M <= 4: GEMV-kernel configs only")
     parser.add_argument("--budget-s", type=float, default=150.0, help="total time the sweep may take")
     parser.add_argument("--compile-threads", type=int, default=8, help="parallel Triton compiles in --sweep")
-    parser.add_argument("--fp8", action="store_true", help="also time the FP8 GEMV (per-channel and block scales)")
+    parser.add_argument("--fp8", action="store_true", help="also time the FP8 kernels (per-channel and block scales)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)

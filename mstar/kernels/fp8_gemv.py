@@ -8,36 +8,39 @@ the output has x's dtype. E4M3 -> fp32 (and -> bf16/fp16 for tl.dot) is exact, s
 are fp32 arithmetic and the final one to x's dtype: within a rounding of `weight_only_linear`, which
 rounds q * s to x's dtype first.
 
-Two kernels, both modelled on `mstar.kernels.gemv` and the tl.dot kernel of `skinny_gemm`:
+Two kernels:
 
-- M <= 4 (`_fp8_gemv_kernel`): the GEMV. Each program owns BLOCK_N rows of q and walks K in BLOCK_K
-  chunks with 8-byte loads (8 E4M3 values a thread, so that the weight tile has the register layout of
-  x's 16-byte loads and no tile is shuffled through shared memory in the loop; `benchmarks/
-  kernel_registers.py --fp8` shows it), multiply-adds into one fp32 accumulator per row
-  of x (`gemv._fma_rows`, folded along K by FOLD_K), and reduces over K once after the loop. With
-  `gated` it reads x as a gate_up projection's [M, 2K] output and takes silu(gate) * up in the x-load,
-  as gemv.py does, for a down projection without the SiLU launch.
-- 4 < M <= 64 (`_fp8_dot_kernel`): x padded to 16, 32 or 64 rows in a tl.dot against the chunk of q
-  converted to x's dtype (exact); under the Triton interpreter (CPU tensors, tests) the operands are
-  fp32, since numpy has no bf16 matmul.
+- M <= 4 (`_fp8_gemv_kernel`, modelled on `mstar.kernels.gemv`): the GEMV. Each program owns BLOCK_N
+  rows of q and walks K in BLOCK_K chunks with 8-byte loads (8 E4M3 values a thread, so that the weight
+  tile has the register layout of x's 16-byte loads and no tile is shuffled through shared memory in
+  the loop; `benchmarks/kernel_registers.py --fp8` shows it), multiply-adds into one fp32 accumulator
+  per row of x (`gemv._fma_rows`, folded along K by FOLD_K), and reduces over K once after the loop.
+  With `gated` it reads x as a gate_up projection's [M, 2K] output and takes silu(gate) * up in the
+  x-load, as gemv.py does, for a down projection without the SiLU launch.
+- configs with block_m >= 16: the skinny GEMM's tl.dot kernel (`skinny_gemm.dot_linear`), x padded to
+  16, 32 or 64 rows against the chunk of q converted to x's dtype (exact); under the Triton interpreter
+  (CPU tensors, tests) the operands are fp32, since numpy has no bf16 matmul.
 
-Scales: per channel, s[n] multiplies the finished sum of row n (one multiply an output). Blocks: every
-chunk lies inside one block column (BLOCK_K divides SCALE_BK, checked), so the chunk's products are
-scaled by s[n // SCALE_BN, k // SCALE_BK] before they are added.
+Scales: per channel, s[n] multiplies the finished sum of row n (one multiply an output; of each split's
+sum where K is split). Blocks: every chunk lies inside one block column (BLOCK_K divides SCALE_BK,
+checked), so the chunk's products are scaled by s[n // SCALE_BN, k // SCALE_BK] before they are added.
 
-No split-K: `pick_fp8_config` picks BLOCK_N narrow enough for the programs to fill the SMs at the
-decoder shapes this serves (N >= 3072); a small N leaves SMs idle. So no workspace, no counters: one
-launch, no host sync, bit-reproducible and CUDA-graph capturable.
+Two config pickers for the tl.dot kernel, both candidates of the per-shape timing in `layers.linear`:
+`pick_fp8_config` (from 5 rows, no split-K: BLOCK_N narrow enough for the programs to fill the SMs at the
+decoder shapes, N >= 3072) and `pick_skinny_config` (`fp8_skinny_linear`, from 1 row: the bf16 skinny
+GEMM's tuned configs and heuristic, K split into an fp32 workspace summed in a fixed order where N gives
+too few programs). Either way no host sync, bit-reproducible and CUDA-graph capturable.
 
 PDL (sm_90+, `mstar.kernels.pdl`): the GEMV loads its first weight tile before `pdl_wait`, as
 `gemv.py` does; the tl.dot kernel waits first.
 
 Use through `mstar.layers.fp8.fp8_linear` and `mstar.layers.linear.linear`, which send CUDA inputs of at
-most MAX_M rows here (from 16 rows on, where `torch._scaled_mm` also serves, `linear` times the two).
+most MAX_M rows here (`linear` times this module's kernels, and `torch._scaled_mm` from 16 rows, per shape).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -46,17 +49,11 @@ import triton.language as tl
 
 from mstar.kernels.gemv import _fma_rows, load_chunk
 from mstar.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
-from mstar.kernels.skinny_gemm import SkinnyConfig, m_bucket
+from mstar.kernels.skinny_gemm import SkinnyConfig, block_scale, dot_linear, m_bucket, pick_config
 
 MAX_M = 64  # rows above this: torch._scaled_mm or the weight-only reference (layers/fp8.py)
 GEMV_MAX_M = 4  # rows up to this take the GEMV, more the tl.dot kernel
 _X_DTYPES = (torch.bfloat16, torch.float16)
-
-
-@triton.jit
-def _block_scale(s_ptr, rn_safe, k, stride_sn, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
-    """[BLOCK_N] scales of the K chunk starting at k (the whole chunk lies in one block column)."""
-    return tl.load(s_ptr + (rn_safe // SCALE_BN) * stride_sn + k // SCALE_BK)
 
 
 @triton.jit
@@ -67,7 +64,7 @@ def _fma_chunk(acc0, acc1, acc2, acc3, w, s_ptr, rn_safe, k, k_mask, x_ptrs, M, 
     scales are blocks."""
     w = w.to(tl.float32)
     if BLOCK_SCALES:
-        w = w * _block_scale(s_ptr, rn_safe, k, stride_sn, SCALE_BN, SCALE_BK)[:, None]
+        w = w * block_scale(s_ptr, rn_safe, k, stride_sn, SCALE_BN, SCALE_BK)[:, None]
     return _fma_rows(acc0, acc1, acc2, acc3, w, k, k_mask, x_ptrs, M, stride_xm, gate_offset, GATED, EVEN_K, BLOCK_M,
                      BLOCK_N, BLOCK_K, FOLD_K)
 
@@ -130,43 +127,6 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, st
     tl.store(out_ptr + rm[:, None] * N + rn[None, :], part.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _fp8_dot_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, gate_offset,
-                    HAS_BIAS: tl.constexpr, BLOCK_SCALES: tl.constexpr, SCALE_BN: tl.constexpr,
-                    SCALE_BK: tl.constexpr, EVEN_K: tl.constexpr, K_ITERS: tl.constexpr,
-                    DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    pdl_launch_dependents(PDL)
-    pdl_wait(PDL)  # everything below reads x or writes: after the previous kernel (mstar/kernels/pdl.py)
-    pid_n = tl.program_id(0)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    rn_safe = tl.minimum(rn, N - 1)
-    rm_safe = tl.minimum(rm, M - 1)
-    w_ptrs = w_ptr + rn_safe[:, None] * stride_wn + rk[None, :]
-    x_ptrs = x_ptr + rm_safe[:, None] * stride_xm + rk[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(K_ITERS):
-        k = i * BLOCK_K
-        k_mask = ((k + rk) < K)[None, :]
-        w = load_chunk(w_ptrs, k, k_mask, EVEN_K)
-        x = load_chunk(x_ptrs, k, k_mask, EVEN_K)
-        if DOT_FP32:
-            prod = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            prod = tl.dot(x, tl.trans(w.to(x.dtype)))
-        if BLOCK_SCALES:
-            prod = prod * _block_scale(s_ptr, rn_safe, k, stride_sn, SCALE_BN, SCALE_BK)[None, :]
-        acc += prod
-    if not BLOCK_SCALES:
-        acc = acc * tl.load(s_ptr + rn_safe * stride_sn)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn_safe).to(tl.float32)[None, :]
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 def pick_fp8_config(m: int, n: int, k: int, block: tuple[int, int] | None, sm_count: int = 132) -> SkinnyConfig:
     """The launch config for x [m, k] @ q[n, k].T with scales of `block` (None: per channel); split_k is 1."""
     bucket = m_bucket(m)
@@ -215,8 +175,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tu
     if scale.dtype != torch.float32 or tuple(scale.shape) != want or not scale.is_contiguous():
         raise ValueError(f"fp8_gemv needs contiguous float32 scales of shape {want}, got {tuple(scale.shape)} "
                          f"{scale.dtype} stride {scale.stride()}")
-    if cfg.split_k != 1 or cfg.block_m < m or (gated and cfg.use_dot):
-        raise ValueError(f"fp8_gemv config {cfg}: needs split_k=1, block_m >= M={m} and, gated, the GEMV")
+    if (cfg.split_k != 1 and not cfg.use_dot) or cfg.block_m < m or (gated and cfg.use_dot):
+        raise ValueError(f"fp8_gemv config {cfg}: needs block_m >= M={m}, split_k=1 on the GEMV (block_m <= "
+                         f"{GEMV_MAX_M}) and, gated, the GEMV")
     if block is not None and block[1] % cfg.block_k:
         raise ValueError(f"fp8_gemv config block_k={cfg.block_k} must divide the scale block's {block[1]} columns")
 
@@ -234,18 +195,34 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: t
     n, k = weight.shape
     cfg = config or pick_fp8_config(m, n, k, block, _sm_count(x.device))
     _check(x, weight, scale, block, cfg, gated)
+    if cfg.use_dot:
+        return dot_linear(x, weight, bias, cfg, scale, block)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     scale_bn, scale_bk = block or (1, 1)
-    common = dict(HAS_BIAS=bias is not None, BLOCK_SCALES=block is not None, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
-                  EVEN_K=k % cfg.block_k == 0, K_ITERS=triton.cdiv(k, cfg.block_k), BLOCK_M=cfg.block_m,
-                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                  **pdl_args(x.device))
-    args = (x, weight, scale, bias if bias is not None else scale, out, m, n, k, x.stride(0), weight.stride(0),
-            scale.stride(0), k)
-    grid = (triton.cdiv(n, cfg.block_n),)
-    if cfg.use_dot:
-        _fp8_dot_kernel[grid](*args, DOT_FP32=not x.is_cuda, **common)
-    else:
-        _fp8_gemv_kernel[grid](*args, GATED=gated, BROADCAST_X=cfg.block_k >= 8 * 32 * cfg.num_warps,
-                               FOLD_K=cfg.fold_k, **common)
+    _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n),)](
+        x, weight, scale, bias if bias is not None else scale, out, m, n, k, x.stride(0), weight.stride(0),
+        scale.stride(0), k, GATED=gated, HAS_BIAS=bias is not None, BLOCK_SCALES=block is not None,
+        SCALE_BN=scale_bn, SCALE_BK=scale_bk, EVEN_K=k % cfg.block_k == 0, K_ITERS=triton.cdiv(k, cfg.block_k),
+        BROADCAST_X=cfg.block_k >= 8 * 32 * cfg.num_warps, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, FOLD_K=cfg.fold_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_args(x.device))
     return out
+
+
+def pick_skinny_config(m: int, n: int, k: int, block: tuple[int, int] | None, sm_count: int = 132) -> SkinnyConfig:
+    """The bf16 skinny GEMM's tl.dot config for x [m, k] @ q[n, k].T (`skinny_gemm.pick_config`: its tuned
+    table, else its heuristic, K split where N leaves too few programs), the 8-row one for m <= 4 (a 16-row
+    tile), with BLOCK_K narrowed to one scale block column for block scales."""
+    cfg = pick_config(max(m, GEMV_MAX_M + 1), n, k, sm_count)
+    if block is not None and block[1] % cfg.block_k:
+        cfg = dataclasses.replace(cfg, block_k=_block_chunk(block))
+    return cfg
+
+
+def fp8_skinny_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                      block: tuple[int, int] | None) -> torch.Tensor:
+    """`fp8_gemv` through the skinny GEMM's tl.dot kernel at the bf16 configs (`pick_skinny_config`) for
+    1..MAX_M rows: weight-only, the same numerics, K split where N gives too few programs."""
+    m = x.shape[0]
+    n, k = weight.shape
+    return fp8_gemv(x, weight, scale, bias, block, config=pick_skinny_config(m, n, k, block, _sm_count(x.device)))

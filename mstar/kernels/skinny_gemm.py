@@ -10,7 +10,10 @@ allocation; workspaces cached per shape):
   `skinny_silu_and_mul_linear`, the down projection with SiLU-and-mul fused into its x-load.
 - block_m >= 16: each program owns BLOCK_N weight rows and keeps every row of x (M <= 64, padded to
   16/32/64) in a `tl.dot`; when N / BLOCK_N gives too few programs, K is split, fp32 partials go to a
-  workspace and a second kernel sums them in a fixed order (no atomics).
+  workspace and a second kernel sums them in a fixed order (no atomics). The same kernel takes E4M3
+  weights with per-channel or block scales (`dot_linear`'s `scale`; used by `mstar.kernels.fp8_gemv`):
+  each chunk is converted to x's dtype in registers (exact), products sum in fp32 and the scales are
+  applied to the sums, so FP8 weights are read at one byte an element and no activation is quantized.
 
 Block sizes come from `pick_config` (a static heuristic; `TUNED` overrides per (M bucket, N, K),
 filled from `benchmarks/gemv_micro.py --sweep`, which times candidates inside CUDA graphs).
@@ -106,8 +109,26 @@ TUNED_SILU_DOWN: dict[tuple[int, int, int], SkinnyConfig] = {
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_wn,
-                   HAS_BIAS: tl.constexpr, TO_WORKSPACE: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, K_ITERS: tl.constexpr,
+def block_scale(s_ptr, rn_safe, k, stride_sn, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr):
+    """[BLOCK_N] scales of the K chunk starting at k, for E4M3 weights with block scales (the whole chunk
+    lies in one block column)."""
+    return tl.load(s_ptr + (rn_safe // SCALE_BN) * stride_sn + k // SCALE_BK)
+
+
+@triton.jit
+def _dot_chunk(x, w, DOT_FP32: tl.constexpr):
+    """x @ w.T of one K chunk in fp32; w (x's dtype, or E4M3) is converted to x's dtype, which is exact."""
+    if DOT_FP32:  # float32 inputs, and the interpreter (numpy has no bfloat16 matmul)
+        prod = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    else:
+        prod = tl.dot(x, tl.trans(w.to(x.dtype)))
+    return prod
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+                   HAS_BIAS: tl.constexpr, TO_WORKSPACE: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                   SCALES: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, K_ITERS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     pdl_wait(PDL)  # everything below reads x or writes: after the previous kernel (mstar/kernels/pdl.py)
@@ -130,7 +151,12 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_xm, str
         k_mask = ((k + rk) < K)[None, :]
         w = load_chunk(w_ptrs, k, k_mask, EVEN_K)
         x = load_chunk(x_ptrs, k, k_mask, EVEN_K)
-        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+        if SCALES == "block":
+            acc += _dot_chunk(x, w, DOT_FP32) * block_scale(s_ptr, rn_safe, k, stride_sn, SCALE_BN, SCALE_BK)[None, :]
+        else:
+            acc += _dot_chunk(x, w, DOT_FP32)
+    if SCALES == "channel":  # linear in the sum, so each split's partial is scaled before it is stored
+        acc = acc * tl.load(s_ptr + rn_safe * stride_sn)[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if TO_WORKSPACE:
         tl.store(ws_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
@@ -239,7 +265,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if not cfg.use_dot:
         return gemv(x, weight, bias, cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
                     cfg.num_stages, fold_k=cfg.fold_k)
-    return _dot_linear(x, weight, bias, cfg)
+    return dot_linear(x, weight, bias, cfg)
 
 
 def pick_silu_down_config(m: int, n: int, k: int, sm_count: int = 132) -> SkinnyConfig:
@@ -269,8 +295,14 @@ def skinny_silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias
                 cfg.num_stages, gated=True, fold_k=cfg.fold_k)
 
 
-def _dot_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                cfg: SkinnyConfig) -> torch.Tensor:
+def dot_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: SkinnyConfig,
+               scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
+    """The tl.dot kernel (cfg.block_m >= 16; inputs checked by the caller): x [M, K] @ weight[N, K].T + bias.
+
+    weight has x's dtype (`scale` None), or is float8_e4m3fn with float32 scales `scale`: [N, 1] per output
+    channel (`block` None), applied to each split's sum, or [ceil(N/bn), ceil(K/bk)] for `block` (bn, bk),
+    applied to each K chunk's products (cfg.block_k must divide bk). Shared by `mstar.kernels.fp8_gemv`.
+    """
     m, k = x.shape
     n = weight.shape[0]
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
@@ -278,17 +310,20 @@ def _dot_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     ws = _workspace(x.device, split * m * n) if split > 1 else out
     has_bias = bias is not None
+    scales = "none" if scale is None else "channel" if block is None else "block"
+    scale_bn, scale_bk = block or (1, 1)
     _skinny_kernel[(triton.cdiv(n, cfg.block_n), split)](
-        x, weight, bias if has_bias else weight, out, ws, m, n, k, x.stride(0), weight.stride(0),
+        x, weight, weight if scale is None else scale, bias if has_bias else weight, out, ws, m, n, k, x.stride(0),
+        weight.stride(0), 0 if scale is None else scale.stride(0),
         HAS_BIAS=has_bias, TO_WORKSPACE=split > 1, EVEN_K=split * k_per_split == k,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", K_ITERS=k_per_split // cfg.block_k,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DOT_FP32=x.dtype == torch.float32 or not x.is_cuda, SCALES=scales, SCALE_BN=scale_bn, SCALE_BK=scale_bk,
+        K_ITERS=k_per_split // cfg.block_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device),
     )
     if split > 1:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            ws, bias if has_bias else ws, out, m * n, n, SPLIT=split, HAS_BIAS=has_bias, BLOCK=block,
+        block_size = 1024
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block_size),)](
+            ws, bias if has_bias else ws, out, m * n, n, SPLIT=split, HAS_BIAS=has_bias, BLOCK=block_size,
             **pdl_args(x.device),
         )
     return out

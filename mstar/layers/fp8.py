@@ -18,14 +18,17 @@ and W ~ q * s, expanded to W's shape. The Hugging Face formats store the same s:
                (float32 inputs; block scales above FP8_GEMV_MAX_ROWS rows);
   FP8 GEMV     (`gemv_linear`, `mstar.kernels.fp8_gemv`) on CUDA for bfloat16/float16 inputs of fewer than
                SCALED_MM_MIN_ROWS rows, and up to FP8_GEMV_MAX_ROWS where `torch._scaled_mm` does not
-               serve or `layers.linear.linear` timed it faster (decode batches): reads the E4M3
-               weight once, accumulates in float32, scales per channel or per block; weight-only
-               numerics without the rounding of q * s, so `weight_only_linear` is its reference
-               (`silu_and_mul_gemv_linear`: the same with SiLU-and-mul fused into a down projection);
+               serve (decode batches): reads the E4M3 weight once, accumulates in float32, scales per
+               channel or per block; weight-only numerics without the rounding of q * s, so
+               `weight_only_linear` is its reference (`silu_and_mul_gemv_linear`: the same with
+               SiLU-and-mul fused into a down projection; `skinny_dot_linear`: the same numerics through
+               the skinny GEMM's tl.dot kernel at the bf16 configs, split-K included);
   W8A8         (`scaled_mm_linear`) on CUDA for bfloat16 inputs of at least SCALED_MM_MIN_ROWS rows and
                per-channel weights: the activations quantized per token (the same formula as the weight's
                rows) and `torch._scaled_mm` with both scales, accumulating in float32;
                `w8a8_reference` is its CPU emulation.
+Where more than one of `gemv_linear`, `skinny_dot_linear` and `scaled_mm_linear` serves, `layers.linear.linear`
+runs the one it timed fastest for the shape at warm-up; `fp8_linear` alone takes the order above.
 """
 
 from __future__ import annotations
@@ -139,20 +142,14 @@ FP8_GEMV_MAX_ROWS = 64  # mstar.kernels.fp8_gemv.MAX_M, kept here so this module
 def fp8_linear(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
     """x @ W.T (+ bias) for the module's FP8 weight: the FP8 GEMV below SCALED_MM_MIN_ROWS rows, W8A8
     through `torch._scaled_mm` from there, the FP8 GEMV where only it serves, else the weight-only
-    reference (module docstring). `layers.linear.linear` times GEMV against `_scaled_mm` where both serve."""
-    if _gemv_serves(x, module) and x.numel() < SCALED_MM_MIN_ROWS * module.in_features:
+    reference (module docstring). `layers.linear.linear` times the kernels that serve x instead."""
+    if gemv_serves(x, module) and x.numel() < SCALED_MM_MIN_ROWS * module.in_features:
         return gemv_linear(x, module)
-    if _scaled_mm_serves(x, module):
+    if scaled_mm_serves(x, module):
         return scaled_mm_linear(x, module)
-    if _gemv_serves(x, module):
+    if gemv_serves(x, module):
         return gemv_linear(x, module)
     return weight_only_linear(x, module)
-
-
-def gemv_and_scaled_mm_serve(x: torch.Tensor, module: Fp8Linear) -> bool:
-    """Whether both the FP8 GEMV and `torch._scaled_mm` can run x (CUDA bfloat16, SCALED_MM_MIN_ROWS to
-    FP8_GEMV_MAX_ROWS rows, per-channel scales): the choice `layers.linear.linear` times."""
-    return _gemv_serves(x, module) and _scaled_mm_serves(x, module)
 
 
 def weight_only_linear(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
@@ -161,7 +158,9 @@ def weight_only_linear(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
     return F.linear(x, module.dequantized(x.dtype), bias)
 
 
-def _gemv_serves(x: torch.Tensor, module: Fp8Linear) -> bool:
+def gemv_serves(x: torch.Tensor, module: Fp8Linear) -> bool:
+    """Whether the FP8 GEMV's kernels (`gemv_linear`, `skinny_dot_linear`) can run x: CUDA bfloat16/float16,
+    1 to FP8_GEMV_MAX_ROWS rows, block scales (if any) whose columns the tl.dot kernel's K chunk divides."""
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
             and 0 < x.numel() <= FP8_GEMV_MAX_ROWS * module.in_features
             and (module.block is None or module.block[1] % 16 == 0))  # the tl.dot kernel's K chunk
@@ -191,12 +190,27 @@ def gemv_linear(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
     on CUDA (or on CPU under TRITON_INTERPRET=1, for tests)."""
     from mstar.kernels.fp8_gemv import fp8_gemv
 
+    return _on_rows(fp8_gemv, x, module)
+
+
+def skinny_dot_linear(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
+    """`gemv_linear`'s numerics through the skinny GEMM's tl.dot kernel at the bf16 configs, K split where
+    N gives too few programs (`fp8_gemv.fp8_skinny_linear`); where `gemv_linear` serves."""
+    from mstar.kernels.fp8_gemv import fp8_skinny_linear
+
+    return _on_rows(fp8_skinny_linear, x, module)
+
+
+def _on_rows(kernel, x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
+    """`kernel(rows, q, s, bias, block)` on x's rows as one contiguous 2-D batch, reshaped back."""
     rows = x.reshape(-1, module.in_features).contiguous()
-    out = fp8_gemv(rows, module.weight, module.weight_scale, module.bias, module.block)
+    out = kernel(rows, module.weight, module.weight_scale, module.bias, module.block)
     return out.reshape(*x.shape[:-1], module.out_features)
 
 
-def _scaled_mm_serves(x: torch.Tensor, module: Fp8Linear) -> bool:
+def scaled_mm_serves(x: torch.Tensor, module: Fp8Linear) -> bool:
+    """Whether `scaled_mm_linear` can run x: CUDA bfloat16, at least SCALED_MM_MIN_ROWS rows, per-channel
+    scales, both weight dimensions multiples of 16."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and module.block is None
             and x.numel() >= SCALED_MM_MIN_ROWS * module.in_features
             and module.in_features % 16 == 0 and module.out_features % 16 == 0)  # _scaled_mm's alignment

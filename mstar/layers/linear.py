@@ -16,9 +16,11 @@ kernels run only when `SKINNY.force` is True (tests). MSTAR_SKINNY_GEMM=0 turns 
 them on wherever allowed.
 
 An `Fp8Linear` (layers/fp8.py) runs `fp8_linear` instead (the FP8 GEMV below 16 rows, `torch._scaled_mm`
-above 64), except that from 16 to 64 rows, where both serve, the FP8 GEMV's tl.dot kernel is timed
-against `torch._scaled_mm` (activation quantization included) as above; and for up to 4 rows the FP8
-GEMV with SiLU-and-mul fused into its x-load is timed against the SiLU kernel and the FP8 GEMV.
+above 64), except that for 1 to 64 rows, where the FP8 GEMV serves, the kernels that serve the shape
+(`fp8_candidates`: the FP8 GEMV with its own configs, the skinny GEMM's tl.dot kernel on the E4M3 weight
+at the bf16 configs, and from 16 rows `torch._scaled_mm`, activation quantization included) are timed
+as above and the fastest kept; and for up to 4 rows the FP8 GEMV with SiLU-and-mul fused into its
+x-load is timed against the SiLU kernel followed by the down projection `linear` would run.
 
 On CPU, float32 linears whose weights `pack_cpu_linears` reordered (the autoregressive engine does it
 when it is built on CPU, after the weights load) run through oneDNN with the weight in its blocked
@@ -28,9 +30,11 @@ rows. The packed copy is made once and not refreshed: weights changed in place a
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -41,13 +45,18 @@ from mstar.layers.fp8 import (
     Fp8Linear,
     fp8_linear,
     gated_gemv_serves,
-    gemv_and_scaled_mm_serve,
     gemv_linear,
+    gemv_serves,
+    scaled_mm,
+    scaled_mm_linear,
+    scaled_mm_serves,
     silu_and_mul_gemv_linear,
+    skinny_dot_linear,
 )
 from mstar.layers.fused import FUSED
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _GEMV_MAX_M = 4  # mstar.kernels.gemv.MAX_M, kept here so this module imports no Triton
@@ -60,7 +69,7 @@ class _SkinnySwitch:
         self.force: bool | None = envs.skinny_gemm()
         self.max_m = 64  # never above skinny_gemm.MAX_M
         self.replays = 5  # timed replays of each candidate's graph (the median is kept)
-        self.decisions: dict[tuple, bool] = {}
+        self.decisions: dict[tuple, object] = {}  # key -> what `_decide` answers for it
 
     def use_skinny(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether skinny_linear should run x @ weight.T (+ bias); measures once per shape on CUDA."""
@@ -72,15 +81,15 @@ class _SkinnySwitch:
         key = ("silu_and_mul",) + self._key(gate_up, weight, bias)
         return self._decide(key, gate_up.is_cuda, lambda: self._measure_fused_silu(gate_up, weight, bias))
 
-    def use_fp8_gemv(self, x: torch.Tensor, module: Fp8Linear) -> bool:
-        """Whether the FP8 GEMV (rather than `torch._scaled_mm`) should run `module` on the 2-D rows x;
-        measured once per shape on CUDA."""
-        key = ("fp8_gemv",) + self._key(x, module.weight, module.bias)
-        return self._decide(key, x.is_cuda, lambda: self._measure_fp8_gemv(x, module))
+    def fp8_kernel(self, x: torch.Tensor, module: Fp8Linear) -> str | None:
+        """Which of `FP8_KERNELS` should run `module` on the 2-D rows x (those `fp8_candidates` lists),
+        measured once per shape on CUDA; None: `fp8_linear`'s own order (unmeasured). Forced: the GEMV."""
+        key = ("fp8", module.block) + self._key(x, module.weight, module.bias)
+        return self._decide(key, x.is_cuda, lambda: self._measure_fp8(x, module), on="gemv", off=None)
 
     def use_fp8_fused_silu(self, gate_up: torch.Tensor, module: Fp8Linear) -> bool:
         """Whether the FP8 GEMV with SiLU-and-mul fused in should run the down projection of `gate_up`;
-        measured once per shape on CUDA against silu_and_mul followed by the FP8 GEMV."""
+        measured once per shape on CUDA against silu_and_mul followed by the FP8 kernel `linear` would run."""
         key = ("fp8_silu_and_mul", module.block) + self._key(gate_up, module.weight, module.bias)
         return self._decide(key, gate_up.is_cuda, lambda: self._measure_fp8_fused_silu(gate_up, module))
 
@@ -90,20 +99,21 @@ class _SkinnySwitch:
 
         return (m_bucket(x.shape[0]), weight.shape[0], weight.shape[1], x.dtype, bias is not None, x.device)
 
-    def _decide(self, key: tuple, is_cuda: bool, measure: Callable[[], bool]) -> bool:
+    def _decide(self, key: tuple, is_cuda: bool, measure: Callable[[], T], on: T = True, off: T = False) -> T:
+        """`measure()` the first time `key` is seen on CUDA, then the same answer; `on` when forced, `off`
+        when forced off, on CPU, or first seen inside a CUDA-graph capture."""
         if self.force is not None:
-            return self.force
+            return on if self.force else off
         if not is_cuda:  # the interpreter runs the kernels only when forced (tests)
-            return False
-        decision = self.decisions.get(key)
-        if decision is None:
+            return off
+        if key not in self.decisions:
             if torch.cuda.is_current_stream_capturing():
-                # Timing needs host syncs; the unfused F.linear path from now on keeps this choice fixed.
-                logger.warning("skinny GEMM: shape %s first seen inside a CUDA-graph capture; using F.linear", key)
-                self.decisions[key] = False
-                return False
-            decision = self.decisions[key] = measure()
-        return decision
+                # Timing needs host syncs; the unfused default path from now on keeps this choice fixed.
+                logger.warning("skinny GEMM: shape %s first seen inside a CUDA-graph capture; using the default path", key)
+                self.decisions[key] = off
+                return off
+            self.decisions[key] = measure()
+        return self.decisions[key]
 
     def _measure_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         from mstar.kernels.skinny_gemm import skinny_linear
@@ -131,49 +141,67 @@ class _SkinnySwitch:
                     best.__name__, times["separate"])
         return times["fused"] < times["separate"]
 
-    def _measure_fp8_gemv(self, x: torch.Tensor, module: Fp8Linear) -> bool:
-        from mstar.kernels.fp8_gemv import fp8_gemv
-        from mstar.layers.fp8 import scaled_mm
-
-        scale, bias = module.weight_scale, module.bias
-        times = self._time({"gemv": lambda w: fp8_gemv(x, w, scale, bias, None),
-                            "scaled_mm": lambda w: scaled_mm(x, w, scale, bias)}, module.weight)
+    def _measure_fp8(self, x: torch.Tensor, module: Fp8Linear) -> str | None:
+        times = self._time({name: functools.partial(kernel, x) for name, kernel in fp8_candidates(x, module).items()},
+                           module.weight)
         if times is None:
-            return False
-        logger.info("FP8 linear M=%d N=%d K=%d: GEMV %.1f us, _scaled_mm %.1f us", x.shape[0], module.out_features,
-                    module.in_features, times["gemv"], times["scaled_mm"])
-        return times["gemv"] < times["scaled_mm"]
+            return None
+        logger.info("FP8 linear M=%d N=%d K=%d %s: %s", x.shape[0], module.out_features, module.in_features,
+                    "per channel" if module.block is None else f"blocks {module.block}",
+                    ", ".join(f"{name} {us:.1f} us" for name, us in times.items()))
+        return min(times, key=times.__getitem__)
 
     def _measure_fp8_fused_silu(self, gate_up: torch.Tensor, module: Fp8Linear) -> bool:
         from mstar.kernels.fp8_gemv import fp8_gemv
         from mstar.kernels.fused_ops import silu_and_mul
 
         scale, bias, block = module.weight_scale, module.bias, module.block
+        act = silu_and_mul(gate_up)
+        best = self.fp8_kernel(act, module) or "gemv"  # the down projection `linear` would run unfused
+        separate = fp8_candidates(act, module)[best]
         times = self._time({"fused": lambda w: fp8_gemv(gate_up, w, scale, bias, block, gated=True),
-                            "separate": lambda w: fp8_gemv(silu_and_mul(gate_up), w, scale, bias, block)},
-                           module.weight)
+                            "separate": lambda w: separate(silu_and_mul(gate_up), w)}, module.weight)
         if times is None:
             return False
-        logger.info("FP8 silu_and_mul + down M=%d N=%d K=%d %s: fused %.1f us, separate %.1f us", gate_up.shape[0],
-                    module.out_features, module.in_features, gate_up.dtype, times["fused"], times["separate"])
+        logger.info("FP8 silu_and_mul + down M=%d N=%d K=%d %s: fused %.1f us, silu_and_mul + %s %.1f us",
+                    gate_up.shape[0], module.out_features, module.in_features, gate_up.dtype, times["fused"], best,
+                    times["separate"])
         return times["fused"] < times["separate"]
 
     @torch.inference_mode()  # weights and buffers may be inference tensors (made under inference mode)
     def _time(self, candidates: dict[str, Callable[[torch.Tensor], object]],
               weight: torch.Tensor) -> dict[str, float] | None:
         """GPU microseconds per call of each candidate in a decode-like CUDA graph; None if the timing
-        copies do not fit in memory (the caller then keeps F.linear)."""
+        copies do not fit in memory (the caller then keeps the default path: F.linear, `fp8_linear`)."""
         from mstar.kernels.timing import graph_time_us
 
         try:
             return {name: graph_time_us(fn, weight, replays=self.replays) for name, fn in candidates.items()}
         except torch.cuda.OutOfMemoryError:
-            logger.warning("skinny GEMM: no memory for the timing copies of a %s weight; using F.linear",
+            logger.warning("skinny GEMM: no memory for the timing copies of a %s weight; using the default path",
                            tuple(weight.shape))
             return None
 
 
 SKINNY = _SkinnySwitch()
+
+# What runs an Fp8Linear where `SKINNY.fp8_kernel` chose by timing (the names `fp8_candidates` gives).
+FP8_KERNELS: dict[str, Callable[[torch.Tensor, Fp8Linear], torch.Tensor]] = {
+    "gemv": gemv_linear, "skinny_dot": skinny_dot_linear, "scaled_mm": scaled_mm_linear}
+
+
+def fp8_candidates(x: torch.Tensor, module: Fp8Linear) -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """The kernels that can run `module` on the 2-D rows x (where `gemv_serves`), by their `FP8_KERNELS`
+    name, each as fn(rows, weight) with the module's scales and bias: what `SKINNY.fp8_kernel` times, on
+    copies of the weight."""
+    from mstar.kernels.fp8_gemv import fp8_gemv, fp8_skinny_linear
+
+    scale, bias, block = module.weight_scale, module.bias, module.block
+    out = {"gemv": lambda rows, w: fp8_gemv(rows, w, scale, bias, block),
+           "skinny_dot": lambda rows, w: fp8_skinny_linear(rows, w, scale, bias, block)}
+    if scaled_mm_serves(x, module):
+        out["scaled_mm"] = lambda rows, w: scaled_mm(rows, w, scale, bias)
+    return out
 
 
 class _CpuPacked:
@@ -213,12 +241,11 @@ def pack_cpu_linears(model: nn.Module) -> int:
 
 def linear(x: torch.Tensor, module: nn.Linear | Fp8Linear) -> torch.Tensor:
     """module(x) for an nn.Linear: through skinny_linear for few-row inputs where it wins, else F.linear;
-    an Fp8Linear through `fp8_linear` (layers/fp8.py), or the FP8 GEMV where it was timed faster than
-    `torch._scaled_mm`."""
+    an Fp8Linear through the FP8 kernel timed fastest for the shape (`FP8_KERNELS`), else `fp8_linear`."""
     if isinstance(module, Fp8Linear):
-        if gemv_and_scaled_mm_serve(x, module) and SKINNY.force is not False and \
-                SKINNY.use_fp8_gemv(x.reshape(-1, module.in_features), module):
-            return gemv_linear(x, module)
+        if gemv_serves(x, module) and SKINNY.force is not False and \
+                (kernel := SKINNY.fp8_kernel(x.reshape(-1, module.in_features), module)) is not None:
+            return FP8_KERNELS[kernel](x, module)
         return fp8_linear(x, module)
     return linear_weight(x, module.weight, module.bias)
 
@@ -255,7 +282,7 @@ def silu_and_mul_linear(gate_up: torch.Tensor, module: nn.Linear | Fp8Linear) ->
     if isinstance(module, Fp8Linear):
         if gated_gemv_serves(gate_up, module) and SKINNY.force is not False and SKINNY.use_fp8_fused_silu(gate_up, module):
             return silu_and_mul_gemv_linear(gate_up, module)
-        return fp8_linear(ops.silu_and_mul(gate_up), module)
+        return linear(ops.silu_and_mul(gate_up), module)
     weight, bias = module.weight, module.bias
     if (
         0 < gate_up.shape[0] <= _GEMV_MAX_M

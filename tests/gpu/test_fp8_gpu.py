@@ -1,8 +1,9 @@
 """FP8 weights on CUDA (layers/fp8.py): `fp8_linear` runs W8A8 `torch._scaled_mm` for bfloat16 batches of
 SCALED_MM_MIN_ROWS rows or more and matches its CPU emulation `w8a8_reference`; decode rows run the FP8
 GEMV (kernels/fp8_gemv.py), which matches `weight_only_linear` at the Llama-3.2-3B (Orpheus-3B) decoder
-shapes up to 64 rows; from 16 to 64 rows `linear` times it against `_scaled_mm`; float32 and block
-scales above 64 rows run the weight-only reference; both kernels replay from a CUDA graph."""
+shapes up to 64 rows, as does the skinny GEMM's tl.dot kernel on E4M3 weights (`fp8_skinny_linear`); up to
+64 rows `linear` times those (and `_scaled_mm` from 16 rows) and runs the fastest; float32 and block
+scales above 64 rows run the weight-only reference; the kernels replay from a CUDA graph."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from mstar.kernels.fp8_gemv import fp8_gemv
+from mstar.kernels.fp8_gemv import fp8_gemv, fp8_skinny_linear
 from mstar.kernels.fused_ops import silu_and_mul
 from mstar.layers import fp8
 from mstar.layers.fp8 import (
@@ -19,6 +20,7 @@ from mstar.layers.fp8 import (
     fp8_linear,
     gemv_linear,
     quantize_linears,
+    skinny_dot_linear,
     w8a8_reference,
     weight_only_linear,
 )
@@ -45,7 +47,7 @@ def test_scaled_mm_matches_its_cpu_emulation(rows, bias):
     x = torch.randn(rows, 2048, dtype=torch.bfloat16)
     want = w8a8_reference(x, module)
     gpu = module.cuda()
-    assert fp8._scaled_mm_serves(x.cuda(), gpu)
+    assert fp8.scaled_mm_serves(x.cuda(), gpu)
     got = fp8_linear(x.cuda(), gpu).cpu()
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want.float(), **TOL)
@@ -53,25 +55,26 @@ def test_scaled_mm_matches_its_cpu_emulation(rows, bias):
     assert (got.float() - dense).abs().mean() < 0.05 * dense.abs().mean()  # activation rounding only
 
 
+@pytest.mark.parametrize("kernel", [fp8_gemv, fp8_skinny_linear], ids=["gemv", "skinny_dot"])
 @pytest.mark.parametrize("block", [None, (128, 128)])
 @pytest.mark.parametrize("rows", [1, 4, 8, 16, 64])
 @pytest.mark.parametrize("shape", LLAMA_3B, ids=[f"{n}x{k}" for n, k in LLAMA_3B])
-def test_fp8_gemv_matches_the_references_at_llama_3b_shapes(shape, rows, block):
+def test_fp8_gemv_matches_the_references_at_llama_3b_shapes(shape, rows, block, kernel):
     n, k = shape
     module = _module(n, k, block=block, bias=False).cuda()
     x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
-    got = fp8_gemv(x, module.weight, module.weight_scale, None, block)
+    got = kernel(x, module.weight, module.weight_scale, None, block)
     exact = (x.double() @ dequantize(module.weight, module.weight_scale, block).double().T).to(torch.bfloat16)
     torch.testing.assert_close(got, exact, **EXACT_TOL)
     torch.testing.assert_close(got.float(), weight_only_linear(x, module).float(), **TOL)
-    assert torch.equal(got, fp8_gemv(x, module.weight, module.weight_scale, None, block))  # reproducible
+    assert torch.equal(got, kernel(x, module.weight, module.weight_scale, None, block))  # reproducible
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 15])
 def test_fp8_linear_sends_decode_rows_to_the_gemv(rows):
     module = _module(1024, 512, bias=True).cuda()
     x = torch.randn(rows, 512, dtype=torch.bfloat16, device="cuda")
-    assert fp8._gemv_serves(x, module) and not fp8._scaled_mm_serves(x, module)
+    assert fp8.gemv_serves(x, module) and not fp8.scaled_mm_serves(x, module)
     got = fp8_linear(x, module)
     assert torch.equal(got, gemv_linear(x, module))
     torch.testing.assert_close(got.float(), weight_only_linear(x, module).float(), **TOL)
@@ -102,17 +105,20 @@ def test_mlp_with_fp8_weights_decides_fused_silu_by_timing():
     torch.testing.assert_close(got.float(), want.float(), **TOL)
 
 
-@pytest.mark.parametrize("rows", [16, 64])
-def test_linear_times_the_gemv_against_scaled_mm_where_both_serve(rows):
-    module = _module(3072, 3072, bias=False).cuda()
+@pytest.mark.parametrize("block", [None, (128, 128)])
+@pytest.mark.parametrize("rows", [1, 8, 16, 64])
+def test_linear_runs_the_fp8_kernel_it_timed_fastest(rows, block):
+    module = _module(3072, 3072, block=block, bias=False).cuda()
     x = torch.randn(rows, 3072, dtype=torch.bfloat16, device="cuda")
-    assert fp8.gemv_and_scaled_mm_serve(x, module)
+    assert fp8.gemv_serves(x, module)
     saved, SKINNY.force = SKINNY.force, None
     try:
         got = linear(x, module)
     finally:
         SKINNY.force = saved
-    assert any(key[0] == "fp8_gemv" and key[1] == rows for key in SKINNY.decisions), SKINNY.decisions
+    chosen = [v for key, v in SKINNY.decisions.items() if key[:3] == ("fp8", block, rows)]
+    assert len(chosen) == 1 and chosen[0] in ("gemv", "skinny_dot", "scaled_mm"), SKINNY.decisions
+    assert chosen[0] != "scaled_mm" or fp8.scaled_mm_serves(x, module)
     torch.testing.assert_close(got.float(), weight_only_linear(x, module).float(), **TOL)
 
 
@@ -120,25 +126,27 @@ def test_the_weight_only_path_serves_large_blocks_and_float32():
     per_channel, blocks = _module(1024, 512).cuda(), _module(1024, 512, block=(128, 128)).cuda()
     for x, module in [(torch.randn(80, 512, dtype=torch.bfloat16, device="cuda"), blocks),
                       (torch.randn(4, 512, device="cuda"), per_channel)]:
-        assert not fp8._scaled_mm_serves(x, module) and not fp8._gemv_serves(x, module)
+        assert not fp8.scaled_mm_serves(x, module) and not fp8.gemv_serves(x, module)
         want = weight_only_linear(x.cpu(), module.cpu()).float()
         module.cuda()
         torch.testing.assert_close(fp8_linear(x, module).cpu().float(), want, **TOL)
 
 
-@pytest.mark.parametrize("rows", [1, 8, 32])  # GEMV, tl.dot kernel, _scaled_mm
-def test_fp8_linear_replays_from_a_cuda_graph(rows):
+# GEMV, tl.dot kernel, _scaled_mm; the tl.dot kernel at the bf16 configs, K split at 2048 x 1024
+@pytest.mark.parametrize("run, rows", [(fp8_linear, 1), (fp8_linear, 8), (fp8_linear, 32), (skinny_dot_linear, 1),
+                                       (skinny_dot_linear, 8)])
+def test_fp8_linear_replays_from_a_cuda_graph(run, rows):
     module = _module(2048, 1024).cuda()
     x = torch.randn(rows, 1024, dtype=torch.bfloat16, device="cuda")
-    eager = fp8_linear(x, module)
+    eager = run(x, module)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fp8_linear(x, module)  # warm-up outside the capture
+        run(x, module)  # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fp8_linear(x, module)
+        out = run(x, module)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)

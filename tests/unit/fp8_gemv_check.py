@@ -10,10 +10,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.kernels import fused_ops
-from mstar.kernels.fp8_gemv import fp8_gemv, pick_fp8_config
-from mstar.kernels.skinny_gemm import SkinnyConfig
-from mstar.layers.fp8 import Fp8Linear, dequantize, gemv_linear, silu_and_mul_gemv_linear, weight_only_linear
+from mstar.kernels import fused_ops, skinny_gemm
+from mstar.kernels.fp8_gemv import fp8_gemv, fp8_skinny_linear, pick_fp8_config, pick_skinny_config
+from mstar.kernels.skinny_gemm import SkinnyConfig, pick_config
+from mstar.layers.fp8 import (
+    Fp8Linear,
+    dequantize,
+    gemv_linear,
+    silu_and_mul_gemv_linear,
+    skinny_dot_linear,
+    weight_only_linear,
+)
+from mstar.layers.linear import FP8_KERNELS, fp8_candidates
 
 # One rounding of an output to bf16 (up to 2^-7 relative: the interpreter rounds toward zero) plus fp32 sums.
 EXACT_TOL = {torch.bfloat16: {"atol": 1e-2, "rtol": 8e-3}, torch.float16: {"atol": 2e-3, "rtol": 1e-3}}
@@ -86,6 +94,62 @@ def check_picked_configs() -> None:
         assert [pick_fp8_config(m, n, k, None).block_m for m in (5, 16, 17, 64)] == [16, 16, 32, 64]
 
 
+# (rows, N, K, block): fp8_skinny_linear, the skinny GEMM's tl.dot kernel on E4M3 weights at the bf16
+# configs, from 1 to 64 rows; N and K off the tiles; K split (ragged last split) or not; block scales whose
+# columns are narrower than the picked BLOCK_K
+SKINNY_CASES = [(1, 37, 200, None), (3, 300, 520, (128, 128)), (8, 64, 1000, None), (16, 40, 384, (16, 32)),
+                (33, 70, 200, None), (64, 24, 256, None)]
+QUICK_SKINNY_CASES = [SKINNY_CASES[1], SKINNY_CASES[2]]
+
+
+def check_skinny(cases=SKINNY_CASES) -> None:
+    for i, (m, n, k, block) in enumerate(cases):
+        for bias in (True, False):
+            layer = module(n, k, block, bias=bias, dtype=torch.bfloat16, seed=i)
+            x = torch.randn(m, k).to(torch.bfloat16)
+            cfg = pick_skinny_config(m, n, k, block)
+            assert cfg.use_dot and (block is None or block[1] % cfg.block_k == 0), cfg
+            check(x, layer, cfg)
+            got = fp8_skinny_linear(x, layer.weight, layer.weight_scale, layer.bias, block)
+            assert torch.equal(got, fp8_gemv(x, layer.weight, layer.weight_scale, layer.bias, block, config=cfg))
+            assert torch.equal(skinny_dot_linear(x[None], layer)[0], got)  # the layer path, leading dims kept
+
+
+def check_skinny_split_k() -> None:
+    # K split into a workspace summed in a fixed order: each split's sum scaled per channel, or each chunk per
+    # block; the same as unsplit up to fp32 summation, and the same bits on every call.
+    skinny_gemm._WORKSPACES.clear()
+    for block, cfg in ((None, SkinnyConfig(16, 16, 64, split_k=4)), ((16, 32), SkinnyConfig(32, 32, 32, split_k=3))):
+        layer = module(40, 300, block, bias=True, dtype=torch.bfloat16)
+        x = torch.randn(12, 300).to(torch.bfloat16)
+        check(x, layer, cfg)
+    assert skinny_gemm._WORKSPACES, "split-K did not use the workspace"
+
+
+def check_picked_skinny_configs() -> None:
+    # The bf16 configs (tuned at the Orpheus-3B shapes) with the 8-row one below 5 rows; block scales narrow
+    # BLOCK_K to one block column and keep the rest.
+    for n, k in ((5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192), (28680, 3072)):
+        for m in (1, 4, 8, 16, 64):
+            assert pick_skinny_config(m, n, k, None) == pick_config(max(m, 5), n, k), (m, n, k)
+            blocks = pick_skinny_config(m, n, k, (128, 128))
+            assert 128 % blocks.block_k == 0 and blocks.split_k == pick_config(max(m, 5), n, k).split_k
+
+
+def check_timed_candidates() -> None:
+    # What `SKINNY.fp8_kernel` times (no `_scaled_mm` on CPU) computes the layer, and the path `linear` then
+    # takes for each name runs the same kernel.
+    for block in (None, (16, 32)):
+        layer = module(40, 96, block, bias=True, dtype=torch.bfloat16)
+        x = torch.randn(6, 96).to(torch.bfloat16)
+        candidates = fp8_candidates(x, layer)
+        assert set(candidates) == {"gemv", "skinny_dot"} <= set(FP8_KERNELS), candidates
+        for name, run in candidates.items():
+            got = run(x, layer.weight)
+            torch.testing.assert_close(got, exact(x, layer), **EXACT_TOL[x.dtype])
+            assert torch.equal(got, FP8_KERNELS[name](x, layer)), name
+
+
 GATED_CASES = [(1, 37, 200, None, None), (3, 40, 256, (16, 32), None),
                (4, 24, 1024, None, SkinnyConfig(4, 2, 1024, num_warps=2, fold_k=8)), (2, 300, 256, (128, 128), None)]
 QUICK_GATED_CASES = [GATED_CASES[0], GATED_CASES[2], (2, 24, 256, (128, 128), None)]
@@ -130,7 +194,11 @@ if __name__ == "__main__":
     check_default_configs(QUICK_CASES if quick else CASES)
     check_picked_configs()
     check_gated(QUICK_GATED_CASES if quick else GATED_CASES)
+    check_skinny(QUICK_SKINNY_CASES if quick else SKINNY_CASES)
+    check_picked_skinny_configs()
+    check_timed_candidates()
     if not quick:
         check_configs()
         check_layer_and_errors()
+        check_skinny_split_k()
     print("fp8 gemv ok")

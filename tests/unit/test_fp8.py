@@ -153,4 +153,24 @@ def test_the_w8a8_reference_quantizes_activations_per_token():
     assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
     weight_only = fp8_linear(x, module)  # what CPU runs: the activation rounding is the only difference
     assert 0 < (got - weight_only).norm() < 0.05 * weight_only.norm()
-    assert not fp8._scaled_mm_serves(x.bfloat16(), module)  # never on CPU
+    assert not fp8.scaled_mm_serves(x.bfloat16(), module)  # never on CPU
+
+
+def test_the_fp8_kernel_choice_times_the_skinny_dot_kernel_and_keeps_the_fastest(monkeypatch):
+    from mstar.layers.linear import SKINNY
+
+    module = Fp8Linear.from_linear(nn.Linear(64, 48).bfloat16(), None)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    timed: list[str] = []
+
+    def fake_time(candidates, weight):  # GPU microseconds per candidate, as `_time` returns them
+        timed.extend(candidates)
+        return {"gemv": 3.0, "skinny_dot": 2.0} if weight is module.weight else None
+
+    monkeypatch.setattr(SKINNY, "_time", fake_time)
+    assert SKINNY._measure_fp8(x, module) == "skinny_dot"
+    assert timed == ["gemv", "skinny_dot"]  # no `_scaled_mm` on CPU
+    monkeypatch.setattr(SKINNY, "force", None)
+    assert SKINNY.fp8_kernel(x, module) is None  # CPU: `fp8_linear`'s own order, nothing measured
+    monkeypatch.setattr(SKINNY, "force", True)
+    assert SKINNY.fp8_kernel(x, module) == "gemv"
