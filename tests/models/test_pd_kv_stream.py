@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from mstar.config import load_config
 from mstar.engines.autoregressive import AutoregressiveEngine, kv_transfer
@@ -99,9 +100,13 @@ def _bounded(handle, seconds: float = 60.0) -> threading.Timer:
 
 
 def _nothing_left(m: MStar, component: str) -> None:
+    from mstar.engines.own_stream import OwnStreamEngine
+
     workers = m.runtime.workers
-    _wait(lambda: all(w.state_size() == 0 and w.engines[component].pool.num_used == 0 for w in workers.values()))
-    kv = [w.engines[component].kv for w in workers.values()]
+    engines = [w.engines[component] for w in workers.values()]
+    engines = [e.engine if isinstance(e, OwnStreamEngine) else e for e in engines]  # the wrapped engines' state
+    _wait(lambda: all(w.state_size() == 0 for w in workers.values()) and all(e.pool.num_used == 0 for e in engines))
+    kv = [e.kv for e in engines]
     assert not any(k.queued or k.reserved or k.offered or k.streams or k.unstreamed for k in kv)
 
 
@@ -249,4 +254,49 @@ def test_a_media_prompt_whose_offer_waits_past_its_deadline_fails_alone_naming_t
         text = m.generate({"messages": [{"role": "user", "content": "Say something."}]}, **OMNI_TEXT)
         assert "".join(text.outputs["text"])  # the decode worker serves on: this one streams
         assert decode.stats()["prompt_tokens"] == 0 and decode.stats()["kv_pages_received"] > 0
+        _nothing_left(m, "thinker")
+
+
+def _engines_on_their_own_streams(monkeypatch) -> None:
+    """Build every engine that declares `own_stream` as on a CUDA device (`KVOwnStreamEngine` where it moves
+    K/V), with CUDA's stream calls stood in for (tests/unit/test_own_stream.py): it computes on the CPU."""
+    from mstar.engines import own_stream
+    from tests.unit.test_own_stream import fake_streams
+
+    fake_streams(monkeypatch)
+    wrap = own_stream.on_own_stream
+    monkeypatch.setattr(own_stream, "on_own_stream", lambda make, device: wrap(make, torch.device("cuda", 0)))
+
+
+def test_engines_on_their_own_streams_stream_as_bare_ones(llama, monkeypatch):
+    from mstar.engines.own_stream import KVOwnStreamEngine
+
+    path, hf, tok = llama
+    _engines_on_their_own_streams(monkeypatch)
+    with _split(path, own_stream=True) as split:
+        prefill, decode = (split.runtime.workers[r].engines["llm"] for r in (0, 1))
+        assert isinstance(prefill, KVOwnStreamEngine) and isinstance(decode, KVOwnStreamEngine)
+        got = [token_ids(split.submit({"text": p}, **GREEDY)) for p in PROMPTS[:2]]
+        stats = decode.stats()
+        assert stats["prompt_tokens"] == 0 and stats["kv_pages_received"] == prefill.stats()["kv_pages_sent"] > 0
+        _nothing_left(split, "llm")
+    assert got == [hf_greedy(hf, tok.encode(p), 8) for p in PROMPTS[:2]]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_a_thinker_on_its_own_stream_streams_a_media_prompt(monkeypatch):
+    from mstar.engines.own_stream import KVOwnStreamEngine
+    from tests.models.qwen3_omni_testing import media_chat_request
+
+    one = {"model": "qwen3_omni", "device": "cpu", "model_kwargs": {"code2wav_chunk": 4}}
+    with MStar("qwen3_omni", config=one, tiny=True) as m:
+        want = m.generate(media_chat_request(), **OMNI_TEXT).outputs["text"]
+    _engines_on_their_own_streams(monkeypatch)  # Qwen3-Omni's thinker declares own_stream
+    with MStar("qwen3_omni", config=_omni_pd(), tiny=True) as m:
+        prefill, decode = (m.runtime.workers[r].engines["thinker"] for r in (0, 1))
+        assert isinstance(prefill, KVOwnStreamEngine) and isinstance(decode, KVOwnStreamEngine)
+        assert m.generate(media_chat_request(), **OMNI_TEXT).outputs["text"] == want
+        stats = decode.stats()
+        assert stats["prompt_tokens"] == 0 and stats["kv_pages_received"] == prefill.stats()["kv_pages_sent"] > 0
         _nothing_left(m, "thinker")
