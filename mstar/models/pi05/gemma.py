@@ -50,8 +50,8 @@ def rms_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def fused_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, eps: float,
-               branch: torch.Tensor | None = None,
-               gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+               branch: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+               plus_one: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`norm_kernel.modulated_rms_norm` over x [..., W] (scale, shift, gate [N, W]; branch like x): (normed,
     x + gate * branch), shaped like x, where the fused kernels serve x and x and the branch are contiguous;
     else None (or once the kernel has failed to build or launch: `KernelGuard`), and the caller's PyTorch
@@ -65,7 +65,7 @@ def fused_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None,
     gate = None if gate is None else gate.to(x.dtype)  # the PyTorch form multiplies in x's dtype
 
     def kernel() -> tuple[torch.Tensor, torch.Tensor]:
-        normed, summed = modulated_rms_norm(x.view(-1, width), scale, shift, eps, rows, gate)
+        normed, summed = modulated_rms_norm(x.view(-1, width), scale, shift, eps, rows, gate, plus_one)
         return normed.view(x.shape), summed.view(x.shape)
 
     return _NORM.run(kernel, lambda: None)
@@ -80,14 +80,15 @@ class GemmaNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = 1.0 + self.weight.float()
-        fused = fused_norm(x, scale[None], None, self.eps)
-        return fused[0] if fused is not None else (rms_normed(x, self.eps) * scale).to(x.dtype)
+        fused = fused_norm(x, self.weight[None], None, self.eps, plus_one=True)
+        if fused is not None:
+            return fused[0]
+        return (rms_normed(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
     def add_forward(self, x: torch.Tensor, branch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + branch, its norm): a residual branch added and the next norm applied (one kernel where the
         fused kernels serve)."""
-        fused = fused_norm(x, (1.0 + self.weight.float())[None], None, self.eps, branch)
+        fused = fused_norm(x, self.weight[None], None, self.eps, branch, plus_one=True)
         if fused is not None:
             return fused[1], fused[0]
         x = x + branch

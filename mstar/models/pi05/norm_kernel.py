@@ -18,7 +18,7 @@ import triton.language as tl
 def _modulated_norm_kernel(x_ptr, branch_ptr, gate_ptr, scale_ptr, shift_ptr, normed_ptr, sum_ptr, n_cols,
                            rows_per_cond, x_stride, branch_stride, sum_stride, normed_stride, gate_stride,
                            scale_stride, shift_stride, eps, HAS_BRANCH: tl.constexpr, HAS_GATE: tl.constexpr,
-                           HAS_SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+                           HAS_SHIFT: tl.constexpr, PLUS_ONE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cond = row // rows_per_cond  # the row of the modulation (the robot's time condition) this row takes
     cols = tl.arange(0, BLOCK)
@@ -32,20 +32,24 @@ def _modulated_norm_kernel(x_ptr, branch_ptr, gate_ptr, scale_ptr, shift_ptr, no
         tl.store(sum_ptr + row * sum_stride + cols, x, mask=mask)
     xf = x.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    out = xf * inv * tl.load(scale_ptr + cond * scale_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + cond * scale_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if PLUS_ONE:
+        scale += 1.0
+    out = xf * inv * scale
     if HAS_SHIFT:
         out += tl.load(shift_ptr + cond * shift_stride + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(normed_ptr + row * normed_stride + cols, out.to(normed_ptr.dtype.element_ty), mask=mask)
 
 
 def modulated_rms_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, eps: float,
-                       branch: torch.Tensor | None = None,
-                       gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       branch: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+                       plus_one: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, s) for rows x [R, W], where s = x + gate * branch (x + branch without a gate; x itself without a
     branch, [R, W] like x) rounded to x's dtype, and normed = s / rms(s) * scale + shift computed in float32
     and rounded to x's dtype. `scale`, `shift` and `gate` are [N, W] with N dividing R: row r takes their row
     r // (R / N), so N = 1 shares one modulation and N = B gives each robot's L rows its own. Every tensor's
-    last dimension has unit stride; rows may be strided. Launch only: no host sync."""
+    last dimension has unit stride; rows may be strided. `plus_one`: the scale is 1 + `scale` in float32 (Gemma's
+weight). Launch only: no host sync."""
     rows, width = x.shape
     cond_rows = scale.shape[0]
     assert rows % cond_rows == 0 and scale.shape == (cond_rows, width), (x.shape, scale.shape)
@@ -63,5 +67,5 @@ def modulated_rms_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
         normed, summed, width, rows // cond_rows, x.stride(0), 0 if branch is None else branch.stride(0),
         summed.stride(0), normed.stride(0), 0 if gate is None else gate.stride(0), scale.stride(0),
         0 if shift is None else shift.stride(0), eps, HAS_BRANCH=branch is not None, HAS_GATE=gate is not None,
-        HAS_SHIFT=shift is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16))
+        HAS_SHIFT=shift is not None, PLUS_ONE=plus_one, BLOCK=block, num_warps=min(max(block // 256, 1), 16))
     return normed, summed
