@@ -12,6 +12,9 @@ where the fused kernels serve; else SDPA under a mask).
 Scaling follows the checkpoint's training code (openpi): token embeddings are multiplied by sqrt(width)
 at lookup, image tokens and action tokens enter unscaled. The expert's norms are adaptive (adaRMS): a
 dense layer of the time condition gives each norm a scale, a shift and a gate on its residual branch.
+
+Where the fused kernels serve, each residual add and the norm after it are one Triton kernel (`norm_kernel.py`,
+through `fused_norm`) and the MLP's GELU-and-mul is one (`fused_ops.gelu_and_mul`); else the PyTorch forms here.
 """
 
 from __future__ import annotations
