@@ -104,9 +104,10 @@ def _head_members(x_ptr, t, x_stride_t, x_stride_h, num_heads, i1, i2, dmask, BL
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, x_stride_b, x_stride_t, x_stride_h, cs_stride_b,
-                   cs_stride, out_stride_b, out_stride_t, out_stride_h, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_H: tl.constexpr, PAIRS: tl.constexpr, PDL: tl.constexpr):
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, c_ptr, c_out_ptr, num_heads, x_stride_b, x_stride_t, x_stride_h,
+                   cs_stride_b, cs_stride, out_stride_b, out_stride_t, out_stride_h, HALF: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PAIRS: tl.constexpr, COPY: tl.constexpr,
+                   PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     pdl_wait(PDL)  # x and the step's cos/sin come from earlier kernels
     t = tl.program_id(0).to(tl.int64)  # t * stride passes 2**31 in a large packed prefill
@@ -120,9 +121,14 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, x_stride_b, x_st
         o1, o2 = _pair_rotated(x1, x2, cos_row, sin_row, i1, i2, dmask)
     else:
         o1, o2 = rotated(x1.to(tl.float32), x2.to(tl.float32), x1.dtype, cos_row, sin_row, i1)
-    out_base = out_ptr + b * out_stride_b + t * out_stride_t + heads[:, None] * out_stride_h
-    tl.store(out_base + i1, o1, mask=hmask & dmask)
-    tl.store(out_base + i2, o2, mask=hmask & dmask)
+    out_offset = b * out_stride_b + t * out_stride_t + heads[:, None] * out_stride_h
+    tl.store(out_ptr + out_offset + i1, o1, mask=hmask & dmask)
+    tl.store(out_ptr + out_offset + i2, o2, mask=hmask & dmask)
+    if COPY:  # a companion tensor laid out as x (the values beside the keys) copied as is, laid out as out
+        _, _, c1, c2 = _head_members(c_ptr + b * x_stride_b, t, x_stride_t, x_stride_h, num_heads, i1, i2, dmask,
+                                     BLOCK_H)
+        tl.store(c_out_ptr + out_offset + i1, c1, mask=hmask & dmask)
+        tl.store(c_out_ptr + out_offset + i2, c2, mask=hmask & dmask)
 
 
 @triton.jit
@@ -180,12 +186,13 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out
 
 
-def rotary_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+def rotary_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None,
+                 carry: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """V-JEPA 2's RoPE (`mstar.models.vjepa2.rope.apply_rope`, whose roundings it keeps) in one pass:
     x [B, H, N, D] (any strides with a unit last stride), channel pairs (2k, 2k + 1) turned by per-channel
     cos/sin [N, D] or [B, 1, N, D]; written into `out` (x's shape, unit last stride) when given, else
-    into a new tensor whose dims lie in memory in x's order, as torch's elementwise result would."""
+    into a new tensor whose dims lie in memory in x's order, as torch's elementwise result would.
+    `carry` = (c, c_out), c with x's strides and c_out with out's: c copied into c_out in the same pass."""
     batch, heads, tokens, dim = x.shape
     if out is None:
         order = sorted(range(4), key=lambda i: x.stride(i), reverse=True)  # outermost first
@@ -193,22 +200,30 @@ def rotary_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: tor
         out = out.permute(*(order.index(i) for i in range(4)))
     assert out.shape == x.shape, f"out {tuple(out.shape)} is not x's shape {tuple(x.shape)}"
     cos, sin = (torch.broadcast_to(t, (batch, 1, tokens, dim))[:, 0] for t in (cos, sin))
-    _launch_rotary(x.transpose(1, 2), cos, sin, out.transpose(1, 2), pairs=True)
+    if carry is not None:
+        c, c_out = carry
+        assert c.shape == x.shape and c.stride() == x.stride() and c_out.stride() == out.stride() \
+            and c.dtype == c_out.dtype == x.dtype, "carry needs x's layout and dtype, and out's layout"
+        carry = (c.transpose(1, 2), c_out.transpose(1, 2))
+    _launch_rotary(x.transpose(1, 2), cos, sin, out.transpose(1, 2), pairs=True, carry=carry)
     return out
 
 
-def _launch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, pairs: bool) -> None:
+def _launch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, pairs: bool,
+                   carry: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """x and out [B, T, H, D], cos and sin [B, T, D] of the same strides (row strides may be 0), each with a
-    unit last stride: one program per (token, block of heads, batch row)."""
+    unit last stride; `carry` (c, c_out) laid out as (x, out): one program per (token, block of heads,
+    batch row)."""
     batch, tokens, heads, dim = x.shape
     assert x.stride(3) == out.stride(3) == cos.stride(2) == 1 and cos.stride() == sin.stride() and dim % 2 == 0, \
         "rotary needs unit-stride head dims and tables of one layout"
     assert batch < 65536, f"rotary launches one program row per batch row; {batch} pass the grid's 65535"
     half, block_h = dim // 2, min(triton.next_power_of_2(heads), 16)
+    c, c_out = carry if carry is not None else (x, out)
     _rotary_kernel[(tokens, triton.cdiv(heads, block_h), batch)](
-        x, cos, sin, out, heads, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1), out.stride(0),
-        out.stride(1), out.stride(2), HALF=half, BLOCK_D=triton.next_power_of_2(half), BLOCK_H=block_h, PAIRS=pairs,
-        **pdl_args(x.device),
+        x, cos, sin, out, c, c_out, heads, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
+        out.stride(0), out.stride(1), out.stride(2), HALF=half, BLOCK_D=triton.next_power_of_2(half),
+        BLOCK_H=block_h, PAIRS=pairs, COPY=carry is not None, **pdl_args(x.device),
     )
 
 

@@ -1,7 +1,7 @@
 """V-JEPA 2's fused kernels on a GPU in bf16 at the AC predictor's full width (16 heads of 64): the RoPE
-kernel and the residual add + LayerNorm against the eager ops they replace, and the full-size predictor's
-plan forward through them against its eager forward. The interpreter's checks (tests/models/
-vjepa2_kernels_check.py) cannot judge bf16 rounding; these do.
+kernel (with the values carried into their cache slot) and the residual add + LayerNorm against the eager
+ops they replace, and the full-size predictor's plan forward through them against its eager forward. The
+interpreter's checks (tests/models/vjepa2_kernels_check.py) cannot judge bf16 rounding; these do.
 
 Run on the lent machine: `python3 -m pytest -q -m gpu tests/gpu/test_vjepa2_kernels_gpu.py`.
 """
@@ -42,15 +42,17 @@ def test_rope_kernel_rounds_as_the_eager_addcmul() -> None:
     cos, sin = (t.to(CUDA) for t in model.rope_tables(2, CUDA))  # two frames: conditioning and patch tokens
     batch, heads, tokens, head_dim = 8, 16, cos.shape[0], 64
     qkv = torch.randn(batch, tokens, 3 * heads * head_dim, device=CUDA).bfloat16()
-    q, k, _ = qkv.view(batch, tokens, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.view(batch, tokens, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
     got, want = apply_rope(q, cos, sin), _eager(apply_rope, q, cos, sin)
     assert got.stride() == want.stride()
     _within_one_step(got, want)
     assert (got != want).float().mean().item() < 1e-3  # the same roundings: at most a rare contraction differs
-    cache, ref = (torch.zeros(batch, heads, tokens + 5, head_dim, device=CUDA, dtype=torch.bfloat16) for _ in range(2))
-    apply_rope(k, cos, sin, out=cache[:, :, 5:])
-    _eager(apply_rope, k, cos, sin, out=ref[:, :, 5:])
-    _within_one_step(cache, ref)
+    keys, values, ref_keys, ref_values = (torch.zeros(batch, heads, tokens + 5, head_dim, device=CUDA,
+                                                      dtype=torch.bfloat16) for _ in range(4))
+    apply_rope(k, cos, sin, out=keys[:, :, 5:], carry=(v, values[:, :, 5:]))
+    _eager(apply_rope, k, cos, sin, out=ref_keys[:, :, 5:], carry=(v, ref_values[:, :, 5:]))
+    _within_one_step(keys, ref_keys)
+    assert torch.equal(values, ref_values)
 
 
 def test_add_norm_kernel_rounds_as_the_eager_ops() -> None:

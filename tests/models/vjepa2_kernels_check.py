@@ -35,33 +35,34 @@ def close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=tol * want.float().abs().max().item(), rtol=tol)
 
 
-def qk_views(batch: int, tokens: int, heads: int, head_dim: int, dtype: torch.dtype):
-    """q and k [B, heads, N, head_dim] as the attention layer makes them: strided views of one qkv output."""
+def qkv_views(batch: int, tokens: int, heads: int, head_dim: int, dtype: torch.dtype):
+    """q, k, v [B, heads, N, head_dim] as the attention layer makes them: strided views of one qkv output."""
     qkv = torch.randn(batch, tokens, 3 * heads * head_dim).to(dtype)
-    q, k, _ = qkv.view(batch, tokens, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
-    return q, k
+    return qkv.view(batch, tokens, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
 
 
 def check_rope(dtype: torch.dtype, head_dim: int) -> None:
     """Patch and conditioning-token tables (axes left unrotated, a remainder of unrotated channels), shared
     [N, D] and per-batch-row [B, 1, N, D]; a new q laid out as the PyTorch result is, and k written into
-    its slot of a larger cache."""
+    its slot of a larger cache with v carried into its slot of the values."""
     batch, heads, rows, cols = 3, 5, 2, 3
     positions = grid_positions(2, rows, cols, col_scale=rows / cols)
     rotate = torch.ones_like(positions, dtype=torch.bool)
     rotate[::4, 1:] = False  # some tokens turn by frame only, as the AC predictor's action tokens do
     cos, sin = rope_tables(positions, head_dim, rotate)
     tokens = positions.shape[0]
-    q, k = qk_views(batch, tokens, heads, head_dim, dtype)
+    q, k, v = qkv_views(batch, tokens, heads, head_dim, dtype)
     got, want = apply_rope(q, cos, sin), torch_form(apply_rope, q, cos, sin)
     close(got, want)
     assert got.stride() == want.stride(), (got.stride(), want.stride())
-    cache, ref_cache = (torch.zeros(batch, heads, tokens + 4, head_dim, dtype=dtype) for _ in range(2))
-    slot = apply_rope(k, cos, sin, out=cache[:, :, 2:2 + tokens])
-    torch_form(apply_rope, k, cos, sin, out=ref_cache[:, :, 2:2 + tokens])
-    assert slot.data_ptr() == cache[:, :, 2:].data_ptr()
-    close(cache, ref_cache)
-    assert not cache[:, :, :2].any() and not cache[:, :, 2 + tokens:].any(), "wrote outside the slot"
+    keys, values, ref_keys, ref_values = (torch.zeros(batch, heads, tokens + 4, head_dim, dtype=dtype) for _ in range(4))
+    slot = apply_rope(k, cos, sin, out=keys[:, :, 2:2 + tokens], carry=(v, values[:, :, 2:2 + tokens]))
+    torch_form(apply_rope, k, cos, sin, out=ref_keys[:, :, 2:2 + tokens], carry=(v, ref_values[:, :, 2:2 + tokens]))
+    assert slot.data_ptr() == keys[:, :, 2:].data_ptr()
+    close(keys, ref_keys)
+    assert torch.equal(values, ref_values) and torch.equal(values[:, :, 2:2 + tokens], v)  # copied as is
+    for cache in (keys, values):
+        assert not cache[:, :, :2].any() and not cache[:, :, 2 + tokens:].any(), "wrote outside the slot"
     per_row = [t.unsqueeze(0).expand(batch, -1, -1).clone() for t in (cos, sin)]
     per_row = [t.roll(1, 0).unsqueeze(1) for t in per_row]  # a different table for each row, [B, 1, N, D]
     close(apply_rope(q, *per_row), torch_form(apply_rope, q, *per_row))

@@ -55,14 +55,16 @@ class Attention(nn.Module):
         the new keys and values are appended and the queries attend to the whole cache."""
         batch, n, width = x.shape
         q, k, v = self.qkv(x).view(batch, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # each [B, h, N, d]
-        # with a cache, the rotated keys are written straight into their slots: no second copy of them
+        # with a cache, the rotated keys are written straight into their slots (no second copy of them), and
+        # the values go to theirs in the same pass
         k_slot, v_slot = cache.reserve(n) if cache is not None else (None, None)
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope, out=k_slot)
-        elif k_slot is not None:
-            k = k_slot.copy_(k)
-        if cache is not None:
+            q = apply_rope(q, *rope)
+            k = apply_rope(k, *rope, out=k_slot, carry=(v, v_slot) if cache is not None else None)
+        elif cache is not None:
+            k_slot.copy_(k)
             v_slot.copy_(v)
+        if cache is not None:
             k, v = cache.filled()
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.proj(out.transpose(1, 2).reshape(batch, n, width))

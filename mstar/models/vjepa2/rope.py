@@ -40,28 +40,43 @@ def rope_tables(positions: torch.Tensor, head_dim: int, rotate: torch.Tensor | N
     return cos, sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
-               ) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None,
+               carry: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [..., N, head_dim] turned by tables broadcastable to it: x * cos + turned * sin, where pairs
-    (2k, 2k+1) turn to (-x[2k+1], x[2k]); written into `out` (x's shape, any strides) when given. One
-    kernel (`fused_ops.rotary_pairs`, the same roundings) where the fused kernels serve x."""
+    (2k, 2k+1) turn to (-x[2k+1], x[2k]); written into `out` (x's shape, any strides) when given.
+    `carry` = (c, c_out): c also copied into c_out (the values beside the keys going into a cache). One
+    kernel for all of it (`fused_ops.rotary_pairs`, the same roundings) where the fused kernels serve x."""
+
+    def eager() -> torch.Tensor:
+        turned = _apply_rope_torch(x, cos, sin, out)
+        if carry is not None:
+            carry[1].copy_(carry[0])
+        return turned
+
     ops = FUSED.ops_for(x)
-    if ops is None or not _fusable(x, cos, sin, out):
-        return _apply_rope_torch(x, cos, sin, out)
-    return _ROTARY.run(lambda: ops.rotary_pairs(x, cos, sin, out), lambda: _apply_rope_torch(x, cos, sin, out))
+    if ops is None or not _fusable(x, cos, sin, out, carry):
+        return eager()
+    return _ROTARY.run(lambda: ops.rotary_pairs(x, cos, sin, out, carry), eager)
 
 
-def _fusable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None) -> bool:
-    """Whether the kernel takes these: x [B, heads, N, D], tables [N, D] or [B or 1, 1, N, D] of one layout,
-    `out` of x's dtype, unit last strides throughout."""
+def _fusable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None,
+             carry: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+    """Whether the kernel takes these: x [B < 65536, heads, N, D], tables [N, D] or [B or 1, 1, N, D] of one
+    layout, `out` of x's dtype, unit last strides throughout; a carry laid out as (x, out), of x's dtype."""
     shared = cos.dim() == 2 or (cos.dim() == 4 and cos.shape[1] == 1 and cos.shape[0] in (1, x.shape[0]))
-    return (x.dim() == 4 and shared and cos.shape[-2:] == x.shape[-2:] and cos.stride() == sin.stride()
-            and cos.shape == sin.shape and x.stride(-1) == cos.stride(-1) == 1
+    fits = (x.dim() == 4 and x.shape[0] < 65536 and shared and cos.shape[-2:] == x.shape[-2:]
+            and cos.stride() == sin.stride() and cos.shape == sin.shape and x.stride(-1) == cos.stride(-1) == 1
             and (out is None or (out.stride(-1) == 1 and out.dtype == x.dtype)))
+    if carry is None or not fits:
+        return fits
+    c, c_out = carry
+    return (out is not None and c.shape == c_out.shape == x.shape and c.stride() == x.stride()
+            and c_out.stride() == out.stride() and c.dtype == c_out.dtype == x.dtype)
 
 
 def _apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None
                       ) -> torch.Tensor:
+    """`apply_rope`'s PyTorch form."""
     # the pair swap and the sign go to a copy of x and to the small table, so the wide tensor is passed over
     # three times (swap, x * cos, add-multiply) instead of five
     swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
