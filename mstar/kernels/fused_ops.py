@@ -1,13 +1,14 @@
-"""Fused elementwise Triton kernels for the decoder layers: (residual add +) RMSNorm, rotary and its cos/sin,
-Qwen3's qk-norm with rotary, SiLU- and GELU(tanh)-and-mul, and a MoE block's sigmoid-gated shared-expert add.
+"""Fused elementwise Triton kernels for the decoder layers: (residual add +) RMSNorm or LayerNorm, rotary
+(rotate-half, or V-JEPA 2's adjacent pairs) and its cos/sin, Qwen3's qk-norm with rotary, SiLU- and
+GELU(tanh)-and-mul, and a MoE block's sigmoid-gated shared-expert add.
 
 Each replaces a handful of small PyTorch kernels with one, which is what decides decode speed once
 the weights are read at full bandwidth. They round intermediate values to the input dtype at the
 same points as the PyTorch code in `mstar/layers/` does, so results match it to the last bit or
 within one rounding step (reduction order in the norm may differ).
 
-Use through `mstar/layers` (which falls back to PyTorch on CPU or when `fused_enabled` is False);
-tests run these kernels on CPU with TRITON_INTERPRET=1.
+Use through `mstar/layers` and `mstar/models/vjepa2` (which fall back to PyTorch on CPU or when
+`fused_enabled` is False); tests run these kernels on CPU with TRITON_INTERPRET=1.
 
 PDL (sm_90+, `mstar.kernels.pdl`): each kernel lets the next one launch at its start and waits for
 the previous one before its first load or store.
