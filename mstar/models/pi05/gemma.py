@@ -28,6 +28,7 @@ from torch import nn
 
 from mstar.kernels.guard import KernelGuard
 from mstar.layers.fused import FUSED
+from mstar.layers.linear import linear
 from mstar.layers.rope import RopeSpec, RotaryEmbedding, apply_rotary
 from mstar.models.pi05.config import GemmaShape
 
@@ -72,6 +73,12 @@ def fused_norm(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None,
         return normed.view(x.shape), summed.view(x.shape)
 
     return _NORM.run(kernel, lambda: None)
+
+
+def row_linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
+    """module(x) over x's rows as one 2-D matmul, so `linear` may pick the skinny GEMM where it was timed
+    faster (the expert's 50 action rows a robot are few enough)."""
+    return linear(x.reshape(-1, x.shape[-1]), module).view(*x.shape[:-1], module.out_features)
 
 
 class GemmaNorm(nn.Module):
@@ -147,15 +154,15 @@ class GemmaMLP(nn.Module):
         self.down = nn.Linear(mlp_dim, width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up(x)
+        gate_up = row_linear(x, self.gate_up)
         ops = FUSED.ops_for(gate_up)
         if ops is not None and gate_up.is_contiguous():
             rows = gate_up.view(-1, 2 * self.mlp_dim)
             act = _GELU_AND_MUL.run(lambda: ops.gelu_and_mul(rows), lambda: None)
             if act is not None:
-                return self.down(act.view(*gate_up.shape[:-1], self.mlp_dim))
+                return row_linear(act.view(*gate_up.shape[:-1], self.mlp_dim), self.down)
         gate, up = gate_up.split(self.mlp_dim, dim=-1)
-        return self.down(F.gelu(gate, approximate="tanh") * up)
+        return row_linear(F.gelu(gate, approximate="tanh") * up, self.down)
 
 
 class GemmaAttention(nn.Module):
@@ -175,7 +182,7 @@ class GemmaAttention(nn.Module):
         q is contiguous, as `attend`'s query rows need to be a view of it."""
         batch, length, _ = x.shape
         heads, kv, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv(x).view(batch * length, heads + 2 * kv, dim)
+        qkv = row_linear(x, self.qkv).view(batch * length, heads + 2 * kv, dim)
         if strided:
             qk = apply_rotary(qkv[:, :heads + kv], cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
@@ -197,7 +204,7 @@ class GemmaAttention(nn.Module):
         out = F.scaled_dot_product_attention(rows, keys.transpose(1, 2), values.transpose(1, 2),
                                              attn_mask=key_bias[:, None, None, :])
         out = out.view(batch, kv, length, groups, self.head_dim).transpose(1, 2)
-        return self.o(out.reshape(batch, length, self.num_heads * self.head_dim))
+        return row_linear(out.reshape(batch, length, self.num_heads * self.head_dim), self.o)
 
     def attend_prefix(self, q: torch.Tensor, prefix: KV, prefix_len: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor) -> torch.Tensor:
@@ -210,7 +217,7 @@ class GemmaAttention(nn.Module):
 
             out = _FLOW_ATTENTION.run(lambda: valid_keys_attention(q, *prefix, prefix_len, k, v), lambda: None)
             if out is not None:
-                return self.o(out.flatten(2))
+                return row_linear(out.flatten(2), self.o)
         prefix_k, prefix_v = prefix
         positions = torch.arange(prefix_k.shape[1] + k.shape[1], device=q.device)[None, :]
         valid = (positions < prefix_len[:, None]) | (positions >= prefix_k.shape[1])
