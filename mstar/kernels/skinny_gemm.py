@@ -151,8 +151,9 @@ def _skinny_kernel(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, M, N, K, stride_
         k_mask = ((k + rk) < K)[None, :]
         w = load_chunk(w_ptrs, k, k_mask, EVEN_K)
         x = load_chunk(x_ptrs, k, k_mask, EVEN_K)
-        if SCALES == "block":
-            acc += _dot_chunk(x, w, DOT_FP32) * block_scale(s_ptr, rn_safe, k, stride_sn, SCALE_BN, SCALE_BK)[None, :]
+        if SCALES == "block":  # a chunk wholly past K (last split) reads the last block column, not past it
+            acc += _dot_chunk(x, w, DOT_FP32) * block_scale(s_ptr, rn_safe, tl.minimum(k, K - 1), stride_sn, SCALE_BN,
+                                                            SCALE_BK)[None, :]
         else:
             acc += _dot_chunk(x, w, DOT_FP32)
     if SCALES == "channel":  # linear in the sum, so each split's partial is scaled before it is stored

@@ -126,6 +126,19 @@ def check_skinny_split_k() -> None:
     assert skinny_gemm._WORKSPACES, "split-K did not use the workspace"
 
 
+def check_split_past_k_block_scales() -> None:
+    # K = 300 in 3 splits of 128 leaves whole 32-wide chunks past K in the last split: their (zero) products
+    # must not be scaled by memory past the scale tensor (here inf, so a read past it gives NaN).
+    layer = module(40, 300, (16, 32), bias=False, dtype=torch.bfloat16)
+    s = layer.weight_scale
+    padded = torch.full((s.numel() + 64,), float("inf"))
+    padded[: s.numel()] = s.reshape(-1)
+    scale = padded[: s.numel()].view(s.shape)
+    x = torch.randn(12, 300).to(torch.bfloat16)
+    got = fp8_gemv(x, layer.weight, scale, None, (16, 32), config=SkinnyConfig(32, 32, 32, split_k=3))
+    torch.testing.assert_close(got, exact(x, layer), **EXACT_TOL[x.dtype])
+
+
 def check_picked_skinny_configs() -> None:
     # The bf16 configs (tuned at the Orpheus-3B shapes) with the 8-row one below 5 rows; block scales narrow
     # BLOCK_K to one block column and keep the rest.
@@ -197,6 +210,7 @@ if __name__ == "__main__":
     check_skinny(QUICK_SKINNY_CASES if quick else SKINNY_CASES)
     check_picked_skinny_configs()
     check_timed_candidates()
+    check_split_past_k_block_scales()
     if not quick:
         check_configs()
         check_layer_and_errors()
