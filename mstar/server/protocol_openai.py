@@ -331,6 +331,9 @@ class CompletionRequest(SamplingParams):
             raise ValueError("stream_options is only allowed when stream is true")
         if self.suffix:
             raise ValueError("`suffix` (fill-in-the-middle) is not supported; remove it")
+        if self.echo and self.logprobs is not None:
+            # the engine keeps logits of sampled tokens only; half an answer would look like a whole one
+            raise ValueError("`echo` with `logprobs` (the prompt's logprobs) is not supported; drop one of them")
         return self
 
     def prompts(self) -> list[str]:

@@ -123,6 +123,8 @@ def test_completion_request():
     req = CompletionRequest.model_validate({"prompt": ["a", "b"], "max_tokens": 5, "logprobs": 2})
     assert req.prompts() == ["a", "b"] and req.sampling_options() == {"max_tokens": 5}
     assert "suffix" in _message(CompletionRequest, {"prompt": "a", "suffix": "z"})[0]
+    assert "echo" in _message(CompletionRequest, {"prompt": "a", "echo": True, "logprobs": 1})[0]
+    assert CompletionRequest.model_validate({"prompt": "a", "echo": True}).echo  # echo alone is served
     assert "prompt" in _message(CompletionRequest, {"prompt": ""})[0]
 
 
