@@ -84,7 +84,9 @@ class _SkinnySwitch:
     def fp8_kernel(self, x: torch.Tensor, module: Fp8Linear) -> str | None:
         """Which of `FP8_KERNELS` should run `module` on the 2-D rows x (those `fp8_candidates` lists),
         measured once per shape on CUDA; None: `fp8_linear`'s own order (unmeasured). Forced: the GEMV."""
-        key = ("fp8", module.block) + self._key(x, module.weight, module.bias)
+        # rows 9 to 16 share an M bucket, but `_scaled_mm` serves only from SCALED_MM_MIN_ROWS: each set of
+        # candidates gets its own decision, so that no row count runs a kernel that does not serve it
+        key = ("fp8", module.block, scaled_mm_serves(x, module)) + self._key(x, module.weight, module.bias)
         return self._decide(key, x.is_cuda, lambda: self._measure_fp8(x, module), on="gemv", off=None)
 
     def use_fp8_fused_silu(self, gate_up: torch.Tensor, module: Fp8Linear) -> bool:

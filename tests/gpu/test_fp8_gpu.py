@@ -116,7 +116,7 @@ def test_linear_runs_the_fp8_kernel_it_timed_fastest(rows, block):
         got = linear(x, module)
     finally:
         SKINNY.force = saved
-    chosen = [v for key, v in SKINNY.decisions.items() if key[:3] == ("fp8", block, rows)]
+    chosen = [v for key, v in SKINNY.decisions.items() if key[:4] == ("fp8", block, fp8.scaled_mm_serves(x, module), rows)]
     assert len(chosen) == 1 and chosen[0] in ("gemv", "skinny_dot", "scaled_mm"), SKINNY.decisions
     assert chosen[0] != "scaled_mm" or fp8.scaled_mm_serves(x, module)
     torch.testing.assert_close(got.float(), weight_only_linear(x, module).float(), **TOL)

@@ -174,3 +174,24 @@ def test_the_fp8_kernel_choice_times_the_skinny_dot_kernel_and_keeps_the_fastest
     assert SKINNY.fp8_kernel(x, module) is None  # CPU: `fp8_linear`'s own order, nothing measured
     monkeypatch.setattr(SKINNY, "force", True)
     assert SKINNY.fp8_kernel(x, module) == "gemv"
+
+
+def test_the_fp8_kernel_choice_is_kept_apart_where_scaled_mm_serves_and_where_not(monkeypatch):
+    """Rows 9 to 16 share an M bucket; `_scaled_mm` (timed fastest here at 16 rows) must not then run 12 rows,
+    which `fp8_linear` gives the weight-only GEMV. CUDA is stood in for: `_decide` told x is on CUDA,
+    `_scaled_mm` serving from 16 rows."""
+    import mstar.layers.linear as linear_module
+    from mstar.layers.linear import SKINNY
+
+    module = Fp8Linear.from_linear(nn.Linear(64, 48).bfloat16(), None)
+    decide = SKINNY._decide
+    monkeypatch.setattr(SKINNY, "force", None)
+    monkeypatch.setattr(SKINNY, "decisions", {})
+    monkeypatch.setattr(SKINNY, "_decide", lambda key, is_cuda, measure, on, off: decide(key, True, measure, on, off))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(linear_module, "scaled_mm_serves", lambda x, m: x.shape[0] >= fp8.SCALED_MM_MIN_ROWS)
+    fastest = {"scaled_mm": 1.0, "skinny_dot": 2.0, "gemv": 3.0}
+    monkeypatch.setattr(SKINNY, "_time", lambda candidates, weight: {name: fastest[name] for name in candidates})
+    assert SKINNY.fp8_kernel(torch.randn(16, 64, dtype=torch.bfloat16), module) == "scaled_mm"
+    assert SKINNY.fp8_kernel(torch.randn(12, 64, dtype=torch.bfloat16), module) == "skinny_dot"
+    assert SKINNY.fp8_kernel(torch.randn(16, 64, dtype=torch.bfloat16), module) == "scaled_mm"
