@@ -16,10 +16,11 @@ from mstar.kernels import fused_ops
 from mstar.layers.fused import FUSED, fused_kernels
 from mstar.models.vjepa2 import layers, rope
 from mstar.models.vjepa2.ac_predictor import ACPredictor
+from mstar.models.vjepa2.encoder import VJEPA2Encoder
 from mstar.models.vjepa2.layers import add_norm
 from mstar.models.vjepa2.planning import CEMSearch, CEMSettings
 from mstar.models.vjepa2.rope import apply_rope, grid_positions, rope_tables
-from mstar.models.vjepa2.tiny import tiny_ac_config
+from mstar.models.vjepa2.tiny import tiny_ac_config, tiny_config
 
 
 def torch_form(fn, *args, **kwargs):
@@ -82,6 +83,45 @@ def check_add_norm(dtype: torch.dtype) -> None:
         else:  # the add rounds once, as torch's does
             torch.testing.assert_close(s, want_s, atol=0, rtol=0)
         close(h, want_h)
+
+
+def counting(names):
+    """(launch counts by name, undo): each named fused_ops function counts its calls until undo()."""
+    launches = dict.fromkeys(names, 0)
+    kernels = {name: getattr(fused_ops, name) for name in launches}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            launches[name] += 1
+            return kernels[name](*args, **kwargs)
+        return call
+
+    for name in launches:
+        setattr(fused_ops, name, counted(name))
+
+    def undo():
+        for name, kernel in kernels.items():
+            setattr(fused_ops, name, kernel)
+    return launches, undo
+
+
+def check_encoder(dtype: torch.dtype) -> None:
+    """The tiny encoder through the kernels: its patch tokens come out of the convolution transposed, and
+    every residual add still fuses with the norm after it."""
+    torch.manual_seed(0)
+    model = VJEPA2Encoder(tiny_config().encoder).to(dtype)
+    video = torch.randn(1, 4, 3, 32, 32).to(dtype)
+    launches, undo = counting(["rotary_pairs", "layer_norm"])
+    try:
+        with torch.no_grad():
+            got, want = model(video), torch_form(model, video)
+    finally:
+        undo()
+    n = len(model.blocks)
+    assert launches == {"rotary_pairs": 2 * n, "layer_norm": 2 * n}, launches
+    # half precision: within two bf16 steps of the largest (LayerNorm-scaled) output
+    tol = 1e-5 if dtype == torch.float32 else 2 * 2.0 ** -7 * want.float().abs().max().item()
+    torch.testing.assert_close(got, want, atol=tol, rtol=0)
 
 
 def check_predictor(dtype: torch.dtype) -> None:
@@ -155,6 +195,7 @@ if __name__ == "__main__":
         check_rope(dt, 20)  # 10 pairs: not a power of two (ViT-H's heads are 80 wide)
         check_add_norm(dt)
         check_predictor(dt)
+        check_encoder(dt)
     if not quick:
         check_search()
     assert rope._ROTARY.usable, "the rotary kernel failed and its PyTorch form served"

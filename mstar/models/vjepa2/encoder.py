@@ -40,7 +40,8 @@ class VJEPA2Encoder(nn.Module):
             x = x.repeat(1, 1, self.config.tubelet_size, 1, 1)
         x = self.patch_embed(x)  # [B, D, t, h, w]
         frames, rows, cols = x.shape[2:]
-        x = x.flatten(2).transpose(1, 2)
+        # contiguous: the residual adds keep x's layout, and `add_norm` fuses only contiguous rows
+        x = x.flatten(2).transpose(1, 2).contiguous()
         rope = rope_tables(grid_positions(frames, rows, cols, x.device), self.config.vit.head_dim)
         x = self.blocks.run(x, rope)
         return self.norm(x)
