@@ -247,8 +247,8 @@ def fp8_choices() -> list[dict]:
     projection's kernel (up to 4 rows), per (rows bucket, N, K)."""
     out = []
     for key, chosen in SKINNY.decisions.items():
-        if key[0] == "fp8":
-            out.append({"choice": "fp8_kernel", "m_bucket": key[2], "n": key[3], "k": key[4], "won": chosen})
+        if key[0] == "fp8":  # ("fp8", block, whether _scaled_mm serves, rows bucket, N, K, ...)
+            out.append({"choice": "fp8_kernel", "m_bucket": key[3], "n": key[4], "k": key[5], "won": chosen})
         elif key[0] == "fp8_silu_and_mul":
             out.append({"choice": "fused_silu_down", "m_bucket": key[2], "n": key[3], "k": key[4], "won": chosen})
     return out

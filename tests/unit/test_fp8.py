@@ -195,3 +195,7 @@ def test_the_fp8_kernel_choice_is_kept_apart_where_scaled_mm_serves_and_where_no
     assert SKINNY.fp8_kernel(torch.randn(16, 64, dtype=torch.bfloat16), module) == "scaled_mm"
     assert SKINNY.fp8_kernel(torch.randn(12, 64, dtype=torch.bfloat16), module) == "skinny_dot"
     assert SKINNY.fp8_kernel(torch.randn(16, 64, dtype=torch.bfloat16), module) == "scaled_mm"
+    from benchmarks.decode_step import fp8_choices  # reads the decision keys back
+
+    assert sorted((c["m_bucket"], c["n"], c["k"], c["won"]) for c in fp8_choices()) == [
+        (16, 48, 64, "scaled_mm"), (16, 48, 64, "skinny_dot")]
