@@ -1,33 +1,52 @@
-"""Feed-forward blocks: the gated SiLU MLP of Llama-family decoders and the plain GELU MLP of vision
-transformers and connectors."""
+"""Feed-forward blocks: the gated MLP of Llama-family decoders (SiLU) and of Gemma (tanh GELU), and the
+plain GELU MLP of vision transformers and connectors."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.kernels.guard import KernelGuard
 from mstar.layers.fused import FUSED
 from mstar.layers.linear import linear, silu_and_mul_linear
 
+_GELU_AND_MUL = KernelGuard("GELU-and-mul")
+
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul (`gate_up_proj`)."""
+    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul (`gate_up_proj`); `act` is SiLU
+    (Llama, Qwen) or `gelu_tanh`, tanh-approximated GELU (Gemma)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 activation: Literal["silu", "gelu_tanh"] = "silu") -> None:
         super().__init__()
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"GatedMLP activation must be 'silu' or 'gelu_tanh', got {activation!r}")
         self.intermediate_size = intermediate_size
+        self.activation = activation
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]."""
-        gate_up = linear(x, self.gate_up_proj)
+        """x [..., hidden] -> [..., hidden], over x's rows as 2-D matmuls (so `linear` and the fused
+        kernels see the row count they are chosen by)."""
+        out = self._down(linear(x.reshape(-1, x.shape[-1]), self.gate_up_proj))
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _down(self, gate_up: torch.Tensor) -> torch.Tensor:
         ops = FUSED.ops_for(gate_up)
-        if ops is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
-            return silu_and_mul_linear(gate_up, self.down_proj)  # fused into the GEMV where it wins
+        if ops is not None and gate_up.is_contiguous():
+            if self.activation == "silu":
+                return silu_and_mul_linear(gate_up, self.down_proj)  # fused into the GEMV where it wins
+            act = _GELU_AND_MUL.run(lambda: ops.gelu_and_mul(gate_up), lambda: None)
+            if act is not None:
+                return linear(act, self.down_proj)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj)
+        act = F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")
+        return linear(act * up, self.down_proj)
 
 
 class GeluMLP(nn.Module):

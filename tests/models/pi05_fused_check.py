@@ -16,9 +16,11 @@ import sys
 
 import torch
 
+from mstar.layers import mlp as layers_mlp
 from mstar.layers.fused import FUSED, fused_kernels
+from mstar.layers.mlp import GatedMLP
 from mstar.models.pi05 import gemma
-from mstar.models.pi05.gemma import AdaRMSNorm, GemmaAttention, GemmaMLP, GemmaNorm
+from mstar.models.pi05.gemma import AdaRMSNorm, GemmaAttention, GemmaNorm
 
 F32 = dict(atol=1e-5, rtol=1e-5)
 BF16_STEP = 2.0 ** -7  # one bf16 rounding step, relative: the interpreter truncates float32 to bf16, torch rounds
@@ -59,7 +61,7 @@ def check_gemma(dtype: torch.dtype, width: int = 48) -> None:
     norm = GemmaNorm(width, 1e-6).to(dtype)
     torch.nn.init.normal_(norm.weight, std=0.5, generator=gen)
     x, branch = ((torch.randn(2, 5, width, generator=gen) * 3).to(dtype) for _ in range(2))
-    mlp = GemmaMLP(width, 40).to(dtype)
+    mlp = GatedMLP(width, 40, activation="gelu_tanh").to(dtype)
     for p in mlp.parameters():
         torch.nn.init.normal_(p, std=0.3, generator=gen)
     with torch.no_grad():
@@ -125,7 +127,7 @@ def check_policy() -> None:
     for a, b in zip(chunks, plain_chunks, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     assert not torch.allclose(chunks[0], chunks[1], atol=1e-3)
-    assert gemma._NORM.usable and gemma._GELU_AND_MUL.usable, "a kernel failed: the PyTorch form gave the chunks"
+    assert gemma._NORM.usable and layers_mlp._GELU_AND_MUL.usable, "a kernel failed: the PyTorch form gave the chunks"
 
 
 def main() -> None:
@@ -137,7 +139,7 @@ def main() -> None:
         check_gemma(dtype)
         check_gelu_and_mul(dtype)
         check_project(dtype)
-    assert gemma._NORM.usable and gemma._GELU_AND_MUL.usable, "a kernel failed: the PyTorch form served"
+    assert gemma._NORM.usable and layers_mlp._GELU_AND_MUL.usable, "a kernel failed: the PyTorch form served"
     check_policy()
     print("pi05 fused ok")
 

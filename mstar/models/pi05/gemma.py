@@ -29,6 +29,7 @@ from torch import nn
 from mstar.kernels.guard import KernelGuard
 from mstar.layers.fused import FUSED
 from mstar.layers.linear import linear
+from mstar.layers.mlp import GatedMLP
 from mstar.layers.rope import RopeSpec, RotaryEmbedding, apply_rotary
 from mstar.models.pi05.config import GemmaShape
 
@@ -36,7 +37,6 @@ KV = tuple[torch.Tensor, torch.Tensor]  # keys, values [B, L, KV heads, head_dim
 Modulation = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # an adaRMS norm's 1 + scale, shift, gate [N, 1, W]
 _FLOW_ATTENTION = KernelGuard("flow attention")
 _NORM = KernelGuard("Pi0.5 norm")
-_GELU_AND_MUL = KernelGuard("GELU-and-mul")
 
 
 def attention_bias(valid: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -144,27 +144,6 @@ class AdaRMSNorm(nn.Module):
         return self.modulate(x, self.modulation(cond))
 
 
-class GemmaMLP(nn.Module):
-    """down(gelu_tanh(gate(x)) * up(x)), gate and up as one matmul."""
-
-    def __init__(self, width: int, mlp_dim: int) -> None:
-        super().__init__()
-        self.mlp_dim = mlp_dim
-        self.gate_up = nn.Linear(width, 2 * mlp_dim, bias=False)
-        self.down = nn.Linear(mlp_dim, width, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = row_linear(x, self.gate_up)
-        ops = FUSED.ops_for(gate_up)
-        if ops is not None and gate_up.is_contiguous():
-            rows = gate_up.view(-1, 2 * self.mlp_dim)
-            act = _GELU_AND_MUL.run(lambda: ops.gelu_and_mul(rows), lambda: None)
-            if act is not None:
-                return row_linear(act.view(*gate_up.shape[:-1], self.mlp_dim), self.down)
-        gate, up = gate_up.split(self.mlp_dim, dim=-1)
-        return row_linear(F.gelu(gate, approximate="tanh") * up, self.down)
-
-
 class GemmaAttention(nn.Module):
     """Query, key and value projections (one matmul, no biases) with RoPE, and the output projection."""
 
@@ -233,7 +212,7 @@ class PrefixLayer(nn.Module):
         self.norm1 = GemmaNorm(shape.width, shape.rms_norm_eps)
         self.attn = GemmaAttention(shape)
         self.norm2 = GemmaNorm(shape.width, shape.rms_norm_eps)
-        self.mlp = GemmaMLP(shape.width, shape.mlp_dim)
+        self.mlp = GatedMLP(shape.width, shape.mlp_dim, activation="gelu_tanh")
 
 
 class PrefixLM(nn.Module):
@@ -277,7 +256,7 @@ class ExpertLayer(nn.Module):
         self.norm1 = AdaRMSNorm(shape.width, shape.width, shape.rms_norm_eps)
         self.attn = GemmaAttention(shape)
         self.norm2 = AdaRMSNorm(shape.width, shape.width, shape.rms_norm_eps)
-        self.mlp = GemmaMLP(shape.width, shape.mlp_dim)
+        self.mlp = GatedMLP(shape.width, shape.mlp_dim, activation="gelu_tanh")
 
 
 def time_embedding(t: torch.Tensor, width: int, min_period: float, max_period: float) -> torch.Tensor:

@@ -71,8 +71,8 @@ def mapper(config: Pi05Config, names: Iterable[str]) -> Callable[[str], Mapped]:
         q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
         table = {"self_attn.q_proj": ("attn.qkv", 0), "self_attn.k_proj": ("attn.qkv", q),
                  "self_attn.v_proj": ("attn.qkv", q + kv), "self_attn.o_proj": ("attn.o", 0),
-                 "mlp.gate_proj": ("mlp.gate_up", 0), "mlp.up_proj": ("mlp.gate_up", shape.mlp_dim),
-                 "mlp.down_proj": ("mlp.down", 0), "input_layernorm": ("norm1", 0),
+                 "mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", shape.mlp_dim),
+                 "mlp.down_proj": ("mlp.down_proj", 0), "input_layernorm": ("norm1", 0),
                  "post_attention_layernorm": ("norm2", 0), "input_layernorm.dense": ("norm1.dense", 0),
                  "post_attention_layernorm.dense": ("norm2.dense", 0)}
         return table.get(inner)
