@@ -1,14 +1,13 @@
 """The autoregressive engine: paged KV cache, continuous batching, chunked prefill, prefix reuse.
 
-Items are keyed by (request_id, kv_slot): each key is one sequence. An item's
-`inputs["input_ids"]` (1-D int64) are appended to its sequence: the prompt on the first item, the
-previously sampled token (or any tokens the caller chooses) on later ones. Each item yields one
-StepResult with `outputs["token"]` (LongTensor[1]) once its tokens are computed. An engine-loop item
-(`StepItem.loop`) is a decode loop: after each sample that does not end it, the engine appends the
-token to the sequence itself and yields a result with `more=True`; the item stays pending until the
-last iteration, a stop, the length limit or its release. A result with `stop=True` ends the
-sequence: its pages are freed (full pages stay in the prefix cache) and a later item with the same
-key starts a new sequence.
+Items are keyed by (request_id, kv_slot): each key is one sequence. An item's `inputs["input_ids"]`
+(1-D int64) are appended to its sequence: the prompt on the first item, the previously sampled token
+(or any tokens the caller chooses) on later ones. Each item yields one StepResult with `outputs["token"]`
+(LongTensor[1]) once its tokens are computed. An engine-loop item (`StepItem.loop`) is a decode loop:
+after each sample that does not end it, the engine appends the token to the sequence itself and yields
+a result with `more=True`; the item stays pending until the last iteration, a stop, the length limit or
+its release. A result with `stop=True` ends the sequence: its pages are freed (full pages stay in the
+prefix cache) and a later item with the same key starts a new sequence.
 
 Lookahead (`lookahead.py`): once a step's draw is queued on the device, the next forward of the
 engine-loop sequences that go on is launched with the drawn ids before the host reads them.
