@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from mstar.engines.autoregressive.batch_scheduler import BatchScheduler
 from mstar.engines.autoregressive.sequence import SeqStatus, Sequence
+from mstar.engines.autoregressive.token_inputs import TokenInputs
 from mstar.engines.base import StepItem
 from mstar.engines.kv_cache.block_pool import BlockPool
+from mstar.engines.kv_handoff import KVPositions
 from mstar.engines.sampling import SamplingParams
 
 PAGE = 4
@@ -107,3 +109,57 @@ def test_a_shared_prefix_is_taken_from_the_cache_and_at_least_one_token_computed
     same = seq("same", prompt[:8], shared=True)  # exactly the cached pages: the last page is recomputed for logits
     scheduler.add(same)
     assert step(scheduler) == {"same": (4, 4)}
+
+
+def moved(name: str, tokens, waiting_item: bool = True) -> Sequence:
+    """A sequence moved here with every token computed elsewhere, whose K/V depend on more than their ids
+    (as a prompt with media rows): it cannot be recomputed here."""
+    s = seq(name, tokens, waiting_item)
+    s.inputs = TokenInputs.resumed(KVPositions(len(s.token_ids), 0.0, False, False, num_shareable=0))
+    s.num_moved = len(s.token_ids)
+    return s
+
+
+def test_out_of_pages_a_sequence_that_cannot_recompute_is_passed_over_for_one_that_can():
+    pool = BlockPool(4, PAGE)
+    scheduler = BatchScheduler(pool, max_num_seqs=8, max_batch_tokens=64)
+    old, new = seq("old", range(8)), moved("new", range(8))
+    for s in (old, new):
+        scheduler.add(s)
+    assert step(scheduler) == {"old": (0, 8), "new": (0, 8)} and pool.num_free == 0
+    decode(old)
+    decode(new)
+    # old's ninth token opens a page: new is the newest, but old gives its own two up instead
+    assert step(scheduler) == {"new": (8, 1)}
+    assert old.status is SeqStatus.WAITING and new.status is SeqStatus.RUNNING and not scheduler.dropped
+    assert scheduler.num_preemptions == 1
+
+
+def test_a_sequence_that_cannot_recompute_is_dropped_when_it_is_the_only_victim():
+    pool = BlockPool(3, PAGE)
+    scheduler = BatchScheduler(pool, max_num_seqs=8, max_batch_tokens=64)
+    only = moved("only", range(12))
+    scheduler.add(only)
+    step(scheduler)
+    decode(only)
+    assert step(scheduler) == {} and scheduler.dropped == [only]  # its 13th token found no page
+    assert only.pages == [] and pool.num_free == 3 and scheduler.num_preemptions == 0
+    assert only not in scheduler.running and only not in scheduler.waiting
+
+
+def test_an_idle_sequence_that_cannot_recompute_gives_its_seat_up_only_when_no_other_can():
+    pool = BlockPool(4, PAGE)
+    scheduler = BatchScheduler(pool, max_num_seqs=8, max_batch_tokens=64)
+    plain, held = seq("plain", range(8), waiting_item=False), moved("held", range(8), waiting_item=False)
+    for s in (plain, held):
+        scheduler.add(s)
+    step(scheduler)
+    new = seq("new", range(8))
+    scheduler.add(new)
+    # the progress guarantee: an idle sequence gives its pages up; the older plain one, not the newest
+    assert step(scheduler) == {"new": (0, 8)}
+    assert plain.status is SeqStatus.PARKED and held.status is SeqStatus.RUNNING and not scheduler.dropped
+    scheduler.remove(new)  # its request ended
+    scheduler.add(seq("big", range(16)))
+    assert step(scheduler) == {"big": (0, 16)}  # only the moved one idles: it is dropped, not parked to recompute
+    assert scheduler.dropped == [held] and held.pages == [] and held not in scheduler.waiting

@@ -2,7 +2,9 @@
 
 Decode steps go first, then unfinished prefills, then new sequences, all within a token budget
 (chunked prefill). When pages run out the newest running sequence is preempted: its pages are
-freed and it recomputes later, reusing whatever of its prefix the cache still holds.
+freed and it recomputes later, reusing whatever of its prefix the cache still holds. A sequence that
+cannot recompute (`Sequence.recomputable`) is passed over while another victim exists; when none does,
+it is dropped instead, its pages freed, and the engine fails its request (`dropped`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class BatchScheduler:
         self.running: list[Sequence] = []  # admission order: the last is preempted first
         self.waiting: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.dropped: list[Sequence] = []  # would have been preempted but cannot recompute: the engine fails them
 
     def add(self, seq: Sequence) -> None:
         """Note that `seq` has new tokens; sequences without pages join the waiting queue."""
@@ -112,7 +115,7 @@ class BatchScheduler:
 
     def _preempt_idle(self) -> bool:
         """Preempt the newest running sequence that has no pending tokens; False if there is none."""
-        victim = next((s for s in reversed(self.running) if s.num_pending == 0), None)
+        victim = _victim([s for s in reversed(self.running) if s.num_pending == 0])
         if victim is not None:
             self._preempt(victim)
         return victim is not None
@@ -139,7 +142,8 @@ class BatchScheduler:
             return True
         while need > self.pool.num_free:
             scheduled = {id(c.seq) for c in chunks}
-            victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
+            victim = _victim([s for s in reversed(self.running) if id(s) not in scheduled])
+            assert victim is not None  # `seq` itself is running and not scheduled yet
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -173,6 +177,12 @@ class BatchScheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._free_pages(seq)
+        if not seq.recomputable:
+            seq.status = SeqStatus.PARKED  # out of both queues until the engine drops it
+            self.dropped.append(seq)
+            logger.warning("dropped %s (%d tokens): its pages were needed and it cannot recompute here",
+                           seq.key, len(seq.token_ids))
+            return
         self.num_preemptions += 1
         if seq.item is not None:
             seq.status = SeqStatus.WAITING
@@ -191,3 +201,8 @@ class BatchScheduler:
             tokens = seq.token_ids[: num_pages * self.pool.page_size]
             seq.page_hashes = hash_pages(tokens, self.pool.page_size, seq.page_hashes)
         return seq.page_hashes[:num_pages]
+
+
+def _victim(candidates: list[Sequence]) -> Sequence | None:
+    """The first of `candidates` (newest first) that can recompute, else the first (which is dropped)."""
+    return next((s for s in candidates if s.recomputable), candidates[0] if candidates else None)

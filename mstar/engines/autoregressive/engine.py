@@ -176,6 +176,8 @@ class AutoregressiveEngine:
             if done:
                 assert logits is not None
                 results += self._postprocess(done, logits)
+        if self.batch_scheduler.dropped:
+            results += kv_transfer.fail_dropped(self.batch_scheduler, self._seqs)
         if self.kv.queued:  # pages the step freed go to offers waiting for them
             self.kv.grant()
         return results
@@ -245,7 +247,7 @@ class AutoregressiveEngine:
             self.kv.unstreamed.discard(key)
             del self._seqs[key]
             self._errors.append(StepResult(request_id, seq.item.walk, seq.item.node, iteration=seq.item.iteration,
-                                           error=_not_recomputable(request_id, len(seq.token_ids), declined)))
+                                           error=kv_transfer.not_recomputable(request_id, len(seq.token_ids), declined)))
             return
         self.batch_scheduler.add(seq)
 
@@ -285,14 +287,17 @@ class AutoregressiveEngine:
             if moved is not None:
                 if moved.positions is not None:
                     seq.inputs = TokenInputs.resumed(moved.positions)
+                seq.num_moved = len(moved.tokens)
                 # adopted: running now or once a seat is free (kv.seat); else recomputed (in prompt_tokens)
                 waiting = self.kv.adopt(seq, moved, self.batch_scheduler)
-                if not waiting and seq.num_shareable < len(moved.tokens):
+                if not waiting and not seq.recomputable:
                     del self._seqs[key]
-                    raise ValueError(_not_recomputable(key[0], len(moved.tokens),
-                                                       "more KV pages than this worker's pool had free for its stream"))
+                    raise ValueError(kv_transfer.not_recomputable(key[0], len(moved.tokens),
+                                                                  "more KV pages than this worker's pool had free for its stream"))
         elif seq.item is not None:
             raise ValueError(f"request {key[0]!r} slot {key[1]!r} already has an item waiting for its result")
+        elif seq.error is not None:  # dropped while idle (`kv_transfer.fail_dropped`)
+            raise ValueError(seq.error)
         elif len(seq.token_ids) + len(tokens) > self.max_model_len:
             raise ValueError(f"request {key[0]!r} would exceed max_model_len={self.max_model_len}")
         else:
@@ -486,13 +491,6 @@ class AutoregressiveEngine:
         if len(seq.token_ids) + 1 >= self.max_model_len:  # no room to feed this token back
             return "length"
         return None
-
-
-def _not_recomputable(request_id: str, num_tokens: int, cause: str) -> str:
-    """The error of a moved sequence the decode worker would have to recompute from its token ids alone."""
-    return (f"request {request_id!r}: its {num_tokens}-token sequence needs {cause}, and its media rows or explicit "
-            "positions cannot be recomputed there; raise the decode worker's KV pool (engines.<component>."
-            "max_num_pages or memory_fraction, or kv_cache.max_num_pages)")
 
 
 def request_seed(key: tuple[str, str]) -> int:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
+from mstar.engines.base import StepResult
 from mstar.engines.cuda_graphs import to_device_async
 from mstar.engines.kv_cache.prefix_cache import hash_pages
 from mstar.engines.kv_handoff import KVGranted, KVOffer, KVStreamEnd, KVStreamSink, KVWithdrawn
@@ -282,3 +283,28 @@ class KVStreams:
         for key in [k for k in self.reserved if k[0] == request_id]:
             self.pool.free(self.reserved.pop(key).pages)
         self.grant()
+
+
+PREEMPTED = "to give its KV pages up to other sequences (preemption)"  # why a moved sequence was dropped
+
+
+def not_recomputable(request_id: str, num_tokens: int, cause: str) -> str:
+    """The error of a moved sequence the decode worker would have to recompute from its token ids alone."""
+    return (f"request {request_id!r}: its {num_tokens}-token sequence needs {cause}, and its media rows or explicit "
+            "positions cannot be recomputed there; raise the decode worker's KV pool (engines.<component>."
+            "max_num_pages or memory_fraction, or kv_cache.max_num_pages)")
+
+
+def fail_dropped(sched: BatchScheduler, seqs: dict[tuple[str, str], Sequence]) -> list[StepResult]:
+    """Forget the sequences `sched` dropped instead of preempting (moved here, they cannot recompute):
+    the error of each pending item, an idle sequence's next item failing with it (`Sequence.error`)."""
+    results = []
+    for seq in sched.dropped:
+        if seqs.get(seq.key) is not seq:  # released meanwhile
+            continue
+        seq.error = not_recomputable(seq.key[0], len(seq.token_ids), PREEMPTED)
+        if (item := seq.item) is not None:
+            del seqs[seq.key]
+            results.append(StepResult(item.request_id, item.walk, item.node, error=seq.error, iteration=item.iteration))
+    sched.dropped.clear()
+    return results

@@ -50,6 +50,8 @@ class Sequence:
     loop_done: int = 0  # iterations of the pending engine-loop item run so far
     loop_extras: ItemExtras | None = None  # what each token appended for that item brings (hidden capture)
     matcher: GrammarMatcher | None = None  # where the sequence is in its grammar (structured outputs only)
+    num_moved: int = 0  # leading tokens whose K/V arrived computed from another engine (kv_transfer.py)
+    error: str | None = None  # why it was dropped while idle: its next item fails with it
 
     @property
     def num_pending(self) -> int:
@@ -65,3 +67,10 @@ class Sequence:
     def num_matchable(self) -> int:
         """Leading tokens that may be taken from the prefix cache instead of computed."""
         return len(self.token_ids) if self.inputs is None else min(len(self.token_ids), self.inputs.num_matchable)
+
+    @property
+    def recomputable(self) -> bool:
+        """Whether its K/V can be computed again here after its pages are freed: not so for a sequence
+        moved here whose moved tokens' K/V depend on more than their ids (media rows, explicit positions
+        that stayed with the sender)."""
+        return self.num_shareable >= self.num_moved
