@@ -114,7 +114,7 @@ class BatchScheduler:
             budget -= n
 
     def _preempt_idle(self) -> bool:
-        """Preempt the newest running sequence that has no pending tokens; False if there is none."""
+        """Preempt (`_victim`) one of the running sequences that have no pending tokens; False if none has."""
         victim = _victim([s for s in reversed(self.running) if s.num_pending == 0])
         if victim is not None:
             self._preempt(victim)
