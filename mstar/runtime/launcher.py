@@ -6,7 +6,8 @@ in-process worker builds its engines on its own thread (`_start_inproc_worker` s
 The conductor's receive loop runs on a thread of its own (`mstar-conductor`). In `multiproc` mode a
 watchdog reaps a worker process that exits, fails its requests and restarts it with backoff
 (`supervisor.py`); a rank of a multi-rank replica, or one that died too often, makes the runtime give up
-(`Runtime.fatal`). With `ray_address` each worker is a Ray actor on a cluster instead (`ray_workers.py`),
+(`Runtime.fatal`); an in-process worker thread that ends with an error fails every request and makes it
+give up. With `ray_address` each worker is a Ray actor on a cluster instead (`ray_workers.py`),
 watched and restarted the same way. `Runtime.drain` stops being ready and ends open requests at a shutdown deadline.
 """
 
@@ -244,7 +245,12 @@ class Runtime:
                 built.put(exc)
                 return
             built.put((worker, context_lens(engines)))
-            worker.run()
+            try:
+                worker.run()
+            except BaseException as exc:  # nothing else watches a thread: its requests would wait forever
+                if not self._stopping:
+                    logger.exception("in-process worker %d stopped", rank)
+                    self._inproc_worker_died(rank, f"stopped: {type(exc).__name__}: {exc}")
 
         thread = threading.Thread(target=serve, daemon=True, name=f"mstar-worker-{rank}")
         thread.start()
@@ -347,6 +353,15 @@ class Runtime:
         proc = self.workers[rank]
         proc.join(timeout=5)  # reaps it: no zombie, and the exit code (or signal) is known
         self._worker_down(rank, exit_reason(proc.exitcode))
+
+    def _inproc_worker_died(self, rank: int, reason: str) -> None:
+        """A worker thread ended with an error: its engines' state is unknown and a thread cannot be
+        restarted like a process, so every request fails and the runtime gives up (the server exits)."""
+        self._ready.discard(rank)
+        self._down.add(rank)
+        self.conductor.worker_died(rank, reason)
+        self.conductor.fail_all(f"worker {rank} {reason}; the server is stopping", 503)
+        self._give_up(f"in-process worker {rank} {reason}")
 
     def _worker_down(self, rank: int, reason: str) -> None:
         """Fail the dead worker's requests and restart it with backoff, or give up."""

@@ -275,3 +275,24 @@ def test_the_watchdog_reports_a_server_with_requests_in_flight_and_no_worker_new
         assert any(p and "no worker has reported" in p for p in problems), problems
         assert len(slow.result().outputs["text"]) == 1
         assert m.runtime.health_problem() is None  # idle again
+
+
+def test_an_in_process_worker_thread_that_dies_fails_its_requests_and_the_runtime_gives_up(monkeypatch):
+    from mstar.worker.worker import Worker
+
+    def broken(self: Worker) -> None:  # an error outside any request's handling ends the thread
+        if any(engine.has_work() for engine in self.engines.values()):
+            raise RuntimeError("engine state lost")
+
+    with MStar(config={"model": "toy"}, mode="inproc") as m:
+        gave_up = []
+        m.runtime.on_fatal(lambda: gave_up.append(m.runtime.fatal))
+        monkeypatch.setattr(Worker, "execute", broken)
+        with pytest.raises(RequestFailed) as failed:
+            m.submit({"text": "abc"}, max_tokens=4).result()
+        assert "worker 0 died: stopped: RuntimeError: engine state lost" in str(failed.value)
+        _wait(lambda: gave_up, timeout=10)
+        assert "in-process worker 0 stopped: RuntimeError: engine state lost" in gave_up[0]
+        with pytest.raises(RequestFailed) as later:  # nothing serves any more: refused, not queued
+            m.submit({"text": "after"}, max_tokens=2).result()
+        assert later.value.status == 503
