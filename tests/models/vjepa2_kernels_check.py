@@ -140,23 +140,12 @@ def check_predictor(dtype: torch.dtype) -> None:
         first = model(latents[:, :2], actions[:, :2], states[:, :2], cache=cache)
         return torch.cat([first, model(latents[:, 2:], actions[:, 2:], states[:, 2:], cache=cache)], dim=1)
 
-    launches = {"rotary_pairs": 0, "layer_norm": 0}
-    kernels = {name: getattr(fused_ops, name) for name in launches}
-
-    def counted(name):
-        def call(*args, **kwargs):
-            launches[name] += 1
-            return kernels[name](*args, **kwargs)
-        return call
-
-    for name in launches:
-        setattr(fused_ops, name, counted(name))
+    launches, undo = counting(["rotary_pairs", "layer_norm"])
     try:
         with torch.no_grad():
             got, want = run(), torch_form(run)
     finally:
-        for name, kernel in kernels.items():
-            setattr(fused_ops, name, kernel)
+        undo()
     n = len(model.blocks)
     # two forwards: q and k of each layer; the first norm, then each layer's two adds but the very last
     assert launches == {"rotary_pairs": 2 * 2 * n, "layer_norm": 2 * 2 * n}, launches
