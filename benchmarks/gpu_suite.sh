@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|pd|kernels|pi05|vjepa2|vjepa2_profile|hops|fp8_decode|bagel|serve_fit|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|pd|kernels|pi05|vjepa2|vjepa2_profile|hops|fp8_decode|bagel|cosmos3|cosmos3_policy|serve_fit|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -248,6 +248,14 @@ if [[ $WHAT == fp8_decode ]]; then  # the FP8 GEMV beside the bf16 one, then the
 fi
 if [[ $WHAT == bagel ]]; then  # BAGEL understanding at 1 and 16, text to image, editing, with profiles (~6 min)
   run 560 bagel_bench python3 benchmarks/bagel_bench.py --profile --out "$OUT/bagel_bench_$GPU.json"
+fi
+if [[ $WHAT == cosmos3 ]]; then  # Cosmos3-Nano text to image at three sizes, then 4 and 8 in flight, against diffusers (~8 min)
+  run 560 cosmos3_t2i python3 benchmarks/cosmos3_bench.py --cases t2i throughput \
+      --tokenizer "${TMPDIR:-/tmp}/mstar_tokenizers/qwen3-omni-v2" --out "$OUT/cosmos3_bench_${GPU}_t2i.json"
+fi
+if [[ $WHAT == cosmos3_policy ]]; then  # the DROID policy's chunk latency and chunks per second, against diffusers (~4 min)
+  run 400 cosmos3_policy python3 benchmarks/cosmos3_bench.py --cases policy \
+      --tokenizer "${TMPDIR:-/tmp}/mstar_tokenizers/qwen3-omni-v2" --out "$OUT/cosmos3_bench_${GPU}_policy.json"
 fi
 if [[ $WHAT == serve_fit ]]; then  # `mstar serve <model> --load-format dummy`: serves (config, memory, one request) or refuses
   # shellcheck disable=SC2086  # MODELS and SERVE_FIT_ARGS are word lists
