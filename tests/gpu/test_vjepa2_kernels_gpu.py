@@ -30,11 +30,12 @@ def _eager(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
-def _within_one_step(got: torch.Tensor, want: torch.Tensor) -> None:
-    """bf16 values at most one rounding step apart (a step is at most 2**-7 of the magnitude)."""
-    diff = (got.float() - want.float()).abs()
-    step = torch.maximum(want.float().abs(), got.float().abs()) * 2.0 ** -7
-    assert bool((diff <= step + 2.0 ** -133).all()), f"max difference {diff.max().item()} (more than one bf16 step)"
+def _within_one_step(got: torch.Tensor, want: torch.Tensor, slack: float = 2.0 ** -133) -> None:
+    """bf16 values at most one rounding step apart (a step is at most 2**-7 of the magnitude), give or take
+    an absolute `slack`."""
+    diff = (got.double() - want.double()).abs()
+    step = torch.maximum(want.double().abs(), got.double().abs()) * 2.0 ** -7
+    assert bool((diff <= step + slack).all()), f"max difference {diff.max().item()} (more than one bf16 step)"
 
 
 def test_rope_kernel_rounds_as_the_eager_addcmul() -> None:
@@ -55,15 +56,18 @@ def test_rope_kernel_rounds_as_the_eager_addcmul() -> None:
     assert torch.equal(values, ref_values)
 
 
-def test_add_norm_kernel_rounds_as_the_eager_ops() -> None:
+def test_add_norm_kernel_is_one_rounding_from_the_exact_norm() -> None:
     norm = torch.nn.LayerNorm(1024, eps=1e-6).to(CUDA, torch.bfloat16)
     torch.nn.init.normal_(norm.weight, 1.0, 0.3)
     torch.nn.init.normal_(norm.bias, 0.0, 0.3)
     x = (torch.randn(4, 258, 1024, device=CUDA) * 4 + 1).bfloat16()
     delta = torch.randn(4, 258, 1024, device=CUDA).bfloat16()
-    (s, h), (want_s, want_h) = add_norm(x, delta, norm), _eager(add_norm, x, delta, norm)
+    (s, h), (want_s, _) = add_norm(x, delta, norm), _eager(add_norm, x, delta, norm)
     assert torch.equal(s, want_s)
-    _within_one_step(h, want_h)
+    # against the exact LayerNorm of the same sum, not torch's bf16 one: those two can be two steps apart at a
+    # few elements, which one rounding from float32 cannot do to both
+    exact = torch.nn.functional.layer_norm(s.double(), (1024,), norm.weight.double(), norm.bias.double(), norm.eps)
+    _within_one_step(h, exact, slack=1e-5)  # float32 sums of terms up to ~10 near a cancelled zero
 
 
 def test_full_size_plan_forward_through_the_kernels() -> None:
