@@ -192,6 +192,7 @@ def bench_ours(args) -> dict[str, Any]:
             latency("policy", 1)
             runs = latency("policy", args.policy_repeats)
             c = args.policy_concurrency
+            _wall(m, [_ours_request(args, "policy", i) for i in range(c)], args.device)  # warm-up at this batch
             walls = _wall(m, [_ours_request(args, "policy", i) for i in range(c)], args.device)
             out.update(policy_p50_s=_percentile(runs, 50), policy_p99_s=_percentile(runs, 99),
                        **{f"policy_c{c}_chunks_per_s": round(c / max(walls), 4)})
