@@ -44,18 +44,34 @@ class RobotSpec:
 
 def pixels(image: np.ndarray, size: int) -> torch.Tensor:
     """uint8 [H, W, 3] -> float32 [3, size, size] in [-1, 1]: scaled to fit, black bars centred."""
-    if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] not in (3, 4):
-        raise ValueError(f"camera images must be uint8 [H, W, 3], got {image.dtype} {list(image.shape)}")
+    return camera_pixels([image], size)[0]
+
+
+def camera_pixels(images: list[np.ndarray], size: int) -> torch.Tensor:
+    """uint8 [H, W, 3] images -> float32 [N, 3, size, size] in [-1, 1] (`pixels` of each), in one buffer:
+    an image already at `size` (what openpi clients send) is one copy into it, and the mapping to [-1, 1]
+    is done in place, once over the whole buffer."""
+    out = torch.empty(len(images), 3, size, size)
+    for row, image in zip(out, images, strict=True):
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] not in (3, 4):
+            raise ValueError(f"camera images must be uint8 [H, W, 3], got {image.dtype} {list(image.shape)}")
+        if image.shape[:2] == (size, size):  # a fresh writable uint8 copy, channels first; converted into `row`
+            row.copy_(torch.from_numpy(np.array(image[..., :3].transpose(2, 0, 1), order="C"))).div_(255.0)
+        else:
+            row.copy_(_fitted(image, size))
+    return out.mul_(2.0).sub_(1.0)
+
+
+def _fitted(image: np.ndarray, size: int) -> torch.Tensor:
+    """uint8 [H, W, 3+] -> float32 [3, size, size] in [0, 1]: scaled to fit, black bars centred."""
     x = torch.from_numpy(np.array(image[..., :3])).permute(2, 0, 1).float()[None] / 255.0
     height, width = x.shape[-2:]
-    if (height, width) != (size, size):
-        ratio = max(width / size, height / size)
-        scaled = (int(height / ratio), int(width / ratio))
-        x = F.interpolate(x, size=scaled, mode="bilinear", align_corners=False).clamp(0.0, 1.0)
-        top, extra_h = divmod(size - scaled[0], 2)
-        left, extra_w = divmod(size - scaled[1], 2)
-        x = F.pad(x, (left, left + extra_w, top, top + extra_h))
-    return x[0] * 2.0 - 1.0
+    ratio = max(width / size, height / size)
+    scaled = (int(height / ratio), int(width / ratio))
+    x = F.interpolate(x, size=scaled, mode="bilinear", align_corners=False).clamp(0.0, 1.0)
+    top, extra_h = divmod(size - scaled[0], 2)
+    left, extra_w = divmod(size - scaled[1], 2)
+    return F.pad(x, (left, left + extra_w, top, top + extra_h))[0]
 
 
 def noise(seed: int, chunk: int, width: int) -> torch.Tensor:
@@ -128,7 +144,7 @@ class Pi05Processor(Processor):
             options["num_steps"] = robot.num_steps
         if options.get("seed") is None:
             options["seed"] = secrets.randbelow(2**31)
-        return {"images": torch.stack([pixels(images[c], robot.image_size) for c in robot.cameras if c in images]),
+        return {"images": camera_pixels([images[c] for c in robot.cameras if c in images], robot.image_size),
                 "prompt_ids": torch.tensor(ids[:robot.max_prompt_tokens], dtype=torch.long),
                 "noise": noise(int(options["seed"]), robot.chunk_size, robot.max_action_dim)}
 
