@@ -37,8 +37,9 @@ class VisionComponent(StatelessBase, nn.Module):
 
     @torch.no_grad()
     def run_items(self, items: list[StepItem]) -> list[dict[str, Any]]:
-        counts = [item.inputs["images"].shape[0] for item in items]
-        images = torch.cat([item.inputs["images"] for item in items])
+        parts = [item.inputs["images"] for item in items]
+        counts = [part.shape[0] for part in parts]
+        images = parts[0] if len(parts) == 1 else torch.cat(parts)  # one robot's cameras go in as they are
         replayed = self.graphs.replay("tower", images)  # views of the graph's buffer: copied out
         tokens = self.encoder(images) if replayed is None else replayed[0].clone()
         return [{"image_tokens": part.flatten(0, 1)} for part in tokens.split(counts)]
