@@ -6,20 +6,35 @@
   observation when its last chunk arrives.
 - `baseline`: transformers' `PI0ForConditionalGeneration.sample_actions` (Pi0: the same SigLIP, Gemma prefix
   and expert shapes, 10 Euler steps) on the same GPU and dtype, at the same prefix length, batch 1.
+- `--host` (CPU): what a chunk costs the host outside the networks. The policy is the tiny one's widths at the
+  full robot's sizes (`RobotSizePi05`: three 224x224 cameras, 32-entry states and actions, chunks of 50), so
+  the images, prompt, pages and chunk the host handles are full size and the compute is small; the calls that
+  replay CUDA graphs on a GPU (the vision tower, the prefix's prefill, the flow's sample) are timed per request
+  and taken out of the in-server time. The rest is split into the request (message unpacked, observation made
+  tensors by the processor), the engines' host code around those calls, the response (chunk unnormalised and
+  packed) and the runtime between them (conductor, walks, thread hand-offs, event loop). Writes
+  benchmarks/results/pi05_bench_cpu_host.json.
 
     python3 benchmarks/pi05_bench.py                 # GPU: writes benchmarks/results/pi05_bench_<gpu>.json
     python3 benchmarks/pi05_bench.py --concurrency 8 32 128 --requests 100
     python3 benchmarks/pi05_bench.py --quick         # the tiny policy on CPU (smoke test)
+    python3 benchmarks/pi05_bench.py --host --requests 300   # the host's cost per chunk, on CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
+import os
+import platform
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
 from benchmarks.results_io import write_results  # noqa: E402
+from mstar.models.pi05.model import Pi05  # noqa: E402
 
 TASK = "pick up the red cube and place it in the bowl"
 
@@ -37,15 +53,16 @@ TASK = "pick up the red cube and place it in the bowl"
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the tiny policy on CPU (smoke test)")
+    parser.add_argument("--host", action="store_true", help="the host's cost per chunk on CPU, compute taken out")
     parser.add_argument("--requests", type=int, default=None, help="chunks timed per latency case (default 100)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="robots (default 8 32 128)")
     parser.add_argument("--per-robot", type=int, default=None, help="chunks each robot asks for (default 10)")
     parser.add_argument("--no-baseline", action="store_true", help="skip transformers' PI0")
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args(argv)
-    if not args.quick and not torch.cuda.is_available():
-        parser.error("no CUDA device here: pass --quick (tiny, CPU)")
-    args.requests = args.requests or (3 if args.quick else 100)
+    if not (args.quick or args.host) and not torch.cuda.is_available():
+        parser.error("no CUDA device here: pass --quick (tiny, CPU) or --host")
+    args.requests = args.requests or (3 if args.quick else 200 if args.host else 100)
     args.concurrency = args.concurrency or ([2] if args.quick else [8, 32, 128])
     args.per_robot = args.per_robot or (2 if args.quick else 10)
     return args
@@ -157,8 +174,114 @@ def prompt_length(metadata: dict[str, Any], args: argparse.Namespace) -> int:
     return int(processor.inputs(request, options)["prompt_ids"].numel())
 
 
+class RobotSizePi05(Pi05):
+    """The tiny policy's widths at the full robot's sizes: three 224x224 cameras in 14-pixel patches (256
+    tokens each), 32-entry states and actions, chunks of 50, prompts of up to 200 tokens."""
+
+    @functools.cached_property
+    def pi05(self):
+        from mstar.models.pi05.tiny import tiny_config
+
+        tiny = tiny_config()
+        return dataclasses.replace(tiny, vision=dataclasses.replace(tiny.vision, image_size=224, patch_size=14),
+                                   state_dim=32, action_dim=32, chunk_size=50, max_prompt_tokens=200)
+
+
+HOST_SPANS = {  # part -> the functions whose time counts to it
+    "compute": ("mstar.models.pi05.siglip:VisionTower.forward", "mstar.models.pi05.components:PolicyComponent.prefill",
+                "mstar.models.pi05.components:PolicyComponent.sample"),
+    "engines": ("mstar.engines.stateless:StatelessEngine.step",),
+    "request": ("mstar.server.routes_openpi:unpack", "mstar.models.pi05.processor:Pi05Processor.observation_request",
+                "mstar.models.pi05.processor:Pi05Processor.inputs"),
+    "response": ("mstar.models.pi05.processor:Pi05Processor.decode_output", "mstar.server.routes_openpi:pack"),
+}
+
+
+@contextmanager
+def timed_spans() -> Iterator[dict[str, float]]:
+    """Within the block, every function of `HOST_SPANS` adds its seconds to its part's running total (the
+    dict yielded); the functions are put back after."""
+    import importlib
+
+    totals, originals = dict.fromkeys(HOST_SPANS, 0.0), []
+    for part, targets in HOST_SPANS.items():
+        for target in targets:
+            module_name, _, path = target.partition(":")
+            owner = importlib.import_module(module_name)
+            *outer, name = path.split(".")
+            for attr in outer:
+                owner = getattr(owner, attr)
+            originals.append((owner, name, owner.__dict__[name]))
+            setattr(owner, name, _timed(getattr(owner, name), totals, part))
+    try:
+        yield totals
+    finally:
+        for owner, name, original in reversed(originals):
+            setattr(owner, name, original)
+
+
+def _timed(fn, totals: dict[str, float], part: str):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[part] += time.perf_counter() - start
+    return wrapper
+
+
+def host_case(args: argparse.Namespace) -> dict[str, Any]:
+    """Per chunk at concurrency 1: the in-server time, its compute, and the host's parts (module docstring)."""
+    from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+    from tests.e2e.server_thread import running_server
+
+    torch.set_num_threads(1)  # the tiny networks' ops would take the second core from the server's threads
+    rows: list[dict[str, float]] = []
+    with timed_spans() as totals, running_server({"model": f"{__name__}:RobotSizePi05"}, tiny=True) as base:
+        policy = WebsocketClientPolicy(base.replace("http://", "ws://"))
+        metadata = policy.get_server_metadata()
+        for i in range(args.requests + 5):
+            obs = observation(metadata, i)
+            before = dict(totals)
+            answer = policy.infer(obs)
+            spent = {part: totals[part] - before[part] for part in totals}
+            if i >= 5:  # warm-up: first-call costs
+                rows.append({"in_server": answer["server_timing"]["infer_ms"] / 1e3, **spent})
+    return {"robot": {"cameras": list(metadata["cameras"]), "image_size": metadata["image_size"],
+                      "state_dim": metadata["state_dim"], "action_shape": list(answer["actions"].shape)},
+            "ms_p50": host_parts(rows), "requests": len(rows)}
+
+
+def host_parts(rows: list[dict[str, float]]) -> dict[str, float]:
+    """The p50 over requests of each part, in ms (p50s do not add up): `host` is the in-server time less
+    compute; `request` the message unpacked and made tensors (`Pi05Processor.inputs`); `engine_host` the
+    engines' steps less compute; `response` the chunk unnormalised and packed; `runtime` the rest of `host`."""
+    parts: dict[str, list[float]] = {}
+    for row in rows:
+        host, engine_host = row["in_server"] - row["compute"], row["engines"] - row["compute"]
+        derived = {"in_server": row["in_server"], "compute": row["compute"], "host": host, "request": row["request"],
+                   "engine_host": engine_host, "response": row["response"],
+                   "runtime": host - row["request"] - engine_host - row["response"]}
+        for key, value in derived.items():
+            parts.setdefault(key, []).append(value)
+    return {key: round(1e3 * statistics.median(values), 3) for key, values in parts.items()}
+
+
+def host_main(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
+    doc = {"device": "cpu", "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+           "torch": torch.__version__, "dtype": "float32", "weights": "tiny widths, full robot sizes (RobotSizePi05)",
+           "command": "python3 benchmarks/pi05_bench.py " + " ".join(argv or sys.argv[1:]), **host_case(args)}
+    write_results(doc, args.out, False, "pi05_bench_cpu_host")
+    print(json.dumps(doc, indent=2))
+    return doc
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.host:
+        return host_main(args, argv)
     device = "cpu" if args.quick else torch.cuda.get_device_name()
     doc: dict[str, Any] = {"device": device, "dtype": "float32" if args.quick else "bfloat16",
                            "weights": "tiny" if args.quick else "dummy (lerobot/pi05_base shapes)", "cameras": 3,

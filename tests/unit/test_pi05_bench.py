@@ -47,3 +47,21 @@ def test_stages_quick_run(tmp_path) -> None:
         assert len(top) == TOP and top == sorted(top, key=lambda row: -row["us"])
         assert 0 < sum(row["us"] for row in top) <= profile[stage]["total_us"]
     assert any("attention" in row["name"] for row in profile["flow"]["top"])
+
+
+def test_host_run(tmp_path) -> None:
+    """benchmarks/pi05_bench.py --host: the full robot's sizes reach the server (three 224x224 cameras, 32-entry
+    state, chunks of 50 x 32), every part of the host's time is measured, and the timed functions are put back."""
+    from benchmarks.pi05_bench import main
+    from mstar.models.pi05.processor import Pi05Processor
+
+    inputs = Pi05Processor.inputs
+    out = tmp_path / "host.json"
+    doc = main(["--host", "--requests", "3", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
+    assert doc["robot"] == {"cameras": ["base_0_rgb", "left_wrist_0_rgb", "right_wrist_0_rgb"],
+                            "image_size": [224, 224], "state_dim": 32, "action_shape": [50, 32]}
+    parts = doc["ms_p50"]
+    assert doc["requests"] == 3 and all(parts[k] > 0 for k in ("compute", "request", "engine_host", "response"))
+    assert parts["compute"] < parts["in_server"] and parts["host"] > parts["request"]
+    assert Pi05Processor.inputs is inputs
