@@ -20,7 +20,7 @@ Lane `chat` (text output; cosmos3 only):  prefill -> decode
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -55,12 +55,32 @@ class Cosmos3ServeConfig(ServeConfig):
     max_model_len: int | None = None  # the reasoner's context (prompt and answer); None: 32768 (tiny: 2048)
     reasoner: bool = True  # answer chat with the reasoner (a second copy of the understanding tower, a KV pool)
     tokenizer_path: str | None = None  # a tokenizer folder; None: the checkpoint's text_tokenizer/
+    # image sizes "WxH" whose denoising steps replay CUDA graphs on CUDA (any request of as many latent
+    # tokens shares them: the transposed size, a short video); [] none; None: the model's `graph_sizes`
+    graph_sizes: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         dtype_named(self.vae_dtype, "model_kwargs.vae_dtype")
         if self.vae_chunk_frames < 1:
             raise ValueError(f"cosmos3 vae_chunk_frames={self.vae_chunk_frames} must be >= 1")
+        if self.graph_sizes is not None:
+            object.__setattr__(self, "graph_sizes", tuple(self.graph_sizes))
+            graph_pixels(self.graph_sizes)  # raises on a bad size
+
+
+def graph_pixels(sizes: Sequence[str]) -> list[tuple[int, int]]:
+    """(width, height) of each of `sizes` ("WxH"); a bad one raises ValueError naming it."""
+    from mstar.models.common.video_options import video_size
+    from mstar.models.cosmos3.options import LIMITS
+
+    pixels = []
+    for size in sizes:
+        try:
+            pixels.append(video_size({"size": size}, 0, 0, LIMITS.multiple, LIMITS.max_side))
+        except ValueError as exc:
+            raise ValueError(f"cosmos3 model_kwargs.graph_sizes entry {size!r}: {exc}") from None
+    return pixels
 
 
 def _graph(chat_context: int | None, sound: bool) -> ModelGraph:
@@ -168,6 +188,9 @@ class Cosmos3Model(Model):
     config_class = Cosmos3ServeConfig
 
     has_reasoner = True  # the checkpoint's reasoner can answer text requests
+    # image sizes whose denoising steps replay CUDA graphs unless model_kwargs.graph_sizes says otherwise: the
+    # small ones, where a step's kernel launches take longer than its GPU work
+    graph_sizes: tuple[str, ...] = ("320x192", "832x480")
 
     @property
     def chat(self) -> bool:
@@ -182,8 +205,10 @@ class Cosmos3Model(Model):
 
         if name == "dit":
             generator = loaders.generator(self, self._dtype(device), device)
-            dit = components.GeneratorComponent(generator, self.vae_config.scale_factor_temporal)
-            return BuiltComponent(dit, StatelessSpec(max_batch_size=DIT_BATCH))
+            spec = self.engine_spec(name, StatelessSpec(max_batch_size=DIT_BATCH, cuda_graph_sizes=components.GRAPH_ROWS))
+            dit = components.GeneratorComponent(generator, self.vae_config.scale_factor_temporal, self.graph_tokens,
+                                                max(spec.graph_sizes()))
+            return BuiltComponent(dit, replace(spec, graph_buffers=dit.graph_buffers()))
         if name == "scheduler":
             from mstar.models.cosmos3.guidance import GuidanceScheduler
 
@@ -213,6 +238,14 @@ class Cosmos3Model(Model):
                            self.components.flags.use_system_prompt, t.sound_dim, self.sound_config)
         return Cosmos3Processor(self.tokenizer_folder, shape, self.request_defaults(),
                                 self.max_model_len if self.chat else None)
+
+    @property
+    def graph_tokens(self) -> list[int]:
+        """Generated tokens of an image of each of the deployment's `graph_sizes` (else the model's): the rows
+        the DiT's step graphs hold."""
+        sizes = self.graph_sizes if self.config.graph_sizes is None else self.config.graph_sizes
+        s, p = self.vae_config.scale_factor_spatial, self.components.transformer.latent_patch_size
+        return [-(-(height // s) // p) * -(-(width // s) // p) for width, height in graph_pixels(sizes)]
 
     @cached_property
     def sound_config(self):
@@ -318,6 +351,7 @@ class Cosmos3DroidModel(Cosmos3Model):
     default_options = {**Cosmos3Model.default_options, "modalities": ["actions"]}
     _repo = "nvidia/Cosmos3-Nano-Policy-DROID"
     has_reasoner = False
+    graph_sizes = ()  # a policy row (its camera canvas and action chunk) is no image size
 
     def request_defaults(self) -> Cosmos3Defaults:
         """Policy defaults: the DROID embodiment, 32-step chunks at 15 fps, guidance 3."""

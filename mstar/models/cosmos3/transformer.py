@@ -5,6 +5,8 @@ generation tower runs the generated tokens with full attention over the text's k
 their own. The text never reads the generated tokens, so its keys and values are computed once per
 prompt (`text_kv`) and every denoising step runs the generation tower alone (`forward`), for a batch
 of rows of different requests, guidance branches and lengths packed into one token matrix.
+`forward_padded` runs the same tower over rows of one length with their prompts padded to one length
+and masked: fixed shapes, device work only, what the DiT component captures in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -81,15 +83,20 @@ class DomainLinear(nn.Module):
 
 @dataclass
 class TextKV:
-    """A prompt's understanding-tower keys and values, per layer: [L, Hk, d] each."""
+    """A prompt's understanding-tower keys and values: `packed` [2, layers, L, Hk, d] (keys, then values),
+    one block so a step can copy a prompt into a graph's buffer in one launch; `keys[i]` and `values[i]`
+    are layer i's views of it."""
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    packed: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.keys: list[torch.Tensor] = list(self.packed[0])
+        self.values: list[torch.Tensor] = list(self.packed[1])
 
     @property
     def length(self) -> int:
         """Prompt tokens."""
-        return self.keys[0].shape[0]
+        return self.packed.shape[2]
 
 
 @dataclass
@@ -152,17 +159,17 @@ class Cosmos3Generator(nn.Module):
     def text_kv(self, input_ids: torch.Tensor) -> TextKV:
         """The understanding tower over one prompt [L]: every layer's keys and values (the last layer's
         attention output and MLP are never read, so they are skipped)."""
+        c = self.config
         x = self.embed(input_ids)
-        positions = text_positions(input_ids.shape[0], self.config.enable_fps_modulation)
-        cos, sin = rope_tables(self.config, positions, x.dtype, x.device)
-        keys, values = [], []
+        positions = text_positions(input_ids.shape[0], c.enable_fps_modulation)
+        cos, sin = rope_tables(c, positions, x.dtype, x.device)
+        packed = x.new_empty(2, c.num_layers, input_ids.shape[0], c.num_kv_heads, c.head_dim)
         for i, layer in enumerate(self.layers):
             q, k, v = layer.und.project(x, cos, sin)
-            keys.append(k)
-            values.append(v)
+            packed[0, i], packed[1, i] = k, v
             if i + 1 < len(self.layers):
                 x = layer.und.finish(x, _attend(q, k, v, causal=True))
-        return TextKV(keys, values)
+        return TextKV(packed)
 
     @torch.no_grad()
     def forward(self, rows: list[GenRow], sp_group: Any = None) -> list[GenOut]:
@@ -170,7 +177,7 @@ class Cosmos3Generator(nn.Module):
         With `sp_group` (every rank of it calling with the same rows) each rank runs 1/P of every row's
         tokens, attention as Ulysses attention over the group (sequence_parallel.py), and every rank
         returns every row's velocities."""
-        x = torch.cat([self._embed_row(row) for row in rows])
+        x = torch.cat([self.embed_row(row) for row in rows])
         cos = torch.cat([row.cos for row in rows])
         sin = torch.cat([row.sin for row in rows])
         lengths = [row.num_tokens for row in rows]
@@ -193,9 +200,29 @@ class Cosmos3Generator(nn.Module):
         x = self.gen_norm(x)
         if shards is not None:
             x = shards.gather(x)
-        return [self._heads(row, x[a:b]) for row, (a, b) in zip(rows, bounds, strict=True)]
+        return [self.heads(row, x[a:b]) for row, (a, b) in zip(rows, bounds, strict=True)]
 
-    def _embed_row(self, row: GenRow) -> torch.Tensor:
+    @torch.no_grad()
+    def forward_padded(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, text: torch.Tensor,
+                       text_lengths: torch.Tensor) -> torch.Tensor:
+        """The generation tower over B rows of N tokens each, fixed shapes and device work only (a CUDA
+        graph may hold it): embedded tokens x [B, N, D] (`embed_row`) with their rotary tables cos, sin
+        [B, N, d]; each row's prompt keys and values `text` [B, 2, layers, Lb, Hk, d] of which the first
+        `text_lengths` [B] (int64) are real and the rest are masked out (they must be finite).
+        -> normed hidden states [B, N, D] (`heads` reads a row's). Each row gets what `forward` gives it."""
+        b, n, d = x.shape
+        keep = torch.arange(text.shape[3], device=x.device)[None, :] < text_lengths[:, None]
+        keep = torch.cat([keep, keep.new_ones(b, n)], dim=1)[:, None, None]  # [B, 1, 1, Lb + N]
+        x, cos, sin = x.reshape(b * n, d), cos.reshape(b * n, -1), sin.reshape(b * n, -1)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.gen.project(x, cos, sin)
+            keys = torch.cat([text[:, 0, i], k.view(b, n, *k.shape[1:])], dim=1)
+            values = torch.cat([text[:, 1, i], v.view(b, n, *v.shape[1:])], dim=1)
+            attended = _attend_masked(q.view(b, n, *q.shape[1:]), keys, values, keep)
+            x = layer.gen.finish(x, attended.reshape(b * n, *q.shape[1:]))
+        return self.gen_norm(x).view(b, n, d)
+
+    def embed_row(self, row: GenRow) -> torch.Tensor:
         """The row's generated tokens [N, D]: projected latents plus, on noisy ones, the timestep embedding."""
         c, dtype = self.config, self.dtype
         temb = self._time_embedding(row.timestep).to(dtype)
@@ -220,7 +247,8 @@ class Cosmos3Generator(nn.Module):
         features = timestep_features(scaled, TIME_FEATURES)
         return self.time_embedder(features.to(self.time_embedder.linear_1.weight.dtype))
 
-    def _heads(self, row: GenRow, x: torch.Tensor) -> GenOut:
+    def heads(self, row: GenRow, x: torch.Tensor) -> GenOut:
+        """The row's velocities from its normed hidden states x [N, D]."""
         c = self.config
         num_vision = x.shape[0] - (row.sound.shape[1] if row.sound is not None else 0) \
             - (row.action.shape[0] if row.action is not None else 0)
@@ -259,6 +287,18 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                          is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
     return out[0].transpose(0, 1)
+
+
+def _attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Attention of q [B, N, Hq, d] over the kept keys of k, v [B, M, Hk, d] (`keep` [B, 1, 1, M] bool)
+    -> [B, N, Hq, d]. Each key head's query heads go along the sequence axis ([B, Hk, g * N, d]), so the
+    masked kernel needs no grouped-head support and the mask broadcasts over heads."""
+    b, n, hq, d = q.shape
+    hk = k.shape[2]
+    g = hq // hk
+    q = q.view(b, n, hk, g, d).permute(0, 2, 3, 1, 4).reshape(b, hk, g * n, d)
+    out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep)
+    return out.view(b, hk, g, n, d).permute(0, 3, 1, 2, 4).reshape(b, n, hq, d)
 
 
 def _bounds(lengths: list[int]) -> list[tuple[int, int]]:
