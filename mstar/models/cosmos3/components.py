@@ -30,11 +30,14 @@ TEXT_BUCKETS = (128, 512)  # prompt lengths a step graph pads its rows' prompts 
 
 @dataclass
 class _Prompt:
-    """What one (request, branch) keeps across steps: its text's keys and values, its rotary tables."""
+    """What one (request, branch) keeps across steps: its text's keys and values, its rotary tables and
+    which of its frames and actions are denoised (device masks, made once rather than every step)."""
 
     text: TextKV
     cos: torch.Tensor
     sin: torch.Tensor
+    vision_noisy: torch.Tensor
+    action_noisy: torch.Tensor | None
 
 
 class GeneratorComponent(StatelessBase, nn.Module):
@@ -170,15 +173,11 @@ class GeneratorComponent(StatelessBase, nn.Module):
     def _row(self, item: Any) -> GenRow:
         x, layout = item.inputs, Layout.of(item.options)
         prompt = self._prompt(item, layout)
-        device = prompt.cos.device
-        frames = layout.vision[1]
         action = x.get("action_latents")
         return GenRow(
-            text=prompt.text, cos=prompt.cos, sin=prompt.sin, vision=x["latents"],
-            vision_noisy=torch.arange(frames, device=device) >= layout.condition_frames,
+            text=prompt.text, cos=prompt.cos, sin=prompt.sin, vision=x["latents"], vision_noisy=prompt.vision_noisy,
             timestep=x["timestep"], sound=x.get("sound_latents"), action=action,
-            action_noisy=None if action is None else torch.ones(action.shape[0], dtype=torch.bool, device=device),
-            domain=layout.domain)
+            action_noisy=None if action is None else prompt.action_noisy, domain=layout.domain)
 
     def _prompt(self, item: Any, layout: Layout) -> _Prompt:
         key = (item.request_id, item.node)
@@ -193,7 +192,10 @@ class GeneratorComponent(StatelessBase, nn.Module):
                             action_len=layout.action[0] if layout.action else 0)
             positions = gen_positions(g.config, gen, ids.shape[0], self.temporal_compression)
             cos, sin = rope_tables(g.config, positions, g.dtype, ids.device)
-            prompt = self._prompts[key] = _Prompt(g.text_kv(ids), cos, sin)
+            vision_noisy = torch.arange(frames, device=ids.device) >= layout.condition_frames
+            action_noisy = None if layout.action is None else \
+                torch.ones(layout.action[0], dtype=torch.bool, device=ids.device)
+            prompt = self._prompts[key] = _Prompt(g.text_kv(ids), cos, sin, vision_noisy, action_noisy)
         return prompt
 
 
