@@ -96,7 +96,8 @@ def test_a_graphed_step_makes_no_host_sync_and_few_launches() -> None:
     graphed = GeneratorComponent(g, 4, graph_tokens=(4,), graph_rows=max(SIZES))
     capture_step_graphs(graphed, SIZES, CUDA)
     items = mixed_step(CUDA)[:2]
-    _velocities(eager, items), _velocities(graphed, items)  # prompts through the understanding tower
+    for component in (eager, graphed):  # the prompts through the understanding tower, once
+        _velocities(component, items)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -196,6 +196,8 @@ def test_graph_tokens_and_buffer_follow_the_config():
     assert Cosmos3DroidModel(Cosmos3DroidModel.make_config(tiny=True)).graph_tokens == []
     with pytest.raises(ValueError, match="65x64"):
         Cosmos3Model.make_config(tiny=True, graph_sizes=["65x64"])
+    with pytest.raises(ValueError, match="a list of 'WxH'"):
+        Cosmos3Model.make_config(tiny=True, graph_sizes="64x64")
 
 
 def test_text_to_image_with_graphs_matches_cosmos3_pipeline(tmp_path, monkeypatch):

@@ -9,8 +9,9 @@ Lane `generate` (image, video and action outputs):  [encode_image] -> denoise ->
                 combine): guidance plus one UniPC step per generated modality (video, actions),
                 stopping when the schedule is done and emitting a policy's action chunk. The DiT runs
                 the prompt through its understanding tower once per branch and every step through its
-                generation tower; requests at different steps share forwards, and the branches batch
-                on one device or sit on two ranks (placement by node name) with the same graph.
+                generation tower (on CUDA replayed from graphs at the `graph_sizes` token counts);
+                requests at different steps share forwards, and the branches batch on one device or
+                sit on two ranks (placement by node name) with the same graph.
   decode        the VAE turns the final latents into uint8 frames, when images or video are asked for.
 Lane `chat` (text output; cosmos3 only):  prefill -> decode
   the reasoner (the understanding tower with its head, a Qwen3 decoder on the autoregressive engine)
@@ -65,6 +66,8 @@ class Cosmos3ServeConfig(ServeConfig):
         if self.vae_chunk_frames < 1:
             raise ValueError(f"cosmos3 vae_chunk_frames={self.vae_chunk_frames} must be >= 1")
         if self.graph_sizes is not None:
+            if isinstance(self.graph_sizes, str):
+                raise ValueError(f"cosmos3 model_kwargs.graph_sizes={self.graph_sizes!r} must be a list of 'WxH'")
             object.__setattr__(self, "graph_sizes", tuple(self.graph_sizes))
             graph_pixels(self.graph_sizes)  # raises on a bad size
 
