@@ -30,7 +30,7 @@ def _reference(image: np.ndarray, size: int) -> torch.Tensor:
 
 def test_every_uint8_value_maps_bit_for_bit() -> None:
     values = np.arange(256, dtype=np.uint8)
-    image = np.stack([np.roll(values, shift) for shift in range(0, 256 * 3, 1)]).reshape(256, 256, 3)  # each value in every lane
+    image = np.stack([np.roll(values, shift) for shift in range(256 * 3)]).reshape(256, 256, 3)  # every value, every lane
     got = pixels(image, 256)
     assert got.dtype == torch.float32 and got.shape == (3, 256, 256) and got.is_contiguous()
     assert torch.equal(got, _reference(image, 256))

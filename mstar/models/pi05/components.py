@@ -80,9 +80,10 @@ class PolicyComponent(StatelessBase, nn.Module):
     def batch_key(self, item: StepItem) -> Hashable:
         return (item.walk, item.node, int(item.options["num_steps"]) if item.node == "flow" else 0)
 
-    @property
+    @functools.cached_property
     def buckets(self) -> list[int]:
-        """The prefix lengths its prefix graphs are captured at (`prefix_buckets`)."""
+        """The prefix lengths its prefix graphs are captured at (`prefix_buckets`): fixed by the config, asked
+        once per prefix call."""
         return prefix_buckets(self.net.config, self.pool.page_size)
 
     @property
@@ -140,7 +141,8 @@ class PolicyComponent(StatelessBase, nn.Module):
         width, rows = graph or (-(-max(lengths) // page), len(items))
         prefixes = self.net.prefix_embeddings(image_tokens, prompt_ids, width * page, rows)
         table = self.pool.page_table(rids, width)
-        table = torch.cat([table, table.new_zeros(rows - len(items), width + 1)])  # padded rows: the sink's
+        if rows > len(items):  # padded rows: the sink's
+            table = torch.cat([table, table.new_zeros(rows - len(items), width + 1)])
         table = to_device_async(table, prefixes.device)
         if graph is None:
             self.prefill(prefixes, table)

@@ -71,12 +71,9 @@ class PrefixKVPool:
         count; `width` defaults to the longest prefix's pages."""
         held = [self.held[rid] for rid in request_ids]
         width = max(len(h.pages) for h in held) if width is None else width
-        table = torch.zeros(len(held), width + 1, dtype=torch.long)
-        for row, h in enumerate(held):
+        for h in held:
             assert len(h.pages) <= width, f"a prefix of {len(h.pages)} pages in a table {width} wide"
-            table[row, :len(h.pages)] = torch.tensor(h.pages, dtype=torch.long)
-            table[row, -1] = h.tokens
-        return table
+        return torch.tensor([[*h.pages, *(0,) * (width - len(h.pages)), h.tokens] for h in held], dtype=torch.long)
 
     def write(self, layer: int, table: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store keys and values [B, pages * page_size, KV, D] of `layer` in the pages of a device `page_table`
