@@ -11,6 +11,10 @@ compiled as 16-byte aligned, as Triton specialises them at launch for these shap
     python3 benchmarks/kernel_registers.py                      # the M = 1 and M = 4 configs below
     python3 benchmarks/kernel_registers.py --configs 4,8,1024,4,8   # block_m,block_n,block_k,warps,fold_k
     python3 benchmarks/kernel_registers.py --fp8 --configs 1,4,1024,2,1   # the FP8-weight GEMV
+    python3 benchmarks/kernel_registers.py --rotary   # V-JEPA 2's pair rotary: the kernel and its candidate
+
+`rotary_report` compiles V-JEPA 2's pair rotary (mstar/kernels/fused_ops.py) the same way and counts its
+global loads and stores by width: whether a form moves x in vectors or in scalar gathers.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from triton.compiler import ASTSource
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mstar.kernels import fp8_gemv, gemv, skinny_gemm  # noqa: E402
+from mstar.kernels import fp8_gemv, fused_ops, gemv, skinny_gemm  # noqa: E402
 
 # (block_m, block_n, block_k, num_warps, fold_k): the tuned M = 1 qkv config, the M = 4 sweep's best
 # and its folded variants
@@ -100,6 +104,41 @@ def skinny_report(block_m: int, block_n: int, block_k: int, warps: int, stages: 
             "loads": sorted(set(re.findall(r"(?:ld\.global|cp\.async\.[a-z]+\.shared\.global)[.a-z0-9]*", ptx)))}
 
 
+def rotary_report(form: str, copy: bool, tokens_per_program: int = 1, heads: int = 16, dim: int = 64) -> dict:
+    """Compile V-JEPA 2's pair rotary for sm_90a at bf16 x, float32 tables and `heads` heads of `dim`, as the
+    launchers in mstar/kernels/fused_ops.py configure it: `form` "current" (`rotary_pairs`' kernel) or "rows"
+    (`rotary_pairs_rows`' candidate, `tokens_per_program` tokens a program); `copy`: with values carried.
+    Registers, spills, shared memory, layout conversions and the count of each global load and store width."""
+    const = dict(COPY=copy, PDL=True)
+    sig = {"x_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*bf16", "c_ptr": "*bf16",
+           "c_out_ptr": "*bf16"}
+    if form == "rows":
+        sig["tokens"] = "i32"
+        block_h = fused_ops._head_block(heads)
+        const.update(DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_H=block_h, BLOCK_T=tokens_per_program)
+        warps, fn = fused_ops._rows_warps(tokens_per_program, block_h, triton.next_power_of_2(dim)), \
+            fused_ops._pair_rows_kernel
+    else:
+        const.update(HALF=dim // 2, BLOCK_D=triton.next_power_of_2(dim // 2), BLOCK_H=min(triton.next_power_of_2(heads),
+                     16), PAIRS=True)
+        warps, fn = 4, fused_ops._rotary_kernel
+    sig["num_heads"] = "i32"
+    strides = ("x_stride_b", "x_stride_t", "x_stride_h", "cs_stride_b", "cs_stride", "out_stride_b", "out_stride_t",
+               "out_stride_h")
+    sig.update(dict.fromkeys(strides, "i32"))
+    names = list(sig)
+    sig.update({name: "constexpr" for name in const})
+    # pointers and strides (multiples of a 64-wide head; the tables' batch stride is 0) as launches specialise them
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in ("tokens", "num_heads")}
+    kernel, regs, spills = _compile_sm90(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), warps, 1)
+    widths = re.findall(r"(?:ld|st)\.global[.a-z0-9]*", kernel.asm["ptx"])
+    return {"config": dict(form=form, copy=copy, tokens_per_program=tokens_per_program, heads=heads, dim=dim,
+                           num_warps=warps),
+            "registers": regs, "spill_bytes": spills, "shared_bytes": kernel.metadata.shared,
+            "layout_conversions": kernel.asm["ttgir"].count("ttg.convert_layout"),
+            "global_accesses": {w: widths.count(w) for w in sorted(set(widths))}}
+
+
 def _compile_sm90(src: ASTSource, warps: int, stages: int):
     """(the compiled kernel, registers, spill bytes) of `src` for sm_90a, from triton's bundled ptxas."""
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
@@ -133,9 +172,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", nargs="+", default=DEFAULT, help="block_m,block_n,block_k,num_warps,fold_k")
     parser.add_argument("--fp8", action="store_true", help="the FP8-weight GEMV (mstar/kernels/fp8_gemv.py)")
+    parser.add_argument("--rotary", action="store_true", help="V-JEPA 2's pair rotary forms instead (16 heads of 64)")
     parser.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = parser.parse_args()
     rows = []
+    if args.rotary:
+        for form, tokens in (("current", 1), ("rows", 1), ("rows", 2), ("rows", 4)):
+            for copy in (False, True):
+                rows.append(rotary_report(form, copy, tokens))
+                print(json.dumps(rows[-1]), flush=True)
+        args.configs = []
     for spec in args.configs:
         row = compile_report(*(int(v) for v in spec.split(",")), fp8=args.fp8)
         rows.append(row)

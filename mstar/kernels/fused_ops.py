@@ -134,18 +134,64 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, c_ptr, c_out_ptr, num_heads
 
 @triton.jit
 def _pair_rotated(x1, x2, cos_row, sin_row, i1, i2, dmask):
-    """Pair members x1, x2 (x's dtype) turned to (x1 c1 - x2 s1, x2 c2 + x1 s2) by one token's per-channel
-    tables (at columns i1, i2), rounded as `mstar.models.vjepa2.rope.apply_rope` rounds in x's dtype: the
-    tables cast to it, x * cos rounded, then the turned product added with one rounding (its addcmul)."""
+    """Pair members x1, x2 (x's dtype) turned as `_pair_turned` turns them by one token's per-channel tables
+    (at columns i1, i2)."""
+    c1 = tl.load(cos_row + i1, mask=dmask, other=0.0)
+    c2 = tl.load(cos_row + i2, mask=dmask, other=0.0)
+    s1 = tl.load(sin_row + i1, mask=dmask, other=0.0)
+    s2 = tl.load(sin_row + i2, mask=dmask, other=0.0)
+    return _pair_turned(x1, x2, c1, c2, s1, s2)
+
+
+@triton.jit
+def _pair_turned(x1, x2, c1, c2, s1, s2):
+    """Pair members x1, x2 (x's dtype) turned to (x1 c1 - x2 s1, x2 c2 + x1 s2) by the pair's table values
+    (any float dtype, broadcastable), rounded as `mstar.models.vjepa2.rope.apply_rope` rounds in x's dtype:
+    the tables cast to it, x * cos rounded, then the turned product added with one rounding (its addcmul)."""
     dtype = x1.dtype
-    c1 = tl.load(cos_row + i1, mask=dmask, other=0.0).to(dtype).to(tl.float32)
-    c2 = tl.load(cos_row + i2, mask=dmask, other=0.0).to(dtype).to(tl.float32)
-    s1 = tl.load(sin_row + i1, mask=dmask, other=0.0).to(dtype).to(tl.float32)
-    s2 = tl.load(sin_row + i2, mask=dmask, other=0.0).to(dtype).to(tl.float32)
+    c1, c2 = c1.to(dtype).to(tl.float32), c2.to(dtype).to(tl.float32)
+    s1, s2 = s1.to(dtype).to(tl.float32), s2.to(dtype).to(tl.float32)
     a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
     o1 = ((a1 * c1).to(dtype).to(tl.float32) - a2 * s1).to(dtype)
     o2 = ((a2 * c2).to(dtype).to(tl.float32) + a1 * s2).to(dtype)
     return o1, o2
+
+
+@triton.jit
+def _pair_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, c_ptr, c_out_ptr, tokens, num_heads, x_stride_b, x_stride_t,
+                      x_stride_h, cs_stride_b, cs_stride, out_stride_b, out_stride_t, out_stride_h, DIM: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, COPY: tl.constexpr,
+                      PDL: tl.constexpr):
+    pdl_launch_dependents(PDL)
+    pdl_wait(PDL)  # x and the step's cos/sin come from earlier kernels
+    t0 = tl.program_id(0).to(tl.int64) * BLOCK_T  # t0 * stride passes 2**31 in a large packed prefill
+    b = tl.program_id(2).to(tl.int64)
+    # offsets inside the tile stay 32-bit (`rotary_pairs_rows` checks they fit); the tile's corner is 64-bit
+    t = tl.arange(0, BLOCK_T)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = ((t0 + t < tokens)[:, None] & (h < num_heads)[None, :])[:, :, None]
+    cs_mask = (t0 + t < tokens)[:, None]
+    if BLOCK_D != DIM:  # a padded head; a whole head stays unmasked, so its loads and stores stay vectors
+        mask = mask & (d < DIM)[None, None, :]
+        cs_mask = cs_mask & (d < DIM)[None, :]
+    x_tile = (t[:, None] * x_stride_t + h[None, :] * x_stride_h)[:, :, None] + d[None, None, :]
+    x_corner = b * x_stride_b + t0 * x_stride_t
+    x = tl.load(x_ptr + x_corner + x_tile, mask=mask, other=0.0)
+    cs = b * cs_stride_b + t0 * cs_stride + t[:, None] * cs_stride + d[None, :]
+    cos = tl.load(cos_ptr + cs, mask=cs_mask, other=0.0)
+    sin = tl.load(sin_ptr + cs, mask=cs_mask, other=0.0)
+    # whole rows in, pairs (2k, 2k + 1) split apart in registers (each pair sits in one thread)
+    x1, x2 = tl.split(tl.reshape(x, [BLOCK_T, BLOCK_H, BLOCK_D // 2, 2]))
+    c1, c2 = tl.split(tl.reshape(cos, [BLOCK_T, BLOCK_D // 2, 2]))
+    s1, s2 = tl.split(tl.reshape(sin, [BLOCK_T, BLOCK_D // 2, 2]))
+    o1, o2 = _pair_turned(x1, x2, c1[:, None, :], c2[:, None, :], s1[:, None, :], s2[:, None, :])
+    out_tile = (t[:, None] * out_stride_t + h[None, :] * out_stride_h)[:, :, None] + d[None, None, :]
+    out_corner = b * out_stride_b + t0 * out_stride_t
+    tl.store(out_ptr + out_corner + out_tile, tl.reshape(tl.join(o1, o2), [BLOCK_T, BLOCK_H, BLOCK_D]), mask=mask)
+    if COPY:  # a companion tensor laid out as x (the values beside the keys) copied as is, laid out as out
+        c = tl.load(c_ptr + x_corner + x_tile, mask=mask, other=0.0)
+        tl.store(c_out_ptr + out_corner + out_tile, c, mask=mask)
 
 
 @triton.jit
@@ -194,6 +240,51 @@ def rotary_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: tor
     cos/sin [N, D] or [B, 1, N, D]; written into `out` (x's shape, unit last stride) when given, else
     into a new tensor whose dims lie in memory in x's order, as torch's elementwise result would.
     `carry` = (c, c_out), c with x's strides and c_out with out's: c copied into c_out in the same pass."""
+    x, cos, sin, out, carry, result = _pair_views(x, cos, sin, out, carry)
+    _launch_rotary(x, cos, sin, out, pairs=True, carry=carry)
+    return result
+
+
+def rotary_pairs_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None,
+                      carry: tuple[torch.Tensor, torch.Tensor] | None = None, tokens_per_program: int = 4
+                      ) -> torch.Tensor:
+    """`rotary_pairs` (the same arguments, result and roundings) by the candidate kernel: each program loads
+    and stores `tokens_per_program` tokens' heads as whole rows, in vectors, and splits the pairs in
+    registers, where `rotary_pairs`' kernel gathers each pair member with its own strided scalar loads.
+    Only benchmarks/vjepa2_bench.py --rotary and the tests call it: which of the two serves `apply_rope`
+    awaits that GPU measurement, after which the slower one is deleted."""
+    x, cos, sin, out, carry, result = _pair_views(x, cos, sin, out, carry)
+    batch, tokens, heads, dim = x.shape
+    assert x.stride(3) == out.stride(3) == cos.stride(2) == 1 and cos.stride() == sin.stride() and dim % 2 == 0, \
+        "rotary needs unit-stride head dims and tables of one layout"
+    assert batch < 65536, f"rotary launches one program row per batch row; {batch} pass the grid's 65535"
+    assert tokens_per_program & (tokens_per_program - 1) == 0, f"{tokens_per_program} tokens a program: not a power of 2"
+    block_t, block_h, block_d = tokens_per_program, _head_block(heads), triton.next_power_of_2(dim)
+    for t in (x, out):
+        assert block_t * abs(t.stride(1)) + heads * abs(t.stride(2)) + dim < 2 ** 31, "a tile's offsets pass 2**31"
+    c, c_out = carry if carry is not None else (x, out)
+    _pair_rows_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(heads, block_h), batch)](
+        x, cos, sin, out, c, c_out, tokens, heads, x.stride(0), x.stride(1), x.stride(2), cos.stride(0),
+        cos.stride(1), out.stride(0), out.stride(1), out.stride(2), DIM=dim, BLOCK_D=block_d, BLOCK_H=block_h,
+        BLOCK_T=block_t, COPY=carry is not None, num_warps=_rows_warps(block_t, block_h, block_d), **pdl_args(x.device),
+    )
+    return result
+
+
+def _head_block(heads: int) -> int:
+    """Heads per program: the largest power of two up to 16 that pads the heads by at most an eighth (22: 8)."""
+    return next(block for block in (16, 8, 4, 2, 1) if triton.cdiv(heads, block) * block * 8 <= heads * 9)
+
+
+def _rows_warps(block_t: int, block_h: int, block_d: int) -> int:
+    """Warps of a `_pair_rows_kernel` program: at least 8 values a thread (a 16-byte vector of bf16), up to 8 warps."""
+    return max(1, min(8, block_t * block_h * block_d // 256))
+
+
+def _pair_views(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None,
+                carry: tuple[torch.Tensor, torch.Tensor] | None):
+    """The rotary_pairs arguments as the kernels take them, [B, N, H, D] (tables [B, N, D], c and c_out as x and
+    out), and the result to return (`out`, or a new tensor laid out as x when out is None)."""
     batch, heads, tokens, dim = x.shape
     if out is None:
         order = sorted(range(4), key=lambda i: x.stride(i), reverse=True)  # outermost first
@@ -206,8 +297,7 @@ def rotary_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: tor
         assert c.shape == x.shape and c.stride() == x.stride() and c_out.stride() == out.stride() \
             and c.dtype == c_out.dtype == x.dtype, "carry needs x's layout and dtype, and out's layout"
         carry = (c.transpose(1, 2), c_out.transpose(1, 2))
-    _launch_rotary(x.transpose(1, 2), cos, sin, out.transpose(1, 2), pairs=True, carry=carry)
-    return out
+    return x.transpose(1, 2), cos, sin, out.transpose(1, 2), carry, out
 
 
 def _launch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, pairs: bool,

@@ -66,7 +66,30 @@ def check_rope(dtype: torch.dtype, head_dim: int) -> None:
         assert not cache[:, :, :2].any() and not cache[:, :, 2 + tokens:].any(), "wrote outside the slot"
     per_row = [t.unsqueeze(0).expand(batch, -1, -1).clone() for t in (cos, sin)]
     per_row = [t.roll(1, 0).unsqueeze(1) for t in per_row]  # a different table for each row, [B, 1, N, D]
-    close(apply_rope(q, *per_row), torch_form(apply_rope, q, *per_row))
+    got_per_row = apply_rope(q, *per_row)
+    close(got_per_row, torch_form(apply_rope, q, *per_row))
+    if dtype == torch.float16:  # the interpreter rounds float16 as torch does (bf16 it does not; float32 has FMAs)
+        assert torch.equal(got, want), "the rotary kernel does not round as the PyTorch form does"
+    check_rope_rows(q, k, v, (cos, sin), per_row, (got, keys, values, got_per_row))
+
+
+def check_rope_rows(q, k, v, shared, per_row, current) -> None:
+    """The candidate `fused_ops.rotary_pairs_rows` (whole rows a program, several tokens) writes exactly what the
+    current kernel wrote (`current`: q's, the key and value caches after k's pass, q's with `per_row` tables):
+    the same roundings, laid out alike, nothing written outside the slots. (Few launches: the interpreter runs
+    each program in turn.)"""
+    tokens = q.shape[2]
+    want_q, want_keys, want_values, want_per_row = current
+    for per_program in (1, 8) if q.dtype == torch.float32 else (8,):  # 8: a partly masked last block of 12 tokens
+        got = fused_ops.rotary_pairs_rows(q, *shared, tokens_per_program=per_program)
+        assert torch.equal(got, want_q) and got.stride() == want_q.stride(), per_program
+    keys, values = torch.zeros_like(want_keys), torch.zeros_like(want_values)
+    fused_ops.rotary_pairs_rows(k, *shared, out=keys[:, :, 2:2 + tokens], carry=(v, values[:, :, 2:2 + tokens]),
+                                tokens_per_program=8)
+    assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+    assert torch.equal(fused_ops.rotary_pairs_rows(q, *per_row, tokens_per_program=4), want_per_row)
+    wide, _, _ = qkv_views(1, tokens, 22, q.shape[3], q.dtype)  # ViT-g's 22 heads: blocks of 8, the last part masked
+    assert torch.equal(fused_ops.rotary_pairs_rows(wide, *shared), fused_ops.rotary_pairs(wide, *shared))
 
 
 def check_add_norm(dtype: torch.dtype) -> None:
