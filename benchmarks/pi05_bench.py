@@ -4,6 +4,8 @@
   it over the websocket (what a robot waits), and inside the server (observation received to chunk sent).
 - `throughput`: chunks per second with `--concurrency` robots, each an openpi client sending its next
   observation when its last chunk arrives.
+The server runs in --mode (default `auto`, as `mstar serve`: on CUDA a process per worker; `inproc` puts the
+policy's host work in the process of the server and of the benchmark's clients, one GIL for all three).
 - `baseline`: transformers' `PI0ForConditionalGeneration.sample_actions` (Pi0: the same SigLIP, Gemma prefix
   and expert shapes, 10 Euler steps) on the same GPU and dtype, at the same prefix length, batch 1.
 - `--host` (CPU): what a chunk costs the host outside the networks. The policy is the tiny one's widths at the
@@ -58,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="robots (default 8 32 128)")
     parser.add_argument("--per-robot", type=int, default=None, help="chunks each robot asks for (default 10)")
     parser.add_argument("--no-baseline", action="store_true", help="skip transformers' PI0")
+    parser.add_argument("--mode", choices=["auto", "inproc", "multiproc"], default="auto",
+                        help="the runtime's run mode (default auto, as `mstar serve`: a process per worker on CUDA, "
+                             "so the policy's host work does not share the server's and the client's GIL)")
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args(argv)
     if not (args.quick or args.host) and not torch.cuda.is_available():
@@ -88,7 +93,7 @@ def serve(args: argparse.Namespace):
     limit = max(args.concurrency) + 1
     config = {"model": "pi05", "max_concurrent_requests": limit, "model_kwargs": {"max_robots": limit}}
     kwargs = {"tiny": True} if args.quick else {"load_format": "dummy"}
-    return running_server(config, runtime_kwargs=kwargs)
+    return running_server(config, runtime_kwargs={**kwargs, "mode": args.mode})
 
 
 def latency_cases(args: argparse.Namespace, base: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -285,6 +290,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = "cpu" if args.quick else torch.cuda.get_device_name()
     doc: dict[str, Any] = {"device": device, "dtype": "float32" if args.quick else "bfloat16",
                            "weights": "tiny" if args.quick else "dummy (lerobot/pi05_base shapes)", "cameras": 3,
+                           "mode": args.mode,
                            "command": "python3 benchmarks/pi05_bench.py " + " ".join(argv or sys.argv[1:])}
     with serve(args) as base:
         metadata, doc["latency"] = latency_cases(args, base)
