@@ -14,13 +14,14 @@ pytest.importorskip("triton")
 
 
 def test_vjepa2_kernels_match_the_torch_forms():
-    proc = run_interpreted(Path(__file__).with_name("vjepa2_kernels_check.py"), "--quick")  # float32; all: below
+    proc = run_interpreted(Path(__file__).with_name("vjepa2_kernels_check.py"))  # float32; the rest: below
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "vjepa2 kernels ok" in proc.stdout
 
 
-@pytest.mark.slow  # runs a whole kernel check; CI's slow group runs it
-def test_vjepa2_kernels_match_the_torch_forms_all_dtypes_and_plan():
-    proc = run_interpreted(Path(__file__).with_name("vjepa2_kernels_check.py"))
+@pytest.mark.slow  # each part runs a whole kernel check; CI's slow group runs them
+@pytest.mark.parametrize("part", [("--dtype", "float16"), ("--dtype", "bfloat16"), ("--search",)], ids=["float16", "bfloat16", "search"])
+def test_vjepa2_kernels_match_the_torch_forms_other_dtypes_and_plan(part):
+    proc = run_interpreted(Path(__file__).with_name("vjepa2_kernels_check.py"), *part)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "vjepa2 kernels ok" in proc.stdout
