@@ -20,6 +20,7 @@ from torch import nn
 
 from mstar.layers.linear import linear
 from mstar.layers.mlp import GeluMLP
+from mstar.layers.norm import add_layer_norm
 from mstar.layers.segment_attention import SegmentPlan, segment_attention
 
 
@@ -91,9 +92,12 @@ class SiglipLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(width, eps=shape.layer_norm_eps)
         self.mlp = GeluMLP(width, shape.intermediate_size)
 
-    def forward(self, x: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x), plan)
-        return x + self.mlp(self.layer_norm2(x))
+    def forward(self, x: torch.Tensor, h: torch.Tensor, plan: SegmentPlan, next_norm: nn.LayerNorm
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (the residual stream) and h = layer_norm1(x) -> (x', next_norm(x')): the norm after the block
+        is applied here so that each residual add fuses with the LayerNorm that follows it."""
+        x, h = add_layer_norm(x, self.self_attn(h, plan), self.layer_norm2)
+        return add_layer_norm(x, self.mlp(h), next_norm)
 
 
 class SiglipEncoder(nn.Module):
@@ -103,10 +107,14 @@ class SiglipEncoder(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(SiglipLayer(shape) for _ in range(shape.num_layers))
 
-    def forward(self, x: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x, plan)
-        return x
+    def forward(self, x: torch.Tensor, plan: SegmentPlan, final_norm: nn.LayerNorm) -> torch.Tensor:
+        """final_norm(the last layer's output)."""
+        x = x.contiguous()  # the residual adds keep x's layout, and `add_layer_norm` fuses only contiguous rows
+        _, h = add_layer_norm(x, None, self.layers[0].layer_norm1)
+        for i, layer in enumerate(self.layers):
+            following = self.layers[i + 1].layer_norm1 if i + 1 < len(self.layers) else final_norm
+            x, h = layer(x, h, plan, following)
+        return h
 
 
 class SiglipTower(nn.Module):
@@ -122,7 +130,7 @@ class SiglipTower(nn.Module):
     def encode(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """Patch embeddings [N, width], image after image with `lengths` patches each -> the normed last
         hidden states [N, width]."""
-        return self.post_layernorm(self.encoder(x, SegmentPlan(lengths, x.device)))
+        return self.encoder(x, SegmentPlan(lengths, x.device), self.post_layernorm)
 
 
 _QKV = re.compile(r"(encoder\.layers\.\d+\.self_attn\.)([qkv])_proj\.(weight|bias)")

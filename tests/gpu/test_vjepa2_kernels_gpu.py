@@ -16,9 +16,9 @@ import torch
 
 from mstar.kernels import fused_ops
 from mstar.layers.fused import fused_kernels
+from mstar.layers.norm import add_layer_norm
 from mstar.models.vjepa2.ac_predictor import ACPredictor
 from mstar.models.vjepa2.config import AC_VITG
-from mstar.models.vjepa2.layers import add_norm
 from mstar.models.vjepa2.rope import apply_rope
 from mstar.models.vjepa2.weights import build
 
@@ -74,7 +74,7 @@ def test_add_norm_kernel_is_one_rounding_from_the_exact_norm() -> None:
     torch.nn.init.normal_(norm.bias, 0.0, 0.3)
     x = (torch.randn(4, 258, 1024, device=CUDA) * 4 + 1).bfloat16()
     delta = torch.randn(4, 258, 1024, device=CUDA).bfloat16()
-    (s, h), (want_s, _) = add_norm(x, delta, norm), _eager(add_norm, x, delta, norm)
+    (s, h), (want_s, _) = add_layer_norm(x, delta, norm), _eager(add_layer_norm, x, delta, norm)
     assert torch.equal(s, want_s)
     # against the exact LayerNorm of the same sum, not torch's bf16 one: those two can be two steps apart at a
     # few elements, which one rounding from float32 cannot do to both

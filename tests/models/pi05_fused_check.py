@@ -19,6 +19,7 @@ import torch
 from mstar.layers import mlp as layers_mlp
 from mstar.layers.fused import FUSED, fused_kernels
 from mstar.layers.mlp import GatedMLP
+from mstar.layers.norm import ADD_LAYER_NORM
 from mstar.models.pi05 import gemma
 from mstar.models.pi05.gemma import AdaRMSNorm, GemmaAttention, GemmaNorm
 
@@ -103,6 +104,33 @@ def check_gelu_and_mul(dtype: torch.dtype) -> None:
     _close([gelu_and_mul(rows)], [want], dtype, f"gelu_and_mul {dtype}")
 
 
+def check_vision(dtype: torch.dtype) -> None:
+    """The tiny vision tower (one camera and three): every residual add with the LayerNorm after it, the last
+    with the final norm, in one kernel each (2 * layers + 1 launches a forward), and its PyTorch form's tokens."""
+    from mstar.kernels import fused_ops
+    from mstar.models.pi05.siglip import VisionTower
+    from mstar.models.pi05.tiny import tiny_config
+
+    shape = tiny_config().vision
+    tower = VisionTower(shape, 24).to(dtype).eval()
+    for p in tower.parameters():
+        torch.nn.init.normal_(p, std=0.3, generator=torch.Generator().manual_seed(p.numel()))
+    kernel, launches = fused_ops.layer_norm, []
+    fused_ops.layer_norm = lambda *a, **k: (launches.append(1), kernel(*a, **k))[1]
+    try:
+        for cameras in (1, 3):
+            images = torch.rand(cameras, 3, shape.image_size, shape.image_size, generator=torch.Generator().manual_seed(cameras)) * 2 - 1
+            launches.clear()
+            with torch.no_grad():
+                got = tower(images)
+            assert len(launches) == 2 * shape.num_layers + 1, (cameras, len(launches))
+            with torch.no_grad():
+                want = reference(tower, images)
+            _close([got], [want], dtype, f"vision tower, {cameras} cameras, {dtype}")
+    finally:
+        fused_ops.layer_norm = kernel
+
+
 def check_policy() -> None:
     """The tiny policy's prefix keys and values and its chunks (of 3 steps) for two robots: kernels and PyTorch."""
     from mstar.models.pi05.network import PolicyNet
@@ -128,6 +156,7 @@ def check_policy() -> None:
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     assert not torch.allclose(chunks[0], chunks[1], atol=1e-3)
     assert gemma._NORM.usable and layers_mlp._GELU_AND_MUL.usable, "a kernel failed: the PyTorch form gave the chunks"
+    assert ADD_LAYER_NORM.usable, "the vision tower's add + layer norm kernel failed: the PyTorch form gave the keys"
 
 
 def main() -> None:
@@ -139,6 +168,7 @@ def main() -> None:
         check_gemma(dtype)
         check_gelu_and_mul(dtype)
         check_project(dtype)
+        check_vision(dtype)
     assert gemma._NORM.usable and layers_mlp._GELU_AND_MUL.usable, "a kernel failed: the PyTorch form served"
     check_policy()
     print("pi05 fused ok")

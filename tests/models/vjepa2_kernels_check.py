@@ -13,11 +13,12 @@ import sys
 import torch
 
 from mstar.kernels import fused_ops
+from mstar.layers import norm as norms
 from mstar.layers.fused import FUSED, fused_kernels
-from mstar.models.vjepa2 import layers, rope
+from mstar.layers.norm import add_layer_norm
+from mstar.models.vjepa2 import rope
 from mstar.models.vjepa2.ac_predictor import ACPredictor
 from mstar.models.vjepa2.encoder import VJEPA2Encoder
-from mstar.models.vjepa2.layers import add_norm
 from mstar.models.vjepa2.planning import CEMSearch, CEMSettings
 from mstar.models.vjepa2.rope import apply_rope, grid_positions, rope_tables
 from mstar.models.vjepa2.tiny import tiny_ac_config, tiny_config
@@ -100,7 +101,7 @@ def check_add_norm(dtype: torch.dtype) -> None:
     torch.nn.init.normal_(norm.bias, 0.0, 0.5)
     x, delta = (torch.randn(2, 7, 48) + 3.0).to(dtype), torch.randn(2, 7, 48).to(dtype)
     for d in (delta, None):
-        (s, h), (want_s, want_h) = add_norm(x, d, norm), torch_form(add_norm, x, d, norm)
+        (s, h), (want_s, want_h) = add_layer_norm(x, d, norm), torch_form(add_layer_norm, x, d, norm)
         if dtype == torch.bfloat16:  # the interpreter's bf16 rounding is not torch's
             close(s, want_s)
         else:  # the add rounds once, as torch's does
@@ -214,5 +215,5 @@ if __name__ == "__main__":
         check_predictor(dt)
         check_encoder(dt)
     assert rope._ROTARY.usable, "the rotary kernel failed and its PyTorch form served"
-    assert layers._ADD_NORM.usable, "the add + layer norm kernel failed and its PyTorch form served"
+    assert norms.ADD_LAYER_NORM.usable, "the add + layer norm kernel failed and its PyTorch form served"
     print("vjepa2 kernels ok")

@@ -10,13 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.kernels.guard import KernelGuard
-from mstar.layers.fused import FUSED
 from mstar.layers.mlp import GeluMLP
+from mstar.layers.norm import add_layer_norm
 from mstar.models.vjepa2.config import ViTShape
 from mstar.models.vjepa2.rope import apply_rope
-
-_ADD_NORM = KernelGuard("vjepa2 add + layer norm")
 
 
 class LayerKV:
@@ -70,29 +67,6 @@ class Attention(nn.Module):
         return self.proj(out.transpose(1, 2).reshape(batch, n, width))
 
 
-def add_norm(x: torch.Tensor, delta: torch.Tensor | None, norm: nn.LayerNorm) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, norm(s)) with s = x + delta (x itself when delta is None), rounded as the eager ops round. One
-    kernel (`fused_ops.layer_norm`) where the fused kernels serve x; the eager ops elsewhere (CPU)."""
-
-    def eager() -> tuple[torch.Tensor, torch.Tensor]:
-        s = x if delta is None else x + delta
-        return s, norm(s)
-
-    ops = FUSED.ops_for(x)
-    if ops is None or not x.is_contiguous() or x.dtype != norm.weight.dtype or norm.bias is None \
-            or (delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype or not delta.is_contiguous())):
-        return eager()
-    width = x.shape[-1]
-
-    def fused() -> tuple[torch.Tensor, torch.Tensor]:
-        rows = x.view(-1, width)
-        normed, s = ops.layer_norm(rows, norm.weight, norm.bias, norm.eps, delta.view(-1, width) if delta is not None
-                                   else None)
-        return (x if s is None else s.view(x.shape)), normed.view(x.shape)
-
-    return _ADD_NORM.run(fused, eager)
-
-
 class Block(nn.Module):
     """x + attn(norm1(x)); then x + mlp(norm2(x))."""
 
@@ -108,11 +82,11 @@ class Block(nn.Module):
                 next_norm: nn.LayerNorm | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x (the residual stream) and h = norm1(x) -> (x', next_norm(x') or None): the next block's norm
         is applied here so that this block's last residual add fuses with it."""
-        x, h = add_norm(x, self.attn(h, rope, mask, cache), self.norm2)
+        x, h = add_layer_norm(x, self.attn(h, rope, mask, cache), self.norm2)
         delta = self.mlp(h)
         if next_norm is None:
             return x + delta, None
-        return add_norm(x, delta, next_norm)
+        return add_layer_norm(x, delta, next_norm)
 
 
 class Blocks(nn.ModuleList):
@@ -121,7 +95,7 @@ class Blocks(nn.ModuleList):
     def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
             mask: torch.Tensor | None = None, caches: Sequence[LayerKV] | None = None) -> torch.Tensor:
         """x [B, N, width] through every block (`caches`: one `LayerKV` per block, or None)."""
-        _, h = add_norm(x, None, self[0].norm1)
+        _, h = add_layer_norm(x, None, self[0].norm1)
         for i, block in enumerate(self):
             following = self[i + 1].norm1 if i + 1 < len(self) else None
             x, h = block(x, h, rope, mask, caches[i] if caches is not None else None, following)
