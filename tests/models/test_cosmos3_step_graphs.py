@@ -34,8 +34,8 @@ class EagerBatchGraphs:
         self.fn, self.sizes, self.replays = plan.fn, sorted(sizes), 0
         self.static = {size: [torch.randn(size, *shape).to(dtype) for shape, dtype in plan.example]
                        for size in self.sizes}
-        for size in self.sizes:  # stale lengths must stay valid prompt lengths
-            self.static[size][-1].fill_(1)
+        for size in self.sizes:  # BatchGraphs' static inputs start as zeros: padded rows of no prompt
+            self.static[size][-1].zero_()
 
     @property
     def max_batch(self) -> int:
@@ -47,6 +47,8 @@ class EagerBatchGraphs:
         for buffer, value in zip(static, inputs, strict=True):
             buffer[:batch].copy_(value)
         out = self.fn(*static)
+        assert all(torch.isfinite(o).all() for o in (out if isinstance(out, tuple) else (out,))), \
+            "a padded row's NaN would stay in the graph's buffers"
         self.replays += 1
         return tuple(o[:batch] for o in (out if isinstance(out, tuple) else (out,)))
 
@@ -94,8 +96,10 @@ def _padded(g, rows: list[GenRow], bucket: int, extra_rows: int = 0):
     x = torch.cat([torch.stack([g.embed_row(row) for row in rows]), noise])
     cos = torch.cat([torch.stack([row.cos for row in rows]), torch.randn(extra_rows, n, c.head_dim)])
     sin = torch.cat([torch.stack([row.sin for row in rows]), torch.randn(extra_rows, n, c.head_dim)])
-    lengths = torch.tensor([row.text.length for row in rows] + [bucket] * extra_rows)
+    # padded rows: one of no prompt (what BatchGraphs' zeroed static lengths give), the others full
+    lengths = torch.tensor([row.text.length for row in rows] + [0 if j == 0 else bucket for j in range(extra_rows)])
     hidden = g.forward_padded(x, cos, sin, text, lengths)
+    assert torch.isfinite(hidden).all()
     with torch.no_grad():
         return [g.heads(row, hidden[j]) for j, row in enumerate(rows)]
 
