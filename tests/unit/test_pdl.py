@@ -111,7 +111,7 @@ PDL_KERNELS = {
     "skinny_gemm.py": ("_skinny_kernel", "_splitk_reduce_kernel"),
     "decode_attention.py": ("_decode_kernel", "_reduce_kernel"),
     "fused_ops.py": ("_rms_norm_kernel", "_rotary_kernel", "_rope_cos_sin_kernel", "_qk_norm_rotary_kernel",
-                     "_act_mul_kernel", "_sigmoid_gate_add_kernel"),
+                     "_act_mul_kernel", "_sigmoid_gate_add_kernel", "_pair_rows_kernel"),
     "kv_store.py": ("_store_kv_kernel",),
     "moe_small.py": ("_gate_up_kernel", "_down_kernel"),
     "prefill_attention.py": ("_prefill_kernel",),
