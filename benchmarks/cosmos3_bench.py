@@ -249,6 +249,12 @@ def _tokenizer(args) -> Path:
     return omni_tokenizer_folder()
 
 
+def _print_step(pipe, step: int, timestep, tensors: dict) -> dict:
+    """Each denoising step's end time on stdout: a video run cut by its call's limit still shows its pace."""
+    print(f"diffusers step {step} done at {time.perf_counter():.3f}", flush=True)
+    return tensors
+
+
 def _reference_call(pipe, args, case: str, seed: int) -> float:
     from diffusers.pipelines.cosmos.pipeline_cosmos3_omni import CosmosActionCondition
     from PIL import Image
@@ -262,7 +268,7 @@ def _reference_call(pipe, args, case: str, seed: int) -> float:
                       fps=15.0, output_type="latent")
     elif case == "t2v":
         kwargs.update(prompt=PROMPT, num_frames=args.video_frames, num_inference_steps=args.video_steps,
-                      guidance_scale=args.guidance, **_size(args.video_size))
+                      guidance_scale=args.guidance, callback_on_step_end=_print_step, **_size(args.video_size))
     else:
         kwargs.update(prompt=PROMPT, num_frames=1, num_inference_steps=args.steps, guidance_scale=args.guidance,
                       **_size(args.throughput_size if case == "throughput" else case))
