@@ -11,10 +11,10 @@ compiled as 16-byte aligned, as Triton specialises them at launch for these shap
     python3 benchmarks/kernel_registers.py                      # the M = 1 and M = 4 configs below
     python3 benchmarks/kernel_registers.py --configs 4,8,1024,4,8   # block_m,block_n,block_k,warps,fold_k
     python3 benchmarks/kernel_registers.py --fp8 --configs 1,4,1024,2,1   # the FP8-weight GEMV
-    python3 benchmarks/kernel_registers.py --rotary   # V-JEPA 2's pair rotary: the kernel and its candidate
+    python3 benchmarks/kernel_registers.py --rotary   # V-JEPA 2's pair rotary kernel
 
 `rotary_report` compiles V-JEPA 2's pair rotary (mstar/kernels/fused_ops.py) the same way and counts its
-global loads and stores by width: whether a form moves x in vectors or in scalar gathers.
+global loads and stores by width: whether it moves x in vectors or in scalar gathers.
 """
 
 from __future__ import annotations
@@ -104,25 +104,15 @@ def skinny_report(block_m: int, block_n: int, block_k: int, warps: int, stages: 
             "loads": sorted(set(re.findall(r"(?:ld\.global|cp\.async\.[a-z]+\.shared\.global)[.a-z0-9]*", ptx)))}
 
 
-def rotary_report(form: str, copy: bool, tokens_per_program: int = 1, heads: int = 16, dim: int = 64) -> dict:
-    """Compile V-JEPA 2's pair rotary for sm_90a at bf16 x, float32 tables and `heads` heads of `dim`, as the
-    launchers in mstar/kernels/fused_ops.py configure it: `form` "current" (`rotary_pairs`' kernel) or "rows"
-    (`rotary_pairs_rows`' candidate, `tokens_per_program` tokens a program); `copy`: with values carried.
+def rotary_report(copy: bool, heads: int = 16, dim: int = 64) -> dict:
+    """Compile V-JEPA 2's pair rotary (`rotary_pairs`' kernel) for sm_90a at bf16 x, float32 tables and `heads`
+    heads of `dim`, as its launcher in mstar/kernels/fused_ops.py configures it; `copy`: with values carried.
     Registers, spills, shared memory, layout conversions and the count of each global load and store width."""
-    const = dict(COPY=copy, PDL=True)
+    block_t, block_h, block_d = fused_ops._PAIR_TOKENS, fused_ops._head_block(heads), triton.next_power_of_2(dim)
+    const = dict(DIM=dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_T=block_t, COPY=copy, PDL=True)
     sig = {"x_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*bf16", "c_ptr": "*bf16",
-           "c_out_ptr": "*bf16"}
-    if form == "rows":
-        sig["tokens"] = "i32"
-        block_h = fused_ops._head_block(heads)
-        const.update(DIM=dim, BLOCK_D=triton.next_power_of_2(dim), BLOCK_H=block_h, BLOCK_T=tokens_per_program)
-        warps, fn = fused_ops._rows_warps(tokens_per_program, block_h, triton.next_power_of_2(dim)), \
-            fused_ops._pair_rows_kernel
-    else:
-        const.update(HALF=dim // 2, BLOCK_D=triton.next_power_of_2(dim // 2), BLOCK_H=min(triton.next_power_of_2(heads),
-                     16), PAIRS=True)
-        warps, fn = 4, fused_ops._rotary_kernel
-    sig["num_heads"] = "i32"
+           "c_out_ptr": "*bf16", "tokens": "i32", "num_heads": "i32"}
+    warps, fn = fused_ops._rows_warps(block_t, block_h, block_d), fused_ops._pair_rows_kernel
     strides = ("x_stride_b", "x_stride_t", "x_stride_h", "cs_stride_b", "cs_stride", "out_stride_b", "out_stride_t",
                "out_stride_h")
     sig.update(dict.fromkeys(strides, "i32"))
@@ -132,8 +122,7 @@ def rotary_report(form: str, copy: bool, tokens_per_program: int = 1, heads: int
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in ("tokens", "num_heads")}
     kernel, regs, spills = _compile_sm90(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), warps, 1)
     widths = re.findall(r"(?:ld|st)\.global[.a-z0-9]*", kernel.asm["ptx"])
-    return {"config": dict(form=form, copy=copy, tokens_per_program=tokens_per_program, heads=heads, dim=dim,
-                           num_warps=warps),
+    return {"config": dict(copy=copy, tokens_per_program=block_t, heads=heads, dim=dim, num_warps=warps),
             "registers": regs, "spill_bytes": spills, "shared_bytes": kernel.metadata.shared,
             "layout_conversions": kernel.asm["ttgir"].count("ttg.convert_layout"),
             "global_accesses": {w: widths.count(w) for w in sorted(set(widths))}}
@@ -172,15 +161,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", nargs="+", default=DEFAULT, help="block_m,block_n,block_k,num_warps,fold_k")
     parser.add_argument("--fp8", action="store_true", help="the FP8-weight GEMV (mstar/kernels/fp8_gemv.py)")
-    parser.add_argument("--rotary", action="store_true", help="V-JEPA 2's pair rotary forms instead (16 heads of 64)")
+    parser.add_argument("--rotary", action="store_true", help="V-JEPA 2's pair rotary instead (16 heads of 64)")
     parser.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = parser.parse_args()
     rows = []
     if args.rotary:
-        for form, tokens in (("current", 1), ("rows", 1), ("rows", 2), ("rows", 4)):
-            for copy in (False, True):
-                rows.append(rotary_report(form, copy, tokens))
-                print(json.dumps(rows[-1]), flush=True)
+        for copy in (False, True):
+            rows.append(rotary_report(copy))
+            print(json.dumps(rows[-1]), flush=True)
         args.configs = []
     for spec in args.configs:
         row = compile_report(*(int(v) for v in spec.split(",")), fp8=args.fp8)

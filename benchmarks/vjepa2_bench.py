@@ -16,12 +16,11 @@
   plan lane, replayed from its graph, under torch.profiler: the top 25 device kernels (CPU ops on CPU), the
   blocks' GEMM TFLOP and the TFLOP/s that makes over the forward's device time.
 - `rotary` (`--rotary`, alone: no networks are built): microseconds and GB/s a call of each form of
-  `vjepa2.rope.apply_rope` takes (the PyTorch form, the kernel serving it, `fused_ops.rotary_pairs`, and
-  the candidate `fused_ops.rotary_pairs_rows` at 1, 2 and 4 tokens a program), on a plan frame
-  (`--samples` candidates), a rollout frame (batch 1) and the encoder's clip: q into a new tensor, and
-  for the predictor k into its cache slot carrying v. Each is timed as back-to-back calls replayed from
-  one CUDA graph, with PDL as served and (kernels) without; `mismatch` is the fraction of output
-  elements unlike the current kernel's.
+  `vjepa2.rope.apply_rope` takes (the PyTorch form, `torch`, and the kernel serving it, `kernel`:
+  `fused_ops.rotary_pairs`), on a plan frame (`--samples` candidates), a rollout frame (batch 1) and the
+  encoder's clip: q into a new tensor, and for the predictor k into its cache slot carrying v. Each is
+  timed as back-to-back calls replayed from one CUDA graph, with PDL as served and (the kernel) without;
+  `mismatch` is the fraction of output elements unlike the kernel's.
 Full size: ViT-g encoder (`--encoder vitl` for ViT-L fpc64-256) and the 24-layer AC predictor, bf16.
 
     python3 benchmarks/vjepa2_bench.py --horizons 4 15 30   # GPU: writes benchmarks/results/vjepa2_bench_<gpu>.json
@@ -320,8 +319,7 @@ def rotary_forms() -> dict[str, Callable[..., torch.Tensor]]:
         with fused_kernels(False):
             return apply_rope(*call)
 
-    rows = {f"rows_t{n}": partial(fused_ops.rotary_pairs_rows, tokens_per_program=n) for n in (1, 2, 4)}
-    return {"torch": torch_form, "current": fused_ops.rotary_pairs, **rows}
+    return {"torch": torch_form, "kernel": fused_ops.rotary_pairs}
 
 
 def per_call_us(args: argparse.Namespace, call: Callable[[], Any], loops: int) -> float:
@@ -353,8 +351,8 @@ def per_call_us(args: argparse.Namespace, call: Callable[[], Any], loops: int) -
 def rotary_case(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any]:
     """Per shape and tensor (q: into a new tensor; k: into its cache slot with v carried), each form's µs a
     call and GB/s of the bytes it must move (x and out, the carried values twice, the tables), and its
-    `mismatch`: the fraction of elements unlike the current kernel's (q's output; for k, the whole cache of keys
-    and values). Timed with PDL as served; the kernels also without (`us_no_pdl`)."""
+    `mismatch`: the fraction of elements unlike the kernel's (q's output; for k, the whole cache of keys
+    and values). Timed with PDL as served; the kernel also without (`us_no_pdl`)."""
     from mstar.kernels.pdl import PDL
     from mstar.models.vjepa2.rope import rope_tables
 
@@ -382,7 +380,7 @@ def rotary_row(args: argparse.Namespace, call: tuple, cache: torch.Tensor | None
     loops = 1 if args.device.type == "cpu" else max(10, min(1000, int(4e9 / moved)))
     row: dict[str, Any] = {"shape": list(x.shape), "mb_moved": round(moved / 1e6, 3), "loops": loops}
     forms = rotary_forms()
-    want = rotary_result(forms["current"], call, cache)
+    want = rotary_result(forms["kernel"], call, cache)
     for name, form in forms.items():
         got = rotary_result(form, call, cache)  # the first call of each form compiles it, outside the timing
         us = per_call_us(args, partial(form, *call), loops)

@@ -79,17 +79,11 @@ def _norm_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 @triton.jit
-def _pair_columns(HALF: tl.constexpr, BLOCK_D: tl.constexpr, PAIRS: tl.constexpr):
-    """Columns [1, BLOCK_D] of the two members of each of a head's HALF rotation pairs, and which of them
-    exist (k < HALF): (2k, 2k + 1) with PAIRS (V-JEPA 2's convention), else (k, HALF + k) (rotate-half)."""
+def _pair_columns(HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Columns [1, BLOCK_D] of the two members (k, HALF + k) of each of a head's HALF rotate-half pairs, and
+    which of them exist (k < HALF)."""
     k = tl.arange(0, BLOCK_D)[None, :]
-    if PAIRS:
-        i1 = 2 * k
-        i2 = 2 * k + 1
-    else:
-        i1 = k
-        i2 = HALF + k
-    return i1, i2, k < HALF
+    return k, HALF + k, k < HALF
 
 
 @triton.jit
@@ -105,42 +99,18 @@ def _head_members(x_ptr, t, x_stride_t, x_stride_h, num_heads, i1, i2, dmask, BL
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, c_ptr, c_out_ptr, num_heads, x_stride_b, x_stride_t, x_stride_h,
-                   cs_stride_b, cs_stride, out_stride_b, out_stride_t, out_stride_h, HALF: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PAIRS: tl.constexpr, COPY: tl.constexpr,
-                   PDL: tl.constexpr):
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, x_stride_t, x_stride_h, cs_stride, out_stride_t,
+                   out_stride_h, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     pdl_launch_dependents(PDL)
     pdl_wait(PDL)  # x and the step's cos/sin come from earlier kernels
     t = tl.program_id(0).to(tl.int64)  # t * stride passes 2**31 in a large packed prefill
-    b = tl.program_id(2).to(tl.int64)
-    i1, i2, dmask = _pair_columns(HALF, BLOCK_D, PAIRS)
-    heads, hmask, x1, x2 = _head_members(x_ptr + b * x_stride_b, t, x_stride_t, x_stride_h, num_heads, i1, i2, dmask,
-                                         BLOCK_H)
-    cos_row = cos_ptr + b * cs_stride_b + t * cs_stride
-    sin_row = sin_ptr + b * cs_stride_b + t * cs_stride
-    if PAIRS:
-        o1, o2 = _pair_rotated(x1, x2, cos_row, sin_row, i1, i2, dmask)
-    else:
-        o1, o2 = rotated(x1.to(tl.float32), x2.to(tl.float32), x1.dtype, cos_row, sin_row, i1)
-    out_offset = b * out_stride_b + t * out_stride_t + heads[:, None] * out_stride_h
+    i1, i2, dmask = _pair_columns(HALF, BLOCK_D)
+    heads, hmask, x1, x2 = _head_members(x_ptr, t, x_stride_t, x_stride_h, num_heads, i1, i2, dmask, BLOCK_H)
+    o1, o2 = rotated(x1.to(tl.float32), x2.to(tl.float32), x1.dtype, cos_ptr + t * cs_stride, sin_ptr + t * cs_stride,
+                     i1)
+    out_offset = t * out_stride_t + heads[:, None] * out_stride_h
     tl.store(out_ptr + out_offset + i1, o1, mask=hmask & dmask)
     tl.store(out_ptr + out_offset + i2, o2, mask=hmask & dmask)
-    if COPY:  # a companion tensor laid out as x (the values beside the keys) copied as is, laid out as out
-        _, _, c1, c2 = _head_members(c_ptr + b * x_stride_b, t, x_stride_t, x_stride_h, num_heads, i1, i2, dmask,
-                                     BLOCK_H)
-        tl.store(c_out_ptr + out_offset + i1, c1, mask=hmask & dmask)
-        tl.store(c_out_ptr + out_offset + i2, c2, mask=hmask & dmask)
-
-
-@triton.jit
-def _pair_rotated(x1, x2, cos_row, sin_row, i1, i2, dmask):
-    """Pair members x1, x2 (x's dtype) turned as `_pair_turned` turns them by one token's per-channel tables
-    (at columns i1, i2)."""
-    c1 = tl.load(cos_row + i1, mask=dmask, other=0.0)
-    c2 = tl.load(cos_row + i2, mask=dmask, other=0.0)
-    s1 = tl.load(sin_row + i1, mask=dmask, other=0.0)
-    s2 = tl.load(sin_row + i2, mask=dmask, other=0.0)
-    return _pair_turned(x1, x2, c1, c2, s1, s2)
 
 
 @triton.jit
@@ -166,7 +136,7 @@ def _pair_rows_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, c_ptr, c_out_ptr, tokens
     pdl_wait(PDL)  # x and the step's cos/sin come from earlier kernels
     t0 = tl.program_id(0).to(tl.int64) * BLOCK_T  # t0 * stride passes 2**31 in a large packed prefill
     b = tl.program_id(2).to(tl.int64)
-    # offsets inside the tile stay 32-bit (`rotary_pairs_rows` checks they fit); the tile's corner is 64-bit
+    # offsets inside the tile stay 32-bit (`rotary_pairs` checks they fit); the tile's corner is 64-bit
     t = tl.arange(0, BLOCK_T)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
@@ -228,8 +198,15 @@ def head_norm(a1, a2, w1, w2, eps, dtype, HALF: tl.constexpr):
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, H, D] (any strides with a unit last stride) by cos/sin [T, D] (rotate-half pairs);
     returns a new contiguous tensor."""
+    tokens, heads, dim = x.shape
+    assert x.stride(2) == 1 and cos.stride(1) == 1 and cos.stride() == sin.stride() and dim % 2 == 0, \
+        "rotary needs unit-stride head dims and tables of one layout"
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _launch_rotary(x.unsqueeze(0), cos.unsqueeze(0), sin.unsqueeze(0), out.unsqueeze(0), pairs=False)
+    half, block_h = dim // 2, min(triton.next_power_of_2(heads), 16)
+    _rotary_kernel[(tokens, triton.cdiv(heads, block_h))](
+        x, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0), out.stride(0), out.stride(1), HALF=half,
+        BLOCK_D=triton.next_power_of_2(half), BLOCK_H=block_h, **pdl_args(x.device),
+    )
     return out
 
 
@@ -239,27 +216,15 @@ def rotary_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: tor
     x [B, H, N, D] (any strides with a unit last stride), channel pairs (2k, 2k + 1) turned by per-channel
     cos/sin [N, D] or [B, 1, N, D]; written into `out` (x's shape, unit last stride) when given, else
     into a new tensor whose dims lie in memory in x's order, as torch's elementwise result would.
-    `carry` = (c, c_out), c with x's strides and c_out with out's: c copied into c_out in the same pass."""
-    x, cos, sin, out, carry, result = _pair_views(x, cos, sin, out, carry)
-    _launch_rotary(x, cos, sin, out, pairs=True, carry=carry)
-    return result
-
-
-def rotary_pairs_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None,
-                      carry: tuple[torch.Tensor, torch.Tensor] | None = None, tokens_per_program: int = 4
-                      ) -> torch.Tensor:
-    """`rotary_pairs` (the same arguments, result and roundings) by the candidate kernel: each program loads
-    and stores `tokens_per_program` tokens' heads as whole rows, in vectors, and splits the pairs in
-    registers, where `rotary_pairs`' kernel gathers each pair member with its own strided scalar loads.
-    Only benchmarks/vjepa2_bench.py --rotary and the tests call it: which of the two serves `apply_rope`
-    awaits that GPU measurement, after which the slower one is deleted."""
+    `carry` = (c, c_out), c with x's strides and c_out with out's: c copied into c_out in the same pass.
+    Each program loads and stores two tokens' heads as whole rows, in vectors, and splits the pairs in
+    registers (gathering each pair member with strided scalar loads timed several times slower)."""
     x, cos, sin, out, carry, result = _pair_views(x, cos, sin, out, carry)
     batch, tokens, heads, dim = x.shape
     assert x.stride(3) == out.stride(3) == cos.stride(2) == 1 and cos.stride() == sin.stride() and dim % 2 == 0, \
         "rotary needs unit-stride head dims and tables of one layout"
     assert batch < 65536, f"rotary launches one program row per batch row; {batch} pass the grid's 65535"
-    assert tokens_per_program & (tokens_per_program - 1) == 0, f"{tokens_per_program} tokens a program: not a power of 2"
-    block_t, block_h, block_d = tokens_per_program, _head_block(heads), triton.next_power_of_2(dim)
+    block_t, block_h, block_d = _PAIR_TOKENS, _head_block(heads), triton.next_power_of_2(dim)
     for t in (x, out):
         assert block_t * abs(t.stride(1)) + heads * abs(t.stride(2)) + dim < 2 ** 31, "a tile's offsets pass 2**31"
     c, c_out = carry if carry is not None else (x, out)
@@ -269,6 +234,11 @@ def rotary_pairs_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out
         BLOCK_T=block_t, COPY=carry is not None, num_warps=_rows_warps(block_t, block_h, block_d), **pdl_args(x.device),
     )
     return result
+
+
+# tokens a `_pair_rows_kernel` program: of 1, 2 and 4, two timed fastest or within noise of it at the plan's
+# and the encoder's shapes, where the time is
+_PAIR_TOKENS = 2
 
 
 def _head_block(heads: int) -> int:
@@ -298,24 +268,6 @@ def _pair_views(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torc
             and c.dtype == c_out.dtype == x.dtype, "carry needs x's layout and dtype, and out's layout"
         carry = (c.transpose(1, 2), c_out.transpose(1, 2))
     return x.transpose(1, 2), cos, sin, out.transpose(1, 2), carry, out
-
-
-def _launch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, pairs: bool,
-                   carry: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """x and out [B, T, H, D], cos and sin [B, T, D] of the same strides (row strides may be 0), each with a
-    unit last stride; `carry` (c, c_out) laid out as (x, out): one program per (token, block of heads,
-    batch row)."""
-    batch, tokens, heads, dim = x.shape
-    assert x.stride(3) == out.stride(3) == cos.stride(2) == 1 and cos.stride() == sin.stride() and dim % 2 == 0, \
-        "rotary needs unit-stride head dims and tables of one layout"
-    assert batch < 65536, f"rotary launches one program row per batch row; {batch} pass the grid's 65535"
-    half, block_h = dim // 2, min(triton.next_power_of_2(heads), 16)
-    c, c_out = carry if carry is not None else (x, out)
-    _rotary_kernel[(tokens, triton.cdiv(heads, block_h), batch)](
-        x, cos, sin, out, c, c_out, heads, x.stride(0), x.stride(1), x.stride(2), cos.stride(0), cos.stride(1),
-        out.stride(0), out.stride(1), out.stride(2), HALF=half, BLOCK_D=triton.next_power_of_2(half),
-        BLOCK_H=block_h, PAIRS=pairs, COPY=carry is not None, **pdl_args(x.device),
-    )
 
 
 @triton.jit
@@ -363,7 +315,7 @@ def _qk_norm_rotary_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, num
     pdl_launch_dependents(PDL)
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)  # t * stride passes 2**31 in a large packed prefill
-    d, d2, dmask = _pair_columns(HALF, HALF, False)
+    d, d2, dmask = _pair_columns(HALF, HALF)
     heads, hmask, x1, x2 = _head_members(x_ptr, t, x_stride_t, x_stride_h, num_heads, d, d2, dmask, BLOCK_H)
     # RMSNorm over each head's 2 * HALF values (q heads first, with q's weight, then k heads, k's)
     is_q = heads[:, None] < num_q

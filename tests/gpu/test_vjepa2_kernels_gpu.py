@@ -1,22 +1,19 @@
 """V-JEPA 2's fused kernels on a GPU in bf16 at the AC predictor's full width (16 heads of 64): the RoPE
 kernel (with the values carried into their cache slot) and the residual add + LayerNorm against the eager
 ops they replace, and the full-size predictor's plan forward through them against its eager forward. The
-RoPE test also runs the candidate kernel `fused_ops.rotary_pairs_rows`. The interpreter's checks
-(tests/models/vjepa2_kernels_check.py) cannot judge bf16 rounding; these do.
+interpreter's checks (tests/models/vjepa2_kernels_check.py) cannot judge bf16 rounding; these do.
 
 Run on the lent machine: `python3 -m pytest -q -m gpu tests/gpu/test_vjepa2_kernels_gpu.py`.
 """
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 import torch
 
-from mstar.kernels import fused_ops
 from mstar.layers.fused import fused_kernels
 from mstar.layers.norm import add_layer_norm
+from mstar.models.vjepa2 import rope as vjepa2_rope
 from mstar.models.vjepa2.ac_predictor import ACPredictor
 from mstar.models.vjepa2.config import AC_VITG
 from mstar.models.vjepa2.rope import apply_rope
@@ -42,30 +39,28 @@ def _within_one_step(got: torch.Tensor, want: torch.Tensor, slack: float = 2.0 *
     assert bool((diff <= step + slack).all()), f"max difference {diff.max().item()} (more than one bf16 step)"
 
 
-# the kernel serving apply_rope, and the candidate (fused_ops.rotary_pairs_rows) at the token counts a program
-# that benchmarks/vjepa2_bench.py --rotary times
-ROPE_FORMS = {"apply_rope": apply_rope,
-              **{f"rows_t{n}": partial(fused_ops.rotary_pairs_rows, tokens_per_program=n) for n in (1, 2, 4)}}
-
-
-@pytest.mark.parametrize("form", list(ROPE_FORMS))
-def test_rope_kernel_rounds_as_the_eager_addcmul(form: str) -> None:
-    rope = ROPE_FORMS[form]
+@pytest.mark.parametrize("drop", [0, 1], ids=["two_frames", "odd_tokens"])
+def test_rope_kernel_rounds_as_the_eager_addcmul(drop: int) -> None:
+    """Two frames (conditioning and patch tokens), whole or less their last token (the kernel's programs take
+    two tokens each: the last one's second masked)."""
     model = ACPredictor(AC_VITG)
-    cos, sin = (t.to(CUDA) for t in model.rope_tables(2, CUDA))  # two frames: conditioning and patch tokens
+    cos, sin = model.rope_tables(2, CUDA)
+    cos, sin = (t[:t.shape[0] - drop].to(CUDA) for t in (cos, sin))
     batch, heads, tokens, head_dim = 8, 16, cos.shape[0], 64
+    assert tokens % 2 == drop  # two whole frames hold an even count
     qkv = torch.randn(batch, tokens, 3 * heads * head_dim, device=CUDA).bfloat16()
     q, k, v = qkv.view(batch, tokens, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
-    got, want = rope(q, cos, sin), _eager(apply_rope, q, cos, sin)
+    got, want = apply_rope(q, cos, sin), _eager(apply_rope, q, cos, sin)
     assert got.stride() == want.stride()
     _within_one_step(got, want)
     assert (got != want).float().mean().item() < 1e-3  # the same roundings: at most a rare contraction differs
     keys, values, ref_keys, ref_values = (torch.zeros(batch, heads, tokens + 5, head_dim, device=CUDA,
                                                       dtype=torch.bfloat16) for _ in range(4))
-    rope(k, cos, sin, out=keys[:, :, 5:], carry=(v, values[:, :, 5:]))
+    apply_rope(k, cos, sin, out=keys[:, :, 5:], carry=(v, values[:, :, 5:]))
     _eager(apply_rope, k, cos, sin, out=ref_keys[:, :, 5:], carry=(v, ref_values[:, :, 5:]))
     _within_one_step(keys, ref_keys)
     assert torch.equal(values, ref_values)
+    assert vjepa2_rope._ROTARY.usable, "the rotary kernel failed and its PyTorch form served"
 
 
 def test_add_norm_kernel_is_one_rounding_from_the_exact_norm() -> None:

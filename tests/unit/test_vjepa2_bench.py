@@ -1,7 +1,7 @@
 """benchmarks/vjepa2_bench.py: a --quick run (tiny networks on CPU) writes what it returns, its cached
 rollouts equal the recompute loop's, the world model's lanes (eager on CPU) give the eager results, and
 --profile lists the top ops of a plan forward at each frame position; --quick --rotary (under the Triton
-interpreter) times every form of the rotary at each shape, the candidate kernel writing what the current one does."""
+interpreter) times the rotary's PyTorch form and kernel at each shape."""
 
 from __future__ import annotations
 
@@ -52,7 +52,10 @@ def test_quick_rotary(tmp_path) -> None:
     assert rotary["encoder_q"]["shape"] == [1, 4, 32, 16]  # the tiny encoder: 4 heads, 2 x 4 x 4 tubelets
     for name, row in rotary.items():
         assert row["mb_moved"] > 0 and row["loops"] == 1, name
-        for form in ("torch", "current", "rows_t1", "rows_t2", "rows_t4"):
+        assert set(row) == {"shape", "mb_moved", "loops", "torch", "kernel"}, name
+        for form in ("torch", "kernel"):
             assert row[form]["us"] > 0 and row[form]["gb_per_s"] > 0, (name, form)
-            if form != "torch":  # the kernels' float32 alike (torch's CPU addcmul rounds once, an FMA)
-                assert row[form]["mismatch"] == 0, (name, form)
+        assert row["kernel"]["mismatch"] == 0, name  # its timed call wrote what its reference call did
+        # torch's CPU addcmul rounds once (an FMA) where the kernel rounds twice: some float32 elements differ
+        # by a rounding, where a wrong pairing or layout would differ nearly everywhere
+        assert row["torch"]["mismatch"] < 0.5, name
