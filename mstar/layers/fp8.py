@@ -25,8 +25,8 @@ and W ~ q * s, expanded to W's shape. The Hugging Face formats store the same s:
                the skinny GEMM's tl.dot kernel at the bf16 configs, split-K included);
   W8A8         (`scaled_mm_linear`) on CUDA for bfloat16 inputs of at least SCALED_MM_MIN_ROWS rows and
                per-channel weights: the activations quantized per token (the same formula as the weight's
-               rows) and `torch._scaled_mm` with both scales, accumulating in float32;
-               `w8a8_reference` is its CPU emulation.
+               rows, in one Triton kernel: `quantize_activations`) and `torch._scaled_mm` with both scales,
+               accumulating in float32; `w8a8_reference` is its CPU emulation.
 Where more than one of `gemv_linear`, `skinny_dot_linear` and `scaled_mm_linear` serves, `layers.linear.linear`
 runs the one it timed fastest for the shape at warm-up; `fp8_linear` alone takes the order above.
 """
@@ -38,6 +38,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mstar.layers.fused import FUSED
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -225,9 +227,20 @@ def scaled_mm_linear(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
 def scaled_mm(rows: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
     """`scaled_mm_linear` for 2-D rows and a bare E4M3 weight [N, K] with per-channel scales [N, 1]."""
-    xq, x_scale = quantize_per_channel(rows)
+    xq, x_scale = quantize_activations(rows)
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.reshape(1, -1), out_dtype=rows.dtype)
     return out if bias is None else out + bias.to(rows.dtype)
+
+
+def quantize_activations(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_per_channel(rows)` for 2-D activation rows: the same bits in one Triton launch
+    (`mstar.kernels.fp8_quant.quantize_rows`) where the fused kernels serve rows, since the PyTorch formula
+    is seven kernels through float32 copies of the activations; else that formula."""
+    if FUSED.ops_for(rows) is None:
+        return quantize_per_channel(rows)
+    from mstar.kernels.fp8_quant import quantize_rows
+
+    return quantize_rows(rows if rows.stride(-1) == 1 else rows.contiguous())
 
 
 def w8a8_reference(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """FP8 weights on CUDA (layers/fp8.py): `fp8_linear` runs W8A8 `torch._scaled_mm` for bfloat16 batches of
-SCALED_MM_MIN_ROWS rows or more and matches its CPU emulation `w8a8_reference`; decode rows run the FP8
+SCALED_MM_MIN_ROWS rows or more and matches its CPU emulation `w8a8_reference`, its activations quantized by
+a kernel (kernels/fp8_quant.py) that gives the PyTorch formula's bits; decode rows run the FP8
 GEMV (kernels/fp8_gemv.py), which matches `weight_only_linear` at the Llama-3.2-3B (Orpheus-3B) decoder
 shapes up to 64 rows, as does the skinny GEMM's tl.dot kernel on E4M3 weights (`fp8_skinny_linear`); up to
 64 rows `linear` times those (and `_scaled_mm` from 16 rows) and runs the fastest; float32 and block
@@ -54,6 +55,22 @@ def test_scaled_mm_matches_its_cpu_emulation(rows, bias):
     torch.testing.assert_close(got.float(), want.float(), **TOL)
     dense = weight_only_linear(x.cuda(), gpu).cpu().float()
     assert (got.float() - dense).abs().mean() < 0.05 * dense.abs().mean()  # activation rounding only
+
+
+@pytest.mark.parametrize("shape", [(7020, 3072), (7020, 14336), (5, 1000)], ids=["wan_hidden", "wan_ffn", "ragged"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_activation_quantization_kernel_gives_the_formulas_bits(shape, dtype):
+    """`quantize_rows` (the W8A8 path's activation quantization) against `quantize_per_channel` on the GPU,
+    at Wan2.2's DiT rows (2 x 3510 tokens, hidden and FFN widths): the same scales and E4M3 bytes."""
+    from mstar.kernels.fp8_quant import quantize_rows
+
+    torch.manual_seed(0)
+    x = (torch.randn(*shape, device="cuda") * torch.logspace(-3, 3, shape[0], device="cuda")[:, None]).to(dtype)
+    x[:, :2] = torch.tensor([0.0, -0.0], device="cuda", dtype=dtype)
+    q, s = quantize_rows(x)
+    want_q, want_s = fp8.quantize_per_channel(x)
+    assert torch.equal(s, want_s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
 @pytest.mark.parametrize("kernel", [fp8_gemv, fp8_skinny_linear], ids=["gemv", "skinny_dot"])

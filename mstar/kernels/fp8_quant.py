@@ -1,0 +1,76 @@
+"""Per-token FP8 (E4M3) quantization of activations in one kernel: `quantize_rows(x) -> (q, s)`.
+
+W8A8 (`mstar.layers.fp8.scaled_mm`) quantizes every activation row before `torch._scaled_mm`:
+s = amax(|x[m, :]|) / 448 (at least 1e-12), q = round_e4m3(clamp(x / s, -448, 448)). Written as
+PyTorch (`layers.fp8.quantize_per_channel`) that is seven kernels through float32 temporaries of
+the activation's size (about 39 bytes of traffic an element); here it is one kernel that reads each
+bf16/fp16 row twice (the second time mostly from L2) and writes one byte an element plus the scale.
+
+The result is bit-identical to `quantize_per_channel`: the two divisions are correctly rounded
+(`div_rn`, as torch's; Triton's `/` is approximate for float32) and the rounding to E4M3 is done in
+float32 arithmetic, round-to-nearest-even at the E4M3 spacing of each value (subnormals included),
+so the final cast only converts exact values: it does not depend on the target's conversion
+instruction, and the Triton interpreter (whose float8 cast does not round to nearest even) gives the
+same bits on CPU for tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0  # mstar.layers.fp8.FP8_MAX
+MIN_SCALE = 1e-12  # mstar.layers.fp8._MIN_SCALE
+_BLOCK = 1024  # columns a chunk: 8 bf16 values (16 bytes) a thread at 4 warps
+
+
+@triton.jit
+def _round_e4m3(v):
+    """v (float32, |v| <= 448) rounded to nearest even at E4M3's spacing there: 2^(e - 3) for
+    |v| in [2^e, 2^(e+1)), e >= -6, and the subnormal step 2^-9 below 2^-6; the sign kept (-0 too)."""
+    bits = v.to(tl.int32, bitcast=True)
+    ulp = tl.maximum((bits & 0x7F800000) - (3 << 23), (127 - 9) << 23).to(tl.float32, bitcast=True)
+    # float32 numbers in [2^23, 2^24) * ulp are exactly the multiples of ulp: adding 1.5 * 2^23 * ulp rounds |v|
+    # to one of them (to nearest even), subtracting it again is exact
+    magic = ulp * 12582912.0
+    rounded = (tl.abs(v) + magic) - magic
+    # v's sign put back, so that a negative value rounded to zero stays -0 as torch's cast keeps it
+    return (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, n_cols, x_stride, q_stride,
+                          FMAX: tl.constexpr, SMIN: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * x_stride
+    q_row = q_ptr + row * q_stride
+    cols = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(CHUNKS):
+        start = i * BLOCK
+        x = tl.load(x_row + start + cols, mask=start + cols < n_cols, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FMAX), SMIN)
+    tl.store(s_ptr + row, scale)
+    for i in range(CHUNKS):
+        start = i * BLOCK
+        mask = start + cols < n_cols
+        x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FMAX), FMAX)
+        tl.store(q_row + start + cols, _round_e4m3(v).to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q float8_e4m3fn [M, K] row-major, s float32 [M, 1]) for x [M, K] bfloat16/float16/float32 with a unit
+    column stride: `layers.fp8.quantize_per_channel(x)`'s bits in one launch (module docstring)."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"quantize_rows needs 2-D rows with unit column stride, got {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+    rows, cols = x.shape
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows:
+        _quantize_rows_kernel[(rows,)](x, q, s, cols, x.stride(0), q.stride(0), FMAX=FP8_MAX, SMIN=MIN_SCALE,
+                                       BLOCK=_BLOCK, CHUNKS=triton.cdiv(cols, _BLOCK), num_warps=4)
+    return q, s
