@@ -6,9 +6,11 @@ PyTorch (`layers.fp8.quantize_per_channel`) that is seven kernels through float3
 the activation's size (about 39 bytes of traffic an element); here it is one kernel that reads each
 bf16/fp16 row twice (the second time mostly from L2) and writes one byte an element plus the scale.
 
-The result is bit-identical to `quantize_per_channel`: the two divisions are correctly rounded
-(`div_rn`, as torch's; Triton's `/` is approximate for float32) and the rounding to E4M3 is done in
-float32 arithmetic, round-to-nearest-even at the E4M3 spacing of each value (subnormals included),
+The result is bit-identical to `quantize_per_channel` on the same device. torch computes `amax / 448`
+differently by device: CUDA multiplies by the float32 reciprocal of a scalar divisor, the CPU divides; the
+kernel does the same for CUDA tensors and for CPU tensors (the interpreter), and divides x by the scale
+correctly rounded (`div_rn`: Triton's `/` is approximate for float32) as torch does on both. The rounding
+to E4M3 is done in float32 arithmetic, round-to-nearest-even at the E4M3 spacing of each value (subnormals included),
 so the final cast only converts exact values: it does not depend on the target's conversion
 instruction, and the Triton interpreter (whose float8 cast does not round to nearest even) gives the
 same bits on CPU for tests.
@@ -16,11 +18,13 @@ same bits on CPU for tests.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 FP8_MAX = 448.0  # mstar.layers.fp8.FP8_MAX
+INV_FP8_MAX = float(np.float32(1.0 / FP8_MAX))  # what torch's CUDA division by the scalar 448 multiplies by
 MIN_SCALE = 1e-12  # mstar.layers.fp8._MIN_SCALE
 _BLOCK = 1024  # columns a chunk: 8 bf16 values (16 bytes) a thread at 4 warps
 
@@ -41,7 +45,8 @@ def _round_e4m3(v):
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, n_cols, x_stride, q_stride,
-                          FMAX: tl.constexpr, SMIN: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
+                          FMAX: tl.constexpr, INV_FMAX: tl.constexpr, RECIPROCAL: tl.constexpr, SMIN: tl.constexpr,
+                          BLOCK: tl.constexpr, CHUNKS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * x_stride
     q_row = q_ptr + row * q_stride
@@ -51,7 +56,11 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, n_cols, x_stride, q_stride,
         start = i * BLOCK
         x = tl.load(x_row + start + cols, mask=start + cols < n_cols, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FMAX), SMIN)
+    if RECIPROCAL:
+        scale = tl.max(amax, axis=0) * INV_FMAX
+    else:
+        scale = tl.math.div_rn(tl.max(amax, axis=0), FMAX)
+    scale = tl.maximum(scale, SMIN)
     tl.store(s_ptr + row, scale)
     for i in range(CHUNKS):
         start = i * BLOCK
@@ -63,7 +72,13 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, n_cols, x_stride, q_stride,
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q float8_e4m3fn [M, K] row-major, s float32 [M, 1]) for x [M, K] bfloat16/float16/float32 with a unit
-    column stride: `layers.fp8.quantize_per_channel(x)`'s bits in one launch (module docstring)."""
+    column stride: `layers.fp8.quantize_per_channel(x)`'s bits on x's device in one launch (module docstring)."""
+    return quantize_rows_as(x, cuda_rounding=x.is_cuda)
+
+
+def quantize_rows_as(x: torch.Tensor, cuda_rounding: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` with the scale rounded as torch rounds it on CUDA (`cuda_rounding`) or on the CPU,
+    whatever x's device: so that the CPU tests check the CUDA form too."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"quantize_rows needs 2-D rows with unit column stride, got {tuple(x.shape)} "
                          f"strides {x.stride()}")
@@ -71,6 +86,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows:
-        _quantize_rows_kernel[(rows,)](x, q, s, cols, x.stride(0), q.stride(0), FMAX=FP8_MAX, SMIN=MIN_SCALE,
+        _quantize_rows_kernel[(rows,)](x, q, s, cols, x.stride(0), q.stride(0), FMAX=FP8_MAX, INV_FMAX=INV_FP8_MAX,
+                                       RECIPROCAL=cuda_rounding, SMIN=MIN_SCALE,
                                        BLOCK=_BLOCK, CHUNKS=triton.cdiv(cols, _BLOCK), num_warps=4)
     return q, s

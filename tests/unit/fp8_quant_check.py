@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mstar.kernels.fp8_quant import quantize_rows
+from mstar.kernels.fp8_quant import INV_FP8_MAX, quantize_rows, quantize_rows_as
 from mstar.layers import fp8
 from mstar.layers.fused import fused_kernels
 
@@ -29,9 +29,21 @@ def rows_of(rows: int, k: int, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+def cuda_formula(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_per_channel` as torch computes it on CUDA: there `amax / 448` (a CPU scalar divisor) is a
+    multiply by the float32 reciprocal of 448; the rest as on the CPU."""
+    w = x.float()
+    scale = (w.abs().amax(dim=1, keepdim=True) * torch.tensor(INV_FP8_MAX)).clamp(min=1e-12)
+    return (w / scale).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
 def check_same_bits(x: torch.Tensor) -> None:
-    q, s = quantize_rows(x)
-    ref_q, ref_s = fp8.quantize_per_channel(x)
+    check_bits(quantize_rows(x), fp8.quantize_per_channel(x), x)
+    check_bits(quantize_rows_as(x, cuda_rounding=True), cuda_formula(x), x)
+
+
+def check_bits(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> None:
+    (q, s), (ref_q, ref_s) = got, want
     assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and q.is_contiguous(), (q.dtype, q.stride())
     assert s.dtype == torch.float32 and s.shape == (x.shape[0], 1)
     assert torch.equal(s, ref_s), f"scales differ for {tuple(x.shape)} {x.dtype}"
