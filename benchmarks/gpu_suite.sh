@@ -148,9 +148,10 @@ if [[ $WHAT == wan || $WHAT == all ]]; then
   run 90 profile_wan python3 benchmarks/profile_wan.py --batch 2 --out "$OUT/profile_wan_$GPU.json"
   run 420 wan_bench python3 benchmarks/wan_bench.py --out "$OUT/wan_bench_$GPU.json"
 fi
-if [[ $WHAT == wan_fp8 ]]; then  # FP8 tests, then bf16 and FP8 DiT in one run: e2e seconds and frame PSNR (~5 min)
+if [[ $WHAT == wan_fp8 ]]; then  # FP8 tests, the DiT's linears per W8A8 form, then bf16 and FP8 DiT in one run: e2e seconds and frame PSNR (~6 min)
   run 240 gpu_tests_fp8 python3 -m pytest -q -n 0 -m gpu tests/gpu/test_fp8_gpu.py tests/gpu/test_moe_fp8_gpu.py \
       -p no:cacheprovider
+  run 120 fp8_gemm_micro python3 benchmarks/fp8_gemm_micro.py --out "$OUT/fp8_gemm_micro_$GPU.json"
   run 420 wan_bench_fp8 python3 benchmarks/wan_bench.py --skip-diffusers --steps 50 --concurrency 1 \
       --quantization none fp8 --out "$OUT/wan_bench_${GPU}_fp8.json"
 fi
