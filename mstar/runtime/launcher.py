@@ -265,17 +265,18 @@ class Runtime:
         self._ready.add(rank)
 
     def _thread_shares(self) -> dict[int, int]:
-        """Rank -> intra-op threads of each CPU worker process: several at one thread per core would
-        oversubscribe the host, and a rank spinning in a collective would starve the others."""
+        """Rank -> intra-op threads of each worker process (`cpu_thread_shares`): CPU workers at one
+        thread per core would oversubscribe the host, and a rank spinning in a collective would starve
+        the others; a GPU worker's idle pool threads would spin on the cores the server needs."""
         from mstar.runtime.process import cpu_thread_shares, host_cores
 
         devices = [worker_device(self.config, rank).type for rank in range(self.plan.num_workers)]
         omp = os.environ.get("OMP_NUM_THREADS")  # OpenMP's own variable, which spawned workers inherit
         shares = cpu_thread_shares(devices, host_cores(), omp)
         if shares:
-            logger.info("CPU workers %s: %d intra-op threads each", sorted(shares), next(iter(shares.values())))
-        elif omp and "cpu" in devices:
-            logger.info("CPU workers keep OMP_NUM_THREADS=%s", omp)
+            logger.info("worker processes' intra-op threads (rank: threads): %s", shares)
+        elif omp:
+            logger.info("worker processes keep OMP_NUM_THREADS=%s", omp)
         return shares
 
     def _spawn(self, rank: int) -> mp.process.BaseProcess:

@@ -66,20 +66,27 @@ def host_cores() -> int:
 
 
 def cpu_thread_shares(devices: Sequence[str], cores: int, omp_num_threads: str | None) -> dict[int, int]:
-    """Rank -> intra-op threads for the CPU ranks among `devices` (each rank's device type, every rank
-    on one host of `cores` cores): an equal share of the cores, at least one. None where the user set
-    `omp_num_threads` (OMP_NUM_THREADS, which the workers inherit): that choice stands."""
-    cpu_ranks = [rank for rank, device in enumerate(devices) if device == "cpu"]
-    if omp_num_threads or not cpu_ranks:
+    """Rank -> torch intra-op threads of each rank among `devices` (each rank's device type, every rank on
+    one host of `cores` cores). A CPU rank gets an equal share of the cores among the CPU ranks, at least
+    one. A GPU rank gets one: its host work is glue around device calls (input copies, small tensors), and
+    each idle thread of an OpenMP pool spins for milliseconds after every parallel op, on cores that the
+    server process and the other workers are waiting for. None where the user set `omp_num_threads`
+    (OMP_NUM_THREADS, which the workers inherit): that choice stands."""
+    if omp_num_threads:
         return {}
-    return dict.fromkeys(cpu_ranks, max(1, cores // len(cpu_ranks)))
+    cpu_ranks = [rank for rank, device in enumerate(devices) if device == "cpu"]
+    shares = dict.fromkeys((rank for rank, device in enumerate(devices) if device != "cpu"), 1)
+    if cpu_ranks:
+        shares.update(dict.fromkeys(cpu_ranks, max(1, cores // len(cpu_ranks))))
+    return shares
 
 
 def worker_process_main(rank: int, config_json: bytes, directory_json: bytes, session: str, build_args: dict,
                         rendezvous: list | None = None, cpu_threads: int | None = None) -> None:
     """Run one worker until Shutdown (spawned by runtime.launcher); with `rendezvous` ([host, port,
     world size]) it first joins the torch.distributed groups of its multi-rank replicas. `cpu_threads`
-    (a CPU worker's share of the host, `cpu_thread_shares`) sets its torch intra-op threads."""
+    (`cpu_thread_shares`: a CPU worker's share of the host, one for a GPU worker) sets its torch intra-op
+    threads."""
     die_with_parent()
     stacks_on_sigusr1()
     os.environ[envs.SESSION.name] = session
