@@ -2,6 +2,8 @@
 
 - `latency`: one action chunk at concurrency 1 (p50/p99 over `--requests`) as the real `openpi_client` sees
   it over the websocket (what a robot waits), and inside the server (observation received to chunk sent).
+  `cpu_ms_per_chunk` (Linux): CPU time per chunk of this process (server and benchmark clients) and of the
+  worker processes together, over those requests: far above the host's work, it is threads spinning.
 - `throughput`: chunks per second with `--concurrency` robots, each an openpi client sending its next
   observation when its last chunk arrives.
 The server runs in --mode (default `auto`, as `mstar serve`: on CUDA a process per worker; `inproc` puts the
@@ -21,6 +23,7 @@ policy's host work in the process of the server and of the benchmark's clients, 
     python3 benchmarks/pi05_bench.py --concurrency 8 32 128 --requests 100
     python3 benchmarks/pi05_bench.py --quick         # the tiny policy on CPU (smoke test)
     python3 benchmarks/pi05_bench.py --host --requests 300   # the host's cost per chunk, on CPU
+    python3 benchmarks/pi05_bench.py --quick --robot-size --mode multiproc --no-baseline  # full-size host data
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the tiny policy on CPU (smoke test)")
     parser.add_argument("--host", action="store_true", help="the host's cost per chunk on CPU, compute taken out")
+    parser.add_argument("--robot-size", action="store_true",
+                        help="with --quick: serve RobotSizePi05 (tiny widths, full robot's images, states and chunks)")
     parser.add_argument("--requests", type=int, default=None, help="chunks timed per latency case (default 100)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="robots (default 8 32 128)")
     parser.add_argument("--per-robot", type=int, default=None, help="chunks each robot asks for (default 10)")
@@ -67,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not (args.quick or args.host) and not torch.cuda.is_available():
         parser.error("no CUDA device here: pass --quick (tiny, CPU) or --host")
+    if args.robot_size and not (args.quick and args.no_baseline):
+        parser.error("--robot-size goes with --quick (full size has the robot's sizes already) and --no-baseline "
+                     "(transformers' Pi0 has no such widths)")
     args.requests = args.requests or (3 if args.quick else 200 if args.host else 100)
     args.concurrency = args.concurrency or ([2] if args.quick else [8, 32, 128])
     args.per_robot = args.per_robot or (2 if args.quick else 10)
@@ -91,7 +99,8 @@ def serve(args: argparse.Namespace):
     from tests.e2e.server_thread import running_server
 
     limit = max(args.concurrency) + 1
-    config = {"model": "pi05", "max_concurrent_requests": limit, "model_kwargs": {"max_robots": limit}}
+    model = f"{__name__}:RobotSizePi05" if args.robot_size else "pi05"
+    config = {"model": model, "max_concurrent_requests": limit, "model_kwargs": {"max_robots": limit}}
     kwargs = {"tiny": True} if args.quick else {"load_format": "dummy"}
     return running_server(config, runtime_kwargs={**kwargs, "mode": args.mode})
 
@@ -105,13 +114,37 @@ def latency_cases(args: argparse.Namespace, base: str) -> tuple[dict[str, Any], 
     for _ in range(3):  # warm-up: first-call costs (allocations, autotuning) are not a robot's steady state
         policy.infer(obs)
     seconds, server = [], []
+    cpu_before = process_cpu_seconds()
     for i in range(args.requests):
         start = time.perf_counter()
         answer = policy.infer(observation(metadata, i))
         seconds.append(time.perf_counter() - start)
         server.append(answer["server_timing"]["infer_ms"] / 1e3)
-    return metadata, {"websocket": percentiles(seconds), "in_server": percentiles(server),
-                      "actions_shape": list(answer["actions"].shape)}
+    cpu_after = process_cpu_seconds()
+    doc = {"websocket": percentiles(seconds), "in_server": percentiles(server),
+           "actions_shape": list(answer["actions"].shape)}
+    if cpu_before is not None and cpu_after is not None:
+        doc["cpu_ms_per_chunk"] = {part: round(1e3 * (cpu_after[part] - cpu_before[part]) / args.requests, 2)
+                                   for part in cpu_before}
+    return metadata, doc
+
+
+def process_cpu_seconds() -> dict[str, float] | None:
+    """CPU seconds (user and system, every thread) so far of this process (`server`: the server and the
+    benchmark's clients) and of its child processes together (`workers`: worker processes, the
+    multiprocessing resource tracker); None without Linux's /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def cpu(pid: int) -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+
+    try:
+        children = [int(pid) for task in Path("/proc/self/task").iterdir()
+                    for pid in (task / "children").read_text().split()]
+        return {"server": cpu(os.getpid()), "workers": sum(cpu(pid) for pid in children)}
+    except (FileNotFoundError, ProcessLookupError):
+        return None
 
 
 def throughput_case(base: str, robots: int, per_robot: int) -> dict[str, Any]:
@@ -288,8 +321,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.host:
         return host_main(args, argv)
     device = "cpu" if args.quick else torch.cuda.get_device_name()
-    doc: dict[str, Any] = {"device": device, "dtype": "float32" if args.quick else "bfloat16",
-                           "weights": "tiny" if args.quick else "dummy (lerobot/pi05_base shapes)", "cameras": 3,
+    weights = "tiny" if args.quick else "dummy (lerobot/pi05_base shapes)"
+    if args.robot_size:
+        weights = "tiny widths, full robot sizes (RobotSizePi05)"
+    doc: dict[str, Any] = {"device": device, "dtype": "float32" if args.quick else "bfloat16", "weights": weights,
+                           "cameras": 3, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                            "mode": args.mode,
                            "command": "python3 benchmarks/pi05_bench.py " + " ".join(argv or sys.argv[1:])}
     with serve(args) as base:

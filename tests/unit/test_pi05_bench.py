@@ -24,6 +24,8 @@ def test_quick_run(tmp_path) -> None:
     assert doc["device"] == "cpu" and doc["latency"]["actions_shape"] == [10, 7]
     assert doc["latency"]["websocket"]["n"] == 2 and doc["latency"]["websocket"]["p50_ms"] > 0
     assert doc["latency"]["in_server"]["p99_ms"] <= doc["latency"]["websocket"]["p99_ms"]
+    cpu = doc["latency"]["cpu_ms_per_chunk"]  # in process here (no CUDA): the policy's compute is this process's
+    assert cpu["server"] > 0 and cpu["workers"] < cpu["server"]
     assert set(doc["throughput"]) == {"c1", "c3"} and doc["throughput"]["c3"]["chunks_per_s"] > 0
     assert doc["throughput"]["c3"]["n"] == 6
     assert doc["baseline"]["sample_actions"]["p50_ms"] > 0 and doc["baseline"]["prefix_tokens"] > 3 * 16
