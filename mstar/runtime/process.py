@@ -68,10 +68,10 @@ def host_cores() -> int:
 def cpu_thread_shares(devices: Sequence[str], cores: int, omp_num_threads: str | None) -> dict[int, int]:
     """Rank -> torch intra-op threads of each rank among `devices` (each rank's device type, every rank on
     one host of `cores` cores). A CPU rank gets an equal share of the cores among the CPU ranks, at least
-    one. A GPU rank gets one: its host work is glue around device calls (input copies, small tensors), and
-    each idle thread of an OpenMP pool spins for milliseconds after every parallel op, on cores that the
-    server process and the other workers are waiting for. None where the user set `omp_num_threads`
-    (OMP_NUM_THREADS, which the workers inherit): that choice stands."""
+    one. A GPU rank gets one once built (`serve_worker`): serving, its host work is glue around device
+    calls (input copies, small tensors), and each idle thread of an OpenMP pool spins for milliseconds
+    after every parallel op, on cores that the server process and the other workers are waiting for. None
+    where the user set `omp_num_threads` (OMP_NUM_THREADS, which the workers inherit): that choice stands."""
     if omp_num_threads:
         return {}
     cpu_ranks = [rank for rank, device in enumerate(devices) if device == "cpu"]
@@ -86,29 +86,28 @@ def worker_process_main(rank: int, config_json: bytes, directory_json: bytes, se
     """Run one worker until Shutdown (spawned by runtime.launcher); with `rendezvous` ([host, port,
     world size]) it first joins the torch.distributed groups of its multi-rank replicas. `cpu_threads`
     (`cpu_thread_shares`: a CPU worker's share of the host, one for a GPU worker) sets its torch intra-op
-    threads."""
+    threads (`serve_worker` says when)."""
     die_with_parent()
     stacks_on_sigusr1()
     os.environ[envs.SESSION.name] = session
     logging.basicConfig(level=build_args.pop("log_level", "WARNING"))
-    if cpu_threads is not None:
-        import torch
-
-        torch.set_num_threads(cpu_threads)
-        logger.info("worker %d: %d intra-op threads", rank, torch.get_num_threads())
     from mstar.runtime.build import worker_device
     from mstar.runtime.codecs import worker_codec
 
     def codec_for(config: Any, plan: Any) -> Any:
         return worker_codec(session, rank, [worker_device(config, r) for r in range(plan.num_workers)])
 
-    serve_worker(rank, config_json, directory_json, build_args, codec_for, rendezvous)
+    serve_worker(rank, config_json, directory_json, build_args, codec_for, rendezvous, cpu_threads)
 
 
 def serve_worker(rank: int, config_json: bytes, directory_json: bytes, build_args: dict,
-                 codec_for: Callable[[Any, Any], Any], rendezvous: list | None = None) -> None:
+                 codec_for: Callable[[Any, Any], Any], rendezvous: list | None = None,
+                 threads: int | None = None) -> None:
     """Build worker `rank` (its codec from `codec_for(config, plan)`), report ready or failed to the
-    conductor, and serve until Shutdown; shared by worker processes and Ray actors."""
+    conductor, and serve until Shutdown; shared by worker processes and Ray actors. `threads` sets the
+    torch intra-op threads: a CPU worker's before it builds, a GPU worker's once built, since building
+    may want every thread on the host (a blocking copy onto the GPU that changes the dtype, as loading a
+    float32 checkpoint in bfloat16 does, converts on the CPU)."""
     from mstar.config import config_from_dict
     from mstar.graph.placement import plan_placement
     from mstar.runtime.build import build_engines, build_model, context_lens, use_device, worker_device
@@ -126,6 +125,8 @@ def serve_worker(rank: int, config_json: bytes, directory_json: bytes, build_arg
         graph = model.graph()
         plan = plan_placement(graph, config.node_groups, config.source)
         device = worker_device(config, rank)
+        if threads is not None and device.type == "cpu":
+            _set_threads(rank, threads)
         use_device(device)
         codec = codec_for(config, plan)
         shards = {}
@@ -141,6 +142,8 @@ def serve_worker(rank: int, config_json: bytes, directory_json: bytes, build_arg
             wrap_replicas(plan, graph, rank, engines, groups, lambda r, msg: outbox.send(worker_peer(r), msg),
                           codec.pack)
         worker = Worker(rank, graph, engines, inbox, outbox, codec, device)
+        if threads is not None and device.type != "cpu":
+            _set_threads(rank, threads)
     except Exception:
         outbox.send(CONDUCTOR, wire.WorkerFailed(rank, traceback.format_exc()))
         time.sleep(0.2)
@@ -156,3 +159,10 @@ def serve_worker(rank: int, config_json: bytes, directory_json: bytes, build_arg
     if groups is not None:
         groups.close()
     network.close()
+
+
+def _set_threads(rank: int, threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    logger.info("worker %d: %d intra-op threads", rank, torch.get_num_threads())
