@@ -176,7 +176,7 @@ def check_search() -> None:
     gen = torch.Generator().manual_seed(2)
     latents = torch.nn.functional.layer_norm(torch.randn(3, 16, 64, generator=gen), (64,))
     states, history = torch.rand(2, 7, generator=gen), 0.1 * torch.randn(1, 7, generator=gen)
-    settings = CEMSettings(horizon=2, samples=24, topk=4, iterations=3, gripper_limit=0.75)
+    settings = CEMSettings(horizon=2, samples=12, topk=3, iterations=3, gripper_limit=0.75)
 
     def plan():
         search = CEMSearch(model, latents[:2], states, history, latents[2], settings, torch.Generator().manual_seed(11))
