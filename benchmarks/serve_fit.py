@@ -40,8 +40,11 @@ qwen3 need a checkpoint and refuse in one line. To make them here (a fresh check
         "from mstar.models.common.smollm2 import ensure_smollm2_checkpoint as e; print(e())"  # then copy its
     # config.json, tokenizer.json and tokenizer_config.json into .devscratch/smollm2_shapes
 
-A call carries at most 64 MiB with the working tree (about 5 MB) and `.whl` (18.3 MB), so two of the large
-folders at most. The plan, one device call each, in order of need (T=.devscratch/mstar_tokenizers; each
+A call carries at most 64 MiB with the working tree (about 5 MB) and `.whl` (25 MB), so two of the large
+folders at most, or all of them xz-compressed into one 5.2 MB `.devscratch/tok.tar.xz` (device_setup.sh
+unpacks it). `mstar serve` also needs PyAV (35 MB, .devscratch/avwhl): with it, to stay under the limit,
+carry `.whl` less diffusers, cc-vjepa2, openpi-client and the test-only pytest-xdist and execnet (19 MB; none
+imported by serving Qwen3-Omni or Cosmos3) and the qwen3-omni tokenizer alone compressed (1.9 MB). The plan, one device call each, in order of need (T=.devscratch/mstar_tokenizers; each
 command is `source benchmarks/device_setup.sh > /dev/null && MODELS="..." SERVE_FIT_ARGS="..." OUT=$OUT TAR=1
 bash benchmarks/gpu_suite.sh serve_fit`, which stops at 560 s (SERVE_FIT_LIMIT) and brings back one
 gpu_suite.tgz with the JSON and the server logs):
