@@ -163,6 +163,8 @@ class BagelModel(Model):
     }
 
     config_class = BagelServeConfig
+    # the MoT decoder layers' linears of both experts (weights.build_llm says what stays)
+    quantizable = ("llm",)
 
     def graph(self) -> ModelGraph:
         return _graph()
@@ -181,7 +183,8 @@ class BagelModel(Model):
             vae = load_part("vae", self.bagel, self.checkpoint, vae_dtype, device, seed, std)
             return BuiltComponent(components.VAEComponent(vae, self.bagel))
         if name == "llm":
-            llm = load_part("llm", self.bagel, self.checkpoint, dtype, device, seed, std)
+            llm = load_part("llm", self.bagel, self.checkpoint, dtype, device, seed, std,
+                            quantization=self.quantization.get("llm"))
             module = components.LLMComponent(llm, self.bagel, self.token_ids, self.grammars)
             return BuiltComponent(module, StatelessSpec(max_batch_size=self.config.llm_batch,
                                                         kv_pool=self.kv_pool(dtype)))

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from mstar.layers import siglip
+from mstar.layers.fp8 import empty_fp8_decoder, method_block
 from mstar.models.bagel.config import EMA_WEIGHTS, VAE_WEIGHTS, BagelConfig
 from mstar.models.bagel.llm import BagelLLM
 from mstar.models.bagel.vae import FluxVAE
@@ -81,8 +82,20 @@ def vae_mapper(name: str) -> tuple[str, int]:
     return name, 0
 
 
-def build_llm(cfg: BagelConfig, dtype: torch.dtype, device: str | torch.device) -> BagelLLM:
-    module = build_on_meta(lambda: BagelLLM(cfg), dtype, device)
+def build_llm(cfg: BagelConfig, dtype: torch.dtype, device: str | torch.device,
+              quantization: str | None = None) -> BagelLLM:
+    """The LLM with uninitialised weights. With `quantization` ("fp8", "fp8_block"; layers/fp8.py) every decoder
+    layer's linears of both experts (q/k/v, o, gate/up, down) are empty `Fp8Linear`s, quantized as their weights
+    load: they hold almost all of the LLM's weights and FLOPs. The rest keeps `dtype`: embeddings, norms and
+    `lm_head` (as for the other LLMs), and the generation heads (`time_embedder`, `vae2llm`, `llm2vae`), which
+    touch the latents and the flow time directly and are a fraction of a percent of the FLOPs."""
+    def make() -> BagelLLM:
+        llm = BagelLLM(cfg)
+        if quantization is not None:
+            empty_fp8_decoder(llm.language_model.layers, method_block(quantization))
+        return llm
+
+    module = build_on_meta(make, dtype, device)
     assert isinstance(module, BagelLLM)
     return module
 
@@ -108,11 +121,14 @@ PARTS: dict[str, tuple[Callable[..., nn.Module], Callable[[BagelConfig], Callabl
 
 
 def load_part(part: str, cfg: BagelConfig, folder: Path | None, dtype: torch.dtype, device: str | torch.device,
-              seed: int = 0, std: float = 0.02) -> nn.Module:
+              seed: int = 0, std: float = 0.02, quantization: str | None = None) -> nn.Module:
     """Component `part` ("llm", "vit" or "vae") in eval mode: its tensors from `folder`, or seeded random
-    weights when `folder` is None (the position tables then hold their sine-cosine values)."""
+    weights when `folder` is None (the position tables then hold their sine-cosine values). `quantization`
+    (the llm only: `build_llm`) quantizes as the weights load or are drawn; ValueError for another part."""
     build, mapper, file = PARTS[part]
-    module = build(cfg, dtype, device)
+    if quantization is not None and part != "llm":
+        raise ValueError(f"bagel {part!r} cannot be quantized ({quantization!r}); only the llm can")
+    module = build_llm(cfg, dtype, device, quantization) if part == "llm" else build(cfg, dtype, device)
     if folder is None:
         fill_random(module, seed, std)
         return module
