@@ -8,15 +8,24 @@
 - `editing`: an image of `--size` and an instruction, all three guidance branches over the whole grid:
   seconds end to end, concurrency 1.
 
-A text-to-image request and a short understanding request at each concurrency run first, unmeasured
-(first-call kernel choices and allocations). After the measured cases, `--profile` runs one understanding
-decode step at the highest `--concurrency` and one text-to-image denoising step under torch.profiler inside
-the worker, and writes each one's top-25 ops by self device time (self CPU time on CPU) into the JSON
-(`profile`) and the log.
+`--cases` picks among the three (default all). A text-to-image request and, with `understanding`, a short
+understanding request at each concurrency run first, unmeasured (first-call kernel choices and allocations).
+After the measured cases, `--profile` runs one understanding decode step at the highest `--concurrency` (with
+`understanding`) and one text-to-image denoising step under torch.profiler inside the worker, and writes each
+one's top-25 ops by self device time (self CPU time on CPU) into the JSON (`profile`) and the log.
+
+`--quantization none fp8`: the deployment once per setting, one after the other in the same run (`fp8`:
+`quantization: {llm: fp8}`, both experts' decoder linears in FP8, W8A8 through torch._scaled_mm on CUDA from
+16 rows). The first setting's results are at the top level of the JSON (`quantization` names it); each later
+setting's are under `settings.<name>`, where generation and editing also report the PSNR (dB) of their image
+against the first setting's image of the same seed and their seconds over the first setting's. The weights
+are dummy (seeded random, the FP8 ones the same weights quantized), so the images are not natural pictures:
+the PSNR measures how far FP8 moves the output, not how it looks.
 
     python3 benchmarks/bagel_bench.py                   # GPU: writes benchmarks/results/bagel_bench_<gpu>.json
     python3 benchmarks/bagel_bench.py --concurrency 1 16 --tokens 64 256
     python3 benchmarks/bagel_bench.py --quick           # tiny random model on CPU (smoke test)
+    python3 benchmarks/bagel_bench.py --cases generation editing --quantization none fp8 --profile
     python3 benchmarks/bagel_bench.py --profile --out benchmarks/results/bagel_bench_h100_profile.json 2>&1 | tee bagel.log
 """
 
@@ -42,6 +51,7 @@ from benchmarks.results_io import write_results  # noqa: E402
 
 QUESTION = "Describe this picture in detail: the objects, their colors and what is happening."
 PROMPT = "A female cosplayer portraying an ethereal fairy, flowing emerald dress, a glowing magical forest behind."
+CASES = ("understanding", "generation", "editing")
 EDIT = "She boards a modern subway, quietly reading a folded newspaper, wearing the same clothes."
 
 
@@ -54,10 +64,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="timesteps of a generation (default 50)")
     parser.add_argument("--out", default=None, help="JSON path")
     parser.add_argument("--profile", action="store_true", help="also profile a decode and a denoising step")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="which cases (default all)")
+    parser.add_argument("--quantization", nargs="+", choices=["none", "fp8", "fp8_block"], default=["none"],
+                        help="the deployment once per setting (the LLM's decoder linears in FP8 for fp8/fp8_block); "
+                        "later settings report image PSNR and seconds against the first")
     args = parser.parse_args(argv)
     args.device = torch.device("cpu" if args.quick else "cuda")
     if args.device.type == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device here: pass --quick (tiny, CPU)")
+    if len(set(args.quantization)) < len(args.quantization):
+        parser.error(f"--quantization {' '.join(args.quantization)}: each setting once")
     quick = args.quick
     args.concurrency = args.concurrency or ([1, 2] if quick else [1, 16])
     args.tokens = args.tokens or ([4] if quick else [64, 256])
@@ -96,8 +112,8 @@ def understanding_case(m, args: argparse.Namespace, concurrency: int, tokens: in
             "tokens": count, "seconds": round(elapsed, 3)}
 
 
-def image_case(m, args: argparse.Namespace, edit: bool) -> dict[str, Any]:
-    """Seconds of one generation (or edit) end to end."""
+def image_case(m, args: argparse.Namespace, edit: bool) -> tuple[dict[str, Any], np.ndarray]:
+    """Seconds of one generation (or edit) end to end, and its uint8 image [H, W, 3] on the host."""
     if edit:
         request, options = {"text": EDIT, "media": [{"type": "image", "data": image(args.size, 2)}]}, {}
     else:
@@ -106,8 +122,14 @@ def image_case(m, args: argparse.Namespace, edit: bool) -> dict[str, Any]:
     start = time.perf_counter()
     result = m.submit(request, modalities=["image"], num_inference_steps=args.steps, seed=0, **options).result()
     seconds = time.perf_counter() - start
-    shape = list(result.outputs["image"][0].shape)  # a tensor on the GPU in process
-    return {"seconds": round(seconds, 3), "image": shape, "steps": args.steps}
+    picture = result.outputs["image"][0].cpu().numpy()  # a tensor on the GPU in process
+    return {"seconds": round(seconds, 3), "image": list(picture.shape), "steps": args.steps}, picture
+
+
+def image_psnr(picture: np.ndarray, reference: np.ndarray) -> float:
+    """PSNR in dB of uint8 `picture` against `reference` (inf for identical images)."""
+    mse = float(((picture.astype(np.float64) - reference.astype(np.float64)) ** 2).mean())
+    return float("inf") if mse == 0 else round(10 * float(np.log10(255.0**2 / mse)), 2)
 
 
 class StepProfiler:
@@ -152,12 +174,14 @@ class StepProfiler:
 
 
 def profile_steps(m, args: argparse.Namespace) -> dict[str, Any]:
-    """Top-25 op tables of one decode step at the highest concurrency and one text-to-image denoising step."""
+    """Top-25 op tables of one decode step at the highest concurrency (with the understanding case) and one
+    text-to-image denoising step."""
     profiler = StepProfiler(m.runtime.workers[0].engines["llm"].module, args.device.type == "cuda")
     concurrency, out = max(args.concurrency), {}
-    profiler.expect("decode", concurrency, skip=2)  # past the first steps' first-call kernel choices
-    understanding_case(m, args, concurrency, max(*args.tokens, 16))  # requests that start apart still meet
-    out[f"decode_c{concurrency}"] = profiler.found or {"table": "no decode step of that size ran"}
+    if "understanding" in args.cases:
+        profiler.expect("decode", concurrency, skip=2)  # past the first steps' first-call kernel choices
+        understanding_case(m, args, concurrency, max(*args.tokens, 16))  # requests that start apart still meet
+        out[f"decode_c{concurrency}"] = profiler.found or {"table": "no decode step of that size ran"}
     profiler.expect("denoise", None, skip=1)
     image_case(m, args, edit=False)
     out["denoise_t2i"] = profiler.found or {"table": "no denoising step ran"}
@@ -166,35 +190,69 @@ def profile_steps(m, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+def run_setting(args: argparse.Namespace, quantization: str, doc: dict[str, Any], images: dict[str, np.ndarray],
+                save) -> None:
+    """Every case of `args.cases` on a deployment with `quantization` ("none" or a method for the LLM), into
+    `doc`; `images` holds the first setting's image of each image case, which later settings are compared to."""
+    from benchmarks.call_timing import free_memory, peak_gb
     from mstar.runtime.offline import MStar
 
-    kind = "cpu" if args.quick else torch.cuda.get_device_name().split()[-1].lower()
+    free_memory(args.device)
+    config = {"model": "bagel", "quantization": {} if quantization == "none" else {"llm": quantization}}
     kwargs = {"tiny": True} if args.quick else {"load_format": "dummy"}
-    doc: dict[str, Any] = {"device": "cpu" if args.quick else torch.cuda.get_device_name(),
-                           "dtype": "float32" if args.quick else "bfloat16", "command": " ".join(sys.argv),
-                           "understanding": {}}
-    # written after every case, so that a run cut short keeps what it measured
-    save = partial(write_results, doc, args.out, args.quick, f"bagel_bench_{kind}")
-    with MStar("bagel", **kwargs) as m:
+    start = time.perf_counter()
+    with MStar("bagel", config, **kwargs) as m:
+        doc["build_s"] = round(time.perf_counter() - start, 1)
         # warm-up: first-call kernel choices (decode GEMMs pick theirs per row count) and allocations
         image_case(m, args, edit=False)
-        for concurrency in args.concurrency:
-            understanding_case(m, args, concurrency, 8)
-        for concurrency in args.concurrency:
-            for tokens in args.tokens:
-                case = doc["understanding"][f"c{concurrency}_t{tokens}"] = understanding_case(m, args, concurrency,
-                                                                                              tokens)
-                print(f"understanding c{concurrency} t{tokens}: {case}", flush=True)
+        if "understanding" in args.cases:
+            doc["understanding"] = {}
+            for concurrency in args.concurrency:
+                understanding_case(m, args, concurrency, 8)
+            for concurrency in args.concurrency:
+                for tokens in args.tokens:
+                    case = doc["understanding"][f"c{concurrency}_t{tokens}"] = understanding_case(
+                        m, args, concurrency, tokens)
+                    print(f"{quantization} understanding c{concurrency} t{tokens}: {case}", flush=True)
+                    save()
+        for name in ("generation", "editing"):
+            if name in args.cases:
+                doc[name], picture = image_case(m, args, edit=name == "editing")
+                if name in images:
+                    first = args.quantization[0]
+                    doc[name][f"psnr_db_vs_{first}"] = image_psnr(picture, images[name])
+                images.setdefault(name, picture)
+                print(f"{quantization} {name}: {doc[name]}", flush=True)
                 save()
-        for name, edit in (("generation", False), ("editing", True)):
-            doc[name] = image_case(m, args, edit=edit)
-            print(f"{name}: {doc[name]}", flush=True)
-            save()
         if args.profile:
             doc["profile"] = profile_steps(m, args)
-            save()
+        doc["peak_gb"] = peak_gb(args.device)
+        save()
+
+
+def seconds_ratios(doc: dict[str, Any], first: str) -> None:
+    """Each later setting's image cases: their seconds over the first setting's (`seconds_vs_<first>`)."""
+    for setting in doc.get("settings", {}).values():
+        for name in ("generation", "editing"):
+            if name in setting and name in doc:
+                setting[name][f"seconds_vs_{first}"] = round(setting[name]["seconds"] / doc[name]["seconds"], 3)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    kind = "cpu" if args.quick else torch.cuda.get_device_name().split()[-1].lower()
+    doc: dict[str, Any] = {"device": "cpu" if args.quick else torch.cuda.get_device_name(),
+                           "dtype": "float32" if args.quick else "bfloat16", "command": " ".join(sys.argv),
+                           "weights": "tiny, seeded random" if args.quick else "BAGEL-7B-MoT shapes, dummy (seeded random)",
+                           "quantization": args.quantization[0]}
+    # written after every case, so that a run cut short keeps what it measured
+    save = partial(write_results, doc, args.out, args.quick, f"bagel_bench_{kind}")
+    images: dict[str, np.ndarray] = {}
+    for i, quantization in enumerate(args.quantization):
+        part = doc if i == 0 else doc.setdefault("settings", {}).setdefault(quantization, {})
+        run_setting(args, quantization, part, images, save)
+        seconds_ratios(doc, args.quantization[0])
+        save()
     print(json.dumps(doc, indent=2))
     return doc
 

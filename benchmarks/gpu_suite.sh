@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|pd|kernels|pi05|vjepa2|vjepa2_profile|hops|fp8_decode|bagel|cosmos3|cosmos3_policy|serve_fit|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|pd|kernels|pi05|vjepa2|vjepa2_profile|hops|fp8_decode|bagel|bagel_fp8|cosmos3|cosmos3_policy|serve_fit|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -249,6 +249,10 @@ if [[ $WHAT == fp8_decode ]]; then  # the FP8 GEMV beside the bf16 one, then the
 fi
 if [[ $WHAT == bagel ]]; then  # BAGEL understanding at 1 and 16, text to image, editing, with profiles (~6 min)
   run 560 bagel_bench python3 benchmarks/bagel_bench.py --profile --out "$OUT/bagel_bench_$GPU.json"
+fi
+if [[ $WHAT == bagel_fp8 ]]; then  # BAGEL text to image and editing, bf16 then FP8 LLM in one run: seconds, image PSNR, denoise profiles (not yet run)
+  run 560 bagel_bench_fp8 python3 benchmarks/bagel_bench.py --cases generation editing --quantization none fp8 \
+      --profile --out "$OUT/bagel_bench_${GPU}_fp8.json"
 fi
 if [[ $WHAT == cosmos3 ]]; then  # Cosmos3-Nano text to image at three sizes, then 4 and 8 in flight, against diffusers (~8 min)
   run 560 cosmos3_t2i python3 benchmarks/cosmos3_bench.py --cases t2i throughput \
