@@ -6,7 +6,8 @@ make no host sync, with graphs and without; at the full expert's shapes in bfloa
 once and adaRMS's rounding store give what a boolean mask per call and a cast after the addcmul give, bit
 for bit, the fused adaRMS norm (alone and with the gated residual add before it) gives the PyTorch form's
 within a bf16 step, and the flow's attention over the valid keys only gives the masked form's within bf16 rounding,
-eagerly and replayed from a graph; through the runtime, a robot's chunk is the same with `cuda_graphs` on and off."""
+eagerly and replayed from a graph; uint8 cameras mapped on the GPU give the host's float32 pixels and tokens, bit
+for bit; through the runtime, a robot's chunk is the same with `cuda_graphs` on and off."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from mstar.models.pi05.config import PI05_BASE
 from mstar.models.pi05.gemma import AdaRMSNorm, GemmaAttention, attention_bias, rms_normed
 from mstar.models.pi05.network import PolicyNet
 from mstar.models.pi05.prefix_kv import PrefixKVPool
+from mstar.models.pi05.processor import unit_pixels
 from mstar.models.pi05.siglip import VisionTower
 from mstar.models.pi05.tiny import tiny_config
 from mstar.models.pi05.weights import build
@@ -153,6 +155,27 @@ def test_prefix_and_flow_calls_make_no_host_sync(components, graphs) -> None:
     finally:
         policy.graphs = StepGraphs()
     assert not policy.pool.held
+
+
+def test_uint8_cameras_map_on_the_gpu_as_on_the_host(components) -> None:
+    """Every uint8 value the vision component maps on the GPU is the host formula's float32 value, and the
+    tower's tokens from uint8 cameras (graph replayed) are those of the host's float32 pixels."""
+    vision, _ = components
+    side = CONFIG.vision.image_size
+    pixels = torch.randint(0, 256, (3, 3, side, side), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    pixels.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    host = pixels.float().div_(255.0).mul_(2.0).sub_(1.0)
+    assert torch.equal(unit_pixels(pixels.to(CUDA), vision.pixel_values).cpu(), host)
+    vision.graphs = StepGraphs()
+    capture_step_graphs(vision, SIZES, CUDA)
+    counted = vision.graphs = _Counted(vision.graphs)
+    try:
+        (got,) = vision.run_items([StepItem("a", "prefix", "vision", {"images": pixels.to(CUDA)})])
+        (expected,) = vision.run_items([StepItem("a", "prefix", "vision", {"images": host.to(CUDA)})])
+    finally:
+        vision.graphs = StepGraphs()
+    assert counted.replays == 2
+    assert torch.equal(got["image_tokens"], expected["image_tokens"])
 
 
 def test_bias_and_rounding_store_are_the_plain_forms_bit_for_bit() -> None:

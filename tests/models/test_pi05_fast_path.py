@@ -153,6 +153,26 @@ def test_the_vision_plan_is_the_tower(vision) -> None:
                                direct.flatten(0, 1), atol=TOL, rtol=0)
 
 
+def test_the_vision_component_maps_uint8_pixels_on_its_device(vision) -> None:
+    """uint8 cameras (what the processor sends at the policy's size) give the tokens of the float32 pixels the
+    host made before, bit for bit, alone and batched with a robot whose cameras came as float32."""
+    component = VisionComponent(vision)
+    side = CONFIG.vision.image_size
+    pixels = torch.randint(0, 256, (3, 3, side, side), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
+    floats = pixels.float().div_(255.0).mul_(2.0).sub_(1.0)
+    other = torch.rand(2, 3, side, side, generator=torch.Generator().manual_seed(10)) * 2 - 1
+    with torch.no_grad():
+        (alone,) = component.run_items([StepItem("a", "prefix", "vision", {"images": pixels}, {})])
+        (before,) = component.run_items([StepItem("a", "prefix", "vision", {"images": floats}, {})])
+        mixed = component.run_items([StepItem("a", "prefix", "vision", {"images": pixels}, {}),
+                                     StepItem("b", "prefix", "vision", {"images": other}, {})])
+        together = component.run_items([StepItem("a", "prefix", "vision", {"images": floats}, {}),
+                                        StepItem("b", "prefix", "vision", {"images": other}, {})])
+    assert torch.equal(alone["image_tokens"], before["image_tokens"])
+    for got, expected in zip(mixed, together, strict=True):
+        assert torch.equal(got["image_tokens"], expected["image_tokens"])
+
+
 class _EagerGraphs:
     """A plan as `cuda_graphs.BatchGraphs` replays it, run eagerly on CPU: the inputs copied into the first
     rows of static buffers of the next captured size, whose other rows hold what an earlier batch left

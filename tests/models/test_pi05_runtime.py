@@ -86,6 +86,16 @@ def test_chunk_matches_the_plain_policy(policy, state) -> None:
     np.testing.assert_allclose(got[0], _expected(state, request, robot_state, 5), atol=TOL, rtol=0)
 
 
+def test_cameras_at_the_policys_size_match_the_plain_policy(policy, state) -> None:
+    """Cameras at the policy's size travel as uint8 and are mapped to [-1, 1] by the vision component."""
+    side, rng = CONFIG.vision.image_size, np.random.default_rng(6)
+    media = [{"type": "image", "name": c, "data": rng.integers(0, 256, (side, side, 3), dtype=np.uint8)}
+             for c in CAMERAS]
+    request, robot_state = {"text": "stack the cups", "media": media}, rng.uniform(-2.0, 3.0, 8).tolist()
+    got = policy.generate(request, state=robot_state, seed=6).outputs["actions"][0]
+    np.testing.assert_allclose(got, _expected(state, request, robot_state, 6), atol=TOL, rtol=0)
+
+
 def test_a_batch_of_robots_gets_what_each_gets_alone(policy, state) -> None:
     robots = [(_observation(2, CAMERAS, "open the drawer"), 7),
               (_observation(3, CAMERAS[:1], "fold the towel and place it in the bowl"), 8),

@@ -1,6 +1,7 @@
 """Pi0.5's stateless components as the stateless engine runs them.
 
-Edges carry one request's tensors without a batch dimension: images [C, 3, S, S], image_tokens
+Edges carry one request's tensors without a batch dimension: images [C, 3, S, S] (uint8 pixels, or
+float32 in [-1, 1]: `processor.camera_pixels`), image_tokens
 [C * N, W], prompt_ids [T], noise and actions [chunk, max_action_dim], prefix_len [1].
 """
 
@@ -18,17 +19,21 @@ from mstar.engines.cuda_graphs import to_device_async
 from mstar.models.pi05.config import Pi05Config
 from mstar.models.pi05.network import PolicyNet
 from mstar.models.pi05.prefix_kv import PoolFull, PrefixKVPool
+from mstar.models.pi05.processor import pixel_values, unit_pixels
 from mstar.models.pi05.siglip import VisionTower
 
 
 class VisionComponent(StatelessBase, nn.Module):
-    """Node `vision`: every camera of every request in one SigLIP forward; images -> image_tokens. On
-    CUDA the forward replays a graph captured per image count (`capture_plans`; the engine's batch sizes
-    count images here)."""
+    """Node `vision`: every camera of every request in one SigLIP forward; images -> image_tokens. uint8
+    images are mapped to [-1, 1] here, on the tower's device, so a worker process receives a quarter of
+    float32's bytes. On CUDA the forward replays a graph captured per image count (`capture_plans`; the
+    engine's batch sizes count images here)."""
 
     def __init__(self, encoder: VisionTower) -> None:
         super().__init__()
         self.encoder = encoder
+        device = next(encoder.parameters()).device
+        self.register_buffer("pixel_values", pixel_values().to(device), persistent=False)
 
     def capture_plans(self) -> list[CapturePlan]:
         """The tower over a batch of images [N, 3, S, S] (float32): its few hundred kernels as one launch."""
@@ -37,7 +42,7 @@ class VisionComponent(StatelessBase, nn.Module):
 
     @torch.no_grad()
     def run_items(self, items: list[StepItem]) -> list[dict[str, Any]]:
-        parts = [item.inputs["images"] for item in items]
+        parts = [unit_pixels(item.inputs["images"], self.pixel_values) for item in items]
         counts = [part.shape[0] for part in parts]
         images = parts[0] if len(parts) == 1 else torch.cat(parts)  # one robot's cameras go in as they are
         replayed = self.graphs.replay("tower", images)  # views of the graph's buffer: copied out

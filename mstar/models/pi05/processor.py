@@ -3,7 +3,8 @@
 A request holds the task as its text, one image per camera (media parts named by camera, or unnamed ones
 taken in the policy's camera order; a camera left out is masked, as lerobot does), and the state as
 option `state` (the robot's `state_dim` numbers). Images are scaled to fit the policy's square input,
-padded with black around the centre (openpi's resize_with_pad) and mapped to [-1, 1]. The state is
+padded with black around the centre (openpi's resize_with_pad) and mapped to [-1, 1]; images already at
+that size go out as uint8 pixels, mapped on the vision component's device (`unit_pixels`). The state is
 normalised with the checkpoint's quantiles and written into the prompt (`prompt.py`); the chunk's first
 `action_dim` entries are unnormalised on the way out. The flow starts from seeded noise (option `seed`).
 """
@@ -44,22 +45,42 @@ class RobotSpec:
 
 def pixels(image: np.ndarray, size: int) -> torch.Tensor:
     """uint8 [H, W, 3] -> float32 [3, size, size] in [-1, 1]: scaled to fit, black bars centred."""
-    return camera_pixels([image], size)[0]
+    return unit_pixels(camera_pixels([image], size), pixel_values())[0]
+
+
+def pixel_values() -> torch.Tensor:
+    """float32 [256]: each uint8 value in [-1, 1] as openpi maps pixels, (x / 255) * 2 - 1 in float32 ops
+    on the host (a CUDA division by a scalar multiplies by its reciprocal instead: other values)."""
+    return torch.arange(256, dtype=torch.float32).div_(255.0).mul_(2.0).sub_(1.0)
+
+
+def unit_pixels(images: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Camera images as the vision tower takes them, float32 in [-1, 1]: uint8 pixels looked up in `values`
+    (`pixel_values` on their device; a lookup is exact on any device), float32 ones as they are."""
+    if images.dtype != torch.uint8:
+        return images
+    return values.index_select(0, images.flatten().int()).view(images.shape)
 
 
 def camera_pixels(images: list[np.ndarray], size: int) -> torch.Tensor:
-    """uint8 [H, W, 3] images -> float32 [N, 3, size, size] in [-1, 1] (`pixels` of each), in one buffer:
-    an image already at `size` (what openpi clients send) is one copy into it, and the mapping to [-1, 1]
-    is done in place, once over the whole buffer."""
-    out = torch.empty(len(images), 3, size, size)
-    for row, image in zip(out, images, strict=True):
+    """uint8 [H, W, 3] images -> [N, 3, size, size] in one buffer: when every image is at `size` (what openpi
+    clients send), their uint8 pixels channels first, one copy each (the vision component maps them to
+    [-1, 1]: `unit_pixels`); else float32 in [-1, 1] (`pixels` of each), the others scaled to fit."""
+    for image in images:
         if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] not in (3, 4):
             raise ValueError(f"camera images must be uint8 [H, W, 3], got {image.dtype} {list(image.shape)}")
-        if image.shape[:2] == (size, size):  # a fresh writable uint8 copy, channels first; converted into `row`
-            row.copy_(torch.from_numpy(np.array(image[..., :3].transpose(2, 0, 1), order="C"))).div_(255.0)
+    if all(image.shape[:2] == (size, size) for image in images):
+        out = np.empty((len(images), 3, size, size), np.uint8)
+        for row, image in zip(out, images, strict=True):
+            row[...] = image[..., :3].transpose(2, 0, 1)
+        return torch.from_numpy(out)
+    out, values = torch.empty(len(images), 3, size, size), pixel_values()
+    for row, image in zip(out, images, strict=True):
+        if image.shape[:2] == (size, size):  # a fresh writable uint8 copy, channels first
+            row.copy_(unit_pixels(torch.from_numpy(np.array(image[..., :3].transpose(2, 0, 1), order="C")), values))
         else:
-            row.copy_(_fitted(image, size))
-    return out.mul_(2.0).sub_(1.0)
+            row.copy_(_fitted(image, size)).mul_(2.0).sub_(1.0)
+    return out
 
 
 def _fitted(image: np.ndarray, size: int) -> torch.Tensor:
@@ -117,8 +138,9 @@ def state_vector(value: Any, size: int) -> np.ndarray:
 
 
 class Pi05Processor(Processor):
-    """Request -> `images` [C, 3, S, S] (present cameras, in camera order), `prompt_ids` [T], `noise`
-    [chunk, max_action_dim]; output `actions` -> float32 [chunk, action_dim] in the robot's units."""
+    """Request -> `images` [C, 3, S, S] (present cameras, in camera order; uint8 pixels when every camera is at
+    the policy's size, else float32 in [-1, 1]: `camera_pixels`), `prompt_ids` [T], `noise` [chunk,
+    max_action_dim]; output `actions` -> float32 [chunk, action_dim] in the robot's units."""
 
     def __init__(self, robot: RobotSpec, tokenizer) -> None:
         self.robot, self.tokenizer = robot, tokenizer
