@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|pd|kernels|pi05|vjepa2|vjepa2_profile|hops|fp8_decode|bagel|bagel_fp8|cosmos3|cosmos3_policy|serve_fit|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni_80gb|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|pd|kernels|pi05|vjepa2|vjepa2_profile|hops|fp8_decode|bagel|bagel_fp8|cosmos3|cosmos3_policy|serve_fit|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -204,6 +204,12 @@ omni_bench() {  # omni_bench <config> <json name> [more mstar serve flags]
 }
 if [[ $WHAT == omni || $WHAT == all ]]; then
   omni_bench mstar/configs/qwen3_omni.yaml "qwen3_omni_http_$GPU"
+fi
+if [[ $WHAT == omni_80gb ]]; then  # bf16 on one 80 GB card (qwen3_omni_80gb.yaml: 1,024 KV pages, 16 in flight);
+  # OMNI_CONFIG (an absolute path) and OMNI_NAME let another checkout's code serve the same config: run this
+  # script from that checkout's root for a before/after pair on one machine
+  OMNI_LEVELS=${OMNI_LEVELS:-1,8,16} omni_bench "${OMNI_CONFIG:-mstar/configs/qwen3_omni_80gb.yaml}" \
+      "${OMNI_NAME:-qwen3_omni_http_${GPU}_80gb}"
 fi
 if [[ $WHAT == omni_fp8 ]]; then  # FP8 thinker and talker (experts too): qwen3_omni.yaml fits an 80 GB card
   OMNI_LEVELS=${OMNI_LEVELS:-1,16,32} omni_bench mstar/configs/qwen3_omni.yaml "qwen3_omni_fp8_http_$GPU" --quantization fp8
