@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni_80gb|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|pd|kernels|pi05|vjepa2|vjepa2_profile|hops|fp8_decode|bagel|bagel_fp8|cosmos3|cosmos3_policy|serve_fit|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|orpheus_fp8|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni_80gb|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|pd|kernels|pi05|vjepa2|vjepa2_profile|hops|fp8_decode|bagel|bagel_fp8|cosmos3|cosmos3_policy|serve_fit|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -105,12 +105,14 @@ if [[ $WHAT == orpheus || $WHAT == all ]]; then
   run 120 profile_orpheus_timeline python3 benchmarks/profile_orpheus.py --concurrency 1 --tokens 300 --timeline \
       --out "$OUT/profile_orpheus_${GPU}_timeline.json"
 fi
-orpheus_sweep() {  # orpheus_sweep <config> <json name>
-  python3 -m mstar.cli.main serve orpheus --load-format dummy --config "$1" --port "$PORT" > "$OUT/$2_server.log" 2>&1 &
+orpheus_sweep() {  # orpheus_sweep <config> <json name> [more mstar serve flags]
+  python3 -m mstar.cli.main serve orpheus --load-format dummy --config "$1" --port "$PORT" "${@:3}" \
+      > "$OUT/$2_server.log" 2>&1 &
   local server=$!
   if wait_ready; then
     run 300 "$2" python3 -m mstar.cli.main bench --base-url "http://127.0.0.1:$PORT" --workload speech \
-        --model orpheus --concurrency 1,4,8,16,32 --duration 10 --max-tokens 600 --ignore-eos \
+        --model orpheus --concurrency "${ORPHEUS_LEVELS:-1,4,8,16,32}" --duration "${ORPHEUS_DURATION:-10}" \
+        --max-tokens 600 --ignore-eos \
         --output "$OUT/$2.json" || stacks "$server"
   else
     echo "orpheus server not ready"; tail -n 20 "$OUT/$2_server.log"
@@ -119,6 +121,11 @@ orpheus_sweep() {  # orpheus_sweep <config> <json name>
 }
 if [[ $WHAT == orpheus || $WHAT == orpheus_http || $WHAT == all ]]; then  # orpheus_http: the served sweep alone
   orpheus_sweep "${ORPHEUS_CONFIG:-mstar/configs/orpheus.yaml}" "orpheus_http_$GPU"
+fi
+if [[ $WHAT == orpheus_fp8 ]]; then  # the served sweep in bf16, then with FP8 weights, at 1 / 8 / 16 (~3 min)
+  ORPHEUS_LEVELS=${ORPHEUS_LEVELS:-1,8,16} orpheus_sweep mstar/configs/orpheus.yaml "orpheus_http_${GPU}_bf16"
+  ORPHEUS_LEVELS=${ORPHEUS_LEVELS:-1,8,16} orpheus_sweep mstar/configs/orpheus.yaml "orpheus_http_${GPU}_fp8" \
+      --quantization fp8
 fi
 if [[ $WHAT == orpheus_ab ]]; then  # the sweep without, then with prefill graphs (cuda_graphs.prefill_tokens)
   orpheus_sweep mstar/configs/orpheus_eager_prefill.yaml "orpheus_http_${GPU}_eager_prefill"
