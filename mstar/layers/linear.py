@@ -1,6 +1,8 @@
 """`linear(x, module)`: F.linear, or the skinny-GEMM Triton kernel where it is measured to be faster
 (`linear_weight(x, weight, bias)`: the same for a bare weight tensor);
-`silu_and_mul_linear(gate_up, module)`: the same for a down projection, with the SiLU-and-mul fused in.
+`silu_and_mul_linear(gate_up, module)`: the same for a down projection, with the SiLU-and-mul fused in;
+`gemm_gelu(x, weight, bias)`: an up projection with its bias and (tanh) GELU in cuBLASLt's epilogue on CUDA
+(`gemm_gelu_serves` says where).
 
 Decode runs the projections with a handful of rows, where reading the weight is the whole cost and
 cuBLAS does not always reach full bandwidth. For 2-D contiguous x with at most `SKINNY.max_m` rows
@@ -299,3 +301,23 @@ def silu_and_mul_linear(gate_up: torch.Tensor, module: nn.Linear | Fp8Linear) ->
 
         return skinny_silu_and_mul_linear(gate_up, weight, bias)
     return linear(ops.silu_and_mul(gate_up), module)
+
+
+def gemm_gelu_serves(device: torch.device, dtype: torch.dtype, module: nn.Module) -> bool:
+    """Whether `gemm_gelu` can run `module` on activations of `device` and `dtype`: a CUDA nn.Linear (not an
+    `Fp8Linear`) with a bias, in bfloat16 or float16 as the activations, outside torch.compile (inductor
+    fuses the GELU itself)."""
+    return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and type(module) is nn.Linear
+            and module.bias is not None and module.weight.dtype == dtype and not torch.compiler.is_compiling())
+
+
+def gemm_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """GELU(x @ weight.T + bias) [..., out] as one `torch._addmm_activation`.
+
+    CUDA: cuBLASLt's GELU_BIAS epilogue, the tanh approximation applied to the float32 accumulator and
+    rounded once (PyTorch falls back to GEMM + in-place tanh GELU where Lt does not apply). CPU: addmm +
+    exact (erf) GELU, PyTorch's CPU semantics of the op, which is why callers send only CUDA tensors here.
+    """
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch._addmm_activation(bias, flat, weight.t(), use_gelu=True)
+    return out.view(*x.shape[:-1], out.shape[-1])

@@ -11,7 +11,7 @@ from torch import nn
 
 from mstar.kernels.guard import KernelGuard
 from mstar.layers.fused import FUSED
-from mstar.layers.linear import linear, silu_and_mul_linear
+from mstar.layers.linear import gemm_gelu, gemm_gelu_serves, linear, silu_and_mul_linear
 
 _GELU_AND_MUL = KernelGuard("GELU-and-mul")
 
@@ -51,15 +51,24 @@ class GatedMLP(nn.Module):
 
 class GeluMLP(nn.Module):
     """fc2(gelu(fc1(x))) with biases: SigLIP's MLP and BAGEL's connector (tanh-approximated GELU) and
-    V-JEPA 2's (`approximate="none"`, the exact GELU)."""
+    V-JEPA 2's (`approximate="none"`, the exact GELU).
+
+    With `gemm_epilogue`, where `gemm_gelu_serves` (CUDA bf16/fp16, fc1 an nn.Linear) fc1's bias and GELU run
+    in the GEMM's cuBLASLt epilogue (`gemm_gelu`), so the [..., hidden] activation is written once and never
+    re-read by a GELU kernel. That GELU is the tanh approximation whatever `approximate` says: a model opts in
+    only where that was measured to be lost in its dtype's rounding (V-JEPA 2: models/vjepa2/layers.py)."""
 
     def __init__(self, in_features: int, hidden: int, out_features: int | None = None,
-                 approximate: str = "tanh") -> None:
+                 approximate: str = "tanh", gemm_epilogue: bool = False) -> None:
         super().__init__()
-        self.approximate = approximate
+        self.approximate, self.gemm_epilogue = approximate, gemm_epilogue
         self.fc1 = nn.Linear(in_features, hidden)
         self.fc2 = nn.Linear(hidden, in_features if out_features is None else out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features]."""
-        return linear(F.gelu(linear(x, self.fc1), approximate=self.approximate), self.fc2)
+        if self.gemm_epilogue and gemm_gelu_serves(x.device, x.dtype, self.fc1):
+            h = gemm_gelu(x, self.fc1.weight, self.fc1.bias)
+        else:
+            h = F.gelu(linear(x, self.fc1), approximate=self.approximate)
+        return linear(h, self.fc2)

@@ -24,6 +24,7 @@ from torch import nn
 from mstar import envs
 from mstar.layers.fp8 import Fp8Linear
 from mstar.layers.fused import FUSED
+from mstar.layers.linear import gemm_gelu
 
 # MSTAR_WAN_GEMM_GELU, read once per process (tests and benchmarks flip it): `linear_gelu` may put the
 # GELU in the GEMM's epilogue.
@@ -152,15 +153,3 @@ def linear_gelu(x: torch.Tensor, linear: nn.Linear | Fp8Linear) -> torch.Tensor:
             and x.dtype == linear.weight.dtype and wan_kernels(x) is not None:
         return gemm_gelu(x, linear.weight, linear.bias)
     return F.gelu(linear(x), approximate="tanh")
-
-
-def gemm_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """GELU(x @ weight.T + bias) [..., out] as one `torch._addmm_activation`.
-
-    CUDA: cuBLASLt's GELU_BIAS epilogue, the tanh approximation (PyTorch falls back to GEMM + in-place
-    tanh GELU where Lt does not apply). CPU: addmm + exact (erf) GELU, PyTorch's CPU semantics of the op,
-    which is why `linear_gelu` sends only CUDA tensors here.
-    """
-    flat = x.reshape(-1, x.shape[-1])
-    out = torch._addmm_activation(bias, flat, weight.t(), use_gelu=True)
-    return out.view(*x.shape[:-1], out.shape[-1])
