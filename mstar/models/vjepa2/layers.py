@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.layers.linear import linear
 from mstar.layers.mlp import GeluMLP
 from mstar.layers.norm import add_layer_norm
 from mstar.models.vjepa2.config import ViTShape
@@ -43,7 +44,8 @@ class LayerKV:
 
 
 class Attention(nn.Module):
-    """Multi-head self-attention with one qkv projection; RoPE tables and a KV cache are optional."""
+    """Multi-head self-attention with one qkv projection; RoPE tables and a KV cache are optional. Both
+    projections run through `layers.linear.linear`, so FP8 ones (`Fp8Linear`) take its W8A8 GEMM."""
 
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
@@ -56,7 +58,7 @@ class Attention(nn.Module):
         """x [B, N, width]; `mask` [N, keys] bool (True: attend) or None (everything); with `cache`,
         the new keys and values are appended and the queries attend to the whole cache."""
         batch, n, width = x.shape
-        q, k, v = self.qkv(x).view(batch, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # each [B, h, N, d]
+        q, k, v = linear(x, self.qkv).view(batch, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # each [B, h, N, d]
         # with a cache, the rotated keys are written straight into their slots (no second copy of them), and
         # the values go to theirs in the same pass
         k_slot, v_slot = cache.reserve(n) if cache is not None else (None, None)
@@ -69,7 +71,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.filled()
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.proj(out.transpose(1, 2).reshape(batch, n, width))
+        return linear(out.transpose(1, 2).reshape(batch, n, width), self.proj)
 
 
 class Block(nn.Module):
