@@ -25,9 +25,20 @@ def upstream_ac_module():
     except ImportError:
         layers = types.ModuleType("timm.models.layers")
         layers.drop_path = lambda x, drop_prob=0.0, training=False, scale_by_keep=True: x
-        for name, module in (("timm", types.ModuleType("timm")), ("timm.models", types.ModuleType("timm.models")),
-                             ("timm.models.layers", layers)):
-            sys.modules.setdefault(name, module)
+        stand_ins = {"timm": types.ModuleType("timm"), "timm.models": types.ModuleType("timm.models"),
+                     "timm.models.layers": layers}
+        added = [name for name in stand_ins if name not in sys.modules]
+        sys.modules.update({name: stand_ins[name] for name in added})
+        try:
+            # cc-vjepa2's modules keep the drop_path they imported; the stand-ins leave sys.modules again, since
+            # a spec-less `timm` there breaks importlib.util.find_spec("timm") in later tests (diffusers')
+            import vjepa2.models.ac_predictor  # noqa: F401
+            import vjepa2.models.vision_transformer  # noqa: F401
+        except ImportError:
+            pass
+        finally:
+            for name in added:
+                sys.modules.pop(name, None)
     return pytest.importorskip("vjepa2.models.ac_predictor", reason="pip install --no-deps cc-vjepa2==0.0.3")
 
 
