@@ -13,7 +13,9 @@ correctly rounded (`div_rn`: Triton's `/` is approximate for float32) as torch d
 to E4M3 is done in float32 arithmetic, round-to-nearest-even at the E4M3 spacing of each value (subnormals included),
 so the final cast only converts exact values: it does not depend on the target's conversion
 instruction, and the Triton interpreter (whose float8 cast does not round to nearest even) gives the
-same bits on CPU for tests.
+same bits on CPU for tests. Every max, min and clamp propagates NaN as torch's amax and clamp do (Triton's
+default on GPUs returns the other operand): a NaN makes its row's scale and values NaN, an inf makes the
+scale inf and its own value NaN, instead of both turning into finite values.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ _BLOCK = 1024  # columns a chunk: 8 bf16 values (16 bytes) a thread at 4 warps
 
 @triton.jit
 def _round_e4m3(v):
-    """v (float32, |v| <= 448) rounded to nearest even at E4M3's spacing there: 2^(e - 3) for
-    |v| in [2^e, 2^(e+1)), e >= -6, and the subnormal step 2^-9 below 2^-6; the sign kept (-0 too)."""
+    """v (float32, |v| <= 448 or NaN) rounded to nearest even at E4M3's spacing there: 2^(e - 3) for
+    |v| in [2^e, 2^(e+1)), e >= -6, and the subnormal step 2^-9 below 2^-6; the sign kept (-0 too). A NaN
+    becomes the float32 NaN whose top mantissa bits are E4M3's NaN, which every cast keeps a NaN."""
     bits = v.to(tl.int32, bitcast=True)
     ulp = tl.maximum((bits & 0x7F800000) - (3 << 23), (127 - 9) << 23).to(tl.float32, bitcast=True)
     # float32 numbers in [2^23, 2^24) * ulp are exactly the multiples of ulp: adding 1.5 * 2^23 * ulp rounds |v|
@@ -40,7 +43,14 @@ def _round_e4m3(v):
     magic = ulp * 12582912.0
     rounded = (tl.abs(v) + magic) - magic
     # v's sign put back, so that a negative value rounded to zero stays -0 as torch's cast keeps it
-    return (rounded.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+    rounded = tl.where(v == v, rounded.to(tl.int32, bitcast=True), 0x7FF00000)
+    return (rounded | (bits & -2147483648)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _max_nan(a, b):
+    """max(a, b), NaN if either is NaN (torch's amax)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -55,18 +65,19 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, n_cols, x_stride, q_stride,
     for i in range(CHUNKS):
         start = i * BLOCK
         x = tl.load(x_row + start + cols, mask=start + cols < n_cols, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
+        amax = _max_nan(amax, tl.abs(x))
+    row_amax = tl.reduce(amax, 0, _max_nan)
     if RECIPROCAL:
-        scale = tl.max(amax, axis=0) * INV_FMAX
+        scale = row_amax * INV_FMAX
     else:
-        scale = tl.math.div_rn(tl.max(amax, axis=0), FMAX)
-    scale = tl.maximum(scale, SMIN)
+        scale = tl.math.div_rn(row_amax, FMAX)
+    scale = _max_nan(scale, SMIN)
     tl.store(s_ptr + row, scale)
     for i in range(CHUNKS):
         start = i * BLOCK
         mask = start + cols < n_cols
         x = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-        v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FMAX), FMAX)
+        v = tl.minimum(_max_nan(tl.math.div_rn(x, scale), -FMAX), FMAX, propagate_nan=tl.PropagateNan.ALL)
         tl.store(q_row + start + cols, _round_e4m3(v).to(q_ptr.dtype.element_ty), mask=mask)
 
 

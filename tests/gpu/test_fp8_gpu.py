@@ -73,6 +73,22 @@ def test_activation_quantization_kernel_gives_the_formulas_bits(shape, dtype):
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_activation_quantization_kernel_keeps_nan_and_inf_as_the_formula(dtype):
+    """A NaN or an inf in a row: `quantize_rows` gives the formula's NaN/inf scale and NaN values on the GPU,
+    where Triton's default max/min would drop the NaN (a finite scale, the NaN turned into -448)."""
+    from mstar.kernels.fp8_quant import quantize_rows
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 3072, device="cuda").to(dtype)
+    x[0, 1100], x[1, 7], x[2, 1200] = float("nan"), float("inf"), -float("inf")
+    (q, s), (want_q, want_s) = quantize_rows(x), fp8.quantize_per_channel(x)
+    assert torch.equal(s.isnan(), want_s.isnan()) and torch.equal(s.nan_to_num(), want_s.nan_to_num())
+    q, want_q = q.float(), want_q.float()
+    assert torch.equal(q.isnan(), want_q.isnan()) and bool(q[0].isnan().all()) and int(q[1].isnan().sum()) == 1
+    assert torch.equal(q.nan_to_num(), want_q.nan_to_num())
+
+
 @pytest.mark.parametrize("kernel", [fp8_gemv, fp8_skinny_linear], ids=["gemv", "skinny_dot"])
 @pytest.mark.parametrize("block", [None, (128, 128)])
 @pytest.mark.parametrize("rows", [1, 4, 8, 16, 64])

@@ -51,6 +51,28 @@ def check_bits(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor,
     assert differ == 0, f"{differ} E4M3 values differ for {tuple(x.shape)} {x.dtype}"
 
 
+def check_not_finite(dtype: torch.dtype) -> None:
+    """Rows holding a NaN or an inf quantize as the formula does: a NaN makes the row's scale and every value
+    NaN, an inf makes the scale inf, its own value NaN and the others +-0 (none of them finite garbage)."""
+    x = rows_of(4, 1500, dtype)
+    x[0, 1100] = float("nan")
+    x[1, 7] = float("inf")
+    x[2, 1200] = -float("inf")
+    for got, want in ((quantize_rows(x), fp8.quantize_per_channel(x)),
+                      (quantize_rows_as(x, cuda_rounding=True), cuda_formula(x))):
+        check_same_nan_bits(got, want)
+
+
+def check_same_nan_bits(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """The same scales and E4M3 values, NaN where the reference is NaN (a NaN's sign bit aside)."""
+    (q, s), (ref_q, ref_s) = got, want
+    assert torch.equal(s.isnan(), ref_s.isnan()) and torch.equal(s.nan_to_num(), ref_s.nan_to_num()), (s, ref_s)
+    q, ref_q = q.float(), ref_q.float()
+    assert torch.equal(q.isnan(), ref_q.isnan()), f"NaN at {q.isnan().sum()} places, the formula at {ref_q.isnan().sum()}"
+    finite = ~ref_q.isnan()
+    assert torch.equal(bits(q[finite].to(torch.float8_e4m3fn)), bits(ref_q[finite].to(torch.float8_e4m3fn)))
+
+
 def check_grid() -> None:
     """Every finite E4M3 value, every midpoint between neighbours (ties: to even) and the floats either side
     of each midpoint, in one row whose amax is 448 (scale 1)."""
@@ -115,6 +137,8 @@ def main() -> None:
     q, s = quantize_rows(torch.empty(0, 64, dtype=torch.bfloat16))
     assert q.shape == (0, 64) and s.shape == (0, 1)
     check_grid()
+    for dtype in (torch.bfloat16, torch.float32):
+        check_not_finite(dtype)
     check_scaled_mm_path()
     print("fp8 quant ok")
 
