@@ -308,7 +308,8 @@ def gemm_gelu_serves(device: torch.device, dtype: torch.dtype, module: nn.Module
     `Fp8Linear`) with a bias, in bfloat16 or float16 as the activations, outside torch.compile (inductor
     fuses the GELU itself)."""
     return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and type(module) is nn.Linear
-            and module.bias is not None and module.weight.dtype == dtype and not torch.compiler.is_compiling())
+            and module.bias is not None and module.weight.dtype == module.bias.dtype == dtype
+            and not torch.compiler.is_compiling())
 
 
 def gemm_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

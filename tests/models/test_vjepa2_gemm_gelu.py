@@ -25,6 +25,9 @@ def test_the_epilogue_serves_cuda_bf16_and_fp16_linears_only() -> None:
     assert not gemm_gelu_serves(CUDA, torch.float32, nn.Linear(16, 32))
     assert not gemm_gelu_serves(CUDA, torch.float16, bf16)  # weight and activations must share the dtype
     assert not gemm_gelu_serves(CUDA, torch.bfloat16, nn.Linear(16, 32, bias=False).bfloat16())
+    float_bias = nn.Linear(16, 32).bfloat16()
+    float_bias.bias.data = float_bias.bias.data.float()  # _addmm_activation wants the bias in the GEMM's dtype
+    assert not gemm_gelu_serves(CUDA, torch.bfloat16, float_bias)
     assert not gemm_gelu_serves(CUDA, torch.bfloat16, Fp8Linear.from_linear(bf16, None))
 
 
