@@ -39,11 +39,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.kernels.guard import KernelGuard
 from mstar.layers.fused import FUSED
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 _MIN_SCALE = 1e-12  # an all-zero row or block still gets a finite scale (its q is all zero)
+_QUANTIZE_ROWS = KernelGuard("FP8 activation quantization")
 METHODS = {"fp8": None, "fp8_block": (128, 128)}  # setting -> block shape (None: per output channel)
 
 
@@ -240,7 +242,8 @@ def quantize_activations(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
         return quantize_per_channel(rows)
     from mstar.kernels.fp8_quant import quantize_rows
 
-    return quantize_rows(rows if rows.stride(-1) == 1 else rows.contiguous())
+    return _QUANTIZE_ROWS.run(lambda: quantize_rows(rows if rows.stride(-1) == 1 else rows.contiguous()),
+                              lambda: quantize_per_channel(rows))
 
 
 def w8a8_reference(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:

@@ -199,3 +199,21 @@ def test_the_fp8_kernel_choice_is_kept_apart_where_scaled_mm_serves_and_where_no
 
     assert sorted((c["m_bucket"], c["n"], c["k"], c["won"]) for c in fp8_choices()) == [
         (16, 48, 64, "scaled_mm"), (16, 48, 64, "skinny_dot")]
+
+
+def test_activation_quantization_falls_back_to_the_formula_when_its_kernel_fails(monkeypatch):
+    """A quantizer kernel that cannot build (an older Triton) leaves W8A8 on the PyTorch formula, same bits."""
+    import mstar.kernels.fp8_quant as fp8_quant
+    from mstar.layers import fp8
+
+    def broken(rows):
+        raise RuntimeError("cannot compile")
+
+    monkeypatch.setattr(fp8.FUSED, "ops_for", lambda x: object())
+    monkeypatch.setattr(fp8_quant, "quantize_rows", broken)
+    monkeypatch.setattr(fp8._QUANTIZE_ROWS, "usable", True)
+    rows = torch.randn(5, 48, dtype=torch.bfloat16)
+    q, s = fp8.quantize_activations(rows)
+    want_q, want_s = fp8.quantize_per_channel(rows)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+    assert not fp8._QUANTIZE_ROWS.usable
