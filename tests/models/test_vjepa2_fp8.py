@@ -19,6 +19,7 @@ from mstar.models.vjepa2.tiny import tiny_ac_config
 from mstar.models.vjepa2.weights import build
 from mstar.runtime.build import build_model
 from mstar.runtime.offline import MStar
+from tests.models.vjepa2_reference import random_frames, request_images
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CFG = tiny_ac_config()
@@ -107,26 +108,17 @@ def test_fp8_next_frame_latents_stay_close_to_float32(monkeypatch, path):
     assert 4 * bf16_error < fp8_error < ceiling * bf16_error, (fp8_error, bf16_error)
 
 
-def _frames(count: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (count, 40, 48, 3), dtype=np.uint8)
-
-
-def _images(frames: np.ndarray, goal: np.ndarray | None = None) -> dict:
-    media = [{"type": "image", "data": f} for f in frames]
-    if goal is not None:
-        media.append({"type": "image", "data": goal, "name": "goal"})
-    return {"media": media}
-
-
 def _served(m: MStar) -> tuple[np.ndarray, list[np.ndarray]]:
     """A 4-step rollout's predicted latents [4, HW, E], and the best energy of each of 3 CEM iterations for
     three goals."""
     g = torch.Generator().manual_seed(4)
     states, actions = torch.rand(1, 7, generator=g), 0.1 * torch.randn(4, 7, generator=g)
-    rollout = m.generate(_images(_frames(1, 3)), states=states.tolist(), actions=actions.tolist())
-    energies = [np.asarray(m.generate(_images(_frames(1, 5 + s), _frames(1, 6 + s)[0]), states=states.tolist(),
-                                      samples=24, topk=4, cem_iterations=3, seed=9).outputs["energy"], dtype=np.float64)
-                for s in range(3)]
+    rollout = m.generate(request_images(random_frames(1, 3)), states=states.tolist(), actions=actions.tolist())
+    energies = []
+    for s in range(3):
+        images = request_images(random_frames(1, 5 + s), random_frames(1, 6 + s)[0])
+        plan = m.generate(images, states=states.tolist(), samples=24, topk=4, cem_iterations=3, seed=9)
+        energies.append(np.asarray(plan.outputs["energy"], dtype=np.float64))
     return np.asarray(rollout.outputs["predicted"][0], dtype=np.float64), energies
 
 

@@ -18,7 +18,13 @@ from mstar.models.vjepa2.tiny import TINY_CLASSIFIER_HF, TINY_LABELS, tiny_ac_co
 from mstar.runtime.offline import MStar
 from tests.models.test_vjepa2_ac import reference_search
 from tests.models.test_vjepa2_networks import randomize
-from tests.models.vjepa2_reference import recompute_rollout, upstream_encoder, upstream_predictor
+from tests.models.vjepa2_reference import (
+    random_frames,
+    recompute_rollout,
+    request_images,
+    upstream_encoder,
+    upstream_predictor,
+)
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
@@ -61,17 +67,6 @@ def world(folder: Path):
         yield m
 
 
-def _frames(count: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (count, 40, 48, 3), dtype=np.uint8)
-
-
-def _images(frames: np.ndarray, goal: np.ndarray | None = None) -> dict:
-    media = [{"type": "image", "data": f} for f in frames]
-    if goal is not None:
-        media.append({"type": "image", "data": goal, "name": "goal"})
-    return {"media": media}
-
-
 def _reference_latents(encoder, frames: np.ndarray) -> torch.Tensor:
     """Each frame encoded alone as a clip of itself twice, layer-normed: [C, HW, E]."""
     clips = pixels(frames, 32)[:, None].expand(-1, 2, -1, -1, -1)
@@ -82,7 +77,7 @@ def _reference_latents(encoder, frames: np.ndarray) -> torch.Tensor:
 
 def test_clip_model_encodes_and_classifies_like_transformers(folder: Path, references) -> None:
     encoder = references[0]
-    frames = _frames(4, 1)
+    frames = random_frames(4, 1)
     with MStar("vjepa2", model_path=str(folder)) as m:
         result = m.generate({"media": [{"type": "video", "data": frames}]},
                             modalities=["latents", "pooled", "logits", "label"])
@@ -98,8 +93,8 @@ def test_clip_model_encodes_and_classifies_like_transformers(folder: Path, refer
 
 
 def test_encode_gives_normalised_per_frame_latents(world, references) -> None:
-    frames = _frames(2, 2)
-    result = world.generate(_images(frames))
+    frames = random_frames(2, 2)
+    result = world.generate(request_images(frames))
     np.testing.assert_allclose(result.outputs["latents"][0], _reference_latents(references[0], frames).numpy(),
                                atol=TOL, rtol=0)
     assert set(result.outputs) == {"latents"}
@@ -108,11 +103,11 @@ def test_encode_gives_normalised_per_frame_latents(world, references) -> None:
 @pytest.mark.parametrize("context,horizon", [(1, 4), (2, 3)])
 def test_rollout_matches_the_recompute_loop(world, references, context: int, horizon: int) -> None:
     encoder, predictor = references
-    frames = _frames(context, 3)
+    frames = random_frames(context, 3)
     gen = torch.Generator().manual_seed(4)
     states = torch.rand(context, 7, generator=gen)
     actions = 0.1 * torch.randn(context + horizon - 1, 7, generator=gen)
-    result = world.generate(_images(frames), states=states.tolist(), actions=actions.tolist())
+    result = world.generate(request_images(frames), states=states.tolist(), actions=actions.tolist())
     with torch.no_grad():
         expected = recompute_rollout(predictor, _reference_latents(encoder, frames)[None], states[None], actions[None],
                                      HW)[0]
@@ -123,17 +118,17 @@ def test_rollout_matches_the_recompute_loop(world, references, context: int, hor
 
 def test_plan_matches_the_reference_search(world, references) -> None:
     encoder, predictor = references
-    frames, goal = _frames(1, 5), _frames(1, 6)[0]
+    frames, goal = random_frames(1, 5), random_frames(1, 6)[0]
     states = torch.rand(1, 7, generator=torch.Generator().manual_seed(7))
     settings = CEMSettings(horizon=2, samples=24, topk=4, iterations=3)
-    result = world.generate(_images(frames, goal), states=states.tolist(), samples=24, topk=4, cem_iterations=3,
+    result = world.generate(request_images(frames, goal), states=states.tolist(), samples=24, topk=4, cem_iterations=3,
                             seed=9, return_sequence=True)
     with torch.no_grad():
         expected = reference_search(predictor, _reference_latents(encoder, frames), states, torch.zeros(0, 7),
                                     _reference_latents(encoder, goal[None])[0], settings, seed=9)
     np.testing.assert_allclose(result.outputs["actions"][0], expected.numpy(), atol=1e-5, rtol=0)
     assert len(result.outputs["energy"]) == 3
-    first = world.generate(_images(frames, goal), states=states.tolist(), samples=24, topk=4, cem_iterations=3, seed=9)
+    first = world.generate(request_images(frames, goal), states=states.tolist(), samples=24, topk=4, cem_iterations=3, seed=9)
     np.testing.assert_allclose(first.outputs["actions"][0], expected[:1].numpy(), atol=1e-5, rtol=0)
 
 
@@ -148,12 +143,12 @@ def test_plan_matches_the_reference_search(world, references) -> None:
 ])
 def test_bad_requests_are_refused_naming_the_problem(world, options: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        world.generate(_images(_frames(1, 8)), **options)
+        world.generate(request_images(random_frames(1, 8)), **options)
 
 
 def test_two_context_frames_need_the_action_between_them(world) -> None:
     with pytest.raises(ValueError, match="2 context frames needs at least 2 actions"):
-        world.generate(_images(_frames(2, 8)), states=[[0.0] * 7] * 2, actions=[[0.0] * 7])
+        world.generate(request_images(random_frames(2, 8)), states=[[0.0] * 7] * 2, actions=[[0.0] * 7])
 
 
 def test_upstream_pt_checkpoint_rolls_out_like_its_modules(tmp_path: Path) -> None:
@@ -164,10 +159,10 @@ def test_upstream_pt_checkpoint_rolls_out_like_its_modules(tmp_path: Path) -> No
     path = tmp_path / "vjepa2-ac-tiny.pt"
     torch.save({"encoder": {f"module.backbone.{k}": v for k, v in encoder.state_dict().items()},
                 "predictor": {f"module.{k}": v for k, v in predictor.state_dict().items()}}, path)
-    frames = _frames(1, 10)
+    frames = random_frames(1, 10)
     states, actions = torch.rand(1, 7), 0.1 * torch.randn(3, 7, generator=torch.Generator().manual_seed(1))
     with MStar("vjepa2_ac", tiny=True, model_path=str(path)) as m:
-        got = m.generate(_images(frames), states=states.tolist(), actions=actions.tolist()).outputs["predicted"][0]
+        got = m.generate(request_images(frames), states=states.tolist(), actions=actions.tolist()).outputs["predicted"][0]
     with torch.no_grad():
         clips = pixels(frames, 32)[:, None].expand(-1, 2, -1, -1, -1).permute(0, 2, 1, 3, 4)
         latents = torch.nn.functional.layer_norm(encoder(clips), (64,))

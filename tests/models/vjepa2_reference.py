@@ -92,3 +92,16 @@ def recompute_rollout(reference, latents: torch.Tensor, states: torch.Tensor, ac
         frames = torch.cat([frames, nxt[:, None]], dim=1)
         poses = torch.cat([poses, scipy_next_pose(poses[:, -1], acts[:, -1])[:, None]], dim=1)
     return torch.stack(out, dim=1)
+
+
+def random_frames(count: int, seed: int) -> np.ndarray:
+    """`count` random 48x40 RGB frames, uint8 [count, 40, 48, 3]."""
+    return np.random.default_rng(seed).integers(0, 256, (count, 40, 48, 3), dtype=np.uint8)
+
+
+def request_images(frames: np.ndarray, goal: np.ndarray | None = None) -> dict:
+    """A request's media: the frames as images, and the goal image named "goal" when given."""
+    media = [{"type": "image", "data": f} for f in frames]
+    if goal is not None:
+        media.append({"type": "image", "data": goal, "name": "goal"})
+    return {"media": media}
