@@ -15,12 +15,6 @@
 - `profile` (with `--profile`): one plan forward (all candidates, one frame) at each frame position of the
   plan lane, replayed from its graph, under torch.profiler: the top 25 device kernels (CPU ops on CPU), the
   blocks' GEMM TFLOP and the TFLOP/s that makes over the forward's device time.
-- `rotary` (`--rotary`, alone: no networks are built): microseconds and GB/s a call of each form of
-  `vjepa2.rope.apply_rope` takes (the PyTorch form, `torch`, and the kernel serving it, `kernel`:
-  `fused_ops.rotary_pairs`), on a plan frame (`--samples` candidates), a rollout frame (batch 1) and the
-  encoder's clip: q into a new tensor, and for the predictor k into its cache slot carrying v. Each is
-  timed as back-to-back calls replayed from one CUDA graph, with PDL as served and (the kernel) without;
-  `mismatch` is the fraction of output elements unlike the kernel's.
 - `--quantization none fp8`: the predictor once per setting, one after the other in the same run (`fp8`: every
   block's qkv, proj, fc1 and fc2 in FP8, `build_ac_predictor`; W8A8 through torch._scaled_mm on CUDA), for the
   rollout and plan cases (and the profile); the encoder is timed once. The first setting's results are at the
@@ -39,9 +33,7 @@ On a bare GPU machine (benchmarks/device_setup.sh; carry .whl for cc-vjepa2), wi
     python3 benchmarks/vjepa2_bench.py --horizons 4 15 30 --samples 800
     python3 benchmarks/vjepa2_bench.py --quick              # tiny networks on CPU (smoke test; no graphs)
     python3 benchmarks/vjepa2_bench.py --horizons 4 --profile --out $OUT/vjepa2_bench_h100_profile.json
-    python3 benchmarks/vjepa2_bench.py --rotary --out $OUT/vjepa2_bench_h100_rotary.json
     python3 benchmarks/vjepa2_bench.py --horizons 4 30 --quantization none fp8 --out $OUT/vjepa2_bench_h100_fp8.json
-    TRITON_INTERPRET=1 python3 benchmarks/vjepa2_bench.py --quick --rotary --samples 2   # CPU smoke test
 """
 
 from __future__ import annotations
@@ -49,12 +41,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +66,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--horizon", type=int, default=2, help="actions per planned sequence")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per case (default 5)")
     parser.add_argument("--profile", action="store_true", help="top kernels of one graphed plan forward")
-    parser.add_argument("--rotary", action="store_true",
-                        help="only the rotary case: apply_rope's forms per call (on CPU: TRITON_INTERPRET=1)")
     parser.add_argument("--quantization", nargs="+", choices=["none", "fp8", "fp8_block"], default=["none"],
                         help="predictor weights, one run each in this order (default none)")
     parser.add_argument("--out", default=None, help="JSON path")
@@ -88,8 +75,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.device = torch.device("cpu" if args.quick else "cuda")
     if args.device.type == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device here: pass --quick (tiny, CPU)")
-    if args.rotary and args.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        parser.error("--rotary on CPU runs the kernels through Triton's interpreter: set TRITON_INTERPRET=1")
     quick = args.quick
     args.horizons = args.horizons or ([2, 4] if quick else [4, 15, 30])
     args.frames = args.frames or (4 if quick else 64)
@@ -340,126 +325,12 @@ def profile_case(args, world, ac, dtype) -> dict[str, Any]:
     return out
 
 
-def rotary_shapes(args: argparse.Namespace) -> dict[str, tuple[int, int, int, int]]:
-    """(batch, heads, tokens, head_dim) of q and k at a plan frame (`--samples` candidates, conditioning tokens
-    and patches), a rollout frame (batch 1) and the encoder's clip (`--encoder`, `--frames`); tiny with --quick."""
-    from mstar.models.vjepa2 import config, tiny
-
-    ac = tiny.tiny_ac_config() if args.quick else config.AC_VITG
-    hf = tiny.TINY_HF if args.quick else config.VITL_FPC64_256 if args.encoder == "vitl" else config.VITG_FPC64_256
-    encoder = config.VJEPA2Config.from_hf(hf).encoder
-    frame = (ac.vit.num_heads, ac.cond_tokens + ac.tokens_per_frame, ac.vit.head_dim)
-    clip = args.frames // encoder.tubelet_size * encoder.grid ** 2
-    return {"plan": (args.samples, *frame), "rollout": (1, *frame),
-            "encoder": (1, encoder.vit.num_heads, clip, encoder.vit.head_dim)}
-
-
-def rotary_forms() -> dict[str, Callable[..., torch.Tensor]]:
-    """name -> f(x, cos, sin, out, carry) of each form of `apply_rope` the rotary case times."""
-    from mstar.kernels import fused_ops
-    from mstar.layers.fused import fused_kernels
-    from mstar.models.vjepa2.rope import apply_rope
-
-    def torch_form(*call: Any) -> torch.Tensor:
-        with fused_kernels(False):
-            return apply_rope(*call)
-
-    return {"torch": torch_form, "kernel": fused_ops.rotary_pairs}
-
-
-def per_call_us(args: argparse.Namespace, call: Callable[[], Any], loops: int) -> float:
-    """Median over `--repeats` of the microseconds a call takes among `loops` back-to-back calls: replayed from
-    one CUDA graph on a GPU (no launch overhead, as the served graphs run), timed on the host on CPU."""
-    times = []
-    if args.device.type == "cuda":
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(loops):
-                call()
-        graph.replay()
-        for _ in range(args.repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / loops)
-    else:
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            for _ in range(loops):
-                call()
-            times.append((time.perf_counter() - start) * 1e6 / loops)
-    return statistics.median(times)
-
-
-def rotary_case(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any]:
-    """Per shape and tensor (q: into a new tensor; k: into its cache slot with v carried), each form's µs a
-    call and GB/s of the bytes it must move (x and out, the carried values twice, the tables), and its
-    `mismatch`: the fraction of elements unlike the kernel's (q's output; for k, the whole cache of keys
-    and values). Timed with PDL as served; the kernel also without (`us_no_pdl`)."""
-    from mstar.kernels.pdl import PDL
-    from mstar.models.vjepa2.rope import rope_tables
-
-    gen = torch.Generator(device=args.device).manual_seed(4)
-    out: dict[str, Any] = {"pdl": PDL.enabled(args.device)}
-    for name, (batch, heads, tokens, dim) in rotary_shapes(args).items():
-        qkv = torch.randn(batch, tokens, 3, heads, dim, generator=gen, device=args.device).to(dtype)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # [B, heads, N, D] views, as the attention layer makes them
-        cos, sin = rope_tables(16 * torch.rand(tokens, 3, generator=gen, device=args.device), dim)
-        out[f"{name}_q"] = rotary_row(args, (q, cos, sin, None, None), None)
-        if name != "encoder":  # the encoder has no cache: its k goes as its q does
-            cache = torch.zeros(2, batch, heads, 2 * tokens, dim, device=args.device, dtype=dtype)  # keys, values
-            slots = cache[:, :, :, tokens:]  # the second frame's
-            out[f"{name}_k"] = rotary_row(args, (k, cos, sin, slots[0], (v, slots[1])), cache)
-    return out
-
-
-def rotary_row(args: argparse.Namespace, call: tuple, cache: torch.Tensor | None) -> dict[str, Any]:
-    """One row of the rotary case: each form called with `call` (x, cos, sin, out, carry) whose result is
-    what it returns, or `cache` (the whole one, so that writes outside the slots count) when it has one."""
-    from mstar.kernels.pdl import PDL
-
-    x, cos = call[0], call[1]
-    moved = x.numel() * x.element_size() * (2 if cache is None else 4) + 2 * cos.numel() * cos.element_size()
-    loops = 1 if args.device.type == "cpu" else max(10, min(1000, int(4e9 / moved)))
-    row: dict[str, Any] = {"shape": list(x.shape), "mb_moved": round(moved / 1e6, 3), "loops": loops}
-    forms = rotary_forms()
-    want = rotary_result(forms["kernel"], call, cache)
-    for name, form in forms.items():
-        got = rotary_result(form, call, cache)  # the first call of each form compiles it, outside the timing
-        us = per_call_us(args, partial(form, *call), loops)
-        row[name] = {"us": float(f"{us:.4g}"), "gb_per_s": float(f"{moved / us / 1e3:.4g}"),
-                     "mismatch": float((got != want).float().mean())}
-        if PDL.enabled(args.device) and name != "torch":
-            saved, PDL.mode = PDL.mode, False
-            try:
-                form(*call)
-                row[name]["us_no_pdl"] = float(f"{per_call_us(args, partial(form, *call), loops):.4g}")
-            finally:
-                PDL.mode = saved
-    return row
-
-
-def rotary_result(form: Callable[..., torch.Tensor], call: tuple, cache: torch.Tensor | None) -> torch.Tensor:
-    """A copy of what form(*call) returns, or of the whole `cache` it writes into (zeroed first)."""
-    if cache is not None:
-        cache.zero_()
-    returned = form(*call)
-    return (returned if cache is None else cache).clone()
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     torch.manual_seed(0)
     gpu = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu"
     command = "python3 benchmarks/vjepa2_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     name = "cpu" if args.quick else gpu.lower().replace("nvidia ", "").split()[0].replace("-", "")
-    if args.rotary:
-        dtype = torch.float32 if args.quick else torch.bfloat16
-        doc = {"command": command, "device": gpu, "dtype": str(dtype).removeprefix("torch."),
-               "rotary": rotary_case(args, dtype)}
-        return write(doc, Path(args.out) if args.out else ROOT / f"benchmarks/results/vjepa2_bench_{name}_rotary.json")
     encoder, ac, shape, dtype = networks(args)
     doc = {"command": command, "device": gpu, "dtype": str(dtype).removeprefix("torch."),
            "encoder": "tiny" if args.quick else args.encoder, "quantization": args.quantization[0],
