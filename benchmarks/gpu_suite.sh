@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|orpheus_fp8|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni_80gb|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|pd|kernels|pi05|vjepa2|vjepa2_profile|vjepa2_fp8|hops|fp8_decode|bagel|bagel_fp8|cosmos3|cosmos3_policy|serve_fit|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|orpheus_fp8|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni_80gb|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|pd|kernels|pi05|pi05_modes|vjepa2|vjepa2_profile|vjepa2_fp8|hops|fp8_decode|bagel|bagel_fp8|cosmos3|cosmos3_policy|serve_fit|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -243,8 +243,14 @@ fi
 if [[ $WHAT == pi05 ]]; then  # the Pi0.5 policy: stages with the kernel profile, the flow attention, served chunks (~6 min)
   run 150 pi05_stages python3 benchmarks/pi05_stages.py --profile --out "$OUT/pi05_stages_$GPU.json"
   run 120 pi05_attention python3 benchmarks/pi05_attention.py --out "$OUT/pi05_attention_$GPU.json"
-  run 300 pi05_bench python3 benchmarks/pi05_bench.py --concurrency 8 32 128 --per-robot 5 --requests 50 \
+  run 300 pi05_bench python3 benchmarks/pi05_bench.py --concurrency 8 32 128 --per-robot 5 --requests 200 \
       --out "$OUT/pi05_bench_$GPU.json"
+fi
+if [[ $WHAT == pi05_modes ]]; then  # a process per worker, then in process, one call: what serving across processes costs (~2 min)
+  for mode in multiproc inproc; do
+    run 150 "pi05_bench_$mode" python3 benchmarks/pi05_bench.py --mode "$mode" --concurrency 8 --per-robot 2 \
+        --requests 200 --no-baseline --out "$OUT/pi05_bench_${GPU}_$mode.json"
+  done
 fi
 if [[ $WHAT == vjepa2 ]]; then  # V-JEPA 2-AC rollouts against the recompute loop, encoder, a planned action (~4 min)
   run 400 vjepa2_bench python3 benchmarks/vjepa2_bench.py --horizons 4 15 30 --out "$OUT/vjepa2_bench_$GPU.json"
