@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0  # mstar.layers.fp8.FP8_MAX
+from mstar.layers.fp8 import FP8_MAX, MIN_SCALE
+
 INV_FP8_MAX = float(np.float32(1.0 / FP8_MAX))  # what torch's CUDA division by the scalar 448 multiplies by
-MIN_SCALE = 1e-12  # mstar.layers.fp8._MIN_SCALE
 _BLOCK = 1024  # columns a chunk: 8 bf16 values (16 bytes) a thread at 4 warps
 
 

@@ -44,7 +44,7 @@ from mstar.layers.fused import FUSED
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-_MIN_SCALE = 1e-12  # an all-zero row or block still gets a finite scale (its q is all zero)
+MIN_SCALE = 1e-12  # an all-zero row or block still gets a finite scale (its q is all zero)
 _QUANTIZE_ROWS = KernelGuard("FP8 activation quantization")
 METHODS = {"fp8": None, "fp8_block": (128, 128)}  # setting -> block shape (None: per output channel)
 
@@ -52,7 +52,7 @@ METHODS = {"fp8": None, "fp8_block": (128, 128)}  # setting -> block shape (None
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q float8_e4m3fn [N, K], s float32 [N, 1]) with weight ~ q * s, s = row amax / 448."""
     w = weight.float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
+    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
     return _to_fp8(w / scale), scale
 
 
@@ -63,7 +63,7 @@ def quantize_blocks(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -
     bn, bk = block
     padded = F.pad(w.abs(), (0, -k % bk, 0, -n % bn))  # zeros never raise an amax
     amax = padded.reshape(math.ceil(n / bn), bn, math.ceil(k / bk), bk).amax(dim=(1, 3))
-    scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
+    scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
     return _to_fp8(w / expand_scale(scale, (n, k), block)), scale
 
 
