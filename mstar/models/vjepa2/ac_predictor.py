@@ -159,10 +159,9 @@ def build_ac_predictor(config: ACPredictorConfig, quantization: str | None = Non
     weights load or are drawn: they hold almost all of its weights and FLOPs. The latent, action, state and
     extrinsics encoders, the norms and the output projection keep the model dtype: they touch the latents and
     actions directly and are about 1% of the FLOPs. ValueError for an unknown method."""
-    block = method_block(quantization) if quantization is not None else None
     predictor = ACPredictor(config)
     if quantization is not None:
-        empty_fp8_decoder(predictor.blocks, block)
+        empty_fp8_decoder(predictor.blocks, method_block(quantization))
     return predictor
 
 
