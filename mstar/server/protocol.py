@@ -361,9 +361,19 @@ def parse_chunk(line: str | bytes) -> OutputChunk | ErrorChunk | FinalChunk:
     return _CHUNK.validate_json(line)
 
 
+# JSON leaves these raw inside strings, but Python's splitlines (and so httpx's iter_lines) breaks lines on
+# them: a model that samples one would otherwise split its own stream frame in two.
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
+def one_line(text: str) -> bytes:
+    """`text` (serialized JSON) encoded with the Unicode line breaks escaped, so it frames as one line anywhere."""
+    return text.translate(_LINE_BREAKS).encode()
+
+
 def chunk_line(chunk: BaseModel) -> bytes:
     """One NDJSON line for `chunk`, newline-terminated."""
-    return chunk.model_dump_json(exclude_none=True).encode() + b"\n"
+    return one_line(chunk.model_dump_json(exclude_none=True)) + b"\n"
 
 
 class GenerateResponse(BaseModel):

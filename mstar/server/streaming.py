@@ -11,6 +11,7 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 
 from mstar.server.adapters import RequestError, RequestStream
+from mstar.server.protocol import error_response, one_line
 
 T = TypeVar("T")
 
@@ -58,7 +59,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T], streams: lis
 def sse(payload: Any) -> bytes:
     """One server-sent event carrying JSON (a pydantic model or a plain object)."""
     text = payload.model_dump_json(exclude_none=True) if hasattr(payload, "model_dump_json") else json.dumps(payload)
-    return b"data: " + text.encode() + b"\n\n"
+    return b"data: " + one_line(text) + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -66,8 +67,6 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 def sse_error(exc: RequestError) -> bytes:
     """The in-band error event of a stream that already started: `data: {"error": {...}}`."""
-    from mstar.server.protocol import error_response
-
     return sse(error_response(exc.status, exc.message, exc.param))
 
 

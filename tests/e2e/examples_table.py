@@ -97,7 +97,8 @@ def check_file(path: Path) -> str:
 
 def check_json_answer(route: str, body: str) -> str:
     """Check a JSON (or NDJSON, for /generate's stream) answer has the route's shape; describe it."""
-    lines = [json.loads(line) for line in body.splitlines() if line.strip()]
+    # NDJSON frames on "\n" alone: splitlines would also break inside a JSON string at a raw U+2028 or U+0085
+    lines = [json.loads(line) for line in body.split("\n") if line.strip()]
     if route.startswith("`/generate`") and "type" in lines[0]:  # a stream, however short
         kinds = [c["type"] for c in lines]
         assert kinds[-1] == "final" and "error" not in kinds, lines

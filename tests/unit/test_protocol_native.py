@@ -1,5 +1,7 @@
 """Native /generate protocol: request validation, chunk round trips, error bodies."""
 
+import json
+
 import numpy as np
 import pytest
 from pydantic import ValidationError
@@ -19,6 +21,7 @@ from mstar.server.protocol import (
     parse_chunk,
     validation_message,
 )
+from mstar.server.streaming import sse
 
 
 def _message(model, data):
@@ -74,6 +77,17 @@ def test_chunks_roundtrip_through_ndjson():
     np.testing.assert_array_equal(parsed[2].to_numpy(), np.arange(6, dtype=np.float32).reshape(2, 3))
     np.testing.assert_array_equal(parsed[3].to_numpy(), np.arange(12).reshape(3, 4))
     assert parsed[5].usage.total_tokens == 10
+
+
+def test_stream_frames_stay_one_line_when_text_holds_unicode_line_breaks():
+    # a random model samples these; httpx's iter_lines, like str.splitlines, breaks on each of them
+    delta = "a\u2028b\u2029c\x85d\x1ce\x0bf"
+    chunk = TextChunk(output="text", seq=0, delta=delta)
+    frames = [chunk_line(chunk), sse(chunk)]
+    lines = [[line for line in frame.decode().splitlines() if line] for frame in frames]
+    assert [len(one) for one in lines] == [1, 1], frames
+    assert parse_chunk(lines[0][0]).delta == delta
+    assert json.loads(lines[1][0].removeprefix("data: "))["delta"] == delta
 
 
 def test_s16le_audio_and_bfloat16_tensor_decode():
