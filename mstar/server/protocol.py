@@ -368,7 +368,8 @@ _LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": 
 
 def one_line(text: str) -> bytes:
     """`text` (serialized JSON) encoded with the Unicode line breaks escaped, so it frames as one line anywhere."""
-    return text.translate(_LINE_BREAKS).encode()
+    # isascii reads a flag CPython keeps: base64 payloads of megabytes skip the per-character pass
+    return (text if text.isascii() else text.translate(_LINE_BREAKS)).encode()
 
 
 def chunk_line(chunk: BaseModel) -> bytes:
