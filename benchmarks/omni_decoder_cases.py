@@ -9,7 +9,8 @@ positions on the host, as talker_input makes them), and times the decode steps:
 - `step_ms`: host time of `engine.step()` (schedule, launch, the sync on sampled ids, results);
 - `wall_ms`: both, per decode step; `forward_gpu_ms`: the captured decode graph of that batch replayed
   back to back (CUDA events), so `wall_ms - forward_gpu_ms` is host time the GPU waits;
-- `paths`: how the steps ran (plain graph replay, extras graph replay, eager with extras, lookahead hits).
+- `paths`: how the steps ran (plain graph replay, extras graph replay, the extras graph launched a step ahead,
+  eager with extras, lookahead hits).
 `frame_loop` runs the talker lane's loop for real: code predictor -> talker_input -> talker step per frame.
 """
 
@@ -39,9 +40,9 @@ def make_engine(built, device: torch.device, pages: int, sizes: list[int]):
 
 def count_paths(engine) -> dict[str, int]:
     """Counters of the runner's decode paths, updated as the engine runs (instance-level wrappers)."""
-    runner, counts = engine.runner, {"plain_graph": 0, "extras_graph": 0, "eager_extras": 0}
+    runner, counts = engine.runner, {"plain_graph": 0, "extras_graph": 0, "extras_ahead": 0, "eager_extras": 0}
     for attr, key in (("_replay", "plain_graph"), ("_replay_extras", "extras_graph"),
-                      ("_run_with_extras", "eager_extras")):
+                      ("_extras_ahead", "extras_ahead"), ("_run_with_extras", "eager_extras")):
         real = getattr(runner, attr)
 
         def wrapped(*args, _real=real, _key=key):
