@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|orpheus_fp8|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni_80gb|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|pd|kernels|pi05|pi05_modes|vjepa2|vjepa2_profile|vjepa2_fp8|hops|fp8_decode|bagel|bagel_fp8|cosmos3|cosmos3_policy|serve_fit|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|orpheus_fp8|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni_80gb|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|pd|kernels|pi05|pi05_modes|vjepa2|vjepa2_profile|hops|fp8_decode|bagel|bagel_fp8|cosmos3|cosmos3_policy|serve_fit|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -257,11 +257,6 @@ if [[ $WHAT == vjepa2 ]]; then  # V-JEPA 2-AC rollouts against the recompute loo
 fi
 if [[ $WHAT == vjepa2_profile ]]; then  # the top kernels of one graphed plan forward (~1.5 min)
   run 300 vjepa2_profile python3 benchmarks/vjepa2_bench.py --horizons 4 --profile --out "$OUT/vjepa2_bench_${GPU}_profile.json"
-fi
-if [[ $WHAT == vjepa2_fp8 ]]; then  # tiny FP8 predictor checks, then V-JEPA 2-AC rollouts and a planned action with the predictor in bf16 then FP8 in one run, FP8 rollout latents against bf16's (not yet run; ~5 min expected)
-  run 60 gpu_tests_vjepa2_fp8 python3 -m pytest -q -n 0 -m gpu tests/gpu/test_vjepa2_fp8_gpu.py -p no:cacheprovider
-  run 480 vjepa2_bench_fp8 python3 benchmarks/vjepa2_bench.py --horizons 4 30 --quantization none fp8 \
-      --out "$OUT/vjepa2_bench_${GPU}_fp8.json"
 fi
 if [[ $WHAT == hops ]]; then  # tensor hops between two processes: CUDA IPC against shared memory (< 1 min)
   run 120 transport_hops python3 benchmarks/transport_hops.py --cuda --out "$OUT/transport_hops_cuda_$GPU.json"

@@ -15,12 +15,6 @@
 - `profile` (with `--profile`): one plan forward (all candidates, one frame) at each frame position of the
   plan lane, replayed from its graph, under torch.profiler: the top 25 device kernels (CPU ops on CPU), the
   blocks' GEMM TFLOP and the TFLOP/s that makes over the forward's device time.
-- `--quantization none fp8`: the predictor once per setting, one after the other in the same run (`fp8`: every
-  block's qkv, proj, fc1 and fc2 in FP8, `build_ac_predictor`; W8A8 through torch._scaled_mm on CUDA), for the
-  rollout and plan cases (and the profile); the encoder is timed once. The first setting's results are at the
-  top level (`quantization` names it), each later one's under `settings.<name>`, with `latents_vs_first`: its
-  graphed rollout's latents (the longest horizon) against the first setting's on the same inputs (largest and
-  RMS difference, relative RMS). Quantized settings skip the recompute loop (its predictor copies our weights).
 Full size: ViT-g encoder (`--encoder vitl` for ViT-L fpc64-256) and the 24-layer AC predictor, bf16.
 
     python3 benchmarks/vjepa2_bench.py --horizons 4 15 30   # GPU: writes benchmarks/results/vjepa2_bench_<gpu>.json
@@ -33,13 +27,11 @@ On a bare GPU machine (benchmarks/device_setup.sh; carry .whl for cc-vjepa2), wi
     python3 benchmarks/vjepa2_bench.py --horizons 4 15 30 --samples 800
     python3 benchmarks/vjepa2_bench.py --quick              # tiny networks on CPU (smoke test; no graphs)
     python3 benchmarks/vjepa2_bench.py --horizons 4 --profile --out $OUT/vjepa2_bench_h100_profile.json
-    python3 benchmarks/vjepa2_bench.py --horizons 4 30 --quantization none fp8 --out $OUT/vjepa2_bench_h100_fp8.json
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -66,12 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--horizon", type=int, default=2, help="actions per planned sequence")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per case (default 5)")
     parser.add_argument("--profile", action="store_true", help="top kernels of one graphed plan forward")
-    parser.add_argument("--quantization", nargs="+", choices=["none", "fp8", "fp8_block"], default=["none"],
-                        help="predictor weights, one run each in this order (default none)")
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args(argv)
-    if len(set(args.quantization)) < len(args.quantization):
-        parser.error(f"--quantization {' '.join(args.quantization)}: each setting once")
     args.device = torch.device("cpu" if args.quick else "cuda")
     if args.device.type == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device here: pass --quick (tiny, CPU)")
@@ -101,10 +89,11 @@ def timed(repeats: int, device: torch.device, fn: Callable[..., Any], *inputs: A
 
 
 def networks(args: argparse.Namespace):
-    """(encoder, the AC predictor's config, the encoder's shape, dtype), dummy weights as the servers build them."""
+    """(encoder, AC predictor, its config, the encoder's shape, dtype), dummy weights as the servers build them."""
     from dataclasses import replace
 
     from mstar.models.vjepa2 import config, tiny
+    from mstar.models.vjepa2.ac_predictor import ACPredictor
     from mstar.models.vjepa2.encoder import VJEPA2Encoder
     from mstar.models.vjepa2.weights import build
 
@@ -115,22 +104,10 @@ def networks(args: argparse.Namespace):
         hf = config.VITL_FPC64_256 if args.encoder == "vitl" else config.VITG_FPC64_256
         vjepa2 = config.VJEPA2Config.from_hf(hf)
         ac = replace(config.AC_VITG, embed_dim=config.VJEPA2Config.from_hf(config.VITG_FPC64_256).encoder.vit.hidden_size)
-    encoder = build(lambda: VJEPA2Encoder(vjepa2.encoder), dtype, args.device, None, None, std=_std(args))
-    return encoder, ac, vjepa2.encoder, dtype
-
-
-def _std(args: argparse.Namespace) -> float:
-    return 0.3 if args.quick else 0.02
-
-
-def predictor_for(args: argparse.Namespace, ac, dtype, quantization: str):
-    """The AC predictor with dummy weights (the same draw whatever `quantization`: FP8 ones are the bf16 ones
-    quantized), its block linears in FP8 unless `quantization` is "none"."""
-    from mstar.models.vjepa2.ac_predictor import build_ac_predictor
-    from mstar.models.vjepa2.weights import build
-
-    method = None if quantization == "none" else quantization
-    return build(lambda: build_ac_predictor(ac, method), dtype, args.device, None, None, std=_std(args))
+    std = 0.3 if args.quick else 0.02
+    encoder = build(lambda: VJEPA2Encoder(vjepa2.encoder), dtype, args.device, None, None, std=std)
+    predictor = build(lambda: ACPredictor(ac), dtype, args.device, None, None, std=std)
+    return encoder, predictor, ac, vjepa2.encoder, dtype
 
 
 def recompute_reference(ac, predictor, dtype, device):
@@ -200,52 +177,31 @@ def graphed_rollout(world, latents, states, actions):
         world.release("bench")
 
 
-def rollout_inputs(args, ac, dtype, horizon: int, gen: torch.Generator):
-    """(latents, states, actions) of one rollout from one context frame."""
-    latents = torch.randn(1, 1, ac.tokens_per_frame, ac.embed_dim, generator=gen, device=args.device, dtype=dtype)
-    states = torch.rand(1, 1, ac.action_dim, generator=gen, device=args.device)
-    actions = 0.05 * torch.randn(1, horizon, ac.action_dim, generator=gen, device=args.device)
-    return latents, states, actions
-
-
-def rollout_case(args, world, ac, dtype, recompute: bool = True) -> dict[str, Any]:
-    """Each horizon's rollout, graphed and eager, and (with `recompute`) the authors' loop on the same weights."""
+def rollout_case(args, world, ac, dtype) -> dict[str, Any]:
+    """Each horizon's rollout, graphed and eager, and the authors' loop on the same weights."""
     from mstar.models.vjepa2.rollout import rollout
 
     predictor = world.predictor
-    name, reference = recompute_reference(ac, predictor, dtype, args.device) if recompute else (None, None)
+    name, reference = recompute_reference(ac, predictor, dtype, args.device)
     gen = torch.Generator(device=args.device).manual_seed(0)
     tokens = ac.tokens_per_frame
     out: dict[str, Any] = {"reference": name}
     for horizon in args.horizons:
-        latents, states, actions = rollout_inputs(args, ac, dtype, horizon, gen)
+        latents = torch.randn(1, 1, tokens, ac.embed_dim, generator=gen, device=args.device, dtype=dtype)
+        states = torch.rand(1, 1, ac.action_dim, generator=gen, device=args.device)
+        actions = 0.05 * torch.randn(1, horizon, ac.action_dim, generator=gen, device=args.device)
         with torch.no_grad():
             graphed = timed(args.repeats, args.device, graphed_rollout, world, latents, states, actions)
             cached = timed(args.repeats, args.device, rollout, predictor, latents, states, actions)
+            again = timed(args.repeats, args.device, recompute_rollout, reference, latents, states, actions, tokens)
             ours = graphed_rollout(world, latents, states, actions)[0].float()
+            diff = (ours - recompute_rollout(reference, latents, states, actions, tokens).float()).abs().max()
             eager_diff = (ours - rollout(predictor, latents, states, actions)[0].float()).abs().max()
-            case = {"graphs": graphed, "kv_cache": cached, "graphs_vs_eager_max_abs_diff": float(eager_diff)}
-            if recompute:
-                again = timed(args.repeats, args.device, recompute_rollout, reference, latents, states, actions, tokens)
-                diff = (ours - recompute_rollout(reference, latents, states, actions, tokens).float()).abs().max()
-                case.update(recompute=again, speedup=round(again["ms"] / graphed["ms"], 2),
-                            speedup_eager=round(again["ms"] / cached["ms"], 2), max_abs_diff=float(diff))
-        out[f"h{horizon}"] = case
+        out[f"h{horizon}"] = {"graphs": graphed, "kv_cache": cached, "recompute": again,
+                              "speedup": round(again["ms"] / graphed["ms"], 2),
+                              "speedup_eager": round(again["ms"] / cached["ms"], 2),
+                              "max_abs_diff": float(diff), "graphs_vs_eager_max_abs_diff": float(eager_diff)}
     return out
-
-
-def rollout_latents(args, world, ac, dtype) -> torch.Tensor:
-    """The graphed rollout's latents at the longest horizon on fixed inputs (the same for every setting), float32."""
-    inputs = rollout_inputs(args, ac, dtype, max(args.horizons), torch.Generator(device=args.device).manual_seed(3))
-    with torch.no_grad():
-        return graphed_rollout(world, *inputs)[0].float()
-
-
-def latents_difference(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
-    """Largest and RMS difference of two rollouts' latents, and the RMS relative to `want`'s."""
-    diff = got - want
-    rms = diff.pow(2).mean().sqrt()
-    return {"max_abs": float(diff.abs().max()), "rms": float(rms), "rel_rms": float(rms / want.pow(2).mean().sqrt())}
 
 
 def encoder_case(args, encoder, shape, dtype) -> dict[str, Any]:
@@ -331,37 +287,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     gpu = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu"
     command = "python3 benchmarks/vjepa2_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     name = "cpu" if args.quick else gpu.lower().replace("nvidia ", "").split()[0].replace("-", "")
-    encoder, ac, shape, dtype = networks(args)
+    encoder, predictor, ac, shape, dtype = networks(args)
+    world, capture_s = world_model(args, predictor)
     doc = {"command": command, "device": gpu, "dtype": str(dtype).removeprefix("torch."),
-           "encoder": "tiny" if args.quick else args.encoder, "quantization": args.quantization[0],
-           "encoder_clips": encoder_case(args, encoder, shape, dtype)}
-    first: torch.Tensor | None = None
-    for quantization in args.quantization:
-        part = doc if first is None else doc.setdefault("settings", {}).setdefault(quantization, {})
-        latents = run_setting(args, quantization, ac, dtype, part)
-        if first is None:
-            first = latents
-        else:
-            part["latents_vs_first"] = latents_difference(latents, first)
-        print(f"{quantization}: rollout {part['rollout']}, plan {part['plan']}", flush=True)
-    return write(doc, Path(args.out) if args.out else ROOT / f"benchmarks/results/vjepa2_bench_{name}.json")
-
-
-def run_setting(args, quantization: str, ac, dtype, part: dict[str, Any]) -> torch.Tensor:
-    """The rollout and plan cases (and the profile) on a predictor of `quantization`, into `part`; its rollout
-    latents on the fixed inputs (`rollout_latents`). Its world model and caches are freed before returning."""
-    world, capture_s = world_model(args, predictor_for(args, ac, dtype, quantization))
-    part["capture_s"] = capture_s
-    part["rollout"] = rollout_case(args, world, ac, dtype, recompute=quantization == "none")
-    part["plan"] = plan_case(args, world, ac, dtype)
+           "encoder": "tiny" if args.quick else args.encoder, "capture_s": capture_s,
+           "rollout": rollout_case(args, world, ac, dtype),
+           "encoder_clips": encoder_case(args, encoder, shape, dtype),
+           "plan": plan_case(args, world, ac, dtype)}
     if args.profile:
-        part["profile"] = profile_case(args, world, ac, dtype)
-    latents = rollout_latents(args, world, ac, dtype)
-    del world
-    gc.collect()  # the world model's lanes refer back to it: its caches and graph pools go only after a collection
-    if args.device.type == "cuda":
-        torch.cuda.empty_cache()
-    return latents
+        doc["profile"] = profile_case(args, world, ac, dtype)
+    return write(doc, Path(args.out) if args.out else ROOT / f"benchmarks/results/vjepa2_bench_{name}.json")
 
 
 def write(doc: dict[str, Any], out: Path) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """V-JEPA 2-AC at tiny size (float32): the predictor against cc-vjepa2's VisionTransformerPredictorAC,
 rollouts on our KV cache against the upstream recompute-everything loop, the pose update against scipy,
-and the cross-entropy search against a plain reference search; full-size AC key mapping on meta."""
+and the cross-entropy search against a plain reference search; full-size AC key mapping on meta; V-JEPA 2 and
+2-AC refuse FP8 quantization (no quantizable component) with a one-line error."""
 
 from __future__ import annotations
 
@@ -149,3 +150,22 @@ def test_full_size_ac_checkpoint_keys_map_onto_our_parameters(monkeypatch) -> No
     ours = build_on_meta(lambda: ACPredictor(AC_VITG), torch.float32, "meta")
     load_named_tensors(ours, reference.state_dict().items(), upstream_ac_mapper)
     assert ours.blocks[0].attn.qkv.weight.shape == (3072, 1024) and ours.proj.weight.shape == (1408, 1024)
+
+
+@pytest.mark.parametrize("model,component", [("vjepa2", "encoder"), ("vjepa2_ac", "predictor")])
+def test_quantization_is_refused_naming_no_quantizable_component(model: str, component: str) -> None:
+    """`quantization:` in the YAML and `--quantization` are one-line ConfigErrors (runtime.build, cli.main)."""
+    from mstar.cli import main as cli
+    from mstar.config import ConfigError, config_from_dict
+    from mstar.runtime.build import build_model
+
+    config = config_from_dict({"model": model, "quantization": {component: "fp8"}}, source="vjepa2.yaml")
+    with pytest.raises(ConfigError) as exc:
+        build_model(config, tiny=True)
+    want = f"vjepa2.yaml: quantization.{component}: component {component!r} of model {model!r} cannot be quantized; " \
+        "quantizable: none"
+    assert str(exc.value) == want
+    args = cli.build_parser().parse_args(["serve", model, "--quantization", "fp8"])
+    with pytest.raises(ConfigError) as exc:
+        cli.apply_quantization_flag(config_from_dict({"model": model}), args)
+    assert str(exc.value) == f"--quantization fp8: model {model!r} has no component that can be quantized"

@@ -34,19 +34,3 @@ def test_quick_run(tmp_path) -> None:
         ops = profile[f"position{position}"]
         assert 0 < len(ops["top"]) <= 25 and ops["total_us"] > 0 and ops["gemm_tflop_per_s"] > 0
         assert any("linear" in op["name"] or "addmm" in op["name"] for op in ops["top"])
-
-
-
-def test_quick_run_bf16_then_fp8(tmp_path) -> None:
-    """--quantization none fp8: the first setting at the top level with the recompute loop, the FP8 predictor's
-    cases under settings.fp8 without it, and its rollout latents against the first setting's (different: the
-    quantization ran)."""
-    doc = main(["--quick", "--repeats", "1", "--horizons", "2", "--quantization", "none", "fp8",
-                "--out", str(tmp_path / "fp8.json")])
-    assert doc["quantization"] == "none" and doc["rollout"]["h2"]["recompute"]["ms"] > 0
-    fp8 = doc["settings"]["fp8"]
-    assert set(fp8["rollout"]["h2"]) == {"graphs", "kv_cache", "graphs_vs_eager_max_abs_diff"}
-    assert fp8["plan"]["graphs"]["s_per_action"] > 0 and fp8["plan"]["graphs_vs_eager_max_abs_diff"] < 1e-5
-    assert 0 < fp8["latents_vs_first"]["rel_rms"] < 1 and fp8["latents_vs_first"]["max_abs"] > 0
-    with pytest.raises(SystemExit):
-        main(["--quick", "--quantization", "fp8", "fp8"])

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.layers.fp8 import empty_fp8_decoder, method_block
 from mstar.models.vjepa2.config import ACPredictorConfig
 from mstar.models.vjepa2.layers import LayerKV, blocks
 from mstar.models.vjepa2.rope import grid_positions, rope_tables
@@ -151,18 +150,6 @@ class ACPredictor(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.proj(self.norm(x[:, :, self.config.cond_tokens:]))
-
-
-def build_ac_predictor(config: ACPredictorConfig, quantization: str | None = None) -> ACPredictor:
-    """`ACPredictor(config)`; with `quantization` ("fp8", "fp8_block"; layers/fp8.py) every block's qkv, proj,
-    fc1 and fc2 are empty `Fp8Linear`s, for a predictor built on the meta device that quantizes them as their
-    weights load or are drawn: they hold almost all of its weights and FLOPs. The latent, action, state and
-    extrinsics encoders, the norms and the output projection keep the model dtype: they touch the latents and
-    actions directly and are about 1% of the FLOPs. ValueError for an unknown method."""
-    predictor = ACPredictor(config)
-    if quantization is not None:
-        empty_fp8_decoder(predictor.blocks, method_block(quantization))
-    return predictor
 
 
 def block_causal_mask(frames: int, block: int, before: int, device: torch.device) -> torch.Tensor:

@@ -45,7 +45,7 @@ class LayerKV:
 
 class Attention(nn.Module):
     """Multi-head self-attention with one qkv projection; RoPE tables and a KV cache are optional. Both
-    projections run through `layers.linear.linear`, so FP8 ones (`Fp8Linear`) take its W8A8 GEMM."""
+    projections go through `layers.linear.linear`, as the MLP's do, so every linear of a block takes one path."""
 
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()

@@ -198,8 +198,6 @@ class VJEPA2AC(_VJEPA2Base):
                        "states": [], "actions": []}
     _example = "a folder with a V-JEPA 2 encoder and ac_predictor/, or the upstream vjepa2-ac-vitg.pt"
     _full_size = VITG_FPC64_256
-    # the predictor blocks' linears (ac_predictor.build_ac_predictor says which stay)
-    quantizable = ("predictor",)
 
     @cached_property
     def ac_config(self):
@@ -217,13 +215,12 @@ class VJEPA2AC(_VJEPA2Base):
 
     def build_component(self, name: str, device: torch.device) -> BuiltComponent:
         from mstar.models.vjepa2 import components, weights
-        from mstar.models.vjepa2.ac_predictor import build_ac_predictor
+        from mstar.models.vjepa2.ac_predictor import ACPredictor
 
         if name == "encoder":
             return self._encoder(components.FrameEncoderComponent, device)
         if name == "predictor":
-            quantization = self.quantization.get("predictor")
-            factory = lambda: build_ac_predictor(self.ac_config, quantization)  # noqa: E731
+            factory = lambda: ACPredictor(self.ac_config)  # noqa: E731
             if self.checkpoint is None:
                 tensors = None
             elif self.checkpoint.suffix == ".pt":
