@@ -8,9 +8,10 @@ microseconds per call of:
   bf16            F.linear with bias (nn.Linear; FFN in: the GELU in cuBLASLt's epilogue, as `linear_gelu`)
   fp8_formula     the W8A8 path as it was: `quantize_per_channel` in PyTorch (float32 temporaries),
                   `torch._scaled_mm`, then the bias added by a separate kernel (FFN in: then F.gelu)
-  fp8             the W8A8 path as `layers.fp8.scaled_mm` runs it: `kernels/fp8_quant.quantize_rows`,
-                  `_scaled_mm`, separate bias add (FFN in: then F.gelu)
-  fp8_bias        the same with the bias passed to `_scaled_mm` (added in its epilogue: one rounding)
+  fp8             the previous W8A8 path: `kernels/fp8_quant.quantize_rows`, `_scaled_mm`, then a
+                  separate bias add (FFN in: then F.gelu)
+  fp8_bias        the W8A8 path as `layers.fp8.scaled_mm` runs it: the same with the bias passed to
+                  `_scaled_mm` (added in its epilogue: one rounding)
   fp8_bias_fast   the same with `use_fast_accum=True` (Hopper's FP8 accumulation without periodic
                   promotion to float32: faster, less accurate)
   mm_only         `_scaled_mm` alone on activations quantized beforehand: the ceiling of any W8A8 form

@@ -26,7 +26,8 @@ and W ~ q * s, expanded to W's shape. The Hugging Face formats store the same s:
   W8A8         (`scaled_mm_linear`) on CUDA for bfloat16 inputs of at least SCALED_MM_MIN_ROWS rows and
                per-channel weights: the activations quantized per token (the same formula as the weight's
                rows, in one Triton kernel: `quantize_activations`) and `torch._scaled_mm` with both scales,
-               accumulating in float32; `w8a8_reference` is its CPU emulation.
+               accumulating in float32, the bias added in its epilogue before the one rounding to bfloat16;
+               `w8a8_reference` is its CPU emulation.
 Where more than one of `gemv_linear`, `skinny_dot_linear` and `scaled_mm_linear` serves, `layers.linear.linear`
 runs the one it timed fastest for the shape at warm-up; `fp8_linear` alone takes the order above.
 """
@@ -228,10 +229,12 @@ def scaled_mm_linear(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
 
 def scaled_mm(rows: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
-    """`scaled_mm_linear` for 2-D rows and a bare E4M3 weight [N, K] with per-channel scales [N, 1]."""
+    """`scaled_mm_linear` for 2-D rows and a bare E4M3 weight [N, K] with per-channel scales [N, 1]; the bias
+    is added in `_scaled_mm`'s epilogue to the float32 product, so the output is rounded once."""
     xq, x_scale = quantize_activations(rows)
-    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.reshape(1, -1), out_dtype=rows.dtype)
-    return out if bias is None else out + bias.to(rows.dtype)
+    return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.reshape(1, -1),
+                            bias=None if bias is None else bias.to(rows.dtype),  # _scaled_mm takes it in out_dtype
+                            out_dtype=rows.dtype)
 
 
 def quantize_activations(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,12 +250,13 @@ def quantize_activations(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def w8a8_reference(x: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
-    """The CPU emulation of `scaled_mm_linear`: both operands dequantized, the product in float32."""
+    """The CPU emulation of `scaled_mm_linear`: both operands dequantized, the product and the bias summed in
+    float32, then rounded once to x's dtype, as `_scaled_mm` adds the bias in its epilogue."""
     rows = x.reshape(-1, module.in_features)
     xq, x_scale = quantize_per_channel(rows)
     out = F.linear(dequantize(xq, x_scale, None), dequantize(module.weight, module.weight_scale, module.block))
     if module.bias is not None:
-        out = out + module.bias.float()
+        out = out + module.bias.to(x.dtype).float()  # `scaled_mm` hands _scaled_mm the bias in x's dtype
     return out.to(x.dtype).reshape(*x.shape[:-1], module.out_features)
 
 

@@ -100,8 +100,9 @@ class Ops(TorchDispatchMode):
 
 def check_scaled_mm_path() -> None:
     """`scaled_mm` quantizes the activations in the one kernel (no float32 copy of them, none of the
-    formula's ops), hands `_scaled_mm` the row-major E4M3 rows and the weight's transposed view (column
-    major, no copy), and matches its CPU emulation; with the fused kernels off it runs the formula."""
+    formula's ops), hands `_scaled_mm` the row-major E4M3 rows, the weight's transposed view (column
+    major, no copy) and the bias (added in its epilogue: nothing runs after it), and matches its CPU
+    emulation; with the fused kernels off it runs the formula."""
     torch.manual_seed(1)
     rows, k, n = 40, 256, 64
     layer = fp8.Fp8Linear.from_linear(torch.nn.Linear(k, n).to(torch.bfloat16), None)
@@ -114,8 +115,9 @@ def check_scaled_mm_path() -> None:
     temporaries = [name for name, _, out in ops.calls
                    if out is not None and out.dtype == torch.float32 and out.numel() == x.numel()]
     assert not temporaries, f"float32 copies of the activations: {temporaries}"
-    (_, args, _), = [call for call in ops.calls if call[0] == "_scaled_mm"]
+    (_, args, out), = [call for call in ops.calls if call[0] == "_scaled_mm"]
     xq, wt = args[0], args[1]
+    assert args[4] is layer.bias and out is got  # the bias added in _scaled_mm's epilogue, no add after it
     assert xq.dtype == torch.float8_e4m3fn and xq.stride() == (k, 1), xq.stride()
     assert wt.stride() == (1, k) and wt.data_ptr() == layer.weight.data_ptr(), (wt.stride(), "weight copied")
     want = fp8.w8a8_reference(x, layer)

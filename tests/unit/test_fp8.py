@@ -156,6 +156,35 @@ def test_the_w8a8_reference_quantizes_activations_per_token():
     assert not fp8.scaled_mm_serves(x.bfloat16(), module)  # never on CPU
 
 
+@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32], ids=["no_bias", "bf16", "fp32"])
+def test_w8a8_adds_the_bias_in_the_scaled_mm_epilogue(monkeypatch, bias_dtype):
+    """`scaled_mm` hands `torch._scaled_mm` the bias in the output dtype, so it is added to the float32 product
+    before the one rounding: its result is `_scaled_mm`'s own, no separate add after it, and it matches
+    `w8a8_reference` (CPU `_scaled_mm`; a float32 bias is rounded to bfloat16 first, as the reference does)."""
+    torch.manual_seed(4)
+    dense = nn.Linear(256, 64, bias=bias_dtype is not None).to(bias_dtype or torch.bfloat16)
+    module = Fp8Linear.from_linear(dense, None)
+    x = torch.randn(40, 256, dtype=torch.bfloat16)
+    calls = []
+    real = torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append((kwargs, out))
+        return out
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    got = fp8.scaled_mm(x, module.weight, module.weight_scale, module.bias)
+    (kwargs, out), = calls
+    assert got is out  # nothing ran on the product after `_scaled_mm`
+    if bias_dtype is None:
+        assert kwargs.get("bias") is None
+    else:
+        assert kwargs["bias"].dtype == torch.bfloat16 and torch.equal(kwargs["bias"], module.bias.bfloat16())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, w8a8_reference(x, module))  # bfloat16's default tolerance: one rounding step
+
+
 def test_the_fp8_kernel_choice_times_the_skinny_dot_kernel_and_keeps_the_fastest(monkeypatch):
     from mstar.layers.linear import SKINNY
 
