@@ -269,9 +269,9 @@ fi
 if [[ $WHAT == bagel ]]; then  # BAGEL understanding at 1 and 16, text to image, editing, with profiles (~6 min)
   run 560 bagel_bench python3 benchmarks/bagel_bench.py --profile --out "$OUT/bagel_bench_$GPU.json"
 fi
-if [[ $WHAT == bagel_fp8 ]]; then  # tiny FP8 checks, then BAGEL text to image and editing, bf16 then FP8 LLM in one run: seconds, image PSNR, denoise profiles (not yet run)
+if [[ $WHAT == bagel_fp8 ]]; then  # tiny FP8 checks, then every BAGEL case (image questions: first token and tokens/s; text to image; editing), bf16 then FP8 LLM in one run: image PSNR, decode and denoise profiles (~4 min)
   run 90 gpu_tests_bagel_fp8 python3 -m pytest -q -n 0 -m gpu tests/gpu/test_bagel_fp8_gpu.py -p no:cacheprovider
-  run 480 bagel_bench_fp8 python3 benchmarks/bagel_bench.py --cases generation editing --quantization none fp8 \
+  run 480 bagel_bench_fp8 python3 benchmarks/bagel_bench.py --quantization none fp8 \
       --profile --out "$OUT/bagel_bench_${GPU}_fp8.json"
 fi
 if [[ $WHAT == cosmos3 ]]; then  # Cosmos3-Nano text to image at three sizes, then 4 and 8 in flight, against diffusers (~8 min)
