@@ -1,8 +1,10 @@
 """BAGEL's stateless components as the stateless engine runs them: ViT, VAE, the LLM over KV contexts, the flow.
 
 Edges carry one request's tensors without a batch dimension: ViT rows [N, H], latent patches [N, p*p*C],
-a token [1], a flow time [1]. The LLM component keeps each request's contexts (one per guidance branch
-it prefilled, keyed by request and branch) and its text sampling state until the request is released.
+a token [1], a flow time [1]; image pixels come in as uint8 (`vit_patches`, `vae_pixels`) and are mapped to
+[-1, 1] on the component's device by a lookup in the host formula's table (`embeddings.unit_pixels`). The
+LLM component keeps each request's contexts (one per guidance branch it prefilled, keyed by request and
+branch) and its text sampling state until the request is released.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from mstar.engines.sampling import SamplingParams, SamplingRow, sample
 from mstar.models.bagel import flow
 from mstar.models.bagel.config import BagelConfig, TokenIds
 from mstar.models.bagel.context import KVContext, describe_decode
-from mstar.models.bagel.embeddings import patchify, unpatchify
+from mstar.models.bagel.embeddings import patchify, pixel_values, unit_pixels, unpatchify
 from mstar.models.bagel.llm import BagelLLM, Routing
 from mstar.models.bagel.model import request_pages
 from mstar.models.bagel.plan import VAE, decode_segments, extent, shared_prefix
@@ -31,7 +33,7 @@ from mstar.models.bagel.vit import VisionTower
 
 
 class ViTComponent(StatelessBase, nn.Module):
-    """(vit_patches [N, 3 * p * p], vit_positions [N], vit_lengths [images]) -> vit_embeds [N, H]; the
+    """(vit_patches [N, 3 * p * p] uint8, vit_positions [N], vit_lengths [images]) -> vit_embeds [N, H]; the
     images of every request in the batch go through the encoder packed together."""
 
     host_inputs = True  # the image lengths are read on the host; patches and positions are moved here
@@ -39,6 +41,8 @@ class ViTComponent(StatelessBase, nn.Module):
     def __init__(self, tower: VisionTower) -> None:
         super().__init__()
         self.tower = tower
+        device = next(tower.parameters()).device
+        self.register_buffer("pixel_values", pixel_values().to(device), persistent=False)
 
     @torch.no_grad()
     def run_batch(self, walk: str, node: str, inputs: list[dict], options: list[dict]) -> list[dict]:
@@ -48,7 +52,8 @@ class ViTComponent(StatelessBase, nn.Module):
             return out
         lengths = [n for i in rows for n in inputs[i]["vit_lengths"].tolist()]
         device = next(self.tower.parameters()).device
-        patches = torch.cat([inputs[i]["vit_patches"] for i in rows]).to(device, non_blocking=True)
+        patches = unit_pixels(torch.cat([inputs[i]["vit_patches"] for i in rows]).to(device, non_blocking=True),
+                              self.pixel_values)
         embeds = self.tower(patches, torch.cat([inputs[i]["vit_positions"] for i in rows]).to(device, non_blocking=True),
                             lengths)
         for i, part in zip(rows, embeds.split([inputs[i]["vit_patches"].shape[0] for i in rows]), strict=True):
@@ -57,7 +62,7 @@ class ViTComponent(StatelessBase, nn.Module):
 
 
 class VAEComponent(StatelessBase, nn.Module):
-    """Node `encode`: vae_pixels (every VAE image segment's [3, H, W] in [-1, 1], flattened one after another)
+    """Node `encode`: vae_pixels (every VAE image segment's [3, H, W] uint8 pixels, flattened one after another)
     -> vae_latents [N, p*p*C] (each image's latent patches). Node `decode`: latents [N, p*p*C] -> image
     uint8 [H, W, 3]; requests of one size decode together."""
 
@@ -66,6 +71,7 @@ class VAEComponent(StatelessBase, nn.Module):
     def __init__(self, vae: FluxVAE, cfg: BagelConfig) -> None:
         super().__init__()
         self.vae, self.cfg = vae, cfg
+        self.register_buffer("pixel_values", pixel_values().to(self._device), persistent=False)
 
     def batch_key(self, item: StepItem) -> Hashable:
         if item.node == "decode":
@@ -96,7 +102,8 @@ class VAEComponent(StatelessBase, nn.Module):
     def _encode(self, x: dict) -> dict:
         if "vae_pixels" not in x:
             return {}
-        pixels, offset, parts = x["vae_pixels"].to(self._device, non_blocking=True), 0, []
+        pixels = unit_pixels(x["vae_pixels"].to(self._device, non_blocking=True), self.pixel_values)
+        offset, parts = 0, []
         step, p = self.cfg.latent_downsample, self.cfg.latent_patch_size
         for seg in decode_segments(x["segments"]):
             if seg.kind != VAE:

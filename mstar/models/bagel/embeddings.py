@@ -3,7 +3,8 @@
 Latent patches: a VAE latent [C, h*p, w*p] becomes h*w rows of p*p*C features, row-major over the
 patch grid, each row ordered (patch row, patch column, channel); pixel patches for the ViT use the
 same order. A patch at grid (r, c) has the flattened position r * max_side + c (the grid of the
-position table, so a smaller image reads the table's top-left corner).
+position table, so a smaller image reads the table's top-left corner). Pixels travel to the ViT and VAE
+components as uint8 and are mapped to [-1, 1] there (`unit_pixels`).
 """
 
 from __future__ import annotations
@@ -79,3 +80,25 @@ def unpatchify(patches: torch.Tensor, rows: int, cols: int, p: int) -> torch.Ten
     c = patches.shape[-1] // (p * p)
     x = patches.reshape(rows, cols, p, p, c)
     return torch.einsum("hwpqc->chpwq", x).reshape(c, rows * p, cols * p)
+
+
+def pixel_patches(image: np.ndarray, p: int) -> torch.Tensor:
+    """uint8 [H, W, C] -> uint8 [(H/p) * (W/p), p * p * C] in `patchify`'s layout: a fresh buffer, one copy."""
+    h, w, c = image.shape
+    out = np.empty((h // p * (w // p), p * p * c), np.uint8)
+    out.reshape(h // p, w // p, p, p, c)[...] = image.reshape(h // p, p, w // p, p, c).transpose(0, 2, 1, 3, 4)
+    return torch.from_numpy(out)
+
+
+def pixel_values() -> torch.Tensor:
+    """float32 [256]: each uint8 value in [-1, 1] as the processor mapped pixels on the host, x / 127.5 - 1
+    in float32 ops (a CUDA division by a scalar multiplies by its reciprocal instead: other values)."""
+    return torch.arange(256, dtype=torch.float32) / 127.5 - 1.0
+
+
+def unit_pixels(pixels: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """uint8 pixels -> float32 in [-1, 1], same shape: a lookup in `values` (`pixel_values` on the pixels'
+    device), which is exact on any device."""
+    if pixels.dtype != torch.uint8:
+        raise TypeError(f"bagel pixels travel as uint8, got {pixels.dtype}")
+    return values.index_select(0, pixels.flatten().int()).view(pixels.shape)

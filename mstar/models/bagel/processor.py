@@ -14,7 +14,9 @@ short at least 512, both multiples of 16: the size of an edit's output), then fr
 context through the VAE. A context (its text and image tokens) and the answer's `max_tokens` must fit
 the model's 32,768 positions. Walk inputs: `prompt_ids` (every text segment's ids, markers included),
 `segments` (plan.py), `token` (the first token a text answer is fed), and when there are images
-`vit_patches`, `vit_positions`, `vit_lengths` and `vae_pixels`.
+`vit_patches`, `vit_positions`, `vit_lengths` and `vae_pixels`. Pixels leave as uint8 (`vit_patches` in
+`patchify`'s layout, `vae_pixels` each image's [3, H, W] flattened), a quarter of float32's bytes to the
+worker; the ViT and VAE components map them to [-1, 1] on their device (`embeddings.unit_pixels`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy as np
 import torch
 
 from mstar.models.bagel.config import BagelConfig, TokenIds
-from mstar.models.bagel.embeddings import grid_positions, patchify
+from mstar.models.bagel.embeddings import grid_positions, pixel_patches
 from mstar.models.bagel.flow import RENORM_TYPES
 from mstar.models.bagel.model import KV_PAGE_SIZE, request_pages
 from mstar.models.bagel.plan import (
@@ -224,14 +226,14 @@ class BagelProcessor(TextProcessor):
                 continue
             image = next(resized)
             if image_out:
-                vae.append(_pixels(image))
+                vae.append(_channels_first(image))
                 rows, cols = image.shape[0] // self.cfg.latent_downsample, image.shape[1] // self.cfg.latent_downsample
                 kinds.append(VAE)
                 segments.append((VAE, rows * cols, rows, cols))
             vit_image = self._resize(image, self.defaults.vit)
             p = self.cfg.vit.patch_size
             rows, cols = vit_image.shape[0] // p, vit_image.shape[1] // p
-            vit.append((patchify(_pixels(vit_image), p), grid_positions(rows, cols, self.cfg.vit_max_patches_per_side)))
+            vit.append((pixel_patches(vit_image, p), grid_positions(rows, cols, self.cfg.vit_max_patches_per_side)))
             kinds.append(VIT)
             segments.append((VIT, rows * cols, rows, cols))
         masks = branch_masks(kinds, think)
@@ -262,9 +264,9 @@ class BagelProcessor(TextProcessor):
         return super().decode_output(name, tensor, options)
 
 
-def _pixels(image: np.ndarray) -> torch.Tensor:
-    """uint8 [H, W, 3] -> float32 [3, H, W] in [-1, 1]."""
-    return torch.from_numpy(np.array(image, dtype=np.float32)).permute(2, 0, 1) / 127.5 - 1.0
+def _channels_first(image: np.ndarray) -> torch.Tensor:
+    """uint8 [H, W, 3] -> uint8 [3, H, W], a fresh copy."""
+    return torch.from_numpy(np.array(image.transpose(2, 0, 1), order="C"))
 
 
 def _items(request: Mapping[str, Any]) -> list[tuple[str, Any]]:
