@@ -141,8 +141,17 @@ def _ours_request(args, case: str, seed: int) -> tuple[dict, dict]:
                                "guidance_scale": args.guidance, "seed": seed})
 
 
+def _on_host(result) -> None:
+    """Copy the result's tensors to the host: in process an output travels by reference, so a device tensor
+    (a policy's actions) may arrive before the kernels that compute it have run."""
+    for values in result.outputs.values():
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                value.cpu()
+
+
 def _wall(m, requests: list[tuple[dict, dict]], device: torch.device) -> list[float]:
-    """Submit every request at once; each one's seconds from the common start to its result."""
+    """Submit every request at once; each one's seconds from the common start to its outputs on the host."""
     done: list[float] = [0.0] * len(requests)
     errors: list[Exception] = []
     _sync(device)
@@ -150,7 +159,7 @@ def _wall(m, requests: list[tuple[dict, dict]], device: torch.device) -> list[fl
 
     def wait(i: int, handle) -> None:
         try:
-            handle.result()
+            _on_host(handle.result())
             done[i] = time.perf_counter() - start
         except Exception as exc:  # noqa: BLE001 - re-raised below
             errors.append(exc)
