@@ -119,10 +119,14 @@ def image_case(m, args: argparse.Namespace, edit: bool) -> tuple[dict[str, Any],
     else:
         request = {"text": PROMPT}
         options = {"size": f"{args.size}x{args.size}", "guidance_scale": 4.0, "cfg_interval": [0.4, 1.0]}
+    if args.device.type == "cuda":  # work queued before this case is not timed
+        torch.cuda.synchronize()
     start = time.perf_counter()
     result = m.submit(request, modalities=["image"], num_inference_steps=args.steps, seed=0, **options).result()
+    # in process the image is a GPU tensor handed over by reference, perhaps still being computed: the clock
+    # stops once it is on the host
+    picture = result.outputs["image"][0].cpu().numpy()
     seconds = time.perf_counter() - start
-    picture = result.outputs["image"][0].cpu().numpy()  # a tensor on the GPU in process
     return {"seconds": round(seconds, 3), "image": list(picture.shape), "steps": args.steps}, picture
 
 
