@@ -189,6 +189,7 @@ def _profile_one(name: str, ckpt, cfg, device, args, built: dict[str, Any], info
     module, b, n = component.module, args.batches, args.calls
     if name == "code2wav":  # the builder warmed it up on CUDA (info: warm_up_s): the first call should be warm
         first = codec.code2wav_items(module, 1, cfg.code2wav_chunk, cfg.code2wav_chunk, device)
+        codec.sync(device)  # making the inputs is not the call's
         t0 = time.perf_counter()
         module.run_batch("vocode", "code2wav", first, [{}])
         codec.sync(device)

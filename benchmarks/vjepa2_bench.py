@@ -75,8 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def timed(repeats: int, device: torch.device, fn: Callable[..., Any], *inputs: Any) -> dict[str, float]:
-    """ms of one call `fn(*inputs)`: the first alone, then the median of `repeats` (synced after each)."""
+    """ms of one call `fn(*inputs)`: the first alone, then the median of `repeats` (synced before and after each)."""
     def once() -> float:
+        if device.type == "cuda":  # the caller's queued work (making the inputs) is not this call's
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         fn(*inputs)
         if device.type == "cuda":

@@ -9,8 +9,11 @@ guidance 5 (both branches every step), for every --steps and --concurrency; c re
   c requests submitted at once (their DiT rows batch). Per request: end-to-end seconds (submit -> last
   event); steps are timed from the host timestamps of the per-step progress events: s/step =
   (t[last step] - t[first step]) / (steps - 1); text encode ~ t[first step] - start - s/step (includes
-  noise preparation); decode = end - t[last step]. The GPU may run ahead of those host timestamps by
-  a bounded queue of kernels; the average over many steps is unaffected.
+  noise preparation); decode = end - t[last step]. The walk never waits for the GPU, so each timestamp
+  marks when the host finished launching a step, ahead of the GPU by a bounded queue of kernels: s/step
+  (an average over many steps) is unaffected, but the steps still queued at the last timestamp count to
+  decode and those queued at the first are missing from text encode. End-to-end is exact (the video
+  reaches the host only after every kernel before it).
 - diffusers: one `WanPipeline.__call__` with the c prompts as a batch (each branch its own DiT forward,
   as diffusers runs them), output_type "pt"; the same split from a step-end callback that synchronizes.
 - --quantization none fp8: our deployment once per setting (the DiT's block linears in FP8 for fp8:
