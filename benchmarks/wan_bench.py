@@ -7,13 +7,13 @@ guidance 5 (both branches every step), for every --steps and --concurrency; c re
 
 - mstar: `MStar(config=<one worker: text_encoder, dit, scheduler, vae on rank 0>, load_format="dummy")`;
   c requests submitted at once (their DiT rows batch). Per request: end-to-end seconds (submit -> last
-  event); steps are timed from the host timestamps of the per-step progress events: s/step =
+  event); t[step] is when a denoising step ended: s/step =
   (t[last step] - t[first step]) / (steps - 1); text encode ~ t[first step] - start - s/step (includes
-  noise preparation); decode = end - t[last step]. The walk never waits for the GPU, so each timestamp
-  marks when the host finished launching a step, ahead of the GPU by a bounded queue of kernels: s/step
-  (an average over many steps) is unaffected, but the steps still queued at the last timestamp count to
-  decode and those queued at the first are missing from text encode. End-to-end is exact (the video
-  reaches the host only after every kernel before it).
+  noise preparation); decode = end - t[last step]. The walk never waits for the GPU (its per-step
+  progress event arrives once the host has launched the step), so on CUDA t[step] is a CUDA event
+  recorded after the step's scheduler update, put on the host clock by an event recorded at the start
+  (on CPU, the progress event's arrival); the end is exact (the video reaches the host only after every
+  kernel before it).
 - diffusers: one `WanPipeline.__call__` with the c prompts as a batch (each branch its own DiT forward,
   as diffusers runs them), output_type "pt"; the same split from a step-end callback that synchronizes.
 - --quantization none fp8: our deployment once per setting (the DiT's block linears in FP8 for fp8:
@@ -49,6 +49,7 @@ Measures, asserts nothing. Our models are freed before the baseline is built (on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import platform
@@ -56,6 +57,9 @@ import statistics
 import sys
 import threading
 import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +121,33 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@contextlib.contextmanager
+def _step_events(device: torch.device) -> Iterator[dict[str, list] | None]:
+    """On CUDA, per request id the CUDA events recorded after each of its denoising steps (the scheduler's
+    `combine`, in the worker's thread, on the stream the step ran on); None on CPU, where host time is GPU
+    time."""
+    if device.type != "cuda":
+        yield None
+        return
+    from mstar.models.wan22.combine import GuidanceScheduler
+
+    events: dict[str, list] = defaultdict(list)
+    real = GuidanceScheduler._combine
+
+    def combine(self, item):
+        out = real(self, item)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        events[item.request_id.rpartition("#")[0]].append(event)  # the conductor's wire id: `<id>#<admission>`
+        return out
+
+    GuidanceScheduler._combine = combine
+    try:
+        yield events
+    finally:
+        GuidanceScheduler._combine = real
+
+
 def _timeline(handle, start: float, out: dict, errors: list) -> None:
     """Consume one request's events as they arrive, stamping progress events (one per denoising step) and
     keeping its decoded video (uint8 [F, H, W, 3])."""
@@ -136,22 +167,30 @@ def run_ours(m: MStar, prompts: list[str], shape: dict, steps: int, guidance: fl
     """Submit one request per prompt at once; their timelines (start, step ends, end) in seconds."""
     timelines: list[dict] = [{} for _ in prompts]
     errors: list[Exception] = []
-    _sync(device)
-    start = time.perf_counter()
-    readers = []
-    for i, prompt in enumerate(prompts):
-        handle = m.submit({"text": prompt}, seed=i, num_inference_steps=steps, guidance_scale=guidance,
-                          report_progress=True, **shape)
-        readers.append(threading.Thread(target=_timeline, args=(handle, start, timelines[i], errors)))
-        readers[-1].start()
-    for reader in readers:
-        reader.join()
-    if errors:
-        raise errors[0]
-    _sync(device)
-    wall_end = time.perf_counter()
-    for t in timelines:
+    rids = [uuid.uuid4().hex for _ in prompts]
+    with _step_events(device) as events:
+        _sync(device)
+        start = time.perf_counter()
+        origin = None
+        if events is not None:  # the idle stream reaches it at `start`
+            origin = torch.cuda.Event(enable_timing=True)
+            origin.record()
+        readers = []
+        for i, prompt in enumerate(prompts):
+            handle = m.submit({"text": prompt}, request_id=rids[i], seed=i, num_inference_steps=steps,
+                              guidance_scale=guidance, report_progress=True, **shape)
+            readers.append(threading.Thread(target=_timeline, args=(handle, start, timelines[i], errors)))
+            readers[-1].start()
+        for reader in readers:
+            reader.join()
+        if errors:
+            raise errors[0]
+        _sync(device)
+        wall_end = time.perf_counter()
+    for t, rid in zip(timelines, rids, strict=True):
         t["wall_end"] = wall_end
+        if origin is not None:  # the steps' ends on the GPU, in place of the progress events' arrivals
+            t["steps"] = [start + origin.elapsed_time(event) / 1e3 for event in events[rid]]
     return timelines
 
 
