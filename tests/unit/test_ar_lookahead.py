@@ -102,6 +102,30 @@ def test_new_work_waits_one_step_at_most(model):
     assert out["b"] == reference(model, ps[6], 5)[1:]
 
 
+def test_prefill_among_engine_loops_is_not_run_ahead_of(model):
+    """A prefill (an item that is not an engine loop) ending among engine loops launches nothing ahead:
+    its caller's next item (the decode loop, as a worker submits it before the next step) joins the
+    next step instead of waiting behind a forward launched without it."""
+    ps = prompts(8)
+    engine = make_engine(model, lookahead=True)
+    engine.submit(replace(item("a", ps[4], max_tokens=30), loop=LoopSpec(100)))
+    while engine._ahead is None:
+        engine.step()
+    engine.submit(item("b", ps[6], max_tokens=6))  # its prefill, arriving while a runs ahead
+    engine.step()  # a's step, launched before b came
+    (prefill,) = [r for r in engine.step() if r.request_id == "b"]
+    assert engine._ahead is None  # b's next item could not have joined a forward launched now
+    engine.submit(replace(item("b", [int(prefill.outputs["token"])], max_tokens=6), loop=LoopSpec(100)))
+    steps, out = 0, [int(prefill.outputs["token"])]
+    while not out[1:]:  # steps from the decode loop's submit to its first token
+        steps += 1
+        out += [int(r.outputs["token"]) for r in engine.step() if r.request_id == "b"]
+    assert steps == 1
+    while engine.has_work():
+        out += [int(r.outputs["token"]) for r in engine.step() if r.request_id == "b"]
+    assert out == reference(model, ps[6], 6) and engine.lookahead_steps > 0
+
+
 def test_seeded_sampling_same_with_and_without_lookahead(model):
     ps = prompts(8)[3:6]
     options = {"temperature": 0.9, "top_p": 0.9, "repetition_penalty": 1.3, "seed": 7, "max_tokens": 10}

@@ -403,7 +403,9 @@ class AutoregressiveEngine:
         """Indexes (into `seqs`, the step's sampled sequences) of those whose next forward is launched
         ahead: engine-loop sequences that go on unless they sample a stop. None, launching nothing, when
         the next step should be scheduled as usual: other work could join it (a sequence with tokens
-        still to compute, one waiting for a free seat), or none goes on.
+        still to compute, one waiting for a free seat, one whose item is not an engine loop: its
+        caller's next item, e.g. the decode loop after a prefill, reaches the engine before the next
+        step), or none goes on.
 
         A sequence whose next token opens a page gets it now, from free pages only (it needs the page
         for its next token anyway); when there are not enough, nothing is launched ahead."""
@@ -411,6 +413,8 @@ class AutoregressiveEngine:
         if (sched.waiting or self.kv.seating) and len(sched.running) < sched.max_num_seqs:
             return None
         if any(s.num_pending for s in sched.running):
+            return None
+        if any(s.item.loop is None for s in seqs):  # launched ahead, the next step could not take its next item
             return None
         continuing, grow, with_inputs = [], [], []
         for i, seq in enumerate(seqs):

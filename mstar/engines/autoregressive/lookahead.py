@@ -9,11 +9,12 @@ logits over a window of ids is added on the device, with the draw); only then do
 ids, so the host's work on them overlaps the GPU running N+1.
 
 It is a scheduling decision (`AutoregressiveEngine._continuing`): taken only when no other work
-could join step N+1 (no sequence with tokens still to compute, none waiting for a free seat), so
-nothing waits on it longer than one step. Step N+1 is then that forward's sequences that are still
-live: one that sampled a stop at N or was released is left out and its row dropped; the slot its
-row wrote lies past its tokens in a page it held, and whoever gets the page next overwrites it
-(stream order keeps the writes in order).
+could join step N+1 (no sequence with tokens still to compute, none waiting for a free seat, none
+sampled at N by an item that is not an engine loop: its caller's next item, such as the decode loop
+after a prefill, comes before step N+1), so a newly arrived item waits one step at most. Step N+1
+is then that forward's sequences that are still live: one that sampled a stop at N or was released
+is left out and its row dropped; the slot its row wrote lies past its tokens in a page it held, and
+whoever gets the page next overwrites it (stream order keeps the writes in order).
 
 A sequence with per-token extras (TokenInputs: a spoken answer's thinker, whose steps capture hidden
 states for the talker) runs ahead through the extras graphs: a token the engine appends brings no
