@@ -402,19 +402,16 @@ class AutoregressiveEngine:
     def _continuing(self, seqs: list[Sequence]) -> list[int] | None:
         """Indexes (into `seqs`, the step's sampled sequences) of those whose next forward is launched
         ahead: engine-loop sequences that go on unless they sample a stop. None, launching nothing, when
-        the next step should be scheduled as usual: other work could join it (a sequence with tokens
-        still to compute, one waiting for a free seat, one whose item is not an engine loop: its
-        caller's next item, e.g. the decode loop after a prefill, reaches the engine before the next
-        step), or none goes on.
+        the next step should be scheduled as usual: other work could join it (tokens still to compute,
+        a sequence waiting for a seat, the next item of one sampled by a non-loop item such as a
+        prefill), or none goes on.
 
         A sequence whose next token opens a page gets it now, from free pages only (it needs the page
         for its next token anyway); when there are not enough, nothing is launched ahead."""
         sched = self.batch_scheduler
         if (sched.waiting or self.kv.seating) and len(sched.running) < sched.max_num_seqs:
             return None
-        if any(s.num_pending for s in sched.running):
-            return None
-        if any(s.item.loop is None for s in seqs):  # launched ahead, the next step could not take its next item
+        if any(s.num_pending for s in sched.running) or any(s.item.loop is None for s in seqs):
             return None
         continuing, grow, with_inputs = [], [], []
         for i, seq in enumerate(seqs):
