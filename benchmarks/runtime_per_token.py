@@ -69,7 +69,7 @@ from mstar.models.registry import register  # noqa: E402
 from mstar.worker.stats import STATS_INTERVAL_S  # noqa: E402
 from mstar.worker.worker import Worker  # noqa: E402
 
-TOKENS = 700  # generated tokens per request (100 SNAC frames)
+TOKENS = 700  # generated tokens per request by default (100 SNAC frames)
 
 
 class FakeLMEngine:
@@ -266,10 +266,10 @@ def time_case(mode: str, stream: bool, args: argparse.Namespace, runs: int, work
         raise SystemExit(f"--model {args.model} runs Orpheus with its vocoder lane only")
     model = "orpheus" if real else "fake_orpheus" if stream else "fake_orpheus_nostream"
     cfg = _config(model, workers, args.device, concurrency)
-    opts = {"max_tokens": TOKENS + 1}
+    opts = {"max_tokens": args.tokens + 1}
     if real:  # sampled tokens; a stop token would end the request early
         opts.update(temperature=0.0, ignore_eos=True)
-    tokens = TOKENS * concurrency  # generated per round: every figure is per sequence-step
+    tokens = args.tokens * concurrency  # generated per round: every figure is per sequence-step
     walls, cpus, worker_cpus, engines, samples = [], [], [], [], 0
     with MStar(config=cfg, mode=mode, tiny=args.model == "tiny",
                load_format="dummy" if args.model == "dummy" else "auto") as m:
@@ -360,14 +360,14 @@ def time_onethread(stream: bool, args: argparse.Namespace, runs: int, concurrenc
     rounds of `concurrency` requests after a warm-up round."""
     model = "fake_orpheus" if stream else "fake_orpheus_nostream"
     one = OneThread(_config(model, 1, args.device, concurrency), tiny=False)
-    opts = {"max_tokens": TOKENS + 1}
+    opts = {"max_tokens": args.tokens + 1}
     one.generate_many(concurrency, opts)
     cpus, samples = [], 0
     for _ in range(runs):
         c0 = time.thread_time()
         samples = one.generate_many(concurrency, opts)
         cpus.append(time.thread_time() - c0)
-    tokens = TOKENS * concurrency
+    tokens = args.tokens * concurrency
     return {"concurrency": concurrency, "cpu_us_per_token": round(statistics.median(cpus) / tokens * 1e6, 1),
             "runs_cpu_us_per_token": [round(c / tokens * 1e6, 1) for c in cpus],
             "audio_samples_per_request": samples}
@@ -435,6 +435,8 @@ def main() -> None:
                         help=f"comma-separated, from {list(CASES)} (onethread: fakes only, not by default)")
     parser.add_argument("--concurrency", default="1",
                         help="comma-separated requests in flight at once, e.g. 1,8,32 (each case runs at each)")
+    parser.add_argument("--tokens", type=int, default=TOKENS,
+                        help="generated tokens per request: more makes each timed round longer and steadier")
     parser.add_argument("--profile", metavar="CASE",
                         help="print a cProfile of CASE (all threads) at the first --concurrency and exit")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/runtime_per_token_cpu.json"))
@@ -460,7 +462,7 @@ def main() -> None:
     result = {"command": "python3 " + " ".join(sys.argv), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               "machine": {"platform": platform.platform(), "python": sys.version.split()[0],
                           "torch": torch.__version__},
-              "tokens_per_request": TOKENS, "model": args.model, "device": args.device,
+              "tokens_per_request": args.tokens, "model": args.model, "device": args.device,
               "cases": cases}
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
