@@ -42,6 +42,7 @@ def test_step_ms_sums_a_blocks_calls_over_the_blocks():
     assert step_ms(rows) == {"a": round(want, 2)}
 
 
+@pytest.mark.slow  # runs the whole benchmark script under the Triton interpreter
 def test_quick_run_executes_every_form(tmp_path):
     out = tmp_path / "micro.json"
     proc = run_interpreted(ROOT / "benchmarks" / "fp8_gemm_micro.py", "--quick", "--out", str(out))
