@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|orpheus_fp8|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni_80gb|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|pd|kernels|pi05|pi05_modes|vjepa2|vjepa2_profile|hops|fp8_decode|bagel|bagel_fp8|cosmos3|cosmos3_policy|serve_fit|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|orpheus_fp8|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni_80gb|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|pd|kernels|pi05|pi05_modes|vjepa2|vjepa2_profile|hops|hops2|fp8_decode|bagel|bagel_fp8|cosmos3|cosmos3_policy|serve_fit|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -9,7 +9,7 @@
 # failing step does not stop the others. Needs the repo importable (pip install -e . or PYTHONPATH) and,
 # for the Orpheus server step, fastapi/uvicorn/pyzmq/msgspec; the Wan step needs diffusers for its
 # baseline (benchmarks/wan_bench.py says how to carry it); the omni steps need the Qwen3-Omni tokenizer folder
-# (mstar_tokenizers/qwen3-omni-v2, built by any qwen3_omni test here) under the temp dir. omni2 needs two GPUs.
+# (mstar_tokenizers/qwen3-omni-v2, built by any qwen3_omni test here) under the temp dir. omni2 and hops2 need two GPUs.
 # ORPHEUS_CONFIG picks the Orpheus server's config (default mstar/configs/orpheus.yaml).
 # serve_fit (not in all): MODELS picks the models (default every one), SERVE_FIT_ARGS adds flags of
 # benchmarks/serve_fit.py (its docstring has the tokenizer folders each model needs and a plan of calls).
@@ -260,6 +260,10 @@ if [[ $WHAT == vjepa2_profile ]]; then  # the top kernels of one graphed plan fo
 fi
 if [[ $WHAT == hops ]]; then  # tensor hops between two processes: CUDA IPC against shared memory (< 1 min)
   run 120 transport_hops python3 benchmarks/transport_hops.py --cuda --out "$OUT/transport_hops_cuda_$GPU.json"
+fi
+if [[ $WHAT == hops2 ]]; then  # the receiver on GPU 1: CUDA IPC, NCCL point-to-point and shared memory (< 2 min)
+  run 180 transport_hops_2gpu python3 benchmarks/transport_hops.py --cuda --devices 0 1 \
+      --out "$OUT/transport_hops_cuda_${GPU}_2gpu.json"
 fi
 if [[ $WHAT == fp8_decode ]]; then  # the FP8 GEMV beside the bf16 one, then the decode step bf16 against FP8 (~1.5 min)
   run 200 gemv_micro_fp8 python3 benchmarks/gemv_micro.py --fp8 --out "$OUT/gemv_micro_fp8_$GPU.json"
