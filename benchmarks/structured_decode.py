@@ -113,13 +113,14 @@ class TimedMatcher:
 
 
 @contextmanager
-def checkpoint_folder(quick: bool) -> Iterator[str | None]:
-    """A folder holding only the full-size config.json (dummy weights need no weight files); None for --quick."""
-    if quick:
+def checkpoint_folder(quick: bool, hf_config: dict[str, Any] | None = LLAMA31_8B) -> Iterator[str | None]:
+    """A folder holding only the full-size `hf_config` as config.json (dummy weights need no weight files);
+    None for --quick, or without a config (a model whose dummy weights need no folder)."""
+    if quick or hf_config is None:
         yield None
         return
     with tempfile.TemporaryDirectory(prefix="structured_decode_") as folder:
-        (Path(folder) / "config.json").write_text(json.dumps(LLAMA31_8B))
+        (Path(folder) / "config.json").write_text(json.dumps(hf_config))
         yield folder
 
 
