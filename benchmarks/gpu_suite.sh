@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|orpheus_fp8|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni_80gb|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|pd|kernels|pi05|pi05_modes|vjepa2|vjepa2_profile|hops|hops2|fp8_decode|bagel|bagel_fp8|cosmos3|cosmos3_policy|serve_fit|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|orpheus_fp8|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni_80gb|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|pd|pd2|kernels|pi05|pi05_modes|vjepa2|vjepa2_profile|hops|hops2|fp8_decode|bagel|bagel_fp8|cosmos3|cosmos3_policy|serve_fit|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -9,7 +9,7 @@
 # failing step does not stop the others. Needs the repo importable (pip install -e . or PYTHONPATH) and,
 # for the Orpheus server step, fastapi/uvicorn/pyzmq/msgspec; the Wan step needs diffusers for its
 # baseline (benchmarks/wan_bench.py says how to carry it); the omni steps need the Qwen3-Omni tokenizer folder
-# (mstar_tokenizers/qwen3-omni-v2, built by any qwen3_omni test here) under the temp dir. omni2 and hops2 need two GPUs.
+# (mstar_tokenizers/qwen3-omni-v2, built by any qwen3_omni test here) under the temp dir. omni2, hops2 and pd2 need two GPUs.
 # ORPHEUS_CONFIG picks the Orpheus server's config (default mstar/configs/orpheus.yaml).
 # serve_fit (not in all): MODELS picks the models (default every one), SERVE_FIT_ARGS adds flags of
 # benchmarks/serve_fit.py (its docstring has the tokenizer folders each model needs and a plan of calls).
@@ -239,6 +239,27 @@ fi
 if [[ $WHAT == pd || $WHAT == all ]]; then  # PD disaggregation (llama_pd.yaml, two processes) against one worker
   # needs the Llama-3 tokenizer folder (mstar_tokenizers/llama3-v1) under the temp dir, as device_setup.sh says
   run 560 pd_stream python3 benchmarks/pd_stream.py --out "$OUT/pd_stream_$GPU.json"
+fi
+if [[ $WHAT == pd2 ]]; then  # two GPUs: prefill on GPU 0, decode on GPU 1 (KV pages moved) against one GPU at
+  # 1/16/64 in flight, for the Orpheus-shaped Llama and the Qwen3-Omni thinker; then Orpheus served with the vocoder
+  # on GPU 1 against one GPU at 1/8/16/32. PD2_PARTS picks parts (default "orpheus omni sweep"; a device call of 10
+  # minutes holds about one). Needs the llama3-v1 and qwen3-omni-v2 tokenizer folders, as device_setup.sh says.
+  if (( $(nvidia-smi -L 2>/dev/null | wc -l) < 2 )); then
+    echo "pd2 needs two GPUs"
+  else
+    parts=" ${PD2_PARTS:-orpheus omni sweep} "
+    for part_model in orpheus:orpheus omni:qwen3_omni; do
+      model=${part_model#*:}
+      [[ $parts == *" ${part_model%%:*} "* ]] || continue
+      run 560 "pd_stream_$model" python3 benchmarks/pd_stream.py --model "$model" --concurrency 1 16 64 \
+          --out "$OUT/pd_stream_${GPU}_2gpu_${model}_concurrency.json"
+    done
+    if [[ $parts == *" sweep "* ]]; then
+      for config in orpheus orpheus_disaggregated; do
+        ORPHEUS_LEVELS=1,8,16,32 orpheus_sweep "mstar/configs/$config.yaml" "orpheus_http_${GPU}_$config"
+      done
+    fi
+  fi
 fi
 if [[ $WHAT == pi05 ]]; then  # the Pi0.5 policy: stages with the kernel profile, the flow attention, served chunks (~6 min)
   run 150 pi05_stages python3 benchmarks/pi05_stages.py --profile --out "$OUT/pi05_stages_$GPU.json"
