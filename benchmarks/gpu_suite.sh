@@ -248,12 +248,14 @@ if [[ $WHAT == pd2 ]]; then  # two GPUs: prefill on GPU 0, decode on GPU 1 (KV p
     echo "pd2 needs two GPUs"
   else
     parts=" ${PD2_PARTS:-orpheus omni sweep} "
-    for part_model in orpheus:orpheus omni:qwen3_omni; do
-      model=${part_model#*:}
-      [[ $parts == *" ${part_model%%:*} "* ]] || continue
-      run 560 "pd_stream_$model" python3 benchmarks/pd_stream.py --model "$model" --concurrency 1 16 64 \
-          --out "$OUT/pd_stream_${GPU}_2gpu_${model}_concurrency.json"
-    done
+    if [[ $parts == *" orpheus "* ]]; then  # 512-token prompts, 128 tokens each
+      run 560 pd_stream_orpheus python3 benchmarks/pd_stream.py --model orpheus --concurrency 1 16 64 \
+          --out "$OUT/pd_stream_${GPU}_2gpu_orpheus_concurrency.json"
+    fi
+    if [[ $parts == *" omni "* ]]; then  # 256-token prompts: the pool for 64 at 512 overfills an 80 GB card (planner)
+      run 560 pd_stream_qwen3_omni python3 benchmarks/pd_stream.py --model qwen3_omni --concurrency 1 16 64 \
+          --prompt-lens 256 --out "$OUT/pd_stream_${GPU}_2gpu_qwen3_omni_concurrency.json"
+    fi
     if [[ $parts == *" sweep "* ]]; then
       for config in orpheus orpheus_disaggregated; do
         ORPHEUS_LEVELS=1,8,16,32 orpheus_sweep "mstar/configs/$config.yaml" "orpheus_http_${GPU}_$config"
