@@ -16,16 +16,27 @@ one's top-25 ops by self device time (self CPU time on CPU) into the JSON (`prof
 
 `--quantization none fp8`: the deployment once per setting, one after the other in the same run (`fp8`:
 `quantization: {llm: fp8}`, both experts' decoder linears in FP8, W8A8 through torch._scaled_mm on CUDA from
-16 rows). The first setting's results are at the top level of the JSON (`quantization` names it); each later
-setting's are under `settings.<name>`, where generation and editing also report the PSNR (dB) of their image
-against the first setting's image of the same seed and their seconds over the first setting's. The weights
-are dummy (seeded random, the FP8 ones the same weights quantized), so the images are not natural pictures:
-the PSNR measures how far FP8 moves the output, not how it looks.
+16 rows). `--configs bagel bagel_cfg_parallel` (shipped names or YAML paths of model bagel; default `bagel`):
+the deployment of each config, likewise (with both flags, every config under every quantization, named
+`<config>_<quantization>`). The first setting's results are at the top level of the JSON (`config` and
+`quantization` name it); each later setting's are under `settings.<name>` (a config's name is its file stem).
+With several settings each image case first runs once untimed with option `debug_outputs` (which also warms
+that case up), for its final latents; each later setting's generation and editing then report, against the
+first setting's of the same seed, the image's PSNR (dB) and largest pixel difference, the final latents'
+largest absolute difference (`latents_max_abs` gives their scale) and the seconds ratio. The weights are
+dummy (seeded random, the FP8 ones the same weights quantized), so the images are not natural pictures: the
+PSNR measures how far a setting moves the output, not how it looks.
+
+`--mode` is the runtime's run mode for every setting (default `auto`: a process per worker when a config has
+several workers, as `bagel_cfg_parallel` does, else in process). Each setting's JSON lists its workers'
+devices (`workers`: a rank's GPU is its rank modulo the GPUs visible). `peak_gb` (GPU 0's allocator peak) is
+recorded in process only, and `--profile` needs it.
 
     python3 benchmarks/bagel_bench.py                   # GPU: writes benchmarks/results/bagel_bench_<gpu>.json
     python3 benchmarks/bagel_bench.py --concurrency 1 16 --tokens 64 256
     python3 benchmarks/bagel_bench.py --quick           # tiny random model on CPU (smoke test)
     python3 benchmarks/bagel_bench.py --cases generation editing --quantization none fp8 --profile
+    python3 benchmarks/bagel_bench.py --cases generation editing --configs bagel bagel_cfg_parallel  # 3 GPUs
     python3 benchmarks/bagel_bench.py --profile --out benchmarks/results/bagel_bench_h100_profile.json 2>&1 | tee bagel.log
 """
 
@@ -47,7 +58,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
+from benchmarks.bagel_settings import Setting, compare_image, seconds_ratios, settings  # noqa: E402
 from benchmarks.results_io import write_results  # noqa: E402
+from mstar.config import ConfigError  # noqa: E402
 
 QUESTION = "Describe this picture in detail: the objects, their colors and what is happening."
 PROMPT = "A female cosplayer portraying an ethereal fairy, flowing emerald dress, a glowing magical forest behind."
@@ -67,13 +80,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="which cases (default all)")
     parser.add_argument("--quantization", nargs="+", choices=["none", "fp8", "fp8_block"], default=["none"],
                         help="the deployment once per setting (the LLM's decoder linears in FP8 for fp8/fp8_block); "
-                        "later settings report image PSNR and seconds against the first")
+                        "later settings are compared to the first")
+    parser.add_argument("--configs", nargs="+", default=["bagel"],
+                        help="deployment configs (shipped names or YAML paths, model bagel), one after another; "
+                        "later configs are compared to the first (default bagel)")
+    parser.add_argument("--mode", choices=["auto", "inproc", "multiproc"], default="auto",
+                        help="run mode of every setting (default auto: multiproc when a config has several "
+                        "workers, else inproc)")
     args = parser.parse_args(argv)
     args.device = torch.device("cpu" if args.quick else "cuda")
     if args.device.type == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device here: pass --quick (tiny, CPU)")
-    if len(set(args.quantization)) < len(args.quantization):
-        parser.error(f"--quantization {' '.join(args.quantization)}: each setting once")
+    try:
+        args.settings = settings(args.configs, args.quantization, cpu=args.quick)
+    except (ValueError, ConfigError) as exc:
+        parser.error(str(exc))
+    if args.mode == "auto":
+        args.mode = "multiproc" if any(s.config.num_workers > 1 for s in args.settings) else "inproc"
+    if args.profile and args.mode != "inproc":
+        parser.error(f"--profile reads the LLM engine in this process, which --mode {args.mode} does not run: "
+                     "pass --mode inproc")
     quick = args.quick
     args.concurrency = args.concurrency or ([1, 2] if quick else [1, 16])
     args.tokens = args.tokens or ([4] if quick else [64, 256])
@@ -114,17 +140,22 @@ def understanding_case(m, args: argparse.Namespace, concurrency: int, tokens: in
             "tokens": count, "seconds": round(elapsed, 3)}
 
 
+def image_request(args: argparse.Namespace, edit: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The request and options of the text-to-image case (or the editing case)."""
+    options: dict[str, Any] = {"modalities": ["image"], "num_inference_steps": args.steps, "seed": 0}
+    if edit:
+        return {"text": EDIT, "media": [{"type": "image", "data": image(args.size, 2)}]}, options
+    return {"text": PROMPT}, {**options, "size": f"{args.size}x{args.size}", "guidance_scale": 4.0,
+                              "cfg_interval": [0.4, 1.0]}
+
+
 def image_case(m, args: argparse.Namespace, edit: bool) -> tuple[dict[str, Any], np.ndarray]:
     """Seconds of one generation (or edit) end to end, and its uint8 image [H, W, 3] on the host."""
-    if edit:
-        request, options = {"text": EDIT, "media": [{"type": "image", "data": image(args.size, 2)}]}, {}
-    else:
-        request = {"text": PROMPT}
-        options = {"size": f"{args.size}x{args.size}", "guidance_scale": 4.0, "cfg_interval": [0.4, 1.0]}
+    request, options = image_request(args, edit)
     if args.device.type == "cuda":  # work queued before this case is not timed
         torch.cuda.synchronize()
     start = time.perf_counter()
-    result = m.submit(request, modalities=["image"], num_inference_steps=args.steps, seed=0, **options).result()
+    result = m.submit(request, **options).result()
     # in process the image is a GPU tensor handed over by reference, perhaps still being computed: the clock
     # stops once it is on the host
     picture = result.outputs["image"][0].cpu().numpy()
@@ -132,10 +163,11 @@ def image_case(m, args: argparse.Namespace, edit: bool) -> tuple[dict[str, Any],
     return {"seconds": round(seconds, 3), "image": list(picture.shape), "steps": args.steps}, picture
 
 
-def image_psnr(picture: np.ndarray, reference: np.ndarray) -> float:
-    """PSNR in dB of uint8 `picture` against `reference` (inf for identical images)."""
-    mse = float(((picture.astype(np.float64) - reference.astype(np.float64)) ** 2).mean())
-    return float("inf") if mse == 0 else round(10 * float(np.log10(255.0**2 / mse)), 2)
+def final_latents(m, args: argparse.Namespace, edit: bool) -> torch.Tensor:
+    """The image case's latents after its last step (float32, host), from an untimed run of the same seed."""
+    request, options = image_request(args, edit)
+    result = m.submit(request, **options, debug_outputs=True).result()
+    return result.outputs["step_latents"][-1].float().cpu()
 
 
 class StepProfiler:
@@ -196,18 +228,20 @@ def profile_steps(m, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def run_setting(args: argparse.Namespace, quantization: str, doc: dict[str, Any], images: dict[str, np.ndarray],
-                save) -> None:
-    """Every case of `args.cases` on a deployment with `quantization` ("none" or a method for the LLM), into
-    `doc`; `images` holds the first setting's image of each image case, which later settings are compared to."""
+def run_setting(args: argparse.Namespace, setting: Setting, doc: dict[str, Any],
+                reference: dict[str, tuple[np.ndarray, torch.Tensor | None]], save) -> None:
+    """Every case of `args.cases` on `setting`'s deployment, into `doc`; `reference` holds the first setting's
+    image and final latents of each image case, which later settings are compared to."""
     from benchmarks.call_timing import free_memory, peak_gb
+    from mstar.runtime.build import worker_device
     from mstar.runtime.offline import MStar
 
     free_memory(args.device)
-    config = {"model": "bagel", "quantization": {} if quantization == "none" else {"llm": quantization}}
+    config, first = setting.config, args.settings[0].name
+    doc["workers"] = [str(worker_device(config, rank)) for rank in range(config.num_workers)]
     kwargs = {"tiny": True} if args.quick else {"load_format": "dummy"}
     start = time.perf_counter()
-    with MStar("bagel", config, **kwargs) as m:
+    with MStar(config.model, config, mode=args.mode, **kwargs) as m:
         doc["build_s"] = round(time.perf_counter() - start, 1)
         # warm-up: first-call kernel choices (decode GEMMs pick theirs per row count) and allocations
         image_case(m, args, edit=False)
@@ -219,45 +253,41 @@ def run_setting(args: argparse.Namespace, quantization: str, doc: dict[str, Any]
                 for tokens in args.tokens:
                     case = doc["understanding"][f"c{concurrency}_t{tokens}"] = understanding_case(
                         m, args, concurrency, tokens)
-                    print(f"{quantization} understanding c{concurrency} t{tokens}: {case}", flush=True)
+                    print(f"{setting.name} understanding c{concurrency} t{tokens}: {case}", flush=True)
                     save()
         for name in ("generation", "editing"):
             if name in args.cases:
-                doc[name], picture = image_case(m, args, edit=name == "editing")
-                if name in images:
-                    first = args.quantization[0]
-                    doc[name][f"psnr_db_vs_{first}"] = image_psnr(picture, images[name])
-                images.setdefault(name, picture)
-                print(f"{quantization} {name}: {doc[name]}", flush=True)
+                edit = name == "editing"
+                latents = final_latents(m, args, edit) if len(args.settings) > 1 else None
+                doc[name], picture = image_case(m, args, edit)
+                compare_image(doc[name], reference, name, picture, latents, first)
+                print(f"{setting.name} {name}: {doc[name]}", flush=True)
                 save()
         if args.profile:
             doc["profile"] = profile_steps(m, args)
-        doc["peak_gb"] = peak_gb(args.device)
+        if args.mode == "inproc":  # another process's allocations are not this one's to read
+            doc["peak_gb"] = peak_gb(args.device)
         save()
-
-
-def seconds_ratios(doc: dict[str, Any], first: str) -> None:
-    """Each later setting's image cases: their seconds over the first setting's (`seconds_vs_<first>`)."""
-    for setting in doc.get("settings", {}).values():
-        for name in ("generation", "editing"):
-            if name in setting and name in doc:
-                setting[name][f"seconds_vs_{first}"] = round(setting[name]["seconds"] / doc[name]["seconds"], 3)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     kind = "cpu" if args.quick else torch.cuda.get_device_name().split()[-1].lower()
+    first = args.settings[0]
     doc: dict[str, Any] = {"device": "cpu" if args.quick else torch.cuda.get_device_name(),
+                           "gpus_visible": 0 if args.quick else torch.cuda.device_count(),
                            "dtype": "float32" if args.quick else "bfloat16", "command": " ".join(sys.argv),
                            "weights": "tiny, seeded random" if args.quick else "BAGEL-7B-MoT shapes, dummy (seeded random)",
-                           "quantization": args.quantization[0]}
+                           "config": first.source, "quantization": first.quantization, "mode": args.mode}
     # written after every case, so that a run cut short keeps what it measured
     save = partial(write_results, doc, args.out, args.quick, f"bagel_bench_{kind}")
-    images: dict[str, np.ndarray] = {}
-    for i, quantization in enumerate(args.quantization):
-        part = doc if i == 0 else doc.setdefault("settings", {}).setdefault(quantization, {})
-        run_setting(args, quantization, part, images, save)
-        seconds_ratios(doc, args.quantization[0])
+    reference: dict[str, tuple[np.ndarray, torch.Tensor | None]] = {}
+    for setting in args.settings:
+        part = doc if setting is first else doc.setdefault("settings", {}).setdefault(setting.name, {})
+        if setting is not first:
+            part.update(config=setting.source, quantization=setting.quantization)
+        run_setting(args, setting, part, reference, save)
+        seconds_ratios(doc, first.name)
         save()
     print(json.dumps(doc, indent=2))
     return doc

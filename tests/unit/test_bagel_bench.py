@@ -1,5 +1,6 @@
 """benchmarks/bagel_bench.py: a --quick run (the tiny model on CPU) writes what it returns, with every case and,
-with --profile, an op table of a decode step at concurrency 2 and of a denoising step."""
+with --profile, an op table of a decode step at concurrency 2 and of a denoising step; several settings (quantizations,
+configs) in one run are compared to the first."""
 
 from __future__ import annotations
 
@@ -36,7 +37,29 @@ def test_quick_run_of_both_settings(tmp_path) -> None:
     assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
     assert doc["quantization"] == "none" and "understanding" not in doc and "profile" not in doc
     fp8 = doc["settings"]["fp8"]
-    assert set(fp8) == {"build_s", "generation", "editing", "peak_gb"}
+    assert doc["mode"] == "inproc" and doc["workers"] == ["cpu"]
+    assert set(fp8) == {"config", "quantization", "workers", "build_s", "generation", "editing", "peak_gb"}
     for name in ("generation", "editing"):
         assert fp8[name]["image"] == doc[name]["image"] == [64, 64, 3]
         assert 15 < fp8[name]["psnr_db_vs_none"] < 45 and fp8[name]["seconds_vs_none"] > 0, fp8[name]
+        assert fp8[name]["latents_max_abs_diff_vs_none"] > 1e-3, fp8[name]  # FP8 moved the latents
+
+
+def test_quick_run_of_two_configs(tmp_path) -> None:
+    """--configs bagel bagel_cfg_parallel: both deployments run as worker processes (three for the guidance
+    branches' placement), and the spread branches give the one-worker images and final latents up to float32
+    noise (measured: at most 1.5e-5 on latents of scale 6 to 8, a pixel off by at most 1)."""
+    out = tmp_path / "bagel.json"
+    doc = main(["--quick", "--cases", "generation", "editing", "--configs", "bagel", "bagel_cfg_parallel",
+                "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(doc))
+    assert doc["config"] == "bagel" and doc["mode"] == "multiproc" and doc["workers"] == ["cpu"]
+    spread = doc["settings"]["bagel_cfg_parallel"]
+    assert spread["workers"] == ["cpu"] * 3 and "peak_gb" not in spread
+    for name in ("generation", "editing"):
+        case = spread[name]
+        assert case["image"] == doc[name]["image"] == [64, 64, 3] and case["seconds_vs_bagel"] > 0
+        assert doc[name]["latents_max_abs"] > 1
+        assert case["latents_max_abs"] == pytest.approx(doc[name]["latents_max_abs"], abs=1e-3)
+        assert case["latents_max_abs_diff_vs_bagel"] <= 1e-4, case
+        assert case["max_pixel_diff_vs_bagel"] <= 1 and case["psnr_db_vs_bagel"] > 60, case
