@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Every GPU check and benchmark of the repo in one go, for one machine with one (or two) CUDA GPUs.
+# Every GPU check and benchmark of the repo in one go, for one machine with one (or two, or three) CUDA GPUs.
 #
-#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|orpheus_fp8|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni_80gb|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|pd|pd2|kernels|pi05|pi05_modes|vjepa2|vjepa2_profile|hops|hops2|fp8_decode|bagel|bagel_fp8|cosmos3|cosmos3_policy|serve_fit|all]
+#   OUT=/tmp/gpu_out bash benchmarks/gpu_suite.sh [tests|tests_omni|decode|orpheus|orpheus_http|orpheus_ab|orpheus_fp8|wan|wan_quick|wan_profile|wan_extra|wan_fp8|omni|omni_80gb|omni2|omni_quick|omni_fp8|profile_omni|code2wav|structured|pd|pd2|kernels|pi05|pi05_modes|vjepa2|vjepa2_profile|hops|hops2|fp8_decode|bagel|bagel_fp8|bagel_cfg3|cosmos3|cosmos3_policy|serve_fit|all]
 #
 # On a bare GPU machine run `source benchmarks/device_setup.sh` first (it says what to carry there).
 #
@@ -9,7 +9,8 @@
 # failing step does not stop the others. Needs the repo importable (pip install -e . or PYTHONPATH) and,
 # for the Orpheus server step, fastapi/uvicorn/pyzmq/msgspec; the Wan step needs diffusers for its
 # baseline (benchmarks/wan_bench.py says how to carry it); the omni steps need the Qwen3-Omni tokenizer folder
-# (mstar_tokenizers/qwen3-omni-v2, built by any qwen3_omni test here) under the temp dir. omni2, hops2 and pd2 need two GPUs.
+# (mstar_tokenizers/qwen3-omni-v2, built by any qwen3_omni test here) under the temp dir. omni2, hops2 and pd2 need two GPUs,
+# bagel_cfg3 three.
 # ORPHEUS_CONFIG picks the Orpheus server's config (default mstar/configs/orpheus.yaml).
 # serve_fit (not in all): MODELS picks the models (default every one), SERVE_FIT_ARGS adds flags of
 # benchmarks/serve_fit.py (its docstring has the tokenizer folders each model needs and a plan of calls).
@@ -296,10 +297,21 @@ fi
 if [[ $WHAT == bagel ]]; then  # BAGEL understanding at 1 and 16, text to image, editing, with profiles (~6 min)
   run 560 bagel_bench python3 benchmarks/bagel_bench.py --profile --out "$OUT/bagel_bench_$GPU.json"
 fi
-if [[ $WHAT == bagel_fp8 ]]; then  # tiny FP8 checks, then every BAGEL case (image questions: first token and tokens/s; text to image; editing), bf16 then FP8 LLM in one run: image PSNR, decode and denoise profiles (~4 min)
+if [[ $WHAT == bagel_fp8 ]]; then  # tiny FP8 checks, then every BAGEL case (image questions: first token and tokens/s; text to image; editing), bf16 then FP8 LLM in one run: image PSNR and final latents against bf16's, decode and denoise profiles (~5 min)
   run 90 gpu_tests_bagel_fp8 python3 -m pytest -q -n 0 -m gpu tests/gpu/test_bagel_fp8_gpu.py -p no:cacheprovider
   run 480 bagel_bench_fp8 python3 benchmarks/bagel_bench.py --quantization none fp8 \
       --profile --out "$OUT/bagel_bench_${GPU}_fp8.json"
+fi
+if [[ $WHAT == bagel_cfg3 ]]; then  # needs three GPUs: text to image and editing (1024x1024, 50 steps) under bagel.yaml
+  # (one GPU), then bagel_cfg_parallel.yaml (a guidance branch per GPU), in one run, a process per worker: seconds,
+  # and the images and final latents against one GPU's of the same seed (~4 min)
+  gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null)
+  if (( ${gpus:-0} < 3 )); then
+    echo "bagel_cfg3 needs three GPUs (bagel_cfg_parallel.yaml puts its workers on GPUs 0, 1, 2); ${gpus:-0} visible"
+    exit 1
+  fi
+  run 560 bagel_bench_cfg3 python3 benchmarks/bagel_bench.py --cases generation editing \
+      --configs bagel bagel_cfg_parallel --out "$OUT/bagel_bench_${GPU}_cfg3.json"
 fi
 if [[ $WHAT == cosmos3 ]]; then  # Cosmos3-Nano text to image at three sizes, then 4 and 8 in flight, against diffusers (~8 min)
   run 560 cosmos3_t2i python3 benchmarks/cosmos3_bench.py --cases t2i throughput \
