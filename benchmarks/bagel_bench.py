@@ -1,4 +1,4 @@
-"""BAGEL-7B-MoT served in process on one GPU, dummy weights, bf16 (asserts nothing).
+"""BAGEL-7B-MoT served offline (in process, or a process per worker), dummy weights, bf16 (asserts nothing).
 
 - `understanding`: an image (the ViT's 980 px) and a question, `--tokens` answer tokens each (eos ignored),
   at each `--concurrency`: time to the first answer token (p50) and answer tokens per second over all
@@ -29,7 +29,7 @@ PSNR measures how far a setting moves the output, not how it looks.
 
 `--mode` is the runtime's run mode for every setting (default `auto`: a process per worker when a config has
 several workers, as `bagel_cfg_parallel` does, else in process). Each setting's JSON lists its workers'
-devices (`workers`: a rank's GPU is its rank modulo the GPUs visible). `peak_gb` (GPU 0's allocator peak) is
+devices (`workers`: a rank's GPU is its rank modulo `gpus_visible`). `peak_gb` (GPU 0's allocator peak) is
 recorded in process only, and `--profile` needs it.
 
     python3 benchmarks/bagel_bench.py                   # GPU: writes benchmarks/results/bagel_bench_<gpu>.json
