@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
 from benchmarks.bagel_settings import Setting, compare_image, seconds_ratios, settings  # noqa: E402
-from benchmarks.results_io import write_results  # noqa: E402
+from benchmarks.results_io import gpu_tag, write_results  # noqa: E402
 from mstar.config import ConfigError  # noqa: E402
 
 QUESTION = "Describe this picture in detail: the objects, their colors and what is happening."
@@ -272,7 +272,7 @@ def run_setting(args: argparse.Namespace, setting: Setting, doc: dict[str, Any],
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    kind = "cpu" if args.quick else torch.cuda.get_device_name().split()[-1].lower()
+    kind = "cpu" if args.quick else gpu_tag(torch.cuda.get_device_name())
     first = args.settings[0]
     doc: dict[str, Any] = {"device": "cpu" if args.quick else torch.cuda.get_device_name(),
                            "gpus_visible": 0 if args.quick else torch.cuda.device_count(),

@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
 from benchmarks.call_timing import free_memory, peak_gb  # noqa: E402
-from benchmarks.results_io import write_results  # noqa: E402
+from benchmarks.results_io import gpu_tag, write_results  # noqa: E402
 from benchmarks.wan_baseline import dummy_module  # noqa: E402
 
 PROMPT = "A lighthouse on a rocky cliff at dusk, waves below, warm light in the window"
@@ -338,8 +338,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if "mstar" in doc and "diffusers" in doc:
         doc["speedup"] = ratios(doc["mstar"], doc["diffusers"])
         print(json.dumps({"speedup": doc["speedup"]}), flush=True)
-    slug = "".join(ch if ch.isalnum() else "_" for ch in device_name.lower()).strip("_")
-    write_results(doc, args.out, args.quick, f"cosmos3_bench_{slug}")
+    write_results(doc, args.out, args.quick, f"cosmos3_bench_{gpu_tag(device_name)}")
     return doc
 
 

@@ -72,8 +72,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
-from benchmarks.results_io import write_results  # noqa: E402
-from benchmarks.structured_decode import LLAMA31_8B, PAGE, checkpoint_folder, gpu_tag  # noqa: E402
+from benchmarks.results_io import gpu_tag, write_results  # noqa: E402
+from benchmarks.structured_decode import LLAMA31_8B, PAGE, checkpoint_folder  # noqa: E402
 from mstar.conductor.request_state import FinishEvent, OutputEvent  # noqa: E402
 from mstar.config import MStarConfig, config_from_dict, load_config  # noqa: E402
 from mstar.engines.autoregressive import AutoregressiveEngine, build_autoregressive_engine  # noqa: E402

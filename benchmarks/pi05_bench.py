@@ -49,7 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
-from benchmarks.results_io import write_results  # noqa: E402
+from benchmarks.results_io import gpu_tag, write_results  # noqa: E402
 from mstar.models.pi05.model import Pi05  # noqa: E402
 
 TASK = "pick up the red cube and place it in the bowl"
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         doc["throughput"] = {f"c{n}": throughput_case(base, n, args.per_robot) for n in args.concurrency}
     if not args.no_baseline:
         doc["baseline"] = baseline_case(args, prompt_length(metadata, args))
-    write_results(doc, args.out, args.quick, f"pi05_bench_{device.replace(' ', '_')}")
+    write_results(doc, args.out, args.quick, f"pi05_bench_{gpu_tag(device)}")
     print(json.dumps(doc, indent=2))
     return doc
 

@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
-from benchmarks.results_io import write_results  # noqa: E402
+from benchmarks.results_io import gpu_tag, write_results  # noqa: E402
 
 STAGES = ("vision", "prefix", "flow")
 PROFILED = ("prefix", "flow")
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{mode} batch {batch}: " + ", ".join(f"{k} {v:.2f}" for k, v in case.items()), flush=True)
         if args.profile and mode == modes[0]:
             doc["profile"] = profiled_chunk(args, cfg, device, vision, policy, mode)
-    write_results(doc, args.out, args.quick, f"pi05_stages_{doc['device'].replace(' ', '_')}")
+    write_results(doc, args.out, args.quick, f"pi05_stages_{gpu_tag(doc['device'])}")
     return doc
 
 

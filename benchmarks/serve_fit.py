@@ -89,7 +89,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
-from benchmarks.results_io import write_results  # noqa: E402
+from benchmarks.results_io import gpu_tag, write_results  # noqa: E402
 
 SERVE = [sys.executable, "-m", "mstar.cli.main", "serve"]
 MiB = 1 << 20
@@ -166,11 +166,6 @@ def first_gpu() -> int | None:
     except (OSError, subprocess.SubprocessError, ValueError):
         return None
 
-
-def gpu_tag(name: str) -> str:
-    """h100, h200, ... from a device name (as gpu_suite.sh names result files)."""
-    found = re.search(r"h100|h200|b200|a100", name.lower())
-    return found.group(0) if found else "gpu"
 
 
 def chosen_config(log: str, model: str) -> str:

@@ -41,7 +41,6 @@ import itertools
 import json
 import logging
 import platform
-import re
 import statistics
 import sys
 import tempfile
@@ -58,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without install
 
 from benchmarks.grammar_mask_cost import SCHEMAS  # noqa: E402
-from benchmarks.results_io import write_results  # noqa: E402
+from benchmarks.results_io import gpu_tag, write_results  # noqa: E402
 from mstar.config import config_from_dict  # noqa: E402
 from mstar.engines.autoregressive import AutoregressiveEngine, build_autoregressive_engine  # noqa: E402
 from mstar.engines.base import LoopSpec, StepItem  # noqa: E402
@@ -246,11 +245,6 @@ def measure_batch(engine: AutoregressiveEngine, clock: TimedGrammars, args: argp
                    for name, results in runs.items()}
     return row
 
-
-def gpu_tag(name: str) -> str:
-    """h100, h200, ... from a CUDA device name (as gpu_suite.sh names result files)."""
-    found = re.search(r"h100|h200|b200|a100", name.lower())
-    return found.group(0) if found else "gpu"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
