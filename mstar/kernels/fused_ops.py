@@ -327,15 +327,19 @@ def _qk_norm_rotary_kernel(x_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, num
 
 
 def qk_norm_rotary(x: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q: int,
-                   cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+                   cos: torch.Tensor, sin: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Qwen3's qk-norm and RoPE in one launch: x [T, Hq + Hk, D] holds each token's q heads then its k
     heads (any strides with a unit last stride, e.g. a view of the qkv rows); each head is RMS-normed
     over D with `q_weight` (the first `num_q` heads) or `k_weight`, then rotated by cos/sin [T, D]
-    (a row stride of 0 gives every token the same position). Returns a new contiguous [T, Hq + Hk, D]."""
+    (a row stride of 0 gives every token the same position). Returns `out` (shaped like x, unit last
+    stride; it may be x itself: a program reads its heads whole before it writes them), by default a new
+    contiguous [T, Hq + Hk, D]."""
     tokens, heads, dim = x.shape
     assert x.stride(2) == 1 and cos.stride(1) == 1 and dim % 2 == 0, "qk_norm_rotary needs unit-stride head dims"
     assert q_weight.is_contiguous() and k_weight.is_contiguous() and q_weight.numel() == k_weight.numel() == dim
-    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
+    assert out.shape == x.shape and out.dtype == x.dtype and out.stride(2) == 1, "qk_norm_rotary: out like x"
     block_h = min(triton.next_power_of_2(heads), 16)
     _qk_norm_rotary_kernel[(tokens, triton.cdiv(heads, block_h))](
         x, q_weight, k_weight, cos, sin, out, heads, num_q, x.stride(0), x.stride(1), cos.stride(0), out.stride(0),

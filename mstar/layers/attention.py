@@ -26,20 +26,22 @@ _QK_NORM_ROTARY = KernelGuard("qk_norm_rotary")
 
 
 def normed_rotated_qk(qk: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, num_q: int, cos: torch.Tensor,
-                      sin: torch.Tensor) -> torch.Tensor:
+                      sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Qwen3's q and k: each row's q heads then k heads [T, Hq + Hk, D], each head RMS-normed (`q_norm`
     for the first `num_q`, `k_norm` for the rest) then rotated by cos/sin [T, D]. One launch where the
-    fused kernels serve (`fused_ops.qk_norm_rotary`), else the layers; a new [T, Hq + Hk, D] tensor."""
+    fused kernels serve (`fused_ops.qk_norm_rotary`), else the layers; written to `out` (shaped like qk; it
+    may be qk itself, e.g. a view of the qkv rows, so no copy joins q and k to v again) or a new tensor."""
 
     def unfused() -> torch.Tensor:
-        return torch.cat([apply_rotary(q_norm(qk[:, :num_q]), cos, sin), apply_rotary(k_norm(qk[:, num_q:]), cos, sin)],
+        both = torch.cat([apply_rotary(q_norm(qk[:, :num_q]), cos, sin), apply_rotary(k_norm(qk[:, num_q:]), cos, sin)],
                          dim=1)
+        return both if out is None else out.copy_(both)
 
     ops = FUSED.ops_for(qk)
     if ops is None or cos.stride(1) != 1 or q_norm.eps != k_norm.eps:
         return unfused()
-    return _QK_NORM_ROTARY.run(lambda: ops.qk_norm_rotary(qk, q_norm.weight, k_norm.weight, num_q, cos, sin, q_norm.eps),
-                               unfused)
+    return _QK_NORM_ROTARY.run(
+        lambda: ops.qk_norm_rotary(qk, q_norm.weight, k_norm.weight, num_q, cos, sin, q_norm.eps, out=out), unfused)
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,13 @@ def check_qk_norm_rotary(dtype: torch.dtype) -> None:
         return torch.cat([apply_rotary(q, c, s), apply_rotary(k, c, s)], dim=1)
 
     torch.testing.assert_close(got, reference(ref), atol=1e-5 if dtype == torch.float32 else 2e-3, rtol=2e-3)
+    # in place into the qkv rows (BAGEL's projection): q and k replaced by the same values, v untouched
+    v = qkv[:, 64:].clone()
+    back = fused_ops.qk_norm_rotary(heads, qn.weight, kn.weight, 3, cos.expand(5, -1), sin.expand(5, -1), 1e-6,
+                                    out=heads)
+    assert back.data_ptr() == qkv.data_ptr()
+    torch.testing.assert_close(qkv[:, :64].view(5, 4, 16), got, atol=0, rtol=0)
+    assert torch.equal(qkv[:, 64:], v)
 
 
 def check_code_predictor() -> None:

@@ -86,10 +86,10 @@ class ExpertAttention(nn.Module):
 
     def qkv(self, x: torch.Tensor, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """[T, (Hq + 2 Hkv) * D]: q and k normed per head and rotated by cos/sin [T, D], v as projected."""
-        qk, v = linear(x, self.qkv_proj).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = normed_rotated_qk(qk.view(x.shape[0], -1, head_dim), self.q_norm, self.k_norm, self.q_size // head_dim,
-                               cos, sin)
-        return torch.cat([qk.flatten(1), v], dim=-1)
+        qkv = linear(x, self.qkv_proj)
+        qk = qkv[:, : self.q_size + self.kv_size].view(x.shape[0], -1, head_dim)
+        normed_rotated_qk(qk, self.q_norm, self.k_norm, self.q_size // head_dim, cos, sin, out=qk)  # in place
+        return qkv
 
 
 class MoTLayer(nn.Module):
