@@ -246,7 +246,8 @@ if [[ $WHAT == pd2 ]]; then  # two GPUs: prefill on GPU 0, decode on GPU 1 (KV p
   # on GPU 1 against one GPU at 1/8/16/32. PD2_PARTS picks parts (default "orpheus omni sweep"; a device call of 10
   # minutes holds about one). Needs the llama3-v1 and qwen3-omni-v2 tokenizer folders, as device_setup.sh says.
   if (( $(nvidia-smi -L 2>/dev/null | wc -l) < 2 )); then
-    echo "pd2 needs two GPUs"
+    echo "pd2 needs two GPUs (llama_pd.yaml and qwen3_omni_pd.yaml put prefill on GPU 0, decode on GPU 1)"
+    exit 1
   else
     parts=" ${PD2_PARTS:-orpheus omni sweep} "
     if [[ $parts == *" orpheus "* ]]; then  # 512-token prompts, 128 tokens each
