@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from mstar.graph.spec import TO_CLIENT
 from mstar.models.base import OutputDecoder, TokenLogprobs
 from mstar.server import logprobs
 from mstar.server.adapters import Item, RequestError, RequestStream, start_request
@@ -90,10 +91,29 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type=content_type)
 
 
+def client_outputs(runtime) -> list[str]:
+    """The outputs /generate may ask for: the model's modalities, whatever its walks send the client
+    (`progress`, `frames`, ...) and `logprobs` where its decoder gives them."""
+    emitted = {e.name for walk in runtime.graph.walks for e in walk.emits if e.to == TO_CLIENT}
+    extra = {"logprobs"} if runtime.processor.returns_logprobs else set()
+    return sorted(set(runtime.model.output_modalities) | emitted | extra)
+
+
+def check_outputs(state, outputs: list[str]) -> None:
+    """A 400 naming an output the model never sends, which would otherwise run the request to its end
+    and answer nothing."""
+    known = client_outputs(state.runtime)
+    unknown = [name for name in outputs if name not in known]
+    if unknown:
+        raise RequestError(400, f"model {state.model_name!r} has no output {unknown[0]!r}; its outputs are "
+                                f"{', '.join(known)}", "outputs")
+
+
 def build_request(state, body: GenerateRequest, uploads: list[tuple[str, bytes]] = ()
                   ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The processor request and the options of a /generate body (media decoded under the policy);
     `uploads` are (modality, bytes) of multipart file parts, appended after the JSON media."""
+    check_outputs(state, body.outputs)
     request: dict[str, Any] = {}
     if body.text is not None:
         request["text"] = body.text

@@ -64,6 +64,18 @@ def test_local_path_as_generate_media_is_refused(base):
     assert resp.status_code == 400 and "file" in resp.json()["error"]["message"].lower()
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_output_the_model_lacks_is_400_naming_its_outputs(base, stream):
+    resp = httpx.post(f"{base}/generate", json={"text": "x", "outputs": ["text", "smell"], "stream": stream,
+                                               "options": {"max_tokens": 2}}, timeout=10)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "outputs" and "'smell'" in error["message"] and "progress" in error["message"]
+    ok = httpx.post(f"{base}/generate", json={"text": "x", "outputs": ["text", "progress"], "stream": False,
+                                             "options": {"max_tokens": 2}}, timeout=10)
+    assert ok.status_code == 200 and set(ok.json()["outputs"]) == {"text", "progress"}
+
+
 def test_unknown_route_and_body_limit(base):
     resp = httpx.post(f"{base}/v1/no/such/route", json={})
     assert resp.status_code == 404 and resp.json()["error"]["message"]
