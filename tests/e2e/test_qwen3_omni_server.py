@@ -52,3 +52,10 @@ def test_speech_returns_wav(client):
                                       extra_body={"max_tokens": 4, "temperature": 0, **SHORT}).content
     samples, rate = sf.read(io.BytesIO(data))
     assert rate == 24000 and samples.size > 0 and np.isfinite(samples).all()
+
+
+@pytest.mark.parametrize("option,match", [({"speed": 1.5}, "speed"), ({"instructions": "whisper"}, "instructions")])
+def test_speech_refuses_what_the_talker_cannot_do(client, option, match):
+    with pytest.raises(openai.BadRequestError, match=match):
+        client.audio.speech.create(model="qwen3_omni", voice="Chelsie", input="Read this.", response_format="wav",
+                                   extra_body=SHORT, **option)

@@ -128,6 +128,11 @@ class OmniProcessor(Processor):
             raise ValueError("this checkpoint has no talker (enable_audio_output is false); ask for text only")
         if options.get("n", 1) != 1:
             raise ValueError(f"n={options['n']!r}: a single request generates one answer")
+        # OpenAI speech's `speed` and `instructions` have no talker input to reach: refused, not ignored.
+        if options.get("speed", 1.0) != 1.0:
+            raise ValueError(f"speed={options['speed']!r}: the talker cannot change its speaking rate; use 1.0")
+        if options.get("instructions"):
+            raise ValueError("instructions: the talker takes no style instructions; say it in the text instead")
         if options.get("talker.structured_outputs") is not None:
             raise ValueError("talker.structured_outputs: only the thinker's text follows a grammar; set "
                              "structured_outputs (or thinker.structured_outputs)")
