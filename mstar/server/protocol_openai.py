@@ -320,9 +320,13 @@ class CompletionRequest(SamplingParams):
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=20)
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)  # only best_of == n (no choosing) is served
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"`best_of` ({self.best_of}) other than n ({self.n}) is not supported (the server does "
+                             "not rank candidates); send n alone")
         choices = len(self.prompts()) * self.n
         if choices > MAX_CHOICES:
             raise ValueError(f"{len(self.prompts())} prompts x n={self.n} make {choices} generations; one request "

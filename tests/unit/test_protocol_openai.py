@@ -128,6 +128,13 @@ def test_completion_request():
     assert "prompt" in _message(CompletionRequest, {"prompt": ""})[0]
 
 
+def test_completion_best_of_above_n_is_refused_not_ignored():
+    assert "best_of" in _message(CompletionRequest, {"prompt": "a", "best_of": 3})[0]
+    assert "best_of" in _message(CompletionRequest, {"prompt": "a", "n": 2, "best_of": 4})[0]
+    same = CompletionRequest.model_validate({"prompt": "a", "n": 2, "best_of": 2})  # best of n is n: served
+    assert same.n == 2 and "best_of" not in same.sampling_options() | same.extra_options()
+
+
 def test_chat_responses_serialise_like_openai():
     done = ChatCompletion(model="m", choices=[{"message": ChatResponseMessage(content="hey"), "finish_reason": "stop"}],
                           usage={"prompt_tokens": 3, "completion_tokens": 2})
