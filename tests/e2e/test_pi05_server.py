@@ -100,6 +100,14 @@ def test_generate_refuses_a_wrong_state_size(base) -> None:
     assert answer.status_code == 400 and "state must hold 8" in answer.text
 
 
+def test_generate_refuses_an_option_pi05_does_not_take(base) -> None:
+    body = {"text": "pick", "outputs": ["actions"], "stream": False,
+            "media": [{"type": "image", "data": _png(np.zeros((8, 8, 3), np.uint8))}],
+            "options": {"state": [0.0] * 8, "chunk_size": 3}}
+    answer = httpx.post(f"{base}/generate", json=body, timeout=60)
+    assert answer.status_code == 400 and "'chunk_size'" in answer.text and "num_steps" in answer.text
+
+
 def test_the_websocket_checks_the_api_key() -> None:
     with running_server({"model": "pi05"}, tiny=True, api_key="k3y") as url:
         with pytest.raises(Exception, match="1008|403|rejected"):

@@ -24,6 +24,9 @@ from mstar.models.base import Processor
 from mstar.models.pi05.prompt import Quantiles, prompt_text
 
 MAX_STEPS = 100
+# every request option (Pi05.default_options, and `modalities` as the SDK's predict_actions sends it); others
+# are refused
+OPTIONS = ("state", "num_steps", "seed", "modalities")
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,11 @@ class Pi05Processor(Processor):
         self.robot, self.tokenizer = robot, tokenizer
 
     def validate_options(self, options: Mapping[str, Any]) -> None:
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:  # the chunk's size and the action width are the checkpoint's, not a request's
+            raise ValueError(f"unknown option {unknown[0]!r}; Pi0.5 takes {', '.join(OPTIONS)}")
+        if list(options.get("modalities") or ["actions"]) != ["actions"]:
+            raise ValueError(f"modalities={options['modalities']!r}: Pi0.5 answers actions only")
         steps = options.get("num_steps")
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= MAX_STEPS):
             raise ValueError(f"num_steps must be an integer in [1, {MAX_STEPS}], got {steps!r}")
