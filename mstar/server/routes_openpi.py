@@ -113,7 +113,9 @@ async def _infer(state, processor: RobotPolicy, message: bytes) -> bytes | str:
     start = time.perf_counter()
     try:
         request, options = processor.observation_request(unpack(message))
-        stream = await start_request(state, request, options)
+        # A chunk's inputs (one observation: a few cameras at the policy's size, a short prompt) cost less
+        # than handing them to a thread and back, and a robot waits on every chunk.
+        stream = await start_request(state, request, options, inputs_on_loop=True)
         outputs = await stream.collect()
     except ValueError as exc:
         return f"bad observation: {exc}"

@@ -14,11 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 
 BINS = 256
+_EDGES = np.linspace(-1, 1, BINS + 1)[:-1]  # the bins' lower edges, made once: a prompt is made per chunk
 
 
 def discretize(state: np.ndarray) -> np.ndarray:
     """Bin numbers of a normalised state: 256 equal bins over [-1, 1)."""
-    return np.digitize(state, bins=np.linspace(-1, 1, BINS + 1)[:-1]) - 1
+    return np.digitize(state, bins=_EDGES) - 1
 
 
 def prompt_text(task: str, state: np.ndarray, max_state_dim: int) -> str:
@@ -26,7 +27,7 @@ def prompt_text(task: str, state: np.ndarray, max_state_dim: int) -> str:
     padded = np.zeros(max_state_dim, dtype=np.float64)
     padded[:len(state)] = state
     cleaned = task.strip().replace("_", " ").replace("\n", " ")
-    return f"Task: {cleaned}, State: {' '.join(str(int(b)) for b in discretize(padded))};\nAction: "
+    return f"Task: {cleaned}, State: {' '.join(map(str, discretize(padded).tolist()))};\nAction: "
 
 
 @dataclass(frozen=True)
