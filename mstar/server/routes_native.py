@@ -99,14 +99,14 @@ def client_outputs(runtime) -> list[str]:
     return sorted(set(runtime.model.output_modalities) | emitted | extra)
 
 
-def check_outputs(state, outputs: list[str]) -> None:
+def check_outputs(state, outputs: list[str], param: str = "outputs") -> None:
     """A 400 naming an output the model never sends, which would otherwise run the request to its end
-    and answer nothing."""
+    and answer nothing (`param`: the field that named it, `outputs` or option `modalities`)."""
     known = client_outputs(state.runtime)
     unknown = [name for name in outputs if name not in known]
     if unknown:
         raise RequestError(400, f"model {state.model_name!r} has no output {unknown[0]!r}; its outputs are "
-                                f"{', '.join(known)}", "outputs")
+                                f"{', '.join(known)}", param)
 
 
 def build_request(state, body: GenerateRequest, uploads: list[tuple[str, bytes]] = ()
@@ -114,6 +114,8 @@ def build_request(state, body: GenerateRequest, uploads: list[tuple[str, bytes]]
     """The processor request and the options of a /generate body (media decoded under the policy);
     `uploads` are (modality, bytes) of multipart file parts, appended after the JSON media."""
     check_outputs(state, body.outputs)
+    if isinstance(body.options.get("modalities"), list):  # another kind is refused by the option type check
+        check_outputs(state, body.options["modalities"], "modalities")
     request: dict[str, Any] = {}
     if body.text is not None:
         request["text"] = body.text

@@ -71,6 +71,9 @@ def test_generate_output_the_model_lacks_is_400_naming_its_outputs(base, stream)
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["param"] == "outputs" and "'smell'" in error["message"] and "progress" in error["message"]
+    resp = httpx.post(f"{base}/generate", json={"text": "x", "stream": stream, "options": {"modalities": ["smell"]}},
+                      timeout=10)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "modalities", resp.text
     ok = httpx.post(f"{base}/generate", json={"text": "x", "outputs": ["text", "progress"], "stream": False,
                                              "options": {"max_tokens": 2}}, timeout=10)
     assert ok.status_code == 200 and set(ok.json()["outputs"]) == {"text", "progress"}
