@@ -3,7 +3,8 @@
 
 Multipart /generate: text fields `text`, `outputs` (repeated, comma-separated or a JSON list),
 `options` (a JSON object), `request_id`, `seed`, `stream`, `encoding`, `tensor_dtype`; media as file parts
-named `files` (or `file`, `media`), typed by their Content-Type (image/*, audio/*, video/*; else 415).
+named `files` (or `file`, `media`), typed by their Content-Type (image/*, audio/*, video/*; else 415); a file
+part under another name is a 400 (JSON media carry the `name` of a model input).
 """
 
 from __future__ import annotations
@@ -166,6 +167,11 @@ async def read_generate(request: Request, state) -> tuple[GenerateRequest, list[
     form = await read_form(request)
     fields = {k: v for k, v in form_fields_of(form).items() if k not in _FORM_FILES}
     body = validate(GenerateForm, fields)
+    stray = [k for k, v in form.multi_items() if not isinstance(v, str) and k.removesuffix("[]") not in _FORM_FILES]
+    if stray:
+        raise RequestError(400, f"file part {stray[0]!r}: /generate takes media as file parts named "
+                                f"{', '.join(_FORM_FILES)}; to feed a named input (a camera, goal) send JSON media "
+                                "with `name`", stray[0])
     uploads = []
     for upload in files_of(form, *_FORM_FILES):
         kind = upload_modality(upload, "files")

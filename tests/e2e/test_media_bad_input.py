@@ -121,6 +121,7 @@ GENERATE_CASES = [
     ({"data": {"text": "x"}, "files": {"files": ("a.png", CORRUPT_PNG, "image/png")}}, 400, "decode image"),
     ({"data": {"text": "x"}, "files": {"files": ("a.png", BIG, "image/png")}}, 413, "limit"),
     ({"data": {"text": "x"}, "files": {"files": ("a.png", b"", "image/png")}}, 400, "empty"),
+    ({"data": {"text": "x"}, "files": {"goal": ("a.png", PNG, "image/png")}}, 400, "'goal'"),
     ({"data": {"text": "x", "options": "{max_tokens: 3"}}, 400, "options"),
     ({"data": {"text": "x", "options": "[1]"}}, 400, "options"),
     ({"data": {"text": "x", "outputs": "text,text"}}, 400, "distinct"),
