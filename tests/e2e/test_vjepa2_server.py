@@ -149,6 +149,8 @@ def test_a_bad_encoding_is_a_400(base, fields, field):
     ({"actions": [[0.0] * 5], "states": STATE}, "actions must have shape [n, 7], got [1, 5]"),
     ({"task": "plan", "states": STATE}, "a plan needs a goal image"),
     ({"actions": "left", "states": STATE}, "option 'actions' must be a list"),
+    ({"actions": [], "states": STATE}, "actions must have shape [n, 7]"),  # asking for `predicted` rolls out
+    ({"task": "encode"}, "'predicted' comes from task rollout"),
 ])
 def test_bad_input_is_a_400_naming_it(base, options, message):
     body = {"media": [{"type": "image", "data": _png(_frames(1, 6)[0])}], "outputs": ["predicted"],

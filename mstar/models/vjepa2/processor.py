@@ -24,6 +24,8 @@ MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 MAX_FRAMES = 256
 TASKS = ("encode", "rollout", "plan")
+TASK_OUTPUTS = {"encode": {"latents"}, "rollout": {"predicted", "predicted_states"},
+                "plan": {"actions", "energy", "progress"}}  # what each task's last walk sends
 
 
 def pixels(frames: np.ndarray, crop: int) -> torch.Tensor:
@@ -155,7 +157,8 @@ class VJEPA2ACProcessor(Processor):
     """Frames (each a context frame), optional goal image, robot `states` and `actions` (options) ->
     `frames` [C, 3, crop, crop], `goal` [3, crop, crop], `states` [C, 7], `actions` [K, 7].
 
-    The task (option `task`, else inferred: a goal image plans, actions roll out, else encode):
+    The task (option `task`, else inferred: a goal image plans, actions or asking for `predicted` roll out, else
+    encode; asking for an output of another task is refused):
     - encode: `latents` [C, HW, E] (normalised per frame);
     - rollout: `actions` holds one action per context frame and one per further step (K = C + H - 1);
       outputs `predicted` [H, HW, E] and `predicted_states` [H, 7];
@@ -187,7 +190,10 @@ class VJEPA2ACProcessor(Processor):
         if len(frames) > self.max_context:
             raise ValueError(f"{len(frames)} context frames; at most {self.max_context} (send the latest ones)")
         context = len(frames)
-        task = options.get("task") or ("plan" if goal is not None else "rollout" if options.get("actions") else "encode")
+        wanted = set(options.get("modalities") or ["latents"])
+        task = options.get("task") or ("plan" if goal is not None else
+                                       "rollout" if options.get("actions") or wanted & TASK_OUTPUTS["rollout"]
+                                       else "encode")
         self.validate_options({**options, "task": task})
         out = {"frames": pixels(frames, self.shape.crop)}
         if task != "encode":
@@ -212,6 +218,9 @@ class VJEPA2ACProcessor(Processor):
             out["goal"] = pixels(goal[None], self.shape.crop)[0]
             if context > 1:  # the actions between the context frames
                 out["history"] = matrix(options.get("actions"), "actions", self.action_dim, context - 1)
+        for name in sorted(wanted - TASK_OUTPUTS[task] - {"latents"}):  # every task encodes first
+            owner = next((t for t, names in TASK_OUTPUTS.items() if name in names), None)
+            raise ValueError(f"output {name!r} comes from task {owner}, and this request's task is {task!r}")
         options["task"] = task
         return out
 
