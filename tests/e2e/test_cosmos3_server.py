@@ -80,6 +80,15 @@ def test_synchronous_video_route_answers_the_mp4(base):
     assert bad.status_code == 400 and "width=100 must be a multiple of 16" in bad.text
 
 
+def test_a_clip_longer_than_the_model_makes_is_a_400_not_a_stalled_server(base):
+    """5 frames at 0.001 fps are 5,000 s: their sound track alone would keep the worker busy for hours."""
+    body = {"prompt": "a kite", "size": "64x32", "num_frames": 5, "num_inference_steps": 1, "fps": 0.001}
+    resp = httpx.post(f"{base}/v1/videos/generations", json=body, timeout=30)
+    assert resp.status_code == 400 and "fps" in resp.json()["error"]["message"], resp.text
+    ok = httpx.post(f"{base}/v1/videos/generations", json={**body, "fps": 12}, timeout=30)
+    assert ok.status_code == 200 and ok.headers["content-type"] == "video/mp4"
+
+
 def test_policy_answers_typed_action_chunks(droid):
     """NDJSON: one `action` chunk of shape [chunk_size, 10] (DROID), values as JSON numbers; the SDK's
     predict_actions, which asks for raw float32 bytes, gives the same values exactly."""

@@ -26,3 +26,12 @@ def test_without_snap_an_odd_size_is_refused_with_the_nearest_multiple():
     with pytest.raises(ValueError, match="width=720 must be a multiple of 32"):
         video_size({"size": "720x1280"}, 64, 64, 32, 4096)
     assert video_size({"size": "720x1280"}, 64, 64, 16, 4096) == (720, 1280)
+
+
+def test_a_clip_longer_than_the_longest_the_model_makes_is_refused():
+    """Its length in seconds drives Cosmos3's sound track and positions: 5 frames at 0.001 fps are 5,000 s."""
+    defaults = Wan22Defaults(width=64, height=64, num_frames=5, fps=16.0)  # at most 1025 frames at 16 fps: 64 s
+    for fps in (0.001, 0.07):  # 5,000 s and 71 s
+        with pytest.raises(ValueError, match="fps"):
+            resolve_options({"num_frames": 5, "fps": fps}, defaults)
+    assert resolve_options({"num_frames": 5, "fps": 0.1}, defaults)["num_frames"] == 5  # 50 s

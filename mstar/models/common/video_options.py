@@ -51,6 +51,12 @@ def resolve_generation(options: Mapping[str, Any], defaults: GenerationDefaults,
         width, height = video_size(options, defaults.width, defaults.height, limits.multiple, limits.max_side,
                                    snap=limits.snap)
         num_frames = frame_count(options, defaults.num_frames, fps, limits.max_frames)
+        # a clip's seconds size Cosmos3's sound track and place its positions, so a tiny fps is refused
+        longest = limits.max_frames / defaults.fps
+        if num_frames / fps > longest:
+            raise ValueError(f"{num_frames} frames at fps={fps:g} last {num_frames / fps:g} s, longer than the "
+                             f"{longest:g} s this model makes ({limits.max_frames} frames at {defaults.fps:g} fps); "
+                             "raise fps or ask for fewer frames")
     steps = options.get("num_inference_steps", defaults.num_inference_steps)
     return {"width": width, "height": height, "num_frames": num_frames, "fps": fps,
             "num_inference_steps": integer(steps, "num_inference_steps", 1, limits.max_steps),
