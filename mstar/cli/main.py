@@ -63,9 +63,20 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} ({self.prog} --help lists the flags)\n")
 
 
+def port_number(text: str) -> int:
+    """`--port`'s value; argparse reports the error in one line."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 1 to 65535, got {port}")
+    return port
+
+
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--gpus", default=None, help="GPU ids to use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)")
     p.add_argument("--config", default=None, help="YAML config: a path, or a shipped config's name (default: the shipped <model>.yaml if any; `mstar configs` lists them)")
     p.add_argument("--model-path", default=None, help="local checkpoint folder or file instead of the default")

@@ -166,6 +166,8 @@ def test_models_lists_the_voices_of_the_models_that_speak(capsys):
 @pytest.mark.parametrize("argv,message", [
     (["serve", "qwen3", "--seed", "x"], "mstar serve: argument --seed: invalid int value: 'x'"),
     (["serve", "--mode", "fast"], "mstar serve: argument --mode: invalid choice: 'fast'"),
+    (["serve", "toy", "--port", "99999"], "mstar serve: argument --port: a port is 1 to 65535, got 99999"),
+    (["serve", "toy", "--port", "-5"], "mstar serve: argument --port: a port is 1 to 65535, got -5"),
 ])
 def test_bad_flag_values_are_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
