@@ -371,6 +371,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def check_port_free(host: str, port: int) -> None:
     """Exit with one line when `host:port` cannot be listened on."""
+    import errno
     import socket
 
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
@@ -378,7 +379,10 @@ def check_port_free(host: str, port: int) -> None:
         try:
             sock.bind((host, port))
         except OSError as exc:
-            raise SystemExit(f"mstar: cannot listen on {host}:{port}: {exc.strerror}; pass another --port") from None
+            fix = {errno.EADDRINUSE: "pass another --port",
+                   errno.EACCES: "pass a --port above 1023 (lower ones need privileges)"}.get(
+                exc.errno, "check --host (an address of this machine, or 0.0.0.0)")
+            raise SystemExit(f"mstar: cannot listen on {host}:{port}: {exc.strerror}; {fix}") from None
 
 
 def serve_until_stopped(app, runtime, args: argparse.Namespace) -> None:

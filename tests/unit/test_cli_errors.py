@@ -33,6 +33,13 @@ def test_a_port_in_use_is_one_line_before_anything_loads(no_runtime):
     assert str(exc.value) == f"mstar: cannot listen on 127.0.0.1:{port}: Address already in use; pass another --port"
 
 
+def test_a_host_that_cannot_be_bound_names_host_not_port(no_runtime):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "toy", "--host", "999.1.1.1", "--port", "8000"])
+    assert str(exc.value).startswith("mstar: cannot listen on 999.1.1.1:8000: ") and str(exc.value).endswith(
+        "; check --host (an address of this machine, or 0.0.0.0)")
+
+
 @pytest.mark.parametrize("argv,message", [
     (["serve", "nosuchmodel"], "mstar: unknown model 'nosuchmodel'; registered models are: "),
     (["serve", "--config", "toy_9workers"], "mstar: config file toy_9workers does not exist (shipped configs"),
