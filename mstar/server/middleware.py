@@ -194,11 +194,13 @@ _KNOWN_ROUTES = frozenset((
 
 
 def _route(path: str) -> str:
-    """A bounded label: known API paths as they are, a video job's paths with its id as `{video_id}`,
-    anything else as 'other'."""
+    """A bounded label: known API paths as they are, a video job's paths with its id as `{video_id}`, a
+    model's as `{model_id}`, anything else as 'other'."""
     if path in _KNOWN_ROUTES:
         return path
     parts = path.split("/")  # "", "v1", "videos", id[, "content"]
+    if parts[1:3] == ["v1", "models"] and len(parts) == 4 and parts[3]:
+        return "/v1/models/{model_id}"
     if parts[1:3] == ["v1", "videos"] and parts[3:4] and parts[3] and len(parts) <= 5:
         if len(parts) == 4:
             return "/v1/videos/{video_id}"

@@ -22,7 +22,7 @@ from mstar.server.adapters import RequestError, RequestStream, merge, start_requ
 from mstar.server.app import ServerState, get_state
 from mstar.server.chat_audio import chat_media, check_spoken, spoken_answers, spoken_sse
 from mstar.server.forms import json_body, read_json
-from mstar.server.openapi import SSE
+from mstar.server.openapi import SSE, errors
 from mstar.server.protocol import Usage
 from mstar.server.protocol_openai import (
     ChatChoice,
@@ -55,15 +55,25 @@ from mstar.server.streaming import (
 router = APIRouter()
 
 
+def _model_card(state: ServerState) -> ModelCard:
+    processor, model = state.runtime.processor, state.runtime.model
+    return ModelCard(id=state.model_name, max_model_len=processor.max_model_len, voices=list(processor.voices),
+                     input_modalities=list(model.input_modalities), output_modalities=list(model.output_modalities),
+                     reports_progress="report_progress" in model.default_options)
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
     """The one model this server runs, with its context length when it has one, its voices and modalities."""
+    return ModelList(data=[_model_card(get_state(request))])
+
+
+@router.get("/v1/models/{model_id}", responses=errors(404))
+async def retrieve_model(model_id: str, request: Request) -> ModelCard:
+    """The served model's card (as in GET /v1/models); another name is a 404."""
     state = get_state(request)
-    processor, model = state.runtime.processor, state.runtime.model
-    return ModelList(data=[ModelCard(id=state.model_name, max_model_len=processor.max_model_len,
-                                     voices=list(processor.voices), input_modalities=list(model.input_modalities),
-                                     output_modalities=list(model.output_modalities),
-                                     reports_progress="report_progress" in model.default_options)])
+    state.check_model(model_id)
+    return _model_card(state)
 
 
 def _options(state: ServerState, params: SamplingParams, index: int) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import pytest
 import soundfile as sf
 from PIL import Image
 
-from tests.e2e.server_thread import running_server
+from tests.e2e.server_thread import metric_sum, running_server, scrape
 
 openai = pytest.importorskip("openai")
 KEY = "test-key"
@@ -28,6 +28,12 @@ def client(base):
 
 def test_models(client):
     assert [m.id for m in client.models.list().data] == ["toy"]
+    card = client.models.retrieve("toy")
+    assert card.id == "toy" and card.object == "model" and card.model_dump()["output_modalities"][0] == "text"
+    with pytest.raises(openai.NotFoundError, match="'gpt-4o' is not served here"):
+        client.models.retrieve("gpt-4o")
+    samples = scrape(str(client.base_url).removesuffix("/v1/"), {"Authorization": f"Bearer {KEY}"})
+    assert metric_sum(samples, "mstar_http_responses_total", route="/v1/models/{model_id}", status="404") >= 1
 
 
 def test_chat_non_streaming_has_text_and_real_usage(client):
