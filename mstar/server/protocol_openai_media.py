@@ -10,7 +10,7 @@ import re
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mstar.server.protocol import MAX_SEED
 from mstar.server.protocol_openai import new_id
@@ -90,7 +90,9 @@ class ImageGenerationRequest(_Extras):
     size: str | None = None  # "WxH"; None or "auto": the model's default
     response_format: Literal["b64_json"] = "b64_json"
     output_format: Literal["png", "jpeg", "webp"] = "png"
-    quality: str | None = None  # accepted and ignored
+    output_compression: int | None = Field(None, ge=0, le=100)  # jpeg and webp quality
+    # Images come out opaque at the model's own quality (steps set it): only values asking for that are served.
+    quality: str | None = None
     style: str | None = None
     background: str | None = None
     user: str | None = None
@@ -112,6 +114,22 @@ class ImageGenerationRequest(_Extras):
         if v is not None and v != "auto":
             parse_size(v)
         return v
+
+    @field_validator("quality", "style", "background", mode="before")
+    @classmethod
+    def _served_as_is(cls, v: Any, info) -> Any:
+        allowed = {"quality": ("auto", "standard"), "style": (), "background": ("auto", "opaque")}[info.field_name]
+        if v is not None and v not in allowed:
+            fix = {"quality": "set num_inference_steps instead", "style": "leave it out",
+                   "background": "every image is opaque"}[info.field_name]
+            raise ValueError(f"{info.field_name} {v!r} is not served here; {fix}")
+        return v
+
+    @model_validator(mode="after")
+    def _compression_format(self) -> ImageGenerationRequest:
+        if self.output_compression is not None and self.output_format == "png":
+            raise ValueError("output_compression applies to jpeg and webp; set output_format or leave it out")
+        return self
 
     def dimensions(self) -> tuple[int, int] | None:
         """(width, height), or None for the model's default."""

@@ -129,6 +129,7 @@ _EDIT_FORM_SCHEMA = {"requestBody": {"required": True, "content": {"multipart/fo
                    "mask": {"type": "string", "format": "binary"}, "prompt": {"type": "string"},
                    "model": {"type": "string"}, "n": {"type": "integer"}, "size": {"type": "string"},
                    "response_format": {"type": "string"}, "output_format": {"type": "string"},
+                   "output_compression": {"type": "integer"},
                    "seed": {"type": "integer"}}}}}}}
 
 
@@ -179,7 +180,8 @@ async def _images(state: ServerState, request: Request, body: ImageGenerationReq
         data = []
         for stream in streams:
             image = await unless_disconnected(request, _first_image(stream), streams)
-            encoded = await run_in_threadpool(encode_image, image.astype(np.uint8), body.output_format)
+            quality = 90 if body.output_compression is None else body.output_compression
+            encoded = await run_in_threadpool(encode_image, image.astype(np.uint8), body.output_format, quality)
             data.append(ImageData(b64_json=base64.b64encode(encoded).decode()))
     finally:
         for stream in streams:

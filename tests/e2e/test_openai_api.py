@@ -96,6 +96,19 @@ def test_images_generation_returns_the_toy_image(client):
     assert img.format == "PNG" and img.size[1] == 8 and img.size[0] >= 1
 
 
+def test_output_compression_sets_the_jpeg_quality_and_transparency_is_refused(client):
+    import base64
+
+    def jpeg(compression):
+        b64 = client.images.generate(model="toy", prompt="paint", size="256x256", output_format="jpeg",
+                                     output_compression=compression).data[0].b64_json
+        return base64.b64decode(b64)
+
+    assert len(jpeg(5)) < len(jpeg(95))
+    with pytest.raises(openai.BadRequestError, match="background 'transparent'"):
+        client.images.generate(model="toy", prompt="paint", background="transparent")
+
+
 def test_the_toy_paints_the_size_asked_and_refuses_one_it_cannot(client):
     import base64
 

@@ -168,6 +168,23 @@ def test_image_request_sizes():
     assert ImageGenerationRequest.model_validate({"prompt": "c", "n": "3"}).n == 3
 
 
+@pytest.mark.parametrize("field,value", [("background", "transparent"), ("quality", "hd"), ("quality", "low"),
+                                         ("style", "vivid"), ("output_compression", 50)])
+def test_image_settings_the_server_cannot_honour_are_refused(field, value):
+    """Every image comes out opaque at the model's own quality: asking otherwise is a 400, not ignored."""
+    assert field in _message(ImageGenerationRequest, {"prompt": "cat", field: value})[0]
+
+
+def test_image_settings_that_ask_for_the_default_and_compression_for_jpeg_are_served():
+    for field, value in (("background", "auto"), ("background", "opaque"), ("quality", "auto"),
+                         ("quality", "standard")):
+        assert ImageGenerationRequest.model_validate({"prompt": "cat", field: value})
+    req = ImageGenerationRequest.model_validate({"prompt": "c", "output_format": "jpeg", "output_compression": "40"})
+    assert req.output_compression == 40 and "output_compression" not in req.extra_options()
+    assert "output_compression" in _message(ImageGenerationRequest, {"prompt": "c", "output_format": "webp",
+                                                                    "output_compression": 101})[0]
+
+
 def test_video_and_transcription_requests():
     req = VideoCreateRequest.model_validate({"prompt": "waves", "seconds": "4", "size": "1280x720"})
     assert req.seconds == 4.0 and req.dimensions() == (1280, 720)
