@@ -35,3 +35,10 @@ def test_a_clip_longer_than_the_longest_the_model_makes_is_refused():
         with pytest.raises(ValueError, match="fps"):
             resolve_options({"num_frames": 5, "fps": fps}, defaults)
     assert resolve_options({"num_frames": 5, "fps": 0.1}, defaults)["num_frames"] == 5  # 50 s
+
+
+def test_seconds_and_num_frames_together_are_refused_not_one_ignored():
+    defaults = Wan22Defaults(width=64, height=64, num_frames=5, fps=16.0)
+    with pytest.raises(ValueError, match="seconds=4 and num_frames=5"):
+        resolve_options({"num_frames": 5, "seconds": 4}, defaults)
+    assert resolve_options({"seconds": 1}, defaults)["num_frames"] == 17

@@ -102,9 +102,13 @@ def video_size(options: Mapping[str, Any], width: int, height: int, multiple: in
 
 
 def frame_count(options: Mapping[str, Any], default: int, fps: float, max_frames: int) -> int:
-    """Option `num_frames` (4k+1), else `seconds` at `fps`, else 1 for an image-only request, else `default`."""
+    """Option `num_frames` (4k+1), or `seconds` at `fps` (not both), else 1 for an image-only request, else
+    `default`."""
     modalities = list(options.get("modalities") or ["video"])
     num_frames = options.get("num_frames")
+    if num_frames is not None and options.get("seconds") is not None:  # one would be ignored
+        raise ValueError(f"seconds={options['seconds']!r} and num_frames={num_frames!r}: give one of them "
+                         f"(seconds become frames at fps={fps:g})")
     if num_frames is None and options.get("seconds") is not None:
         seconds = number(options["seconds"], "seconds", 0.0, 600.0, exclusive_low=True)
         num_frames = 4 * max(round(seconds * fps / 4), 0) + 1
