@@ -70,3 +70,12 @@ def decode_steps(context_len: int) -> Callable[[Mapping[str, Any]], int]:
         return context_len if max_tokens is None else max(int(max_tokens) - 1, 0)
 
     return steps
+
+
+def capped_context(limit: int, asked: int | None) -> int:
+    """The context a deployment serves: `max_model_len` as it asks (None: the checkpoint's `limit`); more than
+    `limit` is refused, since positions past it were never trained and the setting would be cut silently."""
+    if asked is not None and asked > limit:
+        raise ValueError(f"max_model_len={asked} is over this checkpoint's context of {limit} tokens "
+                         f"(max_position_embeddings); use at most {limit} or leave it unset")
+    return asked or limit

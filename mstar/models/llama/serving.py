@@ -26,7 +26,7 @@ import torch
 from mstar.engines.base import AutoregressiveSpec
 from mstar.graph import CARRY, ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Walk
 from mstar.models.base import BuiltComponent, Model
-from mstar.models.common.serve_config import LMServeConfig, decode_steps
+from mstar.models.common.serve_config import LMServeConfig, capped_context, decode_steps
 from mstar.models.llama.config import LlamaConfig
 from mstar.models.llama.processor import LOGPROB_OUTPUTS, TextProcessor
 
@@ -108,8 +108,7 @@ class DenseLM(Model):
 
     @property
     def max_model_len(self) -> int:
-        limit = self.llama_config.max_position_embeddings
-        return min(limit, self.config.max_model_len) if self.config.max_model_len else limit
+        return capped_context(self.llama_config.max_position_embeddings, self.config.max_model_len)
 
     def graph(self) -> ModelGraph:
         return lm_graph(self.max_model_len)

@@ -36,7 +36,7 @@ from mstar.graph import (
     Walk,
 )
 from mstar.models.base import BuiltComponent, Model
-from mstar.models.common.serve_config import LMServeConfig, decode_steps
+from mstar.models.common.serve_config import LMServeConfig, capped_context, decode_steps
 from mstar.models.orpheus.processor import OrpheusProcessor
 from mstar.models.orpheus.tokens import (
     DEFAULT_VOICE,
@@ -197,8 +197,7 @@ class OrpheusModel(Model):
 
     @property
     def max_model_len(self) -> int:
-        limit = self.llama_config.max_position_embeddings
-        return min(limit, self.config.max_model_len) if self.config.max_model_len else limit
+        return capped_context(self.llama_config.max_position_embeddings, self.config.max_model_len)
 
     # -- the model contract ------------------------------------------------------------------------
 
