@@ -98,8 +98,14 @@ async def openpi_policy(websocket: WebSocket) -> None:
     await websocket.send_bytes(pack(processor.policy_metadata()))
     try:
         while True:
-            message = await websocket.receive_bytes()
-            answer = await _infer(state, processor, message)
+            message = await websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            if message.get("bytes") is None:  # a text frame: answered like any bad observation, the socket kept
+                await websocket.send_text("bad observation: openpi observations are msgpack in binary frames, "
+                                          "got a text frame")
+                continue
+            answer = await _infer(state, processor, message["bytes"])
             if isinstance(answer, str):
                 await websocket.send_text(answer)
             else:

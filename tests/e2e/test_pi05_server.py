@@ -93,6 +93,24 @@ def test_bad_observations_are_a_protocol_error(base, change, fault) -> None:
     assert policy.infer(_observation(policy.get_server_metadata(), 4))["actions"].shape == (10, 7)  # still open
 
 
+def test_a_text_frame_is_answered_and_the_connection_stays_open(base) -> None:
+    import asyncio
+
+    import websockets
+
+    async def talk() -> tuple[str, bytes]:
+        async with websockets.connect(base.replace("http://", "ws://"), max_size=None) as ws:
+            await ws.recv()  # the metadata
+            await ws.send("hello")
+            answer = await asyncio.wait_for(ws.recv(), 10)
+            await ws.send(b"\x00\x01garbage")
+            return answer, await asyncio.wait_for(ws.recv(), 10)
+
+    answer, after = asyncio.run(talk())
+    assert answer.startswith("bad observation: ") and "binary" in answer
+    assert after.startswith("bad observation: the message is not openpi msgpack")
+
+
 def test_generate_refuses_a_wrong_state_size(base) -> None:
     body = {"text": "pick", "outputs": ["actions"], "stream": False,
             "media": [{"type": "image", "data": _png(np.zeros((8, 8, 3), np.uint8))}], "options": {"state": [0.0] * 3}}
