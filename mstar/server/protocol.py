@@ -106,7 +106,7 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] not in ("missing", "model_type") and "input" in err and not isinstance(
             err["input"], dict | list
-        ):
+        ) and repr(err["input"]) not in msg:  # a validator's own message may already quote it
             msg += f" (got {err['input']!r})"
         items.append((loc, msg))
     items.sort(key=lambda item: -len(item[0]))

@@ -162,6 +162,7 @@ def test_image_request_sizes():
     assert req.dimensions() == (512, 768)
     assert ImageGenerationRequest(prompt="cat", size="auto").dimensions() is None
     assert "WIDTHxHEIGHT" in _message(ImageGenerationRequest, {"prompt": "cat", "size": "big"})[0]
+    assert _message(ImageGenerationRequest, {"prompt": "cat", "size": "big"})[0].count("'big'") == 1  # said once
     assert "between 1 and" in _message(ImageGenerationRequest, {"prompt": "cat", "size": "0x10"})[0]
     assert "use b64_json" in _message(ImageGenerationRequest, {"prompt": "cat", "response_format": "url"})[0]
     # Form fields arrive as strings; lax parsing converts them.
