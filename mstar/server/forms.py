@@ -58,6 +58,14 @@ def text_fields(form: FormData) -> dict[str, Any]:
     return out
 
 
+def refuse_stray_files(form: FormData, route: str, names: tuple[str, ...], hint: str = "") -> None:
+    """400 naming a file part sent under none of `names` (or `name[]`): the route would drop it unread."""
+    stray = [k for k, v in form.multi_items() if isinstance(v, UploadFile) and k.removesuffix("[]") not in names]
+    if stray:
+        raise RequestError(400, f"file part {stray[0]!r}: {route} takes files as {', '.join(names)}"
+                                + (f"; {hint}" if hint else ""), stray[0])
+
+
 def files_of(form: FormData, *names: str) -> list[UploadFile]:
     """The file parts sent under any of `names` (or `name[]`), in order."""
     wanted = {n for name in names for n in (name, f"{name}[]")}
@@ -81,6 +89,7 @@ async def json_or_form(request: Request, cls: type[M], file_fields: tuple[str, .
     """
     if is_form(request):
         form = await read_form(request)
+        refuse_stray_files(form, request.url.path, file_fields)
         data = {k: v for k, v in text_fields(form).items() if k not in file_fields or not files_of(form, k)}
         return validate(cls, data), form
     if content_type(request) not in ("application/json", ""):

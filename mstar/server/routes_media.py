@@ -12,7 +12,15 @@ from starlette.concurrency import run_in_threadpool
 
 from mstar.server.adapters import RequestError, RequestStream, start_request
 from mstar.server.app import ServerState, get_state
-from mstar.server.forms import files_of, form_options, media_bytes, read_form, text_fields, validate
+from mstar.server.forms import (
+    files_of,
+    form_options,
+    media_bytes,
+    read_form,
+    refuse_stray_files,
+    text_fields,
+    validate,
+)
 from mstar.server.media import AUDIO_MIME, decode_image, encode_audio, encode_image, pcm_s16le
 from mstar.server.openapi import BINARY, SSE
 from mstar.server.protocol_openai_media import (
@@ -138,6 +146,7 @@ async def image_edits(request: Request) -> ImagesResponse:
     """Image(s) + prompt (+ optional mask) -> edited images (multipart, like OpenAI's images.edit)."""
     state = get_state(request)
     form = await read_form(request)
+    refuse_stray_files(form, "/v1/images/edits", ("image", "mask"))
     body = validate(ImageEditRequest, {k: v for k, v in text_fields(form).items() if k not in ("image", "mask")})
     state.check_model(body.model, "image", "/v1/images/edits")
     if "image" not in state.runtime.model.input_modalities:

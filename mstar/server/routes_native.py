@@ -30,6 +30,7 @@ from mstar.server.forms import (
     is_form,
     json_or_form,
     read_form,
+    refuse_stray_files,
     text_fields,
     upload_bytes,
     upload_modality,
@@ -167,11 +168,8 @@ async def read_generate(request: Request, state) -> tuple[GenerateRequest, list[
     form = await read_form(request)
     fields = {k: v for k, v in form_fields_of(form).items() if k not in _FORM_FILES}
     body = validate(GenerateForm, fields)
-    stray = [k for k, v in form.multi_items() if not isinstance(v, str) and k.removesuffix("[]") not in _FORM_FILES]
-    if stray:
-        raise RequestError(400, f"file part {stray[0]!r}: /generate takes media as file parts named "
-                                f"{', '.join(_FORM_FILES)}; to feed a named input (a camera, goal) send JSON media "
-                                "with `name`", stray[0])
+    refuse_stray_files(form, "/generate", _FORM_FILES, "to feed a named input (a camera, goal) send JSON media "
+                                                        "with `name`")
     uploads = []
     for upload in files_of(form, *_FORM_FILES):
         kind = upload_modality(upload, "files")

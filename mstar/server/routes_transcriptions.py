@@ -11,7 +11,15 @@ from starlette.concurrency import run_in_threadpool
 
 from mstar.server.adapters import RequestError, RequestStream, start_request
 from mstar.server.app import ServerState, get_state
-from mstar.server.forms import files_of, form_options, media_bytes, read_form, text_fields, validate
+from mstar.server.forms import (
+    files_of,
+    form_options,
+    media_bytes,
+    read_form,
+    refuse_stray_files,
+    text_fields,
+    validate,
+)
 from mstar.server.media import decode_audio
 from mstar.server.openapi import SSE
 from mstar.server.protocol_openai_media import TranscriptionRequest
@@ -37,6 +45,7 @@ async def transcriptions(request: Request) -> Response:
     """Transcribe (or, for a generative model, answer) one audio file."""
     state = get_state(request)
     form = await read_form(request)
+    refuse_stray_files(form, "/v1/audio/transcriptions", ("file",))
     body = validate(TranscriptionRequest, {k: v for k, v in text_fields(form).items() if k != "file"})
     _check_model(state, body.model)
     if body.timestamp_granularities and "word" in body.timestamp_granularities:

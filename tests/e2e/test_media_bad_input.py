@@ -60,6 +60,8 @@ EDIT_CASES = [
     ({"data": {"prompt": "x", "model": "dall-e-9"}, "files": {"image": ("a.png", PNG, "image/png")}}, 404, "dall-e-9"),
     ({"files": {"image": ("a.png", PNG, "image/png")}}, 400, "prompt"),
     ({"data": {"prompt": "x"}, "files": [("image[]", ("a.png", PNG, "image/png"))] * 17}, 400, "at most 16"),
+    ({"data": {"prompt": "x"}, "files": {"image": ("a.png", PNG, "image/png"), "extra": ("b.png", PNG, "image/png")}},
+     400, "'extra'"),
 ]
 
 
@@ -78,6 +80,7 @@ TRANSCRIPTION_CASES = [
     ({"data": {"temperature": "hot"}, "files": {"file": ("a.wav", _wav(), "audio/wav")}}, 400, "temperature"),
     ({"data": {"file": "data:audio/wav;base64,@@@@"}}, 400, "base64"),
     ({"content": b"--x\r\nbroken", "headers": {"content-type": "multipart/form-data; boundary=x"}}, 400, ""),
+    ({"files": {"audio": ("a.wav", _wav(), "audio/wav")}}, 400, "'audio'"),
 ]
 
 
@@ -98,6 +101,7 @@ VIDEO_CASES = [
     ({"content": b"{not json", "headers": {"content-type": "application/json"}}, 400, "json"),
     ({"content": b"<video/>", "headers": {"content-type": "application/xml"}}, 415, "multipart"),
     ({"json": ["prompt"]}, 400, "object"),
+    ({"data": {"prompt": "x"}, "files": {"image": ("r.png", PNG, "image/png")}}, 400, "'image'"),  # not dropped
 ]
 
 
