@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import shlex
 import sys
 import time
@@ -69,6 +70,8 @@ class BenchConfig:
             raise ValueError(f"duration must be > 0 seconds, got {self.duration_s}")
         if self.sample_rate <= 0:
             raise ValueError(f"sample_rate must be > 0, got {self.sample_rate}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout_s}")
 
     def request(self) -> tuple[Any, dict]:
         """The coroutine function and body every request of this run uses."""
@@ -144,9 +147,35 @@ def run_bench(config: BenchConfig, command: str | None = None,
 
 def _concurrencies(text: str) -> tuple[int, ...]:
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
+        levels = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"--concurrency wants comma-separated integers, got {text!r}") from exc
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"--concurrency levels must be >= 1, got {text!r}")
+    return levels
+
+
+def _positive(kind: type) -> Callable[[str], Any]:
+    """An argparse type: a number of `kind` above zero, so a bad value is argparse's one line."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+        return value
+    return parse
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"wants a JSON object, got {text!r}")
+    return value
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -163,16 +192,17 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", choices=WORKLOADS, default="chat")
     p.add_argument("--model", default="default", help="the `model` field sent in each request")
     p.add_argument("--concurrency", type=_concurrencies, default=(1,), help="sweep, e.g. 1,4,8")
-    p.add_argument("--num-requests", type=int, default=None, help="requests per level (default 10 x conc.)")
-    p.add_argument("--duration", type=float, default=None, help="seconds per level instead of a count")
+    p.add_argument("--num-requests", type=_positive(int), default=None,
+                   help="requests per level (default 10 x conc.)")
+    p.add_argument("--duration", type=_positive(float), default=None, help="seconds per level instead of a count")
     p.add_argument("--prompt", default=None, help="chat prompt or text to speak")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=_positive(int), default=128)
     p.add_argument("--ignore-eos", action="store_true", help="ask the server to generate max_tokens")
     p.add_argument("--voice", default=None)
-    p.add_argument("--sample-rate", type=int, default=24000, help="PCM rate of speech responses")
-    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout, seconds")
+    p.add_argument("--sample-rate", type=_positive(int), default=24000, help="PCM rate of speech responses")
+    p.add_argument("--timeout", type=_positive(float), default=600.0, help="per-request timeout, seconds")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into each body")
+    p.add_argument("--extra-body", type=_json_object, default={}, help="JSON object merged into each body")
     p.add_argument("--output", default=None, help="write the JSON report here")
 
 
@@ -193,6 +223,10 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
         parser = argparse.ArgumentParser(prog="mstar bench", description=__doc__)
         _add_arguments(parser)
         args = parser.parse_args(args)
+    if args.output and not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        # found before the sweep runs, not when its report is written
+        sys.stderr.write(f"mstar bench: argument --output: no folder {os.path.dirname(args.output)!r}\n")
+        raise SystemExit(2)
     config = config_from_args(args)
 
     def level_done(report: dict) -> None:  # progress, and a file that holds every level finished so far
@@ -203,6 +237,8 @@ def main(args: argparse.Namespace | list[str] | None = None) -> int:
 
     report = run_bench(config, command=command, on_level=level_done)
     sys.stdout.write(format_table(report["results"], config.workload))
+    for sample in sorted({e for r in report["results"] for e in r["error_samples"]})[:5]:
+        sys.stderr.write(f"failed request: {sample}\n")
     if args.output:
         _write(args.output, report)
         logger.info("wrote %s", args.output)

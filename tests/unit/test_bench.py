@@ -191,3 +191,28 @@ def test_each_level_warms_the_client_before_its_clock(server):
     assert len(HEALTH_GETS) == 2
     assert [r["requests"] for r in report["results"]] == [2, 2] and len(bodies) - before == 4
 
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--concurrency", "0"], "--concurrency"), (["--concurrency", "2,-1"], "--concurrency"),
+    (["--num-requests", "-3"], "--num-requests"), (["--duration", "0"], "--duration"),
+    (["--timeout", "0"], "--timeout"), (["--sample-rate", "0"], "--sample-rate"),
+    (["--max-tokens", "0"], "--max-tokens"), (["--extra-body", "[1]"], "--extra-body"),
+    (["--output", "/nonexistent-dir/x.json"], "--output"),
+])
+def test_bad_flag_values_are_one_line_before_any_request(argv, named, capsys):
+    """A bad value ends `mstar bench` with argparse's one line naming the flag, before a request is sent;
+    it was a ValueError traceback from BenchConfig (or, for --output, after the whole sweep had run)."""
+    from mstar.cli.main import main as mstar_main
+
+    with pytest.raises(SystemExit) as exc:
+        mstar_main(["bench", "--base-url", "http://127.0.0.1:9", *argv])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and named in err and len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err
+
+
+def test_failed_requests_say_why_on_stderr(capsys):
+    """A sweep whose requests all fail prints a sample of the errors, not only a count."""
+    assert main(["--base-url", "http://127.0.0.1:9", "--num-requests", "1"]) == 1
+    assert "ConnectError" in capsys.readouterr().err
