@@ -46,6 +46,7 @@ def test_a_host_that_cannot_be_bound_names_host_not_port(no_runtime):
     (["serve", "llama"], "mstar: model 'llama' needs a checkpoint: pass --model-path"),
     (["serve", "qwen3", "--tiny", "--max-model-len", "1024"],
      "mstar: max_model_len=1024 is over this checkpoint's context of 512 tokens"),
+    (["serve", "toy", "--model-path", "/tmp"], "mstar: model 'toy' loads no checkpoint; leave --model-path out"),
 ])
 def test_startup_mistakes_are_one_line_with_the_fix(argv, message):
     with socket.socket() as probe:  # a free port, so the port check passes

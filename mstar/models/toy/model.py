@@ -98,6 +98,11 @@ class ToyModel(Model):
     default_options = {"max_tokens": 16, "guidance": 2.0, "stop_early": True, "report_progress": False,
                        "modalities": ["text", "image", "audio", "video"]}
 
+    def __init__(self, config: ToyConfig, load_format: str = "auto", model_path: str | None = None) -> None:
+        if model_path is not None:  # its weights come from its config's seed: a path would be ignored
+            raise ValueError("model 'toy' loads no checkpoint; leave --model-path out")
+        super().__init__(config, load_format, model_path)
+
     @classmethod
     def make_config(cls, tiny: bool = False, **overrides: Any) -> ToyConfig:
         return replace(ToyConfig(), **overrides)
