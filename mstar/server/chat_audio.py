@@ -93,7 +93,7 @@ async def spoken_sse(streams: list[RequestStream], model: str, include_usage: bo
 def chat_media(state, body: ChatCompletionRequest) -> list[dict]:
     """The media parts of every message, decoded under the server's media policy, in order (the
     processor request's "media"). Blocking: call from a thread."""
-    from mstar.server.media import DecodedAudio, decode_audio, decode_image, decode_video, load_media_bytes
+    from mstar.server.media import decode_audio, decode_image, decode_pcm16, decode_video
     from mstar.server.protocol_openai import AudioURLPart, ImageURLPart, InputAudioPart
 
     policy, media = state.policy("/v1/chat/completions"), []
@@ -103,10 +103,8 @@ def chat_media(state, body: ChatCompletionRequest) -> list[dict]:
                 media.append({"type": "image", "data": decode_image(part.image_url.url, policy)})
                 continue
             if isinstance(part, InputAudioPart | AudioURLPart):
-                if isinstance(part, InputAudioPart) and part.input_audio.format == "pcm16":  # raw s16le, 24 kHz
-                    raw = load_media_bytes(part.input_audio.data, policy)
-                    pcm = np.frombuffer(raw[: len(raw) // 2 * 2], "<i2").astype(np.float32) / 32768.0
-                    audio = DecodedAudio(pcm[:, None], 24000)
+                if isinstance(part, InputAudioPart) and part.input_audio.format == "pcm16":
+                    audio = decode_pcm16(part.input_audio.data, policy)
                 else:
                     audio = decode_audio(part.input_audio.data if isinstance(part, InputAudioPart)
                                          else part.audio_url.url, policy)

@@ -36,7 +36,14 @@ from mstar.server.forms import (
     upload_modality,
     validate,
 )
-from mstar.server.media import decode_audio, decode_image, decode_video, encode_image, encode_video
+from mstar.server.media import (
+    decode_audio,
+    decode_image,
+    decode_pcm16,
+    decode_video,
+    encode_image,
+    encode_video,
+)
 from mstar.server.protocol import (
     ActionChunk,
     AudioChunk,
@@ -121,7 +128,7 @@ def build_request(state, body: GenerateRequest, uploads: list[tuple[str, bytes]]
     request: dict[str, Any] = {}
     if body.text is not None:
         request["text"] = body.text
-    media = [_decode(state, part.type, part.data, part.name) for part in body.media]
+    media = [_decode(state, part.type, part.data, part.name, part.format) for part in body.media]
     media += [_decode(state, kind, data, None) for kind, data in uploads]
     if media:
         request["media"] = media
@@ -135,11 +142,11 @@ def build_request(state, body: GenerateRequest, uploads: list[tuple[str, bytes]]
     return request, options
 
 
-def _decode(state, kind: str, data, name: str | None) -> dict[str, Any]:
+def _decode(state, kind: str, data, name: str | None, fmt: str | None = None) -> dict[str, Any]:
     if kind == "image":
         item = {"type": "image", "data": decode_image(data, state.policy("/generate"))}
-    elif kind == "audio":
-        audio = decode_audio(data, state.policy("/generate"))
+    elif kind == "audio":  # raw pcm16 has no header to tell it by; any other format the bytes tell
+        audio = (decode_pcm16 if fmt == "pcm16" else decode_audio)(data, state.policy("/generate"))
         item = {"type": "audio", "data": audio.mono(), "sample_rate": audio.sample_rate}
     else:
         video = decode_video(data, state.policy("/generate"))

@@ -79,6 +79,20 @@ def test_generate_output_the_model_lacks_is_400_naming_its_outputs(base, stream)
     assert ok.status_code == 200 and set(ok.json()["outputs"]) == {"text", "progress"}
 
 
+def test_generate_reads_raw_pcm16_audio_as_chat_does(base):
+    import base64
+
+    import numpy as np
+
+    pcm = (np.sin(np.arange(2400) / 5) * 10000).astype("<i2").tobytes()  # 0.1 s of 24 kHz s16le
+    part = {"type": "audio", "data": base64.b64encode(pcm).decode(), "format": "pcm16"}
+    body = {"text": "x", "media": [part], "stream": False, "options": {"max_tokens": 2}}
+    assert httpx.post(f"{base}/generate", json=body, timeout=10).status_code == 200
+    chat = {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {
+        "data": part["data"], "format": "pcm16"}}, {"type": "text", "text": "x"}]}], "max_tokens": 2}
+    assert httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=10).status_code == 200
+
+
 def test_unknown_route_and_body_limit(base):
     resp = httpx.post(f"{base}/v1/no/such/route", json={})
     assert resp.status_code == 404 and resp.json()["error"]["message"]

@@ -11,6 +11,7 @@ from mstar.server.media.decode import (
     DecodedVideo,
     decode_audio,
     decode_image,
+    decode_pcm16,
     decode_video,
     resample_audio,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "MediaPolicy",
     "decode_audio",
     "decode_image",
+    "decode_pcm16",
     "decode_video",
     "encode_audio",
     "encode_image",

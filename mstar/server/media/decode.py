@@ -92,6 +92,16 @@ def decode_image(source, policy: MediaPolicy | None = None) -> np.ndarray:
         raise MediaError(400, f"could not decode image (corrupt or truncated): {exc}") from None
 
 
+PCM16_RATE = 24000  # raw pcm16 carries no rate: OpenAI's, for chat's input_audio and /generate alike
+
+
+def decode_pcm16(source, policy: MediaPolicy | None = None) -> DecodedAudio:
+    """Raw little-endian 16-bit mono PCM at PCM16_RATE (OpenAI's `pcm16`) to float32; an odd last byte is dropped."""
+    raw = load_media_bytes(source, policy)
+    return DecodedAudio(np.frombuffer(raw[: len(raw) // 2 * 2], "<i2").astype(np.float32)[:, None] / 32768.0,
+                        PCM16_RATE)
+
+
 def decode_audio(
     source, policy: MediaPolicy | None = None, target_rate: int | None = None
 ) -> DecodedAudio:
