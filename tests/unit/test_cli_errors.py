@@ -184,3 +184,14 @@ def test_bad_flag_values_are_one_line(capsys, argv, message):
         cli.main(argv)
     (line,) = capsys.readouterr().err.splitlines()
     assert exc.value.code == 2 and line.startswith(message) and line.endswith("(mstar serve --help lists the flags)")
+
+
+def test_a_file_that_is_not_gguf_is_one_line_naming_it(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_text("not gguf")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["serve", "smollm2", "--model-path", str(bad), "--port", str(port)])
+    assert str(exc.value).split("\n")[0].startswith(f"mstar: {bad} is not a readable GGUF file")

@@ -57,7 +57,11 @@ def _open_gguf(path: str, mtime_ns: int) -> Any:
     except ImportError as exc:
         raise ImportError("reading GGUF files needs the gguf package: pip install gguf") from exc
     logger.info("reading GGUF metadata of %s", path)
-    reader = gguf.GGUFReader(path)
+    try:
+        reader = gguf.GGUFReader(path)
+    except ValueError as exc:  # gguf's own message ("GGUF magic invalid") does not say which file
+        raise ValueError(f"{path} is not a readable GGUF file ({exc}); pass a llama GGUF or a safetensors "
+                         "checkpoint folder") from None
     arch = metadata(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise ValueError(
