@@ -57,6 +57,7 @@ def plan_placement(
     node_names = {node for node, _ in node_components}
     table: dict[tuple[str, str], list[Replica]] = {}
     nodes: dict[tuple[str, str], list[Replica]] = {}
+    placed_by: dict[tuple[str, str, Replica], int] = {}
     for i, group in enumerate(groups):
         where = f"{source}: node_groups[{i}]"
         _check_group(group, graph, walks, node_names, where, max_ranks)
@@ -64,7 +65,13 @@ def plan_placement(
         for walk in group.graph_walks or walks:
             for name in group.node_names:
                 target = table if name in graph.components else nodes
-                target.setdefault((name, walk), []).extend(group.replicas())
+                for rep in group.replicas():
+                    if (name, walk, rep) in placed_by:  # a second identical replica on the same worker
+                        raise PlacementError(
+                            f"{where}: {name!r} is already on ranks {list(rep)} for walk {walk!r} "
+                            f"(node_groups[{placed_by[name, walk, rep]}]); name it in one group only")
+                    placed_by[name, walk, rep] = i
+                    target.setdefault((name, walk), []).append(rep)
     used = {(n.name, n.component, w.name) for w in graph.walks for n in iter_nodes(w.body)}
     needed = {(component, walk) for _, component, walk in used}
     if not groups:

@@ -67,6 +67,17 @@ def test_component_placed_nowhere():
         plan_placement(GRAPH, cfg.node_groups, cfg.source)
 
 
+def test_a_component_placed_twice_on_the_same_ranks_is_refused():
+    """The same component, walk and ranks in two groups is a mistake (it made two identical replicas on
+    one worker); the error names both groups."""
+    cfg = config_from_dict({"model": "toy", "node_groups": [
+        {"node_names": ["encoder", "decoder", "guide", "painter", "vocoder"], "ranks": [0]},
+        {"node_names": ["encoder"], "ranks": [0]}]}, "x.yaml")
+    with pytest.raises(PlacementError, match=r"x\.yaml: node_groups\[1\]: 'encoder' is already on ranks \[0\] "
+                                             r"for walk '\w+' \(node_groups\[0\]\)"):
+        plan_placement(GRAPH, cfg.node_groups, cfg.source)
+
+
 def test_rank_out_of_range_and_unknown_names():
     groups = config_from_dict({"model": "toy", "node_groups": [
         {"node_names": ["encoder", "decoder", "guide", "painter", "vocoder"], "ranks": [0, 3]}]}).node_groups
