@@ -299,7 +299,9 @@ def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{source}: {prefix or 'config'}: {exc}") from None
+        # a section's own message names its key with or without the section; name the section once
+        text = str(exc)
+        raise ConfigError(f"{source}: {text if text.startswith(prefix) else prefix + text}") from None
 
 
 def typed_values(cls: type, data: Any, source: str, prefix: str, valid: typing.Sequence[str]) -> dict[str, Any]:

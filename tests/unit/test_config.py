@@ -61,6 +61,19 @@ def test_bad_values(tmp_path):
     assert config_from_dict({"model": "toy"}).cuda_graphs.prefill_tokens == []  # off by default
 
 
+@pytest.mark.parametrize("data, line", [
+    ({"kv_cache": {"page_size": -16}}, "x.yaml: kv_cache.page_size=-16: use a positive integer such as 16"),
+    ({"limits": {"max_body_bytes": -1}}, "x.yaml: limits.max_body_bytes=-1: use a positive number"),
+    ({"cuda_graphs": {"max_batch_size": 0}}, "x.yaml: cuda_graphs.max_batch_size=0: use a positive integer"),
+])
+def test_a_bad_section_value_names_its_key_once(data, line):
+    """The key is named once, with its section (it read 'kv_cache.: kv_cache.page_size=...' and
+    'limits.: max_body_bytes=...')."""
+    with pytest.raises(ConfigError) as exc:
+        config_from_dict({"model": "toy", **data}, "x.yaml")
+    assert str(exc.value) == line
+
+
 def test_component_placed_nowhere():
     cfg = config_from_dict({"model": "toy", "node_groups": [{"node_names": ["encoder"], "ranks": [0]}]}, "x.yaml")
     with pytest.raises(PlacementError, match=r"x\.yaml: component 'decoder' \(used by walk 'generate'\) is placed in no node group"):
