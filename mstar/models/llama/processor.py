@@ -47,16 +47,16 @@ class TextProcessor(Processor):
         return template_format(self.tokenizer)
 
     def inputs(self, request: Mapping[str, Any], options: dict[str, Any]) -> dict[str, torch.Tensor]:
+        if request.get("media"):
+            raise ValueError("this model takes text only; remove the media parts of the request")
         if request.get("messages"):
-            prompt = self.tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True,
+            prompt = self.tokenizer.apply_chat_template(text_messages(request["messages"]), add_generation_prompt=True,
                                                         tools=request.get("tools"))
             ids = self.tokenizer.encode(prompt, add_special_tokens=False, max_tokens=self.max_model_len)  # bos in it
         elif isinstance(request.get("text"), str) and request["text"]:
             ids = self.tokenizer.encode(request["text"], add_special_tokens=True, max_tokens=self.max_model_len)
         else:
             raise ValueError("a text request needs non-empty 'messages' (chat) or 'text' (completion)")
-        if request.get("media"):
-            raise ValueError("this model takes text only; remove the media parts of the request")
         self._check_length(len(ids), options.get("max_tokens"))
         return {"prompt_ids": torch.tensor(ids, dtype=torch.long)}
 
@@ -161,3 +161,10 @@ class TextDecoder(OutputDecoder):
 
     def token_bytes(self, token_id: int) -> bytes:
         return self.processor.tokenizer.token_bytes(token_id)
+
+
+def text_messages(messages: list[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """`messages` with each list of text parts joined into one string by newlines, as vLLM joins them for
+    templates that concatenate `content` as a string (every Llama-family template here does)."""
+    return [{**m, "content": "\n".join(part.get("text") or "" for part in m["content"])}
+            if isinstance(m.get("content"), list) else m for m in messages]
