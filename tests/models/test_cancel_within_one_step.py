@@ -121,3 +121,23 @@ def test_autoregressive_engine_frees_kv_pages_within_one_step():
     assert before["kv_pages_used"] >= 2  # prompt + 20 tokens: at least two 16-token pages
     assert after["kv_pages_used"] < before["kv_pages_used"] and after["seqs_running"] == before["seqs_running"] - 1
     assert final["kv_pages_used"] == 0 and final["queue_depth"] == 0
+
+
+def test_a_long_denoising_request_stops_within_one_step(tmp_path):
+    """A Wan2.2 request of the most steps it takes (tiny model): cancelled after a few steps, the DiT and the
+    scheduler each finish at most the step they were running, no decode runs, and the worker serves the next one."""
+    from tests.models.wan22_testing import write_pipeline_dir
+
+    root = write_pipeline_dir(tmp_path)
+    opts = {"num_inference_steps": 200, "report_progress": True, "guidance_scale": 5.0}
+    with MStar("wan22", tiny=True, model_path=str(root)) as m:
+        log = _instrument(m)
+        target = m.submit({"text": "a long clip"}, seed=0, **opts)
+        _cancel_after(m, log, target, outputs=3)
+        assert target.finish.finish_reason == "cancelled"
+        after = m.submit({"text": "the next one"}, seed=1, num_inference_steps=2).result()
+        events = log.after_cancel(target.rid)
+    _assert_within_one_step(events, target.rid, {"dit", "scheduler"})
+    assert not [e for e in events if e[0] == "step" and e[1] == "vae" and any(
+        r.split("#")[0] == target.rid for r in e[2])], "the cancelled request was decoded"
+    assert after.finish_reason != "cancelled" and "video" in after.outputs

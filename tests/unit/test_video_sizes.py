@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from mstar.models.bagel.processor import BagelDefaults, Resize
+from mstar.models.bagel.processor import resolve_options as resolve_bagel
 from mstar.models.common.video_options import video_size
+from mstar.models.cosmos3.options import Cosmos3Defaults
+from mstar.models.cosmos3.options import resolve_generation as resolve_cosmos3
 from mstar.models.wan22.processor import Wan22Defaults, resolve_options
 
 
@@ -30,11 +34,11 @@ def test_without_snap_an_odd_size_is_refused_with_the_nearest_multiple():
 
 def test_a_clip_longer_than_the_longest_the_model_makes_is_refused():
     """Its length in seconds drives Cosmos3's sound track and positions: 5 frames at 0.001 fps are 5,000 s."""
-    defaults = Wan22Defaults(width=64, height=64, num_frames=5, fps=16.0)  # at most 1025 frames at 16 fps: 64 s
-    for fps in (0.001, 0.07):  # 5,000 s and 71 s
+    defaults = Wan22Defaults(width=64, height=64, num_frames=5, fps=16.0)  # at most 121 frames at 16 fps: 7.6 s
+    for fps in (0.001, 0.5):  # 5,000 s and 10 s
         with pytest.raises(ValueError, match="fps"):
             resolve_options({"num_frames": 5, "fps": fps}, defaults)
-    assert resolve_options({"num_frames": 5, "fps": 0.1}, defaults)["num_frames"] == 5  # 50 s
+    assert resolve_options({"num_frames": 5, "fps": 1.0}, defaults)["num_frames"] == 5  # 5 s
 
 
 def test_seconds_and_num_frames_together_are_refused_not_one_ignored():
@@ -42,3 +46,45 @@ def test_seconds_and_num_frames_together_are_refused_not_one_ignored():
     with pytest.raises(ValueError, match="seconds=4 and num_frames=5"):
         resolve_options({"num_frames": 5, "seconds": 4}, defaults)
     assert resolve_options({"seconds": 1}, defaults)["num_frames"] == 17
+
+
+WAN_FULL = Wan22Defaults(width=1280, height=704, num_frames=121, fps=24.0)
+COSMOS_FULL = Cosmos3Defaults(width=1280, height=720, num_frames=189, fps=24.0, num_inference_steps=35,
+                              guidance_scale=6.0)
+
+
+def cosmos(options: dict) -> dict:
+    return vars(resolve_cosmos3(options, COSMOS_FULL, policy=False))
+
+
+@pytest.mark.parametrize("resolve", [lambda o: resolve_options(o, WAN_FULL), cosmos], ids=["wan22", "cosmos3"])
+@pytest.mark.parametrize(("options", "message"), [
+    ({"size": "4096x4096"}, "size=4096x4096 has 16777216 pixels per frame, more than the"),
+    ({"width": 1920, "height": 1088}, "size=1920x1088 has 2088960 pixels per frame"),
+    ({"num_frames": 1025}, r"num_frames must be an integer in \[1, 1\d\d\], got 1025"),
+    ({"seconds": 60}, r"num_frames must be an integer in \[1, 1\d\d\], got 1441"),
+    ({"num_inference_steps": 1000}, r"num_inference_steps must be an integer in \[1, 200\], got 1000"),
+])
+def test_a_request_beyond_what_the_model_was_trained_for_is_refused(resolve, options, message):
+    """The QA request (4096x4096, 1025 frames, 1000 steps) would hold a worker for hours: each bound is a 400
+    naming the field, its limit and the value."""
+    with pytest.raises(ValueError, match=message):
+        resolve(options)
+
+
+def test_the_trained_sizes_and_lengths_are_accepted():
+    for size in ("1280x704", "704x1280", "720x1280", "1280x720"):  # Wan2.2 snaps 720 to 704
+        assert resolve_options({"size": size, "num_inference_steps": 200}, WAN_FULL)["num_frames"] == 121
+    for size in ("1280x720", "720x1280", "960x960", "1104x832", "1280x704"):  # Cosmos3's tiers
+        assert cosmos({"size": size, "num_inference_steps": 200})["num_frames"] == 189
+    assert resolve_options({"seconds": 5}, WAN_FULL)["num_frames"] == 121
+    assert cosmos({"num_frames": 1, "size": "960x960"})["num_frames"] == 1
+
+
+def test_bagel_steps_are_bounded():
+    defaults = BagelDefaults(1024, 1024, 1024, Resize(1024, 512, 16), Resize(980, 224, 14))
+    with pytest.raises(ValueError, match=r"num_inference_steps must be an integer in \[2, 200\], got 1000"):
+        resolve_bagel({"modalities": ["image"], "num_inference_steps": 1000}, defaults)
+    with pytest.raises(ValueError, match=r"height must be an integer in \[16, 1024\], got 2048"):
+        resolve_bagel({"modalities": ["image"], "size": "1024x2048"}, defaults)
+    assert resolve_bagel({"modalities": ["image"], "num_inference_steps": 200}, defaults)["width"] == 1024

@@ -54,7 +54,7 @@ VLM_THINK_PROMPT = ("You should first think about the reasoning process in the m
 GEN_THINK_PROMPT = ("You should first think about the planning process in the mind and then generate the image. \n"
                     "The planning process is enclosed within <think> </think> tags, i.e. <think> planning process "
                     "here </think> image here")
-MAX_STEPS = 1000
+MAX_STEPS = 200  # four times the default 50; each step is a forward over the whole context
 _TURN = re.compile(r"<\|im_start\|>[a-z]+\n?(.*?)<\|im_end\|>", re.DOTALL)  # a ChatML turn's body
 
 

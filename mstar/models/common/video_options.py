@@ -36,6 +36,7 @@ class GenerationLimits:
 
     multiple: int  # each side a multiple of this
     max_side: int
+    max_pixels: int  # width x height of one frame, the largest the model was trained at
     max_frames: int
     max_steps: int
     snap: bool = False  # round the sides of option `size` to the multiple instead of refusing them
@@ -50,6 +51,7 @@ def resolve_generation(options: Mapping[str, Any], defaults: GenerationDefaults,
     if sized:
         width, height = video_size(options, defaults.width, defaults.height, limits.multiple, limits.max_side,
                                    snap=limits.snap)
+        frame_pixels(width, height, limits.max_pixels)
         num_frames = frame_count(options, defaults.num_frames, fps, limits.max_frames)
         # a clip's seconds size Cosmos3's sound track and place its positions, so a tiny fps is refused
         longest = limits.max_frames / defaults.fps
@@ -99,6 +101,13 @@ def video_size(options: Mapping[str, Any], width: int, height: int, multiple: in
         if value % multiple:
             raise ValueError(f"{name}={value} must be a multiple of {multiple}; try {multiple * round(value / multiple)}")
     return int(width), int(height)
+
+
+def frame_pixels(width: int, height: int, max_pixels: int) -> None:
+    """Refuse a frame of more than `max_pixels` (its tokens, and the VAE's memory, grow with them)."""
+    if width * height > max_pixels:
+        raise ValueError(f"size={width}x{height} has {width * height} pixels per frame, more than the {max_pixels} "
+                         "this model takes; ask for a smaller size")
 
 
 def frame_count(options: Mapping[str, Any], default: int, fps: float, max_frames: int) -> int:

@@ -17,8 +17,9 @@ from mstar.models.common.video_options import GenerationDefaults, GenerationLimi
 from mstar.models.cosmos3.actions import RESOLUTION_TIERS, domain_of
 from mstar.models.cosmos3.prompts import VIEWPOINTS
 
-# Sides a multiple of 16, the VAE's spatial compression: odd latent sizes are padded to whole patches.
-LIMITS = GenerationLimits(multiple=16, max_side=4096, max_frames=1025, max_steps=1000)
+# Sides a multiple of 16, the VAE's spatial compression: odd latent sizes are padded to whole patches. Frames
+# at most the 720p tier's 1280x720 pixels (actions.RESOLUTION_TIERS) and clips at most the default 189 frames.
+LIMITS = GenerationLimits(multiple=16, max_side=4096, max_pixels=1280 * 720, max_frames=189, max_steps=200)
 MAX_CHUNK = 256
 
 

@@ -25,8 +25,9 @@ from mstar.models.common.video_options import (
     resolve_generation,
 )
 
-# Sides a multiple of 32: the VAE's 16x spatial compression times the DiT's 2x2 patches.
-LIMITS = GenerationLimits(multiple=32, max_side=4096, max_frames=1025, max_steps=1000, snap=True)
+# Sides a multiple of 32: the VAE's 16x spatial compression times the DiT's 2x2 patches. TI2V-5B was trained
+# at 1280x704 (either way round) and 121 frames; a bigger frame or a longer clip only holds a worker longer.
+LIMITS = GenerationLimits(multiple=32, max_side=4096, max_pixels=1280 * 704, max_frames=121, max_steps=200, snap=True)
 
 
 @dataclass(frozen=True)
