@@ -26,7 +26,7 @@ import msgspec
 import torch
 
 from mstar import envs
-from mstar.conductor.conductor import Conductor
+from mstar.conductor.conductor import AdmissionError, Conductor
 from mstar.conductor.request_state import Sink
 from mstar.config import MStarConfig
 from mstar.graph import validate_graph
@@ -147,6 +147,8 @@ class Runtime:
         self._on_fatal.append(callback)
 
     def submit(self, rid: str, inputs: dict[str, Any], options: dict[str, Any], sink: Sink) -> None:
+        if self._stopping:  # its workers are gone: the request would wait forever
+            raise AdmissionError("the runtime is shut down; start a new one to run requests")
         self.conductor.submit(rid, inputs, options, sink)
 
     def cancel(self, rid: str) -> bool:
@@ -157,6 +159,8 @@ class Runtime:
         if self._stopping:
             return
         self._stopping = True
+        # requests still open would otherwise wait forever on workers that are gone
+        self.conductor.fail_all("the runtime is shutting down", 503)
         for rank in self.workers:
             self._send(rank, wire.Shutdown())
         for worker in self.workers.values():
