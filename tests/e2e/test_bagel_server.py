@@ -90,6 +90,15 @@ def test_bad_size_is_a_400_naming_it(base):
     assert resp.status_code == 400 and "width=40 must be a multiple of 16" in resp.text
 
 
+def test_too_many_steps_or_too_large_an_image_is_a_400_naming_it(base):
+    body = {"prompt": "x", "size": "64x64", "n": 2, "num_inference_steps": 1000}
+    resp = httpx.post(f"{base}/v1/images/generations", json=body, timeout=30)
+    assert resp.status_code == 400 and "num_inference_steps must be an integer in [2, 200], got 1000" in resp.text
+    resp = httpx.post(f"{base}/v1/images/generations", json={**body, "num_inference_steps": 2, "size": "4096x4096"},
+                      timeout=30)
+    assert resp.status_code == 400 and "width must be an integer in [16, " in resp.text, resp.text
+
+
 def test_a_request_larger_than_the_kv_pool_is_a_400_naming_it(base):
     """--tiny's pool holds 16,384 tokens: an answer of up to 20,000 tokens (within the 32,768 positions) never fits."""
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)

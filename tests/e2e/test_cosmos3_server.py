@@ -89,6 +89,18 @@ def test_a_clip_longer_than_the_model_makes_is_a_400_not_a_stalled_server(base):
     assert ok.status_code == 200 and ok.headers["content-type"] == "video/mp4"
 
 
+@pytest.mark.parametrize(("field", "message"), [
+    ({"size": "4096x4096"}, "size=4096x4096 has 16777216 pixels per frame, more than the 921600"),
+    ({"num_frames": 1025}, "num_frames must be an integer in [1, 189], got 1025"),
+    ({"num_inference_steps": 1000}, "num_inference_steps must be an integer in [1, 200], got 1000"),
+])
+def test_the_qa_request_beyond_the_model_is_a_400_naming_the_field(base, field, message):
+    """Schema-valid but hours of work (the QA pass's 4096x4096, 1025 frames, 1000 steps): refused before submitting."""
+    body = {"prompt": "a kite", "size": "64x32", "num_frames": 5, "num_inference_steps": 1, **field}
+    resp = httpx.post(f"{base}/v1/videos/generations", json=body, timeout=30)
+    assert resp.status_code == 400 and message in resp.json()["error"]["message"], resp.text
+
+
 def test_policy_answers_typed_action_chunks(droid):
     """NDJSON: one `action` chunk of shape [chunk_size, 10] (DROID), values as JSON numbers; the SDK's
     predict_actions, which asks for raw float32 bytes, gives the same values exactly."""

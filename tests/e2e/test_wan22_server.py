@@ -62,6 +62,16 @@ def test_bad_size_is_a_400_naming_it(base):
     assert resp.status_code == 400 and "width=100 must be a multiple of 32" in resp.text
 
 
+def test_the_qa_request_beyond_the_model_is_a_400_naming_the_field(base):
+    """4096x4096, 1025 frames, 1000 steps would hold a worker for hours: each is refused before submitting."""
+    body = {"prompt": "a kite", "size": "64x32", "num_frames": 5, "num_inference_steps": 1}
+    for field, message in (({"size": "4096x4096"}, "more than the 901120"),
+                           ({"num_frames": 1025}, "num_frames must be an integer in [1, 121], got 1025"),
+                           ({"num_inference_steps": 1000}, "num_inference_steps must be an integer in [1, 200]")):
+        resp = httpx.post(f"{base}/v1/videos/generations", json={**body, **field}, timeout=30)
+        assert resp.status_code == 400 and message in resp.json()["error"]["message"], resp.text
+
+
 def _png(width: int, height: int, seed: int) -> bytes:
     from PIL import Image
 
