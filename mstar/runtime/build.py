@@ -21,6 +21,8 @@ def build_model(config: MStarConfig, tiny: bool = False, load_format: str = "aut
                 model_path: str | None = None) -> Model:
     """The registered model of `config.model`, configured from model_kwargs, with the deployment's
     per-component engine settings (`engines:`) checked against its graph."""
+    if load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format {load_format!r}: use 'auto' or 'dummy' (random weights)")
     cls = get_model_class(config.model)
     valid = sorted(f.name for f in dataclasses.fields(cls.make_config(tiny=tiny)))
     unknown = sorted(set(config.model_kwargs) - set(valid))

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import uuid
 from collections.abc import Iterator
@@ -93,15 +94,20 @@ class MStar:
     """A model running in this process (mode "inproc"), across worker processes ("multiproc"), or with
     its workers as actors of the Ray cluster at `ray_address`."""
 
-    def __init__(self, model: str = "toy", config: str | Path | dict | MStarConfig | None = None, *,
+    def __init__(self, model: str | None = None, config: str | Path | dict | MStarConfig | None = None, *,
                  mode: str = "inproc", tiny: bool = False, load_format: str = "auto", model_path: str | None = None,
                  ray_address: str | None = None):
+        """`model` (default: the config's, else "toy") overrides the config's model, as `mstar serve MODEL
+        --config FILE` does."""
+        override = {} if model is None else {"model": model}
         if config is None:
-            config = config_from_dict({"model": model})
+            config = config_from_dict({"model": model or "toy"})
         elif isinstance(config, (str, Path)):
-            config = load_config(config)
+            config = load_config(config, **override)
         elif isinstance(config, dict):
-            config = config_from_dict(config)
+            config = config_from_dict({**config, **override})
+        elif override:
+            config = dataclasses.replace(config, **override)
         self.runtime = Runtime(config, mode=mode, tiny=tiny, load_format=load_format, model_path=model_path,
                                ray_address=ray_address)
         self.processor = self.runtime.processor
