@@ -29,7 +29,9 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
 
 def option(text: str) -> tuple[str, object]:
     """KEY=VALUE, the value read as JSON when it parses (numbers, lists, true), else as text."""
-    key, _, value = text.partition("=")
+    key, equals, value = text.partition("=")
+    if not equals or not key:
+        raise argparse.ArgumentTypeError(f"want KEY=VALUE, got {text!r}")
     try:
         return key, json.loads(value)
     except ValueError:

@@ -74,3 +74,13 @@ def test_the_table_covers_every_model_and_script():
     scripts = {row.script[0] for row in table.rows() if row.script}
     shipped = {f"examples/{p.name}" for p in table.EXAMPLES.glob("*.py") if p.name != "common.py"}
     assert scripts == shipped, scripts ^ shipped
+
+
+def test_an_option_without_a_value_is_refused(capsys):
+    """`--option KEY` without `=VALUE` is argparse's one line; it was sent as KEY="" and ignored."""
+    parser = runpy.run_path(str(table.EXAMPLES / "common.py"))["parser"](None)
+    assert parser.parse_args(["--option", "steps=4", "--option", "name=a=b"]).option == [("steps", 4), ("name", "a=b")]
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--option", "noequals"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--option" in err and "KEY=VALUE" in err
