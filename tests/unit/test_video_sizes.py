@@ -54,7 +54,7 @@ COSMOS_FULL = Cosmos3Defaults(width=1280, height=720, num_frames=189, fps=24.0, 
 
 
 def cosmos(options: dict) -> dict:
-    return vars(resolve_cosmos3(options, COSMOS_FULL, policy=False))
+    return cosmos_with(COSMOS_FULL, options)
 
 
 @pytest.mark.parametrize("resolve", [lambda o: resolve_options(o, WAN_FULL), cosmos], ids=["wan22", "cosmos3"])
@@ -88,3 +88,36 @@ def test_bagel_steps_are_bounded():
     with pytest.raises(ValueError, match=r"height must be an integer in \[16, 1024\], got 2048"):
         resolve_bagel({"modalities": ["image"], "size": "1024x2048"}, defaults)
     assert resolve_bagel({"modalities": ["image"], "num_inference_steps": 200}, defaults)["width"] == 1024
+
+
+def test_a_deployment_may_raise_the_bounds_in_its_serve_config():
+    """model_kwargs.max_frames / max_pixels raise a bound; a default beyond the bounds fails at start, naming the key."""
+    from mstar.models.wan22.model import Wan22ServeConfig
+    from mstar.models.wan22.processor import defaults_for
+
+    longer = defaults_for(Wan22ServeConfig(max_frames=241, max_pixels=1920 * 1088))
+    assert resolve_options({"num_frames": 241, "size": "1920x1088"}, longer)["num_frames"] == 241
+    with pytest.raises(ValueError, match=r"num_frames must be an integer in \[1, 241\], got 245"):
+        resolve_options({"num_frames": 245}, longer)
+    with pytest.raises(ValueError, match="default num_frames=241 is more than max_frames=121; raise model_kwargs"):
+        defaults_for(Wan22ServeConfig(num_frames=241))
+    with pytest.raises(ValueError, match="default size 1920x1088 has more than max_pixels=901120"):
+        defaults_for(Wan22ServeConfig(width=1920, height=1088))
+    with pytest.raises(ValueError, match="wan22 model_kwargs.max_frames=0 must be a positive integer"):
+        Wan22ServeConfig(max_frames=0)
+
+
+def test_cosmos3_reads_its_bounds_from_the_serve_config():
+    from mstar.models.registry import get_model_class
+
+    cls = get_model_class("cosmos3")
+    defaults = cls(cls.make_config(tiny=True, max_frames=9)).request_defaults()
+    assert cosmos_with(defaults, {"num_frames": 9})["num_frames"] == 9
+    with pytest.raises(ValueError, match=r"num_frames must be an integer in \[1, 9\], got 13"):
+        cosmos_with(defaults, {"num_frames": 13})
+    with pytest.raises(ValueError, match="cosmos3 model_kwargs.max_pixels=-1 must be a positive integer"):
+        cls.make_config(tiny=True, max_pixels=-1)
+
+
+def cosmos_with(defaults, options: dict) -> dict:
+    return vars(resolve_cosmos3(options, defaults, policy=False))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -40,6 +40,28 @@ class GenerationLimits:
     max_frames: int
     max_steps: int
     snap: bool = False  # round the sides of option `size` to the multiple instead of refusing them
+
+
+def positive_bounds(config: Any, model: str) -> None:
+    """A serve config's `max_pixels` and `max_frames`, where set, are positive."""
+    for name in ("max_pixels", "max_frames"):
+        value = getattr(config, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{model} model_kwargs.{name}={value!r} must be a positive integer (unset: as trained)")
+
+
+def deployment_limits(limits: GenerationLimits, config: Any, defaults: GenerationDefaults) -> GenerationLimits:
+    """`limits` with the serve config's `max_pixels` / `max_frames` where set (a deployment that wants more);
+    ValueError when the deployment's own default size or frames fall outside them."""
+    limits = replace(limits, max_pixels=config.max_pixels or limits.max_pixels,
+                     max_frames=config.max_frames or limits.max_frames)
+    if defaults.width * defaults.height > limits.max_pixels:
+        raise ValueError(f"the default size {defaults.width}x{defaults.height} has more than max_pixels="
+                         f"{limits.max_pixels}; raise model_kwargs.max_pixels or lower model_kwargs.width/height")
+    if defaults.num_frames > limits.max_frames:
+        raise ValueError(f"the default num_frames={defaults.num_frames} is more than max_frames={limits.max_frames}; "
+                         "raise model_kwargs.max_frames or lower model_kwargs.num_frames")
+    return limits
 
 
 def resolve_generation(options: Mapping[str, Any], defaults: GenerationDefaults, limits: GenerationLimits,

@@ -33,9 +33,10 @@ from mstar.engines.base import AutoregressiveSpec, StatelessSpec
 from mstar.graph import CARRY, ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Parallel, Sequential, Walk
 from mstar.models.base import BuiltComponent, Model
 from mstar.models.common.serve_config import DTYPES, ServeConfig, decode_steps, dtype_named
+from mstar.models.common.video_options import deployment_limits, positive_bounds
 from mstar.models.common.wan_vae.vae_config import WanVAEConfig
 from mstar.models.cosmos3.config import Cosmos3Config
-from mstar.models.cosmos3.options import Cosmos3Defaults, PolicyDefaults
+from mstar.models.cosmos3.options import LIMITS, Cosmos3Defaults, PolicyDefaults
 
 DIT_BATCH = 16  # DiT rows (requests x guidance branches) per forward
 _TINY_STD = 0.3  # tiny random weights large enough that prompts and steps visibly change the output
@@ -51,6 +52,8 @@ class Cosmos3ServeConfig(ServeConfig):
     width: int | None = None  # default output size; None = 1280x720 (tiny: 64x64)
     height: int | None = None
     num_frames: int | None = None  # default frame count (4k+1); None = 189 (tiny: 5)
+    max_pixels: int | None = None  # most pixels per frame a request may ask; None = 1280x720 (the 720p tier)
+    max_frames: int | None = None  # most frames a request may ask; None = 189
     fps: float | None = None  # default frame rate; None = 24 (policy: 15)
     vae_chunk_frames: int = 1  # latent frames the VAE decodes at once (memory vs speed)
     max_model_len: int | None = None  # the reasoner's context (prompt and answer); None: 32768 (tiny: 2048)
@@ -65,6 +68,7 @@ class Cosmos3ServeConfig(ServeConfig):
         dtype_named(self.vae_dtype, "model_kwargs.vae_dtype")
         if self.vae_chunk_frames < 1:
             raise ValueError(f"cosmos3 vae_chunk_frames={self.vae_chunk_frames} must be >= 1")
+        positive_bounds(self, "cosmos3")
         if self.graph_sizes is not None:
             if isinstance(self.graph_sizes, str):
                 raise ValueError(f"cosmos3 model_kwargs.graph_sizes={self.graph_sizes!r} must be a list of 'WxH'")
@@ -75,7 +79,6 @@ class Cosmos3ServeConfig(ServeConfig):
 def graph_pixels(sizes: Sequence[str]) -> list[tuple[int, int]]:
     """(width, height) of each of `sizes` ("WxH"); a bad one raises ValueError naming it."""
     from mstar.models.common.video_options import video_size
-    from mstar.models.cosmos3.options import LIMITS
 
     pixels = []
     for size in sizes:
@@ -286,8 +289,10 @@ class Cosmos3Model(Model):
         """The deployment's request defaults (full size, or 64x64x5 when tiny)."""
         c = self.config
         width, height, frames = (64, 64, 5) if c.tiny else (1280, 720, 189)
-        return Cosmos3Defaults(width=c.width or width, height=c.height or height, num_frames=c.num_frames or frames,
-                               fps=c.fps or 24.0, num_inference_steps=35, guidance_scale=6.0)
+        defaults = Cosmos3Defaults(width=c.width or width, height=c.height or height,
+                                   num_frames=c.num_frames or frames, fps=c.fps or 24.0, num_inference_steps=35,
+                                   guidance_scale=6.0)
+        return replace(defaults, limits=deployment_limits(LIMITS, c, defaults))
 
     # -- what the loaders and the processor read -------------------------------------------------
 

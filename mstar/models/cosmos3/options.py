@@ -38,6 +38,7 @@ class Cosmos3Defaults(GenerationDefaults):
     """Request defaults that depend on the deployment (full size or tiny, omni or policy)."""
 
     policy: PolicyDefaults = PolicyDefaults()
+    limits: GenerationLimits = LIMITS
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class Generation(GenerationDefaults):
 
 def resolve_generation(options: Mapping[str, Any], defaults: Cosmos3Defaults, policy: bool) -> Generation:
     """The size, frames, rate, steps, guidance and seed of a request (a policy's size and frames come later)."""
-    return Generation(**video_options.resolve_generation(options, defaults, LIMITS, sized=not policy))
+    return Generation(**video_options.resolve_generation(options, defaults, defaults.limits, sized=not policy))
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from mstar.engines.base import StatelessSpec
 from mstar.graph import CARRY, ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Parallel, Sequential, Walk
 from mstar.models.base import BuiltComponent, Model
 from mstar.models.common.serve_config import DTYPES, ServeConfig, dtype_named
+from mstar.models.common.video_options import positive_bounds
 from mstar.models.common.wan_vae.vae_config import WanVAEConfig
 from mstar.models.wan22.config import Wan22Config
 
@@ -48,6 +49,8 @@ class Wan22ServeConfig(ServeConfig):
     height: int | None = None
     num_frames: int | None = None  # default frame count (4k+1); None = 121 (tiny: 5)
     fps: float = 24.0  # default frame rate of the video output
+    max_pixels: int | None = None  # most pixels per frame a request may ask; None = 1280x704, as trained
+    max_frames: int | None = None  # most frames a request may ask; None = 121, as trained
     vae_chunk_frames: int = 1  # latent frames the VAE decodes at once (memory vs speed)
     text_cache_rows: int = 16  # DiT rows whose text K/V are kept across steps (~189 MB each at 5B); 0: off
 
@@ -60,6 +63,7 @@ class Wan22ServeConfig(ServeConfig):
             raise ValueError(f"wan22 text_cache_rows={self.text_cache_rows} must be >= 0 (0 turns the cache off)")
         if self.vae_chunk_frames < 1:
             raise ValueError(f"wan22 vae_chunk_frames={self.vae_chunk_frames} must be >= 1")
+        positive_bounds(self, "wan22")
 
     def conv_dtype(self) -> str:
         """The dtype of the channels-last VAE decode's convolutions (`vae_conv_dtype` resolved)."""

@@ -10,7 +10,7 @@ image in its media is image-to-video: the image (resized to the video size) beco
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from mstar.models.base import Processor
 from mstar.models.common.video_options import (
     GenerationDefaults,
     GenerationLimits,
+    deployment_limits,
     request_text,
     resolve_generation,
 )
@@ -36,17 +37,19 @@ class Wan22Defaults(GenerationDefaults):
 
     num_inference_steps: int = 50
     guidance_scale: float = 5.0
+    limits: GenerationLimits = LIMITS
 
 
 def defaults_for(config: Any) -> Wan22Defaults:
     """The defaults of a Wan22ServeConfig: 1280x704x121 at full size, 64x64x5 when tiny."""
     width, height, frames = (64, 64, 5) if config.tiny else (1280, 704, 121)
-    return Wan22Defaults(config.width or width, config.height or height, config.num_frames or frames, config.fps)
+    defaults = Wan22Defaults(config.width or width, config.height or height, config.num_frames or frames, config.fps)
+    return replace(defaults, limits=deployment_limits(LIMITS, config, defaults))
 
 
 def resolve_options(options: Mapping[str, Any], defaults: Wan22Defaults) -> dict[str, Any]:
     """The resolved size, frames, fps, steps, guidance and seed of a request; ValueError names a bad one."""
-    return resolve_generation(options, defaults, LIMITS)
+    return resolve_generation(options, defaults, defaults.limits)
 
 
 class Wan22Processor(Processor):
