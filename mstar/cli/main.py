@@ -409,7 +409,13 @@ def serve_until_stopped(app, runtime, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `mstar`."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:  # a listing's reader (`| head`) has what it wanted
+        if args.command not in ("models", "configs"):
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        return 0
 
 
 def serve_main(argv: list[str] | None = None) -> int:

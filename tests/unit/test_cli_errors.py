@@ -195,3 +195,18 @@ def test_a_file_that_is_not_gguf_is_one_line_naming_it(tmp_path):
     with pytest.raises(SystemExit) as exc:
         cli.main(["serve", "smollm2", "--model-path", str(bad), "--port", str(port)])
     assert str(exc.value).split("\n")[0].startswith(f"mstar: {bad} is not a readable GGUF file")
+
+
+@pytest.mark.parametrize("command", ["configs", "models"])
+def test_a_listing_piped_into_head_ends_quietly(command):
+    """`mstar configs | head -1`: the reader closing the pipe ends the listing without a BrokenPipeError
+    traceback."""
+    import subprocess
+    import sys
+
+    code = f"import sys; from mstar.cli.main import main; sys.exit(main([{command!r}]))"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(1)
+    proc.stdout.close()  # as `head -c 1` does once it has its line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) in (0, 141, 1) and "Traceback" not in err, err
