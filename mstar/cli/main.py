@@ -13,6 +13,7 @@ import argparse
 import importlib.util
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -74,10 +75,34 @@ def port_number(text: str) -> int:
     return port
 
 
+def gpu_ids(text: str) -> str:
+    """`--gpus`'s value, as CUDA_VISIBLE_DEVICES takes it: indices or GPU-/MIG- UUIDs, comma-separated (CUDA
+    would hide every GPU after an id it cannot read)."""
+    if not all(re.fullmatch(r"\d+|(GPU|MIG)-[\w-]+", part) for part in text.split(",")):
+        raise argparse.ArgumentTypeError(f"GPU ids are comma-separated indices (or GPU-/MIG- UUIDs), got {text!r}")
+    return text
+
+
+def non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def model_name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=port_number, default=8000)
-    p.add_argument("--gpus", default=None, help="GPU ids to use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)")
+    p.add_argument("--gpus", type=gpu_ids, default=None, help="GPU ids to use, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES)")
     p.add_argument("--config", default=None, help="YAML config: a path, or a shipped config's name (default: the shipped <model>.yaml if any; `mstar configs` lists them)")
     p.add_argument("--model-path", default=None, help="local checkpoint folder or file instead of the default")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto", help="dummy: random weights")
@@ -87,7 +112,7 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer <key>' on every route but /health, the key being this "
                         "file's first line (or set MSTAR_API_KEY); never printed")
     p.add_argument("--api-key", default=None, help=argparse.SUPPRESS)  # refused: see read_api_key
-    p.add_argument("--served-model-name", default=None, help="the name clients use (default: the model's)")
+    p.add_argument("--served-model-name", type=model_name, default=None, help="the name clients use (default: the model's)")
     for flag, (key, kind, what) in MODEL_FLAGS.items():
         p.add_argument(flag, type=kind, default=None, help=f"{what} (model_kwargs.{key}; the YAML wins if it sets it)")
     p.add_argument("--quantization", choices=("fp8", "fp8_block"), default=None,
@@ -96,7 +121,7 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="split the model's tensor-parallel components over this many GPUs (the others on GPU 0); "
                         "the YAML's node_groups win if it has them")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+    p.add_argument("--shutdown-timeout", type=non_negative, default=30.0,
                    help="seconds that SIGTERM or Ctrl-C lets open requests finish before they are ended with an "
                         "error and the server exits (default 30)")
     p.add_argument("--ui", action=argparse.BooleanOptionalAction, default=None,

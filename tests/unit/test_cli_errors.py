@@ -178,6 +178,11 @@ def test_models_lists_the_voices_of_the_models_that_speak(capsys):
     (["serve", "--mode", "fast"], "mstar serve: argument --mode: invalid choice: 'fast'"),
     (["serve", "toy", "--port", "99999"], "mstar serve: argument --port: a port is 1 to 65535, got 99999"),
     (["serve", "toy", "--port", "-5"], "mstar serve: argument --port: a port is 1 to 65535, got -5"),
+    # these three were accepted: a bad --gpus hid every GPU, a negative timeout and an empty name went through
+    (["serve", "toy", "--gpus", "x"], "mstar serve: argument --gpus: GPU ids are comma-separated"),
+    (["serve", "toy", "--gpus", "0,,1"], "mstar serve: argument --gpus: GPU ids are comma-separated"),
+    (["serve", "toy", "--shutdown-timeout", "-1"], "mstar serve: argument --shutdown-timeout: must be >= 0"),
+    (["serve", "toy", "--served-model-name", " "], "mstar serve: argument --served-model-name: must not be empty"),
 ])
 def test_bad_flag_values_are_one_line(capsys, argv, message):
     with pytest.raises(SystemExit) as exc:
