@@ -114,6 +114,10 @@ class MStar:
 
     def submit(self, request: dict[str, Any], request_id: str | None = None, **options: Any) -> RequestHandle:
         """Start a request; `options` override the model's per-request defaults."""
+        if not isinstance(request, dict):
+            raise TypeError(f"a request is a dict such as {{'text': 'hi'}}, got {type(request).__name__}")
+        if request.get("text") is not None and not isinstance(request["text"], str):
+            raise TypeError(f"request['text'] must be a string, got {type(request['text']).__name__}")
         rid = request_id or uuid.uuid4().hex
         check_option_types(self.runtime.model.default_options, options)
         opts = self.runtime.model.request_options(options)
