@@ -33,3 +33,13 @@ def error_from_body(status: int, body: bytes) -> MStarError:
         if "message" in data:
             return MStarError(status, str(data["message"]))
     return MStarError(status, text)
+
+
+def transport_error(exc: Exception, url: str, streaming: bool, timeout_s: float | None) -> MStarError:
+    """The status-0 error for a request that got no HTTP answer: a read timeout (the server took the
+    request and said nothing in time), or a connection that failed or broke."""
+    import httpx
+
+    if isinstance(exc, httpx.ReadTimeout):
+        return MStarError(0, f"no answer from {url} within {timeout_s:g} s (the client's timeout)")
+    return MStarError(0, f"stream from {url} broke: {exc}" if streaming else f"cannot reach {url}: {exc}")

@@ -11,7 +11,7 @@ import httpx
 from mstar.client import endpoints, wire
 from mstar.client.base import ClientBase, answer
 from mstar.client.endpoints import Call, StreamCall
-from mstar.client.errors import MStarError, error_from_body
+from mstar.client.errors import error_from_body, transport_error
 
 
 class MStarClient(ClientBase[httpx.Client]):
@@ -42,7 +42,7 @@ class MStarClient(ClientBase[httpx.Client]):
         try:
             resp = self._http.request(call.method, call.path, **call.send)
         except httpx.TransportError as exc:
-            raise MStarError(0, f"cannot reach {self._http.base_url}{call.path}: {exc}") from None
+            raise transport_error(exc, f"{self._http.base_url}{call.path}", False, self._http.timeout.read) from None
         return answer(call, resp)
 
     def _stream(self, call: StreamCall) -> Iterator[Any]:
@@ -57,7 +57,7 @@ class MStarClient(ClientBase[httpx.Client]):
                     if item is not None:
                         yield item
         except httpx.TransportError as exc:
-            raise MStarError(0, f"stream from {self._http.base_url}{call.path} broke: {exc}") from None
+            raise transport_error(exc, f"{self._http.base_url}{call.path}", True, self._http.timeout.read) from None
 
     def _answers(self, path: str) -> bool:
         try:

@@ -141,3 +141,28 @@ def test_async_client(server):
     assert isinstance(chunks[-1], FinalChunk) and collect(chunks).audio.sample_rate == RATE
     assert chat.text == "echo: yo" and audio.samples.shape == (RATE // 4, 1)
     assert err.status == 500
+
+
+def test_a_server_that_does_not_answer_in_time_is_a_timeout_not_unreachable():
+    """A request the server took but did not answer within the client's timeout says so; it said
+    'cannot reach' (as for a server that is down)."""
+    import socket
+
+    with socket.socket() as listener:  # accepts connections (the kernel's backlog) and never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        with MStarClient(url, timeout=0.3) as c:
+            for call in (lambda: c.chat("hi"), lambda: list(c.chat("hi", stream=True))):
+                with pytest.raises(MStarError, match=r"no answer .* within 0.3 s") as info:
+                    call()
+                assert info.value.status == 0
+
+        async def run_async():
+            async with AsyncMStarClient(url, timeout=0.3) as c:
+                with pytest.raises(MStarError, match=r"no answer .* within 0.3 s"):
+                    await c.chat("hi")
+                with pytest.raises(MStarError, match=r"no answer .* within 0.3 s"):
+                    async for _ in await c.chat("hi", stream=True):
+                        pass
+        asyncio.run(run_async())
