@@ -232,6 +232,8 @@ class MStarConfig:
         for i, group in enumerate(self.node_groups):
             group.validate(f"{where}: node_groups[{i}]")
         self.ray.validate(where, self.num_workers)
+        if not isinstance(self.model_kwargs, dict):
+            raise ConfigError(f"{where}: model_kwargs must be a mapping, got {self.model_kwargs!r}")
         if not isinstance(self.quantization, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in self.quantization.items()):
             raise ConfigError(f"{where}: quantization must map components to a method, e.g. "
@@ -296,6 +298,9 @@ def config_from_dict(data: dict[str, Any], source: str = "<dict>") -> MStarConfi
 
 def _build(cls: type, data: Any, source: str, prefix: str) -> Any:
     kwargs = typed_values(cls, data, source, prefix, [f.name for f in dataclasses.fields(cls) if f.name != "source"])
+    for f in dataclasses.fields(cls):
+        if f.name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{source}: {prefix.rstrip('.') or 'the config'} needs key {f.name!r}")
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:

@@ -65,6 +65,9 @@ def test_bad_values(tmp_path):
     ({"kv_cache": {"page_size": -16}}, "x.yaml: kv_cache.page_size=-16: use a positive integer such as 16"),
     ({"limits": {"max_body_bytes": -1}}, "x.yaml: limits.max_body_bytes=-1: use a positive number"),
     ({"cuda_graphs": {"max_batch_size": 0}}, "x.yaml: cuda_graphs.max_batch_size=0: use a positive integer"),
+    # these read 'NodeGroup.__init__() missing 1 required positional argument' and 'unknown key model_kwargs.x'
+    ({"node_groups": [{"ranks": [0]}]}, "x.yaml: node_groups[0] needs key 'node_names'"),
+    ({"model_kwargs": "x"}, "x.yaml: model_kwargs must be a mapping, got 'x'"),
 ])
 def test_a_bad_section_value_names_its_key_once(data, line):
     """The key is named once, with its section (it read 'kv_cache.: kv_cache.page_size=...' and
