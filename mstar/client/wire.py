@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from pydantic import BaseModel
 
 from mstar.client.errors import MStarError
 from mstar.server.protocol import ErrorChunk, FinalChunk, OutputChunk, parse_chunk
@@ -101,6 +102,8 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
     """A prompt string becomes one user message; a message list passes through."""
     if isinstance(messages, str):
         return [{"role": "user", "content": messages}]
+    if not isinstance(messages, list | tuple) or not all(isinstance(m, dict | BaseModel) for m in messages):
+        raise TypeError(f"messages is a prompt string or a list of message dicts (or models), got {messages!r:.80}")
     return [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in messages]
 
 

@@ -64,3 +64,12 @@ def test_audio_buffer_wav_roundtrip_and_pcm():
     np.testing.assert_allclose(AudioBuffer.from_pcm16(pcm, 22050, 2).samples, samples, atol=1e-4)
     with pytest.raises(ValueError, match="sample rates"):
         AudioBuffer.concat([buf, AudioBuffer(samples, 16000)])
+
+
+@pytest.mark.parametrize("messages", [5, None, ["hi"]])
+def test_chat_messages_of_the_wrong_shape_are_a_type_error_naming_the_shapes(messages):
+    """They were "'int' object is not iterable" or "'str' object has no attribute 'model_dump'"."""
+    from mstar.client.wire import chat_messages
+
+    with pytest.raises(TypeError, match="messages is a prompt string or a list of message dicts"):
+        chat_messages(messages)
