@@ -105,6 +105,10 @@ class SamplingParams:
         return replace(defaults, **overrides)
 
 
+# the request options an autoregressive engine reads (`SamplingParams.from_options`)
+SAMPLING_OPTIONS = frozenset(f.name for f in fields(SamplingParams))
+
+
 def _check(ok: bool, name: str, value: Any, fix: str) -> None:
     if not ok:
         raise ValueError(f"invalid sampling option {name}={value!r}: {fix}")

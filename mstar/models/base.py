@@ -17,7 +17,8 @@ Output conventions the server understands (optional; a model follows them or not
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import difflib
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -53,6 +54,17 @@ def check_option_types(defaults: Mapping[str, Any], options: Mapping[str, Any]) 
             raise OptionError(key, f"option {key!r} must be {kind[0]}, got {value!r:.80}")
         if _nests_deeper(value, MAX_OPTION_DEPTH):
             raise OptionError(key, f"option {key!r} nests lists or mappings deeper than {MAX_OPTION_DEPTH} levels")
+
+
+def check_option_names(model: str, accepted: Collection[str], options: Mapping[str, Any]) -> None:
+    """Raise OptionError naming the first option `model` does not take (`Model.accepted_options`), with the
+    closest name it does take and all of them, since an ignored typo would run at the defaults."""
+    for key in options:
+        if key not in accepted:
+            near = difflib.get_close_matches(str(key), sorted(accepted), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise OptionError(key, f"model {model!r} takes no option {key!r}{hint}; it takes "
+                                   f"{', '.join(sorted(accepted)) or 'none'}")
 
 
 def _nests_deeper(value: Any, levels: int) -> bool:
@@ -192,6 +204,9 @@ class Model:
     output_modalities: ClassVar[tuple[str, ...]] = ("text",)
     # Sampling and other per-request option defaults; each request may override them.
     default_options: ClassVar[Mapping[str, Any]] = {}
+    # Options a request may set beyond default_options' keys (those its processor or components read with a
+    # built-in default); any other name a client sends is refused (`accepted_options`).
+    extra_options: ClassVar[frozenset[str]] = frozenset()
     # The autoregressive component whose context bounds a prompt and its output (`Processor.max_model_len`);
     # its engine's actual limit, lowered to what its KV pool holds, is handed to the processor at start.
     context_component: ClassVar[str | None] = None
@@ -235,6 +250,11 @@ class Model:
 
     def processor(self) -> Processor:
         raise NotImplementedError
+
+    @classmethod
+    def accepted_options(cls) -> frozenset[str]:
+        """Every option name a request may set: `default_options`' keys and `extra_options`."""
+        return frozenset(cls.default_options) | cls.extra_options
 
     def request_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
         """Model defaults overridden by the request's options."""

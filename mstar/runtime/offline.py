@@ -17,7 +17,7 @@ from typing import Any
 
 from mstar.conductor.request_state import FinishEvent, OutputEvent
 from mstar.config import MStarConfig, config_from_dict, load_config
-from mstar.models.base import OutputDecoder, check_option_types
+from mstar.models.base import OutputDecoder, check_option_names, check_option_types
 from mstar.runtime.launcher import Runtime
 
 
@@ -119,7 +119,9 @@ class MStar:
         if request.get("text") is not None and not isinstance(request["text"], str):
             raise TypeError(f"request['text'] must be a string, got {type(request['text']).__name__}")
         rid = request_id or uuid.uuid4().hex
-        check_option_types(self.runtime.model.default_options, options)
+        model = self.runtime.model
+        check_option_names(model.name, model.accepted_options(), options)
+        check_option_types(model.default_options, options)
         opts = self.runtime.model.request_options(options)
         self.processor.validate_options(opts)
         inputs = self.processor.inputs(request, opts)

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from mstar.graph.spec import TO_CLIENT
-from mstar.models.base import OutputDecoder, TokenLogprobs
+from mstar.models.base import OptionError, OutputDecoder, TokenLogprobs, check_option_names
 from mstar.server import logprobs
 from mstar.server.adapters import Item, RequestError, RequestStream, start_request
 from mstar.server.app import error_json, get_state
@@ -123,6 +123,10 @@ def build_request(state, body: GenerateRequest, uploads: list[tuple[str, bytes]]
     """The processor request and the options of a /generate body (media decoded under the policy);
     `uploads` are (modality, bytes) of multipart file parts, appended after the JSON media."""
     check_outputs(state, body.outputs)
+    try:  # the client's own names only: `seed` and what this route adds below are the route's
+        check_option_names(state.model_name, state.runtime.model.accepted_options(), body.options)
+    except OptionError as exc:
+        raise RequestError(400, str(exc), exc.option) from None
     if isinstance(body.options.get("modalities"), list):  # another kind is refused by the option type check
         check_outputs(state, body.options["modalities"], "modalities")
     request: dict[str, Any] = {}

@@ -54,9 +54,9 @@ def test_a_thousand_wrong_typed_options_leave_no_slot_in_use(base):
 
 
 @pytest.mark.parametrize("route,body", [
-    ("/generate", b'{"text": "x", "options": {"a": ' + b"[" * 50_000 + b"]" * 50_000 + b"}}"),
+    ("/generate", b'{"text": "x", "options": {"size": ' + b"[" * 50_000 + b"]" * 50_000 + b"}}"),
     ("/v1/chat/completions", b'{"model": "toy", "messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"),
-    ("/generate", b'{"text": "x", "options": {"a": ' + b"[" * 20 + b"]" * 20 + b"}}"),
+    ("/generate", b'{"text": "x", "options": {"size": ' + b"[" * 20 + b"]" * 20 + b"}}"),
 ])
 def test_deeply_nested_json_is_refused(base, route, body):
     resp = httpx.post(f"{base}{route}", content=body, headers={"content-type": "application/json"})

@@ -100,6 +100,15 @@ def test_unknown_route_and_body_limit(base):
     assert resp.status_code == 413 and "limit" in resp.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_option_the_model_does_not_take_is_a_400_naming_it_and_its_options(base, stream):
+    resp = httpx.post(f"{base}/generate", json={"text": "x", "stream": stream, "options": {"max_tokenz": 8}},
+                      timeout=10)
+    error = resp.json()["error"]
+    assert resp.status_code == 400 and error["param"] == "max_tokenz", resp.text
+    assert "did you mean 'max_tokens'" in error["message"] and "stop_early" in error["message"]
+
+
 def test_sdk_raises_on_bad_option(sdk):
     with pytest.raises(MStarError) as info:
         sdk.generate("x", max_tokens=0)

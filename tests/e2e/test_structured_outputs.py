@@ -77,6 +77,15 @@ def test_generate_follows_a_choice_and_a_regex(base):
         assert re.fullmatch("[a-c]{3}-[0-9]{2}", text), text
 
 
+def test_generate_refuses_a_misspelt_sampling_option(base):
+    body = {"text": "hi", "stream": False, "options": {"max_tokens": 4, "temprature": 0.0}}
+    resp = httpx.post(f"{base}/generate", json=body)
+    error = resp.json()["error"]
+    assert resp.status_code == 400 and error["param"] == "temprature", resp.text
+    assert "model 'qwen3' takes no option 'temprature' (did you mean 'temperature'?)" in error["message"]
+    assert "structured_outputs" in error["message"]  # the options it takes are listed
+
+
 def _generated(base: str, body: dict) -> str:
     return "".join(c["delta"] for c in httpx.post(f"{base}/generate", json=body).json()["outputs"]["text"])
 

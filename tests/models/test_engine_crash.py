@@ -12,8 +12,11 @@ from mstar.config import config_from_dict
 from mstar.runtime.offline import MStar, RequestFailed
 
 
-def _arm_crash(engine, option: str) -> None:
-    """The engine's next step raises once an item of a request with `option` set arrived."""
+def _arm_crash(engine, option: str, m: MStar, monkeypatch) -> None:
+    """The engine's next step raises once an item of a request with `option` set arrived (an option the
+    model is made to take, as the offline API refuses any other)."""
+    model = type(m.runtime.model)
+    monkeypatch.setattr(model, "extra_options", model.extra_options | {option})
     submit, step = engine.submit, engine.step
     armed = []
 
@@ -39,7 +42,7 @@ def _wait(condition, timeout=5.0):
 
 
 @pytest.mark.timeout(60)  # before the fix the crashing request waited forever
-def test_a_crashing_engine_answers_the_remote_node_it_ran():
+def test_a_crashing_engine_answers_the_remote_node_it_ran(monkeypatch):
     """The guide runs on worker 0 for a walk driven by the decoder's worker: its crash must reach that
     driver as a failed node, not leave the request waiting."""
     cfg = config_from_dict({"model": "toy", "node_groups": [
@@ -47,7 +50,7 @@ def test_a_crashing_engine_answers_the_remote_node_it_ran():
         {"node_names": ["decoder"], "ranks": [1]},
     ]})
     with MStar(config=cfg, mode="inproc") as m:
-        _arm_crash(m.runtime.workers[0].engines["guide"], "crash_guide")
+        _arm_crash(m.runtime.workers[0].engines["guide"], "crash_guide", m, monkeypatch)
         crashing = m.submit({"text": "crash"}, max_tokens=40, stop_early=False, modalities=["text"],
                             crash_guide=True)
         with pytest.raises(RequestFailed, match="guide failed: RuntimeError: boom"):
@@ -60,14 +63,14 @@ def test_a_crashing_engine_answers_the_remote_node_it_ran():
 
 
 @pytest.mark.timeout(60)
-def test_requests_without_items_in_the_crashing_engine_go_on():
+def test_requests_without_items_in_the_crashing_engine_go_on(monkeypatch):
     cfg = config_from_dict({"model": "toy", "model_kwargs": {"step_delay_s": 0.01}, "node_groups": [
         {"node_names": ["encoder", "guide", "painter", "vocoder"], "ranks": [0]},
         {"node_names": ["decoder"], "ranks": [1, 2]},  # two replicas: the two requests get one each
     ]})
     with MStar(config=cfg, mode="inproc") as m:
         for rank in (1, 2):
-            _arm_crash(m.runtime.workers[rank].engines["decoder"], "crash_decoder")
+            _arm_crash(m.runtime.workers[rank].engines["decoder"], "crash_decoder", m, monkeypatch)
         crashing = m.submit({"text": "crash"}, max_tokens=40, stop_early=False, modalities=["text"],
                             crash_decoder=True)
         healthy = m.submit({"text": "fine"}, max_tokens=40, stop_early=False, modalities=["text"])

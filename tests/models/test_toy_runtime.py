@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from mstar.config import config_from_dict, load_config
+from mstar.models.base import OptionError
 from mstar.runtime.offline import MStar, RequestFailed
 from mstar.transport.tensors import list_segments
 
@@ -111,6 +112,10 @@ def test_bad_requests_fail_alone(monkeypatch):
             m.submit({"text": ""})
         with pytest.raises(ValueError, match="option 'guidance' must be a number"):
             m.submit({"text": "hi"}, guidance="strong")
+        with pytest.raises(OptionError, match="takes no option 'max_tokenz' \\(did you mean 'max_tokens'\\?\\); it takes "
+                                              "guidance, height, max_tokens") as info:
+            m.generate({"text": "hi"}, max_tokenz=8)  # it ran 16 tokens, the default, before options were declared
+        assert info.value.option == "max_tokenz"
         monkeypatch.setattr(offline, "check_option_types", lambda defaults, options: None)
         bad = m.submit({"text": "hi"}, guidance="strong")  # past the edge check: fails inside the guide component
         good = m.submit({"text": "hello"}, max_tokens=5)

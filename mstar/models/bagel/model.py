@@ -30,12 +30,14 @@ from typing import Any
 import torch
 
 from mstar.engines.base import KVLayout, KVPoolSpec, StatelessSpec
+from mstar.engines.sampling import SAMPLING_OPTIONS
 from mstar.graph import CARRY, ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Parallel, Sequential, Walk
 from mstar.models.bagel.config import BagelConfig
 from mstar.models.bagel.flow import branch_needed
 from mstar.models.bagel.plan import BRANCHES, Segment, pages_held
 from mstar.models.base import BuiltComponent, Model
 from mstar.models.common.serve_config import DTYPES, ServeConfig, dtype_named
+from mstar.models.llama.processor import TEXT_OPTIONS
 
 DEFAULT_MAX_TOKENS = 1024  # text tokens of an answer or a thought when a request sets no max_tokens
 KV_PAGE_SIZE = 16  # tokens per page of the LLM's KV pool
@@ -161,6 +163,8 @@ class BagelModel(Model):
         "cfg_renorm_type": None, "cfg_renorm_min": 0.0, "timestep_shift": 3.0,
         "report_progress": False, "debug_outputs": False,
     }
+    # the image's size (processor.resolve_options) and a text answer's sampling and decoding
+    extra_options = SAMPLING_OPTIONS | TEXT_OPTIONS | {"size", "width", "height"}
 
     config_class = BagelServeConfig
     # the MoT decoder layers' linears of both experts (weights.build_llm says what stays)

@@ -17,6 +17,10 @@ from typing import Any
 
 import numpy as np
 
+# the request options `resolve_generation` reads
+GENERATION_OPTIONS = frozenset({"size", "width", "height", "num_frames", "seconds", "fps", "num_inference_steps",
+                                "guidance_scale", "seed"})
+
 
 @dataclass(frozen=True)
 class GenerationDefaults:

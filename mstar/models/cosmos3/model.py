@@ -30,13 +30,15 @@ from typing import Any
 import torch
 
 from mstar.engines.base import AutoregressiveSpec, StatelessSpec
+from mstar.engines.sampling import SAMPLING_OPTIONS
 from mstar.graph import CARRY, ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Parallel, Sequential, Walk
 from mstar.models.base import BuiltComponent, Model
 from mstar.models.common.serve_config import DTYPES, ServeConfig, decode_steps, dtype_named
-from mstar.models.common.video_options import deployment_limits, positive_bounds
+from mstar.models.common.video_options import GENERATION_OPTIONS, deployment_limits, positive_bounds
 from mstar.models.common.wan_vae.vae_config import WanVAEConfig
 from mstar.models.cosmos3.config import Cosmos3Config
 from mstar.models.cosmos3.options import LIMITS, Cosmos3Defaults, PolicyDefaults
+from mstar.models.llama.processor import TEXT_OPTIONS
 
 DIT_BATCH = 16  # DiT rows (requests x guidance branches) per forward
 _TINY_STD = 0.3  # tiny random weights large enough that prompts and steps visibly change the output
@@ -188,6 +190,9 @@ class Cosmos3Model(Model):
     output_modalities = ("video", "image", "audio", "actions", "text")
     default_options = {"negative_prompt": "", "modalities": ["video"], "report_progress": False,
                        "debug_outputs": False}
+    # a generation's, a policy's (options.resolve_policy) and the reasoner's chat (a text model's)
+    extra_options = (GENERATION_OPTIONS | {"embodiment", "resolution_tier", "view_point", "chunk_size"}
+                     | SAMPLING_OPTIONS | TEXT_OPTIONS)
     _repo = "nvidia/Cosmos3-Nano"
     context_component = "reasoner"  # bounds chat prompts and answers (absent without the reasoner: no chat)
 

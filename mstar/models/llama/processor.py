@@ -25,6 +25,8 @@ from mstar.models.common.text import Tokenizer
 from mstar.models.common.tool_calls import ToolCallFormat, template_format
 
 LOGPROB_OUTPUTS = ("logprob", "top_ids", "top_logprobs")  # the engine's outputs for option `logprobs`
+# the options a text model reads beside its engine's SAMPLING_OPTIONS: TextDecoder's, and `n` (only 1)
+TEXT_OPTIONS = frozenset({"stop", "skip_special_tokens", "include_stop_str_in_output", "n"})
 
 
 class TextProcessor(Processor):

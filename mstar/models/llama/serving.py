@@ -24,11 +24,12 @@ from typing import Any
 import torch
 
 from mstar.engines.base import AutoregressiveSpec
+from mstar.engines.sampling import SAMPLING_OPTIONS
 from mstar.graph import CARRY, ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Walk
 from mstar.models.base import BuiltComponent, Model
 from mstar.models.common.serve_config import LMServeConfig, capped_context, decode_steps
 from mstar.models.llama.config import LlamaConfig
-from mstar.models.llama.processor import LOGPROB_OUTPUTS, TextProcessor
+from mstar.models.llama.processor import LOGPROB_OUTPUTS, TEXT_OPTIONS, TextProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class DenseLM(Model):
 
     name = "llama"
     tiny_arch = "llama"  # tiny config used with tiny=True
+    extra_options = SAMPLING_OPTIONS | TEXT_OPTIONS
     context_component = "llm"
     quantizable = ("llm",)
 

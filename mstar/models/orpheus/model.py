@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from mstar.engines.base import AutoregressiveSpec, StatelessSpec
+from mstar.engines.sampling import SAMPLING_OPTIONS
 from mstar.graph import (
     CARRY,
     ComponentSpec,
@@ -107,6 +108,8 @@ class OrpheusModel(Model):
     voices = VOICES
     default_options = {"voice": DEFAULT_VOICE, "temperature": 0.6, "top_p": 0.8, "repetition_penalty": 1.3,
                        "max_tokens": 1200}
+    # OpenAI's speech `speed` and `instructions` are taken to be refused with a reason (processor)
+    extra_options = SAMPLING_OPTIONS | {"speed", "instructions"}
 
     config_class = OrpheusConfig
 

@@ -71,6 +71,7 @@ class Pi05(Model):
     input_modalities = ("image", "text")
     output_modalities = ("actions",)
     default_options = {"state": [], "num_steps": None, "seed": None}
+    extra_options = frozenset({"modalities"})  # ["actions"], as the SDK's predict_actions sends it
 
     config_class = Pi05ServeConfig
 

@@ -24,8 +24,8 @@ from mstar.models.base import Processor
 from mstar.models.pi05.prompt import Quantiles, prompt_text
 
 MAX_STEPS = 100
-# every request option (Pi05.default_options, and `modalities` as the SDK's predict_actions sends it); others
-# are refused
+# every request option (Pi05.accepted_options); others are refused here too, since the openpi websocket
+# reaches the processor without /generate's name check
 OPTIONS = ("state", "num_steps", "seed", "modalities")
 
 

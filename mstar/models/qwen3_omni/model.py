@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from mstar.engines.sampling import SAMPLING_OPTIONS
 from mstar.graph import (
     CARRY,
     ComponentSpec,
@@ -55,6 +56,7 @@ from mstar.graph import (
 )
 from mstar.models.base import BuiltComponent, Model
 from mstar.models.common.serve_config import LMServeConfig
+from mstar.models.llama.processor import TEXT_OPTIONS
 from mstar.models.qwen3_omni import options as omni_options
 
 logger = logging.getLogger(__name__)
@@ -177,6 +179,9 @@ class Qwen3Omni(Model):
     context_component = "thinker"
     voices = ("Aiden", "Chelsie", "Ethan")  # the talker's speakers in the released checkpoint's config.json
     default_options = {"modalities": ["text"], "voice": "Ethan", "use_audio_in_video": True}
+    # plain sampling keys are the thinker's; `speed` and `instructions` are taken to be refused with a reason
+    extra_options = (SAMPLING_OPTIONS | TEXT_OPTIONS | omni_options.NAMESPACED_OPTIONS
+                     | {"speed", "instructions"})
 
     config_class = OmniServeConfig
     # the decoder layers' linears and routed experts in FP8, routers excepted (decoder.empty_fp8_layers)

@@ -97,6 +97,7 @@ class ToyModel(Model):
     output_modalities = ("text", "image", "audio", "video")
     default_options = {"max_tokens": 16, "guidance": 2.0, "stop_early": True, "report_progress": False,
                        "modalities": ["text", "image", "audio", "video"]}
+    extra_options = frozenset({"size", "width", "height"})  # the painted image's (processor.painted_size)
 
     def __init__(self, config: ToyConfig, load_format: str = "auto", model_path: str | None = None) -> None:
         if model_path is not None:  # its weights come from its config's seed: a path would be ignored

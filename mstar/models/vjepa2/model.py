@@ -163,6 +163,7 @@ class VJEPA2(_VJEPA2Base):
     input_modalities = ("video", "image")
     output_modalities = ("latents", "pooled", "logits", "label")
     default_options = {"modalities": ["latents"]}
+    extra_options = frozenset({"num_frames"})
     _example = "a Hugging Face V-JEPA 2 folder or repo id, e.g. facebook/vjepa2-vitl-fpc64-256"
     _full_size = VITL_FPC64_256
 
@@ -196,6 +197,8 @@ class VJEPA2AC(_VJEPA2Base):
     output_modalities = ("latents", "predicted", "predicted_states", "actions", "energy")
     default_options = {"modalities": ["latents"], "report_progress": False, "return_sequence": False,
                        "states": [], "actions": []}
+    # the task (else told by the request) and the planner's search (processor._search)
+    extra_options = frozenset({"task", "horizon", "samples", "topk", "cem_iterations", "maxnorm", "seed"})
     _example = "a folder with a V-JEPA 2 encoder and ac_predictor/, or the upstream vjepa2-ac-vitg.pt"
     _full_size = VITG_FPC64_256
 

@@ -25,7 +25,7 @@ from mstar.engines.base import StatelessSpec
 from mstar.graph import CARRY, ComponentSpec, Emit, Lane, Loop, ModelGraph, Node, Parallel, Sequential, Walk
 from mstar.models.base import BuiltComponent, Model
 from mstar.models.common.serve_config import DTYPES, ServeConfig, dtype_named
-from mstar.models.common.video_options import positive_bounds
+from mstar.models.common.video_options import GENERATION_OPTIONS, positive_bounds
 from mstar.models.common.wan_vae.vae_config import WanVAEConfig
 from mstar.models.wan22.config import Wan22Config
 
@@ -122,6 +122,7 @@ class Wan22Model(Model):
     output_modalities = ("video", "image")
     default_options = {"negative_prompt": "", "guidance_scale": 5.0, "num_inference_steps": 50,
                        "modalities": ["video"], "report_progress": False, "debug_outputs": False}
+    extra_options = GENERATION_OPTIONS
 
     config_class = Wan22ServeConfig
     quantizable = ("dit",)  # the blocks' attention and FFN linears (transformer.build_transformer says which stay)
