@@ -68,6 +68,7 @@ VIDEO_FPS = 8.0  # frame rate given to video outputs whose model does not say
 _ERROR = {"model": ErrorResponse}
 
 
+@router.head("/health", include_in_schema=False)  # probes and `curl -I`: the GET status, no body
 @router.get("/health", responses={503: {**_ERROR, "description": "unhealthy: restart the server"}})
 async def health(request: Request) -> Response:
     """200 while the process can serve (no key needed); 503 once the runtime gave up (a worker died too
@@ -79,6 +80,7 @@ async def health(request: Request) -> Response:
 _NDJSON = {"application/x-ndjson": {"schema": {"type": "string", "description": "one JSON chunk per line"}}}
 
 
+@router.head("/ready", include_in_schema=False)
 @router.get("/ready", responses={503: {**_ERROR, "description": "still loading, or stopping"}})
 async def ready(request: Request) -> Response:
     """200 once every worker is loaded; 503 before, while a worker restarts, while shutting down and

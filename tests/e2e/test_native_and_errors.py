@@ -141,3 +141,15 @@ def test_sdk_tts_streams_sse_pcm_and_whole_wav(sdk):
     whole = sdk.tts("speak", response_format="wav")
     assert whole.sample_rate == 8000
     assert sum(len(p.samples) for p in pieces) == len(whole.samples)
+
+
+@pytest.mark.parametrize("path", ["/health", "/ready"])
+def test_head_on_a_probe_answers_the_get_status_without_a_body(base, path, monkeypatch):
+    from mstar.runtime.launcher import Runtime
+
+    for status in (200, 503):  # load balancers and `curl -I` probe with HEAD; it was a 405
+        if status == 503:
+            monkeypatch.setattr(Runtime, "health_problem", lambda self: "no progress for 60 s")
+        got, head = httpx.get(f"{base}{path}"), httpx.head(f"{base}{path}")
+        assert got.status_code == head.status_code == status, head.text
+        assert got.content and head.content == b""
