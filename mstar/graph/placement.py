@@ -83,11 +83,24 @@ def plan_placement(
                 "add it to a group's node_names (and its graph_walks, if the group restricts walks)"
             )
     nodes = {k: v for k, v in nodes.items() if k in node_components}  # drop walks without that node
-    all_reps = [rep for reps in (*table.values(), *nodes.values()) for rep in reps]
-    num_workers = 1 + max(r for rep in all_reps for r in rep)
-    return PlacementPlan({k: tuple(v) for k, v in table.items() if k in needed}, num_workers,
+    table = {k: v for k, v in table.items() if k in needed}
+    used = {r for reps in (*table.values(), *nodes.values()) for rep in reps for r in rep}
+    _check_no_idle_ranks(groups, used, source)
+    return PlacementPlan({k: tuple(v) for k, v in table.items()}, 1 + max(used),
                          {k: tuple(v) for k, v in nodes.items()},
                          {k: node_components[k] for k in nodes})
+
+
+def _check_no_idle_ranks(groups: Sequence[Any], used: set[int], source: str) -> None:
+    """Every rank from 0 to the highest one named runs a component: rank r is worker r (on GPU r modulo
+    the GPUs), so a rank with none would be a worker process that loads nothing and serves nothing."""
+    named = {r for group in groups for r in group.ranks}
+    idle = sorted((named | set(range(max(used | named) + 1))) - used)
+    if idle:
+        raise PlacementError(
+            f"{source}: ranks {idle} would run no component (components are on ranks {sorted(used)}): number "
+            "the ranks from 0 with no gaps, each group's graph_walks using its components; to leave a GPU "
+            "unused, pick the GPUs with --gpus or CUDA_VISIBLE_DEVICES")
 
 
 def _check_group(group: Any, graph: ModelGraph, walks: dict, node_names: set[str], where: str,

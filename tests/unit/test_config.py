@@ -1,5 +1,7 @@
 """Config parsing and placement: errors name the key and the file."""
 
+import re
+
 import pytest
 
 from mstar.config import SHIPPED_CONFIGS, ConfigError, config_from_dict, load_config
@@ -91,6 +93,23 @@ def test_a_component_placed_twice_on_the_same_ranks_is_refused():
         {"node_names": ["encoder"], "ranks": [0]}]}, "x.yaml")
     with pytest.raises(PlacementError, match=r"x\.yaml: node_groups\[1\]: 'encoder' is already on ranks \[0\] "
                                              r"for walk '\w+' \(node_groups\[0\]\)"):
+        plan_placement(GRAPH, cfg.node_groups, cfg.source)
+
+
+@pytest.mark.parametrize("groups,idle,used", [
+    ([{"node_names": ["encoder", "decoder", "guide", "painter"], "ranks": [0]},
+      {"node_names": ["vocoder"], "ranks": [2]}], [1], [0, 2]),
+    ([{"node_names": ["encoder", "decoder", "guide", "painter", "vocoder"], "ranks": [0, 3]}], [1, 2], [0, 3]),
+    ([{"node_names": ["encoder", "decoder", "guide", "painter", "vocoder"], "ranks": [0]},
+      {"node_names": ["vocoder"], "ranks": [1], "graph_walks": ["encode"]}], [1], [0]),  # placed where unused
+])
+def test_a_rank_that_would_run_no_component_is_refused_naming_it(groups, idle, used):
+    """Each rank is a worker process: a gap (or a group whose components its walks never use) started an idle
+    one that loaded nothing."""
+    cfg = config_from_dict({"model": "toy", "node_groups": groups}, "gap.yaml")
+    with pytest.raises(PlacementError, match=rf"gap\.yaml: ranks {re.escape(str(idle))} would run no component "
+                                             rf"\(components are on ranks {re.escape(str(used))}\): number the "
+                                             r"ranks from 0 with no gaps.*--gpus"):
         plan_placement(GRAPH, cfg.node_groups, cfg.source)
 
 
