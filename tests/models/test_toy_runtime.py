@@ -102,6 +102,16 @@ def test_audio_lane_is_skipped_when_not_asked_for():
     assert "audio" not in result.outputs and len(result.outputs["text"]) == 5
 
 
+def test_the_painter_runs_only_when_modalities_ask_for_image_or_video():
+    # it painted every request, so `modalities` without image and video changed nothing but the audio lane
+    with MStar("toy") as m:
+        text = m.generate({"text": "hello"}, max_tokens=5, stop_early=False, modalities=["text"])
+        video = m.generate({"text": "hello"}, max_tokens=5, stop_early=False, modalities=["video"])
+    assert sorted(text.outputs) == ["text"] and text.finish_reason == "length"
+    assert {"image", "video"} <= set(video.outputs) and video.outputs["text"] == text.outputs["text"]
+    assert np.asarray(video.outputs["video"][0]).shape[:3] == (2, 8, 5)  # two frames of one pixel per token
+
+
 def test_bad_requests_fail_alone(monkeypatch):
     from mstar.runtime import offline
 

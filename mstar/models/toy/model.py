@@ -7,7 +7,8 @@ Lane `text`:  encode -> generate -> render
             two branches; the token goes to the client and streams into lane `audio`. With the
             option `report_progress` the guide also emits `progress` (the progress convention of
             `mstar/models/base.py`).
-  render    the painter turns the carried tokens into an image and a video (frame stack).
+  render    the painter turns the carried tokens into an image and a video (frame stack); only when
+            option `modalities` holds "image" or "video" (text always comes: the image is its tokens).
 Lane `audio`: vocode — the vocoder reads the token stream through a sliding window and emits
 audio samples for the new tokens of each window.
 Inputs: text, and image / audio / video media, which the processor folds into the prompt as a few
@@ -16,6 +17,7 @@ statistic bytes (see `processor.py`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -82,11 +84,19 @@ def _graph(cfg: ToyConfig) -> ModelGraph:
                  inputs=("codes",), emits=(Emit("audio"),)),
         ),
         lanes=(
-            Lane("text", "encode", {"encode": "generate", "generate": "render", "render": None}),
+            Lane("text", "encode", _next_text_walk),
             Lane("audio", lambda opts: "vocode" if "audio" in opts.get("modalities", ()) else None),
         ),
         streams=(StreamEdge("token", "text", "vocode", "codes", SlidingWindow(cfg.window, cfg.stride)),),
     )
+
+
+def _next_text_walk(finished: str, options: Mapping[str, Any]) -> str | None:
+    """encode -> generate -> render, rendering only when option `modalities` asks for image or video."""
+    if finished == "encode":
+        return "generate"
+    wants_pixels = {"image", "video"} & set(options.get("modalities") or ())
+    return "render" if finished == "generate" and wants_pixels else None
 
 
 class ToyModel(Model):
