@@ -1,7 +1,7 @@
 """OpenAI-compatible chat and completion models: requests, responses and stream chunks.
 
-Requests accept unknown fields (OpenAI clients send many, and `extra_body` carries model knobs);
-`extra_options()` returns them so the server can pass them to the model as per-request options.
+Requests accept fields OpenAI does not define (`extra_body` carries model knobs); `extra_options()` returns
+them, and the routes pass them to the model as per-request options once `openai_fields` has checked them.
 Sampling fields left unset mean "the model's default"; `response_format` becomes the engine's
 `structured_outputs`, and so does a forced tool call (`tool_choice` "required" or a named function).
 Features mstar does not implement (legacy `functions`, logit bias) are refused with a clear message
@@ -88,7 +88,7 @@ class SamplingParams(BaseModel):
         return opts
 
     def extra_options(self) -> dict[str, Any]:
-        """Fields OpenAI does not define, passed through as per-request model options."""
+        """Fields OpenAI does not define: model options, or a 400 (`openai_fields.model_options`)."""
         return dict(self.model_extra or {})
 
 

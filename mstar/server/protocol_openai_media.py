@@ -1,6 +1,7 @@
 """OpenAI-compatible media endpoints: speech, images, videos and transcriptions.
 
-Like chat, requests accept unknown fields as per-request model options (`extra_options()`). Image
+Like chat, requests accept fields OpenAI does not define as per-request model options (`extra_options()`,
+checked by `openai_fields`). Image
 and video sizes are "WIDTHxHEIGHT" strings; `dimensions()` parses them.
 """
 
@@ -36,7 +37,7 @@ class _Extras(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     def extra_options(self) -> dict[str, Any]:
-        """Fields OpenAI does not define, passed through as per-request model options."""
+        """Fields OpenAI does not define: model options, or a 400 (`openai_fields.model_options`)."""
         return dict(self.model_extra or {})
 
 

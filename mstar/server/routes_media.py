@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from mstar.server.adapters import RequestError, RequestStream, start_request
@@ -22,6 +23,7 @@ from mstar.server.forms import (
     validate,
 )
 from mstar.server.media import AUDIO_MIME, decode_image, encode_audio, encode_image, pcm_s16le
+from mstar.server.openai_fields import model_options, voice_option
 from mstar.server.openapi import BINARY, SSE
 from mstar.server.protocol_openai_media import (
     SAMPLE_RATE_HEADER,
@@ -39,8 +41,13 @@ from mstar.server.streaming import ClosingStreamingResponse, guarded, sse, sse_e
 router = APIRouter()
 
 
-def _media_options(state: ServerState, extra: dict[str, Any], modality: str, seed: int | None) -> dict[str, Any]:
-    opts = dict(extra)
+def _set_fields(body: BaseModel, names: tuple[str, ...]) -> dict[str, Any]:
+    """The fields among `names` the request set, by name: the model options they become."""
+    return {name: getattr(body, name) for name in names if getattr(body, name) is not None}
+
+
+def _media_options(state: ServerState, options: dict[str, Any], modality: str, seed: int | None) -> dict[str, Any]:
+    opts = dict(options)
     if seed is not None:
         opts["seed"] = seed
     if "modalities" in state.runtime.model.default_options:
@@ -64,12 +71,13 @@ async def speech(body: SpeechRequest, request: Request) -> Response:
     """Text to speech in any of wav, pcm, flac, mp3, opus, aac; streamed as raw audio or SSE."""
     state = get_state(request)
     state.check_model(body.model, "audio", "/v1/audio/speech")
-    opts = _media_options(state, body.extra_options(), "audio", body.seed)
-    for name in ("voice", "instructions", "temperature", "top_p"):
-        if getattr(body, name) is not None:
-            opts[name] = getattr(body, name)
+    fields = _set_fields(body, ("instructions", "temperature", "top_p", "seed"))
     if body.speed != 1.0:
-        opts["speed"] = body.speed
+        fields["speed"] = body.speed
+    opts = model_options(state, "/v1/audio/speech", body, body.extra_options(), fields, owned=("modalities",))
+    if body.voice is not None:
+        opts.update(voice_option(state, body.voice))
+    opts = _media_options(state, opts, "audio", body.seed)
     stream = await start_request(state, {"text": body.input}, opts)
     rate = state.runtime.processor.sample_rate
     fmt = body.response_format
@@ -128,7 +136,8 @@ async def image_generations(body: ImageGenerationRequest, request: Request) -> I
     """Text to image; b64_json PNG/JPEG/WEBP, n images from n requests (seed + i)."""
     state = get_state(request)
     state.check_model(body.model, "image", "/v1/images/generations")
-    return await _images(state, request, body, {"text": body.prompt}, body.extra_options())
+    opts = _image_options(state, "/v1/images/generations", body, body.extra_options())
+    return await _images(state, request, body, {"text": body.prompt}, opts)
 
 
 _EDIT_FORM_SCHEMA = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
@@ -152,6 +161,7 @@ async def image_edits(request: Request) -> ImagesResponse:
     if "image" not in state.runtime.model.input_modalities:
         raise RequestError(404, f"/v1/images/edits is not available for model {state.model_name!r}: "
                                 "it takes no image input")
+    opts = _image_options(state, "/v1/images/edits", body, form_options(body.extra_options()))
     images = files_of(form, "image") or [v for v in form.getlist("image") + form.getlist("image[]") if v]
     if not images:
         raise RequestError(400, "/v1/images/edits needs at least one `image` (a file part, or a data URL)", "image")
@@ -161,8 +171,7 @@ async def image_edits(request: Request) -> ImagesResponse:
     masks = files_of(form, "mask") or [v for v in form.getlist("mask") if isinstance(v, str) and v]
     if masks:
         media.append({"type": "image", "name": "mask", "data": await _image(state, masks[0], "mask")})
-    return await _images(state, request, body, {"text": body.prompt, "media": media},
-                         form_options(body.extra_options()))
+    return await _images(state, request, body, {"text": body.prompt, "media": media}, opts)
 
 
 async def _image(state: ServerState, value, field: str) -> np.ndarray:
@@ -171,21 +180,24 @@ async def _image(state: ServerState, value, field: str) -> np.ndarray:
     return await run_in_threadpool(decode_image, data, policy)
 
 
-async def _images(state: ServerState, request: Request, body: ImageGenerationRequest,
-                  model_request: dict[str, Any], extra: dict[str, Any]) -> ImagesResponse:
-    """Run `body.n` requests (seed + i) for `model_request` and encode the first image of each;
-    `extra` are the model options beyond OpenAI's fields."""
+def _image_options(state: ServerState, route: str, body: ImageGenerationRequest, extras: dict[str, Any],
+                   ) -> dict[str, Any]:
+    """The model options of an image request (`extras`: its fields beyond OpenAI's), checked."""
+    fields = _set_fields(body, ("negative_prompt", "num_inference_steps", "guidance_scale", "seed"))
     dims = body.dimensions()
     if dims is not None:  # as `size`, which a model may snap to its multiple
-        extra["size"] = f"{dims[0]}x{dims[1]}"
-    for name in ("negative_prompt", "num_inference_steps", "guidance_scale"):
-        if getattr(body, name) is not None:
-            extra[name] = getattr(body, name)
+        fields["size"] = f"{dims[0]}x{dims[1]}"
+    return model_options(state, route, body, extras, fields, owned=("modalities",))
+
+
+async def _images(state: ServerState, request: Request, body: ImageGenerationRequest,
+                  model_request: dict[str, Any], options: dict[str, Any]) -> ImagesResponse:
+    """Run `body.n` requests (seed + i) for `model_request` with `options` and encode the first image of each."""
     streams: list[RequestStream] = []
     try:
         for i in range(body.n):
             seed = None if body.seed is None else body.seed + i
-            streams.append(await start_request(state, model_request, _media_options(state, extra, "image", seed)))
+            streams.append(await start_request(state, model_request, _media_options(state, options, "image", seed)))
         data = []
         for stream in streams:
             image = await unless_disconnected(request, _first_image(stream), streams)

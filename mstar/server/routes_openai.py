@@ -22,6 +22,7 @@ from mstar.server.adapters import RequestError, RequestStream, merge, start_requ
 from mstar.server.app import ServerState, get_state
 from mstar.server.chat_audio import chat_media, check_spoken, spoken_answers, spoken_sse
 from mstar.server.forms import json_body, read_json
+from mstar.server.openai_fields import model_options, voice_option
 from mstar.server.openapi import SSE, errors
 from mstar.server.protocol import Usage
 from mstar.server.protocol_openai import (
@@ -76,22 +77,21 @@ async def retrieve_model(model_id: str, request: Request) -> ModelCard:
     return _model_card(state)
 
 
-def _options(state: ServerState, params: SamplingParams, index: int) -> dict[str, Any]:
-    opts = {**params.extra_options(), **params.sampling_options()}
-    opts.pop("stream_options", None)
-    if params.seed is not None:
-        opts["seed"] = params.seed + index
+def _options(state: ServerState, params: SamplingParams, route: str) -> dict[str, Any]:
+    """The model options the request's generations share (`_start_n` gives each its seed), its fields checked
+    (`openai_fields`)."""
+    chat = isinstance(params, ChatCompletionRequest)
+    opts = model_options(state, route, params, params.extra_options(), params.sampling_options(),
+                         owned=() if chat else ("modalities",))
     if "modalities" in state.runtime.model.default_options:
-        opts["modalities"] = params.output_modalities() if isinstance(params, ChatCompletionRequest) else ["text"]
-    if isinstance(params, ChatCompletionRequest) and params.audio is not None and params.audio.voice:
-        opts["voice"] = params.audio.voice
+        opts["modalities"] = params.output_modalities() if chat else ["text"]
+    if chat and params.audio is not None and params.audio.voice:
+        opts.update(voice_option(state, params.audio.voice))
     top = logprobs.wanted(params)
     if top is not None:
         opts["logprobs"] = top
-    if isinstance(params, ChatCompletionRequest) and (structured := _structured(state, params)) is not None:
+    if chat and (structured := _structured(state, params)) is not None:
         opts["structured_outputs"] = json.dumps(structured)  # a string: schemas nest deeper than options may
-    for name in ("response_format", "tools", "tool_choice", "parallel_tool_calls"):
-        opts.pop(name, None)
     return opts
 
 
@@ -120,11 +120,13 @@ def _call_parser(state: ServerState, body: ChatCompletionRequest) -> ToolCallFor
     return None if body.tool_mode() == "none" else _tool_format(state)
 
 
-async def _start_n(state: ServerState, requests: list[dict[str, Any]], params: SamplingParams) -> list[RequestStream]:
+async def _start_n(state: ServerState, requests: list[dict[str, Any]], options: dict[str, Any],
+                   seed: int | None) -> list[RequestStream]:
     streams: list[RequestStream] = []
     try:
         for i, req in enumerate(requests):
-            streams.append(await start_request(state, req, _options(state, params, i)))
+            opts = options if seed is None else {**options, "seed": seed + i}
+            streams.append(await start_request(state, req, opts))
     except BaseException:
         for stream in streams:
             stream.close()
@@ -155,6 +157,7 @@ async def chat_completions(request: Request) -> Response:
     state = get_state(request)
     state.check_model(body.model, "text", "/v1/chat/completions")
     spoken = check_spoken(state, body)
+    options = _options(state, body, "/v1/chat/completions")
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     chat_request: dict[str, Any] = {"messages": messages}
     if body.tools:
@@ -163,7 +166,7 @@ async def chat_completions(request: Request) -> Response:
     media = await run_in_threadpool(chat_media, state, body)
     if media:
         chat_request["media"] = media
-    streams = await _start_n(state, [chat_request] * body.n, body)
+    streams = await _start_n(state, [chat_request] * body.n, options, body.seed)
     model = body.model or state.model_name
     with_logprobs = logprobs.wanted(body) is not None
     if spoken:
@@ -287,9 +290,10 @@ async def completions(request: Request) -> Response:
     body = await read_json(request, CompletionRequest)
     state = get_state(request)
     state.check_model(body.model, "text", "/v1/completions")
+    options = _options(state, body, "/v1/completions")
     prompts = body.prompts()
     reqs = [{"text": p} for p in prompts for _ in range(body.n)]
-    streams = await _start_n(state, reqs, body)
+    streams = await _start_n(state, reqs, options, body.seed)
     model = body.model or state.model_name
     prefixes = [p if body.echo else "" for p in prompts for _ in range(body.n)]
     if not body.stream:

@@ -21,6 +21,7 @@ from mstar.server.forms import (
     validate,
 )
 from mstar.server.media import decode_audio
+from mstar.server.openai_fields import model_options
 from mstar.server.openapi import SSE
 from mstar.server.protocol_openai_media import TranscriptionRequest
 from mstar.server.streaming import ClosingStreamingResponse, guarded, sse, sse_error, unless_disconnected
@@ -48,6 +49,7 @@ async def transcriptions(request: Request) -> Response:
     refuse_stray_files(form, "/v1/audio/transcriptions", ("file",))
     body = validate(TranscriptionRequest, {k: v for k, v in text_fields(form).items() if k != "file"})
     _check_model(state, body.model)
+    options = _options(state, body)
     if body.timestamp_granularities and "word" in body.timestamp_granularities:
         raise RequestError(400, "word timestamps are not supported; ask for 'segment' or leave "
                                 "timestamp_granularities out", "timestamp_granularities")
@@ -56,7 +58,7 @@ async def transcriptions(request: Request) -> Response:
         raise RequestError(400, "/v1/audio/transcriptions needs the audio as the `file` field", "file")
     data = await media_bytes(source, "file", state.policy("/v1/audio/transcriptions"))
     audio = await run_in_threadpool(decode_audio, data, state.policy("/v1/audio/transcriptions"))
-    stream = await start_request(state, _model_request(body, audio), _options(state, body))
+    stream = await start_request(state, _model_request(body, audio), options)
     if body.stream:
         return ClosingStreamingResponse(guarded(lambda: _sse(stream), sse_error), [stream],
                                         media_type="text/event-stream")
@@ -79,10 +81,10 @@ def _model_request(body: TranscriptionRequest, audio) -> dict[str, Any]:
 
 
 def _options(state: ServerState, body: TranscriptionRequest) -> dict[str, Any]:
-    opts = form_options(body.extra_options())
-    for name in ("language", "temperature"):
-        if getattr(body, name) is not None:
-            opts[name] = getattr(body, name)
+    # `language` is refused unless the model takes it: no model served here reads one
+    fields = {name: getattr(body, name) for name in ("language", "temperature") if getattr(body, name) is not None}
+    opts = model_options(state, "/v1/audio/transcriptions", body, form_options(body.extra_options()), fields,
+                         owned=("modalities",))
     if "modalities" in state.runtime.model.default_options:
         opts["modalities"] = ["text"]
     return opts

@@ -18,6 +18,7 @@ from mstar.server.adapters import RequestError, RequestStream, start_request
 from mstar.server.app import ServerState, get_state
 from mstar.server.forms import files_of, form_options, json_or_form, media_bytes
 from mstar.server.media import decode_image
+from mstar.server.openai_fields import model_options
 from mstar.server.openapi import errors
 from mstar.server.protocol_openai_media import VideoCreateRequest, VideoDeleted, VideoJob, VideoList
 from mstar.server.streaming import unless_disconnected
@@ -83,13 +84,13 @@ async def _start(request: Request, route: str, before: Callable[[], None] = lamb
     state = get_state(request)
     body, form = await json_or_form(request, VideoCreateRequest, file_fields=("input_reference",))
     state.check_model(body.model, "video", route)
+    opts = _options(state, route, body)
     reference = (files_of(form, "input_reference") if form is not None else []) or [body.input_reference]
     model_request: dict[str, Any] = {"text": body.prompt}
     if reference[0] is not None:
         model_request["media"] = [{"type": "image", "name": "input_reference",
                                    "data": await _reference_image(state, reference[0], route)}]
     before()
-    opts = _options(state, body)
     stream = await start_request(state, model_request, opts)
     job = VideoJob(model=state.model_name, prompt=body.prompt, seconds=body.seconds_text(), size=body.size)
     # the model's resolved options hold its frame rate when the request gave none (wan22: 24)
@@ -105,14 +106,14 @@ async def _reference_image(state: ServerState, value, route: str) -> Any:
     return await run_in_threadpool(decode_image, data, state.policy(route))
 
 
-def _options(state: ServerState, body: VideoCreateRequest) -> dict[str, Any]:
-    opts = form_options(body.extra_options())
+def _options(state: ServerState, route: str, body: VideoCreateRequest) -> dict[str, Any]:
+    names = ("seconds", "seed", "fps", "num_frames", "negative_prompt", "num_inference_steps", "guidance_scale")
+    fields = {name: getattr(body, name) for name in names if getattr(body, name) is not None}
     dims = body.dimensions()
     if dims is not None:  # as `size`, which a model may snap to its multiple (the job then names the size made)
-        opts["size"] = f"{dims[0]}x{dims[1]}"
-    for name in ("seconds", "seed", "fps", "num_frames", "negative_prompt", "num_inference_steps", "guidance_scale"):
-        if getattr(body, name) is not None:
-            opts[name] = getattr(body, name)
+        fields["size"] = f"{dims[0]}x{dims[1]}"
+    opts = model_options(state, route, body, form_options(body.extra_options()), fields,
+                         owned=("modalities", "report_progress"))
     defaults = state.runtime.model.default_options
     if "modalities" in defaults:  # sound is muxed into the MP4 when the model can make it
         opts["modalities"] = ["video"] + (["audio"] if "audio" in state.runtime.model.output_modalities else [])

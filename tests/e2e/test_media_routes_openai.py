@@ -79,8 +79,8 @@ def test_transcription_subtitles(client, fmt, head):
 
 def test_transcription_verbose_json_and_stream(client):
     verbose = client.audio.transcriptions.create(file=("a.wav", wav(0.02), "audio/wav"), model="toy",
-                                                 response_format="verbose_json", language="en")
-    assert verbose.duration == pytest.approx(0.5) and verbose.language == "en"
+                                                 response_format="verbose_json")
+    assert verbose.duration == pytest.approx(0.5) and verbose.language == "unknown"
     assert verbose.segments[0].end == pytest.approx(0.5) and verbose.segments[0].text == verbose.text
     events = list(client.audio.transcriptions.create(file=("a.wav", wav(0.02), "audio/wav"), model="toy",
                                                      stream=True))
@@ -89,9 +89,9 @@ def test_transcription_verbose_json_and_stream(client):
 
 
 def test_video_job_lifecycle(client):
-    job = client.videos.create(prompt="a cat", model="toy", seconds="4", size="16x8")
+    job = client.videos.create(prompt="a cat", model="toy", size="16x8")
     assert job.object == "video" and job.status in ("queued", "in_progress", "completed")
-    assert job.seconds == "4" and job.size == "16x8" and 0 <= job.progress <= 100
+    assert job.size == "16x8" and 0 <= job.progress <= 100
     done = client.videos.poll(job.id, poll_interval_ms=20)
     assert done.status == "completed" and done.progress == 100 and done.completed_at >= done.created_at
     mp4 = client.videos.download_content(done.id).content
@@ -168,3 +168,27 @@ def test_chat_media_parts_reach_the_model(client):
     assert len({ask("look"), with_image, with_audio}) == 3
     with pytest.raises(openai.BadRequestError):
         ask([{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(b"junk").decode()}}])
+
+
+def test_transcription_fields_no_model_here_reads_are_refused(client):
+    """No model serving transcriptions reads a language (it was passed on and ignored), the toy samples nothing,
+    and OpenAI's `include` asks for logprobs transcripts do not carry."""
+    def refused(**kwargs) -> tuple[str, str]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.audio.transcriptions.create(file=("a.wav", wav(0.02), "audio/wav"), model="toy", **kwargs)
+        return info.value.body["message"], info.value.body["param"]
+
+    message, param = refused(language="en")
+    assert param == "language" and "model 'toy' does not take 'language'" in message
+    assert refused(temperature=0.2)[1] == "temperature"
+    message, param = refused(include=["logprobs"])
+    assert param == "include" and "not supported by /v1/audio/transcriptions" in message
+    message, param = refused(extra_body={"max_tokenz": "3"})
+    assert param == "max_tokenz" and "did you mean 'max_tokens'?" in message
+
+
+def test_video_and_speech_fields_the_toy_does_not_read_are_refused(client):
+    with pytest.raises(openai.BadRequestError, match="model 'toy' does not take 'seconds'"):
+        client.videos.create(prompt="a cat", model="toy", seconds="4", size="16x8")
+    with pytest.raises(openai.BadRequestError, match="model 'toy' does not take 'instructions'"):
+        client.audio.speech.create(model="toy", voice="alloy", input="x", instructions="whisper")

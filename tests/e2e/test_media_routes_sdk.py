@@ -45,7 +45,7 @@ def sdk(base):
 
 def test_generate_video_reports_progress_and_returns_mp4(sdk):
     seen: list[tuple[int, str]] = []
-    mp4 = sdk.generate_video("a dog", seconds=2, size="16x8", poll_interval_s=0.02, max_tokens=30,
+    mp4 = sdk.generate_video("a dog", size="16x8", poll_interval_s=0.02, max_tokens=30,
                              on_progress=lambda p, s: seen.append((p, s)), **NO_STOP)
     with av.open(io.BytesIO(mp4)) as container:
         assert container.streams.video[0].codec_context.name == "h264"

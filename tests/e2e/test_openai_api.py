@@ -46,7 +46,7 @@ def test_chat_non_streaming_has_text_and_real_usage(client):
 
 
 def test_chat_stream_matches_non_stream_and_includes_usage(client):
-    kwargs = dict(model="toy", messages=[{"role": "user", "content": "stream me"}], max_tokens=7, seed=3,
+    kwargs = dict(model="toy", messages=[{"role": "user", "content": "stream me"}], max_tokens=7,
                   extra_body={"stop_early": False})
     full = client.chat.completions.create(**kwargs).choices[0].message.content
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
@@ -122,3 +122,63 @@ def test_wrong_key_is_refused(base):
     bad = openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def _refusal(call) -> tuple[str, str | None]:
+    """The message and param of the OpenAI-shaped 400 that `call()` answers."""
+    with pytest.raises(openai.BadRequestError) as info:
+        call()
+    assert info.value.status_code == 400
+    return info.value.body["message"], info.value.body["param"]
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def test_a_field_neither_openai_nor_the_model_defines_is_refused_naming_the_nearest(client):
+    message, param = _refusal(lambda: client.chat.completions.create(model="toy", messages=HI,
+                                                                     extra_body={"stop_erly": False}))
+    assert param == "stop_erly" and "unknown field 'stop_erly' (did you mean 'stop_early'?)" in message
+    assert "max_completion_tokens" in message and "guidance, height" in message  # the route's and the model's
+    # completions define no response_format: it was dropped unread
+    message, param = _refusal(lambda: client.completions.create(model="toy", prompt="abc", max_tokens=2,
+                                                                extra_body={"response_format": {"type": "text"}}))
+    assert param == "response_format" and "unknown field 'response_format'" in message
+    message, _ = _refusal(lambda: client.images.generate(model="toy", prompt="paint", extra_body={"guidence": 3.0}))
+    assert "did you mean 'guidance'?" in message
+    # the route sets modalities itself
+    message, param = _refusal(lambda: client.images.generate(model="toy", prompt="paint",
+                                                             extra_body={"modalities": ["text"]}))
+    assert param == "modalities" and "sets 'modalities' itself" in message
+
+
+def test_a_sampling_field_the_model_does_not_take_is_refused(client):
+    """The toy samples nothing: a temperature it would not read is refused, and no nearest name offers one."""
+    message, param = _refusal(lambda: client.chat.completions.create(model="toy", messages=HI, temperature=0.5))
+    assert param == "temperature" and "model 'toy' does not take 'temperature'" in message
+    for call in (lambda: client.completions.create(model="toy", prompt="abc", top_p=0.5),
+                 lambda: client.chat.completions.create(model="toy", messages=HI, seed=3),
+                 lambda: client.chat.completions.create(model="toy", messages=HI, extra_body={"top_k": 4}),
+                 lambda: client.audio.speech.create(model="toy", voice="alloy", input="x", speed=2.0),
+                 lambda: client.images.generate(model="toy", prompt="paint", extra_body={"seed": 1})):
+        assert "model 'toy' does not take" in _refusal(call)[0]
+    message, _ = _refusal(lambda: client.chat.completions.create(model="toy", messages=HI,
+                                                                 extra_body={"temperatur": 0.5}))
+    assert "unknown field 'temperatur'" in message and "did you mean" not in message
+
+
+def test_openai_fields_not_built_pass_only_at_values_that_ask_for_nothing(client):
+    def chat(**kwargs):
+        return client.chat.completions.create(model="toy", messages=HI, max_tokens=2, **kwargs)
+
+    answer = chat(n=1, user="u", store=False, service_tier="auto", safety_identifier="s", logit_bias={},
+                  prompt_cache_key="k")
+    assert len(answer.choices[0].message.content) == 2
+    for kwargs, name in (({"store": True}, "store"), ({"service_tier": "flex"}, "service_tier"),
+                         ({"reasoning_effort": "low"}, "reasoning_effort"), ({"metadata": {"a": "b"}}, "metadata"),
+                         ({"logit_bias": {"1": 5}}, "logit_bias")):
+        message, _ = _refusal(lambda kwargs=kwargs: chat(**kwargs))
+        assert name in message and "not supported" in message, message
+    assert client.images.generate(model="toy", prompt="paint", stream=False, partial_images=0).data
+    message, param = _refusal(lambda: client.images.generate(model="toy", prompt="paint", partial_images=2))
+    assert param == "partial_images" and "images are answered whole" in message

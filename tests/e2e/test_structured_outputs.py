@@ -86,6 +86,16 @@ def test_generate_refuses_a_misspelt_sampling_option(base):
     assert "structured_outputs" in error["message"]  # the options it takes are listed
 
 
+def test_chat_takes_the_models_options_and_refuses_a_misspelt_one(base):
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
+    kwargs = dict(model="qwen3", messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0.0)
+    assert client.chat.completions.create(**kwargs, extra_body={"top_k": 5, "skip_special_tokens": True}).choices
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**kwargs, extra_body={"repetition_penlty": 1.2})
+    assert info.value.body["param"] == "repetition_penlty"
+    assert "(did you mean 'repetition_penalty'?)" in info.value.body["message"]
+
+
 def _generated(base: str, body: dict) -> str:
     return "".join(c["delta"] for c in httpx.post(f"{base}/generate", json=body).json()["outputs"]["text"])
 
