@@ -120,7 +120,7 @@ def _add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "fp8_block: 128x128 blocks), quantized on load; YAML `quantization:` wins per component")
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="split the model's tensor-parallel components over this many GPUs (the others on GPU 0); "
-                        "the YAML's node_groups win if it has them")
+                        "the node_groups of a --config YAML win if it has them")
     p.add_argument("--shutdown-timeout", type=non_negative, default=30.0,
                    help="seconds that SIGTERM or Ctrl-C lets open requests finish before they are ended with an "
                         "error and the server exits (default 30)")
@@ -219,10 +219,11 @@ def apply_quantization_flag(config, args: argparse.Namespace):
     return dataclasses.replace(config, quantization=values)
 
 
-def apply_parallel_flags(config, args: argparse.Namespace):
+def apply_parallel_flags(config, args: argparse.Namespace, chosen: bool = True):
     """`config` with --tensor-parallel-size N placed as node_groups: the components that declare
-    `tensor_parallel` split over ranks 0..N-1, every other one on rank 0. A YAML that places components
-    itself keeps its placement, and the conflict is logged."""
+    `tensor_parallel` split over ranks 0..N-1, every other one on rank 0. A YAML `chosen` with --config
+    that places components itself keeps its placement, and the conflict is logged; a shipped default's
+    placement (every component on rank 0) gives way to the flag."""
     import dataclasses
 
     from mstar.config import ConfigError, NodeGroup
@@ -233,7 +234,7 @@ def apply_parallel_flags(config, args: argparse.Namespace):
         return config
     if size < 1:
         raise ConfigError(f"--tensor-parallel-size {size}: give a number of GPUs >= 1")
-    if config.node_groups:
+    if config.node_groups and chosen:
         logger.warning("--tensor-parallel-size %d ignored: %s places the components (node_groups)", size, config.source)
         return config
     graph = build_model(config, tiny=args.tiny, load_format=args.load_format, model_path=args.model_path).graph()
@@ -276,7 +277,7 @@ def serve_config(args: argparse.Namespace):
     model = getattr(args, "model", None)
     names = [args.config] if args.config is not None else [None, *memory_variants(model or DEFAULT_MODEL)]
     configs = [apply_parallel_flags(apply_quantization_flag(apply_model_flags(resolve_config(model, name), args), args),
-                                    args) for name in names]
+                                    args, chosen=args.config is not None) for name in names]
     return fitting_config(configs, tiny=args.tiny, model_path=args.model_path)
 
 

@@ -117,6 +117,24 @@ def test_tensor_parallel_size_splits_the_tensor_parallel_components(tmp_path, ca
         cli.apply_parallel_flags(config_from_dict({"model": "toy"}), toy)
 
 
+def test_tensor_parallel_size_splits_the_shipped_default_config(monkeypatch, caplog):
+    """`mstar serve qwen3_omni --tensor-parallel-size 2` (the README's line): the shipped qwen3_omni.yaml puts
+    every component on rank 0, which gives way to the flag; only a YAML given with --config keeps its own."""
+    from mstar.runtime import memory_plan
+
+    monkeypatch.setattr(memory_plan, "cuda_devices", list)  # no GPU: the first config is served, unchecked
+    args = cli.build_parser().parse_args(["serve", "qwen3_omni", "--tiny", "--tensor-parallel-size", "2"])
+    config = cli.serve_config(args)
+    assert config.source.endswith("qwen3_omni.yaml") and config.kv_cache.max_num_pages == 16384
+    (split, rest) = config.node_groups
+    assert (split.node_names, split.ranks, split.tp_size) == (["thinker"], [0, 1], 2)
+    assert rest.ranks == [0] and "talker" in rest.node_names
+    assert "ignored" not in caplog.text
+    toy = cli.build_parser().parse_args(["serve", "toy", "--tensor-parallel-size", "2"])
+    with pytest.raises(Exception, match="model 'toy' has no tensor-parallel component"):
+        cli.serve_config(toy)
+
+
 @pytest.mark.parametrize("missing,fix", [
     ("gguf", "pip install -c constraints.txt -e '.[gguf]'"),
     ("triton.language", "pip install -c constraints.txt -e '.[gpu]'"),
