@@ -142,7 +142,9 @@ def build_request(state, body: GenerateRequest, uploads: list[tuple[str, bytes]]
     if body.seed is not None:
         options["seed"] = body.seed
     if "modalities" in state.runtime.model.default_options and "modalities" not in options:
-        options["modalities"] = list(body.outputs)
+        options["modalities"] = [name for name in body.outputs if name != "logprobs"]  # logprobs are no modality
+    if "logprobs" in body.outputs:  # output logprobs alone asks for each token's own, as option logprobs: 0
+        options.setdefault("logprobs", 0)
     if "report_progress" in state.runtime.model.default_options and "progress" in body.outputs:
         options.setdefault("report_progress", True)
     return request, options
@@ -268,6 +270,8 @@ async def generate(request: Request) -> Response:
     req, options = await run_in_threadpool(build_request, state, body, uploads)
     stream = await start_request(state, req, options, rid=body.request_id)
     wanted = set(body.outputs)
+    if options.get("logprobs") is not None:  # asked for by option: sent whether or not `outputs` names them
+        wanted.add("logprobs")
     rate = state.runtime.processor.sample_rate
     fps, arrays = _fps(stream.decoder.options), ArrayForm.of(body)
     if not body.stream:

@@ -116,3 +116,20 @@ def test_chat_streams_text_deltas(base):
     whole = client.chat.completions.create(model="bagel", max_tokens=4, temperature=0,
                                            messages=[{"role": "user", "content": "Tell me about foxes."}])
     assert whole.choices[0].message.content == text  # greedy: the stream spells the same answer
+
+
+def test_generate_and_chat_give_a_logprob_per_text_token(base):
+    # BAGEL took option logprobs and sent none; output "logprobs" was refused as a modality
+    body = {"text": "hi", "outputs": ["text", "logprobs"], "stream": False,
+            "options": {"max_tokens": 4, "temperature": 0, "ignore_eos": True}}
+    resp = httpx.post(f"{base}/generate", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    entries = [c["content"][0] for c in resp.json()["outputs"]["logprobs"]]
+    assert len(entries) == resp.json()["usage"]["completion_tokens"] == 4
+    assert all(e["logprob"] <= 0 and e["top_logprobs"] == [] for e in entries)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    chat = client.chat.completions.create(model="bagel", max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+                                          messages=[{"role": "user", "content": "hi"}], extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 4
+    assert all(t.top_logprobs[0].logprob == t.logprob and len(t.top_logprobs) == 2 for t in content)  # greedy

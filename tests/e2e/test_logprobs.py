@@ -138,6 +138,26 @@ def test_generate_gives_chat_shaped_logprobs_streamed_and_not(served):
     _check_content(result.logprobs, ref, hf_tokenizer)
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_generate_sends_logprobs_asked_by_the_option_or_the_output_alone(served, stream):
+    """Option logprobs without output "logprobs" computed them and sent none; output "logprobs" without the
+    option sent none either: the option now sends them, and the output alone asks for each token's own."""
+    client, hf, tokenizer, hf_tokenizer = served
+    ref = _reference(hf, tokenizer.encode(PROMPT, add_special_tokens=True), 2)
+    base = str(client.base_url).removesuffix("/v1/")
+    greedy = {"max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+    for outputs, options, top in ((["text"], {"logprobs": 2}, 2), (["text", "logprobs"], {}, 0)):
+        body = {"text": PROMPT, "outputs": outputs, "options": {**greedy, **options}, "stream": stream}
+        resp = httpx.post(f"{base}/generate", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        if stream:
+            chunks = [parse_chunk(line) for line in resp.text.splitlines() if line]
+            content = [t for c in chunks if isinstance(c, LogprobsChunk) for t in c.content]
+        else:
+            content = [LogprobsChunk.model_validate(c).content[0] for c in resp.json()["outputs"]["logprobs"]]
+        _check_content(content, [(t, lp, alternatives[:top]) for t, lp, alternatives in ref], hf_tokenizer)
+
+
 def test_a_model_without_logprobs_refuses_them():
     with running_server({"model": "toy"}) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)

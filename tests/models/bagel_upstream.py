@@ -216,8 +216,9 @@ class UpstreamBagel:
 
     # -- generation ----------------------------------------------------------------------------------
 
-    def gen_text(self, ctx: dict, max_tokens: int) -> list[int]:
-        """generate_text with max_length = max_tokens + 1 (greedy): the answer's ids without <|im_end|>."""
+    def gen_text(self, ctx: dict, max_tokens: int, logprobs: list | None = None) -> list[int]:
+        """generate_text with max_length = max_tokens + 1 (greedy): the answer's ids without <|im_end|>; each
+        step's log-softmax over the vocabulary appended to `logprobs` when given."""
         ctx = copy.deepcopy(ctx)
         token, out = self.ids.bos, []
         for _ in range(max_tokens + 1):
@@ -225,7 +226,10 @@ class UpstreamBagel:
             hidden = self.llm(ctx["cache"], self.embed([token]), torch.tensor([ctx["rope"]]),
                               torch.zeros(1, dtype=torch.bool), True, True)
             ctx["rope"] += 1
-            token = int(F.linear(hidden, self.w["language_model.lm_head.weight"]).argmax(-1))
+            logits = F.linear(hidden, self.w["language_model.lm_head.weight"]).reshape(-1)
+            token = int(logits.argmax(-1))
+            if logprobs is not None:
+                logprobs.append(logits.float().log_softmax(-1))
             if token == self.ids.eos:
                 break
         return out[1:]
@@ -268,9 +272,10 @@ class UpstreamBagel:
 
     @torch.no_grad()
     def interleave(self, items: list, think: bool, understanding: bool, max_tokens: int = 8,
-                   size: tuple[int, int] | None = None, **image_args) -> dict:
+                   size: tuple[int, int] | None = None, logprobs: list | None = None, **image_args) -> dict:
         """interleave_inference over text and uint8 images; {"text": ids} and/or {"steps", "image"}; `size`
-        (height, width) of a generated image without input images; `image_args` go to `gen_image`."""
+        (height, width) of a generated image without input images; `logprobs` collects the text steps'
+        log-softmax (`gen_text`); `image_args` go to `gen_image`."""
         gen = self.new_context()
         cfg_text, cfg_img = copy.deepcopy(gen), copy.deepcopy(gen)
         if think:
@@ -291,7 +296,7 @@ class UpstreamBagel:
                 cfg_text = copy.deepcopy(gen)
         result: dict = {}
         if understanding or think:
-            result["text"] = self.gen_text(gen, max_tokens)
+            result["text"] = self.gen_text(gen, max_tokens, logprobs)
             if not understanding:
                 self.add_text(gen, result["text"])
         if not understanding:

@@ -49,6 +49,9 @@ CASES = [
               "media": [{"type": "image", "data": PHOTO}]},
      {"max_tokens": 6}, {"items": [PHOTO, "What is in this picture?"], "think": False, "understanding": True,
                          "max_tokens": 6}),
+    ("chat_logprobs", {"text": "What is in this picture?", "media": [{"type": "image", "data": PHOTO}]},
+     {"max_tokens": 6, "logprobs": 2}, {"items": [PHOTO, "What is in this picture?"], "think": False,
+                                        "understanding": True, "max_tokens": 6}),
     ("chat_think", {"text": "What is this?", "media": [{"type": "image", "data": SKETCH}]}, {"think": True, "max_tokens": 4},
      {"items": [SKETCH, "What is this?"], "think": True, "understanding": True, "max_tokens": 4}),
     ("chat_turns", {"messages": [
@@ -149,6 +152,22 @@ def test_served_equals_the_upstream_reference(name, served, reference):
         image = np.asarray(got.outputs["image"][0])
         assert image.shape == want["image"].shape and image.dtype == np.uint8
         assert np.abs(image.astype(int) - want["image"].astype(int)).max() <= 1  # truncation at float noise
+
+
+def test_served_logprobs_are_the_reference_log_softmax(served, reference):
+    """Option logprobs gives each token's and the top 2 (they were accepted and never computed)."""
+    _, _, _, args = next(c for c in CASES if c[0] == "chat_logprobs")
+    steps: list[torch.Tensor] = []
+    reference.interleave(**args, logprobs=steps)
+    got = served[0]["chat_logprobs"]
+    tokens = _tokens(got)
+    assert len(got.outputs["logprob"]) == len(got.outputs["top_ids"]) == len(tokens) > 0
+    for j, token in enumerate(tokens):
+        want = steps[j].topk(2)
+        torch.testing.assert_close(got.outputs["logprob"][j].reshape(()), steps[j][token], atol=TOL, rtol=0)
+        assert got.outputs["top_ids"][j].tolist() == want.indices.tolist()
+        torch.testing.assert_close(got.outputs["top_logprobs"][j], want.values, atol=TOL, rtol=0)
+    assert "logprob" not in served[0]["chat"].outputs  # not asked
 
 
 def test_no_context_is_left_behind(served):

@@ -318,8 +318,8 @@ class LLMComponent(StatelessBase, nn.Module):
         states = [self._text_state(items[i]) for i, _ in texts]
         logits = self.llm.language_model.logits(torch.stack([h for _, h in texts]))
         logits = constrain(logits, [s.matcher for s in states])
-        drawn = sample(logits, [s.row for s in states]).token_ids.cpu().tolist()
-        for (i, _), state, token in zip(texts, states, drawn, strict=True):
+        drawn = sample(logits, [s.row for s in states]).to_host()
+        for j, ((i, _), state, token) in enumerate(zip(texts, states, drawn.token_ids.tolist(), strict=True)):
             state.tokens.append(token)
             params = state.row.params
             stop = token in params.stop_token_ids or (not params.ignore_eos and token == self.ids.eos)
@@ -327,7 +327,7 @@ class LLMComponent(StatelessBase, nn.Module):
                 if not state.matcher.accept(token):
                     raise RuntimeError(f"{items[i].request_id} sampled token {token} that its grammar forbids")
                 stop = stop or state.matcher.is_finished()
-            out[i] = {"token": torch.tensor([token], dtype=torch.long), "stop": stop}
+            out[i] = {**drawn.row(j, params), "stop": stop}  # the token, and its logprobs when asked
 
     def _text_state(self, item: StepItem) -> _TextState:
         state = self._texts.get(item.request_id)

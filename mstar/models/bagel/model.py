@@ -37,7 +37,7 @@ from mstar.models.bagel.flow import branch_needed
 from mstar.models.bagel.plan import BRANCHES, Segment, pages_held
 from mstar.models.base import BuiltComponent, Model
 from mstar.models.common.serve_config import DTYPES, ServeConfig, dtype_named
-from mstar.models.llama.processor import TEXT_OPTIONS
+from mstar.models.llama.processor import LOGPROB_OUTPUTS, TEXT_OPTIONS
 
 DEFAULT_MAX_TOKENS = 1024  # text tokens of an answer or a thought when a request sets no max_tokens
 KV_PAGE_SIZE = 16  # tokens per page of the LLM's KV pool
@@ -76,7 +76,7 @@ def _graph() -> ModelGraph:
     encode = Node("vae", name="encode", inputs=("vae_pixels", "segments"), outputs=("vae_latents",))
     context = ("prompt_ids", "segments", "vit_embeds", "vae_latents")
     prefill = {branch: Node("llm", name=branch, inputs=context) for branch in ("full", "no_text", "no_image")}
-    decode = Node("llm", name="decode", inputs=("token",), outputs=("token",))
+    decode = Node("llm", name="decode", inputs=("token",), outputs=("token", *LOGPROB_OUTPUTS))  # logprobs if asked
     step = {"latents": "latents", "timestep": "timestep"}
     branches = [Node("llm", name=b, inputs=step, outputs={"velocity": f"{b}_velocity"})
                 for b in ("full", "no_text", "no_image")]
@@ -101,7 +101,8 @@ def _graph() -> ModelGraph:
             Walk("prefill_guided", "main", Parallel(*prefill.values()), inputs=("prompt_ids", "segments"),
                  optional_inputs=media),
             Walk("decode", "main", Loop(decode, max_iterations=_decode_steps, name="tokens"), inputs=("token",),
-                 emits=(Emit("token", name="text"), Emit("token", CARRY))),
+                 emits=(Emit("token", name="text"), *(Emit(name, name=name) for name in LOGPROB_OUTPUTS),
+                        Emit("token", CARRY))),
             Walk("close", "main", Node("llm", name="close", inputs=("token",)), inputs=("token",)),
             Walk("denoise", "main", Sequential(prepare, steps),
                  emits=(Emit("progress"), Emit("step_latents"), Emit("latents", CARRY))),

@@ -30,9 +30,10 @@ TALKER_DEFAULTS: dict[str, Any] = {
 }
 CODE_PREDICTOR_DEFAULTS: dict[str, Any] = {"code_predictor.temperature": 1.0, "code_predictor.top_k": 50,
                                            "code_predictor.top_p": 0.8}
-# the dotted options a request may set: the thinker's and the talker's sampling keys, the code predictor's
-# (CodePredictorSampling's fields); `*.return_hidden` are set here, never by a request
-NAMESPACED_OPTIONS = frozenset({f"{ns}.{key}" for ns in ("thinker", "talker") for key in SAMPLING_KEYS}
+# the dotted options a request may set: the thinker's and the talker's sampling keys but logprobs (the graph
+# emits none: its processor returns no logprobs), the code predictor's (CodePredictorSampling's fields);
+# `*.return_hidden` are set here, never by a request
+NAMESPACED_OPTIONS = frozenset({f"{ns}.{key}" for ns in ("thinker", "talker") for key in SAMPLING_KEYS - {"logprobs"}}
                                | set(CODE_PREDICTOR_DEFAULTS) | {"code_predictor.seed"})
 
 
