@@ -67,6 +67,17 @@ def check_option_names(model: str, accepted: Collection[str], options: Mapping[s
                                    f"{', '.join(sorted(accepted)) or 'none'}")
 
 
+def check_option_support(model: str, processor: Processor, options: Mapping[str, Any]) -> None:
+    """Raise OptionError for option `logprobs` when `processor` returns none (`Processor.returns_logprobs`) or
+    `structured_outputs` when its engine follows no grammar (`Processor.follows_grammars`): a model may take
+    them by name (its sampling options) and still do nothing with them."""
+    if options.get("logprobs") is not None and not processor.returns_logprobs:
+        raise OptionError("logprobs", f"model {model!r} does not return logprobs; leave them out")
+    if options.get("structured_outputs") is not None and not processor.follows_grammars:
+        raise OptionError("structured_outputs", f"model {model!r} does not constrain its output to a grammar; "
+                                                "leave structured_outputs (response_format) out")
+
+
 def _nests_deeper(value: Any, levels: int) -> bool:
     if not isinstance(value, list | tuple | dict):
         return False

@@ -17,7 +17,7 @@ from typing import Any
 
 from mstar.conductor.request_state import FinishEvent, OutputEvent
 from mstar.config import MStarConfig, config_from_dict, load_config
-from mstar.models.base import OutputDecoder, check_option_names, check_option_types
+from mstar.models.base import OutputDecoder, check_option_names, check_option_support, check_option_types
 from mstar.runtime.launcher import Runtime
 
 
@@ -122,6 +122,7 @@ class MStar:
         model = self.runtime.model
         check_option_names(model.name, model.accepted_options(), options)
         check_option_types(model.default_options, options)
+        check_option_support(model.name, self.processor, options)
         opts = self.runtime.model.request_options(options)
         self.processor.validate_options(opts)
         inputs = self.processor.inputs(request, opts)

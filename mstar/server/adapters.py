@@ -19,7 +19,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from mstar.conductor.request_state import FinishEvent, OutputEvent
-from mstar.models.base import OptionError, check_option_types
+from mstar.models.base import OptionError, check_option_support, check_option_types
 from mstar.server.middleware import REQUEST_ROUTE
 from mstar.server.protocol import Usage
 
@@ -168,12 +168,8 @@ async def start_request(state, request: dict[str, Any], options: Mapping[str, An
     from mstar.conductor.conductor import AdmissionError
 
     runtime = state.runtime
-    if options.get("logprobs") is not None and not runtime.processor.returns_logprobs:
-        raise RequestError(400, f"model {state.model_name!r} does not return logprobs; leave them out", "logprobs")
-    if options.get("structured_outputs") is not None and not runtime.processor.follows_grammars:
-        raise RequestError(400, f"model {state.model_name!r} does not constrain its output to a grammar; leave "
-                                "structured_outputs (response_format) out", "structured_outputs")
     try:
+        check_option_support(state.model_name, runtime.processor, options)
         check_option_types(runtime.model.default_options, options)
         opts = runtime.model.request_options(dict(options))
         runtime.processor.validate_options(opts)

@@ -266,3 +266,18 @@ def test_compact_span_logits_give_the_tokens_of_full_minus_inf_logits():
     runs = [_engine_tokens(lm, prompts, (tokens.end_of_speech,), **sampled) for _ in range(2)]
     assert runs[0] == runs[1] and set().union(*runs[0]) <= _speakable(tokens)
     assert set().union(*first, *got) <= _speakable(tokens)
+
+
+def test_offline_logprobs_and_grammars_are_refused_as_over_http():
+    """Orpheus takes the sampling options by name, but its LM's tokens reach no client as text: the offline
+    API ran logprobs=2 and returned audio alone, as if asked nothing."""
+    from mstar.models.base import OptionError
+
+    with MStar("orpheus", config=yaml_config("orpheus"), tiny=True) as m:
+        with pytest.raises(OptionError, match="model 'orpheus' does not return logprobs") as info:
+            m.submit({"text": "hi"}, max_tokens=8, logprobs=2)
+        assert info.value.option == "logprobs"
+        with pytest.raises(OptionError, match="does not constrain its output to a grammar") as info:
+            m.submit({"text": "hi"}, max_tokens=8, structured_outputs='{"type": "object"}')
+        assert info.value.option == "structured_outputs"
+        assert m.generate({"text": "hi"}, max_tokens=8, seed=1).finish_reason in ("stop", "length")  # still serves
