@@ -114,7 +114,8 @@ class ClientBase(ABC, Generic[HttpT]):
         **options: Any,
     ) -> Any:
         """Audio file (path, bytes or (name, bytes)) to text through /v1/audio/transcriptions: the text
-        for json, the parsed object for verbose_json, the body for text, srt and vtt."""
+        for json, the parsed object for verbose_json, the body for text, srt and vtt. A `language` is a 400
+        from a model that takes none (no model served today reads one)."""
         return self._run(endpoints.transcribe(audio, prompt, language, response_format, self.model, options))
 
     # -- V-JEPA 2 ---------------------------------------------------------------------------------
