@@ -27,7 +27,8 @@ _ENGINE_GAUGES = {
 }
 _ENGINE_COUNTERS = {
     "preemptions": ("mstar_preemptions", "sequences preempted (pages freed, recomputed later)"),
-    "prompt_tokens": ("mstar_prompt_tokens", "prompt tokens the engine computed"),
+    # not mstar_prompt_tokens: that is the request series (prompt tokens of ended requests)
+    "prompt_tokens": ("mstar_component_prompt_tokens", "prompt tokens the engine computed"),
     "kv_pages_sent": ("mstar_kv_pages_sent", "KV pages sent to another worker's engine"),
     "kv_pages_received": ("mstar_kv_pages_received", "KV pages received from another worker's engine"),
     "kv_pages_reused": ("mstar_kv_pages_reused", "pages of a moved sequence found in the prefix cache, not sent"),

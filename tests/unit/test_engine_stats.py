@@ -3,6 +3,7 @@ conductor's latest-per-worker table and the Prometheus collector reading it."""
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -163,6 +164,20 @@ def test_collector_exposes_gauges_ratio_counters_and_histograms():
     assert s[("mstar_component_batch_size_bucket", le("2.0"))] == 0
     assert s[("mstar_component_batch_size_bucket", le("4.0"))] == 3
     assert s[("mstar_component_batch_size_sum", labels)] == 11
+
+
+def test_each_series_name_is_exposed_once():
+    """The engine's prompt-token counter and the requests' are two families; one name for both gave two TYPE
+    lines for mstar_prompt_tokens_total, which summed each prompt twice."""
+    llm = wire.ComponentStats("llm", {"prompt_tokens": 5.0}, 1, 0.001, [1], 1, [1])
+    metrics = ServerMetrics(_fake_runtime({0: wire.WorkerStats(0, [llm])}))
+    metrics.finished("stop", 200, prompt_tokens=5)
+    text = metrics.render()[0].decode()
+    types = re.findall(r"^# TYPE (\S+) ", text, re.M)
+    assert len(types) == len(set(types)), sorted(t for t in types if types.count(t) > 1)
+    s = _samples(metrics)
+    assert s[("mstar_component_prompt_tokens_total", (("component", "llm"), ("rank", "0")))] == 5
+    assert s[("mstar_prompt_tokens_total", ())] == 5
 
 
 def test_first_output_histograms_by_modality():
