@@ -94,7 +94,7 @@ def chat_media(state, body: ChatCompletionRequest) -> list[dict]:
     """The media parts of every message, decoded under the server's media policy, in order (the
     processor request's "media"). Blocking: call from a thread."""
     from mstar.server.media import decode_audio, decode_image, decode_pcm16, decode_video
-    from mstar.server.protocol_openai import AudioURLPart, ImageURLPart, InputAudioPart
+    from mstar.server.protocol_openai_messages import AudioURLPart, ImageURLPart, InputAudioPart
 
     policy, media = state.policy("/v1/chat/completions"), []
     for message in body.messages:

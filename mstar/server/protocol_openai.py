@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mstar.server.protocol import MAX_SEED, MAX_TOKENS_LIMIT, TokenLogprob, Usage
+from mstar.server.protocol_openai_messages import AudioOutputParams, ChatMessage, ToolSpec
 
 MAX_CHOICES = 16  # generations one HTTP request may start (prompts x n), so it cannot take every slot
 
@@ -96,136 +97,6 @@ class StreamOptions(BaseModel):
     """`stream_options`: `include_usage` adds a last chunk with the usage and no choices."""
 
     include_usage: bool = False
-
-
-class MediaURL(BaseModel):
-    """`{"url": ...}`: a data URL, base64, or an http(s) URL when the server allows remote media."""
-
-    url: str = Field(min_length=1)
-    detail: Literal["auto", "low", "high"] | None = None
-
-
-def _url_object(v: Any) -> Any:
-    return {"url": v} if isinstance(v, str) else v  # some clients send the bare URL string
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class ImageURLPart(BaseModel):
-    type: Literal["image_url"]
-    image_url: MediaURL
-
-    _wrap = field_validator("image_url", mode="before")(_url_object)
-
-
-class InputAudio(BaseModel):
-    """Inline audio: base64 `data` in `format`."""
-
-    data: str = Field(min_length=1)
-    format: Literal["wav", "mp3", "flac", "ogg", "opus", "aac", "m4a", "webm", "pcm16"]
-
-
-class InputAudioPart(BaseModel):
-    type: Literal["input_audio"]
-    input_audio: InputAudio
-
-
-class AudioURLPart(BaseModel):
-    type: Literal["audio_url"]
-    audio_url: MediaURL
-
-    _wrap = field_validator("audio_url", mode="before")(_url_object)
-
-
-class VideoURLPart(BaseModel):
-    type: Literal["video_url"]
-    video_url: MediaURL
-
-    _wrap = field_validator("video_url", mode="before")(_url_object)
-
-
-ContentPart = Annotated[
-    TextPart | ImageURLPart | InputAudioPart | AudioURLPart | VideoURLPart, Field(discriminator="type")
-]
-
-
-class ChatMessage(BaseModel):
-    """One message; `content` is a string or a list of typed parts."""
-
-    model_config = ConfigDict(extra="allow")  # tool_calls, audio references of earlier turns, ...
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-
-    @model_validator(mode="after")
-    def _check_content(self) -> ChatMessage:
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs `content`")
-        return self
-
-    def text(self) -> str:
-        """The message's text parts joined by newlines."""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(p.text for p in self.content or [] if isinstance(p, TextPart))
-
-    def media_parts(self) -> list[ImageURLPart | InputAudioPart | AudioURLPart | VideoURLPart]:
-        """The non-text parts, in order."""
-        if isinstance(self.content, str) or self.content is None:
-            return []
-        return [p for p in self.content if not isinstance(p, TextPart)]
-
-
-class AudioOutputParams(BaseModel):
-    """`audio`: how chat should speak when `modalities` includes "audio"."""
-
-    voice: str | None = None
-    format: Literal["wav", "mp3", "flac", "opus", "aac", "pcm16"] = "wav"
-
-
-class FunctionSpec(BaseModel):
-    """A callable function: its name, what it does, and its arguments' JSON schema (an object schema)."""
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # accepted: forced calls always follow the schema strictly
-
-    @model_validator(mode="after")
-    def _check_parameters(self) -> FunctionSpec:
-        if self.parameters is not None:
-            kind = self.parameters.get("type", "object")
-            if kind != "object":
-                raise ValueError(f"tool {self.name!r}: parameters must be an object schema, got type {kind!r}")
-            problem = schema_problem(self.parameters)
-            if problem is not None:
-                raise ValueError(f"tool {self.name!r}: parameters{problem}")
-        return self
-
-
-def schema_problem(schema: dict[str, Any]) -> str | None:
-    """Where and why `schema` is not a valid JSON schema under its declared draft (2020-12 when it names
-    none), as ".path: reason"; None when it is valid."""
-    import jsonschema
-
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        best = jsonschema.exceptions.best_match([exc, *exc.context]) if exc.context else exc
-        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in best.absolute_path)
-        return f"{where}: {best.message}"
-    return None
-
-
-class ToolSpec(BaseModel):
-    """One entry of `tools`: only functions exist."""
-
-    type: Literal["function"]
-    function: FunctionSpec
 
 
 class ChatCompletionRequest(SamplingParams):

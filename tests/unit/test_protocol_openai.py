@@ -10,9 +10,6 @@ from mstar.server.protocol_openai import (
     ChatCompletionRequest,
     ChatResponseMessage,
     CompletionRequest,
-    ImageURLPart,
-    InputAudioPart,
-    VideoURLPart,
 )
 from mstar.server.protocol_openai_media import (
     ImageGenerationRequest,
@@ -21,6 +18,7 @@ from mstar.server.protocol_openai_media import (
     VideoCreateRequest,
     parse_size,
 )
+from mstar.server.protocol_openai_messages import ImageURLPart, InputAudioPart, VideoURLPart
 
 USER = [{"role": "user", "content": "hi"}]
 
