@@ -4,7 +4,8 @@ Following OpenAI, the text of a spoken answer is its transcript: a non-streaming
 `message.audio = {id, data, transcript, expires_at}` (data: base64 audio in the requested format)
 and no `content`; a stream sends `delta.audio.transcript` text pieces and `delta.audio.data` pieces
 (base64 s16le PCM, mono, whatever `format` says, as OpenAI streams pcm16), plus `sample_rate`, an
-mstar extension: the model's rate, not resampled to OpenAI's 24 kHz.
+mstar extension: the model's rate, not resampled to OpenAI's 24 kHz. Asked for, `logprobs` are the
+transcript's tokens' (a stream's go with the transcript pieces their tokens completed).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 import numpy as np
 from starlette.concurrency import run_in_threadpool
 
+from mstar.server import logprobs
 from mstar.server.adapters import RequestError, RequestStream, merge
 from mstar.server.media import encode_audio, pcm_s16le
 from mstar.server.protocol_openai import (
@@ -63,20 +65,24 @@ async def spoken_answers(streams: list[RequestStream], fmt: str, rate: int) -> l
     return out
 
 
-async def spoken_sse(streams: list[RequestStream], model: str, include_usage: bool, rate: int, usage):
+async def spoken_sse(streams: list[RequestStream], model: str, include_usage: bool, rate: int, usage,
+                     with_logprobs: bool = False):
     """The SSE events of a streamed spoken answer (see the module doc); `usage` is a callable."""
     cid = new_id("chatcmpl")
     audio_ids = [new_id("audio") for _ in streams]
+    cursor = logprobs.Cursor(streams)
 
-    def chunk(index: int, delta: ChatDelta, finish: str | None = None) -> bytes:
-        return sse(ChatCompletionChunk(id=cid, model=model,
-                                       choices=[ChatChunkChoice(index=index, delta=delta, finish_reason=finish)]))
+    def chunk(index: int, delta: ChatDelta, finish: str | None = None, text: bool = False) -> bytes:
+        # a transcript piece and the end carry the logprobs of the tokens that have gone out as text
+        lp = logprobs.chat(streams[index].decoder, cursor.take(index)) if with_logprobs and text else None
+        return sse(ChatCompletionChunk(id=cid, model=model, choices=[
+            ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)]))
 
     for i in range(len(streams)):
         yield chunk(i, ChatDelta(role="assistant"))
     async for index, item in merge(streams):
         if item.name == "text" and item.value:
-            yield chunk(index, ChatDelta(audio=DeltaAudio(id=audio_ids[index], transcript=item.value)))
+            yield chunk(index, ChatDelta(audio=DeltaAudio(id=audio_ids[index], transcript=item.value)), text=True)
         elif item.name == "audio":
             pcm = pcm_s16le(np.asarray(item.value, dtype=np.float32).reshape(-1))
             yield chunk(index, ChatDelta(audio=DeltaAudio(id=audio_ids[index], data=base64.b64encode(pcm).decode(),
@@ -84,7 +90,7 @@ async def spoken_sse(streams: list[RequestStream], model: str, include_usage: bo
     expires = int(time.time()) + AUDIO_TTL_S
     for i, stream in enumerate(streams):
         yield chunk(i, ChatDelta(audio=DeltaAudio(id=audio_ids[i], expires_at=expires)),
-                    stream.finish_reason or "stop")
+                    stream.finish_reason or "stop", text=True)
     if include_usage:
         yield sse(ChatCompletionChunk(id=cid, model=model, choices=[], usage=usage(streams)))
     yield SSE_DONE

@@ -170,7 +170,7 @@ async def chat_completions(request: Request) -> Response:
     model = body.model or state.model_name
     with_logprobs = logprobs.wanted(body) is not None
     if spoken:
-        return await _spoken(request, body, streams, model, state.runtime.processor.sample_rate)
+        return await _spoken(request, body, streams, model, state.runtime.processor.sample_rate, with_logprobs)
     if not body.stream:
         texts = await unless_disconnected(request, _texts(streams), streams)
         choices = []
@@ -197,14 +197,16 @@ def _message(text: str, finish: str | None, calls: ToolCallFormat | None) -> tup
 
 
 async def _spoken(request: Request, body: ChatCompletionRequest, streams: list[RequestStream], model: str,
-                  rate: int) -> Response:
+                  rate: int, with_logprobs: bool) -> Response:
+    """A spoken answer; with logprobs, those of its transcript's tokens (the text the audio says)."""
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return ClosingStreamingResponse(guarded(lambda: spoken_sse(streams, model, include_usage, rate, _usage),
-                                                sse_error), streams, media_type="text/event-stream")
+        sse_body = partial(spoken_sse, streams, model, include_usage, rate, _usage, with_logprobs)
+        return ClosingStreamingResponse(guarded(sse_body, sse_error), streams, media_type="text/event-stream")
     fmt = body.audio.format if body.audio is not None else "wav"
     answers = await unless_disconnected(request, spoken_answers(streams, fmt, rate), streams)
-    choices = [ChatChoice(index=i, message=ChatResponseMessage(audio=audio), finish_reason=s.finish_reason)
+    choices = [ChatChoice(index=i, message=ChatResponseMessage(audio=audio), finish_reason=s.finish_reason,
+                          logprobs=logprobs.chat(s.decoder, s.decoder.logprobs) if with_logprobs else None)
                for i, ((_, audio), s) in enumerate(zip(answers, streams))]
     resp = ChatCompletion(model=model, choices=choices, usage=_usage(streams))
     return Response(resp.model_dump_json(), media_type="application/json")

@@ -1,11 +1,15 @@
 """`mstar serve qwen3_omni --tiny` on CPU through the real openai client: text chat, a spoken chat
-streaming text deltas and audio chunks together, and /v1/audio/speech as WAV."""
+streaming text deltas and audio chunks together, /v1/audio/speech as WAV, and the text's logprobs (spoken or
+not, streamed or not, on chat and /generate; their values against transformers are tests/models'
+test_qwen3_omni_model.py)."""
 
 from __future__ import annotations
 
 import base64
 import io
+import math
 
+import httpx
 import numpy as np
 import pytest
 import soundfile as sf
@@ -59,3 +63,50 @@ def test_speech_refuses_what_the_talker_cannot_do(client, option, match):
     with pytest.raises(openai.BadRequestError, match=match):
         client.audio.speech.create(model="qwen3_omni", voice="Chelsie", input="Read this.", response_format="wav",
                                    extra_body=SHORT, **option)
+
+
+LOGPROBS = dict(model="qwen3_omni", messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3)
+
+
+def _streamed_logprobs(chunks) -> list:
+    return [t for c in chunks for choice in c.choices if choice.logprobs and choice.logprobs.content
+            for t in choice.logprobs.content]
+
+
+def _same(content, want) -> None:
+    """Each token's entry as `want`'s, its 3 alternatives best first, the greedy token the best of them."""
+    assert [t.token for t in content] == [t.token for t in want] and len(want) == 5
+    for got, ref in zip(content, want, strict=True):
+        values = [a.logprob for a in got.top_logprobs]
+        assert len(values) == 3 and values == sorted(values, reverse=True) and values[0] <= 0
+        assert (got.top_logprobs[0].token, got.top_logprobs[0].logprob) == (got.token, got.logprob)
+        assert math.isclose(got.logprob, ref.logprob, abs_tol=1e-4)
+
+
+def test_chat_gives_the_text_tokens_logprobs_spoken_or_not_streamed_or_not(client):
+    # the model refused logprobs: its thinker emitted none
+    whole = client.chat.completions.create(**LOGPROBS)
+    want = whole.choices[0].logprobs.content
+    assert len(want) == whole.usage.completion_tokens == 5
+    _same(want, want)
+    _same(_streamed_logprobs(client.chat.completions.create(**LOGPROBS, stream=True)), want)
+    spoken = dict(LOGPROBS, extra_body=SHORT, modalities=["text", "audio"], audio={"voice": "Ethan", "format": "wav"})
+    answer = client.chat.completions.create(**spoken).choices[0]
+    assert answer.message.audio.data
+    _same(answer.logprobs.content, want)  # the transcript's tokens
+    _same(_streamed_logprobs(client.chat.completions.create(**{**spoken, "audio": {"voice": "Ethan",
+                                                                                 "format": "pcm16"}}, stream=True)), want)
+    with pytest.raises(openai.BadRequestError, match="talker samples codec codes, not text"):
+        client.chat.completions.create(**{**LOGPROBS, "extra_body": {"talker.logprobs": 1}})
+
+
+def test_generate_sends_the_texts_logprobs_beside_its_audio(client):
+    want = client.chat.completions.create(**LOGPROBS).choices[0].logprobs.content
+    body = {"text": MESSAGES[0]["content"], "outputs": ["text", "audio", "logprobs"], "stream": False,
+            "options": {"max_tokens": 5, "temperature": 0, "logprobs": 3, **SHORT}}
+    resp = httpx.post(str(client.base_url).removesuffix("/v1/") + "/generate", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    outputs = resp.json()["outputs"]
+    assert outputs["audio"]
+    _same([openai.types.chat.ChatCompletionTokenLogprob.model_validate(c["content"][0]) for c in outputs["logprobs"]],
+          want)

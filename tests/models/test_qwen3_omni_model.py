@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from mstar.conductor.conductor import Conductor
+from mstar.models.base import OptionError
 from mstar.models.qwen3_omni.code2wav import Code2Wav
 from mstar.runtime.offline import MStar
 from tests.models.qwen3_omni_model_testing import (
@@ -89,3 +90,40 @@ def test_voice_is_checked_and_changes_the_speech(setup, spies):
     _, ethan = outputs(submit_ids(mstar, PROMPT, voice="Ethan", **opts))
     _, chelsie = outputs(submit_ids(mstar, PROMPT, voice="chelsie", **opts))
     assert ethan.shape == chelsie.shape and not torch.equal(ethan, chelsie)
+
+
+def _reference_logprobs(reference, tokens: list[int]) -> list[torch.Tensor]:
+    """The log-softmax of transformers' thinker logits before each of `tokens` (sampled after PROMPT)."""
+    with torch.no_grad():
+        logits = reference.thinker(input_ids=torch.tensor([PROMPT + tokens])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return [logp[len(PROMPT) + j - 1] for j in range(len(tokens))]
+
+
+@pytest.mark.parametrize("spoken", [False, True])
+def test_text_logprobs_are_the_reference_thinkers_log_softmax(setup, spoken):
+    """Option logprobs gives each text token's and its top 3 from the thinker, with speech asked for or not
+    (the model refused logprobs: its thinker emitted none)."""
+    reference, mstar = setup
+    speech = {"modalities": ["text", "audio"], "talker.temperature": 0, "talker.max_tokens": 6} if spoken else {}
+    result = submit_ids(mstar, PROMPT, temperature=0, max_tokens=THINKER_TOKENS, logprobs=3, **speech).result()
+    tokens = [int(t) for value in result.outputs["text"] for t in torch.as_tensor(value).reshape(-1)]
+    assert len(tokens) == THINKER_TOKENS and (len(result.outputs.get("audio", [])) > 0) is spoken
+    got = [result.outputs[name] for name in ("logprob", "top_ids", "top_logprobs")]
+    assert all(len(values) == len(tokens) for values in got)
+    for token, logprob, top_ids, top_logprobs, want in zip(tokens, *got, _reference_logprobs(reference, tokens),
+                                                            strict=True):
+        best = want.topk(3)
+        torch.testing.assert_close(torch.as_tensor(logprob).reshape(()), want[token], atol=1e-4, rtol=0)
+        assert torch.as_tensor(top_ids).tolist() == best.indices.tolist() and top_ids[0] == token  # greedy
+        torch.testing.assert_close(torch.as_tensor(top_logprobs), best.values, atol=1e-4, rtol=0)
+
+
+def test_logprobs_reach_no_component_but_the_thinker(setup):
+    _reference, mstar = setup
+    result = submit_ids(mstar, PROMPT, temperature=0, max_tokens=3, modalities=["text", "audio"],
+                        **{"talker.temperature": 0, "talker.max_tokens": 4}).result()
+    assert "logprob" not in result.outputs  # not asked
+    with pytest.raises(OptionError, match="talker samples codec codes, not text") as refused:  # said why
+        mstar.submit({"text": "hi"}, **{"talker.logprobs": 1})
+    assert refused.value.option == "talker.logprobs"

@@ -33,7 +33,8 @@ def test_known_options_pass_and_a_name_with_no_near_one_has_no_hint():
     ("code_predictor.seed", True), ("temperature", True), ("voice", True), ("stop", True),
     ("talker.tempreature", False), ("thinker.return_hidden", False), ("code_predictor.min_p", False),
     ("speaker.top_k", False), ("media", False),
-    ("thinker.logprobs", False), ("talker.logprobs", False),  # its graph emits none: they did nothing
+    ("logprobs", True), ("thinker.logprobs", False),  # the text's logprobs have one name, which every route reads
+    ("talker.logprobs", True),  # named to be refused with the reason (codec codes are no text)
 ])
 def test_qwen3_omni_takes_each_components_sampling_keys_and_no_other_dotted_name(name, taken):
     assert (name in get_model_class("qwen3_omni").accepted_options()) is taken

@@ -24,7 +24,8 @@ Lane `code2wav` (audio only):
   vocode    Code2Wav over the codes stream in LeftContext(chunk, context) chunks, seamless trim;
             emits "audio" (24 kHz float32).
 Per-request options: plain sampling keys and thinker.* go to the thinker (`structured_outputs` too: the thinker's
-engine masks its text to the grammar), talker.* to the talker,
+engine masks its text to the grammar; `logprobs` too: the text tokens' come with "text", spoken or not, while
+talker.logprobs is refused: codec codes are no text), talker.* to the talker,
 code_predictor.* to the code predictor (defaults are the checkpoint's), `voice` (Ethan, Chelsie,
 Aiden), `modalities`, `use_audio_in_video` (default true: a video's sound track is heard, as the
 reference's switch does; `media_inputs`).
@@ -56,7 +57,7 @@ from mstar.graph import (
 )
 from mstar.models.base import BuiltComponent, Model
 from mstar.models.common.serve_config import LMServeConfig
-from mstar.models.llama.processor import TEXT_OPTIONS
+from mstar.models.llama.processor import LOGPROB_OUTPUTS, TEXT_OPTIONS
 from mstar.models.qwen3_omni import options as omni_options
 
 logger = logging.getLogger(__name__)
@@ -113,7 +114,8 @@ def omni_graph(cfg: OmniServeConfig) -> ModelGraph:
 
     thinker_in = {"input_ids": "prompt_ids", "input_embeds": "mm_embeds", "embeds_mask": "mm_mask",
                   "positions": "positions", "deepstack_embeds": "deepstack_embeds"}
-    thinker_out = {"token": "token", "hidden": "thinker_states"}
+    # the text token, its logprobs when asked (option logprobs), the talker's states when speaking
+    thinker_out = {"token": "token", **{name: name for name in LOGPROB_OUTPUTS}, "hidden": "thinker_states"}
     prefill = Node("thinker", inputs=thinker_in, outputs=thinker_out)
     decode = Node("thinker", inputs={"input_ids": "token", "prompt_ids": "prompt_ids"}, outputs=thinker_out)
     talker_input = Node("talker_input", inputs=("thinker_states", "prompt_ids", "talker_positions", "frame_index",
@@ -128,7 +130,8 @@ def omni_graph(cfg: OmniServeConfig) -> ModelGraph:
     placed = ("mm_embeds", "deepstack_embeds")
     audio = Node("audio_encoder", inputs=("audio_features", "audio_lengths", "mm_kinds"), outputs=placed)
     vision = Node("vision_encoder", inputs=("pixel_values", "vision_grid_thw", "mm_kinds") + placed, outputs=placed)
-    first_emits = (Emit("token", name="text"), Emit("token", CARRY))
+    logprobs = tuple(Emit(name, name=name) for name in LOGPROB_OUTPUTS)
+    first_emits = (Emit("token", name="text"), *logprobs, Emit("token", CARRY))
     return ModelGraph(
         components={
             "thinker": ComponentSpec("autoregressive", "text + media rows -> next text token (MoE, M-RoPE)",
@@ -148,7 +151,7 @@ def omni_graph(cfg: OmniServeConfig) -> ModelGraph:
                  optional_inputs=("audio_features", "audio_lengths", "pixel_values", "vision_grid_thw"),
                  emits=first_emits),
             Walk("decode", "thinker", Loop(decode, max_iterations=thinker_steps, name="decode"),
-                 inputs=("token", "prompt_ids"), emits=(Emit("token", name="text"),)),
+                 inputs=("token", "prompt_ids"), emits=(Emit("token", name="text"), *logprobs)),
             Walk("talk", "talker", Loop(Sequential(talker_input, talker, predictor), max_iterations=talker_steps,
                                         name="speak"),
                  inputs=("prompt_ids", "talker_positions", "thinker_states"),

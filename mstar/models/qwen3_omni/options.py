@@ -16,6 +16,7 @@ from dataclasses import fields
 from typing import Any
 
 from mstar.engines.sampling import SamplingParams
+from mstar.models.base import OptionError
 
 SAMPLING_KEYS = frozenset(f.name for f in fields(SamplingParams))
 NAMESPACES = ("thinker", "talker", "code_predictor")
@@ -30,11 +31,12 @@ TALKER_DEFAULTS: dict[str, Any] = {
 }
 CODE_PREDICTOR_DEFAULTS: dict[str, Any] = {"code_predictor.temperature": 1.0, "code_predictor.top_k": 50,
                                            "code_predictor.top_p": 0.8}
-# the dotted options a request may set: the thinker's and the talker's sampling keys but logprobs (the graph
-# emits none: its processor returns no logprobs), the code predictor's (CodePredictorSampling's fields);
-# `*.return_hidden` are set here, never by a request
-NAMESPACED_OPTIONS = frozenset({f"{ns}.{key}" for ns in ("thinker", "talker") for key in SAMPLING_KEYS - {"logprobs"}}
-                               | set(CODE_PREDICTOR_DEFAULTS) | {"code_predictor.seed"})
+# the dotted options a request may set: the thinker's and the talker's sampling keys, the code predictor's
+# (CodePredictorSampling's fields); `*.return_hidden` are set here, never by a request. Logprobs are the text's,
+# asked for by the plain key alone (every route reads that one), so thinker.logprobs is no name; talker.logprobs
+# is one only so that `validate` can refuse it with the reason.
+NAMESPACED_OPTIONS = frozenset({f"{ns}.{key}" for ns in ("thinker", "talker") for key in SAMPLING_KEYS}
+                               - {"thinker.logprobs"} | set(CODE_PREDICTOR_DEFAULTS) | {"code_predictor.seed"})
 
 
 def resolve(defaults: Mapping[str, Any], options: Mapping[str, Any], accept_layer: int | None) -> dict[str, Any]:
@@ -72,6 +74,9 @@ def validate(options: Mapping[str, Any], speakers: Mapping[str, int]) -> None:
     for key in options:
         if "." in key and key.split(".", 1)[0] not in NAMESPACES:
             raise ValueError(f"unknown option {key!r}: namespaced options start with one of {list(NAMESPACES)}")
+    if options.get("talker.logprobs") is not None:
+        raise OptionError("talker.logprobs", "talker.logprobs: the talker samples codec codes, not text; only the "
+                                             "text answer's tokens carry logprobs (option logprobs)")
     for namespace in ("thinker", "talker"):
         view = scoped(options, namespace)
         SamplingParams.from_options({k: v for k, v in view.items() if k in SAMPLING_KEYS}, SamplingParams())

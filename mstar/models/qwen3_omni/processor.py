@@ -12,7 +12,8 @@ reference's `get_rope_index` lays them out). Unset `thinker.max_tokens` means "u
 of the context": it is set to what the context leaves.
 
 Option `structured_outputs` (engines/grammar.py) constrains the thinker's text, as for the Llama family; tool
-calls are written as the template says (`tool_format`).
+calls are written as the template says (`tool_format`). Option `logprobs` (the thinker's, `resolve`) gives each
+text token's log-probability and alternatives, as for the Llama family.
 
 Outputs: "text" token ids -> UTF-8-safe text deltas (stop strings, usage); "audio" -> float32
 samples at 24 kHz.
@@ -44,6 +45,7 @@ class OmniProcessor(Processor):
     """Tokenizes chats for the thinker, lays out the talker's positions, detokenizes text."""
 
     sample_rate = SAMPLE_RATE
+    returns_logprobs = True  # the thinker's text tokens, for option logprobs (the talker's codes carry none)
 
     def __init__(self, tokenizer, omni: OmniConfig, max_model_len: int, media=None, grammars=None) -> None:
         self.tokenizer = tokenizer
@@ -149,4 +151,4 @@ class OmniProcessor(Processor):
         return tensor.detach().float().cpu().numpy()
 
     def output_decoder(self, options: Mapping[str, Any], inputs: Mapping[str, torch.Tensor]) -> OutputDecoder:
-        return TextDecoder(self, options, inputs)
+        return TextDecoder(self, omni_options.scoped(options, "thinker"), inputs)  # the text is the thinker's
