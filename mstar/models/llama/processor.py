@@ -99,9 +99,10 @@ class TextDecoder(OutputDecoder):
     """Streams text deltas (complete UTF-8 only), cuts at stop strings, counts usage.
 
     With option `logprobs` (k >= 0), each token's "logprob" (and k "top_ids" / "top_logprobs") outputs
-    fill `logprobs`; the token's text is held until they have all arrived, then handed out with a
+    fill its entry; the token's text is held until they have all arrived, then handed out with a
     "logprobs" value (the token's `TokenLogprobs`), so a route can send a token's text and its logprobs
-    together.
+    together. `logprobs` holds complete entries only: a route reading it between a token's text and its
+    values never sends the unfilled entry.
     """
 
     def __init__(self, processor: TextProcessor, options: Mapping[str, Any],
@@ -117,7 +118,7 @@ class TextDecoder(OutputDecoder):
         # None: no logprobs wanted, or a processor whose graph does not emit them (the Qwen3-Omni thinker's)
         self.top_logprobs: int | None = options.get("logprobs") if processor.returns_logprobs else None
         self._held = ""  # text of the token whose logprobs are on their way
-        self._open = False  # the last token's logprobs are not complete yet
+        self._open: TokenLogprobs | None = None  # the entry of that token, joining `logprobs` once complete
 
     def push(self, name: str, value: torch.Tensor) -> list[tuple[str, Any]]:
         if name in LOGPROB_OUTPUTS:
@@ -132,15 +133,15 @@ class TextDecoder(OutputDecoder):
         if self.detokenizer.finished:
             self.finish_reason = self.detokenizer.finish_reason
         if self.top_logprobs is not None:
-            self.logprobs.extend(TokenLogprobs(i) for i in ids)
-            self._held, self._open = self._held + text, True
+            assert len(ids) == 1 and self._open is None, "one token a step, its logprobs before the next"
+            self._held, self._open = self._held + text, TokenLogprobs(ids[0])
             return []
         return [("text", text)] if text else []
 
     def _push_logprobs(self, name: str, value: torch.Tensor) -> list[tuple[str, Any]]:
-        if not self._open:  # a token dropped after a stop string: its logprobs go with it
+        entry, values = self._open, value.reshape(-1).tolist()
+        if entry is None:  # a token dropped after a stop string: its logprobs go with it
             return []
-        entry, values = self.logprobs[-1], value.reshape(-1).tolist()
         if name == "logprob":
             entry.logprob = float(values[0])
         elif name == "top_ids":
@@ -149,8 +150,8 @@ class TextDecoder(OutputDecoder):
             entry.top = [(t, float(lp)) for (t, _), lp in zip(entry.top, values)]
         if name != ("logprob" if self.top_logprobs == 0 else "top_logprobs"):
             return []
-        self._open = False
-        text, self._held = self._held, ""
+        self.logprobs.append(entry)
+        self._open, (text, self._held) = None, (self._held, "")
         return [("text", text)] * bool(text) + [("logprobs", entry)]
 
     def flush(self) -> list[tuple[str, Any]]:
