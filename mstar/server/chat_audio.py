@@ -1,9 +1,9 @@
 """Spoken chat answers: `modalities: ["text", "audio"]` with `audio: {voice, format}`.
 
 Following OpenAI, the text of a spoken answer is its transcript: a non-streaming answer has
-`message.audio = {id, data, transcript, expires_at}` (data: base64 audio in the requested format)
-and no `content`; a stream sends `delta.audio.transcript` text pieces and `delta.audio.data` pieces
-(base64 s16le PCM, mono, whatever `format` says, as OpenAI streams pcm16), plus `sample_rate`, an
+`message.audio = {id, data, transcript, expires_at}` (data: base64 audio in the requested format,
+wav when unset) and no `content`; a stream sends `delta.audio.transcript` text pieces and `delta.audio.data`
+pieces (base64 s16le PCM, mono: a stream takes `format` pcm16 alone, as OpenAI's does), plus `sample_rate`, an
 mstar extension: the model's rate, not resampled to OpenAI's 24 kHz. Asked for, `logprobs` are the
 transcript's tokens' (a stream's go with the transcript pieces their tokens completed).
 """
@@ -26,6 +26,7 @@ from mstar.server.protocol_openai import (
     ChatCompletionRequest,
     ChatDelta,
     DeltaAudio,
+    StreamOptions,
     new_id,
 )
 from mstar.server.streaming import SSE_DONE, sse
@@ -65,10 +66,10 @@ async def spoken_answers(streams: list[RequestStream], fmt: str, rate: int) -> l
     return out
 
 
-async def spoken_sse(streams: list[RequestStream], model: str, include_usage: bool, rate: int, usage,
+async def spoken_sse(streams: list[RequestStream], model: str, stream_options: StreamOptions, rate: int, usage,
                      with_logprobs: bool = False):
     """The SSE events of a streamed spoken answer (see the module doc); `usage` is a callable."""
-    cid = new_id("chatcmpl")
+    cid, pad = new_id("chatcmpl"), stream_options.pad_to()
     audio_ids = [new_id("audio") for _ in streams]
     cursor = logprobs.Cursor(streams)
 
@@ -76,7 +77,7 @@ async def spoken_sse(streams: list[RequestStream], model: str, include_usage: bo
         # a transcript piece and the end carry the logprobs of the tokens that have gone out as text
         lp = logprobs.chat(streams[index].decoder, cursor.take(index)) if with_logprobs and text else None
         return sse(ChatCompletionChunk(id=cid, model=model, choices=[
-            ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)]))
+            ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)]), pad)
 
     for i in range(len(streams)):
         yield chunk(i, ChatDelta(role="assistant"))
@@ -91,8 +92,8 @@ async def spoken_sse(streams: list[RequestStream], model: str, include_usage: bo
     for i, stream in enumerate(streams):
         yield chunk(i, ChatDelta(audio=DeltaAudio(id=audio_ids[i], expires_at=expires)),
                     stream.finish_reason or "stop", text=True)
-    if include_usage:
-        yield sse(ChatCompletionChunk(id=cid, model=model, choices=[], usage=usage(streams)))
+    if stream_options.include_usage:
+        yield sse(ChatCompletionChunk(id=cid, model=model, choices=[], usage=usage(streams)), pad)
     yield SSE_DONE
 
 

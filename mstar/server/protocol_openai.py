@@ -17,9 +17,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mstar.server.protocol import MAX_SEED, MAX_TOKENS_LIMIT, TokenLogprob, Usage
-from mstar.server.protocol_openai_messages import AudioOutputParams, ChatMessage, ToolSpec
+from mstar.server.protocol_openai_messages import AudioOutputParams, ChatMessage, ClosedObject, ToolSpec
 
 MAX_CHOICES = 16  # generations one HTTP request may start (prompts x n), so it cannot take every slot
+OBFUSCATION_BLOCK = 128  # bytes: tokens differ in length by less, so most of a stream's events pad to one size
 
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
              "frequency_penalty", "seed", "ignore_eos", "min_tokens")
@@ -93,10 +94,18 @@ class SamplingParams(BaseModel):
         return dict(self.model_extra or {})
 
 
-class StreamOptions(BaseModel):
-    """`stream_options`: `include_usage` adds a last chunk with the usage and no choices."""
+class StreamOptions(ClosedObject):
+    """`stream_options`: `include_usage` adds a last chunk with the usage and no choices. `include_obfuscation`
+    pads each chunk with an `obfuscation` string of random letters to a multiple of `OBFUSCATION_BLOCK` bytes, so
+    one watching the encrypted connection cannot read each token's length off the size of its event. OpenAI pads
+    unless told false; mstar pads only when told true (a server on a trusted network need not spend the bytes)."""
 
     include_usage: bool = False
+    include_obfuscation: bool = False
+
+    def pad_to(self) -> int:
+        """The block each event's length is padded to a multiple of; 0 for no padding."""
+        return OBFUSCATION_BLOCK if self.include_obfuscation else 0
 
 
 class ChatCompletionRequest(SamplingParams):
@@ -122,6 +131,10 @@ class ChatCompletionRequest(SamplingParams):
     def _check_chat(self) -> ChatCompletionRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        fmt = self.audio.format if self.audio is not None else None
+        if self.stream and fmt not in (None, "pcm16") and "audio" in self.output_modalities():
+            raise ValueError(f"audio.format {fmt!r} with stream true: a streamed spoken answer comes as pcm16 "
+                             f"pieces (as OpenAI streams it); send format pcm16, or stream false for {fmt}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         self.structured_outputs()  # a malformed response_format is a 400 here
@@ -320,6 +333,7 @@ class ChatCompletionChunk(_Answer):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     choices: list[ChatChunkChoice] = Field(default_factory=list)
     usage: Usage | None = None
+    obfuscation: str | None = None  # random letters `sse(..., pad_to)` adds (`stream_options.include_obfuscation`)
 
     @property
     def text(self) -> str:
@@ -349,6 +363,7 @@ class Completion(_Answer):
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice] = Field(default_factory=list)
     usage: Usage | None = None
+    obfuscation: str | None = None  # in a stream, as in ChatCompletionChunk
 
 
 class ModelCard(BaseModel):

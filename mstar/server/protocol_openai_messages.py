@@ -8,11 +8,49 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
-class MediaURL(BaseModel):
+class ClosedObject(BaseModel):
+    """An object OpenAI defines key by key: a key it does not define is a 400 naming it and the keys there are,
+    not dropped unread."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        unknown = [key for key in data if key not in cls.model_fields] if isinstance(data, dict) else []
+        if unknown:
+            raise ValueError(f"unknown key{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}; it takes "
+                             f"{', '.join(cls.model_fields)}")
+        return data
+
+
+class MediaURL(ClosedObject):
     """`{"url": ...}`: a data URL, base64, or an http(s) URL when the server allows remote media."""
 
     url: str = Field(min_length=1)
-    detail: Literal["auto", "low", "high"] | None = None
+
+
+_DETAIL_NOT_BUILT = {
+    "low": "a 512 px copy read for a few tokens",
+    "original": "the image read unresized",
+}
+
+
+class ImageURL(MediaURL):
+    """`image_url`: where the image is, and how closely to read it. Each image is read at the resolution its
+    model's processor sets (within the bounds the checkpoint was trained on): the most detail the model takes,
+    which is what "high" asks and what "auto" gets."""
+
+    detail: Literal["auto", "high"] | None = None
+
+    @field_validator("detail", mode="before")
+    @classmethod
+    def _built(cls, v: Any) -> Any:
+        if isinstance(v, str) and v in _DETAIL_NOT_BUILT:
+            raise ValueError(f"detail {v!r} ({_DETAIL_NOT_BUILT[v]}) is not built: each image is read at the "
+                             "resolution the model's processor sets, which is what 'high' asks; send 'auto' or "
+                             "'high'" + (", or downscale the image before sending it" if v == "low" else ""))
+        return v
 
 
 def _url_object(v: Any) -> Any:
@@ -26,12 +64,12 @@ class TextPart(BaseModel):
 
 class ImageURLPart(BaseModel):
     type: Literal["image_url"]
-    image_url: MediaURL
+    image_url: ImageURL
 
     _wrap = field_validator("image_url", mode="before")(_url_object)
 
 
-class InputAudio(BaseModel):
+class InputAudio(ClosedObject):
     """Inline audio: base64 `data` in `format`."""
 
     data: str = Field(min_length=1)
@@ -90,11 +128,21 @@ class ChatMessage(BaseModel):
         return [p for p in self.content if not isinstance(p, TextPart)]
 
 
-class AudioOutputParams(BaseModel):
-    """`audio`: how chat should speak when `modalities` includes "audio"."""
+class AudioOutputParams(ClosedObject):
+    """`audio`: how chat should speak when `modalities` includes "audio". `format` is the container of a whole
+    answer (wav when unset); a stream sends pcm16 pieces, so it takes pcm16 alone (as OpenAI's does)."""
 
     voice: str | None = None
-    format: Literal["wav", "mp3", "flac", "opus", "aac", "pcm16"] = "wav"
+    format: Literal["wav", "mp3", "flac", "opus", "aac", "pcm16"] | None = None
+
+    @field_validator("voice", mode="before")
+    @classmethod
+    def _voice_id(cls, v: Any) -> Any:
+        if isinstance(v, dict):  # OpenAI's custom voice object names the voice by id
+            if set(v) != {"id"}:
+                raise ValueError(f'a voice object is {{"id": NAME}}, got keys {", ".join(map(repr, v))}')
+            return v["id"]
+        return v
 
 
 class FunctionSpec(BaseModel):

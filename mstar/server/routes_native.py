@@ -94,6 +94,7 @@ async def ready(request: Request) -> Response:
     return JSONResponse({"status": "ready"})
 
 
+@router.head("/metrics", include_in_schema=False)  # `curl -I` and scrapers' checks: the GET's headers, no body
 @router.get("/metrics", response_class=PlainTextResponse,
             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
 async def metrics(request: Request) -> Response:

@@ -40,6 +40,7 @@ from mstar.server.protocol_openai import (
     ModelCard,
     ModelList,
     SamplingParams,
+    StreamOptions,
     ToolCallDelta,
     ToolCallOut,
     new_id,
@@ -63,12 +64,14 @@ def _model_card(state: ServerState) -> ModelCard:
                      reports_progress="report_progress" in model.default_options)
 
 
+@router.head("/v1/models", include_in_schema=False)  # `curl -I` and health checks: the GET's headers, no body
 @router.get("/v1/models")
 async def list_models(request: Request) -> ModelList:
     """The one model this server runs, with its context length when it has one, its voices and modalities."""
     return ModelList(data=[_model_card(get_state(request))])
 
 
+@router.head("/v1/models/{model_id}", include_in_schema=False)
 @router.get("/v1/models/{model_id}", responses=errors(404))
 async def retrieve_model(model_id: str, request: Request) -> ModelCard:
     """The served model's card (as in GET /v1/models); another name is a 404."""
@@ -180,8 +183,7 @@ async def chat_completions(request: Request) -> Response:
                 stream.decoder, stream.decoder.logprobs) if with_logprobs else None))
         resp = ChatCompletion(model=model, choices=choices, usage=_usage(streams))
         return Response(resp.model_dump_json(), media_type="application/json")
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    sse_body = partial(_chat_sse, streams, model, include_usage, with_logprobs, calls)
+    sse_body = partial(_chat_sse, streams, model, body.stream_options or StreamOptions(), with_logprobs, calls)
     return ClosingStreamingResponse(guarded(sse_body, sse_error), streams, media_type="text/event-stream")
 
 
@@ -200,10 +202,10 @@ async def _spoken(request: Request, body: ChatCompletionRequest, streams: list[R
                   rate: int, with_logprobs: bool) -> Response:
     """A spoken answer; with logprobs, those of its transcript's tokens (the text the audio says)."""
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        sse_body = partial(spoken_sse, streams, model, include_usage, rate, _usage, with_logprobs)
+        sse_body = partial(spoken_sse, streams, model, body.stream_options or StreamOptions(), rate, _usage,
+                           with_logprobs)
         return ClosingStreamingResponse(guarded(sse_body, sse_error), streams, media_type="text/event-stream")
-    fmt = body.audio.format if body.audio is not None else "wav"
+    fmt = (body.audio.format if body.audio is not None else None) or "wav"
     answers = await unless_disconnected(request, spoken_answers(streams, fmt, rate), streams)
     choices = [ChatChoice(index=i, message=ChatResponseMessage(audio=audio), finish_reason=s.finish_reason,
                           logprobs=logprobs.chat(s.decoder, s.decoder.logprobs) if with_logprobs else None)
@@ -252,9 +254,9 @@ class _ChatDeltas:
                                                    function=FunctionCall(name=name, arguments=arguments))])
 
 
-async def _chat_sse(streams: list[RequestStream], model: str, include_usage: bool, with_logprobs: bool,
+async def _chat_sse(streams: list[RequestStream], model: str, stream_options: StreamOptions, with_logprobs: bool,
                     calls: ToolCallFormat | None):
-    cid = new_id("chatcmpl")
+    cid, pad = new_id("chatcmpl"), stream_options.pad_to()
     cursor = logprobs.Cursor(streams)
     deltas = _ChatDeltas(len(streams), calls)
 
@@ -262,7 +264,7 @@ async def _chat_sse(streams: list[RequestStream], model: str, include_usage: boo
         # a token's text goes out with its logprobs (the decoder holds it until they come)
         lp = logprobs.chat(streams[index].decoder, cursor.take(index)) if with_logprobs else None
         return sse(ChatCompletionChunk(id=cid, model=model, choices=[
-            ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)]))
+            ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)]), pad)
 
     def finish(index: int, reason: str) -> list[bytes]:
         tail, reason = deltas.finish(index, reason)
@@ -279,8 +281,8 @@ async def _chat_sse(streams: list[RequestStream], model: str, include_usage: boo
         elif item.name == "text" and item.value:
             for delta in deltas.text(index, item.value):
                 yield chunk(index, delta)
-    if include_usage:
-        yield sse(ChatCompletionChunk(id=cid, model=model, choices=[], usage=_usage(streams)))
+    if stream_options.include_usage:
+        yield sse(ChatCompletionChunk(id=cid, model=model, choices=[], usage=_usage(streams)), pad)
     yield SSE_DONE
 
 
@@ -308,15 +310,15 @@ async def completions(request: Request) -> Response:
                       completion_tokens=sum(s.decoder.completion_tokens for s in streams))
         resp = Completion(model=model, choices=choices, usage=usage)
         return Response(resp.model_dump_json(), media_type="application/json")
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    stream_options = body.stream_options or StreamOptions()
     return ClosingStreamingResponse(
-        guarded(partial(_completion_sse, streams, model, prefixes, include_usage, body.n, body.logprobs is not None),
+        guarded(partial(_completion_sse, streams, model, prefixes, stream_options, body.n, body.logprobs is not None),
                 sse_error), streams, media_type="text/event-stream")
 
 
-async def _completion_sse(streams: list[RequestStream], model: str, prefixes: list[str], include_usage: bool,
-                          n: int, with_logprobs: bool):
-    cid = new_id("cmpl")
+async def _completion_sse(streams: list[RequestStream], model: str, prefixes: list[str],
+                          stream_options: StreamOptions, n: int, with_logprobs: bool):
+    cid, pad = new_id("cmpl"), stream_options.pad_to()
     cursor = logprobs.Cursor(streams)
     offsets = [len(prefix) for prefix in prefixes]  # where each choice's next text starts
 
@@ -329,14 +331,14 @@ async def _completion_sse(streams: list[RequestStream], model: str, prefixes: li
 
     for i, prefix in enumerate(prefixes):
         if prefix:
-            yield sse(Completion(id=cid, model=model, choices=[CompletionChoice(index=i, text=prefix)]))
+            yield sse(Completion(id=cid, model=model, choices=[CompletionChoice(index=i, text=prefix)]), pad)
     async for index, item in merge(streams):
         if item.name == "text" and item.value:
-            yield sse(Completion(id=cid, model=model, choices=[choice(index, item.value)]))
+            yield sse(Completion(id=cid, model=model, choices=[choice(index, item.value)]), pad)
     for i, stream in enumerate(streams):
-        yield sse(Completion(id=cid, model=model, choices=[choice(i, "", stream.finish_reason or "stop")]))
-    if include_usage:
+        yield sse(Completion(id=cid, model=model, choices=[choice(i, "", stream.finish_reason or "stop")]), pad)
+    if stream_options.include_usage:
         usage = Usage(prompt_tokens=sum(s.prompt_tokens for s in streams[::n]),
                       completion_tokens=sum(s.decoder.completion_tokens for s in streams))
-        yield sse(Completion(id=cid, model=model, usage=usage))
+        yield sse(Completion(id=cid, model=model, usage=usage), pad)
     yield SSE_DONE

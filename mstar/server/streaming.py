@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
+import string
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -56,10 +58,22 @@ async def unless_disconnected(request: Request, work: Awaitable[T], streams: lis
     return task.result()
 
 
-def sse(payload: Any) -> bytes:
-    """One server-sent event carrying JSON (a pydantic model or a plain object)."""
+def sse(payload: Any, pad_to: int = 0) -> bytes:
+    """One server-sent event carrying JSON (a pydantic model or a plain object); with `pad_to`, the JSON object
+    gains an `obfuscation` string that makes its length a multiple of `pad_to` bytes."""
     text = payload.model_dump_json(exclude_none=True) if hasattr(payload, "model_dump_json") else json.dumps(payload)
-    return b"data: " + one_line(text) + b"\n\n"
+    data = one_line(text)
+    if pad_to:
+        data = _padded(data, pad_to)
+    return b"data: " + data + b"\n\n"
+
+
+def _padded(data: bytes, block: int) -> bytes:
+    assert data.startswith(b"{") and data.endswith(b"}") and data != b"{}", "only a non-empty object is padded"
+    fill = -(len(data) + len(b',"obfuscation":""')) % block
+    # letters, not spaces: a proxy that compresses the stream would squeeze spaces back out
+    letters = "".join(random.choices(string.ascii_letters + string.digits, k=fill))
+    return data[:-1] + b',"obfuscation":"' + letters.encode() + b'"}'
 
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -192,3 +192,43 @@ def test_video_and_speech_fields_the_toy_does_not_read_are_refused(client):
         client.videos.create(prompt="a cat", model="toy", seconds="4", size="16x8")
     with pytest.raises(openai.BadRequestError, match="model 'toy' does not take 'instructions'"):
         client.audio.speech.create(model="toy", voice="alloy", input="x", instructions="whisper")
+
+
+def test_the_openai_client_streams_usage_and_an_image_at_high_detail(client):
+    """What the openai client sends as a rule (stream_options include_usage, an image part at detail "high")
+    keeps working; detail low (a small copy for few tokens) was accepted and the image read whole."""
+    url = "data:image/png;base64," + base64.b64encode(png(90)).decode()
+
+    def chat(detail, **kwargs):
+        image = {"url": url} if detail is None else {"url": url, "detail": detail}
+        content = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": image}]
+        return client.chat.completions.create(model="toy", messages=[{"role": "user", "content": content}],
+                                              max_tokens=6, extra_body=NO_STOP, **kwargs)
+
+    chunks = list(chat("high", stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == chat(None).choices[0].message.content == chat("auto").choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    for detail in ("low", "original"):
+        with pytest.raises(openai.BadRequestError, match=f"detail '{detail}'.*not built") as info:
+            chat(detail)
+        assert info.value.body["param"] == "messages.0.content.1.image_url.detail"
+
+
+def test_unknown_keys_of_image_url_and_audio_are_refused_and_a_stream_speaks_pcm16(client):
+    """Keys OpenAI does not define inside `image_url` and `audio` were dropped unread, and a streamed spoken
+    answer sent pcm16 whatever `audio.format` said; OpenAI refuses another format when streaming."""
+    url = "data:image/png;base64," + base64.b64encode(png(90)).decode()
+    speak = dict(model="toy", messages=[{"role": "user", "content": "speak"}], max_tokens=4, extra_body=NO_STOP,
+                 modalities=["text", "audio"])
+    content = [{"type": "image_url", "image_url": {"url": url, "detial": "high"}}]
+    with pytest.raises(openai.BadRequestError, match="unknown key 'detial'; it takes url, detail"):
+        client.chat.completions.create(model="toy", messages=[{"role": "user", "content": content}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="audio: unknown key 'speed'; it takes voice, format") as info:
+        client.chat.completions.create(**speak, audio={"voice": "alloy", "format": "wav", "speed": 1.5})
+    assert info.value.body["param"] == "audio"
+    with pytest.raises(openai.BadRequestError, match="audio.format 'wav' with stream true"):
+        client.chat.completions.create(**speak, audio={"voice": "alloy", "format": "wav"}, stream=True)
+    whole = client.chat.completions.create(**speak, audio={"voice": {"id": "alloy"}}).choices[0].message.audio
+    samples, rate = sf.read(io.BytesIO(base64.b64decode(whole.data)))  # no format: a wav, as before
+    assert rate == 8000 and samples.size > 0

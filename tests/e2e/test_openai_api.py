@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 
+import httpx
 import numpy as np
 import pytest
 import soundfile as sf
@@ -182,3 +183,39 @@ def test_openai_fields_not_built_pass_only_at_values_that_ask_for_nothing(client
     assert client.images.generate(model="toy", prompt="paint", stream=False, partial_images=0).data
     message, param = _refusal(lambda: client.images.generate(model="toy", prompt="paint", partial_images=2))
     assert param == "partial_images" and "images are answered whole" in message
+
+
+def test_stream_options_take_include_obfuscation_and_refuse_unknown_keys(base, client):
+    """include_obfuscation (OpenAI's padding against reading token lengths off event sizes) was ignored, and
+    an unknown key of stream_options dropped unread."""
+    from mstar.server.protocol_openai import OBFUSCATION_BLOCK
+
+    kwargs = dict(model="toy", messages=[{"role": "user", "content": "pad me"}], max_tokens=7,
+                  extra_body={"stop_early": False}, stream=True)
+    plain = list(client.chat.completions.create(stream_options={"include_obfuscation": False}, **kwargs))
+    padded = list(client.chat.completions.create(stream_options={"include_obfuscation": True, "include_usage": True},
+                                                 **kwargs))
+    assert all(c.obfuscation is None for c in plain) and all(c.obfuscation is not None for c in padded)
+    text = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices) for chunks in (plain, padded)]
+    assert text[0] == text[1] and len(text[0]) == 7 and padded[-1].usage.completion_tokens == 7
+    body = {"model": "toy", "prompt": "pad me", "max_tokens": 5, "stream": True, "stop_early": False,
+            "stream_options": {"include_obfuscation": True}}
+    answer = httpx.post(f"{base}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    lines = answer.content.split(b"\n\n")
+    events = [line.removeprefix(b"data: ") for line in lines if line and line != b"data: [DONE]"]
+    assert len(events) > 1 and all(len(event) % OBFUSCATION_BLOCK == 0 for event in events)
+    message, param = _refusal(lambda: client.chat.completions.create(
+        stream_options={"include_usage": True, "include_usge": True}, **kwargs))
+    assert param == "stream_options" and "unknown key 'include_usge'; it takes include_usage, include_obfuscation" \
+        in message
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/models/toy", "/v1/models/gpt-4o", "/metrics"])
+def test_head_answers_as_get_without_a_body(base, path):
+    """`curl -I` and health checks send HEAD: it was a 405."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    got, head = httpx.get(f"{base}{path}", headers=headers), httpx.head(f"{base}{path}", headers=headers)
+    assert head.status_code == got.status_code == (404 if "gpt" in path else 200), head.text
+    assert head.headers["content-type"] == got.headers["content-type"]
+    assert got.content and head.content == b""
+    assert httpx.head(f"{base}{path}").status_code == httpx.get(f"{base}{path}").status_code  # keyless: the same

@@ -44,7 +44,7 @@ def test_chat_request_with_every_part_and_options():
         "stream": True, "stream_options": {"include_usage": True},
         "max_tokens": 10, "max_completion_tokens": 20, "temperature": 0.7, "top_p": 0.9, "seed": 7,
         "stop": "END", "n": 2, "logprobs": True, "top_logprobs": 3, "modalities": ["text", "audio"],
-        "audio": {"voice": "tara", "format": "wav"}, "top_k": 40, "min_p": 0.05,
+        "audio": {"voice": "tara", "format": "pcm16"}, "top_k": 40, "min_p": 0.05,
         "repetition_penalty": 1.1, "ignore_eos": False, "min_tokens": 2, "my_model_knob": 3,
     })
     parts = req.messages[1].media_parts()
@@ -191,3 +191,87 @@ def test_video_and_transcription_requests():
     assert parse_size(" 64 X 32 ") == (64, 32)
     assert TranscriptionRequest.model_validate({"language": "en", "temperature": "0.2"}).temperature == 0.2
     assert "language" in _message(TranscriptionRequest, {"language": "english!"})[0]
+
+
+def _chat(**patch):
+    return ChatCompletionRequest.model_validate({"messages": USER, **patch})
+
+
+def _image(image_url) -> dict:
+    return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": image_url}]}]}
+
+
+def test_image_detail_auto_and_high_are_served_and_low_and_original_refused():
+    """Images are read at the resolution the model's processor sets (what "high" asks): low and original were
+    accepted and ignored."""
+    for detail in (None, "auto", "high"):
+        req = ChatCompletionRequest.model_validate(_image({"url": "data:,x", "detail": detail}))
+        assert req.messages[0].media_parts()[0].image_url.detail == detail
+    for detail in ("low", "original"):
+        message, param = _message(ChatCompletionRequest, _image({"url": "data:,x", "detail": detail}))
+        assert f"detail {detail!r}" in message and "not built" in message and "'auto' or 'high'" in message, message
+        assert param == "messages.0.content.0.image_url.detail"
+    for detail in ("max", {"a": 1}, ["low"]):  # a 400 naming the field, never a 500
+        assert "image_url.detail" in _message(ChatCompletionRequest, _image({"url": "data:,x", "detail": detail}))[0]
+
+
+@pytest.mark.parametrize(("patch", "needle"), [
+    (_image({"url": "data:,x", "details": "high"}), "image_url: unknown key 'details'; it takes url, detail"),
+    ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "v", "detail": "high"}}]}]},
+     "video_url: unknown key 'detail'; it takes url"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {
+        "data": "AAAA", "format": "wav", "rate": 8000}}]}]}, "input_audio: unknown key 'rate'; it takes data, format"),
+    ({"stream": True, "stream_options": {"include_usage": True, "include_usag": True, "chunk": 1}},
+     "stream_options: unknown keys 'include_usag', 'chunk'; it takes include_usage, include_obfuscation"),
+    ({"audio": {"voice": "tara", "speed": 2}}, "audio: unknown key 'speed'; it takes voice, format"),
+    ({"audio": {"voice": {"id": "tara", "age": 3}}}, "a voice object is {\"id\": NAME}"),
+])
+def test_unknown_keys_in_nested_openai_objects_are_refused_by_name(patch, needle):
+    message, param = _message(ChatCompletionRequest, {"messages": USER, **patch})
+    assert needle in message, message
+    assert param is not None and param.split(".")[0] in patch
+
+
+def test_stream_options_take_both_openai_keys():
+    plain = _chat(stream=True, stream_options={"include_usage": True})
+    assert plain.stream_options.include_usage and plain.stream_options.pad_to() == 0
+    padded = _chat(stream=True, stream_options={"include_obfuscation": True})
+    assert not padded.stream_options.include_usage and padded.stream_options.pad_to() > 0
+    assert _chat(stream=True, stream_options={"include_obfuscation": False}).stream_options.pad_to() == 0
+    assert CompletionRequest.model_validate({"prompt": "a", "stream": True,
+                                             "stream_options": {"include_obfuscation": True}}).stream_options.pad_to()
+
+
+def test_spoken_chat_audio_format_and_voice():
+    """A whole answer takes any of OpenAI's containers (wav unset); a stream sends pcm16 pieces, so it takes
+    pcm16 alone, as OpenAI's does: wav was accepted and pcm16 sent."""
+    spoken = {"modalities": ["text", "audio"]}
+    assert _chat(**spoken, audio={"voice": "tara", "format": "mp3"}).audio.format == "mp3"
+    assert _chat(**spoken, stream=True, audio={"voice": "tara", "format": "pcm16"}).audio.format == "pcm16"
+    assert _chat(**spoken, stream=True, audio={"voice": "tara"}).audio.format is None
+    assert _chat(**spoken, audio={"voice": {"id": "tara"}}).audio.voice == "tara"  # OpenAI's custom voice object
+    message, _ = _message(ChatCompletionRequest, {"messages": USER, **spoken, "stream": True,
+                                                  "audio": {"voice": "tara", "format": "wav"}})
+    assert "audio.format 'wav' with stream true" in message and "send format pcm16" in message
+    assert "audio.format" in _message(ChatCompletionRequest, {"messages": USER, "audio": {"format": "midi"}})[0]
+
+
+def test_include_obfuscation_pads_each_event_to_a_whole_block():
+    """`include_obfuscation` asks for events whose sizes do not tell each token's length; none was padded."""
+    import string
+
+    from mstar.server.protocol_openai import OBFUSCATION_BLOCK
+    from mstar.server.streaming import sse
+
+    def event(text: str, pad: int) -> bytes:
+        chunk = ChatCompletionChunk(id="chatcmpl-1", model="m", choices=[{"delta": {"content": text}}])
+        return sse(chunk, pad).removeprefix(b"data: ").removesuffix(b"\n\n")
+
+    for text in ("", "a", "h\u00e9llo\u2028", "x" * 300):
+        data = event(text, OBFUSCATION_BLOCK)
+        assert len(data) % OBFUSCATION_BLOCK == 0, (text, len(data))
+        again = ChatCompletionChunk.model_validate_json(data)
+        assert again.choices[0].delta.content == text
+        assert set(again.obfuscation) <= set(string.ascii_letters + string.digits)
+    assert len(event("a", OBFUSCATION_BLOCK)) == len(event("token", OBFUSCATION_BLOCK))
+    assert b"obfuscation" not in event("a", 0) and len(event("a", 0)) < len(event("token", 0))
