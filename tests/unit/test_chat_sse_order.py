@@ -7,6 +7,7 @@ import asyncio
 import json
 
 from mstar.server.adapters import Item
+from mstar.server.protocol_openai import StreamOptions
 from mstar.server.routes_openai import _chat_sse
 
 
@@ -29,7 +30,8 @@ class _FlushingStream:
 
 def _choices(streams) -> list[dict]:
     async def run():
-        return [e async for e in _chat_sse(streams, "m", include_usage=False, with_logprobs=False, calls=None)]
+        return [e async for e in _chat_sse(streams, "m", stream_options=StreamOptions(), with_logprobs=False,
+                                           calls=None)]
 
     events = asyncio.run(run())
     assert events[-1].strip() == b"data: [DONE]"
