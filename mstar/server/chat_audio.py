@@ -5,7 +5,7 @@ Following OpenAI, the text of a spoken answer is its transcript: a non-streaming
 wav when unset) and no `content`; a stream sends `delta.audio.transcript` text pieces and `delta.audio.data`
 pieces (base64 s16le PCM, mono: a stream takes `format` pcm16 alone, as OpenAI's does), plus `sample_rate`, an
 mstar extension: the model's rate, not resampled to OpenAI's 24 kHz. Asked for, `logprobs` are the
-transcript's tokens' (a stream's go with the transcript pieces their tokens completed).
+transcript's tokens' (a stream's go with the transcript piece that carries their text).
 """
 
 from __future__ import annotations
@@ -71,18 +71,20 @@ async def spoken_sse(streams: list[RequestStream], model: str, stream_options: S
     """The SSE events of a streamed spoken answer (see the module doc); `usage` is a callable."""
     cid, pad = new_id("chatcmpl"), stream_options.pad_to()
     audio_ids = [new_id("audio") for _ in streams]
-    cursor = logprobs.Cursor(streams)
+    pending = logprobs.Pending(len(streams))
 
     def chunk(index: int, delta: ChatDelta, finish: str | None = None, text: bool = False) -> bytes:
-        # a transcript piece and the end carry the logprobs of the tokens that have gone out as text
-        lp = logprobs.chat(streams[index].decoder, cursor.take(index)) if with_logprobs and text else None
+        # a transcript piece carries its tokens' entries, which came just before it; the end carries any left
+        lp = logprobs.chat(streams[index].decoder, pending.take(index)) if with_logprobs and text else None
         return sse(ChatCompletionChunk(id=cid, model=model, choices=[
             ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)]), pad)
 
     for i in range(len(streams)):
         yield chunk(i, ChatDelta(role="assistant"))
     async for index, item in merge(streams):
-        if item.name == "text" and item.value:
+        if item.name == "logprobs":
+            pending.add(index, item.value)
+        elif item.name == "text" and item.value:
             yield chunk(index, ChatDelta(audio=DeltaAudio(id=audio_ids[index], transcript=item.value)), text=True)
         elif item.name == "audio":
             pcm = pcm_s16le(np.asarray(item.value, dtype=np.float32).reshape(-1))

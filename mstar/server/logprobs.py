@@ -1,11 +1,10 @@
 """Log-probabilities for the text routes: what a request asks of the engine, and the engine's values
-(`OutputDecoder.logprobs`) in the shapes of chat (`ChoiceLogprobs`), completions (`CompletionLogprobs`) and
-/generate (`LogprobsChunk`, chat's shape)."""
+(`OutputDecoder.logprobs`, or a stream's "logprobs" items) in the shapes of chat (`ChoiceLogprobs`),
+completions (`CompletionLogprobs`) and /generate (`LogprobsChunk`, chat's shape)."""
 
 from __future__ import annotations
 
 from mstar.models.base import OutputDecoder, TokenLogprobs
-from mstar.server.adapters import RequestStream
 from mstar.server.protocol import LogprobsChunk, TokenLogprob, TopLogprob
 from mstar.server.protocol_openai import (
     ChatCompletionRequest,
@@ -24,15 +23,19 @@ def wanted(params: SamplingParams) -> int | None:
     return params.logprobs if isinstance(params, CompletionRequest) else None
 
 
-class Cursor:
-    """Hands out each stream's logprob entries once, in order, as its chunks go out."""
+class Pending:
+    """Each stream's entries, taken from its "logprobs" items, until the chunk that carries their text: the
+    decoder sends a group's entries just before its text (`TextDecoder`), so a chunk sends the entries of the
+    tokens whose text it holds, never an entry whose text is still on its way."""
 
-    def __init__(self, streams: list[RequestStream]) -> None:
-        self.streams, self.sent = streams, [0] * len(streams)
+    def __init__(self, count: int) -> None:
+        self.entries: list[list[TokenLogprobs]] = [[] for _ in range(count)]
+
+    def add(self, index: int, entry: TokenLogprobs) -> None:
+        self.entries[index].append(entry)
 
     def take(self, index: int) -> list[TokenLogprobs]:
-        entries = self.streams[index].decoder.logprobs[self.sent[index]:]
-        self.sent[index] += len(entries)
+        entries, self.entries[index] = self.entries[index], []
         return entries
 
 

@@ -323,7 +323,8 @@ class TokenLogprob(TopLogprob):
 
 class LogprobsChunk(_Chunk):
     """One generated token's log-probability and alternatives (option `logprobs`, output "logprobs"), as
-    OpenAI chat's `logprobs.content`; it follows the text chunk (if any) that the token completed."""
+    OpenAI chat's `logprobs.content`; it comes just before the text chunk that carries the token's text (a token
+    whose text is held back, part of a character or of a possible stop string, waits for that chunk)."""
 
     type: Literal["logprobs"] = "logprobs"
     content: list[TokenLogprob]

@@ -257,12 +257,12 @@ class _ChatDeltas:
 async def _chat_sse(streams: list[RequestStream], model: str, stream_options: StreamOptions, with_logprobs: bool,
                     calls: ToolCallFormat | None):
     cid, pad = new_id("chatcmpl"), stream_options.pad_to()
-    cursor = logprobs.Cursor(streams)
+    pending = logprobs.Pending(len(streams))
     deltas = _ChatDeltas(len(streams), calls)
 
     def chunk(index: int, delta: ChatDelta, finish: str | None = None) -> bytes:
-        # a token's text goes out with its logprobs (the decoder holds it until they come)
-        lp = logprobs.chat(streams[index].decoder, cursor.take(index)) if with_logprobs else None
+        # a text piece goes out with the entries of its tokens, which came just before it (logprobs.Pending)
+        lp = logprobs.chat(streams[index].decoder, pending.take(index)) if with_logprobs else None
         return sse(ChatCompletionChunk(id=cid, model=model, choices=[
             ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=lp)]), pad)
 
@@ -278,6 +278,8 @@ async def _chat_sse(streams: list[RequestStream], model: str, stream_options: St
         if item is None:
             for event in finish(index, streams[index].finish_reason or "stop"):
                 yield event
+        elif item.name == "logprobs":
+            pending.add(index, item.value)
         elif item.name == "text" and item.value:
             for delta in deltas.text(index, item.value):
                 yield chunk(index, delta)
@@ -319,13 +321,13 @@ async def completions(request: Request) -> Response:
 async def _completion_sse(streams: list[RequestStream], model: str, prefixes: list[str],
                           stream_options: StreamOptions, n: int, with_logprobs: bool):
     cid, pad = new_id("cmpl"), stream_options.pad_to()
-    cursor = logprobs.Cursor(streams)
+    pending = logprobs.Pending(len(streams))
     offsets = [len(prefix) for prefix in prefixes]  # where each choice's next text starts
 
     def choice(index: int, text: str, finish: str | None = None) -> CompletionChoice:
         lp = None
         if with_logprobs:
-            lp = logprobs.completion(streams[index].decoder, cursor.take(index), offsets[index])
+            lp = logprobs.completion(streams[index].decoder, pending.take(index), offsets[index])
             offsets[index] += sum(len(t) for t in lp.tokens)
         return CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=lp)
 
@@ -333,7 +335,9 @@ async def _completion_sse(streams: list[RequestStream], model: str, prefixes: li
         if prefix:
             yield sse(Completion(id=cid, model=model, choices=[CompletionChoice(index=i, text=prefix)]), pad)
     async for index, item in merge(streams):
-        if item.name == "text" and item.value:
+        if item.name == "logprobs":
+            pending.add(index, item.value)
+        elif item.name == "text" and item.value:
             yield sse(Completion(id=cid, model=model, choices=[choice(index, item.value)]), pad)
     for i, stream in enumerate(streams):
         yield sse(Completion(id=cid, model=model, choices=[choice(i, "", stream.finish_reason or "stop")]), pad)

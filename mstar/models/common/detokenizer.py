@@ -54,6 +54,12 @@ class IncrementalDetokenizer:
         self.stop_reason: str | None = None
         """The stop string that matched."""
 
+    @property
+    def holding(self) -> bool:
+        """True while text or tokens already pushed are held back (an incomplete character, a possible stop
+        string): the pieces returned so far then end inside the pushed tokens' text."""
+        return bool(self._held) or (not self.finished and self._read < len(self._ids))
+
     def push(self, token_ids: Sequence[int] | int) -> str:
         """Add generated ids; return the text they complete. After `finished`, returns "" and ignores ids."""
         if self.finished:

@@ -99,10 +99,13 @@ class TextDecoder(OutputDecoder):
     """Streams text deltas (complete UTF-8 only), cuts at stop strings, counts usage.
 
     With option `logprobs` (k >= 0), each token's "logprob" (and k "top_ids" / "top_logprobs") outputs
-    fill its entry; the token's text is held until they have all arrived, then handed out with a
-    "logprobs" value (the token's `TokenLogprobs`), so a route can send a token's text and its logprobs
-    together. `logprobs` holds complete entries only: a route reading it between a token's text and its
-    values never sends the unfilled entry.
+    fill its entry, and text goes out in groups: the entries of some tokens as "logprobs" values (each a
+    `TokenLogprobs`), then one "text" value, their text. A group closes once every entry in it is complete and
+    the detokenizer holds none of its tokens' text back (an incomplete character, a possible stop string wait
+    for the token that settles them), so a route pairing a text value with the entries just before it sends
+    each token's logprobs with its text. Two groups differ from their tokens' text: a token with no text (a
+    skipped special token) closes a group without text, and when a stop string matches, the last group holds
+    the tokens the cut text began in. `logprobs` holds complete entries only, in order.
     """
 
     def __init__(self, processor: TextProcessor, options: Mapping[str, Any],
@@ -117,8 +120,9 @@ class TextDecoder(OutputDecoder):
             prompt_ids=prompt)
         # None: no logprobs wanted, or a processor whose graph does not emit them (the Qwen3-Omni thinker's)
         self.top_logprobs: int | None = options.get("logprobs") if processor.returns_logprobs else None
-        self._held = ""  # text of the token whose logprobs are on their way
-        self._open: TokenLogprobs | None = None  # the entry of that token, joining `logprobs` once complete
+        self._held = ""  # text of the group not yet handed out
+        self._group: list[TokenLogprobs] = []  # complete entries of the group's tokens
+        self._open: TokenLogprobs | None = None  # the entry of the last token, until its values have all come
 
     def push(self, name: str, value: torch.Tensor) -> list[tuple[str, Any]]:
         if name in LOGPROB_OUTPUTS:
@@ -132,11 +136,14 @@ class TextDecoder(OutputDecoder):
         text = self.detokenizer.push(ids)
         if self.detokenizer.finished:
             self.finish_reason = self.detokenizer.finish_reason
-        if self.top_logprobs is not None:
-            assert len(ids) == 1 and self._open is None, "one token a step, its logprobs before the next"
-            self._held, self._open = self._held + text, TokenLogprobs(ids[0])
-            return []
-        return [("text", text)] if text else []
+        if self.top_logprobs is None:
+            return [("text", text)] if text else []
+        assert len(ids) == 1 and self._open is None, "one token a step, its logprobs before the next"
+        self._held += text
+        if self.detokenizer.finished:  # the request stops here: this token's values will not be read
+            return self._close()
+        self._open = TokenLogprobs(ids[0])
+        return []
 
     def _push_logprobs(self, name: str, value: torch.Tensor) -> list[tuple[str, Any]]:
         entry, values = self._open, value.reshape(-1).tolist()
@@ -150,14 +157,20 @@ class TextDecoder(OutputDecoder):
             entry.top = [(t, float(lp)) for (t, _), lp in zip(entry.top, values)]
         if name != ("logprob" if self.top_logprobs == 0 else "top_logprobs"):
             return []
+        self._open = None
         self.logprobs.append(entry)
-        self._open, (text, self._held) = None, (self._held, "")
-        return [("text", text)] * bool(text) + [("logprobs", entry)]
+        self._group.append(entry)
+        return [] if self.detokenizer.holding else self._close()
+
+    def _close(self) -> list[tuple[str, Any]]:
+        """The group's entries, then its text."""
+        group, text = self._group, self._held
+        self._group, self._held, self._open = [], "", None
+        return [("logprobs", e) for e in group] + [("text", text)] * bool(text)
 
     def flush(self) -> list[tuple[str, Any]]:
-        text = self._held + self.detokenizer.flush()
-        self._held = ""
-        return [("text", text)] if text else []
+        self._held += self.detokenizer.flush()
+        return self._close()
 
     def token_text(self, token_id: int) -> str:
         return self.processor.tokenizer.decode([token_id], skip_special_tokens=False)
